@@ -1,0 +1,52 @@
+"""The op set a per-model forward is written in. Each executor implements it over its own
+arrays (numpy on the CPU, CuPy device arrays on the GPU); a model file composes these ops
+and never touches an array library directly, so one forward serves both executors.
+
+Shapes: T = tokens in the step (flattened over sequences), H = hidden size.
+`ctx` is the executor's per-step context (the ModelBatch plus device copies of its arrays).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+Array = Any
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention layer needs beyond its weights."""
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    scale: float
+
+
+class Ops(Protocol):
+    def embed(self, table: Array, ctx: Any) -> Array:
+        """x[T, H] = table[input_ids]."""
+
+    def rms_norm(self, x: Array, weight: Array, eps: float, residual: Array | None = None
+                 ) -> tuple[Array, Array]:
+        """Fused residual add + RMSNorm: r = x + residual (or x); returns (rmsnorm(r) * weight, r)."""
+
+    def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        """y = x · weightᵀ (+ bias); weight is [N, K] as stored in HF checkpoints."""
+
+    def qkv_rope_cache(self, qkv: Array, spec: AttentionSpec, ctx: Any,
+                       q_norm: Array | None = None, k_norm: Array | None = None) -> Array:
+        """Split qkv[T, (Hq + 2·Hkv)·D] into q, k, v; per-head RMSNorm on q and k when the norm
+        weights are given (Qwen3); rotary embedding (neox style) at ctx positions; write k and v
+        into the paged KV cache of layer spec.layer at ctx slot_mapping. Returns q[T, Hq, D]."""
+
+    def attention(self, q: Array, spec: AttentionSpec, ctx: Any) -> Array:
+        """Causal attention of each sequence's new queries over its whole paged KV
+        (context_lens), GQA. Returns o[T, Hq·D]."""
+
+    def silu_mul(self, gate_up: Array) -> Array:
+        """gate_up[T, 2I] -> silu(gate) * up, [T, I]."""
+
+    def gather_rows(self, x: Array, rows: Array) -> Array:
+        """x[rows]: the rows whose logits are needed."""
