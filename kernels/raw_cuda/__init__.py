@@ -1,0 +1,26 @@
+"""Raw CUDA kernels: one `.cu` file per kernel family, compiled at first use by CuPy's RawModule
+(NVRTC, for the device's own architecture, sm_90 on Hopper) and cached on disk by CuPy."""
+from __future__ import annotations
+
+import functools
+import os
+
+KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.lru_cache(maxsize=None)
+def module(name: str):
+    """The compiled RawModule of `<name>.cu`."""
+    import cupy
+
+    path = os.path.join(KERNEL_DIR, f"{name}.cu")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no raw CUDA kernel source {path}")
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    return cupy.RawModule(code=source, options=("--std=c++17", f"-I{KERNEL_DIR}"))
+
+
+def kernel(name: str, function: str):
+    """One `extern "C"` function of `<name>.cu`."""
+    return module(name).get_function(function)

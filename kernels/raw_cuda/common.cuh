@@ -1,0 +1,36 @@
+// Shared helpers for the raw CUDA kernels: bf16 stored as uint16, converted with cuda_bf16.h.
+#pragma once
+#include <cuda_bf16.h>
+
+typedef unsigned short bf16_t;   // storage type: the raw bits of a bfloat16
+
+__device__ __forceinline__ float bf16_to_f(bf16_t v) {
+    return __bfloat162float(__ushort_as_bfloat16(v));
+}
+__device__ __forceinline__ bf16_t f_to_bf16(float v) {      // round to nearest even
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+__device__ __forceinline__ float round_bf16(float v) { return bf16_to_f(f_to_bf16(v)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over a whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch /* [33] */) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float r = lane < nwarps ? scratch[lane] : 0.f;
+    r = warp_sum(r);
+    return r;
+}
