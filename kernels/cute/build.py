@@ -1,0 +1,191 @@
+"""Ahead-of-time build: compile every kernel variant for sm_90a, export to C, link one ``.so``.
+
+``python -m kernels.cute.build [--out DIR] [--force]`` runs on any x86-64 machine with the CuTe DSL
+(``pip install openinfer[cute]``) and a CUDA toolkit (for ``libcudart_static.a``); no GPU needed. Each
+variant is compiled against fake tensors with dynamic M/N/K/batch and strides, exported with
+``export_to_c`` and cached as ``obj/<name>.<hash>.o`` where the hash covers the variant, the kernel
+sources, the DSL version and the target, so unchanged kernels are not rebuilt. The objects are linked
+with the DSL's static runtime and the static CUDA runtime into ``libopeninfer_cute.so`` (depends only
+on libc; the driver is opened at run time), described by ``manifest.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ARCH = "sm_90a"
+os.environ["CUTE_DSL_ARCH"] = ARCH  # must precede the first cutlass import
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "build"
+LIB_NAME = "libopeninfer_cute.so"
+KERNEL_SOURCES = ("gemm_sm90.py", "splitk_reduce.py")
+
+
+def dsl_version() -> str:
+    return importlib.metadata.version("nvidia-cutlass-dsl")
+
+
+def content_hash(name: str, spec: str) -> str:
+    """Hash of everything that determines a variant's object file."""
+    h = hashlib.sha256(f"{name}|{spec}|{dsl_version()}|{ARCH}|{sys.platform}".encode())
+    for src in KERNEL_SOURCES:
+        h.update((HERE / src).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def find_cudart_static() -> Path:
+    """libcudart_static.a from $CUDA_HOME, /usr/local/cuda or the toolkit holding nvcc."""
+    roots = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(str(Path(nvcc).resolve().parent.parent))
+    for root in filter(None, roots):
+        for sub in ("lib64", "lib", "targets/x86_64-linux/lib"):
+            cand = Path(root) / sub / "libcudart_static.a"
+            if cand.is_file():
+                return cand
+    raise FileNotFoundError(
+        "libcudart_static.a not found: install the CUDA toolkit or set CUDA_HOME to it")
+
+
+def find_dsl_runtime_static() -> Path:
+    """The static CUDA-dialect runtime of the DSL flavour (cu12/cu13) that is loaded."""
+    import nvidia_cutlass_dsl
+    from cutlass.base_dsl.version_info import CUDA_VERSION
+
+    cand = Path(nvidia_cutlass_dsl.__path__[0]) / f"cu{CUDA_VERSION.major}" / "lib" / "libcuda_dialect_runtime_static.a"
+    if not cand.is_file():
+        raise FileNotFoundError(f"{cand} missing: reinstall nvidia-cutlass-dsl")
+    return cand
+
+
+_TENSOR_RE = re.compile(
+    r"typedef struct \{\s*void \*data;\s*(?:int32_t dynamic_shapes\[(\d+)\];)?\s*"
+    r"(?:int64_t dynamic_strides\[(\d+)\];)?\s*\}\s*(\w+)_Tensor_(\w+)_t;")
+_CIFACE_RE = re.compile(r"void (_mlir_\w+__mlir_ciface_\w+)\(void \*\*args, int32_t num_args\);")
+_ARGS_RE = re.compile(r"void \*args\[(\d+)\] = \{\s*([^}]*)\};")
+
+
+def parse_header(text: str) -> dict:
+    """Entry symbol, argument order and tensor struct shapes from an exported header."""
+    tensors = {m.group(4): {"shapes": int(m.group(1) or 0), "strides": int(m.group(2) or 0)}
+               for m in _TENSOR_RE.finditer(text)}
+    entry = _CIFACE_RE.search(text)
+    args = _ARGS_RE.search(text)
+    if not (entry and args):
+        raise ValueError("exported header lacks the entry point or its argument list")
+    names = [a.strip().lstrip("&") for a in args.group(2).replace("\n", " ").split(",") if a.strip()]
+    params = []
+    for a in names:
+        if a in tensors:
+            params.append({"name": a, "kind": "tensor", **tensors[a]})
+        elif a in ("stream", "ret"):
+            params.append({"name": a, "kind": a})
+        else:
+            raise ValueError(f"exported header has an unsupported argument {a!r}")
+    return {"symbol": entry.group(1), "num_args": int(args.group(1)), "params": params}
+
+
+def _fake_args(kind: str, out: str | None = None):
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    def ld():
+        return cute.sym_int64(divisibility=8)
+
+    m, n, k, batch = cute.sym_int32(), cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8), cute.sym_int32()
+    bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    if kind == "gemm":
+        a = make_fake_tensor(bf16, (m, k, batch), (ld(), 1, ld()), assumed_align=16)
+        b = make_fake_tensor(bf16, (n, k, batch), (ld(), 1, ld()), assumed_align=16)
+        c = make_fake_tensor(f32 if out == "f32" else bf16, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
+        return a, b, c, cuda.CUstream(0)
+    partial = make_fake_tensor(f32, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
+    dst = make_fake_tensor(bf16, (m, n), (ld(), 1), assumed_align=16)
+    return partial, dst, cuda.CUstream(0)
+
+
+def _compile(name: str, obj_dir: Path, key: str) -> None:
+    import cutlass.cute as cute
+
+    from .configs import VARIANTS_BY_NAME
+    from .gemm_sm90 import GemmSm90
+    from .splitk_reduce import splitk_reduce
+
+    if name in VARIANTS_BY_NAME:
+        variant = VARIANTS_BY_NAME[name]
+        compiled = cute.compile(GemmSm90(variant), *_fake_args("gemm", variant.out))
+    else:
+        compiled = cute.compile(splitk_reduce, *_fake_args("reduce"))
+    compiled.export_to_c(file_path=str(obj_dir), file_name=f"{name}.{key}", function_prefix=name)
+
+
+def build(out_dir: Path = DEFAULT_OUT, force: bool = False, log=print) -> dict:
+    """Compile what changed, relink if needed, write and return the manifest."""
+    from .configs import GEMM_VARIANTS, REDUCE_NAME
+
+    out_dir = Path(out_dir)
+    obj_dir = out_dir / "obj"
+    obj_dir.mkdir(parents=True, exist_ok=True)
+    entries = [(v.name, repr(v)) for v in GEMM_VARIANTS] + [(REDUCE_NAME, "splitk_reduce")]
+    kernels, objects, compiled = {}, [], 0
+    for name, spec in entries:
+        key = content_hash(name, spec)
+        obj, hdr = obj_dir / f"{name}.{key}.o", obj_dir / f"{name}.{key}.h"
+        if force or not (obj.is_file() and hdr.is_file()):
+            t0 = time.time()
+            _compile(name, obj_dir, key)
+            compiled += 1
+            log(f"compiled {name} in {time.time() - t0:.2f} s")
+        info = parse_header(hdr.read_text())
+        kernels[name] = {"hash": key, "prefix": name, **info}
+        objects.append(obj)
+
+    lib = out_dir / LIB_NAME
+    manifest_path = out_dir / "manifest.json"
+    old = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    same_objects = {k: v["hash"] for k, v in old.get("kernels", {}).items()} == {k: v["hash"] for k, v in kernels.items()}
+    if force or compiled or not lib.is_file() or not same_objects:
+        cmd = [os.environ.get("CC", "gcc"), "-shared", "-o", str(lib), *map(str, objects),
+               str(find_dsl_runtime_static()), str(find_cudart_static()),
+               "-ldl", "-lpthread", "-lrt", "-Wl,--exclude-libs,ALL", "-Wl,-z,defs"]
+        subprocess.run(cmd, check=True)
+        log(f"linked {lib} ({lib.stat().st_size} bytes, {len(objects)} kernels)")
+    else:
+        log(f"{lib} is up to date")
+    from cutlass.base_dsl.version_info import CUDA_VERSION
+
+    manifest = {
+        "library": LIB_NAME,
+        "library_sha256": hashlib.sha256(lib.read_bytes()).hexdigest(),
+        "dsl_version": dsl_version(),
+        "dsl_cuda": f"{CUDA_VERSION.major}.{CUDA_VERSION.minor}",
+        "arch": ARCH,
+        "kernels": kernels,
+    }
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="build directory")
+    parser.add_argument("--force", action="store_true", help="recompile every kernel")
+    args = parser.parse_args(argv)
+    build(args.out, args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Hopper bf16 GEMM, ``D[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` (fp32 accumulate), CuTe DSL.
+
+A is ``[M, K]`` row-major activations, B is ``[N, K]`` row-major weights (the Hugging Face layout),
+D is ``[M, N]`` row-major. The third mode ``l`` is a batch: with ``l = 1`` this is the plain
+``D = A·Bᵀ``; the split-K path views A and B as ``(rows, K/S, S)`` (stride ``K/S`` between splits)
+and writes ``S`` float32 partial products, summed afterwards by ``splitk_reduce``.
+
+Structure: TMA loads of A and B tiles into a multi-stage shared-memory ring (mbarrier pipeline,
+optional cluster multicast), wgmma from shared memory into fp32 registers (one or two consumer
+warpgroups), epilogue through shared memory (stmatrix for 16-bit output) and TMA stores, which clip
+the M/N tails. Warp 0 doubles as the producer. CTAs are rasterised in groups of 8 clusters along
+M so that concurrently running CTAs share B (weight) tiles in L2.
+
+Roofline on the H200: ``2·M·N·K`` flops at ~790 TFLOP/s (measured dense bf16) against
+``2·(M·K + N·K + M·N)`` bytes at ~4.8 TB/s. Intensity crosses ~165 flop/byte near M ≈ 200 for the
+Qwen3 projection shapes: below, the weight read bounds the time (small-M decode), above, the
+tensor cores do.
+"""
+from __future__ import annotations
+
+import math
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+
+from .configs import GemmVariant
+
+SM90_SMEM_BYTES = 232448  # usable dynamic shared memory per CTA on sm_90 (227 KiB)
+RASTER_GROUP = 8
+
+
+class GemmSm90:
+    """Builds the jit entry point for one GemmVariant; call it through ``cute.compile``."""
+
+    def __init__(self, tile: GemmVariant):
+        assert tile.tile_m in (64, 128) and tile.tile_n in (64, 128, 256)
+        assert tile.cluster_m * tile.cluster_n <= 4
+        self.tile = tile
+        self.cluster_mn = (tile.cluster_m, tile.cluster_n)
+        self.acc_dtype = cutlass.Float32
+        # Two consumer warpgroups split a 128-row tile when it is wide; otherwise one does it all.
+        self.atom_layout_mnk = (2, 1, 1) if tile.tile_m > 64 and tile.tile_n > 128 else (1, 1, 1)
+        self.num_mma_wg = math.prod(self.atom_layout_mnk)
+        self.threads = 128 * self.num_mma_wg
+        self.buffer_align = 1024
+
+    # ---- host-side layout setup ------------------------------------------------------------
+    def _setup(self, a_dtype, c_dtype, a_layout, b_layout, c_layout):
+        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            a_dtype, a_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile.tile_n),
+        )
+        k_inst = cute.size(self.tiled_mma.shape_mnk, mode=[2])
+        self.tile_mnk = (self.tile.tile_m, self.tile.tile_n, 4 * k_inst)
+        self.cta_layout_mnk = cute.make_layout((*self.cluster_mn, 1))
+        self.mcast_a = self.cluster_mn[1]
+        self.mcast_b = self.cluster_mn[0]
+        self.epi_tile = sm90_utils.compute_tile_shape_or_override(
+            self.tile_mnk, c_dtype, is_cooperative=self.atom_layout_mnk == (2, 1, 1)
+        )
+        bytes_per_stage = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2] * a_dtype.width // 8
+        self.stages = (SM90_SMEM_BYTES - 1024) // bytes_per_stage
+        self.epi_stages = 4
+        self.sa_layout = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, a_dtype, self.stages)
+        self.sb_layout = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, a_dtype, self.stages)
+        self.sc_layout = sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.epi_stages)
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream):
+        self.a_dtype = a.element_type
+        self.c_dtype = c.element_type
+        self.c_layout = utils.LayoutEnum.from_tensor(c)
+        self._setup(
+            self.a_dtype, self.c_dtype, utils.LayoutEnum.from_tensor(a),
+            utils.LayoutEnum.from_tensor(b), self.c_layout,
+        )
+        load_a = (
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if self.mcast_a == 1
+            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+        )
+        load_b = (
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if self.mcast_b == 1
+            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+        )
+        tma_a, ta = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            load_a, a, cute.slice_(self.sa_layout, (None, None, 0)),
+            (self.tile_mnk[0], self.tile_mnk[2]), num_multicast=self.mcast_a,
+        )
+        tma_b, tb = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            load_b, b, cute.slice_(self.sb_layout, (None, None, 0)),
+            (self.tile_mnk[1], self.tile_mnk[2]), num_multicast=self.mcast_b,
+        )
+        tma_c, tc = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c,
+            cute.slice_(self.sc_layout, (None, None, 0)), self.epi_tile,
+        )
+        tiles = cute.zipped_divide(c, tiler=(self.tile_mnk[0], self.tile_mnk[1]))
+        cluster_mnl = (*self.cluster_mn, 1)
+        clusters = cute.ceil_div(cute.get(tiles.layout, mode=[1]).shape, cluster_mnl)
+        grid = tuple(x * y for x, y in zip(clusters, cluster_mnl))
+
+        @cute.struct
+        class Smem:
+            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sa: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.sa_layout)], self.buffer_align]
+            sb: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.sb_layout)], self.buffer_align]
+
+        self.smem_struct = Smem
+        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, self.tiled_mma, self.cta_layout_mnk,
+                    self.sa_layout, self.sb_layout, self.sc_layout).launch(
+            grid=grid, block=[self.threads, 1, 1], cluster=cluster_mnl, stream=stream,
+        )
+
+    # ---- device code -----------------------------------------------------------------------
+    @cute.jit
+    def _tile_coord(self):
+        """Cluster → (tile_m, tile_n): groups of RASTER_GROUP clusters walk M before N."""
+        cidx, cidy, _ = cute.arch.cluster_idx()
+        cdimx, cdimy, _ = cute.arch.cluster_dim()
+        linear = cidx + cdimx * cidy
+        full = (cdimx // RASTER_GROUP) * RASTER_GROUP * cdimy
+        cm = cidx
+        cn = cidy
+        if linear < full:
+            group = linear // (RASTER_GROUP * cdimy)
+            within = linear % (RASTER_GROUP * cdimy)
+            cm = group * RASTER_GROUP + within % RASTER_GROUP
+            cn = within // RASTER_GROUP
+        else:
+            tail_m = cdimx % RASTER_GROUP
+            rest = linear - full
+            cm = full // cdimy + rest % tail_m
+            cn = rest // tail_m
+        in_cluster = cute.arch.block_in_cluster_idx()
+        return cm * self.cluster_mn[0] + in_cluster[0], cn * self.cluster_mn[1] + in_cluster[1]
+
+    @cute.kernel
+    def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
+               tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma,
+               cta_layout_mnk: cute.Layout, sa_layout: cute.ComposedLayout,
+               sb_layout: cute.ComposedLayout, sc_layout: cute.ComposedLayout):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        _, _, batch = cute.arch.block_idx()
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+
+        pid_m, pid_n = self._tile_coord()
+        coord = (pid_m, pid_n, None, batch)
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout_mnk.get_flat_coord(rank)
+        mask_a = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
+        mask_b = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
+        mask_a = mask_a if self.mcast_a > 1 else 0
+        mask_b = mask_b if self.mcast_b > 1 else 0
+        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(sa_layout, (None, None, 0))) + \
+            cute.size_in_bytes(self.a_dtype, cute.slice_(sb_layout, (None, None, 0)))
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.smem_struct)
+        consumers = (self.mcast_a + self.mcast_b - 1) * (self.threads // 32)
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
+            tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
+
+        sA = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
+        sB = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
+        sC = cute.make_tensor(cute.recast_ptr(sA.iterator, sc_layout.inner, dtype=self.c_dtype), sc_layout.outer)
+
+        gA = cute.local_tile(mA, self.tile_mnk, coord, proj=(1, None, 1))  # (bM, bK, k_tiles)
+        gB = cute.local_tile(mB, self.tile_mnk, coord, proj=(None, 1, 1))  # (bN, bK, k_tiles)
+        gC = cute.local_tile(mC, self.tile_mnk, coord, proj=(1, 1, None))  # (bM, bN)
+
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_mma = tiled_mma.get_slice(cute.make_layout(self.num_mma_wg, stride=128)(wg))
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b, cluster_coord[0], cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2),
+        )
+        frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
+        k_tiles = cute.size(gA, mode=[2])
+        produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+
+        if warp == 0:  # fill the ring
+            for _ in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
+                self._load_stage(ring, produce, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
+                produce.advance()
+
+        k_blocks = cute.size(frag_a, mode=[2])
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        for k in cutlass.range(k_tiles, unroll=1):
+            ring.consumer_wait(read)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range(k_blocks, unroll_full=True):
+                blk = (None, None, kb, read.index)
+                cute.gemm(tiled_mma, acc, frag_a[blk], frag_b[blk], acc)
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.commit_group()
+            read.advance()
+            if k > 0:  # keep one wgmma batch in flight; free the stage of the one before
+                cute.nvgpu.warpgroup.wait_group(1)
+                ring.consumer_release(release)
+                release.advance()
+            if warp == 0 and produce.count < k_tiles:
+                self._load_stage(ring, produce, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
+                produce.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        if k_tiles > 0:
+            ring.consumer_release(release)
+
+        if cute.size(self.cluster_mn) > 1:  # peers may still multicast into our smem
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+        self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c, k_tiles)
+
+    @cute.jit
+    def _load_stage(self, ring, state, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b):
+        ring.producer_acquire(state)
+        bar = ring.producer_get_barrier(state)
+        cute.copy(tma_a, tAgA[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask_a)
+        cute.copy(tma_b, tBgB[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask_b)
+        ring.producer_commit(state)
+
+    @cute.jit
+    def _epilogue(self, tidx, warp, tiled_mma, acc, sC, gC, tma_c, k_tiles):
+        """Registers → smem (converted) → TMA store, one epi_tile at a time, 4-deep."""
+        if k_tiles == 0:
+            acc.fill(0.0)
+        store_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
+        c_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
+        r2s = cute.make_tiled_copy_S(store_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
+        thr_r2s = r2s.get_slice(tidx)
+        dst = thr_r2s.partition_D(sC)
+        acc_view = r2s.retile(acc)
+        frag_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sC))[:3])
+        frag = cute.make_rmem_tensor_like(frag_layout, self.acc_dtype)
+        n_frag = cute.size(frag)
+        gC_epi = cute.zipped_divide(gC, self.epi_tile)
+        src_s, dst_g = cute.nvgpu.cpasync.tma_partition(
+            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
+        n_epi = cute.size(gC_epi, mode=[1])
+        epi_shape = gC_epi.shape[1]
+        epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        stores = pipeline.PipelineTmaStore.create(
+            num_stages=self.epi_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads),
+        )
+        for e in cutlass.range_constexpr(n_epi):
+            for v in cutlass.range_constexpr(n_frag):
+                frag[v] = acc_view[e * n_frag + v]
+            out = cute.make_rmem_tensor_like(frag_layout, self.c_dtype)
+            out.store(frag.load().to(self.c_dtype))
+            buf = e % cute.size(dst, mode=[3])
+            cute.copy(r2s, out, dst[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            pipeline.sync(barrier_id=1)
+            if warp == 0:
+                cute.copy(tma_c, src_s[(None, buf)], dst_g[(None, epi_order.get_hier_coord(e))])
+                stores.producer_commit()
+                stores.producer_acquire()
+            pipeline.sync(barrier_id=1)
+        if warp == 0:
+            stores.producer_tail()
