@@ -1,0 +1,97 @@
+"""The Ops of engine/models/ops.py in numpy (float32), over a paged KV cache
+k/v[layer]: [num_blocks, 16, Hkv, D]. This is the reference the GPU kernels are checked against."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.batch import BLOCK_SIZE, ModelBatch
+from engine.models.ops import AttentionSpec
+
+
+@dataclass
+class CpuStepContext:
+    batch: ModelBatch
+    cos: np.ndarray              # float32 [T, D/2] at the step's positions
+    sin: np.ndarray
+
+
+def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps)))) * weight
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Neox rotary on x[T, heads, D]: pairs (x[i], x[i + D/2]) rotated by the position's angle."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+class NumpyOps:
+    def __init__(self, k_cache: list[np.ndarray], v_cache: list[np.ndarray]):
+        self.k_cache = k_cache
+        self.v_cache = v_cache
+
+    def embed(self, table: np.ndarray, ctx: CpuStepContext) -> np.ndarray:
+        return table[ctx.batch.input_ids].astype(np.float32)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        r = x if residual is None else x + residual
+        return _rms(r, weight, eps).astype(np.float32), r
+
+    def linear(self, x, weight, bias=None):
+        y = x @ weight.T
+        return y if bias is None else y + bias
+
+    def qkv_rope_cache(self, qkv, spec: AttentionSpec, ctx: CpuStepContext, q_norm=None, k_norm=None):
+        T, D = qkv.shape[0], spec.head_dim
+        nq, nkv = spec.num_heads * D, spec.num_kv_heads * D
+        q = qkv[:, :nq].reshape(T, spec.num_heads, D)
+        k = qkv[:, nq:nq + nkv].reshape(T, spec.num_kv_heads, D)
+        v = qkv[:, nq + nkv:nq + 2 * nkv].reshape(T, spec.num_kv_heads, D)
+        if q_norm is not None:
+            q = _rms(q, q_norm, spec.rms_eps)
+        if k_norm is not None:
+            k = _rms(k, k_norm, spec.rms_eps)
+        q, k = _rope(q, ctx.cos, ctx.sin), _rope(k, ctx.cos, ctx.sin)
+        slots = ctx.batch.slot_mapping
+        self.k_cache[spec.layer].reshape(-1, spec.num_kv_heads, D)[slots] = k
+        self.v_cache[spec.layer].reshape(-1, spec.num_kv_heads, D)[slots] = v
+        return q.astype(np.float32)
+
+    def attention(self, q, spec: AttentionSpec, ctx: CpuStepContext):
+        b = ctx.batch
+        T, Hq, D = q.shape
+        Hkv = spec.num_kv_heads
+        G = Hq // Hkv
+        out = np.empty((T, Hq, D), dtype=np.float32)
+        k_all = self.k_cache[spec.layer]
+        v_all = self.v_cache[spec.layer]
+        for i in range(len(b.seqs)):
+            q0, q1 = int(b.cu_seqlens[i]), int(b.cu_seqlens[i + 1])
+            L = int(b.context_lens[i])
+            blocks = b.block_tables[i, : -(-L // BLOCK_SIZE)]
+            k = k_all[blocks].reshape(-1, Hkv, D)[:L]
+            v = v_all[blocks].reshape(-1, Hkv, D)[:L]
+            qs = q[q0:q1].reshape(q1 - q0, Hkv, G, D)
+            scores = np.einsum("nhgd,lhd->hgnl", qs, k, optimize=True) * np.float32(spec.scale)
+            qpos = b.positions[q0:q1]
+            mask = np.arange(L)[None, :] > qpos[:, None]              # [n, L]: future keys
+            scores = np.where(mask[None, None], np.float32(-np.inf), scores)
+            scores = scores - scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            o = np.einsum("hgnl,lhd->nhgd", p, v, optimize=True)
+            out[q0:q1] = o.reshape(q1 - q0, Hq, D)
+        return out.reshape(T, Hq * D)
+
+    def silu_mul(self, gate_up):
+        half = gate_up.shape[-1] // 2
+        g, u = gate_up[:, :half], gate_up[:, half:]
+        return (g * (np.float32(0.5) * (np.float32(1.0) + np.tanh(g * np.float32(0.5))))) * u
+
+    def gather_rows(self, x, rows):
+        return x[np.asarray(rows, dtype=np.int64)]

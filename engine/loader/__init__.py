@@ -1,0 +1,21 @@
+"""Model loading: `load_model(path)` takes a Hugging Face folder or a .gguf file (converted once
+into a cached HF folder) and returns a LoadedModel."""
+from __future__ import annotations
+
+import os
+
+from engine.loader.hf import LoadedModel, load_hf_folder
+
+
+def load_model(path: str) -> LoadedModel:
+    """Load an HF model folder, or a GGUF file (converted on first use, cached)."""
+    path = os.path.expanduser(str(path))
+    if path.endswith(".gguf"):
+        from engine.loader.gguf_convert import convert_gguf
+        path = convert_gguf(path)
+    elif not os.path.exists(path):
+        raise FileNotFoundError(f"model path not found: {path}")
+    return load_hf_folder(path)
+
+
+__all__ = ["LoadedModel", "load_model"]

@@ -1,0 +1,108 @@
+"""ModelConfig: the hyper-parameters of one model, parsed from a Hugging Face `config.json`."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 4096
+    torch_dtype: str = "bfloat16"
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias or self.model_type == "qwen2"
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias and self.model_type != "qwen2"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "intermediate_size", "vocab_size"):
+            if key not in d:
+                raise ValueError(f"config.json ({model_type}) is missing {key!r}")
+        heads = int(d["num_attention_heads"])
+        head_dim = d.get("head_dim") or int(d["hidden_size"]) // heads
+        act = d.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
+        # transformers 5 moved rope_theta / rope_scaling into `rope_parameters`.
+        rope_params = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling") or None
+        if scaling is None and rope_params.get("rope_type", "default") != "default":
+            scaling = dict(rope_params)
+        theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if d.get("mlp_bias"):
+            raise ValueError("unsupported: mlp_bias=true")
+        dtype = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
+        return cls(
+            model_type=model_type,
+            hidden_size=int(d["hidden_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(d["intermediate_size"]),
+            vocab_size=int(d["vocab_size"]),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            torch_dtype=str(dtype),
+            hidden_act=act,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            raw=dict(d),
+        )
+
+    @classmethod
+    def from_file(cls, path: str) -> "ModelConfig":
+        """`path` is a model folder or its config.json."""
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model config not found: {path}")
+        with open(path, encoding="utf-8") as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(d)

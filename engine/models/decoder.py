@@ -1,0 +1,132 @@
+"""Layer helpers shared by the dense decoder-only model lines (Qwen3, Llama, Qwen2).
+
+A model file declares which pieces it has (qkv bias, per-head q/k norm, tied lm_head) through
+these helpers and composes its forward from them. Everything here is written in the Ops of
+engine/models/ops.py, with no host-side data-dependent control flow, so a GPU executor can
+capture it in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.model_config import ModelConfig
+from engine.models.ops import Array, AttentionSpec, Ops
+from engine.models.weights import WeightSpec, packed
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False          # per-head RMSNorm on q and k before rotary (Qwen3)
+
+
+def attention_specs(cfg: ModelConfig) -> list[AttentionSpec]:
+    return [AttentionSpec(layer=i, num_heads=cfg.num_attention_heads,
+                          num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                          rms_eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5)
+            for i in range(cfg.num_hidden_layers)]
+
+
+def layer_weight_specs(cfg: ModelConfig, i: int, opt: LayerOptions) -> list[WeightSpec]:
+    """Engine weights of decoder layer i: fused qkv_proj [(Hq+2Hkv)·D, H] and gate_up_proj [2I, H]."""
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.q_size, cfg.kv_size
+    hf = f"model.layers.{i}"
+    at = f"{hf}.self_attn"
+    specs = [
+        packed(f"layers.{i}.input_layernorm", (f"{hf}.input_layernorm.weight", (H,))),
+        packed(f"layers.{i}.qkv_proj", (f"{at}.q_proj.weight", (q, H)),
+               (f"{at}.k_proj.weight", (kv, H)), (f"{at}.v_proj.weight", (kv, H))),
+        packed(f"layers.{i}.o_proj", (f"{at}.o_proj.weight", (H, q))),
+        packed(f"layers.{i}.post_attention_layernorm", (f"{hf}.post_attention_layernorm.weight", (H,))),
+        packed(f"layers.{i}.gate_up_proj", (f"{hf}.mlp.gate_proj.weight", (I, H)),
+               (f"{hf}.mlp.up_proj.weight", (I, H))),
+        packed(f"layers.{i}.down_proj", (f"{hf}.mlp.down_proj.weight", (H, I))),
+    ]
+    if opt.qkv_bias:
+        specs.append(packed(f"layers.{i}.qkv_bias", (f"{at}.q_proj.bias", (q,)),
+                            (f"{at}.k_proj.bias", (kv,)), (f"{at}.v_proj.bias", (kv,))))
+    if opt.o_bias:
+        specs.append(packed(f"layers.{i}.o_bias", (f"{at}.o_proj.bias", (H,))))
+    if opt.qk_norm:
+        specs.append(packed(f"layers.{i}.q_norm", (f"{at}.q_norm.weight", (D,))))
+        specs.append(packed(f"layers.{i}.k_norm", (f"{at}.k_norm.weight", (D,))))
+    return specs
+
+
+def model_weight_specs(cfg: ModelConfig, opt: LayerOptions) -> list[WeightSpec]:
+    """Embedding, every layer, final norm, and lm_head unless tied to the embedding."""
+    V, H = cfg.vocab_size, cfg.hidden_size
+    specs = [packed("embed_tokens", ("model.embed_tokens.weight", (V, H)))]
+    for i in range(cfg.num_hidden_layers):
+        specs += layer_weight_specs(cfg, i, opt)
+    specs.append(packed("norm", ("model.norm.weight", (H,))))
+    if not cfg.tie_word_embeddings:
+        specs.append(packed("lm_head", ("lm_head.weight", (V, H))))
+    return specs
+
+
+def attention_block(ops: Ops, w: dict[str, Array], h: Array, spec: AttentionSpec, ctx: Any,
+                    opt: LayerOptions) -> Array:
+    """o_proj(attention(rope(qkv_proj(h)))) with KV written to the paged cache."""
+    i = spec.layer
+    qkv = ops.linear(h, w[f"layers.{i}.qkv_proj"], w.get(f"layers.{i}.qkv_bias"))
+    q = ops.qkv_rope_cache(qkv, spec, ctx,
+                           q_norm=w[f"layers.{i}.q_norm"] if opt.qk_norm else None,
+                           k_norm=w[f"layers.{i}.k_norm"] if opt.qk_norm else None)
+    o = ops.attention(q, spec, ctx)
+    return ops.linear(o, w[f"layers.{i}.o_proj"], w.get(f"layers.{i}.o_bias"))
+
+
+def mlp_block(ops: Ops, w: dict[str, Array], h: Array, i: int) -> Array:
+    """down_proj(silu(gate) * up) with gate and up from one fused GEMM."""
+    return ops.linear(ops.silu_mul(ops.linear(h, w[f"layers.{i}.gate_up_proj"])),
+                      w[f"layers.{i}.down_proj"])
+
+
+def decoder_stack(ops: Ops, w: dict[str, Array], ctx: Any, cfg: ModelConfig,
+                  specs: list[AttentionSpec], opt: LayerOptions) -> Array:
+    """Pre-norm decoder layers with fused residual-add + RMSNorm; returns the final-normed hidden [T, H]."""
+    eps = cfg.rms_norm_eps
+    x = ops.embed(w["embed_tokens"], ctx)
+    residual = None
+    for spec in specs:
+        i = spec.layer
+        h, residual = ops.rms_norm(x, w[f"layers.{i}.input_layernorm"], eps, residual)
+        x = attention_block(ops, w, h, spec, ctx, opt)
+        h, residual = ops.rms_norm(x, w[f"layers.{i}.post_attention_layernorm"], eps, residual)
+        x = mlp_block(ops, w, h, i)
+    h, _ = ops.rms_norm(x, w["norm"], eps, residual)
+    return h
+
+
+def lm_head_weight(cfg: ModelConfig, w: dict[str, Array]) -> Array:
+    return w["embed_tokens"] if cfg.tie_word_embeddings else w["lm_head"]
+
+
+class DecoderLM:
+    """What a model line exposes to the loader and the executors; subclasses say which layer
+    pieces they have (`layer_options`) and write `forward`."""
+    model_type = ""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.opt = self.layer_options(config)
+        self.attention_specs = attention_specs(config)
+
+    @staticmethod
+    def layer_options(config: ModelConfig) -> LayerOptions:
+        raise NotImplementedError
+
+    def weight_specs(self) -> list[WeightSpec]:
+        return model_weight_specs(self.config, self.opt)
+
+    def forward(self, ops: Ops, w: dict[str, Array], ctx: Any) -> Array:
+        """Final-normed hidden states [T, H] for every token of the step; writes the step's KV."""
+        raise NotImplementedError
+
+    def compute_logits(self, ops: Ops, w: dict[str, Array], hidden: Array) -> Array:
+        """logits [R, V] for the given hidden rows."""
+        return ops.linear(hidden, lm_head_weight(self.config, w))

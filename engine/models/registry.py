@@ -1,0 +1,22 @@
+"""model_type -> model line."""
+from __future__ import annotations
+
+from engine.model_config import ModelConfig
+from engine.models.decoder import DecoderLM
+from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
+    "qwen3": Qwen3ForCausalLM,
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+}
+
+
+def build_model(config: ModelConfig) -> DecoderLM:
+    try:
+        cls = MODEL_REGISTRY[config.model_type]
+    except KeyError:
+        raise ValueError(f"unsupported model_type {config.model_type!r}; "
+                         f"supported: {', '.join(sorted(MODEL_REGISTRY))}") from None
+    return cls(config)

@@ -1,0 +1,61 @@
+"""Weight declarations: each model lists the tensors it runs on (engine names, packed) and the
+checkpoint tensors each one is concatenated from, so loading checks every name and shape once."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Engine weight `name` = concatenation along dim 0 of checkpoint tensors `parts`
+    (each a (checkpoint name, expected shape)); a single part is used as is, without a copy."""
+    name: str
+    parts: tuple[tuple[str, Shape], ...]
+
+    @property
+    def shape(self) -> Shape:
+        first = self.parts[0][1]
+        return (sum(s[0] for _, s in self.parts), *first[1:])
+
+
+def packed(name: str, *parts: tuple[str, Shape]) -> WeightSpec:
+    return WeightSpec(name, tuple((n, tuple(s)) for n, s in parts))
+
+
+def pack_weights(specs: list[WeightSpec], has: Callable[[str], bool],
+                 get: Callable[[str], np.ndarray], where: str = "checkpoint") -> dict[str, np.ndarray]:
+    """Build the engine weights from checkpoint tensors (kept in their stored dtype).
+    Raises KeyError / ValueError naming the tensor (and both shapes) on a missing tensor or a
+    shape mismatch."""
+    out: dict[str, np.ndarray] = {}
+    for spec in specs:
+        arrays = []
+        for src, shape in spec.parts:
+            if not has(src):
+                raise KeyError(f"missing tensor {src!r} (for {spec.name}) in {where}")
+            a = get(src)
+            if tuple(a.shape) != shape:
+                raise ValueError(f"tensor {src!r} in {where} has shape {tuple(a.shape)}, "
+                                 f"expected {shape}")
+            arrays.append(a)
+        if len(arrays) == 1:
+            out[spec.name] = arrays[0]
+        else:
+            dtype = np.result_type(*[a.dtype for a in arrays])
+            out[spec.name] = np.concatenate([np.asarray(a, dtype=dtype) for a in arrays], axis=0)
+    return out
+
+
+def check_weights(specs: list[WeightSpec], weights: Mapping[str, np.ndarray]) -> None:
+    """Check an already-packed weight dict against the declaration."""
+    for spec in specs:
+        if spec.name not in weights:
+            raise KeyError(f"missing weight {spec.name!r}")
+        if tuple(weights[spec.name].shape) != spec.shape:
+            raise ValueError(f"weight {spec.name!r} has shape {tuple(weights[spec.name].shape)}, "
+                             f"expected {spec.shape}")

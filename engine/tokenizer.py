@@ -1,0 +1,148 @@
+"""Tokenizer: a `tokenizers` BPE plus the model folder's special tokens, eos ids and chat template
+(rendered with jinja2 the way transformers' `apply_chat_template` does)."""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markers) render their body as is."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+@lru_cache(maxsize=16)
+def compile_chat_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):             # {"content": "<s>", ...} (AddedToken serialization)
+        return value.get("content")
+    return value
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, tokenizer_config: dict | None = None,
+                 chat_template: str | None = None, eos_token_ids: list[int] | None = None):
+        self.tok = tokenizer
+        self.config = tokenizer_config or {}
+        self.special_tokens = {k: _token_text(self.config.get(k)) for k in SPECIAL_KEYS}
+        template = chat_template or self.config.get("chat_template")
+        if isinstance(template, list):      # [{"name": "default", "template": ...}, ...]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        self.chat_template: str | None = template
+        eos = list(eos_token_ids or [])
+        if self.eos_token_id is not None and self.eos_token_id not in eos:
+            eos.append(self.eos_token_id)
+        self.eos_token_ids: list[int] = eos
+
+    @classmethod
+    def from_folder(cls, folder: str, generation_config: dict | None = None) -> "Tokenizer":
+        path = os.path.join(folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer.json not found in {folder}")
+        config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        template_path = os.path.join(folder, "chat_template.jinja")
+        template = None
+        if os.path.isfile(template_path):
+            with open(template_path, encoding="utf-8") as f:
+                template = f.read()
+        eos = (generation_config or {}).get("eos_token_id")
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(HFTokenizer.from_file(path), config, template, eos_ids)
+
+    # --- ids <-> text -----------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def _special_id(self, key: str) -> int | None:
+        text = self.special_tokens.get(key)
+        return None if text is None else self.tok.token_to_id(text)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special_id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._special_id("pad_token")
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token strings in it map to their ids."""
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tok.id_to_token(int(token_id))
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        return [self.id_to_token(i) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tok.token_to_id(token)
+
+    def is_special(self, token_id: int) -> bool:
+        added = self.tok.get_added_tokens_decoder().get(int(token_id))
+        return bool(added is not None and added.special)
+
+    # --- chat ---------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, documents: list[dict] | None = None,
+                            **kwargs: Any) -> str:
+        """Render a conversation to the prompt text, as transformers' apply_chat_template(tokenize=False)."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template (tokenizer_config.json / chat_template.jinja)")
+        for m in messages:
+            if not isinstance(m, dict):
+                raise TypeError(f"chat messages must be dicts, got {m!r}")
+        variables = {k: v for k, v in self.special_tokens.items() if v is not None}
+        variables.update(kwargs)
+        return compile_chat_template(self.chat_template).render(
+            messages=messages, tools=tools, documents=documents,
+            add_generation_prompt=add_generation_prompt, **variables)
