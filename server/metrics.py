@@ -1,0 +1,112 @@
+"""Prometheus text exposition: request latency histograms and token counters the server measures,
+plus gauges read from the engine's stats() (running / waiting requests, KV usage, prefix-cache hits)."""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+PREFIX = "openinfer_"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                0.75, 1.0, 2.5)
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
+        self.name, self.help, self.buckets = PREFIX + name, help_text, buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        for i, upper in enumerate(self.buckets):
+            if value <= upper:
+                self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        lines += [f'{self.name}_bucket{{le="{upper}"}} {c}' for upper, c in zip(self.buckets, self.counts)]
+        lines += [f'{self.name}_bucket{{le="+Inf"}} {self.count}',
+                  f"{self.name}_sum {self.sum}", f"{self.name}_count {self.count}"]
+        return lines
+
+
+class Counter:
+    def __init__(self, name: str, help_text: str):
+        self.name, self.help, self.value = PREFIX + name, help_text, 0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def render(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter", f"{self.name} {self.value}"]
+
+
+def gauge(name: str, help_text: str, value: float) -> list[str]:
+    name = PREFIX + name
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {float(value)}"]
+
+
+# Engine stats exported under a fixed name (stat field -> metric name, help); others keep their own name.
+ENGINE_GAUGES = {
+    "num_running": ("num_requests_running", "Requests running in the engine."),
+    "num_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)."),
+    "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache."),
+}
+
+
+class ServerMetrics:
+    """Everything /metrics reports; `observe_request` is called once per finished engine request."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.tpot = Histogram("time_per_output_token_seconds", "Mean time per output token after the first.",
+                              TPOT_BUCKETS)
+        self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens processed.")
+        self.generation_tokens = Counter("generation_tokens_total", "Tokens generated.")
+        self.cached_tokens = Counter("prompt_tokens_cached_total", "Prompt tokens served from the prefix cache.")
+        self.requests = Counter("request_success_total", "Engine requests finished.")
+        self.request_errors = Counter("request_failure_total", "Engine requests that ended in an error, "
+                                      "rejection or abort.")
+
+    def observe_request(self, *, ok: bool, prompt_tokens: int, generated: int, cached: int,
+                        ttft: float | None, e2e: float, decode_time: float | None) -> None:
+        with self.lock:
+            (self.requests if ok else self.request_errors).inc()
+            self.prompt_tokens.inc(prompt_tokens)
+            self.generation_tokens.inc(generated)
+            self.cached_tokens.inc(cached)
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            self.e2e.observe(e2e)
+            if decode_time is not None and generated > 1:
+                self.tpot.observe(decode_time / (generated - 1))
+
+    def render(self, stats=None) -> str:
+        lines = []
+        with self.lock:
+            for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.requests,
+                           self.request_errors, self.ttft, self.tpot, self.e2e):
+                lines += metric.render()
+        lines += engine_gauges(stats)
+        return "\n".join(lines) + "\n"
+
+
+def engine_gauges(stats) -> list[str]:
+    """Every numeric field of the engine's stats dataclass as a gauge."""
+    if stats is None or not dataclasses.is_dataclass(stats):
+        return []
+    lines = []
+    for f in dataclasses.fields(stats):
+        value = getattr(stats, f.name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        name, help_text = ENGINE_GAUGES.get(f.name, (f.name, f"Engine statistic {f.name}."))
+        lines += gauge(name, help_text, value)
+    return lines

@@ -1,0 +1,355 @@
+"""Request parsing and validation: an OpenAI / vLLM JSON body -> prompts + SamplingParams.
+
+Every refusal is an APIError naming the field and its allowed range: 422 for a wrong JSON type or a
+missing required field, 400 for a value out of range or a feature this server does not provide.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.request import SamplingParams
+from server.errors import APIError, invalid, wrong_type
+
+MAX_LOGPROBS = 20
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Fields that would change the result in ways this server does not implement: refused, never ignored.
+# Each maps to the value(s) that are harmless (the default), checked with `_is_harmless`.
+UNSUPPORTED_FIELDS = {
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,),
+    "tools": (None, []), "functions": (None, []),
+    "prompt_logprobs": (None,),
+    "prompt_embeds": (None,),
+    "continue_final_message": (None, False),
+    "lora_request": (None,),
+}
+CHAT_ONLY_HARMLESS = {"echo": (None, False), "tool_choice": (None, "none", "auto")}
+
+
+@dataclass
+class ModelInfo:
+    """What validation needs to know about the served model."""
+    name: str
+    max_model_len: int
+    tokenizer: Any
+    vocab_size: int | None = None
+    max_n: int = 16
+
+
+@dataclass
+class ParsedRequest:
+    """A validated request: one or more prompts, each generated with the same params (n samples each)."""
+    kind: str                                   # "completion" | "chat"
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    echo_texts: list[str] = field(default_factory=list)   # per prompt, when echo
+    logprobs: int | None = None                 # top-k alternatives to report; None: no logprobs
+    user: str | None = None
+
+
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object, or 400 (malformed JSON) / 422 (not an object)."""
+    try:
+        body = json.loads(raw or b"")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise wrong_type(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+class Fields:
+    """Typed, range-checked access to a JSON object's fields; null means 'use the default'."""
+
+    def __init__(self, body: dict):
+        self.body = body
+
+    def raw(self, name: str, default=None):
+        value = self.body.get(name)
+        return default if value is None else value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.raw(name, default)
+        if not isinstance(value, bool):
+            raise wrong_type(f"'{name}' must be a boolean, got {_type_name(value)}", name)
+        return value
+
+    def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None,
+                range_text: str | None = None) -> int | None:
+        value = self.raw(name, default)
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong_type(f"'{name}' must be an integer, got {_type_name(value)}", name)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise invalid(f"'{name}' must be {range_text or _range(lo, hi)}, got {value}", name)
+        return value
+
+    def number(self, name: str, default: float, ok=lambda v: True, range_text: str = "") -> float:
+        value = self.raw(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise wrong_type(f"'{name}' must be a number, got {_type_name(value)}", name)
+        value = float(value)
+        if not math.isfinite(value) or not ok(value):
+            raise invalid(f"'{name}' must be {range_text}, got {value}", name)
+        return value
+
+    def string(self, name: str, default: str | None = None) -> str | None:
+        value = self.raw(name, default)
+        if value is not None and not isinstance(value, str):
+            raise wrong_type(f"'{name}' must be a string, got {_type_name(value)}", name)
+        return value
+
+    def strings(self, name: str) -> list[str]:
+        """A string or a list of strings (e.g. `stop`)."""
+        value = self.raw(name, [])
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise wrong_type(f"'{name}' must be a string or a list of strings", name)
+        if any(s == "" for s in items):
+            raise invalid(f"'{name}' must not contain empty strings", name)
+        return items
+
+    def token_ids(self, name: str, vocab_size: int | None) -> list[int]:
+        value = self.raw(name, [])
+        if not isinstance(value, list) or not all(_is_int(t) for t in value):
+            raise wrong_type(f"'{name}' must be a list of integer token ids", name)
+        check_token_ids(value, vocab_size, name)
+        return list(value)
+
+
+def check_token_ids(ids: list[int], vocab_size: int | None, name: str) -> None:
+    hi = (vocab_size - 1) if vocab_size else None
+    bad = [t for t in ids if t < 0 or (hi is not None and t > hi)]
+    if bad:
+        raise invalid(f"'{name}' has token id {bad[0]} outside the vocabulary [0, {hi}]", name)
+
+
+def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
+    """POST /v1/completions."""
+    f = Fields(body)
+    _check_common(f, model, chat=False)
+    prompts, texts = _completion_prompts(body.get("prompt"), model)
+    echo = f.boolean("echo", False)
+    logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
+    params = _sampling_params(f, model, prompts, default_max_tokens=16)
+    params.logprobs = logprobs
+    if echo and logprobs is not None:
+        params.prompt_logprobs = logprobs
+    return ParsedRequest("completion", prompts, params, stream=f.boolean("stream", False),
+                         include_usage=_include_usage(f), echo=echo,
+                         echo_texts=texts if echo else [], logprobs=logprobs, user=f.string("user"))
+
+
+def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
+    """POST /v1/chat/completions: the messages rendered through the model's chat template."""
+    f = Fields(body)
+    _check_common(f, model, chat=True)
+    messages = parse_messages(body.get("messages"))
+    add_generation_prompt = f.boolean("add_generation_prompt", True)
+    prompt = render_chat(model.tokenizer, messages, add_generation_prompt)
+    want_logprobs = f.boolean("logprobs", False)
+    top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    params = _sampling_params(f, model, [prompt], default_max_tokens=None)
+    params.logprobs = logprobs
+    return ParsedRequest("chat", [prompt], params, stream=f.boolean("stream", False),
+                         include_usage=_include_usage(f), logprobs=logprobs, user=f.string("user"))
+
+
+def parse_messages(messages) -> list[dict]:
+    """Validate chat messages; content may be a string or a list of text parts."""
+    if messages is None:
+        raise wrong_type("'messages' is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("'messages' must be a non-empty list of message objects", "messages")
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise wrong_type(f"'{where}' must be an object with 'role' and 'content'", where)
+        role = msg.get("role")
+        if role not in CHAT_ROLES:
+            raise invalid(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                          f"{where}.role")
+        out.append({"role": role, "content": _message_text(msg.get("content"), role, where)})
+    return out
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    if isinstance(rendered, str):
+        return encode_text(tokenizer, rendered, add_special_tokens=False)
+    return list(rendered)
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`; a rendered chat template already carries its special tokens."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    except TypeError:       # a tokenizer whose encode takes no such flag
+        return list(tokenizer.encode(text))
+
+
+def _message_text(content, role: str, where: str) -> str:
+    if content is None:
+        if role == "assistant":
+            return ""
+        raise wrong_type(f"'{where}.content' is required for role {role!r}", f"{where}.content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"'{where}.content[{j}]' must be a text part "
+                              "{\"type\": \"text\", \"text\": ...}; only text content is supported",
+                              f"{where}.content")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise wrong_type(f"'{where}.content' must be a string or a list of text parts", f"{where}.content")
+
+
+def _completion_prompts(prompt, model: ModelInfo) -> tuple[list[list[int]], list[str]]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if prompt is None:
+        raise wrong_type("'prompt' is required", "prompt")
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        items = prompt
+    elif (isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt)
+          and all(_is_int(t) for p in prompt for t in p)):
+        items = prompt
+    else:
+        raise wrong_type("'prompt' must be a string, a list of strings, a list of token ids, "
+                         "or a list of lists of token ids (non-empty)", "prompt")
+    prompts, texts = [], []
+    for item in items:
+        if isinstance(item, str):
+            ids = encode_text(model.tokenizer, item)
+            texts.append(item)
+        else:
+            check_token_ids(item, model.vocab_size, "prompt")
+            ids = list(item)
+            texts.append(model.tokenizer.decode(ids))
+        if not ids:
+            raise invalid("'prompt' must not be empty", "prompt")
+        prompts.append(ids)
+    return prompts, texts
+
+
+def _sampling_params(f: Fields, model: ModelInfo, prompts: list[list[int]],
+                     default_max_tokens: int | None) -> SamplingParams:
+    longest = max(len(p) for p in prompts)
+    room = model.max_model_len - longest
+    if room < 1:
+        raise invalid(f"'prompt' has {longest} tokens; the model's context length (max_model_len) is "
+                      f"{model.max_model_len}, leaving no room to generate", "prompt")
+    name = "max_completion_tokens" if f.raw("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = f.integer(name, default_max_tokens, 1, None)
+    if max_tokens is None:
+        max_tokens = room
+    if longest + max_tokens > model.max_model_len:
+        raise invalid(f"prompt ({longest} tokens) + '{name}' ({max_tokens}) = {longest + max_tokens} "
+                      f"exceeds the model's context length (max_model_len) of {model.max_model_len}; "
+                      f"'{name}' must be in [1, {room}]", name)
+    top_k = f.integer("top_k", -1, -1, None, "-1 (off) or >= 1")
+    if top_k == 0:
+        top_k = -1
+    params = SamplingParams(
+        temperature=f.number("temperature", 1.0, lambda v: v >= 0, ">= 0"),
+        top_p=f.number("top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        top_k=top_k,
+        min_p=f.number("min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]"),
+        seed=f.integer("seed", None, -(2 ** 63), 2 ** 64 - 1),
+        presence_penalty=f.number("presence_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        frequency_penalty=f.number("frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        repetition_penalty=f.number("repetition_penalty", 1.0, lambda v: v > 0, "> 0"),
+        logit_bias=_logit_bias(f, model),
+        max_tokens=max_tokens,
+        min_tokens=f.integer("min_tokens", 0, 0, max_tokens, f"in [0, max_tokens={max_tokens}]"),
+        ignore_eos=f.boolean("ignore_eos", False),
+        stop=f.strings("stop"),
+        stop_token_ids=f.token_ids("stop_token_ids", model.vocab_size),
+        n=f.integer("n", 1, 1, model.max_n),
+        skip_special_tokens=f.boolean("skip_special_tokens", True),
+    )
+    try:
+        params.validate()
+    except ValueError as exc:          # the contract's own checks, as a safety net
+        raise invalid(str(exc)) from None
+    return params
+
+
+def _logit_bias(f: Fields, model: ModelInfo) -> dict[int, float]:
+    value = f.raw("logit_bias", {})
+    if not isinstance(value, dict):
+        raise wrong_type("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    bias = {}
+    for key, b in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise invalid(f"'logit_bias' key {key!r} is not a token id", "logit_bias") from None
+        check_token_ids([token], model.vocab_size, "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise invalid(f"'logit_bias' values must be numbers in [-100, 100], got {b!r}", "logit_bias")
+        bias[token] = float(b)
+    return bias
+
+
+def _check_common(f: Fields, model: ModelInfo, chat: bool) -> None:
+    name = f.string("model")
+    if name is not None and name != model.name:
+        raise APIError(404, f"model '{name}' does not exist; this server serves '{model.name}'",
+                       "model", "model_not_found")
+    refused = dict(UNSUPPORTED_FIELDS, **(CHAT_ONLY_HARMLESS if chat else {}))
+    for key, harmless in refused.items():
+        if key in f.body and not _is_harmless(f.body[key], harmless):
+            raise invalid(f"'{key}' is not supported by this server (got {f.body[key]!r})", key)
+    fmt = f.body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise invalid("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
+
+
+def _include_usage(f: Fields) -> bool:
+    opts = f.raw("stream_options", {})
+    if not isinstance(opts, dict):
+        raise wrong_type("'stream_options' must be an object", "stream_options")
+    return Fields(opts).boolean("include_usage", False)
+
+
+def _is_harmless(value, harmless: tuple) -> bool:
+    return any(value == h and type(value) is type(h) for h in harmless if h is not None) or value is None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_name(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _range(lo, hi) -> str:
+    if lo is not None and hi is not None:
+        return f"in [{lo}, {hi}]"
+    return f">= {lo}" if lo is not None else f"<= {hi}"

@@ -1,0 +1,170 @@
+"""OpenAI response bodies and stream chunks, built from the engine's TokenEvents.
+
+One ResponseBuilder per HTTP request: `on_event` folds each event into per-choice state and returns
+the stream chunks it produces; `response()` is the non-streaming body. Choice index = prompt * n + sample.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.events import Finished, PromptLogprobs, Scheduled, Token, TopLogprob
+from server.protocol import ParsedRequest
+
+MIN_LOGPROB = -9999.0       # -inf is not valid JSON
+
+
+@dataclass
+class LogprobEntry:
+    token: str
+    logprob: float | None
+    top: list[TopLogprob] | None
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    started: bool = False           # first chunk (role / echo) sent
+    emitted_chars: int = 0          # text streamed so far (echo included): logprobs' text_offset
+
+
+class ResponseBuilder:
+    def __init__(self, parsed: ParsedRequest, request_id: str, model_name: str, created: int, tokenizer):
+        self.parsed = parsed
+        self.id = request_id
+        self.model = model_name
+        self.created = created
+        self.tokenizer = tokenizer
+        self.n = parsed.params.n
+        self.choices = {i: ChoiceState(i) for i in range(len(parsed.prompts) * self.n)}
+        self.cached_tokens = [0] * len(parsed.prompts)
+        self.prompt_logprobs: dict[int, list[LogprobEntry]] = {}
+        self.object = "text_completion" if parsed.kind == "completion" else "chat.completion"
+
+    # -- folding events ------------------------------------------------------------------------------
+    def on_event(self, prompt_idx: int, event) -> list[dict]:
+        """Fold one event in; return the stream chunks it yields (possibly none)."""
+        if isinstance(event, Scheduled):
+            self.cached_tokens[prompt_idx] = event.cached_tokens
+            return []
+        if isinstance(event, PromptLogprobs):
+            self.prompt_logprobs[prompt_idx] = self._prompt_entries(event)
+            return []
+        if isinstance(event, Token):
+            choice = self.choices[prompt_idx * self.n + event.index]
+            entry = None
+            if self.parsed.logprobs is not None:
+                entry = LogprobEntry(self.tokenizer.decode([event.token_id]), event.logprob,
+                                     event.top_logprobs[: self.parsed.logprobs])
+                choice.logprobs.append(entry)
+            choice.text.append(event.text)
+            choice.num_tokens += 1
+            return self._chunks(choice, prompt_idx, event.text, [entry] if entry else [])
+        if isinstance(event, Finished):
+            choice = self.choices[prompt_idx * self.n + event.index]
+            choice.finish_reason = event.reason
+            choice.stop_reason = event.stop_reason
+            choice.num_tokens = max(choice.num_tokens, event.usage.completion_tokens)
+            return self._chunks(choice, prompt_idx, "", [], finish=True)
+        return []
+
+    def _prompt_entries(self, event: PromptLogprobs) -> list[LogprobEntry]:
+        return [LogprobEntry(self.tokenizer.decode([t]), lp, top if lp is not None else None)
+                for t, lp, top in zip(event.token_ids, event.logprobs, event.top_logprobs)]
+
+    # -- stream chunks -------------------------------------------------------------------------------
+    def _chunks(self, choice: ChoiceState, prompt_idx: int, text: str, entries: list[LogprobEntry],
+                finish: bool = False) -> list[dict]:
+        chunks = []
+        if not choice.started:
+            choice.started = True
+            if self.parsed.kind == "chat":
+                chunks.append(self._chunk(choice.index, {"role": "assistant", "content": ""}, None))
+            elif self.parsed.echo:
+                text = self.parsed.echo_texts[prompt_idx] + text
+                entries = self.prompt_logprobs.get(prompt_idx, []) + entries
+        reason = choice.finish_reason if finish else None
+        if finish and not text and not entries and self.parsed.kind == "chat":
+            chunks.append(self._chunk(choice.index, {}, None, reason))
+        elif self.parsed.kind == "chat":
+            chunks.append(self._chunk(choice.index, {"content": text}, self._chat_logprobs(entries), reason))
+        else:
+            lp = (self._completion_logprobs(entries, choice.emitted_chars)
+                  if self.parsed.logprobs is not None else None)
+            choice.emitted_chars += len(text)
+            chunks.append(self._chunk(choice.index, text, lp, reason, choice.stop_reason if finish else None))
+        return chunks
+
+    def _chunk(self, index: int, content, logprobs, finish_reason=None, stop_reason=None) -> dict:
+        if self.parsed.kind == "chat":
+            choice = {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": content, "logprobs": logprobs,
+                      "finish_reason": finish_reason, "stop_reason": stop_reason}
+        chunk = {"id": self.id, "object": self._chunk_object(), "created": self.created,
+                 "model": self.model, "choices": [choice]}
+        if self.parsed.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _chunk_object(self) -> str:
+        return "text_completion" if self.parsed.kind == "completion" else "chat.completion.chunk"
+
+    def usage_chunk(self) -> dict:
+        return {"id": self.id, "object": self._chunk_object(), "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage()}
+
+    # -- final body ----------------------------------------------------------------------------------
+    def usage(self) -> dict:
+        prompt = sum(len(p) for p in self.parsed.prompts)
+        completion = sum(c.num_tokens for c in self.choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+
+    def response(self) -> dict:
+        choices = []
+        for i, c in sorted(self.choices.items()):
+            prompt_idx = i // self.n
+            if self.parsed.kind == "chat":
+                choices.append({"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+                                "logprobs": self._chat_logprobs(c.logprobs),
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                continue
+            text, entries = "".join(c.text), c.logprobs
+            if self.parsed.echo:
+                text = self.parsed.echo_texts[prompt_idx] + text
+                entries = self.prompt_logprobs.get(prompt_idx, []) + entries
+            lp = self._completion_logprobs(entries, 0) if self.parsed.logprobs is not None else None
+            choices.append({"index": i, "text": text, "logprobs": lp,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    def _completion_logprobs(self, entries: list[LogprobEntry], offset: int) -> dict:
+        offsets, pos = [], offset
+        for e in entries:
+            offsets.append(pos)
+            pos += len(e.token)
+        return {"tokens": [e.token for e in entries],
+                "token_logprobs": [_clamp(e.logprob) for e in entries],
+                "top_logprobs": [None if e.top is None else {t.token: _clamp(t.logprob) for t in e.top}
+                                 for e in entries],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, entries: list[LogprobEntry]) -> dict | None:
+        if self.parsed.logprobs is None:
+            return None
+        return {"content": [{"token": e.token, "logprob": _clamp(e.logprob),
+                             "bytes": list(e.token.encode("utf-8")),
+                             "top_logprobs": [{"token": t.token, "logprob": _clamp(t.logprob),
+                                               "bytes": list(t.token.encode("utf-8"))} for t in e.top or []]}
+                            for e in entries]}
+
+
+def _clamp(logprob: float | None) -> float | None:
+    return None if logprob is None else max(float(logprob), MIN_LOGPROB)
