@@ -1,12 +1,126 @@
-"""Host reference sampler. PLACEHOLDER (greedy only) until the engine-core work lands:
-it defines the semantics every sampler (the GPU one too) must reproduce."""
+"""Host reference sampler: defines the sampling semantics every sampler (the GPU one too)
+must reproduce. Per row, in this order:
+
+1. logit_bias is added to the raw logits.
+2. min_tokens: while num_generated < min_tokens, every stop token id is masked to -inf
+   (the engine folds EOS into stop_token_ids unless ignore_eos).
+3. penalties (as vLLM / OpenAI): repetition_penalty over prompt + output tokens (a positive
+   logit is divided by it, a negative one multiplied); frequency_penalty * count and
+   presence_penalty * [count > 0] subtracted, counting output tokens only.
+4. greedy (temperature == 0): argmax of the result (lowest id on ties).
+   Otherwise: divide by temperature, softmax, then min_p (drop p < min_p * max p), top_k
+   (keep tokens whose probability is >= the k-th largest: ties at the boundary are kept),
+   top_p (keep the most likely tokens, in descending order, until their mass reaches top_p;
+   the token that crosses it is kept), renormalize, and draw by inverse CDF over token ids
+   with one uniform u ~ U[0, 1) from numpy's default_rng([seed, num_generated]) — so a seeded
+   request draws the same whatever else is in the batch, and after a preemption.
+Logprobs (sampled token's, and the top-k with k <= 20) are of the RAW model distribution,
+log_softmax of the logits before any of the steps above (vLLM's default); prompt logprobs too.
+"""
 from __future__ import annotations
 
 import numpy as np
 
 from engine.batch import SampledToken, SeqStep
+from engine.request import SamplingParams
 
 
 def sample_step(logits: np.ndarray, seqs: list[SeqStep]) -> list[SampledToken]:
     """logits: float32 [S, V], one row per SeqStep with sample=True (in order)."""
-    return [SampledToken(s.seq_id, int(np.argmax(row))) for row, s in zip(logits, seqs)]
+    if len(logits) != len(seqs):
+        raise ValueError(f"{len(logits)} logit rows for {len(seqs)} sampled sequences")
+    return [sample_row(row, s) for row, s in zip(logits, seqs)]
+
+
+def sample_row(raw: np.ndarray, s: SeqStep) -> SampledToken:
+    p = s.params
+    logits = processed_logits(raw, p, s.history, s.prompt_len, s.num_generated)
+    if p.greedy:
+        token = int(np.argmax(logits))
+    else:
+        probs = filtered_probs(logits, p)
+        token = draw(probs, 0 if p.seed is None else p.seed, s.num_generated)
+    out = SampledToken(s.seq_id, token)
+    if p.logprobs is not None:
+        lp = log_softmax(raw)
+        out.logprob = float(lp[token])
+        out.top_logprobs = top_logprobs(lp, p.logprobs)
+    return out
+
+
+def processed_logits(raw: np.ndarray, p: SamplingParams, history: list[int], prompt_len: int,
+                     num_generated: int) -> np.ndarray:
+    """Steps 1-3: logit_bias, min_tokens mask, penalties. Returns a new float32 array."""
+    logits = np.array(raw, dtype=np.float32)
+    vocab = logits.shape[0]
+    for token, bias in p.logit_bias.items():
+        if 0 <= int(token) < vocab:
+            logits[int(token)] += bias
+    if num_generated < p.min_tokens and p.stop_token_ids:
+        ids = np.asarray([t for t in p.stop_token_ids if 0 <= t < vocab], dtype=np.int64)
+        logits[ids] = -np.inf
+    if p.repetition_penalty != 1.0 and history:
+        seen = np.unique(np.asarray(history, dtype=np.int64))
+        seen = seen[seen < vocab]
+        vals = logits[seen]
+        logits[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and len(history) > prompt_len:
+        counts = np.bincount(np.asarray(history[prompt_len:], dtype=np.int64), minlength=vocab)[:vocab]
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
+
+
+def filtered_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Step 4 before the draw: temperature, softmax, min_p, top_k, top_p; sums to 1."""
+    probs = softmax(logits / np.float32(p.temperature)).astype(np.float64)
+    if p.min_p > 0:
+        probs[probs < p.min_p * probs.max()] = 0.0
+    if p.top_k != -1 and p.top_k < probs.shape[0]:
+        kth = np.partition(probs, -p.top_k)[-p.top_k]
+        probs[probs < kth] = 0.0
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        sorted_probs = probs[order]
+        mass_before = (np.cumsum(sorted_probs) - sorted_probs) / sorted_probs.sum()
+        probs[order[mass_before >= p.top_p]] = 0.0
+    return probs / probs.sum()
+
+
+def draw(probs: np.ndarray, seed: int, step: int) -> int:
+    """Inverse-CDF draw over token ids with u from default_rng([seed, step])."""
+    u = np.random.default_rng([seed, step]).random()
+    cdf = np.cumsum(probs)
+    token = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    return min(token, probs.shape[0] - 1)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - np.max(x))
+    return e / e.sum()
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    m = np.max(x)
+    return (x - m - np.log(np.sum(np.exp(x - m)))).astype(np.float32)
+
+
+def top_logprobs(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, logprob), most likely first, lower id first on ties."""
+    if k <= 0:
+        return []
+    k = min(k, logprobs.shape[0])
+    part = np.argpartition(-logprobs, k - 1)[:k]
+    order = part[np.lexsort((part, -logprobs[part]))]
+    return [(int(t), float(logprobs[t])) for t in order]
+
+
+def prompt_logprobs(logits: np.ndarray, next_ids: list[int], k: int
+                    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Logprobs of next_ids[i] under logits[i] (raw distribution), plus each row's top-k."""
+    lps, tops = [], []
+    for row, token in zip(logits, next_ids):
+        lp = log_softmax(row)
+        lps.append(float(lp[token]))
+        tops.append(top_logprobs(lp, k))
+    return lps, tops

@@ -1,0 +1,343 @@
+"""The engine loop: one thread owns the executor and runs schedule -> execute -> emit events.
+
+Other threads talk to it only through `add_request` / `abort` (a queue) and the sinks they
+hand in (called on the engine thread with each TokenEvent, then None when the request is
+done). A failing request gets an Error and is dropped; the loop keeps serving the rest.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.batch import ModelBatch, StepOutput
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.events import (Error, Finished, PromptLogprobs, Rejected, Scheduled, Token,
+                           TokenEvent, TopLogprob, Usage)
+from engine.request import GenerateRequest
+from engine.scheduler import Scheduler, SchedulerOutput, blocks_for
+from engine.sequence import Sequence, SeqStatus
+from memory.block_manager import BlockManager
+
+log = logging.getLogger("openinfer.engine")
+
+Sink = Callable[[TokenEvent | None], None]
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0                # sequences
+    num_waiting: int = 0
+    num_requests: int = 0               # requests in flight
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0       # prompt tokens looked up
+    prefix_cache_hits: int = 0          # of which were cached
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass
+class _Request:
+    req: GenerateRequest
+    sink: Sink
+    seqs: list[Sequence]
+    detoks: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    unfinished: int = 1
+    cached_tokens: int = 0
+    scheduled: bool = False
+    prompt_lp: dict[int, tuple[float, list]] = field(default_factory=dict)
+
+
+class EngineLoop:
+    def __init__(self, executor, tokenizer, config: EngineConfig, max_model_len: int,
+                 eos_token_ids: list[int]):
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.config = config
+        self.max_model_len = max_model_len
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = int(executor.vocab_size)
+        self.block_manager = BlockManager(executor.num_kv_blocks, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.requests: dict[str, _Request] = {}
+        self._inbox: queue.Queue = queue.Queue()
+        self._seed_rng = random.Random(config.seed)
+        self._stats = EngineStats(kv_blocks_total=executor.num_kv_blocks)
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._steps = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- thread-safe surface -------------------------------------------------------------
+    def add_request(self, req: GenerateRequest, sink: Sink) -> None:
+        self._inbox.put(("add", req, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._inbox.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the loop ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            block = not self.scheduler.has_work()
+            self.drain_inbox(block=block)
+            if self.scheduler.has_work() and not self._stopping:
+                self.step()
+        for rid in list(self.requests):
+            self._fail(rid, "engine shut down")
+
+    def drain_inbox(self, block: bool = False) -> None:
+        while True:
+            try:
+                msg = self._inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if msg[0] == "add":
+                self._add(msg[1], msg[2])
+            elif msg[0] == "abort":
+                self._abort(msg[1])
+            else:
+                self._stopping = True
+                return
+
+    def step(self) -> None:
+        """One engine step: schedule, execute, turn the results into events."""
+        out = self.scheduler.schedule()
+        for seq in out.preempted:
+            log.debug("preempted seq %d of %s", seq.seq_id, seq.request_id)
+        self._register_forks(out.forked)
+        for seq in out.admitted:
+            self._on_scheduled(seq)
+        if out.steps:
+            try:
+                result = self.executor.execute(ModelBatch.build(out.steps))
+                if len(result.sampled) != sum(s.sample for s in out.steps):
+                    raise RuntimeError(f"executor sampled {len(result.sampled)} sequences, "
+                                       f"expected {sum(s.sample for s in out.steps)}")
+            except Exception as e:  # a broken step fails its requests, not the engine
+                log.exception("engine step failed")
+                for rid in {seq.request_id for seq in out.seqs}:
+                    self._fail(rid, f"engine step failed: {type(e).__name__}: {e}")
+            else:
+                self._process(out, result)
+        self._steps += 1
+        self._publish_stats()
+
+    # -- requests in ---------------------------------------------------------------------
+    def validate(self, req: GenerateRequest) -> str | None:
+        """The rejection reason for a request, or None if it can run."""
+        p = req.params
+        try:
+            p.validate()
+        except ValueError as e:
+            return str(e)
+        prompt = req.prompt_token_ids
+        if req.request_id in self.requests:
+            return f"request_id {req.request_id!r} is already in flight"
+        if not prompt:
+            return "prompt is empty: at least one token is needed"
+        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            return f"prompt token id {bad[0]!r} is out of the vocabulary range [0, {self.vocab_size})"
+        if len(prompt) + p.max_tokens > self.max_model_len:
+            return (f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) = "
+                    f"{len(prompt) + p.max_tokens} exceeds max_model_len ({self.max_model_len})")
+        if p.n > min(self.config.max_n, self.config.max_num_seqs):
+            return f"n must be <= {min(self.config.max_n, self.config.max_num_seqs)}, got {p.n}"
+        if blocks_for(len(prompt) + p.max_tokens) > self.block_manager.num_blocks:
+            return (f"prompt + max_tokens ({len(prompt) + p.max_tokens} tokens) needs more KV "
+                    f"cache than the engine has ({self.block_manager.num_blocks * 16} tokens)")
+        for t in list(p.logit_bias) + list(p.stop_token_ids):
+            if not 0 <= int(t) < self.vocab_size:
+                return f"token id {t} (logit_bias / stop_token_ids) is out of the vocabulary range"
+        return None
+
+    def _add(self, req: GenerateRequest, sink: Sink) -> None:
+        try:
+            reason = self.validate(req)
+        except Exception as e:
+            reason = f"invalid request: {type(e).__name__}: {e}"
+        if reason is not None:
+            self._send(sink, Rejected(req.request_id, reason))
+            self._send(sink, None)
+            return
+        p = req.params
+        stops = list(p.stop_token_ids) + ([] if p.ignore_eos else
+                                          [t for t in self.eos_token_ids if t not in p.stop_token_ids])
+        seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
+        params = dataclasses.replace(p, seed=seed, stop_token_ids=stops)
+        seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=req.request_id,
+                       token_ids=list(req.prompt_token_ids), prompt_len=len(req.prompt_token_ids),
+                       params=params, arrival=req.arrival_time, fork_count=p.n,
+                       want_prompt_logprobs=p.prompt_logprobs is not None)
+        state = _Request(req, sink, [seq], unfinished=p.n)
+        state.detoks[0] = self._detokenizer(req)
+        self.requests[req.request_id] = state
+        self.scheduler.add(seq)
+
+    def _detokenizer(self, req: GenerateRequest) -> IncrementalDetokenizer:
+        skip = req.params.skip_special_tokens
+        return IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip),
+                                      req.params.stop)
+
+    def _register_forks(self, forked: list[Sequence]) -> None:
+        for seq in forked:
+            state = self.requests[seq.request_id]
+            state.seqs.append(seq)
+            state.detoks[seq.index] = self._detokenizer(state.req)
+
+    def _on_scheduled(self, seq: Sequence) -> None:
+        state = self.requests[seq.request_id]
+        if not state.scheduled:
+            state.scheduled = True
+            state.cached_tokens = seq.num_cached_tokens
+            self._prompt_tokens += seq.prompt_len
+            self._send(state.sink, Scheduled(seq.request_id, seq.num_cached_tokens))
+
+    # -- results out ---------------------------------------------------------------------
+    def _process(self, out: SchedulerOutput, result: StepOutput) -> None:
+        self._register_forks(self.scheduler.advance(out))
+        for plp in result.prompt_logprobs:
+            self._collect_prompt_logprobs(out, plp)
+        sampled = iter(result.sampled)
+        for seq, step in zip(out.seqs, out.steps):
+            token = next(sampled) if step.sample else None
+            if seq.status is not SeqStatus.RUNNING or seq.request_id not in self.requests:
+                continue
+            try:
+                if seq.want_prompt_logprobs and seq.num_computed >= seq.prompt_len:
+                    self._emit_prompt_logprobs(seq)
+                if token is not None:
+                    self._on_token(seq, token)
+            except Exception as e:
+                log.exception("request %s failed", seq.request_id)
+                self._fail(seq.request_id, f"{type(e).__name__}: {e}")
+
+    def _collect_prompt_logprobs(self, out: SchedulerOutput, plp) -> None:
+        seq = next((s for s in out.seqs if s.seq_id == plp.seq_id), None)
+        if seq is None or seq.request_id not in self.requests:
+            return
+        state = self.requests[seq.request_id]
+        for i, (lp, top) in enumerate(zip(plp.logprobs, plp.top_logprobs)):
+            state.prompt_lp[plp.start_pos + 1 + i] = (lp, top)
+
+    def _emit_prompt_logprobs(self, seq: Sequence) -> None:
+        seq.want_prompt_logprobs = False
+        state = self.requests[seq.request_id]
+        prompt = seq.token_ids[:seq.prompt_len]
+        lps: list[float | None] = [None]
+        tops: list[list[TopLogprob]] = [[]]
+        for pos in range(1, seq.prompt_len):
+            lp, top = state.prompt_lp.get(pos, (None, []))
+            lps.append(lp)
+            tops.append(self._top(top))
+        self._send(state.sink, PromptLogprobs(seq.request_id, prompt, lps, tops))
+
+    def _top(self, pairs) -> list[TopLogprob]:
+        return [TopLogprob(t, self.tokenizer.decode([t], skip_special_tokens=False), lp)
+                for t, lp in pairs]
+
+    def _on_token(self, seq: Sequence, sampled) -> None:
+        state = self.requests[seq.request_id]
+        p = seq.params
+        token = sampled.token_id
+        seq.token_ids.append(token)
+        self._generation_tokens += 1
+        detok = state.detoks[seq.index]
+        past_min = seq.num_generated >= p.min_tokens
+        reason, stop_reason = None, None
+        if past_min and token in p.stop_token_ids:
+            reason = "stop"
+            stop_reason = token if token in state.req.params.stop_token_ids else None
+            delta = detok.finish()
+        else:
+            delta, stop_str = detok.add(token, check_stop=past_min)
+            if stop_str is not None:
+                reason, stop_reason = "stop", stop_str
+            elif seq.num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                reason = "length"
+                delta += detok.finish()
+        self._send(state.sink, Token(seq.request_id, token, delta, seq.index, sampled.logprob,
+                                     self._top(sampled.top_logprobs)))
+        if reason is not None:
+            self._finish_seq(seq, reason, stop_reason)
+
+    def _finish_seq(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        state = self.requests[seq.request_id]
+        self.scheduler.finish(seq)
+        usage = Usage(seq.prompt_len, seq.num_generated, state.cached_tokens)
+        self._send(state.sink, Finished(seq.request_id, reason, usage, seq.index, stop_reason))
+        state.unfinished -= 1
+        if state.unfinished == 0:
+            del self.requests[seq.request_id]
+            self._send(state.sink, None)
+
+    def _abort(self, request_id: str) -> None:
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        live = [s for s in state.seqs if s.status is not SeqStatus.FINISHED]
+        # samples not forked yet also end, as aborted
+        for index in range(len(state.seqs), state.req.params.n):
+            state.unfinished -= 1
+            usage = Usage(len(state.req.prompt_token_ids), 0, state.cached_tokens)
+            self._send(state.sink, Finished(request_id, "abort", usage, index))
+        for seq in live:
+            seq.fork_count = 1
+            self._finish_seq(seq, "abort")
+
+    def _fail(self, request_id: str, message: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return
+        for seq in state.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.finish(seq)
+        self._send(state.sink, Error(request_id, message))
+        self._send(state.sink, None)
+
+    def _send(self, sink: Sink, event: TokenEvent | None) -> None:
+        try:
+            sink(event)
+        except Exception:  # a consumer that went away must not stop the engine
+            log.debug("dropping an event for a closed consumer", exc_info=True)
+
+    def _publish_stats(self) -> None:
+        bm = self.block_manager
+        self._stats = EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_requests=len(self.requests), kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_total=bm.num_blocks, prefix_cache_queries=bm.query_tokens,
+            prefix_cache_hits=bm.hit_tokens, prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps)

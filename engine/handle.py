@@ -1,0 +1,196 @@
+"""EngineHandle: the engine as the server (or a script) sees it.
+
+    handle = EngineHandle(EngineConfig(model="path/or/file.gguf"))
+    async for event in handle.submit(GenerateRequest("r1", ids, SamplingParams(max_tokens=8))):
+        ...                                   # Scheduled, Token..., Finished (or Rejected / Error)
+    outputs = handle.generate(["Hello"], SamplingParams(temperature=0))   # blocking, offline
+
+The engine loop runs in its own thread and owns the executor; `submit` may be called from
+any asyncio event loop, `abort`, `stats` and `generate` from any thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop, EngineStats
+from engine.events import (Error, Finished, PromptLogprobs, Rejected,
+                           Scheduled, Token, TokenEvent)
+from engine.request import GenerateRequest, SamplingParams
+
+__all__ = ["EngineHandle", "EngineStats", "RequestStream", "RequestOutput", "SampleOutput"]
+
+
+class RequestStream:
+    """Async iterator over one request's TokenEvents; ends after its last terminal event.
+    Leaving it early (aclose, or breaking out of `async for` and calling abort) frees the
+    request in the engine."""
+
+    def __init__(self, handle: "EngineHandle", request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._handle = handle
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._done = False
+
+    def _push(self, event: TokenEvent | None) -> None:   # engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        event = await self._queue.get()
+        if event is None:
+            self._done = True
+            raise StopAsyncIteration
+        return event
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._handle.abort(self.request_id)
+
+
+@dataclass
+class SampleOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[list] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What `generate` returns per prompt: all samples, finished."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[SampleOutput]
+    cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
+    error: str | None = None                 # the Rejected / Error reason, if it failed
+
+
+class EngineHandle:
+    def __init__(self, config: EngineConfig | None = None, *, executor=None, tokenizer=None,
+                 model_name: str | None = None, max_model_len: int | None = None,
+                 eos_token_ids: list[int] | None = None):
+        """Build from config (loads the model and its executor), or wrap an already built
+        executor + tokenizer (then max_model_len defaults to what the KV pool holds)."""
+        self.config = config or EngineConfig()
+        self.config.validate()
+        if executor is None:
+            executor, tokenizer, info = _build(self.config)
+            model_name = model_name or info["model_name"]
+            max_model_len = max_model_len or info["max_model_len"]
+            eos_token_ids = eos_token_ids if eos_token_ids is not None else info["eos_token_ids"]
+        if tokenizer is None:
+            raise ValueError("EngineHandle needs a tokenizer with an executor")
+        self.tokenizer = tokenizer
+        self.executor = executor
+        self.model_name = self.config.served_model_name or model_name or "openinfer"
+        self.max_model_len = (self.config.max_model_len or max_model_len
+                              or executor.num_kv_blocks * 16)
+        if eos_token_ids is None:
+            eos_token_ids = _tokenizer_eos_ids(tokenizer)
+        self._engine = EngineLoop(executor, tokenizer, self.config, self.max_model_len,
+                                  eos_token_ids)
+        self._ids = itertools.count()
+        self._closed = False
+        self._engine.start()
+
+    @property
+    def engine(self) -> EngineLoop:
+        """The loop itself (tests inspect its block manager and scheduler)."""
+        return self._engine
+
+    def submit(self, req: GenerateRequest) -> RequestStream:
+        """Queue a request; iterate the result with `async for`. Call from a running loop."""
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
+        self._engine.add_request(req, stream._push)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End a request early: its samples finish with reason "abort", its KV is freed."""
+        self._engine.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts (text or token ids) to completion; blocks. One RequestOutput per prompt,
+        in order."""
+        params = params or SamplingParams()
+        sinks = []
+        for prompt in prompts:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"generate-{next(self._ids)}"
+            q: queue.Queue = queue.Queue()
+            self._engine.add_request(GenerateRequest(rid, ids, params), q.put)
+            sinks.append((rid, ids, q))
+        return [_collect(rid, ids, q, params.n) for rid, ids, q in sinks]
+
+    def shutdown(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._engine.shutdown()
+            close = getattr(self.executor, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> "EngineHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _collect(rid: str, ids: list[int], q: queue.Queue, n: int) -> RequestOutput:
+    out = RequestOutput(rid, ids, [SampleOutput(i) for i in range(n)])
+    while (event := q.get()) is not None:
+        if isinstance(event, Scheduled):
+            out.cached_tokens = event.cached_tokens
+        elif isinstance(event, PromptLogprobs):
+            out.prompt_logprobs = event
+        elif isinstance(event, Token):
+            sample = out.outputs[event.index]
+            sample.text += event.text
+            sample.token_ids.append(event.token_id)
+            sample.logprobs.append(event.logprob)
+            sample.top_logprobs.append(event.top_logprobs)
+        elif isinstance(event, Finished):
+            out.outputs[event.index].finish_reason = event.reason
+            out.outputs[event.index].stop_reason = event.stop_reason
+        elif isinstance(event, (Rejected, Error)):
+            out.error = event.reason if isinstance(event, Rejected) else event.message
+    return out
+
+
+def _tokenizer_eos_ids(tokenizer) -> list[int]:
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        one = getattr(tokenizer, "eos_token_id", None)
+        ids = [] if one is None else [one]
+    return [int(i) for i in ids]
+
+
+def _build(config: EngineConfig):
+    """Load the model named by config and build its executor and tokenizer."""
+    from engine.executor.factory import create_executor
+    from engine.tokenizer import Tokenizer
+    executor, model_info = create_executor(config)
+    tokenizer = Tokenizer.from_dir(model_info.path)
+    info = {"model_name": model_info.name, "max_model_len": model_info.max_model_len,
+            "eos_token_ids": model_info.eos_token_ids}
+    return executor, tokenizer, info

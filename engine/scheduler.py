@@ -1,0 +1,209 @@
+"""Continuous-batching scheduler: FCFS, chunked prefill mixed with decodes under a token
+budget, preemption by recompute when KV blocks run out, n > 1 by forking after prefill.
+
+Each step: running sequences first (oldest first; a decode costs 1 token, an unfinished
+prefill the rest of its prompt up to the budget), preempting the youngest running sequence
+whenever blocks run out; then, if nothing was preempted, waiting sequences join while the
+budget, max_num_seqs and the KV pool allow. A waiting sequence starts from its longest
+prefix-cache hit.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.batch import BLOCK_SIZE, SeqStep
+from engine.sequence import Sequence, SeqStatus
+from memory.block_manager import BlockManager
+
+
+def blocks_for(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
+@dataclass
+class SchedulerOutput:
+    steps: list[SeqStep] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)         # parallel to steps
+    admitted: list[Sequence] = field(default_factory=list)     # left waiting this step
+    preempted: list[Sequence] = field(default_factory=list)
+    forked: list[Sequence] = field(default_factory=list)       # new samples of n > 1 requests
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.steps)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._next_seq_id = 0
+
+    def new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, budget)
+            if n and not self._reserve(seq, n, out):
+                break                                    # seq preempted itself
+            if n:
+                self._add_step(seq, n, out)
+                budget -= n
+            i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if len(self.running) + seq.fork_count > self.max_num_seqs:
+                break
+            if not self._admit(seq, budget, out):
+                break
+            self.waiting.popleft()
+            group = self._fork(seq, out) if self._fork_ready(seq) else [seq]
+            for s in group:
+                n = self._chunk(s, budget)
+                if n and self.bm.can_allocate(blocks_for(s.num_computed + n) - len(s.block_table)):
+                    s.block_table += self.bm.allocate(blocks_for(s.num_computed + n) - len(s.block_table))
+                    self._add_step(s, n, out)
+                    budget -= n
+        return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq to feed this step (0: none fit)."""
+        end = seq.fork_at if seq.fork_count > 1 else len(seq.token_ids)
+        remaining = end - seq.num_computed
+        if seq.want_prompt_logprobs and remaining > budget:
+            # prompt logprobs come from one unchunked prefill; it may overrun an empty step
+            return remaining if budget == self.max_num_batched_tokens else 0
+        return min(remaining, budget)
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for n more tokens of a running seq, preempting the youngest running
+        sequences as needed. False if seq itself had to go."""
+        need = blocks_for(seq.num_computed + n) - len(seq.block_table)
+        while not self.bm.can_allocate(need):
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        seq.block_table += self.bm.allocate(need)
+        return True
+
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        """Move a waiting seq to running with its prefix-cache hit, if its first chunk fits."""
+        hit: list[int] = []
+        if not seq.want_prompt_logprobs:
+            limit = (len(seq.token_ids) - 1) // BLOCK_SIZE
+            if seq.fork_count > 1:
+                limit = seq.fork_at // BLOCK_SIZE
+            hit = self.bm.lookup(seq.block_hashes(limit)) if self.bm.enable_prefix_caching else []
+        seq.num_computed = len(hit) * BLOCK_SIZE
+        n = self._chunk(seq, budget)
+        need = blocks_for(seq.num_computed + n) - len(hit)
+        # blocks taken from the LRU by the hit itself no longer count as free
+        lru_hits = sum(self.bm.ref_counts[b] == 0 for b in hit)
+        if need + lru_hits > self.bm.num_free_blocks or (n == 0 and not self._fork_ready(seq)):
+            seq.num_computed = 0
+            return False
+        self.bm.acquire(hit)
+        seq.block_table = list(hit)
+        self.bm.record_query(len(seq.token_ids), seq.num_computed)
+        seq.num_cached_tokens = seq.num_computed
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        out.admitted.append(seq)
+        return True
+
+    def _fork_ready(self, seq: Sequence) -> bool:
+        return seq.fork_count > 1 and seq.num_computed >= seq.fork_at
+
+    def _fork(self, parent: Sequence, out: SchedulerOutput) -> list[Sequence]:
+        """Split an n > 1 parent into its n samples; they share the prefilled blocks."""
+        group = [parent]
+        for index in range(1, parent.fork_count):
+            child = parent.fork(self.new_seq_id(), index)
+            self.bm.fork(child.block_table)
+            child.status = SeqStatus.RUNNING
+            group.append(child)
+        parent.fork_count = 1
+        at = self.running.index(parent) + 1
+        self.running[at:at] = group[1:]
+        out.forked += group[1:]
+        return group
+
+    def _add_step(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        start = seq.num_computed
+        end = start + n
+        out.seqs.append(seq)
+        out.steps.append(SeqStep(
+            seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
+            block_table=list(seq.block_table),
+            sample=end == len(seq.token_ids) and seq.fork_count == 1,
+            params=seq.params, prompt_len=seq.prompt_len, history=seq.token_ids,
+            num_generated=seq.num_generated,
+            want_prompt_logprobs=seq.want_prompt_logprobs and start < seq.prompt_len,
+            lora_id=seq.lora_id))
+
+    # -- after the step ------------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """Account the step's computed tokens (before sampled tokens are appended): cache
+        newly full blocks, fork n > 1 parents that finished their shared prefill.
+        Returns the forked samples."""
+        forked = []
+        for seq, step in zip(out.seqs, out.steps):
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            before = seq.num_computed // BLOCK_SIZE
+            seq.num_computed += len(step.token_ids)
+            after = seq.num_computed // BLOCK_SIZE
+            if after > before and self.bm.enable_prefix_caching:
+                hashes = seq.block_hashes(after)
+                for b in range(before, after):
+                    parent = hashes[b - 1] if b else 0
+                    tokens = seq.token_ids[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]
+                    self.bm.cache_block(seq.block_table[b], hashes[b], parent, tokens, seq.lora_id)
+            if self._fork_ready(seq):
+                forked += self._fork(seq, out)[1:]
+        return forked
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop its KV, back to the front of the queue."""
+        self.running.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a sequence (done or aborted) and its blocks' references."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.bm.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SeqStatus.FINISHED

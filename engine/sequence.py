@@ -1,0 +1,83 @@
+"""Sequence: one sample of one request as the scheduler tracks it (tokens, KV blocks, progress)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.batch import BLOCK_SIZE
+from engine.request import SamplingParams
+from memory.prefix_hash import NO_PARENT, hash_block
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+def sample_seed(base_seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with base_seed (sample 0 keeps it)."""
+    return (base_seed + index * _SEED_STRIDE) % (1 << 63)
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """token_ids holds prompt + output; the first num_computed of them have KV in block_table.
+
+    A request with n > 1 starts as one sequence with fork_count = n: it prefills the prompt's
+    full blocks up to fork_at, then forks into n sequences that share those blocks.
+    `params` are the effective ones: a concrete seed, EOS folded into stop_token_ids."""
+    seq_id: int
+    request_id: str
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    index: int = 0
+    lora_id: int = 0
+    arrival: float = 0.0
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    fork_count: int = 1
+    want_prompt_logprobs: bool = False
+    num_cached_tokens: int = 0
+    _hashes: list[int] = field(default_factory=list)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def fork_at(self) -> int:
+        """Tokens to prefill before forking: the prompt's full blocks, leaving >= 1 token.
+        Prompt logprobs need one unchunked prefill, so such requests fork right away."""
+        if self.want_prompt_logprobs:
+            return 0
+        return (self.prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+    def block_hashes(self, num_blocks: int) -> list[int]:
+        """Prefix-cache hashes of the first num_blocks full blocks (memoized; tokens of a full
+        block never change)."""
+        while len(self._hashes) < num_blocks:
+            b = len(self._hashes)
+            parent = self._hashes[-1] if self._hashes else NO_PARENT
+            tokens = self.token_ids[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]
+            assert len(tokens) == BLOCK_SIZE, "hash of a partial block"
+            self._hashes.append(hash_block(parent, tokens, self.lora_id))
+        return self._hashes[:num_blocks]
+
+    def fork(self, seq_id: int, index: int) -> "Sequence":
+        """Sample `index` of this (sample-0) sequence, at the same progress. The scheduler
+        shares the blocks and bumps their refcounts."""
+        params = dataclasses.replace(self.params, seed=sample_seed(self.params.seed, index))
+        return dataclasses.replace(
+            self, seq_id=seq_id, index=index, params=params, token_ids=list(self.token_ids),
+            block_table=list(self.block_table), fork_count=1, want_prompt_logprobs=False,
+            _hashes=list(self._hashes))

@@ -1,0 +1,190 @@
+"""Paged KV block manager: 16-token blocks, reference counts, prefix cache with LRU eviction.
+
+A block is in exactly one state:
+  free     refcount 0, no hash          (in `_free`, handed out first)
+  cached   refcount 0, hash registered  (in `_lru`, reusable by a prefix hit, evicted LRU-first)
+  in use   refcount > 0                 (held by one or more sequences; may also carry a hash)
+Only full, computed blocks get a hash (`cache_block`); a hit hands the same block to another
+sequence (refcount + 1), so shared blocks are never written again. Subscribers see
+BlockStored when a block enters the cache and BlockRemoved when it is evicted from it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.batch import BLOCK_SIZE
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hash: int
+    parent_hash: int
+    token_ids: tuple[int, ...]
+    adapter_id: int
+    block_id: int
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hash: int
+    block_id: int
+
+
+KVEvent = BlockStored | BlockRemoved
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
+                 block_size: int = BLOCK_SIZE):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}                     # hash -> block id
+        self._free: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()     # cached blocks with refcount 0
+        self._subscribers: list[Callable[[KVEvent], None]] = []
+        self.query_tokens = 0                                 # prefix-cache lookups, in tokens
+        self.hit_tokens = 0
+
+    # -- observation ---------------------------------------------------------------------
+    def subscribe(self, callback: Callable[[KVEvent], None]) -> None:
+        """callback(event) for every BlockStored / BlockRemoved, on the engine thread."""
+        self._subscribers.append(callback)
+
+    def _emit(self, event: KVEvent) -> None:
+        for callback in self._subscribers:
+            callback(event)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    # -- allocation ----------------------------------------------------------------------
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free_blocks
+
+    def allocate(self, n: int) -> list[int]:
+        """n fresh blocks with refcount 1; evicts least-recently-used cached blocks if needed."""
+        if n > self.num_free_blocks:
+            raise NoFreeBlocks(f"need {n} KV blocks, {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.popleft()
+            else:
+                block, _ = self._lru.popitem(last=False)
+                self._uncache(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def fork(self, blocks: list[int]) -> None:
+        """Another sequence shares these blocks."""
+        for block in blocks:
+            if self.ref_counts[block] <= 0:
+                raise ValueError(f"fork of block {block} that is not in use")
+            self.ref_counts[block] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block. Tail blocks go first so that, under eviction,
+        a prefix outlives its continuations."""
+        for block in reversed(blocks):
+            if self.ref_counts[block] <= 0:
+                raise ValueError(f"double free of block {block}")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.block_hash[block] is None:
+                    self._free.append(block)
+                else:
+                    self._lru[block] = None
+
+    # -- prefix cache --------------------------------------------------------------------
+    def lookup(self, block_hashes: list[int]) -> list[int]:
+        """Blocks of the longest cached prefix of this hash chain (no refcount change)."""
+        blocks = []
+        if self.enable_prefix_caching:
+            for h in block_hashes:
+                block = self.cached.get(h)
+                if block is None:
+                    break
+                blocks.append(block)
+        return blocks
+
+    def acquire(self, blocks: list[int]) -> None:
+        """Take a reference to cached blocks found by lookup (a prefix hit)."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                self._lru.pop(block)
+            self.ref_counts[block] += 1
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.query_tokens += num_tokens
+        self.hit_tokens += num_hit_tokens
+
+    def cache_block(self, block: int, block_hash: int, parent_hash: int, token_ids: list[int],
+                    adapter_id: int = 0) -> None:
+        """Register a full, computed block under its hash. A hash already cached in another
+        block keeps that block; this one stays private."""
+        if not self.enable_prefix_caching or self.block_hash[block] is not None:
+            return
+        if block_hash in self.cached:
+            return
+        self.block_hash[block] = block_hash
+        self.cached[block_hash] = block
+        self._emit(BlockStored(block_hash, parent_hash, tuple(token_ids), adapter_id, block))
+
+    def _uncache(self, block: int) -> None:
+        block_hash = self.block_hash[block]
+        self.block_hash[block] = None
+        del self.cached[block_hash]
+        self._emit(BlockRemoved(block_hash, block))
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every unreferenced cached block; returns how many."""
+        n = len(self._lru)
+        while self._lru:
+            block, _ = self._lru.popitem(last=False)
+            self._uncache(block)
+            self._free.append(block)
+        return n
+
+    # -- checking ------------------------------------------------------------------------
+    def check_invariants(self, idle: bool = False) -> None:
+        """Raise AssertionError on any inconsistency. idle: nothing runs, so every block must
+        be free or cached and every refcount zero."""
+        free, lru = set(self._free), set(self._lru)
+        assert len(free) == len(self._free), "a block is twice in the free list"
+        assert not free & lru, f"blocks both free and cached: {sorted(free & lru)}"
+        for block in range(self.num_blocks):
+            ref, h = self.ref_counts[block], self.block_hash[block]
+            assert ref >= 0, f"block {block}: negative refcount {ref}"
+            if ref > 0:
+                assert block not in free and block not in lru, f"block {block}: in use and free"
+            elif h is None:
+                assert block in free, f"block {block}: refcount 0, no hash, not in the free list"
+            else:
+                assert block in lru, f"block {block}: refcount 0, hashed, not in the LRU"
+            if h is not None:
+                assert self.cached.get(h) == block, f"block {block}: hash not mapped back to it"
+            if idle:
+                assert ref == 0, f"block {block}: refcount {ref} while idle"
+        assert len(self.cached) == sum(h is not None for h in self.block_hash), "stale hash map"

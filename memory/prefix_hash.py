@@ -1,0 +1,33 @@
+"""Prefix-cache block hashes: a chain over full 16-token blocks.
+
+hash(block i) = H(hash(block i-1), adapter id, token ids of block i), with the first block's
+parent fixed to NO_PARENT. Equal hashes mean equal token prefixes (up to a 64-bit collision)
+under the same adapter, so a block's KV can be shared. The hash is stable across processes
+(blake2b, not Python's salted hash()), so the host KV tier can key blocks by it too.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+NO_PARENT = 0
+
+
+def hash_block(parent_hash: int, token_ids: list[int], adapter_id: int = 0) -> int:
+    """64-bit hash of one full block given its parent's hash."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(int(parent_hash).to_bytes(8, "little"))
+    h.update(int(adapter_id).to_bytes(8, "little", signed=True))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def hash_chain(token_ids: list[int], block_size: int, adapter_id: int = 0,
+               parent_hash: int = NO_PARENT) -> list[int]:
+    """Hashes of every full block of token_ids, in order."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash_block(parent_hash, token_ids[start:start + block_size], adapter_id)
+        hashes.append(parent_hash)
+    return hashes

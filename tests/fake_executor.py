@@ -1,0 +1,85 @@
+"""A deterministic stand-in model for engine tests: it really uses the paged KV layout.
+
+Each step writes every fed token id into its KV slot (block_table[p // 16] * 16 + p % 16);
+the logits at position p are a pseudo-random vector seeded by a hash of the whole context
+read back through the block table. A wrong block table, a stale or shared-and-overwritten
+block, or a missing token changes the logits, so engine bugs change the output.
+The tokenizer is byte-level with a few multi-byte and special tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
+from engine.sampling import prompt_logprobs, sample_step
+
+EOS = 256
+EXTRA = {257: "é".encode(), 258: b"ab", 259: "€".encode()[:2], 260: "€".encode()[2:], 261: " the"}
+VOCAB = 262
+
+
+class FakeTokenizer:
+    eos_token_ids = [EOS]
+    vocab_size = VOCAB
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out = b""
+        for t in ids:
+            if t < 256:
+                out += bytes([t])
+            elif t == EOS:
+                out += b"" if skip_special_tokens else b"</s>"
+            else:
+                out += EXTRA[t]
+        return out.decode("utf-8", errors="replace")
+
+
+class FakeExecutor:
+    def __init__(self, num_kv_blocks: int = 64, vocab_size: int = VOCAB, scale: float = 4.0,
+                 fail_on_token: int | None = None):
+        self.num_kv_blocks = num_kv_blocks
+        self.vocab_size = vocab_size
+        self.scale = scale
+        self.fail_on_token = fail_on_token       # raise when this token id is fed (error tests)
+        self.kv = np.full(num_kv_blocks * BLOCK_SIZE, -1, dtype=np.int64)
+        self.steps: list[ModelBatch] = []
+
+    def _row_logits(self, context: np.ndarray) -> np.ndarray:
+        h = 1469598103934665603
+        for t in context.tolist():
+            h = ((h ^ (t + 1)) * 1099511628211) % (1 << 64)
+        rng = np.random.default_rng(h)
+        return (rng.standard_normal(self.vocab_size) * self.scale).astype(np.float32)
+
+    def forward_logits(self, batch: ModelBatch) -> np.ndarray:
+        if self.fail_on_token is not None and self.fail_on_token in batch.input_ids:
+            raise RuntimeError("injected failure")
+        self.kv[batch.slot_mapping] = batch.input_ids
+        rows = []
+        for i, s in enumerate(batch.seqs):
+            table = batch.block_tables[i]
+            positions = np.arange(s.context_len)
+            context = self.kv[table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE]
+            assert (context >= 0).all(), f"seq {s.seq_id} reads a KV slot never written"
+            for p in range(s.start_pos, s.context_len):
+                rows.append(self._row_logits(context[: p + 1]))
+        return np.stack(rows)
+
+    def execute(self, batch: ModelBatch) -> StepOutput:
+        self.steps.append(batch)
+        logits = self.forward_logits(batch)
+        sampled = sample_step(logits[batch.sample_rows], [s for s in batch.seqs if s.sample])
+        plps = []
+        for i, s in enumerate(batch.seqs):
+            if s.want_prompt_logprobs:
+                rows = logits[batch.cu_seqlens[i]: batch.cu_seqlens[i + 1] - 1]
+                k = s.params.prompt_logprobs or 0
+                lps, tops = prompt_logprobs(rows, s.token_ids[1:], k)
+                plps.append(PromptLogprobResult(s.seq_id, s.start_pos, lps, tops))
+        return StepOutput(sampled, plps)
+
+    def close(self) -> None:
+        pass
