@@ -1,0 +1,212 @@
+"""The benchmark client's timing against a fake SSE server whose per-chunk delays the test controls."""
+import asyncio
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.common import SSEParser, build_payload, make_client, send_request, RequestSpec
+from bench.common_metrics import tpot
+from bench.serve import run_benchmark
+
+QWEN_TOKENIZER = "/work/shared/models/qwen-tokenizer/tokenizer.json"
+
+
+class FakeServer:
+    """A tiny HTTP/1.1 server in its own thread. `scripts[prompt]` is the list of chunks to stream for
+    that prompt: (delay before the chunk in s, text, tokens in it); usage counts the tokens."""
+
+    def __init__(self):
+        self.scripts: dict[str, list[tuple[float, str, int]]] = {}
+        self.status = 200
+        self.arrivals: list[float] = []
+        self.in_flight = self.peak_in_flight = 0
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self.thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
+        self.thread.start()
+        ready.wait(10)
+
+    def _serve(self, ready):
+        asyncio.set_event_loop(self.loop)
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        ready.set()
+        self.loop.run_forever()
+
+    def stop(self):
+        async def shutdown():
+            self.server.close()
+            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in handlers:
+                task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+    async def _handle(self, reader, writer):
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode().split("\r\n")
+                length = next((int(x.split(":")[1]) for x in lines if x.lower().startswith("content-length")), 0)
+                body = json.loads(await reader.readexactly(length)) if length else {}
+                if lines[0].startswith("GET /v1/models"):
+                    data = json.dumps({"data": [{"id": "fake-model"}]}).encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+                    await writer.drain()
+                    continue
+                await self._stream(body, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def _stream(self, body, writer):
+        self.arrivals.append(time.perf_counter())
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            if self.status != 200:
+                msg = b"boom"
+                writer.write(b"HTTP/1.1 %d Error\r\nContent-Length: %d\r\n\r\n%s" % (self.status, len(msg), msg))
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            script = self.scripts.get(body.get("prompt"), self.scripts.get("*"))
+            events = []
+            for delay, text, _ in script:
+                events.append((delay, {"choices": [{"index": 0, "text": text, "finish_reason": None}]}))
+            usage = {"prompt_tokens": 7, "completion_tokens": sum(n for *_, n in script),
+                     "prompt_tokens_details": {"cached_tokens": 3}}
+            events.append((0.0, {"choices": [], "usage": usage}))
+            for delay, event in events + [(0.0, "[DONE]")]:
+                await asyncio.sleep(delay)
+                data = b"data: " + (event if isinstance(event, str) else json.dumps(event)).encode() + b"\n\n"
+                writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+        finally:
+            await writer.drain()
+            self.in_flight -= 1
+
+
+@pytest.fixture
+def server():
+    s = FakeServer()
+    yield s
+    s.stop()
+
+
+def _send(server, prompt="p", output_len=4):
+    async def go():
+        async with make_client() as client:
+            payload = build_payload(RequestSpec(prompt, 7, output_len), "fake-model", "completions", True)
+            return await send_request(client, server.url + "/v1/completions", payload, 7)
+    return asyncio.run(go())
+
+
+# Seconds of slack above an injected delay: sleep overshoot, event-loop wake-up and thread hand-over
+# on a loaded 2-core machine. A measured time is never below its injected delay (minus clock noise),
+# and the injected delays differ by far more than TOL, so a metric taken from the wrong chunk fails.
+TOL = 0.05
+EPS = 0.002
+
+
+def test_ttft_itl_tpot_match_injected_delays(server):
+    gaps = [0.08, 0.24, 0.02, 0.14]
+    # an empty-text chunk (as a role or held-back chunk) comes first: TTFT waits for the first text
+    server.scripts["p"] = [(0.10, "", 0), (0.15, "a", 1)] + [(g, "b", 1) for g in gaps]
+    r = _send(server)
+    assert r.success, r.error
+    assert 0.25 - EPS <= r.ttft <= 0.25 + TOL
+    assert len(r.itl) == len(gaps)
+    np.testing.assert_allclose(r.itl, gaps, atol=TOL)
+    assert 0.25 + sum(gaps) - EPS <= r.latency <= 0.25 + sum(gaps) + TOL
+    assert r.output_tokens == 5 and r.prompt_len == 7 and r.cached_tokens == 3
+    assert tpot(r) == pytest.approx(sum(gaps) / 4, abs=TOL / 2)
+    assert tpot(r) == pytest.approx((r.latency - r.ttft) / 4, rel=1e-12)
+    assert r.generated_text == "abbbb"
+
+
+def test_output_tokens_come_from_usage_not_chunk_count(server):
+    # two tokens per chunk: 4 chunks, 8 tokens -> 3 ITL gaps but TPOT divides by 7
+    server.scripts["p"] = [(0.08, "ab", 2)] + [(0.07, "cd", 2)] * 3
+    r = _send(server)
+    assert r.success and r.output_tokens == 8 and len(r.itl) == 3
+    assert tpot(r) == pytest.approx(0.21 / 7, abs=TOL / 7)
+    assert tpot(r) < 0.21 / 3 - TOL / 3  # dividing by the 3 gaps instead would be caught
+
+
+def test_failures_are_reported_not_raised(server):
+    server.status = 500
+    r = _send(server)
+    assert not r.success and "HTTP 500" in r.error and "boom" in r.error
+    server.status = 200
+    server.scripts["p"] = [(0.01, "", 0)]
+    r = _send(server)
+    assert not r.success and "no chunk with text" in r.error
+    r = asyncio.run(_closed_port())
+    assert not r.success and r.error
+
+
+async def _closed_port():
+    async with make_client() as client:
+        return await send_request(client, "http://127.0.0.1:9/v1/completions", {}, 1)
+
+
+def test_sse_parser_handles_split_events_crlf_and_comments():
+    p = SSEParser()
+    assert p.feed(b'data: {"a"') == []
+    assert p.feed(b': 1}\r\n\r\n: ping\n\ndata: [DO') == ['{"a": 1}']
+    assert p.feed(b"NE]\n\n") == ["[DONE]"]
+
+
+def test_max_concurrency_is_respected(server):
+    server.scripts["*"] = [(0.1, "x", 1)]
+    specs = [RequestSpec(f"q{i}", 7, 1) for i in range(6)]
+    results, duration = asyncio.run(run_benchmark(specs, server.url, "fake-model", float("inf"),
+                                                  max_concurrency=2))
+    assert all(r.success for r in results)
+    assert server.peak_in_flight == 2
+    assert duration == pytest.approx(0.3, abs=0.1)
+
+
+def test_arrivals_follow_the_request_rate(server):
+    server.scripts["*"] = [(0.0, "x", 1)]
+    specs = [RequestSpec(f"q{i}", 7, 1) for i in range(8)]
+    asyncio.run(run_benchmark(specs, server.url, "fake-model", 20.0, burstiness=float("inf")))
+    gaps = np.diff(server.arrivals)
+    np.testing.assert_allclose(gaps, 0.05, atol=0.03)
+    server.arrivals.clear()
+    asyncio.run(run_benchmark(specs, server.url, "fake-model", float("inf")))
+    assert server.arrivals[-1] - server.arrivals[0] < 0.05
+
+
+@pytest.mark.skipif(not os.path.exists(QWEN_TOKENIZER), reason="needs the Qwen tokenizer file")
+def test_serve_cli_writes_json_markdown_and_plots(server, tmp_path: Path):
+    from bench.serve import main
+    server.scripts["*"] = [(0.06, "x", 1)] + [(0.03, "y", 1)] * 3
+    report = main(["--base-url", server.url, "--dataset", "random", "--input-len", "12",
+                   "--output-len", "4", "--num-prompts", "4", "--sweep-rates", "50,inf",
+                   "--goodput", "ttft:1000", "tpot:1", "--tokenizer", QWEN_TOKENIZER,
+                   "--out-dir", str(tmp_path), "--label", "t"])
+    assert report["model"] == "fake-model"
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert [run["request_rate"] for run in saved["runs"]] == [50.0, "inf"]
+    for run in saved["runs"]:
+        m = run["metrics"]
+        assert m["completed"] == 4 and m["failed"] == 0 and m["total_output_tokens"] == 16
+        assert 60 - 1000 * EPS <= m["mean_ttft_ms"] <= 60 + 1000 * TOL
+        assert m["mean_tpot_ms"] == pytest.approx(30, abs=1000 * TOL / 2)
+        assert m["request_goodput"] == 0.0  # every TPOT (~30 ms) misses the 1 ms SLO
+    assert "TTFT" in (tmp_path / "t.md").read_text()
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "t-sweep.png").stat().st_size > 0
+    assert (tmp_path / "t-cdf-rate-inf.png").stat().st_size > 0
