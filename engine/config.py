@@ -10,8 +10,8 @@ class EngineConfig:
 
     model: an HF model folder or a .gguf file; None serves the built-in demo model.
     max_model_len: prompt + output token limit per sequence; None takes the model's own limit.
-    num_kv_blocks: size of the paged KV pool in 16-token blocks; None sizes it from
-    gpu_memory_utilization on the GPU, or from cpu_kv_cache_tokens on the CPU.
+    num_kv_blocks: size of the paged KV pool in 16-token blocks; None lets the executor size
+    it (from gpu_memory_utilization on the GPU).
     """
     model: str | None = None
     device: str = "auto"                     # "auto" | "cpu" | "cuda"
@@ -22,7 +22,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_tokens: int = 32768
     enable_prefix_caching: bool = True
     max_n: int = 16                          # largest n (samples per request) accepted
     seed: int = 0                            # seeds the RNG of requests that bring no seed
@@ -36,7 +35,6 @@ class EngineConfig:
             (self.max_num_batched_tokens >= 16, "max_num_batched_tokens must be >= 16"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
-            (self.cpu_kv_cache_tokens >= 16, "cpu_kv_cache_tokens must be >= 16"),
             (self.max_n >= 1, "max_n must be >= 1"),
         ]
         for ok, message in checks:

@@ -186,11 +186,23 @@ def _tokenizer_eos_ids(tokenizer) -> list[int]:
 
 
 def _build(config: EngineConfig):
-    """Load the model named by config and build its executor and tokenizer."""
+    """Load the model named by config (the demo model when None) and build its executor."""
+    import os
+
     from engine.executor.factory import create_executor
-    from engine.tokenizer import Tokenizer
-    executor, model_info = create_executor(config)
-    tokenizer = Tokenizer.from_dir(model_info.path)
-    info = {"model_name": model_info.name, "max_model_len": model_info.max_model_len,
-            "eos_token_ids": model_info.eos_token_ids}
-    return executor, tokenizer, info
+    from engine.loader import load_model
+    path = config.model
+    if path is None:
+        from engine.loader.demo import demo_model_path
+        path = demo_model_path()
+    model = load_model(path)
+    max_model_len = config.max_model_len or model.config.max_position_embeddings
+    executor = create_executor(model, device=config.device, num_kv_blocks=config.num_kv_blocks,
+                               gpu_memory_utilization=config.gpu_memory_utilization,
+                               max_model_len=max_model_len)
+    name = os.path.basename(os.path.normpath(str(path)))
+    if name.endswith(".gguf"):
+        name = name[:-5]
+    info = {"model_name": name, "max_model_len": max_model_len,
+            "eos_token_ids": model.eos_token_ids}
+    return executor, model.tokenizer, info

@@ -14,7 +14,7 @@ from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
 from engine.sampling import prompt_logprobs, sample_step
 
 EOS = 256
-EXTRA = {257: "é".encode(), 258: b"ab", 259: "€".encode()[:2], 260: "€".encode()[2:], 261: " the"}
+EXTRA = {257: "é".encode(), 258: b"ab", 259: "€".encode()[:2], 260: "€".encode()[2:], 261: b" the"}
 VOCAB = 262
 
 
