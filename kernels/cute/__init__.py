@@ -1,0 +1,71 @@
+"""CuTe DSL kernels for Hopper, compiled ahead of time into one ``.so`` and launched through ctypes.
+
+Build once per checkout (no GPU needed): ``python -m kernels.cute.build``. At run time only the
+``.so``, its manifest and CuPy are used::
+
+    from kernels import cute
+    if cute.available():
+        cute.init()                                  # load modules (before any graph capture)
+        cute.gemm(a, w, out, stream=stream)          # out[M,N] = a[M,K] · w[N,K]ᵀ, bf16 as uint16
+    else:
+        print(cute.available().reason)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .gemm import DeviceTensor, GemmRunner
+
+__all__ = ["available", "init", "gemm", "reserve_workspace", "DeviceTensor"]
+
+_runner: GemmRunner | None = None
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Truthy when the kernels can run here; ``reason`` says why not otherwise."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _get_runner() -> GemmRunner:
+    global _runner
+    if _runner is None:
+        _runner = GemmRunner()
+    return _runner
+
+
+def available() -> Availability:
+    """Whether the built library, CuPy and an sm_90 GPU are all present."""
+    try:
+        _get_runner()
+    except (FileNotFoundError, OSError, KeyError) as exc:
+        return Availability(False, str(exc))
+    try:
+        import cupy
+
+        cc = cupy.cuda.Device().compute_capability
+    except Exception as exc:  # no CuPy, no driver or no device
+        return Availability(False, f"no usable CUDA device: {exc}")
+    if cc != "90":
+        return Availability(False, f"kernels are built for sm_90a (Hopper); this device is sm_{cc}")
+    return Availability(True)
+
+
+def init() -> None:
+    """Load every kernel onto every device; call before capturing CUDA graphs."""
+    _get_runner().init()
+
+
+def reserve_workspace(max_m: int, max_n: int, k_values: tuple[int, ...]) -> None:
+    """Pre-size the split-K workspace so GEMMs up to (max_m, max_n) can be graph-captured."""
+    _get_runner().reserve_workspace(max_m, max_n, k_values)
+
+
+def gemm(a, b, out, stream=None) -> None:
+    """``out[M, N] = bf16(a[M, K] · b[N, K]ᵀ)``, fp32 accumulation, launched on ``stream``."""
+    _get_runner()(a, b, out, stream)

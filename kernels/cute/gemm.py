@@ -1,0 +1,171 @@
+"""``gemm(a, b, out)``: ``out[M, N] = bf16(a[M, K] · b[N, K]ᵀ)`` with fp32 accumulation, on the GPU.
+
+Arguments are device tensors: CuPy arrays (bf16 stored as ``uint16``) or ``DeviceTensor`` for raw
+addresses. Rows must be contiguous, row strides and base addresses 16-byte aligned, and N, K
+multiples of 8 (TMA needs 16-byte global strides); M is free. The config comes from
+``configs.plan_gemm``; small M runs split-K into a float32 workspace and a reduction kernel. The
+launch is stream-ordered and CUDA-graph capturable once ``init()`` ran and, for split-K shapes,
+``reserve_workspace`` covered the largest ``splits·M·N`` (both happen outside capture).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .configs import REDUCE_NAME, GemmPlan, plan_gemm
+from .library import Library, TensorArg
+
+BF16_TYPESTRS = ("<u2", "|u2", "bfloat16", "<V2")
+
+
+@dataclass(frozen=True)
+class DeviceTensor:
+    """A raw device buffer: address, shape and strides in elements, element type string."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: str = "bfloat16"  # or "float32"
+    nbytes: int = 0
+
+
+def as_device_tensor(x, what: str) -> DeviceTensor:
+    """Normalise a CuPy array (anything with ``__cuda_array_interface__``) or DeviceTensor."""
+    if isinstance(x, DeviceTensor):
+        return x
+    iface = getattr(x, "__cuda_array_interface__", None)
+    if iface is None:
+        raise TypeError(f"{what} must be a device array (CuPy) or DeviceTensor, got {type(x).__name__}")
+    shape = tuple(iface["shape"])
+    itemsize = int(iface["typestr"][2:]) if iface["typestr"][2:].isdigit() else 2
+    strides = iface.get("strides")
+    if strides is None:  # C-contiguous
+        strides, acc = [], 1
+        for dim in reversed(shape):
+            strides.insert(0, acc)
+            acc *= dim
+    else:
+        if any(s % itemsize for s in strides):
+            raise ValueError(f"{what} has strides {strides} that are not whole elements")
+        strides = [s // itemsize for s in strides]
+    typestr = iface["typestr"]
+    dtype = "bfloat16" if typestr in BF16_TYPESTRS else ("float32" if typestr == "<f4" else typestr)
+    size = 1
+    for dim in shape:
+        size *= dim
+    return DeviceTensor(int(iface["data"][0]), shape, tuple(strides), dtype, size * itemsize)
+
+
+def _check_matrix(t: DeviceTensor, what: str, rows: int, cols: int, dtype: str) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{what} must be {dtype} (bf16 as uint16 in CuPy), got {t.dtype}")
+    if t.shape != (rows, cols):
+        raise ValueError(f"{what} has shape {t.shape}, expected ({rows}, {cols})")
+    if t.shape[1] > 1 and t.strides[1] != 1:
+        raise ValueError(f"{what} rows must be contiguous (column stride 1), got strides {t.strides}")
+    if t.shape[0] > 1 and t.strides[0] % 8:
+        raise ValueError(f"{what} row stride {t.strides[0]} is not a multiple of 8 elements (16 bytes)")
+    if t.ptr % 16:
+        raise ValueError(f"{what} address {t.ptr:#x} is not 16-byte aligned")
+
+
+def check_gemm_args(a: DeviceTensor, b: DeviceTensor, out: DeviceTensor) -> tuple[int, int, int]:
+    """Validate shapes, dtypes and alignment; return (M, N, K)."""
+    for t, what in ((a, "a"), (b, "b"), (out, "out")):
+        if len(t.shape) != 2:
+            raise ValueError(f"{what} must be 2-D, got shape {t.shape}")
+    (m, k), n = a.shape, b.shape[0]
+    if m < 1 or n < 1:
+        raise ValueError(f"empty GEMM: M={m}, N={n}")
+    if k < 8 or k % 8:
+        raise ValueError(f"K={k} must be a positive multiple of 8")
+    if n % 8:
+        raise ValueError(f"N={n} must be a multiple of 8")
+    _check_matrix(a, "a", m, k, "bfloat16")
+    _check_matrix(b, "b", n, k, "bfloat16")
+    _check_matrix(out, "out", m, n, "bfloat16")
+    return m, n, k
+
+
+def _row_stride(t: DeviceTensor) -> int:
+    return t.strides[0] if t.shape[0] > 1 else max(8, -(-t.shape[1] // 8) * 8)
+
+
+class GemmRunner:
+    """Owns the library handle and the split-K workspace of one process."""
+
+    def __init__(self, library: Library | None = None):
+        self.library = library if library is not None else Library()
+        self._workspace = None  # CuPy float32 buffer, grown outside graph capture
+
+    def init(self) -> None:
+        """Load every kernel module onto every visible device (call before graph capture)."""
+        import cupy
+
+        self.library.load(list(range(cupy.cuda.runtime.getDeviceCount())))
+
+    def reserve_workspace(self, max_m: int, max_n: int, k_values: tuple[int, ...]) -> None:
+        """Grow the split-K workspace for every shape up to (max_m, max_n) with those K."""
+        need = 0
+        for m in range(1, max_m + 1):
+            for k in k_values:
+                plan = plan_gemm(m, max_n, k)
+                need = max(need, plan.splits * m * max_n * 4)
+        self._ensure_workspace(need, capturing=False)
+
+    def _ensure_workspace(self, nbytes: int, capturing: bool) -> int:
+        import cupy
+
+        if self._workspace is None or self._workspace.nbytes < nbytes:
+            if capturing:
+                raise RuntimeError(
+                    f"split-K workspace of {nbytes} bytes needed during CUDA graph capture; call "
+                    "kernels.cute.reserve_workspace(max_m, max_n, ks) before capturing")
+            self._workspace = cupy.empty(max(nbytes, 1 << 20) // 4, dtype=cupy.float32)
+        return self._workspace.data.ptr
+
+    def __call__(self, a, b, out, stream=None, plan: GemmPlan | None = None) -> None:
+        a, b, out = as_device_tensor(a, "a"), as_device_tensor(b, "b"), as_device_tensor(out, "out")
+        m, n, k = check_gemm_args(a, b, out)
+        plan = plan or plan_gemm(m, n, k)
+        stream_ptr = _stream_ptr(stream)
+        import cupy
+
+        device = cupy.cuda.Device().id
+        if not self.library.is_loaded(device):
+            self.init()
+        lda, ldb, ldo = _row_stride(a), _row_stride(b), _row_stride(out)
+        s = plan.splits
+        if s == 1:
+            self.library[plan.variant.name](
+                TensorArg(a.ptr, (m, k, 1), (lda, lda * m)),
+                TensorArg(b.ptr, (n, k, 1), (ldb, ldb * n)),
+                TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)),
+                stream=stream_ptr)
+            return
+        if k % s or (k // s) % 8:
+            raise ValueError(f"split-K plan with {s} splits does not divide K={k} into 16-byte parts")
+        ks = k // s
+        capturing = cupy.cuda.runtime.streamIsCapturing(stream_ptr) != 0
+        ws = self._ensure_workspace(s * m * n * 4, capturing)
+        self.library[plan.variant.name](
+            TensorArg(a.ptr, (m, ks, s), (lda, ks)),
+            TensorArg(b.ptr, (n, ks, s), (ldb, ks)),
+            TensorArg(ws, (m, n, s), (n, m * n)),
+            stream=stream_ptr)
+        self.library[REDUCE_NAME](
+            TensorArg(ws, (m, n, s), (n, m * n)),
+            TensorArg(out.ptr, (m, n), (ldo,)),
+            stream=stream_ptr)
+
+
+def _stream_ptr(stream) -> int:
+    if stream is None:
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    if isinstance(stream, int):
+        return stream
+    ptr = getattr(stream, "ptr", None)
+    if ptr is None:
+        raise TypeError(f"stream must be None, an int handle or have .ptr, got {type(stream).__name__}")
+    return int(ptr)

@@ -1,0 +1,133 @@
+"""Loads the prebuilt ``libopeninfer_cute.so`` with ctypes and calls its kernels (no DSL at run time).
+
+The manifest (written by ``kernels.cute.build``) names each kernel's entry symbol and argument list.
+Every kernel module is initialised and loaded onto each device once, in ``Library.load`` — do it
+before capturing a CUDA graph. A call packs each tensor as ``{void *data; int32 shapes[k];
+int64 strides[j]}`` (only the dynamic modes), then the stream, then an ``int32`` return code, and
+hands the entry an array of pointers to them. The exported host code builds the TMA descriptors and
+launches with ``cudaLaunchKernelEx`` on the given stream, so launches are graph-capturable.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_DIR = Path(os.environ.get("OPENINFER_CUTE_DIR", Path(__file__).resolve().parent / "build"))
+
+
+class KernelLaunchError(RuntimeError):
+    """A CUDA error reported by an exported kernel's host code."""
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A device tensor as the exported entry sees it: address plus its dynamic shape and strides."""
+
+    data: int
+    shapes: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+def _tensor_struct(n_shapes: int, n_strides: int) -> type[ctypes.Structure]:
+    fields = [("data", ctypes.c_void_p)]
+    if n_shapes:
+        fields.append(("shapes", ctypes.c_int32 * n_shapes))
+    if n_strides:
+        fields.append(("strides", ctypes.c_int64 * n_strides))
+    return type(f"Tensor_{n_shapes}_{n_strides}", (ctypes.Structure,), {"_fields_": fields})
+
+
+class Kernel:
+    """One exported entry point; ``__call__(*tensors, stream)`` launches it."""
+
+    def __init__(self, lib: ctypes.CDLL, name: str, info: dict):
+        self.name = name
+        self.params = info["params"]
+        self.entry = getattr(lib, info["symbol"])
+        self.entry.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        self.entry.restype = None
+        self.structs = [_tensor_struct(p["shapes"], p["strides"]) for p in self.params if p["kind"] == "tensor"]
+        self.init = getattr(lib, f"_mlir_{info['prefix']}_cuda_init")
+        self.load_to_device = getattr(lib, f"_mlir_{info['prefix']}_cuda_load_to_device")
+        self._module = ctypes.c_void_p()
+        self._module_ptr = ctypes.c_void_p(ctypes.addressof(self._module))
+        self._initialised = False
+
+    def load(self, devices: list[int]) -> None:
+        ret = ctypes.c_int32(0)
+        if not self._initialised:
+            args = (ctypes.c_void_p * 2)(ctypes.addressof(self._module_ptr), ctypes.addressof(ret))
+            self.init(args)
+            _check(ret.value, f"{self.name}: module init")
+            self._initialised = True
+        for dev in devices:
+            dev_id = ctypes.c_int32(dev)
+            args = (ctypes.c_void_p * 3)(ctypes.addressof(self._module_ptr), ctypes.addressof(dev_id),
+                                        ctypes.addressof(ret))
+            self.load_to_device(args)
+            _check(ret.value, f"{self.name}: module load on device {dev}")
+
+    def __call__(self, *tensors: TensorArg, stream: int) -> None:
+        if len(tensors) != len(self.structs):
+            raise TypeError(f"{self.name} takes {len(self.structs)} tensors, got {len(tensors)}")
+        keep = []
+        for t, struct in zip(tensors, self.structs):
+            s = struct()
+            s.data = t.data
+            if t.shapes:
+                s.shapes[:] = t.shapes
+            if t.strides:
+                s.strides[:] = t.strides
+            keep.append(s)
+        stream_v = ctypes.c_void_p(stream)
+        ret = ctypes.c_int32(0)
+        ptrs = [ctypes.addressof(s) for s in keep] + [ctypes.addressof(stream_v), ctypes.addressof(ret)]
+        self.entry((ctypes.c_void_p * len(ptrs))(*ptrs), len(ptrs))
+        _check(ret.value, f"{self.name} launch")
+
+
+def _check(code: int, what: str) -> None:
+    if code != 0:
+        raise KernelLaunchError(f"{what} failed with CUDA error {code}")
+
+
+class Library:
+    """The shared library plus its manifest; kernels are looked up by manifest name."""
+
+    def __init__(self, directory: Path | None = None):
+        directory = Path(directory if directory is not None else DEFAULT_DIR)
+        manifest_path = directory / "manifest.json"
+        if not manifest_path.is_file():
+            raise FileNotFoundError(
+                f"{manifest_path} missing: build the CuTe kernels with `python -m kernels.cute.build`")
+        self.manifest = json.loads(manifest_path.read_text())
+        so_path = directory / self.manifest["library"]
+        if not so_path.is_file():
+            raise FileNotFoundError(f"{so_path} missing: rebuild with `python -m kernels.cute.build`")
+        self._lib = ctypes.CDLL(str(so_path))
+        self.kernels = {name: Kernel(self._lib, name, info) for name, info in self.manifest["kernels"].items()}
+        self._loaded: set[int] = set()
+        self._lock = threading.Lock()
+
+    def load(self, devices: list[int]) -> None:
+        """Initialise every kernel module on the given devices (idempotent; not during capture)."""
+        with self._lock:
+            todo = [d for d in devices if d not in self._loaded]
+            if not todo:
+                return
+            for kernel in self.kernels.values():
+                kernel.load(todo)
+            self._loaded.update(todo)
+
+    def is_loaded(self, device: int) -> bool:
+        return device in self._loaded
+
+    def __getitem__(self, name: str) -> Kernel:
+        try:
+            return self.kernels[name]
+        except KeyError:
+            raise KeyError(f"kernel {name!r} is not in the manifest; rebuild with `python -m kernels.cute.build`") from None

@@ -1,0 +1,166 @@
+"""CuTe kernels on the CPU: the AOT build, its manifest and cache, the ctypes ABI, the launcher's checks."""
+import ctypes
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kernels.cute.configs import GEMM_VARIANTS, REDUCE_NAME, plan_gemm, valid_splits
+from kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args
+from kernels.cute.library import Library, _tensor_struct
+
+QWEN = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (6144, 4096), (4096, 4096),
+        (24576, 4096), (4096, 12288)]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    pytest.importorskip("cutlass", reason="CuTe DSL not installed")
+    out = tmp_path_factory.mktemp("cute_build")
+    first = subprocess.run([sys.executable, "-m", "kernels.cute.build", "--out", str(out)],
+                           capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    return out, first.stdout
+
+
+def test_build_writes_library_and_manifest(built):
+    out, log = built
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["arch"] == "sm_90a" and manifest["dsl_version"] == "4.8.1"
+    names = {v.name for v in GEMM_VARIANTS} | {REDUCE_NAME}
+    assert set(manifest["kernels"]) == names
+    assert log.count("compiled ") == len(names)
+    for name, info in manifest["kernels"].items():
+        kinds = [p["kind"] for p in info["params"]]
+        assert kinds[-2:] == ["stream", "ret"] and info["num_args"] == len(kinds), name
+        assert (out / "obj" / f"{name}.{info['hash']}.o").is_file()
+    lib = ctypes.CDLL(str(out / manifest["library"]))  # loads without a GPU: only libc is needed
+    for info in manifest["kernels"].values():
+        assert getattr(lib, info["symbol"])
+        assert getattr(lib, f"_mlir_{info['prefix']}_cuda_init")
+    deps = subprocess.run(["ldd", str(out / manifest["library"])], capture_output=True, text=True).stdout
+    assert "libcuda" not in deps and "libcudart" not in deps, deps
+
+
+def test_unchanged_kernels_are_not_rebuilt(built):
+    out, _ = built
+    before = json.loads((out / "manifest.json").read_text())
+    again = subprocess.run([sys.executable, "-m", "kernels.cute.build", "--out", str(out)],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "compiled " not in again.stdout and "up to date" in again.stdout
+    after = json.loads((out / "manifest.json").read_text())
+    assert after["library_sha256"] == before["library_sha256"]
+
+
+def test_library_loads_manifest_without_gpu(built):
+    out, _ = built
+    lib = Library(out)
+    for v in GEMM_VARIANTS:
+        assert lib[v.name].structs[0].__name__ == "Tensor_3_2"
+    with pytest.raises(KeyError, match="not in the manifest"):
+        lib["gemm_nope"]
+
+
+def test_content_hash_tracks_the_variant():
+    pytest.importorskip("cutlass", reason="CuTe DSL not installed")
+    from kernels.cute.build import content_hash
+
+    assert content_hash("x", "a") == content_hash("x", "a")
+    assert content_hash("x", "a") != content_hash("x", "b")
+
+
+def test_parse_header_reads_entry_and_tensors():
+    from kernels.cute.build import parse_header
+
+    header = """
+typedef struct {
+    void *data;
+    int32_t dynamic_shapes[2];
+    int64_t dynamic_strides[1];
+} red_Tensor_out_t;
+void _mlir_red__mlir_ciface_fn_x(void **args, int32_t num_args);
+    void *args[3] = {
+        out, &stream,
+        &ret
+    };"""
+    info = parse_header(header)
+    assert info["symbol"] == "_mlir_red__mlir_ciface_fn_x" and info["num_args"] == 3
+    assert info["params"][0] == {"name": "out", "kind": "tensor", "shapes": 2, "strides": 1}
+    assert [p["kind"] for p in info["params"][1:]] == ["stream", "ret"]
+
+
+def test_tensor_struct_matches_c_layout():
+    # struct { void *data; int32_t shapes[3]; int64_t strides[2]; } is 8 + 12 + 4 (pad) + 16 bytes
+    s = _tensor_struct(3, 2)
+    assert ctypes.sizeof(s) == 40 and s.strides.offset == 24
+    assert ctypes.sizeof(_tensor_struct(2, 1)) == 24
+
+
+def test_missing_build_gives_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="python -m kernels.cute.build"):
+        Library(tmp_path)
+
+
+class FakeArray:
+    def __init__(self, shape, typestr="<u2", ptr=0x10000, strides=None):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False),
+                                         "strides": strides, "version": 3}
+
+
+def _args(m=4, n=64, k=128, **over):
+    a = over.get("a", FakeArray((m, k)))
+    b = over.get("b", FakeArray((n, k)))
+    out = over.get("out", FakeArray((m, n)))
+    return [as_device_tensor(x, w) for x, w in ((a, "a"), (b, "b"), (out, "out"))]
+
+
+def test_launcher_accepts_good_arguments():
+    assert check_gemm_args(*_args()) == (4, 64, 128)
+    raw = DeviceTensor(0x20000, (1, 16), (16, 1))
+    assert as_device_tensor(raw, "a") is raw
+
+
+@pytest.mark.parametrize("over,message", [
+    ({"a": FakeArray((4, 128), typestr="<f2")}, "a must be bfloat16"),
+    ({"b": FakeArray((64, 120))}, r"b has shape \(64, 120\)"),
+    ({"out": FakeArray((5, 64))}, r"out has shape \(5, 64\)"),
+    ({"a": FakeArray((4, 128), ptr=0x10008)}, "16-byte aligned"),
+    ({"a": FakeArray((4, 128), strides=(260, 2))}, "not a multiple of 8"),
+    ({"a": FakeArray((4, 128), strides=(2, 8))}, "contiguous"),
+    ({"a": FakeArray((4, 128, 1))}, "2-D"),
+])
+def test_launcher_rejects_bad_arguments(over, message):
+    with pytest.raises((TypeError, ValueError), match=message):
+        check_gemm_args(*_args(**over))
+
+
+def test_launcher_rejects_unaligned_sizes():
+    with pytest.raises(ValueError, match="K=12"):
+        check_gemm_args(*_args(k=12))
+    with pytest.raises(ValueError, match="N=60"):
+        check_gemm_args(*_args(n=60))
+    with pytest.raises(TypeError, match="device array"):
+        as_device_tensor([1, 2], "a")
+
+
+@pytest.mark.parametrize("n,k", QWEN)
+@pytest.mark.parametrize("m", [1, 8, 32, 64, 65, 128, 512, 8192])
+def test_plan_is_valid_for_qwen_shapes(m, n, k):
+    plan = plan_gemm(m, n, k)
+    assert plan.variant in GEMM_VARIANTS
+    assert plan.splits in valid_splits(k) or plan.splits == 1
+    assert (plan.splits > 1) == (plan.variant.out == "f32")
+    if plan.splits > 1:
+        assert k % plan.splits == 0 and (k // plan.splits) % 8 == 0
+
+
+def test_available_reports_missing_build(monkeypatch, tmp_path):
+    import kernels.cute as cute
+    from kernels.cute import library
+
+    monkeypatch.setattr(library, "DEFAULT_DIR", tmp_path)
+    monkeypatch.setattr(cute, "_runner", None)
+    avail = cute.available()
+    assert not avail and "kernels.cute.build" in avail.reason
