@@ -1,0 +1,231 @@
+"""Test helpers: tiny random-weight Hugging Face model folders (built with transformers, saved in
+bf16 with the real Qwen tokenizer), the transformers float32 oracle, and an engine driver that
+feeds sequences through the paged KV cache in any chunking.
+
+    from tests.models_util import TINY_MODELS, tiny_model_path, hf_logits, engine_logits
+
+`tiny_model_path(name)` builds a folder once per test process (cached) under a temp dir.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
+
+QWEN_TOKENIZER = os.environ.get("OPENINFER_TEST_TOKENIZER", "/work/shared/models/qwen-tokenizer")
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer_source() -> tuple[str, int, int, int]:
+    """(folder with tokenizer.json, vocab rows, bos id, eos id): the real Qwen tokenizer when it is
+    present, else the demo model's (SmolLM2) tokenizer. vocab rows >= the tokenizer's size, so
+    every encoded id is a valid row."""
+    from tokenizers import Tokenizer
+    folder = QWEN_TOKENIZER
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        from engine.loader.demo import demo_model_path
+        folder = demo_model_path()
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    size = tok.get_vocab_size(with_added_tokens=True)
+    bos = tok.token_to_id("<|endoftext|>")
+    eos = tok.token_to_id("<|im_end|>")
+    return folder, -(-size // 128) * 128, bos, eos
+
+
+_BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512,
+             rms_norm_eps=1e-6)
+
+# name -> (transformers config class name, config overrides)
+TINY_MODELS: dict[str, tuple[str, dict]] = {
+    # head_dim 32 != hidden / heads (16); GQA 2; tied lm_head
+    "qwen3_tied": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                       tie_word_embeddings=True, rope_theta=10000.0)),
+    # GQA 1 (MHA); untied lm_head
+    "qwen3_untied": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                                         tie_word_embeddings=False, rope_theta=1000000.0)),
+    # GQA 4; yarn rope scaling
+    "qwen3_gqa4": ("Qwen3Config", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                       tie_word_embeddings=False, rope_theta=10000.0,
+                                       rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 128})),
+    # llama3 rope scaling, GQA 2
+    "llama": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                  tie_word_embeddings=False, rope_theta=500000.0,
+                                  rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                "original_max_position_embeddings": 64})),
+    # qkv bias, tied
+    "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2,
+                                  tie_word_embeddings=True, rope_theta=10000.0)),
+}
+
+_TMP: list[str] = []
+
+
+def _tmp_root() -> str:
+    if not _TMP:
+        _TMP.append(tempfile.mkdtemp(prefix="openinfer-tiny-"))
+        atexit.register(shutil.rmtree, _TMP[0], True)
+    return _TMP[0]
+
+
+def randomize_(model, seed: int) -> None:
+    """Weights with a real spread (transformers' 0.02 init makes every logit nearly equal):
+    matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.2), biases ~ N(0, 0.5), embeddings ~ N(0, 1)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif p.ndim == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / p.shape[1] ** 0.5))
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+
+
+def build_tiny_model(name: str, out_dir: str, seed: int = 0) -> str:
+    """Save a random-weight model `name` of TINY_MODELS as an HF folder (bf16) with a real tokenizer."""
+    import torch
+    import transformers
+    cls_name, overrides = TINY_MODELS[name]
+    folder, vocab, bos, eos = tokenizer_source()
+    config = getattr(transformers, cls_name)(**{**_BASE, **overrides}, vocab_size=vocab,
+                                             bos_token_id=bos, eos_token_id=eos)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    randomize_(model, seed)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    transformers.GenerationConfig(bos_token_id=bos, eos_token_id=[eos, bos]).save_pretrained(out_dir)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if os.path.isfile(os.path.join(folder, f)):
+            shutil.copy(os.path.join(folder, f), out_dir)
+    return out_dir
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model_path(name: str) -> str:
+    """The folder of tiny model `name`, built once per process."""
+    return build_tiny_model(name, os.path.join(_tmp_root(), name))
+
+
+@functools.lru_cache(maxsize=4)
+def hf_model(path: str, gguf_file: str | None = None):
+    """transformers float32 oracle (eager attention), cached."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                                 **kwargs)
+    return model.eval()
+
+
+def hf_logits(path: str, ids: list[int], gguf_file: str | None = None) -> np.ndarray:
+    """float32 logits [T, V] of one sequence from transformers."""
+    import torch
+    with torch.no_grad():
+        out = hf_model(path, gguf_file)(torch.tensor([ids])).logits[0]
+    return out.float().numpy()
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return (x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))).astype(np.float32)
+
+
+def engine_logits(executor, seqs: list[list[int]], chunks: list | int | None = None,
+                  prefill: list | int | None = None, seed: int = 0) -> list[np.ndarray]:
+    """Teacher-force `seqs` through `executor` together: each step feeds every unfinished sequence
+    its next chunk. Per sequence (a list, or one value for all): the first step feeds `prefill`
+    tokens, later steps `chunks` tokens (None: everything left; 1: decode one token a step).
+    KV blocks come from a shuffled pool, so sequences interleave in the cache.
+    Returns float32 logits [len(seq), V] per sequence."""
+    n = len(seqs)
+    sizes = chunks if isinstance(chunks, list) else [chunks] * n
+    firsts = prefill if isinstance(prefill, list) else [prefill] * n
+    rng = random.Random(seed)
+    free = list(range(executor.num_kv_blocks))
+    rng.shuffle(free)
+    tables = []
+    for s in seqs:
+        need = -(-len(s) // BLOCK_SIZE)
+        tables.append([free.pop() for _ in range(need)])
+    done = [0] * n
+    outs: list[list[np.ndarray]] = [[] for _ in range(n)]
+    while any(done[i] < len(seqs[i]) for i in range(n)):
+        steps, who = [], []
+        for i, s in enumerate(seqs):
+            if done[i] >= len(s):
+                continue
+            k = sizes[i] if done[i] else (firsts[i] or sizes[i])
+            k = len(s) - done[i] if k is None else k
+            toks = s[done[i]:done[i] + k]
+            steps.append(SeqStep(seq_id=i, token_ids=toks, start_pos=done[i], block_table=tables[i],
+                                 sample=False))
+            who.append((i, len(toks)))
+        logits = executor.forward_logits(ModelBatch.build(steps))
+        row = 0
+        for i, k in who:
+            outs[i].append(logits[row:row + k])
+            done[i] += k
+            row += k
+    return [np.concatenate(o, axis=0) for o in outs]
+
+
+@dataclass
+class GateResult:
+    """Engine vs oracle on teacher-forced positions."""
+    positions: int
+    argmax_agreement: float          # fraction of positions whose argmax matches the oracle's
+    max_abs_dlogprob: float          # over the full vocabulary of every position
+    mean_abs_dlogprob: float
+    p99_abs_dlogprob: float
+
+    def failures(self, max_dlogprob: float = 1e-3) -> list[str]:
+        out = []
+        if self.argmax_agreement < 1.0:
+            out.append(f"argmax agreement {self.argmax_agreement:.4f} < 1")
+        if not self.max_abs_dlogprob <= max_dlogprob:
+            out.append(f"max |dlogprob| {self.max_abs_dlogprob:.3g} > {max_dlogprob:g}")
+        return out
+
+
+def compare_logits(engine: np.ndarray, oracle: np.ndarray) -> GateResult:
+    if engine.shape != oracle.shape:
+        raise AssertionError(f"logits shape {engine.shape} != oracle {oracle.shape}")
+    a, b = log_softmax(engine), log_softmax(oracle)
+    d = np.abs(a - b)
+    return GateResult(
+        positions=int(a.shape[0]),
+        argmax_agreement=float(np.mean(a.argmax(-1) == b.argmax(-1))),
+        max_abs_dlogprob=float(d.max()),
+        mean_abs_dlogprob=float(d.mean()),
+        p99_abs_dlogprob=float(np.percentile(d, 99)),
+    )
+
+
+def test_prompts(tokenizer, count: int = 4) -> list[list[int]]:
+    """Token sequences of mixed lengths (5 to ~40 tokens, crossing 16-token block boundaries)."""
+    texts = [
+        "Hello world",
+        "The quick brown fox jumps over the lazy dog while the cat watches from the window sill.",
+        "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\nprint(fib(10))",
+        "Über den Wolken muss die Freiheit wohl grenzenlos sein — 自由 🚀 and more text to be long.",
+        "One two three four five six seven eight nine ten eleven twelve thirteen fourteen.",
+    ]
+    return [tokenizer.encode(t) for t in texts[:count]]
+
+
+test_prompts.__test__ = False  # not a pytest test
