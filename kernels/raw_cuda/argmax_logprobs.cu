@@ -1,6 +1,7 @@
 // Greedy pick and log-probabilities over fp32 logits rows [S, V], one block (1024 threads) per row:
 //   argmax_logprob:  ids[r] = argmax_v x[r, v] (lowest index on ties, as numpy), lse[r] = logsumexp(x[r]),
 //                    logprob[r] = x[r, ids[r]] − lse[r].
+//   token_logprob:   x[r, ids[r]] − lse[r] for whatever token was finally chosen.
 //   topk_logprobs:   the k best (value desc, index asc) of x[r] and their log-probabilities (k ≤ 20),
 //                    k passes, each excluding what the previous ones took.
 // Roofline: one (argmax) + one (logsumexp) read of V·4 bytes per row: 0.6 MB for a 152K vocab, ~0.15 µs
@@ -41,17 +42,31 @@ __device__ float row_logsumexp(const float* x, int V, float m, float* scratch) {
     return m + logf(block_sum(s, scratch));
 }
 
+// Row r = rows[blockIdx.x] (rows may be null: r = blockIdx.x); logprob and lse_out may be null.
 extern "C" __global__ void __launch_bounds__(NT)
-argmax_logprob(const float* __restrict__ logits, int V, int* __restrict__ ids, float* __restrict__ logprob,
-               float* __restrict__ lse_out) {
+argmax_logprob(const float* __restrict__ logits, int V, const int* __restrict__ rows, int* __restrict__ ids,
+               float* __restrict__ logprob, float* __restrict__ lse_out) {
     __shared__ float sv[32], scratch[33];
     __shared__ int si[32];
-    const float* x = logits + (size_t)blockIdx.x * V;
+    const int r = rows != nullptr ? rows[blockIdx.x] : blockIdx.x;
+    const float* x = logits + (size_t)r * V;
     float bv = -INFINITY; int bi = 0x7fffffff;
     for (int v = threadIdx.x; v < V; v += NT) if (better(x[v], v, bv, bi)) { bv = x[v]; bi = v; }
     block_best(bv, bi, sv, si);
+    if (threadIdx.x == 0) ids[r] = bi;
+    if (lse_out == nullptr && logprob == nullptr) return;
     const float lse = row_logsumexp(x, V, bv, scratch);
-    if (threadIdx.x == 0) { ids[blockIdx.x] = bi; logprob[blockIdx.x] = bv - lse; lse_out[blockIdx.x] = lse; }
+    if (threadIdx.x == 0) {
+        if (logprob != nullptr) logprob[r] = bv - lse;
+        if (lse_out != nullptr) lse_out[r] = lse;
+    }
+}
+
+// out[i] = logits[i, ids[i]] - lse[i]: the log-probability of the token finally chosen.
+extern "C" __global__ void token_logprob(const float* __restrict__ logits, int V, const int* __restrict__ ids,
+                                         const float* __restrict__ lse, float* __restrict__ out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = logits[(size_t)i * V + ids[i]] - lse[i];
 }
 
 // Needs lse from argmax_logprob (or any logsumexp of the same rows). out_* are [S, k].

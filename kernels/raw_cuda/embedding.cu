@@ -1,4 +1,5 @@
-// Embedding gather: out[t, :] = table[ids[t], :]   (bf16 rows, H % 8 == 0).
+// Row gather: out[t, :] = table[ids[t], :]   (bf16 rows, H % 8 == 0): the embedding lookup, and the
+// gather of the rows whose logits are sampled.
 // Roofline: pure copy, 2·T·H·2 bytes (read + write); at 4.3 TB/s a 2560-wide row is ~2.4 ns,
 // so even T = 8192 is ~20 µs. One block per token, 16-byte vector copies.
 #include "common.cuh"

@@ -1,6 +1,7 @@
 // Attention prologue for one step, one block per token, one warp per head:
 //   q, k, v = split(qkv[t]);  q, k = per-head RMSNorm(q, k) (Qwen3, when weights are given);
-//   q, k = rotary(q, k) neox style: angle_i = pos[t] · inv_freq[i], pairs (i, i + D/2);
+//   q, k = rotary(q, k) neox style: angle_i = pos[t] · inv_freq[i], pairs (i, i + D/2), cos and sin
+//          scaled by attn_factor (yarn; 1 otherwise);
 //   q_out[t] = q;  k_cache[slot[t]] = k;  v_cache[slot[t]] = v   (slot < 0: padding, not written).
 // Rounding follows the bf16 reference: normed values and rotated values are rounded to bf16 once each.
 // Roofline: reads (Hq + 2·Hkv)·D·2 bytes per token and writes as much: ~12 KB per token for Qwen3-4B
@@ -9,7 +10,7 @@
 
 __device__ __forceinline__ void norm_rope_head(const bf16_t* __restrict__ src, bf16_t* __restrict__ dst,
                                                const bf16_t* __restrict__ norm_w, float eps,
-                                               const float* __restrict__ inv_freq, float pos, int D) {
+                                               const float* __restrict__ inv_freq, float attn_factor, float pos, int D) {
     const int lane = threadIdx.x & 31, half = D / 2;
     float rstd = 1.f;
     if (norm_w != nullptr) {
@@ -25,6 +26,7 @@ __device__ __forceinline__ void norm_rope_head(const bf16_t* __restrict__ src, b
         }
         float s, c;
         sincosf(pos * inv_freq[i], &s, &c);
+        s *= attn_factor; c *= attn_factor;
         dst[i] = f_to_bf16(a * c - b * s);
         dst[i + half] = f_to_bf16(b * c + a * s);
     }
@@ -32,7 +34,8 @@ __device__ __forceinline__ void norm_rope_head(const bf16_t* __restrict__ src, b
 
 extern "C" __global__ void qk_norm_rope_cache(const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ q_norm_w,
                                               const bf16_t* __restrict__ k_norm_w, float eps,
-                                              const float* __restrict__ inv_freq, const int* __restrict__ positions,
+                                              const float* __restrict__ inv_freq, float attn_factor,
+                                              const int* __restrict__ positions,
                                               const int* __restrict__ slot_mapping, bf16_t* __restrict__ q_out,
                                               bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache,
                                               int num_heads, int num_kv_heads, int D) {
@@ -44,10 +47,10 @@ extern "C" __global__ void qk_norm_rope_cache(const bf16_t* __restrict__ qkv, co
     for (int h = warp; h < num_heads + 2 * num_kv_heads; h += nwarps) {
         const bf16_t* src = row + (size_t)h * D;
         if (h < num_heads) {
-            norm_rope_head(src, q_out + ((size_t)t * num_heads + h) * D, q_norm_w, eps, inv_freq, pos, D);
+            norm_rope_head(src, q_out + ((size_t)t * num_heads + h) * D, q_norm_w, eps, inv_freq, attn_factor, pos, D);
         } else if (slot >= 0 && h < num_heads + num_kv_heads) {
             const int kh = h - num_heads;
-            norm_rope_head(src, k_cache + ((size_t)slot * num_kv_heads + kh) * D, k_norm_w, eps, inv_freq, pos, D);
+            norm_rope_head(src, k_cache + ((size_t)slot * num_kv_heads + kh) * D, k_norm_w, eps, inv_freq, attn_factor, pos, D);
         } else if (slot >= 0) {
             const int vh = h - num_heads - num_kv_heads;
             bf16_t* dst = v_cache + ((size_t)slot * num_kv_heads + vh) * D;

@@ -1,0 +1,180 @@
+"""GpuExecutor: a model line's forward over GpuOps (CuPy arrays, raw CUDA kernels, cuBLAS / CuTe
+GEMMs), the same 16-token paged KV layout as the CPU executor ([slots, Hkv, D] per layer and K/V),
+and the GPU sampler. All device memory is one arena: weights, activations, then the KV pool."""
+from __future__ import annotations
+
+import logging
+
+import ml_dtypes
+import numpy as np
+
+from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
+from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm
+from engine.executor.gpu_ops import NUM_SMS, RING_SLOTS, GpuOps, GpuStepContext, attention_splits
+from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS, PENALTY_ENTRIES, GpuSampler
+from engine.loader import LoadedModel
+from engine.models.rope import rope_inv_freq
+from engine.sampling import log_softmax, top_logprobs
+from memory.device_arena import DeviceArena, arena_budget
+from memory.streams import DeviceStreams, pinned_array
+from memory.weight_upload import upload_weights
+
+log = logging.getLogger(__name__)
+SLACK_BYTES = 64 << 20
+
+
+def as_bf16(a: np.ndarray) -> np.ndarray:
+    return a if a.dtype.name == "bfloat16" else np.asarray(a).astype(ml_dtypes.bfloat16)
+
+
+class GpuExecutor:
+    def __init__(self, model: LoadedModel, num_kv_blocks: int | None = None,
+                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, use_cute: bool = False,
+                 progress: bool = True):
+        cfg = model.config
+        self.config, self.model = cfg, model.model
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
+        self.max_tokens = max(int(max_num_batched_tokens), int(max_num_seqs))
+        self.max_seqs = int(max_num_seqs)
+        self.max_blocks = -(-self.max_model_len // BLOCK_SIZE)
+        H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        Hq, Hkv, L, V = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_hidden_layers, cfg.vocab_size
+        if H % 8 or I % 8 or D % 2 or D > 256 or Hq % Hkv or Hq // Hkv > 16:
+            raise ValueError(f"GPU kernels need hidden % 8 == 0 (got {H}), intermediate % 8 == 0 (got {I}), "
+                             f"an even head_dim <= 256 (got {D}), heads/kv_heads <= 16 (got {Hq}/{Hkv})")
+        self.streams = DeviceStreams()
+        stream = self.streams.compute
+        max_width = max(2 * I, (Hq + 2 * Hkv) * D, H)
+        n_inputs = 5 * self.max_tokens + self.max_seqs * self.max_blocks
+        act_bytes = (RING_SLOTS * self.max_tokens * max_width * 2 + self.max_tokens * V * 4
+                     + (self.max_tokens + 2 * NUM_SMS) * Hq * (D + 2) * 4
+                     + 2 * self.max_seqs * V * 4 + 4 * PENALTY_ENTRIES * 4
+                     + self.max_seqs * (MAX_TOP_LOGPROBS * 8 + 64) + n_inputs * 4 + WORKSPACE_BYTES)
+        weight_bytes = sum(int(a.size) * 2 for a in model.weights.values())
+        block_bytes = L * 2 * BLOCK_SIZE * Hkv * D * 2
+        if num_kv_blocks is None:
+            arena_bytes = arena_budget(gpu_memory_utilization)
+        else:
+            arena_bytes = weight_bytes + act_bytes + int(num_kv_blocks) * block_bytes + SLACK_BYTES
+        self.arena = DeviceArena(arena_bytes)
+        self.weights = upload_weights(self.arena, ((n, as_bf16(a)) for n, a in model.weights.items()),
+                                      self.streams, total_bytes=weight_bytes, progress=progress)
+        workspace = self.arena.take("activations.cublas_workspace", (WORKSPACE_BYTES,), np.uint8)
+        self.gemm = Gemm(stream, workspace, use_cute=use_cute)
+        inv_freq, attention_factor = rope_inv_freq(cfg)
+        self.inv_freq = self.arena.take("activations.inv_freq", inv_freq.shape, np.float32)
+        self.inv_freq.set(inv_freq)
+        self.inputs = self.arena.take("activations.step_inputs", (n_inputs,), np.int32)
+        self.inputs_host = pinned_array((n_inputs,), np.int32)
+        self.extra_rows = self.arena.take("activations.extra_rows", (self.max_tokens,), np.int32)
+        lm_head = self.weights["embed_tokens" if cfg.tie_word_embeddings else "lm_head"]
+        sampler_rows = self.max_seqs
+        # The KV pool takes what is left (or exactly num_kv_blocks).
+        kv_reserve = act_bytes - WORKSPACE_BYTES
+        if num_kv_blocks is None:
+            num_kv_blocks = (self.arena.free_bytes - kv_reserve - SLACK_BYTES) // block_bytes
+        if num_kv_blocks < self.max_blocks:
+            log.warning("KV pool of %d blocks holds less than one max_model_len sequence (%d blocks)",
+                        num_kv_blocks, self.max_blocks)
+        if num_kv_blocks < 1:
+            raise MemoryError("no device memory left for the KV cache: raise gpu_memory_utilization")
+        self.num_kv_blocks = int(num_kv_blocks)
+        self.kv_cache = self.arena.take("kv", (L, 2, self.num_kv_blocks * BLOCK_SIZE, Hkv, D), np.uint16)
+        self.ops = GpuOps(self.arena, self.gemm, self.kv_cache, self.inv_freq, attention_factor,
+                          self.max_tokens, max_width, V, self.max_tokens, Hq, D, lm_head.data.ptr, stream)
+        self.sampler = GpuSampler(self.arena, sampler_rows, V, stream)
+        self.stream = stream
+        log.info("%s; %d KV blocks", self.arena.summary(), self.num_kv_blocks)
+
+    # ---- step inputs -------------------------------------------------------------------------
+    def _context(self, batch: ModelBatch) -> GpuStepContext:
+        T, B = batch.num_tokens, len(batch.seqs)
+        if T == 0 or T > self.max_tokens:
+            raise ValueError(f"step has {T} tokens; the GPU executor takes 1..{self.max_tokens}")
+        if B > self.max_seqs:
+            raise ValueError(f"step has {B} sequences, more than max_num_seqs={self.max_seqs}")
+        if int(batch.positions.max()) >= self.max_model_len:
+            raise ValueError(f"position {int(batch.positions.max())} is beyond max_model_len {self.max_model_len}")
+        if int(batch.block_tables.max()) >= self.num_kv_blocks:
+            raise ValueError(f"block id {int(batch.block_tables.max())} is outside the KV pool "
+                             f"({self.num_kv_blocks} blocks)")
+        if batch.input_ids.min() < 0 or batch.input_ids.max() >= self.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        Tm, mb = self.max_tokens, self.max_blocks
+        h = self.inputs_host
+        lens = np.diff(batch.cu_seqlens)
+        h[0:T] = batch.input_ids
+        h[Tm:Tm + T] = batch.positions
+        h[2 * Tm:2 * Tm + T] = batch.slot_mapping
+        h[3 * Tm:3 * Tm + T] = np.repeat(np.arange(B, dtype=np.int32), lens)
+        S = batch.sample_rows.shape[0]
+        h[4 * Tm:4 * Tm + S] = batch.sample_rows
+        tables = h[5 * Tm:5 * Tm + B * mb].reshape(B, mb)
+        tables[:, :batch.block_tables.shape[1]] = batch.block_tables
+        tables[:, batch.block_tables.shape[1]:] = 0
+        n = 5 * Tm + B * mb
+        import cupy
+        cupy.cuda.runtime.memcpyAsync(self.inputs.data.ptr, h.ctypes.data, n * 4,
+                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        d = self.inputs
+        splits = attention_splits(T, self.config.num_key_value_heads, int(batch.context_lens.max()))
+        return GpuStepContext(num_tokens=T, input_ids=d[0:T], positions=d[Tm:Tm + T],
+                              slot_mapping=d[2 * Tm:2 * Tm + T], token_seq=d[3 * Tm:3 * Tm + T],
+                              block_tables=d[5 * Tm:5 * Tm + B * mb].reshape(B, mb),
+                              sample_rows=d[4 * Tm:4 * Tm + S], num_splits=splits)
+
+    def _hidden(self, batch: ModelBatch):
+        ctx = self._context(batch)
+        self.ops.reset()
+        return self.model.forward(self.ops, self.weights, ctx), ctx
+
+    # ---- Executor ----------------------------------------------------------------------------
+    def forward_logits(self, batch: ModelBatch) -> np.ndarray:
+        hidden, _ = self._hidden(batch)
+        logits = self.model.compute_logits(self.ops, self.weights, hidden)
+        out = logits.get(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+    def execute(self, batch: ModelBatch) -> StepOutput:
+        hidden, ctx = self._hidden(batch)
+        out = StepOutput(sampled=[])
+        sampled = [s for s in batch.seqs if s.sample]
+        if sampled:
+            rows = self.ops.gather_rows(hidden, ctx.sample_rows)
+            logits = self.model.compute_logits(self.ops, self.weights, rows)
+            out.sampled = self.sampler.sample(logits, sampled)
+        want = [i for i, s in enumerate(batch.seqs) if s.want_prompt_logprobs and len(s.token_ids) > 1]
+        if want:
+            out.prompt_logprobs = self._prompt_logprobs(batch, want, hidden)
+        return out
+
+    def _prompt_logprobs(self, batch: ModelBatch, want: list[int], hidden) -> list[PromptLogprobResult]:
+        """Logprobs of token_ids[1:] of each wanted sequence, all rows in one gather + lm_head."""
+        spans = [(int(batch.cu_seqlens[i]), len(batch.seqs[i].token_ids) - 1) for i in want]
+        rows = np.concatenate([np.arange(q0, q0 + n, dtype=np.int32) for q0, n in spans])
+        self.extra_rows[: rows.size].set(rows, stream=self.stream)
+        picked = self.ops.gather_rows(hidden, self.extra_rows[: rows.size])
+        logits = self.model.compute_logits(self.ops, self.weights, picked).get(stream=self.stream)
+        self.stream.synchronize()
+        results, at = [], 0
+        for i, (_, n) in zip(want, spans):
+            s = batch.seqs[i]
+            k = s.params.prompt_logprobs or 0
+            lps, tops = [], []
+            for row, target in zip(logits[at:at + n], s.token_ids[1:]):
+                lp = log_softmax(row)
+                lps.append(float(lp[target]))
+                tops.append(top_logprobs(lp, k))
+            at += n
+            results.append(PromptLogprobResult(seq_id=s.seq_id, start_pos=s.start_pos, logprobs=lps,
+                                               top_logprobs=tops))
+        return results
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.gemm.close()
+        self.weights = {}
+        self.arena.close()

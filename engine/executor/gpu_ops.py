@@ -1,0 +1,169 @@
+"""The model Ops (engine/models/ops.py) on the GPU: CuPy device arrays, raw CUDA kernels, cuBLAS.
+
+Every output is a view of a preallocated buffer: hidden-sized activations rotate through a ring
+of RING_SLOTS buffers (a tensor is dead long before its slot comes round again: the longest
+lived, the residual, survives 7 allocations of a decoder layer), the logits have their own fp32
+buffer, and the attention split partials theirs. Nothing here allocates or synchronizes with the
+host, so a decode step can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.models.ops import AttentionSpec
+from kernels.raw_cuda import kernel
+
+RING_SLOTS = 10
+ATTN_CHUNK = 256          # keys per chunk in paged_attention.cu
+MAX_SPLITS = 16
+MAX_GROUP = 16            # query heads per KV head (paged_attention.cu MAX_G)
+MAX_HEAD_DIM = 256
+NUM_SMS = 132
+
+
+def attention_splits(num_tokens: int, num_kv_heads: int, max_context: int) -> int:
+    """KV splits per (token, KV head): enough blocks to fill the SMs twice, none shorter than a chunk."""
+    if num_tokens * num_kv_heads >= 2 * NUM_SMS:
+        return 1
+    want = -(-2 * NUM_SMS // (num_tokens * num_kv_heads))
+    return max(1, min(MAX_SPLITS, want, -(-max_context // ATTN_CHUNK)))
+
+
+@dataclass
+class GpuStepContext:
+    """Device views of one step's ModelBatch arrays (static buffers, filled by the executor)."""
+    num_tokens: int
+    input_ids: object       # int32 [T]
+    positions: object       # int32 [T]  (-1: padding)
+    slot_mapping: object    # int32 [T]  (-1: padding)
+    token_seq: object       # int32 [T]  row of block_tables each token reads
+    block_tables: object    # int32 [B, max_blocks]
+    sample_rows: object     # int32 [S]
+    num_splits: int
+
+
+class GpuOps:
+    def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
+                 max_width: int, vocab_size: int, logits_rows: int, num_heads: int, head_dim: int,
+                 lm_head_ptr: int, stream):
+        import cupy
+
+        self.cp = cupy
+        self.gemm = gemm
+        self.kv_cache = kv_cache            # uint16 [L, 2, slots, Hkv, D]
+        self.inv_freq = inv_freq            # float32 [D/2]
+        self.attention_factor = float(attention_factor)
+        self.stream = stream
+        self.lm_head_ptr = lm_head_ptr
+        self.max_tokens = max_tokens
+        self.ring = [arena.take(f"activations.ring{i}", (max_tokens * max_width,), np.uint16)
+                     for i in range(RING_SLOTS)]
+        self.ring_next = 0
+        self.logits = arena.take("activations.logits", (logits_rows, vocab_size), np.float32)
+        part_rows = (max_tokens + 2 * NUM_SMS) * num_heads
+        self.part_out = arena.take("activations.attn_part_out", (part_rows * head_dim,), np.float32)
+        self.part_max = arena.take("activations.attn_part_max", (part_rows,), np.float32)
+        self.part_sum = arena.take("activations.attn_part_sum", (part_rows,), np.float32)
+        self.k_embed = kernel("embedding", "embedding_gather")
+        self.k_rms = kernel("rms_norm", "rms_norm_residual")
+        self.k_rope = kernel("qk_norm_rope_cache", "qk_norm_rope_cache")
+        self.k_silu = kernel("silu_mul", "silu_mul")
+        self.k_bias = kernel("add_bias", "add_bias")
+        self.k_attn = kernel("paged_attention", "paged_attention_split")
+        self.k_merge = kernel("paged_attention", "attention_merge")
+
+    # ---- buffers -----------------------------------------------------------------------------
+    def _out(self, rows: int, cols: int):
+        if rows > self.max_tokens:
+            raise ValueError(f"{rows} tokens exceed the {self.max_tokens} the activation buffers hold")
+        buf = self.ring[self.ring_next]
+        self.ring_next = (self.ring_next + 1) % RING_SLOTS
+        return buf[: rows * cols].reshape(rows, cols)
+
+    def reset(self) -> None:
+        """Start each forward at slot 0 so a captured graph sees the same addresses on replay."""
+        self.ring_next = 0
+
+    def _launch(self, k, grid, block, args) -> None:
+        k(grid, block, args, stream=self.stream)
+
+    # ---- Ops ---------------------------------------------------------------------------------
+    def embed(self, table, ctx: GpuStepContext):
+        T, H = ctx.num_tokens, table.shape[1]
+        out = self._out(T, H)
+        self._launch(self.k_embed, (T,), (128,), (table, ctx.input_ids, out, np.int32(H)))
+        return out
+
+    def rms_norm(self, x, weight, eps: float, residual=None):
+        T, H = x.shape
+        out = self._out(T, H)
+        r = self._out(T, H) if residual is not None else x
+        self._launch(self.k_rms, (T,), (256,),
+                     (x, residual if residual is not None else np.uint64(0), weight, out, r,
+                      np.int32(H), np.float32(eps)))
+        return out, r
+
+    def linear(self, x, weight, bias=None):
+        T = x.shape[0]
+        N = weight.shape[0]
+        if weight.data.ptr == self.lm_head_ptr:
+            if T > self.logits.shape[0]:
+                raise ValueError(f"{T} logit rows exceed the {self.logits.shape[0]} the logits buffer holds")
+            out = self.logits[:T]
+        else:
+            out = self._out(T, N)
+        self.gemm(x, weight, out)
+        if bias is not None:
+            total = T * N
+            self._launch(self.k_bias, (min(1024, -(-total // 256)),), (256,),
+                         (out, bias, np.int32(N), np.int64(total)))
+        return out
+
+    def qkv_rope_cache(self, qkv, spec: AttentionSpec, ctx: GpuStepContext, q_norm=None, k_norm=None):
+        T = ctx.num_tokens
+        Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q = self._out(T, Hq * D).reshape(T, Hq, D)
+        kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
+        null = np.uint64(0)
+        self._launch(self.k_rope, (T,), (128,),
+                     (qkv, q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
+                      np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor),
+                      ctx.positions, ctx.slot_mapping, q, kc, vc, np.int32(Hq), np.int32(Hkv), np.int32(D)))
+        return q
+
+    def attention(self, q, spec: AttentionSpec, ctx: GpuStepContext):
+        T = ctx.num_tokens
+        Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        S = ctx.num_splits
+        if Hq // Hkv > MAX_GROUP or D > MAX_HEAD_DIM or D % 2 or Hq % Hkv:
+            raise ValueError(f"attention kernel supports an even D <= {MAX_HEAD_DIM}, "
+                             f"Hq/Hkv <= {MAX_GROUP}; got Hq={Hq}, Hkv={Hkv}, D={D}")
+        if T * Hq * S > self.part_max.shape[0]:
+            raise ValueError(f"attention partials: {T} tokens x {S} splits exceed the buffer")
+        kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
+        out = self._out(T, Hq * D)
+        self._launch(self.k_attn, (S, Hkv, T), (128,),
+                     (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq,
+                      ctx.positions, self.part_out, self.part_max, self.part_sum,
+                      np.int32(Hq), np.int32(Hkv), np.int32(D), np.float32(spec.scale)))
+        self._launch(self.k_merge, (T * Hq,), (128,),
+                     (self.part_out, self.part_max, self.part_sum, out, np.int32(S), np.int32(D)))
+        return out
+
+    def silu_mul(self, gate_up):
+        T, two_i = gate_up.shape
+        inter = two_i // 2
+        out = self._out(T, inter)
+        total = T * inter // 8
+        self._launch(self.k_silu, (max(1, min(4096, -(-total // 256))),), (256,),
+                     (gate_up, out, np.int32(inter), np.int64(total)))
+        return out
+
+    def gather_rows(self, x, rows):
+        R, H = rows.shape[0], x.shape[1]
+        out = self._out(R, H)
+        if R:
+            self._launch(self.k_embed, (R,), (128,), (x, rows, out, np.int32(H)))
+        return out

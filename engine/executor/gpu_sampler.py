@@ -1,0 +1,175 @@
+"""The GPU sampler: engine/sampling.py's semantics on device logits, only token ids (and the
+asked-for logprobs) come back to the host.
+
+Per step: argmax + logsumexp of the raw logits (every row; greedy rows are done there); rows with
+logit_bias / min_tokens / penalties get a processed copy (apply_penalties over a per-row list of
+distinct tokens the host builds); greedy processed rows take the argmax of that copy; sampling rows
+go through sample_filtered with the uniform u the host draws from default_rng([seed, step]) exactly
+as the reference does. Logprobs are of the raw distribution (token_logprob, topk_logprobs).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.batch import SampledToken, SeqStep
+from kernels.raw_cuda import kernel
+
+MAX_TOP_LOGPROBS = 20
+PENALTY_ENTRIES = 1 << 20
+
+
+def needs_processing(s: SeqStep) -> bool:
+    p = s.params
+    return bool(p.logit_bias) or (s.num_generated < p.min_tokens and bool(p.stop_token_ids)) or \
+        (p.repetition_penalty != 1.0 and bool(s.history)) or \
+        (bool(p.frequency_penalty or p.presence_penalty) and len(s.history) > s.prompt_len)
+
+
+def penalty_entries(s: SeqStep, vocab: int):
+    """Distinct tokens touched by steps 1-3 of the reference: (token, bias, flags, output count)."""
+    p = s.params
+    entries: dict[int, list] = {}
+
+    def entry(t: int) -> list:
+        return entries.setdefault(t, [0.0, 0, 0])
+
+    for t, b in p.logit_bias.items():
+        if 0 <= int(t) < vocab:
+            entry(int(t))[0] += float(b)
+    if s.num_generated < p.min_tokens:
+        for t in p.stop_token_ids:
+            if 0 <= t < vocab:
+                entry(t)[1] |= 1
+    if p.repetition_penalty != 1.0:
+        for t in set(s.history):
+            if 0 <= t < vocab:
+                entry(t)[1] |= 2
+    if p.frequency_penalty or p.presence_penalty:
+        ids, counts = np.unique(np.asarray(s.history[s.prompt_len:], dtype=np.int64), return_counts=True)
+        for t, c in zip(ids.tolist(), counts.tolist()):
+            if t < vocab:
+                entry(t)[2] = c
+    return entries
+
+
+def uniform_for(s: SeqStep) -> float:
+    seed = 0 if s.params.seed is None else s.params.seed
+    return float(np.random.default_rng([seed, s.num_generated]).random())
+
+
+class GpuSampler:
+    def __init__(self, arena, max_rows: int, vocab: int, stream):
+        import cupy
+
+        self.cp, self.stream, self.vocab, self.max_rows = cupy, stream, vocab, max_rows
+        take = arena.take
+        self.ids = take("sampler.ids", (max_rows,), np.int32)
+        self.logprob = take("sampler.logprob", (max_rows,), np.float32)
+        self.lse = take("sampler.lse", (max_rows,), np.float32)
+        self.top_ids = take("sampler.top_ids", (max_rows, MAX_TOP_LOGPROBS), np.int32)
+        self.top_lp = take("sampler.top_lp", (max_rows, MAX_TOP_LOGPROBS), np.float32)
+        self.processed = take("sampler.processed", (max_rows, vocab), np.float32)
+        self.probs = take("sampler.probs", (max_rows, vocab), np.float32)
+        self.rows = take("sampler.rows", (max_rows,), np.int32)
+        self.params_f = take("sampler.params_f", (7, max_rows), np.float32)   # temp, min_p, top_p, -, rep, freq, pres
+        self.uniform = take("sampler.uniform", (max_rows,), np.float64)
+        self.top_k = take("sampler.top_k", (max_rows,), np.int32)
+        self.row_ptr = take("sampler.row_ptr", (max_rows + 1,), np.int32)
+        self.pen_i = take("sampler.pen_i", (3, PENALTY_ENTRIES), np.int32)   # token, flags, count
+        self.pen_bias = take("sampler.pen_bias", (PENALTY_ENTRIES,), np.float32)
+        self.k_argmax = kernel("argmax_logprobs", "argmax_logprob")
+        self.k_token_lp = kernel("argmax_logprobs", "token_logprob")
+        self.k_topk = kernel("argmax_logprobs", "topk_logprobs")
+        self.k_penalties = kernel("sampling", "apply_penalties")
+        self.k_sample = kernel("sampling", "sample_filtered")
+
+    def _up(self, dev, host: np.ndarray) -> None:
+        dev[: host.shape[0]].set(np.ascontiguousarray(host, dtype=dev.dtype), stream=self.stream)
+
+    def sample(self, logits, seqs: list[SeqStep]) -> list[SampledToken]:
+        """logits: device float32 [S, V] (row i for seqs[i])."""
+        S, V = len(seqs), self.vocab
+        if S == 0:
+            return []
+        if S > self.max_rows:
+            raise ValueError(f"{S} sampled rows exceed the sampler's {self.max_rows}")
+        null = np.uint64(0)
+        launch = lambda k, g, b, a: k(g, b, a, stream=self.stream)  # noqa: E731
+        launch(self.k_argmax, (S,), (1024,), (logits, np.int32(V), null, self.ids, null, self.lse))
+        processed = [i for i, s in enumerate(seqs) if needs_processing(s)]
+        source = logits
+        if processed:
+            self._penalties(logits, seqs, processed)
+            source = self.processed
+            greedy = np.asarray([i for i in processed if seqs[i].params.greedy], np.int32)
+            if greedy.size:
+                self._up(self.rows, greedy)
+                launch(self.k_argmax, (greedy.size,), (1024,), (source, np.int32(V), self.rows, self.ids, null, null))
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            self._sample(source, seqs, sampled)
+        want_lp = [s.params.logprobs is not None for s in seqs]
+        k = max([s.params.logprobs or 0 for s in seqs])
+        if any(want_lp):
+            launch(self.k_token_lp, (-(-S // 128),), (128,),
+                   (logits, np.int32(V), self.ids, self.lse, self.logprob, np.int32(S)))
+        if k:
+            launch(self.k_topk, (S,), (1024,), (logits, np.int32(V), np.int32(k), self.lse,
+                                                self.top_ids, self.top_lp))
+        ids = self.ids[:S].get(stream=self.stream)
+        lps = self.logprob[:S].get(stream=self.stream) if any(want_lp) else None
+        tids = self.top_ids[:S].get(stream=self.stream) if k else None
+        tlps = self.top_lp[:S].get(stream=self.stream) if k else None
+        self.stream.synchronize()
+        out = []
+        for i, s in enumerate(seqs):
+            tok = SampledToken(s.seq_id, int(ids[i]))
+            if s.params.logprobs is not None:
+                tok.logprob = float(lps[i])
+                n = s.params.logprobs
+                tok.top_logprobs = [(int(t), float(v)) for t, v in
+                                    zip(tids[i, :n], tlps[i, :n])] if n else []
+            out.append(tok)
+        return out
+
+    def _penalties(self, logits, seqs: list[SeqStep], processed: list[int]) -> None:
+        S, V = len(seqs), self.vocab
+        self.cp.cuda.runtime.memcpyAsync(self.processed.data.ptr, logits.data.ptr, S * V * 4,
+                                         self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+        row_ptr = np.zeros(S + 1, np.int32)
+        toks, flags, counts, bias = [], [], [], []
+        rep, freq, pres = np.ones(S, np.float32), np.zeros(S, np.float32), np.zeros(S, np.float32)
+        for i, s in enumerate(seqs):
+            if i in processed:
+                for t, (b, f, c) in sorted(penalty_entries(s, V).items()):
+                    toks.append(t); bias.append(b); flags.append(f); counts.append(c)
+                rep[i], freq[i], pres[i] = (s.params.repetition_penalty, s.params.frequency_penalty,
+                                            s.params.presence_penalty)
+            row_ptr[i + 1] = len(toks)
+        if len(toks) > PENALTY_ENTRIES:
+            raise ValueError(f"penalty lists hold {len(toks)} entries, more than {PENALTY_ENTRIES}")
+        if toks:
+            self._up(self.pen_i[0], np.asarray(toks, np.int32))
+            self._up(self.pen_i[1], np.asarray(flags, np.int32))
+            self._up(self.pen_i[2], np.asarray(counts, np.int32))
+            self._up(self.pen_bias, np.asarray(bias, np.float32))
+        self._up(self.row_ptr, row_ptr)
+        self._up(self.params_f[4], rep)
+        self._up(self.params_f[5], freq)
+        self._up(self.params_f[6], pres)
+        self.k_penalties((S,), (256,), (self.processed, np.int32(V), self.row_ptr, self.pen_i[0], self.pen_bias,
+                                        self.pen_i[1], self.pen_i[2], self.params_f[4], self.params_f[5],
+                                        self.params_f[6]), stream=self.stream)
+
+    def _sample(self, source, seqs: list[SeqStep], sampled: list[int]) -> None:
+        n = len(sampled)
+        ps = [seqs[i].params for i in sampled]
+        self._up(self.rows, np.asarray(sampled, np.int32))
+        self._up(self.params_f[0], np.asarray([p.temperature for p in ps], np.float32))
+        self._up(self.params_f[1], np.asarray([p.min_p for p in ps], np.float32))
+        self._up(self.params_f[2], np.asarray([p.top_p for p in ps], np.float32))
+        self._up(self.uniform, np.asarray([uniform_for(seqs[i]) for i in sampled], np.float64))
+        self._up(self.top_k, np.asarray([p.top_k for p in ps], np.int32))
+        self.k_sample((n,), (1024,), (source, np.int32(self.vocab), self.rows, self.probs, self.params_f[0],
+                                      self.params_f[1], self.top_k, self.params_f[2], self.uniform,
+                                      self.ids), stream=self.stream)
