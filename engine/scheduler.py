@@ -81,9 +81,10 @@ class Scheduler:
             self.waiting.popleft()
             group = self._fork(seq, out) if self._fork_ready(seq) else [seq]
             for s in group:
-                n = self._chunk(s, budget)
-                if n and self.bm.can_allocate(blocks_for(s.num_computed + n) - len(s.block_table)):
-                    s.block_table += self.bm.allocate(blocks_for(s.num_computed + n) - len(s.block_table))
+                n = self._chunk(s, budget) if budget > 0 else 0
+                need = blocks_for(s.num_computed + n) - len(s.block_table)
+                if n > 0 and self.bm.can_allocate(need):
+                    s.block_table += self.bm.allocate(need)
                     self._add_step(s, n, out)
                     budget -= n
         return out

@@ -83,3 +83,34 @@ class FakeExecutor:
 
     def close(self) -> None:
         pass
+
+
+def make_engine(executor=None, tokenizer=None, max_model_len: int = 512, **config):
+    """An EngineLoop driven by hand (no thread): add with `submit`, then `run_until_idle`."""
+    from engine.config import EngineConfig
+    from engine.engine_loop import EngineLoop
+    executor = executor or FakeExecutor()
+    tokenizer = tokenizer or FakeTokenizer()
+    eos = getattr(tokenizer, "eos_token_ids", [EOS])
+    return EngineLoop(executor, tokenizer, EngineConfig(**config), max_model_len, eos)
+
+
+def submit(engine, req) -> list:
+    """Queue req on a hand-driven engine; returns the list its events are appended to."""
+    events: list = []
+    engine.add_request(req, events.append)
+    engine.drain_inbox()
+    return events
+
+
+def run_until_idle(engine, max_steps: int = 100000, on_step=None) -> int:
+    steps = 0
+    engine.drain_inbox()
+    while engine.scheduler.has_work():
+        engine.step()
+        steps += 1
+        if on_step is not None:
+            on_step(steps)
+        engine.drain_inbox()
+        assert steps < max_steps, "engine did not finish"
+    return steps
