@@ -112,6 +112,8 @@ class EngineLoop:
             self.drain_inbox(block=block)
             if self.scheduler.has_work() and not self._stopping:
                 self.step()
+            else:                   # an abort can free the last request without a step
+                self._publish_stats()
         for rid in list(self.requests):
             self._fail(rid, "engine shut down")
 
