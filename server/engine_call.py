@@ -57,7 +57,12 @@ class EngineCall:
         error becomes an HTTP status before any response byte is sent."""
         for i, prompt in enumerate(self.parsed.prompts):
             req = GenerateRequest(self.ids[i], list(prompt), self.parsed.params)
-            self.tasks.append(asyncio.create_task(self._pump(i, self.handle.submit(req))))
+            try:
+                stream = self.handle.submit(req)
+            except Exception as exc:      # e.g. the engine is shutting down
+                self.timing[i].failed = True
+                raise APIError(503, f"engine unavailable: {exc}", code="engine_unavailable") from None
+            self.tasks.append(asyncio.create_task(self._pump(i, stream)))
         seen: set[int] = set()
         while len(seen) < len(self.ids):
             item = await self.queue.get()

@@ -50,12 +50,14 @@ def gauge(name: str, help_text: str, value: float) -> list[str]:
     return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {float(value)}"]
 
 
-# Engine stats exported under a fixed name (stat field -> metric name, help); others keep their own name.
+# Engine stats under fixed names (stat -> metric, help); any other numeric field is exported as
+# `openinfer_engine_<field>`.
 ENGINE_GAUGES = {
-    "num_running": ("num_requests_running", "Requests running in the engine."),
-    "num_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
-    "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)."),
-    "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache."),
+    "num_running": ("num_requests_running", "Sequences running in the engine."),
+    "num_waiting": ("num_requests_waiting", "Sequences waiting to be scheduled."),
+    "kv_usage": ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)."),
+    "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Fraction of looked-up prompt tokens found in the "
+                              "prefix cache."),
 }
 
 
@@ -99,14 +101,16 @@ class ServerMetrics:
 
 
 def engine_gauges(stats) -> list[str]:
-    """Every numeric field of the engine's stats dataclass as a gauge."""
+    """Every numeric field (and the named derived properties) of the engine's stats as a gauge."""
     if stats is None or not dataclasses.is_dataclass(stats):
         return []
+    names = [f.name for f in dataclasses.fields(stats)]
+    names += [k for k in ENGINE_GAUGES if k not in names and hasattr(stats, k)]
     lines = []
-    for f in dataclasses.fields(stats):
-        value = getattr(stats, f.name)
+    for key in names:
+        value = getattr(stats, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        name, help_text = ENGINE_GAUGES.get(f.name, (f.name, f"Engine statistic {f.name}."))
+        name, help_text = ENGINE_GAUGES.get(key, (f"engine_{key}", f"Engine statistic {key}."))
         lines += gauge(name, help_text, value)
     return lines

@@ -54,6 +54,7 @@ class ParsedRequest:
     echo: bool = False
     echo_texts: list[str] = field(default_factory=list)   # per prompt, when echo
     logprobs: int | None = None                 # top-k alternatives to report; None: no logprobs
+    tokens_as_ids: bool = False                 # logprobs name tokens "token_id:<id>" (vLLM extra)
     user: str | None = None
 
 
@@ -150,7 +151,8 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
         params.prompt_logprobs = logprobs
     return ParsedRequest("completion", prompts, params, stream=f.boolean("stream", False),
                          include_usage=_include_usage(f), echo=echo,
-                         echo_texts=texts if echo else [], logprobs=logprobs, user=f.string("user"))
+                         echo_texts=texts if echo else [], logprobs=logprobs, user=f.string("user"),
+                         tokens_as_ids=f.boolean("return_tokens_as_token_ids", False))
 
 
 def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
@@ -168,7 +170,8 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     params = _sampling_params(f, model, [prompt], default_max_tokens=None)
     params.logprobs = logprobs
     return ParsedRequest("chat", [prompt], params, stream=f.boolean("stream", False),
-                         include_usage=_include_usage(f), logprobs=logprobs, user=f.string("user"))
+                         include_usage=_include_usage(f), logprobs=logprobs, user=f.string("user"),
+                         tokens_as_ids=f.boolean("return_tokens_as_token_ids", False))
 
 
 def parse_messages(messages) -> list[dict]:

@@ -58,8 +58,8 @@ class ResponseBuilder:
             choice = self.choices[prompt_idx * self.n + event.index]
             entry = None
             if self.parsed.logprobs is not None:
-                entry = LogprobEntry(self.tokenizer.decode([event.token_id]), event.logprob,
-                                     event.top_logprobs[: self.parsed.logprobs])
+                entry = LogprobEntry(self._token(event.token_id), event.logprob,
+                                     self._top(event.top_logprobs[: self.parsed.logprobs]))
                 choice.logprobs.append(entry)
             choice.text.append(event.text)
             choice.num_tokens += 1
@@ -73,8 +73,16 @@ class ResponseBuilder:
         return []
 
     def _prompt_entries(self, event: PromptLogprobs) -> list[LogprobEntry]:
-        return [LogprobEntry(self.tokenizer.decode([t]), lp, top if lp is not None else None)
+        return [LogprobEntry(self._token(t), lp, self._top(top) if lp is not None else None)
                 for t, lp, top in zip(event.token_ids, event.logprobs, event.top_logprobs)]
+
+    def _token(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.parsed.tokens_as_ids else self.tokenizer.decode([token_id])
+
+    def _top(self, top: list[TopLogprob]) -> list[TopLogprob]:
+        if not self.parsed.tokens_as_ids:
+            return top
+        return [TopLogprob(t.token_id, f"token_id:{t.token_id}", t.logprob) for t in top]
 
     # -- stream chunks -------------------------------------------------------------------------------
     def _chunks(self, choice: ChoiceState, prompt_idx: int, text: str, entries: list[LogprobEntry],

@@ -1,0 +1,129 @@
+"""The `openinfer` command line: `serve` (the OpenAI-compatible server) and `generate` (one-off prompts).
+
+With no --model both use the built-in demo model, SmolLM2-135M-Instruct (converted on first use, then
+cached). Option names follow vLLM's where vLLM has one.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct demo)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output token limit per request")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step at most")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in 16-token blocks")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="openinfer", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="model name the API reports and accepts")
+    serve.add_argument("--api-key", default=os.environ.get("OPENINFER_API_KEY"),
+                       help="require 'Authorization: Bearer <key>' on /v1 routes (env OPENINFER_API_KEY)")
+    serve.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
+    _engine_args(gen)
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="render the prompt as a user message through the chat template "
+                          "(default: when the model has one)")
+    return parser
+
+
+def engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+    served = getattr(args, "served_model_name", None) or (DEMO_MODEL_NAME if args.model is None else None)
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, served_model_name=served,
+                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                          max_n=getattr(args, "max_n", 16), seed=args.seed)
+    config.validate()
+    return config
+
+
+def _setup_logging(level: str) -> None:
+    """openinfer's own log lines (one per request) to stderr; Sanic keeps its own handlers."""
+    logger = logging.getLogger("openinfer")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+
+def serve(args: argparse.Namespace) -> int:
+    from engine.handle import EngineHandle
+    from server.app import create_app
+    _setup_logging(args.log_level)
+    handle = EngineHandle(engine_config(args))
+    app = create_app(handle, api_key=args.api_key, max_n=args.max_n)
+    app.after_server_stop(lambda app: handle.shutdown())
+    print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
+          f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    app.run(host=args.host, port=args.port, single_process=True, access_log=False, motd=False)
+    return 0
+
+
+def generate(args: argparse.Namespace) -> int:
+    from engine.handle import EngineHandle
+    from engine.request import GenerateRequest, SamplingParams
+    from engine.events import Error, Finished, Rejected, Token
+    from server.protocol import encode_text, render_chat
+    with EngineHandle(engine_config(args)) as handle:
+        tok = handle.tokenizer
+        chat = args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None))
+        ids = (render_chat(tok, [{"role": "user", "content": args.prompt}]) if chat
+               else encode_text(tok, args.prompt))
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                max_tokens=min(args.max_tokens, handle.max_model_len - len(ids)))
+        params.validate()
+
+        async def run() -> int:
+            async for event in handle.submit(GenerateRequest("generate-0", ids, params)):
+                if isinstance(event, Token):
+                    print(event.text, end="", flush=True)
+                elif isinstance(event, Finished):
+                    print(f"\n[finish_reason={event.reason} prompt_tokens={event.usage.prompt_tokens} "
+                          f"completion_tokens={event.usage.completion_tokens}]", file=sys.stderr)
+                elif isinstance(event, (Error, Rejected)):
+                    print(f"\nerror: {getattr(event, 'message', None) or event.reason}", file=sys.stderr)
+                    return 1
+            return 0
+        return asyncio.run(run())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return serve(args) if args.command == "serve" else generate(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"openinfer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
