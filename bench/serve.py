@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (default: ignore_eos + min_tokens = output length)")
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
-    p.add_argument("--percentiles", default="50,90,99")
+    p.add_argument("--percentiles", default="90,99", help="besides mean and median")
     p.add_argument("--api-key", default=None, help="default: $OPENAI_API_KEY")
     p.add_argument("--out-dir", default="bench/out/serve")
     p.add_argument("--label", default="serve", help="file name stem of the outputs")

@@ -210,3 +210,31 @@ def test_serve_cli_writes_json_markdown_and_plots(server, tmp_path: Path):
     pytest.importorskip("matplotlib")
     assert (tmp_path / "t-sweep.png").stat().st_size > 0
     assert (tmp_path / "t-cdf-rate-inf.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not os.path.exists(QWEN_TOKENIZER), reason="needs the Qwen tokenizer file")
+def test_prefix_pairs_differ_only_in_the_last_token():
+    from bench.common_data import allowed_token_ids, encode, load_tokenizer
+    from bench.prefix_ttft import prompt_pair
+    tok = load_tokenizer(QWEN_TOKENIZER)
+    rng, allowed = np.random.default_rng(3), allowed_token_ids(tok)
+    for n in (2, 17, 300, 2000):
+        cold, warm = prompt_pair(tok, n, rng, allowed)
+        c, w = encode(tok, cold), encode(tok, warm)
+        assert len(c) == len(w) == n and c[:-1] == w[:-1] and c[-1] != w[-1]
+
+
+@pytest.mark.skipif(not os.path.exists(QWEN_TOKENIZER), reason="needs the Qwen tokenizer file")
+def test_prefix_ttft_cli_reports_cold_and_warm(server, tmp_path: Path):
+    from bench.prefix_ttft import main
+    server.scripts["*"] = [(0.08, "x", 1)]
+    report = main(["--base-url", server.url, "--tokenizer", QWEN_TOKENIZER, "--lengths", "16,40",
+                   "--repeats", "2", "--out-dir", str(tmp_path), "--label", "p"])
+    assert [r["length"] for r in report["summary"]] == [16, 40]
+    assert len(server.arrivals) == 1 + 2 * 2 * 2  # a probe, then cold + warm per length and repeat
+    for row in report["summary"]:
+        assert row["repeats"] == 2 and row["warm_cached_tokens"] == 3  # as the fake usage reports
+        for key in ("cold_ttft_ms", "warm_ttft_ms"):
+            assert 80 - 1000 * EPS <= row[key] <= 80 + 1000 * TOL
+    assert json.loads((tmp_path / "p.json").read_text())["summary"] == report["summary"]
+    assert "cold TTFT" in (tmp_path / "p.md").read_text()

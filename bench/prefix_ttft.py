@@ -1,0 +1,160 @@
+"""Prefix-cache TTFT sweep: cold TTFT vs warm (prefix-hit) TTFT against prompt length.
+
+For each length L a fresh random prompt of exactly L tokens is sent once (cold: nothing of it can be
+cached), then again with its last token replaced (warm: everything before the last token can come
+from the prefix cache). Requests go one at a time; the table reports both TTFTs and the
+`cached_tokens` each response's usage reports.
+
+    python -m bench.prefix_ttft --base-url http://127.0.0.1:8000 --lengths 256,1024,4096,16384
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
+
+from bench.common import (RequestSpec, auth_headers, build_payload, endpoint_url,  # noqa: E402
+                          make_client, send_request)
+from bench.common_data import allowed_token_ids, encode, exact_length_prompt, load_tokenizer  # noqa: E402
+from bench.common_report import _pyplot  # noqa: E402
+from bench.serve import probe  # noqa: E402
+
+
+def prompt_pair(tokenizer: Tokenizer, length: int, rng: np.random.Generator,
+                allowed: np.ndarray) -> tuple[str, str]:
+    """(cold, warm) prompt texts of exactly `length` tokens whose token ids differ only in the last."""
+    cold_text, cold_ids = exact_length_prompt(tokenizer, rng.choice(allowed, length).tolist(), allowed, rng)
+    for candidate in rng.choice(allowed, 200):
+        warm_ids = cold_ids[:-1] + [int(candidate)]
+        if warm_ids == cold_ids:
+            continue
+        warm_text = tokenizer.decode(warm_ids, skip_special_tokens=False)
+        if encode(tokenizer, warm_text) == warm_ids:  # survives the round trip: shares length-1 tokens
+            return cold_text, warm_text
+    raise RuntimeError(f"found no one-token variant of a {length}-token prompt that round-trips")
+
+
+async def measure(base_url: str, model: str, prompts: list[tuple[int, str, str]], output_len: int,
+                  api_key: str | None) -> list[dict]:
+    """Send each pair cold then warm, one request at a time."""
+    url, headers, rows = endpoint_url(base_url, "completions"), auth_headers(api_key), []
+    async with make_client() as client:
+        for length, cold, warm in prompts:
+            row = {"length": length}
+            for name, text in (("cold", cold), ("warm", warm)):
+                payload = build_payload(RequestSpec(text, length, output_len), model, "completions", True)
+                r = await send_request(client, url, payload, length, headers)
+                if not r.success:
+                    raise RuntimeError(f"{name} request of {length} tokens failed: {r.error}")
+                if name == "cold" and r.cached_tokens:
+                    print(f"  warning: the cold {length}-token prompt hit {r.cached_tokens} cached tokens",
+                          flush=True)
+                row.update({f"{name}_ttft_ms": r.ttft * 1000, f"{name}_cached_tokens": r.cached_tokens,
+                            f"{name}_prompt_tokens": r.prompt_len})
+            print(f"  {length:>6} tokens: cold {row['cold_ttft_ms']:9.1f} ms, warm {row['warm_ttft_ms']:9.1f} ms, "
+                  f"cached {row['warm_cached_tokens']}", flush=True)
+            rows.append(row)
+    return rows
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """Median over the repeats of each length."""
+    out = []
+    for length in sorted({r["length"] for r in rows}):
+        group = [r for r in rows if r["length"] == length]
+        row = {"length": length, "repeats": len(group)}
+        for key in group[0]:
+            if key != "length":
+                values = [r[key] for r in group if r[key] is not None]
+                row[key] = float(np.median(values)) if values else None
+        row["speedup"] = row["cold_ttft_ms"] / row["warm_ttft_ms"]
+        out.append(row)
+    return out
+
+
+def markdown(summary: list[dict]) -> str:
+    def cell(value):
+        return "n/a" if value is None else f"{value:g}"
+    lines = ["| prompt tokens | cold TTFT (ms) | warm TTFT (ms) | cold / warm | cached tokens cold / warm "
+             "| repeats |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in summary:
+        lines.append(f"| {r['length']} | {r['cold_ttft_ms']:.1f} | {r['warm_ttft_ms']:.1f} | {r['speedup']:.1f}x "
+                     f"| {cell(r['cold_cached_tokens'])} / {cell(r['warm_cached_tokens'])} | {r['repeats']} |")
+    return "\n".join(lines)
+
+
+def plot(summary: list[dict], path: Path, title: str) -> Path | None:
+    plt = _pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    lengths = [r["length"] for r in summary]
+    for key in ("cold", "warm"):
+        ax.plot(lengths, [r[f"{key}_ttft_ms"] for r in summary], marker="o", label=f"{key} TTFT")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json (or its folder) of the served model")
+    p.add_argument("--lengths", default="256,512,1024,2048,4096,8192,16384")
+    p.add_argument("--repeats", type=int, default=1, help="fresh prompt pairs per length (median reported)")
+    p.add_argument("--output-len", type=int, default=1)
+    p.add_argument("--seed", type=int, default=None,
+                   help="prompt seed (default: a fresh one per run, so cold prompts are never cached)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--out-dir", default="bench/out/prefix_ttft")
+    p.add_argument("--label", default="prefix_ttft")
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if any(n < 2 for n in lengths) or args.repeats < 1:
+        raise ValueError("--lengths must all be >= 2 tokens and --repeats >= 1")
+    if args.seed is None:
+        args.seed = int(time.time_ns() % 2**32)
+    tokenizer = load_tokenizer(args.tokenizer)
+    rng, allowed = np.random.default_rng(args.seed), allowed_token_ids(tokenizer)
+    prompts = [(n, *prompt_pair(tokenizer, n, rng, allowed)) for _ in range(args.repeats) for n in lengths]
+    warmup = RequestSpec(prompt_pair(tokenizer, 32, rng, allowed)[0], 32, args.output_len)
+    model = asyncio.run(probe(args.base_url, args.model, warmup, "completions", True, args.api_key))
+    print(f"{model}: cold vs warm TTFT over {len(prompts)} prompt pairs", flush=True)
+    rows = asyncio.run(measure(args.base_url, model, prompts, args.output_len, args.api_key))
+    summary = aggregate(rows)
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": shlex.join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+              "base_url": args.base_url, "model": model, "seed": args.seed, "summary": summary, "rows": rows}
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{args.label}.json").write_text(json.dumps(report, indent=2))
+    table = markdown(summary)
+    (out_dir / f"{args.label}.md").write_text(f"# Prefix-cache TTFT: {model}\n\n- date: {report['date']}\n"
+                                               f"- command: `{report['command']}`\n\n{table}\n")
+    plot(summary, out_dir / f"{args.label}.png", f"{model}: prefix-hit TTFT")
+    print(table, flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

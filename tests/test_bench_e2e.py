@@ -1,0 +1,87 @@
+"""bench/serve and bench/prefix_ttft end to end against the real server (CPU executor, tiny model)."""
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("server.cli") is None, reason="server CLI not present"),
+    pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served_tiny_model(tmp_path_factory):
+    """(base url, model folder) of `openinfer serve` on the CPU with a tiny random Qwen3 model."""
+    from tests.models_util import tiny_model_path
+    model = tiny_model_path("qwen3_tied")
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", model, "--device", "cpu",
+                             "--port", str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                log.seek(0)
+                pytest.fail(f"the server did not come up:\n{log.read()[-3000:]}")
+            time.sleep(0.5)
+        yield url, model
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_serve_benchmark_against_the_real_server(served_tiny_model, tmp_path):
+    from bench.serve import main
+    url, model = served_tiny_model
+    report = main(["--base-url", url, "--tokenizer", model, "--input-len", "24", "--output-len", "5",
+                   "--num-prompts", "6", "--sweep-rates", "20,inf", "--max-concurrency", "4",
+                   "--out-dir", str(tmp_path), "--label", "e2e", "--save-requests", "--no-plots"])
+    assert len(report["runs"]) == 2
+    for run in report["runs"]:
+        m = run["metrics"]
+        assert m["completed"] == 6 and m["failed"] == 0, run["errors"]
+        # the server's own usage counts: prompts are exactly 24 tokens, outputs pinned to 5 by min_tokens
+        assert m["total_input_tokens"] == 6 * 24 and m["total_output_tokens"] == 6 * 5
+        assert m["max_concurrent_requests"] <= 4
+        for r in run["requests"]:
+            assert r["success"] and r["ttft"] > 0 and 1 <= len(r["itl"]) <= 4
+            assert r["latency"] == pytest.approx(r["ttft"] + sum(r["itl"]), abs=1e-6)
+        assert m["mean_tpot_ms"] > 0 and m["mean_e2el_ms"] >= m["mean_ttft_ms"]
+    assert (tmp_path / "e2e.json").exists() and (tmp_path / "e2e.md").exists()
+
+
+def test_prefix_ttft_against_the_real_server(served_tiny_model, tmp_path):
+    from bench.prefix_ttft import main
+    url, model = served_tiny_model
+    report = main(["--base-url", url, "--tokenizer", model, "--lengths", "40,100", "--seed", "5",
+                   "--out-dir", str(tmp_path), "--label", "e2e"])
+    for row in report["summary"]:
+        assert row["cold_cached_tokens"] == 0
+        # every full 16-token KV block before the changed last token comes from the prefix cache
+        assert row["warm_cached_tokens"] == (row["length"] - 1) // 16 * 16
+        assert row["cold_prompt_tokens"] == row["warm_prompt_tokens"] == row["length"]
