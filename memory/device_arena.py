@@ -64,7 +64,8 @@ class DeviceArena:
     def free_bytes(self) -> int:
         return self.nbytes - self.used
 
-    def take(self, name: str, shape: tuple[int, ...], dtype) -> "cupy.ndarray":  # noqa: F821
+    def take(self, name: str, shape: tuple[int, ...], dtype):
+        """A CuPy array view of the next free bytes; raises MemoryError naming `name` when full."""
         import cupy
 
         dtype = np.dtype(dtype)

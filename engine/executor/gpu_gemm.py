@@ -25,7 +25,7 @@ class Gemm:
         self.handle = cublas.create()
         cublas.setStream(self.handle, stream.ptr)
         cublas.setPointerMode(self.handle, 0)               # alpha / beta on the host
-        if workspace is not None:                           # fixed workspace: graph capture allocates nothing
+        if workspace is not None and hasattr(cublas, "setWorkspace"):   # graph capture allocates nothing
             cublas.setWorkspace(self.handle, workspace.data.ptr, workspace.nbytes)
         self.stream = stream
         self._alpha = np.ones(1, np.float32)

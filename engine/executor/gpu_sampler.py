@@ -118,8 +118,9 @@ class GpuSampler:
                                                 self.top_ids, self.top_lp))
         ids = self.ids[:S].get(stream=self.stream)
         lps = self.logprob[:S].get(stream=self.stream) if any(want_lp) else None
-        tids = self.top_ids[:S].get(stream=self.stream) if k else None
-        tlps = self.top_lp[:S].get(stream=self.stream) if k else None
+        # topk_logprobs writes rows of k (the largest k asked in this step).
+        tids = self.top_ids.reshape(-1)[:S * k].reshape(S, k).get(stream=self.stream) if k else None
+        tlps = self.top_lp.reshape(-1)[:S * k].reshape(S, k).get(stream=self.stream) if k else None
         self.stream.synchronize()
         out = []
         for i, s in enumerate(seqs):

@@ -18,7 +18,11 @@ def module(name: str):
         raise FileNotFoundError(f"no raw CUDA kernel source {path}")
     with open(path, encoding="utf-8") as f:
         source = f.read()
-    return cupy.RawModule(code=source, options=("--std=c++17", f"-I{KERNEL_DIR}"))
+    options = [f"-I{KERNEL_DIR}"]
+    cuda_path = getattr(cupy.cuda, "get_cuda_path", lambda: None)()
+    if cuda_path and os.path.isdir(os.path.join(cuda_path, "include")):
+        options.append(f"-I{os.path.join(cuda_path, 'include')}")
+    return cupy.RawModule(code=source, options=tuple(options))
 
 
 def kernel(name: str, function: str):

@@ -1,0 +1,232 @@
+"""Accuracy gate of the GPU executor, with Hugging Face transformers on the same GPU as the oracle.
+
+Teacher-forced logits through several KV paths (batched mixed-length prefill, prefill-then-decode,
+chunked prefill) against HF float32, with HF bf16 vs HF float32 beside it as the bf16 noise floor:
+  * argmax agreement by regret (our pick within TIE_TOL nats of the oracle's best, in the oracle's
+    own logprobs) >= 99%;
+  * mean |Δlogprob| over the full vocabulary <= max(0.02, 2 × the measured floor) (DESIGN.md: where
+    the named bound is below the floor, the bound comes from the floor, and the report says so).
+Plus: batch-1 determinism, batched == batch-1 greedy, GPU == CPU greedy over 64 steps, and the
+real-shape Qwen3-4B with random bf16 weights (OPENINFER_GATE_4B=1; bench/gpu_suite.sh sets it).
+Each gate row is printed and appended as JSON to $OPENINFER_GATE_LOG when set.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
+from engine.loader import load_model
+from engine.request import SamplingParams
+from tests.models_util import TINY_MODELS, engine_logits, log_softmax, tiny_model_path
+
+pytestmark = pytest.mark.gpu
+TIE_TOL = 0.02
+MIN_AGREEMENT = 0.99
+MAX_MEAN_DLOGPROB = 0.02
+REAL_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs")
+QWEN3_4B_CONFIG = os.path.join(REAL_CONFIGS, "qwen3-4b", "config.json")
+
+
+# ---- oracle and metrics ------------------------------------------------------------------------
+def hf_gpu_models(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    m16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")
+    return m32.cuda().eval(), m16.cuda().eval()
+
+
+def hf_run(model, ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
+
+
+def gate_row(name: str, engine: list[np.ndarray], o32: list[np.ndarray], o16: list[np.ndarray]) -> dict:
+    e, a, b = (np.concatenate(x) for x in (engine, o32, o16))
+    le, l32, l16 = log_softmax(e), log_softmax(a), log_softmax(b)
+    best = l32.argmax(-1)
+    rows = np.arange(len(best))
+
+    def agreement(lp):
+        regret = l32[rows, best] - l32[rows, lp.argmax(-1)]
+        return float(np.mean(regret <= TIE_TOL)), float(np.mean(lp.argmax(-1) == best))
+
+    d, floor = np.abs(le - l32), np.abs(l16 - l32)
+    row = dict(case=name, positions=int(len(best)), agree=agreement(le)[0], strict=agreement(le)[1],
+               mean=float(d.mean()), p99=float(np.percentile(d, 99)),
+               hf_bf16_agree=agreement(l16)[0], hf_bf16_mean=float(floor.mean()),
+               hf_bf16_p99=float(np.percentile(floor, 99)))
+    row["bound"] = max(MAX_MEAN_DLOGPROB, 2 * row["hf_bf16_mean"])
+    print("GATE " + json.dumps(row))
+    if os.environ.get("OPENINFER_GATE_LOG"):
+        with open(os.environ["OPENINFER_GATE_LOG"], "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
+def assert_gate(row: dict) -> None:
+    assert row["agree"] >= MIN_AGREEMENT, row
+    assert row["mean"] <= row["bound"], row
+
+
+def random_sequences(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def new_gpu_executor(model, **kw):
+    from engine.executor.gpu import GpuExecutor
+
+    args = dict(num_kv_blocks=96, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=16, progress=False)
+    return GpuExecutor(model, **{**args, **kw})
+
+
+# ---- tiny models -------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=sorted(TINY_MODELS))
+def tiny(request):
+    path = tiny_model_path(request.param)
+    model = load_model(path)
+    seqs = random_sequences(model.config.vocab_size, [96, 61, 80, 33], seed=1)
+    m32, m16 = hf_gpu_models(path)
+    o32 = [hf_run(m32, s) for s in seqs]
+    o16 = [hf_run(m16, s) for s in seqs]
+    del m32, m16
+    ex = new_gpu_executor(model)
+    yield request.param, model, ex, seqs, o32, o16
+    ex.close()
+
+
+PATHS = {
+    "prefill": dict(),
+    "decode": dict(prefill=[20, 7, 33, 1], chunks=1),
+    "chunked": dict(chunks=[7, 16, 5, 9], seed=3),
+}
+
+
+@pytest.mark.parametrize("path_name", sorted(PATHS))
+def test_tiny_gate(tiny, path_name):
+    name, _, ex, seqs, o32, o16 = tiny
+    engine = engine_logits(ex, seqs, **PATHS[path_name])
+    assert_gate(gate_row(f"{name}/{path_name}", engine, o32, o16))
+
+
+def test_tiny_batch1_deterministic(tiny):
+    _, _, ex, seqs, _, _ = tiny
+    first = engine_logits(ex, [seqs[0]])[0]
+    again = engine_logits(ex, [seqs[0]])[0]
+    assert np.array_equal(first, again)
+
+
+def greedy(executor, prompts: list[list[int]], steps: int, seed: int = 0) -> list[list[int]]:
+    """Free-running greedy decode of every prompt together (prefill, then one token a step)."""
+    rng = random.Random(seed)
+    free = list(range(executor.num_kv_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(len(p) + steps) // BLOCK_SIZE))] for p in prompts]
+    toks, start = [list(p) for p in prompts], [0] * len(prompts)
+    for _ in range(steps):
+        batch = [SeqStep(seq_id=i, token_ids=toks[i][start[i]:], start_pos=start[i], block_table=tables[i],
+                         sample=True, params=SamplingParams(temperature=0.0), prompt_len=len(p),
+                         history=list(toks[i]), num_generated=len(toks[i]) - len(p))
+                 for i, p in enumerate(prompts)]
+        out = executor.execute(ModelBatch.build(batch))
+        for i, t in enumerate(out.sampled):
+            start[i] = len(toks[i])
+            toks[i].append(t.token_id)
+    return [t[len(p):] for t, p in zip(toks, prompts)]
+
+
+def first_divergence_regret(reference_executor, prompt, ours, theirs) -> tuple[int, float]:
+    """Where two greedy continuations first differ, how much worse our token is in the reference's
+    own logprobs (teacher-forced on the shared prefix)."""
+    j = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    lp = log_softmax(engine_logits(reference_executor, [prompt + ours[:j]])[0][-1:])[0]
+    return j, float(lp.max() - lp[ours[j]])
+
+
+def test_tiny_batched_equals_batch1(tiny):
+    _, _, ex, seqs, _, _ = tiny
+    prompts = [s[:n] for s, n in zip(seqs, [5, 17, 33, 2])]
+    batched = greedy(ex, prompts, 24)
+    for p, b in zip(prompts, batched):
+        assert greedy(ex, [p], 24) == b
+
+
+def test_gpu_equals_cpu_greedy_64_steps():
+    from engine.executor.cpu import CpuExecutor
+
+    model = load_model(tiny_model_path("qwen3_tied"))
+    gpu = new_gpu_executor(model)
+    cpu = CpuExecutor(model, num_kv_blocks=96, max_model_len=512, bf16_weights=True)
+    prompts = [[1, 2, 3, 4, 5], list(range(100, 137))]
+    g, c = greedy(gpu, prompts, 64), greedy(cpu, prompts, 64)
+    for p, a, b in zip(prompts, g, c):
+        if a != b:   # allowed only inside a genuine bf16 tie of the CPU's own logits
+            j, regret = first_divergence_regret(cpu, p, a, b)
+            print(f"GPU/CPU greedy diverge at step {j}: regret {regret:.4f}")
+            assert regret <= TIE_TOL, (j, regret)
+    print(f"GPU == CPU greedy: {sum(a == b for a, b in zip(g, c))}/{len(prompts)} sequences identical over 64 steps")
+    gpu.close()
+
+
+# ---- real-shape Qwen3-4B, random bf16 weights --------------------------------------------------
+def write_random_qwen3(config_path: str, out_dir: str, seed: int = 0, embed_std: float = 0.06):
+    """An HF folder of a real-shape model with random bf16 weights (written on the GPU): matrices
+    ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1), embedding ~ N(0, embed_std) (logit spread ~3 like a real
+    model). Returns the bf16 model on the GPU. Reuses out_dir when already complete."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(os.path.dirname(config_path))
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed" in name:
+                p.normal_(0.0, embed_std)
+            elif p.ndim == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+    done = os.path.join(out_dir, ".complete")
+    if not os.path.exists(done):
+        model.save_pretrained(out_dir, safe_serialization=True)
+        open(done, "w").close()
+    return model.eval()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("OPENINFER_GATE_4B") != "1", reason="set OPENINFER_GATE_4B=1 (bench/gpu_suite.sh)")
+def test_qwen3_4b_random_gate():
+    import copy
+
+    import torch
+
+    out_dir = os.environ.get("OPENINFER_QWEN3_4B_DIR", "/tmp/qwen3-4b-random")
+    m16 = write_random_qwen3(QWEN3_4B_CONFIG, out_dir)
+    m32 = copy.deepcopy(m16).float().eval()
+    seqs = random_sequences(151000, [128, 97, 64], seed=2)
+    o32 = [hf_run(m32, s) for s in seqs]
+    o16 = [hf_run(m16, s) for s in seqs]
+    del m32, m16
+    torch.cuda.empty_cache()
+    model = load_model(out_dir)
+    ex = new_gpu_executor(model, max_model_len=1024, num_kv_blocks=64)
+    for path_name in ("prefill", "decode"):
+        kw = dict(PATHS[path_name])
+        if path_name == "decode":
+            kw["prefill"] = [40, 13, 1]
+        engine = engine_logits(ex, seqs, **kw)
+        assert_gate(gate_row(f"qwen3-4b-random/{path_name}", engine, o32, o16))
+    ex.close()
