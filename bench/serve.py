@@ -85,14 +85,14 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def load_specs(args: argparse.Namespace) -> list[RequestSpec]:
+def load_specs(args: argparse.Namespace, count: int) -> list[RequestSpec]:
     tokenizer = load_tokenizer(args.tokenizer)
     if args.dataset == "sharegpt":
         if not args.dataset_path:
             raise ValueError("--dataset sharegpt needs --dataset-path to a local ShareGPT JSON file")
-        return sharegpt_requests(args.dataset_path, tokenizer, args.num_prompts,
+        return sharegpt_requests(args.dataset_path, tokenizer, count,
                                  output_len=args.output_len if args.output_len_set else None, seed=args.seed)
-    return random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
+    return random_requests(tokenizer, count, args.input_len, args.output_len,
                            prefix_len=args.prefix_len, seed=args.seed)
 
 
@@ -132,16 +132,20 @@ def main(argv: list[str] | None = None) -> dict:
     rates = parse_rates(args.sweep_rates or args.request_rate)
     percentiles = tuple(float(p) for p in args.percentiles.split(","))
     slos = parse_slos(args.goodput)
-    specs = load_specs(args)
-    model = asyncio.run(probe(args.base_url, args.model, specs[0], args.endpoint, args.ignore_eos, args.api_key))
+    # distinct prompts for the probe and for each rate, so no run is served from an earlier one's
+    # prefix cache (beyond a shared --prefix-len, which is the point of that option)
+    all_specs = load_specs(args, args.num_prompts * len(rates) + 1)
+    model = asyncio.run(probe(args.base_url, args.model, all_specs[-1], args.endpoint, args.ignore_eos,
+                              args.api_key))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": shlex.join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
               "host": f"{platform.node()} {platform.machine()}", "base_url": args.base_url, "model": model,
-              "dataset": args.dataset, "num_prompts": len(specs), "burstiness": args.burstiness,
+              "dataset": args.dataset, "num_prompts": args.num_prompts, "burstiness": args.burstiness,
               "max_concurrency": args.max_concurrency, "goodput_slo_ms": slos or None, "runs": []}
-    for rate in rates:
+    for i, rate in enumerate(rates):
+        specs = all_specs[i * args.num_prompts:(i + 1) * args.num_prompts]
         print(f"rate {rate} req/s: sending {len(specs)} requests ...", flush=True)
         results, duration = asyncio.run(run_benchmark(
             specs, args.base_url, model, rate, args.burstiness, args.max_concurrency, args.endpoint,

@@ -70,6 +70,7 @@ def test_serve_benchmark_against_the_real_server(served_tiny_model, tmp_path):
         assert m["max_concurrent_requests"] <= 4
         for r in run["requests"]:
             assert r["success"] and r["ttft"] > 0 and 1 <= len(r["itl"]) <= 4
+            assert r["cached_tokens"] == 0  # fresh prompts per rate: no run reuses another's KV blocks
             assert r["latency"] == pytest.approx(r["ttft"] + sum(r["itl"]), abs=1e-6)
         assert m["mean_tpot_ms"] > 0 and m["mean_e2el_ms"] >= m["mean_ttft_ms"]
     assert (tmp_path / "e2e.json").exists() and (tmp_path / "e2e.md").exists()
