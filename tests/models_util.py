@@ -94,11 +94,12 @@ def randomize_(model, seed: int) -> None:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
 
 
-def build_tiny_model(name: str, out_dir: str, seed: int = 0) -> str:
+def build_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
     """Save a random-weight model `name` of TINY_MODELS as an HF folder (bf16) with a real tokenizer."""
     import torch
     import transformers
-    cls_name, overrides = TINY_MODELS[name]
+    cls_name, base = TINY_MODELS[name]
+    overrides = {**base, **overrides}
     folder, vocab, bos, eos = tokenizer_source()
     config = getattr(transformers, cls_name)(**{**_BASE, **overrides}, vocab_size=vocab,
                                              bos_token_id=bos, eos_token_id=eos)

