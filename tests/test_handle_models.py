@@ -126,8 +126,9 @@ def test_n_samples_on_a_real_model():
 def test_smollm2_batching_prefix_cache_and_stop_string():
     name = "smollm2"
     tok = loaded(name).tokenizer
-    prompts = ["The capital of France is", "List three colors:"]
-    reqs = [GenerateRequest(f"p{i}", tok.encode(p), SamplingParams(temperature=0, max_tokens=10))
+    prompts = ["The capital of France is",
+               "List three colors of the rainbow, one per line, and say nothing else at all:"]
+    reqs = [GenerateRequest(f"p{i}", tok.encode(p), SamplingParams(temperature=0, max_tokens=8))
             for i, p in enumerate(prompts)]
     batched, engine = run(name, reqs, max_num_batched_tokens=16)
     solo = [alone(name, r) for r in reqs]
@@ -136,11 +137,12 @@ def test_smollm2_batching_prefix_cache_and_stop_string():
     text0 = "".join(e.text for e in batched[0] if isinstance(e, Token))
     assert "Paris" in text0
     assert text0 == tok.decode(tokens(batched[0]), skip_special_tokens=True)
-    # the same prompt again hits the prefix cache (one full block) and gives the same tokens
-    again = submit(engine, GenerateRequest("again", reqs[0].prompt_token_ids + [0] * 12,
-                                           SamplingParams(temperature=0, max_tokens=2)))
+    # the same prompt again hits the prefix cache (its full blocks) and gives the same tokens
+    assert len(reqs[1].prompt_token_ids) > 16
+    again = submit(engine, GenerateRequest("again", reqs[1].prompt_token_ids,
+                                           SamplingParams(temperature=0, max_tokens=3)))
     run_until_idle(engine)
-    assert again[0].cached_tokens == 16
+    assert again[0].cached_tokens == 16 and tokens(again) == tokens(batched[1])[:3]
     # a stop string spanning a token boundary ends the text right before it
     pieces = [e.text for e in batched[0] if isinstance(e, Token)]
     cut = next(i for i in range(1, len(pieces)) if pieces[i - 1] and pieces[i])
@@ -149,6 +151,6 @@ def test_smollm2_batching_prefix_cache_and_stop_string():
     if stop in before:
         pytest.skip("stop string occurs earlier")
     stopped = alone(name, GenerateRequest("s", reqs[0].prompt_token_ids,
-                                          SamplingParams(temperature=0, max_tokens=10, stop=[stop])))
+                                          SamplingParams(temperature=0, max_tokens=8, stop=[stop])))
     assert "".join(e.text for e in stopped if isinstance(e, Token)) == before
     assert [e.stop_reason for e in stopped if isinstance(e, Finished)] == [stop]
