@@ -195,6 +195,7 @@ def write_llama_gguf(src: str, path: str) -> None:
 
 @pytest.mark.skipif(not os.path.isdir("/work/shared/models/qwen-tokenizer")
                     and not os.environ.get("OPENINFER_TEST_TOKENIZER"), reason="needs the Qwen tokenizer")
+@pytest.mark.slow
 def test_gguf_round_trip_llama(tmp_path):
     """HF llama -> GGUF (llama.cpp layout) -> engine conversion gives back the same weights,
     config and tokenizer."""
