@@ -51,7 +51,7 @@ def sweep_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -63,7 +63,7 @@ def _pyplot():
 
 def plot_cdfs(results: list[RequestResult], path: Path, title: str) -> Path | None:
     """Empirical CDFs of TTFT, TPOT, ITL and E2E latency; None when matplotlib is absent."""
-    plt = _pyplot()
+    plt = pyplot()
     done = [r for r in results if r.success]
     if plt is None or not done:
         return None
@@ -87,7 +87,7 @@ def plot_cdfs(results: list[RequestResult], path: Path, title: str) -> Path | No
 
 def plot_sweep(runs: list[dict], path: Path, title: str) -> Path | None:
     """Throughput, TTFT and TPOT against the offered request rate (inf drawn one step past the last)."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None or not runs:
         return None
     finite = [float(r["request_rate"]) for r in runs if r["request_rate"] != "inf"]

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer  # noqa: E402
 from bench.common import (RequestSpec, auth_headers, build_payload, endpoint_url,  # noqa: E402
                           make_client, send_request)
 from bench.common_data import allowed_token_ids, encode, exact_length_prompt, load_tokenizer  # noqa: E402
-from bench.common_report import _pyplot  # noqa: E402
+from bench.common_report import pyplot  # noqa: E402
 from bench.serve import probe  # noqa: E402
 
 
@@ -95,7 +95,7 @@ def markdown(summary: list[dict]) -> str:
 
 
 def plot(summary: list[dict], path: Path, title: str) -> Path | None:
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))

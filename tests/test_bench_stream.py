@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.common import SSEParser, build_payload, make_client, send_request, RequestSpec
+from bench.common import RequestSpec, SSEParser, build_payload, endpoint_url, make_client, send_request
 from bench.common_metrics import tpot
 from bench.serve import run_benchmark
 
@@ -79,10 +79,13 @@ class FakeServer:
                 writer.write(b"HTTP/1.1 %d Error\r\nContent-Length: %d\r\n\r\n%s" % (self.status, len(msg), msg))
                 return
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-            script = self.scripts.get(body.get("prompt"), self.scripts.get("*"))
+            chat = "messages" in body
+            prompt = body["messages"][0]["content"] if chat else body.get("prompt")
+            script = self.scripts.get(prompt, self.scripts.get("*"))
             events = []
             for delay, text, _ in script:
-                events.append((delay, {"choices": [{"index": 0, "text": text, "finish_reason": None}]}))
+                choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+                events.append((delay, {"choices": [{**choice, "finish_reason": None}]}))
             usage = {"prompt_tokens": 7, "completion_tokens": sum(n for *_, n in script),
                      "prompt_tokens_details": {"cached_tokens": 3}}
             events.append((0.0, {"choices": [], "usage": usage}))
@@ -104,11 +107,11 @@ def server():
     s.stop()
 
 
-def _send(server, prompt="p", output_len=4):
+def _send(server, prompt="p", output_len=4, endpoint="completions"):
     async def go():
         async with make_client() as client:
-            payload = build_payload(RequestSpec(prompt, 7, output_len), "fake-model", "completions", True)
-            return await send_request(client, server.url + "/v1/completions", payload, 7)
+            payload = build_payload(RequestSpec(prompt, 7, output_len), "fake-model", endpoint, True)
+            return await send_request(client, endpoint_url(server.url, endpoint), payload, 7)
     return asyncio.run(go())
 
 
@@ -133,6 +136,14 @@ def test_ttft_itl_tpot_match_injected_delays(server):
     assert tpot(r) == pytest.approx(sum(gaps) / 4, abs=TOL / 2)
     assert tpot(r) == pytest.approx((r.latency - r.ttft) / 4, rel=1e-12)
     assert r.generated_text == "abbbb"
+
+
+def test_chat_stream_is_timed_from_its_content_deltas(server):
+    # a chat stream opens with a role-only delta (empty content): not the first token
+    server.scripts["p"] = [(0.1, "", 0), (0.1, "a", 1), (0.1, "b", 1)]
+    r = _send(server, endpoint="chat")
+    assert r.success and r.generated_text == "ab" and r.output_tokens == 2
+    assert 0.2 - EPS <= r.ttft <= 0.2 + TOL and len(r.itl) == 1
 
 
 def test_output_tokens_come_from_usage_not_chunk_count(server):
