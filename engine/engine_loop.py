@@ -111,7 +111,12 @@ class EngineLoop:
             block = not self.scheduler.has_work()
             self.drain_inbox(block=block)
             if self.scheduler.has_work() and not self._stopping:
-                self.step()
+                try:
+                    self.step()
+                except Exception as e:  # a bug in here: fail what is in flight, keep serving
+                    log.exception("engine step raised")
+                    for rid in list(self.requests):
+                        self._fail(rid, f"internal engine error: {type(e).__name__}: {e}")
             else:                   # an abort can free the last request without a step
                 self._publish_stats()
         for rid in list(self.requests):
@@ -164,6 +169,8 @@ class EngineLoop:
         except ValueError as e:
             return str(e)
         prompt = req.prompt_token_ids
+        if req.lora_name is not None:
+            return f"lora_name {req.lora_name!r}: LoRA adapters are not supported by this engine"
         if req.request_id in self.requests:
             return f"request_id {req.request_id!r} is already in flight"
         if not prompt:
@@ -324,15 +331,20 @@ class EngineLoop:
             return
         for seq in state.seqs:
             if seq.status is not SeqStatus.FINISHED:
-                self.scheduler.finish(seq)
+                try:
+                    self.scheduler.finish(seq)
+                except Exception:
+                    log.exception("could not release seq %d of %s", seq.seq_id, request_id)
         self._send(state.sink, Error(request_id, message))
         self._send(state.sink, None)
 
     def _send(self, sink: Sink, event: TokenEvent | None) -> None:
         try:
             sink(event)
-        except Exception:  # a consumer that went away must not stop the engine
+        except Exception:  # a consumer that went away must not stop the engine: drop its request
             log.debug("dropping an event for a closed consumer", exc_info=True)
+            if event is not None and event.request_id in self.requests:
+                self.abort(event.request_id)
 
     def _publish_stats(self) -> None:
         bm = self.block_manager

@@ -154,3 +154,21 @@ def test_shutdown_rejects_new_work():
 
     with pytest.raises(RuntimeError, match="shut down"):
         asyncio.run(go())
+
+
+def test_internal_error_fails_requests_and_engine_keeps_serving(handle):
+    real = handle.engine.scheduler.schedule
+    calls = []
+
+    def broken():
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("scheduler bug")
+        return real()
+
+    handle.engine.scheduler.schedule = broken
+    events = asyncio.run(collect(handle, GenerateRequest("a", [1, 2], SamplingParams(max_tokens=3))))
+    assert type(events[-1]).__name__ == "Error" and "scheduler bug" in events[-1].message
+    events = asyncio.run(collect(handle, GenerateRequest("b", [1, 2], SamplingParams(max_tokens=3))))
+    assert isinstance(events[-1], Finished)
+    wait_idle(handle)

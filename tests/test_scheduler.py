@@ -302,3 +302,27 @@ def test_random_requests_with_aborts_leave_block_manager_clean():
             if e.reason != "abort":
                 assert e.usage.completion_tokens == len(tokens(ev, e.index))
     assert aborted > 10 and engine.scheduler.num_preemptions > 0
+
+
+def test_consumer_that_goes_away_aborts_its_request():
+    engine = make_engine()
+    seen = []
+
+    def sink(event):
+        seen.append(event)
+        if len(seen) >= 3:
+            raise RuntimeError("event loop is closed")
+
+    engine.add_request(req("gone", [1, 2, 3], max_tokens=200, ignore_eos=True), sink)
+    run_until_idle(engine)
+    assert len([e for e in seen if isinstance(e, Token)]) < 10
+    assert not engine.requests
+    engine.block_manager.check_invariants(idle=True)
+
+
+def test_lora_name_is_rejected_clearly():
+    engine = make_engine()
+    r = req("l", [1, 2])
+    r.lora_name = "my-adapter"
+    events = submit(engine, r)
+    assert "LoRA adapters are not supported" in events[0].reason
