@@ -20,7 +20,17 @@ import numpy as np
 
 from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
 
-QWEN_TOKENIZER = os.environ.get("OPENINFER_TEST_TOKENIZER", "/work/shared/models/qwen-tokenizer")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def qwen_tokenizer_dir() -> str | None:
+    """The real Qwen tokenizer folder (shared/models/qwen-tokenizer, inside or beside the checkout,
+    or $OPENINFER_TEST_TOKENIZER), if there is one."""
+    candidates = [os.environ.get("OPENINFER_TEST_TOKENIZER", ""),
+                  os.path.join(_REPO, "shared", "models", "qwen-tokenizer"),
+                  os.path.join(os.path.dirname(_REPO), "shared", "models", "qwen-tokenizer"),
+                  "/work/shared/models/qwen-tokenizer"]
+    return next((c for c in candidates if c and os.path.isfile(os.path.join(c, "tokenizer.json"))), None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,8 +39,8 @@ def tokenizer_source() -> tuple[str, int, int, int]:
     present, else the demo model's (SmolLM2) tokenizer. vocab rows >= the tokenizer's size, so
     every encoded id is a valid row."""
     from tokenizers import Tokenizer
-    folder = QWEN_TOKENIZER
-    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+    folder = qwen_tokenizer_dir()
+    if folder is None:
         from engine.loader.demo import demo_model_path
         folder = demo_model_path()
     tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))

@@ -17,7 +17,7 @@ from engine.loader import load_model
 from engine.loader.gguf_convert import convert_gguf, gguf_folder_for, hf_tensor_name, unpermute_qk
 from engine.loader.safetensors_io import SafetensorsCheckpoint, save_safetensors
 from engine.model_config import ModelConfig
-from tests.models_util import build_tiny_model, tiny_model_path
+from tests.models_util import build_tiny_model, qwen_tokenizer_dir, tiny_model_path
 
 
 def copy_folder(src: str, dst: str, dtype=None, shards: int = 1, drop: str | None = None,
@@ -193,8 +193,7 @@ def write_llama_gguf(src: str, path: str) -> None:
     w.close()
 
 
-@pytest.mark.skipif(not os.path.isdir("/work/shared/models/qwen-tokenizer")
-                    and not os.environ.get("OPENINFER_TEST_TOKENIZER"), reason="needs the Qwen tokenizer")
+@pytest.mark.skipif(qwen_tokenizer_dir() is None, reason="needs the Qwen tokenizer (shared/models)")
 @pytest.mark.slow
 def test_gguf_round_trip_llama(tmp_path):
     """HF llama -> GGUF (llama.cpp layout) -> engine conversion gives back the same weights,
