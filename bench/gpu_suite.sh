@@ -28,10 +28,12 @@ status=${PIPESTATUS[0]}
 python3 - "$OPENINFER_GATE_LOG" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])] if __import__("os").path.exists(sys.argv[1]) else []
-print("\n| case | positions | argmax agree (regret<=0.02) | strict | mean abs dlogprob | p99 | bound | HF bf16 agree | HF bf16 mean | HF bf16 p99 |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("\n| case | pos | tie tol | agree | agree@0.02 | strict | mean abs dlogprob | p99 | mean bound "
+      "| HF bf16 agree | HF bf16 agree@0.02 | HF bf16 mean | HF bf16 p99 |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for r in rows:
-    print(f"| {r['case']} | {r['positions']} | {r['agree']:.4f} | {r['strict']:.4f} | {r['mean']:.4f} | {r['p99']:.4f} | "
-          f"{r['bound']:.4f} | {r['hf_bf16_agree']:.4f} | {r['hf_bf16_mean']:.4f} | {r['hf_bf16_p99']:.4f} |")
+    print(f"| {r['case']} | {r['positions']} | {r['tie_tol']:.3f} | {r['agree']:.4f} | {r['agree_002']:.4f} | "
+          f"{r['strict']:.4f} | {r['mean']:.4f} | {r['p99']:.4f} | {r['bound']:.4f} | {r['hf_bf16_agree']:.4f} | "
+          f"{r['hf_bf16_agree_002']:.4f} | {r['hf_bf16_mean']:.4f} | {r['hf_bf16_p99']:.4f} |")
 PY
 exit "$status"
