@@ -107,8 +107,9 @@ def lm_head_weight(cfg: ModelConfig, w: dict[str, Array]) -> Array:
 
 
 class DecoderLM:
-    """What a model line exposes to the loader and the executors; subclasses say which layer
-    pieces they have (`layer_options`) and write `forward`."""
+    """What a model line exposes to the loader and the executors. A dense model line says which
+    layer pieces it has (`layer_options`, hence its weights) and runs `decoder_stack`; a model
+    line with another structure overrides `weight_specs` and `forward`."""
     model_type = ""
 
     def __init__(self, config: ModelConfig):
@@ -125,7 +126,7 @@ class DecoderLM:
 
     def forward(self, ops: Ops, w: dict[str, Array], ctx: Any) -> Array:
         """Final-normed hidden states [T, H] for every token of the step; writes the step's KV."""
-        raise NotImplementedError
+        return decoder_stack(ops, w, ctx, self.config, self.attention_specs, self.opt)
 
     def compute_logits(self, ops: Ops, w: dict[str, Array], hidden: Array) -> Array:
         """logits [R, V] for the given hidden rows."""

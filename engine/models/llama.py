@@ -1,12 +1,11 @@
 """The Llama family: Llama (optional attention bias on q, k, v and o) and Qwen2 (bias on q, k, v
-only). No q/k norm; rope scaling (linear, llama3, yarn) comes from engine/models/rope.py."""
+only). No q/k norm; rope scaling (linear, llama3, yarn) comes from engine/models/rope.py.
+The forward is the pre-norm decoder_stack of engine/models/decoder.py, without q/k norm.
+"""
 from __future__ import annotations
 
-from typing import Any
-
 from engine.model_config import ModelConfig
-from engine.models.decoder import DecoderLM, LayerOptions, decoder_stack
-from engine.models.ops import Array, Ops
+from engine.models.decoder import DecoderLM, LayerOptions
 
 
 class LlamaForCausalLM(DecoderLM):
@@ -15,9 +14,6 @@ class LlamaForCausalLM(DecoderLM):
     @staticmethod
     def layer_options(config: ModelConfig) -> LayerOptions:
         return LayerOptions(qkv_bias=config.qkv_bias, o_bias=config.o_bias, qk_norm=False)
-
-    def forward(self, ops: Ops, w: dict[str, Array], ctx: Any) -> Array:
-        return decoder_stack(ops, w, ctx, self.config, self.attention_specs, self.opt)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -1,12 +1,14 @@
 """Qwen3 dense: GQA with an explicit head_dim, per-head RMSNorm on q and k before rotary,
-tied or untied lm_head, optional attention bias."""
+tied or untied lm_head, optional attention bias (on q, k, v and o).
+
+Forward (decoder_stack): embed -> per layer [RMSNorm -> fused qkv GEMM -> q/k norm + rope +
+paged-KV write -> paged attention -> o_proj -> residual+RMSNorm -> fused gate_up GEMM -> silu*up
+-> down_proj] -> final RMSNorm -> lm_head.
+"""
 from __future__ import annotations
 
-from typing import Any
-
 from engine.model_config import ModelConfig
-from engine.models.decoder import DecoderLM, LayerOptions, decoder_stack
-from engine.models.ops import Array, Ops
+from engine.models.decoder import DecoderLM, LayerOptions
 
 
 class Qwen3ForCausalLM(DecoderLM):
@@ -15,6 +17,3 @@ class Qwen3ForCausalLM(DecoderLM):
     @staticmethod
     def layer_options(config: ModelConfig) -> LayerOptions:
         return LayerOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=True)
-
-    def forward(self, ops: Ops, w: dict[str, Array], ctx: Any) -> Array:
-        return decoder_stack(ops, w, ctx, self.config, self.attention_specs, self.opt)
