@@ -150,8 +150,12 @@ def make_client(max_connections: int | None = None) -> httpx.AsyncClient:
 
 async def first_model(client: httpx.AsyncClient, base_url: str, headers: dict | None = None) -> str:
     """The first model id that GET /v1/models lists."""
-    response = await client.get(base_url.rstrip("/") + "/v1/models", headers=headers or {})
-    response.raise_for_status()
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        response = await client.get(url, headers=headers or {})
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"cannot list the models at {url} ({type(exc).__name__}: {exc}); is the server up?")
     models = response.json().get("data") or []
     if not models:
         raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = asyncio.run(measure(args.base_url, model, prompts, args.output_len, args.api_key))
     summary = aggregate(rows)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": shlex.join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+              "command": "python -m bench.prefix_ttft " + shlex.join(sys.argv[1:] if argv is None else argv),
               "base_url": args.base_url, "model": model, "seed": args.seed, "summary": summary, "rows": rows}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -157,4 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, RuntimeError, OSError) as exc:  # bad arguments, data or server: say which
+        sys.exit(f"error: {exc}")

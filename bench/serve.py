@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": shlex.join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+              "command": "python -m bench.serve " + shlex.join(sys.argv[1:] if argv is None else argv),
               "host": f"{platform.node()} {platform.machine()}", "base_url": args.base_url, "model": model,
               "dataset": args.dataset, "num_prompts": args.num_prompts, "burstiness": args.burstiness,
               "max_concurrency": args.max_concurrency, "goodput_slo_ms": slos or None, "runs": []}
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.ignore_eos, args.seed, args.api_key))
         metrics = summarize(results, duration, percentiles, slos or None)
         run = {"request_rate": "inf" if np.isinf(rate) else rate, "metrics": metrics,
-               "errors": sorted({r.error.splitlines()[0] for r in results if not r.success})[:10]}
+               "errors": sorted({(r.error or "?").splitlines()[0] for r in results if not r.success})[:10]}
         if args.save_requests:
             run["requests"] = [{k: v for k, v in asdict(r).items() if k != "generated_text"} for r in results]
         report["runs"].append(run)
@@ -183,4 +183,7 @@ def write_outputs(report: dict, out_dir: Path, label: str, plots: bool = True) -
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (ValueError, RuntimeError, OSError) as exc:  # bad arguments, data or server: say which
+        sys.exit(f"error: {exc}")
