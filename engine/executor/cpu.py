@@ -9,24 +9,9 @@ from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
 from engine.loader import LoadedModel
 from engine.models.rope import rope_cos_sin
-from engine.sampling import sample_step
+from engine.sampling import prompt_logprobs, sample_step
 
 DEFAULT_KV_BYTES = 1 << 30          # KV pool size when num_kv_blocks is not given
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float32)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def top_logprobs(row: np.ndarray, k: int) -> list[tuple[int, float]]:
-    """The k best (token id, logprob) of one row, best first (ties: lower id first)."""
-    if k <= 0:
-        return []
-    idx = np.argpartition(-row, min(k, row.size - 1))[:k]
-    idx = idx[np.lexsort((idx, -row[idx]))]
-    return [(int(i), float(row[i])) for i in idx]
 
 
 class CpuExecutor:
@@ -81,7 +66,7 @@ class CpuExecutor:
         logits = self.model.compute_logits(self.ops, self.weights, rows).astype(np.float32)
         out = StepOutput(sampled=sample_step(logits, sampled_seqs) if sampled_seqs else [])
         for i, s in enumerate(batch.seqs):
-            if s.want_prompt_logprobs and len(s.token_ids) > 1:
+            if s.want_prompt_logprobs:
                 out.prompt_logprobs.append(self._prompt_logprobs(batch, i, hidden))
         return out
 
@@ -90,13 +75,9 @@ class CpuExecutor:
         q0 = int(batch.cu_seqlens[i])
         n = len(s.token_ids)
         rows = self.ops.gather_rows(hidden, np.arange(q0, q0 + n - 1))
-        lp = log_softmax(self.model.compute_logits(self.ops, self.weights, rows))
-        targets = np.asarray(s.token_ids[1:], dtype=np.int64)
-        k = s.params.prompt_logprobs or 0
-        return PromptLogprobResult(
-            seq_id=s.seq_id, start_pos=s.start_pos,
-            logprobs=[float(x) for x in lp[np.arange(n - 1), targets]],
-            top_logprobs=[top_logprobs(row, k) for row in lp])
+        logits = self.model.compute_logits(self.ops, self.weights, rows).astype(np.float32)
+        lps, tops = prompt_logprobs(logits, s.token_ids[1:], s.params.prompt_logprobs or 0)
+        return PromptLogprobResult(seq_id=s.seq_id, start_pos=s.start_pos, logprobs=lps, top_logprobs=tops)
 
     def close(self) -> None:
         self.k_cache.clear()
