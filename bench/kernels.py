@@ -7,8 +7,7 @@ not of the tile), every variant and several K splits, output poisoned with NaN f
 Frobenius error against a float32 reference must be ≤ 1e-2 with every element written.
 Speed: Qwen3-4B/8B projection shapes for M ∈ {1, 8, 32, 128, 512, 2048, 8192}; each timing replays a
 CUDA graph of 20 launches over rotating weight copies (> L2), median of 5 replays, against cuBLAS
-fp16 through CuPy (CuPy has no bf16; the fp16 and bf16 tensor-core rates are equal) timed the same
-way. ``--sweep`` also times every variant / split count per shape, which is how configs.plan_gemm
+bf16 (torch.mm, used here as the baseline only) graph-replayed the same way. ``--sweep`` also times every variant / split count per shape, which is how configs.plan_gemm
 was tuned. Prints a markdown table last; writes JSON and logs under --out.
 """
 from __future__ import annotations
@@ -24,10 +23,9 @@ import cupy as cp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.cute.bf16 import from_bf16  # noqa: E402
-from kernels.cute.configs import GEMM_VARIANTS, GemmPlan, plan_gemm, valid_splits  # noqa: E402
+from kernels.cute.configs import GEMM_VARIANTS, MAX_SPLITS, GemmPlan, plan_gemm, split_count  # noqa: E402
 from kernels.cute.gemm import GemmRunner  # noqa: E402
-from kernels.cute.testing import gemm_error, rand_bf16  # noqa: E402
+from kernels.cute.testing import gemm_error, rand_bf16, sync_or_die  # noqa: E402
 
 QWEN_SHAPES = {  # name: (N, K)
     "4B.qkv": (6144, 2560), "4B.o": (2560, 4096), "4B.gate_up": (19456, 2560), "4B.down": (2560, 9728),
@@ -43,7 +41,7 @@ def correctness(runner: GemmRunner, log) -> bool:
     cases = [(1, 200, 328), (3, 136, 1032), (17, 2056, 1032), (33, 264, 4096), (255, 392, 2568), (1000, 1288, 520)]
     for variant in GEMM_VARIANTS:
         for m, n, k in cases:
-            splits = [1] if variant.out == "bf16" else valid_splits(k)[1:3]
+            splits = [1] if variant.out == "bf16" else sorted({1, split_count(k, 3), split_count(k, 4)})
             for s in splits:
                 err, unwritten = gemm_error(runner, GemmPlan(variant, s), m, n, k)
                 good = err <= 1e-2 and unwritten == 0
@@ -59,13 +57,13 @@ def correctness(runner: GemmRunner, log) -> bool:
     return ok
 
 
-def graph_time_us(launch, sets: int) -> float:
+def graph_time_us(launch, sets: int, what: str) -> float:
     """Median µs per launch over replays of a graph holding GRAPH_LAUNCHES launches."""
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         for i in range(2):
             launch(i % sets, stream)
-        stream.synchronize()
+        sync_or_die(what, stream)
         stream.begin_capture()
         try:
             for i in range(GRAPH_LAUNCHES):
@@ -73,14 +71,45 @@ def graph_time_us(launch, sets: int) -> float:
         finally:
             graph = stream.end_capture()
         graph.launch(stream)
+        sync_or_die(what, stream)
         times = []
         for _ in range(5):
             start, end = cp.cuda.Event(), cp.cuda.Event()
             start.record(stream)
             graph.launch(stream)
             end.record(stream)
-            end.synchronize()
+            sync_or_die(what, stream)
             times.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / GRAPH_LAUNCHES)
+    return sorted(times)[len(times) // 2]
+
+
+def cublas_time_us(m: int, n: int, k: int, sets: int) -> float:
+    """cuBLAS bf16 through torch (oracle/baseline only), graph-replayed like ours."""
+    import torch
+
+    a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for i in range(3):
+            torch.mm(a[i % sets], w[i % sets].t(), out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(GRAPH_LAUNCHES):
+            torch.mm(a[i % sets], w[i % sets].t(), out=out)
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / GRAPH_LAUNCHES)
+    del a, w, out, graph
+    torch.cuda.empty_cache()
     return sorted(times)[len(times) // 2]
 
 
@@ -91,52 +120,27 @@ def bench_shape(runner: GemmRunner, m: int, n: int, k: int, sweep: bool, log) ->
     w = [rand_bf16((n, k)) for _ in range(sets)]
     out = cp.empty((m, n), dtype=cp.uint16)
     runner.reserve_workspace(m, n, (k,))
-    a16 = [from_bf16(x).astype(cp.float16) for x in a]
-    w16 = [from_bf16(x).astype(cp.float16) for x in w]
-    o16 = cp.empty((m, n), dtype=cp.float16)
 
     def cute_launch(plan):
         return lambda i, s: runner(a[i], w[i], out, stream=s, plan=plan)
 
-    def cublas(i, s):
-        cp.matmul(a16[i], w16[i].T, out=o16)
-
-    result = {"m": m, "n": n, "k": k}
-    try:
-        result["cublas_us"] = graph_time_us(cublas, sets)
-    except Exception as exc:  # cuBLAS through CuPy refused capture: fall back to a timed loop
-        log(f"cublas graph capture failed ({exc}); timing eagerly")
-        result["cublas_us"] = eager_time_us(cublas, sets)
+    result = {"m": m, "n": n, "k": k, "cublas_us": cublas_time_us(m, n, k, sets)}
     plan = plan_gemm(m, n, k)
     result["plan"] = f"{plan.variant.name}/S{plan.splits}"
-    result["cute_us"] = graph_time_us(cute_launch(plan), sets)
+    result["cute_us"] = graph_time_us(cute_launch(plan), sets, f"{result['plan']} M={m} N={n} K={k}")
     if sweep:
         trials = {}
         for variant in GEMM_VARIANTS:
             if variant.out == "bf16" and not (m > 256 and variant.tile_m == 64):
                 trials[f"{variant.name}/S1"] = GemmPlan(variant, 1)
             elif variant.out == "f32" and m <= 256:
-                for s in valid_splits(k)[1:]:
+                for s in sorted({split_count(k, s) for s in range(2, MAX_SPLITS + 1)}):
                     trials[f"{variant.name}/S{s}"] = GemmPlan(variant, s)
-        result["sweep"] = {key: graph_time_us(cute_launch(p), sets) for key, p in trials.items()}
+        result["sweep"] = {key: graph_time_us(cute_launch(p), sets, f"{key} M={m} N={n} K={k}")
+                           for key, p in trials.items()}
         best = min(result["sweep"], key=result["sweep"].get)
         result["best"], result["best_us"] = best, result["sweep"][best]
-    del a, w, a16, w16
-    cp.get_default_memory_pool().free_all_blocks()
     return result
-
-
-def eager_time_us(launch, sets: int) -> float:
-    stream = cp.cuda.get_current_stream()
-    for i in range(3):
-        launch(i % sets, stream)
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for i in range(GRAPH_LAUNCHES):
-        launch(i % sets, stream)
-    end.record()
-    end.synchronize()
-    return cp.cuda.get_elapsed_time(start, end) * 1e3 / GRAPH_LAUNCHES
 
 
 def copy_bandwidth_gbs() -> float:
@@ -194,6 +198,7 @@ def main() -> int:
     for name, (n, k) in QWEN_SHAPES.items():
         for m in map(int, args.ms.split(",")):
             r = bench_shape(runner, m, n, k, args.sweep, log)
+            cp.get_default_memory_pool().free_all_blocks()
             r["name"] = name
             results.append(r)
             log(json.dumps(r))

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kernels.cute.configs import GEMM_VARIANTS, REDUCE_NAME, plan_gemm, valid_splits
+from kernels.cute.configs import GEMM_VARIANTS, K_TILE, REDUCE_NAME, plan_gemm, split_count
 from kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args
 from kernels.cute.library import Library, _tensor_struct
 
@@ -150,10 +150,20 @@ def test_launcher_rejects_unaligned_sizes():
 def test_plan_is_valid_for_qwen_shapes(m, n, k):
     plan = plan_gemm(m, n, k)
     assert plan.variant in GEMM_VARIANTS
-    assert plan.splits in valid_splits(k) or plan.splits == 1
+    assert split_count(k, plan.splits) == plan.splits
     assert (plan.splits > 1) == (plan.variant.out == "f32")
-    if plan.splits > 1:
-        assert k % plan.splits == 0 and (k // plan.splits) % 8 == 0
+    if m <= 64:
+        assert plan.splits > 1 or -(-n // plan.variant.tile_n) >= 100  # small M must fill the SMs
+
+
+@pytest.mark.parametrize("k", [8, 64, 72, 328, 1032, 2560, 9728])
+@pytest.mark.parametrize("asked", [1, 2, 3, 4, 5, 7, 16])
+def test_split_count_never_leaves_a_split_empty(k, asked):
+    k_tiles = -(-k // K_TILE)
+    s = split_count(k, asked)
+    per = -(-k_tiles // s)
+    assert 1 <= s <= min(asked, k_tiles)
+    assert (s - 1) * per < k_tiles <= s * per  # the last split has at least one k-tile
 
 
 def test_available_reports_missing_build(monkeypatch, tmp_path):

@@ -52,25 +52,39 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def valid_splits(k: int, max_splits: int = 16) -> list[int]:
-    """Split counts S where every split is a whole number of 16-byte rows: K % S == 0, (K/S) % 8 == 0,
-    and each split keeps at least four 64-wide k-tiles."""
-    return [s for s in range(1, max_splits + 1) if k % s == 0 and (k // s) % 8 == 0 and k // s >= 256]
+K_TILE = 64  # k-extent of one pipeline stage
+MIN_K_TILES_PER_SPLIT = 2
+MAX_SPLITS = 16
 
 
-def choose_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
-    """The S (from valid_splits) that minimises waves per unit of K, i.e. ceil(tiles·S / sms) / S."""
-    best, best_cost = 1, float(_ceil(tiles, sms))
-    for s in valid_splits(k):
-        cost = _ceil(tiles * s, sms) / s
-        if cost < best_cost - 1e-9:
+def split_count(k: int, splits: int) -> int:
+    """Splits actually launched for a requested count: each gets ceil(k_tiles / S) k-tiles and
+    none may be empty, so e.g. 5 k-tiles asked in 4 splits run as 3 splits of 2, 2, 1."""
+    k_tiles = _ceil(k, K_TILE)
+    return _ceil(k_tiles, _ceil(k_tiles, max(1, min(splits, k_tiles))))
+
+
+def choose_splits(m: int, n: int, k: int, tile_n: int, sms: int = H200_SMS) -> int:
+    """Split count minimising a bandwidth model of the small-M GEMM: the weight read at the
+    fraction of HBM that ``tiles·S`` CTAs on ``sms`` SMs can pull (wave quantisation, under-filled
+    chip), plus writing and re-reading the ``S·M·N`` float32 partials."""
+    tiles = _ceil(n, tile_n)
+    best, best_cost = 1, None
+    for s in range(1, MAX_SPLITS + 1):
+        if _ceil(k, K_TILE) < s * MIN_K_TILES_PER_SPLIT or split_count(k, s) != s:
+            continue
+        ctas = tiles * s
+        efficiency = ctas / (_ceil(ctas, sms) * sms)
+        cost = 2 * (n * k + m * k) / efficiency + (8 * m * n * s if s > 1 else 0)
+        if best_cost is None or cost < best_cost * 0.97:  # prefer fewer splits unless clearly better
             best, best_cost = s, cost
     return best
 
 
-# Tuned on the H200 (bench/results/kernels.md): small M streams the weights with a 64-row tile
-# and split-K to fill the SMs; mid M uses 128x128; large M the 128x256 two-warpgroup tile with a
-# 2x1 cluster multicasting B.
+# Small M streams the weights with a 64-row tile and split-K to fill the SMs; mid M uses 128x128;
+# large M the 128x256 two-warpgroup tile with a 2x1 cluster multicasting B. These choices follow
+# the CUTLASS Hopper defaults and the model above; bench/kernels.py --sweep times every
+# alternative per shape to retune them on the H200.
 SPLITK_MAX_M = 64
 
 
@@ -78,7 +92,7 @@ def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS) -> GemmPlan:
     """Pick the variant (and K splits) for ``D[m, n] = A[m, k]·B[n, k]ᵀ``."""
     if m <= SPLITK_MAX_M:
         variant = VARIANTS_BY_NAME["gemm_f32_64x128_c1x1"]
-        splits = choose_splits(_ceil(n, variant.tile_n), k, sms)
+        splits = choose_splits(m, n, k, variant.tile_n, sms)
         if splits > 1:
             return GemmPlan(variant, splits)
         return GemmPlan(VARIANTS_BY_NAME["gemm_bf16_64x128_c1x1"])

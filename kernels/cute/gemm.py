@@ -6,12 +6,13 @@ multiples of 8 (TMA needs 16-byte global strides); M is free. The config comes f
 ``configs.plan_gemm``; small M runs split-K into a float32 workspace and a reduction kernel. The
 launch is stream-ordered and CUDA-graph capturable once ``init()`` ran and, for split-K shapes,
 ``reserve_workspace`` covered the largest ``splits·M·N`` (both happen outside capture).
+The ``(rows, K, 1)`` / ``(M, N, S)`` tensor views match the fake tensors of ``build._fake_args``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .configs import REDUCE_NAME, GemmPlan, plan_gemm
+from .configs import REDUCE_NAME, GemmPlan, plan_gemm, split_count
 from .library import Library, TensorArg
 
 BF16_TYPESTRS = ("<u2", "|u2", "bfloat16", "<V2")
@@ -134,28 +135,19 @@ class GemmRunner:
         if not self.library.is_loaded(device):
             self.init()
         lda, ldb, ldo = _row_stride(a), _row_stride(b), _row_stride(out)
-        s = plan.splits
-        if s == 1:
-            self.library[plan.variant.name](
-                TensorArg(a.ptr, (m, k, 1), (lda, lda * m)),
-                TensorArg(b.ptr, (n, k, 1), (ldb, ldb * n)),
-                TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)),
-                stream=stream_ptr)
+        a_arg = TensorArg(a.ptr, (m, k, 1), (lda, lda * m))
+        b_arg = TensorArg(b.ptr, (n, k, 1), (ldb, ldb * n))
+        s = split_count(k, plan.splits)
+        if s == 1 and plan.variant.out == "bf16":
+            self.library[plan.variant.name](a_arg, b_arg, TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)),
+                                            stream=stream_ptr)
             return
-        if k % s or (k // s) % 8:
-            raise ValueError(f"split-K plan with {s} splits does not divide K={k} into 16-byte parts")
-        ks = k // s
+        if plan.variant.out != "f32":
+            raise ValueError(f"split-K needs a float32-output variant, got {plan.variant.name}")
         capturing = cupy.cuda.runtime.streamIsCapturing(stream_ptr) != 0
-        ws = self._ensure_workspace(s * m * n * 4, capturing)
-        self.library[plan.variant.name](
-            TensorArg(a.ptr, (m, ks, s), (lda, ks)),
-            TensorArg(b.ptr, (n, ks, s), (ldb, ks)),
-            TensorArg(ws, (m, n, s), (n, m * n)),
-            stream=stream_ptr)
-        self.library[REDUCE_NAME](
-            TensorArg(ws, (m, n, s), (n, m * n)),
-            TensorArg(out.ptr, (m, n), (ldo,)),
-            stream=stream_ptr)
+        partial = TensorArg(self._ensure_workspace(s * m * n * 4, capturing), (m, n, s), (n, m * n))
+        self.library[plan.variant.name](a_arg, b_arg, partial, stream=stream_ptr)
+        self.library[REDUCE_NAME](partial, TensorArg(out.ptr, (m, n), (ldo,)), stream=stream_ptr)
 
 
 def _stream_ptr(stream) -> int:

@@ -1,9 +1,10 @@
 """Hopper bf16 GEMM, ``D[m, n, l] = sum_k A[m, k, l] * B[n, k, l]`` (fp32 accumulate), CuTe DSL.
 
 A is ``[M, K]`` row-major activations, B is ``[N, K]`` row-major weights (the Hugging Face layout),
-D is ``[M, N]`` row-major. The third mode ``l`` is a batch: with ``l = 1`` this is the plain
-``D = A·Bᵀ``; the split-K path views A and B as ``(rows, K/S, S)`` (stride ``K/S`` between splits)
-and writes ``S`` float32 partial products, summed afterwards by ``splitk_reduce``.
+D is ``[M, N, S]``: with ``S = 1`` this is the plain ``D = A·Bᵀ``; with ``S > 1`` (split-K) the CTA
+with grid z-index ``s`` sums only its share ``s`` of the 64-wide k-tiles (``ceil(k_tiles / S)``
+each) into the float32 slice ``D[:, :, s]``, and ``splitk_reduce`` adds the slices afterwards. A and
+B keep plain descriptors (a third mode of extent 1), so split-K needs nothing of K but ``K % 8 == 0``.
 
 Structure: TMA loads of A and B tiles into a multi-stage shared-memory ring (mbarrier pipeline,
 optional cluster multicast), wgmma from shared memory into fp32 registers (one or two consumer
@@ -151,7 +152,7 @@ class GemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
 
         pid_m, pid_n = self._tile_coord()
-        coord = (pid_m, pid_n, None, batch)
+        coord = (pid_m, pid_n, None, 0)  # A and B: batch mode of extent 1
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cta_layout_mnk.get_flat_coord(rank)
         mask_a = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
@@ -178,7 +179,7 @@ class GemmSm90:
 
         gA = cute.local_tile(mA, self.tile_mnk, coord, proj=(1, None, 1))  # (bM, bK, k_tiles)
         gB = cute.local_tile(mB, self.tile_mnk, coord, proj=(None, 1, 1))  # (bN, bK, k_tiles)
-        gC = cute.local_tile(mC, self.tile_mnk, coord, proj=(1, 1, None))  # (bM, bN)
+        gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, batch), proj=(1, 1, None))  # (bM, bN)
 
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.num_mma_wg, stride=128)(wg))
@@ -195,14 +196,17 @@ class GemmSm90:
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
-        k_tiles = cute.size(gA, mode=[2])
+        k_total = cute.size(gA, mode=[2])
+        k_per_split = (k_total + cute.size(mC, mode=[2]) - 1) // cute.size(mC, mode=[2])
+        k_first = batch * k_per_split  # the launcher sizes S so that every split is non-empty
+        k_tiles = cutlass.min(k_per_split, k_total - k_first)
         produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
         if warp == 0:  # fill the ring
             for _ in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
-                self._load_stage(ring, produce, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
+                self._load_stage(ring, produce, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
                 produce.advance()
 
         k_blocks = cute.size(frag_a, mode=[2])
@@ -220,33 +224,32 @@ class GemmSm90:
                 cute.nvgpu.warpgroup.wait_group(1)
                 ring.consumer_release(release)
                 release.advance()
-            if warp == 0 and produce.count < k_tiles:
-                self._load_stage(ring, produce, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
-                produce.advance()
+                # refill the stage just freed (never before a release: the ring is full)
+                if warp == 0 and produce.count < k_tiles:
+                    self._load_stage(ring, produce, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
+                    produce.advance()
         cute.nvgpu.warpgroup.wait_group(0)
-        if k_tiles > 0:
-            ring.consumer_release(release)
+        ring.consumer_release(release)
 
         if cute.size(self.cluster_mn) > 1:  # peers may still multicast into our smem
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
-        self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c, k_tiles)
+        self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c)
 
     @cute.jit
-    def _load_stage(self, ring, state, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b):
+    def _load_stage(self, ring, state, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b):
         ring.producer_acquire(state)
         bar = ring.producer_get_barrier(state)
-        cute.copy(tma_a, tAgA[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask_a)
-        cute.copy(tma_b, tBgB[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask_b)
+        k = k_first + state.count
+        cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask_a)
+        cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask_b)
         ring.producer_commit(state)
 
     @cute.jit
-    def _epilogue(self, tidx, warp, tiled_mma, acc, sC, gC, tma_c, k_tiles):
+    def _epilogue(self, tidx, warp, tiled_mma, acc, sC, gC, tma_c):
         """Registers → smem (converted) → TMA store, one epi_tile at a time, 4-deep."""
-        if k_tiles == 0:
-            acc.fill(0.0)
         store_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
         c_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
         r2s = cute.make_tiled_copy_S(store_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))

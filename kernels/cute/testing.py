@@ -1,10 +1,30 @@
 """GPU check shared by the tests and the benchmark: one GEMM against a float32 reference (needs CuPy)."""
 from __future__ import annotations
 
+import os
+import sys
+import time
+
 from .bf16 import from_bf16, to_bf16
 from .configs import GemmPlan
 
 NAN_BF16 = 0x7FC0
+HANG_SECONDS = 20.0
+
+
+def sync_or_die(what: str, stream=None, timeout_s: float = HANG_SECONDS) -> None:
+    """Wait for the stream's work, polling; a kernel still running after ``timeout_s`` is a hang:
+    report it and exit the process at once (a blocking sync would sit there until killed)."""
+    import cupy as cp
+
+    done = cp.cuda.Event(disable_timing=True)
+    done.record(stream)
+    deadline = time.monotonic() + timeout_s
+    while not done.done:
+        if time.monotonic() > deadline:
+            print(f"HANG: {what} did not finish in {timeout_s:.0f} s; exiting", file=sys.stderr, flush=True)
+            os._exit(3)
+        time.sleep(0.0005)
 
 
 def rand_bf16(shape):
@@ -21,7 +41,7 @@ def gemm_error(runner, plan: GemmPlan | None, m: int, n: int, k: int) -> tuple[f
     a, b = rand_bf16((m, k)), rand_bf16((n, k))
     out = cp.full((m, n), NAN_BF16, dtype=cp.uint16)
     runner(a, b, out, plan=plan)
-    cp.cuda.runtime.deviceSynchronize()
+    sync_or_die(f"{plan.variant.name if plan else 'planned'} GEMM M={m} N={n} K={k} S={plan.splits if plan else '-'}")
     got = from_bf16(out)
     ref = from_bf16(a) @ from_bf16(b).T
     unwritten = int(cp.isnan(got).sum())
