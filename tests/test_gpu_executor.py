@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ import pytest
 from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
 from engine.loader import load_model
 from engine.request import SamplingParams
-from tests.models_util import TINY_MODELS, engine_logits, log_softmax, tiny_model_path
+from tests.models_util import TINY_MODELS, engine_logits, log_softmax, tiny_model_path, tokenizer_source
 
 pytestmark = pytest.mark.gpu
 MIN_TIE_TOL = 0.02
@@ -220,6 +221,10 @@ def write_random_qwen3(config_path: str, out_dir: str, seed: int = 0, embed_std:
     done = os.path.join(out_dir, ".complete")
     if not os.path.exists(done):
         model.save_pretrained(out_dir, safe_serialization=True)
+        folder = tokenizer_source()[0]
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if os.path.isfile(os.path.join(folder, f)):
+                shutil.copy(os.path.join(folder, f), out_dir)
         open(done, "w").close()
     return model.eval()
 

@@ -2,6 +2,10 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#ifndef INFINITY                 // NVRTC compiles without the host math headers
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 typedef unsigned short bf16_t;   // storage type: the raw bits of a bfloat16
 
 __device__ __forceinline__ float bf16_to_f(bf16_t v) {
