@@ -14,12 +14,14 @@ import asyncio
 import itertools
 import queue
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, EngineStats
 from engine.events import (Error, Finished, PromptLogprobs, Rejected,
                            Scheduled, Token, TokenEvent)
 from engine.request import GenerateRequest, SamplingParams
+from memory.block_manager import KVEvent
 
 __all__ = ["EngineHandle", "EngineStats", "RequestStream", "RequestOutput", "SampleOutput"]
 
@@ -125,7 +127,13 @@ class EngineHandle:
         self._engine.abort(request_id)
 
     def stats(self) -> EngineStats:
+        """A snapshot published after every engine step (safe from any thread)."""
         return self._engine.stats()
+
+    def subscribe_kv_events(self, callback: Callable[[KVEvent], None]) -> None:
+        """callback(BlockStored | BlockRemoved) for every prefix-cache change; it runs on the
+        engine thread, so it must be quick and must not call back into the engine."""
+        self._engine.block_manager.subscribe(callback)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None
                  ) -> list[RequestOutput]:

@@ -172,3 +172,14 @@ def test_internal_error_fails_requests_and_engine_keeps_serving(handle):
     events = asyncio.run(collect(handle, GenerateRequest("b", [1, 2], SamplingParams(max_tokens=3))))
     assert isinstance(events[-1], Finished)
     wait_idle(handle)
+
+
+def test_kv_events_reach_a_subscriber(handle):
+    from memory.block_manager import BlockStored
+    from memory.prefix_hash import hash_chain
+    seen = []
+    handle.subscribe_kv_events(seen.append)
+    prompt = list(range(1, 40))
+    handle.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
+    stored = [e.block_hash for e in seen if isinstance(e, BlockStored)]
+    assert stored == hash_chain(prompt, 16)             # the prompt's two full blocks

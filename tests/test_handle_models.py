@@ -154,3 +154,43 @@ def test_smollm2_batching_prefix_cache_and_stop_string():
                                           SamplingParams(temperature=0, max_tokens=8, stop=[stop])))
     assert "".join(e.text for e in stopped if isinstance(e, Token)) == before
     assert [e.stop_reason for e in stopped if isinstance(e, Finished)] == [stop]
+
+
+@pytest.mark.slow
+def test_random_traffic_with_aborts_on_a_tiny_model():
+    from test_scheduler import random_traffic
+    engine = engine_for("qwen3_tied", num_kv_blocks=20, max_num_batched_tokens=64, max_num_seqs=8)
+    aborted, preemptions = random_traffic(engine, vocab=5000, num_requests=100, max_tokens=12)
+    assert aborted > 5 and preemptions > 0
+
+
+def test_abort_mid_generation_through_the_handle():
+    import asyncio
+    import time
+    from engine.config import EngineConfig
+    from engine.executor.cpu import CpuExecutor
+    from engine.handle import EngineHandle
+    model = loaded("qwen3_tied")
+    h = EngineHandle(EngineConfig(), executor=CpuExecutor(model, num_kv_blocks=32, max_model_len=512),
+                     tokenizer=model.tokenizer, max_model_len=512)
+
+    async def go():
+        seen = []
+        async for e in h.submit(GenerateRequest("a", list(range(100, 150)), SamplingParams(
+                max_tokens=300, ignore_eos=True))):
+            seen.append(e)
+            if sum(isinstance(x, Token) for x in seen) == 2:
+                h.abort("a")
+        return seen
+
+    try:
+        events = asyncio.run(go())
+        assert events[-1].reason == "abort" and events[-1].usage.completion_tokens < 300
+        for _ in range(200):
+            if h.stats().kv_blocks_used == 0 and h.stats().num_requests == 0:
+                break
+            time.sleep(0.01)
+        assert h.stats().kv_blocks_used == 0
+        h.engine.block_manager.check_invariants(idle=True)
+    finally:
+        h.shutdown()

@@ -261,17 +261,20 @@ def test_rejections_name_the_problem(prompt, params, match):
     assert not engine.scheduler.has_work()
 
 
-def test_random_requests_with_aborts_leave_block_manager_clean():
-    rng = random.Random(7)
-    ex = FakeExecutor(num_kv_blocks=20)
-    engine = make_engine(ex, max_num_batched_tokens=64, max_num_seqs=8)
+def random_traffic(engine, vocab, num_requests=200, seed=7, max_tokens=50):
+    """num_requests random requests (shared prefixes, n > 1, stops, logprobs, prompt logprobs)
+    arriving over time, with random aborts; checks the block manager along the way and that
+    every request ended properly. Returns (aborted requests, preemptions)."""
+    rng = random.Random(seed)
+    total = engine.block_manager.num_blocks
     events, n_of = {}, {}
-    shared = prompt_of(rng, 40)
+    shared = [rng.randrange(vocab) for _ in range(40)]
     pending = []
-    for i in range(200):
-        prompt = (shared[:rng.randrange(0, 40)] if rng.random() < 0.5 else []) + prompt_of(rng, rng.randrange(1, 60))
+    for i in range(num_requests):
+        prompt = (shared[:rng.randrange(0, 40)] if rng.random() < 0.5 else []) + \
+            [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
         n = rng.choice([1, 1, 1, 2, 3])
-        params = dict(temperature=rng.choice([0, 0.8]), max_tokens=rng.randrange(1, 50), n=n, seed=i,
+        params = dict(temperature=rng.choice([0, 0.8]), max_tokens=rng.randrange(1, max_tokens), n=n, seed=i,
                       stop=rng.choice([[], ["ab"], ["\n", "zz"]]), logprobs=rng.choice([None, 2]),
                       prompt_logprobs=rng.choice([None, None, None, 1]), min_tokens=rng.choice([0, 1]))
         pending.append(req(f"r{i}", prompt, **params))
@@ -291,7 +294,7 @@ def test_random_requests_with_aborts_leave_block_manager_clean():
         if step % 25 == 0:
             engine.block_manager.check_invariants()
     engine.block_manager.check_invariants(idle=True)
-    assert engine.block_manager.num_free_blocks == 20 and not engine.requests
+    assert engine.block_manager.num_free_blocks == total and not engine.requests
     aborted = 0
     for rid, ev in events.items():
         assert ev[-1] is None and None not in ev[:-1], rid
@@ -301,7 +304,13 @@ def test_random_requests_with_aborts_leave_block_manager_clean():
         for e in ends:
             if e.reason != "abort":
                 assert e.usage.completion_tokens == len(tokens(ev, e.index))
-    assert aborted > 10 and engine.scheduler.num_preemptions > 0
+    return aborted, engine.scheduler.num_preemptions
+
+
+def test_random_requests_with_aborts_leave_block_manager_clean():
+    engine = make_engine(FakeExecutor(num_kv_blocks=20), max_num_batched_tokens=64, max_num_seqs=8)
+    aborted, preemptions = random_traffic(engine, vocab=256)
+    assert aborted > 10 and preemptions > 0
 
 
 def test_consumer_that_goes_away_aborts_its_request():
