@@ -335,3 +335,15 @@ def test_lora_name_is_rejected_clearly():
     r.lora_name = "my-adapter"
     events = submit(engine, r)
     assert "LoRA adapters are not supported" in events[0].reason
+
+
+def test_preemption_takes_the_youngest_first():
+    engine = make_engine(FakeExecutor(num_kv_blocks=5), enable_prefix_caching=False)
+    submit(engine, req("old", [1] * 20, max_tokens=50, ignore_eos=True))
+    submit(engine, req("young", [2] * 20, max_tokens=50, ignore_eos=True))
+    while engine.scheduler.num_preemptions == 0:
+        engine.step()
+    assert [s.request_id for s in engine.scheduler.running] == ["old"]
+    assert [s.request_id for s in engine.scheduler.waiting] == ["young"]
+    run_until_idle(engine)
+    engine.block_manager.check_invariants(idle=True)
