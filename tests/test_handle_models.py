@@ -194,3 +194,27 @@ def test_abort_mid_generation_through_the_handle():
         h.engine.block_manager.check_invariants(idle=True)
     finally:
         h.shutdown()
+
+
+def test_prompt_and_sample_logprobs_match_teacher_forced_logits():
+    import numpy as np
+    from engine.events import PromptLogprobs
+    from models_util import engine_logits, log_softmax
+    name = "qwen3_tied"
+    rng = random.Random(6)
+    prompt = [rng.randrange(5000) for _ in range(30)]
+    events, engine = run(name, [GenerateRequest("a", prompt, SamplingParams(
+        temperature=0, max_tokens=4, logprobs=5, prompt_logprobs=3, ignore_eos=True))])
+    events = events[0]
+    out = tokens(events)
+    lp = log_softmax(engine_logits(engine.executor, [prompt + out])[0])
+    plp = next(e for e in events if isinstance(e, PromptLogprobs))
+    want = lp[np.arange(len(prompt) - 1), prompt[1:]]
+    np.testing.assert_allclose(plp.logprobs[1:], want, atol=2e-4)
+    assert [t.token_id for t in plp.top_logprobs[5]] == list(np.argsort(-lp[4])[:3])
+    toks = [e for e in events if isinstance(e, Token)]
+    for k, e in enumerate(toks):
+        row = lp[len(prompt) - 1 + k]
+        assert e.token_id == int(np.argmax(row))
+        assert abs(e.logprob - row[e.token_id]) < 2e-4
+        assert [t.token_id for t in e.top_logprobs] == list(np.argsort(-row)[:5])
