@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.cute.configs import GEMM_VARIANTS, MAX_SPLITS, GemmPlan, plan_gemm, split_count  # noqa: E402
 from kernels.cute.gemm import GemmRunner  # noqa: E402
-from kernels.cute.testing import gemm_error, rand_bf16, sync_or_die  # noqa: E402
+from kernels.cute.testing import gemm_error, grouped_error, rand_bf16, sync_or_die  # noqa: E402
 
 QWEN_SHAPES = {  # name: (N, K)
     "4B.qkv": (6144, 2560), "4B.o": (2560, 4096), "4B.gate_up": (19456, 2560), "4B.down": (2560, 9728),
@@ -48,6 +48,12 @@ def correctness(runner: GemmRunner, log) -> bool:
                 ok &= good
                 log(f"check {variant.name:26s} S={s:<2d} M={m:<5d} N={n:<5d} K={k:<5d} "
                     f"rel_err={err:.2e} unwritten={unwritten} {'ok' if good else 'FAIL'}")
+    for tile_m, tokens, top_k, experts, n, k in [(64, 37, 8, 16, 264, 520), (128, 300, 2, 8, 1536, 2048)]:
+        err, unwritten = grouped_error(runner, tile_m, tokens, top_k, experts, n, k)
+        good = err <= 1e-2 and unwritten == 0
+        ok &= good
+        log(f"check grouped tile_m={tile_m} tokens={tokens} top_k={top_k} experts={experts} N={n} K={k} "
+            f"rel_err={err:.2e} unwritten={unwritten} {'ok' if good else 'FAIL'}")
     for name, (n, k) in QWEN_SHAPES.items():  # the planned path on the real shapes
         for m in (1, 17, 128, 600):
             err, unwritten = gemm_error(runner, plan_gemm(m, n, k), m, n, k)
@@ -131,6 +137,8 @@ def bench_shape(runner: GemmRunner, m: int, n: int, k: int, sweep: bool, log) ->
     if sweep:
         trials = {}
         for variant in GEMM_VARIANTS:
+            if variant.grouped:
+                continue
             if variant.out == "bf16" and not (m > 256 and variant.tile_m == 64):
                 trials[f"{variant.name}/S1"] = GemmPlan(variant, 1)
             elif variant.out == "f32" and m <= 256:

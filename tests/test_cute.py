@@ -4,10 +4,12 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from kernels.cute.configs import GEMM_VARIANTS, K_TILE, REDUCE_NAME, plan_gemm, split_count
-from kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args
+from kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args
+from kernels.cute.moe import group_by_expert
 from kernels.cute.library import Library, _tensor_struct
 
 QWEN = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (6144, 4096), (4096, 4096),
@@ -59,6 +61,7 @@ def test_library_loads_manifest_without_gpu(built):
     lib = Library(out)
     for v in GEMM_VARIANTS:
         assert lib[v.name].structs[0].__name__ == "Tensor_3_2"
+        assert len(lib[v.name].structs) == (4 if v.grouped else 3)
     with pytest.raises(KeyError, match="not in the manifest"):
         lib["gemm_nope"]
 
@@ -174,3 +177,37 @@ def test_available_reports_missing_build(monkeypatch, tmp_path):
     monkeypatch.setattr(cute, "_runner", None)
     avail = cute.available()
     assert not avail and "kernels.cute.build" in avail.reason
+
+
+def test_group_by_expert_pads_each_expert_to_whole_tiles():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 6, size=(50, 4))
+    g = group_by_expert(ids, 8, tile_m=64)
+    rows, experts = g.rows.reshape(-1), ids.reshape(-1)
+    assert len(set(rows.tolist())) == rows.size  # every assignment has its own row
+    assert np.array_equal(g.tile_expert[rows // 64], experts)  # the row's tile belongs to its expert
+    assert np.array_equal(g.counts, np.bincount(experts, minlength=8))
+    assert g.padded_rows == 64 * int(sum(-(-c // 64) for c in g.counts))
+    for e in range(8):  # stable: token order is kept inside an expert's group
+        mine = rows[experts == e]
+        assert np.all(np.diff(mine) == 1) and (mine.size == 0 or mine[0] % 64 == 0)
+
+
+@pytest.mark.parametrize("ids,message", [
+    (np.array([1, 2]), "tokens, top_k"), (np.array([[0, 9]]), r"\[0, 8\)")])
+def test_group_by_expert_rejects_bad_ids(ids, message):
+    with pytest.raises(ValueError, match=message):
+        group_by_expert(ids, 8)
+
+
+def test_grouped_launcher_checks():
+    a, out = FakeArray((128, 64)), FakeArray((128, 32))
+    w = FakeArray((4, 32, 64))
+    te = FakeArray((2,), typestr="<i4")
+    args = [as_device_tensor(x, n) for x, n in ((a, "a"), (w, "w"), (te, "t"), (out, "out"))]
+    assert check_grouped_args(*args) == (128, 32, 64, 4, 64)
+    bad = as_device_tensor(FakeArray((3,), typestr="<i4"), "t")
+    with pytest.raises(ValueError, match="rows per tile"):
+        check_grouped_args(args[0], args[1], bad, args[3])
+    with pytest.raises(TypeError, match="int32"):
+        check_grouped_args(args[0], args[1], as_device_tensor(FakeArray((2,), typestr="<i8"), "t"), args[3])

@@ -21,7 +21,7 @@ def runner():
     return r
 
 
-@pytest.mark.parametrize("variant", GEMM_VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", [v for v in GEMM_VARIANTS if not v.grouped], ids=lambda v: v.name)
 @pytest.mark.parametrize("m,n,k", ODD_SHAPES)
 def test_variant_matches_float32(runner, variant, m, n, k):
     from kernels.cute.testing import gemm_error
@@ -39,6 +39,15 @@ def test_planned_gemm_on_qwen_shapes(runner, m, n, k):
     from kernels.cute.testing import gemm_error
 
     err, unwritten = gemm_error(runner, plan_gemm(m, n, k), m, n, k)
+    assert unwritten == 0 and err <= 1e-2, (err, unwritten)
+
+
+@pytest.mark.parametrize("tile_m,tokens,top_k,experts,n,k", [
+    (64, 37, 8, 16, 264, 520), (64, 1, 8, 64, 768, 2048), (128, 300, 2, 8, 1536, 2048)])
+def test_grouped_gemm_matches_float32(runner, tile_m, tokens, top_k, experts, n, k):
+    from kernels.cute.testing import grouped_error
+
+    err, unwritten = grouped_error(runner, tile_m, tokens, top_k, experts, n, k)
     assert unwritten == 0 and err <= 1e-2, (err, unwritten)
 
 

@@ -7,6 +7,8 @@ Build once per checkout (no GPU needed): ``python -m kernels.cute.build``. At ru
     if cute.available():
         cute.init()                                  # load modules (before any graph capture)
         cute.gemm(a, w, out, stream=stream)          # out[M,N] = a[M,K] · w[N,K]ᵀ, bf16 as uint16
+        groups = cute.group_by_expert(topk_ids, num_experts, tile_m=64)   # MoE, host side
+        cute.grouped_gemm(a_grouped, w_experts, tile_expert, out_grouped, stream=stream)
     else:
         print(cute.available().reason)
 """
@@ -15,8 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .gemm import DeviceTensor, GemmRunner
+from .gemm import grouped_gemm as _grouped_gemm
+from .moe import ExpertGroups, group_by_expert
 
-__all__ = ["available", "init", "gemm", "reserve_workspace", "DeviceTensor"]
+__all__ = ["available", "init", "gemm", "grouped_gemm", "group_by_expert", "ExpertGroups",
+           "reserve_workspace", "DeviceTensor"]
 
 _runner: GemmRunner | None = None
 
@@ -69,3 +74,8 @@ def reserve_workspace(max_m: int, max_n: int, k_values: tuple[int, ...]) -> None
 def gemm(a, b, out, stream=None) -> None:
     """``out[M, N] = bf16(a[M, K] · b[N, K]ᵀ)``, fp32 accumulation, launched on ``stream``."""
     _get_runner()(a, b, out, stream)
+
+
+def grouped_gemm(a, w, tile_expert, out, stream=None) -> None:
+    """MoE: ``out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ``; rows grouped by ``group_by_expert``."""
+    _grouped_gemm(_get_runner(), a, w, tile_expert, out, stream)

@@ -106,10 +106,13 @@ def _fake_args(kind: str, out: str | None = None):
 
     m, n, k, batch = cute.sym_int32(), cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8), cute.sym_int32()
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
-    if kind == "gemm":
-        a = make_fake_tensor(bf16, (m, k, batch), (ld(), 1, ld()), assumed_align=16)
-        b = make_fake_tensor(bf16, (n, k, batch), (ld(), 1, ld()), assumed_align=16)
+    if kind in ("gemm", "grouped"):
+        a = make_fake_tensor(bf16, (m, k, cute.sym_int32()), (ld(), 1, ld()), assumed_align=16)
+        b = make_fake_tensor(bf16, (n, k, cute.sym_int32()), (ld(), 1, ld()), assumed_align=16)
         c = make_fake_tensor(f32 if out == "f32" else bf16, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
+        if kind == "grouped":
+            tile_expert = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
+            return a, b, c, tile_expert, cuda.CUstream(0)
         return a, b, c, cuda.CUstream(0)
     partial = make_fake_tensor(f32, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
     dst = make_fake_tensor(bf16, (m, n), (ld(), 1), assumed_align=16)
@@ -125,7 +128,10 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
 
     if name in VARIANTS_BY_NAME:
         variant = VARIANTS_BY_NAME[name]
-        compiled = cute.compile(GemmSm90(variant), *_fake_args("gemm", variant.out))
+        if variant.grouped:
+            compiled = cute.compile(GemmSm90(variant).grouped, *_fake_args("grouped", variant.out))
+        else:
+            compiled = cute.compile(GemmSm90(variant), *_fake_args("gemm", variant.out))
     else:
         compiled = cute.compile(splitk_reduce, *_fake_args("reduce"))
     compiled.export_to_c(file_path=str(obj_dir), file_name=f"{name}.{key}", function_prefix=name)

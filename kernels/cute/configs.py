@@ -19,10 +19,12 @@ class GemmVariant:
     cluster_m: int = 1
     cluster_n: int = 1
     out: str = "bf16"
+    grouped: bool = False  # MoE: B is (N, K, experts), one expert per M-tile
 
     @property
     def name(self) -> str:
-        return f"gemm_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
+        kind = "grouped" if self.grouped else "gemm"
+        return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
 
 
 GEMM_VARIANTS: tuple[GemmVariant, ...] = (
@@ -35,6 +37,8 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(64, 64, 1, 1, "f32"),
     GemmVariant(64, 128, 1, 1, "f32"),
     GemmVariant(64, 256, 1, 1, "f32"),
+    GemmVariant(64, 128, 1, 1, grouped=True),
+    GemmVariant(128, 128, 1, 1, grouped=True),
 )
 REDUCE_NAME = "splitk_reduce"
 VARIANTS_BY_NAME = {v.name: v for v in GEMM_VARIANTS}

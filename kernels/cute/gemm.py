@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .configs import REDUCE_NAME, GemmPlan, plan_gemm, split_count
+from .configs import REDUCE_NAME, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count
 from .library import Library, TensorArg
 
 BF16_TYPESTRS = ("<u2", "|u2", "bfloat16", "<V2")
@@ -49,7 +49,7 @@ def as_device_tensor(x, what: str) -> DeviceTensor:
             raise ValueError(f"{what} has strides {strides} that are not whole elements")
         strides = [s // itemsize for s in strides]
     typestr = iface["typestr"]
-    dtype = "bfloat16" if typestr in BF16_TYPESTRS else ("float32" if typestr == "<f4" else typestr)
+    dtype = "bfloat16" if typestr in BF16_TYPESTRS else {"<f4": "float32", "<i4": "int32"}.get(typestr, typestr)
     size = 1
     for dim in shape:
         size *= dim
@@ -104,6 +104,12 @@ class GemmRunner:
 
         self.library.load(list(range(cupy.cuda.runtime.getDeviceCount())))
 
+    def ensure_loaded(self) -> None:
+        import cupy
+
+        if not self.library.is_loaded(cupy.cuda.Device().id):
+            self.init()
+
     def reserve_workspace(self, max_m: int, max_n: int, k_values: tuple[int, ...]) -> None:
         """Grow the split-K workspace for every shape up to (max_m, max_n) with those K."""
         need = 0
@@ -131,9 +137,7 @@ class GemmRunner:
         stream_ptr = _stream_ptr(stream)
         import cupy
 
-        device = cupy.cuda.Device().id
-        if not self.library.is_loaded(device):
-            self.init()
+        self.ensure_loaded()
         lda, ldb, ldo = _row_stride(a), _row_stride(b), _row_stride(out)
         a_arg = TensorArg(a.ptr, (m, k, 1), (lda, lda * m))
         b_arg = TensorArg(b.ptr, (n, k, 1), (ldb, ldb * n))
@@ -148,6 +152,41 @@ class GemmRunner:
         partial = TensorArg(self._ensure_workspace(s * m * n * 4, capturing), (m, n, s), (n, m * n))
         self.library[plan.variant.name](a_arg, b_arg, partial, stream=stream_ptr)
         self.library[REDUCE_NAME](partial, TensorArg(out.ptr, (m, n), (ldo,)), stream=stream_ptr)
+
+
+def check_grouped_args(a: DeviceTensor, w: DeviceTensor, tile_expert: DeviceTensor,
+                       out: DeviceTensor) -> tuple[int, int, int, int, int]:
+    """Validate a grouped GEMM; return (M, N, K, experts, tile_m)."""
+    if len(w.shape) != 3:
+        raise ValueError(f"w must be [experts, N, K], got shape {w.shape}")
+    experts, n, k = w.shape
+    m, _, _ = check_gemm_args(a, DeviceTensor(w.ptr, (n, k), w.strides[1:], w.dtype), out)
+    if experts > 1 and w.strides[0] % 8:
+        raise ValueError(f"w expert stride {w.strides[0]} is not a multiple of 8 elements (16 bytes)")
+    if tile_expert.dtype != "int32" or len(tile_expert.shape) != 1:
+        raise TypeError(f"tile_expert must be a 1-D int32 array, got {tile_expert.dtype} {tile_expert.shape}")
+    if tile_expert.shape[0] > 1 and tile_expert.strides[0] != 1:
+        raise ValueError("tile_expert must be contiguous")
+    tiles = tile_expert.shape[0]
+    if tiles == 0 or m % tiles or m // tiles not in (64, 128):
+        raise ValueError(f"a has {m} rows for {tiles} tiles; rows per tile must be 64 or 128 "
+                         "(pad each expert group with moe.group_by_expert)")
+    return m, n, k, experts, m // tiles
+
+
+def grouped_gemm(runner: GemmRunner, a, w, tile_expert, out, stream=None) -> None:
+    """``out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ`` for every row r (MoE experts in one launch)."""
+    a, w = as_device_tensor(a, "a"), as_device_tensor(w, "w")
+    tile_expert, out = as_device_tensor(tile_expert, "tile_expert"), as_device_tensor(out, "out")
+    m, n, k, experts, tile_m = check_grouped_args(a, w, tile_expert, out)
+    runner.ensure_loaded()
+    ldb = w.strides[1] if n > 1 else k
+    runner.library[VARIANTS_BY_NAME[f"grouped_bf16_{tile_m}x128_c1x1"].name](
+        TensorArg(a.ptr, (m, k, 1), (_row_stride(a), _row_stride(a) * m)),
+        TensorArg(w.ptr, (n, k, experts), (ldb, w.strides[0] if experts > 1 else ldb * n)),
+        TensorArg(out.ptr, (m, n, 1), (_row_stride(out), _row_stride(out) * m)),
+        TensorArg(tile_expert.ptr, (tile_expert.shape[0],), ()),
+        stream=_stream_ptr(stream))
 
 
 def _stream_ptr(stream) -> int:

@@ -9,7 +9,9 @@ B keep plain descriptors (a third mode of extent 1), so split-K needs nothing of
 Structure: TMA loads of A and B tiles into a multi-stage shared-memory ring (mbarrier pipeline,
 optional cluster multicast), wgmma from shared memory into fp32 registers (one or two consumer
 warpgroups), epilogue through shared memory (stmatrix for 16-bit output) and TMA stores, which clip
-the M/N tails. Warp 0 doubles as the producer. CTAs are rasterised in groups of 8 clusters along
+the M/N tails. Warp 0 doubles as the producer. Grouped variants (MoE) take B as ``(N, K, E)``
+expert weights and an int32 map from each M-tile to its expert: tokens are grouped by expert and
+each group padded to whole M-tiles (``moe.group_by_expert``), so one launch covers every expert. CTAs are rasterised in groups of 8 clusters along
 M so that concurrently running CTAs share B (weight) tiles in L2.
 
 Roofline on the H200: ``2·M·N·K`` flops at ~790 TFLOP/s (measured dense bf16) against
@@ -40,6 +42,7 @@ class GemmSm90:
     def __init__(self, tile: GemmVariant):
         assert tile.tile_m in (64, 128) and tile.tile_n in (64, 128, 256)
         assert tile.cluster_m * tile.cluster_n <= 4
+        assert not (tile.grouped and tile.cluster_m > 1), "a cluster along M would mix experts"
         self.tile = tile
         self.cluster_mn = (tile.cluster_m, tile.cluster_n)
         self.acc_dtype = cutlass.Float32
@@ -72,6 +75,18 @@ class GemmSm90:
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream):
+        """Dense GEMM (``grouped=False`` variants)."""
+        self._launch(a, b, c, c, stream)  # c stands in for the unused tile → expert map
+
+    @cute.jit
+    def grouped(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
+                stream: cuda.CUstream):
+        """Grouped GEMM (``grouped=True``): B is ``(N, K, E)``; M-tile ``t`` uses expert ``tile_expert[t]``."""
+        self._launch(a, b, c, tile_expert, stream)
+
+    @cute.jit
+    def _launch(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
+                stream: cuda.CUstream):
         self.a_dtype = a.element_type
         self.c_dtype = c.element_type
         self.c_layout = utils.LayoutEnum.from_tensor(c)
@@ -111,7 +126,7 @@ class GemmSm90:
             sb: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.sb_layout)], self.buffer_align]
 
         self.smem_struct = Smem
-        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, self.tiled_mma, self.cta_layout_mnk,
+        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tile_expert, self.tiled_mma, self.cta_layout_mnk,
                     self.sa_layout, self.sb_layout, self.sc_layout).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=cluster_mnl, stream=stream,
         )
@@ -141,7 +156,7 @@ class GemmSm90:
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_c: cute.CopyAtom, mC: cute.Tensor, tiled_mma: cute.TiledMma,
+               tma_c: cute.CopyAtom, mC: cute.Tensor, tile_expert: cute.Tensor, tiled_mma: cute.TiledMma,
                cta_layout_mnk: cute.Layout, sa_layout: cute.ComposedLayout,
                sb_layout: cute.ComposedLayout, sc_layout: cute.ComposedLayout):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -152,7 +167,10 @@ class GemmSm90:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
 
         pid_m, pid_n = self._tile_coord()
-        coord = (pid_m, pid_n, None, 0)  # A and B: batch mode of extent 1
+        coord = (pid_m, pid_n, None, 0)  # A (and B unless grouped): batch mode of extent 1
+        coord_b = coord
+        if cutlass.const_expr(self.tile.grouped):
+            coord_b = (pid_m, pid_n, None, tile_expert[pid_m])
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cta_layout_mnk.get_flat_coord(rank)
         mask_a = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=1)
@@ -178,7 +196,7 @@ class GemmSm90:
         sC = cute.make_tensor(cute.recast_ptr(sA.iterator, sc_layout.inner, dtype=self.c_dtype), sc_layout.outer)
 
         gA = cute.local_tile(mA, self.tile_mnk, coord, proj=(1, None, 1))  # (bM, bK, k_tiles)
-        gB = cute.local_tile(mB, self.tile_mnk, coord, proj=(None, 1, 1))  # (bN, bK, k_tiles)
+        gB = cute.local_tile(mB, self.tile_mnk, coord_b, proj=(None, 1, 1))  # (bN, bK, k_tiles)
         gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, batch), proj=(1, 1, None))  # (bM, bN)
 
         wg = cute.arch.make_warp_uniform(tidx // 128)

@@ -47,3 +47,31 @@ def gemm_error(runner, plan: GemmPlan | None, m: int, n: int, k: int) -> tuple[f
     unwritten = int(cp.isnan(got).sum())
     err = float(cp.linalg.norm(cp.nan_to_num(got - ref, nan=1e30)) / cp.linalg.norm(ref))
     return err, unwritten
+
+
+def grouped_error(runner, tile_m: int, tokens: int, top_k: int, experts: int, n: int, k: int) -> tuple[float, int]:
+    """(relative error, unwritten used rows) of one grouped GEMM with random routing."""
+    import cupy as cp
+    import numpy as np
+
+    from .gemm import grouped_gemm
+    from .moe import group_by_expert
+
+    ids = np.random.default_rng().integers(0, experts, size=(tokens, top_k))
+    groups = group_by_expert(ids, experts, tile_m)
+    x, w = rand_bf16((tokens, k)), rand_bf16((experts, n, k))
+    rows = cp.asarray(groups.rows.reshape(-1))
+    a = cp.zeros((groups.padded_rows, k), cp.uint16)
+    a[rows] = cp.repeat(x, top_k, axis=0)
+    out = cp.full((groups.padded_rows, n), NAN_BF16, dtype=cp.uint16)
+    grouped_gemm(runner, a, w, cp.asarray(groups.tile_expert), out)
+    sync_or_die(f"grouped GEMM tile_m={tile_m} tokens={tokens} experts={experts} N={n} K={k}")
+    got = from_bf16(out[rows])
+    x_rows, experts_of = from_bf16(cp.repeat(x, top_k, axis=0)), ids.reshape(-1)
+    ref = cp.empty_like(got)
+    for e in np.unique(experts_of):
+        mine = cp.asarray(np.nonzero(experts_of == e)[0])
+        ref[mine] = x_rows[mine] @ from_bf16(w[int(e)]).T
+    unwritten = int(cp.isnan(got).sum())
+    err = float(cp.linalg.norm(cp.nan_to_num(got - ref, nan=1e30)) / cp.linalg.norm(ref))
+    return err, unwritten
