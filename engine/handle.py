@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,20 +28,51 @@ from memory.block_manager import KVEvent
 __all__ = ["EngineHandle", "EngineStats", "RequestStream", "RequestOutput", "SampleOutput"]
 
 
+class _Mailbox:
+    """Hands events from the engine thread to one asyncio loop, waking it once per batch of
+    events rather than once per event."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, TokenEvent | None]] = []
+        self._scheduled = False
+
+    def post(self, q: asyncio.Queue, event: TokenEvent | None) -> None:   # engine thread
+        with self._lock:
+            self._pending.append((q, event))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:                     # the loop is closed: nobody is listening
+            with self._lock:
+                self._scheduled = False
+                self._pending.clear()
+            raise
+
+    def _deliver(self) -> None:                                         # the asyncio loop
+        with self._lock:
+            items, self._pending, self._scheduled = self._pending, [], False
+        for q, event in items:
+            q.put_nowait(event)
+
+
 class RequestStream:
     """Async iterator over one request's TokenEvents; ends after its last terminal event.
     Leaving it early (aclose, or breaking out of `async for` and calling abort) frees the
     request in the engine."""
 
-    def __init__(self, handle: "EngineHandle", request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, handle: "EngineHandle", request_id: str, mailbox: _Mailbox):
         self.request_id = request_id
         self._handle = handle
-        self._loop = loop
+        self._mailbox = mailbox
         self._queue: asyncio.Queue = asyncio.Queue()
         self._done = False
 
     def _push(self, event: TokenEvent | None) -> None:   # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        self._mailbox.post(self._queue, event)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -106,6 +139,8 @@ class EngineHandle:
         self._engine = EngineLoop(executor, tokenizer, self.config, self.max_model_len,
                                   eos_token_ids)
         self._ids = itertools.count()
+        self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # loop -> _Mailbox
+        self._mailbox_lock = threading.Lock()
         self._closed = False
         self._engine.start()
 
@@ -118,7 +153,12 @@ class EngineHandle:
         """Queue a request; iterate the result with `async for`. Call from a running loop."""
         if self._closed:
             raise RuntimeError("engine is shut down")
-        stream = RequestStream(self, req.request_id, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        with self._mailbox_lock:
+            mailbox = self._mailboxes.get(loop)
+            if mailbox is None:
+                mailbox = self._mailboxes[loop] = _Mailbox(loop)
+        stream = RequestStream(self, req.request_id, mailbox)
         self._engine.add_request(req, stream._push)
         return stream
 
