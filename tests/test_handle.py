@@ -183,3 +183,16 @@ def test_kv_events_reach_a_subscriber(handle):
     handle.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
     stored = [e.block_hash for e in seen if isinstance(e, BlockStored)]
     assert stored == hash_chain(prompt, 16)             # the prompt's two full blocks
+
+
+def test_closed_event_loop_aborts_its_requests(handle):
+    loop = asyncio.new_event_loop()
+
+    async def start():
+        return handle.submit(GenerateRequest("orphan", [3] * 30, SamplingParams(max_tokens=400, ignore_eos=True)))
+
+    loop.run_until_complete(start())
+    loop.close()
+    wait_idle(handle)
+    assert handle.stats().generation_tokens_total < 400
+    handle.engine.block_manager.check_invariants(idle=True)
