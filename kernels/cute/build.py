@@ -57,6 +57,17 @@ def find_cudart_static() -> Path:
         "libcudart_static.a not found: install the CUDA toolkit or set CUDA_HOME to it")
 
 
+def cudart_major(cudart: Path) -> int | None:
+    """CUDA major version of the toolkit holding ``cudart`` (from cuda_runtime_api.h), if found."""
+    for root in (cudart.parent.parent, cudart.parent.parent.parent):
+        header = root / "include" / "cuda_runtime_api.h"
+        if header.is_file():
+            found = re.search(r"#define CUDART_VERSION\s+(\d+)", header.read_text(errors="replace"))
+            if found:
+                return int(found.group(1)) // 1000
+    return None
+
+
 def find_dsl_runtime_static() -> Path:
     """The static CUDA-dialect runtime of the DSL flavour (cu12/cu13) that is loaded."""
     import nvidia_cutlass_dsl
@@ -163,8 +174,17 @@ def build(out_dir: Path = DEFAULT_OUT, force: bool = False, log=print) -> dict:
     old = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     same_objects = {k: v["hash"] for k, v in old.get("kernels", {}).items()} == {k: v["hash"] for k, v in kernels.items()}
     if force or compiled or not lib.is_file() or not same_objects:
+        cudart = find_cudart_static()
+        from cutlass.base_dsl.version_info import CUDA_VERSION
+
+        toolkit = cudart_major(cudart)
+        if toolkit is not None and toolkit != CUDA_VERSION.major:
+            raise RuntimeError(
+                f"the CuTe DSL is its CUDA {CUDA_VERSION.major} flavour but {cudart} is CUDA {toolkit}: "
+                f"install nvidia-cutlass-dsl[cu{toolkit}]==4.8.1 (or point CUDA_HOME at a CUDA "
+                f"{CUDA_VERSION.major} toolkit)")
         cmd = [os.environ.get("CC", "gcc"), "-shared", "-o", str(lib), *map(str, objects),
-               str(find_dsl_runtime_static()), str(find_cudart_static()),
+               str(find_dsl_runtime_static()), str(cudart),
                "-ldl", "-lpthread", "-lrt", "-Wl,--exclude-libs,ALL", "-Wl,-z,defs"]
         subprocess.run(cmd, check=True)
         log(f"linked {lib} ({lib.stat().st_size} bytes, {len(objects)} kernels)")
