@@ -59,20 +59,33 @@ class BackgroundServer:
 
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
-        server = await self.app.create_server(sock=self.sock, return_asyncio_server=True, access_log=False)
-        await server.startup()
-        await server.before_start()
-        await server.start_serving()
-        await server.after_start()
-        self._ready.set()
-        await self._stop.wait()
-        await server.before_stop()
+        await serve_until(self.app, self.sock, self._stop, on_ready=self._ready.set)
+
+
+async def serve_until(app, sock: socket.socket, stop: asyncio.Event, on_ready=None,
+                      grace_s: float = 5.0) -> None:
+    """Serve `app` on `sock` until `stop` is set; then stop accepting, let in-flight requests run for
+    up to `grace_s`, close every connection (which aborts what is left) and run the stop listeners."""
+    server = await app.create_server(sock=sock, return_asyncio_server=True, access_log=False)
+    await server.startup()
+    await server.before_start()
+    await server.start_serving()
+    await server.after_start()
+    if on_ready is not None:
+        on_ready()
+    await stop.wait()
+    server.server.close()                      # no new connections
+    deadline = asyncio.get_running_loop().time() + grace_s
+    while server.connections and asyncio.get_running_loop().time() < deadline:
         for conn in list(server.connections):
-            conn.close_if_idle() or conn.close()
-        server.close()
-        await server.wait_closed()
-        await server.after_stop()
-        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+            conn.close_if_idle()
+        await asyncio.sleep(0.05)
+    await server.before_stop()
+    for conn in list(server.connections):
+        conn.close()
+    await server.wait_closed()
+    await server.after_stop()
+    pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)

@@ -9,6 +9,8 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
+import socket
 import sys
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -79,13 +81,26 @@ def serve(args: argparse.Namespace) -> int:
     from engine.handle import EngineHandle
     from server.app import create_app
     _setup_logging(args.log_level)
-    handle = EngineHandle(engine_config(args))
-    app = create_app(handle, api_key=args.api_key, max_n=args.max_n)
-    app.after_server_stop(lambda app: handle.shutdown())
-    print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
-          f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    app.run(host=args.host, port=args.port, single_process=True, access_log=False, motd=False)
+    config = engine_config(args)
+    sock = socket.create_server((args.host, args.port))     # fail fast if the port is taken
+    handle = EngineHandle(config)
+    try:
+        app = create_app(handle, api_key=args.api_key, max_n=args.max_n)
+        print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
+              f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        asyncio.run(_serve_until_signal(app, sock))
+    finally:
+        handle.shutdown()
     return 0
+
+
+async def _serve_until_signal(app, sock) -> None:
+    from server.background import serve_until
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await serve_until(app, sock, stop)
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -120,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return serve(args) if args.command == "serve" else generate(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:          # bad option, missing model, port in use
         print(f"openinfer: error: {exc}", file=sys.stderr)
         return 2
 

@@ -24,8 +24,8 @@ from tests.models_util import hf_logits, log_softmax, tiny_model_path
 MODEL = "qwen3_tied"
 MAX_MODEL_LEN = 512
 # Engine (numpy float32) vs transformers float32 on the same bf16 weights: measured max |dlogprob|
-# of the sampled tokens ~2e-6 on this model; bound set well above that floor.
-LOGPROB_TOL = 1e-4
+# 8.5e-6 over 48 greedy tokens of 4 prompts on this model (2026-11-30); the bound is ~2x that floor.
+LOGPROB_TOL = 2e-5
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_greedy_completion_matches_the_transformers_oracle(client, handle, path)
     assert choice.finish_reason == "length"
     oracle = log_softmax(hf_logits(path, prompt + ids))[len(prompt) - 1:-1]
     for pos, (tok, lp, top) in enumerate(zip(ids, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs)):
-        assert oracle[pos][tok] >= oracle[pos].max() - 1e-4, f"greedy pick at {pos} is not the oracle's argmax"
+        assert oracle[pos][tok] >= oracle[pos].max() - LOGPROB_TOL, f"greedy pick at {pos} is not the oracle's argmax"
         assert abs(lp - oracle[pos][tok]) < LOGPROB_TOL
         assert len(top) == 2 and max(top.values()) == pytest.approx(lp, abs=1e-6)
     assert choice.text == handle.tokenizer.decode(ids, skip_special_tokens=True)
