@@ -41,7 +41,7 @@ class _Mailbox:
     def post(self, q: asyncio.Queue, event: TokenEvent | None) -> None:   # engine thread
         with self._lock:
             self._pending.append((q, event))
-            if self._scheduled:
+            if self._scheduled and not self.loop.is_closed():
                 return
             self._scheduled = True
         try:
