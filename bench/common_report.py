@@ -102,6 +102,7 @@ def plot_sweep(runs: list[dict], path: Path, title: str) -> Path | None:
             ax.plot(x, [r["metrics"].get(key, np.nan) for r in runs], marker="o", label=key)
         ax.set_xscale("log")
         ax.set_xticks(x, labels)
+        ax.minorticks_off()
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
