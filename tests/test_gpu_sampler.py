@@ -49,7 +49,9 @@ def test_gpu_sampler_matches_reference():
     arena = DeviceArena(1 << 30)
     stream = cupy.cuda.Stream(non_blocking=True)
     sampler = GpuSampler(arena, n, V, stream)
-    got = sampler.sample(cupy.asarray(logits), seqs)
+    device_logits = cupy.asarray(logits)
+    cupy.cuda.Device().synchronize()      # the upload ran on CuPy's default stream
+    got = sampler.sample(device_logits, seqs)
     ref = sample_step(logits, seqs)
     same = [g.token_id == r.token_id for g, r in zip(got, ref)]
     assert sum(same) >= n - 1, [(i, g.token_id, r.token_id) for i, (g, r) in enumerate(zip(got, ref)) if g.token_id != r.token_id]
@@ -87,7 +89,9 @@ def test_seeded_draws_follow_the_distribution():
                     params=SamplingParams(temperature=1.0, top_k=5, seed=i)) for i in range(n)]
     arena = DeviceArena(1 << 30)
     sampler = GpuSampler(arena, n, V, cupy.cuda.Stream(non_blocking=True))
-    got = [t.token_id for t in sampler.sample(cupy.asarray(np.tile(row, (n, 1))), seqs)]
+    device_logits = cupy.asarray(np.tile(row, (n, 1)))
+    cupy.cuda.Device().synchronize()
+    got = [t.token_id for t in sampler.sample(device_logits, seqs)]
     ref = [t.token_id for t in sample_step(np.tile(row, (n, 1)), seqs)]
     assert got == ref
     assert set(got) <= set(range(5))

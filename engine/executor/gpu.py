@@ -65,7 +65,7 @@ class GpuExecutor:
         self.gemm = Gemm(stream, workspace, use_cute=use_cute)
         inv_freq, attention_factor = rope_inv_freq(cfg)
         self.inv_freq = self.arena.take("activations.inv_freq", inv_freq.shape, np.float32)
-        self.inv_freq.set(inv_freq)
+        self.inv_freq.set(inv_freq, stream=stream)
         self.inputs = self.arena.take("activations.step_inputs", (n_inputs,), np.int32)
         self.inputs_host = pinned_array((n_inputs,), np.int32)
         self.extra_rows = self.arena.take("activations.extra_rows", (self.max_tokens,), np.int32)
@@ -86,6 +86,7 @@ class GpuExecutor:
                           self.max_tokens, max_width, V, self.max_tokens, Hq, D, lm_head.data.ptr, stream)
         self.sampler = GpuSampler(self.arena, sampler_rows, V, stream)
         self.stream = stream
+        stream.synchronize()
         log.info("%s; %d KV blocks", self.arena.summary(), self.num_kv_blocks)
 
     # ---- step inputs -------------------------------------------------------------------------

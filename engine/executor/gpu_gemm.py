@@ -48,7 +48,13 @@ class Gemm:
             self.cute.gemm(x, w, out, self.stream)
             return
         ctype = CUDA_R_32F if out.dtype == np.float32 else CUDA_R_16BF
+        # CuPy's cuBLAS wrappers bind the handle to CuPy's *current* stream at every call, so the
+        # GEMM must run with our stream current to stay ordered with the raw kernels.
         # Column-major view: outᵀ [N, T] = w [K, N]ᵀ · xᵀ [K, T].
+        with self.stream:
+            self._gemm(N, T, K, w, x, out, ctype)
+
+    def _gemm(self, N, T, K, w, x, out, ctype) -> None:
         self._cublas.gemmEx(self.handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K,
                             self._alpha.ctypes.data, w.data.ptr, CUDA_R_16BF, K,
                             x.data.ptr, CUDA_R_16BF, K,
