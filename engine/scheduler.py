@@ -67,8 +67,7 @@ class Scheduler:
             if n and not self._reserve(seq, n, out):
                 break                                    # seq preempted itself
             if n:
-                self._add_step(seq, n, out)
-                budget -= n
+                budget -= self._add_step(seq, n, out)
             i += 1
         if out.preempted:
             return out
@@ -85,18 +84,26 @@ class Scheduler:
                 need = blocks_for(s.num_computed + n) - len(s.block_table)
                 if n > 0 and self.bm.can_allocate(need):
                     s.block_table += self.bm.allocate(need)
-                    self._add_step(s, n, out)
-                    budget -= n
+                    budget -= self._add_step(s, n, out)
         return out
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of seq to feed this step (0: none fit)."""
+        """New tokens of seq to compute this step (0: none fit)."""
         end = seq.fork_at if seq.fork_count > 1 else len(seq.token_ids)
-        remaining = end - seq.num_computed
-        if seq.want_prompt_logprobs and remaining > budget:
-            # prompt logprobs come from one unchunked prefill; it may overrun an empty step
-            return remaining if budget == self.max_num_batched_tokens else 0
-        return min(remaining, budget)
+        if not seq.want_prompt_logprobs:
+            return min(end - seq.num_computed, budget)
+        # Prompt logprobs: a chunk after the first re-feeds the previous chunk's last token, so
+        # that the logprob of its own first token is computed too. That re-written slot must not
+        # sit in a full (hence possibly cached and shared) block: no chunk but the last may end
+        # on a block boundary.
+        n = min(end - seq.num_computed, budget - self._overlap(seq))
+        if seq.num_computed + n < end and (seq.num_computed + n) % BLOCK_SIZE == 0:
+            n -= 1
+        return max(n, 0)
+
+    @staticmethod
+    def _overlap(seq: Sequence) -> int:
+        return int(seq.want_prompt_logprobs and 0 < seq.num_computed < seq.prompt_len)
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for n more tokens of a running seq, preempting the youngest running
@@ -153,9 +160,10 @@ class Scheduler:
         out.forked += group[1:]
         return group
 
-    def _add_step(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
-        start = seq.num_computed
-        end = start + n
+    def _add_step(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
+        """Add n new tokens of seq to the step; returns the tokens fed (budget spent)."""
+        start = seq.num_computed - self._overlap(seq)
+        end = seq.num_computed + n
         out.seqs.append(seq)
         out.steps.append(SeqStep(
             seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
@@ -165,6 +173,7 @@ class Scheduler:
             num_generated=seq.num_generated,
             want_prompt_logprobs=seq.want_prompt_logprobs and start < seq.prompt_len,
             lora_id=seq.lora_id))
+        return end - start
 
     # -- after the step ------------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> list[Sequence]:
@@ -176,7 +185,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue
             before = seq.num_computed // BLOCK_SIZE
-            seq.num_computed += len(step.token_ids)
+            seq.num_computed = step.context_len
             after = seq.num_computed // BLOCK_SIZE
             if after > before and self.bm.enable_prefix_caching:
                 hashes = seq.block_hashes(after)

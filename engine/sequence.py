@@ -57,7 +57,8 @@ class Sequence:
     @property
     def fork_at(self) -> int:
         """Tokens to prefill before forking: the prompt's full blocks, leaving >= 1 token.
-        Prompt logprobs need one unchunked prefill, so such requests fork right away."""
+        Only sample 0 computes prompt logprobs (the others skip them), so such requests fork
+        right away."""
         if self.want_prompt_logprobs:
             return 0
         return (self.prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE

@@ -196,15 +196,17 @@ def test_abort_mid_generation_through_the_handle():
         h.shutdown()
 
 
-def test_prompt_and_sample_logprobs_match_teacher_forced_logits():
+@pytest.mark.parametrize("budget", [2048, 16])
+def test_prompt_and_sample_logprobs_match_teacher_forced_logits(budget):
     import numpy as np
     from engine.events import PromptLogprobs
     from models_util import engine_logits, log_softmax
     name = "qwen3_tied"
     rng = random.Random(6)
-    prompt = [rng.randrange(5000) for _ in range(30)]
+    prompt = [rng.randrange(5000) for _ in range(45)]
     events, engine = run(name, [GenerateRequest("a", prompt, SamplingParams(
-        temperature=0, max_tokens=4, logprobs=5, prompt_logprobs=3, ignore_eos=True))])
+        temperature=0, max_tokens=4, logprobs=5, prompt_logprobs=3, ignore_eos=True))],
+        max_num_batched_tokens=budget)
     events = events[0]
     out = tokens(events)
     lp = log_softmax(engine_logits(engine.executor, [prompt + out])[0])

@@ -217,9 +217,12 @@ class ScriptedExecutor(FakeExecutor):
 def test_prompt_logprobs_match_the_model():
     ex = FakeExecutor()
     engine = make_engine(ex, max_num_batched_tokens=16)
-    p = list(range(40, 80))                             # longer than the budget: one unchunked prefill
+    p = list(range(40, 80))                             # longer than the budget: chunked
     events = submit(engine, req("a", p, temperature=0, max_tokens=2, prompt_logprobs=2, n=2))
     run_until_idle(engine)
+    chunks = [(s.start_pos, len(s.token_ids)) for b in ex.steps for s in b.seqs if s.want_prompt_logprobs]
+    assert len(chunks) > 2 and all(n <= 16 for _, n in chunks)
+    assert all((start + n) % 16 for start, n in chunks[:-1])   # never completes a block mid-prompt
     plp = [e for e in events if type(e).__name__ == "PromptLogprobs"]
     assert len(plp) == 1 and plp[0].token_ids == p and plp[0].logprobs[0] is None
     ref = FakeExecutor()
