@@ -86,3 +86,31 @@ def test_prefix_ttft_against_the_real_server(served_tiny_model, tmp_path):
         # every full 16-token KV block before the changed last token comes from the prefix cache
         assert row["warm_cached_tokens"] == (row["length"] - 1) // 16 * 16
         assert row["cold_prompt_tokens"] == row["warm_prompt_tokens"] == row["length"]
+
+
+def _server_ttft(url: str) -> tuple[float, float] | None:
+    """(sum, count) of the server's own TTFT histogram, or None when it exports none."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith("openinfer_time_to_first_token_seconds_")}
+    if "openinfer_time_to_first_token_seconds_sum" not in values:
+        return None
+    return values["openinfer_time_to_first_token_seconds_sum"], values["openinfer_time_to_first_token_seconds_count"]
+
+
+def test_client_ttft_brackets_the_server_measured_ttft(served_tiny_model):
+    """The client's TTFT covers the server's (which starts later, at request arrival) plus HTTP time."""
+    import asyncio
+    from bench.common_data import load_tokenizer, random_requests
+    from bench.serve import probe, run_benchmark
+    url, model = served_tiny_model
+    specs = random_requests(load_tokenizer(model), 4, 30, 6, seed=11)
+    name = asyncio.run(probe(url, None, specs[0], "completions", True, None))
+    before = _server_ttft(url)
+    if before is None:
+        pytest.skip("the server exports no TTFT histogram")
+    results, _ = asyncio.run(run_benchmark(specs, url, name, float("inf"), max_concurrency=1))
+    after = _server_ttft(url)
+    assert after[1] - before[1] == 4
+    server_sum, client_sum = after[0] - before[0], sum(r.ttft for r in results)
+    assert server_sum - 0.005 <= client_sum <= server_sum + 4 * 0.5, (client_sum, server_sum)
