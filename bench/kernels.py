@@ -5,10 +5,11 @@
 Correctness: fresh random bf16 inputs, odd shapes (M = 1, 3, 17, 255, 1000; N, K multiples of 8 but
 not of the tile), every variant and several K splits, output poisoned with NaN first; relative
 Frobenius error against a float32 reference must be ≤ 1e-2 with every element written.
+Attention and grouped GEMM are checked the same way (varlen batches with lengths 1 … 4096, GQA 1/4/8).
 Speed: Qwen3-4B/8B projection shapes for M ∈ {1, 8, 32, 128, 512, 2048, 8192}; each timing replays a
 CUDA graph of 20 launches over rotating weight copies (> L2), median of 5 replays, against cuBLAS
 bf16 (torch.mm, used here as the baseline only) graph-replayed the same way. ``--sweep`` also times every variant / split count per shape, which is how configs.plan_gemm
-was tuned. Prints a markdown table last; writes JSON and logs under --out.
+was tuned. Attention: TFLOP/s at 1k / 4k / 16k tokens against torch SDPA. Prints markdown tables last; writes JSON and logs under --out.
 """
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ import sys
 import time
 
 import cupy as cp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.cute.configs import GEMM_VARIANTS, MAX_SPLITS, GemmPlan, plan_gemm, split_count  # noqa: E402
 from kernels.cute.gemm import GemmRunner  # noqa: E402
-from kernels.cute.testing import gemm_error, grouped_error, rand_bf16, sync_or_die  # noqa: E402
+from kernels.cute.attention import attention_work, varlen_attention  # noqa: E402
+from kernels.cute.testing import attention_error, gemm_error, grouped_error, rand_bf16, sync_or_die  # noqa: E402
 
 QWEN_SHAPES = {  # name: (N, K)
     "4B.qkv": (6144, 2560), "4B.o": (2560, 4096), "4B.gate_up": (19456, 2560), "4B.down": (2560, 9728),
@@ -54,6 +57,11 @@ def correctness(runner: GemmRunner, log) -> bool:
         ok &= good
         log(f"check grouped tile_m={tile_m} tokens={tokens} top_k={top_k} experts={experts} N={n} K={k} "
             f"rel_err={err:.2e} unwritten={unwritten} {'ok' if good else 'FAIL'}")
+    for hq, hkv in ((8, 8), (8, 1), (32, 8)):
+        err, unwritten = attention_error(runner, [1, 17, 130, 1000, 4096, 63], [1, 17, 130, 1000, 4096, 63], hq, hkv)
+        good = err <= 1e-2 and unwritten == 0
+        ok &= good
+        log(f"check attention hq={hq} hkv={hkv} rel_err={err:.2e} unwritten={unwritten} {'ok' if good else 'FAIL'}")
     for name, (n, k) in QWEN_SHAPES.items():  # the planned path on the real shapes
         for m in (1, 17, 128, 600):
             err, unwritten = gemm_error(runner, plan_gemm(m, n, k), m, n, k)
@@ -151,6 +159,41 @@ def bench_shape(runner: GemmRunner, m: int, n: int, k: int, sweep: bool, log) ->
     return result
 
 
+def attention_bench(runner: GemmRunner, log) -> list[str]:
+    """Causal attention TFLOP/s, one sequence of 1k / 4k / 16k tokens, Qwen3-8B heads (32 q / 8 kv)."""
+    lines = ["| tokens | ours µs | ours TFLOP/s | torch SDPA µs | SDPA TFLOP/s |", "|---|---|---|---|---|"]
+    hq, hkv = 32, 8
+    for n in (1024, 4096, 16384):
+        cu = np.array([0, n], dtype=np.int32)
+        q, k, v = rand_bf16((n, hq, 128)), rand_bf16((n, hkv, 128)), rand_bf16((n, hkv, 128))
+        o = cp.empty_like(q)
+        cu_d, work = cp.asarray(cu), cp.asarray(attention_work(cu))
+        flops = 2 * 2 * 128 * hq * n * (n + 1) / 2  # QK and PV over the causal half
+        ours = graph_time_us(lambda i, s: varlen_attention(runner, q, k, v, o, cu_d, cu_d, work, s), 1,
+                             f"attention n={n}")
+        sdpa = float("nan")
+        try:
+            import torch
+
+            tq = torch.randn(1, hq, n, 128, device="cuda", dtype=torch.bfloat16)
+            tk, tv = (torch.randn(1, hkv, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            attn = torch.nn.functional.scaled_dot_product_attention
+            for _ in range(3):
+                attn(tq, tk, tv, is_causal=True, enable_gqa=True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                attn(tq, tk, tv, is_causal=True, enable_gqa=True)
+            end.record()
+            end.synchronize()
+            sdpa = start.elapsed_time(end) * 1e3 / 10
+        except Exception as exc:  # baseline only
+            log(f"torch SDPA baseline failed: {exc}")
+        lines.append(f"| {n} | {ours:.0f} | {flops / ours / 1e6:.0f} | {sdpa:.0f} | {flops / sdpa / 1e6:.0f} |")
+        log(lines[-1])
+    return lines
+
+
 def copy_bandwidth_gbs() -> float:
     src = cp.empty(1 << 30, dtype=cp.uint8)
     dst = cp.empty_like(src)
@@ -210,9 +253,11 @@ def main() -> int:
             r["name"] = name
             results.append(r)
             log(json.dumps(r))
+    attention = attention_bench(runner, log)
     with open(os.path.join(args.out, "kernels_results.json"), "w") as f:
-        json.dump({"hbm_gbs": hbm, "results": results}, f, indent=1)
+        json.dump({"hbm_gbs": hbm, "results": results, "attention": attention}, f, indent=1)
     log(table(results, hbm))
+    log("\n".join(attention))
     return 0 if ok else 1
 
 

@@ -30,7 +30,7 @@ def test_build_writes_library_and_manifest(built):
     out, log = built
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["arch"] == "sm_90a" and manifest["dsl_version"] == "4.8.1"
-    names = {v.name for v in GEMM_VARIANTS} | {REDUCE_NAME}
+    names = {v.name for v in GEMM_VARIANTS} | {REDUCE_NAME, "varlen_attention"}
     assert set(manifest["kernels"]) == names
     assert log.count("compiled ") == len(names)
     for name, info in manifest["kernels"].items():
@@ -211,3 +211,43 @@ def test_grouped_launcher_checks():
         check_grouped_args(args[0], args[1], bad, args[3])
     with pytest.raises(TypeError, match="int32"):
         check_grouped_args(args[0], args[1], as_device_tensor(FakeArray((2,), typestr="<i8"), "t"), args[3])
+
+
+def test_attention_work_lists_every_tile_longest_first():
+    from kernels.cute.attention import attention_work
+
+    lengths = np.array([5, 0, 300, 64, 65])
+    work = attention_work(np.concatenate([[0], np.cumsum(lengths)]))
+    assert work.dtype == np.int32 and work.shape == (1 + 0 + 5 + 1 + 2, 2)
+    expect = {(b, t) for b, n in enumerate(lengths) for t in range(-(-n // 64))}
+    assert {tuple(r) for r in work.tolist()} == expect
+    assert work[0].tolist() == [2, 4]  # longest sequence, its last (costliest) tile first
+    with pytest.raises(ValueError, match="prefix sum"):
+        attention_work(np.array([0, 5, 3]))
+
+
+def _attn_args(tq=10, tk=12, hq=8, hkv=2, **over):
+    from kernels.cute.attention import check_attention_args
+
+    arrays = {
+        "q": FakeArray((tq, hq, 128)), "k": FakeArray((tk, hkv, 128)), "v": FakeArray((tk, hkv, 128)),
+        "o": FakeArray((tq, hq, 128)), "cu_q": FakeArray((3,), "<i4"), "cu_k": FakeArray((3,), "<i4"),
+        "work": FakeArray((4, 2), "<i4"),
+    }
+    arrays.update(over)
+    check_attention_args(*(as_device_tensor(a, n) for n, a in arrays.items()))
+
+
+def test_attention_launcher_checks():
+    _attn_args()
+    for over, message in [
+        ({"q": FakeArray((10, 8, 64))}, r"\[tokens, heads, 128\]"),
+        ({"k": FakeArray((12, 3, 128)), "v": FakeArray((12, 3, 128))}, "multiple of key/value heads"),
+        ({"v": FakeArray((11, 2, 128))}, "v must match k"),
+        ({"o": FakeArray((10, 8, 128), "<f2")}, "o must be bfloat16"),
+        ({"cu_k": FakeArray((4,), "<i4")}, r"\[batch \+ 1\]"),
+        ({"work": FakeArray((4, 3), "<i4")}, "attention_work"),
+        ({"cu_q": FakeArray((3,), "<i8")}, "int32"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=message):
+            _attn_args(**over)

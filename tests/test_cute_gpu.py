@@ -51,6 +51,22 @@ def test_grouped_gemm_matches_float32(runner, tile_m, tokens, top_k, experts, n,
     assert unwritten == 0 and err <= 1e-2, (err, unwritten)
 
 
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (8, 1)])
+def test_varlen_causal_attention_matches_float32(runner, hq, hkv):
+    from kernels.cute.testing import attention_error
+
+    lengths = [1, 17, 64, 130, 1000, 4096, 0, 63]
+    err, unwritten = attention_error(runner, lengths, lengths, hq, hkv)
+    assert unwritten == 0 and err <= 1e-2, (err, unwritten)
+
+
+def test_attention_with_cached_prefix(runner):
+    from kernels.cute.testing import attention_error
+
+    err, unwritten = attention_error(runner, [5, 200, 1], [300, 200, 129], 4, 1)
+    assert unwritten == 0 and err <= 1e-2, (err, unwritten)
+
+
 @pytest.mark.parametrize("m", [8, 300])
 def test_graph_replay_equals_eager(runner, m):
     import cupy as cp

@@ -9,6 +9,8 @@ Build once per checkout (no GPU needed): ``python -m kernels.cute.build``. At ru
         cute.gemm(a, w, out, stream=stream)          # out[M,N] = a[M,K] · w[N,K]ᵀ, bf16 as uint16
         groups = cute.group_by_expert(topk_ids, num_experts, tile_m=64)   # MoE, host side
         cute.grouped_gemm(a_grouped, w_experts, tile_expert, out_grouped, stream=stream)
+        work = cupy.asarray(cute.attention_work(cu_seqlens_q_host))          # host-built tile list
+        cute.varlen_attention(q, k, v, o, cu_q, cu_k, work, stream=stream)
     else:
         print(cute.available().reason)
 """
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .attention import attention_work
+from .attention import varlen_attention as _varlen_attention
 from .gemm import DeviceTensor, GemmRunner
 from .gemm import grouped_gemm as _grouped_gemm
 from .moe import ExpertGroups, group_by_expert
 
 __all__ = ["available", "init", "gemm", "grouped_gemm", "group_by_expert", "ExpertGroups",
-           "reserve_workspace", "DeviceTensor"]
+           "varlen_attention", "attention_work", "reserve_workspace", "DeviceTensor"]
 
 _runner: GemmRunner | None = None
 
@@ -79,3 +83,8 @@ def gemm(a, b, out, stream=None) -> None:
 def grouped_gemm(a, w, tile_expert, out, stream=None) -> None:
     """MoE: ``out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ``; rows grouped by ``group_by_expert``."""
     _grouped_gemm(_get_runner(), a, w, tile_expert, out, stream)
+
+
+def varlen_attention(q, k, v, o, cu_q, cu_k, work, stream=None) -> None:
+    """Causal GQA prefill attention over packed sequences (head_dim 128); ``work`` from ``attention_work``."""
+    _varlen_attention(_get_runner(), q, k, v, o, cu_q, cu_k, work, stream)

@@ -22,22 +22,26 @@ import sys
 import time
 from pathlib import Path
 
+from .attention import ATTENTION_NAME  # these two import no DSL
+from .configs import REDUCE_NAME as REDUCE
+
 ARCH = "sm_90a"
 os.environ["CUTE_DSL_ARCH"] = ARCH  # must precede the first cutlass import
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "build"
 LIB_NAME = "libopeninfer_cute.so"
-KERNEL_SOURCES = ("gemm_sm90.py", "splitk_reduce.py")
+SOURCES = {"gemm": ("gemm_sm90.py",), REDUCE: ("splitk_reduce.py",), ATTENTION_NAME: ("attention_sm90.py",)}
 
 
 def dsl_version() -> str:
     return importlib.metadata.version("nvidia-cutlass-dsl")
 
 
-def content_hash(name: str, spec: str) -> str:
-    """Hash of everything that determines a variant's object file."""
+def content_hash(name: str, spec: str, sources: tuple[str, ...] = ()) -> str:
+    """Hash of everything that determines a variant's object file: its spec, its kernel sources,
+    the DSL version and the target."""
     h = hashlib.sha256(f"{name}|{spec}|{dsl_version()}|{ARCH}|{sys.platform}".encode())
-    for src in KERNEL_SOURCES:
+    for src in sources:
         h.update((HERE / src).read_bytes())
     return h.hexdigest()[:16]
 
@@ -125,6 +129,15 @@ def _fake_args(kind: str, out: str | None = None):
             tile_expert = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
             return a, b, c, tile_expert, cuda.CUstream(0)
         return a, b, c, cuda.CUstream(0)
+    if kind == ATTENTION_NAME:  # q, k, vᵀ, o with head_dim 128 static; cu_q, cu_k, work lists
+        tq, tk, hq, hk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+        q = make_fake_tensor(bf16, (tq, 128, hq), (ld(), 1, 128), assumed_align=16)
+        k = make_fake_tensor(bf16, (tk, 128, hk), (ld(), 1, 128), assumed_align=16)
+        vt = make_fake_tensor(bf16, (128, tk, hk), (1, ld(), 128), assumed_align=16)
+        o = make_fake_tensor(bf16, (tq, 128, hq), (ld(), 1, 128), assumed_align=16)
+        cu_q, cu_k = (make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4) for _ in range(2))
+        work = make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=4)
+        return q, k, vt, o, cu_q, cu_k, work, cuda.CUstream(0)
     partial = make_fake_tensor(f32, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
     dst = make_fake_tensor(bf16, (m, n), (ld(), 1), assumed_align=16)
     return partial, dst, cuda.CUstream(0)
@@ -133,11 +146,14 @@ def _fake_args(kind: str, out: str | None = None):
 def _compile(name: str, obj_dir: Path, key: str) -> None:
     import cutlass.cute as cute
 
+    from .attention_sm90 import VarlenAttentionSm90
     from .configs import VARIANTS_BY_NAME
     from .gemm_sm90 import GemmSm90
     from .splitk_reduce import splitk_reduce
 
-    if name in VARIANTS_BY_NAME:
+    if name == ATTENTION_NAME:
+        compiled = cute.compile(VarlenAttentionSm90(), *_fake_args(ATTENTION_NAME))
+    elif name in VARIANTS_BY_NAME:
         variant = VARIANTS_BY_NAME[name]
         if variant.grouped:
             compiled = cute.compile(GemmSm90(variant).grouped, *_fake_args("grouped", variant.out))
@@ -150,15 +166,17 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
 
 def build(out_dir: Path = DEFAULT_OUT, force: bool = False, log=print) -> dict:
     """Compile what changed, relink if needed, write and return the manifest."""
-    from .configs import GEMM_VARIANTS, REDUCE_NAME
+    from .configs import GEMM_VARIANTS
 
     out_dir = Path(out_dir)
     obj_dir = out_dir / "obj"
     obj_dir.mkdir(parents=True, exist_ok=True)
-    entries = [(v.name, repr(v)) for v in GEMM_VARIANTS] + [(REDUCE_NAME, "splitk_reduce")]
+    entries = [(v.name, repr(v), SOURCES["gemm"]) for v in GEMM_VARIANTS] + [
+        (REDUCE, REDUCE, SOURCES[REDUCE]),
+        (ATTENTION_NAME, ATTENTION_NAME, SOURCES[ATTENTION_NAME])]
     kernels, objects, compiled = {}, [], 0
-    for name, spec in entries:
-        key = content_hash(name, spec)
+    for name, spec, sources in entries:
+        key = content_hash(name, spec, sources)
         obj, hdr = obj_dir / f"{name}.{key}.o", obj_dir / f"{name}.{key}.h"
         if force or not (obj.is_file() and hdr.is_file()):
             t0 = time.time()

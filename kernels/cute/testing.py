@@ -75,3 +75,36 @@ def grouped_error(runner, tile_m: int, tokens: int, top_k: int, experts: int, n:
     unwritten = int(cp.isnan(got).sum())
     err = float(cp.linalg.norm(cp.nan_to_num(got - ref, nan=1e30)) / cp.linalg.norm(ref))
     return err, unwritten
+
+
+def attention_error(runner, lengths_q, lengths_k, hq: int, hkv: int) -> tuple[float, int]:
+    """(worst per-sequence relative error, unwritten outputs) of one varlen causal attention."""
+    import cupy as cp
+    import numpy as np
+
+    from .attention import attention_work, varlen_attention
+
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q = rand_bf16((int(cu_q[-1]), hq, 128))
+    k, v = rand_bf16((int(cu_k[-1]), hkv, 128)), rand_bf16((int(cu_k[-1]), hkv, 128))
+    o = cp.full(q.shape, NAN_BF16, dtype=cp.uint16)
+    varlen_attention(runner, q, k, v, o, cp.asarray(cu_q), cp.asarray(cu_k), cp.asarray(attention_work(cu_q)))
+    sync_or_die(f"varlen attention hq={hq} hkv={hkv} lengths={list(lengths_q)[:8]}")
+    got = from_bf16(o)
+    worst = 0.0
+    for b in range(len(lengths_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        lq, lk = int(lengths_q[b]), int(lengths_k[b])
+        if lq == 0:
+            continue
+        visible = cp.arange(lk)[None, :] <= cp.arange(lq)[:, None] + (lk - lq)
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            s = from_bf16(q[qs, h]) @ from_bf16(k[ks, kv]).T / np.sqrt(128.0)
+            s = cp.where(visible, s, -cp.inf)
+            p = cp.exp(s - s.max(axis=1, keepdims=True))
+            ref = (p / p.sum(axis=1, keepdims=True)) @ from_bf16(v[ks, kv])
+            diff = cp.nan_to_num(got[qs, h] - ref, nan=1e30)
+            worst = max(worst, float(cp.linalg.norm(diff) / cp.linalg.norm(ref)))
+    return worst, int(cp.isnan(got).sum())

@@ -1,0 +1,88 @@
+"""Launcher for ``attention_sm90``: varlen causal prefill attention, GQA, head_dim 128.
+
+``q``/``o`` are ``[tokens_q, Hq, 128]`` and ``k``/``v`` ``[tokens_k, Hkv, 128]`` bf16 (uint16 in
+CuPy) with contiguous heads; ``cu_q``/``cu_k`` the int32 ``[B+1]`` prefix sums of the lengths;
+``work`` the int32 ``[tiles, 2]`` list from ``attention_work`` (host-built, like cu_q). The softmax
+scale is ``1/sqrt(128)``. All of these live on the device; the call is graph-capturable.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .gemm import DeviceTensor, as_device_tensor
+from .library import TensorArg
+
+HEAD_DIM = 128
+TILE_Q = 64
+ATTENTION_NAME = "varlen_attention"
+
+
+def attention_work(cu_seqlens_q: np.ndarray) -> np.ndarray:
+    """``[(sequence, 64-row query tile)]`` for every tile, longest sequences first, int32."""
+    cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+    if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or np.any(np.diff(cu) < 0):
+        raise ValueError("cu_seqlens_q must be a non-decreasing 1-D prefix sum starting at 0")
+    lengths = np.diff(cu)
+    tiles = -(-lengths // TILE_Q)
+    order = np.argsort(-lengths, kind="stable")
+    seqs = np.repeat(order, tiles[order])
+    # within a sequence, the later (more expensive, causal) tiles first
+    firsts = np.concatenate([np.arange(t - 1, -1, -1) for t in tiles[order]]) if seqs.size else seqs
+    return np.stack([seqs, firsts], axis=1).astype(np.int32)
+
+
+def _check_heads(t: DeviceTensor, what: str) -> tuple[int, int]:
+    if t.dtype != "bfloat16":
+        raise TypeError(f"{what} must be bfloat16 (uint16 in CuPy), got {t.dtype}")
+    if len(t.shape) != 3 or t.shape[2] != HEAD_DIM:
+        raise ValueError(f"{what} must be [tokens, heads, {HEAD_DIM}], got shape {t.shape}")
+    if t.strides[2] != 1 or (t.shape[1] > 1 and t.strides[1] != HEAD_DIM):
+        raise ValueError(f"{what} heads must be contiguous [heads, {HEAD_DIM}] rows, got strides {t.strides}")
+    if t.shape[0] > 1 and t.strides[0] % 8 or t.ptr % 16:
+        raise ValueError(f"{what} must be 16-byte aligned (address and row stride)")
+    return t.shape[0], t.shape[1]
+
+
+def _check_int32(t: DeviceTensor, what: str, shape_len: int) -> None:
+    if t.dtype != "int32" or len(t.shape) != shape_len:
+        raise TypeError(f"{what} must be a {shape_len}-D int32 device array, got {t.dtype} {t.shape}")
+
+
+def check_attention_args(q, k, v, o, cu_q, cu_k, work) -> None:
+    """Validate shapes, dtypes, strides and alignment (contents are trusted)."""
+    tq, hq = _check_heads(q, "q")
+    tk, hkv = _check_heads(k, "k")
+    if _check_heads(v, "v") != (tk, hkv) or v.strides != k.strides:
+        raise ValueError(f"v must match k: shapes {v.shape} vs {k.shape}, strides {v.strides} vs {k.strides}")
+    if _check_heads(o, "o") != (tq, hq) or o.strides[0] != q.strides[0]:
+        raise ValueError(f"o must match q: shapes {o.shape} vs {q.shape}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of key/value heads {hkv}")
+    _check_int32(cu_q, "cu_q", 1)
+    _check_int32(cu_k, "cu_k", 1)
+    if cu_q.shape != cu_k.shape or cu_q.shape[0] < 2:
+        raise ValueError(f"cu_q and cu_k must both be [batch + 1], got {cu_q.shape} and {cu_k.shape}")
+    _check_int32(work, "work", 2)
+    if work.shape[1] != 2 or work.shape[0] < 1 or work.strides != (2, 1):
+        raise ValueError(f"work must be a contiguous [tiles, 2] list (attention_work), got {work.shape}")
+
+
+def varlen_attention(runner, q, k, v, o, cu_q, cu_k, work, stream=None) -> None:
+    """Causal attention of every sequence in one launch; see the module docstring."""
+    from .gemm import _stream_ptr
+
+    q, k, v, o = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (o, "o")))
+    cu_q, cu_k, work = (as_device_tensor(x, n) for x, n in ((cu_q, "cu_q"), (cu_k, "cu_k"), (work, "work")))
+    check_attention_args(q, k, v, o, cu_q, cu_k, work)
+    runner.ensure_loaded()
+    (tq, hq), (tk, hkv) = q.shape[:2], k.shape[:2]
+    row_q, row_k = max(q.strides[0], hq * HEAD_DIM), max(k.strides[0], hkv * HEAD_DIM)
+    runner.library[ATTENTION_NAME](
+        TensorArg(q.ptr, (tq, hq), (row_q,)),
+        TensorArg(k.ptr, (tk, hkv), (row_k,)),
+        TensorArg(v.ptr, (tk, hkv), (row_k,)),  # viewed as vᵀ: (128, tokens, heads)
+        TensorArg(o.ptr, (tq, hq), (row_q,)),
+        TensorArg(cu_q.ptr, (cu_q.shape[0],), ()),
+        TensorArg(cu_k.ptr, (cu_k.shape[0],), ()),
+        TensorArg(work.ptr, (work.shape[0],), ()),
+        stream=_stream_ptr(stream))
