@@ -1,0 +1,122 @@
+"""The README's serving examples, run exactly as written: its `openinfer serve` command (the demo
+model) in a subprocess, then every curl block and every openai-client Python block against it."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+PORT = 8000
+
+
+def readme_blocks() -> list[tuple[str, str]]:
+    """(language, code) of every fenced block of the README, in order."""
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    return [(m.group(1), m.group(2)) for m in re.finditer(r"```(\w*)\n(.*?)```", text, re.S)]
+
+
+def serve_command() -> str:
+    commands = [code.strip() for lang, code in readme_blocks()
+                if lang == "bash" and code.strip().startswith("openinfer serve")]
+    assert commands, "README has no `openinfer serve` block"
+    return commands[0]
+
+
+def client_examples() -> list[tuple[str, str]]:
+    return [(lang, code) for lang, code in readme_blocks()
+            if (lang == "bash" and code.lstrip().startswith("curl ")) or (lang == "python" and "OpenAI(" in code)]
+
+
+def test_readme_has_the_examples():
+    langs = [lang for lang, _ in client_examples()]
+    assert langs.count("bash") >= 2 and langs.count("python") >= 1
+    assert f"--port {PORT}" in serve_command()
+
+
+@pytest.fixture(scope="module")
+def readme_server():
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", PORT)) == 0:
+            pytest.fail(f"port {PORT} (the README's) is already in use; stop what listens there")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.Popen(serve_command(), shell=True, cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"`{serve_command()}` exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("README server not healthy within 180 s")
+            time.sleep(0.25)
+        yield env
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def check_curl_output(out: str) -> None:
+    if out.startswith("data: "):
+        events = [e for e in out.split("\n\n") if e.strip()]
+        assert events[-1].strip() == "data: [DONE]"
+        chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+        assert chunks and all("choices" in c for c in chunks)
+        assert "".join(c["choices"][0].get("text", "") for c in chunks if c["choices"])
+    elif out.startswith("{"):
+        body = json.loads(out)
+        if "error" in body:       # the README's bad-request example
+            assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["param"]
+        else:
+            assert body["choices"] and body["usage"]["completion_tokens"] > 0
+    else:                         # a metrics line, through grep
+        name, value = out.split()[:2]
+        assert name.startswith("openinfer_") and float(value) > 0
+
+
+def run_example(lang: str, code: str, env: dict) -> None:
+    argv = ["bash", "-c", code] if lang == "bash" else [sys.executable, "-c", code]
+    run = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert run.returncode == 0, f"README example failed:\n{code}\n{run.stderr[-2000:]}"
+    assert run.stdout.strip(), f"README example printed nothing:\n{code}"
+    if lang == "bash":
+        check_curl_output(run.stdout.strip())
+    elif "include_usage" in code:
+        assert re.search(r"\[\d+ prompt \+ \d+ completion tokens\]", run.stdout)
+
+
+@pytest.mark.slow
+def test_readme_examples_run_as_written(readme_server):
+    """The generating examples run at once (the engine batches them, as it would for several users);
+    the metrics example runs after them, so it has tokens to count."""
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    examples = client_examples()
+    generating = [e for e in examples if "/metrics" not in e[1]]
+    with ThreadPoolExecutor(len(generating)) as pool:
+        for future in [pool.submit(run_example, lang, code, readme_server) for lang, code in generating]:
+            future.result()
+    for lang, code in examples:
+        if "/metrics" in code:
+            run_example(lang, code, readme_server)
