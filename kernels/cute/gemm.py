@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .configs import REDUCE_NAME, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count
-from .library import Library, TensorArg
+from .library import Library, TensorArg, open_library
 
 BF16_TYPESTRS = ("<u2", "|u2", "bfloat16", "<V2")
 
@@ -95,7 +95,7 @@ class GemmRunner:
     """Owns the library handle and the split-K workspace of one process."""
 
     def __init__(self, library: Library | None = None):
-        self.library = library if library is not None else Library()
+        self.library = library if library is not None else open_library()
         self._workspace = None  # CuPy float32 buffer, grown outside graph capture
 
     def init(self) -> None:

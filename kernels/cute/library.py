@@ -131,3 +131,16 @@ class Library:
             return self.kernels[name]
         except KeyError:
             raise KeyError(f"kernel {name!r} is not in the manifest; rebuild with `python -m kernels.cute.build`") from None
+
+
+_OPENED: dict[Path, Library] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+def open_library(directory: Path | None = None) -> Library:
+    """The process-wide Library for a build directory (modules are initialised once per process)."""
+    path = Path(directory if directory is not None else DEFAULT_DIR).resolve()
+    with _OPEN_LOCK:
+        if path not in _OPENED:
+            _OPENED[path] = Library(path)
+        return _OPENED[path]
