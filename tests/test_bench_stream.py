@@ -189,6 +189,15 @@ def test_max_concurrency_is_respected(server):
     assert duration == pytest.approx(0.3, abs=0.1)
 
 
+def test_all_requests_are_in_flight_together_without_a_limit(server):
+    # 20 streams over several small connection pools: none waits for a connection
+    server.scripts["*"] = [(0.3, "x", 1)]
+    specs = [RequestSpec(f"q{i}", 7, 1) for i in range(20)]
+    results, duration = asyncio.run(run_benchmark(specs, server.url, "fake-model", float("inf")))
+    assert all(r.success for r in results) and server.peak_in_flight == 20
+    assert duration < 0.3 + 0.25
+
+
 def test_arrivals_follow_the_request_rate(server):
     server.scripts["*"] = [(0.0, "x", 1)]
     specs = [RequestSpec(f"q{i}", 7, 1) for i in range(8)]
