@@ -31,7 +31,8 @@ _app_ids = itertools.count()
 
 
 def create_app(handle, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int = 16) -> Sanic:
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int | None = None) -> Sanic:
+    """max_n defaults to what the engine accepts: min(config.max_n, config.max_num_seqs)."""
     app = Sanic(f"openinfer_{next(_app_ids)}")
     app.config.REQUEST_MAX_SIZE = max_body_bytes
     app.config.KEEP_ALIVE_TIMEOUT = 30
@@ -44,12 +45,20 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
     app.ctx.api_key = api_key
     app.ctx.metrics = ServerMetrics()
     app.ctx.model = ModelInfo(name=served_model_name or handle.model_name, max_model_len=handle.max_model_len,
-                              tokenizer=tokenizer, vocab_size=_vocab_size(handle), max_n=max_n)
+                              tokenizer=tokenizer, vocab_size=_vocab_size(handle),
+                              max_n=max_n or _engine_max_n(handle))
     app.ctx.created = int(time.time())
     app.error_handler.add(Exception, lambda request, exc: error_response(exc))
     app.on_request(_check_api_key)
     _add_routes(app)
     return app
+
+
+def _engine_max_n(handle) -> int:
+    config = getattr(handle, "config", None)
+    if config is None:
+        return 16
+    return min(config.max_n, config.max_num_seqs)
 
 
 def _vocab_size(handle) -> int | None:

@@ -85,7 +85,7 @@ def serve(args: argparse.Namespace) -> int:
     sock = socket.create_server((args.host, args.port))     # fail fast if the port is taken
     handle = EngineHandle(config)
     try:
-        app = create_app(handle, api_key=args.api_key, max_n=args.max_n)
+        app = create_app(handle, api_key=args.api_key)
         print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
               f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         asyncio.run(_serve_until_signal(app, sock))

@@ -20,9 +20,10 @@ _DONE = object()
 
 
 def engine_failure(event: Error | Rejected) -> APIError:
-    """The HTTP error for a request the engine refused (503) or failed (500)."""
+    """The HTTP error for a request the engine refused (400: its checks are about the request, e.g.
+    more KV cache than the pool holds) or failed (500)."""
     if isinstance(event, Rejected):
-        return APIError(503, f"request rejected by the engine: {event.reason}", code="rejected")
+        return APIError(400, f"request rejected by the engine: {event.reason}", code="rejected")
     return APIError(500, f"engine error: {event.message}", code="engine_error")
 
 

@@ -42,8 +42,12 @@ class ByteTokenizer:
 class FakeStats:
     num_running: int
     num_waiting: int
-    kv_cache_usage: float
-    num_used_kv_blocks: int
+    kv_blocks_used: int
+    kv_blocks_total: int = 100
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total
 
 
 def fake_token(prompt: list[int], step: int, sample: int) -> int:
@@ -107,7 +111,7 @@ class FakeHandle:
         self.active.discard(request_id)
 
     def stats(self) -> FakeStats:
-        return FakeStats(len(self.active), 0, len(self.active) / 100, len(self.active) * 2)
+        return FakeStats(len(self.active), 0, len(self.active) * 2)
 
 
 def expected_text(prompt: str, n_tokens: int, sample: int = 0) -> str:
@@ -322,7 +326,7 @@ def test_metrics_count_tokens_and_export_engine_stats(server, client):
     assert after["openinfer_time_to_first_token_seconds_count"] == before["openinfer_time_to_first_token_seconds_count"] + 1
     assert after['openinfer_e2e_request_latency_seconds_bucket{le="+Inf"}'] >= 1
     assert after["openinfer_time_per_output_token_seconds_count"] >= 1
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_used_kv_blocks"):
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "engine_kv_blocks_used"):
         assert "openinfer_" + name in after
 
 
@@ -342,7 +346,7 @@ def test_disconnect_mid_stream_aborts_the_engine_request():
             time.sleep(0.02)
         assert handle.active == set()
         assert len(handle.aborted) == 1 and handle.aborted[0].startswith("cmpl-")
-        assert handle.stats().num_used_kv_blocks == 0
+        assert handle.stats().kv_blocks_used == 0
 
 
 def test_api_key_guards_v1_routes_only():
@@ -358,14 +362,23 @@ def test_api_key_guards_v1_routes_only():
             openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
 
 
-def test_engine_rejection_is_503_and_engine_error_is_500_or_an_sse_error():
-    with BackgroundServer(create_app(FakeHandle(reject="queue full"))) as srv:
+def test_engine_rejection_is_400_and_engine_error_is_500_or_an_sse_error():
+    with BackgroundServer(create_app(FakeHandle(reject="needs more KV cache"))) as srv:
         for stream in (False, True):
             r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "stream": stream}, timeout=10)
-            assert r.status_code == 503 and "queue full" in r.json()["error"]["message"]
+            assert r.status_code == 400 and "needs more KV cache" in r.json()["error"]["message"]
     with BackgroundServer(create_app(FakeHandle(fail="kernel fault"))) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"}, timeout=10)
         assert r.status_code == 500 and "kernel fault" in r.json()["error"]["message"]
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a", "stream": True}, timeout=10)
         events = [e[6:] for e in r.text.split("\n\n") if e]
         assert events[-1] == "[DONE]" and "kernel fault" in json.loads(events[-2])["error"]["message"]
+
+
+def test_a_shut_down_engine_is_503():
+    class ClosedHandle(FakeHandle):
+        def submit(self, req):
+            raise RuntimeError("engine is shut down")
+    with BackgroundServer(create_app(ClosedHandle())) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"}, timeout=10)
+        assert r.status_code == 503 and "shut down" in r.json()["error"]["message"]
