@@ -13,6 +13,9 @@ Build once per checkout (no GPU needed): ``python -m kernels.cute.build``. At ru
         cute.varlen_attention(q, k, v, o, cu_q, cu_k, work, stream=stream)
     else:
         print(cute.available().reason)
+
+Validation status and H200 numbers: bench/results/kernels.md (``tests/test_cute_gpu.py`` must pass
+on the GPU before the engine relies on a kernel).
 """
 from __future__ import annotations
 
