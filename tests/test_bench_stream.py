@@ -258,3 +258,34 @@ def test_prefix_ttft_cli_reports_cold_and_warm(server, tmp_path: Path):
             assert 80 - 1000 * EPS <= row[key] <= 80 + 1000 * TOL
     assert json.loads((tmp_path / "p.json").read_text())["summary"] == report["summary"]
     assert "cold TTFT" in (tmp_path / "p.md").read_text()
+
+
+def test_loopback_server_streams_at_its_interval():
+    """bench/common_loopback (the stand-in that measures the client's own overhead), in its own process."""
+    import socket
+    import subprocess
+    import sys
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "bench.common_loopback", "--port", str(port),
+                             "--interval-ms", "40"], cwd=root)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                httpx.get(url + "/v1/models", timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        for endpoint in ("completions", "chat"):
+            specs = [RequestSpec(f"q{i}", 3, 5) for i in range(4)]
+            results, _ = asyncio.run(run_benchmark(specs, url, "loopback", float("inf"), endpoint=endpoint))
+            for r in results:
+                assert r.success and r.output_tokens == 5 and len(r.itl) == 4
+                assert 0.04 - EPS <= r.ttft <= 0.04 + TOL and tpot(r) == pytest.approx(0.04, abs=TOL / 2)
+    finally:
+        proc.terminate()
+        proc.wait(10)
