@@ -187,3 +187,29 @@ def test_64_concurrent_streams_all_complete_with_the_right_output(server, handle
     assert [text for text, _ in results] == [expected[p] for p in prompts]
     assert all(reason == "length" for _, reason in results)
     assert wait_idle(handle).kv_blocks_used == 0
+
+
+def test_repeated_prompt_reports_cached_tokens_and_metrics(client, server, handle):
+    prompt = "A shared system preamble that is long enough to fill two whole sixteen-token KV blocks, " * 2
+    n_prompt = len(handle.tokenizer.encode(prompt))
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens == n_prompt
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == (n_prompt - 1) // 16 * 16 > 0     # whole 16-token blocks; the last token is recomputed
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    stats = handle.stats()
+    assert stats.prefix_cache_hit_rate > 0
+    assert values["openinfer_prefix_cache_hit_rate"] == pytest.approx(stats.prefix_cache_hit_rate)
+    assert values["openinfer_prompt_tokens_cached_total"] >= cached
+    assert values["openinfer_engine_kv_blocks_total"] == stats.kv_blocks_total
+
+
+def test_non_streaming_client_that_times_out_frees_its_request(server, handle):
+    body = {"model": MODEL, "prompt": "Go on and on", "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
+    stats = wait_idle(handle)
+    assert stats.num_requests == 0 and stats.kv_blocks_used == 0
