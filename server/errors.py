@@ -1,6 +1,8 @@
 """OpenAI-style API errors: `{"error": {"message", "type", "param", "code"}}` with a fitting status."""
 from __future__ import annotations
 
+import logging
+
 from sanic import response
 from sanic.exceptions import SanicException
 
@@ -56,5 +58,6 @@ def error_response(exc: Exception):
         if status == 413:
             message = f"request body too large: {message}"
         return response.json(error_body(status, message), status=status)
+    logging.getLogger("openinfer.server").error("request failed", exc_info=exc)
     return response.json(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"),
                          status=500)
