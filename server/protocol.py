@@ -194,7 +194,13 @@ def parse_messages(messages) -> list[dict]:
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    """Prompt ids of a conversation; a template that refuses it (e.g. roles that must alternate, or
+    no template at all) is the request's problem: 400 naming `messages`."""
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:
+        raise invalid(f"'messages' could not be rendered by the model's chat template: {exc}",
+                      "messages") from None
     if isinstance(rendered, str):
         return encode_text(tokenizer, rendered, add_special_tokens=False)
     return list(rendered)

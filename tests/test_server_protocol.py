@@ -382,3 +382,47 @@ def test_a_shut_down_engine_is_503():
     with BackgroundServer(create_app(ClosedHandle())) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "a"}, timeout=10)
         assert r.status_code == 503 and "shut down" in r.json()["error"]["message"]
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400():
+    class StrictTokenizer(ByteTokenizer):
+        def apply_chat_template(self, messages, add_generation_prompt=True):
+            if messages[0]["role"] != "user":
+                raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+            return super().apply_chat_template(messages, add_generation_prompt)
+    handle = FakeHandle()
+    handle.tokenizer = StrictTokenizer()
+    with BackgroundServer(create_app(handle)) as srv:
+        body = {"messages": [{"role": "assistant", "content": "x"}]}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "must alternate" in r.json()["error"]["message"]
+
+
+FUZZ_VALUES = [None, True, False, -1, 0, 1, 2, 2.5, -0.5, 1e9, 1e300, "x", "", "\u00e9\U0001f680", [], [1], [0, 5],
+               ["a"], ["a", ""], [[1, 2]], [[]], {}, {"a": 1}, {"7": 1}, {"include_usage": "yes"}]
+FUZZ_FIELDS = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+               "top_k", "min_p", "n", "stop", "stop_token_ids", "seed", "presence_penalty", "frequency_penalty",
+               "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "echo", "ignore_eos",
+               "min_tokens", "user", "stream", "stream_options", "suffix", "best_of", "response_format",
+               "tools", "skip_special_tokens", "add_generation_prompt", "return_tokens_as_token_ids"]
+
+
+def test_fuzzed_bodies_never_get_a_500(server):
+    """Random mixes of known fields and odd values: every answer is a 200 or a 4xx with an error body."""
+    import random
+    rng = random.Random(0)
+    statuses = set()
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        for i in range(300):
+            body = {f: rng.choice(FUZZ_VALUES) for f in rng.sample(FUZZ_FIELDS, rng.randint(1, 6))}
+            if rng.random() < 0.7:
+                body.setdefault("prompt", "ok")
+                body.setdefault("messages", [{"role": "user", "content": "ok"}])
+            path = "/v1/completions" if i % 2 else "/v1/chat/completions"
+            r = http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+            statuses.add(r.status_code)
+            assert r.status_code == 200 or 400 <= r.status_code < 500, (body, r.text)
+            if r.status_code != 200:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}, (body, r.text)
+    assert 200 in statuses and {400, 422} <= statuses
