@@ -172,7 +172,7 @@ def test_tiny_batched_equals_batch1(tiny):
     name, _, ex, seqs, _, _ = tiny
     prompts = [s[:n] for s, n in zip(seqs, [5, 17, 33, 2])]
     batched = greedy(ex, prompts, 24)
-    same = sum(assert_same_or_tie(ex, p, b, greedy(ex, [p], 24), MIN_TIE_TOL, f"{name} batched vs batch-1")
+    same = sum(assert_same_or_tie(ex, p, b, greedy(ex, [p], 24)[0], MIN_TIE_TOL, f"{name} batched vs batch-1")
                for p, b in zip(prompts, batched))
     print(f"{name}: batched == batch-1 greedy for {same}/{len(prompts)} sequences over 24 steps")
 

@@ -4,12 +4,14 @@ and the GPU sampler. All device memory is one arena: weights, activations, then 
 from __future__ import annotations
 
 import logging
+import time
 
 import ml_dtypes
 import numpy as np
 
 from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm
+from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_ops import NUM_SMS, RING_SLOTS, GpuOps, GpuStepContext, attention_splits
 from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS, PENALTY_ENTRIES, GpuSampler
 from engine.loader import LoadedModel
@@ -31,7 +33,7 @@ class GpuExecutor:
     def __init__(self, model: LoadedModel, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, use_cute: bool = False,
-                 progress: bool = True):
+                 progress: bool = True, use_cuda_graphs: bool = True):
         cfg = model.config
         self.config, self.model = cfg, model.model
         self.vocab_size = cfg.vocab_size
@@ -86,11 +88,16 @@ class GpuExecutor:
                           self.max_tokens, max_width, V, self.max_tokens, Hq, D, lm_head.data.ptr, stream)
         self.sampler = GpuSampler(self.arena, sampler_rows, V, stream)
         self.stream = stream
+        self.last_host_s = 0.0
+        self.graphs = DecodeGraphs(self) if use_cuda_graphs else None
         stream.synchronize()
         log.info("%s; %d KV blocks", self.arena.summary(), self.num_kv_blocks)
 
     # ---- step inputs -------------------------------------------------------------------------
-    def _context(self, batch: ModelBatch) -> GpuStepContext:
+    def _context(self, batch: ModelBatch, pad_to: int | None = None) -> GpuStepContext:
+        """Upload the step's arrays into the static input buffer. pad_to (decode graphs): pad a
+        one-token-per-sequence batch to that many rows; padded rows have position and slot -1
+        (attention skips them, no KV is written) and read block-table row 0."""
         T, B = batch.num_tokens, len(batch.seqs)
         if T == 0 or T > self.max_tokens:
             raise ValueError(f"step has {T} tokens; the GPU executor takes 1..{self.max_tokens}")
@@ -112,15 +119,25 @@ class GpuExecutor:
         h[3 * Tm:3 * Tm + T] = np.repeat(np.arange(B, dtype=np.int32), lens)
         S = batch.sample_rows.shape[0]
         h[4 * Tm:4 * Tm + S] = batch.sample_rows
-        tables = h[5 * Tm:5 * Tm + B * mb].reshape(B, mb)
-        tables[:, :batch.block_tables.shape[1]] = batch.block_tables
-        tables[:, batch.block_tables.shape[1]:] = 0
-        n = 5 * Tm + B * mb
+        rows = B
+        if pad_to is not None:
+            h[T:pad_to], h[Tm + T:Tm + pad_to], h[2 * Tm + T:2 * Tm + pad_to] = 0, -1, -1
+            h[3 * Tm + T:3 * Tm + pad_to] = 0
+            h[4 * Tm:4 * Tm + pad_to] = np.arange(pad_to, dtype=np.int32)
+            T = S = rows = pad_to
+        tables = h[5 * Tm:5 * Tm + rows * mb].reshape(rows, mb)
+        tables[:B, :batch.block_tables.shape[1]] = batch.block_tables
+        tables[:B, batch.block_tables.shape[1]:] = 0
+        tables[B:] = 0
+        n = 5 * Tm + rows * mb
         import cupy
         cupy.cuda.runtime.memcpyAsync(self.inputs.data.ptr, h.ctypes.data, n * 4,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
-        d = self.inputs
-        splits = attention_splits(T, self.config.num_key_value_heads, int(batch.context_lens.max()))
+        return self._views(T, rows, S, int(batch.context_lens.max()) if pad_to is None else self.max_model_len)
+
+    def _views(self, T: int, B: int, S: int, max_context: int) -> GpuStepContext:
+        Tm, mb, d = self.max_tokens, self.max_blocks, self.inputs
+        splits = attention_splits(T, self.config.num_key_value_heads, max_context)
         return GpuStepContext(num_tokens=T, input_ids=d[0:T], positions=d[Tm:Tm + T],
                               slot_mapping=d[2 * Tm:2 * Tm + T], token_seq=d[3 * Tm:3 * Tm + T],
                               block_tables=d[5 * Tm:5 * Tm + B * mb].reshape(B, mb),
@@ -140,6 +157,18 @@ class GpuExecutor:
         return out
 
     def execute(self, batch: ModelBatch) -> StepOutput:
+        t0 = time.perf_counter()
+        if self.graphs is not None and self.graphs.serves(batch):
+            with nvtx_range(f"decode graph B={len(batch.seqs)}"):
+                out = self.graphs.run(batch, t0)
+            self.last_host_s = self.graphs.last_host_s
+            return out
+        with nvtx_range(f"step T={batch.num_tokens}"):
+            out = self._execute_eager(batch)
+        self.last_host_s = time.perf_counter() - t0
+        return out
+
+    def _execute_eager(self, batch: ModelBatch) -> StepOutput:
         hidden, ctx = self._hidden(batch)
         out = StepOutput(sampled=[])
         sampled = [s for s in batch.seqs if s.sample]

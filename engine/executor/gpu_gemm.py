@@ -1,11 +1,16 @@
 """Linear layers on the GPU: y[T, N] = x[T, K] · w[N, K]ᵀ, bf16 operands, fp32 accumulation.
 
-cuBLAS (gemmEx through CuPy, CUBLAS_COMPUTE_32F) is the default path and the yardstick: it is
-graph-capturable with a fixed workspace and tuned for every shape we meet. The CuTe DSL GEMM of
-kernels/cute replaces it where that library is built and reports itself available
-(`use_cute=True`); the output may be bf16 (hidden states) or fp32 (logits).
+cuBLAS (cublasGemmEx, CUBLAS_COMPUTE_32F) is the default path and the yardstick. It is called
+through ctypes on the same libcublas CuPy loads, on a handle of our own bound once to our stream
+with a fixed workspace from the arena, so a captured CUDA graph allocates nothing (CuPy's own
+wrappers rebind the handle to CuPy's current stream at every call, which also drops a user
+workspace). Where that library cannot be opened, CuPy's wrapper serves, run with our stream
+current. The CuTe DSL GEMM of kernels/cute replaces cuBLAS where it is built and reports itself
+available (`use_cute=True`); outputs are bf16 (hidden states) or fp32 (logits).
 """
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
@@ -17,19 +22,41 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 
 
+def _direct_cublas():
+    """libcublas through ctypes, or None."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+        lib = ctypes.CDLL(load_nvidia_dynamic_lib("cublas").abs_path)
+    except Exception:
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.cublasGemmEx.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
+    lib.cublasGemmEx.restype = i
+    return lib
+
+
 class Gemm:
     def __init__(self, stream, workspace=None, use_cute: bool = False):
-        from cupy_backends.cuda.libs import cublas
-
-        self._cublas = cublas
-        self.handle = cublas.create()
-        cublas.setStream(self.handle, stream.ptr)
-        cublas.setPointerMode(self.handle, 0)               # alpha / beta on the host
-        if workspace is not None and hasattr(cublas, "setWorkspace"):   # graph capture allocates nothing
-            cublas.setWorkspace(self.handle, workspace.data.ptr, workspace.nbytes)
         self.stream = stream
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
+        self.lib = _direct_cublas()
+        if self.lib is not None:
+            handle = ctypes.c_void_p()
+            self._check(self.lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+            self.handle = handle.value
+            self._check(self.lib.cublasSetStream_v2(ctypes.c_void_p(self.handle), ctypes.c_void_p(stream.ptr)),
+                        "cublasSetStream")
+            self._check(self.lib.cublasSetPointerMode_v2(ctypes.c_void_p(self.handle), 0), "cublasSetPointerMode")
+            if workspace is not None:
+                self._check(self.lib.cublasSetWorkspace_v2(ctypes.c_void_p(self.handle),
+                                                           ctypes.c_void_p(workspace.data.ptr),
+                                                           ctypes.c_size_t(workspace.nbytes)), "cublasSetWorkspace")
+        else:
+            from cupy_backends.cuda.libs import cublas
+            self._cublas = cublas
+            self.handle = cublas.create()
+            cublas.setPointerMode(self.handle, 0)
         self.cute = None
         if use_cute:
             try:
@@ -37,6 +64,11 @@ class Gemm:
                 self.cute = cute if cute.available() else None
             except Exception:   # the AOT library is optional: cuBLAS serves without it
                 self.cute = None
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
     def __call__(self, x, w, out) -> None:
         """x [T, K] bf16 (uint16 bits), w [N, K] bf16, out [T, N] bf16 (uint16) or float32."""
@@ -48,20 +80,20 @@ class Gemm:
             self.cute.gemm(x, w, out, self.stream)
             return
         ctype = CUDA_R_32F if out.dtype == np.float32 else CUDA_R_16BF
-        # CuPy's cuBLAS wrappers bind the handle to CuPy's *current* stream at every call, so the
-        # GEMM must run with our stream current to stay ordered with the raw kernels.
         # Column-major view: outᵀ [N, T] = w [K, N]ᵀ · xᵀ [K, T].
-        with self.stream:
-            self._gemm(N, T, K, w, x, out, ctype)
-
-    def _gemm(self, N, T, K, w, x, out, ctype) -> None:
-        self._cublas.gemmEx(self.handle, CUBLAS_OP_T, CUBLAS_OP_N, N, T, K,
-                            self._alpha.ctypes.data, w.data.ptr, CUDA_R_16BF, K,
-                            x.data.ptr, CUDA_R_16BF, K,
-                            self._beta.ctypes.data, out.data.ptr, ctype, N,
-                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        args = (CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, self._alpha.ctypes.data, w.data.ptr, CUDA_R_16BF, K,
+                x.data.ptr, CUDA_R_16BF, K, self._beta.ctypes.data, out.data.ptr, ctype, N,
+                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+        if self.lib is not None:
+            self._check(self.lib.cublasGemmEx(self.handle, *args), "cublasGemmEx")
+        else:
+            with self.stream:           # CuPy binds the handle to its current stream at each call
+                self._cublas.gemmEx(self.handle, *args)
 
     def close(self) -> None:
         if self.handle:
-            self._cublas.destroy(self.handle)
+            if self.lib is not None:
+                self.lib.cublasDestroy_v2(ctypes.c_void_p(self.handle))
+            else:
+                self._cublas.destroy(self.handle)
             self.handle = 0

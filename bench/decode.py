@@ -1,0 +1,249 @@
+"""Decode roofline benchmark on the GPU: Qwen3-4B / Qwen3-8B real shapes with random bf16 weights
+(written as safetensors on the GPU host, loaded through the real loader), prompt 128, 256 decode
+steps, batch 1 / 8 / 32 / 128 / 256, CUDA-graph decode.
+
+Per (model, batch): ms per step (wall, including the one sync per step), tokens/s, the HBM roofline
+time (weight + KV bytes read per step / the device-copy bandwidth measured in the same run, read +
+write bytes counted), its fraction, and the Python host time per step (batch build + launch). The
+same run times HF transformers (bf16, no compile, same weights) as the peer, and a per-op breakdown
+of one eager batch-1 step (CUDA events around each op) with each op's weight-read roofline.
+
+    python3 bench/decode.py --out DIR [--models qwen3-4b,qwen3-8b] [--batches 1,8,32,128,256]
+Writes DIR/decode.json, DIR/decode.md and DIR/decode.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 10) -> float:
+    """Device-to-device copy rate, bytes read + written per second."""
+    import cupy
+
+    a, b = cupy.ones(nbytes, np.uint8), cupy.empty(nbytes, np.uint8)
+    s = cupy.cuda.Stream(non_blocking=True)
+    rt = cupy.cuda.runtime
+    for _ in range(2):
+        rt.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, rt.memcpyDeviceToDevice, s.ptr)
+    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    e0.record(s)
+    for _ in range(reps):
+        rt.memcpyAsync(b.data.ptr, a.data.ptr, nbytes, rt.memcpyDeviceToDevice, s.ptr)
+    e1.record(s)
+    e1.synchronize()
+    t = cupy.cuda.get_elapsed_time(e0, e1) / 1e3 / reps
+    del a, b
+    return 2 * nbytes / t
+
+
+def hf_decode_ms(hf, batch: int, prompt: int, steps: int) -> float:
+    import torch
+
+    ids = torch.randint(0, 150000, (batch, prompt), device="cuda")
+    with torch.no_grad():
+        out = hf(ids, use_cache=True)
+        past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        for i in range(steps + 3):
+            if i == 3:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+            out = hf(tok, past_key_values=past, use_cache=True)
+            past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / steps * 1e3
+
+
+def run_batch(ex, cfg, batch: int, prompt: int, steps: int, bw: float, weight_bytes: int) -> dict:
+    rng = np.random.default_rng(batch)
+    per_seq = -(-(prompt + steps + 1) // BLOCK_SIZE)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    toks = [rng.integers(0, cfg.vocab_size - 1000, prompt).tolist() for _ in range(batch)]
+    chunk = max(1, ex.max_tokens // prompt)
+    for i in range(0, batch, chunk):               # prefill, chunked to the token budget
+        seqs = [SeqStep(seq_id=j, token_ids=toks[j], start_pos=0, block_table=tables[j], sample=True,
+                        params=GREEDY, prompt_len=prompt) for j in range(i, min(batch, i + chunk))]
+        for s in ex.execute(ModelBatch.build(seqs)).sampled:
+            toks[s.seq_id].append(s.token_id)
+    step_s, host_s = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        seqs = [SeqStep(seq_id=j, token_ids=[toks[j][-1]], start_pos=len(toks[j]) - 1, block_table=tables[j],
+                        sample=True, params=GREEDY, prompt_len=prompt, num_generated=len(toks[j]) - prompt)
+                for j in range(batch)]
+        mb = ModelBatch.build(seqs)
+        t1 = time.perf_counter()
+        out = ex.execute(mb)
+        t2 = time.perf_counter()
+        for s in out.sampled:
+            toks[s.seq_id].append(s.token_id)
+        if step >= 3:                              # the first steps capture the graph
+            step_s.append(t2 - t0)
+            host_s.append((t1 - t0) + ex.last_host_s)
+    ctx = prompt + steps / 2
+    kv_bytes = batch * ctx * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    ms = float(np.median(step_s) * 1e3)
+    floor_ms = (weight_bytes + kv_bytes) / bw * 1e3
+    return dict(batch=batch, ms_per_step=ms, tokens_per_s=batch / ms * 1e3, roofline_ms=floor_ms,
+                roofline_fraction=floor_ms / ms, host_ms=float(np.median(host_s) * 1e3),
+                host_fraction=float(np.median(host_s)) / float(np.median(step_s)))
+
+
+def op_breakdown(ex, cfg, bw: float) -> list[dict]:
+    """Time each op of one eager batch-1 decode step with CUDA events."""
+    import cupy
+
+    times: dict[str, list] = defaultdict(list)
+    ops = ex.ops
+    names = {id(v): k for k, v in ex.weights.items()}
+
+    def wrap(name, fn):
+        def timed(*a, **kw):
+            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+            e0.record(ex.stream)
+            out = fn(*a, **kw)
+            e1.record(ex.stream)
+            label = name
+            if name == "linear":
+                label = "linear." + names.get(id(a[1]), "?").split(".")[-1]
+                times[label + ".bytes"].append(int(a[1].nbytes))
+            times[label].append((e0, e1))
+            return out
+        return timed
+
+    saved = {n: getattr(ops, n) for n in ("embed", "rms_norm", "linear", "qkv_rope_cache", "attention",
+                                          "silu_mul", "gather_rows")}
+    for n, f in saved.items():
+        setattr(ops, n, wrap(n, f))
+    seq = SeqStep(seq_id=0, token_ids=[5], start_pos=128, block_table=list(range(10)), sample=True, params=GREEDY)
+    try:
+        ex._execute_eager(ModelBatch.build([seq]))
+        ex.stream.synchronize()
+    finally:
+        for n, f in saved.items():
+            setattr(ops, n, f)
+    rows = []
+    for label, evs in times.items():
+        if label.endswith(".bytes"):
+            continue
+        ms = sum(cupy.cuda.get_elapsed_time(a, b) for a, b in evs)
+        nbytes = sum(times.get(label + ".bytes", []))
+        rows.append(dict(op=label, calls=len(evs), ms=ms, weight_bytes=nbytes,
+                         roofline_fraction=(nbytes / bw * 1e3 / ms) if nbytes and ms else None))
+    return sorted(rows, key=lambda r: -r["ms"])
+
+
+def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: float, hf_batches: list[int]) -> dict:
+    import torch
+
+    from engine.executor.gpu import GpuExecutor
+    from engine.loader import load_model
+    from tests.test_gpu_executor import write_random_qwen3
+
+    folder = f"/tmp/{name}-random"
+    t = time.perf_counter()
+    hf = write_random_qwen3(os.path.join(ROOT, "bench", "configs", name, "config.json"), folder)
+    print(f"[{name}] random weights in {folder}: {time.perf_counter() - t:.1f}s", flush=True)
+    hf_rows = {b: hf_decode_ms(hf, b, prompt, 32) for b in hf_batches}
+    print(f"[{name}] HF bf16 ms/step: {hf_rows}", flush=True)
+    del hf
+    torch.cuda.empty_cache()
+    model = load_model(folder)
+    cfg = model.config
+    weight_bytes = sum(int(a.size) * 2 for a in model.weights.values())
+    max_b = max(batches)
+    per_seq = -(-(prompt + steps + 1) // BLOCK_SIZE)
+    t = time.perf_counter()
+    ex = GpuExecutor(model, num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
+                     max_num_batched_tokens=2048, max_num_seqs=max_b, progress=False)
+    print(f"[{name}] executor up in {time.perf_counter() - t:.1f}s ({weight_bytes / 1e9:.2f} GB of weights)", flush=True)
+    rows = []
+    for b in batches:
+        r = run_batch(ex, cfg, b, prompt, steps, bw, weight_bytes)
+        r["hf_ms_per_step"] = hf_rows.get(b)
+        rows.append(r)
+        print(f"[{name}] {json.dumps(r)}", flush=True)
+    breakdown = op_breakdown(ex, cfg, bw)
+    ex.close()
+    return dict(model=name, weight_bytes=weight_bytes, rows=rows, breakdown=breakdown)
+
+
+def report(results: list[dict], bw: float, out: str) -> str:
+    lines = [f"device-copy bandwidth (read + write): {bw / 1e12:.2f} TB/s", "",
+             "| model | batch | ms/step | tokens/s | roofline ms | roofline fraction | host ms/step | host/step | HF bf16 ms/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        for r in res["rows"]:
+            hf = f"{r['hf_ms_per_step']:.2f}" if r["hf_ms_per_step"] else "-"
+            lines.append(f"| {res['model']} | {r['batch']} | {r['ms_per_step']:.3f} | {r['tokens_per_s']:.0f} | "
+                         f"{r['roofline_ms']:.3f} | {r['roofline_fraction']:.2f} | {r['host_ms']:.3f} | "
+                         f"{r['host_fraction']:.2f} | {hf} |")
+    for res in results:
+        lines += ["", f"{res['model']}: one eager batch-1 decode step, per op (CUDA events; includes launch gaps)", "",
+                  "| op | calls | ms | weight bytes | fraction of its weight-read roofline |", "|---|---|---|---|---|"]
+        for r in res["breakdown"]:
+            frac = f"{r['roofline_fraction']:.2f}" if r["roofline_fraction"] else "-"
+            lines.append(f"| {r['op']} | {r['calls']} | {r['ms']:.3f} | {r['weight_bytes'] / 1e6:.0f} MB | {frac} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "decode.md"), "w") as f:
+        f.write(text)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for res in results:
+            b = [r["batch"] for r in res["rows"]]
+            ax.plot(b, [r["ms_per_step"] for r in res["rows"]], "o-", label=f"{res['model']} openinfer")
+            ax.plot(b, [r["roofline_ms"] for r in res["rows"]], "--", label=f"{res['model']} HBM roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch")
+        ax.set_ylabel("ms per decode step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "decode.png"), dpi=120)
+    except Exception as e:  # the plot is optional
+        print(f"no plot: {e}")
+    return text
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="qwen3-4b,qwen3-8b")
+    p.add_argument("--batches", default="1,8,32,128,256")
+    p.add_argument("--hf-batches", default="1,32")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    bw = copy_bandwidth()
+    print(f"device-copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
+    batches = [int(x) for x in a.batches.split(",")]
+    hf_batches = [int(x) for x in a.hf_batches.split(",") if x]
+    results = []
+    for m in a.models.split(","):          # report after each model: a cut-off run keeps what it measured
+        results.append(bench_model(m, batches, a.prompt, a.steps, bw, hf_batches))
+        with open(os.path.join(a.out, "decode.json"), "w") as f:
+            json.dump(dict(bandwidth=bw, results=results), f, indent=1)
+        text = report(results, bw, a.out)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
