@@ -129,7 +129,9 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
                                           "silu_mul", "gather_rows")}
     for n, f in saved.items():
         setattr(ops, n, wrap(n, f))
-    seq = SeqStep(seq_id=0, token_ids=[5], start_pos=128, block_table=list(range(10)), sample=True, params=GREEDY)
+    pos = min(128, ex.max_model_len - 1)
+    seq = SeqStep(seq_id=0, token_ids=[5], start_pos=pos, block_table=list(range(pos // BLOCK_SIZE + 1)),
+                  sample=True, params=GREEDY)
     try:
         ex._execute_eager(ModelBatch.build([seq]))
         ex.stream.synchronize()
