@@ -137,6 +137,20 @@ def test_n2_seed_reproducibility_and_stop(client, handle):
     cut = client.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=12, temperature=0,
                                     stop=[stop], extra_body={"ignore_eos": True}).choices[0]
     assert cut.finish_reason == "stop" and cut.text == reference[:reference.index(stop)]
+    streamed = list(client.completions.create(model=MODEL, prompt="Roses are red,", max_tokens=12, temperature=0,
+                                              stop=[stop], stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in streamed) == cut.text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_streamed_logprobs_cover_every_token(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=6, temperature=0,
+        logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True}))
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == chunks[-1].usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 and e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-6)
+               for e in entries)
 
 
 def test_over_long_request_is_a_400_naming_the_limit(client):
