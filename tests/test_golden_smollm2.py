@@ -72,7 +72,7 @@ def test_greedy_64_tokens_are_the_oracles_top1(smollm2):
         regret = lp.max(-1) - lp[np.arange(NEW_TOKENS), picks]
         agreement = float(np.mean(regret <= TIE_TOLERANCE))
         assert agreement == 1.0, f"top-1 agreement {agreement:.3f} over {NEW_TOKENS} greedy tokens"
-        teacher_forced = engine_logits(CpuExecutor(model, num_kv_blocks=8, max_model_len=128), [seq])[0]
+        teacher_forced = engine_logits(ex, [seq])[0]           # reuses the pool's blocks
         result = compare_logits(teacher_forced, o)
         assert result.argmax_agreement == 1.0 and result.max_abs_dlogprob <= 1e-3, result
 
