@@ -22,7 +22,8 @@ date -u +"date: %Y-%m-%dT%H:%M:%SZ"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import cupy, torch, transformers; print('cupy', cupy.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m pytest -q -s -rfE -p no:cacheprovider "$@" \
-  tests/test_raw_cuda_kernels.py tests/test_gpu_sampler.py tests/test_gpu_executor.py tests/test_gpu_server.py \
+  tests/test_raw_cuda_kernels.py tests/test_gpu_sampler.py tests/test_gpu_executor.py tests/test_gpu_graphs.py \
+  tests/test_gpu_server.py \
   2>&1 | tee "$OUT/pytest.log" | grep -vE "^GATE |^$"
 status=${PIPESTATUS[0]}
 python3 - "$OPENINFER_GATE_LOG" <<'PY'

@@ -1,4 +1,4 @@
-// Attention prologue for one step, one block per token, one warp per head:
+// Attention prologue for one step, grid (T, head groups), one warp per head:
 //   q, k, v = split(qkv[t]);  q, k = per-head RMSNorm(q, k) (Qwen3, when weights are given);
 //   q, k = rotary(q, k) neox style: angle_i = pos[t] · inv_freq[i], pairs (i, i + D/2), cos and sin
 //          scaled by attn_factor (yarn; 1 otherwise);
@@ -44,7 +44,7 @@ extern "C" __global__ void qk_norm_rope_cache(const bf16_t* __restrict__ qkv, co
     const bf16_t* row = qkv + (size_t)t * (num_heads + 2 * num_kv_heads) * D;
     const int slot = slot_mapping[t];
     const float pos = (float)positions[t];
-    for (int h = warp; h < num_heads + 2 * num_kv_heads; h += nwarps) {
+    for (int h = blockIdx.y * nwarps + warp; h < num_heads + 2 * num_kv_heads; h += nwarps * gridDim.y) {
         const bf16_t* src = row + (size_t)h * D;
         if (h < num_heads) {
             norm_rope_head(src, q_out + ((size_t)t * num_heads + h) * D, q_norm_w, eps, inv_freq, attn_factor, pos, D);
