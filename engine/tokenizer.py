@@ -110,8 +110,10 @@ class Tokenizer:
     def pad_token_id(self) -> int | None:
         return self._special_id("pad_token")
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special-token strings in it map to their ids."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (special-token strings in it map to their ids). As in transformers,
+        add_special_tokens applies the tokenizer's post-processor (e.g. a BOS for Llama 3); pass
+        False for text rendered by a chat template, which writes its own."""
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

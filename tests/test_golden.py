@@ -130,3 +130,16 @@ def test_config_has_the_shapes_the_issue_asks_for():
     assert {c.tie_word_embeddings for c in qwen3} == {True, False}
     assert any(c.head_dim != c.hidden_size // c.num_attention_heads for c in qwen3)
     assert cfgs["qwen2"].qkv_bias and cfgs["llama"].rope_scaling["rope_type"] == "llama3"
+
+
+def test_executor_rejects_bad_steps_clearly():
+    model = load_model(tiny_model_path("qwen2"))
+    ex = CpuExecutor(model, num_kv_blocks=4, max_model_len=32)
+    from engine.batch import ModelBatch, SeqStep
+    with pytest.raises(ValueError, match="max_model_len"):
+        ex.forward_logits(ModelBatch.build([SeqStep(0, [1, 2], 31, [0, 1, 2], False)]))
+    with pytest.raises(ValueError, match="KV pool"):
+        ex.forward_logits(ModelBatch.build([SeqStep(0, [1, 2], 0, [9], False)]))
+    with pytest.raises(ValueError, match="token id"):
+        ex.forward_logits(ModelBatch.build([SeqStep(0, [model.config.vocab_size], 0, [0], False)]))
+    assert ex.forward_logits(ModelBatch.build([SeqStep(0, [1, 2], 0, [0], False)])).shape[0] == 2
