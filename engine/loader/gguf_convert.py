@@ -144,7 +144,7 @@ def convert_gguf(gguf_path: str, out_dir: str | None = None, progress: bool = Tr
     cfg["torch_dtype"] = "bfloat16" if dtypes == {np.dtype(ml_dtypes.bfloat16)} else (
         "float16" if dtypes == {np.dtype(np.float16)} else "float32")
 
-    tmp = out_dir + f".tmp{os.getpid()}"
+    tmp = f"{out_dir}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     gen = {"bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
@@ -155,8 +155,11 @@ def convert_gguf(gguf_path: str, out_dir: str | None = None, progress: bool = Tr
             json.dump(obj, f, indent=2, ensure_ascii=False)
     tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     save_safetensors(os.path.join(tmp, "model.safetensors"), tensors)
-    if os.path.isdir(out_dir):
-        shutil.rmtree(out_dir)
     os.makedirs(os.path.dirname(out_dir) or ".", exist_ok=True)
-    os.replace(tmp, out_dir)
+    try:
+        os.rename(tmp, out_dir)         # atomic: a folder at out_dir is always complete
+    except OSError:
+        if not os.path.isfile(os.path.join(out_dir, "model.safetensors")):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)     # another process converted it meanwhile
     return out_dir
