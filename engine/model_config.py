@@ -70,6 +70,8 @@ class ModelConfig:
         theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         if d.get("mlp_bias"):
             raise ValueError("unsupported: mlp_bias=true")
+        if d.get("use_sliding_window") and d.get("sliding_window"):
+            raise ValueError("unsupported: sliding-window attention (use_sliding_window=true)")
         dtype = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
         return cls(
             model_type=model_type,

@@ -79,6 +79,9 @@ class Tokenizer:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer.json not found in {folder}")
         config = _read_json(os.path.join(folder, "tokenizer_config.json"))
+        for key, value in _read_json(os.path.join(folder, "special_tokens_map.json")).items():
+            if key in SPECIAL_KEYS and config.get(key) is None:
+                config[key] = value
         template_path = os.path.join(folder, "chat_template.jinja")
         template = None
         if os.path.isfile(template_path):
