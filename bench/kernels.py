@@ -1,15 +1,18 @@
-"""CuTe GEMM on the GPU: correctness over every compiled variant, then speed against cuBLAS.
+"""CuTe kernels on the GPU: isolated verification of every kernel, then speed against cuBLAS.
 
-    python bench/kernels.py [--out DIR] [--sweep] [--skip-check]
+    python3 bench/kernels.py [--out DIR] [--budget 215] [--verify-budget 110] [--hang-s 6] [--no-sweep]
 
-Correctness: fresh random bf16 inputs, odd shapes (M = 1, 3, 17, 255, 1000; N, K multiples of 8 but
-not of the tile), every variant and several K splits, output poisoned with NaN first; relative
-Frobenius error against a float32 reference must be ≤ 1e-2 with every element written.
-Attention and grouped GEMM are checked the same way (varlen batches with lengths 1 … 4096, GQA 1/4/8).
-Speed: Qwen3-4B/8B projection shapes for M ∈ {1, 8, 32, 128, 512, 2048, 8192}; each timing replays a
-CUDA graph of 20 launches over rotating weight copies (> L2), median of 5 replays, against cuBLAS
-bf16 (torch.mm, used here as the baseline only) graph-replayed the same way. ``--sweep`` also times every variant / split count per shape, which is how configs.plan_gemm
-was tuned. Attention: TFLOP/s at 1k / 4k / 16k tokens against torch SDPA. Prints markdown tables last; writes JSON and logs under --out.
+1. Verification (``kernels.cute.verify``): every case of ``kernels.cute.testing.CASES`` (fresh
+   random bf16, NaN-poisoned output, float32 reference, rel. error ≤ 1e-2, every element written)
+   in worker processes with a hang watchdog; a hang or crash costs one case, not the run.
+2. Benchmark, in worker processes too, of the kernels that passed: Qwen3-4B/8B projection shapes
+   for M ∈ {1, 8, 32, 128, 512, 2048, 8192}, the planned config against cuBLAS bf16 (torch.mm, the
+   baseline only), each timing a CUDA graph of 20 launches over rotating weight copies (> L2),
+   median of 5 replays; causal attention TFLOP/s at 1k / 4k / 16k tokens against torch SDPA;
+   then (unless ``--no-sweep``, and while the budget lasts) every variant / split count per shape,
+   which is how ``configs.plan_gemm`` is tuned.
+The parent process never touches the GPU. Tables are printed last; ``summary.md``,
+``verify.json``, ``verify_log.txt``, ``bench_log.txt`` and ``bench.json`` are written to ``--out``.
 """
 from __future__ import annotations
 
@@ -17,62 +20,51 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import time
-
-import cupy as cp
-import numpy as np
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.cute.configs import GEMM_VARIANTS, MAX_SPLITS, GemmPlan, plan_gemm, split_count  # noqa: E402
-from kernels.cute.gemm import GemmRunner  # noqa: E402
-from kernels.cute.attention import attention_work, varlen_attention  # noqa: E402
-from kernels.cute.testing import attention_error, gemm_error, grouped_error, rand_bf16, sync_or_die  # noqa: E402
+from kernels.cute.testing import Case  # noqa: E402
+from kernels.cute.verify import passing_groups, run_all, table, verify  # noqa: E402
 
 QWEN_SHAPES = {  # name: (N, K)
     "4B.qkv": (6144, 2560), "4B.o": (2560, 4096), "4B.gate_up": (19456, 2560), "4B.down": (2560, 9728),
     "8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (24576, 4096), "8B.down": (4096, 12288),
 }
 MS = (1, 8, 32, 128, 512, 2048, 8192)
+ATTN_TOKENS = (1024, 4096, 16384)
 GRAPH_LAUNCHES = 20
 ROTATE_BYTES = 256 << 20
 
 
-def correctness(runner: GemmRunner, log) -> bool:
-    ok = True
-    cases = [(1, 200, 328), (3, 136, 1032), (17, 2056, 1032), (33, 264, 4096), (255, 392, 2568), (1000, 1288, 520)]
-    for variant in GEMM_VARIANTS:
-        for m, n, k in cases:
-            splits = [1] if variant.out == "bf16" else sorted({1, split_count(k, 3), split_count(k, 4)})
-            for s in splits:
-                err, unwritten = gemm_error(runner, GemmPlan(variant, s), m, n, k)
-                good = err <= 1e-2 and unwritten == 0
-                ok &= good
-                log(f"check {variant.name:26s} S={s:<2d} M={m:<5d} N={n:<5d} K={k:<5d} "
-                    f"rel_err={err:.2e} unwritten={unwritten} {'ok' if good else 'FAIL'}")
-    for tile_m, tokens, top_k, experts, n, k in [(64, 37, 8, 16, 264, 520), (128, 300, 2, 8, 1536, 2048)]:
-        err, unwritten = grouped_error(runner, tile_m, tokens, top_k, experts, n, k)
-        good = err <= 1e-2 and unwritten == 0
-        ok &= good
-        log(f"check grouped tile_m={tile_m} tokens={tokens} top_k={top_k} experts={experts} N={n} K={k} "
-            f"rel_err={err:.2e} unwritten={unwritten} {'ok' if good else 'FAIL'}")
-    for hq, hkv in ((8, 8), (8, 1), (32, 8)):
-        err, unwritten = attention_error(runner, [1, 17, 130, 1000, 4096, 63], [1, 17, 130, 1000, 4096, 63], hq, hkv)
-        good = err <= 1e-2 and unwritten == 0
-        ok &= good
-        log(f"check attention hq={hq} hkv={hkv} rel_err={err:.2e} unwritten={unwritten} {'ok' if good else 'FAIL'}")
-    for name, (n, k) in QWEN_SHAPES.items():  # the planned path on the real shapes
-        for m in (1, 17, 128, 600):
-            err, unwritten = gemm_error(runner, plan_gemm(m, n, k), m, n, k)
-            good = err <= 1e-2 and unwritten == 0
-            ok &= good
-            log(f"check planned {name:12s} M={m:<5d} rel_err={err:.2e} unwritten={unwritten} {'ok' if good else 'FAIL'}")
-    return ok
+# ---- tasks (built in the parent, run in a worker) ----------------------------------------------
+def bench_tasks(ok: set[str], sweep: bool) -> tuple[Case, ...]:
+    """The benchmark rows to run, given the kernel groups that passed verification."""
+    tasks = [Case("hbm", "device copy bandwidth", "hbm", ())]
+    for name, (n, k) in QWEN_SHAPES.items():
+        for m in MS:
+            plan = plan_gemm(m, n, k)
+            if plan.variant.name in ok:
+                tasks.append(Case(f"gemm {name} M={m}", f"{name} M={m}", "gemm", (name, m)))
+    if "varlen_attention" in ok:
+        tasks += [Case(f"attention {n}", f"attention {n} tokens", "attention", (n,)) for n in ATTN_TOKENS]
+    if sweep and any(v.name in ok for v in GEMM_VARIANTS):
+        for name in QWEN_SHAPES:
+            for m in MS:
+                tasks.append(Case(f"sweep {name} M={m}", f"sweep {name} M={m}", "sweep", (name, m, sorted(ok))))
+    return tuple(tasks)
 
 
 def graph_time_us(launch, sets: int, what: str) -> float:
-    """Median µs per launch over replays of a graph holding GRAPH_LAUNCHES launches."""
+    """Median µs per launch over replays of a CUDA graph holding GRAPH_LAUNCHES launches."""
+    import cupy as cp
+
+    from kernels.cute.testing import sync_or_die
+
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         for i in range(2):
@@ -98,7 +90,7 @@ def graph_time_us(launch, sets: int, what: str) -> float:
 
 
 def cublas_time_us(m: int, n: int, k: int, sets: int) -> float:
-    """cuBLAS bf16 through torch (oracle/baseline only), graph-replayed like ours."""
+    """cuBLAS bf16 through torch (baseline only), graph-replayed like ours."""
     import torch
 
     a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
@@ -127,138 +119,207 @@ def cublas_time_us(m: int, n: int, k: int, sets: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench_shape(runner: GemmRunner, m: int, n: int, k: int, sweep: bool, log) -> dict:
-    wbytes = n * k * 2
-    sets = max(2, min(16, math.ceil(ROTATE_BYTES / wbytes)))
-    a = [rand_bf16((m, k)) for _ in range(sets)]
-    w = [rand_bf16((n, k)) for _ in range(sets)]
-    out = cp.empty((m, n), dtype=cp.uint16)
-    runner.reserve_workspace(m, n, (k,))
+class _Operands:
+    """Rotating weight/activation copies (together > L2) for one GEMM shape."""
 
-    def cute_launch(plan):
-        return lambda i, s: runner(a[i], w[i], out, stream=s, plan=plan)
+    def __init__(self, runner, m: int, n: int, k: int):
+        import cupy as cp
 
-    result = {"m": m, "n": n, "k": k, "cublas_us": cublas_time_us(m, n, k, sets)}
-    plan = plan_gemm(m, n, k)
-    result["plan"] = f"{plan.variant.name}/S{plan.splits}"
-    result["cute_us"] = graph_time_us(cute_launch(plan), sets, f"{result['plan']} M={m} N={n} K={k}")
-    if sweep:
-        trials = {}
-        for variant in GEMM_VARIANTS:
-            if variant.grouped:
-                continue
-            if variant.out == "bf16" and not (m > 256 and variant.tile_m == 64):
-                trials[f"{variant.name}/S1"] = GemmPlan(variant, 1)
-            elif variant.out == "f32" and m <= 256:
-                for s in sorted({split_count(k, s) for s in range(2, MAX_SPLITS + 1)}):
-                    trials[f"{variant.name}/S{s}"] = GemmPlan(variant, s)
-        result["sweep"] = {key: graph_time_us(cute_launch(p), sets, f"{key} M={m} N={n} K={k}")
-                           for key, p in trials.items()}
-        best = min(result["sweep"], key=result["sweep"].get)
-        result["best"], result["best_us"] = best, result["sweep"][best]
-    return result
+        from kernels.cute.testing import rand_bf16
+
+        self.sets = max(2, min(16, math.ceil(ROTATE_BYTES / (n * k * 2))))
+        self.a = [rand_bf16((m, k)) for _ in range(self.sets)]
+        self.w = [rand_bf16((n, k)) for _ in range(self.sets)]
+        self.out = cp.empty((m, n), dtype=cp.uint16)
+        self.runner = runner
+        runner.reserve_workspace(m, n, (k,))
+
+    def time_us(self, plan: GemmPlan, what: str) -> float:
+        return graph_time_us(lambda i, s: self.runner(self.a[i], self.w[i], self.out, stream=s, plan=plan),
+                             self.sets, what)
 
 
-def attention_bench(runner: GemmRunner, log) -> list[str]:
-    """Causal attention TFLOP/s, one sequence of 1k / 4k / 16k tokens, Qwen3-8B heads (32 q / 8 kv)."""
-    lines = ["| tokens | ours µs | ours TFLOP/s | torch SDPA µs | SDPA TFLOP/s |", "|---|---|---|---|---|"]
-    hq, hkv = 32, 8
-    for n in (1024, 4096, 16384):
-        cu = np.array([0, n], dtype=np.int32)
-        q, k, v = rand_bf16((n, hq, 128)), rand_bf16((n, hkv, 128)), rand_bf16((n, hkv, 128))
-        o = cp.empty_like(q)
-        cu_d, work = cp.asarray(cu), cp.asarray(attention_work(cu))
-        flops = 2 * 2 * 128 * hq * n * (n + 1) / 2  # QK and PV over the causal half
-        ours = graph_time_us(lambda i, s: varlen_attention(runner, q, k, v, o, cu_d, cu_d, work, s), 1,
-                             f"attention n={n}")
-        sdpa = float("nan")
-        try:
-            import torch
+def run_task(runner, task: Case) -> dict:
+    import cupy as cp
 
-            tq = torch.randn(1, hq, n, 128, device="cuda", dtype=torch.bfloat16)
-            tk, tv = (torch.randn(1, hkv, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            attn = torch.nn.functional.scaled_dot_product_attention
-            for _ in range(3):
-                attn(tq, tk, tv, is_causal=True, enable_gqa=True)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                attn(tq, tk, tv, is_causal=True, enable_gqa=True)
-            end.record()
-            end.synchronize()
-            sdpa = start.elapsed_time(end) * 1e3 / 10
-        except Exception as exc:  # baseline only
-            log(f"torch SDPA baseline failed: {exc}")
-        lines.append(f"| {n} | {ours:.0f} | {flops / ours / 1e6:.0f} | {sdpa:.0f} | {flops / sdpa / 1e6:.0f} |")
-        log(lines[-1])
-    return lines
-
-
-def copy_bandwidth_gbs() -> float:
-    src = cp.empty(1 << 30, dtype=cp.uint8)
-    dst = cp.empty_like(src)
-    dst[...] = src
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(10):
+    if task.kind == "hbm":
+        src = cp.empty(1 << 30, dtype=cp.uint8)
+        dst = cp.empty_like(src)
         dst[...] = src
-    end.record()
-    end.synchronize()
-    return 2 * src.nbytes * 10 / (cp.cuda.get_elapsed_time(start, end) * 1e-3) / 1e9
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        for _ in range(10):
+            dst[...] = src
+        end.record()
+        end.synchronize()
+        return {"hbm_gbs": 2 * src.nbytes * 10 / (cp.cuda.get_elapsed_time(start, end) * 1e-3) / 1e9}
+    if task.kind == "attention":
+        return attention_row(runner, task.args[0])
+    name, m = task.args[:2]
+    n, k = QWEN_SHAPES[name]
+    ops = _Operands(runner, m, n, k)
+    try:
+        if task.kind == "gemm":
+            plan = plan_gemm(m, n, k)
+            return {"name": name, "m": m, "n": n, "k": k, "plan": f"{plan.variant.name}/S{plan.splits}",
+                    "cute_us": ops.time_us(plan, f"{plan.variant.name} M={m} N={n} K={k}"),
+                    "cublas_us": cublas_time_us(m, n, k, ops.sets)}
+        ok = set(task.args[2])
+        trials = {}
+        for v in GEMM_VARIANTS:
+            if v.grouped or v.name not in ok:
+                continue
+            if v.out == "bf16" and not (m > 256 and v.tile_m == 64):
+                trials[f"{v.name}/S1"] = GemmPlan(v, 1)
+            elif v.out == "f32" and m <= 256:
+                for s in sorted({split_count(k, s) for s in range(2, MAX_SPLITS + 1)}):
+                    trials[f"{v.name}/S{s}"] = GemmPlan(v, s)
+        sweep = {key: ops.time_us(p, f"{key} M={m} N={n} K={k}") for key, p in trials.items()}
+        best = min(sweep, key=sweep.get) if sweep else None
+        return {"name": name, "m": m, "sweep": sweep, "best": best, "best_us": sweep.get(best)}
+    finally:
+        del ops
+        cp.get_default_memory_pool().free_all_blocks()
 
 
-def table(results: list[dict], hbm: float) -> str:
-    lines = ["| shape | M | plan | cute µs | cuBLAS µs | cute/cuBLAS | TFLOP/s | GB/s | % HBM | sweep best |",
+def attention_row(runner, n: int) -> dict:
+    """Causal attention, one sequence of n tokens, Qwen3-8B heads (32 q / 8 kv), ours vs torch SDPA."""
+    import cupy as cp
+    import numpy as np
+
+    from kernels.cute.attention import attention_work, varlen_attention
+    from kernels.cute.testing import rand_bf16
+
+    hq, hkv = 32, 8
+    cu = np.array([0, n], dtype=np.int32)
+    q, k, v = rand_bf16((n, hq, 128)), rand_bf16((n, hkv, 128)), rand_bf16((n, hkv, 128))
+    o = cp.empty_like(q)
+    cu_d, work = cp.asarray(cu), cp.asarray(attention_work(cu))
+    flops = 2 * 2 * 128 * hq * n * (n + 1) / 2  # QK and PV over the causal half
+    ours = graph_time_us(lambda i, s: varlen_attention(runner, q, k, v, o, cu_d, cu_d, work, s), 1,
+                         f"attention n={n}")
+    sdpa = float("nan")
+    try:
+        import torch
+
+        tq = torch.randn(1, hq, n, 128, device="cuda", dtype=torch.bfloat16)
+        tk, tv = (torch.randn(1, hkv, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        attn = torch.nn.functional.scaled_dot_product_attention
+        for _ in range(3):
+            attn(tq, tk, tv, is_causal=True, enable_gqa=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            attn(tq, tk, tv, is_causal=True, enable_gqa=True)
+        end.record()
+        end.synchronize()
+        sdpa = start.elapsed_time(end) * 1e3 / 10
+    except Exception as exc:  # baseline only
+        print(f"torch SDPA baseline failed: {exc}", flush=True)
+    return {"tokens": n, "ours_us": ours, "ours_tflops": flops / ours / 1e6, "sdpa_us": sdpa,
+            "sdpa_tflops": flops / sdpa / 1e6}
+
+
+def worker(indices: list[int], ok: list[str], sweep: bool) -> int:
+    from kernels.cute.gemm import GemmRunner
+
+    tasks = bench_tasks(set(ok), sweep)
+    runner = GemmRunner()
+    runner.init()
+    for i in indices:
+        print(f"@start {i} {tasks[i].label}", flush=True)
+        try:
+            row = run_task(runner, tasks[i])
+        except Exception as exc:
+            print(f"@done {i} ERROR {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+            return 4
+        print(f"@done {i} PASS {json.dumps(row)}", flush=True)
+    return 0
+
+
+# ---- tables -------------------------------------------------------------------------------------
+def _short(plan: str) -> str:
+    return plan.replace("gemm_", "")
+
+
+def gemm_table(rows: list[dict], hbm: float, sweeps: dict) -> str:
+    """Planned config vs cuBLAS per shape, with the sweep's best config where it ran."""
+    lines = ["| shape | M | plan | µs | cuBLAS µs | cuBLAS/ours | TFLOP/s | GB/s | %HBM | sweep best µs |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
+    for r in rows:
         m, n, k = r["m"], r["n"], r["k"]
         t = r["cute_us"] * 1e-6
         flops, nbytes = 2 * m * n * k, 2 * (m * k + n * k + m * n)
-        best = f"{r['best']} {r['best_us']:.1f}" if "best" in r else ""
-        lines.append(f"| {r['name']} | {m} | {r['plan']} | {r['cute_us']:.1f} | {r['cublas_us']:.1f} | "
+        best = sweeps.get((r["name"], m))
+        best = f"{_short(best['best'])} {best['best_us']:.1f}" if best and best["best"] else ""
+        lines.append(f"| {r['name']} | {m} | {_short(r['plan'])} | {r['cute_us']:.1f} | {r['cublas_us']:.1f} | "
                      f"{r['cublas_us'] / r['cute_us']:.2f} | {flops / t / 1e12:.0f} | {nbytes / t / 1e9:.0f} | "
                      f"{100 * nbytes / t / 1e9 / hbm:.0f} | {best} |")
     return "\n".join(lines)
 
 
+def attention_table(rows: list[dict]) -> str:
+    lines = ["| causal attention, 32/8 heads | ours µs | ours TFLOP/s | SDPA µs | SDPA TFLOP/s |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['tokens']} tokens | {r['ours_us']:.0f} | {r['ours_tflops']:.0f} | {r['sdpa_us']:.0f} | "
+              f"{r['sdpa_tflops']:.0f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def gpu_info() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"nvidia-smi failed: {exc}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--skip-check", action="store_true")
-    parser.add_argument("--ms", default=",".join(map(str, MS)))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    parser.add_argument("--budget", type=float, default=215.0, help="seconds for the whole run")
+    parser.add_argument("--verify-budget", type=float, default=110.0)
+    parser.add_argument("--hang-s", type=float, default=6.0)
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--worker", metavar="INDICES", help=argparse.SUPPRESS)
+    parser.add_argument("--ok", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "kernels_log.txt"), "w")
+    if args.worker is not None:
+        return worker([int(i) for i in args.worker.split(",") if i], args.ok.split(","), not args.no_sweep)
 
-    def log(msg):
-        print(msg, flush=True)
-        logf.write(msg + "\n")
+    t0 = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    info = f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {gpu_info()}"
+    print(info, flush=True)
+    results = verify(args.out, args.verify_budget, args.hang_s)
+    ok = passing_groups(results)
+    tasks = bench_tasks(set(ok), not args.no_sweep)
+    cmd = [sys.executable, os.path.abspath(__file__), "--ok", ",".join(ok)] + (["--no-sweep"] if args.no_sweep else [])
+    os.environ["OPENINFER_CUTE_HANG_S"] = str(args.hang_s)
+    with open(args.out / "bench_log.txt", "w") as logf:
+        def log(msg):
+            logf.write(msg + "\n")
+            logf.flush()
+            if msg.startswith(("@done", "[verify]", "HANG")):
+                print(msg[:200], flush=True)
 
-    runner = GemmRunner()
-    t0 = time.time()
-    runner.init()
-    log(f"device {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, modules loaded in {time.time() - t0:.2f} s")
-    ok = True
-    if not args.skip_check:
-        ok = correctness(runner, log)
-        log(f"correctness: {'PASS' if ok else 'FAIL'}")
-    hbm = copy_bandwidth_gbs()
-    log(f"device copy bandwidth {hbm:.0f} GB/s (read + write)")
-    results = []
-    for name, (n, k) in QWEN_SHAPES.items():
-        for m in map(int, args.ms.split(",")):
-            r = bench_shape(runner, m, n, k, args.sweep, log)
-            cp.get_default_memory_pool().free_all_blocks()
-            r["name"] = name
-            results.append(r)
-            log(json.dumps(r))
-    attention = attention_bench(runner, log)
-    with open(os.path.join(args.out, "kernels_results.json"), "w") as f:
-        json.dump({"hbm_gbs": hbm, "results": results, "attention": attention}, f, indent=1)
-    log(table(results, hbm))
-    log("\n".join(attention))
-    return 0 if ok else 1
+        bench = run_all(tasks, cmd + ["--worker"], max(args.budget - (time.monotonic() - t0), 0.0),
+                        case_timeout_s=args.hang_s + 60.0, log=log)
+    rows = {kind: [json.loads(r.detail) for r in bench if r.status == "PASS" and tasks[r.index].kind == kind]
+            for kind in ("hbm", "gemm", "attention", "sweep")}
+    (args.out / "bench.json").write_text(json.dumps({"info": info, "ok": ok, **rows}, indent=1))
+    hbm = rows["hbm"][0]["hbm_gbs"] if rows["hbm"] else float("nan")
+    sweeps = {(r["name"], r["m"]): r for r in rows["sweep"]}
+    lost = [f"{r.status} {r.label}: {r.detail}" for r in bench if r.status != "PASS"]
+    summary = "\n\n".join([
+        f"# CuTe kernels: {info}", table(results),
+        f"device copy bandwidth {hbm:.0f} GB/s (read + write); {len(rows['sweep'])} shapes swept; "
+        f"benchmark rows not run: {len(lost)}" + "".join(f"\n    {x}"[:160] for x in lost[:6]),
+        gemm_table(rows["gemm"], hbm, sweeps), attention_table(rows["attention"]),
+        f"total {time.monotonic() - t0:.0f} s"])
+    (args.out / "summary.md").write_text(summary + "\n")
+    print("\n" + summary, flush=True)
+    return 0 if all(r.status == "PASS" for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -187,6 +187,10 @@ def build(out_dir: Path = DEFAULT_OUT, force: bool = False, log=print) -> dict:
         kernels[name] = {"hash": key, "prefix": name, **info}
         objects.append(obj)
 
+    keep = {p.name for o in objects for p in (o, o.with_suffix(".h"))}
+    for stale in obj_dir.iterdir():  # objects of older kernel sources: not linked, not carried
+        if stale.suffix in (".o", ".h") and stale.name not in keep:
+            stale.unlink()
     lib = out_dir / LIB_NAME
     manifest_path = out_dir / "manifest.json"
     old = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}

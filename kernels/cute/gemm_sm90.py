@@ -72,6 +72,9 @@ class GemmSm90:
         self.sa_layout = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, a_dtype, self.stages)
         self.sb_layout = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, a_dtype, self.stages)
         self.sc_layout = sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.epi_stages)
+        # The epilogue staging buffer reuses the A ring (idle by then); it must fit inside it.
+        assert cute.cosize(self.sc_layout) * c_dtype.width <= cute.cosize(self.sa_layout) * a_dtype.width, \
+            f"{self.tile.name}: epilogue buffer larger than the A ring"
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream):
@@ -246,8 +249,7 @@ class GemmSm90:
                 if warp == 0 and produce.count < k_tiles:
                     self._load_stage(ring, produce, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
                     produce.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
-        ring.consumer_release(release)
+        cute.nvgpu.warpgroup.wait_group(0)  # the last stage needs no release: nothing refills it
 
         if cute.size(self.cluster_mn) > 1:  # peers may still multicast into our smem
             cute.arch.cluster_arrive()

@@ -1,22 +1,32 @@
-"""GPU check shared by the tests and the benchmark: one GEMM against a float32 reference (needs CuPy)."""
+"""GPU checks shared by the tests, the verification run and the benchmark (needs CuPy at call time).
+
+Every check uses fresh random bf16 inputs, poisons the output with NaN first and compares with a
+float32 reference: it passes when the relative Frobenius error is ≤ ``TOLERANCE`` and every output
+element was written. ``CASES`` is the ordered catalogue that ``kernels.cute.verify`` runs one by one
+(simplest launch first: one tile and one k-tile, then more k-tiles than pipeline stages, then odd
+shapes, per config; then split-K, the planned path, graph replay, grouped GEMM, attention).
+"""
 from __future__ import annotations
 
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 from .bf16 import from_bf16, to_bf16
-from .configs import GemmPlan
+from .configs import GEMM_VARIANTS, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count
 
 NAN_BF16 = 0x7FC0
-HANG_SECONDS = 20.0
+HANG_SECONDS = float(os.environ.get("OPENINFER_CUTE_HANG_S", "20"))
+TOLERANCE = 1e-2
 
 
-def sync_or_die(what: str, stream=None, timeout_s: float = HANG_SECONDS) -> None:
+def sync_or_die(what: str, stream=None, timeout_s: float | None = None) -> None:
     """Wait for the stream's work, polling; a kernel still running after ``timeout_s`` is a hang:
-    report it and exit the process at once (a blocking sync would sit there until killed)."""
+    report it and exit the process at once with status 3 (a blocking sync would sit there)."""
     import cupy as cp
 
+    timeout_s = HANG_SECONDS if timeout_s is None else timeout_s
     done = cp.cuda.Event(disable_timing=True)
     done.record(stream)
     deadline = time.monotonic() + timeout_s
@@ -34,23 +44,77 @@ def rand_bf16(shape):
     return to_bf16(cp.random.standard_normal(shape, dtype=cp.float32))
 
 
-def gemm_error(runner, plan: GemmPlan | None, m: int, n: int, k: int) -> tuple[float, int]:
-    """(relative Frobenius error, unwritten elements) of one GEMM with fresh inputs, NaN-poisoned output."""
+@dataclass(frozen=True)
+class Check:
+    """Outcome of one check: relative error, NaN (unwritten) outputs and a short error pattern."""
+
+    err: float
+    unwritten: int
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= TOLERANCE and self.unwritten == 0
+
+
+def compare(got, ref) -> Check:
+    """Relative Frobenius error of ``got`` (float32, NaN = unwritten) against ``ref``, and on failure
+    where it is wrong: fraction of bad elements, their row/column span, zeros, norm ratio."""
+    import cupy as cp
+
+    unwritten = int(cp.isnan(got).sum())
+    diff = cp.where(cp.isnan(got), 0.0, got - ref)  # unwritten (NaN) outputs are counted apart
+    err = float(cp.linalg.norm(diff) / max(float(cp.linalg.norm(ref)), 1e-30))
+    if err <= TOLERANCE and unwritten == 0:
+        return Check(err, unwritten)
+    flat_got, flat_ref = got.reshape(got.shape[0], -1), ref.reshape(ref.shape[0], -1)
+    bad = cp.abs(cp.nan_to_num(flat_got - flat_ref, nan=1e30)) > 0.05 * (cp.abs(flat_ref) + 1.0)
+    rows, cols = cp.nonzero(bad.any(axis=1))[0], cp.nonzero(bad.any(axis=0))[0]
+    span = (f"rows {int(rows.min())}-{int(rows.max())} cols {int(cols.min())}-{int(cols.max())}"
+            if rows.size else "no element off by >5%")
+    finite = cp.nan_to_num(flat_got, nan=0.0)
+    ratio = float(cp.linalg.norm(finite) / max(float(cp.linalg.norm(flat_ref)), 1e-30))
+    zeros = float((flat_got == 0).mean())
+    detail = (f"bad={100 * float(bad.mean()):.1f}% {span} of {flat_ref.shape[0]}x{flat_ref.shape[1]} "
+              f"zeros={100 * zeros:.1f}% norm(got)/norm(ref)={ratio:.3f}")
+    return Check(err, unwritten, detail)
+
+
+def gemm_check(runner, plan: GemmPlan | None, m: int, n: int, k: int) -> Check:
+    """One GEMM (``plan=None``: the launcher's own choice) against ``float32(a) @ float32(b).T``."""
     import cupy as cp
 
     a, b = rand_bf16((m, k)), rand_bf16((n, k))
     out = cp.full((m, n), NAN_BF16, dtype=cp.uint16)
     runner(a, b, out, plan=plan)
     sync_or_die(f"{plan.variant.name if plan else 'planned'} GEMM M={m} N={n} K={k} S={plan.splits if plan else '-'}")
-    got = from_bf16(out)
-    ref = from_bf16(a) @ from_bf16(b).T
-    unwritten = int(cp.isnan(got).sum())
-    err = float(cp.linalg.norm(cp.nan_to_num(got - ref, nan=1e30)) / cp.linalg.norm(ref))
-    return err, unwritten
+    return compare(from_bf16(out), from_bf16(a) @ from_bf16(b).T)
 
 
-def grouped_error(runner, tile_m: int, tokens: int, top_k: int, experts: int, n: int, k: int) -> tuple[float, int]:
-    """(relative error, unwritten used rows) of one grouped GEMM with random routing."""
+def graph_check(runner, m: int, n: int, k: int) -> Check:
+    """The planned GEMM captured in a CUDA graph and replayed must equal the eager launch bit for bit."""
+    import cupy as cp
+
+    a, b = rand_bf16((m, k)), rand_bf16((n, k))
+    eager, graphed = cp.empty((m, n), cp.uint16), cp.full((m, n), NAN_BF16, cp.uint16)
+    runner.reserve_workspace(m, n, (k,))
+    runner(a, b, eager)
+    sync_or_die(f"eager GEMM M={m} N={n} K={k}")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        runner(a, b, graphed, stream=stream)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        sync_or_die(f"graph-replayed GEMM M={m} N={n} K={k}", stream)
+    check = compare(from_bf16(graphed), from_bf16(eager))
+    same = bool(cp.array_equal(eager, graphed))
+    return Check(0.0 if same else max(check.err, 2 * TOLERANCE), check.unwritten,
+                 "" if same else f"graph replay differs from eager: {check.detail or f'err={check.err:.2e}'}")
+
+
+def grouped_check(runner, tile_m: int, tokens: int, top_k: int, experts: int, n: int, k: int) -> Check:
+    """One grouped GEMM with random routing, checked on the rows that carry assignments."""
     import cupy as cp
     import numpy as np
 
@@ -72,13 +136,11 @@ def grouped_error(runner, tile_m: int, tokens: int, top_k: int, experts: int, n:
     for e in np.unique(experts_of):
         mine = cp.asarray(np.nonzero(experts_of == e)[0])
         ref[mine] = x_rows[mine] @ from_bf16(w[int(e)]).T
-    unwritten = int(cp.isnan(got).sum())
-    err = float(cp.linalg.norm(cp.nan_to_num(got - ref, nan=1e30)) / cp.linalg.norm(ref))
-    return err, unwritten
+    return compare(got, ref)
 
 
-def attention_error(runner, lengths_q, lengths_k, hq: int, hkv: int) -> tuple[float, int]:
-    """(worst per-sequence relative error, unwritten outputs) of one varlen causal attention."""
+def attention_check(runner, lengths_q, lengths_k, hq: int, hkv: int) -> Check:
+    """One varlen causal attention; the error is the worst over (sequence, head)."""
     import cupy as cp
     import numpy as np
 
@@ -92,7 +154,7 @@ def attention_error(runner, lengths_q, lengths_k, hq: int, hkv: int) -> tuple[fl
     varlen_attention(runner, q, k, v, o, cp.asarray(cu_q), cp.asarray(cu_k), cp.asarray(attention_work(cu_q)))
     sync_or_die(f"varlen attention hq={hq} hkv={hkv} lengths={list(lengths_q)[:8]}")
     got = from_bf16(o)
-    worst = 0.0
+    worst, unwritten = Check(0.0, 0), 0
     for b in range(len(lengths_q)):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         lq, lk = int(lengths_q[b]), int(lengths_k[b])
@@ -104,7 +166,84 @@ def attention_error(runner, lengths_q, lengths_k, hq: int, hkv: int) -> tuple[fl
             s = from_bf16(q[qs, h]) @ from_bf16(k[ks, kv]).T / np.sqrt(128.0)
             s = cp.where(visible, s, -cp.inf)
             p = cp.exp(s - s.max(axis=1, keepdims=True))
-            ref = (p / p.sum(axis=1, keepdims=True)) @ from_bf16(v[ks, kv])
-            diff = cp.nan_to_num(got[qs, h] - ref, nan=1e30)
-            worst = max(worst, float(cp.linalg.norm(diff) / cp.linalg.norm(ref)))
-    return worst, int(cp.isnan(got).sum())
+            one = compare(got[qs, h], (p / p.sum(axis=1, keepdims=True)) @ from_bf16(v[ks, kv]))
+            unwritten += one.unwritten
+            if one.err > worst.err:
+                worst = Check(one.err, 0, f"worst: seq {b} (len_q={lq}, len_k={lk}) head {h}: {one.detail}")
+    return Check(worst.err, unwritten, worst.detail if not (worst.err <= TOLERANCE and unwritten == 0) else "")
+
+
+# ---- the ordered catalogue ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One verification launch: ``group`` is the kernel config (or path) under test."""
+
+    group: str
+    label: str
+    kind: str  # gemm | planned | graph | grouped | attention
+    args: tuple
+
+
+MULTI_K = 1032  # 17 k-tiles, more than any config's pipeline stages (≤ 14), with a K tail of 8
+ODD_SHAPES = ((1, 200, 328), (17, 2056, 1032), (255, 392, 2568), (1000, 1288, 520))
+DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x256_c1x1",
+               "gemm_bf16_128x256_c1x1", "gemm_bf16_128x128_c2x1", "gemm_bf16_128x256_c2x1")
+SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1")
+
+
+def _gemm_case(name: str, m: int, n: int, k: int, splits: int = 1) -> Case:
+    suffix = f" S={split_count(k, splits)}" if VARIANTS_BY_NAME[name].out == "f32" else ""
+    return Case(name, f"M={m} N={n} K={k}{suffix}", "gemm", (name, splits, m, n, k))
+
+
+def build_cases() -> tuple[Case, ...]:
+    cases = []
+    for name in DENSE_ORDER:
+        v = VARIANTS_BY_NAME[name]
+        cases.append(_gemm_case(name, v.tile_m, v.tile_n, 64))         # one tile, one k-tile
+        cases.append(_gemm_case(name, v.tile_m, v.tile_n, MULTI_K))    # k-tiles > stages
+        cases += [_gemm_case(name, m, n, k) for m, n, k in ODD_SHAPES]
+        cases.append(_gemm_case(name, 17 * v.tile_m + 5, 264, 200))    # > 8 M-tiles: raster tail
+    for name in SPLITK_ORDER:
+        v = VARIANTS_BY_NAME[name]
+        cases.append(_gemm_case(name, v.tile_m, v.tile_n, 64))         # S=1 through the reduce
+        cases.append(_gemm_case(name, v.tile_m, v.tile_n, MULTI_K, 2))
+        cases.append(_gemm_case(name, 3, 136, MULTI_K, 3))
+        cases.append(_gemm_case(name, 17, 2056, MULTI_K, 4))
+        cases.append(_gemm_case(name, 1, 200, 328, 16))                # one k-tile per split
+    for n, k in ((6144, 2560), (2560, 9728)):
+        for m in (1, 17, 64, 255, 1000):
+            cases.append(Case("planned", f"M={m} N={n} K={k} {plan_gemm(m, n, k).variant.name}"
+                              f"/S{plan_gemm(m, n, k).splits}", "planned", (m, n, k)))
+    for m in (8, 300):
+        cases.append(Case("graph", f"M={m} N=2560 K=4096", "graph", (m, 2560, 4096)))
+    for args in ((64, 37, 8, 16, 264, 520), (64, 1, 8, 64, 768, 2048), (128, 300, 2, 8, 1536, 2048)):
+        cases.append(Case(f"grouped_bf16_{args[0]}x128_c1x1", "tokens={1} top_k={2} experts={3} N={4} K={5}"
+                          .format(*args), "grouped", args))
+    mix = (1, 17, 64, 130, 1000, 4096, 0, 63)
+    for lengths_q, lengths_k, hq, hkv in (((64,), (64,), 1, 1), ((1000,), (1000,), 2, 1),
+                                          (mix, mix, 8, 8), (mix, mix, 8, 2), (mix, mix, 8, 1),
+                                          ((5, 200, 1), (300, 200, 129), 4, 1)):
+        label = f"q={list(lengths_q)} k={'same' if lengths_k == lengths_q else list(lengths_k)} hq={hq} hkv={hkv}"
+        cases.append(Case("varlen_attention", label, "attention", (lengths_q, lengths_k, hq, hkv)))
+    assert {c.group for c in cases if c.kind == "gemm"} == {v.name for v in GEMM_VARIANTS if not v.grouped}
+    return tuple(cases)
+
+
+CASES = build_cases()
+
+
+def run_case(runner, case: Case) -> Check:
+    """Run one catalogue case on the current device."""
+    if case.kind == "gemm":
+        name, splits, m, n, k = case.args
+        return gemm_check(runner, GemmPlan(VARIANTS_BY_NAME[name], splits), m, n, k)
+    if case.kind == "planned":
+        return gemm_check(runner, None, *case.args)
+    if case.kind == "graph":
+        return graph_check(runner, *case.args)
+    if case.kind == "grouped":
+        return grouped_check(runner, *case.args)
+    if case.kind == "attention":
+        return attention_check(runner, *case.args)
+    raise ValueError(f"unknown case kind {case.kind!r}")
