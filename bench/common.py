@@ -10,6 +10,7 @@ Timestamps are taken on the client with `time.perf_counter()` as each complete S
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
@@ -17,7 +18,7 @@ import ssl
 import time
 from dataclasses import dataclass, field
 
-import httpx
+from bench.common_http import HttpClient
 
 
 @dataclass
@@ -86,8 +87,8 @@ def auth_headers(api_key: str | None = None) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def endpoint_url(base_url: str, endpoint: str) -> str:
-    return base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions")
+def endpoint_path(endpoint: str) -> str:
+    return "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
 
 
 def _read_usage(result: RequestResult, usage: dict) -> None:
@@ -98,7 +99,7 @@ def _read_usage(result: RequestResult, usage: dict) -> None:
         result.cached_tokens = details["cached_tokens"]
 
 
-async def send_request(client: httpx.AsyncClient, url: str, payload: dict, prompt_len: int,
+async def send_request(client: HttpClient, path: str, payload: dict, prompt_len: int,
                        headers: dict | None = None) -> RequestResult:
     """POST one streaming request and time its chunks. Never raises: failures come back in `error`."""
     result = RequestResult(prompt_len=prompt_len)
@@ -107,12 +108,12 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, promp
     start = last = time.perf_counter()
     result.start_time = start
     try:
-        async with client.stream("POST", url, json=payload, headers=headers or {}) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode("utf-8", "replace")
-                result.error = f"HTTP {response.status_code}: {body[:500]}"
+        async with client.request("POST", path, payload, headers) as response:
+            if response.status != 200:
+                body = (await response.read()).decode("utf-8", "replace")
+                result.error = f"HTTP {response.status}: {body[:500]}"
                 return result
-            async for raw in response.aiter_raw():
+            async for raw in response.iter_raw():
                 for data in parser.feed(raw):
                     if data.strip() == "[DONE]":
                         continue
@@ -149,22 +150,22 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()  # loading the CA store costs ~25 ms: once per process
 
 
-def make_client(max_connections: int | None = None) -> httpx.AsyncClient:
-    """An async client with no connection cap below the benchmark's own concurrency limit."""
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-    return httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=limits, trust_env=False,
-                             verify=_tls_context())
+def make_client(base_url: str) -> HttpClient:
+    """A keep-alive client for one server; connections open as requests need them."""
+    return HttpClient(base_url, tls=_tls_context() if base_url.startswith("https") else None)
 
 
-async def first_model(client: httpx.AsyncClient, base_url: str, headers: dict | None = None) -> str:
+async def first_model(client: HttpClient, headers: dict | None = None) -> str:
     """The first model id that GET /v1/models lists."""
-    url = base_url.rstrip("/") + "/v1/models"
     try:
-        response = await client.get(url, headers=headers or {})
-        response.raise_for_status()
-    except httpx.HTTPError as exc:
-        raise RuntimeError(f"cannot list the models at {url} ({type(exc).__name__}: {exc}); is the server up?")
-    models = response.json().get("data") or []
+        async with client.request("GET", "/v1/models", headers=headers) as response:
+            body = await response.read()
+    except (OSError, asyncio.IncompleteReadError) as exc:
+        raise RuntimeError(f"cannot list the models at {client.host}:{client.port}/v1/models "
+                           f"({type(exc).__name__}: {exc}); is the server up?")
+    if response.status != 200:
+        raise RuntimeError(f"GET /v1/models answered HTTP {response.status}: {body[:300]!r}")
+    models = json.loads(body).get("data") or []
     if not models:
-        raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
+        raise RuntimeError("/v1/models lists no model; pass --model")
     return models[0]["id"]

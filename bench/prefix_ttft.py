@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from bench.common import (RequestSpec, auth_headers, build_payload, endpoint_url,  # noqa: E402
+from bench.common import (RequestSpec, auth_headers, build_payload, endpoint_path,  # noqa: E402
                           make_client, send_request)
 from bench.common_data import allowed_token_ids, encode, exact_length_prompt, load_tokenizer  # noqa: E402
 from bench.common_report import pyplot  # noqa: E402
@@ -48,13 +48,13 @@ def prompt_pair(tokenizer: Tokenizer, length: int, rng: np.random.Generator,
 async def measure(base_url: str, model: str, prompts: list[tuple[int, str, str]], output_len: int,
                   api_key: str | None) -> list[dict]:
     """Send each pair cold then warm, one request at a time."""
-    url, headers, rows = endpoint_url(base_url, "completions"), auth_headers(api_key), []
-    async with make_client() as client:
+    path, headers, rows = endpoint_path("completions"), auth_headers(api_key), []
+    async with make_client(base_url) as client:
         for length, cold, warm in prompts:
             row = {"length": length}
             for name, text in (("cold", cold), ("warm", warm)):
                 payload = build_payload(RequestSpec(text, length, output_len), model, "completions", True)
-                r = await send_request(client, url, payload, length, headers)
+                r = await send_request(client, path, payload, length, headers)
                 if not r.success:
                     raise RuntimeError(f"{name} request of {length} tokens failed: {r.error}")
                 if name == "cold" and r.cached_tokens:

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime
 import json
-import math
 import platform
 import shlex
 import sys
@@ -29,12 +27,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import numpy as np  # noqa: E402
 
 from bench.common import (RequestResult, RequestSpec, auth_headers, build_payload,  # noqa: E402
-                          endpoint_url, first_model, make_client, send_request)
+                          endpoint_path, first_model, make_client, send_request)
 from bench.common_data import load_tokenizer, random_requests, sharegpt_requests  # noqa: E402
 from bench.common_metrics import arrival_offsets, parse_slos, summarize  # noqa: E402
 from bench.common_report import plot_cdfs, plot_sweep, run_table, sweep_table  # noqa: E402
-
-CONNECTIONS_PER_CLIENT = 8
 
 
 async def run_benchmark(specs: list[RequestSpec], base_url: str, model: str, request_rate: float,
@@ -44,32 +40,26 @@ async def run_benchmark(specs: list[RequestSpec], base_url: str, model: str, req
                         ) -> tuple[list[RequestResult], float]:
     """Send every spec on the arrival schedule; returns the per-request results (in spec order) and
     the wall time from the first send to the last response."""
-    url = endpoint_url(base_url, endpoint)
+    path = endpoint_path(endpoint)
     headers = auth_headers(api_key)
     offsets = arrival_offsets(len(specs), request_rate, burstiness, np.random.default_rng(seed))
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    # httpx's connection pool scans every connection on each event (quadratic in streams in flight);
-    # small pools keep the client's own cost per chunk flat at hundreds of concurrent streams
-    in_flight = min(len(specs), max_concurrency or len(specs))
-    async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(make_client())
-                   for _ in range(math.ceil(in_flight / CONNECTIONS_PER_CLIENT))]
 
-        async def one(i: int, spec: RequestSpec) -> RequestResult:
-            client = clients[i % len(clients)]
+    async with make_client(base_url) as client:
+        async def one(spec: RequestSpec) -> RequestResult:
             payload = build_payload(spec, model, endpoint, ignore_eos, extra_body)
             if limit is None:
-                return await send_request(client, url, payload, spec.prompt_len, headers)
+                return await send_request(client, path, payload, spec.prompt_len, headers)
             async with limit:
-                return await send_request(client, url, payload, spec.prompt_len, headers)
+                return await send_request(client, path, payload, spec.prompt_len, headers)
 
         start = time.perf_counter()
         tasks = []
-        for i, (spec, offset) in enumerate(zip(specs, offsets)):
+        for spec, offset in zip(specs, offsets):
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(i, spec)))
+            tasks.append(asyncio.create_task(one(spec)))
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start
 
@@ -79,9 +69,9 @@ async def probe(base_url: str, model: str | None, spec: RequestSpec, endpoint: s
     """Resolve the model name and send one request first (as vLLM's client does); a failure stops
     the benchmark with the server's error instead of a run of failed requests."""
     headers = auth_headers(api_key)
-    async with make_client() as client:
-        model = model or await first_model(client, base_url, headers)
-        result = await send_request(client, endpoint_url(base_url, endpoint),
+    async with make_client(base_url) as client:
+        model = model or await first_model(client, headers)
+        result = await send_request(client, endpoint_path(endpoint),
                                     build_payload(spec, model, endpoint, ignore_eos), spec.prompt_len, headers)
     if not result.success:
         raise RuntimeError(f"the first test request to {base_url} failed: {result.error}")
