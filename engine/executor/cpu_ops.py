@@ -76,15 +76,16 @@ class NumpyOps:
             blocks = b.block_tables[i, : -(-L // BLOCK_SIZE)]
             k = k_all[blocks].reshape(-1, Hkv, D)[:L]
             v = v_all[blocks].reshape(-1, Hkv, D)[:L]
-            qs = q[q0:q1].reshape(q1 - q0, Hkv, G, D)
-            scores = np.einsum("nhgd,lhd->hgnl", qs, k, optimize=True) * np.float32(spec.scale)
-            qpos = b.positions[q0:q1]
-            mask = np.arange(L)[None, :] > qpos[:, None]              # [n, L]: future keys
-            scores = np.where(mask[None, None], np.float32(-np.inf), scores)
-            scores = scores - scores.max(axis=-1, keepdims=True)
+            n = q1 - q0
+            # [Hkv, G·n, D] @ [Hkv, D, L]: q head h·G + g reads kv head h (GQA)
+            qs = q[q0:q1].reshape(n, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * n, D)
+            scores = (qs @ k.transpose(1, 2, 0)) * np.float32(spec.scale)
+            qpos = np.tile(b.positions[q0:q1], G)                    # row r is query r % n
+            scores[:, np.arange(L)[None, :] > qpos[:, None]] = -np.inf
+            scores -= scores.max(axis=-1, keepdims=True)
             p = np.exp(scores)
             p /= p.sum(axis=-1, keepdims=True)
-            o = np.einsum("hgnl,lhd->nhgd", p, v, optimize=True)
+            o = (p @ v.transpose(1, 0, 2)).reshape(Hkv, G, n, D).transpose(2, 0, 1, 3)
             out[q0:q1] = o.reshape(q1 - q0, Hq, D)
         return out.reshape(T, Hq * D)
 
