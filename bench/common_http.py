@@ -96,7 +96,8 @@ class HttpClient:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"base URL must be http(s)://host[:port], got {base_url!r}")
-        self.host, self.tls = parts.hostname, (tls or ssl.create_default_context()) if parts.scheme == "https" else None
+        self.host = parts.hostname
+        self.tls = (tls or ssl.create_default_context()) if parts.scheme == "https" else None
         self.port = parts.port or (443 if self.tls else 80)
         self.prefix = parts.path.rstrip("/")
         self._idle: list[_Connection] = []

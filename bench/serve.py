@@ -37,7 +37,7 @@ async def run_benchmark(specs: list[RequestSpec], base_url: str, model: str, req
                         burstiness: float = 1.0, max_concurrency: int | None = None,
                         endpoint: str = "completions", ignore_eos: bool = True, seed: int = 0,
                         api_key: str | None = None, extra_body: dict | None = None,
-                        ) -> tuple[list[RequestResult], float]:
+                        request_timeout_s: float = 6 * 3600.0) -> tuple[list[RequestResult], float]:
     """Send every spec on the arrival schedule; returns the per-request results (in spec order) and
     the wall time from the first send to the last response."""
     path = endpoint_path(endpoint)
@@ -46,12 +46,20 @@ async def run_benchmark(specs: list[RequestSpec], base_url: str, model: str, req
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
     async with make_client(base_url) as client:
-        async def one(spec: RequestSpec) -> RequestResult:
+        async def timed(spec: RequestSpec) -> RequestResult:
             payload = build_payload(spec, model, endpoint, ignore_eos, extra_body)
+            try:
+                return await asyncio.wait_for(send_request(client, path, payload, spec.prompt_len, headers),
+                                              request_timeout_s)
+            except asyncio.TimeoutError:
+                return RequestResult(prompt_len=spec.prompt_len,
+                                     error=f"no complete response within {request_timeout_s:g} s")
+
+        async def one(spec: RequestSpec) -> RequestResult:
             if limit is None:
-                return await send_request(client, path, payload, spec.prompt_len, headers)
+                return await timed(spec)
             async with limit:
-                return await send_request(client, path, payload, spec.prompt_len, headers)
+                return await timed(spec)
 
         start = time.perf_counter()
         tasks = []
@@ -113,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-timeout", type=float, default=6 * 3600.0, help="seconds per request")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let requests stop at EOS (default: ignore_eos + min_tokens = output length)")
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"rate {rate} req/s: sending {len(specs)} requests ...", flush=True)
         results, duration = asyncio.run(run_benchmark(
             specs, args.base_url, model, rate, args.burstiness, args.max_concurrency, args.endpoint,
-            args.ignore_eos, args.seed, args.api_key))
+            args.ignore_eos, args.seed, args.api_key, request_timeout_s=args.request_timeout))
         metrics = summarize(results, duration, percentiles, slos or None)
         run = {"request_rate": "inf" if np.isinf(rate) else rate, "metrics": metrics,
                "errors": sorted({(r.error or "?").splitlines()[0] for r in results if not r.success})[:10]}

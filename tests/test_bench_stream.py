@@ -228,6 +228,16 @@ def test_all_requests_are_in_flight_together_without_a_limit(server):
     assert duration < 0.3 + 0.3  # one wave, not 0.9 s in waves of 8
 
 
+def test_a_stalled_request_times_out_and_the_rest_complete(server):
+    server.scripts["*"] = [(0.05, "x", 1)]
+    server.scripts["slow"] = [(5.0, "x", 1)]
+    specs = [RequestSpec("slow", 7, 1)] + [RequestSpec(f"q{i}", 7, 1) for i in range(3)]
+    results, duration = asyncio.run(run_benchmark(specs, server.url, "fake-model", float("inf"),
+                                                  request_timeout_s=0.5))
+    assert not results[0].success and "within 0.5 s" in results[0].error
+    assert all(r.success for r in results[1:]) and duration < 2.0
+
+
 def test_arrivals_follow_the_request_rate(server):
     server.scripts["*"] = [(0.0, "x", 1)]
     specs = [RequestSpec(f"q{i}", 7, 1) for i in range(8)]
