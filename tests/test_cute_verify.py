@@ -97,3 +97,15 @@ def test_compare_locates_the_wrong_block(monkeypatch):
     check = compare(got, ref)
     assert not check.ok and check.unwritten == 1 and check.err > 0.1
     assert "rows 0-31 cols 0-15" in check.detail and "of 40x24" in check.detail
+
+
+def test_a_case_running_past_the_budget_is_cut_off(tmp_path, monkeypatch):
+    import time
+
+    from kernels.cute import verify
+
+    monkeypatch.setattr(verify, "BUDGET_GRACE_S", 0.5)
+    t0 = time.monotonic()
+    res, _ = _run(tmp_path, monkeypatch, ["a", "b", "c"], {1: "STALL"}, budget=1.0)
+    assert [res[i].status for i in range(3)] == ["PASS", "SKIP", "SKIP"]
+    assert "while it ran" in res[1].detail and time.monotonic() - t0 < 5
