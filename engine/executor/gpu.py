@@ -1,6 +1,8 @@
 """GpuExecutor: a model line's forward over GpuOps (CuPy arrays, raw CUDA kernels, cuBLAS / CuTe
 GEMMs), the same 16-token paged KV layout as the CPU executor ([slots, Hkv, D] per layer and K/V),
-and the GPU sampler. All device memory is one arena: weights, activations, then the KV pool."""
+and the GPU sampler. All device memory is one arena: weights, activations, then the KV pool.
+Decode-only steps replay a CUDA graph per batch-size bucket (gpu_graphs.py); prefill and mixed steps
+run eagerly. `last_host_s` is the host time of the last step up to its launch (batch upload included)."""
 from __future__ import annotations
 
 import logging
