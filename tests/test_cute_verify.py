@@ -109,3 +109,88 @@ def test_a_case_running_past_the_budget_is_cut_off(tmp_path, monkeypatch):
     res, _ = _run(tmp_path, monkeypatch, ["a", "b", "c"], {1: "STALL"}, budget=1.0)
     assert [res[i].status for i in range(3)] == ["PASS", "SKIP", "SKIP"]
     assert "while it ran" in res[1].detail and time.monotonic() - t0 < 5
+
+
+class _FakeCupy:
+    """NumPy standing in for CuPy, so the GPU checks' own code runs on the CPU."""
+
+    def __init__(self):
+        import types
+
+        import numpy as np
+
+        rng = np.random.default_rng(1)
+        self._np = np
+        self.random = types.SimpleNamespace(standard_normal=lambda shape, dtype: rng.standard_normal(shape, dtype=dtype))
+        event = type("Event", (), {"__init__": lambda self, **kw: None, "record": lambda self, s=None: None,
+                                   "done": True})
+        self.cuda = types.SimpleNamespace(Event=event)
+
+    def __getattr__(self, name):
+        return getattr(self._np, name)
+
+
+def _numpy_gemm(a, b, out, plan=None, broken=False):
+    from kernels.cute.bf16 import from_bf16, to_bf16
+
+    res = from_bf16(a) @ from_bf16(b).T
+    if broken:
+        res[:, 64:] = 0.0  # a kernel that skips every N-tile but the first
+    out[...] = to_bf16(res)
+
+
+def test_checks_pass_a_correct_kernel_and_locate_a_broken_one(monkeypatch):
+    from kernels.cute import testing
+
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy())
+    good = testing.gemm_check(_numpy_gemm, None, 17, 200, 72)
+    assert good.ok and good.unwritten == 0 and good.err < 5e-3
+    bad = testing.gemm_check(lambda a, b, out, plan=None: _numpy_gemm(a, b, out, broken=True), None, 17, 200, 72)
+    assert not bad.ok and "cols 64-199" in bad.detail
+
+
+def test_attention_check_agrees_with_an_independent_causal_attention(monkeypatch):
+    import numpy as np
+
+    from kernels.cute import attention, testing
+    from kernels.cute.bf16 import from_bf16, to_bf16
+
+    def numpy_attention(runner, q, k, v, o, cu_q, cu_k, work, stream=None):
+        hq, hkv = q.shape[1], k.shape[1]
+        for b in range(len(cu_q) - 1):
+            lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+            for t in range(lq):  # query t sees keys up to t + lk - lq
+                for h in range(hq):
+                    keys = slice(cu_k[b], cu_k[b] + t + lk - lq + 1)
+                    s = from_bf16(k[keys, h * hkv // hq]) @ from_bf16(q[cu_q[b] + t, h]) / np.sqrt(128.0)
+                    p = np.exp(s - s.max())
+                    o[cu_q[b] + t, h] = to_bf16(p @ from_bf16(v[keys, h * hkv // hq]) / p.sum())
+
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy())
+    monkeypatch.setattr(attention, "varlen_attention", numpy_attention)
+    check = testing.attention_check(None, [3, 0, 20], [9, 0, 20], 4, 2)
+    assert check.ok, (check.err, check.detail)
+    monkeypatch.setattr(attention, "varlen_attention",
+                        lambda *args: (numpy_attention(*args), args[4].__setitem__((slice(None), 3), 0)))
+    check = testing.attention_check(None, [3, 0, 20], [9, 0, 20], 4, 2)
+    assert not check.ok and "head 3" in check.detail
+
+
+def test_grouped_check_agrees_with_a_per_tile_expert_gemm(monkeypatch):
+    from kernels.cute import testing
+    from kernels.cute.bf16 import from_bf16, to_bf16
+
+    gemm = sys.modules["kernels.cute.gemm"]  # the package's `gemm` attribute is the function
+
+    def numpy_grouped(runner, a, w, tile_expert, out, stream=None):
+        tile_m = a.shape[0] // tile_expert.shape[0]
+        for t, e in enumerate(tile_expert):
+            rows = slice(t * tile_m, (t + 1) * tile_m)
+            out[rows] = to_bf16(from_bf16(a[rows]) @ from_bf16(w[e]).T)
+
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy())
+    monkeypatch.setattr(gemm, "grouped_gemm", numpy_grouped)
+    check = testing.grouped_check(None, 64, 9, 2, 4, 24, 16)
+    assert check.ok, (check.err, check.detail)
+    monkeypatch.setattr(gemm, "grouped_gemm", lambda r, a, w, te, out: numpy_grouped(r, a, w, te[::-1].copy(), out))
+    assert not testing.grouped_check(None, 64, 9, 2, 4, 24, 16).ok  # tiles given the wrong experts
