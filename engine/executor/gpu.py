@@ -2,10 +2,16 @@
 GEMMs), the same 16-token paged KV layout as the CPU executor ([slots, Hkv, D] per layer and K/V),
 and the GPU sampler. All device memory is one arena: weights, activations, then the KV pool.
 Decode-only steps replay a CUDA graph per batch-size bucket (gpu_graphs.py); prefill and mixed steps
-run eagerly. `last_host_s` is the host time of the last step up to its launch (batch upload included)."""
+run eagerly. `last_host_s` is the host time of the last step up to its launch (batch upload included).
+
+Decode kernels (`decode_kernels`, default from $OPENINFER_DECODE_KERNELS, default none): a comma list of
+"attention" (paged_decode.cu: bandwidth-shaped decode attention) and "gemv" or "gemv:M" (gemv.cu for
+linear layers of at most M rows, default 16, cuBLAS above); "all" is both. Off, the split attention of
+paged_attention.cu and cuBLAS serve every step."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import ml_dtypes
@@ -14,7 +20,7 @@ import numpy as np
 from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
-from engine.executor.gpu_ops import NUM_SMS, RING_SLOTS, GpuOps, GpuStepContext, attention_splits
+from engine.executor.gpu_ops import NUM_SMS, RING_SLOTS, GpuOps, GpuStepContext
 from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS, PENALTY_ENTRIES, GpuSampler
 from engine.loader import LoadedModel
 from engine.models.rope import rope_inv_freq
@@ -25,6 +31,28 @@ from memory.weight_upload import upload_weights
 
 log = logging.getLogger(__name__)
 SLACK_BYTES = 64 << 20
+DECODE_KERNELS_ENV = "OPENINFER_DECODE_KERNELS"
+DEFAULT_GEMV_MAX_M = 16
+
+
+def parse_decode_kernels(spec: str) -> tuple[bool, int]:
+    """"attention,gemv:16" -> (fast attention on, GEMV for at most 16 rows); "" -> (False, 0)."""
+    fast, gemv_m = False, 0
+    for item in (x.strip().lower() for x in spec.split(",")):
+        if item in ("", "none", "0", "off"):
+            continue
+        if item in ("all", "1", "on"):
+            fast, gemv_m = True, DEFAULT_GEMV_MAX_M
+        elif item == "attention":
+            fast = True
+        elif item == "gemv" or item.startswith("gemv:"):
+            try:
+                gemv_m = int(item[5:]) if ":" in item else DEFAULT_GEMV_MAX_M
+            except ValueError:
+                raise ValueError(f"decode kernels: bad row limit in {item!r} (want gemv:N)") from None
+        else:
+            raise ValueError(f"decode kernels: unknown item {item!r} (want attention, gemv[:N], all)")
+    return fast, gemv_m
 
 
 def as_bf16(a: np.ndarray) -> np.ndarray:
@@ -35,7 +63,7 @@ class GpuExecutor:
     def __init__(self, model: LoadedModel, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, use_cute: bool = False,
-                 progress: bool = True, use_cuda_graphs: bool = True):
+                 progress: bool = True, use_cuda_graphs: bool = True, decode_kernels: str | None = None):
         cfg = model.config
         self.config, self.model = cfg, model.model
         self.vocab_size = cfg.vocab_size
@@ -66,7 +94,9 @@ class GpuExecutor:
         self.weights = upload_weights(self.arena, ((n, as_bf16(a)) for n, a in model.weights.items()),
                                       self.streams, total_bytes=weight_bytes, progress=progress)
         workspace = self.arena.take("activations.cublas_workspace", (WORKSPACE_BYTES,), np.uint8)
-        self.gemm = Gemm(stream, workspace, use_cute=use_cute)
+        fast_attention, gemv_max_m = parse_decode_kernels(
+            os.environ.get(DECODE_KERNELS_ENV, "") if decode_kernels is None else decode_kernels)
+        self.gemm = Gemm(stream, workspace, use_cute=use_cute, gemv_max_m=gemv_max_m)
         inv_freq, attention_factor = rope_inv_freq(cfg)
         self.inv_freq = self.arena.take("activations.inv_freq", inv_freq.shape, np.float32)
         self.inv_freq.set(inv_freq, stream=stream)
@@ -87,13 +117,22 @@ class GpuExecutor:
         self.num_kv_blocks = int(num_kv_blocks)
         self.kv_cache = self.arena.take("kv", (L, 2, self.num_kv_blocks * BLOCK_SIZE, Hkv, D), np.uint16)
         self.ops = GpuOps(self.arena, self.gemm, self.kv_cache, self.inv_freq, attention_factor,
-                          self.max_tokens, max_width, V, self.max_tokens, Hq, D, lm_head.data.ptr, stream)
+                          self.max_tokens, max_width, V, self.max_tokens, Hq, D, lm_head.data.ptr, stream,
+                          fast_attention=fast_attention)
         self.sampler = GpuSampler(self.arena, sampler_rows, V, stream)
         self.stream = stream
         self.last_host_s = 0.0
         self.graphs = DecodeGraphs(self) if use_cuda_graphs else None
         stream.synchronize()
         log.info("%s; %d KV blocks", self.arena.summary(), self.num_kv_blocks)
+
+    def set_decode_kernels(self, spec: str) -> None:
+        """Switch the decode kernels (see the module docstring) between steps; drops captured graphs."""
+        fast_attention, gemv_max_m = parse_decode_kernels(spec)
+        self.stream.synchronize()
+        self.ops.fast_attention, self.gemm.gemv_max_m = fast_attention, gemv_max_m
+        if self.graphs is not None:
+            self.graphs = DecodeGraphs(self)
 
     # ---- step inputs -------------------------------------------------------------------------
     def _context(self, batch: ModelBatch, pad_to: int | None = None) -> GpuStepContext:
@@ -139,7 +178,7 @@ class GpuExecutor:
 
     def _views(self, T: int, B: int, S: int, max_context: int) -> GpuStepContext:
         Tm, mb, d = self.max_tokens, self.max_blocks, self.inputs
-        splits = attention_splits(T, self.config.num_key_value_heads, max_context)
+        splits = self.ops.splits(T, self.config.num_key_value_heads, max_context)
         return GpuStepContext(num_tokens=T, input_ids=d[0:T], positions=d[Tm:Tm + T],
                               slot_mapping=d[2 * Tm:2 * Tm + T], token_seq=d[3 * Tm:3 * Tm + T],
                               block_tables=d[5 * Tm:5 * Tm + B * mb].reshape(B, mb),

@@ -6,7 +6,9 @@ with a fixed workspace from the arena, so a captured CUDA graph allocates nothin
 wrappers rebind the handle to CuPy's current stream at every call, which also drops a user
 workspace). Where that library cannot be opened, CuPy's wrapper serves, run with our stream
 current. The CuTe DSL GEMM of kernels/cute replaces cuBLAS where it is built and reports itself
-available (`use_cute=True`); outputs are bf16 (hidden states) or fp32 (logits).
+available (`use_cute=True`); outputs are bf16 (hidden states) or fp32 (logits). With
+`gemv_max_m > 0`, products of at most that many rows (decode) run the raw CUDA skinny GEMM of
+kernels/raw_cuda/gemv.cu instead (bandwidth-shaped: 16-byte weight loads, tensor-core mma).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
+GEMV_LIMIT_M = 32             # gemv.cu has n8 tiles 1..4
 
 
 def _direct_cublas():
@@ -36,8 +39,12 @@ def _direct_cublas():
 
 
 class Gemm:
-    def __init__(self, stream, workspace=None, use_cute: bool = False):
+    def __init__(self, stream, workspace=None, use_cute: bool = False, gemv_max_m: int = 0):
         self.stream = stream
+        if not 0 <= gemv_max_m <= GEMV_LIMIT_M:
+            raise ValueError(f"gemv_max_m must be in 0..{GEMV_LIMIT_M}, got {gemv_max_m}")
+        self.gemv_max_m = gemv_max_m
+        self._gemv: dict[tuple[int, bool], object] = {}
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
         self.lib = _direct_cublas()
@@ -76,6 +83,9 @@ class Gemm:
         N = w.shape[0]
         if w.shape[1] != K or out.shape != (T, N):
             raise ValueError(f"linear shapes: x {x.shape}, w {w.shape}, out {out.shape}")
+        if T <= self.gemv_max_m and self._gemv_fits(x, w, out):
+            self._run_gemv(x, w, out)
+            return
         if self.cute is not None and out.dtype == np.uint16:
             self.cute.gemm(x, w, out, self.stream)
             return
@@ -89,6 +99,24 @@ class Gemm:
         else:
             with self.stream:           # CuPy binds the handle to its current stream at each call
                 self._cublas.gemmEx(self.handle, *args)
+
+    @staticmethod
+    def _gemv_fits(x, w, out) -> bool:
+        """gemv.cu reads 16-byte pieces of contiguous rows: K % 8 == 0, aligned, C-contiguous."""
+        K = x.shape[1]
+        return (K % 8 == 0 and (x.data.ptr | w.data.ptr) % 16 == 0 and x.flags.c_contiguous
+                and w.flags.c_contiguous and out.flags.c_contiguous)
+
+    def _run_gemv(self, x, w, out) -> None:
+        from kernels.raw_cuda import kernel
+
+        T, K = x.shape
+        N = w.shape[0]
+        key = (-(-T // 8), out.dtype == np.float32)
+        if key not in self._gemv:
+            self._gemv[key] = kernel("gemv", f"gemv_{'f32' if key[1] else 'bf16'}_n{key[0]}")
+        self._gemv[key]((-(-N // 16),), (256,), (x, w, out, np.int32(T), np.int32(N), np.int32(K)),
+                        stream=self.stream)
 
     def close(self) -> None:
         if self.handle:

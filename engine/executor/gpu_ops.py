@@ -17,19 +17,28 @@ from kernels.raw_cuda import kernel
 
 RING_SLOTS = 10
 MAX_SPLITS = 16
+MAX_DECODE_SPLITS = 64      # paged_decode.cu path (its splits are cheap: no serial key walk)
 MAX_GROUP = 16            # query heads per KV head (paged_attention.cu MAX_G)
 MAX_HEAD_DIM = 256
 NUM_SMS = 132
 
 
-def attention_splits(num_tokens: int, num_kv_heads: int, max_context: int) -> int:
+def attention_splits(num_tokens: int, num_kv_heads: int, max_context: int, max_splits: int = MAX_SPLITS) -> int:
     """KV splits per (token, KV head): enough blocks to fill the SMs twice, none shorter than one
     16-token block (a split walks its keys serially, so short contexts want many short splits:
     batch-1 decode at 129 tokens with one split per head took 116 µs per layer, latency-bound)."""
     if num_tokens * num_kv_heads >= 2 * NUM_SMS:
         return 1
     want = -(-2 * NUM_SMS // (num_tokens * num_kv_heads))
-    return max(1, min(MAX_SPLITS, want, -(-max_context // 16)))
+    return max(1, min(max_splits, want, -(-max_context // 16)))
+
+
+def decode_attention_fits(group: int, head_dim: int) -> bool:
+    """paged_decode.cu holds group x head_dim/8/lanes-per-key 16-byte slices of q and of the
+    accumulators per lane in registers: at most 8 (Qwen3 GQA 4 x D 128: 4)."""
+    dv = head_dim // 8
+    lanes = dv if dv <= 16 and dv & (dv - 1) == 0 else 16
+    return head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM and group * -(-dv // lanes) <= 8
 
 
 @dataclass
@@ -48,7 +57,7 @@ class GpuStepContext:
 class GpuOps:
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
                  max_width: int, vocab_size: int, logits_rows: int, num_heads: int, head_dim: int,
-                 lm_head_ptr: int, stream):
+                 lm_head_ptr: int, stream, fast_attention: bool = False):
         import cupy
 
         self.cp = cupy
@@ -74,6 +83,9 @@ class GpuOps:
         self.k_bias = kernel("add_bias", "add_bias")
         self.k_attn = kernel("paged_attention", "paged_attention_split")
         self.k_merge = kernel("paged_attention", "attention_merge")
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.fast_attention = fast_attention   # paged_decode.cu instead of paged_attention_split
+        self._decode_kernels: dict[int, object] = {}
 
     # ---- buffers -----------------------------------------------------------------------------
     def _out(self, rows: int, cols: int):
@@ -135,6 +147,21 @@ class GpuOps:
                       ctx.positions, ctx.slot_mapping, q, kc, vc, np.int32(Hq), np.int32(Hkv), np.int32(D)))
         return q
 
+    def _decode_kernel(self, num_kv_heads: int):
+        """The paged_decode.cu kernel for this model's group size, or None (switched off / no fit)."""
+        group = self.num_heads // num_kv_heads
+        if not self.fast_attention or not decode_attention_fits(group, self.head_dim):
+            return None
+        if group not in self._decode_kernels:
+            self._decode_kernels[group] = kernel("paged_decode", "paged_decode_attention",
+                                                 GQA=group, HEAD_DIM=self.head_dim)
+        return self._decode_kernels[group]
+
+    def splits(self, num_tokens: int, num_kv_heads: int, max_context: int) -> int:
+        """The step's KV split count for the attention kernel in use."""
+        fast = self.fast_attention and decode_attention_fits(self.num_heads // num_kv_heads, self.head_dim)
+        return attention_splits(num_tokens, num_kv_heads, max_context, MAX_DECODE_SPLITS if fast else MAX_SPLITS)
+
     def attention(self, q, spec: AttentionSpec, ctx: GpuStepContext):
         T = ctx.num_tokens
         Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -146,6 +173,16 @@ class GpuOps:
             raise ValueError(f"attention partials: {T} tokens x {S} splits exceed the buffer")
         kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
         out = self._out(T, Hq * D)
+        fast = self._decode_kernel(Hkv) if D == self.head_dim else None
+        if fast is not None:
+            self._launch(fast, (S, Hkv, T), (128,),
+                         (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq,
+                          ctx.positions, self.part_out, self.part_max, self.part_sum, out, np.int32(Hkv),
+                          np.float32(spec.scale)))
+            if S > 1:
+                self._launch(self.k_merge, (T * Hq,), (128,),
+                             (self.part_out, self.part_max, self.part_sum, out, np.int32(S), np.int32(D)))
+            return out
         self._launch(self.k_attn, (S, Hkv, T), (128,),
                      (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq,
                       ctx.positions, self.part_out, self.part_max, self.part_sum,

@@ -9,8 +9,8 @@ KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 @functools.lru_cache(maxsize=None)
-def module(name: str):
-    """The compiled RawModule of `<name>.cu`."""
+def module(name: str, defines: tuple[tuple[str, int], ...] = ()):
+    """The compiled RawModule of `<name>.cu`, with `-DNAME=value` for each of `defines`."""
     import cupy
 
     path = os.path.join(KERNEL_DIR, f"{name}.cu")
@@ -18,13 +18,13 @@ def module(name: str):
         raise FileNotFoundError(f"no raw CUDA kernel source {path}")
     with open(path, encoding="utf-8") as f:
         source = f.read()
-    options = [f"-I{KERNEL_DIR}"]
+    options = [f"-I{KERNEL_DIR}"] + [f"-D{k}={int(v)}" for k, v in defines]
     cuda_path = getattr(cupy.cuda, "get_cuda_path", lambda: None)()
     if cuda_path and os.path.isdir(os.path.join(cuda_path, "include")):
         options.append(f"-I{os.path.join(cuda_path, 'include')}")
     return cupy.RawModule(code=source, options=tuple(options))
 
 
-def kernel(name: str, function: str):
-    """One `extern "C"` function of `<name>.cu`."""
-    return module(name).get_function(function)
+def kernel(name: str, function: str, **defines: int):
+    """One `extern "C"` function of `<name>.cu`, compiled with the given compile-time constants."""
+    return module(name, tuple(sorted(defines.items()))).get_function(function)

@@ -1,0 +1,226 @@
+// Paged decode attention shaped for bandwidth: same contract as paged_attention_split (query token t of
+// sequence token_seq[t] at position positions[t] attends to KV positions [0, positions[t]] through the
+// 16-token block table; padded tokens, positions[t] < 0, give zeros), built for many keys in flight.
+// Compiled per (GQA = Hq/Hkv, HEAD_DIM) with -D options, so q, the accumulators and the loads live in
+// registers. Grid (num_splits, Hkv, T), 4 warps: one CTA per (token, KV head, KV split) serves all GQA
+// query heads of the group from one read of each K and V row.
+//  * KEY_LANES lanes share a key (one 16-byte load each: 8 bf16 of D), so a warp reads 32/KEY_LANES keys
+//    per load and UNROLL such passes (K and V both) are issued before any is used: a warp has
+//    UNROLL·32/KEY_LANES keys (D 128: 8 keys, 4 KB) in flight; the next pass's block-table entries are
+//    fetched one iteration ahead.
+//  * scores in the log2 domain (q pre-scaled by scale·log2 e, exp2f), online softmax per warp (the running
+//    max is warp-uniform, the sums and P·V stay per lane), then one merge of the warps in shared memory.
+//  * num_splits == 1: the CTA writes the normalized bf16 output itself (no merge launch); otherwise it
+//    writes its fp32 partial (acc, max in natural-log units, sum) for attention_merge (paged_attention.cu).
+// Roofline (decode, batch B, context C): bytes = B·C·Hkv·D·2·2 (K and V once per KV head) per layer;
+// Qwen3-4B (Hkv 8, D 128) at C = 4096: 16.8 MB/layer per sequence, 3.9 µs at 4.3 TB/s. At batch 1 and
+// C ~ 256 (1 MB/layer) it is latency-bound: two dependent DRAM round trips (table, K/V) plus the merge.
+#include "common.cuh"
+
+#ifndef GQA
+#define GQA 4
+#endif
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#define WARPS 4
+#define NTHREADS (WARPS * 32)
+#define VEC 8                                            // bf16 per 16-byte load
+#define DV (HEAD_DIM / VEC)
+#define KEY_LANES ((DV <= 16 && (DV & (DV - 1)) == 0) ? DV : 16)
+#define CHUNKS ((DV + KEY_LANES - 1) / KEY_LANES)        // 16-byte loads per lane per key row
+#define KEYS_PER_PASS (32 / KEY_LANES)
+#define UNROLL 4
+#define KEYS_PER_ITER (KEYS_PER_PASS * UNROLL)
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+__device__ __forceinline__ void unpack8(const uint4 v, float f[VEC]) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+// Butterfly over the lanes of one key (offsets < KEY_LANES), or across the keys of a warp (>= KEY_LANES).
+__device__ __forceinline__ float key_sum(float v) {
+    #pragma unroll
+    for (int o = KEY_LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float across_keys_max(float v) {
+    #pragma unroll
+    for (int o = KEY_LANES; o < 32; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float across_keys_sum(float v) {
+    #pragma unroll
+    for (int o = KEY_LANES; o < 32; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+paged_decode_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+                       const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
+                       const int* __restrict__ token_seq, const int* __restrict__ positions,
+                       float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
+                       bf16_t* __restrict__ out, int num_kv_heads, float scale) {
+    __shared__ float acc_s[WARPS][GQA][HEAD_DIM];
+    __shared__ float m_s[WARPS][GQA], l_s[WARPS][GQA];
+
+    const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z, S = gridDim.x;
+    const int num_heads = num_kv_heads * GQA;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int key = lane / KEY_LANES, sub = lane % KEY_LANES;
+    const int ctx = positions[t] + 1;                       // 0 for padded tokens
+    const int per_split = ((ctx + S - 1) / S + 15) / 16 * 16;
+    const int start = split * per_split, end = min(ctx, start + per_split);
+    const int* table = block_tables + (size_t)token_seq[t] * max_blocks;
+    const size_t row_stride = (size_t)num_kv_heads * HEAD_DIM;
+    const bf16_t* kbase = k_cache + (size_t)kvh * HEAD_DIM;
+    const bf16_t* vbase = v_cache + (size_t)kvh * HEAD_DIM;
+
+    // This lane's slices of the group's query heads, scaled into the log2 domain.
+    float qf[GQA][CHUNKS][VEC];
+    const bf16_t* qg = q + ((size_t)t * num_heads + (size_t)kvh * GQA) * HEAD_DIM;
+    #pragma unroll
+    for (int g = 0; g < GQA; ++g)
+        #pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int d0 = (c * KEY_LANES + sub) * VEC;
+            uint4 raw = make_uint4(0, 0, 0, 0);
+            if (d0 < HEAD_DIM) raw = *reinterpret_cast<const uint4*>(qg + g * HEAD_DIM + d0);
+            unpack8(raw, qf[g][c]);
+            #pragma unroll
+            for (int e = 0; e < VEC; ++e) qf[g][c][e] *= scale * LOG2E;
+        }
+    float acc[GQA][CHUNKS][VEC], m[GQA], l[GQA];
+    #pragma unroll
+    for (int g = 0; g < GQA; ++g) {
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+        #pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+            #pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[g][c][e] = 0.f;
+    }
+
+    const int stride = WARPS * KEYS_PER_ITER;
+    int slot_next[UNROLL];
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int p = start + warp * KEYS_PER_ITER + u * KEYS_PER_PASS + key;
+        slot_next[u] = p < end ? table[p >> 4] * 16 + (p & 15) : -1;
+    }
+    for (int base = start + warp * KEYS_PER_ITER; base < end; base += stride) {
+        int slot[UNROLL];
+        uint4 kr[UNROLL][CHUNKS], vr[UNROLL][CHUNKS];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            slot[u] = slot_next[u];
+            #pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) {
+                const int d0 = (c * KEY_LANES + sub) * VEC;
+                kr[u][c] = vr[u][c] = make_uint4(0, 0, 0, 0);
+                if (slot[u] >= 0 && d0 < HEAD_DIM) {
+                    kr[u][c] = __ldg(reinterpret_cast<const uint4*>(kbase + (size_t)slot[u] * row_stride + d0));
+                    vr[u][c] = __ldg(reinterpret_cast<const uint4*>(vbase + (size_t)slot[u] * row_stride + d0));
+                }
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {                  // the next iteration's slots, one trip ahead
+            const int p = base + stride + u * KEYS_PER_PASS + key;
+            slot_next[u] = p < end ? table[p >> 4] * 16 + (p & 15) : -1;
+        }
+        float s[UNROLL][GQA];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            float kf[CHUNKS][VEC];
+            #pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) unpack8(kr[u][c], kf[c]);
+            #pragma unroll
+            for (int g = 0; g < GQA; ++g) {
+                float dot = 0.f;
+                #pragma unroll
+                for (int c = 0; c < CHUNKS; ++c)
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) dot = fmaf(qf[g][c][e], kf[c][e], dot);
+                dot = key_sum(dot);
+                s[u][g] = slot[u] >= 0 ? dot : -INFINITY;
+            }
+        }
+        #pragma unroll
+        for (int g = 0; g < GQA; ++g) {
+            float mx = s[0][g];
+            #pragma unroll
+            for (int u = 1; u < UNROLL; ++u) mx = fmaxf(mx, s[u][g]);
+            const float m_new = fmaxf(m[g], across_keys_max(mx));   // finite: the warp's first key is valid
+            const float alpha = exp2f(m[g] - m_new);
+            m[g] = m_new;
+            l[g] *= alpha;
+            #pragma unroll
+            for (int c = 0; c < CHUNKS; ++c)
+                #pragma unroll
+                for (int e = 0; e < VEC; ++e) acc[g][c][e] *= alpha;
+            #pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const float p = exp2f(s[u][g] - m_new);       // 0 for invalid keys
+                l[g] += p;
+                #pragma unroll
+                for (int c = 0; c < CHUNKS; ++c) {
+                    float vf[VEC];
+                    unpack8(vr[u][c], vf);
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) acc[g][c][e] = fmaf(p, vf[e], acc[g][c][e]);
+                }
+            }
+        }
+    }
+    // Warp totals: every key lane-group of the warp shares the warp's running max.
+    #pragma unroll
+    for (int g = 0; g < GQA; ++g) {
+        l[g] = across_keys_sum(l[g]);
+        #pragma unroll
+        for (int c = 0; c < CHUNKS; ++c)
+            #pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[g][c][e] = across_keys_sum(acc[g][c][e]);
+        if (lane == 0) { m_s[warp][g] = m[g]; l_s[warp][g] = l[g]; }
+        if (key == 0) {
+            #pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) {
+                const int d0 = (c * KEY_LANES + sub) * VEC;
+                if (d0 < HEAD_DIM)
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) acc_s[warp][g][d0 + e] = acc[g][c][e];
+            }
+        }
+    }
+    __syncthreads();
+    // Merge the warps: one thread per (head of the group, d).
+    for (int i = threadIdx.x; i < GQA * HEAD_DIM; i += NTHREADS) {
+        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+        float mx = -INFINITY;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) if (l_s[w][g] > 0.f) mx = fmaxf(mx, m_s[w][g]);
+        float o = 0.f, sum = 0.f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            if (l_s[w][g] > 0.f) {
+                const float f = exp2f(m_s[w][g] - mx);
+                o += acc_s[w][g][d] * f;
+                sum += l_s[w][g] * f;
+            }
+        }
+        const size_t head = (size_t)t * num_heads + (size_t)kvh * GQA + g;
+        if (S == 1) {
+            out[head * HEAD_DIM + d] = f_to_bf16(sum > 0.f ? o / sum : 0.f);
+        } else {
+            const size_t row = head * S + split;
+            part_out[row * HEAD_DIM + d] = o;
+            if (d == 0) { part_max[row] = mx * LN2; part_sum[row] = sum; }
+        }
+    }
+}

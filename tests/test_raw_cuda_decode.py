@@ -1,0 +1,134 @@
+"""The decode kernels (paged_decode.cu, gemv.cu) against numpy references: fresh random inputs,
+poisoned outputs and partials, odd shapes, the Qwen3-4B/8B projection shapes, and the executor's
+Gemm routing (small M to gemv.cu, larger M to cuBLAS)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.test_raw_cuda_kernels import attention_ref, bits, dev, f32, poison
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    return cupy
+
+
+def attention_case(rng, D: int, Hkv: int):
+    """Three sequences (a 700-token context decoding, a 40-token prefill chunk on a 20-token prefix,
+    a 1-token context) in shuffled blocks, plus one padded token."""
+    nblocks = 128
+    kc, vc = bits(rng.standard_normal((nblocks * 16, Hkv, D))), bits(rng.standard_normal((nblocks * 16, Hkv, D)))
+    perm = rng.permutation(nblocks).astype(np.int32)
+    tables = np.zeros((3, 48), np.int32)
+    tables[0, :44], tables[1, :4], tables[2, :1] = perm[:44], perm[44:48], perm[48:49]
+    token_seq = np.array([0] + [1] * 40 + [2, 0], np.int32)
+    positions = np.array([699] + list(range(20, 60)) + [0, -1], np.int32)
+    return kc, vc, tables, token_seq, positions
+
+
+@pytest.mark.parametrize("D,Hq,Hkv,splits", [(128, 32, 8, 1), (128, 32, 8, 33), (128, 32, 8, 7), (16, 8, 2, 3),
+                                             (64, 4, 4, 16), (32, 4, 2, 64), (96, 8, 8, 5), (256, 8, 2, 4),
+                                             (128, 64, 8, 2)])
+def test_paged_decode_attention(cp, D, Hq, Hkv, splits):
+    from engine.executor.gpu_ops import decode_attention_fits
+    from kernels.raw_cuda import kernel
+
+    G = Hq // Hkv
+    assert decode_attention_fits(G, D)
+    rng = np.random.default_rng(D + Hq + splits)
+    kc, vc, tables, token_seq, positions = attention_case(rng, D, Hkv)
+    T, S = len(positions), splits
+    q = bits(rng.standard_normal((T, Hq, D)))
+    part_out = cp.full((T * Hq * S * D,), np.nan, np.float32)
+    part_max, part_sum = cp.full((T * Hq * S,), np.nan, np.float32), cp.full((T * Hq * S,), np.nan, np.float32)
+    out = poison(cp, (T, Hq * D))
+    scale = D ** -0.5
+    kernel("paged_decode", "paged_decode_attention", GQA=G, HEAD_DIM=D)(
+        (S, Hkv, T), (128,), (dev(cp, q), dev(cp, kc), dev(cp, vc), dev(cp, tables), np.int32(48),
+                              dev(cp, token_seq), dev(cp, positions), part_out, part_max, part_sum, out,
+                              np.int32(Hkv), np.float32(scale)))
+    if S > 1:
+        kernel("paged_attention", "attention_merge")((T * Hq,), (128,),
+                                                     (part_out, part_max, part_sum, out, np.int32(S), np.int32(D)))
+    ref = attention_ref(f32(q), f32(kc), f32(vc), tables, token_seq, positions, scale, G)
+    got = f32(out.get())
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, ref, atol=1.5e-2, rtol=1e-2)
+
+
+def gemv_ref(x, w):
+    return f32(x).astype(np.float64) @ f32(w).astype(np.float64).T
+
+
+SHAPES = [(1, 40, 264), (3, 17, 8), (8, 100, 2568), (9, 16, 32), (16, 2560, 4096), (17, 33, 72), (32, 65, 520),
+          (1, 6144, 2560), (4, 2560, 9728), (16, 4096, 4096), (2, 1024, 12288)]
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("fp32_out", [False, True])
+def test_gemv(cp, M, N, K, fp32_out):
+    from kernels.raw_cuda import kernel
+
+    rng = np.random.default_rng(M * 7 + N + K)
+    x, w = bits(rng.standard_normal((M, K))), bits(rng.standard_normal((N, K)) * K ** -0.5)
+    dtype = np.float32 if fp32_out else np.uint16
+    y = poison(cp, (M + 1, N), dtype)                  # row M must stay poisoned
+    nt = -(-M // 8)
+    kernel("gemv", f"gemv_{'f32' if fp32_out else 'bf16'}_n{nt}")(
+        (-(-N // 16),), (256,), (dev(cp, x), dev(cp, w), y, np.int32(M), np.int32(N), np.int32(K)))
+    got = y.get()
+    tail = got[M]
+    assert np.all(np.isnan(tail)) if fp32_out else np.all(tail == 0x7FC1)
+    got = got[:M] if fp32_out else f32(got[:M])
+    ref = gemv_ref(x, w)
+    tol = 1e-4 if fp32_out else 8e-3                   # fp32 summation order / one bf16 rounding
+    np.testing.assert_allclose(got, ref, atol=tol * 4, rtol=tol)
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 40])
+def test_gemm_routes_small_m_to_gemv(cp, M):
+    """Gemm(gemv_max_m=16) matches cuBLAS (Gemm()) on both sides of the threshold, bf16 and fp32 out."""
+    from engine.executor.gpu_gemm import Gemm
+
+    rng = np.random.default_rng(M)
+    N, K = 336, 2560
+    x, w = dev(cp, bits(rng.standard_normal((M, K)))), dev(cp, bits(rng.standard_normal((N, K)) * K ** -0.5))
+    stream = cp.cuda.Stream(non_blocking=True)
+    small, blas = Gemm(stream, gemv_max_m=16), Gemm(stream)
+    for dtype in (np.uint16, np.float32):
+        a, b = poison(cp, (M, N), dtype), poison(cp, (M, N), dtype)
+        small(x, w, a)
+        blas(x, w, b)
+        stream.synchronize()
+        fa, fb = (a.get(), b.get()) if dtype == np.float32 else (f32(a.get()), f32(b.get()))
+        np.testing.assert_allclose(fa, fb, atol=1e-2 if dtype == np.uint16 else 1e-4, rtol=1e-2)
+        np.testing.assert_allclose(fa, gemv_ref(x.get(), w.get()), atol=2e-2, rtol=1e-2)
+    assert small._gemv if M <= 16 else not small._gemv      # the kernels it compiled say which path ran
+    small.close()
+    blas.close()
+
+
+def test_executor_decode_kernels_match_default():
+    """Greedy decode with the new decode kernels (eager and graphs) equals the default kernels', or
+    differs only at a tie of the default executor's own logprobs."""
+    from engine.loader import load_model
+    from tests.models_util import tiny_model_path
+    from tests.test_gpu_executor import MIN_TIE_TOL, assert_same_or_tie, greedy, new_gpu_executor, random_sequences
+
+    model = load_model(tiny_model_path("qwen3_gqa4"))
+    old = new_gpu_executor(model, use_cuda_graphs=False, decode_kernels="")
+    new = new_gpu_executor(model, decode_kernels="attention,gemv")
+    new_eager = new_gpu_executor(model, use_cuda_graphs=False, decode_kernels="all")
+    assert new.ops.fast_attention and new.gemm.gemv_max_m == 16 and not old.ops.fast_attention
+    prompts = random_sequences(model.config.vocab_size, [5, 30, 17, 64, 1], seed=9)
+    ref = greedy(old, prompts, 16)
+    for ex, what in ((new, "graphs"), (new_eager, "eager")):
+        got = greedy(ex, prompts, 16)
+        for p, a, b in zip(prompts, got, ref):
+            assert_same_or_tie(old, p, a, b, MIN_TIE_TOL, f"decode kernels ({what}) vs default")
+    for ex in (old, new, new_eager):
+        ex.close()
