@@ -143,8 +143,8 @@ def test_tensor_names():
         hf_tensor_name("blk.0.ssm_a")
 
 
-def write_llama_gguf(src: str, path: str) -> None:
-    """Write an HF llama folder as a GGUF file the way llama.cpp does (permuted Q/K, F32)."""
+def write_gguf(src: str, path: str, arch: str) -> None:
+    """Write an HF folder as a GGUF file the way llama.cpp does (F32; Q/K rows permuted for llama)."""
     import gguf
     cfg = ModelConfig.from_file(src)
     tok = json.load(open(os.path.join(src, "tokenizer.json"), encoding="utf-8"))
@@ -154,12 +154,14 @@ def write_llama_gguf(src: str, path: str) -> None:
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    w = gguf.GGUFWriter(path, "llama")
+    w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_context_length(cfg.max_position_embeddings)
@@ -178,13 +180,13 @@ def write_llama_gguf(src: str, path: str) -> None:
                ["token_embd.weight", "output_norm.weight", "output.weight"]
                + [f"blk.{i}.{k}.weight" for i in range(cfg.num_hidden_layers) for k in
                   ("attn_norm", "ffn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                   "ffn_gate", "ffn_up", "ffn_down")]}
+                   "ffn_gate", "ffn_up", "ffn_down", "attn_q_norm", "attn_k_norm")]}
     for name in ckpt.keys():
         a = np.asarray(ckpt.get(name), dtype=np.float32)
         g = inverse[name]
-        if ".attn_q." in g:
+        if arch == "llama" and ".attn_q." in g:
             a = llama_cpp_permute(a, cfg.num_attention_heads)
-        elif ".attn_k." in g:
+        elif arch == "llama" and ".attn_k." in g:
             a = llama_cpp_permute(a, cfg.num_key_value_heads)
         w.add_tensor(g, a)
     w.write_header_to_file()
@@ -195,15 +197,17 @@ def write_llama_gguf(src: str, path: str) -> None:
 
 @pytest.mark.skipif(qwen_tokenizer_dir() is None, reason="needs the Qwen tokenizer (shared/models)")
 @pytest.mark.slow
-def test_gguf_round_trip_llama(tmp_path):
-    """HF llama -> GGUF (llama.cpp layout) -> engine conversion gives back the same weights,
-    config and tokenizer."""
-    src = build_tiny_model("llama", str(tmp_path / "hf"), seed=7, rope_scaling=None)
+@pytest.mark.parametrize("arch,tiny", [("llama", "llama"), ("qwen3", "qwen3_tied")])
+def test_gguf_round_trip(tmp_path, arch, tiny):
+    """HF folder -> GGUF (llama.cpp layout) -> engine conversion gives back the same weights,
+    config and tokenizer (llama: permuted Q/K; qwen3: q/k norms, head_dim != hidden/heads, tied)."""
+    src = build_tiny_model(tiny, str(tmp_path / "hf"), seed=7, rope_scaling=None)
     gguf_path = str(tmp_path / "tiny.gguf")
-    write_llama_gguf(src, gguf_path)
+    write_gguf(src, gguf_path, arch)
     folder = convert_gguf(gguf_path, out_dir=str(tmp_path / "converted"), progress=False)
     a, b = load_model(src), load_model(folder)
-    assert b.config.num_key_value_heads == a.config.num_key_value_heads and not b.config.tie_word_embeddings
+    for key in ("model_type", "num_key_value_heads", "head_dim", "tie_word_embeddings", "vocab_size"):
+        assert getattr(b.config, key) == getattr(a.config, key), key
     for name, w in a.weights.items():
         np.testing.assert_array_equal(np.asarray(b.weights[name], np.float32), np.asarray(w, np.float32),
                                       err_msg=name)
