@@ -9,6 +9,11 @@ same run times HF transformers (bf16, no compile, same weights) as the peer, and
 of one eager batch-1 step (CUDA events around each op) with each op's weight-read roofline.
 
     python3 bench/decode.py --out DIR [--models qwen3-4b,qwen3-8b] [--batches 1,8,32,128,256]
+        [--kernels "none;all"] [--micro]
+--kernels runs the batches once per decode-kernel setting (GpuExecutor.set_decode_kernels: "none" is
+the default path, "all" paged_decode.cu + gemv.cu) on the same executor and weights, and reports the
+fraction of sequences whose first 4 greedy tokens equal the first setting's. --micro adds the per-kernel
+table (bench/decode_micro.py): each projection GEMM and decode attention, old vs new, with its roofline.
 Writes DIR/decode.json, DIR/decode.md and DIR/decode.png.
 """
 from __future__ import annotations
@@ -94,11 +99,13 @@ def run_batch(ex, cfg, batch: int, prompt: int, steps: int, bw: float, weight_by
         if step >= 3:                              # the first steps capture the graph
             step_s.append(t2 - t0)
             host_s.append((t1 - t0) + ex.last_host_s)
+    first_tokens = [tuple(t[prompt:prompt + 4]) for t in toks]      # prefill's pick + 3 decode steps
     ctx = prompt + steps / 2
     kv_bytes = batch * ctx * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     ms = float(np.median(step_s) * 1e3)
     floor_ms = (weight_bytes + kv_bytes) / bw * 1e3
-    return dict(batch=batch, ms_per_step=ms, tokens_per_s=batch / ms * 1e3, roofline_ms=floor_ms,
+    return dict(batch=batch, first_tokens=first_tokens, ms_per_step=ms, tokens_per_s=batch / ms * 1e3,
+                roofline_ms=floor_ms,
                 roofline_fraction=floor_ms / ms, host_ms=float(np.median(host_s) * 1e3),
                 host_fraction=float(np.median(host_s)) / float(np.median(step_s)))
 
@@ -149,7 +156,8 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms"])
 
 
-def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: float, hf_batches: list[int]) -> dict:
+def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: float, hf_batches: list[int],
+                kernel_sets: list[str], micro: bool) -> dict:
     import torch
 
     from engine.executor.gpu import GpuExecutor
@@ -171,35 +179,50 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     per_seq = -(-(prompt + steps + 1) // BLOCK_SIZE)
     t = time.perf_counter()
     ex = GpuExecutor(model, num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
-                     max_num_batched_tokens=2048, max_num_seqs=max_b, progress=False)
+                     max_num_batched_tokens=2048, max_num_seqs=max_b, progress=False, decode_kernels=kernel_sets[0])
     print(f"[{name}] executor up in {time.perf_counter() - t:.1f}s ({weight_bytes / 1e9:.2f} GB of weights)", flush=True)
-    rows = []
-    for b in batches:
-        r = run_batch(ex, cfg, b, prompt, steps, bw, weight_bytes)
-        r["hf_ms_per_step"] = hf_rows.get(b)
-        rows.append(r)
-        print(f"[{name}] {json.dumps(r)}", flush=True)
-    breakdown = op_breakdown(ex, cfg, bw)
+    rows, breakdown, first = [], {}, {}
+    for ks in kernel_sets:
+        ex.set_decode_kernels(ks)
+        for b in batches:
+            r = run_batch(ex, cfg, b, prompt, steps, bw, weight_bytes)
+            r["kernels"], r["hf_ms_per_step"] = ks, hf_rows.get(b)
+            toks = r.pop("first_tokens")
+            ref = first.setdefault(b, toks)
+            r["first_step_same"] = sum(x == y for x, y in zip(toks, ref)) / len(ref)
+            rows.append(r)
+            print(f"[{name}] {json.dumps(r)}", flush=True)
+        breakdown[ks] = op_breakdown(ex, cfg, bw)
+    micro_rows = []
+    if micro:
+        from bench.decode_micro import micro_bench
+        micro_rows = micro_bench(ex, cfg, bw)
     ex.close()
-    return dict(model=name, weight_bytes=weight_bytes, rows=rows, breakdown=breakdown)
+    return dict(model=name, weight_bytes=weight_bytes, rows=rows, breakdown=breakdown, micro=micro_rows)
 
 
 def report(results: list[dict], bw: float, out: str) -> str:
     lines = [f"device-copy bandwidth (read + write): {bw / 1e12:.2f} TB/s", "",
-             "| model | batch | ms/step | tokens/s | roofline ms | roofline fraction | host ms/step | host/step | HF bf16 ms/step |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | kernels | batch | ms/step | tokens/s | roofline ms | roofline fraction | host ms/step | "
+             "host/step | first 4 tokens same | HF bf16 ms/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for r in res["rows"]:
             hf = f"{r['hf_ms_per_step']:.2f}" if r["hf_ms_per_step"] else "-"
-            lines.append(f"| {res['model']} | {r['batch']} | {r['ms_per_step']:.3f} | {r['tokens_per_s']:.0f} | "
-                         f"{r['roofline_ms']:.3f} | {r['roofline_fraction']:.2f} | {r['host_ms']:.3f} | "
-                         f"{r['host_fraction']:.2f} | {hf} |")
+            lines.append(f"| {res['model']} | {r['kernels'] or 'none'} | {r['batch']} | {r['ms_per_step']:.3f} | "
+                         f"{r['tokens_per_s']:.0f} | {r['roofline_ms']:.3f} | {r['roofline_fraction']:.2f} | "
+                         f"{r['host_ms']:.3f} | {r['host_fraction']:.2f} | {r['first_step_same']:.2f} | {hf} |")
     for res in results:
-        lines += ["", f"{res['model']}: one eager batch-1 decode step, per op (CUDA events; includes launch gaps)", "",
-                  "| op | calls | ms | weight bytes | fraction of its weight-read roofline |", "|---|---|---|---|---|"]
-        for r in res["breakdown"]:
-            frac = f"{r['roofline_fraction']:.2f}" if r["roofline_fraction"] else "-"
-            lines.append(f"| {r['op']} | {r['calls']} | {r['ms']:.3f} | {r['weight_bytes'] / 1e6:.0f} MB | {frac} |")
+        for ks, table in res["breakdown"].items():
+            lines += ["", f"{res['model']}, kernels {ks or 'none'}: one eager batch-1 decode step, per op "
+                      "(CUDA events; includes launch gaps)", "",
+                      "| op | calls | ms | weight bytes | fraction of its weight-read roofline |", "|---|---|---|---|---|"]
+            for r in table:
+                frac = f"{r['roofline_fraction']:.2f}" if r["roofline_fraction"] else "-"
+                lines.append(f"| {r['op']} | {r['calls']} | {r['ms']:.3f} | {r['weight_bytes'] / 1e6:.0f} MB | {frac} |")
+        if res.get("micro"):
+            from bench.decode_micro import micro_table
+            lines += ["", f"{res['model']}: per kernel, old vs new (CUDA events, median of 20)", ""] + micro_table(res["micro"])
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, "decode.md"), "w") as f:
         f.write(text)
@@ -209,9 +232,12 @@ def report(results: list[dict], bw: float, out: str) -> str:
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 4))
         for res in results:
-            b = [r["batch"] for r in res["rows"]]
-            ax.plot(b, [r["ms_per_step"] for r in res["rows"]], "o-", label=f"{res['model']} openinfer")
-            ax.plot(b, [r["roofline_ms"] for r in res["rows"]], "--", label=f"{res['model']} HBM roofline")
+            for ks in dict.fromkeys(r["kernels"] for r in res["rows"]):
+                rows = [r for r in res["rows"] if r["kernels"] == ks]
+                ax.plot([r["batch"] for r in rows], [r["ms_per_step"] for r in rows], "o-",
+                        label=f"{res['model']} openinfer ({ks or 'none'})")
+            rows = [r for r in res["rows"] if r["kernels"] == res["rows"][0]["kernels"]]
+            ax.plot([r["batch"] for r in rows], [r["roofline_ms"] for r in rows], "--", label=f"{res['model']} HBM roofline")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch")
         ax.set_ylabel("ms per decode step")
@@ -224,6 +250,24 @@ def report(results: list[dict], bw: float, out: str) -> str:
     return text
 
 
+def summary(paths: list[str]) -> str:
+    """One compact table over decode.json files: each (model, batch), every kernel setting's ms/step
+    and roofline fraction, the last setting's speedup over the first."""
+    lines = ["| model | batch | " + " | ".join(["kernels", "ms/step", "roofline fraction", "first 4 tokens same"]) +
+             " | speedup vs first |", "|---|---|---|---|---|---|---|"]
+    for path in paths:
+        if not os.path.exists(path):
+            lines.append(f"| (missing {path}) |")
+            continue
+        for res in json.load(open(path))["results"]:
+            base = {}
+            for r in res["rows"]:
+                ref = base.setdefault(r["batch"], r["ms_per_step"])
+                lines.append(f"| {res['model']} | {r['batch']} | {r['kernels'] or 'none'} | {r['ms_per_step']:.3f} | "
+                             f"{r['roofline_fraction']:.2f} | {r['first_step_same']:.2f} | {ref / r['ms_per_step']:.2f}x |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="qwen3-4b,qwen3-8b")
@@ -231,8 +275,14 @@ def main() -> None:
     p.add_argument("--hf-batches", default="1,32")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--kernels", default="none", help="';'-separated decode-kernel settings, e.g. 'none;all'")
+    p.add_argument("--micro", action="store_true", help="per-kernel old vs new table")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    p.add_argument("--summary", nargs="+", metavar="DECODE_JSON", help="only print the compact table of these runs")
     a = p.parse_args()
+    if a.summary:
+        print(summary(a.summary))
+        return
     os.makedirs(a.out, exist_ok=True)
     bw = copy_bandwidth()
     print(f"device-copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
@@ -240,7 +290,8 @@ def main() -> None:
     hf_batches = [int(x) for x in a.hf_batches.split(",") if x]
     results = []
     for m in a.models.split(","):          # report after each model: a cut-off run keeps what it measured
-        results.append(bench_model(m, batches, a.prompt, a.steps, bw, hf_batches))
+        results.append(bench_model(m, batches, a.prompt, a.steps, bw, hf_batches,
+                                   [k.strip() for k in a.kernels.split(";")], a.micro))
         with open(os.path.join(a.out, "decode.json"), "w") as f:
             json.dump(dict(bandwidth=bw, results=results), f, indent=1)
         text = report(results, bw, a.out)

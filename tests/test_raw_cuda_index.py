@@ -103,3 +103,60 @@ def test_decode_attention_walk_covers_each_key_once(D, ctx, S):
     np.testing.assert_array_equal(seen, 1)
     slices = sorted((c * kl + sub) for c in range(chunks) for sub in range(kl) if (c * kl + sub) * 8 < D)
     assert slices == list(range(D // 8))
+
+
+def decode_attention_model(q, k, v, ctx: int, S: int, D: int):
+    """paged_decode.cu's arithmetic for one (token, KV head): log2-domain scores, per-warp online
+    softmax over (iteration, pass) with a warp-uniform running max, the warps merged in the CTA,
+    then attention_merge over the splits (natural-log maxima)."""
+    kl = key_lanes(D)
+    kpp, G = 32 // kl, q.shape[0]
+    kpi = kpp * UNROLL
+    qs = q * D ** -0.5 * np.log2(np.e)
+    per_split = (-(-ctx // S) + 15) // 16 * 16 if ctx else 0
+    parts = []
+    for split in range(S):
+        start, end = split * per_split, min(ctx, split * per_split + per_split)
+        warps = []
+        for warp in range(WARPS):
+            m, lsum, acc = np.full(G, -np.inf), np.zeros(G), np.zeros((G, D))
+            for base in range(start + warp * kpi, end, WARPS * kpi):
+                keys = [p for p in range(base, base + kpi) if p < end]
+                s = qs @ k[keys].T                                  # [G, keys]
+                m_new = np.maximum(m, s.max(1))
+                alpha = np.exp2(m - m_new)
+                p = np.exp2(s - m_new[:, None])
+                lsum = lsum * alpha + p.sum(1)
+                acc = acc * alpha[:, None] + p @ v[keys]
+                m = m_new
+            warps.append((m, lsum, acc))
+        mx = np.max([np.where(w[1] > 0, w[0], -np.inf) for w in warps], 0)
+        o, tot = np.zeros((G, D)), np.zeros(G)
+        for m, lsum, acc in warps:
+            f = np.where(lsum > 0, np.exp2(np.where(lsum > 0, m, 0) - np.where(np.isfinite(mx), mx, 0)), 0)
+            o += acc * f[:, None]
+            tot += lsum * f
+        parts.append((mx * np.log(2), tot, o))
+    if S == 1:
+        return np.where(parts[0][1][:, None] > 0, parts[0][2] / np.maximum(parts[0][1], 1e-300)[:, None], 0)
+    live = [pt for pt in parts if np.all(pt[1] > 0)]
+    if not live:
+        return np.zeros((G, D))
+    m = np.max([pt[0] for pt in live], 0)
+    num = sum(pt[2] * np.exp(pt[0] - m)[:, None] for pt in live)
+    den = sum(pt[1] * np.exp(pt[0] - m) for pt in live)
+    return num / den[:, None]
+
+
+@pytest.mark.parametrize("D,G,ctx,S", [(128, 4, 700, 1), (128, 4, 129, 33), (16, 4, 60, 3), (64, 1, 1, 16),
+                                       (96, 2, 257, 5), (128, 4, 0, 4)])
+def test_decode_attention_arithmetic(D, G, ctx, S):
+    rng = np.random.default_rng(ctx + S)
+    q, k, v = rng.standard_normal((G, D)), rng.standard_normal((max(ctx, 1), D)), rng.standard_normal((max(ctx, 1), D))
+    got = decode_attention_model(q, k, v, ctx, S, D)
+    if ctx == 0:
+        np.testing.assert_array_equal(got, 0)
+        return
+    s = q @ k[:ctx].T * D ** -0.5
+    w = np.exp(s - s.max(1, keepdims=True))
+    np.testing.assert_allclose(got, (w / w.sum(1, keepdims=True)) @ v[:ctx], rtol=1e-9, atol=1e-12)

