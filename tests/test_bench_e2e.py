@@ -114,3 +114,19 @@ def test_client_ttft_brackets_the_server_measured_ttft(served_tiny_model):
     assert after[1] - before[1] == 4
     server_sum, client_sum = after[0] - before[0], sum(r.ttft for r in results)
     assert server_sum - 0.005 <= client_sum <= server_sum + 4 * 0.5, (client_sum, server_sum)
+
+
+def test_shared_prefix_prompts_hit_the_prefix_cache(served_tiny_model):
+    """--prefix-len: one random prefix shared by every prompt, so later requests reuse its KV blocks."""
+    import asyncio
+    from bench.common_data import load_tokenizer, random_requests
+    from bench.serve import probe, run_benchmark
+    url, model = served_tiny_model
+    specs = random_requests(load_tokenizer(model), 4, 8, 2, prefix_len=32, seed=12)
+    name = asyncio.run(probe(url, None, random_requests(load_tokenizer(model), 1, 20, 2, seed=13)[0],
+                             "completions", True, None))
+    results, _ = asyncio.run(run_benchmark(specs, url, name, float("inf"), max_concurrency=1))
+    assert all(r.success for r in results)
+    assert results[0].cached_tokens == 0
+    # the 32 prefix tokens are two full blocks; the boundary token may merge with the body's first
+    assert all(r.cached_tokens in (16, 32) for r in results[1:]), [r.cached_tokens for r in results]
