@@ -1,7 +1,7 @@
 """Per-kernel decode timings, old vs new, with each kernel's HBM roofline fraction (bytes it must read
 ÷ the device-copy bandwidth of the run): every projection GEMM of a model at M = 1, 8, 16, 32 (cuBLAS
 vs gemv.cu, on the executor's own weights), and decode attention at batch 1 / 32 and context 256 /
-4096 (paged_attention_split + merge vs paged_decode.cu [+ merge]) on a random paged cache.
+4096 (paged_attention_split + attention_merge vs paged_decode.cu, merge inside) on a random paged cache.
 Called by bench/decode.py --micro."""
 from __future__ import annotations
 
@@ -83,18 +83,13 @@ def attention_rows(ex, cfg, bw: float) -> list[dict]:
         common = (q, kc, vc, tables, np.int32(blocks), seq, pos) + parts
         scale = np.float32(D ** -0.5)
 
-        def merge(s):
-            ops.k_merge((B * Hq,), (128,), parts + (out, np.int32(s), np.int32(D)), stream=ex.stream)
-
         def old():
             ops.k_attn((s_old, Hkv, B), (128,), common + (np.int32(Hq), np.int32(Hkv), np.int32(D), scale),
                        stream=ex.stream)
-            merge(s_old)
+            ops.k_merge((B * Hq,), (128,), parts + (out, np.int32(s_old), np.int32(D)), stream=ex.stream)
 
         def fast():
-            new((s_new, Hkv, B), (128,), common + (out, np.int32(Hkv), scale), stream=ex.stream)
-            if s_new > 1:
-                merge(s_new)
+            new((s_new, Hkv, B), (128,), common + (out, ops.split_counters, np.int32(Hkv), scale), stream=ex.stream)
 
         floor = B * ctx * Hkv * D * 2 * 2 / bw * 1e3
         rows.append(dict(kernel="attention", case=f"B={B} ctx={ctx} splits {s_old}/{s_new}",

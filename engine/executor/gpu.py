@@ -81,7 +81,7 @@ class GpuExecutor:
         max_width = max(2 * I, (Hq + 2 * Hkv) * D, H)
         n_inputs = 5 * self.max_tokens + self.max_seqs * self.max_blocks
         act_bytes = (RING_SLOTS * self.max_tokens * max_width * 2 + self.max_tokens * V * 4
-                     + (self.max_tokens + 2 * NUM_SMS) * Hq * (D + 2) * 4
+                     + (self.max_tokens + 2 * NUM_SMS) * Hq * (D + 2) * 4 + self.max_tokens * Hq * 4
                      + 2 * self.max_seqs * V * 4 + 4 * PENALTY_ENTRIES * 4
                      + self.max_seqs * (MAX_TOP_LOGPROBS * 8 + 64) + n_inputs * 4 + WORKSPACE_BYTES)
         weight_bytes = sum(int(a.size) * 2 for a in model.weights.values())

@@ -76,6 +76,9 @@ class GpuOps:
         self.part_out = arena.take("activations.attn_part_out", (part_rows * head_dim,), np.float32)
         self.part_max = arena.take("activations.attn_part_max", (part_rows,), np.float32)
         self.part_sum = arena.take("activations.attn_part_sum", (part_rows,), np.float32)
+        # paged_decode.cu's split tickets, one per (token, KV head); zero between launches.
+        self.split_counters = arena.take("activations.attn_split_counters", (max_tokens * num_heads,), np.int32)
+        cupy.cuda.runtime.memsetAsync(self.split_counters.data.ptr, 0, self.split_counters.nbytes, stream.ptr)
         self.k_embed = kernel("embedding", "embedding_gather")
         self.k_rms = kernel("rms_norm", "rms_norm_residual")
         self.k_rope = kernel("qk_norm_rope_cache", "qk_norm_rope_cache")
@@ -169,7 +172,7 @@ class GpuOps:
         if Hq // Hkv > MAX_GROUP or D > MAX_HEAD_DIM or D % 2 or Hq % Hkv:
             raise ValueError(f"attention kernel supports an even D <= {MAX_HEAD_DIM}, "
                              f"Hq/Hkv <= {MAX_GROUP}; got Hq={Hq}, Hkv={Hkv}, D={D}")
-        if T * Hq * S > self.part_max.shape[0]:
+        if T * Hq * S > self.part_max.shape[0] or S > MAX_DECODE_SPLITS:
             raise ValueError(f"attention partials: {T} tokens x {S} splits exceed the buffer")
         kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
         out = self._out(T, Hq * D)
@@ -177,11 +180,8 @@ class GpuOps:
         if fast is not None:
             self._launch(fast, (S, Hkv, T), (128,),
                          (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq,
-                          ctx.positions, self.part_out, self.part_max, self.part_sum, out, np.int32(Hkv),
-                          np.float32(spec.scale)))
-            if S > 1:
-                self._launch(self.k_merge, (T * Hq,), (128,),
-                             (self.part_out, self.part_max, self.part_sum, out, np.int32(S), np.int32(D)))
+                          ctx.positions, self.part_out, self.part_max, self.part_sum, out, self.split_counters,
+                          np.int32(Hkv), np.float32(spec.scale)))
             return out
         self._launch(self.k_attn, (S, Hkv, T), (128,),
                      (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq,

@@ -10,8 +10,10 @@
 //    fetched one iteration ahead.
 //  * scores in the log2 domain (q pre-scaled by scale·log2 e, exp2f), online softmax per warp (the running
 //    max is warp-uniform, the sums and P·V stay per lane), then one merge of the warps in shared memory.
-//  * num_splits == 1: the CTA writes the normalized bf16 output itself (no merge launch); otherwise it
-//    writes its fp32 partial (acc, max in natural-log units, sum) for attention_merge (paged_attention.cu).
+//  * num_splits == 1: the CTA writes the normalized bf16 output itself. Otherwise it writes its fp32 partial
+//    (acc, max in natural-log units, sum: attention_merge's layout) and takes a ticket from
+//    counters[t·Hkv + kvh]; the last split's CTA merges all of them and resets the counter to 0 (the
+//    buffer starts zeroed and is zero again after every launch, so graphs replay it as is): no merge launch.
 // Roofline (decode, batch B, context C): bytes = B·C·Hkv·D·2·2 (K and V once per KV head) per layer;
 // Qwen3-4B (Hkv 8, D 128) at C = 4096: 16.8 MB/layer per sequence, 3.9 µs at 4.3 TB/s. At batch 1 and
 // C ~ 256 (1 MB/layer) it is latency-bound: two dependent DRAM round trips (table, K/V) plus the merge.
@@ -34,6 +36,7 @@
 #define KEYS_PER_ITER (KEYS_PER_PASS * UNROLL)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+#define MAX_SPLITS 64                                    // gpu_ops.MAX_DECODE_SPLITS
 
 __device__ __forceinline__ void unpack8(const uint4 v, float f[VEC]) {
     const unsigned w[4] = {v.x, v.y, v.z, v.w};
@@ -66,9 +69,11 @@ paged_decode_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ 
                        const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
                        const int* __restrict__ token_seq, const int* __restrict__ positions,
                        float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
-                       bf16_t* __restrict__ out, int num_kv_heads, float scale) {
+                       bf16_t* __restrict__ out, int* __restrict__ counters, int num_kv_heads, float scale) {
     __shared__ float acc_s[WARPS][GQA][HEAD_DIM];
     __shared__ float m_s[WARPS][GQA], l_s[WARPS][GQA];
+    __shared__ float weight_s[GQA][MAX_SPLITS];
+    __shared__ int is_last;
 
     const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z, S = gridDim.x;
     const int num_heads = num_kv_heads * GQA;
@@ -223,4 +228,42 @@ paged_decode_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ 
             if (d == 0) { part_max[row] = mx * LN2; part_sum[row] = sum; }
         }
     }
+    if (S == 1) return;
+    __threadfence();                                        // this CTA's partials, visible before its ticket
+    __syncthreads();
+    int* counter = counters + (size_t)t * num_kv_heads + kvh;
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == S - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    // The last CTA: per head, the splits' weights e^(m_s − m) / Σ e^(m_s − m)·l_s (one warp per head) ...
+    for (int g = warp; g < GQA; g += WARPS) {
+        const size_t rows = ((size_t)t * num_heads + (size_t)kvh * GQA + g) * S;
+        float mx = -INFINITY;
+        for (int sp = lane; sp < S; sp += 32)
+            if (__ldcg(part_sum + rows + sp) > 0.f) mx = fmaxf(mx, __ldcg(part_max + rows + sp));
+        mx = warp_max(mx);
+        float den = 0.f;
+        for (int sp = lane; sp < S; sp += 32) {
+            const float l = __ldcg(part_sum + rows + sp);
+            const float f = l > 0.f ? expf(__ldcg(part_max + rows + sp) - mx) : 0.f;
+            weight_s[g][sp] = f;
+            den += l * f;
+        }
+        den = warp_sum(den);
+        for (int sp = lane; sp < S; sp += 32) weight_s[g][sp] = den > 0.f ? weight_s[g][sp] / den : 0.f;
+    }
+    __syncthreads();
+    // ... then o[head, d] = Σ_s weight_s · out_s[d].
+    for (int i = threadIdx.x; i < GQA * HEAD_DIM; i += NTHREADS) {
+        const int g = i / HEAD_DIM, d = i % HEAD_DIM;
+        const size_t head = (size_t)t * num_heads + (size_t)kvh * GQA + g;
+        float o = 0.f;
+        for (int sp = 0; sp < S; ++sp) {
+            const float f = weight_s[g][sp];
+            if (f > 0.f) o += __ldcg(part_out + (head * S + sp) * HEAD_DIM + d) * f;
+        }
+        out[head * HEAD_DIM + d] = f_to_bf16(o);
+    }
+    if (threadIdx.x == 0) *counter = 0;
 }
