@@ -26,17 +26,28 @@ def _cuda_include() -> str | None:
     return None
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(KERNEL_DIR, "*.cu"))), ids=os.path.basename)
-def test_kernel_compiles_with_nvrtc(path):
+def _compile(path: str, *defines: str) -> None:
     nvrtc, include = _nvrtc(), _cuda_include()
     if nvrtc is None or include is None:
         pytest.skip("libnvrtc or the CUDA headers are not available")
     with open(path, "rb") as f:
         _, prog = nvrtc.nvrtcCreateProgram(f.read(), os.path.basename(path).encode(), 0, [], [])
     opts = [f"-I{KERNEL_DIR}".encode(), f"-I{include}".encode(), b"--gpu-architecture=sm_90"]
+    opts += [f"-D{d}".encode() for d in defines]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
     log = b" " * size
     nvrtc.nvrtcGetProgramLog(prog, log)
     nvrtc.nvrtcDestroyProgram(prog)
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(KERNEL_DIR, "*.cu"))), ids=os.path.basename)
+def test_kernel_compiles_with_nvrtc(path):
+    _compile(path)
+
+
+@pytest.mark.parametrize("gqa,head_dim", [(1, 16), (4, 16), (2, 32), (8, 64), (4, 128), (8, 128), (8, 96), (4, 256)])
+def test_paged_decode_compiles_for_each_shape(gqa, head_dim):
+    """paged_decode.cu is specialized per (GQA, HEAD_DIM) with -D options, as GpuOps compiles it."""
+    _compile(os.path.join(KERNEL_DIR, "paged_decode.cu"), f"GQA={gqa}", f"HEAD_DIM={head_dim}")
