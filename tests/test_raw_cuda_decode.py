@@ -126,9 +126,14 @@ def test_executor_decode_kernels_match_default():
     assert new.ops.fast_attention and new.gemm.gemv_max_m == 16 and not old.ops.fast_attention
     prompts = random_sequences(model.config.vocab_size, [5, 30, 17, 64, 1], seed=9)
     ref = greedy(old, prompts, 16)
-    for ex, what in ((new, "graphs"), (new_eager, "eager")):
+    switched = new_gpu_executor(model, decode_kernels="")
+    greedy(switched, prompts, 4)                      # graphs captured with the default kernels ...
+    switched.set_decode_kernels("attention,gemv:32")  # ... dropped: recaptured with the new ones
+    assert switched.ops.fast_attention and switched.gemm.gemv_max_m == 32
+    for ex, what in ((new, "graphs"), (new_eager, "eager"), (switched, "switched")):
         got = greedy(ex, prompts, 16)
         for p, a, b in zip(prompts, got, ref):
             assert_same_or_tie(old, p, a, b, MIN_TIE_TOL, f"decode kernels ({what}) vs default")
-    for ex in (old, new, new_eager):
+    assert switched.gemm._gemv and switched.ops._decode_kernels
+    for ex in (old, new, new_eager, switched):
         ex.close()
