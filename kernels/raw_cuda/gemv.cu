@@ -4,7 +4,8 @@
 // and the products run on the tensor cores (mma.m16n8k16, bf16): a dot product does not care in which
 // order k is summed, so each lane's 8 consecutive k are mapped onto the fragment slots it owns (A and B
 // alike), which keeps every load 16-byte and coalesced (8 x 64-byte row segments per half-warp).
-// UNROLL k steps (2·UNROLL weight loads per lane, 4 KB per warp at UNROLL 4) are issued before use.
+// UNROLL k steps (2·UNROLL weight loads per lane: 8 KB per warp at UNROLL 8, M <= 16; 4 at M <= 32,
+// where the x fragments take the registers) are issued before any is used.
 // The warps' partial tiles are summed in shared memory. x is read straight from global (it is tiny
 // and shared by all CTAs through L2; within a CTA each x element is read once, so staging it in shared
 // memory would buy nothing). K must be a multiple of 8 and the rows 16-byte aligned.
@@ -13,7 +14,7 @@
 #include "common.cuh"
 
 #define GEMV_WARPS 8
-#define GEMV_UNROLL 4
+#define GEMV_UNROLL(NT) ((NT) <= 2 ? 8 : 4)
 
 __device__ __forceinline__ void mma_16816(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                           unsigned b0, unsigned b1) {
@@ -22,6 +23,9 @@ __device__ __forceinline__ void mma_16816(float c[4], unsigned a0, unsigned a1, 
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+__device__ const uint4 kZero16 = {0u, 0u, 0u, 0u};
+__device__ __forceinline__ const bf16_t* zero16() { return reinterpret_cast<const bf16_t*>(&kZero16); }
 
 __device__ __forceinline__ uint4 load_streaming(const bf16_t* p) {   // weights: read once, evict first
     return __ldcs(reinterpret_cast<const uint4*>(p));
@@ -54,21 +58,23 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
     float c[NT][4];
     #pragma unroll
     for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int s0 = s_begin; s0 < s_end; s0 += GEMV_UNROLL) {
-        uint4 a_lo[GEMV_UNROLL], a_hi[GEMV_UNROLL], b[GEMV_UNROLL][NT];
+    constexpr int U = GEMV_UNROLL(NT);
+    for (int s0 = s_begin; s0 < s_end; s0 += U) {
+        uint4 a_lo[U], a_hi[U], b[U][NT];
         #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
+            // Out-of-range pieces read a zero vector: the select is on the address, never on loaded
+            // data, so nothing waits on a load before all of this iteration's loads are issued.
             const int k = (s0 + u) * 32 + tq * 8;
             const bool k_ok = s0 + u < s_end && k < K;
-            a_lo[u] = (k_ok && lo_ok) ? load_streaming(w_lo + k) : zero;
-            a_hi[u] = (k_ok && hi_ok) ? load_streaming(w_hi + k) : zero;
+            a_lo[u] = load_streaming(k_ok && lo_ok ? w_lo + k : zero16());
+            a_hi[u] = load_streaming(k_ok && hi_ok ? w_hi + k : zero16());
             #pragma unroll
             for (int n = 0; n < NT; ++n)
-                b[u][n] = (k_ok && x_ok[n]) ? __ldg(reinterpret_cast<const uint4*>(x_row[n] + k)) : zero;
+                b[u][n] = __ldg(reinterpret_cast<const uint4*>(k_ok && x_ok[n] ? x_row[n] + k : zero16()));
         }
         #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u)
+        for (int u = 0; u < U; ++u)
             #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 // k slots (2tq, 2tq+1 | 2tq+8, 2tq+9) of the first mma <- this lane's k 0..3, the second <- 4..7

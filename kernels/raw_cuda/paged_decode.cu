@@ -38,6 +38,8 @@
 #define LN2 0.6931471805599453f
 #define MAX_SPLITS 64                                    // gpu_ops.MAX_DECODE_SPLITS
 
+__device__ const uint4 kZero16 = {0u, 0u, 0u, 0u};
+
 __device__ __forceinline__ void unpack8(const uint4 v, float f[VEC]) {
     const unsigned w[4] = {v.x, v.y, v.z, v.w};
     #pragma unroll
@@ -126,13 +128,12 @@ paged_decode_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ 
         for (int u = 0; u < UNROLL; ++u) {
             slot[u] = slot_next[u];
             #pragma unroll
-            for (int c = 0; c < CHUNKS; ++c) {
-                const int d0 = (c * KEY_LANES + sub) * VEC;
-                kr[u][c] = vr[u][c] = make_uint4(0, 0, 0, 0);
-                if (slot[u] >= 0 && d0 < HEAD_DIM) {
-                    kr[u][c] = __ldg(reinterpret_cast<const uint4*>(kbase + (size_t)slot[u] * row_stride + d0));
-                    vr[u][c] = __ldg(reinterpret_cast<const uint4*>(vbase + (size_t)slot[u] * row_stride + d0));
-                }
+            for (int c = 0; c < CHUNKS; ++c) {         // out-of-range pieces read a zero vector (no branch:
+                const int d0 = (c * KEY_LANES + sub) * VEC;   // every load is issued before any is used)
+                const bool ok = slot[u] >= 0 && d0 < HEAD_DIM;
+                const size_t off = (size_t)slot[u] * row_stride + d0;
+                kr[u][c] = __ldg(ok ? reinterpret_cast<const uint4*>(kbase + off) : &kZero16);
+                vr[u][c] = __ldg(ok ? reinterpret_cast<const uint4*>(vbase + off) : &kZero16);
             }
         }
         #pragma unroll
