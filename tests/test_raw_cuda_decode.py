@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.test_raw_cuda_kernels import attention_ref, bits, dev, f32, poison
+from tests.test_raw_cuda_kernels import attention_case, attention_ref, bits, dev, f32, poison
 
 pytestmark = pytest.mark.gpu
 
@@ -15,19 +15,6 @@ pytestmark = pytest.mark.gpu
 def cp():
     import cupy
     return cupy
-
-
-def attention_case(rng, D: int, Hkv: int):
-    """Three sequences (a 700-token context decoding, a 40-token prefill chunk on a 20-token prefix,
-    a 1-token context) in shuffled blocks, plus one padded token."""
-    nblocks = 128
-    kc, vc = bits(rng.standard_normal((nblocks * 16, Hkv, D))), bits(rng.standard_normal((nblocks * 16, Hkv, D)))
-    perm = rng.permutation(nblocks).astype(np.int32)
-    tables = np.zeros((3, 48), np.int32)
-    tables[0, :44], tables[1, :4], tables[2, :1] = perm[:44], perm[44:48], perm[48:49]
-    token_seq = np.array([0] + [1] * 40 + [2, 0], np.int32)
-    positions = np.array([699] + list(range(20, 60)) + [0, -1], np.int32)
-    return kc, vc, tables, token_seq, positions
 
 
 @pytest.mark.parametrize("D,Hq,Hkv,splits", [(128, 32, 8, 1), (128, 32, 8, 33), (128, 32, 8, 7), (16, 8, 2, 3),

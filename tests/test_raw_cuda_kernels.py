@@ -147,11 +147,10 @@ def attention_ref(q, kc, vc, tables, token_seq, positions, scale, G):
     return out
 
 
-@pytest.mark.parametrize("D,Hq,Hkv,splits", [(128, 32, 8, 1), (128, 32, 8, 7), (16, 8, 2, 3), (64, 4, 4, 16)])
-def test_paged_attention(cp, D, Hq, Hkv, splits):
+def attention_case(rng, D: int, Hkv: int):
     """Three sequences (a 700-token context decoding, a 40-token prefill chunk on a 20-token prefix,
-    a 1-token context) in shuffled blocks, plus one padded token."""
-    rng = np.random.default_rng(6)
+    a 1-token context) in shuffled blocks of a 128-block cache, plus one padded token:
+    (k_cache, v_cache, block_tables [3, 48], token_seq, positions)."""
     nblocks = 128
     kc, vc = bits(rng.standard_normal((nblocks * 16, Hkv, D))), bits(rng.standard_normal((nblocks * 16, Hkv, D)))
     perm = rng.permutation(nblocks).astype(np.int32)
@@ -159,6 +158,13 @@ def test_paged_attention(cp, D, Hq, Hkv, splits):
     tables[0, :44], tables[1, :4], tables[2, :1] = perm[:44], perm[44:48], perm[48:49]
     token_seq = np.array([0] + [1] * 40 + [2, 0], np.int32)
     positions = np.array([699] + list(range(20, 60)) + [0, -1], np.int32)
+    return kc, vc, tables, token_seq, positions
+
+
+@pytest.mark.parametrize("D,Hq,Hkv,splits", [(128, 32, 8, 1), (128, 32, 8, 7), (16, 8, 2, 3), (64, 4, 4, 16)])
+def test_paged_attention(cp, D, Hq, Hkv, splits):
+    rng = np.random.default_rng(6)
+    kc, vc, tables, token_seq, positions = attention_case(rng, D, Hkv)
     T = len(positions)
     q = bits(rng.standard_normal((T, Hq, D)))
     S = splits
