@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call that validates and times the decode kernels (kernels/raw_cuda/paged_decode.cu, gemv.cu;
 # switched on by OPENINFER_DECODE_KERNELS=all, off by default), from the repository root:
-#   bash bench/decode_check.sh          (~3 min on an H200; every step has a hard timeout)
+#   bash bench/decode_check.sh   (~3 min on an H200; every step has a hard timeout: 5 min at worst)
 #  1. their GPU unit tests vs numpy (poisoned outputs, odd shapes, Gemm routing, new == default greedy),
 #     then the accuracy gate through the executor with them on: tiny models vs HF float32 (prefill,
 #     decode, chunked), batched == batch 1, CUDA graphs == eager;
@@ -28,7 +28,7 @@ step() {   # step NAME TIMEOUT_S CMD...: run with a hard timeout, log to $OUT/NA
 }
 PYTEST=(python3 -m pytest -q -s -rfE -p no:cacheprovider)
 
-step unit_and_tiny_gate 80 env OPENINFER_DECODE_KERNELS=all OPENINFER_GATE_4B=0 "${PYTEST[@]}" \
+step unit_and_tiny_gate 100 env OPENINFER_DECODE_KERNELS=all OPENINFER_GATE_4B=0 "${PYTEST[@]}" \
   tests/test_raw_cuda_decode.py tests/test_gpu_executor.py tests/test_gpu_graphs.py \
   -k "not gpu_equals_cpu and not deterministic"
 KERNEL_SETS="none;all;attention,gemv:32"
