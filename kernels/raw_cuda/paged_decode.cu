@@ -255,15 +255,16 @@ paged_decode_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ 
         for (int sp = lane; sp < S; sp += 32) weight_s[g][sp] = den > 0.f ? weight_s[g][sp] / den : 0.f;
     }
     __syncthreads();
-    // ... then o[head, d] = Σ_s weight_s · out_s[d].
+    // ... then o[head, d] = Σ_s weight_s · out_s[d] over the non-empty splits (the first `live`; an
+    // empty split's partial is 0), unrolled without branches so the L2 reads overlap.
+    const int live = per_split > 0 ? min(S, (ctx + per_split - 1) / per_split) : 0;
     for (int i = threadIdx.x; i < GQA * HEAD_DIM; i += NTHREADS) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
         const size_t head = (size_t)t * num_heads + (size_t)kvh * GQA + g;
+        const float* src = part_out + head * S * HEAD_DIM + d;
         float o = 0.f;
-        for (int sp = 0; sp < S; ++sp) {
-            const float f = weight_s[g][sp];
-            if (f > 0.f) o += __ldcg(part_out + (head * S + sp) * HEAD_DIM + d) * f;
-        }
+        #pragma unroll 8
+        for (int sp = 0; sp < live; ++sp) o = fmaf(__ldcg(src + (size_t)sp * HEAD_DIM), weight_s[g][sp], o);
         out[head * HEAD_DIM + d] = f_to_bf16(o);
     }
     if (threadIdx.x == 0) *counter = 0;
