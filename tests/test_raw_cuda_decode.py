@@ -1,6 +1,7 @@
 """The decode kernels (paged_decode.cu, gemv.cu) against numpy references: fresh random inputs,
-poisoned outputs and partials, odd shapes, split counts 1..64 (in-kernel merge, its tickets reset), the Qwen3-4B/8B projection shapes, and the executor's
-Gemm routing (small M to gemv.cu, larger M to cuBLAS)."""
+poisoned outputs and partials, odd shapes, split counts 1..64 (in-kernel merge, its tickets reset),
+the Qwen3-4B/8B projection shapes, the executor's Gemm routing (small M to gemv.cu, larger M to
+cuBLAS), and greedy decode through the executor with the new kernels == the default kernels."""
 from __future__ import annotations
 
 import numpy as np
