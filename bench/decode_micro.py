@@ -20,6 +20,7 @@ def rand_bf16(shape):
 def time_ms(stream, fn, reps: int = 20) -> float:
     import cupy
 
+    cupy.cuda.Device().synchronize()          # inputs made on the default stream are ready
     fn()
     stream.synchronize()
     times = []

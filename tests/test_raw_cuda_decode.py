@@ -85,7 +85,7 @@ def test_gemm_routes_small_m_to_gemv(cp, M):
     rng = np.random.default_rng(M)
     N, K = 336, 2560
     x, w = dev(cp, bits(rng.standard_normal((M, K)))), dev(cp, bits(rng.standard_normal((N, K)) * K ** -0.5))
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = cp.cuda.Stream()                 # blocking: ordered after the inputs' uploads and fills
     small, blas = Gemm(stream, gemv_max_m=16), Gemm(stream)
     for dtype in (np.uint16, np.float32):
         a, b = poison(cp, (M, N), dtype), poison(cp, (M, N), dtype)
