@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU call that validates and times the decode kernels (kernels/raw_cuda/paged_decode.cu, gemv.cu;
-# switched on by OPENINFER_DECODE_KERNELS=all, off by default), from the repository root:
+# on by default since their first H200 check; OPENINFER_DECODE_KERNELS=none turns them off), from the repository root:
 #   bash bench/decode_check.sh   (~3 min on an H200; every step has a hard timeout: 5 min at worst)
 #  1. their GPU unit tests vs numpy (poisoned outputs, odd shapes, Gemm routing, new == default greedy),
 #     then the accuracy gate through the executor with them on: tiny models vs HF float32 (prefill,
