@@ -100,6 +100,10 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
         self._thread.start()
 
+    def is_alive(self) -> bool:
+        """The loop thread is running (it has not stopped or died)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._inbox.put(("stop",))
         if self._thread is not None:

@@ -166,6 +166,10 @@ class EngineHandle:
         """End a request early: its samples finish with reason "abort", its KV is freed."""
         self._engine.abort(request_id)
 
+    def is_healthy(self) -> bool:
+        """Not shut down and the engine thread alive: what /health reports."""
+        return not self._closed and self._engine.is_alive()
+
     def stats(self) -> EngineStats:
         """A snapshot published after every engine step (safe from any thread)."""
         return self._engine.stats()

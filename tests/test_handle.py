@@ -151,7 +151,9 @@ def test_stats_count_tokens(handle):
 
 def test_shutdown_rejects_new_work():
     h = EngineHandle(executor=FakeExecutor(), tokenizer=FakeTokenizer())
+    assert h.is_healthy()
     h.shutdown()
+    assert not h.is_healthy()
 
     async def go():
         h.submit(GenerateRequest("a", [1], SamplingParams()))

@@ -349,6 +349,14 @@ def test_disconnect_mid_stream_aborts_the_engine_request():
         assert handle.stats().kv_blocks_used == 0
 
 
+def test_health_is_503_when_the_engine_is_down():
+    handle = FakeHandle()
+    handle.is_healthy = lambda: False
+    with BackgroundServer(create_app(handle)) as srv:
+        r = httpx.get(srv.url + "/health", timeout=10)
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+
+
 def test_api_key_guards_v1_routes_only():
     with BackgroundServer(create_app(FakeHandle(), api_key="sekret")) as srv:
         r = httpx.get(srv.url + "/v1/models", timeout=10)
