@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from kernels.cute.configs import GEMM_VARIANTS, K_TILE, REDUCE_NAME, plan_gemm, split_count
+from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_TILE, MAX_SPLITS, REDUCE_NAME,
+                                  STREAM_MAX_M, plan_gemm, split_count, wave_fill, wave_splits)
 from kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args
 from kernels.cute.moe import group_by_expert
 from kernels.cute.library import Library, _tensor_struct
@@ -148,15 +149,64 @@ def test_launcher_rejects_unaligned_sizes():
         as_device_tensor([1, 2], "a")
 
 
-@pytest.mark.parametrize("n,k", QWEN)
-@pytest.mark.parametrize("m", [1, 8, 32, 64, 65, 128, 512, 8192])
-def test_plan_is_valid_for_qwen_shapes(m, n, k):
+@pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560), (64, 64)])
+@pytest.mark.parametrize("m", [1, 8, 17, 32, 64, 65, 128, 129, 255, 256, 512, 1000, 8192])
+def test_plan_is_valid(m, n, k):
     plan = plan_gemm(m, n, k)
-    assert plan.variant in GEMM_VARIANTS
+    assert plan.variant in GEMM_VARIANTS and not plan.variant.grouped
     assert split_count(k, plan.splits) == plan.splits
     assert (plan.splits > 1) == (plan.variant.out == "f32")
-    if m <= 64:
-        assert plan.splits > 1 or -(-n // plan.variant.tile_n) >= 100  # small M must fill the SMs
+    assert plan.variant.cluster_m == 1 or -(-m // plan.variant.tile_m) >= 2  # a 2x1 cluster pairs two M-tiles
+    if m > STREAM_MAX_M:
+        assert plan.variant.tile_m == 128 and plan.splits == 1
+
+
+@pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560)])
+@pytest.mark.parametrize("m", [1, 8, 32, 64, 100, 128])
+def test_streaming_plan_fills_one_wave(m, n, k):
+    """Small M: 64-row tiles whose CTAs fit one wave, with as many splits as still fit, and a fill
+    within FILL_TOLERANCE of the other tile width's best single wave."""
+    plan = plan_gemm(m, n, k)
+    if plan.variant.tile_m == 128:  # only when 64x256 tiles alone already fill the SMs
+        assert m > 64 and -(-m // 64) * -(-n // 256) >= H200_SMS
+        return
+    v, s = plan.variant, plan.splits
+    tiles = -(-m // 64) * -(-n // v.tile_n)
+    k_tiles = -(-k // K_TILE)
+    one_more = [t for t in range(s + 1, MAX_SPLITS + 1)
+                if tiles * t <= H200_SMS and k_tiles >= 2 * t and split_count(k, t) == t]
+    assert not one_more, f"{v.name}/S{s}: {one_more} would still fit one wave"
+    assert tiles * s <= H200_SMS or s == 1
+    other = 128 if v.tile_n == 256 else 256
+    other_tiles = -(-m // 64) * -(-n // other)
+    best_other = max(wave_fill(other_tiles * t) for t in range(1, MAX_SPLITS + 1)
+                     if t == 1 or (other_tiles * t <= H200_SMS and k_tiles >= 2 * t and split_count(k, t) == t))
+    assert wave_fill(tiles * s) >= FILL_TOLERANCE * best_other
+
+
+@pytest.mark.parametrize("m,n,k,expect", [
+    # the choices the 2026-11-30 H200 sweep favoured (bench/results/kernels.md), as rules
+    (1, 6144, 2560, "gemm_f32_64x256_c1x1/S5"),     # qkv: 24 wide tiles x 5 splits fill the wave
+    (8, 2560, 4096, "gemm_f32_64x128_c1x1/S6"),     # o: near-equal fills, fewer splits win
+    (32, 4096, 12288, "gemm_f32_64x128_c1x1/S4"),   # 8B down: equal fills (32 x 4 = 16 x 8)
+    (32, 19456, 2560, "gemm_bf16_64x256_c1x1/S1"),  # gate_up: the tiles alone fill the SMs
+    (128, 2560, 9728, "gemm_f32_64x128_c1x1/S3"),   # M = 128 still streams the weights
+    (128, 19456, 2560, "gemm_bf16_128x256_c1x1/S1"),  # ... unless the 64-row tiles fill a wave
+    (512, 2560, 4096, "gemm_bf16_128x128_c2x1/S1"),  # narrow N: 128x256 would leave SMs idle
+    (512, 6144, 4096, "gemm_bf16_128x256_c2x1/S1"),
+    (8192, 2560, 4096, "gemm_bf16_128x256_c2x1/S1"),  # many waves: the wide tile
+])
+def test_plan_follows_the_tuned_rules(m, n, k, expect):
+    plan = plan_gemm(m, n, k)
+    assert f"{plan.variant.name}/S{plan.splits}" == expect
+
+
+def test_wave_helpers():
+    assert wave_fill(132) == 1.0 and wave_fill(66) == 0.5 and wave_fill(133) == pytest.approx(133 / 264)
+    assert wave_splits(24, 2560) == 5       # 5 x 24 = 120 <= 132 < 6 x 24
+    assert wave_splits(10, 320) == 2        # 5 k-tiles: at least 2 per split
+    assert wave_splits(200, 4096) == 1
+    assert all(split_count(k, wave_splits(t, k)) == wave_splits(t, k) for t in (1, 3, 7) for k in (1032, 9728))
 
 
 @pytest.mark.parametrize("k", [8, 64, 72, 328, 1032, 2560, 9728])
