@@ -66,6 +66,9 @@ def graph_time_us(launch, sets: int, what: str) -> float:
     from kernels.cute.testing import HANG_SECONDS, sync_or_die
 
     hang_s = max(HANG_SECONDS, 20.0)  # a graph of 20 launches of a slow kernel is no hang
+    # the inputs were made on the legacy default stream, which the non-blocking timed stream does not
+    # wait for: without this the first rows timed overlap their own data generation (2026-11-30 run)
+    sync_or_die(f"{what}: making its inputs", cp.cuda.Stream.null, hang_s)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         for i in range(2):
