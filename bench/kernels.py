@@ -67,7 +67,7 @@ def graph_time_us(launch, sets: int, what: str) -> float:
 
     hang_s = max(HANG_SECONDS, 20.0)  # a graph of 20 launches of a slow kernel is no hang
     # the inputs were made on the legacy default stream, which the non-blocking timed stream does not
-    # wait for: without this the first rows timed overlap their own data generation (2026-11-30 run)
+    # wait for (likely why the 2026-11-30 run's small-M plan rows read up to 3.7x the sweep's same config)
     sync_or_die(f"{what}: making its inputs", cp.cuda.Stream.null, hang_s)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
