@@ -207,7 +207,8 @@ class EngineLoop:
         p = req.params
         stops = list(p.stop_token_ids) + ([] if p.ignore_eos else
                                           [t for t in self.eos_token_ids if t not in p.stop_token_ids])
-        seed = p.seed if p.seed is not None else self._seed_rng.getrandbits(63)
+        # any int seed (OpenAI's are signed 64-bit) maps to the sampler's non-negative range
+        seed = p.seed % (1 << 64) if p.seed is not None else self._seed_rng.getrandbits(63)
         params = dataclasses.replace(p, seed=seed, stop_token_ids=stops)
         seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=req.request_id,
                        token_ids=list(req.prompt_token_ids), prompt_len=len(req.prompt_token_ids),
