@@ -301,3 +301,69 @@ def test_attention_launcher_checks():
     ]:
         with pytest.raises((TypeError, ValueError), match=message):
             _attn_args(**over)
+
+
+class _QueuedInputsCupy:
+    """Just enough of CuPy for ``bench.kernels.graph_time_us``: the default stream holds the
+    inputs' queued work (random data, cu_seqlens, work-list copies), which only a host wait on
+    that stream completes; a launch on another stream before that reads unfinished inputs."""
+
+    def __init__(self):
+        import types
+
+        cupy = self
+
+        class Stream:
+            def __init__(self, non_blocking=False):
+                self.pending = False
+                self.graphs = []
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def begin_capture(self):
+                self.capturing = True
+
+            def end_capture(self):
+                self.capturing = False
+                return types.SimpleNamespace(launch=lambda stream: None)
+
+        class Event:
+            def __init__(self, **kw):
+                self.stream = None
+
+            def record(self, stream=None):
+                self.stream = stream
+
+            @property
+            def done(self):
+                if self.stream is Stream.null:
+                    Stream.null.pending = False  # the host waited for the default stream's work
+                return True
+
+        Stream.null = Stream()
+        Stream.null.pending = True
+        self.stale_reads = 0
+        self.cuda = types.SimpleNamespace(Stream=Stream, Event=Event, get_elapsed_time=lambda a, b: 1.0,
+                                          get_current_stream=lambda: Stream.null)
+
+        def launch(i, stream):
+            assert stream is not Stream.null
+            cupy.stale_reads += Stream.null.pending
+
+        self.launch = launch
+
+
+def test_benchmark_launches_only_after_its_inputs_are_made(monkeypatch):
+    """The 16k-token attention benchmark hung: its cu_seqlens / work list were still being copied
+    on the default stream (behind ~2 ms of random-input generation) when the kernel started on the
+    timing stream, so it read garbage sequence lengths. The timing must wait for the inputs."""
+    import bench.kernels as bench
+
+    fake = _QueuedInputsCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert bench.graph_time_us(fake.launch, 1, "attention n=16384") == 1.0 / bench.GRAPH_LAUNCHES * 1e3
+    assert fake.stale_reads == 0

@@ -194,3 +194,12 @@ def test_grouped_check_agrees_with_a_per_tile_expert_gemm(monkeypatch):
     assert check.ok, (check.err, check.detail)
     monkeypatch.setattr(gemm, "grouped_gemm", lambda r, a, w, te, out: numpy_grouped(r, a, w, te[::-1].copy(), out))
     assert not testing.grouped_check(None, 64, 9, 2, 4, 24, 16).ok  # tiles given the wrong experts
+
+
+def test_catalogue_verifies_attention_as_long_as_the_benchmark_runs_it():
+    """The benchmark timed 16k-token attention that no verification case had run (and hung)."""
+    from bench.kernels import ATTN_TOKENS
+
+    attention = [c.args for c in CASES if c.kind == "attention"]
+    assert max(max(lengths_q) for lengths_q, *_ in attention) >= max(ATTN_TOKENS)
+    assert any(max(q) >= 8192 and list(k) != list(q) for q, k, *_ in attention)  # long, with a cached prefix

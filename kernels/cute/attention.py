@@ -3,7 +3,27 @@
 ``q``/``o`` are ``[tokens_q, Hq, 128]`` and ``k``/``v`` ``[tokens_k, Hkv, 128]`` bf16 (uint16 in
 CuPy) with contiguous heads; ``cu_q``/``cu_k`` the int32 ``[B+1]`` prefix sums of the lengths;
 ``work`` the int32 ``[tiles, 2]`` list from ``attention_work`` (host-built, like cu_q). The softmax
-scale is ``1/sqrt(128)``. All of these live on the device; the call is graph-capturable.
+scale is ``1/sqrt(128)``. All of these live on the device; the call is graph-capturable. The kernel
+trusts the contents of ``cu_q``/``cu_k``/``work``: they must be ready on ``stream`` (copied on it, or
+waited for) — read early, garbage lengths make each CTA loop over millions of key tiles (TMA loads
+out of range never fault), which looks like a hang.
+
+16k-token benchmark hang (H200 run of 2026-11-30), diagnosed without a GPU:
+1. Most likely, fixed in ``bench/kernels.py`` (3050d09): the benchmark made its inputs on the default
+   stream and launched on a non-blocking stream that is not ordered after it. At 16k the
+   ``cu``/``work`` copies sat behind an estimated ~2 ms of random-input generation (~0.5 ms at 4k),
+   so the kernel read stale pool memory as sequence lengths (verification runs on one stream; the
+   4k row's window was narrower). ``tests/test_cute.py`` models the ordering.
+2. Ruled out by reading the kernel and its PTX: output addressing is 64-bit (``mad.lo.s64``); TMA
+   coordinates are ≤ tokens (int32); grid (256, 32); 64 KiB transaction count per stage (< 2^20);
+   the ring's phase flips every 3 tiles with no bound on the tile count; shared memory (209 KiB)
+   and wgmma descriptors do not depend on length.
+3. Untested until the next GPU run: the kernel itself beyond 32 key tiles (the longest verified
+   case had 4096 keys). Cases 78/79 of ``testing.CASES`` (8k with a cached prefix, 16k at 32/8
+   heads) decide it, on one stream, with the benchmark row after them:
+   ``python -m kernels.cute.build && python -m kernels.cute.verify --worker 78,79 &&
+   python bench/kernels.py --worker 1,2,3 --ok varlen_attention --no-sweep``
+   (79 HANG → the kernel; 79 PASS and row 3 HANG → the benchmark still races).
 """
 from __future__ import annotations
 

@@ -223,7 +223,9 @@ def build_cases() -> tuple[Case, ...]:
     mix = (1, 17, 64, 130, 1000, 4096, 0, 63)
     for lengths_q, lengths_k, hq, hkv in (((64,), (64,), 1, 1), ((1000,), (1000,), 2, 1),
                                           (mix, mix, 8, 8), (mix, mix, 8, 2), (mix, mix, 8, 1),
-                                          ((5, 200, 1), (300, 200, 129), 4, 1)):
+                                          ((5, 200, 1), (300, 200, 129), 4, 1),
+                                          ((8192, 700), (8192, 2700), 8, 2),  # 64 / 22 k-tiles, cached prefix
+                                          ((16384,), (16384,), 32, 8)):  # the 16k benchmark shape, 128 k-tiles
         label = f"q={list(lengths_q)} k={'same' if lengths_k == lengths_q else list(lengths_k)} hq={hq} hkv={hkv}"
         cases.append(Case("varlen_attention", label, "attention", (lengths_q, lengths_k, hq, hkv)))
     assert {c.group for c in cases if c.kind == "gemm"} == {v.name for v in GEMM_VARIANTS if not v.grouped}
