@@ -79,7 +79,8 @@ def test_gemv(cp, M, N, K, fp32_out):
 
 @pytest.mark.parametrize("M", [1, 5, 16, 17, 40])
 def test_gemm_routes_small_m_to_gemv(cp, M):
-    """Gemm(gemv_max_m=16) matches cuBLAS (Gemm()) on both sides of the threshold, bf16 and fp32 out."""
+    """Gemm(gemv_max_m=16) matches cuBLAS (Gemm()) on both sides of the threshold, bf16 and fp32 out
+    (fp32 out, the logits, always runs on cuBLAS)."""
     from engine.executor.gpu_gemm import Gemm
 
     rng = np.random.default_rng(M)
@@ -96,6 +97,7 @@ def test_gemm_routes_small_m_to_gemv(cp, M):
         np.testing.assert_allclose(fa, fb, atol=1e-2 if dtype == np.uint16 else 1e-4, rtol=1e-2)
         np.testing.assert_allclose(fa, gemv_ref(x.get(), w.get()), atol=2e-2, rtol=1e-2)
     assert small._gemv if M <= 16 else not small._gemv      # the kernels it compiled say which path ran
+    assert all(not f32_out for _, f32_out in small._gemv)
     small.close()
     blas.close()
 

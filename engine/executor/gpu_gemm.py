@@ -7,8 +7,11 @@ wrappers rebind the handle to CuPy's current stream at every call, which also dr
 workspace). Where that library cannot be opened, CuPy's wrapper serves, run with our stream
 current. The CuTe DSL GEMM of kernels/cute replaces cuBLAS where it is built and reports itself
 available (`use_cute=True`); outputs are bf16 (hidden states) or fp32 (logits). With
-`gemv_max_m > 0`, products of at most that many rows (decode) run the raw CUDA skinny GEMM of
-kernels/raw_cuda/gemv.cu instead (bandwidth-shaped: 16-byte weight loads, tensor-core mma).
+`gemv_max_m > 0`, bf16 products of at most that many rows (decode) run the raw CUDA skinny GEMM of
+kernels/raw_cuda/gemv.cu instead (bandwidth-shaped: 16-byte weight loads, tensor-core mma). The
+fp32-output product (logits over the vocabulary) stays on cuBLAS: on the H200 (2026-11-30,
+bench/results/decode.md) cuBLAS read the 151936x2560 lm_head at 0.93 of HBM roofline at M = 1 against
+gemv.cu's 0.88, and the gap grows with M.
 """
 from __future__ import annotations
 
@@ -83,7 +86,7 @@ class Gemm:
         N = w.shape[0]
         if w.shape[1] != K or out.shape != (T, N):
             raise ValueError(f"linear shapes: x {x.shape}, w {w.shape}, out {out.shape}")
-        if T <= self.gemv_max_m and self._gemv_fits(x, w, out):
+        if T <= self.gemv_max_m and out.dtype == np.uint16 and self._gemv_fits(x, w, out):
             self._run_gemv(x, w, out)
             return
         if self.cute is not None and out.dtype == np.uint16:
