@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import weakref
@@ -24,6 +25,8 @@ from engine.events import (Error, Finished, PromptLogprobs, Rejected,
                            Scheduled, Token, TokenEvent)
 from engine.request import GenerateRequest, SamplingParams
 from memory.block_manager import KVEvent
+
+log = logging.getLogger("openinfer.engine")
 
 __all__ = ["EngineHandle", "EngineStats", "RequestStream", "RequestOutput", "SampleOutput"]
 
@@ -134,6 +137,12 @@ class EngineHandle:
         self.model_name = self.config.served_model_name or model_name or "openinfer"
         self.max_model_len = (self.config.max_model_len or max_model_len
                               or executor.num_kv_blocks * 16)
+        if self.max_model_len > executor.num_kv_blocks * 16:
+            # a longer sequence could never be scheduled; advertising it would make every request
+            # that fills the context (a chat's default max_tokens) a rejection
+            log.warning("max_model_len %d is more than the KV pool holds; serving %d",
+                        self.max_model_len, executor.num_kv_blocks * 16)
+            self.max_model_len = executor.num_kv_blocks * 16
         if eos_token_ids is None:
             eos_token_ids = _tokenizer_eos_ids(tokenizer)
         self._engine = EngineLoop(executor, tokenizer, self.config, self.max_model_len,
