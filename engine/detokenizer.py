@@ -20,6 +20,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.text = ""               # decoded so far (the concatenation of window deltas)
         self.emitted = 0             # chars of self.text already returned
+        self._checked = 0            # chars of self.text already searched for (or released past) stops
         self.stopped_on: str | None = None
         self._prefix = 0             # window start: tokens before it never change the text
         self._read = 0               # tokens already turned into text
@@ -50,11 +51,12 @@ class IncrementalDetokenizer:
     def _release(self, final: bool, check_stop: bool = True) -> tuple[str, str | None]:
         if self.stopped_on is not None:
             return "", self.stopped_on
-        end = len(self.text)
+        end, checked = len(self.text), self._checked
+        self._checked = end
         if self.stop and check_stop:
-            longest = max(len(s) for s in self.stop)
-            search_from = max(0, self.emitted - longest + 1)
-            hits = [(self.text.find(s, search_from), s) for s in self.stop]
+            # only a match that ends in text not searched before counts (text released unchecked
+            # before min_tokens must not stop the sequence later)
+            hits = [(self.text.find(s, max(0, checked - len(s) + 1)), s) for s in self.stop]
             hits = [(at, s) for at, s in hits if at >= 0]
             if hits:
                 at, s = min(hits)
