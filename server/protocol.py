@@ -29,6 +29,10 @@ UNSUPPORTED_FIELDS = {
     "prompt_embeds": (None,),
     "continue_final_message": (None, False),
     "lora_request": (None,),
+    "include_stop_str_in_output": (None, False),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
 }
 CHAT_ONLY_HARMLESS = {"echo": (None, False), "tool_choice": (None, "none", "auto")}
 
