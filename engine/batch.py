@@ -8,6 +8,7 @@ Attention for those tokens covers positions [0, start_pos + len(token_ids)).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate, chain
 
 import numpy as np
 
@@ -57,36 +58,54 @@ class ModelBatch:
 
     @classmethod
     def build(cls, seqs: list[SeqStep]) -> "ModelBatch":
-        ids, pos, slots, cu, ctx, rows = [], [], [], [0], [], []
-        max_blocks = max((len(s.block_table) for s in seqs), default=1)
-        tables = np.zeros((len(seqs), max(max_blocks, 1)), dtype=np.int32)
+        """One Python pass over the steps for their sizes; the per-token and per-block arrays
+        come from numpy (repeats of per-sequence offsets, one masked fill of the tables)."""
+        B = len(seqs)
+        lens, starts, widths, sampled = [], [], [], []
         for i, s in enumerate(seqs):
-            n = len(s.token_ids)
-            if n == 0:
-                raise ValueError(f"seq {s.seq_id}: empty step")
-            need = -(-s.context_len // BLOCK_SIZE)
-            if len(s.block_table) < need:
-                raise ValueError(f"seq {s.seq_id}: block table has {len(s.block_table)} blocks, needs {need}")
-            p = np.arange(s.start_pos, s.context_len, dtype=np.int32)
-            table = np.asarray(s.block_table, dtype=np.int32)
-            ids.append(np.asarray(s.token_ids, dtype=np.int32))
-            pos.append(p)
-            slots.append(table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
-            cu.append(cu[-1] + n)
-            ctx.append(s.context_len)
-            tables[i, : len(table)] = table
+            n, w = len(s.token_ids), len(s.block_table)
+            if n == 0 or w * BLOCK_SIZE < s.start_pos + n:
+                _reject(s)
+            lens.append(n)
+            starts.append(s.start_pos)
+            widths.append(w)
             if s.sample:
-                rows.append(cu[-1] - 1)
+                sampled.append(i)
+        cu = np.zeros(B + 1, np.int32)
+        cu[1:] = list(accumulate(lens))
+        T = int(cu[-1])
+        width = max(widths, default=1) or 1
+        tables = np.zeros((B, width), np.int32)
+        flat = np.fromiter(chain.from_iterable(s.block_table for s in seqs), np.int32, sum(widths))
+        if B and widths.count(width) == B:
+            tables[:] = flat.reshape(B, width)
+        elif B:
+            tables[np.arange(width) < np.array(widths)[:, None]] = flat
+        positions = np.array(starts, np.int32)
+        if T == B:                                       # decode only: one token per sequence
+            input_ids = np.fromiter((s.token_ids[0] for s in seqs), np.int32, B)
+            rows = np.arange(B)
+        else:
+            input_ids = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), np.int32, T)
+            rows = np.repeat(np.arange(B), lens)
+            positions = np.arange(T, dtype=np.int32) + np.repeat(positions - cu[:-1], lens)
         return cls(
             seqs=seqs,
-            input_ids=np.concatenate(ids) if ids else np.zeros(0, np.int32),
-            positions=np.concatenate(pos) if pos else np.zeros(0, np.int32),
-            slot_mapping=np.concatenate(slots).astype(np.int32) if slots else np.zeros(0, np.int32),
-            cu_seqlens=np.asarray(cu, dtype=np.int32),
-            context_lens=np.asarray(ctx, dtype=np.int32),
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
+            cu_seqlens=cu,
+            context_lens=cu[1:] - cu[:-1] + np.array(starts, np.int32),
             block_tables=tables,
-            sample_rows=np.asarray(rows, dtype=np.int32),
+            sample_rows=cu[1:][sampled] - 1,
         )
+
+
+def _reject(s: SeqStep) -> None:
+    if not s.token_ids:
+        raise ValueError(f"seq {s.seq_id}: empty step")
+    need = -(-s.context_len // BLOCK_SIZE)
+    raise ValueError(f"seq {s.seq_id}: block table has {len(s.block_table)} blocks, needs {need}")
 
 
 @dataclass
