@@ -24,18 +24,21 @@ class IncrementalDetokenizer:
         self.stopped_on: str | None = None
         self._prefix = 0             # window start: tokens before it never change the text
         self._read = 0               # tokens already turned into text
+        self._before = ""            # decode(ids[_prefix:_read]); changes only when the window moves
 
     def add(self, token_id: int, check_stop: bool = True) -> tuple[str, str | None]:
         """Feed one token; returns (text delta safe to emit, the stop string if one matched).
         check_stop=False (before min_tokens) releases text without matching stop strings."""
         if self.stopped_on is not None:
             return "", self.stopped_on
-        self.ids.append(token_id)
-        before = self.decode(self.ids[self._prefix:self._read])
-        window = self.decode(self.ids[self._prefix:])
+        ids = self.ids
+        ids.append(token_id)
+        before = self._before
+        window = self.decode(ids[self._prefix:])
         if len(window) > len(before) and not window.endswith("\ufffd"):
             self.text += window[len(before):]
-            self._prefix, self._read = self._read, len(self.ids)
+            self._prefix, self._read = self._read, len(ids)
+            self._before = self.decode(ids[self._prefix:self._read])
         return self._release(final=not check_stop, check_stop=check_stop)
 
     def finish(self) -> str:
@@ -45,6 +48,7 @@ class IncrementalDetokenizer:
             if full.startswith(self.text):
                 self.text = full
             self._read = len(self.ids)
+            self._before = self.decode(self.ids[self._prefix:])
         delta, _ = self._release(final=True)
         return delta
 

@@ -77,6 +77,7 @@ class EngineLoop:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.requests: dict[str, _Request] = {}
+        self._decoders = {skip: self._make_decoder(skip) for skip in (False, True)}
         self._inbox: queue.Queue = queue.Queue()
         self._seed_rng = random.Random(config.seed)
         self._stats = EngineStats(kv_blocks_total=executor.num_kv_blocks)
@@ -220,9 +221,22 @@ class EngineLoop:
         self.scheduler.add(seq)
 
     def _detokenizer(self, req: GenerateRequest) -> IncrementalDetokenizer:
-        skip = req.params.skip_special_tokens
-        return IncrementalDetokenizer(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip),
-                                      req.params.stop)
+        return IncrementalDetokenizer(self._decoders[req.params.skip_special_tokens], req.params.stop)
+
+    def _make_decoder(self, skip: bool) -> Callable[[list[int]], str]:
+        """tokenizer.decode, with the text of single tokens memoized (a pure function of the id;
+        the detokenizer's window start and top logprobs decode one token each per step)."""
+        pieces: dict[int, str] = {}
+        decode = self.tokenizer.decode
+
+        def decoder(ids: list[int]) -> str:
+            if len(ids) != 1:
+                return decode(ids, skip_special_tokens=skip)
+            text = pieces.get(ids[0])
+            if text is None:
+                text = pieces[ids[0]] = decode(ids, skip_special_tokens=skip)
+            return text
+        return decoder
 
     def _register_forks(self, forked: list[Sequence]) -> None:
         for seq in forked:
@@ -278,17 +292,21 @@ class EngineLoop:
         self._send(state.sink, PromptLogprobs(seq.request_id, prompt, lps, tops))
 
     def _top(self, pairs) -> list[TopLogprob]:
-        return [TopLogprob(t, self.tokenizer.decode([t], skip_special_tokens=False), lp)
-                for t, lp in pairs]
+        if not pairs:
+            return []
+        decode = self._decoders[False]
+        return [TopLogprob(t, decode([t]), lp) for t, lp in pairs]
 
     def _on_token(self, seq: Sequence, sampled) -> None:
         state = self.requests[seq.request_id]
         p = seq.params
         token = sampled.token_id
         seq.token_ids.append(token)
+        num_tokens = len(seq.token_ids)
+        num_generated = num_tokens - seq.prompt_len
         self._generation_tokens += 1
         detok = state.detoks[seq.index]
-        past_min = seq.num_generated >= p.min_tokens
+        past_min = num_generated >= p.min_tokens
         reason, stop_reason = None, None
         if past_min and token in p.stop_token_ids:
             reason = "stop"
@@ -298,7 +316,7 @@ class EngineLoop:
             delta, stop_str = detok.add(token, check_stop=past_min)
             if stop_str is not None:
                 reason, stop_reason = "stop", stop_str
-            elif seq.num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            elif num_generated >= p.max_tokens or num_tokens >= self.max_model_len:
                 reason = "length"
                 delta += detok.finish()
         self._send(state.sink, Token(seq.request_id, token, delta, seq.index, sampled.logprob,

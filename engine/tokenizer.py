@@ -120,7 +120,10 @@ class Tokenizer:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        try:  # ints (and numpy ints) go straight through; anything int()-able is converted first
+            return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        except TypeError:
+            return self.tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.tok.id_to_token(int(token_id))
