@@ -86,6 +86,7 @@ class EngineLoop:
         self._steps = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._after_step: list[Callable[[], None]] = []
 
     # -- thread-safe surface -------------------------------------------------------------
     def add_request(self, req: GenerateRequest, sink: Sink) -> None:
@@ -124,8 +125,23 @@ class EngineLoop:
                         self._fail(rid, f"internal engine error: {type(e).__name__}: {e}")
             else:                   # an abort can free the last request without a step
                 self._publish_stats()
+            self._run_after_step()
         for rid in list(self.requests):
             self._fail(rid, "engine shut down")
+        self._run_after_step()
+
+    def call_after_step(self, fn: Callable[[], None]) -> None:
+        """Engine thread: run fn once, after the current step has sent all its events (sinks use
+        it to hand a step's events to their consumer in one batch)."""
+        self._after_step.append(fn)
+
+    def _run_after_step(self) -> None:
+        fns, self._after_step = self._after_step, []
+        for fn in fns:
+            try:
+                fn()
+            except Exception:
+                log.exception("delivering a step's events failed")
 
     def drain_inbox(self, block: bool = False) -> None:
         while True:

@@ -11,6 +11,7 @@ any asyncio event loop, `abort`, `stats` and `generate` from any thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import queue
@@ -32,34 +33,39 @@ __all__ = ["EngineHandle", "EngineStats", "RequestStream", "RequestOutput", "Sam
 
 
 class _Mailbox:
-    """Hands events from the engine thread to one asyncio loop, waking it once per batch of
-    events rather than once per event."""
+    """Hands events from the engine thread to one asyncio loop: the events of an engine step
+    are collected (engine thread only, no lock) and go over as one list, one loop wake-up per
+    step, once the step has sent them all."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    def __init__(self, loop: asyncio.AbstractEventLoop, engine: EngineLoop):
         self.loop = loop
-        self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue, TokenEvent | None]] = []
-        self._scheduled = False
+        self._engine = engine
+        self._pending: list[tuple[RequestStream, TokenEvent | None]] = []
 
-    def post(self, q: asyncio.Queue, event: TokenEvent | None) -> None:   # engine thread
-        with self._lock:
-            self._pending.append((q, event))
-            if self._scheduled and not self.loop.is_closed():
-                return
-            self._scheduled = True
+    def post(self, stream: "RequestStream", event: TokenEvent | None) -> None:   # engine thread
+        if self.loop.is_closed():
+            raise RuntimeError(f"the event loop of request {stream.request_id!r} is closed")
+        if not self._pending:
+            self._engine.call_after_step(self._flush)
+        self._pending.append((stream, event))
+
+    def _flush(self) -> None:                                           # engine thread
+        items, self._pending = self._pending, []
         try:
-            self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:                     # the loop is closed: nobody is listening
-            with self._lock:
-                self._scheduled = False
-                self._pending.clear()
-            raise
+            self.loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:                     # the loop closed meanwhile: nobody is listening
+            for rid in {stream.request_id for stream, event in items if event is not None}:
+                self._engine.abort(rid)
 
-    def _deliver(self) -> None:                                         # the asyncio loop
-        with self._lock:
-            items, self._pending, self._scheduled = self._pending, [], False
-        for q, event in items:
-            q.put_nowait(event)
+
+def _deliver(items: list[tuple["RequestStream", TokenEvent | None]]) -> None:   # the asyncio loop
+    for stream, event in items:
+        stream._events.append(event)
+        waiter = stream._waiter
+        if waiter is not None:
+            stream._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 class RequestStream:
@@ -71,11 +77,12 @@ class RequestStream:
         self.request_id = request_id
         self._handle = handle
         self._mailbox = mailbox
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._events: collections.deque[TokenEvent | None] = collections.deque()
+        self._waiter: asyncio.Future | None = None
         self._done = False
 
     def _push(self, event: TokenEvent | None) -> None:   # engine thread
-        self._mailbox.post(self._queue, event)
+        self._mailbox.post(self, event)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -83,7 +90,10 @@ class RequestStream:
     async def __anext__(self) -> TokenEvent:
         if self._done:
             raise StopAsyncIteration
-        event = await self._queue.get()
+        while not self._events:
+            self._waiter = self._mailbox.loop.create_future()
+            await self._waiter
+        event = self._events.popleft()
         if event is None:
             self._done = True
             raise StopAsyncIteration
@@ -166,7 +176,7 @@ class EngineHandle:
         with self._mailbox_lock:
             mailbox = self._mailboxes.get(loop)
             if mailbox is None:
-                mailbox = self._mailboxes[loop] = _Mailbox(loop)
+                mailbox = self._mailboxes[loop] = _Mailbox(loop, self._engine)
         stream = RequestStream(self, req.request_id, mailbox)
         self._engine.add_request(req, stream._push)
         return stream
