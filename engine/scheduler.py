@@ -109,6 +109,8 @@ class Scheduler:
         """Blocks for n more tokens of a running seq, preempting the youngest running
         sequences as needed. False if seq itself had to go."""
         need = blocks_for(seq.num_computed + n) - len(seq.block_table)
+        if need <= 0:                # the tokens fit the last block (a decode, 15 steps of 16)
+            return True
         while not self.bm.can_allocate(need):
             victim = self.running[-1]
             self.preempt(victim)
@@ -164,13 +166,16 @@ class Scheduler:
         """Add n new tokens of seq to the step; returns the tokens fed (budget spent)."""
         start = seq.num_computed - self._overlap(seq)
         end = seq.num_computed + n
+        num_tokens = len(seq.token_ids)
         out.seqs.append(seq)
+        # the step shares seq.block_table, no copy: the table only grows in place (_reserve,
+        # admission) before the seq's step is built, and preempt / finish rebind it
         out.steps.append(SeqStep(
             seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
-            block_table=list(seq.block_table),
-            sample=end == len(seq.token_ids) and seq.fork_count == 1,
+            block_table=seq.block_table,
+            sample=end == num_tokens and seq.fork_count == 1,
             params=seq.params, prompt_len=seq.prompt_len, history=seq.token_ids,
-            num_generated=seq.num_generated,
+            num_generated=num_tokens - seq.prompt_len,
             want_prompt_logprobs=seq.want_prompt_logprobs and start < seq.prompt_len,
             lora_id=seq.lora_id))
         return end - start
