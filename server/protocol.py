@@ -102,13 +102,14 @@ class Fields:
             raise invalid(f"'{name}' must be {range_text or _range(lo, hi)}, got {value}", name)
         return value
 
-    def number(self, name: str, default: float, ok=lambda v: True, range_text: str = "") -> float:
+    def number(self, name: str, default: float) -> float:
+        """A finite number; its range is SamplingParams.validate's to check."""
         value = self.raw(name, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise wrong_type(f"'{name}' must be a number, got {_type_name(value)}", name)
         value = float(value)
-        if not math.isfinite(value) or not ok(value):
-            raise invalid(f"'{name}' must be {range_text}, got {value}", name)
+        if not math.isfinite(value):
+            raise invalid(f"'{name}' must be a finite number, got {value}", name)
         return value
 
     def string(self, name: str, default: str | None = None) -> str | None:
@@ -287,14 +288,14 @@ def _sampling_params(f: Fields, model: ModelInfo, prompts: list[list[int]],
     if top_k == 0:
         top_k = -1
     params = SamplingParams(
-        temperature=f.number("temperature", 1.0, lambda v: v >= 0, ">= 0"),
-        top_p=f.number("top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        temperature=f.number("temperature", 1.0),
+        top_p=f.number("top_p", 1.0),
         top_k=top_k,
-        min_p=f.number("min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]"),
+        min_p=f.number("min_p", 0.0),
         seed=f.integer("seed", None, -(2 ** 63), 2 ** 64 - 1),
-        presence_penalty=f.number("presence_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
-        frequency_penalty=f.number("frequency_penalty", 0.0, lambda v: -2 <= v <= 2, "in [-2, 2]"),
-        repetition_penalty=f.number("repetition_penalty", 1.0, lambda v: v > 0, "> 0"),
+        presence_penalty=f.number("presence_penalty", 0.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0),
+        repetition_penalty=f.number("repetition_penalty", 1.0),
         logit_bias=_logit_bias(f, model),
         max_tokens=max_tokens,
         min_tokens=f.integer("min_tokens", 0, 0, max_tokens, f"in [0, max_tokens={max_tokens}]"),
@@ -305,9 +306,12 @@ def _sampling_params(f: Fields, model: ModelInfo, prompts: list[list[int]],
         skip_special_tokens=f.boolean("skip_special_tokens", True),
     )
     try:
-        params.validate()
-    except ValueError as exc:          # the contract's own checks, as a safety net
-        raise invalid(str(exc)) from None
+        params.validate()              # the value ranges are the contract's: "<field> must be ..."
+    except ValueError as exc:
+        name, _, rule = str(exc).partition(" ")
+        if not hasattr(params, name):
+            raise invalid(str(exc)) from None
+        raise invalid(f"'{name}' {rule}, got {getattr(params, name)}", name) from None
     return params
 
 
