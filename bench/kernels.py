@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.cute.configs import GEMM_VARIANTS, MAX_SPLITS, GemmPlan, plan_gemm, split_count  # noqa: E402
 from kernels.cute.testing import Case  # noqa: E402
-from kernels.cute.verify import passing_groups, run_all, table, verify  # noqa: E402
+from kernels.cute.verify import passing_groups, run_all, serve, table, verify  # noqa: E402
 
 QWEN_SHAPES = {  # name: (N, K)
     "4B.qkv": (6144, 2560), "4B.o": (2560, 4096), "4B.gate_up": (19456, 2560), "4B.down": (2560, 9728),
@@ -230,15 +230,7 @@ def worker(indices: list[int], ok: list[str], sweep: bool) -> int:
     tasks = bench_tasks(set(ok), sweep)
     runner = GemmRunner()
     runner.init()
-    for i in indices:
-        print(f"@start {i} {tasks[i].label}", flush=True)
-        try:
-            row = run_task(runner, tasks[i])
-        except Exception as exc:
-            print(f"@done {i} ERROR {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
-            return 4
-        print(f"@done {i} PASS {json.dumps(row)}", flush=True)
-    return 0
+    return serve(indices, tasks, lambda task: ("PASS", json.dumps(run_task(runner, task))))
 
 
 # ---- tables -------------------------------------------------------------------------------------

@@ -186,6 +186,21 @@ def passing_groups(results: list[Result]) -> list[str]:
     return [g for g in groups if all(r.status == "PASS" for r in results if r.group == g)]
 
 
+def serve(indices: list[int], cases, run_one) -> int:
+    """Worker side of the protocol: per case print ``@start i group label``, ``run_one(case)`` →
+    ``(STATUS, detail)``, then ``@done i STATUS detail``. An exception ends the worker (status 4):
+    after a CUDA error its context is broken, so a fresh worker goes on."""
+    for i in indices:
+        print(f"@start {i} {cases[i].group} {cases[i].label}", flush=True)
+        try:
+            status, detail = run_one(cases[i])
+        except Exception as exc:
+            print(f"@done {i} ERROR {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+            return 4
+        print(f"@done {i} {status} {detail}".rstrip(), flush=True)
+    return 0
+
+
 def worker(indices: list[int]) -> int:
     """Run the given cases in order on this process's GPU; print the protocol lines."""
     from .gemm import GemmRunner
@@ -195,16 +210,12 @@ def worker(indices: list[int]) -> int:
     t0 = time.time()
     runner.init()
     print(f"[worker] modules loaded in {time.time() - t0:.2f} s", flush=True)
-    for i in indices:
-        print(f"@start {i} {CASES[i].group} {CASES[i].label}", flush=True)
-        try:
-            check = run_case(runner, CASES[i])
-        except Exception as exc:  # a CUDA error poisons the context: report and let a fresh worker go on
-            print(f"@done {i} ERROR {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
-            return 4
-        status = "PASS" if check.ok else "FAIL"
-        print(f"@done {i} {status} err={check.err:.2e} unwritten={check.unwritten} {check.detail}".rstrip(), flush=True)
-    return 0
+
+    def check(case: Case) -> tuple[str, str]:
+        result = run_case(runner, case)
+        return "PASS" if result.ok else "FAIL", f"err={result.err:.2e} unwritten={result.unwritten} {result.detail}"
+
+    return serve(indices, CASES, check)
 
 
 def verify(out_dir: Path, budget_s: float, hang_s: float, log=print) -> list[Result]:
