@@ -25,7 +25,7 @@ from engine.executor.gpu_ops import NUM_SMS, RING_SLOTS, GpuOps, GpuStepContext
 from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS, PENALTY_ENTRIES, GpuSampler
 from engine.loader import LoadedModel
 from engine.models.rope import rope_inv_freq
-from engine.sampling import log_softmax, top_logprobs
+from engine.sampling import prompt_logprobs
 from memory.device_arena import DeviceArena, arena_budget
 from memory.streams import DeviceStreams, pinned_array
 from memory.weight_upload import upload_weights
@@ -235,12 +235,7 @@ class GpuExecutor:
         results, at = [], 0
         for i, (_, n) in zip(want, spans):
             s = batch.seqs[i]
-            k = s.params.prompt_logprobs or 0
-            lps, tops = [], []
-            for row, target in zip(logits[at:at + n], s.token_ids[1:]):
-                lp = log_softmax(row)
-                lps.append(float(lp[target]))
-                tops.append(top_logprobs(lp, k))
+            lps, tops = prompt_logprobs(logits[at:at + n], s.token_ids[1:], s.params.prompt_logprobs or 0)
             at += n
             results.append(PromptLogprobResult(seq_id=s.seq_id, start_pos=s.start_pos, logprobs=lps,
                                                top_logprobs=tops))
