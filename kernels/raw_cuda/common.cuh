@@ -8,6 +8,9 @@
 
 typedef unsigned short bf16_t;   // storage type: the raw bits of a bfloat16
 
+// 16 zero bytes: a load whose piece is out of range reads this instead of branching on the data.
+__device__ const uint4 kZero16 = {0u, 0u, 0u, 0u};
+
 __device__ __forceinline__ float bf16_to_f(bf16_t v) {
     return __bfloat162float(__ushort_as_bfloat16(v));
 }

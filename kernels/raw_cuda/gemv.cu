@@ -24,7 +24,6 @@ __device__ __forceinline__ void mma_16816(float c[4], unsigned a0, unsigned a1, 
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ const uint4 kZero16 = {0u, 0u, 0u, 0u};
 __device__ __forceinline__ const bf16_t* zero16() { return reinterpret_cast<const bf16_t*>(&kZero16); }
 
 __device__ __forceinline__ uint4 load_streaming(const bf16_t* p) {   // weights: read once, evict first

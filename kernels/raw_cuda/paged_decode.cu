@@ -38,8 +38,6 @@
 #define LN2 0.6931471805599453f
 #define MAX_SPLITS 64                                    // gpu_ops.MAX_DECODE_SPLITS
 
-__device__ const uint4 kZero16 = {0u, 0u, 0u, 0u};
-
 __device__ __forceinline__ void unpack8(const uint4 v, float f[VEC]) {
     const unsigned w[4] = {v.x, v.y, v.z, v.w};
     #pragma unroll
