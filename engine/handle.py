@@ -139,7 +139,6 @@ class EngineHandle:
             executor, tokenizer, info = _build(self.config)
             model_name = model_name or info["model_name"]
             max_model_len = max_model_len or info["max_model_len"]
-            eos_token_ids = eos_token_ids if eos_token_ids is not None else info["eos_token_ids"]
         if tokenizer is None:
             raise ValueError("EngineHandle needs a tokenizer with an executor")
         self.tokenizer = tokenizer
@@ -154,7 +153,7 @@ class EngineHandle:
                         self.max_model_len, executor.num_kv_blocks * 16)
             self.max_model_len = executor.num_kv_blocks * 16
         if eos_token_ids is None:
-            eos_token_ids = _tokenizer_eos_ids(tokenizer)
+            eos_token_ids = tokenizer.eos_token_ids
         self._engine = EngineLoop(executor, tokenizer, self.config, self.max_model_len,
                                   eos_token_ids)
         self._ids = itertools.count()
@@ -248,14 +247,6 @@ def _collect(rid: str, ids: list[int], q: queue.Queue, n: int) -> RequestOutput:
     return out
 
 
-def _tokenizer_eos_ids(tokenizer) -> list[int]:
-    ids = getattr(tokenizer, "eos_token_ids", None)
-    if ids is None:
-        one = getattr(tokenizer, "eos_token_id", None)
-        ids = [] if one is None else [one]
-    return [int(i) for i in ids]
-
-
 def _build(config: EngineConfig):
     """Load the model named by config (the demo model when None) and build its executor."""
     import os
@@ -274,6 +265,5 @@ def _build(config: EngineConfig):
     name = os.path.basename(os.path.normpath(str(path)))
     if name.endswith(".gguf"):
         name = name[:-5]
-    info = {"model_name": name, "max_model_len": max_model_len,
-            "eos_token_ids": model.eos_token_ids}
+    info = {"model_name": name, "max_model_len": max_model_len}
     return executor, model.tokenizer, info

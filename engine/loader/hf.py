@@ -26,10 +26,6 @@ class LoadedModel:
     path: str                               # the HF folder the model was loaded from
     model: DecoderLM = field(repr=False, default=None)  # type: ignore[assignment]
 
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return self.tokenizer.eos_token_ids
-
 
 def read_generation_config(folder: str, config: ModelConfig) -> dict[str, Any]:
     path = os.path.join(folder, "generation_config.json")
