@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from engine.batch import BLOCK_SIZE, SeqStep
 from engine.sequence import Sequence, SeqStatus
 from memory.block_manager import BlockManager
+from memory.prefix_hash import NO_PARENT
 
 
 def blocks_for(num_tokens: int) -> int:
@@ -195,7 +196,7 @@ class Scheduler:
             if after > before and self.bm.enable_prefix_caching:
                 hashes = seq.block_hashes(after)
                 for b in range(before, after):
-                    parent = hashes[b - 1] if b else 0
+                    parent = hashes[b - 1] if b else NO_PARENT
                     tokens = seq.token_ids[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]
                     self.bm.cache_block(seq.block_table[b], hashes[b], parent, tokens, seq.lora_id)
             if self._fork_ready(seq):

@@ -7,7 +7,7 @@ from enum import Enum
 
 from engine.batch import BLOCK_SIZE
 from engine.request import SamplingParams
-from memory.prefix_hash import NO_PARENT, hash_block
+from memory.prefix_hash import NO_PARENT, hash_chain
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15
 
@@ -66,12 +66,12 @@ class Sequence:
     def block_hashes(self, num_blocks: int) -> list[int]:
         """Prefix-cache hashes of the first num_blocks full blocks (memoized; tokens of a full
         block never change)."""
-        while len(self._hashes) < num_blocks:
-            b = len(self._hashes)
+        have = len(self._hashes)
+        if have < num_blocks:
+            assert num_blocks * BLOCK_SIZE <= len(self.token_ids), "hash of a partial block"
             parent = self._hashes[-1] if self._hashes else NO_PARENT
-            tokens = self.token_ids[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]
-            assert len(tokens) == BLOCK_SIZE, "hash of a partial block"
-            self._hashes.append(hash_block(parent, tokens, self.lora_id))
+            self._hashes += hash_chain(self.token_ids[have * BLOCK_SIZE:num_blocks * BLOCK_SIZE],
+                                       BLOCK_SIZE, self.lora_id, parent)
         return self._hashes[:num_blocks]
 
     def fork(self, seq_id: int, index: int) -> "Sequence":
