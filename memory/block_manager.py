@@ -14,8 +14,6 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.batch import BLOCK_SIZE
-
 
 @dataclass(frozen=True)
 class BlockStored:
@@ -40,12 +38,10 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
-                 block_size: int = BLOCK_SIZE):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
@@ -73,10 +69,6 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     # -- allocation ----------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
