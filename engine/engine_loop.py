@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.batch import ModelBatch, StepOutput
+from engine.batch import BLOCK_SIZE, ModelBatch, StepOutput
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import (Error, Finished, PromptLogprobs, Rejected, Scheduled, Token,
@@ -206,7 +206,7 @@ class EngineLoop:
             return f"n must be <= {min(self.config.max_n, self.config.max_num_seqs)}, got {p.n}"
         if blocks_for(len(prompt) + p.max_tokens) > self.block_manager.num_blocks:
             return (f"prompt + max_tokens ({len(prompt) + p.max_tokens} tokens) needs more KV "
-                    f"cache than the engine has ({self.block_manager.num_blocks * 16} tokens)")
+                    f"cache than the engine has ({self.block_manager.num_blocks * BLOCK_SIZE} tokens)")
         for t in list(p.logit_bias) + list(p.stop_token_ids):
             if not 0 <= int(t) < self.vocab_size:
                 return f"token id {t} (logit_bias / stop_token_ids) is out of the vocabulary range"

@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
+from engine.batch import BLOCK_SIZE
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, EngineStats
 from engine.events import (Error, Finished, PromptLogprobs, Rejected,
@@ -144,14 +145,14 @@ class EngineHandle:
         self.tokenizer = tokenizer
         self.executor = executor
         self.model_name = self.config.served_model_name or model_name or "openinfer"
-        self.max_model_len = (self.config.max_model_len or max_model_len
-                              or executor.num_kv_blocks * 16)
-        if self.max_model_len > executor.num_kv_blocks * 16:
+        pool_tokens = executor.num_kv_blocks * BLOCK_SIZE
+        self.max_model_len = self.config.max_model_len or max_model_len or pool_tokens
+        if self.max_model_len > pool_tokens:
             # a longer sequence could never be scheduled; advertising it would make every request
             # that fills the context (a chat's default max_tokens) a rejection
             log.warning("max_model_len %d is more than the KV pool holds; serving %d",
-                        self.max_model_len, executor.num_kv_blocks * 16)
-            self.max_model_len = executor.num_kv_blocks * 16
+                        self.max_model_len, pool_tokens)
+            self.max_model_len = pool_tokens
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids
         self._engine = EngineLoop(executor, tokenizer, self.config, self.max_model_len,
