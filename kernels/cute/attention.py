@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gemm import DeviceTensor, as_device_tensor
+from .gemm import DeviceTensor, _stream_ptr, as_device_tensor
 from .library import TensorArg
 
 HEAD_DIM = 128
@@ -89,8 +89,6 @@ def check_attention_args(q, k, v, o, cu_q, cu_k, work) -> None:
 
 def varlen_attention(runner, q, k, v, o, cu_q, cu_k, work, stream=None) -> None:
     """Causal attention of every sequence in one launch; see the module docstring."""
-    from .gemm import _stream_ptr
-
     q, k, v, o = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (o, "o")))
     cu_q, cu_k, work = (as_device_tensor(x, n) for x, n in ((cu_q, "cu_q"), (cu_k, "cu_k"), (work, "work")))
     check_attention_args(q, k, v, o, cu_q, cu_k, work)
