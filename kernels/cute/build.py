@@ -195,10 +195,10 @@ def build(out_dir: Path = DEFAULT_OUT, force: bool = False, log=print) -> dict:
     manifest_path = out_dir / "manifest.json"
     old = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     same_objects = {k: v["hash"] for k, v in old.get("kernels", {}).items()} == {k: v["hash"] for k, v in kernels.items()}
+    from cutlass.base_dsl.version_info import CUDA_VERSION
+
     if force or compiled or not lib.is_file() or not same_objects:
         cudart = find_cudart_static()
-        from cutlass.base_dsl.version_info import CUDA_VERSION
-
         toolkit = cudart_major(cudart)
         if toolkit is not None and toolkit != CUDA_VERSION.major:
             raise RuntimeError(
@@ -212,8 +212,6 @@ def build(out_dir: Path = DEFAULT_OUT, force: bool = False, log=print) -> dict:
         log(f"linked {lib} ({lib.stat().st_size} bytes, {len(objects)} kernels)")
     else:
         log(f"{lib} is up to date")
-    from cutlass.base_dsl.version_info import CUDA_VERSION
-
     manifest = {
         "library": LIB_NAME,
         "library_sha256": hashlib.sha256(lib.read_bytes()).hexdigest(),
