@@ -140,6 +140,7 @@ class GpuSampler:
         row_ptr = np.zeros(S + 1, np.int32)
         toks, flags, counts, bias = [], [], [], []
         rep, freq, pres = np.ones(S, np.float32), np.zeros(S, np.float32), np.zeros(S, np.float32)
+        processed = set(processed)
         for i, s in enumerate(seqs):
             if i in processed:
                 for t, (b, f, c) in sorted(penalty_entries(s, V).items()):
