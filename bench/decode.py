@@ -10,8 +10,9 @@ of one eager batch-1 step (CUDA events around each op) with each op's weight-rea
 
     python3 bench/decode.py --out DIR [--models qwen3-4b,qwen3-8b] [--batches 1,8,32,128,256]
         [--kernels "none;all"] [--micro]
---kernels runs the batches once per decode-kernel setting (GpuExecutor.set_decode_kernels: "none" is
-the default path, "all" paged_decode.cu + gemv.cu) on the same executor and weights, and reports the
+--kernels runs the batches once per decode-kernel setting (GpuExecutor.set_decode_kernels: "none" the
+old path, split attention + cuBLAS, and this script's default; "all", the executor's default,
+paged_decode.cu + gemv.cu) on the same executor and weights, and reports the
 fraction of sequences whose first 4 greedy tokens equal the first setting's. --micro adds the per-kernel
 table (bench/decode_micro.py): each projection GEMM and decode attention, old vs new, with its roofline.
 Writes DIR/decode.json, DIR/decode.md and DIR/decode.png.

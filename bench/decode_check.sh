@@ -5,7 +5,7 @@
 #  1. their GPU unit tests vs numpy (poisoned outputs, odd shapes, Gemm routing, new == default greedy),
 #     then the accuracy gate through the executor with them on: tiny models vs HF float32 (prefill,
 #     decode, chunked), batched == batch 1, CUDA graphs == eager;
-#  2. bench/decode.py, Qwen3-4B, batch 1 and 32, on one executor: default kernels ("none"), the new ones
+#  2. bench/decode.py, Qwen3-4B, batch 1 and 32, on one executor: the old kernels ("none"), the new ones
 #     ("all": GEMV up to 16 rows) and "attention,gemv:32" (GEMV at batch 32 too), plus the per-kernel
 #     table (GEMMs at M = 1..32, attention at batch 1/32, context 256/4096);
 #  3. the real-shape Qwen3-4B gate (random bf16 weights, teacher-forced vs HF float32) with them on
@@ -44,6 +44,6 @@ step bench_qwen3_8b 75 python3 bench/decode.py --models qwen3-8b --batches 1,32 
 for m in qwen3-4b qwen3-8b; do [ -f "$OUT/$m/decode.md" ] && { echo; echo "## $m"; cat "$OUT/$m/decode.md"; }; done
 echo; echo "## Gate with the new decode kernels (HF float32 oracle)"
 python3 bench/gate_table.py "$OPENINFER_GATE_LOG"
-echo; echo "## Decode: default kernels (none) vs new, $(date -u +%H:%M:%S)"
+echo; echo "## Decode: old kernels (none) vs new, $(date -u +%H:%M:%S)"
 python3 bench/decode.py --summary "$OUT/qwen3-4b/decode.json" "$OUT/qwen3-8b/decode.json"
 exit "$status"
