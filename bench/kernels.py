@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kernels.cute.attention import ATTENTION_KERNELS  # noqa: E402
 from kernels.cute.configs import GEMM_VARIANTS, MAX_SPLITS, GemmPlan, plan_gemm, split_count  # noqa: E402
 from kernels.cute.testing import Case  # noqa: E402
 from kernels.cute.verify import passing_groups, run_all, serve, table, verify  # noqa: E402
@@ -45,13 +46,14 @@ ROTATE_BYTES = 256 << 20
 def bench_tasks(ok: set[str], sweep: bool) -> tuple[Case, ...]:
     """The benchmark rows to run, given the kernel groups that passed verification."""
     tasks = [Case("hbm", "device copy bandwidth", "hbm", ())]
+    for kernel in ATTENTION_KERNELS:
+        if kernel in ok:
+            tasks += [Case(f"{kernel} {n}", f"{kernel} {n} tokens", "attention", (n, kernel)) for n in ATTN_TOKENS]
     for name, (n, k) in QWEN_SHAPES.items():
         for m in MS:
             plan = plan_gemm(m, n, k)
             if plan.variant.name in ok:
                 tasks.append(Case(f"gemm {name} M={m}", f"{name} M={m}", "gemm", (name, m)))
-    if "varlen_attention" in ok:
-        tasks += [Case(f"attention {n}", f"attention {n} tokens", "attention", (n,)) for n in ATTN_TOKENS]
     if sweep and any(v.name in ok for v in GEMM_VARIANTS):
         for name in QWEN_SHAPES:
             for m in MS:
@@ -158,7 +160,7 @@ def run_task(runner, task: Case) -> dict:
         end.synchronize()
         return {"hbm_gbs": 2 * src.nbytes * 10 / (cp.cuda.get_elapsed_time(start, end) * 1e-3) / 1e9}
     if task.kind == "attention":
-        return attention_row(runner, task.args[0])
+        return attention_row(runner, *task.args)
     name, m = task.args[:2]
     n, k = QWEN_SHAPES[name]
     ops = _Operands(runner, m, n, k)
@@ -186,7 +188,7 @@ def run_task(runner, task: Case) -> dict:
         cp.get_default_memory_pool().free_all_blocks()
 
 
-def attention_row(runner, n: int) -> dict:
+def attention_row(runner, n: int, kernel: str) -> dict:
     """Causal attention, one sequence of n tokens, Qwen3-8B heads (32 q / 8 kv), ours vs torch SDPA."""
     import cupy as cp
     import numpy as np
@@ -200,8 +202,8 @@ def attention_row(runner, n: int) -> dict:
     o = cp.empty_like(q)
     cu_d, work = cp.asarray(cu), cp.asarray(attention_work(cu))
     flops = 2 * 2 * 128 * hq * n * (n + 1) / 2  # QK and PV over the causal half
-    ours = graph_time_us(lambda i, s: varlen_attention(runner, q, k, v, o, cu_d, cu_d, work, s), 1,
-                         f"attention n={n}")
+    ours = graph_time_us(lambda i, s: varlen_attention(runner, q, k, v, o, cu_d, cu_d, work, s, kernel), 1,
+                         f"{kernel} n={n}")
     sdpa = float("nan")
     try:
         import torch
@@ -220,7 +222,7 @@ def attention_row(runner, n: int) -> dict:
         sdpa = start.elapsed_time(end) * 1e3 / 10
     except Exception as exc:  # baseline only
         print(f"torch SDPA baseline failed: {exc}", flush=True)
-    return {"tokens": n, "ours_us": ours, "ours_tflops": flops / ours / 1e6, "sdpa_us": sdpa,
+    return {"kernel": kernel, "tokens": n, "ours_us": ours, "ours_tflops": flops / ours / 1e6, "sdpa_us": sdpa,
             "sdpa_tflops": flops / sdpa / 1e6}
 
 
@@ -255,10 +257,10 @@ def gemm_table(rows: list[dict], hbm: float, sweeps: dict) -> str:
 
 
 def attention_table(rows: list[dict]) -> str:
-    lines = ["| causal attention, 32/8 heads | ours µs | ours TFLOP/s | SDPA µs | SDPA TFLOP/s |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['tokens']} tokens | {r['ours_us']:.0f} | {r['ours_tflops']:.0f} | {r['sdpa_us']:.0f} | "
-              f"{r['sdpa_tflops']:.0f} |" for r in rows]
+    lines = ["| causal attention, 32/8 heads | kernel | ours µs | ours TFLOP/s | SDPA µs | SDPA TFLOP/s |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['tokens']} tokens | {r['kernel']} | {r['ours_us']:.0f} | {r['ours_tflops']:.0f} | "
+              f"{r['sdpa_us']:.0f} | {r['sdpa_tflops']:.0f} |" for r in rows]
     return "\n".join(lines)
 
 

@@ -31,7 +31,7 @@ def test_build_writes_library_and_manifest(built):
     out, log = built
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["arch"] == "sm_90a" and manifest["dsl_version"] == "4.8.1"
-    names = {v.name for v in GEMM_VARIANTS} | {REDUCE_NAME, "varlen_attention"}
+    names = {v.name for v in GEMM_VARIANTS} | {REDUCE_NAME, "varlen_attention", "varlen_attention_ws"}
     assert set(manifest["kernels"]) == names
     assert log.count("compiled ") == len(names)
     for name, info in manifest["kernels"].items():
@@ -266,12 +266,12 @@ def test_grouped_launcher_checks():
 def test_attention_work_lists_every_tile_longest_first():
     from kernels.cute.attention import attention_work
 
-    lengths = np.array([5, 0, 300, 64, 65])
+    lengths = np.array([5, 0, 300, 128, 129])
     work = attention_work(np.concatenate([[0], np.cumsum(lengths)]))
-    assert work.dtype == np.int32 and work.shape == (1 + 0 + 5 + 1 + 2, 2)
-    expect = {(b, t) for b, n in enumerate(lengths) for t in range(-(-n // 64))}
+    assert work.dtype == np.int32 and work.shape == (1 + 0 + 3 + 1 + 2, 2)
+    expect = {(b, t) for b, n in enumerate(lengths) for t in range(-(-n // 128))}
     assert {tuple(r) for r in work.tolist()} == expect
-    assert work[0].tolist() == [2, 4]  # longest sequence, its last (costliest) tile first
+    assert work[0].tolist() == [2, 2]  # longest sequence, its last (costliest) tile first
     with pytest.raises(ValueError, match="prefix sum"):
         attention_work(np.array([0, 5, 3]))
 
@@ -301,6 +301,16 @@ def test_attention_launcher_checks():
     ]:
         with pytest.raises((TypeError, ValueError), match=message):
             _attn_args(**over)
+
+
+def test_attention_launcher_names_the_kernel():
+    from kernels.cute.attention import ATTENTION_KERNEL, ATTENTION_KERNELS, varlen_attention
+
+    assert ATTENTION_KERNEL in ATTENTION_KERNELS == ("varlen_attention_ws", "varlen_attention")
+    arrays = [FakeArray((10, 8, 128)), FakeArray((12, 2, 128)), FakeArray((12, 2, 128)), FakeArray((10, 8, 128)),
+              FakeArray((3,), "<i4"), FakeArray((3,), "<i4"), FakeArray((4, 2), "<i4")]
+    with pytest.raises(ValueError, match="unknown attention kernel 'fa9'"):
+        varlen_attention(None, *arrays, kernel="fa9")
 
 
 class _QueuedInputsCupy:

@@ -79,7 +79,7 @@ def test_catalogue_probes_every_kernel_first_with_the_simplest_launch():
     assert [c.group for c in probes] == groups  # one probe per group, catalogue order
     assert probes[0].label == "M=64 N=128 K=64"  # one tile, one k-tile of the simplest config
     assert {v.name for v in GEMM_VARIANTS} <= set(groups)
-    assert {"planned", "graph", "varlen_attention"} <= set(groups)
+    assert {"planned", "graph", "varlen_attention", "varlen_attention_ws"} <= set(groups)
     assert sorted(order) == list(range(len(CASES)))
 
 
@@ -155,7 +155,7 @@ def test_attention_check_agrees_with_an_independent_causal_attention(monkeypatch
     from kernels.cute import attention, testing
     from kernels.cute.bf16 import from_bf16, to_bf16
 
-    def numpy_attention(runner, q, k, v, o, cu_q, cu_k, work, stream=None):
+    def numpy_attention(runner, q, k, v, o, cu_q, cu_k, work, stream=None, kernel=None):
         hq, hkv = q.shape[1], k.shape[1]
         for b in range(len(cu_q) - 1):
             lq, lk = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
@@ -168,11 +168,11 @@ def test_attention_check_agrees_with_an_independent_causal_attention(monkeypatch
 
     monkeypatch.setitem(sys.modules, "cupy", _FakeCupy())
     monkeypatch.setattr(attention, "varlen_attention", numpy_attention)
-    check = testing.attention_check(None, [3, 0, 20], [9, 0, 20], 4, 2)
+    check = testing.attention_check(None, [3, 0, 20], [9, 0, 20], 4, 2, "varlen_attention_ws")
     assert check.ok, (check.err, check.detail)
     monkeypatch.setattr(attention, "varlen_attention",
-                        lambda *args: (numpy_attention(*args), args[4].__setitem__((slice(None), 3), 0)))
-    check = testing.attention_check(None, [3, 0, 20], [9, 0, 20], 4, 2)
+                        lambda *args, **kw: (numpy_attention(*args), args[4].__setitem__((slice(None), 3), 0)))
+    check = testing.attention_check(None, [3, 0, 20], [9, 0, 20], 4, 2, "varlen_attention_ws")
     assert not check.ok and "head 3" in check.detail
 
 

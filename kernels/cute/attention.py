@@ -1,4 +1,9 @@
-"""Launcher for ``attention_sm90``: varlen causal prefill attention, GQA, head_dim 128.
+"""Launcher for ``attention_ws_sm90`` / ``attention_sm90``: varlen causal prefill attention, GQA, head_dim 128.
+
+Two kernels compute the same thing with the same arguments: ``varlen_attention_ws`` (FlashAttention-3
+schedule: producer warpgroup + two ping-ponging consumer warpgroups) and ``varlen_attention`` (the
+FlashAttention-2 schedule, the fallback). ``ATTENTION_KERNEL`` names the one used by default; a
+caller (the verification, the benchmark) may name either through ``kernel=``.
 
 ``q``/``o`` are ``[tokens_q, Hq, 128]`` and ``k``/``v`` ``[tokens_k, Hkv, 128]`` bf16 (uint16 in
 CuPy) with contiguous heads; ``cu_q``/``cu_k`` the int32 ``[B+1]`` prefix sums of the lengths;
@@ -33,12 +38,15 @@ from .gemm import DeviceTensor, _stream_ptr, as_device_tensor
 from .library import TensorArg
 
 HEAD_DIM = 128
-TILE_Q = 64
+TILE_Q = 128  # query rows of one work-list tile (the FA2 kernel runs it as two 64-row CTAs)
 ATTENTION_NAME = "varlen_attention"
+ATTENTION_WS_NAME = "varlen_attention_ws"
+ATTENTION_KERNELS = (ATTENTION_WS_NAME, ATTENTION_NAME)
+ATTENTION_KERNEL = ATTENTION_NAME
 
 
 def attention_work(cu_seqlens_q: np.ndarray) -> np.ndarray:
-    """``[(sequence, 64-row query tile)]`` for every tile, longest sequences first, int32."""
+    """``[(sequence, 128-row query tile)]`` for every tile, longest sequences first, int32."""
     cu = np.asarray(cu_seqlens_q, dtype=np.int64)
     if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or np.any(np.diff(cu) < 0):
         raise ValueError("cu_seqlens_q must be a non-decreasing 1-D prefix sum starting at 0")
@@ -87,15 +95,18 @@ def check_attention_args(q, k, v, o, cu_q, cu_k, work) -> None:
         raise ValueError(f"work must be a contiguous [tiles, 2] list (attention_work), got {work.shape}")
 
 
-def varlen_attention(runner, q, k, v, o, cu_q, cu_k, work, stream=None) -> None:
+def varlen_attention(runner, q, k, v, o, cu_q, cu_k, work, stream=None, kernel: str | None = None) -> None:
     """Causal attention of every sequence in one launch; see the module docstring."""
+    kernel = kernel or ATTENTION_KERNEL
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; one of {ATTENTION_KERNELS}")
     q, k, v, o = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (o, "o")))
     cu_q, cu_k, work = (as_device_tensor(x, n) for x, n in ((cu_q, "cu_q"), (cu_k, "cu_k"), (work, "work")))
     check_attention_args(q, k, v, o, cu_q, cu_k, work)
     runner.ensure_loaded()
     (tq, hq), (tk, hkv) = q.shape[:2], k.shape[:2]
     row_q, row_k = max(q.strides[0], hq * HEAD_DIM), max(k.strides[0], hkv * HEAD_DIM)
-    runner.library[ATTENTION_NAME](
+    runner.library[kernel](
         TensorArg(q.ptr, (tq, hq), (row_q,)),
         TensorArg(k.ptr, (tk, hkv), (row_k,)),
         TensorArg(v.ptr, (tk, hkv), (row_k,)),  # viewed as vᵀ: (128, tokens, heads)

@@ -9,8 +9,9 @@ K and V are read from **contiguous** ``[tokens, Hkv, 128]`` buffers, not from th
 prefill writes its new K/V into those buffers anyway before the paged write, TMA needs one
 descriptor per tensor (a paged gather would need per-block descriptors or cp.async), and a cached
 prefix is one contiguous gather per sequence. One launch covers all sequences through a host-built
-work list of ``(sequence, 64-row query tile)`` pairs, longest sequences first (causal tiles differ
-in cost), grid ``(tiles, Hq)``.
+work list of ``(sequence, 128-row query tile)`` pairs, longest sequences first (causal tiles differ
+in cost), grid ``(tiles, Hq, 2)``: the z index picks the 64-row half of the tile (the list is shared
+with ``attention_ws_sm90``, whose CTAs own all 128 rows).
 
 FlashAttention-2 schedule on Hopper instructions: one warpgroup per CTA owns 64 query rows; Q is
 loaded once by TMA, K and V tiles of 128 keys stream through a 3-stage TMA/mbarrier ring (warp 0
@@ -80,7 +81,7 @@ class VarlenAttentionSm90:
             sv: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(self.sv_layout)], 1024]
 
         self.smem_struct = Smem
-        grid = (cute.size(work, mode=[0]), cute.size(q, mode=[2]), 1)
+        grid = (cute.size(work, mode=[0]), cute.size(q, mode=[2]), 2)
         self.kernel(tma_q, tq, tma_k, tk, tma_v, tv, o, cu_q, cu_k, work, self.qk_mma, self.pv_mma,
                     self.sq_layout, self.sk_layout, self.sv_layout).launch(
             grid=grid, block=[128, 1, 1], stream=stream)
@@ -92,19 +93,21 @@ class VarlenAttentionSm90:
                sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout,
                sv_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
-        item, head, _ = cute.arch.block_idx()
+        item, head, half = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
         seq = work[item, 0]
-        q_first = work[item, 1] * TILE_Q  # first query row of this tile, within the sequence
+        q_first = (work[item, 1] * 2 + half) * TILE_Q  # first query row of this CTA, within the sequence
         q_start, k_start = cu_q[seq], cu_k[seq]
         len_q, len_k = cu_q[seq + 1] - q_start, cu_k[seq + 1] - k_start
         shift = len_k - len_q  # query i sees keys <= i + shift
         kv_head = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))
         kv_end = cutlass.min(q_first + TILE_Q + shift, len_k)
+        if q_first >= len_q:  # the second half of a sequence's last tile may be empty
+            kv_end = 0
         n_kv = (kv_end + TILE_KV - 1) // TILE_KV
 
         storage = cutlass.utils.SmemAllocator().allocate(self.smem_struct)

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from .bf16 import from_bf16, to_bf16
+from .attention import ATTENTION_KERNELS
 from .configs import GEMM_VARIANTS, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count
 
 NAN_BF16 = 0x7FC0
@@ -139,8 +140,8 @@ def grouped_check(runner, tile_m: int, tokens: int, top_k: int, experts: int, n:
     return compare(got, ref)
 
 
-def attention_check(runner, lengths_q, lengths_k, hq: int, hkv: int) -> Check:
-    """One varlen causal attention; the error is the worst over (sequence, head)."""
+def attention_check(runner, lengths_q, lengths_k, hq: int, hkv: int, kernel: str) -> Check:
+    """One varlen causal attention by ``kernel``; the error is the worst over (sequence, head)."""
     import cupy as cp
     import numpy as np
 
@@ -151,8 +152,9 @@ def attention_check(runner, lengths_q, lengths_k, hq: int, hkv: int) -> Check:
     q = rand_bf16((int(cu_q[-1]), hq, 128))
     k, v = rand_bf16((int(cu_k[-1]), hkv, 128)), rand_bf16((int(cu_k[-1]), hkv, 128))
     o = cp.full(q.shape, NAN_BF16, dtype=cp.uint16)
-    varlen_attention(runner, q, k, v, o, cp.asarray(cu_q), cp.asarray(cu_k), cp.asarray(attention_work(cu_q)))
-    sync_or_die(f"varlen attention hq={hq} hkv={hkv} lengths={list(lengths_q)[:8]}")
+    varlen_attention(runner, q, k, v, o, cp.asarray(cu_q), cp.asarray(cu_k), cp.asarray(attention_work(cu_q)),
+                     kernel=kernel)
+    sync_or_die(f"{kernel} hq={hq} hkv={hkv} lengths={list(lengths_q)[:8]}")
     got = from_bf16(o)
     worst, unwritten = Check(0.0, 0), 0
     for b in range(len(lengths_q)):
@@ -191,6 +193,15 @@ DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x
 SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1")
 
 
+_MIX = (1, 17, 64, 130, 1000, 4096, 0, 63)
+ATTENTION_SHAPES = (  # (lengths_q, lengths_k, hq, hkv)
+    ((64,), (64,), 1, 1), ((1000,), (1000,), 2, 1),
+    (_MIX, _MIX, 8, 8), (_MIX, _MIX, 8, 2), (_MIX, _MIX, 8, 1),
+    ((5, 200, 1), (300, 200, 129), 4, 1),  # cached prefixes not a multiple of 64 (half tiles fully masked)
+    ((8192, 700), (8192, 2700), 8, 2),     # 64 / 22 k-tiles, cached prefix
+    ((16384,), (16384,), 32, 8))           # the 16k benchmark shape, 128 k-tiles
+
+
 def _gemm_case(name: str, m: int, n: int, k: int, splits: int = 1) -> Case:
     suffix = f" S={split_count(k, splits)}" if VARIANTS_BY_NAME[name].out == "f32" else ""
     return Case(name, f"M={m} N={n} K={k}{suffix}", "gemm", (name, splits, m, n, k))
@@ -220,14 +231,10 @@ def build_cases() -> tuple[Case, ...]:
     for args in ((64, 37, 8, 16, 264, 520), (64, 1, 8, 64, 768, 2048), (128, 300, 2, 8, 1536, 2048)):
         cases.append(Case(f"grouped_bf16_{args[0]}x128_c1x1", "tokens={1} top_k={2} experts={3} N={4} K={5}"
                           .format(*args), "grouped", args))
-    mix = (1, 17, 64, 130, 1000, 4096, 0, 63)
-    for lengths_q, lengths_k, hq, hkv in (((64,), (64,), 1, 1), ((1000,), (1000,), 2, 1),
-                                          (mix, mix, 8, 8), (mix, mix, 8, 2), (mix, mix, 8, 1),
-                                          ((5, 200, 1), (300, 200, 129), 4, 1),
-                                          ((8192, 700), (8192, 2700), 8, 2),  # 64 / 22 k-tiles, cached prefix
-                                          ((16384,), (16384,), 32, 8)):  # the 16k benchmark shape, 128 k-tiles
-        label = f"q={list(lengths_q)} k={'same' if lengths_k == lengths_q else list(lengths_k)} hq={hq} hkv={hkv}"
-        cases.append(Case("varlen_attention", label, "attention", (lengths_q, lengths_k, hq, hkv)))
+    for kernel in ATTENTION_KERNELS:
+        for lengths_q, lengths_k, hq, hkv in ATTENTION_SHAPES:
+            label = f"q={list(lengths_q)} k={'same' if lengths_k == lengths_q else list(lengths_k)} hq={hq} hkv={hkv}"
+            cases.append(Case(kernel, label, "attention", (lengths_q, lengths_k, hq, hkv, kernel)))
     assert {c.group for c in cases if c.kind == "gemm"} == {v.name for v in GEMM_VARIANTS if not v.grouped}
     return tuple(cases)
 

@@ -1,0 +1,235 @@
+"""Causal varlen prefill attention, FlashAttention-3 schedule (warp-specialised), Hopper (CuTe DSL).
+
+Computes exactly what ``attention_sm90`` computes (same call, same ``[tokens, heads, 128]`` buffers,
+same ``(sequence, 128-row query tile)`` work list, cached-prefix alignment, GQA): the two are
+interchangeable and the launcher picks one. Head dim 128, softmax scale ``1/sqrt(128)``.
+
+Schedule, per CTA of 384 threads owning 128 query rows of one head:
+- warpgroup 0 is the producer: it gives up registers (``setmaxnreg`` 24) and its first warp issues
+  TMA loads: Q once (two 64-row halves), then K and V tiles of 128 keys into two separate
+  ``KV_STAGES``-deep mbarrier rings, so ``S = Q·Kᵀ`` can start before V has landed;
+- warpgroups 1 and 2 are consumers (``setmaxnreg`` 240), 64 query rows each, sharing every K/V
+  stage (each stage is released by both). They take turns on the tensor cores through two named
+  barriers (ping-pong): a consumer issues ``O += P·V`` for tile j and ``S = Q·Kᵀ`` for tile j+1,
+  then hands the turn over and runs its softmax while the other one's wgmmas run;
+- online softmax in registers with exp2 (one FFMA per score folds the scale and the running max),
+  P converted in registers to the A operand of the register-sourced P·V wgmma; only tiles crossing
+  the diagonal or the key end are masked. Key tiles are walked in ascending order, so every row's
+  running max is finite from the first tile on (key 0 is always visible) and a tile that is fully
+  masked for one consumer's rows (possible with a cached prefix) contributes exactly zero.
+- grid ``(Hq, tiles)``: all heads of the longest tile are launched first (work list order), the
+  query heads of one KV head run side by side and share its K/V in L2.
+
+Roofline on the H200: ``4 · Σ_causal(len_q · len_k) · 128 · Hq`` flops at ~790 TFLOP/s dense bf16
+wgmma; the exp2 throughput (16/clk/SM) bounds the softmax at ~1/8 of the wgmma rate per score, which
+the ping-pong hides; K/V bytes are reused by 128 query rows (arithmetic intensity ~128 flop/B).
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+
+from .attention_sm90 import HEAD_DIM, TILE_KV, VarlenAttentionSm90
+
+WG_ROWS = 64            # query rows of one consumer warpgroup
+TILE_Q = 2 * WG_ROWS    # query rows of one CTA (one work-list tile)
+KV_STAGES = 2
+PRODUCER_REGS, CONSUMER_REGS = 24, 240  # 128·24 + 256·240 ≤ 64 Ki registers
+TURN_BARRIER = 1        # named barriers 1 and 2: consumer 0 / 1 may issue its wgmmas
+CONSUMER_THREADS = 256
+
+
+class VarlenAttentionWsSm90(VarlenAttentionSm90):
+    """jit entry: ``(q, k, vt, o, cu_q, cu_k, work, stream)``; see the module docstring. Reuses the
+    mask, online softmax, register relayout and store of the FlashAttention-2 kernel."""
+
+    @cute.jit
+    def __call__(self, q: cute.Tensor, k: cute.Tensor, vt: cute.Tensor, o: cute.Tensor,
+                 cu_q: cute.Tensor, cu_k: cute.Tensor, work: cute.Tensor, stream: cuda.CUstream):
+        bf16 = q.element_type
+        self.dtype = bf16
+        qk_tile = (WG_ROWS, TILE_KV, HEAD_DIM)
+        pv_tile = (WG_ROWS, HEAD_DIM, TILE_KV)
+        qk_mma = sm90_utils.make_trivial_tiled_mma(
+            bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            cutlass.Float32, (1, 1, 1), tiler_mn=(WG_ROWS, TILE_KV))
+        pv_mma = sm90_utils.make_trivial_tiled_mma(
+            bf16, bf16, warpgroup.OperandMajorMode.K, utils.LayoutEnum.from_tensor(vt).sm90_mma_major_mode(),
+            cutlass.Float32, (1, 1, 1), tiler_mn=(WG_ROWS, HEAD_DIM), a_source=warpgroup.OperandSource.RMEM)
+        # Q: one 64-row stage per consumer warpgroup; K and V: KV_STAGES-deep rings.
+        sq_layout = sm90_utils.make_smem_layout_a(utils.LayoutEnum.from_tensor(q), qk_tile, bf16, 2)
+        sk_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.from_tensor(k), qk_tile, bf16, KV_STAGES)
+        sv_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.from_tensor(vt), pv_tile, bf16, KV_STAGES)
+        g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tq = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, q, cute.slice_(sq_layout, (None, None, 0)), (WG_ROWS, HEAD_DIM))
+        tma_k, tk = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, k, cute.slice_(sk_layout, (None, None, 0)), (TILE_KV, HEAD_DIM))
+        tma_v, tv = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            g2s, vt, cute.slice_(sv_layout, (None, None, 0)), (HEAD_DIM, TILE_KV))
+
+        @cute.struct
+        class Smem:
+            q_bar: cute.struct.MemRange[cutlass.Int64, 2]
+            k_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
+            v_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
+            sq: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sq_layout)], 1024]
+            sk: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sk_layout)], 1024]
+            sv: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sv_layout)], 1024]
+
+        self.smem_struct = Smem
+        grid = (cute.size(q, mode=[2]), cute.size(work, mode=[0]), 1)
+        self.kernel(tma_q, tq, tma_k, tk, tma_v, tv, o, cu_q, cu_k, work, qk_mma, pv_mma,
+                    sq_layout, sk_layout, sv_layout).launch(
+            grid=grid, block=[128 + CONSUMER_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, mQ: cute.Tensor, tma_k: cute.CopyAtom, mK: cute.Tensor,
+               tma_v: cute.CopyAtom, mVt: cute.Tensor, mO: cute.Tensor, cu_q: cute.Tensor,
+               cu_k: cute.Tensor, work: cute.Tensor, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
+               sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout,
+               sv_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        head, item, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
+        seq = work[item, 0]
+        q_first = work[item, 1] * TILE_Q  # first query row of this CTA, within the sequence
+        q_start, k_start = cu_q[seq], cu_k[seq]
+        len_q, len_k = cu_q[seq + 1] - q_start, cu_k[seq + 1] - k_start
+        shift = len_k - len_q  # query i sees keys <= i + shift
+        kv_head = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))
+        n_kv = (cutlass.min(q_first + TILE_Q + shift, len_k) + TILE_KV - 1) // TILE_KV
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.smem_struct)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, CONSUMER_THREADS // 32)
+        q_ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.q_bar.data_ptr(), num_stages=1, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=cute.size_in_bytes(self.dtype, sq_layout),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        k_ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.k_bar.data_ptr(), num_stages=KV_STAGES, producer_group=one_thread,
+            consumer_group=consumer_warps,
+            tx_count=cute.size_in_bytes(self.dtype, cute.slice_(sk_layout, (None, None, 0))),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        v_ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.v_bar.data_ptr(), num_stages=KV_STAGES, producer_group=one_thread,
+            consumer_group=consumer_warps,
+            tx_count=cute.size_in_bytes(self.dtype, cute.slice_(sv_layout, (None, None, 0))),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sQ = storage.sq.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
+        sK = storage.sk.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
+        sV = storage.sv.get_tensor(sv_layout.outer, swizzle=sv_layout.inner)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                # This sequence's rows of this head, as (64 rows, 128) / (128 keys, 128) / (128, keys) tiles.
+                gQ = cute.local_tile(cute.domain_offset((q_start + q_first, 0), mQ[None, None, head]),
+                                     (WG_ROWS, HEAD_DIM), (None, 0))
+                gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, None, kv_head]),
+                                     (TILE_KV, HEAD_DIM), (None, 0))
+                gV = cute.local_tile(cute.domain_offset((0, k_start), mVt[None, None, kv_head]),
+                                     (HEAD_DIM, TILE_KV), (0, None))
+                one = cute.make_layout(1)
+                tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(
+                    tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                tKsK, tKgK = cute.nvgpu.cpasync.tma_partition(
+                    tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+                tVsV, tVgV = cute.nvgpu.cpasync.tma_partition(
+                    tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                q_ring.producer_acquire(q_state)
+                for half in cutlass.range_constexpr(2):
+                    cute.copy(tma_q, tQgQ[(None, half)], tQsQ[(None, half)],
+                              tma_bar_ptr=q_ring.producer_get_barrier(q_state))
+                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+                for kv in cutlass.range(n_kv, unroll=1):
+                    k_ring.producer_acquire(produce)
+                    cute.copy(tma_k, tKgK[(None, kv)], tKsK[(None, produce.index)],
+                              tma_bar_ptr=k_ring.producer_get_barrier(produce))
+                    v_ring.producer_acquire(produce)
+                    cute.copy(tma_v, tVgV[(None, kv)], tVsV[(None, produce.index)],
+                              tma_bar_ptr=v_ring.producer_get_barrier(produce))
+                    produce.advance()
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self._consume(qk_mma, pv_mma, sQ, sK, sV, q_ring, k_ring, v_ring, mO, head, q_start,
+                          q_first, len_q, len_k, shift, n_kv, tidx - 128)
+
+    @cute.jit
+    def _consume(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor,
+                 sV: cute.Tensor, q_ring, k_ring, v_ring, mO: cute.Tensor, head, q_start, q_first,
+                 len_q, len_k, shift, n_kv, ctid):
+        """One consumer warpgroup (``ctid`` 0 … 255 over both): its 64 rows against every key tile."""
+        me = cute.arch.make_warp_uniform(ctid // 128)  # consumer 0 or 1
+        tid = ctid % 128
+        qk_thr = qk_mma.get_slice(tid)
+        pv_thr = pv_mma.get_slice(tid)
+        frag_q = qk_mma.make_fragment_A(qk_thr.partition_A(sQ))
+        frag_k = qk_mma.make_fragment_B(qk_thr.partition_B(sK))
+        frag_v = pv_mma.make_fragment_B(pv_thr.partition_B(sV))
+        acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((WG_ROWS, TILE_KV)))
+        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((WG_ROWS, HEAD_DIM)))
+        acc_o.fill(0.0)
+        row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+        for r in cutlass.range_constexpr(2):
+            row_max[r] = -cutlass.Float32.inf
+            row_sum[r] = 0.0
+        # Per thread: rows lane/4 + 16·warp (+8), columns 2·(lane%4) + 8·j (+1) of its 64-row tile.
+        lane = tid % 32
+        my_row = (tid // 32) * 16 + lane // 4
+        my_col = 2 * (lane % 4)
+        rows_first = q_first + me * WG_ROWS
+        mine, other = TURN_BARRIER + me, TURN_BARRIER + 1 - me
+
+        q_ring.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        if me == 0:  # consumer 0 takes the first turn
+            cute.arch.barrier_arrive(barrier_id=mine, number_of_threads=CONSUMER_THREADS)
+        cute.arch.barrier(barrier_id=mine, number_of_threads=CONSUMER_THREADS)
+        for kv in cutlass.range(n_kv, unroll=1):
+            # My turn: S = Q·Kᵀ is issued, then the other consumer may issue its wgmmas.
+            k_ring.consumer_wait(read)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range_constexpr(cute.size(frag_q, mode=[2])):
+                qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+                cute.gemm(qk_mma, acc_s, frag_q[(None, None, kb, me)], frag_k[(None, None, kb, read.index)], acc_s)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.arch.barrier_arrive(barrier_id=other, number_of_threads=CONSUMER_THREADS)
+            cute.nvgpu.warpgroup.wait_group(0)
+            k_ring.consumer_release(read)
+
+            key0 = kv * TILE_KV
+            if key0 + TILE_KV > rows_first + shift + 1 or key0 + TILE_KV > len_k:
+                self._mask(acc_s, my_row + rows_first + shift, key0 + my_col, len_k)
+            self._online_softmax(acc_s, acc_o, row_max, row_sum)
+            p = cute.make_rmem_tensor(self._c_to_a_layout(acc_s.layout, pv_mma.tv_layout_A.shape[1]), self.dtype)
+            cute.make_tensor(p.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
+
+            v_ring.consumer_wait(read)
+            cute.arch.barrier(barrier_id=mine, number_of_threads=CONSUMER_THREADS)
+            cute.nvgpu.warpgroup.fence()
+            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
+            cute.gemm(pv_mma, acc_o, p, frag_v[(None, None, None, read.index)], acc_o)
+            cute.nvgpu.warpgroup.commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)
+            v_ring.consumer_release(read)
+            read.advance()
+        cute.arch.barrier_arrive(barrier_id=other, number_of_threads=CONSUMER_THREADS)
+
+        self._store(acc_o, row_sum, mO, head, q_start, rows_first + my_row, my_col, len_q)
