@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+from kernels.cute.attention import ATTENTION_KERNELS
 from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_TILE, MAX_SPLITS, REDUCE_NAME,
                                   STREAM_MAX_M, plan_gemm, split_count, wave_fill, wave_splits)
 from kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args
@@ -31,7 +32,8 @@ def test_build_writes_library_and_manifest(built):
     out, log = built
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["arch"] == "sm_90a" and manifest["dsl_version"] == "4.8.1"
-    names = {v.name for v in GEMM_VARIANTS} | {REDUCE_NAME, "varlen_attention", "varlen_attention_ws"}
+    names = {v.name for v in GEMM_VARIANTS} | {REDUCE_NAME, *ATTENTION_KERNELS}
+    assert {"varlen_attention", "varlen_attention_ws", "varlen_attention_ws_overlap"} == set(ATTENTION_KERNELS)
     assert set(manifest["kernels"]) == names
     assert log.count("compiled ") == len(names)
     for name, info in manifest["kernels"].items():
@@ -304,9 +306,9 @@ def test_attention_launcher_checks():
 
 
 def test_attention_launcher_names_the_kernel():
-    from kernels.cute.attention import ATTENTION_KERNEL, ATTENTION_KERNELS, varlen_attention
+    from kernels.cute.attention import ATTENTION_KERNEL, varlen_attention
 
-    assert ATTENTION_KERNEL in ATTENTION_KERNELS == ("varlen_attention_ws", "varlen_attention")
+    assert ATTENTION_KERNEL in ATTENTION_KERNELS
     arrays = [FakeArray((10, 8, 128)), FakeArray((12, 2, 128)), FakeArray((12, 2, 128)), FakeArray((10, 8, 128)),
               FakeArray((3,), "<i4"), FakeArray((3,), "<i4"), FakeArray((4, 2), "<i4")]
     with pytest.raises(ValueError, match="unknown attention kernel 'fa9'"):

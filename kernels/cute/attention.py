@@ -1,7 +1,8 @@
 """Launcher for ``attention_ws_sm90`` / ``attention_sm90``: varlen causal prefill attention, GQA, head_dim 128.
 
-Two kernels compute the same thing with the same arguments: ``varlen_attention_ws`` (FlashAttention-3
-schedule: producer warpgroup + two ping-ponging consumer warpgroups) and ``varlen_attention`` (the
+Three kernels compute the same thing with the same arguments: ``varlen_attention_ws`` (FlashAttention-3
+schedule: producer warpgroup + two ping-ponging consumer warpgroups), ``varlen_attention_ws_overlap``
+(the same, plus P·V / softmax overlap inside each consumer) and ``varlen_attention`` (the
 FlashAttention-2 schedule, the fallback). ``ATTENTION_KERNEL`` names the one used by default; a
 caller (the verification, the benchmark) may name either through ``kernel=``.
 
@@ -41,7 +42,8 @@ HEAD_DIM = 128
 TILE_Q = 128  # query rows of one work-list tile (the FA2 kernel runs it as two 64-row CTAs)
 ATTENTION_NAME = "varlen_attention"
 ATTENTION_WS_NAME = "varlen_attention_ws"
-ATTENTION_KERNELS = (ATTENTION_WS_NAME, ATTENTION_NAME)
+ATTENTION_WS_OVERLAP_NAME = "varlen_attention_ws_overlap"
+ATTENTION_KERNELS = (ATTENTION_WS_NAME, ATTENTION_WS_OVERLAP_NAME, ATTENTION_NAME)
 ATTENTION_KERNEL = ATTENTION_NAME
 
 

@@ -233,25 +233,38 @@ class VarlenAttentionSm90:
     @cute.jit
     def _online_softmax(self, acc_s, acc_o, row_max, row_sum):
         """Rescale the running output and sums to the new row max; acc_s becomes P (unnormalised)."""
+        correction = cute.make_rmem_tensor((2,), cutlass.Float32)
+        self._softmax_step(acc_s, row_max, row_sum, correction)
+        self._rescale(acc_o, correction)
+
+    @cute.jit
+    def _softmax_step(self, acc_s, row_max, row_sum, correction):
+        """New row max and sums; acc_s becomes P (unnormalised); ``correction`` = exp(old max - new
+        max), the factor the running output still has to be multiplied by (``_rescale``)."""
         for h in cutlass.range_constexpr(2):
             new_max = row_max[h]
             for j in cutlass.range_constexpr(TILE_KV // 8):
                 for c in cutlass.range_constexpr(2):
                     new_max = cute.arch.fmax(new_max, acc_s[4 * j + 2 * h + c])
             new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
-            correction = cute.arch.exp2((row_max[h] - new_max) * SCALE_LOG2)
+            correction[h] = cute.arch.exp2((row_max[h] - new_max) * SCALE_LOG2)
             row_max[h] = new_max
             offset = new_max * SCALE_LOG2
-            total = row_sum[h] * correction
+            total = row_sum[h] * correction[h]
             for j in cutlass.range_constexpr(TILE_KV // 8):
                 for c in cutlass.range_constexpr(2):
                     e = cute.arch.exp2(acc_s[4 * j + 2 * h + c] * SCALE_LOG2 - offset)
                     acc_s[4 * j + 2 * h + c] = e
                     total += e
             row_sum[h] = total
+
+    @cute.jit
+    def _rescale(self, acc_o, correction):
+        """Multiply each row of the running output by its ``correction``."""
+        for h in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(HEAD_DIM // 8):
                 for c in cutlass.range_constexpr(2):
-                    acc_o[4 * j + 2 * h + c] = acc_o[4 * j + 2 * h + c] * correction
+                    acc_o[4 * j + 2 * h + c] = acc_o[4 * j + 2 * h + c] * correction[h]
 
     @cute.jit
     def _store(self, acc_o, row_sum, mO, head, q_start, row0, col0, len_q):

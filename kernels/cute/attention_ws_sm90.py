@@ -47,7 +47,11 @@ CONSUMER_THREADS = 256
 
 class VarlenAttentionWsSm90(VarlenAttentionSm90):
     """jit entry: ``(q, k, vt, o, cu_q, cu_k, work, stream)``; see the module docstring. Reuses the
-    mask, online softmax, register relayout and store of the FlashAttention-2 kernel."""
+    mask, online softmax, register relayout and store of the FlashAttention-2 kernel. ``overlap``:
+    also overlap, within a consumer, the P·V wgmma of tile j-1 with the softmax of tile j."""
+
+    def __init__(self, overlap: bool = False):
+        self.overlap = overlap
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, vt: cute.Tensor, o: cute.Tensor,
@@ -185,8 +189,11 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((WG_ROWS, TILE_KV)))
         acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((WG_ROWS, HEAD_DIM)))
         acc_o.fill(0.0)
+        pv_mma.set(warpgroup.Field.ACCUMULATE, True)  # once, outside the loops: its value must not escape one
+        p = cute.make_rmem_tensor(self._c_to_a_layout(acc_s.layout, pv_mma.tv_layout_A.shape[1]), self.dtype)
         row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
         row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
+        correction = cute.make_rmem_tensor((2,), cutlass.Float32)
         for r in cutlass.range_constexpr(2):
             row_max[r] = -cutlass.Float32.inf
             row_sum[r] = 0.0
@@ -195,41 +202,91 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
         my_row = (tid // 32) * 16 + lane // 4
         my_col = 2 * (lane % 4)
         rows_first = q_first + me * WG_ROWS
+        limit_row = my_row + rows_first + shift  # this thread's first row sees keys <= limit_row
         mine, other = TURN_BARRIER + me, TURN_BARRIER + 1 - me
 
         q_ring.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
         if me == 0:  # consumer 0 takes the first turn
             cute.arch.barrier_arrive(barrier_id=mine, number_of_threads=CONSUMER_THREADS)
-        cute.arch.barrier(barrier_id=mine, number_of_threads=CONSUMER_THREADS)
-        for kv in cutlass.range(n_kv, unroll=1):
-            # My turn: S = Q·Kᵀ is issued, then the other consumer may issue its wgmmas.
+        if cutlass.const_expr(not self.overlap):
+            cute.arch.barrier(barrier_id=mine, number_of_threads=CONSUMER_THREADS)
+            for kv in cutlass.range(n_kv, unroll=1):
+                # My turn: S = Q·Kᵀ is issued, then the other consumer may issue its wgmmas.
+                k_ring.consumer_wait(read)
+                cute.nvgpu.warpgroup.fence()
+                self._qk(qk_mma, acc_s, frag_q, frag_k, me, read.index)
+                cute.arch.barrier_arrive(barrier_id=other, number_of_threads=CONSUMER_THREADS)
+                cute.nvgpu.warpgroup.wait_group(0)
+                k_ring.consumer_release(read)
+                self._softmax_tile(acc_s, p, row_max, row_sum, correction, kv, rows_first, limit_row,
+                                   my_col, shift, len_k)
+                self._rescale(acc_o, correction)
+                v_ring.consumer_wait(read)
+                cute.arch.barrier(barrier_id=mine, number_of_threads=CONSUMER_THREADS)
+                cute.nvgpu.warpgroup.fence()
+                self._pv(pv_mma, acc_o, p, frag_v, read.index)
+                cute.nvgpu.warpgroup.wait_group(0)
+                v_ring.consumer_release(read)
+                read.advance()
+            cute.arch.barrier_arrive(barrier_id=other, number_of_threads=CONSUMER_THREADS)
+        else:
+            # Also within a warpgroup: P·V of tile j-1 runs while the softmax of tile j does.
             k_ring.consumer_wait(read)
             cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range_constexpr(cute.size(frag_q, mode=[2])):
-                qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
-                cute.gemm(qk_mma, acc_s, frag_q[(None, None, kb, me)], frag_k[(None, None, kb, read.index)], acc_s)
-            cute.nvgpu.warpgroup.commit_group()
-            cute.arch.barrier_arrive(barrier_id=other, number_of_threads=CONSUMER_THREADS)
+            self._qk(qk_mma, acc_s, frag_q, frag_k, me, read.index)
             cute.nvgpu.warpgroup.wait_group(0)
             k_ring.consumer_release(read)
-
-            key0 = kv * TILE_KV
-            if key0 + TILE_KV > rows_first + shift + 1 or key0 + TILE_KV > len_k:
-                self._mask(acc_s, my_row + rows_first + shift, key0 + my_col, len_k)
-            self._online_softmax(acc_s, acc_o, row_max, row_sum)
-            p = cute.make_rmem_tensor(self._c_to_a_layout(acc_s.layout, pv_mma.tv_layout_A.shape[1]), self.dtype)
-            cute.make_tensor(p.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
-
+            self._softmax_tile(acc_s, p, row_max, row_sum, correction, 0, rows_first, limit_row,
+                               my_col, shift, len_k)  # acc_o is still 0: no rescale
+            for kv in cutlass.range(1, n_kv, unroll=1):
+                prev = read.clone()
+                read.advance()
+                k_ring.consumer_wait(read)
+                cute.arch.barrier(barrier_id=mine, number_of_threads=CONSUMER_THREADS)
+                cute.nvgpu.warpgroup.fence()
+                self._qk(qk_mma, acc_s, frag_q, frag_k, me, read.index)
+                v_ring.consumer_wait(prev)
+                self._pv(pv_mma, acc_o, p, frag_v, prev.index)
+                cute.arch.barrier_arrive(barrier_id=other, number_of_threads=CONSUMER_THREADS)
+                cute.nvgpu.warpgroup.wait_group(1)  # S ready; P·V still running
+                k_ring.consumer_release(read)
+                self._softmax_tile(acc_s, None, row_max, row_sum, correction, kv, rows_first, limit_row,
+                                   my_col, shift, len_k)
+                cute.nvgpu.warpgroup.wait_group(0)
+                v_ring.consumer_release(prev)
+                self._rescale(acc_o, correction)
+                cute.make_tensor(p.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))
             v_ring.consumer_wait(read)
-            cute.arch.barrier(barrier_id=mine, number_of_threads=CONSUMER_THREADS)
             cute.nvgpu.warpgroup.fence()
-            pv_mma.set(warpgroup.Field.ACCUMULATE, True)
-            cute.gemm(pv_mma, acc_o, p, frag_v[(None, None, None, read.index)], acc_o)
-            cute.nvgpu.warpgroup.commit_group()
+            self._pv(pv_mma, acc_o, p, frag_v, read.index)
             cute.nvgpu.warpgroup.wait_group(0)
             v_ring.consumer_release(read)
-            read.advance()
-        cute.arch.barrier_arrive(barrier_id=other, number_of_threads=CONSUMER_THREADS)
 
         self._store(acc_o, row_sum, mO, head, q_start, rows_first + my_row, my_col, len_q)
+
+    @cute.jit
+    def _qk(self, qk_mma, acc_s, frag_q, frag_k, me, stage):
+        """Issue ``S = Q·Kᵀ`` (this consumer's Q half, K stage ``stage``) and commit it."""
+        for kb in cutlass.range_constexpr(cute.size(frag_q, mode=[2])):
+            qk_mma.set(warpgroup.Field.ACCUMULATE, kb != 0)
+            cute.gemm(qk_mma, acc_s, frag_q[(None, None, kb, me)], frag_k[(None, None, kb, stage)], acc_s)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _pv(self, pv_mma, acc_o, p, frag_v, stage):
+        """Issue ``O += P·V`` (V stage ``stage``) and commit it (``pv_mma`` always accumulates)."""
+        cute.gemm(pv_mma, acc_o, p, frag_v[(None, None, None, stage)], acc_o)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _softmax_tile(self, acc_s, p, row_max, row_sum, correction, kv, rows_first, limit_row, my_col,
+                      shift, len_k):
+        """Mask key tile ``kv`` where it crosses the diagonal or the key end, update the row stats
+        (``correction`` for the output), and write P to ``p`` as bf16 unless ``p`` is None."""
+        key0 = kv * TILE_KV
+        if key0 + TILE_KV > rows_first + shift + 1 or key0 + TILE_KV > len_k:
+            self._mask(acc_s, limit_row, key0 + my_col, len_k)
+        self._softmax_step(acc_s, row_max, row_sum, correction)
+        if cutlass.const_expr(p is not None):
+            cute.make_tensor(p.iterator, acc_s.layout).store(acc_s.load().to(self.dtype))

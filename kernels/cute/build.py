@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from .attention import ATTENTION_NAME, ATTENTION_WS_NAME  # these two import no DSL
+from .attention import ATTENTION_KERNELS, ATTENTION_NAME, ATTENTION_WS_OVERLAP_NAME  # these two import no DSL
 from .configs import REDUCE_NAME as REDUCE
 
 ARCH = "sm_90a"
@@ -30,8 +30,9 @@ os.environ["CUTE_DSL_ARCH"] = ARCH  # must precede the first cutlass import
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "build"
 LIB_NAME = "libopeninfer_cute.so"
-SOURCES = {"gemm": ("gemm_sm90.py",), REDUCE: ("splitk_reduce.py",), ATTENTION_NAME: ("attention_sm90.py",),
-           ATTENTION_WS_NAME: ("attention_ws_sm90.py", "attention_sm90.py")}
+SOURCES = {"gemm": ("gemm_sm90.py",), REDUCE: ("splitk_reduce.py",),
+           **{name: ("attention_ws_sm90.py", "attention_sm90.py") for name in ATTENTION_KERNELS},
+           ATTENTION_NAME: ("attention_sm90.py",)}
 
 
 def dsl_version() -> str:
@@ -130,7 +131,7 @@ def _fake_args(kind: str, out: str | None = None):
             tile_expert = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
             return a, b, c, tile_expert, cuda.CUstream(0)
         return a, b, c, cuda.CUstream(0)
-    if kind in (ATTENTION_NAME, ATTENTION_WS_NAME):  # q, k, vᵀ, o with head_dim 128 static; cu_q, cu_k, work lists
+    if kind in ATTENTION_KERNELS:  # q, k, vᵀ, o with head_dim 128 static; cu_q, cu_k, work lists
         tq, tk, hq, hk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
         q = make_fake_tensor(bf16, (tq, 128, hq), (ld(), 1, 128), assumed_align=16)
         k = make_fake_tensor(bf16, (tk, 128, hk), (ld(), 1, 128), assumed_align=16)
@@ -153,8 +154,9 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
     from .gemm_sm90 import GemmSm90
     from .splitk_reduce import splitk_reduce
 
-    if name in (ATTENTION_NAME, ATTENTION_WS_NAME):
-        kernel = VarlenAttentionSm90() if name == ATTENTION_NAME else VarlenAttentionWsSm90()
+    if name in ATTENTION_KERNELS:
+        kernel = (VarlenAttentionSm90() if name == ATTENTION_NAME
+                  else VarlenAttentionWsSm90(overlap=name == ATTENTION_WS_OVERLAP_NAME))
         compiled = cute.compile(kernel, *_fake_args(name))
     elif name in VARIANTS_BY_NAME:
         variant = VARIANTS_BY_NAME[name]
@@ -176,8 +178,7 @@ def build(out_dir: Path = DEFAULT_OUT, force: bool = False, log=print) -> dict:
     obj_dir.mkdir(parents=True, exist_ok=True)
     entries = [(v.name, repr(v), SOURCES["gemm"]) for v in GEMM_VARIANTS] + [
         (REDUCE, REDUCE, SOURCES[REDUCE]),
-        (ATTENTION_NAME, ATTENTION_NAME, SOURCES[ATTENTION_NAME]),
-        (ATTENTION_WS_NAME, ATTENTION_WS_NAME, SOURCES[ATTENTION_WS_NAME])]
+        *((name, name, SOURCES[name]) for name in ATTENTION_KERNELS)]
     kernels, objects, compiled = {}, [], 0
     for name, spec, sources in entries:
         key = content_hash(name, spec, sources)
