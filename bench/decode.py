@@ -12,7 +12,8 @@ of one eager batch-1 step (CUDA events around each op) with each op's weight-rea
         [--kernels "none;all"] [--micro]
 --kernels runs the batches once per decode-kernel setting (GpuExecutor.set_decode_kernels: "none" the
 old path, split attention + cuBLAS, and this script's default; "all", the executor's default,
-paged_decode.cu + gemv.cu) on the same executor and weights, and reports the
+paged_decode.cu + gemv.cu with its fused RMSNorm / SiLU / residual; a "|nopdl" suffix captures the
+graphs with plain launches instead of programmatic dependent ones) on the same executor and weights, and reports the
 fraction of sequences whose first 4 greedy tokens equal the first setting's. --micro adds the per-kernel
 table (bench/decode_micro.py): each projection GEMM and decode attention, old vs new, with its roofline.
 Writes DIR/decode.json, DIR/decode.md and DIR/decode.png.
@@ -119,6 +120,8 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
     ops = ex.ops
     names = {id(v): k for k, v in ex.weights.items()}
 
+    weight_arg = {"linear": 1, "add_linear": 1, "silu_mul_add_linear": 1, "norm_linear": 3}
+
     def wrap(name, fn):
         def timed(*a, **kw):
             e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
@@ -126,15 +129,17 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
             out = fn(*a, **kw)
             e1.record(ex.stream)
             label = name
-            if name == "linear":
-                label = "linear." + names.get(id(a[1]), "?").split(".")[-1]
-                times[label + ".bytes"].append(int(a[1].nbytes))
+            if name in weight_arg:
+                wt = a[weight_arg[name]]
+                label = f"{name}." + names.get(id(wt), "?").split(".")[-1]
+                times[label + ".bytes"].append(int(wt.nbytes))
             times[label].append((e0, e1))
             return out
         return timed
 
     saved = {n: getattr(ops, n) for n in ("embed", "rms_norm", "linear", "qkv_rope_cache", "attention",
-                                          "silu_mul", "gather_rows")}
+                                          "silu_mul", "gather_rows", "add", "norm_linear", "add_linear",
+                                          "silu_mul_add_linear")}
     for n, f in saved.items():
         setattr(ops, n, wrap(n, f))
     pos = min(128, ex.max_model_len - 1)
@@ -184,7 +189,9 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     print(f"[{name}] executor up in {time.perf_counter() - t:.1f}s ({weight_bytes / 1e9:.2f} GB of weights)", flush=True)
     rows, breakdown, first = [], {}, {}
     for ks in kernel_sets:
-        ex.set_decode_kernels(ks)
+        kernels, _, launch_mode = ks.partition("|")      # "all|nopdl": plain launches in the graphs
+        ex.pdl_decode = launch_mode != "nopdl"
+        ex.set_decode_kernels(kernels)
         for b in batches:
             r = run_batch(ex, cfg, b, prompt, steps, bw, weight_bytes)
             r["kernels"], r["hf_ms_per_step"] = ks, hf_rows.get(b)

@@ -2,7 +2,9 @@
 ÷ the device-copy bandwidth of the run): every projection GEMM of a model at M = 1, 8, 16, 32 (cuBLAS
 vs gemv.cu, on the executor's own weights), and decode attention at batch 1 / 32 and context 256 /
 4096 (paged_attention_split + attention_merge vs paged_decode.cu, merge inside) on a random paged cache.
-Called by bench/decode.py --micro."""
+Single launches include launch latency and ramp-up; `graph_chain_rows` measures what a GEMV costs inside
+a decode graph instead: one projection of every layer (distinct weights, far beyond L2) captured back to
+back, plain launches vs programmatic dependent launches. Called by bench/decode.py --micro."""
 from __future__ import annotations
 
 import numpy as np
@@ -99,8 +101,38 @@ def attention_rows(ex, cfg, bw: float) -> list[dict]:
     return rows
 
 
+def graph_chain_rows(ex, cfg, bw: float, rows_m=(1, 16), reps: int = 10) -> list[dict]:
+    """Per projection and M: µs per GEMV (gemv.cu) inside a captured graph of that projection for all
+    layers, old = plain launches, new = programmatic dependent launches."""
+    import cupy
+
+    from engine.executor.gpu_gemm import Gemm
+
+    gemm, rows = Gemm(ex.stream, gemv_max_m=32), []
+    for label in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        ws = [ex.weights[f"layers.{i}.{label}"] for i in range(cfg.num_hidden_layers)]
+        N, K = ws[0].shape
+        for M in rows_m:
+            x, out = rand_bf16((M, K)), cupy.empty((M, N), np.uint16)
+            cupy.cuda.Device().synchronize()
+            per_call = {}
+            for pdl in (False, True):
+                for w in ws[:2]:                      # load the kernel outside the capture
+                    gemm.gemv(x, w, out, pdl=pdl)
+                ex.stream.synchronize()
+                ex.stream.begin_capture()
+                for w in ws:
+                    gemm.gemv(x, w, out, pdl=pdl)
+                graph = ex.stream.end_capture()
+                per_call[pdl] = time_ms(ex.stream, lambda: graph.launch(stream=ex.stream), reps) / len(ws)
+            rows.append(dict(kernel=f"graph.{label} {N}x{K} x{len(ws)}", case=f"M={M} plain/PDL",
+                             old_ms=per_call[False], new_ms=per_call[True], roofline_ms=N * K * 2 / bw * 1e3))
+    gemm.close()
+    return rows
+
+
 def micro_bench(ex, cfg, bw: float) -> list[dict]:
-    rows = attention_rows(ex, cfg, bw) + gemm_rows(ex, bw)
+    rows = graph_chain_rows(ex, cfg, bw) + attention_rows(ex, cfg, bw) + gemm_rows(ex, bw)
     for r in rows:
         print(f"[micro] {r}", flush=True)
     return rows

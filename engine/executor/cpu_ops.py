@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.batch import BLOCK_SIZE, ModelBatch
-from engine.models.ops import AttentionSpec
+from engine.models.ops import AttentionSpec, ComposedOps
 
 
 @dataclass
@@ -30,7 +30,7 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-class NumpyOps:
+class NumpyOps(ComposedOps):
     def __init__(self, k_cache: list[np.ndarray], v_cache: list[np.ndarray]):
         self.k_cache = k_cache
         self.v_cache = v_cache
@@ -96,3 +96,6 @@ class NumpyOps:
 
     def gather_rows(self, x, rows):
         return x[np.asarray(rows, dtype=np.int64)]
+
+    def add(self, x, residual):
+        return x + residual

@@ -8,7 +8,11 @@ Decode kernels (`decode_kernels`, default from $OPENINFER_DECODE_KERNELS, defaul
 "attention" (paged_decode.cu: bandwidth-shaped decode attention) and "gemv" or "gemv:M" (gemv.cu for
 linear layers of at most M rows, default 16, cuBLAS above); "all" is both. "none": the split attention
 of paged_attention.cu and cuBLAS serve every step. "all" is the default since its H200 check
-(bench/results/decode.md, 2026-11-30): same gate results, Qwen3-4B batch 1 4.21 -> 3.66 ms/step."""
+(bench/results/decode.md, 2026-11-30): same gate results, Qwen3-4B batch 1 4.21 -> 3.66 ms/step.
+
+Decode graphs launch their kernels as programmatic dependent launches (kernels/raw_cuda/launch.py)
+unless $OPENINFER_PDL is "0". $OPENINFER_LAYER_RANGES=1 adds an NVTX range per decoder layer to
+eager steps (run with use_cuda_graphs off to see decode that way)."""
 from __future__ import annotations
 
 import logging
@@ -35,6 +39,8 @@ SLACK_BYTES = 64 << 20
 DECODE_KERNELS_ENV = "OPENINFER_DECODE_KERNELS"
 DEFAULT_DECODE_KERNELS = "all"
 DEFAULT_GEMV_MAX_M = 16
+PDL_ENV = "OPENINFER_PDL"
+LAYER_RANGES_ENV = "OPENINFER_LAYER_RANGES"
 
 
 def parse_decode_kernels(spec: str) -> tuple[bool, int]:
@@ -82,7 +88,8 @@ class GpuExecutor:
         stream = self.streams.compute
         max_width = max(2 * I, (Hq + 2 * Hkv) * D, H)
         n_inputs = 5 * self.max_tokens + self.max_seqs * self.max_blocks
-        act_bytes = (RING_SLOTS * self.max_tokens * max_width * 2 + self.max_tokens * V * 4
+        act_bytes = (RING_SLOTS * self.max_tokens * max_width * 2 + self.max_tokens * H * 2
+                     + self.max_tokens * V * 4
                      + (self.max_tokens + 2 * NUM_SMS) * Hq * (D + 2) * 4 + self.max_tokens * Hq * 4
                      + 2 * self.max_seqs * V * 4 + 4 * PENALTY_ENTRIES * 4
                      + self.max_seqs * (MAX_TOP_LOGPROBS * 8 + 64) + n_inputs * 4 + WORKSPACE_BYTES)
@@ -119,8 +126,10 @@ class GpuExecutor:
         self.num_kv_blocks = int(num_kv_blocks)
         self.kv_cache = self.arena.take("kv", (L, 2, self.num_kv_blocks * BLOCK_SIZE, Hkv, D), np.uint16)
         self.ops = GpuOps(self.arena, self.gemm, self.kv_cache, self.inv_freq, attention_factor,
-                          self.max_tokens, max_width, V, self.max_tokens, Hq, D, lm_head.data.ptr, stream,
+                          self.max_tokens, max_width, H, V, self.max_tokens, Hq, D, lm_head.data.ptr, stream,
                           fast_attention=fast_attention)
+        self.ops.layer_ranges = os.environ.get(LAYER_RANGES_ENV, "0") == "1"
+        self.pdl_decode = os.environ.get(PDL_ENV, "1") != "0"
         self.sampler = GpuSampler(self.arena, sampler_rows, V, stream)
         self.stream = stream
         self.last_host_s = 0.0

@@ -8,7 +8,8 @@ workspace). Where that library cannot be opened, CuPy's wrapper serves, run with
 current. The CuTe DSL GEMM of kernels/cute replaces cuBLAS where it is built and reports itself
 available (`use_cute=True`); outputs are bf16 (hidden states) or fp32 (logits). With
 `gemv_max_m > 0`, bf16 products of at most that many rows (decode) run the raw CUDA skinny GEMM of
-kernels/raw_cuda/gemv.cu instead (bandwidth-shaped: 16-byte weight loads, tensor-core mma). The
+kernels/raw_cuda/gemv.cu instead (bandwidth-shaped: 16-byte weight loads, tensor-core mma), which
+also has the decoder's RMSNorm / SiLU·up prologues and residual-add epilogue fused in (`gemv`). The
 fp32-output product (logits over the vocabulary) stays on cuBLAS: on the H200 (2026-11-30,
 bench/results/decode.md) cuBLAS read the 151936x2560 lm_head at 0.93 of HBM roofline at M = 1 against
 gemv.cu's 0.88, and the gap grows with M.
@@ -16,8 +17,11 @@ gemv.cu's 0.88, and the gap grows with M.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
+
+from kernels.raw_cuda.launch import launch
 
 CUDA_R_16BF = 14
 CUDA_R_32F = 0
@@ -26,6 +30,8 @@ CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 GEMV_LIMIT_M = 32             # gemv.cu has n8 tiles 1..4
+GEMV_VARIANTS = ("bf16", "f32", "norm", "res", "silu_res")   # gemv.cu entry points gemv_<variant>_n<NT>
+GEMV_UNROLL_ENV = "OPENINFER_GEMV_UNROLL"                      # k steps per weight batch (tuning knob)
 
 
 def _direct_cublas():
@@ -47,7 +53,8 @@ class Gemm:
         if not 0 <= gemv_max_m <= GEMV_LIMIT_M:
             raise ValueError(f"gemv_max_m must be in 0..{GEMV_LIMIT_M}, got {gemv_max_m}")
         self.gemv_max_m = gemv_max_m
-        self._gemv: dict[tuple[int, bool], object] = {}
+        self._gemv: dict[tuple[int, str], object] = {}
+        self.gemv_unroll = int(os.environ.get(GEMV_UNROLL_ENV, "4"))
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
         self.lib = _direct_cublas()
@@ -80,14 +87,15 @@ class Gemm:
         if status != 0:
             raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
-    def __call__(self, x, w, out) -> None:
-        """x [T, K] bf16 (uint16 bits), w [N, K] bf16, out [T, N] bf16 (uint16) or float32."""
+    def __call__(self, x, w, out, pdl: bool = False) -> None:
+        """x [T, K] bf16 (uint16 bits), w [N, K] bf16, out [T, N] bf16 (uint16) or float32.
+        pdl: launch a gemv.cu kernel as a programmatic dependent launch (kernels/raw_cuda/launch.py)."""
         T, K = x.shape
         N = w.shape[0]
         if w.shape[1] != K or out.shape != (T, N):
             raise ValueError(f"linear shapes: x {x.shape}, w {w.shape}, out {out.shape}")
-        if T <= self.gemv_max_m and out.dtype == np.uint16 and self._gemv_fits(x, w, out):
-            self._run_gemv(x, w, out)
+        if self.gemv_serves(x, w, out):
+            self.gemv(x, w, out, pdl=pdl)
             return
         if self.cute is not None and out.dtype == np.uint16:
             self.cute.gemm(x, w, out, self.stream)
@@ -103,23 +111,34 @@ class Gemm:
             with self.stream:           # CuPy binds the handle to its current stream at each call
                 self._cublas.gemmEx(self.handle, *args)
 
-    @staticmethod
-    def _gemv_fits(x, w, out) -> bool:
-        """gemv.cu reads 16-byte pieces of contiguous rows: K % 8 == 0, aligned, C-contiguous."""
-        K = x.shape[1]
-        return (K % 8 == 0 and (x.data.ptr | w.data.ptr) % 16 == 0 and x.flags.c_contiguous
-                and w.flags.c_contiguous and out.flags.c_contiguous)
+    def gemv_serves(self, x, w, out=None) -> bool:
+        """Whether gemv.cu takes this product: at most gemv_max_m rows, 16-byte pieces of contiguous
+        rows (K % 8 == 0, aligned, C-contiguous), a bf16 output (out None: a fresh bf16 buffer)."""
+        K = w.shape[1]
+        return (x.shape[0] <= self.gemv_max_m and K % 8 == 0
+                and (x.data.ptr | w.data.ptr) % 16 == 0 and x.flags.c_contiguous and w.flags.c_contiguous
+                and (out is None or (out.dtype == np.uint16 and out.flags.c_contiguous)))
 
-    def _run_gemv(self, x, w, out) -> None:
+    def gemv(self, x, w, out, variant: str = "", norm_w=None, res_in=None, eps: float = 0.0,
+             pdl: bool = False) -> None:
+        """out = x · wᵀ through gemv.cu, T <= 32 rows. variant "norm": x is RMSNorm'ed with norm_w, eps
+        first; "res": out = bf16(x · wᵀ) + res_in; "silu_res": x is gate_up [T, 2K], silu(gate)·up
+        first, and the residual add after. "" picks "bf16" or "f32" from out's dtype."""
         from kernels.raw_cuda import kernel
 
-        T, K = x.shape
-        N = w.shape[0]
-        key = (-(-T // 8), out.dtype == np.float32)
+        T = x.shape[0]
+        N, K = w.shape
+        variant = variant or ("f32" if out.dtype == np.float32 else "bf16")
+        if variant not in GEMV_VARIANTS or T > GEMV_LIMIT_M:
+            raise ValueError(f"gemv: variant {variant!r} with {T} rows (want one of {GEMV_VARIANTS}, "
+                             f"at most {GEMV_LIMIT_M} rows)")
+        key = (-(-T // 8), variant)
         if key not in self._gemv:
-            self._gemv[key] = kernel("gemv", f"gemv_{'f32' if key[1] else 'bf16'}_n{key[0]}")
-        self._gemv[key]((-(-N // 16),), (256,), (x, w, out, np.int32(T), np.int32(N), np.int32(K)),
-                        stream=self.stream)
+            self._gemv[key] = kernel("gemv", f"gemv_{variant}_n{key[0]}", GEMV_U=self.gemv_unroll)
+        null = np.uint64(0)
+        args = (x, w, out, np.int32(T), np.int32(N), np.int32(K), null if norm_w is None else norm_w,
+                null if res_in is None else res_in, np.float32(eps))
+        launch(self._gemv[key], (-(-N // 16),), (256,), args, self.stream, pdl=pdl)
 
     def close(self) -> None:
         if self.handle:

@@ -1,7 +1,8 @@
 """CUDA-graph decode: one graph per batch-size bucket, captured on first use and replayed after.
 
 A graph holds the whole decode step from the static input buffer to the greedy pick: the model
-forward, the gather of the sampled rows, the lm_head and argmax_logprob into the sampler's id
+forward (its kernels launched as programmatic dependent launches unless the executor's pdl_decode
+is off), the gather of the sampled rows, the lm_head and argmax_logprob into the sampler's id
 buffer. Batches are padded up to their bucket (padded rows: position and slot -1, so they write
 no KV and attend to nothing). Steps whose requests all decode greedily without logit processing
 or logprobs read the ids straight back (the one sync of the step); any other step runs the GPU
@@ -53,9 +54,13 @@ class DecodeGraphs:
     def _body(self, ctx):
         ex = self.ex
         ex.ops.reset()
-        hidden = ex.model.forward(ex.ops, ex.weights, ctx)
-        rows = ex.ops.gather_rows(hidden, ctx.sample_rows)
-        logits = ex.model.compute_logits(ex.ops, ex.weights, rows)
+        ex.ops.pdl = ex.pdl_decode
+        try:
+            hidden = ex.model.forward(ex.ops, ex.weights, ctx)
+            rows = ex.ops.gather_rows(hidden, ctx.sample_rows)
+            logits = ex.model.compute_logits(ex.ops, ex.weights, rows)
+        finally:
+            ex.ops.pdl = False
         s, null = ex.sampler, np.uint64(0)
         s.k_argmax((ctx.num_tokens,), (1024,), (logits, np.int32(ex.vocab_size), null, s.ids, null, s.lse),
                    stream=ex.stream)

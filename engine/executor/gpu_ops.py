@@ -1,10 +1,16 @@
 """The model Ops (engine/models/ops.py) on the GPU: CuPy device arrays, raw CUDA kernels, cuBLAS.
 
-Every output is a view of a preallocated buffer: hidden-sized activations rotate through a ring
-of RING_SLOTS buffers (a tensor is dead long before its slot comes round again: the longest
-lived, the residual, survives 7 allocations of a decoder layer), the logits have their own fp32
-buffer, and the attention split partials theirs. Nothing here allocates or synchronizes with the
-host, so a decode step can be captured in a CUDA graph.
+Every output is a view of a preallocated buffer: activations rotate through a ring of RING_SLOTS
+buffers (a tensor is dead long before its slot comes round again), the residual stream has a buffer
+of its own (updated in place by the residual adds), the logits have their own fp32 buffer, and the
+attention split partials theirs. Nothing here allocates or synchronizes with the host, so a decode
+step can be captured in a CUDA graph.
+
+Decode fusion: where gemv.cu takes a linear layer (at most gemv_max_m rows), the RMSNorm before it
+and the residual add after it run inside the GEMV (norm_linear, add_linear, silu_mul_add_linear):
+a Qwen3 layer is 6 kernels (qkv GEMV, q/k norm + rope + KV write, attention, o_proj GEMV, gate_up
+GEMV, down GEMV). Larger steps compose them from the separate kernels. With `pdl` on (CUDA-graph
+decode), every kernel is a programmatic dependent launch (kernels/raw_cuda/launch.py).
 """
 from __future__ import annotations
 
@@ -12,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.models.ops import AttentionSpec
+from engine.models.ops import AttentionSpec, ComposedOps
 from kernels.raw_cuda import kernel
+from kernels.raw_cuda.launch import launch
 
 RING_SLOTS = 10
 MAX_SPLITS = 16
@@ -54,9 +61,9 @@ class GpuStepContext:
     num_splits: int
 
 
-class GpuOps:
+class GpuOps(ComposedOps):
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
-                 max_width: int, vocab_size: int, logits_rows: int, num_heads: int, head_dim: int,
+                 max_width: int, hidden: int, vocab_size: int, logits_rows: int, num_heads: int, head_dim: int,
                  lm_head_ptr: int, stream, fast_attention: bool = False):
         import cupy
 
@@ -71,6 +78,9 @@ class GpuOps:
         self.ring = [arena.take(f"activations.ring{i}", (max_tokens * max_width,), np.uint16)
                      for i in range(RING_SLOTS)]
         self.ring_next = 0
+        self.residual = arena.take("activations.residual", (max_tokens * hidden,), np.uint16)
+        self.pdl = False                    # programmatic dependent launches (set while capturing decode)
+        self.layer_ranges = False           # NVTX range per decoder layer (eager steps; see layer_scope)
         self.logits = arena.take("activations.logits", (logits_rows, vocab_size), np.float32)
         part_rows = (max_tokens + 2 * NUM_SMS) * num_heads
         self.part_out = arena.take("activations.attn_part_out", (part_rows * head_dim,), np.float32)
@@ -84,6 +94,7 @@ class GpuOps:
         self.k_rope = kernel("qk_norm_rope_cache", "qk_norm_rope_cache")
         self.k_silu = kernel("silu_mul", "silu_mul")
         self.k_bias = kernel("add_bias", "add_bias")
+        self.k_add = kernel("add_bias", "residual_add")
         self.k_attn = kernel("paged_attention", "paged_attention_split")
         self.k_merge = kernel("paged_attention", "attention_merge")
         self.num_heads, self.head_dim = num_heads, head_dim
@@ -103,7 +114,12 @@ class GpuOps:
         self.ring_next = 0
 
     def _launch(self, k, grid, block, args) -> None:
-        k(grid, block, args, stream=self.stream)
+        launch(k, grid, block, args, self.stream, pdl=self.pdl)
+
+    def _residual_out(self, rows: int, cols: int):
+        if rows * cols > self.residual.shape[0]:
+            raise ValueError(f"{rows} tokens exceed the {self.max_tokens} the residual buffer holds")
+        return self.residual[: rows * cols].reshape(rows, cols)
 
     # ---- Ops ---------------------------------------------------------------------------------
     def embed(self, table, ctx: GpuStepContext):
@@ -130,7 +146,7 @@ class GpuOps:
             out = self.logits[:T]
         else:
             out = self._out(T, N)
-        self.gemm(x, weight, out)
+        self.gemm(x, weight, out, pdl=self.pdl)
         if bias is not None:
             total = T * N
             self._launch(self.k_bias, (min(1024, -(-total // 256)),), (256,),
@@ -206,3 +222,41 @@ class GpuOps:
         if R:
             self._launch(self.k_embed, (R,), (128,), (x, rows, out, np.int32(H)))
         return out
+
+    def add(self, x, residual):
+        T, H = x.shape
+        out = self._residual_out(T, H)
+        total = T * H // 8
+        self._launch(self.k_add, (max(1, min(4096, -(-total // 256))),), (256,),
+                     (x, residual, out, np.int64(total)))
+        return out
+
+    # ---- fused decode ops (gemv.cu), composed from the above where the GEMV does not serve ----
+    def norm_linear(self, x, norm_weight, eps, weight, bias=None):
+        if bias is not None or not self.gemm.gemv_serves(x, weight):
+            return super().norm_linear(x, norm_weight, eps, weight, bias)
+        out = self._out(x.shape[0], weight.shape[0])
+        self.gemm.gemv(x, weight, out, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+        return out
+
+    def add_linear(self, x, weight, residual, bias=None):
+        if bias is not None or not self.gemm.gemv_serves(x, weight):
+            return super().add_linear(x, weight, residual, bias)
+        out = self._residual_out(x.shape[0], weight.shape[0])
+        self.gemm.gemv(x, weight, out, "res", res_in=residual, pdl=self.pdl)
+        return out
+
+    def silu_mul_add_linear(self, gate_up, weight, residual):
+        if gate_up.shape[1] != 2 * weight.shape[1] or not self.gemm.gemv_serves(gate_up, weight):
+            return super().silu_mul_add_linear(gate_up, weight, residual)
+        out = self._residual_out(gate_up.shape[0], weight.shape[0])
+        self.gemm.gemv(gate_up, weight, out, "silu_res", res_in=residual, pdl=self.pdl)
+        return out
+
+    def layer_scope(self, layer: int):
+        """An NVTX range "layer i" when layer_ranges is on (eager steps: a captured graph replays
+        kernels, not host ranges; profile graphs with nsys --cuda-graph-trace=node)."""
+        if not self.layer_ranges:
+            return super().layer_scope(layer)
+        from engine.executor.gpu_graphs import nvtx_range
+        return nvtx_range(f"layer {layer}")

@@ -68,37 +68,37 @@ def model_weight_specs(cfg: ModelConfig, opt: LayerOptions) -> list[WeightSpec]:
     return specs
 
 
-def attention_block(ops: Ops, w: dict[str, Array], h: Array, spec: AttentionSpec, ctx: Any,
-                    opt: LayerOptions) -> Array:
-    """o_proj(attention(rope(qkv_proj(h)))) with KV written to the paged cache."""
+def attention_block(ops: Ops, w: dict[str, Array], residual: Array, spec: AttentionSpec, ctx: Any,
+                    opt: LayerOptions, eps: float) -> Array:
+    """residual + o_proj(attention(rope(qkv_proj(rmsnorm(residual))))), with KV written to the paged cache."""
     i = spec.layer
-    qkv = ops.linear(h, w[f"layers.{i}.qkv_proj"], w.get(f"layers.{i}.qkv_bias"))
+    qkv = ops.norm_linear(residual, w[f"layers.{i}.input_layernorm"], eps, w[f"layers.{i}.qkv_proj"],
+                          w.get(f"layers.{i}.qkv_bias"))
     q = ops.qkv_rope_cache(qkv, spec, ctx,
                            q_norm=w[f"layers.{i}.q_norm"] if opt.qk_norm else None,
                            k_norm=w[f"layers.{i}.k_norm"] if opt.qk_norm else None)
     o = ops.attention(q, spec, ctx)
-    return ops.linear(o, w[f"layers.{i}.o_proj"], w.get(f"layers.{i}.o_bias"))
+    return ops.add_linear(o, w[f"layers.{i}.o_proj"], residual, w.get(f"layers.{i}.o_bias"))
 
 
-def mlp_block(ops: Ops, w: dict[str, Array], h: Array, i: int) -> Array:
-    """down_proj(silu(gate) * up) with gate and up from one fused GEMM."""
-    return ops.linear(ops.silu_mul(ops.linear(h, w[f"layers.{i}.gate_up_proj"])),
-                      w[f"layers.{i}.down_proj"])
+def mlp_block(ops: Ops, w: dict[str, Array], residual: Array, i: int, eps: float) -> Array:
+    """residual + down_proj(silu(gate) * up), gate and up from one GEMM of rmsnorm(residual)."""
+    gate_up = ops.norm_linear(residual, w[f"layers.{i}.post_attention_layernorm"], eps,
+                              w[f"layers.{i}.gate_up_proj"])
+    return ops.silu_mul_add_linear(gate_up, w[f"layers.{i}.down_proj"], residual)
 
 
 def decoder_stack(ops: Ops, w: dict[str, Array], ctx: Any, cfg: ModelConfig,
                   specs: list[AttentionSpec], opt: LayerOptions) -> Array:
-    """Pre-norm decoder layers with fused residual-add + RMSNorm; returns the final-normed hidden [T, H]."""
+    """Pre-norm decoder layers over the residual stream (each RMSNorm fused into the linear layer after
+    it, each residual add into the one before it); returns the final-normed hidden [T, H]."""
     eps = cfg.rms_norm_eps
-    x = ops.embed(w["embed_tokens"], ctx)
-    residual = None
+    residual = ops.embed(w["embed_tokens"], ctx)
     for spec in specs:
-        i = spec.layer
-        h, residual = ops.rms_norm(x, w[f"layers.{i}.input_layernorm"], eps, residual)
-        x = attention_block(ops, w, h, spec, ctx, opt)
-        h, residual = ops.rms_norm(x, w[f"layers.{i}.post_attention_layernorm"], eps, residual)
-        x = mlp_block(ops, w, h, i)
-    h, _ = ops.rms_norm(x, w["norm"], eps, residual)
+        with ops.layer_scope(spec.layer):
+            residual = attention_block(ops, w, residual, spec, ctx, opt, eps)
+            residual = mlp_block(ops, w, residual, spec.layer, eps)
+    h, _ = ops.rms_norm(residual, w["norm"], eps)
     return h
 
 

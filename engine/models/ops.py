@@ -7,6 +7,7 @@ Shapes: T = tokens in the step (flattened over sequences), H = hidden size.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,3 +51,39 @@ class Ops(Protocol):
 
     def gather_rows(self, x: Array, rows: Array) -> Array:
         """x[rows]: the rows whose logits are needed."""
+
+    def add(self, x: Array, residual: Array) -> Array:
+        """x + residual (the residual stream update)."""
+
+    # Fused neighbours of a linear layer (ComposedOps composes them from the ops above; an executor
+    # overrides them where one kernel does it, e.g. the GPU's decode GEMV).
+    def norm_linear(self, x: Array, norm_weight: Array, eps: float, weight: Array,
+                    bias: Array | None = None) -> Array:
+        """linear(rmsnorm(x) * norm_weight, weight, bias)."""
+
+    def add_linear(self, x: Array, weight: Array, residual: Array, bias: Array | None = None) -> Array:
+        """residual + linear(x, weight, bias): the new residual stream (may reuse residual's memory)."""
+
+    def silu_mul_add_linear(self, gate_up: Array, weight: Array, residual: Array) -> Array:
+        """residual + linear(silu_mul(gate_up), weight)."""
+
+    def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
+        """Brackets one decoder layer's ops (an NVTX range on the GPU)."""
+
+
+class ComposedOps:
+    """The fused ops of Ops written as their parts; an executor's ops class derives from this and
+    overrides what it fuses."""
+
+    def norm_linear(self, x, norm_weight, eps, weight, bias=None):
+        h, _ = self.rms_norm(x, norm_weight, eps)
+        return self.linear(h, weight, bias)
+
+    def add_linear(self, x, weight, residual, bias=None):
+        return self.add(self.linear(x, weight, bias), residual)
+
+    def silu_mul_add_linear(self, gate_up, weight, residual):
+        return self.add_linear(self.silu_mul(gate_up), weight, residual)
+
+    def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()

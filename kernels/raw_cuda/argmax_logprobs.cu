@@ -46,6 +46,7 @@ __device__ float row_logsumexp(const float* x, int V, float m, float* scratch) {
 extern "C" __global__ void __launch_bounds__(NT)
 argmax_logprob(const float* __restrict__ logits, int V, const int* __restrict__ rows, int* __restrict__ ids,
                float* __restrict__ logprob, float* __restrict__ lse_out) {
+    pdl_begin();
     __shared__ float sv[32], scratch[33];
     __shared__ int si[32];
     const int r = rows != nullptr ? rows[blockIdx.x] : blockIdx.x;
@@ -65,6 +66,7 @@ argmax_logprob(const float* __restrict__ logits, int V, const int* __restrict__ 
 // out[i] = logits[i, ids[i]] - lse[i]: the log-probability of the token finally chosen.
 extern "C" __global__ void token_logprob(const float* __restrict__ logits, int V, const int* __restrict__ ids,
                                          const float* __restrict__ lse, float* __restrict__ out, int n) {
+    pdl_begin();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = logits[(size_t)i * V + ids[i]] - lse[i];
 }
@@ -73,6 +75,7 @@ extern "C" __global__ void token_logprob(const float* __restrict__ logits, int V
 extern "C" __global__ void __launch_bounds__(NT)
 topk_logprobs(const float* __restrict__ logits, int V, int k, const float* __restrict__ lse,
               int* __restrict__ out_ids, float* __restrict__ out_logprobs) {
+    pdl_begin();
     __shared__ float sv[32];
     __shared__ int si[32];
     const float* x = logits + (size_t)blockIdx.x * V;

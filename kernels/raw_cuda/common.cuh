@@ -11,6 +11,24 @@ typedef unsigned short bf16_t;   // storage type: the raw bits of a bfloat16
 // 16 zero bytes: a load whose piece is out of range reads this instead of branching on the data.
 __device__ const uint4 kZero16 = {0u, 0u, 0u, 0u};
 
+// Programmatic dependent launch (kernels/raw_cuda/launch.py). pdl_wait: block until the previous
+// kernel on the stream has completed and its writes are visible; it returns at once when this kernel
+// was launched without the PDL attribute. Every kernel calls it before touching memory another kernel
+// writes. pdl_launch_dependents: let the next kernel's blocks be scheduled (they stop at their own
+// pdl_wait until this kernel has completed).
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+// Both, at the top of a kernel that has nothing to do before its inputs are ready.
+__device__ __forceinline__ void pdl_begin() { pdl_wait(); pdl_launch_dependents(); }
+
 __device__ __forceinline__ float bf16_to_f(bf16_t v) {
     return __bfloat162float(__ushort_as_bfloat16(v));
 }

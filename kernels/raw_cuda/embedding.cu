@@ -6,6 +6,7 @@
 
 extern "C" __global__ void embedding_gather(const bf16_t* __restrict__ table, const int* __restrict__ ids,
                                             bf16_t* __restrict__ out, int hidden) {
+    pdl_begin();
     const int t = blockIdx.x;
     const uint4* src = reinterpret_cast<const uint4*>(table + (size_t)ids[t] * hidden);
     uint4* dst = reinterpret_cast<uint4*>(out + (size_t)t * hidden);

@@ -1,20 +1,30 @@
 // Skinny GEMM for decode: y[M, N] = x[M, K] · w[N, K]ᵀ, bf16 in, fp32 accumulate, bf16 or fp32 out,
-// for M <= 8·NT (NT n8 tiles, 1..4). One CTA per 16 weight rows, 8 warps splitting K; each lane reads
-// 16 bytes of two weight rows (g and g+8, g = lane/4) and of one x row per n8 tile per 32-wide k step,
-// and the products run on the tensor cores (mma.m16n8k16, bf16): a dot product does not care in which
-// order k is summed, so each lane's 8 consecutive k are mapped onto the fragment slots it owns (A and B
-// alike), which keeps every load 16-byte and coalesced (8 x 64-byte row segments per half-warp).
-// UNROLL k steps (2·UNROLL weight loads per lane: 8 KB per warp at UNROLL 8, M <= 16; 4 at M <= 32,
-// where the x fragments take the registers) are issued before any is used.
-// The warps' partial tiles are summed in shared memory. x is read straight from global (it is tiny
-// and shared by all CTAs through L2; within a CTA each x element is read once, so staging it in shared
-// memory would buy nothing). K must be a multiple of 8 and the rows 16-byte aligned.
+// for M <= 8·NT (NT n8 tiles, 1..4), with the decoder's neighbours fused in where they are free:
+//   prologue  PRO_RMSNORM  x := bf16(norm_w · bf16(x · rsqrt(mean(x²) + eps)))   (the layer's RMSNorm)
+//             PRO_SILU     x := bf16(bf16(silu(gate)) · up), gate_up = [gate | up] rows of 2K
+//   epilogue  RESIDUAL     y := bf16(bf16(x·wᵀ) + res_in)   (the residual add; res_in may be y)
+// each rounding as the separate kernels (rms_norm.cu, silu_mul.cu) and the bf16 reference do.
+// One CTA per 16 weight rows, 8 warps splitting K; each lane reads 16 bytes of two weight rows (g and
+// g+8, g = lane/4) and of one x row per n8 tile per 32-wide k step, and the products run on the tensor
+// cores (mma.m16n8k16, bf16): a dot product does not care in which order k is summed, so each lane's
+// 8 consecutive k are mapped onto the fragment slots it owns (A and B alike), which keeps every load
+// 16-byte and coalesced. The weight loads of the next GEMV_U k steps are issued before the current
+// ones are used (register double buffer), and the first ones before pdl_wait: under programmatic
+// dependent launch (launch.py) the weight stream starts while the previous kernel is still finishing.
+// The RMSNorm prologue has every CTA sum x² of its rows itself (M·K·2 bytes from L2: 5 KB at M = 1,
+// H = 2560), which is cheaper than a kernel boundary. The warps' partial tiles are summed in shared
+// memory. K must be a multiple of 8 and the rows 16-byte aligned.
 // Roofline: N·K·2 weight bytes (+ M·K·2 of x, M·N of y): Qwen3-4B gate_up (19456 x 2560) is 99.6 MB,
 // 23 µs at 4.3 TB/s; at M <= 32 the tensor cores have > 20x headroom, so it is purely bandwidth-bound.
 #include "common.cuh"
 
 #define GEMV_WARPS 8
-#define GEMV_UNROLL(NT) ((NT) <= 2 ? 8 : 4)
+#ifndef GEMV_U
+#define GEMV_U 4                          // k steps per weight batch (x2 in flight: double buffer)
+#endif
+#define PRO_NONE 0
+#define PRO_RMSNORM 1
+#define PRO_SILU 2
 
 __device__ __forceinline__ void mma_16816(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                           unsigned b0, unsigned b1) {
@@ -29,57 +39,133 @@ __device__ __forceinline__ const bf16_t* zero16() { return reinterpret_cast<cons
 __device__ __forceinline__ uint4 load_streaming(const bf16_t* p) {   // weights: read once, evict first
     return __ldcs(reinterpret_cast<const uint4*>(p));
 }
+__device__ __forceinline__ uint4 load_cached(const bf16_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
 __device__ __forceinline__ void store(bf16_t* y, size_t i, float v) { y[i] = f_to_bf16(v); }
 __device__ __forceinline__ void store(float* y, size_t i, float v) { y[i] = v; }
 
-template <int NT, typename OutT>
-__device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
-                                          OutT* __restrict__ y, int M, int N, int K) {
+__device__ __forceinline__ uint4 rmsnorm8(uint4 x, uint4 w, float rstd) {
+    bf16_t* xs = reinterpret_cast<bf16_t*>(&x);
+    const bf16_t* ws = reinterpret_cast<const bf16_t*>(&w);
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) xs[e] = f_to_bf16(bf16_to_f(ws[e]) * round_bf16(bf16_to_f(xs[e]) * rstd));
+    return x;
+}
+__device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
+    bf16_t* gs = reinterpret_cast<bf16_t*>(&g);
+    const bf16_t* us = reinterpret_cast<const bf16_t*>(&u);
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float gf = bf16_to_f(gs[e]);
+        gs[e] = f_to_bf16(round_bf16(gf / (1.f + __expf(-gf))) * bf16_to_f(us[e]));
+    }
+    return g;
+}
+
+template <int NT, int PRO, bool RESIDUAL, typename OutT>
+__device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, OutT* y,
+                                          int M, int N, int K, const bf16_t* __restrict__ norm_w,
+                                          const bf16_t* res_in, float eps) {
+    constexpr int U = NT <= 2 ? GEMV_U : (GEMV_U > 2 ? GEMV_U / 2 : 1);
     __shared__ float red[GEMV_WARPS][NT * 4][32];
+    __shared__ float rstd_s[NT * 8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
     const int row0 = blockIdx.x * 16;
     const bool lo_ok = row0 + g < N, hi_ok = row0 + g + 8 < N;
     const bf16_t* w_lo = w + (size_t)(lo_ok ? row0 + g : 0) * K;
     const bf16_t* w_hi = w + (size_t)(hi_ok ? row0 + g + 8 : 0) * K;
+    const int x_stride = PRO == PRO_SILU ? 2 * K : K;
     const bf16_t* x_row[NT];
     bool x_ok[NT];
     #pragma unroll
     for (int n = 0; n < NT; ++n) {
         x_ok[n] = n * 8 + g < M;
-        x_row[n] = x + (size_t)(x_ok[n] ? n * 8 + g : 0) * K;
+        x_row[n] = x + (size_t)(x_ok[n] ? n * 8 + g : 0) * x_stride;
     }
     const int steps = (K + 31) / 32;
     const int per_warp = (steps + GEMV_WARPS - 1) / GEMV_WARPS;
     const int s_begin = warp * per_warp, s_end = min(steps, s_begin + per_warp);
 
+    // Weights of k steps s0 .. s0+U-1; out-of-range pieces read a zero vector (the select is on the
+    // address, never on loaded data, so nothing waits on a load before all loads are issued).
+    uint4 a_lo[U], a_hi[U];
+    auto load_weights = [&](uint4 (&lo)[U], uint4 (&hi)[U], int s0) {
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int k = (s0 + u) * 32 + tq * 8;
+            const bool k_ok = s0 + u < s_end && k < K;
+            lo[u] = load_streaming(k_ok && lo_ok ? w_lo + k : zero16());
+            hi[u] = load_streaming(k_ok && hi_ok ? w_hi + k : zero16());
+        }
+    };
+    load_weights(a_lo, a_hi, s_begin);
+    pdl_wait();                      // from here on: x, norm_w, res_in and y are the previous kernels'
+    pdl_launch_dependents();
+
+    float rs[NT];
+    if (PRO == PRO_RMSNORM) {
+        __shared__ float part[GEMV_WARPS][NT * 8];
+        float ss[NT * 8];
+        #pragma unroll
+        for (int m = 0; m < NT * 8; ++m) ss[m] = 0.f;
+        for (int i = threadIdx.x; i < K / 8; i += blockDim.x)
+            #pragma unroll
+            for (int m = 0; m < NT * 8; ++m) {
+                if (m < M) {
+                    uint4 v = load_cached(x + (size_t)m * K + i * 8);
+                    const bf16_t* vs = reinterpret_cast<const bf16_t*>(&v);
+                    #pragma unroll
+                    for (int e = 0; e < 8; ++e) { const float f = bf16_to_f(vs[e]); ss[m] += f * f; }
+                }
+            }
+        #pragma unroll
+        for (int m = 0; m < NT * 8; ++m) {
+            const float s = warp_sum(ss[m]);
+            if (lane == 0) part[warp][m] = s;
+        }
+        __syncthreads();
+        if (threadIdx.x < NT * 8) {
+            float s = 0.f;
+            #pragma unroll
+            for (int wp = 0; wp < GEMV_WARPS; ++wp) s += part[wp][threadIdx.x];
+            rstd_s[threadIdx.x] = rsqrtf(s / K + eps);
+        }
+        __syncthreads();
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) rs[n] = rstd_s[n * 8 + g];
+    }
+
     float c[NT][4];
     #pragma unroll
     for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
-    constexpr int U = GEMV_UNROLL(NT);
     for (int s0 = s_begin; s0 < s_end; s0 += U) {
-        uint4 a_lo[U], a_hi[U], b[U][NT];
+        uint4 b[U][NT], b2[U][NT], nw[U];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
-            // Out-of-range pieces read a zero vector: the select is on the address, never on loaded
-            // data, so nothing waits on a load before all of this iteration's loads are issued.
             const int k = (s0 + u) * 32 + tq * 8;
             const bool k_ok = s0 + u < s_end && k < K;
-            a_lo[u] = load_streaming(k_ok && lo_ok ? w_lo + k : zero16());
-            a_hi[u] = load_streaming(k_ok && hi_ok ? w_hi + k : zero16());
             #pragma unroll
-            for (int n = 0; n < NT; ++n)
-                b[u][n] = __ldg(reinterpret_cast<const uint4*>(k_ok && x_ok[n] ? x_row[n] + k : zero16()));
+            for (int n = 0; n < NT; ++n) {
+                b[u][n] = load_cached(k_ok && x_ok[n] ? x_row[n] + k : zero16());
+                if (PRO == PRO_SILU) b2[u][n] = load_cached(k_ok && x_ok[n] ? x_row[n] + K + k : zero16());
+            }
+            if (PRO == PRO_RMSNORM) nw[u] = load_cached(k_ok ? norm_w + k : zero16());
         }
+        uint4 an_lo[U], an_hi[U];
+        load_weights(an_lo, an_hi, s0 + U);          // next batch in flight while this one is used
         #pragma unroll
         for (int u = 0; u < U; ++u)
             #pragma unroll
             for (int n = 0; n < NT; ++n) {
+                if (PRO == PRO_RMSNORM) b[u][n] = rmsnorm8(b[u][n], nw[u], rs[n]);
+                if (PRO == PRO_SILU) b[u][n] = silu_mul8(b[u][n], b2[u][n]);
                 // k slots (2tq, 2tq+1 | 2tq+8, 2tq+9) of the first mma <- this lane's k 0..3, the second <- 4..7
                 mma_16816(c[n], a_lo[u].x, a_hi[u].x, a_lo[u].y, a_hi[u].y, b[u][n].x, b[u][n].y);
                 mma_16816(c[n], a_lo[u].z, a_hi[u].z, a_lo[u].w, a_hi[u].w, b[u][n].z, b[u][n].w);
             }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) { a_lo[u] = an_lo[u]; a_hi[u] = an_hi[u]; }
     }
     #pragma unroll
     for (int n = 0; n < NT; ++n)
@@ -95,19 +181,25 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
         float v = 0.f;
         #pragma unroll
         for (int wp = 0; wp < GEMV_WARPS; ++wp) v += red[wp][slot][ln];
-        store(y, (size_t)m * N + row, v);
+        const size_t at = (size_t)m * N + row;
+        if (RESIDUAL) v = round_bf16(v) + bf16_to_f(res_in[at]);
+        store(y, at, v);
     }
 }
 
-#define GEMV_ENTRY(NT)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-    gemv_bf16_n##NT(const bf16_t* x, const bf16_t* w, bf16_t* y, int M, int N, int K) {                 \
-        gemv_tile<NT>(x, w, y, M, N, K);                                                                \
-    }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                       \
-    gemv_f32_n##NT(const bf16_t* x, const bf16_t* w, float* y, int M, int N, int K) {                   \
-        gemv_tile<NT>(x, w, y, M, N, K);                                                                \
+// Every entry: (x, w, y, M, N, K, norm_w, res_in, eps); the pointers a variant does not use may be 0.
+#define GEMV_VARIANT(NAME, NT, PRO, RES, OUT)                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                        \
+    gemv_##NAME##_n##NT(const bf16_t* x, const bf16_t* w, OUT* y, int M, int N, int K,                  \
+                        const bf16_t* norm_w, const bf16_t* res_in, float eps) {                         \
+        gemv_tile<NT, PRO, RES>(x, w, y, M, N, K, norm_w, res_in, eps);                                  \
     }
+#define GEMV_ENTRY(NT)                                                                                   \
+    GEMV_VARIANT(bf16, NT, PRO_NONE, false, bf16_t)                                                      \
+    GEMV_VARIANT(f32, NT, PRO_NONE, false, float)                                                        \
+    GEMV_VARIANT(norm, NT, PRO_RMSNORM, false, bf16_t)                                                   \
+    GEMV_VARIANT(res, NT, PRO_NONE, true, bf16_t)                                                        \
+    GEMV_VARIANT(silu_res, NT, PRO_SILU, true, bf16_t)
 
 GEMV_ENTRY(1)
 GEMV_ENTRY(2)

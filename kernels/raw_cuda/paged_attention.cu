@@ -23,6 +23,7 @@ paged_attention_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k
                       const int* __restrict__ token_seq, const int* __restrict__ positions,
                       float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
                       int num_heads, int num_kv_heads, int D, float scale) {
+    pdl_begin();
     __shared__ float q_s[MAX_G * MAX_D];
     __shared__ float p_s[MAX_G * CHUNK];
     __shared__ int slot_s[CHUNK];
@@ -120,6 +121,7 @@ paged_attention_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 attention_merge(const float* __restrict__ part_out, const float* __restrict__ part_max,
                 const float* __restrict__ part_sum, bf16_t* __restrict__ out, int num_splits, int D) {
+    pdl_begin();
     const size_t th = blockIdx.x;                      // t·Hq + h
     const float* pm = part_max + th * num_splits;
     const float* pl = part_sum + th * num_splits;

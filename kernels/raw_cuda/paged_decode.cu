@@ -70,6 +70,7 @@ paged_decode_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ 
                        const int* __restrict__ token_seq, const int* __restrict__ positions,
                        float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
                        bf16_t* __restrict__ out, int* __restrict__ counters, int num_kv_heads, float scale) {
+    pdl_begin();
     __shared__ float acc_s[WARPS][GQA][HEAD_DIM];
     __shared__ float m_s[WARPS][GQA], l_s[WARPS][GQA];
     __shared__ float weight_s[GQA][MAX_SPLITS];

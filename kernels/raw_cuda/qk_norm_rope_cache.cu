@@ -39,6 +39,7 @@ extern "C" __global__ void qk_norm_rope_cache(const bf16_t* __restrict__ qkv, co
                                               const int* __restrict__ slot_mapping, bf16_t* __restrict__ q_out,
                                               bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache,
                                               int num_heads, int num_kv_heads, int D) {
+    pdl_begin();
     const int t = blockIdx.x;
     const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5, lane = threadIdx.x & 31;
     const bf16_t* row = qkv + (size_t)t * (num_heads + 2 * num_kv_heads) * D;

@@ -8,6 +8,7 @@
 extern "C" __global__ void rms_norm_residual(const bf16_t* __restrict__ x, const bf16_t* __restrict__ residual,
                                              const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
                                              bf16_t* __restrict__ resid_out, int hidden, float eps) {
+    pdl_begin();
     __shared__ float scratch[33];
     const size_t row = (size_t)blockIdx.x * hidden;
     const int nvec = hidden / 8;

@@ -62,6 +62,7 @@ extern "C" __global__ void apply_penalties(float* __restrict__ logits, int V, co
                                            const int* __restrict__ flags,      // 1: masked, 2: in history
                                            const int* __restrict__ out_counts, const float* __restrict__ rep,
                                            const float* __restrict__ freq, const float* __restrict__ pres) {
+    pdl_begin();
     const int r = blockIdx.x;
     float* x = logits + (size_t)r * V;
     for (int e = row_ptr[r] + threadIdx.x; e < row_ptr[r + 1]; e += blockDim.x) {
@@ -82,6 +83,7 @@ sample_filtered(const float* __restrict__ logits, int V, const int* __restrict__
                 const float* __restrict__ temperature, const float* __restrict__ min_p,
                 const int* __restrict__ top_k, const float* __restrict__ top_p,
                 const double* __restrict__ uniform, int* __restrict__ out_ids) {
+    pdl_begin();
     __shared__ double sd[33];
     __shared__ float sf[33];
     // Block b samples logits row rows[b]; params, uniform and the probs scratch are indexed by b.

@@ -4,6 +4,7 @@
 
 extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ out,
                                     int inter, long long total_vecs) {
+    pdl_begin();
     const int vecs_per_row = inter / 8;
     for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < total_vecs;
          v += (long long)gridDim.x * blockDim.x) {

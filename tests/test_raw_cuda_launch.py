@@ -1,0 +1,33 @@
+"""kernels/raw_cuda/launch.py's argument packing and driver structures (no GPU needed)."""
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kernels.raw_cuda.launch import LaunchAttribute, LaunchConfig, pack_argument
+
+
+def test_packs_device_arrays_as_pointers_and_numpy_scalars_as_their_c_types():
+    fake = SimpleNamespace(data=SimpleNamespace(ptr=0x7F00_1234_5670))
+    assert pack_argument(fake).value == 0x7F00_1234_5670
+    for value, ctype in ((np.int32(-3), ctypes.c_int32), (np.int64(1 << 40), ctypes.c_int64),
+                         (np.uint64(0), ctypes.c_uint64), (np.float32(0.5), ctypes.c_float)):
+        packed = pack_argument(value)
+        assert isinstance(packed, ctype) and packed.value == value.item()
+
+
+@pytest.mark.parametrize("bad", [3, 0.5, np.float64(1.0), "x", None])
+def test_rejects_arguments_without_an_unambiguous_c_type(bad):
+    with pytest.raises(TypeError, match="kernel argument"):
+        pack_argument(bad)
+
+
+def test_driver_structures_match_cuda_h_layout():
+    # CUlaunchAttribute: id (4) + pad (4) + 64-byte value union; CUlaunchConfig: 7 uint32, then
+    # (8-aligned) stream, attrs pointer, numAttrs.
+    assert ctypes.sizeof(LaunchAttribute) == 72
+    assert LaunchConfig.stream.offset == 32 and LaunchConfig.attrs.offset == 40
+    assert LaunchConfig.num_attrs.offset == 48 and ctypes.sizeof(LaunchConfig) == 56
