@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One GPU call that validates and times the decode kernels (kernels/raw_cuda/paged_decode.cu, gemv.cu;
 # on by default since their first H200 check; OPENINFER_DECODE_KERNELS=none turns them off), from the repository root:
-#   bash bench/decode_check.sh   (~3 min on an H200; every step has a hard timeout: 5 min at worst)
+#   bash bench/decode_check.sh   (~5 min on an H200; every step has a hard timeout: 7.5 min at worst)
 #  1. their GPU unit tests vs numpy (poisoned outputs, odd shapes, Gemm routing, new == default greedy),
 #     then the accuracy gate through the executor with them on: tiny models vs HF float32 (prefill,
 #     decode, chunked), batched == batch 1, CUDA graphs == eager;
 #  2. bench/decode.py, Qwen3-4B, batch 1 and 32, on one executor: the old kernels ("none"), the new ones
-#     ("all": GEMV up to 16 rows) and "attention,gemv:32" (GEMV at batch 32 too), plus the per-kernel
-#     table (GEMMs at M = 1..32, attention at batch 1/32, context 256/4096);
+#     with plain launches in the graphs ("all|nopdl": GEMV up to 16 rows with the fused norm / SiLU /
+#     residual) and with programmatic dependent launches ("all", the default), plus the per-kernel
+#     table (GEMVs in a graph plain vs PDL, single GEMMs at M = 1..32, attention at batch 1/32,
+#     context 256/4096);
 #  3. the real-shape Qwen3-4B gate (random bf16 weights, teacher-forced vs HF float32) with them on
 #     (DECODE_CHECK_4B_GATE=0 skips it);
 #  4. bench/decode.py for Qwen3-8B, as 2 without the per-kernel table.
@@ -28,17 +30,18 @@ step() {   # step NAME TIMEOUT_S CMD...: run with a hard timeout, log to $OUT/NA
 }
 PYTEST=(python3 -m pytest -q -s -rfE -p no:cacheprovider)
 
-step unit_and_tiny_gate 100 env OPENINFER_DECODE_KERNELS=all OPENINFER_GATE_4B=0 "${PYTEST[@]}" \
-  tests/test_raw_cuda_decode.py tests/test_gpu_executor.py tests/test_gpu_graphs.py \
+step unit_and_tiny_gate 170 env OPENINFER_DECODE_KERNELS=all OPENINFER_GATE_4B=0 "${PYTEST[@]}" \
+  tests/test_raw_cuda_fused.py tests/test_raw_cuda_decode.py tests/test_raw_cuda_kernels.py \
+  tests/test_gpu_executor.py tests/test_gpu_graphs.py \
   -k "not gpu_equals_cpu and not deterministic"
-KERNEL_SETS="none;all;attention,gemv:32"
-step bench_qwen3_4b 75 python3 bench/decode.py --models qwen3-4b --batches 1,32 --hf-batches "" --steps 128 \
+KERNEL_SETS=${DECODE_CHECK_KERNELS:-"none;all|nopdl;all"}
+step bench_qwen3_4b 120 python3 bench/decode.py --models qwen3-4b --batches 1,32 --hf-batches "" --steps 128 \
   --kernels "$KERNEL_SETS" --micro --out "$OUT/qwen3-4b"
 if [ "${DECODE_CHECK_4B_GATE:-1}" = 1 ]; then
-  step qwen3_4b_gate 60 env OPENINFER_DECODE_KERNELS=all OPENINFER_GATE_4B=1 "${PYTEST[@]}" \
+  step qwen3_4b_gate 70 env OPENINFER_DECODE_KERNELS=all OPENINFER_GATE_4B=1 "${PYTEST[@]}" \
     tests/test_gpu_executor.py -k qwen3_4b
 fi
-step bench_qwen3_8b 75 python3 bench/decode.py --models qwen3-8b --batches 1,32 --hf-batches "" --steps 128 \
+step bench_qwen3_8b 90 python3 bench/decode.py --models qwen3-8b --batches 1,32 --hf-batches "" --steps 128 \
   --kernels "$KERNEL_SETS" --out "$OUT/qwen3-8b"
 
 for m in qwen3-4b qwen3-8b; do [ -f "$OUT/$m/decode.md" ] && { echo; echo "## $m"; cat "$OUT/$m/decode.md"; }; done
