@@ -217,12 +217,12 @@ def report(results: list[dict], bw: float, out: str) -> str:
     for res in results:
         for r in res["rows"]:
             hf = f"{r['hf_ms_per_step']:.2f}" if r["hf_ms_per_step"] else "-"
-            lines.append(f"| {res['model']} | {r['kernels'] or 'none'} | {r['batch']} | {r['ms_per_step']:.3f} | "
+            lines.append(f"| {res['model']} | {(r['kernels'] or 'none').replace('|', ' ')} | {r['batch']} | {r['ms_per_step']:.3f} | "
                          f"{r['tokens_per_s']:.0f} | {r['roofline_ms']:.3f} | {r['roofline_fraction']:.2f} | "
                          f"{r['host_ms']:.3f} | {r['host_fraction']:.2f} | {r['first_step_same']:.2f} | {hf} |")
     for res in results:
         for ks, table in res["breakdown"].items():
-            lines += ["", f"{res['model']}, kernels {ks or 'none'}: one eager batch-1 decode step, per op "
+            lines += ["", f"{res['model']}, kernels {(ks or 'none').replace('|', ' ')}: one eager batch-1 decode step, per op "
                       "(CUDA events; includes launch gaps)", "",
                       "| op | calls | ms | weight bytes | fraction of its weight-read roofline |", "|---|---|---|---|---|"]
             for r in table:
@@ -271,7 +271,7 @@ def summary(paths: list[str]) -> str:
             base = {}
             for r in res["rows"]:
                 ref = base.setdefault(r["batch"], r["ms_per_step"])
-                lines.append(f"| {res['model']} | {r['batch']} | {r['kernels'] or 'none'} | {r['ms_per_step']:.3f} | "
+                lines.append(f"| {res['model']} | {r['batch']} | {(r['kernels'] or 'none').replace('|', ' ')} | {r['ms_per_step']:.3f} | "
                              f"{r['roofline_fraction']:.2f} | {r['first_step_same']:.2f} | {ref / r['ms_per_step']:.2f}x |")
     return "\n".join(lines)
 
