@@ -44,7 +44,7 @@ ATTENTION_NAME = "varlen_attention"
 ATTENTION_WS_NAME = "varlen_attention_ws"
 ATTENTION_WS_OVERLAP_NAME = "varlen_attention_ws_overlap"
 ATTENTION_KERNELS = (ATTENTION_WS_NAME, ATTENTION_WS_OVERLAP_NAME, ATTENTION_NAME)
-ATTENTION_KERNEL = ATTENTION_NAME
+ATTENTION_KERNEL = ATTENTION_WS_NAME  # H200 2026-12-01: verified, 1.25-1.6x the FA2 kernel (bench/results/kernels.md)
 
 
 def attention_work(cu_seqlens_q: np.ndarray) -> np.ndarray:
