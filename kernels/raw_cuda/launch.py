@@ -12,7 +12,7 @@ graphs as programmatic edges. Every raw kernel runs `pdl_wait` first, so launchi
 either way is correct; a kernel launched without the attribute sees the wait return at once.
 
 The launch goes through the driver's cuLaunchKernelEx (ctypes on libcuda) with the CUfunction CuPy
-compiled; arguments are packed from the same values CuPy's launcher takes (device arrays, numpy
+compiled (RawKernel.kernel.ptr); arguments are packed from the same values CuPy's launcher takes (device arrays, numpy
 scalars).
 """
 from __future__ import annotations
@@ -79,6 +79,7 @@ def launch(kernel, grid, block, args, stream, pdl: bool = False, shared_mem: int
     ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int32(1)), 4)
     cfg = LaunchConfig(grid=(ctypes.c_uint32 * 3)(*_dims(grid)), block=(ctypes.c_uint32 * 3)(*_dims(block)),
                        shared_mem_bytes=shared_mem, stream=stream.ptr, attrs=ctypes.pointer(attr), num_attrs=1)
-    status = _libcuda().cuLaunchKernelEx(ctypes.byref(cfg), kernel.ptr, params, None)
+    function = getattr(kernel, "kernel", kernel)        # RawKernel -> its compiled cupy.cuda.Function
+    status = _libcuda().cuLaunchKernelEx(ctypes.byref(cfg), function.ptr, params, None)
     if status != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUDA error {status} (grid {grid}, block {block})")
