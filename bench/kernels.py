@@ -8,7 +8,8 @@
 2. Benchmark, in worker processes too, of the kernels that passed: Qwen3-4B/8B projection shapes
    for M ∈ {1, 8, 32, 128, 512, 2048, 8192}, the planned config against cuBLAS bf16 (torch.mm, the
    baseline only), each timing a CUDA graph of 20 launches over rotating weight copies (> L2),
-   median of 5 replays; causal attention TFLOP/s at 1k / 4k / 16k tokens against torch SDPA;
+   median of 5 replays; causal attention TFLOP/s at 1k / 4k / 16k tokens, every verified attention
+   kernel, against torch SDPA;
    then (unless ``--no-sweep``, and while the budget lasts) every variant / split count per shape,
    which is how ``configs.plan_gemm`` is tuned.
 The parent process never touches the GPU. Tables are printed last; ``summary.md``,
@@ -193,23 +194,23 @@ def attention_row(runner, n: int, kernel: str) -> dict:
     import cupy as cp
     import numpy as np
 
-    from kernels.cute.attention import attention_work, varlen_attention
+    from kernels.cute.attention import ATTENTION_BY_NAME, attention_work, varlen_attention
     from kernels.cute.testing import rand_bf16
 
-    hq, hkv = 32, 8
+    hq, hkv, d = 32, 8, ATTENTION_BY_NAME[kernel].head_dim
     cu = np.array([0, n], dtype=np.int32)
-    q, k, v = rand_bf16((n, hq, 128)), rand_bf16((n, hkv, 128)), rand_bf16((n, hkv, 128))
+    q, k, v = rand_bf16((n, hq, d)), rand_bf16((n, hkv, d)), rand_bf16((n, hkv, d))
     o = cp.empty_like(q)
     cu_d, work = cp.asarray(cu), cp.asarray(attention_work(cu))
-    flops = 2 * 2 * 128 * hq * n * (n + 1) / 2  # QK and PV over the causal half
+    flops = 2 * 2 * d * hq * n * (n + 1) / 2  # QK and PV over the causal half
     ours = graph_time_us(lambda i, s: varlen_attention(runner, q, k, v, o, cu_d, cu_d, work, s, kernel), 1,
                          f"{kernel} n={n}")
     sdpa = float("nan")
     try:
         import torch
 
-        tq = torch.randn(1, hq, n, 128, device="cuda", dtype=torch.bfloat16)
-        tk, tv = (torch.randn(1, hkv, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        tq = torch.randn(1, hq, n, d, device="cuda", dtype=torch.bfloat16)
+        tk, tv = (torch.randn(1, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         attn = torch.nn.functional.scaled_dot_product_attention
         for _ in range(3):
             attn(tq, tk, tv, is_causal=True, enable_gqa=True)
@@ -222,7 +223,7 @@ def attention_row(runner, n: int, kernel: str) -> dict:
         sdpa = start.elapsed_time(end) * 1e3 / 10
     except Exception as exc:  # baseline only
         print(f"torch SDPA baseline failed: {exc}", flush=True)
-    return {"kernel": kernel, "tokens": n, "ours_us": ours, "ours_tflops": flops / ours / 1e6, "sdpa_us": sdpa,
+    return {"kernel": kernel, "head_dim": d, "tokens": n, "ours_us": ours, "ours_tflops": flops / ours / 1e6, "sdpa_us": sdpa,
             "sdpa_tflops": flops / sdpa / 1e6}
 
 
@@ -257,9 +258,9 @@ def gemm_table(rows: list[dict], hbm: float, sweeps: dict) -> str:
 
 
 def attention_table(rows: list[dict]) -> str:
-    lines = ["| causal attention, 32/8 heads | kernel | ours µs | ours TFLOP/s | SDPA µs | SDPA TFLOP/s |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['tokens']} tokens | {r['kernel']} | {r['ours_us']:.0f} | {r['ours_tflops']:.0f} | "
+    lines = ["| causal attention, 32/8 heads | kernel | head dim | ours µs | ours TFLOP/s | SDPA µs | SDPA TFLOP/s |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['tokens']} tokens | {r['kernel']} | {r['head_dim']} | {r['ours_us']:.0f} | {r['ours_tflops']:.0f} | "
               f"{r['sdpa_us']:.0f} | {r['sdpa_tflops']:.0f} |" for r in rows]
     return "\n".join(lines)
 

@@ -33,7 +33,7 @@ def test_build_writes_library_and_manifest(built):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["arch"] == "sm_90a" and manifest["dsl_version"] == "4.8.1"
     names = {v.name for v in GEMM_VARIANTS} | {REDUCE_NAME, *ATTENTION_KERNELS}
-    assert {"varlen_attention", "varlen_attention_ws", "varlen_attention_ws_overlap"} == set(ATTENTION_KERNELS)
+    assert {"varlen_attention", "varlen_attention_ws", "varlen_attention_ws_d64"} <= set(ATTENTION_KERNELS)
     assert set(manifest["kernels"]) == names
     assert log.count("compiled ") == len(names)
     for name, info in manifest["kernels"].items():
@@ -293,7 +293,7 @@ def _attn_args(tq=10, tk=12, hq=8, hkv=2, **over):
 def test_attention_launcher_checks():
     _attn_args()
     for over, message in [
-        ({"q": FakeArray((10, 8, 64))}, r"\[tokens, heads, 128\]"),
+        ({"q": FakeArray((10, 8, 64))}, r"k must be \[tokens, heads, 64\]"),
         ({"k": FakeArray((12, 3, 128)), "v": FakeArray((12, 3, 128))}, "multiple of key/value heads"),
         ({"v": FakeArray((11, 2, 128))}, "v must match k"),
         ({"o": FakeArray((10, 8, 128), "<f2")}, "o must be bfloat16"),
@@ -305,14 +305,41 @@ def test_attention_launcher_checks():
             _attn_args(**over)
 
 
-def test_attention_launcher_names_the_kernel():
-    from kernels.cute.attention import ATTENTION_KERNEL, varlen_attention
+def _attn_arrays(d=128, dk=None):
+    dk = dk or d
+    return [FakeArray((10, 8, d)), FakeArray((12, 2, dk)), FakeArray((12, 2, dk)), FakeArray((10, 8, d)),
+            FakeArray((3,), "<i4"), FakeArray((3,), "<i4"), FakeArray((4, 2), "<i4")]
 
-    assert ATTENTION_KERNEL in ATTENTION_KERNELS
-    arrays = [FakeArray((10, 8, 128)), FakeArray((12, 2, 128)), FakeArray((12, 2, 128)), FakeArray((10, 8, 128)),
-              FakeArray((3,), "<i4"), FakeArray((3,), "<i4"), FakeArray((4, 2), "<i4")]
+
+def test_attention_launcher_checks_head_dims():
+    from kernels.cute.attention import check_attention_args
+
+    assert check_attention_args(*(as_device_tensor(a, "x") for a in _attn_arrays(64))) == 64
+    assert check_attention_args(*(as_device_tensor(a, "x") for a in _attn_arrays(128))) == 128
+    with pytest.raises(ValueError, match=r"k must be \[tokens, heads, 64\]"):
+        check_attention_args(*(as_device_tensor(a, "x") for a in _attn_arrays(64, 128)))
+    with pytest.raises(ValueError, match=r"q must be \[tokens, heads, 128\]"):
+        check_attention_args(*(as_device_tensor(a, "x") for a in _attn_arrays(96)))
+
+
+class _NoRunner:
+    def ensure_loaded(self):
+        raise AssertionError("the launcher must reject the call before touching the library")
+
+
+def test_attention_launcher_picks_only_a_matching_verified_kernel(monkeypatch):
+    from kernels.cute import attention
+
+    assert set(attention.DEFAULT_KERNEL.values()) <= set(attention.ATTENTION_KERNELS)
+    for d, name in attention.DEFAULT_KERNEL.items():
+        assert attention.ATTENTION_BY_NAME[name].head_dim == d
     with pytest.raises(ValueError, match="unknown attention kernel 'fa9'"):
-        varlen_attention(None, *arrays, kernel="fa9")
+        attention.varlen_attention(_NoRunner(), *_attn_arrays(), kernel="fa9")
+    with pytest.raises(ValueError, match="varlen_attention_ws_d64 is for head_dim 64, the tensors have 128"):
+        attention.varlen_attention(_NoRunner(), *_attn_arrays(128), kernel="varlen_attention_ws_d64")
+    monkeypatch.setattr(attention, "DEFAULT_KERNEL", {128: "varlen_attention_ws"})
+    with pytest.raises(ValueError, match="no attention kernel verified for head_dim 64"):
+        attention.varlen_attention(_NoRunner(), *_attn_arrays(64))
 
 
 class _QueuedInputsCupy:

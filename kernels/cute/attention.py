@@ -1,50 +1,58 @@
-"""Launcher for ``attention_ws_sm90`` / ``attention_sm90``: varlen causal prefill attention, GQA, head_dim 128.
+"""Launcher for ``attention_ws_sm90`` / ``attention_sm90``: varlen causal prefill attention, GQA,
+head_dim 128 or 64.
 
-Three kernels compute the same thing with the same arguments: ``varlen_attention_ws`` (FlashAttention-3
-schedule: producer warpgroup + two ping-ponging consumer warpgroups), ``varlen_attention_ws_overlap``
-(the same, plus P·V / softmax overlap inside each consumer) and ``varlen_attention`` (the
-FlashAttention-2 schedule, the fallback). ``ATTENTION_KERNEL`` names the one used by default; a
-caller (the verification, the benchmark) may name either through ``kernel=``.
+Several compiled kernels compute the same thing with the same arguments (``ATTENTION_VARIANTS``):
+``varlen_attention_ws*`` (FlashAttention-3 schedule: a TMA producer warpgroup and two ping-ponging
+consumer warpgroups; ``_overlap`` adds P·V / softmax overlap inside each consumer, ``_s3`` a third
+K/V stage, ``_d64`` is head_dim 64) and ``varlen_attention`` (the FlashAttention-2 schedule, head_dim
+128, the fallback). ``DEFAULT_KERNEL`` maps a head dim to the kernel used unless a caller (the
+verification, the benchmark) names one through ``kernel=``; only kernels verified on the H200 and
+fastest there are defaults (bench/results/kernels.md).
 
-``q``/``o`` are ``[tokens_q, Hq, 128]`` and ``k``/``v`` ``[tokens_k, Hkv, 128]`` bf16 (uint16 in
-CuPy) with contiguous heads; ``cu_q``/``cu_k`` the int32 ``[B+1]`` prefix sums of the lengths;
-``work`` the int32 ``[tiles, 2]`` list from ``attention_work`` (host-built, like cu_q). The softmax
-scale is ``1/sqrt(128)``. All of these live on the device; the call is graph-capturable. The kernel
-trusts the contents of ``cu_q``/``cu_k``/``work``: they must be ready on ``stream`` (copied on it, or
-waited for) — read early, garbage lengths make each CTA loop over millions of key tiles (TMA loads
-out of range never fault), which looks like a hang.
-
-16k-token benchmark hang (H200 run of 2026-11-30), diagnosed without a GPU:
-1. Most likely, fixed in ``bench/kernels.py`` (3050d09): the benchmark made its inputs on the default
-   stream and launched on a non-blocking stream that is not ordered after it. At 16k the
-   ``cu``/``work`` copies sat behind an estimated ~2 ms of random-input generation (~0.5 ms at 4k),
-   so the kernel read stale pool memory as sequence lengths (verification runs on one stream; the
-   4k row's window was narrower). ``tests/test_cute.py`` models the ordering.
-2. Ruled out by reading the kernel and its PTX: output addressing is 64-bit (``mad.lo.s64``); TMA
-   coordinates are ≤ tokens (int32); grid (256, 32); 64 KiB transaction count per stage (< 2^20);
-   the ring's phase flips every 3 tiles with no bound on the tile count; shared memory (209 KiB)
-   and wgmma descriptors do not depend on length.
-3. Untested until the next GPU run: the kernel itself beyond 32 key tiles (the longest verified
-   case had 4096 keys). Cases 78/79 of ``testing.CASES`` (8k with a cached prefix, 16k at 32/8
-   heads) decide it, on one stream, with the benchmark row after them:
-   ``python -m kernels.cute.build && python -m kernels.cute.verify --worker 78,79 &&
-   python bench/kernels.py --worker 1,2,3 --ok varlen_attention --no-sweep``
-   (79 HANG → the kernel; 79 PASS and row 3 HANG → the benchmark still races).
+``q``/``o`` are ``[tokens_q, Hq, D]`` and ``k``/``v`` ``[tokens_k, Hkv, D]`` bf16 (uint16 in CuPy)
+with contiguous heads; ``cu_q``/``cu_k`` the int32 ``[B+1]`` prefix sums of the lengths; ``work``
+the int32 ``[tiles, 2]`` list from ``attention_work`` (host-built, like cu_q). The softmax scale is
+``1/sqrt(D)``. All of these live on the device; the call is graph-capturable. The kernel trusts the
+contents of ``cu_q``/``cu_k``/``work``: they must be ready on ``stream`` (copied on it, or waited
+for) — read early, garbage lengths make each CTA loop over millions of key tiles (TMA loads out of
+range never fault), which looks like a hang. That was the 16k-token benchmark "hang" of the
+2026-11-30 H200 run: its inputs were made on the default stream and the kernel launched on a
+non-blocking one; with ``bench/kernels.py`` syncing first, 16k runs (2026-12-01).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from .gemm import DeviceTensor, _stream_ptr, as_device_tensor
 from .library import TensorArg
 
-HEAD_DIM = 128
 TILE_Q = 128  # query rows of one work-list tile (the FA2 kernel runs it as two 64-row CTAs)
-ATTENTION_NAME = "varlen_attention"
-ATTENTION_WS_NAME = "varlen_attention_ws"
-ATTENTION_WS_OVERLAP_NAME = "varlen_attention_ws_overlap"
-ATTENTION_KERNELS = (ATTENTION_WS_NAME, ATTENTION_WS_OVERLAP_NAME, ATTENTION_NAME)
-ATTENTION_KERNEL = ATTENTION_WS_NAME  # H200 2026-12-01: verified, 1.25-1.6x the FA2 kernel (bench/results/kernels.md)
+
+
+@dataclass(frozen=True)
+class AttentionVariant:
+    """One compiled attention kernel: its symbol name, schedule, head dim and K/V ring depth."""
+
+    name: str
+    schedule: str  # "ws" | "ws_overlap" (attention_ws_sm90) | "fa2" (attention_sm90)
+    head_dim: int = 128
+    kv_stages: int = 2
+
+
+ATTENTION_VARIANTS = (
+    AttentionVariant("varlen_attention_ws", "ws"),
+    AttentionVariant("varlen_attention_ws_s3", "ws", kv_stages=3),
+    AttentionVariant("varlen_attention_ws_overlap", "ws_overlap"),
+    AttentionVariant("varlen_attention_ws_d64", "ws", head_dim=64, kv_stages=4),
+    AttentionVariant("varlen_attention", "fa2", kv_stages=3),
+)
+ATTENTION_BY_NAME = {v.name: v for v in ATTENTION_VARIANTS}
+ATTENTION_KERNELS = tuple(ATTENTION_BY_NAME)
+HEAD_DIMS = (128, 64)
+# H200 2026-12-01: the ping-pong kernel verified and 1.25-1.6x the FA2 kernel (bench/results/kernels.md)
+DEFAULT_KERNEL = {128: "varlen_attention_ws"}
 
 
 def attention_work(cu_seqlens_q: np.ndarray) -> np.ndarray:
@@ -61,13 +69,13 @@ def attention_work(cu_seqlens_q: np.ndarray) -> np.ndarray:
     return np.stack([seqs, firsts], axis=1).astype(np.int32)
 
 
-def _check_heads(t: DeviceTensor, what: str) -> tuple[int, int]:
+def _check_heads(t: DeviceTensor, what: str, head_dim: int) -> tuple[int, int]:
     if t.dtype != "bfloat16":
         raise TypeError(f"{what} must be bfloat16 (uint16 in CuPy), got {t.dtype}")
-    if len(t.shape) != 3 or t.shape[2] != HEAD_DIM:
-        raise ValueError(f"{what} must be [tokens, heads, {HEAD_DIM}], got shape {t.shape}")
-    if t.strides[2] != 1 or (t.shape[1] > 1 and t.strides[1] != HEAD_DIM):
-        raise ValueError(f"{what} heads must be contiguous [heads, {HEAD_DIM}] rows, got strides {t.strides}")
+    if len(t.shape) != 3 or t.shape[2] != head_dim:
+        raise ValueError(f"{what} must be [tokens, heads, {head_dim}], got shape {t.shape}")
+    if t.strides[2] != 1 or (t.shape[1] > 1 and t.strides[1] != head_dim):
+        raise ValueError(f"{what} heads must be contiguous [heads, {head_dim}] rows, got strides {t.strides}")
     if t.shape[0] > 1 and t.strides[0] % 8 or t.ptr % 16:
         raise ValueError(f"{what} must be 16-byte aligned (address and row stride)")
     return t.shape[0], t.shape[1]
@@ -78,13 +86,14 @@ def _check_int32(t: DeviceTensor, what: str, shape_len: int) -> None:
         raise TypeError(f"{what} must be a {shape_len}-D int32 device array, got {t.dtype} {t.shape}")
 
 
-def check_attention_args(q, k, v, o, cu_q, cu_k, work) -> None:
-    """Validate shapes, dtypes, strides and alignment (contents are trusted)."""
-    tq, hq = _check_heads(q, "q")
-    tk, hkv = _check_heads(k, "k")
-    if _check_heads(v, "v") != (tk, hkv) or v.strides != k.strides:
+def check_attention_args(q, k, v, o, cu_q, cu_k, work) -> int:
+    """Validate shapes, dtypes, strides and alignment (contents are trusted); return the head dim."""
+    head_dim = q.shape[2] if len(q.shape) == 3 and q.shape[2] in HEAD_DIMS else HEAD_DIMS[0]
+    tq, hq = _check_heads(q, "q", head_dim)
+    tk, hkv = _check_heads(k, "k", head_dim)
+    if _check_heads(v, "v", head_dim) != (tk, hkv) or v.strides != k.strides:
         raise ValueError(f"v must match k: shapes {v.shape} vs {k.shape}, strides {v.strides} vs {k.strides}")
-    if _check_heads(o, "o") != (tq, hq) or o.strides[0] != q.strides[0]:
+    if _check_heads(o, "o", head_dim) != (tq, hq) or o.strides[0] != q.strides[0]:
         raise ValueError(f"o must match q: shapes {o.shape} vs {q.shape}")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"query heads {hq} must be a multiple of key/value heads {hkv}")
@@ -95,23 +104,30 @@ def check_attention_args(q, k, v, o, cu_q, cu_k, work) -> None:
     _check_int32(work, "work", 2)
     if work.shape[1] != 2 or work.shape[0] < 1 or work.strides != (2, 1):
         raise ValueError(f"work must be a contiguous [tiles, 2] list (attention_work), got {work.shape}")
+    return head_dim
 
 
 def varlen_attention(runner, q, k, v, o, cu_q, cu_k, work, stream=None, kernel: str | None = None) -> None:
     """Causal attention of every sequence in one launch; see the module docstring."""
-    kernel = kernel or ATTENTION_KERNEL
-    if kernel not in ATTENTION_KERNELS:
+    if kernel is not None and kernel not in ATTENTION_BY_NAME:
         raise ValueError(f"unknown attention kernel {kernel!r}; one of {ATTENTION_KERNELS}")
     q, k, v, o = (as_device_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (o, "o")))
     cu_q, cu_k, work = (as_device_tensor(x, n) for x, n in ((cu_q, "cu_q"), (cu_k, "cu_k"), (work, "work")))
-    check_attention_args(q, k, v, o, cu_q, cu_k, work)
+    head_dim = check_attention_args(q, k, v, o, cu_q, cu_k, work)
+    if kernel is None:
+        if head_dim not in DEFAULT_KERNEL:
+            raise ValueError(f"no attention kernel verified for head_dim {head_dim} (have {sorted(DEFAULT_KERNEL)})")
+        kernel = DEFAULT_KERNEL[head_dim]
+    if ATTENTION_BY_NAME[kernel].head_dim != head_dim:
+        raise ValueError(f"attention kernel {kernel} is for head_dim {ATTENTION_BY_NAME[kernel].head_dim}, "
+                         f"the tensors have {head_dim}")
     runner.ensure_loaded()
     (tq, hq), (tk, hkv) = q.shape[:2], k.shape[:2]
-    row_q, row_k = max(q.strides[0], hq * HEAD_DIM), max(k.strides[0], hkv * HEAD_DIM)
+    row_q, row_k = max(q.strides[0], hq * head_dim), max(k.strides[0], hkv * head_dim)
     runner.library[kernel](
         TensorArg(q.ptr, (tq, hq), (row_q,)),
         TensorArg(k.ptr, (tk, hkv), (row_k,)),
-        TensorArg(v.ptr, (tk, hkv), (row_k,)),  # viewed as vᵀ: (128, tokens, heads)
+        TensorArg(v.ptr, (tk, hkv), (row_k,)),  # viewed as vᵀ: (D, tokens, heads)
         TensorArg(o.ptr, (tq, hq), (row_q,)),
         TensorArg(cu_q.ptr, (cu_q.shape[0],), ()),
         TensorArg(cu_k.ptr, (cu_k.shape[0],), ()),

@@ -42,11 +42,15 @@ HEAD_DIM = 128
 TILE_Q = 64
 TILE_KV = 128
 KV_STAGES = 3
-SCALE_LOG2 = math.log2(math.e) / math.sqrt(HEAD_DIM)
 
 
 class VarlenAttentionSm90:
-    """jit entry: ``(q, k, vt, o, cu_q, cu_k, work, stream)``; see the module docstring."""
+    """jit entry: ``(q, k, vt, o, cu_q, cu_k, work, stream)``; see the module docstring. The mask,
+    softmax and store helpers take the head dim from ``self`` (this kernel itself is built for 128)."""
+
+    def __init__(self, head_dim: int = HEAD_DIM):
+        self.head_dim = head_dim
+        self.scale_log2 = math.log2(math.e) / math.sqrt(head_dim)
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, vt: cute.Tensor, o: cute.Tensor,
@@ -247,13 +251,13 @@ class VarlenAttentionSm90:
                 for c in cutlass.range_constexpr(2):
                     new_max = cute.arch.fmax(new_max, acc_s[4 * j + 2 * h + c])
             new_max = cute.arch.warp_reduction_max(new_max, threads_in_group=4)
-            correction[h] = cute.arch.exp2((row_max[h] - new_max) * SCALE_LOG2)
+            correction[h] = cute.arch.exp2((row_max[h] - new_max) * self.scale_log2)
             row_max[h] = new_max
-            offset = new_max * SCALE_LOG2
+            offset = new_max * self.scale_log2
             total = row_sum[h] * correction[h]
             for j in cutlass.range_constexpr(TILE_KV // 8):
                 for c in cutlass.range_constexpr(2):
-                    e = cute.arch.exp2(acc_s[4 * j + 2 * h + c] * SCALE_LOG2 - offset)
+                    e = cute.arch.exp2(acc_s[4 * j + 2 * h + c] * self.scale_log2 - offset)
                     acc_s[4 * j + 2 * h + c] = e
                     total += e
             row_sum[h] = total
@@ -262,7 +266,7 @@ class VarlenAttentionSm90:
     def _rescale(self, acc_o, correction):
         """Multiply each row of the running output by its ``correction``."""
         for h in cutlass.range_constexpr(2):
-            for j in cutlass.range_constexpr(HEAD_DIM // 8):
+            for j in cutlass.range_constexpr(self.head_dim // 8):
                 for c in cutlass.range_constexpr(2):
                     acc_o[4 * j + 2 * h + c] = acc_o[4 * j + 2 * h + c] * correction[h]
 
@@ -273,6 +277,6 @@ class VarlenAttentionSm90:
             inv = 1.0 / cute.arch.warp_reduction_sum(row_sum[h], threads_in_group=4)
             row = row0 + 8 * h
             if row < len_q:
-                for j in cutlass.range_constexpr(HEAD_DIM // 8):
+                for j in cutlass.range_constexpr(self.head_dim // 8):
                     for c in cutlass.range_constexpr(2):
                         mO[q_start + row, col0 + 8 * j + c, head] = (acc_o[4 * j + 2 * h + c] * inv).to(self.dtype)

@@ -1,13 +1,13 @@
 """Causal varlen prefill attention, FlashAttention-3 schedule (warp-specialised), Hopper (CuTe DSL).
 
-Computes exactly what ``attention_sm90`` computes (same call, same ``[tokens, heads, 128]`` buffers,
+Computes exactly what ``attention_sm90`` computes (same call, same ``[tokens, heads, D]`` buffers,
 same ``(sequence, 128-row query tile)`` work list, cached-prefix alignment, GQA): the two are
-interchangeable and the launcher picks one. Head dim 128, softmax scale ``1/sqrt(128)``.
+interchangeable and the launcher picks one. Head dim D = 128 or 64, softmax scale ``1/sqrt(D)``.
 
 Schedule, per CTA of 384 threads owning 128 query rows of one head:
 - warpgroup 0 is the producer: it gives up registers (``setmaxnreg`` 24) and its first warp issues
   TMA loads: Q once (two 64-row halves), then K and V tiles of 128 keys into two separate
-  ``KV_STAGES``-deep mbarrier rings, so ``S = Q·Kᵀ`` can start before V has landed;
+  ``kv_stages``-deep mbarrier rings (2; 3 for ``_s3``), so ``S = Q·Kᵀ`` can start before V has landed;
 - warpgroups 1 and 2 are consumers (``setmaxnreg`` 240), 64 query rows each, sharing every K/V
   stage (each stage is released by both). They take turns on the tensor cores through two named
   barriers (ping-pong): a consumer issues ``O += P·V`` for tile j and ``S = Q·Kᵀ`` for tile j+1,
@@ -20,9 +20,12 @@ Schedule, per CTA of 384 threads owning 128 query rows of one head:
 - grid ``(Hq, tiles)``: all heads of the longest tile are launched first (work list order), the
   query heads of one KV head run side by side and share its K/V in L2.
 
-Roofline on the H200: ``4 · Σ_causal(len_q · len_k) · 128 · Hq`` flops at ~790 TFLOP/s dense bf16
-wgmma; the exp2 throughput (16/clk/SM) bounds the softmax at ~1/8 of the wgmma rate per score, which
-the ping-pong hides; K/V bytes are reused by 128 query rows (arithmetic intensity ~128 flop/B).
+Roofline on the H200: ``4 · Σ_causal(len_q · len_k) · D · Hq`` flops at ~790 TFLOP/s dense bf16
+wgmma (~3000 flop/clk/SM, i.e. ~6 scores/clk at D = 128); exp2 runs at 16/clk/SM, so the softmax
+needs ~37% of the wgmma time at D = 128 (~75% at 64), which the ping-pong hides behind the other
+consumer's wgmmas. A K/V tile feeds 128 query rows: 128 flop/B at D = 128, below the ~165 flop/B
+HBM balance point, so the kernel relies on L2: the query heads of one KV head run concurrently
+(grid order) and read the same K/V tiles.
 """
 from __future__ import annotations
 
@@ -35,11 +38,10 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
-from .attention_sm90 import HEAD_DIM, TILE_KV, VarlenAttentionSm90
+from .attention_sm90 import TILE_KV, VarlenAttentionSm90
 
 WG_ROWS = 64            # query rows of one consumer warpgroup
 TILE_Q = 2 * WG_ROWS    # query rows of one CTA (one work-list tile)
-KV_STAGES = 2
 PRODUCER_REGS, CONSUMER_REGS = 24, 240  # 128·24 + 256·240 ≤ 64 Ki registers
 TURN_BARRIER = 1        # named barriers 1 and 2: consumer 0 / 1 may issue its wgmmas
 CONSUMER_THREADS = 256
@@ -50,7 +52,9 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
     mask, online softmax, register relayout and store of the FlashAttention-2 kernel. ``overlap``:
     also overlap, within a consumer, the P·V wgmma of tile j-1 with the softmax of tile j."""
 
-    def __init__(self, overlap: bool = False):
+    def __init__(self, head_dim: int = 128, kv_stages: int = 2, overlap: bool = False):
+        super().__init__(head_dim)
+        self.kv_stages = kv_stages
         self.overlap = overlap
 
     @cute.jit
@@ -58,31 +62,31 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
                  cu_q: cute.Tensor, cu_k: cute.Tensor, work: cute.Tensor, stream: cuda.CUstream):
         bf16 = q.element_type
         self.dtype = bf16
-        qk_tile = (WG_ROWS, TILE_KV, HEAD_DIM)
-        pv_tile = (WG_ROWS, HEAD_DIM, TILE_KV)
+        qk_tile = (WG_ROWS, TILE_KV, self.head_dim)
+        pv_tile = (WG_ROWS, self.head_dim, TILE_KV)
         qk_mma = sm90_utils.make_trivial_tiled_mma(
             bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
             cutlass.Float32, (1, 1, 1), tiler_mn=(WG_ROWS, TILE_KV))
         pv_mma = sm90_utils.make_trivial_tiled_mma(
             bf16, bf16, warpgroup.OperandMajorMode.K, utils.LayoutEnum.from_tensor(vt).sm90_mma_major_mode(),
-            cutlass.Float32, (1, 1, 1), tiler_mn=(WG_ROWS, HEAD_DIM), a_source=warpgroup.OperandSource.RMEM)
-        # Q: one 64-row stage per consumer warpgroup; K and V: KV_STAGES-deep rings.
+            cutlass.Float32, (1, 1, 1), tiler_mn=(WG_ROWS, self.head_dim), a_source=warpgroup.OperandSource.RMEM)
+        # Q: one 64-row stage per consumer warpgroup; K and V: kv_stages-deep rings.
         sq_layout = sm90_utils.make_smem_layout_a(utils.LayoutEnum.from_tensor(q), qk_tile, bf16, 2)
-        sk_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.from_tensor(k), qk_tile, bf16, KV_STAGES)
-        sv_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.from_tensor(vt), pv_tile, bf16, KV_STAGES)
+        sk_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.from_tensor(k), qk_tile, bf16, self.kv_stages)
+        sv_layout = sm90_utils.make_smem_layout_b(utils.LayoutEnum.from_tensor(vt), pv_tile, bf16, self.kv_stages)
         g2s = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tq = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, q, cute.slice_(sq_layout, (None, None, 0)), (WG_ROWS, HEAD_DIM))
+            g2s, q, cute.slice_(sq_layout, (None, None, 0)), (WG_ROWS, self.head_dim))
         tma_k, tk = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, k, cute.slice_(sk_layout, (None, None, 0)), (TILE_KV, HEAD_DIM))
+            g2s, k, cute.slice_(sk_layout, (None, None, 0)), (TILE_KV, self.head_dim))
         tma_v, tv = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            g2s, vt, cute.slice_(sv_layout, (None, None, 0)), (HEAD_DIM, TILE_KV))
+            g2s, vt, cute.slice_(sv_layout, (None, None, 0)), (self.head_dim, TILE_KV))
 
         @cute.struct
         class Smem:
             q_bar: cute.struct.MemRange[cutlass.Int64, 2]
-            k_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
-            v_bar: cute.struct.MemRange[cutlass.Int64, KV_STAGES * 2]
+            k_bar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
+            v_bar: cute.struct.MemRange[cutlass.Int64, self.kv_stages * 2]
             sq: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sq_layout)], 1024]
             sk: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sk_layout)], 1024]
             sv: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sv_layout)], 1024]
@@ -122,12 +126,12 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
             consumer_group=consumer_warps, tx_count=cute.size_in_bytes(self.dtype, sq_layout),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         k_ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.k_bar.data_ptr(), num_stages=KV_STAGES, producer_group=one_thread,
+            barrier_storage=storage.k_bar.data_ptr(), num_stages=self.kv_stages, producer_group=one_thread,
             consumer_group=consumer_warps,
             tx_count=cute.size_in_bytes(self.dtype, cute.slice_(sk_layout, (None, None, 0))),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
         v_ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.v_bar.data_ptr(), num_stages=KV_STAGES, producer_group=one_thread,
+            barrier_storage=storage.v_bar.data_ptr(), num_stages=self.kv_stages, producer_group=one_thread,
             consumer_group=consumer_warps,
             tx_count=cute.size_in_bytes(self.dtype, cute.slice_(sv_layout, (None, None, 0))),
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)), defer_sync=True)
@@ -143,11 +147,11 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
             if warp == 0:
                 # This sequence's rows of this head, as (64 rows, 128) / (128 keys, 128) / (128, keys) tiles.
                 gQ = cute.local_tile(cute.domain_offset((q_start + q_first, 0), mQ[None, None, head]),
-                                     (WG_ROWS, HEAD_DIM), (None, 0))
+                                     (WG_ROWS, self.head_dim), (None, 0))
                 gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, None, kv_head]),
-                                     (TILE_KV, HEAD_DIM), (None, 0))
+                                     (TILE_KV, self.head_dim), (None, 0))
                 gV = cute.local_tile(cute.domain_offset((0, k_start), mVt[None, None, kv_head]),
-                                     (HEAD_DIM, TILE_KV), (0, None))
+                                     (self.head_dim, TILE_KV), (0, None))
                 one = cute.make_layout(1)
                 tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(
                     tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
@@ -160,7 +164,7 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
                 for half in cutlass.range_constexpr(2):
                     cute.copy(tma_q, tQgQ[(None, half)], tQsQ[(None, half)],
                               tma_bar_ptr=q_ring.producer_get_barrier(q_state))
-                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
+                produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
                 for kv in cutlass.range(n_kv, unroll=1):
                     k_ring.producer_acquire(produce)
                     cute.copy(tma_k, tKgK[(None, kv)], tKsK[(None, produce.index)],
@@ -187,7 +191,7 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
         frag_k = qk_mma.make_fragment_B(qk_thr.partition_B(sK))
         frag_v = pv_mma.make_fragment_B(pv_thr.partition_B(sV))
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((WG_ROWS, TILE_KV)))
-        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((WG_ROWS, HEAD_DIM)))
+        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((WG_ROWS, self.head_dim)))
         acc_o.fill(0.0)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)  # once, outside the loops: its value must not escape one
         p = cute.make_rmem_tensor(self._c_to_a_layout(acc_s.layout, pv_mma.tv_layout_A.shape[1]), self.dtype)
@@ -206,7 +210,7 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
         mine, other = TURN_BARRIER + me, TURN_BARRIER + 1 - me
 
         q_ring.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, KV_STAGES)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
         if me == 0:  # consumer 0 takes the first turn
             cute.arch.barrier_arrive(barrier_id=mine, number_of_threads=CONSUMER_THREADS)
         if cutlass.const_expr(not self.overlap):

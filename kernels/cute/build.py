@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from .attention import ATTENTION_KERNELS, ATTENTION_NAME, ATTENTION_WS_OVERLAP_NAME  # these two import no DSL
+from .attention import ATTENTION_BY_NAME, ATTENTION_VARIANTS  # these two import no DSL
 from .configs import REDUCE_NAME as REDUCE
 
 ARCH = "sm_90a"
@@ -31,8 +31,7 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "build"
 LIB_NAME = "libopeninfer_cute.so"
 SOURCES = {"gemm": ("gemm_sm90.py",), REDUCE: ("splitk_reduce.py",),
-           **{name: ("attention_ws_sm90.py", "attention_sm90.py") for name in ATTENTION_KERNELS},
-           ATTENTION_NAME: ("attention_sm90.py",)}
+           "fa2": ("attention_sm90.py",), "ws": ("attention_ws_sm90.py", "attention_sm90.py")}
 
 
 def dsl_version() -> str:
@@ -131,12 +130,13 @@ def _fake_args(kind: str, out: str | None = None):
             tile_expert = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
             return a, b, c, tile_expert, cuda.CUstream(0)
         return a, b, c, cuda.CUstream(0)
-    if kind in ATTENTION_KERNELS:  # q, k, vᵀ, o with head_dim 128 static; cu_q, cu_k, work lists
+    if kind in ATTENTION_BY_NAME:  # q, k, vᵀ, o with the head dim d static; cu_q, cu_k, work lists
+        d = ATTENTION_BY_NAME[kind].head_dim
         tq, tk, hq, hk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-        q = make_fake_tensor(bf16, (tq, 128, hq), (ld(), 1, 128), assumed_align=16)
-        k = make_fake_tensor(bf16, (tk, 128, hk), (ld(), 1, 128), assumed_align=16)
-        vt = make_fake_tensor(bf16, (128, tk, hk), (1, ld(), 128), assumed_align=16)
-        o = make_fake_tensor(bf16, (tq, 128, hq), (ld(), 1, 128), assumed_align=16)
+        q = make_fake_tensor(bf16, (tq, d, hq), (ld(), 1, d), assumed_align=16)
+        k = make_fake_tensor(bf16, (tk, d, hk), (ld(), 1, d), assumed_align=16)
+        vt = make_fake_tensor(bf16, (d, tk, hk), (1, ld(), d), assumed_align=16)
+        o = make_fake_tensor(bf16, (tq, d, hq), (ld(), 1, d), assumed_align=16)
         cu_q, cu_k = (make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4) for _ in range(2))
         work = make_fake_tensor(cutlass.Int32, (cute.sym_int32(), 2), (2, 1), assumed_align=4)
         return q, k, vt, o, cu_q, cu_k, work, cuda.CUstream(0)
@@ -154,9 +154,10 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
     from .gemm_sm90 import GemmSm90
     from .splitk_reduce import splitk_reduce
 
-    if name in ATTENTION_KERNELS:
-        kernel = (VarlenAttentionSm90() if name == ATTENTION_NAME
-                  else VarlenAttentionWsSm90(overlap=name == ATTENTION_WS_OVERLAP_NAME))
+    if name in ATTENTION_BY_NAME:
+        v = ATTENTION_BY_NAME[name]
+        kernel = (VarlenAttentionSm90() if v.schedule == "fa2" else
+                  VarlenAttentionWsSm90(v.head_dim, v.kv_stages, overlap=v.schedule == "ws_overlap"))
         compiled = cute.compile(kernel, *_fake_args(name))
     elif name in VARIANTS_BY_NAME:
         variant = VARIANTS_BY_NAME[name]
@@ -178,7 +179,7 @@ def build(out_dir: Path = DEFAULT_OUT, force: bool = False, log=print) -> dict:
     obj_dir.mkdir(parents=True, exist_ok=True)
     entries = [(v.name, repr(v), SOURCES["gemm"]) for v in GEMM_VARIANTS] + [
         (REDUCE, REDUCE, SOURCES[REDUCE]),
-        *((name, name, SOURCES[name]) for name in ATTENTION_KERNELS)]
+        *((v.name, repr(v), SOURCES["fa2" if v.schedule == "fa2" else "ws"]) for v in ATTENTION_VARIANTS)]
     kernels, objects, compiled = {}, [], 0
     for name, spec, sources in entries:
         key = content_hash(name, spec, sources)

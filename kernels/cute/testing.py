@@ -145,12 +145,13 @@ def attention_check(runner, lengths_q, lengths_k, hq: int, hkv: int, kernel: str
     import cupy as cp
     import numpy as np
 
-    from .attention import attention_work, varlen_attention
+    from .attention import ATTENTION_BY_NAME, attention_work, varlen_attention
 
+    d = ATTENTION_BY_NAME[kernel].head_dim
     cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
-    q = rand_bf16((int(cu_q[-1]), hq, 128))
-    k, v = rand_bf16((int(cu_k[-1]), hkv, 128)), rand_bf16((int(cu_k[-1]), hkv, 128))
+    q = rand_bf16((int(cu_q[-1]), hq, d))
+    k, v = rand_bf16((int(cu_k[-1]), hkv, d)), rand_bf16((int(cu_k[-1]), hkv, d))
     o = cp.full(q.shape, NAN_BF16, dtype=cp.uint16)
     varlen_attention(runner, q, k, v, o, cp.asarray(cu_q), cp.asarray(cu_k), cp.asarray(attention_work(cu_q)),
                      kernel=kernel)
@@ -165,7 +166,7 @@ def attention_check(runner, lengths_q, lengths_k, hq: int, hkv: int, kernel: str
         visible = cp.arange(lk)[None, :] <= cp.arange(lq)[:, None] + (lk - lq)
         for h in range(hq):
             kv = h // (hq // hkv)
-            s = from_bf16(q[qs, h]) @ from_bf16(k[ks, kv]).T / np.sqrt(128.0)
+            s = from_bf16(q[qs, h]) @ from_bf16(k[ks, kv]).T / np.sqrt(float(d))
             s = cp.where(visible, s, -cp.inf)
             p = cp.exp(s - s.max(axis=1, keepdims=True))
             one = compare(got[qs, h], (p / p.sum(axis=1, keepdims=True)) @ from_bf16(v[ks, kv]))
