@@ -4,7 +4,7 @@ head_dim 128 or 64.
 Several compiled kernels compute the same thing with the same arguments (``ATTENTION_VARIANTS``):
 ``varlen_attention_ws*`` (FlashAttention-3 schedule: a TMA producer warpgroup and two ping-ponging
 consumer warpgroups; ``_overlap`` adds P·V / softmax overlap inside each consumer, ``_s3`` a third
-K/V stage, ``_d64`` is head_dim 64) and ``varlen_attention`` (the FlashAttention-2 schedule, head_dim
+K/V stage, ``_persistent`` runs one CTA per SM over the work items, ``_d64`` is head_dim 64) and ``varlen_attention`` (the FlashAttention-2 schedule, head_dim
 128, the fallback). ``DEFAULT_KERNEL`` maps a head dim to the kernel used unless a caller (the
 verification, the benchmark) names one through ``kernel=``; only kernels verified on the H200 and
 fastest there are defaults (bench/results/kernels.md).
@@ -36,7 +36,7 @@ class AttentionVariant:
     """One compiled attention kernel: its symbol name, schedule, head dim and K/V ring depth."""
 
     name: str
-    schedule: str  # "ws" | "ws_overlap" (attention_ws_sm90) | "fa2" (attention_sm90)
+    schedule: str  # "ws" | "ws_overlap" | "ws_persistent" (attention_ws_sm90) | "fa2" (attention_sm90)
     head_dim: int = 128
     kv_stages: int = 2
 
@@ -45,6 +45,7 @@ ATTENTION_VARIANTS = (
     AttentionVariant("varlen_attention_ws", "ws"),
     AttentionVariant("varlen_attention_ws_s3", "ws", kv_stages=3),
     AttentionVariant("varlen_attention_ws_overlap", "ws_overlap"),
+    AttentionVariant("varlen_attention_ws_persistent", "ws_persistent"),
     AttentionVariant("varlen_attention_ws_d64", "ws", head_dim=64, kv_stages=4),
     AttentionVariant("varlen_attention", "fa2", kv_stages=3),
 )

@@ -29,6 +29,8 @@ HBM balance point, so the kernel relies on L2: the query heads of one KV head ru
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -39,6 +41,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup
 
 from .attention_sm90 import TILE_KV, VarlenAttentionSm90
+from .configs import H200_SMS
 
 WG_ROWS = 64            # query rows of one consumer warpgroup
 TILE_Q = 2 * WG_ROWS    # query rows of one CTA (one work-list tile)
@@ -52,10 +55,11 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
     mask, online softmax, register relayout and store of the FlashAttention-2 kernel. ``overlap``:
     also overlap, within a consumer, the P·V wgmma of tile j-1 with the softmax of tile j."""
 
-    def __init__(self, head_dim: int = 128, kv_stages: int = 2, overlap: bool = False):
+    def __init__(self, head_dim: int = 128, kv_stages: int = 2, overlap: bool = False, persistent: bool = False):
         super().__init__(head_dim)
         self.kv_stages = kv_stages
         self.overlap = overlap
+        self.persistent = persistent
 
     @cute.jit
     def __call__(self, q: cute.Tensor, k: cute.Tensor, vt: cute.Tensor, o: cute.Tensor,
@@ -92,7 +96,10 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
             sv: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(sv_layout)], 1024]
 
         self.smem_struct = Smem
-        grid = (cute.size(q, mode=[2]), cute.size(work, mode=[0]), 1)
+        if cutlass.const_expr(self.persistent):  # one CTA per SM, striding over (tile, head) items
+            grid = (cutlass.min(cute.size(work, mode=[0]) * cute.size(q, mode=[2]), H200_SMS), 1, 1)
+        else:
+            grid = (cute.size(q, mode=[2]), cute.size(work, mode=[0]), 1)
         self.kernel(tma_q, tq, tma_k, tk, tma_v, tv, o, cu_q, cu_k, work, qk_mma, pv_mma,
                     sq_layout, sk_layout, sv_layout).launch(
             grid=grid, block=[128 + CONSUMER_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -104,19 +111,18 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
                sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout,
                sv_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
-        head, item, _ = cute.arch.block_idx()
+        bx, by, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
-        seq = work[item, 0]
-        q_first = work[item, 1] * TILE_Q  # first query row of this CTA, within the sequence
-        q_start, k_start = cu_q[seq], cu_k[seq]
-        len_q, len_k = cu_q[seq + 1] - q_start, cu_k[seq + 1] - k_start
-        shift = len_k - len_q  # query i sees keys <= i + shift
-        kv_head = head // (cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))
-        n_kv = (cutlass.min(q_first + TILE_Q + shift, len_k) + TILE_KV - 1) // TILE_KV
+        # Work item w = tile · Hq + head: the grid's (head, tile), or every step-th item from bx.
+        first = by * cute.size(mQ, mode=[2]) + bx
+        step, count = 1, 1
+        if cutlass.const_expr(self.persistent):
+            step, _, _ = cute.arch.grid_dim()
+            count = (cute.size(work, mode=[0]) * cute.size(mQ, mode=[2]) - bx + step - 1) // step
 
         storage = cutlass.utils.SmemAllocator().allocate(self.smem_struct)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread)
@@ -140,79 +146,124 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
         sQ = storage.sq.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
         sK = storage.sk.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
         sV = storage.sv.get_tensor(sv_layout.outer, swizzle=sv_layout.inner)
+        smem = SimpleNamespace(sQ=sQ, sK=sK, sV=sV, q_ring=q_ring, k_ring=k_ring, v_ring=v_ring)
+        tiles = SimpleNamespace(work=work, cu_q=cu_q, cu_k=cu_k, n_heads=cute.size(mQ, mode=[2]),
+                                group=cute.size(mQ, mode=[2]) // cute.size(mK, mode=[2]))
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                # This sequence's rows of this head, as (64 rows, 128) / (128 keys, 128) / (128, keys) tiles.
-                gQ = cute.local_tile(cute.domain_offset((q_start + q_first, 0), mQ[None, None, head]),
-                                     (WG_ROWS, self.head_dim), (None, 0))
-                gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, None, kv_head]),
-                                     (TILE_KV, self.head_dim), (None, 0))
-                gV = cute.local_tile(cute.domain_offset((0, k_start), mVt[None, None, kv_head]),
-                                     (self.head_dim, TILE_KV), (0, None))
-                one = cute.make_layout(1)
-                tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(
-                    tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-                tKsK, tKgK = cute.nvgpu.cpasync.tma_partition(
-                    tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-                tVsV, tVgV = cute.nvgpu.cpasync.tma_partition(
-                    tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+                tma = SimpleNamespace(q=tma_q, k=tma_k, v=tma_v, mQ=mQ, mK=mK, mVt=mVt)
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-                q_ring.producer_acquire(q_state)
-                for half in cutlass.range_constexpr(2):
-                    cute.copy(tma_q, tQgQ[(None, half)], tQsQ[(None, half)],
-                              tma_bar_ptr=q_ring.producer_get_barrier(q_state))
                 produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
-                for kv in cutlass.range(n_kv, unroll=1):
-                    k_ring.producer_acquire(produce)
-                    cute.copy(tma_k, tKgK[(None, kv)], tKsK[(None, produce.index)],
-                              tma_bar_ptr=k_ring.producer_get_barrier(produce))
-                    v_ring.producer_acquire(produce)
-                    cute.copy(tma_v, tVgV[(None, kv)], tVsV[(None, produce.index)],
-                              tma_bar_ptr=v_ring.producer_get_barrier(produce))
-                    produce.advance()
+                if cutlass.const_expr(self.persistent):
+                    for i in cutlass.range(count, unroll=1):
+                        q_state, produce = self._load_tile(first + i * step, q_state, produce, tma, smem, tiles)
+                else:
+                    self._load_tile(first, q_state, produce, tma, smem, tiles)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self._consume(qk_mma, pv_mma, sQ, sK, sV, q_ring, k_ring, v_ring, mO, head, q_start,
-                          q_first, len_q, len_k, shift, n_kv, tidx - 128)
+            self._consume(qk_mma, pv_mma, smem, tiles, mO, first, step, count, tidx - 128)
 
     @cute.jit
-    def _consume(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, sQ: cute.Tensor, sK: cute.Tensor,
-                 sV: cute.Tensor, q_ring, k_ring, v_ring, mO: cute.Tensor, head, q_start, q_first,
-                 len_q, len_k, shift, n_kv, ctid):
-        """One consumer warpgroup (``ctid`` 0 … 255 over both): its 64 rows against every key tile."""
+    def _tile(self, w, tiles):
+        """Work item ``w``: head, sequence starts, first query row, lengths and key tiles."""
+        item = w // tiles.n_heads
+        head = w - item * tiles.n_heads
+        seq = tiles.work[item, 0]
+        q_first = tiles.work[item, 1] * TILE_Q  # first query row of this CTA, within the sequence
+        q_start, k_start = tiles.cu_q[seq], tiles.cu_k[seq]
+        len_q, len_k = tiles.cu_q[seq + 1] - q_start, tiles.cu_k[seq + 1] - k_start
+        n_kv = (cutlass.min(q_first + TILE_Q + len_k - len_q, len_k) + TILE_KV - 1) // TILE_KV
+        return head, q_start, k_start, q_first, len_q, len_k, n_kv
+
+    @cute.jit
+    def _load_tile(self, w, q_state, produce, tma, smem, tiles):
+        """Producer, one work item: Q (two 64-row halves) once, then every K and V tile it needs."""
+        head, q_start, k_start, q_first, _, _, n_kv = self._tile(w, tiles)
+        kv_head = head // tiles.group
+        # This sequence's rows of this head, as (64 rows, D) / (128 keys, D) / (D, 128 keys) tiles.
+        gQ = cute.local_tile(cute.domain_offset((q_start + q_first, 0), tma.mQ[None, None, head]),
+                             (WG_ROWS, self.head_dim), (None, 0))
+        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma.mK[None, None, kv_head]),
+                             (TILE_KV, self.head_dim), (None, 0))
+        gV = cute.local_tile(cute.domain_offset((0, k_start), tma.mVt[None, None, kv_head]),
+                             (self.head_dim, TILE_KV), (0, None))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cute.nvgpu.cpasync.tma_partition(
+            tma.q, 0, one, cute.group_modes(smem.sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cute.nvgpu.cpasync.tma_partition(
+            tma.k, 0, one, cute.group_modes(smem.sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cute.nvgpu.cpasync.tma_partition(
+            tma.v, 0, one, cute.group_modes(smem.sV, 0, 2), cute.group_modes(gV, 0, 2))
+        smem.q_ring.producer_acquire(q_state)
+        for half in cutlass.range_constexpr(2):
+            cute.copy(tma.q, tQgQ[(None, half)], tQsQ[(None, half)],
+                      tma_bar_ptr=smem.q_ring.producer_get_barrier(q_state))
+        q_state.advance()
+        for kv in cutlass.range(n_kv, unroll=1):
+            smem.k_ring.producer_acquire(produce)
+            cute.copy(tma.k, tKgK[(None, kv)], tKsK[(None, produce.index)],
+                      tma_bar_ptr=smem.k_ring.producer_get_barrier(produce))
+            smem.v_ring.producer_acquire(produce)
+            cute.copy(tma.v, tVgV[(None, kv)], tVsV[(None, produce.index)],
+                      tma_bar_ptr=smem.v_ring.producer_get_barrier(produce))
+            produce.advance()
+        return q_state, produce
+
+    @cute.jit
+    def _consume(self, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma, smem, tiles, mO: cute.Tensor,
+                 first, step, count, ctid):
+        """One consumer warpgroup (``ctid`` 0 … 255 over both): its 64 rows of each work item."""
         me = cute.arch.make_warp_uniform(ctid // 128)  # consumer 0 or 1
         tid = ctid % 128
         qk_thr = qk_mma.get_slice(tid)
         pv_thr = pv_mma.get_slice(tid)
-        frag_q = qk_mma.make_fragment_A(qk_thr.partition_A(sQ))
-        frag_k = qk_mma.make_fragment_B(qk_thr.partition_B(sK))
-        frag_v = pv_mma.make_fragment_B(pv_thr.partition_B(sV))
         acc_s = qk_thr.make_fragment_C(qk_thr.partition_shape_C((WG_ROWS, TILE_KV)))
-        acc_o = pv_thr.make_fragment_C(pv_thr.partition_shape_C((WG_ROWS, self.head_dim)))
-        acc_o.fill(0.0)
         pv_mma.set(warpgroup.Field.ACCUMULATE, True)  # once, outside the loops: its value must not escape one
-        p = cute.make_rmem_tensor(self._c_to_a_layout(acc_s.layout, pv_mma.tv_layout_A.shape[1]), self.dtype)
-        row_max = cute.make_rmem_tensor((2,), cutlass.Float32)
-        row_sum = cute.make_rmem_tensor((2,), cutlass.Float32)
-        correction = cute.make_rmem_tensor((2,), cutlass.Float32)
+        # Per thread: rows lane/4 + 16·warp (+8), columns 2·(lane%4) + 8·j (+1) of its 64-row tile.
+        lane = tid % 32
+        regs = SimpleNamespace(
+            me=me, my_row=(tid // 32) * 16 + lane // 4, my_col=2 * (lane % 4),
+            frag_q=qk_mma.make_fragment_A(qk_thr.partition_A(smem.sQ)),
+            frag_k=qk_mma.make_fragment_B(qk_thr.partition_B(smem.sK)),
+            frag_v=pv_mma.make_fragment_B(pv_thr.partition_B(smem.sV)),
+            acc_s=acc_s, acc_o=pv_thr.make_fragment_C(pv_thr.partition_shape_C((WG_ROWS, self.head_dim))),
+            p=cute.make_rmem_tensor(self._c_to_a_layout(acc_s.layout, pv_mma.tv_layout_A.shape[1]), self.dtype),
+            row_max=cute.make_rmem_tensor((2,), cutlass.Float32),
+            row_sum=cute.make_rmem_tensor((2,), cutlass.Float32),
+            correction=cute.make_rmem_tensor((2,), cutlass.Float32))
+        q_read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+        if me == 0:  # consumer 0 takes the first turn
+            cute.arch.barrier_arrive(barrier_id=TURN_BARRIER, number_of_threads=CONSUMER_THREADS)
+        if cutlass.const_expr(self.persistent):
+            for i in cutlass.range(count, unroll=1):
+                q_read, read = self._consume_tile(first + i * step, q_read, read, qk_mma, pv_mma, regs,
+                                                  smem, tiles, mO)
+        else:
+            self._consume_tile(first, q_read, read, qk_mma, pv_mma, regs, smem, tiles, mO)
+
+    @cute.jit
+    def _consume_tile(self, w, q_read, read, qk_mma, pv_mma, regs, smem, tiles, mO):
+        """One consumer, one work item: S, softmax and P·V over its key tiles, then the store."""
+        head, q_start, _, q_first, len_q, len_k, n_kv = self._tile(w, tiles)
+        shift = len_k - len_q  # query i sees keys <= i + shift
+        me, acc_s, acc_o, p = regs.me, regs.acc_s, regs.acc_o, regs.p
+        row_max, row_sum, correction = regs.row_max, regs.row_sum, regs.correction
+        frag_q, frag_k, frag_v = regs.frag_q, regs.frag_k, regs.frag_v
+        k_ring, v_ring = smem.k_ring, smem.v_ring
+        acc_o.fill(0.0)
         for r in cutlass.range_constexpr(2):
             row_max[r] = -cutlass.Float32.inf
             row_sum[r] = 0.0
-        # Per thread: rows lane/4 + 16·warp (+8), columns 2·(lane%4) + 8·j (+1) of its 64-row tile.
-        lane = tid % 32
-        my_row = (tid // 32) * 16 + lane // 4
-        my_col = 2 * (lane % 4)
         rows_first = q_first + me * WG_ROWS
-        limit_row = my_row + rows_first + shift  # this thread's first row sees keys <= limit_row
+        limit_row = regs.my_row + rows_first + shift  # this thread's first row sees keys <= limit_row
         mine, other = TURN_BARRIER + me, TURN_BARRIER + 1 - me
+        my_col = regs.my_col
 
-        q_ring.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
-        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
-        if me == 0:  # consumer 0 takes the first turn
-            cute.arch.barrier_arrive(barrier_id=mine, number_of_threads=CONSUMER_THREADS)
+        smem.q_ring.consumer_wait(q_read)
         if cutlass.const_expr(not self.overlap):
             cute.arch.barrier(barrier_id=mine, number_of_threads=CONSUMER_THREADS)
             for kv in cutlass.range(n_kv, unroll=1):
@@ -266,8 +317,11 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
             self._pv(pv_mma, acc_o, p, frag_v, read.index)
             cute.nvgpu.warpgroup.wait_group(0)
             v_ring.consumer_release(read)
-
-        self._store(acc_o, row_sum, mO, head, q_start, rows_first + my_row, my_col, len_q)
+            read.advance()
+        smem.q_ring.consumer_release(q_read)  # every S of this item is done: the next Q may load
+        q_read.advance()
+        self._store(acc_o, row_sum, mO, head, q_start, rows_first + regs.my_row, my_col, len_q)
+        return q_read, read
 
     @cute.jit
     def _qk(self, qk_mma, acc_s, frag_q, frag_k, me, stage):

@@ -157,7 +157,8 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
     if name in ATTENTION_BY_NAME:
         v = ATTENTION_BY_NAME[name]
         kernel = (VarlenAttentionSm90() if v.schedule == "fa2" else
-                  VarlenAttentionWsSm90(v.head_dim, v.kv_stages, overlap=v.schedule == "ws_overlap"))
+                  VarlenAttentionWsSm90(v.head_dim, v.kv_stages, overlap=v.schedule == "ws_overlap",
+                                        persistent=v.schedule == "ws_persistent"))
         compiled = cute.compile(kernel, *_fake_args(name))
     elif name in VARIANTS_BY_NAME:
         variant = VARIANTS_BY_NAME[name]
