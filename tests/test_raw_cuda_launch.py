@@ -28,6 +28,10 @@ def test_rejects_arguments_without_an_unambiguous_c_type(bad):
 def test_driver_structures_match_cuda_h_layout():
     # CUlaunchAttribute: id (4) + pad (4) + 64-byte value union; CUlaunchConfig: 7 uint32, then
     # (8-aligned) stream, attrs pointer, numAttrs.
-    assert ctypes.sizeof(LaunchAttribute) == 72
+    assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
+    attr = LaunchAttribute(id=6, value=1)
+    raw = bytes(attr)
+    assert raw[:4] == (6).to_bytes(4, "little") and raw[8:12] == (1).to_bytes(4, "little")
+    assert raw.count(0) == 72 - 2
     assert LaunchConfig.stream.offset == 32 and LaunchConfig.attrs.offset == 40
     assert LaunchConfig.num_attrs.offset == 48 and ctypes.sizeof(LaunchConfig) == 56

@@ -25,8 +25,10 @@ CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class LaunchAttribute(ctypes.Structure):
-    """CUlaunchAttribute: a 4-byte id padded to 8, then a 64-byte value union."""
-    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+    """CUlaunchAttribute: a 4-byte id padded to 8, then a 64-byte value union whose first 4 bytes are
+    the int the PDL attribute takes (programmaticStreamSerializationAllowed)."""
+    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_ubyte * 4), ("value", ctypes.c_int32),
+                ("value_rest", ctypes.c_ubyte * 60)]
 
 
 class LaunchConfig(ctypes.Structure):
@@ -75,8 +77,7 @@ def launch(kernel, grid, block, args, stream, pdl: bool = False, shared_mem: int
         return
     values = [pack_argument(a) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-    ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int32(1)), 4)
+    attr = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
     cfg = LaunchConfig(grid=(ctypes.c_uint32 * 3)(*_dims(grid)), block=(ctypes.c_uint32 * 3)(*_dims(block)),
                        shared_mem_bytes=shared_mem, stream=stream.ptr, attrs=ctypes.pointer(attr), num_attrs=1)
     function = getattr(kernel, "kernel", kernel)        # RawKernel -> its compiled cupy.cuda.Function
