@@ -1,6 +1,7 @@
 """CuTe kernels on the GPU: isolated verification of every kernel, then speed against cuBLAS.
 
     python3 bench/kernels.py [--out DIR] [--budget 210] [--verify-budget 100] [--hang-s 6] [--no-sweep]
+                             [--attention-only]
 
 1. Verification (``kernels.cute.verify``): every case of ``kernels.cute.testing.CASES`` (fresh
    random bf16, NaN-poisoned output, float32 reference, rel. error ≤ 1e-2, every element written)
@@ -44,12 +45,14 @@ ROTATE_BYTES = 256 << 20
 
 
 # ---- tasks (built in the parent, run in a worker) ----------------------------------------------
-def bench_tasks(ok: set[str], sweep: bool) -> tuple[Case, ...]:
+def bench_tasks(ok: set[str], sweep: bool, gemm: bool = True) -> tuple[Case, ...]:
     """The benchmark rows to run, given the kernel groups that passed verification."""
     tasks = [Case("hbm", "device copy bandwidth", "hbm", ())]
     for kernel in ATTENTION_KERNELS:
         if kernel in ok:
             tasks += [Case(f"{kernel} {n}", f"{kernel} {n} tokens", "attention", (n, kernel)) for n in ATTN_TOKENS]
+    if not gemm:
+        return tuple(tasks)
     for name, (n, k) in QWEN_SHAPES.items():
         for m in MS:
             plan = plan_gemm(m, n, k)
@@ -227,10 +230,10 @@ def attention_row(runner, n: int, kernel: str) -> dict:
             "sdpa_tflops": flops / sdpa / 1e6}
 
 
-def worker(indices: list[int], ok: list[str], sweep: bool) -> int:
+def worker(indices: list[int], ok: list[str], sweep: bool, gemm: bool) -> int:
     from kernels.cute.gemm import GemmRunner
 
-    tasks = bench_tasks(set(ok), sweep)
+    tasks = bench_tasks(set(ok), sweep, gemm)
     runner = GemmRunner()
     runner.init()
     return serve(indices, tasks, lambda task: ("PASS", json.dumps(run_task(runner, task))))
@@ -280,20 +283,24 @@ def main() -> int:
     parser.add_argument("--verify-budget", type=float, default=100.0)
     parser.add_argument("--hang-s", type=float, default=6.0)
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="verify and time the attention kernels only (no GEMM cases, rows or sweep)")
     parser.add_argument("--worker", metavar="INDICES", help=argparse.SUPPRESS)
     parser.add_argument("--ok", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        return worker([int(i) for i in args.worker.split(",") if i], args.ok.split(","), not args.no_sweep)
+        return worker([int(i) for i in args.worker.split(",") if i], args.ok.split(","), not args.no_sweep,
+                      not args.attention_only)
 
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     info = f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {gpu_info()}"
     print(info, flush=True)
-    results = verify(args.out, args.verify_budget, args.hang_s)
+    results = verify(args.out, args.verify_budget, args.hang_s, kinds={"attention"} if args.attention_only else None)
     ok = passing_groups(results)
-    tasks = bench_tasks(set(ok), not args.no_sweep)
-    cmd = [sys.executable, os.path.abspath(__file__), "--ok", ",".join(ok)] + (["--no-sweep"] if args.no_sweep else [])
+    tasks = bench_tasks(set(ok), not args.no_sweep, not args.attention_only)
+    cmd = [sys.executable, os.path.abspath(__file__), "--ok", ",".join(ok)] + (["--no-sweep"] if args.no_sweep else []) \
+        + (["--attention-only"] if args.attention_only else [])
     os.environ["OPENINFER_CUTE_HANG_S"] = str(args.hang_s)
     with open(args.out / "bench_log.txt", "w") as logf:
         def log(msg):

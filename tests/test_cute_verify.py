@@ -61,6 +61,15 @@ def test_a_group_that_hangs_twice_is_skipped(tmp_path, monkeypatch):
     assert passing_groups(list(res.values())) == ["b"]
 
 
+def test_only_the_chosen_cases_run(tmp_path, monkeypatch):
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    monkeypatch.setenv("FAKE", "1:FAIL")
+    results = run_all(_cases(["a", "b", "c", "d"]), [sys.executable, str(script)], 60.0, 1.5, lambda _: None,
+                      only={1, 3})
+    assert [(r.index, r.status) for r in results] == [(1, "FAIL"), (3, "PASS")]
+
+
 def test_spent_budget_skips_the_rest(tmp_path, monkeypatch):
     res, _ = _run(tmp_path, monkeypatch, ["a", "b"], {}, budget=0.0)
     assert {r.status for r in res.values()} == {"SKIP"}

@@ -88,6 +88,7 @@ def grouped_gemm(a, w, tile_expert, out, stream=None) -> None:
     _grouped_gemm(_get_runner(), a, w, tile_expert, out, stream)
 
 
-def varlen_attention(q, k, v, o, cu_q, cu_k, work, stream=None) -> None:
-    """Causal GQA prefill attention over packed sequences (head_dim 128); ``work`` from ``attention_work``."""
-    _varlen_attention(_get_runner(), q, k, v, o, cu_q, cu_k, work, stream)
+def varlen_attention(q, k, v, o, cu_q, cu_k, work, stream=None, kernel=None) -> None:
+    """Causal GQA prefill attention over packed sequences (head_dim 128 or 64); ``work`` from
+    ``attention_work``; ``kernel`` names a variant (default: the verified one for the head dim)."""
+    _varlen_attention(_get_runner(), q, k, v, o, cu_q, cu_k, work, stream, kernel)

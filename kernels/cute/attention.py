@@ -44,9 +44,11 @@ class AttentionVariant:
 ATTENTION_VARIANTS = (
     AttentionVariant("varlen_attention_ws", "ws"),
     AttentionVariant("varlen_attention_ws_s3", "ws", kv_stages=3),
-    AttentionVariant("varlen_attention_ws_overlap", "ws_overlap"),
     AttentionVariant("varlen_attention_ws_persistent", "ws_persistent"),
+    AttentionVariant("varlen_attention_ws_persistent_s3", "ws_persistent", kv_stages=3),
+    AttentionVariant("varlen_attention_ws_overlap", "ws_overlap"),
     AttentionVariant("varlen_attention_ws_d64", "ws", head_dim=64, kv_stages=4),
+    AttentionVariant("varlen_attention_ws_persistent_d64", "ws_persistent", head_dim=64, kv_stages=4),
     AttentionVariant("varlen_attention", "fa2", kv_stages=3),
 )
 ATTENTION_BY_NAME = {v.name: v for v in ATTENTION_VARIANTS}

@@ -79,11 +79,11 @@ def _stop(proc: subprocess.Popen, grace_s: float) -> None:
 class _Run:
     """Bookkeeping of one verification run."""
 
-    def __init__(self, cases: tuple[Case, ...]):
+    def __init__(self, cases: tuple[Case, ...], only: set[int] | None = None):
         self.cases = cases
         self.results: dict[int, Result] = {}
         self.hangs: dict[str, int] = {}
-        self.todo = probe_first_order(cases)
+        self.todo = [i for i in probe_first_order(cases) if only is None or i in only]
 
     def record(self, i: int, status: str, detail: str = "", seconds: float = 0.0) -> None:
         self.results[i] = Result(i, self.cases[i].group, self.cases[i].label, status, detail, round(seconds, 2))
@@ -102,10 +102,11 @@ class _Run:
 
 
 def run_all(cases: tuple[Case, ...], worker_cmd: list[str], budget_s: float, case_timeout_s: float,
-            log) -> list[Result]:
-    """Run every case through workers started with ``worker_cmd + ["i,j,..."]``; see the module doc."""
+            log, only: set[int] | None = None) -> list[Result]:
+    """Run every case (or the indices in ``only``) through workers started with
+    ``worker_cmd + ["i,j,..."]``; see the module doc."""
     t0 = time.monotonic()
-    run = _Run(cases)
+    run = _Run(cases, only)
     startup_failures = 0
     while run.todo:
         if time.monotonic() - t0 > budget_s:
@@ -218,8 +219,9 @@ def worker(indices: list[int]) -> int:
     return serve(indices, CASES, check)
 
 
-def verify(out_dir: Path, budget_s: float, hang_s: float, log=print) -> list[Result]:
-    """Run the catalogue in isolated workers; write verify.json / verify_log.txt; return the results."""
+def verify(out_dir: Path, budget_s: float, hang_s: float, log=print, kinds: set[str] | None = None) -> list[Result]:
+    """Run the catalogue (the cases of ``kinds`` only, if given) in isolated workers; write
+    verify.json / verify_log.txt; return the results."""
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ["OPENINFER_CUTE_HANG_S"] = str(hang_s)
     with open(out_dir / "verify_log.txt", "w") as logf:
@@ -230,7 +232,8 @@ def verify(out_dir: Path, budget_s: float, hang_s: float, log=print) -> list[Res
                 log(msg)
 
         results = run_all(CASES, [sys.executable, "-m", "kernels.cute.verify", "--worker"],
-                          budget_s, case_timeout_s=hang_s + 30.0, log=both)
+                          budget_s, case_timeout_s=hang_s + 30.0, log=both,
+                          only=None if kinds is None else {i for i, c in enumerate(CASES) if c.kind in kinds})
     (out_dir / "verify.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     return results
 
