@@ -96,13 +96,9 @@ class VarlenAttentionSm90:
                cu_k: cute.Tensor, work: cute.Tensor, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
                sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout,
                sv_layout: cute.ComposedLayout):
-        tidx, _, _ = cute.arch.thread_idx()
         item, head, half = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
+        warp = self._prefetch_descriptors(tma_q, tma_k, tma_v)
+        tidx, _, _ = cute.arch.thread_idx()
         seq = work[item, 0]
         q_first = (work[item, 1] * 2 + half) * TILE_Q  # first query row of this CTA, within the sequence
         q_start, k_start = cu_q[seq], cu_k[seq]
@@ -206,6 +202,16 @@ class VarlenAttentionSm90:
                 produce.advance()
 
         self._store(acc_o, row_sum, mO, head, q_start, q_first + my_row, my_col, len_q)
+
+    @cute.jit
+    def _prefetch_descriptors(self, tma_q, tma_k, tma_v):
+        """Warp 0 prefetches the three TMA descriptors; returns this thread's (uniform) warp index."""
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
+        return warp
 
     @cute.jit
     def _load_kv(self, ring, state, tma_k, tKgK, tKsK, tma_v, tVgV, tVsV):

@@ -110,13 +110,9 @@ class VarlenAttentionWsSm90(VarlenAttentionSm90):
                cu_k: cute.Tensor, work: cute.Tensor, qk_mma: cute.TiledMma, pv_mma: cute.TiledMma,
                sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout,
                sv_layout: cute.ComposedLayout):
-        tidx, _, _ = cute.arch.thread_idx()
         bx, by, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp == 0:
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_q)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_k)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_v)
+        warp = self._prefetch_descriptors(tma_q, tma_k, tma_v)
+        tidx, _, _ = cute.arch.thread_idx()
         # Work item w = tile · Hq + head: the grid's (head, tile), or every step-th item from bx.
         first = by * cute.size(mQ, mode=[2]) + bx
         step, count = 1, 1
