@@ -9,8 +9,8 @@
 2. Benchmark, in worker processes too, of the kernels that passed: Qwen3-4B/8B projection shapes
    for M ∈ {1, 8, 32, 128, 512, 2048, 8192}, the planned config against cuBLAS bf16 (torch.mm, the
    baseline only), each timing a CUDA graph of 20 launches over rotating weight copies (> L2),
-   median of 5 replays; causal attention TFLOP/s at 1k / 4k / 16k tokens, every verified attention
-   kernel, against torch SDPA;
+   median of 5 replays; causal attention TFLOP/s at 1k / 4k / 16k tokens (against torch SDPA), a
+   batch of 8 sequences and 512 new tokens on a cached prefix, for every verified attention kernel;
    then (unless ``--no-sweep``, and while the budget lasts) every variant / split count per shape,
    which is how ``configs.plan_gemm`` is tuned.
 The parent process never touches the GPU. Tables are printed last; ``summary.md``,
@@ -39,7 +39,10 @@ QWEN_SHAPES = {  # name: (N, K)
     "8B.qkv": (6144, 4096), "8B.o": (4096, 4096), "8B.gate_up": (24576, 4096), "8B.down": (4096, 12288),
 }
 MS = (1, 8, 32, 128, 512, 2048, 8192)
-ATTN_TOKENS = (1024, 4096, 16384)
+MIX = (2048, 1024, 1000, 512, 300, 130, 64, 17)
+ATTN_ROWS = {  # label: (query lengths, key lengths); SDPA baseline on the single full sequences only
+    "1k": ((1024,), (1024,)), "4k": ((4096,), (4096,)), "16k": ((16384,), (16384,)),
+    "8 seqs, 5.1k": (MIX, MIX), "512 on 3.5k cached": ((512,), (4096,))}
 GRAPH_LAUNCHES = 20
 ROTATE_BYTES = 256 << 20
 
@@ -50,7 +53,7 @@ def bench_tasks(ok: set[str], sweep: bool, gemm: bool = True) -> tuple[Case, ...
     tasks = [Case("hbm", "device copy bandwidth", "hbm", ())]
     for kernel in ATTENTION_KERNELS:
         if kernel in ok:
-            tasks += [Case(f"{kernel} {n}", f"{kernel} {n} tokens", "attention", (n, kernel)) for n in ATTN_TOKENS]
+            tasks += [Case(f"{kernel} {label}", f"{kernel} {label}", "attention", (label, kernel)) for label in ATTN_ROWS]
     if not gemm:
         return tuple(tasks)
     for name, (n, k) in QWEN_SHAPES.items():
@@ -192,42 +195,51 @@ def run_task(runner, task: Case) -> dict:
         cp.get_default_memory_pool().free_all_blocks()
 
 
-def attention_row(runner, n: int, kernel: str) -> dict:
-    """Causal attention, one sequence of n tokens, Qwen3-8B heads (32 q / 8 kv), ours vs torch SDPA."""
+def attention_row(runner, label: str, kernel: str) -> dict:
+    """Causal attention of ``ATTN_ROWS[label]``, Qwen3-8B heads (32 q / 8 kv), ours vs torch SDPA."""
     import cupy as cp
     import numpy as np
 
     from kernels.cute.attention import ATTENTION_BY_NAME, attention_work, varlen_attention
     from kernels.cute.testing import rand_bf16
 
+    lengths_q, lengths_k = ATTN_ROWS[label]
     hq, hkv, d = 32, 8, ATTENTION_BY_NAME[kernel].head_dim
-    cu = np.array([0, n], dtype=np.int32)
-    q, k, v = rand_bf16((n, hq, d)), rand_bf16((n, hkv, d)), rand_bf16((n, hkv, d))
-    o = cp.empty_like(q)
-    cu_d, work = cp.asarray(cu), cp.asarray(attention_work(cu))
-    flops = 2 * 2 * d * hq * n * (n + 1) / 2  # QK and PV over the causal half
-    ours = graph_time_us(lambda i, s: varlen_attention(runner, q, k, v, o, cu_d, cu_d, work, s, kernel), 1,
-                         f"{kernel} n={n}")
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q, o = rand_bf16((int(cu_q[-1]), hq, d)), cp.empty((int(cu_q[-1]), hq, d), cp.uint16)
+    k, v = rand_bf16((int(cu_k[-1]), hkv, d)), rand_bf16((int(cu_k[-1]), hkv, d))
+    cu_qd, cu_kd, work = cp.asarray(cu_q), cp.asarray(cu_k), cp.asarray(attention_work(cu_q))
+    # QK and PV over the visible keys: query i of a sequence sees i + (len_k - len_q) + 1 keys
+    flops = 4 * d * hq * sum(lq * (lk - lq) + lq * (lq + 1) / 2 for lq, lk in zip(lengths_q, lengths_k))
+    ours = graph_time_us(lambda i, s: varlen_attention(runner, q, k, v, o, cu_qd, cu_kd, work, s, kernel), 1,
+                         f"{kernel} {label}")
     sdpa = float("nan")
-    try:
-        import torch
+    if len(lengths_q) == 1 and lengths_q == lengths_k:
+        try:
+            sdpa = sdpa_time_us(lengths_q[0], hq, hkv, d)
+        except Exception as exc:  # baseline only
+            print(f"torch SDPA baseline failed: {exc}", flush=True)
+    return {"kernel": kernel, "head_dim": d, "label": label, "ours_us": ours, "ours_tflops": flops / ours / 1e6,
+            "sdpa_us": sdpa, "sdpa_tflops": flops / sdpa / 1e6}
 
-        tq = torch.randn(1, hq, n, d, device="cuda", dtype=torch.bfloat16)
-        tk, tv = (torch.randn(1, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        attn = torch.nn.functional.scaled_dot_product_attention
-        for _ in range(3):
-            attn(tq, tk, tv, is_causal=True, enable_gqa=True)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            attn(tq, tk, tv, is_causal=True, enable_gqa=True)
-        end.record()
-        end.synchronize()
-        sdpa = start.elapsed_time(end) * 1e3 / 10
-    except Exception as exc:  # baseline only
-        print(f"torch SDPA baseline failed: {exc}", flush=True)
-    return {"kernel": kernel, "head_dim": d, "tokens": n, "ours_us": ours, "ours_tflops": flops / ours / 1e6, "sdpa_us": sdpa,
-            "sdpa_tflops": flops / sdpa / 1e6}
+
+def sdpa_time_us(n: int, hq: int, hkv: int, d: int) -> float:
+    """torch ``scaled_dot_product_attention`` (causal, GQA) on one sequence: µs per call over 10."""
+    import torch
+
+    tq = torch.randn(1, hq, n, d, device="cuda", dtype=torch.bfloat16)
+    tk, tv = (torch.randn(1, hkv, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    attn = torch.nn.functional.scaled_dot_product_attention
+    for _ in range(3):
+        attn(tq, tk, tv, is_causal=True, enable_gqa=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        attn(tq, tk, tv, is_causal=True, enable_gqa=True)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / 10
 
 
 def worker(indices: list[int], ok: list[str], sweep: bool, gemm: bool) -> int:
@@ -263,7 +275,7 @@ def gemm_table(rows: list[dict], hbm: float, sweeps: dict) -> str:
 def attention_table(rows: list[dict]) -> str:
     lines = ["| causal attention, 32/8 heads | kernel | head dim | ours µs | ours TFLOP/s | SDPA µs | SDPA TFLOP/s |",
              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['tokens']} tokens | {r['kernel']} | {r['head_dim']} | {r['ours_us']:.0f} | {r['ours_tflops']:.0f} | "
+    lines += [f"| {r['label']} | {r['kernel']} | {r['head_dim']} | {r['ours_us']:.0f} | {r['ours_tflops']:.0f} | "
               f"{r['sdpa_us']:.0f} | {r['sdpa_tflops']:.0f} |" for r in rows]
     return "\n".join(lines)
 
