@@ -333,7 +333,7 @@ def main() -> int:
         f"# CuTe kernels: {info}", table(results),
         f"device copy bandwidth {hbm:.0f} GB/s (read + write); {len(rows['sweep'])} shapes swept; "
         f"benchmark rows not run: {len(lost)}" + "".join(f"\n    {x}"[:160] for x in lost[:6]),
-        gemm_table(rows["gemm"], hbm, sweeps), attention_table(rows["attention"]),
+        gemm_table(rows["gemm"], hbm, sweeps) if rows["gemm"] else "(no GEMM rows)", attention_table(rows["attention"]),
         f"total {time.monotonic() - t0:.0f} s"])
     (args.out / "summary.md").write_text(summary + "\n")
     print("\n" + summary, flush=True)
