@@ -9,7 +9,7 @@ current. The CuTe DSL GEMM of kernels/cute replaces cuBLAS where it is built and
 available (`use_cute=True`); outputs are bf16 (hidden states) or fp32 (logits). With
 `gemv_max_m > 0`, bf16 products of at most that many rows (decode) run the raw CUDA skinny GEMM of
 kernels/raw_cuda/gemv.cu instead (bandwidth-shaped: 16-byte weight loads, tensor-core mma), which
-also has the decoder's RMSNorm / SiLU·up prologues and residual-add epilogue fused in (`gemv`). The
+also has the decoder's RMSNorm prologue and residual-add epilogue fused in (`gemv`). The
 fp32-output product (logits over the vocabulary) stays on cuBLAS: on the H200 (2026-11-30,
 bench/results/decode.md) cuBLAS read the 151936x2560 lm_head at 0.93 of HBM roofline at M = 1 against
 gemv.cu's 0.88, and the gap grows with M.
@@ -30,7 +30,7 @@ CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 GEMV_LIMIT_M = 32             # gemv.cu has n8 tiles 1..4
-GEMV_VARIANTS = ("bf16", "f32", "norm", "res", "silu_res")   # gemv.cu entry points gemv_<variant>_n<NT>
+GEMV_VARIANTS = ("bf16", "f32", "norm", "res")   # gemv.cu entry points gemv_<variant>_n<NT>
 GEMV_UNROLL_ENV = "OPENINFER_GEMV_UNROLL"                      # k steps per weight batch (tuning knob)
 
 
@@ -122,8 +122,7 @@ class Gemm:
     def gemv(self, x, w, out, variant: str = "", norm_w=None, res_in=None, eps: float = 0.0,
              pdl: bool = False) -> None:
         """out = x · wᵀ through gemv.cu, T <= 32 rows. variant "norm": x is RMSNorm'ed with norm_w, eps
-        first; "res": out = bf16(x · wᵀ) + res_in; "silu_res": x is gate_up [T, 2K], silu(gate)·up
-        first, and the residual add after. "" picks "bf16" or "f32" from out's dtype."""
+        first; "res": out = bf16(x · wᵀ) + res_in. "" picks "bf16" or "f32" from out's dtype."""
         from kernels.raw_cuda import kernel
 
         T = x.shape[0]

@@ -7,9 +7,9 @@ attention split partials theirs. Nothing here allocates or synchronizes with the
 step can be captured in a CUDA graph.
 
 Decode fusion: where gemv.cu takes a linear layer (at most gemv_max_m rows), the RMSNorm before it
-and the residual add after it run inside the GEMV (norm_linear, add_linear, silu_mul_add_linear):
-a Qwen3 layer is 6 kernels (qkv GEMV, q/k norm + rope + KV write, attention, o_proj GEMV, gate_up
-GEMV, down GEMV). Larger steps compose them from the separate kernels. With `pdl` on (CUDA-graph
+and the residual add after it run inside the GEMV (norm_linear, add_linear): a Qwen3 layer is 7
+kernels (qkv GEMV, q/k norm + rope + KV write, attention, o_proj GEMV, gate_up GEMV, SiLU·up, down
+GEMV). Larger steps compose them from the separate kernels. With `pdl` on (CUDA-graph
 decode), every kernel is a programmatic dependent launch (kernels/raw_cuda/launch.py).
 """
 from __future__ import annotations
@@ -244,13 +244,6 @@ class GpuOps(ComposedOps):
             return super().add_linear(x, weight, residual, bias)
         out = self._residual_out(x.shape[0], weight.shape[0])
         self.gemm.gemv(x, weight, out, "res", res_in=residual, pdl=self.pdl)
-        return out
-
-    def silu_mul_add_linear(self, gate_up, weight, residual):
-        if gate_up.shape[1] != 2 * weight.shape[1] or not self.gemm.gemv_serves(gate_up, weight):
-            return super().silu_mul_add_linear(gate_up, weight, residual)
-        out = self._residual_out(gate_up.shape[0], weight.shape[0])
-        self.gemm.gemv(gate_up, weight, out, "silu_res", res_in=residual, pdl=self.pdl)
         return out
 
     def layer_scope(self, layer: int):

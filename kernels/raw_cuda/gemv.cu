@@ -1,9 +1,12 @@
 // Skinny GEMM for decode: y[M, N] = x[M, K] · w[N, K]ᵀ, bf16 in, fp32 accumulate, bf16 or fp32 out,
 // for M <= 8·NT (NT n8 tiles, 1..4), with the decoder's neighbours fused in where they are free:
 //   prologue  PRO_RMSNORM  x := bf16(norm_w · bf16(x · rsqrt(mean(x²) + eps)))   (the layer's RMSNorm)
-//             PRO_SILU     x := bf16(bf16(silu(gate)) · up), gate_up = [gate | up] rows of 2K
 //   epilogue  RESIDUAL     y := bf16(bf16(x·wᵀ) + res_in)   (the residual add; res_in may be y)
-// each rounding as the separate kernels (rms_norm.cu, silu_mul.cu) and the bf16 reference do.
+// each rounding as the separate kernels (rms_norm.cu) and the bf16 reference do. A prologue is paid
+// per warp and k step, not per element (each x piece is transformed by the 8 lanes that share its
+// k slots, whichever weight rows they hold): cheap for the RMSNorm, but a SiLU·up prologue (expf and
+// a division per element) measured 92 µs for the Qwen3-4B down_proj against 18 µs plain on the H200
+// (2026-12-01), so silu_mul.cu stays its own kernel.
 // One CTA per 16 weight rows, 8 warps splitting K; each lane reads 16 bytes of two weight rows (g and
 // g+8, g = lane/4) and of one x row per n8 tile per 32-wide k step, and the products run on the tensor
 // cores (mma.m16n8k16, bf16): a dot product does not care in which order k is summed, so each lane's
@@ -24,7 +27,6 @@
 #endif
 #define PRO_NONE 0
 #define PRO_RMSNORM 1
-#define PRO_SILU 2
 
 __device__ __forceinline__ void mma_16816(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                           unsigned b0, unsigned b1) {
@@ -51,16 +53,6 @@ __device__ __forceinline__ uint4 rmsnorm8(uint4 x, uint4 w, float rstd) {
     for (int e = 0; e < 8; ++e) xs[e] = f_to_bf16(bf16_to_f(ws[e]) * round_bf16(bf16_to_f(xs[e]) * rstd));
     return x;
 }
-__device__ __forceinline__ uint4 silu_mul8(uint4 g, uint4 u) {
-    bf16_t* gs = reinterpret_cast<bf16_t*>(&g);
-    const bf16_t* us = reinterpret_cast<const bf16_t*>(&u);
-    #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        const float gf = bf16_to_f(gs[e]);
-        gs[e] = f_to_bf16(round_bf16(gf / (1.f + __expf(-gf))) * bf16_to_f(us[e]));
-    }
-    return g;
-}
 
 template <int NT, int PRO, bool RESIDUAL, typename OutT>
 __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, OutT* y,
@@ -75,13 +67,12 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
     const bool lo_ok = row0 + g < N, hi_ok = row0 + g + 8 < N;
     const bf16_t* w_lo = w + (size_t)(lo_ok ? row0 + g : 0) * K;
     const bf16_t* w_hi = w + (size_t)(hi_ok ? row0 + g + 8 : 0) * K;
-    const int x_stride = PRO == PRO_SILU ? 2 * K : K;
     const bf16_t* x_row[NT];
     bool x_ok[NT];
     #pragma unroll
     for (int n = 0; n < NT; ++n) {
         x_ok[n] = n * 8 + g < M;
-        x_row[n] = x + (size_t)(x_ok[n] ? n * 8 + g : 0) * x_stride;
+        x_row[n] = x + (size_t)(x_ok[n] ? n * 8 + g : 0) * K;
     }
     const int steps = (K + 31) / 32;
     const int per_warp = (steps + GEMV_WARPS - 1) / GEMV_WARPS;
@@ -140,7 +131,7 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
     #pragma unroll
     for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
     for (int s0 = s_begin; s0 < s_end; s0 += U) {
-        uint4 b[U][NT], b2[U][NT], nw[U];
+        uint4 b[U][NT], nw[U];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int k = (s0 + u) * 32 + tq * 8;
@@ -148,7 +139,6 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
             #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 b[u][n] = load_cached(k_ok && x_ok[n] ? x_row[n] + k : zero16());
-                if (PRO == PRO_SILU) b2[u][n] = load_cached(k_ok && x_ok[n] ? x_row[n] + K + k : zero16());
             }
             if (PRO == PRO_RMSNORM) nw[u] = load_cached(k_ok ? norm_w + k : zero16());
         }
@@ -159,7 +149,6 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
             #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 if (PRO == PRO_RMSNORM) b[u][n] = rmsnorm8(b[u][n], nw[u], rs[n]);
-                if (PRO == PRO_SILU) b[u][n] = silu_mul8(b[u][n], b2[u][n]);
                 // k slots (2tq, 2tq+1 | 2tq+8, 2tq+9) of the first mma <- this lane's k 0..3, the second <- 4..7
                 mma_16816(c[n], a_lo[u].x, a_hi[u].x, a_lo[u].y, a_hi[u].y, b[u][n].x, b[u][n].y);
                 mma_16816(c[n], a_lo[u].z, a_hi[u].z, a_lo[u].w, a_hi[u].w, b[u][n].z, b[u][n].w);
@@ -198,8 +187,7 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
     GEMV_VARIANT(bf16, NT, PRO_NONE, false, bf16_t)                                                      \
     GEMV_VARIANT(f32, NT, PRO_NONE, false, float)                                                        \
     GEMV_VARIANT(norm, NT, PRO_RMSNORM, false, bf16_t)                                                   \
-    GEMV_VARIANT(res, NT, PRO_NONE, true, bf16_t)                                                        \
-    GEMV_VARIANT(silu_res, NT, PRO_SILU, true, bf16_t)
+    GEMV_VARIANT(res, NT, PRO_NONE, true, bf16_t)
 
 GEMV_ENTRY(1)
 GEMV_ENTRY(2)
