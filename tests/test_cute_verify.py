@@ -207,8 +207,11 @@ def test_grouped_check_agrees_with_a_per_tile_expert_gemm(monkeypatch):
 
 def test_catalogue_verifies_attention_as_long_as_the_benchmark_runs_it():
     """The benchmark timed 16k-token attention that no verification case had run (and hung)."""
-    from bench.kernels import ATTN_TOKENS
+    from bench.kernels import ATTN_ROWS
+    from kernels.cute.attention import ATTENTION_KERNELS
 
-    attention = [c.args for c in CASES if c.kind == "attention"]
-    assert max(max(lengths_q) for lengths_q, *_ in attention) >= max(ATTN_TOKENS)
-    assert any(max(q) >= 8192 and list(k) != list(q) for q, k, *_ in attention)  # long, with a cached prefix
+    longest_row = max(max(k) for _, k in ATTN_ROWS.values())
+    for kernel in ATTENTION_KERNELS:  # each kernel verified on sequences as long as it is timed on
+        attention = [c.args for c in CASES if c.kind == "attention" and c.group == kernel]
+        assert max(max(lengths_k) for _, lengths_k, *_ in attention) >= longest_row, kernel
+        assert any(max(q) >= 8192 and list(k) != list(q) for q, k, *_ in attention)  # long, cached prefix

@@ -7,7 +7,7 @@ interchangeable and the launcher picks one. Head dim D = 128 or 64, softmax scal
 Schedule, per CTA of 384 threads owning 128 query rows of one head:
 - warpgroup 0 is the producer: it gives up registers (``setmaxnreg`` 24) and its first warp issues
   TMA loads: Q once (two 64-row halves), then K and V tiles of 128 keys into two separate
-  ``kv_stages``-deep mbarrier rings (2; 3 for ``_s3``), so ``S = Q·Kᵀ`` can start before V has landed;
+  ``kv_stages``-deep mbarrier rings (2 at D = 128, 4 at 64), so ``S = Q·Kᵀ`` can start before V has landed;
 - warpgroups 1 and 2 are consumers (``setmaxnreg`` 240), 64 query rows each, sharing every K/V
   stage (each stage is released by both). They take turns on the tensor cores through two named
   barriers (ping-pong): a consumer issues ``O += P·V`` for tile j and ``S = Q·Kᵀ`` for tile j+1,
