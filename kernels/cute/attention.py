@@ -4,8 +4,8 @@ head_dim 128 or 64.
 Several compiled kernels compute the same thing with the same arguments (``ATTENTION_VARIANTS``):
 ``varlen_attention_ws*`` (FlashAttention-3 schedule: a TMA producer warpgroup and two ping-ponging
 consumer warpgroups; ``_d64`` is head_dim 64, ``_persistent`` runs one CTA per SM over the work
-items, ``_overlap`` adds P·V / softmax overlap inside each consumer) and ``varlen_attention`` (the FlashAttention-2 schedule, head_dim
-128, the fallback). ``DEFAULT_KERNEL`` maps a head dim to the kernel used unless a caller (the
+items, ``_overlap`` adds P·V / softmax overlap inside each consumer) and ``varlen_attention`` (the
+FlashAttention-2 schedule, head_dim 128, the fallback). ``DEFAULT_KERNEL`` maps a head dim to the kernel used unless a caller (the
 verification, the benchmark) names one through ``kernel=``; only kernels verified on the H200 and
 fastest there are defaults (bench/results/kernels.md).
 

@@ -7,7 +7,8 @@ interchangeable and the launcher picks one. Head dim D = 128 or 64, softmax scal
 Schedule, per CTA of 384 threads owning 128 query rows of one head:
 - warpgroup 0 is the producer: it gives up registers (``setmaxnreg`` 24) and its first warp issues
   TMA loads: Q once (two 64-row halves), then K and V tiles of 128 keys into two separate
-  ``kv_stages``-deep mbarrier rings (2 at D = 128, 4 at 64), so ``S = Q·Kᵀ`` can start before V has landed;
+  ``kv_stages``-deep mbarrier rings (2 at D = 128, 4 at 64), so ``S = Q·Kᵀ`` can start before V
+  has landed;
 - warpgroups 1 and 2 are consumers (``setmaxnreg`` 240), 64 query rows each, sharing every K/V
   stage (each stage is released by both). They take turns on the tensor cores through two named
   barriers (ping-pong): a consumer issues ``O += P·V`` for tile j and ``S = Q·Kᵀ`` for tile j+1,
@@ -19,6 +20,11 @@ Schedule, per CTA of 384 threads owning 128 query rows of one head:
   masked for one consumer's rows (possible with a cached prefix) contributes exactly zero.
 - grid ``(Hq, tiles)``: all heads of the longest tile are launched first (work list order), the
   query heads of one KV head run side by side and share its K/V in L2.
+
+Constructor flags, both verified on the H200 and measured slower there (bench/results/kernels.md),
+kept as alternatives: ``persistent`` (one CTA per SM striding over the (tile, head) items; Q is
+released per item, the K/V rings and the ping-pong turn carry over) and ``overlap`` (within a
+consumer, the P·V wgmma of tile j-1 also runs during the softmax of tile j).
 
 Roofline on the H200: ``4 · Σ_causal(len_q · len_k) · D · Hq`` flops at ~790 TFLOP/s dense bf16
 wgmma (~3000 flop/clk/SM, i.e. ~6 scores/clk at D = 128); exp2 runs at 16/clk/SM, so the softmax
@@ -52,8 +58,7 @@ CONSUMER_THREADS = 256
 
 class VarlenAttentionWsSm90(VarlenAttentionSm90):
     """jit entry: ``(q, k, vt, o, cu_q, cu_k, work, stream)``; see the module docstring. Reuses the
-    mask, online softmax, register relayout and store of the FlashAttention-2 kernel. ``overlap``:
-    also overlap, within a consumer, the P·V wgmma of tile j-1 with the softmax of tile j."""
+    mask, online softmax, register relayout and store of the FlashAttention-2 kernel."""
 
     def __init__(self, head_dim: int = 128, kv_stages: int = 2, overlap: bool = False, persistent: bool = False):
         super().__init__(head_dim)
