@@ -23,7 +23,7 @@
 
 #define GEMV_WARPS 8
 #ifndef GEMV_U
-#define GEMV_U 4                          // k steps per weight batch (x2 in flight: double buffer)
+#define GEMV_U 2                          // k steps per weight batch (x2 in flight: double buffer)
 #endif
 #define PRO_NONE 0
 #define PRO_RMSNORM 1
