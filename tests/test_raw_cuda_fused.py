@@ -27,6 +27,7 @@ def gemm(cp, request):
     from engine.executor.gpu_gemm import Gemm
     g = Gemm(cp.cuda.Stream(), gemv_max_m=32)
     if request.param == "split":
+        g.gemv_max_splits = 4                         # the executor's default is 1 (off; see gpu_gemm.py)
         g.set_split_buffers(cp.zeros(4 * 32 * 8192, np.float32), cp.zeros(1024, np.int32))
     yield g
     if g._split_counters is not None:

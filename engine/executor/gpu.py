@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
-from engine.executor.gpu_gemm import DEFAULT_GEMV_SPLITS, GEMV_LIMIT_M, WORKSPACE_BYTES, Gemm
+from engine.executor.gpu_gemm import GEMV_LIMIT_M, GEMV_SPLIT_WORKSPACE, WORKSPACE_BYTES, Gemm
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_ops import NUM_SMS, RING_SLOTS, GpuOps, GpuStepContext
 from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS, PENALTY_ENTRIES, GpuSampler
@@ -40,7 +40,7 @@ DECODE_KERNELS_ENV = "OPENINFER_DECODE_KERNELS"
 DEFAULT_DECODE_KERNELS = "all"
 DEFAULT_GEMV_MAX_M = 16
 PDL_ENV = "OPENINFER_PDL"
-GEMV_SPLIT_PART = DEFAULT_GEMV_SPLITS * GEMV_LIMIT_M      # rows of the split-K partials buffer (x max_width)
+GEMV_SPLIT_PART = GEMV_SPLIT_WORKSPACE * GEMV_LIMIT_M      # rows of the split-K partials buffer (x max_width)
 LAYER_RANGES_ENV = "OPENINFER_LAYER_RANGES"
 
 

@@ -36,7 +36,11 @@ GEMV_UNROLL_ENV = "OPENINFER_GEMV_UNROLL"                      # k steps per wei
 # more resident CTAs beat deeper per-warp batches).
 DEFAULT_GEMV_UNROLL = 2
 GEMV_SPLITS_ENV = "OPENINFER_GEMV_SPLITS"                      # most K splits per GEMV (1: none)
-DEFAULT_GEMV_SPLITS = 4
+# Split-K is off by default: in the H200 graph chain (2026-12-01) it cost qkv 9.3 -> 12.3 µs and o_proj
+# 8.2 -> 9.4 µs and left down_proj at 17.7 µs (the partial round trip and ticket outweigh the extra
+# CTAs in flight); OPENINFER_GEMV_SPLITS=4 turns it on.
+DEFAULT_GEMV_SPLITS = 1
+GEMV_SPLIT_WORKSPACE = 4       # splits the executor's partials buffer holds
 GEMV_TARGET_CTAS = 4 * 132     # CTAs that keep every SM's loads in flight (4 resident per H200 SM)
 
 
