@@ -4,7 +4,7 @@ vs gemv.cu, on the executor's own weights), and decode attention at batch 1 / 32
 4096 (paged_attention_split + attention_merge vs paged_decode.cu, merge inside) on a random paged cache.
 Single launches include launch latency and ramp-up; `graph_chain_rows` measures what a GEMV costs inside
 a decode graph instead: one projection of every layer (distinct weights, far beyond L2) captured back to
-back, plain launches vs programmatic dependent launches, unsplit vs split over K. Called by bench/decode.py --micro."""
+back, plain launches vs programmatic dependent launches. Called by bench/decode.py --micro."""
 from __future__ import annotations
 
 import numpy as np
@@ -108,8 +108,7 @@ def graph_chain_rows(ex, cfg, bw: float, rows_m=(1, 16), reps: int = 10) -> list
 
     from engine.executor.gpu_gemm import Gemm
 
-    unsplit, split, rows = Gemm(ex.stream, gemv_max_m=32), Gemm(ex.stream, gemv_max_m=32), []
-    split.set_split_buffers(ex.gemm._split_part, ex.gemm._split_counters)
+    gemm, rows = Gemm(ex.stream, gemv_max_m=32), []
     for label in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         ws = [ex.weights[f"layers.{i}.{label}"] for i in range(cfg.num_hidden_layers)]
         N, K = ws[0].shape
@@ -117,7 +116,7 @@ def graph_chain_rows(ex, cfg, bw: float, rows_m=(1, 16), reps: int = 10) -> list
             x, out = rand_bf16((M, K)), cupy.empty((M, N), np.uint16)
             cupy.cuda.Device().synchronize()
             per_call = {}
-            for name, gemm, pdl in (("plain", unsplit, False), ("PDL", unsplit, True), ("split", split, True)):
+            for pdl in (False, True):
                 for w in ws[:2]:                      # load the kernel outside the capture
                     gemm.gemv(x, w, out, pdl=pdl)
                 ex.stream.synchronize()
@@ -125,15 +124,10 @@ def graph_chain_rows(ex, cfg, bw: float, rows_m=(1, 16), reps: int = 10) -> list
                 for w in ws:
                     gemm.gemv(x, w, out, pdl=pdl)
                 graph = ex.stream.end_capture()
-                per_call[name] = time_ms(ex.stream, lambda: graph.launch(stream=ex.stream), reps) / len(ws)
-            floor = N * K * 2 / bw * 1e3
+                per_call[pdl] = time_ms(ex.stream, lambda: graph.launch(stream=ex.stream), reps) / len(ws)
             rows.append(dict(kernel=f"graph.{label} {N}x{K} x{len(ws)}", case=f"M={M} plain/PDL",
-                             old_ms=per_call["plain"], new_ms=per_call["PDL"], roofline_ms=floor))
-            rows.append(dict(kernel=f"graph.{label} {N}x{K} x{len(ws)}",
-                             case=f"M={M} PDL/PDL+{split.gemv_splits(M, N, K)} K splits",
-                             old_ms=per_call["PDL"], new_ms=per_call["split"], roofline_ms=floor))
-    unsplit.close()
-    split.close()
+                             old_ms=per_call[False], new_ms=per_call[True], roofline_ms=N * K * 2 / bw * 1e3))
+    gemm.close()
     return rows
 
 

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
-from engine.executor.gpu_gemm import GEMV_LIMIT_M, GEMV_SPLIT_WORKSPACE, WORKSPACE_BYTES, Gemm
+from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_ops import NUM_SMS, RING_SLOTS, GpuOps, GpuStepContext
 from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS, PENALTY_ENTRIES, GpuSampler
@@ -40,7 +40,6 @@ DECODE_KERNELS_ENV = "OPENINFER_DECODE_KERNELS"
 DEFAULT_DECODE_KERNELS = "all"
 DEFAULT_GEMV_MAX_M = 16
 PDL_ENV = "OPENINFER_PDL"
-GEMV_SPLIT_PART = GEMV_SPLIT_WORKSPACE * GEMV_LIMIT_M      # rows of the split-K partials buffer (x max_width)
 LAYER_RANGES_ENV = "OPENINFER_LAYER_RANGES"
 
 
@@ -90,7 +89,7 @@ class GpuExecutor:
         max_width = max(2 * I, (Hq + 2 * Hkv) * D, H)
         n_inputs = 5 * self.max_tokens + self.max_seqs * self.max_blocks
         act_bytes = (RING_SLOTS * self.max_tokens * max_width * 2 + self.max_tokens * H * 2
-                     + self.max_tokens * V * 4 + GEMV_SPLIT_PART * max_width * 4
+                     + self.max_tokens * V * 4
                      + (self.max_tokens + 2 * NUM_SMS) * Hq * (D + 2) * 4 + self.max_tokens * Hq * 4
                      + 2 * self.max_seqs * V * 4 + 4 * PENALTY_ENTRIES * 4
                      + self.max_seqs * (MAX_TOP_LOGPROBS * 8 + 64) + n_inputs * 4 + WORKSPACE_BYTES)
@@ -107,11 +106,6 @@ class GpuExecutor:
         fast_attention, gemv_max_m = parse_decode_kernels(
             os.environ.get(DECODE_KERNELS_ENV, DEFAULT_DECODE_KERNELS) if decode_kernels is None else decode_kernels)
         self.gemm = Gemm(stream, workspace, use_cute=use_cute, gemv_max_m=gemv_max_m)
-        split_part = self.arena.take("activations.gemv_split_part", (GEMV_SPLIT_PART * max_width,), np.float32)
-        split_counters = self.arena.take("activations.gemv_split_counters", (-(-max_width // 16),), np.int32)
-        import cupy
-        cupy.cuda.runtime.memsetAsync(split_counters.data.ptr, 0, split_counters.nbytes, stream.ptr)
-        self.gemm.set_split_buffers(split_part, split_counters)
         inv_freq, attention_factor = rope_inv_freq(cfg)
         self.inv_freq = self.arena.take("activations.inv_freq", inv_freq.shape, np.float32)
         self.inv_freq.set(inv_freq, stream=stream)

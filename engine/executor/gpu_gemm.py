@@ -35,13 +35,6 @@ GEMV_UNROLL_ENV = "OPENINFER_GEMV_UNROLL"                      # k steps per wei
 # H200, Qwen3-4B batch-1 graphed decode (2026-12-01): 2 -> 3.45 ms/step, 8 -> 4.95 (fewer registers,
 # more resident CTAs beat deeper per-warp batches).
 DEFAULT_GEMV_UNROLL = 2
-GEMV_SPLITS_ENV = "OPENINFER_GEMV_SPLITS"                      # most K splits per GEMV (1: none)
-# Split-K is off by default: in the H200 graph chain (2026-12-01) it cost qkv 9.3 -> 12.3 µs and o_proj
-# 8.2 -> 9.4 µs and left down_proj at 17.7 µs (the partial round trip and ticket outweigh the extra
-# CTAs in flight); OPENINFER_GEMV_SPLITS=4 turns it on.
-DEFAULT_GEMV_SPLITS = 1
-GEMV_SPLIT_WORKSPACE = 4       # splits the executor's partials buffer holds
-GEMV_TARGET_CTAS = 4 * 132     # CTAs that keep every SM's loads in flight (4 resident per H200 SM)
 
 
 def _direct_cublas():
@@ -65,8 +58,6 @@ class Gemm:
         self.gemv_max_m = gemv_max_m
         self._gemv: dict[tuple[int, str], object] = {}
         self.gemv_unroll = int(os.environ.get(GEMV_UNROLL_ENV, str(DEFAULT_GEMV_UNROLL)))
-        self.gemv_max_splits = int(os.environ.get(GEMV_SPLITS_ENV, str(DEFAULT_GEMV_SPLITS)))
-        self._split_part = self._split_counters = None
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
         self.lib = _direct_cublas()
@@ -123,21 +114,6 @@ class Gemm:
             with self.stream:           # CuPy binds the handle to its current stream at each call
                 self._cublas.gemmEx(self.handle, *args)
 
-    def set_split_buffers(self, part, counters) -> None:
-        """Workspace for split-K GEMVs: part fp32 [>= max splits x 32 x N], counters int32 [>= N/16],
-        zeroed (the kernels leave them zero). Without it every GEMV runs unsplit."""
-        self._split_part, self._split_counters = part, counters
-
-    def gemv_splits(self, M: int, N: int, K: int) -> int:
-        """K splits for an M x N x K GEMV: enough CTAs to fill the GPU (narrow N), each warp keeping
-        at least 2 k steps, within the workspace."""
-        if self._split_part is None or self.gemv_max_splits <= 1:
-            return 1
-        tiles = -(-N // 16)
-        s = min(self.gemv_max_splits, -(-GEMV_TARGET_CTAS // tiles), -(-K // 32) // 16)
-        fits = self._split_part.size // max(1, M * N)
-        return max(1, min(s, fits)) if tiles <= self._split_counters.size else 1
-
     def gemv_serves(self, x, w, out=None) -> bool:
         """Whether gemv.cu takes this product: at most gemv_max_m rows, 16-byte pieces of contiguous
         rows (K % 8 == 0, aligned, C-contiguous), a bf16 output (out None: a fresh bf16 buffer)."""
@@ -162,11 +138,9 @@ class Gemm:
         if key not in self._gemv:
             self._gemv[key] = kernel("gemv", f"gemv_{variant}_n{key[0]}", GEMV_U=self.gemv_unroll)
         null = np.uint64(0)
-        splits = self.gemv_splits(T, N, K)
         args = (x, w, out, np.int32(T), np.int32(N), np.int32(K), null if norm_w is None else norm_w,
-                null if res_in is None else res_in, np.float32(eps),
-                self._split_part if splits > 1 else null, self._split_counters if splits > 1 else null)
-        launch(self._gemv[key], (-(-N // 16), splits), (256,), args, self.stream, pdl=pdl)
+                null if res_in is None else res_in, np.float32(eps))
+        launch(self._gemv[key], (-(-N // 16),), (256,), args, self.stream, pdl=pdl)
 
     def close(self) -> None:
         if self.handle:

@@ -7,7 +7,7 @@
 // k slots, whichever weight rows they hold): cheap for the RMSNorm, but a SiLU·up prologue (expf and
 // a division per element) measured 92 µs for the Qwen3-4B down_proj against 18 µs plain on the H200
 // (2026-12-01), so silu_mul.cu stays its own kernel.
-// Grid (N/16, splits): one CTA per 16 weight rows and K split, 8 warps splitting the CTA's K range; each lane reads 16 bytes of two weight rows (g and
+// One CTA per 16 weight rows, 8 warps splitting K; each lane reads 16 bytes of two weight rows (g and
 // g+8, g = lane/4) and of one x row per n8 tile per 32-wide k step, and the products run on the tensor
 // cores (mma.m16n8k16, bf16): a dot product does not care in which order k is summed, so each lane's
 // 8 consecutive k are mapped onto the fragment slots it owns (A and B alike), which keeps every load
@@ -16,11 +16,7 @@
 // dependent launch (launch.py) the weight stream starts while the previous kernel is still finishing.
 // The RMSNorm prologue has every CTA sum x² of its rows itself (M·K·2 bytes from L2: 5 KB at M = 1,
 // H = 2560), which is cheaper than a kernel boundary. The warps' partial tiles are summed in shared
-// memory. With splits > 1 (narrow N: more CTAs in flight than N/16), each CTA writes its fp32 partial
-// tile to part[split][M][N] and takes a ticket from counters[blockIdx.x]; the last CTA of a row tile
-// sums the partials in split order (deterministic whichever CTA is last), runs the epilogue and resets
-// the ticket to 0 (zero between launches, so graphs replay as is). K must be a multiple of 8 and the
-// rows 16-byte aligned.
+// memory. K must be a multiple of 8 and the rows 16-byte aligned.
 // Roofline: N·K·2 weight bytes (+ M·K·2 of x, M·N of y): Qwen3-4B gate_up (19456 x 2560) is 99.6 MB,
 // 23 µs at 4.3 TB/s; at M <= 32 the tensor cores have > 20x headroom, so it is purely bandwidth-bound.
 #include "common.cuh"
@@ -58,16 +54,10 @@ __device__ __forceinline__ uint4 rmsnorm8(uint4 x, uint4 w, float rstd) {
     return x;
 }
 
-template <bool RESIDUAL, typename OutT>
-__device__ __forceinline__ void finish(OutT* y, const bf16_t* res_in, size_t at, float v) {
-    if (RESIDUAL) v = round_bf16(v) + bf16_to_f(res_in[at]);
-    store(y, at, v);
-}
-
 template <int NT, int PRO, bool RESIDUAL, typename OutT>
 __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, OutT* y,
                                           int M, int N, int K, const bf16_t* __restrict__ norm_w,
-                                          const bf16_t* res_in, float eps, float* part, int* counters) {
+                                          const bf16_t* res_in, float eps) {
     constexpr int U = NT <= 2 ? GEMV_U : (GEMV_U > 2 ? GEMV_U / 2 : 1);
     __shared__ float red[GEMV_WARPS][NT * 4][32];
     __shared__ float rstd_s[NT * 8];
@@ -84,11 +74,9 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
         x_ok[n] = n * 8 + g < M;
         x_row[n] = x + (size_t)(x_ok[n] ? n * 8 + g : 0) * K;
     }
-    const int steps = (K + 31) / 32, splits = gridDim.y;
-    const int per_split = (steps + splits - 1) / splits;
-    const int k_begin = blockIdx.y * per_split, k_end = min(steps, k_begin + per_split);
-    const int per_warp = (max(0, k_end - k_begin) + GEMV_WARPS - 1) / GEMV_WARPS;
-    const int s_begin = k_begin + warp * per_warp, s_end = min(k_end, s_begin + per_warp);
+    const int steps = (K + 31) / 32;
+    const int per_warp = (steps + GEMV_WARPS - 1) / GEMV_WARPS;
+    const int s_begin = warp * per_warp, s_end = min(steps, s_begin + per_warp);
 
     // Weights of k steps s0 .. s0+U-1; out-of-range pieces read a zero vector (the select is on the
     // address, never on loaded data, so nothing waits on a load before all loads are issued).
@@ -108,7 +96,7 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
 
     float rs[NT];
     if (PRO == PRO_RMSNORM) {
-        __shared__ float ss_warp[GEMV_WARPS][NT * 8];
+        __shared__ float part[GEMV_WARPS][NT * 8];
         float ss[NT * 8];
         #pragma unroll
         for (int m = 0; m < NT * 8; ++m) ss[m] = 0.f;
@@ -125,13 +113,13 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
         #pragma unroll
         for (int m = 0; m < NT * 8; ++m) {
             const float s = warp_sum(ss[m]);
-            if (lane == 0) ss_warp[warp][m] = s;
+            if (lane == 0) part[warp][m] = s;
         }
         __syncthreads();
         if (threadIdx.x < NT * 8) {
             float s = 0.f;
             #pragma unroll
-            for (int wp = 0; wp < GEMV_WARPS; ++wp) s += ss_warp[wp][threadIdx.x];
+            for (int wp = 0; wp < GEMV_WARPS; ++wp) s += part[wp][threadIdx.x];
             rstd_s[threadIdx.x] = rsqrtf(s / K + eps);
         }
         __syncthreads();
@@ -183,36 +171,17 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
         #pragma unroll
         for (int wp = 0; wp < GEMV_WARPS; ++wp) v += red[wp][slot][ln];
         const size_t at = (size_t)m * N + row;
-        if (splits == 1) finish<RESIDUAL>(y, res_in, at, v);
-        else part[(size_t)blockIdx.y * M * N + at] = v;
+        if (RESIDUAL) v = round_bf16(v) + bf16_to_f(res_in[at]);
+        store(y, at, v);
     }
-    if (splits == 1) return;
-    __shared__ int last;
-    __threadfence();                                 // this CTA's partials before its ticket
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&counters[blockIdx.x], 1) == splits - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int i = threadIdx.x; i < 16 * M; i += blockDim.x) {
-        const int m = i / 16, row = row0 + i % 16;
-        if (row >= N) continue;
-        const size_t at = (size_t)m * N + row;
-        float v = 0.f;
-        for (int sp = 0; sp < splits; ++sp) v += __ldcg(part + (size_t)sp * M * N + at);   // L2: other CTAs' writes
-        finish<RESIDUAL>(y, res_in, at, v);
-    }
-    if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
-// Every entry: (x, w, y, M, N, K, norm_w, res_in, eps, part, counters); the pointers a variant or a
-// single-split grid does not use may be 0.
+// Every entry: (x, w, y, M, N, K, norm_w, res_in, eps); the pointers a variant does not use may be 0.
 #define GEMV_VARIANT(NAME, NT, PRO, RES, OUT)                                                            \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                        \
     gemv_##NAME##_n##NT(const bf16_t* x, const bf16_t* w, OUT* y, int M, int N, int K,                  \
-                        const bf16_t* norm_w, const bf16_t* res_in, float eps, float* part,             \
-                        int* counters) {                                                                 \
-        gemv_tile<NT, PRO, RES>(x, w, y, M, N, K, norm_w, res_in, eps, part, counters);                  \
+                        const bf16_t* norm_w, const bf16_t* res_in, float eps) {                         \
+        gemv_tile<NT, PRO, RES>(x, w, y, M, N, K, norm_w, res_in, eps);                                  \
     }
 #define GEMV_ENTRY(NT)                                                                                   \
     GEMV_VARIANT(bf16, NT, PRO_NONE, false, bf16_t)                                                      \
