@@ -85,7 +85,7 @@ def mlp_block(ops: Ops, w: dict[str, Array], residual: Array, i: int, eps: float
     """residual + down_proj(silu(gate) * up), gate and up from one GEMM of rmsnorm(residual)."""
     gate_up = ops.norm_linear(residual, w[f"layers.{i}.post_attention_layernorm"], eps,
                               w[f"layers.{i}.gate_up_proj"])
-    return ops.silu_mul_add_linear(gate_up, w[f"layers.{i}.down_proj"], residual)
+    return ops.add_linear(ops.silu_mul(gate_up), w[f"layers.{i}.down_proj"], residual)
 
 
 def decoder_stack(ops: Ops, w: dict[str, Array], ctx: Any, cfg: ModelConfig,

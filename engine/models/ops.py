@@ -64,9 +64,6 @@ class Ops(Protocol):
     def add_linear(self, x: Array, weight: Array, residual: Array, bias: Array | None = None) -> Array:
         """residual + linear(x, weight, bias): the new residual stream (may reuse residual's memory)."""
 
-    def silu_mul_add_linear(self, gate_up: Array, weight: Array, residual: Array) -> Array:
-        """residual + linear(silu_mul(gate_up), weight)."""
-
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         """Brackets one decoder layer's ops (an NVTX range on the GPU)."""
 
@@ -81,9 +78,6 @@ class ComposedOps:
 
     def add_linear(self, x, weight, residual, bias=None):
         return self.add(self.linear(x, weight, bias), residual)
-
-    def silu_mul_add_linear(self, gate_up, weight, residual):
-        return self.add_linear(self.silu_mul(gate_up), weight, residual)
 
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

@@ -1,9 +1,9 @@
 """Qwen3 dense: GQA with an explicit head_dim, per-head RMSNorm on q and k before rotary,
 tied or untied lm_head, optional attention bias (on q, k, v and o).
 
-Forward (decoder_stack): embed -> per layer [RMSNorm -> fused qkv GEMM -> q/k norm + rope +
-paged-KV write -> paged attention -> o_proj -> residual+RMSNorm -> fused gate_up GEMM -> silu*up
--> down_proj] -> final RMSNorm -> lm_head.
+Forward (decoder_stack): embed -> per layer [RMSNorm + fused qkv GEMM -> q/k norm + rope +
+paged-KV write -> paged attention -> o_proj + residual add -> RMSNorm + fused gate_up GEMM -> silu*up
+-> down_proj + residual add] -> final RMSNorm -> lm_head.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ graphs as programmatic edges. Every raw kernel runs `pdl_wait` first, so launchi
 either way is correct; a kernel launched without the attribute sees the wait return at once.
 
 The launch goes through the driver's cuLaunchKernelEx (ctypes on libcuda) with the CUfunction CuPy
-compiled (RawKernel.kernel.ptr); arguments are packed from the same values CuPy's launcher takes (device arrays, numpy
-scalars).
+compiled (RawKernel.kernel.ptr); arguments are packed from the same values CuPy's launcher takes
+(device arrays, numpy scalars).
 """
 from __future__ import annotations
 
