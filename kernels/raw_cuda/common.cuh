@@ -37,6 +37,16 @@ __device__ __forceinline__ bf16_t f_to_bf16(float v) {      // round to nearest 
 }
 __device__ __forceinline__ float round_bf16(float v) { return bf16_to_f(f_to_bf16(v)); }
 
+// RMSNorm of 8 bf16 values with their weights, rounding like the bf16 reference:
+// bf16(w · bf16(x · rstd)) (rms_norm.cu, and gemv.cu's fused prologue).
+__device__ __forceinline__ uint4 rmsnorm8(uint4 x, uint4 w, float rstd) {
+    bf16_t* xs = reinterpret_cast<bf16_t*>(&x);
+    const bf16_t* ws = reinterpret_cast<const bf16_t*>(&w);
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) xs[e] = f_to_bf16(bf16_to_f(ws[e]) * round_bf16(bf16_to_f(xs[e]) * rstd));
+    return x;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -46,13 +46,6 @@ __device__ __forceinline__ uint4 load_cached(const bf16_t* p) { return __ldg(rei
 __device__ __forceinline__ void store(bf16_t* y, size_t i, float v) { y[i] = f_to_bf16(v); }
 __device__ __forceinline__ void store(float* y, size_t i, float v) { y[i] = v; }
 
-__device__ __forceinline__ uint4 rmsnorm8(uint4 x, uint4 w, float rstd) {
-    bf16_t* xs = reinterpret_cast<bf16_t*>(&x);
-    const bf16_t* ws = reinterpret_cast<const bf16_t*>(&w);
-    #pragma unroll
-    for (int e = 0; e < 8; ++e) xs[e] = f_to_bf16(bf16_to_f(ws[e]) * round_bf16(bf16_to_f(xs[e]) * rstd));
-    return x;
-}
 
 template <int NT, int PRO, bool RESIDUAL, typename OutT>
 __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, OutT* y,

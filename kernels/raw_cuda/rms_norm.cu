@@ -29,12 +29,7 @@ extern "C" __global__ void rms_norm_residual(const bf16_t* __restrict__ x, const
     const float rstd = rsqrtf(block_sum(ss, scratch) / hidden + eps);
     const bf16_t* src = residual != nullptr ? resid_out : x;
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-        uint4 xv = reinterpret_cast<const uint4*>(src + row)[i];
-        uint4 wv = reinterpret_cast<const uint4*>(w)[i];
-        bf16_t* xs = reinterpret_cast<bf16_t*>(&xv);
-        const bf16_t* ws = reinterpret_cast<const bf16_t*>(&wv);
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) xs[e] = f_to_bf16(bf16_to_f(ws[e]) * round_bf16(bf16_to_f(xs[e]) * rstd));
-        reinterpret_cast<uint4*>(out + row)[i] = xv;
+        reinterpret_cast<uint4*>(out + row)[i] = rmsnorm8(reinterpret_cast<const uint4*>(src + row)[i],
+                                                          reinterpret_cast<const uint4*>(w)[i], rstd);
     }
 }
