@@ -13,7 +13,8 @@ of one eager batch-1 step (CUDA events around each op) with each op's weight-rea
 --kernels runs the batches once per decode-kernel setting (GpuExecutor.set_decode_kernels: "none" the
 old path, split attention + cuBLAS, and this script's default; "all", the executor's default,
 paged_decode.cu + gemv.cu with its fused RMSNorm / SiLU / residual; a "|nopdl" suffix captures the
-graphs with plain launches instead of programmatic dependent ones) on the same executor and weights, and reports the
+graphs with plain launches instead of programmatic dependent ones, "|norope" runs q/k norm + rope + KV
+write as its own kernel instead of inside decode attention) on the same executor and weights, and reports the
 fraction of sequences whose first 4 greedy tokens equal the first setting's. --micro adds the per-kernel
 table (bench/decode_micro.py): each projection GEMM and decode attention, old vs new, with its roofline.
 Writes DIR/decode.json, DIR/decode.md and DIR/decode.png.
@@ -191,6 +192,7 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     for ks in kernel_sets:
         kernels, _, launch_mode = ks.partition("|")      # "all|nopdl": plain launches in the graphs
         ex.pdl_decode = launch_mode != "nopdl"
+        ex.ops.fused_rope = launch_mode != "norope"      # "all|norope": rope kernel + decode attention
         ex.set_decode_kernels(kernels)
         for b in batches:
             r = run_batch(ex, cfg, b, prompt, steps, bw, weight_bytes)

@@ -7,9 +7,10 @@ attention split partials theirs. Nothing here allocates or synchronizes with the
 step can be captured in a CUDA graph.
 
 Decode fusion: where gemv.cu takes a linear layer (at most gemv_max_m rows), the RMSNorm before it
-and the residual add after it run inside the GEMV (norm_linear, add_linear): a Qwen3 layer is 7
-kernels (qkv GEMV, q/k norm + rope + KV write, attention, o_proj GEMV, gate_up GEMV, SiLU·up, down
-GEMV). Larger steps compose them from the separate kernels. With `pdl` on (CUDA-graph
+and the residual add after it run inside the GEMV (norm_linear, add_linear), and on decode-only steps
+q/k norm + rope + KV write run inside the decode attention kernel (rope_attention): a Qwen3 layer is
+6 kernels (qkv GEMV, rope + attention, o_proj GEMV, gate_up GEMV, SiLU·up, down GEMV). Larger steps
+compose them from the separate kernels. With `pdl` on (CUDA-graph
 decode), every kernel is a programmatic dependent launch (kernels/raw_cuda/launch.py).
 """
 from __future__ import annotations
@@ -60,6 +61,12 @@ class GpuStepContext:
     sample_rows: object     # int32 [S]
     num_splits: int
 
+    @property
+    def decode_only(self) -> bool:
+        """One query token per sequence (T == block-table rows; a decode graph's padded rows count as
+        sequences of their own): no token of the step attends to another token's new key."""
+        return self.num_tokens == self.block_tables.shape[0]
+
 
 class GpuOps(ComposedOps):
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
@@ -99,7 +106,8 @@ class GpuOps(ComposedOps):
         self.k_merge = kernel("paged_attention", "attention_merge")
         self.num_heads, self.head_dim = num_heads, head_dim
         self.fast_attention = fast_attention   # paged_decode.cu instead of paged_attention_split
-        self._decode_kernels: dict[int, object] = {}
+        self._decode_kernels: dict[tuple[int, str], object] = {}
+        self.fused_rope = True      # rope_attention in one kernel on decode steps (off: compose, for A/B)
 
     # ---- buffers -----------------------------------------------------------------------------
     def _out(self, rows: int, cols: int):
@@ -166,38 +174,69 @@ class GpuOps(ComposedOps):
                       ctx.positions, ctx.slot_mapping, q, kc, vc, np.int32(Hq), np.int32(Hkv), np.int32(D)))
         return q
 
-    def _decode_kernel(self, num_kv_heads: int):
-        """The paged_decode.cu kernel for this model's group size, or None (switched off / no fit)."""
+    def _decode_kernel(self, num_kv_heads: int, entry: str = "paged_decode_attention"):
+        """A paged_decode.cu entry for this model's group size, or None (switched off / no fit)."""
         group = self.num_heads // num_kv_heads
         if not self.fast_attention or not decode_attention_fits(group, self.head_dim):
             return None
-        if group not in self._decode_kernels:
-            self._decode_kernels[group] = kernel("paged_decode", "paged_decode_attention",
-                                                 GQA=group, HEAD_DIM=self.head_dim)
-        return self._decode_kernels[group]
+        if (group, entry) not in self._decode_kernels:
+            self._decode_kernels[group, entry] = kernel("paged_decode", entry, GQA=group, HEAD_DIM=self.head_dim)
+        return self._decode_kernels[group, entry]
+
+    def _rope_decode_kernel(self, spec: AttentionSpec, ctx: GpuStepContext):
+        """paged_decode.cu's fused q/k norm + rope + KV write + attention entry, when the step is decode
+        only and the decode kernel serves this layer; else None (the composition runs)."""
+        if (not self.fused_rope or not ctx.decode_only or spec.head_dim != self.head_dim
+                or spec.num_heads != self.num_heads):
+            return None
+        return self._decode_kernel(spec.num_kv_heads, "rope_paged_decode_attention")
 
     def splits(self, num_tokens: int, num_kv_heads: int, max_context: int) -> int:
         """The step's KV split count for the attention kernel in use."""
         fast = self.fast_attention and decode_attention_fits(self.num_heads // num_kv_heads, self.head_dim)
         return attention_splits(num_tokens, num_kv_heads, max_context, MAX_DECODE_SPLITS if fast else MAX_SPLITS)
 
+    def _check_attention(self, spec: AttentionSpec, ctx: GpuStepContext) -> None:
+        Hq, Hkv, D, S = spec.num_heads, spec.num_kv_heads, spec.head_dim, ctx.num_splits
+        if Hq // Hkv > MAX_GROUP or D > MAX_HEAD_DIM or D % 2 or Hq % Hkv:
+            raise ValueError(f"attention kernel supports an even D <= {MAX_HEAD_DIM}, "
+                             f"Hq/Hkv <= {MAX_GROUP}; got Hq={Hq}, Hkv={Hkv}, D={D}")
+        if ctx.num_tokens * Hq * S > self.part_max.shape[0] or S > MAX_DECODE_SPLITS:
+            raise ValueError(f"attention partials: {ctx.num_tokens} tokens x {S} splits exceed the buffer")
+
+    def _decode_args(self, spec: AttentionSpec, ctx: GpuStepContext, out) -> tuple:
+        """paged_decode.cu's arguments from the KV cache on (the same for both entries)."""
+        kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
+        return (kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq, ctx.positions,
+                self.part_out, self.part_max, self.part_sum, out, self.split_counters,
+                np.int32(spec.num_kv_heads), np.float32(spec.scale))
+
+    def rope_attention(self, qkv, spec: AttentionSpec, ctx: GpuStepContext, q_norm=None, k_norm=None):
+        """Decode steps: one paged_decode.cu launch does q/k norm, rope, the KV write and attention.
+        Other steps compose qkv_rope_cache and attention (a later query token of a sequence needs the
+        earlier tokens' keys in the cache before it attends)."""
+        fused = self._rope_decode_kernel(spec, ctx)
+        if fused is None:
+            return super().rope_attention(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm)
+        self._check_attention(spec, ctx)
+        T, null = ctx.num_tokens, np.uint64(0)
+        out = self._out(T, spec.num_heads * spec.head_dim)
+        self._launch(fused, (ctx.num_splits, spec.num_kv_heads, T), (128,),
+                     (qkv, q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
+                      np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor), ctx.slot_mapping)
+                     + self._decode_args(spec, ctx, out))
+        return out
+
     def attention(self, q, spec: AttentionSpec, ctx: GpuStepContext):
         T = ctx.num_tokens
         Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
         S = ctx.num_splits
-        if Hq // Hkv > MAX_GROUP or D > MAX_HEAD_DIM or D % 2 or Hq % Hkv:
-            raise ValueError(f"attention kernel supports an even D <= {MAX_HEAD_DIM}, "
-                             f"Hq/Hkv <= {MAX_GROUP}; got Hq={Hq}, Hkv={Hkv}, D={D}")
-        if T * Hq * S > self.part_max.shape[0] or S > MAX_DECODE_SPLITS:
-            raise ValueError(f"attention partials: {T} tokens x {S} splits exceed the buffer")
+        self._check_attention(spec, ctx)
         kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
         out = self._out(T, Hq * D)
         fast = self._decode_kernel(Hkv) if D == self.head_dim else None
         if fast is not None:
-            self._launch(fast, (S, Hkv, T), (128,),
-                         (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq,
-                          ctx.positions, self.part_out, self.part_max, self.part_sum, out, self.split_counters,
-                          np.int32(Hkv), np.float32(spec.scale)))
+            self._launch(fast, (S, Hkv, T), (128,), (q,) + self._decode_args(spec, ctx, out))
             return out
         self._launch(self.k_attn, (S, Hkv, T), (128,),
                      (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq,

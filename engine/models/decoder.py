@@ -74,10 +74,9 @@ def attention_block(ops: Ops, w: dict[str, Array], residual: Array, spec: Attent
     i = spec.layer
     qkv = ops.norm_linear(residual, w[f"layers.{i}.input_layernorm"], eps, w[f"layers.{i}.qkv_proj"],
                           w.get(f"layers.{i}.qkv_bias"))
-    q = ops.qkv_rope_cache(qkv, spec, ctx,
+    o = ops.rope_attention(qkv, spec, ctx,
                            q_norm=w[f"layers.{i}.q_norm"] if opt.qk_norm else None,
                            k_norm=w[f"layers.{i}.k_norm"] if opt.qk_norm else None)
-    o = ops.attention(q, spec, ctx)
     return ops.add_linear(o, w[f"layers.{i}.o_proj"], residual, w.get(f"layers.{i}.o_bias"))
 
 

@@ -55,14 +55,18 @@ class Ops(Protocol):
     def add(self, x: Array, residual: Array) -> Array:
         """x + residual (the residual stream update)."""
 
-    # Fused neighbours of a linear layer (ComposedOps composes them from the ops above; an executor
-    # overrides them where one kernel does it, e.g. the GPU's decode GEMV).
+    # Fused ops (ComposedOps composes them from the ops above; an executor overrides them where one
+    # kernel does it, e.g. the GPU's decode GEMV and decode attention).
     def norm_linear(self, x: Array, norm_weight: Array, eps: float, weight: Array,
                     bias: Array | None = None) -> Array:
         """linear(rmsnorm(x) * norm_weight, weight, bias)."""
 
     def add_linear(self, x: Array, weight: Array, residual: Array, bias: Array | None = None) -> Array:
         """residual + linear(x, weight, bias): the new residual stream (may reuse residual's memory)."""
+
+    def rope_attention(self, qkv: Array, spec: AttentionSpec, ctx: Any,
+                       q_norm: Array | None = None, k_norm: Array | None = None) -> Array:
+        """attention(qkv_rope_cache(qkv, ...), spec, ctx): o[T, Hq·D], with k and v written to the cache."""
 
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         """Brackets one decoder layer's ops (an NVTX range on the GPU)."""
@@ -78,6 +82,9 @@ class ComposedOps:
 
     def add_linear(self, x, weight, residual, bias=None):
         return self.add(self.linear(x, weight, bias), residual)
+
+    def rope_attention(self, qkv, spec, ctx, q_norm=None, k_norm=None):
+        return self.attention(self.qkv_rope_cache(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm), spec, ctx)
 
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

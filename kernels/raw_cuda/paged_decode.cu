@@ -14,10 +14,19 @@
 //    (acc, max in natural-log units, sum: attention_merge's layout) and takes a ticket from
 //    counters[t·Hkv + kvh]; the last split's CTA merges all of them and resets the counter to 0 (the
 //    buffer starts zeroed and is zero again after every launch, so graphs replay it as is): no merge launch.
+//  * The first trip's block-table entries are read, and its K/V rows prefetched into L2, before pdl_wait
+//    (no kernel of the step writes them), so they overlap the previous kernel's tail.
+//  * rope_paged_decode_attention (decode steps: one query token per sequence) also does
+//    qk_norm_rope_cache.cu's work: each CTA norms and ropes its group's query heads from the qkv row into
+//    shared memory (rope.cuh, same roundings); the split that holds position positions[t] also builds
+//    that token's K and V, takes them from shared memory as its last key and writes them to the cache at
+//    slot_mapping[t] (< 0: not written). The other splits read only positions < positions[t]. Same
+//    bits as the two kernels, one launch and one dependent round trip fewer.
 // Roofline (decode, batch B, context C): bytes = B·C·Hkv·D·2·2 (K and V once per KV head) per layer;
 // Qwen3-4B (Hkv 8, D 128) at C = 4096: 16.8 MB/layer per sequence, 3.9 µs at 4.3 TB/s. At batch 1 and
-// C ~ 256 (1 MB/layer) it is latency-bound: two dependent DRAM round trips (table, K/V) plus the merge.
-#include "common.cuh"
+// C ~ 256 (1 MB/layer) it is latency-bound: two dependent DRAM round trips (table, K/V) plus the merge;
+// the fused entry adds (GQA + 2)·D·2 bytes of the qkv row per CTA (L2-resident: the GEMV just wrote it).
+#include "rope.cuh"      // norm_rope_head (and common.cuh)
 
 #ifndef GQA
 #define GQA 4
@@ -64,17 +73,71 @@ __device__ __forceinline__ float across_keys_sum(float v) {
     return v;
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS)
-paged_decode_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
-                       const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
-                       const int* __restrict__ token_seq, const int* __restrict__ positions,
-                       float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
-                       bf16_t* __restrict__ out, int* __restrict__ counters, int num_kv_heads, float scale) {
-    pdl_begin();
+// The fused entry's prologue inputs (rope_paged_decode_attention); the plain entry passes none.
+struct RopeArgs {
+    const bf16_t* qkv;            // [T, (Hq + 2·Hkv)·D]: the qkv projection's rows
+    const bf16_t* q_norm_w;       // [D] or null
+    const bf16_t* k_norm_w;       // [D] or null
+    float eps;
+    const float* inv_freq;        // [D/2]
+    float attn_factor;
+    const int* slot_mapping;      // [T]: the KV slot of the step's own key (< 0: padding, not written)
+};
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
+// Fused prologue (one step = one query token per sequence): the group's query heads, normed and
+// roped from the qkv row into q_s; the split that holds position ctx − 1 (the step's own key) also
+// builds that key and value into kv_s and writes them to the cache at slot_mapping[t]. Returns the
+// position whose key and value come from kv_s (-1 for the other splits).
+__device__ __forceinline__ int rope_prologue(const RopeArgs& r, int t, int kvh, int num_kv_heads, int ctx,
+                                             bool owner, bf16_t (*q_s)[HEAD_DIM], bf16_t (*kv_s)[HEAD_DIM],
+                                             bf16_t* k_cache, bf16_t* v_cache) {
+    const int num_heads = num_kv_heads * GQA, warp = threadIdx.x >> 5;
+    const bf16_t* row = r.qkv + (size_t)t * (num_heads + 2 * num_kv_heads) * HEAD_DIM;
+    const float pos = (float)(ctx - 1);
+    for (int j = warp; j < GQA + (owner ? 1 : 0); j += WARPS) {
+        if (j < GQA)
+            norm_rope_head(row + (size_t)(kvh * GQA + j) * HEAD_DIM, q_s[j], r.q_norm_w, r.eps, r.inv_freq,
+                           r.attn_factor, pos, HEAD_DIM);
+        else
+            norm_rope_head(row + (size_t)(num_heads + kvh) * HEAD_DIM, kv_s[0], r.k_norm_w, r.eps, r.inv_freq,
+                           r.attn_factor, pos, HEAD_DIM);
+    }
+    const bf16_t* v_row = row + (size_t)(num_heads + num_kv_heads + kvh) * HEAD_DIM;
+    if (owner)
+        for (int i = threadIdx.x; i < HEAD_DIM; i += NTHREADS) kv_s[1][i] = v_row[i];
+    __syncthreads();
+    if (!owner) return -1;
+    const int slot = r.slot_mapping[t];
+    if (slot >= 0) {
+        const size_t off = ((size_t)slot * num_kv_heads + kvh) * HEAD_DIM;
+        for (int i = threadIdx.x; i < HEAD_DIM; i += NTHREADS) {
+            k_cache[off + i] = kv_s[0][i];
+            v_cache[off + i] = kv_s[1][i];
+        }
+    }
+    return ctx - 1;
+}
+
+// The attention of one CTA (split, KV head, token); ROPE: q (and the step's own key) from the qkv
+// row through rope_prologue instead of from q.
+template <bool ROPE>
+__device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, bf16_t* k_cache, bf16_t* v_cache,
+                                                 const int* __restrict__ block_tables, int max_blocks,
+                                                 const int* __restrict__ token_seq, const int* __restrict__ positions,
+                                                 float* __restrict__ part_out, float* __restrict__ part_max,
+                                                 float* __restrict__ part_sum, bf16_t* __restrict__ out,
+                                                 int* __restrict__ counters, int num_kv_heads, float scale,
+                                                 const RopeArgs& r) {
     __shared__ float acc_s[WARPS][GQA][HEAD_DIM];
     __shared__ float m_s[WARPS][GQA], l_s[WARPS][GQA];
     __shared__ float weight_s[GQA][MAX_SPLITS];
     __shared__ int is_last;
+    __shared__ __align__(16) bf16_t q_s[ROPE ? GQA : 1][HEAD_DIM];
+    __shared__ __align__(16) bf16_t kv_s[ROPE ? 2 : 1][HEAD_DIM];
 
     const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z, S = gridDim.x;
     const int num_heads = num_kv_heads * GQA;
@@ -88,9 +151,32 @@ paged_decode_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ 
     const bf16_t* kbase = k_cache + (size_t)kvh * HEAD_DIM;
     const bf16_t* vbase = v_cache + (size_t)kvh * HEAD_DIM;
 
+    // The block tables, positions and the keys before this step's are written by the host or by
+    // kernels that completed before the previous one (the previous kernel writes q, or nothing this
+    // reads): the first trip's slots are fetched, and its K/V rows prefetched into L2, before pdl_wait.
+    const int stride = WARPS * KEYS_PER_ITER;
+    int slot_next[UNROLL];
+    #pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int p = start + warp * KEYS_PER_ITER + u * KEYS_PER_PASS + key;
+        slot_next[u] = p < end ? table[p >> 4] * 16 + (p & 15) : -1;
+        #pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            const int d0 = (c * KEY_LANES + sub) * VEC;
+            if (slot_next[u] >= 0 && d0 < HEAD_DIM) {
+                prefetch_l2(kbase + (size_t)slot_next[u] * row_stride + d0);
+                prefetch_l2(vbase + (size_t)slot_next[u] * row_stride + d0);
+            }
+        }
+    }
+    pdl_begin();
+
+    int fresh = -1;                                         // the key taken from kv_s (ROPE)
+    if (ROPE)
+        fresh = rope_prologue(r, t, kvh, num_kv_heads, ctx, start < end && end == ctx, q_s, kv_s, k_cache, v_cache);
+    const bf16_t* qg = ROPE ? &q_s[0][0] : q + ((size_t)t * num_heads + (size_t)kvh * GQA) * HEAD_DIM;
     // This lane's slices of the group's query heads, scaled into the log2 domain.
     float qf[GQA][CHUNKS][VEC];
-    const bf16_t* qg = q + ((size_t)t * num_heads + (size_t)kvh * GQA) * HEAD_DIM;
     #pragma unroll
     for (int g = 0; g < GQA; ++g)
         #pragma unroll
@@ -113,26 +199,24 @@ paged_decode_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ 
             for (int e = 0; e < VEC; ++e) acc[g][c][e] = 0.f;
     }
 
-    const int stride = WARPS * KEYS_PER_ITER;
-    int slot_next[UNROLL];
-    #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-        const int p = start + warp * KEYS_PER_ITER + u * KEYS_PER_PASS + key;
-        slot_next[u] = p < end ? table[p >> 4] * 16 + (p & 15) : -1;
-    }
     for (int base = start + warp * KEYS_PER_ITER; base < end; base += stride) {
         int slot[UNROLL];
         uint4 kr[UNROLL][CHUNKS], vr[UNROLL][CHUNKS];
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             slot[u] = slot_next[u];
+            const bool own = ROPE && base + u * KEYS_PER_PASS + key == fresh;   // not in the cache yet
             #pragma unroll
             for (int c = 0; c < CHUNKS; ++c) {         // out-of-range pieces read a zero vector (no branch:
                 const int d0 = (c * KEY_LANES + sub) * VEC;   // every load is issued before any is used)
-                const bool ok = slot[u] >= 0 && d0 < HEAD_DIM;
+                const bool ok = slot[u] >= 0 && d0 < HEAD_DIM && !own;
                 const size_t off = (size_t)slot[u] * row_stride + d0;
                 kr[u][c] = __ldg(ok ? reinterpret_cast<const uint4*>(kbase + off) : &kZero16);
                 vr[u][c] = __ldg(ok ? reinterpret_cast<const uint4*>(vbase + off) : &kZero16);
+                if (own && d0 < HEAD_DIM) {
+                    kr[u][c] = *reinterpret_cast<const uint4*>(&kv_s[0][d0]);
+                    vr[u][c] = *reinterpret_cast<const uint4*>(&kv_s[ROPE ? 1 : 0][d0]);
+                }
             }
         }
         #pragma unroll
@@ -267,4 +351,30 @@ paged_decode_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ 
         out[head * HEAD_DIM + d] = f_to_bf16(o);
     }
     if (threadIdx.x == 0) *counter = 0;
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+paged_decode_attention(const bf16_t* __restrict__ q, const bf16_t* k_cache, const bf16_t* v_cache,
+                       const int* __restrict__ block_tables, int max_blocks,
+                       const int* __restrict__ token_seq, const int* __restrict__ positions,
+                       float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
+                       bf16_t* __restrict__ out, int* __restrict__ counters, int num_kv_heads, float scale) {
+    decode_attention<false>(q, const_cast<bf16_t*>(k_cache), const_cast<bf16_t*>(v_cache), block_tables,
+                            max_blocks, token_seq, positions, part_out, part_max, part_sum, out, counters,
+                            num_kv_heads, scale, RopeArgs{});
+}
+
+// One query token per sequence (decode): q/k norm + rope + KV write (qk_norm_rope_cache.cu) and the
+// attention above in one launch, same results bit for bit.
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+rope_paged_decode_attention(const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ q_norm_w,
+                            const bf16_t* __restrict__ k_norm_w, float eps, const float* __restrict__ inv_freq,
+                            float attn_factor, const int* __restrict__ slot_mapping, bf16_t* k_cache,
+                            bf16_t* v_cache, const int* __restrict__ block_tables, int max_blocks,
+                            const int* __restrict__ token_seq, const int* __restrict__ positions,
+                            float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
+                            bf16_t* __restrict__ out, int* __restrict__ counters, int num_kv_heads, float scale) {
+    const RopeArgs r{qkv, q_norm_w, k_norm_w, eps, inv_freq, attn_factor, slot_mapping};
+    decode_attention<true>(nullptr, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, part_out,
+                           part_max, part_sum, out, counters, num_kv_heads, scale, r);
 }

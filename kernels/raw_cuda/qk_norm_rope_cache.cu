@@ -6,31 +6,7 @@
 // Rounding follows the bf16 reference: normed values and rotated values are rounded to bf16 once each.
 // Roofline: reads (Hq + 2·Hkv)·D·2 bytes per token and writes as much: ~12 KB per token for Qwen3-4B
 // (~3 ns); launch-bound at decode, bandwidth-bound for long prefills.
-#include "common.cuh"
-
-__device__ __forceinline__ void norm_rope_head(const bf16_t* __restrict__ src, bf16_t* __restrict__ dst,
-                                               const bf16_t* __restrict__ norm_w, float eps,
-                                               const float* __restrict__ inv_freq, float attn_factor, float pos, int D) {
-    const int lane = threadIdx.x & 31, half = D / 2;
-    float rstd = 1.f;
-    if (norm_w != nullptr) {
-        float ss = 0.f;
-        for (int i = lane; i < D; i += 32) { float f = bf16_to_f(src[i]); ss += f * f; }
-        rstd = rsqrtf(warp_sum(ss) / D + eps);
-    }
-    for (int i = lane; i < half; i += 32) {
-        float a = bf16_to_f(src[i]), b = bf16_to_f(src[i + half]);
-        if (norm_w != nullptr) {
-            a = round_bf16(bf16_to_f(norm_w[i]) * round_bf16(a * rstd));
-            b = round_bf16(bf16_to_f(norm_w[i + half]) * round_bf16(b * rstd));
-        }
-        float s, c;
-        sincosf(pos * inv_freq[i], &s, &c);
-        s *= attn_factor; c *= attn_factor;
-        dst[i] = f_to_bf16(a * c - b * s);
-        dst[i + half] = f_to_bf16(b * c + a * s);
-    }
-}
+#include "rope.cuh"   // norm_rope_head
 
 extern "C" __global__ void qk_norm_rope_cache(const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ q_norm_w,
                                               const bf16_t* __restrict__ k_norm_w, float eps,
