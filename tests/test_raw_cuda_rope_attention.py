@@ -130,7 +130,22 @@ def test_rope_attention_matches_numpy():
     np.testing.assert_allclose(f32(out), ref, atol=1.5e-2, rtol=1e-2)
 
 
-# ---- CPU: the composition, and the routing --------------------------------------------------------
+# ---- CPU: the kernel's split ownership, the composition, and the routing -----------------------
+def test_exactly_one_split_owns_the_new_key():
+    """paged_decode.cu's split ranges (per_split rounded up to 16 keys): for every context and split
+    count, the splits tile [0, ctx) and exactly one, the one whose range ends at ctx (`start < end &&
+    end == ctx`), holds position ctx − 1; no other split reads it. Padding (ctx 0) has no owner."""
+    for S in (1, 2, 3, 5, 16, 33, 64):
+        for ctx in range(0, 700):
+            per_split = ((ctx + S - 1) // S + 15) // 16 * 16
+            ranges = [(sp * per_split, min(ctx, sp * per_split + per_split)) for sp in range(S)]
+            owners = [sp for sp, (a, b) in enumerate(ranges) if a < b and b == ctx]
+            covered = [p for a, b in ranges for p in range(a, b)]
+            assert covered == list(range(ctx)), (S, ctx)
+            assert owners == ([] if ctx == 0 else [sp for sp, (a, b) in enumerate(ranges) if a <= ctx - 1 < b])
+            assert len(owners) == (ctx > 0), (S, ctx)
+
+
 SPEC = AttentionSpec(layer=0, num_heads=8, num_kv_heads=2, head_dim=64, rms_eps=EPS, scale=0.125)
 
 
