@@ -29,6 +29,8 @@ MAX_DECODE_SPLITS = 64      # paged_decode.cu path (its splits are cheap: no ser
 MAX_GROUP = 16            # query heads per KV head (paged_attention.cu MAX_G)
 MAX_HEAD_DIM = 256
 NUM_SMS = 132
+FUSED_ROPE_MAX_CTAS = 2 * NUM_SMS   # larger decode grids run rope + attention as two kernels (one more
+                                    # wave repeats the fused prologue: slower at batch 32, bench/results/rope_attention.md)
 
 
 def attention_splits(num_tokens: int, num_kv_heads: int, max_context: int, max_splits: int = MAX_SPLITS) -> int:
@@ -185,9 +187,11 @@ class GpuOps(ComposedOps):
 
     def _rope_decode_kernel(self, spec: AttentionSpec, ctx: GpuStepContext):
         """paged_decode.cu's fused q/k norm + rope + KV write + attention entry, when the step is decode
-        only and the decode kernel serves this layer; else None (the composition runs)."""
+        only, its grid is at most FUSED_ROPE_MAX_CTAS and the decode kernel serves this layer; else None
+        (the composition runs; both give the same bits)."""
         if (not self.fused_rope or not ctx.decode_only or spec.head_dim != self.head_dim
-                or spec.num_heads != self.num_heads):
+                or spec.num_heads != self.num_heads
+                or ctx.num_splits * spec.num_kv_heads * ctx.num_tokens > FUSED_ROPE_MAX_CTAS):
             return None
         return self._decode_kernel(spec.num_kv_heads, "rope_paged_decode_attention")
 
