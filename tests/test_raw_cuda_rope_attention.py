@@ -214,6 +214,7 @@ class GpuOpsProbe(GpuOps):
     ([1, 1, 1], 8, True, True),              # a decode graph: 3 sequences padded to 8 rows
     ([1, 1, 1], None, False, False),         # the decode kernel switched off
     ([1, 1], None, "no rope", False),        # the fused path switched off (bench A/B)
+    ([1] * 20, 64, True, False),             # 4 splits x 2 KV heads x 64 rows: over FUSED_ROPE_MAX_CTAS
     ([4], None, True, False),                # a prefill chunk: later tokens read earlier tokens' keys
     ([1, 3, 1], None, True, False),          # a mixed step
 ])
