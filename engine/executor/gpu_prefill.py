@@ -1,0 +1,230 @@
+"""Prefill attention on tensor cores: the CuTe DSL varlen FlashAttention kernel (kernels/cute
+`varlen_attention`) for the sequences of an eager step that feed many tokens.
+
+paged_decode.cu walks each query token's whole prefix on CUDA cores, O(T²) key reads for a T-token
+prompt. Here a sequence feeding at least `min_query` tokens is served by the CuTe kernel instead:
+per layer, after qkv_rope_cache has written the step's keys into the paged cache, kv_gather.cu copies
+each such sequence's K/V (cached prefix + new tokens) into contiguous scratch rows, and one
+varlen_attention launch runs over the packed sequences (query rows aligned to the end of each
+sequence's keys, so a cached prefix works). The other sequences of the step (decodes, short chunks)
+stay on the paged kernel, which runs first with their positions only (-1 elsewhere: zero rows the
+CuTe launch then overwrites). Consecutive served sequences share one launch while their contexts fit
+the scratch; a sequence between them that is not served splits the launches.
+
+Switch: GpuExecutor(prefill_attention=...) or $OPENINFER_PREFILL_ATTENTION: "cute" (default; when the
+CuTe library is built and available, head_dim is 64 or 128 and the scale is 1/sqrt(head_dim)),
+"cute:N" (serve sequences of at least N new tokens), "paged" (never).
+
+Memory (arena, taken once): K and V scratch of `key_rows` = max_model_len + max_num_batched_tokens rows
+of Hkv·D bf16 each (any one sequence fits; Qwen3-4B at 40960 + 2048: 176 MB), plus a small int32
+upload buffer (cu_q, cu_k, tile list, paged positions) and its pinned host twin. Eager steps only:
+decode graphs never see it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.batch import BLOCK_SIZE, ModelBatch
+
+log = logging.getLogger(__name__)
+PREFILL_ATTENTION_ENV = "OPENINFER_PREFILL_ATTENTION"
+DEFAULT_MIN_QUERY = 64          # new tokens of a sequence from which the CuTe kernel serves it
+CUTE_HEAD_DIMS = (64, 128)
+ALIGN = 4                       # int32 entries: each uploaded array starts 16-byte aligned
+GATHER_THREADS = 256
+
+
+def parse_prefill_attention(spec: str) -> int | None:
+    """"cute" -> DEFAULT_MIN_QUERY, "cute:N" -> N, "paged" -> None."""
+    item = spec.strip().lower()
+    if item in ("paged", "none", "off", "0"):
+        return None
+    if item == "cute":
+        return DEFAULT_MIN_QUERY
+    if item.startswith("cute:"):
+        try:
+            n = int(item[5:])
+        except ValueError:
+            n = 0
+        if n >= 1:
+            return n
+    raise ValueError(f"prefill attention: {spec!r} is not one of cute, cute:N (N >= 1), paged")
+
+
+def prefill_min_query(spec: str | None, head_dim: int) -> int | None:
+    """The executor's setting (spec, else $OPENINFER_PREFILL_ATTENTION, else "cute"): the min query length
+    the CuTe kernel serves, or None when the paged kernel serves every step (asked, or CuTe can't)."""
+    min_query = parse_prefill_attention(os.environ.get(PREFILL_ATTENTION_ENV, "cute") if spec is None else spec)
+    if min_query is None:
+        return None
+    if head_dim not in CUTE_HEAD_DIMS:
+        log.info("prefill attention: paged (the CuTe kernel takes head_dim %s, not %d)", CUTE_HEAD_DIMS, head_dim)
+        return None
+    import kernels.cute as cute
+
+    ok = cute.available()
+    if not ok:
+        log.info("prefill attention: paged (CuTe library unavailable: %s)", ok.reason)
+        return None
+    return min_query
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def upload_entries(max_tokens: int, max_seqs: int) -> int:
+    """int32 entries of the largest plan (at most one launch per sequence): cu_q and cu_k (n + 1 each)
+    and the [tiles, 2] work list (tiles <= T/128 + B) per launch, each padded to ALIGN, then T paged
+    positions: <= 15·B + T + T/64 + ALIGN; rounded up."""
+    return 2 * max_tokens + 16 * max_seqs + 2 * ALIGN
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """One kv_gather + varlen_attention launch over sequences [first_seq, first_seq + num_seqs) of the step."""
+    first_seq: int
+    num_seqs: int
+    q_rows: tuple[int, int]     # their query rows [start, end) in the step's flattened tokens
+    key_rows: int               # gathered K/V rows: the sum of their context lengths
+    key_blocks: int             # 16-token blocks of the longest context (the gather grid's x)
+    cu_q: int                   # offsets of cu_q, cu_k and the work list in the plan's data
+    cu_k: int
+    work: int
+    tiles: int
+
+
+@dataclass
+class PrefillPlan:
+    """Host side of one step: the launches and the int32 data they read (uploaded as one copy)."""
+    launches: list[AttentionLaunch]
+    data: np.ndarray                    # int32: each launch's cu_q, cu_k, work; then the paged positions
+    paged_positions: int | None         # offset of the paged kernel's positions, None: no row left to it
+
+
+def plan_prefill(cu_seqlens: np.ndarray, context_lens: np.ndarray, positions: np.ndarray,
+                 min_query: int, max_key_rows: int) -> PrefillPlan | None:
+    """Group the sequences with at least min_query new tokens (and a context that fits the scratch)
+    into launches of consecutive sequences whose contexts together fit max_key_rows; None if none."""
+    from kernels.cute.attention import attention_work
+
+    lens = np.diff(cu_seqlens)
+    served = (lens >= min_query) & (context_lens <= max_key_rows)
+    if not served.any():
+        return None
+    groups: list[list[int]] = []
+    rows = 0
+    for b in np.flatnonzero(served).tolist():
+        ctx = int(context_lens[b])
+        if groups and groups[-1][-1] == b - 1 and rows + ctx <= max_key_rows:
+            groups[-1].append(b)
+            rows += ctx
+        else:
+            groups.append([b])
+            rows = ctx
+    chunks, launches, at = [], [], 0
+
+    def put(a: np.ndarray) -> int:
+        nonlocal at
+        start, n = at, _aligned(a.size)
+        chunks.append(np.pad(a.astype(np.int32).ravel(), (0, n - a.size)))
+        at += n
+        return start
+
+    for g in groups:
+        first, last = g[0], g[-1]
+        cu_q = (cu_seqlens[first:last + 2] - cu_seqlens[first]).astype(np.int32)
+        ctx = context_lens[first:last + 1]
+        cu_k = np.concatenate([[0], np.cumsum(ctx)]).astype(np.int32)
+        work = attention_work(cu_q)
+        launches.append(AttentionLaunch(
+            first_seq=first, num_seqs=len(g), q_rows=(int(cu_seqlens[first]), int(cu_seqlens[last + 1])),
+            key_rows=int(cu_k[-1]), key_blocks=int(-(-ctx.max() // BLOCK_SIZE)),
+            cu_q=put(cu_q), cu_k=put(cu_k), work=put(work), tiles=int(work.shape[0])))
+    paged = None
+    if not served.all():
+        mine = np.repeat(served, lens)
+        paged = put(np.where(mine, -1, positions))
+    return PrefillPlan(launches=launches, data=np.concatenate(chunks), paged_positions=paged)
+
+
+class PrefillAttention:
+    """The executor's CuTe prefill path: scratch, upload buffers, the gather kernel; `step(batch)` plans
+    and uploads one eager step (None when no sequence of it is served)."""
+
+    def __init__(self, arena, stream, max_tokens: int, max_seqs: int, key_rows: int, num_kv_heads: int,
+                 head_dim: int, min_query: int):
+        from kernels.raw_cuda import kernel
+        from memory.streams import pinned_array
+
+        self.stream, self.min_query, self.key_rows = stream, min_query, key_rows
+        self.k = arena.take("activations.prefill_k", (key_rows, num_kv_heads, head_dim), np.uint16)
+        self.v = arena.take("activations.prefill_v", (key_rows, num_kv_heads, head_dim), np.uint16)
+        n = upload_entries(max_tokens, max_seqs)
+        self.data = arena.take("activations.prefill_plan", (n,), np.int32)
+        self.data_host = pinned_array((n,), np.int32)
+        self.gather = kernel("kv_gather", "kv_gather")
+        self.launches = 0           # varlen_attention launches so far (tests check the path ran)
+
+    @staticmethod
+    def nbytes(key_rows: int, num_kv_heads: int, head_dim: int, max_tokens: int, max_seqs: int) -> int:
+        return 2 * key_rows * num_kv_heads * head_dim * 2 + upload_entries(max_tokens, max_seqs) * 4 + 4096
+
+    def step(self, batch: ModelBatch) -> "PrefillStep | None":
+        if self.min_query is None or batch.is_decode_only:
+            return None
+        plan = plan_prefill(batch.cu_seqlens, batch.context_lens, batch.positions, self.min_query, self.key_rows)
+        if plan is None:
+            return None
+        n = plan.data.size
+        if n > self.data.size:
+            raise ValueError(f"prefill plan of {n} entries exceeds its {self.data.size}-entry buffer")
+        import cupy
+
+        self.data_host[:n] = plan.data
+        cupy.cuda.runtime.memcpyAsync(self.data.data.ptr, self.data_host.ctypes.data, n * 4,
+                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        return PrefillStep(self, plan)
+
+
+@dataclass
+class PrefillStep:
+    """One step's served sequences (GpuStepContext.prefill); GpuOps.attention hands them to `attention`."""
+    owner: PrefillAttention
+    plan: PrefillPlan
+
+    @staticmethod
+    def serves(spec) -> bool:
+        return spec.head_dim in CUTE_HEAD_DIMS and abs(spec.scale * spec.head_dim ** 0.5 - 1) < 1e-6
+
+    def attention(self, ops, q, spec, ctx):
+        """o[T, Hq·D]: the paged kernel for the rows no launch serves, then gather + CuTe per launch."""
+        import kernels.cute as cute
+        from kernels.raw_cuda.launch import launch
+
+        own, plan, d = self.owner, self.plan, self.owner.data
+        T, Hq, Hkv, D = ctx.num_tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        if plan.paged_positions is not None:
+            at = plan.paged_positions
+            out = ops.attention(q, spec, dataclasses.replace(ctx, positions=d[at:at + T], prefill=None))
+        else:
+            out = ops._out(T, Hq * D)
+        o = out.reshape(T, Hq, D)
+        kc, vc = ops.kv_cache[spec.layer, 0], ops.kv_cache[spec.layer, 1]
+        width = ctx.block_tables.shape[1]
+        for a in plan.launches:
+            cu_k = d[a.cu_k:a.cu_k + a.num_seqs + 1]
+            k, v = own.k[:a.key_rows], own.v[:a.key_rows]
+            launch(own.gather, (a.key_blocks, a.num_seqs), (GATHER_THREADS,),
+                   (kc, vc, ctx.block_tables[a.first_seq:], np.int32(width), cu_k, k, v, np.int32(Hkv * D // 8)),
+                   own.stream)
+            r0, r1 = a.q_rows
+            cute.varlen_attention(q[r0:r1], k, v, o[r0:r1], d[a.cu_q:a.cu_q + a.num_seqs + 1], cu_k,
+                                  d[a.work:a.work + 2 * a.tiles].reshape(a.tiles, 2), stream=own.stream)
+            own.launches += 1
+        return out
