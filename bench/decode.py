@@ -121,7 +121,7 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
     ops = ex.ops
     names = {id(v): k for k, v in ex.weights.items()}
 
-    weight_arg = {"linear": 1, "add_linear": 1, "norm_linear": 3}
+    weight_arg = {"linear": 1, "add_linear": 1, "norm_linear": 3, "norm_swiglu": 3}
 
     def wrap(name, fn):
         def timed(*a, **kw):
@@ -139,7 +139,8 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
         return timed
 
     saved = {n: getattr(ops, n) for n in ("embed", "rms_norm", "linear", "qkv_rope_cache", "attention",
-                                          "silu_mul", "gather_rows", "add", "norm_linear", "add_linear")}
+                                          "silu_mul", "gather_rows", "add", "norm_linear", "add_linear", "norm_swiglu",
+                                          "rope_attention")}
     for n, f in saved.items():
         setattr(ops, n, wrap(n, f))
     pos = min(128, ex.max_model_len - 1)

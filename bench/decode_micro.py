@@ -101,33 +101,43 @@ def attention_rows(ex, cfg, bw: float) -> list[dict]:
     return rows
 
 
-def graph_chain_rows(ex, cfg, bw: float, rows_m=(1, 16), reps: int = 10) -> list[dict]:
-    """Per projection and M: µs per GEMV (gemv.cu) inside a captured graph of that projection for all
-    layers, old = plain launches, new = programmatic dependent launches."""
+def graph_chain_rows(ex, cfg, bw: float, rows_m=(1, 16, 32), unrolls=(2, 4, 8), reps: int = 10) -> list[dict]:
+    """Per projection, M and k steps per weight batch (gemv.cu GEMV_U): µs per GEMV inside a captured
+    graph of that projection for all layers, old = plain launches, new = programmatic dependent
+    launches; and cuBLAS (plain launches) for comparison."""
     import cupy
 
     from engine.executor.gpu_gemm import Gemm
 
-    gemm, rows = Gemm(ex.stream, gemv_max_m=32), []
+    gemms = {u: Gemm(ex.stream, gemv_max_m=32, gemv_unroll=(u, u)) for u in unrolls}
+    blas, rows = Gemm(ex.stream), []
+
+    def per_call(fn, ws, pdl):
+        for w in ws[:2]:                      # load the kernel outside the capture
+            fn(w, pdl)
+        ex.stream.synchronize()
+        ex.stream.begin_capture()
+        for w in ws:
+            fn(w, pdl)
+        graph = ex.stream.end_capture()
+        return time_ms(ex.stream, lambda: graph.launch(stream=ex.stream), reps) / len(ws)
+
     for label in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         ws = [ex.weights[f"layers.{i}.{label}"] for i in range(cfg.num_hidden_layers)]
         N, K = ws[0].shape
+        floor = N * K * 2 / bw * 1e3
         for M in rows_m:
             x, out = rand_bf16((M, K)), cupy.empty((M, N), np.uint16)
             cupy.cuda.Device().synchronize()
-            per_call = {}
-            for pdl in (False, True):
-                for w in ws[:2]:                      # load the kernel outside the capture
-                    gemm.gemv(x, w, out, pdl=pdl)
-                ex.stream.synchronize()
-                ex.stream.begin_capture()
-                for w in ws:
-                    gemm.gemv(x, w, out, pdl=pdl)
-                graph = ex.stream.end_capture()
-                per_call[pdl] = time_ms(ex.stream, lambda: graph.launch(stream=ex.stream), reps) / len(ws)
-            rows.append(dict(kernel=f"graph.{label} {N}x{K} x{len(ws)}", case=f"M={M} plain/PDL",
-                             old_ms=per_call[False], new_ms=per_call[True], roofline_ms=N * K * 2 / bw * 1e3))
-    gemm.close()
+            t_blas = per_call(lambda w, pdl: blas(x, w, out), ws, False)
+            rows.append(dict(kernel=f"graph.{label} {N}x{K} x{len(ws)}", case=f"M={M} cuBLAS",
+                             old_ms=t_blas, new_ms=t_blas, roofline_ms=floor))
+            for p, gemm in gemms.items():
+                t = {pdl: per_call(lambda w, pdl: gemm.gemv(x, w, out, pdl=pdl), ws, pdl) for pdl in (False, True)}
+                rows.append(dict(kernel=f"graph.{label} {N}x{K} x{len(ws)}", case=f"M={M} U={p} plain/PDL",
+                                 old_ms=t[False], new_ms=t[True], roofline_ms=floor))
+    for g in [blas, *gemms.values()]:
+        g.close()
     return rows
 
 

@@ -58,7 +58,8 @@ SHAPES = [(1, 40, 264), (3, 17, 8), (8, 100, 2568), (9, 16, 32), (16, 2560, 4096
 
 @pytest.mark.parametrize("M,N,K", SHAPES)
 @pytest.mark.parametrize("fp32_out", [False, True])
-def test_gemv(cp, M, N, K, fp32_out):
+@pytest.mark.parametrize("unroll", [2, 4, 8])          # GEMV_U: k steps per weight batch
+def test_gemv(cp, M, N, K, fp32_out, unroll):
     from kernels.raw_cuda import kernel
 
     rng = np.random.default_rng(M * 7 + N + K)
@@ -67,7 +68,7 @@ def test_gemv(cp, M, N, K, fp32_out):
     y = poison(cp, (M + 1, N), dtype)                  # row M must stay poisoned
     nt = -(-M // 8)
     null = np.uint64(0)
-    kernel("gemv", f"gemv_{'f32' if fp32_out else 'bf16'}_n{nt}")(
+    kernel("gemv", f"gemv_{'f32' if fp32_out else 'bf16'}_n{nt}", GEMV_U=unroll)(
         (-(-N // 16),), (256,), (dev(cp, x), dev(cp, w), y, np.int32(M), np.int32(N), np.int32(K), null, null,
                                  np.float32(0)))
     got = y.get()
@@ -99,7 +100,7 @@ def test_gemm_routes_small_m_to_gemv(cp, M):
         np.testing.assert_allclose(fa, fb, atol=1e-2 if dtype == np.uint16 else 1e-4, rtol=1e-2)
         np.testing.assert_allclose(fa, gemv_ref(x.get(), w.get()), atol=2e-2, rtol=1e-2)
     assert small._gemv if M <= 16 else not small._gemv      # the kernels it compiled say which path ran
-    assert all(variant == "bf16" for _, variant in small._gemv)
+    assert all(variant == "bf16" for _, variant, _ in small._gemv)
     small.close()
     blas.close()
 

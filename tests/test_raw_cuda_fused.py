@@ -1,4 +1,4 @@
-"""gemv.cu's fused variants (RMSNorm prologue, residual-add epilogue) against the
+"""gemv.cu's fused variants (RMSNorm prologue, residual-add and SiLU·up epilogues) against the
 composition of the separate ops in numpy with the same bf16 roundings, and programmatic dependent
 launches in a captured CUDA graph against the same chain launched plainly (bit-identical)."""
 from __future__ import annotations
@@ -76,6 +76,45 @@ def test_gemv_residual_epilogue(cp, gemm, M, N, K, in_place):
         np.testing.assert_array_equal(r.get(), res)
 
 
+def silu_ref(gate, up):
+    return rb(rb(gate / (1 + np.exp(-gate))) * up)
+
+
+@pytest.mark.parametrize("M,I,K", [(1, 2560, 2560), (3, 16, 72), (9, 80, 264), (16, 512, 2568), (17, 24, 520),
+                                   (32, 2048, 512)])
+def test_gemv_silu_epilogue(cp, gemm, M, I, K):
+    """norm_silu on the interleaved gate_up weight == its parts: the "norm" GEMV, then silu_mul.cu in
+    interleaved mode (bit for bit), and the numpy composition on the un-interleaved weight; silu_mul.cu's
+    interleaved mode == its [gate | up] mode on the same values."""
+    from engine.executor.gpu_gemm import interleave_gate_up
+
+    rng = np.random.default_rng(3 * M + I + K)
+    x, w = case(rng, M, 2 * I, K)
+    nw, eps = bits(1 + 0.1 * rng.standard_normal(K)), 1e-6
+    wi = interleave_gate_up(w)
+    assert np.array_equal(wi[8:16], w[I:I + 8]) and np.array_equal(wi[16:24], w[8:16])
+    xd, nwd, wid = dev(cp, x), dev(cp, nw), dev(cp, wi)
+    fused = poison(cp, (M + 1, I))
+    gemm.gemv(xd, wid, fused[:M], "norm_silu", norm_w=nwd, eps=eps)
+    gate_up = poison(cp, (M, 2 * I))
+    gemm.gemv(xd, wid, gate_up, "norm", norm_w=nwd, eps=eps)
+    silu = kernel("silu_mul", "silu_mul")
+    parts, plain = poison(cp, (M, I)), poison(cp, (M, I))
+    total = np.int64(M * I // 8)
+    silu((64,), (256,), (gate_up, parts, np.int32(I), total, np.int32(1)), stream=gemm.stream)
+    gu = gate_up.get().reshape(M, I // 8, 2, 8)
+    un = dev(cp, np.concatenate([gu[:, :, 0].reshape(M, I), gu[:, :, 1].reshape(M, I)], 1))
+    silu((64,), (256,), (un, plain, np.int32(I), total, np.int32(0)), stream=gemm.stream)
+    gemm.stream.synchronize()
+    got = fused.get()
+    assert np.all(got[M] == 0x7FC1)
+    np.testing.assert_array_equal(got[:M], parts.get())
+    np.testing.assert_array_equal(plain.get(), parts.get())
+    h = rb(matmul(rms_ref(x, nw, eps), w))
+    ref = silu_ref(h[:, :I], h[:, I:])
+    np.testing.assert_allclose(f32(got[:M]), ref, atol=2e-2 * np.abs(ref).max(), rtol=2e-2)
+
+
 def test_gemv_rejects_unknown_variant(cp, gemm):
     x, w = cp.zeros((1, 64), np.uint16), cp.zeros((16, 64), np.uint16)
     with pytest.raises(ValueError, match="variant"):
@@ -105,7 +144,7 @@ def test_pdl_chain_in_graph_equals_plain_launches(cp, gemm, M):
             gemm.gemv(r, wo, h, "norm", norm_w=nw, eps=eps, pdl=pdl)
             gemm.gemv(h, wo, r, "res", res_in=r, pdl=pdl)
             gemm.gemv(r, wgu, gu, "norm", norm_w=nw, eps=eps, pdl=pdl)
-            launch(silu, (8,), (256,), (gu, act, np.int32(I), np.int64(M * I // 8)), s, pdl=pdl)
+            launch(silu, (8,), (256,), (gu, act, np.int32(I), np.int64(M * I // 8), np.int32(0)), s, pdl=pdl)
             gemm.gemv(act, wd, r, "res", res_in=r, pdl=pdl)
 
     chain(False)

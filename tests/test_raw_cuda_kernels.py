@@ -117,7 +117,7 @@ def test_silu_mul(cp):
     gu = bits(3 * rng.standard_normal((T, 2 * I)))
     out = poison(cp, (T, I))
     total = T * I // 8
-    k("silu_mul", "silu_mul")((64,), (256,), (dev(cp, gu), out, np.int32(I), np.int64(total)))
+    k("silu_mul", "silu_mul")((64,), (256,), (dev(cp, gu), out, np.int32(I), np.int64(total), np.int32(0)))
     g, u = f32(gu)[:, :I], f32(gu)[:, I:]
     ref = rb(rb(g / (1 + np.exp(-g))) * u)
     got = f32(out.get())

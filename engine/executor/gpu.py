@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
-from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm
+from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, interleave_gate_up
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_ops import NUM_SMS, RING_SLOTS, GpuOps, GpuStepContext
 from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS, PENALTY_ENTRIES, GpuSampler
@@ -100,7 +100,10 @@ class GpuExecutor:
         else:
             arena_bytes = weight_bytes + act_bytes + int(num_kv_blocks) * block_bytes + SLACK_BYTES
         self.arena = DeviceArena(arena_bytes)
-        self.weights = upload_weights(self.arena, ((n, as_bf16(a)) for n, a in model.weights.items()),
+        # gate_up weights go up with gate and up rows interleaved in blocks of 8 (gemv.cu's fused SiLU·up)
+        interleave = cfg.intermediate_size % 8 == 0
+        layout = (lambda n, a: interleave_gate_up(a) if interleave and n.endswith("gate_up_proj") else a)
+        self.weights = upload_weights(self.arena, ((n, layout(n, as_bf16(a))) for n, a in model.weights.items()),
                                       self.streams, total_bytes=weight_bytes, progress=progress)
         workspace = self.arena.take("activations.cublas_workspace", (WORKSPACE_BYTES,), np.uint8)
         fast_attention, gemv_max_m = parse_decode_kernels(
@@ -129,6 +132,7 @@ class GpuExecutor:
                           self.max_tokens, max_width, H, V, self.max_tokens, Hq, D, lm_head.data.ptr, stream,
                           fast_attention=fast_attention)
         self.ops.layer_ranges = os.environ.get(LAYER_RANGES_ENV, "0") == "1"
+        self.ops.gate_up_interleaved = interleave
         self.pdl_decode = os.environ.get(PDL_ENV, "1") != "0"
         self.sampler = GpuSampler(self.arena, sampler_rows, V, stream)
         self.stream = stream

@@ -30,11 +30,26 @@ CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 GEMV_LIMIT_M = 32             # gemv.cu has n8 tiles 1..4
-GEMV_VARIANTS = ("bf16", "f32", "norm", "res")   # gemv.cu entry points gemv_<variant>_n<NT>
+GEMV_VARIANTS = ("bf16", "f32", "norm", "res", "norm_silu")   # gemv.cu entry points gemv_<variant>_n<NT>
 GEMV_UNROLL_ENV = "OPENINFER_GEMV_UNROLL"                      # k steps per weight batch (tuning knob)
+GEMV_UNROLL_NARROW_ENV = "OPENINFER_GEMV_UNROLL_NARROW"        # the same for narrow products
 # H200, Qwen3-4B batch-1 graphed decode (2026-12-01): 2 -> 3.45 ms/step, 8 -> 4.95 (fewer registers,
-# more resident CTAs beat deeper per-warp batches).
+# more resident CTAs beat deeper per-warp batches) -- for the wide products. A narrow one (fewer than
+# two CTAs per SM: o_proj and down_proj, N = hidden) has too few CTAs to keep enough bytes in flight
+# (Little's law: 160 CTAs x 16 KB at ~1 µs is ~2.6 TB/s), so it takes deeper batches.
 DEFAULT_GEMV_UNROLL = 2
+DEFAULT_GEMV_UNROLL_NARROW = 4
+NUM_SMS = 132
+
+
+def interleave_gate_up(w: np.ndarray) -> np.ndarray:
+    """A fused [gate; up] weight [2I, H] with its rows reordered into blocks of 8 gate rows followed by
+    the same 8 up rows (I % 8 == 0): the layout of gemv.cu's fused SiLU·up epilogue, whose CTAs own 16
+    rows, and of silu_mul.cu's interleaved mode."""
+    two_i, h = w.shape
+    if two_i % 16:
+        raise ValueError(f"gate_up weight of {two_i} rows: interleaving needs a multiple of 16")
+    return np.ascontiguousarray(w.reshape(2, two_i // 16, 8, h).transpose(1, 0, 2, 3).reshape(two_i, h))
 
 
 def _direct_cublas():
@@ -51,13 +66,16 @@ def _direct_cublas():
 
 
 class Gemm:
-    def __init__(self, stream, workspace=None, use_cute: bool = False, gemv_max_m: int = 0):
+    def __init__(self, stream, workspace=None, use_cute: bool = False, gemv_max_m: int = 0,
+                 gemv_unroll: tuple[int, int] | None = None):
         self.stream = stream
         if not 0 <= gemv_max_m <= GEMV_LIMIT_M:
             raise ValueError(f"gemv_max_m must be in 0..{GEMV_LIMIT_M}, got {gemv_max_m}")
         self.gemv_max_m = gemv_max_m
-        self._gemv: dict[tuple[int, str], object] = {}
-        self.gemv_unroll = int(os.environ.get(GEMV_UNROLL_ENV, str(DEFAULT_GEMV_UNROLL)))
+        self._gemv: dict[tuple[int, str, int], object] = {}
+        # (wide, narrow) k steps per weight batch
+        self.gemv_unroll = gemv_unroll or (int(os.environ.get(GEMV_UNROLL_ENV, str(DEFAULT_GEMV_UNROLL))),
+                                           int(os.environ.get(GEMV_UNROLL_NARROW_ENV, str(DEFAULT_GEMV_UNROLL_NARROW))))
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
         self.lib = _direct_cublas()
@@ -125,7 +143,8 @@ class Gemm:
     def gemv(self, x, w, out, variant: str = "", norm_w=None, res_in=None, eps: float = 0.0,
              pdl: bool = False) -> None:
         """out = x · wᵀ through gemv.cu, T <= 32 rows. variant "norm": x is RMSNorm'ed with norm_w, eps
-        first; "res": out = bf16(x · wᵀ) + res_in. "" picks "bf16" or "f32" from out's dtype."""
+        first; "res": out = bf16(x · wᵀ) + res_in; "norm_silu": "norm", then out [T, N/2] = SiLU(gate)·up
+        of the product, w interleaved (interleave_gate_up). "" picks "bf16" or "f32" from out's dtype."""
         from kernels.raw_cuda import kernel
 
         T = x.shape[0]
@@ -134,13 +153,14 @@ class Gemm:
         if variant not in GEMV_VARIANTS or T > GEMV_LIMIT_M:
             raise ValueError(f"gemv: variant {variant!r} with {T} rows (want one of {GEMV_VARIANTS}, "
                              f"at most {GEMV_LIMIT_M} rows)")
-        key = (-(-T // 8), variant)
+        ctas = -(-N // 16)
+        key = (-(-T // 8), variant, self.gemv_unroll[ctas < 2 * NUM_SMS])
         if key not in self._gemv:
-            self._gemv[key] = kernel("gemv", f"gemv_{variant}_n{key[0]}", GEMV_U=self.gemv_unroll)
+            self._gemv[key] = kernel("gemv", f"gemv_{variant}_n{key[0]}", GEMV_U=key[2])
         null = np.uint64(0)
         args = (x, w, out, np.int32(T), np.int32(N), np.int32(K), null if norm_w is None else norm_w,
                 null if res_in is None else res_in, np.float32(eps))
-        launch(self._gemv[key], (-(-N // 16),), (256,), args, self.stream, pdl=pdl)
+        launch(self._gemv[key], (ctas,), (256,), args, self.stream, pdl=pdl)
 
     def close(self) -> None:
         if self.handle:

@@ -6,12 +6,13 @@ of its own (updated in place by the residual adds), the logits have their own fp
 attention split partials theirs. Nothing here allocates or synchronizes with the host, so a decode
 step can be captured in a CUDA graph.
 
-Decode fusion: where gemv.cu takes a linear layer (at most gemv_max_m rows), the RMSNorm before it
-and the residual add after it run inside the GEMV (norm_linear, add_linear), and on decode-only steps
-q/k norm + rope + KV write run inside the decode attention kernel (rope_attention): a Qwen3 layer is
-6 kernels (qkv GEMV, rope + attention, o_proj GEMV, gate_up GEMV, SiLU·up, down GEMV). Larger steps
-compose them from the separate kernels. With `pdl` on (CUDA-graph
-decode), every kernel is a programmatic dependent launch (kernels/raw_cuda/launch.py).
+Decode fusion: where gemv.cu takes a linear layer (at most gemv_max_m rows), the RMSNorm before it,
+the residual add after it and the SiLU·up after gate_up run inside the GEMV (norm_linear, add_linear,
+norm_swiglu; the executor stores gate_up interleaved for that), and on decode-only steps q/k norm +
+rope + KV write run inside the decode attention kernel (rope_attention): a Qwen3 layer is 5 kernels
+(qkv GEMV, rope + attention, o_proj GEMV, gate_up GEMV + SiLU·up, down GEMV). Larger steps compose
+them from the separate kernels. With `pdl` on (CUDA-graph decode), every kernel is a programmatic
+dependent launch (kernels/raw_cuda/launch.py).
 """
 from __future__ import annotations
 
@@ -90,6 +91,7 @@ class GpuOps(ComposedOps):
         self.residual = arena.take("activations.residual", (max_tokens * hidden,), np.uint16)
         self.pdl = False                    # programmatic dependent launches (set while capturing decode)
         self.layer_ranges = False           # NVTX range per decoder layer (eager steps; see layer_scope)
+        self.gate_up_interleaved = False    # gate_up weights in gemv.cu's SiLU·up layout (set by the executor)
         self.logits = arena.take("activations.logits", (logits_rows, vocab_size), np.float32)
         part_rows = (max_tokens + 2 * NUM_SMS) * num_heads
         self.part_out = arena.take("activations.attn_part_out", (part_rows * head_dim,), np.float32)
@@ -256,7 +258,7 @@ class GpuOps(ComposedOps):
         out = self._out(T, inter)
         total = T * inter // 8
         self._launch(self.k_silu, (max(1, min(4096, -(-total // 256))),), (256,),
-                     (gate_up, out, np.int32(inter), np.int64(total)))
+                     (gate_up, out, np.int32(inter), np.int64(total), np.int32(self.gate_up_interleaved)))
         return out
 
     def gather_rows(self, x, rows):
@@ -280,6 +282,13 @@ class GpuOps(ComposedOps):
             return super().norm_linear(x, norm_weight, eps, weight, bias)
         out = self._out(x.shape[0], weight.shape[0])
         self.gemm.gemv(x, weight, out, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+        return out
+
+    def norm_swiglu(self, x, norm_weight, eps, gate_up_weight):
+        if not self.gate_up_interleaved or not self.gemm.gemv_serves(x, gate_up_weight):
+            return super().norm_swiglu(x, norm_weight, eps, gate_up_weight)
+        out = self._out(x.shape[0], gate_up_weight.shape[0] // 2)
+        self.gemm.gemv(x, gate_up_weight, out, "norm_silu", norm_w=norm_weight, eps=eps, pdl=self.pdl)
         return out
 
     def add_linear(self, x, weight, residual, bias=None):

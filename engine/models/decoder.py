@@ -82,9 +82,8 @@ def attention_block(ops: Ops, w: dict[str, Array], residual: Array, spec: Attent
 
 def mlp_block(ops: Ops, w: dict[str, Array], residual: Array, i: int, eps: float) -> Array:
     """residual + down_proj(silu(gate) * up), gate and up from one GEMM of rmsnorm(residual)."""
-    gate_up = ops.norm_linear(residual, w[f"layers.{i}.post_attention_layernorm"], eps,
-                              w[f"layers.{i}.gate_up_proj"])
-    return ops.add_linear(ops.silu_mul(gate_up), w[f"layers.{i}.down_proj"], residual)
+    act = ops.norm_swiglu(residual, w[f"layers.{i}.post_attention_layernorm"], eps, w[f"layers.{i}.gate_up_proj"])
+    return ops.add_linear(act, w[f"layers.{i}.down_proj"], residual)
 
 
 def decoder_stack(ops: Ops, w: dict[str, Array], ctx: Any, cfg: ModelConfig,

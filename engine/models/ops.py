@@ -68,6 +68,9 @@ class Ops(Protocol):
                        q_norm: Array | None = None, k_norm: Array | None = None) -> Array:
         """attention(qkv_rope_cache(qkv, ...), spec, ctx): o[T, Hq·D], with k and v written to the cache."""
 
+    def norm_swiglu(self, x: Array, norm_weight: Array, eps: float, gate_up_weight: Array) -> Array:
+        """silu_mul(norm_linear(x, norm_weight, eps, gate_up_weight)): the MLP activation [T, I]."""
+
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         """Brackets one decoder layer's ops (an NVTX range on the GPU)."""
 
@@ -85,6 +88,9 @@ class ComposedOps:
 
     def rope_attention(self, qkv, spec, ctx, q_norm=None, k_norm=None):
         return self.attention(self.qkv_rope_cache(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm), spec, ctx)
+
+    def norm_swiglu(self, x, norm_weight, eps, gate_up_weight):
+        return self.silu_mul(self.norm_linear(x, norm_weight, eps, gate_up_weight))
 
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

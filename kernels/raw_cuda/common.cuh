@@ -47,6 +47,12 @@ __device__ __forceinline__ uint4 rmsnorm8(uint4 x, uint4 w, float rstd) {
     return x;
 }
 
+// SwiGLU of one element from the bf16 gate and up values: bf16(bf16(silu(gate)) · up)
+// (silu_mul.cu, and gemv.cu's fused epilogue).
+__device__ __forceinline__ bf16_t silu_times(float gate, float up) {
+    return f_to_bf16(round_bf16(gate / (1.f + __expf(-gate))) * up);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

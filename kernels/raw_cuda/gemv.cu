@@ -1,12 +1,15 @@
 // Skinny GEMM for decode: y[M, N] = x[M, K] · w[N, K]ᵀ, bf16 in, fp32 accumulate, bf16 or fp32 out,
 // for M <= 8·NT (NT n8 tiles, 1..4), with the decoder's neighbours fused in where they are free:
 //   prologue  PRO_RMSNORM  x := bf16(norm_w · bf16(x · rsqrt(mean(x²) + eps)))   (the layer's RMSNorm)
-//   epilogue  RESIDUAL     y := bf16(bf16(x·wᵀ) + res_in)   (the residual add; res_in may be y)
-// each rounding as the separate kernels (rms_norm.cu) and the bf16 reference do. A prologue is paid
-// per warp and k step, not per element (each x piece is transformed by the 8 lanes that share its
-// k slots, whichever weight rows they hold): cheap for the RMSNorm, but a SiLU·up prologue (expf and
-// a division per element) measured 92 µs for the Qwen3-4B down_proj against 18 µs plain on the H200
-// (2026-12-01), so silu_mul.cu stays its own kernel.
+//   epilogue  EPI_RESIDUAL y := bf16(bf16(x·wᵀ) + res_in)   (the residual add; res_in may be y)
+//   epilogue  EPI_SILU     y[M, N/2] := silu_mul of the gate and up halves   (the MLP activation)
+// each rounding as the separate kernels (rms_norm.cu, silu_mul.cu) and the bf16 reference do. EPI_SILU
+// wants the gate_up weight with gate and up rows interleaved in blocks of 8 (gpu_gemm.interleave_gate_up):
+// a CTA's 16 rows are then 8 gate rows and their 8 up rows, whose sums meet in one lane's accumulators.
+// A prologue is paid per warp and k step, not per element (each x piece is transformed by the 8 lanes
+// that share its k slots, whichever weight rows they hold): cheap for the RMSNorm, but a SiLU·up
+// prologue in the down GEMV (expf and a division per element) measured 92 µs for the Qwen3-4B down_proj
+// against 18 µs plain on the H200 (2026-12-01); in the gate_up epilogue it is paid once per output.
 // One CTA per 16 weight rows, 8 warps splitting K; each lane reads 16 bytes of two weight rows (g and
 // g+8, g = lane/4) and of one x row per n8 tile per 32-wide k step, and the products run on the tensor
 // cores (mma.m16n8k16, bf16): a dot product does not care in which order k is summed, so each lane's
@@ -27,6 +30,9 @@
 #endif
 #define PRO_NONE 0
 #define PRO_RMSNORM 1
+#define EPI_NONE 0
+#define EPI_RESIDUAL 1
+#define EPI_SILU 2
 
 __device__ __forceinline__ void mma_16816(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                           unsigned b0, unsigned b1) {
@@ -47,7 +53,7 @@ __device__ __forceinline__ void store(bf16_t* y, size_t i, float v) { y[i] = f_t
 __device__ __forceinline__ void store(float* y, size_t i, float v) { y[i] = v; }
 
 
-template <int NT, int PRO, bool RESIDUAL, typename OutT>
+template <int NT, int PRO, int EPI, typename OutT>
 __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, OutT* y,
                                           int M, int N, int K, const bf16_t* __restrict__ norm_w,
                                           const bf16_t* res_in, float eps) {
@@ -156,15 +162,25 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
     __syncthreads();
     // Thread i < 32·NT·4 sums one accumulator slot over the warps and stores it:
     // c[n][j] of lane (g, tq) is y[m = 8n + 2tq + (j & 1), row = row0 + g + 8·(j >> 1)].
+    // EPI_SILU: rows row0 + g and row0 + 8 + g are gate and up of output column blockIdx.x·8 + g
+    // (slots j and j + 2 of one lane), and only the threads of slots j < 2 store.
     for (int i = threadIdx.x; i < NT * 4 * 32; i += blockDim.x) {
         const int slot = i / 32, ln = i % 32, n = slot / 4, j = slot % 4;
         const int m = n * 8 + (ln & 3) * 2 + (j & 1), row = row0 + (ln >> 2) + 8 * (j >> 1);
-        if (m >= M || row >= N) continue;
-        float v = 0.f;
+        if (m >= M || row >= N || (EPI == EPI_SILU && j >= 2)) continue;
+        float v = 0.f, up = 0.f;
         #pragma unroll
-        for (int wp = 0; wp < GEMV_WARPS; ++wp) v += red[wp][slot][ln];
+        for (int wp = 0; wp < GEMV_WARPS; ++wp) {
+            v += red[wp][slot][ln];
+            if (EPI == EPI_SILU) up += red[wp][slot + 2][ln];
+        }
+        if (EPI == EPI_SILU) {                       // silu_mul.cu's arithmetic on the bf16 linear outputs
+            const float act = bf16_to_f(silu_times(round_bf16(v), round_bf16(up)));   // exact in bf16
+            store(y, (size_t)m * (N / 2) + blockIdx.x * 8 + (ln >> 2), act);
+            continue;
+        }
         const size_t at = (size_t)m * N + row;
-        if (RESIDUAL) v = round_bf16(v) + bf16_to_f(res_in[at]);
+        if (EPI == EPI_RESIDUAL) v = round_bf16(v) + bf16_to_f(res_in[at]);
         store(y, at, v);
     }
 }
@@ -177,10 +193,11 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
         gemv_tile<NT, PRO, RES>(x, w, y, M, N, K, norm_w, res_in, eps);                                  \
     }
 #define GEMV_ENTRY(NT)                                                                                   \
-    GEMV_VARIANT(bf16, NT, PRO_NONE, false, bf16_t)                                                      \
-    GEMV_VARIANT(f32, NT, PRO_NONE, false, float)                                                        \
-    GEMV_VARIANT(norm, NT, PRO_RMSNORM, false, bf16_t)                                                   \
-    GEMV_VARIANT(res, NT, PRO_NONE, true, bf16_t)
+    GEMV_VARIANT(bf16, NT, PRO_NONE, EPI_NONE, bf16_t)                                                   \
+    GEMV_VARIANT(f32, NT, PRO_NONE, EPI_NONE, float)                                                     \
+    GEMV_VARIANT(norm, NT, PRO_RMSNORM, EPI_NONE, bf16_t)                                                \
+    GEMV_VARIANT(res, NT, PRO_NONE, EPI_RESIDUAL, bf16_t)                                                \
+    GEMV_VARIANT(norm_silu, NT, PRO_RMSNORM, EPI_SILU, bf16_t)
 
 GEMV_ENTRY(1)
 GEMV_ENTRY(2)

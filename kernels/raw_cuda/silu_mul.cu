@@ -1,9 +1,11 @@
-// SwiGLU activation: out[t, i] = bf16(bf16(silu(gate[t, i])) · up[t, i]) with gate_up = [gate | up].
+// SwiGLU activation: out[t, i] = bf16(bf16(silu(gate[t, i])) · up[t, i]) for one gate_up row per token,
+// laid out [gate | up] (interleaved = 0) or, as the GPU executor stores the gate_up weight, in blocks of
+// 8 columns alternating gate and up: gate[8b..8b+7] then up[8b..8b+7] (interleaved = 1).
 // Roofline: reads 2·T·I·2 bytes, writes T·I·2; I = 9728: 58 KB per token (~14 ns). 16-byte vectors.
 #include "common.cuh"
 
 extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ out,
-                                    int inter, long long total_vecs) {
+                                    int inter, long long total_vecs, int interleaved) {
     pdl_begin();
     const int vecs_per_row = inter / 8;
     for (long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x; v < total_vecs;
@@ -11,16 +13,13 @@ extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gate_up, bf16_t* 
         const long long t = v / vecs_per_row;
         const int i = (int)(v % vecs_per_row);
         const uint4* row = reinterpret_cast<const uint4*>(gate_up + t * 2 * inter);
-        uint4 g = row[i], u = row[vecs_per_row + i], o;
+        const uint4 g = interleaved ? row[2 * i] : row[i], u = interleaved ? row[2 * i + 1] : row[vecs_per_row + i];
+        uint4 o;
         const bf16_t* gs = reinterpret_cast<const bf16_t*>(&g);
         const bf16_t* us = reinterpret_cast<const bf16_t*>(&u);
         bf16_t* os = reinterpret_cast<bf16_t*>(&o);
         #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const float gf = bf16_to_f(gs[e]);
-            const float s = round_bf16(gf / (1.f + __expf(-gf)));
-            os[e] = f_to_bf16(s * bf16_to_f(us[e]));
-        }
+        for (int e = 0; e < 8; ++e) os[e] = silu_times(bf16_to_f(gs[e]), bf16_to_f(us[e]));
         reinterpret_cast<uint4*>(out + t * inter)[i] = o;
     }
 }

@@ -1,0 +1,121 @@
+"""Per-kernel time of one graphed decode step, measured by Nsight Compute (ncu) on the GPU host.
+
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+        --log-file DIR/ncu.csv python3 bench/decode_profile.py --model qwen3-4b --batch 1
+    python3 bench/decode_profile.py --parse DIR/ncu.csv --model qwen3-4b > DIR/profile.md
+
+The first form builds the executor on random Qwen3 weights (as bench/decode.py), prefills a prompt of
+128 tokens, runs a few graphed decode steps, and brackets one more with cudaProfilerStart/Stop, so
+ncu times exactly that step's kernels (each graph node on its own: ncu serializes them, so the
+programmatic-dependent-launch overlap of the real step is not in these numbers, while each kernel's
+own ramp-up and tail are). The second form sums the CSV per kernel (GEMVs told apart by their grid,
+N / 16 CTAs) and gives each weight-streaming kernel its fraction of the HBM roofline.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import sys
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+COPY_TB_S = 4.25      # device-copy bandwidth of the H200 (bench/results/decode.md measures it per run)
+
+
+def projection_names(cfg) -> dict[int, list[tuple[str, int]]]:
+    """GEMV grid size (N / 16 CTAs) -> [(projection, weight bytes)] in layer order (o_proj and down_proj
+    share a grid: their calls alternate)."""
+    H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes = {"qkv_proj": ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D, H),
+              "o_proj": (H, cfg.num_attention_heads * D), "gate_up_proj": (2 * I, H), "down_proj": (H, I)}
+    grids: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    for name, (n, k) in shapes.items():
+        grids[-(-n // 16)].append((name, n * k * 2))
+    return grids
+
+
+def run_step(model_name: str, batch: int, prompt: int = 128) -> None:
+    import cupy
+
+    from bench.decode import GREEDY, run_batch
+    from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
+    from engine.executor.gpu import GpuExecutor
+    from engine.loader import load_model
+    from tests.test_gpu_executor import write_random_qwen3
+
+    folder = f"/tmp/{model_name}-random"
+    write_random_qwen3(os.path.join(ROOT, "bench", "configs", model_name, "config.json"), folder)
+    model = load_model(folder)
+    per_seq = -(-(prompt + 32) // BLOCK_SIZE)
+    ex = GpuExecutor(model, num_kv_blocks=batch * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
+                     max_num_batched_tokens=2048, max_num_seqs=batch, progress=False)
+    run_batch(ex, model.config, batch, prompt, 8, COPY_TB_S * 1e12, 1)     # prefill + graph capture
+    seqs = [SeqStep(seq_id=j, token_ids=[7], start_pos=prompt + 8, sample=True, params=GREEDY,
+                    block_table=list(range(j * per_seq, (j + 1) * per_seq)), prompt_len=prompt)
+            for j in range(batch)]
+    mb = ModelBatch.build(seqs)
+    ex.execute(mb)
+    ex.stream.synchronize()
+    cupy.cuda.profiler.start()
+    ex.execute(mb)
+    ex.stream.synchronize()
+    cupy.cuda.profiler.stop()
+    ex.close()
+
+
+def summarize(csv_path: str, model_name: str) -> str:
+    from engine.model_config import ModelConfig
+
+    cfg = ModelConfig.from_file(os.path.join(ROOT, "bench", "configs", model_name, "config.json"))
+    names = projection_names(cfg)
+    text = open(csv_path, encoding="utf-8", errors="replace").read()
+    text = text[text.index('"ID"'):] if '"ID"' in text else text
+    per: dict[str, list[float]] = defaultdict(list)
+    nbytes: dict[str, int] = {}
+    seen: dict[int, int] = defaultdict(int)
+    for row in csv.DictReader(io.StringIO(text)):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+        us = float(row["Metric Value"].replace(",", "")) * scale.get(row.get("Metric Unit", "ns"), 1e-3)
+        kname = row["Kernel Name"].split("(")[0]
+        grid = row.get("Grid Size", "")
+        label = kname
+        if kname.startswith("gemv_"):
+            ctas = int(grid.strip("()").split(",")[0])
+            options = names.get(ctas, [(f"N={ctas * 16}", 0)])
+            proj, b = options[seen[ctas] % len(options)]
+            seen[ctas] += 1
+            label, nbytes[f"{kname} {proj}"] = f"{kname} {proj}", b
+        per[label].append(us)
+    total = sum(sum(v) for v in per.values())
+    lines = [f"{model_name}: {sum(len(v) for v in per.values())} kernels, {total:.0f} µs summed "
+             f"(each kernel alone; the graphed step overlaps neighbours)", "",
+             "| kernel | calls | µs per call (median) | µs per step | share | HBM roofline fraction |",
+             "|---|---|---|---|---|---|"]
+    for label, v in sorted(per.items(), key=lambda kv: -sum(kv[1])):
+        med = sorted(v)[len(v) // 2]
+        roof = nbytes.get(label)
+        frac = f"{roof / (COPY_TB_S * 1e6) / med:.2f}" if roof else "-"
+        lines.append(f"| {label} | {len(v)} | {med:.1f} | {sum(v):.0f} | {sum(v) / total:.1%} | {frac} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3-4b")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--parse", metavar="NCU_CSV", help="summarize an ncu --csv log instead of running")
+    a = p.parse_args()
+    if a.parse:
+        print(summarize(a.parse, a.model))
+    else:
+        run_step(a.model, a.batch)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""The device weight layouts the GPU executor uploads (no GPU needed)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def test_interleave_gate_up_pairs_gate_and_up_rows():
+    """Block b of 16 rows holds gate rows 8b..8b+7 then up rows 8b..8b+7 (gemv.cu's SiLU·up layout)."""
+    from engine.executor.gpu_gemm import interleave_gate_up
+
+    I, H = 24, 3
+    w = np.arange(2 * I * H, dtype=np.uint16).reshape(2 * I, H)
+    wi = interleave_gate_up(w)
+    for b in range(I // 8):
+        np.testing.assert_array_equal(wi[16 * b:16 * b + 8], w[8 * b:8 * b + 8])
+        np.testing.assert_array_equal(wi[16 * b + 8:16 * b + 16], w[I + 8 * b:I + 8 * b + 8])
+    assert sorted(map(tuple, wi)) == sorted(map(tuple, w))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        interleave_gate_up(w[:40])
