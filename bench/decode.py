@@ -9,14 +9,16 @@ same run times HF transformers (bf16, no compile, same weights) as the peer, and
 of one eager batch-1 step (CUDA events around each op) with each op's weight-read roofline.
 
     python3 bench/decode.py --out DIR [--models qwen3-4b,qwen3-8b] [--batches 1,8,32,128,256]
-        [--kernels "none;all"] [--micro]
+        [--kernels "none;all"] [--micro [attention,gemv,single]]
 --kernels runs the batches once per decode-kernel setting (GpuExecutor.set_decode_kernels: "none" the
 old path, split attention + cuBLAS, and this script's default; "all", the executor's default,
 paged_decode.cu + gemv.cu with its fused RMSNorm / SiLU / residual; a "|nopdl" suffix captures the
 graphs with plain launches instead of programmatic dependent ones, "|norope" runs q/k norm + rope + KV
 write as its own kernel instead of inside decode attention) on the same executor and weights, and reports the
 fraction of sequences whose first 4 greedy tokens equal the first setting's. --micro adds the per-kernel
-table (bench/decode_micro.py): each projection GEMM and decode attention, old vs new, with its roofline.
+table (bench/decode_micro.py; all parts, or the listed ones): "attention" (decode attention of all layers
+in a graph, per split count), "gemv" (each projection of all layers in a graph: cuBLAS and gemv.cu at
+several weight-batch depths), "single" (decode attention launched alone, old kernel vs new).
 Writes DIR/decode.json, DIR/decode.md and DIR/decode.png.
 """
 from __future__ import annotations
@@ -164,7 +166,7 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
 
 
 def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: float, hf_batches: list[int],
-                kernel_sets: list[str], micro: bool) -> dict:
+                kernel_sets: list[str], micro: str) -> dict:
     import torch
 
     from engine.executor.gpu import GpuExecutor
@@ -207,7 +209,7 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     micro_rows = []
     if micro:
         from bench.decode_micro import micro_bench
-        micro_rows = micro_bench(ex, cfg, bw)
+        micro_rows = micro_bench(ex, cfg, bw, micro.split(","))
     ex.close()
     return dict(model=name, weight_bytes=weight_bytes, rows=rows, breakdown=breakdown, micro=micro_rows)
 
@@ -287,7 +289,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--kernels", default="none", help="';'-separated decode-kernel settings, e.g. 'none;all'")
-    p.add_argument("--micro", action="store_true", help="per-kernel old vs new table")
+    p.add_argument("--micro", nargs="?", const="attention,gemv,single", default="",
+                   help="per-kernel tables: attention,gemv,single (default all)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     p.add_argument("--summary", nargs="+", metavar="DECODE_JSON", help="only print the compact table of these runs")
     a = p.parse_args()

@@ -1,10 +1,10 @@
-"""Per-kernel decode timings, old vs new, with each kernel's HBM roofline fraction (bytes it must read
-÷ the device-copy bandwidth of the run): every projection GEMM of a model at M = 1, 8, 16, 32 (cuBLAS
-vs gemv.cu, on the executor's own weights), and decode attention at batch 1 / 32 and context 256 /
-4096 (paged_attention_split + attention_merge vs paged_decode.cu, merge inside) on a random paged cache.
-Single launches include launch latency and ramp-up; `graph_chain_rows` measures what a GEMV costs inside
-a decode graph instead: one projection of every layer (distinct weights, far beyond L2) captured back to
-back, plain launches vs programmatic dependent launches. Called by bench/decode.py --micro."""
+"""Per-kernel decode timings with each kernel's HBM roofline fraction (bytes it must read ÷ the
+device-copy bandwidth of the run), as a decode graph sees them: `graph_attention_rows` (q/k norm + rope
++ KV write + decode attention of every layer captured back to back, per KV split count),
+`graph_chain_rows` (one projection of every layer, distinct weights far beyond L2: cuBLAS vs gemv.cu at
+several weight-batch depths, plain vs programmatic dependent launches); and `attention_rows`, decode
+attention launched alone (paged_attention_split + attention_merge vs paged_decode.cu), which includes
+launch latency and ramp-up. Called by bench/decode.py --micro."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,34 +34,6 @@ def time_ms(stream, fn, reps: int = 20) -> float:
         e1.synchronize()
         times.append(cupy.cuda.get_elapsed_time(e0, e1))
     return float(np.median(times))
-
-
-def gemm_rows(ex, bw: float) -> list[dict]:
-    import cupy
-
-    from engine.executor.gpu_gemm import Gemm
-
-    picked: dict[str, object] = {}
-    for name, w in ex.weights.items():
-        label = name.split(".")[-1]
-        if w.ndim == 2 and label not in picked:
-            picked[label] = w
-    blas, gemv = Gemm(ex.stream), Gemm(ex.stream, gemv_max_m=32)
-    rows = []
-    for label, w in picked.items():
-        N, K = w.shape
-        fp32 = label in ("embed_tokens", "lm_head")
-        for M in GEMM_ROWS:
-            x = rand_bf16((M, K))
-            out = cupy.empty((M, N), np.float32 if fp32 else np.uint16)
-            floor = (N * K * 2) / bw * 1e3
-            t_old = time_ms(ex.stream, lambda: blas(x, w, out))
-            t_new = time_ms(ex.stream, lambda: gemv(x, w, out))
-            rows.append(dict(kernel=f"linear.{label} {N}x{K}", case=f"M={M}", old_ms=t_old, new_ms=t_new,
-                             roofline_ms=floor))
-    blas.close()
-    gemv.close()
-    return rows
 
 
 def attention_rows(ex, cfg, bw: float) -> list[dict]:
@@ -141,8 +113,59 @@ def graph_chain_rows(ex, cfg, bw: float, rows_m=(1, 16, 32), unrolls=(2, 4, 8), 
     return rows
 
 
-def micro_bench(ex, cfg, bw: float) -> list[dict]:
-    rows = graph_chain_rows(ex, cfg, bw) + attention_rows(ex, cfg, bw) + gemm_rows(ex, bw)
+def graph_attention_rows(ex, cfg, bw: float, cases=((1, 256), (1, 2048), (32, 256)), reps: int = 10) -> list[dict]:
+    """µs per decode attention layer (rope_attention: q/k norm + rope + KV write + attention, as in a
+    decode step) inside a captured graph of all layers with programmatic dependent launches, per KV split
+    count: the executor's choice and a sweep around it. Reads a random-content paged cache."""
+    import dataclasses
+
+    import cupy
+
+    from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
+    from engine.models.decoder import attention_specs
+    from engine.request import SamplingParams
+
+    ops, specs, rows = ex.ops, attention_specs(cfg), []
+    width = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    qnorms = [ex.weights.get(f"layers.{s.layer}.q_norm") for s in specs]
+    knorms = [ex.weights.get(f"layers.{s.layer}.k_norm") for s in specs]
+    for B, ctx_len in cases:
+        per_seq = -(-ctx_len // BLOCK_SIZE)
+        if B * per_seq > ex.num_kv_blocks or ctx_len > ex.max_model_len:
+            continue
+        seqs = [SeqStep(seq_id=j, token_ids=[1], start_pos=ctx_len - 1, sample=True,
+                        params=SamplingParams(temperature=0.0),
+                        block_table=list(range(j * per_seq, (j + 1) * per_seq))) for j in range(B)]
+        ctx = ex._context(ModelBatch.build(seqs))
+        qkv = rand_bf16((B, width))
+        chosen = ctx.num_splits
+        for S in sorted({1, 2, 4, 8, 16, 32, chosen} & set(range(1, -(-ctx_len // 16) + 1))):
+            c = dataclasses.replace(ctx, num_splits=S)
+            ops.pdl = True
+
+            def layers():
+                ops.reset()
+                for spec, qn, kn in zip(specs, qnorms, knorms):
+                    ops.rope_attention(qkv, spec, c, q_norm=qn, k_norm=kn)
+            layers()
+            ex.stream.synchronize()
+            ex.stream.begin_capture()
+            layers()
+            graph = ex.stream.end_capture()
+            ops.pdl = False
+            t = time_ms(ex.stream, lambda: graph.launch(stream=ex.stream), reps) / len(specs)
+            floor = B * ctx_len * cfg.num_key_value_heads * cfg.head_dim * 2 * 2 / bw * 1e3
+            rows.append(dict(kernel="graph.rope_attention", case=f"B={B} ctx={ctx_len} splits {S}"
+                             + (" (chosen)" if S == chosen else ""), old_ms=t, new_ms=t, roofline_ms=floor))
+    return rows
+
+
+def micro_bench(ex, cfg, bw: float, parts=("attention", "gemv", "single")) -> list[dict]:
+    make = {"attention": graph_attention_rows, "gemv": graph_chain_rows, "single": attention_rows}
+    unknown = set(parts) - set(make)
+    if unknown:
+        raise ValueError(f"--micro parts {sorted(unknown)}: want some of {sorted(make)}")
+    rows = [r for part in parts for r in make[part](ex, cfg, bw)]
     for r in rows:
         print(f"[micro] {r}", flush=True)
     return rows

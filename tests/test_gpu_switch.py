@@ -32,8 +32,10 @@ def test_decode_attention_fits_rule():
 
 
 def test_decode_splits_fill_the_gpu():
-    """Batch-1 Qwen3 (8 KV heads) at 256 keys: 16 splits of 16 keys; at 4096 keys 33 (>= 2 CTAs per SM)."""
-    assert attention_splits(1, 8, 256, MAX_DECODE_SPLITS) == 16
-    assert attention_splits(1, 8, 4096, MAX_DECODE_SPLITS) == 33
-    assert attention_splits(32, 8, 4096, MAX_DECODE_SPLITS) == 2
-    assert attention_splits(64, 8, 4096, MAX_DECODE_SPLITS) == 1
+    """paged_decode.cu, Qwen3 (8 KV heads): batch 1 at 256 keys 8 splits of 32 keys, at 4096 keys 33 (>= 2 CTAs
+    per SM); from batch 17 the (token, head) CTAs fill the SMs and take 1 split."""
+    assert attention_splits(1, 8, 256, MAX_DECODE_SPLITS) == 8          # >= 32 keys per split
+    assert attention_splits(1, 8, 4096, MAX_DECODE_SPLITS) == 33        # fill the SMs twice
+    assert attention_splits(16, 8, 4096, MAX_DECODE_SPLITS) == 3
+    assert attention_splits(17, 8, 4096, MAX_DECODE_SPLITS) == 1        # 136 CTAs fill the SMs once
+    assert attention_splits(32, 8, 4096, MAX_DECODE_SPLITS) == 1
