@@ -12,7 +12,11 @@ of paged_attention.cu and cuBLAS serve every step. "all" is the default since it
 
 Decode graphs launch their kernels as programmatic dependent launches (kernels/raw_cuda/launch.py)
 unless $OPENINFER_PDL is "0". $OPENINFER_LAYER_RANGES=1 adds an NVTX range per decoder layer to
-eager steps (run with use_cuda_graphs off to see decode that way)."""
+eager steps (run with use_cuda_graphs off to see decode that way).
+
+Prefill attention (`prefill_attention`, default from $OPENINFER_PREFILL_ATTENTION, default "cute"): in
+eager steps, sequences of many new tokens run the CuTe varlen FlashAttention kernel over gathered K/V
+(gpu_prefill.py); "paged" keeps every step on the paged kernels."""
 from __future__ import annotations
 
 import logging
@@ -26,6 +30,7 @@ from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, interleave_gate_up
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_ops import NUM_SMS, RING_SLOTS, GpuOps, GpuStepContext
+from engine.executor.gpu_prefill import PrefillAttention, prefill_min_query
 from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS, PENALTY_ENTRIES, GpuSampler
 from engine.loader import LoadedModel
 from engine.models.rope import rope_inv_freq
@@ -71,7 +76,8 @@ class GpuExecutor:
     def __init__(self, model: LoadedModel, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, use_cute: bool = False,
-                 progress: bool = True, use_cuda_graphs: bool = True, decode_kernels: str | None = None):
+                 progress: bool = True, use_cuda_graphs: bool = True, decode_kernels: str | None = None,
+                 prefill_attention: str | None = None):
         cfg = model.config
         self.config, self.model = cfg, model.model
         self.vocab_size = cfg.vocab_size
@@ -88,11 +94,16 @@ class GpuExecutor:
         stream = self.streams.compute
         max_width = max(2 * I, (Hq + 2 * Hkv) * D, H)
         n_inputs = 5 * self.max_tokens + self.max_seqs * self.max_blocks
+        prefill_min = prefill_min_query(prefill_attention, D)      # None: paged attention serves every step
+        prefill_rows = self.max_model_len + self.max_tokens          # gathered K/V rows (gpu_prefill.py)
+        prefill_bytes = 0 if prefill_min is None else PrefillAttention.nbytes(
+            prefill_rows, Hkv, D, self.max_tokens, self.max_seqs)
         act_bytes = (RING_SLOTS * self.max_tokens * max_width * 2 + self.max_tokens * H * 2
                      + self.max_tokens * V * 4
                      + (self.max_tokens + 2 * NUM_SMS) * Hq * (D + 2) * 4 + self.max_tokens * Hq * 4
                      + 2 * self.max_seqs * V * 4 + 4 * PENALTY_ENTRIES * 4
-                     + self.max_seqs * (MAX_TOP_LOGPROBS * 8 + 64) + n_inputs * 4 + WORKSPACE_BYTES)
+                     + self.max_seqs * (MAX_TOP_LOGPROBS * 8 + 64) + n_inputs * 4 + WORKSPACE_BYTES
+                     + prefill_bytes)
         weight_bytes = sum(int(a.size) * 2 for a in model.weights.values())
         block_bytes = L * 2 * BLOCK_SIZE * Hkv * D * 2
         if num_kv_blocks is None:
@@ -134,6 +145,8 @@ class GpuExecutor:
         self.ops.layer_ranges = os.environ.get(LAYER_RANGES_ENV, "0") == "1"
         self.ops.gate_up_interleaved = interleave
         self.pdl_decode = os.environ.get(PDL_ENV, "1") != "0"
+        self.prefill = None if prefill_min is None else PrefillAttention(
+            self.arena, stream, self.max_tokens, self.max_seqs, prefill_rows, Hkv, D, prefill_min)
         self.sampler = GpuSampler(self.arena, sampler_rows, V, stream)
         self.stream = stream
         self.last_host_s = 0.0
@@ -189,7 +202,10 @@ class GpuExecutor:
         import cupy
         cupy.cuda.runtime.memcpyAsync(self.inputs.data.ptr, h.ctypes.data, n * 4,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
-        return self._views(T, rows, S, int(batch.context_lens.max()) if pad_to is None else self.max_model_len)
+        ctx = self._views(T, rows, S, int(batch.context_lens.max()) if pad_to is None else self.max_model_len)
+        if pad_to is None and self.prefill is not None:
+            ctx.prefill = self.prefill.step(batch)
+        return ctx
 
     def _views(self, T: int, B: int, S: int, max_context: int) -> GpuStepContext:
         Tm, mb, d = self.max_tokens, self.max_blocks, self.inputs

@@ -68,6 +68,7 @@ class GpuStepContext:
     block_tables: object    # int32 [B, max_blocks]
     sample_rows: object     # int32 [S]
     num_splits: int
+    prefill: object = None  # gpu_prefill.PrefillStep: the CuTe kernel's sequences (eager steps only)
 
     @property
     def decode_only(self) -> bool:
@@ -239,6 +240,8 @@ class GpuOps(ComposedOps):
         return out
 
     def attention(self, q, spec: AttentionSpec, ctx: GpuStepContext):
+        if ctx.prefill is not None and ctx.prefill.serves(spec):     # long sequences: CuTe (gpu_prefill.py)
+            return ctx.prefill.attention(self, q, spec, ctx)
         T = ctx.num_tokens
         Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
         S = ctx.num_splits
