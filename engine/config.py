@@ -25,6 +25,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_n: int = 16                          # largest n (samples per request) accepted
     seed: int = 0                            # seeds the RNG of requests that bring no seed
+    overlap_steps: bool = True               # detokenize / send step N's tokens while step N+1 runs
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""

@@ -14,11 +14,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.batch import BLOCK_SIZE, ModelBatch, StepOutput
+from engine.batch import BLOCK_SIZE, ModelBatch, SampledToken, StepOutput
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.events import (Error, Finished, PromptLogprobs, Rejected, Scheduled, Token,
                            TokenEvent, TopLogprob, Usage)
+from engine.executor.base import DoneStep, submit
 from engine.request import GenerateRequest
 from engine.scheduler import Scheduler, SchedulerOutput, blocks_for
 from engine.sequence import Sequence, SeqStatus
@@ -87,6 +88,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._after_step: list[Callable[[], None]] = []
+        self._deferred: list[tuple[Sequence, SampledToken]] = []   # tokens to send after the next launch
 
     # -- thread-safe surface -------------------------------------------------------------
     def add_request(self, req: GenerateRequest, sink: Sink) -> None:
@@ -159,7 +161,8 @@ class EngineLoop:
                 return
 
     def step(self) -> None:
-        """One engine step: schedule, execute, turn the results into events."""
+        """One engine step: schedule, launch, emit the previous step's deferred tokens while the
+        device runs this one, wait for its sampled ids, turn them into events."""
         out = self.scheduler.schedule()
         for seq in out.preempted:
             log.debug("preempted seq %d of %s", seq.seq_id, seq.request_id)
@@ -168,16 +171,25 @@ class EngineLoop:
             self._on_scheduled(seq)
         if out.steps:
             try:
-                result = self.executor.execute(ModelBatch.build(out.steps))
+                batch = ModelBatch.build(out.steps)
+                pending = (submit(self.executor, batch) if self.config.overlap_steps
+                           else DoneStep(self.executor.execute(batch)))
+                if self._deferred:          # the previous step's tokens, while the device runs this one
+                    self._emit_deferred()
+                    self._run_after_step()  # and hand them to their consumers now, not after this step
+                result = pending.result()
                 if len(result.sampled) != sum(s.sample for s in out.steps):
                     raise RuntimeError(f"executor sampled {len(result.sampled)} sequences, "
                                        f"expected {sum(s.sample for s in out.steps)}")
             except Exception as e:  # a broken step fails its requests, not the engine
                 log.exception("engine step failed")
+                self._emit_deferred()
                 for rid in {seq.request_id for seq in out.seqs}:
                     self._fail(rid, f"engine step failed: {type(e).__name__}: {e}")
             else:
-                self._process(out, result)
+                self._process(out, result, defer=not isinstance(pending, DoneStep))
+        if not out.steps or not self.scheduler.has_work():
+            self._emit_deferred()
         self._steps += 1
         self._publish_stats()
 
@@ -269,7 +281,12 @@ class EngineLoop:
             self._send(state.sink, Scheduled(seq.request_id, seq.num_cached_tokens))
 
     # -- results out ---------------------------------------------------------------------
-    def _process(self, out: SchedulerOutput, result: StepOutput) -> None:
+    def _process(self, out: SchedulerOutput, result: StepOutput, defer: bool = False) -> None:
+        """Account the step and its sampled tokens. With `defer` (the executor launched the step
+        asynchronously), a token that does not end its sequence by id or length is appended now (the
+        next step's input) but detokenized and sent after the next step's launch (_emit_deferred),
+        overlapping the device; a stop string found then ends the sequence one step late (the extra
+        step's token is dropped, its KV slot freed with the sequence)."""
         self._register_forks(self.scheduler.advance(out))
         for plp in result.prompt_logprobs:
             self._collect_prompt_logprobs(out, plp)
@@ -281,8 +298,25 @@ class EngineLoop:
             try:
                 if seq.want_prompt_logprobs and seq.num_computed >= seq.prompt_len:
                     self._emit_prompt_logprobs(seq)
-                if token is not None:
-                    self._on_token(seq, token)
+                if token is None:
+                    continue
+                seq.token_ids.append(token.token_id)
+                self._generation_tokens += 1
+                if defer and not self._ends_by_token(seq, token.token_id):
+                    self._deferred.append((seq, token))
+                else:
+                    self._emit_token(seq, token)
+            except Exception as e:
+                log.exception("request %s failed", seq.request_id)
+                self._fail(seq.request_id, f"{type(e).__name__}: {e}")
+
+    def _emit_deferred(self) -> None:
+        pending, self._deferred = self._deferred, []
+        for seq, token in pending:
+            if seq.status is SeqStatus.FINISHED or seq.request_id not in self.requests:
+                continue                    # aborted or failed in between (a preempted one still sends)
+            try:
+                self._emit_token(seq, token)
             except Exception as e:
                 log.exception("request %s failed", seq.request_id)
                 self._fail(seq.request_id, f"{type(e).__name__}: {e}")
@@ -313,14 +347,22 @@ class EngineLoop:
         decode = self._decoders[False]
         return [TopLogprob(t, decode([t]), lp) for t, lp in pairs]
 
-    def _on_token(self, seq: Sequence, sampled) -> None:
+    def _ends_by_token(self, seq: Sequence, token: int) -> bool:
+        """Whether the sequence (token already appended) ends without looking at its text: a stop
+        token past min_tokens, max_tokens, or max_model_len."""
+        p = seq.params
+        num_generated = len(seq.token_ids) - seq.prompt_len
+        return ((num_generated >= p.min_tokens and token in p.stop_token_ids)
+                or num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len)
+
+    def _emit_token(self, seq: Sequence, sampled) -> None:
+        """Detokenize the sequence's newest token (already appended), send it, end the sequence on
+        a stop token, stop string or length."""
         state = self.requests[seq.request_id]
         p = seq.params
         token = sampled.token_id
-        seq.token_ids.append(token)
         num_tokens = len(seq.token_ids)
         num_generated = num_tokens - seq.prompt_len
-        self._generation_tokens += 1
         detok = state.detoks[seq.index]
         past_min = num_generated >= p.min_tokens
         reason, stop_reason = None, None

@@ -28,6 +28,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in 16-token blocks")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=True,
+                   help="detokenize and stream a step's tokens while the GPU runs the next step")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +64,7 @@ def engine_config(args: argparse.Namespace):
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                          max_n=getattr(args, "max_n", 16), seed=args.seed)
+                          max_n=getattr(args, "max_n", 16), seed=args.seed, overlap_steps=args.overlap_steps)
     config.validate()
     return config
 

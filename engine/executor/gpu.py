@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
+from engine.executor.base import DoneStep, PendingStep
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, interleave_gate_up
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_ops import NUM_SMS, RING_SLOTS, GpuOps, GpuStepContext
@@ -229,16 +230,21 @@ class GpuExecutor:
         return out
 
     def execute(self, batch: ModelBatch) -> StepOutput:
+        return self.submit(batch).result()
+
+    def submit(self, batch: ModelBatch) -> PendingStep:
+        """Launch one step. A greedy decode-graph step returns while the GPU runs it (its result()
+        is the step's one sync); other steps run to the end here."""
         t0 = time.perf_counter()
         if self.graphs is not None and self.graphs.serves(batch):
             with nvtx_range(f"decode graph B={len(batch.seqs)}"):
-                out = self.graphs.run(batch, t0)
+                pending = self.graphs.launch(batch, t0)
             self.last_host_s = self.graphs.last_host_s
-            return out
+            return pending
         with nvtx_range(f"step T={batch.num_tokens}"):
             out = self._execute_eager(batch)
         self.last_host_s = time.perf_counter() - t0
-        return out
+        return DoneStep(out)
 
     def _execute_eager(self, batch: ModelBatch) -> StepOutput:
         hidden, ctx = self._hidden(batch)

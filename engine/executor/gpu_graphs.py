@@ -5,8 +5,10 @@ forward (its kernels launched as programmatic dependent launches unless the exec
 is off), the gather of the sampled rows, the lm_head and argmax_logprob into the sampler's id
 buffer. Batches are padded up to their bucket (padded rows: position and slot -1, so they write
 no KV and attend to nothing). Steps whose requests all decode greedily without logit processing
-or logprobs read the ids straight back (the one sync of the step); any other step runs the GPU
-sampler eagerly on the graph's logits. Prefill and mixed steps stay eager.
+or logprobs queue the ids' copy into pinned host memory behind the graph and return at once
+(`launch` -> GraphStep): the caller's host work overlaps the step until GraphStep.result() waits
+on the copy's event (the one sync of the step). Any other step runs the GPU sampler eagerly on the
+graph's logits. Prefill and mixed steps stay eager.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import time
 import numpy as np
 
 from engine.batch import ModelBatch, SampledToken, StepOutput
+from engine.executor.base import DoneStep, PendingStep
 from engine.executor.gpu_sampler import needs_processing
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -37,12 +40,26 @@ def nvtx_range(name: str):
         nvtx.RangePop()
 
 
+class GraphStep:
+    """A replayed decode graph whose greedy ids are on their way into pinned host memory."""
+
+    def __init__(self, seq_ids: list[int], ids_host: np.ndarray, done):
+        self.seq_ids, self.ids_host, self.done = seq_ids, ids_host, done
+
+    def result(self) -> StepOutput:
+        self.done.synchronize()
+        return StepOutput(sampled=[SampledToken(s, int(t)) for s, t in zip(self.seq_ids, self.ids_host)])
+
+
 class DecodeGraphs:
     def __init__(self, executor):
+        from memory.streams import pinned_array
+
         self.ex = executor
         self.buckets = [b for b in BUCKETS if b <= executor.max_seqs] or [executor.max_seqs]
         self.graphs: dict[int, tuple] = {}
         self.last_host_s = 0.0
+        self.ids_host = pinned_array((executor.max_seqs,), np.int32)   # one step in flight at a time
 
     def serves(self, batch: ModelBatch) -> bool:
         return (batch.is_decode_only and len(batch.seqs) <= self.buckets[-1]
@@ -80,7 +97,9 @@ class DecodeGraphs:
             graph = ex.stream.end_capture()
         return graph, logits
 
-    def run(self, batch: ModelBatch, t0: float) -> StepOutput:
+    def launch(self, batch: ModelBatch, t0: float) -> PendingStep:
+        import cupy
+
         ex, seqs = self.ex, batch.seqs
         b = self.bucket(len(seqs))
         ctx = ex._context(batch, pad_to=b)
@@ -89,9 +108,13 @@ class DecodeGraphs:
         else:
             self.graphs[b][0].launch(stream=ex.stream)
         logits = self.graphs[b][1]
-        self.last_host_s = time.perf_counter() - t0
         if all(s.params.greedy and s.params.logprobs is None and not needs_processing(s) for s in seqs):
-            ids = ex.sampler.ids[:len(seqs)].get(stream=ex.stream)
-            ex.stream.synchronize()
-            return StepOutput(sampled=[SampledToken(s.seq_id, int(t)) for s, t in zip(seqs, ids)])
-        return StepOutput(sampled=ex.sampler.sample(logits[:len(seqs)], seqs))
+            n = len(seqs)
+            cupy.cuda.runtime.memcpyAsync(self.ids_host.ctypes.data, ex.sampler.ids.data.ptr, n * 4,
+                                          cupy.cuda.runtime.memcpyDeviceToHost, ex.stream.ptr)
+            done = cupy.cuda.Event(block=False, disable_timing=True)
+            done.record(ex.stream)
+            self.last_host_s = time.perf_counter() - t0
+            return GraphStep([s.seq_id for s in seqs], self.ids_host[:n], done)
+        self.last_host_s = time.perf_counter() - t0
+        return DoneStep(StepOutput(sampled=ex.sampler.sample(logits[:len(seqs)], seqs)))

@@ -1,0 +1,127 @@
+"""CPU/GPU step overlap in the engine loop, with a fake executor that launches asynchronously: its
+step runs only when the engine asks for the result, after the engine has sent the previous step's
+deferred tokens. Every client-visible event must equal what a synchronous executor gives, through
+stop strings (which end a sequence one step late on the executor's side), stop tokens, lengths,
+n > 1, logprobs, preemption and aborts."""
+from __future__ import annotations
+
+import dataclasses
+
+from engine.events import Finished, Scheduled, Token
+from engine.request import GenerateRequest, SamplingParams
+from fake_executor import FakeExecutor, make_engine, run_until_idle, submit
+
+
+class LaunchedStep:
+    def __init__(self, executor, batch):
+        self.executor, self.batch = executor, batch
+
+    def result(self):
+        self.executor.log.append(("result", len(self.executor.steps)))
+        return self.executor.execute(self.batch)
+
+
+class AsyncFakeExecutor(FakeExecutor):
+    """submit() returns at once; the step runs in result()."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.log: list[tuple] = []
+
+    def submit(self, batch):
+        self.log.append(("launch", len(self.steps)))
+        return LaunchedStep(self, batch)
+
+
+def requests() -> list[GenerateRequest]:
+    greedy = dict(temperature=0.0)
+    return [
+        GenerateRequest("plain", [5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True, **greedy)),
+        GenerateRequest("eos", [9, 9, 9], SamplingParams(max_tokens=200, **greedy)),
+        GenerateRequest("stopstr", list(b"the rain"), SamplingParams(max_tokens=120, stop=["e", "a"], **greedy)),
+        GenerateRequest("stopid", [1, 2], SamplingParams(max_tokens=120, stop_token_ids=[101, 102, 103, 104, 105],
+                                                         **greedy)),
+        GenerateRequest("minlen", [3], SamplingParams(max_tokens=30, min_tokens=10, stop=["a"], **greedy)),
+        GenerateRequest("sampled", [4, 4], SamplingParams(max_tokens=25, temperature=1.0, seed=7, n=3,
+                                                          logprobs=2, ignore_eos=True)),
+        GenerateRequest("long", list(range(60, 100)), SamplingParams(max_tokens=90, ignore_eos=True, **greedy)),
+    ]
+
+
+def client_view(events: list) -> list:
+    """What a client sees (cached-token counts depend on prefix-cache timing, not on the model)."""
+    out = []
+    for e in events:
+        if isinstance(e, Scheduled):
+            continue
+        if isinstance(e, Finished):
+            e = dataclasses.replace(e, usage=dataclasses.replace(e.usage, cached_tokens=0))
+        out.append(e)
+    return out
+
+
+def run(executor, reqs, **config) -> dict[str, list]:
+    engine = make_engine(executor, **config)
+    streams = {r.request_id: [] for r in reqs}
+    log = getattr(executor, "log", [])
+    for r in reqs:
+        engine.add_request(r, lambda e, out=streams[r.request_id]: (out.append(e), log.append(("event", e))))
+    run_until_idle(engine)
+    return {rid: client_view(ev) for rid, ev in streams.items()}
+
+
+def test_overlapped_engine_sends_what_the_synchronous_one_sends():
+    sync = run(FakeExecutor(), requests())
+    lagged = AsyncFakeExecutor()
+    overlapped = run(lagged, requests())
+    assert overlapped == sync
+    assert all(ev and ev[-1] is None for ev in sync.values())
+    reasons = {rid: [e.reason for e in ev if isinstance(e, Finished)] for rid, ev in sync.items()}
+    assert reasons["stopstr"] == ["stop"] and reasons["stopid"] == ["stop"] and reasons["plain"] == ["length"]
+    # the overlap happened: tokens of a step were sent after the next step's launch, before its result
+    kinds = [entry[0] if entry[0] != "event" or not isinstance(entry[1], Token) else "token" for entry in lagged.log]
+    overlapped_sends = sum(1 for i in range(len(kinds) - 2)
+                           if kinds[i] == "launch" and kinds[i + 1] == "token" and "result" in kinds[i + 1:])
+    assert overlapped_sends > 10
+
+
+def test_stop_string_costs_one_extra_executor_step_but_no_extra_token():
+    req = requests()[2]                           # stops on the first "e" or "a"
+    sync_ex, lagged = FakeExecutor(), AsyncFakeExecutor()
+    sync, overlapped = run(sync_ex, [req]), run(lagged, [req])
+    assert overlapped == sync
+    tokens = [e for e in sync["stopstr"] if isinstance(e, Token)]
+    assert tokens and len(lagged.steps) == len(sync_ex.steps) + 1
+
+
+def test_overlap_through_preemption_and_aborts():
+    """A KV pool too small for everyone: sequences are preempted with a token still to be sent."""
+    reqs = [GenerateRequest(f"r{i}", [10 + i] * 20, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True,
+                                                                   stop=["\x7f"]))
+            for i in range(6)]
+    sync = run(FakeExecutor(num_kv_blocks=14), reqs, max_num_seqs=6)
+    lagged = AsyncFakeExecutor(num_kv_blocks=14)
+    engine = make_engine(lagged, max_num_seqs=6)
+    streams = {r.request_id: submit(engine, r) for r in reqs}
+    assert run_until_idle(engine) > 0 and engine.scheduler.num_preemptions > 0
+    assert {rid: client_view(ev) for rid, ev in streams.items()} == sync
+
+    engine = make_engine(AsyncFakeExecutor())
+    events = submit(engine, requests()[0])
+    engine.step()
+    engine.step()                                 # one token sent, one deferred
+    engine.abort("plain")
+    run_until_idle(engine)
+    finished = [e for e in events if isinstance(e, Finished)]
+    assert [f.reason for f in finished] == ["abort"] and events[-1] is None
+    assert all(not isinstance(e, Token) for e in events[events.index(finished[0]):])
+
+
+def test_ends_known_from_the_token_cost_no_extra_step():
+    """Stop tokens, max_tokens and max_model_len end a sequence before the next launch (an extra step
+    could run past max_model_len); only stop strings, which need the text, are one step late."""
+    reqs = [r for r in requests() if not r.params.stop]
+    reqs.append(GenerateRequest("fills", [7] * 20, SamplingParams(max_tokens=44, temperature=0.0, ignore_eos=True)))
+    sync_ex, lagged = FakeExecutor(), AsyncFakeExecutor()
+    assert run(lagged, reqs, max_model_len=64) == run(sync_ex, reqs, max_model_len=64)
+    assert len(lagged.steps) == len(sync_ex.steps)
