@@ -5,7 +5,7 @@ Qwen3 weights, with and without the CPU/GPU step overlap (EngineConfig.overlap_s
     python3 bench/engine_decode.py --model qwen3-4b --batches 32,128 --output-len 128
 
 B requests of 128 random prompt tokens each decode output-len tokens greedily (ignore_eos), all
-submitted at once; reported: output tokens/s over the decode phase (from the first streamed token of
+submitted at once, after one unreported warm-up pass per batch size (it captures the decode graphs); reported: output tokens/s over the decode phase (from the first streamed token of
 the last request to start until the end) and the median inter-token time per request.
 """
 from __future__ import annotations
@@ -78,9 +78,9 @@ def run(model_name: str, batches: list[int], output_len: int, prompt_len: int = 
     rng = np.random.default_rng(0)
     rows = []
     for B in batches:
-        for overlap in (False, True):
+        for overlap in (None, False, True):             # None: a warm-up pass (graph capture), not reported
             config = EngineConfig(max_num_seqs=B, max_num_batched_tokens=2048, enable_prefix_caching=False,
-                                  overlap_steps=overlap)
+                                  overlap_steps=bool(overlap))
             handle = EngineHandle(config, executor=_Kept(ex), tokenizer=tokenizer, model_name=model_name,
                                   max_model_len=max_len)
             params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -90,6 +90,8 @@ def run(model_name: str, batches: list[int], output_len: int, prompt_len: int = 
                 r = asyncio.run(_drive(handle, reqs))
             finally:
                 handle.shutdown()
+            if overlap is None:
+                continue
             r.update(model=model_name, batch=B, overlap=overlap)
             print(r, flush=True)
             rows.append(r)
