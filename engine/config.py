@@ -26,6 +26,7 @@ class EngineConfig:
     max_n: int = 16                          # largest n (samples per request) accepted
     seed: int = 0                            # seeds the RNG of requests that bring no seed
     overlap_steps: bool = True               # detokenize / send step N's tokens while step N+1 runs
+    host_kv_blocks: int = 0                  # host KV tier: evicted prefix-cache blocks kept in host memory
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
@@ -37,6 +38,7 @@ class EngineConfig:
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.max_n >= 1, "max_n must be >= 1"),
+            (self.host_kv_blocks >= 0, "host_kv_blocks must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

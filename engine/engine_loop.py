@@ -24,6 +24,7 @@ from engine.request import GenerateRequest
 from engine.scheduler import Scheduler, SchedulerOutput, blocks_for
 from engine.sequence import Sequence, SeqStatus
 from memory.block_manager import BlockManager
+from memory.host_tier import HostKVTier
 
 log = logging.getLogger("openinfer.engine")
 
@@ -76,7 +77,7 @@ class EngineLoop:
         self.vocab_size = int(executor.vocab_size)
         self.block_manager = BlockManager(executor.num_kv_blocks, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, self._host_tier(executor, config))
         self.requests: dict[str, _Request] = {}
         self._decoders = {skip: self._make_decoder(skip) for skip in (False, True)}
         self._inbox: queue.Queue = queue.Queue()
@@ -89,6 +90,32 @@ class EngineLoop:
         self._stopping = False
         self._after_step: list[Callable[[], None]] = []
         self._deferred: list[tuple[Sequence, SampledToken]] = []   # tokens to send after the next launch
+
+    @staticmethod
+    def _host_tier(executor, config: EngineConfig) -> HostKVTier | None:
+        """The host KV tier's bookkeeping, with its bytes allocated by the executor (None: off)."""
+        if not config.host_kv_blocks or not config.enable_prefix_caching:
+            return None
+        enable = getattr(executor, "enable_host_tier", None)
+        if enable is None:
+            raise ValueError(f"host_kv_blocks={config.host_kv_blocks}: {type(executor).__name__} has no host KV tier")
+        enable(config.host_kv_blocks)
+        return HostKVTier(config.host_kv_blocks)
+
+    def _copy_tier_blocks(self) -> None:
+        """Before the step: the host tier's offloads of evicted blocks, then its restores."""
+        tier = self.scheduler.host_tier
+        if tier is None:
+            return
+        offloads, restores = tier.end_step()
+        if not offloads and not restores:
+            return
+        try:
+            self.executor.copy_blocks(offloads, restores)
+        except Exception:                 # its slots no longer hold what they claim: stop using it
+            log.exception("host KV tier copy failed; the tier is switched off")
+            self.scheduler.host_tier = None
+            raise
 
     # -- thread-safe surface -------------------------------------------------------------
     def add_request(self, req: GenerateRequest, sink: Sink) -> None:
@@ -164,6 +191,7 @@ class EngineLoop:
         """One engine step: schedule, launch, emit the previous step's deferred tokens while the
         device runs this one, wait for its sampled ids, turn them into events."""
         out = self.scheduler.schedule()
+        self._copy_tier_blocks()
         for seq in out.preempted:
             log.debug("preempted seq %d of %s", seq.seq_id, seq.request_id)
         self._register_forks(out.forked)

@@ -5,7 +5,8 @@ Each step: running sequences first (oldest first; a decode costs 1 token, an unf
 prefill the rest of its prompt up to the budget), preempting the youngest running sequence
 whenever blocks run out; then, if nothing was preempted, waiting sequences join while the
 budget, max_num_seqs and the KV pool allow. A waiting sequence starts from its longest
-prefix-cache hit.
+prefix-cache hit: device blocks first, then (with a host KV tier, memory/host_tier.py) blocks the
+device evicted earlier, copied back into fresh device blocks before the step.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 
 from engine.batch import BLOCK_SIZE, SeqStep
 from engine.sequence import Sequence, SeqStatus
-from memory.block_manager import BlockManager
+from memory.block_manager import BlockManager, BlockRemoved
+from memory.host_tier import HostKVTier
 from memory.prefix_hash import NO_PARENT
 
 
@@ -37,8 +39,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, host_tier: HostKVTier | None = None):
         self.bm = block_manager
+        self.host_tier = host_tier
+        if host_tier is not None:
+            block_manager.subscribe(self._on_kv_event)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -56,6 +61,10 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def _on_kv_event(self, event) -> None:
+        if isinstance(event, BlockRemoved) and self.host_tier is not None:   # evicted: keep it on the host
+            self.host_tier.store(event.block_hash, event.block_id)
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -122,14 +131,20 @@ class Scheduler:
         return True
 
     def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
-        """Move a waiting seq to running with its prefix-cache hit, if its first chunk fits."""
+        """Move a waiting seq to running with its prefix-cache hit (device, then host tier), if its
+        first chunk fits."""
         hit: list[int] = []
-        if not seq.want_prompt_logprobs:
+        host: list[int] = []
+        hashes: list[int] = []
+        if not seq.want_prompt_logprobs and self.bm.enable_prefix_caching:
             limit = (len(seq.token_ids) - 1) // BLOCK_SIZE
             if seq.fork_count > 1:
                 limit = seq.fork_at // BLOCK_SIZE
-            hit = self.bm.lookup(seq.block_hashes(limit)) if self.bm.enable_prefix_caching else []
-        seq.num_computed = len(hit) * BLOCK_SIZE
+            hashes = seq.block_hashes(limit)
+            hit = self.bm.lookup(hashes)
+            if self.host_tier is not None:
+                host = self.host_tier.lookup(hashes[len(hit):])
+        seq.num_computed = (len(hit) + len(host)) * BLOCK_SIZE
         n = self._chunk(seq, budget)
         need = blocks_for(seq.num_computed + n) - len(hit)
         # blocks taken from the LRU by the hit itself no longer count as free
@@ -139,12 +154,26 @@ class Scheduler:
             return False
         self.bm.acquire(hit)
         seq.block_table = list(hit)
+        if host:
+            self._restore(seq, hashes, len(hit), host)
         self.bm.record_query(len(seq.token_ids), seq.num_computed)
         seq.num_cached_tokens = seq.num_computed
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         out.admitted.append(seq)
         return True
+
+    def _restore(self, seq: Sequence, hashes: list[int], first: int, slots: list[int]) -> None:
+        """Blocks first.. of seq's prefix come back from host slots into fresh device blocks, which
+        join the device prefix cache under their hashes."""
+        self.host_tier.pin(slots)                    # the allocation below may evict into the tier
+        blocks = self.bm.allocate(len(slots))
+        for i, (slot, block) in enumerate(zip(slots, blocks), start=first):
+            self.host_tier.restore(hashes[i], slot, block)
+            parent = hashes[i - 1] if i else NO_PARENT
+            self.bm.cache_block(block, hashes[i], parent, seq.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE],
+                                seq.lora_id)
+        seq.block_table += blocks
 
     def _fork_ready(self, seq: Sequence) -> bool:
         return seq.fork_count > 1 and seq.num_computed >= seq.fork_at

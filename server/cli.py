@@ -28,6 +28,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in 16-token blocks")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host-kv-blocks", type=int, default=0,
+                   help="host KV tier: keep up to this many evicted prefix-cache blocks in host memory "
+                        "(CPU executor so far)")
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="detokenize and stream a step's tokens while the GPU runs the next step")
 
@@ -64,7 +67,8 @@ def engine_config(args: argparse.Namespace):
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                          max_n=getattr(args, "max_n", 16), seed=args.seed, overlap_steps=args.overlap_steps)
+                          max_n=getattr(args, "max_n", 16), seed=args.seed, overlap_steps=args.overlap_steps,
+                          host_kv_blocks=args.host_kv_blocks)
     config.validate()
     return config
 

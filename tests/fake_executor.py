@@ -81,6 +81,16 @@ class FakeExecutor:
                 plps.append(PromptLogprobResult(s.seq_id, s.start_pos, lps, tops))
         return StepOutput(sampled, plps)
 
+    def enable_host_tier(self, num_slots: int) -> None:
+        self.host = np.full((num_slots, BLOCK_SIZE), -1, dtype=np.int64)
+
+    def copy_blocks(self, offloads, restores) -> None:
+        kv = self.kv.reshape(-1, BLOCK_SIZE)
+        for block, slot in offloads:
+            self.host[slot] = kv[block]
+        for slot, block in restores:
+            kv[block] = self.host[slot]
+
     def close(self) -> None:
         pass
 

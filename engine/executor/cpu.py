@@ -34,6 +34,25 @@ class CpuExecutor:
         self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len)
         self.ops = NumpyOps(self.k_cache, self.v_cache)
 
+    def enable_host_tier(self, num_slots: int) -> None:
+        """Host KV tier storage (memory/host_tier.py): num_slots blocks of every layer's K and V."""
+        shape = (num_slots,) + self.k_cache[0].shape[1:]
+        self.k_host = [np.zeros(shape, np.float32) for _ in self.k_cache]
+        self.v_host = [np.zeros(shape, np.float32) for _ in self.v_cache]
+
+    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
+        """offloads (device block -> host slot) first, then restores (host slot -> device block)."""
+        for pairs, to_host in ((offloads, True), (restores, False)):
+            if not pairs:
+                continue
+            src, dst = (np.array(x, np.int64) for x in zip(*pairs))
+            for dev, host in ((self.k_cache, self.k_host), (self.v_cache, self.v_host)):
+                for layer_dev, layer_host in zip(dev, host):
+                    if to_host:
+                        layer_host[dst] = layer_dev[src]
+                    else:
+                        layer_dev[dst] = layer_host[src]
+
     @staticmethod
     def _prepare(a: np.ndarray, bf16: bool) -> np.ndarray:
         """float32 in memory; matrices column-major, so `x @ w.T` reads w.T contiguously (3x faster gemv)."""

@@ -155,6 +155,11 @@ class GpuExecutor:
         stream.synchronize()
         log.info("%s; %d KV blocks", self.arena.summary(), self.num_kv_blocks)
 
+    def enable_host_tier(self, num_slots: int) -> None:
+        """The host KV tier (EngineConfig.host_kv_blocks) is not wired to the GPU KV pool yet."""
+        raise NotImplementedError(f"host_kv_blocks={num_slots}: the host KV tier runs with the CPU executor only "
+                                  "so far; start the GPU engine with host_kv_blocks=0")
+
     def set_decode_kernels(self, spec: str) -> None:
         """Switch the decode kernels (see the module docstring) between steps; drops captured graphs."""
         fast_attention, gemv_max_m = parse_decode_kernels(spec)

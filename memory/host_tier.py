@@ -1,0 +1,79 @@
+"""The host KV tier's bookkeeping: which prefix-cache blocks live in host memory, in which slot.
+
+When the device pool evicts a cached block (BlockManager's BlockRemoved), its KV is copied into a
+host slot under the same hash instead of being lost; a later sequence whose prefix runs past the
+device hits continues its hit in this tier, and those blocks are copied back into fresh device
+blocks before the step that needs them (the scheduler decides, the executor copies: the bytes live
+with the executor, next to its KV pool). Slots are reused least-recently-used first; a slot that a
+restore of the current step reads is pinned until the step's copies are issued (`end_step`).
+
+Per step the scheduler hands the executor two lists, run in this order before the step's compute:
+offloads (device block -> host slot), then restores (host slot -> device block), so a block both
+evicted and re-used in one step is saved before it is overwritten.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class HostKVTier:
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"host KV tier needs at least 1 slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.slot_of: OrderedDict[int, int] = OrderedDict()   # hash -> slot, least recently used first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._pinned: set[int] = set()
+        self.offloads: list[tuple[int, int]] = []              # this step's (device block, host slot)
+        self.restores: list[tuple[int, int]] = []              # this step's (host slot, device block)
+        self.stored_blocks = 0                                 # lifetime counters
+        self.restored_blocks = 0
+
+    def store(self, block_hash: int, device_block: int) -> None:
+        """A cached device block is being evicted: keep its KV under its hash (a copy this step)."""
+        if block_hash in self.slot_of:
+            self.slot_of.move_to_end(block_hash)             # same content already here
+            return
+        slot = self._take_slot()
+        if slot is None:
+            return                                            # every slot is pinned: drop it
+        self.slot_of[block_hash] = slot
+        self.offloads.append((device_block, slot))
+        self.stored_blocks += 1
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for victim, slot in self.slot_of.items():
+            if slot not in self._pinned:
+                del self.slot_of[victim]
+                return slot
+        return None
+
+    def lookup(self, block_hashes: list[int]) -> list[int]:
+        """Slots of the longest prefix of these hashes held here (no state change)."""
+        slots = []
+        for h in block_hashes:
+            slot = self.slot_of.get(h)
+            if slot is None:
+                break
+            slots.append(slot)
+        return slots
+
+    def restore(self, block_hash: int, slot: int, device_block: int) -> None:
+        """Copy this slot into device_block before the step; the slot stays (and is pinned this step)."""
+        self._pinned.add(slot)
+        self.slot_of.move_to_end(block_hash)
+        self.restores.append((slot, device_block))
+        self.restored_blocks += 1
+
+    def pin(self, slots: list[int]) -> None:
+        """Keep these slots from reuse until end_step (an admission about to restore them)."""
+        self._pinned.update(slots)
+
+    def end_step(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's (offloads, restores), handed to the executor; unpins every slot."""
+        out = (self.offloads, self.restores)
+        self.offloads, self.restores = [], []
+        self._pinned.clear()
+        return out

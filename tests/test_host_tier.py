@@ -1,0 +1,96 @@
+"""The host KV tier: prefix-cache blocks the device pool evicts are kept in host memory and copied
+back for a later hit. Its bookkeeping on its own, then the engine with a KV pool too small to keep
+a prompt's prefix: the second run of that prompt must hit in the tier, restore the blocks and
+generate exactly what it generated the first time (the fake model reads its whole context back
+through the block table, so a wrong or missing restore changes its output), on the fake model and
+on a real tiny model through the CPU executor."""
+from __future__ import annotations
+
+import pytest
+
+from engine.events import Scheduled, Token
+from engine.request import GenerateRequest, SamplingParams
+from fake_executor import FakeExecutor, make_engine, run_until_idle, submit
+from memory.host_tier import HostKVTier
+
+
+def test_tier_bookkeeping():
+    tier = HostKVTier(2)
+    tier.store(11, device_block=5)
+    tier.store(12, device_block=6)
+    assert tier.lookup([11, 12, 13]) == [0, 1] and tier.end_step() == ([(5, 0), (6, 1)], [])
+    tier.store(11, device_block=9)                  # already held: no copy, refreshed in the LRU
+    assert tier.end_step() == ([], [])
+    tier.store(13, device_block=7)                  # full: the least recently used (12) goes
+    assert tier.lookup([12]) == [] and tier.lookup([13]) == [1]
+    tier.end_step()
+    tier.restore(13, 1, device_block=3)             # pinned for this step: 11 is evicted instead
+    tier.store(14, device_block=8)
+    assert tier.lookup([13]) == [1] and tier.lookup([11]) == [] and tier.lookup([14]) == [0]
+    assert tier.end_step() == ([(8, 0)], [(1, 3)])
+    tier.pin([0, 1])
+    tier.store(15, device_block=2)                  # every slot pinned: dropped, nothing copied
+    assert tier.lookup([15]) == [] and tier.end_step() == ([], [])
+    with pytest.raises(ValueError):
+        HostKVTier(0)
+
+
+def prompt_then_evict_then_again(engine, prompt, params, others=8):
+    """Run `prompt`, then enough other long prompts to push its blocks out of the device pool, then
+    `prompt` again; returns the two runs' events."""
+    first = submit(engine, GenerateRequest("a1", prompt, params))
+    run_until_idle(engine)
+    for i in range(others):
+        submit(engine, GenerateRequest(f"o{i}", [200 + i] + list(range(1, 70)), params))
+        run_until_idle(engine)
+    second = submit(engine, GenerateRequest("a2", prompt, params))
+    run_until_idle(engine)
+    engine.block_manager.check_invariants(idle=True)
+    return first, second
+
+
+def tokens(events):
+    return [e.token_id for e in events if isinstance(e, Token)]
+
+
+def cached(events):
+    return next(e.cached_tokens for e in events if isinstance(e, Scheduled))
+
+
+@pytest.mark.parametrize("tier_blocks", [0, 64])
+def test_evicted_prefix_comes_back_from_the_host_tier(tier_blocks):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = list(range(30, 130))                   # 100 tokens: 6 full blocks to reuse
+    engine = make_engine(FakeExecutor(num_kv_blocks=12), host_kv_blocks=tier_blocks)
+    first, second = prompt_then_evict_then_again(engine, prompt, params)
+    assert tokens(second) == tokens(first) and len(tokens(first)) == 12
+    tier = engine.scheduler.host_tier
+    if tier_blocks:
+        assert cached(second) == 96 and tier.restored_blocks == 6 and tier.stored_blocks >= 6
+    else:
+        assert tier is None and cached(second) == 0          # the device pool alone lost the prefix
+
+
+def test_host_tier_on_a_real_model_cpu_executor():
+    from test_handle_models import loaded
+
+    from engine.executor.cpu import CpuExecutor
+    model = loaded("qwen3_gqa4")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = [(7 * i + 3) % 200 + 10 for i in range(70)]
+    runs = {}
+    for tier_blocks in (0, 32):
+        ex = CpuExecutor(model, num_kv_blocks=10, max_model_len=512)
+        engine = make_engine(ex, model.tokenizer, max_model_len=512, host_kv_blocks=tier_blocks)
+        runs[tier_blocks] = prompt_then_evict_then_again(engine, prompt, params, others=4)
+    (a0, b0), (a1, b1) = runs[0], runs[32]
+    assert tokens(a0) == tokens(b0) == tokens(a1) == tokens(b1)
+    assert cached(b1) == 64 and cached(b0) == 0
+
+
+def test_host_tier_needs_an_executor_that_copies():
+    class NoCopy(FakeExecutor):
+        enable_host_tier = None
+
+    with pytest.raises(ValueError, match="host KV tier"):
+        make_engine(NoCopy(), host_kv_blocks=4)
