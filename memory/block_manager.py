@@ -14,6 +14,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
+from memory.prefix_hash import longest_prefix
+
 
 @dataclass(frozen=True)
 class BlockStored:
@@ -112,14 +114,7 @@ class BlockManager:
     # -- prefix cache --------------------------------------------------------------------
     def lookup(self, block_hashes: list[int]) -> list[int]:
         """Blocks of the longest cached prefix of this hash chain (no refcount change)."""
-        blocks = []
-        if self.enable_prefix_caching:
-            for h in block_hashes:
-                block = self.cached.get(h)
-                if block is None:
-                    break
-                blocks.append(block)
-        return blocks
+        return longest_prefix(self.cached, block_hashes) if self.enable_prefix_caching else []
 
     def acquire(self, blocks: list[int]) -> None:
         """Take a reference to cached blocks found by lookup (a prefix hit)."""

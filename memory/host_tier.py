@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from memory.prefix_hash import longest_prefix
+
 
 class HostKVTier:
     def __init__(self, num_slots: int):
@@ -52,13 +54,7 @@ class HostKVTier:
 
     def lookup(self, block_hashes: list[int]) -> list[int]:
         """Slots of the longest prefix of these hashes held here (no state change)."""
-        slots = []
-        for h in block_hashes:
-            slot = self.slot_of.get(h)
-            if slot is None:
-                break
-            slots.append(slot)
-        return slots
+        return longest_prefix(self.slot_of, block_hashes)
 
     def restore(self, block_hash: int, slot: int, device_block: int) -> None:
         """Copy this slot into device_block before the step; the slot stays (and is pinned this step)."""

@@ -8,6 +8,7 @@ under the same adapter, so a block's KV can be shared. The hash is stable across
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -31,3 +32,14 @@ def hash_chain(token_ids: list[int], block_size: int, adapter_id: int = 0,
         parent_hash = hash_block(parent_hash, token_ids[start:start + block_size], adapter_id)
         hashes.append(parent_hash)
     return hashes
+
+
+def longest_prefix(table: Mapping[int, int], block_hashes: list[int]) -> list[int]:
+    """table[h] for the leading hashes of the chain that table holds, up to the first miss."""
+    found = []
+    for h in block_hashes:
+        value = table.get(h)
+        if value is None:
+            break
+        found.append(value)
+    return found
