@@ -44,6 +44,8 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    host_kv_stored_blocks: int = 0      # host KV tier: evicted blocks kept, blocks copied back
+    host_kv_restored_blocks: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -456,11 +458,13 @@ class EngineLoop:
                 self.abort(event.request_id)
 
     def _publish_stats(self) -> None:
-        bm = self.block_manager
+        bm, tier = self.block_manager, self.scheduler.host_tier
         self._stats = EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_requests=len(self.requests), kv_blocks_used=bm.num_used_blocks,
             kv_blocks_total=bm.num_blocks, prefix_cache_queries=bm.query_tokens,
             prefix_cache_hits=bm.hit_tokens, prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
-            num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps)
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps,
+            host_kv_stored_blocks=tier.stored_blocks if tier else 0,
+            host_kv_restored_blocks=tier.restored_blocks if tier else 0)

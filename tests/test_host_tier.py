@@ -67,6 +67,8 @@ def test_evicted_prefix_comes_back_from_the_host_tier(tier_blocks):
     tier = engine.scheduler.host_tier
     if tier_blocks:
         assert cached(second) == 96 and tier.restored_blocks == 6 and tier.stored_blocks >= 6
+        stats = engine.stats()
+        assert stats.host_kv_restored_blocks == 6 and stats.host_kv_stored_blocks == tier.stored_blocks
     else:
         assert tier is None and cached(second) == 0          # the device pool alone lost the prefix
 
