@@ -30,6 +30,7 @@ class SeqStep:
     num_generated: int = 0              # output tokens so far (min_tokens, per-step seeds)
     want_prompt_logprobs: bool = False  # return logprobs of token_ids[1:] given their prefix
     lora_id: int = 0
+    block_array: np.ndarray | None = None   # block_table as int32, when the caller keeps one
 
     @property
     def context_len(self) -> int:
@@ -54,29 +55,32 @@ class ModelBatch:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(len(s.token_ids) == 1 for s in self.seqs)
+        return self.num_tokens == len(self.seqs)       # every step feeds >= 1 token (build checks)
 
     @classmethod
     def build(cls, seqs: list[SeqStep]) -> "ModelBatch":
-        """One Python pass over the steps for their sizes; the per-token and per-block arrays
-        come from numpy (repeats of per-sequence offsets, one masked fill of the tables)."""
+        """A few Python passes over the steps for their sizes; the per-token and per-block arrays
+        come from numpy (repeats of per-sequence offsets, one masked fill of the tables, from the
+        steps' kept int32 tables when every step has one)."""
         B = len(seqs)
-        lens, starts, widths, sampled = [], [], [], []
-        for i, s in enumerate(seqs):
-            n, w = len(s.token_ids), len(s.block_table)
+        lens = [len(s.token_ids) for s in seqs]
+        starts = [s.start_pos for s in seqs]
+        arrays = [s.block_array for s in seqs]
+        kept = all(a is not None for a in arrays)       # the scheduler keeps int32 tables: no conversion
+        widths = [len(a) for a in arrays] if kept else [len(s.block_table) for s in seqs]
+        sampled = [i for i, s in enumerate(seqs) if s.sample]
+        for s, n, w in zip(seqs, lens, widths):
             if n == 0 or w * BLOCK_SIZE < s.start_pos + n:
                 _reject(s)
-            lens.append(n)
-            starts.append(s.start_pos)
-            widths.append(w)
-            if s.sample:
-                sampled.append(i)
         cu = np.zeros(B + 1, np.int32)
         cu[1:] = list(accumulate(lens))
         T = int(cu[-1])
         width = max(widths, default=1) or 1
         tables = np.zeros((B, width), np.int32)
-        flat = np.fromiter(chain.from_iterable(s.block_table for s in seqs), np.int32, sum(widths))
+        if kept:
+            flat = np.concatenate(arrays) if B else np.zeros(0, np.int32)
+        else:
+            flat = np.fromiter(chain.from_iterable(s.block_table for s in seqs), np.int32, sum(widths))
         if B and widths.count(width) == B:
             tables[:] = flat.reshape(B, width)
         elif B:

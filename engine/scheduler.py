@@ -202,7 +202,7 @@ class Scheduler:
         # admission) before the seq's step is built, and preempt / finish rebind it
         out.steps.append(SeqStep(
             seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
-            block_table=seq.block_table,
+            block_table=seq.block_table, block_array=seq.block_table_array(),
             sample=end == num_tokens and seq.fork_count == 1,
             params=seq.params, prompt_len=seq.prompt_len, history=seq.token_ids,
             num_generated=num_tokens - seq.prompt_len,

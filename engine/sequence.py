@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from engine.batch import BLOCK_SIZE
 from engine.request import SamplingParams
 from memory.prefix_hash import NO_PARENT, hash_chain
@@ -45,6 +47,8 @@ class Sequence:
     want_prompt_logprobs: bool = False
     num_cached_tokens: int = 0
     _hashes: list[int] = field(default_factory=list)
+    _table_list: list[int] | None = field(default=None, repr=False, compare=False)
+    _table_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False, compare=False)
 
     @property
     def num_generated(self) -> int:
@@ -73,6 +77,17 @@ class Sequence:
             self._hashes += hash_chain(self.token_ids[have * BLOCK_SIZE:num_blocks * BLOCK_SIZE],
                                        BLOCK_SIZE, self.lora_id, parent)
         return self._hashes[:num_blocks]
+
+    def block_table_array(self) -> np.ndarray:
+        """block_table as an int32 array, extended as the list grows: a block table only grows in
+        place (allocation) or is replaced (preemption, finish), so a step's batch need not convert
+        every table from Python ints again (long contexts: ~100 blocks per sequence)."""
+        table, have = self.block_table, len(self._table_array)
+        if table is not self._table_list or len(table) < have:
+            self._table_list, self._table_array = table, np.asarray(table, np.int32)
+        elif len(table) > have:
+            self._table_array = np.concatenate([self._table_array, np.asarray(table[have:], np.int32)])
+        return self._table_array
 
     def fork(self, seq_id: int, index: int) -> "Sequence":
         """Sample `index` of this (sample-0) sequence, at the same progress. The scheduler

@@ -80,3 +80,44 @@ def test_build_rejects_an_empty_step_and_a_short_block_table_naming_the_sequence
         ModelBatch.build([ok, SeqStep(4, [1, 2], 15, [0], True)])
     with pytest.raises(ValueError, match="seq 2: block table has 0 blocks, needs 1"):
         ModelBatch.build([SeqStep(2, [1], 0, [], True), SeqStep(3, [], 0, [], True)])
+
+
+def test_kept_int32_tables_build_the_same_batch():
+    """Steps carrying their tables as int32 arrays (the scheduler's) build the batch the lists build."""
+    import dataclasses
+
+    from engine.batch import ModelBatch, SeqStep
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        seqs = []
+        for i in range(int(rng.integers(1, 9))):
+            n = 1 if rng.random() < 0.6 else int(rng.integers(2, 40))
+            start = int(rng.integers(0, 300))
+            table = rng.permutation(500)[: -(-(start + n) // 16) + int(rng.integers(0, 3))].tolist()
+            seqs.append(SeqStep(seq_id=i, token_ids=rng.integers(0, 99, n).tolist(), start_pos=start,
+                                block_table=table, sample=bool(rng.random() < 0.8)))
+        plain = ModelBatch.build(seqs)
+        kept = ModelBatch.build([dataclasses.replace(s, block_array=np.asarray(s.block_table, np.int32))
+                                 for s in seqs])
+        for f in ("input_ids", "positions", "slot_mapping", "cu_seqlens", "context_lens", "block_tables",
+                  "sample_rows"):
+            np.testing.assert_array_equal(getattr(kept, f), getattr(plain, f), err_msg=f"{f}, trial {trial}")
+        assert kept.is_decode_only == all(len(s.token_ids) == 1 for s in seqs)
+
+
+def test_sequence_table_array_follows_its_list():
+    from engine.request import SamplingParams
+    from engine.sequence import Sequence
+    seq = Sequence(seq_id=1, request_id="r", token_ids=[1, 2, 3], prompt_len=3, params=SamplingParams(seed=5))
+    assert seq.block_table_array().tolist() == []
+    seq.block_table += [7, 8]                         # grows in place (allocation)
+    assert seq.block_table_array().tolist() == [7, 8]
+    seq.block_table += [9]
+    assert seq.block_table_array().tolist() == [7, 8, 9]
+    seq.block_table = [4, 5, 6]                       # replaced (preempted and re-admitted): same length
+    assert seq.block_table_array().tolist() == [4, 5, 6]
+    seq.block_table = []
+    assert seq.block_table_array().tolist() == []
+    child = seq.fork(2, 1)
+    child.block_table += [11]
+    assert child.block_table_array().tolist() == [11] and seq.block_table_array().tolist() == []
