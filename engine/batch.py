@@ -17,7 +17,7 @@ from engine.request import SamplingParams
 BLOCK_SIZE = 16
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqStep:
     seq_id: int
     token_ids: list[int]                # tokens fed this step (a prefill chunk, or one decode token)
@@ -112,7 +112,7 @@ def _reject(s: SeqStep) -> None:
     raise ValueError(f"seq {s.seq_id}: block table has {len(s.block_table)} blocks, needs {need}")
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     seq_id: int
     token_id: int

@@ -48,7 +48,7 @@ class GraphStep:
 
     def result(self) -> StepOutput:
         self.done.synchronize()
-        return StepOutput(sampled=[SampledToken(s, int(t)) for s, t in zip(self.seq_ids, self.ids_host)])
+        return StepOutput(sampled=[SampledToken(s, t) for s, t in zip(self.seq_ids, self.ids_host.tolist())])
 
 
 class DecodeGraphs:
