@@ -90,10 +90,12 @@ def run_batch(ex, cfg, batch: int, prompt: int, steps: int, bw: float, weight_by
         for s in ex.execute(ModelBatch.build(seqs)).sampled:
             toks[s.seq_id].append(s.token_id)
     step_s, host_s = [], []
+    arrays = [np.asarray(t, np.int32) for t in tables]     # kept int32 tables, as the scheduler keeps them
     for step in range(steps):
         t0 = time.perf_counter()
         seqs = [SeqStep(seq_id=j, token_ids=[toks[j][-1]], start_pos=len(toks[j]) - 1, block_table=tables[j],
-                        sample=True, params=GREEDY, prompt_len=prompt, num_generated=len(toks[j]) - prompt)
+                        block_array=arrays[j], sample=True, params=GREEDY, prompt_len=prompt,
+                        num_generated=len(toks[j]) - prompt)
                 for j in range(batch)]
         mb = ModelBatch.build(seqs)
         t1 = time.perf_counter()
