@@ -332,7 +332,7 @@ class EngineLoop:
                     continue
                 seq.token_ids.append(token.token_id)
                 self._generation_tokens += 1
-                if defer and not self._ends_by_token(seq, token.token_id):
+                if defer and self._end_by_token(seq, token.token_id) is None:
                     self._deferred.append((seq, token))
                 else:
                     self._emit_token(seq, token)
@@ -377,34 +377,34 @@ class EngineLoop:
         decode = self._decoders[False]
         return [TopLogprob(t, decode([t]), lp) for t, lp in pairs]
 
-    def _ends_by_token(self, seq: Sequence, token: int) -> bool:
-        """Whether the sequence (token already appended) ends without looking at its text: a stop
-        token past min_tokens, max_tokens, or max_model_len."""
+    def _end_by_token(self, seq: Sequence, token: int) -> str | None:
+        """How the sequence (token already appended) ends without looking at its text: "stop" (a stop
+        token past min_tokens), "length" (max_tokens or max_model_len), or None."""
         p = seq.params
         num_generated = len(seq.token_ids) - seq.prompt_len
-        return ((num_generated >= p.min_tokens and token in p.stop_token_ids)
-                or num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len)
+        if num_generated >= p.min_tokens and token in p.stop_token_ids:
+            return "stop"
+        if num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
 
     def _emit_token(self, seq: Sequence, sampled) -> None:
         """Detokenize the sequence's newest token (already appended), send it, end the sequence on
         a stop token, stop string or length."""
         state = self.requests[seq.request_id]
-        p = seq.params
         token = sampled.token_id
-        num_tokens = len(seq.token_ids)
-        num_generated = num_tokens - seq.prompt_len
         detok = state.detoks[seq.index]
-        past_min = num_generated >= p.min_tokens
+        end = self._end_by_token(seq, token)
         reason, stop_reason = None, None
-        if past_min and token in p.stop_token_ids:
+        if end == "stop":
             reason = "stop"
             stop_reason = token if token in state.req.params.stop_token_ids else None
             delta = detok.finish()
         else:
-            delta, stop_str = detok.add(token, check_stop=past_min)
+            delta, stop_str = detok.add(token, check_stop=seq.num_generated >= seq.params.min_tokens)
             if stop_str is not None:
                 reason, stop_reason = "stop", stop_str
-            elif num_generated >= p.max_tokens or num_tokens >= self.max_model_len:
+            elif end == "length":
                 reason = "length"
                 delta += detok.finish()
         self._send(state.sink, Token(seq.request_id, token, delta, seq.index, sampled.logprob,

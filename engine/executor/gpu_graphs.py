@@ -60,6 +60,8 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple] = {}
         self.last_host_s = 0.0
         self.ids_host = pinned_array((executor.max_seqs,), np.int32)   # one step in flight at a time
+        import cupy
+        self.ids_ready = cupy.cuda.Event(block=False, disable_timing=True)   # recorded after the ids' copy
 
     def serves(self, batch: ModelBatch) -> bool:
         return (batch.is_decode_only and len(batch.seqs) <= self.buckets[-1]
@@ -112,9 +114,8 @@ class DecodeGraphs:
             n = len(seqs)
             cupy.cuda.runtime.memcpyAsync(self.ids_host.ctypes.data, ex.sampler.ids.data.ptr, n * 4,
                                           cupy.cuda.runtime.memcpyDeviceToHost, ex.stream.ptr)
-            done = cupy.cuda.Event(block=False, disable_timing=True)
-            done.record(ex.stream)
+            self.ids_ready.record(ex.stream)
             self.last_host_s = time.perf_counter() - t0
-            return GraphStep([s.seq_id for s in seqs], self.ids_host[:n], done)
+            return GraphStep([s.seq_id for s in seqs], self.ids_host[:n], self.ids_ready)
         self.last_host_s = time.perf_counter() - t0
         return DoneStep(StepOutput(sampled=ex.sampler.sample(logits[:len(seqs)], seqs)))
