@@ -37,6 +37,7 @@ from engine.loader import LoadedModel
 from engine.models.rope import rope_inv_freq
 from engine.sampling import prompt_logprobs
 from memory.device_arena import DeviceArena, arena_budget
+from memory.host_kv_copy import gpu_host_kv_copy
 from memory.streams import DeviceStreams, pinned_array
 from memory.weight_upload import upload_weights
 
@@ -156,9 +157,17 @@ class GpuExecutor:
         log.info("%s; %d KV blocks", self.arena.summary(), self.num_kv_blocks)
 
     def enable_host_tier(self, num_slots: int) -> None:
-        """The host KV tier (EngineConfig.host_kv_blocks) is not wired to the GPU KV pool yet."""
-        raise NotImplementedError(f"host_kv_blocks={num_slots}: the host KV tier runs with the CPU executor only "
-                                  "so far; start the GPU engine with host_kv_blocks=0")
+        """Host KV tier storage: num_slots pinned host blocks mirroring the KV pool (memory/host_kv_copy.py)."""
+        self.host_kv = gpu_host_kv_copy(self.kv_cache, num_slots, self.stream)
+        log.info("host KV tier: %d blocks, %.2f GiB pinned", num_slots, num_slots * self.host_kv.block_bytes / 2**30)
+
+    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
+        """offloads (device block -> host slot), then restores (host slot -> device block), queued on
+        the compute stream ahead of the next step; the host does not wait for them."""
+        host_kv = getattr(self, "host_kv", None)
+        if host_kv is None:
+            raise RuntimeError("copy_blocks: the host KV tier is not enabled (enable_host_tier first)")
+        host_kv.copy_blocks(offloads, restores)
 
     def set_decode_kernels(self, spec: str) -> None:
         """Switch the decode kernels (see the module docstring) between steps; drops captured graphs."""

@@ -1,0 +1,142 @@
+"""Host KV tier storage beside the GPU KV pool: page-locked host slots and the copies between them
+and device blocks (memory/host_tier.py decides which blocks move; this moves the bytes).
+
+Layout. The pool is kv[L, 2, blocks*16, Hkv, D]: one block's KV is 2L equal pieces ("chunks" of
+16*Hkv*D*itemsize bytes), one per (layer, K/V) plane, evenly spaced blocks*chunk bytes apart. The host
+slots mirror it, host[L, 2, slots*16, Hkv, D], so k consecutive blocks going to k consecutive slots are
+ONE cudaMemcpy2DAsync: 2L rows of k*chunk bytes, pitch blocks*chunk on the device, slots*chunk on the
+host. Each list of pairs is cut into such runs (in list order) and each run is one copy.
+
+Why 2D copies and not a gather kernel + one bulk copy: a real model's chunk is 32 KiB (Qwen3-4B/8B:
+16 tokens x 8 KV heads x 128 x 2 B), so every DMA row is a burst of 32 KiB or more and a block (2.25
+MiB over 36 layers) spends ~40 us on the link at ~55 GB/s against ~3 us of host time to enqueue its
+copy; staging would add a device pass over the bytes and a staging buffer in the arena to save nothing
+(only toy models, with chunks under a KiB, would gain). Roofline: the host link, ~55 GB/s each way
+from pinned memory (bench/host_kv_copy.py measures it).
+
+Ordering, with no host synchronization: every copy goes on the executor's compute stream, offloads
+then restores, ahead of the step that follows. A block being offloaded was last written by an earlier
+step on that stream, and whatever writes it next (a later step, a restore) is queued behind the D2H. A
+slot is only written by an offload's D2H and only read by a restore's H2D, both on that stream, so a
+slot that HostKVTier hands out again (never one pinned by this step's restores) is overwritten only
+after every earlier copy that touched it; the host itself never reads or writes the slots.
+
+cudaMemcpy2D refuses pitches above cudaDevAttrMaxPitch (2^31 - 1 bytes): past it (a plane of the pool
+or of the slots over 2 GiB) a run is copied as one 1D copy per plane instead.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.batch import BLOCK_SIZE
+
+MAX_PITCH = (1 << 31) - 1
+CUDA_DEV_ATTR_MAX_PITCH = 11
+
+# memcpy2d(dst, dst_pitch, src, src_pitch, width, height, to_host): enqueue one strided copy of
+# `height` rows of `width` bytes (addresses and pitches in bytes).
+Memcpy2D = Callable[[int, int, int, int, int, int, bool], None]
+
+
+@dataclass(frozen=True)
+class Run:
+    """`count` consecutive blocks/slots from src.. to dst.."""
+    src: int
+    dst: int
+    count: int
+
+
+def copy_runs(pairs: Sequence[tuple[int, int]], src_limit: int, dst_limit: int, what: str,
+              src_name: str, dst_name: str) -> list[Run]:
+    """Checked (src, dst) pairs merged, in list order, into runs where both sides step by one."""
+    runs: list[Run] = []
+    for pair in pairs:
+        try:
+            src, dst = (int(x) for x in pair)
+        except (TypeError, ValueError):
+            raise ValueError(f"{what}: want ({src_name}, {dst_name}) pairs of ints, got {pair!r}") from None
+        for name, value, limit in ((src_name, src, src_limit), (dst_name, dst, dst_limit)):
+            if not 0 <= value < limit:
+                raise ValueError(f"{what} ({src_name} {src} -> {dst_name} {dst}): {name} {value} is "
+                                 f"outside 0..{limit - 1}")
+        last = runs[-1] if runs else None
+        if last and src == last.src + last.count and dst == last.dst + last.count:
+            runs[-1] = Run(last.src, last.dst, last.count + 1)
+        else:
+            runs.append(Run(src, dst, 1))
+    return runs
+
+
+class HostKVCopy:
+    """num_slots host blocks for a pool kv[L, 2, blocks*16, Hkv, D] at kv_ptr; `host` is the slots'
+    array (host[L, 2, num_slots*16, Hkv, D], page-locked for asynchronous copies), `memcpy2d` enqueues
+    one strided copy."""
+
+    def __init__(self, kv_ptr: int, kv_shape: tuple[int, ...], dtype, host: np.ndarray, memcpy2d: Memcpy2D,
+                 max_pitch: int = MAX_PITCH):
+        if len(kv_shape) != 5 or kv_shape[1] != 2 or kv_shape[2] % BLOCK_SIZE:
+            raise ValueError(f"KV pool shape {tuple(kv_shape)}: want (layers, 2, blocks*{BLOCK_SIZE}, kv_heads, head_dim)")
+        L, _, rows, Hkv, D = kv_shape
+        self.dtype = np.dtype(dtype)
+        self.num_blocks = rows // BLOCK_SIZE
+        self.num_slots = host.shape[2] // BLOCK_SIZE if host.ndim == 5 else 0
+        want = (L, 2, self.num_slots * BLOCK_SIZE, Hkv, D)
+        if self.num_slots < 1 or host.shape != want or host.dtype != self.dtype or not host.flags.c_contiguous:
+            raise ValueError(f"host KV slots {host.shape} {host.dtype}: want a contiguous {self.dtype} array "
+                             f"(layers, 2, slots*{BLOCK_SIZE}, kv_heads, head_dim) like {want}")
+        self.kv_ptr, self.host, self.memcpy2d = int(kv_ptr), host, memcpy2d
+        self.planes = 2 * L
+        self.chunk = BLOCK_SIZE * Hkv * D * self.dtype.itemsize
+        self.max_pitch = int(max_pitch)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.planes * self.chunk
+
+    def copy_blocks(self, offloads: Sequence[tuple[int, int]], restores: Sequence[tuple[int, int]]) -> int:
+        """Enqueue offloads (device block -> host slot), then restores (host slot -> device block);
+        both lists are checked before anything is enqueued. Returns the number of copies enqueued."""
+        down = copy_runs(offloads, self.num_blocks, self.num_slots, "offload", "device block", "host slot")
+        up = copy_runs(restores, self.num_slots, self.num_blocks, "restore", "host slot", "device block")
+        return sum(self._copy(r, to_host=True) for r in down) + sum(self._copy(r, to_host=False) for r in up)
+
+    def _copy(self, run: Run, to_host: bool) -> int:
+        c = self.chunk
+        device, host = (self.kv_ptr, self.num_blocks * c), (self.host.ctypes.data, self.num_slots * c)
+        (src, src_pitch), (dst, dst_pitch) = (device, host) if to_host else (host, device)
+        src, dst, width = src + run.src * c, dst + run.dst * c, run.count * c
+        if max(src_pitch, dst_pitch) <= self.max_pitch:
+            self.memcpy2d(dst, dst_pitch, src, src_pitch, width, self.planes, to_host)
+            return 1
+        for p in range(self.planes):
+            self.memcpy2d(dst + p * dst_pitch, width, src + p * src_pitch, width, width, 1, to_host)
+        return self.planes
+
+
+def gpu_host_kv_copy(kv_cache, num_slots: int, stream) -> HostKVCopy:
+    """Pinned host slots for a CuPy KV pool, with copies enqueued on `stream` (cudaMemcpy2DAsync)."""
+    import cupy
+
+    from memory.streams import pinned_array
+
+    rt = cupy.cuda.runtime
+    if num_slots < 1:
+        raise ValueError(f"host KV tier needs at least 1 slot, got {num_slots}")
+    L, _, _, Hkv, D = kv_cache.shape
+    shape = (L, 2, int(num_slots) * BLOCK_SIZE, Hkv, D)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * kv_cache.dtype.itemsize
+    try:
+        host = pinned_array(shape, kv_cache.dtype)
+    except (cupy.cuda.memory.OutOfMemoryError, rt.CUDARuntimeError) as e:
+        raise MemoryError(f"host_kv_blocks={num_slots}: {nbytes / 2**30:.2f} GiB of pinned host memory "
+                          f"could not be allocated ({e}); lower host_kv_blocks") from None
+    kinds = {True: rt.memcpyDeviceToHost, False: rt.memcpyHostToDevice}
+
+    def memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, to_host: bool) -> None:
+        rt.memcpy2DAsync(dst, dpitch, src, spitch, width, height, kinds[to_host], stream.ptr)
+
+    max_pitch = rt.deviceGetAttribute(CUDA_DEV_ATTR_MAX_PITCH, kv_cache.device.id)
+    return HostKVCopy(kv_cache.data.ptr, kv_cache.shape, kv_cache.dtype, host, memcpy2d, max_pitch)
