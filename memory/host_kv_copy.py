@@ -8,11 +8,13 @@ ONE cudaMemcpy2DAsync: 2L rows of k*chunk bytes, pitch blocks*chunk on the devic
 host. Each list of pairs is cut into such runs (in list order) and each run is one copy.
 
 Why 2D copies and not a gather kernel + one bulk copy: a real model's chunk is 32 KiB (Qwen3-4B/8B:
-16 tokens x 8 KV heads x 128 x 2 B), so every DMA row is a burst of 32 KiB or more and a block (2.25
-MiB over 36 layers) spends ~40 us on the link at ~55 GB/s against ~3 us of host time to enqueue its
-copy; staging would add a device pass over the bytes and a staging buffer in the arena to save nothing
-(only toy models, with chunks under a KiB, would gain). Roofline: the host link, ~55 GB/s each way
-from pinned memory (bench/host_kv_copy.py measures it).
+16 tokens x 8 KV heads x 128 x 2 B), so every DMA row is a burst of 32 KiB or more. Measured on an
+H200 (bench/results/host_kv_copy.md): runs of consecutive blocks move at 54 GB/s, the same as one
+bulk copy of the bytes (55 GB/s); fully scattered blocks (one 2D copy of 2.25 MiB each) at 40-44
+GB/s, with ~5 us of host time per copy to enqueue. A gather kernel + staging buffer could lift only
+the scattered case toward the bulk rate (<= ~25%), for an extra device pass and a staging buffer in
+the arena; toy models with 1 KiB chunks (1-4 GB/s here) are the case it would really help.
+Roofline: the host link, ~55 GB/s each way from pinned memory.
 
 Ordering, with no host synchronization: every copy goes on the executor's compute stream, offloads
 then restores, ahead of the step that follows. A block being offloaded was last written by an earlier
