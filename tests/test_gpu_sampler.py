@@ -98,3 +98,87 @@ def test_seeded_draws_follow_the_distribution():
     assert got == ref
     assert set(got) <= set(range(5))
     arena.close()
+
+
+def test_split_argmax_and_per_row_topk():
+    """sampler.argmax splits rows over ARGMAX_CHUNKS CTAs up to ARGMAX_SPLIT_ROWS rows: the same ids as
+    numpy (ties -> lowest id, planted across chunk borders) and as the one-CTA kernel, the logsumexp
+    within float rounding, the same results when run again (the ticket counters reset). The per-row
+    top-k kernel gives, for each row's own k, exactly the fixed-k kernel's first k entries."""
+    import cupy
+    from engine.executor.gpu_sampler import ARGMAX_CHUNKS, ARGMAX_SPLIT_ROWS, MAX_TOP_LOGPROBS, GpuSampler
+    from memory.device_arena import DeviceArena
+
+    rng = np.random.default_rng(4)
+    arena = DeviceArena(1 << 30)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    n = ARGMAX_SPLIT_ROWS + 1
+    sampler = GpuSampler(arena, n, V, stream)
+    chunk = -(-V // ARGMAX_CHUNKS)
+    x = (3.0 * rng.standard_normal((n, V))).astype(np.float32)
+    x[1, [chunk * 5 + 7, chunk * 2 + 3, chunk * 9]] = 50.0         # a three-way tie in three chunks
+    x[2, :] = -1.5                                                  # all equal: id 0
+    x[3, [chunk - 1, chunk]] = 40.0                                 # a tie straddling a chunk border
+    x[4, V - 1] = 60.0                                              # the best in the last, short chunk
+    dx = cupy.asarray(x)
+    cupy.cuda.Device().synchronize()
+    x64 = x.astype(np.float64)
+    lse_ref = np.log(np.exp(x64 - x64.max(1, keepdims=True)).sum(1)) + x64.max(1)
+    null = np.uint64(0)
+
+    def fetch(a):
+        out = a.get(stream=stream)
+        stream.synchronize()
+        return out
+
+    for S in (1, 5, ARGMAX_SPLIT_ROWS):
+        for _ in range(2):
+            with stream:
+                sampler.ids.fill(-1)
+            sampler.argmax(dx, S)
+            ids, lse = fetch(sampler.ids[:S]), fetch(sampler.lse[:S])
+            np.testing.assert_array_equal(ids, x[:S].argmax(1))
+            np.testing.assert_allclose(lse, lse_ref[:S], rtol=2e-6)
+        assert int(fetch(sampler.tickets).max()) == 0
+    sampler.k_argmax((n,), (1024,), (dx, np.int32(V), null, sampler.ids, null, sampler.lse), stream=stream)
+    single = fetch(sampler.ids[:ARGMAX_SPLIT_ROWS])
+    sampler.argmax(dx, ARGMAX_SPLIT_ROWS)
+    np.testing.assert_array_equal(fetch(sampler.ids[:ARGMAX_SPLIT_ROWS]), single)
+
+    ks = rng.integers(0, MAX_TOP_LOGPROBS + 1, n).astype(np.int32)
+    ks[:3] = [0, MAX_TOP_LOGPROBS, 1]
+    sampler.k_topk((n,), (1024,), (dx, np.int32(V), np.int32(MAX_TOP_LOGPROBS), sampler.lse, sampler.top_ids,
+                                   sampler.top_lp), stream=stream)
+    full_ids, full_lp = fetch(sampler.top_ids[:n]), fetch(sampler.top_lp[:n])
+    with stream:
+        sampler.top_ids.fill(-7)
+        dks = cupy.asarray(ks)
+    sampler.k_topk_each((n,), (1024,), (dx, np.int32(V), np.int32(MAX_TOP_LOGPROBS), dks, sampler.lse,
+                                        sampler.top_ids, sampler.top_lp), stream=stream)
+    each_ids, each_lp = fetch(sampler.top_ids[:n]), fetch(sampler.top_lp[:n])
+    for r, k in enumerate(ks):
+        np.testing.assert_array_equal(each_ids[r, :k], full_ids[r, :k])
+        np.testing.assert_array_equal(each_lp[r, :k], full_lp[r, :k])
+        assert (each_ids[r, k:] == -7).all(), f"row {r} wrote past its k={k}"
+    arena.close()
+
+
+def test_device_seeded_uniforms_are_numpy_default_rng():
+    """seeded_uniforms on the GPU: default_rng([seed, step]).random() bit for bit where the host marked
+    the row (uniform < 0); a row the host drew keeps its value."""
+    import cupy
+    from kernels.raw_cuda import kernel
+
+    rng = np.random.default_rng(11)
+    n = 4096
+    seeds, steps = rng.integers(0, 2**32, n, dtype=np.uint64), rng.integers(0, 2**32, n, dtype=np.uint64)
+    seeds[:3], steps[:3] = [0, 2**32 - 1, 7], [0, 2**32 - 1, 0]
+    uniform = np.full(n, -1.0)
+    uniform[5] = 0.25
+    d_seed, d_step = cupy.asarray(seeds.astype(np.uint32)), cupy.asarray(steps.astype(np.uint32))
+    d_u = cupy.asarray(uniform)
+    kernel("sampling", "seeded_uniforms")((-(-n // 128),), (128,), (d_seed, d_step, d_u, np.int32(n)))
+    got = d_u.get()
+    want = np.array([np.random.default_rng([int(a), int(b)]).random() for a, b in zip(seeds, steps)])
+    want[5] = 0.25
+    np.testing.assert_array_equal(got, want)

@@ -1,14 +1,24 @@
-"""CUDA-graph decode: one graph per batch-size bucket, captured on first use and replayed after.
+"""CUDA-graph decode: graphs per batch-size bucket, captured on first use and replayed after.
 
-A graph holds the whole decode step from the static input buffer to the greedy pick: the model
+A graph holds the whole decode step from the static input buffer to the sampled ids: the model
 forward (its kernels launched as programmatic dependent launches unless the executor's pdl_decode
-is off), the gather of the sampled rows, the lm_head and argmax_logprob into the sampler's id
-buffer. Batches are padded up to their bucket (padded rows: position and slot -1, so they write
-no KV and attend to nothing). Steps whose requests all decode greedily without logit processing
-or logprobs queue the ids' copy into pinned host memory behind the graph and return at once
-(`launch` -> GraphStep): the caller's host work overlaps the step until GraphStep.result() waits
-on the copy's event (the one sync of the step). Any other step runs the GPU sampler eagerly on the
-graph's logits. Prefill and mixed steps stay eager.
+is off), the gather of the sampled rows, the lm_head and the argmax (ids and logsumexp) into the
+sampler's buffers. Batches are padded up to their bucket (padded rows: position and slot -1, so they
+write no KV and attend to nothing). Each bucket has up to two graphs:
+  * greedy: ends at the argmax; serves steps whose rows all decode greedily without logprobs;
+  * sampling: the argmax, then the sampler's kernels over every row of the bucket (gpu_sampler
+    `graph_tail`: sample_filtered for temperature / top_k / top_p / min_p with the host's seeded
+    uniform, the chosen token's logprob, per-row top logprobs), reading per-row parameters from a
+    static device block the host fills before each replay (greedy and padded rows have temperature 0
+    and no logprobs, so they keep their argmax and write nothing else); serves every other step
+    whose rows need no logit processing — the same kernels as the eager sampler, so the same ids
+    and logprobs.
+Both queue the results' copy into pinned host memory behind the graph and return at once (`launch`
+-> GraphStep): the caller's host work overlaps the step until GraphStep.result() waits on the
+copy's event (the one sync of the step). Steps with logit_bias / min_tokens / penalties
+(gpu_sampler `needs_processing`) replay the greedy graph and run the GPU sampler eagerly on its
+logits; `sample_in_graph = False` sends every non-greedy step that way. Prefill and mixed steps
+stay eager.
 """
 from __future__ import annotations
 
@@ -20,7 +30,7 @@ import numpy as np
 
 from engine.batch import ModelBatch, SampledToken, StepOutput
 from engine.executor.base import DoneStep, PendingStep
-from engine.executor.gpu_sampler import needs_processing
+from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS, needs_processing
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -41,14 +51,26 @@ def nvtx_range(name: str):
 
 
 class GraphStep:
-    """A replayed decode graph whose greedy ids are on their way into pinned host memory."""
+    """A replayed decode graph whose ids (and logprobs, when asked) are on their way into pinned
+    host memory. logprobs[i]: the row's SamplingParams.logprobs (None: not asked)."""
 
-    def __init__(self, seq_ids: list[int], ids_host: np.ndarray, done):
+    def __init__(self, seq_ids: list[int], ids_host: np.ndarray, done, logprobs: list | None = None,
+                 lp_host: np.ndarray | None = None, top_ids_host: np.ndarray | None = None,
+                 top_lp_host: np.ndarray | None = None):
         self.seq_ids, self.ids_host, self.done = seq_ids, ids_host, done
+        self.logprobs, self.lp_host, self.top_ids_host, self.top_lp_host = logprobs, lp_host, top_ids_host, top_lp_host
 
     def result(self) -> StepOutput:
         self.done.synchronize()
-        return StepOutput(sampled=[SampledToken(s, t) for s, t in zip(self.seq_ids, self.ids_host.tolist())])
+        out = [SampledToken(s, t) for s, t in zip(self.seq_ids, self.ids_host.tolist())]
+        if self.logprobs is not None:
+            lps = self.lp_host.tolist()
+            for i, (tok, n) in enumerate(zip(out, self.logprobs)):
+                if n is not None:
+                    tok.logprob = lps[i]
+                    tok.top_logprobs = list(zip(self.top_ids_host[i, :n].tolist(),
+                                                self.top_lp_host[i, :n].tolist())) if n else []
+        return StepOutput(sampled=out)
 
 
 class DecodeGraphs:
@@ -57,11 +79,17 @@ class DecodeGraphs:
 
         self.ex = executor
         self.buckets = [b for b in BUCKETS if b <= executor.max_seqs] or [executor.max_seqs]
-        self.graphs: dict[int, tuple] = {}
+        self.graphs: dict[int, tuple] = {}             # greedy graphs: bucket -> (graph, logits)
+        self.sampling_graphs: dict[int, tuple] = {}    # sampling graphs: bucket -> (graph, logits)
+        self.sample_in_graph = True
         self.last_host_s = 0.0
-        self.ids_host = pinned_array((executor.max_seqs,), np.int32)   # one step in flight at a time
+        rows = executor.max_seqs                       # one step in flight at a time
+        self.ids_host = pinned_array((rows,), np.int32)
+        self.lp_host = pinned_array((rows,), np.float32)
+        self.top_ids_host = pinned_array((rows, MAX_TOP_LOGPROBS), np.int32)
+        self.top_lp_host = pinned_array((rows, MAX_TOP_LOGPROBS), np.float32)
         import cupy
-        self.ids_ready = cupy.cuda.Event(block=False, disable_timing=True)   # recorded after the ids' copy
+        self.ids_ready = cupy.cuda.Event(block=False, disable_timing=True)   # recorded after the results' copy
 
     def serves(self, batch: ModelBatch) -> bool:
         return (batch.is_decode_only and len(batch.seqs) <= self.buckets[-1]
@@ -70,7 +98,7 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, n)]
 
-    def _body(self, ctx):
+    def _body(self, ctx, sampling: bool):
         ex = self.ex
         ex.ops.reset()
         ex.ops.pdl = ex.pdl_decode
@@ -80,42 +108,63 @@ class DecodeGraphs:
             logits = ex.model.compute_logits(ex.ops, ex.weights, rows)
         finally:
             ex.ops.pdl = False
-        s, null = ex.sampler, np.uint64(0)
-        s.k_argmax((ctx.num_tokens,), (1024,), (logits, np.int32(ex.vocab_size), null, s.ids, null, s.lse),
-                   stream=ex.stream)
+        if sampling:
+            ex.sampler.graph_tail(logits, ctx.num_tokens)
+        else:
+            ex.sampler.argmax(logits, ctx.num_tokens)
         return logits
 
-    def _capture(self, ctx) -> tuple:
+    def _capture(self, ctx, sampling: bool) -> tuple:
         import cupy
 
         ex = self.ex
-        logits = self._body(ctx)          # eager warm-up: kernels loaded, cuBLAS heuristics run; also this step
+        logits = self._body(ctx, sampling)    # eager warm-up: kernels loaded, cuBLAS heuristics run; also this step
         ex.stream.synchronize()
         mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
         ex.stream.begin_capture(*(() if mode is None else (mode,)))
         try:
-            self._body(ctx)
+            self._body(ctx, sampling)
         finally:
             graph = ex.stream.end_capture()
         return graph, logits
 
-    def launch(self, batch: ModelBatch, t0: float) -> PendingStep:
+    def _replay(self, graphs: dict, ctx, b: int, sampling: bool):
+        if b not in graphs:
+            graphs[b] = self._capture(ctx, sampling)
+        else:
+            graphs[b][0].launch(stream=self.ex.stream)
+        return graphs[b][1]
+
+    def _copy_back(self, host: np.ndarray, device, nbytes: int) -> None:
         import cupy
 
+        cupy.cuda.runtime.memcpyAsync(host.ctypes.data, device.data.ptr, nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, self.ex.stream.ptr)
+
+    def launch(self, batch: ModelBatch, t0: float) -> PendingStep:
         ex, seqs = self.ex, batch.seqs
-        b = self.bucket(len(seqs))
+        n, b = len(seqs), self.bucket(len(seqs))
+        processing = any(map(needs_processing, seqs))
+        greedy = not processing and all(s.params.greedy and s.params.logprobs is None for s in seqs)
+        sampling = not greedy and not processing and self.sample_in_graph
         ctx = ex._context(batch, pad_to=b)
-        if b not in self.graphs:
-            self.graphs[b] = self._capture(ctx)
-        else:
-            self.graphs[b][0].launch(stream=ex.stream)
-        logits = self.graphs[b][1]
-        if all(s.params.greedy and s.params.logprobs is None and not needs_processing(s) for s in seqs):
-            n = len(seqs)
-            cupy.cuda.runtime.memcpyAsync(self.ids_host.ctypes.data, ex.sampler.ids.data.ptr, n * 4,
-                                          cupy.cuda.runtime.memcpyDeviceToHost, ex.stream.ptr)
-            self.ids_ready.record(ex.stream)
+        if sampling:
+            ex.sampler.fill_graph_rows(seqs, b)
+        logits = self._replay(self.sampling_graphs if sampling else self.graphs, ctx, b, sampling)
+        if not (greedy or sampling):
             self.last_host_s = time.perf_counter() - t0
-            return GraphStep([s.seq_id for s in seqs], self.ids_host[:n], self.ids_ready)
+            return DoneStep(StepOutput(sampled=ex.sampler.sample(logits[:n], seqs)))
+        s = ex.sampler
+        self._copy_back(self.ids_host, s.ids, n * 4)
+        logprobs = None if greedy else [q.params.logprobs for q in seqs]
+        if logprobs is not None and any(k is not None for k in logprobs):
+            self._copy_back(self.lp_host, s.logprob, n * 4)
+            if any(logprobs):
+                self._copy_back(self.top_ids_host, s.top_ids, n * MAX_TOP_LOGPROBS * 4)
+                self._copy_back(self.top_lp_host, s.top_lp, n * MAX_TOP_LOGPROBS * 4)
+        else:
+            logprobs = None
+        self.ids_ready.record(ex.stream)
         self.last_host_s = time.perf_counter() - t0
-        return DoneStep(StepOutput(sampled=ex.sampler.sample(logits[:len(seqs)], seqs)))
+        return GraphStep([q.seq_id for q in seqs], self.ids_host[:n], self.ids_ready, logprobs,
+                         self.lp_host[:n], self.top_ids_host[:n], self.top_lp_host[:n])

@@ -1,11 +1,17 @@
 """The GPU sampler: engine/sampling.py's semantics on device logits, only token ids (and the
 asked-for logprobs) come back to the host.
 
-Per step: argmax + logsumexp of the raw logits (every row; greedy rows are done there); rows with
-logit_bias / min_tokens / penalties get a processed copy (apply_penalties over a per-row list of
-distinct tokens the host builds); greedy processed rows take the argmax of that copy; sampling rows
-go through sample_filtered with the uniform u the host draws from default_rng([seed, step]) exactly
-as the reference does. Logprobs are of the raw distribution (token_logprob, topk_logprobs).
+Per step: argmax + logsumexp of the raw logits (every row; greedy rows are done there; up to
+ARGMAX_SPLIT_ROWS rows with ARGMAX_CHUNKS CTAs per row); rows with logit_bias / min_tokens /
+penalties get a processed copy (apply_penalties over a per-row list of distinct tokens the host
+builds); greedy processed rows take the argmax of that copy; sampling rows go through
+sample_filtered with the uniform u of default_rng([seed, step]) exactly as the reference draws it
+(seeded_uniforms derives it on the device from the seed and step, the same bits; the host draws it
+for seeds beyond 32 bits). Logprobs are of the raw distribution (token_logprob, topk_logprobs).
+
+`sample` runs eagerly and syncs. Decode graphs capture the same kernels (`graph_tail`) over every
+row of their bucket, reading per-row parameters from a static device block that `fill_graph_rows`
+uploads before each replay (greedy and padded rows: temperature 0, which sample_filtered skips).
 """
 from __future__ import annotations
 
@@ -16,6 +22,13 @@ from kernels.raw_cuda import kernel
 
 MAX_TOP_LOGPROBS = 20
 PENALTY_ENTRIES = 1 << 20
+ARGMAX_SPLIT_ROWS = 32      # steps of at most this many rows (a decode-graph bucket) split each row ...
+ARGMAX_CHUNKS = 64          # ... over this many CTAs (argmax_logprob_split)
+# The graph's per-row parameter block, field-major (float64 first for alignment): name, dtype.
+GRAPH_FIELDS = (("uniform", np.float64), ("temperature", np.float32), ("min_p", np.float32),
+                ("top_p", np.float32), ("top_k", np.int32), ("logprobs", np.int32), ("seed", np.uint32),
+                ("step", np.uint32))
+GRAPH_ROW_BYTES = sum(np.dtype(t).itemsize for _, t in GRAPH_FIELDS)
 
 
 def needs_processing(s: SeqStep) -> bool:
@@ -57,6 +70,39 @@ def uniform_for(s: SeqStep) -> float:
     return float(np.random.default_rng([seed, s.num_generated]).random())
 
 
+def seeded_rows(seqs: list[SeqStep]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(uniform float64, seed uint32, step uint32) per row for the seeded_uniforms kernel: where seed
+    and step fit 32 bits the uniform is -1 and the device derives default_rng([seed, step]).random()
+    (sampling.cu, the same bits); elsewhere the host draws it (uniform_for)."""
+    seeds = [0 if s.params.seed is None else s.params.seed for s in seqs]
+    steps = [s.num_generated for s in seqs]
+    uniform = np.full(len(seqs), -1.0)
+    for i, (seed, step) in enumerate(zip(seeds, steps)):
+        if not (0 <= seed < 1 << 32 and 0 <= step < 1 << 32):
+            uniform[i], seeds[i], steps[i] = uniform_for(seqs[i]), 0, 0
+    return uniform, np.asarray(seeds, np.uint32), np.asarray(steps, np.uint32)
+
+
+def pack_graph_rows(host: dict[str, np.ndarray], seqs: list[SeqStep], rows: int) -> None:
+    """Fill the GRAPH_FIELDS arrays' first `rows` entries: seqs' parameters (seeded_rows of the
+    sampling rows, zeros for greedy ones; logprobs None -> 0), then padded rows, all zero."""
+    n = len(seqs)
+    ps = [s.params for s in seqs]
+    host["temperature"][:n] = [p.temperature for p in ps]
+    host["min_p"][:n] = [p.min_p for p in ps]
+    host["top_p"][:n] = [p.top_p for p in ps]
+    host["top_k"][:n] = [p.top_k for p in ps]
+    host["logprobs"][:n] = [p.logprobs or 0 for p in ps]
+    sampled = [i for i, p in enumerate(ps) if not p.greedy]
+    for name in ("uniform", "seed", "step"):
+        host[name][:n] = 0
+    if sampled:
+        host["uniform"][sampled], host["seed"][sampled], host["step"][sampled] = \
+            seeded_rows([seqs[i] for i in sampled])
+    for name, _ in GRAPH_FIELDS:
+        host[name][n:rows] = 0
+
+
 class GpuSampler:
     def __init__(self, arena, max_rows: int, vocab: int, stream):
         import cupy
@@ -73,15 +119,73 @@ class GpuSampler:
         self.rows = take("sampler.rows", (max_rows,), np.int32)
         self.params_f = take("sampler.params_f", (7, max_rows), np.float32)   # temp, min_p, top_p, -, rep, freq, pres
         self.uniform = take("sampler.uniform", (max_rows,), np.float64)
+        self.seed_step = take("sampler.seed_step", (2, max_rows), np.uint32)
         self.top_k = take("sampler.top_k", (max_rows,), np.int32)
         self.row_ptr = take("sampler.row_ptr", (max_rows + 1,), np.int32)
         self.pen_i = take("sampler.pen_i", (3, PENALTY_ENTRIES), np.int32)   # token, flags, count
         self.pen_bias = take("sampler.pen_bias", (PENALTY_ENTRIES,), np.float32)
+        split = ARGMAX_SPLIT_ROWS * ARGMAX_CHUNKS
+        self.part_v = take("sampler.argmax_part_v", (split,), np.float32)
+        self.part_i = take("sampler.argmax_part_i", (split,), np.int32)
+        self.part_s = take("sampler.argmax_part_s", (split,), np.float32)
+        self.tickets = take("sampler.argmax_tickets", (ARGMAX_SPLIT_ROWS,), np.uint32)
+        # argmax_logprob_split's ticket counters start at zero; the kernel leaves them so.
+        cupy.cuda.runtime.memsetAsync(self.tickets.data.ptr, 0, self.tickets.nbytes, stream.ptr)
+        # The decode graphs' per-row parameters: one device block, uploaded from its pinned twin.
+        from memory.streams import pinned_array
+        self.graph_block = take("sampler.graph_rows", (max_rows * GRAPH_ROW_BYTES,), np.uint8)
+        self.graph_block_host = pinned_array((max_rows * GRAPH_ROW_BYTES,), np.uint8)
+        self.graph_rows, self.graph_rows_host, at = {}, {}, 0
+        for name, dtype in GRAPH_FIELDS:
+            n = max_rows * np.dtype(dtype).itemsize
+            self.graph_rows[name] = cupy.ndarray((max_rows,), dtype, memptr=self.graph_block.data + at)
+            self.graph_rows_host[name] = self.graph_block_host[at:at + n].view(dtype)
+            at += n
         self.k_argmax = kernel("argmax_logprobs", "argmax_logprob")
+        self.k_argmax_split = kernel("argmax_logprobs", "argmax_logprob_split")
         self.k_token_lp = kernel("argmax_logprobs", "token_logprob")
         self.k_topk = kernel("argmax_logprobs", "topk_logprobs")
+        self.k_topk_each = kernel("argmax_logprobs", "topk_logprobs_each")
         self.k_penalties = kernel("sampling", "apply_penalties")
         self.k_sample = kernel("sampling", "sample_filtered")
+        self.k_uniforms = kernel("sampling", "seeded_uniforms")
+
+    def argmax(self, logits, S: int) -> None:
+        """ids[:S] = the argmax of each raw logits row, lse[:S] = its logsumexp. Up to
+        ARGMAX_SPLIT_ROWS rows (a bucket boundary: a decode graph's bucket is within it exactly when
+        its batch is, so a graph and the eager sampler on the same rows run the same kernel and get
+        the same bits), each row is split over ARGMAX_CHUNKS CTAs; the ids are the same either way."""
+        V, null = np.int32(self.vocab), np.uint64(0)
+        if S <= ARGMAX_SPLIT_ROWS:
+            self.k_argmax_split((ARGMAX_CHUNKS, S), (256,), (logits, V, self.ids, null, self.lse, self.part_v,
+                                                            self.part_i, self.part_s, self.tickets), stream=self.stream)
+        else:
+            self.k_argmax((S,), (1024,), (logits, V, null, self.ids, null, self.lse), stream=self.stream)
+
+    def fill_graph_rows(self, seqs: list[SeqStep], rows: int) -> None:
+        """Upload the per-row parameters a decode graph's sampling tail reads, for `rows` rows (the
+        bucket): seqs first, then padded rows (temperature 0, no logprobs), which sample nothing."""
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} graph rows exceed the sampler's {self.max_rows}")
+        pack_graph_rows(self.graph_rows_host, seqs, rows)
+        self.cp.cuda.runtime.memcpyAsync(self.graph_block.data.ptr, self.graph_block_host.ctypes.data,
+                                         self.graph_block.nbytes, self.cp.cuda.runtime.memcpyHostToDevice,
+                                         self.stream.ptr)
+
+    def graph_tail(self, logits, rows: int) -> None:
+        """The sampling a decode graph captures over all `rows` rows of its bucket, reading what
+        fill_graph_rows uploaded: the kernels `sample` launches for the same rows (so the same ids
+        and logprobs), greedy rows left at their argmax, top logprobs in rows of MAX_TOP_LOGPROBS."""
+        g, V, null = self.graph_rows, np.int32(self.vocab), np.uint64(0)
+        launch = lambda k, grid, block, a: k(grid, block, a, stream=self.stream)  # noqa: E731
+        self.argmax(logits, rows)
+        launch(self.k_uniforms, (-(-rows // 128),), (128,), (g["seed"], g["step"], g["uniform"], np.int32(rows)))
+        launch(self.k_sample, (rows,), (1024,), (logits, V, null, self.probs, g["temperature"], g["min_p"],
+                                                 g["top_k"], g["top_p"], g["uniform"], self.ids))
+        launch(self.k_token_lp, (-(-rows // 128),), (128,), (logits, V, self.ids, self.lse, self.logprob,
+                                                             np.int32(rows)))
+        launch(self.k_topk_each, (rows,), (1024,), (logits, V, np.int32(MAX_TOP_LOGPROBS), g["logprobs"],
+                                                    self.lse, self.top_ids, self.top_lp))
 
     def _up(self, dev, host: np.ndarray) -> None:
         dev[: host.shape[0]].set(np.ascontiguousarray(host, dtype=dev.dtype), stream=self.stream)
@@ -95,7 +199,7 @@ class GpuSampler:
             raise ValueError(f"{S} sampled rows exceed the sampler's {self.max_rows}")
         null = np.uint64(0)
         launch = lambda k, g, b, a: k(g, b, a, stream=self.stream)  # noqa: E731
-        launch(self.k_argmax, (S,), (1024,), (logits, np.int32(V), null, self.ids, null, self.lse))
+        self.argmax(logits, S)
         processed = [i for i, s in enumerate(seqs) if needs_processing(s)]
         source = logits
         if processed:
@@ -170,8 +274,13 @@ class GpuSampler:
         self._up(self.params_f[0], np.asarray([p.temperature for p in ps], np.float32))
         self._up(self.params_f[1], np.asarray([p.min_p for p in ps], np.float32))
         self._up(self.params_f[2], np.asarray([p.top_p for p in ps], np.float32))
-        self._up(self.uniform, np.asarray([uniform_for(seqs[i]) for i in sampled], np.float64))
+        uniform, seed, step = seeded_rows([seqs[i] for i in sampled])
+        self._up(self.uniform, uniform)
+        self._up(self.seed_step[0], seed)
+        self._up(self.seed_step[1], step)
         self._up(self.top_k, np.asarray([p.top_k for p in ps], np.int32))
+        self.k_uniforms((-(-n // 128),), (128,), (self.seed_step[0], self.seed_step[1], self.uniform, np.int32(n)),
+                        stream=self.stream)
         self.k_sample((n,), (1024,), (source, np.int32(self.vocab), self.rows, self.probs, self.params_f[0],
                                       self.params_f[1], self.top_k, self.params_f[2], self.uniform,
                                       self.ids), stream=self.stream)

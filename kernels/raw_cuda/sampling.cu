@@ -4,7 +4,8 @@
 //   sample_filtered:  p = softmax(x / temperature); min_p (drop p < min_p·max p); top_k (keep p >= the
 //                     k-th largest, ties kept); top_p (keep, in descending order, tokens whose mass before
 //                     them is < top_p of the total: the crossing token is kept); then an inverse-CDF draw
-//                     over token ids with the row's uniform u (drawn by the host from the request's seed).
+//                     over token ids with the row's uniform u (default_rng([seed, step]).random(): the
+//                     host's, or seeded_uniforms' on the device, the same bits).
 // Thresholds are found exactly by bit-wise descent on the (non-negative) float bit patterns, so no
 // sort is needed: top_k costs 31 counting passes over V, top_p 31 summing passes; rows without them
 // skip those passes. One block of 1024 threads per row.
@@ -57,6 +58,68 @@ __device__ float block_max_f(float v, float* s) {
     return warp_max(s[lane]);
 }
 
+// ---- The seeded uniform of engine/sampling.py: u = numpy.random.default_rng([seed, step]).random() ----
+// numpy's SeedSequence (a 4-word entropy pool mixed from the words [seed, step], then 8 state words),
+// PCG64 seeded from them (128-bit LCG, XSL-RR output), one 53-bit double. Exact for seed, step < 2^32.
+// __host__ too, so the same code can be checked against numpy on a machine without a GPU.
+typedef unsigned long long u64;
+
+__host__ __device__ inline u64 mulhi64(u64 a, u64 b) {
+#ifdef __CUDA_ARCH__
+    return __umul64hi(a, b);
+#else
+    return (u64)(((unsigned __int128)a * b) >> 64);
+#endif
+}
+__host__ __device__ inline unsigned seq_hashmix(unsigned v, unsigned& h) {
+    v ^= h; h *= 0x931e8875u; v *= h; return v ^ (v >> 16);
+}
+__host__ __device__ inline unsigned seq_mix(unsigned x, unsigned y) {
+    const unsigned r = 0xca01f9ddu * x - 0x4973f715u * y;
+    return r ^ (r >> 16);
+}
+__host__ __device__ inline void pcg_step(u64& hi, u64& lo, u64 inc_hi, u64 inc_lo) {   // state·M + inc mod 2^128
+    const u64 mh = 2549297995355413924ull, ml = 4865540595714422341ull;
+    const u64 plo = lo * ml, phi = mulhi64(lo, ml) + lo * mh + hi * ml;
+    lo = plo + inc_lo;
+    hi = phi + inc_hi + (lo < plo ? 1ull : 0ull);
+}
+__host__ __device__ inline double seeded_uniform(unsigned seed, unsigned step) {
+    unsigned h = 0x43b0d7e5u, pool[4];
+    pool[0] = seq_hashmix(seed, h); pool[1] = seq_hashmix(step, h);
+    pool[2] = seq_hashmix(0u, h); pool[3] = seq_hashmix(0u, h);
+    for (int src = 0; src < 4; ++src)
+        for (int dst = 0; dst < 4; ++dst)
+            if (src != dst) pool[dst] = seq_mix(pool[dst], seq_hashmix(pool[src], h));
+    unsigned hb = 0x8b51f9ddu;
+    u64 w[4];
+    for (int i = 0; i < 8; ++i) {
+        unsigned v = pool[i & 3] ^ hb;
+        hb *= 0x58f38dedu; v *= hb; v ^= v >> 16;
+        w[i >> 1] = (i & 1) ? (w[i >> 1] | ((u64)v << 32)) : (u64)v;
+    }
+    const u64 inc_hi = (w[2] << 1) | (w[3] >> 63), inc_lo = (w[3] << 1) | 1ull;
+    u64 hi = 0, lo = 0;
+    pcg_step(hi, lo, inc_hi, inc_lo);
+    const u64 lo2 = lo + w[1];
+    hi += w[0] + (lo2 < lo ? 1ull : 0ull); lo = lo2;
+    pcg_step(hi, lo, inc_hi, inc_lo);
+    pcg_step(hi, lo, inc_hi, inc_lo);
+    const u64 x = hi ^ lo;
+    const unsigned rot = (unsigned)(hi >> 58);
+    const u64 out = (x >> rot) | (x << ((64u - rot) & 63u));
+    return (double)(out >> 11) * (1.0 / 9007199254740992.0);
+}
+
+// uniform[r] < 0 (the host's mark: seed and step fit 32 bits) -> seeded_uniform(seed[r], step[r]);
+// other rows keep the uniform the host drew. One thread per row.
+extern "C" __global__ void seeded_uniforms(const unsigned* __restrict__ seed, const unsigned* __restrict__ step,
+                                           double* __restrict__ uniform, int n) {
+    pdl_begin();
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r < n && uniform[r] < 0.0) uniform[r] = seeded_uniform(seed[r], step[r]);
+}
+
 extern "C" __global__ void apply_penalties(float* __restrict__ logits, int V, const int* __restrict__ row_ptr,
                                            const int* __restrict__ tokens, const float* __restrict__ bias,
                                            const int* __restrict__ flags,      // 1: masked, 2: in history
@@ -86,11 +149,14 @@ sample_filtered(const float* __restrict__ logits, int V, const int* __restrict__
     pdl_begin();
     __shared__ double sd[33];
     __shared__ float sf[33];
-    // Block b samples logits row rows[b]; params, uniform and the probs scratch are indexed by b.
-    const int r = blockIdx.x, tid = threadIdx.x, row = rows[r];
+    // Block b samples logits row rows[b] (rows null: row b); params, uniform and the probs scratch are
+    // indexed by b. A block whose temperature is not > 0 (a greedy or padded row of a decode graph,
+    // which launches one block per row) leaves its row's id as it is.
+    const int r = blockIdx.x, tid = threadIdx.x, row = rows != nullptr ? rows[r] : r;
+    const float temp = temperature[r];
+    if (!(temp > 0.f)) return;
     const float* x = logits + (size_t)row * V;
     float* p = probs + (size_t)r * V;
-    const float temp = temperature[r];
 
     // softmax(x / T) in float32, as the reference.
     float m = -INFINITY;
