@@ -1,6 +1,7 @@
 // Greedy pick and log-probabilities over fp32 logits rows [S, V], one block (1024 threads) per row:
 //   argmax_logprob:  ids[r] = argmax_v x[r, v] (lowest index on ties, as numpy), lse[r] = logsumexp(x[r]),
-//                    logprob[r] = x[r, ids[r]] − lse[r].
+//                    logprob[r] = x[r, ids[r]] − lse[r]; argmax_logprob_split the same for a few rows,
+//                    each over several CTAs (below).
 //   token_logprob:   x[r, ids[r]] − lse[r] for whatever token was finally chosen.
 //   topk_logprobs:   the k best (value desc, index asc) of x[r] and their log-probabilities (k ≤ 20),
 //                    k passes, each excluding what the previous ones took; topk_logprobs_each takes
