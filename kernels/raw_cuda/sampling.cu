@@ -7,8 +7,10 @@
 //                     over token ids with the row's uniform u (default_rng([seed, step]).random(): the
 //                     host's, or seeded_uniforms' on the device, the same bits).
 // Thresholds are found exactly by bit-wise descent on the (non-negative) float bit patterns, so no
-// sort is needed: top_k costs 31 counting passes over V, top_p 31 summing passes; rows without them
-// skip those passes. One block of 1024 threads per row.
+// sort is needed: top_k takes 31 counting steps, top_p 31 summing steps; each is a pass over V until
+// at most KEPT elements can still matter, then a pass over those, compacted into shared memory (a
+// top_k of 50 is a few passes over V; a top_p whose nucleus holds more than KEPT tokens stays on full
+// passes); rows without them skip those steps. One block of 1024 threads per row.
 // Roofline: each pass reads V·4 bytes (0.6 MB at V = 152K) from L2; ~65 passes worst case keep one SM
 // busy for a few hundred µs, so only rows that sample (temperature > 0) take this path; greedy rows use
 // argmax_logprob.
@@ -141,6 +143,25 @@ extern "C" __global__ void apply_penalties(float* __restrict__ logits, int V, co
 
 __device__ __forceinline__ unsigned bits(float p) { return __float_as_uint(p); }
 
+#define KEPT 4096
+// kept[0, *n_kept) = the bit patterns of p's elements above `floor` (strictly, or >= when not), in
+// row order (contiguous id segments per thread, placed by a block scan); at most KEPT of them. All
+// threads call it; it ends with a barrier.
+__device__ void compact(const float* p, int V, unsigned floor, bool strict, unsigned* kept, int* n_kept,
+                        double* sd) {
+    const int seg = (V + NT - 1) / NT, lo = min(V, (int)threadIdx.x * seg), hi = min(V, lo + seg);
+    double mine = 0.0;
+    for (int v = lo; v < hi; ++v) mine += (strict ? bits(p[v]) > floor : bits(p[v]) >= floor) ? 1.0 : 0.0;
+    double total;
+    int at = (int)block_exclusive_scan(mine, &total, sd);
+    for (int v = lo; v < hi; ++v) {
+        const unsigned b = bits(p[v]);
+        if (strict ? b > floor : b >= floor) kept[at++] = b;
+    }
+    if (threadIdx.x == 0) *n_kept = (int)total;
+    __syncthreads();
+}
+
 extern "C" __global__ void __launch_bounds__(NT)
 sample_filtered(const float* __restrict__ logits, int V, const int* __restrict__ rows, float* __restrict__ probs,
                 const float* __restrict__ temperature, const float* __restrict__ min_p,
@@ -174,14 +195,23 @@ sample_filtered(const float* __restrict__ logits, int V, const int* __restrict__
         for (int v = tid; v < V; v += NT) if ((double)p[v] < cut) p[v] = 0.f;
     }
     __syncthreads();
+    // The threshold searches below pass over the whole row until few enough elements (at most KEPT)
+    // can still matter, then over those, compacted into shared memory in row order.
+    __shared__ unsigned kept[KEPT];
+    __shared__ int n_kept;
     const int k = top_k[r];
     if (k > 0 && k < V) {   // the k-th largest value: the largest b with count(p >= b) >= k
         unsigned prefix = 0;
+        float n_ge = (float)V;                           // count(p >= prefix)
+        bool listed = false;                             // kept[] holds every p >= the prefix then
         for (int bit = 30; bit >= 0; --bit) {
+            if (!listed && n_ge <= (float)KEPT) { compact(p, V, prefix, false, kept, &n_kept, sd); listed = true; }
             const unsigned cand = prefix | (1u << bit);
             float c = 0.f;
-            for (int v = tid; v < V; v += NT) c += bits(p[v]) >= cand ? 1.f : 0.f;
-            if (block_sum(c, sf) >= (float)k) prefix = cand;
+            if (listed) for (int i = tid; i < n_kept; i += NT) c += kept[i] >= cand ? 1.f : 0.f;
+            else for (int v = tid; v < V; v += NT) c += bits(p[v]) >= cand ? 1.f : 0.f;
+            c = block_sum(c, sf);
+            if (c >= (float)k) { prefix = cand; n_ge = c; }
         }
         for (int v = tid; v < V; v += NT) if (bits(p[v]) < prefix) p[v] = 0.f;
         __syncthreads();
@@ -195,11 +225,22 @@ sample_filtered(const float* __restrict__ logits, int V, const int* __restrict__
         const double P = (double)top_p[r] * total_mass;
         // v_c = 1 + the largest b with mass(p > b) >= P: the value of the last kept token.
         unsigned prefix = 0;
+        float n_gt = (float)V;                           // count(p > prefix), an upper bound at first
+        bool listed = false;                             // kept[] holds every p > the prefix then
         for (int bit = 30; bit >= 0; --bit) {
+            if (!listed && n_gt <= (float)KEPT) { compact(p, V, prefix, true, kept, &n_kept, sd); listed = true; }
             const unsigned cand = prefix | (1u << bit);
             double above = 0.0;
-            for (int v = tid; v < V; v += NT) if (bits(p[v]) > cand) above += p[v];
-            if (block_sum_d(above, sd) >= P) prefix = cand;
+            float c = 0.f;
+            if (listed) {
+                for (int i = tid; i < n_kept; i += NT) if (kept[i] > cand) above += (double)__uint_as_float(kept[i]);
+            } else {
+                for (int v = tid; v < V; v += NT) if (bits(p[v]) > cand) { above += p[v]; c += 1.f; }
+            }
+            if (block_sum_d(above, sd) >= P) {
+                prefix = cand;
+                if (!listed) n_gt = block_sum(c, sf);
+            }
         }
         const unsigned vc = prefix + 1;
         double above = 0.0;
