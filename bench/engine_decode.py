@@ -1,8 +1,10 @@
 """Decode throughput of the whole engine on the GPU: EngineHandle (engine thread, scheduler,
 detokenizer with the real Qwen tokenizer, asyncio consumers) over the GPU executor with random
-Qwen3 weights, with and without the CPU/GPU step overlap (EngineConfig.overlap_steps).
+Qwen3 weights, in three host modes: "off" (no CPU/GPU overlap: EngineConfig.overlap_steps off),
+"emit" (step N's tokens detokenized and sent while step N+1 runs; schedule_ahead off) and "ahead"
+(also step N+1 scheduled and built while step N runs: the default).
 
-    python3 bench/engine_decode.py --model qwen3-4b --batches 32,128 --output-len 128
+    python3 bench/engine_decode.py --model qwen3-4b --batches 32,128 --output-len 128 [--temperature 0.8]
 
 B requests of 128 random prompt tokens each decode output-len tokens greedily (ignore_eos), all
 submitted at once, after one unreported warm-up pass per batch size (it captures the decode graphs); reported: output tokens/s over the decode phase (from the first streamed token of
@@ -59,7 +61,12 @@ class _Kept:
         pass
 
 
-def run(model_name: str, batches: list[int], output_len: int, prompt_len: int = 128) -> list[dict]:
+MODES = {"off": dict(overlap_steps=False), "emit": dict(overlap_steps=True, schedule_ahead=False),
+         "ahead": dict(overlap_steps=True, schedule_ahead=True)}
+
+
+def run(model_name: str, batches: list[int], output_len: int, prompt_len: int = 128,
+        temperature: float = 0.0, modes: tuple[str, ...] = tuple(MODES)) -> list[dict]:
     from engine.config import EngineConfig
     from engine.executor.gpu import GpuExecutor
     from engine.handle import EngineHandle
@@ -78,21 +85,22 @@ def run(model_name: str, batches: list[int], output_len: int, prompt_len: int = 
     rng = np.random.default_rng(0)
     rows = []
     for B in batches:
-        for overlap in (None, False, True):             # None: a warm-up pass (graph capture), not reported
+        for mode in (None,) + modes:                  # None: a warm-up pass (graph capture), not reported
             config = EngineConfig(max_num_seqs=B, max_num_batched_tokens=2048, enable_prefix_caching=False,
-                                  overlap_steps=bool(overlap))
+                                  **MODES[mode or "ahead"])
             handle = EngineHandle(config, executor=_Kept(ex), tokenizer=tokenizer, model_name=model_name,
                                   max_model_len=max_len)
-            params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+            params = SamplingParams(temperature=temperature, top_k=50 if temperature else -1, seed=1,
+                                    max_tokens=output_len, ignore_eos=True)
             reqs = [GenerateRequest(f"r{i}", rng.integers(1000, 100000, prompt_len).tolist(), params)
                     for i in range(B)]
             try:
                 r = asyncio.run(_drive(handle, reqs))
             finally:
                 handle.shutdown()
-            if overlap is None:
+            if mode is None:
                 continue
-            r.update(model=model_name, batch=B, overlap=overlap)
+            r.update(model=model_name, batch=B, mode=mode, temperature=temperature)
             print(r, flush=True)
             rows.append(r)
     ex.close()
@@ -104,12 +112,15 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-4b")
     p.add_argument("--batches", default="32,128")
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else with top_k 50")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
     a = p.parse_args()
-    rows = run(a.model, [int(b) for b in a.batches.split(",")], a.output_len)
-    print("| model | batch | overlap | output tokens/s | median ITL ms |")
-    print("|---|---|---|---|---|")
+    rows = run(a.model, [int(b) for b in a.batches.split(",")], a.output_len, temperature=a.temperature,
+               modes=tuple(a.modes.split(",")))
+    print("| model | batch | temperature | host mode | output tokens/s | median ITL ms |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['batch']} | {'on' if r['overlap'] else 'off'} | {r['tokens_per_s']:.0f} | "
+        print(f"| {r['model']} | {r['batch']} | {r['temperature']:g} | {r['mode']} | {r['tokens_per_s']:.0f} | "
               f"{r['itl_ms']:.2f} |")
 
 

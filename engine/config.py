@@ -26,6 +26,7 @@ class EngineConfig:
     max_n: int = 16                          # largest n (samples per request) accepted
     seed: int = 0                            # seeds the RNG of requests that bring no seed
     overlap_steps: bool = True               # detokenize / send step N's tokens while step N+1 runs
+    schedule_ahead: bool = True              # with overlap_steps: plan decode step N+1 while step N runs
     host_kv_blocks: int = 0                  # host KV tier: evicted prefix-cache blocks kept in host memory
 
     def validate(self) -> None:

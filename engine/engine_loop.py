@@ -44,6 +44,7 @@ class EngineStats:
     generation_tokens_total: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    num_steps_planned_ahead: int = 0    # decode steps scheduled while the previous one ran
     host_kv_stored_blocks: int = 0      # host KV tier: evicted blocks kept, blocks copied back
     host_kv_restored_blocks: int = 0
 
@@ -92,6 +93,8 @@ class EngineLoop:
         self._stopping = False
         self._after_step: list[Callable[[], None]] = []
         self._deferred: list[tuple[Sequence, SampledToken]] = []   # tokens to send after the next launch
+        self._plan: tuple[SchedulerOutput, ModelBatch] | None = None  # the next decode step, planned ahead
+        self._planned_steps = 0
 
     @staticmethod
     def _host_tier(executor, config: EngineConfig) -> HostKVTier | None:
@@ -190,9 +193,12 @@ class EngineLoop:
                 return
 
     def step(self) -> None:
-        """One engine step: schedule, launch, emit the previous step's deferred tokens while the
-        device runs this one, wait for its sampled ids, turn them into events."""
-        out = self.scheduler.schedule()
+        """One engine step: schedule (or confirm the step planned ahead), launch, emit the previous
+        step's deferred tokens and plan the next decode step while the device runs this one, wait for
+        its sampled ids, turn them into events."""
+        out, batch = self._take_plan()
+        if out is None:
+            out = self.scheduler.schedule()
         self._copy_tier_blocks()
         for seq in out.preempted:
             log.debug("preempted seq %d of %s", seq.seq_id, seq.request_id)
@@ -201,12 +207,15 @@ class EngineLoop:
             self._on_scheduled(seq)
         if out.steps:
             try:
-                batch = ModelBatch.build(out.steps)
+                if batch is None:
+                    batch = ModelBatch.build(out.steps)
                 pending = (submit(self.executor, batch) if self.config.overlap_steps
                            else DoneStep(self.executor.execute(batch)))
                 if self._deferred:          # the previous step's tokens, while the device runs this one
                     self._emit_deferred()
                     self._run_after_step()  # and hand them to their consumers now, not after this step
+                if self.config.schedule_ahead and not isinstance(pending, DoneStep):
+                    self._plan_ahead(out)
                 result = pending.result()
                 if len(result.sampled) != sum(s.sample for s in out.steps):
                     raise RuntimeError(f"executor sampled {len(result.sampled)} sequences, "
@@ -222,6 +231,23 @@ class EngineLoop:
             self._emit_deferred()
         self._steps += 1
         self._publish_stats()
+
+    def _plan_ahead(self, out: SchedulerOutput) -> None:
+        """While `out` runs: the next decode step's schedule and batch, its tokens still placeholders."""
+        plan = self.scheduler.plan_decode_ahead(out)
+        if plan is not None:
+            self._plan = (plan, ModelBatch.build(plan.steps))
+
+    def _take_plan(self) -> tuple[SchedulerOutput | None, ModelBatch | None]:
+        """The step planned ahead with its sampled tokens patched in, if the scheduler confirms it is
+        still exactly the next step; else (None, None)."""
+        plan, self._plan = self._plan, None
+        if plan is None or not self.scheduler.confirm_decode_ahead(plan[0]):
+            return None, None
+        out, batch = plan
+        batch.input_ids[:] = [step.token_ids[0] for step in out.steps]
+        self._planned_steps += 1
+        return out, batch
 
     # -- requests in ---------------------------------------------------------------------
     def validate(self, req: GenerateRequest) -> str | None:
@@ -466,5 +492,6 @@ class EngineLoop:
             prefix_cache_hits=bm.hit_tokens, prompt_tokens_total=self._prompt_tokens,
             generation_tokens_total=self._generation_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps,
+            num_steps_planned_ahead=self._planned_steps,
             host_kv_stored_blocks=tier.stored_blocks if tier else 0,
             host_kv_restored_blocks=tier.restored_blocks if tier else 0)

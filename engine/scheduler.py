@@ -7,6 +7,10 @@ whenever blocks run out; then, if nothing was preempted, waiting sequences join 
 budget, max_num_seqs and the KV pool allow. A waiting sequence starts from its longest
 prefix-cache hit: device blocks first, then (with a host KV tier, memory/host_tier.py) blocks the
 device evicted earlier, copied back into fresh device blocks before the step.
+
+While a decode step runs, the next one can be planned ahead (plan_decode_ahead: the same sequences,
+one token further, blocks reserved) and confirmed once the step's tokens are in
+(confirm_decode_ahead), so the host's scheduling overlaps the device.
 """
 from __future__ import annotations
 
@@ -209,6 +213,54 @@ class Scheduler:
             want_prompt_logprobs=seq.want_prompt_logprobs and start < seq.prompt_len,
             lora_id=seq.lora_id))
         return end - start
+
+    # -- the next decode step, planned while this one runs ----------------------------------
+    def plan_decode_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after `out`, planned before out's sampled tokens are known: every running
+        sequence decodes one more token, its KV block reserved now; each step's token_ids hold a
+        placeholder until confirm_decode_ahead. None unless `out` is exactly the running sequences
+        decoding one token each (nothing waiting, no prompt logprobs, no fork pending) and their
+        blocks are free without preemption: then it is what schedule() will return, unless the running
+        set changes first (an end, an abort, an arrival), which confirm_decode_ahead detects."""
+        running = self.running
+        if self.waiting or len(out.seqs) != len(running) or len(running) > self.max_num_batched_tokens:
+            return None
+        need = 0
+        for seq, step, run in zip(out.seqs, out.steps, running):
+            if (seq is not run or len(step.token_ids) != 1 or not step.sample or seq.fork_count > 1
+                    or step.want_prompt_logprobs or seq.want_prompt_logprobs):
+                return None
+            need += max(0, blocks_for(step.start_pos + 2) - len(seq.block_table))
+        if not self.bm.can_allocate(need):
+            return None
+        plan = SchedulerOutput()
+        for seq, step in zip(out.seqs, out.steps):
+            pos = step.start_pos + 1
+            extra = blocks_for(pos + 1) - len(seq.block_table)
+            if extra > 0:                # kept by the sequence even if the plan is dropped
+                seq.block_table += self.bm.allocate(extra)
+            plan.seqs.append(seq)
+            plan.steps.append(SeqStep(
+                seq_id=seq.seq_id, token_ids=[-1], start_pos=pos, block_table=seq.block_table,
+                block_array=seq.block_table_array(), sample=True, params=seq.params,
+                prompt_len=seq.prompt_len, history=seq.token_ids, num_generated=step.num_generated + 1,
+                lora_id=seq.lora_id))
+        return plan
+
+    def confirm_decode_ahead(self, plan: SchedulerOutput) -> bool:
+        """Whether a plan_decode_ahead plan is still what schedule() would return now (the same
+        running sequences, in order, each with exactly the planned step's token appended and
+        accounted, nothing waiting); if so, patch each step's token in. False: schedule afresh
+        (blocks reserved for the plan stay with their sequences and serve that step)."""
+        if self.waiting or len(plan.seqs) != len(self.running):
+            return False
+        for seq, step, run in zip(plan.seqs, plan.steps, self.running):
+            if (seq is not run or seq.status is not SeqStatus.RUNNING or seq.num_computed != step.start_pos
+                    or len(seq.token_ids) != step.start_pos + 1):
+                return False
+        for seq, step in zip(plan.seqs, plan.steps):
+            step.token_ids[0] = seq.token_ids[-1]
+        return True
 
     # -- after the step ------------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> list[Sequence]:

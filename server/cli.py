@@ -30,9 +30,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host-kv-blocks", type=int, default=0,
                    help="host KV tier: keep up to this many evicted prefix-cache blocks in host memory "
-                        "(CPU executor so far)")
+                        "(pinned memory with the GPU executor)")
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="detokenize and stream a step's tokens while the GPU runs the next step")
+    p.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --overlap-steps: schedule and build the next decode step while the GPU runs this one")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +70,7 @@ def engine_config(args: argparse.Namespace):
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                           max_n=getattr(args, "max_n", 16), seed=args.seed, overlap_steps=args.overlap_steps,
-                          host_kv_blocks=args.host_kv_blocks)
+                          schedule_ahead=args.schedule_ahead, host_kv_blocks=args.host_kv_blocks)
     config.validate()
     return config
 

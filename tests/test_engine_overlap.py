@@ -125,3 +125,50 @@ def test_ends_known_from_the_token_cost_no_extra_step():
     sync_ex, lagged = FakeExecutor(), AsyncFakeExecutor()
     assert run(lagged, reqs, max_model_len=64) == run(sync_ex, reqs, max_model_len=64)
     assert len(lagged.steps) == len(sync_ex.steps)
+
+
+def decode_feeds(executor) -> list[list[tuple[int, int]]]:
+    """(token id, position) fed per decode-only step: what a step computes, whichever blocks it uses."""
+    return [list(zip(b.input_ids.tolist(), b.positions.tolist())) for b in executor.steps if b.is_decode_only]
+
+
+def test_steps_planned_ahead_equal_freshly_scheduled_ones():
+    """With schedule_ahead, decode steps are scheduled and built while the previous one runs and
+    confirmed (tokens patched in) after it: the same events and the same fed tokens as scheduling
+    each step afresh, through stop strings, stop tokens, n > 1, logprobs and arrivals."""
+    ahead_ex, fresh_ex = AsyncFakeExecutor(), AsyncFakeExecutor()
+    ahead_engine = make_engine(ahead_ex)
+    streams = {r.request_id: submit(ahead_engine, r) for r in requests()}
+    run_until_idle(ahead_engine)
+    fresh = run(fresh_ex, requests(), schedule_ahead=False)
+    assert {rid: client_view(ev) for rid, ev in streams.items()} == fresh == run(FakeExecutor(), requests())
+    assert decode_feeds(ahead_ex) == decode_feeds(fresh_ex)
+    planned = ahead_engine.stats().num_steps_planned_ahead
+    assert planned > 0.5 * len(decode_feeds(ahead_ex))        # most decode steps were planned ahead
+    assert all(t >= 0 for feed in decode_feeds(ahead_ex) for t, _ in feed)   # no placeholder reached a step
+
+
+def test_plan_is_dropped_when_the_running_set_changes():
+    """An arrival, an abort or an end between the plan and its step: the plan is not used."""
+    ex = AsyncFakeExecutor()
+    engine = make_engine(ex)
+    a = submit(engine, GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0,
+                                                                         ignore_eos=True)))
+    for _ in range(4):
+        engine.step()
+    assert engine._plan is not None
+    b = submit(engine, GenerateRequest("b", [8, 9], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)))
+    engine.drain_inbox()
+    planned = engine._planned_steps
+    engine.step()                                  # b waits: the plan is dropped, b is admitted
+    assert engine._planned_steps == planned and len(ex.steps[-1].seqs) == 2
+    engine.step()
+    engine.abort("b")
+    engine.drain_inbox()
+    engine.step()                                  # b aborted after the plan was made
+    assert engine._planned_steps == planned and len(ex.steps[-1].seqs) == 1
+    run_until_idle(engine)
+    sync = run(FakeExecutor(), [GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0,
+                                                                                ignore_eos=True))])
+    assert client_view(a) == sync["a"]
+    assert [e.reason for e in b if isinstance(e, Finished)] == ["abort"]
