@@ -1,7 +1,7 @@
 """CuTe kernels on the GPU: isolated verification of every kernel, then speed against cuBLAS.
 
     python3 bench/kernels.py [--out DIR] [--budget 210] [--verify-budget 100] [--hang-s 6] [--no-sweep]
-                             [--attention-only]
+                             [--attention-only] [--only-variants A,B --shapes 4B.o,8B.qkv --ms 512,2048]
 
 1. Verification (``kernels.cute.verify``): every case of ``kernels.cute.testing.CASES`` (fresh
    random bf16, NaN-poisoned output, float32 reference, rel. error ≤ 1e-2, every element written)
@@ -13,7 +13,9 @@
    batch of 8 sequences and 512 new tokens on a cached prefix, for every verified attention kernel;
    then (unless ``--no-sweep``, and while the budget lasts) every variant / split count per shape,
    which is how ``configs.plan_gemm`` is tuned.
-The parent process never touches the GPU. Tables are printed last; ``summary.md``,
+``--only-variants`` verifies just those GEMM variants (new tile configs) and takes the other GEMM
+variants as verified by earlier runs (said in the summary), with no attention rows; ``--shapes`` and
+``--ms`` narrow the GEMM rows and the sweep. The parent process never touches the GPU. Tables are printed last; ``summary.md``,
 ``verify.json``, ``verify_log.txt``, ``bench_log.txt`` and ``bench.json`` are written to ``--out``.
 """
 from __future__ import annotations
@@ -48,7 +50,8 @@ ROTATE_BYTES = 256 << 20
 
 
 # ---- tasks (built in the parent, run in a worker) ----------------------------------------------
-def bench_tasks(ok: set[str], sweep: bool, gemm: bool = True) -> tuple[Case, ...]:
+def bench_tasks(ok: set[str], sweep: bool, gemm: bool = True, shapes: tuple[str, ...] = tuple(QWEN_SHAPES),
+                ms: tuple[int, ...] = MS) -> tuple[Case, ...]:
     """The benchmark rows to run, given the kernel groups that passed verification."""
     tasks = [Case("hbm", "device copy bandwidth", "hbm", ())]
     for kernel in ATTENTION_KERNELS:
@@ -56,14 +59,15 @@ def bench_tasks(ok: set[str], sweep: bool, gemm: bool = True) -> tuple[Case, ...
             tasks += [Case(f"{kernel} {label}", f"{kernel} {label}", "attention", (label, kernel)) for label in ATTN_ROWS]
     if not gemm:
         return tuple(tasks)
-    for name, (n, k) in QWEN_SHAPES.items():
-        for m in MS:
+    for name in shapes:
+        n, k = QWEN_SHAPES[name]
+        for m in ms:
             plan = plan_gemm(m, n, k)
             if plan.variant.name in ok:
                 tasks.append(Case(f"gemm {name} M={m}", f"{name} M={m}", "gemm", (name, m)))
     if sweep and any(v.name in ok for v in GEMM_VARIANTS):
-        for name in QWEN_SHAPES:
-            for m in MS:
+        for name in shapes:
+            for m in ms:
                 tasks.append(Case(f"sweep {name} M={m}", f"sweep {name} M={m}", "sweep", (name, m, sorted(ok))))
     return tuple(tasks)
 
@@ -242,10 +246,11 @@ def sdpa_time_us(n: int, hq: int, hkv: int, d: int) -> float:
     return start.elapsed_time(end) * 1e3 / 10
 
 
-def worker(indices: list[int], ok: list[str], sweep: bool, gemm: bool) -> int:
+def worker(indices: list[int], ok: list[str], sweep: bool, gemm: bool, shapes: tuple[str, ...],
+           ms: tuple[int, ...]) -> int:
     from kernels.cute.gemm import GemmRunner
 
-    tasks = bench_tasks(set(ok), sweep, gemm)
+    tasks = bench_tasks(set(ok), sweep, gemm, shapes, ms)
     runner = GemmRunner()
     runner.init()
     return serve(indices, tasks, lambda task: ("PASS", json.dumps(run_task(runner, task))))
@@ -297,21 +302,40 @@ def main() -> int:
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--attention-only", action="store_true",
                         help="verify and time the attention kernels only (no GEMM cases, rows or sweep)")
+    parser.add_argument("--only-variants", default="",
+                        help="verify only these GEMM variants (comma-separated; 'planned' / 'graph': the planned path)")
+    parser.add_argument("--shapes", default=",".join(QWEN_SHAPES), help="GEMM rows / sweep: these projections")
+    parser.add_argument("--ms", default=",".join(map(str, MS)), help="GEMM rows / sweep: these M")
     parser.add_argument("--worker", metavar="INDICES", help=argparse.SUPPRESS)
     parser.add_argument("--ok", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    shapes = tuple(x for x in args.shapes.split(",") if x)
+    unknown = [x for x in shapes if x not in QWEN_SHAPES]
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; known: {', '.join(QWEN_SHAPES)}")
+    ms = tuple(int(x) for x in args.ms.split(",") if x)
+    focus = {x for x in args.only_variants.split(",") if x}
+    known = {v.name for v in GEMM_VARIANTS} | {"planned", "graph"}     # the last two: the planned path's cases
+    if focus - known:
+        parser.error(f"unknown variants {sorted(focus - known)}; known: {', '.join(sorted(known))}")
     if args.worker is not None:
         return worker([int(i) for i in args.worker.split(",") if i], args.ok.split(","), not args.no_sweep,
-                      not args.attention_only)
+                      not args.attention_only, shapes, ms)
 
     t0 = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     info = f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {gpu_info()}"
     print(info, flush=True)
-    results = verify(args.out, args.verify_budget, args.hang_s, kinds={"attention"} if args.attention_only else None)
+    results = verify(args.out, args.verify_budget, args.hang_s, kinds={"attention"} if args.attention_only else None,
+                     groups=focus or None)
     ok = passing_groups(results)
-    tasks = bench_tasks(set(ok), not args.no_sweep, not args.attention_only)
-    cmd = [sys.executable, os.path.abspath(__file__), "--ok", ",".join(ok)] + (["--no-sweep"] if args.no_sweep else []) \
+    if focus:                               # the other GEMM variants passed in earlier runs
+        assumed = sorted(v.name for v in GEMM_VARIANTS if v.name not in focus)
+        ok = sorted(set(ok) | set(assumed))
+        info += f"; verified now: {', '.join(sorted(focus))}; taken as verified earlier: {', '.join(assumed)}"
+    tasks = bench_tasks(set(ok), not args.no_sweep, not args.attention_only, shapes, ms)
+    cmd = [sys.executable, os.path.abspath(__file__), "--ok", ",".join(ok), "--shapes", ",".join(shapes),
+           "--ms", ",".join(map(str, ms))] + (["--no-sweep"] if args.no_sweep else []) \
         + (["--attention-only"] if args.attention_only else [])
     os.environ["OPENINFER_CUTE_HANG_S"] = str(args.hang_s)
     with open(args.out / "bench_log.txt", "w") as logf:

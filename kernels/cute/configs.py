@@ -35,6 +35,8 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 256, 2, 1),
     GemmVariant(128, 128, 1, 1),
     GemmVariant(128, 128, 2, 1),
+    GemmVariant(128, 192, 1, 1),    # a wave-quantisation width (N 6144 at M = 512: 128 tiles, one wave)
+    GemmVariant(128, 192, 2, 1),
     GemmVariant(64, 128, 1, 1),
     GemmVariant(64, 256, 1, 1),
     GemmVariant(64, 64, 1, 1, "f32"),
@@ -93,13 +95,18 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   this was up to 1.9x faster than the former 128x128 choice.
 # - Beyond that, 128x256 or 128x128 by wave quantisation (narrow N at M = 512: 128x128 was up to
 #   1.9x faster than 128x256), the 2x1 cluster only with two 128-row tiles to pair.
+# - 128x192 (added 2026-12-01): one wave where 128 needs two and 256 leaves SMs idle (N = 6144 at
+#   M = 512: 4B.qkv 28.2 -> 24.4 µs, 8B.qkv 47.8 -> 35.9 µs) and at 4B.o M = 2048 (72.7 -> 66.5 µs).
+#   128x80 (for N = 2560) compiled but computed rows 64-127 of each tile wrong, so it is not built.
 # On the 56 swept shapes the retuned plan's configs are within 8% of the sweep's best for M <= 512
 # (geometric mean 1.01x over all; the former plan 1.15x, worst 1.9x). It was NOT re-timed as a plan:
 # each config it picks was timed in the sweep and its variant passed verification (split counts
 # 1-6 per f32 variant); the next run's "planned" verification and benchmark rows cover it.
 STREAM_MAX_M = 128
 FILL_TOLERANCE = 0.9        # single-wave fills within 10% count as equal: fewer splits win
-TILE_EFFICIENCY = {256: 1.0, 128: 0.85}  # 128-row tiles: relative throughput per element (sweep)
+# 128-row tiles: relative throughput per element (sweeps of 2026-11-30 and, for 192, 2026-12-01)
+TILE_EFFICIENCY = {256: 1.0, 192: 0.95, 128: 0.85}
+WIDE_192_MIN_M = 512        # 128x192 is calibrated (swept) from M = 512 up
 
 
 def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
@@ -120,7 +127,7 @@ def _tile_plan(m: int, n: int, sms: int) -> GemmPlan:
     def cost(tile_n: int) -> float:
         return _ceil(_ceil(m, 128) * _ceil(n, tile_n), sms) * tile_n / TILE_EFFICIENCY[tile_n]
 
-    tile_n = min((256, 128), key=cost)
+    tile_n = min((256, 192, 128) if m >= WIDE_192_MIN_M else (256, 128), key=cost)
     cluster = 2 if _ceil(m, 128) >= 2 else 1
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{tile_n}_c{cluster}x1"])
 

@@ -40,7 +40,8 @@ class GemmSm90:
     """Builds the jit entry point for one GemmVariant; call it through ``cute.compile``."""
 
     def __init__(self, tile: GemmVariant):
-        assert tile.tile_m in (64, 128) and tile.tile_n in (64, 128, 256)
+        # verified widths (a 128x80 tile compiled but computed its second 64-row half wrong)
+        assert tile.tile_m in (64, 128) and tile.tile_n in (64, 128, 192, 256)
         assert tile.cluster_m * tile.cluster_n <= 4
         assert not (tile.grouped and tile.cluster_m > 1), "a cluster along M would mix experts"
         self.tile = tile

@@ -190,7 +190,8 @@ class Case:
 MULTI_K = 1032  # 17 k-tiles, more than any config's pipeline stages (≤ 14), with a K tail of 8
 ODD_SHAPES = ((1, 200, 328), (17, 2056, 1032), (255, 392, 2568), (1000, 1288, 520))
 DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x256_c1x1",
-               "gemm_bf16_128x256_c1x1", "gemm_bf16_128x128_c2x1", "gemm_bf16_128x256_c2x1")
+               "gemm_bf16_128x256_c1x1", "gemm_bf16_128x128_c2x1", "gemm_bf16_128x256_c2x1",
+               "gemm_bf16_128x192_c1x1", "gemm_bf16_128x192_c2x1")
 SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1")
 
 

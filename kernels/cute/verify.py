@@ -219,9 +219,10 @@ def worker(indices: list[int]) -> int:
     return serve(indices, CASES, check)
 
 
-def verify(out_dir: Path, budget_s: float, hang_s: float, log=print, kinds: set[str] | None = None) -> list[Result]:
-    """Run the catalogue (the cases of ``kinds`` only, if given) in isolated workers; write
-    verify.json / verify_log.txt; return the results."""
+def verify(out_dir: Path, budget_s: float, hang_s: float, log=print, kinds: set[str] | None = None,
+           groups: set[str] | None = None) -> list[Result]:
+    """Run the catalogue (the cases of ``kinds`` and of the kernel ``groups`` only, if given) in
+    isolated workers; write verify.json / verify_log.txt; return the results."""
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ["OPENINFER_CUTE_HANG_S"] = str(hang_s)
     with open(out_dir / "verify_log.txt", "w") as logf:
@@ -233,7 +234,9 @@ def verify(out_dir: Path, budget_s: float, hang_s: float, log=print, kinds: set[
 
         results = run_all(CASES, [sys.executable, "-m", "kernels.cute.verify", "--worker"],
                           budget_s, case_timeout_s=hang_s + 30.0, log=both,
-                          only=None if kinds is None else {i for i, c in enumerate(CASES) if c.kind in kinds})
+                          only=None if kinds is None and groups is None else
+                          {i for i, c in enumerate(CASES) if (kinds is None or c.kind in kinds)
+                           and (groups is None or c.group in groups)})
     (out_dir / "verify.json").write_text(json.dumps([asdict(r) for r in results], indent=1))
     return results
 
