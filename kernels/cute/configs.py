@@ -97,7 +97,8 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   1.9x faster than 128x256), the 2x1 cluster only with two 128-row tiles to pair.
 # - 128x192 (added 2026-12-01): one wave where 128 needs two and 256 leaves SMs idle (N = 6144 at
 #   M = 512: 4B.qkv 28.2 -> 24.4 µs, 8B.qkv 47.8 -> 35.9 µs) and at 4B.o M = 2048 (72.7 -> 66.5 µs).
-#   128x80 (for N = 2560) compiled but computed rows 64-127 of each tile wrong, so it is not built.
+#   128x80 (N = 2560 in 32 tiles: one wave at M = 512) is correct with 16-wide epilogue tiles but runs
+#   at ~0.6 of 256's rate per element: 7% faster than 128x128 at 4B.o M = 512, far slower beyond; not built.
 # On the 56 swept shapes the retuned plan's configs are within 8% of the sweep's best for M <= 512
 # (geometric mean 1.01x over all; the former plan 1.15x, worst 1.9x). It was NOT re-timed as a plan:
 # each config it picks was timed in the sweep and its variant passed verification (split counts

@@ -40,8 +40,7 @@ class GemmSm90:
     """Builds the jit entry point for one GemmVariant; call it through ``cute.compile``."""
 
     def __init__(self, tile: GemmVariant):
-        # verified widths (a 128x80 tile compiled but computed its second 64-row half wrong)
-        assert tile.tile_m in (64, 128) and tile.tile_n in (64, 128, 192, 256)
+        assert tile.tile_m in (64, 128) and tile.tile_n in (64, 80, 128, 192, 256)
         assert tile.cluster_m * tile.cluster_n <= 4
         assert not (tile.grouped and tile.cluster_m > 1), "a cluster along M would mix experts"
         self.tile = tile
@@ -64,8 +63,11 @@ class GemmSm90:
         self.cta_layout_mnk = cute.make_layout((*self.cluster_mn, 1))
         self.mcast_a = self.cluster_mn[1]
         self.mcast_b = self.cluster_mn[0]
+        # The epilogue walks whole epi tiles: a width that 32 does not divide (80) takes 16-wide ones
+        # (with 32, a 128x80 tile's second 64-row half came out wrong; with 16 it verified, 2026-12-01).
         self.epi_tile = sm90_utils.compute_tile_shape_or_override(
-            self.tile_mnk, c_dtype, is_cooperative=self.atom_layout_mnk == (2, 1, 1)
+            self.tile_mnk, c_dtype, is_cooperative=self.atom_layout_mnk == (2, 1, 1),
+            epi_tile_override=None if self.tile.tile_n % 32 == 0 else (64, 16),
         )
         bytes_per_stage = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2] * a_dtype.width // 8
         self.stages = (SM90_SMEM_BYTES - 1024) // bytes_per_stage
