@@ -23,38 +23,13 @@ from engine.executor.base import DoneStep, submit
 from engine.request import GenerateRequest
 from engine.scheduler import Scheduler, SchedulerOutput, blocks_for
 from engine.sequence import Sequence, SeqStatus
+from engine.stats import EngineStats
 from memory.block_manager import BlockManager
 from memory.host_tier import HostKVTier
 
 log = logging.getLogger("openinfer.engine")
 
 Sink = Callable[[TokenEvent | None], None]
-
-
-@dataclass
-class EngineStats:
-    num_running: int = 0                # sequences
-    num_waiting: int = 0
-    num_requests: int = 0               # requests in flight
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    prefix_cache_queries: int = 0       # prompt tokens looked up
-    prefix_cache_hits: int = 0          # of which were cached
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_steps_planned_ahead: int = 0    # decode steps scheduled while the previous one ran
-    host_kv_stored_blocks: int = 0      # host KV tier: evicted blocks kept, blocks copied back
-    host_kv_restored_blocks: int = 0
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass

@@ -1,0 +1,30 @@
+"""The engine's counters and gauges, published after every step (EngineHandle.stats, /metrics)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0                # sequences
+    num_waiting: int = 0
+    num_requests: int = 0               # requests in flight
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0       # prompt tokens looked up
+    prefix_cache_hits: int = 0          # of which were cached
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_steps_planned_ahead: int = 0    # decode steps scheduled while the previous one ran
+    host_kv_stored_blocks: int = 0      # host KV tier: evicted blocks kept, blocks copied back
+    host_kv_restored_blocks: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
