@@ -219,11 +219,13 @@ class Scheduler:
         """The step after `out`, planned before out's sampled tokens are known: every running
         sequence decodes one more token, its KV block reserved now; each step's token_ids hold a
         placeholder until confirm_decode_ahead. None unless `out` is exactly the running sequences
-        decoding one token each (nothing waiting, no prompt logprobs, no fork pending) and their
-        blocks are free without preemption: then it is what schedule() will return, unless the running
-        set changes first (an end, an abort, an arrival), which confirm_decode_ahead detects."""
+        decoding one token each (no prompt logprobs, no fork pending), no waiting sequence can join
+        (none waits, or max_num_seqs is reached: a busy server's steady state) and their blocks are
+        free without preemption: then it is what schedule() will return, unless the running set
+        changes first (an end, an abort, an arrival), which confirm_decode_ahead detects."""
         running = self.running
-        if self.waiting or len(out.seqs) != len(running) or len(running) > self.max_num_batched_tokens:
+        if (not self._admission_closed() or len(out.seqs) != len(running)
+                or len(running) > self.max_num_batched_tokens):
             return None
         need = 0
         for seq, step, run in zip(out.seqs, out.steps, running):
@@ -247,12 +249,17 @@ class Scheduler:
                 lora_id=seq.lora_id))
         return plan
 
+    def _admission_closed(self) -> bool:
+        """schedule() admits nobody this step: nothing waits, or the first waiting sequence (FCFS: the
+        only one tried first) would take the running set past max_num_seqs."""
+        return not self.waiting or len(self.running) + self.waiting[0].fork_count > self.max_num_seqs
+
     def confirm_decode_ahead(self, plan: SchedulerOutput) -> bool:
         """Whether a plan_decode_ahead plan is still what schedule() would return now (the same
         running sequences, in order, each with exactly the planned step's token appended and
         accounted, nothing waiting); if so, patch each step's token in. False: schedule afresh
         (blocks reserved for the plan stay with their sequences and serve that step)."""
-        if self.waiting or len(plan.seqs) != len(self.running):
+        if not self._admission_closed() or len(plan.seqs) != len(self.running):
             return False
         for seq, step, run in zip(plan.seqs, plan.steps, self.running):
             if (seq is not run or seq.status is not SeqStatus.RUNNING or seq.num_computed != step.start_pos

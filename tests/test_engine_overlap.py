@@ -172,3 +172,19 @@ def test_plan_is_dropped_when_the_running_set_changes():
                                                                                 ignore_eos=True))])
     assert client_view(a) == sync["a"]
     assert [e.reason for e in b if isinstance(e, Finished)] == ["abort"]
+
+
+def test_busy_server_plans_ahead_with_a_queue():
+    """max_num_seqs reached with requests queued (a busy server): nobody can join, so decode steps are
+    still planned ahead, and queued requests join as soon as a running one ends, as with fresh scheduling."""
+    reqs = [GenerateRequest(f"q{i}", [20 + i] * (3 + i), SamplingParams(max_tokens=12 + 5 * i, temperature=0.0,
+                                                                        ignore_eos=True)) for i in range(6)]
+    ahead_ex, fresh_ex = AsyncFakeExecutor(), AsyncFakeExecutor()
+    engine = make_engine(ahead_ex, max_num_seqs=2)
+    streams = {r.request_id: submit(engine, r) for r in reqs}
+    run_until_idle(engine)
+    fresh = run(fresh_ex, reqs, max_num_seqs=2, schedule_ahead=False)
+    assert {rid: client_view(ev) for rid, ev in streams.items()} == fresh
+    assert decode_feeds(ahead_ex) == decode_feeds(fresh_ex)
+    assert [len(b.seqs) for b in ahead_ex.steps] == [len(b.seqs) for b in fresh_ex.steps]
+    assert engine.stats().num_steps_planned_ahead > 0.5 * len(decode_feeds(ahead_ex))
