@@ -127,6 +127,7 @@ class GpuHostExecutor:
         self.ex, self.model, self.batch = ex, model, None
         self.num_kv_blocks, self.vocab_size = num_kv_blocks, vocab_size
         self.instant = InstantExecutor(model, num_kv_blocks, vocab_size)
+        self.launched_at = self.result_at = 0.0     # the last graph launch; the last result() return
 
     def submit(self, batch: ModelBatch):
         from engine.executor.base import DoneStep
@@ -134,14 +135,28 @@ class GpuHostExecutor:
         if not self.ex.graphs.serves(batch):
             return DoneStep(self.instant.execute(batch))
         pending = self.ex.submit(batch)
+        self.launched_at = time.perf_counter()
         self.ex.graphs.ids_host[:len(batch.seqs)] = self.model.next_tokens(batch)   # what the D2H copy brings
-        return pending
+        return _Watched(pending, self)
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         return self.submit(batch).result()
 
     def close(self) -> None:
         pass
+
+
+class _Watched:
+    """A launched step whose result() return time is noted: from then until the next launch the
+    device would sit idle (the host's exposed time per step)."""
+
+    def __init__(self, pending, owner: GpuHostExecutor):
+        self.pending, self.owner = pending, owner
+
+    def result(self) -> StepOutput:
+        out = self.pending.result()
+        self.owner.result_at = time.perf_counter()
+        return out
 
 
 # ---- timing from outside -------------------------------------------------------------------------
@@ -156,6 +171,7 @@ class StepTimer:
         self.decode_only = False
         self.seen_decode = False                # a step with all B sequences decoding ran
         self.profile: cProfile.Profile | None = None
+        self.last_result_at = 0.0
         sched = engine.scheduler
         sched.schedule = self._timed("schedule", sched.schedule)
         ex = engine.executor
@@ -193,8 +209,12 @@ class StepTimer:
             if prof is not None:
                 prof.disable()
             total = time.perf_counter() - t0
+            ex = self.engine.executor
             if recording and self.decode_only:
                 self.cur["total"] = total
+                self.cur["idle"] = getattr(ex, "launched_at", 0.0) - self.last_result_at
+            self.last_result_at = getattr(ex, "result_at", 0.0)
+            if recording and self.decode_only:
                 self.cur["other"] = total - sum(self.cur[p] for p in PHASES if p != "other")
                 self.steps.append(dict(self.cur))
 
@@ -212,7 +232,7 @@ class StepTimer:
 
 # ---- one batch size --------------------------------------------------------------------------------
 def run_batch(tokenizer: Tokenizer, model: TextModel, batch: int, steps: int, executor_kind: str,
-              driver: str, profile: bool, seed: int) -> tuple[dict, str]:
+              driver: str, profile: bool, seed: int, schedule_ahead: bool = True) -> tuple[dict, str]:
     rng = random.Random(seed)
     prompt_lens = [rng.randint(128, 2048) for _ in range(batch)]
     # long enough that the first sequence still decodes when the last one's prefill is done
@@ -224,7 +244,7 @@ def run_batch(tokenizer: Tokenizer, model: TextModel, batch: int, steps: int, ex
         ex = GpuHostExecutor(model, num_kv_blocks, vocab, max_seqs=max(batch, 1), max_model_len=max_model_len)
     else:
         ex = InstantExecutor(model, num_kv_blocks, vocab)
-    config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=2048)
+    config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=2048, schedule_ahead=schedule_ahead)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     requests = []
     for i, n in enumerate(prompt_lens):                         # prompts of 128..2048 real text tokens
@@ -257,7 +277,7 @@ def run_batch(tokenizer: Tokenizer, model: TextModel, batch: int, steps: int, ex
             engine.step()
     wall = time.perf_counter() - t0
     rows = timer.steps[:steps]
-    result = {p: float(np.median([r[p] for r in rows])) * 1e3 for p in PHASES + ("total",)}
+    result = {p: float(np.median([r.get(p, 0.0) for r in rows])) * 1e3 for p in PHASES + ("total", "idle")}
     result.update(batch=batch, steps=len(rows), wall_s=wall,
                   mean=float(np.mean([r["total"] for r in rows])) * 1e3,
                   p90=float(np.percentile([r["total"] for r in rows], 90)) * 1e3)
@@ -292,15 +312,17 @@ def profile_table(profile: cProfile.Profile, steps: int, top: int = 25) -> str:
     return "\n".join(lines)
 
 
-def table(results: list[dict]) -> str:
+def table(results: list[dict], idle: bool = False) -> str:
+    """idle (gpu-host executor): also the host time from one step's result to the next launch, during
+    which a real device would sit idle (what the overlaps leave exposed)."""
     head = ("| batch | steps | total ms | mean / p90 | scheduler | ModelBatch.build | executor call | output processing "
-            "| stats | rest of step | µs / sequence |")
-    lines = [head, "|" + "---|" * 11]
+            "| stats | rest of step | µs / sequence |" + (" device idle ms (result -> next launch) |" if idle else ""))
+    lines = [head, "|" + "---|" * (12 if idle else 11)]
     for r in results:
         cells = [f"{r[p]:.3f}" for p in PHASES]
         lines.append(f"| {r['batch']} | {r['steps']} | {r['total']:.3f} | {r['mean']:.3f} / {r['p90']:.3f} | "
                      + " | ".join(cells)
-                     + f" | {r['total'] * 1e3 / r['batch']:.1f} |")
+                     + f" | {r['total'] * 1e3 / r['batch']:.1f} |" + (f" {r['idle']:.3f} |" if idle else ""))
     return "\n".join(lines)
 
 
@@ -313,6 +335,8 @@ def main() -> None:
                     help="handle: EngineHandle thread + asyncio consumer; loop: EngineLoop stepped here, list sinks")
     ap.add_argument("--profile", default="", help="batch sizes to also run under cProfile, e.g. 64,256")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="EngineConfig.schedule_ahead (plan the next decode step while one runs)")
     ap.add_argument("--out", default="", help="append the markdown section to this file")
     args = ap.parse_args()
     tokenizer = Tokenizer.from_folder(TOKENIZER)
@@ -322,14 +346,16 @@ def main() -> None:
     results = []
     for b in batches:
         gc.collect()                                           # the previous batch's engine is garbage
-        r, _ = run_batch(tokenizer, model, b, args.steps, args.executor, args.driver, False, args.seed)
+        r, _ = run_batch(tokenizer, model, b, args.steps, args.executor, args.driver, False, args.seed,
+                         args.schedule_ahead)
         results.append(r)
         print(f"batch {b}: {r['total']:.3f} ms/step (median of {r['steps']}), wall {r['wall_s']:.1f} s",
               flush=True)
     profiles = []
     for b in [int(x) for x in args.profile.split(",") if x]:
         gc.collect()
-        _, rep = run_batch(tokenizer, model, b, args.steps, args.executor, args.driver, True, args.seed)
+        _, rep = run_batch(tokenizer, model, b, args.steps, args.executor, args.driver, True, args.seed,
+                           args.schedule_ahead)
         profiles.append(f"cProfile (its own overhead inflates small functions), batch {b}, per decode step:\n\n{rep}")
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = (f"## {when} — executor {args.executor}, driver {args.driver}\n\n"
@@ -339,7 +365,7 @@ def main() -> None:
                f"{os.getloadavg()[0]:.2f}.\nCommand: `python bench/host_overhead.py {' '.join(sys.argv[1:])}`\n"
                f"Medians over {args.steps} decode steps with every sequence decoding (phase medians need not add "
                f"up to the total's); ms per step.\n\n"
-               + table(results) + "\n\n" + "\n\n".join(profiles) + "\n")
+               + table(results, idle=args.executor == "gpu-host") + "\n\n" + "\n\n".join(profiles) + "\n")
     print(section)
     if args.out:
         with open(args.out, "a", encoding="utf-8") as f:
