@@ -203,7 +203,8 @@ class Scheduler:
         num_tokens = len(seq.token_ids)
         out.seqs.append(seq)
         # the step shares seq.block_table, no copy: the table only grows in place (_reserve,
-        # admission) before the seq's step is built, and preempt / finish rebind it
+        # admission, and plan_decode_ahead while the step runs: blocks past its context), and
+        # preempt / finish rebind it
         out.steps.append(SeqStep(
             seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
             block_table=seq.block_table, block_array=seq.block_table_array(),
@@ -257,7 +258,7 @@ class Scheduler:
     def confirm_decode_ahead(self, plan: SchedulerOutput) -> bool:
         """Whether a plan_decode_ahead plan is still what schedule() would return now (the same
         running sequences, in order, each with exactly the planned step's token appended and
-        accounted, nothing waiting); if so, patch each step's token in. False: schedule afresh
+        accounted, no waiting sequence able to join); if so, patch each step's token in. False: schedule afresh
         (blocks reserved for the plan stay with their sequences and serve that step)."""
         if not self._admission_closed() or len(plan.seqs) != len(self.running):
             return False
