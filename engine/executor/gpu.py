@@ -12,7 +12,7 @@ of paged_attention.cu and cuBLAS serve every step. "all" is the default since it
 
 Decode graphs launch their kernels as programmatic dependent launches (kernels/raw_cuda/launch.py)
 unless $OPENINFER_PDL is "0". $OPENINFER_LAYER_RANGES=1 adds an NVTX range per decoder layer to
-eager steps (run with use_cuda_graphs off to see decode that way).
+eager steps, "ops" also one per op inside it (run with use_cuda_graphs off to see decode that way).
 
 Prefill attention (`prefill_attention`, default from $OPENINFER_PREFILL_ATTENTION, default "cute"): in
 eager steps, sequences of many new tokens run the CuTe varlen FlashAttention kernel over gathered K/V
@@ -144,7 +144,8 @@ class GpuExecutor:
         self.ops = GpuOps(self.arena, self.gemm, self.kv_cache, self.inv_freq, attention_factor,
                           self.max_tokens, max_width, H, V, self.max_tokens, Hq, D, lm_head.data.ptr, stream,
                           fast_attention=fast_attention)
-        self.ops.layer_ranges = os.environ.get(LAYER_RANGES_ENV, "0") == "1"
+        ranges = os.environ.get(LAYER_RANGES_ENV, "0")
+        self.ops.layer_ranges, self.ops.op_ranges = ranges in ("1", "ops"), ranges == "ops"
         self.ops.gate_up_interleaved = interleave
         self.pdl_decode = os.environ.get(PDL_ENV, "1") != "0"
         self.prefill = None if prefill_min is None else PrefillAttention(

@@ -16,6 +16,7 @@ dependent launch (kernels/raw_cuda/launch.py).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +58,19 @@ def decode_attention_fits(group: int, head_dim: int) -> bool:
     return head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM and group * -(-dv // lanes) <= 8
 
 
+def op_range(fn):
+    """The op in an NVTX range of its name when GpuOps.op_ranges is on (eager steps; a composed op's
+    parts nest inside it), so an nsys timeline reads layer -> op -> kernels."""
+    @functools.wraps(fn)
+    def ranged(self, *args, **kwargs):
+        if not self.op_ranges:
+            return fn(self, *args, **kwargs)
+        from engine.executor.gpu_graphs import nvtx_range
+        with nvtx_range(fn.__name__):
+            return fn(self, *args, **kwargs)
+    return ranged
+
+
 @dataclass
 class GpuStepContext:
     """Device views of one step's ModelBatch arrays (static buffers, filled by the executor)."""
@@ -78,6 +92,8 @@ class GpuStepContext:
 
 
 class GpuOps(ComposedOps):
+    op_ranges = False                       # NVTX range per op (op_range; eager steps)
+
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
                  max_width: int, hidden: int, vocab_size: int, logits_rows: int, num_heads: int, head_dim: int,
                  lm_head_ptr: int, stream, fast_attention: bool = False):
@@ -140,12 +156,14 @@ class GpuOps(ComposedOps):
         return self.residual[: rows * cols].reshape(rows, cols)
 
     # ---- Ops ---------------------------------------------------------------------------------
+    @op_range
     def embed(self, table, ctx: GpuStepContext):
         T, H = ctx.num_tokens, table.shape[1]
         out = self._out(T, H)
         self._launch(self.k_embed, (T,), (128,), (table, ctx.input_ids, out, np.int32(H)))
         return out
 
+    @op_range
     def rms_norm(self, x, weight, eps: float, residual=None):
         T, H = x.shape
         out = self._out(T, H)
@@ -155,6 +173,7 @@ class GpuOps(ComposedOps):
                       np.int32(H), np.float32(eps)))
         return out, r
 
+    @op_range
     def linear(self, x, weight, bias=None):
         T = x.shape[0]
         N = weight.shape[0]
@@ -171,6 +190,7 @@ class GpuOps(ComposedOps):
                          (out, bias, np.int32(N), np.int64(total)))
         return out
 
+    @op_range
     def qkv_rope_cache(self, qkv, spec: AttentionSpec, ctx: GpuStepContext, q_norm=None, k_norm=None):
         T = ctx.num_tokens
         Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -223,6 +243,7 @@ class GpuOps(ComposedOps):
                 self.part_out, self.part_max, self.part_sum, out, self.split_counters,
                 np.int32(spec.num_kv_heads), np.float32(spec.scale))
 
+    @op_range
     def rope_attention(self, qkv, spec: AttentionSpec, ctx: GpuStepContext, q_norm=None, k_norm=None):
         """Decode steps: one paged_decode.cu launch does q/k norm, rope, the KV write and attention.
         Other steps compose qkv_rope_cache and attention (a later query token of a sequence needs the
@@ -239,6 +260,7 @@ class GpuOps(ComposedOps):
                      + self._decode_args(spec, ctx, out))
         return out
 
+    @op_range
     def attention(self, q, spec: AttentionSpec, ctx: GpuStepContext):
         if ctx.prefill is not None and ctx.prefill.serves(spec):     # long sequences: CuTe (gpu_prefill.py)
             return ctx.prefill.attention(self, q, spec, ctx)
@@ -260,6 +282,7 @@ class GpuOps(ComposedOps):
                      (self.part_out, self.part_max, self.part_sum, out, np.int32(S), np.int32(D)))
         return out
 
+    @op_range
     def silu_mul(self, gate_up):
         T, two_i = gate_up.shape
         inter = two_i // 2
@@ -269,6 +292,7 @@ class GpuOps(ComposedOps):
                      (gate_up, out, np.int32(inter), np.int64(total), np.int32(self.gate_up_interleaved)))
         return out
 
+    @op_range
     def gather_rows(self, x, rows):
         R, H = rows.shape[0], x.shape[1]
         out = self._out(R, H)
@@ -276,6 +300,7 @@ class GpuOps(ComposedOps):
             self._launch(self.k_embed, (R,), (128,), (x, rows, out, np.int32(H)))
         return out
 
+    @op_range
     def add(self, x, residual):
         T, H = x.shape
         out = self._residual_out(T, H)
@@ -285,6 +310,7 @@ class GpuOps(ComposedOps):
         return out
 
     # ---- fused decode ops (gemv.cu), composed from the above where the GEMV does not serve ----
+    @op_range
     def norm_linear(self, x, norm_weight, eps, weight, bias=None):
         if bias is not None or not self.gemm.gemv_serves(x, weight):
             return super().norm_linear(x, norm_weight, eps, weight, bias)
@@ -292,6 +318,7 @@ class GpuOps(ComposedOps):
         self.gemm.gemv(x, weight, out, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
         return out
 
+    @op_range
     def norm_swiglu(self, x, norm_weight, eps, gate_up_weight):
         if not self.gate_up_interleaved or not self.gemm.gemv_serves(x, gate_up_weight):
             return super().norm_swiglu(x, norm_weight, eps, gate_up_weight)
@@ -299,6 +326,7 @@ class GpuOps(ComposedOps):
         self.gemm.gemv(x, gate_up_weight, out, "norm_silu", norm_w=norm_weight, eps=eps, pdl=self.pdl)
         return out
 
+    @op_range
     def add_linear(self, x, weight, residual, bias=None):
         if bias is not None or not self.gemm.gemv_serves(x, weight):
             return super().add_linear(x, weight, residual, bias)
