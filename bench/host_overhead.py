@@ -213,10 +213,9 @@ class StepTimer:
             if recording and self.decode_only:
                 self.cur["total"] = total
                 self.cur["idle"] = getattr(ex, "launched_at", 0.0) - self.last_result_at
-            self.last_result_at = getattr(ex, "result_at", 0.0)
-            if recording and self.decode_only:
                 self.cur["other"] = total - sum(self.cur[p] for p in PHASES if p != "other")
                 self.steps.append(dict(self.cur))
+            self.last_result_at = getattr(ex, "result_at", 0.0)
 
         engine.step = timed_step
 

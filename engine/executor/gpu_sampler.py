@@ -177,15 +177,18 @@ class GpuSampler:
         fill_graph_rows uploaded: the kernels `sample` launches for the same rows (so the same ids
         and logprobs), greedy rows left at their argmax, top logprobs in rows of MAX_TOP_LOGPROBS."""
         g, V, null = self.graph_rows, np.int32(self.vocab), np.uint64(0)
-        launch = lambda k, grid, block, a: k(grid, block, a, stream=self.stream)  # noqa: E731
         self.argmax(logits, rows)
-        launch(self.k_uniforms, (-(-rows // 128),), (128,), (g["seed"], g["step"], g["uniform"], np.int32(rows)))
-        launch(self.k_sample, (rows,), (1024,), (logits, V, null, self.probs, g["temperature"], g["min_p"],
-                                                 g["top_k"], g["top_p"], g["uniform"], self.ids))
-        launch(self.k_token_lp, (-(-rows // 128),), (128,), (logits, V, self.ids, self.lse, self.logprob,
-                                                             np.int32(rows)))
-        launch(self.k_topk_each, (rows,), (1024,), (logits, V, np.int32(MAX_TOP_LOGPROBS), g["logprobs"],
-                                                    self.lse, self.top_ids, self.top_lp))
+        self._launch(self.k_uniforms, (-(-rows // 128),), (128,),
+                     (g["seed"], g["step"], g["uniform"], np.int32(rows)))
+        self._launch(self.k_sample, (rows,), (1024,), (logits, V, null, self.probs, g["temperature"], g["min_p"],
+                                                       g["top_k"], g["top_p"], g["uniform"], self.ids))
+        self._launch(self.k_token_lp, (-(-rows // 128),), (128,), (logits, V, self.ids, self.lse, self.logprob,
+                                                                   np.int32(rows)))
+        self._launch(self.k_topk_each, (rows,), (1024,), (logits, V, np.int32(MAX_TOP_LOGPROBS), g["logprobs"],
+                                                          self.lse, self.top_ids, self.top_lp))
+
+    def _launch(self, k, grid, block, args) -> None:
+        k(grid, block, args, stream=self.stream)
 
     def _up(self, dev, host: np.ndarray) -> None:
         dev[: host.shape[0]].set(np.ascontiguousarray(host, dtype=dev.dtype), stream=self.stream)
@@ -198,7 +201,6 @@ class GpuSampler:
         if S > self.max_rows:
             raise ValueError(f"{S} sampled rows exceed the sampler's {self.max_rows}")
         null = np.uint64(0)
-        launch = lambda k, g, b, a: k(g, b, a, stream=self.stream)  # noqa: E731
         self.argmax(logits, S)
         processed = [i for i, s in enumerate(seqs) if needs_processing(s)]
         source = logits
@@ -208,18 +210,19 @@ class GpuSampler:
             greedy = np.asarray([i for i in processed if seqs[i].params.greedy], np.int32)
             if greedy.size:
                 self._up(self.rows, greedy)
-                launch(self.k_argmax, (greedy.size,), (1024,), (source, np.int32(V), self.rows, self.ids, null, null))
+                self._launch(self.k_argmax, (greedy.size,), (1024,),
+                             (source, np.int32(V), self.rows, self.ids, null, null))
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             self._sample(source, seqs, sampled)
         want_lp = [s.params.logprobs is not None for s in seqs]
         k = max([s.params.logprobs or 0 for s in seqs])
         if any(want_lp):
-            launch(self.k_token_lp, (-(-S // 128),), (128,),
-                   (logits, np.int32(V), self.ids, self.lse, self.logprob, np.int32(S)))
+            self._launch(self.k_token_lp, (-(-S // 128),), (128,),
+                         (logits, np.int32(V), self.ids, self.lse, self.logprob, np.int32(S)))
         if k:
-            launch(self.k_topk, (S,), (1024,), (logits, np.int32(V), np.int32(k), self.lse,
-                                                self.top_ids, self.top_lp))
+            self._launch(self.k_topk, (S,), (1024,), (logits, np.int32(V), np.int32(k), self.lse,
+                                                      self.top_ids, self.top_lp))
         ids = self.ids[:S].get(stream=self.stream)
         lps = self.logprob[:S].get(stream=self.stream) if any(want_lp) else None
         # topk_logprobs writes rows of k (the largest k asked in this step).
