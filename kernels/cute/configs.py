@@ -15,7 +15,8 @@ H200_SMS = 132
 
 @dataclass(frozen=True)
 class GemmVariant:
-    """A bf16 GEMM tile config; ``out='f32'`` variants write split-K partials."""
+    """A bf16 GEMM tile config; ``out='f32'`` variants write split-K partials; ``streamk``
+    variants run one persistent CTA per SM over an even share of all (tile, k-tile) steps."""
 
     tile_m: int
     tile_n: int
@@ -23,11 +24,13 @@ class GemmVariant:
     cluster_n: int = 1
     out: str = "bf16"
     grouped: bool = False  # MoE: B is (N, K, experts), one expert per M-tile
+    streamk: bool = False
 
     @property
     def name(self) -> str:
         kind = "grouped" if self.grouped else "gemm"
-        return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
+        suffix = "_sk" if self.streamk else ""
+        return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}{suffix}"
 
 
 GEMM_VARIANTS: tuple[GemmVariant, ...] = (
@@ -42,10 +45,13 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(64, 64, 1, 1, "f32"),
     GemmVariant(64, 128, 1, 1, "f32"),
     GemmVariant(64, 256, 1, 1, "f32"),
+    GemmVariant(128, 256, streamk=True),  # N = 2560 at M = 512-2048: no tile width fills whole waves
+    GemmVariant(128, 128, streamk=True),
     GemmVariant(64, 128, 1, 1, grouped=True),
     GemmVariant(128, 128, 1, 1, grouped=True),
 )
 REDUCE_NAME = "splitk_reduce"
+STREAMK_SLOT_FLOATS = 128 * 256  # the largest stream-K tile: one fp32 slot per CTA
 VARIANTS_BY_NAME = {v.name: v for v in GEMM_VARIANTS}
 
 
@@ -71,6 +77,11 @@ def split_count(k: int, splits: int) -> int:
     none may be empty, so e.g. 5 k-tiles asked in 4 splits run as 3 splits of 2, 2, 1."""
     k_tiles = _ceil(k, K_TILE)
     return _ceil(k_tiles, _ceil(k_tiles, max(1, min(splits, k_tiles))))
+
+
+def streamk_units(variant: GemmVariant, m: int, n: int, k: int) -> int:
+    """Stream-K work steps: output tiles times 64-wide k-tiles."""
+    return _ceil(m, variant.tile_m) * _ceil(n, variant.tile_n) * _ceil(k, K_TILE)
 
 
 def wave_fill(ctas: int, sms: int = H200_SMS) -> float:

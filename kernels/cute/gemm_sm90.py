@@ -51,6 +51,8 @@ class GemmSm90:
         self.num_mma_wg = math.prod(self.atom_layout_mnk)
         self.threads = 128 * self.num_mma_wg
         self.buffer_align = 1024
+        self.epi_in_ring = True  # one tile per CTA: the epilogue may stage through the idle A ring
+        self.epi_stages = 4
 
     # ---- host-side layout setup ------------------------------------------------------------
     def _setup(self, a_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -70,13 +72,14 @@ class GemmSm90:
             epi_tile_override=None if self.tile.tile_n % 32 == 0 else (64, 16),
         )
         bytes_per_stage = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2] * a_dtype.width // 8
-        self.stages = (SM90_SMEM_BYTES - 1024) // bytes_per_stage
-        self.epi_stages = 4
+        self.sc_layout = sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.epi_stages)
+        own_epi_bytes = 0 if self.epi_in_ring else cute.cosize(self.sc_layout) * c_dtype.width // 8
+        self.stages = (SM90_SMEM_BYTES - 1024 - own_epi_bytes) // bytes_per_stage
         self.sa_layout = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, a_dtype, self.stages)
         self.sb_layout = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, a_dtype, self.stages)
-        self.sc_layout = sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.epi_stages)
         # The epilogue staging buffer reuses the A ring (idle by then); it must fit inside it.
-        assert cute.cosize(self.sc_layout) * c_dtype.width <= cute.cosize(self.sa_layout) * a_dtype.width, \
+        assert not self.epi_in_ring or \
+            cute.cosize(self.sc_layout) * c_dtype.width <= cute.cosize(self.sa_layout) * a_dtype.width, \
             f"{self.tile.name}: epilogue buffer larger than the A ring"
 
     @cute.jit
@@ -91,8 +94,8 @@ class GemmSm90:
         self._launch(a, b, c, tile_expert, stream)
 
     @cute.jit
-    def _launch(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
-                stream: cuda.CUstream):
+    def _prepare(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
+        """Layouts for these operand types, and the TMA atoms: (tma_a, ta, tma_b, tb, tma_c, tc)."""
         self.a_dtype = a.element_type
         self.c_dtype = c.element_type
         self.c_layout = utils.LayoutEnum.from_tensor(c)
@@ -120,6 +123,12 @@ class GemmSm90:
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c,
             cute.slice_(self.sc_layout, (None, None, 0)), self.epi_tile,
         )
+        return tma_a, ta, tma_b, tb, tma_c, tc
+
+    @cute.jit
+    def _launch(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
+                stream: cuda.CUstream):
+        tma_a, ta, tma_b, tb, tma_c, tc = self._prepare(a, b, c)
         tiles = cute.zipped_divide(c, tiler=(self.tile_mnk[0], self.tile_mnk[1]))
         cluster_mnl = (*self.cluster_mn, 1)
         clusters = cute.ceil_div(cute.get(tiles.layout, mode=[1]).shape, cluster_mnl)
@@ -292,6 +301,8 @@ class GemmSm90:
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads),
         )
+        if cutlass.const_expr(not self.epi_in_ring):  # persistent: the last tile's stores have left sC
+            pipeline.sync(barrier_id=1)
         for e in cutlass.range_constexpr(n_epi):
             for v in cutlass.range_constexpr(n_frag):
                 frag[v] = acc_view[e * n_frag + v]
