@@ -45,6 +45,12 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(64, 64, 1, 1, "f32"),
     GemmVariant(64, 128, 1, 1, "f32"),
     GemmVariant(64, 256, 1, 1, "f32"),
+    GemmVariant(128, 80, 1, 2),     # candidates for N = 2560 (sweep of 2026-12-01 05:xx): A multicast
+    GemmVariant(128, 80, 2, 2),     # along an N-pair of CTAs (the activation tile is the larger one)
+    GemmVariant(128, 128, 1, 2),
+    GemmVariant(128, 160, 1, 1),
+    GemmVariant(128, 160, 1, 2),
+    GemmVariant(128, 192, 1, 2),
     GemmVariant(128, 256, streamk=True),  # N = 2560 at M = 512-2048: no tile width fills whole waves
     GemmVariant(128, 128, streamk=True),
     GemmVariant(64, 128, 1, 1, grouped=True),

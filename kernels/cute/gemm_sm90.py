@@ -40,7 +40,7 @@ class GemmSm90:
     """Builds the jit entry point for one GemmVariant; call it through ``cute.compile``."""
 
     def __init__(self, tile: GemmVariant):
-        assert tile.tile_m in (64, 128) and tile.tile_n in (64, 80, 128, 192, 256)
+        assert tile.tile_m in (64, 128) and tile.tile_n in (64, 80, 128, 160, 192, 256)
         assert tile.cluster_m * tile.cluster_n <= 4
         assert not (tile.grouped and tile.cluster_m > 1), "a cluster along M would mix experts"
         self.tile = tile
@@ -148,24 +148,30 @@ class GemmSm90:
 
     # ---- device code -----------------------------------------------------------------------
     @cute.jit
-    def _tile_coord(self):
-        """Cluster → (tile_m, tile_n): groups of RASTER_GROUP clusters walk M before N."""
-        cidx, cidy, _ = cute.arch.cluster_idx()
-        cdimx, cdimy, _ = cute.arch.cluster_dim()
-        linear = cidx + cdimx * cidy
-        full = (cdimx // RASTER_GROUP) * RASTER_GROUP * cdimy
-        cm = cidx
-        cn = cidy
+    def _raster(self, linear, dim_m, dim_n):
+        """Linear index → (m, n) over a dim_m x dim_n grid: groups of RASTER_GROUP rows walk M
+        before N, so that neighbours in ``linear`` (CTAs running together) share B (weight) tiles."""
+        full = (dim_m // RASTER_GROUP) * RASTER_GROUP * dim_n
+        cm = linear
+        cn = linear
         if linear < full:
-            group = linear // (RASTER_GROUP * cdimy)
-            within = linear % (RASTER_GROUP * cdimy)
+            group = linear // (RASTER_GROUP * dim_n)
+            within = linear % (RASTER_GROUP * dim_n)
             cm = group * RASTER_GROUP + within % RASTER_GROUP
             cn = within // RASTER_GROUP
         else:
-            tail_m = cdimx % RASTER_GROUP
+            tail_m = dim_m % RASTER_GROUP
             rest = linear - full
-            cm = full // cdimy + rest % tail_m
+            cm = full // dim_n + rest % tail_m
             cn = rest // tail_m
+        return cm, cn
+
+    @cute.jit
+    def _tile_coord(self):
+        """Cluster → (tile_m, tile_n), rasterised (``_raster``) by cluster."""
+        cidx, cidy, _ = cute.arch.cluster_idx()
+        cdimx, cdimy, _ = cute.arch.cluster_dim()
+        cm, cn = self._raster(cidx + cdimx * cidy, cdimx, cdimy)
         in_cluster = cute.arch.block_in_cluster_idx()
         return cm * self.cluster_mn[0] + in_cluster[0], cn * self.cluster_mn[1] + in_cluster[1]
 

@@ -99,11 +99,10 @@ class GemmStreamKSm90(GemmSm90):
 
         k_tiles = cute.size(gA, mode=[3])
         m_tiles = cute.size(gC, mode=[2])
+        n_tiles = cute.size(gC, mode=[3])
         ctas = cute.size(flags)
-        units = m_tiles * cute.size(gC, mode=[3]) * k_tiles
-        u_first = (cta * units) // ctas
-        u_end = ((cta + 1) * units) // ctas  # the launcher keeps ctas <= units: no share is empty
-        n_units = u_end - u_first
+        sched = self._schedule(cta, ctas, m_tiles * n_tiles, k_tiles)
+        n_units = sched[1] - sched[0] + sched[3] - sched[2]
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -111,16 +110,16 @@ class GemmStreamKSm90(GemmSm90):
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         if warp == 0:  # fill the ring
             for _ in cutlass.range(cutlass.min(self.stages, n_units), unroll=1):
-                self._load_unit(ring, produce, u_first, k_tiles, m_tiles, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
+                self._load_unit(ring, produce, sched, ctas, k_tiles, m_tiles, n_tiles,
+                                tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
                 produce.advance()
 
         k_blocks = cute.size(frag_a, mode=[2])
         for i in cutlass.range(n_units, unroll=1):
-            u = u_first + i
-            tile = u // k_tiles
-            tile_base = tile * k_tiles
-            seg_begin = cutlass.max(tile_base, u_first)
-            seg_end = cutlass.min(tile_base + k_tiles, u_end)
+            u, lo, hi = self._unit(sched, i)
+            tile_base = (u // k_tiles) * k_tiles
+            seg_begin = cutlass.max(tile_base, lo)
+            seg_end = cutlass.min(tile_base + k_tiles, hi)
             ring.consumer_wait(read)
             cute.nvgpu.warpgroup.fence()
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, u != seg_begin)
@@ -135,7 +134,8 @@ class GemmStreamKSm90(GemmSm90):
                 ring.consumer_release(release)
                 release.advance()
                 if warp == 0 and produce.count < n_units:
-                    self._load_unit(ring, produce, u_first, k_tiles, m_tiles, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
+                    self._load_unit(ring, produce, sched, ctas, k_tiles, m_tiles, n_tiles,
+                                    tma_a, tAgA, tAsA, tma_b, tBgB, tBsB)
                     produce.advance()
             if u + 1 == seg_end:
                 cute.nvgpu.warpgroup.wait_group(0)
@@ -143,19 +143,64 @@ class GemmStreamKSm90(GemmSm90):
                     self._store_partial(acc, workspace, flags, cta, tidx)
                 else:
                     if seg_end != tile_base + k_tiles:
-                        self._add_partials(acc, workspace, flags, cta, tidx, tile_base + k_tiles, ctas, units)
-                    self._epilogue(tidx, warp, tiled_mma, acc, sC,
-                                   gC[(None, None, tile % m_tiles, tile // m_tiles)], tma_c)
+                        self._add_partials(acc, workspace, flags, cta, tidx, tile_base + k_tiles - sched[6],
+                                           ctas, sched[4])
+                    pm, pn = self._raster(self._real_tile(u // k_tiles, sched, ctas), m_tiles, n_tiles)
+                    self._epilogue(tidx, warp, tiled_mma, acc, sC, gC[(None, None, pm, pn)], tma_c)
 
     @cute.jit
-    def _load_unit(self, ring, state, u_first, k_tiles, m_tiles, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB):
-        u = u_first + state.count
+    def _schedule(self, cta, ctas, tiles, k_tiles):
+        """This CTA's work in virtual unit space:
+        (dp_lo, dp_hi, sk_lo, sk_hi, sk_units, dp_rounds, dp_units).
+
+        With ``r = tiles // ctas`` full rounds and a remainder, the first ``r - 1`` rounds go whole
+        tile by whole tile (CTA g: virtual tiles ``g·(r-1) …``, real tiles ``g, g + ctas, …``), and
+        the last ``ctas + remainder`` tiles are shared out evenly, unit by unit (stream-K); with no
+        remainder every round is whole tiles, with fewer tiles than CTAs all of it is stream-K."""
+        rounds = tiles // ctas
+        dp_rounds = rounds
+        if tiles != rounds * ctas:
+            dp_rounds = cutlass.max(rounds - 1, 0)
+        dp_units = ctas * dp_rounds * k_tiles
+        sk_units = tiles * k_tiles - dp_units
+        dp_lo = cta * dp_rounds * k_tiles
+        sk_lo = dp_units + (cta * sk_units) // ctas  # the launcher keeps ctas <= units: none is empty
+        sk_hi = dp_units + ((cta + 1) * sk_units) // ctas
+        return dp_lo, dp_lo + dp_rounds * k_tiles, sk_lo, sk_hi, sk_units, dp_rounds, dp_units
+
+    @cute.jit
+    def _unit(self, sched, i):
+        """The CTA's i-th step: (virtual unit, start and end of the range it lies in)."""
+        dp_len = sched[1] - sched[0]
+        u = sched[2] + i - dp_len
+        lo = sched[2]
+        hi = sched[3]
+        if i < dp_len:
+            u = sched[0] + i
+            lo = sched[0]
+            hi = sched[1]
+        return u, lo, hi
+
+    @cute.jit
+    def _real_tile(self, virtual, sched, ctas):
+        """Virtual tile → rasterised tile index: the whole-tile rounds interleave CTAs (round r runs
+        tiles r·ctas … r·ctas + ctas - 1 together); stream-K tiles keep their order after them."""
+        dp_rounds = sched[5]
+        real = virtual
+        if virtual < ctas * dp_rounds:
+            real = (virtual % dp_rounds) * ctas + virtual // dp_rounds
+        return real
+
+    @cute.jit
+    def _load_unit(self, ring, state, sched, ctas, k_tiles, m_tiles, n_tiles, tma_a, tAgA, tAsA, tma_b, tBgB, tBsB):
+        u, _, _ = self._unit(sched, state.count)
         tile = u // k_tiles
         k = u - tile * k_tiles
+        pm, pn = self._raster(self._real_tile(tile, sched, ctas), m_tiles, n_tiles)
         ring.producer_acquire(state)
         bar = ring.producer_get_barrier(state)
-        cute.copy(tma_a, tAgA[(None, tile % m_tiles, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-        cute.copy(tma_b, tBgB[(None, tile // m_tiles, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+        cute.copy(tma_a, tAgA[(None, pm, k)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+        cute.copy(tma_b, tBgB[(None, pn, k)], tBsB[(None, state.index)], tma_bar_ptr=bar)
         ring.producer_commit(state)
 
     @cute.jit
@@ -171,10 +216,11 @@ class GemmStreamKSm90(GemmSm90):
             cute.arch.store(flags.iterator + cta, cutlass.Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def _add_partials(self, acc, workspace, flags, cta, tidx, tile_end_unit, ctas, units):
-        """Add the slots of the later CTAs sharing this tile (CTA of the tile's last step included)."""
+    def _add_partials(self, acc, workspace, flags, cta, tidx, tile_end, ctas, sk_units):
+        """Add the slots of the later CTAs sharing this tile, up to the one holding its last step
+        (``tile_end``: the tile's end, counted from the start of the stream-K units)."""
         n_acc = cute.size(acc)
-        last = (tile_end_unit * ctas - 1) // units
+        last = (tile_end * ctas - 1) // sk_units
         for peer in cutlass.range(cta + 1, last + 1, unroll=1):
             seen = cute.arch.load(flags.iterator + peer, cutlass.Int32, sem="acquire", scope="gpu")
             while seen == 0:

@@ -205,13 +205,17 @@ MULTI_K = 1032  # 17 k-tiles, more than any config's pipeline stages (≤ 14), w
 ODD_SHAPES = ((1, 200, 328), (17, 2056, 1032), (255, 392, 2568), (1000, 1288, 520))
 DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x256_c1x1",
                "gemm_bf16_128x256_c1x1", "gemm_bf16_128x128_c2x1", "gemm_bf16_128x256_c2x1",
-               "gemm_bf16_128x192_c1x1", "gemm_bf16_128x192_c2x1")
+               "gemm_bf16_128x192_c1x1", "gemm_bf16_128x192_c2x1", "gemm_bf16_128x80_c1x2",
+               "gemm_bf16_128x80_c2x2", "gemm_bf16_128x128_c1x2", "gemm_bf16_128x160_c1x1",
+               "gemm_bf16_128x160_c1x2", "gemm_bf16_128x192_c1x2")
 SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1")
 STREAMK_ORDER = ("gemm_bf16_128x256_c1x1_sk", "gemm_bf16_128x128_c1x1_sk")
 # (M, N, K): one step; one tile whose 17 / 128 k-tiles go to 17 / 128 CTAs (the head waits for all);
-# odd shapes with more steps than SMs; the Qwen3-4B o_proj / down_proj shapes it is meant for
+# odd shapes with more steps than SMs; the Qwen3-4B o_proj / down_proj shapes it is meant for;
 STREAMK_SHAPES = ((1, 200, 328), (17, 2056, 1032), (255, 392, 2568), (1000, 1288, 520),
-                  (512, 2560, 4096), (300, 2560, 9728))
+                  (512, 2560, 4096), (300, 2560, 9728),
+                  (2048, 4352, 264),   # whole-tile rounds, then stream-K over the last ctas + remainder
+                  (1408, 6144, 200))   # tiles a multiple of 132 (128x256: 264, 128x128: 528): no stream-K
 
 
 _MIX = (1, 17, 64, 130, 1000, 4096, 0, 63)
