@@ -196,7 +196,9 @@ def test_streaming_plan_fills_one_wave(m, n, k):
     (128, 19456, 2560, "gemm_bf16_128x256_c1x1/S1"),  # ... unless the 64-row tiles fill a wave
     (512, 2560, 4096, "gemm_bf16_128x128_c2x1/S1"),  # narrow N: 128x256 would leave SMs idle
     (512, 6144, 4096, "gemm_bf16_128x192_c2x1/S1"),  # 32 x 4 tiles of 192: one wave (2026-12-01 sweep)
-    (2048, 2560, 4096, "gemm_bf16_128x192_c2x1/S1"),  # 2 waves of 192 beat 3 of 128
+    (2048, 2560, 4096, "gemm_bf16_128x160_c1x2/S1"),  # 256 tiles of 160: 2 waves; A multicast along N
+    (1000, 6144, 2560, "gemm_bf16_128x192_c2x1/S1"),  # 2 waves of 192 beat 3 of 160
+    (512, 19456, 2560, "gemm_bf16_128x160_c1x2/S1"),  # 3.7 waves of 160 beat 2.3 of 256 and 4.6 of 128
     (8192, 2560, 4096, "gemm_bf16_128x256_c2x1/S1"),  # many waves: the wide tile
 ])
 def test_plan_follows_the_tuned_rules(m, n, k, expect):

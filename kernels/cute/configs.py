@@ -25,11 +25,12 @@ class GemmVariant:
     out: str = "bf16"
     grouped: bool = False  # MoE: B is (N, K, experts), one expert per M-tile
     streamk: bool = False
+    split_rows: bool = False  # a 128-row tile at most 128 wide on two consumer warpgroups (64 rows each)
 
     @property
     def name(self) -> str:
         kind = "grouped" if self.grouped else "gemm"
-        suffix = "_sk" if self.streamk else ""
+        suffix = ("_sk" if self.streamk else "") + ("_w2" if self.split_rows else "")
         return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}{suffix}"
 
 
@@ -48,6 +49,9 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 80, 1, 2),     # candidates for N = 2560 (sweep of 2026-12-01 05:xx): A multicast
     GemmVariant(128, 80, 2, 2),     # along an N-pair of CTAs (the activation tile is the larger one)
     GemmVariant(128, 128, 1, 2),
+    GemmVariant(128, 80, 1, 2, split_rows=True),
+    GemmVariant(128, 128, 1, 1, split_rows=True),
+    GemmVariant(128, 128, 2, 1, split_rows=True),
     GemmVariant(128, 160, 1, 1),
     GemmVariant(128, 160, 1, 2),
     GemmVariant(128, 192, 1, 2),
@@ -123,8 +127,8 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 STREAM_MAX_M = 128
 FILL_TOLERANCE = 0.9        # single-wave fills within 10% count as equal: fewer splits win
 # 128-row tiles: relative throughput per element (sweeps of 2026-11-30 and, for 192, 2026-12-01)
-TILE_EFFICIENCY = {256: 1.0, 192: 0.95, 128: 0.85}
-WIDE_192_MIN_M = 512        # 128x192 is calibrated (swept) from M = 512 up
+TILE_EFFICIENCY = {256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85}
+WIDE_192_MIN_M = 512        # 128x192 and 128x160 are calibrated (swept) from M = 512 up
 
 
 def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
@@ -145,7 +149,9 @@ def _tile_plan(m: int, n: int, sms: int) -> GemmPlan:
     def cost(tile_n: int) -> float:
         return _ceil(_ceil(m, 128) * _ceil(n, tile_n), sms) * tile_n / TILE_EFFICIENCY[tile_n]
 
-    tile_n = min((256, 192, 128) if m >= WIDE_192_MIN_M else (256, 128), key=cost)
+    tile_n = min((256, 192, 160, 128) if m >= WIDE_192_MIN_M else (256, 128), key=cost)
+    if tile_n == 160:  # the A tile is the larger one: multicast it to an N-pair (swept 2026-12-01)
+        return GemmPlan(VARIANTS_BY_NAME["gemm_bf16_128x160_c1x2"])
     cluster = 2 if _ceil(m, 128) >= 2 else 1
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{tile_n}_c{cluster}x1"])
 

@@ -47,7 +47,7 @@ class GemmSm90:
         self.cluster_mn = (tile.cluster_m, tile.cluster_n)
         self.acc_dtype = cutlass.Float32
         # Two consumer warpgroups split a 128-row tile when it is wide; otherwise one does it all.
-        self.atom_layout_mnk = (2, 1, 1) if tile.tile_m > 64 and tile.tile_n > 128 else (1, 1, 1)
+        self.atom_layout_mnk = (2, 1, 1) if tile.tile_m > 64 and (tile.tile_n > 128 or tile.split_rows) else (1, 1, 1)
         self.num_mma_wg = math.prod(self.atom_layout_mnk)
         self.threads = 128 * self.num_mma_wg
         self.buffer_align = 1024

@@ -207,7 +207,8 @@ DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x
                "gemm_bf16_128x256_c1x1", "gemm_bf16_128x128_c2x1", "gemm_bf16_128x256_c2x1",
                "gemm_bf16_128x192_c1x1", "gemm_bf16_128x192_c2x1", "gemm_bf16_128x80_c1x2",
                "gemm_bf16_128x80_c2x2", "gemm_bf16_128x128_c1x2", "gemm_bf16_128x160_c1x1",
-               "gemm_bf16_128x160_c1x2", "gemm_bf16_128x192_c1x2")
+               "gemm_bf16_128x160_c1x2", "gemm_bf16_128x192_c1x2", "gemm_bf16_128x80_c1x2_w2",
+               "gemm_bf16_128x128_c1x1_w2", "gemm_bf16_128x128_c2x1_w2")
 SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1")
 STREAMK_ORDER = ("gemm_bf16_128x256_c1x1_sk", "gemm_bf16_128x128_c1x1_sk")
 # (M, N, K): one step; one tile whose 17 / 128 k-tiles go to 17 / 128 CTAs (the head waits for all);
