@@ -4,7 +4,7 @@
         --section WarpStateStats --csv --page details --log-file DIR/ncu.csv \
         python3 bench/gemm_profile.py 4B.o:512:gemm_bf16_128x128_c1x1 4B.o:512:cublas ...
     python3 bench/gemm_profile.py --parse DIR/ncu.csv
-    python3 bench/gemm_profile.py --time 4B.o:512:gemm_bf16_128x256_c1x1_sk 4B.o:512:cublas
+    python3 bench/gemm_profile.py --time 4B.o:512:gemm_bf16_128x128_c1x1 4B.o:512:cublas
 
 Each argument is ``shape:M:variant`` (a CuTe variant name, or ``cublas`` for torch.mm, the
 baseline); each runs ``--launches`` times after one warm-up. ``--parse`` prints one line per

@@ -64,7 +64,7 @@ def test_library_loads_manifest_without_gpu(built):
     lib = Library(out)
     for v in GEMM_VARIANTS:
         assert lib[v.name].structs[0].__name__ == "Tensor_3_2"
-        assert len(lib[v.name].structs) == (4 if v.grouped else 5 if v.streamk else 3)
+        assert len(lib[v.name].structs) == (4 if v.grouped else 3)
     with pytest.raises(KeyError, match="not in the manifest"):
         lib["gemm_nope"]
 

@@ -30,7 +30,7 @@ os.environ["CUTE_DSL_ARCH"] = ARCH  # must precede the first cutlass import
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "build"
 LIB_NAME = "libopeninfer_cute.so"
-SOURCES = {"gemm": ("gemm_sm90.py",), "streamk": ("gemm_streamk_sm90.py", "gemm_sm90.py"), REDUCE: ("splitk_reduce.py",),
+SOURCES = {"gemm": ("gemm_sm90.py",), REDUCE: ("splitk_reduce.py",),
            "fa2": ("attention_sm90.py",), "ws": ("attention_ws_sm90.py", "attention_sm90.py")}
 
 
@@ -122,14 +122,10 @@ def _fake_args(kind: str, out: str | None = None):
 
     m, n, k, batch = cute.sym_int32(), cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8), cute.sym_int32()
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
-    if kind in ("gemm", "grouped", "streamk"):
+    if kind in ("gemm", "grouped"):
         a = make_fake_tensor(bf16, (m, k, cute.sym_int32()), (ld(), 1, ld()), assumed_align=16)
         b = make_fake_tensor(bf16, (n, k, cute.sym_int32()), (ld(), 1, ld()), assumed_align=16)
         c = make_fake_tensor(f32 if out == "f32" else bf16, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
-        if kind == "streamk":  # + the fp32 partial slots and the per-CTA flags (grid = len(flags))
-            workspace = make_fake_tensor(f32, (cute.sym_int32(),), (1,), assumed_align=16)
-            flags = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
-            return a, b, c, workspace, flags, cuda.CUstream(0)
         if kind == "grouped":
             tile_expert = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
             return a, b, c, tile_expert, cuda.CUstream(0)
@@ -156,7 +152,6 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
     from .attention_ws_sm90 import VarlenAttentionWsSm90
     from .configs import VARIANTS_BY_NAME
     from .gemm_sm90 import GemmSm90
-    from .gemm_streamk_sm90 import GemmStreamKSm90
     from .splitk_reduce import splitk_reduce
 
     if name in ATTENTION_BY_NAME:
@@ -167,9 +162,7 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
         compiled = cute.compile(kernel, *_fake_args(name))
     elif name in VARIANTS_BY_NAME:
         variant = VARIANTS_BY_NAME[name]
-        if variant.streamk:
-            compiled = cute.compile(GemmStreamKSm90(variant), *_fake_args("streamk"))
-        elif variant.grouped:
+        if variant.grouped:
             compiled = cute.compile(GemmSm90(variant).grouped, *_fake_args("grouped", variant.out))
         else:
             compiled = cute.compile(GemmSm90(variant), *_fake_args("gemm", variant.out))
@@ -185,7 +178,7 @@ def build(out_dir: Path = DEFAULT_OUT, force: bool = False, log=print) -> dict:
     out_dir = Path(out_dir)
     obj_dir = out_dir / "obj"
     obj_dir.mkdir(parents=True, exist_ok=True)
-    entries = [(v.name, repr(v), SOURCES["streamk" if v.streamk else "gemm"]) for v in GEMM_VARIANTS] + [
+    entries = [(v.name, repr(v), SOURCES["gemm"]) for v in GEMM_VARIANTS] + [
         (REDUCE, REDUCE, SOURCES[REDUCE]),
         *((v.name, repr(v), SOURCES["fa2" if v.schedule == "fa2" else "ws"]) for v in ATTENTION_VARIANTS)]
     kernels, objects, compiled = {}, [], 0

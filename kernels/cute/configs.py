@@ -15,8 +15,7 @@ H200_SMS = 132
 
 @dataclass(frozen=True)
 class GemmVariant:
-    """A bf16 GEMM tile config; ``out='f32'`` variants write split-K partials; ``streamk``
-    variants run one persistent CTA per SM over an even share of all (tile, k-tile) steps."""
+    """A bf16 GEMM tile config; ``out='f32'`` variants write split-K partials."""
 
     tile_m: int
     tile_n: int
@@ -24,14 +23,11 @@ class GemmVariant:
     cluster_n: int = 1
     out: str = "bf16"
     grouped: bool = False  # MoE: B is (N, K, experts), one expert per M-tile
-    streamk: bool = False
-    split_rows: bool = False  # a 128-row tile at most 128 wide on two consumer warpgroups (64 rows each)
 
     @property
     def name(self) -> str:
         kind = "grouped" if self.grouped else "gemm"
-        suffix = ("_sk" if self.streamk else "") + ("_w2" if self.split_rows else "")
-        return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}{suffix}"
+        return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
 
 
 GEMM_VARIANTS: tuple[GemmVariant, ...] = (
@@ -41,27 +37,16 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 128, 2, 1),
     GemmVariant(128, 192, 1, 1),    # a wave-quantisation width (N 6144 at M = 512: 128 tiles, one wave)
     GemmVariant(128, 192, 2, 1),
+    GemmVariant(128, 160, 1, 2),    # N = 2560 at M = 1000-2048: 2 waves; A multicast to an N-pair
     GemmVariant(64, 128, 1, 1),
     GemmVariant(64, 256, 1, 1),
     GemmVariant(64, 64, 1, 1, "f32"),
     GemmVariant(64, 128, 1, 1, "f32"),
     GemmVariant(64, 256, 1, 1, "f32"),
-    GemmVariant(128, 80, 1, 2),     # candidates for N = 2560 (sweep of 2026-12-01 05:xx): A multicast
-    GemmVariant(128, 80, 2, 2),     # along an N-pair of CTAs (the activation tile is the larger one)
-    GemmVariant(128, 128, 1, 2),
-    GemmVariant(128, 80, 1, 2, split_rows=True),
-    GemmVariant(128, 128, 1, 1, split_rows=True),
-    GemmVariant(128, 128, 2, 1, split_rows=True),
-    GemmVariant(128, 160, 1, 1),
-    GemmVariant(128, 160, 1, 2),
-    GemmVariant(128, 192, 1, 2),
-    GemmVariant(128, 256, streamk=True),  # N = 2560 at M = 512-2048: no tile width fills whole waves
-    GemmVariant(128, 128, streamk=True),
     GemmVariant(64, 128, 1, 1, grouped=True),
     GemmVariant(128, 128, 1, 1, grouped=True),
 )
 REDUCE_NAME = "splitk_reduce"
-STREAMK_SLOT_FLOATS = 128 * 256  # the largest stream-K tile: one fp32 slot per CTA
 VARIANTS_BY_NAME = {v.name: v for v in GEMM_VARIANTS}
 
 
@@ -87,11 +72,6 @@ def split_count(k: int, splits: int) -> int:
     none may be empty, so e.g. 5 k-tiles asked in 4 splits run as 3 splits of 2, 2, 1."""
     k_tiles = _ceil(k, K_TILE)
     return _ceil(k_tiles, _ceil(k_tiles, max(1, min(splits, k_tiles))))
-
-
-def streamk_units(variant: GemmVariant, m: int, n: int, k: int) -> int:
-    """Stream-K work steps: output tiles times 64-wide k-tiles."""
-    return _ceil(m, variant.tile_m) * _ceil(n, variant.tile_n) * _ceil(k, K_TILE)
 
 
 def wave_fill(ctas: int, sms: int = H200_SMS) -> float:
@@ -120,6 +100,11 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   M = 512: 4B.qkv 28.2 -> 24.4 µs, 8B.qkv 47.8 -> 35.9 µs) and at 4B.o M = 2048 (72.7 -> 66.5 µs).
 #   128x80 (N = 2560 in 32 tiles: one wave at M = 512) is correct with 16-wide epilogue tiles but runs
 #   at ~0.6 of 256's rate per element: 7% faster than 128x128 at 4B.o M = 512, far slower beyond; not built.
+# - 128x160 with a 1x2 cluster (added 2026-12-01, 05:00 sweeps): N = 2560 in 16 tiles, so M = 1000 /
+#   2048 fill 1 / 2 whole waves; per element it runs at 128x128's rate (0.88 of 256). 4B.o 2048
+#   66.5 -> 61.5-62.3 µs, 4B.down 1000 / 2048 74 -> 69-71 / 162 -> 138-143 µs, 4B.gate_up 512
+#   83 -> 80 µs. Tried and not kept (each verified, none faster; bench/results/kernels.md): stream-K,
+#   128x80 with A multicast (1x2, 2x2), two wgmma batches in flight, two consumer warpgroups on 128x128.
 # On the 56 swept shapes the retuned plan's configs are within 8% of the sweep's best for M <= 512
 # (geometric mean 1.01x over all; the former plan 1.15x, worst 1.9x). It was NOT re-timed as a plan:
 # each config it picks was timed in the sweep and its variant passed verification (split counts

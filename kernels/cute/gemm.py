@@ -5,17 +5,14 @@ addresses. Rows must be contiguous, row strides and base addresses 16-byte align
 multiples of 8 (TMA needs 16-byte global strides); M is free. The config comes from
 ``configs.plan_gemm``; small M runs split-K into a float32 workspace and a reduction kernel. The
 launch is stream-ordered and CUDA-graph capturable once ``init()`` ran and, for split-K shapes,
-``reserve_workspace`` covered the largest ``splits·M·N`` (both happen outside capture). Stream-K
-variants keep one fp32 tile slot and one flag per SM; their launches on one runner must stay on one
-stream (a CTA waits for its peers' flags).
+``reserve_workspace`` covered the largest ``splits·M·N`` (both happen outside capture).
 The ``(rows, K, 1)`` / ``(M, N, S)`` tensor views match the fake tensors of ``build._fake_args``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .configs import (REDUCE_NAME, STREAMK_SLOT_FLOATS, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count,
-                      streamk_units)
+from .configs import REDUCE_NAME, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count
 from .library import Library, TensorArg, open_library
 
 BF16_TYPESTRS = ("<u2", "|u2", "bfloat16", "<V2")
@@ -100,8 +97,6 @@ class GemmRunner:
     def __init__(self, library: Library | None = None):
         self.library = library if library is not None else open_library()
         self._workspace = None  # CuPy float32 buffer, grown outside graph capture
-        self._sk_slots = None   # stream-K: one fp32 tile slot per CTA
-        self._sk_flags = None   # stream-K: one int32 flag per CTA, zero between launches
 
     def init(self) -> None:
         """Load every kernel module onto every visible device (call before graph capture)."""
@@ -117,44 +112,12 @@ class GemmRunner:
 
     def reserve_workspace(self, max_m: int, max_n: int, k_values: tuple[int, ...]) -> None:
         """Grow the split-K workspace for every shape up to (max_m, max_n) with those K."""
-        need, streamk = 0, False
+        need = 0
         for m in range(1, max_m + 1):
             for k in k_values:
                 plan = plan_gemm(m, max_n, k)
                 need = max(need, plan.splits * m * max_n * 4)
-                streamk |= plan.variant.streamk
         self._ensure_workspace(need, capturing=False)
-        if streamk:
-            self._ensure_streamk(0, 0, capturing=False)
-
-    def _stream_k(self, variant, a_arg: TensorArg, b_arg: TensorArg, out_arg: TensorArg,
-                  mnk: tuple[int, int, int], stream_ptr: int) -> None:
-        """One CTA per SM (at most one per step) over the stream-K steps; slots and flags are kept."""
-        import cupy
-
-        ctas = min(self._sm_count(), streamk_units(variant, *mnk))
-        capturing = cupy.cuda.runtime.streamIsCapturing(stream_ptr) != 0
-        workspace, flags = self._ensure_streamk(ctas * variant.tile_m * variant.tile_n, ctas, capturing)
-        self.library[variant.name](a_arg, b_arg, out_arg, TensorArg(workspace, (ctas * variant.tile_m * variant.tile_n,), ()),
-                                   TensorArg(flags, (ctas,), ()), stream=stream_ptr)
-
-    def _sm_count(self) -> int:
-        import cupy
-
-        return cupy.cuda.Device().attributes["MultiProcessorCount"]
-
-    def _ensure_streamk(self, floats: int, ctas: int, capturing: bool) -> tuple[int, int]:
-        """Stream-K partial slots (fp32) and per-CTA flags (int32, zero between launches)."""
-        import cupy
-
-        if self._sk_flags is None or self._sk_flags.size < ctas or self._sk_slots.size < floats:
-            if capturing:
-                raise RuntimeError("stream-K buffers needed during CUDA graph capture; call "
-                                   "kernels.cute.reserve_workspace(max_m, max_n, ks) before capturing")
-            sms = self._sm_count()
-            self._sk_slots = cupy.empty(max(floats, sms * STREAMK_SLOT_FLOATS), dtype=cupy.float32)
-            self._sk_flags = cupy.zeros(max(ctas, sms), dtype=cupy.int32)
-        return self._sk_slots.data.ptr, self._sk_flags.data.ptr
 
     def _ensure_workspace(self, nbytes: int, capturing: bool) -> int:
         import cupy
@@ -179,10 +142,6 @@ class GemmRunner:
         a_arg = TensorArg(a.ptr, (m, k, 1), (lda, lda * m))
         b_arg = TensorArg(b.ptr, (n, k, 1), (ldb, ldb * n))
         s = split_count(k, plan.splits)
-        if plan.variant.streamk:
-            self._stream_k(plan.variant, a_arg, b_arg, TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)),
-                           (m, n, k), stream_ptr)
-            return
         if s == 1 and plan.variant.out == "bf16":
             self.library[plan.variant.name](a_arg, b_arg, TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)),
                                             stream=stream_ptr)

@@ -47,12 +47,10 @@ class GemmSm90:
         self.cluster_mn = (tile.cluster_m, tile.cluster_n)
         self.acc_dtype = cutlass.Float32
         # Two consumer warpgroups split a 128-row tile when it is wide; otherwise one does it all.
-        self.atom_layout_mnk = (2, 1, 1) if tile.tile_m > 64 and (tile.tile_n > 128 or tile.split_rows) else (1, 1, 1)
+        self.atom_layout_mnk = (2, 1, 1) if tile.tile_m > 64 and tile.tile_n > 128 else (1, 1, 1)
         self.num_mma_wg = math.prod(self.atom_layout_mnk)
         self.threads = 128 * self.num_mma_wg
         self.buffer_align = 1024
-        self.epi_in_ring = True  # one tile per CTA: the epilogue may stage through the idle A ring
-        self.epi_stages = 4
 
     # ---- host-side layout setup ------------------------------------------------------------
     def _setup(self, a_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -72,14 +70,13 @@ class GemmSm90:
             epi_tile_override=None if self.tile.tile_n % 32 == 0 else (64, 16),
         )
         bytes_per_stage = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2] * a_dtype.width // 8
-        self.sc_layout = sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.epi_stages)
-        own_epi_bytes = 0 if self.epi_in_ring else cute.cosize(self.sc_layout) * c_dtype.width // 8
-        self.stages = (SM90_SMEM_BYTES - 1024 - own_epi_bytes) // bytes_per_stage
+        self.stages = (SM90_SMEM_BYTES - 1024) // bytes_per_stage
+        self.epi_stages = 4
         self.sa_layout = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, a_dtype, self.stages)
         self.sb_layout = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, a_dtype, self.stages)
+        self.sc_layout = sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.epi_stages)
         # The epilogue staging buffer reuses the A ring (idle by then); it must fit inside it.
-        assert not self.epi_in_ring or \
-            cute.cosize(self.sc_layout) * c_dtype.width <= cute.cosize(self.sa_layout) * a_dtype.width, \
+        assert cute.cosize(self.sc_layout) * c_dtype.width <= cute.cosize(self.sa_layout) * a_dtype.width, \
             f"{self.tile.name}: epilogue buffer larger than the A ring"
 
     @cute.jit
@@ -94,8 +91,8 @@ class GemmSm90:
         self._launch(a, b, c, tile_expert, stream)
 
     @cute.jit
-    def _prepare(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor):
-        """Layouts for these operand types, and the TMA atoms: (tma_a, ta, tma_b, tb, tma_c, tc)."""
+    def _launch(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
+                stream: cuda.CUstream):
         self.a_dtype = a.element_type
         self.c_dtype = c.element_type
         self.c_layout = utils.LayoutEnum.from_tensor(c)
@@ -123,12 +120,6 @@ class GemmSm90:
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c,
             cute.slice_(self.sc_layout, (None, None, 0)), self.epi_tile,
         )
-        return tma_a, ta, tma_b, tb, tma_c, tc
-
-    @cute.jit
-    def _launch(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
-                stream: cuda.CUstream):
-        tma_a, ta, tma_b, tb, tma_c, tc = self._prepare(a, b, c)
         tiles = cute.zipped_divide(c, tiler=(self.tile_mnk[0], self.tile_mnk[1]))
         cluster_mnl = (*self.cluster_mn, 1)
         clusters = cute.ceil_div(cute.get(tiles.layout, mode=[1]).shape, cluster_mnl)
@@ -148,30 +139,24 @@ class GemmSm90:
 
     # ---- device code -----------------------------------------------------------------------
     @cute.jit
-    def _raster(self, linear, dim_m, dim_n):
-        """Linear index → (m, n) over a dim_m x dim_n grid: groups of RASTER_GROUP rows walk M
-        before N, so that neighbours in ``linear`` (CTAs running together) share B (weight) tiles."""
-        full = (dim_m // RASTER_GROUP) * RASTER_GROUP * dim_n
-        cm = linear
-        cn = linear
+    def _tile_coord(self):
+        """Cluster → (tile_m, tile_n): groups of RASTER_GROUP clusters walk M before N."""
+        cidx, cidy, _ = cute.arch.cluster_idx()
+        cdimx, cdimy, _ = cute.arch.cluster_dim()
+        linear = cidx + cdimx * cidy
+        full = (cdimx // RASTER_GROUP) * RASTER_GROUP * cdimy
+        cm = cidx
+        cn = cidy
         if linear < full:
-            group = linear // (RASTER_GROUP * dim_n)
-            within = linear % (RASTER_GROUP * dim_n)
+            group = linear // (RASTER_GROUP * cdimy)
+            within = linear % (RASTER_GROUP * cdimy)
             cm = group * RASTER_GROUP + within % RASTER_GROUP
             cn = within // RASTER_GROUP
         else:
-            tail_m = dim_m % RASTER_GROUP
+            tail_m = cdimx % RASTER_GROUP
             rest = linear - full
-            cm = full // dim_n + rest % tail_m
+            cm = full // cdimy + rest % tail_m
             cn = rest // tail_m
-        return cm, cn
-
-    @cute.jit
-    def _tile_coord(self):
-        """Cluster → (tile_m, tile_n), rasterised (``_raster``) by cluster."""
-        cidx, cidy, _ = cute.arch.cluster_idx()
-        cdimx, cdimy, _ = cute.arch.cluster_dim()
-        cm, cn = self._raster(cidx + cdimx * cidy, cdimx, cdimy)
         in_cluster = cute.arch.block_in_cluster_idx()
         return cm * self.cluster_mn[0] + in_cluster[0], cn * self.cluster_mn[1] + in_cluster[1]
 
@@ -307,8 +292,6 @@ class GemmSm90:
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads),
         )
-        if cutlass.const_expr(not self.epi_in_ring):  # persistent: the last tile's stores have left sC
-            pipeline.sync(barrier_id=1)
         for e in cutlass.range_constexpr(n_epi):
             for v in cutlass.range_constexpr(n_frag):
                 frag[v] = acc_view[e * n_frag + v]
