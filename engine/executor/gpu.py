@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 SLACK_BYTES = 64 << 20
 DECODE_KERNELS_ENV = "OPENINFER_DECODE_KERNELS"
 DEFAULT_DECODE_KERNELS = "all"
-DEFAULT_GEMV_MAX_M = 16
+# Batches above 8 take cuBLAS: the GEMV's two n8 tiles made Qwen3-4B batch 12 / 16 steps 4.97 / 5.04 ms
+# against 4.00 / 3.99 with cuBLAS (H200, 2026-12-01 04:50 UTC, bench/results/decode.md).
+DEFAULT_GEMV_MAX_M = 8
 PDL_ENV = "OPENINFER_PDL"
 LAYER_RANGES_ENV = "OPENINFER_LAYER_RANGES"
 

@@ -100,7 +100,7 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   M = 512: 4B.qkv 28.2 -> 24.4 µs, 8B.qkv 47.8 -> 35.9 µs) and at 4B.o M = 2048 (72.7 -> 66.5 µs).
 #   128x80 (N = 2560 in 32 tiles: one wave at M = 512) is correct with 16-wide epilogue tiles but runs
 #   at ~0.6 of 256's rate per element: 7% faster than 128x128 at 4B.o M = 512, far slower beyond; not built.
-# - 128x160 with a 1x2 cluster (added 2026-12-01, 05:00 sweeps): N = 2560 in 16 tiles, so M = 1000 /
+# - 128x160 with a 1x2 cluster (added 2026-12-01, 04:40-04:48 UTC sweeps): N = 2560 in 16 tiles, so M = 1000 /
 #   2048 fill 1 / 2 whole waves; per element it runs at 128x128's rate (0.88 of 256). 4B.o 2048
 #   66.5 -> 61.5-62.3 µs, 4B.down 1000 / 2048 74 -> 69-71 / 162 -> 138-143 µs, 4B.gate_up 512
 #   83 -> 80 µs. Tried and not kept (each verified, none faster; bench/results/kernels.md): stream-K,
