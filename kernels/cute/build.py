@@ -30,7 +30,7 @@ os.environ["CUTE_DSL_ARCH"] = ARCH  # must precede the first cutlass import
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "build"
 LIB_NAME = "libopeninfer_cute.so"
-SOURCES = {"gemm": ("gemm_sm90.py",), "rs": ("gemm_rs_sm90.py", "gemm_sm90.py"), REDUCE: ("splitk_reduce.py",),
+SOURCES = {"gemm": ("gemm_sm90.py",), REDUCE: ("splitk_reduce.py",),
            "fa2": ("attention_sm90.py",), "ws": ("attention_ws_sm90.py", "attention_sm90.py")}
 
 
@@ -151,7 +151,6 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
     from .attention_sm90 import VarlenAttentionSm90
     from .attention_ws_sm90 import VarlenAttentionWsSm90
     from .configs import VARIANTS_BY_NAME
-    from .gemm_rs_sm90 import GemmRsSm90
     from .gemm_sm90 import GemmSm90
     from .splitk_reduce import splitk_reduce
 
@@ -163,9 +162,7 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
         compiled = cute.compile(kernel, *_fake_args(name))
     elif name in VARIANTS_BY_NAME:
         variant = VARIANTS_BY_NAME[name]
-        if variant.a_regs:
-            compiled = cute.compile(GemmRsSm90(variant), *_fake_args("gemm", variant.out))
-        elif variant.grouped:
+        if variant.grouped:
             compiled = cute.compile(GemmSm90(variant).grouped, *_fake_args("grouped", variant.out))
         else:
             compiled = cute.compile(GemmSm90(variant), *_fake_args("gemm", variant.out))
@@ -181,7 +178,7 @@ def build(out_dir: Path = DEFAULT_OUT, force: bool = False, log=print) -> dict:
     out_dir = Path(out_dir)
     obj_dir = out_dir / "obj"
     obj_dir.mkdir(parents=True, exist_ok=True)
-    entries = [(v.name, repr(v), SOURCES["rs" if v.a_regs else "gemm"]) for v in GEMM_VARIANTS] + [
+    entries = [(v.name, repr(v), SOURCES["gemm"]) for v in GEMM_VARIANTS] + [
         (REDUCE, REDUCE, SOURCES[REDUCE]),
         *((v.name, repr(v), SOURCES["fa2" if v.schedule == "fa2" else "ws"]) for v in ATTENTION_VARIANTS)]
     kernels, objects, compiled = {}, [], 0

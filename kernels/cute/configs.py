@@ -23,13 +23,11 @@ class GemmVariant:
     cluster_n: int = 1
     out: str = "bf16"
     grouped: bool = False  # MoE: B is (N, K, experts), one expert per M-tile
-    a_regs: bool = False   # A straight from global memory into wgmma registers (gemm_rs_sm90)
 
     @property
     def name(self) -> str:
         kind = "grouped" if self.grouped else "gemm"
-        suffix = "_ra" if self.a_regs else ""
-        return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}{suffix}"
+        return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
 
 
 GEMM_VARIANTS: tuple[GemmVariant, ...] = (
@@ -40,12 +38,6 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 192, 1, 1),    # a wave-quantisation width (N 6144 at M = 512: 128 tiles, one wave)
     GemmVariant(128, 192, 2, 1),
     GemmVariant(128, 160, 1, 2),    # N = 2560 at M = 1000-2048: 2 waves; A multicast to an N-pair
-    GemmVariant(128, 80, 1, 1, a_regs=True),   # candidates: A in registers (sweep 2026-12-01 05:xx)
-    GemmVariant(128, 80, 2, 1, a_regs=True),
-    GemmVariant(128, 128, 2, 1, a_regs=True),
-    GemmVariant(128, 160, 2, 1, a_regs=True),
-    GemmVariant(128, 192, 2, 1, a_regs=True),
-    GemmVariant(128, 256, 2, 1, a_regs=True),
     GemmVariant(64, 128, 1, 1),
     GemmVariant(64, 256, 1, 1),
     GemmVariant(64, 64, 1, 1, "f32"),
