@@ -108,6 +108,7 @@ def test_gemm_routes_small_m_to_gemv(cp, M):
 def test_executor_decode_kernels_match_default():
     """Greedy decode with the new decode kernels (eager and graphs) equals the default kernels', or
     differs only at a tie of the default executor's own logprobs."""
+    from engine.executor.gpu import DEFAULT_GEMV_MAX_M
     from engine.loader import load_model
     from tests.models_util import tiny_model_path
     from tests.test_gpu_executor import MIN_TIE_TOL, assert_same_or_tie, greedy, new_gpu_executor, random_sequences
@@ -116,7 +117,7 @@ def test_executor_decode_kernels_match_default():
     old = new_gpu_executor(model, use_cuda_graphs=False, decode_kernels="")
     new = new_gpu_executor(model, decode_kernels="attention,gemv")
     new_eager = new_gpu_executor(model, use_cuda_graphs=False, decode_kernels="all")
-    assert new.ops.fast_attention and new.gemm.gemv_max_m == 16 and not old.ops.fast_attention
+    assert new.ops.fast_attention and new.gemm.gemv_max_m == DEFAULT_GEMV_MAX_M and not old.ops.fast_attention
     prompts = random_sequences(model.config.vocab_size, [5, 30, 17, 64, 1], seed=9)
     ref = greedy(old, prompts, 16)
     switched = new_gpu_executor(model, decode_kernels="")
