@@ -78,6 +78,7 @@ class Gemm:
                                            int(os.environ.get(GEMV_UNROLL_NARROW_ENV, str(DEFAULT_GEMV_UNROLL_NARROW))))
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
+        self._beta_one = np.ones(1, np.float32)
         self.lib = _direct_cublas()
         if self.lib is not None:
             handle = ctypes.c_void_p()
@@ -108,23 +109,26 @@ class Gemm:
         if status != 0:
             raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
-    def __call__(self, x, w, out, pdl: bool = False) -> None:
+    def __call__(self, x, w, out, pdl: bool = False, accumulate: bool = False) -> None:
         """x [T, K] bf16 (uint16 bits), w [N, K] bf16, out [T, N] bf16 (uint16) or float32.
-        pdl: launch a gemv.cu kernel as a programmatic dependent launch (kernels/raw_cuda/launch.py)."""
+        pdl: launch a gemv.cu kernel as a programmatic dependent launch (kernels/raw_cuda/launch.py).
+        accumulate: out += x · wᵀ, added in fp32 before the one rounding (cuBLAS beta = 1): the
+        residual add of o_proj / down_proj in the product's epilogue, with no kernel of its own."""
         T, K = x.shape
         N = w.shape[0]
         if w.shape[1] != K or out.shape != (T, N):
             raise ValueError(f"linear shapes: x {x.shape}, w {w.shape}, out {out.shape}")
-        if self.gemv_serves(x, w, out):
+        if not accumulate and self.gemv_serves(x, w, out):
             self.gemv(x, w, out, pdl=pdl)
             return
-        if self.cute is not None and out.dtype == np.uint16:
+        if not accumulate and self.cute is not None and out.dtype == np.uint16:
             self.cute.gemm(x, w, out, self.stream)
             return
         ctype = CUDA_R_32F if out.dtype == np.float32 else CUDA_R_16BF
-        # Column-major view: outᵀ [N, T] = w [K, N]ᵀ · xᵀ [K, T].
+        beta = self._beta_one if accumulate else self._beta
+        # Column-major view: outᵀ [N, T] = w [K, N]ᵀ · xᵀ [K, T] (+ outᵀ).
         args = (CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, self._alpha.ctypes.data, w.data.ptr, CUDA_R_16BF, K,
-                x.data.ptr, CUDA_R_16BF, K, self._beta.ctypes.data, out.data.ptr, ctype, N,
+                x.data.ptr, CUDA_R_16BF, K, beta.ctypes.data, out.data.ptr, ctype, N,
                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
         if self.lib is not None:
             self._check(self.lib.cublasGemmEx(self.handle, *args), "cublasGemmEx")

@@ -11,7 +11,8 @@ the residual add after it and the SiLU·up after gate_up run inside the GEMV (no
 norm_swiglu; the executor stores gate_up interleaved for that), and on decode-only steps q/k norm +
 rope + KV write run inside the decode attention kernel (rope_attention): a Qwen3 layer is 5 kernels
 (qkv GEMV, rope + attention, o_proj GEMV, gate_up GEMV + SiLU·up, down GEMV). Larger steps compose
-them from the separate kernels. With `pdl` on (CUDA-graph decode), every kernel is a programmatic
+them from the separate kernels, except the residual add of o_proj / down_proj, which cuBLAS does in
+its epilogue (beta = 1 into the residual buffer, add_linear). With `pdl` on (CUDA-graph decode), every kernel is a programmatic
 dependent launch (kernels/raw_cuda/launch.py).
 """
 from __future__ import annotations
@@ -328,10 +329,16 @@ class GpuOps(ComposedOps):
 
     @op_range
     def add_linear(self, x, weight, residual, bias=None):
-        if bias is not None or not self.gemm.gemv_serves(x, weight):
+        if bias is not None:
             return super().add_linear(x, weight, residual, bias)
         out = self._residual_out(x.shape[0], weight.shape[0])
-        self.gemm.gemv(x, weight, out, "res", res_in=residual, pdl=self.pdl)
+        if self.gemm.gemv_serves(x, weight):
+            self.gemm.gemv(x, weight, out, "res", res_in=residual, pdl=self.pdl)
+            return out
+        if residual.data.ptr != out.data.ptr:  # the first layer's residual is the embedding output
+            self.cp.cuda.runtime.memcpyAsync(out.data.ptr, residual.data.ptr, out.nbytes,
+                                             self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+        self.gemm(x, weight, out, accumulate=True)  # cuBLAS beta = 1: the add in the product's epilogue
         return out
 
     def layer_scope(self, layer: int):
