@@ -1,7 +1,7 @@
 """The compiled kernel variants and the table that picks one for a GEMM shape (no DSL import).
 
-``plan_gemm`` was tuned from the 2026-11-30 H200 sweep (see the note above it); the retuned
-choices were not re-timed as a plan, each config itself passed verification and was timed.
+``plan_gemm`` was tuned from the H200 sweeps of 2026-11-30 and 2026-12-01 (see the note above it) and
+re-timed as a plan on 2026-12-01 (bench/results/kernels.md).
 
 Shared by the build (what to compile) and the launcher (what to call). A variant's ``name`` is its
 symbol prefix in the shared library and its key in the manifest.
@@ -104,14 +104,14 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   2048 fill 1 / 2 whole waves; per element it runs at 128x128's rate (0.88 of 256). 4B.o 2048
 #   66.5 -> 61.5-62.3 µs, 4B.down 1000 / 2048 74 -> 69-71 / 162 -> 138-143 µs, 4B.gate_up 512
 #   83 -> 80 µs. Tried and not kept (each verified, none faster; bench/results/kernels.md): stream-K,
-#   128x80 with A multicast (1x2, 2x2), two wgmma batches in flight, two consumer warpgroups on 128x128.
-# On the 56 swept shapes the retuned plan's configs are within 8% of the sweep's best for M <= 512
-# (geometric mean 1.01x over all; the former plan 1.15x, worst 1.9x). It was NOT re-timed as a plan:
-# each config it picks was timed in the sweep and its variant passed verification (split counts
-# 1-6 per f32 variant); the next run's "planned" verification and benchmark rows cover it.
+#   128x80 with A multicast (1x2, 2x2), two wgmma batches in flight, two consumer warpgroups on
+#   128x128, A loaded into wgmma registers straight from global memory.
+# On the 56 swept shapes the plan's configs are within 8% of the sweep's best for M <= 512 (geometric
+# mean 1.01x over all). The whole plan was re-timed on 2026-12-01, 04:48 UTC (93 / 93 verification
+# cases passed, the planned path included).
 STREAM_MAX_M = 128
 FILL_TOLERANCE = 0.9        # single-wave fills within 10% count as equal: fewer splits win
-# 128-row tiles: relative throughput per element (sweeps of 2026-11-30 and, for 192, 2026-12-01)
+# 128-row tiles: relative throughput per element (sweeps of 2026-11-30 and, for 192 / 160, 2026-12-01)
 TILE_EFFICIENCY = {256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85}
 WIDE_192_MIN_M = 512        # 128x192 and 128x160 are calibrated (swept) from M = 512 up
 
@@ -142,8 +142,7 @@ def _tile_plan(m: int, n: int, sms: int) -> GemmPlan:
 
 
 def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS) -> GemmPlan:
-    """Pick the variant (and K splits) for ``D[m, n] = A[m, k]·B[n, k]ᵀ`` (tuned on the H200,
-    2026-11-30 sweep; not yet re-timed as a plan)."""
+    """Pick the variant (and K splits) for ``D[m, n] = A[m, k]·B[n, k]ᵀ`` (tuned on the H200)."""
     if m <= 64 or (m <= STREAM_MAX_M and _ceil(m, 64) * _ceil(n, 256) < sms):
         return _stream_plan(m, n, k, sms)
     return _tile_plan(m, n, sms)
