@@ -38,8 +38,6 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 192, 1, 1),    # a wave-quantisation width (N 6144 at M = 512: 128 tiles, one wave)
     GemmVariant(128, 192, 2, 1),
     GemmVariant(128, 160, 1, 2),    # N = 2560 at M = 1000-2048: 2 waves; A multicast to an N-pair
-    GemmVariant(64, 160, 1, 1),     # candidates: N = 2560 at M = 512 in 8 x 16 = 128 tiles, one wave
-    GemmVariant(64, 160, 2, 1),
     GemmVariant(64, 128, 1, 1),
     GemmVariant(64, 256, 1, 1),
     GemmVariant(64, 64, 1, 1, "f32"),
