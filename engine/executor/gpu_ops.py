@@ -12,8 +12,8 @@ norm_swiglu; the executor stores gate_up interleaved for that), and on decode-on
 rope + KV write run inside the decode attention kernel (rope_attention): a Qwen3 layer is 5 kernels
 (qkv GEMV, rope + attention, o_proj GEMV, gate_up GEMV + SiLU·up, down GEMV). Larger steps compose
 them from the separate kernels, except the residual add of o_proj / down_proj, which cuBLAS does in
-its epilogue (beta = 1 into the residual buffer, add_linear). With `pdl` on (CUDA-graph decode), every kernel is a programmatic
-dependent launch (kernels/raw_cuda/launch.py).
+its epilogue (beta = 1 into the residual buffer, add_linear). With `pdl` on (CUDA-graph decode),
+every kernel is a programmatic dependent launch (kernels/raw_cuda/launch.py).
 """
 from __future__ import annotations
 
