@@ -17,8 +17,6 @@ import csv
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.kernels import QWEN_SHAPES  # noqa: E402
@@ -55,7 +53,7 @@ def time_specs(specs: list[str]) -> None:
                 return
             runner(ops.a[i], ops.w[i], ops.out, stream=s)
             if mode == "planned+add":
-                launch(add, (min(4096, -(-total // 256)),), (256,), (ops.out, resid, resid, np.int64(total)), s)
+                launch(add, (min(4096, -(-total // 256)),), (256,), (ops.out, resid, resid, total), s)
 
         if variant == "cublas":
             us = cublas_time_us(int(m), n, k, ops.sets)
