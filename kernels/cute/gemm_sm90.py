@@ -34,7 +34,6 @@ from .configs import GemmVariant
 
 SM90_SMEM_BYTES = 232448  # usable dynamic shared memory per CTA on sm_90 (227 KiB)
 RASTER_GROUP = 8
-RESIDUAL_CHUNK_VALUES = 64  # R values per thread loaded together by the residual epilogue
 
 
 class GemmSm90:
@@ -83,23 +82,17 @@ class GemmSm90:
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream):
         """Dense GEMM (``grouped=False`` variants)."""
-        self._launch(a, b, c, c, c, stream)  # c stands in for the unused tile → expert map and residual
-
-    @cute.jit
-    def residual_gemm(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, r: cute.Tensor,
-                      stream: cuda.CUstream):
-        """``D = A·Bᵀ + R`` (``residual=True`` variants): R is ``(M, N, 1)`` like D and may be D."""
-        self._launch(a, b, c, c, r, stream)
+        self._launch(a, b, c, c, stream)  # c stands in for the unused tile → expert map
 
     @cute.jit
     def grouped(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
                 stream: cuda.CUstream):
         """Grouped GEMM (``grouped=True``): B is ``(N, K, E)``; M-tile ``t`` uses expert ``tile_expert[t]``."""
-        self._launch(a, b, c, tile_expert, c, stream)
+        self._launch(a, b, c, tile_expert, stream)
 
     @cute.jit
     def _launch(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
-                r: cute.Tensor, stream: cuda.CUstream):
+                stream: cuda.CUstream):
         self.a_dtype = a.element_type
         self.c_dtype = c.element_type
         self.c_layout = utils.LayoutEnum.from_tensor(c)
@@ -139,7 +132,7 @@ class GemmSm90:
             sb: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.sb_layout)], self.buffer_align]
 
         self.smem_struct = Smem
-        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tile_expert, r, self.tiled_mma, self.cta_layout_mnk,
+        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tile_expert, self.tiled_mma, self.cta_layout_mnk,
                     self.sa_layout, self.sb_layout, self.sc_layout).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=cluster_mnl, stream=stream,
         )
@@ -169,8 +162,7 @@ class GemmSm90:
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_c: cute.CopyAtom, mC: cute.Tensor, tile_expert: cute.Tensor, mR: cute.Tensor,
-               tiled_mma: cute.TiledMma,
+               tma_c: cute.CopyAtom, mC: cute.Tensor, tile_expert: cute.Tensor, tiled_mma: cute.TiledMma,
                cta_layout_mnk: cute.Layout, sa_layout: cute.ComposedLayout,
                sb_layout: cute.ComposedLayout, sc_layout: cute.ComposedLayout):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -267,11 +259,7 @@ class GemmSm90:
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
-        tile_coord = (pid_m, pid_n, None, batch)
-        self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c,
-                       cute.local_tile(mR, self.tile_mnk, tile_coord, proj=(1, 1, None)),
-                       cute.local_tile(cute.make_identity_tensor(mR.shape), self.tile_mnk, tile_coord, proj=(1, 1, None)),
-                       mR)
+        self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c)
 
     @cute.jit
     def _load_stage(self, ring, state, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b):
@@ -283,10 +271,8 @@ class GemmSm90:
         ring.producer_commit(state)
 
     @cute.jit
-    def _epilogue(self, tidx, warp, tiled_mma, acc, sC, gC, tma_c, gR, cR, mR):
-        """Registers → smem (converted) → TMA store, one epi_tile at a time, 4-deep. Residual
-        variants first load this thread's R values of the whole tile (one round trip, zeros past
-        M / N), then add each to its fp32 accumulator before the conversion."""
+    def _epilogue(self, tidx, warp, tiled_mma, acc, sC, gC, tma_c):
+        """Registers → smem (converted) → TMA store, one epi_tile at a time, 4-deep."""
         store_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
         c_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
         r2s = cute.make_tiled_copy_S(store_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
@@ -306,43 +292,19 @@ class GemmSm90:
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads),
         )
-        # residual variants load R a chunk of epi tiles at a time (one round trip per chunk; the whole
-        # tile at once would need a register per value on top of the accumulators and spill)
-        chunk = max(1, RESIDUAL_CHUNK_VALUES // n_frag) if self.tile.residual else n_epi
-        res = cute.make_rmem_tensor(cute.make_layout(chunk * n_frag if self.tile.residual else 1), self.c_dtype)
-        for first in cutlass.range_constexpr(0, n_epi, chunk):
-            if cutlass.const_expr(self.tile.residual):
-                self._load_residual(res, thr_r2s, gR, cR, mR, epi_order, first, min(chunk, n_epi - first), n_frag)
-            for e in cutlass.range_constexpr(first, min(first + chunk, n_epi)):
-                for v in cutlass.range_constexpr(n_frag):
-                    frag[v] = acc_view[e * n_frag + v]
-                    if cutlass.const_expr(self.tile.residual):
-                        frag[v] = frag[v] + res[(e - first) * n_frag + v].to(self.acc_dtype)
-                out = cute.make_rmem_tensor_like(frag_layout, self.c_dtype)
-                out.store(frag.load().to(self.c_dtype))
-                buf = e % cute.size(dst, mode=[3])
-                cute.copy(r2s, out, dst[(None, None, None, buf)])
-                cute.arch.fence_proxy("async.shared", space="cta")
-                pipeline.sync(barrier_id=1)
-                if warp == 0:
-                    cute.copy(tma_c, src_s[(None, buf)], dst_g[(None, epi_order.get_hier_coord(e))])
-                    stores.producer_commit()
-                    stores.producer_acquire()
-                pipeline.sync(barrier_id=1)
+        for e in cutlass.range_constexpr(n_epi):
+            for v in cutlass.range_constexpr(n_frag):
+                frag[v] = acc_view[e * n_frag + v]
+            out = cute.make_rmem_tensor_like(frag_layout, self.c_dtype)
+            out.store(frag.load().to(self.c_dtype))
+            buf = e % cute.size(dst, mode=[3])
+            cute.copy(r2s, out, dst[(None, None, None, buf)])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            pipeline.sync(barrier_id=1)
+            if warp == 0:
+                cute.copy(tma_c, src_s[(None, buf)], dst_g[(None, epi_order.get_hier_coord(e))])
+                stores.producer_commit()
+                stores.producer_acquire()
+            pipeline.sync(barrier_id=1)
         if warp == 0:
             stores.producer_tail()
-
-    @cute.jit
-    def _load_residual(self, res, thr_r2s, gR, cR, mR, epi_order, first, count, n_frag):
-        """R at this thread's positions of epi tiles first … first + count - 1 (as the r2s copy
-        partitions them), zeros past M and N."""
-        for i in cutlass.range_constexpr(count):
-            at = epi_order.get_hier_coord(first + i)
-            tRgR = thr_r2s.partition_D(cute.local_tile(gR, self.epi_tile, at))
-            tRcR = thr_r2s.partition_D(cute.local_tile(cR, self.epi_tile, at))
-            assert cute.size(tRgR) == n_frag, "residual partition does not match the fragment"
-            for v in cutlass.range_constexpr(n_frag):
-                res[i * n_frag + v] = self.c_dtype(0)
-                if tRcR[v][0] < cute.size(mR, mode=[0]):
-                    if tRcR[v][1] < cute.size(mR, mode=[1]):
-                        res[i * n_frag + v] = tRgR[v]
