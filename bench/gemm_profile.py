@@ -29,19 +29,39 @@ KEYS = {  # ncu metric name (details page) -> column
 
 
 def time_specs(specs: list[str]) -> None:
-    """Graph-replayed µs per launch of each spec (as bench/kernels.py times its rows)."""
-    from bench.kernels import _Operands, cublas_time_us
+    """Graph-replayed µs per launch of each spec (as bench/kernels.py times its rows). Besides
+    variant names and ``cublas``: ``planned``, ``planned+res`` (the residual added in the epilogue,
+    in place) and ``planned+add`` (the GEMM, then the engine's residual_add kernel)."""
+    from bench.kernels import _Operands, cublas_time_us, graph_time_us
     from kernels.cute.configs import VARIANTS_BY_NAME, GemmPlan
     from kernels.cute.gemm import GemmRunner
+    from kernels.raw_cuda import kernel
+    from kernels.raw_cuda.launch import launch
 
     runner = GemmRunner()
     runner.init()
+    add = kernel("add_bias", "residual_add")
     for spec in specs:
         name, m, variant = spec.split(":")
         n, k = QWEN_SHAPES[name]
         ops = _Operands(runner, int(m), n, k)
-        us = (cublas_time_us(int(m), n, k, ops.sets) if variant == "cublas"
-              else ops.time_us(GemmPlan(VARIANTS_BY_NAME[variant]), spec))
+        total = int(m) * n // 8
+        resid = ops.out.copy()  # the residual stream: +res accumulates into it, +add adds the product to it
+
+        def planned(i, s, mode=variant):
+            if mode == "planned+res":
+                runner(ops.a[i], ops.w[i], resid, stream=s, residual=resid)
+                return
+            runner(ops.a[i], ops.w[i], ops.out, stream=s)
+            if mode == "planned+add":
+                launch(add, (min(4096, -(-total // 256)),), (256,), (ops.out, resid, resid, total), s)
+
+        if variant == "cublas":
+            us = cublas_time_us(int(m), n, k, ops.sets)
+        elif variant.startswith("planned"):
+            us = graph_time_us(planned, ops.sets, spec)
+        else:
+            us = ops.time_us(GemmPlan(VARIANTS_BY_NAME[variant]), spec)
         print(f"{spec:48} {us:8.1f} µs", flush=True)
         del ops
 

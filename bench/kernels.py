@@ -184,7 +184,7 @@ def run_task(runner, task: Case) -> dict:
         ok = set(task.args[2])
         trials = {}
         for v in GEMM_VARIANTS:
-            if v.grouped or v.name not in ok:
+            if v.grouped or v.residual or v.name not in ok:  # residual twins: timed by gemm_profile --time
                 continue
             if v.out == "bf16" and not (m > 256 and v.tile_m == 64):
                 trials[f"{v.name}/S1"] = GemmPlan(v, 1)
@@ -315,7 +315,7 @@ def main() -> int:
         parser.error(f"unknown shapes {unknown}; known: {', '.join(QWEN_SHAPES)}")
     ms = tuple(int(x) for x in args.ms.split(",") if x)
     focus = {x for x in args.only_variants.split(",") if x}
-    known = {v.name for v in GEMM_VARIANTS} | {"planned", "graph"}     # the last two: the planned path's cases
+    known = {v.name for v in GEMM_VARIANTS} | {"planned", "graph", "residual"}  # the planned path's cases
     if focus - known:
         parser.error(f"unknown variants {sorted(focus - known)}; known: {', '.join(sorted(known))}")
     if args.worker is not None:

@@ -9,6 +9,7 @@ import pytest
 
 from kernels.cute.attention import ATTENTION_KERNELS
 from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_TILE, MAX_SPLITS, REDUCE_NAME,
+                                  REDUCE_RESIDUAL_NAME,
                                   STREAM_MAX_M, plan_gemm, split_count, wave_fill, wave_splits)
 from kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args
 from kernels.cute.moe import group_by_expert
@@ -32,7 +33,7 @@ def test_build_writes_library_and_manifest(built):
     out, log = built
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["arch"] == "sm_90a" and manifest["dsl_version"] == "4.8.1"
-    names = {v.name for v in GEMM_VARIANTS} | {REDUCE_NAME, *ATTENTION_KERNELS}
+    names = {v.name for v in GEMM_VARIANTS} | {REDUCE_NAME, REDUCE_RESIDUAL_NAME, *ATTENTION_KERNELS}
     assert {"varlen_attention", "varlen_attention_ws", "varlen_attention_ws_d64"} <= set(ATTENTION_KERNELS)
     assert set(manifest["kernels"]) == names
     assert log.count("compiled ") == len(names)
@@ -64,7 +65,7 @@ def test_library_loads_manifest_without_gpu(built):
     lib = Library(out)
     for v in GEMM_VARIANTS:
         assert lib[v.name].structs[0].__name__ == "Tensor_3_2"
-        assert len(lib[v.name].structs) == (4 if v.grouped else 3)
+        assert len(lib[v.name].structs) == (4 if v.grouped or v.residual else 3)
     with pytest.raises(KeyError, match="not in the manifest"):
         lib["gemm_nope"]
 

@@ -1,6 +1,8 @@
 """The GPU verification runner on the CPU: hangs, crashes and errors of a (fake) worker are each
 recorded against the right case, a fresh worker resumes after them, and the catalogue is sound."""
 import sys
+
+import pytest
 import textwrap
 
 from kernels.cute.configs import GEMM_VARIANTS
@@ -139,10 +141,12 @@ class _FakeCupy:
         return getattr(self._np, name)
 
 
-def _numpy_gemm(a, b, out, plan=None, broken=False):
+def _numpy_gemm(a, b, out, plan=None, residual=None, broken=False, drop_residual=False):
     from kernels.cute.bf16 import from_bf16, to_bf16
 
     res = from_bf16(a) @ from_bf16(b).T
+    if residual is not None and not drop_residual:
+        res += from_bf16(residual)
     if broken:
         res[:, 64:] = 0.0  # a kernel that skips every N-tile but the first
     out[...] = to_bf16(res)
@@ -154,8 +158,20 @@ def test_checks_pass_a_correct_kernel_and_locate_a_broken_one(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _FakeCupy())
     good = testing.gemm_check(_numpy_gemm, None, 17, 200, 72)
     assert good.ok and good.unwritten == 0 and good.err < 5e-3
-    bad = testing.gemm_check(lambda a, b, out, plan=None: _numpy_gemm(a, b, out, broken=True), None, 17, 200, 72)
+    bad = testing.gemm_check(lambda a, b, out, plan=None, residual=None: _numpy_gemm(a, b, out, broken=True),
+                             None, 17, 200, 72)
     assert not bad.ok and "cols 64-199" in bad.detail
+
+
+@pytest.mark.parametrize("how", ["separate", "inplace"])
+def test_residual_check_needs_the_residual_added(monkeypatch, how):
+    from kernels.cute import testing
+
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy())
+    assert testing.gemm_check(_numpy_gemm, None, 17, 200, 72, residual=how).ok
+    ignored = testing.gemm_check(lambda *a, **kw: _numpy_gemm(*a, **kw, drop_residual=True), None, 17, 200, 72,
+                                 residual=how)
+    assert not ignored.ok
 
 
 def test_attention_check_agrees_with_an_independent_causal_attention(monkeypatch):

@@ -112,8 +112,8 @@ class Gemm:
     def __call__(self, x, w, out, pdl: bool = False, accumulate: bool = False) -> None:
         """x [T, K] bf16 (uint16 bits), w [N, K] bf16, out [T, N] bf16 (uint16) or float32.
         pdl: launch a gemv.cu kernel as a programmatic dependent launch (kernels/raw_cuda/launch.py).
-        accumulate: out += x · wᵀ, added in fp32 before the one rounding (cuBLAS beta = 1): the
-        residual add of o_proj / down_proj in the product's epilogue, with no kernel of its own."""
+        accumulate: out += x · wᵀ, added in fp32 before the one rounding (cuBLAS beta = 1, or the CuTe
+        GEMM's residual epilogue): the residual add of o_proj / down_proj with no kernel of its own."""
         T, K = x.shape
         N = w.shape[0]
         if w.shape[1] != K or out.shape != (T, N):
@@ -121,8 +121,8 @@ class Gemm:
         if not accumulate and self.gemv_serves(x, w, out):
             self.gemv(x, w, out, pdl=pdl)
             return
-        if not accumulate and self.cute is not None and out.dtype == np.uint16:
-            self.cute.gemm(x, w, out, self.stream)
+        if self.cute is not None and out.dtype == np.uint16:
+            self.cute.gemm(x, w, out, self.stream, residual=out if accumulate else None)
             return
         ctype = CUDA_R_32F if out.dtype == np.float32 else CUDA_R_16BF
         beta = self._beta_one if accumulate else self._beta

@@ -7,6 +7,7 @@ Build once per checkout (no GPU needed): ``python -m kernels.cute.build``. At ru
     if cute.available():
         cute.init()                                  # load modules (before any graph capture)
         cute.gemm(a, w, out, stream=stream)          # out[M,N] = a[M,K] · w[N,K]ᵀ, bf16 as uint16
+        cute.gemm(a, w, h, stream=stream, residual=h)  # h += a · wᵀ (residual add in the epilogue)
         groups = cute.group_by_expert(topk_ids, num_experts, tile_m=64)   # MoE, host side
         cute.grouped_gemm(a_grouped, w_experts, tile_expert, out_grouped, stream=stream)
         work = cupy.asarray(cute.attention_work(cu_seqlens_q_host))          # host-built tile list
@@ -78,9 +79,10 @@ def reserve_workspace(max_m: int, max_n: int, k_values: tuple[int, ...]) -> None
     _get_runner().reserve_workspace(max_m, max_n, k_values)
 
 
-def gemm(a, b, out, stream=None) -> None:
-    """``out[M, N] = bf16(a[M, K] · b[N, K]ᵀ)``, fp32 accumulation, launched on ``stream``."""
-    _get_runner()(a, b, out, stream)
+def gemm(a, b, out, stream=None, residual=None) -> None:
+    """``out[M, N] = bf16(a[M, K] · b[N, K]ᵀ (+ residual[M, N]))``, fp32 accumulation, launched on
+    ``stream``; the residual (which may be ``out`` itself) is added in the epilogue."""
+    _get_runner()(a, b, out, stream, residual=residual)
 
 
 def grouped_gemm(a, w, tile_expert, out, stream=None) -> None:

@@ -24,13 +24,14 @@ from pathlib import Path
 
 from .attention import ATTENTION_BY_NAME, ATTENTION_VARIANTS  # these two import no DSL
 from .configs import REDUCE_NAME as REDUCE
+from .configs import REDUCE_RESIDUAL_NAME as REDUCE_RES
 
 ARCH = "sm_90a"
 os.environ["CUTE_DSL_ARCH"] = ARCH  # must precede the first cutlass import
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "build"
 LIB_NAME = "libopeninfer_cute.so"
-SOURCES = {"gemm": ("gemm_sm90.py",), REDUCE: ("splitk_reduce.py",),
+SOURCES = {"gemm": ("gemm_sm90.py",), REDUCE: ("splitk_reduce.py",), REDUCE_RES: ("splitk_reduce.py",),
            "fa2": ("attention_sm90.py",), "ws": ("attention_ws_sm90.py", "attention_sm90.py")}
 
 
@@ -122,10 +123,13 @@ def _fake_args(kind: str, out: str | None = None):
 
     m, n, k, batch = cute.sym_int32(), cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8), cute.sym_int32()
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
-    if kind in ("gemm", "grouped"):
+    if kind in ("gemm", "grouped", "residual"):
         a = make_fake_tensor(bf16, (m, k, cute.sym_int32()), (ld(), 1, ld()), assumed_align=16)
         b = make_fake_tensor(bf16, (n, k, cute.sym_int32()), (ld(), 1, ld()), assumed_align=16)
         c = make_fake_tensor(f32 if out == "f32" else bf16, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
+        if kind == "residual":  # R: (M, N, 1) like D
+            r = make_fake_tensor(bf16, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
+            return a, b, c, r, cuda.CUstream(0)
         if kind == "grouped":
             tile_expert = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
             return a, b, c, tile_expert, cuda.CUstream(0)
@@ -142,6 +146,8 @@ def _fake_args(kind: str, out: str | None = None):
         return q, k, vt, o, cu_q, cu_k, work, cuda.CUstream(0)
     partial = make_fake_tensor(f32, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
     dst = make_fake_tensor(bf16, (m, n), (ld(), 1), assumed_align=16)
+    if kind == REDUCE_RES:
+        return partial, dst, make_fake_tensor(bf16, (m, n), (ld(), 1), assumed_align=16), cuda.CUstream(0)
     return partial, dst, cuda.CUstream(0)
 
 
@@ -152,7 +158,7 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
     from .attention_ws_sm90 import VarlenAttentionWsSm90
     from .configs import VARIANTS_BY_NAME
     from .gemm_sm90 import GemmSm90
-    from .splitk_reduce import splitk_reduce
+    from .splitk_reduce import splitk_reduce, splitk_reduce_residual
 
     if name in ATTENTION_BY_NAME:
         v = ATTENTION_BY_NAME[name]
@@ -164,8 +170,12 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
         variant = VARIANTS_BY_NAME[name]
         if variant.grouped:
             compiled = cute.compile(GemmSm90(variant).grouped, *_fake_args("grouped", variant.out))
+        elif variant.residual:
+            compiled = cute.compile(GemmSm90(variant).residual_gemm, *_fake_args("residual", variant.out))
         else:
             compiled = cute.compile(GemmSm90(variant), *_fake_args("gemm", variant.out))
+    elif name == REDUCE_RES:
+        compiled = cute.compile(splitk_reduce_residual, *_fake_args(REDUCE_RES))
     else:
         compiled = cute.compile(splitk_reduce, *_fake_args("reduce"))
     compiled.export_to_c(file_path=str(obj_dir), file_name=f"{name}.{key}", function_prefix=name)
@@ -179,7 +189,7 @@ def build(out_dir: Path = DEFAULT_OUT, force: bool = False, log=print) -> dict:
     obj_dir = out_dir / "obj"
     obj_dir.mkdir(parents=True, exist_ok=True)
     entries = [(v.name, repr(v), SOURCES["gemm"]) for v in GEMM_VARIANTS] + [
-        (REDUCE, REDUCE, SOURCES[REDUCE]),
+        (REDUCE, REDUCE, SOURCES[REDUCE]), (REDUCE_RES, REDUCE_RES, SOURCES[REDUCE_RES]),
         *((v.name, repr(v), SOURCES["fa2" if v.schedule == "fa2" else "ws"]) for v in ATTENTION_VARIANTS)]
     kernels, objects, compiled = {}, [], 0
     for name, spec, sources in entries:

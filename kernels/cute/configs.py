@@ -8,7 +8,7 @@ symbol prefix in the shared library and its key in the manifest.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 H200_SMS = 132
 
@@ -23,11 +23,13 @@ class GemmVariant:
     cluster_n: int = 1
     out: str = "bf16"
     grouped: bool = False  # MoE: B is (N, K, experts), one expert per M-tile
+    residual: bool = False  # D = A·Bᵀ + R: R seeds the fp32 accumulators (R may be D itself)
 
     @property
     def name(self) -> str:
         kind = "grouped" if self.grouped else "gemm"
-        return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
+        suffix = "_res" if self.residual else ""
+        return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}{suffix}"
 
 
 GEMM_VARIANTS: tuple[GemmVariant, ...] = (
@@ -46,7 +48,11 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(64, 128, 1, 1, grouped=True),
     GemmVariant(128, 128, 1, 1, grouped=True),
 )
+# Every dense bf16 variant has a residual twin, so that any plan can fuse the add (split-K plans
+# add it in the reduction instead).
+GEMM_VARIANTS += tuple(replace(v, residual=True) for v in GEMM_VARIANTS if v.out == "bf16" and not v.grouped)
 REDUCE_NAME = "splitk_reduce"
+REDUCE_RESIDUAL_NAME = "splitk_reduce_res"
 VARIANTS_BY_NAME = {v.name: v for v in GEMM_VARIANTS}
 
 
@@ -141,8 +147,13 @@ def _tile_plan(m: int, n: int, sms: int) -> GemmPlan:
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{tile_n}_c{cluster}x1"])
 
 
-def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS) -> GemmPlan:
-    """Pick the variant (and K splits) for ``D[m, n] = A[m, k]·B[n, k]ᵀ`` (tuned on the H200)."""
+def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS, residual: bool = False) -> GemmPlan:
+    """Pick the variant (and K splits) for ``D[m, n] = A[m, k]·B[n, k]ᵀ`` (+ R with ``residual``:
+    the same tile, its residual twin; tuned on the H200)."""
     if m <= 64 or (m <= STREAM_MAX_M and _ceil(m, 64) * _ceil(n, 256) < sms):
-        return _stream_plan(m, n, k, sms)
-    return _tile_plan(m, n, sms)
+        plan = _stream_plan(m, n, k, sms)
+    else:
+        plan = _tile_plan(m, n, sms)
+    if residual and plan.variant.out == "bf16":
+        return GemmPlan(replace(plan.variant, residual=True), plan.splits)
+    return plan

@@ -10,9 +10,9 @@ The ``(rows, K, 1)`` / ``(M, N, S)`` tensor views match the fake tensors of ``bu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .configs import REDUCE_NAME, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count
+from .configs import REDUCE_NAME, REDUCE_RESIDUAL_NAME, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count
 from .library import Library, TensorArg, open_library
 
 BF16_TYPESTRS = ("<u2", "|u2", "bfloat16", "<V2")
@@ -130,10 +130,17 @@ class GemmRunner:
             self._workspace = cupy.empty(max(nbytes, 1 << 20) // 4, dtype=cupy.float32)
         return self._workspace.data.ptr
 
-    def __call__(self, a, b, out, stream=None, plan: GemmPlan | None = None) -> None:
+    def __call__(self, a, b, out, stream=None, plan: GemmPlan | None = None, residual=None) -> None:
+        """``out = a · bᵀ`` (+ ``residual``, a bf16 [M, N] that may be ``out`` itself: added in fp32
+        in the epilogue, or in the split-K reduction)."""
         a, b, out = as_device_tensor(a, "a"), as_device_tensor(b, "b"), as_device_tensor(out, "out")
         m, n, k = check_gemm_args(a, b, out)
+        if residual is not None:
+            residual = as_device_tensor(residual, "residual")
+            _check_matrix(residual, "residual", m, n, "bfloat16")
         plan = plan or plan_gemm(m, n, k)
+        if residual is not None and plan.variant.out == "bf16":
+            plan = GemmPlan(VARIANTS_BY_NAME[replace(plan.variant, residual=True).name], plan.splits)
         stream_ptr = _stream_ptr(stream)
         import cupy
 
@@ -143,7 +150,9 @@ class GemmRunner:
         b_arg = TensorArg(b.ptr, (n, k, 1), (ldb, ldb * n))
         s = split_count(k, plan.splits)
         if s == 1 and plan.variant.out == "bf16":
-            self.library[plan.variant.name](a_arg, b_arg, TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)),
+            extra = () if residual is None else (
+                TensorArg(residual.ptr, (m, n, 1), (_row_stride(residual), _row_stride(residual) * m)),)
+            self.library[plan.variant.name](a_arg, b_arg, TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)), *extra,
                                             stream=stream_ptr)
             return
         if plan.variant.out != "f32":
@@ -151,7 +160,12 @@ class GemmRunner:
         capturing = cupy.cuda.runtime.streamIsCapturing(stream_ptr) != 0
         partial = TensorArg(self._ensure_workspace(s * m * n * 4, capturing), (m, n, s), (n, m * n))
         self.library[plan.variant.name](a_arg, b_arg, partial, stream=stream_ptr)
-        self.library[REDUCE_NAME](partial, TensorArg(out.ptr, (m, n), (ldo,)), stream=stream_ptr)
+        if residual is None:
+            self.library[REDUCE_NAME](partial, TensorArg(out.ptr, (m, n), (ldo,)), stream=stream_ptr)
+        else:
+            self.library[REDUCE_RESIDUAL_NAME](partial, TensorArg(out.ptr, (m, n), (ldo,)),
+                                               TensorArg(residual.ptr, (m, n), (_row_stride(residual),)),
+                                               stream=stream_ptr)
 
 
 def check_grouped_args(a: DeviceTensor, w: DeviceTensor, tile_expert: DeviceTensor,

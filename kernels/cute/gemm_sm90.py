@@ -70,11 +70,18 @@ class GemmSm90:
             epi_tile_override=None if self.tile.tile_n % 32 == 0 else (64, 16),
         )
         bytes_per_stage = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2] * a_dtype.width // 8
-        self.stages = (SM90_SMEM_BYTES - 1024) // bytes_per_stage
+        # Residual variants hold the whole R tile in shared memory (loaded by TMA at tile start,
+        # laid out as epi tiles like the output staging), at the cost of ring stages.
+        self.n_epi = (self.tile_mnk[0] // self.epi_tile[0]) * (self.tile_mnk[1] // self.epi_tile[1])
+        self.r_tile_bytes = self.tile_mnk[0] * self.tile_mnk[1] * c_dtype.width // 8 if self.tile.residual else 0
+        r_smem = self.r_tile_bytes + self.buffer_align if self.tile.residual else 0
+        self.stages = (SM90_SMEM_BYTES - 1024 - r_smem) // bytes_per_stage
         self.epi_stages = 4
         self.sa_layout = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, a_dtype, self.stages)
         self.sb_layout = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, a_dtype, self.stages)
         self.sc_layout = sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.epi_stages)
+        self.sr_layout = (sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.n_epi)
+                          if self.tile.residual else self.sc_layout)
         # The epilogue staging buffer reuses the A ring (idle by then); it must fit inside it.
         assert cute.cosize(self.sc_layout) * c_dtype.width <= cute.cosize(self.sa_layout) * a_dtype.width, \
             f"{self.tile.name}: epilogue buffer larger than the A ring"
@@ -82,17 +89,23 @@ class GemmSm90:
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream):
         """Dense GEMM (``grouped=False`` variants)."""
-        self._launch(a, b, c, c, stream)  # c stands in for the unused tile → expert map
+        self._launch(a, b, c, c, c, stream)  # c stands in for the unused tile → expert map and residual
+
+    @cute.jit
+    def residual_gemm(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, r: cute.Tensor,
+                      stream: cuda.CUstream):
+        """``D = A·Bᵀ + R`` (``residual=True`` variants): R is ``(M, N, 1)`` like D and may be D."""
+        self._launch(a, b, c, c, r, stream)
 
     @cute.jit
     def grouped(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
                 stream: cuda.CUstream):
         """Grouped GEMM (``grouped=True``): B is ``(N, K, E)``; M-tile ``t`` uses expert ``tile_expert[t]``."""
-        self._launch(a, b, c, tile_expert, stream)
+        self._launch(a, b, c, tile_expert, c, stream)
 
     @cute.jit
     def _launch(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
-                stream: cuda.CUstream):
+                r: cute.Tensor, stream: cuda.CUstream):
         self.a_dtype = a.element_type
         self.c_dtype = c.element_type
         self.c_layout = utils.LayoutEnum.from_tensor(c)
@@ -120,22 +133,34 @@ class GemmSm90:
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c,
             cute.slice_(self.sc_layout, (None, None, 0)), self.epi_tile,
         )
+        tma_r, tr = tma_c, tc  # placeholders unless residual
+        if cutlass.const_expr(self.tile.residual):
+            tma_r, tr = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), r,
+                cute.slice_(self.sr_layout, (None, None, 0)), self.epi_tile,
+            )
         tiles = cute.zipped_divide(c, tiler=(self.tile_mnk[0], self.tile_mnk[1]))
         cluster_mnl = (*self.cluster_mn, 1)
         clusters = cute.ceil_div(cute.get(tiles.layout, mode=[1]).shape, cluster_mnl)
         grid = tuple(x * y for x, y in zip(clusters, cluster_mnl))
 
-        @cute.struct
-        class Smem:
-            barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sa: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.sa_layout)], self.buffer_align]
-            sb: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(self.sb_layout)], self.buffer_align]
-
-        self.smem_struct = Smem
-        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tile_expert, self.tiled_mma, self.cta_layout_mnk,
-                    self.sa_layout, self.sb_layout, self.sc_layout).launch(
+        self.smem_struct = self._smem_struct()
+        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tile_expert, tma_r, tr, self.tiled_mma, self.cta_layout_mnk,
+                    self.sa_layout, self.sb_layout, self.sc_layout, self.sr_layout).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=cluster_mnl, stream=stream,
         )
+
+    def _smem_struct(self):
+        """Ring barriers (the last one: the R tile's), the A and B rings, and for residual variants
+        the R tile. Built from evaluated annotations (this module's are strings)."""
+        def buf(dtype, layout):
+            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], self.buffer_align]
+
+        fields = {"bars": cute.struct.MemRange[cutlass.Int64, self.stages * 2 + 1],
+                  "sa": buf(self.a_dtype, self.sa_layout), "sb": buf(self.a_dtype, self.sb_layout)}
+        if self.tile.residual:
+            fields["sr"] = buf(self.c_dtype, self.sr_layout)
+        return cute.struct(type("Smem", (), {"__annotations__": fields}))
 
     # ---- device code -----------------------------------------------------------------------
     @cute.jit
@@ -162,9 +187,10 @@ class GemmSm90:
 
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
-               tma_c: cute.CopyAtom, mC: cute.Tensor, tile_expert: cute.Tensor, tiled_mma: cute.TiledMma,
+               tma_c: cute.CopyAtom, mC: cute.Tensor, tile_expert: cute.Tensor, tma_r: cute.CopyAtom,
+               mR: cute.Tensor, tiled_mma: cute.TiledMma,
                cta_layout_mnk: cute.Layout, sa_layout: cute.ComposedLayout,
-               sb_layout: cute.ComposedLayout, sc_layout: cute.ComposedLayout):
+               sb_layout: cute.ComposedLayout, sc_layout: cute.ComposedLayout, sr_layout: cute.ComposedLayout):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         _, _, batch = cute.arch.block_idx()
@@ -189,17 +215,25 @@ class GemmSm90:
         storage = cutlass.utils.SmemAllocator().allocate(self.smem_struct)
         consumers = (self.mcast_a + self.mcast_b - 1) * (self.threads // 32)
         ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.barriers.data_ptr(), num_stages=self.stages,
+            barrier_storage=storage.bars.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumers),
             tx_count=stage_bytes, cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
             defer_sync=True,
         )
+        r_bar = storage.bars.data_ptr() + self.stages * 2
+        if cutlass.const_expr(self.tile.residual):
+            if warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(r_bar, 1)
         pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_mn, is_relaxed=True)
 
         sA = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
         sB = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
         sC = cute.make_tensor(cute.recast_ptr(sA.iterator, sc_layout.inner, dtype=self.c_dtype), sc_layout.outer)
+        sR = sC  # placeholder unless residual
+        if cutlass.const_expr(self.tile.residual):
+            sR = storage.sr.get_tensor(sr_layout.outer, swizzle=sr_layout.inner)
 
         gA = cute.local_tile(mA, self.tile_mnk, coord, proj=(1, None, 1))  # (bM, bK, k_tiles)
         gB = cute.local_tile(mB, self.tile_mnk, coord_b, proj=(None, 1, 1))  # (bN, bK, k_tiles)
@@ -232,6 +266,8 @@ class GemmSm90:
             for _ in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
                 self._load_stage(ring, produce, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
                 produce.advance()
+            if cutlass.const_expr(self.tile.residual):
+                self._load_residual(tma_r, mR, sR, r_bar, pid_m, pid_n)
 
         k_blocks = cute.size(frag_a, mode=[2])
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
@@ -259,7 +295,26 @@ class GemmSm90:
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
-        self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c)
+        self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar)
+
+    @cute.jit
+    def _load_residual(self, tma_r, mR, sR, r_bar, pid_m, pid_n):
+        """TMA the whole R tile into sR, one epi tile per stage of sR, on the barrier r_bar
+        (zeros past M and N). Issued by warp 0 after the ring fill, so it overlaps the mainloop."""
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(r_bar, self.r_tile_bytes)
+        gR = cute.zipped_divide(cute.local_tile(mR, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(1, 1, None)),
+                                self.epi_tile)
+        dst_s, src_g = cute.nvgpu.cpasync.tma_partition(
+            tma_r, 0, cute.make_layout(1), cute.group_modes(sR, 0, 2), gR)
+        order = self._epi_order(gR)
+        for e in cutlass.range_constexpr(self.n_epi):
+            cute.copy(tma_r, src_g[(None, order.get_hier_coord(e))], dst_s[(None, e)], tma_bar_ptr=r_bar)
+
+    def _epi_order(self, g_epi):
+        """Epi tile e → its (m, n) coordinate in the tile: row-major over the epi grid."""
+        epi_shape = g_epi.shape[1]
+        return cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
 
     @cute.jit
     def _load_stage(self, ring, state, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b):
@@ -271,8 +326,10 @@ class GemmSm90:
         ring.producer_commit(state)
 
     @cute.jit
-    def _epilogue(self, tidx, warp, tiled_mma, acc, sC, gC, tma_c):
-        """Registers → smem (converted) → TMA store, one epi_tile at a time, 4-deep."""
+    def _epilogue(self, tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar):
+        """Registers → smem (converted) → TMA store, one epi_tile at a time, 4-deep. Residual
+        variants add R, read from sR with ldmatrix (the inverse of the stmatrix store, so each
+        thread gets R at its own accumulators' positions), in fp32 before the rounding."""
         store_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
         c_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
         r2s = cute.make_tiled_copy_S(store_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
@@ -286,8 +343,14 @@ class GemmSm90:
         src_s, dst_g = cute.nvgpu.cpasync.tma_partition(
             tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
         n_epi = cute.size(gC_epi, mode=[1])
-        epi_shape = gC_epi.shape[1]
-        epi_order = cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
+        epi_order = self._epi_order(gC_epi)
+        s2r, src_r = r2s, dst  # placeholders unless residual
+        if cutlass.const_expr(self.tile.residual):
+            load_atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
+                                            self.c_dtype)
+            s2r = cute.make_tiled_copy_S(load_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
+            src_r = s2r.get_slice(tidx).partition_S(sR)
+            cute.arch.mbarrier_wait(r_bar, 0)
         stores = pipeline.PipelineTmaStore.create(
             num_stages=self.epi_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads),
@@ -295,6 +358,11 @@ class GemmSm90:
         for e in cutlass.range_constexpr(n_epi):
             for v in cutlass.range_constexpr(n_frag):
                 frag[v] = acc_view[e * n_frag + v]
+            if cutlass.const_expr(self.tile.residual):
+                res = cute.make_rmem_tensor_like(frag_layout, self.c_dtype)
+                cute.copy(s2r, src_r[(None, None, None, e)], s2r.retile(res))
+                for v in cutlass.range_constexpr(n_frag):
+                    frag[v] = frag[v] + res[v].to(self.acc_dtype)
             out = cute.make_rmem_tensor_like(frag_layout, self.c_dtype)
             out.store(frag.load().to(self.c_dtype))
             buf = e % cute.size(dst, mode=[3])

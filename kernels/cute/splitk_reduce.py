@@ -1,4 +1,4 @@
-"""Split-K reduction: ``out[m, n] = bf16(sum_s partial[m, n, s])``, CuTe DSL.
+"""Split-K reduction: ``out[m, n] = bf16(sum_s partial[m, n, s] (+ res[m, n]))``, CuTe DSL.
 
 ``partial`` is the float32 ``(M, N, S)`` workspace written by the split-K GEMM (``S`` slices of
 ``M·N``, contiguous); ``out`` is a row-major bf16 ``[M, N]`` with a free leading dimension. One
@@ -17,7 +17,7 @@ THREADS = 256
 
 
 @cute.kernel
-def _reduce_kernel(partial: cute.Tensor, out: cute.Tensor):
+def _reduce_kernel(partial: cute.Tensor, out: cute.Tensor, res: cute.Tensor, add_res: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     bidx, bidy, _ = cute.arch.block_idx()
     n = bidx * THREADS + tidx
@@ -26,13 +26,25 @@ def _reduce_kernel(partial: cute.Tensor, out: cute.Tensor):
         total = cutlass.Float32(0.0)
         for s in cutlass.range(cute.size(partial, mode=[2]), unroll=4):
             total += partial[m, n, s]
+        if cutlass.const_expr(add_res):
+            total += res[m, n].to(cutlass.Float32)
         out[m, n] = total.to(out.element_type)
+
+
+def _launch(partial, out, res, add_res, stream):
+    n_blocks = (cute.size(out, mode=[1]) + THREADS - 1) // THREADS
+    _reduce_kernel(partial, out, res, add_res).launch(
+        grid=(n_blocks, cute.size(out, mode=[0]), 1), block=(THREADS, 1, 1), stream=stream
+    )
 
 
 @cute.jit
 def splitk_reduce(partial: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream):
     """Launch one CTA row per output row, ``ceil(N / 256)`` CTAs across."""
-    n_blocks = (cute.size(out, mode=[1]) + THREADS - 1) // THREADS
-    _reduce_kernel(partial, out).launch(
-        grid=(n_blocks, cute.size(out, mode=[0]), 1), block=(THREADS, 1, 1), stream=stream
-    )
+    _launch(partial, out, out, False, stream)
+
+
+@cute.jit
+def splitk_reduce_residual(partial: cute.Tensor, out: cute.Tensor, res: cute.Tensor, stream: cuda.CUstream):
+    """The same, adding ``res[m, n]`` (which may be ``out`` itself) before the rounding."""
+    _launch(partial, out, res, True, stream)

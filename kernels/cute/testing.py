@@ -81,15 +81,24 @@ def compare(got, ref) -> Check:
     return Check(err, unwritten, detail)
 
 
-def gemm_check(runner, plan: GemmPlan | None, m: int, n: int, k: int) -> Check:
-    """One GEMM (``plan=None``: the launcher's own choice) against ``float32(a) @ float32(b).T``."""
+def gemm_check(runner, plan: GemmPlan | None, m: int, n: int, k: int, residual: str = "") -> Check:
+    """One GEMM (``plan=None``: the launcher's own choice) against ``float32(a) @ float32(b).T``;
+    ``residual``: "separate" adds a fresh R, "inplace" adds R held in the output buffer itself."""
     import cupy as cp
 
     a, b = rand_bf16((m, k)), rand_bf16((n, k))
+    ref = from_bf16(a) @ from_bf16(b).T
     out = cp.full((m, n), NAN_BF16, dtype=cp.uint16)
-    runner(a, b, out, plan=plan)
-    sync_or_die(f"{plan.variant.name if plan else 'planned'} GEMM M={m} N={n} K={k} S={plan.splits if plan else '-'}")
-    return compare(from_bf16(out), from_bf16(a) @ from_bf16(b).T)
+    r = None
+    if residual:
+        r = rand_bf16((m, n))
+        ref += from_bf16(r)
+        if residual == "inplace":
+            out, r = r, r
+    runner(a, b, out, plan=plan, residual=r)
+    sync_or_die(f"{plan.variant.name if plan else 'planned'} GEMM M={m} N={n} K={k} "
+                f"S={plan.splits if plan else '-'} residual={residual or '-'}")
+    return compare(from_bf16(out), ref)
 
 
 def graph_check(runner, m: int, n: int, k: int) -> Check:
@@ -204,9 +213,10 @@ ATTENTION_SHAPES = (  # (lengths_q, lengths_k, hq, hkv)
     ((16384,), (16384,), 32, 8))           # the 16k benchmark shape, 128 k-tiles
 
 
-def _gemm_case(name: str, m: int, n: int, k: int, splits: int = 1) -> Case:
+def _gemm_case(name: str, m: int, n: int, k: int, splits: int = 1, residual: str = "") -> Case:
     suffix = f" S={split_count(k, splits)}" if VARIANTS_BY_NAME[name].out == "f32" else ""
-    return Case(name, f"M={m} N={n} K={k}{suffix}", "gemm", (name, splits, m, n, k))
+    suffix += f" + R ({residual})" if residual else ""
+    return Case(name, f"M={m} N={n} K={k}{suffix}", "gemm", (name, splits, m, n, k, residual))
 
 
 def build_cases() -> tuple[Case, ...]:
@@ -217,6 +227,15 @@ def build_cases() -> tuple[Case, ...]:
         cases.append(_gemm_case(name, v.tile_m, v.tile_n, MULTI_K))    # k-tiles > stages
         cases += [_gemm_case(name, m, n, k) for m, n, k in ODD_SHAPES]
         cases.append(_gemm_case(name, 17 * v.tile_m + 5, 264, 200))    # > 8 M-tiles: raster tail
+    for v in GEMM_VARIANTS:
+        if v.residual:  # R in a buffer of its own and R in the output buffer, tails in M, N and K
+            cases.append(_gemm_case(v.name, v.tile_m, v.tile_n, 64, residual="separate"))
+            cases.append(_gemm_case(v.name, 255, 392, 2568, residual="inplace"))
+            cases.append(_gemm_case(v.name, 1000, 1288, 520, residual="separate"))
+    for m, n, k in ((1, 2560, 4096), (17, 2056, 1032), (300, 2560, 9728), (1000, 6144, 2560)):
+        for how in ("separate", "inplace"):  # the planned path: split-K (reduction adds R) and tiles
+            cases.append(Case("residual", f"M={m} N={n} K={k} {plan_gemm(m, n, k).variant.name} + R ({how})",
+                              "residual", (m, n, k, how)))
     for name in SPLITK_ORDER:
         v = VARIANTS_BY_NAME[name]
         cases.append(_gemm_case(name, v.tile_m, v.tile_n, 64))         # S=1 through the reduce
@@ -247,8 +266,11 @@ CASES = build_cases()
 def run_case(runner, case: Case) -> Check:
     """Run one catalogue case on the current device."""
     if case.kind == "gemm":
-        name, splits, m, n, k = case.args
-        return gemm_check(runner, GemmPlan(VARIANTS_BY_NAME[name], splits), m, n, k)
+        name, splits, m, n, k, residual = case.args
+        return gemm_check(runner, GemmPlan(VARIANTS_BY_NAME[name], splits), m, n, k, residual)
+    if case.kind == "residual":
+        m, n, k, how = case.args
+        return gemm_check(runner, None, m, n, k, how)
     if case.kind == "planned":
         return gemm_check(runner, None, *case.args)
     if case.kind == "graph":
