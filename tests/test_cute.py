@@ -65,8 +65,7 @@ def test_library_loads_manifest_without_gpu(built):
     lib = Library(out)
     for v in GEMM_VARIANTS:
         assert lib[v.name].structs[0].__name__ == "Tensor_3_2"
-        expected = 6 if v.out == "sk" else 4 if v.grouped or v.residual else 3  # sk: + R, workspace, tickets
-        assert len(lib[v.name].structs) == expected
+        assert len(lib[v.name].structs) == (4 if v.grouped or v.residual else 3)
     with pytest.raises(KeyError, match="not in the manifest"):
         lib["gemm_nope"]
 

@@ -123,16 +123,12 @@ def _fake_args(kind: str, out: str | None = None):
 
     m, n, k, batch = cute.sym_int32(), cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8), cute.sym_int32()
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
-    if kind in ("gemm", "grouped", "residual", "splitk"):
+    if kind in ("gemm", "grouped", "residual"):
         a = make_fake_tensor(bf16, (m, k, cute.sym_int32()), (ld(), 1, ld()), assumed_align=16)
         b = make_fake_tensor(bf16, (n, k, cute.sym_int32()), (ld(), 1, ld()), assumed_align=16)
         c = make_fake_tensor(f32 if out == "f32" else bf16, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
-        if kind in ("residual", "splitk"):  # R: (M, N, 1) like D
+        if kind == "residual":  # R: (M, N, 1) like D
             r = make_fake_tensor(bf16, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
-            if kind == "splitk":  # + the (slots, S) float32 workspace and the per-tile tickets
-                ws = make_fake_tensor(f32, (cute.sym_int32(), cute.sym_int32()), (1, cute.sym_int64()), assumed_align=16)
-                tickets = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
-                return a, b, c, r, ws, tickets, cuda.CUstream(0)
             return a, b, c, r, cuda.CUstream(0)
         if kind == "grouped":
             tile_expert = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
@@ -172,9 +168,7 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
         compiled = cute.compile(kernel, *_fake_args(name))
     elif name in VARIANTS_BY_NAME:
         variant = VARIANTS_BY_NAME[name]
-        if variant.out == "sk":
-            compiled = cute.compile(GemmSm90(variant).splitk_gemm, *_fake_args("splitk", variant.out))
-        elif variant.grouped:
+        if variant.grouped:
             compiled = cute.compile(GemmSm90(variant).grouped, *_fake_args("grouped", variant.out))
         elif variant.residual:
             compiled = cute.compile(GemmSm90(variant).residual_gemm, *_fake_args("residual", variant.out))

@@ -15,8 +15,7 @@ H200_SMS = 132
 
 @dataclass(frozen=True)
 class GemmVariant:
-    """A bf16 GEMM tile config. ``out``: "bf16" (one K split), "f32" (split-K partials for the
-    separate reduction kernel) or "sk" (split-K reduced in the kernel itself, bf16 out)."""
+    """A bf16 GEMM tile config; ``out='f32'`` variants write split-K partials."""
 
     tile_m: int
     tile_n: int
@@ -24,7 +23,7 @@ class GemmVariant:
     cluster_n: int = 1
     out: str = "bf16"
     grouped: bool = False  # MoE: B is (N, K, experts), one expert per M-tile
-    residual: bool = False  # D = A·Bᵀ + R, R added in fp32 in the epilogue (R may be D itself)
+    residual: bool = False  # D = A·Bᵀ + R: R seeds the fp32 accumulators (R may be D itself)
 
     @property
     def name(self) -> str:
@@ -46,15 +45,12 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(64, 64, 1, 1, "f32"),
     GemmVariant(64, 128, 1, 1, "f32"),
     GemmVariant(64, 256, 1, 1, "f32"),
-    GemmVariant(64, 64, 1, 1, "sk"),      # split-K reduced in the kernel (the last split of a tile adds)
-    GemmVariant(64, 128, 1, 1, "sk"),
-    GemmVariant(64, 256, 1, 1, "sk"),
     GemmVariant(64, 128, 1, 1, grouped=True),
     GemmVariant(128, 128, 1, 1, grouped=True),
 )
 # Every dense bf16 variant has a residual twin, so that any plan can fuse the add (split-K plans
 # add it in the reduction instead).
-GEMM_VARIANTS += tuple(replace(v, residual=True) for v in GEMM_VARIANTS if v.out in ("bf16", "sk") and not v.grouped)
+GEMM_VARIANTS += tuple(replace(v, residual=True) for v in GEMM_VARIANTS if v.out == "bf16" and not v.grouped)
 REDUCE_NAME = "splitk_reduce"
 REDUCE_RESIDUAL_NAME = "splitk_reduce_res"
 VARIANTS_BY_NAME = {v.name: v for v in GEMM_VARIANTS}

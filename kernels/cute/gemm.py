@@ -97,7 +97,6 @@ class GemmRunner:
     def __init__(self, library: Library | None = None):
         self.library = library if library is not None else open_library()
         self._workspace = None  # CuPy float32 buffer, grown outside graph capture
-        self._tickets = None  # CuPy int32 per-tile counters of the "sk" variants: zero between launches
 
     def init(self) -> None:
         """Load every kernel module onto every visible device (call before graph capture)."""
@@ -113,14 +112,12 @@ class GemmRunner:
 
     def reserve_workspace(self, max_m: int, max_n: int, k_values: tuple[int, ...]) -> None:
         """Grow the split-K workspace for every shape up to (max_m, max_n) with those K."""
-        need, tiles = 0, 0
+        need = 0
         for m in range(1, max_m + 1):
             for k in k_values:
                 plan = plan_gemm(m, max_n, k)
-                need = max(need, workspace_bytes(plan, m, max_n, k))
-                tiles = max(tiles, _tiles(plan, m, max_n))
+                need = max(need, plan.splits * m * max_n * 4)
         self._ensure_workspace(need, capturing=False)
-        self._ensure_tickets(tiles, capturing=False)
 
     def _ensure_workspace(self, nbytes: int, capturing: bool) -> int:
         import cupy
@@ -133,16 +130,6 @@ class GemmRunner:
             self._workspace = cupy.empty(max(nbytes, 1 << 20) // 4, dtype=cupy.float32)
         return self._workspace.data.ptr
 
-    def _ensure_tickets(self, tiles: int, capturing: bool) -> int:
-        import cupy
-
-        if self._tickets is None or self._tickets.size < tiles:
-            if capturing:
-                raise RuntimeError(f"split-K tickets for {tiles} tiles needed during CUDA graph capture; call "
-                                   "kernels.cute.reserve_workspace(max_m, max_n, ks) before capturing")
-            self._tickets = cupy.zeros(max(tiles, 4096), dtype=cupy.int32)
-        return self._tickets.data.ptr
-
     def __call__(self, a, b, out, stream=None, plan: GemmPlan | None = None, residual=None) -> None:
         """``out = a · bᵀ`` (+ ``residual``, a bf16 [M, N] that may be ``out`` itself: added in fp32
         in the epilogue, or in the split-K reduction)."""
@@ -152,7 +139,7 @@ class GemmRunner:
             residual = as_device_tensor(residual, "residual")
             _check_matrix(residual, "residual", m, n, "bfloat16")
         plan = plan or plan_gemm(m, n, k)
-        if residual is not None and plan.variant.out in ("bf16", "sk"):
+        if residual is not None and plan.variant.out == "bf16":
             plan = GemmPlan(VARIANTS_BY_NAME[replace(plan.variant, residual=True).name], plan.splits)
         stream_ptr = _stream_ptr(stream)
         import cupy
@@ -162,17 +149,6 @@ class GemmRunner:
         a_arg = TensorArg(a.ptr, (m, k, 1), (lda, lda * m))
         b_arg = TensorArg(b.ptr, (n, k, 1), (ldb, ldb * n))
         s = split_count(k, plan.splits)
-        capturing = cupy.cuda.runtime.streamIsCapturing(stream_ptr) != 0
-        if plan.variant.out == "sk":  # split-K reduced in the kernel: workspace slots and tickets
-            v, r = plan.variant, residual if residual is not None else out
-            slots = v.tile_m * v.tile_n * _tiles(plan, m, n)
-            self.library[v.name](
-                a_arg, b_arg, TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)),
-                TensorArg(r.ptr, (m, n, 1), (_row_stride(r), _row_stride(r) * m)),
-                TensorArg(self._ensure_workspace(workspace_bytes(plan, m, n, k), capturing), (slots, s), (slots,)),
-                TensorArg(self._ensure_tickets(_tiles(plan, m, n), capturing), (_tiles(plan, m, n),), ()),
-                stream=stream_ptr)
-            return
         if s == 1 and plan.variant.out == "bf16":
             extra = () if residual is None else (
                 TensorArg(residual.ptr, (m, n, 1), (_row_stride(residual), _row_stride(residual) * m)),)
@@ -181,6 +157,7 @@ class GemmRunner:
             return
         if plan.variant.out != "f32":
             raise ValueError(f"split-K needs a float32-output variant, got {plan.variant.name}")
+        capturing = cupy.cuda.runtime.streamIsCapturing(stream_ptr) != 0
         partial = TensorArg(self._ensure_workspace(s * m * n * 4, capturing), (m, n, s), (n, m * n))
         self.library[plan.variant.name](a_arg, b_arg, partial, stream=stream_ptr)
         if residual is None:
@@ -189,19 +166,6 @@ class GemmRunner:
             self.library[REDUCE_RESIDUAL_NAME](partial, TensorArg(out.ptr, (m, n), (ldo,)),
                                                TensorArg(residual.ptr, (m, n), (_row_stride(residual),)),
                                                stream=stream_ptr)
-
-
-def _tiles(plan: GemmPlan, m: int, n: int) -> int:
-    return -(-m // plan.variant.tile_m) * -(-n // plan.variant.tile_n)
-
-
-def workspace_bytes(plan: GemmPlan, m: int, n: int, k: int) -> int:
-    """Float32 workspace a split-K plan needs: S slices of M·N partials ("f32"), or one tile-sized
-    slot per (tile, split) ("sk"); 0 without a split."""
-    s = split_count(k, plan.splits)
-    if plan.variant.out == "sk":
-        return 4 * s * _tiles(plan, m, n) * plan.variant.tile_m * plan.variant.tile_n
-    return 4 * s * m * n if plan.variant.out == "f32" else 0
 
 
 def check_grouped_args(a: DeviceTensor, w: DeviceTensor, tile_expert: DeviceTensor,

@@ -31,7 +31,6 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 
 from .configs import GemmVariant
-from .splitk_reduce import reduce_splits
 
 SM90_SMEM_BYTES = 232448  # usable dynamic shared memory per CTA on sm_90 (227 KiB)
 RASTER_GROUP = 8
@@ -52,8 +51,6 @@ class GemmSm90:
         self.num_mma_wg = math.prod(self.atom_layout_mnk)
         self.threads = 128 * self.num_mma_wg
         self.buffer_align = 1024
-        # R staged in shared memory by TMA for the epilogue; "sk" variants add R in their reduction
-        self.staged_r = tile.residual and tile.out != "sk"
 
     # ---- host-side layout setup ------------------------------------------------------------
     def _setup(self, a_dtype, c_dtype, a_layout, b_layout, c_layout):
@@ -76,15 +73,15 @@ class GemmSm90:
         # Residual variants hold the whole R tile in shared memory (loaded by TMA at tile start,
         # laid out as epi tiles like the output staging), at the cost of ring stages.
         self.n_epi = (self.tile_mnk[0] // self.epi_tile[0]) * (self.tile_mnk[1] // self.epi_tile[1])
-        self.r_tile_bytes = self.tile_mnk[0] * self.tile_mnk[1] * c_dtype.width // 8 if self.staged_r else 0
-        r_smem = self.r_tile_bytes + self.buffer_align if self.staged_r else 0
+        self.r_tile_bytes = self.tile_mnk[0] * self.tile_mnk[1] * c_dtype.width // 8 if self.tile.residual else 0
+        r_smem = self.r_tile_bytes + self.buffer_align if self.tile.residual else 0
         self.stages = (SM90_SMEM_BYTES - 1024 - r_smem) // bytes_per_stage
         self.epi_stages = 4
         self.sa_layout = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, a_dtype, self.stages)
         self.sb_layout = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, a_dtype, self.stages)
         self.sc_layout = sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.epi_stages)
         self.sr_layout = (sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.n_epi)
-                          if self.staged_r else self.sc_layout)
+                          if self.tile.residual else self.sc_layout)
         # The epilogue staging buffer reuses the A ring (idle by then); it must fit inside it.
         assert cute.cosize(self.sc_layout) * c_dtype.width <= cute.cosize(self.sa_layout) * a_dtype.width, \
             f"{self.tile.name}: epilogue buffer larger than the A ring"
@@ -92,31 +89,23 @@ class GemmSm90:
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream):
         """Dense GEMM (``grouped=False`` variants)."""
-        self._launch(a, b, c, c, c, c, c, stream)  # c stands in for every unused tensor
+        self._launch(a, b, c, c, c, stream)  # c stands in for the unused tile → expert map and residual
 
     @cute.jit
     def residual_gemm(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, r: cute.Tensor,
                       stream: cuda.CUstream):
         """``D = A·Bᵀ + R`` (``residual=True`` variants): R is ``(M, N, 1)`` like D and may be D."""
-        self._launch(a, b, c, c, r, c, c, stream)
-
-    @cute.jit
-    def splitk_gemm(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, r: cute.Tensor, ws: cute.Tensor,
-                    tickets: cute.Tensor, stream: cuda.CUstream):
-        """Split-K reduced in the kernel (``out='sk'`` variants): ``ws`` is float32 ``(L, S)``, one
-        partial slot per (tile, split), S the split count; ``tickets`` int32, one zeroed counter per
-        output tile (the last split of a tile resets it). R (the ``residual=True`` twins) as above."""
-        self._launch(a, b, c, c, r, ws, tickets, stream)
+        self._launch(a, b, c, c, r, stream)
 
     @cute.jit
     def grouped(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
                 stream: cuda.CUstream):
         """Grouped GEMM (``grouped=True``): B is ``(N, K, E)``; M-tile ``t`` uses expert ``tile_expert[t]``."""
-        self._launch(a, b, c, tile_expert, c, c, c, stream)
+        self._launch(a, b, c, tile_expert, c, stream)
 
     @cute.jit
     def _launch(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
-                r: cute.Tensor, ws: cute.Tensor, tickets: cute.Tensor, stream: cuda.CUstream):
+                r: cute.Tensor, stream: cuda.CUstream):
         self.a_dtype = a.element_type
         self.c_dtype = c.element_type
         self.c_layout = utils.LayoutEnum.from_tensor(c)
@@ -144,8 +133,8 @@ class GemmSm90:
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), c,
             cute.slice_(self.sc_layout, (None, None, 0)), self.epi_tile,
         )
-        tma_r, tr = tma_c, tc  # placeholders unless R is staged
-        if cutlass.const_expr(self.staged_r):
+        tma_r, tr = tma_c, tc  # placeholders unless residual
+        if cutlass.const_expr(self.tile.residual):
             tma_r, tr = cute.nvgpu.cpasync.make_tiled_tma_atom(
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), r,
                 cute.slice_(self.sr_layout, (None, None, 0)), self.epi_tile,
@@ -154,25 +143,22 @@ class GemmSm90:
         cluster_mnl = (*self.cluster_mn, 1)
         clusters = cute.ceil_div(cute.get(tiles.layout, mode=[1]).shape, cluster_mnl)
         grid = tuple(x * y for x, y in zip(clusters, cluster_mnl))
-        if cutlass.const_expr(self.tile.out == "sk"):  # grid z: the K splits
-            grid = (grid[0], grid[1], cute.size(ws, mode=[1]))
 
         self.smem_struct = self._smem_struct()
-        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tile_expert, tma_r, tr, ws, tickets, c, r, self.tiled_mma,
-                    self.cta_layout_mnk,
+        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tile_expert, tma_r, tr, self.tiled_mma, self.cta_layout_mnk,
                     self.sa_layout, self.sb_layout, self.sc_layout, self.sr_layout).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=cluster_mnl, stream=stream,
         )
 
     def _smem_struct(self):
-        """Ring barriers (then the R tile's and a split-K ticket slot), the A and B rings, and for residual variants
+        """Ring barriers (the last one: the R tile's), the A and B rings, and for residual variants
         the R tile. Built from evaluated annotations (this module's are strings)."""
         def buf(dtype, layout):
             return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], self.buffer_align]
 
-        fields = {"bars": cute.struct.MemRange[cutlass.Int64, self.stages * 2 + 2],  # + R's, + a ticket
+        fields = {"bars": cute.struct.MemRange[cutlass.Int64, self.stages * 2 + 1],
                   "sa": buf(self.a_dtype, self.sa_layout), "sb": buf(self.a_dtype, self.sb_layout)}
-        if self.staged_r:
+        if self.tile.residual:
             fields["sr"] = buf(self.c_dtype, self.sr_layout)
         return cute.struct(type("Smem", (), {"__annotations__": fields}))
 
@@ -202,8 +188,7 @@ class GemmSm90:
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_c: cute.CopyAtom, mC: cute.Tensor, tile_expert: cute.Tensor, tma_r: cute.CopyAtom,
-               mR: cute.Tensor, ws: cute.Tensor, tickets: cute.Tensor, d_raw: cute.Tensor, r_raw: cute.Tensor,
-               tiled_mma: cute.TiledMma,
+               mR: cute.Tensor, tiled_mma: cute.TiledMma,
                cta_layout_mnk: cute.Layout, sa_layout: cute.ComposedLayout,
                sb_layout: cute.ComposedLayout, sc_layout: cute.ComposedLayout, sr_layout: cute.ComposedLayout):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -237,7 +222,7 @@ class GemmSm90:
             defer_sync=True,
         )
         r_bar = storage.bars.data_ptr() + self.stages * 2
-        if cutlass.const_expr(self.staged_r):
+        if cutlass.const_expr(self.tile.residual):
             if warp == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_init(r_bar, 1)
@@ -246,14 +231,13 @@ class GemmSm90:
         sA = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
         sB = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
         sC = cute.make_tensor(cute.recast_ptr(sA.iterator, sc_layout.inner, dtype=self.c_dtype), sc_layout.outer)
-        sR = sC  # placeholder unless R is staged
-        if cutlass.const_expr(self.staged_r):
+        sR = sC  # placeholder unless residual
+        if cutlass.const_expr(self.tile.residual):
             sR = storage.sr.get_tensor(sr_layout.outer, swizzle=sr_layout.inner)
 
         gA = cute.local_tile(mA, self.tile_mnk, coord, proj=(1, None, 1))  # (bM, bK, k_tiles)
         gB = cute.local_tile(mB, self.tile_mnk, coord_b, proj=(None, 1, 1))  # (bN, bK, k_tiles)
-        sk = self.tile.out == "sk"  # split-K reduced here: the output has one slice
-        gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, 0 if sk else batch), proj=(1, 1, None))
+        gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, batch), proj=(1, 1, None))  # (bM, bN)
 
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.num_mma_wg, stride=128)(wg))
@@ -271,8 +255,7 @@ class GemmSm90:
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
         k_total = cute.size(gA, mode=[2])
-        splits = cute.size(ws, mode=[1]) if sk else cute.size(mC, mode=[2])
-        k_per_split = (k_total + splits - 1) // splits
+        k_per_split = (k_total + cute.size(mC, mode=[2]) - 1) // cute.size(mC, mode=[2])
         k_first = batch * k_per_split  # the launcher sizes S so that every split is non-empty
         k_tiles = cutlass.min(k_per_split, k_total - k_first)
         produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -283,7 +266,7 @@ class GemmSm90:
             for _ in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
                 self._load_stage(ring, produce, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
                 produce.advance()
-            if cutlass.const_expr(self.staged_r):
+            if cutlass.const_expr(self.tile.residual):
                 self._load_residual(tma_r, mR, sR, r_bar, pid_m, pid_n)
 
         k_blocks = cute.size(frag_a, mode=[2])
@@ -312,13 +295,7 @@ class GemmSm90:
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
-        if cutlass.const_expr(sk):  # the tile's last split sums the partials and writes D (+ R)
-            ticket = cute.make_tensor(cute.recast_ptr(r_bar + 1, dtype=cutlass.Int32), cute.make_layout(1))
-            tile = pid_m * cute.ceil_div(cute.size(mC, mode=[1]), self.tile_mnk[1]) + pid_n
-            reduce_splits(acc, tiled_mma.get_slice(tidx), ws, tickets, ticket, d_raw, r_raw, pid_m, pid_n, tile,
-                          batch, splits, tidx, self.threads, (self.tile_mnk[0], self.tile_mnk[1]), self.tile.residual)
-        else:
-            self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar)
+        self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar)
 
     @cute.jit
     def _load_residual(self, tma_r, mR, sR, r_bar, pid_m, pid_n):
@@ -367,8 +344,8 @@ class GemmSm90:
             tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
         n_epi = cute.size(gC_epi, mode=[1])
         epi_order = self._epi_order(gC_epi)
-        s2r, src_r = r2s, dst  # placeholders unless R is staged
-        if cutlass.const_expr(self.staged_r):
+        s2r, src_r = r2s, dst  # placeholders unless residual
+        if cutlass.const_expr(self.tile.residual):
             load_atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
                                             self.c_dtype)
             s2r = cute.make_tiled_copy_S(load_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
@@ -381,7 +358,7 @@ class GemmSm90:
         for e in cutlass.range_constexpr(n_epi):
             for v in cutlass.range_constexpr(n_frag):
                 frag[v] = acc_view[e * n_frag + v]
-            if cutlass.const_expr(self.staged_r):
+            if cutlass.const_expr(self.tile.residual):
                 res = cute.make_rmem_tensor_like(frag_layout, self.c_dtype)
                 cute.copy(s2r, src_r[(None, None, None, e)], s2r.retile(res))
                 for v in cutlass.range_constexpr(n_frag):

@@ -1,5 +1,4 @@
-"""Split-K reductions, CuTe DSL: the separate kernel ``out[m, n] = bf16(sum_s partial[m, n, s] (+ res[m, n]))``
-and ``reduce_splits``, the same done inside the "sk" GEMM variants.
+"""Split-K reduction: ``out[m, n] = bf16(sum_s partial[m, n, s] (+ res[m, n]))``, CuTe DSL.
 
 ``partial`` is the float32 ``(M, N, S)`` workspace written by the split-K GEMM (``S`` slices of
 ``M·N``, contiguous); ``out`` is a row-major bf16 ``[M, N]`` with a free leading dimension. One
@@ -49,61 +48,3 @@ def splitk_reduce(partial: cute.Tensor, out: cute.Tensor, stream: cuda.CUstream)
 def splitk_reduce_residual(partial: cute.Tensor, out: cute.Tensor, res: cute.Tensor, stream: cuda.CUstream):
     """The same, adding ``res[m, n]`` (which may be ``out`` itself) before the rounding."""
     _launch(partial, out, res, True, stream)
-
-
-MAX_SPLITS = 16  # configs.MAX_SPLITS: the reduction reads this many slots, clamped and masked
-
-
-@cute.jit
-def reduce_splits(acc: cute.Tensor, thr_c, ws: cute.Tensor, tickets: cute.Tensor, ticket: cute.Tensor,
-                  d: cute.Tensor, r: cute.Tensor, pid_m: cutlass.Int32, pid_n: cutlass.Int32,
-                  tile: cutlass.Int32, split: cutlass.Int32, splits: cutlass.Int32, tidx: cutlass.Int32,
-                  threads: cutlass.Constexpr, tile_mn: cutlass.Constexpr, add_r: cutlass.Constexpr):
-    """In-kernel split-K reduction (the ``out='sk'`` GEMM variants), run by every split's CTA after
-    its mainloop: ``D = bf16(sum_s partial_s (+ R))`` for the tile, written by its last split.
-
-    Each CTA stores its fp32 accumulators to its own ``tile_m x tile_n`` row-major slot of ``ws``
-    (rows below M only: at decode sizes most of a 64-row tile is padding), then takes a ticket (an
-    acq_rel atomic on the tile's counter). The CTA that draws ``splits - 1`` sums the slots in split
-    order (a fixed order: deterministic), four columns per thread at a time with all ``MAX_SPLITS``
-    loads independent (indices clamped to the last split, extra terms masked), adds R, writes D with
-    plain stores and resets the counter. Traffic: ``4·rows·tile_n·2S`` bytes through L2 per tile,
-    in place of the separate reduction kernel and its launch.
-    """
-    tile_m, tile_n = tile_mn
-    rows = cutlass.min(cute.size(d, mode=[0]) - pid_m * tile_m, tile_m)
-    slot_elems = tile_m * tile_n
-    flat = cute.make_tensor(ws.iterator, cute.make_layout(cute.size(ws)))
-    coords = thr_c.partition_C(cute.make_identity_tensor(tile_mn))
-    mine = (tile * splits + split) * slot_elems
-    for v in cutlass.range_constexpr(cute.size(acc)):
-        if coords[v][0] < rows:
-            flat[mine + coords[v][0] * tile_n + coords[v][1]] = acc[v]
-    cute.arch.fence_acq_rel_gpu()
-    cute.arch.sync_threads()
-    if tidx == 0:
-        ticket[0] = cute.arch.atomic_add(tickets.iterator + tile, cutlass.Int32(1), sem="acq_rel", scope="gpu")
-    cute.arch.sync_threads()
-    if ticket[0] == splits - 1:
-        cute.arch.fence_acq_rel_gpu()
-        first = tile * splits * slot_elems
-        quads = tile_n // 4
-        total = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Float32)
-        for i in cutlass.range(tidx, rows * quads, threads, unroll=1):
-            row = i // quads
-            col = (i % quads) * 4
-            m, n = pid_m * tile_m + row, pid_n * tile_n + col
-            if n < cute.size(d, mode=[1]):  # N % 8 == 0: a quad is all in or all out
-                for j in cutlass.range_constexpr(4):
-                    total[j] = cutlass.Float32(0.0)
-                for s in cutlass.range_constexpr(MAX_SPLITS):
-                    src = first + cutlass.min(s, splits - 1) * slot_elems + row * tile_n + col
-                    for j in cutlass.range_constexpr(4):
-                        x = flat[src + j]
-                        total[j] = total[j] + cutlass.Float32(cutlass.select_(s < splits, x, cutlass.Float32(0.0)))
-                for j in cutlass.range_constexpr(4):
-                    if cutlass.const_expr(add_r):
-                        total[j] = total[j] + r[m, n + j, 0].to(cutlass.Float32)
-                    d[m, n + j, 0] = total[j].to(d.element_type)
-        if tidx == 0:
-            tickets[tile] = 0

@@ -201,8 +201,7 @@ ODD_SHAPES = ((1, 200, 328), (17, 2056, 1032), (255, 392, 2568), (1000, 1288, 52
 DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x256_c1x1",
                "gemm_bf16_128x256_c1x1", "gemm_bf16_128x128_c2x1", "gemm_bf16_128x256_c2x1",
                "gemm_bf16_128x192_c1x1", "gemm_bf16_128x192_c2x1", "gemm_bf16_128x160_c1x2")
-SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1",
-                "gemm_sk_64x128_c1x1", "gemm_sk_64x64_c1x1", "gemm_sk_64x256_c1x1")
+SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1")
 
 
 _MIX = (1, 17, 64, 130, 1000, 4096, 0, 63)
@@ -215,7 +214,7 @@ ATTENTION_SHAPES = (  # (lengths_q, lengths_k, hq, hkv)
 
 
 def _gemm_case(name: str, m: int, n: int, k: int, splits: int = 1, residual: str = "") -> Case:
-    suffix = f" S={split_count(k, splits)}" if VARIANTS_BY_NAME[name].out in ("f32", "sk") else ""
+    suffix = f" S={split_count(k, splits)}" if VARIANTS_BY_NAME[name].out == "f32" else ""
     suffix += f" + R ({residual})" if residual else ""
     return Case(name, f"M={m} N={n} K={k}{suffix}", "gemm", (name, splits, m, n, k, residual))
 
@@ -230,10 +229,9 @@ def build_cases() -> tuple[Case, ...]:
         cases.append(_gemm_case(name, 17 * v.tile_m + 5, 264, 200))    # > 8 M-tiles: raster tail
     for v in GEMM_VARIANTS:
         if v.residual:  # R in a buffer of its own and R in the output buffer, tails in M, N and K
-            s = 3 if v.out == "sk" else 1  # in-kernel split-K: the last split adds R
             cases.append(_gemm_case(v.name, v.tile_m, v.tile_n, 64, residual="separate"))
-            cases.append(_gemm_case(v.name, 255, 392, 2568, s, residual="inplace"))
-            cases.append(_gemm_case(v.name, 1000, 1288, 520, s, residual="separate"))
+            cases.append(_gemm_case(v.name, 255, 392, 2568, residual="inplace"))
+            cases.append(_gemm_case(v.name, 1000, 1288, 520, residual="separate"))
     for m, n, k in ((1, 2560, 4096), (17, 2056, 1032), (300, 2560, 9728), (1000, 6144, 2560)):
         for how in ("separate", "inplace"):  # the planned path: split-K (reduction adds R) and tiles
             cases.append(Case("residual", f"M={m} N={n} K={k} {plan_gemm(m, n, k).variant.name} + R ({how})",
