@@ -30,7 +30,7 @@ KEYS = {  # ncu metric name (details page) -> column
 
 def time_specs(specs: list[str]) -> None:
     """Graph-replayed µs per launch of each spec (as bench/kernels.py times its rows). Besides
-    variant names and ``cublas``: ``planned``, ``planned+res`` (the residual added in the epilogue,
+    variant names (``name/S<n>``: n K splits) and ``cublas``: ``planned``, ``planned+res`` (the residual added in the epilogue,
     in place) and ``planned+add`` (the GEMM, then the engine's residual_add kernel)."""
     from bench.kernels import _Operands, cublas_time_us, graph_time_us
     from kernels.cute.configs import VARIANTS_BY_NAME, GemmPlan
@@ -60,8 +60,11 @@ def time_specs(specs: list[str]) -> None:
             us = cublas_time_us(int(m), n, k, ops.sets)
         elif variant.startswith("planned"):
             us = graph_time_us(planned, ops.sets, spec)
-        else:
-            us = ops.time_us(GemmPlan(VARIANTS_BY_NAME[variant]), spec)
+        else:  # a variant name, "/S<n>" for n K splits
+            name, _, splits = variant.partition("/S")
+            plan = GemmPlan(VARIANTS_BY_NAME[name], int(splits or 1))
+            runner(ops.a[0], ops.w[0], ops.out, plan=plan)  # sizes the workspace outside the capture
+            us = ops.time_us(plan, spec)
         print(f"{spec:48} {us:8.1f} µs", flush=True)
         del ops
 
