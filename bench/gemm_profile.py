@@ -30,7 +30,8 @@ KEYS = {  # ncu metric name (details page) -> column
 
 def time_specs(specs: list[str]) -> None:
     """Graph-replayed µs per launch of each spec (as bench/kernels.py times its rows). Besides
-    variant names (``name/S<n>``: n K splits) and ``cublas``: ``planned``, ``planned+res`` (the residual added in the epilogue,
+    variant names (``name/S<n>``: n K splits) and ``cublas``: ``planned``, ``planned+pdl`` (the weights'
+    first k-tiles loaded before the programmatic-launch wait), ``planned+res`` (the residual added in the epilogue,
     in place) and ``planned+add`` (the GEMM, then the engine's residual_add kernel)."""
     from bench.kernels import _Operands, cublas_time_us, graph_time_us
     from kernels.cute.configs import VARIANTS_BY_NAME, GemmPlan
@@ -49,6 +50,9 @@ def time_specs(specs: list[str]) -> None:
         resid = ops.out.copy()  # the residual stream: +res accumulates into it, +add adds the product to it
 
         def planned(i, s, mode=variant):
+            if mode == "planned+pdl":  # weights loaded before the PDL wait (a chain of GEMMs)
+                runner(ops.a[i], ops.w[i], ops.out, stream=s, prefetch_weights=True)
+                return
             if mode == "planned+res":
                 runner(ops.a[i], ops.w[i], resid, stream=s, residual=resid)
                 return

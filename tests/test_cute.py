@@ -13,7 +13,7 @@ from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_TIL
                                   STREAM_MAX_M, plan_gemm, split_count, wave_fill, wave_splits)
 from kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args
 from kernels.cute.moe import group_by_expert
-from kernels.cute.library import Library, _tensor_struct
+from kernels.cute.library import Library, TensorArg, _tensor_struct
 
 QWEN = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (6144, 4096), (4096, 4096),
         (24576, 4096), (4096, 12288)]
@@ -66,8 +66,22 @@ def test_library_loads_manifest_without_gpu(built):
     for v in GEMM_VARIANTS:
         assert lib[v.name].structs[0].__name__ == "Tensor_3_2"
         assert len(lib[v.name].structs) == (4 if v.grouped or v.residual else 3)
+        scalars = [p["name"] for p in lib[v.name].params if p["kind"] == "int32"]
+        assert scalars == ["b_early"], (v.name, lib[v.name].params)
     with pytest.raises(KeyError, match="not in the manifest"):
         lib["gemm_nope"]
+
+
+def test_kernel_call_checks_argument_kinds_before_launching(built):
+    out, _ = built
+    kernel = Library(out)["gemm_bf16_128x128_c1x1"]
+    t = TensorArg(0, (1, 8, 1), (8, 8))
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        kernel(t, t, t, stream=0)
+    with pytest.raises(TypeError, match="b_early must be an int"):
+        kernel(t, t, t, t, stream=0)
+    with pytest.raises(TypeError, match="must be a TensorArg"):
+        kernel(t, 1, t, 0, stream=0)
 
 
 def test_content_hash_tracks_the_variant():

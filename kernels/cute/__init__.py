@@ -79,15 +79,17 @@ def reserve_workspace(max_m: int, max_n: int, k_values: tuple[int, ...]) -> None
     _get_runner().reserve_workspace(max_m, max_n, k_values)
 
 
-def gemm(a, b, out, stream=None, residual=None) -> None:
+def gemm(a, b, out, stream=None, residual=None, prefetch_weights: bool = False) -> None:
     """``out[M, N] = bf16(a[M, K] · b[N, K]ᵀ (+ residual[M, N]))``, fp32 accumulation, launched on
-    ``stream``; the residual (which may be ``out`` itself) is added in the epilogue."""
-    _get_runner()(a, b, out, stream, residual=residual)
+    ``stream`` as a programmatic dependent launch; the residual (which may be ``out`` itself) is added
+    in the epilogue. ``prefetch_weights``: ``b`` is not written by the kernel just before, so its
+    first k-tiles load while that kernel finishes."""
+    _get_runner()(a, b, out, stream, residual=residual, prefetch_weights=prefetch_weights)
 
 
-def grouped_gemm(a, w, tile_expert, out, stream=None) -> None:
+def grouped_gemm(a, w, tile_expert, out, stream=None, prefetch_weights: bool = False) -> None:
     """MoE: ``out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ``; rows grouped by ``group_by_expert``."""
-    _grouped_gemm(_get_runner(), a, w, tile_expert, out, stream)
+    _grouped_gemm(_get_runner(), a, w, tile_expert, out, stream, prefetch_weights)
 
 
 def varlen_attention(q, k, v, o, cu_q, cu_k, work, stream=None, kernel=None) -> None:

@@ -107,6 +107,8 @@ def parse_header(text: str) -> dict:
             params.append({"name": a, "kind": "tensor", **tensors[a]})
         elif a in ("stream", "ret"):
             params.append({"name": a, "kind": a})
+        elif re.search(rf"\bint32_t {a}\b", text):  # a scalar argument (the GEMMs' b_early)
+            params.append({"name": a, "kind": "int32"})
         else:
             raise ValueError(f"exported header has an unsupported argument {a!r}")
     return {"symbol": entry.group(1), "num_args": int(args.group(1)), "params": params}
@@ -129,11 +131,11 @@ def _fake_args(kind: str, out: str | None = None):
         c = make_fake_tensor(f32 if out == "f32" else bf16, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
         if kind == "residual":  # R: (M, N, 1) like D
             r = make_fake_tensor(bf16, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
-            return a, b, c, r, cuda.CUstream(0)
+            return a, b, c, r, cutlass.Int32(0), cuda.CUstream(0)
         if kind == "grouped":
             tile_expert = make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
-            return a, b, c, tile_expert, cuda.CUstream(0)
-        return a, b, c, cuda.CUstream(0)
+            return a, b, c, tile_expert, cutlass.Int32(0), cuda.CUstream(0)
+        return a, b, c, cutlass.Int32(0), cuda.CUstream(0)  # + b_early (weights read before the PDL wait)
     if kind in ATTENTION_BY_NAME:  # q, k, vᵀ, o with the head dim d static; cu_q, cu_k, work lists
         d = ATTENTION_BY_NAME[kind].head_dim
         tq, tk, hq, hk = cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), cute.sym_int32()

@@ -130,9 +130,12 @@ class GemmRunner:
             self._workspace = cupy.empty(max(nbytes, 1 << 20) // 4, dtype=cupy.float32)
         return self._workspace.data.ptr
 
-    def __call__(self, a, b, out, stream=None, plan: GemmPlan | None = None, residual=None) -> None:
+    def __call__(self, a, b, out, stream=None, plan: GemmPlan | None = None, residual=None,
+                 prefetch_weights: bool = False) -> None:
         """``out = a · bᵀ`` (+ ``residual``, a bf16 [M, N] that may be ``out`` itself: added in fp32
-        in the epilogue, or in the split-K reduction)."""
+        in the epilogue, or in the split-K reduction). The GEMM is a programmatic dependent launch;
+        ``prefetch_weights``: ``b`` is not written by the kernel before it in the stream (model
+        weights), so its first k-tiles are loaded while that kernel finishes."""
         a, b, out = as_device_tensor(a, "a"), as_device_tensor(b, "b"), as_device_tensor(out, "out")
         m, n, k = check_gemm_args(a, b, out)
         if residual is not None:
@@ -153,13 +156,14 @@ class GemmRunner:
             extra = () if residual is None else (
                 TensorArg(residual.ptr, (m, n, 1), (_row_stride(residual), _row_stride(residual) * m)),)
             self.library[plan.variant.name](a_arg, b_arg, TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)), *extra,
+                                            int(prefetch_weights),
                                             stream=stream_ptr)
             return
         if plan.variant.out != "f32":
             raise ValueError(f"split-K needs a float32-output variant, got {plan.variant.name}")
         capturing = cupy.cuda.runtime.streamIsCapturing(stream_ptr) != 0
         partial = TensorArg(self._ensure_workspace(s * m * n * 4, capturing), (m, n, s), (n, m * n))
-        self.library[plan.variant.name](a_arg, b_arg, partial, stream=stream_ptr)
+        self.library[plan.variant.name](a_arg, b_arg, partial, int(prefetch_weights), stream=stream_ptr)
         if residual is None:
             self.library[REDUCE_NAME](partial, TensorArg(out.ptr, (m, n), (ldo,)), stream=stream_ptr)
         else:
@@ -188,8 +192,9 @@ def check_grouped_args(a: DeviceTensor, w: DeviceTensor, tile_expert: DeviceTens
     return m, n, k, experts, m // tiles
 
 
-def grouped_gemm(runner: GemmRunner, a, w, tile_expert, out, stream=None) -> None:
-    """``out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ`` for every row r (MoE experts in one launch)."""
+def grouped_gemm(runner: GemmRunner, a, w, tile_expert, out, stream=None, prefetch_weights: bool = False) -> None:
+    """``out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ`` for every row r (MoE experts in one launch);
+    ``prefetch_weights`` as for ``GemmRunner.__call__`` (the expert map is always read after the wait)."""
     a, w = as_device_tensor(a, "a"), as_device_tensor(w, "w")
     tile_expert, out = as_device_tensor(tile_expert, "tile_expert"), as_device_tensor(out, "out")
     m, n, k, experts, tile_m = check_grouped_args(a, w, tile_expert, out)
@@ -200,7 +205,7 @@ def grouped_gemm(runner: GemmRunner, a, w, tile_expert, out, stream=None) -> Non
         TensorArg(w.ptr, (n, k, experts), (ldb, w.strides[0] if experts > 1 else ldb * n)),
         TensorArg(out.ptr, (m, n, 1), (_row_stride(out), _row_stride(out) * m)),
         TensorArg(tile_expert.ptr, (tile_expert.shape[0],), ()),
-        stream=_stream_ptr(stream))
+        int(prefetch_weights), stream=_stream_ptr(stream))
 
 
 def _stream_ptr(stream) -> int:

@@ -87,25 +87,26 @@ class GemmSm90:
             f"{self.tile.name}: epilogue buffer larger than the A ring"
 
     @cute.jit
-    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, stream: cuda.CUstream):
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, b_early: cutlass.Int32,
+                 stream: cuda.CUstream):
         """Dense GEMM (``grouped=False`` variants)."""
-        self._launch(a, b, c, c, c, stream)  # c stands in for the unused tile → expert map and residual
+        self._launch(a, b, c, c, c, b_early, stream)  # c stands in for the unused tile → expert map and residual
 
     @cute.jit
     def residual_gemm(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, r: cute.Tensor,
-                      stream: cuda.CUstream):
+                      b_early: cutlass.Int32, stream: cuda.CUstream):
         """``D = A·Bᵀ + R`` (``residual=True`` variants): R is ``(M, N, 1)`` like D and may be D."""
-        self._launch(a, b, c, c, r, stream)
+        self._launch(a, b, c, c, r, b_early, stream)
 
     @cute.jit
     def grouped(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
-                stream: cuda.CUstream):
+                b_early: cutlass.Int32, stream: cuda.CUstream):
         """Grouped GEMM (``grouped=True``): B is ``(N, K, E)``; M-tile ``t`` uses expert ``tile_expert[t]``."""
-        self._launch(a, b, c, tile_expert, c, stream)
+        self._launch(a, b, c, tile_expert, c, b_early, stream)
 
     @cute.jit
     def _launch(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
-                r: cute.Tensor, stream: cuda.CUstream):
+                r: cute.Tensor, b_early: cutlass.Int32, stream: cuda.CUstream):
         self.a_dtype = a.element_type
         self.c_dtype = c.element_type
         self.c_layout = utils.LayoutEnum.from_tensor(c)
@@ -145,9 +146,10 @@ class GemmSm90:
         grid = tuple(x * y for x, y in zip(clusters, cluster_mnl))
 
         self.smem_struct = self._smem_struct()
-        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tile_expert, tma_r, tr, self.tiled_mma, self.cta_layout_mnk,
+        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tile_expert, tma_r, tr, b_early, self.tiled_mma,
+                    self.cta_layout_mnk,
                     self.sa_layout, self.sb_layout, self.sc_layout, self.sr_layout).launch(
-            grid=grid, block=[self.threads, 1, 1], cluster=cluster_mnl, stream=stream,
+            grid=grid, block=[self.threads, 1, 1], cluster=cluster_mnl, stream=stream, use_pdl=True,
         )
 
     def _smem_struct(self):
@@ -188,7 +190,7 @@ class GemmSm90:
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_c: cute.CopyAtom, mC: cute.Tensor, tile_expert: cute.Tensor, tma_r: cute.CopyAtom,
-               mR: cute.Tensor, tiled_mma: cute.TiledMma,
+               mR: cute.Tensor, b_early: cutlass.Int32, tiled_mma: cute.TiledMma,
                cta_layout_mnk: cute.Layout, sa_layout: cute.ComposedLayout,
                sb_layout: cute.ComposedLayout, sc_layout: cute.ComposedLayout, sr_layout: cute.ComposedLayout):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -201,7 +203,8 @@ class GemmSm90:
         pid_m, pid_n = self._tile_coord()
         coord = (pid_m, pid_n, None, 0)  # A (and B unless grouped): batch mode of extent 1
         coord_b = coord
-        if cutlass.const_expr(self.tile.grouped):
+        if cutlass.const_expr(self.tile.grouped):  # the expert map may come from the previous kernel
+            cute.arch.griddepcontrol_wait()
             coord_b = (pid_m, pid_n, None, tile_expert[pid_m])
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord = cta_layout_mnk.get_flat_coord(rank)
@@ -262,12 +265,29 @@ class GemmSm90:
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
-        if warp == 0:  # fill the ring
-            for _ in cutlass.range(cutlass.min(self.stages, k_tiles), unroll=1):
-                self._load_stage(ring, produce, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
+        # Launched as a programmatic dependent launch: until griddepcontrol.wait the previous kernel may
+        # still be running, so A, R and D are touched only after it. With b_early the weights' loads of
+        # the ring fill go out before the wait (the caller vouches that the previous kernel does not
+        # write B), so a GEMM in a chain streams its weights while its predecessor finishes.
+        fill = cutlass.min(self.stages, k_tiles)
+        if warp == 0:
+            for _ in cutlass.range(fill, unroll=1):
+                ring.producer_acquire(produce)
+                if b_early != 0:
+                    self._copy_tile(tma_b, tBgB, tBsB, mask_b, ring, produce, k_first)
                 produce.advance()
+        cute.arch.griddepcontrol_wait()
+        if warp == 0:
+            filled = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+            for _ in cutlass.range(fill, unroll=1):
+                self._copy_tile(tma_a, tAgA, tAsA, mask_a, ring, filled, k_first)
+                if b_early == 0:
+                    self._copy_tile(tma_b, tBgB, tBsB, mask_b, ring, filled, k_first)
+                ring.producer_commit(filled)
+                filled.advance()
             if cutlass.const_expr(self.tile.residual):
                 self._load_residual(tma_r, mR, sR, r_bar, pid_m, pid_n)
+        cute.arch.griddepcontrol_launch_dependents()
 
         k_blocks = cute.size(frag_a, mode=[2])
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
@@ -319,11 +339,15 @@ class GemmSm90:
     @cute.jit
     def _load_stage(self, ring, state, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b):
         ring.producer_acquire(state)
-        bar = ring.producer_get_barrier(state)
-        k = k_first + state.count
-        cute.copy(tma_a, tAgA[(None, k)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask_a)
-        cute.copy(tma_b, tBgB[(None, k)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=mask_b)
+        self._copy_tile(tma_a, tAgA, tAsA, mask_a, ring, state, k_first)
+        self._copy_tile(tma_b, tBgB, tBsB, mask_b, ring, state, k_first)
         ring.producer_commit(state)
+
+    @cute.jit
+    def _copy_tile(self, tma, g, s, mask, ring, state, k_first):
+        """One operand's k-tile ``k_first + state.count`` into ring stage ``state.index``."""
+        cute.copy(tma, g[(None, k_first + state.count)], s[(None, state.index)],
+                  tma_bar_ptr=ring.producer_get_barrier(state), mcast_mask=mask)
 
     @cute.jit
     def _epilogue(self, tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar):

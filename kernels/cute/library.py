@@ -4,7 +4,8 @@ The manifest (written by ``kernels.cute.build``) names each kernel's entry symbo
 Every kernel module is initialised and loaded onto each device once, in ``Library.load`` — do it
 before capturing a CUDA graph. A call packs each tensor as ``{void *data; int32 shapes[k];
 int64 strides[j]}`` (only the dynamic modes), then the stream, then an ``int32`` return code, and
-hands the entry an array of pointers to them. The exported host code builds the TMA descriptors and
+hands the entry an array of pointers to them (int32 scalars, like the GEMMs' ``b_early``, as
+``int32`` values in their place). The exported host code builds the TMA descriptors and
 launches with ``cudaLaunchKernelEx`` on the given stream, so launches are graph-capturable.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _tensor_struct(n_shapes: int, n_strides: int) -> type[ctypes.Structure]:
 
 
 class Kernel:
-    """One exported entry point; ``__call__(*tensors, stream)`` launches it."""
+    """One exported entry point; ``__call__(*args, stream)`` launches it."""
 
     def __init__(self, lib: ctypes.CDLL, name: str, info: dict):
         self.name = name
@@ -71,17 +72,27 @@ class Kernel:
             self.load_to_device(args)
             _check(ret.value, f"{self.name}: module load on device {dev}")
 
-    def __call__(self, *tensors: TensorArg, stream: int) -> None:
-        if len(tensors) != len(self.structs):
-            raise TypeError(f"{self.name} takes {len(self.structs)} tensors, got {len(tensors)}")
-        keep = []
-        for t, struct in zip(tensors, self.structs):
-            s = struct()
-            s.data = t.data
-            if t.shapes:
-                s.shapes[:] = t.shapes
-            if t.strides:
-                s.strides[:] = t.strides
+    def __call__(self, *args: TensorArg | int, stream: int) -> None:
+        """Launch with the entry's arguments in order: TensorArg for tensors, int for int32 scalars."""
+        params = [p for p in self.params if p["kind"] in ("tensor", "int32")]
+        if len(args) != len(params):
+            raise TypeError(f"{self.name} takes {len(params)} arguments "
+                            f"({', '.join(p['name'] for p in params)}), got {len(args)}")
+        keep, structs = [], iter(self.structs)
+        for arg, param in zip(args, params):
+            if param["kind"] == "int32":
+                if not isinstance(arg, int):
+                    raise TypeError(f"{self.name}: {param['name']} must be an int, got {type(arg).__name__}")
+                keep.append(ctypes.c_int32(arg))
+                continue
+            if not isinstance(arg, TensorArg):
+                raise TypeError(f"{self.name}: {param['name']} must be a TensorArg, got {type(arg).__name__}")
+            s = next(structs)()
+            s.data = arg.data
+            if arg.shapes:
+                s.shapes[:] = arg.shapes
+            if arg.strides:
+                s.strides[:] = arg.strides
             keep.append(s)
         stream_v = ctypes.c_void_p(stream)
         ret = ctypes.c_int32(0)

@@ -22,6 +22,8 @@ def _reduce_kernel(partial: cute.Tensor, out: cute.Tensor, res: cute.Tensor, add
     bidx, bidy, _ = cute.arch.block_idx()
     n = bidx * THREADS + tidx
     m = bidy
+    cute.arch.griddepcontrol_wait()  # a programmatic dependent launch: the partials come from the GEMM
+    cute.arch.griddepcontrol_launch_dependents()
     if n < cute.size(out, mode=[1]):
         total = cutlass.Float32(0.0)
         for s in cutlass.range(cute.size(partial, mode=[2]), unroll=4):
@@ -34,7 +36,7 @@ def _reduce_kernel(partial: cute.Tensor, out: cute.Tensor, res: cute.Tensor, add
 def _launch(partial, out, res, add_res, stream):
     n_blocks = (cute.size(out, mode=[1]) + THREADS - 1) // THREADS
     _reduce_kernel(partial, out, res, add_res).launch(
-        grid=(n_blocks, cute.size(out, mode=[0]), 1), block=(THREADS, 1, 1), stream=stream
+        grid=(n_blocks, cute.size(out, mode=[0]), 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True,
     )
 
 
