@@ -209,7 +209,11 @@ def test_streaming_plan_fills_one_wave(m, n, k):
     (32, 19456, 2560, "gemm_bf16_64x256_c1x1/S1"),  # gate_up: the tiles alone fill the SMs
     (128, 2560, 9728, "gemm_f32_64x128_c1x1/S3"),   # M = 128 still streams the weights
     (128, 19456, 2560, "gemm_bf16_128x256_c1x1/S1"),  # ... unless the 64-row tiles fill a wave
-    (512, 2560, 4096, "gemm_bf16_128x128_c2x1/S1"),  # narrow N: 128x256 would leave SMs idle
+    (512, 2560, 4096, "gemm_bf16_128x160_c1x1_k2/S1"),  # narrow N: 80 tiles of 128; 128 half-K CTAs
+    (512, 4096, 4096, "gemm_bf16_128x128_c2x1/S1"),  # 128 tiles of 128 fill the wave: no K pair
+    (640, 2560, 4096, "gemm_bf16_128x128_c2x1/S1"),  # 2 x 5 x 16 CTAs would not fit one wave
+    (384, 4096, 12288, "gemm_bf16_128x192_c1x1_k2/S1"),  # 96 tiles of 128 -> 132 half-K CTAs of 192
+    (256, 6144, 2560, "gemm_bf16_128x128_c2x1/S1"),  # K = 2560: no K pair (the exchange does not pay)
     (512, 6144, 4096, "gemm_bf16_128x192_c2x1/S1"),  # 32 x 4 tiles of 192: one wave (2026-12-01 sweep)
     (2048, 2560, 4096, "gemm_bf16_128x160_c1x2/S1"),  # 256 tiles of 160: 2 waves; A multicast along N
     (1000, 6144, 2560, "gemm_bf16_128x192_c2x1/S1"),  # 2 waves of 192 beat 3 of 160
@@ -424,3 +428,13 @@ def test_benchmark_launches_only_after_its_inputs_are_made(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     assert bench.graph_time_us(fake.launch, 1, "attention n=16384") == 1.0 / bench.GRAPH_LAUNCHES * 1e3
     assert fake.stale_reads == 0
+
+
+def test_residual_plans_have_a_residual_twin():
+    """A planned K pair of 128x256 has no residual twin (no room for R): residual plans avoid it."""
+    from kernels.cute.configs import VARIANTS_BY_NAME
+
+    for m in (256, 384, 512, 700):
+        for n, k in ((2560, 4096), (4096, 12288), (6144, 4096), (19456, 4096)):
+            plan = plan_gemm(m, n, k, residual=True)
+            assert plan.variant.residual and plan.variant.name in VARIANTS_BY_NAME

@@ -23,12 +23,13 @@ class GemmVariant:
     cluster_n: int = 1
     out: str = "bf16"
     grouped: bool = False  # MoE: B is (N, K, experts), one expert per M-tile
-    residual: bool = False  # D = A·Bᵀ + R: R seeds the fp32 accumulators (R may be D itself)
+    residual: bool = False  # D = A·Bᵀ + R, R added in fp32 in the epilogue (R may be D itself)
+    k_split: int = 1  # 2: a cluster of two CTAs splits K; the second sends its sums over DSMEM
 
     @property
     def name(self) -> str:
         kind = "grouped" if self.grouped else "gemm"
-        suffix = "_res" if self.residual else ""
+        suffix = ("_k2" if self.k_split == 2 else "") + ("_res" if self.residual else "")
         return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}{suffix}"
 
 
@@ -40,6 +41,10 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 192, 1, 1),    # a wave-quantisation width (N 6144 at M = 512: 128 tiles, one wave)
     GemmVariant(128, 192, 2, 1),
     GemmVariant(128, 160, 1, 2),    # N = 2560 at M = 1000-2048: 2 waves; A multicast to an N-pair
+    GemmVariant(128, 160, k_split=2),   # N = 2560 at M = 512: 4 x 16 tiles x 2 K-halves, one wave
+    GemmVariant(128, 256, k_split=2),
+    GemmVariant(128, 128, k_split=2),
+    GemmVariant(128, 192, k_split=2),
     GemmVariant(64, 128, 1, 1),
     GemmVariant(64, 256, 1, 1),
     GemmVariant(64, 64, 1, 1, "f32"),
@@ -50,7 +55,9 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
 )
 # Every dense bf16 variant has a residual twin, so that any plan can fuse the add (split-K plans
 # add it in the reduction instead).
-GEMM_VARIANTS += tuple(replace(v, residual=True) for v in GEMM_VARIANTS if v.out == "bf16" and not v.grouped)
+# (Not 128x256 K-pairs: with R's tile in shared memory, their B ring cannot hold the peer's sums.)
+GEMM_VARIANTS += tuple(replace(v, residual=True) for v in GEMM_VARIANTS
+                       if v.out == "bf16" and not v.grouped and not (v.k_split == 2 and v.tile_n == 256))
 REDUCE_NAME = "splitk_reduce"
 REDUCE_RESIDUAL_NAME = "splitk_reduce_res"
 VARIANTS_BY_NAME = {v.name: v for v in GEMM_VARIANTS}
@@ -120,6 +127,9 @@ FILL_TOLERANCE = 0.9        # single-wave fills within 10% count as equal: fewer
 # 128-row tiles: relative throughput per element (sweeps of 2026-11-30 and, for 192 / 160, 2026-12-01)
 TILE_EFFICIENCY = {256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85}
 WIDE_192_MIN_M = 512        # 128x192 and 128x160 are calibrated (swept) from M = 512 up
+K_PAIR_MIN_M = 256          # K-split pairs: measured (2026-12-01) to win at M = 256-512 on narrow N
+K_PAIR_MIN_K = 4096         # ... with K >= 4096; at K = 2560 (qkv, gate_up of the 4B) the exchange did not pay
+K_PAIR_COST = 1.2           # a pair's half-K CTA relative to half a tile's work (DSMEM exchange, epilogue)
 
 
 def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
@@ -135,12 +145,22 @@ def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_{out}_64x{tile_n}_c1x1"], splits)
 
 
-def _tile_plan(m: int, n: int, sms: int) -> GemmPlan:
-    """128-row tiles: the width with the least wave-quantised work; 2x1 cluster from two M-tiles."""
+def _tile_plan(m: int, n: int, k: int, sms: int, residual: bool) -> GemmPlan:
+    """128-row tiles: the width with the least wave-quantised work; 2x1 cluster from two M-tiles.
+    From M = 256 and K = 4096 a cluster pair of CTAs per tile, each on half of K (summed over
+    distributed shared memory), competes on the same cost with a 20% surcharge: it wins where whole
+    tiles leave much of a wave idle (N = 2560 / 4096 at M = 256-512: up to 1.9x, 2026-12-01)."""
     def cost(tile_n: int) -> float:
         return _ceil(_ceil(m, 128) * _ceil(n, tile_n), sms) * tile_n / TILE_EFFICIENCY[tile_n]
 
+    def pair_cost(tile_n: int) -> float:  # two CTAs per tile, each half of K
+        return _ceil(2 * _ceil(m, 128) * _ceil(n, tile_n), sms) * tile_n / TILE_EFFICIENCY[tile_n] / 2 * K_PAIR_COST
+
     tile_n = min((256, 192, 160, 128) if m >= WIDE_192_MIN_M else (256, 128), key=cost)
+    if m >= K_PAIR_MIN_M and k >= K_PAIR_MIN_K:
+        pair_n = min((192, 160, 128) if residual else (256, 192, 160, 128), key=pair_cost)  # no 256 residual twin
+        if pair_cost(pair_n) < cost(tile_n):
+            return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{pair_n}_c1x1_k2"])
     if tile_n == 160:  # the A tile is the larger one: multicast it to an N-pair (swept 2026-12-01)
         return GemmPlan(VARIANTS_BY_NAME["gemm_bf16_128x160_c1x2"])
     cluster = 2 if _ceil(m, 128) >= 2 else 1
@@ -153,7 +173,7 @@ def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS, residual: bool = Fals
     if m <= 64 or (m <= STREAM_MAX_M and _ceil(m, 64) * _ceil(n, 256) < sms):
         plan = _stream_plan(m, n, k, sms)
     else:
-        plan = _tile_plan(m, n, sms)
+        plan = _tile_plan(m, n, k, sms, residual)
     if residual and plan.variant.out == "bf16":
         return GemmPlan(replace(plan.variant, residual=True), plan.splits)
     return plan

@@ -141,8 +141,8 @@ class GemmRunner:
         if residual is not None:
             residual = as_device_tensor(residual, "residual")
             _check_matrix(residual, "residual", m, n, "bfloat16")
-        plan = plan or plan_gemm(m, n, k)
-        if residual is not None and plan.variant.out == "bf16":
+        plan = plan or plan_gemm(m, n, k, residual=residual is not None)
+        if residual is not None and plan.variant.out == "bf16" and not plan.variant.residual:
             plan = GemmPlan(VARIANTS_BY_NAME[replace(plan.variant, residual=True).name], plan.splits)
         stream_ptr = _stream_ptr(stream)
         import cupy

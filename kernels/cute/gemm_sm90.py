@@ -29,8 +29,32 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm, nvvm, vector
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .configs import GemmVariant
+
+SHARED_CLUSTER = 7  # the NVPTX address space of shared::cluster (distributed shared memory)
+
+
+@dsl_user_op
+def _peer_address(smem_ptr, rank, *, loc=None, ip=None) -> cutlass.Int32:
+    """shared::cluster address of ``smem_ptr``'s location in cluster CTA ``rank`` (mapa)."""
+    remote = nvvm.mapa(llvm.PointerType.get(SHARED_CLUSTER), smem_ptr.to_llvm_ptr(loc=loc, ip=ip),
+                       cutlass.Int32(rank).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+    return cutlass.Int32(llvm.ptrtoint(T.i32(), remote, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _store_f32x4(address: cutlass.Int32, values, *, loc=None, ip=None) -> None:
+    """``st.shared::cluster.v4.f32``: four floats into a peer CTA's shared memory (16-byte aligned)."""
+    ptr = llvm.inttoptr(llvm.PointerType.get(SHARED_CLUSTER), cutlass.Int32(address).ir_value(loc=loc, ip=ip),
+                        loc=loc, ip=ip)
+    vec = vector.from_elements(ir.VectorType.get([4], T.f32()),
+                               [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values], loc=loc, ip=ip)
+    llvm.store(vec, ptr, alignment=16, loc=loc, ip=ip)
+
 
 SM90_SMEM_BYTES = 232448  # usable dynamic shared memory per CTA on sm_90 (227 KiB)
 RASTER_GROUP = 8
@@ -43,6 +67,7 @@ class GemmSm90:
         assert tile.tile_m in (64, 128) and tile.tile_n in (64, 80, 128, 160, 192, 256)
         assert tile.cluster_m * tile.cluster_n <= 4
         assert not (tile.grouped and tile.cluster_m > 1), "a cluster along M would mix experts"
+        assert tile.k_split in (1, 2) and (tile.k_split == 1 or tile.cluster_m * tile.cluster_n == 1)
         self.tile = tile
         self.cluster_mn = (tile.cluster_m, tile.cluster_n)
         self.acc_dtype = cutlass.Float32
@@ -60,7 +85,7 @@ class GemmSm90:
         )
         k_inst = cute.size(self.tiled_mma.shape_mnk, mode=[2])
         self.tile_mnk = (self.tile.tile_m, self.tile.tile_n, 4 * k_inst)
-        self.cta_layout_mnk = cute.make_layout((*self.cluster_mn, 1))
+        self.cta_layout_mnk = cute.make_layout((*self.cluster_mn, self.tile.k_split))
         self.mcast_a = self.cluster_mn[1]
         self.mcast_b = self.cluster_mn[0]
         # The epilogue walks whole epi tiles: a width that 32 does not divide (80) takes 16-wide ones
@@ -85,6 +110,9 @@ class GemmSm90:
         # The epilogue staging buffer reuses the A ring (idle by then); it must fit inside it.
         assert cute.cosize(self.sc_layout) * c_dtype.width <= cute.cosize(self.sa_layout) * a_dtype.width, \
             f"{self.tile.name}: epilogue buffer larger than the A ring"
+        # K-split pairs receive the peer's fp32 accumulators in the (idle) B ring
+        assert self.tile.k_split == 1 or self.tile_mnk[0] * self.tile_mnk[1] * 32 <= \
+            cute.cosize(self.sb_layout) * a_dtype.width, f"{self.tile.name}: B ring too small for the partial"
 
     @cute.jit
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, b_early: cutlass.Int32,
@@ -141,7 +169,7 @@ class GemmSm90:
                 cute.slice_(self.sr_layout, (None, None, 0)), self.epi_tile,
             )
         tiles = cute.zipped_divide(c, tiler=(self.tile_mnk[0], self.tile_mnk[1]))
-        cluster_mnl = (*self.cluster_mn, 1)
+        cluster_mnl = (*self.cluster_mn, self.tile.k_split)
         clusters = cute.ceil_div(cute.get(tiles.layout, mode=[1]).shape, cluster_mnl)
         grid = tuple(x * y for x, y in zip(clusters, cluster_mnl))
 
@@ -240,7 +268,8 @@ class GemmSm90:
 
         gA = cute.local_tile(mA, self.tile_mnk, coord, proj=(1, None, 1))  # (bM, bK, k_tiles)
         gB = cute.local_tile(mB, self.tile_mnk, coord_b, proj=(None, 1, 1))  # (bN, bK, k_tiles)
-        gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, batch), proj=(1, 1, None))  # (bM, bN)
+        out_slice = batch if self.tile.k_split == 1 else 0  # a K pair writes one output slice
+        gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, out_slice), proj=(1, 1, None))  # (bM, bN)
 
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.num_mma_wg, stride=128)(wg))
@@ -258,7 +287,8 @@ class GemmSm90:
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
         k_total = cute.size(gA, mode=[2])
-        k_per_split = (k_total + cute.size(mC, mode=[2]) - 1) // cute.size(mC, mode=[2])
+        splits = cute.size(mC, mode=[2]) if self.tile.k_split == 1 else self.tile.k_split
+        k_per_split = (k_total + splits - 1) // splits
         k_first = batch * k_per_split  # the launcher sizes S so that every split is non-empty
         k_tiles = cutlass.min(k_per_split, k_total - k_first)
         produce = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -291,6 +321,8 @@ class GemmSm90:
 
         k_blocks = cute.size(frag_a, mode=[2])
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        if cutlass.const_expr(self.tile.k_split == 2):  # K <= 64: the second half is empty, its sums 0
+            acc.fill(0.0)
         for k in cutlass.range(k_tiles, unroll=1):
             ring.consumer_wait(read)
             cute.nvgpu.warpgroup.fence()
@@ -315,7 +347,31 @@ class GemmSm90:
             cute.arch.cluster_wait()
         else:
             cute.arch.sync_threads()
-        self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar)
+        if cutlass.const_expr(self.tile.k_split == 2):
+            self._add_peer_partial(acc, storage.sb.data_ptr(), batch, tidx)
+        if batch == 0 or self.tile.k_split == 1:
+            self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar)
+
+    @cute.jit
+    def _add_peer_partial(self, acc, ring_b, rank, tidx):
+        """K-split pair: rank 1 stores its fp32 accumulators into rank 0's B ring over distributed
+        shared memory, four at a time (accumulators ``4j … 4j+3`` of thread ``t`` at word
+        ``4·(j·threads + t)``: 16-byte stores, consecutive threads on consecutive banks); rank 0 adds
+        them to its own. Cluster barriers before (both mainloops done, the rings idle) and after
+        (release / acquire: the stores are visible)."""
+        n_acc = cute.size(acc)
+        buf = cute.make_tensor(cute.recast_ptr(ring_b, dtype=self.acc_dtype), cute.make_layout(n_acc * self.threads))
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if rank == 1:
+            peer = _peer_address(buf.iterator, 0) + tidx * 16
+            for j in cutlass.range_constexpr(n_acc // 4):
+                _store_f32x4(peer + j * self.threads * 16, [acc[4 * j + i] for i in range(4)])
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if rank == 0:
+            for v in cutlass.range_constexpr(n_acc):
+                acc[v] = acc[v] + buf[4 * ((v // 4) * self.threads + tidx) + v % 4]
 
     @cute.jit
     def _load_residual(self, tma_r, mR, sR, r_bar, pid_m, pid_n):

@@ -200,7 +200,9 @@ MULTI_K = 1032  # 17 k-tiles, more than any config's pipeline stages (≤ 14), w
 ODD_SHAPES = ((1, 200, 328), (17, 2056, 1032), (255, 392, 2568), (1000, 1288, 520))
 DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x256_c1x1",
                "gemm_bf16_128x256_c1x1", "gemm_bf16_128x128_c2x1", "gemm_bf16_128x256_c2x1",
-               "gemm_bf16_128x192_c1x1", "gemm_bf16_128x192_c2x1", "gemm_bf16_128x160_c1x2")
+               "gemm_bf16_128x192_c1x1", "gemm_bf16_128x192_c2x1", "gemm_bf16_128x160_c1x2",
+               "gemm_bf16_128x160_c1x1_k2", "gemm_bf16_128x256_c1x1_k2", "gemm_bf16_128x128_c1x1_k2",
+               "gemm_bf16_128x192_c1x1_k2")
 SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1")
 
 
