@@ -126,6 +126,25 @@ def test_tiny_gate(tiny, path_name):
     assert_gate(gate_row(f"{name}/{path_name}", engine, o32, o16))
 
 
+def test_tiny_gate_cute_gemm(tiny):
+    """The CuTe GEMM path (use_cute=True): prefill products on its tile plans with o_proj / down_proj
+    accumulating into the residual stream in their epilogue, chunked steps on split-K plans (the
+    reduction adds the residual), CUDA-graph decode; the same gate against HF float32."""
+    from kernels.cute import available
+
+    if not available():
+        pytest.skip(f"CuTe kernels unavailable: {available().reason}")
+    name, model, _, seqs, o32, o16 = tiny
+    ex = new_gpu_executor(model, use_cute=True)
+    try:
+        assert ex.gemm.cute is not None
+        for path_name in sorted(PATHS):
+            engine = engine_logits(ex, seqs, **PATHS[path_name])
+            assert_gate(gate_row(f"{name}/cute/{path_name}", engine, o32, o16))
+    finally:
+        ex.close()
+
+
 def test_tiny_batch1_deterministic(tiny):
     _, _, ex, seqs, _, _ = tiny
     first = engine_logits(ex, [seqs[0]])[0]

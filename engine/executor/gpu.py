@@ -124,6 +124,8 @@ class GpuExecutor:
         fast_attention, gemv_max_m = parse_decode_kernels(
             os.environ.get(DECODE_KERNELS_ENV, DEFAULT_DECODE_KERNELS) if decode_kernels is None else decode_kernels)
         self.gemm = Gemm(stream, workspace, use_cute=use_cute, gemv_max_m=gemv_max_m)
+        self.gemm.prepare_cute(self.max_tokens, [w.shape for n, w in self.weights.items()  # bf16-output products
+                                                 if w.ndim == 2 and n not in ("embed_tokens", "lm_head")])
         inv_freq, attention_factor = rope_inv_freq(cfg)
         self.inv_freq = self.arena.take("activations.inv_freq", inv_freq.shape, np.float32)
         self.inv_freq.set(inv_freq, stream=stream)

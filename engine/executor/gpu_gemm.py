@@ -104,6 +104,14 @@ class Gemm:
             except Exception:   # the AOT library is optional: cuBLAS serves without it
                 self.cute = None
 
+    def prepare_cute(self, max_rows: int, shapes) -> None:
+        """Before any graph capture: load the CuTe kernels onto the device and size their split-K
+        workspace for every product of at most ``max_rows`` rows with these ``(N, K)`` weights."""
+        if self.cute is None or not shapes:
+            return
+        self.cute.init()
+        self.cute.reserve_workspace(max_rows, max(n for n, _ in shapes), tuple(sorted({k for _, k in shapes})))
+
     @staticmethod
     def _check(status: int, what: str) -> None:
         if status != 0:
