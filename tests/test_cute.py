@@ -211,7 +211,8 @@ def test_streaming_plan_fills_one_wave(m, n, k):
     (128, 19456, 2560, "gemm_bf16_128x256_c1x1/S1"),  # ... unless the 64-row tiles fill a wave
     (512, 2560, 4096, "gemm_bf16_128x160_c1x1_k2/S1"),  # narrow N: 80 tiles of 128; 128 half-K CTAs
     (512, 4096, 4096, "gemm_bf16_128x128_c2x1/S1"),  # 128 tiles of 128 fill the wave: no K pair
-    (640, 2560, 4096, "gemm_bf16_128x128_c2x1/S1"),  # 2 x 5 x 16 CTAs would not fit one wave
+    (640, 2560, 4096, "gemm_bf16_128x128_c1x1/S1"),  # no K pair (2 x 5 x 16 CTAs > a wave); 5 M-tiles: no 2x1 cluster
+    (384, 6144, 2560, "gemm_bf16_128x160_c1x2/S1"),  # 128x160 / 192 from M = 256 (timed at 256-640)
     (384, 4096, 12288, "gemm_bf16_128x192_c1x1_k2/S1"),  # 96 tiles of 128 -> 132 half-K CTAs of 192
     (256, 6144, 2560, "gemm_bf16_128x128_c2x1/S1"),  # K = 2560: no K pair (the exchange does not pay)
     (512, 6144, 4096, "gemm_bf16_128x192_c2x1/S1"),  # 32 x 4 tiles of 192: one wave (2026-12-01 sweep)

@@ -119,6 +119,9 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   83 -> 80 µs. Tried and not kept (each verified, none faster; bench/results/kernels.md): stream-K,
 #   128x80 with A multicast (1x2, 2x2), two wgmma batches in flight, two consumer warpgroups on
 #   128x128, A loaded into wgmma registers straight from global memory.
+# - 2026-12-01, 05:37-06:19 UTC: K-split cluster pairs (`_k2`) from M = 256 at K >= 4096 (N = 2560 / 4096
+#   at M = 256-512: 1.1-1.9x); 128x160 / 192 allowed from M = 256; no 2x1 cluster over an odd number
+#   (< 8) of M-tiles (it padded a row of empty tiles: 4B.qkv M = 640 55.0 -> 28.8 µs).
 # On the 56 swept shapes the plan's configs are within 8% of the sweep's best for M <= 512 (geometric
 # mean 1.01x over all). The whole plan was re-timed on 2026-12-01, 04:48 UTC (93 / 93 verification
 # cases passed, the planned path included).
@@ -126,7 +129,7 @@ STREAM_MAX_M = 128
 FILL_TOLERANCE = 0.9        # single-wave fills within 10% count as equal: fewer splits win
 # 128-row tiles: relative throughput per element (sweeps of 2026-11-30 and, for 192 / 160, 2026-12-01)
 TILE_EFFICIENCY = {256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85}
-WIDE_192_MIN_M = 512        # 128x192 and 128x160 are calibrated (swept) from M = 512 up
+WIDE_192_MIN_M = 256        # 128x192 and 128x160: swept from M = 512 up, timed at 256-448 (2026-12-01)
 K_PAIR_MIN_M = 256          # K-split pairs: measured (2026-12-01) to win at M = 256-512 on narrow N
 K_PAIR_MIN_K = 4096         # ... with K >= 4096; at K = 2560 (qkv, gate_up of the 4B) the exchange did not pay
 K_PAIR_COST = 1.2           # a pair's half-K CTA relative to half a tile's work (DSMEM exchange, epilogue)
@@ -163,7 +166,8 @@ def _tile_plan(m: int, n: int, k: int, sms: int, residual: bool) -> GemmPlan:
             return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{pair_n}_c1x1_k2"])
     if tile_n == 160:  # the A tile is the larger one: multicast it to an N-pair (swept 2026-12-01)
         return GemmPlan(VARIANTS_BY_NAME["gemm_bf16_128x160_c1x2"])
-    cluster = 2 if _ceil(m, 128) >= 2 else 1
+    # a 2x1 cluster pads an odd number of M-tiles with a whole row of empty tiles: only from 8 on
+    cluster = 2 if _ceil(m, 128) % 2 == 0 or _ceil(m, 128) >= 8 else 1
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{tile_n}_c{cluster}x1"])
 
 
