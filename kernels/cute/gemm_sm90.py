@@ -37,32 +37,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm, nvvm, vector
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .configs import H200_SMS, GemmVariant
-
-SHARED_CLUSTER = 7  # the NVPTX address space of shared::cluster (distributed shared memory)
-
-
-@dsl_user_op
-def _peer_address(smem_ptr, rank, *, loc=None, ip=None) -> cutlass.Int32:
-    """shared::cluster address of ``smem_ptr``'s location in cluster CTA ``rank`` (mapa)."""
-    remote = nvvm.mapa(llvm.PointerType.get(SHARED_CLUSTER), smem_ptr.to_llvm_ptr(loc=loc, ip=ip),
-                       cutlass.Int32(rank).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
-    return cutlass.Int32(llvm.ptrtoint(T.i32(), remote, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _store_f32x4(address: cutlass.Int32, values, *, loc=None, ip=None) -> None:
-    """``st.shared::cluster.v4.f32``: four floats into a peer CTA's shared memory (16-byte aligned)."""
-    ptr = llvm.inttoptr(llvm.PointerType.get(SHARED_CLUSTER), cutlass.Int32(address).ir_value(loc=loc, ip=ip),
-                        loc=loc, ip=ip)
-    vec = vector.from_elements(ir.VectorType.get([4], T.f32()),
-                               [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values], loc=loc, ip=ip)
-    llvm.store(vec, ptr, alignment=16, loc=loc, ip=ip)
-
+from .dsmem import peer_address, store_f32x4
 
 SM90_SMEM_BYTES = 232448  # usable dynamic shared memory per CTA on sm_90 (227 KiB)
 RASTER_GROUP = 8
@@ -378,9 +355,9 @@ class GemmSm90:
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
         if rank == 1:
-            peer = _peer_address(buf.iterator, 0) + tidx * 16
+            peer = peer_address(buf.iterator, 0) + tidx * 16
             for j in cutlass.range_constexpr(n_acc // 4):
-                _store_f32x4(peer + j * self.threads * 16, [acc[4 * j + i] for i in range(4)])
+                store_f32x4(peer + j * self.threads * 16, [acc[4 * j + i] for i in range(4)])
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
         if rank == 0:
