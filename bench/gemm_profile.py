@@ -49,7 +49,7 @@ def time_specs(specs: list[str]) -> None:
         total = int(m) * n // 8
         resid = ops.out.copy()  # the residual stream: +res accumulates into it, +add adds the product to it
 
-        def planned(i, s, mode=variant):
+        def planned(i, s, mode=variant, ops=ops, resid=resid, total=total):
             if mode == "planned+pdl":  # weights loaded before the PDL wait (a chain of GEMMs)
                 runner(ops.a[i], ops.w[i], ops.out, stream=s, prefetch_weights=True)
                 return
