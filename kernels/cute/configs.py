@@ -149,7 +149,8 @@ def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
 
 
 def _tile_plan(m: int, n: int, k: int, sms: int, residual: bool) -> GemmPlan:
-    """128-row tiles: the width with the least wave-quantised work; 2x1 cluster from two M-tiles.
+    """128-row tiles: the width with the least wave-quantised work; a 2x1 cluster over an even
+    number of M-tiles (or 8 and more), A multicast to an N-pair for 160.
     From M = 256 and K = 4096 a cluster pair of CTAs per tile, each on half of K (summed over
     distributed shared memory), competes on the same cost with a 20% surcharge: it wins where whole
     tiles leave much of a wave idle (N = 2560 / 4096 at M = 256-512: up to 1.9x, 2026-12-01)."""
