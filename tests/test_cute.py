@@ -13,7 +13,7 @@ from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_TIL
                                   STREAM_MAX_M, plan_gemm, split_count, wave_fill, wave_splits)
 from kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args
 from kernels.cute.moe import group_by_expert
-from kernels.cute.library import Library, TensorArg, _tensor_struct
+from kernels.cute.library import KernelLaunchError, Library, TensorArg, _tensor_struct
 
 QWEN = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (6144, 4096), (4096, 4096),
         (24576, 4096), (4096, 12288)]
@@ -439,3 +439,28 @@ def test_residual_plans_have_a_residual_twin():
         for n, k in ((2560, 4096), (4096, 12288), (6144, 4096), (19456, 4096)):
             plan = plan_gemm(m, n, k, residual=True)
             assert plan.variant.residual and plan.variant.name in VARIANTS_BY_NAME
+
+
+def test_kernel_call_reuses_its_packed_arguments_and_reports_each_launch_error(built):
+    """A repeated call packs nothing again (the engine's buffers do not move), yet every launch's
+    return code is read afresh: a failure is reported even after a cached success."""
+    import ctypes
+
+    out, _ = built
+    kernel = Library(out)["gemm_bf16_128x128_c1x1"]
+    arrays, codes = [], [0, 0, 701, 0]
+
+    def entry(array, nargs):
+        arrays.append(ctypes.addressof(array))
+        ret = ctypes.cast(array[nargs - 1], ctypes.POINTER(ctypes.c_int32))
+        ret[0] = codes[len(arrays) - 1]
+
+    kernel.entry = entry
+    t = TensorArg(4096, (1, 8, 1), (8, 8))
+    kernel(t, t, t, 0, stream=7)
+    kernel(t, t, t, 0, stream=7)
+    assert arrays[0] == arrays[1]
+    with pytest.raises(KernelLaunchError, match="701"):
+        kernel(t, t, t, 0, stream=7)
+    kernel(t, t, t, 1, stream=7)  # other arguments: packed anew
+    assert arrays[3] != arrays[0]

@@ -8,6 +8,7 @@ symbol prefix in the shared library and its key in the manifest.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 H200_SMS = 132
@@ -172,9 +173,11 @@ def _tile_plan(m: int, n: int, k: int, sms: int, residual: bool) -> GemmPlan:
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{tile_n}_c{cluster}x1"])
 
 
+@functools.lru_cache(maxsize=4096)  # called on every launch; a pure function of its arguments
 def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS, residual: bool = False) -> GemmPlan:
     """Pick the variant (and K splits) for ``D[m, n] = A[m, k]·B[n, k]ᵀ`` (+ R with ``residual``:
-    the same tile, its residual twin; tuned on the H200)."""
+    the same tile, its residual twin; tuned on the H200). Memoised: after changing the tuning
+    constants of this module, call ``plan_gemm.cache_clear()``."""
     if m <= 64 or (m <= STREAM_MAX_M and _ceil(m, 64) * _ceil(n, 256) < sms):
         plan = _stream_plan(m, n, k, sms)
     else:

@@ -20,6 +20,9 @@ from pathlib import Path
 DEFAULT_DIR = Path(os.environ.get("OPENINFER_CUTE_DIR", Path(__file__).resolve().parent / "build"))
 
 
+PACKED_CALLS = 1024  # packed argument arrays kept per kernel (then the cache starts over)
+
+
 class KernelLaunchError(RuntimeError):
     """A CUDA error reported by an exported kernel's host code."""
 
@@ -54,6 +57,7 @@ class Kernel:
         self.structs = [_tensor_struct(p["shapes"], p["strides"]) for p in self.params if p["kind"] == "tensor"]
         self.init = getattr(lib, f"_mlir_{info['prefix']}_cuda_init")
         self.load_to_device = getattr(lib, f"_mlir_{info['prefix']}_cuda_load_to_device")
+        self._packed: dict = {}  # (args, stream) -> (argument array, count, return code)
         self._module = ctypes.c_void_p()
         self._module_ptr = ctypes.c_void_p(ctypes.addressof(self._module))
         self._initialised = False
@@ -73,7 +77,23 @@ class Kernel:
             _check(ret.value, f"{self.name}: module load on device {dev}")
 
     def __call__(self, *args: TensorArg | int, stream: int) -> None:
-        """Launch with the entry's arguments in order: TensorArg for tensors, int for int32 scalars."""
+        """Launch with the entry's arguments in order: TensorArg for tensors, int for int32 scalars.
+        The packed argument array of a call is kept, keyed by its arguments, so a repeated call (the
+        engine's buffers do not move) costs one dictionary lookup before the launch."""
+        key = (args, stream)
+        packed = self._packed.get(key)
+        if packed is None:
+            if len(self._packed) >= PACKED_CALLS:
+                self._packed.clear()
+            packed = self._packed[key] = self._pack(args, stream)
+        array, nargs, ret = packed
+        ret.value = 0
+        self.entry(array, nargs)
+        _check(ret.value, f"{self.name} launch")
+
+    def _pack(self, args: tuple, stream: int) -> tuple:
+        """The ctypes argument array for one call: pointers to each packed argument, the stream and
+        the return code (the array keeps its targets alive)."""
         params = [p for p in self.params if p["kind"] in ("tensor", "int32")]
         if len(args) != len(params):
             raise TypeError(f"{self.name} takes {len(params)} arguments "
@@ -96,9 +116,10 @@ class Kernel:
             keep.append(s)
         stream_v = ctypes.c_void_p(stream)
         ret = ctypes.c_int32(0)
-        ptrs = [ctypes.addressof(s) for s in keep] + [ctypes.addressof(stream_v), ctypes.addressof(ret)]
-        self.entry((ctypes.c_void_p * len(ptrs))(*ptrs), len(ptrs))
-        _check(ret.value, f"{self.name} launch")
+        keep += [stream_v, ret]
+        array = (ctypes.c_void_p * len(keep))(*(ctypes.addressof(s) for s in keep))
+        array._keep = keep
+        return array, len(keep), ret
 
 
 def _check(code: int, what: str) -> None:
