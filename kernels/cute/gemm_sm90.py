@@ -301,7 +301,9 @@ class GemmSm90:
                 ring.producer_commit(filled)
                 filled.advance()
             if cutlass.const_expr(self.tile.residual):
-                self._load_residual(tma_r, mR, sR, r_bar, pid_m, pid_n)
+                # only the CTA that runs the epilogue loads R: no CTA exits with an R load in flight
+                if self.tile.k_split == 1 or batch == 0:
+                    self._load_residual(tma_r, mR, sR, r_bar, pid_m, pid_n)
         # Let the next kernel launch now (its CTAs take SMs as ours retire), except from a 256-wide
         # grid that leaves SMs idle: there the next kernel's early CTAs made chains of weight
         # streams 15-20% slower (4B.gate_up at M = 1, 76 CTAs: 36.7 against 30.1 µs), while a
