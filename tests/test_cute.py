@@ -9,9 +9,10 @@ import pytest
 
 from kernels.cute.attention import ATTENTION_KERNELS
 from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_TILE, MAX_SPLITS, REDUCE_NAME,
-                                  REDUCE_RESIDUAL_NAME,
+                                  REDUCE_RESIDUAL_NAME, ROW_192_MAX_M,
                                   STREAM_MAX_M, plan_gemm, split_count, wave_fill, wave_splits)
-from kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args
+from kernels.cute.gemm import (A_ROW_PAD, DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args,
+                               readable_rows)
 from kernels.cute.moe import group_by_expert
 from kernels.cute.library import KernelLaunchError, Library, TensorArg, _tensor_struct
 
@@ -167,15 +168,32 @@ def test_launcher_rejects_unaligned_sizes():
 
 
 @pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560), (64, 64)])
-@pytest.mark.parametrize("m", [1, 8, 17, 32, 64, 65, 128, 129, 255, 256, 512, 1000, 8192])
+@pytest.mark.parametrize("m", [1, 8, 17, 32, 64, 65, 128, 129, 160, 192, 193, 255, 256, 512, 1000, 8192])
 def test_plan_is_valid(m, n, k):
     plan = plan_gemm(m, n, k)
     assert plan.variant in GEMM_VARIANTS and not plan.variant.grouped
     assert split_count(k, plan.splits) == plan.splits
     assert (plan.splits > 1) == (plan.variant.out == "f32")
     assert plan.variant.cluster_m == 1 or -(-m // plan.variant.tile_m) >= 2  # a 2x1 cluster pairs two M-tiles
-    if m > STREAM_MAX_M:
+    if STREAM_MAX_M < m <= ROW_192_MAX_M:  # one row of 192-row tiles
+        assert plan.variant.tile_m == 192 and plan.variant.k_split == 1
+    elif m > STREAM_MAX_M:
         assert plan.variant.tile_m == 128 and plan.splits == 1
+
+
+@pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560)])
+@pytest.mark.parametrize("m", [129, 160, 192])
+def test_row_192_plan_fills_one_wave(m, n, k):
+    """128 < M <= 192: one row of 192-row tiles, the fullest wave among the widths and the split
+    192x128; no option with fewer splits within FILL_TOLERANCE of the chosen fill is left out."""
+    plan = plan_gemm(m, n, k)
+    v, s = plan.variant, plan.splits
+    fill = wave_fill(-(-n // v.tile_n) * s)
+    for width in (256, 192, 160, 128):
+        other = wave_fill(-(-n // width))
+        assert other <= fill / FILL_TOLERANCE + 1e-9, f"{width}-wide: fill {other:.2f} against {fill:.2f}"
+        if s > 1:  # a split plan only where no unsplit width comes near
+            assert other < FILL_TOLERANCE * fill + 1e-9
 
 
 @pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560)])
@@ -464,3 +482,32 @@ def test_kernel_call_reuses_its_packed_arguments_and_reports_each_launch_error(b
         kernel(t, t, t, 0, stream=7)
     kernel(t, t, t, 1, stream=7)  # other arguments: packed anew
     assert arrays[3] != arrays[0]
+
+
+class _FakeCupyArray:
+    """Just enough of a CuPy array: the array interface and ``data.mem`` (the allocation)."""
+
+    def __init__(self, ptr, shape, alloc_ptr, alloc_size):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<u2", "data": (ptr, False), "strides": None}
+        self.data = type("MemoryPointer", (), {"mem": type("Memory", (), {"ptr": alloc_ptr, "size": alloc_size})()})()
+
+
+def test_a_rows_read_past_m_only_inside_the_allocation():
+    k = 64
+    row = k * 2
+    # a 3-row view at the start of a 1000-row buffer: read to the next multiple of A_ROW_PAD
+    a = as_device_tensor(_FakeCupyArray(1 << 20, (3, k), 1 << 20, 1000 * row), "a")
+    assert a.readable == 1000 * row
+    assert readable_rows(a, 3, k, k) == A_ROW_PAD
+    # a view starting at row 900: only the 100 rows left in the allocation
+    a = as_device_tensor(_FakeCupyArray((1 << 20) + 900 * row, (3, k), 1 << 20, 1000 * row), "a")
+    assert readable_rows(a, 3, k, k) == 100
+    # an exact allocation, a raw DeviceTensor, a foreign pointer: M itself
+    a = as_device_tensor(_FakeCupyArray(1 << 20, (3, k), 1 << 20, 3 * row), "a")
+    assert readable_rows(a, 3, k, k) == 3
+    assert readable_rows(DeviceTensor(1 << 20, (3, k), (k, 1)), 3, k, k) == 3
+    a = as_device_tensor(_FakeCupyArray(1 << 30, (3, k), 1 << 20, 1000 * row), "a")
+    assert a.readable == 0 and readable_rows(a, 3, k, k) == 3
+    # a strided view (row stride 2K): a row counts only when its K elements lie inside
+    a = DeviceTensor(0, (5, k), (2 * k, 1), readable=(7 * 2 * k + k) * 2)
+    assert readable_rows(a, 5, k, 2 * k) == 8

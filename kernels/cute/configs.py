@@ -48,6 +48,16 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 192, k_split=2),
     GemmVariant(64, 128, 1, 1),
     GemmVariant(64, 256, 1, 1),
+    GemmVariant(256, 128, 1, 1),    # M = 129-256 in one row of tiles: the weights stream once
+    GemmVariant(256, 64, 1, 1),
+    GemmVariant(256, 128, 1, 1, "f32"),
+    GemmVariant(256, 64, 1, 1, "f32"),
+    GemmVariant(192, 128, 1, 1),    # M = 129-192 (and 384) in whole 192-row tiles: three warpgroups
+    GemmVariant(192, 160, 1, 1),
+    GemmVariant(192, 192, 1, 1),
+    GemmVariant(192, 256, 1, 1),
+    GemmVariant(192, 64, 1, 1, "f32"),
+    GemmVariant(192, 128, 1, 1, "f32"),
     GemmVariant(64, 64, 1, 1, "f32"),
     GemmVariant(64, 128, 1, 1, "f32"),
     GemmVariant(64, 256, 1, 1, "f32"),
@@ -130,8 +140,9 @@ STREAM_MAX_M = 128
 FILL_TOLERANCE = 0.9        # single-wave fills within 10% count as equal: fewer splits win
 # 128-row tiles: relative throughput per element (sweeps of 2026-11-30 and, for 192 / 160, 2026-12-01)
 TILE_EFFICIENCY = {256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85}
-WIDE_192_MIN_M = 256        # 128x192 and 128x160: swept from M = 512 up, timed at 256-448 (2026-12-01)
-K_PAIR_MIN_M = 256          # K-split pairs: measured (2026-12-01) to win at M = 256-512 on narrow N
+WIDE_192_MIN_M = 129        # 128x192 and 128x160: swept from M = 129 up (2026-12-01)
+K_PAIR_MIN_M = 129          # K-split pairs: measured (2026-12-01) to win at M = 193-512 on narrow N
+ROW_192_MAX_M = 192         # 128 < M <= 192: one row of 192-row tiles (swept 2026-12-01, 07:20 UTC)
 K_PAIR_MIN_K = 4096         # ... with K >= 4096; at K = 2560 (qkv, gate_up of the 4B) the exchange did not pay
 K_PAIR_COST = 1.2           # a pair's half-K CTA relative to half a tile's work (DSMEM exchange, epilogue)
 
@@ -147,6 +158,19 @@ def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
     _, splits, tile_n = min((o for o in options if o[0] >= FILL_TOLERANCE * top), key=lambda o: (o[1], -o[2]))
     out = "f32" if splits > 1 else "bf16"
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_{out}_64x{tile_n}_c1x1"], splits)
+
+
+def _row_192_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
+    """One row of 192-row tiles (three consumer warpgroups): the weights stream once, a third of
+    the rows wasted at worst. The fullest single wave among the bf16 widths (no split) and
+    192x128 split in K; fewer splits, then the wider tile, among near-equal fills."""
+    options = [(wave_fill(_ceil(n, w), sms), 1, w) for w in (256, 192, 160, 128)]
+    splits = wave_splits(_ceil(n, 128), k, sms)
+    options.append((wave_fill(_ceil(n, 128) * splits, sms), splits, 128))
+    top = max(fill for fill, _, _ in options)
+    _, splits, tile_n = min((o for o in options if o[0] >= FILL_TOLERANCE * top), key=lambda o: (o[1], -o[2]))
+    out = "f32" if splits > 1 else "bf16"
+    return GemmPlan(VARIANTS_BY_NAME[f"gemm_{out}_192x{tile_n}_c1x1"], splits)
 
 
 def _tile_plan(m: int, n: int, k: int, sms: int, residual: bool) -> GemmPlan:
@@ -180,6 +204,8 @@ def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS, residual: bool = Fals
     constants of this module, call ``plan_gemm.cache_clear()``."""
     if m <= 64 or (m <= STREAM_MAX_M and _ceil(m, 64) * _ceil(n, 256) < sms):
         plan = _stream_plan(m, n, k, sms)
+    elif STREAM_MAX_M < m <= ROW_192_MAX_M:
+        plan = _row_192_plan(m, n, k, sms)
     else:
         plan = _tile_plan(m, n, k, sms, residual)
     if residual and plan.variant.out == "bf16":

@@ -27,6 +27,7 @@ class DeviceTensor:
     strides: tuple[int, ...]
     dtype: str = "bfloat16"  # or "float32"
     nbytes: int = 0
+    readable: int = 0  # bytes readable from ptr on (the allocation's end); 0: unknown, only nbytes
 
 
 def as_device_tensor(x, what: str) -> DeviceTensor:
@@ -53,7 +54,31 @@ def as_device_tensor(x, what: str) -> DeviceTensor:
     size = 1
     for dim in shape:
         size *= dim
-    return DeviceTensor(int(iface["data"][0]), shape, tuple(strides), dtype, size * itemsize)
+    ptr = int(iface["data"][0])
+    return DeviceTensor(ptr, shape, tuple(strides), dtype, size * itemsize, _readable_bytes(x, ptr))
+
+
+def _readable_bytes(x, ptr: int) -> int:
+    """Bytes from ``ptr`` to the end of the CuPy allocation holding ``x`` (a view into a larger
+    buffer reaches its end), or 0 where unknown."""
+    mem = getattr(getattr(x, "data", None), "mem", None)
+    base, size = getattr(mem, "ptr", 0), getattr(mem, "size", 0)
+    return base + size - ptr if base and base <= ptr < base + size else 0
+
+
+A_ROW_PAD = 256  # A's rows are read to the next multiple of this when its allocation holds them
+
+
+def readable_rows(a: DeviceTensor, m: int, k: int, row_stride: int) -> int:
+    """Rows of A the kernel may load: M, or up to the next multiple of A_ROW_PAD where A's allocation
+    holds them. Tiles whose rows lie past M are then loaded whole: the TMA's zero fill of
+    out-of-bounds rows was measured to slow the mainloop (H200, 2026-12-01: a K-split pair at
+    4B.down M = 193 46.5 -> 32.0 µs, 8B.gate_up M = 1 58.1 -> 54.1 µs). The extra rows feed only
+    output rows past M, which the TMA store clips."""
+    if not a.readable:
+        return m
+    fit = (a.readable // 2 - k) // row_stride + 1  # rows whose k elements lie inside the allocation
+    return max(m, min(-(-m // A_ROW_PAD) * A_ROW_PAD, fit))
 
 
 def _check_matrix(t: DeviceTensor, what: str, rows: int, cols: int, dtype: str) -> None:
@@ -131,13 +156,17 @@ class GemmRunner:
         return self._workspace.data.ptr
 
     def __call__(self, a, b, out, stream=None, plan: GemmPlan | None = None, residual=None,
-                 prefetch_weights: bool = False) -> None:
+                 prefetch_weights: bool = False, a_rows: int | None = None) -> None:
         """``out = a · bᵀ`` (+ ``residual``, a bf16 [M, N] that may be ``out`` itself: added in fp32
         in the epilogue, or in the split-K reduction). The GEMM is a programmatic dependent launch;
         ``prefetch_weights``: ``b`` is not written by the kernel before it in the stream (model
-        weights), so its first k-tiles are loaded while that kernel finishes."""
+        weights), so its first k-tiles are loaded while that kernel finishes. ``a_rows``: ``a``'s
+        buffer holds that many rows (>= M) at its row stride, all readable (default: found from
+        the CuPy allocation, ``readable_rows``)."""
         a, b, out = as_device_tensor(a, "a"), as_device_tensor(b, "b"), as_device_tensor(out, "out")
         m, n, k = check_gemm_args(a, b, out)
+        if a_rows is not None and a_rows < m:
+            raise ValueError(f"a_rows={a_rows} is less than M={m}")
         if residual is not None:
             residual = as_device_tensor(residual, "residual")
             _check_matrix(residual, "residual", m, n, "bfloat16")
@@ -149,7 +178,8 @@ class GemmRunner:
 
         self.ensure_loaded()
         lda, ldb, ldo = _row_stride(a), _row_stride(b), _row_stride(out)
-        a_arg = TensorArg(a.ptr, (m, k, 1), (lda, lda * m))
+        a_rows = a_rows or readable_rows(a, m, k, lda)
+        a_arg = TensorArg(a.ptr, (a_rows or m, k, 1), (lda, lda * (a_rows or m)))
         b_arg = TensorArg(b.ptr, (n, k, 1), (ldb, ldb * n))
         s = split_count(k, plan.splits)
         if s == 1 and plan.variant.out == "bf16":

@@ -49,15 +49,17 @@ class GemmSm90:
     """Builds the jit entry point for one GemmVariant; call it through ``cute.compile``."""
 
     def __init__(self, tile: GemmVariant):
-        assert tile.tile_m in (64, 128) and tile.tile_n in (64, 80, 128, 160, 192, 256)
+        assert tile.tile_m in (64, 128, 192, 256) and tile.tile_n in (64, 80, 128, 160, 192, 256)
         assert tile.cluster_m * tile.cluster_n <= 4
         assert not (tile.grouped and tile.cluster_m > 1), "a cluster along M would mix experts"
         assert tile.k_split in (1, 2) and (tile.k_split == 1 or tile.cluster_m * tile.cluster_n == 1)
         self.tile = tile
         self.cluster_mn = (tile.cluster_m, tile.cluster_n)
         self.acc_dtype = cutlass.Float32
-        # Two consumer warpgroups split a 128-row tile when it is wide; otherwise one does it all.
-        self.atom_layout_mnk = (2, 1, 1) if tile.tile_m > 64 and tile.tile_n > 128 else (1, 1, 1)
+        # Consumer warpgroups: three for a 192-row tile (64 rows each), two for a 256-row tile
+        # (128 each) or a wide 128-row one (64 each); otherwise one does it all.
+        wgs = 3 if tile.tile_m == 192 else 2 if tile.tile_m == 256 or (tile.tile_m == 128 and tile.tile_n > 128) else 1
+        self.atom_layout_mnk = (wgs, 1, 1)
         self.num_mma_wg = math.prod(self.atom_layout_mnk)
         self.threads = 128 * self.num_mma_wg
         self.buffer_align = 1024
@@ -77,7 +79,7 @@ class GemmSm90:
         # (with 32, a 128x80 tile's second 64-row half came out wrong; with 16 it verified, 2026-12-01).
         self.epi_tile = sm90_utils.compute_tile_shape_or_override(
             self.tile_mnk, c_dtype, is_cooperative=self.atom_layout_mnk == (2, 1, 1),
-            epi_tile_override=None if self.tile.tile_n % 32 == 0 else (64, 16),
+            epi_tile_override=(192, 32) if self.tile.tile_m == 192 else None if self.tile.tile_n % 32 == 0 else (64, 16),
         )
         bytes_per_stage = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2] * a_dtype.width // 8
         # Residual variants hold the whole R tile in shared memory (loaded by TMA at tile start,

@@ -81,14 +81,24 @@ def compare(got, ref) -> Check:
     return Check(err, unwritten, detail)
 
 
-def gemm_check(runner, plan: GemmPlan | None, m: int, n: int, k: int, residual: str = "") -> Check:
+def gemm_check(runner, plan: GemmPlan | None, m: int, n: int, k: int, residual: str = "",
+               padded: bool = False) -> Check:
     """One GEMM (``plan=None``: the launcher's own choice) against ``float32(a) @ float32(b).T``;
-    ``residual``: "separate" adds a fresh R, "inplace" adds R held in the output buffer itself."""
+    ``residual``: "separate" adds a fresh R, "inplace" adds R held in the output buffer itself.
+    ``padded``: A and the output are views of buffers with 300 more rows, A's NaN (the launcher
+    reads whole tiles past M there), the output's a sentinel that must survive."""
     import cupy as cp
 
     a, b = rand_bf16((m, k)), rand_bf16((n, k))
     ref = from_bf16(a) @ from_bf16(b).T
     out = cp.full((m, n), NAN_BF16, dtype=cp.uint16)
+    if padded:
+        big_a = cp.full((m + 300, k), NAN_BF16, dtype=cp.uint16)
+        big_a[:m] = a
+        a = big_a[:m]
+        big_out = cp.full((m + 300, n), 0x1234, dtype=cp.uint16)
+        big_out[:m] = NAN_BF16
+        out = big_out[:m]
     r = None
     if residual:
         r = rand_bf16((m, n))
@@ -98,6 +108,8 @@ def gemm_check(runner, plan: GemmPlan | None, m: int, n: int, k: int, residual: 
     runner(a, b, out, plan=plan, residual=r)
     sync_or_die(f"{plan.variant.name if plan else 'planned'} GEMM M={m} N={n} K={k} "
                 f"S={plan.splits if plan else '-'} residual={residual or '-'}")
+    if padded and bool((big_out[m:] != 0x1234).any()):
+        return Check(float("inf"), 0, "rows past M of the output buffer were written")
     return compare(from_bf16(out), ref)
 
 
@@ -192,7 +204,7 @@ class Case:
 
     group: str
     label: str
-    kind: str  # gemm | planned | graph | grouped | attention
+    kind: str  # gemm | residual | planned | padded | graph | grouped | attention
     args: tuple
 
 
@@ -202,8 +214,12 @@ DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x
                "gemm_bf16_128x256_c1x1", "gemm_bf16_128x128_c2x1", "gemm_bf16_128x256_c2x1",
                "gemm_bf16_128x192_c1x1", "gemm_bf16_128x192_c2x1", "gemm_bf16_128x160_c1x2",
                "gemm_bf16_128x160_c1x1_k2", "gemm_bf16_128x256_c1x1_k2", "gemm_bf16_128x128_c1x1_k2",
-               "gemm_bf16_128x192_c1x1_k2")
-SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1")
+               "gemm_bf16_128x192_c1x1_k2", "gemm_bf16_256x128_c1x1", "gemm_bf16_256x64_c1x1",
+               "gemm_bf16_192x128_c1x1", "gemm_bf16_192x160_c1x1", "gemm_bf16_192x192_c1x1",
+               "gemm_bf16_192x256_c1x1")
+SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1",
+                "gemm_f32_256x128_c1x1", "gemm_f32_256x64_c1x1",
+                "gemm_f32_192x64_c1x1", "gemm_f32_192x128_c1x1")
 
 
 _MIX = (1, 17, 64, 130, 1000, 4096, 0, 63)
@@ -249,6 +265,10 @@ def build_cases() -> tuple[Case, ...]:
         for m in (1, 17, 64, 255, 1000):
             cases.append(Case("planned", f"M={m} N={n} K={k} {plan_gemm(m, n, k).variant.name}"
                               f"/S{plan_gemm(m, n, k).splits}", "planned", (m, n, k)))
+    for m, n, k in ((1, 2560, 4096), (17, 6144, 2560), (160, 2560, 4096), (193, 2560, 4096), (300, 4096, 4096),
+                    (1000, 2056, 1032)):  # A read past M to whole tiles: stream, 192-row, K-pair, tiles
+        cases.append(Case("padded", f"M={m} N={n} K={k} {plan_gemm(m, n, k).variant.name}/S{plan_gemm(m, n, k).splits}",
+                          "padded", (m, n, k)))
     for m in (8, 300):
         cases.append(Case("graph", f"M={m} N=2560 K=4096", "graph", (m, 2560, 4096)))
     for args in ((64, 37, 8, 16, 264, 520), (64, 1, 8, 64, 768, 2048), (128, 300, 2, 8, 1536, 2048)):
@@ -275,6 +295,8 @@ def run_case(runner, case: Case) -> Check:
         return gemm_check(runner, None, m, n, k, how)
     if case.kind == "planned":
         return gemm_check(runner, None, *case.args)
+    if case.kind == "padded":
+        return gemm_check(runner, None, *case.args, padded=True)
     if case.kind == "graph":
         return graph_check(runner, *case.args)
     if case.kind == "grouped":
