@@ -49,16 +49,16 @@ class GemmSm90:
     """Builds the jit entry point for one GemmVariant; call it through ``cute.compile``."""
 
     def __init__(self, tile: GemmVariant):
-        assert tile.tile_m in (64, 128, 192, 256) and tile.tile_n in (64, 80, 128, 160, 192, 256)
+        assert tile.tile_m in (64, 128, 192) and tile.tile_n in (64, 80, 128, 160, 192, 256)
         assert tile.cluster_m * tile.cluster_n <= 4
         assert not (tile.grouped and tile.cluster_m > 1), "a cluster along M would mix experts"
         assert tile.k_split in (1, 2) and (tile.k_split == 1 or tile.cluster_m * tile.cluster_n == 1)
         self.tile = tile
         self.cluster_mn = (tile.cluster_m, tile.cluster_n)
         self.acc_dtype = cutlass.Float32
-        # Consumer warpgroups: three for a 192-row tile (64 rows each), two for a 256-row tile
-        # (128 each) or a wide 128-row one (64 each); otherwise one does it all.
-        wgs = 3 if tile.tile_m == 192 else 2 if tile.tile_m == 256 or (tile.tile_m == 128 and tile.tile_n > 128) else 1
+        # Consumer warpgroups: three for a 192-row tile, two for a wide 128-row one (64 rows each);
+        # otherwise one does it all.
+        wgs = 3 if tile.tile_m == 192 else 2 if tile.tile_m == 128 and tile.tile_n > 128 else 1
         self.atom_layout_mnk = (wgs, 1, 1)
         self.num_mma_wg = math.prod(self.atom_layout_mnk)
         self.threads = 128 * self.num_mma_wg
