@@ -129,6 +129,10 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 # - 2026-12-01, 05:37-06:19 UTC: K-split cluster pairs (`_k2`) from M = 256 at K >= 4096 (N = 2560 / 4096
 #   at M = 256-512: 1.1-1.9x); 128x160 / 192 allowed from M = 256; no 2x1 cluster over an odd number
 #   (< 8) of M-tiles (it padded a row of empty tiles: 4B.qkv M = 640 55.0 -> 28.8 µs).
+# - 2026-12-01, 07:02-07:29 UTC: 128 < M <= 192 takes one row of 192-row tiles (three warpgroups; the
+#   plan had two rows of 128, up to half empty: 1.1-2.1x at M = 160-192), and from M = 129 the K pairs
+#   and 160 / 192 widths compete (1.2-1.5x at M = 224). The launcher reads A to whole tiles
+#   (gemm.readable_rows), which made K pairs on a partial tile up to 1.45x faster.
 # On the 56 swept shapes the plan's configs are within 8% of the sweep's best for M <= 512 (geometric
 # mean 1.01x over all). The whole plan was re-timed on 2026-12-01, 04:48 UTC (93 / 93 verification
 # cases passed, the planned path included).

@@ -7,7 +7,7 @@ each) into the float32 slice ``D[:, :, s]``, and ``splitk_reduce`` adds the slic
 B keep plain descriptors (a third mode of extent 1), so split-K needs nothing of K but ``K % 8 == 0``.
 
 Structure: TMA loads of A and B tiles into a multi-stage shared-memory ring (mbarrier pipeline,
-optional cluster multicast), wgmma from shared memory into fp32 registers (one or two consumer
+optional cluster multicast), wgmma from shared memory into fp32 registers (one to three consumer
 warpgroups), epilogue through shared memory (stmatrix for 16-bit output) and TMA stores, which clip
 the M/N tails. Warp 0 doubles as the producer. Grouped variants (MoE) take B as ``(N, K, E)``
 expert weights and an int32 map from each M-tile to its expert: tokens are grouped by expert and
