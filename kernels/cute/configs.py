@@ -132,7 +132,9 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 # - 2026-12-01, 07:02-07:29 UTC: 128 < M <= 192 takes one row of 192-row tiles (three warpgroups; the
 #   plan had two rows of 128, up to half empty: 1.1-2.1x at M = 160-192), and from M = 129 the K pairs
 #   and 160 / 192 widths compete (1.2-1.5x at M = 224). The launcher reads A to whole tiles
-#   (gemm.readable_rows), which made K pairs on a partial tile up to 1.45x faster.
+#   (gemm.readable_rows), which made K pairs on a partial tile up to 1.45x faster. Re-swept so
+#   (07:44): 192x64 split beats 192x128 split twice as often; qkv keeps 128-row tiles. Left: at
+#   M = 96-128, K pairs (8B o / down / qkv, 8-17%) and the wide 128-row tiles (gate_up, 4-10%).
 # On the 56 swept shapes the plan's configs are within 8% of the sweep's best for M <= 512 (geometric
 # mean 1.01x over all). The whole plan was re-timed on 2026-12-01, 04:48 UTC (93 / 93 verification
 # cases passed, the planned path included).
@@ -160,14 +162,20 @@ def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_{out}_64x{tile_n}_c1x1"], splits)
 
 
-def _row_192_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
+def _row_192_plan(m: int, n: int, k: int, sms: int) -> GemmPlan | None:
     """One row of 192-row tiles (three consumer warpgroups): the weights stream once, a third of
     the rows wasted at worst. The fullest single wave among the bf16 widths (no split) and
-    192x128 split in K; fewer splits, then the wider tile, among near-equal fills."""
+    192x64 / 192x128 split in K; fewer splits, then the wider tile, among near-equal fills.
+    None when no option fills FILL_TOLERANCE of a wave (qkv, N = 6144: two rows of 128x128 tiles
+    were 13-25% faster than 192x128 in two K splits, 2026-12-01)."""
     options = [(wave_fill(_ceil(n, w), sms), 1, w) for w in (256, 192, 160, 128)]
-    splits = wave_splits(_ceil(n, 128), k, sms)
-    options.append((wave_fill(_ceil(n, 128) * splits, sms), splits, 128))
+    for w in (128, 64):
+        splits = wave_splits(_ceil(n, w), k, sms)
+        if splits > 1:
+            options.append((wave_fill(_ceil(n, w) * splits, sms), splits, w))
     top = max(fill for fill, _, _ in options)
+    if top < FILL_TOLERANCE:
+        return None
     _, splits, tile_n = min((o for o in options if o[0] >= FILL_TOLERANCE * top), key=lambda o: (o[1], -o[2]))
     out = "f32" if splits > 1 else "bf16"
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_{out}_192x{tile_n}_c1x1"], splits)
@@ -204,10 +212,9 @@ def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS, residual: bool = Fals
     constants of this module, call ``plan_gemm.cache_clear()``."""
     if m <= 64 or (m <= STREAM_MAX_M and _ceil(m, 64) * _ceil(n, 256) < sms):
         plan = _stream_plan(m, n, k, sms)
-    elif STREAM_MAX_M < m <= ROW_192_MAX_M:
-        plan = _row_192_plan(m, n, k, sms)
     else:
-        plan = _tile_plan(m, n, k, sms, residual)
+        plan = _row_192_plan(m, n, k, sms) if STREAM_MAX_M < m <= ROW_192_MAX_M else None
+        plan = plan or _tile_plan(m, n, k, sms, residual)
     if residual and plan.variant.out == "bf16":
         return GemmPlan(replace(plan.variant, residual=True), plan.splits)
     return plan
