@@ -133,7 +133,7 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   plan had two rows of 128, up to half empty: 1.1-2.1x at M = 160-192), and from M = 129 the K pairs
 #   and 160 / 192 widths compete (1.2-1.5x at M = 224). The launcher reads A to whole tiles
 #   (gemm.readable_rows), which made K pairs on a partial tile up to 1.45x faster. Re-swept so
-#   (07:44): 192x64 split beats 192x128 split twice as often; qkv keeps 128-row tiles. Left: at
+#   (07:36): 192x64 split beats 192x128 split twice as often; qkv keeps 128-row tiles. Left: at
 #   M = 96-128, K pairs (8B o / down / qkv, 8-17%) and the wide 128-row tiles (gate_up, 4-10%).
 # On the 56 swept shapes the plan's configs are within 8% of the sweep's best for M <= 512 (geometric
 # mean 1.01x over all). The whole plan was re-timed on 2026-12-01, 04:48 UTC (93 / 93 verification
