@@ -10,7 +10,7 @@ import pytest
 from kernels.cute.attention import ATTENTION_KERNELS
 from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_TILE, MAX_SPLITS, REDUCE_NAME,
                                   REDUCE_RESIDUAL_NAME, ROW_192_MAX_M,
-                                  STREAM_MAX_M, plan_gemm, split_count, wave_fill, wave_splits)
+                                  STREAM_MAX_M, UNSPLIT_MAX_K, UNSPLIT_MIN_CTAS, plan_gemm, split_count, wave_fill, wave_splits)
 from kernels.cute.gemm import (A_ROW_PAD, DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args,
                                readable_rows)
 from kernels.cute.moe import group_by_expert
@@ -212,13 +212,16 @@ def test_row_192_plan_fills_one_wave(m, n, k):
 @pytest.mark.parametrize("m", [1, 8, 32, 64, 100, 128])
 def test_streaming_plan_fills_one_wave(m, n, k):
     """Small M: 64-row tiles whose CTAs fit one wave, with as many splits as still fit, and a fill
-    within FILL_TOLERANCE of the other tile width's best single wave."""
+    within FILL_TOLERANCE of the other tile width's best single wave; unsplit where the tiles alone
+    number UNSPLIT_MIN_CTAS (K <= UNSPLIT_MAX_K)."""
     plan = plan_gemm(m, n, k)
     if plan.variant.tile_m == 128:  # only when 64x256 tiles alone already fill the SMs
         assert m > 64 and -(-m // 64) * -(-n // 256) >= H200_SMS
         return
     v, s = plan.variant, plan.splits
     tiles = -(-m // 64) * -(-n // v.tile_n)
+    if s == 1 and tiles >= UNSPLIT_MIN_CTAS and k <= UNSPLIT_MAX_K:  # enough CTAs: no split
+        return
     k_tiles = -(-k // K_TILE)
     one_more = [t for t in range(s + 1, MAX_SPLITS + 1)
                 if tiles * t <= H200_SMS and k_tiles >= 2 * t and split_count(k, t) == t]
@@ -233,12 +236,15 @@ def test_streaming_plan_fills_one_wave(m, n, k):
 
 @pytest.mark.parametrize("m,n,k,expect", [
     # the choices the 2026-11-30 H200 sweep favoured (bench/results/kernels.md), as rules
-    (1, 6144, 2560, "gemm_f32_64x256_c1x1/S5"),     # qkv: 24 wide tiles x 5 splits fill the wave
+    (1, 6144, 2560, "gemm_bf16_64x128_c1x1/S1"),    # qkv: 48 tiles stream unsplit (was 24 x 5 splits)
+    (1, 2560, 4096, "gemm_f32_64x128_c1x1/S6"),     # o: 20 tiles are too few: split
+    (96, 4096, 4096, "gemm_bf16_64x128_c1x1/S1"),   # 8B o: 64 tiles, unsplit
+    (96, 4096, 12288, "gemm_f32_64x128_c1x1/S2"),   # 8B down: a long K earns the split back
     (8, 2560, 4096, "gemm_f32_64x128_c1x1/S6"),     # o: near-equal fills, fewer splits win
     (32, 4096, 12288, "gemm_f32_64x128_c1x1/S4"),   # 8B down: equal fills (32 x 4 = 16 x 8)
     (32, 19456, 2560, "gemm_bf16_64x256_c1x1/S1"),  # gate_up: the tiles alone fill the SMs
     (128, 2560, 9728, "gemm_f32_64x128_c1x1/S3"),   # M = 128 still streams the weights
-    (128, 19456, 2560, "gemm_bf16_128x256_c1x1/S1"),  # ... unless the 64-row tiles fill a wave
+    (128, 19456, 2560, "gemm_bf16_128x160_c1x2/S1"),  # ... unless the 64-row tiles fill a wave
     (512, 2560, 4096, "gemm_bf16_128x160_c1x1_k2/S1"),  # narrow N: 80 tiles of 128; 128 half-K CTAs
     (512, 4096, 4096, "gemm_bf16_128x128_c2x1/S1"),  # 128 tiles of 128 fill the wave: no K pair
     (640, 2560, 4096, "gemm_bf16_128x128_c1x1/S1"),  # no K pair (2 x 5 x 16 CTAs > a wave); 5 M-tiles: no 2x1 cluster

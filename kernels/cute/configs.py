@@ -133,16 +133,22 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   plan had two rows of 128, up to half empty: 1.1-2.1x at M = 160-192), and from M = 129 the K pairs
 #   and 160 / 192 widths compete (1.2-1.5x at M = 224). The launcher reads A to whole tiles
 #   (gemm.readable_rows), which made K pairs on a partial tile up to 1.45x faster. Re-swept so
-#   (07:36): 192x64 split beats 192x128 split twice as often; qkv keeps 128-row tiles. Left: at
-#   M = 96-128, K pairs (8B o / down / qkv, 8-17%) and the wide 128-row tiles (gate_up, 4-10%).
+#   (07:36): 192x64 split beats 192x128 split twice as often; qkv keeps 128-row tiles; 48 and more
+#   64-row tiles stream unsplit (qkv at M <= 64, 8B.o at 96-128: 1.1-1.3x); the wide 128-row tiles
+#   from M = 65 (gate_up, 4-10%). Left: K pairs at M = 96-128 (8B down / qkv, 8-10%).
 # On the 56 swept shapes the plan's configs are within 8% of the sweep's best for M <= 512 (geometric
 # mean 1.01x over all). The whole plan was re-timed on 2026-12-01, 04:48 UTC (93 / 93 verification
 # cases passed, the planned path included).
 STREAM_MAX_M = 128
 FILL_TOLERANCE = 0.9        # single-wave fills within 10% count as equal: fewer splits win
+UNSPLIT_MIN_CTAS = 48       # 64-row tiles: this many stream unsplit (qkv at M <= 64: 48 of 64x128,
+                            # 11.0 / 16.2 µs against 12.5-14.6 / 18.7-20.7 in 5 splits of 64x256;
+                            # 8B.o at M = 96-128: 15.6 against 18.2; swept 2026-12-01, 07:34-07:36)
+UNSPLIT_MAX_K = 4096        # ... but not 8B.down (K = 12288) at M = 96-128: 43.0 against 38.6 in 4 splits
 # 128-row tiles: relative throughput per element (sweeps of 2026-11-30 and, for 192 / 160, 2026-12-01)
 TILE_EFFICIENCY = {256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85}
-WIDE_192_MIN_M = 129        # 128x192 and 128x160: swept from M = 129 up (2026-12-01)
+WIDE_192_MIN_M = 65         # 128x192 and 128x160: swept from M = 64 up (2026-12-01; gate_up at
+                            # M = 96-128: 4B 128x160 c1x2 28.8-29.6 against 32.2-32.5 µs of 128x256)
 K_PAIR_MIN_M = 129          # K-split pairs: measured (2026-12-01) to win at M = 193-512 on narrow N
 ROW_192_MAX_M = 192         # 128 < M <= 192: one row of 192-row tiles (swept 2026-12-01, 07:20 UTC)
 K_PAIR_MIN_K = 4096         # ... with K >= 4096; at K = 2560 (qkv, gate_up of the 4B) the exchange did not pay
@@ -150,12 +156,18 @@ K_PAIR_COST = 1.2           # a pair's half-K CTA relative to half a tile's work
 
 
 def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
-    """64-row tiles; the fullest single wave, fewer splits among near-equal fills, 64x256 on a tie."""
+    """64-row tiles; the fullest single wave, fewer splits among near-equal fills, 64x256 on a tie.
+    A width whose tiles alone number UNSPLIT_MIN_CTAS streams unsplit at K <= UNSPLIT_MAX_K: that
+    many CTAs keep enough weight bytes in flight, and a split would only add the fp32 partials and
+    their reduction, a cost that a long K (down_proj) earns back."""
     options = []
     for tile_n in (256, 128):
         tiles = _ceil(m, 64) * _ceil(n, tile_n)
-        splits = wave_splits(tiles, k, sms)
+        splits = 1 if tiles >= UNSPLIT_MIN_CTAS and k <= UNSPLIT_MAX_K else wave_splits(tiles, k, sms)
         options.append((wave_fill(tiles * splits, sms), splits, tile_n))
+    unsplit = [o for o in options if o[1] == 1]
+    if unsplit:  # among unsplit widths: the fuller wave, 64x256 on a tie
+        options = unsplit
     top = max(fill for fill, _, _ in options)
     _, splits, tile_n = min((o for o in options if o[0] >= FILL_TOLERANCE * top), key=lambda o: (o[1], -o[2]))
     out = "f32" if splits > 1 else "bf16"
