@@ -215,6 +215,9 @@ def test_streaming_plan_fills_one_wave(m, n, k):
     within FILL_TOLERANCE of the other tile width's best single wave; unsplit where the tiles alone
     number UNSPLIT_MIN_CTAS (K <= UNSPLIT_MAX_K)."""
     plan = plan_gemm(m, n, k)
+    if plan.variant.k_split == 2:  # one row of 128x128 K pairs, 48 CTAs or more, at K >= 4096
+        assert 64 < m <= 128 and plan.variant.tile_n == 128 and k >= 4096 and 2 * -(-n // 128) >= UNSPLIT_MIN_CTAS
+        return
     if plan.variant.tile_m == 128:  # only when 64x256 tiles alone already fill the SMs
         assert m > 64 and -(-m // 64) * -(-n // 256) >= H200_SMS
         return
@@ -238,8 +241,11 @@ def test_streaming_plan_fills_one_wave(m, n, k):
     # the choices the 2026-11-30 H200 sweep favoured (bench/results/kernels.md), as rules
     (1, 6144, 2560, "gemm_bf16_64x128_c1x1/S1"),    # qkv: 48 tiles stream unsplit (was 24 x 5 splits)
     (1, 2560, 4096, "gemm_f32_64x128_c1x1/S6"),     # o: 20 tiles are too few: split
-    (96, 4096, 4096, "gemm_bf16_64x128_c1x1/S1"),   # 8B o: 64 tiles, unsplit
-    (96, 4096, 12288, "gemm_f32_64x128_c1x1/S2"),   # 8B down: a long K earns the split back
+    (32, 6144, 4096, "gemm_bf16_64x128_c1x1/S1"),   # 8B qkv too
+    (64, 4096, 12288, "gemm_f32_64x128_c1x1/S4"),   # 8B down: a long K earns the split back
+    (96, 4096, 4096, "gemm_bf16_128x128_c1x1_k2/S1"),   # M = 65-128: one row of 64 K pairs (8B o)
+    (128, 4096, 12288, "gemm_bf16_128x128_c1x1_k2/S1"),  # ... 8B down
+    (96, 2560, 9728, "gemm_f32_64x128_c1x1/S3"),    # 4B down: 40 pair CTAs are too few
     (8, 2560, 4096, "gemm_f32_64x128_c1x1/S6"),     # o: near-equal fills, fewer splits win
     (32, 4096, 12288, "gemm_f32_64x128_c1x1/S4"),   # 8B down: equal fills (32 x 4 = 16 x 8)
     (32, 19456, 2560, "gemm_bf16_64x256_c1x1/S1"),  # gate_up: the tiles alone fill the SMs

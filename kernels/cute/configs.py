@@ -135,7 +135,8 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   (gemm.readable_rows), which made K pairs on a partial tile up to 1.45x faster. Re-swept so
 #   (07:36): 192x64 split beats 192x128 split twice as often; qkv keeps 128-row tiles; 48 and more
 #   64-row tiles stream unsplit (qkv at M <= 64, 8B.o at 96-128: 1.1-1.3x); the wide 128-row tiles
-#   from M = 65 (gate_up, 4-10%). Left: K pairs at M = 96-128 (8B down / qkv, 8-10%).
+#   from M = 65 (gate_up, 4-10%); 128x128 K pairs at M = 65-128 where they are 48 CTAs or more (8B
+#   down 35.0 against 38.6 µs, qkv 19.8 against 21.6, o 15.1 against 15.6).
 # On the 56 swept shapes the plan's configs are within 8% of the sweep's best for M <= 512 (geometric
 # mean 1.01x over all). The whole plan was re-timed on 2026-12-01, 04:48 UTC (93 / 93 verification
 # cases passed, the planned path included).
@@ -223,7 +224,10 @@ def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS, residual: bool = Fals
     the same tile, its residual twin; tuned on the H200). Memoised: after changing the tuning
     constants of this module, call ``plan_gemm.cache_clear()``."""
     if m <= 64 or (m <= STREAM_MAX_M and _ceil(m, 64) * _ceil(n, 256) < sms):
-        plan = _stream_plan(m, n, k, sms)
+        # two rows of 64-row tiles stream the weights twice over L2: one row of 128x128 K pairs
+        # streams them once, where the pairs are enough CTAs (8B o / down / qkv at M = 96-128)
+        pairs = m > 64 and k >= K_PAIR_MIN_K and 2 * _ceil(n, 128) >= UNSPLIT_MIN_CTAS
+        plan = GemmPlan(VARIANTS_BY_NAME["gemm_bf16_128x128_c1x1_k2"]) if pairs else _stream_plan(m, n, k, sms)
     else:
         plan = _row_192_plan(m, n, k, sms) if STREAM_MAX_M < m <= ROW_192_MAX_M else None
         plan = plan or _tile_plan(m, n, k, sms, residual)
