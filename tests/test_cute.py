@@ -218,6 +218,9 @@ def test_streaming_plan_fills_one_wave(m, n, k):
     if plan.variant.k_split == 2:  # one row of 128x128 K pairs, 48 CTAs or more, at K >= 4096
         assert 64 < m <= 128 and plan.variant.tile_n == 128 and k >= 4096 and 2 * -(-n // 128) >= UNSPLIT_MIN_CTAS
         return
+    if plan.variant.tile_m == 192:  # M = 65-128: one row of 192-row tiles where the stream would split
+        assert 64 < m <= 128 and plan.splits > 1
+        return
     if plan.variant.tile_m == 128:  # only when 64x256 tiles alone already fill the SMs
         assert m > 64 and -(-m // 64) * -(-n // 256) >= H200_SMS
         return
@@ -245,11 +248,12 @@ def test_streaming_plan_fills_one_wave(m, n, k):
     (64, 4096, 12288, "gemm_f32_64x128_c1x1/S4"),   # 8B down: a long K earns the split back
     (96, 4096, 4096, "gemm_bf16_128x128_c1x1_k2/S1"),   # M = 65-128: one row of 64 K pairs (8B o)
     (128, 4096, 12288, "gemm_bf16_128x128_c1x1_k2/S1"),  # ... 8B down
-    (96, 2560, 9728, "gemm_f32_64x128_c1x1/S3"),    # 4B down: 40 pair CTAs are too few
+    (96, 2560, 9728, "gemm_f32_192x64_c1x1/S3"),    # 4B down: 40 pair CTAs are too few: 192-row tiles
     (8, 2560, 4096, "gemm_f32_64x128_c1x1/S6"),     # o: near-equal fills, fewer splits win
     (32, 4096, 12288, "gemm_f32_64x128_c1x1/S4"),   # 8B down: equal fills (32 x 4 = 16 x 8)
     (32, 19456, 2560, "gemm_bf16_64x256_c1x1/S1"),  # gate_up: the tiles alone fill the SMs
-    (128, 2560, 9728, "gemm_f32_64x128_c1x1/S3"),   # M = 128 still streams the weights
+    (128, 2560, 9728, "gemm_f32_192x64_c1x1/S3"),   # M = 128: one row of tiles streams the weights once
+    (64, 2560, 9728, "gemm_f32_64x128_c1x1/S6"),    # M = 64: one row of 64-row tiles
     (128, 19456, 2560, "gemm_bf16_128x160_c1x2/S1"),  # ... unless the 64-row tiles fill a wave
     (512, 2560, 4096, "gemm_bf16_128x160_c1x1_k2/S1"),  # narrow N: 80 tiles of 128; 128 half-K CTAs
     (512, 4096, 4096, "gemm_bf16_128x128_c2x1/S1"),  # 128 tiles of 128 fill the wave: no K pair

@@ -136,7 +136,8 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   (07:36): 192x64 split beats 192x128 split twice as often; qkv keeps 128-row tiles; 48 and more
 #   64-row tiles stream unsplit (qkv at M <= 64, 8B.o at 96-128: 1.1-1.3x); the wide 128-row tiles
 #   from M = 65 (gate_up, 4-10%); 128x128 K pairs at M = 65-128 where they are 48 CTAs or more (8B
-#   down 35.0 against 38.6 µs, qkv 19.8 against 21.6, o 15.1 against 15.6).
+#   down 35.0 against 38.6 µs, qkv 19.8 against 21.6, o 15.1 against 15.6), else 192-row tiles split
+#   in K where the stream would split (4B o / down, 4-6%): `_small_m_plan`.
 # On the 56 swept shapes the plan's configs are within 8% of the sweep's best for M <= 512 (geometric
 # mean 1.01x over all). The whole plan was re-timed on 2026-12-01, 04:48 UTC (93 / 93 verification
 # cases passed, the planned path included).
@@ -173,6 +174,19 @@ def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
     _, splits, tile_n = min((o for o in options if o[0] >= FILL_TOLERANCE * top), key=lambda o: (o[1], -o[2]))
     out = "f32" if splits > 1 else "bf16"
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_{out}_64x{tile_n}_c1x1"], splits)
+
+
+def _small_m_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
+    """64-row tiles streaming the weights (``_stream_plan``). From M = 65 two rows of them read the
+    weights twice over L2; one row reads them once: 128x128 K pairs where they are enough CTAs at
+    K >= 4096 (8B o / down / qkv at M = 96-128: 1.03-1.11x), else 192-row tiles split in K where
+    the stream would split anyway (4B o / down: 1.04-1.06x; sweeps of 2026-12-01, 07:36 UTC)."""
+    stream = _stream_plan(m, n, k, sms)
+    if m <= 64:
+        return stream
+    if k >= K_PAIR_MIN_K and 2 * _ceil(n, 128) >= UNSPLIT_MIN_CTAS:
+        return GemmPlan(VARIANTS_BY_NAME["gemm_bf16_128x128_c1x1_k2"])
+    return (_row_192_plan(m, n, k, sms) if stream.splits > 1 else None) or stream
 
 
 def _row_192_plan(m: int, n: int, k: int, sms: int) -> GemmPlan | None:
@@ -224,10 +238,7 @@ def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS, residual: bool = Fals
     the same tile, its residual twin; tuned on the H200). Memoised: after changing the tuning
     constants of this module, call ``plan_gemm.cache_clear()``."""
     if m <= 64 or (m <= STREAM_MAX_M and _ceil(m, 64) * _ceil(n, 256) < sms):
-        # two rows of 64-row tiles stream the weights twice over L2: one row of 128x128 K pairs
-        # streams them once, where the pairs are enough CTAs (8B o / down / qkv at M = 96-128)
-        pairs = m > 64 and k >= K_PAIR_MIN_K and 2 * _ceil(n, 128) >= UNSPLIT_MIN_CTAS
-        plan = GemmPlan(VARIANTS_BY_NAME["gemm_bf16_128x128_c1x1_k2"]) if pairs else _stream_plan(m, n, k, sms)
+        plan = _small_m_plan(m, n, k, sms)
     else:
         plan = _row_192_plan(m, n, k, sms) if STREAM_MAX_M < m <= ROW_192_MAX_M else None
         plan = plan or _tile_plan(m, n, k, sms, residual)
