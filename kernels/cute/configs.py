@@ -138,9 +138,10 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   from M = 65 (gate_up, 4-10%); 128x128 K pairs at M = 65-128 where they are 48 CTAs or more (8B
 #   down 35.0 against 38.6 µs, qkv 19.8 against 21.6, o 15.1 against 15.6), else 192-row tiles split
 #   in K where the stream would split (4B o / down, 4-6%): `_small_m_plan`.
-# On the 56 swept shapes the plan's configs are within 8% of the sweep's best for M <= 512 (geometric
-# mean 1.01x over all). The whole plan was re-timed on 2026-12-01, 04:48 UTC (93 / 93 verification
-# cases passed, the planned path included).
+# The whole plan was re-timed on 2026-12-01, 07:29 UTC (261 / 261 verification cases passed, the
+# planned path included), M = 160-192 again at 07:39; the M <= 128 rules of 07:40 on (unsplit
+# streams, K pairs, 192-row and wide tiles from M = 65) come from the 07:34-07:36 sweeps and await
+# a re-time as a plan.
 STREAM_MAX_M = 128
 FILL_TOLERANCE = 0.9        # single-wave fills within 10% count as equal: fewer splits win
 UNSPLIT_MIN_CTAS = 48       # 64-row tiles: this many stream unsplit (qkv at M <= 64: 48 of 64x128,
