@@ -83,7 +83,9 @@ def gemm(a, b, out, stream=None, residual=None, prefetch_weights: bool = False) 
     """``out[M, N] = bf16(a[M, K] · b[N, K]ᵀ (+ residual[M, N]))``, fp32 accumulation, launched on
     ``stream`` as a programmatic dependent launch; the residual (which may be ``out`` itself) is added
     in the epilogue. ``prefetch_weights``: ``b`` is not written by the kernel just before, so its
-    first k-tiles load while that kernel finishes."""
+    first k-tiles load while that kernel finishes. Where ``a`` is a view into a larger CuPy
+    allocation (the engine's arena), its rows past M are read to whole tiles, which is faster than
+    the TMA's zero fill; they affect no stored output."""
     _get_runner()(a, b, out, stream, residual=residual, prefetch_weights=prefetch_weights)
 
 
