@@ -114,15 +114,25 @@ def cublas_time_us(m: int, n: int, k: int, sets: int) -> float:
     a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    us = torch_graph_us(lambda i: torch.mm(a[i % sets], w[i % sets].t(), out=out))
+    del a, w, out
+    torch.cuda.empty_cache()
+    return us
+
+
+def torch_graph_us(step) -> float:
+    """Median µs per ``step(i)`` (torch work) over replays of a CUDA graph of GRAPH_LAUNCHES steps."""
+    import torch
+
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         for i in range(3):
-            torch.mm(a[i % sets], w[i % sets].t(), out=out)
+            step(i)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(GRAPH_LAUNCHES):
-            torch.mm(a[i % sets], w[i % sets].t(), out=out)
+            step(i)
     graph.replay()
     times = []
     for _ in range(5):
@@ -132,8 +142,7 @@ def cublas_time_us(m: int, n: int, k: int, sets: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / GRAPH_LAUNCHES)
-    del a, w, out, graph
-    torch.cuda.empty_cache()
+    del graph
     return sorted(times)[len(times) // 2]
 
 
