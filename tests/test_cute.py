@@ -546,3 +546,42 @@ def test_a_rows_read_past_m_only_inside_the_allocation():
     # a strided view (row stride 2K): a row counts only when its K elements lie inside
     a = DeviceTensor(0, (5, k), (2 * k, 1), readable=(7 * 2 * k + k) * 2)
     assert readable_rows(a, 5, k, 2 * k) == 8
+
+
+class _RecordingLibrary:
+    """Stands in for the shared library: records each kernel call's name and arguments."""
+
+    def __init__(self):
+        self.calls = []
+
+    def is_loaded(self, device: int) -> bool:
+        return True
+
+    def __getitem__(self, name):
+        return lambda *args, stream: self.calls.append((name, args))
+
+
+def test_launcher_describes_a_to_whole_tiles_and_the_output_to_m(monkeypatch):
+    """A K pair at M = 193 (N 2560, K 4096) with A a view into a 1000-row allocation: the kernel
+    sees A with 256 rows, the output with 193; from an exact allocation, A keeps 193."""
+    import types
+
+    from kernels.cute.gemm import GemmRunner
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0)))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    m, n, k = 193, 2560, 4096
+    assert plan_gemm(m, n, k).splits == 1
+    lib = _RecordingLibrary()
+    runner = GemmRunner(lib)
+    w = DeviceTensor(1 << 40, (n, k), (k, 1))
+    out = DeviceTensor(1 << 41, (m, n), (n, 1))
+    for alloc_rows, a_rows in ((1000, A_ROW_PAD), (m, m)):
+        a = as_device_tensor(_FakeCupyArray(1 << 30, (m, k), 1 << 30, alloc_rows * k * 2), "a")
+        runner(a, w, out, stream=7)
+        name, (a_arg, _, out_arg, prefetch) = lib.calls[-1]
+        assert name == plan_gemm(m, n, k).variant.name
+        assert a_arg.shapes == (a_rows, k, 1) and a_arg.strides == (k, k * a_rows)
+        assert out_arg.shapes == (m, n, 1)
+    with pytest.raises(ValueError, match="a_rows"):
+        runner(a, w, out, stream=7, a_rows=m - 1)
