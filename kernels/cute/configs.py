@@ -48,6 +48,7 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 192, k_split=2),
     GemmVariant(64, 128, 1, 1),
     GemmVariant(64, 256, 1, 1),
+    GemmVariant(192, 64, 1, 1),     # N = 6144 in 96 tiles (qkv at M = 129-192): not yet swept
     GemmVariant(192, 128, 1, 1),    # M = 129-192 (and 384) in whole 192-row tiles: three warpgroups
     GemmVariant(192, 160, 1, 1),
     GemmVariant(192, 192, 1, 1),
