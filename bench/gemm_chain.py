@@ -21,28 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernels import QWEN_SHAPES, ROTATE_BYTES, graph_time_us, gpu_info, torch_graph_us  # noqa: E402
+from bench.kernels import (QWEN_SHAPES, ROTATE_BYTES, copy_bandwidth_gbs, gpu_info, graph_time_us,  # noqa: E402
+                           torch_graph_us)
 from kernels.cute.gemm import A_ROW_PAD  # noqa: E402
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 RESIDUAL = {"o", "down"}                   # accumulated into the residual stream h
 INPUT = {"qkv": "x", "o": "attn", "gate_up": "x", "down": "act"}
-
-
-def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy bandwidth (read + write), as bench/kernels.py measures it."""
-    import cupy as cp
-
-    src = cp.empty(1 << 30, dtype=cp.uint8)
-    dst = cp.empty_like(src)
-    dst[...] = src
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    start.record()
-    for _ in range(10):
-        dst[...] = src
-    end.record()
-    end.synchronize()
-    return 2 * src.nbytes * 10 / (cp.cuda.get_elapsed_time(start, end) * 1e-3) / 1e9
 
 
 class Layers:

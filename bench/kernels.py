@@ -169,20 +169,27 @@ class _Operands:
                              self.sets, what)
 
 
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy bandwidth of 1 GiB (read + write), GB/s."""
+    import cupy as cp
+
+    src = cp.empty(1 << 30, dtype=cp.uint8)
+    dst = cp.empty_like(src)
+    dst[...] = src
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(10):
+        dst[...] = src
+    end.record()
+    end.synchronize()
+    return 2 * src.nbytes * 10 / (cp.cuda.get_elapsed_time(start, end) * 1e-3) / 1e9
+
+
 def run_task(runner, task: Case) -> dict:
     import cupy as cp
 
     if task.kind == "hbm":
-        src = cp.empty(1 << 30, dtype=cp.uint8)
-        dst = cp.empty_like(src)
-        dst[...] = src
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for _ in range(10):
-            dst[...] = src
-        end.record()
-        end.synchronize()
-        return {"hbm_gbs": 2 * src.nbytes * 10 / (cp.cuda.get_elapsed_time(start, end) * 1e-3) / 1e9}
+        return {"hbm_gbs": copy_bandwidth_gbs()}
     if task.kind == "attention":
         return attention_row(runner, *task.args)
     name, m = task.args[:2]
