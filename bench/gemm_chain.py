@@ -72,7 +72,7 @@ def cublas_layer_us(layers: Layers) -> float:
             torch.mm(inputs[INPUT[p]], w[i % layers.sets][p].t(), out=outs[p])
 
     us = torch_graph_us(layer)
-    del w, inputs, outs
+    w = inputs = outs = None  # freed before the cache is emptied
     torch.cuda.empty_cache()
     return us
 
@@ -108,7 +108,7 @@ def main() -> int:
             lines.append(f"| {model} | {m} | {layers.layer_bytes / 1e6:.0f} | {plain:.1f} | {early:.1f} | {base:.1f} | "
                          f"{gbs:.0f} | {100 * gbs / hbm:.0f} | {base / best:.2f} |")
             print(lines[-1], flush=True)
-            del layers
+            layers = None  # freed before the pool is emptied
             cp.get_default_memory_pool().free_all_blocks()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gemm_chain.md").write_text("\n".join(lines) + "\n")

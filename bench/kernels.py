@@ -115,7 +115,7 @@ def cublas_time_us(m: int, n: int, k: int, sets: int) -> float:
     w = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     us = torch_graph_us(lambda i: torch.mm(a[i % sets], w[i % sets].t(), out=out))
-    del a, w, out
+    a = w = out = None  # freed before the cache is emptied
     torch.cuda.empty_cache()
     return us
 
