@@ -9,7 +9,7 @@
 2. Benchmark, in worker processes too, of the kernels that passed: Qwen3-4B/8B projection shapes
    for M ∈ {1, 8, 32, 128, 512, 2048, 8192}, the planned config against cuBLAS bf16 (torch.mm, the
    baseline only), each timing a CUDA graph of 20 launches over rotating weight copies (> L2),
-   median of 5 replays; causal attention TFLOP/s at 1k / 4k / 16k tokens (against torch SDPA), a
+   median of 5 replays, with A a view of a buffer of whole 256-row tiles as in the engine; causal attention TFLOP/s at 1k / 4k / 16k tokens (against torch SDPA), a
    batch of 8 sequences and 512 new tokens on a cached prefix, for every verified attention kernel;
    then (unless ``--no-sweep``, and while the budget lasts) every variant / split count per shape,
    which is how ``configs.plan_gemm`` is tuned.
