@@ -8,17 +8,11 @@ import numpy as np
 import pytest
 
 from kernels.cute.attention import ATTENTION_KERNELS
-from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_TILE, MAX_SPLITS, REDUCE_NAME,
-                                  REDUCE_RESIDUAL_NAME, ROW_192_MAX_M,
-                                  STREAM_MAX_M, UNSPLIT_MAX_K, UNSPLIT_MIN_CTAS, plan_gemm, split_count, wave_fill, wave_splits)
+from kernels.cute.configs import GEMM_VARIANTS, REDUCE_NAME, REDUCE_RESIDUAL_NAME, plan_gemm
 from kernels.cute.gemm import (A_ROW_PAD, DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args,
                                readable_rows)
 from kernels.cute.moe import group_by_expert
 from kernels.cute.library import KernelLaunchError, Library, TensorArg, _tensor_struct
-
-QWEN = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (6144, 4096), (4096, 4096),
-        (24576, 4096), (4096, 12288)]
-
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
@@ -165,136 +159,6 @@ def test_launcher_rejects_unaligned_sizes():
         check_gemm_args(*_args(n=60))
     with pytest.raises(TypeError, match="device array"):
         as_device_tensor([1, 2], "a")
-
-
-@pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560), (64, 64)])
-@pytest.mark.parametrize("m", [1, 8, 17, 32, 64, 65, 128, 129, 160, 192, 193, 255, 256, 512, 1000, 8192])
-def test_plan_is_valid(m, n, k):
-    plan = plan_gemm(m, n, k)
-    assert plan.variant in GEMM_VARIANTS and not plan.variant.grouped
-    assert split_count(k, plan.splits) == plan.splits
-    assert (plan.splits > 1) == (plan.variant.out == "f32")
-    assert plan.variant.cluster_m == 1 or -(-m // plan.variant.tile_m) >= 2  # a 2x1 cluster pairs two M-tiles
-    if STREAM_MAX_M < m <= ROW_192_MAX_M:  # one row of 192-row tiles, or 128-row tiles unsplit
-        assert plan.variant.tile_m == 192 or (plan.variant.tile_m == 128 and plan.splits == 1)
-    elif m > STREAM_MAX_M:
-        assert plan.variant.tile_m == 128 and plan.splits == 1
-
-
-def _row_192_fills(n: int, k: int) -> list[tuple[float, int, int]]:
-    """(fill, splits, width) of every one-row 192 option: the bf16 widths, 192x128 / 192x64 split."""
-    options = [(wave_fill(-(-n // w)), 1, w) for w in (256, 192, 160, 128)]
-    for w in (128, 64):
-        s = wave_splits(-(-n // w), k)
-        if s > 1:
-            options.append((wave_fill(-(-n // w) * s), s, w))
-    return options
-
-
-@pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560)])
-@pytest.mark.parametrize("m", [129, 160, 192])
-def test_row_192_plan_fills_one_wave(m, n, k):
-    """128 < M <= 192: one row of 192-row tiles when one of its options fills FILL_TOLERANCE of a
-    wave (the fullest, or one with fewer splits within FILL_TOLERANCE of it); else 128-row tiles."""
-    plan = plan_gemm(m, n, k)
-    options = _row_192_fills(n, k)
-    top = max(f for f, _, _ in options)
-    if plan.variant.tile_m == 128:
-        assert top < FILL_TOLERANCE
-        return
-    v, s = plan.variant, plan.splits
-    fill = wave_fill(-(-n // v.tile_n) * s)
-    assert (fill, s, v.tile_n) in options and fill >= FILL_TOLERANCE * top
-    assert not [o for o in options if o[0] >= FILL_TOLERANCE * top and o[1] < s], "an option with fewer splits fits"
-
-
-@pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560)])
-@pytest.mark.parametrize("m", [1, 8, 32, 64, 100, 128])
-def test_streaming_plan_fills_one_wave(m, n, k):
-    """Small M: 64-row tiles whose CTAs fit one wave, with as many splits as still fit, and a fill
-    within FILL_TOLERANCE of the other tile width's best single wave; unsplit where the tiles alone
-    number UNSPLIT_MIN_CTAS (K <= UNSPLIT_MAX_K)."""
-    plan = plan_gemm(m, n, k)
-    if plan.variant.k_split == 2:  # one row of 128x128 K pairs, 48 CTAs or more, at K >= 4096
-        assert 64 < m <= 128 and plan.variant.tile_n == 128 and k >= 4096 and 2 * -(-n // 128) >= UNSPLIT_MIN_CTAS
-        return
-    if plan.variant.tile_m == 192:  # M = 65-128: one row of 192-row tiles where the stream would split
-        assert 64 < m <= 128 and plan.splits > 1
-        return
-    if plan.variant.tile_m == 128:  # only when 64x256 tiles alone already fill the SMs
-        assert m > 64 and -(-m // 64) * -(-n // 256) >= H200_SMS
-        return
-    v, s = plan.variant, plan.splits
-    tiles = -(-m // 64) * -(-n // v.tile_n)
-    if s == 1 and tiles >= UNSPLIT_MIN_CTAS and k <= UNSPLIT_MAX_K:  # enough CTAs: no split
-        return
-    k_tiles = -(-k // K_TILE)
-    one_more = [t for t in range(s + 1, MAX_SPLITS + 1)
-                if tiles * t <= H200_SMS and k_tiles >= 2 * t and split_count(k, t) == t]
-    assert not one_more, f"{v.name}/S{s}: {one_more} would still fit one wave"
-    assert tiles * s <= H200_SMS or s == 1
-    other = 128 if v.tile_n == 256 else 256
-    other_tiles = -(-m // 64) * -(-n // other)
-    best_other = max(wave_fill(other_tiles * t) for t in range(1, MAX_SPLITS + 1)
-                     if t == 1 or (other_tiles * t <= H200_SMS and k_tiles >= 2 * t and split_count(k, t) == t))
-    assert wave_fill(tiles * s) >= FILL_TOLERANCE * best_other
-
-
-@pytest.mark.parametrize("m,n,k,expect", [
-    # the choices the 2026-11-30 H200 sweep favoured (bench/results/kernels.md), as rules
-    (1, 6144, 2560, "gemm_bf16_64x128_c1x1/S1"),    # qkv: 48 tiles stream unsplit (was 24 x 5 splits)
-    (1, 2560, 4096, "gemm_f32_64x128_c1x1/S6"),     # o: 20 tiles are too few: split
-    (32, 6144, 4096, "gemm_bf16_64x128_c1x1/S1"),   # 8B qkv too
-    (64, 4096, 12288, "gemm_f32_64x128_c1x1/S4"),   # 8B down: a long K earns the split back
-    (96, 4096, 4096, "gemm_bf16_128x128_c1x1_k2/S1"),   # M = 65-128: one row of 64 K pairs (8B o)
-    (128, 4096, 12288, "gemm_bf16_128x128_c1x1_k2/S1"),  # ... 8B down
-    (96, 2560, 9728, "gemm_f32_192x64_c1x1/S3"),    # 4B down: 40 pair CTAs are too few: 192-row tiles
-    (8, 2560, 4096, "gemm_f32_64x128_c1x1/S6"),     # o: near-equal fills, fewer splits win
-    (32, 4096, 12288, "gemm_f32_64x128_c1x1/S4"),   # 8B down: equal fills (32 x 4 = 16 x 8)
-    (32, 19456, 2560, "gemm_bf16_64x256_c1x1/S1"),  # gate_up: the tiles alone fill the SMs
-    (128, 2560, 9728, "gemm_f32_192x64_c1x1/S3"),   # M = 128: one row of tiles streams the weights once
-    (64, 2560, 9728, "gemm_f32_64x128_c1x1/S6"),    # M = 64: one row of 64-row tiles
-    (128, 19456, 2560, "gemm_bf16_128x160_c1x2/S1"),  # ... unless the 64-row tiles fill a wave
-    (512, 2560, 4096, "gemm_bf16_128x160_c1x1_k2/S1"),  # narrow N: 80 tiles of 128; 128 half-K CTAs
-    (512, 4096, 4096, "gemm_bf16_128x128_c2x1/S1"),  # 128 tiles of 128 fill the wave: no K pair
-    (640, 2560, 4096, "gemm_bf16_128x128_c1x1/S1"),  # no K pair (2 x 5 x 16 CTAs > a wave); 5 M-tiles: no 2x1 cluster
-    (384, 6144, 2560, "gemm_bf16_128x160_c1x2/S1"),  # 128x160 / 192 from M = 256 (timed at 256-640)
-    (384, 4096, 12288, "gemm_bf16_128x192_c1x1_k2/S1"),  # 96 tiles of 128 -> 132 half-K CTAs of 192
-    (256, 6144, 2560, "gemm_bf16_128x128_c2x1/S1"),  # K = 2560: no K pair (the exchange does not pay)
-    (512, 6144, 4096, "gemm_bf16_128x192_c2x1/S1"),  # 32 x 4 tiles of 192: one wave (2026-12-01 sweep)
-    (2048, 2560, 4096, "gemm_bf16_128x160_c1x2/S1"),  # 256 tiles of 160: 2 waves; A multicast along N
-    (1000, 6144, 2560, "gemm_bf16_128x192_c2x1/S1"),  # 2 waves of 192 beat 3 of 160
-    (512, 19456, 2560, "gemm_bf16_128x160_c1x2/S1"),  # 3.7 waves of 160 beat 2.3 of 256 and 4.6 of 128
-    (8192, 2560, 4096, "gemm_bf16_128x256_c2x1/S1"),  # many waves: the wide tile
-    # 128 < M <= 192 (the 2026-12-01 sweeps with A read to whole tiles)
-    (160, 2560, 4096, "gemm_f32_192x64_c1x1/S3"),    # one row of 192: 40 tiles x 3 splits
-    (192, 4096, 12288, "gemm_f32_192x64_c1x1/S2"),   # 64 tiles x 2 = 15 x 8 of 128: fewer splits
-    (160, 19456, 2560, "gemm_bf16_192x160_c1x1/S1"),  # 122 tiles of 160: one wave, no split
-    (192, 24576, 4096, "gemm_bf16_192x192_c1x1/S1"),  # 128 tiles of 192
-    (160, 6144, 2560, "gemm_bf16_128x128_c2x1/S1"),  # qkv: no 192 option fills a wave; two rows of 128
-    (224, 2560, 4096, "gemm_bf16_128x128_c1x1_k2/S1"),  # K pairs from M = 129
-])
-def test_plan_follows_the_tuned_rules(m, n, k, expect):
-    plan = plan_gemm(m, n, k)
-    assert f"{plan.variant.name}/S{plan.splits}" == expect
-
-
-def test_wave_helpers():
-    assert wave_fill(132) == 1.0 and wave_fill(66) == 0.5 and wave_fill(133) == pytest.approx(133 / 264)
-    assert wave_splits(24, 2560) == 5       # 5 x 24 = 120 <= 132 < 6 x 24
-    assert wave_splits(10, 320) == 2        # 5 k-tiles: at least 2 per split
-    assert wave_splits(200, 4096) == 1
-    assert all(split_count(k, wave_splits(t, k)) == wave_splits(t, k) for t in (1, 3, 7) for k in (1032, 9728))
-
-
-@pytest.mark.parametrize("k", [8, 64, 72, 328, 1032, 2560, 9728])
-@pytest.mark.parametrize("asked", [1, 2, 3, 4, 5, 7, 16])
-def test_split_count_never_leaves_a_split_empty(k, asked):
-    k_tiles = -(-k // K_TILE)
-    s = split_count(k, asked)
-    per = -(-k_tiles // s)
-    assert 1 <= s <= min(asked, k_tiles)
-    assert (s - 1) * per < k_tiles <= s * per  # the last split has at least one k-tile
 
 
 def test_available_reports_missing_build(monkeypatch, tmp_path):
@@ -482,16 +346,6 @@ def test_benchmark_launches_only_after_its_inputs_are_made(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     assert bench.graph_time_us(fake.launch, 1, "attention n=16384") == 1.0 / bench.GRAPH_LAUNCHES * 1e3
     assert fake.stale_reads == 0
-
-
-def test_residual_plans_have_a_residual_twin():
-    """A planned K pair of 128x256 has no residual twin (no room for R): residual plans avoid it."""
-    from kernels.cute.configs import VARIANTS_BY_NAME
-
-    for m in (256, 384, 512, 700):
-        for n, k in ((2560, 4096), (4096, 12288), (6144, 4096), (19456, 4096)):
-            plan = plan_gemm(m, n, k, residual=True)
-            assert plan.variant.residual and plan.variant.name in VARIANTS_BY_NAME
 
 
 def test_kernel_call_reuses_its_packed_arguments_and_reports_each_launch_error(built):
