@@ -154,7 +154,7 @@ TILE_EFFICIENCY = {256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85}
 WIDE_192_MIN_M = 65         # 128x192 and 128x160: swept from M = 64 up (2026-12-01; gate_up at
                             # M = 96-128: 4B 128x160 c1x2 28.8-29.6 against 32.2-32.5 µs of 128x256)
 K_PAIR_MIN_M = 129          # K-split pairs: measured (2026-12-01) to win at M = 193-512 on narrow N
-ROW_192_MAX_M = 192         # 128 < M <= 192: one row of 192-row tiles (swept 2026-12-01, 07:20 UTC)
+ROW_192_MAX_M = 192         # 128 < M <= 192: one row of 192-row tiles (swept 2026-12-01, 07:15 UTC)
 K_PAIR_MIN_K = 4096         # ... with K >= 4096; at K = 2560 (qkv, gate_up of the 4B) the exchange did not pay
 K_PAIR_COST = 1.2           # a pair's half-K CTA relative to half a tile's work (DSMEM exchange, epilogue)
 

@@ -179,7 +179,7 @@ class GemmRunner:
         self.ensure_loaded()
         lda, ldb, ldo = _row_stride(a), _row_stride(b), _row_stride(out)
         a_rows = a_rows or readable_rows(a, m, k, lda)
-        a_arg = TensorArg(a.ptr, (a_rows or m, k, 1), (lda, lda * (a_rows or m)))
+        a_arg = TensorArg(a.ptr, (a_rows, k, 1), (lda, lda * a_rows))
         b_arg = TensorArg(b.ptr, (n, k, 1), (ldb, ldb * n))
         s = split_count(k, plan.splits)
         if s == 1 and plan.variant.out == "bf16":

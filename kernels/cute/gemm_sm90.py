@@ -77,9 +77,10 @@ class GemmSm90:
         self.mcast_b = self.cluster_mn[0]
         # The epilogue walks whole epi tiles: a width that 32 does not divide (80) takes 16-wide ones
         # (with 32, a 128x80 tile's second 64-row half came out wrong; with 16 it verified, 2026-12-01).
+        # A 192-row tile's epi tiles span its three warpgroups, as a cooperative 128-row one's span two.
+        override = (192, 32) if self.tile.tile_m == 192 else None if self.tile.tile_n % 32 == 0 else (64, 16)
         self.epi_tile = sm90_utils.compute_tile_shape_or_override(
-            self.tile_mnk, c_dtype, is_cooperative=self.atom_layout_mnk == (2, 1, 1),
-            epi_tile_override=(192, 32) if self.tile.tile_m == 192 else None if self.tile.tile_n % 32 == 0 else (64, 16),
+            self.tile_mnk, c_dtype, is_cooperative=self.atom_layout_mnk == (2, 1, 1), epi_tile_override=override,
         )
         bytes_per_stage = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2] * a_dtype.width // 8
         # Residual variants hold the whole R tile in shared memory (loaded by TMA at tile start,

@@ -263,10 +263,11 @@ def build_cases() -> tuple[Case, ...]:
         for m in (1, 17, 64, 255, 1000):
             cases.append(Case("planned", f"M={m} N={n} K={k} {plan_gemm(m, n, k).variant.name}"
                               f"/S{plan_gemm(m, n, k).splits}", "planned", (m, n, k)))
-    for m, n, k in ((1, 2560, 4096), (17, 6144, 2560), (160, 2560, 4096), (193, 2560, 4096), (300, 4096, 4096),
-                    (1000, 2056, 1032)):  # A read past M to whole tiles: stream, 192-row, K-pair, tiles
-        cases.append(Case("padded", f"M={m} N={n} K={k} {plan_gemm(m, n, k).variant.name}/S{plan_gemm(m, n, k).splits}",
-                          "padded", (m, n, k)))
+    # A read past M to whole tiles: streams, 192-row tiles, K pairs (one and two rows), 128-row tiles
+    for m, n, k in ((1, 2560, 4096), (17, 6144, 2560), (96, 4096, 4096), (160, 2560, 4096), (193, 2560, 4096),
+                    (300, 4096, 4096), (1000, 2056, 1032)):
+        plan = plan_gemm(m, n, k)
+        cases.append(Case("padded", f"M={m} N={n} K={k} {plan.variant.name}/S{plan.splits}", "padded", (m, n, k)))
     for m in (8, 300):
         cases.append(Case("graph", f"M={m} N=2560 K=4096", "graph", (m, 2560, 4096)))
     for args in ((64, 37, 8, 16, 264, 520), (64, 1, 8, 64, 768, 2048), (128, 300, 2, 8, 1536, 2048)):
