@@ -46,6 +46,8 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 256, k_split=2),
     GemmVariant(128, 128, k_split=2),
     GemmVariant(128, 192, k_split=2),
+    GemmVariant(128, 160, 2, 1, k_split=2),  # K pairs of an M-pair: B multicast (L2 reads -28%); not yet swept
+    GemmVariant(128, 128, 2, 1, k_split=2),
     GemmVariant(64, 128, 1, 1),
     GemmVariant(64, 256, 1, 1),
     GemmVariant(192, 64, 1, 1),     # N = 6144 in 96 tiles (qkv at M = 129-192): not yet swept

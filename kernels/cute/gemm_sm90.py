@@ -52,7 +52,7 @@ class GemmSm90:
         assert tile.tile_m in (64, 128, 192) and tile.tile_n in (64, 80, 128, 160, 192, 256)
         assert tile.cluster_m * tile.cluster_n <= 4
         assert not (tile.grouped and tile.cluster_m > 1), "a cluster along M would mix experts"
-        assert tile.k_split in (1, 2) and (tile.k_split == 1 or tile.cluster_m * tile.cluster_n == 1)
+        assert tile.k_split in (1, 2) and (tile.k_split == 1 or tile.cluster_n == 1)
         self.tile = tile
         self.cluster_mn = (tile.cluster_m, tile.cluster_n)
         self.acc_dtype = cutlass.Float32
@@ -344,28 +344,30 @@ class GemmSm90:
         else:
             cute.arch.sync_threads()
         if cutlass.const_expr(self.tile.k_split == 2):
-            self._add_peer_partial(acc, storage.sb.data_ptr(), batch, tidx)
+            self._add_peer_partial(acc, storage.sb.data_ptr(), batch, rank, tidx)
         if batch == 0 or self.tile.k_split == 1:
             self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar)
 
     @cute.jit
-    def _add_peer_partial(self, acc, ring_b, rank, tidx):
-        """K-split pair: rank 1 stores its fp32 accumulators into rank 0's B ring over distributed
-        shared memory, four at a time (accumulators ``4j … 4j+3`` of thread ``t`` at word
-        ``4·(j·threads + t)``: 16-byte stores, consecutive threads on consecutive banks); rank 0 adds
-        them to its own. Cluster barriers before (both mainloops done, the rings idle) and after
-        (release / acquire: the stores are visible)."""
+    def _add_peer_partial(self, acc, ring_b, half, cta_rank, tidx):
+        """K-split pair: the CTA on the second K half stores its fp32 accumulators into its peer's
+        (same tile, first half: ``cluster_m·cluster_n`` ranks before it in the cluster) B ring over
+        distributed shared memory, four at a time (accumulators ``4j … 4j+3`` of thread ``t`` at
+        word ``4·(j·threads + t)``: 16-byte stores, consecutive threads on consecutive banks); the
+        peer adds them to its own. Cluster barriers before (all mainloops done, the rings idle, no
+        multicast in flight) and after (release / acquire: the stores are visible)."""
         n_acc = cute.size(acc)
         buf = cute.make_tensor(cute.recast_ptr(ring_b, dtype=self.acc_dtype), cute.make_layout(n_acc * self.threads))
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
-        if rank == 1:
-            peer = peer_address(buf.iterator, 0) + tidx * 16
+        mn_ctas = self.cluster_mn[0] * self.cluster_mn[1]
+        if half == 1:  # (a plain pair's peer is rank 0: a constant, as verified before M-pairs existed)
+            peer = peer_address(buf.iterator, 0 if mn_ctas == 1 else cta_rank - mn_ctas) + tidx * 16
             for j in cutlass.range_constexpr(n_acc // 4):
                 store_f32x4(peer + j * self.threads * 16, [acc[4 * j + i] for i in range(4)])
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
-        if rank == 0:
+        if half == 0:
             for v in cutlass.range_constexpr(n_acc):
                 acc[v] = acc[v] + buf[4 * ((v // 4) * self.threads + tidx) + v % 4]
 

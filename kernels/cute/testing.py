@@ -214,7 +214,8 @@ DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x
                "gemm_bf16_128x256_c1x1", "gemm_bf16_128x128_c2x1", "gemm_bf16_128x256_c2x1",
                "gemm_bf16_128x192_c1x1", "gemm_bf16_128x192_c2x1", "gemm_bf16_128x160_c1x2",
                "gemm_bf16_128x160_c1x1_k2", "gemm_bf16_128x256_c1x1_k2", "gemm_bf16_128x128_c1x1_k2",
-               "gemm_bf16_128x192_c1x1_k2", "gemm_bf16_192x64_c1x1", "gemm_bf16_192x128_c1x1",
+               "gemm_bf16_128x192_c1x1_k2", "gemm_bf16_128x160_c2x1_k2", "gemm_bf16_128x128_c2x1_k2",
+               "gemm_bf16_192x64_c1x1", "gemm_bf16_192x128_c1x1",
                "gemm_bf16_192x160_c1x1", "gemm_bf16_192x192_c1x1", "gemm_bf16_192x256_c1x1")
 SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1",
                 "gemm_f32_192x64_c1x1", "gemm_f32_192x128_c1x1")
