@@ -385,17 +385,17 @@ def test_a_rows_read_past_m_only_inside_the_allocation():
     k = 64
     row = k * 2
     # a 3-row view at the start of a 1000-row buffer: read to the next multiple of A_ROW_PAD
-    a = as_device_tensor(_FakeCupyArray(1 << 20, (3, k), 1 << 20, 1000 * row), "a")
+    a = as_device_tensor(_FakeCupyArray(1 << 20, (3, k), 1 << 20, 1000 * row), "a", reach=True)
     assert a.readable == 1000 * row
     assert readable_rows(a, 3, k, k) == A_ROW_PAD
     # a view starting at row 900: only the 100 rows left in the allocation
-    a = as_device_tensor(_FakeCupyArray((1 << 20) + 900 * row, (3, k), 1 << 20, 1000 * row), "a")
+    a = as_device_tensor(_FakeCupyArray((1 << 20) + 900 * row, (3, k), 1 << 20, 1000 * row), "a", reach=True)
     assert readable_rows(a, 3, k, k) == 100
     # an exact allocation, a raw DeviceTensor, a foreign pointer: M itself
-    a = as_device_tensor(_FakeCupyArray(1 << 20, (3, k), 1 << 20, 3 * row), "a")
+    a = as_device_tensor(_FakeCupyArray(1 << 20, (3, k), 1 << 20, 3 * row), "a", reach=True)
     assert readable_rows(a, 3, k, k) == 3
     assert readable_rows(DeviceTensor(1 << 20, (3, k), (k, 1)), 3, k, k) == 3
-    a = as_device_tensor(_FakeCupyArray(1 << 30, (3, k), 1 << 20, 1000 * row), "a")
+    a = as_device_tensor(_FakeCupyArray(1 << 30, (3, k), 1 << 20, 1000 * row), "a", reach=True)
     assert a.readable == 0 and readable_rows(a, 3, k, k) == 3
     # a strided view (row stride 2K): a row counts only when its K elements lie inside
     a = DeviceTensor(0, (5, k), (2 * k, 1), readable=(7 * 2 * k + k) * 2)
@@ -431,7 +431,7 @@ def test_launcher_describes_a_to_whole_tiles_and_the_output_to_m(monkeypatch):
     w = DeviceTensor(1 << 40, (n, k), (k, 1))
     out = DeviceTensor(1 << 41, (m, n), (n, 1))
     for alloc_rows, a_rows in ((1000, A_ROW_PAD), (m, m)):
-        a = as_device_tensor(_FakeCupyArray(1 << 30, (m, k), 1 << 30, alloc_rows * k * 2), "a")
+        a = _FakeCupyArray(1 << 30, (m, k), 1 << 30, alloc_rows * k * 2)
         runner(a, w, out, stream=7)
         name, (a_arg, _, out_arg, prefetch) = lib.calls[-1]
         assert name == plan_gemm(m, n, k).variant.name

@@ -30,8 +30,9 @@ class DeviceTensor:
     readable: int = 0  # bytes readable from ptr on (the allocation's end); 0: unknown, only nbytes
 
 
-def as_device_tensor(x, what: str) -> DeviceTensor:
-    """Normalise a CuPy array (anything with ``__cuda_array_interface__``) or DeviceTensor."""
+def as_device_tensor(x, what: str, reach: bool = False) -> DeviceTensor:
+    """Normalise a CuPy array (anything with ``__cuda_array_interface__``) or DeviceTensor;
+    ``reach``: also find how far its allocation reaches (``readable``, for GEMM operand A)."""
     if isinstance(x, DeviceTensor):
         return x
     iface = getattr(x, "__cuda_array_interface__", None)
@@ -55,7 +56,7 @@ def as_device_tensor(x, what: str) -> DeviceTensor:
     for dim in shape:
         size *= dim
     ptr = int(iface["data"][0])
-    return DeviceTensor(ptr, shape, tuple(strides), dtype, size * itemsize, _readable_bytes(x, ptr))
+    return DeviceTensor(ptr, shape, tuple(strides), dtype, size * itemsize, _readable_bytes(x, ptr) if reach else 0)
 
 
 def _readable_bytes(x, ptr: int) -> int:
@@ -163,7 +164,7 @@ class GemmRunner:
         weights), so its first k-tiles are loaded while that kernel finishes. ``a_rows``: ``a``'s
         buffer holds that many rows (>= M) at its row stride, all readable (default: found from
         the CuPy allocation, ``readable_rows``)."""
-        a, b, out = as_device_tensor(a, "a"), as_device_tensor(b, "b"), as_device_tensor(out, "out")
+        a, b, out = as_device_tensor(a, "a", reach=True), as_device_tensor(b, "b"), as_device_tensor(out, "out")
         m, n, k = check_gemm_args(a, b, out)
         if a_rows is not None and a_rows < m:
             raise ValueError(f"a_rows={a_rows} is less than M={m}")
