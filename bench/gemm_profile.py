@@ -6,8 +6,8 @@
     python3 bench/gemm_profile.py --parse DIR/ncu.csv
     python3 bench/gemm_profile.py --time 4B.o:512:gemm_bf16_128x128_c1x1 4B.o:512:cublas
 
-Each argument is ``shape:M:variant`` (a CuTe variant name, or ``cublas`` for torch.mm, the
-baseline); each runs ``--launches`` times after one warm-up. ``--parse`` prints one line per
+Each argument is ``shape:M:variant`` (a Qwen3 projection such as ``4B.o``, or ``NxK``; a CuTe
+variant name, or ``cublas`` for torch.mm, the baseline); each runs ``--launches`` times after one warm-up. ``--parse`` prints one line per
 kernel launch: duration, DRAM / memory / SM throughput, L2 and L1 hit rates, and the top warp
 stalls where the CSV has them. ``--time`` graph-times each spec instead (no ncu).
 """
@@ -26,6 +26,14 @@ KEYS = {  # ncu metric name (details page) -> column
     "Duration": "us", "DRAM Throughput": "dram%", "L2 Hit Rate": "l2hit%", "Compute (SM) Throughput": "sm%",
     "Memory Throughput": "mem%", "L1/TEX Hit Rate": "l1hit%",
 }
+
+
+def shape_nk(name: str) -> tuple[int, int]:
+    """(N, K) of a Qwen3 projection name, or of ``NxK`` (e.g. ``2560x128``: a GEMM's fixed cost)."""
+    if name in QWEN_SHAPES:
+        return QWEN_SHAPES[name]
+    n, k = name.split("x")
+    return int(n), int(k)
 
 
 def time_specs(specs: list[str]) -> None:
@@ -47,7 +55,7 @@ def time_specs(specs: list[str]) -> None:
     add = kernel("add_bias", "residual_add")
     for spec in specs:
         name, m, variant = spec.split(":")
-        n, k = QWEN_SHAPES[name]
+        n, k = shape_nk(name)
         ops = _Operands(runner, int(m), n, k)
         total = int(m) * n // 8
         resid = ops.out.copy()  # the residual stream: +res accumulates into it, +add adds the product to it
@@ -89,7 +97,7 @@ def run(specs: list[str], launches: int) -> None:
     runner.init()
     for spec in specs:
         name, m, variant = spec.split(":")
-        n, k = QWEN_SHAPES[name]
+        n, k = shape_nk(name)
         m = int(m)
         if variant == "cublas":
             import torch

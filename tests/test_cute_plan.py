@@ -1,9 +1,11 @@
 """The GEMM plan (no GPU): every shape gets a built variant and a valid split count, and the rules
 tuned on the H200 (configs.py, bench/results/kernels.md) hold as rules."""
+from dataclasses import replace
+
 import pytest
 
 from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_TILE, MAX_SPLITS, ROW_192_MAX_M,
-                                  STREAM_MAX_M, UNSPLIT_MAX_K, UNSPLIT_MIN_CTAS, VARIANTS_BY_NAME, plan_gemm,
+                                  ROW_192_MIN_FILL, STREAM_MAX_M, UNSPLIT_MAX_K, UNSPLIT_MIN_CTAS, VARIANTS_BY_NAME, plan_gemm,
                                   split_count, wave_fill, wave_splits)
 
 QWEN = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (6144, 4096), (4096, 4096),
@@ -26,7 +28,7 @@ def test_plan_is_valid(m, n, k):
 
 def _row_192_fills(n: int, k: int) -> list[tuple[float, int, int]]:
     """(fill, splits, width) of every one-row 192 option: the bf16 widths, 192x128 / 192x64 split."""
-    options = [(wave_fill(-(-n // w)), 1, w) for w in (256, 192, 160, 128)]
+    options = [(wave_fill(-(-n // w)), 1, w) for w in (256, 192, 160, 128, 64)]
     for w in (128, 64):
         s = wave_splits(-(-n // w), k)
         if s > 1:
@@ -37,13 +39,13 @@ def _row_192_fills(n: int, k: int) -> list[tuple[float, int, int]]:
 @pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560)])
 @pytest.mark.parametrize("m", [129, 160, 192])
 def test_row_192_plan_fills_one_wave(m, n, k):
-    """128 < M <= 192: one row of 192-row tiles when one of its options fills FILL_TOLERANCE of a
+    """128 < M <= 192: one row of 192-row tiles when one of its options fills ROW_192_MIN_FILL of a
     wave (the fullest, or one with fewer splits within FILL_TOLERANCE of it); else 128-row tiles."""
     plan = plan_gemm(m, n, k)
     options = _row_192_fills(n, k)
     top = max(f for f, _, _ in options)
     if plan.variant.tile_m == 128:
-        assert top < FILL_TOLERANCE
+        assert top < ROW_192_MIN_FILL
         return
     v, s = plan.variant, plan.splits
     fill = wave_fill(-(-n // v.tile_n) * s)
@@ -85,36 +87,36 @@ def test_streaming_plan_fills_one_wave(m, n, k):
 
 @pytest.mark.parametrize("m,n,k,expect", [
     # the choices the 2026-11-30 H200 sweep favoured (bench/results/kernels.md), as rules
-    (1, 6144, 2560, "gemm_bf16_64x128_c1x1/S1"),    # qkv: 48 tiles stream unsplit (was 24 x 5 splits)
+    (1, 6144, 2560, "gemm_bf16_64x128_c1x1_ws/S1"),    # qkv: 48 tiles stream unsplit (was 24 x 5 splits)
     (1, 2560, 4096, "gemm_f32_64x128_c1x1/S6"),     # o: 20 tiles are too few: split
-    (32, 6144, 4096, "gemm_bf16_64x128_c1x1/S1"),   # 8B qkv too
+    (32, 6144, 4096, "gemm_bf16_64x128_c1x1_ws/S1"),   # 8B qkv too
     (64, 4096, 12288, "gemm_f32_64x128_c1x1/S4"),   # 8B down: a long K earns the split back
     (96, 4096, 4096, "gemm_bf16_128x128_c1x1_k2/S1"),   # M = 65-128: one row of 64 K pairs (8B o)
     (128, 4096, 12288, "gemm_bf16_128x128_c1x1_k2/S1"),  # ... 8B down
     (96, 2560, 9728, "gemm_f32_192x64_c1x1/S3"),    # 4B down: 40 pair CTAs are too few: 192-row tiles
     (8, 2560, 4096, "gemm_f32_64x128_c1x1/S6"),     # o: near-equal fills, fewer splits win
     (32, 4096, 12288, "gemm_f32_64x128_c1x1/S4"),   # 8B down: equal fills (32 x 4 = 16 x 8)
-    (32, 19456, 2560, "gemm_bf16_64x256_c1x1/S1"),  # gate_up: the tiles alone fill the SMs
+    (32, 19456, 2560, "gemm_bf16_64x256_c1x1_ws/S1"),  # gate_up: the tiles alone fill the SMs
     (128, 2560, 9728, "gemm_f32_192x64_c1x1/S3"),   # M = 128: one row of tiles streams the weights once
     (64, 2560, 9728, "gemm_f32_64x128_c1x1/S6"),    # M = 64: one row of 64-row tiles
-    (128, 19456, 2560, "gemm_bf16_128x160_c1x2/S1"),  # ... unless the 64-row tiles fill a wave
-    (512, 2560, 4096, "gemm_bf16_128x160_c1x1_k2/S1"),  # narrow N: 80 tiles of 128; 128 half-K CTAs
-    (512, 4096, 4096, "gemm_bf16_128x128_c2x1/S1"),  # 128 tiles of 128 fill the wave: no K pair
-    (640, 2560, 4096, "gemm_bf16_128x128_c1x1/S1"),  # no K pair (2 x 5 x 16 CTAs > a wave); 5 M-tiles: no 2x1 cluster
-    (384, 6144, 2560, "gemm_bf16_128x160_c1x2/S1"),  # 128x160 / 192 from M = 256 (timed at 256-640)
+    (128, 19456, 2560, "gemm_bf16_128x160_c1x2_ws/S1"),  # ... unless the 64-row tiles fill a wave
+    (512, 2560, 4096, "gemm_bf16_128x80_c1x2_ws/S1"),  # narrow N: 128 tiles of 80 fill the wave (K pairs: 0.97x)
+    (512, 4096, 4096, "gemm_bf16_128x128_c2x1_ws/S1"),  # 128 tiles of 128 fill the wave: no K pair
+    (640, 2560, 4096, "gemm_bf16_128x128_c1x1_ws/S1"),  # no K pair (2 x 5 x 16 CTAs > a wave); 5 M-tiles: no 2x1 cluster
+    (384, 6144, 2560, "gemm_bf16_128x160_c1x2_ws/S1"),  # 128x160 / 192 from M = 256 (timed at 256-640)
     (384, 4096, 12288, "gemm_bf16_128x192_c1x1_k2/S1"),  # 96 tiles of 128 -> 132 half-K CTAs of 192
-    (256, 6144, 2560, "gemm_bf16_128x128_c2x1/S1"),  # K = 2560: no K pair (the exchange does not pay)
-    (512, 6144, 4096, "gemm_bf16_128x192_c2x1/S1"),  # 32 x 4 tiles of 192: one wave (2026-12-01 sweep)
-    (2048, 2560, 4096, "gemm_bf16_128x160_c1x2/S1"),  # 256 tiles of 160: 2 waves; A multicast along N
-    (1000, 6144, 2560, "gemm_bf16_128x192_c2x1/S1"),  # 2 waves of 192 beat 3 of 160
-    (512, 19456, 2560, "gemm_bf16_128x160_c1x2/S1"),  # 3.7 waves of 160 beat 2.3 of 256 and 4.6 of 128
-    (8192, 2560, 4096, "gemm_bf16_128x256_c2x1/S1"),  # many waves: the wide tile
+    (256, 6144, 2560, "gemm_bf16_128x128_c2x1_ws/S1"),  # K = 2560: no K pair (the exchange does not pay)
+    (512, 6144, 4096, "gemm_bf16_128x192_c2x1_ws/S1"),  # 32 x 4 tiles of 192: one wave (2026-12-01 sweep)
+    (2048, 2560, 4096, "gemm_bf16_128x160_c1x2_ws/S1"),  # 256 tiles of 160: 2 waves; A multicast along N
+    (1000, 6144, 2560, "gemm_bf16_128x192_c2x1_ws/S1"),  # 2 waves of 192 beat 3 of 160
+    (512, 19456, 2560, "gemm_bf16_128x160_c1x2_ws/S1"),  # 3.7 waves of 160 beat 2.3 of 256 and 4.6 of 128
+    (8192, 2560, 4096, "gemm_bf16_128x256_c2x1_ws/S1"),  # many waves: the wide tile
     # 128 < M <= 192 (the 2026-12-01 sweeps with A read to whole tiles)
     (160, 2560, 4096, "gemm_f32_192x64_c1x1/S3"),    # one row of 192: 40 tiles x 3 splits
     (192, 4096, 12288, "gemm_f32_192x64_c1x1/S2"),   # 64 tiles x 2 = 15 x 8 of 128: fewer splits
     (160, 19456, 2560, "gemm_bf16_192x160_c1x1/S1"),  # 122 tiles of 160: one wave, no split
     (192, 24576, 4096, "gemm_bf16_192x192_c1x1/S1"),  # 128 tiles of 192
-    (160, 6144, 2560, "gemm_bf16_128x128_c2x1/S1"),  # qkv: no 192 option fills a wave; two rows of 128
+    (160, 6144, 2560, "gemm_bf16_192x64_c1x1/S1"),   # qkv: 96 unsplit 192x64 tiles beat two rows of 128x128
     (224, 2560, 4096, "gemm_bf16_128x128_c1x1_k2/S1"),  # K pairs from M = 129
 ])
 def test_plan_follows_the_tuned_rules(m, n, k, expect):
@@ -146,3 +148,12 @@ def test_residual_plans_have_a_residual_twin():
         for n, k in ((2560, 4096), (4096, 12288), (6144, 4096), (19456, 4096)):
             plan = plan_gemm(m, n, k, residual=True)
             assert plan.variant.residual and plan.variant.name in VARIANTS_BY_NAME
+
+
+@pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560)])
+@pytest.mark.parametrize("m", [1, 32, 129, 512, 2048])
+def test_plain_tiles_take_a_producer_warpgroup(m, n, k):
+    """bf16 64- and 128-row tiles run warp-specialised; split-K, K pairs and 192-row tiles do not."""
+    v = plan_gemm(m, n, k).variant
+    assert v.ws == (v.out == "bf16" and v.k_split == 1 and v.tile_m in (64, 128))
+    assert plan_gemm(m, n, k, residual=True).variant == (replace(v, residual=True) if v.out == "bf16" else v)

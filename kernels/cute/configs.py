@@ -26,11 +26,12 @@ class GemmVariant:
     grouped: bool = False  # MoE: B is (N, K, experts), one expert per M-tile
     residual: bool = False  # D = A·Bᵀ + R, R added in fp32 in the epilogue (R may be D itself)
     k_split: int = 1  # 2: a cluster of two CTAs splits K; the second sends its sums over DSMEM
+    ws: bool = False  # warp-specialised: a producer warpgroup issues the TMA loads, the others only compute
 
     @property
     def name(self) -> str:
         kind = "grouped" if self.grouped else "gemm"
-        suffix = ("_k2" if self.k_split == 2 else "") + ("_res" if self.residual else "")
+        suffix = ("_k2" if self.k_split == 2 else "") + ("_ws" if self.ws else "") + ("_res" if self.residual else "")
         return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}{suffix}"
 
 
@@ -42,15 +43,15 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 192, 1, 1),    # a wave-quantisation width (N 6144 at M = 512: 128 tiles, one wave)
     GemmVariant(128, 192, 2, 1),
     GemmVariant(128, 160, 1, 2),    # N = 2560 at M = 1000-2048: 2 waves; A multicast to an N-pair
+    GemmVariant(128, 80, 1, 2),     # N = 2560 at M = 512 in 128 tiles (cuBLAS's choice), two warpgroups; not yet swept
+    GemmVariant(128, 80, 1, 1),
     GemmVariant(128, 160, k_split=2),   # N = 2560 at M = 512: 4 x 16 tiles x 2 K-halves, one wave
     GemmVariant(128, 256, k_split=2),
     GemmVariant(128, 128, k_split=2),
     GemmVariant(128, 192, k_split=2),
-    GemmVariant(128, 160, 2, 1, k_split=2),  # K pairs of an M-pair: B multicast (L2 reads -28%); not yet swept
-    GemmVariant(128, 128, 2, 1, k_split=2),
     GemmVariant(64, 128, 1, 1),
     GemmVariant(64, 256, 1, 1),
-    GemmVariant(192, 64, 1, 1),     # N = 6144 in 96 tiles (qkv at M = 129-192): not yet swept
+    GemmVariant(192, 64, 1, 1),     # N = 6144 in 96 tiles: qkv at M = 129-192
     GemmVariant(192, 128, 1, 1),    # M = 129-192 (and 384) in whole 192-row tiles: three warpgroups
     GemmVariant(192, 160, 1, 1),
     GemmVariant(192, 192, 1, 1),
@@ -63,6 +64,18 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(64, 128, 1, 1, grouped=True),
     GemmVariant(128, 128, 1, 1, grouped=True),
 )
+
+
+def takes_producer_warpgroup(v: GemmVariant) -> bool:
+    """The tiles the plan runs warp-specialised: bf16 64- and 128-row tiles but K pairs. With a
+    producer warpgroup, TMA multicast no longer stalls the MMA warps (4B.down M = 512 on 128x80 1x2:
+    49.1 -> 41.1 µs, 8B.down on 128x128 2x1: 72.9 -> 70.0, 4B.gate_up on 128x160 1x2: 83.0 -> 80.5);
+    elsewhere the same within 1-3% (H200, 2026-12-01 17:50 UTC). Split-K (f32) tiles, K pairs and
+    192-row tiles (512 threads would cap registers at 128) keep warp 0 as the producer."""
+    return v.out == "bf16" and not v.grouped and v.k_split == 1 and v.tile_m in (64, 128) and not v.residual
+
+
+GEMM_VARIANTS += tuple(replace(v, ws=True) for v in GEMM_VARIANTS if takes_producer_warpgroup(v))
 # Every dense bf16 variant has a residual twin, so that any plan can fuse the add (split-K plans
 # add it in the reduction instead).
 # (Not 128x256 K-pairs: with R's tile in shared memory, their B ring cannot hold the peer's sums.)
@@ -152,11 +165,12 @@ UNSPLIT_MIN_CTAS = 48       # 64-row tiles: this many stream unsplit (qkv at M <
                             # 8B.o at M = 96-128: 15.6 against 18.2; swept 2026-12-01, 07:34-07:36)
 UNSPLIT_MAX_K = 4096        # ... but not 8B.down (K = 12288) at M = 96-128: 43.0 against 38.6 in 4 splits
 # 128-row tiles: relative throughput per element (sweeps of 2026-11-30 and, for 192 / 160, 2026-12-01)
-TILE_EFFICIENCY = {256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85}
+TILE_EFFICIENCY = {256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85, 80: 0.77}
 WIDE_192_MIN_M = 65         # 128x192 and 128x160: swept from M = 64 up (2026-12-01; gate_up at
                             # M = 96-128: 4B 128x160 c1x2 28.8-29.6 against 32.2-32.5 µs of 128x256)
 K_PAIR_MIN_M = 129          # K-split pairs: measured (2026-12-01) to win at M = 193-512 on narrow N
 ROW_192_MAX_M = 192         # 128 < M <= 192: one row of 192-row tiles (swept 2026-12-01, 07:15 UTC)
+ROW_192_MIN_FILL = 0.7      # ... where one fills this much of a wave (qkv: 96 of 192x64, 0.73)
 K_PAIR_MIN_K = 4096         # ... with K >= 4096; at K = 2560 (qkv, gate_up of the 4B) the exchange did not pay
 K_PAIR_COST = 1.2           # a pair's half-K CTA relative to half a tile's work (DSMEM exchange, epilogue)
 
@@ -197,15 +211,16 @@ def _row_192_plan(m: int, n: int, k: int, sms: int) -> GemmPlan | None:
     """One row of 192-row tiles (three consumer warpgroups): the weights stream once, a third of
     the rows wasted at worst. The fullest single wave among the bf16 widths (no split) and
     192x64 / 192x128 split in K; fewer splits, then the wider tile, among near-equal fills.
-    None when no option fills FILL_TOLERANCE of a wave (qkv, N = 6144: two rows of 128x128 tiles
-    were 13-25% faster than 192x128 in two K splits, 2026-12-01)."""
-    options = [(wave_fill(_ceil(n, w), sms), 1, w) for w in (256, 192, 160, 128)]
+    None when no option fills ROW_192_MIN_FILL of a wave. qkv (N = 6144) takes 96 unsplit 192x64
+    tiles: 14.5 / 21.9 µs (4B / 8B at M = 160) against 16.7 / 25.1 for two rows of 128x128 tiles,
+    which had beaten 192x128 in two K splits by 13-25% (2026-12-01, 07:36 and 17:36 UTC)."""
+    options = [(wave_fill(_ceil(n, w), sms), 1, w) for w in (256, 192, 160, 128, 64)]
     for w in (128, 64):
         splits = wave_splits(_ceil(n, w), k, sms)
         if splits > 1:
             options.append((wave_fill(_ceil(n, w) * splits, sms), splits, w))
     top = max(fill for fill, _, _ in options)
-    if top < FILL_TOLERANCE:
+    if top < ROW_192_MIN_FILL:
         return None
     _, splits, tile_n = min((o for o in options if o[0] >= FILL_TOLERANCE * top), key=lambda o: (o[1], -o[2]))
     out = "f32" if splits > 1 else "bf16"
@@ -224,13 +239,13 @@ def _tile_plan(m: int, n: int, k: int, sms: int, residual: bool) -> GemmPlan:
     def pair_cost(tile_n: int) -> float:  # two CTAs per tile, each half of K
         return _ceil(2 * _ceil(m, 128) * _ceil(n, tile_n), sms) * tile_n / TILE_EFFICIENCY[tile_n] / 2 * K_PAIR_COST
 
-    tile_n = min((256, 192, 160, 128) if m >= WIDE_192_MIN_M else (256, 128), key=cost)
+    tile_n = min((256, 192, 160, 128, 80) if m >= WIDE_192_MIN_M else (256, 128), key=cost)
     if m >= K_PAIR_MIN_M and k >= K_PAIR_MIN_K:
         pair_n = min((192, 160, 128) if residual else (256, 192, 160, 128), key=pair_cost)  # no 256 residual twin
         if pair_cost(pair_n) < cost(tile_n):
             return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{pair_n}_c1x1_k2"])
-    if tile_n == 160:  # the A tile is the larger one: multicast it to an N-pair (swept 2026-12-01)
-        return GemmPlan(VARIANTS_BY_NAME["gemm_bf16_128x160_c1x2"])
+    if tile_n in (160, 80):  # the A tile is the larger one: multicast it to an N-pair (swept 2026-12-01)
+        return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{tile_n}_c1x2"])
     # a 2x1 cluster pads an odd number of M-tiles with a whole row of empty tiles: only from 8 on
     cluster = 2 if _ceil(m, 128) % 2 == 0 or _ceil(m, 128) >= 8 else 1
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{tile_n}_c{cluster}x1"])
@@ -246,6 +261,9 @@ def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS, residual: bool = Fals
     else:
         plan = _row_192_plan(m, n, k, sms) if STREAM_MAX_M < m <= ROW_192_MAX_M else None
         plan = plan or _tile_plan(m, n, k, sms, residual)
-    if residual and plan.variant.out == "bf16":
-        return GemmPlan(replace(plan.variant, residual=True), plan.splits)
-    return plan
+    variant = plan.variant
+    if takes_producer_warpgroup(variant):
+        variant = replace(variant, ws=True)
+    if residual and variant.out == "bf16":
+        variant = replace(variant, residual=True)
+    return GemmPlan(variant, plan.splits)

@@ -9,7 +9,9 @@ B keep plain descriptors (a third mode of extent 1), so split-K needs nothing of
 Structure: TMA loads of A and B tiles into a multi-stage shared-memory ring (mbarrier pipeline,
 optional cluster multicast), wgmma from shared memory into fp32 registers (one to three consumer
 warpgroups), epilogue through shared memory (stmatrix for 16-bit output) and TMA stores, which clip
-the M/N tails. Warp 0 doubles as the producer. Grouped variants (MoE) take B as ``(N, K, E)``
+the M/N tails (``gemm_sm90_epilogue``). Warp-specialised variants (``ws``) add a producer
+warpgroup whose warp 0 issues every load; in the others warp 0 of the MMA warpgroups refills the
+ring between its wgmmas, which stalls its warpgroup whenever a multicast peer is behind. Grouped variants (MoE) take B as ``(N, K, E)``
 expert weights and an int32 map from each M-tile to its expert: tokens are grouped by expert and
 each group padded to whole M-tiles (``moe.group_by_expert``), so one launch covers every expert.
 CTAs are rasterised in groups of 8 clusters along M so that concurrently running CTAs share B
@@ -39,29 +41,34 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 
 from .configs import H200_SMS, GemmVariant
-from .dsmem import peer_address, store_f32x4
+from .gemm_sm90_epilogue import EpilogueSm90
 
 SM90_SMEM_BYTES = 232448  # usable dynamic shared memory per CTA on sm_90 (227 KiB)
 RASTER_GROUP = 8
 
 
-class GemmSm90:
+class GemmSm90(EpilogueSm90):
     """Builds the jit entry point for one GemmVariant; call it through ``cute.compile``."""
 
     def __init__(self, tile: GemmVariant):
         assert tile.tile_m in (64, 128, 192) and tile.tile_n in (64, 80, 128, 160, 192, 256)
         assert tile.cluster_m * tile.cluster_n <= 4
         assert not (tile.grouped and tile.cluster_m > 1), "a cluster along M would mix experts"
-        assert tile.k_split in (1, 2) and (tile.k_split == 1 or tile.cluster_n == 1)
+        assert tile.k_split in (1, 2) and (tile.k_split == 1 or tile.cluster_m * tile.cluster_n == 1)
         self.tile = tile
         self.cluster_mn = (tile.cluster_m, tile.cluster_n)
         self.acc_dtype = cutlass.Float32
-        # Consumer warpgroups: three for a 192-row tile, two for a wide 128-row one (64 rows each);
-        # otherwise one does it all.
-        wgs = 3 if tile.tile_m == 192 else 2 if tile.tile_m == 128 and tile.tile_n > 128 else 1
+        # Consumer warpgroups: three for a 192-row tile, two for a 128-row one (64 rows each) but
+        # 128x128 (one or two measured the same); a 64-row tile takes one. A narrow 128-row tile on
+        # one warpgroup issues short wgmmas back to back (128x80: m64n80k16, ~40 tensor cycles each).
+        wgs = 3 if tile.tile_m == 192 else 2 if tile.tile_m == 128 and tile.tile_n != 128 else 1
         self.atom_layout_mnk = (wgs, 1, 1)
         self.num_mma_wg = math.prod(self.atom_layout_mnk)
-        self.threads = 128 * self.num_mma_wg
+        # Warp-specialised variants (``ws``) put a producer warpgroup first, whose warp 0 issues every
+        # TMA load; otherwise warp 0 of the MMA warpgroups doubles as the producer between its wgmmas.
+        self.first_mma_warp = 4 if tile.ws else 0
+        self.mma_threads = 128 * self.num_mma_wg
+        self.threads = self.mma_threads + 32 * self.first_mma_warp
         self.buffer_align = 1024
 
     # ---- host-side layout setup ------------------------------------------------------------
@@ -77,8 +84,9 @@ class GemmSm90:
         self.mcast_b = self.cluster_mn[0]
         # The epilogue walks whole epi tiles: a width that 32 does not divide (80) takes 16-wide ones
         # (with 32, a 128x80 tile's second 64-row half came out wrong; with 16 it verified, 2026-12-01).
-        # A 192-row tile's epi tiles span its three warpgroups, as a cooperative 128-row one's span two.
-        override = (192, 32) if self.tile.tile_m == 192 else None if self.tile.tile_n % 32 == 0 else (64, 16)
+        # Epi tiles span the warpgroups' rows: 192 for three, 128 for two (cooperative).
+        wgs = self.num_mma_wg
+        override = (192, 32) if wgs == 3 else None if self.tile.tile_n % 32 == 0 else (64 * wgs, 16)
         self.epi_tile = sm90_utils.compute_tile_shape_or_override(
             self.tile_mnk, c_dtype, is_cooperative=self.atom_layout_mnk == (2, 1, 1), epi_tile_override=override,
         )
@@ -232,7 +240,7 @@ class GemmSm90:
             cute.size_in_bytes(self.a_dtype, cute.slice_(sb_layout, (None, None, 0)))
 
         storage = cutlass.utils.SmemAllocator().allocate(self.smem_struct)
-        consumers = (self.mcast_a + self.mcast_b - 1) * (self.threads // 32)
+        consumers = (self.mcast_a + self.mcast_b - 1) * (self.mma_threads // 32)
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.bars.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
@@ -259,7 +267,9 @@ class GemmSm90:
         out_slice = batch if self.tile.k_split == 1 else 0  # a K pair writes one output slice
         gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, out_slice), proj=(1, 1, None))  # (bM, bN)
 
-        wg = cute.arch.make_warp_uniform(tidx // 128)
+        is_mma = warp >= self.first_mma_warp
+        mma_tidx = tidx - 32 * self.first_mma_warp  # (negative in the producer warpgroup)
+        wg = cute.arch.make_warp_uniform(cutlass.max(mma_tidx, 0) // 128)
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.num_mma_wg, stride=128)(wg))
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
@@ -314,7 +324,36 @@ class GemmSm90:
         gx, gy, gz = cute.arch.grid_dim()
         if self.tile.tile_n < 256 or gx * gy * gz * 10 >= 9 * H200_SMS:
             cute.arch.griddepcontrol_launch_dependents()
+        # The warp-specialised producer streams the rest of the k-tiles as stages free up.
+        if cutlass.const_expr(self.tile.ws):
+            if warp == 0:
+                for _ in cutlass.range(fill, k_tiles, unroll=1):
+                    self._load_stage(ring, produce, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
+                    produce.advance()
 
+        stage_args = (k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
+        if cutlass.const_expr(self.tile.ws):
+            if is_mma:
+                self._mma_mainloop(ring, read, release, produce, k_tiles, warp, tiled_mma, acc, frag_a, frag_b,
+                                   stage_args)
+        else:
+            self._mma_mainloop(ring, read, release, produce, k_tiles, warp, tiled_mma, acc, frag_a, frag_b, stage_args)
+
+        if cute.size(self.cluster_mn) > 1:  # peers may still multicast into our smem
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
+        if cutlass.const_expr(self.tile.k_split == 2):
+            self._add_peer_partial(acc, storage.sb.data_ptr(), batch, mma_tidx, is_mma)
+        if is_mma:
+            if batch == 0 or self.tile.k_split == 1:
+                self._epilogue(mma_tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar)
+
+    @cute.jit
+    def _mma_mainloop(self, ring, read, release, produce, k_tiles, warp, tiled_mma, acc, frag_a, frag_b, stage_args):
+        """The MMA warpgroups' k loop: wait for a stage, issue its wgmmas, free the stage of the
+        batch before; without a producer warpgroup, warp 0 then refills the stage just freed."""
         k_blocks = cute.size(frag_a, mode=[2])
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
         if cutlass.const_expr(self.tile.k_split == 2):  # K <= 64: the second half is empty, its sums 0
@@ -333,62 +372,11 @@ class GemmSm90:
                 ring.consumer_release(release)
                 release.advance()
                 # refill the stage just freed (never before a release: the ring is full)
-                if warp == 0 and produce.count < k_tiles:
-                    self._load_stage(ring, produce, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
-                    produce.advance()
+                if cutlass.const_expr(not self.tile.ws):
+                    if warp == 0 and produce.count < k_tiles:
+                        self._load_stage(ring, produce, *stage_args)
+                        produce.advance()
         cute.nvgpu.warpgroup.wait_group(0)  # the last stage needs no release: nothing refills it
-
-        if cute.size(self.cluster_mn) > 1:  # peers may still multicast into our smem
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.sync_threads()
-        if cutlass.const_expr(self.tile.k_split == 2):
-            self._add_peer_partial(acc, storage.sb.data_ptr(), batch, rank, tidx)
-        if batch == 0 or self.tile.k_split == 1:
-            self._epilogue(tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar)
-
-    @cute.jit
-    def _add_peer_partial(self, acc, ring_b, half, cta_rank, tidx):
-        """K-split pair: the CTA on the second K half stores its fp32 accumulators into its peer's
-        (same tile, first half: ``cluster_m·cluster_n`` ranks before it in the cluster) B ring over
-        distributed shared memory, four at a time (accumulators ``4j … 4j+3`` of thread ``t`` at
-        word ``4·(j·threads + t)``: 16-byte stores, consecutive threads on consecutive banks); the
-        peer adds them to its own. Cluster barriers before (all mainloops done, the rings idle, no
-        multicast in flight) and after (release / acquire: the stores are visible)."""
-        n_acc = cute.size(acc)
-        buf = cute.make_tensor(cute.recast_ptr(ring_b, dtype=self.acc_dtype), cute.make_layout(n_acc * self.threads))
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        mn_ctas = self.cluster_mn[0] * self.cluster_mn[1]
-        if half == 1:  # (a plain pair's peer is rank 0: a constant, as verified before M-pairs existed)
-            peer = peer_address(buf.iterator, 0 if mn_ctas == 1 else cta_rank - mn_ctas) + tidx * 16
-            for j in cutlass.range_constexpr(n_acc // 4):
-                store_f32x4(peer + j * self.threads * 16, [acc[4 * j + i] for i in range(4)])
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        if half == 0:
-            for v in cutlass.range_constexpr(n_acc):
-                acc[v] = acc[v] + buf[4 * ((v // 4) * self.threads + tidx) + v % 4]
-
-    @cute.jit
-    def _load_residual(self, tma_r, mR, sR, r_bar, pid_m, pid_n):
-        """TMA the whole R tile into sR, one epi tile per stage of sR, on the barrier r_bar
-        (zeros past M and N). Issued by warp 0 after the ring fill, so it overlaps the mainloop."""
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(r_bar, self.r_tile_bytes)
-        gR = cute.zipped_divide(cute.local_tile(mR, self.tile_mnk, (pid_m, pid_n, None, 0), proj=(1, 1, None)),
-                                self.epi_tile)
-        dst_s, src_g = cute.nvgpu.cpasync.tma_partition(
-            tma_r, 0, cute.make_layout(1), cute.group_modes(sR, 0, 2), gR)
-        order = self._epi_order(gR)
-        for e in cutlass.range_constexpr(self.n_epi):
-            cute.copy(tma_r, src_g[(None, order.get_hier_coord(e))], dst_s[(None, e)], tma_bar_ptr=r_bar)
-
-    def _epi_order(self, g_epi):
-        """Epi tile e → its (m, n) coordinate in the tile: row-major over the epi grid."""
-        epi_shape = g_epi.shape[1]
-        return cute.make_layout(epi_shape, stride=(epi_shape[1], 1))
 
     @cute.jit
     def _load_stage(self, ring, state, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b):
@@ -402,55 +390,3 @@ class GemmSm90:
         """One operand's k-tile ``k_first + state.count`` into ring stage ``state.index``."""
         cute.copy(tma, g[(None, k_first + state.count)], s[(None, state.index)],
                   tma_bar_ptr=ring.producer_get_barrier(state), mcast_mask=mask)
-
-    @cute.jit
-    def _epilogue(self, tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar):
-        """Registers → smem (converted) → TMA store, one epi_tile at a time, 4-deep. Residual
-        variants add R, read from sR with ldmatrix (the inverse of the stmatrix store, so each
-        thread gets R at its own accumulators' positions), in fp32 before the rounding."""
-        store_atom = sm90_utils.sm90_get_smem_store_op(self.c_layout, elem_ty_d=self.c_dtype, elem_ty_acc=self.acc_dtype)
-        c_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4), self.c_dtype)
-        r2s = cute.make_tiled_copy_S(store_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
-        thr_r2s = r2s.get_slice(tidx)
-        dst = thr_r2s.partition_D(sC)
-        acc_view = r2s.retile(acc)
-        frag_layout = cute.make_layout(cute.shape(thr_r2s.partition_S(sC))[:3])
-        frag = cute.make_rmem_tensor_like(frag_layout, self.acc_dtype)
-        n_frag = cute.size(frag)
-        gC_epi = cute.zipped_divide(gC, self.epi_tile)
-        src_s, dst_g = cute.nvgpu.cpasync.tma_partition(
-            tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC_epi)
-        n_epi = cute.size(gC_epi, mode=[1])
-        epi_order = self._epi_order(gC_epi)
-        s2r, src_r = r2s, dst  # placeholders unless residual
-        if cutlass.const_expr(self.tile.residual):
-            load_atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(self.c_layout.is_m_major_c(), 4),
-                                            self.c_dtype)
-            s2r = cute.make_tiled_copy_S(load_atom, cute.make_tiled_copy_C_atom(c_atom, tiled_mma))
-            src_r = s2r.get_slice(tidx).partition_S(sR)
-            cute.arch.mbarrier_wait(r_bar, 0)
-        stores = pipeline.PipelineTmaStore.create(
-            num_stages=self.epi_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.threads),
-        )
-        for e in cutlass.range_constexpr(n_epi):
-            for v in cutlass.range_constexpr(n_frag):
-                frag[v] = acc_view[e * n_frag + v]
-            if cutlass.const_expr(self.tile.residual):
-                res = cute.make_rmem_tensor_like(frag_layout, self.c_dtype)
-                cute.copy(s2r, src_r[(None, None, None, e)], s2r.retile(res))
-                for v in cutlass.range_constexpr(n_frag):
-                    frag[v] = frag[v] + res[v].to(self.acc_dtype)
-            out = cute.make_rmem_tensor_like(frag_layout, self.c_dtype)
-            out.store(frag.load().to(self.c_dtype))
-            buf = e % cute.size(dst, mode=[3])
-            cute.copy(r2s, out, dst[(None, None, None, buf)])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            pipeline.sync(barrier_id=1)
-            if warp == 0:
-                cute.copy(tma_c, src_s[(None, buf)], dst_g[(None, epi_order.get_hier_coord(e))])
-                stores.producer_commit()
-                stores.producer_acquire()
-            pipeline.sync(barrier_id=1)
-        if warp == 0:
-            stores.producer_tail()

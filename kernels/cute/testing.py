@@ -214,11 +214,14 @@ DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x
                "gemm_bf16_128x256_c1x1", "gemm_bf16_128x128_c2x1", "gemm_bf16_128x256_c2x1",
                "gemm_bf16_128x192_c1x1", "gemm_bf16_128x192_c2x1", "gemm_bf16_128x160_c1x2",
                "gemm_bf16_128x160_c1x1_k2", "gemm_bf16_128x256_c1x1_k2", "gemm_bf16_128x128_c1x1_k2",
-               "gemm_bf16_128x192_c1x1_k2", "gemm_bf16_128x160_c2x1_k2", "gemm_bf16_128x128_c2x1_k2",
+               "gemm_bf16_128x192_c1x1_k2", "gemm_bf16_128x80_c1x2", "gemm_bf16_128x80_c1x1",
                "gemm_bf16_192x64_c1x1", "gemm_bf16_192x128_c1x1",
                "gemm_bf16_192x160_c1x1", "gemm_bf16_192x192_c1x1", "gemm_bf16_192x256_c1x1")
 SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1",
                 "gemm_f32_192x64_c1x1", "gemm_f32_192x128_c1x1")
+WS_TWINS = tuple(v.name for v in GEMM_VARIANTS if v.ws and not v.residual)  # warp-specialised
+DENSE_ORDER += tuple(n for n in WS_TWINS if VARIANTS_BY_NAME[n].out == "bf16")
+SPLITK_ORDER += tuple(n for n in WS_TWINS if VARIANTS_BY_NAME[n].out == "f32")
 
 
 _MIX = (1, 17, 64, 130, 1000, 4096, 0, 63)
