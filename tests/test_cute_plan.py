@@ -85,42 +85,44 @@ def test_streaming_plan_fills_one_wave(m, n, k):
     assert wave_fill(tiles * s) >= FILL_TOLERANCE * best_other
 
 
-@pytest.mark.parametrize("m,n,k,expect", [
+@pytest.mark.parametrize("m,n,k,expect,residual", [
     # the choices the 2026-11-30 H200 sweep favoured (bench/results/kernels.md), as rules
-    (1, 6144, 2560, "gemm_bf16_64x128_c1x1_ws/S1"),    # qkv: 48 tiles stream unsplit (was 24 x 5 splits)
-    (1, 2560, 4096, "gemm_f32_64x128_c1x1/S6"),     # o: 20 tiles are too few: split
-    (32, 6144, 4096, "gemm_bf16_64x128_c1x1_ws/S1"),   # 8B qkv too
-    (64, 4096, 12288, "gemm_f32_64x128_c1x1/S4"),   # 8B down: a long K earns the split back
-    (96, 4096, 4096, "gemm_bf16_128x128_c1x1_k2/S1"),   # M = 65-128: one row of 64 K pairs (8B o)
-    (128, 4096, 12288, "gemm_bf16_128x128_c1x1_k2/S1"),  # ... 8B down
-    (96, 2560, 9728, "gemm_f32_192x64_c1x1/S3"),    # 4B down: 40 pair CTAs are too few: 192-row tiles
-    (8, 2560, 4096, "gemm_f32_64x128_c1x1/S6"),     # o: near-equal fills, fewer splits win
-    (32, 4096, 12288, "gemm_f32_64x128_c1x1/S4"),   # 8B down: equal fills (32 x 4 = 16 x 8)
-    (32, 19456, 2560, "gemm_bf16_64x256_c1x1_ws/S1"),  # gate_up: the tiles alone fill the SMs
-    (128, 2560, 9728, "gemm_f32_192x64_c1x1/S3"),   # M = 128: one row of tiles streams the weights once
-    (64, 2560, 9728, "gemm_f32_64x128_c1x1/S6"),    # M = 64: one row of 64-row tiles
-    (128, 19456, 2560, "gemm_bf16_128x160_c1x2_ws/S1"),  # ... unless the 64-row tiles fill a wave
-    (512, 2560, 4096, "gemm_bf16_128x80_c1x2_ws/S1"),  # narrow N: 128 tiles of 80 fill the wave (K pairs: 0.97x)
-    (512, 4096, 4096, "gemm_bf16_128x128_c2x1_ws/S1"),  # 128 tiles of 128 fill the wave: no K pair
-    (640, 2560, 4096, "gemm_bf16_128x128_c1x1_ws/S1"),  # no K pair (2 x 5 x 16 CTAs > a wave); 5 M-tiles: no 2x1 cluster
-    (384, 6144, 2560, "gemm_bf16_128x160_c1x2_ws/S1"),  # 128x160 / 192 from M = 256 (timed at 256-640)
-    (384, 4096, 12288, "gemm_bf16_128x192_c1x1_k2/S1"),  # 96 tiles of 128 -> 132 half-K CTAs of 192
-    (256, 6144, 2560, "gemm_bf16_128x128_c2x1_ws/S1"),  # K = 2560: no K pair (the exchange does not pay)
-    (512, 6144, 4096, "gemm_bf16_128x192_c2x1_ws/S1"),  # 32 x 4 tiles of 192: one wave (2026-12-01 sweep)
-    (2048, 2560, 4096, "gemm_bf16_128x160_c1x2_ws/S1"),  # 256 tiles of 160: 2 waves; A multicast along N
-    (1000, 6144, 2560, "gemm_bf16_128x192_c2x1_ws/S1"),  # 2 waves of 192 beat 3 of 160
-    (512, 19456, 2560, "gemm_bf16_128x160_c1x2_ws/S1"),  # 3.7 waves of 160 beat 2.3 of 256 and 4.6 of 128
-    (8192, 2560, 4096, "gemm_bf16_128x256_c2x1_ws/S1"),  # many waves: the wide tile
+    (1, 6144, 2560, "gemm_bf16_64x128_c1x1_ws/S1", False),    # qkv: 48 tiles stream unsplit (was 24 x 5 splits)
+    (1, 2560, 4096, "gemm_f32_64x128_c1x1/S6", False),     # o: 20 tiles are too few: split
+    (32, 6144, 4096, "gemm_bf16_64x128_c1x1_ws/S1", False),   # 8B qkv too
+    (64, 4096, 12288, "gemm_f32_64x128_c1x1/S4", False),   # 8B down: a long K earns the split back
+    (96, 4096, 4096, "gemm_bf16_128x128_c1x1_k2/S1", False),   # M = 65-128: one row of 64 K pairs (8B o)
+    (128, 4096, 12288, "gemm_bf16_128x128_c1x1_k2/S1", False),  # ... 8B down
+    (96, 2560, 9728, "gemm_f32_192x64_c1x1/S3", False),    # 4B down: 40 pair CTAs are too few: 192-row tiles
+    (8, 2560, 4096, "gemm_f32_64x128_c1x1/S6", False),     # o: near-equal fills, fewer splits win
+    (32, 4096, 12288, "gemm_f32_64x128_c1x1/S4", False),   # 8B down: equal fills (32 x 4 = 16 x 8)
+    (32, 19456, 2560, "gemm_bf16_64x256_c1x1_ws/S1", False),  # gate_up: the tiles alone fill the SMs
+    (128, 2560, 9728, "gemm_f32_192x64_c1x1/S3", False),   # M = 128: one row of tiles streams the weights once
+    (64, 2560, 9728, "gemm_f32_64x128_c1x1/S6", False),    # M = 64: one row of 64-row tiles
+    (128, 19456, 2560, "gemm_bf16_128x160_c1x2_ws/S1", False),  # ... unless the 64-row tiles fill a wave
+    (512, 2560, 4096, "gemm_bf16_128x80_c1x2_ws/S1", False),  # narrow N: 128 tiles of 80 fill the wave (K pairs: 0.97x)
+    (512, 4096, 4096, "gemm_bf16_128x128_c2x1_ws/S1", False),  # 128 tiles of 128 fill the wave: no K pair
+    (640, 2560, 4096, "gemm_bf16_128x128_c1x1_ws/S1", False),  # no K pair (2 x 5 x 16 CTAs > a wave); 5 M-tiles: no 2x1 cluster
+    (384, 6144, 2560, "gemm_bf16_128x160_c1x2_ws/S1", False),  # 128x160 / 192 from M = 256 (timed at 256-640)
+    (384, 4096, 12288, "gemm_bf16_128x192_c1x1_k2/S1", False),  # 96 tiles of 128 -> 132 half-K CTAs of 192
+    (256, 6144, 2560, "gemm_bf16_128x128_c2x1_ws/S1", False),  # K = 2560: no K pair (the exchange does not pay)
+    (512, 6144, 4096, "gemm_bf16_128x192_c2x1_ws/S1", False),  # 32 x 4 tiles of 192: one wave (2026-12-01 sweep)
+    (2048, 2560, 4096, "gemm_bf16_128x320_c2x1/S1", False),  # 128 tiles of 320: one wave (160: 2 waves)
+    (2048, 2560, 4096, "gemm_bf16_128x160_c1x2_ws_res/S1", True),  # no 320 residual twin: 160, A multicast
+    (1000, 6144, 2560, "gemm_bf16_128x192_c2x1_ws/S1", False),  # 2 waves of 192 beat 3 of 160
+    (512, 19456, 2560, "gemm_bf16_128x320_c2x1/S1", False),  # 1.85 waves of 320 beat 3.7 of 160 and 2.3 of 256
+    (8192, 2560, 4096, "gemm_bf16_128x320_c2x1/S1", False),  # many waves: the widest tile (320 on a tie with 256)
+    (8192, 24576, 4096, "gemm_bf16_128x256_c2x1_ws/S1", False),  # 256 where 320 quantises worse
     # 128 < M <= 192 (the 2026-12-01 sweeps with A read to whole tiles)
-    (160, 2560, 4096, "gemm_f32_192x64_c1x1/S3"),    # one row of 192: 40 tiles x 3 splits
-    (192, 4096, 12288, "gemm_f32_192x64_c1x1/S2"),   # 64 tiles x 2 = 15 x 8 of 128: fewer splits
-    (160, 19456, 2560, "gemm_bf16_192x160_c1x1/S1"),  # 122 tiles of 160: one wave, no split
-    (192, 24576, 4096, "gemm_bf16_192x192_c1x1/S1"),  # 128 tiles of 192
-    (160, 6144, 2560, "gemm_bf16_192x64_c1x1/S1"),   # qkv: 96 unsplit 192x64 tiles beat two rows of 128x128
-    (224, 2560, 4096, "gemm_bf16_128x128_c1x1_k2/S1"),  # K pairs from M = 129
+    (160, 2560, 4096, "gemm_f32_192x64_c1x1/S3", False),    # one row of 192: 40 tiles x 3 splits
+    (192, 4096, 12288, "gemm_f32_192x64_c1x1/S2", False),   # 64 tiles x 2 = 15 x 8 of 128: fewer splits
+    (160, 19456, 2560, "gemm_bf16_192x160_c1x1/S1", False),  # 122 tiles of 160: one wave, no split
+    (192, 24576, 4096, "gemm_bf16_192x192_c1x1/S1", False),  # 128 tiles of 192
+    (160, 6144, 2560, "gemm_bf16_192x64_c1x1/S1", False),   # qkv: 96 unsplit 192x64 tiles beat two rows of 128x128
+    (224, 2560, 4096, "gemm_bf16_128x128_c1x1_k2/S1", False),  # K pairs from M = 129
 ])
-def test_plan_follows_the_tuned_rules(m, n, k, expect):
-    plan = plan_gemm(m, n, k)
+def test_plan_follows_the_tuned_rules(m, n, k, expect, residual):
+    plan = plan_gemm(m, n, k, residual=residual)
     assert f"{plan.variant.name}/S{plan.splits}" == expect
 
 
@@ -153,7 +155,12 @@ def test_residual_plans_have_a_residual_twin():
 @pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560)])
 @pytest.mark.parametrize("m", [1, 32, 129, 512, 2048])
 def test_plain_tiles_take_a_producer_warpgroup(m, n, k):
-    """bf16 64- and 128-row tiles run warp-specialised; split-K, K pairs and 192-row tiles do not."""
+    """bf16 64- and 128-row tiles up to 256 wide run warp-specialised; split-K, K pairs, 192-row
+    and 320-wide tiles do not. A residual plan is the same tile's residual twin (no 320 twin)."""
     v = plan_gemm(m, n, k).variant
-    assert v.ws == (v.out == "bf16" and v.k_split == 1 and v.tile_m in (64, 128))
-    assert plan_gemm(m, n, k, residual=True).variant == (replace(v, residual=True) if v.out == "bf16" else v)
+    assert v.ws == (v.out == "bf16" and v.k_split == 1 and v.tile_m in (64, 128) and v.tile_n <= 256)
+    r = plan_gemm(m, n, k, residual=True).variant
+    if v.tile_n <= 256:
+        assert r == (replace(v, residual=True) if v.out == "bf16" else v)
+    else:
+        assert r.residual and r.tile_n <= 256

@@ -45,6 +45,8 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 160, 1, 2),    # N = 2560 at M = 1000-2048: 2 waves; A multicast to an N-pair
     GemmVariant(128, 80, 1, 2),     # N = 2560 at M = 512 in 128 tiles (cuBLAS's choice), two warpgroups; not yet swept
     GemmVariant(128, 80, 1, 1),
+    GemmVariant(128, 320, 1, 1),    # cuBLAS's tile for N = 2560 at M = 2048 (8 x 16: one wave); not yet swept
+    GemmVariant(128, 320, 2, 1),
     GemmVariant(128, 160, k_split=2),   # N = 2560 at M = 512: 4 x 16 tiles x 2 K-halves, one wave
     GemmVariant(128, 256, k_split=2),
     GemmVariant(128, 128, k_split=2),
@@ -72,15 +74,18 @@ def takes_producer_warpgroup(v: GemmVariant) -> bool:
     49.1 -> 41.1 µs, 8B.down on 128x128 2x1: 72.9 -> 70.0, 4B.gate_up on 128x160 1x2: 83.0 -> 80.5);
     elsewhere the same within 1-3% (H200, 2026-12-01 17:50 UTC). Split-K (f32) tiles, K pairs and
     192-row tiles (512 threads would cap registers at 128) keep warp 0 as the producer."""
-    return v.out == "bf16" and not v.grouped and v.k_split == 1 and v.tile_m in (64, 128) and not v.residual
+    return (v.out == "bf16" and not v.grouped and v.k_split == 1 and v.tile_m in (64, 128) and v.tile_n <= 256
+            and not v.residual)
 
 
 GEMM_VARIANTS += tuple(replace(v, ws=True) for v in GEMM_VARIANTS if takes_producer_warpgroup(v))
 # Every dense bf16 variant has a residual twin, so that any plan can fuse the add (split-K plans
 # add it in the reduction instead).
-# (Not 128x256 K-pairs: with R's tile in shared memory, their B ring cannot hold the peer's sums.)
+# (Not 128x256 K-pairs: with R's tile in shared memory, their B ring cannot hold the peer's sums;
+# not 128x320: R's 80 KB would leave two ring stages.)
 GEMM_VARIANTS += tuple(replace(v, residual=True) for v in GEMM_VARIANTS
-                       if v.out == "bf16" and not v.grouped and not (v.k_split == 2 and v.tile_n == 256))
+                       if v.out == "bf16" and not v.grouped and not (v.k_split == 2 and v.tile_n == 256)
+                       and v.tile_n <= 256)
 REDUCE_NAME = "splitk_reduce"
 REDUCE_RESIDUAL_NAME = "splitk_reduce_res"
 VARIANTS_BY_NAME = {v.name: v for v in GEMM_VARIANTS}
@@ -154,10 +159,13 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   from M = 65 (gate_up, 4-10%); 128x128 K pairs at M = 65-128 where they are 48 CTAs or more (8B
 #   down 35.0 against 38.6 µs, qkv 19.8 against 21.6, o 15.1 against 15.6), else 192-row tiles split
 #   in K where the stream would split (4B o / down, 4-6%): `_small_m_plan`.
-# The whole plan was re-timed on 2026-12-01, 07:29 UTC (261 / 261 verification cases passed, the
-# planned path included), M = 160-192 again at 07:39; the M <= 128 rules of 07:40 on (unsplit
-# streams, K pairs, 192-row and wide tiles from M = 65) come from the 07:34-07:36 sweeps and await
-# a re-time as a plan.
+# - 2026-12-01, 17:34-18:07 UTC: bf16 64/128-row tiles run warp-specialised (a producer warpgroup:
+#   multicast tiles 3-16% faster); 128x80 on two warpgroups takes N = 2560 at M = 512 (one wave,
+#   cuBLAS's tile; 4B.o 20.4 -> 19.7 µs); 128x320 takes N = 2560 at M = 2048 and 4B.gate_up
+#   (one wave where 160 needs two: 4B.o 2048 60.5 -> 56.0, 4B.gate_up 512 82.5 -> 74.9); qkv at
+#   M = 129-192 streams unsplit 192x64 tiles (1.1-1.2x).
+# The whole plan was re-timed on 2026-12-01, 18:07 UTC (416 / 416 verification cases passed, the
+# planned path included): 22 of the 24 rows at M = 512 / 2048 / 8192 within 5% of cuBLAS.
 STREAM_MAX_M = 128
 FILL_TOLERANCE = 0.9        # single-wave fills within 10% count as equal: fewer splits win
 UNSPLIT_MIN_CTAS = 48       # 64-row tiles: this many stream unsplit (qkv at M <= 64: 48 of 64x128,
@@ -165,7 +173,7 @@ UNSPLIT_MIN_CTAS = 48       # 64-row tiles: this many stream unsplit (qkv at M <
                             # 8B.o at M = 96-128: 15.6 against 18.2; swept 2026-12-01, 07:34-07:36)
 UNSPLIT_MAX_K = 4096        # ... but not 8B.down (K = 12288) at M = 96-128: 43.0 against 38.6 in 4 splits
 # 128-row tiles: relative throughput per element (sweeps of 2026-11-30 and, for 192 / 160, 2026-12-01)
-TILE_EFFICIENCY = {256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85, 80: 0.77}
+TILE_EFFICIENCY = {320: 1.0, 256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85, 80: 0.77}
 WIDE_192_MIN_M = 65         # 128x192 and 128x160: swept from M = 64 up (2026-12-01; gate_up at
                             # M = 96-128: 4B 128x160 c1x2 28.8-29.6 against 32.2-32.5 µs of 128x256)
 K_PAIR_MIN_M = 129          # K-split pairs: measured (2026-12-01) to win at M = 193-512 on narrow N
@@ -239,7 +247,10 @@ def _tile_plan(m: int, n: int, k: int, sms: int, residual: bool) -> GemmPlan:
     def pair_cost(tile_n: int) -> float:  # two CTAs per tile, each half of K
         return _ceil(2 * _ceil(m, 128) * _ceil(n, tile_n), sms) * tile_n / TILE_EFFICIENCY[tile_n] / 2 * K_PAIR_COST
 
-    tile_n = min((256, 192, 160, 128, 80) if m >= WIDE_192_MIN_M else (256, 128), key=cost)
+    # 320 first: on equal costs it was 2-5% faster than 256 (4B gate_up at M = 1000 / 2048, 4B o at
+    # 8192); no residual twin (R's tile would take two of its four ring stages)
+    widths = (320, 256, 192, 160, 128, 80) if m >= WIDE_192_MIN_M else (256, 128)
+    tile_n = min((w for w in widths if not (residual and w > 256)), key=cost)
     if m >= K_PAIR_MIN_M and k >= K_PAIR_MIN_K:
         pair_n = min((192, 160, 128) if residual else (256, 192, 160, 128), key=pair_cost)  # no 256 residual twin
         if pair_cost(pair_n) < cost(tile_n):

@@ -51,7 +51,8 @@ class GemmSm90(EpilogueSm90):
     """Builds the jit entry point for one GemmVariant; call it through ``cute.compile``."""
 
     def __init__(self, tile: GemmVariant):
-        assert tile.tile_m in (64, 128, 192) and tile.tile_n in (64, 80, 128, 160, 192, 256)
+        assert tile.tile_m in (64, 128, 192) and tile.tile_n in (64, 80, 128, 160, 192, 256, 320)
+        assert not (tile.ws and tile.tile_n > 256), "a producer warpgroup leaves too few registers for 320 columns"
         assert tile.cluster_m * tile.cluster_n <= 4
         assert not (tile.grouped and tile.cluster_m > 1), "a cluster along M would mix experts"
         assert tile.k_split in (1, 2) and (tile.k_split == 1 or tile.cluster_m * tile.cluster_n == 1)
@@ -67,6 +68,9 @@ class GemmSm90(EpilogueSm90):
         # Warp-specialised variants (``ws``) put a producer warpgroup first, whose warp 0 issues every
         # TMA load; otherwise warp 0 of the MMA warpgroups doubles as the producer between its wgmmas.
         self.first_mma_warp = 4 if tile.ws else 0
+        # wgmma is at most n256: a 320-wide tile issues two n160 wgmmas per k-step (160 fp32
+        # accumulators per thread, which fit only without a producer warpgroup)
+        self.mma_n = tile.tile_n // 2 if tile.tile_n > 256 else tile.tile_n
         self.mma_threads = 128 * self.num_mma_wg
         self.threads = self.mma_threads + 32 * self.first_mma_warp
         self.buffer_align = 1024
@@ -75,7 +79,7 @@ class GemmSm90(EpilogueSm90):
     def _setup(self, a_dtype, c_dtype, a_layout, b_layout, c_layout):
         self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
             a_dtype, a_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile.tile_n),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.mma_n),
         )
         k_inst = cute.size(self.tiled_mma.shape_mnk, mode=[2])
         self.tile_mnk = (self.tile.tile_m, self.tile.tile_n, 4 * k_inst)

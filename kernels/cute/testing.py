@@ -215,6 +215,7 @@ DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x
                "gemm_bf16_128x192_c1x1", "gemm_bf16_128x192_c2x1", "gemm_bf16_128x160_c1x2",
                "gemm_bf16_128x160_c1x1_k2", "gemm_bf16_128x256_c1x1_k2", "gemm_bf16_128x128_c1x1_k2",
                "gemm_bf16_128x192_c1x1_k2", "gemm_bf16_128x80_c1x2", "gemm_bf16_128x80_c1x1",
+               "gemm_bf16_128x320_c1x1", "gemm_bf16_128x320_c2x1",
                "gemm_bf16_192x64_c1x1", "gemm_bf16_192x128_c1x1",
                "gemm_bf16_192x160_c1x1", "gemm_bf16_192x192_c1x1", "gemm_bf16_192x256_c1x1")
 SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1",
@@ -264,7 +265,7 @@ def build_cases() -> tuple[Case, ...]:
         cases.append(_gemm_case(name, 17, 2056, MULTI_K, 4))
         cases.append(_gemm_case(name, 1, 200, 328, 16))                # one k-tile per split
     for n, k in ((6144, 2560), (2560, 9728)):
-        for m in (1, 17, 64, 255, 1000):
+        for m in (1, 17, 64, 255, 1000) + ((2048,) if n == 2560 else ()):  # 2048: the 320-wide tile
             cases.append(Case("planned", f"M={m} N={n} K={k} {plan_gemm(m, n, k).variant.name}"
                               f"/S{plan_gemm(m, n, k).splits}", "planned", (m, n, k)))
     # A read past M to whole tiles: streams, 192-row tiles, K pairs (one and two rows), 128-row tiles
