@@ -7,8 +7,8 @@
     python3 bench/gemm_profile.py --time 4B.o:512:gemm_bf16_128x128_c1x1 4B.o:512:cublas
 
 Each argument is ``shape:M:variant`` (a Qwen3 projection such as ``4B.o``, or ``NxK``; a CuTe
-variant name, or ``cublas`` for torch.mm, the baseline); each runs ``--launches`` times after one warm-up. ``--parse`` prints one line per
-kernel launch: duration, DRAM / memory / SM throughput, L2 and L1 hit rates, and the top warp
+variant name, or ``cublas`` for torch.mm, the baseline); each runs ``--launches`` times after one
+warm-up. ``--parse`` prints one line per kernel launch: duration, DRAM / memory / SM throughput, L2 and L1 hit rates, and the top warp
 stalls where the CSV has them. ``--time`` graph-times each spec instead (no ncu).
 """
 from __future__ import annotations

@@ -11,8 +11,8 @@ optional cluster multicast), wgmma from shared memory into fp32 registers (one t
 warpgroups), epilogue through shared memory (stmatrix for 16-bit output) and TMA stores, which clip
 the M/N tails (``gemm_sm90_epilogue``). Warp-specialised variants (``ws``) add a producer
 warpgroup whose warp 0 issues every load; in the others warp 0 of the MMA warpgroups refills the
-ring between its wgmmas, which stalls its warpgroup whenever a multicast peer is behind. Grouped variants (MoE) take B as ``(N, K, E)``
-expert weights and an int32 map from each M-tile to its expert: tokens are grouped by expert and
+ring between its wgmmas, which stalls its warpgroup whenever a multicast peer is behind.
+Grouped variants (MoE) take B as ``(N, K, E)`` expert weights and an int32 map from each M-tile to its expert: tokens are grouped by expert and
 each group padded to whole M-tiles (``moe.group_by_expert``), so one launch covers every expert.
 CTAs are rasterised in groups of 8 clusters along M so that concurrently running CTAs share B
 (weight) tiles in L2.
@@ -328,15 +328,12 @@ class GemmSm90(EpilogueSm90):
         gx, gy, gz = cute.arch.grid_dim()
         if self.tile.tile_n < 256 or gx * gy * gz * 10 >= 9 * H200_SMS:
             cute.arch.griddepcontrol_launch_dependents()
-        # The warp-specialised producer streams the rest of the k-tiles as stages free up.
-        if cutlass.const_expr(self.tile.ws):
-            if warp == 0:
-                for _ in cutlass.range(fill, k_tiles, unroll=1):
-                    self._load_stage(ring, produce, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
-                    produce.advance()
-
         stage_args = (k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
         if cutlass.const_expr(self.tile.ws):
+            if warp == 0:  # the producer streams the rest of the k-tiles as stages free up
+                for _ in cutlass.range(fill, k_tiles, unroll=1):
+                    self._load_stage(ring, produce, *stage_args)
+                    produce.advance()
             if is_mma:
                 self._mma_mainloop(ring, read, release, produce, k_tiles, warp, tiled_mma, acc, frag_a, frag_b,
                                    stage_args)
