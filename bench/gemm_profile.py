@@ -39,7 +39,8 @@ def shape_nk(name: str) -> tuple[int, int]:
 def time_specs(specs: list[str]) -> None:
     """Graph-replayed µs per launch of each spec (as bench/kernels.py times its rows). Besides
     variant names (``name/S<n>``: n K splits; ``+exact``: A in an allocation of exactly M rows,
-    whose tail tiles the TMA zero-fills, instead of a view of a larger buffer) and ``cublas``:
+    whose tail tiles the TMA zero-fills, instead of a view of a larger buffer; ``+pdl``: weights
+    prefetched as below) and ``cublas``:
     ``planned``, ``planned+pdl`` (the weights' first k-tiles loaded before the programmatic-launch
     wait), ``planned+res`` (the residual added in the epilogue, in place) and ``planned+add``
     (the GEMM, then the engine's residual_add kernel)."""
@@ -75,13 +76,15 @@ def time_specs(specs: list[str]) -> None:
             us = cublas_time_us(int(m), n, k, ops.sets)
         elif variant.startswith("planned"):
             us = graph_time_us(planned, ops.sets, spec)
-        else:  # a variant name, "/S<n>" for n K splits; "+exact": A in an allocation of exactly M rows
-            name, _, splits = variant.removesuffix("+exact").partition("/S")
+        else:  # a variant name, "/S<n>" for n K splits; "+exact": A in an allocation of exactly M rows;
+            # "+pdl": the weights' first k-tiles loaded before the programmatic-launch wait
+            base, *mods = variant.split("+")
+            name, _, splits = base.partition("/S")
             plan = GemmPlan(VARIANTS_BY_NAME[name], int(splits or 1))
-            if variant.endswith("+exact"):  # the TMA zero-fills A's rows past M (slower)
+            if "exact" in mods:  # the TMA zero-fills A's rows past M (slower)
                 ops.a = [rand_bf16((int(m), k)) for _ in range(ops.sets)]
             runner(ops.a[0], ops.w[0], ops.out, plan=plan)  # sizes the workspace outside the capture
-            us = ops.time_us(plan, spec)
+            us = ops.time_us(plan, spec, prefetch_weights="pdl" in mods)
         print(f"{spec:48} {us:8.1f} µs", flush=True)
         del ops
 

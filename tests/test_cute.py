@@ -439,3 +439,29 @@ def test_launcher_describes_a_to_whole_tiles_and_the_output_to_m(monkeypatch):
         assert out_arg.shapes == (m, n, 1)
     with pytest.raises(ValueError, match="a_rows"):
         runner(a, w, out, stream=7, a_rows=m - 1)
+
+
+def test_launcher_prefetches_weights_for_streams_only(monkeypatch):
+    """``prefetch_weights`` sets the kernels' b_early flag for the 64-row weight streams (M <= 64)
+    and nowhere else: on 128-row tiles it was measured slower."""
+    import types
+
+    from kernels.cute.gemm import GemmRunner
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda: types.SimpleNamespace(id=0),
+        runtime=types.SimpleNamespace(streamIsCapturing=lambda s: 0)))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    lib = _RecordingLibrary()
+    runner = GemmRunner(lib)
+    runner._workspace = types.SimpleNamespace(nbytes=1 << 30, data=types.SimpleNamespace(ptr=1 << 42))
+    n, k = 6144, 2560
+    w = DeviceTensor(1 << 40, (n, k), (k, 1))
+    for m, streams in ((1, True), (64, True), (512, False)):
+        a = DeviceTensor(1 << 30, (m, k), (k, 1))
+        out = DeviceTensor(1 << 41, (m, n), (n, 1))
+        assert (plan_gemm(m, n, k).variant.tile_m == 64) == streams
+        for prefetch in (False, True):
+            runner(a, w, out, stream=7, prefetch_weights=prefetch)
+            name, args = lib.calls[-1]
+            assert name == plan_gemm(m, n, k).variant.name and args[-1] == int(prefetch and streams)

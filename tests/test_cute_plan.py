@@ -5,8 +5,9 @@ from dataclasses import replace
 import pytest
 
 from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_TILE, MAX_SPLITS, ROW_192_MAX_M,
-                                  ROW_192_MIN_FILL, STREAM_MAX_M, UNSPLIT_MAX_K, UNSPLIT_MIN_CTAS, VARIANTS_BY_NAME, plan_gemm,
-                                  split_count, wave_fill, wave_splits)
+                                  ROW_192_MIN_FILL, SPLIT_WIDTHS, STREAM_FILL_TOLERANCE, STREAM_MAX_M, STREAM_WIDTHS,
+                                  UNSPLIT_MAX_K, UNSPLIT_MIN_CTAS, VARIANTS_BY_NAME, plan_gemm, split_count, wave_fill,
+                                  wave_splits)
 
 QWEN = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (6144, 4096), (4096, 4096),
         (24576, 4096), (4096, 12288)]
@@ -53,8 +54,30 @@ def test_row_192_plan_fills_one_wave(m, n, k):
     assert not [o for o in options if o[0] >= FILL_TOLERANCE * top and o[1] < s], "an option with fewer splits fits"
 
 
+@pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560), (2056, 1032), (64, 64)])
+@pytest.mark.parametrize("m", [1, 8, 33, 64])
+def test_one_row_stream_fills_the_wave(m, n, k):
+    """M <= 64: one row of 64-row tiles, the width (and K split) whose CTAs fill one wave best;
+    among fills within STREAM_FILL_TOLERANCE of it, no split where an unsplit width fits, and no
+    more splits than fit the wave."""
+    plan = plan_gemm(m, n, k)
+    v, s = plan.variant, plan.splits
+    assert v.tile_m == 64 and v.k_split == 1
+    options = [(wave_fill(-(-n // w)), 1, w) for w in STREAM_WIDTHS if -(-n // w) <= H200_SMS]
+    options += [(wave_fill(-(-n // w) * t), t, w) for w in SPLIT_WIDTHS for t in [wave_splits(-(-n // w), k)] if t > 1]
+    if not options:  # wider than a wave of 64x256: unsplit, several waves
+        assert (v.tile_n, s) == (256, 1) and -(-n // 256) > H200_SMS
+        return
+    top = max(f for f, _, _ in options)
+    fill = wave_fill(-(-n // v.tile_n) * s)
+    assert (fill, s, v.tile_n) in options and fill >= STREAM_FILL_TOLERANCE * top
+    if s > 1:
+        assert not [o for o in options if o[1] == 1 and o[0] >= STREAM_FILL_TOLERANCE * top]
+        assert -(-n // v.tile_n) * (s + 1) > H200_SMS or split_count(k, s + 1) != s + 1
+
+
 @pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560)])
-@pytest.mark.parametrize("m", [1, 8, 32, 64, 100, 128])
+@pytest.mark.parametrize("m", [100, 128])
 def test_streaming_plan_fills_one_wave(m, n, k):
     """Small M: 64-row tiles whose CTAs fit one wave, with as many splits as still fit, and a fill
     within FILL_TOLERANCE of the other tile width's best single wave; unsplit where the tiles alone
@@ -87,18 +110,20 @@ def test_streaming_plan_fills_one_wave(m, n, k):
 
 @pytest.mark.parametrize("m,n,k,expect,residual", [
     # the choices the 2026-11-30 H200 sweep favoured (bench/results/kernels.md), as rules
-    (1, 6144, 2560, "gemm_bf16_64x128_c1x1_ws/S1", False),    # qkv: 48 tiles stream unsplit (was 24 x 5 splits)
-    (1, 2560, 4096, "gemm_f32_64x128_c1x1/S6", False),     # o: 20 tiles are too few: split
-    (32, 6144, 4096, "gemm_bf16_64x128_c1x1_ws/S1", False),   # 8B qkv too
-    (64, 4096, 12288, "gemm_f32_64x128_c1x1/S4", False),   # 8B down: a long K earns the split back
+    (1, 6144, 2560, "gemm_bf16_64x48_c1x1_ws/S1", False),    # qkv: 128 tiles of 48, one per SM, unsplit
+    (1, 2560, 4096, "gemm_f32_64x80_c1x1/S4", False),     # o: 32 tiles of 80 x 4 splits (20 of 128 x 6: 91%)
+    (32, 6144, 4096, "gemm_bf16_64x48_c1x1_ws/S1", False),   # 8B qkv too
+    (64, 4096, 12288, "gemm_f32_64x128_c1x1/S4", False),   # 8B down: 128 wide x 4 (96 x 3 fills as much)
+    (1, 4096, 4096, "gemm_f32_64x128_c1x1/S4", False),     # 8B o likewise
+    (1, 24576, 4096, "gemm_bf16_64x192_c1x1_ws/S1", False),  # 8B gate_up: 128 tiles of 192
     (96, 4096, 4096, "gemm_bf16_128x128_c1x1_k2/S1", False),   # M = 65-128: one row of 64 K pairs (8B o)
     (128, 4096, 12288, "gemm_bf16_128x128_c1x1_k2/S1", False),  # ... 8B down
     (96, 2560, 9728, "gemm_f32_192x64_c1x1/S3", False),    # 4B down: 40 pair CTAs are too few: 192-row tiles
-    (8, 2560, 4096, "gemm_f32_64x128_c1x1/S6", False),     # o: near-equal fills, fewer splits win
+    (8, 2560, 4096, "gemm_f32_64x80_c1x1/S4", False),      # o: as at M = 1
     (32, 4096, 12288, "gemm_f32_64x128_c1x1/S4", False),   # 8B down: equal fills (32 x 4 = 16 x 8)
-    (32, 19456, 2560, "gemm_bf16_64x256_c1x1_ws/S1", False),  # gate_up: the tiles alone fill the SMs
+    (32, 19456, 2560, "gemm_bf16_64x160_c1x1_ws/S1", False),  # gate_up: 122 tiles of 160 (76 of 256)
     (128, 2560, 9728, "gemm_f32_192x64_c1x1/S3", False),   # M = 128: one row of tiles streams the weights once
-    (64, 2560, 9728, "gemm_f32_64x128_c1x1/S6", False),    # M = 64: one row of 64-row tiles
+    (64, 2560, 9728, "gemm_f32_64x80_c1x1/S4", False),     # M = 64: one row of 64-row tiles
     (128, 19456, 2560, "gemm_bf16_128x160_c1x2_ws/S1", False),  # ... unless the 64-row tiles fill a wave
     (512, 2560, 4096, "gemm_bf16_128x80_c1x2_ws/S1", False),  # narrow N: 128 tiles of 80 fill the wave (K pairs: 0.97x)
     (512, 4096, 4096, "gemm_bf16_128x128_c2x1_ws/S1", False),  # 128 tiles of 128 fill the wave: no K pair

@@ -130,7 +130,9 @@ class Gemm:
             self.gemv(x, w, out, pdl=pdl)
             return
         if self.cute is not None and out.dtype == np.uint16:
-            self.cute.gemm(x, w, out, self.stream, residual=out if accumulate else None)
+            # w is a model weight, never written in a forward: its first k-tiles may load while
+            # the kernel before finishes (a chain of weight streams overlaps its launch gaps)
+            self.cute.gemm(x, w, out, self.stream, residual=out if accumulate else None, prefetch_weights=True)
             return
         ctype = CUDA_R_32F if out.dtype == np.float32 else CUDA_R_16BF
         beta = self._beta_one if accumulate else self._beta

@@ -63,6 +63,14 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(64, 64, 1, 1, "f32"),
     GemmVariant(64, 128, 1, 1, "f32"),
     GemmVariant(64, 256, 1, 1, "f32"),
+    # Stream widths (M <= 64) that cut a projection into ~128 CTAs, one per SM, where 64x128 / 64x256
+    # leave SMs idle: qkv 6144 / 48, 4B.gate_up 19456 / 160 (122), 8B.gate_up 24576 / 192; split in
+    # K: 2560 / 80 x 4 (4B o / down), 96 for the widths between
+    GemmVariant(64, 48),
+    GemmVariant(64, 160),
+    GemmVariant(64, 192),
+    GemmVariant(64, 80, 1, 1, "f32"),
+    GemmVariant(64, 96, 1, 1, "f32"),
     GemmVariant(64, 128, 1, 1, grouped=True),
     GemmVariant(128, 128, 1, 1, grouped=True),
 )
@@ -164,6 +172,9 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   cuBLAS's tile; 4B.o 20.4 -> 19.7 µs); 128x320 takes N = 2560 at M = 2048 and 4B.gate_up
 #   (one wave where 160 needs two: 4B.o 2048 60.5 -> 56.0, 4B.gate_up 512 82.5 -> 74.9); qkv at
 #   M = 129-192 streams unsplit 192x64 tiles (1.1-1.2x).
+# - 2026-12-01, 18:40-19:20 UTC: at M <= 64 the stream width (48 ... 256) and K split whose CTAs fill
+#   one wave, one per SM (`_stream_plan`): with the weights prefetched, a decode layer's four
+#   projections 63.9 -> 56.7 µs (4B, M = 1) and 107.2 -> 97.4 (8B).
 # The whole plan was re-timed on 2026-12-01, 18:07 UTC (416 / 416 verification cases passed, the
 # planned path included): 22 of the 24 rows at M = 512 / 2048 / 8192 within 5% of cuBLAS.
 STREAM_MAX_M = 128
@@ -183,21 +194,51 @@ K_PAIR_MIN_K = 4096         # ... with K >= 4096; at K = 2560 (qkv, gate_up of t
 K_PAIR_COST = 1.2           # a pair's half-K CTA relative to half a tile's work (DSMEM exchange, epilogue)
 
 
+STREAM_WIDTHS = (256, 192, 160, 128, 48)   # bf16 64-row tiles streamed unsplit at M <= 64
+SPLIT_WIDTHS = (128, 96, 80, 256)           # f32 64-row tiles split in K at M <= 64, in order of preference
+STREAM_FILL_TOLERANCE = 0.95                # M <= 64: fills within 5% count as equal
+
+
 def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
-    """64-row tiles; the fullest single wave, fewer splits among near-equal fills, 64x256 on a tie.
-    A width whose tiles alone number UNSPLIT_MIN_CTAS streams unsplit at K <= UNSPLIT_MAX_K: that
-    many CTAs keep enough weight bytes in flight, and a split would only add the fp32 partials and
-    their reduction, a cost that a long K (down_proj) earns back."""
+    """64-row tiles streaming the weights. At M <= 64 (one row of tiles): the fullest single wave
+    over STREAM_WIDTHS unsplit and SPLIT_WIDTHS split in K; among fills within
+    STREAM_FILL_TOLERANCE of it, unsplit (the widest) before split (in SPLIT_WIDTHS order). Widths
+    that cut N into about one tile per SM keep every SM streaming (chains of one GEMM with its
+    weights prefetched, graph-replayed at M = 1, H200 2026-12-01: 4B.qkv 48 wide 10.0 µs against
+    11.7 for 48 CTAs of 64x128; 4B.gate_up 160 wide 24.5 against 28.3 for 76 of 64x256; 8B.gate_up
+    192 wide 48.4 against 53.7; 4B.down 80 wide x 4 splits 15.1 against 15.8 for 128 wide x 6;
+    8B.o 128 wide x 4 10.9 against 11.3 for 96 wide x 3, an equal fill).
+    From M = 65 (two rows) the 2026-11-30 rule: 64x256 or 64x128, and a width whose tiles alone
+    number UNSPLIT_MIN_CTAS streams unsplit at K <= UNSPLIT_MAX_K (a split adds the fp32 partials
+    and their reduction, which only a long K earns back)."""
+    rows = _ceil(m, 64)
     options = []
-    for tile_n in (256, 128):
-        tiles = _ceil(m, 64) * _ceil(n, tile_n)
-        splits = 1 if tiles >= UNSPLIT_MIN_CTAS and k <= UNSPLIT_MAX_K else wave_splits(tiles, k, sms)
-        options.append((wave_fill(tiles * splits, sms), splits, tile_n))
-    unsplit = [o for o in options if o[1] == 1]
-    if unsplit:  # among unsplit widths: the fuller wave, 64x256 on a tie
-        options = unsplit
+    if m <= 64:
+        for tile_n in STREAM_WIDTHS:
+            tiles = rows * _ceil(n, tile_n)
+            if tiles <= sms:
+                options.append((wave_fill(tiles, sms), 1, tile_n))
+        for tile_n in SPLIT_WIDTHS:
+            tiles = rows * _ceil(n, tile_n)
+            splits = wave_splits(tiles, k, sms)
+            if splits > 1:
+                options.append((wave_fill(tiles * splits, sms), splits, tile_n))
+    else:
+        for tile_n in (256, 128):
+            tiles = rows * _ceil(n, tile_n)
+            splits = 1 if tiles >= UNSPLIT_MIN_CTAS and k <= UNSPLIT_MAX_K else wave_splits(tiles, k, sms)
+            options.append((wave_fill(tiles * splits, sms), splits, tile_n))
+        unsplit = [o for o in options if o[1] == 1]
+        if unsplit:  # among unsplit widths: the fuller wave, 64x256 on a tie
+            options = unsplit
+    if not options:  # N wider than a wave of the widest tile
+        options = [(wave_fill(rows * _ceil(n, 256), sms), 1, 256)]
     top = max(fill for fill, _, _ in options)
-    _, splits, tile_n = min((o for o in options if o[0] >= FILL_TOLERANCE * top), key=lambda o: (o[1], -o[2]))
+    if m <= 64:
+        _, splits, tile_n = min((o for o in options if o[0] >= STREAM_FILL_TOLERANCE * top),
+                                key=lambda o: (o[1] > 1, SPLIT_WIDTHS.index(o[2]) if o[1] > 1 else -o[2]))
+    else:
+        _, splits, tile_n = min((o for o in options if o[0] >= FILL_TOLERANCE * top), key=lambda o: (o[1], -o[2]))
     out = "f32" if splits > 1 else "bf16"
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_{out}_64x{tile_n}_c1x1"], splits)
 

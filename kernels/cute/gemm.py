@@ -161,9 +161,9 @@ class GemmRunner:
         """``out = a · bᵀ`` (+ ``residual``, a bf16 [M, N] that may be ``out`` itself: added in fp32
         in the epilogue, or in the split-K reduction). The GEMM is a programmatic dependent launch;
         ``prefetch_weights``: ``b`` is not written by the kernel before it in the stream (model
-        weights), so its first k-tiles are loaded while that kernel finishes. ``a_rows``: ``a``'s
-        buffer holds that many rows (>= M) at its row stride, all readable (default: found from
-        the CuPy allocation, ``readable_rows``)."""
+        weights), so its first k-tiles may load while that kernel finishes (taken by the 64-row
+        weight-stream plans only). ``a_rows``: ``a``'s buffer holds that many rows (>= M) at its
+        row stride, all readable (default: found from the CuPy allocation, ``readable_rows``)."""
         a, b, out = as_device_tensor(a, "a", reach=True), as_device_tensor(b, "b"), as_device_tensor(out, "out")
         m, n, k = check_gemm_args(a, b, out)
         if a_rows is not None and a_rows < m:
@@ -175,6 +175,10 @@ class GemmRunner:
         if residual is not None and plan.variant.out == "bf16" and not plan.variant.residual:
             plan = GemmPlan(VARIANTS_BY_NAME[replace(plan.variant, residual=True).name], plan.splits)
         stream_ptr = _stream_ptr(stream)
+        # the weights' early ring fill pays for the 64-row weight streams (a decode layer's four
+        # projections 4-10% faster at M <= 64) but slowed 128-row tiles by up to 12% (8B.qkv at
+        # M = 8192, 8B.down at 2048; H200, 2026-12-01): only the streams take it
+        b_early = int(prefetch_weights and plan.variant.tile_m == 64)
         import cupy
 
         self.ensure_loaded()
@@ -187,14 +191,13 @@ class GemmRunner:
             extra = () if residual is None else (
                 TensorArg(residual.ptr, (m, n, 1), (_row_stride(residual), _row_stride(residual) * m)),)
             self.library[plan.variant.name](a_arg, b_arg, TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)), *extra,
-                                            int(prefetch_weights),
-                                            stream=stream_ptr)
+                                            b_early, stream=stream_ptr)
             return
         if plan.variant.out != "f32":
             raise ValueError(f"split-K needs a float32-output variant, got {plan.variant.name}")
         capturing = cupy.cuda.runtime.streamIsCapturing(stream_ptr) != 0
         partial = TensorArg(self._ensure_workspace(s * m * n * 4, capturing), (m, n, s), (n, m * n))
-        self.library[plan.variant.name](a_arg, b_arg, partial, int(prefetch_weights), stream=stream_ptr)
+        self.library[plan.variant.name](a_arg, b_arg, partial, b_early, stream=stream_ptr)
         if residual is None:
             self.library[REDUCE_NAME](partial, TensorArg(out.ptr, (m, n), (ldo,)), stream=stream_ptr)
         else:

@@ -51,7 +51,7 @@ class GemmSm90(EpilogueSm90):
     """Builds the jit entry point for one GemmVariant; call it through ``cute.compile``."""
 
     def __init__(self, tile: GemmVariant):
-        assert tile.tile_m in (64, 128, 192) and tile.tile_n in (64, 80, 128, 160, 192, 256, 320)
+        assert tile.tile_m in (64, 128, 192) and tile.tile_n in (48, 64, 80, 96, 128, 160, 192, 256, 320)
         assert not (tile.ws and tile.tile_n > 256), "a producer warpgroup leaves too few registers for 320 columns"
         assert tile.cluster_m * tile.cluster_n <= 4
         assert not (tile.grouped and tile.cluster_m > 1), "a cluster along M would mix experts"

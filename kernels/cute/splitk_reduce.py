@@ -22,8 +22,11 @@ def _reduce_kernel(partial: cute.Tensor, out: cute.Tensor, res: cute.Tensor, add
     bidx, bidy, _ = cute.arch.block_idx()
     n = bidx * THREADS + tidx
     m = bidy
-    cute.arch.griddepcontrol_wait()  # a programmatic dependent launch: the partials come from the GEMM
+    # Let the next kernel launch at once (it waits for this grid itself), so that a weight stream
+    # after the reduction can load its first tiles while the GEMM before it finishes; then wait
+    # for that GEMM (a programmatic dependent launch: the partials come from it).
     cute.arch.griddepcontrol_launch_dependents()
+    cute.arch.griddepcontrol_wait()
     if n < cute.size(out, mode=[1]):
         total = cutlass.Float32(0.0)
         for s in cutlass.range(cute.size(partial, mode=[2]), unroll=4):

@@ -82,11 +82,12 @@ def compare(got, ref) -> Check:
 
 
 def gemm_check(runner, plan: GemmPlan | None, m: int, n: int, k: int, residual: str = "",
-               padded: bool = False) -> Check:
+               padded: bool = False, prefetch: bool = False) -> Check:
     """One GEMM (``plan=None``: the launcher's own choice) against ``float32(a) @ float32(b).T``;
     ``residual``: "separate" adds a fresh R, "inplace" adds R held in the output buffer itself.
     ``padded``: A and the output are views of buffers with 300 more rows, A's NaN (the launcher
-    reads whole tiles past M there), the output's a sentinel that must survive."""
+    reads whole tiles past M there), the output's a sentinel that must survive. ``prefetch``: the
+    weights' ring fill issued before the programmatic-launch wait (``prefetch_weights``)."""
     import cupy as cp
 
     a, b = rand_bf16((m, k)), rand_bf16((n, k))
@@ -105,7 +106,7 @@ def gemm_check(runner, plan: GemmPlan | None, m: int, n: int, k: int, residual: 
         ref += from_bf16(r)
         if residual == "inplace":
             out, r = r, r
-    runner(a, b, out, plan=plan, residual=r)
+    runner(a, b, out, plan=plan, residual=r, **({"prefetch_weights": True} if prefetch else {}))
     sync_or_die(f"{plan.variant.name if plan else 'planned'} GEMM M={m} N={n} K={k} "
                 f"S={plan.splits if plan else '-'} residual={residual or '-'}")
     if padded and bool((big_out[m:] != 0x1234).any()):
@@ -204,7 +205,7 @@ class Case:
 
     group: str
     label: str
-    kind: str  # gemm | residual | planned | padded | graph | grouped | attention
+    kind: str  # gemm | residual | planned | prefetch | padded | graph | grouped | attention
     args: tuple
 
 
@@ -217,9 +218,10 @@ DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x
                "gemm_bf16_128x192_c1x1_k2", "gemm_bf16_128x80_c1x2", "gemm_bf16_128x80_c1x1",
                "gemm_bf16_128x320_c1x1", "gemm_bf16_128x320_c2x1",
                "gemm_bf16_192x64_c1x1", "gemm_bf16_192x128_c1x1",
-               "gemm_bf16_192x160_c1x1", "gemm_bf16_192x192_c1x1", "gemm_bf16_192x256_c1x1")
+               "gemm_bf16_192x160_c1x1", "gemm_bf16_192x192_c1x1", "gemm_bf16_192x256_c1x1",
+               "gemm_bf16_64x48_c1x1", "gemm_bf16_64x160_c1x1", "gemm_bf16_64x192_c1x1")
 SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1",
-                "gemm_f32_192x64_c1x1", "gemm_f32_192x128_c1x1")
+                "gemm_f32_192x64_c1x1", "gemm_f32_192x128_c1x1", "gemm_f32_64x80_c1x1", "gemm_f32_64x96_c1x1")
 WS_TWINS = tuple(v.name for v in GEMM_VARIANTS if v.ws and not v.residual)  # warp-specialised
 DENSE_ORDER += tuple(n for n in WS_TWINS if VARIANTS_BY_NAME[n].out == "bf16")
 SPLITK_ORDER += tuple(n for n in WS_TWINS if VARIANTS_BY_NAME[n].out == "f32")
@@ -273,6 +275,12 @@ def build_cases() -> tuple[Case, ...]:
                     (300, 4096, 4096), (1000, 2056, 1032)):
         plan = plan_gemm(m, n, k)
         cases.append(Case("padded", f"M={m} N={n} K={k} {plan.variant.name}/S{plan.splits}", "padded", (m, n, k)))
+    # the weights' ring fill before the wait (prefetch_weights): streams split and unsplit, 192-row
+    # tiles, A- and B-multicast tiles, a K pair
+    for m, n, k in ((1, 2560, 4096), (17, 6144, 2560), (64, 19456, 2560), (160, 2560, 4096), (1000, 2560, 4096),
+                    (2048, 6144, 2560), (300, 2560, 4096)):
+        plan = plan_gemm(m, n, k)
+        cases.append(Case("prefetch", f"M={m} N={n} K={k} {plan.variant.name}/S{plan.splits}", "prefetch", (m, n, k)))
     for m in (8, 300):
         cases.append(Case("graph", f"M={m} N=2560 K=4096", "graph", (m, 2560, 4096)))
     for args in ((64, 37, 8, 16, 264, 520), (64, 1, 8, 64, 768, 2048), (128, 300, 2, 8, 1536, 2048)):
@@ -299,6 +307,8 @@ def run_case(runner, case: Case) -> Check:
         return gemm_check(runner, None, m, n, k, how)
     if case.kind == "planned":
         return gemm_check(runner, None, *case.args)
+    if case.kind == "prefetch":
+        return gemm_check(runner, None, *case.args, prefetch=True)
     if case.kind == "padded":
         return gemm_check(runner, None, *case.args, padded=True)
     if case.kind == "graph":
