@@ -176,8 +176,8 @@ class GemmRunner:
             plan = GemmPlan(VARIANTS_BY_NAME[replace(plan.variant, residual=True).name], plan.splits)
         stream_ptr = _stream_ptr(stream)
         # the weights' early ring fill pays for the 64-row weight streams (a decode layer's four
-        # projections 4-10% faster at M <= 64) but slowed 128-row tiles by up to 12% (8B.qkv at
-        # M = 8192, 8B.down at 2048; H200, 2026-12-01): only the streams take it
+        # projections 4-8% faster at M <= 64) but slowed 128- and 192-row tiles by up to 12%
+        # (8B.qkv at M = 8192, 8B.down at 2048; H200, 2026-12-01): only the streams take it
         b_early = int(prefetch_weights and plan.variant.tile_m == 64)
         import cupy
 
