@@ -87,6 +87,31 @@ def test_content_hash_tracks_the_variant():
     assert content_hash("x", "a") != content_hash("x", "b")
 
 
+def test_build_hash_covers_every_kernel_module():
+    """Each kernel family's hashed sources hold every module of this package that its kernel file
+    imports, transitively (the GEMM's epilogue mixin once was not, so an edit there rebuilt nothing);
+    configs is covered by the variant's repr."""
+    import ast
+    import pathlib
+
+    pytest.importorskip("cutlass", reason="CuTe DSL not installed")
+    from kernels.cute.build import SOURCES
+
+    here = pathlib.Path(__file__).resolve().parent.parent / "kernels" / "cute"
+
+    def imported(name, seen):
+        for node in ast.walk(ast.parse((here / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module not in ("configs", None):
+                dep = f"{node.module}.py"
+                if dep not in seen:
+                    seen.add(dep)
+                    imported(dep, seen)
+        return seen
+
+    for family, sources in SOURCES.items():
+        assert imported(sources[0], {sources[0]}) <= set(sources), family
+
+
 def test_parse_header_reads_entry_and_tensors():
     from kernels.cute.build import parse_header
 

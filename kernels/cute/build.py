@@ -31,7 +31,8 @@ os.environ["CUTE_DSL_ARCH"] = ARCH  # must precede the first cutlass import
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "build"
 LIB_NAME = "libopeninfer_cute.so"
-SOURCES = {"gemm": ("gemm_sm90.py", "gemm_sm90_epilogue.py", "dsmem.py"), REDUCE: ("splitk_reduce.py",), REDUCE_RES: ("splitk_reduce.py",),
+SOURCES = {"gemm": ("gemm_sm90.py", "gemm_sm90_epilogue.py", "dsmem.py"),
+           REDUCE: ("splitk_reduce.py",), REDUCE_RES: ("splitk_reduce.py",),
            "fa2": ("attention_sm90.py",), "ws": ("attention_ws_sm90.py", "attention_sm90.py")}
 
 
