@@ -73,7 +73,8 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(64, 96, 1, 1, "f32"),
     # K pairs of 64-row stream tiles, the DSMEM exchange (12-16 KB) in place of the split-K
     # reduction kernel: 4096 / 64 x 2 = 128 CTAs (8B o / down), 2560 / 48 x 2 = 108 (4B o / down;
-    # a 40-wide tile, 128 CTAs, does not compile: the DSL aborts). Built, not yet verified or planned.
+    # 40 wide would give 128, but a width that 16 does not divide (40, 56) aborts the DSL in the
+    # B operand's TMA atom). Built, not yet verified or planned.
     GemmVariant(64, 48, k_split=2),
     GemmVariant(64, 64, k_split=2),
     GemmVariant(64, 128, 1, 1, grouped=True),
