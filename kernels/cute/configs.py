@@ -77,6 +77,13 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     # B operand's TMA atom). Built, not yet verified or planned.
     GemmVariant(64, 48, k_split=2),
     GemmVariant(64, 64, k_split=2),
+    # M = 65-128 in one row of 128-row tiles, about one CTA per SM: qkv 6144 / 48 = 128 tiles,
+    # 4B o / down 2560 / 80 x 4 splits, 8B o / down 4096 / 64 x 2 (K pairs), 4B o 2560 / 48 x 2.
+    # Built, not yet verified or planned.
+    GemmVariant(128, 48),
+    GemmVariant(128, 80, 1, 1, "f32"),
+    GemmVariant(128, 64, k_split=2),
+    GemmVariant(128, 48, k_split=2),
     GemmVariant(64, 128, 1, 1, grouped=True),
     GemmVariant(128, 128, 1, 1, grouped=True),
 )
