@@ -185,7 +185,7 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   cuBLAS's tile; 4B.o 20.4 -> 19.7 µs); 128x320 takes N = 2560 at M = 2048 and 4B.gate_up
 #   (one wave where 160 needs two: 4B.o 2048 60.5 -> 56.0, 4B.gate_up 512 82.5 -> 74.9); qkv at
 #   M = 129-192 streams unsplit 192x64 tiles (1.1-1.2x).
-# - 2026-12-01, 18:40-19:20 UTC: at M <= 64 the stream width (48 ... 256) and K split whose CTAs fill
+# - 2026-12-01, 18:27-18:49 UTC: at M <= 64 the stream width (48 ... 256) and K split whose CTAs fill
 #   one wave, one per SM (`_stream_plan`): with the weights prefetched, a decode layer's four
 #   projections 63.9 -> 56.7 µs (4B, M = 1) and 107.2 -> 97.4 (8B).
 # The whole plan was re-timed on 2026-12-01, 18:07 UTC (416 / 416 verification cases passed, the
