@@ -141,7 +141,7 @@ class _FakeCupy:
         return getattr(self._np, name)
 
 
-def _numpy_gemm(a, b, out, plan=None, residual=None, broken=False, drop_residual=False):
+def _numpy_gemm(a, b, out, plan=None, residual=None, prefetch_weights=False, broken=False, drop_residual=False):
     from kernels.cute.bf16 import from_bf16, to_bf16
 
     res = from_bf16(a) @ from_bf16(b).T
@@ -158,7 +158,7 @@ def test_checks_pass_a_correct_kernel_and_locate_a_broken_one(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _FakeCupy())
     good = testing.gemm_check(_numpy_gemm, None, 17, 200, 72)
     assert good.ok and good.unwritten == 0 and good.err < 5e-3
-    bad = testing.gemm_check(lambda a, b, out, plan=None, residual=None: _numpy_gemm(a, b, out, broken=True),
+    bad = testing.gemm_check(lambda a, b, out, plan=None, residual=None, prefetch_weights=False: _numpy_gemm(a, b, out, broken=True),
                              None, 17, 200, 72)
     assert not bad.ok and "cols 64-199" in bad.detail
 

@@ -99,6 +99,14 @@ def takes_producer_warpgroup(v: GemmVariant) -> bool:
             and not v.residual)
 
 
+def takes_weight_prefetch(v: GemmVariant) -> bool:
+    """The tiles that use ``prefetch_weights`` (their weights' ring fill before the programmatic
+    launch wait): the 64-row weight streams, where a decode layer's four projections ran 4-8%
+    faster at M <= 64; on 128- and 192-row tiles it was up to 12% slower (8B.qkv at M = 8192,
+    8B.down at 2048; H200, 2026-12-01)."""
+    return v.tile_m == 64
+
+
 GEMM_VARIANTS += tuple(replace(v, ws=True) for v in GEMM_VARIANTS if takes_producer_warpgroup(v))
 # Every dense bf16 variant has a residual twin, so that any plan can fuse the add (split-K plans
 # add it in the reduction instead).
@@ -225,7 +233,7 @@ def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
     number UNSPLIT_MIN_CTAS streams unsplit at K <= UNSPLIT_MAX_K (a split adds the fp32 partials
     and their reduction, which only a long K earns back)."""
     rows = _ceil(m, 64)
-    options = []
+    options = []  # (fill, splits, width)
     if m <= 64:
         for tile_n in STREAM_WIDTHS:
             tiles = rows * _ceil(n, tile_n)
@@ -236,6 +244,10 @@ def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
             splits = wave_splits(tiles, k, sms)
             if splits > 1:
                 options.append((wave_fill(tiles * splits, sms), splits, tile_n))
+        if not options:  # N wider than a wave of the widest tile
+            options = [(wave_fill(rows * _ceil(n, 256), sms), 1, 256)]
+        tolerance = STREAM_FILL_TOLERANCE
+        order = lambda o: (o[1] > 1, SPLIT_WIDTHS.index(o[2]) if o[1] > 1 else -o[2])  # noqa: E731
     else:
         for tile_n in (256, 128):
             tiles = rows * _ceil(n, tile_n)
@@ -244,14 +256,10 @@ def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
         unsplit = [o for o in options if o[1] == 1]
         if unsplit:  # among unsplit widths: the fuller wave, 64x256 on a tie
             options = unsplit
-    if not options:  # N wider than a wave of the widest tile
-        options = [(wave_fill(rows * _ceil(n, 256), sms), 1, 256)]
+        tolerance = FILL_TOLERANCE
+        order = lambda o: (o[1], -o[2])  # noqa: E731
     top = max(fill for fill, _, _ in options)
-    if m <= 64:
-        _, splits, tile_n = min((o for o in options if o[0] >= STREAM_FILL_TOLERANCE * top),
-                                key=lambda o: (o[1] > 1, SPLIT_WIDTHS.index(o[2]) if o[1] > 1 else -o[2]))
-    else:
-        _, splits, tile_n = min((o for o in options if o[0] >= FILL_TOLERANCE * top), key=lambda o: (o[1], -o[2]))
+    _, splits, tile_n = min((o for o in options if o[0] >= tolerance * top), key=order)
     out = "f32" if splits > 1 else "bf16"
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_{out}_64x{tile_n}_c1x1"], splits)
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .configs import REDUCE_NAME, REDUCE_RESIDUAL_NAME, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count
+from .configs import (REDUCE_NAME, REDUCE_RESIDUAL_NAME, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count,
+                      takes_weight_prefetch)
 from .library import Library, TensorArg, open_library
 
 BF16_TYPESTRS = ("<u2", "|u2", "bfloat16", "<V2")
@@ -163,8 +164,8 @@ class GemmRunner:
         """``out = a · bᵀ`` (+ ``residual``, a bf16 [M, N] that may be ``out`` itself: added in fp32
         in the epilogue, or in the split-K reduction). The GEMM is a programmatic dependent launch;
         ``prefetch_weights``: ``b`` is not written by the kernel before it in the stream (model
-        weights), so its first k-tiles may load while that kernel finishes (taken by the 64-row
-        weight-stream plans only). ``a_rows``: ``a``'s buffer holds that many rows (>= M) at its
+        weights), so its first k-tiles may load while that kernel finishes (taken where
+        ``configs.takes_weight_prefetch``: the 64-row weight streams). ``a_rows``: ``a``'s buffer holds that many rows (>= M) at its
         row stride, all readable (default: found from the CuPy allocation, ``readable_rows``)."""
         a, b, out = as_device_tensor(a, "a", reach=True), as_device_tensor(b, "b"), as_device_tensor(out, "out")
         m, n, k = check_gemm_args(a, b, out)
@@ -177,10 +178,7 @@ class GemmRunner:
         if residual is not None and plan.variant.out == "bf16" and not plan.variant.residual:
             plan = GemmPlan(VARIANTS_BY_NAME[replace(plan.variant, residual=True).name], plan.splits)
         stream_ptr = _stream_ptr(stream)
-        # the weights' early ring fill pays for the 64-row weight streams (a decode layer's four
-        # projections 4-8% faster at M <= 64) but slowed 128- and 192-row tiles by up to 12%
-        # (8B.qkv at M = 8192, 8B.down at 2048; H200, 2026-12-01): only the streams take it
-        b_early = int(prefetch_weights and plan.variant.tile_m == 64)
+        b_early = int(prefetch_weights and takes_weight_prefetch(plan.variant))
         import cupy
 
         self.ensure_loaded()

@@ -106,7 +106,7 @@ def gemm_check(runner, plan: GemmPlan | None, m: int, n: int, k: int, residual: 
         ref += from_bf16(r)
         if residual == "inplace":
             out, r = r, r
-    runner(a, b, out, plan=plan, residual=r, **({"prefetch_weights": True} if prefetch else {}))
+    runner(a, b, out, plan=plan, residual=r, prefetch_weights=prefetch)
     sync_or_die(f"{plan.variant.name if plan else 'planned'} GEMM M={m} N={n} K={k} "
                 f"S={plan.splits if plan else '-'} residual={residual or '-'}")
     if padded and bool((big_out[m:] != 0x1234).any()):
@@ -225,9 +225,7 @@ DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x
 SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1",
                 "gemm_f32_192x64_c1x1", "gemm_f32_192x128_c1x1", "gemm_f32_64x80_c1x1", "gemm_f32_64x96_c1x1",
                 "gemm_f32_128x80_c1x1")
-WS_TWINS = tuple(v.name for v in GEMM_VARIANTS if v.ws and not v.residual)  # warp-specialised
-DENSE_ORDER += tuple(n for n in WS_TWINS if VARIANTS_BY_NAME[n].out == "bf16")
-SPLITK_ORDER += tuple(n for n in WS_TWINS if VARIANTS_BY_NAME[n].out == "f32")
+DENSE_ORDER += tuple(v.name for v in GEMM_VARIANTS if v.ws and not v.residual)  # warp-specialised (bf16 only)
 
 
 _MIX = (1, 17, 64, 130, 1000, 4096, 0, 63)
