@@ -165,8 +165,9 @@ class GemmRunner:
         in the epilogue, or in the split-K reduction). The GEMM is a programmatic dependent launch;
         ``prefetch_weights``: ``b`` is not written by the kernel before it in the stream (model
         weights), so its first k-tiles may load while that kernel finishes (taken where
-        ``configs.takes_weight_prefetch``: the 64-row weight streams). ``a_rows``: ``a``'s buffer holds that many rows (>= M) at its
-        row stride, all readable (default: found from the CuPy allocation, ``readable_rows``)."""
+        ``configs.takes_weight_prefetch``: the 64-row weight streams). ``a_rows``: ``a``'s buffer
+        holds that many rows (>= M) at its row stride, all readable (default: found from the CuPy
+        allocation, ``readable_rows``)."""
         a, b, out = as_device_tensor(a, "a", reach=True), as_device_tensor(b, "b"), as_device_tensor(out, "out")
         m, n, k = check_gemm_args(a, b, out)
         if a_rows is not None and a_rows < m:
