@@ -204,7 +204,7 @@ def run_task(runner, task: Case) -> dict:
             # as the engine launches it: a stream's first weight tiles load before its wait (the
             # launcher ignores the flag elsewhere, so the plain time stands for it there)
             prefetch_us = (ops.time_us(plan, what + " +prefetch", prefetch_weights=True)
-                           if takes_weight_prefetch(plan.variant) else cute_us)
+                           if takes_weight_prefetch(plan.variant, m) else cute_us)
             return {"name": name, "m": m, "n": n, "k": k, "plan": f"{plan.variant.name}/S{plan.splits}",
                     "cute_us": cute_us, "prefetch_us": prefetch_us, "cublas_us": cublas_time_us(m, n, k, ops.sets)}
         ok = set(task.args[2])

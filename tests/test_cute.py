@@ -467,8 +467,9 @@ def test_launcher_describes_a_to_whole_tiles_and_the_output_to_m(monkeypatch):
 
 
 def test_launcher_prefetches_weights_for_streams_only(monkeypatch):
-    """``prefetch_weights`` sets the kernels' b_early flag for the 64-row weight streams (M <= 64)
-    and nowhere else: on 128-row tiles it was measured slower."""
+    """``prefetch_weights`` sets the kernels' b_early flag for the weight streams (64-row tiles, and
+    one row of 128-row tiles at M <= 128) and nowhere else: on 128-row tiles at larger M and on
+    192-row tiles it was measured slower."""
     import types
 
     from kernels.cute.gemm import GemmRunner
@@ -482,10 +483,11 @@ def test_launcher_prefetches_weights_for_streams_only(monkeypatch):
     runner._workspace = types.SimpleNamespace(nbytes=1 << 30, data=types.SimpleNamespace(ptr=1 << 42))
     n, k = 6144, 2560
     w = DeviceTensor(1 << 40, (n, k), (k, 1))
-    for m, streams in ((1, True), (64, True), (512, False)):
+    for m, streams in ((1, True), (64, True), (96, True), (160, False), (512, False)):
         a = DeviceTensor(1 << 30, (m, k), (k, 1))
         out = DeviceTensor(1 << 41, (m, n), (n, 1))
-        assert (plan_gemm(m, n, k).variant.tile_m == 64) == streams
+        tile_m = plan_gemm(m, n, k).variant.tile_m
+        assert (tile_m == 64 or (tile_m == 128 and m <= 128)) == streams
         for prefetch in (False, True):
             runner(a, w, out, stream=7, prefetch_weights=prefetch)
             name, args = lib.calls[-1]

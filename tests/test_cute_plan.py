@@ -4,9 +4,11 @@ from dataclasses import replace
 
 import pytest
 
-from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_TILE, MAX_SPLITS, ROW_192_MAX_M,
-                                  ROW_192_MIN_FILL, SPLIT_WIDTHS, STREAM_FILL_TOLERANCE, STREAM_MAX_M, STREAM_WIDTHS,
-                                  UNSPLIT_MAX_K, UNSPLIT_MIN_CTAS, VARIANTS_BY_NAME, plan_gemm, split_count, wave_fill,
+from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_PAIR_MIN_K, K_TILE, MAX_SPLITS,
+                                  ROW_128_MIN_FILL, ROW_128_PAIR_WIDTHS, ROW_128_SPLIT_WIDTHS, ROW_128_WIDTHS,
+                                  ROW_192_MAX_M, ROW_192_MIN_FILL, SPLIT_WIDTHS, STREAM_FILL_TOLERANCE,
+                                  STREAM_K_PAIR_MIN_M, STREAM_MAX_M, STREAM_PAIR_WIDTHS, STREAM_WIDTHS, UNSPLIT_MAX_K,
+                                  UNSPLIT_MIN_CTAS, VARIANTS_BY_NAME, _stream_plan, plan_gemm, split_count, wave_fill,
                                   wave_splits)
 
 QWEN = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (6144, 4096), (4096, 4096),
@@ -54,26 +56,78 @@ def test_row_192_plan_fills_one_wave(m, n, k):
     assert not [o for o in options if o[0] >= FILL_TOLERANCE * top and o[1] < s], "an option with fewer splits fits"
 
 
-@pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560), (2056, 1032), (64, 64)])
-@pytest.mark.parametrize("m", [1, 8, 33, 64])
-def test_one_row_stream_fills_the_wave(m, n, k):
-    """M <= 64: one row of 64-row tiles, the width (and K split) whose CTAs fill one wave best;
-    among fills within STREAM_FILL_TOLERANCE of it, no split where an unsplit width fits, and no
-    more splits than fit the wave."""
-    plan = plan_gemm(m, n, k)
+def _one_row_options(n, k, unsplit, pairs, splits):
+    """(fill, kind, splits, width) of every one-row option: unsplit widths within a wave, K pairs
+    (two CTAs per tile, K >= K_PAIR_MIN_K) within a wave, split widths with the most splits a wave holds."""
+    tiles = lambda w: -(-n // w)  # noqa: E731
+    options = [(wave_fill(tiles(w)), "unsplit", 1, w) for w in unsplit if tiles(w) <= H200_SMS]
+    options += [(wave_fill(2 * tiles(w)), "pair", 1, w) for w in pairs if k >= K_PAIR_MIN_K and 2 * tiles(w) <= H200_SMS]
+    options += [(wave_fill(tiles(w) * t), "split", t, w) for w in splits for t in [wave_splits(tiles(w), k)] if t > 1]
+    return options
+
+
+_ORDER = ("unsplit", "pair", "split")
+
+
+def _best_one_row(options):
+    """The rule's choice: the first kind (unsplit, K pair, split) with an option within
+    STREAM_FILL_TOLERANCE of the fullest wave; unsplit and pairs the widest, splits in list order."""
+    top = max(o[0] for o in options)
+    near = [o for o in options if o[0] >= STREAM_FILL_TOLERANCE * top]
+    kind = min((o[1] for o in near), key=_ORDER.index)
+    return [o for o in near if o[1] == kind]
+
+
+def _as_option(plan, n):
     v, s = plan.variant, plan.splits
-    assert v.tile_m == 64 and v.k_split == 1
-    options = [(wave_fill(-(-n // w)), 1, w) for w in STREAM_WIDTHS if -(-n // w) <= H200_SMS]
-    options += [(wave_fill(-(-n // w) * t), t, w) for w in SPLIT_WIDTHS for t in [wave_splits(-(-n // w), k)] if t > 1]
+    kind = "pair" if v.k_split == 2 else "split" if s > 1 else "unsplit"
+    return (wave_fill(-(-n // v.tile_n) * (2 if kind == "pair" else s)), kind, s, v.tile_n)
+
+
+def _check_one_row_choice(plan, n, options):
+    """The plan is one of the options of the first kind near the fullest wave: the widest for
+    unsplit tiles and pairs, the first width listed for splits."""
+    best = _best_one_row(options)
+    got = _as_option(plan, n)
+    assert got in best, f"{plan.variant.name}/S{plan.splits}: not among {best}"
+    if got[1] != "split":
+        assert got[3] == max(o[3] for o in best)
+
+
+@pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560), (2056, 1032), (64, 64), (3072, 4096)])
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 33, 64])
+def test_one_row_stream_fills_the_wave(m, n, k):
+    """M <= 64: one row of 64-row tiles, the width (and K split or K pair) whose CTAs fill one
+    wave best; among fills within STREAM_FILL_TOLERANCE of it, unsplit before a K pair (from
+    STREAM_K_PAIR_MIN_M) before a split, and no more splits than fit the wave."""
+    plan = plan_gemm(m, n, k)
+    assert plan.variant.tile_m == 64
+    pairs = STREAM_PAIR_WIDTHS if m >= STREAM_K_PAIR_MIN_M else ()
+    options = _one_row_options(n, k, STREAM_WIDTHS, pairs, SPLIT_WIDTHS)
     if not options:  # wider than a wave of 64x256: unsplit, several waves
-        assert (v.tile_n, s) == (256, 1) and -(-n // 256) > H200_SMS
+        assert (plan.variant.tile_n, plan.splits) == (256, 1) and -(-n // 256) > H200_SMS
         return
-    top = max(f for f, _, _ in options)
-    fill = wave_fill(-(-n // v.tile_n) * s)
-    assert (fill, s, v.tile_n) in options and fill >= STREAM_FILL_TOLERANCE * top
-    if s > 1:
-        assert not [o for o in options if o[1] == 1 and o[0] >= STREAM_FILL_TOLERANCE * top]
-        assert -(-n // v.tile_n) * (s + 1) > H200_SMS or split_count(k, s + 1) != s + 1
+    _check_one_row_choice(plan, n, options)
+
+
+@pytest.mark.parametrize("n,k", QWEN + [(200, 328), (2056, 1032), (5120, 328), (3072, 4096)])
+@pytest.mark.parametrize("m", [65, 96, 128])
+def test_one_row_of_128_fills_the_wave(m, n, k):
+    """M = 65-128 (where 64-row tiles would not fill the SMs twice over): one row of 128-row tiles
+    when one of its options fills ROW_128_MIN_FILL of a wave (a K split only where the 64-row
+    stream would split too); the choice among them as for M <= 64."""
+    plan = plan_gemm(m, n, k)
+    if 2 * -(-n // 256) >= H200_SMS:  # the 64-row tiles alone fill the SMs: wide 128-row tiles
+        return
+    options = _one_row_options(n, k, ROW_128_WIDTHS, ROW_128_PAIR_WIDTHS, ROW_128_SPLIT_WIDTHS)
+    applies = bool(options) and max(o[0] for o in options) >= ROW_128_MIN_FILL
+    if applies and _best_one_row(options)[0][1] == "split":
+        applies = _stream_plan(m, n, k, H200_SMS).splits > 1
+    if applies:
+        assert plan.variant.tile_m == 128
+        _check_one_row_choice(plan, n, options)
+    else:  # the earlier rules: 64-row streams, 192-row tiles split in K, or 128x128 K pairs
+        assert plan.variant.tile_m != 128 or plan.variant.name == "gemm_bf16_128x128_c1x1_k2"
 
 
 @pytest.mark.parametrize("n,k", QWEN + [(200, 328), (151936, 2560)])
@@ -83,14 +137,13 @@ def test_streaming_plan_fills_one_wave(m, n, k):
     within FILL_TOLERANCE of the other tile width's best single wave; unsplit where the tiles alone
     number UNSPLIT_MIN_CTAS (K <= UNSPLIT_MAX_K)."""
     plan = plan_gemm(m, n, k)
-    if plan.variant.k_split == 2:  # one row of 128x128 K pairs, 48 CTAs or more, at K >= 4096
-        assert 64 < m <= 128 and plan.variant.tile_n == 128 and k >= 4096 and 2 * -(-n // 128) >= UNSPLIT_MIN_CTAS
-        return
     if plan.variant.tile_m == 192:  # M = 65-128: one row of 192-row tiles where the stream would split
         assert 64 < m <= 128 and plan.splits > 1
         return
-    if plan.variant.tile_m == 128:  # only when 64x256 tiles alone already fill the SMs
-        assert m > 64 and -(-m // 64) * -(-n // 256) >= H200_SMS
+    if plan.variant.tile_m == 128:  # one row of 128-row tiles (test_one_row_of_128_fills_the_wave),
+        assert m > 64                # or wide tiles where the 64x256 tiles alone fill the SMs
+        if -(-m // 64) * -(-n // 256) < H200_SMS and plan.variant.k_split == 2 and plan.variant.tile_n == 128:
+            assert k >= 4096 and 2 * -(-n // 128) >= UNSPLIT_MIN_CTAS  # the 128x128 K-pair fallback
         return
     v, s = plan.variant, plan.splits
     tiles = -(-m // 64) * -(-n // v.tile_n)
@@ -113,16 +166,20 @@ def test_streaming_plan_fills_one_wave(m, n, k):
     (1, 6144, 2560, "gemm_bf16_64x48_c1x1_ws/S1", False),    # qkv: 128 tiles of 48, one per SM, unsplit
     (1, 2560, 4096, "gemm_f32_64x80_c1x1/S4", False),     # o: 32 tiles of 80 x 4 splits (20 of 128 x 6: 91%)
     (32, 6144, 4096, "gemm_bf16_64x48_c1x1_ws/S1", False),   # 8B qkv too
-    (64, 4096, 12288, "gemm_f32_64x128_c1x1/S4", False),   # 8B down: 128 wide x 4 (96 x 3 fills as much)
+    (64, 4096, 12288, "gemm_bf16_64x64_c1x1_k2/S1", False),  # 8B down: 64 K pairs of 64 wide (128 x 4 splits as full)
+    (16, 4096, 12288, "gemm_f32_64x128_c1x1/S4", False),   # ... below STREAM_K_PAIR_MIN_M: 128 wide x 4
     (1, 4096, 4096, "gemm_f32_64x128_c1x1/S4", False),     # 8B o likewise
     (1, 24576, 4096, "gemm_bf16_64x192_c1x1_ws/S1", False),  # 8B gate_up: 128 tiles of 192
-    (96, 4096, 4096, "gemm_bf16_128x128_c1x1_k2/S1", False),   # M = 65-128: one row of 64 K pairs (8B o)
-    (128, 4096, 12288, "gemm_bf16_128x128_c1x1_k2/S1", False),  # ... 8B down
-    (96, 2560, 9728, "gemm_f32_192x64_c1x1/S3", False),    # 4B down: 40 pair CTAs are too few: 192-row tiles
+    (96, 4096, 4096, "gemm_bf16_128x64_c1x1_k2/S1", False),   # M = 65-128: one row of 128-row tiles, 64 K pairs (8B o)
+    (128, 4096, 12288, "gemm_bf16_128x64_c1x1_k2/S1", False),  # ... 8B down
+    (96, 2560, 9728, "gemm_f32_128x80_c1x1/S4", False),    # 4B down: 32 tiles of 80 x 4 splits
+    (96, 6144, 2560, "gemm_bf16_128x48_c1x1_ws/S1", False),  # qkv: 128 tiles of 48
+    (128, 6144, 4096, "gemm_bf16_128x48_c1x1_ws/S1", False),  # ... 8B too (an unsplit fill before K pairs)
+    (96, 5120, 328, "gemm_bf16_64x128_c1x1_ws/S1", False),  # short K: no 128-row split where the stream has none
     (8, 2560, 4096, "gemm_f32_64x80_c1x1/S4", False),      # o: as at M = 1
-    (32, 4096, 12288, "gemm_f32_64x128_c1x1/S4", False),   # 8B down: equal fills (32 x 4 = 16 x 8)
+    (32, 4096, 12288, "gemm_bf16_64x64_c1x1_k2_res/S1", True),  # 8B down (residual): the K pair's twin
     (32, 19456, 2560, "gemm_bf16_64x160_c1x1_ws/S1", False),  # gate_up: 122 tiles of 160 (76 of 256)
-    (128, 2560, 9728, "gemm_f32_192x64_c1x1/S3", False),   # M = 128: one row of tiles streams the weights once
+    (128, 2560, 9728, "gemm_f32_128x80_c1x1/S4", False),   # M = 128: one row of tiles streams the weights once
     (64, 2560, 9728, "gemm_f32_64x80_c1x1/S4", False),     # M = 64: one row of 64-row tiles
     (128, 19456, 2560, "gemm_bf16_128x160_c1x2_ws/S1", False),  # ... unless the 64-row tiles fill a wave
     (512, 2560, 4096, "gemm_bf16_128x80_c1x2_ws/S1", False),  # narrow N: 128 tiles of 80 fill the wave (K pairs: 0.97x)

@@ -74,12 +74,12 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     # K pairs of 64-row stream tiles, the DSMEM exchange (12-16 KB) in place of the split-K
     # reduction kernel: 4096 / 64 x 2 = 128 CTAs (8B o / down), 2560 / 48 x 2 = 108 (4B o / down;
     # 40 wide would give 128, but a width that 16 does not divide (40, 56) aborts the DSL in the
-    # B operand's TMA atom). Built, not yet verified or planned.
+    # B operand's TMA atom). 8B o / down at M = 32-64: 11.3 / 26.7 µs against 11.9 / 27.0 in 4
+    # splits of 128 (H200, 2026-12-01 19:29 UTC); 4B o / down (108 CTAs) lose to 80 x 4 splits.
     GemmVariant(64, 48, k_split=2),
     GemmVariant(64, 64, k_split=2),
-    # M = 65-128 in one row of 128-row tiles, about one CTA per SM: qkv 6144 / 48 = 128 tiles,
-    # 4B o / down 2560 / 80 x 4 splits, 8B o / down 4096 / 64 x 2 (K pairs), 4B o 2560 / 48 x 2.
-    # Built, not yet verified or planned.
+    # M = 65-128 in one row of 128-row tiles, about one CTA per SM (`_row_128_plan`): qkv 6144 / 48
+    # = 128 tiles, 4B o / down 2560 / 80 x 4 splits, 8B o / down 4096 / 64 x 2 (K pairs).
     GemmVariant(128, 48),
     GemmVariant(128, 80, 1, 1, "f32"),
     GemmVariant(128, 64, k_split=2),
@@ -99,12 +99,13 @@ def takes_producer_warpgroup(v: GemmVariant) -> bool:
             and not v.residual)
 
 
-def takes_weight_prefetch(v: GemmVariant) -> bool:
-    """The tiles that use ``prefetch_weights`` (their weights' ring fill before the programmatic
-    launch wait): the 64-row weight streams, where a decode layer's four projections ran 4-8%
-    faster at M <= 64; on 128- and 192-row tiles it was up to 12% slower (8B.qkv at M = 8192,
-    8B.down at 2048; H200, 2026-12-01)."""
-    return v.tile_m == 64
+def takes_weight_prefetch(v: GemmVariant, m: int) -> bool:
+    """Whether a launch uses ``prefetch_weights`` (its weights' ring fill before the programmatic
+    launch wait): the weight streams, 64-row tiles and one row of 128-row tiles (M <= 128). A decode
+    layer's four projections ran 4-8% faster at M <= 64 and 1-3% at M = 96-128 (8B 113.8 -> 110.3
+    µs at M = 96; H200, 2026-12-01 19:40 UTC); on 128-row tiles at larger M and on 192-row tiles it
+    was up to 12% slower (8B.qkv at M = 8192, 8B.down at 2048)."""
+    return v.tile_m == 64 or (v.tile_m == 128 and m <= 128)
 
 
 GEMM_VARIANTS += tuple(replace(v, ws=True) for v in GEMM_VARIANTS if takes_producer_warpgroup(v))
@@ -216,62 +217,88 @@ K_PAIR_COST = 1.2           # a pair's half-K CTA relative to half a tile's work
 
 
 STREAM_WIDTHS = (256, 192, 160, 128, 48)   # bf16 64-row tiles streamed unsplit at M <= 64
+STREAM_PAIR_WIDTHS = (64, 48)               # bf16 64-row K pairs at M <= 64
 SPLIT_WIDTHS = (128, 96, 80, 256)           # f32 64-row tiles split in K at M <= 64, in order of preference
-STREAM_FILL_TOLERANCE = 0.95                # M <= 64: fills within 5% count as equal
+STREAM_FILL_TOLERANCE = 0.95                # one row of tiles: fills within 5% count as equal
+STREAM_K_PAIR_MIN_M = 17                    # 64-row K pairs from this M (8B o / down at M = 8: 11.3 / 26.6 µs
+                                            # against 11.2 / 26.3 split; at 32-64 they win, 2026-12-01 19:29)
+ROW_128_WIDTHS = (256, 192, 160, 128, 80, 48)   # M = 65-128: one row of 128-row tiles, unsplit ...
+ROW_128_PAIR_WIDTHS = (192, 160, 128, 64, 48)   # ... in K pairs (no 128x256 pair: no residual twin) ...
+ROW_128_SPLIT_WIDTHS = (80,)                    # ... or split in K
+ROW_128_MIN_FILL = 0.9      # ... where one of them fills this much of a wave
+
+
+def _one_row_plan(tile_m: int, n: int, k: int, sms: int, unsplit: tuple[int, ...], pairs: tuple[int, ...],
+                  splits: tuple[int, ...]) -> tuple[float, GemmPlan | None]:
+    """One row of ``tile_m``-row tiles, about one CTA per SM: the fullest single wave over the
+    ``unsplit`` bf16 widths, K pairs of the ``pairs`` widths (at K >= K_PAIR_MIN_K) and f32 tiles of
+    the ``splits`` widths split in K. Among fills within STREAM_FILL_TOLERANCE of the best: unsplit
+    (the widest), then a K pair (the widest: its DSMEM exchange replaces the reduction kernel), then
+    a split (in the order given). Returns the best fill and the plan (None when nothing fits a wave)."""
+    options = []  # (fill, kind, preference, splits, name)
+    for w in unsplit:
+        if _ceil(n, w) <= sms:
+            options.append((wave_fill(_ceil(n, w), sms), 0, -w, 1, f"gemm_bf16_{tile_m}x{w}_c1x1"))
+    for w in pairs if k >= K_PAIR_MIN_K else ():
+        if 2 * _ceil(n, w) <= sms:
+            options.append((wave_fill(2 * _ceil(n, w), sms), 1, -w, 1, f"gemm_bf16_{tile_m}x{w}_c1x1_k2"))
+    for i, w in enumerate(splits):
+        s = wave_splits(_ceil(n, w), k, sms)
+        if s > 1:
+            options.append((wave_fill(_ceil(n, w) * s, sms), 2, i, s, f"gemm_f32_{tile_m}x{w}_c1x1"))
+    if not options:
+        return 0.0, None
+    top = max(o[0] for o in options)
+    _, _, _, s, name = min((o for o in options if o[0] >= STREAM_FILL_TOLERANCE * top), key=lambda o: o[1:3])
+    return top, GemmPlan(VARIANTS_BY_NAME[name], s)
 
 
 def _stream_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
-    """64-row tiles streaming the weights. At M <= 64 (one row of tiles): the fullest single wave
-    over STREAM_WIDTHS unsplit and SPLIT_WIDTHS split in K; among fills within
-    STREAM_FILL_TOLERANCE of it, unsplit (the widest) before split (in SPLIT_WIDTHS order). Widths
-    that cut N into about one tile per SM keep every SM streaming (chains of one GEMM with its
-    weights prefetched, graph-replayed at M = 1, H200 2026-12-01: 4B.qkv 48 wide 10.0 µs against
-    11.7 for 48 CTAs of 64x128; 4B.gate_up 160 wide 24.5 against 28.3 for 76 of 64x256; 8B.gate_up
-    192 wide 48.4 against 53.7; 4B.down 80 wide x 4 splits 15.1 against 15.8 for 128 wide x 6;
-    8B.o 128 wide x 4 10.9 against 11.3 for 96 wide x 3, an equal fill).
+    """64-row tiles streaming the weights. At M <= 64 (one row of tiles, ``_one_row_plan``):
+    STREAM_WIDTHS unsplit, STREAM_PAIR_WIDTHS in K pairs (from STREAM_K_PAIR_MIN_M), SPLIT_WIDTHS
+    split in K. Widths that cut N into about one tile per SM keep every SM streaming (chains of one
+    GEMM with its weights prefetched, graph-replayed at M = 1, H200 2026-12-01: 4B.qkv 48 wide 10.0
+    µs against 11.7 for 48 CTAs of 64x128; 4B.gate_up 160 wide 24.5 against 28.3 for 76 of 64x256;
+    8B.gate_up 192 wide 48.4 against 53.7; 4B.down 80 wide x 4 splits 15.1 against 15.8 for 128
+    wide x 6; 8B.o 128 wide x 4 10.9 against 11.3 for 96 wide x 3, an equal fill).
     From M = 65 (two rows) the 2026-11-30 rule: 64x256 or 64x128, and a width whose tiles alone
     number UNSPLIT_MIN_CTAS streams unsplit at K <= UNSPLIT_MAX_K (a split adds the fp32 partials
     and their reduction, which only a long K earns back)."""
+    if m <= 64:
+        pairs = STREAM_PAIR_WIDTHS if m >= STREAM_K_PAIR_MIN_M else ()
+        _, plan = _one_row_plan(64, n, k, sms, STREAM_WIDTHS, pairs, SPLIT_WIDTHS)
+        return plan or GemmPlan(VARIANTS_BY_NAME["gemm_bf16_64x256_c1x1"])  # N wider than a wave of 256
     rows = _ceil(m, 64)
     options = []  # (fill, splits, width)
-    if m <= 64:
-        for tile_n in STREAM_WIDTHS:
-            tiles = rows * _ceil(n, tile_n)
-            if tiles <= sms:
-                options.append((wave_fill(tiles, sms), 1, tile_n))
-        for tile_n in SPLIT_WIDTHS:
-            tiles = rows * _ceil(n, tile_n)
-            splits = wave_splits(tiles, k, sms)
-            if splits > 1:
-                options.append((wave_fill(tiles * splits, sms), splits, tile_n))
-        if not options:  # N wider than a wave of the widest tile
-            options = [(wave_fill(rows * _ceil(n, 256), sms), 1, 256)]
-        tolerance = STREAM_FILL_TOLERANCE
-        order = lambda o: (o[1] > 1, SPLIT_WIDTHS.index(o[2]) if o[1] > 1 else -o[2])  # noqa: E731
-    else:
-        for tile_n in (256, 128):
-            tiles = rows * _ceil(n, tile_n)
-            splits = 1 if tiles >= UNSPLIT_MIN_CTAS and k <= UNSPLIT_MAX_K else wave_splits(tiles, k, sms)
-            options.append((wave_fill(tiles * splits, sms), splits, tile_n))
-        unsplit = [o for o in options if o[1] == 1]
-        if unsplit:  # among unsplit widths: the fuller wave, 64x256 on a tie
-            options = unsplit
-        tolerance = FILL_TOLERANCE
-        order = lambda o: (o[1], -o[2])  # noqa: E731
+    for tile_n in (256, 128):
+        tiles = rows * _ceil(n, tile_n)
+        splits = 1 if tiles >= UNSPLIT_MIN_CTAS and k <= UNSPLIT_MAX_K else wave_splits(tiles, k, sms)
+        options.append((wave_fill(tiles * splits, sms), splits, tile_n))
+    unsplit = [o for o in options if o[1] == 1]
+    if unsplit:  # among unsplit widths: the fuller wave, 64x256 on a tie
+        options = unsplit
     top = max(fill for fill, _, _ in options)
-    _, splits, tile_n = min((o for o in options if o[0] >= tolerance * top), key=order)
+    _, splits, tile_n = min((o for o in options if o[0] >= FILL_TOLERANCE * top), key=lambda o: (o[1], -o[2]))
     out = "f32" if splits > 1 else "bf16"
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_{out}_64x{tile_n}_c1x1"], splits)
 
 
 def _small_m_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
     """64-row tiles streaming the weights (``_stream_plan``). From M = 65 two rows of them read the
-    weights twice over L2; one row reads them once: 128x128 K pairs where they are enough CTAs at
-    K >= 4096 (8B o / down / qkv at M = 96-128: 1.03-1.11x), else 192-row tiles split in K where
-    the stream would split anyway (4B o / down: 1.04-1.06x; sweeps of 2026-12-01, 07:36 UTC)."""
+    weights twice over L2; one row of 128-row tiles reads them once. Where one of its options fills
+    ROW_128_MIN_FILL of a wave (``_one_row_plan``; H200, 2026-12-01 19:29 UTC, M = 96 / 128:
+    4B.qkv 128 tiles of 48 11.7 / 11.6 µs against 13.1 / 13.3; 4B o / down 128x80 in 4 splits
+    10.2 / 18.8 at M = 96 against 11.9 / 21.4; 8B o / down 64 K pairs of 128x64 13.6 / 31.8
+    against 15.3 / 35.0 for 128x128 pairs; 8B.qkv 17.5 against 19.8): that, split in K only where
+    the stream would split too. Else 128x128 K pairs
+    where they are enough CTAs at K >= 4096, else 192-row tiles split in K where the stream would
+    split anyway (sweeps of 2026-12-01, 07:36 UTC)."""
     stream = _stream_plan(m, n, k, sms)
     if m <= 64:
         return stream
+    fill, row = _one_row_plan(128, n, k, sms, ROW_128_WIDTHS, ROW_128_PAIR_WIDTHS, ROW_128_SPLIT_WIDTHS)
+    if row is not None and fill >= ROW_128_MIN_FILL and (row.splits == 1 or stream.splits > 1):
+        return row  # (a K split only where the stream would split anyway: short K does not earn it)
     if k >= K_PAIR_MIN_K and 2 * _ceil(n, 128) >= UNSPLIT_MIN_CTAS:
         return GemmPlan(VARIANTS_BY_NAME["gemm_bf16_128x128_c1x1_k2"])
     return (_row_192_plan(m, n, k, sms) if stream.splits > 1 else None) or stream

@@ -165,7 +165,7 @@ class GemmRunner:
         in the epilogue, or in the split-K reduction). The GEMM is a programmatic dependent launch;
         ``prefetch_weights``: ``b`` is not written by the kernel before it in the stream (model
         weights), so its first k-tiles may load while that kernel finishes (taken where
-        ``configs.takes_weight_prefetch``: the 64-row weight streams). ``a_rows``: ``a``'s buffer
+        ``configs.takes_weight_prefetch``: the weight streams, M <= 128). ``a_rows``: ``a``'s buffer
         holds that many rows (>= M) at its row stride, all readable (default: found from the CuPy
         allocation, ``readable_rows``)."""
         a, b, out = as_device_tensor(a, "a", reach=True), as_device_tensor(b, "b"), as_device_tensor(out, "out")
@@ -179,7 +179,7 @@ class GemmRunner:
         if residual is not None and plan.variant.out == "bf16" and not plan.variant.residual:
             plan = GemmPlan(VARIANTS_BY_NAME[replace(plan.variant, residual=True).name], plan.splits)
         stream_ptr = _stream_ptr(stream)
-        b_early = int(prefetch_weights and takes_weight_prefetch(plan.variant))
+        b_early = int(prefetch_weights and takes_weight_prefetch(plan.variant, m))
         import cupy
 
         self.ensure_loaded()
