@@ -187,7 +187,10 @@ def test_streaming_plan_fills_one_wave(m, n, k):
     (640, 2560, 4096, "gemm_bf16_128x128_c1x1_ws/S1", False),  # no K pair (2 x 5 x 16 CTAs > a wave); 5 M-tiles: no 2x1 cluster
     (384, 6144, 2560, "gemm_bf16_128x160_c1x2_ws/S1", False),  # 128x160 / 192 from M = 256 (timed at 256-640)
     (384, 4096, 12288, "gemm_bf16_128x192_c1x1_k2/S1", False),  # 96 tiles of 128 -> 132 half-K CTAs of 192
-    (256, 6144, 2560, "gemm_bf16_128x128_c2x1_ws/S1", False),  # K = 2560: no K pair (the exchange does not pay)
+    (256, 6144, 2560, "gemm_bf16_128x96_c1x1_ws/S1", False),  # two rows of 64 tiles of 96: one wave, one per SM
+    (256, 6144, 4096, "gemm_bf16_128x96_c1x1_ws/S1", False),  # ... 8B too, before 128x192 K pairs
+    (256, 2560, 4096, "gemm_bf16_128x80_c1x1_k2/S1", False),  # 2 x 32 K pairs of 80: one wave
+    (256, 2560, 9728, "gemm_bf16_128x128_c1x1_k2/S1", False),  # ... not at long K (4B down)
     (512, 6144, 4096, "gemm_bf16_128x192_c2x1_ws/S1", False),  # 32 x 4 tiles of 192: one wave (2026-12-01 sweep)
     (2048, 2560, 4096, "gemm_bf16_128x320_c2x1/S1", False),  # 128 tiles of 320: one wave (160: 2 waves)
     (2048, 2560, 4096, "gemm_bf16_128x160_c1x2_ws_res/S1", True),  # no 320 residual twin: 160, A multicast
@@ -201,7 +204,7 @@ def test_streaming_plan_fills_one_wave(m, n, k):
     (160, 19456, 2560, "gemm_bf16_192x160_c1x1/S1", False),  # 122 tiles of 160: one wave, no split
     (192, 24576, 4096, "gemm_bf16_192x192_c1x1/S1", False),  # 128 tiles of 192
     (160, 6144, 2560, "gemm_bf16_192x64_c1x1/S1", False),   # qkv: 96 unsplit 192x64 tiles beat two rows of 128x128
-    (224, 2560, 4096, "gemm_bf16_128x128_c1x1_k2/S1", False),  # K pairs from M = 129
+    (224, 2560, 4096, "gemm_bf16_128x80_c1x1_k2/S1", False),  # K pairs from M = 129
 ])
 def test_plan_follows_the_tuned_rules(m, n, k, expect, residual):
     plan = plan_gemm(m, n, k, residual=residual)

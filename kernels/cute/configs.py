@@ -84,6 +84,10 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 80, 1, 1, "f32"),
     GemmVariant(128, 64, k_split=2),
     GemmVariant(128, 48, k_split=2),
+    # M = 129-256 in two rows of 128-row tiles, one CTA per SM: qkv 6144 / 96 x 2 rows = 128 tiles,
+    # 4B o / down 2560 / 80 x 2 rows x 2 (K pairs) = 128. Built for timing, not yet planned.
+    GemmVariant(128, 96),
+    GemmVariant(128, 80, k_split=2),
     GemmVariant(64, 128, 1, 1, grouped=True),
     GemmVariant(128, 128, 1, 1, grouped=True),
 )
@@ -197,7 +201,13 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 # - 2026-12-01, 18:27-18:49 UTC: at M <= 64 the stream width (48 ... 256) and K split whose CTAs fill
 #   one wave, one per SM (`_stream_plan`): with the weights prefetched, a decode layer's four
 #   projections 63.9 -> 56.7 µs (4B, M = 1) and 107.2 -> 97.4 (8B).
-# The whole plan was re-timed on 2026-12-01, 18:07 UTC (416 / 416 verification cases passed, the
+# - 2026-12-01, 19:29-19:51 UTC: M = 65-128 in one row of 128-row tiles where one fills 90% of a
+#   wave (`_small_m_plan`: 128x48, 128x80 split in K, 128x64 K pairs), weights prefetched there;
+#   64-row K pairs from M = 17 (8B o / down). The decode layer's four projections at M = 96 / 128:
+#   4B 76.5 / 79.6 -> 70.6 / 74.9 µs, 8B 132.2 / 133.4 -> 113.9 / 114.5; at M = 32 / 64 (8B)
+#   105.4 / 108.2 -> 102.0 / 103.2. Two-wave alternatives at M = 160-256 (128x48, 128x64 K pairs,
+#   128x80 split) were 1.1-1.6x slower than the plan and are not taken.
+# The whole plan was re-timed on 2026-12-01, 19:50 UTC (559 / 559 verification cases passed, the
 # planned path included): 22 of the 24 rows at M = 512 / 2048 / 8192 within 5% of cuBLAS.
 STREAM_MAX_M = 128
 FILL_TOLERANCE = 0.9        # single-wave fills within 10% count as equal: fewer splits win
@@ -206,7 +216,9 @@ UNSPLIT_MIN_CTAS = 48       # 64-row tiles: this many stream unsplit (qkv at M <
                             # 8B.o at M = 96-128: 15.6 against 18.2; swept 2026-12-01, 07:34-07:36)
 UNSPLIT_MAX_K = 4096        # ... but not 8B.down (K = 12288) at M = 96-128: 43.0 against 38.6 in 4 splits
 # 128-row tiles: relative throughput per element (sweeps of 2026-11-30 and, for 192 / 160, 2026-12-01)
-TILE_EFFICIENCY = {320: 1.0, 256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85, 80: 0.77}
+TILE_EFFICIENCY = {320: 1.0, 256: 1.0, 192: 0.95, 160: 0.88, 128: 0.85, 96: 0.8, 80: 0.77}
+# (96, set so that the measured wins take it: qkv at M = 256 in 128 tiles of 96, 4B 15.3 µs against
+# 16.4 for 96 of 128, 8B 23.6 against 25.2 for 128x192 K pairs; 2026-12-01 19:58 UTC)
 WIDE_192_MIN_M = 65         # 128x192 and 128x160: swept from M = 64 up (2026-12-01; gate_up at
                             # M = 96-128: 4B 128x160 c1x2 28.8-29.6 against 32.2-32.5 µs of 128x256)
 K_PAIR_MIN_M = 129          # K-split pairs: measured (2026-12-01) to win at M = 193-512 on narrow N
@@ -214,6 +226,9 @@ ROW_192_MAX_M = 192         # 128 < M <= 192: one row of 192-row tiles (swept 20
 ROW_192_MIN_FILL = 0.7      # ... where one fills this much of a wave (qkv: 96 of 192x64, 0.73)
 K_PAIR_MIN_K = 4096         # ... with K >= 4096; at K = 2560 (qkv, gate_up of the 4B) the exchange did not pay
 K_PAIR_COST = 1.2           # a pair's half-K CTA relative to half a tile's work (DSMEM exchange, epilogue)
+NARROW_96_MAX_M = 256       # 128x96 where it was timed: two rows of tiles (qkv at M = 256)
+K_PAIR_80_MAX_K = 4096      # 80-wide K pairs (4B o at M = 256: 14.2 against 15.0 µs) only at short K: on
+                            # 4B down (K = 9728) they lost, 29.6 against 28.0 (2026-12-01 19:58 UTC)
 
 
 STREAM_WIDTHS = (256, 192, 160, 128, 48)   # bf16 64-row tiles streamed unsplit at M <= 64
@@ -338,16 +353,19 @@ def _tile_plan(m: int, n: int, k: int, sms: int, residual: bool) -> GemmPlan:
 
     # 320 first: on equal costs it was 2-5% faster than 256 (4B gate_up at M = 1000 / 2048, 4B o at
     # 8192); no residual twin (R's tile would take two of its four ring stages)
-    widths = (320, 256, 192, 160, 128, 80) if m >= WIDE_192_MIN_M else (256, 128)
+    widths = ((320, 256, 192, 160, 128) + ((96,) if m <= NARROW_96_MAX_M else ()) + (80,) if m >= WIDE_192_MIN_M
+              else (256, 128))
     tile_n = min((w for w in widths if not (residual and w > 256)), key=cost)
     if m >= K_PAIR_MIN_M and k >= K_PAIR_MIN_K:
-        pair_n = min((192, 160, 128) if residual else (256, 192, 160, 128), key=pair_cost)  # no 256 residual twin
+        pairs = ((192, 160, 128) if residual else (256, 192, 160, 128)) + ((80,) if k <= K_PAIR_80_MAX_K else ())
+        pair_n = min(pairs, key=pair_cost)  # (no 256 residual twin)
         if pair_cost(pair_n) < cost(tile_n):
             return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{pair_n}_c1x1_k2"])
     if tile_n in (160, 80):  # the A tile is the larger one: multicast it to an N-pair (swept 2026-12-01)
         return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{tile_n}_c1x2"])
     # a 2x1 cluster pads an odd number of M-tiles with a whole row of empty tiles: only from 8 on
-    cluster = 2 if _ceil(m, 128) % 2 == 0 or _ceil(m, 128) >= 8 else 1
+    # (none for 96: its 2x1 cluster is not built)
+    cluster = 2 if (_ceil(m, 128) % 2 == 0 or _ceil(m, 128) >= 8) and tile_n != 96 else 1
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{tile_n}_c{cluster}x1"])
 
 

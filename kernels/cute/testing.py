@@ -221,7 +221,8 @@ DENSE_ORDER = ("gemm_bf16_64x128_c1x1", "gemm_bf16_128x128_c1x1", "gemm_bf16_64x
                "gemm_bf16_192x160_c1x1", "gemm_bf16_192x192_c1x1", "gemm_bf16_192x256_c1x1",
                "gemm_bf16_64x48_c1x1", "gemm_bf16_64x160_c1x1", "gemm_bf16_64x192_c1x1",
                "gemm_bf16_64x48_c1x1_k2", "gemm_bf16_64x64_c1x1_k2",
-               "gemm_bf16_128x48_c1x1", "gemm_bf16_128x64_c1x1_k2", "gemm_bf16_128x48_c1x1_k2")
+               "gemm_bf16_128x48_c1x1", "gemm_bf16_128x64_c1x1_k2", "gemm_bf16_128x48_c1x1_k2",
+               "gemm_bf16_128x96_c1x1", "gemm_bf16_128x80_c1x1_k2")
 SPLITK_ORDER = ("gemm_f32_64x128_c1x1", "gemm_f32_64x64_c1x1", "gemm_f32_64x256_c1x1",
                 "gemm_f32_192x64_c1x1", "gemm_f32_192x128_c1x1", "gemm_f32_64x80_c1x1", "gemm_f32_64x96_c1x1",
                 "gemm_f32_128x80_c1x1")
