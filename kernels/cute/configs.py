@@ -78,14 +78,14 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     # splits of 128 (H200, 2026-12-01 19:29 UTC); 4B o / down (108 CTAs) lose to 80 x 4 splits.
     GemmVariant(64, 48, k_split=2),
     GemmVariant(64, 64, k_split=2),
-    # M = 65-128 in one row of 128-row tiles, about one CTA per SM (`_row_128_plan`): qkv 6144 / 48
+    # M = 65-128 in one row of 128-row tiles, about one CTA per SM (`_one_row_plan`): qkv 6144 / 48
     # = 128 tiles, 4B o / down 2560 / 80 x 4 splits, 8B o / down 4096 / 64 x 2 (K pairs).
     GemmVariant(128, 48),
     GemmVariant(128, 80, 1, 1, "f32"),
     GemmVariant(128, 64, k_split=2),
     GemmVariant(128, 48, k_split=2),
-    # M = 129-256 in two rows of 128-row tiles, one CTA per SM: qkv 6144 / 96 x 2 rows = 128 tiles,
-    # 4B o / down 2560 / 80 x 2 rows x 2 (K pairs) = 128. Built for timing, not yet planned.
+    # M = 193-256 in two rows of 128-row tiles, one CTA per SM (`_tile_plan`): qkv 6144 / 96 x 2
+    # rows = 128 tiles, 4B o 2560 / 80 x 2 rows x 2 (K pairs) = 128.
     GemmVariant(128, 96),
     GemmVariant(128, 80, k_split=2),
     GemmVariant(64, 128, 1, 1, grouped=True),
@@ -206,8 +206,10 @@ def wave_splits(tiles: int, k: int, sms: int = H200_SMS) -> int:
 #   64-row K pairs from M = 17 (8B o / down). The decode layer's four projections at M = 96 / 128:
 #   4B 76.5 / 79.6 -> 70.6 / 74.9 µs, 8B 132.2 / 133.4 -> 113.9 / 114.5; at M = 32 / 64 (8B)
 #   105.4 / 108.2 -> 102.0 / 103.2. Two-wave alternatives at M = 160-256 (128x48, 128x64 K pairs,
-#   128x80 split) were 1.1-1.6x slower than the plan and are not taken.
-# The whole plan was re-timed on 2026-12-01, 19:50 UTC (559 / 559 verification cases passed, the
+#   128x80 split) were 1.1-1.6x slower than the plan and are not taken. M = 193-256 (two rows of
+#   128-row tiles, one CTA per SM): 128x96 for qkv (TILE_EFFICIENCY[96]) and 80-wide K pairs at
+#   K <= 4096 (4B o): 8B.qkv 25.2 -> 23.6 µs, 4B.qkv 16.4 -> 15.3, 4B.o 15.0 -> 14.2.
+# The whole plan was re-timed on 2026-12-01, 19:57 UTC (589 / 589 verification cases passed, the
 # planned path included): 22 of the 24 rows at M = 512 / 2048 / 8192 within 5% of cuBLAS.
 STREAM_MAX_M = 128
 FILL_TOLERANCE = 0.9        # single-wave fills within 10% count as equal: fewer splits win

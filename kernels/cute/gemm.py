@@ -3,10 +3,10 @@
 Arguments are device tensors: CuPy arrays (bf16 stored as ``uint16``) or ``DeviceTensor`` for raw
 addresses. Rows must be contiguous, row strides and base addresses 16-byte aligned, and N, K
 multiples of 8 (TMA needs 16-byte global strides); M is free. The config comes from
-``configs.plan_gemm``; small M streams the weights in 64-row tiles, some split in K into a float32
-workspace and a reduction kernel (``prefetch_weights`` lets a stream load its first weight tiles
-while the kernel before it finishes). The
-launch is stream-ordered and CUDA-graph capturable once ``init()`` ran and, for split-K shapes,
+``configs.plan_gemm``; small M streams the weights in one row of 64-row (M <= 64) or 128-row
+(M <= 128) tiles, about one CTA per SM, some split in K into a float32 workspace and a reduction
+kernel, some in K pairs that sum over distributed shared memory (``prefetch_weights`` lets a
+stream load its first weight tiles while the kernel before it finishes). The launch is stream-ordered and CUDA-graph capturable once ``init()`` ran and, for split-K shapes,
 ``reserve_workspace`` covered the largest ``splits·M·N`` (both happen outside capture).
 The ``(rows, K, 1)`` / ``(M, N, S)`` tensor views match the fake tensors of ``build._fake_args``.
 """
