@@ -98,8 +98,7 @@ def main() -> int:
     for model in args.models.split(","):
         for m in (int(x) for x in args.ms.split(",")):
             layers = Layers(model, m)
-            ks = tuple(sorted({k for _, k in layers.shapes.values()}))
-            runner.reserve_workspace(m, max(n for n, _ in layers.shapes.values()), ks)
+            runner.reserve_workspace(m, layers.shapes.values())
             plain = graph_time_us(lambda i, s: layers.cute_layer(runner, i, s, False), layers.sets, f"{model} M={m}")
             early = graph_time_us(lambda i, s: layers.cute_layer(runner, i, s, True), layers.sets, f"{model} M={m} +pf")
             base = cublas_layer_us(layers)

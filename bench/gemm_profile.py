@@ -113,7 +113,7 @@ def run(specs: list[str], launches: int) -> None:
             continue
         a, w = rand_bf16((m, k)), rand_bf16((n, k))
         out = cp.empty((m, n), dtype=cp.uint16)
-        runner.reserve_workspace(m, n, (k,))
+        runner.reserve_workspace(m, [(n, k)])
         for _ in range(launches + 1):
             runner(a, w, out, plan=GemmPlan(VARIANTS_BY_NAME[variant]))
         cp.cuda.Device().synchronize()

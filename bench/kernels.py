@@ -163,7 +163,7 @@ class _Operands:
         self.w = [rand_bf16((n, k)) for _ in range(self.sets)]
         self.out = cp.empty((m, n), dtype=cp.uint16)
         self.runner = runner
-        runner.reserve_workspace(m, n, (k,))
+        runner.reserve_workspace(m, [(n, k)])
 
     def time_us(self, plan: GemmPlan, what: str, prefetch_weights: bool = False) -> float:
         return graph_time_us(lambda i, s: self.runner(self.a[i], self.w[i], self.out, stream=s, plan=plan,

@@ -22,16 +22,17 @@ def test_interleave_gate_up_pairs_gate_and_up_rows():
 
 def test_prepare_cute_loads_the_kernels_and_sizes_the_workspace_for_every_weight():
     """Gemm.prepare_cute (run before graph capture): init, then one workspace reservation covering
-    the widest N and every distinct K; nothing when the CuTe path is off."""
+    every distinct (N, K) weight shape; nothing when the CuTe path is off."""
     from types import SimpleNamespace
 
     from engine.executor.gpu_gemm import Gemm
 
     calls = []
     cute = SimpleNamespace(init=lambda: calls.append("init"),
-                           reserve_workspace=lambda m, n, ks: calls.append(("reserve", m, n, ks)))
-    Gemm.prepare_cute(SimpleNamespace(cute=cute), 512, [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)])
-    assert calls == ["init", ("reserve", 512, 19456, (2560, 4096, 9728))]
+                           reserve_workspace=lambda m, shapes: calls.append(("reserve", m, shapes)))
+    Gemm.prepare_cute(SimpleNamespace(cute=cute), 512, [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728),
+                                                        (6144, 2560)])
+    assert calls == ["init", ("reserve", 512, [(2560, 4096), (2560, 9728), (6144, 2560), (19456, 2560)])]
     calls.clear()
     Gemm.prepare_cute(SimpleNamespace(cute=None), 512, [(8, 8)])
     Gemm.prepare_cute(SimpleNamespace(cute=cute), 512, [])

@@ -110,7 +110,7 @@ class Gemm:
         if self.cute is None or not shapes:
             return
         self.cute.init()
-        self.cute.reserve_workspace(max_rows, max(n for n, _ in shapes), tuple(sorted({k for _, k in shapes})))
+        self.cute.reserve_workspace(max_rows, sorted({tuple(s) for s in shapes}))
 
     @staticmethod
     def _check(status: int, what: str) -> None:

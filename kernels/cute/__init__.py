@@ -74,9 +74,10 @@ def init() -> None:
     _get_runner().init()
 
 
-def reserve_workspace(max_m: int, max_n: int, k_values: tuple[int, ...]) -> None:
-    """Pre-size the split-K workspace so GEMMs up to (max_m, max_n) can be graph-captured."""
-    _get_runner().reserve_workspace(max_m, max_n, k_values)
+def reserve_workspace(max_m: int, shapes) -> None:
+    """Pre-size the split-K workspace so GEMMs of at most ``max_m`` rows with these ``(N, K)``
+    weights can be graph-captured."""
+    _get_runner().reserve_workspace(max_m, shapes)
 
 
 def gemm(a, b, out, stream=None, residual=None, prefetch_weights: bool = False) -> None:

@@ -7,11 +7,12 @@ multiples of 8 (TMA needs 16-byte global strides); M is free. The config comes f
 (M <= 128) tiles, about one CTA per SM, some split in K into a float32 workspace and a reduction
 kernel, some in K pairs that sum over distributed shared memory (``prefetch_weights`` lets a
 stream load its first weight tiles while the kernel before it finishes). The launch is stream-ordered and CUDA-graph capturable once ``init()`` ran and, for split-K shapes,
-``reserve_workspace`` covered the largest ``splits·M·N`` (both happen outside capture).
+``reserve_workspace`` covered the largest ``splits·M·N`` of the shapes (both happen outside capture).
 The ``(rows, K, 1)`` / ``(M, N, S)`` tensor views match the fake tensors of ``build._fake_args``.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from .configs import (REDUCE_NAME, REDUCE_RESIDUAL_NAME, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count,
@@ -139,14 +140,10 @@ class GemmRunner:
         if not self.library.is_loaded(cupy.cuda.Device().id):
             self.init()
 
-    def reserve_workspace(self, max_m: int, max_n: int, k_values: tuple[int, ...]) -> None:
-        """Grow the split-K workspace for every shape up to (max_m, max_n) with those K."""
-        need = 0
-        for m in range(1, max_m + 1):
-            for k in k_values:
-                plan = plan_gemm(m, max_n, k)
-                need = max(need, plan.splits * m * max_n * 4)
-        self._ensure_workspace(need, capturing=False)
+    def reserve_workspace(self, max_m: int, shapes: Iterable[tuple[int, int]]) -> None:
+        """Grow the split-K workspace for every product of at most ``max_m`` rows with these
+        ``(N, K)`` weights (``split_workspace_bytes``)."""
+        self._ensure_workspace(split_workspace_bytes(max_m, shapes), capturing=False)
 
     def _ensure_workspace(self, nbytes: int, capturing: bool) -> int:
         import cupy
@@ -155,7 +152,7 @@ class GemmRunner:
             if capturing:
                 raise RuntimeError(
                     f"split-K workspace of {nbytes} bytes needed during CUDA graph capture; call "
-                    "kernels.cute.reserve_workspace(max_m, max_n, ks) before capturing")
+                    "kernels.cute.reserve_workspace(max_m, shapes) before capturing")
             self._workspace = cupy.empty(max(nbytes, 1 << 20) // 4, dtype=cupy.float32)
         return self._workspace.data.ptr
 
@@ -205,6 +202,18 @@ class GemmRunner:
             self.library[REDUCE_RESIDUAL_NAME](partial, TensorArg(out.ptr, (m, n), (ldo,)),
                                                TensorArg(residual.ptr, (m, n), (_row_stride(residual),)),
                                                stream=stream_ptr)
+
+
+def split_workspace_bytes(max_m: int, shapes: Iterable[tuple[int, int]]) -> int:
+    """The float32 partials the planned split-K GEMMs need at most, over M = 1 … ``max_m`` and these
+    ``(N, K)`` weights: ``splits·M·N·4`` bytes of the largest split plan (unsplit plans need none)."""
+    need = 0
+    for n, k in set(shapes):
+        for m in range(1, max_m + 1):
+            splits = plan_gemm(m, n, k).splits
+            if splits > 1:
+                need = max(need, splits * m * n * 4)
+    return need
 
 
 def check_grouped_args(a: DeviceTensor, w: DeviceTensor, tile_expert: DeviceTensor,

@@ -120,7 +120,7 @@ def graph_check(runner, m: int, n: int, k: int) -> Check:
 
     a, b = rand_bf16((m, k)), rand_bf16((n, k))
     eager, graphed = cp.empty((m, n), cp.uint16), cp.full((m, n), NAN_BF16, cp.uint16)
-    runner.reserve_workspace(m, n, (k,))
+    runner.reserve_workspace(m, [(n, k)])
     runner(a, b, eager)
     sync_or_die(f"eager GEMM M={m} N={n} K={k}")
     stream = cp.cuda.Stream(non_blocking=True)
