@@ -250,20 +250,3 @@ def test_plain_tiles_take_a_producer_warpgroup(m, n, k):
     else:
         assert r.residual and r.tile_n <= 256
 
-
-@pytest.mark.parametrize("shapes", [
-    [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)],   # Qwen3-4B
-    [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)],    # a small model: narrow N splits most
-    [(576 * 3, 576), (576, 576), (1536 * 2, 576), (576, 1536)],  # SmolLM2-135M
-])
-@pytest.mark.parametrize("max_m", [1, 64, 200, 512])
-def test_split_workspace_covers_every_split_plan_and_nothing_more(shapes, max_m):
-    """The workspace reserved before graph capture holds the partials of every planned split-K
-    GEMM of each weight shape up to max_m rows (a narrower N may split where the widest does not),
-    and is no larger than the largest of them (unsplit plans need none)."""
-    from kernels.cute.gemm import split_workspace_bytes
-
-    need = [plan_gemm(m, n, k).splits * m * n * 4 for n, k in shapes for m in range(1, max_m + 1)
-            if plan_gemm(m, n, k).splits > 1]
-    assert split_workspace_bytes(max_m, shapes) == max(need, default=0)
-    assert split_workspace_bytes(max_m, shapes) >= split_workspace_bytes(max_m, shapes[:1])

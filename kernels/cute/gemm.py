@@ -127,6 +127,7 @@ class GemmRunner:
     def __init__(self, library: Library | None = None):
         self.library = library if library is not None else open_library()
         self._workspace = None  # CuPy float32 buffer, grown outside graph capture
+        self._captured = []     # workspaces a captured graph may point into: kept alive once replaced
 
     def init(self) -> None:
         """Load every kernel module onto every visible device (call before graph capture)."""
@@ -154,6 +155,8 @@ class GemmRunner:
                     f"split-K workspace of {nbytes} bytes needed during CUDA graph capture; call "
                     "kernels.cute.reserve_workspace(max_m, shapes) before capturing")
             self._workspace = cupy.empty(max(nbytes, 1 << 20) // 4, dtype=cupy.float32)
+        if capturing and (not self._captured or self._captured[-1] is not self._workspace):
+            self._captured.append(self._workspace)  # a graph holds its address: never free it
         return self._workspace.data.ptr
 
     def __call__(self, a, b, out, stream=None, plan: GemmPlan | None = None, residual=None,
