@@ -307,9 +307,8 @@ def _small_m_plan(m: int, n: int, k: int, sms: int) -> GemmPlan:
     4B.qkv 128 tiles of 48 11.7 / 11.6 µs against 13.1 / 13.3; 4B o / down 128x80 in 4 splits
     10.2 / 18.8 at M = 96 against 11.9 / 21.4; 8B o / down 64 K pairs of 128x64 13.6 / 31.8
     against 15.3 / 35.0 for 128x128 pairs; 8B.qkv 17.5 against 19.8): that, split in K only where
-    the stream would split too. Else 128x128 K pairs
-    where they are enough CTAs at K >= 4096, else 192-row tiles split in K where the stream would
-    split anyway (sweeps of 2026-12-01, 07:36 UTC)."""
+    the stream would split too. Else 128x128 K pairs where they are enough CTAs at K >= 4096, else
+    192-row tiles split in K where the stream would split anyway (sweeps of 2026-12-01, 07:36 UTC)."""
     stream = _stream_plan(m, n, k, sms)
     if m <= 64:
         return stream
@@ -346,7 +345,9 @@ def _tile_plan(m: int, n: int, k: int, sms: int, residual: bool) -> GemmPlan:
     number of M-tiles (or 8 and more), A multicast to an N-pair for 160.
     From M = 256 and K = 4096 a cluster pair of CTAs per tile, each on half of K (summed over
     distributed shared memory), competes on the same cost with a 20% surcharge: it wins where whole
-    tiles leave much of a wave idle (N = 2560 / 4096 at M = 256-512: up to 1.9x, 2026-12-01)."""
+    tiles leave much of a wave idle (N = 2560 / 4096 at M = 256-512: up to 1.9x, 2026-12-01).
+    Two rows of tiles (M = 193-256) may also take 128x96 (qkv: 128 CTAs) and 80-wide pairs at
+    K <= K_PAIR_80_MAX_K (4B o: 128 CTAs), one CTA per SM."""
     def cost(tile_n: int) -> float:
         return _ceil(_ceil(m, 128) * _ceil(n, tile_n), sms) * tile_n / TILE_EFFICIENCY[tile_n]
 
