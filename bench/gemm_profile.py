@@ -8,8 +8,8 @@
 
 Each argument is ``shape:M:variant`` (a Qwen3 projection such as ``4B.o``, or ``NxK``; a CuTe
 variant name, or ``cublas`` for torch.mm, the baseline); each runs ``--launches`` times after one
-warm-up. ``--parse`` prints one line per kernel launch: duration, DRAM / memory / SM throughput, L2 and L1 hit rates, and the top warp
-stalls where the CSV has them. ``--time`` graph-times each spec instead (no ncu).
+warm-up. ``--parse`` prints one line per kernel launch: duration, DRAM / memory / SM throughput,
+L2 and L1 hit rates, and the top warp stalls where the CSV has them. ``--time`` graph-times each spec instead (no ncu).
 """
 from __future__ import annotations
 

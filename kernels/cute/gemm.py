@@ -6,7 +6,8 @@ multiples of 8 (TMA needs 16-byte global strides); M is free. The config comes f
 ``configs.plan_gemm``; small M streams the weights in one row of 64-row (M <= 64) or 128-row
 (M <= 128) tiles, about one CTA per SM, some split in K into a float32 workspace and a reduction
 kernel, some in K pairs that sum over distributed shared memory (``prefetch_weights`` lets a
-stream load its first weight tiles while the kernel before it finishes). The launch is stream-ordered and CUDA-graph capturable once ``init()`` ran and, for split-K shapes,
+stream load its first weight tiles while the kernel before it finishes). The launch is
+stream-ordered and CUDA-graph capturable once ``init()`` ran and, for split-K shapes,
 ``reserve_workspace`` covered the largest ``splits·M·N`` of the shapes (both happen outside capture).
 The ``(rows, K, 1)`` / ``(M, N, S)`` tensor views match the fake tensors of ``build._fake_args``.
 """

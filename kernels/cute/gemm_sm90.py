@@ -12,8 +12,9 @@ warpgroups), epilogue through shared memory (stmatrix for 16-bit output) and TMA
 the M/N tails (``gemm_sm90_epilogue``). Warp-specialised variants (``ws``) add a producer
 warpgroup whose warp 0 issues every load; in the others warp 0 of the MMA warpgroups refills the
 ring between its wgmmas, which stalls its warpgroup whenever a multicast peer is behind.
-Grouped variants (MoE) take B as ``(N, K, E)`` expert weights and an int32 map from each M-tile to its expert: tokens are grouped by expert and
-each group padded to whole M-tiles (``moe.group_by_expert``), so one launch covers every expert.
+Grouped variants (MoE) take B as ``(N, K, E)`` expert weights and an int32 map from each M-tile to
+its expert: tokens are grouped by expert and each group padded to whole M-tiles
+(``moe.group_by_expert``), so one launch covers every expert.
 CTAs are rasterised in groups of 8 clusters along M so that concurrently running CTAs share B
 (weight) tiles in L2.
 
