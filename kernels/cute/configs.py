@@ -43,9 +43,9 @@ GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 192, 1, 1),    # a wave-quantisation width (N 6144 at M = 512: 128 tiles, one wave)
     GemmVariant(128, 192, 2, 1),
     GemmVariant(128, 160, 1, 2),    # N = 2560 at M = 1000-2048: 2 waves; A multicast to an N-pair
-    GemmVariant(128, 80, 1, 2),     # N = 2560 at M = 512 in 128 tiles (cuBLAS's choice), two warpgroups; not yet swept
+    GemmVariant(128, 80, 1, 2),     # N = 2560 at M = 512 in 128 tiles (cuBLAS's choice), two warpgroups
     GemmVariant(128, 80, 1, 1),
-    GemmVariant(128, 320, 1, 1),    # cuBLAS's tile for N = 2560 at M = 2048 (8 x 16: one wave); not yet swept
+    GemmVariant(128, 320, 1, 1),    # cuBLAS's tile for N = 2560 at M = 2048 (8 x 16: one wave)
     GemmVariant(128, 320, 2, 1),
     GemmVariant(128, 160, k_split=2),   # N = 2560 at M = 512: 4 x 16 tiles x 2 K-halves, one wave
     GemmVariant(128, 256, k_split=2),
@@ -366,9 +366,10 @@ def _tile_plan(m: int, n: int, k: int, sms: int, residual: bool) -> GemmPlan:
             return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{pair_n}_c1x1_k2"])
     if tile_n in (160, 80):  # the A tile is the larger one: multicast it to an N-pair (swept 2026-12-01)
         return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{tile_n}_c1x2"])
-    # a 2x1 cluster pads an odd number of M-tiles with a whole row of empty tiles: only from 8 on
-    # (none for 96: its 2x1 cluster is not built)
-    cluster = 2 if (_ceil(m, 128) % 2 == 0 or _ceil(m, 128) >= 8) and tile_n != 96 else 1
+    # a 2x1 cluster pads an odd number of M-tiles with a whole row of empty tiles: only from 8 on,
+    # and only where that cluster is built (not for 96)
+    paired = _ceil(m, 128) % 2 == 0 or _ceil(m, 128) >= 8
+    cluster = 2 if paired and f"gemm_bf16_128x{tile_n}_c2x1" in VARIANTS_BY_NAME else 1
     return GemmPlan(VARIANTS_BY_NAME[f"gemm_bf16_128x{tile_n}_c{cluster}x1"])
 
 
