@@ -14,7 +14,9 @@ of one eager batch-1 step (CUDA events around each op) with each op's weight-rea
 old path, split attention + cuBLAS, and this script's default; "all", the executor's default,
 paged_decode.cu + gemv.cu with its fused RMSNorm / SiLU / residual; a "|nopdl" suffix captures the
 graphs with plain launches instead of programmatic dependent ones, "|norope" runs q/k norm + rope + KV
-write as its own kernel instead of inside decode attention) on the same executor and weights, and reports the
+write as its own kernel instead of inside decode attention, "|cublas" runs the products gemv.cu does not
+take on cuBLAS instead of the executor's default (the CuTe GEMM up to 128 rows where it is built);
+flags combine, "all|cublas|nopdl") on the same executor and weights, and reports the
 fraction of sequences whose first 4 greedy tokens equal the first setting's. --micro adds the per-kernel
 table (bench/decode_micro.py; all parts, or the listed ones): "attention" (decode attention of all layers
 in a graph, per split count), "gemv" (each projection of all layers in a graph: cuBLAS and gemv.cu at
@@ -192,12 +194,15 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     ex = GpuExecutor(model, num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
                      max_num_batched_tokens=2048, max_num_seqs=max_b, progress=False,
                      decode_kernels=kernel_sets[0].partition("|")[0])
+    cute = ex.gemm.cute  # the default GEMM library: the CuTe GEMM up to 128 rows where built
+    print(f"[{name}] {ex.gemm.describe()}", flush=True)
     print(f"[{name}] executor up in {time.perf_counter() - t:.1f}s ({weight_bytes / 1e9:.2f} GB of weights)", flush=True)
     rows, breakdown, first = [], {}, {}
     for ks in kernel_sets:
-        kernels, _, launch_mode = ks.partition("|")      # "all|nopdl": plain launches in the graphs
-        ex.pdl_decode = launch_mode != "nopdl"
-        ex.ops.fused_rope = launch_mode != "norope"      # "all|norope": rope kernel + decode attention
+        kernels, *flags = ks.split("|")
+        ex.pdl_decode = "nopdl" not in flags             # "all|nopdl": plain launches in the graphs
+        ex.ops.fused_rope = "norope" not in flags        # "all|norope": rope kernel + decode attention
+        ex.gemm.cute = None if "cublas" in flags else cute  # "all|cublas": cuBLAS where gemv.cu does not serve
         ex.set_decode_kernels(kernels)
         for b in batches:
             r = run_batch(ex, cfg, b, prompt, steps, bw, weight_bytes)

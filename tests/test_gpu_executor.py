@@ -126,21 +126,24 @@ def test_tiny_gate(tiny, path_name):
     assert_gate(gate_row(f"{name}/{path_name}", engine, o32, o16))
 
 
-def test_tiny_gate_cute_gemm(tiny):
-    """The CuTe GEMM path (use_cute=True): prefill products on its tile plans with o_proj / down_proj
-    accumulating into the residual stream in their epilogue, chunked steps on split-K plans (the
-    reduction adds the residual), CUDA-graph decode; the same gate against HF float32."""
+@pytest.mark.parametrize("backend", ["cute", "cublas"])
+def test_tiny_gate_gemm_library(tiny, backend):
+    """Each GEMM library for every product (the default "auto" splits them by rows): "cute", prefill
+    products on its tile plans with o_proj / down_proj accumulating into the residual stream in
+    their epilogue, chunked steps on split-K plans (the reduction adds the residual), CUDA-graph
+    decode; "cublas", the same steps on cuBLAS (beta = 1 for the residual). The same gate against
+    HF float32."""
     from kernels.cute import available
 
-    if not available():
+    if backend == "cute" and not available():
         pytest.skip(f"CuTe kernels unavailable: {available().reason}")
     name, model, _, seqs, o32, o16 = tiny
-    ex = new_gpu_executor(model, use_cute=True)
+    ex = new_gpu_executor(model, use_cute=backend)
     try:
-        assert ex.gemm.cute is not None
+        assert (ex.gemm.cute is not None) == (backend == "cute")
         for path_name in sorted(PATHS):
             engine = engine_logits(ex, seqs, **PATHS[path_name])
-            assert_gate(gate_row(f"{name}/cute/{path_name}", engine, o32, o16))
+            assert_gate(gate_row(f"{name}/{backend}/{path_name}", engine, o32, o16))
     finally:
         ex.close()
 

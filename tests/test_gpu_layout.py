@@ -22,7 +22,8 @@ def test_interleave_gate_up_pairs_gate_and_up_rows():
 
 def test_prepare_cute_loads_the_kernels_and_sizes_the_workspace_for_every_weight():
     """Gemm.prepare_cute (run before graph capture): init, then one workspace reservation covering
-    every distinct (N, K) weight shape; nothing when the CuTe path is off."""
+    every distinct (N, K) weight shape for the rows the CuTe GEMM takes (at most cute_max_m);
+    nothing when the CuTe path is off."""
     from types import SimpleNamespace
 
     from engine.executor.gpu_gemm import Gemm
@@ -30,10 +31,29 @@ def test_prepare_cute_loads_the_kernels_and_sizes_the_workspace_for_every_weight
     calls = []
     cute = SimpleNamespace(init=lambda: calls.append("init"),
                            reserve_workspace=lambda m, shapes: calls.append(("reserve", m, shapes)))
-    Gemm.prepare_cute(SimpleNamespace(cute=cute), 512, [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728),
-                                                        (6144, 2560)])
+    shapes = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (6144, 2560)]
+    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=1 << 30), 512, shapes)
     assert calls == ["init", ("reserve", 512, [(2560, 4096), (2560, 9728), (6144, 2560), (19456, 2560)])]
     calls.clear()
-    Gemm.prepare_cute(SimpleNamespace(cute=None), 512, [(8, 8)])
-    Gemm.prepare_cute(SimpleNamespace(cute=cute), 512, [])
+    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=128), 512, shapes)  # "auto": decode rows only
+    assert calls == ["init", ("reserve", 128, [(2560, 4096), (2560, 9728), (6144, 2560), (19456, 2560)])]
+    calls.clear()
+    Gemm.prepare_cute(SimpleNamespace(cute=None, cute_max_m=128), 512, [(8, 8)])
+    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=128), 512, [])
     assert calls == []
+
+
+def test_cute_takes_the_products_of_its_row_limit():
+    """The GEMM library split of "auto": the CuTe GEMM up to cute_max_m rows, bf16 outputs only
+    (logits stay on cuBLAS), and nothing where its library is missing."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from engine.executor.gpu_gemm import Gemm
+
+    bf16, f32 = np.zeros(1, np.uint16), np.zeros(1, np.float32)
+    auto = SimpleNamespace(cute=object(), cute_max_m=128)
+    assert Gemm.cute_serves(auto, 1, bf16) and Gemm.cute_serves(auto, 128, bf16)
+    assert not Gemm.cute_serves(auto, 129, bf16) and not Gemm.cute_serves(auto, 1, f32)
+    assert not Gemm.cute_serves(SimpleNamespace(cute=None, cute_max_m=128), 1, bf16)

@@ -1,10 +1,11 @@
-"""The decode-kernel switch of the GPU executor parses on the CPU: what turns each new path on, and
-clear errors for what it does not know."""
+"""The decode-kernel and GEMM-library switches of the GPU executor parse on the CPU: what turns each
+path on, and clear errors for what they do not know."""
 from __future__ import annotations
 
 import pytest
 
 from engine.executor.gpu import DEFAULT_GEMV_MAX_M, parse_decode_kernels
+from engine.executor.gpu_gemm import ALL_ROWS, CUTE_AUTO_MAX_M, GEMM_BACKEND_ENV, cute_rows
 from engine.executor.gpu_ops import MAX_DECODE_SPLITS, attention_splits, decode_attention_fits
 
 
@@ -15,6 +16,31 @@ from engine.executor.gpu_ops import MAX_DECODE_SPLITS, attention_splits, decode_
 ])
 def test_parse_decode_kernels(spec, expected):
     assert parse_decode_kernels(spec) == expected
+
+
+def test_parse_decode_kernels_default_rows():
+    """The executor passes the GEMV's default rows (1 where the CuTe GEMM serves decode)."""
+    assert parse_decode_kernels("all", 1) == (True, 1)
+    assert parse_decode_kernels("gemv", 1) == (False, 1)
+    assert parse_decode_kernels("attention,gemv:4", 1) == (True, 4)
+
+
+@pytest.mark.parametrize("backend,rows", [
+    ("auto", CUTE_AUTO_MAX_M), ("AUTO", CUTE_AUTO_MAX_M), ("cute", ALL_ROWS), (True, ALL_ROWS),
+    ("cublas", 0), (False, 0),
+])
+def test_gemm_backend_rows(backend, rows):
+    assert cute_rows(backend) == rows
+
+
+def test_gemm_backend_from_environment(monkeypatch):
+    monkeypatch.delenv(GEMM_BACKEND_ENV, raising=False)
+    assert cute_rows(None) == CUTE_AUTO_MAX_M  # the default
+    monkeypatch.setenv(GEMM_BACKEND_ENV, "cublas")
+    assert cute_rows(None) == 0
+    monkeypatch.setenv(GEMM_BACKEND_ENV, "cutlass")
+    with pytest.raises(ValueError, match="cutlass"):
+        cute_rows(None)
 
 
 @pytest.mark.parametrize("spec,word", [("flash", "flash"), ("gemv:x", "gemv:x")])

@@ -107,20 +107,21 @@ def test_gemm_routes_small_m_to_gemv(cp, M):
 
 def test_executor_decode_kernels_match_default():
     """Greedy decode with the new decode kernels (eager and graphs) equals the default kernels', or
-    differs only at a tie of the default executor's own logprobs."""
-    from engine.executor.gpu import DEFAULT_GEMV_MAX_M
+    differs only at a tie of the default executor's own logprobs. Every executor here keeps cuBLAS
+    for what the GEMV does not take, so that only the decode kernels differ (the GEMM libraries
+    have gates of their own: test_gpu_executor.test_tiny_gate_gemm_library)."""
     from engine.loader import load_model
     from tests.models_util import tiny_model_path
     from tests.test_gpu_executor import MIN_TIE_TOL, assert_same_or_tie, greedy, new_gpu_executor, random_sequences
 
     model = load_model(tiny_model_path("qwen3_gqa4"))
-    old = new_gpu_executor(model, use_cuda_graphs=False, decode_kernels="")
-    new = new_gpu_executor(model, decode_kernels="attention,gemv")
-    new_eager = new_gpu_executor(model, use_cuda_graphs=False, decode_kernels="all")
-    assert new.ops.fast_attention and new.gemm.gemv_max_m == DEFAULT_GEMV_MAX_M and not old.ops.fast_attention
+    old = new_gpu_executor(model, use_cuda_graphs=False, decode_kernels="", use_cute="cublas")
+    new = new_gpu_executor(model, decode_kernels="attention,gemv", use_cute="cublas")
+    new_eager = new_gpu_executor(model, use_cuda_graphs=False, decode_kernels="all", use_cute="cublas")
+    assert new.ops.fast_attention and new.gemm.gemv_max_m == new.default_gemv_rows() and not old.ops.fast_attention
     prompts = random_sequences(model.config.vocab_size, [5, 30, 17, 64, 1], seed=9)
     ref = greedy(old, prompts, 16)
-    switched = new_gpu_executor(model, decode_kernels="")
+    switched = new_gpu_executor(model, decode_kernels="", use_cute="cublas")
     greedy(switched, prompts, 4)                      # graphs captured with the default kernels ...
     switched.set_decode_kernels("attention,gemv:32")  # ... dropped: recaptured with the new ones
     assert switched.ops.fast_attention and switched.gemm.gemv_max_m == 32

@@ -6,9 +6,14 @@ run eagerly. `last_host_s` is the host time of the last step up to its launch (b
 
 Decode kernels (`decode_kernels`, default from $OPENINFER_DECODE_KERNELS, default "all"): a comma list of
 "attention" (paged_decode.cu: bandwidth-shaped decode attention) and "gemv" or "gemv:M" (gemv.cu for
-linear layers of at most M rows, default 16, cuBLAS above); "all" is both. "none": the split attention
-of paged_attention.cu and cuBLAS serve every step. "all" is the default since its H200 check
-(bench/results/decode.md, 2026-11-30): same gate results, Qwen3-4B batch 1 4.21 -> 3.66 ms/step.
+linear layers of at most M rows, with the RMSNorm / SiLU fused; default 8, or 1 where the CuTe GEMM
+serves decode); "all" is both. "none": the split attention of paged_attention.cu and the GEMM library
+serve every step. "all" is the default since its H200 check (bench/results/decode.md, 2026-11-30):
+same gate results, Qwen3-4B batch 1 4.21 -> 3.66 ms/step.
+
+GEMM library (`use_cute`, default from $OPENINFER_GEMM, default "auto"; gpu_gemm.cute_rows): "auto"
+runs the bf16 products of at most 128 rows (decode batches) on the CuTe GEMM where kernels/cute is
+built, cuBLAS the rest; "cute" every bf16 product; "cublas" none. The startup log says which serves.
 
 Decode graphs launch their kernels as programmatic dependent launches (kernels/raw_cuda/launch.py)
 unless $OPENINFER_PDL is "0". $OPENINFER_LAYER_RANGES=1 adds an NVTX range per decoder layer to
@@ -28,7 +33,7 @@ import numpy as np
 
 from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import DoneStep, PendingStep
-from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, interleave_gate_up
+from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, cute_rows, interleave_gate_up
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_ops import NUM_SMS, RING_SLOTS, GpuOps, GpuStepContext
 from engine.executor.gpu_prefill import PrefillAttention, prefill_min_query
@@ -48,23 +53,28 @@ DEFAULT_DECODE_KERNELS = "all"
 # Batches above 8 take cuBLAS: the GEMV's two n8 tiles made Qwen3-4B batch 12 / 16 steps 4.97 / 5.04 ms
 # against 4.00 / 3.99 with cuBLAS (H200, 2026-12-01 04:50 UTC, bench/results/decode.md).
 DEFAULT_GEMV_MAX_M = 8
+# With the CuTe GEMM the GEMV keeps batch 1 only: Qwen3-8B batch 1 4.81 ms against 4.98 on CuTe, but
+# batch 2 / 4 / 8 4.90 / 5.07 / 5.41 against 4.88 / 4.98 / 5.06 (Qwen3-4B: 3.24-3.34 on CuTe at
+# batches 1-8 against 3.34-3.83; H200, 2026-12-01 21:17 UTC).
+DEFAULT_GEMV_MAX_M_CUTE = 1
 PDL_ENV = "OPENINFER_PDL"
 LAYER_RANGES_ENV = "OPENINFER_LAYER_RANGES"
 
 
-def parse_decode_kernels(spec: str) -> tuple[bool, int]:
-    """"attention,gemv:16" -> (fast attention on, GEMV for at most 16 rows); "" -> (False, 0)."""
+def parse_decode_kernels(spec: str, default_rows: int = DEFAULT_GEMV_MAX_M) -> tuple[bool, int]:
+    """"attention,gemv:16" -> (fast attention on, GEMV for at most 16 rows); "" -> (False, 0);
+    "all" and a bare "gemv" give the GEMV ``default_rows``."""
     fast, gemv_m = False, 0
     for item in (x.strip().lower() for x in spec.split(",")):
         if item in ("", "none", "0", "off"):
             continue
         if item in ("all", "1", "on"):
-            fast, gemv_m = True, DEFAULT_GEMV_MAX_M
+            fast, gemv_m = True, default_rows
         elif item == "attention":
             fast = True
         elif item == "gemv" or item.startswith("gemv:"):
             try:
-                gemv_m = int(item[5:]) if ":" in item else DEFAULT_GEMV_MAX_M
+                gemv_m = int(item[5:]) if ":" in item else default_rows
             except ValueError:
                 raise ValueError(f"decode kernels: bad row limit in {item!r} (want gemv:N)") from None
         else:
@@ -79,7 +89,7 @@ def as_bf16(a: np.ndarray) -> np.ndarray:
 class GpuExecutor:
     def __init__(self, model: LoadedModel, num_kv_blocks: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None,
-                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, use_cute: bool = False,
+                 max_num_batched_tokens: int = 2048, max_num_seqs: int = 256, use_cute: bool | str | None = None,
                  progress: bool = True, use_cuda_graphs: bool = True, decode_kernels: str | None = None,
                  prefill_attention: str | None = None):
         cfg = model.config
@@ -121,9 +131,11 @@ class GpuExecutor:
         self.weights = upload_weights(self.arena, ((n, layout(n, as_bf16(a))) for n, a in model.weights.items()),
                                       self.streams, total_bytes=weight_bytes, progress=progress)
         workspace = self.arena.take("activations.cublas_workspace", (WORKSPACE_BYTES,), np.uint8)
-        fast_attention, gemv_max_m = parse_decode_kernels(
-            os.environ.get(DECODE_KERNELS_ENV, DEFAULT_DECODE_KERNELS) if decode_kernels is None else decode_kernels)
-        self.gemm = Gemm(stream, workspace, use_cute=use_cute, gemv_max_m=gemv_max_m)
+        self.gemm = Gemm(stream, workspace, cute_max_m=cute_rows(use_cute))
+        fast_attention, self.gemm.gemv_max_m = parse_decode_kernels(
+            os.environ.get(DECODE_KERNELS_ENV, DEFAULT_DECODE_KERNELS) if decode_kernels is None else decode_kernels,
+            self.default_gemv_rows())
+        log.info("%s", self.gemm.describe())
         self.gemm.prepare_cute(self.max_tokens, [w.shape for n, w in self.weights.items()  # bf16-output products
                                                  if w.ndim == 2 and n not in ("embed_tokens", "lm_head")])
         inv_freq, attention_factor = rope_inv_freq(cfg)
@@ -174,9 +186,13 @@ class GpuExecutor:
             raise RuntimeError("copy_blocks: the host KV tier is not enabled (enable_host_tier first)")
         host_kv.copy_blocks(offloads, restores)
 
+    def default_gemv_rows(self) -> int:
+        """The GEMV's row limit of "all" / "gemv": batch 1 only where the CuTe GEMM serves decode."""
+        return DEFAULT_GEMV_MAX_M_CUTE if self.gemm.cute is not None else DEFAULT_GEMV_MAX_M
+
     def set_decode_kernels(self, spec: str) -> None:
         """Switch the decode kernels (see the module docstring) between steps; drops captured graphs."""
-        fast_attention, gemv_max_m = parse_decode_kernels(spec)
+        fast_attention, gemv_max_m = parse_decode_kernels(spec, self.default_gemv_rows())
         self.stream.synchronize()
         self.ops.fast_attention, self.gemm.gemv_max_m = fast_attention, gemv_max_m
         if self.graphs is not None:

@@ -5,8 +5,10 @@ through ctypes on the same libcublas CuPy loads, on a handle of our own bound on
 with a fixed workspace from the arena, so a captured CUDA graph allocates nothing (CuPy's own
 wrappers rebind the handle to CuPy's current stream at every call, which also drops a user
 workspace). Where that library cannot be opened, CuPy's wrapper serves, run with our stream
-current. The CuTe DSL GEMM of kernels/cute replaces cuBLAS where it is built and reports itself
-available (`use_cute=True`); outputs are bf16 (hidden states) or fp32 (logits). With
+current. The CuTe DSL GEMM of kernels/cute replaces cuBLAS for bf16 products of at most
+``cute_max_m`` rows where it is built and reports itself available (``cute_rows``: the executor's
+default "auto" gives it the decode-sized products, at most CUTE_AUTO_MAX_M rows); outputs are bf16
+(hidden states) or fp32 (logits, always cuBLAS). With
 `gemv_max_m > 0`, bf16 products of at most that many rows (decode) run the raw CUDA skinny GEMM of
 kernels/raw_cuda/gemv.cu instead (bandwidth-shaped: 16-byte weight loads, tensor-core mma), which
 also has the decoder's RMSNorm prologue and residual-add epilogue fused in (`gemv`). The
@@ -40,6 +42,27 @@ GEMV_UNROLL_NARROW_ENV = "OPENINFER_GEMV_UNROLL_NARROW"        # the same for na
 DEFAULT_GEMV_UNROLL = 2
 DEFAULT_GEMV_UNROLL_NARROW = 4
 NUM_SMS = 132
+GEMM_BACKEND_ENV = "OPENINFER_GEMM"   # auto | cute | cublas
+DEFAULT_GEMM_BACKEND = "auto"
+# "auto": the CuTe GEMM for products of at most this many rows (decode batches), cuBLAS above
+# (prefill). Graphed decode on the H200 (2026-12-01 21:17 UTC, bench/results/decode.md): Qwen3-8B
+# batch 8 / 32 / 128 5.41 / 5.48 / 7.38 -> 5.06 / 5.14 / 7.07 ms per step; above 128 rows it is
+# within 5% of cuBLAS on most shapes but up to 20% slower on a few (bench/results/kernels.md).
+CUTE_AUTO_MAX_M = 128
+ALL_ROWS = 1 << 30
+
+
+def cute_rows(backend: str | bool | None) -> int:
+    """The row limit of the CuTe GEMM for a backend choice: "auto" CUTE_AUTO_MAX_M, "cute" (or True)
+    every product, "cublas" (or False) none; None reads $OPENINFER_GEMM (default "auto")."""
+    if backend is None:
+        backend = os.environ.get(GEMM_BACKEND_ENV, DEFAULT_GEMM_BACKEND)
+    if isinstance(backend, bool):
+        return ALL_ROWS if backend else 0
+    rows = {"auto": CUTE_AUTO_MAX_M, "cute": ALL_ROWS, "cublas": 0}.get(str(backend).strip().lower())
+    if rows is None:
+        raise ValueError(f"GEMM backend {backend!r}: want auto, cute or cublas (${GEMM_BACKEND_ENV})")
+    return rows
 
 
 def interleave_gate_up(w: np.ndarray) -> np.ndarray:
@@ -66,7 +89,7 @@ def _direct_cublas():
 
 
 class Gemm:
-    def __init__(self, stream, workspace=None, use_cute: bool = False, gemv_max_m: int = 0,
+    def __init__(self, stream, workspace=None, cute_max_m: int = 0, gemv_max_m: int = 0,
                  gemv_unroll: tuple[int, int] | None = None):
         self.stream = stream
         if not 0 <= gemv_max_m <= GEMV_LIMIT_M:
@@ -96,13 +119,23 @@ class Gemm:
             self._cublas = cublas
             self.handle = cublas.create()
             cublas.setPointerMode(self.handle, 0)
-        self.cute = None
-        if use_cute:
+        self.cute, self.cute_max_m, self.cute_missing = None, cute_max_m, ""
+        if cute_max_m > 0:
             try:
                 import kernels.cute as cute
-                self.cute = cute if cute.available() else None
-            except Exception:   # the AOT library is optional: cuBLAS serves without it
-                self.cute = None
+                ready = cute.available()
+                self.cute, self.cute_missing = (cute, "") if ready else (None, ready.reason)
+            except Exception as exc:   # the AOT library is optional: cuBLAS serves without it
+                self.cute_missing = f"{type(exc).__name__}: {exc}"
+
+    def describe(self) -> str:
+        """Which library runs which products, for the startup log."""
+        gemv = f"gemv.cu for 1-{self.gemv_max_m} rows, " if self.gemv_max_m else ""
+        if self.cute is None:
+            why = f" (CuTe GEMM not used: {self.cute_missing})" if self.cute_missing else ""
+            return f"linear layers: {gemv}cuBLAS{why}"
+        rows = "every product" if self.cute_max_m >= ALL_ROWS else f"at most {self.cute_max_m} rows"
+        return f"linear layers: {gemv}CuTe GEMM for {rows}, cuBLAS otherwise"
 
     def prepare_cute(self, max_rows: int, shapes) -> None:
         """Before any graph capture: load the CuTe kernels onto the device and size their split-K
@@ -110,7 +143,7 @@ class Gemm:
         if self.cute is None or not shapes:
             return
         self.cute.init()
-        self.cute.reserve_workspace(max_rows, sorted({tuple(s) for s in shapes}))
+        self.cute.reserve_workspace(min(max_rows, self.cute_max_m), sorted({tuple(s) for s in shapes}))
 
     @staticmethod
     def _check(status: int, what: str) -> None:
@@ -129,7 +162,7 @@ class Gemm:
         if not accumulate and self.gemv_serves(x, w, out):
             self.gemv(x, w, out, pdl=pdl)
             return
-        if self.cute is not None and out.dtype == np.uint16:
+        if self.cute_serves(T, out):
             # w is a model weight, never written in a forward: its first k-tiles may load while
             # the kernel before finishes (a chain of weight streams overlaps its launch gaps)
             self.cute.gemm(x, w, out, self.stream, residual=out if accumulate else None, prefetch_weights=True)
@@ -145,6 +178,11 @@ class Gemm:
         else:
             with self.stream:           # CuPy binds the handle to its current stream at each call
                 self._cublas.gemmEx(self.handle, *args)
+
+    def cute_serves(self, rows: int, out) -> bool:
+        """Whether the CuTe GEMM takes a product: built and available, a bf16 output, at most
+        cute_max_m rows."""
+        return self.cute is not None and out.dtype == np.uint16 and rows <= self.cute_max_m
 
     def gemv_serves(self, x, w, out=None) -> bool:
         """Whether gemv.cu takes this product: at most gemv_max_m rows, 16-byte pieces of contiguous
