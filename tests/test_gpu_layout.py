@@ -32,10 +32,10 @@ def test_prepare_cute_loads_the_kernels_and_sizes_the_workspace_for_every_weight
     cute = SimpleNamespace(init=lambda: calls.append("init"),
                            reserve_workspace=lambda m, shapes: calls.append(("reserve", m, shapes)))
     shapes = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (6144, 2560)]
-    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=1 << 30), 512, shapes)
+    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=1 << 30, _check_cute=lambda: None), 512, shapes)
     assert calls == ["init", ("reserve", 512, [(2560, 4096), (2560, 9728), (6144, 2560), (19456, 2560)])]
     calls.clear()
-    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=128), 512, shapes)  # "auto": decode rows only
+    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=128, _check_cute=lambda: None), 512, shapes)  # "auto": decode rows only
     assert calls == ["init", ("reserve", 128, [(2560, 4096), (2560, 9728), (6144, 2560), (19456, 2560)])]
     calls.clear()
     Gemm.prepare_cute(SimpleNamespace(cute=None, cute_max_m=128), 512, [(8, 8)])
@@ -57,3 +57,25 @@ def test_cute_takes_the_products_of_its_row_limit():
     assert Gemm.cute_serves(auto, 1, bf16) and Gemm.cute_serves(auto, 128, bf16)
     assert not Gemm.cute_serves(auto, 129, bf16) and not Gemm.cute_serves(auto, 1, f32)
     assert not Gemm.cute_serves(SimpleNamespace(cute=None, cute_max_m=128), 1, bf16)
+
+
+def test_a_failing_cute_start_up_check_leaves_cublas_serving():
+    """prepare_cute: a kernel load that fails, or a check product that comes out wrong, turns the
+    CuTe GEMM off (cuBLAS serves) and says why, instead of failing requests later."""
+    from types import SimpleNamespace
+
+    from engine.executor.gpu_gemm import Gemm
+
+    def fails(what):
+        def raise_it(*_):
+            raise RuntimeError(what)
+        return raise_it
+
+    ok = SimpleNamespace(init=lambda: None, reserve_workspace=lambda m, shapes: None)
+    for cute, check, why in ((SimpleNamespace(init=fails("no cluster launch"), reserve_workspace=None),
+                              lambda: None, "no cluster launch"),
+                             (ok, fails("3x136x264 product off by 0.5"), "off by 0.5")):
+        g = SimpleNamespace(cute=cute, cute_max_m=128, cute_missing="", gemv_max_m=8, _check_cute=check)
+        Gemm.prepare_cute(g, 512, [(2560, 4096)])
+        assert g.cute is None and why in g.cute_missing
+        assert "cuBLAS" in Gemm.describe(g) and why in Gemm.describe(g)

@@ -132,12 +132,12 @@ class GpuExecutor:
                                       self.streams, total_bytes=weight_bytes, progress=progress)
         workspace = self.arena.take("activations.cublas_workspace", (WORKSPACE_BYTES,), np.uint8)
         self.gemm = Gemm(stream, workspace, cute_max_m=cute_rows(use_cute))
+        self.gemm.prepare_cute(self.max_tokens, [w.shape for n, w in self.weights.items()  # bf16-output products
+                                                 if w.ndim == 2 and n not in ("embed_tokens", "lm_head")])
         fast_attention, self.gemm.gemv_max_m = parse_decode_kernels(
             os.environ.get(DECODE_KERNELS_ENV, DEFAULT_DECODE_KERNELS) if decode_kernels is None else decode_kernels,
             self.default_gemv_rows())
         log.info("%s", self.gemm.describe())
-        self.gemm.prepare_cute(self.max_tokens, [w.shape for n, w in self.weights.items()  # bf16-output products
-                                                 if w.ndim == 2 and n not in ("embed_tokens", "lm_head")])
         inv_freq, attention_factor = rope_inv_freq(cfg)
         self.inv_freq = self.arena.take("activations.inv_freq", inv_freq.shape, np.float32)
         self.inv_freq.set(inv_freq, stream=stream)
