@@ -164,9 +164,11 @@ class Gemm:
         xh, wh = (rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for shape in ((m, k), (n, k)))
         x, w = cp.asarray(xh.view(np.uint16)), cp.asarray(wh.view(np.uint16))
         out = cp.zeros((m, n), np.uint16)
+        cp.cuda.get_current_stream().synchronize()  # the uploads, before our stream reads them
         ref = xh.astype(np.float32) @ wh.astype(np.float32).T
         for accumulate in (False, True):
             self.cute.gemm(x, w, out, self.stream, residual=out if accumulate else None)
+            self.stream.synchronize()
             got = cp.asnumpy(out).view(ml_dtypes.bfloat16).astype(np.float32)
             want = 2 * ref if accumulate else ref
             err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-6))
