@@ -29,13 +29,13 @@ def test_prepare_cute_loads_the_kernels_and_sizes_the_workspace_for_every_weight
     from engine.executor.gpu_gemm import Gemm
 
     calls = []
-    cute = SimpleNamespace(init=lambda: calls.append("init"),
+    cute = SimpleNamespace(init=lambda: calls.append("init"), self_check=lambda: None,
                            reserve_workspace=lambda m, shapes: calls.append(("reserve", m, shapes)))
     shapes = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (6144, 2560)]
-    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=1 << 30, _check_cute=lambda: None), 512, shapes)
+    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=1 << 30), 512, shapes)
     assert calls == ["init", ("reserve", 512, [(2560, 4096), (2560, 9728), (6144, 2560), (19456, 2560)])]
     calls.clear()
-    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=128, _check_cute=lambda: None), 512, shapes)  # "auto": decode rows only
+    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=128), 512, shapes)  # "auto": decode rows only
     assert calls == ["init", ("reserve", 128, [(2560, 4096), (2560, 9728), (6144, 2560), (19456, 2560)])]
     calls.clear()
     Gemm.prepare_cute(SimpleNamespace(cute=None, cute_max_m=128), 512, [(8, 8)])
@@ -71,11 +71,11 @@ def test_a_failing_cute_start_up_check_leaves_cublas_serving():
             raise RuntimeError(what)
         return raise_it
 
-    ok = SimpleNamespace(init=lambda: None, reserve_workspace=lambda m, shapes: None)
-    for cute, check, why in ((SimpleNamespace(init=fails("no cluster launch"), reserve_workspace=None),
-                              lambda: None, "no cluster launch"),
-                             (ok, fails("3x136x264 product off by 0.5"), "off by 0.5")):
-        g = SimpleNamespace(cute=cute, cute_max_m=128, cute_missing="", gemv_max_m=8, _check_cute=check)
+    for cute, why in ((SimpleNamespace(init=fails("no cluster launch"), reserve_workspace=None, self_check=None),
+                       "no cluster launch"),
+                      (SimpleNamespace(init=lambda: None, reserve_workspace=lambda m, shapes: None,
+                                       self_check=fails("3x136x264 product: relative error 0.5")), "error 0.5")):
+        g = SimpleNamespace(cute=cute, cute_max_m=128, cute_missing="", gemv_max_m=8)
         Gemm.prepare_cute(g, 512, [(2560, 4096)])
         assert g.cute is None and why in g.cute_missing
         assert "cuBLAS" in Gemm.describe(g) and why in Gemm.describe(g)

@@ -14,7 +14,7 @@ same gate results, Qwen3-4B batch 1 4.21 -> 3.66 ms/step.
 GEMM library (`use_cute`, default from $OPENINFER_GEMM, default "auto"; gpu_gemm.cute_rows): "auto"
 runs the bf16 products of at most 128 rows (decode batches) on the CuTe GEMM where kernels/cute is
 built, cuBLAS the rest; "cute" every bf16 product; "cublas" none. A CuTe product checked at start-up
-(Gemm.prepare_cute) must match a host reference, else cuBLAS serves; the startup log says which serves.
+(Gemm.prepare_cute) must match a float32 reference, else cuBLAS serves; the startup log says which serves.
 
 Decode graphs launch their kernels as programmatic dependent launches (kernels/raw_cuda/launch.py)
 unless $OPENINFER_PDL is "0". $OPENINFER_LAYER_RANGES=1 adds an NVTX range per decoder layer to

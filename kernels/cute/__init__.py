@@ -74,6 +74,19 @@ def init() -> None:
     _get_runner().init()
 
 
+def self_check(m: int = 3, n: int = 136, k: int = 264) -> None:
+    """One small planned product, plain and with the residual added in place, against float32
+    (``testing.gemm_check``); raises RuntimeError saying how it failed. For a user of the library
+    to run once at start-up, after ``init`` and ``reserve_workspace``."""
+    from .testing import gemm_check
+
+    for residual in ("", "inplace"):
+        check = gemm_check(_get_runner(), None, m, n, k, residual)
+        if not check.ok:
+            raise RuntimeError(f"{m}x{n}x{k} product{' + R' if residual else ''}: relative error "
+                               f"{check.err:.3g}, {check.unwritten} outputs unwritten {check.detail}".rstrip())
+
+
 def reserve_workspace(max_m: int, shapes) -> None:
     """Pre-size the split-K workspace so GEMMs of at most ``max_m`` rows with these ``(N, K)``
     weights can be graph-captured."""
