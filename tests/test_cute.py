@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kernels.cute.attention import ATTENTION_KERNELS
-from kernels.cute.configs import GEMM_VARIANTS, REDUCE_NAME, REDUCE_RESIDUAL_NAME, plan_gemm
+from kernels.cute.configs import GEMM_VARIANTS, REDUCE_NAME, REDUCE_RESIDUAL_NAME, plan_gemm, split_count
 from kernels.cute.gemm import (A_ROW_PAD, DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args,
                                readable_rows)
 from kernels.cute.moe import group_by_expert
@@ -492,3 +492,36 @@ def test_launcher_prefetches_weights_for_streams_only(monkeypatch):
             runner(a, w, out, stream=7, prefetch_weights=prefetch)
             name, args = lib.calls[-1]
             assert name == plan_gemm(m, n, k).variant.name and args[-1] == int(prefetch and streams)
+
+
+def test_partials_launch_only_the_split_gemm(monkeypatch):
+    """``GemmRunner.partials``: where the residual plan splits in K (4B o_proj at M = 8: four
+    splits), only the f32 GEMM runs, into the workspace, and the partials come back as
+    ``[S, M, N]`` float32 slices of M·N; where it does not split (qkv), nothing is launched."""
+    import types
+
+    from kernels.cute.gemm import GemmRunner
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda: types.SimpleNamespace(id=0),
+        runtime=types.SimpleNamespace(streamIsCapturing=lambda s: 0)))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    lib = _RecordingLibrary()
+    runner = GemmRunner(lib)
+    runner._workspace = types.SimpleNamespace(nbytes=1 << 30, data=types.SimpleNamespace(ptr=1 << 42))
+    m, n, k = 8, 2560, 4096
+    plan = plan_gemm(m, n, k, residual=True)
+    assert plan.splits > 1 and plan.variant.out == "f32"
+    a = DeviceTensor(1 << 30, (m, k), (k, 1))
+    part = runner.partials(a, DeviceTensor(1 << 40, (n, k), (k, 1)), stream=7, residual=True, prefetch_weights=True)
+    assert [name for name, _ in lib.calls] == [plan.variant.name]
+    _, (_, _, partial_arg, prefetch) = lib.calls[-1]
+    s = split_count(k, plan.splits)
+    assert part.shape == (s, m, n) and part.strides == (m * n, n, 1) and part.dtype == "float32"
+    assert part.ptr == partial_arg.data == 1 << 42 and partial_arg.shapes == (m, n, s) and prefetch == 1
+    assert plan_gemm(m, 6144, 2560, residual=True).splits == 1
+    assert runner.partials(DeviceTensor(1 << 30, (m, 2560), (2560, 1)),
+                           DeviceTensor(1 << 40, (6144, 2560), (2560, 1))) is None
+    assert len(lib.calls) == 1
+    with pytest.raises(ValueError, match="multiple of 8"):
+        runner.partials(DeviceTensor(1 << 30, (m, 100), (104, 1)), DeviceTensor(1 << 40, (n, 100), (104, 1)))

@@ -143,3 +143,46 @@ def test_executor_rejects_bad_steps_clearly():
     with pytest.raises(ValueError, match="token id"):
         ex.forward_logits(ModelBatch.build([SeqStep(0, [model.config.vocab_size], 0, [0], False)]))
     assert ex.forward_logits(ModelBatch.build([SeqStep(0, [1, 2], 0, [0], False)])).shape[0] == 2
+
+
+def test_norm_fused_into_the_residual_add_changes_nothing(case):
+    """The decoder's add_linear_norm: where an executor computes each RMSNorm with the residual add
+    before it (the GPU's split-K reduction kernel), the next layer's projections, the MLP and the
+    final norm take that norm and compute none of their own. Numpy ops that do so give the same
+    logits, bit for bit, as the plain composition, and no norm runs twice (each of the 2L + 1 norms
+    of a forward once: 2L of them inside the fused adds)."""
+    from engine.executor.cpu_ops import NumpyOps
+
+    model, prompts, _ = case
+
+    class CountingOps(NumpyOps):
+        fuse = False
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.norms = self.fused = 0
+
+        def rms_norm(self, x, weight, eps, residual=None):
+            self.norms += 1
+            return super().rms_norm(x, weight, eps, residual)
+
+        def add_linear_norm(self, x, weight, residual, norm_weight, eps, bias=None):
+            r = self.add_linear(x, weight, residual, bias)
+            if not self.fuse:
+                return r, None
+            self.fused += 1
+            return r, self.rms_norm(r, norm_weight, eps)[0]
+
+    runs = {}
+    for fuse in (False, True):
+        ex = new_executor(model)
+        ex.ops = CountingOps(ex.k_cache, ex.v_cache)
+        ex.ops.fuse = fuse
+        runs[fuse] = (engine_logits(ex, prompts[:2], prefill=3, chunks=2), ex.ops.norms, ex.ops.fused)
+    (plain, plain_norms, _), (fused, fused_norms, fused_adds) = runs[False], runs[True]
+    for a, b in zip(plain, fused):
+        np.testing.assert_array_equal(a, b)
+    layers = model.config.num_hidden_layers
+    assert fused_adds > 0 and fused_adds % (2 * layers) == 0
+    assert plain_norms == fused_norms      # every norm still runs once, 2L of them inside the fused adds
+    assert plain_norms == fused_adds // (2 * layers) * (2 * layers + 1)

@@ -161,3 +161,41 @@ def test_pdl_chain_in_graph_equals_plain_launches(cp, gemm, M):
         graph.launch(stream=s)
         s.synchronize()
         np.testing.assert_array_equal(r.get(), plain)
+
+
+@pytest.mark.parametrize("M,N,K,in_place", [(1, 2560, 4096, True), (3, 2560, 9728, False), (8, 4096, 4096, True),
+                                             (40, 256, 768, True), (100, 2560, 9728, True)])
+def test_splitk_rms_norm_residual_equals_reduce_then_norm(cp, M, N, K, in_place):
+    """The CuTe GEMM's split partials reduced with the residual add and the next RMSNorm in one
+    kernel (the decode layer's add_linear_norm) give the same bits as the split-K reduction into
+    the residual followed by rms_norm_residual, and the residual stream agrees with numpy."""
+    from engine.executor.gpu_ops import splitk_norm_threads
+    from kernels import cute
+
+    if not cute.available():
+        pytest.skip(f"CuTe kernels unavailable: {cute.available().reason}")
+    cute.init()
+    rng = np.random.default_rng(M * 7 + N + K)
+    x, w = case(rng, M, N, K)
+    res, nw, eps = bits(rng.standard_normal((M, N))), bits(1 + 0.1 * rng.standard_normal(N)), 1e-6
+    stream = cp.cuda.Stream(non_blocking=True)
+    dx, dw, dnw = dev(cp, x), dev(cp, w), dev(cp, nw)
+    cute.reserve_workspace(M, [(N, K)])
+    cp.cuda.Device().synchronize()
+    part = cute.gemm_partials(dx, dw, stream, residual=True, prefetch_weights=True)
+    assert part is not None and part.shape[1:] == (M, N) and part.shape[0] > 1
+    h_in = dev(cp, res)
+    h_out = h_in if in_place else poison(cp, (M, N))
+    normed = poison(cp, (M + 1, N))
+    kernel("rms_norm", "splitk_rms_norm_residual")(
+        (M,), (splitk_norm_threads(N),), (np.uint64(part.ptr), np.int32(part.shape[0]), np.int64(M * N), h_in, dnw, normed, h_out,
+                       np.int32(N), np.float32(eps)), stream=stream)
+    h_ref, normed_ref = dev(cp, res), poison(cp, (M, N))
+    cute.gemm(dx, dw, h_ref, stream, residual=h_ref)
+    kernel("rms_norm", "rms_norm_residual")((M,), (256,), (h_ref, np.uint64(0), dnw, normed_ref, h_ref, np.int32(N),
+                                                           np.float32(eps)), stream=stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(h_out.get(), h_ref.get())
+    np.testing.assert_array_equal(normed.get()[:M], normed_ref.get())
+    assert np.all(normed.get()[M] == 0x7FC1)
+    close(h_out.get(), matmul(f32(x), w) + f32(res))

@@ -36,6 +36,11 @@ FUSED_ROPE_MAX_CTAS = 2 * NUM_SMS   # larger decode grids run rope + attention a
                                     # wave repeats the fused prologue: slower at batch 32, bench/results/rope_attention.md)
 
 
+def splitk_norm_threads(hidden: int) -> int:
+    """Threads per row of rms_norm.cu's splitk_rms_norm_residual: one per 8 columns, whole warps."""
+    return min(1024, -(-hidden // 256) * 32)
+
+
 def attention_splits(num_tokens: int, num_kv_heads: int, max_context: int, max_splits: int = MAX_SPLITS) -> int:
     """KV splits per (token, KV head): enough blocks to fill the SMs twice, none shorter than one
     16-token block (a split walks its keys serially, so short contexts want many short splits:
@@ -125,6 +130,7 @@ class GpuOps(ComposedOps):
         cupy.cuda.runtime.memsetAsync(self.split_counters.data.ptr, 0, self.split_counters.nbytes, stream.ptr)
         self.k_embed = kernel("embedding", "embedding_gather")
         self.k_rms = kernel("rms_norm", "rms_norm_residual")
+        self.k_rms_splitk = kernel("rms_norm", "splitk_rms_norm_residual")
         self.k_rope = kernel("qk_norm_rope_cache", "qk_norm_rope_cache")
         self.k_silu = kernel("silu_mul", "silu_mul")
         self.k_bias = kernel("add_bias", "add_bias")
@@ -312,17 +318,17 @@ class GpuOps(ComposedOps):
 
     # ---- fused decode ops (gemv.cu), composed from the above where the GEMV does not serve ----
     @op_range
-    def norm_linear(self, x, norm_weight, eps, weight, bias=None):
-        if bias is not None or not self.gemm.gemv_serves(x, weight):
-            return super().norm_linear(x, norm_weight, eps, weight, bias)
+    def norm_linear(self, x, norm_weight, eps, weight, bias=None, normed=None):
+        if normed is not None or bias is not None or not self.gemm.gemv_serves(x, weight):
+            return super().norm_linear(x, norm_weight, eps, weight, bias, normed=normed)
         out = self._out(x.shape[0], weight.shape[0])
         self.gemm.gemv(x, weight, out, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
         return out
 
     @op_range
-    def norm_swiglu(self, x, norm_weight, eps, gate_up_weight):
-        if not self.gate_up_interleaved or not self.gemm.gemv_serves(x, gate_up_weight):
-            return super().norm_swiglu(x, norm_weight, eps, gate_up_weight)
+    def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None):
+        if normed is not None or not self.gate_up_interleaved or not self.gemm.gemv_serves(x, gate_up_weight):
+            return super().norm_swiglu(x, norm_weight, eps, gate_up_weight, normed=normed)
         out = self._out(x.shape[0], gate_up_weight.shape[0] // 2)
         self.gemm.gemv(x, gate_up_weight, out, "norm_silu", norm_w=norm_weight, eps=eps, pdl=self.pdl)
         return out
@@ -340,6 +346,22 @@ class GpuOps(ComposedOps):
                                              self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         self.gemm(x, weight, out, accumulate=True)  # cuBLAS beta = 1: the add in the product's epilogue
         return out
+
+    @op_range
+    def add_linear_norm(self, x, weight, residual, norm_weight, eps, bias=None):
+        """Where the CuTe GEMM's plan splits the product in K: the split GEMM, then one kernel that
+        reduces its partials, adds the residual and applies the RMSNorm after it
+        (rms_norm.cu splitk_rms_norm_residual); elsewhere add_linear, the norm left to the next op."""
+        partials = None if bias is not None or self.gemm.gemv_serves(x, weight) else self.gemm.cute_partials(x, weight)
+        if partials is None:
+            return self.add_linear(x, weight, residual, bias), None
+        T, N = x.shape[0], weight.shape[0]
+        out, normed = self._residual_out(T, N), self._out(T, N)
+        splits, _, _ = partials.shape
+        self._launch(self.k_rms_splitk, (T,), (splitk_norm_threads(N),),
+                     (np.uint64(partials.ptr), np.int32(splits), np.int64(T * N), residual, norm_weight, normed, out,
+                      np.int32(N), np.float32(eps)))
+        return out, normed
 
     def layer_scope(self, layer: int):
         """An NVTX range "layer i" when layer_ranges is on (eager steps: a captured graph replays

@@ -68,36 +68,46 @@ def model_weight_specs(cfg: ModelConfig, opt: LayerOptions) -> list[WeightSpec]:
     return specs
 
 
-def attention_block(ops: Ops, w: dict[str, Array], residual: Array, spec: AttentionSpec, ctx: Any,
-                    opt: LayerOptions, eps: float) -> Array:
-    """residual + o_proj(attention(rope(qkv_proj(rmsnorm(residual))))), with KV written to the paged cache."""
+def attention_block(ops: Ops, w: dict[str, Array], residual: Array, normed: Array | None, spec: AttentionSpec,
+                    ctx: Any, opt: LayerOptions, eps: float) -> tuple[Array, Array | None]:
+    """residual + o_proj(attention(rope(qkv_proj(rmsnorm(residual))))), with KV written to the paged cache;
+    ``normed``: rmsnorm(residual) where the op before computed it. Returns the new residual and, where
+    one kernel did it with the add, its post-attention norm."""
     i = spec.layer
     qkv = ops.norm_linear(residual, w[f"layers.{i}.input_layernorm"], eps, w[f"layers.{i}.qkv_proj"],
-                          w.get(f"layers.{i}.qkv_bias"))
+                          w.get(f"layers.{i}.qkv_bias"), normed=normed)
     o = ops.rope_attention(qkv, spec, ctx,
                            q_norm=w[f"layers.{i}.q_norm"] if opt.qk_norm else None,
                            k_norm=w[f"layers.{i}.k_norm"] if opt.qk_norm else None)
-    return ops.add_linear(o, w[f"layers.{i}.o_proj"], residual, w.get(f"layers.{i}.o_bias"))
+    return ops.add_linear_norm(o, w[f"layers.{i}.o_proj"], residual, w[f"layers.{i}.post_attention_layernorm"], eps,
+                               w.get(f"layers.{i}.o_bias"))
 
 
-def mlp_block(ops: Ops, w: dict[str, Array], residual: Array, i: int, eps: float) -> Array:
-    """residual + down_proj(silu(gate) * up), gate and up from one GEMM of rmsnorm(residual)."""
-    act = ops.norm_swiglu(residual, w[f"layers.{i}.post_attention_layernorm"], eps, w[f"layers.{i}.gate_up_proj"])
-    return ops.add_linear(act, w[f"layers.{i}.down_proj"], residual)
+def mlp_block(ops: Ops, w: dict[str, Array], residual: Array, normed: Array | None, i: int, eps: float,
+              next_norm: Array) -> tuple[Array, Array | None]:
+    """residual + down_proj(silu(gate) * up), gate and up from one GEMM of rmsnorm(residual) (``normed``
+    where already computed). Returns the new residual and, where one kernel did it with the add, its
+    norm by ``next_norm`` (the next layer's input norm, or the final one)."""
+    act = ops.norm_swiglu(residual, w[f"layers.{i}.post_attention_layernorm"], eps, w[f"layers.{i}.gate_up_proj"],
+                          normed=normed)
+    return ops.add_linear_norm(act, w[f"layers.{i}.down_proj"], residual, next_norm, eps)
 
 
 def decoder_stack(ops: Ops, w: dict[str, Array], ctx: Any, cfg: ModelConfig,
                   specs: list[AttentionSpec], opt: LayerOptions) -> Array:
     """Pre-norm decoder layers over the residual stream (each RMSNorm fused into the linear layer after
-    it, each residual add into the one before it); returns the final-normed hidden [T, H]."""
+    it or into the residual add before it, each residual add into the one before it); returns the
+    final-normed hidden [T, H]."""
     eps = cfg.rms_norm_eps
-    residual = ops.embed(w["embed_tokens"], ctx)
-    for spec in specs:
+    residual, normed = ops.embed(w["embed_tokens"], ctx), None
+    for n, spec in enumerate(specs):
+        next_norm = w[f"layers.{specs[n + 1].layer}.input_layernorm"] if n + 1 < len(specs) else w["norm"]
         with ops.layer_scope(spec.layer):
-            residual = attention_block(ops, w, residual, spec, ctx, opt, eps)
-            residual = mlp_block(ops, w, residual, spec.layer, eps)
-    h, _ = ops.rms_norm(residual, w["norm"], eps)
-    return h
+            residual, normed = attention_block(ops, w, residual, normed, spec, ctx, opt, eps)
+            residual, normed = mlp_block(ops, w, residual, normed, spec.layer, eps, next_norm)
+    if normed is None:
+        normed, _ = ops.rms_norm(residual, w["norm"], eps)
+    return normed
 
 
 def lm_head_weight(cfg: ModelConfig, w: dict[str, Array]) -> Array:

@@ -58,18 +58,26 @@ class Ops(Protocol):
     # Fused ops (ComposedOps composes them from the ops above; an executor overrides them where one
     # kernel does it, e.g. the GPU's decode GEMV and decode attention).
     def norm_linear(self, x: Array, norm_weight: Array, eps: float, weight: Array,
-                    bias: Array | None = None) -> Array:
-        """linear(rmsnorm(x) * norm_weight, weight, bias)."""
+                    bias: Array | None = None, normed: Array | None = None) -> Array:
+        """linear(rmsnorm(x) * norm_weight, weight, bias); ``normed``: that norm, already computed
+        (by add_linear_norm)."""
 
     def add_linear(self, x: Array, weight: Array, residual: Array, bias: Array | None = None) -> Array:
         """residual + linear(x, weight, bias): the new residual stream (may reuse residual's memory)."""
+
+    def add_linear_norm(self, x: Array, weight: Array, residual: Array, norm_weight: Array, eps: float,
+                        bias: Array | None = None) -> tuple[Array, Array | None]:
+        """(r, rmsnorm(r) * norm_weight) with r = add_linear(x, weight, residual, bias), where one
+        kernel can do the norm with the add; else (r, None), the norm left to the next op."""
 
     def rope_attention(self, qkv: Array, spec: AttentionSpec, ctx: Any,
                        q_norm: Array | None = None, k_norm: Array | None = None) -> Array:
         """attention(qkv_rope_cache(qkv, ...), spec, ctx): o[T, Hq·D], with k and v written to the cache."""
 
-    def norm_swiglu(self, x: Array, norm_weight: Array, eps: float, gate_up_weight: Array) -> Array:
-        """silu_mul(norm_linear(x, norm_weight, eps, gate_up_weight)): the MLP activation [T, I]."""
+    def norm_swiglu(self, x: Array, norm_weight: Array, eps: float, gate_up_weight: Array,
+                    normed: Array | None = None) -> Array:
+        """silu_mul(norm_linear(x, norm_weight, eps, gate_up_weight, normed=normed)): the MLP
+        activation [T, I]."""
 
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         """Brackets one decoder layer's ops (an NVTX range on the GPU)."""
@@ -79,18 +87,22 @@ class ComposedOps:
     """The fused ops of Ops written as their parts; an executor's ops class derives from this and
     overrides what it fuses."""
 
-    def norm_linear(self, x, norm_weight, eps, weight, bias=None):
-        h, _ = self.rms_norm(x, norm_weight, eps)
-        return self.linear(h, weight, bias)
+    def norm_linear(self, x, norm_weight, eps, weight, bias=None, normed=None):
+        if normed is None:
+            normed, _ = self.rms_norm(x, norm_weight, eps)
+        return self.linear(normed, weight, bias)
 
     def add_linear(self, x, weight, residual, bias=None):
         return self.add(self.linear(x, weight, bias), residual)
 
+    def add_linear_norm(self, x, weight, residual, norm_weight, eps, bias=None):
+        return self.add_linear(x, weight, residual, bias), None
+
     def rope_attention(self, qkv, spec, ctx, q_norm=None, k_norm=None):
         return self.attention(self.qkv_rope_cache(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm), spec, ctx)
 
-    def norm_swiglu(self, x, norm_weight, eps, gate_up_weight):
-        return self.silu_mul(self.norm_linear(x, norm_weight, eps, gate_up_weight))
+    def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None):
+        return self.silu_mul(self.norm_linear(x, norm_weight, eps, gate_up_weight, normed=normed))
 
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

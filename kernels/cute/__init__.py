@@ -28,7 +28,7 @@ from .gemm import DeviceTensor, GemmRunner
 from .gemm import grouped_gemm as _grouped_gemm
 from .moe import ExpertGroups, group_by_expert
 
-__all__ = ["available", "init", "gemm", "grouped_gemm", "group_by_expert", "ExpertGroups",
+__all__ = ["available", "init", "gemm", "gemm_partials", "grouped_gemm", "group_by_expert", "ExpertGroups",
            "varlen_attention", "attention_work", "reserve_workspace", "DeviceTensor"]
 
 _runner: GemmRunner | None = None
@@ -101,6 +101,13 @@ def gemm(a, b, out, stream=None, residual=None, prefetch_weights: bool = False) 
     allocation (the engine's arena), its rows past M are read to whole tiles, which is faster than
     the TMA's zero fill; they affect no stored output."""
     _get_runner()(a, b, out, stream, residual=residual, prefetch_weights=prefetch_weights)
+
+
+def gemm_partials(a, b, stream=None, residual: bool = False, prefetch_weights: bool = False) -> DeviceTensor | None:
+    """Where the planned ``a · bᵀ`` splits in K (``residual``: the plan of ``out += a · bᵀ``), launch only
+    its GEMM and return the float32 partial sums ``[S, M, N]`` for the caller's own reduction (valid
+    until the next split product); None where it does not split (nothing launched)."""
+    return _get_runner().partials(a, b, stream, residual=residual, prefetch_weights=prefetch_weights)
 
 
 def grouped_gemm(a, w, tile_expert, out, stream=None, prefetch_weights: bool = False) -> None:

@@ -171,8 +171,6 @@ class GemmRunner:
         allocation, ``readable_rows``)."""
         a, b, out = as_device_tensor(a, "a", reach=True), as_device_tensor(b, "b"), as_device_tensor(out, "out")
         m, n, k = check_gemm_args(a, b, out)
-        if a_rows is not None and a_rows < m:
-            raise ValueError(f"a_rows={a_rows} is less than M={m}")
         if residual is not None:
             residual = as_device_tensor(residual, "residual")
             _check_matrix(residual, "residual", m, n, "bfloat16")
@@ -180,32 +178,65 @@ class GemmRunner:
         if residual is not None and plan.variant.out == "bf16" and not plan.variant.residual:
             plan = GemmPlan(VARIANTS_BY_NAME[replace(plan.variant, residual=True).name], plan.splits)
         stream_ptr = _stream_ptr(stream)
-        b_early = int(prefetch_weights and takes_weight_prefetch(plan.variant, m))
-        import cupy
-
-        self.ensure_loaded()
-        lda, ldb, ldo = _row_stride(a), _row_stride(b), _row_stride(out)
-        a_rows = a_rows or readable_rows(a, m, k, lda)
-        a_arg = TensorArg(a.ptr, (a_rows, k, 1), (lda, lda * a_rows))
-        b_arg = TensorArg(b.ptr, (n, k, 1), (ldb, ldb * n))
+        a_arg, b_arg, b_early = self._operands(a, b, m, n, k, plan, a_rows, prefetch_weights)
         s = split_count(k, plan.splits)
         if s == 1 and plan.variant.out == "bf16":
+            ldo = _row_stride(out)
             extra = () if residual is None else (
                 TensorArg(residual.ptr, (m, n, 1), (_row_stride(residual), _row_stride(residual) * m)),)
             self.library[plan.variant.name](a_arg, b_arg, TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)), *extra,
                                             b_early, stream=stream_ptr)
             return
-        if plan.variant.out != "f32":
-            raise ValueError(f"split-K needs a float32-output variant, got {plan.variant.name}")
-        capturing = cupy.cuda.runtime.streamIsCapturing(stream_ptr) != 0
-        partial = TensorArg(self._ensure_workspace(s * m * n * 4, capturing), (m, n, s), (n, m * n))
-        self.library[plan.variant.name](a_arg, b_arg, partial, b_early, stream=stream_ptr)
+        partial = self._split_product(a_arg, b_arg, b_early, plan, m, n, s, stream_ptr)
+        ldo = _row_stride(out)
         if residual is None:
             self.library[REDUCE_NAME](partial, TensorArg(out.ptr, (m, n), (ldo,)), stream=stream_ptr)
         else:
             self.library[REDUCE_RESIDUAL_NAME](partial, TensorArg(out.ptr, (m, n), (ldo,)),
                                                TensorArg(residual.ptr, (m, n), (_row_stride(residual),)),
                                                stream=stream_ptr)
+
+    def partials(self, a, b, stream=None, residual: bool = False, prefetch_weights: bool = False,
+                 a_rows: int | None = None) -> DeviceTensor | None:
+        """Where the planned product ``a · bᵀ`` (with ``residual``: the plan of ``out += a · bᵀ``) is
+        split in K: launch only its GEMM and return the float32 partial sums, ``[S, M, N]`` (the
+        workspace: valid until the next split product), for a kernel of the caller's to reduce
+        (e.g. with a residual add and the RMSNorm after it). None where the plan does not split
+        (nothing launched: call the GemmRunner itself)."""
+        a, b = as_device_tensor(a, "a", reach=True), as_device_tensor(b, "b")
+        rows, cols = (a.shape or (0,))[0], (b.shape or (0,))[0]
+        m, n, k = check_gemm_args(a, b, DeviceTensor(0, (rows, cols), (max(8, -(-cols // 8) * 8), 1)))  # no out
+        plan = plan_gemm(m, n, k, residual=residual)
+        s = split_count(k, plan.splits)
+        if s == 1 or plan.variant.out != "f32":
+            return None
+        a_arg, b_arg, b_early = self._operands(a, b, m, n, k, plan, a_rows, prefetch_weights)
+        partial = self._split_product(a_arg, b_arg, b_early, plan, m, n, s, _stream_ptr(stream))
+        return DeviceTensor(partial.data, (s, m, n), (m * n, n, 1), "float32", s * m * n * 4)
+
+    def _operands(self, a: DeviceTensor, b: DeviceTensor, m: int, n: int, k: int, plan: GemmPlan,
+                  a_rows: int | None, prefetch_weights: bool) -> tuple[TensorArg, TensorArg, int]:
+        """A's and B's ``(rows, K, 1)`` views and the ``b_early`` flag of one launch."""
+        if a_rows is not None and a_rows < m:
+            raise ValueError(f"a_rows={a_rows} is less than M={m}")
+        self.ensure_loaded()
+        lda, ldb = _row_stride(a), _row_stride(b)
+        a_rows = a_rows or readable_rows(a, m, k, lda)
+        b_early = int(prefetch_weights and takes_weight_prefetch(plan.variant, m))
+        return (TensorArg(a.ptr, (a_rows, k, 1), (lda, lda * a_rows)), TensorArg(b.ptr, (n, k, 1), (ldb, ldb * n)),
+                b_early)
+
+    def _split_product(self, a_arg: TensorArg, b_arg: TensorArg, b_early: int, plan: GemmPlan, m: int, n: int,
+                       s: int, stream_ptr: int) -> TensorArg:
+        """The split-K GEMM into the workspace: ``(M, N, S)`` float32 partial sums."""
+        import cupy
+
+        if plan.variant.out != "f32":
+            raise ValueError(f"split-K needs a float32-output variant, got {plan.variant.name}")
+        capturing = cupy.cuda.runtime.streamIsCapturing(stream_ptr) != 0
+        partial = TensorArg(self._ensure_workspace(s * m * n * 4, capturing), (m, n, s), (n, m * n))
+        self.library[plan.variant.name](a_arg, b_arg, partial, b_early, stream=stream_ptr)
+        return partial
 
 
 def split_workspace_bytes(max_m: int, shapes: Iterable[tuple[int, int]]) -> int:
