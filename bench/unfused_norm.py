@@ -4,11 +4,14 @@ rms_norm launch follows. For A/B timing against the default, e.g.
 
     python3 bench/unfused_norm.py bench/decode.py --models qwen3-4b --batches 8,32 --kernels all
 """
+import os
 import runpy
 import sys
 
-from engine.executor.gpu_ops import GpuOps
-from engine.models.ops import ComposedOps
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.executor.gpu_ops import GpuOps  # noqa: E402
+from engine.models.ops import ComposedOps  # noqa: E402
 
 GpuOps.add_linear_norm = ComposedOps.add_linear_norm
 sys.argv = sys.argv[1:]
