@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.kernels import (QWEN_SHAPES, ROTATE_BYTES, copy_bandwidth_gbs, gpu_info, graph_time_us,  # noqa: E402
-                           torch_graph_us)
+                           torch_graph_us, write_report)
 from kernels.cute.gemm import A_ROW_PAD  # noqa: E402
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -109,9 +109,7 @@ def main() -> int:
             print(lines[-1], flush=True)
             layers = None  # freed before the pool is emptied
             cp.get_default_memory_pool().free_all_blocks()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gemm_chain.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "gemm_chain.md", lines)
     return 0
 
 

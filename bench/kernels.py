@@ -170,6 +170,13 @@ class _Operands:
                                                       prefetch_weights=prefetch_weights), self.sets, what)
 
 
+def write_report(out: Path, name: str, lines: list[str]) -> None:
+    """Write a report's lines to ``out/name`` and print them."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def copy_bandwidth_gbs() -> float:
     """Device-to-device copy bandwidth of 1 GiB (read + write), GB/s."""
     import cupy as cp

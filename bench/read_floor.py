@@ -23,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.kernels import QWEN_SHAPES, ROTATE_BYTES, copy_bandwidth_gbs, gpu_info, graph_time_us  # noqa: E402
+from bench.kernels import (QWEN_SHAPES, ROTATE_BYTES, copy_bandwidth_gbs, gpu_info, graph_time_us,  # noqa: E402
+                           write_report)
 
 READ_SOURCE = r"""
 extern "C" __global__ void read_stream(const uint4* __restrict__ src, long long n16, unsigned* __restrict__ out,
@@ -87,9 +88,7 @@ def main() -> int:
         lines.append(f"| {nbytes / 1e6:.1f} | {names.get(nbytes, '')} | {serial:.1f} | {share[0]:.0f} | "
                      f"{early:.1f} | {share[1]:.0f} |")
         print(lines[-1], flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "read_floor.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "read_floor.md", lines)
     return 0
 
 

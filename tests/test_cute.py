@@ -466,10 +466,10 @@ def test_launcher_describes_a_to_whole_tiles_and_the_output_to_m(monkeypatch):
         runner(a, w, out, stream=7, a_rows=m - 1)
 
 
-def test_launcher_prefetches_weights_for_streams_only(monkeypatch):
-    """``prefetch_weights`` sets the kernels' b_early flag for the weight streams (64-row tiles, and
-    one row of 128-row tiles at M <= 128) and nowhere else: on 128-row tiles at larger M and on
-    192-row tiles it was measured slower."""
+@pytest.fixture
+def recording_runner(monkeypatch):
+    """A GemmRunner over a _RecordingLibrary, with a stand-in CuPy (not capturing) and a 1 GiB
+    stand-in workspace at address 1 << 42."""
     import types
 
     from kernels.cute.gemm import GemmRunner
@@ -478,9 +478,16 @@ def test_launcher_prefetches_weights_for_streams_only(monkeypatch):
         Device=lambda: types.SimpleNamespace(id=0),
         runtime=types.SimpleNamespace(streamIsCapturing=lambda s: 0)))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    lib = _RecordingLibrary()
-    runner = GemmRunner(lib)
+    runner = GemmRunner(_RecordingLibrary())
     runner._workspace = types.SimpleNamespace(nbytes=1 << 30, data=types.SimpleNamespace(ptr=1 << 42))
+    return runner, runner.library
+
+
+def test_launcher_prefetches_weights_for_streams_only(recording_runner):
+    """``prefetch_weights`` sets the kernels' b_early flag for the weight streams (64-row tiles, and
+    one row of 128-row tiles at M <= 128) and nowhere else: on 128-row tiles at larger M and on
+    192-row tiles it was measured slower."""
+    runner, lib = recording_runner
     n, k = 6144, 2560
     w = DeviceTensor(1 << 40, (n, k), (k, 1))
     for m, streams in ((1, True), (64, True), (96, True), (160, False), (512, False)):
@@ -494,21 +501,11 @@ def test_launcher_prefetches_weights_for_streams_only(monkeypatch):
             assert name == plan_gemm(m, n, k).variant.name and args[-1] == int(prefetch and streams)
 
 
-def test_partials_launch_only_the_split_gemm(monkeypatch):
+def test_partials_launch_only_the_split_gemm(recording_runner):
     """``GemmRunner.partials``: where the residual plan splits in K (4B o_proj at M = 8: four
     splits), only the f32 GEMM runs, into the workspace, and the partials come back as
     ``[S, M, N]`` float32 slices of M·N; where it does not split (qkv), nothing is launched."""
-    import types
-
-    from kernels.cute.gemm import GemmRunner
-
-    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
-        Device=lambda: types.SimpleNamespace(id=0),
-        runtime=types.SimpleNamespace(streamIsCapturing=lambda s: 0)))
-    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
-    lib = _RecordingLibrary()
-    runner = GemmRunner(lib)
-    runner._workspace = types.SimpleNamespace(nbytes=1 << 30, data=types.SimpleNamespace(ptr=1 << 42))
+    runner, lib = recording_runner
     m, n, k = 8, 2560, 4096
     plan = plan_gemm(m, n, k, residual=True)
     assert plan.splits > 1 and plan.variant.out == "f32"

@@ -11,8 +11,11 @@ the residual add after it and the SiLU·up after gate_up run inside the GEMV (no
 norm_swiglu; the executor stores gate_up interleaved for that), and on decode-only steps q/k norm +
 rope + KV write run inside the decode attention kernel (rope_attention): a Qwen3 layer is 5 kernels
 (qkv GEMV, rope + attention, o_proj GEMV, gate_up GEMV + SiLU·up, down GEMV). Larger steps compose
-them from the separate kernels, except the residual add of o_proj / down_proj, which cuBLAS does in
-its epilogue (beta = 1 into the residual buffer, add_linear). With `pdl` on (CUDA-graph decode),
+them from the separate kernels, except the residual add of o_proj / down_proj, which the GEMM does in
+its epilogue (cuBLAS beta = 1 into the residual buffer, or the CuTe GEMM's residual epilogue:
+add_linear), and where the CuTe GEMM's plan splits that product in K, one kernel reduces its partials,
+adds the residual and writes the RMSNorm of the next projection (add_linear_norm, rms_norm.cu
+splitk_rms_norm_residual). With `pdl` on (CUDA-graph decode),
 every kernel is a programmatic dependent launch (kernels/raw_cuda/launch.py).
 """
 from __future__ import annotations
