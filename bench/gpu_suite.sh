@@ -3,9 +3,9 @@
 #   bash bench/gpu_suite.sh [pytest args...]
 # Installs carried wheels (.whl: sanic & co, see /work/shared/device/gather-wheels.sh) when present,
 # points the tiny test models at a carried tokenizer (.gpu_assets/qwen-tokenizer) when present,
-# runs the raw-kernel (fused decode kernels included), sampler, executor-gate (tiny models + real-shape Qwen3-4B with random bf16
-# weights) and GPU-server tests (extra pytest args, e.g. tests/test_cute_gpu.py, are added), and prints
-# the gate table. Logs go to $OUT (default bench/out).
+# runs the raw-kernel (the fused decode kernels included), sampler, executor-gate (tiny models +
+# real-shape Qwen3-4B with random bf16 weights) and GPU-server tests (extra pytest args, e.g.
+# tests/test_cute_gpu.py, are added), and prints the gate table. Logs go to $OUT (default bench/out).
 set -uo pipefail
 source bench/gpu_env.sh
 export OPENINFER_GATE_LOG=$OUT/gate.jsonl OPENINFER_GATE_4B=${OPENINFER_GATE_4B:-1}
