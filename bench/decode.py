@@ -235,7 +235,7 @@ def report(results: list[dict], bw: float, out: str) -> str:
         for r in res["rows"]:
             hf = f"{r['hf_ms_per_step']:.2f}" if r["hf_ms_per_step"] else "-"
             lines.append(f"| {res['model']} | {(r['kernels'] or 'none').replace('|', ' ')} | {r['batch']} | {r['ms_per_step']:.3f} | "
-                         f"{r.get('device_ms', float('nan')):.3f} | {r['tokens_per_s']:.0f} | {r['roofline_ms']:.3f} | {r['roofline_fraction']:.2f} | "
+                         f"{r['device_ms']:.3f} | {r['tokens_per_s']:.0f} | {r['roofline_ms']:.3f} | {r['roofline_fraction']:.2f} | "
                          f"{r['host_ms']:.3f} | {r['host_fraction']:.2f} | {r['first_step_same']:.2f} | {hf} |")
     for res in results:
         for ks, table in res["breakdown"].items():

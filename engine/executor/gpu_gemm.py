@@ -188,11 +188,11 @@ class Gemm:
             with self.stream:           # CuPy binds the handle to its current stream at each call
                 self._cublas.gemmEx(self.handle, *args)
 
-    def cute_partials(self, x, w):
-        """For ``out += x · wᵀ`` on the CuTe GEMM where its plan splits in K: launch the split GEMM
-        alone and return its float32 partials ``[S, T, N]`` (kernels.cute.DeviceTensor) for a fused
-        reduction; None where CuTe does not take the product or its plan does not split."""
-        if not self.cute_serves(x.shape[0], np.empty(0, np.uint16)) or w.shape[1] != x.shape[1]:
+    def cute_partials(self, x, w, residual):
+        """For ``residual += x · wᵀ`` on the CuTe GEMM where its plan splits in K: launch the split
+        GEMM alone and return its float32 partials ``[S, T, N]`` (kernels.cute.DeviceTensor) for a
+        fused reduction; None where CuTe does not take the product or its plan does not split."""
+        if not self.cute_serves(x.shape[0], residual):
             return None
         return self.cute.gemm_partials(x, w, self.stream, residual=True, prefetch_weights=True)
 

@@ -355,7 +355,8 @@ class GpuOps(ComposedOps):
         """Where the CuTe GEMM's plan splits the product in K: the split GEMM, then one kernel that
         reduces its partials, adds the residual and applies the RMSNorm after it
         (rms_norm.cu splitk_rms_norm_residual); elsewhere add_linear, the norm left to the next op."""
-        partials = None if bias is not None or self.gemm.gemv_serves(x, weight) else self.gemm.cute_partials(x, weight)
+        fusable = bias is None and not self.gemm.gemv_serves(x, weight)
+        partials = self.gemm.cute_partials(x, weight, residual) if fusable else None
         if partials is None:
             return self.add_linear(x, weight, residual, bias), None
         T, N = x.shape[0], weight.shape[0]

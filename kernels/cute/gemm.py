@@ -100,9 +100,9 @@ def _check_matrix(t: DeviceTensor, what: str, rows: int, cols: int, dtype: str) 
         raise ValueError(f"{what} address {t.ptr:#x} is not 16-byte aligned")
 
 
-def check_gemm_args(a: DeviceTensor, b: DeviceTensor, out: DeviceTensor) -> tuple[int, int, int]:
-    """Validate shapes, dtypes and alignment; return (M, N, K)."""
-    for t, what in ((a, "a"), (b, "b"), (out, "out")):
+def check_gemm_args(a: DeviceTensor, b: DeviceTensor, out: DeviceTensor | None = None) -> tuple[int, int, int]:
+    """Validate shapes, dtypes and alignment (of ``out`` too where given); return (M, N, K)."""
+    for t, what in ((a, "a"), (b, "b")) + (() if out is None else ((out, "out"),)):
         if len(t.shape) != 2:
             raise ValueError(f"{what} must be 2-D, got shape {t.shape}")
     (m, k), n = a.shape, b.shape[0]
@@ -114,7 +114,8 @@ def check_gemm_args(a: DeviceTensor, b: DeviceTensor, out: DeviceTensor) -> tupl
         raise ValueError(f"N={n} must be a multiple of 8")
     _check_matrix(a, "a", m, k, "bfloat16")
     _check_matrix(b, "b", n, k, "bfloat16")
-    _check_matrix(out, "out", m, n, "bfloat16")
+    if out is not None:
+        _check_matrix(out, "out", m, n, "bfloat16")
     return m, n, k
 
 
@@ -179,16 +180,14 @@ class GemmRunner:
             plan = GemmPlan(VARIANTS_BY_NAME[replace(plan.variant, residual=True).name], plan.splits)
         stream_ptr = _stream_ptr(stream)
         a_arg, b_arg, b_early = self._operands(a, b, m, n, k, plan, a_rows, prefetch_weights)
-        s = split_count(k, plan.splits)
+        s, ldo = split_count(k, plan.splits), _row_stride(out)
         if s == 1 and plan.variant.out == "bf16":
-            ldo = _row_stride(out)
             extra = () if residual is None else (
                 TensorArg(residual.ptr, (m, n, 1), (_row_stride(residual), _row_stride(residual) * m)),)
             self.library[plan.variant.name](a_arg, b_arg, TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)), *extra,
                                             b_early, stream=stream_ptr)
             return
         partial = self._split_product(a_arg, b_arg, b_early, plan, m, n, s, stream_ptr)
-        ldo = _row_stride(out)
         if residual is None:
             self.library[REDUCE_NAME](partial, TensorArg(out.ptr, (m, n), (ldo,)), stream=stream_ptr)
         else:
@@ -204,8 +203,7 @@ class GemmRunner:
         (e.g. with a residual add and the RMSNorm after it). None where the plan does not split
         (nothing launched: call the GemmRunner itself)."""
         a, b = as_device_tensor(a, "a", reach=True), as_device_tensor(b, "b")
-        rows, cols = (a.shape or (0,))[0], (b.shape or (0,))[0]
-        m, n, k = check_gemm_args(a, b, DeviceTensor(0, (rows, cols), (max(8, -(-cols // 8) * 8), 1)))  # no out
+        m, n, k = check_gemm_args(a, b)
         plan = plan_gemm(m, n, k, residual=residual)
         s = split_count(k, plan.splits)
         if s == 1 or plan.variant.out != "f32":
