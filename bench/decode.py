@@ -5,7 +5,8 @@ steps, batch 1 / 8 / 32 / 128 / 256, CUDA-graph decode.
 Per (model, batch): ms per step (wall, including the one sync per step), tokens/s, the HBM roofline
 time (weight + KV bytes read per step / the device-copy bandwidth measured in the same run, read +
 write bytes counted), its fraction, the Python host time per step (batch build + launch) and the step
-less it (the median per step: the GPU's share, the steadier number for A/B between processes). The
+less it (the median per step: the GPU's share, steadier between processes than the wall time), and
+the GPU time of the batch's captured graph replayed back to back with no host work (the A/B number). The
 same run times HF transformers (bf16, no compile, same weights) as the peer, and a per-op breakdown
 of one eager batch-1 step (CUDA events around each op) with each op's weight-read roofline.
 
@@ -118,10 +119,34 @@ def run_batch(ex, cfg, batch: int, prompt: int, steps: int, bw: float, weight_by
     # (the GPU host's Python time per step varied 0.11-0.86 ms between identical runs, 2026-12-01)
     device_ms = float(np.median([st - h for st, h in zip(step_s, host_s)]) * 1e3)
     return dict(batch=batch, first_tokens=first_tokens, ms_per_step=ms, device_ms=device_ms,
+                graph_ms=graph_replay_ms(ex, batch),
                 tokens_per_s=batch / ms * 1e3,
                 roofline_ms=floor_ms,
                 roofline_fraction=floor_ms / ms, host_ms=float(np.median(host_s) * 1e3),
                 host_fraction=float(np.median(host_s)) / float(np.median(step_s)))
+
+
+def graph_replay_ms(ex, batch: int, replays: int = 20) -> float:
+    """GPU time of the batch's captured greedy decode graph: the last step's graph replayed back to
+    back with no host work between (the same inputs each time), ms per replay; NaN without graphs."""
+    import cupy
+
+    graphs = getattr(ex.graphs, "graphs", {}) if ex.graphs is not None else {}
+    bucket = ex.graphs.bucket(batch) if graphs else None
+    if bucket not in graphs:
+        return float("nan")
+    graph, stream = graphs[bucket][0], ex.stream
+    graph.launch(stream=stream)
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(5):
+        start.record(stream)
+        for _ in range(replays):
+            graph.launch(stream=stream)
+        end.record(stream)
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / replays)
+    return float(np.median(times))
 
 
 def op_breakdown(ex, cfg, bw: float) -> list[dict]:
@@ -228,14 +253,14 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
 
 def report(results: list[dict], bw: float, out: str) -> str:
     lines = [f"device-copy bandwidth (read + write): {bw / 1e12:.2f} TB/s", "",
-             "| model | kernels | batch | ms/step | less host ms | tokens/s | roofline ms | roofline fraction | "
-             "host ms/step | host/step | first 4 tokens same | HF bf16 ms/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | kernels | batch | ms/step | less host ms | graph replay ms | tokens/s | roofline ms | "
+             "roofline fraction | host ms/step | host/step | first 4 tokens same | HF bf16 ms/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for r in res["rows"]:
             hf = f"{r['hf_ms_per_step']:.2f}" if r["hf_ms_per_step"] else "-"
             lines.append(f"| {res['model']} | {(r['kernels'] or 'none').replace('|', ' ')} | {r['batch']} | {r['ms_per_step']:.3f} | "
-                         f"{r['device_ms']:.3f} | {r['tokens_per_s']:.0f} | {r['roofline_ms']:.3f} | {r['roofline_fraction']:.2f} | "
+                         f"{r['device_ms']:.3f} | {r.get('graph_ms', float('nan')):.3f} | {r['tokens_per_s']:.0f} | {r['roofline_ms']:.3f} | {r['roofline_fraction']:.2f} | "
                          f"{r['host_ms']:.3f} | {r['host_fraction']:.2f} | {r['first_step_same']:.2f} | {hf} |")
     for res in results:
         for ks, table in res["breakdown"].items():

@@ -132,3 +132,45 @@ def test_partials_launch_only_the_split_gemm(recording_runner):
     assert len(lib.calls) == 1
     with pytest.raises(ValueError, match="multiple of 8"):
         runner.partials(DeviceTensor(1 << 30, (m, 100), (104, 1)), DeviceTensor(1 << 40, (n, 100), (104, 1)))
+
+
+def test_swiglu_launches_the_silu_twin_or_nothing(recording_runner):
+    """``GemmRunner.swiglu``: 4B gate_up at M = 8 runs the SiLU·up twin of its planned tile, the
+    output described as [M, N/2]; a shape whose plan has no twin (N = 3072 at M = 8: 64x48 tiles)
+    launches nothing and says so; a wrong output shape or an N that is not a multiple of 16 is refused."""
+    from kernels.cute.configs import silu_twin
+
+    runner, lib = recording_runner
+    m, n, k = 8, 19456, 2560
+    a, w = DeviceTensor(1 << 30, (m, k), (k, 1)), DeviceTensor(1 << 40, (n, k), (k, 1))
+    assert runner.swiglu(a, w, DeviceTensor(1 << 41, (m, n // 2), (n // 2, 1)), stream=7, prefetch_weights=True)
+    name, (_, b_arg, out_arg, prefetch) = lib.calls[-1]
+    plan = plan_gemm(m, n, k)
+    assert name == silu_twin(plan).name == "gemm_bf16_64x160_c1x1_ws_silu_a16"  # M <= 16: the 16-row A tile
+    assert out_arg.shapes == (m, n // 2, 1) and b_arg.shapes == (n, k, 1) and prefetch == 1
+    assert silu_twin(plan_gemm(m, 3072, 576)) is None
+    assert not runner.swiglu(DeviceTensor(1 << 30, (m, 576), (576, 1)), DeviceTensor(1 << 40, (3072, 576), (576, 1)),
+                             DeviceTensor(1 << 41, (m, 1536), (1536, 1)))
+    assert len(lib.calls) == 1
+    with pytest.raises(ValueError, match=r"shape \(8, 19456\), expected \(8, 9728\)"):
+        runner.swiglu(a, w, DeviceTensor(1 << 41, (m, n), (n, 1)))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        runner.swiglu(a, DeviceTensor(1 << 40, (n - 8, k), (k, 1)), DeviceTensor(1 << 41, (m, n // 2 - 4), (n, 1)))
+
+
+def test_a16_tiles_only_up_to_16_rows(recording_runner):
+    """At M <= 16 the plan's 64-row tiles take their 16-row A twin, from 17 rows the full tile; an
+    explicit a16 plan for more rows than it loads is refused before anything launches."""
+    from kernels.cute.configs import A_BOX_ROWS, GemmPlan
+
+    runner, lib = recording_runner
+    n, k = 6144, 2560
+    assert plan_gemm(A_BOX_ROWS, n, k).variant.a_rows == A_BOX_ROWS
+    assert plan_gemm(A_BOX_ROWS + 1, n, k).variant.a_rows == 0
+    assert plan_gemm(8, 2560, 4096, residual=True).variant.a_rows == A_BOX_ROWS  # split plans too
+    boxed = plan_gemm(8, n, k)
+    m = A_BOX_ROWS + 1
+    with pytest.raises(ValueError, match="serves at most 16 rows"):
+        runner(DeviceTensor(1 << 30, (m, k), (k, 1)), DeviceTensor(1 << 40, (n, k), (k, 1)),
+               DeviceTensor(1 << 41, (m, n), (n, 1)), plan=GemmPlan(boxed.variant))
+    assert lib.calls == []

@@ -163,20 +163,20 @@ def test_streaming_plan_fills_one_wave(m, n, k):
 
 @pytest.mark.parametrize("m,n,k,expect,residual", [
     # the choices the 2026-11-30 H200 sweep favoured (bench/results/kernels.md), as rules
-    (1, 6144, 2560, "gemm_bf16_64x48_c1x1_ws/S1", False),    # qkv: 128 tiles of 48, one per SM, unsplit
-    (1, 2560, 4096, "gemm_f32_64x80_c1x1/S4", False),     # o: 32 tiles of 80 x 4 splits (20 of 128 x 6: 91%)
+    (1, 6144, 2560, "gemm_bf16_64x48_c1x1_ws_a16/S1", False),    # qkv: 128 tiles of 48, one per SM, unsplit
+    (1, 2560, 4096, "gemm_f32_64x80_c1x1_a16/S4", False),     # o: 32 tiles of 80 x 4 splits (20 of 128 x 6: 91%)
     (32, 6144, 4096, "gemm_bf16_64x48_c1x1_ws/S1", False),   # 8B qkv too
     (64, 4096, 12288, "gemm_bf16_64x64_c1x1_k2/S1", False),  # 8B down: 64 K pairs of 64 wide (128 x 4 splits as full)
-    (16, 4096, 12288, "gemm_f32_64x128_c1x1/S4", False),   # ... below STREAM_K_PAIR_MIN_M: 128 wide x 4
-    (1, 4096, 4096, "gemm_f32_64x128_c1x1/S4", False),     # 8B o likewise
-    (1, 24576, 4096, "gemm_bf16_64x192_c1x1_ws/S1", False),  # 8B gate_up: 128 tiles of 192
+    (16, 4096, 12288, "gemm_f32_64x128_c1x1_a16/S4", False),   # ... below STREAM_K_PAIR_MIN_M: 128 wide x 4
+    (1, 4096, 4096, "gemm_f32_64x128_c1x1_a16/S4", False),     # 8B o likewise
+    (1, 24576, 4096, "gemm_bf16_64x192_c1x1_ws_a16/S1", False),  # 8B gate_up: 128 tiles of 192
     (96, 4096, 4096, "gemm_bf16_128x64_c1x1_k2/S1", False),   # M = 65-128: one row of 128-row tiles, 64 K pairs (8B o)
     (128, 4096, 12288, "gemm_bf16_128x64_c1x1_k2/S1", False),  # ... 8B down
     (96, 2560, 9728, "gemm_f32_128x80_c1x1/S4", False),    # 4B down: 32 tiles of 80 x 4 splits
     (96, 6144, 2560, "gemm_bf16_128x48_c1x1_ws/S1", False),  # qkv: 128 tiles of 48
     (128, 6144, 4096, "gemm_bf16_128x48_c1x1_ws/S1", False),  # ... 8B too (an unsplit fill before K pairs)
     (96, 5120, 328, "gemm_bf16_64x128_c1x1_ws/S1", False),  # short K: no 128-row split where the stream has none
-    (8, 2560, 4096, "gemm_f32_64x80_c1x1/S4", False),      # o: as at M = 1
+    (8, 2560, 4096, "gemm_f32_64x80_c1x1_a16/S4", False),      # o: as at M = 1
     (32, 4096, 12288, "gemm_bf16_64x64_c1x1_k2_res/S1", True),  # 8B down (residual): the K pair's twin
     (32, 19456, 2560, "gemm_bf16_64x160_c1x1_ws/S1", False),  # gate_up: 122 tiles of 160 (76 of 256)
     (128, 2560, 9728, "gemm_f32_128x80_c1x1/S4", False),   # M = 128: one row of tiles streams the weights once

@@ -199,3 +199,35 @@ def test_splitk_rms_norm_residual_equals_reduce_then_norm(cp, M, N, K, in_place)
     np.testing.assert_array_equal(normed.get()[:M], normed_ref.get())
     assert np.all(normed.get()[M] == 0x7FC1)
     close(h_out.get(), matmul(f32(x), w) + f32(res))
+
+
+@pytest.mark.parametrize("M,I,K", [(2, 9728, 2560), (33, 12288, 4096), (96, 9728, 2560), (100, 12288, 4096),
+                                   (5, 6008, 1032), (70, 4104, 264)])
+def test_cute_swiglu_equals_gemm_then_silu_mul(cp, M, I, K):
+    """The CuTe GEMM's SiLU·up twin (the decode MLP's norm_swiglu at M <= 128) gives the bits of the
+    plain planned GEMM followed by silu_mul.cu in interleaved mode, and agrees with numpy on the
+    un-interleaved weight."""
+    from engine.executor.gpu_gemm import interleave_gate_up
+    from kernels import cute
+
+    if not cute.available():
+        pytest.skip(f"CuTe kernels unavailable: {cute.available().reason}")
+    cute.init()
+    rng = np.random.default_rng(M * 5 + I + K)
+    x, w = case(rng, M, 2 * I, K)
+    stream = cp.cuda.Stream(non_blocking=True)
+    dx, dwi = dev(cp, x), dev(cp, interleave_gate_up(w))
+    cp.cuda.Device().synchronize()  # the uploads ran on the default stream
+    fused = poison(cp, (M + 1, I))
+    assert cute.gemm_swiglu(dx, dwi, fused[:M], stream, prefetch_weights=True)
+    gate_up, parts = poison(cp, (M, 2 * I)), poison(cp, (M, I))
+    cute.gemm(dx, dwi, gate_up, stream, prefetch_weights=True)
+    kernel("silu_mul", "silu_mul")((64,), (256,), (gate_up, parts, np.int32(I), np.int64(M * I // 8), np.int32(1)),
+                                   stream=stream)
+    stream.synchronize()
+    got = fused.get()
+    assert np.all(got[M] == 0x7FC1)
+    np.testing.assert_array_equal(got[:M], parts.get())
+    h = rb(matmul(f32(x), w))
+    ref = silu_ref(h[:, :I], h[:, I:])
+    np.testing.assert_allclose(f32(got[:M]), ref, atol=2e-2 * np.abs(ref).max(), rtol=2e-2)

@@ -196,6 +196,20 @@ class Gemm:
             return None
         return self.cute.gemm_partials(x, w, self.stream, residual=True, prefetch_weights=True)
 
+    def cute_fuses_swiglu(self, rows: int, w) -> bool:
+        """Whether the CuTe GEMM takes a gate_up product of ``rows`` rows with its SiLU·up in the
+        epilogue (cute_swiglu): CuTe serves the rows and the planned tile has a SiLU·up twin."""
+        if self.cute is None or rows > self.cute_max_m:
+            return False
+        from kernels.cute.configs import plan_gemm, silu_twin
+        return silu_twin(plan_gemm(rows, *w.shape)) is not None
+
+    def cute_swiglu(self, x, w, out) -> None:
+        """out [T, N/2] = SiLU(gate)·up of x · wᵀ in one CuTe GEMM, w a gate_up weight interleaved
+        (interleave_gate_up); only where cute_fuses_swiglu."""
+        if not self.cute.gemm_swiglu(x, w, out, self.stream, prefetch_weights=True):
+            raise RuntimeError(f"no SiLU·up GEMM for {x.shape[0]} rows of {w.shape}: ask cute_fuses_swiglu first")
+
     def cute_serves(self, rows: int, out) -> bool:
         """Whether the CuTe GEMM takes a product: built and available, a bf16 output, at most
         cute_max_m rows."""

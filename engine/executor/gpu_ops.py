@@ -15,7 +15,8 @@ them from the separate kernels, except the residual add of o_proj / down_proj, w
 its epilogue (cuBLAS beta = 1 into the residual buffer, or the CuTe GEMM's residual epilogue:
 add_linear), and where the CuTe GEMM's plan splits that product in K, one kernel reduces its partials,
 adds the residual and writes the RMSNorm of the next projection (add_linear_norm, rms_norm.cu
-splitk_rms_norm_residual). With `pdl` on (CUDA-graph decode),
+splitk_rms_norm_residual); the gate_up product on the CuTe GEMM computes SiLU·up in its epilogue
+where its tile has that twin (norm_swiglu). With `pdl` on (CUDA-graph decode),
 every kernel is a programmatic dependent launch (kernels/raw_cuda/launch.py).
 """
 from __future__ import annotations
@@ -330,10 +331,19 @@ class GpuOps(ComposedOps):
 
     @op_range
     def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None):
-        if normed is not None or not self.gate_up_interleaved or not self.gemm.gemv_serves(x, gate_up_weight):
+        """gemv.cu's RMSNorm + product + SiLU·up in one kernel; else the CuTe GEMM's SiLU·up twin
+        after the norm (one kernel fewer than product + silu_mul); else the composition."""
+        rows = x.shape[0]
+        if normed is None and self.gate_up_interleaved and self.gemm.gemv_serves(x, gate_up_weight):
+            out = self._out(rows, gate_up_weight.shape[0] // 2)
+            self.gemm.gemv(x, gate_up_weight, out, "norm_silu", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+            return out
+        if not (self.gate_up_interleaved and self.gemm.cute_fuses_swiglu(rows, gate_up_weight)):
             return super().norm_swiglu(x, norm_weight, eps, gate_up_weight, normed=normed)
-        out = self._out(x.shape[0], gate_up_weight.shape[0] // 2)
-        self.gemm.gemv(x, gate_up_weight, out, "norm_silu", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+        if normed is None:
+            normed, _ = self.rms_norm(x, norm_weight, eps)
+        out = self._out(rows, gate_up_weight.shape[0] // 2)
+        self.gemm.cute_swiglu(normed, gate_up_weight, out)
         return out
 
     @op_range

@@ -8,6 +8,7 @@ Build once per checkout (no GPU needed): ``python -m kernels.cute.build``. At ru
         cute.init()                                  # load modules (before any graph capture)
         cute.gemm(a, w, out, stream=stream)          # out[M,N] = a[M,K] · w[N,K]ᵀ, bf16 as uint16
         cute.gemm(a, w, h, stream=stream, residual=h)  # h += a · wᵀ (residual add in the epilogue)
+        cute.gemm_swiglu(x, w_gate_up, act, stream=stream)  # act = SiLU(gate)·up, w rows interleaved
         groups = cute.group_by_expert(topk_ids, num_experts, tile_m=64)   # MoE, host side
         cute.grouped_gemm(a_grouped, w_experts, tile_expert, out_grouped, stream=stream)
         work = cupy.asarray(cute.attention_work(cu_seqlens_q_host))          # host-built tile list
@@ -28,7 +29,7 @@ from .gemm import DeviceTensor, GemmRunner
 from .gemm import grouped_gemm as _grouped_gemm
 from .moe import ExpertGroups, group_by_expert
 
-__all__ = ["available", "init", "gemm", "gemm_partials", "grouped_gemm", "group_by_expert", "ExpertGroups",
+__all__ = ["available", "init", "gemm", "gemm_partials", "gemm_swiglu", "grouped_gemm", "group_by_expert", "ExpertGroups",
            "varlen_attention", "attention_work", "reserve_workspace", "DeviceTensor"]
 
 _runner: GemmRunner | None = None
@@ -108,6 +109,13 @@ def gemm_partials(a, b, stream=None, residual: bool = False, prefetch_weights: b
     its GEMM and return the float32 partial sums ``[S, M, N]`` for the caller's own reduction (valid
     until the next split product); None where it does not split (nothing launched)."""
     return _get_runner().partials(a, b, stream, residual=residual, prefetch_weights=prefetch_weights)
+
+
+def gemm_swiglu(a, b, out, stream=None, prefetch_weights: bool = False) -> bool:
+    """``out[M, N/2] = SiLU(gate)·up`` of ``a · bᵀ`` in one kernel, ``b``'s gate and up rows
+    interleaved in blocks of 8; True where launched, False (nothing launched) where the planned
+    tile has no SiLU·up twin."""
+    return _get_runner().swiglu(a, b, out, stream, prefetch_weights=prefetch_weights)
 
 
 def grouped_gemm(a, w, tile_expert, out, stream=None, prefetch_weights: bool = False) -> None:

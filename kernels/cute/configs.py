@@ -27,11 +27,14 @@ class GemmVariant:
     residual: bool = False  # D = A·Bᵀ + R, R added in fp32 in the epilogue (R may be D itself)
     k_split: int = 1  # 2: a cluster of two CTAs splits K; the second sends its sums over DSMEM
     ws: bool = False  # warp-specialised: a producer warpgroup issues the TMA loads, the others only compute
+    silu: bool = False  # D[:, j] = SiLU(P[:, gate j])·P[:, up j] of the product P, B's rows interleaved (gate_up)
+    a_rows: int = 0  # > 0: the TMA loads only A's first a_rows rows of the tile (for M <= a_rows)
 
     @property
     def name(self) -> str:
         kind = "grouped" if self.grouped else "gemm"
-        suffix = ("_k2" if self.k_split == 2 else "") + ("_ws" if self.ws else "") + ("_res" if self.residual else "")
+        suffix = (("_k2" if self.k_split == 2 else "") + ("_ws" if self.ws else "") + ("_res" if self.residual else "")
+                  + ("_silu" if self.silu else "") + (f"_a{self.a_rows}" if self.a_rows else ""))
         return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}{suffix}"
 
 
@@ -120,9 +123,37 @@ GEMM_VARIANTS += tuple(replace(v, ws=True) for v in GEMM_VARIANTS if takes_produ
 GEMM_VARIANTS += tuple(replace(v, residual=True) for v in GEMM_VARIANTS
                        if v.out == "bf16" and not v.grouped and not (v.k_split == 2 and v.tile_n == 256)
                        and v.tile_n <= 256)
+
+
+def takes_silu_epilogue(v: GemmVariant) -> bool:
+    """The tiles with a SiLU·up twin: those the plan runs warp-specialised, whose half-width output
+    tile is a whole number of 16-wide epilogue tiles (not 48 or 80: 24 / 40 columns)."""
+    return v.ws and not v.residual and v.tile_n % 32 == 0
+
+
+# SiLU·up twins (gate_up at M <= 128, where decode runs the CuTe GEMM): one kernel fewer per MLP
+GEMM_VARIANTS += tuple(replace(v, silu=True) for v in GEMM_VARIANTS if takes_silu_epilogue(v))
+A_BOX_ROWS = 16  # M <= this: the 64-row tiles the plan takes there load only A's first 16 rows
+
+
+def takes_a_box(v: GemmVariant) -> bool:
+    """The tiles with an ``a_rows`` twin: the 64-row tiles the plan runs at M <= A_BOX_ROWS (weight
+    streams, warp-specialised or split in K; not K pairs, which start at M = 17)."""
+    return v.tile_m == 64 and v.k_split == 1 and not v.grouped and (v.ws or v.out == "f32")
+
+
+GEMM_VARIANTS += tuple(replace(v, a_rows=A_BOX_ROWS) for v in GEMM_VARIANTS if takes_a_box(v))
 REDUCE_NAME = "splitk_reduce"
 REDUCE_RESIDUAL_NAME = "splitk_reduce_res"
 VARIANTS_BY_NAME = {v.name: v for v in GEMM_VARIANTS}
+
+
+def silu_twin(plan: GemmPlan) -> GemmVariant | None:
+    """The SiLU·up twin of an unsplit plan's variant, None where it has none (split in K, or a tile
+    without a twin): the caller then runs the plain product and the activation apart."""
+    if plan.splits != 1:
+        return None
+    return VARIANTS_BY_NAME.get(replace(plan.variant, silu=True).name)
 
 
 @dataclass(frozen=True)
@@ -388,4 +419,6 @@ def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS, residual: bool = Fals
         variant = replace(variant, ws=True)
     if residual and variant.out == "bf16":
         variant = replace(variant, residual=True)
+    if m <= A_BOX_ROWS:
+        variant = VARIANTS_BY_NAME.get(replace(variant, a_rows=A_BOX_ROWS).name, variant)
     return GemmPlan(variant, plan.splits)

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from .configs import (REDUCE_NAME, REDUCE_RESIDUAL_NAME, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count,
-                      takes_weight_prefetch)
+from .configs import (REDUCE_NAME, REDUCE_RESIDUAL_NAME, VARIANTS_BY_NAME, GemmPlan, plan_gemm, silu_twin,
+                      split_count, takes_weight_prefetch)
 from .library import Library, TensorArg, open_library
 
 BF16_TYPESTRS = ("<u2", "|u2", "bfloat16", "<V2")
@@ -119,6 +119,12 @@ def check_gemm_args(a: DeviceTensor, b: DeviceTensor, out: DeviceTensor | None =
     return m, n, k
 
 
+def check_plan_rows(plan: GemmPlan, m: int) -> None:
+    """A variant that loads only A's first ``a_rows`` rows of its tile serves at most that many rows."""
+    if plan.variant.a_rows and m > plan.variant.a_rows:
+        raise ValueError(f"{plan.variant.name} serves at most {plan.variant.a_rows} rows, got M={m}")
+
+
 def _row_stride(t: DeviceTensor) -> int:
     return t.strides[0] if t.shape[0] > 1 else max(8, -(-t.shape[1] // 8) * 8)
 
@@ -176,6 +182,7 @@ class GemmRunner:
             residual = as_device_tensor(residual, "residual")
             _check_matrix(residual, "residual", m, n, "bfloat16")
         plan = plan or plan_gemm(m, n, k, residual=residual is not None)
+        check_plan_rows(plan, m)
         if residual is not None and plan.variant.out == "bf16" and not plan.variant.residual:
             plan = GemmPlan(VARIANTS_BY_NAME[replace(plan.variant, residual=True).name], plan.splits)
         stream_ptr = _stream_ptr(stream)
@@ -211,6 +218,30 @@ class GemmRunner:
         a_arg, b_arg, b_early = self._operands(a, b, m, n, k, plan, a_rows, prefetch_weights)
         partial = self._split_product(a_arg, b_arg, b_early, plan, m, n, s, _stream_ptr(stream))
         return DeviceTensor(partial.data, (s, m, n), (m * n, n, 1), "float32", s * m * n * 4)
+
+    def swiglu(self, a, b, out, stream=None, prefetch_weights: bool = False, a_rows: int | None = None,
+               plan: GemmPlan | None = None) -> bool:
+        """``out[M, N/2] = bf16(SiLU(gate))·up`` of the product ``a · bᵀ`` in the GEMM's epilogue, ``b``
+        a gate_up weight with gate and up rows interleaved in blocks of 8 (``interleave_gate_up`` of
+        the engine): one kernel where the product and silu_mul took two. Where the planned variant has
+        a SiLU·up twin (``configs.silu_twin``) this launches it and returns True; else nothing is
+        launched and it returns False (the caller runs the product and the activation apart).
+        ``prefetch_weights``, ``a_rows`` and ``plan`` (the plain product's) as for ``__call__``."""
+        a, b, out = as_device_tensor(a, "a", reach=True), as_device_tensor(b, "b"), as_device_tensor(out, "out")
+        m, n, k = check_gemm_args(a, b)
+        if n % 16:
+            raise ValueError(f"N={n}: an interleaved gate_up weight has a multiple of 16 rows")
+        _check_matrix(out, "out", m, n // 2, "bfloat16")
+        plan = plan or plan_gemm(m, n, k)
+        check_plan_rows(plan, m)
+        twin = silu_twin(plan)
+        if twin is None:
+            return False
+        a_arg, b_arg, b_early = self._operands(a, b, m, n, k, plan, a_rows, prefetch_weights)
+        ldo = _row_stride(out)
+        self.library[twin.name](a_arg, b_arg, TensorArg(out.ptr, (m, n // 2, 1), (ldo, ldo * m)), b_early,
+                                stream=_stream_ptr(stream))
+        return True
 
     def _operands(self, a: DeviceTensor, b: DeviceTensor, m: int, n: int, k: int, plan: GemmPlan,
                   a_rows: int | None, prefetch_weights: bool) -> tuple[TensorArg, TensorArg, int]:

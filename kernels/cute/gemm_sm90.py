@@ -21,7 +21,11 @@ CTAs are rasterised in groups of 8 clusters along M so that concurrently running
 Variants on top: residual twins (``D = A·Bᵀ + R``: R's tile is TMA-loaded into shared memory at
 tile start and read back with ldmatrix in accumulator order, added in fp32 before the rounding);
 K-split pairs (``k_split=2``: a cluster of two CTAs per tile, each on half of K, the second adding
-its fp32 sums into the first's idle B ring over distributed shared memory). Every GEMM is a
+its fp32 sums into the first's idle B ring over distributed shared memory); SiLU·up twins
+(``silu=True``: D is ``[M, N/2]``, ``SiLU(gate)·up`` of a gate_up product whose B rows alternate 8 gate
+and 8 up rows, computed from the accumulators and stored through a half-width MMA's layout); and
+``a_rows`` twins for M <= a_rows (the TMA loads only that many rows of A's 64-row tile: the MMA's
+other rows read stale shared memory into output rows that are never stored). Every GEMM is a
 programmatic dependent launch: it waits (``griddepcontrol.wait``) before touching A, R or D, may
 load its first weight tiles before that (``b_early``), and lets the next kernel launch early.
 
@@ -57,6 +61,10 @@ class GemmSm90(EpilogueSm90):
         assert tile.cluster_m * tile.cluster_n <= 4
         assert not (tile.grouped and tile.cluster_m > 1), "a cluster along M would mix experts"
         assert tile.k_split in (1, 2) and (tile.k_split == 1 or tile.cluster_m * tile.cluster_n == 1)
+        assert tile.a_rows == 0 or (tile.tile_m == 64 and tile.a_rows % 8 == 0 and tile.a_rows < 64
+                                    and tile.k_split == 1 and not tile.grouped)
+        assert not tile.silu or (tile.out == "bf16" and tile.k_split == 1 and not (tile.residual or tile.grouped)
+                                 and tile.tile_n % 32 == 0 and tile.tile_n <= 256)
         self.tile = tile
         self.cluster_mn = (tile.cluster_m, tile.cluster_n)
         self.acc_dtype = cutlass.Float32
@@ -78,12 +86,19 @@ class GemmSm90(EpilogueSm90):
 
     # ---- host-side layout setup ------------------------------------------------------------
     def _setup(self, a_dtype, c_dtype, a_layout, b_layout, c_layout):
-        self.tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            a_dtype, a_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.mma_n),
-        )
+        def tiled_mma(n):
+            return sm90_utils.make_trivial_tiled_mma(
+                a_dtype, a_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+                self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, n),
+            )
+
+        self.tiled_mma = tiled_mma(self.mma_n)
         k_inst = cute.size(self.tiled_mma.shape_mnk, mode=[2])
         self.tile_mnk = (self.tile.tile_m, self.tile.tile_n, 4 * k_inst)
+        # The output tile: the MMA tile, or its half for SiLU·up twins, whose epilogue stores through
+        # a half-width MMA's thread layout (the same threads, half the 8-column groups)
+        self.out_mnk = (self.tile.tile_m, self.tile.tile_n // 2, self.tile_mnk[2]) if self.tile.silu else self.tile_mnk
+        self.epi_mma = tiled_mma(self.mma_n // 2) if self.tile.silu else self.tiled_mma
         self.cta_layout_mnk = cute.make_layout((*self.cluster_mn, self.tile.k_split))
         self.mcast_a = self.cluster_mn[1]
         self.mcast_b = self.cluster_mn[0]
@@ -91,19 +106,26 @@ class GemmSm90(EpilogueSm90):
         # (with 32, a 128x80 tile's second 64-row half came out wrong; with 16 it verified, 2026-12-01).
         # Epi tiles span the warpgroups' rows: 192 for three, 128 for two (cooperative).
         wgs = self.num_mma_wg
-        override = (192, 32) if wgs == 3 else None if self.tile.tile_n % 32 == 0 else (64 * wgs, 16)
+        override = (192, 32) if wgs == 3 else None if self.out_mnk[1] % 32 == 0 else (64 * wgs, 16)
         self.epi_tile = sm90_utils.compute_tile_shape_or_override(
-            self.tile_mnk, c_dtype, is_cooperative=self.atom_layout_mnk == (2, 1, 1), epi_tile_override=override,
+            self.out_mnk, c_dtype, is_cooperative=self.atom_layout_mnk == (2, 1, 1), epi_tile_override=override,
         )
         bytes_per_stage = (self.tile_mnk[0] + self.tile_mnk[1]) * self.tile_mnk[2] * a_dtype.width // 8
         # Residual variants hold the whole R tile in shared memory (loaded by TMA at tile start,
         # laid out as epi tiles like the output staging), at the cost of ring stages.
-        self.n_epi = (self.tile_mnk[0] // self.epi_tile[0]) * (self.tile_mnk[1] // self.epi_tile[1])
+        self.n_epi = (self.out_mnk[0] // self.epi_tile[0]) * (self.out_mnk[1] // self.epi_tile[1])
         self.r_tile_bytes = self.tile_mnk[0] * self.tile_mnk[1] * c_dtype.width // 8 if self.tile.residual else 0
         r_smem = self.r_tile_bytes + self.buffer_align if self.tile.residual else 0
         self.stages = (SM90_SMEM_BYTES - 1024 - r_smem) // bytes_per_stage
         self.epi_stages = 4
         self.sa_layout = sm90_utils.make_smem_layout_a(a_layout, self.tile_mnk, a_dtype, self.stages)
+        # The rows of A's tile that its TMA loads: all, or the first ``a_rows`` where M is that small
+        # (a decode batch): the MMA's other rows read stale shared memory into output rows past M,
+        # which are never stored, and each CTA draws a quarter (a_rows = 16) of the A bytes from L2
+        self.a_box = self.tile.a_rows or self.tile_mnk[0]
+        self.sa_box_layout = sm90_utils.make_smem_layout_a(a_layout, (self.a_box, *self.tile_mnk[1:]), a_dtype,
+                                                           self.stages)
+        self.stage_tx_bytes = (self.a_box + self.tile_mnk[1]) * self.tile_mnk[2] * a_dtype.width // 8
         self.sb_layout = sm90_utils.make_smem_layout_b(b_layout, self.tile_mnk, a_dtype, self.stages)
         self.sc_layout = sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.epi_stages)
         self.sr_layout = (sm90_utils.make_smem_layout_epi(c_dtype, c_layout, self.epi_tile, self.n_epi)
@@ -152,8 +174,8 @@ class GemmSm90(EpilogueSm90):
             else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
         )
         tma_a, ta = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            load_a, a, cute.slice_(self.sa_layout, (None, None, 0)),
-            (self.tile_mnk[0], self.tile_mnk[2]), num_multicast=self.mcast_a,
+            load_a, a, cute.slice_(self.sa_box_layout, (None, None, 0)),
+            (self.a_box, self.tile_mnk[2]), num_multicast=self.mcast_a,
         )
         tma_b, tb = cute.nvgpu.cpasync.make_tiled_tma_atom(
             load_b, b, cute.slice_(self.sb_layout, (None, None, 0)),
@@ -169,14 +191,14 @@ class GemmSm90(EpilogueSm90):
                 cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), r,
                 cute.slice_(self.sr_layout, (None, None, 0)), self.epi_tile,
             )
-        tiles = cute.zipped_divide(c, tiler=(self.tile_mnk[0], self.tile_mnk[1]))
+        tiles = cute.zipped_divide(c, tiler=(self.out_mnk[0], self.out_mnk[1]))
         cluster_mnl = (*self.cluster_mn, self.tile.k_split)
         clusters = cute.ceil_div(cute.get(tiles.layout, mode=[1]).shape, cluster_mnl)
         grid = tuple(x * y for x, y in zip(clusters, cluster_mnl))
 
         self.smem_struct = self._smem_struct()
         self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tile_expert, tma_r, tr, b_early, self.tiled_mma,
-                    self.cta_layout_mnk,
+                    self.epi_mma, self.cta_layout_mnk,
                     self.sa_layout, self.sb_layout, self.sc_layout, self.sr_layout).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=cluster_mnl, stream=stream, use_pdl=True,
         )
@@ -219,7 +241,7 @@ class GemmSm90(EpilogueSm90):
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_c: cute.CopyAtom, mC: cute.Tensor, tile_expert: cute.Tensor, tma_r: cute.CopyAtom,
-               mR: cute.Tensor, b_early: cutlass.Int32, tiled_mma: cute.TiledMma,
+               mR: cute.Tensor, b_early: cutlass.Int32, tiled_mma: cute.TiledMma, epi_mma: cute.TiledMma,
                cta_layout_mnk: cute.Layout, sa_layout: cute.ComposedLayout,
                sb_layout: cute.ComposedLayout, sc_layout: cute.ComposedLayout, sr_layout: cute.ComposedLayout):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -241,8 +263,7 @@ class GemmSm90(EpilogueSm90):
         mask_b = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord, mode=0)
         mask_a = mask_a if self.mcast_a > 1 else 0
         mask_b = mask_b if self.mcast_b > 1 else 0
-        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(sa_layout, (None, None, 0))) + \
-            cute.size_in_bytes(self.a_dtype, cute.slice_(sb_layout, (None, None, 0)))
+        stage_bytes = self.stage_tx_bytes  # (a multicast tile counts whole in every receiving CTA)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.smem_struct)
         consumers = (self.mcast_a + self.mcast_b - 1) * (self.mma_threads // 32)
@@ -263,14 +284,18 @@ class GemmSm90(EpilogueSm90):
         sA = storage.sa.get_tensor(sa_layout.outer, swizzle=sa_layout.inner)
         sB = storage.sb.get_tensor(sb_layout.outer, swizzle=sb_layout.inner)
         sC = cute.make_tensor(cute.recast_ptr(sA.iterator, sc_layout.inner, dtype=self.c_dtype), sc_layout.outer)
+        sA_box = sA  # the rows of each stage that A's TMA writes
+        if cutlass.const_expr(self.a_box != self.tile_mnk[0]):
+            sA_box = cute.local_tile(sA, (self.a_box, self.tile_mnk[2]), (0, 0, None))
         sR = sC  # placeholder unless residual
         if cutlass.const_expr(self.tile.residual):
             sR = storage.sr.get_tensor(sr_layout.outer, swizzle=sr_layout.inner)
 
-        gA = cute.local_tile(mA, self.tile_mnk, coord, proj=(1, None, 1))  # (bM, bK, k_tiles)
+        # (a_box, bK, k_tiles); a_rows variants run with M <= a_rows: one M-tile, pid_m = 0
+        gA = cute.local_tile(mA, (self.a_box, *self.tile_mnk[1:]), coord, proj=(1, None, 1))
         gB = cute.local_tile(mB, self.tile_mnk, coord_b, proj=(None, 1, 1))  # (bN, bK, k_tiles)
         out_slice = batch if self.tile.k_split == 1 else 0  # a K pair writes one output slice
-        gC = cute.local_tile(mC, self.tile_mnk, (pid_m, pid_n, None, out_slice), proj=(1, 1, None))  # (bM, bN)
+        gC = cute.local_tile(mC, self.out_mnk, (pid_m, pid_n, None, out_slice), proj=(1, 1, None))  # (bM, bN out)
 
         is_mma = warp >= self.first_mma_warp
         mma_tidx = tidx - 32 * self.first_mma_warp  # (negative in the producer warpgroup)
@@ -278,7 +303,7 @@ class GemmSm90(EpilogueSm90):
         thr_mma = tiled_mma.get_slice(cute.make_layout(self.num_mma_wg, stride=128)(wg))
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a, cluster_coord[1], cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape),
-            cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2),
+            cute.group_modes(sA_box, 0, 2), cute.group_modes(gA, 0, 2),
         )
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b, cluster_coord[0], cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape),
@@ -286,7 +311,9 @@ class GemmSm90(EpilogueSm90):
         )
         frag_a = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         frag_b = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-        acc = cute.make_rmem_tensor(thr_mma.partition_C(gC).shape, self.acc_dtype)
+        acc_shape = (tiled_mma.partition_shape_C(self.tile_mnk[:2]) if self.tile.silu
+                     else thr_mma.partition_C(gC).shape)
+        acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_mn)
         k_total = cute.size(gA, mode=[2])
@@ -349,7 +376,11 @@ class GemmSm90(EpilogueSm90):
         if cutlass.const_expr(self.tile.k_split == 2):
             self._add_peer_partial(acc, storage.sb.data_ptr(), batch, mma_tidx, is_mma)
         if is_mma:
-            if batch == 0 or self.tile.k_split == 1:
+            if cutlass.const_expr(self.tile.silu):
+                act = cute.make_rmem_tensor(epi_mma.partition_shape_C(self.out_mnk[:2]), self.acc_dtype)
+                self._silu_up(acc, act)
+                self._epilogue(mma_tidx, warp, epi_mma, act, sC, gC, tma_c, sR, r_bar)
+            elif batch == 0 or self.tile.k_split == 1:
                 self._epilogue(mma_tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar)
 
     @cute.jit

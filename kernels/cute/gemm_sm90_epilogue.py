@@ -1,5 +1,5 @@
-"""The Hopper GEMM's tile ends (``GemmSm90`` inherits them): the epilogue, the residual tile's load
-and a K-split pair's partial-sum exchange.
+"""The Hopper GEMM's tile ends (``GemmSm90`` inherits them): the epilogue, the residual tile's load,
+a K-split pair's partial-sum exchange and the SiLU·up of gate_up twins.
 
 They run on the MMA warpgroups only. ``mma_tidx`` is a thread's index among them (``mma_threads``
 in all), ``first_mma_warp`` the first of their warps (4 when a producer warpgroup comes first).
@@ -54,6 +54,22 @@ class EpilogueSm90:
         order = self._epi_order(gR)
         for e in cutlass.range_constexpr(self.n_epi):
             cute.copy(tma_r, src_g[(None, order.get_hier_coord(e))], dst_s[(None, e)], tma_bar_ptr=r_bar)
+
+    @cute.jit
+    def _silu_up(self, acc, act):
+        """SiLU·up twins: ``act = bf16(SiLU(gate))·up`` of the gate_up product, B's rows interleaved in
+        blocks of 8 (gate, up, gate, ...: ``gpu_gemm.interleave_gate_up``). A wgmma accumulator
+        holds a thread's values as (2 columns, 2 rows, 8-column groups), so groups 2j (gate) and
+        2j + 1 (up) of one thread are the gate and up of the outputs its half-width fragment holds
+        in group j: flat value i of ``act`` takes acc values 8·(i // 4) + i % 4 and 4 after it (both
+        fragments compact, column-major). The arithmetic of silu_mul.cu (gate and up rounded to
+        bf16, ``__expf``, ``__fdividef``: an IEEE division takes a slow path on the NaN / Inf of
+        rows past M, which a_rows tiles compute from stale shared memory); the epilogue rounds."""
+        for i in cutlass.range_constexpr(cute.size(act)):
+            gate = acc[8 * (i // 4) + i % 4].to(self.c_dtype).to(self.acc_dtype)
+            up = acc[8 * (i // 4) + i % 4 + 4].to(self.c_dtype).to(self.acc_dtype)
+            silu = gate * cute.arch.rcp_approx(1.0 + cute.math.exp(-gate, fastmath=True))
+            act[i] = silu.to(self.c_dtype).to(self.acc_dtype) * up
 
     def _epi_order(self, g_epi):
         """Epi tile e → its (m, n) coordinate in the tile: row-major over the epi grid."""

@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .bf16 import from_bf16, to_bf16
 from .attention import ATTENTION_KERNELS
-from .configs import GEMM_VARIANTS, VARIANTS_BY_NAME, GemmPlan, plan_gemm, split_count
+from .configs import GEMM_VARIANTS, VARIANTS_BY_NAME, GemmPlan, plan_gemm, silu_twin, split_count
 
 NAN_BF16 = 0x7FC0
 HANG_SECONDS = float(os.environ.get("OPENINFER_CUTE_HANG_S", "20"))
@@ -114,6 +114,23 @@ def gemm_check(runner, plan: GemmPlan | None, m: int, n: int, k: int, residual: 
     return compare(from_bf16(out), ref)
 
 
+def swiglu_check(runner, plan: GemmPlan | None, m: int, n: int, k: int) -> Check:
+    """One SiLU·up GEMM (``plan``: the plain tile whose twin runs; None: the planned one) of a
+    gate_up weight interleaved in blocks of 8 rows against float32: the product rounded to bf16,
+    then ``bf16(SiLU(gate))·up`` (silu_mul.cu's arithmetic). Weights are prefetched before the wait."""
+    import cupy as cp
+
+    a, b = rand_bf16((m, k)), rand_bf16((n, k))
+    blocks = from_bf16(to_bf16(from_bf16(a) @ from_bf16(b).T)).reshape(m, n // 16, 2, 8)
+    gate, up = blocks[:, :, 0].reshape(m, n // 2), blocks[:, :, 1].reshape(m, n // 2)
+    ref = from_bf16(to_bf16(gate / (1.0 + cp.exp(-gate)))) * up
+    out = cp.full((m, n // 2), NAN_BF16, dtype=cp.uint16)
+    if not runner.swiglu(a, b, out, plan=plan, prefetch_weights=True):
+        return Check(float("inf"), 0, "no SiLU·up twin for this plan")
+    sync_or_die(f"SiLU·up GEMM {plan.variant.name if plan else 'planned'} M={m} N={n} K={k}")
+    return compare(from_bf16(out), ref)
+
+
 def graph_check(runner, m: int, n: int, k: int) -> Check:
     """The planned GEMM captured in a CUDA graph and replayed must equal the eager launch bit for bit."""
     import cupy as cp
@@ -205,7 +222,7 @@ class Case:
 
     group: str
     label: str
-    kind: str  # gemm | residual | planned | prefetch | padded | graph | grouped | attention
+    kind: str  # gemm | residual | planned | prefetch | padded | graph | swiglu | grouped | attention
     args: tuple
 
 
@@ -215,7 +232,9 @@ ODD_SHAPES = ((1, 200, 328), (17, 2056, 1032), (255, 392, 2568), (1000, 1288, 52
 # the catalogue's order (producer-warpgroup twins last), so a new variant needs no entry here.
 SIMPLEST = "gemm_bf16_64x128_c1x1"
 DENSE_ORDER = (SIMPLEST,) + tuple(v.name for v in GEMM_VARIANTS
-                                  if v.out == "bf16" and not v.grouped and not v.residual and v.name != SIMPLEST)
+                                  if v.out == "bf16" and not (v.grouped or v.residual or v.silu) and v.name != SIMPLEST)
+# SiLU·up twins: N a multiple of 16 (gate and up interleaved in 8s), tails in M, N and K
+SILU_SHAPES = ((1, 208, 328), (17, 2064, 1032), (255, 400, 2568), (1000, 1296, 520))
 SPLITK_ORDER = tuple(v.name for v in GEMM_VARIANTS if v.out == "f32")
 
 
@@ -228,7 +247,14 @@ ATTENTION_SHAPES = (  # (lengths_q, lengths_k, hq, hkv)
     ((16384,), (16384,), 32, 8))           # the 16k benchmark shape, 128 k-tiles
 
 
+def _rows(name: str, m: int) -> int:
+    """A case's M for a variant: at most its ``a_rows`` where it loads only that many rows of A."""
+    a_rows = VARIANTS_BY_NAME[name].a_rows
+    return min(m, a_rows) if a_rows else m
+
+
 def _gemm_case(name: str, m: int, n: int, k: int, splits: int = 1, residual: str = "") -> Case:
+    m = _rows(name, m)
     suffix = f" S={split_count(k, splits)}" if VARIANTS_BY_NAME[name].out == "f32" else ""
     suffix += f" + R ({residual})" if residual else ""
     return Case(name, f"M={m} N={n} K={k}{suffix}", "gemm", (name, splits, m, n, k, residual))
@@ -242,6 +268,16 @@ def build_cases() -> tuple[Case, ...]:
         cases.append(_gemm_case(name, v.tile_m, v.tile_n, MULTI_K))    # k-tiles > stages
         cases += [_gemm_case(name, m, n, k) for m, n, k in ODD_SHAPES]
         cases.append(_gemm_case(name, 17 * v.tile_m + 5, 264, 200))    # > 8 M-tiles: raster tail
+    for v in GEMM_VARIANTS:
+        if v.silu:
+            plain = replace(v, silu=False).name
+            shapes = ((v.tile_m, v.tile_n, 64), (v.tile_m, v.tile_n, MULTI_K)) + SILU_SHAPES + \
+                ((17 * v.tile_m + 5, 272, 200),)
+            cases += [Case(v.name, f"M={_rows(plain, m)} N={n} K={k}", "swiglu", (plain, _rows(plain, m), n, k))
+                      for m, n, k in shapes]
+    for m, n, k in ((8, 19456, 2560), (96, 19456, 2560), (32, 24576, 4096), (128, 24576, 4096)):
+        cases.append(Case("swiglu", f"M={m} N={n} K={k} {silu_twin(plan_gemm(m, n, k)).name}", "swiglu",
+                          (None, m, n, k)))
     for v in GEMM_VARIANTS:
         if v.residual:  # R in a buffer of its own and R in the output buffer, tails in M, N and K
             cases.append(_gemm_case(v.name, v.tile_m, v.tile_n, 64, residual="separate"))
@@ -282,7 +318,8 @@ def build_cases() -> tuple[Case, ...]:
         for lengths_q, lengths_k, hq, hkv in ATTENTION_SHAPES:
             label = f"q={list(lengths_q)} k={'same' if lengths_k == lengths_q else list(lengths_k)} hq={hq} hkv={hkv}"
             cases.append(Case(kernel, label, "attention", (lengths_q, lengths_k, hq, hkv, kernel)))
-    assert {c.group for c in cases if c.kind == "gemm"} == {v.name for v in GEMM_VARIANTS if not v.grouped}
+    assert {c.group for c in cases if c.kind in ("gemm", "swiglu")} - {"swiglu"} == \
+        {v.name for v in GEMM_VARIANTS if not v.grouped}
     return tuple(cases)
 
 
@@ -303,6 +340,9 @@ def run_case(runner, case: Case) -> Check:
         return gemm_check(runner, None, *case.args, prefetch=True)
     if case.kind == "padded":
         return gemm_check(runner, None, *case.args, padded=True)
+    if case.kind == "swiglu":
+        name, m, n, k = case.args
+        return swiglu_check(runner, name and GemmPlan(VARIANTS_BY_NAME[name]), m, n, k)
     if case.kind == "graph":
         return graph_check(runner, *case.args)
     if case.kind == "grouped":

@@ -49,8 +49,10 @@ __device__ __forceinline__ uint4 rmsnorm8(uint4 x, uint4 w, float rstd) {
 
 // SwiGLU of one element from the bf16 gate and up values: bf16(bf16(silu(gate)) · up)
 // (silu_mul.cu, and gemv.cu's fused epilogue).
+// SiLU(gate)·up of bf16 values: the fast division (a reciprocal and a product, as the CuTe GEMM's SiLU·up
+// epilogue computes it) never takes the IEEE division's slow path, which garbage rows past M would
 __device__ __forceinline__ bf16_t silu_times(float gate, float up) {
-    return f_to_bf16(round_bf16(gate / (1.f + __expf(-gate))) * up);
+    return f_to_bf16(round_bf16(__fdividef(gate, 1.f + __expf(-gate))) * up);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
