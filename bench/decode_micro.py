@@ -119,8 +119,6 @@ def graph_attention_rows(ex, cfg, bw: float, cases=((1, 256), (1, 2048), (32, 25
     count: the executor's choice and a sweep around it. Reads a random-content paged cache."""
     import dataclasses
 
-    import cupy
-
     from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
     from engine.models.decoder import attention_specs
     from engine.request import SamplingParams

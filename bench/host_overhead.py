@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import cProfile
 import gc
-import io
 import os
 import platform
 import pstats

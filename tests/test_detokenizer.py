@@ -1,6 +1,5 @@
 """Incremental detokenization: deltas never split a character and concatenate to the full
 decode; stop strings match across token boundaries and never reach the output."""
-import os
 import random
 
 import pytest

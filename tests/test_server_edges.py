@@ -3,7 +3,7 @@ import pytest
 
 from fake_executor import FakeTokenizer
 from server.errors import APIError
-from server.protocol import ModelInfo, parse_chat, parse_completion
+from server.protocol import ModelInfo, parse_completion
 
 MODEL = ModelInfo(name="m", max_model_len=128, tokenizer=FakeTokenizer(), vocab_size=FakeTokenizer.vocab_size)
 
