@@ -121,8 +121,9 @@ def _send(server, prompt="p", output_len=4, endpoint="completions"):
 
 
 # Seconds of slack above an injected delay: sleep overshoot, event-loop wake-up and thread hand-over
-# on a loaded 2-core machine. A measured time is never below its injected delay (minus clock noise),
-# and the injected delays differ by far more than TOL, so a metric taken from the wrong chunk fails.
+# on a loaded 2-core machine (CI has seen 26 ms per sleep). A measured time is never below its injected
+# delay (minus clock noise), so every bound is one-sided: an average over gaps gets TOL, a sum over n
+# sleeps n * TOL, and the injected delays differ by more than TOL, so a metric from the wrong chunk fails.
 TOL = 0.05
 EPS = 0.002
 
@@ -136,9 +137,9 @@ def test_ttft_itl_tpot_match_injected_delays(server):
     assert 0.25 - EPS <= r.ttft <= 0.25 + TOL
     assert len(r.itl) == len(gaps)
     np.testing.assert_allclose(r.itl, gaps, atol=TOL)
-    assert 0.25 + sum(gaps) - EPS <= r.latency <= 0.25 + sum(gaps) + TOL
+    assert 0.25 + sum(gaps) - EPS <= r.latency <= 0.25 + sum(gaps) + len(gaps) * TOL
     assert r.output_tokens == 5 and r.prompt_len == 7 and r.cached_tokens == 3
-    assert tpot(r) == pytest.approx(sum(gaps) / 4, abs=TOL / 2)
+    assert sum(gaps) / 4 - EPS <= tpot(r) <= sum(gaps) / 4 + TOL
     assert tpot(r) == pytest.approx((r.latency - r.ttft) / 4, rel=1e-12)
     assert r.generated_text == "abbbb"
 
@@ -156,8 +157,10 @@ def test_output_tokens_come_from_usage_not_chunk_count(server):
     server.scripts["p"] = [(0.08, "ab", 2)] + [(0.07, "cd", 2)] * 3
     r = _send(server)
     assert r.success and r.output_tokens == 8 and len(r.itl) == 3
-    assert tpot(r) == pytest.approx(0.21 / 7, abs=TOL / 7)
-    assert tpot(r) < 0.21 / 3 - TOL / 3  # dividing by the 3 gaps instead would be caught
+    # TPOT is the decode time over the 7 tokens after the first, whatever the machine's sleep overshoot
+    # (it adds to every gap alike, so it cannot tell 7 from 3); the decode time itself is bounded below
+    assert tpot(r) == pytest.approx((r.latency - r.ttft) / 7, rel=1e-12)
+    assert r.latency - r.ttft >= 0.21 - EPS
 
 
 def test_failures_are_reported_not_raised(server):
@@ -266,7 +269,7 @@ def test_serve_cli_writes_json_markdown_and_plots(server, tmp_path: Path):
         m = run["metrics"]
         assert m["completed"] == 4 and m["failed"] == 0 and m["total_output_tokens"] == 16
         assert 60 - 1000 * EPS <= m["mean_ttft_ms"] <= 60 + 1000 * TOL
-        assert m["mean_tpot_ms"] == pytest.approx(30, abs=1000 * TOL / 2)
+        assert 30 - 1000 * EPS <= m["mean_tpot_ms"] <= 30 + 1000 * TOL
         assert m["request_goodput"] == 0.0  # every TPOT (~30 ms) misses the 1 ms SLO
     assert "TTFT" in (tmp_path / "t.md").read_text()
     pytest.importorskip("matplotlib")
@@ -327,7 +330,7 @@ def test_loopback_server_streams_at_its_interval():
             results, _ = asyncio.run(run_benchmark(specs, url, "loopback", float("inf"), endpoint=endpoint))
             for r in results:
                 assert r.success and r.output_tokens == 5 and len(r.itl) == 4
-                assert 0.04 - EPS <= r.ttft <= 0.04 + TOL and tpot(r) == pytest.approx(0.04, abs=TOL / 2)
+                assert 0.04 - EPS <= r.ttft <= 0.04 + TOL and 0.04 - EPS <= tpot(r) <= 0.04 + TOL
     finally:
         proc.terminate()
         proc.wait(10)
