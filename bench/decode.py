@@ -182,7 +182,7 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
     seq = SeqStep(seq_id=0, token_ids=[5], start_pos=pos, block_table=list(range(pos // BLOCK_SIZE + 1)),
                   sample=True, params=GREEDY)
     try:
-        ex._execute_eager(ModelBatch.build([seq]))
+        ex.execute_eager(ModelBatch.build([seq]))
         ex.stream.synchronize()
     finally:
         for n, f in saved.items():
@@ -203,6 +203,7 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     import torch
 
     from engine.executor.gpu import GpuExecutor
+    from engine.executor.options import options_of
     from engine.loader import load_model
     from tests.test_gpu_executor import write_random_qwen3
 
@@ -220,19 +221,19 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     max_b = max(batches)
     per_seq = -(-(prompt + steps + 1) // BLOCK_SIZE)
     t = time.perf_counter()
-    ex = GpuExecutor(model, num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
-                     max_num_batched_tokens=2048, max_num_seqs=max_b, progress=False,
-                     decode_kernels=kernel_sets[0].partition("|")[0])
+    ex = GpuExecutor(model, options_of(num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
+                                       max_num_batched_tokens=max(2048, max_b), max_num_seqs=max_b, progress=False,
+                                       decode_kernels=kernel_sets[0].partition("|")[0]))
     cute = ex.gemm.cute  # the default GEMM library: the CuTe GEMM up to 128 rows where built
     print(f"[{name}] {ex.gemm.describe()}", flush=True)
     print(f"[{name}] executor up in {time.perf_counter() - t:.1f}s ({weight_bytes / 1e9:.2f} GB of weights)", flush=True)
     rows, breakdown, first = [], {}, {}
     for ks in kernel_sets:
         kernels, *flags = ks.split("|")
-        ex.pdl_decode = "nopdl" not in flags             # "all|nopdl": plain launches in the graphs
         ex.ops.fused_rope = "norope" not in flags        # "all|norope": rope kernel + decode attention
         ex.gemm.cute = None if "cublas" in flags else cute  # "all|cublas": cuBLAS where gemv.cu does not serve
         ex.set_decode_kernels(kernels)
+        ex.graphs.pdl = "nopdl" not in flags             # "all|nopdl": plain launches in the graphs
         for b in batches:
             r = run_batch(ex, cfg, b, prompt, steps, bw, weight_bytes)
             r["kernels"], r["hf_ms_per_step"] = ks, hf_rows.get(b)

@@ -107,20 +107,27 @@ class GpuHostExecutor:
         _stub_cupy()
         from engine.executor.gpu import GpuExecutor
         from engine.executor.gpu_graphs import DecodeGraphs
+        from engine.executor.gpu_inputs import StepInputs
         from engine.executor.gpu_ops import GpuOps
+        from engine.executor.options import ExecutorOptions
         ex = GpuExecutor.__new__(GpuExecutor)
-        ex.config = types.SimpleNamespace(num_key_value_heads=8)
+        ex.options = ExecutorOptions(max_model_len=max_model_len, max_num_batched_tokens=max(max_num_batched_tokens,
+                                     max_seqs), max_num_seqs=max_seqs)
         ex.vocab_size, ex.max_model_len, ex.num_kv_blocks = vocab_size, max_model_len, num_kv_blocks
-        ex.max_tokens, ex.max_seqs = max(max_num_batched_tokens, max_seqs), max_seqs
-        ex.max_blocks = -(-max_model_len // 16)
-        n_inputs = 5 * ex.max_tokens + ex.max_seqs * ex.max_blocks
-        ex.inputs_host, ex.inputs = np.zeros(n_inputs, np.int32), _Dev(n_inputs)
+        ex.plan = types.SimpleNamespace(kv=types.SimpleNamespace(heads=8))
         ex.stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
-        ops = types.SimpleNamespace(fast_attention=True, num_heads=32, head_dim=128)
+        inputs = StepInputs.__new__(StepInputs)      # its real host code over a host-array "device" buffer
+        inputs.stream, inputs.vocab_size, inputs.max_model_len = ex.stream, vocab_size, max_model_len
+        inputs.max_tokens, inputs.max_seqs = ex.options.max_num_batched_tokens, max_seqs
+        inputs.max_blocks = -(-max_model_len // 16)
+        n_inputs = 5 * inputs.max_tokens + inputs.max_seqs * inputs.max_blocks
+        inputs.host, inputs.device = np.zeros(n_inputs, np.int32), _Dev(n_inputs)
+        ex.inputs, ex.prefill = inputs, None
+        ops = types.SimpleNamespace(fast_attention=True, num_heads=32, head_dim=128, num_sms=132)
         ops.splits = types.MethodType(GpuOps.splits, ops)
         ex.ops, ex.sampler = ops, types.SimpleNamespace(ids=_Dev(max_seqs))
         ex.last_host_s = 0.0
-        ex.graphs = DecodeGraphs(ex)
+        ex.graphs = DecodeGraphs(None, ops, {}, ex.sampler, ex.upload, ex.stream, ex.options.graph_sizes)
         graph = types.SimpleNamespace(launch=lambda stream=None: None)
         ex.graphs.graphs = {b: (graph, None) for b in ex.graphs.buckets}
         self.ex, self.model, self.batch = ex, model, None

@@ -109,6 +109,7 @@ def main() -> None:
     import torch
 
     from engine.executor.gpu import GpuExecutor
+    from engine.executor.options import options_of
     from engine.loader import load_model
     from tests.test_gpu_executor import write_random_qwen3
 
@@ -127,8 +128,9 @@ def main() -> None:
     cfg = model.config
     longest = max(lengths)
     blocks = -(-longest // BLOCK_SIZE)
-    ex = GpuExecutor(model, num_kv_blocks=blocks + 16, max_model_len=blocks * BLOCK_SIZE,
-                     max_num_batched_tokens=longest, max_num_seqs=4, progress=False, prefill_attention="cute")
+    ex = GpuExecutor(model, options_of(num_kv_blocks=blocks + 16, max_model_len=blocks * BLOCK_SIZE,
+                                       max_num_batched_tokens=longest, max_num_seqs=4, progress=False,
+                                       prefill_attention="cute"))
     if ex.prefill is None:
         raise SystemExit("the CuTe prefill path is unavailable here (see the log)")
     rows = []

@@ -20,7 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.batch import BLOCK_SIZE
+from memory.kv_pool import BLOCK_SIZE
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, EngineStats
 from engine.events import (Error, Finished, PromptLogprobs, Rejected,
@@ -146,7 +146,8 @@ class EngineHandle:
         self.executor = executor
         self.model_name = self.config.served_model_name or model_name or "openinfer"
         pool_tokens = executor.num_kv_blocks * BLOCK_SIZE
-        self.max_model_len = self.config.max_model_len or max_model_len or pool_tokens
+        self.max_model_len = (self.config.max_model_len or max_model_len
+                              or min(executor.options.max_model_len, pool_tokens))
         if self.max_model_len > pool_tokens:
             # a longer sequence could never be scheduled; advertising it would make every request
             # that fills the context (a chat's default max_tokens) a rejection
@@ -162,6 +163,11 @@ class EngineHandle:
         self._mailbox_lock = threading.Lock()
         self._closed = False
         self._engine.start()
+
+    @property
+    def max_n(self) -> int:
+        """The largest n (samples per request) the engine admits: max_n, capped by max_num_seqs."""
+        return self._engine.admission.limits.max_n
 
     @property
     def engine(self) -> EngineLoop:
@@ -252,19 +258,19 @@ def _build(config: EngineConfig):
     """Load the model named by config (the demo model when None) and build its executor."""
     import os
 
-    from engine.executor.factory import create_executor
+    from engine.executor.factory import create_executor, resolve_device
+    from engine.executor.options import executor_options
     from engine.loader import load_model
     path = config.model
     if path is None:
         from engine.loader.demo import demo_model_path
         path = demo_model_path()
+    device = resolve_device(config.device)
     model = load_model(path)
-    max_model_len = config.max_model_len or model.config.max_position_embeddings
-    executor = create_executor(model, device=config.device, num_kv_blocks=config.num_kv_blocks,
-                               gpu_memory_utilization=config.gpu_memory_utilization,
-                               max_model_len=max_model_len)
+    options = executor_options(config, device, model.config.max_position_embeddings)
+    executor = create_executor(model, options, device)
     name = os.path.basename(os.path.normpath(str(path)))
     if name.endswith(".gguf"):
         name = name[:-5]
-    info = {"model_name": name, "max_model_len": max_model_len}
+    info = {"model_name": name, "max_model_len": options.max_model_len}
     return executor, model.tokenizer, info

@@ -17,15 +17,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.batch import BLOCK_SIZE, SeqStep
+from engine.batch import SeqStep
 from engine.sequence import Sequence, SeqStatus
 from memory.block_manager import BlockManager, BlockRemoved
 from memory.host_tier import HostKVTier
+from memory.kv_pool import BLOCK_SIZE, blocks_for
 from memory.prefix_hash import NO_PARENT
-
-
-def blocks_for(num_tokens: int) -> int:
-    return -(-num_tokens // BLOCK_SIZE)
 
 
 @dataclass
@@ -43,8 +40,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, host_tier: HostKVTier | None = None):
+                 max_num_batched_tokens: int, host_tier: HostKVTier | None = None, chunked_prefill: bool = True):
         self.bm = block_manager
+        self.chunked_prefill = chunked_prefill   # off: a prompt's prefill runs in one step or waits
         self.host_tier = host_tier
         if host_tier is not None:
             block_manager.subscribe(self._on_kv_event)
@@ -104,6 +102,8 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """New tokens of seq to compute this step (0: none fit)."""
         end = seq.fork_at if seq.fork_count > 1 else len(seq.token_ids)
+        if not self.chunked_prefill and end - seq.num_computed + self._overlap(seq) > budget:
+            return 0
         if not seq.want_prompt_logprobs:
             return min(end - seq.num_computed, budget)
         # Prompt logprobs: a chunk after the first re-feeds the previous chunk's last token, so

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.batch import BLOCK_SIZE
+from memory.kv_pool import BLOCK_SIZE
 
 MAX_PITCH = (1 << 31) - 1
 CUDA_DEV_ATTR_MAX_PITCH = 11

@@ -32,7 +32,7 @@ _app_ids = itertools.count()
 
 def create_app(handle, *, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int | None = None) -> Sanic:
-    """max_n defaults to what the engine accepts: min(config.max_n, config.max_num_seqs)."""
+    """max_n defaults to what the engine accepts (EngineHandle.max_n)."""
     app = Sanic(f"openinfer_{next(_app_ids)}")
     app.config.REQUEST_MAX_SIZE = max_body_bytes
     app.config.KEEP_ALIVE_TIMEOUT = 30
@@ -55,10 +55,8 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
 
 
 def _engine_max_n(handle) -> int:
-    config = getattr(handle, "config", None)
-    if config is None:
-        return 16
-    return min(config.max_n, config.max_num_seqs)
+    """The n the engine admits (EngineHandle.max_n: max_n capped by max_num_seqs); 16 for a stand-in."""
+    return getattr(handle, "max_n", 16)
 
 
 def _vocab_size(handle) -> int | None:

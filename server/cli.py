@@ -17,17 +17,35 @@ DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's options (EngineConfig), named as vLLM names them."""
     p.add_argument("--model", default=None,
                    help="HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct demo)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output token limit per request")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step at most")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in 16-token blocks")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: the GPU executor; cpu: the numpy executor; auto: the GPU when CuPy sees one")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="weights' dtype: the GPU runs bfloat16 (auto, bfloat16); the CPU computes in float32 "
+                        "and with bfloat16 / float16 first rounds the weights to it")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output token limit per request (default: the model's own)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences per engine step at most (default: 256 on the GPU, 64 on the CPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step at most (default: 8192 on the GPU, 2048 on the CPU)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over several steps (off: --max-num-batched-tokens must hold "
+                        "--max-model-len)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory the engine takes (weights, activations, KV cache)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool size in 16-token blocks (default: what --gpu-memory-utilization leaves)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes seen before")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every decode step launches its kernels one by one")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs (default: 1 2 4 8 16 24 32 48 64 96 128 ... 512, "
+                        "up to --max-num-seqs)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling of requests that bring no seed")
     p.add_argument("--host-kv-blocks", type=int, default=0,
                    help="host KV tier: keep up to this many evicted prefix-cache blocks in host memory "
                         "(pinned memory with the GPU executor)")
@@ -63,12 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace):
     from engine.config import EngineConfig
+    from engine.executor.options import DEFAULT_GRAPH_SIZES
     served = getattr(args, "served_model_name", None) or (DEMO_MODEL_NAME if args.model is None else None)
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, served_model_name=served,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
+                          enable_chunked_prefill=args.enable_chunked_prefill,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                          enforce_eager=args.enforce_eager,
+                          cuda_graph_sizes=tuple(args.cuda_graph_sizes or DEFAULT_GRAPH_SIZES),
                           max_n=getattr(args, "max_n", 16), seed=args.seed, overlap_steps=args.overlap_steps,
                           schedule_ahead=args.schedule_ahead, host_kv_blocks=args.host_kv_blocks)
     config.validate()

@@ -92,9 +92,10 @@ def random_sequences(vocab: int, lengths: list[int], seed: int) -> list[list[int
 
 def new_gpu_executor(model, **kw):
     from engine.executor.gpu import GpuExecutor
+    from engine.executor.options import options_of
 
     args = dict(num_kv_blocks=96, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=16, progress=False)
-    return GpuExecutor(model, **{**args, **kw})
+    return GpuExecutor(model, options_of(**{**args, **kw}))
 
 
 # ---- tiny models -------------------------------------------------------------------------------
@@ -138,7 +139,7 @@ def test_tiny_gate_gemm_library(tiny, backend):
     if backend == "cute" and not available():
         pytest.skip(f"CuTe kernels unavailable: {available().reason}")
     name, model, _, seqs, o32, o16 = tiny
-    ex = new_gpu_executor(model, use_cute=backend)
+    ex = new_gpu_executor(model, gemm=backend)
     try:
         assert (ex.gemm.cute is not None) == (backend == "cute")
         for path_name in sorted(PATHS):
@@ -207,10 +208,11 @@ GPU_CPU_TIE_TOL = 0.1
 
 def test_gpu_equals_cpu_greedy_64_steps():
     from engine.executor.cpu import CpuExecutor
+    from engine.executor.options import options_of
 
     model = load_model(tiny_model_path("qwen3_untied"))
     gpu = new_gpu_executor(model)
-    cpu = CpuExecutor(model, num_kv_blocks=96, max_model_len=512, bf16_weights=True)
+    cpu = CpuExecutor(model, options_of(num_kv_blocks=96, max_model_len=512, dtype="bfloat16"))
     prompts = [[1, 2, 3, 4, 5], list(range(100, 137))]
     g, c = greedy(gpu, prompts, 64), greedy(cpu, prompts, 64)
     same = sum(assert_same_or_tie(cpu, p, a, b, GPU_CPU_TIE_TOL, "GPU vs CPU") for p, a, b in zip(prompts, g, c))

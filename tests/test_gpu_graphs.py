@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 def test_graph_decode_matches_eager_in_every_bucket():
     model = load_model(tiny_model_path("qwen3_gqa4"))
-    eager = new_gpu_executor(model, use_cuda_graphs=False)
+    eager = new_gpu_executor(model, cuda_graphs=False)
     graphed = new_gpu_executor(model)
     identical = total = 0
     for n in (1, 2, 3, 5, 8, 9, 16):

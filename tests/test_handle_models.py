@@ -23,8 +23,9 @@ def loaded(name):
 
 def engine_for(name, num_kv_blocks=64, **config):
     from engine.executor.cpu import CpuExecutor
+    from engine.executor.options import options_of
     model = loaded(name)
-    ex = CpuExecutor(model, num_kv_blocks=num_kv_blocks, max_model_len=512)
+    ex = CpuExecutor(model, options_of(num_kv_blocks=num_kv_blocks, max_model_len=512))
     return make_engine(ex, model.tokenizer, max_model_len=512, **config)
 
 
@@ -169,9 +170,10 @@ def test_abort_mid_generation_through_the_handle():
     import time
     from engine.config import EngineConfig
     from engine.executor.cpu import CpuExecutor
+    from engine.executor.options import options_of
     from engine.handle import EngineHandle
     model = loaded("qwen3_tied")
-    h = EngineHandle(EngineConfig(), executor=CpuExecutor(model, num_kv_blocks=32, max_model_len=512),
+    h = EngineHandle(EngineConfig(), executor=CpuExecutor(model, options_of(num_kv_blocks=32, max_model_len=512)),
                      tokenizer=model.tokenizer, max_model_len=512)
 
     async def go():

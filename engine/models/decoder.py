@@ -13,6 +13,7 @@ from typing import Any
 from engine.model_config import ModelConfig
 from engine.models.ops import Array, AttentionSpec, Ops
 from engine.models.weights import WeightSpec, packed
+from memory.kv_pool import KVLayout
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,17 @@ class DecoderLM:
 
     def weight_specs(self) -> list[WeightSpec]:
         return model_weight_specs(self.config, self.opt)
+
+    def kv_layout(self) -> KVLayout:
+        """What one token stores in the paged KV pool: K and V of every layer's KV heads."""
+        c = self.config
+        return KVLayout(layers=c.num_hidden_layers, planes=2, heads=c.num_key_value_heads, dim=c.head_dim)
+
+    @property
+    def activation_width(self) -> int:
+        """The widest activation row the forward writes (gate_up, qkv or hidden)."""
+        c = self.config
+        return max(2 * c.intermediate_size, c.q_size + 2 * c.kv_size, c.hidden_size)
 
     def forward(self, ops: Ops, w: dict[str, Array], ctx: Any) -> Array:
         """Final-normed hidden states [T, H] for every token of the step; writes the step's KV."""

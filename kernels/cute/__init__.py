@@ -88,10 +88,10 @@ def self_check(m: int = 3, n: int = 136, k: int = 264) -> None:
                                f"{check.err:.3g}, {check.unwritten} outputs unwritten {check.detail}".rstrip())
 
 
-def reserve_workspace(max_m: int, shapes) -> None:
+def reserve_workspace(max_m: int, shapes, buffer=None) -> None:
     """Pre-size the split-K workspace so GEMMs of at most ``max_m`` rows with these ``(N, K)``
-    weights can be graph-captured."""
-    _get_runner().reserve_workspace(max_m, shapes)
+    weights can be graph-captured; ``buffer``: use this device array (``split_workspace_bytes``)."""
+    _get_runner().reserve_workspace(max_m, shapes, buffer)
 
 
 def gemm(a, b, out, stream=None, residual=None, prefetch_weights: bool = False) -> None:
