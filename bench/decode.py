@@ -205,7 +205,7 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     from engine.executor.gpu import GpuExecutor
     from engine.executor.options import options_of
     from engine.loader import load_model
-    from tests.test_gpu_executor import write_random_qwen3
+    from harness.models import write_random_qwen3
 
     folder = f"/tmp/{name}-random"
     t = time.perf_counter()

@@ -46,7 +46,7 @@ def run_step(model_name: str, batch: int, prompt: int = 128) -> None:
     from engine.executor.gpu import GpuExecutor
     from engine.executor.options import options_of
     from engine.loader import load_model
-    from tests.test_gpu_executor import write_random_qwen3
+    from harness.models import write_random_qwen3
 
     folder = f"/tmp/{model_name}-random"
     write_random_qwen3(os.path.join(ROOT, "bench", "configs", model_name, "config.json"), folder)

@@ -74,7 +74,7 @@ def run(model_name: str, batches: list[int], output_len: int, prompt_len: int = 
     from engine.loader import load_model
     from engine.request import GenerateRequest, SamplingParams
     from engine.tokenizer import Tokenizer
-    from tests.test_gpu_executor import write_random_qwen3
+    from harness.models import write_random_qwen3
 
     folder = f"/tmp/{model_name}-random"
     write_random_qwen3(os.path.join(ROOT, "bench", "configs", model_name, "config.json"), folder)

@@ -88,7 +88,7 @@ def hf_prefill_ms(hf, tokens: list[int], reps: int) -> float:
 
 def agreement(ex, tokens: list[int]) -> dict:
     """Both paths' logits on every 16th position: argmax agreement, mean / max |Δlogprob|."""
-    from tests.models_util import log_softmax
+    from harness.models import log_softmax
 
     lps = {}
     for path, min_query in PATHS.items():
@@ -111,7 +111,7 @@ def main() -> None:
     from engine.executor.gpu import GpuExecutor
     from engine.executor.options import options_of
     from engine.loader import load_model
-    from tests.test_gpu_executor import write_random_qwen3
+    from harness.models import write_random_qwen3
 
     lengths = [int(x) for x in a.lengths.split(",")]
     folder = "/tmp/qwen3-4b-random"

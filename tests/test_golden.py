@@ -13,7 +13,7 @@ import pytest
 from engine.executor.cpu import CpuExecutor
 from engine.executor.options import options_of
 from engine.loader import load_model
-from tests.models_util import TINY_MODELS, compare_logits, engine_logits, hf_logits, test_prompts, tiny_model_path
+from harness.models import TINY_MODELS, compare_logits, engine_logits, hf_logits, test_prompts, tiny_model_path
 
 MAX_DLOGPROB = 1e-3
 
@@ -102,7 +102,7 @@ def test_prompt_logprobs_and_sampling_match_oracle(case):
     """execute(): prompt logprobs of token_ids[1:] and the greedy pick of the last position."""
     from engine.batch import ModelBatch, SeqStep
     from engine.request import SamplingParams
-    from tests.models_util import log_softmax
+    from harness.models import log_softmax
     model, prompts, oracle = case
     ex = new_executor(model)
     steps, start = [], 0

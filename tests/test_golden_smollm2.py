@@ -19,7 +19,7 @@ from engine.executor.options import options_of
 from engine.loader import load_model
 from engine.loader.demo import demo_gguf_path, demo_model_path
 from engine.request import SamplingParams
-from tests.models_util import compare_logits, engine_logits, hf_model, log_softmax
+from harness.models import compare_logits, engine_logits, hf_model, log_softmax
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 
 import numpy as np
 import pytest
@@ -28,7 +27,8 @@ import pytest
 from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
 from engine.loader import load_model
 from engine.request import SamplingParams
-from tests.models_util import TINY_MODELS, engine_logits, log_softmax, tiny_model_path, tokenizer_source
+from harness.executors import new_gpu_executor
+from harness.models import TINY_MODELS, engine_logits, log_softmax, random_sequences, tiny_model_path, write_random_qwen3
 
 pytestmark = pytest.mark.gpu
 MIN_TIE_TOL = 0.02
@@ -83,19 +83,6 @@ def gate_row(name: str, engine: list[np.ndarray], o32: list[np.ndarray], o16: li
 def assert_gate(row: dict) -> None:
     assert row["agree"] >= MIN_AGREEMENT, row
     assert row["mean"] <= row["bound"], row
-
-
-def random_sequences(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
-
-
-def new_gpu_executor(model, **kw):
-    from engine.executor.gpu import GpuExecutor
-    from engine.executor.options import options_of
-
-    args = dict(num_kv_blocks=96, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=16, progress=False)
-    return GpuExecutor(model, options_of(**{**args, **kw}))
 
 
 # ---- tiny models -------------------------------------------------------------------------------
@@ -221,38 +208,6 @@ def test_gpu_equals_cpu_greedy_64_steps():
 
 
 # ---- real-shape Qwen3-4B, random bf16 weights --------------------------------------------------
-def write_random_qwen3(config_path: str, out_dir: str, seed: int = 0, embed_std: float = 0.06):
-    """An HF folder of a real-shape model with random bf16 weights (written on the GPU): matrices
-    ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1), embedding ~ N(0, embed_std) (logit spread ~3 like a real
-    model). Returns the bf16 model on the GPU. Reuses out_dir when already complete."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(os.path.dirname(config_path))
-    torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 2 and "embed" in name:
-                p.normal_(0.0, embed_std)
-            elif p.ndim == 2:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-            elif "norm" in name:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.1)
-    done = os.path.join(out_dir, ".complete")
-    if not os.path.exists(done):
-        model.save_pretrained(out_dir, safe_serialization=True)
-        folder = tokenizer_source()[0]
-        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            if os.path.isfile(os.path.join(folder, f)):
-                shutil.copy(os.path.join(folder, f), out_dir)
-        open(done, "w").close()
-    return model.eval()
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("OPENINFER_GATE_4B") != "1", reason="set OPENINFER_GATE_4B=1 (bench/gpu_suite.sh)")
 def test_qwen3_4b_random_gate():

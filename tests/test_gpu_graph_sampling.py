@@ -11,13 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
 from engine.executor.base import DoneStep
 from engine.loader import load_model
 from engine.request import SamplingParams
 from engine.sampling import filtered_probs, sample_step
-from tests.models_util import tiny_model_path
-from tests.test_gpu_executor import new_gpu_executor, random_sequences
+from harness.executors import Decoder, new_gpu_executor
+from harness.models import random_sequences, tiny_model_path
 
 pytestmark = pytest.mark.gpu
 
@@ -39,30 +38,6 @@ def fetch(ex, a) -> np.ndarray:
     out = a.get(stream=ex.stream)
     ex.stream.synchronize()
     return out
-
-
-class Decoder:
-    """Sequences prefilled (eagerly, greedy) into disjoint KV blocks, then decoded one step at a time."""
-
-    def __init__(self, ex, prompts: list[list[int]], steps: int):
-        free = iter(range(ex.num_kv_blocks))
-        self.ex, self.prompts, self.toks = ex, prompts, [list(p) for p in prompts]
-        self.tables = [[next(free) for _ in range(-(-(len(p) + steps + 1) // BLOCK_SIZE))] for p in prompts]
-        out = ex.execute(ModelBatch.build([SeqStep(seq_id=i, token_ids=list(p), start_pos=0, block_table=t,
-                                                   sample=True, params=SamplingParams(temperature=0.0))
-                                           for i, (p, t) in enumerate(zip(prompts, self.tables))]))
-        for i, t in enumerate(out.sampled):
-            self.toks[i].append(t.token_id)
-
-    def batch(self, params: list[SamplingParams]) -> ModelBatch:
-        return ModelBatch.build([SeqStep(seq_id=i, token_ids=[t[-1]], start_pos=len(t) - 1, block_table=tb,
-                                         sample=True, params=p, prompt_len=len(pr), history=list(t),
-                                         num_generated=len(t) - len(pr))
-                                 for i, (t, tb, pr, p) in enumerate(zip(self.toks, self.tables, self.prompts, params))])
-
-    def advance(self, out) -> None:
-        for i, t in enumerate(out.sampled):
-            self.toks[i].append(t.token_id)
 
 
 def mixed_params(n: int, step: int) -> list[SamplingParams]:

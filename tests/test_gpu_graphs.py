@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from engine.loader import load_model
-from tests.models_util import tiny_model_path
-from tests.test_gpu_executor import MIN_TIE_TOL, assert_same_or_tie, greedy, new_gpu_executor, random_sequences
+from harness.executors import new_gpu_executor
+from harness.models import random_sequences, tiny_model_path
+from tests.test_gpu_executor import MIN_TIE_TOL, assert_same_or_tie, greedy
 
 pytestmark = pytest.mark.gpu
 

@@ -143,7 +143,7 @@ def test_gpu_engine_prefix_comes_back_from_the_host_tier():
     from engine.loader import load_model
     from engine.request import GenerateRequest, SamplingParams
     from memory.prefix_hash import hash_chain
-    from models_util import tiny_model_path
+    from harness.models import tiny_model_path
 
     model = load_model(tiny_model_path("qwen3_gqa4"))
     ex = GpuExecutor(model, options_of(num_kv_blocks=10, max_model_len=512, max_num_batched_tokens=512,

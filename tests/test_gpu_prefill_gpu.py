@@ -13,9 +13,9 @@ from engine.executor.gpu_ops import GpuStepContext
 from engine.executor.gpu_plan import DeviceInfo
 from engine.loader import load_model
 from engine.models.ops import AttentionSpec
-from tests.models_util import build_tiny_model, engine_logits
-from tests.test_gpu_executor import (PATHS, assert_gate, gate_row, hf_gpu_models, hf_run, new_gpu_executor,
-                                     random_sequences)
+from harness.executors import new_gpu_executor
+from harness.models import build_tiny_model, engine_logits, random_sequences
+from tests.test_gpu_executor import PATHS, assert_gate, gate_row, hf_gpu_models, hf_run
 from tests.test_gpu_prefill import MIXED, mixed_batch
 from tests.test_raw_cuda_kernels import attention_ref, bits, f32
 

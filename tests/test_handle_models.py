@@ -17,7 +17,7 @@ def loaded(name):
     if name == "smollm2":
         from engine.loader.demo import demo_model_path
         return load_model(demo_model_path())
-    from models_util import tiny_model_path
+    from harness.models import tiny_model_path
     return load_model(tiny_model_path(name))
 
 
@@ -202,7 +202,7 @@ def test_abort_mid_generation_through_the_handle():
 def test_prompt_and_sample_logprobs_match_teacher_forced_logits(budget):
     import numpy as np
     from engine.events import PromptLogprobs
-    from models_util import engine_logits, log_softmax
+    from harness.models import engine_logits, log_softmax
     name = "qwen3_tied"
     rng = random.Random(6)
     prompt = [rng.randrange(5000) for _ in range(45)]

@@ -18,7 +18,7 @@ from engine.loader import load_model
 from engine.loader.gguf_convert import convert_gguf, gguf_folder_for, hf_tensor_name, unpermute_qk
 from engine.loader.safetensors_io import SafetensorsCheckpoint, save_safetensors
 from engine.model_config import ModelConfig
-from tests.models_util import build_tiny_model, qwen_tokenizer_dir, tiny_model_path
+from harness.models import build_tiny_model, qwen_tokenizer_dir, tiny_model_path
 
 
 def copy_folder(src: str, dst: str, dtype=None, shards: int = 1, drop: str | None = None,

@@ -14,7 +14,7 @@ from engine.executor.env import gpu_tuning_from_env
 from engine.executor.options import ExecutorOptions, GpuTuning, executor_options, options_of
 from engine.model_config import ModelConfig
 from engine.request import GenerateRequest, SamplingParams
-from tests.models_util import tiny_model_path
+from harness.models import tiny_model_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

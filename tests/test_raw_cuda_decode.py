@@ -111,8 +111,10 @@ def test_executor_decode_kernels_match_default():
     for what the GEMV does not take, so that only the decode kernels differ (the GEMM libraries
     have gates of their own: test_gpu_executor.test_tiny_gate_gemm_library)."""
     from engine.loader import load_model
-    from tests.models_util import tiny_model_path
-    from tests.test_gpu_executor import MIN_TIE_TOL, assert_same_or_tie, greedy, new_gpu_executor, random_sequences
+    from harness.models import tiny_model_path
+    from harness.executors import new_gpu_executor
+    from harness.models import random_sequences
+    from tests.test_gpu_executor import MIN_TIE_TOL, assert_same_or_tie, greedy
 
     model = load_model(tiny_model_path("qwen3_gqa4"))
     old = new_gpu_executor(model, cuda_graphs=False, decode_kernels="", gemm="cublas")

@@ -79,7 +79,7 @@ def self_check(m: int = 3, n: int = 136, k: int = 264) -> None:
     """One small planned product, plain and with the residual added in place, against float32
     (``testing.gemm_check``); raises RuntimeError saying how it failed. For a user of the library
     to run once at start-up, after ``init`` and ``reserve_workspace``."""
-    from .testing import gemm_check
+    from .verification.checks import gemm_check
 
     for residual in ("", "inplace"):
         check = gemm_check(_get_runner(), None, m, n, k, residual)

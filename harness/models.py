@@ -1,8 +1,9 @@
-"""Test helpers: tiny random-weight Hugging Face model folders (built with transformers, saved in
-bf16 with the real Qwen tokenizer), the transformers float32 oracle, and an engine driver that
-feeds sequences through the paged KV cache in any chunking.
+"""Model helpers shared by the tests and the benchmarks (not part of the engine: they need torch and
+transformers): tiny random-weight Hugging Face model folders (built with transformers, saved in bf16
+with the real Qwen tokenizer), real-shape folders with random bf16 weights, the transformers float32
+oracle, and an engine driver that feeds sequences through the paged KV cache in any chunking.
 
-    from tests.models_util import TINY_MODELS, tiny_model_path, hf_logits, engine_logits
+    from harness.models import TINY_MODELS, tiny_model_path, hf_logits, engine_logits
 
 `tiny_model_path(name)` builds a folder once per test process (cached) under a temp dir.
 """
@@ -240,3 +241,40 @@ def test_prompts(tokenizer, count: int = 4) -> list[list[int]]:
 
 
 test_prompts.__test__ = False  # not a pytest test
+
+
+def random_sequences(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def write_random_qwen3(config_path: str, out_dir: str, seed: int = 0, embed_std: float = 0.06):
+    """An HF folder of a real-shape model with random bf16 weights (written on the GPU): matrices
+    ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1), embedding ~ N(0, embed_std) (logit spread ~3 like a real
+    model). Returns the bf16 model on the GPU. Reuses out_dir when already complete."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(os.path.dirname(config_path))
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed" in name:
+                p.normal_(0.0, embed_std)
+            elif p.ndim == 2:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+    done = os.path.join(out_dir, ".complete")
+    if not os.path.exists(done):
+        model.save_pretrained(out_dir, safe_serialization=True)
+        folder = tokenizer_source()[0]
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if os.path.isfile(os.path.join(folder, f)):
+                shutil.copy(os.path.join(folder, f), out_dir)
+        open(done, "w").close()
+    return model.eval()
