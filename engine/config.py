@@ -49,6 +49,7 @@ class EngineConfig:
     host_kv_blocks: int = 0                  # host KV tier: evicted prefix-cache blocks kept in host memory
     gpu: GpuTuning | None = None
     progress: bool = True                    # the weight-upload progress bar
+    step_trace: str | None = None            # a JSONL file: one line per engine step (engine/step_trace.py)
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""

@@ -23,6 +23,7 @@ from engine.outputs import OutputProcessor, RequestState, Sink
 from engine.request import GenerateRequest
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stats import EngineStats
+from engine.step_trace import NoTrace, StepTrace
 from memory.block_manager import BlockManager
 from memory.host_tier import HostKVTier
 
@@ -86,6 +87,7 @@ class EngineLoop:
         self._after_step: list[Callable[[], None]] = []
         self._plan: tuple[SchedulerOutput, ModelBatch] | None = None  # the next decode step, planned ahead
         self._planned_steps = 0
+        self.trace = StepTrace(config.step_trace) if config.step_trace else NoTrace()
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -137,6 +139,7 @@ class EngineLoop:
         for rid in list(self.requests):
             self.outputs.fail(rid, "engine shut down")
         self._run_after_step()
+        self.trace.close()
 
     def _run_after_step(self) -> None:
         fns, self._after_step = self._after_step, []
@@ -178,28 +181,37 @@ class EngineLoop:
         """One engine step: schedule (or confirm the step planned ahead), launch, emit the previous
         step's deferred tokens and plan the next decode step while the device runs this one, wait for
         its sampled ids, turn them into events."""
-        outputs = self.outputs
+        outputs, trace = self.outputs, self.trace
+        trace.begin()
         out, batch = self._take_plan()
+        planned = out is not None
         if out is None:
             out = self.scheduler.schedule()
+        trace.mark("schedule")
         self._copy_tier_blocks()
         for seq in out.preempted:
             log.debug("preempted seq %d of %s", seq.seq_id, seq.request_id)
         outputs.register_forks(out.forked)
         for seq in out.admitted:
             outputs.on_scheduled(seq)
+        trace.mark("copy")
         if out.steps:
             try:
                 if batch is None:
                     batch = ModelBatch.build(out.steps)
+                trace.mark("build")
                 pending = (self.executor.submit(batch) if self.config.overlap_steps
                            else DoneStep(self.executor.execute(batch)))
+                trace.mark("launch")
                 if outputs.deferred:        # the previous step's tokens, while the device runs this one
                     outputs.emit_deferred()
                     self._run_after_step()  # and hand them to their consumers now, not after this step
+                trace.mark("emit")
                 if self.config.schedule_ahead and not isinstance(pending, DoneStep):
                     self._plan_ahead(out)
+                trace.mark("plan")
                 result = pending.result()
+                trace.mark("wait")
                 if len(result.sampled) != sum(s.sample for s in out.steps):
                     raise RuntimeError(f"executor sampled {len(result.sampled)} sequences, "
                                        f"expected {sum(s.sample for s in out.steps)}")
@@ -210,6 +222,8 @@ class EngineLoop:
                     outputs.fail(rid, f"engine step failed: {type(e).__name__}: {e}")
             else:
                 outputs.process(out, result, defer=not isinstance(pending, DoneStep))
+                trace.mark("process")
+                trace.end(out, planned, self.executor)
         if not out.steps or not self.scheduler.has_work():
             outputs.emit_deferred()
         self._steps += 1

@@ -1,6 +1,6 @@
 """Sampling inside the decode graphs, on a tiny Qwen3 (GQA 4) with the real vocabulary:
   * a step with temperature / top_k / top_p / min_p rows and logprobs is served asynchronously
-    (GraphStep) and gives exactly what the eager GpuSampler gives on the same logits (ids, logprobs,
+    (ReadbackStep) and gives exactly what the eager GpuSampler gives on the same logits (ids, logprobs,
     top logprobs, bit for bit), and the host reference's ids; greedy rows keep the argmax;
   * padded rows of the bucket sample nothing and write no top logprobs;
   * greedy steps still replay the greedy graph; steps with penalties still take the eager sampler;
@@ -47,7 +47,7 @@ def mixed_params(n: int, step: int) -> list[SamplingParams]:
 
 
 def test_sampling_graph_equals_eager_sampler(setup):
-    from engine.executor.gpu_graphs import GraphStep
+    from engine.executor.gpu_readback import ReadbackStep
 
     model, ex = setup
     V, mismatches, total = model.config.vocab_size, 0, 0
@@ -61,7 +61,7 @@ def test_sampling_graph_equals_eager_sampler(setup):
                 ex.sampler.top_ids[:b].fill(-7)
             batch = dec.batch(params)
             pending = ex.submit(batch)
-            assert isinstance(pending, GraphStep), f"batch {n}: a sampling step was not served by a graph"
+            assert isinstance(pending, ReadbackStep), f"batch {n}: a sampling step was not served by a graph"
             got = pending.result()
             logits = ex.graphs.sampling_graphs[b][1]
             if b > n:
@@ -90,13 +90,13 @@ def test_sampling_graph_equals_eager_sampler(setup):
 
 
 def test_greedy_steps_keep_the_greedy_graph_and_penalties_stay_eager(setup):
-    from engine.executor.gpu_graphs import GraphStep
+    from engine.executor.gpu_readback import ReadbackStep
 
     model, ex = setup
     dec = Decoder(ex, random_sequences(model.config.vocab_size, [9, 4, 13], seed=5), steps=2)
     greedy_before = dict(ex.graphs.graphs)
     pending = ex.submit(dec.batch([SamplingParams(temperature=0.0)] * 3))
-    assert isinstance(pending, GraphStep) and pending.logprobs is None
+    assert isinstance(pending, ReadbackStep) and pending.logprobs is None
     got = pending.result()
     logits = fetch(ex, ex.graphs.graphs[4][1][:3])
     assert [t.token_id for t in got.sampled] == logits.argmax(-1).tolist()

@@ -4,6 +4,7 @@ themselves from the plan (CPU-only checks of the structure)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 
@@ -29,7 +30,7 @@ def non_default_config(model: str) -> EngineConfig:
                         progress=False)
 
 
-def test_every_engine_config_field_reaches_its_consumer():
+def test_every_engine_config_field_reaches_its_consumer(tmp_path):
     """Each EngineConfig field, set to a non-default value, is found where it acts. A new field
     without a check here fails the test."""
     import numpy as np
@@ -43,6 +44,7 @@ def test_every_engine_config_field_reaches_its_consumer():
     config = non_default_config(path)
     # chunked prefill off: the step budget must hold a whole max_model_len prompt
     config.max_num_batched_tokens = 400
+    config.step_trace = str(tmp_path / "steps.jsonl")
     with EngineHandle(config) as h:
         ex, eng = h.executor, h.engine
         opts = ex.options
@@ -71,9 +73,13 @@ def test_every_engine_config_field_reaches_its_consumer():
             and ex.host_kv.shape[2] == 9 * 16,
             "gpu": opts.gpu == config.gpu,
             "progress": opts.progress is False,
+            "step_trace": opts.time_steps is True and eng.trace.file.name == config.step_trace,
         }
+        h.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert set(checks) == {f.name for f in dataclasses.fields(EngineConfig)}
     assert [name for name, ok in checks.items() if not ok] == []
+    steps = [json.loads(line) for line in open(config.step_trace)]
+    assert len(steps) == 3 and steps[0]["prefill"] == 3 and [s["decode"] for s in steps[1:]] == [1, 1]
 
 
 def test_every_engine_config_field_has_a_cli_flag():

@@ -37,6 +37,7 @@ class Executor(Protocol):
     num_kv_blocks: int          # size of the paged KV pool, in BLOCK_SIZE-token blocks
     vocab_size: int
     supports_host_tier: bool    # copy_blocks works (host_kv_blocks > 0)
+    last_step_graphed: bool     # the last step replayed a CUDA graph (the step trace's mode)
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         """Run one step: write the new tokens' KV, sample where asked."""
@@ -55,13 +56,19 @@ class Executor(Protocol):
         ordered before the next step."""
         ...
 
+    def last_gpu_ms(self) -> float | None:
+        """Device time of the last step (after its result()), or None where steps are not timed."""
+        ...
+
     def close(self) -> None:
         ...
 
 
 class ExecutorBase:
-    """Defaults for the optional parts of Executor: synchronous submit, no host tier, nothing to close."""
+    """Defaults for the optional parts of Executor: synchronous submit, no host tier, no step timing,
+    nothing to close."""
     supports_host_tier = False
+    last_step_graphed = False     # the last step replayed a CUDA graph
     options: ExecutorOptions
 
     def execute(self, batch: ModelBatch) -> StepOutput:
@@ -72,6 +79,10 @@ class ExecutorBase:
 
     def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
         raise RuntimeError(f"{type(self).__name__} has no host KV tier")
+
+    def last_gpu_ms(self) -> float | None:
+        """Device time of the last step, where the executor times steps (options.time_steps)."""
+        return None
 
     def close(self) -> None:
         pass

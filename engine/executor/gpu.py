@@ -26,7 +26,8 @@ from engine.executor.gpu_inputs import StepInputs
 from engine.executor.gpu_ops import GpuOps, GpuStepContext
 from engine.executor.gpu_plan import DeviceInfo, GpuPlan, gpu_plan
 from engine.executor.gpu_prefill import PrefillAttention, prefill_min_query
-from engine.executor.gpu_sampler import GpuSampler
+from engine.executor.gpu_readback import Readback
+from engine.executor.gpu_sampler import GpuSampler, needs_processing
 from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE, ExecutorOptions,
                                      parse_decode_kernels)
 from engine.loader import LoadedModel
@@ -61,6 +62,28 @@ def parts_nbytes(plan: GpuPlan, cute_max_m: int, prefill_on: bool) -> dict[str, 
     return {"ops": GpuOps.nbytes(plan), "sampler": GpuSampler.nbytes(plan), "inputs": StepInputs.nbytes(plan),
             "gemm": WORKSPACE_BYTES + cute_workspace_bytes(plan, cute_max_m),
             "prefill": PrefillAttention.nbytes(plan) if prefill_on else 0}
+
+
+class StepTimer:
+    """CUDA events around each step's work on the stream: its GPU time, with no sync of its own."""
+
+    def __init__(self, stream):
+        import cupy
+
+        self.stream = stream
+        self.begin, self.end = cupy.cuda.Event(), cupy.cuda.Event()
+
+    def start(self) -> None:
+        self.begin.record(self.stream)
+
+    def stop(self) -> None:
+        self.end.record(self.stream)
+
+    def elapsed_ms(self) -> float:
+        import cupy
+
+        self.end.synchronize()
+        return float(cupy.cuda.get_elapsed_time(self.begin, self.end))
 
 
 class GpuExecutor(ExecutorBase):
@@ -127,6 +150,8 @@ class GpuExecutor(ExecutorBase):
         if options.host_kv_blocks:
             self.enable_host_tier(options.host_kv_blocks)
         self.last_host_s = 0.0
+        self.readback = Readback(plan.max_seqs, stream)
+        self.timer = StepTimer(stream) if options.time_steps else None
         self.graphs = self._graphs() if options.cuda_graphs else None
         stream.synchronize()
         log.info("GPU executor on %s (%d SMs): %s", self.device.name, self.device.num_sms, self.gemm.describe())
@@ -143,8 +168,8 @@ class GpuExecutor(ExecutorBase):
         return gemm
 
     def _graphs(self) -> DecodeGraphs:
-        return DecodeGraphs(self.model, self.ops, self.weights, self.sampler, self.upload, self.stream,
-                            self.options.graph_sizes, pdl=self.options.gpu.pdl)
+        return DecodeGraphs(self.model, self.ops, self.weights, self.sampler, self.upload, self.readback,
+                            self.stream, self.options.graph_sizes, pdl=self.options.gpu.pdl)
 
     # ---- host KV tier ---------------------------------------------------------------------------
     def enable_host_tier(self, num_slots: int) -> None:
@@ -200,32 +225,57 @@ class GpuExecutor(ExecutorBase):
         return self._logits_host(hidden, np.arange(batch.num_tokens, dtype=np.int32))
 
     def submit(self, batch: ModelBatch) -> PendingStep:
-        """Launch one step. A decode-graph step returns while the GPU runs it (its result() is the
-        step's one sync); other steps run to the end here."""
+        """Launch one step; it returns while the GPU runs it (its result() is the step's one sync),
+        except an eager step with logit processing or prompt logprobs, which runs to the end here."""
         t0 = time.perf_counter()
+        if self.timer is not None:
+            self.timer.start()
         if self.graphs is not None and self.graphs.serves(batch):
             with nvtx_range(f"decode graph B={len(batch.seqs)}"):
                 pending = self.graphs.launch(batch, t0)
-            self.last_host_s = self.graphs.last_host_s
-            return pending
-        with nvtx_range(f"step T={batch.num_tokens}"):
-            out = self.execute_eager(batch)
-        self.last_host_s = time.perf_counter() - t0
-        return DoneStep(out)
+            self.last_host_s, self.last_step_graphed = self.graphs.last_host_s, True
+        else:
+            self.last_step_graphed = False
+            with nvtx_range(f"step T={batch.num_tokens}"):
+                pending = self.launch_eager(batch)
+            self.last_host_s = time.perf_counter() - t0
+        if self.timer is not None:
+            self.timer.stop()
+        return pending
 
-    def execute_eager(self, batch: ModelBatch) -> StepOutput:
-        """One step with per-kernel launches (prefill and mixed steps; decode where graphs are off)."""
+    def last_gpu_ms(self) -> float | None:
+        """GPU time of the last step (options.time_steps; read after its result())."""
+        return None if self.timer is None else self.timer.elapsed_ms()
+
+    def launch_eager(self, batch: ModelBatch) -> PendingStep:
+        """One step with per-kernel launches (prefill and mixed steps; decode where graphs are off).
+        Sampled rows with no logit processing run the decode graphs' sampling kernels and come back
+        through the readback, so the host goes on while the GPU runs the step."""
         hidden, ctx = self._hidden(batch)
-        out = StepOutput(sampled=[])
         sampled = [s for s in batch.seqs if s.sample]
+        want = [i for i, s in enumerate(batch.seqs) if s.want_prompt_logprobs and len(s.token_ids) > 1]
+        logits = None
         if sampled:
             rows = self.ops.gather_rows(hidden, ctx.sample_rows)
             logits = self.model.compute_logits(self.ops, self.weights, rows)
-            out.sampled = self.sampler.sample(logits, sampled)
-        want = [i for i, s in enumerate(batch.seqs) if s.want_prompt_logprobs and len(s.token_ids) > 1]
-        if want:
-            out.prompt_logprobs = self._prompt_logprobs(batch, want, hidden)
-        return out
+        if want or any(map(needs_processing, sampled)):
+            out = StepOutput(sampled=self.sampler.sample(logits, sampled) if sampled else [])
+            if want:
+                out.prompt_logprobs = self._prompt_logprobs(batch, want, hidden)
+            return DoneStep(out)
+        if not sampled:
+            return DoneStep(StepOutput(sampled=[]))
+        n = len(sampled)
+        greedy = all(s.params.greedy and s.params.logprobs is None for s in sampled)
+        if greedy:
+            self.sampler.argmax(logits, n)
+        else:
+            self.sampler.fill_graph_rows(sampled, n)
+            self.sampler.graph_tail(logits, n)
+        return self.readback.queue(self.sampler, sampled, greedy)
+
+    def execute_eager(self, batch: ModelBatch) -> StepOutput:
+        return self.launch_eager(batch).result()
 
     def _prompt_logprobs(self, batch: ModelBatch, want: list[int], hidden) -> list[PromptLogprobResult]:
         """Logprobs of token_ids[1:] of each wanted sequence, all rows through one gather + lm_head pass."""

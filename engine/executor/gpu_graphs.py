@@ -13,11 +13,11 @@ write no KV and attend to nothing). Each bucket has up to two graphs:
     whose rows need no logit processing — the same kernels as the eager sampler, so the same ids
     and logprobs.
 Both queue the results' copy into pinned host memory behind the graph and return at once (`launch`
--> GraphStep): the caller's host work overlaps the step until GraphStep.result() waits on the
-copy's event (the one sync of the step). Steps with logit_bias / min_tokens / penalties
+-> gpu_readback.ReadbackStep): the caller's host work overlaps the step until its result() waits on
+the copy's event (the one sync of the step). Steps with logit_bias / min_tokens / penalties
 (gpu_sampler `needs_processing`) replay the greedy graph and run the GPU sampler eagerly on its
 logits; `sample_in_graph = False` sends every non-greedy step that way. Prefill and mixed steps
-stay eager.
+run eagerly (GpuExecutor), returned the same way where their rows need no logit processing.
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ import bisect
 import contextlib
 import time
 
-import numpy as np
 
-from engine.batch import ModelBatch, SampledToken, StepOutput
+from engine.batch import ModelBatch, StepOutput
 from engine.executor.base import DoneStep, PendingStep
-from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS, needs_processing
+from engine.executor.gpu_readback import Readback
+from engine.executor.gpu_sampler import needs_processing
 
 
 
@@ -48,51 +48,21 @@ def nvtx_range(name: str):
         nvtx.RangePop()
 
 
-class GraphStep:
-    """A replayed decode graph whose ids (and logprobs, when asked) are on their way into pinned
-    host memory. logprobs[i]: the row's SamplingParams.logprobs (None: not asked)."""
-
-    def __init__(self, seq_ids: list[int], ids_host: np.ndarray, done, logprobs: list | None = None,
-                 lp_host: np.ndarray | None = None, top_ids_host: np.ndarray | None = None,
-                 top_lp_host: np.ndarray | None = None):
-        self.seq_ids, self.ids_host, self.done = seq_ids, ids_host, done
-        self.logprobs, self.lp_host, self.top_ids_host, self.top_lp_host = logprobs, lp_host, top_ids_host, top_lp_host
-
-    def result(self) -> StepOutput:
-        self.done.synchronize()
-        out = [SampledToken(s, t) for s, t in zip(self.seq_ids, self.ids_host.tolist())]
-        if self.logprobs is not None:
-            lps = self.lp_host.tolist()
-            for i, (tok, n) in enumerate(zip(out, self.logprobs)):
-                if n is not None:
-                    tok.logprob = lps[i]
-                    tok.top_logprobs = list(zip(self.top_ids_host[i, :n].tolist(),
-                                                self.top_lp_host[i, :n].tolist())) if n else []
-        return StepOutput(sampled=out)
-
-
 class DecodeGraphs:
     """The executor's parts a decode graph drives: the model line's forward over `ops` and `weights`,
-    the `sampler`'s argmax / sampling tail, and `upload(batch, pad_to)`, which checks a step and puts
-    its inputs into the static buffers (StepInputs) the graph reads; `sizes`: the captured buckets."""
+    the `sampler`'s argmax / sampling tail, `upload(batch, pad_to)`, which checks a step and puts
+    its inputs into the static buffers (StepInputs) the graph reads, and the `readback` its results
+    come home by; `sizes`: the captured buckets."""
 
-    def __init__(self, model, ops, weights, sampler, upload, stream, sizes: tuple[int, ...], pdl: bool = True):
-        from memory.streams import pinned_array
-
+    def __init__(self, model, ops, weights, sampler, upload, readback: Readback, stream, sizes: tuple[int, ...],
+                 pdl: bool = True):
         self.model, self.ops, self.weights, self.sampler = model, ops, weights, sampler
-        self.upload, self.stream, self.pdl = upload, stream, pdl
+        self.upload, self.readback, self.stream, self.pdl = upload, readback, stream, pdl
         self.buckets = sorted(sizes)
         self.graphs: dict[int, tuple] = {}             # greedy graphs: bucket -> (graph, logits)
         self.sampling_graphs: dict[int, tuple] = {}    # sampling graphs: bucket -> (graph, logits)
         self.sample_in_graph = True
         self.last_host_s = 0.0
-        rows = self.buckets[-1]                        # one step in flight at a time
-        self.ids_host = pinned_array((rows,), np.int32)
-        self.lp_host = pinned_array((rows,), np.float32)
-        self.top_ids_host = pinned_array((rows, MAX_TOP_LOGPROBS), np.int32)
-        self.top_lp_host = pinned_array((rows, MAX_TOP_LOGPROBS), np.float32)
-        import cupy
-        self.ids_ready = cupy.cuda.Event(block=False, disable_timing=True)   # recorded after the results' copy
 
     def serves(self, batch: ModelBatch) -> bool:
         return (batch.is_decode_only and len(batch.seqs) <= self.buckets[-1]
@@ -137,12 +107,6 @@ class DecodeGraphs:
             graphs[b][0].launch(stream=self.stream)
         return graphs[b][1]
 
-    def _copy_back(self, host: np.ndarray, device, nbytes: int) -> None:
-        import cupy
-
-        cupy.cuda.runtime.memcpyAsync(host.ctypes.data, device.data.ptr, nbytes,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
-
     def launch(self, batch: ModelBatch, t0: float) -> PendingStep:
         seqs = batch.seqs
         n, b = len(seqs), self.bucket(len(seqs))
@@ -156,17 +120,6 @@ class DecodeGraphs:
         if not (greedy or sampling):
             self.last_host_s = time.perf_counter() - t0
             return DoneStep(StepOutput(sampled=self.sampler.sample(logits[:n], seqs)))
-        s = self.sampler
-        self._copy_back(self.ids_host, s.ids, n * 4)
-        logprobs = None if greedy else [q.params.logprobs for q in seqs]
-        if logprobs is not None and any(k is not None for k in logprobs):
-            self._copy_back(self.lp_host, s.logprob, n * 4)
-            if any(logprobs):
-                self._copy_back(self.top_ids_host, s.top_ids, n * MAX_TOP_LOGPROBS * 4)
-                self._copy_back(self.top_lp_host, s.top_lp, n * MAX_TOP_LOGPROBS * 4)
-        else:
-            logprobs = None
-        self.ids_ready.record(self.stream)
+        pending = self.readback.queue(self.sampler, seqs, greedy)
         self.last_host_s = time.perf_counter() - t0
-        return GraphStep([q.seq_id for q in seqs], self.ids_host[:n], self.ids_ready, logprobs,
-                         self.lp_host[:n], self.top_ids_host[:n], self.top_lp_host[:n])
+        return pending

@@ -88,7 +88,8 @@ class ExecutorOptions:
     the checkpoint's values (the CPU computes in float32), "bfloat16" / "float16" round the weights to
     it (the CPU then matches the GPU's weights); the GPU runs bfloat16 only. cuda_graphs: replay
     decode steps as CUDA graphs of the batch sizes in cuda_graph_sizes (up to max_num_seqs).
-    host_kv_blocks: host KV tier slots the executor allocates. progress: the weight-upload bar."""
+    host_kv_blocks: host KV tier slots the executor allocates. progress: the weight-upload bar.
+    time_steps: CUDA events around every step (EngineConfig.step_trace turns it on)."""
     max_model_len: int = 4096
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -99,6 +100,7 @@ class ExecutorOptions:
     cuda_graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES
     host_kv_blocks: int = 0
     progress: bool = True
+    time_steps: bool = False                 # time each step on the device (the step trace's GPU column)
     gpu: GpuTuning = field(default_factory=GpuTuning)
 
     def validate(self) -> None:
@@ -155,7 +157,8 @@ def executor_options(config, device: str, model_max_len: int) -> ExecutorOptions
         num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
         dtype=config.dtype, cuda_graphs=not config.enforce_eager,
         cuda_graph_sizes=tuple(config.cuda_graph_sizes), host_kv_blocks=config.host_kv_blocks,
-        progress=config.progress, gpu=config.gpu or gpu_tuning_from_env())
+        progress=config.progress, time_steps=config.step_trace is not None,
+        gpu=config.gpu or gpu_tuning_from_env())
     options.validate()
     if device == "cuda":
         options.validate_for_gpu()
