@@ -184,6 +184,7 @@ class Gemm:
         if self.cute_serves(T, out):
             # w is a model weight, never written in a forward: its first k-tiles may load while
             # the kernel before finishes (a chain of weight streams overlaps its launch gaps)
+            self.cute.use_workspace(self.cute_workspace)
             self.cute.gemm(x, w, out, self.stream, residual=out if accumulate else None, prefetch_weights=True)
             return
         ctype = CUDA_R_32F if out.dtype == np.float32 else CUDA_R_16BF
@@ -204,6 +205,7 @@ class Gemm:
         fused reduction; None where CuTe does not take the product or its plan does not split."""
         if not self.cute_serves(x.shape[0], residual):
             return None
+        self.cute.use_workspace(self.cute_workspace)
         return self.cute.gemm_partials(x, w, self.stream, residual=True, prefetch_weights=True)
 
     def cute_fuses_swiglu(self, rows: int, w) -> bool:
@@ -217,6 +219,7 @@ class Gemm:
     def cute_swiglu(self, x, w, out) -> None:
         """out [T, N/2] = SiLU(gate)·up of x · wᵀ in one CuTe GEMM, w a gate_up weight interleaved
         (interleave_gate_up); only where cute_fuses_swiglu."""
+        self.cute.use_workspace(self.cute_workspace)
         if not self.cute.gemm_swiglu(x, w, out, self.stream, prefetch_weights=True):
             raise RuntimeError(f"no SiLU·up GEMM for {x.shape[0]} rows of {w.shape}: ask cute_fuses_swiglu first")
 

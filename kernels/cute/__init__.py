@@ -30,7 +30,7 @@ from .gemm import grouped_gemm as _grouped_gemm
 from .moe import ExpertGroups, group_by_expert
 
 __all__ = ["available", "init", "gemm", "gemm_partials", "gemm_swiglu", "grouped_gemm", "group_by_expert", "ExpertGroups",
-           "varlen_attention", "attention_work", "reserve_workspace", "DeviceTensor"]
+           "varlen_attention", "attention_work", "reserve_workspace", "use_workspace", "DeviceTensor"]
 
 _runner: GemmRunner | None = None
 
@@ -92,6 +92,11 @@ def reserve_workspace(max_m: int, shapes, buffer=None) -> None:
     """Pre-size the split-K workspace so GEMMs of at most ``max_m`` rows with these ``(N, K)``
     weights can be graph-captured; ``buffer``: use this device array (``split_workspace_bytes``)."""
     _get_runner().reserve_workspace(max_m, shapes, buffer)
+
+
+def use_workspace(buffer) -> None:
+    """Split-K products from here on write their partials into ``buffer`` (see ``reserve_workspace``)."""
+    _get_runner().use_workspace(buffer)
 
 
 def gemm(a, b, out, stream=None, residual=None, prefetch_weights: bool = False) -> None:

@@ -157,11 +157,15 @@ class GemmRunner:
         if buffer is not None:
             if buffer.nbytes < need:
                 raise ValueError(f"split-K workspace buffer of {buffer.nbytes} bytes; {need} needed")
-            if self._workspace is not None and self._workspace is not buffer:
-                self._captured.append(self._workspace)   # a graph may still point into the old one
-            self._workspace = buffer
+            self._workspace = buffer          # the caller owns it (and keeps it alive while used)
             return
         self._ensure_workspace(need, capturing=False)
+
+    def use_workspace(self, buffer) -> None:
+        """Point split-K products at ``buffer`` (a caller's device array, sized by ``reserve_workspace``):
+        several owners of one process (executors) each keep their own, switched before their launches."""
+        if buffer is not None and self._workspace is not buffer:
+            self._workspace = buffer
 
     def _ensure_workspace(self, nbytes: int, capturing: bool) -> int:
         import cupy

@@ -1,0 +1,127 @@
+"""The serving benchmark on the GPU host: the real server on a real-shape model with random bf16 weights.
+
+Per model: random weights are written once (harness.models.write_random_qwen3, in a subprocess so its
+torch memory is gone before the server starts), then `openinfer serve` starts with vLLM's defaults
+(256 sequences, 8192 tokens per step) and a step trace; start-to-healthy (spawn to /health 200) and
+the server's RSS are measured; then `bench.serve` runs the scenarios against it: concurrency 1,
+a rate sweep (and rate inf), each with random 1024-token prompts and 128 output tokens. Writes
+serve-<model>.json / .md, the step traces and their tables (bench/step_profile.py) under --out-dir.
+
+    python bench/serve_gpu.py --models qwen3-4b --out-dir $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import serve as serve_bench  # noqa: E402
+from bench.step_profile import load, summarize, table  # noqa: E402
+
+# scenario -> bench.serve arguments (prompts per run, rate or concurrency)
+SCENARIOS = {
+    "c1": ["--num-prompts", "24", "--max-concurrency", "1", "--request-rate", "inf"],
+    "sweep": ["--num-prompts", "400", "--sweep-rates", "16,64"],
+    "low": ["--num-prompts", "40", "--sweep-rates", "1,4"],
+    "inf": ["--num-prompts", "1000", "--request-rate", "inf"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def write_weights(model: str, folder: str) -> None:
+    config = ROOT / "bench" / "configs" / model / "config.json"
+    code = ("from harness.models import write_random_qwen3; import sys; "
+            "write_random_qwen3(sys.argv[1], sys.argv[2])")
+    subprocess.run([sys.executable, "-c", code, str(config), folder], cwd=ROOT, check=True)
+
+
+def start_server(folder: str, port: int, trace: Path, extra: list[str]) -> tuple[subprocess.Popen, float]:
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", folder, "--device", "cuda", "--port", str(port),
+           "--step-trace", str(trace), "--log-level", "warning", *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(str(trace) + ".log", "w"))
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); see {trace}.log")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, time.perf_counter() - t0
+        except OSError:
+            pass
+        if time.perf_counter() - t0 > 600:
+            proc.kill()
+            raise RuntimeError("server not healthy in 600 s")
+        time.sleep(0.05)
+
+
+def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra: list[str]) -> dict:
+    folder = f"/tmp/{model}-random"
+    write_weights(model, folder)
+    port = free_port()
+    result: dict = {"model": model, "server_args": extra}
+    for name in scenarios:                          # a fresh server per scenario: its own trace
+        trace = out / f"steps-{model}-{name}.jsonl"
+        proc, healthy_s = start_server(folder, port, trace, extra)
+        result.setdefault("start_to_healthy_s", []).append(round(healthy_s, 2))
+        result.setdefault("rss_mib_healthy", []).append(round(rss_mib(proc.pid), 1))
+        try:
+            report = serve_bench.main(["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", tokenizer,
+                                       "--input-len", "1024", "--output-len", "128", "--out-dir", str(out),
+                                       "--label", f"serve-{model}-{name}", "--no-plots", *SCENARIOS[name]])
+            result[name] = [{"rate": r["request_rate"], **r["metrics"], "errors": r["errors"]} for r in report["runs"]]
+            result.setdefault("rss_mib_after", []).append(round(rss_mib(proc.pid), 1))
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        rows = load(str(trace))
+        if rows:
+            text = table(summarize(rows))
+            (out / f"steps-{model}-{name}.md").write_text(text + "\n")
+            print(text, flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="qwen3-4b")
+    p.add_argument("--scenarios", default="c1,sweep,inf")
+    p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/out"))
+    p.add_argument("--tokenizer", default=os.environ.get("OPENINFER_TEST_TOKENIZER", "/work/shared/models/qwen-tokenizer"))
+    p.add_argument("--server-arg", action="append", default=[], help="extra `openinfer serve` argument (repeat)")
+    args = p.parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {m: run_model(m, args.scenarios.split(","), out, args.tokenizer, args.server_arg)
+               for m in args.models.split(",")}
+    (out / "serve-gpu-raw.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
