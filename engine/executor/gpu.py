@@ -15,12 +15,11 @@ from __future__ import annotations
 import logging
 import time
 
-import ml_dtypes
 import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import DoneStep, ExecutorBase, PendingStep
-from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, cute_rows, cute_workspace_bytes, interleave_gate_up
+from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, cute_rows, cute_workspace_bytes
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_inputs import StepInputs
 from engine.executor.gpu_ops import GpuOps, GpuStepContext
@@ -42,10 +41,6 @@ from memory.weight_upload import upload_weights
 log = logging.getLogger(__name__)
 SLACK_BYTES = 64 << 20
 KV_ITEMSIZE = 2                 # bf16 KV
-
-
-def as_bf16(a: np.ndarray) -> np.ndarray:
-    return a if a.dtype.name == "bfloat16" else np.asarray(a).astype(ml_dtypes.bfloat16)
 
 
 def check_model_shapes(cfg) -> None:
@@ -115,9 +110,9 @@ class GpuExecutor(ExecutorBase):
         self.arena = DeviceArena(arena_bytes)
         # gate_up weights go up with gate and up rows interleaved in blocks of 8 (gemv.cu's fused SiLU·up)
         interleave = cfg.intermediate_size % 8 == 0
-        layout = (lambda n, a: interleave_gate_up(a) if interleave and n.endswith("gate_up_proj") else a)
-        self.weights = upload_weights(self.arena, ((n, layout(n, as_bf16(a))) for n, a in model.weights.items()),
-                                      self.streams, total_bytes=weight_bytes, progress=options.progress)
+        self.weights = upload_weights(self.arena, model.weights.items(), self.streams, total_bytes=weight_bytes,
+                                      progress=options.progress,
+                                      interleave=lambda name: interleave and name.endswith("gate_up_proj"))
         self.gemm = self._gemm(plan, cute_max_m, parts["gemm"] - WORKSPACE_BYTES)
         self.inv_freq = self.arena.take("rope.inv_freq", inv_freq.shape, np.float32)
         self.inv_freq.set(inv_freq, stream=stream)

@@ -23,13 +23,32 @@ class WeightSpec:
         return (sum(s[0] for _, s in self.parts), *first[1:])
 
 
+class PackedWeight:
+    """An engine weight concatenated from checkpoint tensors along dim 0, kept as its parts (memory-mapped
+    views) until someone needs it whole: an executor copies each part straight into its place (the GPU
+    upload, with no host-side concatenation), np.asarray() concatenates."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.dtype = np.result_type(*[a.dtype for a in parts])
+        self.shape = (sum(a.shape[0] for a in parts), *parts[0].shape[1:])
+        self.ndim = len(self.shape)
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+        self.nbytes = self.size * self.dtype.itemsize
+
+    def __array__(self, dtype=None, copy=None):
+        whole = np.concatenate([np.asarray(a, dtype=self.dtype) for a in self.parts], axis=0)
+        return whole if dtype is None else whole.astype(dtype)
+
+
 def packed(name: str, *parts: tuple[str, Shape]) -> WeightSpec:
     return WeightSpec(name, tuple((n, tuple(s)) for n, s in parts))
 
 
 def pack_weights(specs: list[WeightSpec], has: Callable[[str], bool],
                  get: Callable[[str], np.ndarray], where: str = "checkpoint") -> dict[str, np.ndarray]:
-    """Build the engine weights from checkpoint tensors (kept in their stored dtype).
+    """Build the engine weights from checkpoint tensors (kept in their stored dtype; a weight of
+    several parts as a PackedWeight of them).
     Raises KeyError / ValueError naming the tensor (and both shapes) on a missing tensor or a
     shape mismatch."""
     out: dict[str, np.ndarray] = {}
@@ -43,11 +62,7 @@ def pack_weights(specs: list[WeightSpec], has: Callable[[str], bool],
                 raise ValueError(f"tensor {src!r} in {where} has shape {tuple(a.shape)}, "
                                  f"expected {shape}")
             arrays.append(a)
-        if len(arrays) == 1:
-            out[spec.name] = arrays[0]
-        else:
-            dtype = np.result_type(*[a.dtype for a in arrays])
-            out[spec.name] = np.concatenate([np.asarray(a, dtype=dtype) for a in arrays], axis=0)
+        out[spec.name] = arrays[0] if len(arrays) == 1 else PackedWeight(arrays)
     return out
 
 
