@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import serve as serve_bench  # noqa: E402
+from bench.common_report import plot_sweep  # noqa: E402
 from bench.step_profile import load, summarize, table  # noqa: E402
 
 # scenario -> bench.serve arguments (prompts per run, rate or concurrency)
@@ -57,8 +58,9 @@ def write_weights(model: str, folder: str) -> None:
     subprocess.run([sys.executable, "-c", code, str(config), folder], cwd=ROOT, check=True)
 
 
-def start_server(folder: str, port: int, trace: Path, extra: list[str]) -> tuple[subprocess.Popen, float]:
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", folder, "--device", "cuda", "--port", str(port),
+def start_server(folder: str, port: int, trace: Path, extra: list[str],
+                 device: str = "cuda") -> tuple[subprocess.Popen, float]:
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", folder, "--device", device, "--port", str(port),
            "--step-trace", str(trace), "--log-level", "warning", *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(str(trace) + ".log", "w"))
@@ -77,21 +79,34 @@ def start_server(folder: str, port: int, trace: Path, extra: list[str]) -> tuple
         time.sleep(0.05)
 
 
-def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra: list[str]) -> dict:
-    folder = f"/tmp/{model}-random"
-    write_weights(model, folder)
+def scaled(args: list[str], scale: float) -> list[str]:
+    """A scenario's arguments with its prompt count scaled (smoke runs)."""
+    out = list(args)
+    i = out.index("--num-prompts") + 1
+    out[i] = str(max(2, int(int(out[i]) * scale)))
+    return out
+
+
+def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra: list[str],
+              device: str = "cuda", folder: str | None = None, scale: float = 1.0, input_len: int = 1024) -> dict:
+    if folder is None:
+        folder = f"/tmp/{model}-random"
+        write_weights(model, folder)
     port = free_port()
     result: dict = {"model": model, "server_args": extra}
     for name in scenarios:                          # a fresh server per scenario: its own trace
         trace = out / f"steps-{model}-{name}.jsonl"
-        proc, healthy_s = start_server(folder, port, trace, extra)
+        proc, healthy_s = start_server(folder, port, trace, extra, device)
         result.setdefault("start_to_healthy_s", []).append(round(healthy_s, 2))
         result.setdefault("rss_mib_healthy", []).append(round(rss_mib(proc.pid), 1))
         try:
             report = serve_bench.main(["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", tokenizer,
-                                       "--input-len", "1024", "--output-len", "128", "--out-dir", str(out),
-                                       "--label", f"serve-{model}-{name}", "--no-plots", *SCENARIOS[name]])
+                                       "--input-len", str(input_len), "--output-len", "128", "--out-dir", str(out),
+                                       "--label", f"serve-{model}-{name}", "--no-plots",
+                                       *scaled(SCENARIOS[name], scale)])
             result[name] = [{"rate": r["request_rate"], **r["metrics"], "errors": r["errors"]} for r in report["runs"]]
+            if name != "c1":
+                result.setdefault("sweep_runs", []).extend(report["runs"])
             result.setdefault("rss_mib_after", []).append(round(rss_mib(proc.pid), 1))
         finally:
             proc.send_signal(signal.SIGINT)
@@ -104,6 +119,9 @@ def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra
             text = table(summarize(rows))
             (out / f"steps-{model}-{name}.md").write_text(text + "\n")
             print(text, flush=True)
+    runs = sorted(result.pop("sweep_runs", []), key=lambda r: float(r["request_rate"]))
+    if runs:
+        plot_sweep(runs, out / f"serve-{model}-sweep.png", f"{model} on one H200: random 1024/128")
     return result
 
 
@@ -114,10 +132,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/out"))
     p.add_argument("--tokenizer", default=os.environ.get("OPENINFER_TEST_TOKENIZER", "/work/shared/models/qwen-tokenizer"))
     p.add_argument("--server-arg", action="append", default=[], help="extra `openinfer serve` argument (repeat)")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on a small --folder model")
+    p.add_argument("--folder", default=None, help="serve this model folder (no random weights written)")
+    p.add_argument("--scale", type=float, default=1.0, help="scale every scenario's prompt count (smoke runs)")
+    p.add_argument("--input-len", type=int, default=1024)
     args = p.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    results = {m: run_model(m, args.scenarios.split(","), out, args.tokenizer, args.server_arg)
+    results = {m: run_model(m, args.scenarios.split(","), out, args.tokenizer, args.server_arg, args.device,
+                            args.folder, args.scale, args.input_len)
                for m in args.models.split(",")}
     (out / "serve-gpu-raw.json").write_text(json.dumps(results, indent=2))
     return results
