@@ -9,17 +9,8 @@ set -uo pipefail
 source bench/gpu_env.sh
 export OPENINFER_GATE_LOG=$OUT/gate.jsonl
 rm -f "$OPENINFER_GATE_LOG"
-status=0
-step() {   # step NAME TIMEOUT_S CMD...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (timeout ${limit}s) $(date -u +%H:%M:%S)"
-  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  grep -E "passed|failed|error|Error|Traceback|^\[q|^FAILED|^ERROR" "$OUT/$name.log" | grep -vE "^GATE " | tail -25
-  echo "=== $name: exit $rc"
-  [ "$rc" -ne 0 ] && status=$rc
-}
 PYTEST=(python3 -m pytest -q -rfE -p no:cacheprovider --durations=8)
+STEP_TAIL=25
 step suite 330 "${PYTEST[@]}" tests/test_raw_cuda_kernels.py tests/test_raw_cuda_fused.py tests/test_raw_cuda_decode.py \
   tests/test_raw_cuda_rope_attention.py tests/test_gpu_sampler.py tests/test_gpu_executor.py tests/test_gpu_graphs.py \
   tests/test_gpu_graph_sampling.py tests/test_gpu_eager_async.py tests/test_gpu_long_steps.py tests/test_gpu_prefill_gpu.py \
