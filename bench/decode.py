@@ -87,7 +87,7 @@ def run_batch(ex, cfg, batch: int, prompt: int, steps: int, bw: float, weight_by
     per_seq = -(-(prompt + steps + 1) // BLOCK_SIZE)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     toks = [rng.integers(0, cfg.vocab_size - 1000, prompt).tolist() for _ in range(batch)]
-    chunk = max(1, ex.max_tokens // prompt)
+    chunk = max(1, ex.options.max_num_batched_tokens // prompt)
     for i in range(0, batch, chunk):               # prefill, chunked to the token budget
         seqs = [SeqStep(seq_id=j, token_ids=toks[j], start_pos=0, block_table=tables[j], sample=True,
                         params=GREEDY, prompt_len=prompt) for j in range(i, min(batch, i + chunk))]

@@ -48,7 +48,7 @@ def copies_of(parts: list[np.ndarray], dst: int, interleave: bool, max_bytes: in
     if interleave and (len(parts) != 2 or parts[0].shape != parts[1].shape or parts[0].shape[0] % INTERLEAVE_ROWS):
         raise ValueError(f"row interleave needs two parts of equal rows, a multiple of {INTERLEAVE_ROWS}: "
                          f"{[p.shape for p in parts]}")
-    out, row0 = [], 0
+    out, at = [], dst
     for p, part in enumerate(parts):
         rows = part.reshape(part.shape[0], -1) if part.ndim > 1 else part.reshape(1, -1)
         row_bytes = rows.shape[1] * 2
@@ -64,8 +64,8 @@ def copies_of(parts: list[np.ndarray], dst: int, interleave: bool, max_bytes: in
             for r in range(0, rows.shape[0], per):
                 src = rows[r:r + per]
                 width = src.shape[0] * row_bytes
-                out.append(Copy(src, dst + (row0 + r) * row_bytes, width, width, 1))
-        row0 += rows.shape[0]
+                out.append(Copy(src, at + r * row_bytes, width, width, 1))
+        at += rows.shape[0] * row_bytes          # parts of a vector differ in length: advance by bytes
     return out
 
 

@@ -61,3 +61,12 @@ def test_packed_weight_is_an_array_where_one_is_needed():
 def test_interleave_needs_two_equal_parts_of_whole_blocks():
     with pytest.raises(ValueError, match="interleave"):
         copies_of([np.zeros((12, 4), np.float32)] * 2, 0, True)
+
+
+def test_vector_parts_of_different_lengths_follow_each_other():
+    """A packed bias (q, k, v of different lengths) lands part after part (a row offset per part would
+    overlap them)."""
+    q, k, v = (np.arange(n, dtype=np.float32) + 100 * i for i, n in enumerate((64, 32, 32)))
+    device = np.zeros(128 * 2, np.uint8)
+    apply(copies_of([q, k, v], 0, False), device, 1 << 12)
+    np.testing.assert_array_equal(device.view(ml_dtypes.bfloat16), bf16(np.concatenate([q, k, v])))

@@ -219,6 +219,9 @@ class GpuExecutor(ExecutorBase):
         hidden, _ = self._hidden(batch)
         return self._logits_host(hidden, np.arange(batch.num_tokens, dtype=np.int32))
 
+    def execute(self, batch: ModelBatch) -> StepOutput:
+        return self.submit(batch).result()
+
     def submit(self, batch: ModelBatch) -> PendingStep:
         """Launch one step; it returns while the GPU runs it (its result() is the step's one sync),
         except an eager step with logit processing or prompt logprobs, which runs to the end here."""
