@@ -136,10 +136,12 @@ class EngineHandle:
         executor + tokenizer (then max_model_len defaults to what the KV pool holds)."""
         self.config = config or EngineConfig()
         self.config.validate()
+        self.model_path = None
         if executor is None:
             executor, tokenizer, info = _build(self.config)
             model_name = model_name or info["model_name"]
             max_model_len = max_model_len or info["max_model_len"]
+            self.model_path = info["model_path"]
         if tokenizer is None:
             raise ValueError("EngineHandle needs a tokenizer with an executor")
         self.tokenizer = tokenizer
@@ -216,7 +218,7 @@ class EngineHandle:
             q: queue.Queue = queue.Queue()
             self._engine.add_request(GenerateRequest(rid, ids, params), q.put)
             sinks.append((rid, ids, q))
-        return [_collect(rid, ids, q, params.n) for rid, ids, q in sinks]
+        return [collect_events(rid, ids, iter(q.get, None), params.n) for rid, ids, q in sinks]
 
     def shutdown(self) -> None:
         if not self._closed:
@@ -233,9 +235,12 @@ class EngineHandle:
         self.shutdown()
 
 
-def _collect(rid: str, ids: list[int], q: queue.Queue, n: int) -> RequestOutput:
+def collect_events(rid: str, ids: list[int], events, n: int) -> RequestOutput:
+    """A request's RequestOutput from its events, in order (a list, or an iterator ending at None)."""
     out = RequestOutput(rid, ids, [SampleOutput(i) for i in range(n)])
-    while (event := q.get()) is not None:
+    for event in events:
+        if event is None:
+            break
         if isinstance(event, Scheduled):
             out.cached_tokens = event.cached_tokens
         elif isinstance(event, PromptLogprobs):
@@ -272,5 +277,5 @@ def _build(config: EngineConfig):
     name = os.path.basename(os.path.normpath(str(path)))
     if name.endswith(".gguf"):
         name = name[:-5]
-    info = {"model_name": name, "max_model_len": options.max_model_len}
+    info = {"model_name": name, "max_model_len": options.max_model_len, "model_path": model.path}
     return executor, model.tokenizer, info

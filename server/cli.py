@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("OPENINFER_API_KEY"),
                        help="require 'Authorization: Bearer <key>' on /v1 routes (env OPENINFER_API_KEY)")
     serve.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine in a process of its own, so a busy HTTP side never takes the engine "
+                            "thread's GIL (engine/process.py)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
     _engine_args(gen)
@@ -113,11 +116,12 @@ def _setup_logging(level: str) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     from engine.handle import EngineHandle
+    from engine.process import EngineClient
     from server.app import create_app
     _setup_logging(args.log_level)
     config = engine_config(args)
     sock = socket.create_server((args.host, args.port))     # fail fast if the port is taken
-    handle = EngineHandle(config)
+    handle = EngineClient(config) if args.engine_process else EngineHandle(config)
     try:
         app = create_app(handle, api_key=args.api_key)
         print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
