@@ -45,10 +45,16 @@ def free_port() -> int:
 
 
 def rss_mib(pid: int) -> float:
+    """Resident memory of the server: its process and its children (the engine process)."""
+    total = 0.0
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+            total += int(line.split()[1]) / 1024
+    try:
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    except OSError:
+        children = []
+    return total + sum(rss_mib(int(c)) for c in children)
 
 
 def write_weights(model: str, folder: str) -> None:
