@@ -123,9 +123,18 @@ class EngineLoop:
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
+        warming = True                   # the executor's warm-up (graph captures) runs while idle
         while not self._stopping:
-            block = not self.scheduler.has_work()
-            self.drain_inbox(block=block)
+            idle = not self.scheduler.has_work()
+            self.drain_inbox(block=idle and not warming)
+            if idle and warming and not self.scheduler.has_work() and not self._stopping:
+                try:
+                    warming = self.executor.warm_up()
+                except Exception:
+                    log.exception("executor warm-up failed; later steps capture what they need")
+                    warming = False
+                self._run_after_step()
+                continue
             if self.scheduler.has_work() and not self._stopping:
                 try:
                     self.step()

@@ -60,6 +60,10 @@ class Executor(Protocol):
         """Device time of the last step (after its result()), or None where steps are not timed."""
         ...
 
+    def warm_up(self) -> bool:
+        """Do one piece of start-up work while the engine is idle; False when there is none left."""
+        ...
+
     def close(self) -> None:
         ...
 
@@ -83,6 +87,10 @@ class ExecutorBase:
     def last_gpu_ms(self) -> float | None:
         """Device time of the last step, where the executor times steps (options.time_steps)."""
         return None
+
+    def warm_up(self) -> bool:
+        """One piece of warm-up work (a CUDA graph capture); False when nothing is left."""
+        return False
 
     def close(self) -> None:
         pass

@@ -179,6 +179,20 @@ class GpuExecutor(ExecutorBase):
             raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
         self.host_kv.copy_blocks(offloads, restores)
 
+    # ---- graph warm-up (the engine calls it while idle) -------------------------------------------
+    def warm_up(self) -> bool:
+        """Capture one decode graph not captured yet (greedy and sampling, every bucket, smallest
+        first) on padded rows; False once there is none left. The engine calls this while it has
+        no work, so captures happen before the first steps that need them, not during them."""
+        missing = [] if self.graphs is None else self.graphs.missing()
+        if not missing:
+            return False
+        b, sampling = missing[0]
+        with nvtx_range(f"warm up graph B={b}{' sampling' if sampling else ''}"):
+            ctx = self.inputs.upload_padding(b, self.ops.splits(b, self.plan.kv.heads, self.max_model_len))
+            self.graphs.warm(b, sampling, ctx)
+        return len(missing) > 1
+
     # ---- decode kernel switch (benchmarks, A/B) ---------------------------------------------------
     def default_gemv_rows(self) -> int:
         """The GEMV's row limit of "all" / "gemv": batch 1 only where the CuTe GEMM serves decode."""

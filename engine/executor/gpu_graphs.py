@@ -100,6 +100,19 @@ class DecodeGraphs:
             graph = self.stream.end_capture()
         return graph, logits
 
+    def missing(self) -> list[tuple[int, bool]]:
+        """(bucket, sampling) graphs not captured yet, smallest bucket first."""
+        return [(b, sampling) for b in self.buckets for sampling in (False, True)
+                if b not in (self.sampling_graphs if sampling else self.graphs)]
+
+    def warm(self, b: int, sampling: bool, ctx) -> None:
+        """Capture bucket b's graph now, on a context of padded rows (executor.warm_up)."""
+        graphs = self.sampling_graphs if sampling else self.graphs
+        if b not in graphs:
+            if sampling:
+                self.sampler.fill_graph_rows([], b)
+            graphs[b] = self._capture(ctx, sampling)
+
     def _replay(self, graphs: dict, ctx, b: int, sampling: bool):
         if b not in graphs:
             graphs[b] = self._capture(ctx, sampling)

@@ -82,6 +82,20 @@ class StepInputs:
         max_context = int(batch.context_lens.max()) if pad_to is None else self.max_model_len
         return self.views(T, rows, S, num_splits(T, max_context))
 
+    def upload_padding(self, rows: int, splits: int) -> GpuStepContext:
+        """A decode-graph context of `rows` padded rows only (graph warm-up: every row has position
+        and slot -1, so the step writes no KV and attends to nothing)."""
+        import cupy
+
+        Tm, h = self.max_tokens, self.host
+        h[0:rows], h[Tm:Tm + rows], h[2 * Tm:2 * Tm + rows], h[3 * Tm:3 * Tm + rows] = 0, -1, -1, 0
+        h[4 * Tm:4 * Tm + rows] = np.arange(rows, dtype=np.int32)
+        h[5 * Tm:5 * Tm + rows * self.max_blocks] = 0
+        n = 5 * Tm + rows * self.max_blocks
+        cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
+                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        return self.views(rows, rows, rows, splits)
+
     def views(self, T: int, B: int, S: int, splits: int) -> GpuStepContext:
         Tm, mb, d = self.max_tokens, self.max_blocks, self.device
         return GpuStepContext(num_tokens=T, input_ids=d[0:T], positions=d[Tm:Tm + T],
