@@ -125,7 +125,8 @@ class GpuHostExecutor(ExecutorBase):
         inputs.max_tokens, inputs.max_seqs = ex.options.max_num_batched_tokens, max_seqs
         inputs.max_blocks = -(-max_model_len // 16)
         n_inputs = 5 * inputs.max_tokens + inputs.max_seqs * inputs.max_blocks
-        inputs.host, inputs.device = np.zeros(n_inputs, np.int32), _Dev(n_inputs)
+        inputs.hosts, inputs.device = [np.zeros(n_inputs, np.int32) for _ in range(2)], _Dev(n_inputs)
+        inputs.host = inputs.hosts[0]
         ex.inputs, ex.prefill = inputs, None
         ops = types.SimpleNamespace(fast_attention=True, num_heads=32, head_dim=128, num_sms=132)
         ops.splits = types.MethodType(GpuOps.splits, ops)
@@ -147,7 +148,7 @@ class GpuHostExecutor(ExecutorBase):
             return DoneStep(self.instant.execute(batch))
         pending = self.ex.submit(batch)
         self.launched_at = time.perf_counter()
-        self.ex.readback.ids_host[:len(batch.seqs)] = self.model.next_tokens(batch)   # what the D2H copy brings
+        pending.ids_host[:] = self.model.next_tokens(batch)   # what the D2H copy brings
         return _Watched(pending, self)
 
     def execute(self, batch: ModelBatch) -> StepOutput:

@@ -86,6 +86,8 @@ class EngineLoop:
         self._stopping = False
         self._after_step: list[Callable[[], None]] = []
         self._plan: tuple[SchedulerOutput, ModelBatch] | None = None  # the next decode step, planned ahead
+        self._inflight: tuple | None = None    # async scheduling: (plan, batch, pending) already queued
+        self._async = config.async_scheduling and config.overlap_steps and executor.supports_fed_steps
         self._planned_steps = 0
         self.trace = StepTrace(config.step_trace) if config.step_trace else NoTrace()
 
@@ -116,6 +118,10 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def has_work(self) -> bool:
+        """Sequences to schedule, or a step already queued (async scheduling) to collect."""
+        return self.scheduler.has_work() or self._inflight is not None
+
     def call_after_step(self, fn: Callable[[], None]) -> None:
         """Engine thread: run fn once, after the current step has sent all its events (sinks use
         it to hand a step's events to their consumer in one batch)."""
@@ -125,9 +131,9 @@ class EngineLoop:
     def _run(self) -> None:
         warming = True                   # the executor's warm-up (graph captures) runs while idle
         while not self._stopping:
-            idle = not self.scheduler.has_work()
+            idle = not self.has_work()
             self.drain_inbox(block=idle and not warming)
-            if idle and warming and not self.scheduler.has_work() and not self._stopping:
+            if idle and warming and not self.has_work() and not self._stopping:
                 try:
                     warming = self.executor.warm_up()
                 except Exception:
@@ -135,7 +141,7 @@ class EngineLoop:
                     warming = False
                 self._run_after_step()
                 continue
-            if self.scheduler.has_work() and not self._stopping:
+            if self.has_work() and not self._stopping:
                 try:
                     self.step()
                 except Exception as e:  # a bug in here: fail what is in flight, keep serving
@@ -187,17 +193,19 @@ class EngineLoop:
         self.scheduler.add(seq)
 
     def step(self) -> None:
-        """One engine step: schedule (or confirm the step planned ahead), launch, emit the previous
-        step's deferred tokens and plan the next decode step while the device runs this one, wait for
-        its sampled ids, turn them into events."""
+        """One engine step: schedule (or take the step planned or launched ahead), launch, emit the
+        previous step's deferred tokens and plan (or, with async scheduling, launch) the next decode
+        step while the device runs this one, wait for its sampled ids, turn them into events."""
         outputs, trace = self.outputs, self.trace
         trace.begin()
-        out, batch = self._take_plan()
+        launched, self._inflight = self._inflight, None
+        out, batch, pending = launched if launched is not None else (*self._take_plan(), None)
         planned = out is not None
         if out is None:
             out = self.scheduler.schedule()
         trace.mark("schedule")
-        self._copy_tier_blocks()
+        if pending is None:
+            self._copy_tier_blocks()
         for seq in out.preempted:
             log.debug("preempted seq %d of %s", seq.seq_id, seq.request_id)
         outputs.register_forks(out.forked)
@@ -209,15 +217,17 @@ class EngineLoop:
                 if batch is None:
                     batch = ModelBatch.build(out.steps)
                 trace.mark("build")
-                pending = (self.executor.submit(batch) if self.config.overlap_steps
-                           else DoneStep(self.executor.execute(batch)))
+                if pending is None:
+                    pending = (self.executor.submit(batch) if self.config.overlap_steps
+                               else DoneStep(self.executor.execute(batch)))
                 trace.mark("launch")
                 if outputs.deferred:        # the previous step's tokens, while the device runs this one
                     outputs.emit_deferred()
                     self._run_after_step()  # and hand them to their consumers now, not after this step
                 trace.mark("emit")
                 if self.config.schedule_ahead and not isinstance(pending, DoneStep):
-                    self._plan_ahead(out)
+                    if not (self._async and self._launch_ahead(out)):
+                        self._plan_ahead(out)
                 trace.mark("plan")
                 result = pending.result()
                 trace.mark("wait")
@@ -227,7 +237,11 @@ class EngineLoop:
             except Exception as e:  # a broken step fails its requests, not the engine
                 log.exception("engine step failed")
                 outputs.emit_deferred()
-                for rid in {seq.request_id for seq in out.seqs}:
+                failed = {seq.request_id for seq in out.seqs}
+                if self._inflight is not None:      # the step queued behind it ran on the same inputs
+                    failed |= {seq.request_id for seq in self._inflight[0].seqs}
+                    self._inflight = None
+                for rid in failed:
                     outputs.fail(rid, f"engine step failed: {type(e).__name__}: {e}")
             else:
                 outputs.process(out, result, defer=not isinstance(pending, DoneStep))
@@ -237,6 +251,19 @@ class EngineLoop:
             outputs.emit_deferred()
         self._steps += 1
         self._publish_stats()
+
+    def _launch_ahead(self, out: SchedulerOutput) -> bool:
+        """Async scheduling: plan the next decode step and queue it now, its input ids taken on the
+        device from `out`'s sampled ids (a sequence that ends at `out` by a stop token or string
+        computes one token more, which is dropped). False where no such step can be planned."""
+        plan = self.scheduler.plan_decode_ahead(out, fed=True)
+        if plan is None:
+            return False
+        self._copy_tier_blocks()            # blocks the plan evicted reach the host tier before it runs
+        batch = ModelBatch.build(plan.steps)
+        self._inflight = (plan, batch, self.executor.submit(batch, fed=True))
+        self._planned_steps += 1
+        return True
 
     def _copy_tier_blocks(self) -> None:
         """Before the step: the host tier's offloads of evicted blocks, then its restores."""

@@ -70,7 +70,7 @@ class EngineClient:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
-        self._closed = False
+        self._closed = self._gone = False
         self._reader = threading.Thread(target=self._read, name="openinfer-engine-reader", daemon=True)
         self._reader.start()
 
@@ -92,7 +92,7 @@ class EngineClient:
         return self._stats
 
     def is_healthy(self) -> bool:
-        return not self._closed and self._proc.is_alive() and self._reader.is_alive()
+        return not (self._closed or self._gone) and self._proc.is_alive()
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run prompts (text or token ids) to completion; blocks (not from a running event loop)."""
@@ -141,6 +141,7 @@ class EngineClient:
                 self._dispatch(items)
         except (EOFError, OSError):
             pass
+        self._gone = True
         with self._lock:
             left = list(self._streams.items())
             self._streams.clear()

@@ -53,6 +53,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="detokenize and stream a step's tokens while the GPU runs the next step")
     p.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="with --overlap-steps: schedule and build the next decode step while the GPU runs this one")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="queue the next decode step before this one's tokens reach the host (its input ids are "
+                        "taken on the GPU): no host time between decode steps")
     p.add_argument("--step-trace", default=None, metavar="FILE",
                    help="write one JSON line per engine step (tokens, host phases, GPU time): bench/step_profile.py "
                         "tabulates it")
@@ -99,7 +102,7 @@ def engine_config(args: argparse.Namespace):
                           cuda_graph_sizes=tuple(args.cuda_graph_sizes or DEFAULT_GRAPH_SIZES),
                           max_n=getattr(args, "max_n", 16), seed=args.seed, overlap_steps=args.overlap_steps,
                           schedule_ahead=args.schedule_ahead, host_kv_blocks=args.host_kv_blocks,
-                          step_trace=args.step_trace)
+                          async_scheduling=args.async_scheduling, step_trace=args.step_trace)
     config.validate()
     return config
 

@@ -120,7 +120,7 @@ def submit(engine, req) -> list:
 def run_until_idle(engine, max_steps: int = 100000, on_step=None) -> int:
     steps = 0
     engine.drain_inbox()
-    while engine.scheduler.has_work():
+    while engine.has_work():
         engine.step()
         steps += 1
         if on_step is not None:

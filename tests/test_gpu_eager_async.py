@@ -59,3 +59,25 @@ def test_eager_steps_return_before_the_gpu_finishes_with_the_eager_samplers_toke
         assert np.isfinite(ex.last_host_s)
     finally:
         ex.close()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_async_scheduling_gives_the_same_tokens_on_the_gpu(graphs):
+    """Decode steps queued before the step ahead is read, their input ids copied on the device from
+    that step's sampled ids (graphed and eager): every request's tokens equal the engine's without."""
+    from engine.config import EngineConfig
+    from engine.handle import EngineHandle
+
+    path = tiny_model_path("qwen3_gqa4")
+    prompts = random_sequences(50000, [5, 33, 17, 64, 9], seed=8)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=50, seed=3, max_tokens=20, ignore_eos=True, logprobs=2)]
+    runs = {}
+    for on in (False, True):
+        config = EngineConfig(model=path, device="cuda", max_model_len=256, num_kv_blocks=128, progress=False,
+                              async_scheduling=on, enforce_eager=not graphs)
+        with EngineHandle(config) as h:
+            runs[on] = [[o.outputs[0].token_ids for o in h.generate(prompts, p)] for p in params]
+            if on:
+                assert h.engine.stats().num_steps_planned_ahead > 20
+    assert runs[True] == runs[False]

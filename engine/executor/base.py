@@ -37,14 +37,17 @@ class Executor(Protocol):
     num_kv_blocks: int          # size of the paged KV pool, in BLOCK_SIZE-token blocks
     vocab_size: int
     supports_host_tier: bool    # copy_blocks works (host_kv_blocks > 0)
+    supports_fed_steps: bool    # submit(batch, fed=True) works (async scheduling)
     last_step_graphed: bool     # the last step replayed a CUDA graph (the step trace's mode)
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         """Run one step: write the new tokens' KV, sample where asked."""
         ...
 
-    def submit(self, batch: ModelBatch) -> PendingStep:
-        """Launch one step; the caller's host work overlaps it until result()."""
+    def submit(self, batch: ModelBatch, fed: bool = False) -> PendingStep:
+        """Launch one step; the caller's host work overlaps it until result(). fed: a decode step
+        whose input ids are the sampled ids of the step submitted just before it, row for row (async
+        scheduling: it is queued before those ids reach the caller)."""
         ...
 
     def forward_logits(self, batch: ModelBatch) -> np.ndarray:
@@ -72,13 +75,16 @@ class ExecutorBase:
     """Defaults for the optional parts of Executor: synchronous submit, no host tier, no step timing,
     nothing to close."""
     supports_host_tier = False
+    supports_fed_steps = False    # async scheduling's fed steps (an asynchronous executor's)
     last_step_graphed = False     # the last step replayed a CUDA graph
     options: ExecutorOptions
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         raise NotImplementedError
 
-    def submit(self, batch: ModelBatch) -> PendingStep:
+    def submit(self, batch: ModelBatch, fed: bool = False) -> PendingStep:
+        if fed:
+            raise ValueError(f"{type(self).__name__} takes no fed steps (supports_fed_steps is False)")
         return DoneStep(self.execute(batch))
 
     def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:

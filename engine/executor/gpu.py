@@ -12,6 +12,7 @@ run eagerly. `last_host_s` is the host time of the last step up to its launch.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -60,25 +61,34 @@ def parts_nbytes(plan: GpuPlan, cute_max_m: int, prefill_on: bool) -> dict[str, 
 
 
 class StepTimer:
-    """CUDA events around each step's work on the stream: its GPU time, with no sync of its own."""
+    """CUDA events around each step's work on the stream: its GPU time, with no sync of its own. Steps
+    are read in the order they were queued (two may be in flight), so the pairs wait in a queue."""
 
     def __init__(self, stream):
-        import cupy
-
         self.stream = stream
-        self.begin, self.end = cupy.cuda.Event(), cupy.cuda.Event()
+        self.pairs: collections.deque = collections.deque()
 
     def start(self) -> None:
-        self.begin.record(self.stream)
-
-    def stop(self) -> None:
-        self.end.record(self.stream)
-
-    def elapsed_ms(self) -> float:
         import cupy
 
-        self.end.synchronize()
-        return float(cupy.cuda.get_elapsed_time(self.begin, self.end))
+        begin = cupy.cuda.Event()
+        begin.record(self.stream)
+        self.pairs.append([begin, None])
+
+    def stop(self) -> None:
+        import cupy
+
+        self.pairs[-1][1] = end = cupy.cuda.Event()
+        end.record(self.stream)
+
+    def elapsed_ms(self) -> float | None:
+        import cupy
+
+        if not self.pairs:
+            return None
+        begin, end = self.pairs.popleft()
+        end.synchronize()
+        return float(cupy.cuda.get_elapsed_time(begin, end))
 
 
 class GpuExecutor(ExecutorBase):
@@ -144,7 +154,7 @@ class GpuExecutor(ExecutorBase):
         self.host_kv = None
         if options.host_kv_blocks:
             self.enable_host_tier(options.host_kv_blocks)
-        self.last_host_s = 0.0
+        self.last_host_s, self._fed = 0.0, False
         self.readback = Readback(plan.max_seqs, stream)
         self.timer = StepTimer(stream) if options.time_steps else None
         self.graphs = self._graphs() if options.cuda_graphs else None
@@ -208,9 +218,15 @@ class GpuExecutor(ExecutorBase):
 
     # ---- steps ------------------------------------------------------------------------------------
     def upload(self, batch: ModelBatch, pad_to: int | None = None) -> GpuStepContext:
-        """The step's inputs on the device (checked first); eager steps also plan prefill attention."""
-        self.inputs.check(batch, self.num_kv_blocks)
-        ctx = self.inputs.upload(batch, lambda T, ctx_len: self.ops.splits(T, self.plan.kv.heads, ctx_len), pad_to)
+        """The step's inputs on the device (checked first; a fed step's ids come from the sampler);
+        eager steps also plan prefill attention."""
+        fed = self._fed
+        self._fed = False
+        if fed and not batch.is_decode_only:
+            raise ValueError("a fed step must be a decode step (one token per sequence)")
+        self.inputs.check(batch, self.num_kv_blocks, check_ids=not fed)
+        ctx = self.inputs.upload(batch, lambda T, ctx_len: self.ops.splits(T, self.plan.kv.heads, ctx_len), pad_to,
+                                 fed_ids=self.sampler.ids if fed else None)
         if pad_to is None and self.prefill is not None:
             ctx.prefill = self.prefill.step(batch)
         return ctx
@@ -233,15 +249,20 @@ class GpuExecutor(ExecutorBase):
         hidden, _ = self._hidden(batch)
         return self._logits_host(hidden, np.arange(batch.num_tokens, dtype=np.int32))
 
+    supports_fed_steps = True
+
     def execute(self, batch: ModelBatch) -> StepOutput:
         return self.submit(batch).result()
 
-    def submit(self, batch: ModelBatch) -> PendingStep:
+    def submit(self, batch: ModelBatch, fed: bool = False) -> PendingStep:
         """Launch one step; it returns while the GPU runs it (its result() is the step's one sync),
-        except an eager step with logit processing or prompt logprobs, which runs to the end here."""
+        except an eager step with logit processing or prompt logprobs, which runs to the end here.
+        fed: a decode step whose input ids are the sampled ids of the step queued just before it, row
+        for row, taken on the device (the engine queues it before that step's ids reach the host)."""
         t0 = time.perf_counter()
         if self.timer is not None:
             self.timer.start()
+        self._fed = fed
         if self.graphs is not None and self.graphs.serves(batch):
             with nvtx_range(f"decode graph B={len(batch.seqs)}"):
                 pending = self.graphs.launch(batch, t0)

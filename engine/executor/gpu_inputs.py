@@ -23,7 +23,9 @@ class StepInputs:
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         b = arena.take_all("inputs", self.buffers(max_tokens, max_seqs, max_blocks))
         self.device, self.extra_rows = b["step"], b["extra_rows"]
-        self.host = pinned_array(self.device.shape, np.int32)
+        # two pinned twins used in turn: a step may be packed while the one before waits for its upload
+        self.hosts = [pinned_array(self.device.shape, np.int32) for _ in range(2)]
+        self.host = self.hosts[0]
 
     @staticmethod
     def buffers(max_tokens: int, max_seqs: int, max_blocks: int) -> list[Buffer]:
@@ -34,7 +36,7 @@ class StepInputs:
     def nbytes(cls, plan) -> int:
         return buffers_nbytes(cls.buffers(plan.max_tokens, plan.max_seqs, plan.max_blocks))
 
-    def check(self, batch: ModelBatch, num_kv_blocks: int) -> None:
+    def check(self, batch: ModelBatch, num_kv_blocks: int, check_ids: bool = True) -> None:
         """A step this executor cannot take raises ValueError (the scheduler, built from the same
         options, never plans one; a direct caller learns what is wrong)."""
         T, B = batch.num_tokens, len(batch.seqs)
@@ -47,18 +49,24 @@ class StepInputs:
         if int(batch.block_tables.max()) >= num_kv_blocks:
             raise ValueError(f"block id {int(batch.block_tables.max())} is outside the KV pool "
                              f"({num_kv_blocks} blocks)")
-        if batch.input_ids.min() < 0 or batch.input_ids.max() >= self.vocab_size:
+        if check_ids and (batch.input_ids.min() < 0 or batch.input_ids.max() >= self.vocab_size):
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
 
-    def upload(self, batch: ModelBatch, num_splits, pad_to: int | None = None) -> GpuStepContext:
+    def _next_host(self) -> np.ndarray:
+        self.host = self.hosts[1] if self.host is self.hosts[0] else self.hosts[0]
+        return self.host
+
+    def upload(self, batch: ModelBatch, num_splits, pad_to: int | None = None, fed_ids=None) -> GpuStepContext:
         """Copy the step's arrays into the device buffer (one async copy on the stream) and return
         their views. pad_to (decode graphs): pad a one-token-per-sequence batch to that many rows;
         padded rows have position and slot -1 (attention skips them, no KV is written) and read
-        block-table row 0. num_splits(T, max_context): the attention split count of the step."""
+        block-table row 0. num_splits(T, max_context): the attention split count of the step.
+        fed_ids: a device array whose first T ids replace the batch's (a step queued before the
+        step that samples its input ids finished: async scheduling)."""
         import cupy
 
         T, B = batch.num_tokens, len(batch.seqs)
-        Tm, mb, h = self.max_tokens, self.max_blocks, self.host
+        Tm, mb, h = self.max_tokens, self.max_blocks, self._next_host()
         lens = np.diff(batch.cu_seqlens)
         h[0:T] = batch.input_ids
         h[Tm:Tm + T] = batch.positions
@@ -79,6 +87,9 @@ class StepInputs:
         n = 5 * Tm + rows * mb
         cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        if fed_ids is not None:
+            cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, fed_ids.data.ptr, batch.num_tokens * 4,
+                                          cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         max_context = int(batch.context_lens.max()) if pad_to is None else self.max_model_len
         return self.views(T, rows, S, num_splits(T, max_context))
 
@@ -87,7 +98,7 @@ class StepInputs:
         and slot -1, so the step writes no KV and attends to nothing)."""
         import cupy
 
-        Tm, h = self.max_tokens, self.host
+        Tm, h = self.max_tokens, self._next_host()
         h[0:rows], h[Tm:Tm + rows], h[2 * Tm:2 * Tm + rows], h[3 * Tm:3 * Tm + rows] = 0, -1, -1, 0
         h[4 * Tm:4 * Tm + rows] = np.arange(rows, dtype=np.int32)
         h[5 * Tm:5 * Tm + rows * self.max_blocks] = 0

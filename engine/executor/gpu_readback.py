@@ -1,8 +1,8 @@
 """The sampled results of a launched step on their way to the host: the sampler's ids (and the
 logprobs asked for) are copied into pinned host buffers behind the step's kernels, and an event is
 recorded after the copies. The step returns at once as a ReadbackStep; its result() waits on that
-event, the step's one sync. One step is in flight at a time (the engine waits for each result
-before it launches the next), so one set of buffers serves every step, graphed or eager."""
+event, the step's one sync. At most two steps are in flight (async scheduling queues the next decode
+step before this one is read), so two sets of buffers serve every step, graphed or eager, in turn."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,20 +34,29 @@ class ReadbackStep:
         return StepOutput(sampled=out)
 
 
-class Readback:
+class ReadbackSlot:
     """Pinned host buffers for `rows` sampled rows and the event after their copies."""
 
-    def __init__(self, rows: int, stream):
+    def __init__(self, rows: int):
         import cupy
 
         from memory.streams import pinned_array
 
-        self.stream = stream
         self.ids_host = pinned_array((rows,), np.int32)
         self.lp_host = pinned_array((rows,), np.float32)
         self.top_ids_host = pinned_array((rows, MAX_TOP_LOGPROBS), np.int32)
         self.top_lp_host = pinned_array((rows, MAX_TOP_LOGPROBS), np.float32)
         self.ready = cupy.cuda.Event(block=False, disable_timing=True)
+
+
+class Readback:
+    """Two slots used in turn: with async scheduling a step is queued before the one before it has
+    been read, so each step's results land in buffers the other's copies do not touch."""
+
+    def __init__(self, rows: int, stream):
+        self.stream = stream
+        self.slots = [ReadbackSlot(rows), ReadbackSlot(rows)]
+        self.turn = 0
 
     def _copy(self, host: np.ndarray, device, nbytes: int) -> None:
         import cupy
@@ -58,15 +67,17 @@ class Readback:
     def queue(self, sampler, seqs, greedy: bool) -> ReadbackStep:
         """Copy the sampler's results for `seqs` (rows 0..n-1) back; greedy: the ids alone."""
         n = len(seqs)
-        self._copy(self.ids_host, sampler.ids, n * 4)
+        self.turn ^= 1
+        slot = self.slots[self.turn]
+        self._copy(slot.ids_host, sampler.ids, n * 4)
         logprobs = None if greedy else [q.params.logprobs for q in seqs]
         if logprobs is not None and any(k is not None for k in logprobs):
-            self._copy(self.lp_host, sampler.logprob, n * 4)
+            self._copy(slot.lp_host, sampler.logprob, n * 4)
             if any(logprobs):
-                self._copy(self.top_ids_host, sampler.top_ids, n * MAX_TOP_LOGPROBS * 4)
-                self._copy(self.top_lp_host, sampler.top_lp, n * MAX_TOP_LOGPROBS * 4)
+                self._copy(slot.top_ids_host, sampler.top_ids, n * MAX_TOP_LOGPROBS * 4)
+                self._copy(slot.top_lp_host, sampler.top_lp, n * MAX_TOP_LOGPROBS * 4)
         else:
             logprobs = None
-        self.ready.record(self.stream)
-        return ReadbackStep([q.seq_id for q in seqs], self.ids_host[:n], self.ready, logprobs,
-                            self.lp_host[:n], self.top_ids_host[:n], self.top_lp_host[:n])
+        slot.ready.record(self.stream)
+        return ReadbackStep([q.seq_id for q in seqs], slot.ids_host[:n], slot.ready, logprobs,
+                            slot.lp_host[:n], slot.top_ids_host[:n], slot.top_lp_host[:n])

@@ -122,15 +122,18 @@ class GpuSampler:
         self.tickets = b["argmax_tickets"]
         # argmax_logprob_split's ticket counters start at zero; the kernel leaves them so.
         cupy.cuda.runtime.memsetAsync(self.tickets.data.ptr, 0, self.tickets.nbytes, stream.ptr)
-        # The decode graphs' per-row parameters: one device block, uploaded from its pinned twin.
+        # The decode graphs' per-row parameters: one device block, uploaded from one of two pinned twins
+        # in turn (a step may be queued while the one before still waits for its upload).
         self.graph_block = b["graph_rows"]
-        self.graph_block_host = pinned_array((max_rows * GRAPH_ROW_BYTES,), np.uint8)
-        self.graph_rows, self.graph_rows_host, at = {}, {}, 0
+        self.graph_block_hosts = [pinned_array((max_rows * GRAPH_ROW_BYTES,), np.uint8) for _ in range(2)]
+        self.graph_rows, self.graph_rows_hosts, at = {}, [{}, {}], 0
         for name, dtype in GRAPH_FIELDS:
             n = max_rows * np.dtype(dtype).itemsize
             self.graph_rows[name] = cupy.ndarray((max_rows,), dtype, memptr=self.graph_block.data + at)
-            self.graph_rows_host[name] = self.graph_block_host[at:at + n].view(dtype)
+            for host, rows_host in zip(self.graph_block_hosts, self.graph_rows_hosts):
+                rows_host[name] = host[at:at + n].view(dtype)
             at += n
+        self.graph_turn = 0
         self.k_argmax = kernel("argmax_logprobs", "argmax_logprob")
         self.k_argmax_split = kernel("argmax_logprobs", "argmax_logprob_split")
         self.k_token_lp = kernel("argmax_logprobs", "token_logprob")
@@ -178,8 +181,9 @@ class GpuSampler:
         bucket): seqs first, then padded rows (temperature 0, no logprobs), which sample nothing."""
         if rows > self.max_rows:
             raise ValueError(f"{rows} graph rows exceed the sampler's {self.max_rows}")
-        pack_graph_rows(self.graph_rows_host, seqs, rows)
-        self.cp.cuda.runtime.memcpyAsync(self.graph_block.data.ptr, self.graph_block_host.ctypes.data,
+        self.graph_turn ^= 1
+        pack_graph_rows(self.graph_rows_hosts[self.graph_turn], seqs, rows)
+        self.cp.cuda.runtime.memcpyAsync(self.graph_block.data.ptr, self.graph_block_hosts[self.graph_turn].ctypes.data,
                                          self.graph_block.nbytes, self.cp.cuda.runtime.memcpyHostToDevice,
                                          self.stream.ptr)
 
