@@ -136,6 +136,7 @@ class DecoderLM:
     layer pieces it has (`layer_options`, hence its weights) and runs `decoder_stack`; a model
     line with another structure overrides `weight_specs` and `forward`."""
     model_type = ""
+    expert_shape = None          # moe.ExpertShape of a line with routed experts
 
     def __init__(self, config: ModelConfig):
         self.config = config

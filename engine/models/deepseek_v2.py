@@ -27,7 +27,7 @@ from typing import Any
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderLM, LayerOptions, decoder_stack, mlp_block, mlp_weight_specs, \
     model_weight_specs
-from engine.models.moe import expert_weight_specs, routed_experts
+from engine.models.moe import ExpertShape, expert_weight_specs, routed_experts
 from engine.models.ops import Array, MLASpec, Ops, RouteSpec
 from engine.models.weights import WeightSpec, packed
 from memory.kv_pool import KVLayout
@@ -184,6 +184,13 @@ class DeepseekV2ForCausalLM(DecoderLM):
         c, m, spec = self.config, self.mla, self.attention_specs[0]
         return max(c.hidden_size, 2 * c.intermediate_size, 2 * m.moe_intermediate_size * max(1, m.n_shared_experts),
                    spec.q_cols + spec.cache_dim, c.num_attention_heads * max(m.qk_head_dim, m.v_head_dim))
+
+    @property
+    def expert_shape(self) -> ExpertShape | None:
+        m, c = self.mla, self.config
+        if not any(m.sparse(i) for i in range(c.num_hidden_layers)):
+            return None
+        return ExpertShape(m.n_routed_experts, m.top_k, c.hidden_size, m.moe_intermediate_size)
 
     def mlp(self, ops: Ops, w: dict[str, Array], residual: Array, normed: Array | None, i: int, eps: float,
             next_norm: Array) -> tuple[Array, Array | None]:

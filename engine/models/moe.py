@@ -7,8 +7,20 @@ checkpoint's per-expert tensors, so an executor runs each projection as one grou
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.models.ops import Array, Ops, RouteSpec
 from engine.models.weights import WeightSpec, packed, stacked
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """A model line's routed experts as an executor sizes its buffers: experts, top_k, hidden size and
+    each expert's intermediate size (model lines expose it as ``expert_shape``; None: dense)."""
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int
 
 
 def expert_weight_specs(i: int, hf: str, experts: int, hidden: int, inter: int) -> list[WeightSpec]:

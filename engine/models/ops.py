@@ -63,6 +63,11 @@ class MLASpec:
     def qk_dim(self) -> int:
         return self.nope_dim + self.rope_dim
 
+    @property
+    def head_dim(self) -> int:
+        """The key width of the expanded form (nope + rope): what plain attention kernels see."""
+        return self.qk_dim
+
 
 class Ops(Protocol):
     def embed(self, table: Array, ctx: Any) -> Array:

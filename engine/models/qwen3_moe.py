@@ -15,7 +15,7 @@ from typing import Any
 from engine.model_config import ModelConfig
 from engine.models.decoder import (attention_weight_specs, decoder_stack, mlp_block,
                                    mlp_weight_specs, model_weight_specs)
-from engine.models.moe import expert_weight_specs, routed_experts
+from engine.models.moe import ExpertShape, expert_weight_specs, routed_experts
 from engine.models.ops import Array, Ops, RouteSpec
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.weights import WeightSpec
@@ -75,6 +75,13 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @property
     def activation_width(self) -> int:
         return max(super().activation_width, 2 * self.moe.moe_intermediate_size)
+
+    @property
+    def expert_shape(self) -> ExpertShape | None:
+        m, c = self.moe, self.config
+        if not any(m.sparse(i) for i in range(c.num_hidden_layers)):
+            return None
+        return ExpertShape(m.num_experts, m.top_k, c.hidden_size, m.moe_intermediate_size)
 
     def mlp(self, ops: Ops, w: dict[str, Array], residual: Array, normed: Array | None, i: int, eps: float,
             next_norm: Array) -> tuple[Array, Array | None]:
