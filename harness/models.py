@@ -275,9 +275,10 @@ def random_sequences(vocab: int, lengths: list[int], seed: int) -> list[list[int
 
 
 def write_random_qwen3(config_path: str, out_dir: str, seed: int = 0, embed_std: float = 0.06):
-    """An HF folder of a real-shape model with random bf16 weights (written on the GPU): matrices
-    ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1), embedding ~ N(0, embed_std) (logit spread ~3 like a real
-    model). Returns the bf16 model on the GPU. Reuses out_dir when already complete."""
+    """An HF folder of a real-shape model (any transformers config: Qwen3, Qwen3-MoE, DeepSeek-V2) with
+    random bf16 weights (written on the GPU): matrices and stacked experts ~ N(0, 1/fan_in), norms
+    ~ 1 + N(0, 0.1), embedding ~ N(0, embed_std) (logit spread ~3 like a real model). Returns the bf16
+    model on the GPU. Reuses out_dir when already complete."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -289,8 +290,8 @@ def write_random_qwen3(config_path: str, out_dir: str, seed: int = 0, embed_std:
         for name, p in model.named_parameters():
             if p.ndim == 2 and "embed" in name:
                 p.normal_(0.0, embed_std)
-            elif p.ndim == 2:
-                p.normal_(0.0, p.shape[1] ** -0.5)
+            elif p.ndim >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
             elif "norm" in name:
                 p.normal_(1.0, 0.1)
             else:

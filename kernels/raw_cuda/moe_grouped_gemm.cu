@@ -3,7 +3,7 @@
 //   out[r, n] = bf16(sum_k a[r, k] · w[tile_expert[r / tile_m], n, k])     (fp32 accumulation)
 // a [M, K], w [E, N, K], out [M, N] bf16; M a multiple of tile_m (64 or 128), K % 8 == 0. CTA tiles
 // of 64 x 64 (4 warps, 32 x 32 each, wmma 16x16x16 bf16 tensor-core tiles), k steps of 32 through
-// shared memory, single-buffered. A 64-row block whose first row is padding (row_token < 0) is all
+// shared memory (wmma wants 32-byte aligned tiles), single-buffered. A 64-row block whose first row is padding (row_token < 0) is all
 // padding (groups fill their tiles from the top) and exits. A fixed grid: graph-capturable.
 // Roofline: 2·M·N·K flops against (M·K + used tiles·N·K + M·N)·2 bytes. Decode (M = tiles · 64, a few
 // real rows per tile) is weight-bandwidth bound: each used tile streams its expert's N·K weights once
@@ -24,9 +24,9 @@ extern "C" __global__ void __launch_bounds__(128)
 moe_grouped_gemm(const bf16_t* __restrict__ a, const bf16_t* __restrict__ w, const int* __restrict__ tile_expert,
                  const int* __restrict__ row_token, bf16_t* __restrict__ out, int M, int N, int K, int tile_m) {
     pdl_begin();
-    __shared__ __align__(16) bf16_t As[BM * LDS];
-    __shared__ __align__(16) bf16_t Bs[BN * LDS];
-    __shared__ __align__(16) float Cs[BM * LDC];
+    __shared__ __align__(32) bf16_t As[BM * LDS];
+    __shared__ __align__(32) bf16_t Bs[BN * LDS];
+    __shared__ __align__(32) float Cs[BM * LDC];
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
     if (row_token != nullptr && row_token[m0] < 0) return;
     const bf16_t* wexp = w + (size_t)tile_expert[m0 / tile_m] * N * K;
