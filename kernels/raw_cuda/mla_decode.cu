@@ -15,7 +15,7 @@
 // all heads: 4.7 MB at 4K context on V2-Lite, ~1.1 µs at 4.3 TB/s) against 2 · context · H ·
 // (2 · KV_RANK + ROPE_DIM) fp32 FMA flops (150 MFLOP for 16 heads, ~2.5 µs over 132 SMs at ~60 TFLOP/s
 // of fp32): compute-bound on CUDA cores; a tensor-core (mma) version is the next step.
-#include "common.cuh"
+#include "online_softmax.cuh"
 
 #ifndef KV_RANK
 #define KV_RANK 512
@@ -95,26 +95,8 @@ mla_decode_split(const float* __restrict__ q_lat, const bf16_t* __restrict__ q, 
             }
         }
         __syncthreads();
-        // 2. online softmax update, one warp per head.
-        for (int g = warp; g < G; g += NWARPS) {
-            float cmax = -INFINITY;
-            for (int j = lane; j < n; j += 32) cmax = fmaxf(cmax, p_s[g * CHUNK + j]);
-            cmax = warp_max(cmax);
-            const float m_old = m_s[g], m_new = fmaxf(m_old, cmax);
-            float sum = 0.f;
-            for (int j = lane; j < n; j += 32) {
-                const float e = expf(p_s[g * CHUNK + j] - m_new);
-                p_s[g * CHUNK + j] = e;
-                sum += e;
-            }
-            sum = warp_sum(sum);
-            if (lane == 0) {
-                const float alpha = expf(m_old - m_new);     // 0 on the first chunk (m_old = -inf)
-                l_s[g] = l_s[g] * alpha + sum;
-                m_s[g] = m_new;
-                alpha_s[g] = alpha;
-            }
-        }
+        // 2. online softmax update, one warp per head (online_softmax.cuh).
+        online_softmax_chunk(p_s, m_s, l_s, alpha_s, G, n, CHUNK, NWARPS);
         __syncthreads();
         // 3. acc = acc·alpha + P·C, threads across the latent.
         #pragma unroll
