@@ -184,4 +184,4 @@ def test_mla_attention_matches_numpy(name, form):
     o = ex.ops.mla_attention(dev(q), dev(kv_b), spec, ctx)
     assert (ctx.mla not in (None, False)) == (form == "expanded")
     want = cpu_ops_over(ex).mla_attention(q, kv_b, spec, cpu_ctx)
-    np.testing.assert_allclose(host(o), want, rtol=ROUND, atol=ROUND)
+    np.testing.assert_allclose(host(o), want, rtol=ROUND, atol=3 * ROUND)     # o_lat is rounded before W_UV
