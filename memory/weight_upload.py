@@ -69,6 +69,19 @@ def copies_of(parts: list[np.ndarray], dst: int, interleave: bool, max_bytes: in
     return out
 
 
+def weight_copies(w, dst: int, interleave: bool) -> list[Copy]:
+    """The copies of one weight (an array or a PackedWeight) to dst; interleave: gate_up's halves in
+    blocks of 8 rows, per expert for a stacked [experts, 2I, H] weight."""
+    if not interleave:
+        return copies_of(list(getattr(w, "parts", [w])), dst, False)
+    if hasattr(w, "parts") and w.ndim == 2:
+        return copies_of(list(w.parts), dst, True)
+    experts = [w] if w.ndim == 2 else [w[e] for e in range(w.shape[0])]
+    per = int(np.prod(experts[0].shape)) * 2
+    half = experts[0].shape[0] // 2
+    return [c for e, x in enumerate(experts) for c in copies_of([x[:half], x[half:]], dst + e * per, True)]
+
+
 def stage(copy: Copy, buffer: np.ndarray) -> None:
     """The copy's rows as bf16 bits into the head of a staging buffer (a worker thread)."""
     src = copy.src
@@ -85,12 +98,9 @@ def upload_weights(arena: DeviceArena, weights: Iterable[tuple[str, np.ndarray]]
 
     out, copies = {}, []
     for name, w in weights:
-        parts = list(getattr(w, "parts", [w]))
         dev = arena.take(f"weights.{name}", tuple(w.shape), np.uint16)
         out[name] = dev
-        if interleave(name) and len(parts) == 1:
-            parts = [parts[0][:parts[0].shape[0] // 2], parts[0][parts[0].shape[0] // 2:]]
-        copies += copies_of(parts, dev.data.ptr, interleave(name))
+        copies += weight_copies(w, dev.data.ptr, interleave(name))
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="weights -> GPU", disable=not progress)
     ring = [pinned_array((STAGING_BYTES,), np.uint8) for _ in range(workers + 2)]
     done = [streams.event() for _ in ring]

@@ -9,7 +9,7 @@ import pytest
 
 from engine.executor.gpu_gemm import interleave_gate_up
 from engine.models.weights import PackedWeight
-from memory.weight_upload import copies_of, stage
+from memory.weight_upload import copies_of, stage, weight_copies
 
 
 def apply(copies, device: np.ndarray, max_bytes: int) -> None:
@@ -70,3 +70,15 @@ def test_vector_parts_of_different_lengths_follow_each_other():
     device = np.zeros(128 * 2, np.uint8)
     apply(copies_of([q, k, v], 0, False), device, 1 << 12)
     np.testing.assert_array_equal(device.view(ml_dtypes.bfloat16), bf16(np.concatenate([q, k, v])))
+
+
+def test_stacked_expert_gate_up_is_interleaved_per_expert():
+    rng = np.random.default_rng(2)
+    w = bf16(rng.standard_normal((3, 32, 8)))           # [experts, 2I, H]
+    device = np.zeros(w.size * 2, np.uint8)
+    apply(weight_copies(w, 0, True), device, 1 << 12)
+    np.testing.assert_array_equal(device.view(ml_dtypes.bfloat16).reshape(w.shape), interleave_gate_up(w))
+    whole = bf16(rng.standard_normal((32, 8)))          # a 2D gate_up stored fused in the checkpoint
+    device = np.zeros(whole.size * 2, np.uint8)
+    apply(weight_copies(whole, 0, True), device, 1 << 12)
+    np.testing.assert_array_equal(device.view(ml_dtypes.bfloat16).reshape(whole.shape), interleave_gate_up(whole))

@@ -37,7 +37,7 @@ class CpuExecutor(ExecutorBase):
         self.num_kv_blocks = int(num_kv_blocks)
         self.kv = host_pool(self.layout, self.num_kv_blocks)
         self.host_kv = host_pool(self.layout, options.host_kv_blocks) if options.host_kv_blocks else None
-        self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len)
+        self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len, self.model.rope_dim)
         self.ops = NumpyOps(self.kv)
 
     def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
@@ -58,7 +58,7 @@ class CpuExecutor(ExecutorBase):
     @staticmethod
     def _prepare(a: np.ndarray, rounding) -> np.ndarray:
         """float32 in memory; matrices column-major, so `x @ w.T` reads w.T contiguously (3x faster gemv)."""
-        if rounding is not None and a.ndim == 2:
+        if rounding is not None and a.ndim >= 2:
             a = np.asarray(a).astype(rounding)
         a = np.asarray(a, dtype=np.float32)
         return np.asfortranarray(a) if a.ndim == 2 else np.array(a)

@@ -106,9 +106,10 @@ class GpuExecutor(ExecutorBase):
         plan = self.plan = gpu_plan(options, model.model, self.device)
         self.streams = DeviceStreams()
         stream = self.stream = self.streams.compute
-        prefill_min = prefill_min_query(tuning.prefill_attention, cfg.head_dim)
+        # the CuTe prefill attention reads K and V planes: none for a latent (one-plane) KV layout
+        prefill_min = prefill_min_query(tuning.prefill_attention, cfg.head_dim) if plan.kv.planes == 2 else None
         cute_max_m = cute_rows(tuning.gemm)
-        inv_freq, attention_factor = rope_inv_freq(cfg)
+        inv_freq, attention_factor = rope_inv_freq(cfg, model.model.rope_dim)
         parts = parts_nbytes(plan, cute_max_m, prefill_min is not None)
         parts["rope"] = inv_freq.nbytes
         weight_bytes = sum(int(a.size) * 2 for a in model.weights.values())
@@ -149,6 +150,7 @@ class GpuExecutor(ExecutorBase):
         self.ops = GpuOps(self.arena, self.gemm, self.kv_cache, self.inv_freq, attention_factor, plan.max_tokens,
                           plan.width, plan.hidden, plan.vocab, plan.logit_rows, plan.num_heads, plan.head_dim,
                           lm_head.data.ptr, stream, plan.device.num_sms, fast_attention=fast_attention)
+        self.ops.take_sparse(self.arena, plan)
         self.ops.layer_ranges, self.ops.op_ranges = tuning.nvtx in ("layers", "ops"), tuning.nvtx == "ops"
         self.ops.gate_up_interleaved = interleave
         self.host_kv = None
@@ -227,8 +229,10 @@ class GpuExecutor(ExecutorBase):
         self.inputs.check(batch, self.num_kv_blocks, check_ids=not fed)
         ctx = self.inputs.upload(batch, lambda T, ctx_len: self.ops.splits(T, self.plan.kv.heads, ctx_len), pad_to,
                                  fed_ids=self.sampler.ids if fed else None)
-        if pad_to is None and self.prefill is not None:
-            ctx.prefill = self.prefill.step(batch)
+        if pad_to is None:
+            ctx.batch = batch
+            if self.prefill is not None:
+                ctx.prefill = self.prefill.step(batch)
         return ctx
 
     def _hidden(self, batch: ModelBatch):

@@ -60,13 +60,14 @@ def cute_rows(backend: str | bool) -> int:
 
 
 def interleave_gate_up(w: np.ndarray) -> np.ndarray:
-    """A fused [gate; up] weight [2I, H] with its rows reordered into blocks of 8 gate rows followed by
-    the same 8 up rows (I % 8 == 0): the layout of gemv.cu's fused SiLU·up epilogue, whose CTAs own 16
-    rows, and of silu_mul.cu's interleaved mode."""
-    two_i, h = w.shape
+    """A fused [gate; up] weight [2I, H] (or stacked experts' [E, 2I, H]) with its rows reordered into
+    blocks of 8 gate rows followed by the same 8 up rows (I % 8 == 0): the layout of gemv.cu's fused
+    SiLU·up epilogue, whose CTAs own 16 rows, and of silu_mul.cu's interleaved mode."""
+    *lead, two_i, h = w.shape
     if two_i % 16:
         raise ValueError(f"gate_up weight of {two_i} rows: interleaving needs a multiple of 16")
-    return np.ascontiguousarray(w.reshape(2, two_i // 16, 8, h).transpose(1, 0, 2, 3).reshape(two_i, h))
+    blocks = w.reshape(*lead, 2, two_i // 16, 8, h)
+    return np.ascontiguousarray(np.swapaxes(blocks, -4, -3).reshape(w.shape))
 
 
 def _direct_cublas():

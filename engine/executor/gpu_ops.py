@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.executor.gpu_mla_ops import GpuMLAOps
+from engine.executor.gpu_moe_ops import GpuMoEOps
 from engine.models.ops import AttentionSpec, ComposedOps
 from kernels.raw_cuda import kernel
 from kernels.raw_cuda.launch import launch
@@ -94,6 +96,8 @@ class GpuStepContext:
     sample_rows: object     # int32 [S]
     num_splits: int
     prefill: object = None  # gpu_prefill.PrefillStep: the CuTe kernel's sequences (eager steps only)
+    batch: object = None    # the host ModelBatch (eager steps only; None in decode graphs)
+    mla: object = None      # gpu_mla_ops: the step's expansion plan, built at its first MLA layer
 
     @property
     def decode_only(self) -> bool:
@@ -102,7 +106,7 @@ class GpuStepContext:
         return self.num_tokens == self.block_tables.shape[0]
 
 
-class GpuOps(ComposedOps):
+class GpuOps(GpuMoEOps, GpuMLAOps, ComposedOps):
     op_ranges = False                       # NVTX range per op (op_range; eager steps)
 
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
@@ -162,8 +166,18 @@ class GpuOps(ComposedOps):
 
     @classmethod
     def nbytes(cls, plan) -> int:
+        """The activation buffers and, for the MoE / MLA lines, theirs (taken by take_sparse)."""
         return buffers_nbytes(cls.buffers(plan.max_tokens, plan.width, plan.hidden, plan.vocab, plan.logit_rows,
-                                          plan.num_heads, plan.head_dim, plan.device.num_sms))
+                                          plan.num_heads, plan.head_dim, plan.device.num_sms)) + cls.sparse_nbytes(plan)
+
+    @classmethod
+    def sparse_nbytes(cls, plan) -> int:
+        return cls.moe_nbytes(plan) + cls.mla_nbytes(plan)
+
+    def take_sparse(self, arena, plan) -> None:
+        """The MoE and MLA buffers of the plan's model line (gpu_moe_ops.py, gpu_mla_ops.py)."""
+        self.take_moe(arena, plan)
+        self.take_mla(arena, plan)
 
     def _out(self, rows: int, cols: int):
         if rows > self.max_tokens:

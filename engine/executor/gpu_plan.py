@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from engine.executor.options import ExecutorOptions
 from engine.model_config import ModelConfig
+from engine.models.moe import ExpertShape
+from engine.models.ops import MLASpec
 from memory.kv_pool import KVLayout, blocks_for
 
 # Logit rows the eager paths compute at once (prompt logprobs and forward_logits go in chunks of it):
@@ -47,6 +49,8 @@ class GpuPlan:
     num_heads: int          # query heads of the widest attention layer
     head_dim: int           # its head dim
     linear_shapes: tuple[tuple[int, int], ...] = ()   # (N, K) of the bf16-output linear weights
+    experts: ExpertShape | None = None     # the routed experts' shape (MoE lines; gpu_moe_ops.py)
+    mla: MLASpec | None = None             # the latent attention's shape (MLA lines; gpu_mla_ops.py)
 
     @property
     def max_tokens(self) -> int:
@@ -80,10 +84,13 @@ class GpuPlan:
 
 
 def gpu_plan(options: ExecutorOptions, model, device: DeviceInfo) -> GpuPlan:
-    """The plan of a model line (its kv_layout, activation width and attention specs) on a device."""
+    """The plan of a model line (its kv_layout, activation width, attention specs and, for the MoE and
+    MLA lines, expert_shape and MLASpec) on a device."""
     widest = max(model.attention_specs, key=lambda s: s.num_heads * s.head_dim)
-    shapes = sorted({tuple(w.shape) for w in model.weight_specs()
-                     if len(w.shape) == 2 and w.name not in ("embed_tokens", "lm_head")})
+    shapes = sorted({tuple(w.shape) for w in model.weight_specs()     # routers: float32 logits, cuBLAS
+                     if len(w.shape) == 2 and w.name not in ("embed_tokens", "lm_head")
+                     and not w.name.endswith(".router")})
+    mla = model.attention_specs[0] if isinstance(model.attention_specs[0], MLASpec) else None
     return GpuPlan(options=options, config=model.config, device=device, kv=model.kv_layout(),
                    width=model.activation_width, num_heads=widest.num_heads, head_dim=widest.head_dim,
-                   linear_shapes=tuple(shapes))
+                   linear_shapes=tuple(shapes), experts=model.expert_shape, mla=mla)
