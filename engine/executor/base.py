@@ -37,6 +37,7 @@ class Executor(Protocol):
     num_kv_blocks: int          # size of the paged KV pool, in BLOCK_SIZE-token blocks
     vocab_size: int
     supports_host_tier: bool    # copy_blocks works (host_kv_blocks > 0)
+    num_state_slots: int        # per-sequence state slots (linear-attention lines; 0: none)
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         """Run one step: write the new tokens' KV, sample where asked."""
@@ -62,6 +63,7 @@ class Executor(Protocol):
 class ExecutorBase:
     """Defaults for the optional parts of Executor: synchronous submit, no host tier, nothing to close."""
     supports_host_tier = False
+    num_state_slots = 0
     options: ExecutorOptions
 
     def execute(self, batch: ModelBatch) -> StepOutput:

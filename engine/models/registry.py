@@ -5,11 +5,14 @@ from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderLM
 from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
     "qwen3": Qwen3ForCausalLM,
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_5": Qwen3_5ForConditionalGeneration,
 }
 
 
