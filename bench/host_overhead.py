@@ -120,7 +120,7 @@ class GpuHostExecutor:
         inputs.stream, inputs.vocab_size, inputs.max_model_len = ex.stream, vocab_size, max_model_len
         inputs.max_tokens, inputs.max_seqs = ex.options.max_num_batched_tokens, max_seqs
         inputs.max_blocks = -(-max_model_len // 16)
-        n_inputs = 5 * inputs.max_tokens + inputs.max_seqs * inputs.max_blocks
+        n_inputs = StepInputs.buffers(inputs.max_tokens, inputs.max_seqs, inputs.max_blocks)[0].shape[0]
         inputs.host, inputs.device = np.zeros(n_inputs, np.int32), _Dev(n_inputs)
         ex.inputs, ex.prefill = inputs, None
         ops = types.SimpleNamespace(fast_attention=True, num_heads=32, head_dim=128, num_sms=132)

@@ -58,9 +58,22 @@ class StateLayout:
         return {a.name: (a.layers, num_slots, *a.shape) for a in self.arrays}
 
 
+def state_buffers(layout: StateLayout, num_slots: int) -> list:
+    """The device buffers of num_slots slots (bf16 activation arrays as uint16), for the GPU arena."""
+    from memory.device_arena import Buffer
+    return [Buffer(a.name, shape, np.uint16 if a.dtype == ACTIVATION else np.dtype(a.dtype))
+            for a, shape in zip(layout.arrays, layout.shapes(num_slots).values())]
+
+
 def host_state(layout: StateLayout, num_slots: int) -> dict[str, np.ndarray]:
     """Zeroed float32 state arrays in host memory (the CPU executor computes in float32)."""
     return {name: np.zeros(shape, np.float32) for name, shape in layout.shapes(num_slots).items()}
+
+
+def check_slots(slots: np.ndarray, num_slots: int) -> None:
+    """A step's state slot ids must all be in [0, num_slots) (ValueError: a step the executor cannot take)."""
+    if slots.size and not 0 <= int(slots.min()) <= int(slots.max()) < num_slots:
+        raise ValueError(f"state slots {slots.tolist()} outside [0, {num_slots})")
 
 
 class NoFreeSlots(RuntimeError):

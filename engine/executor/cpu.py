@@ -14,7 +14,7 @@ from engine.loader import LoadedModel
 from engine.models.rope import rope_cos_sin
 from engine.sampling import prompt_logprobs, sample_step
 from memory.kv_pool import BLOCK_SIZE, blocks_for, host_pool, pool_blocks
-from memory.state_slots import host_state
+from memory.state_slots import check_slots, host_state
 
 DEFAULT_KV_BYTES = 1 << 30          # KV pool budget when num_kv_blocks is not given
 ROUNDING = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -76,9 +76,8 @@ class CpuExecutor(ExecutorBase):
                              f"({self.num_kv_blocks} blocks)")
         if batch.num_tokens and (batch.input_ids.min() < 0 or batch.input_ids.max() >= self.vocab_size):
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
-        slots = batch.state_slots
-        if self.num_state_slots and batch.seqs and not 0 <= slots.min() <= slots.max() < self.num_state_slots:
-            raise ValueError(f"state slots {slots.tolist()} outside [0, {self.num_state_slots})")
+        if self.num_state_slots:
+            check_slots(batch.state_slots, self.num_state_slots)
         return CpuStepContext(batch, self.cos[batch.positions], self.sin[batch.positions])
 
     def _hidden(self, batch: ModelBatch) -> np.ndarray:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
 from engine.models.ops import AttentionSpec, ComposedOps
 from kernels.raw_cuda import kernel
 from kernels.raw_cuda.launch import launch
@@ -94,6 +95,8 @@ class GpuStepContext:
     sample_rows: object     # int32 [S]
     num_splits: int
     prefill: object = None  # gpu_prefill.PrefillStep: the CuTe kernel's sequences (eager steps only)
+    state_slots: object = None  # int32 [B]  state slot of each row (-1: padding; lines with state)
+    cu_seqlens: object = None   # int32 [B+1] token offsets of the rows
 
     @property
     def decode_only(self) -> bool:
@@ -102,7 +105,7 @@ class GpuStepContext:
         return self.num_tokens == self.block_tables.shape[0]
 
 
-class GpuOps(ComposedOps):
+class GpuOps(DeltaNetGpuOps, ComposedOps):
     op_ranges = False                       # NVTX range per op (op_range; eager steps)
 
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,

@@ -19,7 +19,9 @@ checkpoint's in three ways, all applied at load (`checkpoint`):
   * q_proj's per-head [query | gate] rows are split into the query rows of qkv_proj and attn_gate_proj;
   * with partial rotary, each q / k head's dims are permuted so that the checkpoint's rotary pairs
     (i, i + rot/2) sit at (i, i + D/2) and the dims that do not rotate get frequency 0 (rope.py); the
-    scores q·k do not change under a permutation of both, v is not permuted.
+    scores q·k do not change under a permutation of both, v is not permuted;
+  * the DeltaNet input projection [qkv | z | b | a] gets zero rows up to a multiple of 8 (the GPU's
+    GEMMs take N % 8 == 0; Qwen3.5-4B's 12352 rows need none).
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ from memory.state_slots import ACTIVATION, StateArray, StateLayout
 LINEAR, FULL = "linear_attention", "full_attention"
 PLUS_ONE_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
 QUERY, GATE = "#query", "#gate"             # q_proj split into its query and gate rows (engine-side names)
+PAD = "#zeros"                              # zero rows padding the DeltaNet input projection to a multiple of 8
+PROJ_ALIGN = 8
 
 
 def layer_types(cfg: ModelConfig) -> list[str]:
@@ -136,9 +140,10 @@ class Qwen3_5ForCausalLM(DecoderLM):
     def _linear_weights(self, i: int, s: LinearAttentionSpec) -> list[WeightSpec]:
         H = self.config.hidden_size
         la = f"model.layers.{i}.linear_attn"
+        pad = -s.proj_size % PROJ_ALIGN
         return [packed(f"layers.{i}.in_proj", (f"{la}.in_proj_qkv.weight", (s.conv_dim, H)),
                        (f"{la}.in_proj_z.weight", (s.value_size, H)), (f"{la}.in_proj_b.weight", (s.num_v_heads, H)),
-                       (f"{la}.in_proj_a.weight", (s.num_v_heads, H))),
+                       (f"{la}.in_proj_a.weight", (s.num_v_heads, H)), *([(f"{la}{PAD}", (pad, H))] if pad else [])),
                 packed(f"layers.{i}.conv1d", (f"{la}.conv1d.weight", (s.conv_dim, 1, s.conv_kernel))),
                 packed(f"layers.{i}.A_log", (f"{la}.A_log", (s.num_v_heads,))),
                 packed(f"layers.{i}.dt_bias", (f"{la}.dt_bias", (s.num_v_heads,))),
@@ -165,7 +170,7 @@ class Qwen3_5ForCausalLM(DecoderLM):
         widths = [2 * c.intermediate_size, c.hidden_size]
         if self.attention_specs:
             widths += [c.q_size + 2 * c.kv_size]
-        widths += [s.proj_size for s in self.linear_specs.values()]
+        widths += [s.proj_size + PROJ_ALIGN for s in self.linear_specs.values()]
         return max(widths)
 
     # ---- checkpoint -> engine layout ----------------------------------------------------------
@@ -188,6 +193,9 @@ class Qwen3_5ForCausalLM(DecoderLM):
             return heads[:, perm].reshape(a.shape)
 
         def engine_get(name: str) -> np.ndarray:
+            if name.endswith(PAD):
+                s = self.linear_specs[int(name.split(".")[2])]
+                return np.zeros((-s.proj_size % PROJ_ALIGN, c.hidden_size), np.float32)
             a = np.asarray(get(source(name)))
             if name.endswith((QUERY, GATE)):         # [Hq · (query D | gate D), H]
                 a = a.reshape(c.num_attention_heads, 2, c.head_dim, -1)[:, int(name.endswith(GATE))]
@@ -201,7 +209,7 @@ class Qwen3_5ForCausalLM(DecoderLM):
                 a = np.float32(1.0) + a.astype(np.float32)
             return a
 
-        return (lambda name: has(source(name))), engine_get
+        return (lambda name: name.endswith(PAD) or has(source(name))), engine_get
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, ops: Ops, w: dict[str, Array], ctx: Any) -> Array:
