@@ -112,6 +112,19 @@ def check_conv_and_delta_rule(spec, step: Step, inp: dict, got: dict) -> None:
     np.testing.assert_allclose(got["rec_state"], want_state, rtol=1e-4, atol=1e-4)
 
 
+def check_gated_rms_norm_and_sigmoid_gate(ops, spec, gate_width: int, dev, back) -> None:
+    """gated_rms_norm and sigmoid_gate through `ops` against numpy, on the mixed step's token count."""
+    step = STEPS["mixed"]
+    inp = random_inputs(spec, step, num_slots=4)
+    T = int(sum(step.lens))
+    o = from_bits(bits(np.random.default_rng(1).standard_normal((T, spec.value_size))))
+    got = back(ops.gated_rms_norm(dev(bits(o)), dev(bits(inp["proj"])), dev(bits(inp["norm_w"])), spec))
+    np.testing.assert_allclose(from_bits(got), expect_gated_rms_norm(spec, o, inp), rtol=1e-2, atol=1e-3)
+    x, gate = (from_bits(bits(np.random.default_rng(s).standard_normal((T, gate_width)))) for s in (2, 3))
+    got = back(ops.sigmoid_gate(dev(bits(x)), dev(bits(gate))))
+    np.testing.assert_array_equal(from_bits(got), expect_sigmoid_gate(x, gate))
+
+
 def expect_conv(spec, step: Step, inp: dict) -> tuple[np.ndarray, np.ndarray]:
     """(out [T, C] bf16-valued, conv state after): bf16(silu(bf16(sum_j w_j x_{t-K+1+j})))."""
     C, K = spec.conv_dim, spec.conv_kernel

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from deltanet_kernel_cases import (SHAPES, STEPS, bits, check_conv_and_delta_rule, expect_gated_rms_norm,
-                                   expect_sigmoid_gate, from_bits, random_inputs, run_conv_and_delta_rule, spec_of)
+from deltanet_kernel_cases import (SHAPES, STEPS, check_conv_and_delta_rule, check_gated_rms_norm_and_sigmoid_gate,
+                                   random_inputs, run_conv_and_delta_rule, spec_of)
 from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
 from kernels.raw_cuda import KERNEL_DIR
 from kernels.raw_cuda.launch import pack_argument
@@ -117,17 +117,7 @@ def test_conv_and_delta_rule_match_numpy(shape, step_name):
 
 
 def test_gated_rms_norm_and_sigmoid_gate_match_numpy():
-    spec, step = spec_of(*SHAPES[1]), STEPS["mixed"]
-    inp = random_inputs(spec, step, num_slots=4)
-    T = int(sum(step.lens))
-    o = np.random.default_rng(1).standard_normal((T, spec.value_size)).astype(np.float32)
-    ops = EmulatedOps()
-    got = ops.gated_rms_norm(host(bits(o)), host(bits(inp["proj"])), host(bits(inp["norm_w"])), spec)
-    np.testing.assert_allclose(from_bits(got), expect_gated_rms_norm(spec, from_bits(bits(o)), inp), rtol=1e-2,
-                               atol=1e-3)
-    x, gate = (np.random.default_rng(s).standard_normal((T, 96)).astype(np.float32) for s in (2, 3))
-    got = ops.sigmoid_gate(host(bits(x)), host(bits(gate)))
-    np.testing.assert_array_equal(from_bits(got), expect_sigmoid_gate(from_bits(bits(x)), from_bits(bits(gate))))
+    check_gated_rms_norm_and_sigmoid_gate(EmulatedOps(), spec_of(*SHAPES[1]), 96, host, back)
 
 
 def test_a_dropped_state_is_caught():

@@ -18,16 +18,17 @@ import os
 import numpy as np
 import pytest
 
-from deltanet_kernel_cases import (SHAPES, STEPS, bits, check_conv_and_delta_rule, expect_gated_rms_norm,
-                                   expect_sigmoid_gate, from_bits, random_inputs, run_conv_and_delta_rule, spec_of)
+from deltanet_kernel_cases import (SHAPES, STEPS, check_conv_and_delta_rule, check_gated_rms_norm_and_sigmoid_gate,
+                                   random_inputs, run_conv_and_delta_rule, spec_of)
 from engine.batch import ModelBatch, SeqStep
 from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
 from engine.loader import load_model
 from engine.request import SamplingParams
 from harness.executors import new_gpu_executor
 from harness.hybrid_models import HYBRID_MODELS, hybrid_model_path
-from harness.models import engine_logits, random_sequences, write_random_qwen3
-from test_gpu_executor import REAL_CONFIGS, assert_gate, assert_same_or_tie, gate_row, hf_run
+from harness.models import engine_logits, random_sequences
+from test_gpu_executor import PATHS as DENSE_PATHS
+from test_gpu_executor import REAL_CONFIGS, assert_gate, assert_same_or_tie, gate_row, hf_run, real_shape_gate
 
 pytestmark = pytest.mark.gpu
 QWEN35_4B_CONFIG = os.path.join(REAL_CONFIGS, "qwen3.5-4b", "config.json")
@@ -69,17 +70,7 @@ def test_conv_and_delta_rule_kernels(shape, step_name, pdl):
 
 
 def test_gated_rms_norm_and_sigmoid_gate_kernels():
-    spec, step = spec_of(*SHAPES[2]), STEPS["mixed"]
-    inp = random_inputs(spec, step, num_slots=4)
-    T = int(sum(step.lens))
-    o = np.random.default_rng(1).standard_normal((T, spec.value_size)).astype(np.float32)
-    ops = DeviceOps()
-    got = back(ops.gated_rms_norm(dev(bits(o)), dev(bits(inp["proj"])), dev(bits(inp["norm_w"])), spec))
-    np.testing.assert_allclose(from_bits(got), expect_gated_rms_norm(spec, from_bits(bits(o)), inp), rtol=1e-2,
-                               atol=1e-3)
-    x, gate = (np.random.default_rng(s).standard_normal((T, 4096)).astype(np.float32) for s in (2, 3))
-    got = back(ops.sigmoid_gate(dev(bits(x)), dev(bits(gate))))
-    np.testing.assert_array_equal(from_bits(got), expect_sigmoid_gate(from_bits(bits(x)), from_bits(bits(gate))))
+    check_gated_rms_norm_and_sigmoid_gate(DeviceOps(), spec_of(*SHAPES[2]), 4096, dev, back)
 
 
 # ---- the line against transformers ---------------------------------------------------------------
@@ -109,12 +100,7 @@ def hybrid(request):
     ex.close()
 
 
-PATHS = {
-    "prefill": dict(),
-    "decode": dict(prefill=[20, 7, 33, 1], chunks=1),
-    "chunked": dict(chunks=[7, 16, 5, 9], seed=3),
-    "chunked2": dict(chunks=2, seed=4),
-}
+PATHS = {**DENSE_PATHS, "chunked2": dict(chunks=2, seed=4)}       # chunks of 2: boundaries inside the conv window
 
 
 @pytest.mark.parametrize("path_name", sorted(PATHS))
@@ -164,21 +150,7 @@ def test_graph_decode_equals_eager_decode(hybrid):
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("OPENINFER_GATE_4B") != "1", reason="set OPENINFER_GATE_4B=1 (bench/gpu_suite.sh)")
 def test_qwen35_4b_random_gate():
-    import copy
-
-    import torch
-
     out_dir = os.environ.get("OPENINFER_QWEN35_4B_DIR", "/tmp/qwen3.5-4b-random")
-    m16 = write_random_qwen3(QWEN35_4B_CONFIG, out_dir)
-    m32 = copy.deepcopy(m16).float().eval()
-    seqs = random_sequences(151000, [128, 97, 64], seed=2)
-    o32, o16 = [hf_run(m32, s) for s in seqs], [hf_run(m16, s) for s in seqs]
-    del m32, m16
-    torch.cuda.empty_cache()
-    ex = new_gpu_executor(load_model(out_dir), max_model_len=1024, num_kv_blocks=64)
-    try:
-        for path_name, kw in (("prefill", {}), ("decode", dict(prefill=[40, 13, 1], chunks=1)),
-                              ("chunked", dict(chunks=[33, 7, 64], seed=3))):
-            assert_gate(gate_row(f"qwen3.5-4b-random/{path_name}", engine_logits(ex, seqs, **kw), o32, o16))
-    finally:
-        ex.close()
+    real_shape_gate(QWEN35_4B_CONFIG, out_dir, "qwen3.5-4b-random",
+                    {"prefill": {}, "decode": dict(prefill=[40, 13, 1], chunks=1),
+                     "chunked": dict(chunks=[33, 7, 64], seed=3)})
