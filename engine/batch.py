@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
+from typing import Any
 
 import numpy as np
 
@@ -32,6 +33,7 @@ class SeqStep:
     want_prompt_logprobs: bool = False  # return logprobs of token_ids[1:] given their prefix
     lora_id: int = 0
     block_array: np.ndarray | None = None   # block_table as int32, when the caller keeps one
+    grammar: Any = None                     # structured output: the sequence's GrammarMatcher (engine/grammar.py)
 
     @property
     def context_len(self) -> int:
