@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,7 @@ class SeqStep:
     lora_id: int = 0
     block_array: np.ndarray | None = None   # block_table as int32, when the caller keeps one
     state_slot: int = -1                # the sequence's state slot (-1: the line keeps no state)
+    grammar: Any = None                     # structured output: the sequence's GrammarMatcher (engine/grammar.py)
 
     @property
     def context_len(self) -> int:

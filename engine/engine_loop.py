@@ -18,6 +18,7 @@ from engine.admission import Admission, AdmissionLimits
 from engine.batch import ModelBatch
 from engine.config import EngineConfig
 from engine.events import Rejected
+from engine.grammar import GrammarCache
 from engine.executor.base import DoneStep
 from engine.outputs import OutputProcessor, RequestState, Sink
 from engine.request import GenerateRequest
@@ -93,7 +94,8 @@ class EngineLoop:
         self.admission = Admission(AdmissionLimits(vocab_size=int(executor.vocab_size), max_model_len=max_model_len,
                                                    max_n=min(config.max_n, max_seqs),
                                                    num_kv_blocks=executor.num_kv_blocks),
-                                   eos_token_ids, config.seed)
+                                   eos_token_ids, config.seed,
+                                   GrammarCache(tokenizer, int(executor.vocab_size), eos_token_ids))
         self.outputs = OutputProcessor(tokenizer, self.scheduler, max_model_len, self.abort)
         self._inbox: queue.Queue = queue.Queue()
         self._stats = EngineStats(kv_blocks_total=executor.num_kv_blocks)

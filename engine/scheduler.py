@@ -224,7 +224,7 @@ class Scheduler:
             params=seq.params, prompt_len=seq.prompt_len, history=seq.token_ids,
             num_generated=num_tokens - seq.prompt_len,
             want_prompt_logprobs=seq.want_prompt_logprobs and start < seq.prompt_len,
-            lora_id=seq.lora_id, state_slot=seq.state_slot))
+            lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar))
         return end - start
 
     # -- the next decode step, planned while this one runs ----------------------------------
@@ -238,7 +238,8 @@ class Scheduler:
         changes first (an end, an abort, an arrival), which confirm_decode_ahead detects.
         fed (async scheduling: the plan is launched before `out`'s tokens are known, its ids taken from
         out's on the device): also None when a sequence's token of `out` is its last by max_tokens, so
-        no planned position runs past what admission allowed."""
+        no planned position runs past what admission allowed, or when a sequence has a grammar (its
+        mask needs out's token)."""
         running = self.running
         if (not self._admission_closed() or len(out.seqs) != len(running)
                 or len(running) > self.max_num_batched_tokens):
@@ -247,7 +248,7 @@ class Scheduler:
         for seq, step, run in zip(out.seqs, out.steps, running):
             if (seq is not run or len(step.token_ids) != 1 or not step.sample or seq.fork_count > 1
                     or step.want_prompt_logprobs or seq.want_prompt_logprobs
-                    or (fed and step.num_generated + 1 >= seq.params.max_tokens)):
+                    or (fed and (step.num_generated + 1 >= seq.params.max_tokens or seq.grammar is not None))):
                 return None
             need += max(0, blocks_for(step.start_pos + 2) - len(seq.block_table))
         if not self.bm.can_allocate(need):
@@ -263,7 +264,7 @@ class Scheduler:
                 seq_id=seq.seq_id, token_ids=[-1], start_pos=pos, block_table=seq.block_table,
                 block_array=seq.block_table_array(), sample=True, params=seq.params,
                 prompt_len=seq.prompt_len, history=seq.token_ids, num_generated=step.num_generated + 1,
-                lora_id=seq.lora_id, state_slot=seq.state_slot))
+                lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar))
         return plan
 
     def _admission_closed(self) -> bool:

@@ -24,6 +24,7 @@ from server.metrics import ServerMetrics
 from server.protocol import (ModelInfo, check_token_ids, encode_text, parse_chat, parse_completion,
                              parse_json, parse_messages, render_chat)
 from server.responses import ResponseBuilder
+from server.structured import check_grammar
 
 log = logging.getLogger("openinfer.server")
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -151,6 +152,8 @@ def _model_card(app: Sanic) -> dict:
 async def _generate(request, parse, id_prefix: str):
     app = request.app
     parsed = parse(parse_json(request.body), app.ctx.model)
+    if parsed.constraint is not None:     # a grammar that cannot compile is refused before the engine sees it
+        await check_grammar(parsed.constraint.grammar, parsed.constraint.field, app.ctx.model)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     builder = ResponseBuilder(parsed, request_id, app.ctx.model.name, int(time.time()), app.ctx.model.tokenizer)
     call = EngineCall(app.ctx.handle, parsed, request_id, app.ctx.metrics)

@@ -299,8 +299,8 @@ class GpuExecutor(ExecutorBase):
 
     def launch_eager(self, batch: ModelBatch) -> PendingStep:
         """One step with per-kernel launches (prefill and mixed steps; decode where graphs are off).
-        Sampled rows with no logit processing run the decode graphs' sampling kernels and come back
-        through the readback, so the host goes on while the GPU runs the step."""
+        Sampled rows with no logit processing run the decode graphs' sampling kernels (grammar rows: the
+        masked tail) and come back through the readback, so the host goes on while the GPU runs the step."""
         hidden, ctx = self._hidden(batch)
         sampled = [s for s in batch.seqs if s.sample]
         want = [i for i, s in enumerate(batch.seqs) if s.want_prompt_logprobs and s.prompt_logprob_targets()]
@@ -316,6 +316,10 @@ class GpuExecutor(ExecutorBase):
         if not sampled:
             return DoneStep(StepOutput(sampled=[]))
         n = len(sampled)
+        if any(s.grammar is not None for s in sampled):     # structured output: the masked tail
+            self.sampler.argmax(logits, n)
+            self.sampler.masked_tail(logits, sampled)
+            return self.readback.queue(self.sampler, sampled, greedy=False)
         greedy = all(s.params.greedy and s.params.logprobs is None for s in sampled)
         if greedy:
             self.sampler.argmax(logits, n)
