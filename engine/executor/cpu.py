@@ -8,6 +8,7 @@ import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import ExecutorBase
+from engine.executor.cpu_lora_ops import CpuLoRASlots
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
 from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
@@ -39,6 +40,13 @@ class CpuExecutor(ExecutorBase):
         self.host_kv = host_pool(self.layout, options.host_kv_blocks) if options.host_kv_blocks else None
         self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len, self.model.rope_dim)
         self.ops = NumpyOps(self.kv)
+        if options.max_loras:
+            from engine.lora import lora_sites
+            self.ops.lora_slots = CpuLoRASlots(lora_sites(self.model), options.max_loras)
+
+    def set_lora(self, slot: int, adapter) -> None:
+        """Load a LoRA adapter (engine/lora.py) into one of the options.max_loras slots (None: empty it)."""
+        self.ops.lora_slots.set(slot, adapter)
 
     def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
         """offloads (device block -> host slot) first, then restores (host slot -> device block)."""
@@ -71,6 +79,7 @@ class CpuExecutor(ExecutorBase):
                              f"({self.num_kv_blocks} blocks)")
         if batch.num_tokens and (batch.input_ids.min() < 0 or batch.input_ids.max() >= self.vocab_size):
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        self.ops.use_lora(batch.lora_slots)
         return CpuStepContext(batch, self.cos[batch.positions], self.sin[batch.positions])
 
     def _hidden(self, batch: ModelBatch) -> np.ndarray:
