@@ -15,6 +15,7 @@ has ended (`after_step`).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -119,14 +120,18 @@ class LoRARegistry:
         return self.slot_of.pop(victim)
 
 
-def lora_registry(executor, config, in_use: Callable[[int], bool]) -> LoRARegistry | None:
+def lora_registry(executor, config, scheduler) -> LoRARegistry | None:
     """The registry of an engine with --enable-lora (None without), --lora-modules loaded; a bad module
-    is refused at start (ValueError naming it)."""
+    is refused at start (ValueError naming it). An adapter is in use while a waiting or running
+    sequence of the scheduler carries its id."""
     if not config.enable_lora:
         return None
     slots = executor.options.max_loras
     if slots < config.max_loras:
         raise ValueError(f"max_loras={config.max_loras}: the executor holds {slots} LoRA slots")
+    def in_use(lora_id: int) -> bool:
+        return any(s.lora_id == lora_id for s in itertools.chain(scheduler.running, scheduler.waiting))
+
     registry = LoRARegistry(executor, config.max_loras, config.max_lora_rank, in_use)
     for name, path in config.lora_modules:
         try:

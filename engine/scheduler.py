@@ -40,8 +40,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, host_tier: HostKVTier | None = None, chunked_prefill: bool = True):
+                 max_num_batched_tokens: int, host_tier: HostKVTier | None = None, chunked_prefill: bool = True,
+                 max_loras: int = 0):
         self.bm = block_manager
+        self.max_loras = max_loras               # > 0: at most this many LoRA adapters among the running
         self.chunked_prefill = chunked_prefill   # off: a prompt's prefill runs in one step or waits
         self.host_tier = host_tier
         if host_tier is not None:
@@ -85,7 +87,7 @@ class Scheduler:
             return out
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + seq.fork_count > self.max_num_seqs:
+            if len(self.running) + seq.fork_count > self.max_num_seqs or self._lora_blocked(seq):
                 break
             if not self._admit(seq, budget, out):
                 break
@@ -98,6 +100,14 @@ class Scheduler:
                     s.block_table += self.bm.allocate(need)
                     budget -= self._add_step(s, n, out)
         return out
+
+    def _lora_blocked(self, seq: Sequence) -> bool:
+        """seq's adapter would be one more than max_loras among the running sequences (a step's
+        adapters must all be resident in the executor's slots at once)."""
+        if not (self.max_loras and seq.lora_id):
+            return False
+        running = {s.lora_id for s in self.running if s.lora_id}
+        return seq.lora_id not in running and len(running) >= self.max_loras
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """New tokens of seq to compute this step (0: none fit)."""
@@ -257,7 +267,8 @@ class Scheduler:
     def _admission_closed(self) -> bool:
         """schedule() admits nobody this step: nothing waits, or the first waiting sequence (FCFS: the
         only one tried first) would take the running set past max_num_seqs."""
-        return not self.waiting or len(self.running) + self.waiting[0].fork_count > self.max_num_seqs
+        return (not self.waiting or len(self.running) + self.waiting[0].fork_count > self.max_num_seqs
+                or self._lora_blocked(self.waiting[0]))
 
     def confirm_decode_ahead(self, plan: SchedulerOutput) -> bool:
         """Whether a plan_decode_ahead plan is still what schedule() would return now (the same

@@ -45,6 +45,7 @@ class ModelInfo:
     tokenizer: Any
     vocab_size: int | None = None
     max_n: int = 16
+    adapters: dict[str, str] = field(default_factory=dict)   # LoRA adapters served now: name -> path
 
 
 @dataclass
@@ -60,6 +61,7 @@ class ParsedRequest:
     logprobs: int | None = None                 # top-k alternatives to report; None: no logprobs
     tokens_as_ids: bool = False                 # logprobs name tokens "token_id:<id>" (vLLM extra)
     user: str | None = None
+    lora_name: str | None = None                # the LoRA adapter the 'model' field names (None: the base)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -146,7 +148,7 @@ def check_token_ids(ids: list[int], vocab_size: int | None, name: str) -> None:
 def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
     """POST /v1/completions."""
     f = Fields(body)
-    _check_common(f, model, chat=False)
+    lora_name = _check_common(f, model, chat=False)
     prompts, texts = _completion_prompts(body.get("prompt"), model)
     echo = f.boolean("echo", False)
     logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
@@ -157,13 +159,13 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
     return ParsedRequest("completion", prompts, params, stream=f.boolean("stream", False),
                          include_usage=_include_usage(f), echo=echo,
                          echo_texts=texts if echo else [], logprobs=logprobs, user=f.string("user"),
-                         tokens_as_ids=f.boolean("return_tokens_as_token_ids", False))
+                         tokens_as_ids=f.boolean("return_tokens_as_token_ids", False), lora_name=lora_name)
 
 
 def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     """POST /v1/chat/completions: the messages rendered through the model's chat template."""
     f = Fields(body)
-    _check_common(f, model, chat=True)
+    lora_name = _check_common(f, model, chat=True)
     messages = parse_messages(body.get("messages"))
     add_generation_prompt = f.boolean("add_generation_prompt", True)
     prompt = render_chat(model.tokenizer, messages, add_generation_prompt)
@@ -176,7 +178,7 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     params.logprobs = logprobs
     return ParsedRequest("chat", [prompt], params, stream=f.boolean("stream", False),
                          include_usage=_include_usage(f), logprobs=logprobs, user=f.string("user"),
-                         tokens_as_ids=f.boolean("return_tokens_as_token_ids", False))
+                         tokens_as_ids=f.boolean("return_tokens_as_token_ids", False), lora_name=lora_name)
 
 
 def parse_messages(messages) -> list[dict]:
@@ -332,10 +334,12 @@ def _logit_bias(f: Fields, model: ModelInfo) -> dict[int, float]:
     return bias
 
 
-def _check_common(f: Fields, model: ModelInfo, chat: bool) -> None:
+def _check_common(f: Fields, model: ModelInfo, chat: bool) -> str | None:
+    """Refuse what this server does not do; returns the LoRA adapter the 'model' field names, if any."""
     name = f.string("model")
-    if name is not None and name != model.name:
-        raise APIError(404, f"model '{name}' does not exist; this server serves '{model.name}'",
+    if name is not None and name != model.name and name not in model.adapters:
+        served = ", ".join(f"'{n}'" for n in [model.name, *model.adapters])
+        raise APIError(404, f"model '{name}' does not exist; this server serves {served}",
                        "model", "model_not_found")
     refused = dict(UNSUPPORTED_FIELDS, **(CHAT_ONLY_HARMLESS if chat else {}))
     for key, harmless in refused.items():
@@ -344,6 +348,7 @@ def _check_common(f: Fields, model: ModelInfo, chat: bool) -> None:
     fmt = f.body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise invalid("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
+    return name if name is not None and name != model.name else None
 
 
 def _include_usage(f: Fields) -> bool:
