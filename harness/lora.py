@@ -1,7 +1,7 @@
 """LoRA helpers shared by the tests and the benchmark (need torch, transformers and peft): random PEFT
 adapters of the tiny models, written by peft itself, and the transformers + peft float32 oracle.
 
-    from harness.lora import TINY_ADAPTERS, tiny_adapter_path, hf_lora_logits
+    from harness.lora import TINY_ADAPTERS, tiny_adapter_path, hf_lora_logits, peft_model
 """
 from __future__ import annotations
 
@@ -56,15 +56,20 @@ def tiny_adapter_path(model: str, adapter: str) -> str:
                               seed=seed, **TINY_ADAPTERS[adapter])
 
 
-@functools.lru_cache(maxsize=4)
-def hf_lora_model(base_path: str, adapter_path: str):
-    """transformers float32 (eager attention) with the peft adapter applied, cached."""
+def peft_model(base_path: str, adapter_path: str, dtype: str = "float32", device: str = "cpu"):
+    """transformers (eager attention) in `dtype` with the peft adapter applied in that dtype too."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32, attn_implementation="eager")
-    return PeftModel.from_pretrained(base, adapter_path).eval()
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype), attn_implementation="eager")
+    return PeftModel.from_pretrained(base, adapter_path, autocast_adapter_dtype=False).to(device).eval()
+
+
+@functools.lru_cache(maxsize=4)
+def hf_lora_model(base_path: str, adapter_path: str):
+    """The float32 CPU oracle, cached."""
+    return peft_model(base_path, adapter_path)
 
 
 def hf_lora_logits(base_path: str, adapter_path: str, ids: list[int]) -> np.ndarray:
