@@ -12,7 +12,7 @@ import pytest
 
 from engine.loader import load_model
 from engine.loader.safetensors_io import SafetensorsCheckpoint, save_safetensors
-from engine.lora import LoRAError, check_lora_model, load_adapter, lora_sites, parse_lora_modules
+from engine.lora import MODULES, LoRAError, check_lora_model, load_adapter, lora_sites, parse_lora_modules
 from engine.models.registry import build_model
 from harness.lora import tiny_adapter_path
 from harness.models import tiny_model_path
@@ -131,3 +131,12 @@ def test_lines_without_lora_support_are_refused():
     for model_type in ("qwen3_moe", "deepseek_v2"):
         with pytest.raises(ValueError, match="has no LoRA support"):
             check_lora_model(model_type)
+
+
+def test_the_benchmarks_adapters_load(tmp_path, sites):
+    """bench/lora.py writes its random adapters in PEFT's format: all 7 projections of every layer."""
+    from bench.lora import write_random_adapter
+
+    folder = write_random_adapter(load_model(tiny_model_path(MODEL)), str(tmp_path / "bench"), rank=16, seed=0)
+    ad = read(folder, sites)
+    assert ad.modules == tuple(sorted(MODULES)) and len(ad.sites) == 8 and ad.scaling == 2.0
