@@ -12,8 +12,8 @@ Protocol (multiprocessing pipes, pickled): parent -> child ("add", GenerateReque
 kind, message)), then ("events", [(request id, TokenEvent | None), ...], EngineStats) after every engine
 step that produced events, and ("lora", call id, status, message) answering a LoRA op
 (engine/lora_calls.py). The child pickles on the engine thread (one dumps per step) and a sender thread
-writes; the parent's reader thread hands each batch to the asyncio loops of its streams in one wake-up per loop.
-The parent loads only the tokenizer (for the server's prompt encoding and chat templates).
+writes; the parent's reader thread hands each batch to the asyncio loops of its streams in one wake-up
+per loop. The parent loads only the tokenizer (for the server's prompt encoding and chat templates).
 """
 from __future__ import annotations
 

@@ -86,7 +86,8 @@ class GpuLoRAOps:
         return buffers_nbytes(cls.lora_buffers(plan))
 
     def take_lora(self, arena, plan) -> None:
-        """Carve the LoRA slots (none without --enable-lora), zeroed, and load the kernels."""
+        """Carve the LoRA slots (none without --enable-lora) and load the kernels. A slot is read only
+        once an adapter is loaded into it (set_lora_slot writes every site), so nothing is zeroed here."""
         self.lora, self.lora_w = None, {}
         if not plan.lora_sites:
             return
@@ -96,11 +97,8 @@ class GpuLoRAOps:
         b = arena.take_all("lora", self.lora_buffers(plan))
         self.lora_sites = dict(plan.lora_sites)
         self.lora_w = {name: (b[f"{name}.a"], b[f"{name}.b"]) for name in self.lora_sites}
-        for a_dev, b_dev in self.lora_w.values():
-            a_dev.fill(0)
-            b_dev.fill(0)
         self.lora_shrunk, self.lora_map = b["shrunk"], b["slot_map"]
-        self.lora_slots, self.lora_rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
+        self.lora_num_slots, self.lora_rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
         from memory.streams import pinned_array
         self.lora_hosts = [pinned_array(self.lora_map.shape, np.int32) for _ in range(2)]   # used in turn
         self.k_lora_shrink = kernel("lora_shrink", "lora_shrink")
@@ -134,7 +132,8 @@ class GpuLoRAOps:
             raise ValueError("a step with LoRA adapters on an executor without LoRA slots (max_loras = 0)")
         import cupy
 
-        slots, tm = self.lora_slots, self.lora_map.shape[0] - self.lora_slots - 1
+        slots = self.lora_num_slots
+        tm = self.lora_map.shape[0] - slots - 1
         if token_slots.size and int(token_slots.max()) >= slots:
             raise ValueError(f"LoRA slot {int(token_slots.max())} is outside the executor's {slots} (max_loras)")
         self.lora_hosts.reverse()
