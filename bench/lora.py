@@ -1,9 +1,10 @@
 """Multi-LoRA decode benchmark on the GPU: Qwen3-4B real shape (random bf16 weights, bench/configs/qwen3-4b),
 random rank-16 adapters on all 7 projections (q, k, v, o, gate, up, down; written as PEFT folders and read
 by the engine's loader), CUDA-graph decode steps at batch 1 and 32 with 0, 1 and 4 distinct adapters in
-the batch (sequence j runs with adapter j % n), prompt 128. Per row: ms per step (wall, median), the
-graph replayed back to back (the GPU time), and the overhead of each against the same batch without
-adapters. The issue's target: at most 10% at batch 32 with 4 adapters.
+the batch (sequence j runs with adapter j % n; batch 1 holds one, whatever n), prompt 128, one executor
+with 4 slots (--max-loras 4: the kernels' grids span every slot, empty ones return at once). Per row: ms
+per step (wall, median), the graph replayed back to back (the GPU time), and the overhead of each against
+the same batch without adapters. The issue's target: at most 10% at batch 32 with 4 adapters.
 
     python3 bench/lora.py --out DIR [--batches 1,32] [--adapters 0,1,4] [--rank 16] [--steps 128] [--layers N]
 

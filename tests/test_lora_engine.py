@@ -137,6 +137,29 @@ def test_host_tier_never_restores_one_adapters_blocks_to_another():
     assert cached(a2) == 32 and tier.restored_blocks == 2 and tokens(a2) == tokens(a1)
 
 
+def test_scheduler_passes_over_an_adapter_that_cannot_join():
+    """max_loras 1: while adapter 1 runs, a request of adapter 2 waits (keeping its place) and the base
+    request and another of adapter 1 behind it join; once adapter 1's sequences are gone, adapter 2 runs."""
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+    from memory.block_manager import BlockManager
+
+    sched = Scheduler(BlockManager(64), max_num_seqs=8, max_num_batched_tokens=256, max_loras=1)
+
+    def seq(i: int, lora: int) -> Sequence:
+        return Sequence(seq_id=i, request_id=f"r{i}", token_ids=[1, 2, 3], prompt_len=3, params=GREEDY, lora_id=lora)
+
+    a, b, base, a2 = seq(1, 1), seq(2, 2), seq(3, 0), seq(4, 1)
+    for s in (a, b, base, a2):
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq_id for s in out.seqs] == [1, 3, 4] and list(sched.waiting) == [b]
+    assert sched._admission_closed()                 # b cannot join: a decode step may be planned ahead
+    for s in (a, a2):
+        sched.finish(s)
+    assert [s.seq_id for s in sched.schedule().seqs] == [3, 2]
+
+
 def test_unknown_adapter_and_lora_off_are_rejected():
     engine = lora_engine()
     (events,) = run(engine, [request("x", PROMPTS[0], "nope")])
