@@ -20,6 +20,7 @@ from engine.events import Error, Rejected
 from server import __version__
 from server.engine_call import EngineCall, engine_failure
 from server.errors import APIError, error_response, wrong_type
+from server.lora_routes import add_lora_routes, lora_cards
 from server.metrics import ServerMetrics
 from server.protocol import (ModelInfo, check_token_ids, encode_text, parse_chat, parse_completion,
                              parse_json, parse_messages, render_chat)
@@ -47,11 +48,12 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
     app.ctx.metrics = ServerMetrics()
     app.ctx.model = ModelInfo(name=served_model_name or handle.model_name, max_model_len=handle.max_model_len,
                               tokenizer=tokenizer, vocab_size=_vocab_size(handle),
-                              max_n=max_n or _engine_max_n(handle))
+                              max_n=max_n or _engine_max_n(handle), adapters=getattr(handle, "lora_adapters", {}))
     app.ctx.created = int(time.time())
     app.error_handler.add(Exception, lambda request, exc: error_response(exc))
     app.on_request(_check_api_key)
     _add_routes(app)
+    add_lora_routes(app)
     return app
 
 
@@ -91,15 +93,16 @@ def _add_routes(app: Sanic) -> None:
 
     @app.get("/v1/models")
     async def models(request):
-        return response.json({"object": "list", "data": [_model_card(request.app)]})
+        return response.json({"object": "list", "data": [_model_card(request.app)] + lora_cards(request.app)})
 
     @app.get("/v1/models/<model_id:path>")
     async def model(request, model_id: str):
         card = _model_card(request.app)
-        if model_id != card["id"]:
+        adapter = next((c for c in lora_cards(request.app) if c["id"] == model_id), None)
+        if model_id != card["id"] and adapter is None:
             raise APIError(404, f"model '{model_id}' does not exist; this server serves '{card['id']}'",
                            "model", "model_not_found")
-        return response.json(card)
+        return response.json(adapter or card)
 
     @app.get("/health")
     async def health(request):
@@ -155,7 +158,8 @@ async def _generate(request, parse, id_prefix: str):
     if parsed.constraint is not None:     # a grammar that cannot compile is refused before the engine sees it
         await check_grammar(parsed.constraint.grammar, parsed.constraint.field, app.ctx.model)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    builder = ResponseBuilder(parsed, request_id, app.ctx.model.name, int(time.time()), app.ctx.model.tokenizer)
+    builder = ResponseBuilder(parsed, request_id, parsed.lora_name or app.ctx.model.name, int(time.time()),
+                              app.ctx.model.tokenizer)
     call = EngineCall(app.ctx.handle, parsed, request_id, app.ctx.metrics)
     try:
         await call.start()
