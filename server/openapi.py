@@ -1,0 +1,181 @@
+"""The OpenAPI 3.1 document served at /openapi.json: every route, its request body and its answers
+(an OpenAI error body for every refusal). Bodies list the fields this server reads; ranges are the
+ones the validators enforce (server/protocol.py), so a client generated from it sends what is accepted."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from server.protocol import CHAT_ROLES, MAX_LOGPROBS
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> dict:
+    schema = {"type": "integer"}
+    if lo is not None:
+        schema["minimum"] = lo
+    if hi is not None:
+        schema["maximum"] = hi
+    return _nullable(schema)
+
+
+def _num(lo: float | None = None, hi: float | None = None) -> dict:
+    schema = {"type": "number"}
+    if lo is not None:
+        schema["minimum"] = lo
+    if hi is not None:
+        schema["maximum"] = hi
+    return _nullable(schema)
+
+
+_BOOL = _nullable({"type": "boolean"})
+_STR = _nullable({"type": "string"})
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_ANY_OBJECT = {"type": "object"}
+
+SAMPLING = {
+    "model": _STR,
+    "max_tokens": _int(1),
+    "temperature": _num(0),
+    "top_p": _num(0, 1),
+    "top_k": _int(-1),
+    "min_p": _num(0, 1),
+    "seed": _int(),
+    "presence_penalty": _num(-2, 2),
+    "frequency_penalty": _num(-2, 2),
+    "repetition_penalty": _num(0),
+    "logit_bias": _nullable({"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
+                                                                       "maximum": 100}}),
+    "n": _int(1),
+    "stop": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}),
+    "stop_token_ids": _nullable(_TOKEN_IDS),
+    "min_tokens": _int(0),
+    "ignore_eos": _BOOL,
+    "skip_special_tokens": _BOOL,
+    "stream": _BOOL,
+    "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}}),
+    "user": _STR,
+    "return_tokens_as_token_ids": _BOOL,
+}
+
+TEXT_PART = {"type": "object", "required": ["type", "text"],
+             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+MESSAGE = {"type": "object", "required": ["role"],
+           "properties": {"role": {"enum": list(CHAT_ROLES)},
+                          "content": _nullable({"anyOf": [{"type": "string"},
+                                                          {"type": "array", "items": TEXT_PART}]})}}
+MESSAGES = {"type": "array", "minItems": 1, "items": MESSAGE}
+PROMPT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                    {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]}
+
+COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "properties": {
+    **SAMPLING, "prompt": PROMPT, "echo": _BOOL, "logprobs": _int(0, MAX_LOGPROBS),
+    "max_tokens": _int(0)}}                      # 0 with echo: score the prompt
+CHAT_REQUEST = {"type": "object", "required": ["messages"], "properties": {
+    **SAMPLING, "messages": MESSAGES, "max_completion_tokens": _int(1), "logprobs": _BOOL,
+    "top_logprobs": _int(0, MAX_LOGPROBS), "add_generation_prompt": _BOOL,
+    "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}}})}}
+TOKENIZE_REQUEST = {"anyOf": [
+    {"type": "object", "required": ["prompt"],
+     "properties": {"model": _STR, "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}}},
+    {"type": "object", "required": ["messages"],
+     "properties": {"model": _STR, "messages": MESSAGES, "add_generation_prompt": {"type": "boolean"},
+                    "add_special_tokens": {"type": "boolean"}}}]}
+DETOKENIZE_REQUEST = {"type": "object", "required": ["tokens"],
+                      "properties": {"model": _STR, "tokens": _TOKEN_IDS}}
+
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "param": _STR, "code": _STR}}}}
+USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+         "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+                        "total_tokens": {"type": "integer"}}}
+FINISH_REASON = _nullable({"enum": ["stop", "length", "abort"]})
+COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": USAGE,
+    "choices": {"type": "array", "items": {"type": "object", "required": ["index", "text", "finish_reason"],
+                                           "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
+                                                          "finish_reason": FINISH_REASON,
+                                                          "logprobs": _nullable(_ANY_OBJECT)}}}}}
+CHAT_COMPLETION = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "usage": USAGE,
+    "choices": {"type": "array", "items": {"type": "object", "required": ["index", "message", "finish_reason"],
+                                           "properties": {"index": {"type": "integer"},
+                                                          "message": {"type": "object", "required": ["role"]},
+                                                          "finish_reason": FINISH_REASON,
+                                                          "logprobs": _nullable(_ANY_OBJECT)}}}}}
+MODEL = {"type": "object", "required": ["id", "object", "max_model_len"],
+         "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                        "max_model_len": {"type": "integer"}}}
+
+
+def _json(schema: dict) -> dict:
+    return {"application/json": {"schema": schema}}
+
+
+def _answers(ok: dict, *errors: int, stream: bool = False) -> dict:
+    content = _json(ok)
+    if stream:
+        content["text/event-stream"] = {"schema": {"type": "string"},
+                                        "description": "with stream: `data: {chunk}` events, then `data: [DONE]`"}
+    answers = {"200": {"description": "OK", "content": content}}
+    for status in errors:
+        answers[str(status)] = {"description": "an OpenAI error body naming the field", "content": _json(ERROR)}
+    return answers
+
+
+def _post(summary: str, body: dict, ok: dict, stream: bool = False) -> dict:
+    return {"post": {"summary": summary, "requestBody": {"required": True, "content": _json(body)},
+                     "responses": _answers(ok, 400, 401, 404, 408, 413, 422, 500, 503, stream=stream)}}
+
+
+def _get(summary: str, ok: dict, *errors: int, open_route: bool = False, content: dict | None = None) -> dict:
+    answers = _answers(ok, *errors)
+    if content is not None:
+        answers["200"]["content"] = content
+    op = {"summary": summary, "responses": answers}
+    if open_route:
+        op["security"] = []
+    return {"get": op}
+
+
+@lru_cache(maxsize=4)
+def openapi_document(version: str) -> dict:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "openinfer", "version": version,
+                 "description": "OpenAI-compatible completions and chat completions, vLLM's tokenizer routes."},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/completions": _post("Complete a prompt (or a list of prompts)", COMPLETION_REQUEST,
+                                     COMPLETION, stream=True),
+            "/v1/chat/completions": _post("Answer a conversation", CHAT_REQUEST, CHAT_COMPLETION, stream=True),
+            "/v1/models": _get("The served model", {"type": "object", "required": ["object", "data"],
+                                                    "properties": {"data": {"type": "array", "items": MODEL}}},
+                               401),
+            "/v1/models/{model_id}": {**_get("One model", MODEL, 401, 404), "parameters": [
+                {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]},
+            "/tokenize": _post("Token ids of a prompt or a conversation", TOKENIZE_REQUEST, {
+                "type": "object", "required": ["tokens", "count", "max_model_len"],
+                "properties": {"tokens": _TOKEN_IDS, "count": {"type": "integer"},
+                               "max_model_len": {"type": "integer"}}}),
+            "/detokenize": _post("Text of token ids", DETOKENIZE_REQUEST, {
+                "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}),
+            "/tokenizer_info": _get("The tokenizer's configuration (vLLM's fields)", {
+                "type": "object", "required": ["tokenizer_class"],
+                "properties": {"tokenizer_class": {"type": "string"}, "eos_token": _STR, "bos_token": _STR,
+                               "chat_template": _STR}}, 401, 404),
+            "/health": _get("200 while the engine runs", {"type": "object"}, 503, open_route=True),
+            "/version": _get("The server's version", {"type": "object", "required": ["version"]},
+                             open_route=True),
+            "/metrics": _get("Prometheus metrics", {}, open_route=True,
+                             content={"text/plain": {"schema": {"type": "string"}}}),
+            "/openapi.json": _get("This document", {"type": "object"}, open_route=True),
+        },
+    }
