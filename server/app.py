@@ -48,6 +48,9 @@ class BoundedRequest(Request):
         try:
             await asyncio.wait_for(super().receive_body(), timeout)
         except asyncio.TimeoutError:
+            # Sanic's HTTP/1 connection would read the rest of the body after the error response, at
+            # the client's pace: mark it as done and the connection as closing instead
+            self.stream.request_body, self.stream.keep_alive = None, False
             raise RequestTimeout(f"request body not received within {timeout:g} s") from None
 
 
