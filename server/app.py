@@ -78,6 +78,7 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
                               max_n=max_n or _engine_max_n(handle), limits=limits,
                               max_token_bytes=_int_or_none(getattr(tokenizer, "max_token_bytes", None)))
     app.ctx.created = int(time.time())
+    app.ctx.openapi = None                  # built on first request
     app.error_handler.add(Exception, lambda request, exc: error_response(exc))
     app.on_request(check_api_key)
     app.on_request(_refuse_while_draining)

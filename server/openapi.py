@@ -1,11 +1,10 @@
 """The OpenAPI 3.1 document served at /openapi.json: every route, its request body and its answers
-(an OpenAI error body for every refusal). Bodies list the fields this server reads; ranges are the
-ones the validators enforce (server/protocol.py), so a client generated from it sends what is accepted."""
+(an OpenAI error body for every refusal). Bodies list the fields this server reads, with the ranges the
+validators enforce (server/protocol.py) for this server's model and ServerLimits; what one schema cannot
+say (a prompt plus max_tokens must fit max_model_len) is the validators' alone."""
 from __future__ import annotations
 
-from functools import lru_cache
-
-from server.protocol import CHAT_ROLES, MAX_LOGPROBS
+from server.protocol import CHAT_ROLES, MAX_LOGPROBS, ModelInfo
 
 
 def _nullable(schema: dict) -> dict:
@@ -32,60 +31,78 @@ def _num(lo: float | None = None, hi: float | None = None) -> dict:
 
 _BOOL = _nullable({"type": "boolean"})
 _STR = _nullable({"type": "string"})
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 _ANY_OBJECT = {"type": "object"}
 
-SAMPLING = {
-    "model": _STR,
-    "max_tokens": _int(1),
-    "temperature": _num(0),
-    "top_p": _num(0, 1),
-    "top_k": _int(-1),
-    "min_p": _num(0, 1),
-    "seed": _int(),
-    "presence_penalty": _num(-2, 2),
-    "frequency_penalty": _num(-2, 2),
-    "repetition_penalty": _num(0),
-    "logit_bias": _nullable({"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
-                                                                       "maximum": 100}}),
-    "n": _int(1),
-    "stop": _nullable({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}),
-    "stop_token_ids": _nullable(_TOKEN_IDS),
-    "min_tokens": _int(0),
-    "ignore_eos": _BOOL,
-    "skip_special_tokens": _BOOL,
-    "stream": _BOOL,
-    "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}}),
-    "user": _STR,
-    "return_tokens_as_token_ids": _BOOL,
-}
 
-TEXT_PART = {"type": "object", "required": ["type", "text"],
-             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-MESSAGE = {"type": "object", "required": ["role"],
-           "properties": {"role": {"enum": list(CHAT_ROLES)},
-                          "content": _nullable({"anyOf": [{"type": "string"},
-                                                          {"type": "array", "items": TEXT_PART}]})}}
-MESSAGES = {"type": "array", "minItems": 1, "items": MESSAGE}
-PROMPT = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
-                    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
-                    {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]}
+def _bodies(model: ModelInfo) -> dict[str, dict]:
+    """The request bodies, with this server's vocabulary, context length and ServerLimits."""
+    limits = model.limits
+    token = {"type": "integer", "minimum": 0}
+    if model.vocab_size:
+        token["maximum"] = model.vocab_size - 1
+    token_ids = {"type": "array", "items": token}
+    stop = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars}
+    sampling = {
+        "model": {"anyOf": [{"const": model.name}, {"type": "null"}]},
+        "max_tokens": _int(1, model.max_model_len - 1),
+        "temperature": _num(0),
+        "top_p": _num(0, 1),
+        "top_k": _int(-1),
+        "min_p": _num(0, 1),
+        "seed": _int(-(2 ** 63), 2 ** 64 - 1),
+        "presence_penalty": _num(-2, 2),
+        "frequency_penalty": _num(-2, 2),
+        "repetition_penalty": _num(0),
+        "logit_bias": _nullable({"type": "object", "maxProperties": limits.max_logit_bias,
+                                 "propertyNames": {"pattern": "^[0-9]+$"},
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
+        "n": _int(1, model.max_n),
+        "stop": _nullable({"anyOf": [stop, {"type": "array", "items": stop,
+                                            "maxItems": limits.max_stop_strings}]}),
+        "stop_token_ids": _nullable(token_ids),
+        "min_tokens": _int(0),
+        "ignore_eos": _BOOL,
+        "skip_special_tokens": _BOOL,
+        "stream": _BOOL,
+        "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}}),
+        "user": _STR,
+        "return_tokens_as_token_ids": _BOOL,
+    }
+    text_part = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
+    message = {"anyOf": [
+        {"type": "object", "required": ["role", "content"],
+         "properties": {"role": {"enum": [r for r in CHAT_ROLES if r != "assistant"]}, "content": content}},
+        {"type": "object", "required": ["role"],
+         "properties": {"role": {"const": "assistant"}, "content": _nullable(content)}}]}
+    messages = {"type": "array", "minItems": 1, "items": message}
+    prompt = {"anyOf": [{"type": "string", "minLength": 1},
+                        {"type": "array", "minItems": 1, "maxItems": limits.max_prompts,
+                         "items": {"type": "string", "minLength": 1}},
+                        {**token_ids, "minItems": 1},
+                        {"type": "array", "minItems": 1, "maxItems": limits.max_prompts,
+                         "items": {**token_ids, "minItems": 1}}]}
+    return {
+        "completion": {"type": "object", "required": ["prompt"], "properties": {
+            **sampling, "prompt": prompt, "echo": _BOOL, "logprobs": _int(0, MAX_LOGPROBS),
+            "max_tokens": _int(0, model.max_model_len - 1)}},          # 0 with echo: score the prompt
+        "chat": {"type": "object", "required": ["messages"], "properties": {
+            **sampling, "messages": messages, "max_completion_tokens": _int(1, model.max_model_len - 1),
+            "logprobs": _BOOL, "top_logprobs": _int(0, MAX_LOGPROBS), "add_generation_prompt": _BOOL,
+            "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}}})}},
+        "tokenize": {"anyOf": [
+            {"type": "object", "required": ["prompt"],
+             "properties": {"model": sampling["model"], "prompt": {"type": "string"},
+                            "add_special_tokens": _BOOL}},
+            {"type": "object", "required": ["messages"],
+             "properties": {"model": sampling["model"], "messages": messages, "add_generation_prompt": _BOOL,
+                            "add_special_tokens": _BOOL}}]},
+        "detokenize": {"type": "object", "required": ["tokens"],
+                       "properties": {"model": sampling["model"], "tokens": token_ids}},
+        "token_ids": token_ids,
+    }
 
-COMPLETION_REQUEST = {"type": "object", "required": ["prompt"], "properties": {
-    **SAMPLING, "prompt": PROMPT, "echo": _BOOL, "logprobs": _int(0, MAX_LOGPROBS),
-    "max_tokens": _int(0)}}                      # 0 with echo: score the prompt
-CHAT_REQUEST = {"type": "object", "required": ["messages"], "properties": {
-    **SAMPLING, "messages": MESSAGES, "max_completion_tokens": _int(1), "logprobs": _BOOL,
-    "top_logprobs": _int(0, MAX_LOGPROBS), "add_generation_prompt": _BOOL,
-    "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}}})}}
-TOKENIZE_REQUEST = {"anyOf": [
-    {"type": "object", "required": ["prompt"],
-     "properties": {"model": _STR, "prompt": {"type": "string"}, "add_special_tokens": {"type": "boolean"}}},
-    {"type": "object", "required": ["messages"],
-     "properties": {"model": _STR, "messages": MESSAGES, "add_generation_prompt": {"type": "boolean"},
-                    "add_special_tokens": {"type": "boolean"}}}]}
-DETOKENIZE_REQUEST = {"type": "object", "required": ["tokens"],
-                      "properties": {"model": _STR, "tokens": _TOKEN_IDS}}
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
@@ -144,28 +161,29 @@ def _get(summary: str, ok: dict, *errors: int, open_route: bool = False, content
     return {"get": op}
 
 
-@lru_cache(maxsize=4)
-def openapi_document(version: str) -> dict:
+def openapi_document(version: str, model: ModelInfo) -> dict:
+    bodies = _bodies(model)
     return {
         "openapi": "3.1.0",
         "info": {"title": "openinfer", "version": version,
-                 "description": "OpenAI-compatible completions and chat completions, vLLM's tokenizer routes."},
+                 "description": f"OpenAI-compatible completions and chat completions of '{model.name}' "
+                                f"(max_model_len {model.max_model_len}), and vLLM's tokenizer routes."},
         "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
         "security": [{"bearer": []}],
         "paths": {
-            "/v1/completions": _post("Complete a prompt (or a list of prompts)", COMPLETION_REQUEST,
+            "/v1/completions": _post("Complete a prompt (or a list of prompts)", bodies["completion"],
                                      COMPLETION, stream=True),
-            "/v1/chat/completions": _post("Answer a conversation", CHAT_REQUEST, CHAT_COMPLETION, stream=True),
+            "/v1/chat/completions": _post("Answer a conversation", bodies["chat"], CHAT_COMPLETION, stream=True),
             "/v1/models": _get("The served model", {"type": "object", "required": ["object", "data"],
                                                     "properties": {"data": {"type": "array", "items": MODEL}}},
                                401),
             "/v1/models/{model_id}": {**_get("One model", MODEL, 401, 404), "parameters": [
                 {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]},
-            "/tokenize": _post("Token ids of a prompt or a conversation", TOKENIZE_REQUEST, {
+            "/tokenize": _post("Token ids of a prompt or a conversation", bodies["tokenize"], {
                 "type": "object", "required": ["tokens", "count", "max_model_len"],
-                "properties": {"tokens": _TOKEN_IDS, "count": {"type": "integer"},
+                "properties": {"tokens": bodies["token_ids"], "count": {"type": "integer"},
                                "max_model_len": {"type": "integer"}}}),
-            "/detokenize": _post("Text of token ids", DETOKENIZE_REQUEST, {
+            "/detokenize": _post("Text of token ids", bodies["detokenize"], {
                 "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}),
             "/tokenizer_info": _get("The tokenizer's configuration (vLLM's fields)", {
                 "type": "object", "required": ["tokenizer_class"],

@@ -16,6 +16,7 @@ from server.fields import Fields, check_token_ids, is_int
 from server.limits import ServerLimits
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5             # a temperature this small samples greedily (as vLLM does)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Fields that would change the result in ways this server does not implement: refused, never ignored.
@@ -240,8 +241,11 @@ def _sampling_params(f: Fields, model: ModelInfo, max_tokens: int) -> SamplingPa
     top_k = f.integer("top_k", -1, -1, None, "-1 (off) or >= 1")
     if top_k == 0:
         top_k = -1
+    temperature = f.number("temperature", 1.0)
+    if 0 < temperature < GREEDY_BELOW:
+        temperature = 0.0
     params = SamplingParams(
-        temperature=f.number("temperature", 1.0),
+        temperature=temperature,
         top_p=f.number("top_p", 1.0),
         top_k=top_k,
         min_p=f.number("min_p", 0.0),
@@ -300,11 +304,16 @@ def _logit_bias(f: Fields, model: ModelInfo) -> dict[int, float]:
     return bias
 
 
-def _check_common(f: Fields, model: ModelInfo, chat: bool) -> None:
+def check_model_name(f: Fields, model: ModelInfo) -> None:
+    """`model`, where given, must name the served model."""
     name = f.string("model")
     if name is not None and name != model.name:
         raise APIError(404, f"model '{name}' does not exist; this server serves '{model.name}'",
                        "model", "model_not_found")
+
+
+def _check_common(f: Fields, model: ModelInfo, chat: bool) -> None:
+    check_model_name(f, model)
     refused = dict(UNSUPPORTED_FIELDS, **(CHAT_ONLY_HARMLESS if chat else {}))
     for key, harmless in refused.items():
         if key in f.body and not _is_harmless(f.body[key], harmless):

@@ -42,7 +42,9 @@ def add_info_routes(app: Sanic) -> None:
 
     @app.get("/openapi.json")
     async def openapi(request):
-        return response.json(openapi_document(__version__))
+        if request.app.ctx.openapi is None:
+            request.app.ctx.openapi = openapi_document(__version__, request.app.ctx.model)
+        return response.json(request.app.ctx.openapi)
 
 
 def model_card(app: Sanic) -> dict:

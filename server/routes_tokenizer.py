@@ -6,9 +6,10 @@ from sanic import Sanic, response
 
 from server.body import parse_json
 from server.errors import APIError, wrong_type
-from server.fields import check_token_ids, is_int
+from server.fields import Fields, check_token_ids, is_int
 from server.offload import in_thread
-from server.protocol import ModelInfo, check_text_fits, encode_text, parse_messages, render_chat
+from server.protocol import (ModelInfo, check_model_name, check_text_fits, encode_text, parse_messages,
+                             render_chat)
 
 
 def add_tokenizer_routes(app: Sanic) -> None:
@@ -32,11 +33,11 @@ def add_tokenizer_routes(app: Sanic) -> None:
 
 def _tokenize(raw: bytes, model: ModelInfo) -> list[int]:
     body = parse_json(raw, model.limits.max_json_depth)
-    add_special = body.get("add_special_tokens", True)
-    if not isinstance(add_special, bool):
-        raise wrong_type("'add_special_tokens' must be a boolean", "add_special_tokens")
+    f = Fields(body)
+    check_model_name(f, model)
+    add_special = f.boolean("add_special_tokens", True)
     if "messages" in body:
-        add_generation_prompt = body.get("add_generation_prompt", True) is not False
+        add_generation_prompt = f.boolean("add_generation_prompt", True)
         return render_chat(model.tokenizer, parse_messages(body["messages"]), add_generation_prompt,
                            model.max_text_chars)
     if isinstance(body.get("prompt"), str):
@@ -46,7 +47,9 @@ def _tokenize(raw: bytes, model: ModelInfo) -> list[int]:
 
 
 def _detokenize(raw: bytes, model: ModelInfo) -> str:
-    ids = parse_json(raw, model.limits.max_json_depth).get("tokens")
+    body = parse_json(raw, model.limits.max_json_depth)
+    check_model_name(Fields(body), model)
+    ids = body.get("tokens")
     if not isinstance(ids, list) or not all(is_int(t) for t in ids):
         raise wrong_type("'tokens' must be a list of integer token ids", "tokens")
     check_token_ids(ids, model.vocab_size, "tokens")
