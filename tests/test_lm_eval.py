@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,15 @@ TASKS = {
 }
 
 
+def readme_model_args(url: str, model: str) -> str:
+    """The README's lm_eval --model_args, for this server."""
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    args = re.search(r"lm_eval --model local-completions .*?--model_args (\S+)", readme, re.S).group(1)
+    fields = dict(item.split("=", 1) for item in args.split(","))
+    assert fields["tokenizer_backend"] == "remote" and fields["base_url"].endswith("/v1/completions")
+    return ",".join(f"{k}={dict(fields, model=model, base_url=url + '/v1/completions')[k]}" for k in fields)
+
+
 def write_tasks(folder) -> None:
     for name, rows in (("openinfer_mc", MC), ("openinfer_gen", GEN)):
         data = folder / f"{name}.jsonl"
@@ -64,8 +74,8 @@ def run(handle, tmp_path_factory):
     folder = tmp_path_factory.mktemp("lm_eval")
     write_tasks(folder)
     with BackgroundServer(create_app(handle, served_model_name="tiny")) as srv:
-        cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
-               f"model=tiny,base_url={srv.url}/v1/completions,tokenizer_backend=remote,max_length=512",
+        cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions",
+               "--model_args", readme_model_args(srv.url, "tiny"),
                "--tasks", "openinfer_mc,openinfer_gen", "--include_path", str(folder),
                "--output_path", str(folder / "out"), "--log_samples"]
         env = dict(os.environ, HF_DATASETS_CACHE=str(folder / "hf"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
