@@ -1,15 +1,17 @@
 """Reliability soak: many concurrent requests of mixed kinds against an openinfer server, a share of the
 clients going away mid-request; afterwards the server must be idle with no KV block in use.
 
-    python -m bench.soak --requests 3000 --concurrency 64 --disconnect-rate 0.1   # starts the demo model
-    python -m bench.soak --base-url http://127.0.0.1:8000 --requests 300           # a running server
+    python -m bench.soak --requests 1000 --rounds 3 --concurrency 64   # starts the demo model on the CPU
+    python -m bench.soak --base-url http://127.0.0.1:8000 --requests 300 # a running server
 
 Traffic (seeded): streaming and plain completions, streaming chats, some with n=2, stop strings or
 logprobs; every 1/disconnect-rate-th client asks for the most tokens and leaves after its first chunks
-(a stream) or times out (a plain request; one answered within 20 ms counts as completed). An error: any status but 200, a stream without `data: [DONE]`, a finish_reason other
-than stop / length, a transport failure. Leaked KV blocks: `openinfer_engine_kv_blocks_used` once
+(a stream) or times out (a plain request; one answered within 20 ms counts as completed).
+An error: any status but 200, a stream without `data: [DONE]`, a finish_reason other than stop /
+length, a transport failure. Leaked KV blocks: `openinfer_engine_kv_blocks_used` once
 /metrics shows no request left. RSS: the server process's (VmRSS), when this script started it or
---server-pid names it, after a warm-up and at the end.
+--server-pid names it, after a warm-up and after each round of --requests (a leak grows round after
+round; the KV pool's pages, touched for the first time, grow the first rounds only).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class SoakResult:
     requests_left: int | None = None
     rss_before_mib: float | None = None
     rss_after_mib: float | None = None
+    rss_after_round_mib: list[float | None] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -130,13 +133,14 @@ def rss_mib(pid: int | None) -> float | None:
 
 async def run_soak(url: str, requests: int = 300, concurrency: int = 64, disconnect_rate: float = 0.1,
                    max_tokens: int = 16, seed: int = 0, server_pid: int | None = None,
-                   headers: dict | None = None) -> SoakResult:
-    """Send `requests` requests, at most `concurrency` at a time; then wait for the server to be idle."""
+                   headers: dict | None = None, rounds: int = 1) -> SoakResult:
+    """`rounds` rounds of `requests` requests, at most `concurrency` at a time, each round waiting
+    for the server to be idle."""
     rng = random.Random(seed)
-    result = SoakResult(requests=requests, concurrency=concurrency)
+    result = SoakResult(requests=requests * rounds, concurrency=concurrency)
     every = round(1 / disconnect_rate) if disconnect_rate > 0 else 0
     plan = []
-    for i in range(requests):
+    for i in range(requests * rounds):
         path, body = request_body(rng, i, max_tokens)
         leave = every > 0 and i % every == every - 1
         if leave:                       # long enough to be cut: the most tokens, no early EOS
@@ -147,15 +151,17 @@ async def run_soak(url: str, requests: int = 300, concurrency: int = 64, disconn
         warm = SoakResult()
         await asyncio.gather(*(one_request(client, *request_body(rng, -k, 4), False, warm) for k in range(4)))
         result.rss_before_mib = rss_mib(server_pid)
-        queue = iter(plan)
         t0 = time.monotonic()
+        for r in range(rounds):
+            queue = iter(plan[r * requests:(r + 1) * requests])
 
-        async def worker() -> None:
-            for path, body, leave in queue:
-                await one_request(client, path, body, leave, result)
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+            async def worker() -> None:
+                for path, body, leave in queue:
+                    await one_request(client, path, body, leave, result)
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            idle = await asyncio.to_thread(wait_idle, url)
+            result.rss_after_round_mib.append(rss_mib(server_pid))
         result.seconds = time.monotonic() - t0
-    idle = wait_idle(url)
     result.requests_left = int(idle.get("openinfer_engine_num_requests", -1))
     result.leaked_kv_blocks = int(idle.get("openinfer_engine_kv_blocks_used", -1))
     result.rss_after_mib = rss_mib(server_pid)
@@ -189,7 +195,8 @@ def main() -> None:
     p.add_argument("--port", type=int, default=18901)
     p.add_argument("--server-pid", type=int, default=None, help="the running server's pid, for its RSS")
     p.add_argument("--server-log", default="soak-server.log")
-    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--requests", type=int, default=300, help="requests per round")
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--disconnect-rate", type=float, default=0.1)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -201,9 +208,10 @@ def main() -> None:
         proc, url = start_server(args)
         pid = proc.pid
     try:
+        key = os.environ.get("OPENINFER_API_KEY")
         result = asyncio.run(run_soak(url, args.requests, args.concurrency, args.disconnect_rate, args.max_tokens,
-                                      args.seed, pid, {"Authorization": f"Bearer {os.environ['OPENINFER_API_KEY']}"}
-                                      if os.environ.get("OPENINFER_API_KEY") else None))
+                                      args.seed, pid, {"Authorization": f"Bearer {key}"} if key else None,
+                                      args.rounds))
     finally:
         if proc is not None:
             proc.terminate()

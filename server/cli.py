@@ -46,6 +46,8 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
                    help="prompts accepted in one /v1/completions request")
     p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="'stop' strings per request")
     p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters in one stop string")
+    p.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
+                   help="'stop_token_ids' per request")
     p.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias, help="'logit_bias' entries per request")
     p.add_argument("--max-json-depth", type=int, default=d.max_json_depth, help="nesting of a request's JSON body")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout,
@@ -57,7 +59,8 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
 
 def server_limits(args: argparse.Namespace) -> ServerLimits:
     limits = ServerLimits(max_prompts=args.max_prompts, max_stop_strings=args.max_stop_strings,
-                          max_stop_chars=args.max_stop_chars, max_logit_bias=args.max_logit_bias,
+                          max_stop_chars=args.max_stop_chars, max_stop_token_ids=args.max_stop_token_ids,
+                          max_logit_bias=args.max_logit_bias,
                           max_json_depth=args.max_json_depth, request_timeout=args.request_timeout,
                           drain_timeout=args.drain_timeout)
     limits.validate()

@@ -15,6 +15,7 @@ class ServerLimits:
     max_prompts: int = 256              # prompts in one /v1/completions request (a list of prompts)
     max_stop_strings: int = 64          # `stop` strings per request
     max_stop_chars: int = 1024          # characters in one stop string
+    max_stop_token_ids: int = 1024      # `stop_token_ids` per request
     max_logit_bias: int = 1024          # `logit_bias` entries per request
     max_json_depth: int = 64            # nesting of the JSON body (a chat message is 4 deep)
     request_timeout: float = 10.0       # seconds: headers (of silence) and the whole body (in total)
@@ -22,7 +23,8 @@ class ServerLimits:
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
-        for name in ("max_prompts", "max_stop_strings", "max_stop_chars", "max_logit_bias", "max_json_depth"):
+        for name in ("max_prompts", "max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_logit_bias",
+                     "max_json_depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.request_timeout > 0:

@@ -11,22 +11,21 @@ def _nullable(schema: dict) -> dict:
     return {"anyOf": [schema, {"type": "null"}]}
 
 
-def _int(lo: int | None = None, hi: int | None = None) -> dict:
-    schema = {"type": "integer"}
+def _bounded(kind: str, lo=None, hi=None) -> dict:
+    schema = {"type": kind}
     if lo is not None:
         schema["minimum"] = lo
     if hi is not None:
         schema["maximum"] = hi
     return _nullable(schema)
+
+
+def _int(lo: int | None = None, hi: int | None = None) -> dict:
+    return _bounded("integer", lo, hi)
 
 
 def _num(lo: float | None = None, hi: float | None = None) -> dict:
-    schema = {"type": "number"}
-    if lo is not None:
-        schema["minimum"] = lo
-    if hi is not None:
-        schema["maximum"] = hi
-    return _nullable(schema)
+    return _bounded("number", lo, hi)
 
 
 _BOOL = _nullable({"type": "boolean"})
@@ -59,7 +58,7 @@ def _bodies(model: ModelInfo) -> dict[str, dict]:
         "n": _int(1, model.max_n),
         "stop": _nullable({"anyOf": [stop, {"type": "array", "items": stop,
                                             "maxItems": limits.max_stop_strings}]}),
-        "stop_token_ids": _nullable(token_ids),
+        "stop_token_ids": _nullable({**token_ids, "maxItems": limits.max_stop_token_ids}),
         "min_tokens": _int(0),
         "ignore_eos": _BOOL,
         "skip_special_tokens": _BOOL,

@@ -258,7 +258,7 @@ def _sampling_params(f: Fields, model: ModelInfo, max_tokens: int) -> SamplingPa
         min_tokens=f.integer("min_tokens", 0, 0, max_tokens, f"in [0, max_tokens={max_tokens}]"),
         ignore_eos=f.boolean("ignore_eos", False),
         stop=_stop_strings(f, model.limits),
-        stop_token_ids=f.token_ids("stop_token_ids", model.vocab_size),
+        stop_token_ids=_stop_token_ids(f, model),
         n=f.integer("n", 1, 1, model.max_n),
         skip_special_tokens=f.boolean("skip_special_tokens", True),
     )
@@ -282,6 +282,14 @@ def _stop_strings(f: Fields, limits: ServerLimits) -> list[str]:
         raise invalid(f"'stop' has a string of {len(longest)} characters; at most {limits.max_stop_chars} "
                       "are accepted", "stop")
     return stop
+
+
+def _stop_token_ids(f: Fields, model: ModelInfo) -> list[int]:
+    ids = f.token_ids("stop_token_ids", model.vocab_size)
+    if len(ids) > model.limits.max_stop_token_ids:
+        raise invalid(f"'stop_token_ids' has {len(ids)} ids; at most {model.limits.max_stop_token_ids} are "
+                      "accepted", "stop_token_ids")
+    return ids
 
 
 def _logit_bias(f: Fields, model: ModelInfo) -> dict[int, float]:

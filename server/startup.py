@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import shutil
 
-CUDA_INSTALL_HINT = ("pip install '.[cuda]' (CUDA 13 driver; '.[cuda12]' for a CUDA 12 driver), then "
-                     "`python -m kernels.cute.build` for the CuTe GEMM")
+CUDA_INSTALL_HINT = ("pip install -e '.[cuda,cute]' && python -m kernels.cute.build (the README's GPU "
+                     "command; cuda is for a CUDA 13 driver, cuda12 for a CUDA 12 one)")
 
 
 def nvidia_gpu_present() -> str | None:

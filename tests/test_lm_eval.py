@@ -14,12 +14,11 @@ import sys
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig
-from engine.handle import EngineHandle
 from engine.request import SamplingParams
 from server.app import create_app
 from server.background import BackgroundServer
 from tests.models_util import hf_logits, log_softmax, tiny_model_path
+from tests.tiny_engine import MODEL, tiny_handle
 
 pytest.importorskip("lm_eval", reason="lm-eval is in the test extra")
 
@@ -58,12 +57,12 @@ def write_tasks(folder) -> None:
 
 @pytest.fixture(scope="module")
 def path():
-    return tiny_model_path("qwen3_tied")
+    return tiny_model_path(MODEL)
 
 
 @pytest.fixture(scope="module")
-def handle(path):
-    h = EngineHandle(EngineConfig(model=path, device="cpu", max_model_len=512, num_kv_blocks=128))
+def handle():
+    h = tiny_handle(max_model_len=512)
     yield h
     h.shutdown()
 

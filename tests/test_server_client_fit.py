@@ -9,13 +9,11 @@ import httpx
 import numpy as np
 import pytest
 
-from engine.config import EngineConfig
-from engine.handle import EngineHandle
 from server.app import create_app
 from server.background import BackgroundServer
 from tests.models_util import hf_logits, log_softmax, tiny_model_path
+from tests.tiny_engine import MODEL, tiny_handle
 
-MODEL = "qwen3_tied"
 LOGPROB_TOL = 2e-5             # engine vs transformers float32 on this model (see test_server_live.py)
 
 
@@ -25,8 +23,8 @@ def path():
 
 
 @pytest.fixture(scope="module")
-def handle(path):
-    h = EngineHandle(EngineConfig(model=path, device="cpu", max_model_len=256, num_kv_blocks=128))
+def handle():
+    h = tiny_handle()
     yield h
     h.shutdown()
 

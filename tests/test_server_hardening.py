@@ -8,12 +8,10 @@ import json
 import httpx
 import pytest
 
-from engine.config import EngineConfig
-from engine.handle import EngineHandle
 from server.app import create_app
 from server.background import BackgroundServer
 from server.limits import ServerLimits
-from tests.models_util import tiny_model_path
+from tests.tiny_engine import tiny_handle
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -64,10 +62,12 @@ CASES = [
     ("tokenize without the key", "POST", "/tokenize", body(prompt="hello"), {}, 401, None),
     ("detokenize without the key", "POST", "/detokenize", body(tokens=[1, 2]), {}, 401, None),
     ("tokenizer_info without the key", "GET", "/tokenizer_info", b"", {}, 401, None),
-    ("too many stop strings", "POST", CMPL, body(prompt="x", stop=[f"s{i}" for i in range(LIMITS.max_stop_strings + 1)]),
-     None, 400, "stop"),
+    ("too many stop strings", "POST", CMPL,
+     body(prompt="x", stop=[f"s{i}" for i in range(LIMITS.max_stop_strings + 1)]), None, 400, "stop"),
     ("a stop string too long", "POST", CMPL, body(prompt="x", stop=["z" * (LIMITS.max_stop_chars + 1)]), None,
      400, "stop"),
+    ("too many stop_token_ids", "POST", CMPL, body(prompt="x", stop_token_ids=[7] * (LIMITS.max_stop_token_ids + 1)),
+     None, 400, "stop_token_ids"),
     ("too many logit_bias entries", "POST", CMPL,
      body(prompt="x", logit_bias={str(i): 1 for i in range(LIMITS.max_logit_bias + 1)}), None, 400, "logit_bias"),
     ("too many prompts", "POST", CMPL, body(prompt=["x"] * (LIMITS.max_prompts + 1), max_tokens=1), None, 400,
@@ -83,8 +83,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def handle():
-    h = EngineHandle(EngineConfig(model=tiny_model_path("qwen3_tied"), device="cpu", max_model_len=MAX_MODEL_LEN,
-                                  num_kv_blocks=128))
+    h = tiny_handle(max_model_len=MAX_MODEL_LEN)
     yield h
     h.shutdown()
 

@@ -15,12 +15,10 @@ import sys
 import httpx
 import pytest
 
-from engine.config import EngineConfig
-from engine.handle import EngineHandle
 from server.app import create_app
 from server.auth import OPEN_PATHS
 from server.background import BackgroundServer
-from tests.models_util import tiny_model_path
+from tests.tiny_engine import tiny_handle
 
 KEY = "k"
 EXAMPLES = 30                 # per operation and phase: ~20 s on a 2-core machine
@@ -28,8 +26,7 @@ EXAMPLES = 30                 # per operation and phase: ~20 s on a 2-core machi
 
 @pytest.fixture(scope="module")
 def server():
-    handle = EngineHandle(EngineConfig(model=tiny_model_path("qwen3_tied"), device="cpu", max_model_len=64,
-                                       num_kv_blocks=64, max_n=2))
+    handle = tiny_handle(max_model_len=64, num_kv_blocks=64, max_n=2)
     with BackgroundServer(create_app(handle, api_key=KEY)) as srv:
         yield srv
     handle.shutdown()

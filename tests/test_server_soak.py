@@ -6,16 +6,13 @@ from __future__ import annotations
 import asyncio
 
 from bench.soak import run_soak
-from engine.config import EngineConfig
-from engine.handle import EngineHandle
 from server.app import create_app
 from server.background import BackgroundServer
-from tests.models_util import tiny_model_path
+from tests.tiny_engine import tiny_handle
 
 
 def test_soak_300_requests_64_concurrent_10_percent_disconnects_leaks_nothing():
-    handle = EngineHandle(EngineConfig(model=tiny_model_path("qwen3_tied"), device="cpu", max_model_len=256,
-                                       num_kv_blocks=256, max_num_seqs=64))
+    handle = tiny_handle(num_kv_blocks=256, max_num_seqs=64)
     try:
         with BackgroundServer(create_app(handle)) as srv:
             result = asyncio.run(run_soak(srv.url, requests=300, concurrency=64, disconnect_rate=0.1,
