@@ -22,6 +22,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -194,7 +195,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="when starting the server: its --model (default: the demo)")
     p.add_argument("--port", type=int, default=18901)
     p.add_argument("--server-pid", type=int, default=None, help="the running server's pid, for its RSS")
-    p.add_argument("--server-log", default="soak-server.log")
+    p.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "openinfer-soak-server.log"),
+                   help="where the started server's log goes")
     p.add_argument("--requests", type=int, default=300, help="requests per round")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--concurrency", type=int, default=64)
