@@ -68,14 +68,15 @@ def request_body(rng: random.Random, i: int, max_tokens: int) -> tuple[str, dict
     return "/v1/completions", body
 
 
-async def one_request(client: httpx.AsyncClient, path: str, body: dict, leave: bool, result: SoakResult) -> None:
+async def one_request(client: httpx.AsyncClient, path: str, body: dict, leave: bool, result: SoakResult,
+                      timeout: float = 120.0) -> None:
     def fail(why: str) -> None:
         result.errors += 1
         if len(result.error_samples) < 10:
             result.error_samples.append(f"{path} {json.dumps(body)[:120]}: {why}")
     try:
         if not body.get("stream"):
-            timeout = httpx.Timeout(60, read=0.02) if leave else 120
+            timeout = httpx.Timeout(60, read=0.02) if leave else timeout
             try:
                 r = await client.post(path, json=body, timeout=timeout)
             except httpx.ReadTimeout:
@@ -88,7 +89,7 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict, leave: b
                 return fail(f"{r.status_code} {r.text[:200]}")
             result.completed += 1
             return
-        async with client.stream("POST", path, json=body, timeout=120) as r:
+        async with client.stream("POST", path, json=body, timeout=timeout) as r:
             if r.status_code != 200:
                 return fail(f"{r.status_code} {(await r.aread())[:200]!r}")
             events, reasons = [], []
@@ -134,7 +135,7 @@ def rss_mib(pid: int | None) -> float | None:
 
 async def run_soak(url: str, requests: int = 300, concurrency: int = 64, disconnect_rate: float = 0.1,
                    max_tokens: int = 16, seed: int = 0, server_pid: int | None = None,
-                   headers: dict | None = None, rounds: int = 1) -> SoakResult:
+                   headers: dict | None = None, rounds: int = 1, timeout: float = 120.0) -> SoakResult:
     """`rounds` rounds of `requests` requests, at most `concurrency` at a time, each round waiting
     for the server to be idle."""
     rng = random.Random(seed)
@@ -158,7 +159,7 @@ async def run_soak(url: str, requests: int = 300, concurrency: int = 64, disconn
 
             async def worker() -> None:
                 for path, body, leave in queue:
-                    await one_request(client, path, body, leave, result)
+                    await one_request(client, path, body, leave, result, timeout)
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             idle = await asyncio.to_thread(wait_idle, url)
             result.rss_after_round_mib.append(rss_mib(server_pid))
@@ -203,6 +204,7 @@ def main() -> None:
     p.add_argument("--disconnect-rate", type=float, default=0.1)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a client waits for its answer")
     p.add_argument("--json", default=None, help="write the result here as JSON")
     args = p.parse_args()
     proc, url, pid = None, args.base_url, args.server_pid
@@ -213,7 +215,7 @@ def main() -> None:
         key = os.environ.get("OPENINFER_API_KEY")
         result = asyncio.run(run_soak(url, args.requests, args.concurrency, args.disconnect_rate, args.max_tokens,
                                       args.seed, pid, {"Authorization": f"Bearer {key}"} if key else None,
-                                      args.rounds))
+                                      args.rounds, args.timeout))
     finally:
         if proc is not None:
             proc.terminate()
