@@ -1,6 +1,10 @@
-"""Decode roofline benchmark on the GPU: Qwen3-4B / Qwen3-8B real shapes with random bf16 weights
-(written as safetensors on the GPU host, loaded through the real loader), prompt 128, 256 decode
-steps, batch 1 / 8 / 32 / 128 / 256, CUDA-graph decode.
+"""Decode roofline benchmark on the GPU: Qwen3-4B / Qwen3-8B, and the MoE / MLA lines DeepSeek-V2-Lite
+and Qwen3-30B-A3B (bench/configs/), real shapes with random bf16 weights (written as safetensors on the
+GPU host, loaded through the real loader), prompt 128, 256 decode steps, batch 1 / 8 / 32 / 128 / 256,
+CUDA-graph decode. For an MoE line the roofline counts the bytes a step actually reads: the dense
+weights, the experts the batch's tokens route to (expected distinct experts per layer under uniform
+routing, E·(1 - (1 - k/E)^B), which random weights approach) and the KV (the latent rows on MLA).
+--layers N writes and runs the first N layers only (the disk of a one-GPU host holds ~64 GB).
 
 Per (model, batch): ms per step (wall, including the one sync per step), tokens/s, the HBM roofline
 time (weight + KV bytes read per step / the device-copy bandwidth measured in the same run, read +
@@ -11,7 +15,8 @@ same run times HF transformers (bf16, no compile, same weights) as the peer, and
 of one eager batch-1 step (CUDA events around each op) with each op's weight-read roofline.
 
     python3 bench/decode.py --out DIR [--models qwen3-4b,qwen3-8b] [--batches 1,8,32,128,256]
-        [--kernels "none;all"] [--micro [attention,gemv,single]]
+        [--kernels "none;all"] [--micro [attention,gemv,single]] [--layers N]
+    python3 bench/decode.py --out DIR --models deepseek-v2-lite,qwen3-30b-a3b --batches 1,8,32,128 --kernels all
 --kernels runs the batches once per decode-kernel setting (GpuExecutor.set_decode_kernels: "none" the
 old path, split attention + cuBLAS, and this script's default; "all", the executor's default,
 paged_decode.cu + gemv.cu with its fused RMSNorm / SiLU / residual; a "|nopdl" suffix captures the
@@ -65,10 +70,22 @@ def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 10) -> float:
     return 2 * nbytes / t
 
 
-def hf_decode_ms(hf, batch: int, prompt: int, steps: int) -> float:
+def step_weight_bytes(model, batch: int) -> int:
+    """bf16 weight bytes one decode step of `batch` sequences reads: every weight of a dense line; on an MoE
+    line the experts' only for the expected distinct experts the batch routes to (uniform routing)."""
+    total = sum(int(a.size) * 2 for a in model.weights.values())
+    shape = model.model.expert_shape
+    if shape is None:
+        return total
+    experts = sum(int(a.size) * 2 for n, a in model.weights.items() if ".experts_" in n)
+    E, k = shape.num_experts, shape.top_k
+    return int(total - experts + experts * (1 - (1 - k / E) ** batch))
+
+
+def hf_decode_ms(hf, batch: int, prompt: int, steps: int, vocab: int = 150000) -> float:
     import torch
 
-    ids = torch.randint(0, 150000, (batch, prompt), device="cuda")
+    ids = torch.randint(0, min(vocab, 150000), (batch, prompt), device="cuda")
     with torch.no_grad():
         out = hf(ids, use_cache=True)
         past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
@@ -82,12 +99,13 @@ def hf_decode_ms(hf, batch: int, prompt: int, steps: int) -> float:
     return (time.perf_counter() - t) / steps * 1e3
 
 
-def run_batch(ex, cfg, batch: int, prompt: int, steps: int, bw: float, weight_bytes: int) -> dict:
+def run_batch(ex, model, batch: int, prompt: int, steps: int, bw: float) -> dict:
+    cfg = model.config
     rng = np.random.default_rng(batch)
     per_seq = -(-(prompt + steps + 1) // BLOCK_SIZE)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
     toks = [rng.integers(0, cfg.vocab_size - 1000, prompt).tolist() for _ in range(batch)]
-    chunk = max(1, ex.max_tokens // prompt)
+    chunk = max(1, ex.options.max_num_batched_tokens // prompt)
     for i in range(0, batch, chunk):               # prefill, chunked to the token budget
         seqs = [SeqStep(seq_id=j, token_ids=toks[j], start_pos=0, block_table=tables[j], sample=True,
                         params=GREEDY, prompt_len=prompt) for j in range(i, min(batch, i + chunk))]
@@ -112,9 +130,9 @@ def run_batch(ex, cfg, batch: int, prompt: int, steps: int, bw: float, weight_by
             host_s.append((t1 - t0) + ex.last_host_s)
     first_tokens = [tuple(t[prompt:prompt + 4]) for t in toks]      # prefill's pick + 3 decode steps
     ctx = prompt + steps / 2
-    kv_bytes = batch * ctx * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    kv_bytes = batch * ctx * model.model.kv_layout().token_values * 2
     ms = float(np.median(step_s) * 1e3)
-    floor_ms = (weight_bytes + kv_bytes) / bw * 1e3
+    floor_ms = (step_weight_bytes(model, batch) + kv_bytes) / bw * 1e3
     # the step less its host part: the GPU's share, steadier between processes than the wall time
     # (the GPU host's Python time per step varied 0.11-0.86 ms between identical runs, 2026-12-01)
     device_ms = float(np.median([st - h for st, h in zip(step_s, host_s)]) * 1e3)
@@ -175,14 +193,15 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
 
     saved = {n: getattr(ops, n) for n in ("embed", "rms_norm", "linear", "qkv_rope_cache", "attention",
                                           "silu_mul", "gather_rows", "add", "norm_linear", "add_linear", "norm_swiglu",
-                                          "rope_attention")}
+                                          "rope_attention", "route", "moe_experts", "mla_latent_cache",
+                                          "mla_attention")}
     for n, f in saved.items():
         setattr(ops, n, wrap(n, f))
     pos = min(128, ex.max_model_len - 1)
     seq = SeqStep(seq_id=0, token_ids=[5], start_pos=pos, block_table=list(range(pos // BLOCK_SIZE + 1)),
                   sample=True, params=GREEDY)
     try:
-        ex._execute_eager(ModelBatch.build([seq]))
+        ex.execute_eager(ModelBatch.build([seq]))
         ex.stream.synchronize()
     finally:
         for n, f in saved.items():
@@ -198,19 +217,35 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
     return sorted(rows, key=lambda r: -r["ms"])
 
 
+def config_path(name: str, layers: int | None) -> str:
+    """bench/configs/<name>/config.json, or a copy with only the first `layers` layers."""
+    path = os.path.join(ROOT, "bench", "configs", name, "config.json")
+    if not layers:
+        return path
+    with open(path) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = layers
+    folder = f"/tmp/{name}-L{layers}-config"
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return os.path.join(folder, "config.json")
+
+
 def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: float, hf_batches: list[int],
-                kernel_sets: list[str], micro: str) -> dict:
+                kernel_sets: list[str], micro: str, layers: int | None = None) -> dict:
     import torch
 
     from engine.executor.gpu import GpuExecutor
+    from engine.executor.options import options_of
     from engine.loader import load_model
-    from tests.test_gpu_executor import write_random_qwen3
+    from harness.models import write_random_qwen3
 
-    folder = f"/tmp/{name}-random"
+    folder = f"/tmp/{name}{f'-L{layers}' if layers else ''}-random"
     t = time.perf_counter()
-    hf = write_random_qwen3(os.path.join(ROOT, "bench", "configs", name, "config.json"), folder)
+    hf = write_random_qwen3(config_path(name, layers), folder)
     print(f"[{name}] random weights in {folder}: {time.perf_counter() - t:.1f}s", flush=True)
-    hf_rows = {b: hf_decode_ms(hf, b, prompt, 32) for b in hf_batches}
+    hf_rows = {b: hf_decode_ms(hf, b, prompt, 32, hf.config.vocab_size) for b in hf_batches}
     print(f"[{name}] HF bf16 ms/step: {hf_rows}", flush=True)
     del hf
     torch.cuda.empty_cache()
@@ -220,21 +255,21 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     max_b = max(batches)
     per_seq = -(-(prompt + steps + 1) // BLOCK_SIZE)
     t = time.perf_counter()
-    ex = GpuExecutor(model, num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
-                     max_num_batched_tokens=2048, max_num_seqs=max_b, progress=False,
-                     decode_kernels=kernel_sets[0].partition("|")[0])
+    ex = GpuExecutor(model, options_of(num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
+                                       max_num_batched_tokens=max(2048, max_b), max_num_seqs=max_b, progress=False,
+                                       decode_kernels=kernel_sets[0].partition("|")[0]))
     cute = ex.gemm.cute  # the default GEMM library: the CuTe GEMM up to 128 rows where built
     print(f"[{name}] {ex.gemm.describe()}", flush=True)
     print(f"[{name}] executor up in {time.perf_counter() - t:.1f}s ({weight_bytes / 1e9:.2f} GB of weights)", flush=True)
     rows, breakdown, first = [], {}, {}
     for ks in kernel_sets:
         kernels, *flags = ks.split("|")
-        ex.pdl_decode = "nopdl" not in flags             # "all|nopdl": plain launches in the graphs
         ex.ops.fused_rope = "norope" not in flags        # "all|norope": rope kernel + decode attention
         ex.gemm.cute = None if "cublas" in flags else cute  # "all|cublas": cuBLAS where gemv.cu does not serve
         ex.set_decode_kernels(kernels)
+        ex.graphs.pdl = "nopdl" not in flags             # "all|nopdl": plain launches in the graphs
         for b in batches:
-            r = run_batch(ex, cfg, b, prompt, steps, bw, weight_bytes)
+            r = run_batch(ex, model, b, prompt, steps, bw)
             r["kernels"], r["hf_ms_per_step"] = ks, hf_rows.get(b)
             toks = r.pop("first_tokens")
             ref = first.setdefault(b, toks)
@@ -247,7 +282,8 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
         from bench.decode_micro import micro_bench
         micro_rows = micro_bench(ex, cfg, bw, micro.split(","))
     ex.close()
-    return dict(model=name, weight_bytes=weight_bytes, rows=rows, breakdown=breakdown, micro=micro_rows)
+    return dict(model=name + (f" ({layers} layers)" if layers else ""), weight_bytes=weight_bytes, rows=rows,
+                breakdown=breakdown, micro=micro_rows)
 
 
 def report(results: list[dict], bw: float, out: str) -> str:
@@ -327,6 +363,7 @@ def main() -> None:
     p.add_argument("--kernels", default="none", help="';'-separated decode-kernel settings, e.g. 'none;all'")
     p.add_argument("--micro", nargs="?", const="attention,gemv,single", default="",
                    help="per-kernel tables: attention,gemv,single (default all)")
+    p.add_argument("--layers", type=int, default=None, help="run only the first N layers of each model")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     p.add_argument("--summary", nargs="+", metavar="DECODE_JSON", help="only print the compact table of these runs")
     a = p.parse_args()
@@ -341,7 +378,7 @@ def main() -> None:
     results = []
     for m in a.models.split(","):          # report after each model: a cut-off run keeps what it measured
         results.append(bench_model(m, batches, a.prompt, a.steps, bw, hf_batches,
-                                   [k.strip() for k in a.kernels.split(";")], a.micro))
+                                   [k.strip() for k in a.kernels.split(";")], a.micro, a.layers))
         with open(os.path.join(a.out, "decode.json"), "w") as f:
             json.dump(dict(bandwidth=bw, results=results), f, indent=1)
         text = report(results, bw, a.out)

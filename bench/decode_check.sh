@@ -19,16 +19,6 @@ set -uo pipefail
 source bench/gpu_env.sh
 export OPENINFER_GATE_LOG=$OUT/gate.jsonl
 rm -f "$OPENINFER_GATE_LOG"
-status=0
-step() {   # step NAME TIMEOUT_S CMD...: run with a hard timeout, log to $OUT/NAME.log, keep the worst status
-  local name=$1 limit=$2; shift 2
-  echo "=== $name (timeout ${limit}s) $(date -u +%H:%M:%S)"
-  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  grep -E "passed|failed|error|Error|Traceback|^\[q|^FAILED|^ERROR" "$OUT/$name.log" | grep -vE "^GATE " | tail -12
-  echo "=== $name: exit $rc"
-  [ "$rc" -ne 0 ] && status=$rc
-}
 PYTEST=(python3 -m pytest -q -s -rfE -p no:cacheprovider)
 
 UNIT_TESTS=(tests/test_raw_cuda_fused.py tests/test_raw_cuda_decode.py tests/test_raw_cuda_kernels.py

@@ -134,7 +134,7 @@ def graph_attention_rows(ex, cfg, bw: float, cases=((1, 256), (1, 2048), (32, 25
         seqs = [SeqStep(seq_id=j, token_ids=[1], start_pos=ctx_len - 1, sample=True,
                         params=SamplingParams(temperature=0.0),
                         block_table=list(range(j * per_seq, (j + 1) * per_seq))) for j in range(B)]
-        ctx = ex._context(ModelBatch.build(seqs))
+        ctx = ex.upload(ModelBatch.build(seqs))
         qkv = rand_bf16((B, width))
         chosen = ctx.num_splits
         for S in sorted({1, 2, 4, 8, 16, 32, chosen} & set(range(1, -(-ctx_len // 16) + 1))):

@@ -44,16 +44,17 @@ def run_step(model_name: str, batch: int, prompt: int = 128) -> None:
     from bench.decode import GREEDY, run_batch
     from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
     from engine.executor.gpu import GpuExecutor
+    from engine.executor.options import options_of
     from engine.loader import load_model
-    from tests.test_gpu_executor import write_random_qwen3
+    from harness.models import write_random_qwen3
 
     folder = f"/tmp/{model_name}-random"
     write_random_qwen3(os.path.join(ROOT, "bench", "configs", model_name, "config.json"), folder)
     model = load_model(folder)
     per_seq = -(-(prompt + 32) // BLOCK_SIZE)
-    ex = GpuExecutor(model, num_kv_blocks=batch * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
-                     max_num_batched_tokens=2048, max_num_seqs=batch, progress=False)
-    run_batch(ex, model.config, batch, prompt, 8, COPY_TB_S * 1e12, 1)     # prefill + graph capture
+    ex = GpuExecutor(model, options_of(num_kv_blocks=batch * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
+                                       max_num_batched_tokens=2048, max_num_seqs=batch, progress=False))
+    run_batch(ex, model, batch, prompt, 8, COPY_TB_S * 1e12)     # prefill + graph capture
     seqs = [SeqStep(seq_id=j, token_ids=[7], start_pos=prompt + 8, sample=True, params=GREEDY,
                     block_table=list(range(j * per_seq, (j + 1) * per_seq)), prompt_len=prompt)
             for j in range(batch)]

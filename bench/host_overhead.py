@@ -37,6 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import engine.engine_loop as engine_loop
 from engine.batch import ModelBatch, SampledToken, StepOutput
 from engine.config import EngineConfig
+from engine.executor.base import ExecutorBase
+from engine.executor.options import ExecutorOptions
 from engine.handle import EngineHandle
 from engine.request import GenerateRequest, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -61,9 +63,10 @@ class TextModel:
         return self.ids[(seq_ids * 7919 + batch.context_lens[seq_index]) % len(self.ids)]
 
 
-class InstantExecutor:
+class InstantExecutor(ExecutorBase):
     def __init__(self, model: TextModel, num_kv_blocks: int, vocab_size: int):
         self.model, self.num_kv_blocks, self.vocab_size = model, num_kv_blocks, vocab_size
+        self.options = ExecutorOptions(max_model_len=1 << 20, max_num_batched_tokens=1 << 16, max_num_seqs=4096)
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         ids = self.model.next_tokens(batch)
@@ -98,7 +101,7 @@ def _stub_cupy() -> None:
     sys.modules["cupy"], sys.modules["cupy.cuda"] = cupy, cupy.cuda
 
 
-class GpuHostExecutor:
+class GpuHostExecutor(ExecutorBase):
     """GpuExecutor's real host code on a Qwen3-8B-shaped executor whose device calls do nothing.
     Steps the decode graphs do not serve (prefill) return tokens directly."""
 
@@ -107,23 +110,33 @@ class GpuHostExecutor:
         _stub_cupy()
         from engine.executor.gpu import GpuExecutor
         from engine.executor.gpu_graphs import DecodeGraphs
+        from engine.executor.gpu_inputs import StepInputs
+        from engine.executor.gpu_readback import Readback
         from engine.executor.gpu_ops import GpuOps
+        from engine.executor.options import ExecutorOptions
         ex = GpuExecutor.__new__(GpuExecutor)
-        ex.config = types.SimpleNamespace(num_key_value_heads=8)
+        ex.options = ExecutorOptions(max_model_len=max_model_len, max_num_batched_tokens=max(max_num_batched_tokens,
+                                     max_seqs), max_num_seqs=max_seqs)
         ex.vocab_size, ex.max_model_len, ex.num_kv_blocks = vocab_size, max_model_len, num_kv_blocks
-        ex.max_tokens, ex.max_seqs = max(max_num_batched_tokens, max_seqs), max_seqs
-        ex.max_blocks = -(-max_model_len // 16)
-        n_inputs = 5 * ex.max_tokens + ex.max_seqs * ex.max_blocks
-        ex.inputs_host, ex.inputs = np.zeros(n_inputs, np.int32), _Dev(n_inputs)
+        ex.plan = types.SimpleNamespace(kv=types.SimpleNamespace(heads=8))
         ex.stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
-        ops = types.SimpleNamespace(fast_attention=True, num_heads=32, head_dim=128)
+        inputs = StepInputs.__new__(StepInputs)      # its real host code over a host-array "device" buffer
+        inputs.stream, inputs.vocab_size, inputs.max_model_len = ex.stream, vocab_size, max_model_len
+        inputs.max_tokens, inputs.max_seqs = ex.options.max_num_batched_tokens, max_seqs
+        inputs.max_blocks = -(-max_model_len // 16)
+        n_inputs = 5 * inputs.max_tokens + inputs.max_seqs * inputs.max_blocks
+        inputs.hosts, inputs.device = [np.zeros(n_inputs, np.int32) for _ in range(2)], _Dev(n_inputs)
+        inputs.host = inputs.hosts[0]
+        ex.inputs, ex.prefill = inputs, None
+        ops = types.SimpleNamespace(fast_attention=True, num_heads=32, head_dim=128, num_sms=132)
         ops.splits = types.MethodType(GpuOps.splits, ops)
         ex.ops, ex.sampler = ops, types.SimpleNamespace(ids=_Dev(max_seqs))
         ex.last_host_s = 0.0
-        ex.graphs = DecodeGraphs(ex)
+        ex.readback, ex.timer = Readback(max_seqs, ex.stream), None
+        ex.graphs = DecodeGraphs(None, ops, {}, ex.sampler, ex.upload, ex.readback, ex.stream, ex.options.graph_sizes)
         graph = types.SimpleNamespace(launch=lambda stream=None: None)
         ex.graphs.graphs = {b: (graph, None) for b in ex.graphs.buckets}
-        self.ex, self.model, self.batch = ex, model, None
+        self.ex, self.model, self.batch, self.options = ex, model, None, ex.options
         self.num_kv_blocks, self.vocab_size = num_kv_blocks, vocab_size
         self.instant = InstantExecutor(model, num_kv_blocks, vocab_size)
         self.launched_at = self.result_at = 0.0     # the last graph launch; the last result() return
@@ -135,7 +148,7 @@ class GpuHostExecutor:
             return DoneStep(self.instant.execute(batch))
         pending = self.ex.submit(batch)
         self.launched_at = time.perf_counter()
-        self.ex.graphs.ids_host[:len(batch.seqs)] = self.model.next_tokens(batch)   # what the D2H copy brings
+        pending.ids_host[:] = self.model.next_tokens(batch)   # what the D2H copy brings
         return _Watched(pending, self)
 
     def execute(self, batch: ModelBatch) -> StepOutput:
@@ -177,8 +190,8 @@ class StepTimer:
         if hasattr(ex, "submit"):
             ex.submit = self._timed("execute", ex.submit)
         ex.execute = self._timed("execute", ex.execute)
-        engine._process = self._timed("process", engine._process)
-        engine._emit_deferred = self._timed("process", engine._emit_deferred)
+        engine.outputs.process = self._timed("process", engine.outputs.process)
+        engine.outputs.emit_deferred = self._timed("process", engine.outputs.emit_deferred)
         engine._publish_stats = self._timed("stats", engine._publish_stats)
         build = ModelBatch.build
         timer = self

@@ -3,7 +3,7 @@
     python3 bench/kernels.py [--out DIR] [--budget 210] [--verify-budget 100] [--hang-s 6] [--no-sweep]
                              [--attention-only] [--only-variants A,B --shapes 4B.o,8B.qkv --ms 512,2048]
 
-1. Verification (``kernels.cute.verify``): every case of ``kernels.cute.testing.CASES`` (fresh
+1. Verification (``kernels.cute.verification.run``): every case of ``kernels.cute.verification.checks.CASES`` (fresh
    random bf16, NaN-poisoned output, float32 reference, rel. error ≤ 1e-2, every element written)
    in worker processes with a hang watchdog; a hang or crash costs one case, not the run.
 2. Benchmark, in worker processes too, of the kernels that passed: Qwen3-4B/8B projection shapes
@@ -35,8 +35,8 @@ from kernels.cute.attention import ATTENTION_KERNELS  # noqa: E402
 from kernels.cute.configs import (GEMM_VARIANTS, MAX_SPLITS, GemmPlan, plan_gemm, split_count,  # noqa: E402
                                   takes_weight_prefetch)
 from kernels.cute.gemm import A_ROW_PAD  # noqa: E402
-from kernels.cute.testing import Case  # noqa: E402
-from kernels.cute.verify import passing_groups, run_all, serve, table, verify  # noqa: E402
+from kernels.cute.verification.checks import Case  # noqa: E402
+from kernels.cute.verification.run import passing_groups, run_all, serve, table, verify  # noqa: E402
 
 QWEN_SHAPES = {  # name: (N, K)
     "4B.qkv": (6144, 2560), "4B.o": (2560, 4096), "4B.gate_up": (19456, 2560), "4B.down": (2560, 9728),
@@ -78,7 +78,7 @@ def graph_time_us(launch, sets: int, what: str) -> float:
     """Median µs per launch over replays of a CUDA graph holding GRAPH_LAUNCHES launches."""
     import cupy as cp
 
-    from kernels.cute.testing import HANG_SECONDS, sync_or_die
+    from kernels.cute.verification.checks import HANG_SECONDS, sync_or_die
 
     hang_s = max(HANG_SECONDS, 20.0)  # a graph of 20 launches of a slow kernel is no hang
     # the inputs were made on the legacy default stream, which the non-blocking timed stream does not
@@ -153,7 +153,7 @@ class _Operands:
     def __init__(self, runner, m: int, n: int, k: int):
         import cupy as cp
 
-        from kernels.cute.testing import rand_bf16
+        from kernels.cute.verification.checks import rand_bf16
 
         self.sets = max(2, min(16, math.ceil(ROTATE_BYTES / (n * k * 2))))
         # A as the engine holds it: a view of a larger buffer (its arena), so the launcher reads
@@ -238,7 +238,7 @@ def attention_row(runner, label: str, kernel: str) -> dict:
     import numpy as np
 
     from kernels.cute.attention import ATTENTION_BY_NAME, attention_work, varlen_attention
-    from kernels.cute.testing import rand_bf16
+    from kernels.cute.verification.checks import rand_bf16
 
     lengths_q, lengths_k = ATTN_ROWS[label]
     hq, hkv, d = 32, 8, ATTENTION_BY_NAME[kernel].head_dim

@@ -88,7 +88,7 @@ def hf_prefill_ms(hf, tokens: list[int], reps: int) -> float:
 
 def agreement(ex, tokens: list[int]) -> dict:
     """Both paths' logits on every 16th position: argmax agreement, mean / max |Δlogprob|."""
-    from tests.models_util import log_softmax
+    from harness.models import log_softmax
 
     lps = {}
     for path, min_query in PATHS.items():
@@ -109,8 +109,9 @@ def main() -> None:
     import torch
 
     from engine.executor.gpu import GpuExecutor
+    from engine.executor.options import options_of
     from engine.loader import load_model
-    from tests.test_gpu_executor import write_random_qwen3
+    from harness.models import write_random_qwen3
 
     lengths = [int(x) for x in a.lengths.split(",")]
     folder = "/tmp/qwen3-4b-random"
@@ -127,8 +128,9 @@ def main() -> None:
     cfg = model.config
     longest = max(lengths)
     blocks = -(-longest // BLOCK_SIZE)
-    ex = GpuExecutor(model, num_kv_blocks=blocks + 16, max_model_len=blocks * BLOCK_SIZE,
-                     max_num_batched_tokens=longest, max_num_seqs=4, progress=False, prefill_attention="cute")
+    ex = GpuExecutor(model, options_of(num_kv_blocks=blocks + 16, max_model_len=blocks * BLOCK_SIZE,
+                                       max_num_batched_tokens=longest, max_num_seqs=4, progress=False,
+                                       prefill_attention="cute"))
     if ex.prefill is None:
         raise SystemExit("the CuTe prefill path is unavailable here (see the log)")
     rows = []

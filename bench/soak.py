@@ -9,8 +9,8 @@ logprobs; every 1/disconnect-rate-th client asks for the most tokens and leaves 
 (a stream) or times out (a plain request; one answered within 20 ms counts as completed).
 An error: any status but 200, a stream without `data: [DONE]`, a finish_reason other than stop /
 length, a transport failure. Leaked KV blocks: `openinfer_engine_kv_blocks_used` once
-/metrics shows no request left. RSS: the server process's (VmRSS), when this script started it or
---server-pid names it, after a warm-up and after each round of --requests (a leak grows round after
+/metrics shows no request left. RSS: the server's (VmRSS, with its engine process), when this script
+started it or --server-pid names it, after a warm-up and after each round of --requests (a leak grows round after
 round; the KV pool's pages, touched for the first time, grow the first rounds only).
 """
 from __future__ import annotations
@@ -126,11 +126,19 @@ def wait_idle(url: str, timeout: float = 60.0) -> dict[str, float]:
 
 
 def rss_mib(pid: int | None) -> float | None:
+    """VmRSS of the process and its children (the engine process, where the server runs one)."""
     if pid is None:
         return None
     with open(f"/proc/{pid}/status") as f:
         kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return kb / 1024
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+        except FileNotFoundError:            # a thread that ended meanwhile
+            pass
+    return kb / 1024 + sum(rss_mib(c) or 0.0 for c in children if os.path.exists(f"/proc/{c}"))
 
 
 async def run_soak(url: str, requests: int = 300, concurrency: int = 64, disconnect_rate: float = 0.1,

@@ -13,8 +13,9 @@ from itertools import accumulate, chain
 import numpy as np
 
 from engine.request import SamplingParams
+from memory.kv_pool import BLOCK_SIZE
 
-BLOCK_SIZE = 16
+__all__ = ["BLOCK_SIZE", "ModelBatch", "PromptLogprobResult", "SampledToken", "SeqStep", "StepOutput"]
 
 
 @dataclass(slots=True)

@@ -1,7 +1,17 @@
-"""EngineConfig: everything that shapes one engine instance (model, device, batch and KV limits)."""
+"""EngineConfig: everything that shapes one engine instance (model, device, batch and KV limits).
+
+It travels EngineConfig -> ExecutorOptions (engine/executor/options.py, with the GPU kernel choices
+of GpuTuning) -> the executor; the scheduler and the engine loop read the same limits from the
+executor's options, so the two can never disagree.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from engine.executor.options import DEFAULT_GRAPH_SIZES, DTYPES, GpuTuning
+
+# vLLM's defaults on a GPU; the numpy executor takes smaller steps (its attention is O(T^2) in memory).
+DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (64, 2048)}   # device -> (max_num_seqs, max_num_batched_tokens)
 
 
 @dataclass
@@ -10,37 +20,61 @@ class EngineConfig:
 
     model: an HF model folder or a .gguf file; None serves the built-in demo model.
     max_model_len: prompt + output token limit per sequence; None takes the model's own limit.
+    max_num_seqs / max_num_batched_tokens: sequences / tokens per step; None takes the device's
+    default (DEFAULT_LIMITS: vLLM's 256 / 8192 on the GPU).
     num_kv_blocks: size of the paged KV pool in 16-token blocks; None lets the executor size
     it (from gpu_memory_utilization on the GPU).
+    enable_chunked_prefill: split prompts longer than a step's token budget over several steps
+    (off: max_num_batched_tokens must hold max_model_len).
+    enforce_eager / cuda_graph_sizes: no CUDA graphs / the decode batch sizes captured.
+    gpu: the GPU kernel choices (None: from the environment, engine/executor/env.py).
     """
     model: str | None = None
     device: str = "auto"                     # "auto" | "cpu" | "cuda"
     dtype: str = "auto"                      # "auto" | "bfloat16" | "float16" | "float32"
     served_model_name: str | None = None
     max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES
     max_n: int = 16                          # largest n (samples per request) accepted
     seed: int = 0                            # seeds the RNG of requests that bring no seed
     overlap_steps: bool = True               # detokenize / send step N's tokens while step N+1 runs
     schedule_ahead: bool = True              # with overlap_steps: plan decode step N+1 while step N runs
+    async_scheduling: bool = False           # with schedule_ahead: queue decode step N+1 before N's ids are back
     host_kv_blocks: int = 0                  # host KV tier: evicted prefix-cache blocks kept in host memory
+    gpu: GpuTuning | None = None
+    progress: bool = True                    # the weight-upload progress bar
+    step_trace: str | None = None            # a JSONL file: one line per engine step (engine/step_trace.py)
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
         checks = [
             (self.device in ("auto", "cpu", "cuda"), "device must be one of auto, cpu, cuda"),
+            (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
-            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
-            (self.max_num_batched_tokens >= 16, "max_num_batched_tokens must be >= 16"),
+            (self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 16,
+             "max_num_batched_tokens must be >= 16"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.max_n >= 1, "max_n must be >= 1"),
             (self.host_kv_blocks >= 0, "host_kv_blocks must be >= 0"),
+            (not self.host_kv_blocks or self.enable_prefix_caching,
+             "host_kv_blocks needs prefix caching (the host tier keeps evicted prefix-cache blocks)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def limits(self, device: str) -> tuple[int, int]:
+        """(max_num_seqs, max_num_batched_tokens) on a resolved device ("cpu" / "cuda")."""
+        seqs, tokens = DEFAULT_LIMITS[device]
+        seqs = self.max_num_seqs or seqs
+        tokens = self.max_num_batched_tokens or max(tokens, seqs)
+        return seqs, tokens

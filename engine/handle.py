@@ -20,7 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.batch import BLOCK_SIZE
+from memory.kv_pool import BLOCK_SIZE
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, EngineStats
 from engine.events import (Error, Finished, PromptLogprobs, Rejected,
@@ -136,17 +136,20 @@ class EngineHandle:
         executor + tokenizer (then max_model_len defaults to what the KV pool holds)."""
         self.config = config or EngineConfig()
         self.config.validate()
+        self.model_path = None
         if executor is None:
             executor, tokenizer, info = _build(self.config)
             model_name = model_name or info["model_name"]
             max_model_len = max_model_len or info["max_model_len"]
+            self.model_path = info["model_path"]
         if tokenizer is None:
             raise ValueError("EngineHandle needs a tokenizer with an executor")
         self.tokenizer = tokenizer
         self.executor = executor
         self.model_name = self.config.served_model_name or model_name or "openinfer"
         pool_tokens = executor.num_kv_blocks * BLOCK_SIZE
-        self.max_model_len = self.config.max_model_len or max_model_len or pool_tokens
+        self.max_model_len = (self.config.max_model_len or max_model_len
+                              or min(executor.options.max_model_len, pool_tokens))
         if self.max_model_len > pool_tokens:
             # a longer sequence could never be scheduled; advertising it would make every request
             # that fills the context (a chat's default max_tokens) a rejection
@@ -162,6 +165,11 @@ class EngineHandle:
         self._mailbox_lock = threading.Lock()
         self._closed = False
         self._engine.start()
+
+    @property
+    def max_n(self) -> int:
+        """The largest n (samples per request) the engine admits: max_n, capped by max_num_seqs."""
+        return self._engine.admission.limits.max_n
 
     @property
     def engine(self) -> EngineLoop:
@@ -210,7 +218,7 @@ class EngineHandle:
             q: queue.Queue = queue.Queue()
             self._engine.add_request(GenerateRequest(rid, ids, params), q.put)
             sinks.append((rid, ids, q))
-        return [_collect(rid, ids, q, params.n) for rid, ids, q in sinks]
+        return [collect_events(rid, ids, iter(q.get, None), params.n) for rid, ids, q in sinks]
 
     def shutdown(self) -> None:
         if not self._closed:
@@ -227,9 +235,12 @@ class EngineHandle:
         self.shutdown()
 
 
-def _collect(rid: str, ids: list[int], q: queue.Queue, n: int) -> RequestOutput:
+def collect_events(rid: str, ids: list[int], events, n: int) -> RequestOutput:
+    """A request's RequestOutput from its events, in order (a list, or an iterator ending at None)."""
     out = RequestOutput(rid, ids, [SampleOutput(i) for i in range(n)])
-    while (event := q.get()) is not None:
+    for event in events:
+        if event is None:
+            break
         if isinstance(event, Scheduled):
             out.cached_tokens = event.cached_tokens
         elif isinstance(event, PromptLogprobs):
@@ -252,19 +263,19 @@ def _build(config: EngineConfig):
     """Load the model named by config (the demo model when None) and build its executor."""
     import os
 
-    from engine.executor.factory import create_executor
+    from engine.executor.factory import create_executor, resolve_device
+    from engine.executor.options import executor_options
     from engine.loader import load_model
     path = config.model
     if path is None:
         from engine.loader.demo import demo_model_path
         path = demo_model_path()
+    device = resolve_device(config.device)
     model = load_model(path)
-    max_model_len = config.max_model_len or model.config.max_position_embeddings
-    executor = create_executor(model, device=config.device, num_kv_blocks=config.num_kv_blocks,
-                               gpu_memory_utilization=config.gpu_memory_utilization,
-                               max_model_len=max_model_len)
+    options = executor_options(config, device, model.config.max_position_embeddings)
+    executor = create_executor(model, options, device)
     name = os.path.basename(os.path.normpath(str(path)))
     if name.endswith(".gguf"):
         name = name[:-5]
-    info = {"model_name": name, "max_model_len": max_model_len}
+    info = {"model_name": name, "max_model_len": options.max_model_len, "model_path": model.path}
     return executor, model.tokenizer, info

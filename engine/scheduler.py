@@ -17,15 +17,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.batch import BLOCK_SIZE, SeqStep
+from engine.batch import SeqStep
 from engine.sequence import Sequence, SeqStatus
 from memory.block_manager import BlockManager, BlockRemoved
 from memory.host_tier import HostKVTier
+from memory.kv_pool import BLOCK_SIZE, blocks_for
 from memory.prefix_hash import NO_PARENT
-
-
-def blocks_for(num_tokens: int) -> int:
-    return -(-num_tokens // BLOCK_SIZE)
 
 
 @dataclass
@@ -43,8 +40,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, host_tier: HostKVTier | None = None):
+                 max_num_batched_tokens: int, host_tier: HostKVTier | None = None, chunked_prefill: bool = True):
         self.bm = block_manager
+        self.chunked_prefill = chunked_prefill   # off: a prompt's prefill runs in one step or waits
         self.host_tier = host_tier
         if host_tier is not None:
             block_manager.subscribe(self._on_kv_event)
@@ -104,6 +102,8 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """New tokens of seq to compute this step (0: none fit)."""
         end = seq.fork_at if seq.fork_count > 1 else len(seq.token_ids)
+        if not self.chunked_prefill and end - seq.num_computed + self._overlap(seq) > budget:
+            return 0
         if not seq.want_prompt_logprobs:
             return min(end - seq.num_computed, budget)
         # Prompt logprobs: a chunk after the first re-feeds the previous chunk's last token, so
@@ -216,14 +216,17 @@ class Scheduler:
         return end - start
 
     # -- the next decode step, planned while this one runs ----------------------------------
-    def plan_decode_ahead(self, out: SchedulerOutput) -> SchedulerOutput | None:
+    def plan_decode_ahead(self, out: SchedulerOutput, fed: bool = False) -> SchedulerOutput | None:
         """The step after `out`, planned before out's sampled tokens are known: every running
         sequence decodes one more token, its KV block reserved now; each step's token_ids hold a
         placeholder until confirm_decode_ahead. None unless `out` is exactly the running sequences
         decoding one token each (no prompt logprobs, no fork pending), no waiting sequence can join
         (none waits, or max_num_seqs is reached: a busy server's steady state) and their blocks are
         free without preemption: then it is what schedule() will return, unless the running set
-        changes first (an end, an abort, an arrival), which confirm_decode_ahead detects."""
+        changes first (an end, an abort, an arrival), which confirm_decode_ahead detects.
+        fed (async scheduling: the plan is launched before `out`'s tokens are known, its ids taken from
+        out's on the device): also None when a sequence's token of `out` is its last by max_tokens, so
+        no planned position runs past what admission allowed."""
         running = self.running
         if (not self._admission_closed() or len(out.seqs) != len(running)
                 or len(running) > self.max_num_batched_tokens):
@@ -231,7 +234,8 @@ class Scheduler:
         need = 0
         for seq, step, run in zip(out.seqs, out.steps, running):
             if (seq is not run or len(step.token_ids) != 1 or not step.sample or seq.fork_count > 1
-                    or step.want_prompt_logprobs or seq.want_prompt_logprobs):
+                    or step.want_prompt_logprobs or seq.want_prompt_logprobs
+                    or (fed and step.num_generated + 1 >= seq.params.max_tokens)):
                 return None
             need += max(0, blocks_for(step.start_pos + 2) - len(seq.block_table))
         if not self.bm.can_allocate(need):

@@ -7,7 +7,7 @@ from enum import Enum
 
 import numpy as np
 
-from engine.batch import BLOCK_SIZE
+from memory.kv_pool import BLOCK_SIZE
 from engine.request import SamplingParams
 from memory.prefix_hash import NO_PARENT, hash_chain
 

@@ -40,6 +40,24 @@ def arena_budget(gpu_memory_utilization: float) -> int:
     return budget
 
 
+@dataclass(frozen=True)
+class Buffer:
+    """One device buffer a GPU part declares: the part sizes itself from the list (`nbytes`) and takes
+    exactly that list from the arena (`DeviceArena.take_all`), so its size and its carving agree."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: object
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+def buffers_nbytes(buffers: list[Buffer]) -> int:
+    """Arena bytes a list of buffers takes, alignment included."""
+    return sum(-(-b.nbytes // ALIGN) * ALIGN for b in buffers)
+
+
 @dataclass
 class Carve:
     name: str
@@ -79,6 +97,10 @@ class DeviceArena:
         self.carves.append(Carve(name, offset, nbytes))
         pointer = cupy.cuda.MemoryPointer(self._memory, offset)
         return cupy.ndarray(shape, dtype=dtype, memptr=pointer)
+
+    def take_all(self, prefix: str, buffers: list[Buffer]) -> dict:
+        """Every declared buffer, as name -> CuPy array (carved under "prefix.name")."""
+        return {b.name: self.take(f"{prefix}.{b.name}", b.shape, b.dtype) for b in buffers}
 
     def summary(self) -> str:
         by_kind: dict[str, int] = {}

@@ -1,11 +1,11 @@
 """Host KV tier storage beside the GPU KV pool: page-locked host slots and the copies between them
 and device blocks (memory/host_tier.py decides which blocks move; this moves the bytes).
 
-Layout. The pool is kv[L, 2, blocks*16, Hkv, D]: one block's KV is 2L equal pieces ("chunks" of
-16*Hkv*D*itemsize bytes), one per (layer, K/V) plane, evenly spaced blocks*chunk bytes apart. The host
-slots mirror it, host[L, 2, slots*16, Hkv, D], so k consecutive blocks going to k consecutive slots are
-ONE cudaMemcpy2DAsync: 2L rows of k*chunk bytes, pitch blocks*chunk on the device, slots*chunk on the
-host. Each list of pairs is cut into such runs (in list order) and each run is one copy.
+Layout. The pool is kv[L, P, blocks*16, H, D] (memory/kv_pool.py: P = 2 planes K and V for GQA, 1 for
+MLA's latent): one block's KV is P·L equal pieces ("chunks" of 16*H*D*itemsize bytes), one per
+(layer, plane), evenly spaced blocks*chunk bytes apart. The host slots mirror it, host[L, P, slots*16,
+H, D], so k consecutive blocks going to k consecutive slots are ONE cudaMemcpy2DAsync: P·L rows of
+k*chunk bytes, pitch blocks*chunk on the device, slots*chunk on the host. Each list of pairs is cut into such runs (in list order) and each run is one copy.
 
 Why 2D copies and not a gather kernel + one bulk copy: a real model's chunk is 32 KiB (Qwen3-4B/8B:
 16 tokens x 8 KV heads x 128 x 2 B), so every DMA row is a burst of 32 KiB or more. Measured on an
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.batch import BLOCK_SIZE
+from memory.kv_pool import BLOCK_SIZE
 
 MAX_PITCH = (1 << 31) - 1
 CUDA_DEV_ATTR_MAX_PITCH = 11
@@ -73,24 +73,24 @@ def copy_runs(pairs: Sequence[tuple[int, int]], src_limit: int, dst_limit: int, 
 
 
 class HostKVCopy:
-    """num_slots host blocks for a pool kv[L, 2, blocks*16, Hkv, D] at kv_ptr; `host` is the slots'
-    array (host[L, 2, num_slots*16, Hkv, D], page-locked for asynchronous copies), `memcpy2d` enqueues
+    """num_slots host blocks for a pool kv[L, P, blocks*16, H, D] at kv_ptr; `host` is the slots'
+    array (host[L, P, num_slots*16, H, D], page-locked for asynchronous copies), `memcpy2d` enqueues
     one strided copy."""
 
     def __init__(self, kv_ptr: int, kv_shape: tuple[int, ...], dtype, host: np.ndarray, memcpy2d: Memcpy2D,
                  max_pitch: int = MAX_PITCH):
-        if len(kv_shape) != 5 or kv_shape[1] != 2 or kv_shape[2] % BLOCK_SIZE:
-            raise ValueError(f"KV pool shape {tuple(kv_shape)}: want (layers, 2, blocks*{BLOCK_SIZE}, kv_heads, head_dim)")
-        L, _, rows, Hkv, D = kv_shape
+        if len(kv_shape) != 5 or kv_shape[2] % BLOCK_SIZE:
+            raise ValueError(f"KV pool shape {tuple(kv_shape)}: want (layers, planes, blocks*{BLOCK_SIZE}, heads, dim)")
+        L, P, rows, Hkv, D = kv_shape
         self.dtype = np.dtype(dtype)
         self.num_blocks = rows // BLOCK_SIZE
         self.num_slots = host.shape[2] // BLOCK_SIZE if host.ndim == 5 else 0
-        want = (L, 2, self.num_slots * BLOCK_SIZE, Hkv, D)
+        want = (L, P, self.num_slots * BLOCK_SIZE, Hkv, D)
         if self.num_slots < 1 or host.shape != want or host.dtype != self.dtype or not host.flags.c_contiguous:
             raise ValueError(f"host KV slots {host.shape} {host.dtype}: want a contiguous {self.dtype} array "
-                             f"(layers, 2, slots*{BLOCK_SIZE}, kv_heads, head_dim) like {want}")
+                             f"(layers, planes, slots*{BLOCK_SIZE}, heads, dim) like {want}")
         self.kv_ptr, self.host, self.memcpy2d = int(kv_ptr), host, memcpy2d
-        self.planes = 2 * L
+        self.planes = P * L
         self.chunk = BLOCK_SIZE * Hkv * D * self.dtype.itemsize
         self.max_pitch = int(max_pitch)
 
@@ -127,8 +127,8 @@ def gpu_host_kv_copy(kv_cache, num_slots: int, stream) -> HostKVCopy:
     rt = cupy.cuda.runtime
     if num_slots < 1:
         raise ValueError(f"host KV tier needs at least 1 slot, got {num_slots}")
-    L, _, _, Hkv, D = kv_cache.shape
-    shape = (L, 2, int(num_slots) * BLOCK_SIZE, Hkv, D)
+    L, P, _, Hkv, D = kv_cache.shape
+    shape = (L, P, int(num_slots) * BLOCK_SIZE, Hkv, D)
     nbytes = int(np.prod(shape, dtype=np.int64)) * kv_cache.dtype.itemsize
     try:
         host = pinned_array(shape, kv_cache.dtype)

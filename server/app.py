@@ -57,7 +57,7 @@ class BoundedRequest(Request):
 def create_app(handle, *, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int | None = None,
                limits: ServerLimits | None = None) -> Sanic:
-    """max_n defaults to what the engine accepts: min(config.max_n, config.max_num_seqs)."""
+    """max_n defaults to what the engine accepts (EngineHandle.max_n)."""
     limits = limits or ServerLimits()
     limits.validate()
     app = Sanic(f"openinfer_{next(_app_ids)}", request_class=BoundedRequest)
@@ -89,10 +89,8 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
 
 
 def _engine_max_n(handle) -> int:
-    config = getattr(handle, "config", None)
-    if config is None:
-        return 16
-    return min(config.max_n, config.max_num_seqs)
+    """The n the engine admits (EngineHandle.max_n: max_n capped by max_num_seqs); 16 for a stand-in."""
+    return getattr(handle, "max_n", 16)
 
 
 def _vocab_size(handle) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import multiprocessing
 import os
 import signal
 import socket
@@ -19,17 +20,35 @@ DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's options (EngineConfig), named as vLLM names them."""
     p.add_argument("--model", default=None,
                    help="HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct demo)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output token limit per request")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step at most")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in 16-token blocks")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: the GPU executor; cpu: the numpy executor; auto: the GPU when CuPy sees one")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="weights' dtype: the GPU runs bfloat16 (auto, bfloat16); the CPU computes in float32 "
+                        "and with bfloat16 / float16 first rounds the weights to it")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output token limit per request (default: the model's own)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences per engine step at most (default: 256 on the GPU, 64 on the CPU)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step at most (default: 8192 on the GPU, 2048 on the CPU)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over several steps (off: --max-num-batched-tokens must hold "
+                        "--max-model-len)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's memory the engine takes (weights, activations, KV cache)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool size in 16-token blocks (default: what --gpu-memory-utilization leaves)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes seen before")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every decode step launches its kernels one by one")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs (default: 1 2 4 8 16 24 32 48 64 96 128 ... 512, "
+                        "up to --max-num-seqs)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampling of requests that bring no seed")
     p.add_argument("--host-kv-blocks", type=int, default=0,
                    help="host KV tier: keep up to this many evicted prefix-cache blocks in host memory "
                         "(pinned memory with the GPU executor)")
@@ -37,6 +56,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="detokenize and stream a step's tokens while the GPU runs the next step")
     p.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="with --overlap-steps: schedule and build the next decode step while the GPU runs this one")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="queue the next decode step before this one's tokens reach the host (its input ids are "
+                        "taken on the GPU): no host time between decode steps")
+    p.add_argument("--step-trace", default=None, metavar="FILE",
+                   help="write one JSON line per engine step (tokens, host phases, GPU time): bench/step_profile.py "
+                        "tabulates it")
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("OPENINFER_API_KEY"),
                        help="require 'Authorization: Bearer <key>' on /v1 routes (env OPENINFER_API_KEY)")
     serve.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted")
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine in a process of its own, so a busy HTTP side never takes the engine "
+                            "thread's GIL (engine/process.py)")
     _limit_args(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
@@ -94,14 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace):
     from engine.config import EngineConfig
+    from engine.executor.options import DEFAULT_GRAPH_SIZES
     served = getattr(args, "served_model_name", None) or (DEMO_MODEL_NAME if args.model is None else None)
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, served_model_name=served,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
+                          enable_chunked_prefill=args.enable_chunked_prefill,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                          enforce_eager=args.enforce_eager,
+                          cuda_graph_sizes=tuple(args.cuda_graph_sizes or DEFAULT_GRAPH_SIZES),
                           max_n=getattr(args, "max_n", 16), seed=args.seed, overlap_steps=args.overlap_steps,
-                          schedule_ahead=args.schedule_ahead, host_kv_blocks=args.host_kv_blocks)
+                          schedule_ahead=args.schedule_ahead, host_kv_blocks=args.host_kv_blocks,
+                          async_scheduling=args.async_scheduling, step_trace=args.step_trace)
     config.validate()
     return config
 
@@ -123,6 +156,7 @@ def _setup_logging(level: str) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     from engine.handle import EngineHandle
+    from engine.process import EngineClient
     from server.app import create_app
     from server.startup import describe_executor, gpu_warning
     _setup_logging(args.log_level)
@@ -131,7 +165,7 @@ def serve(args: argparse.Namespace) -> int:
     sock = socket.create_server((args.host, args.port))     # fail fast if the port is taken
     if warning := gpu_warning(config.device):
         log.warning("%s", warning)
-    handle = EngineHandle(config)
+    handle = EngineClient(config) if args.engine_process else EngineHandle(config)
     try:
         log.info("%s", describe_executor(handle, config.device))
         app = create_app(handle, api_key=args.api_key, limits=limits)
@@ -152,6 +186,8 @@ async def _serve_until_signal(app, sock) -> None:
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
             log.warning("shutdown: second %s, exiting now without draining", sig.name)
+            for child in multiprocessing.active_children():     # the engine process must not outlive us
+                child.kill()
             logging.shutdown()
             os._exit(1)
         log.info("shutdown: %s received (send it again to exit at once)", sig.name)

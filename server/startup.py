@@ -42,14 +42,19 @@ def gpu_warning(device: str) -> str | None:
 
 
 def describe_executor(handle, device: str) -> str:
-    """One line: executor, device, why that device, and the kernel library of the linear layers."""
-    executor = handle.executor
-    name = type(executor).__name__
+    """One line: executor, device, why that device, and the kernel library of the linear layers. An
+    EngineClient has no executor here (it is in the engine process): its device follows the rule the
+    executor factory applies, and on the GPU the engine process logs the library itself."""
+    executor = getattr(handle, "executor", None)
+    where = "" if executor is not None else "; it runs in the engine process"
     gemm = getattr(executor, "gemm", None)
     if gemm is not None and hasattr(gemm, "describe"):
-        return f"executor: {name} on the GPU (--device {device}); {gemm.describe()}"
+        return f"executor: {type(executor).__name__} on the GPU (--device {device}); {gemm.describe()}"
+    if executor is None and (device == "cuda" or (device == "auto" and cupy_status() is None)):
+        return f"executor: GpuExecutor on the GPU (--device {device}){where}, which logs its linear layers' library"
+    name = type(executor).__name__ if executor is not None else "CpuExecutor"
     why = "--device cpu" if device == "cpu" else f"--device {device} and {cupy_status() or 'no GPU'}"
-    return f"executor: {name} (numpy) on the CPU ({why}); linear layers: numpy matmul ({_blas()})"
+    return f"executor: {name} (numpy) on the CPU ({why}){where}; linear layers: numpy matmul ({_blas()})"
 
 
 def _blas() -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
+from engine.executor.base import ExecutorBase
+from engine.executor.options import ExecutorOptions
 from engine.sampling import prompt_logprobs, sample_step
 
 EOS = 256
@@ -37,9 +39,17 @@ class FakeTokenizer:
         return out.decode("utf-8", errors="replace")
 
 
-class FakeExecutor:
+# Limits well above what the engine tests ask for (the engine takes its own from EngineConfig).
+FAKE_OPTIONS = ExecutorOptions(max_model_len=1 << 16, max_num_batched_tokens=1 << 16, max_num_seqs=1024)
+
+
+class FakeExecutor(ExecutorBase):
+    supports_host_tier = True
+
     def __init__(self, num_kv_blocks: int = 64, vocab_size: int = VOCAB, scale: float = 4.0,
-                 fail_on_token: int | None = None):
+                 fail_on_token: int | None = None, host_kv_blocks: int = 0):
+        self.options = FAKE_OPTIONS.replace(host_kv_blocks=host_kv_blocks)
+        self.host = np.full((host_kv_blocks, BLOCK_SIZE), -1, dtype=np.int64)
         self.num_kv_blocks = num_kv_blocks
         self.vocab_size = vocab_size
         self.scale = scale
@@ -81,18 +91,12 @@ class FakeExecutor:
                 plps.append(PromptLogprobResult(s.seq_id, s.start_pos, lps, tops))
         return StepOutput(sampled, plps)
 
-    def enable_host_tier(self, num_slots: int) -> None:
-        self.host = np.full((num_slots, BLOCK_SIZE), -1, dtype=np.int64)
-
     def copy_blocks(self, offloads, restores) -> None:
         kv = self.kv.reshape(-1, BLOCK_SIZE)
         for block, slot in offloads:
             self.host[slot] = kv[block]
         for slot, block in restores:
             kv[block] = self.host[slot]
-
-    def close(self) -> None:
-        pass
 
 
 def make_engine(executor=None, tokenizer=None, max_model_len: int = 512, **config):
@@ -116,7 +120,7 @@ def submit(engine, req) -> list:
 def run_until_idle(engine, max_steps: int = 100000, on_step=None) -> int:
     steps = 0
     engine.drain_inbox()
-    while engine.scheduler.has_work():
+    while engine.has_work():
         engine.step()
         steps += 1
         if on_step is not None:

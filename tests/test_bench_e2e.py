@@ -26,7 +26,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def served_tiny_model(tmp_path_factory):
     """(base url, model folder) of `openinfer serve` on the CPU with a tiny random Qwen3 model."""
-    from tests.models_util import tiny_model_path
+    from harness.models import tiny_model_path
     model = tiny_model_path("qwen3_tied")
     port = _free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")

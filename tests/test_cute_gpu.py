@@ -1,9 +1,9 @@
-"""CuTe kernels on the GPU: every case of the verification catalogue (kernels.cute.testing.CASES)
-against float32, plus the launcher's pointer checks. ``python3 -m kernels.cute.verify`` runs the
+"""CuTe kernels on the GPU: every case of the verification catalogue (kernels.cute.verification.checks.CASES)
+against float32, plus the launcher's pointer checks. ``python3 -m kernels.cute.verification.run`` runs the
 same cases with a hang watchdog per case; a hang here stops this process (status 3)."""
 import pytest
 
-from kernels.cute.testing import CASES
+from kernels.cute.verification.checks import CASES
 
 pytestmark = pytest.mark.gpu
 
@@ -23,7 +23,7 @@ def runner():
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.group}-{c.label}" for c in CASES])
 def test_case_matches_float32(runner, case):
-    from kernels.cute.testing import run_case
+    from kernels.cute.verification.checks import run_case
 
     check = run_case(runner, case)
     assert check.unwritten == 0, f"{check.unwritten} outputs not written; {check.detail}"

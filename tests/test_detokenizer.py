@@ -11,7 +11,7 @@ from fake_executor import FakeTokenizer
 @pytest.fixture(scope="module")
 def tok():
     from engine.tokenizer import Tokenizer
-    from models_util import tokenizer_source
+    from harness.models import tokenizer_source
     return Tokenizer.from_folder(tokenizer_source()[0])
 
 

@@ -13,24 +13,33 @@ from fake_executor import FakeExecutor, make_engine, run_until_idle, submit
 
 
 class LaunchedStep:
-    def __init__(self, executor, batch):
-        self.executor, self.batch = executor, batch
+    def __init__(self, executor, batch, fed: bool = False):
+        self.executor, self.batch, self.fed = executor, batch, fed
 
     def result(self):
         self.executor.log.append(("result", len(self.executor.steps)))
-        return self.executor.execute(self.batch)
+        if self.fed:        # the input ids are the sampled ids of the step run just before, row for row
+            assert self.batch.is_decode_only and (self.batch.input_ids == -1).all()
+            self.batch.input_ids[:] = self.executor.last_ids[:self.batch.num_tokens]
+        out = self.executor.execute(self.batch)
+        self.executor.last_ids = [t.token_id for t in out.sampled]
+        return out
 
 
 class AsyncFakeExecutor(FakeExecutor):
-    """submit() returns at once; the step runs in result()."""
+    """submit() returns at once; the step runs in result() (fed steps take their ids then)."""
+    supports_fed_steps = True
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.log: list[tuple] = []
+        self.last_ids: list[int] = []
+        self.fed_steps = 0
 
-    def submit(self, batch):
+    def submit(self, batch, fed: bool = False):
         self.log.append(("launch", len(self.steps)))
-        return LaunchedStep(self, batch)
+        self.fed_steps += fed
+        return LaunchedStep(self, batch, fed)
 
 
 def requests() -> list[GenerateRequest]:
@@ -188,3 +197,31 @@ def test_busy_server_plans_ahead_with_a_queue():
     assert decode_feeds(ahead_ex) == decode_feeds(fresh_ex)
     assert [len(b.seqs) for b in ahead_ex.steps] == [len(b.seqs) for b in fresh_ex.steps]
     assert engine.stats().num_steps_planned_ahead > 0.5 * len(decode_feeds(ahead_ex))
+
+
+def test_async_scheduling_sends_what_the_synchronous_engine_sends():
+    """Decode steps queued before the step ahead of them is read (their ids taken from its output, as
+    the GPU does on the device) give every client the same events, through stop strings, stop ids,
+    lengths, n > 1, logprobs, and a pool small enough to preempt."""
+    sync = run(FakeExecutor(), requests())
+    ex = AsyncFakeExecutor()
+    assert run(ex, requests(), async_scheduling=True) == sync
+    assert ex.fed_steps > 50
+    reqs = [GenerateRequest(f"r{i}", [10 + i] * 20, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+            for i in range(6)]
+    small = AsyncFakeExecutor(num_kv_blocks=14)
+    assert run(small, reqs, max_num_seqs=6, async_scheduling=True) == run(FakeExecutor(num_kv_blocks=14), reqs,
+                                                                          max_num_seqs=6)
+
+
+def test_async_scheduling_queues_the_next_step_before_waiting():
+    """One sequence decoding: after the first decode, every step is launched before the result of the
+    one ahead of it is read (launch, launch, result, ...), and none runs past max_tokens."""
+    ex = AsyncFakeExecutor()
+    out = run(ex, [requests()[0]], async_scheduling=True)
+    assert len([e for e in out["plain"] if isinstance(e, Token)]) == 40
+    outstanding, queued_behind = 0, 0          # steps launched and not yet read, at each read
+    for kind, *_ in ex.log:
+        outstanding += {"launch": 1, "result": -1}.get(kind, 0)
+        queued_behind += kind == "result" and outstanding == 1      # another step already queued
+    assert queued_behind >= 35 and len(ex.steps) == 40

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from engine.executor.cpu import CpuExecutor
+from engine.executor.options import options_of
 from engine.loader import load_model
-from tests.models_util import TINY_MODELS, compare_logits, engine_logits, hf_logits, test_prompts, tiny_model_path
+from harness.models import TINY_MODELS, compare_logits, engine_logits, hf_logits, test_prompts, tiny_model_path
 
 MAX_DLOGPROB = 1e-3
 
@@ -27,7 +28,7 @@ def case(request):
 
 
 def new_executor(model) -> CpuExecutor:
-    return CpuExecutor(model, num_kv_blocks=48, max_model_len=512)
+    return CpuExecutor(model, options_of(num_kv_blocks=48, max_model_len=512))
 
 
 def gate_failures(engine: list[np.ndarray], oracle: list[np.ndarray]) -> list[str]:
@@ -101,7 +102,7 @@ def test_prompt_logprobs_and_sampling_match_oracle(case):
     """execute(): prompt logprobs of token_ids[1:] and the greedy pick of the last position."""
     from engine.batch import ModelBatch, SeqStep
     from engine.request import SamplingParams
-    from tests.models_util import log_softmax
+    from harness.models import log_softmax
     model, prompts, oracle = case
     ex = new_executor(model)
     steps, start = [], 0
@@ -134,7 +135,7 @@ def test_config_has_the_shapes_the_issue_asks_for():
 
 def test_executor_rejects_bad_steps_clearly():
     model = load_model(tiny_model_path("qwen2"))
-    ex = CpuExecutor(model, num_kv_blocks=4, max_model_len=32)
+    ex = CpuExecutor(model, options_of(num_kv_blocks=4, max_model_len=32))
     from engine.batch import ModelBatch, SeqStep
     with pytest.raises(ValueError, match="max_model_len"):
         ex.forward_logits(ModelBatch.build([SeqStep(0, [1, 2], 31, [0, 1, 2], False)]))
@@ -176,7 +177,7 @@ def test_norm_fused_into_the_residual_add_changes_nothing(case):
     runs = {}
     for fuse in (False, True):
         ex = new_executor(model)
-        ex.ops = CountingOps(ex.k_cache, ex.v_cache)
+        ex.ops = CountingOps(ex.kv)
         ex.ops.fuse = fuse
         runs[fuse] = (engine_logits(ex, prompts[:2], prefill=3, chunks=2), ex.ops.norms, ex.ops.fused)
     (plain, plain_norms, _), (fused, fused_norms, fused_adds) = runs[False], runs[True]

@@ -15,10 +15,11 @@ import pytest
 
 from engine.batch import ModelBatch, SeqStep
 from engine.executor.cpu import CpuExecutor
+from engine.executor.options import options_of
 from engine.loader import load_model
 from engine.loader.demo import demo_gguf_path, demo_model_path
 from engine.request import SamplingParams
-from tests.models_util import compare_logits, engine_logits, hf_model, log_softmax
+from harness.models import compare_logits, engine_logits, hf_model, log_softmax
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +61,7 @@ def test_greedy_64_tokens_are_the_oracles_top1(smollm2):
     engine's token first. By induction the engine's text is the oracle's greedy text."""
     import torch
     model, oracle = smollm2
-    ex = CpuExecutor(model, num_kv_blocks=32, max_model_len=128)
+    ex = CpuExecutor(model, options_of(num_kv_blocks=32, max_model_len=128))
     prompts = [model.tokenizer.encode(t) for t in PROMPTS]
     for prompt, seq in zip(prompts, engine_greedy(ex, prompts, NEW_TOKENS)):
         start = len(prompt)
@@ -80,7 +81,7 @@ def test_greedy_64_tokens_are_the_oracles_top1(smollm2):
 def test_capital_of_france_is_paris(smollm2):
     """Greedy generation through execute(): prefill, then decode steps over the paged KV cache."""
     model, _ = smollm2
-    ex = CpuExecutor(model, num_kv_blocks=8, max_model_len=128)
+    ex = CpuExecutor(model, options_of(num_kv_blocks=8, max_model_len=128))
     ids = model.tokenizer.encode("The capital of France is")
     table = [5, 2]                                   # non-contiguous blocks
     greedy = SamplingParams(temperature=0.0)

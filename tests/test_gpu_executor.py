@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 
 import numpy as np
 import pytest
@@ -28,7 +27,8 @@ import pytest
 from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
 from engine.loader import load_model
 from engine.request import SamplingParams
-from tests.models_util import TINY_MODELS, engine_logits, log_softmax, tiny_model_path, tokenizer_source
+from harness.executors import new_gpu_executor
+from harness.models import TINY_MODELS, engine_logits, log_softmax, random_sequences, tiny_model_path, write_random_qwen3
 
 pytestmark = pytest.mark.gpu
 MIN_TIE_TOL = 0.02
@@ -85,18 +85,6 @@ def assert_gate(row: dict) -> None:
     assert row["mean"] <= row["bound"], row
 
 
-def random_sequences(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, n).tolist() for n in lengths]
-
-
-def new_gpu_executor(model, **kw):
-    from engine.executor.gpu import GpuExecutor
-
-    args = dict(num_kv_blocks=96, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=16, progress=False)
-    return GpuExecutor(model, **{**args, **kw})
-
-
 # ---- tiny models -------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=sorted(TINY_MODELS))
 def tiny(request):
@@ -138,7 +126,7 @@ def test_tiny_gate_gemm_library(tiny, backend):
     if backend == "cute" and not available():
         pytest.skip(f"CuTe kernels unavailable: {available().reason}")
     name, model, _, seqs, o32, o16 = tiny
-    ex = new_gpu_executor(model, use_cute=backend)
+    ex = new_gpu_executor(model, gemm=backend)
     try:
         assert (ex.gemm.cute is not None) == (backend == "cute")
         for path_name in sorted(PATHS):
@@ -207,10 +195,11 @@ GPU_CPU_TIE_TOL = 0.1
 
 def test_gpu_equals_cpu_greedy_64_steps():
     from engine.executor.cpu import CpuExecutor
+    from engine.executor.options import options_of
 
     model = load_model(tiny_model_path("qwen3_untied"))
     gpu = new_gpu_executor(model)
-    cpu = CpuExecutor(model, num_kv_blocks=96, max_model_len=512, bf16_weights=True)
+    cpu = CpuExecutor(model, options_of(num_kv_blocks=96, max_model_len=512, dtype="bfloat16"))
     prompts = [[1, 2, 3, 4, 5], list(range(100, 137))]
     g, c = greedy(gpu, prompts, 64), greedy(cpu, prompts, 64)
     same = sum(assert_same_or_tie(cpu, p, a, b, GPU_CPU_TIE_TOL, "GPU vs CPU") for p, a, b in zip(prompts, g, c))
@@ -219,38 +208,6 @@ def test_gpu_equals_cpu_greedy_64_steps():
 
 
 # ---- real-shape Qwen3-4B, random bf16 weights --------------------------------------------------
-def write_random_qwen3(config_path: str, out_dir: str, seed: int = 0, embed_std: float = 0.06):
-    """An HF folder of a real-shape model with random bf16 weights (written on the GPU): matrices
-    ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1), embedding ~ N(0, embed_std) (logit spread ~3 like a real
-    model). Returns the bf16 model on the GPU. Reuses out_dir when already complete."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(os.path.dirname(config_path))
-    torch.manual_seed(seed)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 2 and "embed" in name:
-                p.normal_(0.0, embed_std)
-            elif p.ndim == 2:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-            elif "norm" in name:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.1)
-    done = os.path.join(out_dir, ".complete")
-    if not os.path.exists(done):
-        model.save_pretrained(out_dir, safe_serialization=True)
-        folder = tokenizer_source()[0]
-        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-            if os.path.isfile(os.path.join(folder, f)):
-                shutil.copy(os.path.join(folder, f), out_dir)
-        open(done, "w").close()
-    return model.eval()
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("OPENINFER_GATE_4B") != "1", reason="set OPENINFER_GATE_4B=1 (bench/gpu_suite.sh)")
 def test_qwen3_4b_random_gate():

@@ -1,6 +1,6 @@
 """Sampling inside the decode graphs, on a tiny Qwen3 (GQA 4) with the real vocabulary:
   * a step with temperature / top_k / top_p / min_p rows and logprobs is served asynchronously
-    (GraphStep) and gives exactly what the eager GpuSampler gives on the same logits (ids, logprobs,
+    (ReadbackStep) and gives exactly what the eager GpuSampler gives on the same logits (ids, logprobs,
     top logprobs, bit for bit), and the host reference's ids; greedy rows keep the argmax;
   * padded rows of the bucket sample nothing and write no top logprobs;
   * greedy steps still replay the greedy graph; steps with penalties still take the eager sampler;
@@ -11,13 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
 from engine.executor.base import DoneStep
 from engine.loader import load_model
 from engine.request import SamplingParams
 from engine.sampling import filtered_probs, sample_step
-from tests.models_util import tiny_model_path
-from tests.test_gpu_executor import new_gpu_executor, random_sequences
+from harness.executors import Decoder, new_gpu_executor
+from harness.models import random_sequences, tiny_model_path
 
 pytestmark = pytest.mark.gpu
 
@@ -41,30 +40,6 @@ def fetch(ex, a) -> np.ndarray:
     return out
 
 
-class Decoder:
-    """Sequences prefilled (eagerly, greedy) into disjoint KV blocks, then decoded one step at a time."""
-
-    def __init__(self, ex, prompts: list[list[int]], steps: int):
-        free = iter(range(ex.num_kv_blocks))
-        self.ex, self.prompts, self.toks = ex, prompts, [list(p) for p in prompts]
-        self.tables = [[next(free) for _ in range(-(-(len(p) + steps + 1) // BLOCK_SIZE))] for p in prompts]
-        out = ex.execute(ModelBatch.build([SeqStep(seq_id=i, token_ids=list(p), start_pos=0, block_table=t,
-                                                   sample=True, params=SamplingParams(temperature=0.0))
-                                           for i, (p, t) in enumerate(zip(prompts, self.tables))]))
-        for i, t in enumerate(out.sampled):
-            self.toks[i].append(t.token_id)
-
-    def batch(self, params: list[SamplingParams]) -> ModelBatch:
-        return ModelBatch.build([SeqStep(seq_id=i, token_ids=[t[-1]], start_pos=len(t) - 1, block_table=tb,
-                                         sample=True, params=p, prompt_len=len(pr), history=list(t),
-                                         num_generated=len(t) - len(pr))
-                                 for i, (t, tb, pr, p) in enumerate(zip(self.toks, self.tables, self.prompts, params))])
-
-    def advance(self, out) -> None:
-        for i, t in enumerate(out.sampled):
-            self.toks[i].append(t.token_id)
-
-
 def mixed_params(n: int, step: int) -> list[SamplingParams]:
     """Row i of step s: KINDS[i + s + 1] (a batch of one samples too), some rows unseeded."""
     return [SamplingParams(**KINDS[(i + step + 1) % len(KINDS)], seed=None if i % 7 == 3 else 100 * i + step)
@@ -72,7 +47,7 @@ def mixed_params(n: int, step: int) -> list[SamplingParams]:
 
 
 def test_sampling_graph_equals_eager_sampler(setup):
-    from engine.executor.gpu_graphs import GraphStep
+    from engine.executor.gpu_readback import ReadbackStep
 
     model, ex = setup
     V, mismatches, total = model.config.vocab_size, 0, 0
@@ -86,7 +61,7 @@ def test_sampling_graph_equals_eager_sampler(setup):
                 ex.sampler.top_ids[:b].fill(-7)
             batch = dec.batch(params)
             pending = ex.submit(batch)
-            assert isinstance(pending, GraphStep), f"batch {n}: a sampling step was not served by a graph"
+            assert isinstance(pending, ReadbackStep), f"batch {n}: a sampling step was not served by a graph"
             got = pending.result()
             logits = ex.graphs.sampling_graphs[b][1]
             if b > n:
@@ -115,13 +90,13 @@ def test_sampling_graph_equals_eager_sampler(setup):
 
 
 def test_greedy_steps_keep_the_greedy_graph_and_penalties_stay_eager(setup):
-    from engine.executor.gpu_graphs import GraphStep
+    from engine.executor.gpu_readback import ReadbackStep
 
     model, ex = setup
     dec = Decoder(ex, random_sequences(model.config.vocab_size, [9, 4, 13], seed=5), steps=2)
     greedy_before = dict(ex.graphs.graphs)
     pending = ex.submit(dec.batch([SamplingParams(temperature=0.0)] * 3))
-    assert isinstance(pending, GraphStep) and pending.logprobs is None
+    assert isinstance(pending, ReadbackStep) and pending.logprobs is None
     got = pending.result()
     logits = fetch(ex, ex.graphs.graphs[4][1][:3])
     assert [t.token_id for t in got.sampled] == logits.argmax(-1).tolist()

@@ -1,6 +1,6 @@
 """Host side of sampling inside the decode graphs (no GPU): the device's seeded uniform (compiled
 for the host) is numpy's default_rng([seed, step]).random() bit for bit, the per-row parameter block
-a graph reads is packed from the steps (padded rows zeroed), and GraphStep turns the copied-back
+a graph reads is packed from the steps (padded rows zeroed), and ReadbackStep turns the copied-back
 arrays into the sampler's SampledTokens."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.batch import SeqStep
-from engine.executor.gpu_graphs import GraphStep
+from engine.executor.gpu_readback import ReadbackStep
 from engine.executor.gpu_sampler import GRAPH_FIELDS, MAX_TOP_LOGPROBS, pack_graph_rows, seeded_rows, uniform_for
 from engine.request import SamplingParams
 from kernels.raw_cuda import KERNEL_DIR
@@ -83,12 +83,12 @@ def test_graph_step_result_builds_tokens_with_logprobs():
     top_ids = np.arange(3 * MAX_TOP_LOGPROBS, dtype=np.int32).reshape(3, MAX_TOP_LOGPROBS)
     top_lp = -np.linspace(0, 3, 3 * MAX_TOP_LOGPROBS, dtype=np.float32).reshape(3, MAX_TOP_LOGPROBS)
     done = _Done()
-    out = GraphStep([10, 11, 12], ids, done, [None, 0, 2], lp, top_ids, top_lp).result()
+    out = ReadbackStep([10, 11, 12], ids, done, [None, 0, 2], lp, top_ids, top_lp).result()
     assert done.waited == 1
     assert [(t.seq_id, t.token_id) for t in out.sampled] == [(10, 5), (11, 9), (12, 11)]
     assert out.sampled[0].logprob is None and out.sampled[0].top_logprobs == []
     assert out.sampled[1].logprob == -1.25 and out.sampled[1].top_logprobs == []
     assert out.sampled[2].logprob == -2.0
     assert out.sampled[2].top_logprobs == [(int(top_ids[2, j]), float(top_lp[2, j])) for j in range(2)]
-    greedy = GraphStep([1], ids[:1], _Done()).result()
+    greedy = ReadbackStep([1], ids[:1], _Done()).result()
     assert greedy.sampled[0].token_id == 5 and greedy.sampled[0].logprob is None

@@ -139,14 +139,15 @@ def test_gpu_engine_prefix_comes_back_from_the_host_tier():
     from test_host_tier import cached, tokens
 
     from engine.executor.gpu import GpuExecutor
+    from engine.executor.options import options_of
     from engine.loader import load_model
     from engine.request import GenerateRequest, SamplingParams
     from memory.prefix_hash import hash_chain
-    from models_util import tiny_model_path
+    from harness.models import tiny_model_path
 
     model = load_model(tiny_model_path("qwen3_gqa4"))
-    ex = GpuExecutor(model, num_kv_blocks=10, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=16,
-                     progress=False)
+    ex = GpuExecutor(model, options_of(num_kv_blocks=10, max_model_len=512, max_num_batched_tokens=512,
+                                       max_num_seqs=16, progress=False, host_kv_blocks=32))
     engine = make_engine(ex, model.tokenizer, max_model_len=512, host_kv_blocks=32, max_num_seqs=16,
                          max_num_batched_tokens=512)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -30,16 +30,18 @@ def test_prepare_cute_loads_the_kernels_and_sizes_the_workspace_for_every_weight
 
     calls = []
     cute = SimpleNamespace(init=lambda: calls.append("init"), self_check=lambda: None,
-                           reserve_workspace=lambda m, shapes: calls.append(("reserve", m, shapes)))
+                           reserve_workspace=lambda m, shapes, buffer: calls.append(("reserve", m, shapes, buffer)))
     shapes = [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728), (6144, 2560)]
-    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=1 << 30), 512, shapes)
-    assert calls == ["init", ("reserve", 512, [(2560, 4096), (2560, 9728), (6144, 2560), (19456, 2560)])]
+    arena_buffer = object()       # the executor's arena carve (gpu_gemm.cute_workspace_bytes)
+    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=1 << 30, cute_workspace=arena_buffer), 512, shapes)
+    assert calls == ["init", ("reserve", 512, [(2560, 4096), (2560, 9728), (6144, 2560), (19456, 2560)],
+                              arena_buffer)]
     calls.clear()
-    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=128), 512, shapes)  # "auto": decode rows only
-    assert calls == ["init", ("reserve", 128, [(2560, 4096), (2560, 9728), (6144, 2560), (19456, 2560)])]
+    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=128, cute_workspace=None), 512, shapes)  # "auto"
+    assert calls == ["init", ("reserve", 128, [(2560, 4096), (2560, 9728), (6144, 2560), (19456, 2560)], None)]
     calls.clear()
-    Gemm.prepare_cute(SimpleNamespace(cute=None, cute_max_m=128), 512, [(8, 8)])
-    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=128), 512, [])
+    Gemm.prepare_cute(SimpleNamespace(cute=None, cute_max_m=128, cute_workspace=None), 512, [(8, 8)])
+    Gemm.prepare_cute(SimpleNamespace(cute=cute, cute_max_m=128, cute_workspace=None), 512, [])
     assert calls == []
 
 
@@ -73,9 +75,9 @@ def test_a_failing_cute_start_up_check_leaves_cublas_serving():
 
     for cute, why in ((SimpleNamespace(init=fails("no cluster launch"), reserve_workspace=None, self_check=None),
                        "no cluster launch"),
-                      (SimpleNamespace(init=lambda: None, reserve_workspace=lambda m, shapes: None,
+                      (SimpleNamespace(init=lambda: None, reserve_workspace=lambda m, shapes, buffer: None,
                                        self_check=fails("3x136x264 product: relative error 0.5")), "error 0.5")):
-        g = SimpleNamespace(cute=cute, cute_max_m=128, cute_missing="", gemv_max_m=8)
+        g = SimpleNamespace(cute=cute, cute_max_m=128, cute_missing="", gemv_max_m=8, cute_workspace=None)
         Gemm.prepare_cute(g, 512, [(2560, 4096)])
         assert g.cute is None and why in g.cute_missing
         assert "cuBLAS" in Gemm.describe(g) and why in Gemm.describe(g)

@@ -12,6 +12,7 @@ import pytest
 
 from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
 from engine.executor import gpu_prefill
+from engine.executor.env import gpu_tuning_from_env
 from engine.executor.gpu_ops import GpuOps, GpuStepContext
 from engine.executor.gpu_prefill import (DEFAULT_MIN_QUERY, PrefillStep, parse_prefill_attention, plan_prefill,
                                          prefill_min_query, upload_entries)
@@ -52,10 +53,10 @@ def test_prefill_min_query_needs_the_library_and_head_dim(monkeypatch):
     assert prefill_min_query("cute", 64) == DEFAULT_MIN_QUERY
     assert prefill_min_query("cute", 96) is None                  # no CuTe kernel for head_dim 96
     assert prefill_min_query("paged", 128) is None
-    monkeypatch.setenv(gpu_prefill.PREFILL_ATTENTION_ENV, "cute:3")
-    assert prefill_min_query(None, 128) == 3
-    monkeypatch.setenv(gpu_prefill.PREFILL_ATTENTION_ENV, "paged")
-    assert prefill_min_query(None, 128) is None
+    env = gpu_tuning_from_env({"OPENINFER_PREFILL_ATTENTION": "cute:3"}).prefill_attention
+    assert prefill_min_query(env, 128) == 3
+    assert prefill_min_query(gpu_tuning_from_env({"OPENINFER_PREFILL_ATTENTION": "paged"}).prefill_attention,
+                             128) is None
     monkeypatch.setattr(cute, "available", lambda: cute.Availability(False, "no library"))
     assert prefill_min_query("cute", 128) is None
 

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from engine.executor.gpu_ops import GpuStepContext
+from engine.executor.gpu_plan import DeviceInfo
 from engine.loader import load_model
 from engine.models.ops import AttentionSpec
-from tests.models_util import build_tiny_model, engine_logits
-from tests.test_gpu_executor import (PATHS, assert_gate, gate_row, hf_gpu_models, hf_run, new_gpu_executor,
-                                     random_sequences)
+from harness.executors import new_gpu_executor
+from harness.models import build_tiny_model, engine_logits, random_sequences
+from tests.test_gpu_executor import PATHS, assert_gate, gate_row, hf_gpu_models, hf_run
 from tests.test_gpu_prefill import MIXED, mixed_batch
 from tests.test_raw_cuda_kernels import attention_ref, bits, f32
 
@@ -83,7 +84,7 @@ def run_attention(cp, D: int, Hq: int, Hkv: int, settings: list[tuple[int | None
     kv = arena.take("kv", kv_host.shape, np.uint16)
     kv.set(kv_host)
     ops = GpuOps(arena, None, kv, cp.zeros(D // 2, np.float32), 1.0, T, Hq * D, Hq * D, 8, 1, Hq, D, 0, stream,
-                 fast_attention=True)
+                 DeviceInfo.query().num_sms, fast_attention=True)
     seq = np.repeat(np.arange(B, dtype=np.int32), np.diff(b.cu_seqlens))
     ctx = GpuStepContext(num_tokens=T, input_ids=cp.zeros(T, np.int32), positions=cp.asarray(b.positions),
                          slot_mapping=cp.asarray(b.slot_mapping), token_seq=cp.asarray(seq),

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.models_util import tiny_model_path
+from harness.models import tiny_model_path
 
 pytestmark = pytest.mark.gpu
 MODEL = "qwen3_tied"

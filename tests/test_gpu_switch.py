@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.executor.gpu import DEFAULT_GEMV_MAX_M, parse_decode_kernels
-from engine.executor.gpu_gemm import ALL_ROWS, CUTE_AUTO_MAX_M, GEMM_BACKEND_ENV, cute_rows
+from engine.executor.env import gpu_tuning_from_env
+from engine.executor.gpu_gemm import ALL_ROWS, CUTE_AUTO_MAX_M, cute_rows
 from engine.executor.gpu_ops import MAX_DECODE_SPLITS, attention_splits, decode_attention_fits
+from engine.executor.options import DEFAULT_GEMV_MAX_M, parse_decode_kernels
+
+H200_SMS = 132
 
 
 @pytest.mark.parametrize("spec,expected", [
@@ -33,14 +36,11 @@ def test_gemm_backend_rows(backend, rows):
     assert cute_rows(backend) == rows
 
 
-def test_gemm_backend_from_environment(monkeypatch):
-    monkeypatch.delenv(GEMM_BACKEND_ENV, raising=False)
-    assert cute_rows(None) == CUTE_AUTO_MAX_M  # the default
-    monkeypatch.setenv(GEMM_BACKEND_ENV, "cublas")
-    assert cute_rows(None) == 0
-    monkeypatch.setenv(GEMM_BACKEND_ENV, "cutlass")
+def test_gemm_backend_from_environment():
+    assert cute_rows(gpu_tuning_from_env({}).gemm) == CUTE_AUTO_MAX_M  # the default
+    assert cute_rows(gpu_tuning_from_env({"OPENINFER_GEMM": "cublas"}).gemm) == 0
     with pytest.raises(ValueError, match="cutlass"):
-        cute_rows(None)
+        gpu_tuning_from_env({"OPENINFER_GEMM": "cutlass"})
 
 
 @pytest.mark.parametrize("spec,word", [("flash", "flash"), ("gemv:x", "gemv:x")])
@@ -60,8 +60,8 @@ def test_decode_attention_fits_rule():
 def test_decode_splits_fill_the_gpu():
     """paged_decode.cu, Qwen3 (8 KV heads): batch 1 at 256 keys 8 splits of 32 keys, at 4096 keys 33 (>= 2 CTAs
     per SM); from batch 17 the (token, head) CTAs fill the SMs and take 1 split."""
-    assert attention_splits(1, 8, 256, MAX_DECODE_SPLITS) == 8          # >= 32 keys per split
-    assert attention_splits(1, 8, 4096, MAX_DECODE_SPLITS) == 33        # fill the SMs twice
-    assert attention_splits(16, 8, 4096, MAX_DECODE_SPLITS) == 3
-    assert attention_splits(17, 8, 4096, MAX_DECODE_SPLITS) == 1        # 136 CTAs fill the SMs once
-    assert attention_splits(32, 8, 4096, MAX_DECODE_SPLITS) == 1
+    assert attention_splits(1, 8, 256, MAX_DECODE_SPLITS, H200_SMS) == 8          # >= 32 keys per split
+    assert attention_splits(1, 8, 4096, MAX_DECODE_SPLITS, H200_SMS) == 33        # fill the SMs twice
+    assert attention_splits(16, 8, 4096, MAX_DECODE_SPLITS, H200_SMS) == 3
+    assert attention_splits(17, 8, 4096, MAX_DECODE_SPLITS, H200_SMS) == 1        # 136 CTAs fill the SMs once
+    assert attention_splits(32, 8, 4096, MAX_DECODE_SPLITS, H200_SMS) == 1

@@ -28,3 +28,44 @@ def test_max_model_len_is_what_the_kv_pool_can_hold():
         assert [e.reason for e in events if isinstance(e, Finished)] == ["length"]
     finally:
         h.shutdown()
+
+
+def test_idle_engine_runs_the_executors_warm_up_and_serves_between_pieces():
+    """While idle the engine calls executor.warm_up() (the GPU's graph captures) until it says it is
+    done; a request that arrives meanwhile is served between two pieces."""
+    import threading
+    import time
+
+    from engine.config import EngineConfig
+    from engine.handle import EngineHandle
+    from engine.request import SamplingParams
+    from fake_executor import FakeExecutor, FakeTokenizer
+
+    class Warming(FakeExecutor):
+        def __init__(self):
+            super().__init__()
+            self.pieces, self.release = 0, threading.Event()
+
+        def warm_up(self) -> bool:
+            self.pieces += 1
+            if self.pieces == 3:
+                self.release.wait(5)          # a long capture; a request arrives meanwhile
+            time.sleep(0.01)
+            return self.pieces < 6
+
+    ex = Warming()
+    with EngineHandle(EngineConfig(max_model_len=512), executor=ex, tokenizer=FakeTokenizer()) as h:
+        deadline = time.monotonic() + 5
+        while ex.pieces < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        done = []
+        t = threading.Thread(target=lambda: done.append(h.generate([[1, 2, 3]], SamplingParams(max_tokens=4))))
+        t.start()
+        ex.release.set()
+        t.join(10)
+        assert done and done[0][0].error is None and len(done[0][0].outputs[0].token_ids) == 4
+        deadline = time.monotonic() + 5
+        while ex.pieces < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert ex.pieces == 6                 # it stops once the executor says there is nothing left

@@ -17,14 +17,15 @@ def loaded(name):
     if name == "smollm2":
         from engine.loader.demo import demo_model_path
         return load_model(demo_model_path())
-    from models_util import tiny_model_path
+    from harness.models import tiny_model_path
     return load_model(tiny_model_path(name))
 
 
 def engine_for(name, num_kv_blocks=64, **config):
     from engine.executor.cpu import CpuExecutor
+    from engine.executor.options import options_of
     model = loaded(name)
-    ex = CpuExecutor(model, num_kv_blocks=num_kv_blocks, max_model_len=512)
+    ex = CpuExecutor(model, options_of(num_kv_blocks=num_kv_blocks, max_model_len=512))
     return make_engine(ex, model.tokenizer, max_model_len=512, **config)
 
 
@@ -169,9 +170,10 @@ def test_abort_mid_generation_through_the_handle():
     import time
     from engine.config import EngineConfig
     from engine.executor.cpu import CpuExecutor
+    from engine.executor.options import options_of
     from engine.handle import EngineHandle
     model = loaded("qwen3_tied")
-    h = EngineHandle(EngineConfig(), executor=CpuExecutor(model, num_kv_blocks=32, max_model_len=512),
+    h = EngineHandle(EngineConfig(), executor=CpuExecutor(model, options_of(num_kv_blocks=32, max_model_len=512)),
                      tokenizer=model.tokenizer, max_model_len=512)
 
     async def go():
@@ -200,7 +202,7 @@ def test_abort_mid_generation_through_the_handle():
 def test_prompt_and_sample_logprobs_match_teacher_forced_logits(budget):
     import numpy as np
     from engine.events import PromptLogprobs
-    from models_util import engine_logits, log_softmax
+    from harness.models import engine_logits, log_softmax
     name = "qwen3_tied"
     rng = random.Random(6)
     prompt = [rng.randrange(5000) for _ in range(45)]

@@ -61,7 +61,7 @@ def cached(events):
 def test_evicted_prefix_comes_back_from_the_host_tier(tier_blocks):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompt = list(range(30, 130))                   # 100 tokens: 6 full blocks to reuse
-    engine = make_engine(FakeExecutor(num_kv_blocks=12), host_kv_blocks=tier_blocks)
+    engine = make_engine(FakeExecutor(num_kv_blocks=12, host_kv_blocks=tier_blocks), host_kv_blocks=tier_blocks)
     first, second = prompt_then_evict_then_again(engine, prompt, params)
     assert tokens(second) == tokens(first) and len(tokens(first)) == 12
     tier = engine.scheduler.host_tier
@@ -77,12 +77,13 @@ def test_host_tier_on_a_real_model_cpu_executor():
     from test_handle_models import loaded
 
     from engine.executor.cpu import CpuExecutor
+    from engine.executor.options import options_of
     model = loaded("qwen3_gqa4")
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = [(7 * i + 3) % 200 + 10 for i in range(70)]
     runs = {}
     for tier_blocks in (0, 32):
-        ex = CpuExecutor(model, num_kv_blocks=10, max_model_len=512)
+        ex = CpuExecutor(model, options_of(num_kv_blocks=10, max_model_len=512, host_kv_blocks=tier_blocks))
         engine = make_engine(ex, model.tokenizer, max_model_len=512, host_kv_blocks=tier_blocks)
         runs[tier_blocks] = prompt_then_evict_then_again(engine, prompt, params, others=4)
     (a0, b0), (a1, b1) = runs[0], runs[32]
@@ -92,7 +93,9 @@ def test_host_tier_on_a_real_model_cpu_executor():
 
 def test_host_tier_needs_an_executor_that_copies():
     class NoCopy(FakeExecutor):
-        enable_host_tier = None
+        supports_host_tier = False
 
     with pytest.raises(ValueError, match="host KV tier"):
-        make_engine(NoCopy(), host_kv_blocks=4)
+        make_engine(NoCopy(host_kv_blocks=4), host_kv_blocks=4)
+    with pytest.raises(ValueError, match="holds 2 host KV slots"):
+        make_engine(FakeExecutor(host_kv_blocks=2), host_kv_blocks=4)

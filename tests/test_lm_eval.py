@@ -17,7 +17,7 @@ import pytest
 from engine.request import SamplingParams
 from server.app import create_app
 from server.background import BackgroundServer
-from tests.models_util import hf_logits, log_softmax, tiny_model_path
+from harness.models import hf_logits, log_softmax, tiny_model_path
 from tests.tiny_engine import MODEL, tiny_handle
 
 pytest.importorskip("lm_eval", reason="lm-eval is in the test extra")

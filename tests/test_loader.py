@@ -13,11 +13,12 @@ import pytest
 from engine.batch import ModelBatch, SeqStep
 from engine.executor.cpu import CpuExecutor
 from engine.executor.factory import create_executor
+from engine.executor.options import options_of
 from engine.loader import load_model
 from engine.loader.gguf_convert import convert_gguf, gguf_folder_for, hf_tensor_name, unpermute_qk
 from engine.loader.safetensors_io import SafetensorsCheckpoint, save_safetensors
 from engine.model_config import ModelConfig
-from tests.models_util import build_tiny_model, qwen_tokenizer_dir, tiny_model_path
+from harness.models import build_tiny_model, qwen_tokenizer_dir, tiny_model_path
 
 
 def copy_folder(src: str, dst: str, dtype=None, shards: int = 1, drop: str | None = None,
@@ -45,7 +46,7 @@ def copy_folder(src: str, dst: str, dtype=None, shards: int = 1, drop: str | Non
 
 
 def logits_of(model) -> np.ndarray:
-    ex = CpuExecutor(model, num_kv_blocks=4, max_model_len=64)
+    ex = CpuExecutor(model, options_of(num_kv_blocks=4, max_model_len=64))
     ids = model.tokenizer.encode("Loading weights the same way every time.")
     return ex.forward_logits(ModelBatch.build([SeqStep(0, ids, 0, [0, 1], False)]))
 
@@ -112,11 +113,11 @@ def test_bad_paths_and_config_errors(tmp_path):
                                  "num_attention_heads": 4, "intermediate_size": 8, "vocab_size": 10})
     assert cfg.head_dim == 16 and cfg.num_key_value_heads == 4
     with pytest.raises(ValueError, match="device"):
-        create_executor(load_model(tiny_model_path("qwen2")), device="tpu")
+        create_executor(load_model(tiny_model_path("qwen2")), options_of(), device="tpu")
 
 
 def test_factory_auto_falls_back_to_cpu():
-    ex = create_executor(load_model(tiny_model_path("qwen2")), device="auto", num_kv_blocks=8, max_model_len=64)
+    ex = create_executor(load_model(tiny_model_path("qwen2")), options_of(num_kv_blocks=8, max_model_len=64), device="auto")
     from engine.executor.factory import gpu_available
     assert gpu_available() or isinstance(ex, CpuExecutor)
     assert ex.num_kv_blocks == 8 and ex.vocab_size > 0

@@ -111,17 +111,19 @@ def test_executor_decode_kernels_match_default():
     for what the GEMV does not take, so that only the decode kernels differ (the GEMM libraries
     have gates of their own: test_gpu_executor.test_tiny_gate_gemm_library)."""
     from engine.loader import load_model
-    from tests.models_util import tiny_model_path
-    from tests.test_gpu_executor import MIN_TIE_TOL, assert_same_or_tie, greedy, new_gpu_executor, random_sequences
+    from harness.models import tiny_model_path
+    from harness.executors import new_gpu_executor
+    from harness.models import random_sequences
+    from tests.test_gpu_executor import MIN_TIE_TOL, assert_same_or_tie, greedy
 
     model = load_model(tiny_model_path("qwen3_gqa4"))
-    old = new_gpu_executor(model, use_cuda_graphs=False, decode_kernels="", use_cute="cublas")
-    new = new_gpu_executor(model, decode_kernels="attention,gemv", use_cute="cublas")
-    new_eager = new_gpu_executor(model, use_cuda_graphs=False, decode_kernels="all", use_cute="cublas")
+    old = new_gpu_executor(model, cuda_graphs=False, decode_kernels="", gemm="cublas")
+    new = new_gpu_executor(model, decode_kernels="attention,gemv", gemm="cublas")
+    new_eager = new_gpu_executor(model, cuda_graphs=False, decode_kernels="all", gemm="cublas")
     assert new.ops.fast_attention and new.gemm.gemv_max_m == new.default_gemv_rows() and not old.ops.fast_attention
     prompts = random_sequences(model.config.vocab_size, [5, 30, 17, 64, 1], seed=9)
     ref = greedy(old, prompts, 16)
-    switched = new_gpu_executor(model, decode_kernels="", use_cute="cublas")
+    switched = new_gpu_executor(model, decode_kernels="", gemm="cublas")
     greedy(switched, prompts, 4)                      # graphs captured with the default kernels ...
     switched.set_decode_kernels("attention,gemv:32")  # ... dropped: recaptured with the new ones
     assert switched.ops.fast_attention and switched.gemm.gemv_max_m == 32

@@ -194,6 +194,7 @@ class GpuOpsProbe(GpuOps):
     def __init__(self, fast_attention: bool, head_dim: int = 64, num_heads: int = 8):
         self.calls = []
         self.fast_attention, self.head_dim, self.num_heads = fast_attention, head_dim, num_heads
+        self.num_sms = 132                          # H200
         self.fused_rope = True
         self._decode_kernels = {}
         self.kv_cache = np.zeros((1, 2, 16, 2, head_dim), np.uint16)

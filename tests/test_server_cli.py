@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.models_util import tiny_model_path
+from harness.models import tiny_model_path
 
 OPENINFER = [sys.executable, "-m", "server.cli"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -19,7 +19,7 @@ from fake_handle import FakeHandle
 from server.app import create_app
 from server.background import BackgroundServer
 from server.limits import ServerLimits
-from tests.models_util import tiny_model_path
+from harness.models import tiny_model_path
 from tests.test_server_cli import OPENINFER, ROOT, free_port, wait_healthy
 
 
@@ -113,8 +113,17 @@ def start_long_streams(url: str, count: int) -> tuple[list[threading.Thread], di
     jobs = [threading.Thread(target=read_stream, args=(url, body, out, i)) for i in range(count)]
     for job in jobs:
         job.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while engine_requests(url) < count:                  # all of them in the engine (1 running, the rest queued)
+        assert time.monotonic() < deadline, "the streams did not reach the engine"
+        time.sleep(0.05)
     return jobs, out
+
+
+def engine_requests(url: str) -> int:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    line = next((x for x in text.splitlines() if x.startswith("openinfer_engine_num_requests ")), "x 0")
+    return int(float(line.split()[1]))
 
 
 def test_sigterm_drains_then_aborts_and_exits_cleanly():
@@ -145,9 +154,9 @@ def test_a_second_sigterm_exits_at_once():
     assert proc.poll() is None                       # draining: the streams still run
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=10)
+    _, log = proc.communicate(timeout=10)       # a surviving engine process would hold stderr open
     assert time.monotonic() - t0 < 3 and proc.returncode != 0
-    assert "second SIGTERM, exiting now" in proc.stderr.read()
+    assert "second SIGTERM, exiting now" in log
     for job in jobs:
         job.join(10)
 

@@ -19,7 +19,7 @@ from engine.handle import EngineHandle
 from engine.request import SamplingParams
 from server.app import create_app
 from server.background import BackgroundServer
-from tests.models_util import hf_logits, log_softmax, tiny_model_path
+from harness.models import hf_logits, log_softmax, tiny_model_path
 
 MODEL = "qwen3_tied"
 MAX_MODEL_LEN = 512

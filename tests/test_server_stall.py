@@ -13,7 +13,7 @@ from engine.tokenizer import Tokenizer
 from server.app import create_app
 from server.background import BackgroundServer
 from server.limits import ServerLimits
-from tests.models_util import qwen_tokenizer_dir, tokenizer_source
+from harness.models import qwen_tokenizer_dir, tokenizer_source
 
 HEALTH_BOUND_S = 0.5      # what a busy 2-core machine answers /health in; the stalls were 2-13 s
 

@@ -7,7 +7,7 @@ import subprocess
 from types import SimpleNamespace
 
 from server import startup
-from tests.models_util import tiny_model_path
+from harness.models import tiny_model_path
 from tests.test_server_cli import OPENINFER, ROOT, free_port, wait_healthy
 
 
@@ -48,7 +48,8 @@ def test_serve_logs_its_executor_at_start_and_what_it_did_at_shutdown():
         proc.wait(timeout=30)
     log = proc.stderr.read()
     assert proc.returncode == 0, log
-    assert "executor device: cpu" in log                 # the executor factory's own line reaches the log
+    assert "executor: CPU (numpy)" in log               # the engine's own line (its process) reaches the log
     assert "executor: CpuExecutor (numpy) on the CPU (--device auto and " in log
+    assert "it runs in the engine process" in log       # serve's default: the engine in a process of its own
     assert "shutdown: SIGINT received" in log and "0 of 0 running requests finished in the drain" in log
     assert "shutdown: engine stopped" in log

@@ -8,7 +8,7 @@ import pytest
 from engine.loader import load_model
 from engine.loader.demo import demo_gguf_path, demo_model_path
 from engine.tokenizer import Tokenizer
-from tests.models_util import tiny_model_path
+from harness.models import tiny_model_path
 
 TEXTS = [
     "Hello, world!",

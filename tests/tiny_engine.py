@@ -1,9 +1,9 @@
-"""The real engine on the CPU with a tiny random-weight model (tests/models_util.py), for the server tests."""
+"""The real engine on the CPU with a tiny random-weight model (harness/models.py), for the server tests."""
 from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.handle import EngineHandle
-from tests.models_util import tiny_model_path
+from harness.models import tiny_model_path
 
 MODEL = "qwen3_tied"
 

@@ -1,5 +1,10 @@
-"""The executor interface: the CPU (numpy) and GPU (CuPy) executors both implement it,
-with the same paged KV layout, so everything above runs identically on either."""
+"""The executor interface: the CPU (numpy) and GPU (CuPy) executors both implement it, with the same
+paged KV layout (memory/kv_pool.py), so everything above runs identically on either.
+
+Capabilities are declared, not discovered: `supports_host_tier` says whether `copy_blocks` works
+(the host KV tier's slots are allocated from `options.host_kv_blocks`), and `submit` always exists
+(an executor that cannot launch asynchronously runs the step and returns it done).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from engine.batch import ModelBatch, StepOutput
+from engine.executor.options import ExecutorOptions
 
 
 class PendingStep(Protocol):
@@ -26,26 +32,71 @@ class DoneStep:
         return self.output
 
 
-def submit(executor, batch: ModelBatch) -> PendingStep:
-    """executor.submit(batch) where the executor launches asynchronously, else execute() now."""
-    launch = getattr(executor, "submit", None)
-    return launch(batch) if launch is not None else DoneStep(executor.execute(batch))
-
-
 class Executor(Protocol):
-    num_kv_blocks: int          # size of the paged KV pool, in 16-token blocks
+    options: ExecutorOptions    # every setting it was built with (limits the scheduler also obeys)
+    num_kv_blocks: int          # size of the paged KV pool, in BLOCK_SIZE-token blocks
     vocab_size: int
+    supports_host_tier: bool    # copy_blocks works (host_kv_blocks > 0)
+    supports_fed_steps: bool    # submit(batch, fed=True) works (async scheduling)
+    last_step_graphed: bool     # the last step replayed a CUDA graph (the step trace's mode)
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         """Run one step: write the new tokens' KV, sample where asked."""
         ...
 
-    # Optional: submit(batch) -> PendingStep launches the step and returns before it finishes, so
-    # the caller's host work overlaps the device (see submit() above and the GPU executor).
+    def submit(self, batch: ModelBatch, fed: bool = False) -> PendingStep:
+        """Launch one step; the caller's host work overlaps it until result(). fed: a decode step
+        whose input ids are the sampled ids of the step submitted just before it, row for row (async
+        scheduling: it is queued before those ids reach the caller)."""
+        ...
 
     def forward_logits(self, batch: ModelBatch) -> np.ndarray:
         """float32 logits [T, vocab] for every token of the batch (tests, prompt logprobs)."""
         ...
 
+    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
+        """Host KV tier: offloads (device block -> host slot), then restores (host slot -> device block),
+        ordered before the next step."""
+        ...
+
+    def last_gpu_ms(self) -> float | None:
+        """Device time of the last step (after its result()), or None where steps are not timed."""
+        ...
+
+    def warm_up(self) -> bool:
+        """Do one piece of start-up work while the engine is idle; False when there is none left."""
+        ...
+
     def close(self) -> None:
         ...
+
+
+class ExecutorBase:
+    """Defaults for the optional parts of Executor: synchronous submit, no host tier, no step timing,
+    nothing to close."""
+    supports_host_tier = False
+    supports_fed_steps = False    # async scheduling's fed steps (an asynchronous executor's)
+    last_step_graphed = False     # the last step replayed a CUDA graph
+    options: ExecutorOptions
+
+    def execute(self, batch: ModelBatch) -> StepOutput:
+        raise NotImplementedError
+
+    def submit(self, batch: ModelBatch, fed: bool = False) -> PendingStep:
+        if fed:
+            raise ValueError(f"{type(self).__name__} takes no fed steps (supports_fed_steps is False)")
+        return DoneStep(self.execute(batch))
+
+    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
+        raise RuntimeError(f"{type(self).__name__} has no host KV tier")
+
+    def last_gpu_ms(self) -> float | None:
+        """Device time of the last step, where the executor times steps (options.time_steps)."""
+        return None
+
+    def warm_up(self) -> bool:
+        """One piece of warm-up work (a CUDA graph capture); False when nothing is left."""
+        return False
+
+    def close(self) -> None:
+        pass

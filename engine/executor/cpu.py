@@ -1,63 +1,65 @@
-"""CpuExecutor: runs a model line's forward with NumpyOps over a paged KV cache (float32
-compute; weights upcast from their stored dtype, optionally rounded to bf16 like the GPU path)."""
+"""CpuExecutor: runs a model line's forward with NumpyOps over the paged KV pool of memory/kv_pool.py
+(float32 compute; weights upcast from their stored dtype, or first rounded to options.dtype
+"bfloat16" / "float16" so the CPU sees the GPU's weights)."""
 from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
 
-from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
+from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
+from engine.executor.base import ExecutorBase
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
+from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
 from engine.models.rope import rope_cos_sin
 from engine.sampling import prompt_logprobs, sample_step
+from memory.kv_pool import BLOCK_SIZE, blocks_for, host_pool, pool_blocks
 
-DEFAULT_KV_BYTES = 1 << 30          # KV pool size when num_kv_blocks is not given
+DEFAULT_KV_BYTES = 1 << 30          # KV pool budget when num_kv_blocks is not given
+ROUNDING = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
-class CpuExecutor:
-    def __init__(self, model: LoadedModel, num_kv_blocks: int | None = None,
-                 max_model_len: int | None = None, bf16_weights: bool = False):
+class CpuExecutor(ExecutorBase):
+    supports_host_tier = True
+
+    def __init__(self, model: LoadedModel, options: ExecutorOptions):
+        options.validate()
         cfg = model.config
-        self.model = model.model
-        self.config = cfg
-        self.vocab_size = cfg.vocab_size
-        self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
-        self.weights = {name: self._prepare(a, bf16_weights) for name, a in model.weights.items()}
-        block_bytes = cfg.num_hidden_layers * 2 * BLOCK_SIZE * cfg.kv_size * 4
+        self.options, self.model, self.config = options, model.model, cfg
+        self.vocab_size, self.max_model_len = cfg.vocab_size, options.max_model_len
+        rounding = ROUNDING.get(options.dtype)
+        self.weights = {name: self._prepare(a, rounding) for name, a in model.weights.items()}
+        self.layout = self.model.kv_layout()
+        num_kv_blocks = options.num_kv_blocks
         if num_kv_blocks is None:
-            need = -(-self.max_model_len // BLOCK_SIZE)
-            num_kv_blocks = max(need, min(DEFAULT_KV_BYTES // block_bytes, 8 * need))
+            need = blocks_for(self.max_model_len)
+            num_kv_blocks = max(need, min(pool_blocks(self.layout, 4, DEFAULT_KV_BYTES), 8 * need))
         self.num_kv_blocks = int(num_kv_blocks)
-        shape = (self.num_kv_blocks, BLOCK_SIZE, cfg.num_key_value_heads, cfg.head_dim)
-        self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.num_hidden_layers)]
-        self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.num_hidden_layers)]
-        self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len)
-        self.ops = NumpyOps(self.k_cache, self.v_cache)
-
-    def enable_host_tier(self, num_slots: int) -> None:
-        """Host KV tier storage (memory/host_tier.py): num_slots blocks of every layer's K and V."""
-        shape = (num_slots,) + self.k_cache[0].shape[1:]
-        self.k_host = [np.zeros(shape, np.float32) for _ in self.k_cache]
-        self.v_host = [np.zeros(shape, np.float32) for _ in self.v_cache]
+        self.kv = host_pool(self.layout, self.num_kv_blocks)
+        self.host_kv = host_pool(self.layout, options.host_kv_blocks) if options.host_kv_blocks else None
+        self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len, self.model.rope_dim)
+        self.ops = NumpyOps(self.kv)
 
     def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
         """offloads (device block -> host slot) first, then restores (host slot -> device block)."""
+        if self.host_kv is None:
+            raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
+        pool = self.kv.reshape(*self.kv.shape[:2], -1, BLOCK_SIZE, *self.kv.shape[3:])
+        host = self.host_kv.reshape(*self.host_kv.shape[:2], -1, BLOCK_SIZE, *self.host_kv.shape[3:])
         for pairs, to_host in ((offloads, True), (restores, False)):
             if not pairs:
                 continue
             src, dst = (np.array(x, np.int64) for x in zip(*pairs))
-            for dev, host in ((self.k_cache, self.k_host), (self.v_cache, self.v_host)):
-                for layer_dev, layer_host in zip(dev, host):
-                    if to_host:
-                        layer_host[dst] = layer_dev[src]
-                    else:
-                        layer_dev[dst] = layer_host[src]
+            if to_host:
+                host[:, :, dst] = pool[:, :, src]
+            else:
+                pool[:, :, dst] = host[:, :, src]
 
     @staticmethod
-    def _prepare(a: np.ndarray, bf16: bool) -> np.ndarray:
+    def _prepare(a: np.ndarray, rounding) -> np.ndarray:
         """float32 in memory; matrices column-major, so `x @ w.T` reads w.T contiguously (3x faster gemv)."""
-        if bf16 and a.ndim == 2:
-            a = np.asarray(a).astype(ml_dtypes.bfloat16)
+        if rounding is not None and a.ndim >= 2:
+            a = np.asarray(a).astype(rounding)
         a = np.asarray(a, dtype=np.float32)
         return np.asfortranarray(a) if a.ndim == 2 else np.array(a)
 
@@ -97,7 +99,3 @@ class CpuExecutor:
         logits = self.model.compute_logits(self.ops, self.weights, rows).astype(np.float32)
         lps, tops = prompt_logprobs(logits, s.token_ids[1:], s.params.prompt_logprobs or 0)
         return PromptLogprobResult(seq_id=s.seq_id, start_pos=s.start_pos, logprobs=lps, top_logprobs=tops)
-
-    def close(self) -> None:
-        self.k_cache.clear()
-        self.v_cache.clear()

@@ -1,13 +1,16 @@
-"""The Ops of engine/models/ops.py in numpy (float32), over a paged KV cache
-k/v[layer]: [num_blocks, 16, Hkv, D]. This is the reference the GPU kernels are checked against."""
+"""The Ops of engine/models/ops.py in numpy (float32), over the paged KV pool of memory/kv_pool.py,
+kv[layer, K/V, slots, Hkv, D]. This is the reference the GPU kernels are checked against."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
-from engine.batch import BLOCK_SIZE, ModelBatch
+from engine.batch import ModelBatch
+from engine.executor.cpu_mla_ops import NumpyMLAOps
+from engine.executor.cpu_moe_ops import NumpyMoEOps
 from engine.models.ops import AttentionSpec, ComposedOps
+from memory.kv_pool import BLOCK_SIZE, block_view
 
 
 @dataclass
@@ -30,10 +33,9 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-class NumpyOps(ComposedOps):
-    def __init__(self, k_cache: list[np.ndarray], v_cache: list[np.ndarray]):
-        self.k_cache = k_cache
-        self.v_cache = v_cache
+class NumpyOps(NumpyMoEOps, NumpyMLAOps, ComposedOps):
+    def __init__(self, kv: np.ndarray):
+        self.kv = kv                        # float32 [layers, 2, slots, Hkv, D]
 
     def embed(self, table: np.ndarray, ctx: CpuStepContext) -> np.ndarray:
         return table[ctx.batch.input_ids].astype(np.float32)
@@ -58,8 +60,8 @@ class NumpyOps(ComposedOps):
             k = _rms(k, k_norm, spec.rms_eps)
         q, k = _rope(q, ctx.cos, ctx.sin), _rope(k, ctx.cos, ctx.sin)
         slots = ctx.batch.slot_mapping
-        self.k_cache[spec.layer].reshape(-1, spec.num_kv_heads, D)[slots] = k
-        self.v_cache[spec.layer].reshape(-1, spec.num_kv_heads, D)[slots] = v
+        self.kv[spec.layer, 0, slots] = k
+        self.kv[spec.layer, 1, slots] = v
         return q.astype(np.float32)
 
     def attention(self, q, spec: AttentionSpec, ctx: CpuStepContext):
@@ -68,8 +70,8 @@ class NumpyOps(ComposedOps):
         Hkv = spec.num_kv_heads
         G = Hq // Hkv
         out = np.empty((T, Hq, D), dtype=np.float32)
-        k_all = self.k_cache[spec.layer]
-        v_all = self.v_cache[spec.layer]
+        k_all = block_view(self.kv[spec.layer, 0])
+        v_all = block_view(self.kv[spec.layer, 1])
         for i in range(len(b.seqs)):
             q0, q1 = int(b.cu_seqlens[i]), int(b.cu_seqlens[i + 1])
             L = int(b.context_lens[i])

@@ -1,12 +1,15 @@
-"""create_executor: the CPU (numpy) executor or the GPU one, picked by device."""
+"""create_executor: the CPU (numpy) executor or the GPU one, picked by device, built from ExecutorOptions."""
 from __future__ import annotations
 
 import logging
+import os
 
 from engine.executor.base import Executor
+from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("openinfer.engine")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def gpu_available() -> bool:
@@ -18,20 +21,32 @@ def gpu_available() -> bool:
         return False
 
 
-def create_executor(model: LoadedModel, device: str = "auto", num_kv_blocks: int | None = None,
-                    gpu_memory_utilization: float = 0.9, max_model_len: int | None = None) -> Executor:
-    """device: "cpu", "cuda", or "auto" (cuda when a GPU and CuPy are present, else cpu)."""
-    if device not in ("cpu", "cuda", "auto"):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+def nvidia_gpu_present() -> bool:
+    """An NVIDIA driver and device node exist (whether or not CuPy can use them)."""
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/proc/driver/nvidia/version")
+
+
+def resolve_device(device: str) -> str:
+    """"cpu" or "cuda" for a device choice; "auto" takes the GPU when CuPy sees one."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if device == "auto":
         device = "cuda" if gpu_available() else "cpu"
-        log.info("executor device: %s", device)
+        if device == "cpu" and nvidia_gpu_present():
+            log.warning("an NVIDIA GPU is present but CuPy cannot use it: serving on the CPU; for the GPU "
+                        "install the CUDA extra (pip install 'openinfer[cuda13]' or 'openinfer[cuda12]')")
+    elif device == "cuda" and not gpu_available():
+        raise RuntimeError("device='cuda' but no CUDA GPU is usable (is cupy installed? "
+                           "pip install 'openinfer[cuda12]' or 'openinfer[cuda13]')")
+    return device
+
+
+def create_executor(model: LoadedModel, options: ExecutorOptions, device: str = "auto") -> Executor:
+    """The executor for `device` ("cpu", "cuda" or "auto"), carrying `options`."""
+    device = resolve_device(device)
+    log.info("executor: %s (%s)", "GPU" if device == "cuda" else "CPU (numpy)", model.config.model_type)
     if device == "cuda":
-        if not gpu_available():
-            raise RuntimeError("device='cuda' but no CUDA GPU is usable (is cupy installed? "
-                               "pip install 'openinfer[cuda12]' or 'openinfer[cuda13]')")
         from engine.executor.gpu import GpuExecutor
-        return GpuExecutor(model, num_kv_blocks=num_kv_blocks,
-                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
+        return GpuExecutor(model, options)
     from engine.executor.cpu import CpuExecutor
-    return CpuExecutor(model, num_kv_blocks=num_kv_blocks, max_model_len=max_model_len)
+    return CpuExecutor(model, options)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import numpy as np
 
@@ -34,18 +33,13 @@ CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 GEMV_LIMIT_M = 32             # gemv.cu has n8 tiles 1..4
 GEMV_VARIANTS = ("bf16", "f32", "norm", "res", "norm_silu")   # gemv.cu entry points gemv_<variant>_n<NT>
-GEMV_UNROLL_ENV = "OPENINFER_GEMV_UNROLL"                      # k steps per weight batch (tuning knob)
-GEMV_UNROLL_NARROW_ENV = "OPENINFER_GEMV_UNROLL_NARROW"        # the same for narrow products
-# H200, Qwen3-4B batch-1 graphed decode (2026-12-01): 2 -> 3.45 ms/step, 8 -> 4.95 (fewer registers,
+# GpuTuning.gemv_unroll / gemv_unroll_narrow: k steps per weight batch. H200, Qwen3-4B batch-1 graphed decode (2026-12-01): 2 -> 3.45 ms/step, 8 -> 4.95 (fewer registers,
 # more resident CTAs beat deeper per-warp batches) -- for the wide products. A narrow one (fewer than
 # two CTAs per SM: o_proj and down_proj, N = hidden) has too few CTAs to keep enough bytes in flight
 # (Little's law: 160 CTAs x 16 KB at ~1 µs is ~2.6 TB/s), so it takes deeper batches.
 DEFAULT_GEMV_UNROLL = 2
 DEFAULT_GEMV_UNROLL_NARROW = 4
-NUM_SMS = 132
 log = logging.getLogger(__name__)
-GEMM_BACKEND_ENV = "OPENINFER_GEMM"   # auto | cute | cublas
-DEFAULT_GEMM_BACKEND = "auto"
 # "auto": the CuTe GEMM for products of at most this many rows (decode batches), cuBLAS above
 # (prefill). Graphed decode on the H200 (2026-12-01 21:17 UTC, bench/results/decode.md): Qwen3-8B
 # batch 8 / 32 / 128 5.41 / 5.48 / 7.38 -> 5.06 / 5.14 / 7.07 ms per step; above 128 rows it is
@@ -54,27 +48,26 @@ CUTE_AUTO_MAX_M = 128
 ALL_ROWS = 1 << 30
 
 
-def cute_rows(backend: str | bool | None) -> int:
-    """The row limit of the CuTe GEMM for a backend choice: "auto" CUTE_AUTO_MAX_M, "cute" (or True)
-    every product, "cublas" (or False) none; None reads $OPENINFER_GEMM (default "auto")."""
-    if backend is None:
-        backend = os.environ.get(GEMM_BACKEND_ENV, DEFAULT_GEMM_BACKEND)
+def cute_rows(backend: str | bool) -> int:
+    """The row limit of the CuTe GEMM for a backend choice (GpuTuning.gemm): "auto" CUTE_AUTO_MAX_M,
+    "cute" (or True) every product, "cublas" (or False) none."""
     if isinstance(backend, bool):
         return ALL_ROWS if backend else 0
     rows = {"auto": CUTE_AUTO_MAX_M, "cute": ALL_ROWS, "cublas": 0}.get(str(backend).strip().lower())
     if rows is None:
-        raise ValueError(f"GEMM backend {backend!r}: want auto, cute or cublas (${GEMM_BACKEND_ENV})")
+        raise ValueError(f"GEMM backend {backend!r}: want auto, cute or cublas ($OPENINFER_GEMM)")
     return rows
 
 
 def interleave_gate_up(w: np.ndarray) -> np.ndarray:
-    """A fused [gate; up] weight [2I, H] with its rows reordered into blocks of 8 gate rows followed by
-    the same 8 up rows (I % 8 == 0): the layout of gemv.cu's fused SiLU·up epilogue, whose CTAs own 16
-    rows, and of silu_mul.cu's interleaved mode."""
-    two_i, h = w.shape
+    """A fused [gate; up] weight [2I, H] (or stacked experts' [E, 2I, H]) with its rows reordered into
+    blocks of 8 gate rows followed by the same 8 up rows (I % 8 == 0): the layout of gemv.cu's fused
+    SiLU·up epilogue, whose CTAs own 16 rows, and of silu_mul.cu's interleaved mode."""
+    *lead, two_i, h = w.shape
     if two_i % 16:
         raise ValueError(f"gate_up weight of {two_i} rows: interleaving needs a multiple of 16")
-    return np.ascontiguousarray(w.reshape(2, two_i // 16, 8, h).transpose(1, 0, 2, 3).reshape(two_i, h))
+    blocks = w.reshape(*lead, 2, two_i // 16, 8, h)
+    return np.ascontiguousarray(np.swapaxes(blocks, -4, -3).reshape(w.shape))
 
 
 def _direct_cublas():
@@ -90,17 +83,34 @@ def _direct_cublas():
     return lib
 
 
+def cute_workspace_bytes(plan, cute_max_m: int) -> int:
+    """The CuTe GEMM's split-K partials for every product of at most min(cute_max_m, max tokens) rows
+    with the plan's linear weights (0 where the CuTe GEMM serves nothing)."""
+    if cute_max_m <= 0:
+        return 0
+    from kernels.cute.gemm import split_workspace_bytes
+
+    return split_workspace_bytes(min(plan.max_tokens, cute_max_m), plan.linear_shapes)
+
+
 class Gemm:
+    """workspace: cuBLAS's (WORKSPACE_BYTES from the arena); cute_workspace: the CuTe GEMM's split-K
+    partials (cute_workspace_bytes, from the arena; None: the CuTe runner allocates its own)."""
+
     def __init__(self, stream, workspace=None, cute_max_m: int = 0, gemv_max_m: int = 0,
-                 gemv_unroll: tuple[int, int] | None = None):
+                 gemv_unroll: tuple[int, int] = (DEFAULT_GEMV_UNROLL, DEFAULT_GEMV_UNROLL_NARROW),
+                 num_sms: int | None = None, cute_workspace=None):
         self.stream = stream
         if not 0 <= gemv_max_m <= GEMV_LIMIT_M:
             raise ValueError(f"gemv_max_m must be in 0..{GEMV_LIMIT_M}, got {gemv_max_m}")
         self.gemv_max_m = gemv_max_m
         self._gemv: dict[tuple[int, str, int], object] = {}
-        # (wide, narrow) k steps per weight batch
-        self.gemv_unroll = gemv_unroll or (int(os.environ.get(GEMV_UNROLL_ENV, str(DEFAULT_GEMV_UNROLL))),
-                                           int(os.environ.get(GEMV_UNROLL_NARROW_ENV, str(DEFAULT_GEMV_UNROLL_NARROW))))
+        self.gemv_unroll = tuple(gemv_unroll)   # (wide, narrow) k steps per weight batch
+        if num_sms is None:
+            from engine.executor.gpu_plan import DeviceInfo
+            num_sms = DeviceInfo.query().num_sms
+        self.num_sms = num_sms
+        self.cute_workspace = cute_workspace
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
         self._beta_one = np.ones(1, np.float32)
@@ -148,7 +158,8 @@ class Gemm:
             return
         try:
             self.cute.init()
-            self.cute.reserve_workspace(min(max_rows, self.cute_max_m), sorted({tuple(s) for s in shapes}))
+            self.cute.reserve_workspace(min(max_rows, self.cute_max_m), sorted({tuple(s) for s in shapes}),
+                                        buffer=self.cute_workspace)
             self.cute.self_check()
         except Exception as exc:
             self.cute, self.cute_missing = None, f"its start-up check failed: {type(exc).__name__}: {exc}"
@@ -174,6 +185,7 @@ class Gemm:
         if self.cute_serves(T, out):
             # w is a model weight, never written in a forward: its first k-tiles may load while
             # the kernel before finishes (a chain of weight streams overlaps its launch gaps)
+            self.cute.use_workspace(self.cute_workspace)
             self.cute.gemm(x, w, out, self.stream, residual=out if accumulate else None, prefetch_weights=True)
             return
         ctype = CUDA_R_32F if out.dtype == np.float32 else CUDA_R_16BF
@@ -194,6 +206,7 @@ class Gemm:
         fused reduction; None where CuTe does not take the product or its plan does not split."""
         if not self.cute_serves(x.shape[0], residual):
             return None
+        self.cute.use_workspace(self.cute_workspace)
         return self.cute.gemm_partials(x, w, self.stream, residual=True, prefetch_weights=True)
 
     def cute_fuses_swiglu(self, rows: int, w) -> bool:
@@ -207,6 +220,7 @@ class Gemm:
     def cute_swiglu(self, x, w, out) -> None:
         """out [T, N/2] = SiLU(gate)·up of x · wᵀ in one CuTe GEMM, w a gate_up weight interleaved
         (interleave_gate_up); only where cute_fuses_swiglu."""
+        self.cute.use_workspace(self.cute_workspace)
         if not self.cute.gemm_swiglu(x, w, out, self.stream, prefetch_weights=True):
             raise RuntimeError(f"no SiLU·up GEMM for {x.shape[0]} rows of {w.shape}: ask cute_fuses_swiglu first")
 
@@ -237,7 +251,7 @@ class Gemm:
             raise ValueError(f"gemv: variant {variant!r} with {T} rows (want one of {GEMV_VARIANTS}, "
                              f"at most {GEMV_LIMIT_M} rows)")
         ctas = -(-N // 16)
-        key = (-(-T // 8), variant, self.gemv_unroll[ctas < 2 * NUM_SMS])
+        key = (-(-T // 8), variant, self.gemv_unroll[ctas < 2 * self.num_sms])
         if key not in self._gemv:
             self._gemv[key] = kernel("gemv", f"gemv_{variant}_n{key[0]}", GEMV_U=key[2])
         null = np.uint64(0)

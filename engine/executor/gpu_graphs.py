@@ -1,8 +1,7 @@
 """CUDA-graph decode: graphs per batch-size bucket, captured on first use and replayed after.
 
 A graph holds the whole decode step from the static input buffer to the sampled ids: the model
-forward (its kernels launched as programmatic dependent launches unless the executor's pdl_decode
-is off), the gather of the sampled rows, the lm_head and the argmax (ids and logsumexp) into the
+forward (its kernels launched as programmatic dependent launches unless `pdl` is off), the gather of the sampled rows, the lm_head and the argmax (ids and logsumexp) into the
 sampler's buffers. Batches are padded up to their bucket (padded rows: position and slot -1, so they
 write no KV and attend to nothing). Each bucket has up to two graphs:
   * greedy: ends at the argmax; serves steps whose rows all decode greedily without logprobs;
@@ -14,11 +13,11 @@ write no KV and attend to nothing). Each bucket has up to two graphs:
     whose rows need no logit processing — the same kernels as the eager sampler, so the same ids
     and logprobs.
 Both queue the results' copy into pinned host memory behind the graph and return at once (`launch`
--> GraphStep): the caller's host work overlaps the step until GraphStep.result() waits on the
-copy's event (the one sync of the step). Steps with logit_bias / min_tokens / penalties
+-> gpu_readback.ReadbackStep): the caller's host work overlaps the step until its result() waits on
+the copy's event (the one sync of the step). Steps with logit_bias / min_tokens / penalties
 (gpu_sampler `needs_processing`) replay the greedy graph and run the GPU sampler eagerly on its
 logits; `sample_in_graph = False` sends every non-greedy step that way. Prefill and mixed steps
-stay eager.
+run eagerly (GpuExecutor), returned the same way where their rows need no logit processing.
 """
 from __future__ import annotations
 
@@ -26,13 +25,12 @@ import bisect
 import contextlib
 import time
 
-import numpy as np
 
-from engine.batch import ModelBatch, SampledToken, StepOutput
+from engine.batch import ModelBatch, StepOutput
 from engine.executor.base import DoneStep, PendingStep
-from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS, needs_processing
+from engine.executor.gpu_readback import Readback
+from engine.executor.gpu_sampler import needs_processing
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 @contextlib.contextmanager
@@ -50,46 +48,21 @@ def nvtx_range(name: str):
         nvtx.RangePop()
 
 
-class GraphStep:
-    """A replayed decode graph whose ids (and logprobs, when asked) are on their way into pinned
-    host memory. logprobs[i]: the row's SamplingParams.logprobs (None: not asked)."""
-
-    def __init__(self, seq_ids: list[int], ids_host: np.ndarray, done, logprobs: list | None = None,
-                 lp_host: np.ndarray | None = None, top_ids_host: np.ndarray | None = None,
-                 top_lp_host: np.ndarray | None = None):
-        self.seq_ids, self.ids_host, self.done = seq_ids, ids_host, done
-        self.logprobs, self.lp_host, self.top_ids_host, self.top_lp_host = logprobs, lp_host, top_ids_host, top_lp_host
-
-    def result(self) -> StepOutput:
-        self.done.synchronize()
-        out = [SampledToken(s, t) for s, t in zip(self.seq_ids, self.ids_host.tolist())]
-        if self.logprobs is not None:
-            lps = self.lp_host.tolist()
-            for i, (tok, n) in enumerate(zip(out, self.logprobs)):
-                if n is not None:
-                    tok.logprob = lps[i]
-                    tok.top_logprobs = list(zip(self.top_ids_host[i, :n].tolist(),
-                                                self.top_lp_host[i, :n].tolist())) if n else []
-        return StepOutput(sampled=out)
-
-
 class DecodeGraphs:
-    def __init__(self, executor):
-        from memory.streams import pinned_array
+    """The executor's parts a decode graph drives: the model line's forward over `ops` and `weights`,
+    the `sampler`'s argmax / sampling tail, `upload(batch, pad_to)`, which checks a step and puts
+    its inputs into the static buffers (StepInputs) the graph reads, and the `readback` its results
+    come home by; `sizes`: the captured buckets."""
 
-        self.ex = executor
-        self.buckets = [b for b in BUCKETS if b <= executor.max_seqs] or [executor.max_seqs]
+    def __init__(self, model, ops, weights, sampler, upload, readback: Readback, stream, sizes: tuple[int, ...],
+                 pdl: bool = True):
+        self.model, self.ops, self.weights, self.sampler = model, ops, weights, sampler
+        self.upload, self.readback, self.stream, self.pdl = upload, readback, stream, pdl
+        self.buckets = sorted(sizes)
         self.graphs: dict[int, tuple] = {}             # greedy graphs: bucket -> (graph, logits)
         self.sampling_graphs: dict[int, tuple] = {}    # sampling graphs: bucket -> (graph, logits)
         self.sample_in_graph = True
         self.last_host_s = 0.0
-        rows = executor.max_seqs                       # one step in flight at a time
-        self.ids_host = pinned_array((rows,), np.int32)
-        self.lp_host = pinned_array((rows,), np.float32)
-        self.top_ids_host = pinned_array((rows, MAX_TOP_LOGPROBS), np.int32)
-        self.top_lp_host = pinned_array((rows, MAX_TOP_LOGPROBS), np.float32)
-        import cupy
-        self.ids_ready = cupy.cuda.Event(block=False, disable_timing=True)   # recorded after the results' copy
 
     def serves(self, batch: ModelBatch) -> bool:
         return (batch.is_decode_only and len(batch.seqs) <= self.buckets[-1]
@@ -99,72 +72,67 @@ class DecodeGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, n)]
 
     def _body(self, ctx, sampling: bool):
-        ex = self.ex
-        ex.ops.reset()
-        ex.ops.pdl = ex.pdl_decode
+        ops = self.ops
+        ops.reset()
+        ops.pdl = self.pdl
         try:
-            hidden = ex.model.forward(ex.ops, ex.weights, ctx)
-            rows = ex.ops.gather_rows(hidden, ctx.sample_rows)
-            logits = ex.model.compute_logits(ex.ops, ex.weights, rows)
+            hidden = self.model.forward(ops, self.weights, ctx)
+            rows = ops.gather_rows(hidden, ctx.sample_rows)
+            logits = self.model.compute_logits(ops, self.weights, rows)
         finally:
-            ex.ops.pdl = False
+            ops.pdl = False
         if sampling:
-            ex.sampler.graph_tail(logits, ctx.num_tokens)
+            self.sampler.graph_tail(logits, ctx.num_tokens)
         else:
-            ex.sampler.argmax(logits, ctx.num_tokens)
+            self.sampler.argmax(logits, ctx.num_tokens)
         return logits
 
     def _capture(self, ctx, sampling: bool) -> tuple:
         import cupy
 
-        ex = self.ex
         logits = self._body(ctx, sampling)    # eager warm-up: kernels loaded, cuBLAS heuristics run; also this step
-        ex.stream.synchronize()
+        self.stream.synchronize()
         mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
-        ex.stream.begin_capture(*(() if mode is None else (mode,)))
+        self.stream.begin_capture(*(() if mode is None else (mode,)))
         try:
             self._body(ctx, sampling)
         finally:
-            graph = ex.stream.end_capture()
+            graph = self.stream.end_capture()
         return graph, logits
+
+    def missing(self) -> list[tuple[int, bool]]:
+        """(bucket, sampling) graphs not captured yet, smallest bucket first."""
+        return [(b, sampling) for b in self.buckets for sampling in (False, True)
+                if b not in (self.sampling_graphs if sampling else self.graphs)]
+
+    def warm(self, b: int, sampling: bool, ctx) -> None:
+        """Capture bucket b's graph now, on a context of padded rows (executor.warm_up)."""
+        graphs = self.sampling_graphs if sampling else self.graphs
+        if b not in graphs:
+            if sampling:
+                self.sampler.fill_graph_rows([], b)
+            graphs[b] = self._capture(ctx, sampling)
 
     def _replay(self, graphs: dict, ctx, b: int, sampling: bool):
         if b not in graphs:
             graphs[b] = self._capture(ctx, sampling)
         else:
-            graphs[b][0].launch(stream=self.ex.stream)
+            graphs[b][0].launch(stream=self.stream)
         return graphs[b][1]
 
-    def _copy_back(self, host: np.ndarray, device, nbytes: int) -> None:
-        import cupy
-
-        cupy.cuda.runtime.memcpyAsync(host.ctypes.data, device.data.ptr, nbytes,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, self.ex.stream.ptr)
-
     def launch(self, batch: ModelBatch, t0: float) -> PendingStep:
-        ex, seqs = self.ex, batch.seqs
+        seqs = batch.seqs
         n, b = len(seqs), self.bucket(len(seqs))
         processing = any(map(needs_processing, seqs))
         greedy = not processing and all(s.params.greedy and s.params.logprobs is None for s in seqs)
         sampling = not greedy and not processing and self.sample_in_graph
-        ctx = ex._context(batch, pad_to=b)
+        ctx = self.upload(batch, b)
         if sampling:
-            ex.sampler.fill_graph_rows(seqs, b)
+            self.sampler.fill_graph_rows(seqs, b)
         logits = self._replay(self.sampling_graphs if sampling else self.graphs, ctx, b, sampling)
         if not (greedy or sampling):
             self.last_host_s = time.perf_counter() - t0
-            return DoneStep(StepOutput(sampled=ex.sampler.sample(logits[:n], seqs)))
-        s = ex.sampler
-        self._copy_back(self.ids_host, s.ids, n * 4)
-        logprobs = None if greedy else [q.params.logprobs for q in seqs]
-        if logprobs is not None and any(k is not None for k in logprobs):
-            self._copy_back(self.lp_host, s.logprob, n * 4)
-            if any(logprobs):
-                self._copy_back(self.top_ids_host, s.top_ids, n * MAX_TOP_LOGPROBS * 4)
-                self._copy_back(self.top_lp_host, s.top_lp, n * MAX_TOP_LOGPROBS * 4)
-        else:
-            logprobs = None
-        self.ids_ready.record(ex.stream)
+            return DoneStep(StepOutput(sampled=self.sampler.sample(logits[:n], seqs)))
+        pending = self.readback.queue(self.sampler, seqs, greedy)
         self.last_host_s = time.perf_counter() - t0
-        return GraphStep([q.seq_id for q in seqs], self.ids_host[:n], self.ids_ready, logprobs,
-                         self.lp_host[:n], self.top_ids_host[:n], self.top_lp_host[:n])
+        return pending

@@ -26,18 +26,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.executor.gpu_mla_ops import GpuMLAOps
+from engine.executor.gpu_moe_ops import GpuMoEOps
 from engine.models.ops import AttentionSpec, ComposedOps
 from kernels.raw_cuda import kernel
 from kernels.raw_cuda.launch import launch
+from memory.device_arena import Buffer, buffers_nbytes
 
 RING_SLOTS = 10
 MAX_SPLITS = 16
 MAX_DECODE_SPLITS = 64      # paged_decode.cu path (its splits are cheap: no serial key walk)
 MAX_GROUP = 16            # query heads per KV head (paged_attention.cu MAX_G)
 MAX_HEAD_DIM = 256
-NUM_SMS = 132
-FUSED_ROPE_MAX_CTAS = 2 * NUM_SMS   # larger decode grids run rope + attention as two kernels (one more
-                                    # wave repeats the fused prologue: slower at batch 32, bench/results/rope_attention.md)
+# Larger decode grids than this many CTAs per SM run rope + attention as two kernels (one more wave
+# repeats the fused prologue: slower at batch 32, bench/results/rope_attention.md).
+FUSED_ROPE_CTAS_PER_SM = 2
 
 
 def splitk_norm_threads(hidden: int) -> int:
@@ -45,7 +48,7 @@ def splitk_norm_threads(hidden: int) -> int:
     return min(1024, -(-hidden // 256) * 32)
 
 
-def attention_splits(num_tokens: int, num_kv_heads: int, max_context: int, max_splits: int = MAX_SPLITS) -> int:
+def attention_splits(num_tokens: int, num_kv_heads: int, max_context: int, max_splits: int, num_sms: int) -> int:
     """KV splits per (token, KV head): enough blocks to fill the SMs twice, none shorter than one
     16-token block (a split walks its keys serially, so short contexts want many short splits:
     batch-1 decode at 129 tokens with one split per head took 116 µs per layer, latency-bound).
@@ -54,9 +57,9 @@ def attention_splits(num_tokens: int, num_kv_heads: int, max_context: int, max_s
     32 keys (H200, Qwen3-4B in a decode graph: batch 32 at 256 tokens 28.1 -> 20.3 µs per layer with
     1 split instead of 2; batch 1 at 256 tokens 10.0 -> 9.0 µs with 8 instead of 16)."""
     fast = max_splits == MAX_DECODE_SPLITS
-    if num_tokens * num_kv_heads >= (1 if fast else 2) * NUM_SMS:
+    if num_tokens * num_kv_heads >= (1 if fast else 2) * num_sms:
         return 1
-    want = -(-2 * NUM_SMS // (num_tokens * num_kv_heads))
+    want = -(-2 * num_sms // (num_tokens * num_kv_heads))
     return max(1, min(max_splits, want, -(-max_context // (32 if fast else 16))))
 
 
@@ -93,6 +96,8 @@ class GpuStepContext:
     sample_rows: object     # int32 [S]
     num_splits: int
     prefill: object = None  # gpu_prefill.PrefillStep: the CuTe kernel's sequences (eager steps only)
+    batch: object = None    # the host ModelBatch (eager steps only; None in decode graphs)
+    mla: object = None      # gpu_mla_ops: the step's expansion plan, built at its first MLA layer
 
     @property
     def decode_only(self) -> bool:
@@ -101,12 +106,12 @@ class GpuStepContext:
         return self.num_tokens == self.block_tables.shape[0]
 
 
-class GpuOps(ComposedOps):
+class GpuOps(GpuMoEOps, GpuMLAOps, ComposedOps):
     op_ranges = False                       # NVTX range per op (op_range; eager steps)
 
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
                  max_width: int, hidden: int, vocab_size: int, logits_rows: int, num_heads: int, head_dim: int,
-                 lm_head_ptr: int, stream, fast_attention: bool = False):
+                 lm_head_ptr: int, stream, num_sms: int, fast_attention: bool = False):
         import cupy
 
         self.cp = cupy
@@ -117,20 +122,19 @@ class GpuOps(ComposedOps):
         self.stream = stream
         self.lm_head_ptr = lm_head_ptr
         self.max_tokens = max_tokens
-        self.ring = [arena.take(f"activations.ring{i}", (max_tokens * max_width,), np.uint16)
-                     for i in range(RING_SLOTS)]
+        self.num_sms = num_sms
+        b = arena.take_all("activations", self.buffers(max_tokens, max_width, hidden, vocab_size, logits_rows,
+                                                       num_heads, head_dim, num_sms))
+        self.ring = [b[f"ring{i}"] for i in range(RING_SLOTS)]
         self.ring_next = 0
-        self.residual = arena.take("activations.residual", (max_tokens * hidden,), np.uint16)
+        self.residual = b["residual"]
         self.pdl = False                    # programmatic dependent launches (set while capturing decode)
         self.layer_ranges = False           # NVTX range per decoder layer (eager steps; see layer_scope)
         self.gate_up_interleaved = False    # gate_up weights in gemv.cu's SiLU·up layout (set by the executor)
-        self.logits = arena.take("activations.logits", (logits_rows, vocab_size), np.float32)
-        part_rows = (max_tokens + 2 * NUM_SMS) * num_heads
-        self.part_out = arena.take("activations.attn_part_out", (part_rows * head_dim,), np.float32)
-        self.part_max = arena.take("activations.attn_part_max", (part_rows,), np.float32)
-        self.part_sum = arena.take("activations.attn_part_sum", (part_rows,), np.float32)
+        self.logits = b["logits"]
+        self.part_out, self.part_max, self.part_sum = b["attn_part_out"], b["attn_part_max"], b["attn_part_sum"]
         # paged_decode.cu's split tickets, one per (token, KV head); zero between launches.
-        self.split_counters = arena.take("activations.attn_split_counters", (max_tokens * num_heads,), np.int32)
+        self.split_counters = b["attn_split_counters"]
         cupy.cuda.runtime.memsetAsync(self.split_counters.data.ptr, 0, self.split_counters.nbytes, stream.ptr)
         self.k_embed = kernel("embedding", "embedding_gather")
         self.k_rms = kernel("rms_norm", "rms_norm_residual")
@@ -147,6 +151,34 @@ class GpuOps(ComposedOps):
         self.fused_rope = True      # rope_attention in one kernel on decode steps (off: compose, for A/B)
 
     # ---- buffers -----------------------------------------------------------------------------
+    @staticmethod
+    def buffers(max_tokens: int, max_width: int, hidden: int, vocab_size: int, logits_rows: int, num_heads: int,
+                head_dim: int, num_sms: int) -> list[Buffer]:
+        """The activation ring, the residual stream, the logits and the attention split partials."""
+        part_rows = (max_tokens + 2 * num_sms) * num_heads
+        return ([Buffer(f"ring{i}", (max_tokens * max_width,), np.uint16) for i in range(RING_SLOTS)]
+                + [Buffer("residual", (max_tokens * hidden,), np.uint16),
+                   Buffer("logits", (logits_rows, vocab_size), np.float32),
+                   Buffer("attn_part_out", (part_rows * head_dim,), np.float32),
+                   Buffer("attn_part_max", (part_rows,), np.float32),
+                   Buffer("attn_part_sum", (part_rows,), np.float32),
+                   Buffer("attn_split_counters", (max_tokens * num_heads,), np.int32)])
+
+    @classmethod
+    def nbytes(cls, plan) -> int:
+        """The activation buffers and, for the MoE / MLA lines, theirs (taken by take_sparse)."""
+        return buffers_nbytes(cls.buffers(plan.max_tokens, plan.width, plan.hidden, plan.vocab, plan.logit_rows,
+                                          plan.num_heads, plan.head_dim, plan.device.num_sms)) + cls.sparse_nbytes(plan)
+
+    @classmethod
+    def sparse_nbytes(cls, plan) -> int:
+        return cls.moe_nbytes(plan) + cls.mla_nbytes(plan)
+
+    def take_sparse(self, arena, plan) -> None:
+        """The MoE and MLA buffers of the plan's model line (gpu_moe_ops.py, gpu_mla_ops.py)."""
+        self.take_moe(arena, plan)
+        self.take_mla(arena, plan)
+
     def _out(self, rows: int, cols: int):
         if rows > self.max_tokens:
             raise ValueError(f"{rows} tokens exceed the {self.max_tokens} the activation buffers hold")
@@ -226,18 +258,19 @@ class GpuOps(ComposedOps):
 
     def _rope_decode_kernel(self, spec: AttentionSpec, ctx: GpuStepContext):
         """paged_decode.cu's fused q/k norm + rope + KV write + attention entry, when the step is decode
-        only, its grid is at most FUSED_ROPE_MAX_CTAS and the decode kernel serves this layer; else None
+        only, its grid is at most FUSED_ROPE_CTAS_PER_SM CTAs per SM and the decode kernel serves this layer; else None
         (the composition runs; both give the same bits)."""
         if (not self.fused_rope or not ctx.decode_only or spec.head_dim != self.head_dim
                 or spec.num_heads != self.num_heads
-                or ctx.num_splits * spec.num_kv_heads * ctx.num_tokens > FUSED_ROPE_MAX_CTAS):
+                or ctx.num_splits * spec.num_kv_heads * ctx.num_tokens > FUSED_ROPE_CTAS_PER_SM * self.num_sms):
             return None
         return self._decode_kernel(spec.num_kv_heads, "rope_paged_decode_attention")
 
     def splits(self, num_tokens: int, num_kv_heads: int, max_context: int) -> int:
         """The step's KV split count for the attention kernel in use."""
         fast = self.fast_attention and decode_attention_fits(self.num_heads // num_kv_heads, self.head_dim)
-        return attention_splits(num_tokens, num_kv_heads, max_context, MAX_DECODE_SPLITS if fast else MAX_SPLITS)
+        return attention_splits(num_tokens, num_kv_heads, max_context, MAX_DECODE_SPLITS if fast else MAX_SPLITS,
+                                self.num_sms)
 
     def _check_attention(self, spec: AttentionSpec, ctx: GpuStepContext) -> None:
         Hq, Hkv, D, S = spec.num_heads, spec.num_kv_heads, spec.head_dim, ctx.num_splits

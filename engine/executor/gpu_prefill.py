@@ -11,7 +11,7 @@ stay on the paged kernel, which runs first with their positions only (-1 elsewhe
 CuTe launch then overwrites). Consecutive served sequences share one launch while their contexts fit
 the scratch; a sequence between them that is not served splits the launches.
 
-Switch: GpuExecutor(prefill_attention=...) or $OPENINFER_PREFILL_ATTENTION: "cute" (default; when the
+Switch: GpuTuning.prefill_attention ($OPENINFER_PREFILL_ATTENTION): "cute" (default; when the
 CuTe library is built and available, head_dim is 64 or 128 and the scale is 1/sqrt(head_dim)),
 "cute:N" (serve sequences of at least N new tokens), "paged" (never).
 
@@ -24,15 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from engine.batch import BLOCK_SIZE, ModelBatch
+from engine.batch import ModelBatch
+from memory.device_arena import Buffer, buffers_nbytes
+from memory.kv_pool import BLOCK_SIZE
 
 log = logging.getLogger(__name__)
-PREFILL_ATTENTION_ENV = "OPENINFER_PREFILL_ATTENTION"
 DEFAULT_MIN_QUERY = 64          # new tokens of a sequence from which the CuTe kernel serves it
 CUTE_HEAD_DIMS = (64, 128)
 ALIGN = 4                       # int32 entries: each uploaded array starts 16-byte aligned
@@ -56,10 +56,10 @@ def parse_prefill_attention(spec: str) -> int | None:
     raise ValueError(f"prefill attention: {spec!r} is not one of cute, cute:N (N >= 1), paged")
 
 
-def prefill_min_query(spec: str | None, head_dim: int) -> int | None:
-    """The executor's setting (spec, else $OPENINFER_PREFILL_ATTENTION, else "cute"): the min query length
-    the CuTe kernel serves, or None when the paged kernel serves every step (asked, or CuTe can't)."""
-    min_query = parse_prefill_attention(os.environ.get(PREFILL_ATTENTION_ENV, "cute") if spec is None else spec)
+def prefill_min_query(spec: str, head_dim: int) -> int | None:
+    """The executor's setting (GpuTuning.prefill_attention): the min query length the CuTe kernel
+    serves, or None when the paged kernel serves every step (asked, or CuTe can't)."""
+    min_query = parse_prefill_attention(spec)
     if min_query is None:
         return None
     if head_dim not in CUTE_HEAD_DIMS:
@@ -163,17 +163,27 @@ class PrefillAttention:
         from memory.streams import pinned_array
 
         self.stream, self.min_query, self.key_rows = stream, min_query, key_rows
-        self.k = arena.take("activations.prefill_k", (key_rows, num_kv_heads, head_dim), np.uint16)
-        self.v = arena.take("activations.prefill_v", (key_rows, num_kv_heads, head_dim), np.uint16)
-        n = upload_entries(max_tokens, max_seqs)
-        self.data = arena.take("activations.prefill_plan", (n,), np.int32)
-        self.data_host = pinned_array((n,), np.int32)
+        b = arena.take_all("prefill", self.buffers(key_rows, num_kv_heads, head_dim, max_tokens, max_seqs))
+        self.k, self.v, self.data = b["k"], b["v"], b["plan"]
+        self.data_host = pinned_array(self.data.shape, np.int32)
         self.gather = kernel("kv_gather", "kv_gather")
         self.launches = 0           # varlen_attention launches so far (tests check the path ran)
 
     @staticmethod
-    def nbytes(key_rows: int, num_kv_heads: int, head_dim: int, max_tokens: int, max_seqs: int) -> int:
-        return 2 * key_rows * num_kv_heads * head_dim * 2 + upload_entries(max_tokens, max_seqs) * 4 + 4096
+    def buffers(key_rows: int, num_kv_heads: int, head_dim: int, max_tokens: int, max_seqs: int) -> list[Buffer]:
+        kv = (key_rows, num_kv_heads, head_dim)
+        return [Buffer("k", kv, np.uint16), Buffer("v", kv, np.uint16),
+                Buffer("plan", (upload_entries(max_tokens, max_seqs),), np.int32)]
+
+    @staticmethod
+    def key_rows(plan) -> int:
+        """Gathered K/V rows: any one sequence's context (max_model_len) plus a step's tokens."""
+        return plan.max_model_len + plan.max_tokens
+
+    @classmethod
+    def nbytes(cls, plan) -> int:
+        kv = plan.kv
+        return buffers_nbytes(cls.buffers(cls.key_rows(plan), kv.heads, kv.dim, plan.max_tokens, plan.max_seqs))
 
     def step(self, batch: ModelBatch) -> "PrefillStep | None":
         if self.min_query is None or batch.is_decode_only:

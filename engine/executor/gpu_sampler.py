@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.batch import SampledToken, SeqStep
 from kernels.raw_cuda import kernel
+from memory.device_arena import Buffer, buffers_nbytes
 
 MAX_TOP_LOGPROBS = 20
 PENALTY_ENTRIES = 1 << 20
@@ -107,40 +108,32 @@ class GpuSampler:
     def __init__(self, arena, max_rows: int, vocab: int, stream):
         import cupy
 
+        from memory.streams import pinned_array
+
         self.cp, self.stream, self.vocab, self.max_rows = cupy, stream, vocab, max_rows
-        take = arena.take
-        self.ids = take("sampler.ids", (max_rows,), np.int32)
-        self.logprob = take("sampler.logprob", (max_rows,), np.float32)
-        self.lse = take("sampler.lse", (max_rows,), np.float32)
-        self.top_ids = take("sampler.top_ids", (max_rows, MAX_TOP_LOGPROBS), np.int32)
-        self.top_lp = take("sampler.top_lp", (max_rows, MAX_TOP_LOGPROBS), np.float32)
-        self.processed = take("sampler.processed", (max_rows, vocab), np.float32)
-        self.probs = take("sampler.probs", (max_rows, vocab), np.float32)
-        self.rows = take("sampler.rows", (max_rows,), np.int32)
-        self.params_f = take("sampler.params_f", (7, max_rows), np.float32)   # temp, min_p, top_p, -, rep, freq, pres
-        self.uniform = take("sampler.uniform", (max_rows,), np.float64)
-        self.seed_step = take("sampler.seed_step", (2, max_rows), np.uint32)
-        self.top_k = take("sampler.top_k", (max_rows,), np.int32)
-        self.row_ptr = take("sampler.row_ptr", (max_rows + 1,), np.int32)
-        self.pen_i = take("sampler.pen_i", (3, PENALTY_ENTRIES), np.int32)   # token, flags, count
-        self.pen_bias = take("sampler.pen_bias", (PENALTY_ENTRIES,), np.float32)
-        split = ARGMAX_SPLIT_ROWS * ARGMAX_CHUNKS
-        self.part_v = take("sampler.argmax_part_v", (split,), np.float32)
-        self.part_i = take("sampler.argmax_part_i", (split,), np.int32)
-        self.part_s = take("sampler.argmax_part_s", (split,), np.float32)
-        self.tickets = take("sampler.argmax_tickets", (ARGMAX_SPLIT_ROWS,), np.uint32)
+        b = arena.take_all("sampler", self.buffers(max_rows, vocab))
+        self.ids, self.logprob, self.lse = b["ids"], b["logprob"], b["lse"]
+        self.top_ids, self.top_lp = b["top_ids"], b["top_lp"]
+        self.processed, self.probs, self.rows = b["processed"], b["probs"], b["rows"]
+        self.params_f = b["params_f"]           # temp, min_p, top_p, -, rep, freq, pres
+        self.uniform, self.seed_step, self.top_k, self.row_ptr = b["uniform"], b["seed_step"], b["top_k"], b["row_ptr"]
+        self.pen_i, self.pen_bias = b["pen_i"], b["pen_bias"]   # pen_i: token, flags, count
+        self.part_v, self.part_i, self.part_s = b["argmax_part_v"], b["argmax_part_i"], b["argmax_part_s"]
+        self.tickets = b["argmax_tickets"]
         # argmax_logprob_split's ticket counters start at zero; the kernel leaves them so.
         cupy.cuda.runtime.memsetAsync(self.tickets.data.ptr, 0, self.tickets.nbytes, stream.ptr)
-        # The decode graphs' per-row parameters: one device block, uploaded from its pinned twin.
-        from memory.streams import pinned_array
-        self.graph_block = take("sampler.graph_rows", (max_rows * GRAPH_ROW_BYTES,), np.uint8)
-        self.graph_block_host = pinned_array((max_rows * GRAPH_ROW_BYTES,), np.uint8)
-        self.graph_rows, self.graph_rows_host, at = {}, {}, 0
+        # The decode graphs' per-row parameters: one device block, uploaded from one of two pinned twins
+        # in turn (a step may be queued while the one before still waits for its upload).
+        self.graph_block = b["graph_rows"]
+        self.graph_block_hosts = [pinned_array((max_rows * GRAPH_ROW_BYTES,), np.uint8) for _ in range(2)]
+        self.graph_rows, self.graph_rows_hosts, at = {}, [{}, {}], 0
         for name, dtype in GRAPH_FIELDS:
             n = max_rows * np.dtype(dtype).itemsize
             self.graph_rows[name] = cupy.ndarray((max_rows,), dtype, memptr=self.graph_block.data + at)
-            self.graph_rows_host[name] = self.graph_block_host[at:at + n].view(dtype)
+            for host, rows_host in zip(self.graph_block_hosts, self.graph_rows_hosts):
+                rows_host[name] = host[at:at + n].view(dtype)
             at += n
+        self.graph_turn = 0
         self.k_argmax = kernel("argmax_logprobs", "argmax_logprob")
         self.k_argmax_split = kernel("argmax_logprobs", "argmax_logprob_split")
         self.k_token_lp = kernel("argmax_logprobs", "token_logprob")
@@ -149,6 +142,27 @@ class GpuSampler:
         self.k_penalties = kernel("sampling", "apply_penalties")
         self.k_sample = kernel("sampling", "sample_filtered")
         self.k_uniforms = kernel("sampling", "seeded_uniforms")
+
+    @staticmethod
+    def buffers(max_rows: int, vocab: int) -> list[Buffer]:
+        split = ARGMAX_SPLIT_ROWS * ARGMAX_CHUNKS
+        return [Buffer("ids", (max_rows,), np.int32), Buffer("logprob", (max_rows,), np.float32),
+                Buffer("lse", (max_rows,), np.float32),
+                Buffer("top_ids", (max_rows, MAX_TOP_LOGPROBS), np.int32),
+                Buffer("top_lp", (max_rows, MAX_TOP_LOGPROBS), np.float32),
+                Buffer("processed", (max_rows, vocab), np.float32), Buffer("probs", (max_rows, vocab), np.float32),
+                Buffer("rows", (max_rows,), np.int32), Buffer("params_f", (7, max_rows), np.float32),
+                Buffer("uniform", (max_rows,), np.float64), Buffer("seed_step", (2, max_rows), np.uint32),
+                Buffer("top_k", (max_rows,), np.int32), Buffer("row_ptr", (max_rows + 1,), np.int32),
+                Buffer("pen_i", (3, PENALTY_ENTRIES), np.int32), Buffer("pen_bias", (PENALTY_ENTRIES,), np.float32),
+                Buffer("argmax_part_v", (split,), np.float32), Buffer("argmax_part_i", (split,), np.int32),
+                Buffer("argmax_part_s", (split,), np.float32), Buffer("argmax_tickets", (ARGMAX_SPLIT_ROWS,), np.uint32),
+                Buffer("graph_rows", (max_rows * GRAPH_ROW_BYTES,), np.uint8)]
+
+    @classmethod
+    def nbytes(cls, plan) -> int:
+        """A row per sequence of a step (plan.max_seqs), over the vocabulary."""
+        return buffers_nbytes(cls.buffers(plan.max_seqs, plan.vocab))
 
     def argmax(self, logits, S: int) -> None:
         """ids[:S] = the argmax of each raw logits row, lse[:S] = its logsumexp. Up to
@@ -167,8 +181,9 @@ class GpuSampler:
         bucket): seqs first, then padded rows (temperature 0, no logprobs), which sample nothing."""
         if rows > self.max_rows:
             raise ValueError(f"{rows} graph rows exceed the sampler's {self.max_rows}")
-        pack_graph_rows(self.graph_rows_host, seqs, rows)
-        self.cp.cuda.runtime.memcpyAsync(self.graph_block.data.ptr, self.graph_block_host.ctypes.data,
+        self.graph_turn ^= 1
+        pack_graph_rows(self.graph_rows_hosts[self.graph_turn], seqs, rows)
+        self.cp.cuda.runtime.memcpyAsync(self.graph_block.data.ptr, self.graph_block_hosts[self.graph_turn].ctypes.data,
                                          self.graph_block.nbytes, self.cp.cuda.runtime.memcpyHostToDevice,
                                          self.stream.ptr)
 

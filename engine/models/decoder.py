@@ -13,6 +13,7 @@ from typing import Any
 from engine.model_config import ModelConfig
 from engine.models.ops import Array, AttentionSpec, Ops
 from engine.models.weights import WeightSpec, packed
+from memory.kv_pool import KVLayout
 
 
 @dataclass(frozen=True)
@@ -29,9 +30,9 @@ def attention_specs(cfg: ModelConfig) -> list[AttentionSpec]:
             for i in range(cfg.num_hidden_layers)]
 
 
-def layer_weight_specs(cfg: ModelConfig, i: int, opt: LayerOptions) -> list[WeightSpec]:
-    """Engine weights of decoder layer i: fused qkv_proj [(Hq+2Hkv)·D, H] and gate_up_proj [2I, H]."""
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+def attention_weight_specs(cfg: ModelConfig, i: int, opt: LayerOptions) -> list[WeightSpec]:
+    """Layer i's norms and attention weights: fused qkv_proj [(Hq+2Hkv)·D, H], o_proj, biases, q/k norm."""
+    H, D = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.q_size, cfg.kv_size
     hf = f"model.layers.{i}"
     at = f"{hf}.self_attn"
@@ -41,9 +42,6 @@ def layer_weight_specs(cfg: ModelConfig, i: int, opt: LayerOptions) -> list[Weig
                (f"{at}.k_proj.weight", (kv, H)), (f"{at}.v_proj.weight", (kv, H))),
         packed(f"layers.{i}.o_proj", (f"{at}.o_proj.weight", (H, q))),
         packed(f"layers.{i}.post_attention_layernorm", (f"{hf}.post_attention_layernorm.weight", (H,))),
-        packed(f"layers.{i}.gate_up_proj", (f"{hf}.mlp.gate_proj.weight", (I, H)),
-               (f"{hf}.mlp.up_proj.weight", (I, H))),
-        packed(f"layers.{i}.down_proj", (f"{hf}.mlp.down_proj.weight", (H, I))),
     ]
     if opt.qkv_bias:
         specs.append(packed(f"layers.{i}.qkv_bias", (f"{at}.q_proj.bias", (q,)),
@@ -56,12 +54,28 @@ def layer_weight_specs(cfg: ModelConfig, i: int, opt: LayerOptions) -> list[Weig
     return specs
 
 
-def model_weight_specs(cfg: ModelConfig, opt: LayerOptions) -> list[WeightSpec]:
-    """Embedding, every layer, final norm, and lm_head unless tied to the embedding."""
+def mlp_weight_specs(name: str, hf: str, hidden: int, inter: int) -> list[WeightSpec]:
+    """A SwiGLU MLP at checkpoint prefix `hf`: `{name}gate_up_proj` [2I, H] (gate rows, then up) and
+    `{name}down_proj` [H, I]."""
+    return [packed(f"{name}gate_up_proj", (f"{hf}.gate_proj.weight", (inter, hidden)),
+                   (f"{hf}.up_proj.weight", (inter, hidden))),
+            packed(f"{name}down_proj", (f"{hf}.down_proj.weight", (hidden, inter)))]
+
+
+def layer_weight_specs(cfg: ModelConfig, i: int, opt: LayerOptions) -> list[WeightSpec]:
+    """Engine weights of dense decoder layer i: attention_weight_specs and the MLP's gate_up / down."""
+    return (attention_weight_specs(cfg, i, opt)
+            + mlp_weight_specs(f"layers.{i}.", f"model.layers.{i}.mlp", cfg.hidden_size, cfg.intermediate_size))
+
+
+def model_weight_specs(cfg: ModelConfig, opt: LayerOptions, layer=None) -> list[WeightSpec]:
+    """Embedding, every layer (``layer(i)``: its specs; default layer_weight_specs), final norm, and
+    lm_head unless tied to the embedding."""
     V, H = cfg.vocab_size, cfg.hidden_size
+    layer = layer or (lambda i: layer_weight_specs(cfg, i, opt))
     specs = [packed("embed_tokens", ("model.embed_tokens.weight", (V, H)))]
     for i in range(cfg.num_hidden_layers):
-        specs += layer_weight_specs(cfg, i, opt)
+        specs += layer(i)
     specs.append(packed("norm", ("model.norm.weight", (H,))))
     if not cfg.tie_word_embeddings:
         specs.append(packed("lm_head", ("lm_head.weight", (V, H))))
@@ -84,27 +98,30 @@ def attention_block(ops: Ops, w: dict[str, Array], residual: Array, normed: Arra
 
 
 def mlp_block(ops: Ops, w: dict[str, Array], residual: Array, normed: Array | None, i: int, eps: float,
-              next_norm: Array) -> tuple[Array, Array | None]:
+              next_norm: Array, name: str = "") -> tuple[Array, Array | None]:
     """residual + down_proj(silu(gate) * up), gate and up from one GEMM of rmsnorm(residual) (``normed``
     where already computed). Returns the new residual and, where one kernel did it with the add, its
-    norm by ``next_norm`` (the next layer's input norm, or the final one)."""
-    act = ops.norm_swiglu(residual, w[f"layers.{i}.post_attention_layernorm"], eps, w[f"layers.{i}.gate_up_proj"],
-                          normed=normed)
-    return ops.add_linear_norm(act, w[f"layers.{i}.down_proj"], residual, next_norm, eps)
+    norm by ``next_norm`` (the next layer's input norm, or the final one). ``name``: the MLP's weight
+    prefix (``layers.{i}.{name}gate_up_proj``; DeepSeek's shared experts are "shared_")."""
+    act = ops.norm_swiglu(residual, w[f"layers.{i}.post_attention_layernorm"], eps,
+                          w[f"layers.{i}.{name}gate_up_proj"], normed=normed)
+    return ops.add_linear_norm(act, w[f"layers.{i}.{name}down_proj"], residual, next_norm, eps)
 
 
 def decoder_stack(ops: Ops, w: dict[str, Array], ctx: Any, cfg: ModelConfig,
-                  specs: list[AttentionSpec], opt: LayerOptions) -> Array:
+                  specs: list[AttentionSpec], opt: LayerOptions, attention=attention_block,
+                  mlp=mlp_block) -> Array:
     """Pre-norm decoder layers over the residual stream (each RMSNorm fused into the linear layer after
     it or into the residual add before it, each residual add into the one before it); returns the
-    final-normed hidden [T, H]."""
+    final-normed hidden [T, H]. ``attention`` and ``mlp``: the blocks of a layer, with the signatures
+    of attention_block and mlp_block (a model line with other blocks passes its own)."""
     eps = cfg.rms_norm_eps
     residual, normed = ops.embed(w["embed_tokens"], ctx), None
     for n, spec in enumerate(specs):
         next_norm = w[f"layers.{specs[n + 1].layer}.input_layernorm"] if n + 1 < len(specs) else w["norm"]
         with ops.layer_scope(spec.layer):
-            residual, normed = attention_block(ops, w, residual, normed, spec, ctx, opt, eps)
-            residual, normed = mlp_block(ops, w, residual, normed, spec.layer, eps, next_norm)
+            residual, normed = attention(ops, w, residual, normed, spec, ctx, opt, eps)
+            residual, normed = mlp(ops, w, residual, normed, spec.layer, eps, next_norm)
     if normed is None:
         normed, _ = ops.rms_norm(residual, w["norm"], eps)
     return normed
@@ -119,6 +136,7 @@ class DecoderLM:
     layer pieces it has (`layer_options`, hence its weights) and runs `decoder_stack`; a model
     line with another structure overrides `weight_specs` and `forward`."""
     model_type = ""
+    expert_shape = None          # moe.ExpertShape of a line with routed experts
 
     def __init__(self, config: ModelConfig):
         self.config = config
@@ -131,6 +149,22 @@ class DecoderLM:
 
     def weight_specs(self) -> list[WeightSpec]:
         return model_weight_specs(self.config, self.opt)
+
+    def kv_layout(self) -> KVLayout:
+        """What one token stores in the paged KV pool: K and V of every layer's KV heads."""
+        c = self.config
+        return KVLayout(layers=c.num_hidden_layers, planes=2, heads=c.num_key_value_heads, dim=c.head_dim)
+
+    @property
+    def rope_dim(self) -> int:
+        """Rotary dimensions per head (the executors' cos / sin tables are [positions, rope_dim / 2])."""
+        return self.config.head_dim
+
+    @property
+    def activation_width(self) -> int:
+        """The widest activation row the forward writes (gate_up, qkv or hidden)."""
+        c = self.config
+        return max(2 * c.intermediate_size, c.q_size + 2 * c.kv_size, c.hidden_size)
 
     def forward(self, ops: Ops, w: dict[str, Array], ctx: Any) -> Array:
         """Final-normed hidden states [T, H] for every token of the step; writes the step's KV."""

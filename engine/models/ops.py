@@ -25,6 +25,50 @@ class AttentionSpec:
     scale: float
 
 
+@dataclass(frozen=True)
+class RouteSpec:
+    """A mixture-of-experts router: softmax over num_experts, the top_k (greedy, or within the
+    topk_groups of num_groups equal expert groups whose best probability is highest: DeepSeek's
+    group-limited routing), renormalized to sum 1 when renormalize (norm_topk_prob), times scale
+    (routed_scaling_factor)."""
+    num_experts: int
+    top_k: int
+    renormalize: bool = False
+    scale: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """One multi-head latent attention layer (DeepSeek-V2). Per token the paged cache holds the
+    RMSNorm'd latent c [kv_lora_rank] and the rotated rope key [rope_dim], one plane, one head;
+    head h's key is [W_UK_h·c, k_rope], its value W_UV_h·c (W_UK_h, W_UV_h: its rows of kv_b_proj).
+    q_cols: the query columns of the fused down-projection (q_lora_rank, or heads·(nope + rope))."""
+    layer: int
+    num_heads: int
+    q_cols: int
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    rms_eps: float
+    scale: float
+
+    @property
+    def cache_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def qk_dim(self) -> int:
+        return self.nope_dim + self.rope_dim
+
+    @property
+    def head_dim(self) -> int:
+        """The key width of the expanded form (nope + rope): what plain attention kernels see."""
+        return self.qk_dim
+
+
 class Ops(Protocol):
     def embed(self, table: Array, ctx: Any) -> Array:
         """x[T, H] = table[input_ids]."""
@@ -54,6 +98,31 @@ class Ops(Protocol):
 
     def add(self, x: Array, residual: Array) -> Array:
         """x + residual (the residual stream update)."""
+
+    # Mixture of experts (engine/models/moe.py).
+    def route(self, x: Array, gate_weight: Array, spec: RouteSpec) -> tuple[Array, Array]:
+        """Router of x[T, H] by gate_weight [E, H] in float32 (RouteSpec): (weights float32 [T, top_k],
+        expert ids int32 [T, top_k])."""
+
+    def moe_experts(self, x: Array, gate_up: Array, down: Array, weights: Array, ids: Array,
+                    residual: Array) -> Array:
+        """residual + sum_j weights[t, j] · down[e] · silu_mul(gate_up[e] · x[t]), e = ids[t, j]: the
+        routed experts (gate_up [E, 2I, H], down [E, H, I]) added to the residual stream."""
+
+    # Multi-head latent attention (engine/models/deepseek_v2.py).
+    def mla_latent_cache(self, y: Array, spec: MLASpec, ctx: Any, kv_norm: Array,
+                         q_norm: Array | None = None) -> Array:
+        """y[T, q_cols + kv_lora_rank + rope_dim], the fused down-projection: RMSNorm the latent by
+        kv_norm, rotate the rope key (interleaved pairs) at ctx positions and write both into the
+        paged cache of layer spec.layer at ctx slot_mapping. Returns the query columns [T, q_cols],
+        RMSNorm'd by q_norm where given (q_lora_rank set)."""
+
+    def mla_attention(self, q: Array, kv_b: Array, spec: MLASpec, ctx: Any) -> Array:
+        """q[T, heads·(nope + rope)]: rotate each head's rope part, then causal attention of each
+        sequence's new queries over its latent cache with the keys and values kv_b
+        [heads·(nope + v), kv_lora_rank] expands from it. Returns o[T, heads·v]. The executor picks
+        the form: absorbed (W_UK folded into q, W_UV after attention over the latent: decode) or
+        expanded (K and V built from the latent: prefill)."""
 
     # Fused ops (ComposedOps composes them from the ops above; an executor overrides them where one
     # kernel does it, e.g. the GPU's decode GEMV and decode attention).

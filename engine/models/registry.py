@@ -3,13 +3,17 @@ from __future__ import annotations
 
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderLM
+from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
     "qwen3": Qwen3ForCausalLM,
     "llama": LlamaForCausalLM,
     "qwen2": Qwen2ForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v2": DeepseekV2ForCausalLM,
 }
 
 

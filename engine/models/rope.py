@@ -59,9 +59,10 @@ def _yarn(cfg: ModelConfig, dim: int, s: dict) -> tuple[np.ndarray, float]:
     return inv.astype(np.float32), float(attn)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """(inv_freq float32 [D/2], attention_factor applied to cos and sin)."""
-    dim = cfg.head_dim
+def rope_inv_freq(cfg: ModelConfig, dim: int | None = None) -> tuple[np.ndarray, float]:
+    """(inv_freq float32 [dim/2], attention_factor applied to cos and sin); dim: the rotary dimensions
+    (default head_dim; MLA rotates qk_rope_head_dim of each head)."""
+    dim = dim or cfg.head_dim
     s = cfg.rope_scaling or {}
     kind = s.get("rope_type") or s.get("type") or "default"
     if kind == "default":
@@ -75,9 +76,10 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, yarn)")
 
 
-def rope_cos_sin(cfg: ModelConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: float32 [max_positions, D/2]; a rotary pair is (x[i], x[i + D/2])."""
-    inv_freq, attention_factor = rope_inv_freq(cfg)
+def rope_cos_sin(cfg: ModelConfig, max_positions: int, dim: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: float32 [max_positions, dim/2] (dim as for rope_inv_freq); pair i is rotated by
+    column i (neox pairs (x[i], x[i + dim/2]); MLA's interleaved pairs (x[2i], x[2i + 1]))."""
+    inv_freq, attention_factor = rope_inv_freq(cfg, dim)
     angles = np.arange(max_positions, dtype=np.float32)[:, None] * inv_freq[None, :]
     cos = (np.cos(angles) * np.float32(attention_factor)).astype(np.float32)
     sin = (np.sin(angles) * np.float32(attention_factor)).astype(np.float32)

@@ -30,7 +30,7 @@ from .gemm import grouped_gemm as _grouped_gemm
 from .moe import ExpertGroups, group_by_expert
 
 __all__ = ["available", "init", "gemm", "gemm_partials", "gemm_swiglu", "grouped_gemm", "group_by_expert", "ExpertGroups",
-           "varlen_attention", "attention_work", "reserve_workspace", "DeviceTensor"]
+           "varlen_attention", "attention_work", "reserve_workspace", "use_workspace", "DeviceTensor"]
 
 _runner: GemmRunner | None = None
 
@@ -79,7 +79,7 @@ def self_check(m: int = 3, n: int = 136, k: int = 264) -> None:
     """One small planned product, plain and with the residual added in place, against float32
     (``testing.gemm_check``); raises RuntimeError saying how it failed. For a user of the library
     to run once at start-up, after ``init`` and ``reserve_workspace``."""
-    from .testing import gemm_check
+    from .verification.checks import gemm_check
 
     for residual in ("", "inplace"):
         check = gemm_check(_get_runner(), None, m, n, k, residual)
@@ -88,10 +88,15 @@ def self_check(m: int = 3, n: int = 136, k: int = 264) -> None:
                                f"{check.err:.3g}, {check.unwritten} outputs unwritten {check.detail}".rstrip())
 
 
-def reserve_workspace(max_m: int, shapes) -> None:
+def reserve_workspace(max_m: int, shapes, buffer=None) -> None:
     """Pre-size the split-K workspace so GEMMs of at most ``max_m`` rows with these ``(N, K)``
-    weights can be graph-captured."""
-    _get_runner().reserve_workspace(max_m, shapes)
+    weights can be graph-captured; ``buffer``: use this device array (``split_workspace_bytes``)."""
+    _get_runner().reserve_workspace(max_m, shapes, buffer)
+
+
+def use_workspace(buffer) -> None:
+    """Split-K products from here on write their partials into ``buffer`` (see ``reserve_workspace``)."""
+    _get_runner().use_workspace(buffer)
 
 
 def gemm(a, b, out, stream=None, residual=None, prefetch_weights: bool = False) -> None:

@@ -149,10 +149,23 @@ class GemmRunner:
         if not self.library.is_loaded(cupy.cuda.Device().id):
             self.init()
 
-    def reserve_workspace(self, max_m: int, shapes: Iterable[tuple[int, int]]) -> None:
+    def reserve_workspace(self, max_m: int, shapes: Iterable[tuple[int, int]], buffer=None) -> None:
         """Grow the split-K workspace for every product of at most ``max_m`` rows with these
-        ``(N, K)`` weights (``split_workspace_bytes``)."""
-        self._ensure_workspace(split_workspace_bytes(max_m, shapes), capturing=False)
+        ``(N, K)`` weights (``split_workspace_bytes``); ``buffer``: a caller's device array (e.g. carved
+        from its arena) of at least that many bytes, used instead of an allocation of the runner's."""
+        need = split_workspace_bytes(max_m, shapes)
+        if buffer is not None:
+            if buffer.nbytes < need:
+                raise ValueError(f"split-K workspace buffer of {buffer.nbytes} bytes; {need} needed")
+            self._workspace = buffer          # the caller owns it (and keeps it alive while used)
+            return
+        self._ensure_workspace(need, capturing=False)
+
+    def use_workspace(self, buffer) -> None:
+        """Point split-K products at ``buffer`` (a caller's device array, sized by ``reserve_workspace``):
+        several owners of one process (executors) each keep their own, switched before their launches."""
+        if buffer is not None and self._workspace is not buffer:
+            self._workspace = buffer
 
     def _ensure_workspace(self, nbytes: int, capturing: bool) -> int:
         import cupy

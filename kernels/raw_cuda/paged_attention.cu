@@ -9,7 +9,7 @@
 // 4.3 TB/s a 4K-token Qwen3-4B context (8 KV heads, D 128) is 16 MB per layer... i.e. 0.5 MB/layer for 128
 // tokens, ~0.12 µs: launch-bound at short context, bandwidth-bound at long context (split over KV so
 // 132 SMs share one sequence).
-#include "common.cuh"
+#include "online_softmax.cuh"
 
 #define MAX_G 16
 #define MAX_D 256
@@ -68,26 +68,8 @@ paged_attention_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k
             }
         }
         __syncthreads();
-        // 2. online softmax update, one warp per query head.
-        for (int g = warp; g < G; g += nwarps) {
-            float cmax = -INFINITY;
-            for (int j = lane; j < n; j += 32) cmax = fmaxf(cmax, p_s[g * CHUNK + j]);
-            cmax = warp_max(cmax);
-            const float m_old = m_s[g], m_new = fmaxf(m_old, cmax);
-            float sum = 0.f;
-            for (int j = lane; j < n; j += 32) {
-                const float e = expf(p_s[g * CHUNK + j] - m_new);
-                p_s[g * CHUNK + j] = e;
-                sum += e;
-            }
-            sum = warp_sum(sum);
-            if (lane == 0) {
-                const float alpha = expf(m_old - m_new);   // 0 on the first chunk (m_old = -inf)
-                l_s[g] = l_s[g] * alpha + sum;
-                m_s[g] = m_new;
-                alpha_s[g] = alpha;
-            }
-        }
+        // 2. online softmax update, one warp per head (online_softmax.cuh).
+        online_softmax_chunk(p_s, m_s, l_s, alpha_s, G, n, CHUNK, nwarps);
         __syncthreads();
         // 3. acc = acc·alpha + P·V, threads across D.
         #pragma unroll

@@ -1,6 +1,6 @@
 """GPU verification of every compiled kernel, one case at a time, surviving hangs and crashes.
 
-    python3 -m kernels.cute.verify [--out DIR] [--budget SECONDS] [--hang-s SECONDS]
+    python3 -m kernels.cute.verification.run [--out DIR] [--budget SECONDS] [--hang-s SECONDS]
 
 The parent process never touches the GPU. It runs the cases of ``testing.CASES`` in a worker
 process (``--worker``) that prints ``@start i`` / ``@done i STATUS detail`` for each. A kernel that
@@ -25,9 +25,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .testing import CASES, Case
+from .checks import CASES, Case
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 MAX_HANGS_PER_GROUP = 2
 SHOWN_PER_GROUP = 4  # non-passing cases listed per group in the table (all are in verify.json)
 BUDGET_GRACE_S = 15.0  # a case running when the budget ends gets this long to finish
@@ -204,8 +204,8 @@ def serve(indices: list[int], cases, run_one) -> int:
 
 def worker(indices: list[int]) -> int:
     """Run the given cases in order on this process's GPU; print the protocol lines."""
-    from .gemm import GemmRunner
-    from .testing import run_case
+    from ..gemm import GemmRunner
+    from .checks import run_case
 
     runner = GemmRunner()
     t0 = time.time()
@@ -232,7 +232,7 @@ def verify(out_dir: Path, budget_s: float, hang_s: float, log=print, kinds: set[
             if msg.startswith(("@done", "[")) or msg.startswith("HANG"):
                 log(msg)
 
-        results = run_all(CASES, [sys.executable, "-m", "kernels.cute.verify", "--worker"],
+        results = run_all(CASES, [sys.executable, "-m", "kernels.cute.verification.run", "--worker"],
                           budget_s, case_timeout_s=hang_s + 30.0, log=both,
                           only=None if kinds is None and groups is None else
                           {i for i, c in enumerate(CASES) if (kinds is None or c.kind in kinds)

@@ -2,7 +2,7 @@
 
 Every check uses fresh random bf16 inputs, poisons the output with NaN first and compares with a
 float32 reference: it passes when the relative Frobenius error is ≤ ``TOLERANCE`` and every output
-element was written. ``CASES`` is the ordered catalogue that ``kernels.cute.verify`` runs one by one
+element was written. ``CASES`` is the ordered catalogue that ``kernels.cute.verification.run`` runs one by one
 (simplest launch first: one tile and one k-tile, then more k-tiles than pipeline stages, then odd
 shapes, per config; then split-K, the planned path, graph replay, grouped GEMM, attention).
 """
@@ -13,9 +13,9 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-from .bf16 import from_bf16, to_bf16
-from .attention import ATTENTION_KERNELS
-from .configs import GEMM_VARIANTS, VARIANTS_BY_NAME, GemmPlan, plan_gemm, silu_twin, split_count
+from ..bf16 import from_bf16, to_bf16
+from ..attention import ATTENTION_KERNELS
+from ..configs import GEMM_VARIANTS, VARIANTS_BY_NAME, GemmPlan, plan_gemm, silu_twin, split_count
 
 NAN_BF16 = 0x7FC0
 HANG_SECONDS = float(os.environ.get("OPENINFER_CUTE_HANG_S", "20"))
@@ -158,8 +158,8 @@ def grouped_check(runner, tile_m: int, tokens: int, top_k: int, experts: int, n:
     import cupy as cp
     import numpy as np
 
-    from .gemm import grouped_gemm
-    from .moe import group_by_expert
+    from ..gemm import grouped_gemm
+    from ..moe import group_by_expert
 
     ids = np.random.default_rng().integers(0, experts, size=(tokens, top_k))
     groups = group_by_expert(ids, experts, tile_m)
@@ -184,7 +184,7 @@ def attention_check(runner, lengths_q, lengths_k, hq: int, hkv: int, kernel: str
     import cupy as cp
     import numpy as np
 
-    from .attention import ATTENTION_BY_NAME, attention_work, varlen_attention
+    from ..attention import ATTENTION_BY_NAME, attention_work, varlen_attention
 
     d = ATTENTION_BY_NAME[kernel].head_dim
     cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)

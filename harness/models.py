@@ -1,8 +1,9 @@
-"""Test helpers: tiny random-weight Hugging Face model folders (built with transformers, saved in
-bf16 with the real Qwen tokenizer), the transformers float32 oracle, and an engine driver that
-feeds sequences through the paged KV cache in any chunking.
+"""Model helpers shared by the tests and the benchmarks (not part of the engine: they need torch and
+transformers): tiny random-weight Hugging Face model folders (built with transformers, saved in bf16
+with the real Qwen tokenizer), real-shape folders with random bf16 weights, the transformers float32
+oracle, and an engine driver that feeds sequences through the paged KV cache in any chunking.
 
-    from tests.models_util import TINY_MODELS, tiny_model_path, hf_logits, engine_logits
+    from harness.models import TINY_MODELS, tiny_model_path, hf_logits, engine_logits
 
 `tiny_model_path(name)` builds a folder once per test process (cached) under a temp dir.
 """
@@ -77,6 +78,31 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
                                   tie_word_embeddings=True, rope_theta=10000.0)),
 }
 
+# The MoE and MLA lines (tests/test_golden_moe.py): experts not a power of two, top-k > 1, dense and
+# MoE layers mixed, rope dim != nope dim != v dim, q_lora_rank None and set, group-limited routing.
+SPARSE_MODELS: dict[str, tuple[str, dict]] = {
+    # layer 0 dense (mlp_only_layers), layers 1-2 MoE: 6 experts, top-3 renormalized; GQA 2, head_dim 32
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=32, num_experts=6, num_experts_per_tok=3,
+                                         moe_intermediate_size=40, norm_topk_prob=True, decoder_sparse_step=1,
+                                         mlp_only_layers=[0], tie_word_embeddings=False, rope_theta=1000000.0)),
+    # V2-Lite shape: q_proj (no q_lora_rank), greedy top-2 of 6 experts x 1.5 + 1 shared expert, first layer
+    # dense; yarn with mscale != mscale_all_dim (cos / sin and the softmax scale both scaled)
+    "deepseek_v2_lite": ("DeepseekV2Config", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32,
+        qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=20, n_routed_experts=6, num_experts_per_tok=2,
+        n_shared_experts=1, moe_intermediate_size=24, first_k_dense_replace=1, topk_method="greedy",
+        routed_scaling_factor=1.5, tie_word_embeddings=False, rope_theta=10000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8})),
+    # V2 shape: q_lora_rank set; group-limited top-3 of 6 experts in 3 groups (best 2 groups), 2 shared
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=6, num_experts_per_tok=3,
+        n_shared_experts=2, moe_intermediate_size=16, first_k_dense_replace=1, topk_method="group_limited_greedy",
+        n_group=3, topk_group=2, routed_scaling_factor=1.0, tie_word_embeddings=False, rope_theta=10000.0)),
+}
+
 _TMP: list[str] = []
 
 
@@ -96,8 +122,8 @@ def randomize_(model, seed: int) -> None:
         for name, p in model.named_parameters():
             if p.ndim == 2 and "embed" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
-            elif p.ndim == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / p.shape[1] ** 0.5))
+            elif p.ndim >= 2:                      # [N, K], or stacked experts [E, N, K]
+                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / p.shape[-1] ** 0.5))
             elif "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
             else:
@@ -105,10 +131,11 @@ def randomize_(model, seed: int) -> None:
 
 
 def build_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
-    """Save a random-weight model `name` of TINY_MODELS as an HF folder (bf16) with a real tokenizer."""
+    """Save a random-weight model `name` of TINY_MODELS or SPARSE_MODELS as an HF folder (bf16) with a
+    real tokenizer."""
     import torch
     import transformers
-    cls_name, base = TINY_MODELS[name]
+    cls_name, base = {**TINY_MODELS, **SPARSE_MODELS}[name]
     overrides = {**base, **overrides}
     folder, vocab, bos, eos = tokenizer_source()
     config = getattr(transformers, cls_name)(**{**_BASE, **overrides}, vocab_size=vocab,
@@ -240,3 +267,41 @@ def test_prompts(tokenizer, count: int = 4) -> list[list[int]]:
 
 
 test_prompts.__test__ = False  # not a pytest test
+
+
+def random_sequences(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def write_random_qwen3(config_path: str, out_dir: str, seed: int = 0, embed_std: float = 0.06):
+    """An HF folder of a real-shape model (any transformers config: Qwen3, Qwen3-MoE, DeepSeek-V2) with
+    random bf16 weights (written on the GPU): matrices and stacked experts ~ N(0, 1/fan_in), norms
+    ~ 1 + N(0, 0.1), embedding ~ N(0, embed_std) (logit spread ~3 like a real model). Returns the bf16
+    model on the GPU. Reuses out_dir when already complete."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(os.path.dirname(config_path))
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed" in name:
+                p.normal_(0.0, embed_std)
+            elif p.ndim >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.1)
+    done = os.path.join(out_dir, ".complete")
+    if not os.path.exists(done):
+        model.save_pretrained(out_dir, safe_serialization=True)
+        folder = tokenizer_source()[0]
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if os.path.isfile(os.path.join(folder, f)):
+                shutil.copy(os.path.join(folder, f), out_dir)
+        open(done, "w").close()
+    return model.eval()

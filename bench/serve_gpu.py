@@ -1,0 +1,156 @@
+"""The serving benchmark on the GPU host: the real server on a real-shape model with random bf16 weights.
+
+Per model: random weights are written once (harness.models.write_random_qwen3, in a subprocess so its
+torch memory is gone before the server starts), then `openinfer serve` starts with vLLM's defaults
+(256 sequences, 8192 tokens per step) and a step trace; start-to-healthy (spawn to /health 200) and
+the server's RSS are measured; then `bench.serve` runs the scenarios against it: concurrency 1,
+a rate sweep (and rate inf), each with random 1024-token prompts and 128 output tokens. Writes
+serve-<model>.json / .md, the step traces and their tables (bench/step_profile.py) under --out-dir.
+
+    python bench/serve_gpu.py --models qwen3-4b --out-dir $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import serve as serve_bench  # noqa: E402
+from bench.common_report import plot_sweep  # noqa: E402
+from bench.step_profile import load, summarize, table  # noqa: E402
+
+# scenario -> bench.serve arguments (prompts per run, rate or concurrency)
+SCENARIOS = {
+    "c1": ["--num-prompts", "24", "--max-concurrency", "1", "--request-rate", "inf"],
+    "sweep": ["--num-prompts", "400", "--sweep-rates", "16,64"],
+    "low": ["--num-prompts", "40", "--sweep-rates", "1,4"],
+    "inf": ["--num-prompts", "1000", "--request-rate", "inf"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of the server: its process and its children (the engine process)."""
+    total = 0.0
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            total += int(line.split()[1]) / 1024
+    try:
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    except OSError:
+        children = []
+    return total + sum(rss_mib(int(c)) for c in children)
+
+
+def write_weights(model: str, folder: str) -> None:
+    config = ROOT / "bench" / "configs" / model / "config.json"
+    code = ("from harness.models import write_random_qwen3; import sys; "
+            "write_random_qwen3(sys.argv[1], sys.argv[2])")
+    subprocess.run([sys.executable, "-c", code, str(config), folder], cwd=ROOT, check=True)
+
+
+def start_server(folder: str, port: int, trace: Path, extra: list[str],
+                 device: str = "cuda") -> tuple[subprocess.Popen, float]:
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", folder, "--device", device, "--port", str(port),
+           "--step-trace", str(trace), "--log-level", "warning", *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(str(trace) + ".log", "w"))
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); see {trace}.log")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, time.perf_counter() - t0
+        except OSError:
+            pass
+        if time.perf_counter() - t0 > 600:
+            proc.kill()
+            raise RuntimeError("server not healthy in 600 s")
+        time.sleep(0.05)
+
+
+def scaled(args: list[str], scale: float) -> list[str]:
+    """A scenario's arguments with its prompt count scaled (smoke runs)."""
+    out = list(args)
+    i = out.index("--num-prompts") + 1
+    out[i] = str(max(2, int(int(out[i]) * scale)))
+    return out
+
+
+def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra: list[str],
+              device: str = "cuda", folder: str | None = None, scale: float = 1.0, input_len: int = 1024) -> dict:
+    if folder is None:
+        folder = f"/tmp/{model}-random"
+        write_weights(model, folder)
+    port = free_port()
+    result: dict = {"model": model, "server_args": extra}
+    for name in scenarios:                          # a fresh server per scenario: its own trace
+        trace = out / f"steps-{model}-{name}.jsonl"
+        proc, healthy_s = start_server(folder, port, trace, extra, device)
+        result.setdefault("start_to_healthy_s", []).append(round(healthy_s, 2))
+        result.setdefault("rss_mib_healthy", []).append(round(rss_mib(proc.pid), 1))
+        try:
+            report = serve_bench.main(["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", tokenizer,
+                                       "--input-len", str(input_len), "--output-len", "128", "--out-dir", str(out),
+                                       "--label", f"serve-{model}-{name}", "--no-plots",
+                                       *scaled(SCENARIOS[name], scale)])
+            result[name] = [{"rate": r["request_rate"], **r["metrics"], "errors": r["errors"]} for r in report["runs"]]
+            if name != "c1":
+                result.setdefault("sweep_runs", []).extend(report["runs"])
+            result.setdefault("rss_mib_after", []).append(round(rss_mib(proc.pid), 1))
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        rows = load(str(trace))
+        if rows:
+            text = table(summarize(rows))
+            (out / f"steps-{model}-{name}.md").write_text(text + "\n")
+            print(text, flush=True)
+    runs = sorted(result.pop("sweep_runs", []), key=lambda r: float(r["request_rate"]))
+    if runs:
+        plot_sweep(runs, out / f"serve-{model}-sweep.png", f"{model} on one H200: random 1024/128")
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="qwen3-4b")
+    p.add_argument("--scenarios", default="c1,sweep,inf")
+    p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/out"))
+    p.add_argument("--tokenizer", default=os.environ.get("OPENINFER_TEST_TOKENIZER", "/work/shared/models/qwen-tokenizer"))
+    p.add_argument("--server-arg", action="append", default=[], help="extra `openinfer serve` argument (repeat)")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script on a small --folder model")
+    p.add_argument("--folder", default=None, help="serve this model folder (no random weights written)")
+    p.add_argument("--scale", type=float, default=1.0, help="scale every scenario's prompt count (smoke runs)")
+    p.add_argument("--input-len", type=int, default=1024)
+    args = p.parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {m: run_model(m, args.scenarios.split(","), out, args.tokenizer, args.server_arg, args.device,
+                            args.folder, args.scale, args.input_len)
+               for m in args.models.split(",")}
+    (out / "serve-gpu-raw.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

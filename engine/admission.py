@@ -1,0 +1,68 @@
+"""Request admission: whether a GenerateRequest can run here (every check in one place) and the
+Sequence it becomes (a concrete seed, EOS folded into its stop tokens)."""
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+from engine.request import GenerateRequest
+from engine.sequence import Sequence
+from memory.kv_pool import BLOCK_SIZE, blocks_for
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    vocab_size: int
+    max_model_len: int
+    max_n: int                  # samples per request (already capped by max_num_seqs)
+    num_kv_blocks: int
+
+
+class Admission:
+    def __init__(self, limits: AdmissionLimits, eos_token_ids: list[int], seed: int):
+        self.limits = limits
+        self.eos_token_ids = list(eos_token_ids)
+        self._seed_rng = random.Random(seed)
+
+    def reject_reason(self, req: GenerateRequest, in_flight) -> str | None:
+        """Why the request cannot run (naming the field), or None. in_flight: request ids running now."""
+        lim, p = self.limits, req.params
+        try:
+            p.validate()
+        except ValueError as e:
+            return str(e)
+        prompt = req.prompt_token_ids
+        if req.lora_name is not None:
+            return f"lora_name {req.lora_name!r}: LoRA adapters are not supported by this engine"
+        if req.request_id in in_flight:
+            return f"request_id {req.request_id!r} is already in flight"
+        if not prompt:
+            return "prompt is empty: at least one token is needed"
+        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < lim.vocab_size)]
+        if bad:
+            return f"prompt token id {bad[0]!r} is out of the vocabulary range [0, {lim.vocab_size})"
+        if len(prompt) + p.max_tokens > lim.max_model_len:
+            return (f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) = "
+                    f"{len(prompt) + p.max_tokens} exceeds max_model_len ({lim.max_model_len})")
+        if p.n > lim.max_n:
+            return f"n must be <= {lim.max_n}, got {p.n}"
+        if blocks_for(len(prompt) + p.max_tokens) > lim.num_kv_blocks:
+            return (f"prompt + max_tokens ({len(prompt) + p.max_tokens} tokens) needs more KV "
+                    f"cache than the engine has ({lim.num_kv_blocks * BLOCK_SIZE} tokens)")
+        for t in list(p.logit_bias) + list(p.stop_token_ids):
+            if not 0 <= int(t) < lim.vocab_size:
+                return f"token id {t} (logit_bias / stop_token_ids) is out of the vocabulary range"
+        return None
+
+    def sequence(self, req: GenerateRequest, seq_id: int) -> Sequence:
+        """The request's first Sequence with its effective parameters."""
+        p = req.params
+        stops = list(p.stop_token_ids) + ([] if p.ignore_eos else
+                                          [t for t in self.eos_token_ids if t not in p.stop_token_ids])
+        # any int seed (OpenAI's are signed 64-bit) maps to the sampler's non-negative range
+        seed = p.seed % (1 << 64) if p.seed is not None else self._seed_rng.getrandbits(63)
+        params = dataclasses.replace(p, seed=seed, stop_token_ids=stops)
+        return Sequence(seq_id=seq_id, request_id=req.request_id, token_ids=list(req.prompt_token_ids),
+                        prompt_len=len(req.prompt_token_ids), params=params, arrival=req.arrival_time,
+                        fork_count=p.n, want_prompt_logprobs=p.prompt_logprobs is not None)

@@ -1,0 +1,62 @@
+"""The mixture-of-experts Ops in numpy (float32): the router (RouteSpec) and the routed experts over
+stacked weights. The reference the GPU's routing, permutation and grouped-GEMM kernels are checked
+against (route_topk and expert_rows are also used by those tests)."""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.models.ops import RouteSpec
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def route_topk(logits: np.ndarray, spec: RouteSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(weights float32 [T, k], ids int32 [T, k]) from router logits [T, E], as transformers' routers:
+    softmax; group-limited: experts outside the topk_groups groups of highest max probability drop
+    to 0; the top_k (ties to the lower id), renormalized when spec.renormalize, times spec.scale."""
+    probs = softmax(logits.astype(np.float32))
+    scores = probs
+    if spec.num_groups > 1:
+        T, G = probs.shape[0], spec.num_groups
+        best = probs.reshape(T, G, -1).max(axis=-1)                          # [T, G]
+        keep = np.argsort(-best, axis=-1, kind="stable")[:, :spec.topk_groups]
+        mask = np.zeros((T, G), bool)
+        np.put_along_axis(mask, keep, True, axis=-1)
+        scores = np.where(np.repeat(mask, spec.num_experts // G, axis=-1), probs, np.float32(0))
+    ids = np.argsort(-scores, axis=-1, kind="stable")[:, :spec.top_k]
+    weights = np.take_along_axis(scores, ids, axis=-1)
+    if spec.renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return (weights * np.float32(spec.scale)).astype(np.float32), ids.astype(np.int32)
+
+
+def expert_rows(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (token, slot) assignments grouped by expert: (order, offsets), order [T·k] the flat
+    assignment indices sorted by expert (stable: token order inside a group), offsets [E + 1] each
+    expert's first position in order (the permutation the GPU's moe_align kernel builds)."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=num_experts)
+    return order, np.concatenate([[0], np.cumsum(counts)])
+
+
+class NumpyMoEOps:
+    """Mixed into NumpyOps (which provides silu_mul)."""
+
+    def route(self, x, gate_weight, spec: RouteSpec):
+        return route_topk(x @ gate_weight.T, spec)
+
+    def moe_experts(self, x, gate_up, down, weights, ids, residual):
+        k = ids.shape[1]
+        order, offsets = expert_rows(ids, gate_up.shape[0])
+        out = np.array(residual, dtype=np.float32)
+        flat_w = weights.reshape(-1)
+        for e in np.flatnonzero(np.diff(offsets)):
+            sel = order[offsets[e]:offsets[e + 1]]
+            tokens = sel // k
+            y = self.silu_mul(x[tokens] @ gate_up[e].T) @ down[e].T
+            np.add.at(out, tokens, y * flat_w[sel][:, None])
+        return out

@@ -1,0 +1,120 @@
+"""StepInputs: a step's ModelBatch arrays in one static device buffer, uploaded in one copy.
+
+Layout (int32, Tm = max tokens per step, Bm = max sequences, W = block-table width): input ids,
+positions, KV slots, token -> sequence row, sampled rows (Tm each), then the block tables [Bm, W].
+Decode graphs read the same addresses at every replay; eager steps read prefixes of each region.
+`extra_rows` holds row lists of the eager paths (prompt-logprob rows).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.batch import ModelBatch
+from engine.executor.gpu_ops import GpuStepContext
+from memory.device_arena import Buffer, buffers_nbytes
+
+
+class StepInputs:
+    def __init__(self, arena, stream, max_tokens: int, max_seqs: int, max_blocks: int, vocab_size: int,
+                 max_model_len: int):
+        from memory.streams import pinned_array
+
+        self.stream, self.vocab_size, self.max_model_len = stream, vocab_size, max_model_len
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
+        b = arena.take_all("inputs", self.buffers(max_tokens, max_seqs, max_blocks))
+        self.device, self.extra_rows = b["step"], b["extra_rows"]
+        # two pinned twins used in turn: a step may be packed while the one before waits for its upload
+        self.hosts = [pinned_array(self.device.shape, np.int32) for _ in range(2)]
+        self.host = self.hosts[0]
+
+    @staticmethod
+    def buffers(max_tokens: int, max_seqs: int, max_blocks: int) -> list[Buffer]:
+        return [Buffer("step", (5 * max_tokens + max_seqs * max_blocks,), np.int32),
+                Buffer("extra_rows", (max_tokens,), np.int32)]
+
+    @classmethod
+    def nbytes(cls, plan) -> int:
+        return buffers_nbytes(cls.buffers(plan.max_tokens, plan.max_seqs, plan.max_blocks))
+
+    def check(self, batch: ModelBatch, num_kv_blocks: int, check_ids: bool = True) -> None:
+        """A step this executor cannot take raises ValueError (the scheduler, built from the same
+        options, never plans one; a direct caller learns what is wrong)."""
+        T, B = batch.num_tokens, len(batch.seqs)
+        if T == 0 or T > self.max_tokens:
+            raise ValueError(f"step has {T} tokens; the GPU executor takes 1..{self.max_tokens}")
+        if B > self.max_seqs:
+            raise ValueError(f"step has {B} sequences, more than max_num_seqs={self.max_seqs}")
+        if int(batch.positions.max()) >= self.max_model_len:
+            raise ValueError(f"position {int(batch.positions.max())} is beyond max_model_len {self.max_model_len}")
+        if int(batch.block_tables.max()) >= num_kv_blocks:
+            raise ValueError(f"block id {int(batch.block_tables.max())} is outside the KV pool "
+                             f"({num_kv_blocks} blocks)")
+        if check_ids and (batch.input_ids.min() < 0 or batch.input_ids.max() >= self.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.vocab_size})")
+
+    def _next_host(self) -> np.ndarray:
+        self.host = self.hosts[1] if self.host is self.hosts[0] else self.hosts[0]
+        return self.host
+
+    def upload(self, batch: ModelBatch, num_splits, pad_to: int | None = None, fed_ids=None) -> GpuStepContext:
+        """Copy the step's arrays into the device buffer (one async copy on the stream) and return
+        their views. pad_to (decode graphs): pad a one-token-per-sequence batch to that many rows;
+        padded rows have position and slot -1 (attention skips them, no KV is written) and read
+        block-table row 0. num_splits(T, max_context): the attention split count of the step.
+        fed_ids: a device array whose first T ids replace the batch's (a step queued before the
+        step that samples its input ids finished: async scheduling)."""
+        import cupy
+
+        T, B = batch.num_tokens, len(batch.seqs)
+        Tm, mb, h = self.max_tokens, self.max_blocks, self._next_host()
+        lens = np.diff(batch.cu_seqlens)
+        h[0:T] = batch.input_ids
+        h[Tm:Tm + T] = batch.positions
+        h[2 * Tm:2 * Tm + T] = batch.slot_mapping
+        h[3 * Tm:3 * Tm + T] = np.repeat(np.arange(B, dtype=np.int32), lens)
+        S = batch.sample_rows.shape[0]
+        h[4 * Tm:4 * Tm + S] = batch.sample_rows
+        rows = B
+        if pad_to is not None:
+            h[T:pad_to], h[Tm + T:Tm + pad_to], h[2 * Tm + T:2 * Tm + pad_to] = 0, -1, -1
+            h[3 * Tm + T:3 * Tm + pad_to] = 0
+            h[4 * Tm:4 * Tm + pad_to] = np.arange(pad_to, dtype=np.int32)
+            T = S = rows = pad_to
+        tables = h[5 * Tm:5 * Tm + rows * mb].reshape(rows, mb)
+        tables[:B, :batch.block_tables.shape[1]] = batch.block_tables
+        tables[:B, batch.block_tables.shape[1]:] = 0
+        tables[B:] = 0
+        n = 5 * Tm + rows * mb
+        cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
+                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        if fed_ids is not None:
+            cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, fed_ids.data.ptr, batch.num_tokens * 4,
+                                          cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+        max_context = int(batch.context_lens.max()) if pad_to is None else self.max_model_len
+        return self.views(T, rows, S, num_splits(T, max_context))
+
+    def upload_padding(self, rows: int, splits: int) -> GpuStepContext:
+        """A decode-graph context of `rows` padded rows only (graph warm-up: every row has position
+        and slot -1, so the step writes no KV and attends to nothing)."""
+        import cupy
+
+        Tm, h = self.max_tokens, self._next_host()
+        h[0:rows], h[Tm:Tm + rows], h[2 * Tm:2 * Tm + rows], h[3 * Tm:3 * Tm + rows] = 0, -1, -1, 0
+        h[4 * Tm:4 * Tm + rows] = np.arange(rows, dtype=np.int32)
+        h[5 * Tm:5 * Tm + rows * self.max_blocks] = 0
+        n = 5 * Tm + rows * self.max_blocks
+        cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
+                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        return self.views(rows, rows, rows, splits)
+
+    def views(self, T: int, B: int, S: int, splits: int) -> GpuStepContext:
+        Tm, mb, d = self.max_tokens, self.max_blocks, self.device
+        return GpuStepContext(num_tokens=T, input_ids=d[0:T], positions=d[Tm:Tm + T],
+                              slot_mapping=d[2 * Tm:2 * Tm + T], token_seq=d[3 * Tm:3 * Tm + T],
+                              block_tables=d[5 * Tm:5 * Tm + B * mb].reshape(B, mb),
+                              sample_rows=d[4 * Tm:4 * Tm + S], num_splits=splits)
+
+    def upload_rows(self, rows: np.ndarray):
+        """A row list for an eager gather (prompt-logprob rows): its device view."""
+        self.extra_rows[: rows.size].set(rows.astype(np.int32), stream=self.stream)
+        return self.extra_rows[: rows.size]

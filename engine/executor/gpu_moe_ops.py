@@ -1,0 +1,133 @@
+"""The mixture-of-experts Ops on the GPU, mixed into GpuOps (it provides gemm, _launch, _residual_out,
+stream and gate_up_interleaved).
+
+route: the router GEMM into float32 logits (cuBLAS), then moe_route.cu's softmax + top-k (greedy or
+group-limited, renormalized, scaled), one warp per token. moe_experts: moe_align.cu groups the
+(token, slot) assignments by expert on the device (each group padded to whole M-tiles), moe_permute.cu
+gathers the activations into those rows, the grouped GEMM (kernels.cute.grouped_gemm where the CuTe
+library serves, else moe_grouped_gemm.cu) runs gate_up, silu_mul.cu the activation, the grouped GEMM
+down, and moe_permute.cu's combine adds the routing-weighted rows to the residual stream. Every
+launch has a grid fixed by the step's token count (the rows bound below), nothing waits on the host:
+a decode step with experts is captured in its CUDA graph like a dense one.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.models.ops import RouteSpec
+from kernels.raw_cuda import kernel
+from memory.device_arena import Buffer, buffers_nbytes
+
+MAX_ROUTED_EXPERTS = 512     # moe_route.cu MAX_E (moe_align.cu takes up to 1024)
+MAX_TOP_K = 32
+TILE_ROWS = (64, 128)        # the grouped GEMM's M-tiles
+
+
+def expert_tile_m(tokens: int, top_k: int, experts: int) -> int:
+    """M-tile of a step's grouped GEMMs: 128 rows once the experts average a full 128-row tile, else 64
+    (decode: fewer padding rows). Not tuned."""
+    return 128 if tokens * top_k >= 128 * experts else 64
+
+
+def expert_tiles(tokens: int, top_k: int, experts: int, tile_m: int) -> int:
+    """M-tiles that always hold the step's assignments: sum_e ceil(count_e / tile_m) is at most
+    (tokens·top_k + nonempty experts·(tile_m - 1)) / tile_m."""
+    n = tokens * top_k
+    return -(-(n + min(experts, n) * (tile_m - 1)) // tile_m)
+
+
+def expert_rows(tokens: int, top_k: int, experts: int) -> int:
+    """Grouped rows of the largest step of `tokens` tokens, whichever tile it takes."""
+    return max(expert_tiles(tokens, top_k, experts, m) * m for m in TILE_ROWS)
+
+
+class GpuMoEOps:
+    @staticmethod
+    def moe_buffers(plan) -> list[Buffer]:
+        """Router logits / weights / ids, the grouping's maps and two row buffers the grouped products
+        alternate between (activations -> gate_up -> SiLU·up -> down)."""
+        s = plan.experts
+        if s is None:
+            return []
+        T, E, K, H, I = plan.max_tokens, s.num_experts, s.top_k, s.hidden, s.inter
+        rows = expert_rows(T, K, E)
+        return [Buffer("moe_logits", (T * E,), np.float32), Buffer("moe_weights", (T * K,), np.float32),
+                Buffer("moe_ids", (T * K,), np.int32), Buffer("moe_row_of", (T * K,), np.int32),
+                Buffer("moe_row_token", (rows,), np.int32), Buffer("moe_tile_expert", (rows // 64,), np.int32),
+                Buffer("moe_a", (rows * max(H, I),), np.uint16), Buffer("moe_b", (rows * max(2 * I, H),), np.uint16)]
+
+    @classmethod
+    def moe_nbytes(cls, plan) -> int:
+        return buffers_nbytes(cls.moe_buffers(plan))
+
+    def take_moe(self, arena, plan) -> None:
+        """Carve the MoE buffers (none for a dense line) and check the kernels' limits."""
+        s = plan.experts
+        self.moe = None
+        if s is None:
+            return
+        if s.num_experts > MAX_ROUTED_EXPERTS or s.top_k > MAX_TOP_K or s.hidden % 8 or s.inter % 8:
+            raise ValueError(f"GPU MoE kernels need at most {MAX_ROUTED_EXPERTS} experts, top_k <= {MAX_TOP_K}, "
+                             f"hidden and expert intermediate % 8 == 0; got {s}")
+        self.moe = arena.take_all("moe", self.moe_buffers(plan))
+        self.k_topk = kernel("moe_route", "moe_topk")
+        self.k_align = kernel("moe_align", "moe_align")
+        self.k_gather = kernel("moe_permute", "moe_gather")
+        self.k_combine = kernel("moe_permute", "moe_combine")
+        self.k_grouped = kernel("moe_grouped_gemm", "moe_grouped_gemm")
+
+    def route(self, x, gate_weight, spec: RouteSpec):
+        T, E, K = x.shape[0], spec.num_experts, spec.top_k
+        b = self.moe
+        logits = b["moe_logits"][:T * E].reshape(T, E)
+        self.gemm(x, gate_weight, logits)                    # fp32 output: cuBLAS
+        weights, ids = b["moe_weights"][:T * K].reshape(T, K), b["moe_ids"][:T * K].reshape(T, K)
+        self._launch(self.k_topk, (-(-T // 4),), (128,),
+                     (logits, weights, ids, np.int32(T), np.int32(E), np.int32(K), np.int32(spec.renormalize),
+                      np.float32(spec.scale), np.int32(spec.num_groups), np.int32(spec.topk_groups)))
+        return weights, ids
+
+    def group_experts(self, ids, num_experts: int):
+        """moe_align.cu over ids [T, top_k]: (tile_m, rows, row_of, row_token, tile_expert) device views."""
+        T, K = ids.shape
+        b = self.moe
+        tile_m = expert_tile_m(T, K, num_experts)
+        tiles = expert_tiles(T, K, num_experts, tile_m)
+        rows = tiles * tile_m
+        row_of, row_token = b["moe_row_of"][:T * K], b["moe_row_token"][:rows]
+        tile_expert = b["moe_tile_expert"][:tiles]
+        self._launch(self.k_align, (1,), (1024,),
+                     (ids, np.int32(T), np.int32(K), np.int32(num_experts), np.int32(tile_m), np.int32(tiles),
+                      row_of, row_token, tile_expert))
+        return tile_m, rows, row_of, row_token, tile_expert
+
+    def grouped_linear(self, a, w, tile_expert, row_token, out, tile_m: int) -> None:
+        """out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ: the CuTe grouped GEMM where it serves, else
+        moe_grouped_gemm.cu (tensor-core wmma, graph-capturable too)."""
+        if self.gemm.cute is not None:
+            self.gemm.cute.grouped_gemm(a, w, tile_expert, out, stream=self.stream, prefetch_weights=True)
+            return
+        M, K = a.shape
+        N = w.shape[1]
+        self._launch(self.k_grouped, (-(-N // 64), M // 64), (128,),
+                     (a, w, tile_expert, row_token, out, np.int32(M), np.int32(N), np.int32(K), np.int32(tile_m)))
+
+    def moe_experts(self, x, gate_up, down, weights, ids, residual):
+        T, H = x.shape
+        E, two_i, _ = gate_up.shape
+        inter = two_i // 2
+        tile_m, rows, row_of, row_token, tile_expert = self.group_experts(ids, E)
+        b = self.moe
+        a = b["moe_a"][:rows * H].reshape(rows, H)
+        self._launch(self.k_gather, (rows,), (128,), (x, row_token, a, np.int32(H)))
+        gu = b["moe_b"][:rows * two_i].reshape(rows, two_i)
+        self.grouped_linear(a, gate_up, tile_expert, row_token, gu, tile_m)
+        act = b["moe_a"][:rows * inter].reshape(rows, inter)
+        total = rows * inter // 8
+        self._launch(self.k_silu, (max(1, min(4096, -(-total // 256))),), (256,),
+                     (gu, act, np.int32(inter), np.int64(total), np.int32(self.gate_up_interleaved)))
+        y = b["moe_b"][:rows * H].reshape(rows, H)
+        self.grouped_linear(act, down, tile_expert, row_token, y, tile_m)
+        out = self._residual_out(T, H)
+        self._launch(self.k_combine, (T,), (128,), (y, row_of, weights, residual, out, np.int32(H), np.int32(ids.shape[1])))
+        return out

@@ -1,0 +1,96 @@
+"""GpuPlan: the sizes every GPU part is built for (the executor options, the model's shapes and KV
+layout, the device's facts), and DeviceInfo, the device asked once.
+
+Each part (GpuOps, GpuSampler, StepInputs, PrefillAttention, Gemm) states its own bytes from a plan
+(`nbytes(plan)`) and takes exactly those from the arena; the executor adds them up, gives the
+weights theirs, and hands what is left to the KV pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.executor.options import ExecutorOptions
+from engine.model_config import ModelConfig
+from engine.models.moe import ExpertShape
+from engine.models.ops import MLASpec
+from memory.kv_pool import KVLayout, blocks_for
+
+# Logit rows the eager paths compute at once (prompt logprobs and forward_logits go in chunks of it):
+# 1024 rows of a 151,936-token vocabulary are 0.6 GB of float32.
+LOGIT_CHUNK_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the executor needs to know of its GPU, asked once at start."""
+    name: str
+    num_sms: int
+    total_memory: int
+    compute_capability: str
+
+    @classmethod
+    def query(cls) -> "DeviceInfo":
+        import cupy
+
+        dev = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        return cls(name=name, num_sms=int(props["multiProcessorCount"]), total_memory=int(props["totalGlobalMem"]),
+                   compute_capability=str(dev.compute_capability))
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    options: ExecutorOptions
+    config: ModelConfig
+    device: DeviceInfo
+    kv: KVLayout
+    width: int              # widest activation row a forward writes (values)
+    num_heads: int          # query heads of the widest attention layer
+    head_dim: int           # its head dim
+    linear_shapes: tuple[tuple[int, int], ...] = ()   # (N, K) of the bf16-output linear weights
+    experts: ExpertShape | None = None     # the routed experts' shape (MoE lines; gpu_moe_ops.py)
+    mla: MLASpec | None = None             # the latent attention's shape (MLA lines; gpu_mla_ops.py)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.options.max_num_batched_tokens
+
+    @property
+    def max_seqs(self) -> int:
+        return self.options.max_num_seqs
+
+    @property
+    def max_model_len(self) -> int:
+        return self.options.max_model_len
+
+    @property
+    def max_blocks(self) -> int:
+        """Block-table width: blocks of one max_model_len sequence."""
+        return blocks_for(self.max_model_len)
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of the logits buffer: every sampled row of a step, and chunks of the eager paths."""
+        return max(self.max_seqs, min(self.max_tokens, LOGIT_CHUNK_ROWS))
+
+    @property
+    def hidden(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab(self) -> int:
+        return self.config.vocab_size
+
+
+def gpu_plan(options: ExecutorOptions, model, device: DeviceInfo) -> GpuPlan:
+    """The plan of a model line (its kv_layout, activation width, attention specs and, for the MoE and
+    MLA lines, expert_shape and MLASpec) on a device."""
+    widest = max(model.attention_specs, key=lambda s: s.num_heads * s.head_dim)
+    shapes = sorted({tuple(w.shape) for w in model.weight_specs()     # routers: float32 logits, cuBLAS
+                     if len(w.shape) == 2 and w.name not in ("embed_tokens", "lm_head")
+                     and not w.name.endswith(".router")})
+    mla = model.attention_specs[0] if isinstance(model.attention_specs[0], MLASpec) else None
+    return GpuPlan(options=options, config=model.config, device=device, kv=model.kv_layout(),
+                   width=model.activation_width, num_heads=widest.num_heads, head_dim=widest.head_dim,
+                   linear_shapes=tuple(shapes), experts=model.expert_shape, mla=mla)

@@ -1,0 +1,84 @@
+"""The engine in a process of its own (EngineClient): the same tokens as the in-process engine, aborts
+and errors crossing the pipe, start-up errors raised in the parent, and a dead engine process failing
+its open requests instead of hanging them."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.events import Error, Finished, Rejected, Token
+from engine.handle import EngineHandle
+from engine.process import EngineClient
+from engine.request import GenerateRequest, SamplingParams
+from harness.models import tiny_model_path
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def config():
+    return EngineConfig(model=tiny_model_path("qwen3_tied"), device="cpu", max_model_len=256, num_kv_blocks=64,
+                        progress=False)
+
+
+@pytest.fixture(scope="module")
+def client(config):
+    with EngineClient(config) as c:
+        yield c
+
+
+def test_same_tokens_as_the_engine_in_this_process(client, config):
+    prompts = [[5, 6, 7, 8], list(range(40, 90)), [3] * 20]
+    with EngineHandle(config) as local:
+        want = [o.outputs[0].token_ids for o in local.generate(prompts, PARAMS)]
+    got = client.generate(prompts, PARAMS)
+    assert [o.outputs[0].token_ids for o in got] == want and all(len(w) == 12 for w in want)
+    assert [o.outputs[0].finish_reason for o in got] == ["length"] * 3
+    assert client.max_model_len == 256 and client.tokenizer.encode("hi") and client.is_healthy()
+    assert client.stats().generation_tokens_total >= 36
+
+
+def test_rejections_and_aborts_cross_the_pipe(client):
+    async def run():
+        bad = [e async for e in client.submit(GenerateRequest("bad", [1] * 300, PARAMS))]
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        stream = client.submit(GenerateRequest("long", [1, 2, 3], long))
+        events = []
+        async for e in stream:
+            events.append(e)
+            if sum(isinstance(x, Token) for x in events) == 3:
+                client.abort("long")
+        return bad, events
+    bad, events = asyncio.run(run())
+    assert isinstance(bad[0], Rejected) and "max_model_len" in bad[0].reason
+    assert isinstance(events[-1], Finished) and events[-1].reason == "abort"
+    assert sum(isinstance(e, Token) for e in events) < 200
+
+
+def test_start_up_errors_are_raised_in_the_parent():
+    with pytest.raises(FileNotFoundError, match="no/such"):
+        EngineClient(EngineConfig(model="/no/such/model", device="cpu"))
+    with pytest.raises(ValueError, match="max_model_len"):
+        EngineClient(EngineConfig(model=tiny_model_path("qwen3_tied"), device="cpu", max_model_len=100000))
+
+
+def test_a_dead_engine_fails_open_requests(config):
+    c = EngineClient(config)
+    try:
+        async def run():
+            stream = c.submit(GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True)))
+            events = []
+            async for e in stream:
+                events.append(e)
+                if len(events) == 2:
+                    os.kill(c._proc.pid, signal.SIGKILL)
+            return events
+        events = asyncio.run(asyncio.wait_for(run(), 60))
+        assert isinstance(events[-1], Error) and "engine process ended" in events[-1].message
+        assert not c.is_healthy()
+    finally:
+        c.shutdown()

@@ -1,0 +1,187 @@
+"""The MoE and MLA GPU kernels against the numpy reference ops (engine/executor/cpu_moe_ops.py,
+cpu_mla_ops.py), each through the GpuOps method that launches it, on the buffers of a tiny model's
+GpuExecutor: router top-k (greedy, renormalized, scaled, group-limited), the device-side expert
+grouping (moe_align.cu) against kernels/cute/moe.py's layout rules, the grouped GEMM (CuTe and the
+wmma fallback), the whole routed-expert op, the MLA cache write, and MLA attention in both forms.
+
+Tolerances: bf16 inputs on both sides; the GPU rounds its outputs (and some intermediates) to bf16,
+so values of order 1 agree to ~1e-2 (ROUND), float32 routing weights to 1e-5.
+"""
+from __future__ import annotations
+
+import functools
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from engine.batch import ModelBatch, SeqStep
+from engine.executor.cpu_moe_ops import route_topk
+from engine.executor.cpu_ops import CpuStepContext, NumpyOps
+from engine.loader import load_model
+from engine.models.ops import RouteSpec
+from engine.models.rope import rope_cos_sin
+from harness.executors import new_gpu_executor
+from harness.models import tiny_model_path
+
+pytestmark = pytest.mark.gpu
+ROUND = 2e-2
+
+
+def bf16(a) -> np.ndarray:
+    """float32 values rounded to bf16 (what both sides compute from)."""
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def dev(a):
+    import cupy
+    return cupy.asarray(np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def host(x) -> np.ndarray:
+    import cupy
+    return cupy.asnumpy(x).view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def executor(name: str, gemm: str = "auto"):
+    model = load_model(tiny_model_path(name))
+    return model, new_gpu_executor(model, gemm=gemm, cuda_graphs=False)
+
+
+def test_router_topk_matches_numpy():
+    import cupy
+    _, ex = executor("deepseek_v2")
+    rng = np.random.default_rng(0)
+    for spec in (RouteSpec(6, 3, renormalize=True), RouteSpec(6, 2, scale=1.5),
+                 RouteSpec(6, 3, num_groups=3, topk_groups=2), RouteSpec(6, 1, num_groups=2, topk_groups=1)):
+        x, gate = dev(rng.standard_normal((37, 64))), dev(rng.standard_normal((6, 64)) / 4)
+        weights, ids = ex.ops.route(x, gate, spec)
+        logits = cupy.asnumpy(ex.ops.moe["moe_logits"][:37 * 6]).reshape(37, 6)
+        np.testing.assert_allclose(logits, host(x) @ host(gate).T, rtol=1e-4, atol=1e-4)
+        want_w, want_ids = route_topk(logits, spec)
+        np.testing.assert_array_equal(cupy.asnumpy(ids), want_ids, err_msg=str(spec))
+        np.testing.assert_allclose(cupy.asnumpy(weights), want_w, rtol=1e-5, atol=1e-6, err_msg=str(spec))
+
+
+@pytest.mark.parametrize("tokens,skew", [(1, False), (5, False), (33, True), (512, False)])
+def test_expert_grouping_on_the_device(tokens, skew):
+    """Every assignment gets its own row inside its expert's group (groups padded to whole tiles, in
+    expert order, as kernels/cute/moe.py group_by_expert lays them out), row_token inverts it, padding
+    rows are -1, and every tile of the fixed grid names an expert (unused ones the last used)."""
+    import cupy
+
+    from kernels.cute.moe import group_by_expert
+    _, ex = executor("qwen3_moe")
+    E, K = 6, 3
+    rng = np.random.default_rng(tokens)
+    ids = np.stack([rng.permutation([0, 1, 2] if skew else E)[:K] for _ in range(tokens)]).astype(np.int32)
+    tile_m, rows, row_of, row_token, tile_expert = ex.ops.group_experts(cupy.asarray(ids), E)
+    row_of, row_token, tile_expert = (cupy.asnumpy(a) for a in (row_of, row_token, tile_expert))
+    ref = group_by_expert(ids, E, tile_m)
+    used = ref.tile_expert.size
+    np.testing.assert_array_equal(tile_expert[:used], ref.tile_expert)
+    assert (tile_expert[used:] == ref.tile_expert[-1]).all() and rows >= ref.padded_rows
+    starts = np.concatenate([[0], np.cumsum(-(-ref.counts // tile_m) * tile_m)])
+    flat = ids.reshape(-1)
+    assert len(set(row_of.tolist())) == flat.size
+    assert ((row_of >= starts[flat]) & (row_of < starts[flat] + ref.counts[flat])).all()
+    np.testing.assert_array_equal(row_token[row_of], np.arange(flat.size) // K)
+    assert (np.delete(row_token, row_of) == -1).all()
+
+
+@pytest.mark.parametrize("gemm", ["cute", "cublas"])
+def test_grouped_gemm_matches_numpy(gemm):
+    """The CuTe grouped GEMM ("cute") and the wmma fallback (no CuTe: "cublas") on expert-grouped rows."""
+    import cupy
+    _, ex = executor("qwen3_moe", gemm)
+    if gemm == "cute" and ex.gemm.cute is None:
+        pytest.skip(f"CuTe GEMM not available: {ex.gemm.cute_missing}")
+    rng = np.random.default_rng(1)
+    for tile_m, tiles, (E, N, K) in ((64, 5, (6, 80, 64)), (128, 3, (4, 136, 200))):
+        M = tiles * tile_m
+        a, w = rng.standard_normal((M, K)), rng.standard_normal((E, N, K)) / K ** 0.5
+        tile_expert = rng.integers(0, E, tiles).astype(np.int32)
+        row_token = np.arange(M, dtype=np.int32)
+        out = cupy.zeros((M, N), cupy.uint16)
+        ex.ops.grouped_linear(dev(a), dev(w), cupy.asarray(tile_expert), cupy.asarray(row_token), out, tile_m)
+        want = np.einsum("mk,mnk->mn", bf16(a), bf16(w)[np.repeat(tile_expert, tile_m)])
+        np.testing.assert_allclose(host(out), want, rtol=ROUND, atol=ROUND)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_routed_experts_match_numpy(tokens):
+    """route + moe_experts (grouping, gather, grouped gate_up, SiLU·up, grouped down, weighted combine
+    into the residual) against NumpyMoEOps on the same bf16 weights."""
+    import cupy
+
+    from engine.executor.gpu_gemm import interleave_gate_up
+    model, ex = executor("qwen3_moe")
+    w = {k: bf16(model.weights[k]) for k in ("layers.1.router", "layers.1.experts_gate_up_proj",
+                                             "layers.1.experts_down_proj")}
+    rng = np.random.default_rng(tokens)
+    x, residual = bf16(rng.standard_normal((tokens, 64))), bf16(rng.standard_normal((tokens, 64)))
+    spec = model.model.moe.route
+    weights, ids = ex.ops.route(dev(x), dev(w["layers.1.router"]), spec)
+    gate_up = w["layers.1.experts_gate_up_proj"]
+    out = ex.ops.moe_experts(dev(x), dev(interleave_gate_up(gate_up) if ex.ops.gate_up_interleaved else gate_up),
+                             dev(w["layers.1.experts_down_proj"]), weights, ids, dev(residual))
+    want = NumpyOps(np.zeros((1, 1, 16, 1, 8), np.float32)).moe_experts(x, gate_up, w["layers.1.experts_down_proj"], cupy.asnumpy(weights),
+                                   cupy.asnumpy(ids), residual)
+    np.testing.assert_allclose(host(out), want, rtol=ROUND, atol=3 * ROUND)
+
+
+def mla_step(model, ex):
+    """A step of a 20-token prefill (block table [3, 5]) and a decode at position 37 (blocks [0, 1, 2]),
+    the decode's earlier cache rows random; (host batch, GPU ctx, CPU ctx, NumpyOps over a float32
+    copy of the GPU cache after the writes)."""
+    batch = ModelBatch.build([SeqStep(0, list(range(20)), 0, [3, 5], False),
+                              SeqStep(1, [7], 37, [0, 1, 2], False)])
+    rng = np.random.default_rng(2)
+    layer = ex.kv_cache[1, 0]
+    layer[:96] = dev(rng.standard_normal((96, 1, layer.shape[-1])))      # blocks 0-5: every row the step reads
+    ctx = ex.upload(batch)
+    cos, sin = rope_cos_sin(model.config, 64, model.model.rope_dim)
+    return batch, ctx, CpuStepContext(batch, cos[batch.positions], sin[batch.positions])
+
+
+def cpu_ops_over(ex) -> NumpyOps:
+    return NumpyOps(host(ex.kv_cache))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v2"])
+def test_mla_latent_cache_matches_numpy(name):
+    model, ex = executor(name)
+    spec = model.model.attention_specs[1]
+    batch, ctx, cpu_ctx = mla_step(model, ex)
+    rng = np.random.default_rng(3)
+    y = bf16(rng.standard_normal((batch.num_tokens, spec.q_cols + spec.cache_dim)))
+    kv_norm = bf16(1 + 0.2 * rng.standard_normal(spec.kv_lora_rank))
+    q_norm = bf16(1 + 0.2 * rng.standard_normal(spec.q_cols)) if model.model.mla.q_lora_rank else None
+    q = ex.ops.mla_latent_cache(dev(y), spec, ctx, dev(kv_norm), None if q_norm is None else dev(q_norm))
+    ref = cpu_ops_over(ex)
+    ref.kv[1, 0, batch.slot_mapping] = 0
+    want_q = ref.mla_latent_cache(y, spec, cpu_ctx, kv_norm, q_norm)
+    np.testing.assert_allclose(host(q), want_q, rtol=ROUND, atol=ROUND)
+    np.testing.assert_allclose(host(ex.kv_cache)[1, 0, batch.slot_mapping], ref.kv[1, 0, batch.slot_mapping],
+                               rtol=ROUND, atol=ROUND)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v2"])
+@pytest.mark.parametrize("form", ["absorbed", "expanded"])
+def test_mla_attention_matches_numpy(name, form):
+    """mla_attention over a prefill and a decode sequence: the absorbed form (mla_decode.cu between two
+    strided-batched GEMMs; what a decode graph runs) and the expanded one (paged_attention.cu over K and V
+    built from the latent), against the numpy reference on the same cache."""
+    model, ex = executor(name)
+    spec = model.model.attention_specs[1]
+    batch, ctx, cpu_ctx = mla_step(model, ex)
+    if form == "absorbed":
+        ctx.batch = None                 # as in a decode graph: no host batch, no expansion
+    rng = np.random.default_rng(4)
+    q = bf16(rng.standard_normal((batch.num_tokens, spec.num_heads * spec.qk_dim)))
+    kv_b = bf16(model.weights["layers.1.kv_b_proj"])
+    o = ex.ops.mla_attention(dev(q), dev(kv_b), spec, ctx)
+    assert (ctx.mla not in (None, False)) == (form == "expanded")
+    want = cpu_ops_over(ex).mla_attention(q, kv_b, spec, cpu_ctx)
+    np.testing.assert_allclose(host(o), want, rtol=ROUND, atol=3 * ROUND)     # o_lat is rounded before W_UV

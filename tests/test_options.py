@@ -1,0 +1,199 @@
+"""Every engine option reaches the part that uses it (EngineConfig -> ExecutorOptions -> executor,
+scheduler, admission), combinations that cannot work are refused at start, and the GPU parts size
+themselves from the plan (CPU-only checks of the structure)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.executor.env import gpu_tuning_from_env
+from engine.executor.options import ExecutorOptions, GpuTuning, executor_options, options_of
+from engine.model_config import ModelConfig
+from engine.request import GenerateRequest, SamplingParams
+from harness.models import tiny_model_path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def non_default_config(model: str) -> EngineConfig:
+    return EngineConfig(model=model, device="cpu", dtype="bfloat16", served_model_name="tiny-served",
+                        max_model_len=400, max_num_seqs=5, max_num_batched_tokens=96, num_kv_blocks=77,
+                        gpu_memory_utilization=0.55, enable_prefix_caching=True, enable_chunked_prefill=False,
+                        enforce_eager=True, cuda_graph_sizes=(1, 3), max_n=3, seed=1234, overlap_steps=False,
+                        schedule_ahead=False, async_scheduling=True, host_kv_blocks=9,
+                        gpu=GpuTuning(decode_kernels="attention", gemm="cublas", pdl=False, nvtx="ops"),
+                        progress=False)
+
+
+def test_every_engine_config_field_reaches_its_consumer(tmp_path):
+    """Each EngineConfig field, set to a non-default value, is found where it acts. A new field
+    without a check here fails the test."""
+    import numpy as np
+    from ml_dtypes import bfloat16
+
+    from engine.executor.cpu import CpuExecutor
+    from engine.handle import EngineHandle
+    from engine.loader import load_model
+
+    path = tiny_model_path("qwen3_untied")
+    config = non_default_config(path)
+    # chunked prefill off: the step budget must hold a whole max_model_len prompt
+    config.max_num_batched_tokens = 400
+    config.step_trace = str(tmp_path / "steps.jsonl")
+    with EngineHandle(config) as h:
+        ex, eng = h.executor, h.engine
+        opts = ex.options
+        raw = load_model(path).weights["layers.0.qkv_proj"]
+        checks = {
+            "model": h.model_name == "tiny-served" and ex.config.hidden_size == 64,
+            "device": isinstance(ex, CpuExecutor),
+            "dtype": opts.dtype == "bfloat16" and np.array_equal(
+                ex.weights["layers.0.qkv_proj"], np.asarray(raw).astype(bfloat16).astype(np.float32)),
+            "served_model_name": h.model_name == "tiny-served",
+            "max_model_len": h.max_model_len == 400 == opts.max_model_len == ex.max_model_len,
+            "max_num_seqs": opts.max_num_seqs == 5 == eng.scheduler.max_num_seqs,
+            "max_num_batched_tokens": opts.max_num_batched_tokens == 400 == eng.scheduler.max_num_batched_tokens,
+            "num_kv_blocks": ex.num_kv_blocks == 77 == eng.block_manager.num_blocks,
+            "gpu_memory_utilization": opts.gpu_memory_utilization == 0.55,
+            "enable_prefix_caching": eng.block_manager.enable_prefix_caching is True,
+            "enable_chunked_prefill": eng.scheduler.chunked_prefill is False,
+            "enforce_eager": opts.cuda_graphs is False,
+            "cuda_graph_sizes": opts.cuda_graph_sizes == (1, 3) and opts.graph_sizes == (1, 3, 5),
+            "max_n": eng.admission.limits.max_n == 3,
+            "seed": eng.admission.sequence(GenerateRequest("r", [1, 2], SamplingParams()), 1).params.seed
+            == random.Random(1234).getrandbits(63),
+            "overlap_steps": eng.config.overlap_steps is False,
+            "schedule_ahead": eng.config.schedule_ahead is False,
+            # on where the loop overlaps steps on an executor that takes fed steps; off here (no overlap)
+            "async_scheduling": eng.config.async_scheduling is True and eng._async is False,
+            "host_kv_blocks": opts.host_kv_blocks == 9 == eng.scheduler.host_tier.num_slots
+            and ex.host_kv.shape[2] == 9 * 16,
+            "gpu": opts.gpu == config.gpu,
+            "progress": opts.progress is False,
+            "step_trace": opts.time_steps is True and eng.trace.file.name == config.step_trace,
+        }
+        h.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert set(checks) == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert [name for name, ok in checks.items() if not ok] == []
+    steps = [json.loads(line) for line in open(config.step_trace)]
+    assert len(steps) == 3 and steps[0]["prefill"] == 3 and [s["decode"] for s in steps[1:]] == [1, 1]
+
+
+def test_every_engine_config_field_has_a_cli_flag():
+    from server.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {a.dest for a in sub._actions}
+    not_flags = {"gpu", "progress"}            # the GPU kernel choices are environment variables (README)
+    missing = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in flags | not_flags]
+    assert missing == []
+
+
+def test_cli_flags_build_the_config():
+    from server.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "8192", "--max-num-seqs", "300",
+                                      "--no-enable-chunked-prefill", "--enforce-eager", "--cuda-graph-sizes", "1", "8",
+                                      "--dtype", "bfloat16"])
+    c = engine_config(args)
+    assert (c.max_num_batched_tokens, c.max_num_seqs, c.enable_chunked_prefill, c.enforce_eager,
+            c.cuda_graph_sizes, c.dtype) == (8192, 300, False, True, (1, 8), "bfloat16")
+    d = engine_config(build_parser().parse_args(["serve"]))
+    assert d.max_num_seqs is None and d.max_num_batched_tokens is None      # the device's defaults
+
+
+@pytest.mark.parametrize("device,limits", [("cuda", (256, 8192)), ("cpu", (64, 2048))])
+def test_device_defaults_follow_vllm_on_the_gpu(device, limits):
+    o = executor_options(EngineConfig(gpu=GpuTuning()), device, 40960)
+    assert (o.max_num_seqs, o.max_num_batched_tokens, o.max_model_len) == (*limits, 40960)
+    o = executor_options(EngineConfig(max_num_batched_tokens=16384, max_num_seqs=512, gpu=GpuTuning()), device, 8192)
+    assert (o.max_num_seqs, o.max_num_batched_tokens) == (512, 16384)
+
+
+@pytest.mark.parametrize("config,device,words", [
+    (EngineConfig(max_num_batched_tokens=2048, enable_chunked_prefill=False), "cuda", "chunked prefill off"),
+    (EngineConfig(max_num_batched_tokens=64, max_num_seqs=128), "cuda", "must be >= max_num_seqs"),
+    (EngineConfig(max_model_len=50000), "cuda", "more than the model's context"),
+    (EngineConfig(dtype="float16"), "cuda", "runs bfloat16"),
+    (EngineConfig(dtype="float32"), "cuda", "runs bfloat16"),
+    (EngineConfig(cuda_graph_sizes=(0, 4)), "cuda", "cuda_graph_sizes"),
+    (EngineConfig(gpu=GpuTuning(gemm="cutlass")), "cuda", "cutlass"),
+    (EngineConfig(gpu=GpuTuning(decode_kernels="flash")), "cuda", "flash"),
+    (EngineConfig(gpu=GpuTuning(prefill_attention="cute:0")), "cuda", "prefill attention"),
+])
+def test_combinations_that_cannot_work_are_refused_at_start(config, device, words):
+    with pytest.raises(ValueError, match=words):
+        executor_options(config, device, 40960)
+
+
+def test_float_dtypes_are_fine_on_the_cpu():
+    for dtype in ("float16", "float32", "auto"):
+        assert executor_options(EngineConfig(dtype=dtype, gpu=GpuTuning()), "cpu", 512).dtype == dtype
+
+
+def test_host_tier_without_prefix_caching_is_refused():
+    with pytest.raises(ValueError, match="host_kv_blocks needs prefix caching"):
+        EngineConfig(host_kv_blocks=4, enable_prefix_caching=False).validate()
+
+
+def test_environment_is_read_once_into_gpu_tuning():
+    env = {"OPENINFER_DECODE_KERNELS": "attention,gemv:4", "OPENINFER_GEMM": "cublas",
+           "OPENINFER_PREFILL_ATTENTION": "paged", "OPENINFER_PDL": "0", "OPENINFER_GEMV_UNROLL": "3",
+           "OPENINFER_GEMV_UNROLL_NARROW": "6", "OPENINFER_LAYER_RANGES": "ops"}
+    assert gpu_tuning_from_env(env) == GpuTuning(decode_kernels="attention,gemv:4", gemm="cublas",
+                                                 prefill_attention="paged", pdl=False, gemv_unroll=3,
+                                                 gemv_unroll_narrow=6, nvtx="ops")
+    assert gpu_tuning_from_env({}) == GpuTuning()
+    for name, value in (("OPENINFER_GEMV_UNROLL", "x"), ("OPENINFER_LAYER_RANGES", "2")):
+        with pytest.raises(ValueError, match=name):
+            gpu_tuning_from_env({name: value})
+    # config.gpu overrides the environment; None reads it
+    assert executor_options(EngineConfig(gpu=GpuTuning(gemm="cute")), "cuda", 512).gpu.gemm == "cute"
+
+
+def test_no_module_but_env_reads_the_environment():
+    """Environment variables are read in engine/executor/env.py alone (the engine's own settings)."""
+    offenders = []
+    for top in ("engine", "memory", "kernels/raw_cuda"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                path = os.path.join(dirpath, f)
+                if f.endswith(".py") and not path.endswith(os.path.join("executor", "env.py")):
+                    text = open(path, encoding="utf-8").read()
+                    if "os.environ" in text and "OPENINFER_" in text and "OPENINFER_CACHE" not in text:
+                        offenders.append(os.path.relpath(path, ROOT))
+    assert offenders == []
+
+
+def test_graph_sizes_stop_at_max_num_seqs():
+    assert ExecutorOptions(max_num_seqs=40).graph_sizes == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert ExecutorOptions(max_num_seqs=256, max_num_batched_tokens=8192).graph_sizes[-1] == 256
+    assert options_of(max_num_seqs=8, gemm="cublas").gpu.gemm == "cublas"
+
+
+def test_gpu_parts_size_themselves_from_the_plan():
+    """Qwen3-4B at vLLM's defaults (8192 tokens, 256 sequences): each part's bytes from its own
+    declaration; the logits stay a bounded buffer (chunked eager logits), not tokens x vocabulary."""
+    from engine.executor.gpu import parts_nbytes
+    from engine.executor.gpu_ops import GpuOps
+    from engine.executor.gpu_plan import DeviceInfo, gpu_plan
+    from engine.models.registry import build_model
+
+    cfg = ModelConfig.from_file(os.path.join(ROOT, "bench", "configs", "qwen3-4b", "config.json"))
+    model = build_model(cfg)
+    options = executor_options(EngineConfig(gpu=GpuTuning()), "cuda", cfg.max_position_embeddings)
+    plan = gpu_plan(options, model, DeviceInfo("H200", 132, 141 << 30, "90"))
+    assert plan.kv.block_bytes(2) == 36 * 2 * 16 * 8 * 128 * 2            # 144 KiB per block
+    assert plan.logit_rows == 1024 and plan.width == 2 * 9728
+    parts = parts_nbytes(plan, cute_max_m=128, prefill_on=True)
+    assert parts["ops"] >= 10 * 8192 * plan.width * 2 + 1024 * cfg.vocab_size * 4
+    assert sum(parts.values()) < 6 << 30
+    smaller = gpu_plan(options.replace(max_num_batched_tokens=2048), model, plan.device)
+    assert GpuOps.nbytes(smaller) < GpuOps.nbytes(plan)          # sized by the options, nothing fixed
+    fewer_sms = gpu_plan(options, model, DeviceInfo("small", 16, 24 << 30, "90"))
+    assert GpuOps.nbytes(fewer_sms) < GpuOps.nbytes(plan)        # the device's SM count, asked, not assumed
