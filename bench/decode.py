@@ -1,4 +1,4 @@
-"""Decode roofline benchmark on the GPU: Qwen3-4B / Qwen3-8B, and the MoE / MLA lines DeepSeek-V2-Lite
+"""Decode roofline benchmark on the GPU: Qwen3-4B / Qwen3-8B / Qwen3.5-4B, and the MoE / MLA lines DeepSeek-V2-Lite
 and Qwen3-30B-A3B (bench/configs/), real shapes with random bf16 weights (written as safetensors on the
 GPU host, loaded through the real loader), prompt 128, 256 decode steps, batch 1 / 8 / 32 / 128 / 256,
 CUDA-graph decode. For an MoE line the roofline counts the bytes a step actually reads: the dense
@@ -7,9 +7,9 @@ routing, E·(1 - (1 - k/E)^B), which random weights approach) and the KV (the la
 --layers N writes and runs the first N layers only (the disk of a one-GPU host holds ~64 GB).
 
 Per (model, batch): ms per step (wall, including the one sync per step), tokens/s, the HBM roofline
-time (weight + KV bytes read per step / the device-copy bandwidth measured in the same run, read +
-write bytes counted), its fraction, the Python host time per step (batch build + launch) and the step
-less it (the median per step: the GPU's share, steadier between processes than the wall time), and
+time (weight + KV bytes read per step, plus a hybrid line's state slots read and written, / the
+device-copy bandwidth measured in the same run, read + write bytes counted), its fraction, the
+Python host time per step (batch build + launch) and the step less it (the median per step: the GPU's share, steadier between processes than the wall time), and
 the GPU time of the batch's captured graph replayed back to back with no host work (the A/B number). The
 same run times HF transformers (bf16, no compile, same weights) as the peer, and a per-op breakdown
 of one eager batch-1 step (CUDA events around each op) with each op's weight-read roofline.
@@ -28,7 +28,12 @@ fraction of sequences whose first 4 greedy tokens equal the first setting's. --m
 table (bench/decode_micro.py; all parts, or the listed ones): "attention" (decode attention of all layers
 in a graph, per split count), "gemv" (each projection of all layers in a graph: cuBLAS and gemv.cu at
 several weight-batch depths), "single" (decode attention launched alone, old kernel vs new).
-Writes DIR/decode.json, DIR/decode.md and DIR/decode.png.
+Writes DIR/<stem>.json, DIR/<stem>.md and DIR/<stem>.png (--stem, default decode). The hybrid
+Qwen3.5-4B against our Qwen3-4B (issue 27's target: batch 1 within 1.15x):
+    python3 bench/decode.py --models qwen3-4b,qwen3.5-4b --batches 1,8,32,128 --kernels all \
+        --out bench/results --stem qwen35
+HF's Qwen3.5 runs its torch fallbacks of the conv and the delta rule unless flash-linear-attention and
+causal-conv1d are installed (the report says which).
 """
 from __future__ import annotations
 
@@ -108,7 +113,7 @@ def run_batch(ex, model, batch: int, prompt: int, steps: int, bw: float) -> dict
     chunk = max(1, ex.options.max_num_batched_tokens // prompt)
     for i in range(0, batch, chunk):               # prefill, chunked to the token budget
         seqs = [SeqStep(seq_id=j, token_ids=toks[j], start_pos=0, block_table=tables[j], sample=True,
-                        params=GREEDY, prompt_len=prompt) for j in range(i, min(batch, i + chunk))]
+                        params=GREEDY, prompt_len=prompt, state_slot=j) for j in range(i, min(batch, i + chunk))]
         for s in ex.execute(ModelBatch.build(seqs)).sampled:
             toks[s.seq_id].append(s.token_id)
     step_s, host_s = [], []
@@ -117,7 +122,7 @@ def run_batch(ex, model, batch: int, prompt: int, steps: int, bw: float) -> dict
         t0 = time.perf_counter()
         seqs = [SeqStep(seq_id=j, token_ids=[toks[j][-1]], start_pos=len(toks[j]) - 1, block_table=tables[j],
                         block_array=arrays[j], sample=True, params=GREEDY, prompt_len=prompt,
-                        num_generated=len(toks[j]) - prompt)
+                        num_generated=len(toks[j]) - prompt, state_slot=j)
                 for j in range(batch)]
         mb = ModelBatch.build(seqs)
         t1 = time.perf_counter()
@@ -131,8 +136,10 @@ def run_batch(ex, model, batch: int, prompt: int, steps: int, bw: float) -> dict
     first_tokens = [tuple(t[prompt:prompt + 4]) for t in toks]      # prefill's pick + 3 decode steps
     ctx = prompt + steps / 2
     kv_bytes = batch * ctx * model.model.kv_layout().token_values * 2
+    state = model.model.state_layout()             # a hybrid line's state slots: read and written per step
+    state_bytes = 2 * batch * state.slot_bytes(2) if state is not None else 0
     ms = float(np.median(step_s) * 1e3)
-    floor_ms = (step_weight_bytes(model, batch) + kv_bytes) / bw * 1e3
+    floor_ms = (step_weight_bytes(model, batch) + kv_bytes + state_bytes) / bw * 1e3
     # the step less its host part: the GPU's share, steadier between processes than the wall time
     # (the GPU host's Python time per step varied 0.11-0.86 ms between identical runs, 2026-12-01)
     device_ms = float(np.median([st - h for st, h in zip(step_s, host_s)]) * 1e3)
@@ -194,12 +201,13 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
     saved = {n: getattr(ops, n) for n in ("embed", "rms_norm", "linear", "qkv_rope_cache", "attention",
                                           "silu_mul", "gather_rows", "add", "norm_linear", "add_linear", "norm_swiglu",
                                           "rope_attention", "route", "moe_experts", "mla_latent_cache",
-                                          "mla_attention")}
+                                          "mla_attention", "causal_conv1d", "gated_delta_rule", "gated_rms_norm",
+                                          "sigmoid_gate")}
     for n, f in saved.items():
         setattr(ops, n, wrap(n, f))
     pos = min(128, ex.max_model_len - 1)
     seq = SeqStep(seq_id=0, token_ids=[5], start_pos=pos, block_table=list(range(pos // BLOCK_SIZE + 1)),
-                  sample=True, params=GREEDY)
+                  sample=True, params=GREEDY, state_slot=0)
     try:
         ex.execute_eager(ModelBatch.build([seq]))
         ex.stream.synchronize()
@@ -246,7 +254,8 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     hf = write_random_qwen3(config_path(name, layers), folder)
     print(f"[{name}] random weights in {folder}: {time.perf_counter() - t:.1f}s", flush=True)
     hf_rows = {b: hf_decode_ms(hf, b, prompt, 32, hf.config.vocab_size) for b in hf_batches}
-    print(f"[{name}] HF bf16 ms/step: {hf_rows}", flush=True)
+    hf_kernels = hf_linear_attention_kernels(hf)
+    print(f"[{name}] HF bf16 ms/step: {hf_rows} ({hf_kernels})", flush=True)
     del hf
     torch.cuda.empty_cache()
     model = load_model(folder)
@@ -282,15 +291,28 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
         from bench.decode_micro import micro_bench
         micro_rows = micro_bench(ex, cfg, bw, micro.split(","))
     ex.close()
-    return dict(model=name + (f" ({layers} layers)" if layers else ""), weight_bytes=weight_bytes, rows=rows,
-                breakdown=breakdown, micro=micro_rows)
 
 
-def report(results: list[dict], bw: float, out: str) -> str:
-    lines = [f"device-copy bandwidth (read + write): {bw / 1e12:.2f} TB/s", "",
-             "| model | kernels | batch | ms/step | less host ms | graph replay ms | tokens/s | roofline ms | "
-             "roofline fraction | host ms/step | host/step | first 4 tokens same | HF bf16 ms/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def hf_linear_attention_kernels(hf) -> str:
+    """Which kernels HF's linear-attention layers run: its torch fallbacks unless flash-linear-attention
+    and causal-conv1d are installed ("-" for a model without such layers)."""
+    import importlib.util
+
+    if not any("linear_attn" in n for n, _ in hf.named_modules()):
+        return "-"
+    have = [m for m in ("fla", "causal_conv1d") if importlib.util.find_spec(m) is not None]
+    return f"HF linear attention: {', '.join(have)} kernels" if have else "HF linear attention: torch fallbacks"
+
+
+def report(results: list[dict], bw: float, out: str, stem: str = "decode") -> str:
+    lines = [f"device-copy bandwidth (read + write): {bw / 1e12:.2f} TB/s", ""]
+    for res in results:
+        if res.get("state_bytes_per_seq"):
+            lines += [f"{res['model']}: state slot {res['state_bytes_per_seq'] / 2**20:.1f} MiB per sequence (read and "
+                      f"written every step, in the roofline); {res['hf_kernels']}", ""]
+    lines += ["| model | kernels | batch | ms/step | less host ms | graph replay ms | tokens/s | roofline ms | "
+              "roofline fraction | host ms/step | host/step | first 4 tokens same | HF bf16 ms/step |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for r in res["rows"]:
             hf = f"{r['hf_ms_per_step']:.2f}" if r["hf_ms_per_step"] else "-"
@@ -309,7 +331,7 @@ def report(results: list[dict], bw: float, out: str) -> str:
             from bench.decode_micro import micro_table
             lines += ["", f"{res['model']}: per kernel, old vs new (CUDA events, median of 20)", ""] + micro_table(res["micro"])
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(out, "decode.md"), "w") as f:
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write(text)
     try:
         import matplotlib
@@ -329,7 +351,7 @@ def report(results: list[dict], bw: float, out: str) -> str:
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(os.path.join(out, "decode.png"), dpi=120)
+        fig.savefig(os.path.join(out, f"{stem}.png"), dpi=120)
     except Exception as e:  # the plot is optional
         print(f"no plot: {e}")
     return text
@@ -365,6 +387,7 @@ def main() -> None:
                    help="per-kernel tables: attention,gemv,single (default all)")
     p.add_argument("--layers", type=int, default=None, help="run only the first N layers of each model")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    p.add_argument("--stem", default="decode", help="output file names: STEM.json, STEM.md, STEM.png")
     p.add_argument("--summary", nargs="+", metavar="DECODE_JSON", help="only print the compact table of these runs")
     a = p.parse_args()
     if a.summary:
@@ -379,9 +402,9 @@ def main() -> None:
     for m in a.models.split(","):          # report after each model: a cut-off run keeps what it measured
         results.append(bench_model(m, batches, a.prompt, a.steps, bw, hf_batches,
                                    [k.strip() for k in a.kernels.split(";")], a.micro, a.layers))
-        with open(os.path.join(a.out, "decode.json"), "w") as f:
+        with open(os.path.join(a.out, f"{a.stem}.json"), "w") as f:
             json.dump(dict(bandwidth=bw, results=results), f, indent=1)
-        text = report(results, bw, a.out)
+        text = report(results, bw, a.out, a.stem)
     print(text)
 
 

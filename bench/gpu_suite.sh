@@ -12,7 +12,7 @@ export OPENINFER_GATE_LOG=$OUT/gate.jsonl OPENINFER_GATE_4B=${OPENINFER_GATE_4B:
 rm -f "$OPENINFER_GATE_LOG"
 python3 -m pytest -q -s -rfE -p no:cacheprovider "$@" \
   tests/test_raw_cuda_kernels.py tests/test_raw_cuda_fused.py tests/test_raw_cuda_decode.py tests/test_gpu_sampler.py tests/test_gpu_executor.py tests/test_gpu_graphs.py \
-  tests/test_gpu_server.py \
+  tests/test_gpu_qwen35.py tests/test_gpu_server.py \
   2>&1 | tee "$OUT/pytest.log" | grep -vE "^GATE |^$"
 status=${PIPESTATUS[0]}
 python3 bench/gate_table.py "$OPENINFER_GATE_LOG"

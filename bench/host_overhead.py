@@ -124,7 +124,7 @@ class GpuHostExecutor(ExecutorBase):
         inputs.stream, inputs.vocab_size, inputs.max_model_len = ex.stream, vocab_size, max_model_len
         inputs.max_tokens, inputs.max_seqs = ex.options.max_num_batched_tokens, max_seqs
         inputs.max_blocks = -(-max_model_len // 16)
-        n_inputs = 5 * inputs.max_tokens + inputs.max_seqs * inputs.max_blocks
+        n_inputs = StepInputs.buffers(inputs.max_tokens, inputs.max_seqs, inputs.max_blocks)[0].shape[0]
         inputs.hosts, inputs.device = [np.zeros(n_inputs, np.int32) for _ in range(2)], _Dev(n_inputs)
         inputs.host = inputs.hosts[0]
         ex.inputs, ex.prefill = inputs, None

@@ -149,7 +149,20 @@ def main(argv: list[str] | None = None) -> dict:
                             args.folder, args.scale, args.input_len)
                for m in args.models.split(",")}
     (out / "serve-gpu-raw.json").write_text(json.dumps(results, indent=2))
+    bundle(out)
     return results
+
+
+def bundle(out: Path) -> None:
+    """Everything but the raw JSON and the plots into one archive (a GPU host may return few files)."""
+    import tarfile
+
+    keep = {"serve-gpu-raw.json"}
+    with tarfile.open(out / "serve-gpu-runs.tar.gz", "w:gz") as tar:
+        for f in sorted(out.iterdir()):
+            if f.is_file() and f.name not in keep and not f.name.endswith((".png", ".tar.gz")):
+                tar.add(f, arcname=f.name)
+                f.unlink()
 
 
 if __name__ == "__main__":

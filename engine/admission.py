@@ -1,11 +1,12 @@
 """Request admission: whether a GenerateRequest can run here (every check in one place) and the
-Sequence it becomes (a concrete seed, EOS folded into its stop tokens)."""
+Sequence it becomes (a concrete seed, EOS folded into its stop tokens, its grammar's matcher)."""
 from __future__ import annotations
 
 import dataclasses
 import random
 from dataclasses import dataclass
 
+from engine.grammar import GrammarCache
 from engine.request import GenerateRequest
 from engine.sequence import Sequence
 from memory.kv_pool import BLOCK_SIZE, blocks_for
@@ -20,10 +21,12 @@ class AdmissionLimits:
 
 
 class Admission:
-    def __init__(self, limits: AdmissionLimits, eos_token_ids: list[int], seed: int):
+    def __init__(self, limits: AdmissionLimits, eos_token_ids: list[int], seed: int,
+                 grammars: GrammarCache | None = None):
         self.limits = limits
         self.eos_token_ids = list(eos_token_ids)
         self._seed_rng = random.Random(seed)
+        self.grammars = grammars        # None: structured output is refused
 
     def reject_reason(self, req: GenerateRequest, in_flight) -> str | None:
         """Why the request cannot run (naming the field), or None. in_flight: request ids running now."""
@@ -53,6 +56,12 @@ class Admission:
         for t in list(p.logit_bias) + list(p.stop_token_ids):
             if not 0 <= int(t) < lim.vocab_size:
                 return f"token id {t} (logit_bias / stop_token_ids) is out of the vocabulary range"
+        if p.grammar is not None:
+            if self.grammars is None:
+                return "grammar: structured output is not available with this tokenizer"
+            problem = self.grammars.check(p.grammar)
+            if problem is not None:
+                return f"grammar does not compile: {problem}"
         return None
 
     def sequence(self, req: GenerateRequest, seq_id: int) -> Sequence:
@@ -63,6 +72,7 @@ class Admission:
         # any int seed (OpenAI's are signed 64-bit) maps to the sampler's non-negative range
         seed = p.seed % (1 << 64) if p.seed is not None else self._seed_rng.getrandbits(63)
         params = dataclasses.replace(p, seed=seed, stop_token_ids=stops)
+        grammar = self.grammars.matcher(p.grammar) if p.grammar is not None else None
         return Sequence(seq_id=seq_id, request_id=req.request_id, token_ids=list(req.prompt_token_ids),
                         prompt_len=len(req.prompt_token_ids), params=params, arrival=req.arrival_time,
-                        fork_count=p.n, want_prompt_logprobs=p.prompt_logprobs is not None)
+                        fork_count=p.n, want_prompt_logprobs=p.prompt_logprobs is not None, grammar=grammar)

@@ -4,11 +4,14 @@ A step mixes prefill chunks and decodes. Each SeqStep feeds `token_ids` at posit
 `start_pos ...` of one sequence; its KV lands in the paged cache through `block_table`
 (16-token blocks: token at position p lives in slot block_table[p // 16] * 16 + p % 16).
 Attention for those tokens covers positions [0, start_pos + len(token_ids)).
+A line with per-sequence state (linear attention) reads and updates the sequence's `state_slot`
+(memory/state_slots.py); a step that starts at position 0 starts from zero state.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate, chain
+from typing import Any
 
 import numpy as np
 
@@ -32,10 +35,20 @@ class SeqStep:
     want_prompt_logprobs: bool = False  # return logprobs of token_ids[1:] given their prefix
     lora_id: int = 0
     block_array: np.ndarray | None = None   # block_table as int32, when the caller keeps one
+    state_slot: int = -1                # the sequence's state slot (-1: the line keeps no state)
+    grammar: Any = None                     # structured output: the sequence's GrammarMatcher (engine/grammar.py)
 
     @property
     def context_len(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+    def prompt_logprob_targets(self) -> list[int]:
+        """The tokens whose prompt logprobs this step scores: token_ids[1:], and the next prompt token
+        when the step ends inside the prompt and `history` holds it (its logprob needs this step's last
+        row; a line with per-sequence state cannot re-feed that token in the next chunk)."""
+        nxt = self.context_len
+        more = nxt < self.prompt_len and nxt < len(self.history)
+        return self.token_ids[1:] + ([self.history[nxt]] if more else [])
 
 
 @dataclass
@@ -49,6 +62,7 @@ class ModelBatch:
     context_lens: np.ndarray     # int32 [B]: KV length each sequence attends to after this step
     block_tables: np.ndarray     # int32 [B, max_blocks], padded with 0
     sample_rows: np.ndarray      # int32 [S]: rows of the flattened tokens whose logits are sampled
+    state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [B]
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +117,7 @@ class ModelBatch:
             context_lens=cu[1:] - cu[:-1] + np.array(starts, np.int32),
             block_tables=tables,
             sample_rows=cu[1:][sampled] - 1,
+            state_slots=np.fromiter((s.state_slot for s in seqs), np.int32, B),
         )
 
 

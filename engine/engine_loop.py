@@ -18,6 +18,7 @@ from engine.admission import Admission, AdmissionLimits
 from engine.batch import ModelBatch
 from engine.config import EngineConfig
 from engine.events import Rejected
+from engine.grammar import GrammarCache
 from engine.executor.base import DoneStep
 from engine.outputs import OutputProcessor, RequestState, Sink
 from engine.request import GenerateRequest
@@ -26,6 +27,7 @@ from engine.stats import EngineStats
 from engine.step_trace import NoTrace, StepTrace
 from memory.block_manager import BlockManager
 from memory.host_tier import HostKVTier
+from memory.state_slots import StateSlots
 
 log = logging.getLogger("openinfer.engine")
 
@@ -55,12 +57,26 @@ def host_tier(executor, config: EngineConfig) -> HostKVTier | None:
     """The host KV tier's bookkeeping over the slots the executor allocated (None: off)."""
     if not config.host_kv_blocks:
         return None
+    if executor.num_state_slots:
+        raise ValueError(f"host_kv_blocks={config.host_kv_blocks}: the host KV tier keeps prefix-cache blocks, and "
+                         f"prefix caching is off for a model with per-sequence (linear-attention) state")
     if not executor.supports_host_tier:
         raise ValueError(f"host_kv_blocks={config.host_kv_blocks}: {type(executor).__name__} has no host KV tier")
     if executor.options.host_kv_blocks < config.host_kv_blocks:
         raise ValueError(f"host_kv_blocks={config.host_kv_blocks}: the executor holds "
                          f"{executor.options.host_kv_blocks} host KV slots")
     return HostKVTier(config.host_kv_blocks)
+
+
+def prefix_caching(config: EngineConfig, state_slots: StateSlots | None) -> bool:
+    """Whether the block manager caches prefixes: as configured, except for a line with per-sequence
+    (linear-attention) state, whose state at a cached block is not kept: a hit would skip the tokens
+    that state needs, so it is off there (logged)."""
+    if config.enable_prefix_caching and state_slots is not None:
+        log.info("prefix caching off: the model keeps per-sequence linear-attention state, which a cached "
+                 "KV prefix does not restore")
+        return False
+    return config.enable_prefix_caching
 
 
 class EngineLoop:
@@ -71,13 +87,15 @@ class EngineLoop:
         self.config = config
         self.max_model_len = max_model_len
         max_seqs, max_tokens = step_limits(executor, config, max_model_len)
-        self.block_manager = BlockManager(executor.num_kv_blocks, config.enable_prefix_caching)
+        slots = StateSlots(executor.num_state_slots) if executor.num_state_slots else None
+        self.block_manager = BlockManager(executor.num_kv_blocks, prefix_caching(config, slots))
         self.scheduler = Scheduler(self.block_manager, max_seqs, max_tokens, host_tier(executor, config),
-                                   chunked_prefill=config.enable_chunked_prefill)
+                                   chunked_prefill=config.enable_chunked_prefill, state_slots=slots)
         self.admission = Admission(AdmissionLimits(vocab_size=int(executor.vocab_size), max_model_len=max_model_len,
                                                    max_n=min(config.max_n, max_seqs),
                                                    num_kv_blocks=executor.num_kv_blocks),
-                                   eos_token_ids, config.seed)
+                                   eos_token_ids, config.seed,
+                                   GrammarCache(tokenizer, int(executor.vocab_size), eos_token_ids))
         self.outputs = OutputProcessor(tokenizer, self.scheduler, max_model_len, self.abort)
         self._inbox: queue.Queue = queue.Queue()
         self._stats = EngineStats(kv_blocks_total=executor.num_kv_blocks)

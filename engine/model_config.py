@@ -6,7 +6,25 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe", "deepseek_v2")
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_text")
+# Composite (vision-language) configs: the text model's hyper-parameters sit under `text_config`.
+TEXT_CONFIG_MODEL_TYPES = ("qwen3_5",)
+
+
+def text_model_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A composite config's text_config with the composite's model_type and tie_word_embeddings (the
+    composite model ties its lm_head, as transformers does), ids and dtype taken from the top level
+    where the text config has none."""
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json ({d.get('model_type')}) has no text_config")
+    out = dict(text)
+    for key in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype"):
+        if out.get(key) is None and d.get(key) is not None:
+            out[key] = d[key]
+    out["model_type"] = d["model_type"]
+    out["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
+    return out
 
 
 @dataclass
@@ -53,6 +71,8 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if model_type in TEXT_CONFIG_MODEL_TYPES:
+            d = text_model_fields(d)
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size", "vocab_size"):
             if key not in d:

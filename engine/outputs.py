@@ -88,6 +88,8 @@ class OutputProcessor:
                     continue
                 seq.token_ids.append(token.token_id)
                 self.generation_tokens += 1
+                if seq.grammar is not None:
+                    self._advance_grammar(seq, token.token_id)
                 if defer and self.end_by_token(seq, token.token_id) is None:
                     self.deferred.append((seq, token))
                 else:
@@ -133,11 +135,21 @@ class OutputProcessor:
         decode = self.decoders[False]
         return [TopLogprob(t, decode([t]), lp) for t, lp in pairs]
 
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> None:
+        """The sequence's grammar takes its new token (sampling allowed only such tokens: a refusal is
+        the grammar's own failure, e.g. a mask step over its limits, which fails the request)."""
+        if not seq.grammar.accept(token):
+            raise RuntimeError(f"structured output failed: {seq.grammar.error or f'the grammar refused token {token}'}")
+
     def end_by_token(self, seq: Sequence, token: int) -> str | None:
         """How the sequence (token already appended) ends without looking at its text: "stop" (a stop
-        token past min_tokens), "length" (max_tokens or max_model_len), or None."""
+        token past min_tokens, or its grammar complete: it admits no further token), "length"
+        (max_tokens or max_model_len), or None."""
         p = seq.params
         num_generated = len(seq.token_ids) - seq.prompt_len
+        if seq.grammar is not None and seq.grammar.done:
+            return "stop"
         if num_generated >= p.min_tokens and token in p.stop_token_ids:
             return "stop"
         if num_generated >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
@@ -152,7 +164,7 @@ class OutputProcessor:
         detok = state.detoks[seq.index]
         end = self.end_by_token(seq, token)
         reason, stop_reason = None, None
-        if end == "stop":
+        if end == "stop" and token in seq.params.stop_token_ids:     # a stop token: its text is not sent
             reason = "stop"
             stop_reason = token if token in state.req.params.stop_token_ids else None
             delta = detok.finish()
@@ -160,8 +172,8 @@ class OutputProcessor:
             delta, stop_str = detok.add(token, check_stop=seq.num_generated >= seq.params.min_tokens)
             if stop_str is not None:
                 reason, stop_reason = "stop", stop_str
-            elif end == "length":
-                reason = "length"
+            elif end is not None:                                     # length, or the grammar complete
+                reason = end
                 delta += detok.finish()
         self.send(state.sink, Token(seq.request_id, token, delta, seq.index, sampled.logprob,
                                     self._top(sampled.top_logprobs)))

@@ -27,6 +27,7 @@ class SamplingParams:
     logprobs: int | None = None         # None: none; k: sampled token's logprob + top-k (k <= 20)
     prompt_logprobs: int | None = None  # for echo: logprobs of the prompt tokens
     skip_special_tokens: bool = True
+    grammar: str | None = None          # structured output: llguidance grammar text (server/structured.py)
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,9 @@ must reproduce. Per row, in this order:
 3. penalties (as vLLM / OpenAI): repetition_penalty over prompt + output tokens (a positive
    logit is divided by it, a negative one multiplied); frequency_penalty * count and
    presence_penalty * [count > 0] subtracted, counting output tokens only.
+3b. structured output: tokens the row's grammar does not allow (engine/grammar.py's bitmask, computed
+   for the whole step at once) are masked to -inf; min_tokens yields to the grammar (its stop-token
+   mask is skipped where the grammar allows nothing but stop tokens).
 4. greedy (temperature == 0): argmax of the result (lowest id on ties).
    Otherwise: divide by temperature, softmax, then min_p (drop p < min_p * max p), top_k
    (keep tokens whose probability is >= the k-th largest: ties at the boundary are kept),
@@ -22,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.batch import SampledToken, SeqStep
+from engine.grammar import allowed_tokens, only_stop_tokens, step_bitmask
 from engine.request import SamplingParams
 
 
@@ -29,12 +33,17 @@ def sample_step(logits: np.ndarray, seqs: list[SeqStep]) -> list[SampledToken]:
     """logits: float32 [S, V], one row per SeqStep with sample=True (in order)."""
     if len(logits) != len(seqs):
         raise ValueError(f"{len(logits)} logit rows for {len(seqs)} sampled sequences")
-    return [sample_row(row, s) for row, s in zip(logits, seqs)]
+    rows, masks = step_bitmask([s.grammar for s in seqs])
+    allowed = dict.fromkeys(range(len(seqs)))
+    for i, mask in zip(rows, masks if masks is not None else []):
+        allowed[i] = allowed_tokens(mask, logits.shape[1])
+    return [sample_row(row, s, allowed[i]) for i, (row, s) in enumerate(zip(logits, seqs))]
 
 
-def sample_row(raw: np.ndarray, s: SeqStep) -> SampledToken:
+def sample_row(raw: np.ndarray, s: SeqStep, allowed: np.ndarray | None = None) -> SampledToken:
+    """allowed: the grammar's bool [V] mask of the row (None: no grammar)."""
     p = s.params
-    logits = processed_logits(raw, p, s.history, s.prompt_len, s.num_generated)
+    logits = processed_logits(raw, p, s.history, s.prompt_len, s.num_generated, allowed)
     if p.greedy:
         token = int(np.argmax(logits))
     else:
@@ -49,14 +58,16 @@ def sample_row(raw: np.ndarray, s: SeqStep) -> SampledToken:
 
 
 def processed_logits(raw: np.ndarray, p: SamplingParams, history: list[int], prompt_len: int,
-                     num_generated: int) -> np.ndarray:
-    """Steps 1-3: logit_bias, min_tokens mask, penalties. Returns a new float32 array."""
+                     num_generated: int, allowed: np.ndarray | None = None) -> np.ndarray:
+    """Steps 1-3b: logit_bias, min_tokens mask, penalties, the grammar's mask. Returns a new float32
+    array."""
     logits = np.array(raw, dtype=np.float32)
     vocab = logits.shape[0]
     for token, bias in p.logit_bias.items():
         if 0 <= int(token) < vocab:
             logits[int(token)] += bias
-    if num_generated < p.min_tokens and p.stop_token_ids:
+    if num_generated < p.min_tokens and p.stop_token_ids and not (
+            allowed is not None and only_stop_tokens(allowed, p.stop_token_ids)):
         ids = np.asarray([t for t in p.stop_token_ids if 0 <= t < vocab], dtype=np.int64)
         logits[ids] = -np.inf
     if p.repetition_penalty != 1.0 and history:
@@ -67,6 +78,8 @@ def processed_logits(raw: np.ndarray, p: SamplingParams, history: list[int], pro
     if (p.frequency_penalty or p.presence_penalty) and len(history) > prompt_len:
         counts = np.bincount(np.asarray(history[prompt_len:], dtype=np.int64), minlength=vocab)[:vocab]
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    if allowed is not None:
+        logits[~allowed] = -np.inf
     return logits
 
 

@@ -8,6 +8,11 @@ budget, max_num_seqs and the KV pool allow. A waiting sequence starts from its l
 prefix-cache hit: device blocks first, then (with a host KV tier, memory/host_tier.py) blocks the
 device evicted earlier, copied back into fresh device blocks before the step.
 
+A line with per-sequence state (linear attention, memory/state_slots.py) gives the scheduler its
+StateSlots: a sequence takes a slot when admitted and gives it back when it finishes, is aborted or is
+preempted (it recomputes from zero state); such lines fork n > 1 samples before any prefill and never
+re-feed a prompt-logprobs chunk's last token (the executor scores the next prompt token instead).
+
 While a decode step runs, the next one can be planned ahead (plan_decode_ahead: the same sequences,
 one token further, blocks reserved) and confirmed once the step's tokens are in
 (confirm_decode_ahead), so the host's scheduling overlaps the device.
@@ -23,6 +28,7 @@ from memory.block_manager import BlockManager, BlockRemoved
 from memory.host_tier import HostKVTier
 from memory.kv_pool import BLOCK_SIZE, blocks_for
 from memory.prefix_hash import NO_PARENT
+from memory.state_slots import StateSlots
 
 
 @dataclass
@@ -40,8 +46,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, host_tier: HostKVTier | None = None, chunked_prefill: bool = True):
+                 max_num_batched_tokens: int, host_tier: HostKVTier | None = None, chunked_prefill: bool = True,
+                 state_slots: StateSlots | None = None):
         self.bm = block_manager
+        self.state_slots = state_slots           # per-sequence state slots (None: the line keeps none)
         self.chunked_prefill = chunked_prefill   # off: a prompt's prefill runs in one step or waits
         self.host_tier = host_tier
         if host_tier is not None:
@@ -59,6 +67,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        seq.fork_early = self.state_slots is not None
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -115,9 +124,9 @@ class Scheduler:
             n -= 1
         return max(n, 0)
 
-    @staticmethod
-    def _overlap(seq: Sequence) -> int:
-        return int(seq.want_prompt_logprobs and 0 < seq.num_computed < seq.prompt_len)
+    def _overlap(self, seq: Sequence) -> int:
+        """1 where a prompt-logprobs chunk re-feeds the previous chunk's last token (not with state)."""
+        return int(self.state_slots is None and seq.want_prompt_logprobs and 0 < seq.num_computed < seq.prompt_len)
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for n more tokens of a running seq, preempting the youngest running
@@ -153,7 +162,8 @@ class Scheduler:
         need = blocks_for(seq.num_computed + n) - len(hit)
         # blocks taken from the LRU by the hit itself no longer count as free
         lru_hits = sum(self.bm.ref_counts[b] == 0 for b in hit)
-        if need + lru_hits > self.bm.num_free_blocks or (n == 0 and not self._fork_ready(seq)):
+        slots_short = self.state_slots is not None and self.state_slots.num_free < seq.fork_count
+        if need + lru_hits > self.bm.num_free_blocks or (n == 0 and not self._fork_ready(seq)) or slots_short:
             seq.num_computed = 0
             return False
         self.bm.acquire(hit)
@@ -163,6 +173,7 @@ class Scheduler:
         self.bm.record_query(len(seq.token_ids), seq.num_computed)
         seq.num_cached_tokens = seq.num_computed
         seq.status = SeqStatus.RUNNING
+        self._take_state_slot(seq)
         self.running.append(seq)
         out.admitted.append(seq)
         return True
@@ -188,6 +199,7 @@ class Scheduler:
         for index in range(1, parent.fork_count):
             child = parent.fork(self.new_seq_id(), index)
             self.bm.fork(child.block_table)
+            self._take_state_slot(child)
             child.status = SeqStatus.RUNNING
             group.append(child)
         parent.fork_count = 1
@@ -212,7 +224,7 @@ class Scheduler:
             params=seq.params, prompt_len=seq.prompt_len, history=seq.token_ids,
             num_generated=num_tokens - seq.prompt_len,
             want_prompt_logprobs=seq.want_prompt_logprobs and start < seq.prompt_len,
-            lora_id=seq.lora_id))
+            lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar))
         return end - start
 
     # -- the next decode step, planned while this one runs ----------------------------------
@@ -226,7 +238,8 @@ class Scheduler:
         changes first (an end, an abort, an arrival), which confirm_decode_ahead detects.
         fed (async scheduling: the plan is launched before `out`'s tokens are known, its ids taken from
         out's on the device): also None when a sequence's token of `out` is its last by max_tokens, so
-        no planned position runs past what admission allowed."""
+        no planned position runs past what admission allowed, or when a sequence has a grammar (its
+        mask needs out's token)."""
         running = self.running
         if (not self._admission_closed() or len(out.seqs) != len(running)
                 or len(running) > self.max_num_batched_tokens):
@@ -235,7 +248,7 @@ class Scheduler:
         for seq, step, run in zip(out.seqs, out.steps, running):
             if (seq is not run or len(step.token_ids) != 1 or not step.sample or seq.fork_count > 1
                     or step.want_prompt_logprobs or seq.want_prompt_logprobs
-                    or (fed and step.num_generated + 1 >= seq.params.max_tokens)):
+                    or (fed and (step.num_generated + 1 >= seq.params.max_tokens or seq.grammar is not None))):
                 return None
             need += max(0, blocks_for(step.start_pos + 2) - len(seq.block_table))
         if not self.bm.can_allocate(need):
@@ -251,7 +264,7 @@ class Scheduler:
                 seq_id=seq.seq_id, token_ids=[-1], start_pos=pos, block_table=seq.block_table,
                 block_array=seq.block_table_array(), sample=True, params=seq.params,
                 prompt_len=seq.prompt_len, history=seq.token_ids, num_generated=step.num_generated + 1,
-                lora_id=seq.lora_id))
+                lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar))
         return plan
 
     def _admission_closed(self) -> bool:
@@ -302,6 +315,7 @@ class Scheduler:
         self.bm.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        self._release_state_slot(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -315,4 +329,15 @@ class Scheduler:
         if seq.block_table:
             self.bm.free(seq.block_table)
         seq.block_table = []
+        self._release_state_slot(seq)
         seq.status = SeqStatus.FINISHED
+
+    # -- per-sequence state slots ----------------------------------------------------------
+    def _take_state_slot(self, seq: Sequence) -> None:
+        if self.state_slots is not None:
+            seq.state_slot = self.state_slots.allocate()
+
+    def _release_state_slot(self, seq: Sequence) -> None:
+        if seq.state_slot >= 0:
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = -1

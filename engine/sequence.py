@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,9 @@ class Sequence:
     fork_count: int = 1
     want_prompt_logprobs: bool = False
     num_cached_tokens: int = 0
+    state_slot: int = -1                 # its state slot (lines with per-sequence state; -1: none)
+    fork_early: bool = False             # n > 1 forks before any prefill (per-sequence state: no sharing)
+    grammar: Any = None             # structured output: a GrammarMatcher, advanced with each token
     _hashes: list[int] = field(default_factory=list)
     _table_list: list[int] | None = field(default=None, repr=False, compare=False)
     _table_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False, compare=False)
@@ -62,8 +66,9 @@ class Sequence:
     def fork_at(self) -> int:
         """Tokens to prefill before forking: the prompt's full blocks, leaving >= 1 token.
         Only sample 0 computes prompt logprobs (the others skip them), so such requests fork
-        right away."""
-        if self.want_prompt_logprobs:
+        right away, and so do samples that keep per-sequence state (fork_early: a state slot cannot
+        be shared)."""
+        if self.want_prompt_logprobs or self.fork_early:
             return 0
         return (self.prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
 
@@ -96,4 +101,5 @@ class Sequence:
         return dataclasses.replace(
             self, seq_id=seq_id, index=index, params=params, token_ids=list(self.token_ids),
             block_table=list(self.block_table), fork_count=1, want_prompt_logprobs=False,
-            _hashes=list(self._hashes))
+            state_slot=-1, _hashes=list(self._hashes),
+            grammar=self.grammar.fork() if self.grammar is not None else None)

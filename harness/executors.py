@@ -23,7 +23,7 @@ class Decoder:
         self.ex, self.prompts, self.toks = ex, prompts, [list(p) for p in prompts]
         self.tables = [[next(free) for _ in range(-(-(len(p) + steps + 1) // BLOCK_SIZE))] for p in prompts]
         out = ex.execute(ModelBatch.build([SeqStep(seq_id=i, token_ids=list(p), start_pos=0, block_table=t,
-                                                   sample=True, params=SamplingParams(temperature=0.0))
+                                                   sample=True, params=SamplingParams(temperature=0.0), state_slot=i)
                                            for i, (p, t) in enumerate(zip(prompts, self.tables))]))
         for i, t in enumerate(out.sampled):
             self.toks[i].append(t.token_id)
@@ -31,7 +31,7 @@ class Decoder:
     def batch(self, params: list[SamplingParams]) -> ModelBatch:
         return ModelBatch.build([SeqStep(seq_id=i, token_ids=[t[-1]], start_pos=len(t) - 1, block_table=tb,
                                          sample=True, params=p, prompt_len=len(pr), history=list(t),
-                                         num_generated=len(t) - len(pr))
+                                         num_generated=len(t) - len(pr), state_slot=i)
                                  for i, (t, tb, pr, p) in enumerate(zip(self.toks, self.tables, self.prompts, params))])
 
     def advance(self, out) -> None:

@@ -137,14 +137,22 @@ def build_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str
     import transformers
     cls_name, base = {**TINY_MODELS, **SPARSE_MODELS}[name]
     overrides = {**base, **overrides}
-    folder, vocab, bos, eos = tokenizer_source()
+    _, vocab, bos, eos = tokenizer_source()
     config = getattr(transformers, cls_name)(**{**_BASE, **overrides}, vocab_size=vocab,
                                              bos_token_id=bos, eos_token_id=eos)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     randomize_(model, seed)
-    model = model.to(torch.bfloat16)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    return save_tiny(model, out_dir)
+
+
+def save_tiny(model, out_dir: str) -> str:
+    """Save a random-weight transformers model as an HF folder in bf16, with the real tokenizer and a
+    generation config that stops at its eos and bos."""
+    import torch
+    import transformers
+    folder, _, bos, eos = tokenizer_source()
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     transformers.GenerationConfig(bos_token_id=bos, eos_token_id=[eos, bos]).save_pretrained(out_dir)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if os.path.isfile(os.path.join(folder, f)):
@@ -188,7 +196,8 @@ def engine_logits(executor, seqs: list[list[int]], chunks: list | int | None = N
     """Teacher-force `seqs` through `executor` together: each step feeds every unfinished sequence
     its next chunk. Per sequence (a list, or one value for all): the first step feeds `prefill`
     tokens, later steps `chunks` tokens (None: everything left; 1: decode one token a step).
-    KV blocks come from a shuffled pool, so sequences interleave in the cache.
+    KV blocks come from a shuffled pool, so sequences interleave in the cache; sequence i keeps its
+    state (linear-attention lines) in state slot i.
     Returns float32 logits [len(seq), V] per sequence."""
     n = len(seqs)
     sizes = chunks if isinstance(chunks, list) else [chunks] * n
@@ -211,7 +220,7 @@ def engine_logits(executor, seqs: list[list[int]], chunks: list | int | None = N
             k = len(s) - done[i] if k is None else k
             toks = s[done[i]:done[i] + k]
             steps.append(SeqStep(seq_id=i, token_ids=toks, start_pos=done[i], block_table=tables[i],
-                                 sample=False))
+                                 sample=False, state_slot=i))
             who.append((i, len(toks)))
         logits = executor.forward_logits(ModelBatch.build(steps))
         row = 0

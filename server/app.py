@@ -33,6 +33,7 @@ from server.protocol import ModelInfo, parse_chat, parse_completion
 from server.responses import ResponseBuilder
 from server.routes_info import add_info_routes
 from server.routes_tokenizer import add_tokenizer_routes
+from server.structured import check_grammar
 
 log = logging.getLogger("openinfer.server")
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -127,6 +128,8 @@ def _parse(parse, raw: bytes, model: ModelInfo):
 async def _generate(request, parse, id_prefix: str):
     app = request.app
     parsed = await in_thread(_parse, parse, request.body, app.ctx.model)
+    if parsed.constraint is not None:     # a grammar that cannot compile is refused before the engine sees it
+        await check_grammar(parsed.constraint.grammar, parsed.constraint.field, app.ctx.model)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     builder = ResponseBuilder(parsed, request_id, app.ctx.model.name, int(time.time()), app.ctx.model.tokenizer)
     call = EngineCall(app.ctx.handle, parsed, request_id, app.ctx.metrics)

@@ -66,7 +66,25 @@ def _bodies(model: ModelInfo) -> dict[str, dict]:
         "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}}),
         "user": _STR,
         "return_tokens_as_token_ids": _BOOL,
+        # structured output (server/structured.py): one constraint per request
+        "response_format": _nullable({"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": _ANY_OBJECT,
+                                                             "strict": _BOOL}}}}),
+        "guided_json": _nullable({"anyOf": [_ANY_OBJECT, {"type": "string"}]}),
+        "guided_regex": _STR,
+        "guided_choice": _nullable({"type": "array", "items": {"type": "string"}}),
+        "guided_grammar": _STR,
+        "structured_outputs": _nullable(_ANY_OBJECT),
     }
+    tool = {"type": "object", "required": ["function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}, "description": {"type": "string"},
+            "parameters": _ANY_OBJECT}}}}
+    named_tool = {"type": "object", "required": ["function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}
     text_part = {"type": "object", "required": ["type", "text"],
                  "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
     content = {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}]}
@@ -89,7 +107,8 @@ def _bodies(model: ModelInfo) -> dict[str, dict]:
         "chat": {"type": "object", "required": ["messages"], "properties": {
             **sampling, "messages": messages, "max_completion_tokens": _int(1, model.max_model_len - 1),
             "logprobs": _BOOL, "top_logprobs": _int(0, MAX_LOGPROBS), "add_generation_prompt": _BOOL,
-            "response_format": _nullable({"type": "object", "properties": {"type": {"const": "text"}}})}},
+            "tools": _nullable({"type": "array", "items": tool}), "parallel_tool_calls": _BOOL,
+            "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, named_tool]})}},
         "tokenize": {"anyOf": [
             {"type": "object", "required": ["prompt"],
              "properties": {"model": sampling["model"], "prompt": {"type": "string"},

@@ -14,6 +14,8 @@ from engine.request import SamplingParams
 from server.errors import APIError, invalid, wrong_type
 from server.fields import Fields, check_token_ids, is_int
 from server.limits import ServerLimits
+from server.structured import Constraint, parse_constraint
+from server.tools import ToolConfig, message_extras, output_constraint, parse_tools
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5             # a temperature this small samples greedily (as vLLM does)
@@ -25,9 +27,7 @@ UNSUPPORTED_FIELDS = {
     "suffix": (None, ""),
     "best_of": (None, 1),
     "use_beam_search": (None, False),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,),
-    "tools": (None, []), "functions": (None, []),
+    "functions": (None, []),
     "prompt_logprobs": (None,),
     "prompt_embeds": (None,),
     "continue_final_message": (None, False),
@@ -37,7 +37,7 @@ UNSUPPORTED_FIELDS = {
     "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
 }
-CHAT_ONLY_HARMLESS = {"echo": (None, False), "tool_choice": (None, "none", "auto")}
+CHAT_ONLY_HARMLESS = {"echo": (None, False)}
 
 
 @dataclass
@@ -71,6 +71,8 @@ class ParsedRequest:
     tokens_as_ids: bool = False                 # logprobs name tokens "token_id:<id>" (vLLM extra)
     user: str | None = None
     prompt_only: bool = False                   # echo with max_tokens 0: the prompt (scored), nothing generated
+    constraint: Constraint | None = None        # structured output (params.grammar is its grammar)
+    tools: ToolConfig | None = None             # chat tools: the output's tool calls are parsed
 
 
 def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
@@ -85,11 +87,16 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
     params.logprobs = logprobs
     if echo and logprobs is not None:
         params.prompt_logprobs = logprobs
+    for key in ("tools", "tool_choice"):
+        if body.get(key) not in (None, []):
+            raise invalid(f"'{key}' is only supported on /v1/chat/completions", key)
+    constraint = parse_constraint(body)
+    params.grammar = constraint.grammar if constraint else None
     return ParsedRequest("completion", prompts, params, stream=f.boolean("stream", False),
                          include_usage=_include_usage(f), echo=echo,
                          echo_texts=texts if echo else [], logprobs=logprobs, user=f.string("user"),
                          tokens_as_ids=f.boolean("return_tokens_as_token_ids", False),
-                         prompt_only=max_tokens == 0)
+                         prompt_only=max_tokens == 0, constraint=constraint)
 
 
 def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
@@ -98,7 +105,9 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     _check_common(f, model, chat=True)
     messages = parse_messages(body.get("messages"))
     add_generation_prompt = f.boolean("add_generation_prompt", True)
-    prompt = render_chat(model.tokenizer, messages, add_generation_prompt, model.max_text_chars)
+    tools = parse_tools(body, model.tokenizer)
+    prompt = render_chat(model.tokenizer, messages, add_generation_prompt, tools.template_tools if tools else None,
+                         model.max_text_chars)
     want_logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not want_logprobs:
@@ -106,9 +115,12 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     logprobs = (top or 0) if want_logprobs else None
     params = _sampling_params(f, model, _max_tokens(f, model, [prompt], None))
     params.logprobs = logprobs
+    constraint = output_constraint(body, tools)
+    params.grammar = constraint.grammar if constraint else None
     return ParsedRequest("chat", [prompt], params, stream=f.boolean("stream", False),
                          include_usage=_include_usage(f), logprobs=logprobs, user=f.string("user"),
-                         tokens_as_ids=f.boolean("return_tokens_as_token_ids", False))
+                         tokens_as_ids=f.boolean("return_tokens_as_token_ids", False), constraint=constraint,
+                         tools=tools if tools and tools.parse else None)
 
 
 def parse_messages(messages) -> list[dict]:
@@ -126,17 +138,19 @@ def parse_messages(messages) -> list[dict]:
         if role not in CHAT_ROLES:
             raise invalid(f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                           f"{where}.role")
-        out.append({"role": role, "content": _message_text(msg.get("content"), role, where)})
+        out.append({"role": role, "content": _message_text(msg.get("content"), role, where),
+                    **message_extras(msg, where)})
     return out
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                max_chars: int | None = None) -> list[int]:
-    """Prompt ids of a conversation; a template that refuses it (e.g. roles that must alternate, or
-    no template at all) is the request's problem: 400 naming `messages`, as is a conversation of
-    more than max_chars characters (refused before it is tokenized)."""
+                tools: list[dict] | None = None, max_chars: int | None = None) -> list[int]:
+    """Prompt ids of a conversation (and the tools offered); a template that refuses it (e.g. roles
+    that must alternate, or no template at all) is the request's problem: 400 naming `messages`, as is
+    a conversation of more than max_chars characters (refused before it is tokenized)."""
+    extra = {"tools": tools} if tools else {}
     try:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
     except Exception as exc:
         raise invalid(f"'messages' could not be rendered by the model's chat template: {exc}",
                       "messages") from None
@@ -326,9 +340,6 @@ def _check_common(f: Fields, model: ModelInfo, chat: bool) -> None:
     for key, harmless in refused.items():
         if key in f.body and not _is_harmless(f.body[key], harmless):
             raise invalid(f"'{key}' is not supported by this server (got {_short(f.body[key])})", key)
-    fmt = f.body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise invalid("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
 
 
 def _include_usage(f: Fields) -> bool:

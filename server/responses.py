@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.events import Finished, PromptLogprobs, Scheduled, Token, TopLogprob
 from server.protocol import ParsedRequest
+from server.tool_calls import ToolCallStream
 
 MIN_LOGPROB = -9999.0       # -inf is not valid JSON
 
@@ -36,6 +37,8 @@ class ChoiceState:
     stop_reason: str | int | None = None
     started: bool = False           # first chunk (role / echo) sent
     emitted_chars: int = 0          # text streamed so far (echo included): logprobs' text_offset
+    tools: ToolCallStream | None = None     # chat with tools: the text split into content and tool calls
+    content: list[str] = field(default_factory=list)   # ... and the content part of it
 
 
 class ResponseBuilder:
@@ -47,6 +50,9 @@ class ResponseBuilder:
         self.tokenizer = tokenizer
         self.n = parsed.params.n
         self.choices = {i: ChoiceState(i) for i in range(len(parsed.prompts) * self.n)}
+        if parsed.tools is not None:
+            for choice in self.choices.values():
+                choice.tools = ToolCallStream(parsed.tools.format)
         self.cached_tokens = [0] * len(parsed.prompts)
         self.prompt_logprobs: dict[int, list[LogprobEntry]] = {}
         self.object = "text_completion" if parsed.kind == "completion" else "chat.completion"
@@ -103,6 +109,8 @@ class ResponseBuilder:
             elif self.parsed.echo:
                 text = self.parsed.echo_texts[prompt_idx] + text
                 entries = self.prompt_logprobs.get(prompt_idx, []) + entries
+        if choice.tools is not None:
+            return chunks + self._tool_chunks(choice, text, entries, finish)
         reason = choice.finish_reason if finish else None
         if finish and not text and not entries and self.parsed.kind == "chat":
             chunks.append(self._chunk(choice.index, {}, None, reason))
@@ -113,6 +121,21 @@ class ResponseBuilder:
                   if self.parsed.logprobs is not None else None)
             choice.emitted_chars += len(text)
             chunks.append(self._chunk(choice.index, text, lp, reason, choice.stop_reason if finish else None))
+        return chunks
+
+    def _tool_chunks(self, choice: ChoiceState, text: str, entries: list[LogprobEntry], finish: bool) -> list[dict]:
+        """Chat with tools: content and tool-call deltas (a call whole, once its block closes; the
+        step's logprobs ride on its first chunk); finish_reason "tool_calls" where calls were made."""
+        deltas = choice.tools.feed(text) + (choice.tools.finish() if finish else [])
+        choice.content += [d["content"] for d in deltas if "content" in d]
+        lp = self._chat_logprobs(entries) if entries else None
+        if lp is not None and not deltas:
+            deltas = [{}]
+        chunks = [self._chunk(choice.index, d, lp if i == 0 else None) for i, d in enumerate(deltas)]
+        if finish:
+            if choice.tools.calls and choice.finish_reason == "stop":
+                choice.finish_reason = "tool_calls"
+            chunks.append(self._chunk(choice.index, {}, None, choice.finish_reason))
         return chunks
 
     def _chunk(self, index: int, content, logprobs, finish_reason=None, stop_reason=None) -> dict:
@@ -147,7 +170,7 @@ class ResponseBuilder:
         for i, c in sorted(self.choices.items()):
             prompt_idx = i // self.n
             if self.parsed.kind == "chat":
-                choices.append({"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+                choices.append({"index": i, "message": self._message(c),
                                 "logprobs": self._chat_logprobs(c.logprobs),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 continue
@@ -160,6 +183,15 @@ class ResponseBuilder:
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
+
+    @staticmethod
+    def _message(c: ChoiceState) -> dict:
+        if c.tools is None:
+            return {"role": "assistant", "content": "".join(c.text)}
+        message = {"role": "assistant", "content": "".join(c.content) or None}
+        if c.tools.calls:
+            message["tool_calls"] = [call.message() for call in c.tools.calls]
+        return message
 
     def _completion_logprobs(self, entries: list[LogprobEntry], offset: int) -> dict:
         offsets, pos = [], offset

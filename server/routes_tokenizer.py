@@ -39,7 +39,7 @@ def _tokenize(raw: bytes, model: ModelInfo) -> list[int]:
     if "messages" in body:
         add_generation_prompt = f.boolean("add_generation_prompt", True)
         return render_chat(model.tokenizer, parse_messages(body["messages"]), add_generation_prompt,
-                           model.max_text_chars)
+                           max_chars=model.max_text_chars)
     if isinstance(body.get("prompt"), str):
         check_text_fits(body["prompt"], model.max_text_chars, "prompt")
         return encode_text(model.tokenizer, body["prompt"], add_special)

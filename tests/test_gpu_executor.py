@@ -211,24 +211,28 @@ def test_gpu_equals_cpu_greedy_64_steps():
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("OPENINFER_GATE_4B") != "1", reason="set OPENINFER_GATE_4B=1 (bench/gpu_suite.sh)")
 def test_qwen3_4b_random_gate():
+    out_dir = os.environ.get("OPENINFER_QWEN3_4B_DIR", "/tmp/qwen3-4b-random")
+    real_shape_gate(QWEN3_4B_CONFIG, out_dir, "qwen3-4b-random",
+                    {"prefill": {}, "decode": dict(prefill=[40, 13, 1], chunks=1)})
+
+
+def real_shape_gate(config_path: str, out_dir: str, label: str, paths: dict[str, dict]) -> None:
+    """A real-shape model with random bf16 weights (written once into out_dir) against HF float32, HF bf16
+    beside it as the floor, on 3 sequences (128, 97, 64 tokens) through each engine_logits path."""
     import copy
 
     import torch
 
-    out_dir = os.environ.get("OPENINFER_QWEN3_4B_DIR", "/tmp/qwen3-4b-random")
-    m16 = write_random_qwen3(QWEN3_4B_CONFIG, out_dir)
+    m16 = write_random_qwen3(config_path, out_dir)
     m32 = copy.deepcopy(m16).float().eval()
     seqs = random_sequences(151000, [128, 97, 64], seed=2)
     o32 = [hf_run(m32, s) for s in seqs]
     o16 = [hf_run(m16, s) for s in seqs]
     del m32, m16
     torch.cuda.empty_cache()
-    model = load_model(out_dir)
-    ex = new_gpu_executor(model, max_model_len=1024, num_kv_blocks=64)
-    for path_name in ("prefill", "decode"):
-        kw = dict(PATHS[path_name])
-        if path_name == "decode":
-            kw["prefill"] = [40, 13, 1]
-        engine = engine_logits(ex, seqs, **kw)
-        assert_gate(gate_row(f"qwen3-4b-random/{path_name}", engine, o32, o16))
-    ex.close()
+    ex = new_gpu_executor(load_model(out_dir), max_model_len=1024, num_kv_blocks=64)
+    try:
+        for path_name, kw in paths.items():
+            assert_gate(gate_row(f"{label}/{path_name}", engine_logits(ex, seqs, **kw), o32, o16))
+    finally:
+        ex.close()

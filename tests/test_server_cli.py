@@ -39,6 +39,16 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> Non
     raise AssertionError(f"server not healthy within {timeout} s")
 
 
+def interrupt(proc: subprocess.Popen) -> None:
+    """Ctrl-C the server and wait for it to exit (killed, and the test failed, after 30 s)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
 def test_serve_subprocess_with_api_key_then_ctrl_c():
     port = free_port()
     env = dict(os.environ, OPENINFER_API_KEY="test-key")
@@ -59,12 +69,7 @@ def test_serve_subprocess_with_api_key_then_ctrl_c():
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model="tiny", prompt="Hello", max_tokens=300)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        interrupt(proc)
     log = proc.stderr.read()
     assert proc.returncode == 0, log
     assert "prompt=" in log and "completion=4" in log and "ttft=" in log     # one line per request

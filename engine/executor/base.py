@@ -39,6 +39,7 @@ class Executor(Protocol):
     supports_host_tier: bool    # copy_blocks works (host_kv_blocks > 0)
     supports_fed_steps: bool    # submit(batch, fed=True) works (async scheduling)
     last_step_graphed: bool     # the last step replayed a CUDA graph (the step trace's mode)
+    num_state_slots: int        # per-sequence state slots (linear-attention lines; 0: none)
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         """Run one step: write the new tokens' KV, sample where asked."""
@@ -77,6 +78,7 @@ class ExecutorBase:
     supports_host_tier = False
     supports_fed_steps = False    # async scheduling's fed steps (an asynchronous executor's)
     last_step_graphed = False     # the last step replayed a CUDA graph
+    num_state_slots = 0
     options: ExecutorOptions
 
     def execute(self, batch: ModelBatch) -> StepOutput:

@@ -14,6 +14,7 @@ from engine.loader import LoadedModel
 from engine.models.rope import rope_cos_sin
 from engine.sampling import prompt_logprobs, sample_step
 from memory.kv_pool import BLOCK_SIZE, blocks_for, host_pool, pool_blocks
+from memory.state_slots import check_slots, host_state
 
 DEFAULT_KV_BYTES = 1 << 30          # KV pool budget when num_kv_blocks is not given
 ROUNDING = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -39,6 +40,10 @@ class CpuExecutor(ExecutorBase):
         self.host_kv = host_pool(self.layout, options.host_kv_blocks) if options.host_kv_blocks else None
         self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len, self.model.rope_dim)
         self.ops = NumpyOps(self.kv)
+        state = self.model.state_layout()          # linear-attention lines: one state slot per sequence
+        self.num_state_slots = options.max_num_seqs if state is not None else 0
+        if state is not None:
+            self.ops.state = host_state(state, self.num_state_slots)
 
     def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
         """offloads (device block -> host slot) first, then restores (host slot -> device block)."""
@@ -71,6 +76,8 @@ class CpuExecutor(ExecutorBase):
                              f"({self.num_kv_blocks} blocks)")
         if batch.num_tokens and (batch.input_ids.min() < 0 or batch.input_ids.max() >= self.vocab_size):
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        if self.num_state_slots:
+            check_slots(batch.state_slots, self.num_state_slots)
         return CpuStepContext(batch, self.cos[batch.positions], self.sin[batch.positions])
 
     def _hidden(self, batch: ModelBatch) -> np.ndarray:
@@ -94,8 +101,8 @@ class CpuExecutor(ExecutorBase):
     def _prompt_logprobs(self, batch: ModelBatch, i: int, hidden: np.ndarray) -> PromptLogprobResult:
         s = batch.seqs[i]
         q0 = int(batch.cu_seqlens[i])
-        n = len(s.token_ids)
-        rows = self.ops.gather_rows(hidden, np.arange(q0, q0 + n - 1))
+        targets = s.prompt_logprob_targets()
+        rows = self.ops.gather_rows(hidden, np.arange(q0, q0 + len(targets)))
         logits = self.model.compute_logits(self.ops, self.weights, rows).astype(np.float32)
-        lps, tops = prompt_logprobs(logits, s.token_ids[1:], s.params.prompt_logprobs or 0)
+        lps, tops = prompt_logprobs(logits, targets, s.params.prompt_logprobs or 0)
         return PromptLogprobResult(seq_id=s.seq_id, start_pos=s.start_pos, logprobs=lps, top_logprobs=tops)

@@ -9,6 +9,7 @@ import numpy as np
 from engine.batch import ModelBatch
 from engine.executor.cpu_mla_ops import NumpyMLAOps
 from engine.executor.cpu_moe_ops import NumpyMoEOps
+from engine.executor.cpu_deltanet_ops import DeltaNetNumpyOps
 from engine.models.ops import AttentionSpec, ComposedOps
 from memory.kv_pool import BLOCK_SIZE, block_view
 
@@ -33,7 +34,7 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-class NumpyOps(NumpyMoEOps, NumpyMLAOps, ComposedOps):
+class NumpyOps(NumpyMoEOps, NumpyMLAOps, DeltaNetNumpyOps, ComposedOps):
     def __init__(self, kv: np.ndarray):
         self.kv = kv                        # float32 [layers, 2, slots, Hkv, D]
 

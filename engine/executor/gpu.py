@@ -7,8 +7,9 @@ Parts: GpuOps (the model Ops: raw CUDA kernels, the GEMM library, the activation
 (cuBLAS / gemv.cu / the CuTe GEMM; a CuTe product is checked against float32 at start and cuBLAS
 serves where that fails), StepInputs (the step's arrays in one static buffer), GpuSampler,
 PrefillAttention (the CuTe varlen kernel for long prefill sequences, gpu_prefill.py) and DecodeGraphs
-(decode steps replayed as CUDA graphs per batch-size bucket, gpu_graphs.py). Prefill and mixed steps
-run eagerly. `last_host_s` is the host time of the last step up to its launch.
+(decode steps replayed as CUDA graphs per batch-size bucket, gpu_graphs.py); for a line with
+per-sequence state, its state slots (memory/state_slots.py, one per max_num_seqs) before the KV pool.
+Prefill and mixed steps run eagerly. `last_host_s` is the host time of the last step up to its launch.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import numpy as np
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import DoneStep, ExecutorBase, PendingStep
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, cute_rows, cute_workspace_bytes
+from engine.executor.gpu_deltanet_ops import check_deltanet_shapes
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_inputs import StepInputs
 from engine.executor.gpu_ops import GpuOps, GpuStepContext
@@ -33,9 +35,10 @@ from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE
 from engine.loader import LoadedModel
 from engine.models.rope import rope_inv_freq
 from engine.sampling import prompt_logprobs
-from memory.device_arena import DeviceArena, arena_budget
+from memory.device_arena import DeviceArena, arena_budget, buffers_nbytes
 from memory.host_kv_copy import gpu_host_kv_copy
 from memory.kv_pool import pool_blocks
+from memory.state_slots import check_slots, state_buffers
 from memory.streams import DeviceStreams
 from memory.weight_upload import upload_weights
 
@@ -99,6 +102,8 @@ class GpuExecutor(ExecutorBase):
         options.validate_for_gpu()
         cfg = model.config
         check_model_shapes(cfg)
+        for spec in getattr(model.model, "linear_specs", {}).values():     # hybrid lines' DeltaNet layers
+            check_deltanet_shapes(spec)
         self.options, self.config, self.model = options, cfg, model.model
         self.vocab_size, self.max_model_len = cfg.vocab_size, options.max_model_len
         tuning = options.gpu
@@ -112,6 +117,10 @@ class GpuExecutor(ExecutorBase):
         inv_freq, attention_factor = rope_inv_freq(cfg, model.model.rope_dim)
         parts = parts_nbytes(plan, cute_max_m, prefill_min is not None)
         parts["rope"] = inv_freq.nbytes
+        state = model.model.state_layout()         # linear-attention lines: one state slot per sequence
+        self.num_state_slots = options.max_num_seqs if state is not None else 0
+        if state is not None:
+            parts["state"] = buffers_nbytes(state_buffers(state, self.num_state_slots))
         weight_bytes = sum(int(a.size) * 2 for a in model.weights.values())
         block_bytes = plan.kv.block_bytes(KV_ITEMSIZE)
         if options.num_kv_blocks is None:
@@ -153,6 +162,8 @@ class GpuExecutor(ExecutorBase):
         self.ops.take_sparse(self.arena, plan)
         self.ops.layer_ranges, self.ops.op_ranges = tuning.nvtx in ("layers", "ops"), tuning.nvtx == "ops"
         self.ops.gate_up_interleaved = interleave
+        if state is not None:
+            self.ops.state = self.arena.take_all("state", state_buffers(state, self.num_state_slots))
         self.host_kv = None
         if options.host_kv_blocks:
             self.enable_host_tier(options.host_kv_blocks)
@@ -227,6 +238,8 @@ class GpuExecutor(ExecutorBase):
         if fed and not batch.is_decode_only:
             raise ValueError("a fed step must be a decode step (one token per sequence)")
         self.inputs.check(batch, self.num_kv_blocks, check_ids=not fed)
+        if self.num_state_slots:
+            check_slots(batch.state_slots, self.num_state_slots)
         ctx = self.inputs.upload(batch, lambda T, ctx_len: self.ops.splits(T, self.plan.kv.heads, ctx_len), pad_to,
                                  fed_ids=self.sampler.ids if fed else None)
         if pad_to is None:
@@ -286,11 +299,11 @@ class GpuExecutor(ExecutorBase):
 
     def launch_eager(self, batch: ModelBatch) -> PendingStep:
         """One step with per-kernel launches (prefill and mixed steps; decode where graphs are off).
-        Sampled rows with no logit processing run the decode graphs' sampling kernels and come back
-        through the readback, so the host goes on while the GPU runs the step."""
+        Sampled rows with no logit processing run the decode graphs' sampling kernels (grammar rows: the
+        masked tail) and come back through the readback, so the host goes on while the GPU runs the step."""
         hidden, ctx = self._hidden(batch)
         sampled = [s for s in batch.seqs if s.sample]
-        want = [i for i, s in enumerate(batch.seqs) if s.want_prompt_logprobs and len(s.token_ids) > 1]
+        want = [i for i, s in enumerate(batch.seqs) if s.want_prompt_logprobs and s.prompt_logprob_targets()]
         logits = None
         if sampled:
             rows = self.ops.gather_rows(hidden, ctx.sample_rows)
@@ -303,6 +316,10 @@ class GpuExecutor(ExecutorBase):
         if not sampled:
             return DoneStep(StepOutput(sampled=[]))
         n = len(sampled)
+        if any(s.grammar is not None for s in sampled):     # structured output: the masked tail
+            self.sampler.argmax(logits, n)
+            self.sampler.masked_tail(logits, sampled)
+            return self.readback.queue(self.sampler, sampled, greedy=False)
         greedy = all(s.params.greedy and s.params.logprobs is None for s in sampled)
         if greedy:
             self.sampler.argmax(logits, n)
@@ -315,14 +332,16 @@ class GpuExecutor(ExecutorBase):
         return self.launch_eager(batch).result()
 
     def _prompt_logprobs(self, batch: ModelBatch, want: list[int], hidden) -> list[PromptLogprobResult]:
-        """Logprobs of token_ids[1:] of each wanted sequence, all rows through one gather + lm_head pass."""
-        spans = [(int(batch.cu_seqlens[i]), len(batch.seqs[i].token_ids) - 1) for i in want]
+        """Logprobs of each wanted sequence's prompt_logprob_targets (token_ids[1:], and the next prompt
+        token where the step ends inside the prompt), all rows through one gather + lm_head pass."""
+        targets = [batch.seqs[i].prompt_logprob_targets() for i in want]
+        spans = [(int(batch.cu_seqlens[i]), len(t)) for i, t in zip(want, targets)]
         rows = np.concatenate([np.arange(q0, q0 + n, dtype=np.int32) for q0, n in spans])
         logits = self._logits_host(hidden, rows)
         results, at = [], 0
-        for i, (_, n) in zip(want, spans):
+        for i, (_, n), target in zip(want, spans, targets):
             s = batch.seqs[i]
-            lps, tops = prompt_logprobs(logits[at:at + n], s.token_ids[1:], s.params.prompt_logprobs or 0)
+            lps, tops = prompt_logprobs(logits[at:at + n], target, s.params.prompt_logprobs or 0)
             at += n
             results.append(PromptLogprobResult(seq_id=s.seq_id, start_pos=s.start_pos, logprobs=lps,
                                                top_logprobs=tops))

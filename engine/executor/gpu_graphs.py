@@ -16,7 +16,10 @@ Both queue the results' copy into pinned host memory behind the graph and return
 -> gpu_readback.ReadbackStep): the caller's host work overlaps the step until its result() waits on
 the copy's event (the one sync of the step). Steps with logit_bias / min_tokens / penalties
 (gpu_sampler `needs_processing`) replay the greedy graph and run the GPU sampler eagerly on its
-logits; `sample_in_graph = False` sends every non-greedy step that way. Prefill and mixed steps
+logits; `sample_in_graph = False` sends every non-greedy step that way. Steps with grammar rows
+(structured output) replay the greedy graph too: while it runs, the host computes the rows' token
+masks, then the sampler queues the masked tail behind it (gpu_sampler `masked_tail`), read back like
+a graphed step. Prefill and mixed steps
 run eagerly (GpuExecutor), returned the same way where their rows need no logit processing.
 """
 from __future__ import annotations
@@ -124,13 +127,16 @@ class DecodeGraphs:
         seqs = batch.seqs
         n, b = len(seqs), self.bucket(len(seqs))
         processing = any(map(needs_processing, seqs))
-        greedy = not processing and all(s.params.greedy and s.params.logprobs is None for s in seqs)
-        sampling = not greedy and not processing and self.sample_in_graph
+        masked = not processing and any(s.grammar is not None for s in seqs)
+        greedy = not processing and not masked and all(s.params.greedy and s.params.logprobs is None for s in seqs)
+        sampling = not greedy and not processing and not masked and self.sample_in_graph
         ctx = self.upload(batch, b)
         if sampling:
             self.sampler.fill_graph_rows(seqs, b)
         logits = self._replay(self.sampling_graphs if sampling else self.graphs, ctx, b, sampling)
-        if not (greedy or sampling):
+        if masked:
+            self.sampler.masked_tail(logits, seqs)
+        elif not (greedy or sampling):
             self.last_host_s = time.perf_counter() - t0
             return DoneStep(StepOutput(sampled=self.sampler.sample(logits[:n], seqs)))
         pending = self.readback.queue(self.sampler, seqs, greedy)

@@ -1,7 +1,8 @@
 """StepInputs: a step's ModelBatch arrays in one static device buffer, uploaded in one copy.
 
 Layout (int32, Tm = max tokens per step, Bm = max sequences, W = block-table width): input ids,
-positions, KV slots, token -> sequence row, sampled rows (Tm each), then the block tables [Bm, W].
+positions, KV slots, token -> sequence row, sampled rows (Tm each), the rows' state slots (Bm; -1
+where a line keeps no state, and for padding) and token offsets (Bm + 1), then the block tables [Bm, W].
 Decode graphs read the same addresses at every replay; eager steps read prefixes of each region.
 `extra_rows` holds row lists of the eager paths (prompt-logprob rows).
 """
@@ -29,7 +30,7 @@ class StepInputs:
 
     @staticmethod
     def buffers(max_tokens: int, max_seqs: int, max_blocks: int) -> list[Buffer]:
-        return [Buffer("step", (5 * max_tokens + max_seqs * max_blocks,), np.int32),
+        return [Buffer("step", (5 * max_tokens + 2 * max_seqs + 1 + max_seqs * max_blocks,), np.int32),
                 Buffer("extra_rows", (max_tokens,), np.int32)]
 
     @classmethod
@@ -51,6 +52,11 @@ class StepInputs:
                              f"({num_kv_blocks} blocks)")
         if check_ids and (batch.input_ids.min() < 0 or batch.input_ids.max() >= self.vocab_size):
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
+
+    def _regions(self) -> tuple[int, int, int]:
+        """Offsets of the state slots, the token offsets and the block tables."""
+        Tm = self.max_tokens
+        return 5 * Tm, 5 * Tm + self.max_seqs, 5 * Tm + 2 * self.max_seqs + 1
 
     def _next_host(self) -> np.ndarray:
         self.host = self.hosts[1] if self.host is self.hosts[0] else self.hosts[0]
@@ -74,17 +80,22 @@ class StepInputs:
         h[3 * Tm:3 * Tm + T] = np.repeat(np.arange(B, dtype=np.int32), lens)
         S = batch.sample_rows.shape[0]
         h[4 * Tm:4 * Tm + S] = batch.sample_rows
+        slots, cu, first_table = self._regions()
+        h[slots:slots + B] = batch.state_slots if batch.state_slots.shape[0] == B else -1
+        h[cu:cu + B + 1] = batch.cu_seqlens
         rows = B
         if pad_to is not None:
             h[T:pad_to], h[Tm + T:Tm + pad_to], h[2 * Tm + T:2 * Tm + pad_to] = 0, -1, -1
             h[3 * Tm + T:3 * Tm + pad_to] = 0
             h[4 * Tm:4 * Tm + pad_to] = np.arange(pad_to, dtype=np.int32)
+            h[slots + B:slots + pad_to] = -1
+            h[cu + B + 1:cu + pad_to + 1] = np.arange(T + 1, T + pad_to - B + 1, dtype=np.int32)
             T = S = rows = pad_to
-        tables = h[5 * Tm:5 * Tm + rows * mb].reshape(rows, mb)
+        tables = h[first_table:first_table + rows * mb].reshape(rows, mb)
         tables[:B, :batch.block_tables.shape[1]] = batch.block_tables
         tables[:B, batch.block_tables.shape[1]:] = 0
         tables[B:] = 0
-        n = 5 * Tm + rows * mb
+        n = first_table + rows * mb
         cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         if fed_ids is not None:
@@ -99,20 +110,25 @@ class StepInputs:
         import cupy
 
         Tm, h = self.max_tokens, self._next_host()
+        slots, cu, first_table = self._regions()
         h[0:rows], h[Tm:Tm + rows], h[2 * Tm:2 * Tm + rows], h[3 * Tm:3 * Tm + rows] = 0, -1, -1, 0
         h[4 * Tm:4 * Tm + rows] = np.arange(rows, dtype=np.int32)
-        h[5 * Tm:5 * Tm + rows * self.max_blocks] = 0
-        n = 5 * Tm + rows * self.max_blocks
+        h[slots:slots + rows] = -1
+        h[cu:cu + rows + 1] = np.arange(rows + 1, dtype=np.int32)
+        h[first_table:first_table + rows * self.max_blocks] = 0
+        n = first_table + rows * self.max_blocks
         cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         return self.views(rows, rows, rows, splits)
 
     def views(self, T: int, B: int, S: int, splits: int) -> GpuStepContext:
         Tm, mb, d = self.max_tokens, self.max_blocks, self.device
+        slots, cu, first_table = self._regions()
         return GpuStepContext(num_tokens=T, input_ids=d[0:T], positions=d[Tm:Tm + T],
                               slot_mapping=d[2 * Tm:2 * Tm + T], token_seq=d[3 * Tm:3 * Tm + T],
-                              block_tables=d[5 * Tm:5 * Tm + B * mb].reshape(B, mb),
-                              sample_rows=d[4 * Tm:4 * Tm + S], num_splits=splits)
+                              block_tables=d[first_table:first_table + B * mb].reshape(B, mb),
+                              sample_rows=d[4 * Tm:4 * Tm + S], num_splits=splits,
+                              state_slots=d[slots:slots + B], cu_seqlens=d[cu:cu + B + 1])
 
     def upload_rows(self, rows: np.ndarray):
         """A row list for an eager gather (prompt-logprob rows): its device view."""

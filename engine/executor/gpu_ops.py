@@ -28,6 +28,7 @@ import numpy as np
 
 from engine.executor.gpu_mla_ops import GpuMLAOps
 from engine.executor.gpu_moe_ops import GpuMoEOps
+from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
 from engine.models.ops import AttentionSpec, ComposedOps
 from kernels.raw_cuda import kernel
 from kernels.raw_cuda.launch import launch
@@ -98,6 +99,8 @@ class GpuStepContext:
     prefill: object = None  # gpu_prefill.PrefillStep: the CuTe kernel's sequences (eager steps only)
     batch: object = None    # the host ModelBatch (eager steps only; None in decode graphs)
     mla: object = None      # gpu_mla_ops: the step's expansion plan, built at its first MLA layer
+    state_slots: object = None  # int32 [B]  state slot of each row (-1: padding; lines with state)
+    cu_seqlens: object = None   # int32 [B+1] token offsets of the rows
 
     @property
     def decode_only(self) -> bool:
@@ -106,7 +109,7 @@ class GpuStepContext:
         return self.num_tokens == self.block_tables.shape[0]
 
 
-class GpuOps(GpuMoEOps, GpuMLAOps, ComposedOps):
+class GpuOps(GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
     op_ranges = False                       # NVTX range per op (op_range; eager steps)
 
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,

@@ -12,12 +12,20 @@ for seeds beyond 32 bits). Logprobs are of the raw distribution (token_logprob, 
 `sample` runs eagerly and syncs. Decode graphs capture the same kernels (`graph_tail`) over every
 row of their bucket, reading per-row parameters from a static device block that `fill_graph_rows`
 uploads before each replay (greedy and padded rows: temperature 0, which sample_filtered skips).
+
+Structured output: rows with a grammar (SeqStep.grammar) sample from a masked copy of their logits
+(`mask_logits`: the grammar's token bitmask, computed on the host by engine/grammar.py and uploaded
+from pinned memory; rows without one are copied as they are); logprobs stay those of the raw
+logits. A decode step with such rows replays the greedy graph (the forward and the raw argmax) and
+`masked_tail` computes the masks on the host while the graph runs, then queues the mask, a greedy
+argmax and the sampling kernels over the masked copy: no sync, the step returns through the readback.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from engine.batch import SampledToken, SeqStep
+from engine.grammar import allowed_tokens, only_stop_tokens, step_bitmask
 from kernels.raw_cuda import kernel
 from memory.device_arena import Buffer, buffers_nbytes
 
@@ -39,8 +47,9 @@ def needs_processing(s: SeqStep) -> bool:
         (bool(p.frequency_penalty or p.presence_penalty) and len(s.history) > s.prompt_len)
 
 
-def penalty_entries(s: SeqStep, vocab: int):
-    """Distinct tokens touched by steps 1-3 of the reference: (token, bias, flags, output count)."""
+def penalty_entries(s: SeqStep, vocab: int, min_tokens_yield: bool = False):
+    """Distinct tokens touched by steps 1-3 of the reference: (token, bias, flags, output count).
+    min_tokens_yield: the row's grammar allows only stop tokens, so min_tokens masks nothing."""
     p = s.params
     entries: dict[int, list] = {}
 
@@ -50,7 +59,7 @@ def penalty_entries(s: SeqStep, vocab: int):
     for t, b in p.logit_bias.items():
         if 0 <= int(t) < vocab:
             entry(int(t))[0] += float(b)
-    if s.num_generated < p.min_tokens:
+    if s.num_generated < p.min_tokens and not min_tokens_yield:
         for t in p.stop_token_ids:
             if 0 <= t < vocab:
                 entry(t)[1] |= 1
@@ -120,6 +129,12 @@ class GpuSampler:
         self.pen_i, self.pen_bias = b["pen_i"], b["pen_bias"]   # pen_i: token, flags, count
         self.part_v, self.part_i, self.part_s = b["argmax_part_v"], b["argmax_part_i"], b["argmax_part_s"]
         self.tickets = b["argmax_tickets"]
+        # Grammar bitmasks: [max_rows, words] and a per-row flag, uploaded from one of two pinned twins.
+        self.words = self.mask_words(vocab)
+        self.bitmask, self.mask_flags = b["bitmask"], b["mask_flags"]
+        self.mask_hosts = [pinned_array((max_rows, self.words), np.int32) for _ in range(2)]
+        self.flag_hosts = [pinned_array((max_rows,), np.int32) for _ in range(2)]
+        self.mask_turn = 0
         # argmax_logprob_split's ticket counters start at zero; the kernel leaves them so.
         cupy.cuda.runtime.memsetAsync(self.tickets.data.ptr, 0, self.tickets.nbytes, stream.ptr)
         # The decode graphs' per-row parameters: one device block, uploaded from one of two pinned twins
@@ -142,6 +157,7 @@ class GpuSampler:
         self.k_penalties = kernel("sampling", "apply_penalties")
         self.k_sample = kernel("sampling", "sample_filtered")
         self.k_uniforms = kernel("sampling", "seeded_uniforms")
+        self.k_mask = kernel("sampling", "mask_logits")
 
     @staticmethod
     def buffers(max_rows: int, vocab: int) -> list[Buffer]:
@@ -157,7 +173,13 @@ class GpuSampler:
                 Buffer("pen_i", (3, PENALTY_ENTRIES), np.int32), Buffer("pen_bias", (PENALTY_ENTRIES,), np.float32),
                 Buffer("argmax_part_v", (split,), np.float32), Buffer("argmax_part_i", (split,), np.int32),
                 Buffer("argmax_part_s", (split,), np.float32), Buffer("argmax_tickets", (ARGMAX_SPLIT_ROWS,), np.uint32),
-                Buffer("graph_rows", (max_rows * GRAPH_ROW_BYTES,), np.uint8)]
+                Buffer("graph_rows", (max_rows * GRAPH_ROW_BYTES,), np.uint8),
+                Buffer("bitmask", (max_rows, GpuSampler.mask_words(vocab)), np.int32),
+                Buffer("mask_flags", (max_rows,), np.int32)]
+
+    @staticmethod
+    def mask_words(vocab: int) -> int:
+        return -(-vocab // 32)
 
     @classmethod
     def nbytes(cls, plan) -> int:
@@ -191,12 +213,53 @@ class GpuSampler:
         """The sampling a decode graph captures over all `rows` rows of its bucket, reading what
         fill_graph_rows uploaded: the kernels `sample` launches for the same rows (so the same ids
         and logprobs), greedy rows left at their argmax, top logprobs in rows of MAX_TOP_LOGPROBS."""
-        g, V, null = self.graph_rows, np.int32(self.vocab), np.uint64(0)
         self.argmax(logits, rows)
+        self._sample_rows(logits, logits, rows)
+
+    def upload_masks(self, seqs: list[SeqStep]) -> dict[int, np.ndarray]:
+        """The grammar rows' bitmasks (llguidance, on the host: the step's one mask computation) into
+        the device bitmask, flags 1 for them and 0 for the other rows; {row: its bitmask row}."""
+        rows, masks = step_bitmask([s.grammar for s in seqs])
+        if not rows:
+            return {}
+        n, w = len(seqs), min(self.words, masks.shape[1])
+        self.mask_turn ^= 1
+        host, flags = self.mask_hosts[self.mask_turn], self.flag_hosts[self.mask_turn]
+        host[rows, :w] = masks[:, :w]
+        host[rows, w:] = 0
+        flags[:n] = 0
+        flags[rows] = 1
+        last = rows[-1] + 1
+        copy, h2d = self.cp.cuda.runtime.memcpyAsync, self.cp.cuda.runtime.memcpyHostToDevice
+        copy(self.bitmask.data.ptr, host.ctypes.data, last * self.words * 4, h2d, self.stream.ptr)
+        copy(self.mask_flags.data.ptr, flags.ctypes.data, n * 4, h2d, self.stream.ptr)
+        return dict(zip(rows, masks))
+
+    def mask(self, logits, out, n: int) -> None:
+        """out[:n] = logits[:n] with each flagged row's grammar mask applied (out may be logits)."""
+        chunks = min(64, -(-self.vocab // 4096))
+        self._launch(self.k_mask, (chunks, n), (256,), (logits, out, np.int32(self.vocab), self.bitmask,
+                                                       np.int32(self.words), self.mask_flags))
+
+    def masked_tail(self, logits, seqs: list[SeqStep]) -> None:
+        """A decode step with grammar rows, after the greedy graph (ids and lse of the raw logits):
+        the masks (computed here, while the graph runs), the masked copy, its greedy argmax, then
+        graph_tail's sampling and logprob kernels over it, for the step's rows."""
+        n, V, null = len(seqs), np.int32(self.vocab), np.uint64(0)
+        self.fill_graph_rows(seqs, n)
+        self.upload_masks(seqs)
+        self.mask(logits, self.processed, n)
+        self._launch(self.k_argmax, (n,), (1024,), (self.processed, V, null, self.ids, null, null))
+        self._sample_rows(logits, self.processed, n)
+
+    def _sample_rows(self, logits, source, rows: int) -> None:
+        """graph_tail after the argmax: sample `source` where a row's temperature is > 0, logprobs of
+        the raw `logits`."""
+        g, V = self.graph_rows, np.int32(self.vocab)
         self._launch(self.k_uniforms, (-(-rows // 128),), (128,),
                      (g["seed"], g["step"], g["uniform"], np.int32(rows)))
-        self._launch(self.k_sample, (rows,), (1024,), (logits, V, null, self.probs, g["temperature"], g["min_p"],
-                                                       g["top_k"], g["top_p"], g["uniform"], self.ids))
+        self._launch(self.k_sample, (rows,), (1024,), (source, V, np.uint64(0), self.probs, g["temperature"],
+                                                       g["min_p"], g["top_k"], g["top_p"], g["uniform"], self.ids))
         self._launch(self.k_token_lp, (-(-rows // 128),), (128,), (logits, V, self.ids, self.lse, self.logprob,
                                                                    np.int32(rows)))
         self._launch(self.k_topk_each, (rows,), (1024,), (logits, V, np.int32(MAX_TOP_LOGPROBS), g["logprobs"],
@@ -218,11 +281,18 @@ class GpuSampler:
         null = np.uint64(0)
         self.argmax(logits, S)
         processed = [i for i, s in enumerate(seqs) if needs_processing(s)]
+        masks = self.upload_masks(seqs)
         source = logits
-        if processed:
-            self._penalties(logits, seqs, processed)
+        if processed or masks:
+            self.cp.cuda.runtime.memcpyAsync(self.processed.data.ptr, logits.data.ptr, S * V * 4,
+                                             self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
             source = self.processed
-            greedy = np.asarray([i for i in processed if seqs[i].params.greedy], np.int32)
+            if processed:
+                self._penalties(seqs, processed, masks)
+            if masks:
+                self.mask(self.processed, self.processed, S)
+            changed = sorted(set(processed) | set(masks))
+            greedy = np.asarray([i for i in changed if seqs[i].params.greedy], np.int32)
             if greedy.size:
                 self._up(self.rows, greedy)
                 self._launch(self.k_argmax, (greedy.size,), (1024,),
@@ -255,17 +325,17 @@ class GpuSampler:
             out.append(tok)
         return out
 
-    def _penalties(self, logits, seqs: list[SeqStep], processed: list[int]) -> None:
+    def _penalties(self, seqs: list[SeqStep], processed: list[int], masks: dict[int, np.ndarray]) -> None:
+        """Steps 1-3 of the reference on the processed copy (min_tokens yielding to a grammar)."""
         S, V = len(seqs), self.vocab
-        self.cp.cuda.runtime.memcpyAsync(self.processed.data.ptr, logits.data.ptr, S * V * 4,
-                                         self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         row_ptr = np.zeros(S + 1, np.int32)
         toks, flags, counts, bias = [], [], [], []
         rep, freq, pres = np.ones(S, np.float32), np.zeros(S, np.float32), np.zeros(S, np.float32)
         processed = set(processed)
         for i, s in enumerate(seqs):
             if i in processed:
-                for t, (b, f, c) in sorted(penalty_entries(s, V).items()):
+                yields = i in masks and only_stop_tokens(allowed_tokens(masks[i], V), s.params.stop_token_ids)
+                for t, (b, f, c) in sorted(penalty_entries(s, V, yields).items()):
                     toks.append(t); bias.append(b); flags.append(f); counts.append(c)
                 rep[i], freq[i], pres[i] = (s.params.repetition_penalty, s.params.frequency_penalty,
                                             s.params.presence_penalty)

@@ -8,12 +8,13 @@ capture it in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from engine.model_config import ModelConfig
 from engine.models.ops import Array, AttentionSpec, Ops
 from engine.models.weights import WeightSpec, packed
 from memory.kv_pool import KVLayout
+from memory.state_slots import StateLayout
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,16 @@ class DecoderLM:
 
     def weight_specs(self) -> list[WeightSpec]:
         return model_weight_specs(self.config, self.opt)
+
+    def checkpoint(self, has: Callable[[str], bool], get: Callable[[str], Any]
+                   ) -> tuple[Callable[[str], bool], Callable[[str], Any]]:
+        """The checkpoint as weight_specs() names it: (has, get) over the checkpoint's own. A line whose
+        engine layout differs from its checkpoint's maps names and rearranges tensors here."""
+        return has, get
+
+    def state_layout(self) -> StateLayout | None:
+        """What one sequence's state slot holds (linear-attention lines); None: no per-sequence state."""
+        return None
 
     def kv_layout(self) -> KVLayout:
         """What one token stores in the paged KV pool: K and V of every layer's KV heads."""

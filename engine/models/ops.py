@@ -69,6 +69,48 @@ class MLASpec:
         return self.qk_dim
 
 
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """What one Gated DeltaNet (linear attention) layer needs beyond its weights. `layer` indexes the
+    layer axis of the state slots (memory/state_slots.py). Its input projection's row holds
+    [q k v (conv_dim) | z (value_size) | b (Hv) | a (Hv)]."""
+    layer: int
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+    rms_eps: float
+
+    @property
+    def key_size(self) -> int:
+        return self.num_k_heads * self.k_dim
+
+    @property
+    def value_size(self) -> int:
+        return self.num_v_heads * self.v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_size + self.value_size
+
+    @property
+    def z_offset(self) -> int:
+        return self.conv_dim
+
+    @property
+    def b_offset(self) -> int:
+        return self.conv_dim + self.value_size
+
+    @property
+    def a_offset(self) -> int:
+        return self.b_offset + self.num_v_heads
+
+    @property
+    def proj_size(self) -> int:
+        return self.a_offset + self.num_v_heads
+
+
 class Ops(Protocol):
     def embed(self, table: Array, ctx: Any) -> Array:
         """x[T, H] = table[input_ids]."""
@@ -150,6 +192,27 @@ class Ops(Protocol):
 
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         """Brackets one decoder layer's ops (an NVTX range on the GPU)."""
+
+    # Hybrid lines (Gated DeltaNet + gated attention; engine/models/qwen3_5.py). State lives in the
+    # step's state slots (ctx); a sequence whose step starts at position 0 starts from zero state.
+    def causal_conv1d(self, proj: Array, weight: Array, spec: LinearAttentionSpec, ctx: Any) -> Array:
+        """silu(depthwise causal conv, width conv_kernel, of proj[:, :conv_dim] over each sequence's
+        conv state (its previous conv_kernel - 1 inputs) and this step's rows); weight [conv_dim, 1,
+        conv_kernel]. Updates the conv state. Returns x[T, conv_dim] = [q | k | v]."""
+
+    def gated_delta_rule(self, x: Array, proj: Array, a_log: Array, dt_bias: Array, spec: LinearAttentionSpec,
+                         ctx: Any) -> Array:
+        """The gated delta rule over each sequence's recurrent state S [Hv, Dk, Dv] (float32):
+        q, k = l2norm(x's q, k) (q also · Dk^-1/2; key head h·Hk/Hv serves value head h),
+        beta = sigmoid(b), g = -exp(a_log) · softplus(a + dt_bias) (b, a from proj); per token
+        S = e^g S;  S += k (beta (v - Sᵀk))ᵀ;  o = Sᵀ q. Prefill chunks in the chunk-parallel form,
+        decode as the one-step recurrence. Updates the state. Returns o[T, Hv·Dv]."""
+
+    def gated_rms_norm(self, x: Array, proj: Array, weight: Array, spec: LinearAttentionSpec) -> Array:
+        """Per value head: rmsnorm(x) · weight · silu(z), z from proj. Returns [T, Hv·Dv]."""
+
+    def sigmoid_gate(self, x: Array, gate: Array) -> Array:
+        """x · sigmoid(gate) (the gated attention's output gate)."""
 
 
 class ComposedOps:

@@ -7,6 +7,7 @@ from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
     "qwen3": Qwen3ForCausalLM,
@@ -14,6 +15,8 @@ MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
+    "qwen3_5_text": Qwen3_5ForCausalLM,
+    "qwen3_5": Qwen3_5ForConditionalGeneration,
 }
 
 

@@ -3,6 +3,12 @@
 `rope_inv_freq` gives the per-pair inverse frequencies with the config's scaling (linear,
 llama3, yarn) folded in; `rope_cos_sin` expands them into float32 [positions, D/2] tables
 (yarn's attention factor folded into cos/sin), computed in float32 as transformers does.
+
+Partial rotary (`partial_rotary_factor` < 1, e.g. Qwen3.5): only rot = D · factor dims rotate. The
+frequencies are computed over rot dims and padded with zeros to D/2 pairs: a zero-frequency pair
+is left exactly as it is (cos 1, sin 0), so every kernel keeps rotating pairs (i, i + D/2). A model
+line whose checkpoint rotates pairs (i, i + rot/2) of the first rot dims permutes its q and k head
+dims so that those pairs sit at (i, i + D/2) (engine/models/qwen3_5.py).
 """
 from __future__ import annotations
 
@@ -59,10 +65,30 @@ def _yarn(cfg: ModelConfig, dim: int, s: dict) -> tuple[np.ndarray, float]:
     return inv.astype(np.float32), float(attn)
 
 
+def partial_rotary_factor(cfg: ModelConfig) -> float:
+    """The fraction of head_dim that rotates (config.json: rope_parameters or top level; default 1)."""
+    params = cfg.raw.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", cfg.raw.get("partial_rotary_factor", 1.0)))
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    return int(cfg.head_dim * partial_rotary_factor(cfg))
+
+
 def rope_inv_freq(cfg: ModelConfig, dim: int | None = None) -> tuple[np.ndarray, float]:
-    """(inv_freq float32 [dim/2], attention_factor applied to cos and sin); dim: the rotary dimensions
-    (default head_dim; MLA rotates qk_rope_head_dim of each head)."""
-    dim = dim or cfg.head_dim
+    """(inv_freq float32 [dim/2], attention_factor applied to cos and sin). dim: the rotary dimensions
+    of an MLA head (qk_rope_head_dim); by default head_dim, of which partial_rotary_factor rotate (the
+    pairs past rotary_dim / 2 get frequency 0)."""
+    if dim is not None and dim != cfg.head_dim:
+        return _rotary_inv_freq(cfg, dim)
+    inv_freq, attention_factor = _rotary_inv_freq(cfg, rotary_dim(cfg))
+    pad = cfg.head_dim // 2 - inv_freq.shape[0]
+    if pad and attention_factor != 1.0:       # the factor would scale the dims that do not rotate
+        raise ValueError("unsupported: partial rotary with a rope attention factor (yarn)")
+    return np.concatenate([inv_freq, np.zeros(pad, np.float32)]).astype(np.float32), attention_factor
+
+
+def _rotary_inv_freq(cfg: ModelConfig, dim: int) -> tuple[np.ndarray, float]:
     s = cfg.rope_scaling or {}
     kind = s.get("rope_type") or s.get("type") or "default"
     if kind == "default":

@@ -1,0 +1,78 @@
+// Host emulation of the CUDA thread model, to run raw kernels on a machine without a GPU (tests only):
+// compiled with g++ -std=c++20 together with a kernel's source, every CUDA thread of a block is an OS
+// thread; __syncthreads and __syncwarp are barriers (a thread that returns drops out of them, as an
+// exited GPU thread does), shuffles go through a per-warp exchange, __shared__ variables are statics
+// (one block runs at a time), dynamic shared memory is a zeroed buffer. It checks a kernel's indexing,
+// synchronization and arithmetic against numpy, not its speed, memory coalescing or occupancy.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <barrier>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct EmuDim { unsigned x = 1, y = 1, z = 1; };
+inline thread_local EmuDim threadIdx, blockIdx;
+inline EmuDim blockDim, gridDim;
+inline std::unique_ptr<std::barrier<>> emu_block_barrier;
+inline std::vector<std::unique_ptr<std::barrier<>>> emu_warp_barriers;
+inline std::vector<float> emu_xchg;                       // [warps][32]
+inline std::vector<char> emu_dynamic_smem;
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+
+inline float __expf(float x) { return std::exp(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline int emu_warp() { return threadIdx.x / 32; }
+inline int emu_lane() { return threadIdx.x % 32; }
+inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp_barriers[emu_warp()]->arrive_and_wait(); }
+
+inline float emu_shuffle(float v, int src_lane, bool keep) {
+    float* x = emu_xchg.data() + emu_warp() * 32;
+    x[emu_lane()] = v;
+    __syncwarp();
+    const float r = keep ? v : x[src_lane];
+    __syncwarp();
+    return r;
+}
+inline float __shfl_xor_sync(unsigned, float v, int o) { return emu_shuffle(v, emu_lane() ^ o, false); }
+inline float __shfl_up_sync(unsigned, float v, int o) { return emu_shuffle(v, emu_lane() - o, emu_lane() < o); }
+
+// Run body() as every thread of every block of the grid (1-D blocks), blocks one after another.
+inline void emu_launch(EmuDim grid, unsigned threads, size_t smem, const std::function<void()>& body) {
+    gridDim = grid;
+    blockDim = EmuDim{threads, 1, 1};
+    const unsigned warps = (threads + 31) / 32;
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                emu_block_barrier = std::make_unique<std::barrier<>>(threads);
+                emu_warp_barriers.clear();
+                for (unsigned w = 0; w < warps; ++w)
+                    emu_warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w)));
+                emu_xchg.assign(warps * 32, 0.f);
+                emu_dynamic_smem.assign(smem, 0);
+                std::vector<std::thread> pool;
+                for (unsigned t = 0; t < threads; ++t)
+                    pool.emplace_back([=, &body] {
+                        threadIdx = EmuDim{t, 0, 0};
+                        blockIdx = EmuDim{x, y, z};
+                        body();
+                        emu_warp_barriers[t / 32]->arrive_and_drop();
+                        emu_block_barrier->arrive_and_drop();
+                    });
+                for (auto& th : pool) th.join();
+            }
+}
