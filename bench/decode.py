@@ -104,8 +104,11 @@ def hf_decode_ms(hf, batch: int, prompt: int, steps: int, vocab: int = 150000) -
     return (time.perf_counter() - t) / steps * 1e3
 
 
-def run_batch(ex, model, batch: int, prompt: int, steps: int, bw: float) -> dict:
+def run_batch(ex, model, batch: int, prompt: int, steps: int, bw: float, adapters: int = 0) -> dict:
+    """adapters: sequence j runs with the LoRA adapter in slot j % adapters (bench/lora.py; 0: none)."""
     cfg = model.config
+    lora_ids = [j % adapters + 1 if adapters else 0 for j in range(batch)]
+    lora_slots = {i + 1: i for i in range(adapters)} or None
     rng = np.random.default_rng(batch)
     per_seq = -(-(prompt + steps + 1) // BLOCK_SIZE)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
@@ -113,8 +116,9 @@ def run_batch(ex, model, batch: int, prompt: int, steps: int, bw: float) -> dict
     chunk = max(1, ex.options.max_num_batched_tokens // prompt)
     for i in range(0, batch, chunk):               # prefill, chunked to the token budget
         seqs = [SeqStep(seq_id=j, token_ids=toks[j], start_pos=0, block_table=tables[j], sample=True,
-                        params=GREEDY, prompt_len=prompt, state_slot=j) for j in range(i, min(batch, i + chunk))]
-        for s in ex.execute(ModelBatch.build(seqs)).sampled:
+                        params=GREEDY, prompt_len=prompt, state_slot=j, lora_id=lora_ids[j])
+                for j in range(i, min(batch, i + chunk))]
+        for s in ex.execute(ModelBatch.build(seqs, lora_slots)).sampled:
             toks[s.seq_id].append(s.token_id)
     step_s, host_s = [], []
     arrays = [np.asarray(t, np.int32) for t in tables]     # kept int32 tables, as the scheduler keeps them
@@ -122,9 +126,9 @@ def run_batch(ex, model, batch: int, prompt: int, steps: int, bw: float) -> dict
         t0 = time.perf_counter()
         seqs = [SeqStep(seq_id=j, token_ids=[toks[j][-1]], start_pos=len(toks[j]) - 1, block_table=tables[j],
                         block_array=arrays[j], sample=True, params=GREEDY, prompt_len=prompt,
-                        num_generated=len(toks[j]) - prompt, state_slot=j)
+                        num_generated=len(toks[j]) - prompt, state_slot=j, lora_id=lora_ids[j])
                 for j in range(batch)]
-        mb = ModelBatch.build(seqs)
+        mb = ModelBatch.build(seqs, lora_slots)
         t1 = time.perf_counter()
         out = ex.execute(mb)
         t2 = time.perf_counter()
@@ -144,17 +148,18 @@ def run_batch(ex, model, batch: int, prompt: int, steps: int, bw: float) -> dict
     # (the GPU host's Python time per step varied 0.11-0.86 ms between identical runs, 2026-12-01)
     device_ms = float(np.median([st - h for st, h in zip(step_s, host_s)]) * 1e3)
     return dict(batch=batch, first_tokens=first_tokens, ms_per_step=ms, device_ms=device_ms,
-                graph_ms=graph_replay_ms(ex, batch),
+                graph_ms=graph_replay_ms(ex, batch, graphs=ex.lora_graphs if adapters else ex.graphs),
                 tokens_per_s=batch / ms * 1e3,
                 roofline_ms=floor_ms,
                 roofline_fraction=floor_ms / ms, host_ms=float(np.median(host_s) * 1e3),
                 host_fraction=float(np.median(host_s)) / float(np.median(step_s)))
 
 
-def graph_replay_ms(ex, batch: int, replays: int = 20) -> float:
-    """GPU time of the batch's captured greedy decode graph: the last step's graph replayed back to
-    back with no host work between (the same inputs each time), ms per replay; NaN without graphs."""
-    graphs = ex.graphs
+def graph_replay_ms(ex, batch: int, replays: int = 20, graphs=None) -> float:
+    """GPU time of the batch's captured greedy decode graph (of `graphs`, default the executor's base
+    ones): the last step's graph replayed back to back with no host work between (the same inputs each
+    time), ms per replay; NaN without graphs."""
+    graphs = graphs or ex.graphs
     if graphs is None or batch > graphs.buckets[-1] or graphs.bucket(batch) not in graphs.graphs:
         return float("nan")
     import cupy

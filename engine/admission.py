@@ -22,8 +22,9 @@ class AdmissionLimits:
 
 class Admission:
     def __init__(self, limits: AdmissionLimits, eos_token_ids: list[int], seed: int,
-                 grammars: GrammarCache | None = None):
+                 grammars: GrammarCache | None = None, loras=None):
         self.limits = limits
+        self.loras = loras              # engine/lora_registry.LoRARegistry (None: LoRA off)
         self.eos_token_ids = list(eos_token_ids)
         self._seed_rng = random.Random(seed)
         self.grammars = grammars        # None: structured output is refused
@@ -36,8 +37,10 @@ class Admission:
         except ValueError as e:
             return str(e)
         prompt = req.prompt_token_ids
-        if req.lora_name is not None:
-            return f"lora_name {req.lora_name!r}: LoRA adapters are not supported by this engine"
+        if req.lora_name is not None and self.loras is None:
+            return f"lora_name {req.lora_name!r}: LoRA is not enabled (start the engine with --enable-lora)"
+        if req.lora_name is not None and self.loras.id_of(req.lora_name) is None:
+            return f"lora_name {req.lora_name!r}: no LoRA adapter of that name is loaded"
         if req.request_id in in_flight:
             return f"request_id {req.request_id!r} is already in flight"
         if not prompt:
@@ -75,4 +78,5 @@ class Admission:
         grammar = self.grammars.matcher(p.grammar) if p.grammar is not None else None
         return Sequence(seq_id=seq_id, request_id=req.request_id, token_ids=list(req.prompt_token_ids),
                         prompt_len=len(req.prompt_token_ids), params=params, arrival=req.arrival_time,
+                        lora_id=self.loras.id_of(req.lora_name) if req.lora_name is not None else 0,
                         fork_count=p.n, want_prompt_logprobs=p.prompt_logprobs is not None, grammar=grammar)

@@ -63,6 +63,7 @@ class ModelBatch:
     block_tables: np.ndarray     # int32 [B, max_blocks], padded with 0
     sample_rows: np.ndarray      # int32 [S]: rows of the flattened tokens whose logits are sampled
     state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [B]
+    lora_slots: np.ndarray | None = None   # int32 [T]: each token's LoRA adapter slot (-1: none); None: no adapter
 
     @property
     def num_tokens(self) -> int:
@@ -73,10 +74,11 @@ class ModelBatch:
         return self.num_tokens == len(self.seqs)       # every step feeds >= 1 token (build checks)
 
     @classmethod
-    def build(cls, seqs: list[SeqStep]) -> "ModelBatch":
+    def build(cls, seqs: list[SeqStep], lora_slots: dict[int, int] | None = None) -> "ModelBatch":
         """A few Python passes over the steps for their sizes; the per-token and per-block arrays
         come from numpy (repeats of per-sequence offsets, one masked fill of the tables, from the
-        steps' kept int32 tables when every step has one)."""
+        steps' kept int32 tables when every step has one). lora_slots: lora id -> adapter slot of
+        the steps' adapters (engine/lora_registry.py `prepare`; None: no step has one)."""
         B = len(seqs)
         lens = [len(s.token_ids) for s in seqs]
         starts = [s.start_pos for s in seqs]
@@ -118,6 +120,8 @@ class ModelBatch:
             block_tables=tables,
             sample_rows=cu[1:][sampled] - 1,
             state_slots=np.fromiter((s.state_slot for s in seqs), np.int32, B),
+            lora_slots=None if lora_slots is None else np.repeat(
+                np.array([lora_slots.get(s.lora_id, -1) for s in seqs], np.int32), lens),
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.executor.options import DEFAULT_GRAPH_SIZES, DTYPES, GpuTuning
+from engine.lora import MAX_LORA_RANK
 
 # vLLM's defaults on a GPU; the numpy executor takes smaller steps (its attention is O(T^2) in memory).
 DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (64, 2048)}   # device -> (max_num_seqs, max_num_batched_tokens)
@@ -28,6 +29,9 @@ class EngineConfig:
     (off: max_num_batched_tokens must hold max_model_len).
     enforce_eager / cuda_graph_sizes: no CUDA graphs / the decode batch sizes captured.
     gpu: the GPU kernel choices (None: from the environment, engine/executor/env.py).
+    enable_lora / lora_modules / max_loras / max_lora_rank: LoRA adapters (engine/lora.py): the
+    (name, path) pairs loaded at start, the adapters resident in the executor at once (the rest wait
+    in host memory) and the largest rank taken.
     """
     model: str | None = None
     device: str = "auto"                     # "auto" | "cpu" | "cuda"
@@ -51,6 +55,10 @@ class EngineConfig:
     gpu: GpuTuning | None = None
     progress: bool = True                    # the weight-upload progress bar
     step_trace: str | None = None            # a JSONL file: one line per engine step (engine/step_trace.py)
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
@@ -67,6 +75,11 @@ class EngineConfig:
             (self.host_kv_blocks >= 0, "host_kv_blocks must be >= 0"),
             (not self.host_kv_blocks or self.enable_prefix_caching,
              "host_kv_blocks needs prefix caching (the host tier keeps evicted prefix-cache blocks)"),
+            (self.max_loras >= 1, "max_loras must be >= 1"),
+            (1 <= self.max_lora_rank <= MAX_LORA_RANK, f"max_lora_rank must be in [1, {MAX_LORA_RANK}]"),
+            (self.enable_lora or not self.lora_modules, "lora_modules needs enable_lora (--enable-lora)"),
+            (len({name for name, _ in self.lora_modules}) == len(self.lora_modules),
+             "lora_modules names must be distinct"),
         ]
         for ok, message in checks:
             if not ok:

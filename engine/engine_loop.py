@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.events import Rejected
 from engine.grammar import GrammarCache
 from engine.executor.base import DoneStep
+from engine.lora_registry import lora_registry
 from engine.outputs import OutputProcessor, RequestState, Sink
 from engine.request import GenerateRequest
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -90,12 +91,14 @@ class EngineLoop:
         slots = StateSlots(executor.num_state_slots) if executor.num_state_slots else None
         self.block_manager = BlockManager(executor.num_kv_blocks, prefix_caching(config, slots))
         self.scheduler = Scheduler(self.block_manager, max_seqs, max_tokens, host_tier(executor, config),
-                                   chunked_prefill=config.enable_chunked_prefill, state_slots=slots)
+                                   chunked_prefill=config.enable_chunked_prefill, state_slots=slots,
+                                   max_loras=config.max_loras if config.enable_lora else 0)
+        self.loras = lora_registry(executor, config, self.scheduler)
         self.admission = Admission(AdmissionLimits(vocab_size=int(executor.vocab_size), max_model_len=max_model_len,
                                                    max_n=min(config.max_n, max_seqs),
                                                    num_kv_blocks=executor.num_kv_blocks),
                                    eos_token_ids, config.seed,
-                                   GrammarCache(tokenizer, int(executor.vocab_size), eos_token_ids))
+                                   GrammarCache(tokenizer, int(executor.vocab_size), eos_token_ids), self.loras)
         self.outputs = OutputProcessor(tokenizer, self.scheduler, max_model_len, self.abort)
         self._inbox: queue.Queue = queue.Queue()
         self._stats = EngineStats(kv_blocks_total=executor.num_kv_blocks)
@@ -119,6 +122,10 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run fn on the engine thread, between steps (LoRA adapter loads and unloads)."""
+        self._inbox.put(("call", fn))
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -168,6 +175,8 @@ class EngineLoop:
                         self.outputs.fail(rid, f"internal engine error: {type(e).__name__}: {e}")
             else:                   # an abort can free the last request without a step
                 self._publish_stats()
+            if self.loras is not None:
+                self.loras.after_step()     # unloads waiting for their adapter's last sequence
             self._run_after_step()
         for rid in list(self.requests):
             self.outputs.fail(rid, "engine shut down")
@@ -193,6 +202,11 @@ class EngineLoop:
                 self._add(msg[1], msg[2])
             elif msg[0] == "abort":
                 self.outputs.abort(msg[1])
+            elif msg[0] == "call":
+                try:
+                    msg[1]()
+                except Exception:
+                    log.exception("an engine-thread call failed")
             else:
                 self._stopping = True
                 return
@@ -233,7 +247,7 @@ class EngineLoop:
         if out.steps:
             try:
                 if batch is None:
-                    batch = ModelBatch.build(out.steps)
+                    batch = self._build(out.steps)
                 trace.mark("build")
                 if pending is None:
                     pending = (self.executor.submit(batch) if self.config.overlap_steps
@@ -278,10 +292,14 @@ class EngineLoop:
         if plan is None:
             return False
         self._copy_tier_blocks()            # blocks the plan evicted reach the host tier before it runs
-        batch = ModelBatch.build(plan.steps)
+        batch = self._build(plan.steps)
         self._inflight = (plan, batch, self.executor.submit(batch, fed=True))
         self._planned_steps += 1
         return True
+
+    def _build(self, steps) -> ModelBatch:
+        """The step's batch, its LoRA adapters made resident in the executor first."""
+        return ModelBatch.build(steps, None if self.loras is None else self.loras.prepare(steps))
 
     def _copy_tier_blocks(self) -> None:
         """Before the step: the host tier's offloads of evicted blocks, then its restores."""
@@ -302,7 +320,7 @@ class EngineLoop:
         """While `out` runs: the next decode step's schedule and batch, its tokens still placeholders."""
         plan = self.scheduler.plan_decode_ahead(out)
         if plan is not None:
-            self._plan = (plan, ModelBatch.build(plan.steps))
+            self._plan = (plan, self._build(plan.steps))
 
     def _take_plan(self) -> tuple[SchedulerOutput | None, ModelBatch | None]:
         """The step planned ahead with its sampled tokens patched in, if the scheduler confirms it is

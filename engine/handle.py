@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, EngineStats
 from engine.events import (Error, Finished, PromptLogprobs, Rejected,
                            Scheduled, Token, TokenEvent)
+from engine.lora_calls import LocalLoRACalls
 from engine.request import GenerateRequest, SamplingParams
 from memory.block_manager import KVEvent
 
@@ -128,7 +129,7 @@ class RequestOutput:
     error: str | None = None                 # the Rejected / Error reason, if it failed
 
 
-class EngineHandle:
+class EngineHandle(LocalLoRACalls):
     def __init__(self, config: EngineConfig | None = None, *, executor=None, tokenizer=None,
                  model_name: str | None = None, max_model_len: int | None = None,
                  eos_token_ids: list[int] | None = None):

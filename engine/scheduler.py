@@ -4,7 +4,8 @@ budget, preemption by recompute when KV blocks run out, n > 1 by forking after p
 Each step: running sequences first (oldest first; a decode costs 1 token, an unfinished
 prefill the rest of its prompt up to the budget), preempting the youngest running sequence
 whenever blocks run out; then, if nothing was preempted, waiting sequences join while the
-budget, max_num_seqs and the KV pool allow. A waiting sequence starts from its longest
+budget, max_num_seqs and the KV pool allow (one whose LoRA adapter would be one more than
+max_loras among the running is passed over, keeping its place). A waiting sequence starts from its longest
 prefix-cache hit: device blocks first, then (with a host KV tier, memory/host_tier.py) blocks the
 device evicted earlier, copied back into fresh device blocks before the step.
 
@@ -47,9 +48,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, host_tier: HostKVTier | None = None, chunked_prefill: bool = True,
-                 state_slots: StateSlots | None = None):
+                 state_slots: StateSlots | None = None, max_loras: int = 0):
         self.bm = block_manager
         self.state_slots = state_slots           # per-sequence state slots (None: the line keeps none)
+        self.max_loras = max_loras               # > 0: at most this many LoRA adapters among the running
         self.chunked_prefill = chunked_prefill   # off: a prompt's prefill runs in one step or waits
         self.host_tier = host_tier
         if host_tier is not None:
@@ -92,13 +94,19 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out
+        loras, skipped = self._running_loras(), []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if self._lora_blocked(seq, loras):     # its adapter cannot join this step's; a later one may
+                skipped.append(self.waiting.popleft())
+                continue
             if len(self.running) + seq.fork_count > self.max_num_seqs:
                 break
             if not self._admit(seq, budget, out):
                 break
             self.waiting.popleft()
+            if seq.lora_id:
+                loras.add(seq.lora_id)
             group = self._fork(seq, out) if self._fork_ready(seq) else [seq]
             for s in group:
                 n = self._chunk(s, budget) if budget > 0 else 0
@@ -106,7 +114,17 @@ class Scheduler:
                 if n > 0 and self.bm.can_allocate(need):
                     s.block_table += self.bm.allocate(need)
                     budget -= self._add_step(s, n, out)
+        self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _running_loras(self) -> set[int]:
+        """The LoRA adapters (ids) among the running sequences (none tracked without max_loras)."""
+        return {s.lora_id for s in self.running if s.lora_id} if self.max_loras else set()
+
+    def _lora_blocked(self, seq: Sequence, loras: set[int]) -> bool:
+        """seq's adapter would be one more than max_loras among the running sequences' `loras` (a step's
+        adapters must all be resident in the executor's slots at once)."""
+        return bool(self.max_loras and seq.lora_id and seq.lora_id not in loras and len(loras) >= self.max_loras)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """New tokens of seq to compute this step (0: none fit)."""
@@ -269,8 +287,11 @@ class Scheduler:
 
     def _admission_closed(self) -> bool:
         """schedule() admits nobody this step: nothing waits, or the first waiting sequence (FCFS: the
-        only one tried first) would take the running set past max_num_seqs."""
-        return not self.waiting or len(self.running) + self.waiting[0].fork_count > self.max_num_seqs
+        only one tried first; those whose LoRA adapter cannot join are passed over) would take the
+        running set past max_num_seqs."""
+        loras = self._running_loras()
+        first = next((s for s in self.waiting if not self._lora_blocked(s, loras)), None)
+        return first is None or len(self.running) + first.fork_count > self.max_num_seqs
 
     def confirm_decode_ahead(self, plan: SchedulerOutput) -> bool:
         """Whether a plan_decode_ahead plan is still what schedule() would return now (the same

@@ -192,12 +192,14 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def engine_logits(executor, seqs: list[list[int]], chunks: list | int | None = None,
-                  prefill: list | int | None = None, seed: int = 0) -> list[np.ndarray]:
+                  prefill: list | int | None = None, seed: int = 0,
+                  lora_slots: list[int | None] | None = None) -> list[np.ndarray]:
     """Teacher-force `seqs` through `executor` together: each step feeds every unfinished sequence
     its next chunk. Per sequence (a list, or one value for all): the first step feeds `prefill`
     tokens, later steps `chunks` tokens (None: everything left; 1: decode one token a step).
     KV blocks come from a shuffled pool, so sequences interleave in the cache; sequence i keeps its
-    state (linear-attention lines) in state slot i.
+    state (linear-attention lines) in state slot i. lora_slots: per sequence, the executor's LoRA slot
+    it runs with (None: the base model).
     Returns float32 logits [len(seq), V] per sequence."""
     n = len(seqs)
     sizes = chunks if isinstance(chunks, list) else [chunks] * n
@@ -219,10 +221,12 @@ def engine_logits(executor, seqs: list[list[int]], chunks: list | int | None = N
             k = sizes[i] if done[i] else (firsts[i] or sizes[i])
             k = len(s) - done[i] if k is None else k
             toks = s[done[i]:done[i] + k]
+            slot = lora_slots[i] if lora_slots else None
             steps.append(SeqStep(seq_id=i, token_ids=toks, start_pos=done[i], block_table=tables[i],
-                                 sample=False, state_slot=i))
+                                 sample=False, state_slot=i, lora_id=0 if slot is None else slot + 1))
             who.append((i, len(toks)))
-        logits = executor.forward_logits(ModelBatch.build(steps))
+        slots = {s + 1: s for s in lora_slots if s is not None} if lora_slots else {}
+        logits = executor.forward_logits(ModelBatch.build(steps, slots or None))
         row = 0
         for i, k in who:
             outs[i].append(logits[row:row + k])

@@ -27,6 +27,7 @@ from server.drain import InFlight
 from server.engine_call import EngineCall, engine_failure
 from server.errors import APIError, error_response
 from server.limits import ServerLimits
+from server.lora_routes import add_lora_routes
 from server.metrics import ServerMetrics
 from server.offload import in_thread
 from server.protocol import ModelInfo, parse_chat, parse_completion
@@ -77,7 +78,8 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
     app.ctx.model = ModelInfo(name=served_model_name or handle.model_name, max_model_len=handle.max_model_len,
                               tokenizer=tokenizer, vocab_size=_vocab_size(handle),
                               max_n=max_n or _engine_max_n(handle), limits=limits,
-                              max_token_bytes=_int_or_none(getattr(tokenizer, "max_token_bytes", None)))
+                              max_token_bytes=_int_or_none(getattr(tokenizer, "max_token_bytes", None)),
+                              adapters=getattr(handle, "lora_adapters", {}))
     app.ctx.created = int(time.time())
     app.ctx.openapi = None                  # built on first request
     app.error_handler.add(Exception, lambda request, exc: error_response(exc))
@@ -86,6 +88,7 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
     _add_generation_routes(app)
     add_info_routes(app)
     add_tokenizer_routes(app)
+    add_lora_routes(app)
     return app
 
 
@@ -131,7 +134,8 @@ async def _generate(request, parse, id_prefix: str):
     if parsed.constraint is not None:     # a grammar that cannot compile is refused before the engine sees it
         await check_grammar(parsed.constraint.grammar, parsed.constraint.field, app.ctx.model)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    builder = ResponseBuilder(parsed, request_id, app.ctx.model.name, int(time.time()), app.ctx.model.tokenizer)
+    builder = ResponseBuilder(parsed, request_id, parsed.lora_name or app.ctx.model.name, int(time.time()),
+                              app.ctx.model.tokenizer)
     call = EngineCall(app.ctx.handle, parsed, request_id, app.ctx.metrics)
     app.ctx.inflight.calls[request_id] = call
     try:

@@ -59,6 +59,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="queue the next decode step before this one's tokens reach the host (its input ids are "
                         "taken on the GPU): no host time between decode steps")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters: a request's 'model' names one (the base model's name: none)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) loaded at start, as name=path (or vLLM's JSON form)")
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="LoRA adapters resident on the device at once (more wait in host memory)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank accepted")
     p.add_argument("--step-trace", default=None, metavar="FILE",
                    help="write one JSON line per engine step (tokens, host phases, GPU time): bench/step_profile.py "
                         "tabulates it")
@@ -123,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace):
     from engine.config import EngineConfig
     from engine.executor.options import DEFAULT_GRAPH_SIZES
+    from engine.lora import parse_lora_modules
     served = getattr(args, "served_model_name", None) or (DEMO_MODEL_NAME if args.model is None else None)
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, served_model_name=served,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -134,7 +142,9 @@ def engine_config(args: argparse.Namespace):
                           cuda_graph_sizes=tuple(args.cuda_graph_sizes or DEFAULT_GRAPH_SIZES),
                           max_n=getattr(args, "max_n", 16), seed=args.seed, overlap_steps=args.overlap_steps,
                           schedule_ahead=args.schedule_ahead, host_kv_blocks=args.host_kv_blocks,
-                          async_scheduling=args.async_scheduling, step_trace=args.step_trace)
+                          async_scheduling=args.async_scheduling, step_trace=args.step_trace,
+                          enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules),
+                          max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     config.validate()
     return config
 

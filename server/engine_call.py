@@ -57,7 +57,7 @@ class EngineCall:
         """Submit every prompt and wait for each one's first event, so that a rejection or an engine
         error becomes an HTTP status before any response byte is sent."""
         for i, prompt in enumerate(self.parsed.prompts):
-            req = GenerateRequest(self.ids[i], list(prompt), self.parsed.params)
+            req = GenerateRequest(self.ids[i], list(prompt), self.parsed.params, lora_name=self.parsed.lora_name)
             try:
                 stream = self.handle.submit(req)
             except Exception as exc:      # e.g. the engine is shutting down

@@ -42,7 +42,7 @@ def _bodies(model: ModelInfo) -> dict[str, dict]:
     token_ids = {"type": "array", "items": token}
     stop = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars}
     sampling = {
-        "model": {"anyOf": [{"const": model.name}, {"type": "null"}]},
+        "model": _STR,                  # the served model's name or one of its LoRA adapters' (else a 404)
         "max_tokens": _int(1, model.max_model_len - 1),
         "temperature": _num(0),
         "top_p": _num(0, 1),
@@ -179,6 +179,13 @@ def _get(summary: str, ok: dict, *errors: int, open_route: bool = False, content
     return {"get": op}
 
 
+def _lora_post(summary: str, fields: list[str]) -> dict:
+    body = {"type": "object", "required": fields, "properties": {f: {"type": "string", "minLength": 1} for f in fields}}
+    op = _post(summary, body, {})
+    op["post"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    return op
+
+
 def openapi_document(version: str, model: ModelInfo) -> dict:
     bodies = _bodies(model)
     return {
@@ -213,5 +220,7 @@ def openapi_document(version: str, model: ModelInfo) -> dict:
             "/metrics": _get("Prometheus metrics", {}, open_route=True,
                              content={"text/plain": {"schema": {"type": "string"}}}),
             "/openapi.json": _get("This document", {"type": "object"}, open_route=True),
+            "/v1/load_lora_adapter": _lora_post("Load a LoRA adapter (with --enable-lora)", ["lora_name", "lora_path"]),
+            "/v1/unload_lora_adapter": _lora_post("Unload a LoRA adapter, once its requests have ended", ["lora_name"]),
         },
     }

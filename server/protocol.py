@@ -55,6 +55,7 @@ class ModelInfo:
     def max_text_chars(self) -> int | None:
         """A longer text cannot fit max_model_len tokens (a character is at least a byte)."""
         return self.max_model_len * self.max_token_bytes if self.max_token_bytes else None
+    adapters: dict[str, str] = field(default_factory=dict)   # LoRA adapters served now: name -> path
 
 
 @dataclass
@@ -73,12 +74,13 @@ class ParsedRequest:
     prompt_only: bool = False                   # echo with max_tokens 0: the prompt (scored), nothing generated
     constraint: Constraint | None = None        # structured output (params.grammar is its grammar)
     tools: ToolConfig | None = None             # chat tools: the output's tool calls are parsed
+    lora_name: str | None = None                # the LoRA adapter the 'model' field names (None: the base)
 
 
 def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
     """POST /v1/completions."""
     f = Fields(body)
-    _check_common(f, model, chat=False)
+    lora_name = _check_common(f, model, chat=False)
     prompts, texts = _completion_prompts(body.get("prompt"), model)
     echo = f.boolean("echo", False)
     logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
@@ -96,13 +98,13 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
                          include_usage=_include_usage(f), echo=echo,
                          echo_texts=texts if echo else [], logprobs=logprobs, user=f.string("user"),
                          tokens_as_ids=f.boolean("return_tokens_as_token_ids", False),
-                         prompt_only=max_tokens == 0, constraint=constraint)
+                         prompt_only=max_tokens == 0, constraint=constraint, lora_name=lora_name)
 
 
 def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     """POST /v1/chat/completions: the messages rendered through the model's chat template."""
     f = Fields(body)
-    _check_common(f, model, chat=True)
+    lora_name = _check_common(f, model, chat=True)
     messages = parse_messages(body.get("messages"))
     add_generation_prompt = f.boolean("add_generation_prompt", True)
     tools = parse_tools(body, model.tokenizer)
@@ -120,7 +122,7 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     return ParsedRequest("chat", [prompt], params, stream=f.boolean("stream", False),
                          include_usage=_include_usage(f), logprobs=logprobs, user=f.string("user"),
                          tokens_as_ids=f.boolean("return_tokens_as_token_ids", False), constraint=constraint,
-                         tools=tools if tools and tools.parse else None)
+                         tools=tools if tools and tools.parse else None, lora_name=lora_name)
 
 
 def parse_messages(messages) -> list[dict]:
@@ -326,20 +328,25 @@ def _logit_bias(f: Fields, model: ModelInfo) -> dict[int, float]:
     return bias
 
 
-def check_model_name(f: Fields, model: ModelInfo) -> None:
-    """`model`, where given, must name the served model."""
+def check_model_name(f: Fields, model: ModelInfo) -> str | None:
+    """`model`, where given, must name the served model or one of its LoRA adapters; returns the
+    adapter it names, if any."""
     name = f.string("model")
-    if name is not None and name != model.name:
-        raise APIError(404, f"model '{name}' does not exist; this server serves '{model.name}'",
+    if name is not None and name != model.name and name not in model.adapters:
+        served = ", ".join(f"'{n}'" for n in [model.name, *model.adapters])
+        raise APIError(404, f"model '{name}' does not exist; this server serves {served}",
                        "model", "model_not_found")
+    return name if name is not None and name != model.name else None
 
 
-def _check_common(f: Fields, model: ModelInfo, chat: bool) -> None:
-    check_model_name(f, model)
+def _check_common(f: Fields, model: ModelInfo, chat: bool) -> str | None:
+    """Refuse what this server does not do; returns the LoRA adapter the 'model' field names, if any."""
+    lora_name = check_model_name(f, model)
     refused = dict(UNSUPPORTED_FIELDS, **(CHAT_ONLY_HARMLESS if chat else {}))
     for key, harmless in refused.items():
         if key in f.body and not _is_harmless(f.body[key], harmless):
             raise invalid(f"'{key}' is not supported by this server (got {_short(f.body[key])})", key)
+    return lora_name
 
 
 def _include_usage(f: Fields) -> bool:

@@ -1,25 +1,28 @@
-"""The routes that describe the server: /v1/models, /health, /version, /metrics, /openapi.json."""
+"""The routes that describe the server: /v1/models (the base model and its LoRA adapters), /health,
+/version, /metrics, /openapi.json."""
 from __future__ import annotations
 
 from sanic import Sanic, response
 
 from server import __version__
 from server.errors import APIError
+from server.lora_routes import lora_cards
 from server.openapi import openapi_document
 
 
 def add_info_routes(app: Sanic) -> None:
     @app.get("/v1/models")
     async def models(request):
-        return response.json({"object": "list", "data": [model_card(request.app)]})
+        return response.json({"object": "list", "data": [model_card(request.app)] + lora_cards(request.app)})
 
     @app.get("/v1/models/<model_id:path>")
     async def model(request, model_id: str):
         card = model_card(request.app)
-        if model_id != card["id"]:
+        adapter = next((c for c in lora_cards(request.app) if c["id"] == model_id), None)
+        if model_id != card["id"] and adapter is None:
             raise APIError(404, f"model '{model_id}' does not exist; this server serves '{card['id']}'",
                            "model", "model_not_found")
-        return response.json(card)
+        return response.json(adapter or card)
 
     @app.get("/health")
     async def health(request):

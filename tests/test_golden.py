@@ -167,8 +167,8 @@ def test_norm_fused_into_the_residual_add_changes_nothing(case):
             self.norms += 1
             return super().rms_norm(x, weight, eps, residual)
 
-        def add_linear_norm(self, x, weight, residual, norm_weight, eps, bias=None):
-            r = self.add_linear(x, weight, residual, bias)
+        def add_linear_norm(self, x, weight, residual, norm_weight, eps, bias=None, lora=None):
+            r = self.add_linear(x, weight, residual, bias, lora=lora)
             if not self.fuse:
                 return r, None
             self.fused += 1

@@ -143,8 +143,10 @@ def test_tiny_batch1_deterministic(tiny):
     assert np.array_equal(first, again)
 
 
-def greedy(executor, prompts: list[list[int]], steps: int, seed: int = 0) -> list[list[int]]:
-    """Free-running greedy decode of every prompt together (prefill, then one token a step)."""
+def greedy(executor, prompts: list[list[int]], steps: int, seed: int = 0,
+           lora_slots: list[int | None] | None = None) -> list[list[int]]:
+    """Free-running greedy decode of every prompt together (prefill, then one token a step); lora_slots:
+    per prompt, the executor's LoRA slot it runs with (None: the base model)."""
     rng = random.Random(seed)
     free = list(range(executor.num_kv_blocks))
     rng.shuffle(free)
@@ -153,23 +155,26 @@ def greedy(executor, prompts: list[list[int]], steps: int, seed: int = 0) -> lis
     for _ in range(steps):
         batch = [SeqStep(seq_id=i, token_ids=toks[i][start[i]:], start_pos=start[i], block_table=tables[i],
                          sample=True, params=SamplingParams(temperature=0.0), prompt_len=len(p),
-                         history=list(toks[i]), num_generated=len(toks[i]) - len(p))
+                         history=list(toks[i]), num_generated=len(toks[i]) - len(p),
+                         lora_id=0 if not lora_slots or lora_slots[i] is None else lora_slots[i] + 1)
                  for i, p in enumerate(prompts)]
-        out = executor.execute(ModelBatch.build(batch))
+        slots = {s + 1: s for s in lora_slots or [] if s is not None}
+        out = executor.execute(ModelBatch.build(batch, slots or None))
         for i, t in enumerate(out.sampled):
             start[i] = len(toks[i])
             toks[i].append(t.token_id)
     return [t[len(p):] for t, p in zip(toks, prompts)]
 
 
-def assert_same_or_tie(reference_executor, prompt, ours, theirs, tol: float, what: str) -> bool:
+def assert_same_or_tie(reference_executor, prompt, ours, theirs, tol: float, what: str,
+                       lora_slot: int | None = None) -> bool:
     """Two greedy continuations are identical, or first differ where our token is within `tol` nats of
-    the best in the reference's own logprobs (teacher-forced on the shared prefix): a genuine tie.
-    Returns whether they were identical."""
+    the best in the reference's own logprobs (teacher-forced on the shared prefix, with the LoRA slot
+    the sequence ran with): a genuine tie. Returns whether they were identical."""
     if ours == theirs:
         return True
     j = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-    lp = log_softmax(engine_logits(reference_executor, [prompt + theirs[:j]])[0][-1:])[0]
+    lp = log_softmax(engine_logits(reference_executor, [prompt + theirs[:j]], lora_slots=[lora_slot])[0][-1:])[0]
     regret = float(lp.max() - lp[ours[j]])
     print(f"{what}: greedy diverges at step {j}, regret {regret:.4f} (tie tolerance {tol})")
     assert regret <= tol, (what, j, regret)

@@ -15,6 +15,7 @@ from engine.executor.env import gpu_tuning_from_env
 from engine.executor.options import ExecutorOptions, GpuTuning, executor_options, options_of
 from engine.model_config import ModelConfig
 from engine.request import GenerateRequest, SamplingParams
+from harness.lora import tiny_adapter_path
 from harness.models import tiny_model_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +28,8 @@ def non_default_config(model: str) -> EngineConfig:
                         enforce_eager=True, cuda_graph_sizes=(1, 3), max_n=3, seed=1234, overlap_steps=False,
                         schedule_ahead=False, async_scheduling=True, host_kv_blocks=9,
                         gpu=GpuTuning(decode_kernels="attention", gemm="cublas", pdl=False, nvtx="ops"),
-                        progress=False)
+                        progress=False, enable_lora=True, lora_modules=(("ad", tiny_adapter_path("qwen3_untied", "attn8")),),
+                        max_loras=2, max_lora_rank=8)
 
 
 def test_every_engine_config_field_reaches_its_consumer(tmp_path):
@@ -76,6 +78,11 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "gpu": opts.gpu == config.gpu,
             "progress": opts.progress is False,
             "step_trace": opts.time_steps is True and eng.trace.file.name == config.step_trace,
+            "enable_lora": eng.loras is not None and eng.admission.loras is eng.loras,
+            "lora_modules": eng.loras.id_of("ad") == 1 and h.lora_adapters == dict(config.lora_modules),
+            "max_loras": opts.max_loras == 2 == eng.scheduler.max_loras == eng.loras.max_loras
+            and len(ex.ops.lora_slots.slots) == 2,
+            "max_lora_rank": opts.max_lora_rank == 8 == eng.loras.max_rank,
         }
         h.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert set(checks) == {f.name for f in dataclasses.fields(EngineConfig)}
@@ -99,10 +106,12 @@ def test_cli_flags_build_the_config():
 
     args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "8192", "--max-num-seqs", "300",
                                       "--no-enable-chunked-prefill", "--enforce-eager", "--cuda-graph-sizes", "1", "8",
-                                      "--dtype", "bfloat16"])
+                                      "--dtype", "bfloat16", "--enable-lora", "--lora-modules", "a=/x", "b=/y",
+                                      "--max-loras", "4", "--max-lora-rank", "64"])
     c = engine_config(args)
     assert (c.max_num_batched_tokens, c.max_num_seqs, c.enable_chunked_prefill, c.enforce_eager,
             c.cuda_graph_sizes, c.dtype) == (8192, 300, False, True, (1, 8), "bfloat16")
+    assert (c.enable_lora, c.lora_modules, c.max_loras, c.max_lora_rank) == (True, (("a", "/x"), ("b", "/y")), 4, 64)
     d = engine_config(build_parser().parse_args(["serve"]))
     assert d.max_num_seqs is None and d.max_num_batched_tokens is None      # the device's defaults
 
@@ -134,6 +143,25 @@ def test_combinations_that_cannot_work_are_refused_at_start(config, device, word
 def test_float_dtypes_are_fine_on_the_cpu():
     for dtype in ("float16", "float32", "auto"):
         assert executor_options(EngineConfig(dtype=dtype, gpu=GpuTuning()), "cpu", 512).dtype == dtype
+
+
+@pytest.mark.parametrize("config,words", [
+    (EngineConfig(lora_modules=(("a", "/x"),)), "lora_modules needs enable_lora"),
+    (EngineConfig(enable_lora=True, lora_modules=(("a", "/x"), ("a", "/y"))), "names must be distinct"),
+    (EngineConfig(enable_lora=True, max_lora_rank=512), "max_lora_rank must be in"),
+    (EngineConfig(enable_lora=True, max_loras=0), "max_loras must be >= 1"),
+])
+def test_lora_settings_that_cannot_work_are_refused(config, words):
+    with pytest.raises(ValueError, match=words):
+        config.validate()
+
+
+def test_lora_on_a_line_without_it_is_refused_at_start():
+    from engine.executor.cpu import CpuExecutor
+    from engine.loader import load_model
+
+    with pytest.raises(ValueError, match="model type 'qwen3_moe' has no LoRA support"):
+        CpuExecutor(load_model(tiny_model_path("qwen3_moe")), options_of(num_kv_blocks=8, max_model_len=64, max_loras=1))
 
 
 def test_host_tier_without_prefix_caching_is_refused():

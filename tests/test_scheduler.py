@@ -337,7 +337,7 @@ def test_lora_name_is_rejected_clearly():
     r = req("l", [1, 2])
     r.lora_name = "my-adapter"
     events = submit(engine, r)
-    assert "LoRA adapters are not supported" in events[0].reason
+    assert "LoRA is not enabled" in events[0].reason
 
 
 def test_preemption_takes_the_youngest_first():

@@ -64,6 +64,11 @@ class Executor(Protocol):
         """Device time of the last step (after its result()), or None where steps are not timed."""
         ...
 
+    def set_lora(self, slot: int, adapter) -> None:
+        """Load a LoRA adapter (engine/lora.py LoRAAdapter) into slot < options.max_loras (None: empty
+        it), ordered after the steps already launched and before the next."""
+        ...
+
     def warm_up(self) -> bool:
         """Do one piece of start-up work while the engine is idle; False when there is none left."""
         ...
@@ -91,6 +96,9 @@ class ExecutorBase:
 
     def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
         raise RuntimeError(f"{type(self).__name__} has no host KV tier")
+
+    def set_lora(self, slot: int, adapter) -> None:
+        raise RuntimeError(f"{type(self).__name__} has no LoRA slots (options.max_loras = 0)")
 
     def last_gpu_ms(self) -> float | None:
         """Device time of the last step, where the executor times steps (options.time_steps)."""

@@ -8,6 +8,7 @@ import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import ExecutorBase
+from engine.executor.cpu_lora_ops import CpuLoRASlots
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
 from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
@@ -44,6 +45,13 @@ class CpuExecutor(ExecutorBase):
         self.num_state_slots = options.max_num_seqs if state is not None else 0
         if state is not None:
             self.ops.state = host_state(state, self.num_state_slots)
+        if options.max_loras:
+            from engine.lora import lora_sites
+            self.ops.lora_slots = CpuLoRASlots(lora_sites(self.model), options.max_loras)
+
+    def set_lora(self, slot: int, adapter) -> None:
+        """Load a LoRA adapter (engine/lora.py) into one of the options.max_loras slots (None: empty it)."""
+        self.ops.lora_slots.set(slot, adapter)
 
     def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
         """offloads (device block -> host slot) first, then restores (host slot -> device block)."""
@@ -78,6 +86,7 @@ class CpuExecutor(ExecutorBase):
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         if self.num_state_slots:
             check_slots(batch.state_slots, self.num_state_slots)
+        self.ops.use_lora(batch.lora_slots)
         return CpuStepContext(batch, self.cos[batch.positions], self.sin[batch.positions])
 
     def _hidden(self, batch: ModelBatch) -> np.ndarray:

@@ -7,9 +7,10 @@ Parts: GpuOps (the model Ops: raw CUDA kernels, the GEMM library, the activation
 (cuBLAS / gemv.cu / the CuTe GEMM; a CuTe product is checked against float32 at start and cuBLAS
 serves where that fails), StepInputs (the step's arrays in one static buffer), GpuSampler,
 PrefillAttention (the CuTe varlen kernel for long prefill sequences, gpu_prefill.py) and DecodeGraphs
-(decode steps replayed as CUDA graphs per batch-size bucket, gpu_graphs.py); for a line with
-per-sequence state, its state slots (memory/state_slots.py, one per max_num_seqs) before the KV pool.
-Prefill and mixed steps run eagerly. `last_host_s` is the host time of the last step up to its launch.
+(decode steps replayed as CUDA graphs per batch-size bucket, gpu_graphs.py; a second set for steps with
+LoRA adapters, gpu_lora_ops.py); for a line with per-sequence state, its state slots
+(memory/state_slots.py, one per max_num_seqs) before the KV pool. Prefill and mixed steps run eagerly.
+`last_host_s` is the host time of the last step up to its launch.
 """
 from __future__ import annotations
 
@@ -171,6 +172,8 @@ class GpuExecutor(ExecutorBase):
         self.readback = Readback(plan.max_seqs, stream)
         self.timer = StepTimer(stream) if options.time_steps else None
         self.graphs = self._graphs() if options.cuda_graphs else None
+        # decode graphs of steps with LoRA adapters: the same forward with lora_shrink / lora_expand
+        self.lora_graphs = self._graphs() if options.cuda_graphs and plan.lora_sites else None
         stream.synchronize()
         log.info("GPU executor on %s (%d SMs): %s", self.device.name, self.device.num_sms, self.gemm.describe())
         log.info("%s; %d KV blocks", self.arena.summary(), self.num_kv_blocks)
@@ -188,6 +191,11 @@ class GpuExecutor(ExecutorBase):
     def _graphs(self) -> DecodeGraphs:
         return DecodeGraphs(self.model, self.ops, self.weights, self.sampler, self.upload, self.readback,
                             self.stream, self.options.graph_sizes, pdl=self.options.gpu.pdl)
+
+    def set_lora(self, slot: int, adapter) -> None:
+        """Load a LoRA adapter into one of the options.max_loras slots (None: empty it), queued on the
+        compute stream behind the steps already launched (gpu_lora_ops.py)."""
+        self.ops.set_lora_slot(slot, adapter)
 
     # ---- host KV tier ---------------------------------------------------------------------------
     def enable_host_tier(self, num_slots: int) -> None:
@@ -207,14 +215,16 @@ class GpuExecutor(ExecutorBase):
         """Capture one decode graph not captured yet (greedy and sampling, every bucket, smallest
         first) on padded rows; False once there is none left. The engine calls this while it has
         no work, so captures happen before the first steps that need them, not during them."""
-        missing = [] if self.graphs is None else self.graphs.missing()
-        if not missing:
+        todo = [(graphs, lora, m) for graphs, lora in ((self.graphs, False), (self.lora_graphs, True))
+                if graphs is not None for m in graphs.missing()]
+        if not todo:
             return False
-        b, sampling = missing[0]
-        with nvtx_range(f"warm up graph B={b}{' sampling' if sampling else ''}"):
+        graphs, lora, (b, sampling) = todo[0]
+        with nvtx_range(f"warm up graph B={b}{' sampling' if sampling else ''}{' LoRA' if lora else ''}"):
             ctx = self.inputs.upload_padding(b, self.ops.splits(b, self.plan.kv.heads, self.max_model_len))
-            self.graphs.warm(b, sampling, ctx)
-        return len(missing) > 1
+            self.ops.use_lora(np.full(b, -1, np.int32) if lora else None, b)
+            graphs.warm(b, sampling, ctx)
+        return len(todo) > 1
 
     # ---- decode kernel switch (benchmarks, A/B) ---------------------------------------------------
     def default_gemv_rows(self) -> int:
@@ -228,6 +238,8 @@ class GpuExecutor(ExecutorBase):
         self.ops.fast_attention, self.gemm.gemv_max_m = fast_attention, gemv_max_m
         if self.graphs is not None:
             self.graphs = self._graphs()
+        if self.lora_graphs is not None:
+            self.lora_graphs = self._graphs()
 
     # ---- steps ------------------------------------------------------------------------------------
     def upload(self, batch: ModelBatch, pad_to: int | None = None) -> GpuStepContext:
@@ -242,6 +254,7 @@ class GpuExecutor(ExecutorBase):
             check_slots(batch.state_slots, self.num_state_slots)
         ctx = self.inputs.upload(batch, lambda T, ctx_len: self.ops.splits(T, self.plan.kv.heads, ctx_len), pad_to,
                                  fed_ids=self.sampler.ids if fed else None)
+        self.ops.use_lora(batch.lora_slots, ctx.num_tokens)
         if pad_to is None:
             ctx.batch = batch
             if self.prefill is not None:
@@ -280,10 +293,11 @@ class GpuExecutor(ExecutorBase):
         if self.timer is not None:
             self.timer.start()
         self._fed = fed
-        if self.graphs is not None and self.graphs.serves(batch):
+        graphs = self.graphs if batch.lora_slots is None else self.lora_graphs
+        if graphs is not None and graphs.serves(batch):
             with nvtx_range(f"decode graph B={len(batch.seqs)}"):
-                pending = self.graphs.launch(batch, t0)
-            self.last_host_s, self.last_step_graphed = self.graphs.last_host_s, True
+                pending = graphs.launch(batch, t0)
+            self.last_host_s, self.last_step_graphed = graphs.last_host_s, True
         else:
             self.last_step_graphed = False
             with nvtx_range(f"step T={batch.num_tokens}"):

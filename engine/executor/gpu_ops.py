@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.executor.gpu_lora_ops import GpuLoRAOps
 from engine.executor.gpu_mla_ops import GpuMLAOps
 from engine.executor.gpu_moe_ops import GpuMoEOps
 from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
@@ -109,7 +110,7 @@ class GpuStepContext:
         return self.num_tokens == self.block_tables.shape[0]
 
 
-class GpuOps(GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
+class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
     op_ranges = False                       # NVTX range per op (op_range; eager steps)
 
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
@@ -175,12 +176,14 @@ class GpuOps(GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
 
     @classmethod
     def sparse_nbytes(cls, plan) -> int:
-        return cls.moe_nbytes(plan) + cls.mla_nbytes(plan)
+        return cls.moe_nbytes(plan) + cls.mla_nbytes(plan) + cls.lora_nbytes(plan)
 
     def take_sparse(self, arena, plan) -> None:
-        """The MoE and MLA buffers of the plan's model line (gpu_moe_ops.py, gpu_mla_ops.py)."""
+        """The MoE and MLA buffers of the plan's model line (gpu_moe_ops.py, gpu_mla_ops.py) and the
+        LoRA slots (gpu_lora_ops.py)."""
         self.take_moe(arena, plan)
         self.take_mla(arena, plan)
+        self.take_lora(arena, plan)
 
     def _out(self, rows: int, cols: int):
         if rows > self.max_tokens:
@@ -358,17 +361,20 @@ class GpuOps(GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
 
     # ---- fused decode ops (gemv.cu), composed from the above where the GEMV does not serve ----
     @op_range
-    def norm_linear(self, x, norm_weight, eps, weight, bias=None, normed=None):
-        if normed is not None or bias is not None or not self.gemm.gemv_serves(x, weight):
-            return super().norm_linear(x, norm_weight, eps, weight, bias, normed=normed)
+    def norm_linear(self, x, norm_weight, eps, weight, bias=None, normed=None, lora=None):
+        if normed is not None or bias is not None or self.lora_on(lora) or not self.gemm.gemv_serves(x, weight):
+            return super().norm_linear(x, norm_weight, eps, weight, bias, normed=normed, lora=lora)
         out = self._out(x.shape[0], weight.shape[0])
         self.gemm.gemv(x, weight, out, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
         return out
 
     @op_range
-    def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None):
+    def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None, lora=None):
         """gemv.cu's RMSNorm + product + SiLU·up in one kernel; else the CuTe GEMM's SiLU·up twin
-        after the norm (one kernel fewer than product + silu_mul); else the composition."""
+        after the norm (one kernel fewer than product + silu_mul); else (and with a LoRA adapter in
+        the step: its delta goes in before SiLU·up) the composition."""
+        if self.lora_on(lora):
+            return super().norm_swiglu(x, norm_weight, eps, gate_up_weight, normed=normed, lora=lora)
         rows = x.shape[0]
         if normed is None and self.gate_up_interleaved and self.gemm.gemv_serves(x, gate_up_weight):
             out = self._out(rows, gate_up_weight.shape[0] // 2)
@@ -383,28 +389,31 @@ class GpuOps(GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
         return out
 
     @op_range
-    def add_linear(self, x, weight, residual, bias=None):
+    def add_linear(self, x, weight, residual, bias=None, lora=None):
+        """The residual add in the product (gemv.cu's epilogue, cuBLAS beta = 1); a LoRA delta is added
+        into the sum after it."""
         if bias is not None:
-            return super().add_linear(x, weight, residual, bias)
+            return super().add_linear(x, weight, residual, bias, lora=lora)
         out = self._residual_out(x.shape[0], weight.shape[0])
         if self.gemm.gemv_serves(x, weight):
             self.gemm.gemv(x, weight, out, "res", res_in=residual, pdl=self.pdl)
-            return out
+            return self.lora_add(out, x, lora)
         if residual.data.ptr != out.data.ptr:  # the first layer's residual is the embedding output
             self.cp.cuda.runtime.memcpyAsync(out.data.ptr, residual.data.ptr, out.nbytes,
                                              self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         self.gemm(x, weight, out, accumulate=True)  # cuBLAS beta = 1: the add in the product's epilogue
-        return out
+        return self.lora_add(out, x, lora)
 
     @op_range
-    def add_linear_norm(self, x, weight, residual, norm_weight, eps, bias=None):
+    def add_linear_norm(self, x, weight, residual, norm_weight, eps, bias=None, lora=None):
         """Where the CuTe GEMM's plan splits the product in K: the split GEMM, then one kernel that
         reduces its partials, adds the residual and applies the RMSNorm after it
-        (rms_norm.cu splitk_rms_norm_residual); elsewhere add_linear, the norm left to the next op."""
-        fusable = bias is None and not self.gemm.gemv_serves(x, weight)
+        (rms_norm.cu splitk_rms_norm_residual); elsewhere (and with a LoRA adapter in the step)
+        add_linear, the norm left to the next op."""
+        fusable = bias is None and not self.lora_on(lora) and not self.gemm.gemv_serves(x, weight)
         partials = self.gemm.cute_partials(x, weight, residual) if fusable else None
         if partials is None:
-            return self.add_linear(x, weight, residual, bias), None
+            return self.add_linear(x, weight, residual, bias, lora=lora), None
         T, N = x.shape[0], weight.shape[0]
         out, normed = self._residual_out(T, N), self._out(T, N)
         splits, _, _ = partials.shape

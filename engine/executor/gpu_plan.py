@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.executor.options import ExecutorOptions
+from engine.lora import lora_sites
 from engine.model_config import ModelConfig
 from engine.models.moe import ExpertShape
 from engine.models.ops import MLASpec
@@ -51,6 +52,7 @@ class GpuPlan:
     linear_shapes: tuple[tuple[int, int], ...] = ()   # (N, K) of the bf16-output linear weights
     experts: ExpertShape | None = None     # the routed experts' shape (MoE lines; gpu_moe_ops.py)
     mla: MLASpec | None = None             # the latent attention's shape (MLA lines; gpu_mla_ops.py)
+    lora_sites: tuple = ()                 # (name, engine.lora.Site) of the LoRA sites (max_loras > 0)
 
     @property
     def max_tokens(self) -> int:
@@ -85,12 +87,13 @@ class GpuPlan:
 
 def gpu_plan(options: ExecutorOptions, model, device: DeviceInfo) -> GpuPlan:
     """The plan of a model line (its kv_layout, activation width, attention specs and, for the MoE and
-    MLA lines, expert_shape and MLASpec) on a device."""
+    MLA lines, expert_shape and MLASpec; its LoRA sites with max_loras) on a device."""
     widest = max(model.attention_specs, key=lambda s: s.num_heads * s.head_dim)
     shapes = sorted({tuple(w.shape) for w in model.weight_specs()     # routers: float32 logits, cuBLAS
                      if len(w.shape) == 2 and w.name not in ("embed_tokens", "lm_head")
                      and not w.name.endswith(".router")})
     mla = model.attention_specs[0] if isinstance(model.attention_specs[0], MLASpec) else None
+    lora = tuple(sorted(lora_sites(model).items())) if options.max_loras else ()
     return GpuPlan(options=options, config=model.config, device=device, kv=model.kv_layout(),
                    width=model.activation_width, num_heads=widest.num_heads, head_dim=widest.head_dim,
-                   linear_shapes=tuple(shapes), experts=model.expert_shape, mla=mla)
+                   linear_shapes=tuple(shapes), experts=model.expert_shape, mla=mla, lora_sites=lora)

@@ -89,7 +89,8 @@ class ExecutorOptions:
     it (the CPU then matches the GPU's weights); the GPU runs bfloat16 only. cuda_graphs: replay
     decode steps as CUDA graphs of the batch sizes in cuda_graph_sizes (up to max_num_seqs).
     host_kv_blocks: host KV tier slots the executor allocates. progress: the weight-upload bar.
-    time_steps: CUDA events around every step (EngineConfig.step_trace turns it on)."""
+    time_steps: CUDA events around every step (EngineConfig.step_trace turns it on). max_loras: LoRA
+    adapter slots (0: LoRA off), of max_lora_rank ranks each."""
     max_model_len: int = 4096
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -102,6 +103,8 @@ class ExecutorOptions:
     progress: bool = True
     time_steps: bool = False                 # time each step on the device (the step trace's GPU column)
     gpu: GpuTuning = field(default_factory=GpuTuning)
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def validate(self) -> None:
         checks = [
@@ -116,6 +119,7 @@ class ExecutorOptions:
             (all(isinstance(b, int) and b >= 1 for b in self.cuda_graph_sizes) and len(self.cuda_graph_sizes) > 0,
              f"cuda_graph_sizes must be positive integers, got {self.cuda_graph_sizes}"),
             (self.host_kv_blocks >= 0, "host_kv_blocks must be >= 0"),
+            (self.max_loras >= 0 and self.max_lora_rank >= 1, "max_loras must be >= 0, max_lora_rank >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -158,7 +162,8 @@ def executor_options(config, device: str, model_max_len: int) -> ExecutorOptions
         dtype=config.dtype, cuda_graphs=not config.enforce_eager,
         cuda_graph_sizes=tuple(config.cuda_graph_sizes), host_kv_blocks=config.host_kv_blocks,
         progress=config.progress, time_steps=config.step_trace is not None,
-        gpu=config.gpu or gpu_tuning_from_env())
+        gpu=config.gpu or gpu_tuning_from_env(), max_loras=config.max_loras if config.enable_lora else 0,
+        max_lora_rank=config.max_lora_rank)
     options.validate()
     if device == "cuda":
         options.validate_for_gpu()

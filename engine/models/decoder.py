@@ -87,15 +87,16 @@ def attention_block(ops: Ops, w: dict[str, Array], residual: Array, normed: Arra
                     ctx: Any, opt: LayerOptions, eps: float) -> tuple[Array, Array | None]:
     """residual + o_proj(attention(rope(qkv_proj(rmsnorm(residual))))), with KV written to the paged cache;
     ``normed``: rmsnorm(residual) where the op before computed it. Returns the new residual and, where
-    one kernel did it with the add, its post-attention norm."""
+    one kernel did it with the add, its post-attention norm. Each projection names its LoRA site (its
+    weight's name): the step's adapters add their deltas there."""
     i = spec.layer
     qkv = ops.norm_linear(residual, w[f"layers.{i}.input_layernorm"], eps, w[f"layers.{i}.qkv_proj"],
-                          w.get(f"layers.{i}.qkv_bias"), normed=normed)
+                          w.get(f"layers.{i}.qkv_bias"), normed=normed, lora=f"layers.{i}.qkv_proj")
     o = ops.rope_attention(qkv, spec, ctx,
                            q_norm=w[f"layers.{i}.q_norm"] if opt.qk_norm else None,
                            k_norm=w[f"layers.{i}.k_norm"] if opt.qk_norm else None)
     return ops.add_linear_norm(o, w[f"layers.{i}.o_proj"], residual, w[f"layers.{i}.post_attention_layernorm"], eps,
-                               w.get(f"layers.{i}.o_bias"))
+                               w.get(f"layers.{i}.o_bias"), lora=f"layers.{i}.o_proj")
 
 
 def mlp_block(ops: Ops, w: dict[str, Array], residual: Array, normed: Array | None, i: int, eps: float,
@@ -105,8 +106,9 @@ def mlp_block(ops: Ops, w: dict[str, Array], residual: Array, normed: Array | No
     norm by ``next_norm`` (the next layer's input norm, or the final one). ``name``: the MLP's weight
     prefix (``layers.{i}.{name}gate_up_proj``; DeepSeek's shared experts are "shared_")."""
     act = ops.norm_swiglu(residual, w[f"layers.{i}.post_attention_layernorm"], eps,
-                          w[f"layers.{i}.{name}gate_up_proj"], normed=normed)
-    return ops.add_linear_norm(act, w[f"layers.{i}.{name}down_proj"], residual, next_norm, eps)
+                          w[f"layers.{i}.{name}gate_up_proj"], normed=normed, lora=f"layers.{i}.{name}gate_up_proj")
+    return ops.add_linear_norm(act, w[f"layers.{i}.{name}down_proj"], residual, next_norm, eps,
+                               lora=f"layers.{i}.{name}down_proj")
 
 
 def decoder_stack(ops: Ops, w: dict[str, Array], ctx: Any, cfg: ModelConfig,

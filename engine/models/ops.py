@@ -166,19 +166,28 @@ class Ops(Protocol):
         the form: absorbed (W_UK folded into q, W_UV after attention over the latent: decode) or
         expanded (K and V built from the latent: prefill)."""
 
+    # LoRA (engine/lora.py): `lora` names a projection's site (its engine weight name, e.g.
+    # "layers.3.qkv_proj"); the executor adds the step's adapters' deltas there, nothing when the step
+    # runs none.
+    def lora_add(self, y: Array, x: Array, site: str) -> Array:
+        """y + each row's adapter delta at `site`, scaling · (x · Aᵀ) · Bᵀ over every slice of the packed
+        projection (rows without an adapter unchanged); may update y in place."""
+
     # Fused ops (ComposedOps composes them from the ops above; an executor overrides them where one
     # kernel does it, e.g. the GPU's decode GEMV and decode attention).
     def norm_linear(self, x: Array, norm_weight: Array, eps: float, weight: Array,
-                    bias: Array | None = None, normed: Array | None = None) -> Array:
-        """linear(rmsnorm(x) * norm_weight, weight, bias); ``normed``: that norm, already computed
-        (by add_linear_norm)."""
+                    bias: Array | None = None, normed: Array | None = None, lora: str | None = None) -> Array:
+        """linear(rmsnorm(x) * norm_weight, weight, bias) (+ lora_add); ``normed``: that norm, already
+        computed (by add_linear_norm)."""
 
-    def add_linear(self, x: Array, weight: Array, residual: Array, bias: Array | None = None) -> Array:
-        """residual + linear(x, weight, bias): the new residual stream (may reuse residual's memory)."""
+    def add_linear(self, x: Array, weight: Array, residual: Array, bias: Array | None = None,
+                   lora: str | None = None) -> Array:
+        """residual + linear(x, weight, bias) (+ lora_add): the new residual stream (may reuse residual's
+        memory)."""
 
     def add_linear_norm(self, x: Array, weight: Array, residual: Array, norm_weight: Array, eps: float,
-                        bias: Array | None = None) -> tuple[Array, Array | None]:
-        """(r, rmsnorm(r) * norm_weight) with r = add_linear(x, weight, residual, bias), where one
+                        bias: Array | None = None, lora: str | None = None) -> tuple[Array, Array | None]:
+        """(r, rmsnorm(r) * norm_weight) with r = add_linear(x, weight, residual, bias, lora), where one
         kernel can do the norm with the add; else (r, None), the norm left to the next op."""
 
     def rope_attention(self, qkv: Array, spec: AttentionSpec, ctx: Any,
@@ -186,8 +195,8 @@ class Ops(Protocol):
         """attention(qkv_rope_cache(qkv, ...), spec, ctx): o[T, Hq·D], with k and v written to the cache."""
 
     def norm_swiglu(self, x: Array, norm_weight: Array, eps: float, gate_up_weight: Array,
-                    normed: Array | None = None) -> Array:
-        """silu_mul(norm_linear(x, norm_weight, eps, gate_up_weight, normed=normed)): the MLP
+                    normed: Array | None = None, lora: str | None = None) -> Array:
+        """silu_mul(norm_linear(x, norm_weight, eps, gate_up_weight, normed=normed, lora=lora)): the MLP
         activation [T, I]."""
 
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
@@ -219,22 +228,27 @@ class ComposedOps:
     """The fused ops of Ops written as their parts; an executor's ops class derives from this and
     overrides what it fuses."""
 
-    def norm_linear(self, x, norm_weight, eps, weight, bias=None, normed=None):
+    def lora_add(self, y, x, site):
+        return y                    # no adapters (an executor's LoRA ops mixin overrides it)
+
+    def norm_linear(self, x, norm_weight, eps, weight, bias=None, normed=None, lora=None):
         if normed is None:
             normed, _ = self.rms_norm(x, norm_weight, eps)
-        return self.linear(normed, weight, bias)
+        y = self.linear(normed, weight, bias)
+        return y if lora is None else self.lora_add(y, normed, lora)
 
-    def add_linear(self, x, weight, residual, bias=None):
-        return self.add(self.linear(x, weight, bias), residual)
+    def add_linear(self, x, weight, residual, bias=None, lora=None):
+        y = self.linear(x, weight, bias)
+        return self.add(y if lora is None else self.lora_add(y, x, lora), residual)
 
-    def add_linear_norm(self, x, weight, residual, norm_weight, eps, bias=None):
-        return self.add_linear(x, weight, residual, bias), None
+    def add_linear_norm(self, x, weight, residual, norm_weight, eps, bias=None, lora=None):
+        return self.add_linear(x, weight, residual, bias, lora=lora), None
 
     def rope_attention(self, qkv, spec, ctx, q_norm=None, k_norm=None):
         return self.attention(self.qkv_rope_cache(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm), spec, ctx)
 
-    def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None):
-        return self.silu_mul(self.norm_linear(x, norm_weight, eps, gate_up_weight, normed=normed))
+    def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None, lora=None):
+        return self.silu_mul(self.norm_linear(x, norm_weight, eps, gate_up_weight, normed=normed, lora=lora))
 
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

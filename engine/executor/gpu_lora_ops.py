@@ -1,0 +1,168 @@
+"""LoRA on the GPU, mixed into GpuOps (it provides _launch, stream, pdl and gate_up_interleaved): the
+adapter slots in the arena, the step's token -> slot map and the lora_add op as two raw CUDA kernels per
+packed projection, vLLM V1's design: lora_shrink.cu (x · A of every slice, q/k/v or gate/up in one
+launch, into a float32 buffer) and lora_expand.cu (· B, scaled, added into the projection's output).
+
+Slots: per site (engine/lora.py) A [max_loras, slices · R, K] and B [max_loras, N, R] bf16, R the
+max_lora_rank padded to 8 (zero ranks past an adapter's own), B's rows in the executor's output order
+(gate_up interleaved like its weight) with lora_alpha / r folded in. `set_lora_slot` fills one slot,
+queued on the compute stream behind the steps already launched.
+
+Per step (`use_lora`, from the executor's upload): the token -> slot map grouped by slot on the host
+(order: the tokens of slot 0, then slot 1, ...; starts: where each slot's tokens begin) into a static
+device buffer, so the batch keeps its order and a decode graph reads the map at fixed addresses; the
+kernels' grids depend on the step's rows alone (padded to the graph's bucket). A step without adapters
+sets nothing (`lora` None) and its forward takes the dense fused paths unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from kernels.raw_cuda import kernel
+from kernels.raw_cuda.launch import launch
+from memory.device_arena import Buffer, buffers_nbytes
+
+TILE_TOKENS = 8             # lora_shrink.cu / lora_expand.cu TT
+SHRINK_ROWS = 8             # lora_shrink.cu ROWS
+EXPAND_COLUMNS = 256        # lora_expand.cu: a thread per output column
+
+
+def padded_rank(rank: int) -> int:
+    return -(-rank // 8) * 8
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    return a.astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def group_by_slot(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, starts): the step's tokens with an adapter grouped by slot, batch order within a slot;
+    slot s's tokens are order[starts[s]:starts[s + 1]] (the kernels' view of the token -> slot map)."""
+    tokens = np.flatnonzero(token_slots >= 0)
+    order = tokens[np.argsort(token_slots[tokens], kind="stable")]
+    starts = np.zeros(num_slots + 1, np.int64)
+    starts[1:] = np.cumsum(np.bincount(token_slots[tokens], minlength=num_slots))
+    return order, starts
+
+
+def slice_bounds(slices: tuple[int, ...]) -> tuple[int, int]:
+    """lora_expand.cu's b1, b2: the output rows where the second and the third slice begin (the
+    projection's width where it has fewer slices)."""
+    ends = list(np.cumsum(slices)[:-1]) + [sum(slices)] * 2
+    return int(ends[0]), int(ends[1])
+
+
+@dataclass
+class GpuLoRAStep:
+    """One step's grouped token -> slot map (device views of the static buffer) and its token tiles."""
+    order: object           # int32 [max tokens]: the step's adapter tokens, grouped by slot
+    starts: object          # int32 [slots + 1]: slot s's tokens are order[starts[s]:starts[s + 1]]
+    tiles: int              # ceil(rows / TILE_TOKENS): the kernels' grid.y
+
+
+class GpuLoRAOps:
+    lora = None             # this step's GpuLoRAStep (None: no adapter in the step)
+    lora_w: dict = {}       # site -> (A, B) device arrays (empty: LoRA off)
+
+    @staticmethod
+    def lora_buffers(plan) -> list[Buffer]:
+        """Every site's A and B slots, the shrink's float32 rows and the step's grouped slot map."""
+        if not plan.lora_sites:
+            return []
+        slots, rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
+        out, widest = [], 0
+        for name, site in plan.lora_sites:
+            out += [Buffer(f"{name}.a", (slots, len(site.slices) * rank, site.k), np.uint16),
+                    Buffer(f"{name}.b", (slots, site.n, rank), np.uint16)]
+            widest = max(widest, len(site.slices) * rank)
+        return out + [Buffer("shrunk", (plan.max_tokens * widest,), np.float32),
+                      Buffer("slot_map", (plan.max_tokens + slots + 1,), np.int32)]
+
+    @classmethod
+    def lora_nbytes(cls, plan) -> int:
+        return buffers_nbytes(cls.lora_buffers(plan))
+
+    def take_lora(self, arena, plan) -> None:
+        """Carve the LoRA slots (none without --enable-lora) and load the kernels. A slot is read only
+        once an adapter is loaded into it (set_lora_slot writes every site), so nothing is zeroed here."""
+        self.lora, self.lora_w = None, {}
+        if not plan.lora_sites:
+            return
+        bad = [name for name, site in plan.lora_sites if site.k % 8]
+        if bad:
+            raise ValueError(f"GPU LoRA kernels need input widths % 8 == 0; {bad[0]} has {dict(plan.lora_sites)[bad[0]].k}")
+        b = arena.take_all("lora", self.lora_buffers(plan))
+        self.lora_sites = dict(plan.lora_sites)
+        self.lora_w = {name: (b[f"{name}.a"], b[f"{name}.b"]) for name in self.lora_sites}
+        self.lora_shrunk, self.lora_map = b["shrunk"], b["slot_map"]
+        self.lora_num_slots, self.lora_rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
+        from memory.streams import pinned_array
+        self.lora_hosts = [pinned_array(self.lora_map.shape, np.int32) for _ in range(2)]   # used in turn
+        self.k_lora_shrink = kernel("lora_shrink", "lora_shrink")
+        self.k_lora_expand = kernel("lora_expand", "lora_expand")
+
+    def set_lora_slot(self, slot: int, adapter) -> None:
+        """Load a LoRA adapter (engine/lora.py LoRAAdapter) into a slot, or empty it (None)."""
+        from engine.executor.gpu_gemm import interleave_gate_up
+
+        rank = self.lora_rank
+        for name, site in self.lora_sites.items():
+            a = np.zeros((len(site.slices), rank, site.k), np.float32)
+            b = np.zeros((site.n, rank), np.float32)
+            w = None if adapter is None else adapter.sites.get(name)
+            if w is not None:
+                a[:, :w.a.shape[1]] = w.a
+                b[:, :w.b.shape[1]] = w.b
+            if name.endswith("gate_up_proj") and self.gate_up_interleaved:
+                b = interleave_gate_up(b)
+            a_dev, b_dev = self.lora_w[name]
+            a_dev[slot].set(bf16_bits(a).reshape(a_dev.shape[1:]), stream=self.stream)
+            b_dev[slot].set(bf16_bits(b), stream=self.stream)
+
+    def use_lora(self, token_slots: np.ndarray | None, rows: int) -> None:
+        """Before a step's forward: its token -> slot map (-1: no adapter; None: no adapter in the step)
+        grouped by slot into the static buffer; rows: the step's rows (a decode graph's bucket)."""
+        if token_slots is None:
+            self.lora = None
+            return
+        if not self.lora_w:
+            raise ValueError("a step with LoRA adapters on an executor without LoRA slots (max_loras = 0)")
+        import cupy
+
+        slots = self.lora_num_slots
+        tm = self.lora_map.shape[0] - slots - 1
+        if token_slots.size and int(token_slots.max()) >= slots:
+            raise ValueError(f"LoRA slot {int(token_slots.max())} is outside the executor's {slots} (max_loras)")
+        self.lora_hosts.reverse()
+        h = self.lora_hosts[0]
+        order, starts = group_by_slot(token_slots, slots)
+        h[:order.size], h[tm:] = order, starts
+        runtime, dev = cupy.cuda.runtime, self.lora_map
+        runtime.memcpyAsync(dev.data.ptr, h.ctypes.data, order.size * 4, runtime.memcpyHostToDevice, self.stream.ptr)
+        runtime.memcpyAsync(dev[tm:].data.ptr, h[tm:].ctypes.data, (slots + 1) * 4, runtime.memcpyHostToDevice,
+                            self.stream.ptr)
+        self.lora = GpuLoRAStep(order=dev[:tm], starts=dev[tm:], tiles=-(-rows // TILE_TOKENS))
+
+    def lora_on(self, site) -> bool:
+        """Whether the step runs adapters and `site` is a LoRA site (a fused op then composes)."""
+        return self.lora is not None and site in self.lora_w
+
+    def lora_add(self, y, x, site):
+        if not self.lora_on(site):
+            return y
+        step, (a, b) = self.lora, self.lora_w[site]
+        slots, nr, k = a.shape
+        n, rank = b.shape[1], b.shape[2]
+        shrunk = self.lora_shrunk[: x.shape[0] * nr].reshape(x.shape[0], nr)
+        self._launch(self.k_lora_shrink, (-(-nr // SHRINK_ROWS), step.tiles, slots), (256,),
+                     (x, a, step.order, step.starts, shrunk, np.int32(k), np.int32(nr)))
+        interleaved = site.endswith("gate_up_proj") and self.gate_up_interleaved
+        b1, b2 = slice_bounds(self.lora_sites[site].slices)
+        launch(self.k_lora_expand, (-(-n // EXPAND_COLUMNS), step.tiles, slots), (EXPAND_COLUMNS,),
+               (shrunk, b, step.order, step.starts, y, np.int32(n), np.int32(rank), np.int32(nr),
+                np.int32(b1), np.int32(b2), np.int32(interleaved)),
+               self.stream, pdl=self.pdl, shared_mem=TILE_TOKENS * nr * 4)
+        return y

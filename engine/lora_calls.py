@@ -1,0 +1,133 @@
+"""LoRA adapter loads and unloads at run time, as the server calls them on either engine handle.
+
+`LoRACalls` is the surface EngineHandle (engine in this process) and EngineClient (engine in a child
+process, engine/process.py) share: `lora_adapters` (the served names -> paths), `load_lora_adapter`,
+`unload_lora_adapter` (coroutines; LoRAError with an HTTP status on refusal). Both end in `run_lora_op`
+next to the engine loop: the adapter folder is read on a thread of its own (never the engine thread),
+then registered on the engine thread; an unload answers once no sequence uses the adapter.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Callable
+
+from engine.lora import LoRAError
+
+NOT_ENABLED = "LoRA is not enabled: start the server with --enable-lora"
+
+
+def run_lora_op(engine, op: tuple, reply: Callable[[LoRAError | None], None]) -> None:
+    """op ("load", name, path) or ("unload", name) on an EngineLoop; reply(None or LoRAError) once, from
+    whichever thread finishes it."""
+    registry = engine.loras
+    if registry is None:
+        reply(LoRAError(NOT_ENABLED))
+        return
+    if op[0] == "unload":
+        engine.call(lambda: registry.remove(op[1], reply))
+        return
+
+    def add(adapter) -> None:                  # engine thread
+        try:
+            registry.add(adapter)
+        except LoRAError as e:
+            reply(e)
+            return
+        reply(None)
+
+    def read() -> None:
+        try:
+            adapter = registry.read(op[1], op[2])
+        except LoRAError as e:
+            reply(e)
+            return
+        engine.call(lambda: add(adapter))
+
+    threading.Thread(target=read, name="openinfer-lora-read", daemon=True).start()
+
+
+def settle(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+class LoRACalls:
+    """Mixed into the engine handles (they have `config`); `_lora(op)` sends one op to run_lora_op."""
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters served now: name -> path (--lora-modules, then run-time loads and unloads)."""
+        if not hasattr(self, "_lora_served"):
+            self._lora_served = dict(self.config.lora_modules)
+        return self._lora_served
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        if not self.config.enable_lora:
+            raise LoRAError(NOT_ENABLED)
+        if name in self.lora_adapters:
+            raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+        await self._lora(("load", name, path))
+        self.lora_adapters[name] = path
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Returns once no request uses the adapter; the name is not served from the call on."""
+        if not self.config.enable_lora:
+            raise LoRAError(NOT_ENABLED)
+        path = self.lora_adapters.pop(name, None)
+        try:
+            await self._lora(("unload", name))
+        except LoRAError:
+            if path is not None:
+                self.lora_adapters[name] = path
+            raise
+
+    async def _lora(self, op: tuple) -> None:
+        raise NotImplementedError
+
+
+class LocalLoRACalls(LoRACalls):
+    """EngineHandle's: run_lora_op on its own engine loop."""
+
+    async def _lora(self, op: tuple) -> None:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        run_lora_op(self.engine, op, lambda err: loop.call_soon_threadsafe(settle, future, err))
+        err = await future
+        if err is not None:
+            raise err
+
+
+class RemoteLoRACalls(LoRACalls):
+    """EngineClient's: the op goes down the pipe as ("lora", call id, op); the child answers
+    ("lora", call id, status, message) (status 0: done), which the reader thread hands to `lora_reply`."""
+
+    async def _lora(self, op: tuple) -> None:
+        if not hasattr(self, "_lora_waiting"):
+            self._lora_waiting, self._lora_ids = {}, iter(range(1, 1 << 62))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        call_id = next(self._lora_ids)
+        self._lora_waiting[call_id] = (loop, future)
+        self._send(("lora", call_id, op))
+        status, message = await future
+        if status:
+            raise LoRAError(message, status)
+
+    def lora_reply(self, msg: tuple) -> None:
+        """Reader thread: ("lora", call id, status, message) from the child; (None, status, message)
+        fails every call still waiting (the child has gone)."""
+        _, call_id, status, message = msg
+        waiting = getattr(self, "_lora_waiting", {})
+        for key in list(waiting) if call_id is None else [call_id]:
+            loop, future = waiting.pop(key, (None, None))
+            if loop is not None:
+                loop.call_soon_threadsafe(settle, future, (status, message))
+
+
+def child_lora_op(engine, call_id: int, op: tuple, send: Callable[[tuple], None]) -> None:
+    """The child's side of RemoteLoRACalls: run the op, send the answer tuple back."""
+    def reply(err: LoRAError | None) -> None:
+        send(("lora", call_id, 0, "") if err is None else ("lora", call_id, err.status, str(err)))
+
+    run_lora_op(engine, op, reply)

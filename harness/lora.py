@@ -1,0 +1,79 @@
+"""LoRA helpers shared by the tests and the benchmark (need torch, transformers and peft): random PEFT
+adapters of the tiny models, written by peft itself, and the transformers + peft float32 oracle.
+
+    from harness.lora import TINY_ADAPTERS, tiny_adapter_path, hf_lora_logits, peft_model
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from harness.models import _tmp_root, tiny_model_path
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# name -> LoraConfig settings: different ranks, target sets (whole and partial packed projections), rsLoRA
+TINY_ADAPTERS: dict[str, dict] = {
+    "attn8": dict(r=8, lora_alpha=16, target_modules=ATTENTION),
+    "mlp4_rs": dict(r=4, lora_alpha=8, target_modules=MLP, use_rslora=True),
+    "mixed16": dict(r=16, lora_alpha=24, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
+}
+
+
+def randomize_lora_(model, seed: int, b_std: float = 0.05) -> None:
+    """A ~ N(0, 1/K), B ~ N(0, b_std²) (PEFT's own init leaves B zero: no delta to check)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            elif "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * b_std)
+
+
+def write_peft_adapter(base_path: str, out_dir: str, seed: int = 0, **lora) -> str:
+    """A random LoRA adapter of the model at base_path, saved by peft (adapter_config.json +
+    adapter_model.safetensors)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", lora_dropout=0.0, **lora))
+    randomize_lora_(model, seed)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_adapter_path(model: str, adapter: str) -> str:
+    """Adapter `adapter` of TINY_ADAPTERS for tiny model `model`, written once per process."""
+    seed = sorted(TINY_ADAPTERS).index(adapter) + 1
+    return write_peft_adapter(tiny_model_path(model), os.path.join(_tmp_root(), f"{model}-lora-{adapter}"),
+                              seed=seed, **TINY_ADAPTERS[adapter])
+
+
+def peft_model(base_path: str, adapter_path: str, dtype: str = "float32", device: str = "cpu"):
+    """transformers (eager attention) in `dtype` with the peft adapter applied in that dtype too."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype), attn_implementation="eager")
+    return PeftModel.from_pretrained(base, adapter_path, autocast_adapter_dtype=False).to(device).eval()
+
+
+@functools.lru_cache(maxsize=4)
+def hf_lora_model(base_path: str, adapter_path: str):
+    """The float32 CPU oracle, cached."""
+    return peft_model(base_path, adapter_path)
+
+
+def hf_lora_logits(base_path: str, adapter_path: str, ids: list[int]) -> np.ndarray:
+    """float32 logits [T, V] of one sequence from transformers + peft."""
+    import torch
+    with torch.no_grad():
+        return hf_lora_model(base_path, adapter_path)(input_ids=torch.tensor([ids])).logits[0].float().numpy()

@@ -1,0 +1,59 @@
+"""LoRA adapters over HTTP, vLLM's interface: `POST /v1/load_lora_adapter {"lora_name", "lora_path"}`,
+`POST /v1/unload_lora_adapter {"lora_name"}` (both behind the API key, as every /v1 route), and the
+adapters' cards in `/v1/models` (`parent`: the base model, `root`: the adapter's folder).
+
+The handle (engine/lora_calls.py) does the work; a refused adapter (missing file, rank over the limit,
+a target the model lacks, a shape mismatch) answers 400 naming the problem, an unknown name 404, and the
+server goes on serving. An unload answers once the requests that use the adapter have ended; the name
+is refused for new requests from the call on.
+"""
+from __future__ import annotations
+
+from sanic import response
+
+from engine.lora import LoRAError
+from server.body import parse_json
+from server.errors import APIError, wrong_type
+from server.fields import Fields
+
+
+def lora_cards(app) -> list[dict]:
+    """The /v1/models entries of the adapters served now."""
+    model = app.ctx.model
+    return [{"id": name, "object": "model", "created": app.ctx.created, "owned_by": "openinfer", "root": path,
+             "parent": model.name, "max_model_len": model.max_model_len} for name, path in list(model.adapters.items())]
+
+
+def _name(body: dict, field: str = "lora_name") -> str:
+    value = Fields(body).string(field)
+    if not value:
+        raise wrong_type(f"'{field}' (a non-empty string) is required", field)
+    return value
+
+
+async def _call(handle, method: str, *args) -> None:
+    fn = getattr(handle, method, None)
+    if fn is None:
+        raise APIError(400, "this engine has no LoRA adapters")
+    try:
+        await fn(*args)
+    except LoRAError as e:
+        raise APIError(e.status, str(e), "lora_name" if e.status == 404 else None,
+                       "lora_adapter_not_found" if e.status == 404 else "invalid_lora_adapter") from None
+
+
+def add_lora_routes(app) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request):
+        body = parse_json(request.body)
+        name, path = _name(body), _name(body, "lora_path")
+        if name == request.app.ctx.model.name:
+            raise APIError(400, f"'lora_name' {name!r} is the base model's name", "lora_name")
+        await _call(request.app.ctx.handle, "load_lora_adapter", name, path)
+        return response.text(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request):
+        name = _name(parse_json(request.body))
+        await _call(request.app.ctx.handle, "unload_lora_adapter", name)
+        return response.text(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -1,0 +1,223 @@
+"""GPU gate of LoRA (gpu_lora_ops.py: lora_shrink.cu, lora_expand.cu) by the DESIGN.md floor method of
+test_gpu_executor: tiny Qwen3 and Llama with the three PEFT adapters of harness/lora.py, transformers +
+peft float32 the oracle, the same in bf16 (adapters in bf16) the floor, each adapter through prefill,
+decode and chunked steps and on each GEMM library. Then the paths that are LoRA's own: the kernels
+against the numpy reference (random token -> slot maps with rows of no adapter, every site shape, token
+counts across the tiles), a batch mixing every adapter and the base model against each alone, CUDA-graph
+decode with adapters against eager in buckets straddling their boundaries (base steps still on the base
+graphs), batch 1 twice bit-identical, a slot reloaded with another adapter, and the engine serving more
+adapters than slots.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.loader import load_model
+from engine.lora import load_adapter, lora_sites
+from harness.executors import new_gpu_executor
+from harness.lora import TINY_ADAPTERS, peft_model, tiny_adapter_path
+from harness.models import engine_logits, random_sequences, tiny_model_path
+from test_gpu_executor import MIN_TIE_TOL, PATHS, assert_gate, assert_same_or_tie, gate_row, greedy, hf_run
+from test_gpu_moe_mla import assert_same_scores
+
+pytestmark = pytest.mark.gpu
+MODELS = ["qwen3_tied", "llama"]
+ADAPTERS = sorted(TINY_ADAPTERS)
+
+
+def adapters_of(name: str, ex) -> dict:
+    sites, layers = lora_sites(ex.model), ex.config.num_hidden_layers
+    return {a: load_adapter(a, tiny_adapter_path(name, a), sites, layers, 16) for a in ADAPTERS}
+
+
+def lora_gpu_executor(name: str, model, max_loras: int = 3, **settings):
+    ex = new_gpu_executor(model, max_loras=max_loras, max_lora_rank=16, **settings)
+    for slot, adapter in enumerate(list(adapters_of(name, ex).values())[:max_loras]):
+        ex.set_lora(slot, adapter)
+    return ex
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def tiny(request):
+    """(name, model, executor with the adapters in slots 0..2, sequences, {adapter: (o32, o16)})."""
+    import torch
+
+    name = request.param
+    path = tiny_model_path(name)
+    model = load_model(path)
+    seqs = random_sequences(model.config.vocab_size, [96, 61, 80, 33], seed=1)
+    oracle = {}
+    for a in ADAPTERS:
+        m32, m16 = (peft_model(path, tiny_adapter_path(name, a), dtype, "cuda") for dtype in ("float32", "bfloat16"))
+        oracle[a] = ([hf_run(m32, s) for s in seqs], [hf_run(m16, s) for s in seqs])
+        del m32, m16
+        torch.cuda.empty_cache()
+    ex = lora_gpu_executor(name, model)
+    yield name, model, ex, seqs, oracle
+    ex.close()
+
+
+@pytest.mark.parametrize("path_name", sorted(PATHS))
+def test_lora_gate(tiny, path_name):
+    name, _, ex, seqs, oracle = tiny
+    for slot, a in enumerate(ADAPTERS):
+        engine = engine_logits(ex, seqs, lora_slots=[slot] * len(seqs), **PATHS[path_name])
+        assert_gate(gate_row(f"{name}/lora-{a}/{path_name}", engine, *oracle[a]))
+
+
+@pytest.mark.parametrize("backend", ["cute", "cublas"])
+def test_lora_gate_gemm_library(tiny, backend):
+    """Each GEMM library for every product, and batch-1 decode (gemv.cu: the residual epilogue, then the
+    LoRA delta; the norm and SiLU·up composed around the adapter's projections)."""
+    from kernels.cute import available
+
+    if backend == "cute" and not available():
+        pytest.skip(f"CuTe kernels unavailable: {available().reason}")
+    name, model, _, seqs, oracle = tiny
+    ex = lora_gpu_executor(name, model, gemm=backend)
+    try:
+        for slot, a in enumerate(ADAPTERS):
+            engine = engine_logits(ex, seqs, lora_slots=[slot] * len(seqs), **PATHS["decode"])
+            assert_gate(gate_row(f"{name}/lora-{a}/{backend}/decode", engine, *oracle[a]))
+            one = engine_logits(ex, seqs[:1], lora_slots=[slot], prefill=20, chunks=1)
+            assert_gate(gate_row(f"{name}/lora-{a}/{backend}/batch1", one, [oracle[a][0][0]], [oracle[a][1][0]]))
+    finally:
+        ex.close()
+
+
+def test_mixed_batch_equals_each_alone(tiny):
+    name, _, ex, seqs, oracle = tiny
+    slots = [0, 1, 2, None]
+    mixed = engine_logits(ex, seqs, lora_slots=slots, prefill=[None, 3, 7, 16], chunks=[1, 1, 5, 9])
+    for i, (seq, slot) in enumerate(zip(seqs, slots)):
+        assert_same_scores(mixed[i], engine_logits(ex, [seq], lora_slots=[slot])[0])
+        if slot is not None:
+            o32, o16 = oracle[ADAPTERS[slot]]
+            assert_gate(gate_row(f"{name}/lora-mixed/{ADAPTERS[slot]}", [mixed[i]], [o32[i]], [o16[i]]))
+
+
+def test_lora_batch1_deterministic(tiny):
+    _, _, ex, seqs, _ = tiny
+    first = engine_logits(ex, [seqs[0]], lora_slots=[2])[0]
+    assert np.array_equal(first, engine_logits(ex, [seqs[0]], lora_slots=[2])[0])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_graph_decode_with_adapters_matches_eager(name):
+    model = load_model(tiny_model_path(name))
+    eager, graphed = lora_gpu_executor(name, model, cuda_graphs=False), lora_gpu_executor(name, model)
+    identical = total = 0
+    for n in (1, 3, 5, 9):
+        prompts = random_sequences(model.config.vocab_size, [3 + 7 * i % 29 for i in range(n)], seed=n)
+        slots = [[0, 1, 2, None][i % 4] for i in range(n)]
+        g, e = greedy(graphed, prompts, 10, lora_slots=slots), greedy(eager, prompts, 10, lora_slots=slots)
+        for p, a, b, slot in zip(prompts, g, e, slots):
+            identical += assert_same_or_tie(eager, p, a, b, MIN_TIE_TOL, f"{name} LoRA graph vs eager, batch {n}",
+                                            lora_slot=slot)
+            total += 1
+    print(f"{name}: LoRA graph == eager greedy {identical}/{total} sequences over 10 steps")
+    assert sorted(graphed.lora_graphs.graphs) == [1, 4, 8, 16] and not graphed.graphs.graphs
+    base = random_sequences(model.config.vocab_size, [9, 4], seed=7)
+    assert greedy(graphed, base, 4) and sorted(graphed.graphs.graphs) == [2]      # no adapter: the base graphs
+    eager.close()
+    graphed.close()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_kernels_match_the_numpy_reference(name):
+    """lora_add of every site of layer 0 for 1 to 200 tokens with a random token -> slot map (a third of
+    the rows without an adapter) against NumpyLoRAOps on the same bf16-rounded weights."""
+    import cupy
+    import ml_dtypes
+
+    from engine.executor.cpu_lora_ops import CpuLoRASlots, NumpyLoRAOps
+    from engine.executor.gpu_gemm import interleave_gate_up
+
+    model = load_model(tiny_model_path(name))
+    ex = lora_gpu_executor(name, model)
+    rounded = adapters_of(name, ex)
+    for adapter in rounded.values():          # the GPU holds A and the scaled B in bf16
+        for w in adapter.sites.values():
+            w.a[:] = w.a.astype(ml_dtypes.bfloat16).astype(np.float32)
+            w.b[:] = w.b.astype(ml_dtypes.bfloat16).astype(np.float32)
+    ref = NumpyLoRAOps()
+    ref.lora_slots = CpuLoRASlots(ex.ops.lora_sites, 3)
+    for slot, adapter in enumerate(rounded.values()):
+        ref.lora_slots.set(slot, adapter)
+    rng = np.random.default_rng(0)
+    for site_name in ("layers.0.qkv_proj", "layers.0.o_proj", "layers.0.gate_up_proj", "layers.0.down_proj"):
+        site = ex.ops.lora_sites[site_name]
+        for rows in (1, 7, 9, 33, 200):
+            x = rng.standard_normal((rows, site.k)).astype(ml_dtypes.bfloat16).astype(np.float32)
+            y = rng.standard_normal((rows, site.n)).astype(ml_dtypes.bfloat16).astype(np.float32)
+            slots = rng.integers(-1, 3, rows).astype(np.int32)
+            ref.use_lora(slots)
+            want = ref.lora_add(y.copy(), x, site_name)
+            if site_name.endswith("gate_up_proj") and ex.ops.gate_up_interleaved:
+                y, want = interleave_gate_up(y.T).T, interleave_gate_up(want.T).T
+            bits = lambda a: cupy.asarray(a.astype(ml_dtypes.bfloat16).view(np.uint16))
+            x_dev, y_dev = bits(x), bits(np.ascontiguousarray(y))
+            ex.ops.use_lora(slots, rows)
+            ex.ops.lora_add(y_dev, x_dev, site_name)
+            got = y_dev.get().view(ml_dtypes.bfloat16).astype(np.float32)
+            err = np.abs(got - want) / (1 + np.abs(want))
+            assert err.max() < 2e-2, (site_name, rows, float(err.max()))
+            assert np.array_equal(got[slots < 0], y[slots < 0])      # rows without an adapter: untouched
+    ex.close()
+
+
+def test_slot_reloaded_with_another_adapter(tiny):
+    """One slot: attn8, then mlp4_rs loaded over it (its attention sites zeroed): mlp4_rs's gate."""
+    name, model, _, seqs, oracle = tiny
+    ex = lora_gpu_executor(name, model, max_loras=1)
+    adapters = adapters_of(name, ex)
+    ex.set_lora(0, adapters["mlp4_rs"])
+    try:
+        engine = engine_logits(ex, seqs, lora_slots=[0] * len(seqs), **PATHS["chunked"])
+        assert_gate(gate_row(f"{name}/lora-reloaded/chunked", engine, *oracle["mlp4_rs"]))
+    finally:
+        ex.close()
+
+
+def test_engine_serves_more_adapters_than_slots():
+    """The engine (graphs, overlap, schedule-ahead) with 2 slots and 3 adapters plus the base model, all
+    at once: each request decodes as it does alone, or differs first at a genuine tie."""
+    from engine.config import EngineConfig
+    from engine.handle import EngineHandle
+    from engine.request import SamplingParams
+
+    name = "qwen3_tied"
+    path = tiny_model_path(name)
+    modules = tuple((a, tiny_adapter_path(name, a)) for a in ADAPTERS)
+    config = EngineConfig(model=path, device="cuda", num_kv_blocks=256, max_model_len=512, max_num_seqs=16,
+                          enable_lora=True, lora_modules=modules, max_loras=2, progress=False)
+    prompts = random_sequences(load_model(path).config.vocab_size, [5, 17, 33, 12, 40, 9, 21, 3], seed=3)
+    loras = [[*ADAPTERS, None][i % 4] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with EngineHandle(config) as h:
+        together = _run(h, prompts, loras, params)
+        alone = [_run(h, [p], [lora], params)[0] for p, lora in zip(prompts, loras)]
+        assert h.engine.loras.loads > 2
+    model = load_model(path)
+    ref = lora_gpu_executor(name, model, cuda_graphs=False)
+    for p, a, b, lora in zip(prompts, together, alone, loras):
+        assert len(a) == 12
+        assert_same_or_tie(ref, p, a, b, MIN_TIE_TOL, f"engine LoRA {lora} together vs alone",
+                           lora_slot=None if lora is None else ADAPTERS.index(lora))
+    ref.close()
+
+
+def _run(handle, prompts, loras, params) -> list[list[int]]:
+    import asyncio
+
+    from engine.events import Token
+    from engine.request import GenerateRequest
+
+    async def one(i, p, lora):
+        req = GenerateRequest(f"r{i}-{lora}-{len(p)}", list(p), params, lora_name=lora)
+        return [e.token_id async for e in handle.submit(req) if isinstance(e, Token)]
+
+    async def main():
+        return await asyncio.gather(*(one(i, p, lora) for i, (p, lora) in enumerate(zip(prompts, loras))))
+    return list(asyncio.run(main()))

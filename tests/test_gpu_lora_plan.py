@@ -1,0 +1,52 @@
+"""The host side of the GPU LoRA ops (no GPU needed): the token -> slot map grouped as the kernels read it,
+the slices' bounds lora_expand.cu takes, and the plan sizing the slots of the real Qwen3-4B shape."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from engine.executor.gpu_lora_ops import GpuLoRAOps, group_by_slot, padded_rank, slice_bounds
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs")
+
+
+def test_tokens_are_grouped_by_slot_in_batch_order():
+    slots = np.array([2, -1, 0, 2, 2, -1, 0, 1, 2], np.int32)
+    order, starts = group_by_slot(slots, 4)
+    assert starts.tolist() == [0, 2, 3, 7, 7]
+    assert order.tolist() == [2, 6, 7, 0, 3, 4, 8]
+    for s in range(4):
+        assert (slots[order[starts[s]:starts[s + 1]]] == s).all()
+    order, starts = group_by_slot(np.full(5, -1, np.int32), 3)      # padded rows only (graph warm-up)
+    assert order.size == 0 and starts.tolist() == [0, 0, 0, 0]
+
+
+def test_slice_bounds():
+    assert slice_bounds((4096, 1024, 1024)) == (4096, 5120)
+    assert slice_bounds((9728, 9728)) == (9728, 19456)
+    assert slice_bounds((2560,)) == (2560, 2560)
+    assert padded_rank(1) == 8 and padded_rank(16) == 16 and padded_rank(20) == 24
+
+
+def test_plan_sizes_the_lora_slots_of_qwen3_4b():
+    """Qwen3-4B, 4 slots of rank 16: A and B of the 4 x 36 sites, ~66 MB a slot; none without LoRA."""
+    from engine.executor.gpu_plan import DeviceInfo, gpu_plan
+    from engine.executor.options import options_of
+    from engine.model_config import ModelConfig
+    from engine.models.registry import build_model
+
+    model = build_model(ModelConfig.from_file(os.path.join(CONFIGS, "qwen3-4b")))
+    device = DeviceInfo(name="H200", num_sms=132, total_memory=141 << 30, compute_capability="90")
+    plan = gpu_plan(options_of(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192, max_loras=4,
+                               max_lora_rank=16), model, device)
+    sites = dict(plan.lora_sites)
+    assert len(sites) == 4 * 36 and sites["layers.0.qkv_proj"].slices == (4096, 1024, 1024)
+    per_slot = sum((len(s.slices) * 16 * s.k + s.n * 16) * 2 for s in sites.values())
+    assert 60e6 < per_slot < 70e6
+    buffers = {b.name: b for b in GpuLoRAOps.lora_buffers(plan)}
+    assert buffers["layers.3.gate_up_proj.b"].shape == (4, 2 * 9728, 16)
+    assert buffers["shrunk"].shape == (8192 * 3 * 16,) and buffers["slot_map"].shape == (8192 + 5,)
+    assert GpuLoRAOps.lora_nbytes(plan) >= 4 * per_slot
+    off = gpu_plan(options_of(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192), model, device)
+    assert off.lora_sites == () and GpuLoRAOps.lora_nbytes(off) == 0
