@@ -51,7 +51,7 @@ def _bodies(model: ModelInfo) -> dict[str, dict]:
         "seed": _int(-(2 ** 63), 2 ** 64 - 1),
         "presence_penalty": _num(-2, 2),
         "frequency_penalty": _num(-2, 2),
-        "repetition_penalty": _num(0),
+        "repetition_penalty": _num(1e-6, 1e6),
         "logit_bias": _nullable({"type": "object", "maxProperties": limits.max_logit_bias,
                                  "propertyNames": {"pattern": "^[0-9]+$"},
                                  "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
