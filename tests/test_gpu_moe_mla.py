@@ -21,15 +21,18 @@ from test_gpu_executor import (MIN_TIE_TOL, PATHS, assert_gate, assert_same_or_t
 
 pytestmark = pytest.mark.gpu
 # Two GPU runs of the same tokens through different paths (chunking, MLA form): bf16 rounding apart, so
-# the mean |Δlogprob| bound of the HF gate (0.02) and near-total argmax agreement.
+# the mean |Δlogprob| bound of the HF gate (0.02, or half the model's own bf16 floor where that is larger:
+# a tiny random model whose bf16 forward is far from float32 is as far between two bf16 paths) and
+# near-total argmax agreement.
 SAME_MEAN_DLOGPROB = 0.02
 
 
-def assert_same_scores(a: np.ndarray, b: np.ndarray) -> None:
+def assert_same_scores(a: np.ndarray, b: np.ndarray, floor_mean: float = 0.0) -> None:
     d = np.abs(log_softmax(a) - log_softmax(b))
     agree = float((a.argmax(-1) == b.argmax(-1)).mean())
-    print(f"mean |dlogprob| {d.mean():.4g}, argmax agreement {agree:.3f}")
-    assert d.mean() <= SAME_MEAN_DLOGPROB and agree >= 0.95
+    bound = max(SAME_MEAN_DLOGPROB, floor_mean / 2)
+    print(f"mean |dlogprob| {d.mean():.4g} (bound {bound:.3g}), argmax agreement {agree:.3f}")
+    assert d.mean() <= bound and agree >= 0.95
 
 
 @pytest.fixture(scope="module", params=sorted(SPARSE_MODELS))
