@@ -186,11 +186,15 @@ def assert_same_or_tie(reference_executor, prompt, ours, theirs, tol: float, wha
 
 def test_tiny_batched_equals_batch1(tiny):
     """Batched eager decode (mixed prompt lengths, 4 sequences) gives batch 1's greedy tokens; the
-    only allowed difference is a flip inside an accumulation-order tie (0.02 nats)."""
-    name, _, ex, seqs, _, _ = tiny
+    only allowed difference is a flip inside a tie: 0.02 nats, or the gate's tie tolerance (the p99 of
+    HF bf16's error) on a model whose bf16 floor is wider (MoE routing and the products' kernels change
+    with the batch, so the activations round differently from the first layer on)."""
+    name, _, ex, seqs, o32, o16 = tiny
+    floor = np.abs(log_softmax(np.concatenate(o16)) - log_softmax(np.concatenate(o32)))
+    tol = max(MIN_TIE_TOL, float(np.percentile(floor, 99)))
     prompts = [s[:n] for s, n in zip(seqs, [5, 17, 33, 2])]
     batched = greedy(ex, prompts, 24)
-    same = sum(assert_same_or_tie(ex, p, b, greedy(ex, [p], 24)[0], MIN_TIE_TOL, f"{name} batched vs batch-1")
+    same = sum(assert_same_or_tie(ex, p, b, greedy(ex, [p], 24)[0], tol, f"{name} batched vs batch-1")
                for p, b in zip(prompts, batched))
     print(f"{name}: batched == batch-1 greedy for {same}/{len(prompts)} sequences over 24 steps")
 

@@ -92,8 +92,8 @@ def test_mixed_batch_equals_each_alone(tiny):
     mixed = engine_logits(ex, seqs, lora_slots=slots, prefill=[None, 3, 7, 16], chunks=[1, 1, 5, 9])
     for i, (seq, slot) in enumerate(zip(seqs, slots)):
         o32, o16 = oracle[ADAPTERS[slot if slot is not None else 0]]
-        floor = float(np.abs(log_softmax(o16[i]) - log_softmax(o32[i])).mean())
-        assert_same_scores(mixed[i], engine_logits(ex, [seq], lora_slots=[slot])[0], floor)
+        floor = float(np.abs(log_softmax(o16[i]) - log_softmax(o32[i])).mean())      # this model's bf16 floor
+        assert_same_scores(mixed[i], engine_logits(ex, [seq], lora_slots=[slot])[0], max(0.02, floor / 2))
         if slot is not None:
             o32, o16 = oracle[ADAPTERS[slot]]
             assert_gate(gate_row(f"{name}/lora-mixed/{ADAPTERS[slot]}", [mixed[i]], [o32[i]], [o16[i]]))
