@@ -50,7 +50,7 @@ class EngineConfig:
     seed: int = 0                            # seeds the RNG of requests that bring no seed
     overlap_steps: bool = True               # detokenize / send step N's tokens while step N+1 runs
     schedule_ahead: bool = True              # with overlap_steps: plan decode step N+1 while step N runs
-    async_scheduling: bool = False           # with schedule_ahead: queue decode step N+1 before N's ids are back
+    async_scheduling: bool = True            # with schedule_ahead: queue decode step N+1 before N's ids are back
     host_kv_blocks: int = 0                  # host KV tier: evicted prefix-cache blocks kept in host memory
     gpu: GpuTuning | None = None
     progress: bool = True                    # the weight-upload progress bar

@@ -56,7 +56,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="detokenize and stream a step's tokens while the GPU runs the next step")
     p.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="with --overlap-steps: schedule and build the next decode step while the GPU runs this one")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="queue the next decode step before this one's tokens reach the host (its input ids are "
                         "taken on the GPU): no host time between decode steps")
     p.add_argument("--enable-lora", action="store_true",

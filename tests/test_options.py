@@ -26,7 +26,7 @@ def non_default_config(model: str) -> EngineConfig:
                         max_model_len=400, max_num_seqs=5, max_num_batched_tokens=96, num_kv_blocks=77,
                         gpu_memory_utilization=0.55, enable_prefix_caching=True, enable_chunked_prefill=False,
                         enforce_eager=True, cuda_graph_sizes=(1, 3), max_n=3, seed=1234, overlap_steps=False,
-                        schedule_ahead=False, async_scheduling=True, host_kv_blocks=9,
+                        schedule_ahead=False, async_scheduling=False, host_kv_blocks=9,
                         gpu=GpuTuning(decode_kernels="attention", gemm="cublas", pdl=False, nvtx="ops"),
                         progress=False, enable_lora=True, lora_modules=(("ad", tiny_adapter_path("qwen3_untied", "attn8")),),
                         max_loras=2, max_lora_rank=8)
@@ -71,8 +71,8 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             == random.Random(1234).getrandbits(63),
             "overlap_steps": eng.config.overlap_steps is False,
             "schedule_ahead": eng.config.schedule_ahead is False,
-            # on where the loop overlaps steps on an executor that takes fed steps; off here (no overlap)
-            "async_scheduling": eng.config.async_scheduling is True and eng._async is False,
+            # off (the default is on, where the loop overlaps steps on an executor that takes fed steps)
+            "async_scheduling": eng.config.async_scheduling is False and eng._async is False,
             "host_kv_blocks": opts.host_kv_blocks == 9 == eng.scheduler.host_tier.num_slots
             and ex.host_kv.shape[2] == 9 * 16,
             "gpu": opts.gpu == config.gpu,
