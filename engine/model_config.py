@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_text",
+                         "deepseek_v3", "kimi_k2")
 # Composite (vision-language) configs: the text model's hyper-parameters sit under `text_config`.
 TEXT_CONFIG_MODEL_TYPES = ("qwen3_5",)
 

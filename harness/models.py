@@ -103,6 +103,26 @@ SPARSE_MODELS: dict[str, tuple[str, dict]] = {
         n_group=3, topk_group=2, routed_scaling_factor=1.0, tie_word_embeddings=False, rope_theta=10000.0)),
 }
 
+# The DeepSeek-V3 line (tests/test_golden_dsv3.py): sigmoid routing with a random score correction bias,
+# q LoRA, one shared expert, a dense first layer, yarn as Kimi-K2's config has it.
+DSV3_MODELS: dict[str, tuple[str, dict]] = {
+    # group-limited: 8 experts in 4 groups (best 2 groups by their top-2 sums), top-3 renormalized x 2.5
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0, tie_word_embeddings=False,
+        rope_theta=10000.0)),
+    # Kimi-K2 shape: one group, 6 experts top-3 renormalized x 2.827, yarn (beta 1 / 1, mscale 1 / 1)
+    "kimi_k2": ("DeepseekV3Config", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=40, kv_lora_rank=32,
+        qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=20, n_routed_experts=6, num_experts_per_tok=3,
+        n_shared_experts=1, moe_intermediate_size=24, first_k_dense_replace=1, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=2.827, num_nextn_predict_layers=0, tie_word_embeddings=False,
+        rope_theta=50000.0, rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 16,
+                                          "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
+}
+
 _TMP: list[str] = []
 
 
@@ -128,14 +148,17 @@ def randomize_(model, seed: int) -> None:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:         # DeepSeek-V3's router bias: ~ the spread of its scores
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def build_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
-    """Save a random-weight model `name` of TINY_MODELS or SPARSE_MODELS as an HF folder (bf16) with a
+    """Save a random-weight model `name` of TINY_MODELS, SPARSE_MODELS or DSV3_MODELS as an HF folder (bf16) with a
     real tokenizer."""
     import torch
     import transformers
-    cls_name, base = {**TINY_MODELS, **SPARSE_MODELS}[name]
+    cls_name, base = {**TINY_MODELS, **SPARSE_MODELS, **DSV3_MODELS}[name]
     overrides = {**base, **overrides}
     _, vocab, bos, eos = tokenizer_source()
     config = getattr(transformers, cls_name)(**{**_BASE, **overrides}, vocab_size=vocab,
