@@ -31,6 +31,7 @@ class DeepseekV3Config(DeepseekV2Config):
     """DeepseekV2Config with DeepSeek-V3's routing fields."""
     norm_topk_prob: bool = True
     mtp_layers: int = 0
+    scoring_func: str = "sigmoid"           # the only one transformers' DeepseekV3 has
 
     @staticmethod
     def check(raw: dict[str, Any]) -> None:
@@ -62,7 +63,7 @@ class DeepseekV3Config(DeepseekV2Config):
     def route(self) -> RouteSpec:
         return RouteSpec(num_experts=self.n_routed_experts, top_k=self.top_k, renormalize=self.norm_topk_prob,
                          scale=self.routed_scaling_factor, num_groups=self.n_group, topk_groups=self.topk_group,
-                         scoring="sigmoid")
+                         scoring=self.scoring_func)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
