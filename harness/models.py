@@ -117,7 +117,7 @@ DSV3_MODELS: dict[str, tuple[str, dict]] = {
     "kimi_k2": ("DeepseekV3Config", dict(
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=40, kv_lora_rank=32,
         qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=20, n_routed_experts=6, num_experts_per_tok=3,
-        n_shared_experts=1, moe_intermediate_size=24, first_k_dense_replace=1, n_group=1, topk_group=1,
+        n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
         norm_topk_prob=True, routed_scaling_factor=2.827, num_nextn_predict_layers=0, tie_word_embeddings=False,
         rope_theta=50000.0, rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 16,
                                           "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
