@@ -120,3 +120,23 @@ def int4_experts_folder(src: str, dst: str, reference: str, group: int = 32) -> 
                   "dynamic": False, "observer": "minmax"}}},
               "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
     return _rewrite(src, dst, packed, config), _rewrite(src, reference, plain, None)
+
+
+def dequantized_copy(src: str, dst: str) -> str:
+    """src (a quantized folder) with every quantized weight replaced by its float32 dequantization (the
+    loader's, which the CPU tests hold bit-identical to transformers'), without quantization_config: a
+    folder any transformers build loads as a plain model (the GPU tests' oracle)."""
+    from engine.loader.quantized import dequantizing
+
+    ckpt = SafetensorsCheckpoint(src)
+    with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    has, get = dequantizing(cfg, ckpt.__contains__, ckpt.get)
+    suffixes = ("weight_scale_inv", "weight_packed", "weight_scale", "weight_shape")
+    names = {k if not k.endswith(suffixes) else k[:k.rindex(".")] + ".weight" for k in ckpt.keys()}
+    out = {k: np.asarray(get(k), np.float32) if k.endswith(".weight") else np.array(ckpt.get(k)) for k in names}
+    _rewrite(src, dst, out, None)
+    cfg.pop("quantization_config", None)
+    with open(os.path.join(dst, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    return dst
