@@ -10,7 +10,7 @@ expectation under uniform routing, E·(1 - (1 - k/E)^B) per layer, and the laten
 same weights at their checkpoint bytes (int4 + scales, or fp8 + scales): the floor a kept-quantized path
 would have. Writes OUT/deepseek.json and OUT/deepseek.md.
 
-    python3 bench/deepseek.py --out bench/results [--layers 4] [--format int4|fp8] [--batches 1,32]
+    python3 bench/deepseek.py --out bench/results [--layers 4] [--format int4|fp8] [--batches 1,32] [--write-only]
 
 Sizes (kimi-k2, 4 layers = 1 dense + 3 MoE): 54.0 G parameters (each MoE layer 16.9 G, embedding and
 lm_head 1.17 G each); stored ~35 GB int4 / ~57 GB fp8 (use --layers 3 for fp8 on a 64 GB disk); dequantized
@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    p.add_argument("--write-only", action="store_true", help="only write the checkpoint (reused by a later run)")
     a = p.parse_args()
     import ml_dtypes
 
@@ -63,6 +64,8 @@ def main() -> None:
     stored = write_random_quantized(config_path(a.model, a.layers), folder, a.format)
     print(f"[{a.model}] {a.format} checkpoint in {folder}: {time.perf_counter() - t:.1f}s, "
           f"{sum(stored.values()) / 1e9:.2f} GB stored", flush=True)
+    if a.write_only:
+        return
     t = time.perf_counter()
     model = load_model(folder, dequant_dtype=ml_dtypes.bfloat16)
     load_s = time.perf_counter() - t
