@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.executor.cpu_dsv4_ops import sigmoid, sqrtsoftplus
 from engine.models.ops import RouteSpec
 
 
@@ -13,15 +14,17 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
+SCORES = {"softmax": softmax, "sigmoid": sigmoid, "sqrtsoftplus": sqrtsoftplus}     # RouteSpec.scoring
+
+
 def route_topk(logits: np.ndarray, spec: RouteSpec, bias: np.ndarray | None = None
                ) -> tuple[np.ndarray, np.ndarray]:
     """(weights float32 [T, k], ids int32 [T, k]) from router logits [T, E], as transformers' routers
-    (and DeepSeek's reference Gate): softmax (or sigmoid) scores; choice = scores (+ bias); group-limited:
-    experts outside the topk_groups groups of highest group score (the best choice in the group, or
+    (and DeepSeek's reference Gate): softmax (sigmoid: DeepSeek-V3, sqrtsoftplus: V4) scores;
+    choice = scores (+ bias); group-limited: experts outside the topk_groups groups of highest group score (the best choice in the group, or
     with a bias the sum of its top two) drop out; the top_k choices (ties to the lower id); their
     unbiased scores, renormalized when spec.renormalize, times spec.scale."""
-    x = logits.astype(np.float32)
-    probs = softmax(x) if spec.scoring == "softmax" else np.float32(1) / (np.float32(1) + np.exp(-x))
+    probs = SCORES[spec.scoring](logits.astype(np.float32))
     choice = probs if bias is None else probs + bias.astype(np.float32)
     if spec.num_groups > 1:
         T, G = probs.shape[0], spec.num_groups

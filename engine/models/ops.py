@@ -30,7 +30,7 @@ class RouteSpec:
     """A mixture-of-experts router: softmax over num_experts, the top_k (greedy, or within the
     topk_groups of num_groups equal expert groups whose best probability is highest: DeepSeek's
     group-limited routing), renormalized to sum 1 when renormalize (norm_topk_prob), times scale
-    (routed_scaling_factor). scoring "sigmoid" (DeepSeek-V3): sigmoid scores instead; with a
+    (routed_scaling_factor). scoring "sigmoid" (DeepSeek-V3) or "sqrtsoftplus" (V4): those scores instead; with a
     correction bias (route's ``bias``, noaux_tc) the choice (groups by the sum of their top-2, then
     the top_k) is made on scores + bias, the weights taken from the unbiased scores."""
     num_experts: int
