@@ -123,6 +123,20 @@ DSV3_MODELS: dict[str, tuple[str, dict]] = {
                                           "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 
+# DeepSeek-V4 (tests/test_golden_dsv4.py): one layer of each attention kind (sliding, compressed sparse with the
+# indexer's top-3 of entries of 4 tokens, heavily compressed in entries of 8), the first MLP hash-routed, 3
+# hyper-connection streams, a window of 6 tokens, swiglu_limit low enough to clamp.
+DSV4_MODELS: dict[str, tuple[str, dict]] = {
+    "deepseek_v4": ("DeepseekV4Config", dict(
+        num_hidden_layers=3, num_attention_heads=4, head_dim=32, q_lora_rank=48, partial_rotary_factor=0.25,
+        num_experts_per_tok=2, n_routed_experts=6, moe_intermediate_size=16, hc_mult=3, sliding_window=6,
+        o_groups=2, o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=3, swiglu_limit=1.0,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"], routed_scaling_factor=1.5, tie_word_embeddings=False,
+        num_nextn_predict_layers=0)),
+}
+
 _TMP: list[str] = []
 
 
@@ -151,6 +165,9 @@ def randomize_(model, seed: int) -> None:
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:         # DeepSeek-V3's router bias: ~ the spread of its scores
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
+            elif name.endswith("tid2eid"):                # DeepSeek-V4's hash routing: distinct experts per token
+                b.copy_(torch.stack([torch.randperm(model.config.n_routed_experts, generator=g)[:b.shape[1]]
+                                     for _ in range(b.shape[0])]))
 
 
 def build_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
@@ -158,7 +175,7 @@ def build_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str
     real tokenizer."""
     import torch
     import transformers
-    cls_name, base = {**TINY_MODELS, **SPARSE_MODELS, **DSV3_MODELS}[name]
+    cls_name, base = {**TINY_MODELS, **SPARSE_MODELS, **DSV3_MODELS, **DSV4_MODELS}[name]
     overrides = {**base, **overrides}
     _, vocab, bos, eos = tokenizer_source()
     config = getattr(transformers, cls_name)(**{**_BASE, **overrides}, vocab_size=vocab,

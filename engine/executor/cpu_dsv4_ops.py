@@ -94,18 +94,23 @@ def rope_trailing(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray
     return out
 
 
-def sliding_mqa_attention(q: np.ndarray, kv: np.ndarray, q_pos: np.ndarray, kv_pos: np.ndarray, window: int,
-                          sinks: np.ndarray, scale: float) -> np.ndarray:
-    """q [T, H, D] (rope applied), kv [L, D] (the one shared K = V head, rope applied): each query attends to
-    the keys at positions p with q_pos - window < p <= q_pos, with head h's sink logit in the softmax's
-    denominator only. Returns o [T, H, D] (before the output rope is undone)."""
-    scores = np.einsum("thd,ld->thl", q, kv) * np.float32(scale)
-    d = q_pos[:, None] - kv_pos[None, :]
-    scores = np.where(((d >= 0) & (d < window))[:, None, :], scores, -np.inf)
+def sink_attention(q: np.ndarray, keys: np.ndarray, visible: np.ndarray, sinks: np.ndarray, scale: float
+                   ) -> np.ndarray:
+    """q [T, H, D] over keys [L, D] that are also the values (K = V), where visible [T, L]; head h's sink logit
+    takes part in the softmax's denominator only. Returns o [T, H, D]."""
+    scores = np.where(visible[:, None, :], np.einsum("thd,ld->thl", q, keys) * np.float32(scale), -np.inf)
     m = np.maximum(scores.max(-1, keepdims=True), sinks[None, :, None])
     p = np.exp(scores - m)
     p = p / (p.sum(-1, keepdims=True) + np.exp(sinks[None, :, None] - m))
-    return np.einsum("thl,ld->thd", p, kv)
+    return np.einsum("thl,ld->thd", p, keys)
+
+
+def sliding_mqa_attention(q: np.ndarray, kv: np.ndarray, q_pos: np.ndarray, kv_pos: np.ndarray, window: int,
+                          sinks: np.ndarray, scale: float) -> np.ndarray:
+    """sink_attention of q [T, H, D] (rope applied) over the one shared K = V head kv [L, D] at the positions p
+    with q_pos - window < p <= q_pos. Returns o [T, H, D] (before the output rope is undone)."""
+    d = q_pos[:, None] - kv_pos[None, :]
+    return sink_attention(q, kv, (d >= 0) & (d < window), sinks, scale)
 
 
 def grouped_linear(x: np.ndarray, weight: np.ndarray, groups: int) -> np.ndarray:
@@ -114,3 +119,27 @@ def grouped_linear(x: np.ndarray, weight: np.ndarray, groups: int) -> np.ndarray
     T = x.shape[0]
     w = weight.reshape(groups, -1, weight.shape[-1])                        # [g, N, K]
     return np.einsum("tgk,gnk->tgn", x.reshape(T, groups, -1), w).reshape(T, -1)
+
+
+class NumpyDSV4Ops:
+    """DeepSeek-V4's ops as methods of NumpyOps (the line's forward calls them; engine/models/deepseek_v4.py)."""
+
+    def hc_streams(self, x, n: int):
+        """The residual streams [T, n, H] of the embedded tokens x [T, H] (n copies)."""
+        return np.repeat(np.asarray(x, np.float32)[:, None, :], n, axis=1)
+
+    def hyper_connection(self, streams, fn, base, scale, iters, hc_eps, norm_eps):
+        return hyper_connection(streams, fn, base, scale, iters, hc_eps, norm_eps)
+
+    def hc_merge(self, block_out, streams, post, comb):
+        return hc_merge(block_out, streams, post, comb)
+
+    def hyper_head(self, streams, fn, base, scale, hc_eps, norm_eps):
+        return hyper_head(streams, fn, base, float(np.asarray(scale).reshape(-1)[0]), hc_eps, norm_eps)
+
+    def swiglu_limited(self, gate_up, limit):
+        return swiglu_limited(gate_up, limit)
+
+    def hash_route(self, x, gate_weight, tid2eid, spec, ctx):
+        """hash_route on the step's token ids (RouteSpec: its scale; scores sqrtsoftplus)."""
+        return hash_route(x @ gate_weight.T, np.asarray(tid2eid).astype(np.int64), ctx.batch.input_ids, spec.scale)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.executor.cpu_dsv4_ops import sigmoid, sqrtsoftplus
+from engine.executor.cpu_dsv4_ops import sigmoid, sqrtsoftplus, swiglu_limited
 from engine.models.ops import RouteSpec
 
 
@@ -57,7 +57,7 @@ class NumpyMoEOps:
     def route(self, x, gate_weight, spec: RouteSpec, bias=None):
         return route_topk(x @ gate_weight.T, spec, bias)
 
-    def moe_experts(self, x, gate_up, down, weights, ids, residual):
+    def moe_experts(self, x, gate_up, down, weights, ids, residual, limit=None):
         k = ids.shape[1]
         order, offsets = expert_rows(ids, gate_up.shape[0])
         out = np.array(residual, dtype=np.float32)
@@ -65,6 +65,7 @@ class NumpyMoEOps:
         for e in np.flatnonzero(np.diff(offsets)):
             sel = order[offsets[e]:offsets[e + 1]]
             tokens = sel // k
-            y = self.silu_mul(x[tokens] @ gate_up[e].T) @ down[e].T
+            gu = x[tokens] @ gate_up[e].T
+            y = (self.silu_mul(gu) if limit is None else swiglu_limited(gu, limit)) @ down[e].T
             np.add.at(out, tokens, y * flat_w[sel][:, None])
         return out

@@ -150,9 +150,10 @@ class Ops(Protocol):
         correction bias): (weights float32 [T, top_k], expert ids int32 [T, top_k])."""
 
     def moe_experts(self, x: Array, gate_up: Array, down: Array, weights: Array, ids: Array,
-                    residual: Array) -> Array:
+                    residual: Array, limit: float | None = None) -> Array:
         """residual + sum_j weights[t, j] · down[e] · silu_mul(gate_up[e] · x[t]), e = ids[t, j]: the
-        routed experts (gate_up [E, 2I, H], down [E, H, I]) added to the residual stream."""
+        routed experts (gate_up [E, 2I, H], down [E, H, I]) added to the residual stream. limit: gate and up
+        clamped first (gate <= limit, |up| <= limit: DeepSeek-V4's swiglu_limit; the numpy executor only)."""
 
     # Multi-head latent attention (engine/models/deepseek_v2.py).
     def mla_latent_cache(self, y: Array, spec: MLASpec, ctx: Any, kv_norm: Array,
