@@ -70,8 +70,8 @@ def test_hyper_head(config):
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead
     head = randomized(DeepseekV4HyperHead(config), 3)
     streams = torch.randn(1, T, N, D, generator=torch.Generator().manual_seed(4))
-    got = v4.hyper_head(f32(streams[0]), f32(head.hc_fn), f32(head.hc_base), float(head.hc_scale.detach()), config.hc_eps,
-                        config.rms_norm_eps)
+    got = v4.hyper_head(f32(streams[0]), f32(head.hc_fn), f32(head.hc_base), float(head.hc_scale.detach()),
+                        config.hc_eps, config.rms_norm_eps)
     np.testing.assert_allclose(got, f32(head(streams)[0]), rtol=1e-5, atol=1e-5)
 
 

@@ -20,6 +20,7 @@ from engine.executor.cpu_moe_ops import route_topk
 from engine.loader import load_model
 from engine.models.ops import RouteSpec
 from harness.models import DSV3_MODELS, engine_logits, hf_logits, test_prompts, tiny_model_path
+from test_golden_moe import gate_with, golden_case
 from test_golden import (gate_failures, new_executor, test_batch1_full_prefill_deterministic,  # noqa: F401
                          test_batch1_prefill_then_decode, test_batched_mixed_lengths_one_step,
                          test_batched_mixed_prefill_decode_and_chunks, test_chunked_prefill,
@@ -28,21 +29,7 @@ from test_golden import (gate_failures, new_executor, test_batch1_full_prefill_d
 
 @pytest.fixture(scope="module", params=sorted(DSV3_MODELS))
 def case(request):
-    path = tiny_model_path(request.param)
-    model = load_model(path)
-    prompts = test_prompts(model.tokenizer)
-    return model, prompts, [hf_logits(path, p) for p in prompts]
-
-
-def gate_with(name: str, change) -> list[str]:
-    """The gate's failures on model `name` after change(model)."""
-    path = tiny_model_path(name)
-    model = load_model(path)
-    prompts = test_prompts(model.tokenizer, 2)
-    oracle = [hf_logits(path, p) for p in prompts]
-    assert not gate_failures(engine_logits(new_executor(model), prompts, prefill=3, chunks=4), oracle)
-    change(model)
-    return gate_failures(engine_logits(new_executor(model), prompts, prefill=3, chunks=4), oracle)
+    return golden_case(request.param)
 
 
 def with_fields(**fields):

@@ -15,41 +15,30 @@ import dataclasses
 import pytest
 
 from engine.loader import load_model
-from harness.models import DSV4_MODELS, engine_logits, hf_logits, test_prompts, tiny_model_path
-from test_golden import (gate_failures, new_executor, test_batch1_full_prefill_deterministic,  # noqa: F401
+from harness.models import DSV4_MODELS, tiny_model_path
+from test_golden import (test_batch1_full_prefill_deterministic,  # noqa: F401
                          test_batch1_prefill_then_decode, test_batched_mixed_lengths_one_step,
                          test_batched_mixed_prefill_decode_and_chunks, test_chunked_prefill,
                          test_prompt_logprobs_and_sampling_match_oracle)
+from test_golden_moe import gate_with, golden_case
 from test_handle_moe import GREEDY, hf_greedy_check
 
 
 @pytest.fixture(scope="module", params=sorted(DSV4_MODELS))
 def case(request):
-    path = tiny_model_path(request.param)
-    model = load_model(path)
-    prompts = test_prompts(model.tokenizer)
-    return model, prompts, [hf_logits(path, p) for p in prompts]
-
-
-def gate_with(change) -> list[str]:
-    path = tiny_model_path("deepseek_v4")
-    model = load_model(path)
-    prompts = test_prompts(model.tokenizer)
-    oracle = [hf_logits(path, p) for p in prompts]
-    assert not gate_failures(engine_logits(new_executor(model), prompts, prefill=3, chunks=4), oracle)
-    change(model.model)
-    return gate_failures(engine_logits(new_executor(model), prompts, prefill=3, chunks=4), oracle)
+    return golden_case(request.param)
 
 
 def with_specs(layer: int, **fields):
-    def change(line):
-        line.attention_specs[layer] = dataclasses.replace(line.attention_specs[layer], **fields)
+    def change(model):
+        specs = model.model.attention_specs
+        specs[layer] = dataclasses.replace(specs[layer], **fields)
     return change
 
 
 def with_v4(**fields):
-    def change(line):
-        line.v4 = dataclasses.replace(line.v4, **fields)
+    def change(model):
+        model.model.v4 = dataclasses.replace(model.model.v4, **fields)
     return change
 
 
@@ -62,15 +51,15 @@ def with_v4(**fields):
     ("the routed scaling factor", with_v4(scale=1.0)),
 ])
 def test_gate_catches_a_mechanism_left_out(what, change):
-    assert gate_with(change), what
+    assert gate_with("deepseek_v4", change), what
 
 
 def test_gate_catches_the_compress_rope_on_the_compressed_layers():
-    def main_rope(line):
+    def main_rope(model):
+        specs = model.model.attention_specs
         for i in (1, 2):
-            s = line.attention_specs[i]
-            line.attention_specs[i] = dataclasses.replace(s, inv_freq=line.attention_specs[0].inv_freq)
-    assert gate_with(main_rope)
+            specs[i] = dataclasses.replace(specs[i], inv_freq=specs[0].inv_freq)
+    assert gate_with("deepseek_v4", main_rope)
 
 
 def test_serves_the_oracle_greedy_tokens_on_the_cpu():

@@ -27,15 +27,7 @@ NAMES = sorted(DSV3_MODELS)
 
 @pytest.fixture(scope="module", params=NAMES)
 def tiny(request):
-    path = tiny_model_path(request.param)
-    model = load_model(path)
-    seqs = random_sequences(model.config.vocab_size, [96, 61, 80, 33], seed=1)
-    m32, m16 = hf_gpu_models(path)
-    o32, o16 = [hf_run(m32, s) for s in seqs], [hf_run(m16, s) for s in seqs]
-    del m32, m16
-    ex = new_gpu_executor(model)
-    yield request.param, model, ex, seqs, o32, o16
-    ex.close()
+    yield from moe_mla.tiny_case(request.param)
 
 
 @pytest.mark.parametrize("name", NAMES)

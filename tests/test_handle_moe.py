@@ -1,5 +1,5 @@
-"""The MoE and MLA lines (DeepSeek-V3 / Kimi-K2 too) through the real engine on the CPU: EngineHandle built from the model folder
-as `openinfer serve --model <folder> --device cpu` builds it (greedy tokens checked against
+"""The MoE and MLA lines (DeepSeek-V3 / Kimi-K2 too) through the real engine on the CPU: EngineHandle built from
+the model folder as `openinfer serve --model <folder> --device cpu` builds it (greedy tokens checked against
 transformers float32, teacher-forced), a prefix-cache hit, and the host KV tier on MLA's one-plane
 pool (a restore that copied the wrong bytes would change the tokens)."""
 from __future__ import annotations

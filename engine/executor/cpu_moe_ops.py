@@ -21,9 +21,9 @@ def route_topk(logits: np.ndarray, spec: RouteSpec, bias: np.ndarray | None = No
                ) -> tuple[np.ndarray, np.ndarray]:
     """(weights float32 [T, k], ids int32 [T, k]) from router logits [T, E], as transformers' routers
     (and DeepSeek's reference Gate): softmax (sigmoid: DeepSeek-V3, sqrtsoftplus: V4) scores;
-    choice = scores (+ bias); group-limited: experts outside the topk_groups groups of highest group score (the best choice in the group, or
-    with a bias the sum of its top two) drop out; the top_k choices (ties to the lower id); their
-    unbiased scores, renormalized when spec.renormalize, times spec.scale."""
+    choice = scores (+ bias); group-limited: experts outside the topk_groups groups of highest group score
+    (the best choice in the group, or with a bias the sum of its top two) drop out; the top_k choices (ties to
+    the lower id); their unbiased scores, renormalized when spec.renormalize, times spec.scale."""
     probs = SCORES[spec.scoring](logits.astype(np.float32))
     choice = probs if bias is None else probs + bias.astype(np.float32)
     if spec.num_groups > 1:

@@ -78,9 +78,8 @@ class GpuMoEOps:
         self.k_grouped = kernel("moe_grouped_gemm", "moe_grouped_gemm")
 
     def route(self, x, gate_weight, spec: RouteSpec, bias=None):
-        T, E, K = x.shape[0], spec.num_experts, spec.top_k
-        b = self.moe
-        logits = b["moe_logits"][:T * E].reshape(T, E)
+        T, E = x.shape[0], spec.num_experts
+        logits = self.moe["moe_logits"][:T * E].reshape(T, E)
         self.gemm(x, gate_weight, logits)                    # fp32 output: cuBLAS
         return self.route_logits(logits, spec, bias)
 

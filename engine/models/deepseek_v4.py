@@ -148,10 +148,11 @@ class DeepseekV4ForCausalLM(DecoderLM):
         main = rope_inv_freq(dataclasses.replace(config, rope_scaling=None), m.rope_dim)[0]
         compress = rope_inv_freq(dataclasses.replace(config, rope_theta=m.compress_rope_theta,
                                                      rope_scaling=m.compress_scaling), m.rope_dim)[0]
+        csa = [t == "compressed_sparse_attention" for t in m.layer_types]
         self.attention_specs = [
             DSV4AttentionSpec(layer=i, num_heads=config.num_attention_heads, head_dim=m.head_dim, rope_dim=m.rope_dim,
-                              window=m.window, rate=m.rates[i], overlap=m.layer_types[i] == "compressed_sparse_attention",
-                              index_heads=m.index_heads if m.layer_types[i] == "compressed_sparse_attention" else 0,
+                              window=m.window, rate=m.rates[i], overlap=csa[i],
+                              index_heads=m.index_heads if csa[i] else 0,
                               index_dim=m.index_dim, index_topk=m.index_topk, o_groups=m.o_groups,
                               rms_eps=config.rms_norm_eps, inv_freq=compress if m.rates[i] else main,
                               compress_inv_freq=compress)
@@ -186,7 +187,8 @@ class DeepseekV4ForCausalLM(DecoderLM):
                           packed(L + name + "norm", (f"{ckpt}.norm.weight", (width // s.series if name == "comp_"
                                                                               else m.index_dim,)))]
         if s.index_heads:
-            specs += [packed(L + "idx_wq_b", (f"{at}.indexer.wq_b.weight", (m.index_heads * m.index_dim, m.q_lora_rank))),
+            iq = m.index_heads * m.index_dim
+            specs += [packed(L + "idx_wq_b", (f"{at}.indexer.wq_b.weight", (iq, m.q_lora_rank))),
                       packed(L + "idx_weights", (f"{at}.indexer.weights_proj.weight", (m.index_heads, H)))]
         ffn, E, I = f"{hf}.ffn", m.experts, m.moe_inter
         specs += [packed(L + "router", (f"{ffn}.gate.weight", (E, H))),
