@@ -164,3 +164,21 @@ def test_unsupported_quantization_configs_are_refused():
                         (asym, "symmetric=False"), ({**ok, "format": "float-quantized"}, "pack-quantized")):
         with pytest.raises(ValueError, match=needle):
             quant_format({"quantization_config": bad})
+
+
+def test_fp4_experts_are_transformers_bit_for_bit():
+    """DeepSeek-V4's FP4 experts in an fp8 checkpoint: int8 bytes of two e2m1 values with ue8m0 scales per
+    [1, 32] block, as transformers' Fp8Dequantize reads them; swapped nibbles differ."""
+    import torch
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from engine.loader.quantized import dequant_fp4_block
+    rng = np.random.default_rng(5)
+    packed = rng.integers(-128, 128, (16, 48)).astype(np.int8)          # [N, K / 2]: K = 96, 3 blocks per row
+    scale = rng.integers(115, 135, (16, 3)).astype(np.uint8)
+    want = Fp8Dequantize(None)._dequantize_one(torch.from_numpy(packed), torch.from_numpy(scale),
+                                                 output_dtype=torch.float32).numpy()
+    got = dequant_fp4_block(packed, scale.view(ml_dtypes.float8_e8m0fnu))
+    np.testing.assert_array_equal(got, want)
+    swapped = ((packed.view(np.uint8) >> 4) | (packed.view(np.uint8) << 4)).astype(np.uint8)
+    assert not np.array_equal(dequant_fp4_block(swapped, scale.view(ml_dtypes.float8_e8m0fnu)), want)

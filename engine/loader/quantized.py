@@ -6,6 +6,8 @@ each `X.weight` with its dequantized values, so every model line loads them unch
   ceil(K/bk)] (float32, bf16 or ue8m0); w[n, k] = fp8[n, k] · scale_inv[n // bn, k // bk], computed in
   float32 (transformers' Fp8Dequantize and DeepSeek's weight_dequant; a last partial block takes its
   block's scale).
+  FP4 weights in such a checkpoint (DeepSeek-V4's experts: int8 bytes holding two e2m1 values, the low nibble
+  first, with one ue8m0 scale per [1, 32] block) take their block from the scale grid, as transformers does.
 * compressed-tensors `pack-quantized` (Kimi-K2-Thinking's int4 routed experts: {"quant_method":
   "compressed-tensors", "format": "pack-quantized", config_groups with weights {"type": "int",
   "num_bits": 4, "symmetric": true, "strategy": "group", "group_size": 32}}): `X.weight_packed` int32
@@ -40,6 +42,25 @@ def dequant_fp8_block(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[in
         raise ValueError(f"weight {weight.shape} with block {block} needs scales {want}, got {scale_inv.shape}")
     s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), bn, axis=-2)[..., :N, :], bk, axis=-1)[..., :K]
     return (np.asarray(weight).astype(np.float32) * s).astype(dtype)
+
+
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    np.float32)
+
+
+def unpack_fp4(packed: np.ndarray) -> np.ndarray:
+    """e2m1 values [..., 2·K] from bytes [..., K], element 2k in the low nibble of byte k."""
+    u = np.asarray(packed).view(np.uint8)
+    return np.stack([FP4_E2M1[u & 0xF], FP4_E2M1[u >> 4]], axis=-1).reshape(*u.shape[:-1], -1)
+
+
+def dequant_fp4_block(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """FP4 bytes [N, K/2] times their scales [N / bn, K / bk], the block taken from the scale grid."""
+    w = unpack_fp4(packed)
+    (N, K), (gn, gk) = w.shape[-2:], scale.shape[-2:]
+    if N % gn or K % gk:
+        raise ValueError(f"fp4 weight [{N}, {K}] is not tiled by a scale grid of {scale.shape}")
+    return dequant_fp8_block(w, scale, (N // gn, K // gk), dtype)
 
 
 def unpack_int32(packed: np.ndarray, bits: int, cols: int) -> np.ndarray:
@@ -82,7 +103,10 @@ class Fp8BlockFormat:
             scale = name[:-len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
             if scale is None or not has(scale):
                 return get(name)
-            return dequant_fp8_block(get(name), get(scale), self.block, dtype)
+            w, s = get(name), get(scale)
+            if w.dtype in (np.int8, np.uint8):                      # FP4: two e2m1 values per byte
+                return dequant_fp4_block(w, s, dtype)
+            return dequant_fp8_block(w, s, self.block, dtype)
         return has, get_weight
 
 
