@@ -26,10 +26,10 @@ def _random(name: str, shape, g):
     import torch
     if len(shape) == 1:
         if name.endswith("e_score_correction_bias"):
-            return torch.randn(shape, generator=g, device="cuda") * 0.01
-        return 1 + 0.1 * torch.randn(shape, generator=g, device="cuda")
+            return torch.randn(shape, generator=g, device=g.device) * 0.01
+        return 1 + 0.1 * torch.randn(shape, generator=g, device=g.device)
     std = 0.06 if "embed_tokens" in name else shape[-1] ** -0.5
-    return torch.randn(shape, generator=g, device="cuda") * std
+    return torch.randn(shape, generator=g, device=g.device) * std
 
 
 def _fp8_block(w, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
@@ -65,7 +65,8 @@ def _bf16(t) -> np.ndarray:
     return t.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
 
 
-def write_random_quantized(config_path: str, out_dir: str, fmt: str, seed: int = 0) -> dict[str, int]:
+def write_random_quantized(config_path: str, out_dir: str, fmt: str, seed: int = 0,
+                           device: str = "cuda") -> dict[str, int]:
     """Write (once: reused when out_dir is complete) a random checkpoint of the config in `fmt`."""
     import torch
 
@@ -96,7 +97,7 @@ def write_random_quantized(config_path: str, out_dir: str, fmt: str, seed: int =
         json.dump(cfg, f, indent=2)
     model = build_model(ModelConfig.from_dict(cfg))
     names = [(n, s) for spec in model.weight_specs() for n, s in spec.parts]
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     shards: dict[str, list] = {}
     for n, s in names:
         key = n.split(".")[2] if n.startswith("model.layers.") else "rest"

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from engine.batch import ModelBatch, SeqStep
 from engine.loader import load_model
 from engine.loader.quantized import dequant_fp8_block, dequant_packed_group, quant_format, unpack_int32
 from harness.models import engine_logits, hf_logits, hf_model, test_prompts, tiny_model_path
@@ -182,3 +183,31 @@ def test_fp4_experts_are_transformers_bit_for_bit():
     np.testing.assert_array_equal(got, want)
     swapped = ((packed.view(np.uint8) >> 4) | (packed.view(np.uint8) << 4)).astype(np.uint8)
     assert not np.array_equal(dequant_fp4_block(swapped, scale.view(ml_dtypes.float8_e8m0fnu)), want)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_the_benchmark_checkpoint_writer(fmt, tmp_path):
+    """bench/deepseek_weights.py (run here on the CPU at a small width) writes a checkpoint the loader reads in
+    that format: the quantized tensors are there, and the dequantized weights are near the bf16 reference
+    draw (int4: within half a step of each group's scale; fp8: e4m3's relative precision)."""
+    import json
+
+    from bench.deepseek_weights import write_random_quantized
+    from engine.loader.safetensors_io import SafetensorsCheckpoint
+    with open(f"{tiny_model_path('kimi_k2')}/config.json") as f:
+        cfg = json.load(f)
+    cfg.update(hidden_size=128, moe_intermediate_size=64, intermediate_size=256, q_lora_rank=64, kv_lora_rank=64)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    folder = str(tmp_path / fmt)
+    stored = write_random_quantized(str(tmp_path / "config.json"), folder, fmt, device="cpu")
+    ckpt = SafetensorsCheckpoint(folder)
+    expert = "model.layers.1.mlp.experts.3.down_proj."
+    if fmt == "int4":
+        assert ckpt.get(expert + "weight_packed").dtype == np.int32 and expert + "weight" not in ckpt
+    else:
+        assert ckpt.get(expert + "weight").dtype == ml_dtypes.float8_e4m3fn and expert + "weight_scale_inv" in ckpt
+    model = load_model(folder)
+    down = np.asarray(model.weights["layers.1.experts_down_proj"])[3]
+    assert down.shape == (128, 64) and 0.05 < down.std() < 0.3 and stored[expert + "weight"] > 0
+    logits = new_executor(model).forward_logits(ModelBatch.build([SeqStep(0, [1, 2, 3], 0, [0], False)]))
+    assert np.isfinite(logits).all()
