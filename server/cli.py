@@ -168,16 +168,20 @@ def serve(args: argparse.Namespace) -> int:
     from engine.handle import EngineHandle
     from engine.process import EngineClient
     from server.app import create_app
-    from server.startup import describe_executor, gpu_warning
+    from server.startup import startup_notes
     _setup_logging(args.log_level)
     config = engine_config(args)
     limits = server_limits(args)
     sock = socket.create_server((args.host, args.port))     # fail fast if the port is taken
-    if warning := gpu_warning(config.device):
-        log.warning("%s", warning)
-    handle = EngineClient(config) if args.engine_process else EngineHandle(config)
+    if args.engine_process:                                 # CUDA is touched in the engine process only
+        handle = EngineClient(config, notes=startup_notes)
+        notes = [(level, f"{line} [the engine process]") for level, line in handle.startup_notes]
+    else:
+        handle = EngineHandle(config)
+        notes = startup_notes(handle, config.device)
     try:
-        log.info("%s", describe_executor(handle, config.device))
+        for level, line in notes:
+            log.log(level, "%s", line)
         app = create_app(handle, api_key=args.api_key, limits=limits)
         print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
               f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
