@@ -52,6 +52,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-kv-blocks", type=int, default=0,
                    help="host KV tier: keep up to this many evicted prefix-cache blocks in host memory "
                         "(pinned memory with the GPU executor)")
+    p.add_argument("--kv-offload-gib", type=float, default=0.0,
+                   help="host KV tier sized in GiB of host memory (instead of --host-kv-blocks): as many of the "
+                        "model's KV blocks as fit")
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="detokenize and stream a step's tokens while the GPU runs the next step")
     p.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=True,
@@ -142,6 +145,7 @@ def engine_config(args: argparse.Namespace):
                           cuda_graph_sizes=tuple(args.cuda_graph_sizes or DEFAULT_GRAPH_SIZES),
                           max_n=getattr(args, "max_n", 16), seed=args.seed, overlap_steps=args.overlap_steps,
                           schedule_ahead=args.schedule_ahead, host_kv_blocks=args.host_kv_blocks,
+                          kv_offload_gib=args.kv_offload_gib,
                           async_scheduling=args.async_scheduling, step_trace=args.step_trace,
                           enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules),
                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)

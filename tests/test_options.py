@@ -32,6 +32,25 @@ def non_default_config(model: str) -> EngineConfig:
                         max_loras=2, max_lora_rank=8)
 
 
+def block_bytes(path: str, itemsize: int) -> int:
+    from engine.loader import load_model
+
+    return load_model(path).model.kv_layout().block_bytes(itemsize)
+
+
+def offload_slots(path: str, gib: float) -> int:
+    """The host tier's slots of an engine given --kv-offload-gib (exclusive with host_kv_blocks, so not in
+    the non-default config): the executor's and the scheduler's, which must agree."""
+    from engine.handle import EngineHandle
+
+    config = EngineConfig(model=path, device="cpu", kv_offload_gib=gib, num_kv_blocks=16, progress=False)
+    with EngineHandle(config) as h:
+        slots = h.executor.options.host_kv_blocks
+        assert slots == h.engine.scheduler.host_tier.num_slots == h.config.host_kv_blocks
+        assert config.kv_offload_gib == gib and config.host_kv_blocks == 0       # the caller's config untouched
+        return slots
+
+
 def test_every_engine_config_field_reaches_its_consumer(tmp_path):
     """Each EngineConfig field, set to a non-default value, is found where it acts. A new field
     without a check here fails the test."""
@@ -83,6 +102,7 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "max_loras": opts.max_loras == 2 == eng.scheduler.max_loras == eng.loras.max_loras
             and len(ex.ops.lora_slots.slots) == 2,
             "max_lora_rank": opts.max_lora_rank == 8 == eng.loras.max_rank,
+            "kv_offload_gib": offload_slots(path, 0.001) == (0.001 * 2**30) // block_bytes(path, 4),
         }
         h.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert set(checks) == {f.name for f in dataclasses.fields(EngineConfig)}
@@ -167,6 +187,10 @@ def test_lora_on_a_line_without_it_is_refused_at_start():
 def test_host_tier_without_prefix_caching_is_refused():
     with pytest.raises(ValueError, match="host_kv_blocks needs prefix caching"):
         EngineConfig(host_kv_blocks=4, enable_prefix_caching=False).validate()
+    with pytest.raises(ValueError, match="kv_offload_gib or host_kv_blocks"):
+        EngineConfig(host_kv_blocks=4, kv_offload_gib=1.0).validate()
+    with pytest.raises(ValueError, match="kv_offload_gib needs prefix caching"):
+        EngineConfig(kv_offload_gib=1.0, enable_prefix_caching=False).validate()
 
 
 def test_environment_is_read_once_into_gpu_tuning():
