@@ -173,12 +173,12 @@ class Scheduler:
         hit: list[int] = []
         host: list[int] = []
         hashes: list[int] = []
-        if not seq.want_prompt_logprobs and self.bm.enable_prefix_caching:
+        if not seq.want_prompt_logprobs and (self.bm.enable_prefix_caching or self.host_tier is not None):
             limit = (len(seq.token_ids) - 1) // BLOCK_SIZE
             if seq.fork_count > 1:
                 limit = seq.fork_at // BLOCK_SIZE
             hashes = seq.block_hashes(limit)
-            hit = self.bm.lookup(hashes)
+            hit = self.bm.lookup(hashes)                 # [] with prefix caching off (pure-host mode)
             if self.host_tier is not None:
                 host = self.host_tier.lookup(hashes[len(hit):])
         seq.num_computed = (len(hit) + len(host)) * BLOCK_SIZE
@@ -337,9 +337,20 @@ class Scheduler:
                 forked += self._fork(seq, out)[1:]
         return forked
 
+    def _offload_before_free(self, seq: Sequence) -> None:
+        """Pure-host mode (a host tier, prefix caching off): the device keeps no prefix, so the full blocks
+        of KV a sequence computed go to the host tier as it lets them go (the copies run before the step
+        that could reuse the blocks), where a later prompt with the same prefix finds them."""
+        if self.host_tier is None or self.bm.enable_prefix_caching or seq.want_prompt_logprobs:
+            return
+        full = min(min(seq.num_computed, len(seq.token_ids)) // BLOCK_SIZE, len(seq.block_table))
+        for block_hash, block in zip(seq.block_hashes(full), seq.block_table):
+            self.host_tier.store(block_hash, block)
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute later: drop its KV, back to the front of the queue."""
         self.running.remove(seq)
+        self._offload_before_free(seq)
         self.bm.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
@@ -355,6 +366,7 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         if seq.block_table:
+            self._offload_before_free(seq)
             self.bm.free(seq.block_table)
         seq.block_table = []
         self._release_state_slot(seq)

@@ -99,3 +99,32 @@ def test_host_tier_needs_an_executor_that_copies():
         make_engine(NoCopy(host_kv_blocks=4), host_kv_blocks=4)
     with pytest.raises(ValueError, match="holds 2 host KV slots"):
         make_engine(FakeExecutor(host_kv_blocks=2), host_kv_blocks=4)
+
+
+@pytest.mark.parametrize("model", ["fake", "qwen3_gqa4"])
+def test_pure_host_mode_serves_a_repeat_from_the_host_tier(model):
+    """Prefix caching off with a host tier: the device keeps no prefix, a finished sequence's full blocks go
+    to the host, and the same prompt later restores them: the tokens of a cold run, 64 or 96 tokens cached,
+    and nothing hit on the device. The fake model reads its whole context through the block table, so a
+    wrong or missing restore changes its output."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    if model == "fake":
+        ex, tokenizer, prompt, full = FakeExecutor(num_kv_blocks=40, host_kv_blocks=32), None, list(range(30, 130)), 96
+    else:
+        from test_handle_models import loaded
+
+        from engine.executor.cpu import CpuExecutor
+        from engine.executor.options import options_of
+        m = loaded(model)
+        ex = CpuExecutor(m, options_of(num_kv_blocks=40, max_model_len=512, host_kv_blocks=32))
+        tokenizer, prompt, full = m.tokenizer, [(7 * i + 3) % 200 + 10 for i in range(70)], 64
+    engine = make_engine(ex, tokenizer, max_model_len=512, host_kv_blocks=32, enable_prefix_caching=False)
+    first = submit(engine, GenerateRequest("a1", prompt, params))
+    run_until_idle(engine)
+    second = submit(engine, GenerateRequest("a2", prompt, params))
+    run_until_idle(engine)
+    tier = engine.scheduler.host_tier
+    assert tokens(second) == tokens(first) and len(tokens(first)) == 10
+    assert cached(first) == 0 and cached(second) == full and tier.restored_blocks == full // 16
+    assert not engine.block_manager.cached                       # the device cached nothing
+    engine.block_manager.check_invariants(idle=True)
