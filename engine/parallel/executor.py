@@ -60,10 +60,10 @@ class TensorParallelExecutor(ExecutorBase):
         self.followers.send((name, args))
         try:
             out = here()
-        except BaseException:
-            self.followers.settle(failed=True)
+        except BaseException as e:
+            self.followers.settle(e)
             raise
-        self.followers.settle(failed=False)
+        self.followers.settle(None)
         return out
 
     def submit(self, batch: ModelBatch, fed: bool = False) -> PendingStep:

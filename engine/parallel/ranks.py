@@ -51,32 +51,40 @@ class ThreadRanks:
     """Follower ranks 1..N-1 as threads over `group` (executors: theirs, in rank order)."""
 
     def __init__(self, executors: list, group: LocalGroup):
-        self.group = group
+        self.group, self.executors = group, executors
         self.num_kv_blocks = [e.num_kv_blocks for e in executors]
         self.inboxes = [queue.SimpleQueue() for _ in executors]
         self.replies = [queue.SimpleQueue() for _ in executors]
-        self.threads = [threading.Thread(target=follower_loop, args=(e, inbox.get, out.put), daemon=True,
+        self.threads = [threading.Thread(target=follower_loop, args=(e, inbox.get, self._reply(out)), daemon=True,
                                          name=f"openinfer-rank-{r}")
                         for r, (e, inbox, out) in enumerate(zip(executors, self.inboxes, self.replies), 1)]
-        self.executors = executors
         for t in self.threads:
             t.start()
+
+    def _reply(self, out: queue.SimpleQueue):
+        def reply(error) -> None:
+            if error is not None:         # the other ranks may wait for this one inside a collective
+                self.group.abort()
+            out.put(error)
+        return reply
 
     def send(self, msg) -> None:
         for inbox in self.inboxes:
             inbox.put(msg)
 
-    def settle(self, failed: bool) -> None:
-        """Wait for every rank's answer; after a failure anywhere, reset the group. failed: rank 0's own
-        call raised (its error goes up; the others' are the same step's)."""
-        if failed:
+    def settle(self, failed: BaseException | None) -> None:
+        """Wait for every rank's answer; after a failure anywhere, reset the group and raise the failure
+        (rank 0's `failed`, unless it only saw the group broken by another rank's)."""
+        if failed is not None:
             self.group.abort()
-        errors = [(r, q.get()) for r, q in enumerate(self.replies, 1)]
-        if failed or any(e is not None for _, e in errors):
-            self.group.reset()
-        for r, e in errors:
-            if e is not None and not failed:
-                raise RuntimeError(f"tensor-parallel rank {r} failed: {type(e).__name__}: {e}") from e
+        errors = [(r, e) for r, q in enumerate(self.replies, 1) if (e := q.get()) is not None]
+        if failed is None and not errors:
+            return
+        self.group.reset()
+        first = next(((r, e) for r, e in errors if not isinstance(e, threading.BrokenBarrierError)), None)
+        if first is not None and (failed is None or isinstance(failed, threading.BrokenBarrierError)):
+            r, e = first
+            raise RuntimeError(f"tensor-parallel rank {r} failed: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         self.send(("close", ()))
@@ -100,18 +108,18 @@ class ProcessRanks:
         for conn in self.conns:
             conn.send_bytes(data)
 
-    def settle(self, failed: bool) -> None:
-        """A rank's reported failure or exit, without waiting; rank 0 failing after the step went out
-        leaves the ranks' collectives unmatched: the group is unusable from then on."""
+    def settle(self, failed: BaseException | None) -> None:
+        """A rank's reported failure or exit, without waiting; rank 0 failing (`failed`) after the step
+        went out leaves the ranks' collectives unmatched: the group is unusable from then on."""
         for r, (conn, proc) in enumerate(zip(self.conns, self.procs), 1):
             if conn.poll():
                 _, error = conn.recv()
                 self.broken = f"rank {r} failed: {error}"
             elif proc.poll() is not None:
                 self.broken = f"rank {r} exited with code {proc.returncode}"
-        if failed and not self.broken:
-            self.broken = "rank 0 failed inside a step the other ranks ran"
-        if self.broken and not failed:
+        if failed is not None and not self.broken:
+            self.broken = f"rank 0 failed inside a step the other ranks ran: {failed!r}"
+        if self.broken and failed is None:
             raise RuntimeError(f"tensor-parallel {self.broken}")
 
     def close(self) -> None:
