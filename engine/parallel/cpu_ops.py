@@ -3,9 +3,9 @@
 The model line's forward runs unchanged over a rank's shard (engine/parallel/sharding.py); what
 differs is where a product covers only part of its sum:
   * row-parallel products (o_proj, down_proj: every `add_linear` of the dense lines) give each rank a
-    partial sum; rank 0 adds the residual (and o_proj's bias) to its partial, then one all-reduce
-    makes the new residual stream on every rank (the GPU does the same: rank 0's product keeps its
-    residual epilogue);
+    partial sum; rank 0 adds the residual to its partial (o_proj's bias is rank 0's, zeros elsewhere),
+    then one all-reduce makes the new residual stream on every rank (the GPU does the same: rank 0's
+    product keeps its residual epilogue);
   * routed experts (expert parallelism): each rank runs its E / N experts over every token (the
     tokens are on every rank already, so dispatch is free), its partial sums go through the same
     all-reduce (the combine);

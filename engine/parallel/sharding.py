@@ -7,7 +7,8 @@ split part by part:
     rank's query heads still read their own KV head), gate_up_proj gate and up each in N equal row
     shares; the lm_head by vocabulary rows (vocab-parallel; of the embedding when tied);
   * row-parallel (COLS): o_proj by query heads, down_proj in N equal column shares; their partial
-    products are summed by one all-reduce (the parallel Ops), the o_proj bias added by rank 0 alone;
+    products are summed by one all-reduce (the parallel Ops); the o_proj bias is rank 0's (RANK0: the
+    other ranks hold zeros, so every rank takes the same code path and issues the same collectives);
   * EXPERTS: the routed experts' stacked weights, E / N whole experts per rank (expert parallelism);
   * replicated: the embedding, the norms, q/k norm and the router.
 A weight with no rule refuses tensor parallelism at start, so a new weight in a model line cannot be
@@ -43,7 +44,7 @@ class Shard:
 @dataclass(frozen=True)
 class Split:
     """How one engine weight splits: kind (REPLICATE, ROWS, COLS, EXPERTS, RANK0: rank 0 keeps it, the
-    others drop it) and, for ROWS / COLS, each packed part's head count (its rows or columns are
+    others hold zeros) and, for ROWS / COLS, each packed part's head count (its rows or columns are
     heads · head_dim); () splits every part in equal shares."""
     kind: str
     heads: tuple[int, ...] = ()
@@ -97,7 +98,7 @@ def check_tensor_parallel(model, world_size: int) -> None:
     kv = cfg.num_key_value_heads
     experts = model.expert_shape.num_experts if model.expert_shape is not None else world_size
     checks = [(cfg.num_attention_heads % world_size == 0, f"num_attention_heads ({cfg.num_attention_heads})"),
-              (kv % world_size == 0 or world_size % kv == 0, f"num_key_value_heads ({kv}) nor the ranks by it"),
+              (kv % world_size == 0 or world_size % kv == 0, f"num_key_value_heads ({kv}), nor is a multiple of it"),
               (cfg.intermediate_size % world_size == 0, f"intermediate_size ({cfg.intermediate_size})"),
               (cfg.vocab_size % world_size == 0, f"vocab_size ({cfg.vocab_size})"),
               (experts % world_size == 0, f"the routed experts ({experts})")]
@@ -133,11 +134,11 @@ def _span(size: int, heads: int | None, shard: Shard) -> slice:
 
 
 def shard_weight(w, spec: WeightSpec, split: Split, shard: Shard):
-    """A rank's part of one engine weight (views where the source allows; None: not on this rank)."""
+    """A rank's part of one engine weight (views where the source allows)."""
     if split.kind == REPLICATE:
         return w
     if split.kind == RANK0:
-        return w if shard.rank == 0 else None
+        return w if shard.rank == 0 else np.zeros(w.shape, w.dtype)
     if split.kind == EXPERTS:
         first, count = share(w.shape[0], shard)
         return w[first:first + count]
@@ -154,9 +155,7 @@ def shard_weights(model, weights: dict, shard: Shard) -> dict:
     cfg = model.config
     out = {}
     for spec in model.weight_specs():
-        w = shard_weight(weights[spec.name], spec, split_of(spec.name, cfg), shard)
-        if w is not None:
-            out[spec.name] = w
+        out[spec.name] = shard_weight(weights[spec.name], spec, split_of(spec.name, cfg), shard)
     if cfg.tie_word_embeddings:
         vocab = WeightSpec("lm_head", (("model.embed_tokens.weight", tuple(weights["embed_tokens"].shape)),))
         out["lm_head"] = shard_weight(weights["embed_tokens"], vocab, split_of("lm_head", cfg), shard)
