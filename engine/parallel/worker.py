@@ -114,7 +114,9 @@ def _start(model, options: ExecutorOptions, listener, procs: list) -> TensorPara
     conns = [c for _, c in sorted(((c.recv()[1], c) for c in accepted), key=lambda rc: rc[0])]
     uid = nccl_unique_id()
     for conn in conns:
-        conn.send(("init", {"path": model.path, "options": options.replace(progress=False), "uid": uid}))
+        # the other ranks' steps are not timed (nobody reads their step trace) and show no upload bar
+        follower = options.replace(progress=False, time_steps=False)
+        conn.send(("init", {"path": model.path, "options": follower, "uid": uid}))
     comm = _in_thread("join", lambda: NcclCommunicator(n, uid, 0), procs, deadline)
     local = rank_executor(model, options, comm, 0)
     _wait("start", lambda: all(c.poll() for c in conns), procs, deadline)
