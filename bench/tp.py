@@ -90,7 +90,8 @@ def report(result: dict) -> str:
               for a in result["all_reduce"]]
     for key, run in result.get("serve", {}).items():
         m = run["inf"][0]
-        lines.append(f"\nServing at rate inf, {key}: " + ", ".join(f"{k} {v}" for k, v in m.items() if not isinstance(v, list)))
+        metrics = ", ".join(f"{k} {v}" for k, v in m.items() if not isinstance(v, list))
+        lines.append(f"\nServing at rate inf, {key}: {metrics}")
     return "\n".join(lines) + "\n"
 
 
@@ -103,7 +104,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--serve", action="store_true", help="also the serving benchmark at rate inf (bench/serve_gpu.py)")
-    p.add_argument("--tokenizer", default=os.environ.get("OPENINFER_TEST_TOKENIZER", "/work/shared/models/qwen-tokenizer"))
+    p.add_argument("--tokenizer",
+                   default=os.environ.get("OPENINFER_TEST_TOKENIZER", "/work/shared/models/qwen-tokenizer"))
     args = p.parse_args()
 
     import cupy

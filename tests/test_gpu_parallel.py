@@ -16,11 +16,12 @@ from engine.loader import load_model
 from engine.parallel.worker import gpu_count
 from harness.executors import new_gpu_executor, new_parallel_gpu_executor
 from harness.models import engine_logits, random_sequences, tiny_model_path, write_random_qwen3
-from test_gpu_executor import (MIN_TIE_TOL, REAL_CONFIGS, assert_gate, assert_same_or_tie, gate_row, greedy,
-                               hf_gpu_models, hf_run)
+from test_gpu_executor import (MIN_TIE_TOL, REAL_CONFIGS, assert_gate, assert_same_or_tie, gate_row, greedy, hf_run,
+                               tiny_oracle)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs")]
-PATHS = {"prefill": dict(), "decode": dict(prefill=[20, 7, 33, 1], chunks=1), "chunked": dict(chunks=[7, 16, 5, 9], seed=3)}
+PATHS = {"prefill": dict(), "decode": dict(prefill=[20, 7, 33, 1], chunks=1),
+         "chunked": dict(chunks=[7, 16, 5, 9], seed=3)}
 
 
 def _nccl_rank(rank: int, uid: bytes, results) -> None:
@@ -69,12 +70,7 @@ def test_nccl_collectives_between_two_processes():
 
 @pytest.fixture(scope="module", params=["qwen3_tied", "llama", "qwen2", "qwen3_moe"])
 def tiny(request):
-    path = tiny_model_path(request.param)
-    model = load_model(path)
-    seqs = random_sequences(model.config.vocab_size, [96, 61, 80, 33], seed=1)
-    m32, m16 = hf_gpu_models(path)
-    o32, o16 = [hf_run(m32, s) for s in seqs], [hf_run(m16, s) for s in seqs]
-    del m32, m16
+    model, seqs, o32, o16 = tiny_oracle(request.param)
     one, two = new_gpu_executor(model), new_parallel_gpu_executor(model, 2)
     yield request.param, one, two, seqs, o32, o16
     two.close()
@@ -108,8 +104,8 @@ def test_engine_on_two_gpus_with_async_scheduling():
         with EngineHandle(EngineConfig(model=path, device="cuda", tensor_parallel_size=tp, async_scheduling=True,
                                        max_model_len=512, num_kv_blocks=128, max_num_seqs=8, progress=False)) as h:
             prompts = random_sequences(h.executor.vocab_size, [5, 40, 17, 64, 3], seed=4)
-            outs[tp] = [r.outputs[0].token_ids for r in h.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32,
-                                                                                           ignore_eos=True))]
+            params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+            outs[tp] = [r.outputs[0].token_ids for r in h.generate(prompts, params)]
             assert h.engine.stats().num_steps_planned_ahead > 0
     same = sum(a == b for a, b in zip(outs[1], outs[2]))
     print(f"engine TP=2 == TP=1 greedy for {same}/{len(outs[1])} requests")
@@ -117,7 +113,8 @@ def test_engine_on_two_gpus_with_async_scheduling():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("OPENINFER_GATE_8B") != "1", reason="set OPENINFER_GATE_8B=1 (bench/tp_gpu_check.sh)")
+@pytest.mark.skipif(os.environ.get("OPENINFER_GATE_8B") != "1",
+                    reason="set OPENINFER_GATE_8B=1 (bench/tp_gpu_check.sh)")
 def test_qwen3_8b_two_gpus_gate_and_greedy():
     """Qwen3-8B real shapes, random bf16 weights: TP=1 and TP=2 against HF float32 (HF bf16 the floor) on
     3 sequences through prefill and decode; greedy over 32 steps at batch 1 and 4 equal (or a tie)."""

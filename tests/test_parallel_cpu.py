@@ -63,7 +63,8 @@ def dlogprob(got: list[np.ndarray], want: list[np.ndarray]) -> tuple[float, floa
 def test_ranks_score_as_one_executor(case, path):
     name, model, single, parallel = case
     prompts = test_prompts(model.tokenizer)
-    agree, worst = dlogprob(engine_logits(parallel, prompts, **PATHS[path]), engine_logits(single, prompts, **PATHS[path]))
+    kw = PATHS[path]
+    agree, worst = dlogprob(engine_logits(parallel, prompts, **kw), engine_logits(single, prompts, **kw))
     print(f"\n{name} {path}: argmax {agree:.3f}, max |dlogprob| {worst:.2e}")
     assert agree == 1.0 and worst <= MAX_DLOGPROB
 
@@ -99,7 +100,8 @@ def test_the_check_fails_without_the_all_reduce():
     parallel = start_cpu_ranks(model, options(2))
     try:
         for ex in [parallel.local] + parallel.followers.executors:
-            ex.ops.add_linear = lambda x, w, residual, bias=None, lora=None, ops=ex.ops: ops.linear(x, w, bias) + residual
+            ops = ex.ops
+            ops.add_linear = lambda x, w, residual, bias=None, lora=None, ops=ops: ops.linear(x, w, bias) + residual
         agree, worst = dlogprob(engine_logits(parallel, prompts), engine_logits(CpuExecutor(model, options()), prompts))
     finally:
         parallel.close()
@@ -123,6 +125,7 @@ def test_a_failing_rank_fails_the_step_and_the_ranks_go_on():
         assert agree == 1.0 and worst <= MAX_DLOGPROB
         with pytest.raises(ValueError, match="beyond max_model_len"):      # refused by every rank alike
             parallel.forward_logits(ModelBatch.build([SeqStep(0, [1], 600, list(range(38)), False)]))
-        assert dlogprob(engine_logits(parallel, prompts[:1]), engine_logits(CpuExecutor(model, options()), prompts[:1]))[0] == 1.0
+        single = CpuExecutor(model, options())
+        assert dlogprob(engine_logits(parallel, prompts[:1]), engine_logits(single, prompts[:1]))[0] == 1.0
     finally:
         parallel.close()

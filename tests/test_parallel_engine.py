@@ -88,4 +88,5 @@ def test_more_ranks_than_gpus_is_refused_before_anything_starts(monkeypatch):
 
     monkeypatch.setattr(worker, "gpu_count", lambda: 1)
     with pytest.raises(ValueError, match="tensor_parallel_size 2 is more than the 1 GPU"):
-        create_parallel_executor(load_model(tiny_model_path("qwen3_untied")), options_of(tensor_parallel_size=2), "cuda")
+        model = load_model(tiny_model_path("qwen3_untied"))
+        create_parallel_executor(model, options_of(tensor_parallel_size=2), "cuda")

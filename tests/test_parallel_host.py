@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 from types import SimpleNamespace
 
@@ -75,6 +76,9 @@ def test_follower_steps_keep_what_decides_the_code_path():
         assert b.params.greedy and b.params.logprobs is None and b.grammar is None
     assert stub.seqs[1].prompt_logprob_targets() == [11, 12, 13, 14, 15]     # the next prompt token too
     assert stub.seqs[2].history == []                                        # no penalty history sent
+    again = pickle.loads(pickle.dumps(stub))                                 # what goes to a GPU rank's process
+    assert np.array_equal(again.slot_mapping, batch.slot_mapping) and again.seqs[1].prompt_logprob_targets() == \
+        stub.seqs[1].prompt_logprob_targets()
 
 
 class Recorder:
@@ -137,7 +141,8 @@ def test_a_gpu_rank_takes_the_gathered_logits_and_expert_ids(model, extra):
     from engine.parallel.sharding import rank_model, shard_config
 
     cfg = ModelConfig.from_file(os.path.join(ROOT, "bench", "configs", model, "config.json"))
-    options = executor_options(EngineConfig(gpu=GpuTuning(), tensor_parallel_size=2), "cuda", cfg.max_position_embeddings)
+    config = EngineConfig(gpu=GpuTuning(), tensor_parallel_size=2)
+    options = executor_options(config, "cuda", cfg.max_position_embeddings)
     plan = gpu_plan(options, rank_model(shard_config(cfg, 2)), DeviceInfo("H200", 132, 141 << 30, "90"))
     assert plan.kv.heads == cfg.num_key_value_heads // 2
     mine, one = parts_nbytes(plan, 128, True, RankGpuOps), parts_nbytes(plan, 128, True)

@@ -19,8 +19,9 @@ def start_cpu_ranks(model, options: ExecutorOptions) -> TensorParallelExecutor:
 
     n = options.tensor_parallel_size
     comms = (group := LocalGroup(n, timeout=COLLECTIVE_TIMEOUT_S)).communicators()
-    executors = [CpuRankExecutor(shard_model(model, Shard(r, n)), options, comms[r], expert_range(model.model, Shard(r, n)))
-                 for r in range(n)]
+    shards = [Shard(r, n) for r in range(n)]
+    executors = [CpuRankExecutor(shard_model(model, s), options, comms[s.rank], expert_range(model.model, s))
+                 for s in shards]
     return TensorParallelExecutor(executors[0], ThreadRanks(executors[1:], group))
 
 

@@ -40,6 +40,16 @@ def gpu_count() -> int:
         return 0
 
 
+def current_device() -> int:
+    import cupy
+    return cupy.cuda.Device().id
+
+
+def use_device(device: int) -> None:
+    import cupy
+    cupy.cuda.Device(device).use()
+
+
 def rank_executor(model, options: ExecutorOptions, comm, rank: int):
     """Rank `rank`'s GpuRankExecutor over its shard of a loaded model (the current device)."""
     from engine.parallel.gpu_ops import GpuRankExecutor
@@ -117,7 +127,8 @@ def _start(model, options: ExecutorOptions, listener, procs: list) -> TensorPara
         # the other ranks' steps are not timed (nobody reads their step trace) and show no upload bar
         follower = options.replace(progress=False, time_steps=False)
         conn.send(("init", {"path": model.path, "options": follower, "uid": uid}))
-    comm = _in_thread("join", lambda: NcclCommunicator(n, uid, 0), procs, deadline)
+    device = current_device()          # NCCL joins on the calling thread's device: rank 0's, the current one
+    comm = _in_thread("join", lambda: (use_device(device), NcclCommunicator(n, uid, 0))[1], procs, deadline)
     local = rank_executor(model, options, comm, 0)
     _wait("start", lambda: all(c.poll() for c in conns), procs, deadline)
     blocks = []
@@ -138,12 +149,10 @@ def main(argv: list[str]) -> int:
     conn.send(("hello", rank))
     _, init = conn.recv()
     try:
-        import cupy
-
         from engine.loader import load_model
         from engine.parallel.comm import NcclCommunicator
 
-        cupy.cuda.Device(rank).use()
+        use_device(rank)
         options: ExecutorOptions = init["options"]
         comm = NcclCommunicator(options.tensor_parallel_size, init["uid"], rank)
         executor = rank_executor(load_model(init["path"]), options, comm, rank)
