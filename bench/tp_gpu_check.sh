@@ -11,6 +11,7 @@
 set -uo pipefail
 source bench/gpu_env.sh
 export OPENINFER_GATE_LOG=$OUT/gate.jsonl OPENINFER_GATE_8B=1
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}   # no NVLink multicast: the all-reduce measured is NCCL's over NVLink
 rm -f "$OPENINFER_GATE_LOG"
 PYTEST=(python3 -m pytest -q -s -rfE -p no:cacheprovider --durations=8)
 STEP_TAIL=25
