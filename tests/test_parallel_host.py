@@ -147,3 +147,20 @@ def test_a_gpu_rank_takes_the_gathered_logits_and_expert_ids(model, extra):
     assert plan.kv.heads == cfg.num_key_value_heads // 2
     mine, one = parts_nbytes(plan, 128, True, RankGpuOps), parts_nbytes(plan, 128, True)
     assert extra <= mine["ops"] - one["ops"] <= extra + 1024
+
+
+def test_nccl_library_binds_where_installed():
+    """libnccl through ctypes (no GPU needed for these two calls): a version with bf16 all-reduces and a
+    128-byte communicator id that survives the trip to the other ranks."""
+    from engine.parallel.comm import NcclUniqueId, nccl_library, nccl_unique_id
+
+    try:
+        lib = nccl_library()
+    except OSError:
+        pytest.skip("libnccl is not installed (the nvidia-nccl wheel of the GPU image)")
+    import ctypes
+
+    version = ctypes.c_int()
+    assert lib.ncclGetVersion(ctypes.byref(version)) == 0 and version.value >= 21000
+    uid = nccl_unique_id()
+    assert len(uid) == 128 and bytes(NcclUniqueId.from_buffer_copy(pickle.loads(pickle.dumps(uid)))) == uid

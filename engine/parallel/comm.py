@@ -120,7 +120,7 @@ def nccl_unique_id() -> bytes:
     lib = nccl_library()
     uid = NcclUniqueId()
     _check(lib, lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-    return bytes(bytearray(uid.internal))
+    return bytes(uid)
 
 
 def _check(lib, status: int, what: str) -> None:
