@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_text",
+                         "deepseek_v3", "kimi_k2", "deepseek_v4")
 # Composite (vision-language) configs: the text model's hyper-parameters sit under `text_config`.
 TEXT_CONFIG_MODEL_TYPES = ("qwen3_5",)
 
@@ -73,6 +74,8 @@ class ModelConfig:
                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         if model_type in TEXT_CONFIG_MODEL_TYPES:
             d = text_model_fields(d)
+        if model_type == "deepseek_v4" and "intermediate_size" not in d:     # transformers' alias of it
+            d = {**d, "intermediate_size": d.get("moe_intermediate_size")}
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                     "intermediate_size", "vocab_size"):
             if key not in d:

@@ -195,7 +195,10 @@ def _child_main(config: EngineConfig, inbox, outbox) -> None:
 
     from engine.handle import EngineHandle
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent decides when the engine stops ("stop")
+    # the parent decides when the engine stops ("stop"): a signal to the whole process group (Ctrl-C,
+    # systemd's SIGTERM) must not end the engine in the middle of the server's drain
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         handle = EngineHandle(config)
     except Exception as e:                       # a bad flag or model: the parent raises it

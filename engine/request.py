@@ -42,7 +42,8 @@ class SamplingParams:
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            # bounded so a divided or multiplied float32 logit stays finite (1e-310 made it inf: NaN draws)
+            (1e-6 <= self.repetition_penalty <= 1e6, "repetition_penalty must be in [1e-6, 1e6]"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
             (self.n >= 1, "n must be >= 1"),

@@ -4,16 +4,35 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")      # SentencePiece byte-fallback tokens
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE: the printable character that stands for each byte, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_LEVEL_CHARS = _byte_level_alphabet()
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -47,6 +66,15 @@ def compile_chat_template(source: str) -> jinja2.Template:
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):             # {"content": "<s>", ...} (AddedToken serialization)
         return value.get("content")
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """A tokenizer_config value with every AddedToken serialization replaced by its text."""
+    if isinstance(value, dict):
+        return value["content"] if "content" in value else {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
     return value
 
 
@@ -116,8 +144,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (special-token strings in it map to their ids). As in transformers,
         add_special_tokens applies the tokenizer's post-processor (e.g. a BOS for Llama 3); pass
-        False for text rendered by a chat template, which writes its own."""
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        False for text rendered by a chat template, which writes its own. (encode_batch: the same
+        ids, but it lets other Python threads run meanwhile, which a long text needs.)"""
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         try:  # ints (and numpy ints) go straight through; anything int()-able is converted first
@@ -137,6 +166,49 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         added = self.tok.get_added_tokens_decoder().get(int(token_id))
         return bool(added is not None and added.special)
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.tok.get_added_tokens_decoder())
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        decoder = self.tok.decoder
+        if isinstance(decoder, decoders.ByteLevel):
+            return True
+        return decoder is not None and '"ByteLevel"' in decoder.__getstate__().decode(errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also where it is only part of a UTF-8 character (its
+        decoded text is then U+FFFD)."""
+        piece = self.tok.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if int(token_id) not in self._added_ids:
+            if self._byte_level and all(c in BYTE_LEVEL_CHARS for c in piece):
+                return bytes(BYTE_LEVEL_CHARS[c] for c in piece)
+            if m := _BYTE_PIECE.fullmatch(piece):
+                return bytes([int(m.group(1), 16)])
+            if not self._byte_level:
+                return piece.replace("\u2581", " ").encode()
+        return piece.encode()
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the bytes of text one token covers: a text of more than
+        max_model_len * max_token_bytes bytes has more than max_model_len tokens."""
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        return max((len(self.token_bytes(i)) for i in vocab.values()), default=1) or 1
+
+    def info(self) -> dict[str, Any]:
+        """tokenizer_config.json as a client reads it (vLLM's /tokenizer_info): the special tokens
+        as text, the tokenizer class and the chat template."""
+        config = {k: _plain(v) for k, v in self.config.items() if k not in ("vocab_file", "merges_file")}
+        config.update(self.special_tokens)
+        config["tokenizer_class"] = self.config.get("tokenizer_class") or "PreTrainedTokenizerFast"
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        return config
 
     # --- chat ---------------------------------------------------------------------------------
 

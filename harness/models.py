@@ -103,6 +103,40 @@ SPARSE_MODELS: dict[str, tuple[str, dict]] = {
         n_group=3, topk_group=2, routed_scaling_factor=1.0, tie_word_embeddings=False, rope_theta=10000.0)),
 }
 
+# The DeepSeek-V3 line (tests/test_golden_dsv3.py): sigmoid routing with a random score correction bias,
+# q LoRA, one shared expert, a dense first layer, yarn as Kimi-K2's config has it.
+DSV3_MODELS: dict[str, tuple[str, dict]] = {
+    # group-limited: 8 experts in 4 groups (best 2 groups by their top-2 sums), top-3 renormalized x 2.5
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=3,
+        n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1, n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, num_nextn_predict_layers=0, tie_word_embeddings=False,
+        rope_theta=10000.0)),
+    # Kimi-K2 shape: one group, 6 experts top-3 renormalized x 2.827, yarn (beta 1 / 1, mscale 1 / 1)
+    "kimi_k2": ("DeepseekV3Config", dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=40, kv_lora_rank=32,
+        qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=20, n_routed_experts=6, num_experts_per_tok=3,
+        n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1,
+        norm_topk_prob=True, routed_scaling_factor=2.827, num_nextn_predict_layers=0, tie_word_embeddings=False,
+        rope_theta=50000.0, rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 16,
+                                          "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
+}
+
+# DeepSeek-V4 (tests/test_golden_dsv4.py): one layer of each attention kind (sliding, compressed sparse with the
+# indexer's top-3 of entries of 4 tokens, heavily compressed in entries of 8), the first MLP hash-routed, 3
+# hyper-connection streams, a window of 6 tokens, swiglu_limit low enough to clamp.
+DSV4_MODELS: dict[str, tuple[str, dict]] = {
+    "deepseek_v4": ("DeepseekV4Config", dict(
+        num_hidden_layers=3, num_attention_heads=4, head_dim=32, q_lora_rank=48, partial_rotary_factor=0.25,
+        num_experts_per_tok=2, n_routed_experts=6, moe_intermediate_size=16, hc_mult=3, sliding_window=6,
+        o_groups=2, o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=3, swiglu_limit=1.0,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"], routed_scaling_factor=1.5, tie_word_embeddings=False,
+        num_nextn_predict_layers=0)),
+}
+
 _TMP: list[str] = []
 
 
@@ -128,14 +162,20 @@ def randomize_(model, seed: int) -> None:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:         # DeepSeek-V3's router bias: ~ the spread of its scores
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+            elif name.endswith("tid2eid"):                # DeepSeek-V4's hash routing: distinct experts per token
+                b.copy_(torch.stack([torch.randperm(model.config.n_routed_experts, generator=g)[:b.shape[1]]
+                                     for _ in range(b.shape[0])]))
 
 
 def build_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
-    """Save a random-weight model `name` of TINY_MODELS or SPARSE_MODELS as an HF folder (bf16) with a
+    """Save a random-weight model `name` of TINY_MODELS, SPARSE_MODELS or DSV3_MODELS as an HF folder (bf16) with a
     real tokenizer."""
     import torch
     import transformers
-    cls_name, base = {**TINY_MODELS, **SPARSE_MODELS}[name]
+    cls_name, base = {**TINY_MODELS, **SPARSE_MODELS, **DSV3_MODELS, **DSV4_MODELS}[name]
     overrides = {**base, **overrides}
     _, vocab, bos, eos = tokenizer_source()
     config = getattr(transformers, cls_name)(**{**_BASE, **overrides}, vocab_size=vocab,

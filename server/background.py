@@ -1,13 +1,21 @@
 """Run a Sanic app on its own event loop in a background thread (tests, embedding, `generate`).
 
 `with BackgroundServer(app) as srv: srv.url` — binds 127.0.0.1 on a free port, returns once it is
-listening, and on exit stops accepting, closes open connections and joins the thread.
+listening, and on exit shuts down as `openinfer serve` does on SIGTERM (`serve_until`) and joins the
+thread.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
+import time
+
+from server.drain import CUT_GRACE_S
+
+log = logging.getLogger("openinfer.server")
+OTHER_REQUESTS_GRACE_S = 1.0      # after the drain: time for requests other than generations to finish
 
 
 class BackgroundServer:
@@ -35,7 +43,11 @@ class BackgroundServer:
             raise RuntimeError(f"server failed to start: {self._error}") from self._error
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Shut down (draining running requests) and wait for it, by default for as long as the
+        drain may take."""
+        if timeout is None:
+            timeout = self.app.ctx.limits.drain_timeout + CUT_GRACE_S + OTHER_REQUESTS_GRACE_S + 10
         if self.loop is not None and self._stop is not None and self._thread.is_alive():
             self.loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout)
@@ -62,10 +74,11 @@ class BackgroundServer:
         await serve_until(self.app, self.sock, self._stop, on_ready=self._ready.set)
 
 
-async def serve_until(app, sock: socket.socket, stop: asyncio.Event, on_ready=None,
-                      grace_s: float = 5.0) -> None:
-    """Serve `app` on `sock` until `stop` is set; then stop accepting, let in-flight requests run for
-    up to `grace_s`, close every connection (which aborts what is left) and run the stop listeners."""
+async def serve_until(app, sock: socket.socket, stop: asyncio.Event, on_ready=None) -> None:
+    """Serve `app` on `sock` until `stop` is set, then shut down gracefully and log what that did:
+    stop accepting, drain the generation requests (server/drain.py: up to the app's drain_timeout,
+    then the rest end with finish_reason "abort"), give any other request a moment, close every
+    connection and run the stop listeners."""
     server = await app.create_server(sock=sock, return_asyncio_server=True, access_log=False)
     await server.startup()
     await server.before_start()
@@ -75,11 +88,18 @@ async def serve_until(app, sock: socket.socket, stop: asyncio.Event, on_ready=No
         on_ready()
     await stop.wait()
     server.server.close()                      # no new connections
-    deadline = asyncio.get_running_loop().time() + grace_s
-    while server.connections and asyncio.get_running_loop().time() < deadline:
+    inflight, timeout = app.ctx.inflight, app.ctx.limits.drain_timeout
+    log.info("shutdown: no new connections; draining %d running requests (at most %g s)", len(inflight), timeout)
+
+    def close_idle() -> None:
         for conn in list(server.connections):
             conn.close_if_idle()
+    report = await inflight.drain(timeout, on_tick=close_idle)
+    deadline = time.monotonic() + OTHER_REQUESTS_GRACE_S
+    while server.connections and time.monotonic() < deadline:
+        close_idle()
         await asyncio.sleep(0.05)
+    busy = len(server.connections)
     await server.before_stop()
     for conn in list(server.connections):
         conn.close()
@@ -89,3 +109,6 @@ async def serve_until(app, sock: socket.socket, stop: asyncio.Event, on_ready=No
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
+    log.info("shutdown: %d of %d running requests finished in the drain, %d ended with finish_reason 'abort' "
+             "(%.1f s); %d busy connections closed", report.finished, report.running, len(report.cut),
+             report.seconds, busy)

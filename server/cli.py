@@ -8,10 +8,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import multiprocessing
 import os
 import signal
 import socket
 import sys
+
+from server.limits import ServerLimits
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -70,6 +73,34 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "tabulates it")
 
 
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    """ServerLimits (server/limits.py): what one request may ask for, how long the server waits."""
+    d = ServerLimits()
+    p.add_argument("--max-prompts", type=int, default=d.max_prompts,
+                   help="prompts accepted in one /v1/completions request")
+    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="'stop' strings per request")
+    p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars, help="characters in one stop string")
+    p.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
+                   help="'stop_token_ids' per request")
+    p.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias, help="'logit_bias' entries per request")
+    p.add_argument("--max-json-depth", type=int, default=d.max_json_depth, help="nesting of a request's JSON body")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                   help="seconds a request's headers may be silent and its whole body may take to arrive")
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="on SIGTERM / Ctrl-C: seconds running requests may take to finish before they are "
+                        "ended with finish_reason 'abort' (a second signal exits at once)")
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    limits = ServerLimits(max_prompts=args.max_prompts, max_stop_strings=args.max_stop_strings,
+                          max_stop_chars=args.max_stop_chars, max_stop_token_ids=args.max_stop_token_ids,
+                          max_logit_bias=args.max_logit_bias,
+                          max_json_depth=args.max_json_depth, request_timeout=args.request_timeout,
+                          drain_timeout=args.drain_timeout)
+    limits.validate()
+    return limits
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="openinfer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine in a process of its own, so a busy HTTP side never takes the engine "
                             "thread's GIL (engine/process.py)")
+    _limit_args(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
     _engine_args(gen)
@@ -120,40 +152,62 @@ def engine_config(args: argparse.Namespace):
     return config
 
 
+LOGGERS = ("openinfer", "engine", "memory", "kernels")     # openinfer.*, and module loggers (the executors')
+log = logging.getLogger("openinfer.server")
+
+
 def _setup_logging(level: str) -> None:
-    """openinfer's own log lines (one per request) to stderr; Sanic keeps its own handlers."""
-    logger = logging.getLogger("openinfer")
+    """openinfer's log lines (start-up, one per request, shutdown) to stderr; Sanic keeps its own."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(level.upper())
-    logger.propagate = False
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(level.upper())
+        logger.propagate = False
 
 
 def serve(args: argparse.Namespace) -> int:
     from engine.handle import EngineHandle
     from engine.process import EngineClient
     from server.app import create_app
+    from server.startup import describe_executor, gpu_warning
     _setup_logging(args.log_level)
     config = engine_config(args)
+    limits = server_limits(args)
     sock = socket.create_server((args.host, args.port))     # fail fast if the port is taken
+    if warning := gpu_warning(config.device):
+        log.warning("%s", warning)
     handle = EngineClient(config) if args.engine_process else EngineHandle(config)
     try:
-        app = create_app(handle, api_key=args.api_key)
+        log.info("%s", describe_executor(handle, config.device))
+        app = create_app(handle, api_key=args.api_key, limits=limits)
         print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
               f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         asyncio.run(_serve_until_signal(app, sock))
     finally:
         handle.shutdown()
+        log.info("shutdown: engine stopped")
     return 0
 
 
 async def _serve_until_signal(app, sock) -> None:
+    """SIGINT / SIGTERM: drain and stop (serve_until); a second one exits at once."""
     from server.background import serve_until
     stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("shutdown: second %s, exiting now without draining", sig.name)
+            for child in multiprocessing.active_children():     # the engine process must not outlive us
+                child.kill()
+            logging.shutdown()
+            os._exit(1)
+        log.info("shutdown: %s received (send it again to exit at once)", sig.name)
+        stop.set()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     await serve_until(app, sock, stop)
 
 
@@ -189,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return serve(args) if args.command == "serve" else generate(args)
-    except (ValueError, OSError) as exc:          # bad option, missing model, port in use
+    except (ValueError, OSError, RuntimeError) as exc:    # bad option, missing model, port in use, no GPU
         print(f"openinfer: error: {exc}", file=sys.stderr)
         return 2
 

@@ -124,14 +124,18 @@ class EngineCall:
         t = self.timing[i]
         return t.finished_samples >= self.parsed.params.n or t.failed
 
-    async def close(self) -> None:
-        """Abort what has not finished, stop the pumps, record metrics. Safe to call twice."""
+    async def abort(self) -> None:
+        """Abort every request that has not finished; each ends with Finished(reason="abort")."""
         for i, rid in enumerate(self.ids):
             if not self.finished(i):
                 self.timing[i].failed = True
                 result = self.handle.abort(rid)
                 if inspect.isawaitable(result):
                     await result
+
+    async def close(self) -> None:
+        """Abort what has not finished, stop the pumps, record metrics. Safe to call twice."""
+        await self.abort()
         for task in self.tasks:
             task.cancel()
         if self.tasks:

@@ -11,6 +11,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     500: "internal_server_error",
@@ -49,7 +50,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def error_response(exc: Exception):
     """Render any exception as an OpenAI error body. Sanic's own (404 route, 405, 413 body too large,
-    malformed request) keep their status; anything else is a server fault (500)."""
+    malformed request) keep their status and headers (a 405's Allow); anything else is a server
+    fault (500)."""
     if isinstance(exc, APIError):
         return response.json(exc.body(), status=exc.status)
     if isinstance(exc, SanicException):
@@ -57,7 +59,7 @@ def error_response(exc: Exception):
         message = str(exc) or type(exc).__name__
         if status == 413:
             message = f"request body too large: {message}"
-        return response.json(error_body(status, message), status=status)
+        return response.json(error_body(status, message), status=status, headers=getattr(exc, "headers", None))
     logging.getLogger("openinfer.server").error("request failed", exc_info=exc)
     return response.json(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"),
                          status=500)

@@ -12,8 +12,9 @@ from __future__ import annotations
 from sanic import response
 
 from engine.lora import LoRAError
+from server.body import parse_json
 from server.errors import APIError, wrong_type
-from server.protocol import Fields, parse_json
+from server.fields import Fields
 
 
 def lora_cards(app) -> list[dict]:

@@ -1,21 +1,24 @@
 """Request parsing and validation: an OpenAI / vLLM JSON body -> prompts + SamplingParams.
 
 Every refusal is an APIError naming the field and its allowed range: 422 for a wrong JSON type or a
-missing required field, 400 for a value out of range or a feature this server does not provide.
+missing required field, 400 for a value out of range, past a ServerLimits cap, or a feature this
+server does not provide. Parsing tokenizes, so the server runs it off its event loop.
 """
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.detokenizer import stop_matcher
 from engine.request import SamplingParams
 from server.errors import APIError, invalid, wrong_type
+from server.fields import Fields, check_token_ids, is_int
+from server.limits import ServerLimits
 from server.structured import Constraint, parse_constraint
 from server.tools import ToolConfig, message_extras, output_constraint, parse_tools
 
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5             # a temperature this small samples greedily (as vLLM does)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Fields that would change the result in ways this server does not implement: refused, never ignored.
@@ -45,6 +48,13 @@ class ModelInfo:
     tokenizer: Any
     vocab_size: int | None = None
     max_n: int = 16
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    max_token_bytes: int | None = None          # the most bytes of text one token covers
+
+    @property
+    def max_text_chars(self) -> int | None:
+        """A longer text cannot fit max_model_len tokens (a character is at least a byte)."""
+        return self.max_model_len * self.max_token_bytes if self.max_token_bytes else None
     adapters: dict[str, str] = field(default_factory=dict)   # LoRA adapters served now: name -> path
 
 
@@ -61,90 +71,10 @@ class ParsedRequest:
     logprobs: int | None = None                 # top-k alternatives to report; None: no logprobs
     tokens_as_ids: bool = False                 # logprobs name tokens "token_id:<id>" (vLLM extra)
     user: str | None = None
+    prompt_only: bool = False                   # echo with max_tokens 0: the prompt (scored), nothing generated
     constraint: Constraint | None = None        # structured output (params.grammar is its grammar)
     tools: ToolConfig | None = None             # chat tools: the output's tool calls are parsed
     lora_name: str | None = None                # the LoRA adapter the 'model' field names (None: the base)
-
-
-def parse_json(raw: bytes) -> dict:
-    """The body as a JSON object, or 400 (malformed JSON) / 422 (not an object)."""
-    try:
-        body = json.loads(raw or b"")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise wrong_type(f"request body must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-class Fields:
-    """Typed, range-checked access to a JSON object's fields; null means 'use the default'."""
-
-    def __init__(self, body: dict):
-        self.body = body
-
-    def raw(self, name: str, default=None):
-        value = self.body.get(name)
-        return default if value is None else value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.raw(name, default)
-        if not isinstance(value, bool):
-            raise wrong_type(f"'{name}' must be a boolean, got {_type_name(value)}", name)
-        return value
-
-    def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None,
-                range_text: str | None = None) -> int | None:
-        value = self.raw(name, default)
-        if value is None:
-            return None
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise wrong_type(f"'{name}' must be an integer, got {_type_name(value)}", name)
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise invalid(f"'{name}' must be {range_text or _range(lo, hi)}, got {value}", name)
-        return value
-
-    def number(self, name: str, default: float) -> float:
-        """A finite number; its range is SamplingParams.validate's to check."""
-        value = self.raw(name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise wrong_type(f"'{name}' must be a number, got {_type_name(value)}", name)
-        value = float(value)
-        if not math.isfinite(value):
-            raise invalid(f"'{name}' must be a finite number, got {value}", name)
-        return value
-
-    def string(self, name: str, default: str | None = None) -> str | None:
-        value = self.raw(name, default)
-        if value is not None and not isinstance(value, str):
-            raise wrong_type(f"'{name}' must be a string, got {_type_name(value)}", name)
-        return value
-
-    def strings(self, name: str) -> list[str]:
-        """A string or a list of strings (e.g. `stop`)."""
-        value = self.raw(name, [])
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-            raise wrong_type(f"'{name}' must be a string or a list of strings", name)
-        if any(s == "" for s in items):
-            raise invalid(f"'{name}' must not contain empty strings", name)
-        return items
-
-    def token_ids(self, name: str, vocab_size: int | None) -> list[int]:
-        value = self.raw(name, [])
-        if not isinstance(value, list) or not all(_is_int(t) for t in value):
-            raise wrong_type(f"'{name}' must be a list of integer token ids", name)
-        check_token_ids(value, vocab_size, name)
-        return list(value)
-
-
-def check_token_ids(ids: list[int], vocab_size: int | None, name: str) -> None:
-    hi = (vocab_size - 1) if vocab_size else None
-    bad = [t for t in ids if t < 0 or (hi is not None and t > hi)]
-    if bad:
-        raise invalid(f"'{name}' has token id {bad[0]} outside the vocabulary [0, {hi}]", name)
 
 
 def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
@@ -154,7 +84,8 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
     prompts, texts = _completion_prompts(body.get("prompt"), model)
     echo = f.boolean("echo", False)
     logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
-    params = _sampling_params(f, model, prompts, default_max_tokens=16)
+    max_tokens = _max_tokens(f, model, prompts, 16, allow_zero=echo)
+    params = _sampling_params(f, model, max_tokens)
     params.logprobs = logprobs
     if echo and logprobs is not None:
         params.prompt_logprobs = logprobs
@@ -166,8 +97,8 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
     return ParsedRequest("completion", prompts, params, stream=f.boolean("stream", False),
                          include_usage=_include_usage(f), echo=echo,
                          echo_texts=texts if echo else [], logprobs=logprobs, user=f.string("user"),
-                         tokens_as_ids=f.boolean("return_tokens_as_token_ids", False), constraint=constraint,
-                         lora_name=lora_name)
+                         tokens_as_ids=f.boolean("return_tokens_as_token_ids", False),
+                         prompt_only=max_tokens == 0, constraint=constraint, lora_name=lora_name)
 
 
 def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
@@ -177,13 +108,14 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     messages = parse_messages(body.get("messages"))
     add_generation_prompt = f.boolean("add_generation_prompt", True)
     tools = parse_tools(body, model.tokenizer)
-    prompt = render_chat(model.tokenizer, messages, add_generation_prompt, tools.template_tools if tools else None)
+    prompt = render_chat(model.tokenizer, messages, add_generation_prompt, tools.template_tools if tools else None,
+                         model.max_text_chars)
     want_logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not want_logprobs:
         raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    params = _sampling_params(f, model, [prompt], default_max_tokens=None)
+    params = _sampling_params(f, model, _max_tokens(f, model, [prompt], None))
     params.logprobs = logprobs
     constraint = output_constraint(body, tools)
     params.grammar = constraint.grammar if constraint else None
@@ -214,9 +146,10 @@ def parse_messages(messages) -> list[dict]:
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None) -> list[int]:
+                tools: list[dict] | None = None, max_chars: int | None = None) -> list[int]:
     """Prompt ids of a conversation (and the tools offered); a template that refuses it (e.g. roles
-    that must alternate, or no template at all) is the request's problem: 400 naming `messages`."""
+    that must alternate, or no template at all) is the request's problem: 400 naming `messages`, as is
+    a conversation of more than max_chars characters (refused before it is tokenized)."""
     extra = {"tools": tools} if tools else {}
     try:
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
@@ -224,8 +157,16 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         raise invalid(f"'messages' could not be rendered by the model's chat template: {exc}",
                       "messages") from None
     if isinstance(rendered, str):
+        check_text_fits(rendered, max_chars, "messages")
         return encode_text(tokenizer, rendered, add_special_tokens=False)
     return list(rendered)
+
+
+def check_text_fits(text: str, max_chars: int | None, name: str) -> None:
+    """Refuse, without tokenizing it, a text too long to fit max_model_len (ModelInfo.max_text_chars)."""
+    if max_chars is not None and len(text) > max_chars:
+        raise invalid(f"'{name}' has {len(text)} characters, more than the model's context length "
+                      f"(max_model_len) can hold in any tokenization (at most {max_chars})", name)
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -261,19 +202,23 @@ def _completion_prompts(prompt, model: ModelInfo) -> tuple[list[list[int]], list
         raise wrong_type("'prompt' is required", "prompt")
     if isinstance(prompt, str):
         items = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         items = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         items = prompt
     elif (isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt)
-          and all(_is_int(t) for p in prompt for t in p)):
+          and all(is_int(t) for p in prompt for t in p)):
         items = prompt
     else:
         raise wrong_type("'prompt' must be a string, a list of strings, a list of token ids, "
                          "or a list of lists of token ids (non-empty)", "prompt")
+    if len(items) > model.limits.max_prompts:
+        raise invalid(f"'prompt' is a list of {len(items)} prompts; at most {model.limits.max_prompts} "
+                      "are accepted in one request", "prompt")
     prompts, texts = [], []
     for item in items:
         if isinstance(item, str):
+            check_text_fits(item, model.max_text_chars, "prompt")
             ids = encode_text(model.tokenizer, item)
             texts.append(item)
         else:
@@ -286,26 +231,37 @@ def _completion_prompts(prompt, model: ModelInfo) -> tuple[list[list[int]], list
     return prompts, texts
 
 
-def _sampling_params(f: Fields, model: ModelInfo, prompts: list[list[int]],
-                     default_max_tokens: int | None) -> SamplingParams:
+def _max_tokens(f: Fields, model: ModelInfo, prompts: list[list[int]], default: int | None,
+                allow_zero: bool = False) -> int:
+    """max_tokens (or max_completion_tokens), checked against the room the longest prompt leaves;
+    0 (score the prompt, generate nothing) only where allow_zero (completions with echo)."""
     longest = max(len(p) for p in prompts)
     room = model.max_model_len - longest
     if room < 1:
         raise invalid(f"'prompt' has {longest} tokens; the model's context length (max_model_len) is "
                       f"{model.max_model_len}, leaving no room to generate", "prompt")
     name = "max_completion_tokens" if f.raw("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = f.integer(name, default_max_tokens, 1, None)
+    lo = 0 if allow_zero else 1
+    max_tokens = f.integer(name, default, lo, None, ">= 0 (0 with echo)" if allow_zero else ">= 1 (0 only with echo)")
     if max_tokens is None:
         max_tokens = room
     if longest + max_tokens > model.max_model_len:
         raise invalid(f"prompt ({longest} tokens) + '{name}' ({max_tokens}) = {longest + max_tokens} "
                       f"exceeds the model's context length (max_model_len) of {model.max_model_len}; "
-                      f"'{name}' must be in [1, {room}]", name)
+                      f"'{name}' must be in [{lo}, {room}]", name)
+    return max_tokens
+
+
+def _sampling_params(f: Fields, model: ModelInfo, max_tokens: int) -> SamplingParams:
+    """The sampling fields; max_tokens 0 (prompt only) runs as 1 generated token the server drops."""
     top_k = f.integer("top_k", -1, -1, None, "-1 (off) or >= 1")
     if top_k == 0:
         top_k = -1
+    temperature = f.number("temperature", 1.0)
+    if 0 < temperature < GREEDY_BELOW:
+        temperature = 0.0
     params = SamplingParams(
-        temperature=f.number("temperature", 1.0),
+        temperature=temperature,
         top_p=f.number("top_p", 1.0),
         top_k=top_k,
         min_p=f.number("min_p", 0.0),
@@ -314,11 +270,11 @@ def _sampling_params(f: Fields, model: ModelInfo, prompts: list[list[int]],
         frequency_penalty=f.number("frequency_penalty", 0.0),
         repetition_penalty=f.number("repetition_penalty", 1.0),
         logit_bias=_logit_bias(f, model),
-        max_tokens=max_tokens,
+        max_tokens=max(max_tokens, 1),
         min_tokens=f.integer("min_tokens", 0, 0, max_tokens, f"in [0, max_tokens={max_tokens}]"),
         ignore_eos=f.boolean("ignore_eos", False),
-        stop=f.strings("stop"),
-        stop_token_ids=f.token_ids("stop_token_ids", model.vocab_size),
+        stop=_stop_strings(f, model.limits),
+        stop_token_ids=_stop_token_ids(f, model),
         n=f.integer("n", 1, 1, model.max_n),
         skip_special_tokens=f.boolean("skip_special_tokens", True),
     )
@@ -329,13 +285,36 @@ def _sampling_params(f: Fields, model: ModelInfo, prompts: list[list[int]],
         if not hasattr(params, name):
             raise invalid(str(exc)) from None
         raise invalid(f"'{name}' {rule}, got {getattr(params, name)}", name) from None
+    stop_matcher(params.stop)          # built here, off the engine thread, for the engine's detokenizer
     return params
+
+
+def _stop_strings(f: Fields, limits: ServerLimits) -> list[str]:
+    stop = f.strings("stop")
+    if len(stop) > limits.max_stop_strings:
+        raise invalid(f"'stop' has {len(stop)} strings; at most {limits.max_stop_strings} are accepted", "stop")
+    longest = max(stop, key=len, default="")
+    if len(longest) > limits.max_stop_chars:
+        raise invalid(f"'stop' has a string of {len(longest)} characters; at most {limits.max_stop_chars} "
+                      "are accepted", "stop")
+    return stop
+
+
+def _stop_token_ids(f: Fields, model: ModelInfo) -> list[int]:
+    ids = f.token_ids("stop_token_ids", model.vocab_size)
+    if len(ids) > model.limits.max_stop_token_ids:
+        raise invalid(f"'stop_token_ids' has {len(ids)} ids; at most {model.limits.max_stop_token_ids} are "
+                      "accepted", "stop_token_ids")
+    return ids
 
 
 def _logit_bias(f: Fields, model: ModelInfo) -> dict[int, float]:
     value = f.raw("logit_bias", {})
     if not isinstance(value, dict):
         raise wrong_type("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    if len(value) > model.limits.max_logit_bias:
+        raise invalid(f"'logit_bias' has {len(value)} entries; at most {model.limits.max_logit_bias} "
+                      "are accepted", "logit_bias")
     bias = {}
     for key, b in value.items():
         try:
@@ -349,18 +328,25 @@ def _logit_bias(f: Fields, model: ModelInfo) -> dict[int, float]:
     return bias
 
 
-def _check_common(f: Fields, model: ModelInfo, chat: bool) -> str | None:
-    """Refuse what this server does not do; returns the LoRA adapter the 'model' field names, if any."""
+def check_model_name(f: Fields, model: ModelInfo) -> str | None:
+    """`model`, where given, must name the served model or one of its LoRA adapters; returns the
+    adapter it names, if any."""
     name = f.string("model")
     if name is not None and name != model.name and name not in model.adapters:
         served = ", ".join(f"'{n}'" for n in [model.name, *model.adapters])
         raise APIError(404, f"model '{name}' does not exist; this server serves {served}",
                        "model", "model_not_found")
+    return name if name is not None and name != model.name else None
+
+
+def _check_common(f: Fields, model: ModelInfo, chat: bool) -> str | None:
+    """Refuse what this server does not do; returns the LoRA adapter the 'model' field names, if any."""
+    lora_name = check_model_name(f, model)
     refused = dict(UNSUPPORTED_FIELDS, **(CHAT_ONLY_HARMLESS if chat else {}))
     for key, harmless in refused.items():
         if key in f.body and not _is_harmless(f.body[key], harmless):
-            raise invalid(f"'{key}' is not supported by this server (got {f.body[key]!r})", key)
-    return name if name is not None and name != model.name else None
+            raise invalid(f"'{key}' is not supported by this server (got {_short(f.body[key])})", key)
+    return lora_name
 
 
 def _include_usage(f: Fields) -> bool:
@@ -374,16 +360,8 @@ def _is_harmless(value, harmless: tuple) -> bool:
     return any(value == h and type(value) is type(h) for h in harmless if h is not None) or value is None
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _type_name(value) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
-            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def _range(lo, hi) -> str:
-    if lo is not None and hi is not None:
-        return f"in [{lo}, {hi}]"
-    return f">= {lo}" if lo is not None else f"<= {hi}"
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -2,6 +2,11 @@
 
 One ResponseBuilder per HTTP request: `on_event` folds each event into per-choice state and returns
 the stream chunks it produces; `response()` is the non-streaming body. Choice index = prompt * n + sample.
+
+Logprobs as OpenAI gives them: a completion's top_logprobs always hold the chosen token (up to k + 1
+entries, prompt positions included); a chat token's `bytes` are the token's own bytes, also for a token
+that is only part of a UTF-8 character (its `token` then spells the bytes that are no text as
+backslash escapes).
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ MIN_LOGPROB = -9999.0       # -inf is not valid JSON
 
 @dataclass
 class LogprobEntry:
+    token_id: int
     token: str
     logprob: float | None
     top: list[TopLogprob] | None
@@ -60,11 +66,11 @@ class ResponseBuilder:
         if isinstance(event, PromptLogprobs):
             self.prompt_logprobs[prompt_idx] = self._prompt_entries(event)
             return []
-        if isinstance(event, Token):
+        if isinstance(event, Token) and not self.parsed.prompt_only:
             choice = self.choices[prompt_idx * self.n + event.index]
             entry = None
             if self.parsed.logprobs is not None:
-                entry = LogprobEntry(self._token(event.token_id), event.logprob,
+                entry = LogprobEntry(event.token_id, self._token(event.token_id), event.logprob,
                                      self._top(event.top_logprobs[: self.parsed.logprobs]))
                 choice.logprobs.append(entry)
             choice.text.append(event.text)
@@ -72,14 +78,16 @@ class ResponseBuilder:
             return self._chunks(choice, prompt_idx, event.text, [entry] if entry else [])
         if isinstance(event, Finished):
             choice = self.choices[prompt_idx * self.n + event.index]
-            choice.finish_reason = event.reason
-            choice.stop_reason = event.stop_reason
-            choice.num_tokens = max(choice.num_tokens, event.usage.completion_tokens)
+            if self.parsed.prompt_only and event.reason != "abort":
+                choice.finish_reason, choice.stop_reason = "length", None     # max_tokens 0 reached
+            else:
+                choice.finish_reason, choice.stop_reason = event.reason, event.stop_reason
+                choice.num_tokens = max(choice.num_tokens, event.usage.completion_tokens)
             return self._chunks(choice, prompt_idx, "", [], finish=True)
         return []
 
     def _prompt_entries(self, event: PromptLogprobs) -> list[LogprobEntry]:
-        return [LogprobEntry(self._token(t), lp, self._top(top) if lp is not None else None)
+        return [LogprobEntry(t, self._token(t), lp, self._top(top) if lp is not None else None)
                 for t, lp, top in zip(event.token_ids, event.logprobs, event.top_logprobs)]
 
     def _token(self, token_id: int) -> str:
@@ -192,18 +200,30 @@ class ResponseBuilder:
             pos += len(e.token)
         return {"tokens": [e.token for e in entries],
                 "token_logprobs": [_clamp(e.logprob) for e in entries],
-                "top_logprobs": [None if e.top is None else {t.token: _clamp(t.logprob) for t in e.top}
-                                 for e in entries],
+                "top_logprobs": [None if e.top is None else self._top_with_chosen(e) for e in entries],
                 "text_offset": offsets}
+
+    def _top_with_chosen(self, e: LogprobEntry) -> dict[str, float]:
+        top = {t.token: _clamp(t.logprob) for t in e.top}
+        if e.logprob is not None and all(t.token_id != e.token_id for t in e.top):
+            top[e.token] = _clamp(e.logprob)
+        return top
 
     def _chat_logprobs(self, entries: list[LogprobEntry]) -> dict | None:
         if self.parsed.logprobs is None:
             return None
-        return {"content": [{"token": e.token, "logprob": _clamp(e.logprob),
-                             "bytes": list(e.token.encode("utf-8")),
-                             "top_logprobs": [{"token": t.token, "logprob": _clamp(t.logprob),
-                                               "bytes": list(t.token.encode("utf-8"))} for t in e.top or []]}
+        return {"content": [{**self._chat_token(e.token_id, e.token), "logprob": _clamp(e.logprob),
+                             "top_logprobs": [{**self._chat_token(t.token_id, t.token),
+                                               "logprob": _clamp(t.logprob)} for t in e.top or []]}
                             for e in entries]}
+
+    def _chat_token(self, token_id: int, text: str) -> dict:
+        """token and bytes: the token's own bytes where the tokenizer knows them."""
+        token_bytes = getattr(self.tokenizer, "token_bytes", None)
+        raw = token_bytes(token_id) if token_bytes is not None else text.encode("utf-8")
+        if "\ufffd" in text and not self.parsed.tokens_as_ids:
+            text = raw.decode("utf-8", "backslashreplace")
+        return {"token": text, "bytes": list(raw)}
 
 
 def _clamp(logprob: float | None) -> float | None:

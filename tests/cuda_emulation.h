@@ -49,6 +49,14 @@ inline float emu_shuffle(float v, int src_lane, bool keep) {
 }
 inline float __shfl_xor_sync(unsigned, float v, int o) { return emu_shuffle(v, emu_lane() ^ o, false); }
 inline float __shfl_up_sync(unsigned, float v, int o) { return emu_shuffle(v, emu_lane() - o, emu_lane() < o); }
+inline float __shfl_sync(unsigned, float v, int src) { return emu_shuffle(v, src & 31, false); }
+inline int __shfl_xor_sync(unsigned, int v, int o) {        // an int's bits through the float exchange
+    float f;
+    std::memcpy(&f, &v, sizeof f);
+    f = emu_shuffle(f, emu_lane() ^ o, false);
+    std::memcpy(&v, &f, sizeof v);
+    return v;
+}
 
 // Run body() as every thread of every block of the grid (1-D blocks), blocks one after another.
 inline void emu_launch(EmuDim grid, unsigned threads, size_t smem, const std::function<void()>& body) {

@@ -25,12 +25,17 @@ from test_golden import (gate_failures, new_executor, test_batch1_full_prefill_d
                          test_prompt_logprobs_and_sampling_match_oracle)
 
 
-@pytest.fixture(scope="module", params=sorted(SPARSE_MODELS))
-def case(request):
-    path = tiny_model_path(request.param)
+def golden_case(name: str):
+    """(model, prompts, oracle logits) of tiny model `name`: what test_golden's path tests take as `case`."""
+    path = tiny_model_path(name)
     model = load_model(path)
     prompts = test_prompts(model.tokenizer)
     return model, prompts, [hf_logits(path, p) for p in prompts]
+
+
+@pytest.fixture(scope="module", params=sorted(SPARSE_MODELS))
+def case(request):
+    return golden_case(request.param)
 
 
 def gate_with(name: str, change) -> list[str]:

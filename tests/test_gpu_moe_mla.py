@@ -32,17 +32,22 @@ def assert_same_scores(a: np.ndarray, b: np.ndarray) -> None:
     assert d.mean() <= SAME_MEAN_DLOGPROB and agree >= 0.95
 
 
-@pytest.fixture(scope="module", params=sorted(SPARSE_MODELS))
-def tiny(request):
-    path = tiny_model_path(request.param)
+def tiny_case(name: str):
+    """Yields (name, model, GPU executor, sequences, HF float32 logits, HF bf16 logits); closes the executor."""
+    path = tiny_model_path(name)
     model = load_model(path)
     seqs = random_sequences(model.config.vocab_size, [96, 61, 80, 33], seed=1)
     m32, m16 = hf_gpu_models(path)
     o32, o16 = [hf_run(m32, s) for s in seqs], [hf_run(m16, s) for s in seqs]
     del m32, m16
     ex = new_gpu_executor(model)
-    yield request.param, model, ex, seqs, o32, o16
+    yield name, model, ex, seqs, o32, o16
     ex.close()
+
+
+@pytest.fixture(scope="module", params=sorted(SPARSE_MODELS))
+def tiny(request):
+    yield from tiny_case(request.param)
 
 
 def test_tiny_mixed_steps_gate(tiny):

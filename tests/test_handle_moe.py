@@ -1,5 +1,5 @@
-"""The MoE and MLA lines through the real engine on the CPU: EngineHandle built from the model folder
-as `openinfer serve --model <folder> --device cpu` builds it (greedy tokens checked against
+"""The MoE and MLA lines (DeepSeek-V3 / Kimi-K2 too) through the real engine on the CPU: EngineHandle built from
+the model folder as `openinfer serve --model <folder> --device cpu` builds it (greedy tokens checked against
 transformers float32, teacher-forced), a prefix-cache hit, and the host KV tier on MLA's one-plane
 pool (a restore that copied the wrong bytes would change the tokens)."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ def hf_greedy_check(path: str, prompt: list[int], out: list[int]) -> None:
     assert out == logits.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2_lite", "deepseek_v2"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3", "kimi_k2"])
 def test_serves_the_oracle_greedy_tokens_and_hits_the_prefix_cache(name):
     path = tiny_model_path(name)
     rng = random.Random(7)

@@ -224,7 +224,8 @@ def test_gguf_conversion_is_cached(monkeypatch, tmp_path):
     from engine.loader.demo import demo_gguf_path, demo_model_path
     folder = demo_model_path(install=False)
     stamp = os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns
-    assert convert_gguf(demo_gguf_path(install=False)) == folder
+    assert convert_gguf(demo_gguf_path(install=False), out_dir=folder) == folder
+    assert demo_model_path(install=False) == folder
     assert os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns == stamp
     monkeypatch.setenv("OPENINFER_CACHE", str(tmp_path))
     assert gguf_folder_for(demo_gguf_path(install=False)).startswith(str(tmp_path))

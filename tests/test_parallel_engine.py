@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.handle import EngineHandle
 from engine.request import SamplingParams
 from harness.models import test_prompts, tiny_model_path
+from server.startup import describe_executor
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
 
@@ -39,6 +40,8 @@ def test_two_ranks_decode_as_one_executor():
     h1, one = generate(EngineHandle, config(1), rounds=2)
     h2, two = generate(EngineHandle, config(2), rounds=2)
     assert type(h2.executor).__name__ == "TensorParallelExecutor" and h2.executor.world_size == 2
+    line = describe_executor(h2, "cpu")                      # what `openinfer serve` logs at start
+    assert line.startswith("executor: CpuRankExecutor (numpy) on the CPU (--device cpu); tensor parallel over 2")
     assert h2.engine.stats().prefix_cache_hits > 0
     same_outputs(one, two)
 
@@ -70,6 +73,8 @@ def test_host_tier_copies_every_ranks_shard():
 @pytest.mark.parametrize("kw,error,words", [
     (dict(tensor_parallel_size=3), ValueError, "tensor_parallel_size 3: does not divide num_attention_heads"),
     (dict(model="deepseek_v2_lite"), ValueError, "the deepseek_v2 line has no tensor-parallel sharding"),
+    (dict(model="deepseek_v3"), ValueError, "the deepseek_v3 line has no tensor-parallel sharding"),
+    (dict(model="deepseek_v4"), ValueError, "the deepseek_v4 line has no tensor-parallel sharding"),
     (dict(enable_lora=True), ValueError, "enable_lora with tensor_parallel_size > 1"),
     (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size must be >= 1"),
 ])

@@ -5,14 +5,15 @@ share them), and what cannot be split is refused at start."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from engine.loader import load_model
-from engine.models.registry import build_model
-from engine.parallel.sharding import (COLS, EXPERTS, RANK0, REPLICATE, ROWS, Shard, check_tensor_parallel,
-                                      shard_config, shard_model, split_of)
+from engine.models.registry import MODEL_REGISTRY, build_model
+from engine.parallel.sharding import (COLS, EXPERTS, RANK0, REPLICATE, ROWS, SUPPORTED_TYPES, Shard,
+                                      check_tensor_parallel, shard_config, shard_model, split_of)
 from harness.models import tiny_model_path
 
 
@@ -107,6 +108,17 @@ def test_what_cannot_be_split_is_refused(name, n, changes, words):
     cfg = dataclasses.replace(load_model(tiny_model_path(name)).config, **changes)
     with pytest.raises(ValueError, match=f"tensor_parallel_size {n}: {words}"):
         check_tensor_parallel(build_model(cfg), n)
+
+
+@pytest.mark.parametrize("model_type", sorted(set(MODEL_REGISTRY) - set(SUPPORTED_TYPES)))
+def test_every_line_without_sharding_is_refused_by_name(model_type):
+    """The registered lines the rules do not cover (latent attention: DeepSeek-V2 / V3, Kimi-K2; DeepSeek-V4's
+    hyper-connections and shared K = V head; the Qwen3.5 DeltaNet hybrid) are refused before any weight is
+    looked at, not sharded by the dense rules."""
+    model = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
+    with pytest.raises(ValueError, match=f"tensor_parallel_size 2: the {model_type} line has no tensor-parallel"):
+        check_tensor_parallel(model, 2)
+    assert set(SUPPORTED_TYPES) <= set(MODEL_REGISTRY)
 
 
 def test_rank_config_keeps_head_dim_and_replicates_too_few_kv_heads():

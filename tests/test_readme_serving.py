@@ -1,10 +1,13 @@
-"""The README's serving examples, run exactly as written: its `openinfer serve` command (the demo
-model) in a subprocess, then every curl block and every openai-client Python block against it."""
+"""The README's serving examples, run exactly as written: its `.venv/bin/openinfer serve` command (the
+demo model) in a subprocess, then every curl block and every openai-client Python block against it.
+Where the checkout has no .venv (a development tree), the same command runs as
+`python -m server.cli`, so the checkout's own code serves."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -19,20 +22,30 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
 PORT = 8000
+OPENINFER = ".venv/bin/openinfer"
 
 
-def readme_blocks() -> list[tuple[str, str]]:
-    """(language, code) of every fenced block of the README, in order."""
+def readme_blocks(section: str | None = None) -> list[tuple[str, str]]:
+    """(language, code) of every fenced block of the README (or of one `## section`), in order."""
     with open(README, encoding="utf-8") as f:
         text = f.read()
+    if section is not None:
+        text = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
     return [(m.group(1), m.group(2)) for m in re.finditer(r"```(\w*)\n(.*?)```", text, re.S)]
 
 
 def serve_command() -> str:
-    commands = [code.strip() for lang, code in readme_blocks()
-                if lang == "bash" and code.strip().startswith("openinfer serve")]
-    assert commands, "README has no `openinfer serve` block"
+    """The Serving section's server command."""
+    commands = [code.strip() for lang, code in readme_blocks("Serving")
+                if lang == "bash" and code.strip().startswith(f"{OPENINFER} serve")]
+    assert commands, f"README's Serving section has no `{OPENINFER} serve` block"
     return commands[0]
+
+
+def runnable(command: str) -> str:
+    if os.path.exists(os.path.join(ROOT, OPENINFER)):
+        return command
+    return f"{shlex.quote(sys.executable)} -m server.cli" + command[len(OPENINFER):]
 
 
 def client_examples() -> list[tuple[str, str]]:
@@ -46,13 +59,19 @@ def test_readme_has_the_examples():
     assert f"--port {PORT}" in serve_command()
 
 
+def test_serving_uses_the_first_commands_form():
+    first = next(code for lang, code in readme_blocks() if lang == "bash")
+    assert f"&& {OPENINFER} serve" in first, first
+    assert serve_command().startswith(f"{OPENINFER} serve ")
+
+
 @pytest.fixture(scope="module")
 def readme_server():
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", PORT)) == 0:
             pytest.fail(f"port {PORT} (the README's) is already in use; stop what listens there")
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    proc = subprocess.Popen(serve_command(), shell=True, cwd=ROOT, env=env, start_new_session=True,
+    proc = subprocess.Popen(runnable(serve_command()), shell=True, cwd=ROOT, env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     try:
@@ -69,7 +88,10 @@ def readme_server():
             time.sleep(0.25)
         yield env
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:        # it exited already (a failed start)
+            pass
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -132,3 +132,13 @@ def test_top_logprobs_up_to_20():
     out = sample(logits, SamplingParams(temperature=0, logprobs=20))
     assert [t for t, _ in out.top_logprobs] == list(np.argsort(-logits)[:20])
     assert out.top_logprobs[0][0] == out.token_id
+
+
+def test_repetition_penalty_is_bounded_so_logits_stay_finite():
+    import pytest
+
+    from engine.request import SamplingParams
+    for bad in (1e-310, 0.0, -1.0, 1e7):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=bad).validate()
+    SamplingParams(repetition_penalty=1e-6).validate()

@@ -1,123 +1,21 @@
 """The HTTP protocol layer against a scripted engine: request validation, response and chunk
 schemas, SSE framing, auth, error bodies, disconnect -> abort, metrics text.
 
-The fake engine is deterministic and defined here from first principles (a byte tokenizer and a
-'model' that replays the prompt backwards), so every expected value below is computed, not stored.
+The fake engine (tests/fake_handle.py) is deterministic and defined from first principles (a byte
+tokenizer and a 'model' that replays the prompt backwards), so every expected value below is computed.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
 
-from engine.events import Error, Finished, PromptLogprobs, Rejected, Scheduled, Token, TopLogprob, Usage
+from fake_handle import ByteTokenizer, FakeHandle, expected_text, fake_logprob
 from server.app import create_app
 from server.background import BackgroundServer
-
-EOS = 0
-
-
-class ByteTokenizer:
-    """One token per UTF-8 byte (ids 1..256 = byte + 1); id 0 is EOS."""
-    vocab_size = 257
-    eos_token_ids = [EOS]
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [b + 1 for b in text.encode("utf-8")]
-
-    def decode(self, ids) -> str:
-        return bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
-
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
-
-
-@dataclass
-class FakeStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int = 100
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total
-
-
-def fake_token(prompt: list[int], step: int, sample: int) -> int:
-    """The fake model: sample k replays the prompt backwards, shifted by k."""
-    return prompt[-1 - (step + sample) % len(prompt)]
-
-
-def fake_logprob(token: int) -> float:
-    return -((token % 7) + 1) / 4
-
-
-class FakeHandle:
-    model_name = "fake-model"
-    max_model_len = 256
-
-    def __init__(self, token_delay: float = 0.0, reject: str | None = None, fail: str | None = None):
-        self.tokenizer = ByteTokenizer()
-        self.token_delay = token_delay
-        self.reject, self.fail = reject, fail
-        self.active: set[str] = set()
-        self.aborted: list[str] = []
-        self.submitted = []
-
-    async def submit(self, req):
-        self.submitted.append(req)
-        if self.reject:
-            yield Rejected(req.request_id, self.reject)
-            return
-        self.active.add(req.request_id)
-        p = req.params
-        try:
-            yield Scheduled(req.request_id, cached_tokens=0)
-            if self.fail:
-                yield Error(req.request_id, self.fail)
-                return
-            if p.prompt_logprobs is not None:
-                ids = req.prompt_token_ids
-                yield PromptLogprobs(req.request_id, ids, [None] + [fake_logprob(t) for t in ids[1:]],
-                                     [[]] + [self._top(t, p.prompt_logprobs) for t in ids[1:]])
-            for step in range(p.max_tokens):
-                for k in range(p.n):
-                    if req.request_id not in self.active:
-                        yield Finished(req.request_id, "abort", Usage(len(req.prompt_token_ids), step), k)
-                        return
-                    tok = fake_token(req.prompt_token_ids, step, k)
-                    top = self._top(tok, p.logprobs) if p.logprobs is not None else []
-                    yield Token(req.request_id, tok, self.tokenizer.decode([tok]), k,
-                                fake_logprob(tok) if p.logprobs is not None else None, top)
-                await asyncio.sleep(self.token_delay)
-            for k in range(p.n):
-                yield Finished(req.request_id, "length", Usage(len(req.prompt_token_ids), p.max_tokens), k)
-        finally:
-            self.active.discard(req.request_id)
-
-    def _top(self, tok: int, k: int) -> list[TopLogprob]:
-        alts = [tok] + [t for t in (tok + 1, tok + 2, tok + 3) if t < 257]
-        return [TopLogprob(t, self.tokenizer.decode([t]), fake_logprob(t)) for t in alts[:k]]
-
-    def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-        self.active.discard(request_id)
-
-    def stats(self) -> FakeStats:
-        return FakeStats(len(self.active), 0, len(self.active) * 2)
-
-
-def expected_text(prompt: str, n_tokens: int, sample: int = 0) -> str:
-    ids = ByteTokenizer().encode(prompt)
-    return ByteTokenizer().decode([fake_token(ids, s, sample) for s in range(n_tokens)])
-
 
 @pytest.fixture(scope="module")
 def handle():

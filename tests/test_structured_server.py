@@ -167,7 +167,15 @@ def test_bad_constraints_are_400_before_the_engine(server, handle, monkeypatch, 
 
 
 def test_grammar_compile_timeout_is_a_400(server, monkeypatch):
-    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 1e-6)
+    """A compile that outlasts COMPILE_TIMEOUT_S is a 400 (a slow compile made slow on purpose: a real
+    one's time races the timeout)."""
+    import time
+
+    from engine.grammar import GrammarCache
+
+    compile_ = GrammarCache.compile
+    monkeypatch.setattr(GrammarCache, "compile", lambda self, g: (time.sleep(1.0), compile_(self, g))[1])
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.05)
     schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"[a-z]{{{i}}}x"}
                                                for i in range(40)}}
     r = httpx.post(server.url + "/v1/chat/completions", json=chat(guided_json=schema), timeout=30)

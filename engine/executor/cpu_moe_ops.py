@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.executor.cpu_dsv4_ops import sigmoid, sqrtsoftplus, swiglu_limited
 from engine.models.ops import RouteSpec
 
 
@@ -13,21 +14,28 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def route_topk(logits: np.ndarray, spec: RouteSpec) -> tuple[np.ndarray, np.ndarray]:
-    """(weights float32 [T, k], ids int32 [T, k]) from router logits [T, E], as transformers' routers:
-    softmax; group-limited: experts outside the topk_groups groups of highest max probability drop
-    to 0; the top_k (ties to the lower id), renormalized when spec.renormalize, times spec.scale."""
-    probs = softmax(logits.astype(np.float32))
-    scores = probs
+SCORES = {"softmax": softmax, "sigmoid": sigmoid, "sqrtsoftplus": sqrtsoftplus}     # RouteSpec.scoring
+
+
+def route_topk(logits: np.ndarray, spec: RouteSpec, bias: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(weights float32 [T, k], ids int32 [T, k]) from router logits [T, E], as transformers' routers
+    (and DeepSeek's reference Gate): softmax (sigmoid: DeepSeek-V3, sqrtsoftplus: V4) scores;
+    choice = scores (+ bias); group-limited: experts outside the topk_groups groups of highest group score
+    (the best choice in the group, or with a bias the sum of its top two) drop out; the top_k choices (ties to
+    the lower id); their unbiased scores, renormalized when spec.renormalize, times spec.scale."""
+    probs = SCORES[spec.scoring](logits.astype(np.float32))
+    choice = probs if bias is None else probs + bias.astype(np.float32)
     if spec.num_groups > 1:
         T, G = probs.shape[0], spec.num_groups
-        best = probs.reshape(T, G, -1).max(axis=-1)                          # [T, G]
+        grouped = np.sort(choice.reshape(T, G, -1), axis=-1)
+        best = grouped[..., -1] if bias is None else grouped[..., -1] + grouped[..., -2]   # [T, G]
         keep = np.argsort(-best, axis=-1, kind="stable")[:, :spec.topk_groups]
         mask = np.zeros((T, G), bool)
         np.put_along_axis(mask, keep, True, axis=-1)
-        scores = np.where(np.repeat(mask, spec.num_experts // G, axis=-1), probs, np.float32(0))
-    ids = np.argsort(-scores, axis=-1, kind="stable")[:, :spec.top_k]
-    weights = np.take_along_axis(scores, ids, axis=-1)
+        choice = np.where(np.repeat(mask, spec.num_experts // G, axis=-1), choice, np.float32(-np.inf))
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :spec.top_k]
+    weights = np.take_along_axis(probs, ids, axis=-1)
     if spec.renormalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return (weights * np.float32(spec.scale)).astype(np.float32), ids.astype(np.int32)
@@ -46,10 +54,10 @@ def expert_rows(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarr
 class NumpyMoEOps:
     """Mixed into NumpyOps (which provides silu_mul)."""
 
-    def route(self, x, gate_weight, spec: RouteSpec):
-        return route_topk(x @ gate_weight.T, spec)
+    def route(self, x, gate_weight, spec: RouteSpec, bias=None):
+        return route_topk(x @ gate_weight.T, spec, bias)
 
-    def moe_experts(self, x, gate_up, down, weights, ids, residual):
+    def moe_experts(self, x, gate_up, down, weights, ids, residual, limit=None):
         k = ids.shape[1]
         order, offsets = expert_rows(ids, gate_up.shape[0])
         out = np.array(residual, dtype=np.float32)
@@ -57,6 +65,7 @@ class NumpyMoEOps:
         for e in np.flatnonzero(np.diff(offsets)):
             sel = order[offsets[e]:offsets[e + 1]]
             tokens = sel // k
-            y = self.silu_mul(x[tokens] @ gate_up[e].T) @ down[e].T
+            gu = x[tokens] @ gate_up[e].T
+            y = (self.silu_mul(gu) if limit is None else swiglu_limited(gu, limit)) @ down[e].T
             np.add.at(out, tokens, y * flat_w[sel][:, None])
         return out

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.batch import ModelBatch
+from engine.executor.cpu_dsv4_attention import NumpyDSV4AttentionOps
+from engine.executor.cpu_dsv4_ops import NumpyDSV4Ops
 from engine.executor.cpu_lora_ops import NumpyLoRAOps
 from engine.executor.cpu_mla_ops import NumpyMLAOps
 from engine.executor.cpu_moe_ops import NumpyMoEOps
@@ -35,7 +37,8 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-class NumpyOps(NumpyLoRAOps, NumpyMoEOps, NumpyMLAOps, DeltaNetNumpyOps, ComposedOps):
+class NumpyOps(NumpyLoRAOps, NumpyMoEOps, NumpyMLAOps, DeltaNetNumpyOps, NumpyDSV4Ops, NumpyDSV4AttentionOps,
+               ComposedOps):
     def __init__(self, kv: np.ndarray):
         self.kv = kv                        # float32 [layers, 2, slots, Hkv, D]
 

@@ -144,6 +144,8 @@ class GpuExecutor(ExecutorBase):
         self.prefill = None if prefill_min is None else PrefillAttention(
             self.arena, stream, plan.max_tokens, plan.max_seqs, PrefillAttention.key_rows(plan),
             plan.kv.heads, plan.kv.dim, prefill_min)
+        state_arrays = self.arena.take_all("state", state_buffers(state, self.num_state_slots)) \
+            if state is not None else None
         # The KV pool from what is left once the ops take theirs (or exactly num_kv_blocks).
         num_kv_blocks = options.num_kv_blocks
         if num_kv_blocks is None:
@@ -164,8 +166,8 @@ class GpuExecutor(ExecutorBase):
         self.ops.take_sparse(self.arena, plan)
         self.ops.layer_ranges, self.ops.op_ranges = tuning.nvtx in ("layers", "ops"), tuning.nvtx == "ops"
         self.ops.gate_up_interleaved = interleave
-        if state is not None:
-            self.ops.state = self.arena.take_all("state", state_buffers(state, self.num_state_slots))
+        if state_arrays is not None:
+            self.ops.state = state_arrays
         self.host_kv = None
         if options.host_kv_blocks:
             self.enable_host_tier(options.host_kv_blocks)

@@ -1,8 +1,9 @@
 """The mixture-of-experts Ops on the GPU, mixed into GpuOps (it provides gemm, _launch, _residual_out,
 stream and gate_up_interleaved).
 
-route: the router GEMM into float32 logits (cuBLAS), then moe_route.cu's softmax + top-k (greedy or
-group-limited, renormalized, scaled), one warp per token. moe_experts: moe_align.cu groups the
+route: the router GEMM into float32 logits (cuBLAS), then moe_route.cu's softmax or sigmoid + top-k (greedy
+or group-limited, with DeepSeek-V3's score correction bias where the line has one (held in bf16, as every
+device weight), renormalized, scaled), one warp per token. moe_experts: moe_align.cu groups the
 (token, slot) assignments by expert on the device (each group padded to whole M-tiles), moe_permute.cu
 gathers the activations into those rows, the grouped GEMM (kernels.cute.grouped_gemm where the CuTe
 library serves, else moe_grouped_gemm.cu) runs gate_up, silu_mul.cu the activation, the grouped GEMM
@@ -76,15 +77,21 @@ class GpuMoEOps:
         self.k_combine = kernel("moe_permute", "moe_combine")
         self.k_grouped = kernel("moe_grouped_gemm", "moe_grouped_gemm")
 
-    def route(self, x, gate_weight, spec: RouteSpec):
-        T, E, K = x.shape[0], spec.num_experts, spec.top_k
-        b = self.moe
-        logits = b["moe_logits"][:T * E].reshape(T, E)
+    def route(self, x, gate_weight, spec: RouteSpec, bias=None):
+        T, E = x.shape[0], spec.num_experts
+        logits = self.moe["moe_logits"][:T * E].reshape(T, E)
         self.gemm(x, gate_weight, logits)                    # fp32 output: cuBLAS
+        return self.route_logits(logits, spec, bias)
+
+    def route_logits(self, logits, spec: RouteSpec, bias=None):
+        """moe_route.cu over float32 router logits [T, E] (bias: bf16 [E] or None): (weights, ids) views."""
+        T, E, K = logits.shape[0], spec.num_experts, spec.top_k
+        b = self.moe
         weights, ids = b["moe_weights"][:T * K].reshape(T, K), b["moe_ids"][:T * K].reshape(T, K)
         self._launch(self.k_topk, (-(-T // 4),), (128,),
-                     (logits, weights, ids, np.int32(T), np.int32(E), np.int32(K), np.int32(spec.renormalize),
-                      np.float32(spec.scale), np.int32(spec.num_groups), np.int32(spec.topk_groups)))
+                     (logits, bias if bias is not None else np.uint64(0), weights, ids, np.int32(T), np.int32(E),
+                      np.int32(K), np.int32(spec.renormalize), np.float32(spec.scale), np.int32(spec.num_groups),
+                      np.int32(spec.topk_groups), np.int32(spec.scoring == "sigmoid")))
         return weights, ids
 
     def group_experts(self, ids, num_experts: int):

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 from engine.loader.hf import LoadedModel, load_hf_folder
 
 
-def load_model(path: str) -> LoadedModel:
-    """Load an HF model folder, or a GGUF file (converted on first use, cached)."""
+def load_model(path: str, dequant_dtype=np.float32) -> LoadedModel:
+    """Load an HF model folder, or a GGUF file (converted on first use, cached); quantized weights are
+    dequantized to dequant_dtype (engine/loader/quantized.py)."""
     path = os.path.expanduser(str(path))
     if path.endswith(".gguf"):
         from engine.loader.gguf_convert import convert_gguf
         path = convert_gguf(path)
     elif not os.path.exists(path):
         raise FileNotFoundError(f"model path not found: {path}")
-    return load_hf_folder(path)
+    return load_hf_folder(path, dequant_dtype)
 
 
 __all__ = ["LoadedModel", "load_model"]

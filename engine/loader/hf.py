@@ -13,6 +13,7 @@ from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderLM
 from engine.models.registry import build_model
 from engine.models.weights import pack_weights
+from engine.loader.quantized import dequantizing
 from engine.loader.safetensors_io import SafetensorsCheckpoint
 from engine.tokenizer import Tokenizer
 
@@ -38,13 +39,14 @@ def read_generation_config(folder: str, config: ModelConfig) -> dict[str, Any]:
     return gen
 
 
-def load_hf_folder(folder: str) -> LoadedModel:
+def load_hf_folder(folder: str, dequant_dtype=np.float32) -> LoadedModel:
+    """dequant_dtype: what quantized weights (FP8, packed int) are dequantized to (loader/quantized.py)."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"model folder not found: {folder}")
     config = ModelConfig.from_file(folder)
     model = build_model(config)
     ckpt = SafetensorsCheckpoint(folder)
-    has, get = model.checkpoint(ckpt.__contains__, ckpt.get)
+    has, get = model.checkpoint(*dequantizing(config.raw, ckpt.__contains__, ckpt.get, dequant_dtype))
     weights = pack_weights(model.weight_specs(), has, get, where=folder)
     gen = read_generation_config(folder, config)
     tokenizer = Tokenizer.from_folder(folder, gen)

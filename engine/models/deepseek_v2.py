@@ -56,6 +56,14 @@ class DeepseekV2Config:
 
     @classmethod
     def from_raw(cls, raw: dict[str, Any]) -> "DeepseekV2Config":
+        cls.check(raw)
+        cfg = cls(**cls.fields(raw))
+        cfg.validate()
+        return cfg
+
+    @staticmethod
+    def check(raw: dict[str, Any]) -> None:
+        """Refuse the settings this line does not run (a subclass: its own)."""
         method = raw.get("topk_method") or "greedy"
         unsupported = [(method not in TOPK_METHODS, f"topk_method {method!r} (supported: {', '.join(TOPK_METHODS)})"),
                        (raw.get("scoring_func", "softmax") != "softmax", f"scoring_func {raw.get('scoring_func')!r}"),
@@ -63,27 +71,33 @@ class DeepseekV2Config:
                        (bool(raw.get("attention_bias")), "attention_bias=true")]
         for bad, what in unsupported:
             if bad:
-                raise ValueError(f"deepseek_v2: unsupported {what}")
-        experts = int(raw.get("n_routed_experts") or 0)
-        group_limited = TOPK_METHODS[method]
-        cfg = cls(q_lora_rank=int(raw["q_lora_rank"]) if raw.get("q_lora_rank") else None,
-                  kv_lora_rank=int(raw["kv_lora_rank"]), qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
-                  qk_rope_head_dim=int(raw["qk_rope_head_dim"]), v_head_dim=int(raw["v_head_dim"]),
-                  n_routed_experts=experts, n_shared_experts=int(raw.get("n_shared_experts") or 0),
-                  moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
-                  top_k=int(raw.get("num_experts_per_tok") or 0),
-                  first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
-                  moe_layer_freq=int(raw.get("moe_layer_freq") or 1), group_limited=group_limited,
-                  n_group=int(raw.get("n_group") or 1) if group_limited else 1,
-                  topk_group=int(raw.get("topk_group") or 1) if group_limited else 1,
-                  routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0))
-        if experts and not 1 <= cfg.top_k <= experts:
-            raise ValueError(f"num_experts_per_tok {cfg.top_k} must lie in 1..n_routed_experts ({experts})")
-        if experts and (experts % cfg.n_group or cfg.topk_group > cfg.n_group
-                        or cfg.topk_group * (experts // cfg.n_group) < cfg.top_k):
-            raise ValueError(f"group-limited routing: {experts} experts in n_group={cfg.n_group} groups, "
-                             f"topk_group={cfg.topk_group} must hold num_experts_per_tok={cfg.top_k}")
-        return cfg
+                raise ValueError(f"{raw.get('model_type', 'deepseek_v2')}: unsupported {what}")
+
+    @staticmethod
+    def fields(raw: dict[str, Any]) -> dict[str, Any]:
+        """The dataclass fields from a config.json."""
+        group_limited = TOPK_METHODS.get(raw.get("topk_method") or "greedy", False)
+        return dict(q_lora_rank=int(raw["q_lora_rank"]) if raw.get("q_lora_rank") else None,
+                    kv_lora_rank=int(raw["kv_lora_rank"]), qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
+                    qk_rope_head_dim=int(raw["qk_rope_head_dim"]), v_head_dim=int(raw["v_head_dim"]),
+                    n_routed_experts=int(raw.get("n_routed_experts") or 0),
+                    n_shared_experts=int(raw.get("n_shared_experts") or 0),
+                    moe_intermediate_size=int(raw.get("moe_intermediate_size") or 0),
+                    top_k=int(raw.get("num_experts_per_tok") or 0),
+                    first_k_dense_replace=int(raw.get("first_k_dense_replace") or 0),
+                    moe_layer_freq=int(raw.get("moe_layer_freq") or 1), group_limited=group_limited,
+                    n_group=int(raw.get("n_group") or 1) if group_limited else 1,
+                    topk_group=int(raw.get("topk_group") or 1) if group_limited else 1,
+                    routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0))
+
+    def validate(self) -> None:
+        experts = self.n_routed_experts
+        if experts and not 1 <= self.top_k <= experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must lie in 1..n_routed_experts ({experts})")
+        if experts and (experts % self.n_group or self.topk_group > self.n_group
+                        or self.topk_group * (experts // self.n_group) < self.top_k):
+            raise ValueError(f"group-limited routing: {experts} experts in n_group={self.n_group} groups, "
+                             f"topk_group={self.topk_group} must hold num_experts_per_tok={self.top_k}")
 
     def sparse(self, i: int) -> bool:
         return bool(self.n_routed_experts) and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
@@ -125,9 +139,10 @@ def mla_block(ops: Ops, w: dict[str, Array], residual: Array, normed: Array | No
 
 class DeepseekV2ForCausalLM(DecoderLM):
     model_type = "deepseek_v2"
+    line_config = DeepseekV2Config          # the MLA / MoE fields (DeepSeek-V3: its own subclass)
 
     def __init__(self, config: ModelConfig):
-        self.mla = DeepseekV2Config.from_raw(config.raw)
+        self.mla = self.line_config.from_raw(config.raw)
         super().__init__(config)
         m, scale = self.mla, softmax_scale(config, self.mla)
         q_cols = m.q_lora_rank or config.num_attention_heads * m.qk_head_dim

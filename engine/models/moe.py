@@ -1,6 +1,7 @@
 """Routed mixture-of-experts layers, shared by the MoE model lines (qwen3_moe.py, deepseek_v2.py).
 
-An MoE layer's MLP is a router (`layers.{i}.router` [E, H]) and E SwiGLU experts held as stacked
+An MoE layer's MLP is a router (`layers.{i}.router` [E, H], and where the line has one its score
+correction bias `layers.{i}.router_bias` [E]) and E SwiGLU experts held as stacked
 weights: `layers.{i}.experts_gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows, as
 the dense gate_up_proj) and `layers.{i}.experts_down_proj` [E, H, I], packed at load from the
 checkpoint's per-expert tensors, so an executor runs each projection as one grouped product.
@@ -40,7 +41,7 @@ def routed_experts(ops: Ops, w: dict[str, Array], residual: Array, normed: Array
     """(residual + the routed experts' weighted sum over x, x) with x = rmsnorm(residual) by the post-attention
     norm (``normed`` where already computed)."""
     x = normed if normed is not None else ops.rms_norm(residual, w[f"layers.{i}.post_attention_layernorm"], eps)[0]
-    weights, ids = ops.route(x, w[f"layers.{i}.router"], route)
+    weights, ids = ops.route(x, w[f"layers.{i}.router"], route, w.get(f"layers.{i}.router_bias"))
     out = ops.moe_experts(x, w[f"layers.{i}.experts_gate_up_proj"], w[f"layers.{i}.experts_down_proj"],
                           weights, ids, residual)
     return out, x

@@ -30,13 +30,16 @@ class RouteSpec:
     """A mixture-of-experts router: softmax over num_experts, the top_k (greedy, or within the
     topk_groups of num_groups equal expert groups whose best probability is highest: DeepSeek's
     group-limited routing), renormalized to sum 1 when renormalize (norm_topk_prob), times scale
-    (routed_scaling_factor)."""
+    (routed_scaling_factor). scoring "sigmoid" (DeepSeek-V3) or "sqrtsoftplus" (V4): those scores instead; with a
+    correction bias (route's ``bias``, noaux_tc) the choice (groups by the sum of their top-2, then
+    the top_k) is made on scores + bias, the weights taken from the unbiased scores."""
     num_experts: int
     top_k: int
     renormalize: bool = False
     scale: float = 1.0
     num_groups: int = 1
     topk_groups: int = 1
+    scoring: str = "softmax"
 
 
 @dataclass(frozen=True)
@@ -142,14 +145,15 @@ class Ops(Protocol):
         """x + residual (the residual stream update)."""
 
     # Mixture of experts (engine/models/moe.py).
-    def route(self, x: Array, gate_weight: Array, spec: RouteSpec) -> tuple[Array, Array]:
-        """Router of x[T, H] by gate_weight [E, H] in float32 (RouteSpec): (weights float32 [T, top_k],
-        expert ids int32 [T, top_k])."""
+    def route(self, x: Array, gate_weight: Array, spec: RouteSpec, bias: Array | None = None) -> tuple[Array, Array]:
+        """Router of x[T, H] by gate_weight [E, H] in float32 (RouteSpec; bias: float32 [E], the score
+        correction bias): (weights float32 [T, top_k], expert ids int32 [T, top_k])."""
 
     def moe_experts(self, x: Array, gate_up: Array, down: Array, weights: Array, ids: Array,
-                    residual: Array) -> Array:
+                    residual: Array, limit: float | None = None) -> Array:
         """residual + sum_j weights[t, j] · down[e] · silu_mul(gate_up[e] · x[t]), e = ids[t, j]: the
-        routed experts (gate_up [E, 2I, H], down [E, H, I]) added to the residual stream."""
+        routed experts (gate_up [E, 2I, H], down [E, H, I]) added to the residual stream. limit: gate and up
+        clamped first (gate <= limit, |up| <= limit: DeepSeek-V4's swiglu_limit; the numpy executor only)."""
 
     # Multi-head latent attention (engine/models/deepseek_v2.py).
     def mla_latent_cache(self, y: Array, spec: MLASpec, ctx: Any, kv_norm: Array,

@@ -4,6 +4,8 @@ from __future__ import annotations
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderLM
 from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -15,6 +17,9 @@ MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "deepseek_v2": DeepseekV2ForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "kimi_k2": DeepseekV3ForCausalLM,           # Kimi-K2: DeepSeek-V3's architecture under its own name
+    "deepseek_v4": DeepseekV4ForCausalLM,       # the numpy executor only
     "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_5": Qwen3_5ForConditionalGeneration,
 }

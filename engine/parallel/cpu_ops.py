@@ -32,14 +32,14 @@ class TensorParallelNumpyOps:
         y = self.linear(x, weight, bias)
         return self.comm.all_reduce(y + residual if self.comm.rank == 0 else y)
 
-    def moe_experts(self, x, gate_up, down, weights, ids, residual):
+    def moe_experts(self, x, gate_up, down, weights, ids, residual, limit=None):
         first, count = self.experts
         local = ids - first
         mine = (local >= 0) & (local < count)
         # another rank's assignment weighs 0 on expert 0: its rows add exactly 0
         base = residual if self.comm.rank == 0 else np.zeros_like(residual)
         y = super().moe_experts(x, gate_up, down, np.where(mine, weights, np.float32(0)), np.where(mine, local, 0),
-                                base)
+                                base, limit)
         return self.comm.all_reduce(y)
 
     def vocab_parallel_logits(self, hidden, weight):

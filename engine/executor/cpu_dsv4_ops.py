@@ -1,0 +1,145 @@
+"""DeepSeek-V4's own mechanisms in numpy (float32), each one op checked against transformers' module for it
+(tests/test_dsv4_parts.py). No deepseek_v4 model line runs them yet: the compressed attention (CSA with the
+lightning indexer, HCA) and its cache are not written (README, DeepSeek-V4).
+
+* hyper_connection / hc_merge / hyper_head: manifold-constrained hyper-connections (hc_mult residual streams;
+  pre / post weights and a Sinkhorn-projected doubly-stochastic comb matrix; transformers'
+  DeepseekV4HyperConnection, the decoder layer's mixing, DeepseekV4HyperHead).
+* swiglu_limited: the experts' SwiGLU with gate <= limit and |up| <= limit (swiglu_limit).
+* router scores "sqrtsoftplus" (cpu_moe_ops.route_topk) and hash_route: DeepSeek-V4's top-k router and its
+  hash router (experts from a frozen token-id table, weights from the learned scores).
+* sliding_mqa_attention: one shared K = V head of head_dim for every query head, partial interleaved rope on
+  each head's trailing rope dims, a sliding window, a learned per-head sink in the softmax, the rope undone on
+  the output (rotation by -position); grouped_linear: the grouped output projection's block-diagonal part.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms(x: np.ndarray, eps: float, weight: np.ndarray | None = None) -> np.ndarray:
+    y = x * (np.float32(1) / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(eps)))
+    return y if weight is None else y * weight
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return np.float32(1) / (np.float32(1) + np.exp(-x))
+
+
+def hyper_connection(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndarray, iters: int,
+                     hc_eps: float, norm_eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """streams [T, N, D] -> (post [T, N], comb [T, N, N], collapsed [T, D]): mixes = rmsnorm(flat streams) · fnᵀ;
+    pre = sigmoid(mix·s0 + b) + eps, post = 2·sigmoid(mix·s1 + b), comb = softmax(mix·s2 + b) + eps, then
+    Sinkhorn: columns normalized, then iters - 1 times rows and columns; collapsed = sum_n pre_n · stream_n."""
+    T, N, D = streams.shape
+    mix = rms(streams.reshape(T, N * D), norm_eps) @ fn.T                          # [T, (2 + N)·N]
+    pre_w, post_w, comb_w = mix[:, :N], mix[:, N:2 * N], mix[:, 2 * N:].reshape(T, N, N)
+    pre_b, post_b, comb_b = base[:N], base[N:2 * N], base[2 * N:].reshape(N, N)
+    pre = sigmoid(pre_w * scale[0] + pre_b) + np.float32(hc_eps)
+    post = np.float32(2) * sigmoid(post_w * scale[1] + post_b)
+    logits = comb_w * scale[2] + comb_b
+    comb = np.exp(logits - logits.max(-1, keepdims=True))
+    comb = comb / comb.sum(-1, keepdims=True) + np.float32(hc_eps)
+    comb = comb / (comb.sum(-2, keepdims=True) + np.float32(hc_eps))
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdims=True) + np.float32(hc_eps))
+        comb = comb / (comb.sum(-2, keepdims=True) + np.float32(hc_eps))
+    return post, comb, np.einsum("tn,tnd->td", pre, streams)
+
+
+def hc_merge(block_out: np.ndarray, streams: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
+    """The new streams [T, N, D]: post_n · block_out + sum_j comb[j, n] · stream_j (comb applied transposed)."""
+    return post[..., None] * block_out[:, None, :] + np.einsum("tjn,tjd->tnd", comb, streams)
+
+
+def hyper_head(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: float, hc_eps: float,
+               norm_eps: float) -> np.ndarray:
+    """The final collapse of the streams [T, N, D] -> [T, D] (pre weights only)."""
+    T, N, D = streams.shape
+    pre = sigmoid((rms(streams.reshape(T, N * D), norm_eps) @ fn.T) * np.float32(scale) + base) + np.float32(hc_eps)
+    return np.einsum("tn,tnd->td", pre, streams)
+
+
+def swiglu_limited(gate_up: np.ndarray, limit: float) -> np.ndarray:
+    """gate_up [T, 2I] -> silu(min(gate, limit)) · clip(up, -limit, limit)."""
+    half = gate_up.shape[-1] // 2
+    g = np.minimum(gate_up[:, :half], np.float32(limit))
+    u = np.clip(gate_up[:, half:], np.float32(-limit), np.float32(limit))
+    return g * sigmoid(g) * u
+
+
+def sqrtsoftplus(x: np.ndarray) -> np.ndarray:
+    """sqrt(softplus(x)), softplus as torch's (x itself above 20)."""
+    x = x.astype(np.float32)
+    return np.sqrt(np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))))
+
+
+def hash_route(logits: np.ndarray, tid2eid: np.ndarray, input_ids: np.ndarray, scale: float
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(weights [T, k], ids [T, k]): the experts tid2eid[token] (a frozen table [V, k]); their sqrtsoftplus
+    scores, renormalized to sum 1, times scale."""
+    ids = np.asarray(tid2eid)[np.asarray(input_ids)].astype(np.int32)
+    w = np.take_along_axis(sqrtsoftplus(logits), ids, axis=-1)
+    return (w / w.sum(-1, keepdims=True) * np.float32(scale)).astype(np.float32), ids
+
+
+def rope_trailing(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Interleaved rope on the trailing 2·cos.shape[-1] dims of x [T, H, D] (pairs (2i, 2i + 1)); cos, sin [T, R/2]."""
+    r = 2 * cos.shape[-1]
+    out = np.array(x, np.float32)
+    a, b = x[..., -r::2], x[..., -r + 1::2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out[..., -r::2] = a * c - b * s
+    out[..., -r + 1::2] = b * c + a * s
+    return out
+
+
+def sink_attention(q: np.ndarray, keys: np.ndarray, visible: np.ndarray, sinks: np.ndarray, scale: float
+                   ) -> np.ndarray:
+    """q [T, H, D] over keys [L, D] that are also the values (K = V), where visible [T, L]; head h's sink logit
+    takes part in the softmax's denominator only. Returns o [T, H, D]."""
+    scores = np.where(visible[:, None, :], np.einsum("thd,ld->thl", q, keys) * np.float32(scale), -np.inf)
+    m = np.maximum(scores.max(-1, keepdims=True), sinks[None, :, None])
+    p = np.exp(scores - m)
+    p = p / (p.sum(-1, keepdims=True) + np.exp(sinks[None, :, None] - m))
+    return np.einsum("thl,ld->thd", p, keys)
+
+
+def sliding_mqa_attention(q: np.ndarray, kv: np.ndarray, q_pos: np.ndarray, kv_pos: np.ndarray, window: int,
+                          sinks: np.ndarray, scale: float) -> np.ndarray:
+    """sink_attention of q [T, H, D] (rope applied) over the one shared K = V head kv [L, D] at the positions p
+    with q_pos - window < p <= q_pos. Returns o [T, H, D] (before the output rope is undone)."""
+    d = q_pos[:, None] - kv_pos[None, :]
+    return sink_attention(q, kv, (d >= 0) & (d < window), sinks, scale)
+
+
+def grouped_linear(x: np.ndarray, weight: np.ndarray, groups: int) -> np.ndarray:
+    """x [T, groups·K] split into `groups` slices, slice g times its own rows of weight [groups·N, K]:
+    [T, groups·N] (the grouped output projection's first part, o_a_proj)."""
+    T = x.shape[0]
+    w = weight.reshape(groups, -1, weight.shape[-1])                        # [g, N, K]
+    return np.einsum("tgk,gnk->tgn", x.reshape(T, groups, -1), w).reshape(T, -1)
+
+
+class NumpyDSV4Ops:
+    """DeepSeek-V4's ops as methods of NumpyOps (the line's forward calls them; engine/models/deepseek_v4.py)."""
+
+    def hc_streams(self, x, n: int):
+        """The residual streams [T, n, H] of the embedded tokens x [T, H] (n copies)."""
+        return np.repeat(np.asarray(x, np.float32)[:, None, :], n, axis=1)
+
+    def hyper_connection(self, streams, fn, base, scale, iters, hc_eps, norm_eps):
+        return hyper_connection(streams, fn, base, scale, iters, hc_eps, norm_eps)
+
+    def hc_merge(self, block_out, streams, post, comb):
+        return hc_merge(block_out, streams, post, comb)
+
+    def hyper_head(self, streams, fn, base, scale, hc_eps, norm_eps):
+        return hyper_head(streams, fn, base, float(np.asarray(scale).reshape(-1)[0]), hc_eps, norm_eps)
+
+    def swiglu_limited(self, gate_up, limit):
+        return swiglu_limited(gate_up, limit)
+
+    def hash_route(self, x, gate_weight, tid2eid, spec, ctx):
+        """hash_route on the step's token ids (RouteSpec: its scale; scores sqrtsoftplus)."""
+        return hash_route(x @ gate_weight.T, np.asarray(tid2eid).astype(np.int64), ctx.batch.input_ids, spec.scale)

@@ -1,0 +1,176 @@
+"""Quantized checkpoints, dequantized at load: the checkpoint seen through `dequantizing(...)` answers
+each `X.weight` with its dequantized values, so every model line loads them unchanged.
+
+* FP8 with block scales (DeepSeek-V3, Kimi-K2-Instruct: quantization_config {"quant_method": "fp8",
+  "weight_block_size": [bn, bk]}): `X.weight` float8 e4m3 [N, K] and `X.weight_scale_inv` [ceil(N/bn),
+  ceil(K/bk)] (float32, bf16 or ue8m0); w[n, k] = fp8[n, k] · scale_inv[n // bn, k // bk], computed in
+  float32 (transformers' Fp8Dequantize and DeepSeek's weight_dequant; a last partial block takes its
+  block's scale).
+  FP4 weights in such a checkpoint (DeepSeek-V4's experts: int8 bytes holding two e2m1 values, the low nibble
+  first, with one ue8m0 scale per [1, 32] block) take their block from the scale grid, as transformers does.
+* compressed-tensors `pack-quantized` (Kimi-K2-Thinking's int4 routed experts: {"quant_method":
+  "compressed-tensors", "format": "pack-quantized", config_groups with weights {"type": "int",
+  "num_bits": 4, "symmetric": true, "strategy": "group", "group_size": 32}}): `X.weight_packed` int32
+  [N, ceil(K·bits/32)] holds element k of a row at bits (k·bits) mod 32 of word k·bits // 32 as the
+  unsigned value q + 2^(bits-1); `X.weight_scale` [N, K / group]; `X.weight_shape` [N, K];
+  w[n, k] = q[n, k] · scale[n, k // group], multiplied in the scale's dtype (compressed-tensors'
+  dequantize: bf16 scales give bf16-rounded products) and returned as `dtype`.
+
+Values come back as float32 by default (exact against those references); the GPU uploads them as bf16,
+so on the GPU the quantized formats are dequantized at load too (a kept-quantized path is future work).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+Has = Callable[[str], bool]
+Get = Callable[[str], np.ndarray]
+
+
+def dequant_fp8_block(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
+                      dtype=np.float32) -> np.ndarray:
+    """fp8 weight [..., N, K] times its block scale (scale_inv [..., ceil(N/bn), ceil(K/bk)])."""
+    (N, K), (bn, bk) = weight.shape[-2:], block
+    want = (-(-N // bn), -(-K // bk))
+    if tuple(scale_inv.shape[-2:]) != want:
+        raise ValueError(f"weight {weight.shape} with block {block} needs scales {want}, got {scale_inv.shape}")
+    s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), bn, axis=-2)[..., :N, :], bk, axis=-1)[..., :K]
+    return (np.asarray(weight).astype(np.float32) * s).astype(dtype)
+
+
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    np.float32)
+
+
+def unpack_fp4(packed: np.ndarray) -> np.ndarray:
+    """e2m1 values [..., 2·K] from bytes [..., K], element 2k in the low nibble of byte k."""
+    u = np.asarray(packed).view(np.uint8)
+    return np.stack([FP4_E2M1[u & 0xF], FP4_E2M1[u >> 4]], axis=-1).reshape(*u.shape[:-1], -1)
+
+
+def dequant_fp4_block(packed: np.ndarray, scale: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """FP4 bytes [N, K/2] times their scales [N / bn, K / bk], the block taken from the scale grid."""
+    w = unpack_fp4(packed)
+    (N, K), (gn, gk) = w.shape[-2:], scale.shape[-2:]
+    if N % gn or K % gk:
+        raise ValueError(f"fp4 weight [{N}, {K}] is not tiled by a scale grid of {scale.shape}")
+    return dequant_fp8_block(w, scale, (N // gn, K // gk), dtype)
+
+
+def unpack_int32(packed: np.ndarray, bits: int, cols: int) -> np.ndarray:
+    """The signed bits-wide values [..., cols] packed in int32 words (compressed-tensors' pack_to_int32
+    for bits dividing 32: element k at bits (k·bits) % 32 of word k·bits // 32, stored as q + 2^(bits-1))."""
+    if 32 % bits:
+        raise ValueError(f"packed int{bits}: only widths that divide 32 are supported")
+    per = 32 // bits
+    words = np.asarray(packed).view(np.uint32)
+    if words.shape[-1] * per < cols:
+        raise ValueError(f"{words.shape[-1]} int32 words hold {words.shape[-1] * per} int{bits} values, not {cols}")
+    shifts = (np.arange(per, dtype=np.uint32) * np.uint32(bits))
+    values = (words[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    values = values.reshape(*words.shape[:-1], -1)[..., :cols]
+    return (values.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+
+
+def dequant_packed_group(packed: np.ndarray, scale: np.ndarray, shape: tuple[int, int], bits: int,
+                         group: int, dtype=np.float32) -> np.ndarray:
+    """Symmetric packed ints [N, K] = shape times their group scale (scale [N, K / group])."""
+    N, K = (int(d) for d in shape)
+    if K % group or tuple(scale.shape) != (N, K // group):
+        raise ValueError(f"weight [{N}, {K}] in groups of {group} needs scales {(N, K // group)}, got {scale.shape}")
+    q = unpack_int32(packed, bits, K)
+    if q.shape[0] != N:
+        raise ValueError(f"packed weight has {q.shape[0]} rows, weight_shape says {N}")
+    product = q.astype(np.float32) * np.repeat(np.asarray(scale, np.float32), group, axis=-1)
+    return product.astype(scale.dtype).astype(dtype)       # in the scale's dtype, as compressed-tensors
+
+
+@dataclass(frozen=True)
+class Fp8BlockFormat:
+    block: tuple[int, int]
+
+    def describe(self) -> str:
+        return f"FP8 e4m3 weights with {self.block[0]}x{self.block[1]} block scales"
+
+    def view(self, has: Has, get: Get, dtype) -> tuple[Has, Get]:
+        def get_weight(name: str) -> np.ndarray:
+            scale = name[:-len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
+            if scale is None or not has(scale):
+                return get(name)
+            w, s = get(name), get(scale)
+            if w.dtype in (np.int8, np.uint8):                      # FP4: two e2m1 values per byte
+                return dequant_fp4_block(w, s, dtype)
+            return dequant_fp8_block(w, s, self.block, dtype)
+        return has, get_weight
+
+
+@dataclass(frozen=True)
+class PackedIntFormat:
+    bits: int
+    group: int | None          # None: the group follows from the scale's shape (channel: one group per row)
+
+    def describe(self) -> str:
+        return f"compressed-tensors pack-quantized int{self.bits} weights (group {self.group or 'per channel'})"
+
+    def view(self, has: Has, get: Get, dtype) -> tuple[Has, Get]:
+        def parts(name: str) -> str | None:
+            base = name[:-len("weight")] if name.endswith(".weight") else None
+            return base if base is not None and has(base + "weight_packed") else None
+
+        def get_weight(name: str) -> np.ndarray:
+            base = parts(name)
+            if base is None:
+                return get(name)
+            if has(base + "weight_zero_point"):
+                raise ValueError(f"{name}: asymmetric packed weights (weight_zero_point) are not supported")
+            shape = tuple(int(d) for d in np.asarray(get(base + "weight_shape")).reshape(-1))
+            scale = get(base + "weight_scale")
+            group = self.group or shape[1] // scale.shape[-1]
+            return dequant_packed_group(get(base + "weight_packed"), scale, shape, self.bits, group, dtype)
+        return (lambda name: has(name) or parts(name) is not None), get_weight
+
+
+def quant_format(raw: dict[str, Any]) -> Fp8BlockFormat | PackedIntFormat | None:
+    """The weight format a config.json's quantization_config names (None: not quantized); ValueError for
+    one this loader cannot dequantize."""
+    q = raw.get("quantization_config") or raw.get("compression_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        if not block or len(block) != 2 or q.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"fp8 checkpoints: only e4m3 with weight_block_size [bn, bk] are supported, got {q}")
+        return Fp8BlockFormat((int(block[0]), int(block[1])))
+    if method == "compressed-tensors":
+        groups = list((q.get("config_groups") or {}).values())
+        formats = {g.get("format") or q.get("format") for g in groups}
+        weights = [g.get("weights") or {} for g in groups]
+        kinds = {(w.get("type"), int(w.get("num_bits") or 0), bool(w.get("symmetric", True)),
+                  w.get("strategy"), w.get("group_size")) for w in weights}
+        if formats != {"pack-quantized"} or len(kinds) != 1:
+            raise ValueError(f"compressed-tensors: only one pack-quantized weight scheme is supported, got "
+                             f"formats {sorted(map(str, formats))} and schemes {sorted(map(str, kinds))}")
+        kind, bits, symmetric, strategy, group = kinds.pop()
+        if kind != "int" or not symmetric or strategy not in ("group", "channel") or 32 % bits:
+            raise ValueError(f"compressed-tensors: unsupported weight scheme type={kind} bits={bits} "
+                             f"symmetric={symmetric} strategy={strategy}")
+        return PackedIntFormat(bits, int(group) if strategy == "group" else None)
+    raise ValueError(f"unsupported quantization_config quant_method {method!r} (supported: fp8, compressed-tensors)")
+
+
+def dequantizing(raw: dict[str, Any], has: Has, get: Get, dtype=np.float32) -> tuple[Has, Get]:
+    """(has, get) over a checkpoint whose quantized weights come back dequantized to `dtype` (said once
+    in the log); the checkpoint unchanged when the config names no quantization."""
+    fmt = quant_format(raw)
+    if fmt is None:
+        return has, get
+    log.info("%s: dequantized at load to %s (on the GPU held as bf16: no kept-quantized kernels yet)",
+             fmt.describe(), np.dtype(dtype).name)
+    return fmt.view(has, get, dtype)

@@ -1,0 +1,89 @@
+"""DeepSeek-V3 / Kimi-K2: DeepSeek-V2's line (MLA with q LoRA, shared experts, first_k_dense_replace,
+engine/models/deepseek_v2.py) with DeepSeek-V3's router.
+
+Router (transformers' DeepseekV3TopkRouter, DeepSeek's reference Gate with a bias): float32 logits,
+sigmoid scores, the choice on scores + e_score_correction_bias (`noaux_tc`): the topk_group of n_group
+groups with the highest sum of their two best biased scores, then the top num_experts_per_tok of those;
+each chosen expert's weight is its unbiased score, renormalized to sum 1 when norm_topk_prob, times
+routed_scaling_factor. The bias is `layers.{i}.router_bias` (moe.routed_experts passes it to the route op).
+
+Every layer from first_k_dense_replace on is MoE (transformers ignores moe_layer_freq: refused unless 1).
+Multi-token-prediction layers (num_nextn_predict_layers of them, stored as model.layers.{L}.* with L >=
+num_hidden_layers) are not run: they are left unread at load, with a log line. Kimi-K2's checkpoints
+(model_type kimi_k2 in their config.json) load with this line. Quantized checkpoints (FP8 block scales,
+compressed-tensors int4) are dequantized by the loader (engine/loader/quantized.py).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
+from engine.models.ops import RouteSpec
+from engine.models.weights import WeightSpec, packed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config(DeepseekV2Config):
+    """DeepseekV2Config with DeepSeek-V3's routing fields."""
+    norm_topk_prob: bool = True
+    mtp_layers: int = 0
+    scoring_func: str = "sigmoid"           # the only one transformers' DeepseekV3 has
+
+    @staticmethod
+    def check(raw: dict[str, Any]) -> None:
+        what = raw.get("model_type", "deepseek_v3")
+        unsupported = [(raw.get("topk_method") not in (None, "noaux_tc"),
+                        f"topk_method {raw.get('topk_method')!r} (transformers' DeepseekV3 always routes noaux_tc)"),
+                       (raw.get("scoring_func") not in (None, "sigmoid"), f"scoring_func {raw.get('scoring_func')!r}"),
+                       (int(raw.get("moe_layer_freq") or 1) != 1, "moe_layer_freq != 1 (transformers ignores it)"),
+                       (raw.get("rope_interleave") is False, "rope_interleave=false"),
+                       (bool(raw.get("attention_bias")), "attention_bias=true")]
+        for bad, name in unsupported:
+            if bad:
+                raise ValueError(f"{what}: unsupported {name}")
+
+    @staticmethod
+    def fields(raw: dict[str, Any]) -> dict[str, Any]:
+        n_group = int(raw.get("n_group") or 1)
+        return {**DeepseekV2Config.fields({**raw, "topk_method": None}),
+                "group_limited": n_group > 1, "n_group": n_group, "topk_group": int(raw.get("topk_group") or 1),
+                "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+                "mtp_layers": int(raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers")) or 0)}
+
+    def validate(self) -> None:
+        super().validate()
+        if self.n_routed_experts and self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+            raise ValueError(f"n_group={self.n_group}: each group needs 2 or more experts (its score is its top-2 sum)")
+
+    @property
+    def route(self) -> RouteSpec:
+        return RouteSpec(num_experts=self.n_routed_experts, top_k=self.top_k, renormalize=self.norm_topk_prob,
+                         scale=self.routed_scaling_factor, num_groups=self.n_group, topk_groups=self.topk_group,
+                         scoring=self.scoring_func)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    model_type = "deepseek_v3"
+    line_config = DeepseekV3Config
+
+    def layer_weight_specs(self, i: int) -> list[WeightSpec]:
+        """DeepSeek-V2's, and in an MoE layer the router's score correction bias."""
+        specs = super().layer_weight_specs(i)
+        if self.mla.sparse(i):
+            specs.append(packed(f"layers.{i}.router_bias", (f"model.layers.{i}.mlp.gate.e_score_correction_bias",
+                                                            (self.mla.n_routed_experts,))))
+        return specs
+
+    def checkpoint(self, has: Callable[[str], bool], get: Callable[[str], Any]):
+        """The checkpoint as it is; its multi-token-prediction layers are never read (said once)."""
+        first = self.config.num_hidden_layers
+        mtp = [L for L in range(first, first + max(self.mla.mtp_layers, 1))
+               if has(f"model.layers.{L}.eh_proj.weight") or has(f"model.layers.{L}.input_layernorm.weight")]
+        if self.mla.mtp_layers or mtp:
+            log.info("%s: %d multi-token-prediction layer(s) (num_nextn_predict_layers=%d, model.layers.%d+) "
+                     "are not run and are left unread", self.model_type, len(mtp), self.mla.mtp_layers, first)
+        return has, get

@@ -1,0 +1,92 @@
+"""Typed, range-checked access to a JSON object's fields: every refusal is an APIError naming the
+field and its allowed range (422 for a wrong JSON type or a missing field, 400 for a value out of range)."""
+from __future__ import annotations
+
+import math
+
+from server.errors import invalid, wrong_type
+
+
+class Fields:
+    """Typed, range-checked access to a JSON object's fields; null means 'use the default'."""
+
+    def __init__(self, body: dict):
+        self.body = body
+
+    def raw(self, name: str, default=None):
+        value = self.body.get(name)
+        return default if value is None else value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.raw(name, default)
+        if not isinstance(value, bool):
+            raise wrong_type(f"'{name}' must be a boolean, got {_type_name(value)}", name)
+        return value
+
+    def integer(self, name: str, default: int | None, lo: int | None = None, hi: int | None = None,
+                range_text: str | None = None) -> int | None:
+        value = self.raw(name, default)
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong_type(f"'{name}' must be an integer, got {_type_name(value)}", name)
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise invalid(f"'{name}' must be {range_text or _range(lo, hi)}, got {value}", name)
+        return value
+
+    def number(self, name: str, default: float) -> float:
+        """A finite number; its range is SamplingParams.validate's to check."""
+        value = self.raw(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise wrong_type(f"'{name}' must be a number, got {_type_name(value)}", name)
+        value = float(value)
+        if not math.isfinite(value):
+            raise invalid(f"'{name}' must be a finite number, got {value}", name)
+        return value
+
+    def string(self, name: str, default: str | None = None) -> str | None:
+        value = self.raw(name, default)
+        if value is not None and not isinstance(value, str):
+            raise wrong_type(f"'{name}' must be a string, got {_type_name(value)}", name)
+        return value
+
+    def strings(self, name: str) -> list[str]:
+        """A string or a list of strings (e.g. `stop`)."""
+        value = self.raw(name, [])
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+            raise wrong_type(f"'{name}' must be a string or a list of strings", name)
+        if any(s == "" for s in items):
+            raise invalid(f"'{name}' must not contain empty strings", name)
+        return items
+
+    def token_ids(self, name: str, vocab_size: int | None) -> list[int]:
+        value = self.raw(name, [])
+        if not isinstance(value, list) or not all(is_int(t) for t in value):
+            raise wrong_type(f"'{name}' must be a list of integer token ids", name)
+        check_token_ids(value, vocab_size, name)
+        return list(value)
+
+
+def check_token_ids(ids: list[int], vocab_size: int | None, name: str) -> None:
+    hi = (vocab_size - 1) if vocab_size else None
+    bad = [t for t in ids if t < 0 or (hi is not None and t > hi)]
+    if bad:
+        raise invalid(f"'{name}' has token id {bad[0]} outside the vocabulary [0, {hi}]", name)
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_name(value) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _range(lo, hi) -> str:
+    if lo is not None and hi is not None:
+        return f"in [{lo}, {hi}]"
+    return f">= {lo}" if lo is not None else f"<= {hi}"

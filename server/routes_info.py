@@ -1,0 +1,56 @@
+"""The routes that describe the server: /v1/models (the base model and its LoRA adapters), /health,
+/version, /metrics, /openapi.json."""
+from __future__ import annotations
+
+from sanic import Sanic, response
+
+from server import __version__
+from server.errors import APIError
+from server.lora_routes import lora_cards
+from server.openapi import openapi_document
+
+
+def add_info_routes(app: Sanic) -> None:
+    @app.get("/v1/models")
+    async def models(request):
+        return response.json({"object": "list", "data": [model_card(request.app)] + lora_cards(request.app)})
+
+    @app.get("/v1/models/<model_id:path>")
+    async def model(request, model_id: str):
+        card = model_card(request.app)
+        adapter = next((c for c in lora_cards(request.app) if c["id"] == model_id), None)
+        if model_id != card["id"] and adapter is None:
+            raise APIError(404, f"model '{model_id}' does not exist; this server serves '{card['id']}'",
+                           "model", "model_not_found")
+        return response.json(adapter or card)
+
+    @app.get("/health")
+    async def health(request):
+        if request.app.ctx.inflight.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        healthy = getattr(request.app.ctx.handle, "is_healthy", None)
+        if callable(healthy) and not healthy():
+            raise APIError(503, "engine is not running")
+        return response.json({"status": "ok"})
+
+    @app.get("/version")
+    async def version(request):
+        return response.json({"version": __version__})
+
+    @app.get("/metrics")
+    async def metrics(request):
+        stats = request.app.ctx.handle.stats()
+        return response.text(request.app.ctx.metrics.render(stats),
+                             content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/openapi.json")
+    async def openapi(request):
+        if request.app.ctx.openapi is None:
+            request.app.ctx.openapi = openapi_document(__version__, request.app.ctx.model)
+        return response.json(request.app.ctx.openapi)
+
+
+def model_card(app: Sanic) -> dict:
+    model = app.ctx.model
+    return {"id": model.name, "object": "model", "created": app.ctx.created, "owned_by": "openinfer",
+            "root": model.name, "max_model_len": model.max_model_len}

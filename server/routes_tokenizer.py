@@ -1,0 +1,56 @@
+"""The tokenizer routes (vLLM's): /tokenize, /detokenize and /tokenizer_info, which lets a client such
+as lm-eval (`tokenizer_backend=remote`) work with the server's tokenizer instead of a local copy."""
+from __future__ import annotations
+
+from sanic import Sanic, response
+
+from server.body import parse_json
+from server.errors import APIError, wrong_type
+from server.fields import Fields, check_token_ids, is_int
+from server.offload import in_thread
+from server.protocol import (ModelInfo, check_model_name, check_text_fits, encode_text, parse_messages,
+                             render_chat)
+
+
+def add_tokenizer_routes(app: Sanic) -> None:
+    @app.post("/tokenize")
+    async def tokenize(request):
+        model = request.app.ctx.model
+        ids = await in_thread(_tokenize, request.body, model)
+        return response.json({"tokens": ids, "count": len(ids), "max_model_len": model.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(request):
+        return response.json({"prompt": await in_thread(_detokenize, request.body, request.app.ctx.model)})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request):
+        info = getattr(request.app.ctx.model.tokenizer, "info", None)
+        if info is None:
+            raise APIError(404, "this model's tokenizer does not describe itself", code="not_found")
+        return response.json(info())
+
+
+def _tokenize(raw: bytes, model: ModelInfo) -> list[int]:
+    body = parse_json(raw, model.limits.max_json_depth)
+    f = Fields(body)
+    check_model_name(f, model)
+    add_special = f.boolean("add_special_tokens", True)
+    if "messages" in body:
+        add_generation_prompt = f.boolean("add_generation_prompt", True)
+        return render_chat(model.tokenizer, parse_messages(body["messages"]), add_generation_prompt,
+                           max_chars=model.max_text_chars)
+    if isinstance(body.get("prompt"), str):
+        check_text_fits(body["prompt"], model.max_text_chars, "prompt")
+        return encode_text(model.tokenizer, body["prompt"], add_special)
+    raise wrong_type("'prompt' (a string) or 'messages' is required", "prompt")
+
+
+def _detokenize(raw: bytes, model: ModelInfo) -> str:
+    body = parse_json(raw, model.limits.max_json_depth)
+    check_model_name(Fields(body), model)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+        raise wrong_type("'tokens' must be a list of integer token ids", "tokens")
+    check_token_ids(ids, model.vocab_size, "tokens")
+    return model.tokenizer.decode(ids)

@@ -1,0 +1,70 @@
+"""What `openinfer serve` says at start: which executor serves on which device and why, which kernel
+library runs the linear layers, and — where an NVIDIA GPU is present but CuPy is not — how to get GPU
+serving."""
+from __future__ import annotations
+
+import os
+import shutil
+
+CUDA_INSTALL_HINT = ("pip install -e '.[cuda,cute]' && python -m kernels.cute.build (the README's GPU "
+                     "command; cuda is for a CUDA 13 driver, cuda12 for a CUDA 12 one)")
+
+
+def nvidia_gpu_present() -> str | None:
+    """How this machine shows an NVIDIA GPU (/dev/nvidia0, nvidia-smi), or None."""
+    if os.path.exists("/dev/nvidia0"):
+        return "/dev/nvidia0"
+    return "nvidia-smi" if shutil.which("nvidia-smi") else None
+
+
+def cupy_status() -> str | None:
+    """Why CuPy cannot serve (not installed, no device, driver error), or None when it sees a GPU."""
+    try:
+        import cupy
+    except Exception as exc:
+        return f"CuPy is not installed ({type(exc).__name__}: {exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"CuPy sees no GPU ({type(exc).__name__}: {exc})"
+    return None if count > 0 else "CuPy sees no GPU"
+
+
+def gpu_warning(device: str) -> str | None:
+    """The start-up warning for a GPU that will not be used because CuPy cannot drive it."""
+    if device == "cpu":
+        return None
+    shown_by, problem = nvidia_gpu_present(), cupy_status()
+    if shown_by is None or problem is None:
+        return None
+    return (f"an NVIDIA GPU is present ({shown_by}) but {problem}: serving on the CPU (numpy executor, "
+            f"slow). For GPU serving: {CUDA_INSTALL_HINT}")
+
+
+def describe_executor(handle, device: str) -> str:
+    """One line: executor, device, why that device, and the kernel library of the linear layers (rank 0's,
+    with the number of ranks, under tensor parallelism). An EngineClient has no executor here (it is in the
+    engine process): its device follows the rule the executor factory applies, and on the GPU the engine
+    process logs the library itself (and the tensor-parallel ranks)."""
+    executor = getattr(handle, "executor", None)
+    ranks = getattr(executor, "world_size", 1)
+    executor = getattr(executor, "local", executor)          # tensor parallel: rank 0's executor
+    where = "" if executor is not None else "; it runs in the engine process"
+    where += f"; tensor parallel over {ranks} ranks" if ranks > 1 else ""
+    gemm = getattr(executor, "gemm", None)
+    if gemm is not None and hasattr(gemm, "describe"):
+        return f"executor: {type(executor).__name__} on the GPU (--device {device}){where}; {gemm.describe()}"
+    if executor is None and (device == "cuda" or (device == "auto" and cupy_status() is None)):
+        return f"executor: GpuExecutor on the GPU (--device {device}){where}, which logs its linear layers' library"
+    name = type(executor).__name__ if executor is not None else "CpuExecutor"
+    why = "--device cpu" if device == "cpu" else f"--device {device} and {cupy_status() or 'no GPU'}"
+    return f"executor: {name} (numpy) on the CPU ({why}){where}; linear layers: numpy matmul ({_blas()})"
+
+
+def _blas() -> str:
+    try:
+        import numpy
+        config = numpy.show_config(mode="dicts")
+        return "BLAS: " + config["Build Dependencies"]["blas"]["name"]
+    except Exception:
+        return "BLAS unknown"
