@@ -296,7 +296,11 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     if micro:
         from bench.decode_micro import micro_bench
         micro_rows = micro_bench(ex, cfg, bw, micro.split(","))
+    state = model.model.state_layout()
     ex.close()
+    return dict(model=name + (f" ({layers} layers)" if layers else ""), weight_bytes=weight_bytes, rows=rows,
+                breakdown=breakdown, micro=micro_rows, hf_kernels=hf_kernels,
+                state_bytes_per_seq=state.slot_bytes(2) if state is not None else 0)
 
 
 def hf_linear_attention_kernels(hf) -> str:

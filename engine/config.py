@@ -52,8 +52,9 @@ class EngineConfig:
     seed: int = 0                            # seeds the RNG of requests that bring no seed
     overlap_steps: bool = True               # detokenize / send step N's tokens while step N+1 runs
     schedule_ahead: bool = True              # with overlap_steps: plan decode step N+1 while step N runs
-    async_scheduling: bool = False           # with schedule_ahead: queue decode step N+1 before N's ids are back
+    async_scheduling: bool = True            # with schedule_ahead: queue decode step N+1 before N's ids are back
     host_kv_blocks: int = 0                  # host KV tier: evicted prefix-cache blocks kept in host memory
+    kv_offload_gib: float = 0.0              # the host tier sized in GiB instead (the model's block bytes)
     gpu: GpuTuning | None = None
     progress: bool = True                    # the weight-upload progress bar
     step_trace: str | None = None            # a JSONL file: one line per engine step (engine/step_trace.py)
@@ -78,6 +79,11 @@ class EngineConfig:
             (self.host_kv_blocks >= 0, "host_kv_blocks must be >= 0"),
             (not self.host_kv_blocks or self.enable_prefix_caching,
              "host_kv_blocks needs prefix caching (the host tier keeps evicted prefix-cache blocks)"),
+            (self.kv_offload_gib >= 0, "kv_offload_gib must be >= 0"),
+            (not (self.kv_offload_gib and self.host_kv_blocks),
+             "give the host KV tier's size once: kv_offload_gib or host_kv_blocks"),
+            (not self.kv_offload_gib or self.enable_prefix_caching,
+             "kv_offload_gib needs prefix caching (the host tier keeps evicted prefix-cache blocks)"),
             (self.max_loras >= 1, "max_loras must be >= 1"),
             (1 <= self.max_lora_rank <= MAX_LORA_RANK, f"max_lora_rank must be in [1, {MAX_LORA_RANK}]"),
             (self.enable_lora or not self.lora_modules, "lora_modules needs enable_lora (--enable-lora)"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import queue
@@ -140,6 +141,7 @@ class EngineHandle(LocalLoRACalls):
         self.model_path = None
         if executor is None:
             executor, tokenizer, info = _build(self.config)
+            self.config = info["config"]                   # sizes resolved against the model (kv_offload_gib)
             model_name = model_name or info["model_name"]
             max_model_len = max_model_len or info["max_model_len"]
             self.model_path = info["model_path"]
@@ -260,6 +262,11 @@ def collect_events(rid: str, ids: list[int], events, n: int) -> RequestOutput:
     return out
 
 
+def host_blocks_for_gib(gib: float, layout, itemsize: int) -> int:
+    """Host-tier slots that fit `gib` GiB of this KV layout's blocks (at least one)."""
+    return max(1, int(gib * 2**30) // layout.block_bytes(itemsize))
+
+
 def _build(config: EngineConfig):
     """Load the model named by config (the demo model when None) and build its executor."""
     import os
@@ -273,10 +280,13 @@ def _build(config: EngineConfig):
         path = demo_model_path()
     device = resolve_device(config.device)
     model = load_model(path)
+    if config.kv_offload_gib:              # the host tier in GiB -> slots of this model's KV blocks
+        blocks = host_blocks_for_gib(config.kv_offload_gib, model.model.kv_layout(), 2 if device == "cuda" else 4)
+        config = dataclasses.replace(config, host_kv_blocks=blocks, kv_offload_gib=0.0)
     options = executor_options(config, device, model.config.max_position_embeddings)
     executor = create_executor(model, options, device)
     name = os.path.basename(os.path.normpath(str(path)))
     if name.endswith(".gguf"):
         name = name[:-5]
-    info = {"model_name": name, "max_model_len": options.max_model_len, "model_path": model.path}
+    info = {"model_name": name, "max_model_len": options.max_model_len, "model_path": model.path, "config": config}
     return executor, model.tokenizer, info

@@ -45,13 +45,16 @@ class _LoopBox:
 
 
 class EngineClient(RemoteLoRACalls):
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 1800.0):
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 1800.0, notes=None):
+        """`notes(handle, device) -> [(log level, line)]`, if given, runs in the engine process once the
+        engine is up (what to say at start about the device: only that process may touch CUDA, a forked
+        child cannot use a CUDA context its parent created); its lines are `startup_notes`."""
         config.validate()
         self.config = config
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
         self._to_child, child_in = ctx.Pipe(duplex=False)[::-1]
         child_out, self._from_child = ctx.Pipe(duplex=False)[::-1]
-        self._proc = ctx.Process(target=_child_main, args=(config, child_in, child_out), name="openinfer-engine",
+        self._proc = ctx.Process(target=_child_main, args=(config, child_in, child_out, notes), name="openinfer-engine",
                                  daemon=True)
         self._proc.start()
         child_in.close()
@@ -66,6 +69,7 @@ class EngineClient(RemoteLoRACalls):
         info = msg[1]
         self.model_name, self.max_model_len, self.max_n = info["model_name"], info["max_model_len"], info["max_n"]
         self.vocab_size, self.model_path = info["vocab_size"], info["model_path"]
+        self.startup_notes: list[tuple[int, str]] = info["notes"]
         self.tokenizer = _load_tokenizer(self.model_path)
         self._stats = EngineStats()
         self._streams: dict[str, RequestStream] = {}
@@ -190,7 +194,7 @@ def _load_tokenizer(folder: str):
 
 
 # ---- the child ------------------------------------------------------------------------------------
-def _child_main(config: EngineConfig, inbox, outbox) -> None:
+def _child_main(config: EngineConfig, inbox, outbox, notes=None) -> None:
     import signal
 
     from engine.handle import EngineHandle
@@ -206,7 +210,8 @@ def _child_main(config: EngineConfig, inbox, outbox) -> None:
         return
     engine = handle.engine
     outbox.send(("ready", dict(model_name=handle.model_name, max_model_len=handle.max_model_len, max_n=handle.max_n,
-                               vocab_size=handle.executor.vocab_size, model_path=handle.model_path)))
+                               vocab_size=handle.executor.vocab_size, model_path=handle.model_path,
+                               notes=notes(handle, config.device) if notes else [])))
     sender = _Sender(outbox)
     pending: list = []
 

@@ -52,11 +52,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-kv-blocks", type=int, default=0,
                    help="host KV tier: keep up to this many evicted prefix-cache blocks in host memory "
                         "(pinned memory with the GPU executor)")
+    p.add_argument("--kv-offload-gib", type=float, default=0.0,
+                   help="host KV tier sized in GiB of host memory (instead of --host-kv-blocks): as many of the "
+                        "model's KV blocks as fit")
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="detokenize and stream a step's tokens while the GPU runs the next step")
     p.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="with --overlap-steps: schedule and build the next decode step while the GPU runs this one")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="queue the next decode step before this one's tokens reach the host (its input ids are "
                         "taken on the GPU): no host time between decode steps")
     p.add_argument("--enable-lora", action="store_true",
@@ -144,6 +147,7 @@ def engine_config(args: argparse.Namespace):
                           cuda_graph_sizes=tuple(args.cuda_graph_sizes or DEFAULT_GRAPH_SIZES),
                           max_n=getattr(args, "max_n", 16), seed=args.seed, overlap_steps=args.overlap_steps,
                           schedule_ahead=args.schedule_ahead, host_kv_blocks=args.host_kv_blocks,
+                          kv_offload_gib=args.kv_offload_gib,
                           async_scheduling=args.async_scheduling, step_trace=args.step_trace,
                           enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules),
                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
@@ -171,16 +175,20 @@ def serve(args: argparse.Namespace) -> int:
     from engine.handle import EngineHandle
     from engine.process import EngineClient
     from server.app import create_app
-    from server.startup import describe_executor, gpu_warning
+    from server.startup import startup_notes
     _setup_logging(args.log_level)
     config = engine_config(args)
     limits = server_limits(args)
     sock = socket.create_server((args.host, args.port))     # fail fast if the port is taken
-    if warning := gpu_warning(config.device):
-        log.warning("%s", warning)
-    handle = EngineClient(config) if args.engine_process else EngineHandle(config)
+    if args.engine_process:                                 # CUDA is touched in the engine process only
+        handle = EngineClient(config, notes=startup_notes)
+        notes = [(level, f"{line} [the engine process]") for level, line in handle.startup_notes]
+    else:
+        handle = EngineHandle(config)
+        notes = startup_notes(handle, config.device)
     try:
-        log.info("%s", describe_executor(handle, config.device))
+        for level, line in notes:
+            log.log(level, "%s", line)
         app = create_app(handle, api_key=args.api_key, limits=limits)
         print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
               f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

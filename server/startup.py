@@ -41,6 +41,16 @@ def gpu_warning(device: str) -> str | None:
             f"slow). For GPU serving: {CUDA_INSTALL_HINT}")
 
 
+def startup_notes(handle, device: str) -> list[tuple[int, str]]:
+    """(log level, line) pairs said at start: the GPU warning, then the executor line. With an engine
+    process they are made there (`EngineClient(notes=startup_notes)`): asking CuPy for the device count
+    in the server process before it forks would initialise CUDA there, and a forked child cannot use it."""
+    import logging
+
+    warning = gpu_warning(device)
+    return ([(logging.WARNING, warning)] if warning else []) + [(logging.INFO, describe_executor(handle, device))]
+
+
 def describe_executor(handle, device: str) -> str:
     """One line: executor, device, why that device, and the kernel library of the linear layers (rank 0's,
     with the number of ranks, under tensor parallelism). An EngineClient has no executor here (it is in the

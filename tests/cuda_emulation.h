@@ -7,6 +7,7 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstring>
@@ -50,13 +51,16 @@ inline float emu_shuffle(float v, int src_lane, bool keep) {
 inline float __shfl_xor_sync(unsigned, float v, int o) { return emu_shuffle(v, emu_lane() ^ o, false); }
 inline float __shfl_up_sync(unsigned, float v, int o) { return emu_shuffle(v, emu_lane() - o, emu_lane() < o); }
 inline float __shfl_sync(unsigned, float v, int src) { return emu_shuffle(v, src & 31, false); }
-inline int __shfl_xor_sync(unsigned, int v, int o) {        // an int's bits through the float exchange
+inline int emu_shuffle_int(int v, int src_lane, bool keep) {       // an int's bits through the float exchange
     float f;
     std::memcpy(&f, &v, sizeof f);
-    f = emu_shuffle(f, emu_lane() ^ o, false);
+    f = emu_shuffle(f, src_lane, keep);
     std::memcpy(&v, &f, sizeof v);
     return v;
 }
+inline int __shfl_xor_sync(unsigned, int v, int o) { return emu_shuffle_int(v, emu_lane() ^ o, false); }
+inline int __shfl_up_sync(unsigned, int v, int o) { return emu_shuffle_int(v, emu_lane() - o, emu_lane() < o); }
+inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 
 // Run body() as every thread of every block of the grid (1-D blocks), blocks one after another.
 inline void emu_launch(EmuDim grid, unsigned threads, size_t smem, const std::function<void()>& body) {

@@ -70,6 +70,7 @@ def client_view(events: list) -> list:
 
 
 def run(executor, reqs, **config) -> dict[str, list]:
+    config.setdefault("async_scheduling", False)   # overlap alone; async scheduling (on by default) is asked for
     engine = make_engine(executor, **config)
     streams = {r.request_id: [] for r in reqs}
     log = getattr(executor, "log", [])
@@ -110,12 +111,12 @@ def test_overlap_through_preemption_and_aborts():
             for i in range(6)]
     sync = run(FakeExecutor(num_kv_blocks=14), reqs, max_num_seqs=6)
     lagged = AsyncFakeExecutor(num_kv_blocks=14)
-    engine = make_engine(lagged, max_num_seqs=6)
+    engine = make_engine(lagged, max_num_seqs=6, async_scheduling=False)
     streams = {r.request_id: submit(engine, r) for r in reqs}
     assert run_until_idle(engine) > 0 and engine.scheduler.num_preemptions > 0
     assert {rid: client_view(ev) for rid, ev in streams.items()} == sync
 
-    engine = make_engine(AsyncFakeExecutor())
+    engine = make_engine(AsyncFakeExecutor(), async_scheduling=False)
     events = submit(engine, requests()[0])
     engine.step()
     engine.step()                                 # one token sent, one deferred
@@ -146,7 +147,7 @@ def test_steps_planned_ahead_equal_freshly_scheduled_ones():
     confirmed (tokens patched in) after it: the same events and the same fed tokens as scheduling
     each step afresh, through stop strings, stop tokens, n > 1, logprobs and arrivals."""
     ahead_ex, fresh_ex = AsyncFakeExecutor(), AsyncFakeExecutor()
-    ahead_engine = make_engine(ahead_ex)
+    ahead_engine = make_engine(ahead_ex, async_scheduling=False)
     streams = {r.request_id: submit(ahead_engine, r) for r in requests()}
     run_until_idle(ahead_engine)
     fresh = run(fresh_ex, requests(), schedule_ahead=False)
@@ -160,7 +161,7 @@ def test_steps_planned_ahead_equal_freshly_scheduled_ones():
 def test_plan_is_dropped_when_the_running_set_changes():
     """An arrival, an abort or an end between the plan and its step: the plan is not used."""
     ex = AsyncFakeExecutor()
-    engine = make_engine(ex)
+    engine = make_engine(ex, async_scheduling=False)
     a = submit(engine, GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0,
                                                                          ignore_eos=True)))
     for _ in range(4):
@@ -189,7 +190,7 @@ def test_busy_server_plans_ahead_with_a_queue():
     reqs = [GenerateRequest(f"q{i}", [20 + i] * (3 + i), SamplingParams(max_tokens=12 + 5 * i, temperature=0.0,
                                                                         ignore_eos=True)) for i in range(6)]
     ahead_ex, fresh_ex = AsyncFakeExecutor(), AsyncFakeExecutor()
-    engine = make_engine(ahead_ex, max_num_seqs=2)
+    engine = make_engine(ahead_ex, max_num_seqs=2, async_scheduling=False)
     streams = {r.request_id: submit(engine, r) for r in reqs}
     run_until_idle(engine)
     fresh = run(fresh_ex, reqs, max_num_seqs=2, schedule_ahead=False)

@@ -4,6 +4,7 @@ its open requests instead of hanging them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 
@@ -82,3 +83,28 @@ def test_a_dead_engine_fails_open_requests(config):
         assert not c.is_healthy()
     finally:
         c.shutdown()
+
+
+def test_startup_notes_are_made_in_the_engine_process(config, monkeypatch):
+    """What `openinfer serve` says about the device is asked in the engine process, never in the server
+    before it forks: CUDA initialised in a parent is unusable in its forked child (the GPU server
+    failed to start with cudaErrorInitializationError when the server asked CuPy for the device count)."""
+    import logging
+
+    from server import startup
+
+    asked_in = []
+
+    def status():
+        asked_in.append(os.getpid())                 # only the parent's list is seen here
+        return f"CuPy sees no GPU (asked in {os.getpid()})"
+
+    monkeypatch.setattr(startup, "cupy_status", status)
+    monkeypatch.setattr(startup, "nvidia_gpu_present", lambda: "/dev/nvidia0")
+    config = dataclasses.replace(config, device="auto")
+    with EngineClient(config, notes=startup.startup_notes) as c:
+        levels = [level for level, _ in c.startup_notes]
+        assert levels[0] == logging.WARNING and "CuPy sees no GPU (asked in " in c.startup_notes[0][1]
+        assert f"(asked in {os.getpid()})" not in c.startup_notes[0][1]
+        assert "CpuExecutor" in c.startup_notes[-1][1]
+    assert not asked_in                                  # the server process never asked

@@ -17,7 +17,7 @@ from engine.loader import load_model
 from engine.lora import load_adapter, lora_sites
 from harness.executors import new_gpu_executor
 from harness.lora import TINY_ADAPTERS, peft_model, tiny_adapter_path
-from harness.models import engine_logits, random_sequences, tiny_model_path
+from harness.models import engine_logits, log_softmax, random_sequences, tiny_model_path
 from test_gpu_executor import MIN_TIE_TOL, PATHS, assert_gate, assert_same_or_tie, gate_row, greedy, hf_run
 from test_gpu_moe_mla import assert_same_scores
 
@@ -91,7 +91,9 @@ def test_mixed_batch_equals_each_alone(tiny):
     slots = [0, 1, 2, None]
     mixed = engine_logits(ex, seqs, lora_slots=slots, prefill=[None, 3, 7, 16], chunks=[1, 1, 5, 9])
     for i, (seq, slot) in enumerate(zip(seqs, slots)):
-        assert_same_scores(mixed[i], engine_logits(ex, [seq], lora_slots=[slot])[0])
+        o32, o16 = oracle[ADAPTERS[slot if slot is not None else 0]]
+        floor = float(np.abs(log_softmax(o16[i]) - log_softmax(o32[i])).mean())      # this model's bf16 floor
+        assert_same_scores(mixed[i], engine_logits(ex, [seq], lora_slots=[slot])[0], max(0.02, floor / 2))
         if slot is not None:
             o32, o16 = oracle[ADAPTERS[slot]]
             assert_gate(gate_row(f"{name}/lora-mixed/{ADAPTERS[slot]}", [mixed[i]], [o32[i]], [o16[i]]))

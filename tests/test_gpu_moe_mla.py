@@ -20,16 +20,22 @@ from test_gpu_executor import (MIN_TIE_TOL, PATHS, assert_gate, assert_same_or_t
                                test_tiny_batched_equals_batch1, test_tiny_gate, test_tiny_gate_gemm_library)
 
 pytestmark = pytest.mark.gpu
-# Two GPU runs of the same tokens through different paths (chunking, MLA form): bf16 rounding apart, so
-# the mean |Δlogprob| bound of the HF gate (0.02) and near-total argmax agreement.
+# Two GPU runs of the same tokens through different paths (chunking, prefix hit): bf16 rounding apart, so
+# the mean |Δlogprob| bound of the HF gate (0.02) and 95% argmax agreement up to a 0.02-nat tie. The two
+# MLA forms round at different places (per-head K and V against the latent): they sit as far apart as
+# bf16 sits from float32 on these tiny models (HF bf16 vs float32, H200: mean 0.031 deepseek_v2, 0.039
+# deepseek_v2_lite; p99 ~0.1), so they are held to that floor.
 SAME_MEAN_DLOGPROB = 0.02
+MLA_FORMS_MEAN_DLOGPROB, MLA_FORMS_TIE_TOL = 0.04, 0.1
 
 
-def assert_same_scores(a: np.ndarray, b: np.ndarray) -> None:
-    d = np.abs(log_softmax(a) - log_softmax(b))
-    agree = float((a.argmax(-1) == b.argmax(-1)).mean())
-    print(f"mean |dlogprob| {d.mean():.4g}, argmax agreement {agree:.3f}")
-    assert d.mean() <= SAME_MEAN_DLOGPROB and agree >= 0.95
+def assert_same_scores(a: np.ndarray, b: np.ndarray, bound: float = SAME_MEAN_DLOGPROB,
+                       tie_tol: float = MIN_TIE_TOL) -> None:
+    la, lb = log_softmax(a), log_softmax(b)
+    d, rows = np.abs(la - lb), np.arange(len(a))
+    agree = float(np.mean(lb.max(-1) - lb[rows, la.argmax(-1)] <= tie_tol))
+    print(f"mean |dlogprob| {d.mean():.4g} (bound {bound:.3g}), argmax agreement up to {tie_tol} nats {agree:.3f}")
+    assert d.mean() <= bound and agree >= 0.95
 
 
 def tiny_case(name: str):
@@ -102,5 +108,5 @@ def test_mla_expanded_prefill_equals_absorbed(name):
     expanded = ex.forward_logits(batch)
     ex.ops.mla_expand_cap = 0
     absorbed = ex.forward_logits(batch)
-    assert_same_scores(expanded, absorbed)
+    assert_same_scores(expanded, absorbed, MLA_FORMS_MEAN_DLOGPROB, MLA_FORMS_TIE_TOL)
     ex.close()

@@ -90,11 +90,14 @@ def test_expert_grouping_on_the_device(tokens, skew):
     assert (np.delete(row_token, row_of) == -1).all()
 
 
-@pytest.mark.parametrize("gemm", ["cute", "cublas"])
+@pytest.mark.parametrize("gemm", ["cute", "cublas", "gemv"])
 def test_grouped_gemm_matches_numpy(gemm):
-    """The CuTe grouped GEMM ("cute") and the wmma fallback (no CuTe: "cublas") on expert-grouped rows."""
+    """The CuTe grouped GEMM ("cute"), the mma fallback (no CuTe: "cublas") and the decode-step GEMV
+    (moe_gemv.cu: a step of at most GEMV_MAX_TOKENS tokens; here every row of a tile real) on
+    expert-grouped rows."""
     import cupy
-    _, ex = executor("qwen3_moe", gemm)
+    _, ex = executor("qwen3_moe", "cublas" if gemm == "gemv" else gemm)
+    tokens = 1 if gemm == "gemv" else 1 << 20
     if gemm == "cute" and ex.gemm.cute is None:
         pytest.skip(f"CuTe GEMM not available: {ex.gemm.cute_missing}")
     rng = np.random.default_rng(1)
@@ -104,7 +107,7 @@ def test_grouped_gemm_matches_numpy(gemm):
         tile_expert = rng.integers(0, E, tiles).astype(np.int32)
         row_token = np.arange(M, dtype=np.int32)
         out = cupy.zeros((M, N), cupy.uint16)
-        ex.ops.grouped_linear(dev(a), dev(w), cupy.asarray(tile_expert), cupy.asarray(row_token), out, tile_m)
+        ex.ops.grouped_linear(dev(a), dev(w), cupy.asarray(tile_expert), cupy.asarray(row_token), out, tile_m, tokens)
         want = np.einsum("mk,mnk->mn", bf16(a), bf16(w)[np.repeat(tile_expert, tile_m)])
         np.testing.assert_allclose(host(out), want, rtol=ROUND, atol=ROUND)
 

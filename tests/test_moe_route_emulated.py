@@ -57,3 +57,55 @@ def test_router_kernel_compiles_with_nvcc_for_sm90a(tmp_path):
         pytest.skip("nvcc is not available")
     subprocess.run([nvcc, "-arch=sm_90a", "-c", os.path.join(KERNEL_DIR, "moe_route.cu"), "-o", str(tmp_path / "k.o")],
                    check=True, capture_output=True)
+
+
+class EmulatedExperts(GpuMoEOps, EmulatedOps):
+    """moe_experts of a decode-sized step on the host: moe_align, the gather, moe_gemv.cu for both products,
+    silu_mul.cu and the weighted combine, each through the emulation."""
+
+    def __init__(self, tokens: int, spec: RouteSpec, hidden: int, inter: int):
+        from types import SimpleNamespace
+
+        from memory.device_arena import Buffer
+
+        plan = SimpleNamespace(max_tokens=tokens, experts=SimpleNamespace(
+            num_experts=spec.num_experts, top_k=spec.top_k, hidden=hidden, inter=inter))
+        self.moe = {b.name: host(np.zeros(b.shape, b.dtype)) for b in self.moe_buffers(plan)
+                    if isinstance(b, Buffer)}
+        for name, entry in (("align", "moe_align"), ("gather", "moe_gather"), ("combine", "moe_combine"),
+                            ("gemv", "moe_gemv")):
+            setattr(self, f"k_{name}", ({"gather": "moe_permute", "combine": "moe_permute"}.get(name, entry),
+                                        entry, ()))
+        self.k_silu = ("silu_mul", "silu_mul", ())
+        self.gate_up_interleaved = False
+        self.out = host(np.zeros((tokens, hidden), np.uint16))
+
+    def _residual_out(self, rows: int, cols: int):
+        return self.out
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_decode_experts_on_the_gemv_match_numpy(tokens):
+    """GpuMoEOps.moe_experts for a step of at most GEMV_MAX_TOKENS tokens (experts shared between tokens
+    included) against NumpyMoEOps on the same bf16 values, to bf16 rounding of the intermediate rows."""
+    from engine.executor.cpu_moe_ops import NumpyMoEOps
+    from engine.executor.cpu_ops import NumpyOps
+    from engine.executor.gpu_moe_ops import GEMV_MAX_TOKENS
+
+    assert tokens <= GEMV_MAX_TOKENS
+    spec, H, inter = RouteSpec(6, 3, renormalize=True), 64, 48
+    rng = np.random.default_rng(tokens)
+    bf = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)  # noqa: E731
+    x, residual = bf(rng.standard_normal((tokens, H))), bf(rng.standard_normal((tokens, H)))
+    gate_up, down = bf(rng.standard_normal((6, 2 * inter, H)) / 8), bf(rng.standard_normal((6, H, inter)) / 7)
+    weights, ids = route_topk(rng.standard_normal((tokens, 6)).astype(np.float32), spec)
+    ops = EmulatedExperts(tokens, spec, H, inter)
+    got = ops.moe_experts(host(x.view(np.uint16)), host(gate_up.view(np.uint16)), host(down.view(np.uint16)),
+                          host(weights.astype(np.float32)), host(ids.astype(np.int32)), host(residual.view(np.uint16)))
+    got = np.asarray(got).view(ml_dtypes.bfloat16).astype(np.float32)
+
+    assert issubclass(NumpyOps, NumpyMoEOps)
+    want = NumpyOps(np.zeros(1)).moe_experts(*(np.asarray(v, np.float32) for v in (x, gate_up, down)), weights, ids,
+                                  residual.astype(np.float32))
+    np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
+    assert np.abs(got - want).mean() < 5e-3

@@ -26,10 +26,29 @@ def non_default_config(model: str) -> EngineConfig:
                         max_model_len=400, max_num_seqs=5, max_num_batched_tokens=96, num_kv_blocks=77,
                         gpu_memory_utilization=0.55, enable_prefix_caching=True, enable_chunked_prefill=False,
                         enforce_eager=True, cuda_graph_sizes=(1, 3), max_n=3, seed=1234, overlap_steps=False,
-                        schedule_ahead=False, async_scheduling=True, host_kv_blocks=9,
+                        schedule_ahead=False, async_scheduling=False, host_kv_blocks=9,
                         gpu=GpuTuning(decode_kernels="attention", gemm="cublas", pdl=False, nvtx="ops"),
                         progress=False, enable_lora=True, lora_modules=(("ad", tiny_adapter_path("qwen3_untied", "attn8")),),
                         max_loras=2, max_lora_rank=8)
+
+
+def block_bytes(path: str, itemsize: int) -> int:
+    from engine.loader import load_model
+
+    return load_model(path).model.kv_layout().block_bytes(itemsize)
+
+
+def offload_slots(path: str, gib: float) -> int:
+    """The host tier's slots of an engine given --kv-offload-gib (exclusive with host_kv_blocks, so not in
+    the non-default config): the executor's and the scheduler's, which must agree."""
+    from engine.handle import EngineHandle
+
+    config = EngineConfig(model=path, device="cpu", kv_offload_gib=gib, num_kv_blocks=16, progress=False)
+    with EngineHandle(config) as h:
+        slots = h.executor.options.host_kv_blocks
+        assert slots == h.engine.scheduler.host_tier.num_slots == h.config.host_kv_blocks
+        assert config.kv_offload_gib == gib and config.host_kv_blocks == 0       # the caller's config untouched
+        return slots
 
 
 def test_every_engine_config_field_reaches_its_consumer(tmp_path):
@@ -71,8 +90,8 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             == random.Random(1234).getrandbits(63),
             "overlap_steps": eng.config.overlap_steps is False,
             "schedule_ahead": eng.config.schedule_ahead is False,
-            # on where the loop overlaps steps on an executor that takes fed steps; off here (no overlap)
-            "async_scheduling": eng.config.async_scheduling is True and eng._async is False,
+            # off (the default is on, where the loop overlaps steps on an executor that takes fed steps)
+            "async_scheduling": eng.config.async_scheduling is False and eng._async is False,
             "host_kv_blocks": opts.host_kv_blocks == 9 == eng.scheduler.host_tier.num_slots
             and ex.host_kv.shape[2] == 9 * 16,
             "gpu": opts.gpu == config.gpu,
@@ -84,6 +103,7 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             and len(ex.ops.lora_slots.slots) == 2,
             "max_lora_rank": opts.max_lora_rank == 8 == eng.loras.max_rank,
             "tensor_parallel_size": tensor_parallel_reaches_the_ranks(path),      # LoRA and TP exclude each other
+            "kv_offload_gib": offload_slots(path, 0.001) == (0.001 * 2**30) // block_bytes(path, 4),
         }
         h.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert set(checks) == {f.name for f in dataclasses.fields(EngineConfig)}
@@ -183,6 +203,10 @@ def test_lora_on_a_line_without_it_is_refused_at_start():
 def test_host_tier_without_prefix_caching_is_refused():
     with pytest.raises(ValueError, match="host_kv_blocks needs prefix caching"):
         EngineConfig(host_kv_blocks=4, enable_prefix_caching=False).validate()
+    with pytest.raises(ValueError, match="kv_offload_gib or host_kv_blocks"):
+        EngineConfig(host_kv_blocks=4, kv_offload_gib=1.0).validate()
+    with pytest.raises(ValueError, match="kv_offload_gib needs prefix caching"):
+        EngineConfig(kv_offload_gib=1.0, enable_prefix_caching=False).validate()
 
 
 def test_environment_is_read_once_into_gpu_tuning():

@@ -51,3 +51,15 @@ def test_kernel_compiles_with_nvrtc(path):
 def test_paged_decode_compiles_for_each_shape(gqa, head_dim):
     """paged_decode.cu is specialized per (GQA, HEAD_DIM) with -D options, as GpuOps compiles it."""
     _compile(os.path.join(KERNEL_DIR, "paged_decode.cu"), f"GQA={gqa}", f"HEAD_DIM={head_dim}")
+
+
+def test_kernels_include_only_what_nvrtc_finds():
+    """Kernel files include each other and <cuda_bf16.h> only: the GPU host's NVRTC headers (pip's
+    nvidia/cu13/include) lack the crt/ headers that <mma.h> pulls in, which `nvcc` here would not catch."""
+    import re
+
+    local = {os.path.basename(p) for p in glob.glob(os.path.join(KERNEL_DIR, "*.cuh"))}
+    for path in glob.glob(os.path.join(KERNEL_DIR, "*.cu*")):
+        with open(path, encoding="utf-8") as f:
+            for name in re.findall(r'#include\s+[<"]([^>"]+)[>"]', f.read()):
+                assert name in local or name == "cuda_bf16.h", f"{os.path.basename(path)} includes {name}"

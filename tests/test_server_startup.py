@@ -50,6 +50,6 @@ def test_serve_logs_its_executor_at_start_and_what_it_did_at_shutdown():
     assert proc.returncode == 0, log
     assert "executor: CPU (numpy)" in log               # the engine's own line (its process) reaches the log
     assert "executor: CpuExecutor (numpy) on the CPU (--device auto and " in log
-    assert "it runs in the engine process" in log       # serve's default: the engine in a process of its own
+    assert "[the engine process]" in log                # serve's default: the engine in a process of its own
     assert "shutdown: SIGINT received" in log and "0 of 0 running requests finished in the drain" in log
     assert "shutdown: engine stopped" in log

@@ -22,6 +22,7 @@ from memory.device_arena import Buffer, buffers_nbytes
 MAX_ROUTED_EXPERTS = 512     # moe_route.cu MAX_E (moe_align.cu takes up to 1024)
 MAX_TOP_K = 32
 TILE_ROWS = (64, 128)        # the grouped GEMM's M-tiles
+GEMV_MAX_TOKENS = 8          # steps of at most this many tokens run the experts on moe_gemv.cu (decode)
 
 
 def expert_tile_m(tokens: int, top_k: int, experts: int) -> int:
@@ -76,6 +77,7 @@ class GpuMoEOps:
         self.k_gather = kernel("moe_permute", "moe_gather")
         self.k_combine = kernel("moe_permute", "moe_combine")
         self.k_grouped = kernel("moe_grouped_gemm", "moe_grouped_gemm")
+        self.k_gemv = kernel("moe_gemv", "moe_gemv")
 
     def route(self, x, gate_weight, spec: RouteSpec, bias=None):
         T, E = x.shape[0], spec.num_experts
@@ -108,9 +110,15 @@ class GpuMoEOps:
                       row_of, row_token, tile_expert))
         return tile_m, rows, row_of, row_token, tile_expert
 
-    def grouped_linear(self, a, w, tile_expert, row_token, out, tile_m: int) -> None:
-        """out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ: the CuTe grouped GEMM where it serves, else
-        moe_grouped_gemm.cu (tensor-core wmma, graph-capturable too)."""
+    def grouped_linear(self, a, w, tile_expert, row_token, out, tile_m: int, tokens: int) -> None:
+        """out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ: moe_gemv.cu for a step of at most GEMV_MAX_TOKENS
+        tokens (a few real rows per tile: the experts' weights read once, no padded rows computed), else the
+        CuTe grouped GEMM where it serves, else moe_grouped_gemm.cu (tensor-core mma, graph-capturable too)."""
+        if tokens <= GEMV_MAX_TOKENS:
+            N, K = w.shape[1], w.shape[2]
+            self._launch(self.k_gemv, (-(-N // 32), a.shape[0] // tile_m), (128,),
+                         (a, w, tile_expert, row_token, out, np.int32(N), np.int32(K), np.int32(tile_m)))
+            return
         if self.gemm.cute is not None:
             self.gemm.cute.grouped_gemm(a, w, tile_expert, out, stream=self.stream, prefetch_weights=True)
             return
@@ -128,13 +136,13 @@ class GpuMoEOps:
         a = b["moe_a"][:rows * H].reshape(rows, H)
         self._launch(self.k_gather, (rows,), (128,), (x, row_token, a, np.int32(H)))
         gu = b["moe_b"][:rows * two_i].reshape(rows, two_i)
-        self.grouped_linear(a, gate_up, tile_expert, row_token, gu, tile_m)
+        self.grouped_linear(a, gate_up, tile_expert, row_token, gu, tile_m, T)
         act = b["moe_a"][:rows * inter].reshape(rows, inter)
         total = rows * inter // 8
         self._launch(self.k_silu, (max(1, min(4096, -(-total // 256))),), (256,),
                      (gu, act, np.int32(inter), np.int64(total), np.int32(self.gate_up_interleaved)))
         y = b["moe_b"][:rows * H].reshape(rows, H)
-        self.grouped_linear(act, down, tile_expert, row_token, y, tile_m)
+        self.grouped_linear(act, down, tile_expert, row_token, y, tile_m, T)
         out = self._residual_out(T, H)
         self._launch(self.k_combine, (T,), (128,), (y, row_of, weights, residual, out, np.int32(H), np.int32(ids.shape[1])))
         return out

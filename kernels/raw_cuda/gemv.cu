@@ -23,6 +23,7 @@
 // Roofline: N·K·2 weight bytes (+ M·K·2 of x, M·N of y): Qwen3-4B gate_up (19456 x 2560) is 99.6 MB,
 // 23 µs at 4.3 TB/s; at M <= 32 the tensor cores have > 20x headroom, so it is purely bandwidth-bound.
 #include "common.cuh"
+#include "mma.cuh"
 
 #define GEMV_WARPS 8
 #ifndef GEMV_U
@@ -33,14 +34,6 @@
 #define EPI_NONE 0
 #define EPI_RESIDUAL 1
 #define EPI_SILU 2
-
-__device__ __forceinline__ void mma_16816(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                          unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ const bf16_t* zero16() { return reinterpret_cast<const bf16_t*>(&kZero16); }
 
