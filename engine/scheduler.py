@@ -32,6 +32,12 @@ from memory.prefix_hash import NO_PARENT
 from memory.state_slots import StateSlots
 
 
+def counts_history(p) -> bool:
+    """The sampling of these params reads the tokens generated so far (repetition / frequency / presence
+    penalties): a step planned before the previous token is known would sample without it."""
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
 @dataclass
 class SchedulerOutput:
     steps: list[SeqStep] = field(default_factory=list)
@@ -257,7 +263,7 @@ class Scheduler:
         fed (async scheduling: the plan is launched before `out`'s tokens are known, its ids taken from
         out's on the device): also None when a sequence's token of `out` is its last by max_tokens, so
         no planned position runs past what admission allowed, or when a sequence has a grammar (its
-        mask needs out's token)."""
+        mask needs out's token) or penalties (repetition, frequency, presence: they count out's token)."""
         running = self.running
         if (not self._admission_closed() or len(out.seqs) != len(running)
                 or len(running) > self.max_num_batched_tokens):
@@ -266,7 +272,8 @@ class Scheduler:
         for seq, step, run in zip(out.seqs, out.steps, running):
             if (seq is not run or len(step.token_ids) != 1 or not step.sample or seq.fork_count > 1
                     or step.want_prompt_logprobs or seq.want_prompt_logprobs
-                    or (fed and (step.num_generated + 1 >= seq.params.max_tokens or seq.grammar is not None))):
+                    or (fed and (step.num_generated + 1 >= seq.params.max_tokens or seq.grammar is not None
+                                 or counts_history(seq.params)))):
                 return None
             need += max(0, blocks_for(step.start_pos + 2) - len(seq.block_table))
         if not self.bm.can_allocate(need):

@@ -12,7 +12,7 @@ from typing import Any
 from engine.detokenizer import stop_matcher
 from engine.request import SamplingParams
 from server.errors import APIError, invalid, wrong_type
-from server.fields import Fields, check_token_ids, is_int
+from server.fields import Fields, all_ints, check_token_ids
 from server.limits import ServerLimits
 from server.structured import Constraint, parse_constraint
 from server.tools import ToolConfig, message_extras, output_constraint, parse_tools
@@ -81,8 +81,8 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
     """POST /v1/completions."""
     f = Fields(body)
     lora_name = _check_common(f, model, chat=False)
-    prompts, texts = _completion_prompts(body.get("prompt"), model)
     echo = f.boolean("echo", False)
+    prompts, texts = _completion_prompts(body.get("prompt"), model, echo)
     logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
     max_tokens = _max_tokens(f, model, prompts, 16, allow_zero=echo)
     params = _sampling_params(f, model, max_tokens)
@@ -196,18 +196,19 @@ def _message_text(content, role: str, where: str) -> str:
     raise wrong_type(f"'{where}.content' must be a string or a list of text parts", f"{where}.content")
 
 
-def _completion_prompts(prompt, model: ModelInfo) -> tuple[list[list[int]], list[str]]:
-    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+def _completion_prompts(prompt, model: ModelInfo, echo: bool) -> tuple[list[list[int]], list[str]]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids; with `echo`, each
+    prompt's text too (token ids are decoded only then: 10 ms for a 16k-token prompt)."""
     if prompt is None:
         raise wrong_type("'prompt' is required", "prompt")
     if isinstance(prompt, str):
         items = [prompt]
-    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all_ints(prompt):
         items = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         items = prompt
     elif (isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt)
-          and all(is_int(t) for p in prompt for t in p)):
+          and all(all_ints(p) for p in prompt)):
         items = prompt
     else:
         raise wrong_type("'prompt' must be a string, a list of strings, a list of token ids, "
@@ -224,7 +225,8 @@ def _completion_prompts(prompt, model: ModelInfo) -> tuple[list[list[int]], list
         else:
             check_token_ids(item, model.vocab_size, "prompt")
             ids = list(item)
-            texts.append(model.tokenizer.decode(ids))
+            if echo:
+                texts.append(model.tokenizer.decode(ids))
         if not ids:
             raise invalid("'prompt' must not be empty", "prompt")
         prompts.append(ids)

@@ -226,3 +226,26 @@ def test_async_scheduling_queues_the_next_step_before_waiting():
         outstanding += {"launch": 1, "result": -1}.get(kind, 0)
         queued_behind += kind == "result" and outstanding == 1      # another step already queued
     assert queued_behind >= 35 and len(ex.steps) == 40
+
+
+def test_async_scheduling_never_feeds_a_step_whose_sampling_counts_the_history():
+    """Penalties count the tokens generated so far: a step queued before the previous token reached the
+    host would sample without it. Such sequences decode step by step; the tokens equal the synchronous
+    engine's, and a request without penalties beside them is still not fed alone."""
+    class Checked(AsyncFakeExecutor):
+        def submit(self, batch, fed: bool = False):
+            assert not (fed and any(s.params.repetition_penalty != 1.0 or s.params.frequency_penalty
+                                    or s.params.presence_penalty for s in batch.seqs)), "penalised row fed"
+            return super().submit(batch, fed)
+
+    reqs = [GenerateRequest("rep", [5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                             repetition_penalty=1.3)),
+            GenerateRequest("freq", [8, 9], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                           frequency_penalty=0.5)),
+            GenerateRequest("plain", [3, 4], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))]
+    ex = Checked()
+    assert run(ex, reqs, async_scheduling=True) == run(FakeExecutor(), reqs)
+    assert ex.fed_steps == 0
+    alone = Checked()
+    run(alone, [reqs[2]], async_scheduling=True)
+    assert alone.fed_steps > 10
