@@ -148,7 +148,7 @@ def run_batch(ex, model, batch: int, prompt: int, steps: int, bw: float, adapter
     # (the GPU host's Python time per step varied 0.11-0.86 ms between identical runs, 2026-12-01)
     device_ms = float(np.median([st - h for st, h in zip(step_s, host_s)]) * 1e3)
     return dict(batch=batch, first_tokens=first_tokens, ms_per_step=ms, device_ms=device_ms,
-                graph_ms=graph_replay_ms(ex, batch, graphs=ex.lora_graphs if adapters else ex.graphs),
+                graph_ms=graph_replay_ms(ex, batch, graphs=getattr(ex, "lora_graphs" if adapters else "graphs", None)),
                 tokens_per_s=batch / ms * 1e3,
                 roofline_ms=floor_ms,
                 roofline_fraction=floor_ms / ms, host_ms=float(np.median(host_s) * 1e3),
@@ -158,8 +158,9 @@ def run_batch(ex, model, batch: int, prompt: int, steps: int, bw: float, adapter
 def graph_replay_ms(ex, batch: int, replays: int = 20, graphs=None) -> float:
     """GPU time of the batch's captured greedy decode graph (of `graphs`, default the executor's base
     ones): the last step's graph replayed back to back with no host work between (the same inputs each
-    time), ms per replay; NaN without graphs."""
-    graphs = graphs or ex.graphs
+    time), ms per replay; NaN without graphs (a tensor-parallel executor has none of its own: its ranks
+    replay theirs together)."""
+    graphs = graphs or getattr(ex, "graphs", None)
     if graphs is None or batch > graphs.buckets[-1] or graphs.bucket(batch) not in graphs.graphs:
         return float("nan")
     import cupy

@@ -32,6 +32,8 @@ class EngineConfig:
     enable_lora / lora_modules / max_loras / max_lora_rank: LoRA adapters (engine/lora.py): the
     (name, path) pairs loaded at start, the adapters resident in the executor at once (the rest wait
     in host memory) and the largest rank taken.
+    tensor_parallel_size: ranks one model is split across (one process per GPU; threads on the CPU;
+    engine/parallel).
     """
     model: str | None = None
     device: str = "auto"                     # "auto" | "cpu" | "cuda"
@@ -60,6 +62,7 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
@@ -83,6 +86,9 @@ class EngineConfig:
             (self.enable_lora or not self.lora_modules, "lora_modules needs enable_lora (--enable-lora)"),
             (len({name for name, _ in self.lora_modules}) == len(self.lora_modules),
              "lora_modules names must be distinct"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.tensor_parallel_size == 1 or not self.enable_lora,
+             "enable_lora with tensor_parallel_size > 1: LoRA adapters are not sharded across ranks"),
         ]
         for ok, message in checks:
             if not ok:

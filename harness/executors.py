@@ -15,6 +15,17 @@ def new_gpu_executor(model, **settings):
     return GpuExecutor(model, options_of(**{**args, **settings}))
 
 
+def new_parallel_gpu_executor(model, tensor_parallel_size: int = 2, **settings):
+    """new_gpu_executor's settings over `tensor_parallel_size` GPUs (engine/parallel: rank 0 here, the
+    others in processes on GPUs 1..N-1)."""
+    from engine.executor.options import options_of
+    from engine.parallel.launch import create_parallel_executor
+
+    args = dict(num_kv_blocks=96, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=16, progress=False)
+    options = options_of(**{**args, **settings, "tensor_parallel_size": tensor_parallel_size})
+    return create_parallel_executor(model, options, "cuda")
+
+
 class Decoder:
     """Sequences prefilled (eagerly, greedy) into disjoint KV blocks, then decoded one step at a time."""
 

@@ -52,14 +52,18 @@ def startup_notes(handle, device: str) -> list[tuple[int, str]]:
 
 
 def describe_executor(handle, device: str) -> str:
-    """One line: executor, device, why that device, and the kernel library of the linear layers. An
-    EngineClient has no executor here (it is in the engine process): its device follows the rule the
-    executor factory applies, and on the GPU the engine process logs the library itself."""
+    """One line: executor, device, why that device, and the kernel library of the linear layers (rank 0's,
+    with the number of ranks, under tensor parallelism). An EngineClient has no executor here (it is in the
+    engine process): its device follows the rule the executor factory applies, and on the GPU the engine
+    process logs the library itself (and the tensor-parallel ranks)."""
     executor = getattr(handle, "executor", None)
+    ranks = getattr(executor, "world_size", 1)
+    executor = getattr(executor, "local", executor)          # tensor parallel: rank 0's executor
     where = "" if executor is not None else "; it runs in the engine process"
+    where += f"; tensor parallel over {ranks} ranks" if ranks > 1 else ""
     gemm = getattr(executor, "gemm", None)
     if gemm is not None and hasattr(gemm, "describe"):
-        return f"executor: {type(executor).__name__} on the GPU (--device {device}); {gemm.describe()}"
+        return f"executor: {type(executor).__name__} on the GPU (--device {device}){where}; {gemm.describe()}"
     if executor is None and (device == "cuda" or (device == "auto" and cupy_status() is None)):
         return f"executor: GpuExecutor on the GPU (--device {device}){where}, which logs its linear layers' library"
     name = type(executor).__name__ if executor is not None else "CpuExecutor"

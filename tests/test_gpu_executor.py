@@ -55,6 +55,18 @@ def hf_run(model, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
 
 
+def tiny_oracle(name: str):
+    """A tiny model (TINY_MODELS / SPARSE_MODELS), 4 random sequences (96, 61, 80, 33 tokens) and HF's float32
+    and bf16 logits of them: (model, seqs, o32, o16)."""
+    path = tiny_model_path(name)
+    model = load_model(path)
+    seqs = random_sequences(model.config.vocab_size, [96, 61, 80, 33], seed=1)
+    m32, m16 = hf_gpu_models(path)
+    o32, o16 = [hf_run(m32, s) for s in seqs], [hf_run(m16, s) for s in seqs]
+    del m32, m16
+    return model, seqs, o32, o16
+
+
 def gate_row(name: str, engine: list[np.ndarray], o32: list[np.ndarray], o16: list[np.ndarray]) -> dict:
     e, a, b = (np.concatenate(x) for x in (engine, o32, o16))
     le, l32, l16 = log_softmax(e), log_softmax(a), log_softmax(b)

@@ -102,6 +102,7 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "max_loras": opts.max_loras == 2 == eng.scheduler.max_loras == eng.loras.max_loras
             and len(ex.ops.lora_slots.slots) == 2,
             "max_lora_rank": opts.max_lora_rank == 8 == eng.loras.max_rank,
+            "tensor_parallel_size": tensor_parallel_reaches_the_ranks(path),      # LoRA and TP exclude each other
             "kv_offload_gib": offload_slots(path, 0.001) == (0.001 * 2**30) // block_bytes(path, 4),
         }
         h.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -109,6 +110,20 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
     assert [name for name, ok in checks.items() if not ok] == []
     steps = [json.loads(line) for line in open(config.step_trace)]
     assert len(steps) == 3 and steps[0]["prefill"] == 3 and [s["decode"] for s in steps[1:]] == [1, 1]
+
+
+def tensor_parallel_reaches_the_ranks(path: str) -> bool:
+    """tensor_parallel_size=2: the executor options carry it, rank 0's executor and one follower rank each
+    hold half the KV heads."""
+    from engine.handle import EngineHandle
+
+    with EngineHandle(EngineConfig(model=path, device="cpu", tensor_parallel_size=2, num_kv_blocks=20,
+                                   progress=False)) as h:
+        ex = h.executor
+        heads = ex.local.config.num_key_value_heads
+        return (ex.options.tensor_parallel_size == 2 == ex.world_size and len(ex.followers.executors) == 1
+                and ex.local.layout.heads == heads == ex.followers.executors[0].layout.heads
+                and 2 * heads == ModelConfig.from_file(path).num_key_value_heads)
 
 
 def test_every_engine_config_field_has_a_cli_flag():
@@ -129,6 +144,7 @@ def test_cli_flags_build_the_config():
                                       "--dtype", "bfloat16", "--enable-lora", "--lora-modules", "a=/x", "b=/y",
                                       "--max-loras", "4", "--max-lora-rank", "64"])
     c = engine_config(args)
+    assert engine_config(build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])).tensor_parallel_size == 2
     assert (c.max_num_batched_tokens, c.max_num_seqs, c.enable_chunked_prefill, c.enforce_eager,
             c.cuda_graph_sizes, c.dtype) == (8192, 300, False, True, (1, 8), "bfloat16")
     assert (c.enable_lora, c.lora_modules, c.max_loras, c.max_lora_rank) == (True, (("a", "/x"), ("b", "/y")), 4, 64)

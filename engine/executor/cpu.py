@@ -23,6 +23,7 @@ ROUNDING = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 class CpuExecutor(ExecutorBase):
     supports_host_tier = True
+    ops_class = NumpyOps            # a tensor-parallel rank's executor runs its own (engine/parallel)
 
     def __init__(self, model: LoadedModel, options: ExecutorOptions):
         options.validate()
@@ -40,7 +41,7 @@ class CpuExecutor(ExecutorBase):
         self.kv = host_pool(self.layout, self.num_kv_blocks)
         self.host_kv = host_pool(self.layout, options.host_kv_blocks) if options.host_kv_blocks else None
         self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len, self.model.rope_dim)
-        self.ops = NumpyOps(self.kv)
+        self.ops = self.ops_class(self.kv)
         state = self.model.state_layout()          # linear-attention lines: one state slot per sequence
         self.num_state_slots = options.max_num_seqs if state is not None else 0
         if state is not None:

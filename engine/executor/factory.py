@@ -42,11 +42,15 @@ def resolve_device(device: str) -> str:
 
 
 def create_executor(model: LoadedModel, options: ExecutorOptions, device: str = "auto") -> Executor:
-    """The executor for `device` ("cpu", "cuda" or "auto"), carrying `options`."""
+    """The executor for `device` ("cpu", "cuda" or "auto"), carrying `options` (tensor_parallel_size > 1:
+    rank 0's executor over the model's shards, engine/parallel)."""
     device = resolve_device(device)
     if device == "cuda" and getattr(model.model, "gpu_supported", True) is False:
         raise ValueError(f"{model.config.model_type}: the GPU executor does not run this model line yet "
                          f"(serve it with --device cpu)")
+    if options.tensor_parallel_size > 1:
+        from engine.parallel.launch import create_parallel_executor
+        return create_parallel_executor(model, options, device)
     log.info("executor: %s (%s)", "GPU" if device == "cuda" else "CPU (numpy)", model.config.model_type)
     if device == "cuda":
         from engine.executor.gpu import GpuExecutor

@@ -57,9 +57,9 @@ def check_model_shapes(cfg) -> None:
                          f"an even head_dim <= 256 (got {D}), heads/kv_heads <= 16 (got {Hq}/{Hkv})")
 
 
-def parts_nbytes(plan: GpuPlan, cute_max_m: int, prefill_on: bool) -> dict[str, int]:
-    """Every part's arena bytes (the KV pool and the weights aside)."""
-    return {"ops": GpuOps.nbytes(plan), "sampler": GpuSampler.nbytes(plan), "inputs": StepInputs.nbytes(plan),
+def parts_nbytes(plan: GpuPlan, cute_max_m: int, prefill_on: bool, ops=GpuOps) -> dict[str, int]:
+    """Every part's arena bytes (the KV pool and the weights aside); ops: the executor's ops class."""
+    return {"ops": ops.nbytes(plan), "sampler": GpuSampler.nbytes(plan), "inputs": StepInputs.nbytes(plan),
             "gemm": WORKSPACE_BYTES + cute_workspace_bytes(plan, cute_max_m),
             "prefill": PrefillAttention.nbytes(plan) if prefill_on else 0}
 
@@ -97,6 +97,7 @@ class StepTimer:
 
 class GpuExecutor(ExecutorBase):
     supports_host_tier = True
+    ops_class = GpuOps              # a tensor-parallel rank's executor runs its own (engine/parallel)
 
     def __init__(self, model: LoadedModel, options: ExecutorOptions):
         options.validate()
@@ -116,7 +117,7 @@ class GpuExecutor(ExecutorBase):
         prefill_min = prefill_min_query(tuning.prefill_attention, cfg.head_dim) if plan.kv.planes == 2 else None
         cute_max_m = cute_rows(tuning.gemm)
         inv_freq, attention_factor = rope_inv_freq(cfg, model.model.rope_dim)
-        parts = parts_nbytes(plan, cute_max_m, prefill_min is not None)
+        parts = parts_nbytes(plan, cute_max_m, prefill_min is not None, self.ops_class)
         parts["rope"] = inv_freq.nbytes
         state = model.model.state_layout()         # linear-attention lines: one state slot per sequence
         self.num_state_slots = options.max_num_seqs if state is not None else 0
@@ -159,7 +160,7 @@ class GpuExecutor(ExecutorBase):
         self.kv_cache = self.arena.take("kv", plan.kv.pool_shape(self.num_kv_blocks), np.uint16)
         lm_head = self.weights["embed_tokens" if cfg.tie_word_embeddings else "lm_head"]
         fast_attention, self.gemm.gemv_max_m = parse_decode_kernels(tuning.decode_kernels, self.default_gemv_rows())
-        self.ops = GpuOps(self.arena, self.gemm, self.kv_cache, self.inv_freq, attention_factor, plan.max_tokens,
+        self.ops = self.ops_class(self.arena, self.gemm, self.kv_cache, self.inv_freq, attention_factor, plan.max_tokens,
                           plan.width, plan.hidden, plan.vocab, plan.logit_rows, plan.num_heads, plan.head_dim,
                           lm_head.data.ptr, stream, plan.device.num_sms, fast_attention=fast_attention)
         self.ops.take_sparse(self.arena, plan)

@@ -123,22 +123,36 @@ class DecodeGraphs:
             graphs[b][0].launch(stream=self.stream)
         return graphs[b][1]
 
+    def mode(self, seqs) -> str:
+        """How launch() runs these rows: "greedy" / "sampling" (that graph), or the greedy graph followed by
+        the masked tail ("masked": grammar rows) or by the eager sampler ("eager": logit processing, or
+        sample_in_graph off). Tensor-parallel ranks replay the graph rank 0's mode picks (engine/parallel)."""
+        if any(map(needs_processing, seqs)):
+            return "eager"
+        if any(s.grammar is not None for s in seqs):
+            return "masked"
+        if all(s.params.greedy and s.params.logprobs is None for s in seqs):
+            return "greedy"
+        return "sampling" if self.sample_in_graph else "eager"
+
+    def run(self, ctx, b: int, sampling: bool):
+        """Replay bucket b's greedy or sampling graph on the uploaded ctx (captured here on first use);
+        returns its logits."""
+        return self._replay(self.sampling_graphs if sampling else self.graphs, ctx, b, sampling)
+
     def launch(self, batch: ModelBatch, t0: float) -> PendingStep:
         seqs = batch.seqs
         n, b = len(seqs), self.bucket(len(seqs))
-        processing = any(map(needs_processing, seqs))
-        masked = not processing and any(s.grammar is not None for s in seqs)
-        greedy = not processing and not masked and all(s.params.greedy and s.params.logprobs is None for s in seqs)
-        sampling = not greedy and not processing and not masked and self.sample_in_graph
+        mode = self.mode(seqs)
         ctx = self.upload(batch, b)
-        if sampling:
+        if mode == "sampling":
             self.sampler.fill_graph_rows(seqs, b)
-        logits = self._replay(self.sampling_graphs if sampling else self.graphs, ctx, b, sampling)
-        if masked:
+        logits = self.run(ctx, b, mode == "sampling")
+        if mode == "masked":
             self.sampler.masked_tail(logits, seqs)
-        elif not (greedy or sampling):
+        elif mode == "eager":
             self.last_host_s = time.perf_counter() - t0
             return DoneStep(StepOutput(sampled=self.sampler.sample(logits[:n], seqs)))
-        pending = self.readback.queue(self.sampler, seqs, greedy)
+        pending = self.readback.queue(self.sampler, seqs, mode == "greedy")
         self.last_host_s = time.perf_counter() - t0
         return pending

@@ -417,10 +417,15 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
         T, N = x.shape[0], weight.shape[0]
         out, normed = self._residual_out(T, N), self._out(T, N)
         splits, _, _ = partials.shape
+        self.reduce_partials(partials)
         self._launch(self.k_rms_splitk, (T,), (splitk_norm_threads(N),),
                      (np.uint64(partials.ptr), np.int32(splits), np.int64(T * N), residual, norm_weight, normed, out,
                       np.int32(N), np.float32(eps)))
         return out, normed
+
+    def reduce_partials(self, partials) -> None:
+        """Where a product's split-K partials [S, T, N] (float32) are complete before their reduction: a
+        tensor-parallel rank sums them over the ranks here (engine/parallel); nothing on one GPU."""
 
     def layer_scope(self, layer: int):
         """An NVTX range "layer i" when layer_ranges is on (eager steps: a captured graph replays

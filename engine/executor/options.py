@@ -90,7 +90,8 @@ class ExecutorOptions:
     decode steps as CUDA graphs of the batch sizes in cuda_graph_sizes (up to max_num_seqs).
     host_kv_blocks: host KV tier slots the executor allocates. progress: the weight-upload bar.
     time_steps: CUDA events around every step (EngineConfig.step_trace turns it on). max_loras: LoRA
-    adapter slots (0: LoRA off), of max_lora_rank ranks each."""
+    adapter slots (0: LoRA off), of max_lora_rank ranks each. tensor_parallel_size: ranks the model is
+    split across (engine/parallel; every rank runs with these options)."""
     max_model_len: int = 4096
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -105,6 +106,7 @@ class ExecutorOptions:
     gpu: GpuTuning = field(default_factory=GpuTuning)
     max_loras: int = 0
     max_lora_rank: int = 16
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         checks = [
@@ -120,6 +122,7 @@ class ExecutorOptions:
              f"cuda_graph_sizes must be positive integers, got {self.cuda_graph_sizes}"),
             (self.host_kv_blocks >= 0, "host_kv_blocks must be >= 0"),
             (self.max_loras >= 0 and self.max_lora_rank >= 1, "max_loras must be >= 0, max_lora_rank >= 1"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -163,7 +166,7 @@ def executor_options(config, device: str, model_max_len: int) -> ExecutorOptions
         cuda_graph_sizes=tuple(config.cuda_graph_sizes), host_kv_blocks=config.host_kv_blocks,
         progress=config.progress, time_steps=config.step_trace is not None,
         gpu=config.gpu or gpu_tuning_from_env(), max_loras=config.max_loras if config.enable_lora else 0,
-        max_lora_rank=config.max_lora_rank)
+        max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size)
     options.validate()
     if device == "cuda":
         options.validate_for_gpu()

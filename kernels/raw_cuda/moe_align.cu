@@ -4,6 +4,8 @@
 //   expert e's group starts at offsets[e] = sum over e' < e of ceil(counts[e'] / tile_m) · tile_m;
 //   row_of[t·top_k + j] = the padded row of assignment (t, j) inside its expert's group;
 //   row_token[r] = the token whose activations row r multiplies (-1: a padding row);
+//   an id outside [0, E) (another rank's expert under expert parallelism, engine/parallel) is dropped:
+//   row_of -1, no row;
 //   tile_expert[i] = the expert of M-tile i, for every tile of the fixed grid (max_tiles); tiles past
 //   the used ones repeat the last used tile's expert (their rows are padding: they read weights that
 //   are already in L2 and their outputs are never read).
@@ -53,7 +55,10 @@ moe_align(const int* __restrict__ ids, int T, int top_k, int E, int tile_m,
     for (int e = threadIdx.x; e < E; e += THREADS) counts[e] = 0;
     for (int r = threadIdx.x; r < rows; r += THREADS) row_token[r] = -1;
     __syncthreads();
-    for (int a = threadIdx.x; a < n; a += THREADS) atomicAdd(&counts[ids[a]], 1);
+    for (int a = threadIdx.x; a < n; a += THREADS) {
+        const int e = ids[a];
+        if ((unsigned)e < (unsigned)E) atomicAdd(&counts[e], 1);
+    }
     __syncthreads();
     int used = 0;
     const int tiles = threadIdx.x < E ? (counts[threadIdx.x] + tile_m - 1) / tile_m : 0;
@@ -71,7 +76,9 @@ moe_align(const int* __restrict__ ids, int T, int top_k, int E, int tile_m,
     for (int i = used + threadIdx.x; i < max_tiles; i += THREADS) tile_expert[i] = last;
     __syncthreads();             // row_token's -1 fill is done before the rows are claimed below
     for (int a = threadIdx.x; a < n; a += THREADS) {
-        const int r = atomicAdd(&cursor[ids[a]], 1);
+        const int e = ids[a];
+        if ((unsigned)e >= (unsigned)E) { row_of[a] = -1; continue; }   // not here: moe_combine skips it
+        const int r = atomicAdd(&cursor[e], 1);
         row_token[r] = a / top_k;
         row_of[a] = r;
     }

@@ -1,0 +1,167 @@
+"""A tensor-parallel rank on the GPU: its Ops (GpuOps plus the collectives, on the compute stream, so a
+decode graph captures them) and its executor.
+
+Where the collectives go, the dense path's kernels otherwise unchanged (the CPU ranks, cpu_ops.py, do
+the same sums in numpy):
+  * row-parallel products (o_proj, down_proj: `add_linear`): rank 0 runs the dense op (the residual add
+    in its product's epilogue: gemv.cu "res", cuBLAS beta = 1, the CuTe residual epilogue), the other
+    ranks the bare product into the residual buffer; one bf16 all-reduce in place makes the new
+    residual stream. At batch 1 a layer is 7 kernels: the 5 of one GPU and 2 all-reduces (the next
+    GEMV still fuses the RMSNorm in its prologue).
+  * where the CuTe plan splits o_proj / down_proj in K (`add_linear_norm`), the float32 partials are
+    all-reduced before the one kernel that reduces them, adds the residual and writes the next RMSNorm
+    (rms_norm.cu splitk_rms_norm_residual): the all-reduce then the dense path's fused kernel.
+  * routed experts (expert parallelism): expert_shard.cu maps the router's ids to the rank's experts
+    (others -1, dropped by moe_align.cu); rank 0's combine adds the residual, the others' a zeroed
+    buffer; the same all-reduce sums them.
+  * logits: the rank's vocabulary rows into its slot of a [N, R, V/N] float32 buffer, an all-gather in
+    place, then one 2D copy per rank into the sampler's [R, V] logits: every rank holds the whole rows
+    and rank 0 samples them with the unchanged sampler (top-k / top-p, logprobs, grammar masks,
+    penalties), at the cost of receiving (N-1)/N · R · V · 4 bytes per step (Qwen3-8B, N = 2: 0.3 MB at
+    batch 1, 9.7 MB at batch 32).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.executor.gpu import GpuExecutor
+from engine.executor.gpu_ops import GpuOps
+from engine.executor.options import ExecutorOptions
+from kernels.raw_cuda import kernel
+from memory.device_arena import Buffer, buffers_nbytes
+from memory.state_slots import check_slots
+
+
+class TensorParallelGpuOps:
+    """Mixed before GpuOps. comm: the rank's NcclCommunicator; experts: (first, number) of its routed
+    experts."""
+    comm = None
+    experts: tuple[int, int] = (0, 0)
+
+    @staticmethod
+    def parallel_buffers(plan) -> list[Buffer]:
+        """The gathered logits and, for a line with experts, the rank's view of the router's ids."""
+        out = [Buffer("tp_logits", (plan.logit_rows * plan.vocab,), np.float32)]
+        if plan.experts is not None:
+            out.append(Buffer("tp_expert_ids", (plan.max_tokens * plan.experts.top_k,), np.int32))
+        return out
+
+    @classmethod
+    def sparse_nbytes(cls, plan) -> int:
+        return super().sparse_nbytes(plan) + buffers_nbytes(cls.parallel_buffers(plan))
+
+    def take_sparse(self, arena, plan) -> None:
+        super().take_sparse(arena, plan)
+        self.parallel = arena.take_all("tp", self.parallel_buffers(plan))
+        self.k_local_ids = kernel("expert_shard", "local_expert_ids") if plan.experts is not None else None
+
+    def add_linear(self, x, weight, residual, bias=None, lora=None):
+        if self.comm.rank == 0:
+            out = super().add_linear(x, weight, residual, bias, lora=lora)
+        else:                          # the bare partial product (o_proj's bias is zeros here)
+            out = self._residual_out(x.shape[0], weight.shape[0])
+            self.gemm(x, weight, out, pdl=self.pdl)
+        return self.comm.all_reduce(out)
+
+    def reduce_partials(self, partials) -> None:
+        splits, rows, cols = partials.shape
+        self.comm.all_reduce_raw(partials.ptr, splits * rows * cols, np.float32)
+
+    def moe_experts(self, x, gate_up, down, weights, ids, residual):
+        T, K = ids.shape
+        first, count = self.experts
+        local = self.parallel["tp_expert_ids"][:T * K].reshape(T, K)
+        self._launch(self.k_local_ids, (max(1, -(-T * K // 256)),), (256,),
+                     (ids, local, np.int32(T * K), np.int32(first), np.int32(count)))
+        if self.comm.rank != 0:       # the residual comes from rank 0's combine alone
+            residual = self._residual_out(T, x.shape[1])
+            self.cp.cuda.runtime.memsetAsync(residual.data.ptr, 0, residual.nbytes, self.stream.ptr)
+        return self.comm.all_reduce(super().moe_experts(x, gate_up, down, weights, local, residual))
+
+    def vocab_parallel_logits(self, hidden, weight):
+        rows, part, n, rank = hidden.shape[0], weight.shape[0], self.comm.world_size, self.comm.rank
+        if rows > self.logits.shape[0]:
+            raise ValueError(f"{rows} logit rows exceed the {self.logits.shape[0]} the logits buffer holds")
+        gathered = self.parallel["tp_logits"][:n * rows * part].reshape(n, rows, part)
+        self.gemm(hidden, weight, gathered[rank])              # float32 logits: cuBLAS
+        self.comm.all_gather(gathered[rank], gathered)
+        out, rt = self.logits[:rows], self.cp.cuda.runtime
+        for r in range(n):             # rank r's logits are columns r·V/N.. of every row
+            rt.memcpy2DAsync(out.data.ptr + r * part * 4, out.strides[0], gathered[r].data.ptr, part * 4, part * 4,
+                             rows, rt.memcpyDeviceToDevice, self.stream.ptr)
+        return out
+
+
+class RankGpuOps(TensorParallelGpuOps, GpuOps):
+    pass
+
+
+class GpuRankExecutor(GpuExecutor):
+    """The GPU executor of one rank's shard (sharding.shard_model) on the current device. Rank 0 checks a
+    step before any rank sees it (`check`) and names its decode graph (`graph_key`); the others run it
+    with `follow`, replaying the graph captured together with rank 0's."""
+    ops_class = RankGpuOps
+
+    def __init__(self, model, options: ExecutorOptions, comm, experts: tuple[int, int] = (0, 0)):
+        super().__init__(model, options)
+        comm.bind(self.stream)
+        self.comm = comm
+        self.ops.comm, self.ops.experts = comm, experts
+
+    def check(self, batch, fed: bool = False) -> None:
+        """The step's refusals, here before it goes out: a rank that refused a step the others run would
+        leave them waiting inside a collective."""
+        self.inputs.check(batch, self.num_kv_blocks, check_ids=not fed)
+        if self.num_state_slots:
+            check_slots(batch.state_slots, self.num_state_slots)
+
+    def graph_key(self, batch) -> tuple[int, bool] | None:
+        """(bucket, sampling graph) of the decode graph this step replays, or None (eager)."""
+        graphs = self.graphs
+        if graphs is None or batch.lora_slots is not None or not graphs.serves(batch):
+            return None
+        return graphs.bucket(len(batch.seqs)), graphs.mode(batch.seqs) == "sampling"
+
+    def submit(self, batch, fed: bool = False):
+        if fed:                        # every rank feeds rank 0's sampled ids
+            self.comm.broadcast(self.sampler.ids)
+        return super().submit(batch, fed)
+
+    def follow(self, batch, fed: bool = False, key: tuple[int, bool] | None = None):
+        """Ranks > 0: rank 0's step (follower_batch) on rank 0's graph `key`; the eager path otherwise."""
+        if key is None:
+            return self.submit(batch, fed)
+        if fed:
+            self.comm.broadcast(self.sampler.ids)
+        b, sampling = key
+        self._fed = fed
+        ctx = self.upload(batch, b)
+        if sampling:
+            self.sampler.fill_graph_rows(batch.seqs, b)
+        self.graphs.run(ctx, b, sampling)
+        return self.readback.queue(self.sampler, batch.seqs, True)
+
+    def measure_all_reduce(self, sizes: list[int], iters: int = 50) -> list[dict]:
+        """bf16 all-reduces of each size (bytes) back to back on the compute stream, every rank together:
+        mean µs each, algorithm and bus bandwidth (nccl-tests' busbw = algbw · 2(N-1)/N)."""
+        import cupy
+
+        n, out = self.comm.world_size, []
+        for nbytes in sizes:
+            x = cupy.zeros(nbytes // 2, cupy.uint16)
+            for _ in range(5):
+                self.comm.all_reduce(x)
+            begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+            begin.record(self.stream)
+            for _ in range(iters):
+                self.comm.all_reduce(x)
+            end.record(self.stream)
+            end.synchronize()
+            us = cupy.cuda.get_elapsed_time(begin, end) * 1e3 / iters
+            algbw = nbytes / us / 1e3
+            out.append({"bytes": nbytes, "us": us, "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n})
+        return out
+
+    def close(self) -> None:
+        super().close()
+        self.comm.close()
