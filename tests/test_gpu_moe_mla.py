@@ -15,7 +15,7 @@ import pytest
 from engine.loader import load_model
 from harness.executors import new_gpu_executor
 from harness.models import SPARSE_MODELS, engine_logits, log_softmax, random_sequences, tiny_model_path
-from test_gpu_executor import (MIN_TIE_TOL, PATHS, assert_gate, assert_same_or_tie, gate_row,  # noqa: F401
+from test_gpu_executor import (MIN_TIE_TOL, PATHS, assert_gate, assert_same_or_tie, gate_row, tiny_oracle,  # noqa: F401
                                greedy, hf_gpu_models, hf_run, test_tiny_batch1_deterministic,
                                test_tiny_batched_equals_batch1, test_tiny_gate, test_tiny_gate_gemm_library)
 
@@ -40,12 +40,7 @@ def assert_same_scores(a: np.ndarray, b: np.ndarray, bound: float = SAME_MEAN_DL
 
 def tiny_case(name: str):
     """Yields (name, model, GPU executor, sequences, HF float32 logits, HF bf16 logits); closes the executor."""
-    path = tiny_model_path(name)
-    model = load_model(path)
-    seqs = random_sequences(model.config.vocab_size, [96, 61, 80, 33], seed=1)
-    m32, m16 = hf_gpu_models(path)
-    o32, o16 = [hf_run(m32, s) for s in seqs], [hf_run(m16, s) for s in seqs]
-    del m32, m16
+    model, seqs, o32, o16 = tiny_oracle(name)
     ex = new_gpu_executor(model)
     yield name, model, ex, seqs, o32, o16
     ex.close()
