@@ -34,6 +34,7 @@ pytestmark = pytest.mark.gpu
 MIN_TIE_TOL = 0.02
 MIN_AGREEMENT = 0.99
 MAX_MEAN_DLOGPROB = 0.02
+CHAOTIC_P99 = 0.5        # nats: HF bf16's p99 error of a logprob above which a model's argmax flips are noise
 REAL_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs")
 QWEN3_4B_CONFIG = os.path.join(REAL_CONFIGS, "qwen3-4b", "config.json")
 
@@ -94,9 +95,15 @@ def gate_row(name: str, engine: list[np.ndarray], o32: list[np.ndarray], o16: li
 
 def assert_gate(row: dict) -> None:
     """99% of positions agree with float32 up to a tie, and a short case (under 100 positions) may miss one:
-    the bf16 floor flips a near-tie now and then, in HF's bf16 forward as in ours."""
+    the bf16 floor flips a near-tie now and then, in HF's bf16 forward as in ours. Where HF's own bf16
+    forward is chaotic (a single logprob's p99 error over 0.5 nats: the tiny DeepSeek-V3 / Kimi-K2 models,
+    whose sigmoid routing x 2.5-2.8 lets a bf16 rounding flip an expert; HF bf16 agrees on 97.4% of 270
+    positions, CPU and H200 alike), ours may miss as many as HF bf16 does, plus two: the count of flips
+    is itself noise of that size."""
     misses = round((1 - row["agree"]) * row["positions"])
-    assert row["agree"] >= MIN_AGREEMENT or misses <= 1, row
+    hf_misses = round((1 - row["hf_bf16_agree"]) * row["positions"])
+    allowed = hf_misses + 2 if row["hf_bf16_p99"] > CHAOTIC_P99 else 1
+    assert row["agree"] >= MIN_AGREEMENT or misses <= allowed, row
     assert row["mean"] <= row["bound"], row
 
 
@@ -200,10 +207,12 @@ def test_tiny_batched_equals_batch1(tiny):
     """Batched eager decode (mixed prompt lengths, 4 sequences) gives batch 1's greedy tokens; the
     only allowed difference is a flip inside a tie: 0.02 nats, or the gate's tie tolerance (the p99 of
     HF bf16's error) on a model whose bf16 floor is wider (MoE routing and the products' kernels change
-    with the batch, so the activations round differently from the first layer on)."""
+    with the batch, so the activations round differently from the first layer on). A greedy run's first
+    divergence is the worst of ~100 positions (4 prompts x 24 steps), so its tolerance is the floor's p99.9
+    (the p99 of a single position's error is exceeded once in a hundred positions by HF bf16 itself)."""
     name, _, ex, seqs, o32, o16 = tiny
     floor = np.abs(log_softmax(np.concatenate(o16)) - log_softmax(np.concatenate(o32)))
-    tol = max(MIN_TIE_TOL, float(np.percentile(floor, 99)))
+    tol = max(MIN_TIE_TOL, float(np.percentile(floor, 99.9)))
     prompts = [s[:n] for s, n in zip(seqs, [5, 17, 33, 2])]
     batched = greedy(ex, prompts, 24)
     same = sum(assert_same_or_tie(ex, p, b, greedy(ex, [p], 24)[0], tol, f"{name} batched vs batch-1")

@@ -24,9 +24,11 @@ pytestmark = pytest.mark.gpu
 # the mean |Δlogprob| bound of the HF gate (0.02) and 95% argmax agreement up to a 0.02-nat tie. The two
 # MLA forms round at different places (per-head K and V against the latent): they sit as far apart as
 # bf16 sits from float32 on these tiny models (HF bf16 vs float32, H200: mean 0.031 deepseek_v2, 0.039
-# deepseek_v2_lite; p99 ~0.1), so they are held to that floor.
+# deepseek_v2_lite; p99 ~0.1), so they are held to that floor; the DeepSeek-V3 line's tiny models sit
+# wider (HF bf16 vs float32 mean 0.069 deepseek_v3, 0.081 kimi_k2: sigmoid routing scaled 2.5-2.8).
 SAME_MEAN_DLOGPROB = 0.02
-MLA_FORMS_MEAN_DLOGPROB, MLA_FORMS_TIE_TOL = 0.04, 0.1
+MLA_FORMS_MEAN_DLOGPROB = {"deepseek_v2": 0.04, "deepseek_v2_lite": 0.04, "deepseek_v3": 0.07, "kimi_k2": 0.08}
+MLA_FORMS_TIE_TOL = 0.1
 
 
 def assert_same_scores(a: np.ndarray, b: np.ndarray, bound: float = SAME_MEAN_DLOGPROB,
@@ -103,5 +105,5 @@ def test_mla_expanded_prefill_equals_absorbed(name):
     expanded = ex.forward_logits(batch)
     ex.ops.mla_expand_cap = 0
     absorbed = ex.forward_logits(batch)
-    assert_same_scores(expanded, absorbed, MLA_FORMS_MEAN_DLOGPROB, MLA_FORMS_TIE_TOL)
+    assert_same_scores(expanded, absorbed, MLA_FORMS_MEAN_DLOGPROB[name], MLA_FORMS_TIE_TOL)
     ex.close()
