@@ -281,6 +281,8 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
         kernels, *flags = ks.split("|")
         ex.ops.fused_rope = "norope" not in flags        # "all|norope": rope kernel + decode attention
         ex.gemm.cute = None if "cublas" in flags else cute  # "all|cublas": cuBLAS where gemv.cu does not serve
+        if hasattr(ex.ops, "moe_gemv_tokens"):           # "all|nomoegemv": decode experts on the grouped GEMM
+            ex.ops.moe_gemv_tokens = 0 if "nomoegemv" in flags else type(ex.ops).moe_gemv_tokens
         ex.set_decode_kernels(kernels)
         ex.graphs.pdl = "nopdl" not in flags             # "all|nopdl": plain launches in the graphs
         for b in batches:

@@ -44,6 +44,8 @@ def expert_rows(tokens: int, top_k: int, experts: int) -> int:
 
 
 class GpuMoEOps:
+    moe_gemv_tokens = GEMV_MAX_TOKENS   # steps of at most this many tokens take moe_gemv.cu (0: never)
+
     @staticmethod
     def moe_buffers(plan) -> list[Buffer]:
         """Router logits / weights / ids, the grouping's maps and two row buffers the grouped products
@@ -111,10 +113,10 @@ class GpuMoEOps:
         return tile_m, rows, row_of, row_token, tile_expert
 
     def grouped_linear(self, a, w, tile_expert, row_token, out, tile_m: int, tokens: int) -> None:
-        """out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ: moe_gemv.cu for a step of at most GEMV_MAX_TOKENS
+        """out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ: moe_gemv.cu for a step of at most moe_gemv_tokens
         tokens (a few real rows per tile: the experts' weights read once, no padded rows computed), else the
         CuTe grouped GEMM where it serves, else moe_grouped_gemm.cu (tensor-core mma, graph-capturable too)."""
-        if tokens <= GEMV_MAX_TOKENS:
+        if tokens <= self.moe_gemv_tokens:
             N, K = w.shape[1], w.shape[2]
             self._launch(self.k_gemv, (-(-N // 32), a.shape[0] // tile_m), (128,),
                          (a, w, tile_expert, row_token, out, np.int32(N), np.int32(K), np.int32(tile_m)))
