@@ -42,7 +42,6 @@ import json
 import os
 import sys
 import time
-from collections import defaultdict
 
 import numpy as np
 
@@ -180,55 +179,17 @@ def graph_replay_ms(ex, batch: int, replays: int = 20, graphs=None) -> float:
 
 
 def op_breakdown(ex, cfg, bw: float) -> list[dict]:
-    """Time each op of one eager batch-1 decode step with CUDA events."""
-    import cupy
+    """Time each op of one eager batch-1 decode step with CUDA events (bench/op_timer.py: the ops the
+    model code calls, the ones they compose left out)."""
+    from bench.op_timer import time_ops
 
-    times: dict[str, list] = defaultdict(list)
-    ops = ex.ops
-    names = {id(v): k for k, v in ex.weights.items()}
-
-    weight_arg = {"linear": 1, "add_linear": 1, "norm_linear": 3, "norm_swiglu": 3}
-
-    def wrap(name, fn):
-        def timed(*a, **kw):
-            e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-            e0.record(ex.stream)
-            out = fn(*a, **kw)
-            e1.record(ex.stream)
-            label = name
-            if name in weight_arg:
-                wt = a[weight_arg[name]]
-                label = f"{name}." + names.get(id(wt), "?").split(".")[-1]
-                times[label + ".bytes"].append(int(wt.nbytes))
-            times[label].append((e0, e1))
-            return out
-        return timed
-
-    saved = {n: getattr(ops, n) for n in ("embed", "rms_norm", "linear", "qkv_rope_cache", "attention",
-                                          "silu_mul", "gather_rows", "add", "norm_linear", "add_linear", "norm_swiglu",
-                                          "rope_attention", "route", "moe_experts", "mla_latent_cache",
-                                          "mla_attention", "causal_conv1d", "gated_delta_rule", "gated_rms_norm",
-                                          "sigmoid_gate")}
-    for n, f in saved.items():
-        setattr(ops, n, wrap(n, f))
     pos = min(128, ex.max_model_len - 1)
     seq = SeqStep(seq_id=0, token_ids=[5], start_pos=pos, block_table=list(range(pos // BLOCK_SIZE + 1)),
                   sample=True, params=GREEDY, state_slot=0)
-    try:
-        ex.execute_eager(ModelBatch.build([seq]))
-        ex.stream.synchronize()
-    finally:
-        for n, f in saved.items():
-            setattr(ops, n, f)
-    rows = []
-    for label, evs in times.items():
-        if label.endswith(".bytes"):
-            continue
-        ms = sum(cupy.cuda.get_elapsed_time(a, b) for a, b in evs)
-        nbytes = sum(times.get(label + ".bytes", []))
-        rows.append(dict(op=label, calls=len(evs), ms=ms, weight_bytes=nbytes,
-                         roofline_fraction=(nbytes / bw * 1e3 / ms) if nbytes and ms else None))
-    return sorted(rows, key=lambda r: -r["ms"])
+    rows = [r for r in time_ops(ex, lambda: ex.execute_eager(ModelBatch.build([seq]))) if r.depth == 0]
+    return [dict(op=r.op, calls=r.calls, ms=r.ms, weight_bytes=r.weight_bytes,
+                 roofline_fraction=(r.weight_bytes / bw * 1e3 / r.ms) if r.weight_bytes and r.ms else None)
+            for r in sorted(rows, key=lambda r: -r.ms)]
 
 
 def config_path(name: str, layers: int | None) -> str:
