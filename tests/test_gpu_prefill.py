@@ -120,13 +120,19 @@ def test_serves_only_the_kernels_head_dims_and_scale():
     assert not PrefillStep.serves(spec_for(128, scale=0.1))
 
 
-def causal_ref(q, kc, vc, batch: ModelBatch, G: int, rows=None) -> np.ndarray:
-    """Attention of each token over positions [0, position] of its sequence, read through the tables."""
+def token_seqs(batch: ModelBatch) -> np.ndarray:
+    return np.repeat(np.arange(len(batch.seqs)), np.diff(batch.cu_seqlens)).astype(np.int32)
+
+
+def causal_ref(q, kc, vc, batch: ModelBatch, G: int, rows=None, seq=None, positions=None) -> np.ndarray:
+    """Attention of each token over positions [0, position] of its sequence, read through the tables
+    (``seq`` / ``positions``: each query row's sequence and position, default the batch's)."""
     T, Hq, D = q.shape
     out = np.zeros((T, Hq * D), np.float32)
-    seq = np.repeat(np.arange(len(batch.seqs)), np.diff(batch.cu_seqlens))
+    seq = token_seqs(batch) if seq is None else seq
+    positions = batch.positions if positions is None else positions
     for t in range(T) if rows is None else rows:
-        p = np.arange(batch.positions[t] + 1)
+        p = np.arange(positions[t] + 1)
         slots = batch.block_tables[seq[t]][p // 16] * 16 + p % 16
         for h in range(Hq):
             s = kc[slots, h // G] @ q[t, h] * D ** -0.5
@@ -164,6 +170,7 @@ class PagedStandIn(GpuOps):
     def __init__(self, kv_cache, batch, G):
         self.kv_cache, self.batch, self.G, self.paged_calls = kv_cache, batch, G, []
         self.head_dim = kv_cache.shape[-1]
+        self.num_heads, self.num_sms, self.fast_attention = kv_cache.shape[-2] * G, 132, True
         self.part_out = self.part_max = self.part_sum = self.split_counters = None
 
     def _out(self, rows, cols):
@@ -176,10 +183,12 @@ class PagedStandIn(GpuOps):
         return "paged"
 
     def _launch(self, k, grid, block, args):
-        q, out, positions = args[0], args[10], args[6]
+        q, token_seq, positions, out = args[0], args[5], args[6], args[10]
+        assert grid[2] == q.shape[0] == positions.shape[0] == token_seq.shape[0] == out.shape[0]
         rows = np.flatnonzero(positions >= 0)
         out[:] = 0
-        out[rows] = causal_ref(q, self.kv_cache[0, 0], self.kv_cache[0, 1], self.batch, self.G, rows)[rows]
+        out[rows] = causal_ref(q, self.kv_cache[0, 0], self.kv_cache[0, 1], self.batch, self.G, rows,
+                               seq=token_seq, positions=positions)[rows]
 
 
 @pytest.mark.parametrize("min_query,max_key_rows,launches,paged", [
@@ -203,10 +212,15 @@ def test_prefill_path_with_numpy_kernels(monkeypatch, min_query, max_key_rows, l
     ops = PagedStandIn(kv, b, Hq // Hkv)
     step = PrefillStep(own, plan)
     T = b.num_tokens
-    ctx = GpuStepContext(num_tokens=T, input_ids=None, positions=b.positions, slot_mapping=b.slot_mapping,
-                         token_seq=None, block_tables=b.block_tables, sample_rows=None, num_splits=1, prefill=step)
+    ctx = GpuStepContext(num_tokens=T, input_ids=b.input_ids, positions=b.positions, slot_mapping=b.slot_mapping,
+                         token_seq=token_seqs(b), block_tables=b.block_tables, sample_rows=None, num_splits=1,
+                         prefill=step)
     out = ops.attention(q, spec_for(D, Hq, Hkv), ctx)
     assert own.launches == launches and len(ops.paged_calls) == int(paged)
+    if paged:          # the paged kernel ran over the span of the rows it serves, not the whole step
+        r0, r1 = plan.paged_rows
+        unserved = np.flatnonzero(plan.data[plan.paged_positions:plan.paged_positions + T] >= 0)
+        assert (r0, r1) == (unserved[0], unserved[-1] + 1) and ops.paged_calls[0].shape[0] == r1 - r0 < T
     np.testing.assert_allclose(out, causal_ref(q, kv[0, 0], kv[0, 1], b, Hq // Hkv), atol=1e-5, rtol=1e-5)
 
 
@@ -214,7 +228,8 @@ def test_attention_routes_unserved_layers_to_the_paged_kernel():
     b = mixed_batch(np.random.default_rng(4), [(0, 40)])
     served = types.SimpleNamespace(serves=lambda spec: False, attention=None)
     ops = PagedStandIn(np.ones((1, 2, 128, 2, 32), np.float32), b, 4)
-    ctx = GpuStepContext(num_tokens=40, input_ids=None, positions=b.positions, slot_mapping=None, token_seq=None,
-                         block_tables=b.block_tables, sample_rows=None, num_splits=1, prefill=served)
+    ctx = GpuStepContext(num_tokens=40, input_ids=None, positions=b.positions, slot_mapping=None,
+                         token_seq=token_seqs(b), block_tables=b.block_tables, sample_rows=None, num_splits=1,
+                         prefill=served)
     ops.attention(np.ones((40, 8, 32), np.float32), spec_for(32), ctx)
     assert len(ops.paged_calls) == 1

@@ -314,23 +314,28 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
     def attention(self, q, spec: AttentionSpec, ctx: GpuStepContext):
         if ctx.prefill is not None and ctx.prefill.serves(spec):     # long sequences: CuTe (gpu_prefill.py)
             return ctx.prefill.attention(self, q, spec, ctx)
+        out = self._out(ctx.num_tokens, spec.num_heads * spec.head_dim)
+        self.paged_attention(q, spec, ctx, out)
+        return out
+
+    def paged_attention(self, q, spec: AttentionSpec, ctx: GpuStepContext, out) -> None:
+        """out[T, Hq·D] = attention of ctx's T query rows over the paged cache (paged_decode.cu where it
+        fits, else paged_attention_split + attention_merge)."""
         T = ctx.num_tokens
         Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
         S = ctx.num_splits
         self._check_attention(spec, ctx)
         kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
-        out = self._out(T, Hq * D)
         fast = self._decode_kernel(Hkv) if D == self.head_dim else None
         if fast is not None:
             self._launch(fast, (S, Hkv, T), (128,), (q,) + self._decode_args(spec, ctx, out))
-            return out
+            return
         self._launch(self.k_attn, (S, Hkv, T), (128,),
                      (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq,
                       ctx.positions, self.part_out, self.part_max, self.part_sum,
                       np.int32(Hq), np.int32(Hkv), np.int32(D), np.float32(spec.scale)))
         self._launch(self.k_merge, (T * Hq,), (128,),
                      (self.part_out, self.part_max, self.part_sum, out, np.int32(S), np.int32(D)))
-        return out
 
     @op_range
     def silu_mul(self, gate_up):

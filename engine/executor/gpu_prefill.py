@@ -105,6 +105,8 @@ class PrefillPlan:
     launches: list[AttentionLaunch]
     data: np.ndarray                    # int32: each launch's cu_q, cu_k, work; then the paged positions
     paged_positions: int | None         # offset of the paged kernel's positions, None: no row left to it
+    paged_rows: tuple[int, int] = (0, 0)    # [first, end) rows the paged kernel launches over (all it serves)
+    paged_context: int = 0              # the longest context among them (the paged launch's split count)
 
 
 def plan_prefill(cu_seqlens: np.ndarray, context_lens: np.ndarray, positions: np.ndarray,
@@ -146,11 +148,15 @@ def plan_prefill(cu_seqlens: np.ndarray, context_lens: np.ndarray, positions: np
             first_seq=first, num_seqs=len(g), q_rows=(int(cu_seqlens[first]), int(cu_seqlens[last + 1])),
             key_rows=int(cu_k[-1]), key_blocks=int(-(-ctx.max() // BLOCK_SIZE)),
             cu_q=put(cu_q), cu_k=put(cu_k), work=put(work), tiles=int(work.shape[0])))
-    paged = None
+    paged, rows, longest = None, (0, 0), 0
     if not served.all():
         mine = np.repeat(served, lens)
         paged = put(np.where(mine, -1, positions))
-    return PrefillPlan(launches=launches, data=np.concatenate(chunks), paged_positions=paged)
+        left = np.flatnonzero(~mine)
+        rows = (int(left[0]), int(left[-1]) + 1)
+        longest = int(context_lens[~served].max())
+    return PrefillPlan(launches=launches, data=np.concatenate(chunks), paged_positions=paged, paged_rows=rows,
+                       paged_context=longest)
 
 
 class PrefillAttention:
@@ -213,17 +219,22 @@ class PrefillStep:
         return spec.head_dim in CUTE_HEAD_DIMS and abs(spec.scale * spec.head_dim ** 0.5 - 1) < 1e-6
 
     def attention(self, ops, q, spec, ctx):
-        """o[T, Hq·D]: the paged kernel for the rows no launch serves, then gather + CuTe per launch."""
+        """o[T, Hq·D]: the paged kernel for the rows no launch serves (launched over their span only, its
+        split count theirs: decode rows before 8k prompt tokens do not pay for 8k empty query CTAs), then
+        gather + CuTe per launch (overwriting the span's served rows, which the paged kernel zeroed)."""
         import kernels.cute as cute
         from kernels.raw_cuda.launch import launch
 
         own, plan, d = self.owner, self.plan, self.owner.data
         T, Hq, Hkv, D = ctx.num_tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        out = ops._out(T, Hq * D)
         if plan.paged_positions is not None:
-            at = plan.paged_positions
-            out = ops.attention(q, spec, dataclasses.replace(ctx, positions=d[at:at + T], prefill=None))
-        else:
-            out = ops._out(T, Hq * D)
+            (r0, r1), at = plan.paged_rows, plan.paged_positions
+            span = dataclasses.replace(ctx, num_tokens=r1 - r0, positions=d[at + r0:at + r1],
+                                       token_seq=ctx.token_seq[r0:r1], slot_mapping=ctx.slot_mapping[r0:r1],
+                                       input_ids=ctx.input_ids[r0:r1], prefill=None,
+                                       num_splits=ops.splits(r1 - r0, Hkv, plan.paged_context))
+            ops.paged_attention(q[r0:r1], spec, span, out[r0:r1])
         o = out.reshape(T, Hq, D)
         kc, vc = ops.kv_cache[spec.layer, 0], ops.kv_cache[spec.layer, 1]
         width = ctx.block_tables.shape[1]
