@@ -112,6 +112,7 @@ class GpuStepContext:
 
 class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
     op_ranges = False                       # NVTX range per op (op_range; eager steps)
+    decode_defines: dict = {}               # paged_decode.cu build options (-D; benchmarks' A/B: STAGES, MIN_CTAS)
 
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
                  max_width: int, hidden: int, vocab_size: int, logits_rows: int, num_heads: int, head_dim: int,
@@ -259,7 +260,8 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
         if not self.fast_attention or not decode_attention_fits(group, self.head_dim):
             return None
         if (group, entry) not in self._decode_kernels:
-            self._decode_kernels[group, entry] = kernel("paged_decode", entry, GQA=group, HEAD_DIM=self.head_dim)
+            self._decode_kernels[group, entry] = kernel("paged_decode", entry, GQA=group, HEAD_DIM=self.head_dim,
+                                                        **self.decode_defines)
         return self._decode_kernels[group, entry]
 
     def _rope_decode_kernel(self, spec: AttentionSpec, ctx: GpuStepContext):
