@@ -9,6 +9,7 @@
 | OPENINFER_GEMV_UNROLL | gemv_unroll | 2 |
 | OPENINFER_GEMV_UNROLL_NARROW | gemv_unroll_narrow | 4 |
 | OPENINFER_LAYER_RANGES | nvtx ("1": layers, "ops": ops) | 0 |
+| OPENINFER_EAGER_GRAPH_TOKENS | eager_graph_tokens (0: off) | 2048 |
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def gpu_tuning_from_env(env: Mapping[str, str] | None = None) -> GpuTuning:
         pdl=env.get("OPENINFER_PDL", "1").strip() != "0",
         gemv_unroll=_int(env, "OPENINFER_GEMV_UNROLL", d.gemv_unroll),
         gemv_unroll_narrow=_int(env, "OPENINFER_GEMV_UNROLL_NARROW", d.gemv_unroll_narrow),
+        eager_graph_tokens=_int(env, "OPENINFER_EAGER_GRAPH_TOKENS", d.eager_graph_tokens),
         nvtx=NVTX_VALUES[nvtx])
     tuning.validate()
     return tuning

@@ -8,8 +8,10 @@ Parts: GpuOps (the model Ops: raw CUDA kernels, the GEMM library, the activation
 serves where that fails), StepInputs (the step's arrays in one static buffer), GpuSampler,
 PrefillAttention (the CuTe varlen kernel for long prefill sequences, gpu_prefill.py) and DecodeGraphs
 (decode steps replayed as CUDA graphs per batch-size bucket, gpu_graphs.py; a second set for steps with
-LoRA adapters, gpu_lora_ops.py); for a line with per-sequence state, its state slots
-(memory/state_slots.py, one per max_num_seqs) before the KV pool. Prefill and mixed steps run eagerly.
+LoRA adapters, gpu_lora_ops.py) and PiecewiseGraphs (prefill and mixed steps of up to
+GpuTuning.eager_graph_tokens tokens as CUDA graphs per token bucket, attention launched between them,
+gpu_piecewise.py; dense lines; larger eager steps launch kernel by kernel); for a line with per-sequence
+state, its state slots (memory/state_slots.py, one per max_num_seqs) before the KV pool.
 `last_host_s` is the host time of the last step up to its launch.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.executor.gpu_deltanet_ops import check_deltanet_shapes
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_inputs import StepInputs
 from engine.executor.gpu_ops import GpuOps, GpuStepContext
+from engine.executor.gpu_piecewise import PiecewiseGraphs, eager_buckets
 from engine.executor.gpu_plan import DeviceInfo, GpuPlan, gpu_plan
 from engine.executor.gpu_prefill import PrefillAttention, prefill_min_query
 from engine.executor.gpu_readback import Readback
@@ -177,6 +180,10 @@ class GpuExecutor(ExecutorBase):
         self.graphs = self._graphs() if options.cuda_graphs else None
         # decode graphs of steps with LoRA adapters: the same forward with lora_shrink / lora_expand
         self.lora_graphs = self._graphs() if options.cuda_graphs and plan.lora_sites else None
+        piecewise = (options.cuda_graphs and options.tensor_parallel_size == 1
+                     and getattr(self.model, "piecewise_graphs", False))
+        buckets = eager_buckets(plan.max_tokens, tuning.eager_graph_tokens) if piecewise else []
+        self.piecewise = PiecewiseGraphs(self.model, self.ops, self.weights, stream, buckets) if buckets else None
         stream.synchronize()
         log.info("GPU executor on %s (%d SMs): %s", self.device.name, self.device.num_sms, self.gemm.describe())
         log.info("%s; %d KV blocks", self.arena.summary(), self.num_kv_blocks)
@@ -221,13 +228,32 @@ class GpuExecutor(ExecutorBase):
         todo = [(graphs, lora, m) for graphs, lora in ((self.graphs, False), (self.lora_graphs, True))
                 if graphs is not None for m in graphs.missing()]
         if not todo:
-            return False
+            return self._warm_piecewise()
         graphs, lora, (b, sampling) = todo[0]
         with nvtx_range(f"warm up graph B={b}{' sampling' if sampling else ''}{' LoRA' if lora else ''}"):
             ctx = self.inputs.upload_padding(b, self.ops.splits(b, self.plan.kv.heads, self.max_model_len))
             self.ops.use_lora(np.full(b, -1, np.int32) if lora else None, b)
             graphs.warm(b, sampling, ctx)
-        return len(todo) > 1
+        return len(todo) > 1 or bool(self.piecewise and self.piecewise.missing())
+
+    def _warm_piecewise(self) -> bool:
+        """Capture one eager-step bucket not captured yet (smallest first); False once there is none."""
+        missing = self.piecewise.missing() if self.piecewise is not None else []
+        if not missing:
+            return False
+        with nvtx_range(f"warm up eager graphs T={missing[0]}"):
+            try:
+                self.piecewise.warm(missing[0], self.inputs.upload_token_padding(missing[0]))
+            except Exception:
+                self._drop_piecewise()
+                return False
+        return len(missing) > 1
+
+    def _drop_piecewise(self) -> None:
+        """A capture failed: eager steps launch kernel by kernel from now on (logged once)."""
+        log.exception("piecewise graphs of eager steps disabled: a capture failed")
+        self.piecewise = None
+        self.stream.synchronize()
 
     # ---- decode kernel switch (benchmarks, A/B) ---------------------------------------------------
     def default_gemv_rows(self) -> int:
@@ -243,9 +269,11 @@ class GpuExecutor(ExecutorBase):
             self.graphs = self._graphs()
         if self.lora_graphs is not None:
             self.lora_graphs = self._graphs()
+        if self.piecewise is not None:
+            self.piecewise.graphs.clear()
 
     # ---- steps ------------------------------------------------------------------------------------
-    def upload(self, batch: ModelBatch, pad_to: int | None = None) -> GpuStepContext:
+    def upload(self, batch: ModelBatch, pad_to: int | None = None, pad_tokens: int | None = None) -> GpuStepContext:
         """The step's inputs on the device (checked first; a fed step's ids come from the sampler);
         eager steps also plan prefill attention."""
         fed = self._fed
@@ -256,7 +284,7 @@ class GpuExecutor(ExecutorBase):
         if self.num_state_slots:
             check_slots(batch.state_slots, self.num_state_slots)
         ctx = self.inputs.upload(batch, lambda T, ctx_len: self.ops.splits(T, self.plan.kv.heads, ctx_len), pad_to,
-                                 fed_ids=self.sampler.ids if fed else None)
+                                 fed_ids=self.sampler.ids if fed else None, pad_tokens=pad_tokens)
         self.ops.use_lora(batch.lora_slots, ctx.num_tokens)
         if pad_to is None:
             ctx.batch = batch
@@ -265,6 +293,15 @@ class GpuExecutor(ExecutorBase):
         return ctx
 
     def _hidden(self, batch: ModelBatch):
+        """The step's final-normed hidden rows (the real rows first) and its context: replayed by token
+        bucket where the piecewise graphs serve the step, else launched kernel by kernel."""
+        pw = self.piecewise
+        if pw is not None and pw.serves(batch):
+            ctx = self.upload(batch, pad_tokens=pw.bucket(batch.num_tokens))
+            try:
+                return pw.forward(ctx), ctx
+            except Exception:
+                self._drop_piecewise()
         ctx = self.upload(batch)
         self.ops.reset()
         return self.model.forward(self.ops, self.weights, ctx), ctx

@@ -62,13 +62,15 @@ class StepInputs:
         self.host = self.hosts[1] if self.host is self.hosts[0] else self.hosts[0]
         return self.host
 
-    def upload(self, batch: ModelBatch, num_splits, pad_to: int | None = None, fed_ids=None) -> GpuStepContext:
+    def upload(self, batch: ModelBatch, num_splits, pad_to: int | None = None, fed_ids=None,
+               pad_tokens: int | None = None) -> GpuStepContext:
         """Copy the step's arrays into the device buffer (one async copy on the stream) and return
         their views. pad_to (decode graphs): pad a one-token-per-sequence batch to that many rows;
         padded rows have position and slot -1 (attention skips them, no KV is written) and read
         block-table row 0. num_splits(T, max_context): the attention split count of the step.
         fed_ids: a device array whose first T ids replace the batch's (a step queued before the
-        step that samples its input ids finished: async scheduling)."""
+        step that samples its input ids finished: async scheduling). pad_tokens (piecewise graphs of eager
+        steps): pad the step's tokens, not its sequences, to that many rows (position and slot -1)."""
         import cupy
 
         T, B = batch.num_tokens, len(batch.seqs)
@@ -84,6 +86,9 @@ class StepInputs:
         h[slots:slots + B] = batch.state_slots if batch.state_slots.shape[0] == B else -1
         h[cu:cu + B + 1] = batch.cu_seqlens
         rows = B
+        if pad_tokens is not None:
+            h[T:pad_tokens], h[Tm + T:Tm + pad_tokens], h[2 * Tm + T:2 * Tm + pad_tokens] = 0, -1, -1
+            h[3 * Tm + T:3 * Tm + pad_tokens] = 0
         if pad_to is not None:
             h[T:pad_to], h[Tm + T:Tm + pad_to], h[2 * Tm + T:2 * Tm + pad_to] = 0, -1, -1
             h[3 * Tm + T:3 * Tm + pad_to] = 0
@@ -102,6 +107,7 @@ class StepInputs:
             cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, fed_ids.data.ptr, batch.num_tokens * 4,
                                           cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         max_context = int(batch.context_lens.max()) if pad_to is None else self.max_model_len
+        T = pad_tokens if pad_tokens is not None else T
         return self.views(T, rows, S, num_splits(T, max_context))
 
     def upload_padding(self, rows: int, splits: int) -> GpuStepContext:
@@ -120,6 +126,23 @@ class StepInputs:
         cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         return self.views(rows, rows, rows, splits)
+
+    def upload_token_padding(self, tokens: int) -> GpuStepContext:
+        """An eager-step context of `tokens` padded rows of one empty sequence (piecewise-graph warm-up:
+        no row writes KV or attends)."""
+        import cupy
+
+        Tm, h = self.max_tokens, self._next_host()
+        slots, cu, first_table = self._regions()
+        h[0:tokens], h[Tm:Tm + tokens], h[2 * Tm:2 * Tm + tokens], h[3 * Tm:3 * Tm + tokens] = 0, -1, -1, 0
+        h[4 * Tm] = 0
+        h[slots] = -1
+        h[cu:cu + 2] = (0, tokens)
+        h[first_table:first_table + self.max_blocks] = 0
+        n = first_table + self.max_blocks
+        cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
+                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        return self.views(tokens, 1, 1, 1)
 
     def views(self, T: int, B: int, S: int, splits: int) -> GpuStepContext:
         Tm, mb, d = self.max_tokens, self.max_blocks, self.device

@@ -313,10 +313,13 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
         return out
 
     @op_range
-    def attention(self, q, spec: AttentionSpec, ctx: GpuStepContext):
+    def attention(self, q, spec: AttentionSpec, ctx: GpuStepContext, out=None):
+        """o[T, Hq·D] into `out` (default: the next activation buffer; piecewise graphs pass the rows
+        their next segment reads)."""
         if ctx.prefill is not None and ctx.prefill.serves(spec):     # long sequences: CuTe (gpu_prefill.py)
-            return ctx.prefill.attention(self, q, spec, ctx)
-        out = self._out(ctx.num_tokens, spec.num_heads * spec.head_dim)
+            return ctx.prefill.attention(self, q, spec, ctx, out)
+        if out is None:
+            out = self._out(ctx.num_tokens, spec.num_heads * spec.head_dim)
         self.paged_attention(q, spec, ctx, out)
         return out
 

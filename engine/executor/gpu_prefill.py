@@ -218,7 +218,7 @@ class PrefillStep:
     def serves(spec) -> bool:
         return spec.head_dim in CUTE_HEAD_DIMS and abs(spec.scale * spec.head_dim ** 0.5 - 1) < 1e-6
 
-    def attention(self, ops, q, spec, ctx):
+    def attention(self, ops, q, spec, ctx, out=None):
         """o[T, Hq·D]: the paged kernel for the rows no launch serves (launched over their span only, its
         split count theirs: decode rows before 8k prompt tokens do not pay for 8k empty query CTAs), then
         gather + CuTe per launch (overwriting the span's served rows, which the paged kernel zeroed)."""
@@ -227,7 +227,8 @@ class PrefillStep:
 
         own, plan, d = self.owner, self.plan, self.owner.data
         T, Hq, Hkv, D = ctx.num_tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim
-        out = ops._out(T, Hq * D)
+        if out is None:
+            out = ops._out(T, Hq * D)
         if plan.paged_positions is not None:
             (r0, r1), at = plan.paged_rows, plan.paged_positions
             span = dataclasses.replace(ctx, num_tokens=r1 - r0, positions=d[at + r0:at + r1],

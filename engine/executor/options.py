@@ -56,7 +56,9 @@ class GpuTuning:
     prefill_attention: "cute" | "cute:N" (sequences of at least N new tokens) | "paged".
     pdl: programmatic dependent launches in the decode graphs.
     gemv_unroll / gemv_unroll_narrow: gemv.cu k steps per weight batch (wide / narrow products).
-    nvtx: "off" | "layers" (a range per decoder layer in eager steps) | "ops" (and per op)."""
+    nvtx: "off" | "layers" (a range per decoder layer in eager steps) | "ops" (and per op).
+    eager_graph_tokens: eager (prefill / mixed) steps of up to this many tokens run as piecewise CUDA graphs
+    by token bucket, attention launched between them (gpu_piecewise.py; 0: off; dense lines only)."""
     decode_kernels: str = "all"
     gemm: str = "auto"
     prefill_attention: str = "cute"
@@ -64,6 +66,7 @@ class GpuTuning:
     gemv_unroll: int = 2
     gemv_unroll_narrow: int = 4
     nvtx: str = "off"
+    eager_graph_tokens: int = 2048
 
     def validate(self) -> None:
         """Parse every choice once (the parsers raise ValueError naming the setting)."""
@@ -76,6 +79,8 @@ class GpuTuning:
         for name in ("gemv_unroll", "gemv_unroll_narrow"):
             if not 1 <= getattr(self, name) <= 16:
                 raise ValueError(f"{name} must be in 1..16, got {getattr(self, name)}")
+        if self.eager_graph_tokens < 0:
+            raise ValueError(f"eager_graph_tokens must be >= 0, got {self.eager_graph_tokens}")
         if self.nvtx not in ("off", "layers", "ops"):
             raise ValueError(f"nvtx must be off, layers or ops, got {self.nvtx!r}")
 

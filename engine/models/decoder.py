@@ -140,6 +140,9 @@ class DecoderLM:
     line with another structure overrides `weight_specs` and `forward`."""
     model_type = ""
     expert_shape = None          # moe.ExpertShape of a line with routed experts
+    # True: the forward between two attention calls depends on the step's token count only (no host
+    # decision from the data), so the GPU may replay it as piecewise CUDA graphs (gpu_piecewise.py)
+    piecewise_graphs = False
 
     def __init__(self, config: ModelConfig):
         self.config = config

@@ -10,6 +10,7 @@ from engine.models.decoder import DecoderLM, LayerOptions
 
 class LlamaForCausalLM(DecoderLM):
     model_type = "llama"
+    piecewise_graphs = True
 
     @staticmethod
     def layer_options(config: ModelConfig) -> LayerOptions:

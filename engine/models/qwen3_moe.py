@@ -58,6 +58,7 @@ class Qwen3MoeConfig:
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     model_type = "qwen3_moe"
+    piecewise_graphs = False                # routing decides on the host from the data
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
