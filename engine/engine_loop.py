@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Callable
 
 from engine.admission import Admission, AdmissionLimits
@@ -28,6 +29,7 @@ from engine.stats import EngineStats
 from engine.step_trace import NoTrace, StepTrace
 from memory.block_manager import BlockManager
 from memory.host_tier import HostKVTier
+from memory.kv_pool import BLOCK_SIZE
 from memory.state_slots import StateSlots
 
 log = logging.getLogger("openinfer.engine")
@@ -110,6 +112,7 @@ class EngineLoop:
         self._inflight: tuple | None = None    # async scheduling: (plan, batch, pending) already queued
         self._async = config.async_scheduling and config.overlap_steps and executor.supports_fed_steps
         self._planned_steps = 0
+        self._tier_copy_s = 0.0                # host time in the host tier's copy_blocks
         self.trace = StepTrace(config.step_trace) if config.step_trace else NoTrace()
 
     @property
@@ -309,8 +312,10 @@ class EngineLoop:
         offloads, restores = tier.end_step()
         if not offloads and not restores:
             return
+        t = time.perf_counter()
         try:
             self.executor.copy_blocks(offloads, restores)
+            self._tier_copy_s += time.perf_counter() - t
         except Exception:                 # its slots no longer hold what they claim: stop using it
             log.exception("host KV tier copy failed; the tier is switched off")
             self.scheduler.host_tier = None
@@ -344,4 +349,8 @@ class EngineLoop:
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps,
             num_steps_planned_ahead=self._planned_steps,
             host_kv_stored_blocks=tier.stored_blocks if tier else 0,
-            host_kv_restored_blocks=tier.restored_blocks if tier else 0)
+            host_kv_restored_blocks=tier.restored_blocks if tier else 0,
+            prefix_cache_host_hits=tier.restored_blocks * BLOCK_SIZE if tier else 0,
+            host_kv_offload_bytes=tier.stored_blocks * self.executor.kv_block_bytes if tier else 0,
+            host_kv_restore_bytes=tier.restored_blocks * self.executor.kv_block_bytes if tier else 0,
+            host_kv_copy_seconds=self._tier_copy_s)

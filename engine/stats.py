@@ -20,6 +20,10 @@ class EngineStats:
     num_steps_planned_ahead: int = 0    # decode steps scheduled while the previous one ran
     host_kv_stored_blocks: int = 0      # host KV tier: evicted blocks kept, blocks copied back
     host_kv_restored_blocks: int = 0
+    prefix_cache_host_hits: int = 0     # of prefix_cache_hits, tokens restored from the host tier
+    host_kv_offload_bytes: int = 0      # KV bytes copied device -> host and host -> device (the rank's share)
+    host_kv_restore_bytes: int = 0
+    host_kv_copy_seconds: float = 0.0   # host time queuing the tier's copies (they run ahead of the step)
 
     @property
     def kv_usage(self) -> float:

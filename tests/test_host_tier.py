@@ -86,9 +86,18 @@ def test_host_tier_on_a_real_model_cpu_executor():
         ex = CpuExecutor(model, options_of(num_kv_blocks=10, max_model_len=512, host_kv_blocks=tier_blocks))
         engine = make_engine(ex, model.tokenizer, max_model_len=512, host_kv_blocks=tier_blocks)
         runs[tier_blocks] = prompt_then_evict_then_again(engine, prompt, params, others=4)
+        if tier_blocks:
+            stats = engine.stats()
     (a0, b0), (a1, b1) = runs[0], runs[32]
     assert tokens(a0) == tokens(b0) == tokens(a1) == tokens(b1)
     assert cached(b1) == 64 and cached(b0) == 0
+    # the metrics: hits by tier and the bytes both ways (float32 K and V of every layer's KV heads)
+    layout = model.model.kv_layout()
+    block_bytes = 16 * layout.layers * layout.planes * layout.heads * layout.dim * 4
+    assert stats.prefix_cache_host_hits == 64 and stats.prefix_cache_hits >= 64
+    assert stats.host_kv_restore_bytes == 4 * block_bytes
+    assert stats.host_kv_offload_bytes == stats.host_kv_stored_blocks * block_bytes > 0
+    assert stats.host_kv_copy_seconds > 0
 
 
 def test_host_tier_needs_an_executor_that_copies():

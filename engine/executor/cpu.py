@@ -33,6 +33,7 @@ class CpuExecutor(ExecutorBase):
         rounding = ROUNDING.get(options.dtype)
         self.weights = {name: self._prepare(a, rounding) for name, a in model.weights.items()}
         self.layout = self.model.kv_layout()
+        self.kv_block_bytes = self.layout.block_bytes(4)          # the numpy pool is float32
         num_kv_blocks = options.num_kv_blocks
         if num_kv_blocks is None:
             need = blocks_for(self.max_model_len)

@@ -160,6 +160,7 @@ class GpuExecutor(ExecutorBase):
             log.warning("KV pool of %d blocks holds less than one max_model_len sequence (%d blocks)",
                         num_kv_blocks, plan.max_blocks)
         self.num_kv_blocks = int(num_kv_blocks)
+        self.kv_block_bytes = block_bytes
         self.kv_cache = self.arena.take("kv", plan.kv.pool_shape(self.num_kv_blocks), np.uint16)
         lm_head = self.weights["embed_tokens" if cfg.tie_word_embeddings else "lm_head"]
         fast_attention, self.gemm.gemv_max_m = parse_decode_kernels(tuning.decode_kernels, self.default_gemv_rows())
