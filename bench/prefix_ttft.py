@@ -2,10 +2,12 @@
 
 For each length L a fresh random prompt of exactly L tokens is sent once (cold: nothing of it can be
 cached), then again with its last token replaced (warm: everything before the last token can come
-from the prefix cache). Requests go one at a time; the table reports both TTFTs and the
-`cached_tokens` each response's usage reports.
+from the prefix cache). With --host-tier, the server's device prefix cache is then reset
+(POST /reset_prefix_cache: a server started with a host KV tier offloads it there) and the warm prompt
+is sent a third time: its prefix comes back from the host tier (host). Requests go one at a time; the
+table reports the TTFTs and the `cached_tokens` each response's usage reports.
 
-    python -m bench.prefix_ttft --base-url http://127.0.0.1:8000 --lengths 256,1024,4096,16384
+    python -m bench.prefix_ttft --base-url http://127.0.0.1:8000 --lengths 256,1024,4096,16384 [--host-tier]
 """
 from __future__ import annotations
 
@@ -46,13 +48,20 @@ def prompt_pair(tokenizer: Tokenizer, length: int, rng: np.random.Generator,
 
 
 async def measure(base_url: str, model: str, prompts: list[tuple[int, str, str]], output_len: int,
-                  api_key: str | None) -> list[dict]:
-    """Send each pair cold then warm, one request at a time."""
+                  api_key: str | None, host_tier: bool = False) -> list[dict]:
+    """Send each pair cold then warm (then, with host_tier, warm again after a prefix-cache reset), one
+    request at a time."""
     path, headers, rows = endpoint_path("completions"), auth_headers(api_key), []
     async with make_client(base_url) as client:
         for length, cold, warm in prompts:
             row = {"length": length}
-            for name, text in (("cold", cold), ("warm", warm)):
+            sends = [("cold", cold), ("warm", warm)] + ([("host", warm)] if host_tier else [])
+            for name, text in sends:
+                if name == "host":              # the device copy goes (to the host tier, where there is one)
+                    async with client.request("POST", "/reset_prefix_cache", headers=headers) as reset:
+                        body = await reset.read()
+                    if reset.status != 200:
+                        raise RuntimeError(f"POST /reset_prefix_cache answered {reset.status}: {body[:300]!r}")
                 payload = build_payload(RequestSpec(text, length, output_len), model, "completions", True)
                 r = await send_request(client, path, payload, length, headers)
                 if not r.success:
@@ -62,8 +71,9 @@ async def measure(base_url: str, model: str, prompts: list[tuple[int, str, str]]
                           flush=True)
                 row.update({f"{name}_ttft_ms": r.ttft * 1000, f"{name}_cached_tokens": r.cached_tokens,
                             f"{name}_prompt_tokens": r.prompt_len})
+            host = f", host {row['host_ttft_ms']:9.1f} ms (cached {row['host_cached_tokens']})" if host_tier else ""
             print(f"  {length:>6} tokens: cold {row['cold_ttft_ms']:9.1f} ms, warm {row['warm_ttft_ms']:9.1f} ms, "
-                  f"cached {row['warm_cached_tokens']}", flush=True)
+                  f"cached {row['warm_cached_tokens']}{host}", flush=True)
             rows.append(row)
     return rows
 
@@ -79,6 +89,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
                 values = [r[key] for r in group if r[key] is not None]
                 row[key] = float(np.median(values)) if values else None
         row["speedup"] = row["cold_ttft_ms"] / row["warm_ttft_ms"]
+        if "host_ttft_ms" in row:
+            row["host_speedup"] = row["cold_ttft_ms"] / row["host_ttft_ms"]
         out.append(row)
     return out
 
@@ -86,11 +98,15 @@ def aggregate(rows: list[dict]) -> list[dict]:
 def markdown(summary: list[dict]) -> str:
     def cell(value):
         return "n/a" if value is None else f"{value:g}"
+    host = bool(summary) and "host_ttft_ms" in summary[0]
     lines = ["| prompt tokens | cold TTFT (ms) | warm TTFT (ms) | cold / warm | cached tokens cold / warm "
-             "| repeats |", "| --- | --- | --- | --- | --- | --- |"]
+             + ("| host-tier TTFT (ms) | cold / host | cached tokens host " if host else "") + "| repeats |",
+             "| --- " * (9 if host else 6) + "|"]
     for r in summary:
+        extra = (f"| {r['host_ttft_ms']:.1f} | {r['host_speedup']:.1f}x | {cell(r['host_cached_tokens'])} "
+                 if host else "")
         lines.append(f"| {r['length']} | {r['cold_ttft_ms']:.1f} | {r['warm_ttft_ms']:.1f} | {r['speedup']:.1f}x "
-                     f"| {cell(r['cold_cached_tokens'])} / {cell(r['warm_cached_tokens'])} | {r['repeats']} |")
+                     f"| {cell(r['cold_cached_tokens'])} / {cell(r['warm_cached_tokens'])} {extra}| {r['repeats']} |")
     return "\n".join(lines)
 
 
@@ -100,7 +116,9 @@ def plot(summary: list[dict], path: Path, title: str) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     lengths = [r["length"] for r in summary]
-    for key in ("cold", "warm"):
+    for key in ("cold", "warm", "host"):
+        if f"{key}_ttft_ms" not in summary[0]:
+            continue
         ax.plot(lengths, [r[f"{key}_ttft_ms"] for r in summary], marker="o", label=f"{key} TTFT")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -128,6 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--api-key", default=None)
     p.add_argument("--out-dir", default="bench/out/prefix_ttft")
     p.add_argument("--label", default="prefix_ttft")
+    p.add_argument("--host-tier", action="store_true",
+                   help="also time a host-tier hit: reset the device prefix cache, then send the warm prompt again")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     if any(n < 2 for n in lengths) or args.repeats < 1:
@@ -140,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     warmup = RequestSpec(prompt_pair(tokenizer, 32, rng, allowed)[0], 32, args.output_len)
     model = asyncio.run(probe(args.base_url, args.model, warmup, "completions", True, args.api_key))
     print(f"{model}: cold vs warm TTFT over {len(prompts)} prompt pairs", flush=True)
-    rows = asyncio.run(measure(args.base_url, model, prompts, args.output_len, args.api_key))
+    rows = asyncio.run(measure(args.base_url, model, prompts, args.output_len, args.api_key, args.host_tier))
     summary = aggregate(rows)
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": "python -m bench.prefix_ttft " + shlex.join(sys.argv[1:] if argv is None else argv),

@@ -133,6 +133,14 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def reset_prefix_cache(self) -> int:
+        """Engine thread, between steps: evict every unreferenced cached device block (with a host tier they
+        are offloaded to it now, not with the next step); returns how many."""
+        n = self.block_manager.reset_prefix_cache()
+        self._copy_tier_blocks()
+        self._publish_stats()
+        return n
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
         self._thread.start()

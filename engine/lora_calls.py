@@ -1,4 +1,5 @@
-"""LoRA adapter loads and unloads at run time, as the server calls them on either engine handle.
+"""LoRA adapter loads and unloads at run time, as the server calls them on either engine handle, and
+the one other run-time op that travels the same way: the device prefix cache's reset.
 
 `LoRACalls` is the surface EngineHandle (engine in this process) and EngineClient (engine in a child
 process, engine/process.py) share: `lora_adapters` (the served names -> paths), `load_lora_adapter`,
@@ -20,6 +21,9 @@ NOT_ENABLED = "LoRA is not enabled: start the server with --enable-lora"
 def run_lora_op(engine, op: tuple, reply: Callable[[LoRAError | None], None]) -> None:
     """op ("load", name, path) or ("unload", name) on an EngineLoop; reply(None or LoRAError) once, from
     whichever thread finishes it."""
+    if op[0] == "reset_prefix_cache":           # not a LoRA op: the same channel, no registry needed
+        engine.call(lambda: (engine.reset_prefix_cache(), reply(None)))
+        return
     registry = engine.loras
     if registry is None:
         reply(LoRAError(NOT_ENABLED))
@@ -81,6 +85,11 @@ class LoRACalls:
             if path is not None:
                 self.lora_adapters[name] = path
             raise
+
+    async def reset_prefix_cache(self) -> None:
+        """Evict every unreferenced block of the device prefix cache (to the host tier where there is one);
+        returns once done, between steps."""
+        await self._lora(("reset_prefix_cache",))
 
     async def _lora(self, op: tuple) -> None:
         raise NotImplementedError

@@ -186,6 +186,15 @@ def _lora_post(summary: str, fields: list[str]) -> dict:
     return op
 
 
+def _reset_post() -> dict:
+    """vLLM's POST /reset_prefix_cache: an optional empty JSON object as the body."""
+    op = _post("Evict every unused block of the device prefix cache (to the host KV tier where there is one)",
+               {"type": "object", "additionalProperties": False, "properties": {}}, {})
+    op["post"]["requestBody"]["required"] = False
+    op["post"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    return op
+
+
 def openapi_document(version: str, model: ModelInfo) -> dict:
     bodies = _bodies(model)
     return {
@@ -220,6 +229,7 @@ def openapi_document(version: str, model: ModelInfo) -> dict:
             "/metrics": _get("Prometheus metrics", {}, open_route=True,
                              content={"text/plain": {"schema": {"type": "string"}}}),
             "/openapi.json": _get("This document", {"type": "object"}, open_route=True),
+            "/reset_prefix_cache": _reset_post(),
             "/v1/load_lora_adapter": _lora_post("Load a LoRA adapter (with --enable-lora)", ["lora_name", "lora_path"]),
             "/v1/unload_lora_adapter": _lora_post("Unload a LoRA adapter, once its requests have ended", ["lora_name"]),
         },

@@ -1,10 +1,13 @@
 """The routes that describe the server: /v1/models (the base model and its LoRA adapters), /health,
-/version, /metrics, /openapi.json."""
+/version, /metrics, /openapi.json; and vLLM's POST /reset_prefix_cache (benchmarks: a prefix hit from the
+host tier after the device copy is gone)."""
 from __future__ import annotations
 
 from sanic import Sanic, response
 
+from engine.lora import LoRAError
 from server import __version__
+from server.body import parse_json
 from server.errors import APIError
 from server.lora_routes import lora_cards
 from server.openapi import openapi_document
@@ -42,6 +45,19 @@ def add_info_routes(app: Sanic) -> None:
         stats = request.app.ctx.handle.stats()
         return response.text(request.app.ctx.metrics.render(stats),
                              content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request):
+        if request.body and parse_json(request.body):   # no fields: an empty object, or no body at all
+            raise APIError(400, f"unknown field(s): {', '.join(sorted(parse_json(request.body)))}")
+        reset = getattr(request.app.ctx.handle, "reset_prefix_cache", None)
+        if reset is None:
+            raise APIError(400, "this engine has no prefix cache to reset")
+        try:
+            await reset()
+        except LoRAError as e:                   # the engine process has ended
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        return response.text("Success: prefix cache reset.")
 
     @app.get("/openapi.json")
     async def openapi(request):

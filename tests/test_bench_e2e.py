@@ -31,7 +31,8 @@ def served_tiny_model(tmp_path_factory):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", model, "--device", "cpu",
-                             "--port", str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                             "--port", str(port), "--host-kv-blocks", "64"],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -80,12 +81,15 @@ def test_prefix_ttft_against_the_real_server(served_tiny_model, tmp_path):
     from bench.prefix_ttft import main
     url, model = served_tiny_model
     report = main(["--base-url", url, "--tokenizer", model, "--lengths", "40,100", "--seed", "5",
-                   "--out-dir", str(tmp_path), "--label", "e2e"])
+                   "--out-dir", str(tmp_path), "--label", "e2e", "--host-tier"])
     for row in report["summary"]:
         assert row["cold_cached_tokens"] == 0
-        # every full 16-token KV block before the changed last token comes from the prefix cache
-        assert row["warm_cached_tokens"] == (row["length"] - 1) // 16 * 16
-        assert row["cold_prompt_tokens"] == row["warm_prompt_tokens"] == row["length"]
+        # every full 16-token KV block before the changed last token comes from the prefix cache: first
+        # from the device, then (after POST /reset_prefix_cache) from the host KV tier
+        assert row["warm_cached_tokens"] == row["host_cached_tokens"] == (row["length"] - 1) // 16 * 16
+        assert row["cold_prompt_tokens"] == row["warm_prompt_tokens"] == row["host_prompt_tokens"] == row["length"]
+        assert row["host_ttft_ms"] > 0 and row["host_speedup"] > 0
+    assert "host-tier TTFT" in (tmp_path / "e2e.md").read_text()
 
 
 def _server_ttft(url: str) -> tuple[float, float] | None:

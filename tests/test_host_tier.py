@@ -137,3 +137,23 @@ def test_pure_host_mode_serves_a_repeat_from_the_host_tier(model):
     assert cached(first) == 0 and cached(second) == full and tier.restored_blocks == full // 16
     assert not engine.block_manager.cached                       # the device cached nothing
     engine.block_manager.check_invariants(idle=True)
+
+
+def test_reset_prefix_cache_moves_the_device_prefix_to_the_host_tier():
+    """With a host tier, the reset offloads the evicted blocks at once (not with the next step), and the
+    same prompt then hits them from the host tier with the tokens of the first run."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = list(range(30, 130))                   # 6 full blocks
+    ex = FakeExecutor(num_kv_blocks=40, host_kv_blocks=16)
+    engine = make_engine(ex, host_kv_blocks=16)
+    first = submit(engine, GenerateRequest("a1", prompt, params))
+    run_until_idle(engine)
+    assert engine.reset_prefix_cache() >= 6
+    assert engine.stats().host_kv_stored_blocks >= 6 and engine.block_manager.num_used_blocks == 0
+    # the device blocks are reused by someone else before the repeat comes: only an offload made by
+    # the reset itself (not one deferred to the next step) still holds the prompt's KV
+    ex.kv[:] = 7
+    second = submit(engine, GenerateRequest("a2", prompt, params))
+    run_until_idle(engine)
+    assert tokens(second) == tokens(first) and cached(second) == 96
+    assert engine.stats().prefix_cache_host_hits == 96

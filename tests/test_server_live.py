@@ -221,6 +221,20 @@ def test_repeated_prompt_reports_cached_tokens_and_metrics(client, server, handl
     assert values["openinfer_engine_kv_blocks_total"] == stats.kv_blocks_total
 
 
+def test_reset_prefix_cache_route_evicts_the_cached_prefix(client, server, handle):
+    """vLLM's POST /reset_prefix_cache: the repeat after it finds nothing cached, the one after that hits."""
+    prompt = "Another preamble, long enough for two whole sixteen-token KV blocks of cached prefix. " * 2
+    ask = lambda: client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)  # noqa: E731
+    first, second = ask(), ask()
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    r = httpx.post(server.url + "/reset_prefix_cache", timeout=10)
+    assert r.status_code == 200
+    third, fourth = ask(), ask()
+    assert not third.usage.prompt_tokens_details or not third.usage.prompt_tokens_details.cached_tokens
+    assert fourth.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens_details.cached_tokens
+    assert first.choices[0].text == third.choices[0].text == fourth.choices[0].text
+
+
 def test_non_streaming_client_that_times_out_frees_its_request(server, handle):
     body = {"model": MODEL, "prompt": "Go on and on", "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
