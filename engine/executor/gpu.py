@@ -254,7 +254,10 @@ class GpuExecutor(ExecutorBase):
         """A capture failed: eager steps launch kernel by kernel from now on (logged once)."""
         log.exception("piecewise graphs of eager steps disabled: a capture failed")
         self.piecewise = None
-        self.stream.synchronize()
+        try:
+            self.stream.synchronize()
+        except Exception:                   # a capture the failure left open: nothing queued to wait for
+            log.warning("stream synchronize after the failed capture raised", exc_info=True)
 
     # ---- decode kernel switch (benchmarks, A/B) ---------------------------------------------------
     def default_gemv_rows(self) -> int:
