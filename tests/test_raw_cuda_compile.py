@@ -36,8 +36,12 @@ def _compile(path: str, *defines: str) -> None:
     opts += [f"-D{d}".encode() for d in defines]
     (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
+    # NVRTC writes into this buffer: a fresh one. `b" " * size` at size 1 (an empty log) is CPython's
+    # shared one-byte b" ", and writing the log's NUL into it turned every b" " of the process into
+    # b"\x00" (a later test's detokenized spaces came out as NULs).
+    log = bytes(max(size, 2))
     nvrtc.nvrtcGetProgramLog(prog, log)
+    log = log.rstrip(b"\0")
     nvrtc.nvrtcDestroyProgram(prog)
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
 
