@@ -127,8 +127,10 @@ class GpuHostExecutor(ExecutorBase):
         n_inputs = StepInputs.buffers(inputs.max_tokens, inputs.max_seqs, inputs.max_blocks)[0].shape[0]
         inputs.hosts, inputs.device = [np.zeros(n_inputs, np.int32) for _ in range(2)], _Dev(n_inputs)
         inputs.host = inputs.hosts[0]
-        ex.inputs, ex.prefill = inputs, None
-        ops = types.SimpleNamespace(fast_attention=True, num_heads=32, head_dim=128, num_sms=132)
+        ex.inputs, ex.prefill, ex.piecewise, ex.lora_graphs, ex.num_state_slots = inputs, None, None, None, 0
+        ex._fed = False
+        ops = types.SimpleNamespace(fast_attention=True, num_heads=32, head_dim=128, num_sms=132,
+                                    use_lora=lambda slots, rows: None)
         ops.splits = types.MethodType(GpuOps.splits, ops)
         ex.ops, ex.sampler = ops, types.SimpleNamespace(ids=_Dev(max_seqs))
         ex.last_host_s = 0.0
@@ -198,9 +200,9 @@ class StepTimer:
 
         class TimedBatch(ModelBatch):
             @classmethod
-            def build(cls, seqs):
+            def build(cls, seqs, *args, **kwargs):
                 t0 = time.perf_counter()
-                batch = build(seqs)
+                batch = build(seqs, *args, **kwargs)
                 timer.cur["build"] += time.perf_counter() - t0
                 timer.decode_only = batch.is_decode_only and len(seqs) == timer.batch
                 timer.seen_decode |= timer.decode_only
