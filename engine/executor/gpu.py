@@ -244,6 +244,7 @@ class GpuExecutor(ExecutorBase):
             return False
         with nvtx_range(f"warm up eager graphs T={missing[0]}"):
             try:
+                self.ops.use_lora(None, missing[0])      # no adapter (a LoRA graph's warm-up may have left one on)
                 self.piecewise.warm(missing[0], self.inputs.upload_token_padding(missing[0]))
             except Exception:
                 self._drop_piecewise()
