@@ -40,7 +40,6 @@ def profile_submit(ex, batch, top: int, reps: int = 3) -> tuple[float, str, str]
     return sorted(times)[len(times) // 2], tables[0], tables[1]
 
 
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-4b")
@@ -49,21 +48,10 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    from bench.mixed_step import blocks_needed, build_step, parse_scenario
-    from engine.executor.gpu import GpuExecutor
-    from engine.executor.options import options_of
-    from engine.loader import load_model
-    from harness.models import write_random_qwen3
+    from bench.mixed_step import build_step, parse_scenario, random_executor
 
-    folder = f"/tmp/{a.model}-random"
-    write_random_qwen3(os.path.join(ROOT, "bench", "configs", a.model, "config.json"), folder)
-    import torch
-    torch.cuda.empty_cache()
-    model = load_model(folder)
     scenarios = [parse_scenario(s) for s in a.scenarios.split(",")]
-    ex = GpuExecutor(model, options_of(num_kv_blocks=max(blocks_needed(*s, 1100) for s in scenarios) + 16,
-                                       max_model_len=2048, max_num_batched_tokens=max(p * n + d for p, n, d in scenarios),
-                                       max_num_seqs=256, progress=False))
+    model, ex = random_executor(a.model, scenarios, 1100)
     lines = []
     for (n_prompts, length, decodes), name in zip(scenarios, a.scenarios.split(",")):
         batch = build_step(n_prompts, length, decodes, 1100, model.config.vocab_size - 1000)

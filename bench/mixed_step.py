@@ -65,6 +65,26 @@ def blocks_needed(prompts: int, length: int, decodes: int, context: int) -> int:
     return prompts * -(-length // BLOCK_SIZE) + decodes * -(-(context + 1) // BLOCK_SIZE)
 
 
+def random_executor(name: str, scenarios: list[tuple[int, int, int]], context: int):
+    """(model, GpuExecutor) of bench/configs/<name> with random bf16 weights (written once to
+    /tmp/<name>-random), sized for the scenarios' steps and the decode rows' context."""
+    from engine.executor.gpu import GpuExecutor
+    from engine.executor.options import options_of
+    from engine.loader import load_model
+    from harness.models import write_random_qwen3
+
+    folder = f"/tmp/{name}-random"
+    write_random_qwen3(os.path.join(ROOT, "bench", "configs", name, "config.json"), folder)
+    import torch
+    torch.cuda.empty_cache()                            # the HF copy's memory back before ours is sized
+    model = load_model(folder)
+    ex = GpuExecutor(model, options_of(
+        num_kv_blocks=max(blocks_needed(p, n, d, context) for p, n, d in scenarios) + 16,
+        max_model_len=max(context + 16, max(n for _, n, _ in scenarios)),
+        max_num_batched_tokens=max(p * n + d for p, n, d in scenarios), max_num_seqs=256, progress=False))
+    return model, ex
+
+
 def time_scenario(ex, batch: ModelBatch, reps: int) -> dict:
     """Wall and launch ms (medians), one step's ops (bench/op_timer.py) and the GPU span of a step."""
     import cupy
@@ -119,24 +139,9 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    from engine.executor.gpu import GpuExecutor
-    from engine.executor.options import options_of
-    from engine.loader import load_model
-    from harness.models import write_random_qwen3
-
-    folder = f"/tmp/{a.model}-random"
-    hf = write_random_qwen3(os.path.join(ROOT, "bench", "configs", a.model, "config.json"), folder)
-    del hf
-    import torch
-    torch.cuda.empty_cache()
-    model = load_model(folder)
-    cfg = model.config
     scenarios = [parse_scenario(s) for s in a.scenarios.split(",")]
-    tokens = max(p * n + d for p, n, d in scenarios)
-    blocks = max(blocks_needed(p, n, d, a.context) for p, n, d in scenarios)
-    longest = max(a.context + 16, max(n for _, n, _ in scenarios))
-    ex = GpuExecutor(model, options_of(num_kv_blocks=blocks + 16, max_model_len=longest,
-                                       max_num_batched_tokens=tokens, max_num_seqs=256, progress=False))
+    model, ex = random_executor(a.model, scenarios, a.context)
+    cfg = model.config
     # per token: 2 FLOPs per weight of the layers (embedding and LM head left out; attention not counted)
     gflop = 2 * sum(int(w.size) for k, w in model.weights.items() if k not in ("embed_tokens", "lm_head")) / 1e9
     results = []

@@ -3,7 +3,6 @@ recorded around every call. Calls inside another wrapped op (norm_linear's inner
 by nesting depth, so the top-level rows add up to the step and the inner rows split them."""
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 # GpuOps methods a step's model code calls (outer fused ops and the ops they compose)
@@ -75,15 +74,3 @@ def time_ops(ex, run, names=OPS) -> list[OpTime]:
         row.events = []
     return sorted(rows.values(), key=lambda r: (r.depth, -r.ms))
 
-
-def grouped(rows: list[OpTime], by=lambda r: r.op) -> dict[str, OpTime]:
-    """Rows summed over the key ``by`` (default: the label, all depths kept apart by the caller)."""
-    out: dict[str, OpTime] = defaultdict(lambda: OpTime("", 0))
-    for r in rows:
-        g = out[by(r)]
-        g.op, g.depth = by(r), r.depth
-        g.calls += r.calls
-        g.ms += r.ms
-        g.weight_bytes += r.weight_bytes
-        g.flops += r.flops
-    return dict(out)

@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, EngineStats
 from engine.events import (Error, Finished, PromptLogprobs, Rejected,
                            Scheduled, Token, TokenEvent)
-from engine.lora_calls import LocalLoRACalls
+from engine.engine_calls import LocalEngineCalls
 from engine.request import GenerateRequest, SamplingParams
 from memory.block_manager import KVEvent
 
@@ -130,7 +130,7 @@ class RequestOutput:
     error: str | None = None                 # the Rejected / Error reason, if it failed
 
 
-class EngineHandle(LocalLoRACalls):
+class EngineHandle(LocalEngineCalls):
     def __init__(self, config: EngineConfig | None = None, *, executor=None, tokenizer=None,
                  model_name: str | None = None, max_model_len: int | None = None,
                  eos_token_ids: list[int] | None = None):

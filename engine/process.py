@@ -8,10 +8,10 @@ with the number of streams (H200, Qwen3-4B, 500 streams: 97 ms of launch time pe
 own process the engine thread shares the GIL with nothing but two small pipe threads.
 
 Protocol (multiprocessing pipes, pickled): parent -> child ("add", GenerateRequest), ("abort", id),
-("lora", call id, op), ("stop",); child -> parent ("ready", info) once the engine is up (or ("error",
+("op", call id, op), ("stop",); child -> parent ("ready", info) once the engine is up (or ("error",
 kind, message)), then ("events", [(request id, TokenEvent | None), ...], EngineStats) after every engine
-step that produced events, and ("lora", call id, status, message) answering a LoRA op
-(engine/lora_calls.py). The child pickles on the engine thread (one dumps per step) and a sender thread
+step that produced events, and ("op", call id, status, message) answering a run-time op
+(engine/engine_calls.py). The child pickles on the engine thread (one dumps per step) and a sender thread
 writes; the parent's reader thread hands each batch to the asyncio loops of its streams in one wake-up
 per loop. The parent loads only the tokenizer (for the server's prompt encoding and chat templates).
 """
@@ -29,7 +29,7 @@ from collections import defaultdict
 from engine.config import EngineConfig
 from engine.events import Error, TokenEvent
 from engine.handle import RequestOutput, RequestStream, _deliver, collect_events
-from engine.lora_calls import RemoteLoRACalls, child_lora_op
+from engine.engine_calls import RemoteEngineCalls, child_engine_op
 from engine.request import GenerateRequest, SamplingParams
 from engine.stats import EngineStats
 
@@ -44,7 +44,7 @@ class _LoopBox:
         self.loop = loop
 
 
-class EngineClient(RemoteLoRACalls):
+class EngineClient(RemoteEngineCalls):
     def __init__(self, config: EngineConfig, start_timeout_s: float = 1800.0, notes=None):
         """`notes(handle, device) -> [(log level, line)]`, if given, runs in the engine process once the
         engine is up (what to say at start about the device: only that process may touch CUDA, a forked
@@ -143,8 +143,8 @@ class EngineClient(RemoteLoRACalls):
         try:
             while True:
                 msg = pickle.loads(self._from_child.recv_bytes())
-                if msg[0] == "lora":             # the answer to a LoRA adapter load / unload
-                    self.lora_reply(msg)
+                if msg[0] == "op":               # the answer to a run-time op (engine_calls.py)
+                    self.engine_op_reply(msg)
                     continue
                 kind, items, stats = msg
                 self._stats = stats
@@ -152,7 +152,7 @@ class EngineClient(RemoteLoRACalls):
         except (EOFError, OSError):
             pass
         self._gone = True
-        self.lora_reply(("lora", None, 503, "the engine process ended"))
+        self.engine_op_reply(("op", None, 503, "the engine process ended"))
         with self._lock:
             left = list(self._streams.items())
             self._streams.clear()
@@ -234,8 +234,8 @@ def _child_main(config: EngineConfig, inbox, outbox, notes=None) -> None:
                 engine.add_request(msg[1], sink_for(msg[1].request_id))
             elif msg[0] == "abort":
                 engine.abort(msg[1])
-            elif msg[0] == "lora":
-                child_lora_op(engine, msg[1], msg[2], lambda answer: sender.put(pickle.dumps(answer)))
+            elif msg[0] == "op":
+                child_engine_op(engine, msg[1], msg[2], lambda answer: sender.put(pickle.dumps(answer)))
             else:
                 break
     except (EOFError, OSError):                  # the parent is gone

@@ -2,7 +2,7 @@
 `POST /v1/unload_lora_adapter {"lora_name"}` (both behind the API key, as every /v1 route), and the
 adapters' cards in `/v1/models` (`parent`: the base model, `root`: the adapter's folder).
 
-The handle (engine/lora_calls.py) does the work; a refused adapter (missing file, rank over the limit,
+The handle (engine/engine_calls.py) does the work; a refused adapter (missing file, rank over the limit,
 a target the model lacks, a shape mismatch) answers 400 naming the problem, an unknown name 404, and the
 server goes on serving. An unload answers once the requests that use the adapter have ended; the name
 is refused for new requests from the call on.

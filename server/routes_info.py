@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sanic import Sanic, response
 
-from engine.lora import LoRAError
+from engine.engine_calls import EngineCallError
 from server import __version__
 from server.body import parse_json
 from server.errors import APIError
@@ -48,14 +48,15 @@ def add_info_routes(app: Sanic) -> None:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request):
-        if request.body and parse_json(request.body):   # no fields: an empty object, or no body at all
-            raise APIError(400, f"unknown field(s): {', '.join(sorted(parse_json(request.body)))}")
+        fields = parse_json(request.body) if request.body else {}      # an empty object, or no body at all
+        if fields:
+            raise APIError(400, f"unknown field(s): {', '.join(sorted(fields))}")
         reset = getattr(request.app.ctx.handle, "reset_prefix_cache", None)
         if reset is None:
             raise APIError(400, "this engine has no prefix cache to reset")
         try:
             await reset()
-        except LoRAError as e:                   # the engine process has ended
+        except EngineCallError as e:             # the engine process has ended
             raise APIError(503, str(e), code="engine_unavailable") from None
         return response.text("Success: prefix cache reset.")
 

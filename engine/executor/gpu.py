@@ -245,7 +245,7 @@ class GpuExecutor(ExecutorBase):
         with nvtx_range(f"warm up eager graphs T={missing[0]}"):
             try:
                 self.ops.use_lora(None, missing[0])      # no adapter (a LoRA graph's warm-up may have left one on)
-                self.piecewise.warm(missing[0], self.inputs.upload_token_padding(missing[0]))
+                self.piecewise.warm(missing[0], self.inputs.upload_padding(missing[0], 1, seqs=1))
             except Exception:
                 self._drop_piecewise()
                 return False

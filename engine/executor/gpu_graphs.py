@@ -51,6 +51,17 @@ def nvtx_range(name: str):
         nvtx.RangePop()
 
 
+def capture_mode() -> tuple:
+    """Relaxed stream capture (other threads may use CUDA meanwhile), where CuPy names it: the arguments
+    of Stream.begin_capture."""
+    try:
+        import cupy
+    except ImportError:
+        return ()
+    mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
+    return () if mode is None else (mode,)
+
+
 class DecodeGraphs:
     """The executor's parts a decode graph drives: the model line's forward over `ops` and `weights`,
     the `sampler`'s argmax / sampling tail, `upload(batch, pad_to)`, which checks a step and puts
@@ -91,12 +102,9 @@ class DecodeGraphs:
         return logits
 
     def _capture(self, ctx, sampling: bool) -> tuple:
-        import cupy
-
         logits = self._body(ctx, sampling)    # eager warm-up: kernels loaded, cuBLAS heuristics run; also this step
         self.stream.synchronize()
-        mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
-        self.stream.begin_capture(*(() if mode is None else (mode,)))
+        self.stream.begin_capture(*capture_mode())
         try:
             self._body(ctx, sampling)
         finally:

@@ -86,12 +86,10 @@ class StepInputs:
         h[slots:slots + B] = batch.state_slots if batch.state_slots.shape[0] == B else -1
         h[cu:cu + B + 1] = batch.cu_seqlens
         rows = B
-        if pad_tokens is not None:
-            h[T:pad_tokens], h[Tm + T:Tm + pad_tokens], h[2 * Tm + T:2 * Tm + pad_tokens] = 0, -1, -1
-            h[3 * Tm + T:3 * Tm + pad_tokens] = 0
-        if pad_to is not None:
-            h[T:pad_to], h[Tm + T:Tm + pad_to], h[2 * Tm + T:2 * Tm + pad_to] = 0, -1, -1
-            h[3 * Tm + T:3 * Tm + pad_to] = 0
+        pad = pad_to if pad_to is not None else pad_tokens
+        if pad is not None:                       # padded token rows: id 0, position and slot -1, sequence 0
+            h[T:pad], h[Tm + T:Tm + pad], h[2 * Tm + T:2 * Tm + pad], h[3 * Tm + T:3 * Tm + pad] = 0, -1, -1, 0
+        if pad_to is not None:                    # and as many padded sequences (decode graphs)
             h[4 * Tm:4 * Tm + pad_to] = np.arange(pad_to, dtype=np.int32)
             h[slots + B:slots + pad_to] = -1
             h[cu + B + 1:cu + pad_to + 1] = np.arange(T + 1, T + pad_to - B + 1, dtype=np.int32)
@@ -107,42 +105,28 @@ class StepInputs:
             cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, fed_ids.data.ptr, batch.num_tokens * 4,
                                           cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         max_context = int(batch.context_lens.max()) if pad_to is None else self.max_model_len
-        T = pad_tokens if pad_tokens is not None else T
+        T = pad if pad is not None else T
         return self.views(T, rows, S, num_splits(T, max_context))
 
-    def upload_padding(self, rows: int, splits: int) -> GpuStepContext:
-        """A decode-graph context of `rows` padded rows only (graph warm-up: every row has position
-        and slot -1, so the step writes no KV and attends to nothing)."""
+    def upload_padding(self, rows: int, splits: int, seqs: int | None = None) -> GpuStepContext:
+        """A context of `rows` padded token rows only (graph warm-up: every row has position and slot -1,
+        so the step writes no KV and attends to nothing), in `seqs` sequences (default one per row, a
+        decode graph's; piecewise graphs of eager steps warm up on one), the last one taking the rest."""
         import cupy
 
+        seqs = rows if seqs is None else seqs
         Tm, h = self.max_tokens, self._next_host()
         slots, cu, first_table = self._regions()
         h[0:rows], h[Tm:Tm + rows], h[2 * Tm:2 * Tm + rows], h[3 * Tm:3 * Tm + rows] = 0, -1, -1, 0
-        h[4 * Tm:4 * Tm + rows] = np.arange(rows, dtype=np.int32)
-        h[slots:slots + rows] = -1
-        h[cu:cu + rows + 1] = np.arange(rows + 1, dtype=np.int32)
-        h[first_table:first_table + rows * self.max_blocks] = 0
-        n = first_table + rows * self.max_blocks
+        h[4 * Tm:4 * Tm + seqs] = np.arange(seqs, dtype=np.int32)
+        h[slots:slots + seqs] = -1
+        h[cu:cu + seqs] = np.arange(seqs, dtype=np.int32)
+        h[cu + seqs] = rows
+        h[first_table:first_table + seqs * self.max_blocks] = 0
+        n = first_table + seqs * self.max_blocks
         cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
-        return self.views(rows, rows, rows, splits)
-
-    def upload_token_padding(self, tokens: int) -> GpuStepContext:
-        """An eager-step context of `tokens` padded rows of one empty sequence (piecewise-graph warm-up:
-        no row writes KV or attends)."""
-        import cupy
-
-        Tm, h = self.max_tokens, self._next_host()
-        slots, cu, first_table = self._regions()
-        h[0:tokens], h[Tm:Tm + tokens], h[2 * Tm:2 * Tm + tokens], h[3 * Tm:3 * Tm + tokens] = 0, -1, -1, 0
-        h[4 * Tm] = 0
-        h[slots] = -1
-        h[cu:cu + 2] = (0, tokens)
-        h[first_table:first_table + self.max_blocks] = 0
-        n = first_table + self.max_blocks
-        cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
-                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
-        return self.views(tokens, 1, 1, 1)
+        return self.views(rows, seqs, seqs, splits)
 
     def views(self, T: int, B: int, S: int, splits: int) -> GpuStepContext:
         Tm, mb, d = self.max_tokens, self.max_blocks, self.device

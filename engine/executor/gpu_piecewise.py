@@ -22,9 +22,10 @@ ops decide from the data on the host, MoE routing or MLA, do not); LoRA steps st
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.batch import ModelBatch
+from engine.executor.gpu_graphs import capture_mode
 
 
 def eager_buckets(max_tokens: int, limit: int) -> list[int]:
@@ -35,16 +36,6 @@ def eager_buckets(max_tokens: int, limit: int) -> list[int]:
         return []
     sizes = [b for b in (16, 32, 64) if b < top] + list(range(128, top + 1, 128))
     return sorted(set(sizes + [top]))
-
-
-def capture_mode() -> tuple:
-    """Relaxed stream capture (other threads may use CUDA meanwhile), where CuPy names it."""
-    try:
-        import cupy
-    except ImportError:
-        return ()
-    mode = getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None)
-    return () if mode is None else (mode,)
 
 
 @dataclass
@@ -61,8 +52,6 @@ class BucketGraphs:
     holes: list[Hole]
     hidden: object            # the forward's output (fixed address)
     ring_after: int           # the activation ring's position after the forward
-    tokens: int = 0
-    replays: int = field(default=0)
 
 
 class PiecewiseGraphs:
@@ -103,7 +92,6 @@ class PiecewiseGraphs:
                 h = g.holes[i]
                 ops.attention(h.q, h.spec, ctx, out=h.out)
         ops.ring_next = g.ring_after
-        g.replays += 1
         return g.hidden
 
     # ---- capture ---------------------------------------------------------------------------------
@@ -142,5 +130,4 @@ class PiecewiseGraphs:
             hidden = self._pass(ctx, hole)
         finally:
             segments.append(stream.end_capture())
-        return BucketGraphs(segments=segments, holes=holes, hidden=hidden, ring_after=ops.ring_next,
-                            tokens=ctx.num_tokens)
+        return BucketGraphs(segments=segments, holes=holes, hidden=hidden, ring_after=ops.ring_next)

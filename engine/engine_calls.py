@@ -1,0 +1,154 @@
+"""Run-time engine ops, as the server calls them on either engine handle: LoRA adapter loads and unloads,
+and the device prefix cache's reset. Each op runs next to the engine loop (`run_engine_op`) and answers
+once, with None or an error that carries the HTTP status the server answers with (LoRAError for the
+LoRA ops, EngineCallError otherwise).
+
+`EngineCalls` is the surface EngineHandle (engine in this process, `LocalEngineCalls`) and EngineClient
+(engine in a child process, engine/process.py, `RemoteEngineCalls`) share: `lora_adapters` (the served
+names -> paths), `load_lora_adapter`, `unload_lora_adapter`, `reset_prefix_cache` (coroutines). An
+adapter folder is read on a thread of its own (never the engine thread), then registered on the engine
+thread; an unload answers once no sequence uses the adapter; the reset runs between two steps.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Callable
+
+from engine.lora import LoRAError
+
+NOT_ENABLED = "LoRA is not enabled: start the server with --enable-lora"
+LORA_OPS = ("load", "unload")
+
+
+class EngineCallError(Exception):
+    """A run-time op that failed outside LoRA (the engine process has ended); `status`: the HTTP status."""
+
+    def __init__(self, message: str, status: int = 503):
+        super().__init__(message)
+        self.status = status
+
+
+def run_engine_op(engine, op: tuple, reply: Callable[[Exception | None], None]) -> None:
+    """op ("load", name, path), ("unload", name) or ("reset_prefix_cache",) on an EngineLoop; reply(None or
+    the error) once, from whichever thread finishes it."""
+    if op[0] == "reset_prefix_cache":
+        engine.call(lambda: (engine.reset_prefix_cache(), reply(None)))
+        return
+    registry = engine.loras
+    if registry is None:
+        reply(LoRAError(NOT_ENABLED))
+        return
+    if op[0] == "unload":
+        engine.call(lambda: registry.remove(op[1], reply))
+        return
+
+    def add(adapter) -> None:                  # engine thread
+        try:
+            registry.add(adapter)
+        except LoRAError as e:
+            reply(e)
+            return
+        reply(None)
+
+    def read() -> None:
+        try:
+            adapter = registry.read(op[1], op[2])
+        except LoRAError as e:
+            reply(e)
+            return
+        engine.call(lambda: add(adapter))
+
+    threading.Thread(target=read, name="openinfer-lora-read", daemon=True).start()
+
+
+def settle(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+class EngineCalls:
+    """Mixed into the engine handles (they have `config`); `_engine_op(op)` sends one op to run_engine_op."""
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters served now: name -> path (--lora-modules, then run-time loads and unloads)."""
+        if not hasattr(self, "_lora_served"):
+            self._lora_served = dict(self.config.lora_modules)
+        return self._lora_served
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        if not self.config.enable_lora:
+            raise LoRAError(NOT_ENABLED)
+        if name in self.lora_adapters:
+            raise LoRAError(f"LoRA adapter {name!r} is already loaded")
+        await self._engine_op(("load", name, path))
+        self.lora_adapters[name] = path
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Returns once no request uses the adapter; the name is not served from the call on."""
+        if not self.config.enable_lora:
+            raise LoRAError(NOT_ENABLED)
+        path = self.lora_adapters.pop(name, None)
+        try:
+            await self._engine_op(("unload", name))
+        except LoRAError:
+            if path is not None:
+                self.lora_adapters[name] = path
+            raise
+
+    async def reset_prefix_cache(self) -> None:
+        """Evict every unreferenced block of the device prefix cache (to the host tier where there is one);
+        returns once done, between steps."""
+        await self._engine_op(("reset_prefix_cache",))
+
+    async def _engine_op(self, op: tuple) -> None:
+        raise NotImplementedError
+
+
+class LocalEngineCalls(EngineCalls):
+    """EngineHandle's: run_engine_op on its own engine loop."""
+
+    async def _engine_op(self, op: tuple) -> None:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        run_engine_op(self.engine, op, lambda err: loop.call_soon_threadsafe(settle, future, err))
+        err = await future
+        if err is not None:
+            raise err
+
+
+class RemoteEngineCalls(EngineCalls):
+    """EngineClient's: the op goes down the pipe as ("op", call id, op); the child answers
+    ("op", call id, status, message) (status 0: done), which the reader thread hands to `engine_op_reply`;
+    a failed op raises LoRAError for the LoRA ops, EngineCallError for the others."""
+
+    async def _engine_op(self, op: tuple) -> None:
+        if not hasattr(self, "_ops_waiting"):
+            self._ops_waiting, self._op_ids = {}, iter(range(1, 1 << 62))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        call_id = next(self._op_ids)
+        self._ops_waiting[call_id] = (loop, future)
+        self._send(("op", call_id, op))
+        status, message = await future
+        if status:
+            raise (LoRAError if op[0] in LORA_OPS else EngineCallError)(message, status)
+
+    def engine_op_reply(self, msg: tuple) -> None:
+        """Reader thread: ("op", call id, status, message) from the child; (None, status, message)
+        fails every call still waiting (the child has gone)."""
+        _, call_id, status, message = msg
+        waiting = getattr(self, "_ops_waiting", {})
+        for key in list(waiting) if call_id is None else [call_id]:
+            loop, future = waiting.pop(key, (None, None))
+            if loop is not None:
+                loop.call_soon_threadsafe(settle, future, (status, message))
+
+
+def child_engine_op(engine, call_id: int, op: tuple, send: Callable[[tuple], None]) -> None:
+    """The child's side of RemoteEngineCalls: run the op, send the answer tuple back."""
+    def reply(err: Exception | None) -> None:
+        send(("op", call_id, 0, "") if err is None else ("op", call_id, err.status, str(err)))
+
+    run_engine_op(engine, op, reply)
