@@ -64,7 +64,7 @@ def attention_rows(ex, cfg, bw: float) -> list[dict]:
             ops.k_merge((B * Hq,), (128,), parts + (out, np.int32(s_old), np.int32(D)), stream=ex.stream)
 
         def fast():
-            new((s_new, Hkv, B), (128,), common + (out, ops.split_counters, np.int32(Hkv), scale), stream=ex.stream)
+            new((B, s_new, Hkv), (128,), common + (out, ops.split_counters, np.int32(Hkv), scale), stream=ex.stream)
 
         floor = B * ctx * Hkv * D * 2 * 2 / bw * 1e3
         rows.append(dict(kernel="attention", case=f"B={B} ctx={ctx} splits {s_old}/{s_new}",

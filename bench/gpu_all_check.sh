@@ -2,8 +2,8 @@
 # Every GPU correctness suite in one call, the groups run side by side on the one GPU (each its own
 # process, hard timeout, log in $OUT/NAME.log), from the repository root:
 #   bash bench/gpu_all_check.sh [group ...]     (default: every group)
-# Groups: core (raw kernels, executor gate, graphs, async eager steps, long steps, prefill, host tier,
-# server), moe_mla, dsv3 (DeepSeek-V3 / Kimi-K2, FP8 / int4 folders), qwen35, lora, structured. The gate
+# Groups: core (raw kernels, executor gate, graphs, async eager steps, long steps, prefill), serving
+# (server, host tier, 64 requests under load, piecewise graphs), moe_mla, dsv3 (DeepSeek-V3 / Kimi-K2, FP8 / int4 folders), qwen35, lora, structured. The gate
 # table of every group lands in $OUT/gate.md.
 set -uo pipefail
 source bench/gpu_env.sh
@@ -12,14 +12,15 @@ rm -f "$OPENINFER_GATE_LOG"
 LIMIT=${GPU_CHECK_LIMIT:-540}
 PYTEST=(python3 -m pytest -q -rfE -p no:cacheprovider --durations=5)
 declare -A GROUPS_TESTS=(
-  [core]="tests/test_raw_cuda_kernels.py tests/test_raw_cuda_fused.py tests/test_raw_cuda_decode.py tests/test_raw_cuda_rope_attention.py tests/test_gpu_executor.py tests/test_gpu_graphs.py tests/test_gpu_graph_sampling.py tests/test_gpu_eager_async.py tests/test_gpu_long_steps.py tests/test_gpu_prefill_gpu.py tests/test_gpu_host_tier.py tests/test_gpu_server.py"
+  [core]="tests/test_raw_cuda_kernels.py tests/test_raw_cuda_fused.py tests/test_raw_cuda_decode.py tests/test_raw_cuda_rope_attention.py tests/test_gpu_executor.py tests/test_gpu_graphs.py tests/test_gpu_graph_sampling.py tests/test_gpu_eager_async.py tests/test_gpu_long_steps.py tests/test_gpu_prefill_gpu.py"
+  [serving]="tests/test_gpu_server.py tests/test_gpu_host_tier.py tests/test_gpu_under_load.py tests/test_gpu_piecewise.py"
   [moe_mla]="tests/test_gpu_moe_mla_kernels.py tests/test_gpu_moe_mla.py tests/test_raw_cuda_sparse_compile.py"
   [dsv3]="tests/test_gpu_dsv3.py"
   [qwen35]="tests/test_gpu_qwen35.py"
   [lora]="tests/test_gpu_lora.py tests/test_gpu_lora_plan.py tests/test_raw_cuda_compile.py"
   [structured]="tests/test_structured_gpu.py tests/test_gpu_sampler.py"
 )
-groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core moe_mla dsv3 qwen35 lora structured)
+groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core serving moe_mla dsv3 qwen35 lora structured)
 for g in "${groups[@]}"; do
   # shellcheck disable=SC2086
   ( timeout -k 5 "$LIMIT" "${PYTEST[@]}" ${GROUPS_TESTS[$g]} > "$OUT/$g.log" 2>&1; echo $? > "$OUT/$g.rc" ) &

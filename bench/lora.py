@@ -65,6 +65,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--layers", type=int, default=None, help="the first N layers only (a small disk)")
+    p.add_argument("--ops", action="store_true",
+                   help="also time each op of one eager decode step per row (bench/op_timer.py), the LoRA kernels apart")
     args = p.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     counts = [int(a) for a in args.adapters.split(",")]
@@ -106,6 +108,8 @@ def main() -> None:
             if base is not None:
                 r["step_overhead"] = r["ms_per_step"] / base["ms_per_step"] - 1
                 r["graph_overhead"] = r["graph_ms"] / base["graph_ms"] - 1
+            if args.ops:
+                r["ops"] = eager_ops(ex, model, b, args.prompt, n)
             rows.append(r)
             print(f"[{name}] {json.dumps(r)}", flush=True)
     ex.close()
@@ -118,6 +122,37 @@ def main() -> None:
     print(report(result))
 
 
+LORA_OPS = ("lora_add", "lora_swiglu", "_lora_shrink", "_lora_expand")
+
+
+def eager_ops(ex, model, batch: int, prompt: int, adapters: int) -> list[dict]:
+    """CUDA-event time of each op of one eager decode step of `batch` rows at position `prompt`, sequence
+    j with adapter j % adapters: the base ops as the model code calls them, and the LoRA kernels inside."""
+    from bench.op_timer import OPS, time_ops
+    from bench.decode import GREEDY
+    from engine.batch import ModelBatch, SeqStep
+
+    per_seq = -(-(prompt + 2) // BLOCK_SIZE)
+    lora_slots = {i + 1: i for i in range(adapters)} or None
+    seqs = [SeqStep(seq_id=j, token_ids=[5], start_pos=prompt, block_table=list(range(j * per_seq, (j + 1) * per_seq)),
+                    sample=True, params=GREEDY, state_slot=j, lora_id=j % adapters + 1 if adapters else 0)
+            for j in range(batch)]
+    rows = time_ops(ex, lambda: ex.execute_eager(ModelBatch.build(seqs, lora_slots)), names=OPS + LORA_OPS)
+    return [dict(op=r.op, depth=r.depth, calls=r.calls, ms=round(r.ms, 4)) for r in rows]
+
+
+def ops_report(result: dict) -> list[str]:
+    lines = []
+    for r in result["rows"]:
+        if "ops" not in r:
+            continue
+        lines += ["", f"Eager step, batch {r['batch']}, {r['adapters']} adapters (CUDA events per op; depth 1+: "
+                  "inside another op):", "", "| op | depth | calls | ms | µs per call |", "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {o['op']} | {o['depth']} | {o['calls']} | {o['ms']:.3f} | {o['ms'] / o['calls'] * 1e3:.1f} |"
+                  for o in r["ops"]]
+    return lines
+
+
 def report(result: dict) -> str:
     lines = [f"# Multi-LoRA decode, {result['model']} on {result['device']}", "",
              "| batch | adapters | ms/step | graph ms | step overhead | graph overhead |",
@@ -126,7 +161,7 @@ def report(result: dict) -> str:
         over = [f"{r[k] * 100:+.1f}%" if k in r else "–" for k in ("step_overhead", "graph_overhead")]
         lines.append(f"| {r['batch']} | {r['adapters']} | {r['ms_per_step']:.3f} | {r['graph_ms']:.3f} | "
                      f"{over[0]} | {over[1]} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ops_report(result)) + "\n"
 
 
 if __name__ == "__main__":

@@ -36,6 +36,24 @@ SCENARIOS = {
     "low": ["--num-prompts", "40", "--sweep-rates", "1,4"],
     "inf": ["--num-prompts", "1000", "--request-rate", "inf"],
 }
+# scenario "prefix": bench/prefix_ttft.py's cold / warm-HBM / host-tier TTFT sweep (median of 3, token-id
+# prompts as the issue measured them) against
+# a server with a host KV tier, and the pinned host -> device bandwidth measured in the same run
+PREFIX_LENGTHS = "256,1024,4096,16384,32768"
+PREFIX_SERVER_ARGS = ["--kv-offload-gib", "24"]
+
+
+def pinned_h2d_gb_s(nbytes: int = 1 << 30) -> float:
+    """One pinned host -> device copy of `nbytes`, best of 5 (the host tier's link roofline), in a child
+    process so that no CUDA context of this one stays beside the server."""
+    code = ("import cupy, sys; n = int(sys.argv[1]); h = cupy.cuda.alloc_pinned_memory(n); d = cupy.cuda.alloc(n); "
+            "s = cupy.cuda.Stream(non_blocking=True); a, b = cupy.cuda.Event(), cupy.cuda.Event(); best = 1e9\n"
+            "for _ in range(5):\n"
+            "    a.record(s); cupy.cuda.runtime.memcpyAsync(d.ptr, h.ptr, n, 1, s.ptr); b.record(s); b.synchronize()\n"
+            "    best = min(best, cupy.cuda.get_elapsed_time(a, b))\n"
+            "print(n / best / 1e6)")
+    return float(subprocess.run([sys.executable, "-c", code, str(nbytes)], capture_output=True, text=True,
+                                check=True).stdout.split()[-1])
 
 
 def free_port() -> int:
@@ -94,24 +112,31 @@ def scaled(args: list[str], scale: float) -> list[str]:
 
 
 def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra: list[str],
-              device: str = "cuda", folder: str | None = None, scale: float = 1.0, input_len: int = 1024) -> dict:
+              device: str = "cuda", folder: str | None = None, scale: float = 1.0, input_len: int = 1024,
+              prefix_lengths: str = PREFIX_LENGTHS) -> dict:
     if folder is None:
         folder = f"/tmp/{model}-random"
         write_weights(model, folder)
     port = free_port()
     result: dict = {"model": model, "server_args": extra}
+    if "prefix" in scenarios and device == "cuda":
+        result["pinned_h2d_gb_s"] = round(pinned_h2d_gb_s(), 1)
     for name in scenarios:                          # a fresh server per scenario: its own trace
         trace = out / f"steps-{model}-{name}.jsonl"
-        proc, healthy_s = start_server(folder, port, trace, extra, device)
+        proc, healthy_s = start_server(folder, port, trace, (PREFIX_SERVER_ARGS if name == "prefix" else []) + extra,
+                                       device)
         result.setdefault("start_to_healthy_s", []).append(round(healthy_s, 2))
         result.setdefault("rss_mib_healthy", []).append(round(rss_mib(proc.pid), 1))
         try:
+            if name == "prefix":
+                result["prefix"] = run_prefix(model, port, out, tokenizer, prefix_lengths)
+                continue
             report = serve_bench.main(["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", tokenizer,
                                        "--input-len", str(input_len), "--output-len", "128", "--out-dir", str(out),
                                        "--label", f"serve-{model}-{name}", "--no-plots",
                                        *scaled(SCENARIOS[name], scale)])
             result[name] = [{"rate": r["request_rate"], **r["metrics"], "errors": r["errors"]} for r in report["runs"]]
-            if name != "c1":
+            if name not in ("c1", "prefix"):
                 result.setdefault("sweep_runs", []).extend(report["runs"])
             result.setdefault("rss_mib_after", []).append(round(rss_mib(proc.pid), 1))
         finally:
@@ -131,6 +156,15 @@ def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra
     return result
 
 
+def run_prefix(model: str, port: int, out: Path, tokenizer: str, lengths: str) -> dict:
+    from bench import prefix_ttft
+
+    report = prefix_ttft.main(["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", tokenizer, "--lengths",
+                               lengths, "--repeats", "3", "--host-tier", "--token-ids", "--out-dir", str(out),
+                               "--label", f"prefix-{model}"])
+    return report
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="qwen3-4b")
@@ -142,11 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--folder", default=None, help="serve this model folder (no random weights written)")
     p.add_argument("--scale", type=float, default=1.0, help="scale every scenario's prompt count (smoke runs)")
     p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--prefix-lengths", default=PREFIX_LENGTHS, help="the prefix scenario's prompt lengths")
     args = p.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = {m: run_model(m, args.scenarios.split(","), out, args.tokenizer, args.server_arg, args.device,
-                            args.folder, args.scale, args.input_len)
+                            args.folder, args.scale, args.input_len, args.prefix_lengths)
                for m in args.models.split(",")}
     (out / "serve-gpu-raw.json").write_text(json.dumps(results, indent=2))
     bundle(out)

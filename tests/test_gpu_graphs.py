@@ -31,17 +31,20 @@ def test_graph_decode_matches_eager_in_every_bucket():
 
 def test_graphs_captured_at_warm_up_decode_like_eager():
     """executor.warm_up() (what the idle engine runs) captures every bucket's greedy and sampling graph
-    on padded rows, writing no KV; decoding afterwards replays them and matches eager decode."""
+    on padded rows, then every piecewise (eager-step) bucket, writing no KV; decoding afterwards replays
+    them and matches eager decode."""
     import numpy as np
 
     model = load_model(tiny_model_path("qwen3_gqa4"))
     eager = new_gpu_executor(model, cuda_graphs=False)
     graphed = new_gpu_executor(model)
     kv_before = graphed.kv_cache.get()
+    piecewise = graphed.piecewise.missing() if graphed.piecewise is not None else []
     pieces = 1
     while graphed.warm_up():
         pieces += 1
-    assert pieces == 2 * len(graphed.graphs.buckets) and graphed.graphs.missing() == []
+    assert pieces == 2 * len(graphed.graphs.buckets) + len(piecewise) and graphed.graphs.missing() == []
+    assert graphed.piecewise is None or graphed.piecewise.missing() == []
     np.testing.assert_array_equal(graphed.kv_cache.get(), kv_before)       # padded rows wrote nothing
     captured = {b: g[0] for b, g in graphed.graphs.graphs.items()}
     prompts = random_sequences(model.config.vocab_size, [5, 17, 9], seed=4)

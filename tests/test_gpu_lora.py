@@ -126,47 +126,100 @@ def test_graph_decode_with_adapters_matches_eager(name):
     graphed.close()
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_kernels_match_the_numpy_reference(name):
-    """lora_add of every site of layer 0 for 1 to 200 tokens with a random token -> slot map (a third of
-    the rows without an adapter) against NumpyLoRAOps on the same bf16-rounded weights."""
-    import cupy
+def bf16_round(a: np.ndarray) -> np.ndarray:
     import ml_dtypes
+    return a.astype(ml_dtypes.bfloat16).astype(np.float32)
 
+
+def rms_normed(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """rms_norm.cu's rounding: bf16(w · bf16(x · rsqrt(mean(x²) + eps)))."""
+    rstd = 1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + eps)
+    return bf16_round(w * bf16_round((x * rstd).astype(np.float32)))
+
+
+def silu_times(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    return bf16_round(bf16_round(g / (1 + np.exp(-g))) * u)
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def kernel_case(request):
+    """(executor with the adapters in slots 0..2, NumpyLoRAOps holding the same bf16-rounded adapters)."""
     from engine.executor.cpu_lora_ops import CpuLoRASlots, NumpyLoRAOps
-    from engine.executor.gpu_gemm import interleave_gate_up
 
-    model = load_model(tiny_model_path(name))
-    ex = lora_gpu_executor(name, model)
+    name = request.param
+    ex = lora_gpu_executor(name, load_model(tiny_model_path(name)))
     rounded = adapters_of(name, ex)
     for adapter in rounded.values():          # the GPU holds A and the scaled B in bf16
         for w in adapter.sites.values():
-            w.a[:] = w.a.astype(ml_dtypes.bfloat16).astype(np.float32)
-            w.b[:] = w.b.astype(ml_dtypes.bfloat16).astype(np.float32)
+            w.a[:] = bf16_round(w.a)
+            w.b[:] = bf16_round(w.b)
     ref = NumpyLoRAOps()
     ref.lora_slots = CpuLoRASlots(ex.ops.lora_sites, 3)
     for slot, adapter in enumerate(rounded.values()):
         ref.lora_slots.set(slot, adapter)
-    rng = np.random.default_rng(0)
-    for site_name in ("layers.0.qkv_proj", "layers.0.o_proj", "layers.0.gate_up_proj", "layers.0.down_proj"):
-        site = ex.ops.lora_sites[site_name]
-        for rows in (1, 7, 9, 33, 200):
-            x = rng.standard_normal((rows, site.k)).astype(ml_dtypes.bfloat16).astype(np.float32)
-            y = rng.standard_normal((rows, site.n)).astype(ml_dtypes.bfloat16).astype(np.float32)
-            slots = rng.integers(-1, 3, rows).astype(np.int32)
-            ref.use_lora(slots)
-            want = ref.lora_add(y.copy(), x, site_name)
-            if site_name.endswith("gate_up_proj") and ex.ops.gate_up_interleaved:
-                y, want = interleave_gate_up(y.T).T, interleave_gate_up(want.T).T
-            bits = lambda a: cupy.asarray(a.astype(ml_dtypes.bfloat16).view(np.uint16))
-            x_dev, y_dev = bits(x), bits(np.ascontiguousarray(y))
-            ex.ops.use_lora(slots, rows)
-            ex.ops.lora_add(y_dev, x_dev, site_name)
-            got = y_dev.get().view(ml_dtypes.bfloat16).astype(np.float32)
-            err = np.abs(got - want) / (1 + np.abs(want))
-            assert err.max() < 2e-2, (site_name, rows, float(err.max()))
-            assert np.array_equal(got[slots < 0], y[slots < 0])      # rows without an adapter: untouched
+    yield ex, ref
     ex.close()
+
+
+SITES = ("layers.0.qkv_proj", "layers.0.o_proj", "layers.0.gate_up_proj", "layers.0.down_proj")
+KERNEL_ROWS = (1, 7, 9, 33, 200, 500)     # across the tiles and lora_shrink.cu's chunk sizes
+
+
+def assert_close(got, want, what):
+    err = np.abs(got - want) / (1 + np.abs(want))
+    assert err.max() < 2e-2, (what, float(err.max()))
+
+
+@pytest.mark.parametrize("site_name", SITES)
+def test_kernels_match_the_numpy_reference(kernel_case, site_name):
+    """lora_add at a site of layer 0 for 1 to 500 tokens with a random token -> slot map (a third of the
+    rows without an adapter) against NumpyLoRAOps on the same bf16-rounded weights, through each of
+    lora_expand.cu's epilogues: into the bf16 output, into a float32 buffer (a split-K partial), SiLU·up
+    of the gate_up product; and lora_shrink.cu's RMSNorm prologue for the sites whose input is normed."""
+    import cupy
+
+    from engine.executor.gpu_gemm import interleave_gate_up
+    from engine.executor.gpu_lora_ops import bf16_bits
+
+    ex, ref = kernel_case
+    site = ex.ops.lora_sites[site_name]
+    gate_up = site_name.endswith("gate_up_proj")
+    interleave = gate_up and ex.ops.gate_up_interleaved
+    dev = lambda a: cupy.asarray(bf16_bits(np.ascontiguousarray(a)))
+    host = lambda d: d.get().view(__import__("ml_dtypes").bfloat16).astype(np.float32)
+    rng = np.random.default_rng(0)
+    for rows in KERNEL_ROWS:
+        x = bf16_round(rng.standard_normal((rows, site.k)))
+        y = bf16_round(rng.standard_normal((rows, site.n)))
+        slots = rng.integers(-1, 3, rows).astype(np.int32)
+        ref.use_lora(slots)
+        want = ref.lora_add(y.copy(), x, site_name)
+        y_gpu, want_gpu = (interleave_gate_up(y.T).T, interleave_gate_up(want.T).T) if interleave else (y, want)
+        ex.ops.use_lora(slots, rows)
+        x_dev, y_dev = dev(x), dev(y_gpu)
+        ex.ops.lora_add(y_dev, x_dev, site_name)
+        got = host(y_dev)
+        assert_close(got, want_gpu, (site_name, rows, "bf16"))
+        assert np.array_equal(got[slots < 0], y_gpu[slots < 0])      # rows without an adapter: untouched
+
+        y32 = cupy.asarray(np.ascontiguousarray(y_gpu))
+        ex.ops.lora_add(None, x_dev, site_name, into=y32.data.ptr)
+        assert_close(y32.get(), want_gpu, (site_name, rows, "float32"))
+        assert np.array_equal(y32.get()[slots < 0], y_gpu[slots < 0])
+
+        if site_name.endswith(("qkv_proj", "gate_up_proj")):
+            w = bf16_round(rng.uniform(0.5, 1.5, site.k))
+            normed_want = ref.lora_add(y.copy(), rms_normed(x, w, 1e-6), site_name)
+            normed_want = interleave_gate_up(normed_want.T).T if interleave else normed_want
+            y_dev = dev(y_gpu)
+            ex.ops.lora_add(y_dev, x_dev, site_name, norm=(dev(w), 1e-6))
+            assert_close(host(y_dev), normed_want, (site_name, rows, "norm"))
+        if gate_up:
+            inter = site.n // 2
+            act_want = silu_times(bf16_round(want[:, :inter]), bf16_round(want[:, inter:]))
+            act_want[slots < 0] = silu_times(y[slots < 0, :inter], y[slots < 0, inter:])
+            act = ex.ops.lora_swiglu(dev(y_gpu), x_dev, site_name)
+            assert_close(host(act), act_want, (site_name, rows, "swiglu"))
 
 
 def test_slot_reloaded_with_another_adapter(tiny):

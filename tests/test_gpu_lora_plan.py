@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from engine.executor.gpu_lora_ops import GpuLoRAOps, group_by_slot, padded_rank, slice_bounds
+from engine.executor.gpu_lora_ops import GpuLoRAOps, group_by_slot, padded_rank, shrink_chunk, shrink_floats, slice_bounds
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs")
 
@@ -14,12 +14,23 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_tokens_are_grouped_by_slot_in_batch_order():
     slots = np.array([2, -1, 0, 2, 2, -1, 0, 1, 2], np.int32)
     order, starts = group_by_slot(slots, 4)
-    assert starts.tolist() == [0, 2, 3, 7, 7]
-    assert order.tolist() == [2, 6, 7, 0, 3, 4, 8]
+    assert starts.tolist() == [0, 2, 3, 7, 7, 9]                  # the last group: rows without an adapter
+    assert order.tolist() == [2, 6, 7, 0, 3, 4, 8, 1, 5]
     for s in range(4):
         assert (slots[order[starts[s]:starts[s + 1]]] == s).all()
     order, starts = group_by_slot(np.full(5, -1, np.int32), 3)      # padded rows only (graph warm-up)
-    assert order.size == 0 and starts.tolist() == [0, 0, 0, 0]
+    assert order.tolist() == [0, 1, 2, 3, 4] and starts.tolist() == [0, 0, 0, 0, 5]
+
+
+def test_shrink_splits_k_for_small_steps_only():
+    """lora_shrink.cu's chunk of K: 256 (most CTAs) for a decode step, growing with the rows until the
+    grid is full, at most KC_MAX; the partials buffer holds every step size's chunks."""
+    assert shrink_chunk(9728, 16, 1) == 256 and shrink_chunk(2560, 48, 32) == 256
+    assert shrink_chunk(9728, 16, 8192) == 1024 and shrink_chunk(2560, 48, 8192) == 1024
+    sizes = [shrink_chunk(9728, 16, r) for r in range(1, 8193)]
+    assert sizes == sorted(sizes)
+    need = max(-(-9728 // shrink_chunk(9728, 16, r)) * r * 16 for r in range(1, 8193))
+    assert shrink_floats(9728, 16, 8192) == need
 
 
 def test_slice_bounds():
@@ -46,7 +57,9 @@ def test_plan_sizes_the_lora_slots_of_qwen3_4b():
     assert 60e6 < per_slot < 70e6
     buffers = {b.name: b for b in GpuLoRAOps.lora_buffers(plan)}
     assert buffers["layers.3.gate_up_proj.b"].shape == (4, 2 * 9728, 16)
-    assert buffers["shrunk"].shape == (8192 * 3 * 16,) and buffers["slot_map"].shape == (8192 + 5,)
+    partials = max(shrink_floats(s.k, len(s.slices) * 16, 8192) for s in sites.values())
+    assert buffers["shrunk"].shape == (partials,) and partials * 4 < 8 << 20
+    assert buffers["slot_map"].shape == (8192 + 4 + 2,)
     assert GpuLoRAOps.lora_nbytes(plan) >= 4 * per_slot
     off = gpu_plan(options_of(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192), model, device)
     assert off.lora_sites == () and GpuLoRAOps.lora_nbytes(off) == 0

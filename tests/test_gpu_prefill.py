@@ -184,7 +184,7 @@ class PagedStandIn(GpuOps):
 
     def _launch(self, k, grid, block, args):
         q, token_seq, positions, out = args[0], args[5], args[6], args[10]
-        assert grid[2] == q.shape[0] == positions.shape[0] == token_seq.shape[0] == out.shape[0]
+        assert grid[0] == q.shape[0] == positions.shape[0] == token_seq.shape[0] == out.shape[0]
         rows = np.flatnonzero(positions >= 0)
         out[:] = 0
         out[rows] = causal_ref(q, self.kv_cache[0, 0], self.kv_cache[0, 1], self.batch, self.G, rows,

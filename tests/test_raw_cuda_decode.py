@@ -41,7 +41,7 @@ def test_paged_decode_attention(cp, D, Hq, Hkv, splits):
     for launch in range(2):                   # the split tickets are back at zero for the next launch
         out = poison(cp, (T, Hq * D))
         kernel("paged_decode", "paged_decode_attention", GQA=G, HEAD_DIM=D)(
-            (S, Hkv, T), (128,), args + (out, counters, np.int32(Hkv), np.float32(scale)))
+            (T, S, Hkv), (128,), args + (out, counters, np.int32(Hkv), np.float32(scale)))
         got = f32(out.get())
         assert np.all(np.isfinite(got)), launch
         np.testing.assert_allclose(got, ref, atol=1.5e-2, rtol=1e-2)

@@ -60,13 +60,13 @@ def run_decode(cp, c: dict, Hq: int, Hkv: int, D: int, splits: int, qk_norm: boo
             part_out, part_max, part_sum, out, counters, np.int32(Hkv), np.float32(D ** -0.5))
     if fused:
         kernel("paged_decode", "rope_paged_decode_attention", GQA=G, HEAD_DIM=D)(
-            (splits, Hkv, T), (128,), (qkv,) + norms + prologue + (slots,) + tail)
+            (T, splits, Hkv), (128,), (qkv,) + norms + prologue + (slots,) + tail)
     else:
         q = poison(cp, (T, Hq, D))
         kernel("qk_norm_rope_cache", "qk_norm_rope_cache")(
             (T, -(-(Hq + 2 * Hkv) // 4)), (128,),
             (qkv,) + norms + prologue + (pos, slots, q, kc, vc, np.int32(Hq), np.int32(Hkv), np.int32(D)))
-        kernel("paged_decode", "paged_decode_attention", GQA=G, HEAD_DIM=D)((splits, Hkv, T), (128,), (q,) + tail)
+        kernel("paged_decode", "paged_decode_attention", GQA=G, HEAD_DIM=D)((T, splits, Hkv), (128,), (q,) + tail)
     assert not counters.get().any()                       # the split tickets are back at zero
     return out.get(), kc.get(), vc.get()
 
@@ -230,7 +230,7 @@ def test_gpu_rope_attention_routing(monkeypatch, lens, pad_to, fast, fused):
     out = ops.rope_attention("qkv", SPEC, ctx, q_norm="qn", k_norm="kn")
     if fused:
         entry = ("paged_decode", "rope_paged_decode_attention", (("GQA", 4), ("HEAD_DIM", 64)))
-        assert ops.calls == [("launch", entry, (4, 2, ctx.num_tokens))]
+        assert ops.calls == [("launch", entry, (ctx.num_tokens, 4, 2))]
         assert out.shape == (ctx.num_tokens, 8 * 64)
     else:
         assert [c[0] for c in ops.calls] == ["qkv_rope_cache", "attention"] and out == "o"

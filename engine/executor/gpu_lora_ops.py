@@ -1,7 +1,11 @@
 """LoRA on the GPU, mixed into GpuOps (it provides _launch, stream, pdl and gate_up_interleaved): the
-adapter slots in the arena, the step's token -> slot map and the lora_add op as two raw CUDA kernels per
+adapter slots in the arena, the step's token -> slot map and the LoRA ops as two raw CUDA kernels per
 packed projection, vLLM V1's design: lora_shrink.cu (x · A of every slice, q/k/v or gate/up in one
-launch, into a float32 buffer) and lora_expand.cu (· B, scaled, added into the projection's output).
+launch, split in K into float32 partials) and lora_expand.cu (the partials summed, · B, scaled, and one
+epilogue: added into the projection's bf16 output, into a split-K GEMM's first float32 partial before
+its fused reduction, or SiLU·up of the gate_up product with the delta added first). So a step with
+adapters keeps the base forward's fused kernels (gemv.cu's norm prologue, the split-K reduction with
+the residual add and the next norm) and pays two launches per packed projection.
 
 Slots: per site (engine/lora.py) A [max_loras, slices · R, K] and B [max_loras, N, R] bf16, R the
 max_lora_rank padded to 8 (zero ranks past an adapter's own), B's rows in the executor's output order
@@ -9,10 +13,10 @@ max_lora_rank padded to 8 (zero ranks past an adapter's own), B's rows in the ex
 queued on the compute stream behind the steps already launched.
 
 Per step (`use_lora`, from the executor's upload): the token -> slot map grouped by slot on the host
-(order: the tokens of slot 0, then slot 1, ...; starts: where each slot's tokens begin) into a static
-device buffer, so the batch keeps its order and a decode graph reads the map at fixed addresses; the
-kernels' grids depend on the step's rows alone (padded to the graph's bucket). A step without adapters
-sets nothing (`lora` None) and its forward takes the dense fused paths unchanged.
+(order: the tokens of slot 0, then slot 1, ..., then the rows without an adapter; starts: where each
+group begins) into a static device buffer, so the batch keeps its order and a decode graph reads the map
+at fixed addresses; the kernels' grids depend on the step's rows alone (padded to the graph's bucket).
+A step without adapters sets nothing (`lora` None) and its forward takes the dense paths unchanged.
 """
 from __future__ import annotations
 
@@ -27,7 +31,10 @@ from memory.device_arena import Buffer, buffers_nbytes
 
 TILE_TOKENS = 8             # lora_shrink.cu / lora_expand.cu TT
 SHRINK_ROWS = 8             # lora_shrink.cu ROWS
+SHRINK_KC_MAX = 1024        # lora_shrink.cu KC_MAX
+SHRINK_TARGET_CTAS = 264    # split K until a shrink's grid has about this many CTAs (2 per SM)
 EXPAND_COLUMNS = 256        # lora_expand.cu: a thread per output column
+EXPAND_ADD, EXPAND_ADD_F32, EXPAND_SWIGLU = 0, 1, 2      # lora_expand.cu's modes
 
 
 def padded_rank(rank: int) -> int:
@@ -39,13 +46,27 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
 
 
 def group_by_slot(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """(order, starts): the step's tokens with an adapter grouped by slot, batch order within a slot;
-    slot s's tokens are order[starts[s]:starts[s + 1]] (the kernels' view of the token -> slot map)."""
-    tokens = np.flatnonzero(token_slots >= 0)
-    order = tokens[np.argsort(token_slots[tokens], kind="stable")]
-    starts = np.zeros(num_slots + 1, np.int64)
-    starts[1:] = np.cumsum(np.bincount(token_slots[tokens], minlength=num_slots))
+    """(order, starts): the step's tokens grouped by slot, batch order within a group, the tokens without
+    an adapter (-1) last; group g's tokens are order[starts[g]:starts[g + 1]], g = num_slots the ones
+    without (the kernels' view of the token -> slot map)."""
+    key = np.where(token_slots >= 0, token_slots, num_slots)
+    order = np.argsort(key, kind="stable")
+    starts = np.zeros(num_slots + 2, np.int64)
+    starts[1:] = np.cumsum(np.bincount(key, minlength=num_slots + 1))
     return order, starts
+
+
+def shrink_chunk(k: int, nr: int, rows: int) -> int:
+    """lora_shrink.cu's KC for a site of input width k and nr shrunk rows at a step of `rows` rows: 256
+    (the most CTAs: a decode step's latency) until the grid reaches SHRINK_TARGET_CTAS, up to KC_MAX."""
+    ctas = -(-k // 256) * -(-nr // SHRINK_ROWS) * -(-rows // TILE_TOKENS)
+    return 256 * min(SHRINK_KC_MAX // 256, max(1, -(-ctas // SHRINK_TARGET_CTAS)))
+
+
+def shrink_floats(k: int, nr: int, max_rows: int) -> int:
+    """The most float32 partials a site's shrink writes at any step up to max_rows rows."""
+    return max(-(-k // shrink_chunk(k, nr, rows)) * rows * nr for rows in range(TILE_TOKENS, max_rows + TILE_TOKENS,
+                                                                                  TILE_TOKENS))
 
 
 def slice_bounds(slices: tuple[int, ...]) -> tuple[int, int]:
@@ -58,8 +79,8 @@ def slice_bounds(slices: tuple[int, ...]) -> tuple[int, int]:
 @dataclass
 class GpuLoRAStep:
     """One step's grouped token -> slot map (device views of the static buffer) and its token tiles."""
-    order: object           # int32 [max tokens]: the step's adapter tokens, grouped by slot
-    starts: object          # int32 [slots + 1]: slot s's tokens are order[starts[s]:starts[s + 1]]
+    order: object           # int32 [max tokens]: the step's rows grouped by slot, those without an adapter last
+    starts: object          # int32 [slots + 2]: group g's rows are order[starts[g]:starts[g + 1]]
     tiles: int              # ceil(rows / TILE_TOKENS): the kernels' grid.y
 
 
@@ -73,13 +94,14 @@ class GpuLoRAOps:
         if not plan.lora_sites:
             return []
         slots, rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
-        out, widest = [], 0
+        out, shapes = [], set()
         for name, site in plan.lora_sites:
             out += [Buffer(f"{name}.a", (slots, len(site.slices) * rank, site.k), np.uint16),
                     Buffer(f"{name}.b", (slots, site.n, rank), np.uint16)]
-            widest = max(widest, len(site.slices) * rank)
-        return out + [Buffer("shrunk", (plan.max_tokens * widest,), np.float32),
-                      Buffer("slot_map", (plan.max_tokens + slots + 1,), np.int32)]
+            shapes.add((site.k, len(site.slices) * rank))
+        partials = max(shrink_floats(k, nr, plan.max_tokens) for k, nr in shapes)
+        return out + [Buffer("shrunk", (partials,), np.float32),
+                      Buffer("slot_map", (plan.max_tokens + slots + 2,), np.int32)]
 
     @classmethod
     def lora_nbytes(cls, plan) -> int:
@@ -133,16 +155,18 @@ class GpuLoRAOps:
         import cupy
 
         slots = self.lora_num_slots
-        tm = self.lora_map.shape[0] - slots - 1
+        tm = self.lora_map.shape[0] - slots - 2
         if token_slots.size and int(token_slots.max()) >= slots:
             raise ValueError(f"LoRA slot {int(token_slots.max())} is outside the executor's {slots} (max_loras)")
+        if token_slots.size < rows:                 # a graph's padding rows: no adapter
+            token_slots = np.concatenate([token_slots, np.full(rows - token_slots.size, -1, token_slots.dtype)])
         self.lora_hosts.reverse()
         h = self.lora_hosts[0]
         order, starts = group_by_slot(token_slots, slots)
         h[:order.size], h[tm:] = order, starts
         runtime, dev = cupy.cuda.runtime, self.lora_map
         runtime.memcpyAsync(dev.data.ptr, h.ctypes.data, order.size * 4, runtime.memcpyHostToDevice, self.stream.ptr)
-        runtime.memcpyAsync(dev[tm:].data.ptr, h[tm:].ctypes.data, (slots + 1) * 4, runtime.memcpyHostToDevice,
+        runtime.memcpyAsync(dev[tm:].data.ptr, h[tm:].ctypes.data, (slots + 2) * 4, runtime.memcpyHostToDevice,
                             self.stream.ptr)
         self.lora = GpuLoRAStep(order=dev[:tm], starts=dev[tm:], tiles=-(-rows // TILE_TOKENS))
 
@@ -150,19 +174,49 @@ class GpuLoRAOps:
         """Whether the step runs adapters and `site` is a LoRA site (a fused op then composes)."""
         return self.lora is not None and site in self.lora_w
 
-    def lora_add(self, y, x, site):
+    def lora_add(self, y, x, site, norm=None, into=None):
+        """y (the projection's bf16 output [T, N], or ``into``: a float32 [T, N] buffer's address, a
+        split-K GEMM's first partial) += the step's adapters' deltas at `site` for x [T, K]; norm:
+        (norm_w, eps) where x is the un-normed input of a product that fused its RMSNorm."""
         if not self.lora_on(site):
             return y
-        step, (a, b) = self.lora, self.lora_w[site]
+        part, chunks = self._lora_shrink(x, site, norm)
+        self._lora_expand(part, chunks, site, x.shape[0], y if into is None else np.uint64(into),
+                          EXPAND_ADD if into is None else EXPAND_ADD_F32)
+        return y
+
+    def lora_swiglu(self, gate_up, x, site, norm=None):
+        """SiLU(gate)·up [T, N/2] of the gate_up product [T, N] with the step's adapters' deltas added
+        first (rows without an adapter: plain SiLU·up); x, norm as lora_add's."""
+        T, n = gate_up.shape
+        act = self._out(T, n // 2)
+        part, chunks = self._lora_shrink(x, site, norm)
+        self._lora_expand(part, chunks, site, T, gate_up, EXPAND_SWIGLU, act)
+        return act
+
+    def _lora_shrink(self, x, site, norm):
+        step, (a, _) = self.lora, self.lora_w[site]
         slots, nr, k = a.shape
+        T = x.shape[0]
+        kc = shrink_chunk(k, nr, T)
+        chunks = -(-k // kc)
+        part = self.lora_shrunk[: chunks * T * nr]
+        norm_w, eps = norm if norm is not None else (np.uint64(0), 0.0)
+        self._launch(self.k_lora_shrink, (chunks * -(-nr // SHRINK_ROWS), step.tiles, slots), (256,),
+                     (x, a, step.order, step.starts, part, np.int32(T), np.int32(k), np.int32(nr), np.int32(kc),
+                      norm_w, np.float32(eps)))
+        return part, chunks
+
+    def _lora_expand(self, part, chunks, site, T, y, mode, act=None):
+        step, (a, b) = self.lora, self.lora_w[site]
+        slots, nr, _ = a.shape
         n, rank = b.shape[1], b.shape[2]
-        shrunk = self.lora_shrunk[: x.shape[0] * nr].reshape(x.shape[0], nr)
-        self._launch(self.k_lora_shrink, (-(-nr // SHRINK_ROWS), step.tiles, slots), (256,),
-                     (x, a, step.order, step.starts, shrunk, np.int32(k), np.int32(nr)))
         interleaved = site.endswith("gate_up_proj") and self.gate_up_interleaved
         b1, b2 = slice_bounds(self.lora_sites[site].slices)
-        launch(self.k_lora_expand, (-(-n // EXPAND_COLUMNS), step.tiles, slots), (EXPAND_COLUMNS,),
-               (shrunk, b, step.order, step.starts, y, np.int32(n), np.int32(rank), np.int32(nr),
-                np.int32(b1), np.int32(b2), np.int32(interleaved)),
+        cols = n // 2 if mode == EXPAND_SWIGLU else n
+        launch(self.k_lora_expand, (-(-cols // EXPAND_COLUMNS), step.tiles, slots + (mode == EXPAND_SWIGLU)),
+               (EXPAND_COLUMNS,),
+               (part, b, step.order, step.starts, y, np.uint64(0) if act is None else act, np.int32(T), np.int32(n),
+                np.int32(rank), np.int32(nr), np.int32(chunks), np.int32(b1), np.int32(b2), np.int32(interleaved),
+                np.int32(mode)),
                self.stream, pdl=self.pdl, shared_mem=TILE_TOKENS * nr * 4)
-        return y

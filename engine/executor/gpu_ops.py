@@ -306,7 +306,7 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
         self._check_attention(spec, ctx)
         T, null = ctx.num_tokens, np.uint64(0)
         out = self._out(T, spec.num_heads * spec.head_dim)
-        self._launch(fused, (ctx.num_splits, spec.num_kv_heads, T), (128,),
+        self._launch(fused, (T, ctx.num_splits, spec.num_kv_heads), (128,),
                      (qkv, q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
                       np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor), ctx.slot_mapping)
                      + self._decode_args(spec, ctx, out))
@@ -333,7 +333,7 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
         kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
         fast = self._decode_kernel(Hkv) if D == self.head_dim else None
         if fast is not None:
-            self._launch(fast, (S, Hkv, T), (128,), (q,) + self._decode_args(spec, ctx, out))
+            self._launch(fast, (T, S, Hkv), (128,), (q,) + self._decode_args(spec, ctx, out))
             return
         self._launch(self.k_attn, (S, Hkv, T), (128,),
                      (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq,
@@ -372,20 +372,30 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
     # ---- fused decode ops (gemv.cu), composed from the above where the GEMV does not serve ----
     @op_range
     def norm_linear(self, x, norm_weight, eps, weight, bias=None, normed=None, lora=None):
-        if normed is not None or bias is not None or self.lora_on(lora) or not self.gemm.gemv_serves(x, weight):
+        """gemv.cu's RMSNorm prologue + product (a LoRA delta after it, its shrink norming x again);
+        else the composition."""
+        if normed is not None or bias is not None or not self.gemm.gemv_serves(x, weight):
             return super().norm_linear(x, norm_weight, eps, weight, bias, normed=normed, lora=lora)
         out = self._out(x.shape[0], weight.shape[0])
         self.gemm.gemv(x, weight, out, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
-        return out
+        return self.lora_add(out, x, lora, norm=(norm_weight, eps)) if self.lora_on(lora) else out
 
     @op_range
     def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None, lora=None):
         """gemv.cu's RMSNorm + product + SiLU·up in one kernel; else the CuTe GEMM's SiLU·up twin
         after the norm (one kernel fewer than product + silu_mul); else (and with a LoRA adapter in
-        the step: its delta goes in before SiLU·up) the composition."""
-        if self.lora_on(lora):
-            return super().norm_swiglu(x, norm_weight, eps, gate_up_weight, normed=normed, lora=lora)
+        the step: the product, then lora_expand.cu's SiLU·up with the delta added first) the composition."""
         rows = x.shape[0]
+        if self.lora_on(lora):
+            gate_up, norm = self._out(rows, gate_up_weight.shape[0]), None
+            if normed is None and self.gemm.gemv_serves(x, gate_up_weight):
+                self.gemm.gemv(x, gate_up_weight, gate_up, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+                normed, norm = x, (norm_weight, eps)
+            else:
+                if normed is None:
+                    normed, _ = self.rms_norm(x, norm_weight, eps)
+                self.gemm(normed, gate_up_weight, gate_up, pdl=self.pdl)
+            return self.lora_swiglu(gate_up, normed, lora, norm)
         if normed is None and self.gate_up_interleaved and self.gemm.gemv_serves(x, gate_up_weight):
             out = self._out(rows, gate_up_weight.shape[0] // 2)
             self.gemm.gemv(x, gate_up_weight, out, "norm_silu", norm_w=norm_weight, eps=eps, pdl=self.pdl)
@@ -418,9 +428,9 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
     def add_linear_norm(self, x, weight, residual, norm_weight, eps, bias=None, lora=None):
         """Where the CuTe GEMM's plan splits the product in K: the split GEMM, then one kernel that
         reduces its partials, adds the residual and applies the RMSNorm after it
-        (rms_norm.cu splitk_rms_norm_residual); elsewhere (and with a LoRA adapter in the step)
-        add_linear, the norm left to the next op."""
-        fusable = bias is None and not self.lora_on(lora) and not self.gemm.gemv_serves(x, weight)
+        (rms_norm.cu splitk_rms_norm_residual), a LoRA delta added into the first partial before it;
+        elsewhere add_linear, the norm left to the next op."""
+        fusable = bias is None and not self.gemm.gemv_serves(x, weight)
         partials = self.gemm.cute_partials(x, weight, residual) if fusable else None
         if partials is None:
             return self.add_linear(x, weight, residual, bias, lora=lora), None
@@ -428,6 +438,10 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
         out, normed = self._residual_out(T, N), self._out(T, N)
         splits, _, _ = partials.shape
         self.reduce_partials(partials)
+        if self.lora_on(lora):
+            if tuple(partials.shape[1:]) != (T, N) or tuple(partials.strides[1:]) != (N, 1):
+                raise ValueError(f"split-K partials {partials.shape} / {partials.strides}: not [S, {T}, {N}] rows")
+            self.lora_add(None, x, lora, into=partials.ptr)
         self._launch(self.k_rms_splitk, (T,), (splitk_norm_threads(N),),
                      (np.uint64(partials.ptr), np.int32(splits), np.int64(T * N), residual, norm_weight, normed, out,
                       np.int32(N), np.float32(eps)))

@@ -1,58 +1,125 @@
-// LoRA expand at one packed projection (vLLM V1's lora_expand over a token -> slot map):
-//   y[t, c] = bf16(y[t, c] + sum_r buf[t, slice(c)·R + r] · B[s, c, r])   for every token t of slot s,
-// buf [T, NR] fp32 from lora_shrink.cu, B [S, N, R] bf16 (slot s's B of every slice in the projection's
-// output row order, lora_alpha / r folded in, zero-padded to R ranks, R % 8 == 0), y [T, N] bf16 the
-// projection's output, updated in place. slice(c): (c >= b1) + (c >= b2) from the slices' row bounds, or
+// LoRA expand at one packed projection (vLLM V1's lora_expand over a token -> slot map): with
+//   h[t, :] = sum over chunks c of part[c, t, :]            (lora_shrink.cu's split-K partials, [C, T, NR])
+//   d[t, c] = sum_r h[t, slice(c)·R + r] · B[s, c, r]       (the adapter's delta at output column c)
+// for every token t of slot s, one of three epilogues (mode):
+//   0  y[t, c] = bf16(y[t, c] + d[t, c])      y [T, N] bf16, the projection's output, in place;
+//   1  y[t, c] += d[t, c]                     y [T, N] fp32: the first of a split-K GEMM's partials, reduced
+//                                             (with the residual add and the next norm) by the kernel after;
+//   2  act[t, i] = bf16(bf16(silu(bf16(gate + d_gate))) · bf16(up + d_up))   y the gate_up product [T, N]
+//                                             bf16, act [T, N/2]: the MLP's SiLU·up with the delta added
+//                                             first; grid.z has one more group, the tokens without an
+//                                             adapter (order[starts[S] .. starts[S + 1])), plain SiLU·up.
+// B [S, N, R] bf16 (slot s's B of every slice in the projection's output row order, lora_alpha / r folded
+// in, zero-padded to R ranks, R % 8 == 0). slice(c): (c >= b1) + (c >= b2) from the slices' row bounds, or
 // with `interleaved` (the GPU's gate_up rows, 8 gate rows then the same 8 up rows) (c / 8) % 2.
-// Tokens come grouped by slot through order / starts, as in lora_shrink.cu; tokens without an adapter
-// are left alone. Grid (ceil(N / 256), ceil(T / TT), S), 256 threads, TT · NR floats of dynamic shared
-// memory (the tile's buf rows): a thread per output column c and the TT tokens of its tile.
-// Roofline: each used slot's B is read once per token tile (Qwen3-4B, rank 16: 0.98 MB per layer and
-// slot over the four projections, qkv 197 KB, gate_up 623 KB; 35 MB per decode step and slot, ~7 µs at
-// 4.8 TB/s) and y is read and written (4 bytes per token and column: 3.9 MB per layer at batch 32,
-// launch-bound). An 8192-token prefill moves ~1 GB of y and takes 8 GFLOP (CUDA cores) per layer,
-// ~0.2 ms each way, against ~2.6 ms of base GEMMs per layer.
+// Grid (ceil(N / 256) or ceil(N / 2 / 256), ceil(T / TT), S or S + 1), 256 threads, TT · NR floats of
+// dynamic shared memory (the tile's h rows): a thread per output column and the TT tokens of its tile;
+// its B row's first ranks are loaded before the programmatic-launch wait.
+// Roofline: every used slot's B is read once per token tile (Qwen3-4B, rank 16: 0.98 MB per layer and
+// slot, 35 MB per decode step and slot, ~8 µs at 4.3 TB/s) and y read and written (4 bytes per token and
+// column: 3.9 MB per layer at batch 32); decode is latency-bound. An 8192-token prefill moves ~1 GB of y
+// and takes 8 GFLOP (CUDA cores) per layer, ~0.2 ms each way, against ~2.6 ms of base GEMMs per layer.
 #include "common.cuh"
 
 #define TT 8       // tokens per CTA (lora_shrink.cu's tile)
+#define RPRE 2     // 16-byte pieces of B (8 ranks each) loaded before the wait
+
+__device__ __forceinline__ void b_row(const bf16_t* b, int R, uint4* pre) {
+    #pragma unroll
+    for (int q = 0; q < RPRE; ++q) pre[q] = q * 8 < R ? *reinterpret_cast<const uint4*>(b + q * 8) : kZero16;
+}
+
+// acc[i] += sum over 8 ranks r0 .. of in[i · NR + r] · bv[r - r0], for the tile's tokens.
+__device__ __forceinline__ void fma8(const float* in, int NR, int r0, uint4 bv, float* acc) {
+    const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv);
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const float w = bf16_to_f(bs[e]);
+        #pragma unroll
+        for (int i = 0; i < TT; ++i) acc[i] += in[i * NR + r0 + e] * w;   // rows past n: unused
+    }
+}
+
+// acc[i] = sum_r in[i · NR + r] · b[r] for the tile's tokens, b's first ranks in pre.
+__device__ __forceinline__ void delta(const float* in, int NR, const bf16_t* b, int R, const uint4* pre,
+                                      float* acc) {
+    #pragma unroll
+    for (int i = 0; i < TT; ++i) acc[i] = 0.f;
+    #pragma unroll
+    for (int q = 0; q < RPRE; ++q)
+        if (q * 8 < R) fma8(in, NR, q * 8, pre[q], acc);
+    for (int r = RPRE * 8; r < R; r += 8) fma8(in, NR, r, *reinterpret_cast<const uint4*>(b + r), acc);
+}
 
 extern "C" __global__ void __launch_bounds__(256) lora_expand(
-        const float* __restrict__ buf, const bf16_t* __restrict__ B, const int* __restrict__ order,
-        const int* __restrict__ starts, bf16_t* y, int N, int R, int NR, int b1, int b2, int interleaved) {
-    extern __shared__ float rows[];          // [TT, NR]: the tile's shrunk rows
+        const float* __restrict__ part, const bf16_t* __restrict__ B, const int* __restrict__ order,
+        const int* __restrict__ starts, void* y, bf16_t* __restrict__ act, int T, int N, int R, int NR,
+        int C, int b1, int b2, int interleaved, int mode) {
+    extern __shared__ float rows[];          // [TT, NR]: the tile's h rows
     __shared__ int tok[TT];
-    pdl_begin();
+    const int S = gridDim.z - (mode == 2);   // slots; mode 2's last group: tokens without an adapter
     const int s = blockIdx.z;
     const int begin = starts[s] + blockIdx.y * TT;
     const int n = min(starts[s + 1] - begin, TT);
     if (n <= 0) return;
-    if (threadIdx.x < TT) tok[threadIdx.x] = order[begin + min((int)threadIdx.x, n - 1)];
-    __syncthreads();
-    for (int e = threadIdx.x; e < n * NR; e += blockDim.x) rows[e] = buf[(size_t)tok[e / NR] * NR + e % NR];
-    __syncthreads();
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= N) return;
-    const int slice = interleaved ? (c >> 3) & 1 : (c >= b1) + (c >= b2);
-    const float* in = rows + slice * R;
-    const bf16_t* b = B + ((size_t)s * N + c) * R;
-    float acc[TT];
-    #pragma unroll
-    for (int i = 0; i < TT; ++i) acc[i] = 0.f;
-    for (int r = 0; r < R; r += 8) {
-        const uint4 bv = *reinterpret_cast<const uint4*>(b + r);
-        const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv);
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const float w = bf16_to_f(bs[e]);
-            #pragma unroll
-            for (int i = 0; i < TT; ++i) acc[i] += in[i * NR + r + e] * w;   // rows past n: unused garbage
-        }
+    const bool adapter = s < S;
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    const int cols = mode == 2 ? N / 2 : N;
+    // this thread's output column(s): c (modes 0, 1) or the gate and up columns of act's column (mode 2)
+    const int c = mode != 2 ? col : interleaved ? (col >> 3) * 16 + (col & 7) : col;
+    const int cu = interleaved ? c + 8 : col + N / 2;
+    uint4 pre[RPRE], pre_up[RPRE];
+    if (adapter && col < cols) {
+        b_row(B + ((size_t)s * N + c) * R, R, pre);
+        if (mode == 2) b_row(B + ((size_t)s * N + cu) * R, R, pre_up);
     }
+    if (threadIdx.x < TT) tok[threadIdx.x] = order[begin + min((int)threadIdx.x, n - 1)];
+    pdl_wait();
+    pdl_launch_dependents();
+    __syncthreads();
+    if (adapter) {
+        for (int e = threadIdx.x; e < TT * NR; e += blockDim.x) rows[e] = 0.f;
+        __syncthreads();
+        for (int e = threadIdx.x; e < C * n * NR; e += blockDim.x) {   // j fastest: coalesced, no conflicts
+            const int j = e % NR, i = (e / NR) % n, ch = e / (NR * n);
+            atomicAdd(&rows[i * NR + j], part[((size_t)ch * T + tok[i]) * NR + j]);
+        }
+        __syncthreads();
+    }
+    if (col >= cols) return;
+    float acc[TT], acc_up[TT];
+    if (mode != 2) {
+        const int slice = interleaved ? (c >> 3) & 1 : (c >= b1) + (c >= b2);
+        delta(rows + slice * R, NR, B + ((size_t)s * N + c) * R, R, pre, acc);
+        #pragma unroll
+        for (int i = 0; i < TT; ++i) {
+            if (i < n) {
+                const size_t at = (size_t)tok[i] * N + c;
+                if (mode == 0) {
+                    bf16_t* p = static_cast<bf16_t*>(y) + at;
+                    *p = f_to_bf16(bf16_to_f(*p) + acc[i]);
+                } else {
+                    static_cast<float*>(y)[at] += acc[i];
+                }
+            }
+        }
+        return;
+    }
+    if (adapter) {
+        delta(rows, NR, B + ((size_t)s * N + c) * R, R, pre, acc);          // gate: slice 0
+        delta(rows + R, NR, B + ((size_t)s * N + cu) * R, R, pre_up, acc_up);   // up: slice 1
+    } else {
+        #pragma unroll
+        for (int i = 0; i < TT; ++i) acc[i] = acc_up[i] = 0.f;
+    }
+    const bf16_t* gu = static_cast<const bf16_t*>(y);
     #pragma unroll
     for (int i = 0; i < TT; ++i) {
         if (i < n) {
-            bf16_t* p = y + (size_t)tok[i] * N + c;
-            *p = f_to_bf16(bf16_to_f(*p) + acc[i]);
+            const size_t row = (size_t)tok[i] * N;
+            const float g = bf16_to_f(gu[row + c]), u = bf16_to_f(gu[row + cu]);
+            act[(size_t)tok[i] * (N / 2) + col] = adapter ? silu_times(round_bf16(g + acc[i]), round_bf16(u + acc_up[i]))
+                                                          : silu_times(g, u);
         }
     }
 }

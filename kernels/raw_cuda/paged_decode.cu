@@ -2,8 +2,11 @@
 // sequence token_seq[t] at position positions[t] attends to KV positions [0, positions[t]] through the
 // 16-token block table; padded tokens, positions[t] < 0, give zeros), built for many keys in flight.
 // Compiled per (GQA = Hq/Hkv, HEAD_DIM) with -D options, so q, the accumulators and the loads live in
-// registers. Grid (num_splits, Hkv, T), 4 warps: one CTA per (token, KV head, KV split) serves all GQA
-// query heads of the group from one read of each K and V row.
+// registers. Grid (T, num_splits, Hkv), 4 warps: one CTA per (token, KV split, KV head) serves all GQA
+// query heads of the group from one read of each K and V row. The token is the fastest grid index, so the
+// CTAs of one (split, KV head) start together: the query rows of one sequence (a chunk, a prefix hit's
+// recomputed block) read the same K/V rows at about the same time, once from DRAM and then from L2,
+// instead of once per row.
 //  * KEY_LANES lanes share a key (one 16-byte piece each: 8 bf16 of D), so a warp reads 32/KEY_LANES keys
 //    per pass; UNROLL passes (K and V) make one iteration (D 128: 8 keys, 4 KB). The pieces go to the
 //    warp's shared-memory ring by cp.async (no registers held while in flight), STAGES − 1 iterations
@@ -165,7 +168,7 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
     __shared__ __align__(16) bf16_t q_s[ROPE ? GQA : 1][HEAD_DIM];
     __shared__ __align__(16) bf16_t kv_s[ROPE ? 2 : 1][HEAD_DIM];
 
-    const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z, S = gridDim.x;
+    const int t = blockIdx.x, split = blockIdx.y, kvh = blockIdx.z, S = gridDim.y;
     const int num_heads = num_kv_heads * GQA;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int key = lane / KEY_LANES, sub = lane % KEY_LANES;
