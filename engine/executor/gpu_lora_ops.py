@@ -84,15 +84,6 @@ class GpuLoRAStep:
     tiles: int              # ceil(rows / TILE_TOKENS): the kernels' grid.y
 
 
-@dataclass
-class LoRAPending:
-    """A site's shrink launched (lora_begin), its expand to follow (lora_end / lora_swiglu)."""
-    site: str
-    part: object            # float32 partials [chunks, rows, NR] (lora_shrink.cu)
-    chunks: int
-    rows: int
-
-
 class GpuLoRAOps:
     lora = None             # this step's GpuLoRAStep (None: no adapter in the step)
     lora_w: dict = {}       # site -> (A, B) device arrays (empty: LoRA off)
@@ -187,29 +178,20 @@ class GpuLoRAOps:
         """y (the projection's bf16 output [T, N], or ``into``: a float32 [T, N] buffer's address, a
         split-K GEMM's first partial) += the step's adapters' deltas at `site` for x [T, K]; norm:
         (norm_w, eps) where x is the un-normed input of a product that fused its RMSNorm."""
-        return self.lora_end(self.lora_begin(x, site, norm), y, into)
-
-    def lora_begin(self, x, site, norm=None) -> LoRAPending | None:
-        """The shrink of lora_add (None where the step runs no adapter at `site`), launched before the
-        base product so that only the expand follows it."""
-        if site is None or not self.lora_on(site):
-            return None
+        if not self.lora_on(site):
+            return y
         part, chunks = self._lora_shrink(x, site, norm)
-        return LoRAPending(site=site, part=part, chunks=chunks, rows=x.shape[0])
-
-    def lora_end(self, pending: LoRAPending | None, y, into=None):
-        """The expand of lora_add into y (or `into`); y unchanged where pending is None."""
-        if pending is not None:
-            self._lora_expand(pending, y if into is None else np.uint64(into),
-                              EXPAND_ADD if into is None else EXPAND_ADD_F32)
+        self._lora_expand(part, chunks, site, x.shape[0], y if into is None else np.uint64(into),
+                          EXPAND_ADD if into is None else EXPAND_ADD_F32)
         return y
 
-    def lora_swiglu(self, pending: LoRAPending, gate_up):
+    def lora_swiglu(self, gate_up, x, site, norm=None):
         """SiLU(gate)·up [T, N/2] of the gate_up product [T, N] with the step's adapters' deltas added
-        first (rows without an adapter: plain SiLU·up)."""
+        first (rows without an adapter: plain SiLU·up); x, norm as lora_add's."""
         T, n = gate_up.shape
         act = self._out(T, n // 2)
-        self._lora_expand(pending, gate_up, EXPAND_SWIGLU, act)
+        part, chunks = self._lora_shrink(x, site, norm)
+        self._lora_expand(part, chunks, site, T, gate_up, EXPAND_SWIGLU, act)
         return act
 
     def _lora_shrink(self, x, site, norm):
@@ -225,8 +207,7 @@ class GpuLoRAOps:
                       norm_w, np.float32(eps)))
         return part, chunks
 
-    def _lora_expand(self, pending: LoRAPending, y, mode, act=None):
-        site, part, chunks, T = pending.site, pending.part, pending.chunks, pending.rows
+    def _lora_expand(self, part, chunks, site, T, y, mode, act=None):
         step, (a, b) = self.lora, self.lora_w[site]
         slots, nr, _ = a.shape
         n, rank = b.shape[1], b.shape[2]

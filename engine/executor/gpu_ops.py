@@ -370,24 +370,15 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
         return out
 
     # ---- fused decode ops (gemv.cu), composed from the above where the GEMV does not serve ----
-    # A LoRA site's shrink (lora_begin) is launched before the base product and its expand (lora_end)
-    # after it: the shrink reads only the product's input, and a product that does not release its
-    # dependents early (the CuTe GEMM) then leaves its launch gap to the expand, not to both.
     @op_range
     def norm_linear(self, x, norm_weight, eps, weight, bias=None, normed=None, lora=None):
-        """gemv.cu's RMSNorm prologue + product (a LoRA shrink norming x itself); else the norm, then
-        the product."""
-        if bias is not None:
+        """gemv.cu's RMSNorm prologue + product (a LoRA delta after it, its shrink norming x again);
+        else the composition."""
+        if normed is not None or bias is not None or not self.gemm.gemv_serves(x, weight):
             return super().norm_linear(x, norm_weight, eps, weight, bias, normed=normed, lora=lora)
-        if normed is None and self.gemm.gemv_serves(x, weight):
-            pending = self.lora_begin(x, lora, norm=(norm_weight, eps))
-            out = self._out(x.shape[0], weight.shape[0])
-            self.gemm.gemv(x, weight, out, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
-            return self.lora_end(pending, out)
-        if normed is None:
-            normed, _ = self.rms_norm(x, norm_weight, eps)
-        pending = self.lora_begin(normed, lora)
-        return self.lora_end(pending, self.linear(normed, weight))
+        out = self._out(x.shape[0], weight.shape[0])
+        self.gemm.gemv(x, weight, out, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+        return self.lora_add(out, x, lora, norm=(norm_weight, eps)) if self.lora_on(lora) else out
 
     @op_range
     def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None, lora=None):
@@ -396,16 +387,15 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
         the step: the product, then lora_expand.cu's SiLU·up with the delta added first) the composition."""
         rows = x.shape[0]
         if self.lora_on(lora):
-            gate_up = self._out(rows, gate_up_weight.shape[0])
+            gate_up, norm = self._out(rows, gate_up_weight.shape[0]), None
             if normed is None and self.gemm.gemv_serves(x, gate_up_weight):
-                pending = self.lora_begin(x, lora, norm=(norm_weight, eps))
                 self.gemm.gemv(x, gate_up_weight, gate_up, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+                normed, norm = x, (norm_weight, eps)
             else:
                 if normed is None:
                     normed, _ = self.rms_norm(x, norm_weight, eps)
-                pending = self.lora_begin(normed, lora)
                 self.gemm(normed, gate_up_weight, gate_up, pdl=self.pdl)
-            return self.lora_swiglu(pending, gate_up)
+            return self.lora_swiglu(gate_up, normed, lora, norm)
         if normed is None and self.gate_up_interleaved and self.gemm.gemv_serves(x, gate_up_weight):
             out = self._out(rows, gate_up_weight.shape[0] // 2)
             self.gemm.gemv(x, gate_up_weight, out, "norm_silu", norm_w=norm_weight, eps=eps, pdl=self.pdl)
@@ -424,18 +414,15 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
         into the sum after it."""
         if bias is not None:
             return super().add_linear(x, weight, residual, bias, lora=lora)
-        return self._add_linear(x, weight, residual, self.lora_begin(x, lora))
-
-    def _add_linear(self, x, weight, residual, pending):
         out = self._residual_out(x.shape[0], weight.shape[0])
         if self.gemm.gemv_serves(x, weight):
             self.gemm.gemv(x, weight, out, "res", res_in=residual, pdl=self.pdl)
-            return self.lora_end(pending, out)
+            return self.lora_add(out, x, lora)
         if residual.data.ptr != out.data.ptr:  # the first layer's residual is the embedding output
             self.cp.cuda.runtime.memcpyAsync(out.data.ptr, residual.data.ptr, out.nbytes,
                                              self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         self.gemm(x, weight, out, accumulate=True)  # cuBLAS beta = 1: the add in the product's epilogue
-        return self.lora_end(pending, out)
+        return self.lora_add(out, x, lora)
 
     @op_range
     def add_linear_norm(self, x, weight, residual, norm_weight, eps, bias=None, lora=None):
@@ -443,22 +430,18 @@ class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
         reduces its partials, adds the residual and applies the RMSNorm after it
         (rms_norm.cu splitk_rms_norm_residual), a LoRA delta added into the first partial before it;
         elsewhere add_linear, the norm left to the next op."""
-        if bias is not None or self.gemm.gemv_serves(x, weight):
+        fusable = bias is None and not self.gemm.gemv_serves(x, weight)
+        partials = self.gemm.cute_partials(x, weight, residual) if fusable else None
+        if partials is None:
             return self.add_linear(x, weight, residual, bias, lora=lora), None
-        pending = self.lora_begin(x, lora)
-        partials = self.gemm.cute_partials(x, weight, residual)
-        if partials is None:         # (add_linear itself where no shrink ran: a tensor-parallel rank's override)
-            if pending is None:
-                return self.add_linear(x, weight, residual, bias, lora=lora), None
-            return self._add_linear(x, weight, residual, pending), None
         T, N = x.shape[0], weight.shape[0]
         out, normed = self._residual_out(T, N), self._out(T, N)
         splits, _, _ = partials.shape
         self.reduce_partials(partials)
-        if pending is not None:
+        if self.lora_on(lora):
             if tuple(partials.shape[1:]) != (T, N) or tuple(partials.strides[1:]) != (N, 1):
                 raise ValueError(f"split-K partials {partials.shape} / {partials.strides}: not [S, {T}, {N}] rows")
-            self.lora_end(pending, None, into=partials.ptr)
+            self.lora_add(None, x, lora, into=partials.ptr)
         self._launch(self.k_rms_splitk, (T,), (splitk_norm_threads(N),),
                      (np.uint64(partials.ptr), np.int32(splits), np.int64(T * N), residual, norm_weight, normed, out,
                       np.int32(N), np.float32(eps)))
