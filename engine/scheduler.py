@@ -206,7 +206,11 @@ class Scheduler:
         """Blocks first.. of seq's prefix come back from host slots into fresh device blocks, which
         join the device prefix cache under their hashes."""
         self.host_tier.pin(slots)                    # the allocation below may evict into the tier
-        blocks = self.bm.allocate(len(slots))
+        fresh = sorted(self.bm.allocate(len(slots)))
+        rank = sorted(range(len(slots)), key=lambda j: slots[j])
+        blocks = [0] * len(slots)                    # in slot order: consecutive slots -> consecutive blocks,
+        for j, block in zip(rank, fresh):            # one copy for the run (memory/host_kv_copy.py)
+            blocks[j] = block
         for i, (slot, block) in enumerate(zip(slots, blocks), start=first):
             self.host_tier.restore(hashes[i], slot, block)
             parent = hashes[i - 1] if i else NO_PARENT

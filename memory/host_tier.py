@@ -27,6 +27,7 @@ class HostKVTier:
         self._free = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()
         self.offloads: list[tuple[int, int]] = []              # this step's (device block, host slot)
+        self._offload_hashes: list[int] = []                   # the hash of each of this step's offloads
         self.restores: list[tuple[int, int]] = []              # this step's (host slot, device block)
         self.stored_blocks = 0                                 # lifetime counters
         self.restored_blocks = 0
@@ -41,6 +42,7 @@ class HostKVTier:
             return                                            # every slot is pinned: drop it
         self.slot_of[block_hash] = slot
         self.offloads.append((device_block, slot))
+        self._offload_hashes.append(block_hash)
         self.stored_blocks += 1
 
     def _take_slot(self) -> int | None:
@@ -69,7 +71,24 @@ class HostKVTier:
 
     def end_step(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This step's (offloads, restores), handed to the executor; unpins every slot."""
+        self._slots_in_block_order()
         out = (self.offloads, self.restores)
-        self.offloads, self.restores = [], []
+        self.offloads, self.restores, self._offload_hashes = [], [], []
         self._pinned.clear()
         return out
+
+    def _slots_in_block_order(self) -> None:
+        """Deal this step's new slots out again in the order of their device blocks (a pool evicts a
+        sequence's blocks tail first, so they arrive in reverse): consecutive blocks then go to
+        consecutive slots, one run and one copy (memory/host_kv_copy.py), and a later restore of the
+        prefix reads ascending slots. The step's restores of a slot stored this step follow it; a slot
+        taken twice this step keeps the order as it is."""
+        slots = sorted(slot for _, slot in self.offloads)
+        if len(slots) < 2 or len(set(slots)) < len(slots):
+            return
+        order = sorted(range(len(self.offloads)), key=lambda i: self.offloads[i][0])
+        new = {self.offloads[i][1]: slot for i, slot in zip(order, slots)}
+        for block_hash, (_, slot) in zip(self._offload_hashes, self.offloads):
+            self.slot_of[block_hash] = new[slot]
+        self.offloads = [(block, new[slot]) for block, slot in self.offloads]
+        self.restores = [(new.get(slot, slot), block) for slot, block in self.restores]

@@ -157,3 +157,37 @@ def test_reset_prefix_cache_moves_the_device_prefix_to_the_host_tier():
     run_until_idle(engine)
     assert tokens(second) == tokens(first) and cached(second) == 96
     assert engine.stats().prefix_cache_host_hits == 96
+
+
+@pytest.mark.parametrize("pool_order", ["ascending", "descending"])
+def test_a_prompts_blocks_move_as_one_copy_each_way(pool_order):
+    """A prompt's blocks, evicted tail first by the reset, land in consecutive slots in prefix order and
+    come back into consecutive device blocks: the copier merges each direction into one run (one copy),
+    not one copy per block, in whichever direction the pool hands its blocks out."""
+    from memory.host_kv_copy import by_destination, copy_runs
+
+    class Recording(FakeExecutor):
+        def copy_blocks(self, offloads, restores):
+            self.calls.append((list(offloads), list(restores)))
+            super().copy_blocks(offloads, restores)
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(30, 30 + 16 * 8 + 5))       # 8 full blocks
+    ex = Recording(num_kv_blocks=64, host_kv_blocks=32)
+    ex.calls = []
+    engine = make_engine(ex, host_kv_blocks=32)
+    if pool_order == "descending":                  # the pool hands its blocks out in descending order
+        engine.block_manager._free.reverse()
+    first = submit(engine, GenerateRequest("a1", prompt, params))
+    run_until_idle(engine)
+    engine.reset_prefix_cache()
+    ex.kv[:] = 7
+    second = submit(engine, GenerateRequest("a2", prompt, params))
+    run_until_idle(engine)
+    assert tokens(second) == tokens(first) and cached(second) == 128
+    offloads = [p for o, _ in ex.calls for p in o]
+    restores = [p for _, r in ex.calls for p in r]
+    assert len(offloads) == len(restores) == 8
+    runs = lambda pairs, a, b: copy_runs(by_destination(pairs), 64, 64, "x", a, b)
+    assert len(runs(offloads, "device block", "host slot")) == 1
+    assert len(runs(restores, "host slot", "device block")) == 1
