@@ -145,8 +145,20 @@ class Tokenizer:
         """Token ids of `text` (special-token strings in it map to their ids). As in transformers,
         add_special_tokens applies the tokenizer's post-processor (e.g. a BOS for Llama 3); pass
         False for text rendered by a chat template, which writes its own. (encode_batch: the same
-        ids, but it lets other Python threads run meanwhile, which a long text needs.)"""
+        ids, but it lets other Python threads run meanwhile, which a long text needs; a long text of a
+        known tokenizer is cut into parts encoded in parallel, engine/text_pieces.py.)"""
+        if self._splitter is not None:
+            ids = self._splitter.encode(text, add_special_tokens)
+            if ids is not None:
+                return ids
         return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @cached_property
+    def _splitter(self):
+        """Long texts cut where the pre-tokenizer cuts and encoded on all cores (engine/text_pieces.py),
+        where that is known to give the same ids; else None."""
+        from engine.text_pieces import splitter
+        return splitter(self.tok)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         try:  # ints (and numpy ints) go straight through; anything int()-able is converted first
