@@ -3,7 +3,7 @@
 A byte-level BPE never merges across its pre-tokenizer's pieces, so a text cut at a piece boundary
 tokenizes to the concatenation of its parts' tokens; `tokenizers`' encode_batch then runs the parts on
 all cores (a 16k-token prompt is 40-100 ms of one core otherwise, the largest part of a prefix hit's TTFT
-for a text prompt). Only tokenizers whose pieces are known are cut (`splitter` returns None for the rest):
+for a text prompt; a 1k-token prompt's 2-3 ms are a tenth of its cold TTFT). Only tokenizers whose pieces are known are cut (`splitter` returns None for the rest):
 no normalizer (or NFC), the GPT-4-style split regex of Qwen2/2.5/3 or Llama 3 followed by a ByteLevel
 without its own regex or prefix space, and no added token containing whitespace. For those regexes both
 kinds of cut are boundaries, whatever surrounds them:
@@ -23,9 +23,9 @@ SPLIT_PATTERNS = (       # Qwen2 / 2.5 / 3, Llama 3 (pre_tokenizer Split, behavi
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
-MIN_CHARS = 12_000       # shorter texts: one encode (the parallel launch is not worth it)
-PIECE_CHARS = 6_000      # about this many characters per part
-SEARCH_CHARS = 2_000     # how far past a target position a cut is looked for
+MIN_CHARS = 2_000        # shorter texts (~400 tokens): one encode (0.6 ms for 256 tokens here)
+PIECE_CHARS = 1_000      # the smallest part (a 1k-token text, ~5k characters: 2.9 ms in one encode here)
+SEARCH_CHARS = 500       # how far past a target position a cut is looked for
 
 
 def known_pieces(spec: dict) -> bool:
