@@ -5,7 +5,7 @@ tokenizes to the concatenation of its parts' tokens; `tokenizers`' encode_batch 
 all cores (a 16k-token prompt is 40-100 ms of one core otherwise, the largest part of a prefix hit's TTFT
 for a text prompt; a 1k-token prompt's 2-3 ms are a tenth of its cold TTFT). Only tokenizers whose pieces are known are cut (`splitter` returns None for the rest):
 no normalizer (or NFC), the GPT-4-style split regex of Qwen2/2.5/3 or Llama 3 followed by a ByteLevel
-without its own regex or prefix space, and no added token containing whitespace. For those regexes both
+without its own regex or prefix space, and no added token containing whitespace or stripping it. For those regexes both
 kinds of cut are boundaries, whatever surrounds them:
   * after a run of newlines, before a character that is not whitespace (`\\s*[\\r\\n]+` takes the whole
     run, with any blanks before it, ahead of the whitespace rules, and the next piece starts after it);
@@ -43,7 +43,8 @@ def known_pieces(spec: dict) -> bool:
         return False
     if byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex") or byte_level.get("add_prefix_space"):
         return False
-    return not any(any(c.isspace() for c in t.get("content", "")) for t in spec.get("added_tokens", []))
+    return not any(t.get("lstrip") or t.get("rstrip") or any(c.isspace() for c in t.get("content", ""))
+                   for t in spec.get("added_tokens", []))      # (a stripping token takes the blanks beside it)
 
 
 def cut(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:

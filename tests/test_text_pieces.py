@@ -90,6 +90,9 @@ def test_unknown_pieces_are_never_cut():
     spaced = json.loads(json.dumps(spec))
     spaced["added_tokens"].append(dict(spaced["added_tokens"][0], id=151700, content="<a b>"))
     variants.append(spaced)
+    stripping = json.loads(json.dumps(spec))
+    stripping["added_tokens"][0]["rstrip"] = True
+    variants.append(stripping)
     for v in variants:
         assert not known_pieces(v)
         assert splitter(tokenizers.Tokenizer.from_str(json.dumps(v))) is None
