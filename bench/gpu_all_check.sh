@@ -3,8 +3,8 @@
 # process, hard timeout, log in $OUT/NAME.log), from the repository root:
 #   bash bench/gpu_all_check.sh [group ...]     (default: every group)
 # Groups: core (raw kernels, executor gate, graphs, async eager steps, long steps, prefill), serving
-# (server, host tier, 64 requests under load, piecewise graphs), moe_mla, dsv3 (DeepSeek-V3 / Kimi-K2, FP8 / int4 folders), qwen35, lora, structured. The gate
-# table of every group lands in $OUT/gate.md.
+# (server, host tier, 64 requests under load, piecewise graphs), moe_mla, dsv3 (DeepSeek-V3 / Kimi-K2,
+# FP8 / int4 folders), qwen35, lora, structured. The gate table of every group lands in $OUT/gate.md.
 set -uo pipefail
 source bench/gpu_env.sh
 export OPENINFER_GATE_LOG=$OUT/gate.jsonl

@@ -37,8 +37,8 @@ SCENARIOS = {
     "inf": ["--num-prompts", "1000", "--request-rate", "inf"],
 }
 # scenario "prefix": bench/prefix_ttft.py's cold / warm-HBM / host-tier TTFT sweep (median of 3, token-id
-# prompts as the issue measured them) against
-# a server with a host KV tier, and the pinned host -> device bandwidth measured in the same run
+# prompts as the issue measured them) against a server with a host KV tier, and the pinned host -> device
+# bandwidth measured in the same run
 PREFIX_LENGTHS = "256,1024,4096,16384,32768"
 PREFIX_SERVER_ARGS = ["--kv-offload-gib", "24"]
 
@@ -49,7 +49,8 @@ def pinned_h2d_gb_s(nbytes: int = 1 << 30) -> float:
     code = ("import cupy, sys; n = int(sys.argv[1]); h = cupy.cuda.alloc_pinned_memory(n); d = cupy.cuda.alloc(n); "
             "s = cupy.cuda.Stream(non_blocking=True); a, b = cupy.cuda.Event(), cupy.cuda.Event(); best = 1e9\n"
             "for _ in range(5):\n"
-            "    a.record(s); cupy.cuda.runtime.memcpyAsync(d.ptr, h.ptr, n, 1, s.ptr); b.record(s); b.synchronize()\n"
+            "    a.record(s); cupy.cuda.runtime.memcpyAsync(d.ptr, h.ptr, n, cupy.cuda.runtime.memcpyHostToDevice, "
+            "s.ptr); b.record(s); b.synchronize()\n"
             "    best = min(best, cupy.cuda.get_elapsed_time(a, b))\n"
             "print(n / best / 1e6)")
     return float(subprocess.run([sys.executable, "-c", code, str(nbytes)], capture_output=True, text=True,
@@ -130,14 +131,15 @@ def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra
         try:
             if name == "prefix":
                 result["prefix"] = run_prefix(model, port, out, tokenizer, prefix_lengths)
-                continue
-            report = serve_bench.main(["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", tokenizer,
-                                       "--input-len", str(input_len), "--output-len", "128", "--out-dir", str(out),
-                                       "--label", f"serve-{model}-{name}", "--no-plots",
-                                       *scaled(SCENARIOS[name], scale)])
-            result[name] = [{"rate": r["request_rate"], **r["metrics"], "errors": r["errors"]} for r in report["runs"]]
-            if name not in ("c1", "prefix"):
-                result.setdefault("sweep_runs", []).extend(report["runs"])
+            else:
+                report = serve_bench.main(["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", tokenizer,
+                                           "--input-len", str(input_len), "--output-len", "128", "--out-dir",
+                                           str(out), "--label", f"serve-{model}-{name}", "--no-plots",
+                                           *scaled(SCENARIOS[name], scale)])
+                result[name] = [{"rate": r["request_rate"], **r["metrics"], "errors": r["errors"]}
+                                for r in report["runs"]]
+                if name != "c1":
+                    result.setdefault("sweep_runs", []).extend(report["runs"])
             result.setdefault("rss_mib_after", []).append(round(rss_mib(proc.pid), 1))
         finally:
             proc.send_signal(signal.SIGINT)
@@ -159,10 +161,9 @@ def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra
 def run_prefix(model: str, port: int, out: Path, tokenizer: str, lengths: str) -> dict:
     from bench import prefix_ttft
 
-    report = prefix_ttft.main(["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", tokenizer, "--lengths",
-                               lengths, "--repeats", "3", "--host-tier", "--token-ids", "--out-dir", str(out),
-                               "--label", f"prefix-{model}"])
-    return report
+    return prefix_ttft.main(["--base-url", f"http://127.0.0.1:{port}", "--tokenizer", tokenizer, "--lengths",
+                             lengths, "--repeats", "3", "--host-tier", "--token-ids", "--out-dir", str(out),
+                             "--label", f"prefix-{model}"])
 
 
 def main(argv: list[str] | None = None) -> dict:

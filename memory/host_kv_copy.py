@@ -7,9 +7,9 @@ MLA's latent): one block's KV is P·L equal pieces ("chunks" of 16*H*D*itemsize 
 H, D], so k consecutive blocks going to k consecutive slots are ONE cudaMemcpy2DAsync: P·L rows of
 k*chunk bytes, pitch blocks*chunk on the device, slots*chunk on the host. Each list of pairs is sorted by
 destination (stably: a destination written twice in one step keeps its order, the last write wins) and
-cut into such runs, and each run is one copy: a prompt's blocks evicted tail first into descending slots
-(memory/host_tier.py) and restored into fresh device blocks (the scheduler pairs them in slot order) move
-as one copy each way instead of one per block (16k tokens of Qwen3-4B: 1,023 copies, ~50 ms of host time
+cut into such runs, and each run is one copy: a prompt's blocks, given slots in the order of their device
+blocks when evicted (memory/host_tier.py) and restored into fresh device blocks paired with the slots in
+slot order (the scheduler), move as one copy each way instead of one per block (16k tokens of Qwen3-4B: 1,023 copies, ~50 ms of host time
 to enqueue and ~21 GB/s, measured on the H200 2026-12-03, bench/results/prefix-ttft-gpu.md).
 
 Why 2D copies and not a gather kernel + one bulk copy: a real model's chunk is 32 KiB (Qwen3-4B/8B:
