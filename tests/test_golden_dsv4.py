@@ -3,7 +3,7 @@ DSV4_MODELS (one sliding, one compressed-sparse and one heavily-compressed layer
 3 hyper-connection streams) vs transformers float32, teacher-forced, through test_golden's paths (one prefill
 twice, prefill then decode, one batched step of mixed lengths, mixed prefill / decode / chunks, chunked
 prefill, prompt logprobs + greedy pick); then the gate is shown to catch each mechanism left out, and the line
-through EngineHandle on the CPU (the GPU executor refuses it at start).
+through EngineHandle on the CPU (its GPU ops: tests/test_dsv4_gpu_emulated.py, tests/test_gpu_dsv4.py).
 
 Bound as test_golden: argmax agreement 100%, max |Δlogprob| <= 1e-3. Measured max |Δlogprob| (prefill /
 decode / chunks of 5): 1.2e-5 / 1.3e-5 / 1.0e-5; argmax agreement 100%.
@@ -14,7 +14,6 @@ import dataclasses
 
 import pytest
 
-from engine.loader import load_model
 from harness.models import DSV4_MODELS, tiny_model_path
 from test_golden import (test_batch1_full_prefill_deterministic,  # noqa: F401
                          test_batch1_prefill_then_decode, test_batched_mixed_lengths_one_step,
@@ -73,12 +72,3 @@ def test_serves_the_oracle_greedy_tokens_on_the_cpu():
     assert out.error is None and len(out.outputs[0].token_ids) == 8
     hf_greedy_check(path, prompt, out.outputs[0].token_ids)
 
-
-def test_the_gpu_executor_refuses_the_line(monkeypatch):
-    import engine.executor.factory as factory
-    from engine.executor.options import options_of
-
-    model = load_model(tiny_model_path("deepseek_v4"))
-    monkeypatch.setattr(factory, "resolve_device", lambda device: "cuda")
-    with pytest.raises(ValueError, match="--device cpu"):
-        factory.create_executor(model, options_of(max_model_len=64), device="cuda")

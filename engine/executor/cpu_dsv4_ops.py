@@ -11,19 +11,36 @@ lightning indexer, HCA) and its cache are not written (README, DeepSeek-V4).
 * sliding_mqa_attention: one shared K = V head of head_dim for every query head, partial interleaved rope on
   each head's trailing rope dims, a sliding window, a learned per-head sink in the softmax, the rope undone on
   the output (rotation by -position); grouped_linear: the grouped output projection's block-diagonal part.
+
+The functions take numpy or CuPy arrays (xp_of): the GPU executor runs the same code on the device
+(engine/executor/gpu_dsv4_ops.py), so what the CPU gate checks is what the GPU computes.
 """
 from __future__ import annotations
 
 import numpy as np
 
 
+def xp_of(a):
+    """The array module of `a`: CuPy for a CuPy array, else numpy."""
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+        return cupy
+    return np
+
+
+def argsort_stable(a, axis: int = -1):
+    """Stable argsort along axis (numpy's "stable", CuPy's only kind): ties keep the lower index first."""
+    return xp_of(a).argsort(a, axis=axis, kind="stable")
+
+
 def rms(x: np.ndarray, eps: float, weight: np.ndarray | None = None) -> np.ndarray:
-    y = x * (np.float32(1) / np.sqrt(np.mean(np.square(x), axis=-1, keepdims=True) + np.float32(eps)))
+    xp = xp_of(x)
+    y = x * (np.float32(1) / xp.sqrt(xp.mean(xp.square(x), axis=-1, keepdims=True) + np.float32(eps)))
     return y if weight is None else y * weight
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    return np.float32(1) / (np.float32(1) + np.exp(-x))
+    return np.float32(1) / (np.float32(1) + xp_of(x).exp(-x))
 
 
 def hyper_connection(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndarray, iters: int,
@@ -31,62 +48,63 @@ def hyper_connection(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scal
     """streams [T, N, D] -> (post [T, N], comb [T, N, N], collapsed [T, D]): mixes = rmsnorm(flat streams) · fnᵀ;
     pre = sigmoid(mix·s0 + b) + eps, post = 2·sigmoid(mix·s1 + b), comb = softmax(mix·s2 + b) + eps, then
     Sinkhorn: columns normalized, then iters - 1 times rows and columns; collapsed = sum_n pre_n · stream_n."""
-    T, N, D = streams.shape
+    xp, (T, N, D) = xp_of(streams), streams.shape
     mix = rms(streams.reshape(T, N * D), norm_eps) @ fn.T                          # [T, (2 + N)·N]
     pre_w, post_w, comb_w = mix[:, :N], mix[:, N:2 * N], mix[:, 2 * N:].reshape(T, N, N)
     pre_b, post_b, comb_b = base[:N], base[N:2 * N], base[2 * N:].reshape(N, N)
     pre = sigmoid(pre_w * scale[0] + pre_b) + np.float32(hc_eps)
     post = np.float32(2) * sigmoid(post_w * scale[1] + post_b)
     logits = comb_w * scale[2] + comb_b
-    comb = np.exp(logits - logits.max(-1, keepdims=True))
+    comb = xp.exp(logits - logits.max(-1, keepdims=True))
     comb = comb / comb.sum(-1, keepdims=True) + np.float32(hc_eps)
     comb = comb / (comb.sum(-2, keepdims=True) + np.float32(hc_eps))
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdims=True) + np.float32(hc_eps))
         comb = comb / (comb.sum(-2, keepdims=True) + np.float32(hc_eps))
-    return post, comb, np.einsum("tn,tnd->td", pre, streams)
+    return post, comb, xp.einsum("tn,tnd->td", pre, streams)
 
 
 def hc_merge(block_out: np.ndarray, streams: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:
     """The new streams [T, N, D]: post_n · block_out + sum_j comb[j, n] · stream_j (comb applied transposed)."""
-    return post[..., None] * block_out[:, None, :] + np.einsum("tjn,tjd->tnd", comb, streams)
+    return post[..., None] * block_out[:, None, :] + xp_of(streams).einsum("tjn,tjd->tnd", comb, streams)
 
 
-def hyper_head(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: float, hc_eps: float,
+def hyper_head(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale, hc_eps: float,
                norm_eps: float) -> np.ndarray:
-    """The final collapse of the streams [T, N, D] -> [T, D] (pre weights only)."""
+    """The final collapse of the streams [T, N, D] -> [T, D] (pre weights only); scale: float32 [1]."""
     T, N, D = streams.shape
-    pre = sigmoid((rms(streams.reshape(T, N * D), norm_eps) @ fn.T) * np.float32(scale) + base) + np.float32(hc_eps)
-    return np.einsum("tn,tnd->td", pre, streams)
+    pre = sigmoid((rms(streams.reshape(T, N * D), norm_eps) @ fn.T) * scale + base) + np.float32(hc_eps)
+    return xp_of(streams).einsum("tn,tnd->td", pre, streams)
 
 
 def swiglu_limited(gate_up: np.ndarray, limit: float) -> np.ndarray:
     """gate_up [T, 2I] -> silu(min(gate, limit)) · clip(up, -limit, limit)."""
-    half = gate_up.shape[-1] // 2
-    g = np.minimum(gate_up[:, :half], np.float32(limit))
-    u = np.clip(gate_up[:, half:], np.float32(-limit), np.float32(limit))
+    xp, half = xp_of(gate_up), gate_up.shape[-1] // 2
+    g = xp.minimum(gate_up[:, :half], np.float32(limit))
+    u = xp.clip(gate_up[:, half:], np.float32(-limit), np.float32(limit))
     return g * sigmoid(g) * u
 
 
 def sqrtsoftplus(x: np.ndarray) -> np.ndarray:
     """sqrt(softplus(x)), softplus as torch's (x itself above 20)."""
-    x = x.astype(np.float32)
-    return np.sqrt(np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20)))))
+    xp, x = xp_of(x), x.astype(np.float32)
+    return xp.sqrt(xp.where(x > 20, x, xp.log1p(xp.exp(xp.minimum(x, np.float32(20))))))
 
 
 def hash_route(logits: np.ndarray, tid2eid: np.ndarray, input_ids: np.ndarray, scale: float
                ) -> tuple[np.ndarray, np.ndarray]:
     """(weights [T, k], ids [T, k]): the experts tid2eid[token] (a frozen table [V, k]); their sqrtsoftplus
     scores, renormalized to sum 1, times scale."""
-    ids = np.asarray(tid2eid)[np.asarray(input_ids)].astype(np.int32)
-    w = np.take_along_axis(sqrtsoftplus(logits), ids, axis=-1)
+    xp = xp_of(logits)
+    ids = tid2eid[input_ids].astype(np.int32)
+    w = xp.take_along_axis(sqrtsoftplus(logits), ids, axis=-1)
     return (w / w.sum(-1, keepdims=True) * np.float32(scale)).astype(np.float32), ids
 
 
 def rope_trailing(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Interleaved rope on the trailing 2·cos.shape[-1] dims of x [T, H, D] (pairs (2i, 2i + 1)); cos, sin [T, R/2]."""
     r = 2 * cos.shape[-1]
-    out = np.array(x, np.float32)
+    out = xp_of(x).array(x, dtype=np.float32)
     a, b = x[..., -r::2], x[..., -r + 1::2]
     c, s = cos[:, None, :], sin[:, None, :]
     out[..., -r::2] = a * c - b * s
@@ -98,11 +116,12 @@ def sink_attention(q: np.ndarray, keys: np.ndarray, visible: np.ndarray, sinks: 
                    ) -> np.ndarray:
     """q [T, H, D] over keys [L, D] that are also the values (K = V), where visible [T, L]; head h's sink logit
     takes part in the softmax's denominator only. Returns o [T, H, D]."""
-    scores = np.where(visible[:, None, :], np.einsum("thd,ld->thl", q, keys) * np.float32(scale), -np.inf)
-    m = np.maximum(scores.max(-1, keepdims=True), sinks[None, :, None])
-    p = np.exp(scores - m)
-    p = p / (p.sum(-1, keepdims=True) + np.exp(sinks[None, :, None] - m))
-    return np.einsum("thl,ld->thd", p, keys)
+    xp = xp_of(q)
+    scores = xp.where(visible[:, None, :], xp.einsum("thd,ld->thl", q, keys) * np.float32(scale), np.float32(-np.inf))
+    m = xp.maximum(scores.max(-1, keepdims=True), sinks[None, :, None])
+    p = xp.exp(scores - m)
+    p = p / (p.sum(-1, keepdims=True) + xp.exp(sinks[None, :, None] - m))
+    return xp.einsum("thl,ld->thd", p, keys)
 
 
 def sliding_mqa_attention(q: np.ndarray, kv: np.ndarray, q_pos: np.ndarray, kv_pos: np.ndarray, window: int,
@@ -118,7 +137,7 @@ def grouped_linear(x: np.ndarray, weight: np.ndarray, groups: int) -> np.ndarray
     [T, groups·N] (the grouped output projection's first part, o_a_proj)."""
     T = x.shape[0]
     w = weight.reshape(groups, -1, weight.shape[-1])                        # [g, N, K]
-    return np.einsum("tgk,gnk->tgn", x.reshape(T, groups, -1), w).reshape(T, -1)
+    return xp_of(x).einsum("tgk,gnk->tgn", x.reshape(T, groups, -1), w).reshape(T, -1)
 
 
 class NumpyDSV4Ops:
@@ -135,11 +154,12 @@ class NumpyDSV4Ops:
         return hc_merge(block_out, streams, post, comb)
 
     def hyper_head(self, streams, fn, base, scale, hc_eps, norm_eps):
-        return hyper_head(streams, fn, base, float(np.asarray(scale).reshape(-1)[0]), hc_eps, norm_eps)
+        return hyper_head(streams, fn, base, np.asarray(scale, np.float32).reshape(-1)[:1], hc_eps, norm_eps)
 
     def swiglu_limited(self, gate_up, limit):
         return swiglu_limited(gate_up, limit)
 
     def hash_route(self, x, gate_weight, tid2eid, spec, ctx):
         """hash_route on the step's token ids (RouteSpec: its scale; scores sqrtsoftplus)."""
-        return hash_route(x @ gate_weight.T, np.asarray(tid2eid).astype(np.int64), ctx.batch.input_ids, spec.scale)
+        return hash_route(x @ gate_weight.T, np.asarray(tid2eid).astype(np.int64), np.asarray(ctx.batch.input_ids),
+                          spec.scale)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.executor.cpu_dsv4_ops import sigmoid, sqrtsoftplus, swiglu_limited
+from engine.executor.cpu_dsv4_ops import argsort_stable, sigmoid, sqrtsoftplus, swiglu_limited, xp_of
 from engine.models.ops import RouteSpec
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    e = xp_of(x).exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 
 
@@ -23,19 +23,21 @@ def route_topk(logits: np.ndarray, spec: RouteSpec, bias: np.ndarray | None = No
     (and DeepSeek's reference Gate): softmax (sigmoid: DeepSeek-V3, sqrtsoftplus: V4) scores;
     choice = scores (+ bias); group-limited: experts outside the topk_groups groups of highest group score
     (the best choice in the group, or with a bias the sum of its top two) drop out; the top_k choices (ties to
-    the lower id); their unbiased scores, renormalized when spec.renormalize, times spec.scale."""
+    the lower id); their unbiased scores, renormalized when spec.renormalize, times spec.scale. numpy or
+    CuPy arrays (the GPU runs it for the scorings moe_route.cu lacks)."""
+    xp = xp_of(logits)
     probs = SCORES[spec.scoring](logits.astype(np.float32))
     choice = probs if bias is None else probs + bias.astype(np.float32)
     if spec.num_groups > 1:
         T, G = probs.shape[0], spec.num_groups
-        grouped = np.sort(choice.reshape(T, G, -1), axis=-1)
+        grouped = xp.sort(choice.reshape(T, G, -1), axis=-1)
         best = grouped[..., -1] if bias is None else grouped[..., -1] + grouped[..., -2]   # [T, G]
-        keep = np.argsort(-best, axis=-1, kind="stable")[:, :spec.topk_groups]
-        mask = np.zeros((T, G), bool)
-        np.put_along_axis(mask, keep, True, axis=-1)
-        choice = np.where(np.repeat(mask, spec.num_experts // G, axis=-1), choice, np.float32(-np.inf))
-    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :spec.top_k]
-    weights = np.take_along_axis(probs, ids, axis=-1)
+        keep = argsort_stable(-best)[:, :spec.topk_groups]
+        mask = xp.zeros((T, G), bool)
+        mask[xp.arange(T)[:, None], keep] = True
+        choice = xp.where(xp.repeat(mask, spec.num_experts // G, axis=-1), choice, np.float32(-np.inf))
+    ids = argsort_stable(-choice)[:, :spec.top_k]
+    weights = xp.take_along_axis(probs, ids, axis=-1)
     if spec.renormalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     return (weights * np.float32(spec.scale)).astype(np.float32), ids.astype(np.int32)

@@ -106,7 +106,7 @@ class GpuExecutor(ExecutorBase):
         options.validate()
         options.validate_for_gpu()
         cfg = model.config
-        check_model_shapes(cfg)
+        getattr(model.model, "check_gpu_shapes", lambda: check_model_shapes(cfg))()
         for spec in getattr(model.model, "linear_specs", {}).values():     # hybrid lines' DeltaNet layers
             check_deltanet_shapes(spec)
         self.options, self.config, self.model = options, cfg, model.model
@@ -178,10 +178,13 @@ class GpuExecutor(ExecutorBase):
         self.last_host_s, self._fed = 0.0, False
         self.readback = Readback(plan.max_seqs, stream)
         self.timer = StepTimer(stream) if options.time_steps else None
-        self.graphs = self._graphs() if options.cuda_graphs else None
+        graphs_on = options.cuda_graphs and getattr(self.model, "cuda_graphs", True)
+        if options.cuda_graphs and not graphs_on:
+            log.info("%s: eager steps only (the line's ops are not graph-capturable)", cfg.model_type)
+        self.graphs = self._graphs() if graphs_on else None
         # decode graphs of steps with LoRA adapters: the same forward with lora_shrink / lora_expand
-        self.lora_graphs = self._graphs() if options.cuda_graphs and plan.lora_sites else None
-        piecewise = (options.cuda_graphs and options.tensor_parallel_size == 1
+        self.lora_graphs = self._graphs() if graphs_on and plan.lora_sites else None
+        piecewise = (graphs_on and options.tensor_parallel_size == 1
                      and getattr(self.model, "piecewise_graphs", False))
         buckets = eager_buckets(plan.max_tokens, tuning.eager_graph_tokens) if piecewise else []
         self.piecewise = PiecewiseGraphs(self.model, self.ops, self.weights, stream, buckets) if buckets else None

@@ -129,7 +129,16 @@ class GpuMoEOps:
         self._launch(self.k_grouped, (-(-N // 64), M // 64), (128,),
                      (a, w, tile_expert, row_token, out, np.int32(M), np.int32(N), np.int32(K), np.int32(tile_m)))
 
-    def moe_experts(self, x, gate_up, down, weights, ids, residual):
+    def expert_activation(self, gate_up, out, limit) -> None:
+        """silu_mul.cu over the grouped gate_up rows into out (the limited form: gpu_dsv4_ops.py)."""
+        if limit is not None and limit != float("inf"):
+            raise ValueError("the limited SwiGLU (swiglu_limit) runs in the DeepSeek-V4 ops only")
+        rows, inter = out.shape
+        total = rows * inter // 8
+        self._launch(self.k_silu, (max(1, min(4096, -(-total // 256))),), (256,),
+                     (gate_up, out, np.int32(inter), np.int64(total), np.int32(self.gate_up_interleaved)))
+
+    def moe_experts(self, x, gate_up, down, weights, ids, residual, limit=None):
         T, H = x.shape
         E, two_i, _ = gate_up.shape
         inter = two_i // 2
@@ -140,9 +149,7 @@ class GpuMoEOps:
         gu = b["moe_b"][:rows * two_i].reshape(rows, two_i)
         self.grouped_linear(a, gate_up, tile_expert, row_token, gu, tile_m, T)
         act = b["moe_a"][:rows * inter].reshape(rows, inter)
-        total = rows * inter // 8
-        self._launch(self.k_silu, (max(1, min(4096, -(-total // 256))),), (256,),
-                     (gu, act, np.int32(inter), np.int64(total), np.int32(self.gate_up_interleaved)))
+        self.expert_activation(gu, act, limit)
         y = b["moe_b"][:rows * H].reshape(rows, H)
         self.grouped_linear(act, down, tile_expert, row_token, y, tile_m, T)
         out = self._residual_out(T, H)

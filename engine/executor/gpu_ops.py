@@ -30,6 +30,7 @@ from engine.executor.gpu_lora_ops import GpuLoRAOps
 from engine.executor.gpu_mla_ops import GpuMLAOps
 from engine.executor.gpu_moe_ops import GpuMoEOps
 from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
+from engine.executor.gpu_dsv4_ops import GpuDSV4Ops
 from engine.models.ops import AttentionSpec, ComposedOps
 from kernels.raw_cuda import kernel
 from kernels.raw_cuda.launch import launch
@@ -110,7 +111,7 @@ class GpuStepContext:
         return self.num_tokens == self.block_tables.shape[0]
 
 
-class GpuOps(GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
+class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
     op_ranges = False                       # NVTX range per op (op_range; eager steps)
     decode_defines: dict = {}               # paged_decode.cu build options (-D; benchmarks' A/B: STAGES, MIN_CTAS)
 

@@ -91,7 +91,7 @@ def gpu_plan(options: ExecutorOptions, model, device: DeviceInfo) -> GpuPlan:
     widest = max(model.attention_specs, key=lambda s: s.num_heads * s.head_dim)
     shapes = sorted({tuple(w.shape) for w in model.weight_specs()     # routers: float32 logits, cuBLAS
                      if len(w.shape) == 2 and w.name not in ("embed_tokens", "lm_head")
-                     and not w.name.endswith(".router")})
+                     and not w.name.endswith(".router") and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0})
     mla = model.attention_specs[0] if isinstance(model.attention_specs[0], MLASpec) else None
     lora = tuple(sorted(lora_sites(model).items())) if options.max_loras else ()
     return GpuPlan(options=options, config=model.config, device=device, kv=model.kv_layout(),

@@ -1,5 +1,5 @@
-"""DeepSeek-V4 (deepseek_v4, transformers' DeepseekV4ForCausalLM), on the numpy executor only (the GPU executor
-refuses the line at start).
+"""DeepSeek-V4 (deepseek_v4, transformers' DeepseekV4ForCausalLM), on the numpy executor and, in eager steps, on the
+GPU (engine/executor/gpu_dsv4_ops.py runs the same functions on CuPy arrays; no CUDA graphs for this line).
 
 Residual: hc_mult streams per token (manifold-constrained hyper-connections): each block's input is the
 streams collapsed by the `pre` weights of a hyper-connection, its output is spread back by `post` and the streams
@@ -31,6 +31,7 @@ from typing import Any
 
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderLM, LayerOptions
+from engine.models.moe import ExpertShape
 from engine.models.ops import Array, RouteSpec
 from engine.models.rope import rope_inv_freq
 from engine.models.weights import WeightSpec, packed, stacked
@@ -140,7 +141,7 @@ class DeepseekV4Config:
 
 class DeepseekV4ForCausalLM(DecoderLM):
     model_type = "deepseek_v4"
-    gpu_supported = False
+    cuda_graphs = False         # the GPU ops allocate and walk the step's sequences on the host: eager steps
 
     def __init__(self, config: ModelConfig):
         self.config, self.opt = config, LayerOptions()
@@ -214,6 +215,28 @@ class DeepseekV4ForCausalLM(DecoderLM):
                         packed("hc_head_base", ("model.hc_head.hc_base", (N,))),
                         packed("hc_head_scale", ("model.hc_head.hc_scale", (1,))),
                         packed("lm_head", ("head.weight", (c.vocab_size, H)))]
+
+    @property
+    def expert_shape(self) -> ExpertShape:
+        c = self.config
+        return ExpertShape(num_experts=self.v4.experts, top_k=self.v4.top_k, hidden=c.hidden_size,
+                           inter=self.v4.moe_inter)
+
+    @property
+    def activation_width(self) -> int:
+        """The executor's activation buffers hold the hidden rows and the shared expert's gate_up (the
+        attention's and hyper-connections' float32 arrays are the GPU ops' own)."""
+        return max(self.config.hidden_size, 2 * self.v4.moe_inter)
+
+    def check_gpu_shapes(self) -> None:
+        """The GPU's limits for this line, refused at start (its attention is not the paged kernels')."""
+        c, m = self.config, self.v4
+        if c.hidden_size % 8 or m.moe_inter % 8:
+            raise ValueError(f"deepseek_v4 on the GPU: hidden ({c.hidden_size}) and moe_intermediate_size "
+                             f"({m.moe_inter}) must be multiples of 8")
+        if "hash_moe" in m.mlp_layer_types and m.experts > 256:
+            raise ValueError(f"deepseek_v4 on the GPU: hash-routed layers hold tid2eid as bf16, exact for expert "
+                             f"ids below 256; this model has {m.experts} experts")
 
     def kv_layout(self) -> KVLayout:
         return KVLayout(layers=self.config.num_hidden_layers, planes=1, heads=1,

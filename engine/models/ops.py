@@ -153,7 +153,7 @@ class Ops(Protocol):
                     residual: Array, limit: float | None = None) -> Array:
         """residual + sum_j weights[t, j] · down[e] · silu_mul(gate_up[e] · x[t]), e = ids[t, j]: the
         routed experts (gate_up [E, 2I, H], down [E, H, I]) added to the residual stream. limit: gate and up
-        clamped first (gate <= limit, |up| <= limit: DeepSeek-V4's swiglu_limit; the numpy executor only)."""
+        clamped first (gate <= limit, |up| <= limit: DeepSeek-V4's swiglu_limit)."""
 
     # Multi-head latent attention (engine/models/deepseek_v2.py).
     def mla_latent_cache(self, y: Array, spec: MLASpec, ctx: Any, kv_norm: Array,

@@ -19,7 +19,7 @@ MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
     "deepseek_v2": DeepseekV2ForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
     "kimi_k2": DeepseekV3ForCausalLM,           # Kimi-K2: DeepSeek-V3's architecture under its own name
-    "deepseek_v4": DeepseekV4ForCausalLM,       # the numpy executor only
+    "deepseek_v4": DeepseekV4ForCausalLM,       # the GPU in eager steps
     "qwen3_5_text": Qwen3_5ForCausalLM,
     "qwen3_5": Qwen3_5ForConditionalGeneration,
 }

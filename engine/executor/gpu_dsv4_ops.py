@@ -1,0 +1,134 @@
+"""DeepSeek-V4's own ops on the GPU, mixed into GpuOps (it provides cp, gemm, stream, kv_cache, moe and
+gate_up_interleaved): the hyper-connections, the limited SwiGLU, the hash and sqrtsoftplus routers and the
+sliding / compressed attention run as CuPy float32 over the bf16 weights, with every projection on the
+executor's bf16 GEMM (float32 out) and the routed experts on the MoE kernels (gpu_moe_ops.py). The
+algorithms are cpu_dsv4_ops / cpu_dsv4_attention's own functions, which take CuPy arrays: the CPU gate
+checks the code the GPU runs; this file supplies the device primitives (dtype conversion, the KV rows).
+
+Eager steps only: the ops allocate from CuPy's pool and the attention walks the step's sequences on the
+host, so the executor captures no CUDA graphs for this line (DeepseekV4ForCausalLM.cuda_graphs). A
+correctness path: its speed is CuPy's element-wise kernels and float32 einsums, no roofline claimed.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from engine.executor.cpu_dsv4_attention import NumpyDSV4AttentionOps
+from engine.executor.cpu_dsv4_ops import hash_route, hc_merge, hyper_connection, hyper_head, swiglu_limited
+from engine.executor.cpu_moe_ops import route_topk
+from memory.kv_pool import block_view
+
+INTERLEAVE_ROWS = 8     # gate_up rows interleaved in blocks of 8 (memory/weight_upload.py)
+
+
+def bf16_to_f32(cp, a):
+    """bf16 bits (uint16) -> float32 values; a float32 array is returned as it is."""
+    if a.dtype == np.float32:
+        return a
+    return (a.astype(cp.uint32) << 16).view(cp.float32)
+
+
+def f32_to_bf16(cp, a):
+    """float32 -> bf16 bits (uint16, round to nearest even), contiguous."""
+    u = cp.ascontiguousarray(a, dtype=cp.float32).view(cp.uint32)
+    return ((u + (cp.uint32(0x7FFF) + ((u >> 16) & cp.uint32(1)))) >> 16).astype(cp.uint16)
+
+
+class GpuDSV4Ops(NumpyDSV4AttentionOps):
+    """The DeepSeek-V4 ops of engine/models/deepseek_v4.py on CuPy arrays, on the executor's stream."""
+
+    def _f(self, a):
+        return bf16_to_f32(self.cp, a)
+
+    def _b(self, a):
+        return f32_to_bf16(self.cp, a)
+
+    def _split_gate_up(self, gate_up):
+        """gate_up [T, 2I] as float32 [gate | up], undoing the upload's interleave of 8-row blocks."""
+        g = self._f(gate_up)
+        if not self.gate_up_interleaved:
+            return g
+        T, two_i = g.shape
+        blocks = g.reshape(T, two_i // (2 * INTERLEAVE_ROWS), 2, INTERLEAVE_ROWS)
+        return self.cp.concatenate([blocks[:, :, 0].reshape(T, -1), blocks[:, :, 1].reshape(T, -1)], axis=1)
+
+    # ---- residual streams ------------------------------------------------------------------------------
+    def hc_streams(self, x, n: int):
+        with self.stream:
+            return self.cp.repeat(self._f(x)[:, None, :], n, axis=1)
+
+    def hyper_connection(self, streams, fn, base, scale, iters, hc_eps, norm_eps):
+        with self.stream:
+            post, comb, x = hyper_connection(streams, self._f(fn), self._f(base), self._f(scale), iters, hc_eps,
+                                             norm_eps)
+            return post, comb, self._b(x)
+
+    def hc_merge(self, block_out, streams, post, comb):
+        with self.stream:
+            return hc_merge(self._f(block_out), streams, post, comb)
+
+    def hyper_head(self, streams, fn, base, scale, hc_eps, norm_eps):
+        with self.stream:
+            s = self._f(scale).reshape(-1)[:1]          # on the device: no host round trip
+            return self._b(hyper_head(streams, self._f(fn), self._f(base), s, hc_eps, norm_eps))
+
+    # ---- MLP ---------------------------------------------------------------------------------------------
+    def swiglu_limited(self, gate_up, limit):
+        with self.stream:
+            return self._b(swiglu_limited(self._split_gate_up(gate_up), limit))
+
+    def expert_activation(self, gate_up, out, limit) -> None:
+        """The routed experts' SwiGLU into out; with a finite limit, the limited form (else the kernel)."""
+        if limit is None or math.isinf(limit):
+            return super().expert_activation(gate_up, out, limit)
+        with self.stream:
+            out[...] = self._b(swiglu_limited(self._split_gate_up(gate_up), limit))
+
+    def _router_logits(self, x, gate_weight):
+        T, E = x.shape[0], gate_weight.shape[0]
+        logits = self.moe["moe_logits"][:T * E].reshape(T, E)
+        self.gemm(x, gate_weight, logits)                    # fp32 output: cuBLAS
+        return logits
+
+    def route(self, x, gate_weight, spec, bias=None):
+        """moe_route.cu for softmax / sigmoid scores; sqrtsoftplus (DeepSeek-V4) by route_topk on the device."""
+        if spec.scoring in ("softmax", "sigmoid"):
+            return super().route(x, gate_weight, spec, bias)
+        logits = self._router_logits(x, gate_weight)
+        with self.stream:
+            weights, ids = route_topk(logits, spec, None if bias is None else self._f(bias))
+            return self.cp.ascontiguousarray(weights), self.cp.ascontiguousarray(ids)
+
+    def hash_route(self, x, gate_weight, tid2eid, spec, ctx):
+        """The experts tid2eid[token] (held as bf16: exact for ids below 256, checked at start by the line)."""
+        logits = self._router_logits(x, gate_weight)
+        with self.stream:
+            table = self._f(tid2eid).astype(np.int32)
+            weights, ids = hash_route(logits, table, ctx.input_ids[:x.shape[0]], spec.scale)
+            return self.cp.ascontiguousarray(weights), self.cp.ascontiguousarray(ids)
+
+    # ---- attention: the primitives of NumpyDSV4AttentionOps.dsv4_attention --------------------------------
+    def dsv4_attention(self, x, w, spec, ctx):
+        with self.stream:
+            return super().dsv4_attention(x, w, spec, ctx)
+
+    def _mm(self, x, weight):
+        xb = x if x.dtype == np.uint16 else self._b(x)
+        out = self.cp.empty((x.shape[0], weight.shape[0]), np.float32)
+        self.gemm(self.cp.ascontiguousarray(xb), weight, out)
+        return out
+
+    def _fp32(self, weight):
+        return self._f(weight)
+
+    def _dev(self, host):
+        return self.cp.asarray(host)
+
+    def _write_rows(self, layer: int, slots, rows) -> None:
+        self.kv_cache[layer, 0][self.cp.asarray(slots), 0, :rows.shape[1]] = self._b(rows)
+
+    def _context_rows(self, layer: int, blocks, n: int):
+        cache = block_view(self.kv_cache[layer, 0])
+        return self._f(cache[self.cp.asarray(blocks)].reshape(-1, cache.shape[-1])[:n])
