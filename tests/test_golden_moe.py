@@ -158,6 +158,11 @@ def test_stacked_expert_weights_pack_per_expert_tensors():
     check_weights([spec], w)
     with pytest.raises(KeyError, match="e1.u"):
         pack_weights([spec], lambda n: n != "e1.u", parts.__getitem__)
+    # a later expert (written by the loader's thread pool) with a wrong shape or a wider dtype is named
+    with pytest.raises(ValueError, match="e2.g"):
+        pack_weights([spec], parts.__contains__, {**parts, "e2.g": np.zeros((3, 3), np.float32)}.__getitem__)
+    with pytest.raises(ValueError, match="e1.u"):
+        pack_weights([spec], parts.__contains__, {**parts, "e1.u": np.zeros((2, 3), np.float64)}.__getitem__)
 
 
 def test_unsupported_deepseek_settings_are_refused():

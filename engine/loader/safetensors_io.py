@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import struct
 
 import ml_dtypes
@@ -52,6 +53,7 @@ class SafetensorsCheckpoint:
                 raise FileNotFoundError(f"no model.safetensors (or model.safetensors.index.json) in {folder}")
         self._entries: dict[str, tuple[str, dict, int]] = {}
         self._maps: dict[str, np.memmap] = {}
+        self._lock = threading.Lock()          # the loader reads experts from several threads
         for name in files:
             path = os.path.join(folder, name)
             if not os.path.isfile(path):
@@ -70,8 +72,9 @@ class SafetensorsCheckpoint:
         path, entry, start = self._entries[name]
         if entry["dtype"] not in DTYPES:
             raise ValueError(f"tensor {name!r}: unsupported dtype {entry['dtype']}")
-        if path not in self._maps:
-            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+        with self._lock:
+            if path not in self._maps:
+                self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
         begin, end = entry["data_offsets"]
         buf = self._maps[path][start + begin:start + end]
         return buf.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])

@@ -3,12 +3,16 @@ checkpoint tensors each one is concatenated from, so loading checks every name a
 Mixture-of-experts weights are stacked: one engine tensor [experts, N, K] from per-expert tensors."""
 from __future__ import annotations
 
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import numpy as np
 
 Shape = tuple[int, ...]
+LOAD_WORKERS = max(1, min(16, (os.cpu_count() or 1) - 1))
 
 
 @dataclass(frozen=True)
@@ -63,36 +67,52 @@ def stacked(name: str, groups: list[list[tuple[str, Shape]]]) -> WeightSpec:
 def pack_weights(specs: list[WeightSpec], has: Callable[[str], bool],
                  get: Callable[[str], np.ndarray], where: str = "checkpoint") -> dict[str, np.ndarray]:
     """Build the engine weights from checkpoint tensors (kept in their stored dtype; a weight of
-    several parts as a PackedWeight of them).
+    several parts as a PackedWeight of them). Stacked experts are fetched and written by LOAD_WORKERS
+    threads (a quantized checkpoint's `get` dequantizes: numpy work that drops the GIL).
     Raises KeyError / ValueError naming the tensor (and both shapes) on a missing tensor or a
     shape mismatch."""
     out: dict[str, np.ndarray] = {}
     for spec in specs:
-        arrays = []
-        for src, shape in spec.parts:
+        for src, _ in spec.parts:
             if not has(src):
                 raise KeyError(f"missing tensor {src!r} (for {spec.name}) in {where}")
-            a = get(src)
-            if tuple(a.shape) != shape:
-                raise ValueError(f"tensor {src!r} in {where} has shape {tuple(a.shape)}, "
-                                 f"expected {shape}")
-            arrays.append(a)
+        fetch = functools.partial(_fetch, get, where)
         if spec.experts:
-            out[spec.name] = _stack(arrays, spec)
+            out[spec.name] = _stack(spec, fetch)
         else:
+            arrays = [fetch(part) for part in spec.parts]
             out[spec.name] = arrays[0] if len(arrays) == 1 else PackedWeight(arrays)
     return out
 
 
-def _stack(arrays: list[np.ndarray], spec: WeightSpec) -> np.ndarray:
-    """The expert groups of `arrays` written into one [experts, rows, ...] array."""
-    out = np.empty(spec.shape, np.result_type(*[a.dtype for a in arrays]))
-    per = len(arrays) // spec.experts
-    for e in range(spec.experts):
-        row = 0
-        for a in arrays[e * per:(e + 1) * per]:
+def _fetch(get: Callable[[str], np.ndarray], where: str, part: tuple[str, Shape]) -> np.ndarray:
+    src, shape = part
+    a = get(src)
+    if tuple(a.shape) != shape:
+        raise ValueError(f"tensor {src!r} in {where} has shape {tuple(a.shape)}, expected {shape}")
+    return a
+
+
+def _stack(spec: WeightSpec, fetch: Callable[[tuple[str, Shape]], np.ndarray]) -> np.ndarray:
+    """The expert groups of spec written into one [experts, rows, ...] array (expert 0 first, for the
+    dtype; the others by a thread pool, each expert's parts freed once written)."""
+    per = len(spec.parts) // spec.experts
+    first = [fetch(p) for p in spec.parts[:per]]
+    out = np.empty(spec.shape, np.result_type(*[a.dtype for a in first]))
+
+    def write(e: int, arrays: list[np.ndarray] | None = None) -> None:
+        row, parts = 0, spec.parts[e * per:(e + 1) * per]
+        for part, a in zip(parts, arrays or [fetch(p) for p in parts]):
+            if np.result_type(a.dtype, out.dtype) != out.dtype:
+                raise ValueError(f"tensor {part[0]!r} ({a.dtype}) does not fit {spec.name}'s {out.dtype} "
+                                 f"(experts of mixed dtypes)")
             out[e, row:row + a.shape[0]] = a
             row += a.shape[0]
+
+    write(0, first)
+    del first
+    with ThreadPoolExecutor(LOAD_WORKERS) as pool:
+        list(pool.map(write, range(1, spec.experts)))
     return out
 
 
