@@ -194,13 +194,17 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
 
 
 def config_path(name: str, layers: int | None) -> str:
-    """bench/configs/<name>/config.json, or a copy with only the first `layers` layers."""
+    """bench/configs/<name>/config.json, or a copy with only the first `layers` layers (the per-layer schedules,
+    layer_types and mlp_layer_types, cut alike)."""
     path = os.path.join(ROOT, "bench", "configs", name, "config.json")
     if not layers:
         return path
     with open(path) as f:
         config = json.load(f)
     config["num_hidden_layers"] = layers
+    for key in ("layer_types", "mlp_layer_types"):
+        if isinstance(config.get(key), list):
+            config[key] = config[key][:layers]
     folder = f"/tmp/{name}-L{layers}-config"
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:

@@ -1,25 +1,31 @@
-"""Decode benchmark of a real-width, reduced-depth Kimi-K2 (DeepSeek-V3 architecture) on one H200: random
-weights in a real quantized checkpoint format (bench/deepseek_weights.py: Kimi-K2-Thinking's int4 experts,
-or DeepSeek-V3's FP8 blocks), read by the engine's loader (dequantized at load to bf16: the GPU has no
-kept-quantized kernels yet), CUDA-graph decode at batch 1 / 32 (bench/decode.py's run_batch), prompt 128,
-256 steps.
+"""Decode benchmark of a real-width, reduced-depth DeepSeek-V3-architecture Kimi-K2 or DeepSeek-V4-Flash on one
+H200: random weights in a real quantized checkpoint format (bench/deepseek_weights.py: Kimi-K2-Thinking's int4
+experts or DeepSeek-V3's FP8 blocks; DeepSeek-V4's FP8 projections with FP4 experts), read by the engine's loader
+(dequantized at load to bf16: the GPU has no kept-quantized kernels yet), decode at batch 1 / 32 (bench/decode.py's
+run_batch: CUDA-graph decode on Kimi-K2; eager steps on DeepSeek-V4, which captures no graphs), prompt 128, 256 steps.
 
 Rooflines (bytes read per step / the device-copy bandwidth measured in the same run): "bf16" counts what the
 engine reads as it holds the weights (every dense weight, the experts the batch's tokens route to in
-expectation under uniform routing, E·(1 - (1 - k/E)^B) per layer, and the latent KV); "stored" counts the
-same weights at their checkpoint bytes (int4 + scales, or fp8 + scales): the floor a kept-quantized path
-would have. Writes OUT/deepseek.json and OUT/deepseek.md.
+expectation under uniform routing, E·(1 - (1 - k/E)^B) per layer, and the KV rows); "stored" counts the
+same weights at their checkpoint bytes (int4 + scales, or fp8 / fp4 + scales): the floor a kept-quantized path
+would have. Writes OUT/STEM.json and OUT/STEM.md after each batch (STEM: deepseek, deepseek-v4 for V4).
 
-    python3 bench/deepseek.py --out bench/results [--layers 4] [--format int4|fp8] [--batches 1,32] [--write-only]
+    python3 bench/deepseek.py --out bench/results [--model kimi-k2|deepseek-v4-flash] [--layers 4]
+        [--format int4|fp8] [--batches 1,32] [--write-only] [--sizes]
 
 Sizes (kimi-k2, 4 layers = 1 dense + 3 MoE): 54.0 G parameters (each MoE layer 16.9 G, embedding and
 lm_head 1.17 G each); stored ~35 GB int4 / ~57 GB fp8 (use --layers 3 for fp8 on a 64 GB disk); dequantized
 bf16 ~108 GB, held on the host while loading and then on the GPU.
+(deepseek-v4-flash, 4 layers = sliding, sliding, compressed-sparse, heavily-compressed attention; hash-routed MLPs,
+then one score-routed: every layer's 256 experts of 2048, top-6): 27.4 G parameters (each layer's experts 6.4 G,
+embedding and head 0.53 G each); stored 16.4 GB (fp8 + fp4 experts); dequantized bf16 54.8 GB. --sizes prints
+these from the config without writing anything.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -28,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.decode import BLOCK_SIZE, config_path, copy_bandwidth, run_batch, step_weight_bytes  # noqa: E402
-from bench.deepseek_weights import EXPERT, write_random_quantized  # noqa: E402
+from bench.deepseek_weights import EXPERT, planned_bytes, write_random_quantized  # noqa: E402
 
 
 def stored_step_bytes(model, stored: dict[str, int], batch: int) -> int:
@@ -39,17 +45,66 @@ def stored_step_bytes(model, stored: dict[str, int], batch: int) -> int:
     return int(sum(b * (frac if EXPERT in n else 1.0) for n, b in stored.items()))
 
 
+FORMATS = {"kimi-k2": "int4", "deepseek-v4-flash": "fp8"}     # each model's default checkpoint format
+
+
+def sizes_line(model_name: str, config: str, fmt: str) -> str:
+    """Parameters, stored and bf16 bytes of the checkpoint write_random_quantized would write (nothing written)."""
+    import numpy as np
+
+    from engine.model_config import ModelConfig
+    from engine.models.registry import build_model
+
+    model = build_model(ModelConfig.from_file(config))
+    shapes = {n: s for spec in model.weight_specs() for n, s in spec.parts}
+    params = sum(int(np.prod(s)) for s in shapes.values())
+    experts = sum(int(np.prod(s)) for n, s in shapes.items() if EXPERT in n)
+    stored = sum(planned_bytes(config, fmt).values())
+    return (f"[{model_name}] {model.config.num_hidden_layers} layers: {params / 1e9:.2f} G parameters (routed experts "
+            f"{experts / 1e9:.2f} G); stored {stored / 1e9:.2f} GB {fmt}; bf16 {2 * params / 1e9:.2f} GB")
+
+
+def write_report(out: str, stem: str, meta: dict, rows: list[dict]) -> str:
+    """OUT/STEM.json and OUT/STEM.md of the rows so far; returns the markdown."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    fmt = meta["format"] + (" (FP8 projections, FP4 experts)" if meta["model"].startswith("deepseek-v4") else "")
+    steps = "CUDA-graph decode" if meta["graphs"] else "eager decode steps (the line captures no CUDA graphs)"
+    lines = [f"# {meta['model']}, {meta['layers']} layers, {fmt} checkpoint dequantized to bf16 at load; {steps}", "",
+             f"copy bandwidth {meta['copy_bandwidth_gbs']:.0f} GB/s; stored {meta['stored_gb']:.1f} GB, bf16 "
+             f"{meta['bf16_gb']:.1f} GB; load {meta['load_s']:.0f} s, executor up {meta['executor_s']:.0f} s", "",
+             "| batch | ms/step | tok/s | bf16 roofline ms | fraction | stored-format roofline ms | graph ms |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['batch']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.0f} | {r['roofline_ms']:.2f} | "
+              f"{r['roofline_fraction']:.2f} | {r['stored_roofline_ms']:.2f} | "
+              f"{'-' if math.isnan(r['graph_ms']) else format(r['graph_ms'], '.2f')} |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
+        f.write(text)
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="kimi-k2")
+    p.add_argument("--model", default="kimi-k2", choices=sorted(FORMATS))
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--format", choices=("int4", "fp8"), default="int4")
+    p.add_argument("--format", choices=("int4", "fp8"), default=None,
+                   help="checkpoint format (default: int4 for kimi-k2; fp8, with FP4 experts, for deepseek-v4-flash)")
     p.add_argument("--batches", default="1,32")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    p.add_argument("--stem", default=None, help="output names STEM.json / STEM.md (default deepseek, deepseek-v4)")
     p.add_argument("--write-only", action="store_true", help="only write the checkpoint (reused by a later run)")
+    p.add_argument("--sizes", action="store_true", help="only print the checkpoint's sizes (no GPU, nothing written)")
     a = p.parse_args()
+    fmt = a.format or FORMATS[a.model]
+    stem = a.stem or ("deepseek-v4" if a.model.startswith("deepseek-v4") else "deepseek")
+    config = config_path(a.model, a.layers)
+    if a.sizes:
+        print(sizes_line(a.model, config, fmt))
+        return
     import ml_dtypes
 
     from engine.executor.gpu import GpuExecutor
@@ -57,10 +112,10 @@ def main() -> None:
     from engine.loader import load_model
 
     batches = [int(b) for b in a.batches.split(",")]
-    folder = f"/tmp/{a.model}-L{a.layers}-{a.format}"
+    folder = f"/tmp/{a.model}-L{a.layers}-{fmt}"
     t = time.perf_counter()
-    stored = write_random_quantized(config_path(a.model, a.layers), folder, a.format)
-    print(f"[{a.model}] {a.format} checkpoint in {folder}: {time.perf_counter() - t:.1f}s, "
+    stored = write_random_quantized(config, folder, fmt)
+    print(f"[{a.model}] {fmt} checkpoint in {folder}: {time.perf_counter() - t:.1f}s, "
           f"{sum(stored.values()) / 1e9:.2f} GB stored", flush=True)
     if a.write_only:
         return
@@ -74,9 +129,15 @@ def main() -> None:
     t = time.perf_counter()
     ex = GpuExecutor(model, options_of(num_kv_blocks=max(batches) * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
                                        max_num_batched_tokens=2048, max_num_seqs=max(batches), progress=False))
-    print(f"[{a.model}] executor up in {time.perf_counter() - t:.1f}s; {ex.gemm.describe()}", flush=True)
+    executor_s = time.perf_counter() - t
+    graphs = getattr(ex, "graphs", None) is not None
+    print(f"[{a.model}] executor up in {executor_s:.1f}s; {ex.gemm.describe()}; "
+          f"{'CUDA-graph decode' if graphs else 'eager steps only (no CUDA graphs)'}", flush=True)
+    meta = dict(model=a.model, layers=a.layers, format=fmt, copy_bandwidth_gbs=bw / 1e9, load_s=load_s,
+                executor_s=executor_s, stored_gb=sum(stored.values()) / 1e9, bf16_gb=weight_bytes / 1e9,
+                prompt=a.prompt, steps=a.steps, graphs=graphs)
     rows = []
-    for b in batches:
+    for b in batches:        # the report is rewritten after each batch: a cut-off run keeps what it measured
         r = run_batch(ex, model, b, a.prompt, a.steps, bw)
         r.pop("first_tokens")
         kv = b * (a.prompt + a.steps / 2) * model.model.kv_layout().token_values * 2
@@ -84,22 +145,9 @@ def main() -> None:
         r["bf16_weight_gb_per_step"] = step_weight_bytes(model, b) / 1e9
         rows.append(r)
         print(f"[{a.model}] {json.dumps(r)}", flush=True)
+        text = write_report(a.out, stem, meta, rows)
     ex.close()
-    meta = dict(model=a.model, layers=a.layers, format=a.format, copy_bandwidth_gbs=bw / 1e9, load_s=load_s,
-                stored_gb=sum(stored.values()) / 1e9, bf16_gb=weight_bytes / 1e9, prompt=a.prompt, steps=a.steps)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "deepseek.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    lines = [f"# {a.model}, {a.layers} layers, {a.format} checkpoint dequantized to bf16 at load", "",
-             f"copy bandwidth {bw / 1e9:.0f} GB/s; stored {meta['stored_gb']:.1f} GB, bf16 {meta['bf16_gb']:.1f} GB; "
-             f"load {load_s:.0f} s", "",
-             "| batch | ms/step | tok/s | bf16 roofline ms | fraction | stored-format roofline ms | graph ms |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['batch']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.0f} | {r['roofline_ms']:.2f} | "
-              f"{r['roofline_fraction']:.2f} | {r['stored_roofline_ms']:.2f} | {r['graph_ms']:.2f} |" for r in rows]
-    with open(os.path.join(a.out, "deepseek.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(text)
 
 
 if __name__ == "__main__":

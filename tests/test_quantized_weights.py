@@ -211,3 +211,96 @@ def test_the_benchmark_checkpoint_writer(fmt, tmp_path):
     assert down.shape == (128, 64) and 0.05 < down.std() < 0.3 and stored[expert + "weight"] > 0
     logits = new_executor(model).forward_logits(ModelBatch.build([SeqStep(0, [1, 2, 3], 0, [0], False)]))
     assert np.isfinite(logits).all()
+
+
+def tiny_v4_config(tmp_path) -> str:
+    """DeepSeek-V4-Flash's benchmark config cut to 4 layers (bench/decode.py config_path: sliding, sliding,
+    compressed-sparse, heavily-compressed; 3 hash-routed MLPs, then 1 score-routed; yarn on the compressed layers'
+    rope) at a small width, with entries of 8 tokens on the heavily compressed layer and a window of 6."""
+    import json
+
+    from bench.decode import config_path
+    with open(config_path("deepseek-v4-flash", 4)) as f:
+        cfg = json.load(f)
+    cfg.update(vocab_size=4096, hidden_size=128, moe_intermediate_size=64, num_attention_heads=4, head_dim=64,
+               q_lora_rank=64, o_groups=2, o_lora_rank=32, index_n_heads=4, index_head_dim=32, index_topk=3,
+               n_routed_experts=8, num_experts_per_tok=2, sliding_window=6, hc_mult=3,
+               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path / "config.json")
+
+
+def test_the_benchmark_v4_checkpoint_writer(tmp_path):
+    """bench/deepseek_weights.py's DeepSeek-V4 format (run here on the CPU at a small width): FP8 projections with
+    ue8m0 block scales, FP4 experts (int8 bytes, ue8m0 scales per [1, 32]), float32 hyper-connections, an int32
+    tid2eid of distinct experts; the sizes it reports are the planned ones; the loader reads it, and the engine's
+    logits on it pass the gate against transformers float32 on the same weights dequantized (exact values)."""
+    from bench.deepseek_weights import planned_bytes, write_random_quantized
+    from engine.loader.quantized import FP4_E2M1
+    from engine.loader.safetensors_io import SafetensorsCheckpoint
+    from harness.models import random_sequences
+    from harness.quantized import dequantized_copy
+
+    config, folder = tiny_v4_config(tmp_path), str(tmp_path / "fp8")
+    stored = write_random_quantized(config, folder, "fp8", device="cpu")
+    assert stored == planned_bytes(config, "fp8")
+    ckpt = SafetensorsCheckpoint(folder)
+    e8m0 = ml_dtypes.float8_e8m0fnu
+    expert, wq_b = "model.layers.3.ffn.experts.5.w2.", "model.layers.2.attn.wq_b."
+    assert ckpt.get(expert + "weight").dtype == np.int8 and ckpt.get(expert + "weight").shape == (128, 32)
+    assert ckpt.get(expert + "weight_scale_inv").dtype == e8m0 and ckpt.get(expert + "weight_scale_inv").shape == (128, 2)
+    assert ckpt.get(wq_b + "weight").dtype == ml_dtypes.float8_e4m3fn and ckpt.get(wq_b + "weight_scale_inv").dtype == e8m0
+    for name, dtype in (("model.layers.2.attn.compressor.wkv.weight", ml_dtypes.bfloat16),
+                        ("model.layers.0.hc_attn_fn", np.float32), ("model.hc_head.hc_scale", np.float32),
+                        ("model.layers.3.ffn.gate.bias", np.float32), ("model.layers.2.attn.attn_sink", np.float32)):
+        assert ckpt.get(name).dtype == dtype, name
+    tid2eid = np.asarray(ckpt.get("model.layers.1.ffn.gate.tid2eid"))
+    assert tid2eid.dtype == np.int32 and tid2eid.shape == (4096, 2) and tid2eid.min() >= 0 and tid2eid.max() < 8
+    assert (tid2eid[:, 0] != tid2eid[:, 1]).all()
+    model = load_model(folder)
+    down = np.asarray(model.weights["layers.3.experts_down_proj"], np.float32)[5]
+    steps = down.reshape(128, 2, 32) / np.asarray(ckpt.get(expert + "weight_scale_inv"), np.float32)[..., None]
+    assert np.isin(steps, FP4_E2M1).all()                                 # e2m1 values times a power of two
+    amax = np.abs(steps).max(-1)
+    assert ((amax >= 3) & (amax <= 6)).all()             # the least power of two that fits (amax in (3, 6], rounded)
+    assert 0.08 < down.std() < 0.2                                        # N(0, 1/64), rounded to e2m1
+    seqs = random_sequences(4096, [40, 23], seed=0)
+    got = engine_logits(new_executor(model), seqs, prefill=5, chunks=3)
+    assert all(np.isfinite(g).all() for g in got)
+    oracle = dequantized_copy(folder, str(tmp_path / "ref"))
+    assert not gate_failures(got, [hf_logits(oracle, s) for s in seqs])
+
+
+def test_fp4_packer_rounds_to_the_nearest_e2m1_value():
+    """bench/deepseek_weights.py's FP4 packing against a brute-force nearest e2m1 value per element, read back
+    through the loader's unpacking."""
+    torch = pytest.importorskip("torch")
+    from bench.deepseek_weights import _fp4_block
+    from engine.loader.quantized import FP4_E2M1, dequant_fp4_block
+    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(7)) * 0.1
+    packed, scale = _fp4_block(w)
+    s = np.repeat(np.asarray(scale, np.float32), 32, axis=-1)
+    x = w.numpy() / s
+    want = FP4_E2M1[:8][np.abs(np.abs(x)[..., None] - FP4_E2M1[:8]).argmin(-1)] * np.sign(x)
+    np.testing.assert_array_equal(dequant_fp4_block(packed, scale) / s, want)
+
+
+def test_the_v4_benchmark_config_at_real_width_fits_one_h200():
+    """DeepSeek-V4-Flash's benchmark config cut to 4 layers keeps each attention kind and both MLP kinds, and its
+    checkpoint (fp8 + fp4 experts) fits the 64 GB disk of a one-GPU host and, dequantized to bf16, the H200."""
+    from bench.decode import config_path
+    from bench.deepseek_weights import planned_bytes
+    from engine.model_config import ModelConfig
+    from engine.models.registry import build_model
+
+    path = config_path("deepseek-v4-flash", 4)
+    model = build_model(ModelConfig.from_file(path))
+    assert [s.rate for s in model.attention_specs] == [0, 0, 4, 128] and model.attention_specs[2].index_heads == 64
+    assert model.v4.mlp_layer_types == ("hash_moe", "hash_moe", "hash_moe", "moe")
+    assert (model.config.hidden_size, model.v4.experts, model.v4.top_k, model.v4.moe_inter) == (4096, 256, 6, 2048)
+    model.check_gpu_shapes()
+    params = sum(int(np.prod(s)) for spec in model.weight_specs() for _, s in spec.parts)
+    stored = sum(planned_bytes(path, "fp8").values())
+    print(f"deepseek-v4-flash, 4 layers: {params / 1e9:.2f} G parameters, stored {stored / 1e9:.2f} GB, "
+          f"bf16 {2 * params / 1e9:.2f} GB")
+    assert stored < 40e9 and 2 * params < 100e9

@@ -88,7 +88,7 @@ def dequant_packed_group(packed: np.ndarray, scale: np.ndarray, shape: tuple[int
     if q.shape[0] != N:
         raise ValueError(f"packed weight has {q.shape[0]} rows, weight_shape says {N}")
     product = q.astype(np.float32) * np.repeat(np.asarray(scale, np.float32), group, axis=-1)
-    return product.astype(scale.dtype).astype(dtype)       # in the scale's dtype, as compressed-tensors
+    return product.astype(scale.dtype).astype(dtype, copy=False)      # in the scale's dtype, as compressed-tensors
 
 
 @dataclass(frozen=True)
