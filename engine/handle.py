@@ -17,6 +17,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable
@@ -279,12 +280,16 @@ def _build(config: EngineConfig):
         from engine.loader.demo import demo_model_path
         path = demo_model_path()
     device = resolve_device(config.device)
+    t0 = time.perf_counter()
     model = load_model(path)
+    t1 = time.perf_counter()
     if config.kv_offload_gib:              # the host tier in GiB -> slots of this model's KV blocks
         blocks = host_blocks_for_gib(config.kv_offload_gib, model.model.kv_layout(), 2 if device == "cuda" else 4)
         config = dataclasses.replace(config, host_kv_blocks=blocks, kv_offload_gib=0.0)
     options = executor_options(config, device, model.config.max_position_embeddings)
     executor = create_executor(model, options, device)
+    log.info("start: model read in %.2f s, executor up in %.2f s (weights to the device, buffers, kernels)",
+             t1 - t0, time.perf_counter() - t1)
     name = os.path.basename(os.path.normpath(str(path)))
     if name.endswith(".gguf"):
         name = name[:-5]

@@ -13,6 +13,8 @@ take the host's memory bandwidth, shared by the workers.
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ import numpy as np
 from memory.device_arena import DeviceArena
 from memory.streams import DeviceStreams, pinned_array
 
+log = logging.getLogger(__name__)
 STAGING_BYTES = 64 << 20
 WORKERS = 4
 INTERLEAVE_ROWS = 8
@@ -96,6 +99,7 @@ def upload_weights(arena: DeviceArena, weights: Iterable[tuple[str, np.ndarray]]
     """Copy every (name, array or PackedWeight) into the arena as bf16; returns name -> CuPy uint16 array."""
     from tqdm import tqdm
 
+    t0 = time.perf_counter()
     out, copies = {}, []
     for name, w in weights:
         dev = arena.take(f"weights.{name}", tuple(w.shape), np.uint16)
@@ -125,6 +129,8 @@ def upload_weights(arena: DeviceArena, weights: Iterable[tuple[str, np.ndarray]]
             bar.update(c.nbytes)
     streams.copy.synchronize()
     bar.close()
+    moved, seconds = sum(c.nbytes for c in copies), time.perf_counter() - t0
+    log.info("weights: %.2f GB to the device in %.2f s (%.1f GB/s)", moved / 1e9, seconds, moved / 1e9 / max(seconds, 1e-9))
     return out
 
 
