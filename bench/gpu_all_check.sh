@@ -4,7 +4,8 @@
 #   bash bench/gpu_all_check.sh [group ...]     (default: every group)
 # Groups: core (raw kernels, executor gate, graphs, async eager steps, long steps, prefill), serving
 # (server, host tier, 64 requests under load, piecewise graphs), moe_mla, dsv3 (DeepSeek-V3 / Kimi-K2,
-# FP8 / int4 folders), qwen35, lora, structured. The gate table of every group lands in $OUT/gate.md.
+# FP8 / int4 folders), dsv4 (DeepSeek-V4 in eager steps, an FP8 / FP4 folder), qwen35, lora, structured. The gate
+# table of every group lands in $OUT/gate.md.
 set -uo pipefail
 source bench/gpu_env.sh
 export OPENINFER_GATE_LOG=$OUT/gate.jsonl
@@ -16,11 +17,12 @@ declare -A GROUPS_TESTS=(
   [serving]="tests/test_gpu_server.py tests/test_gpu_host_tier.py tests/test_gpu_under_load.py tests/test_gpu_piecewise.py"
   [moe_mla]="tests/test_gpu_moe_mla_kernels.py tests/test_gpu_moe_mla.py tests/test_raw_cuda_sparse_compile.py"
   [dsv3]="tests/test_gpu_dsv3.py"
+  [dsv4]="tests/test_gpu_dsv4.py"
   [qwen35]="tests/test_gpu_qwen35.py"
   [lora]="tests/test_gpu_lora.py tests/test_gpu_lora_plan.py tests/test_raw_cuda_compile.py"
   [structured]="tests/test_structured_gpu.py tests/test_gpu_sampler.py"
 )
-groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core serving moe_mla dsv3 qwen35 lora structured)
+groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core serving moe_mla dsv3 dsv4 qwen35 lora structured)
 for g in "${groups[@]}"; do
   # shellcheck disable=SC2086
   ( timeout -k 5 "$LIMIT" "${PYTEST[@]}" ${GROUPS_TESTS[$g]} > "$OUT/$g.log" 2>&1; echo $? > "$OUT/$g.rc" ) &

@@ -11,6 +11,9 @@ references:
   pack_to_int32 where that package is installed; then a tiny Kimi-K2 folder with int4 experts against
   transformers on the same weights dequantized (exact in bf16).
 Each check is shown to fail on a wrong block / group / nibble order.
+Then the benchmarks' checkpoint writer (bench/deepseek_weights.py) in each format, DeepSeek-V4's (FP8 projections,
+FP4 experts) included: a small-width folder read by the loader (V4's gated against transformers on its dequantized
+weights); and the real-width DeepSeek-V4-Flash benchmark config's 4-layer cut fits one H200.
 """
 from __future__ import annotations
 
@@ -247,9 +250,10 @@ def test_the_benchmark_v4_checkpoint_writer(tmp_path):
     ckpt = SafetensorsCheckpoint(folder)
     e8m0 = ml_dtypes.float8_e8m0fnu
     expert, wq_b = "model.layers.3.ffn.experts.5.w2.", "model.layers.2.attn.wq_b."
-    assert ckpt.get(expert + "weight").dtype == np.int8 and ckpt.get(expert + "weight").shape == (128, 32)
-    assert ckpt.get(expert + "weight_scale_inv").dtype == e8m0 and ckpt.get(expert + "weight_scale_inv").shape == (128, 2)
-    assert ckpt.get(wq_b + "weight").dtype == ml_dtypes.float8_e4m3fn and ckpt.get(wq_b + "weight_scale_inv").dtype == e8m0
+    packed, scale = ckpt.get(expert + "weight"), ckpt.get(expert + "weight_scale_inv")
+    assert packed.dtype == np.int8 and packed.shape == (128, 32) and scale.dtype == e8m0 and scale.shape == (128, 2)
+    assert ckpt.get(wq_b + "weight").dtype == ml_dtypes.float8_e4m3fn
+    assert ckpt.get(wq_b + "weight_scale_inv").dtype == e8m0 and ckpt.get(wq_b + "weight_scale_inv").shape == (2, 1)
     for name, dtype in (("model.layers.2.attn.compressor.wkv.weight", ml_dtypes.bfloat16),
                         ("model.layers.0.hc_attn_fn", np.float32), ("model.hc_head.hc_scale", np.float32),
                         ("model.layers.3.ffn.gate.bias", np.float32), ("model.layers.2.attn.attn_sink", np.float32)):
@@ -259,7 +263,7 @@ def test_the_benchmark_v4_checkpoint_writer(tmp_path):
     assert (tid2eid[:, 0] != tid2eid[:, 1]).all()
     model = load_model(folder)
     down = np.asarray(model.weights["layers.3.experts_down_proj"], np.float32)[5]
-    steps = down.reshape(128, 2, 32) / np.asarray(ckpt.get(expert + "weight_scale_inv"), np.float32)[..., None]
+    steps = down.reshape(128, 2, 32) / np.asarray(scale, np.float32)[..., None]
     assert np.isin(steps, FP4_E2M1).all()                                 # e2m1 values times a power of two
     amax = np.abs(steps).max(-1)
     assert ((amax >= 3) & (amax <= 6)).all()             # the least power of two that fits (amax in (3, 6], rounded)
