@@ -3,7 +3,7 @@
     pip install nvidia-cuda-nvdisasm       # provides nvidia/cu13/bin/nvdisasm
     python3 bench/cute_sass.py gemm_bf16_128x80_c1x2_ws [more variants] [--out DIR] [--build DIR]
 
-Each exported object (``kernels/cute/build/obj/<name>.<hash>.o``) is a host object that carries its
+Each exported object (``openinfer_kernels/cute/build/obj/<name>.<hash>.o``) is a host object that carries its
 kernel's cubin as data; this cuts the embedded ELF out (its length from the section and program
 header tables), runs ``nvdisasm -c`` on it and writes ``<name>.sass``. It prints a summary per kernel:
 instructions, wgmmas (HGMMA), TMA loads (UTMALDG), mbarrier waits (TRYWAIT) and named-barrier syncs.
@@ -56,7 +56,7 @@ def nvdisasm() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("variants", nargs="+")
-    parser.add_argument("--build", type=Path, default=Path(__file__).resolve().parents[1] / "kernels/cute/build")
+    parser.add_argument("--build", type=Path, default=Path(__file__).resolve().parents[1] / "openinfer_kernels/cute/build")
     parser.add_argument("--out", type=Path, default=Path("bench/out/sass"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

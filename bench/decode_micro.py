@@ -40,7 +40,7 @@ def attention_rows(ex, cfg, bw: float) -> list[dict]:
     import cupy
 
     from engine.executor.gpu_ops import MAX_DECODE_SPLITS, MAX_SPLITS, attention_splits
-    from kernels.raw_cuda import kernel
+    from openinfer_kernels.raw_cuda import kernel
 
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     G, ops, rows = Hq // Hkv, ex.ops, []

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.kernels import (QWEN_SHAPES, ROTATE_BYTES, copy_bandwidth_gbs, gpu_info, graph_time_us,  # noqa: E402
                            torch_graph_us, write_report)
-from kernels.cute.gemm import A_ROW_PAD  # noqa: E402
+from openinfer_kernels.cute.gemm import A_ROW_PAD  # noqa: E402
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 RESIDUAL = {"o", "down"}                   # accumulated into the residual stream h
@@ -37,7 +37,7 @@ class Layers:
     def __init__(self, model: str, m: int):
         import cupy as cp
 
-        from kernels.cute.verification.checks import rand_bf16
+        from openinfer_kernels.cute.verification.checks import rand_bf16
 
         self.shapes = {p: QWEN_SHAPES[f"{model}.{p}"] for p in PROJECTIONS}  # (N, K)
         self.layer_bytes = sum(2 * n * k for n, k in self.shapes.values())
@@ -86,7 +86,7 @@ def main() -> int:
 
     import cupy as cp
 
-    from kernels.cute.gemm import GemmRunner
+    from openinfer_kernels.cute.gemm import GemmRunner
 
     runner = GemmRunner()
     runner.init()

@@ -45,11 +45,11 @@ def time_specs(specs: list[str]) -> None:
     wait), ``planned+res`` (the residual added in the epilogue, in place) and ``planned+add``
     (the GEMM, then the engine's residual_add kernel)."""
     from bench.kernels import _Operands, cublas_time_us, graph_time_us
-    from kernels.cute.configs import VARIANTS_BY_NAME, GemmPlan
-    from kernels.cute.gemm import GemmRunner
-    from kernels.cute.verification.checks import rand_bf16
-    from kernels.raw_cuda import kernel
-    from kernels.raw_cuda.launch import launch
+    from openinfer_kernels.cute.configs import VARIANTS_BY_NAME, GemmPlan
+    from openinfer_kernels.cute.gemm import GemmRunner
+    from openinfer_kernels.cute.verification.checks import rand_bf16
+    from openinfer_kernels.raw_cuda import kernel
+    from openinfer_kernels.raw_cuda.launch import launch
 
     runner = GemmRunner()
     runner.init()
@@ -92,9 +92,9 @@ def time_specs(specs: list[str]) -> None:
 def run(specs: list[str], launches: int) -> None:
     import cupy as cp
 
-    from kernels.cute.configs import VARIANTS_BY_NAME, GemmPlan
-    from kernels.cute.gemm import GemmRunner
-    from kernels.cute.verification.checks import rand_bf16
+    from openinfer_kernels.cute.configs import VARIANTS_BY_NAME, GemmPlan
+    from openinfer_kernels.cute.gemm import GemmRunner
+    from openinfer_kernels.cute.verification.checks import rand_bf16
 
     runner = GemmRunner()
     runner.init()

@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # kernels/, not bench/kernels.py
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root first
 import engine.engine_loop as engine_loop
 from engine.batch import ModelBatch, SampledToken, StepOutput
 from engine.config import EngineConfig

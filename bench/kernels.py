@@ -3,7 +3,7 @@
     python3 bench/kernels.py [--out DIR] [--budget 210] [--verify-budget 100] [--hang-s 6] [--no-sweep]
                              [--attention-only] [--only-variants A,B --shapes 4B.o,8B.qkv --ms 512,2048]
 
-1. Verification (``kernels.cute.verification.run``): every case of ``kernels.cute.verification.checks.CASES`` (fresh
+1. Verification (``openinfer_kernels.cute.verification.run``): every case of ``openinfer_kernels.cute.verification.checks.CASES`` (fresh
    random bf16, NaN-poisoned output, float32 reference, rel. error ≤ 1e-2, every element written)
    in worker processes with a hang watchdog; a hang or crash costs one case, not the run.
 2. Benchmark, in worker processes too, of the kernels that passed: Qwen3-4B/8B projection shapes
@@ -31,12 +31,12 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.cute.attention import ATTENTION_KERNELS  # noqa: E402
-from kernels.cute.configs import (GEMM_VARIANTS, MAX_SPLITS, GemmPlan, plan_gemm, split_count,  # noqa: E402
+from openinfer_kernels.cute.attention import ATTENTION_KERNELS  # noqa: E402
+from openinfer_kernels.cute.configs import (GEMM_VARIANTS, MAX_SPLITS, GemmPlan, plan_gemm, split_count,  # noqa: E402
                                   takes_weight_prefetch)
-from kernels.cute.gemm import A_ROW_PAD  # noqa: E402
-from kernels.cute.verification.checks import Case  # noqa: E402
-from kernels.cute.verification.run import passing_groups, run_all, serve, table, verify  # noqa: E402
+from openinfer_kernels.cute.gemm import A_ROW_PAD  # noqa: E402
+from openinfer_kernels.cute.verification.checks import Case  # noqa: E402
+from openinfer_kernels.cute.verification.run import passing_groups, run_all, serve, table, verify  # noqa: E402
 
 QWEN_SHAPES = {  # name: (N, K)
     "4B.qkv": (6144, 2560), "4B.o": (2560, 4096), "4B.gate_up": (19456, 2560), "4B.down": (2560, 9728),
@@ -78,7 +78,7 @@ def graph_time_us(launch, sets: int, what: str) -> float:
     """Median µs per launch over replays of a CUDA graph holding GRAPH_LAUNCHES launches."""
     import cupy as cp
 
-    from kernels.cute.verification.checks import HANG_SECONDS, sync_or_die
+    from openinfer_kernels.cute.verification.checks import HANG_SECONDS, sync_or_die
 
     hang_s = max(HANG_SECONDS, 20.0)  # a graph of 20 launches of a slow kernel is no hang
     # the inputs were made on the legacy default stream, which the non-blocking timed stream does not
@@ -153,11 +153,11 @@ class _Operands:
     def __init__(self, runner, m: int, n: int, k: int):
         import cupy as cp
 
-        from kernels.cute.verification.checks import rand_bf16
+        from openinfer_kernels.cute.verification.checks import rand_bf16
 
         self.sets = max(2, min(16, math.ceil(ROTATE_BYTES / (n * k * 2))))
         # A as the engine holds it: a view of a larger buffer (its arena), so the launcher reads
-        # whole tiles past M rather than TMA's slower zero fill (kernels.cute.gemm.readable_rows)
+        # whole tiles past M rather than TMA's slower zero fill (openinfer_kernels.cute.gemm.readable_rows)
         rows = -(-m // A_ROW_PAD) * A_ROW_PAD
         self.a = [rand_bf16((rows, k))[:m] for _ in range(self.sets)]
         self.w = [rand_bf16((n, k)) for _ in range(self.sets)]
@@ -237,8 +237,8 @@ def attention_row(runner, label: str, kernel: str) -> dict:
     import cupy as cp
     import numpy as np
 
-    from kernels.cute.attention import ATTENTION_BY_NAME, attention_work, varlen_attention
-    from kernels.cute.verification.checks import rand_bf16
+    from openinfer_kernels.cute.attention import ATTENTION_BY_NAME, attention_work, varlen_attention
+    from openinfer_kernels.cute.verification.checks import rand_bf16
 
     lengths_q, lengths_k = ATTN_ROWS[label]
     hq, hkv, d = 32, 8, ATTENTION_BY_NAME[kernel].head_dim
@@ -281,7 +281,7 @@ def sdpa_time_us(n: int, hq: int, hkv: int, d: int) -> float:
 
 def worker(indices: list[int], ok: list[str], sweep: bool, gemm: bool, shapes: tuple[str, ...],
            ms: tuple[int, ...]) -> int:
-    from kernels.cute.gemm import GemmRunner
+    from openinfer_kernels.cute.gemm import GemmRunner
 
     tasks = bench_tasks(set(ok), sweep, gemm, shapes, ms)
     runner = GemmRunner()

@@ -51,7 +51,7 @@ def read_floor_us(nbytes: int, pdl: bool) -> float:
     import cupy as cp
     import numpy as np
 
-    from kernels.raw_cuda.launch import launch
+    from openinfer_kernels.raw_cuda.launch import launch
 
     kernel = cp.RawModule(code=READ_SOURCE, options=("-std=c++17",)).get_function("read_stream")
     sets = max(2, -(-ROTATE_BYTES // nbytes))

@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.executor.gpu_gemm import Gemm  # noqa: E402
-from kernels.cute import configs  # noqa: E402
+from openinfer_kernels.cute import configs  # noqa: E402
 from engine.executor.gpu_ops import GpuOps  # noqa: E402
 from engine.models.ops import ComposedOps  # noqa: E402
 

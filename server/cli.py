@@ -156,7 +156,7 @@ def engine_config(args: argparse.Namespace):
     return config
 
 
-LOGGERS = ("openinfer", "engine", "memory", "kernels")     # openinfer.*, and module loggers (the executors')
+LOGGERS = ("openinfer", "engine", "memory", "openinfer_kernels")     # openinfer.*, and module loggers (the executors')
 log = logging.getLogger("openinfer.server")
 
 

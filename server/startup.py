@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
-CUDA_INSTALL_HINT = ("pip install -e '.[cuda,cute]' && python -m kernels.cute.build (the README's GPU "
+CUDA_INSTALL_HINT = ("pip install -e '.[cuda,cute]' && python -m openinfer_kernels.cute.build (the README's GPU "
                      "command; cuda is for a CUDA 13 driver, cuda12 for a CUDA 12 one)")
 
 

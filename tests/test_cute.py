@@ -7,17 +7,17 @@ import sys
 import numpy as np
 import pytest
 
-from kernels.cute.attention import ATTENTION_KERNELS
-from kernels.cute.configs import GEMM_VARIANTS, REDUCE_NAME, REDUCE_RESIDUAL_NAME
-from kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args
-from kernels.cute.moe import group_by_expert
-from kernels.cute.library import KernelLaunchError, Library, TensorArg, _tensor_struct
+from openinfer_kernels.cute.attention import ATTENTION_KERNELS
+from openinfer_kernels.cute.configs import GEMM_VARIANTS, REDUCE_NAME, REDUCE_RESIDUAL_NAME
+from openinfer_kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args
+from openinfer_kernels.cute.moe import group_by_expert
+from openinfer_kernels.cute.library import KernelLaunchError, Library, TensorArg, _tensor_struct
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     pytest.importorskip("cutlass", reason="CuTe DSL not installed")
     out = tmp_path_factory.mktemp("cute_build")
-    first = subprocess.run([sys.executable, "-m", "kernels.cute.build", "--out", str(out)],
+    first = subprocess.run([sys.executable, "-m", "openinfer_kernels.cute.build", "--out", str(out)],
                            capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     return out, first.stdout
@@ -46,7 +46,7 @@ def test_build_writes_library_and_manifest(built):
 def test_unchanged_kernels_are_not_rebuilt(built):
     out, _ = built
     before = json.loads((out / "manifest.json").read_text())
-    again = subprocess.run([sys.executable, "-m", "kernels.cute.build", "--out", str(out)],
+    again = subprocess.run([sys.executable, "-m", "openinfer_kernels.cute.build", "--out", str(out)],
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert "compiled " not in again.stdout and "up to date" in again.stdout
@@ -80,7 +80,7 @@ def test_kernel_call_checks_argument_kinds_before_launching(built):
 
 def test_content_hash_tracks_the_variant():
     pytest.importorskip("cutlass", reason="CuTe DSL not installed")
-    from kernels.cute.build import content_hash
+    from openinfer_kernels.cute.build import content_hash
 
     assert content_hash("x", "a") == content_hash("x", "a")
     assert content_hash("x", "a") != content_hash("x", "b")
@@ -94,9 +94,9 @@ def test_build_hash_covers_every_kernel_module():
     import pathlib
 
     pytest.importorskip("cutlass", reason="CuTe DSL not installed")
-    from kernels.cute.build import SOURCES
+    from openinfer_kernels.cute.build import SOURCES
 
-    here = pathlib.Path(__file__).resolve().parent.parent / "kernels" / "cute"
+    here = pathlib.Path(__file__).resolve().parent.parent / "openinfer_kernels" / "cute"
 
     def imported(name, seen):
         for node in ast.walk(ast.parse((here / name).read_text())):
@@ -112,7 +112,7 @@ def test_build_hash_covers_every_kernel_module():
 
 
 def test_parse_header_reads_entry_and_tensors():
-    from kernels.cute.build import parse_header
+    from openinfer_kernels.cute.build import parse_header
 
     header = """
 typedef struct {
@@ -139,7 +139,7 @@ def test_tensor_struct_matches_c_layout():
 
 
 def test_missing_build_gives_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m kernels.cute.build"):
+    with pytest.raises(FileNotFoundError, match="python -m openinfer_kernels.cute.build"):
         Library(tmp_path)
 
 
@@ -186,13 +186,13 @@ def test_launcher_rejects_unaligned_sizes():
 
 
 def test_available_reports_missing_build(monkeypatch, tmp_path):
-    import kernels.cute as cute
-    from kernels.cute import library
+    import openinfer_kernels.cute as cute
+    from openinfer_kernels.cute import library
 
     monkeypatch.setattr(library, "DEFAULT_DIR", tmp_path)
     monkeypatch.setattr(cute, "_runner", None)
     avail = cute.available()
-    assert not avail and "kernels.cute.build" in avail.reason
+    assert not avail and "openinfer_kernels.cute.build" in avail.reason
 
 
 def test_group_by_expert_pads_each_expert_to_whole_tiles():
@@ -230,7 +230,7 @@ def test_grouped_launcher_checks():
 
 
 def test_attention_work_lists_every_tile_longest_first():
-    from kernels.cute.attention import attention_work
+    from openinfer_kernels.cute.attention import attention_work
 
     lengths = np.array([5, 0, 300, 128, 129])
     work = attention_work(np.concatenate([[0], np.cumsum(lengths)]))
@@ -243,7 +243,7 @@ def test_attention_work_lists_every_tile_longest_first():
 
 
 def _attn_args(tq=10, tk=12, hq=8, hkv=2, **over):
-    from kernels.cute.attention import check_attention_args
+    from openinfer_kernels.cute.attention import check_attention_args
 
     arrays = {
         "q": FakeArray((tq, hq, 128)), "k": FakeArray((tk, hkv, 128)), "v": FakeArray((tk, hkv, 128)),
@@ -276,7 +276,7 @@ def _attn_arrays(d=128, dk=None):
 
 
 def test_attention_launcher_checks_head_dims():
-    from kernels.cute.attention import check_attention_args
+    from openinfer_kernels.cute.attention import check_attention_args
 
     assert check_attention_args(*(as_device_tensor(a, "x") for a in _attn_arrays(64))) == 64
     assert check_attention_args(*(as_device_tensor(a, "x") for a in _attn_arrays(128))) == 128
@@ -292,7 +292,7 @@ class _NoRunner:
 
 
 def test_attention_launcher_picks_only_a_matching_verified_kernel(monkeypatch):
-    from kernels.cute import attention
+    from openinfer_kernels.cute import attention
 
     assert set(attention.DEFAULT_KERNEL.values()) <= set(attention.ATTENTION_KERNELS)
     for d, name in attention.DEFAULT_KERNEL.items():

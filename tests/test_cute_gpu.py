@@ -1,17 +1,17 @@
-"""CuTe kernels on the GPU: every case of the verification catalogue (kernels.cute.verification.checks.CASES)
-against float32, plus the launcher's pointer checks. ``python3 -m kernels.cute.verification.run`` runs the
+"""CuTe kernels on the GPU: every case of the verification catalogue (openinfer_kernels.cute.verification.checks.CASES)
+against float32, plus the launcher's pointer checks. ``python3 -m openinfer_kernels.cute.verification.run`` runs the
 same cases with a hang watchdog per case; a hang here stops this process (status 3)."""
 import pytest
 
-from kernels.cute.verification.checks import CASES
+from openinfer_kernels.cute.verification.checks import CASES
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
 def runner():
-    from kernels import cute
-    from kernels.cute.gemm import GemmRunner
+    from openinfer_kernels import cute
+    from openinfer_kernels.cute.gemm import GemmRunner
 
     avail = cute.available()
     if not avail:
@@ -23,7 +23,7 @@ def runner():
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.group}-{c.label}" for c in CASES])
 def test_case_matches_float32(runner, case):
-    from kernels.cute.verification.checks import run_case
+    from openinfer_kernels.cute.verification.checks import run_case
 
     check = run_case(runner, case)
     assert check.unwritten == 0, f"{check.unwritten} outputs not written; {check.detail}"

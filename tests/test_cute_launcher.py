@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from kernels.cute.configs import plan_gemm, split_count
-from kernels.cute.gemm import A_ROW_PAD, DeviceTensor, as_device_tensor, readable_rows
+from openinfer_kernels.cute.configs import plan_gemm, split_count
+from openinfer_kernels.cute.gemm import A_ROW_PAD, DeviceTensor, as_device_tensor, readable_rows
 
 
 class _FakeCupyArray:
@@ -55,7 +55,7 @@ def test_launcher_describes_a_to_whole_tiles_and_the_output_to_m(monkeypatch):
     sees A with 256 rows, the output with 193; from an exact allocation, A keeps 193."""
     import types
 
-    from kernels.cute.gemm import GemmRunner
+    from openinfer_kernels.cute.gemm import GemmRunner
 
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0)))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
@@ -82,7 +82,7 @@ def recording_runner(monkeypatch):
     stand-in workspace at address 1 << 42."""
     import types
 
-    from kernels.cute.gemm import GemmRunner
+    from openinfer_kernels.cute.gemm import GemmRunner
 
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(
         Device=lambda: types.SimpleNamespace(id=0),
@@ -138,7 +138,7 @@ def test_swiglu_launches_the_silu_twin_or_nothing(recording_runner):
     """``GemmRunner.swiglu``: 4B gate_up at M = 8 runs the SiLU·up twin of its planned tile, the
     output described as [M, N/2]; a shape whose plan has no twin (N = 3072 at M = 8: 64x48 tiles)
     launches nothing and says so; a wrong output shape or an N that is not a multiple of 16 is refused."""
-    from kernels.cute.configs import silu_twin
+    from openinfer_kernels.cute.configs import silu_twin
 
     runner, lib = recording_runner
     m, n, k = 8, 19456, 2560
@@ -161,7 +161,7 @@ def test_swiglu_launches_the_silu_twin_or_nothing(recording_runner):
 def test_a16_tiles_only_up_to_16_rows(recording_runner):
     """At M <= 16 the plan's 64-row tiles take their 16-row A twin, from 17 rows the full tile; an
     explicit a16 plan for more rows than it loads is refused before anything launches."""
-    from kernels.cute.configs import A_BOX_ROWS, GemmPlan
+    from openinfer_kernels.cute.configs import A_BOX_ROWS, GemmPlan
 
     runner, lib = recording_runner
     n, k = 6144, 2560

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_PAIR_MIN_K, K_TILE, MAX_SPLITS,
+from openinfer_kernels.cute.configs import (FILL_TOLERANCE, GEMM_VARIANTS, H200_SMS, K_PAIR_MIN_K, K_TILE, MAX_SPLITS,
                                   ROW_128_MIN_FILL, ROW_128_PAIR_WIDTHS, ROW_128_SPLIT_WIDTHS, ROW_128_WIDTHS,
                                   ROW_192_MAX_M, ROW_192_MIN_FILL, SPLIT_WIDTHS, STREAM_FILL_TOLERANCE,
                                   STREAM_K_PAIR_MIN_M, STREAM_MAX_M, STREAM_PAIR_WIDTHS, STREAM_WIDTHS, UNSPLIT_MAX_K,

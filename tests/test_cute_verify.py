@@ -5,9 +5,9 @@ import sys
 import pytest
 import textwrap
 
-from kernels.cute.configs import GEMM_VARIANTS
-from kernels.cute.verification.checks import CASES, Case
-from kernels.cute.verification.run import passing_groups, probe_first_order, run_all, table
+from openinfer_kernels.cute.configs import GEMM_VARIANTS
+from openinfer_kernels.cute.verification.checks import CASES, Case
+from openinfer_kernels.cute.verification.run import passing_groups, probe_first_order, run_all, table
 
 # Fake worker: argv[1] = "i,j,..."; behaviour of case i from BEHAVIOUR (default PASS).
 FAKE_WORKER = textwrap.dedent("""
@@ -97,7 +97,7 @@ def test_catalogue_probes_every_kernel_first_with_the_simplest_launch():
 def test_compare_locates_the_wrong_block(monkeypatch):
     import numpy as np
 
-    from kernels.cute.verification.checks import compare
+    from openinfer_kernels.cute.verification.checks import compare
 
     monkeypatch.setitem(sys.modules, "cupy", np)  # compare() uses only the NumPy-compatible API
     ref = np.random.default_rng(0).standard_normal((40, 24)).astype(np.float32)
@@ -113,7 +113,7 @@ def test_compare_locates_the_wrong_block(monkeypatch):
 def test_a_case_running_past_the_budget_is_cut_off(tmp_path, monkeypatch):
     import time
 
-    from kernels.cute.verification import run as verify
+    from openinfer_kernels.cute.verification import run as verify
 
     monkeypatch.setattr(verify, "BUDGET_GRACE_S", 0.5)
     t0 = time.monotonic()
@@ -142,7 +142,7 @@ class _FakeCupy:
 
 
 def _numpy_gemm(a, b, out, plan=None, residual=None, prefetch_weights=False, broken=False, drop_residual=False):
-    from kernels.cute.bf16 import from_bf16, to_bf16
+    from openinfer_kernels.cute.bf16 import from_bf16, to_bf16
 
     res = from_bf16(a) @ from_bf16(b).T
     if residual is not None and not drop_residual:
@@ -153,7 +153,7 @@ def _numpy_gemm(a, b, out, plan=None, residual=None, prefetch_weights=False, bro
 
 
 def test_checks_pass_a_correct_kernel_and_locate_a_broken_one(monkeypatch):
-    from kernels.cute.verification import checks as testing
+    from openinfer_kernels.cute.verification import checks as testing
 
     monkeypatch.setitem(sys.modules, "cupy", _FakeCupy())
     good = testing.gemm_check(_numpy_gemm, None, 17, 200, 72)
@@ -165,7 +165,7 @@ def test_checks_pass_a_correct_kernel_and_locate_a_broken_one(monkeypatch):
 
 @pytest.mark.parametrize("how", ["separate", "inplace"])
 def test_residual_check_needs_the_residual_added(monkeypatch, how):
-    from kernels.cute.verification import checks as testing
+    from openinfer_kernels.cute.verification import checks as testing
 
     monkeypatch.setitem(sys.modules, "cupy", _FakeCupy())
     assert testing.gemm_check(_numpy_gemm, None, 17, 200, 72, residual=how).ok
@@ -177,9 +177,9 @@ def test_residual_check_needs_the_residual_added(monkeypatch, how):
 def test_attention_check_agrees_with_an_independent_causal_attention(monkeypatch):
     import numpy as np
 
-    from kernels.cute import attention
-    from kernels.cute.verification import checks as testing
-    from kernels.cute.bf16 import from_bf16, to_bf16
+    from openinfer_kernels.cute import attention
+    from openinfer_kernels.cute.verification import checks as testing
+    from openinfer_kernels.cute.bf16 import from_bf16, to_bf16
 
     def numpy_attention(runner, q, k, v, o, cu_q, cu_k, work, stream=None, kernel=None):
         hq, hkv = q.shape[1], k.shape[1]
@@ -203,10 +203,10 @@ def test_attention_check_agrees_with_an_independent_causal_attention(monkeypatch
 
 
 def test_grouped_check_agrees_with_a_per_tile_expert_gemm(monkeypatch):
-    from kernels.cute.verification import checks as testing
-    from kernels.cute.bf16 import from_bf16, to_bf16
+    from openinfer_kernels.cute.verification import checks as testing
+    from openinfer_kernels.cute.bf16 import from_bf16, to_bf16
 
-    gemm = sys.modules["kernels.cute.gemm"]  # the package's `gemm` attribute is the function
+    gemm = sys.modules["openinfer_kernels.cute.gemm"]  # the package's `gemm` attribute is the function
 
     def numpy_grouped(runner, a, w, tile_expert, out, stream=None):
         tile_m = a.shape[0] // tile_expert.shape[0]
@@ -225,7 +225,7 @@ def test_grouped_check_agrees_with_a_per_tile_expert_gemm(monkeypatch):
 def test_catalogue_verifies_attention_as_long_as_the_benchmark_runs_it():
     """The benchmark timed 16k-token attention that no verification case had run (and hung)."""
     from bench.kernels import ATTN_ROWS
-    from kernels.cute.attention import ATTENTION_KERNELS
+    from openinfer_kernels.cute.attention import ATTENTION_KERNELS
 
     longest_row = max(max(k) for _, k in ATTN_ROWS.values())
     for kernel in ATTENTION_KERNELS:  # each kernel verified on sequences as long as it is timed on

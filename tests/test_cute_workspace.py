@@ -5,8 +5,8 @@ import types
 
 import pytest
 
-from kernels.cute.configs import plan_gemm
-from kernels.cute.gemm import GemmRunner, split_workspace_bytes
+from openinfer_kernels.cute.configs import plan_gemm
+from openinfer_kernels.cute.gemm import GemmRunner, split_workspace_bytes
 
 
 @pytest.mark.parametrize("shapes", [

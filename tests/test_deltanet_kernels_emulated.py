@@ -21,8 +21,8 @@ import pytest
 from deltanet_kernel_cases import (SHAPES, STEPS, check_conv_and_delta_rule, check_gated_rms_norm_and_sigmoid_gate,
                                    random_inputs, run_conv_and_delta_rule, spec_of)
 from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
-from kernels.raw_cuda import KERNEL_DIR
-from kernels.raw_cuda.launch import pack_argument
+from openinfer_kernels.raw_cuda import KERNEL_DIR
+from openinfer_kernels.raw_cuda.launch import pack_argument
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ENTRY = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)')
@@ -46,7 +46,7 @@ def _param_types(params: str) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def emulated(name: str, defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDLL:
-    """kernels/raw_cuda/<name>.cu built for the host; entry E is emu_E(gx, gy, gz, threads, smem, args)."""
+    """openinfer_kernels/raw_cuda/<name>.cu built for the host; entry E is emu_E(gx, gy, gz, threads, smem, args)."""
     include, gxx = _cuda_include(), shutil.which("g++")
     if include is None or gxx is None:
         pytest.skip("g++ or the CUDA headers (cuda_bf16.h) are not available")

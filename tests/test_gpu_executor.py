@@ -50,9 +50,16 @@ def hf_gpu_models(path: str):
 
 
 def hf_run(model, ids: list[int]) -> np.ndarray:
+    """HF's logits of one sequence. DeepSeek-V4 in bf16 runs under bf16 autocast: its float32 hyper-connection
+    streams reach bf16 projections uncast in transformers < 5.2x (a dtype error, not a different model)."""
+    import contextlib
+
     import torch
 
-    with torch.no_grad():
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
+                if model.config.model_type == "deepseek_v4" and model.dtype == torch.bfloat16
+                else contextlib.nullcontext())
+    with torch.no_grad(), autocast:
         return model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
 
 
@@ -143,7 +150,7 @@ def test_tiny_gate_gemm_library(tiny, backend):
     their epilogue, chunked steps on split-K plans (the reduction adds the residual), CUDA-graph
     decode; "cublas", the same steps on cuBLAS (beta = 1 for the residual). The same gate against
     HF float32."""
-    from kernels.cute import available
+    from openinfer_kernels.cute import available
 
     if backend == "cute" and not available():
         pytest.skip(f"CuTe kernels unavailable: {available().reason}")

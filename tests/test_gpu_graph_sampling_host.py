@@ -14,7 +14,7 @@ from engine.batch import SeqStep
 from engine.executor.gpu_readback import ReadbackStep
 from engine.executor.gpu_sampler import GRAPH_FIELDS, MAX_TOP_LOGPROBS, pack_graph_rows, seeded_rows, uniform_for
 from engine.request import SamplingParams
-from kernels.raw_cuda import KERNEL_DIR
+from openinfer_kernels.raw_cuda import KERNEL_DIR
 
 
 def step(i: int, **params) -> SeqStep:

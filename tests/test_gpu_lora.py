@@ -70,7 +70,7 @@ def test_lora_gate(tiny, path_name):
 def test_lora_gate_gemm_library(tiny, backend):
     """Each GEMM library for every product, and batch-1 decode (gemv.cu: the residual epilogue, then the
     LoRA delta; the norm and SiLU·up composed around the adapter's projections)."""
-    from kernels.cute import available
+    from openinfer_kernels.cute import available
 
     if backend == "cute" and not available():
         pytest.skip(f"CuTe kernels unavailable: {available().reason}")

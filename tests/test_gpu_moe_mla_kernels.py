@@ -1,7 +1,7 @@
 """The MoE and MLA GPU kernels against the numpy reference ops (engine/executor/cpu_moe_ops.py,
 cpu_mla_ops.py), each through the GpuOps method that launches it, on the buffers of a tiny model's
 GpuExecutor: router top-k (greedy, renormalized, scaled, group-limited), the device-side expert
-grouping (moe_align.cu) against kernels/cute/moe.py's layout rules, the grouped GEMM (CuTe and the
+grouping (moe_align.cu) against openinfer_kernels/cute/moe.py's layout rules, the grouped GEMM (CuTe and the
 wmma fallback), the whole routed-expert op, the MLA cache write, and MLA attention in both forms.
 
 Tolerances: bf16 inputs on both sides; the GPU rounds its outputs (and some intermediates) to bf16,
@@ -67,11 +67,11 @@ def test_router_topk_matches_numpy():
 @pytest.mark.parametrize("tokens,skew", [(1, False), (5, False), (33, True), (512, False)])
 def test_expert_grouping_on_the_device(tokens, skew):
     """Every assignment gets its own row inside its expert's group (groups padded to whole tiles, in
-    expert order, as kernels/cute/moe.py group_by_expert lays them out), row_token inverts it, padding
+    expert order, as openinfer_kernels/cute/moe.py group_by_expert lays them out), row_token inverts it, padding
     rows are -1, and every tile of the fixed grid names an expert (unused ones the last used)."""
     import cupy
 
-    from kernels.cute.moe import group_by_expert
+    from openinfer_kernels.cute.moe import group_by_expert
     _, ex = executor("qwen3_moe")
     E, K = 6, 3
     rng = np.random.default_rng(tokens)

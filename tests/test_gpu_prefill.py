@@ -17,7 +17,7 @@ from engine.executor.gpu_ops import GpuOps, GpuStepContext
 from engine.executor.gpu_prefill import (DEFAULT_MIN_QUERY, PrefillStep, parse_prefill_attention, plan_prefill,
                                          prefill_min_query, upload_entries)
 from engine.models.ops import AttentionSpec
-from kernels.cute.attention import attention_work
+from openinfer_kernels.cute.attention import attention_work
 
 
 def mixed_batch(rng, steps: list[tuple[int, int]], spare_blocks: int = 5) -> ModelBatch:
@@ -46,7 +46,7 @@ def test_parse_prefill_attention():
 
 
 def test_prefill_min_query_needs_the_library_and_head_dim(monkeypatch):
-    import kernels.cute as cute
+    import openinfer_kernels.cute as cute
 
     monkeypatch.setattr(cute, "available", lambda: cute.Availability(True))
     assert prefill_min_query("cute:5", 128) == 5
@@ -194,9 +194,9 @@ class PagedStandIn(GpuOps):
 @pytest.mark.parametrize("min_query,max_key_rows,launches,paged", [
     (16, 4096, 1, True), (32, 4096, 2, True), (1, 4096, 1, False), (1, 400, 2, True)])
 def test_prefill_path_with_numpy_kernels(monkeypatch, min_query, max_key_rows, launches, paged):
-    import kernels.cute as cute
+    import openinfer_kernels.cute as cute
 
-    monkeypatch.setattr("kernels.raw_cuda.launch.launch", numpy_gather)
+    monkeypatch.setattr("openinfer_kernels.raw_cuda.launch.launch", numpy_gather)
     monkeypatch.setattr(cute, "varlen_attention", numpy_varlen)
     rng = np.random.default_rng(min_query + max_key_rows)
     b = mixed_batch(rng, MIXED)

@@ -24,7 +24,7 @@ POISON = 0x7FC1
 
 
 def cute_or_skip():
-    import kernels.cute as cute
+    import openinfer_kernels.cute as cute
 
     ok = cute.available()
     if not ok:
@@ -35,7 +35,7 @@ def cute_or_skip():
 def test_kv_gather_matches_numpy(D, Hkv):
     import cupy as cp
 
-    from kernels.raw_cuda import kernel
+    from openinfer_kernels.raw_cuda import kernel
 
     rng = np.random.default_rng(D + Hkv)
     lens = [1, 17, 300, 33, 16]

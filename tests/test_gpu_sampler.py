@@ -167,7 +167,7 @@ def test_device_seeded_uniforms_are_numpy_default_rng():
     """seeded_uniforms on the GPU: default_rng([seed, step]).random() bit for bit where the host marked
     the row (uniform < 0); a row the host drew keeps its value."""
     import cupy
-    from kernels.raw_cuda import kernel
+    from openinfer_kernels.raw_cuda import kernel
 
     rng = np.random.default_rng(11)
     n = 4096

@@ -12,7 +12,7 @@ import pytest
 from engine.batch import ModelBatch, SeqStep
 from engine.executor.gpu_mla_ops import expansion
 from engine.executor.gpu_moe_ops import expert_rows, expert_tile_m, expert_tiles
-from kernels.cute.moe import group_by_expert
+from openinfer_kernels.cute.moe import group_by_expert
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs")
 

@@ -51,7 +51,7 @@ def test_router_kernel_compiles_with_nvcc_for_sm90a(tmp_path):
     import shutil
     import subprocess
 
-    from kernels.raw_cuda import KERNEL_DIR
+    from openinfer_kernels.raw_cuda import KERNEL_DIR
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is not available")

@@ -225,7 +225,7 @@ def test_environment_is_read_once_into_gpu_tuning():
 def test_no_module_but_env_reads_the_environment():
     """Environment variables are read in engine/executor/env.py alone (the engine's own settings)."""
     offenders = []
-    for top in ("engine", "memory", "kernels/raw_cuda"):
+    for top in ("engine", "memory", "openinfer_kernels/raw_cuda"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
             for f in files:
                 path = os.path.join(dirpath, f)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kernels.raw_cuda import KERNEL_DIR
+from openinfer_kernels.raw_cuda import KERNEL_DIR
 
 
 def _nvrtc():

@@ -23,7 +23,7 @@ def cp():
                                              (128, 64, 8, 2)])
 def test_paged_decode_attention(cp, D, Hq, Hkv, splits):
     from engine.executor.gpu_ops import decode_attention_fits
-    from kernels.raw_cuda import kernel
+    from openinfer_kernels.raw_cuda import kernel
 
     G = Hq // Hkv
     assert decode_attention_fits(G, D)
@@ -60,7 +60,7 @@ SHAPES = [(1, 40, 264), (3, 17, 8), (8, 100, 2568), (9, 16, 32), (16, 2560, 4096
 @pytest.mark.parametrize("fp32_out", [False, True])
 @pytest.mark.parametrize("unroll", [2, 4, 8])          # GEMV_U: k steps per weight batch
 def test_gemv(cp, M, N, K, fp32_out, unroll):
-    from kernels.raw_cuda import kernel
+    from openinfer_kernels.raw_cuda import kernel
 
     rng = np.random.default_rng(M * 7 + N + K)
     x, w = bits(rng.standard_normal((M, K))), bits(rng.standard_normal((N, K)) * K ** -0.5)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.raw_cuda import kernel
-from kernels.raw_cuda.launch import launch
+from openinfer_kernels.raw_cuda import kernel
+from openinfer_kernels.raw_cuda.launch import launch
 from tests.test_raw_cuda_kernels import bits, dev, f32, poison, rb
 
 pytestmark = pytest.mark.gpu
@@ -170,7 +170,7 @@ def test_splitk_rms_norm_residual_equals_reduce_then_norm(cp, M, N, K, in_place)
     kernel (the decode layer's add_linear_norm) give the same bits as the split-K reduction into
     the residual followed by rms_norm_residual, and the residual stream agrees with numpy."""
     from engine.executor.gpu_ops import splitk_norm_threads
-    from kernels import cute
+    from openinfer_kernels import cute
 
     if not cute.available():
         pytest.skip(f"CuTe kernels unavailable: {cute.available().reason}")
@@ -208,7 +208,7 @@ def test_cute_swiglu_equals_gemm_then_silu_mul(cp, M, I, K):
     plain planned GEMM followed by silu_mul.cu in interleaved mode, and agrees with numpy on the
     un-interleaved weight."""
     from engine.executor.gpu_gemm import interleave_gate_up
-    from kernels import cute
+    from openinfer_kernels import cute
 
     if not cute.available():
         pytest.skip(f"CuTe kernels unavailable: {cute.available().reason}")

@@ -36,7 +36,7 @@ def poison(cp, shape, dtype=np.uint16):
 
 
 def k(name, fn):
-    from kernels.raw_cuda import kernel
+    from openinfer_kernels.raw_cuda import kernel
     return kernel(name, fn)
 
 

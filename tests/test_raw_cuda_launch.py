@@ -1,4 +1,4 @@
-"""kernels/raw_cuda/launch.py's argument packing and driver structures (no GPU needed)."""
+"""openinfer_kernels/raw_cuda/launch.py's argument packing and driver structures (no GPU needed)."""
 from __future__ import annotations
 
 import ctypes
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kernels.raw_cuda.launch import LaunchAttribute, LaunchConfig, pack_argument
+from openinfer_kernels.raw_cuda.launch import LaunchAttribute, LaunchConfig, pack_argument
 
 
 def test_packs_device_arrays_as_pointers_and_numpy_scalars_as_their_c_types():

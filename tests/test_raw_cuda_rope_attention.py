@@ -45,7 +45,7 @@ def decode_case(rng, D: int, Hq: int, Hkv: int, contexts: list[int], pad: int):
 def run_decode(cp, c: dict, Hq: int, Hkv: int, D: int, splits: int, qk_norm: bool, fused: bool,
                attn_factor: float = 1.0):
     """(out, k_cache, v_cache) on the host after the fused launch or the two composed ones."""
-    from kernels.raw_cuda import kernel
+    from openinfer_kernels.raw_cuda import kernel
 
     T, G, null = len(c["positions"]), Hq // Hkv, np.uint64(0)
     kc, vc = dev(cp, c["kc"]), dev(cp, c["vc"])

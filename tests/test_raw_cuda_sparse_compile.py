@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kernels.raw_cuda import KERNEL_DIR
+from openinfer_kernels.raw_cuda import KERNEL_DIR
 from test_raw_cuda_compile import _compile
 
 

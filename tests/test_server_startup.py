@@ -16,7 +16,7 @@ def test_a_gpu_without_cupy_is_named_with_the_install_command(monkeypatch):
     monkeypatch.setattr(startup, "cupy_status", lambda: "CuPy is not installed (ModuleNotFoundError: cupy)")
     warning = startup.gpu_warning("auto")
     assert "/dev/nvidia0" in warning and "CuPy is not installed" in warning and "'.[cuda,cute]'" in warning
-    assert "kernels.cute.build" in warning and "serving on the CPU" in warning
+    assert "openinfer_kernels.cute.build" in warning and "serving on the CPU" in warning
     assert startup.gpu_warning("cpu") is None                     # asked for the CPU: nothing to say
     monkeypatch.setattr(startup, "cupy_status", lambda: None)      # CuPy sees the GPU
     assert startup.gpu_warning("auto") is None

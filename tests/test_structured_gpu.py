@@ -27,7 +27,7 @@ V = 151936
 def test_mask_logits_matches_numpy():
     import cupy
 
-    from kernels.raw_cuda import kernel
+    from openinfer_kernels.raw_cuda import kernel
     rng = np.random.default_rng(0)
     rows, words = 5, -(-V // 32)
     x = rng.standard_normal((rows, V)).astype(np.float32)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kernels.raw_cuda import kernel
-from kernels.raw_cuda.launch import launch
+from openinfer_kernels.raw_cuda import kernel
+from openinfer_kernels.raw_cuda.launch import launch
 
 CHUNK = 64                  # gated_delta_rule.cu CHUNK (= cpu_deltanet_ops.CHUNK)
 VB = 32                     # value columns per CTA of both delta-rule entries

@@ -5,12 +5,12 @@ through ctypes on the same libcublas CuPy loads, on a handle of our own bound on
 with a fixed workspace from the arena, so a captured CUDA graph allocates nothing (CuPy's own
 wrappers rebind the handle to CuPy's current stream at every call, which also drops a user
 workspace). Where that library cannot be opened, CuPy's wrapper serves, run with our stream
-current. The CuTe DSL GEMM of kernels/cute replaces cuBLAS for bf16 products of at most
+current. The CuTe DSL GEMM of openinfer_kernels/cute replaces cuBLAS for bf16 products of at most
 ``cute_max_m`` rows where it is built and reports itself available (``cute_rows``: the executor's
 default "auto" gives it the decode-sized products, at most CUTE_AUTO_MAX_M rows); outputs are bf16
 (hidden states) or fp32 (logits, always cuBLAS). With
 `gemv_max_m > 0`, bf16 products of at most that many rows (decode) run the raw CUDA skinny GEMM of
-kernels/raw_cuda/gemv.cu instead (bandwidth-shaped: 16-byte weight loads, tensor-core mma), which
+openinfer_kernels/raw_cuda/gemv.cu instead (bandwidth-shaped: 16-byte weight loads, tensor-core mma), which
 also has the decoder's RMSNorm prologue and residual-add epilogue fused in (`gemv`). The
 fp32-output product (logits over the vocabulary) stays on cuBLAS: on the H200 (2026-11-30,
 bench/results/decode.md) cuBLAS read the 151936x2560 lm_head at 0.93 of HBM roofline at M = 1 against
@@ -23,7 +23,7 @@ import logging
 
 import numpy as np
 
-from kernels.raw_cuda.launch import launch
+from openinfer_kernels.raw_cuda.launch import launch
 
 CUDA_R_16BF = 14
 CUDA_R_32F = 0
@@ -88,7 +88,7 @@ def cute_workspace_bytes(plan, cute_max_m: int) -> int:
     with the plan's linear weights (0 where the CuTe GEMM serves nothing)."""
     if cute_max_m <= 0:
         return 0
-    from kernels.cute.gemm import split_workspace_bytes
+    from openinfer_kernels.cute.gemm import split_workspace_bytes
 
     return split_workspace_bytes(min(plan.max_tokens, cute_max_m), plan.linear_shapes)
 
@@ -134,7 +134,7 @@ class Gemm:
         self.cute, self.cute_max_m, self.cute_missing = None, cute_max_m, ""
         if cute_max_m > 0:
             try:
-                import kernels.cute as cute
+                import openinfer_kernels.cute as cute
                 ready = cute.available()
                 self.cute, self.cute_missing = (cute, "") if ready else (None, ready.reason)
             except Exception as exc:   # the AOT library is optional: cuBLAS serves without it
@@ -172,7 +172,7 @@ class Gemm:
 
     def __call__(self, x, w, out, pdl: bool = False, accumulate: bool = False) -> None:
         """x [T, K] bf16 (uint16 bits), w [N, K] bf16, out [T, N] bf16 (uint16) or float32.
-        pdl: launch a gemv.cu kernel as a programmatic dependent launch (kernels/raw_cuda/launch.py).
+        pdl: launch a gemv.cu kernel as a programmatic dependent launch (openinfer_kernels/raw_cuda/launch.py).
         accumulate: out += x · wᵀ, added in fp32 before the one rounding (cuBLAS beta = 1, or the CuTe
         GEMM's residual epilogue): the residual add of o_proj / down_proj with no kernel of its own."""
         T, K = x.shape
@@ -202,7 +202,7 @@ class Gemm:
 
     def cute_partials(self, x, w, residual):
         """For ``residual += x · wᵀ`` on the CuTe GEMM where its plan splits in K: launch the split
-        GEMM alone and return its float32 partials ``[S, T, N]`` (kernels.cute.DeviceTensor) for a
+        GEMM alone and return its float32 partials ``[S, T, N]`` (openinfer_kernels.cute.DeviceTensor) for a
         fused reduction; None where CuTe does not take the product or its plan does not split."""
         if not self.cute_serves(x.shape[0], residual):
             return None
@@ -214,7 +214,7 @@ class Gemm:
         epilogue (cute_swiglu): CuTe serves the rows and the planned tile has a SiLU·up twin."""
         if self.cute is None or rows > self.cute_max_m:
             return False
-        from kernels.cute.configs import plan_gemm, silu_twin
+        from openinfer_kernels.cute.configs import plan_gemm, silu_twin
         return silu_twin(plan_gemm(rows, *w.shape)) is not None
 
     def cute_swiglu(self, x, w, out) -> None:
@@ -242,7 +242,7 @@ class Gemm:
         """out = x · wᵀ through gemv.cu, T <= 32 rows. variant "norm": x is RMSNorm'ed with norm_w, eps
         first; "res": out = bf16(x · wᵀ) + res_in; "norm_silu": "norm", then out [T, N/2] = SiLU(gate)·up
         of the product, w interleaved (interleave_gate_up). "" picks "bf16" or "f32" from out's dtype."""
-        from kernels.raw_cuda import kernel
+        from openinfer_kernels.raw_cuda import kernel
 
         T = x.shape[0]
         N, K = w.shape

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from kernels.raw_cuda import kernel
-from kernels.raw_cuda.launch import launch
+from openinfer_kernels.raw_cuda import kernel
+from openinfer_kernels.raw_cuda.launch import launch
 from memory.device_arena import Buffer, buffers_nbytes
 
 TILE_TOKENS = 8             # lora_shrink.cu / lora_expand.cu TT

@@ -20,7 +20,7 @@ import numpy as np
 from engine.executor.gpu_gemm import CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_16BF, \
     CUDA_R_32F
 from engine.models.ops import MLASpec
-from kernels.raw_cuda import kernel
+from openinfer_kernels.raw_cuda import kernel
 from memory.device_arena import Buffer, buffers_nbytes
 from memory.kv_pool import BLOCK_SIZE, blocks_for
 

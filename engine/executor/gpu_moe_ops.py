@@ -5,7 +5,7 @@ route: the router GEMM into float32 logits (cuBLAS), then moe_route.cu's softmax
 or group-limited, with DeepSeek-V3's score correction bias where the line has one (held in bf16, as every
 device weight), renormalized, scaled), one warp per token. moe_experts: moe_align.cu groups the
 (token, slot) assignments by expert on the device (each group padded to whole M-tiles), moe_permute.cu
-gathers the activations into those rows, the grouped GEMM (kernels.cute.grouped_gemm where the CuTe
+gathers the activations into those rows, the grouped GEMM (openinfer_kernels.cute.grouped_gemm where the CuTe
 library serves, else moe_grouped_gemm.cu) runs gate_up, silu_mul.cu the activation, the grouped GEMM
 down, and moe_permute.cu's combine adds the routing-weighted rows to the residual stream. Every
 launch has a grid fixed by the step's token count (the rows bound below), nothing waits on the host:
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.models.ops import RouteSpec
-from kernels.raw_cuda import kernel
+from openinfer_kernels.raw_cuda import kernel
 from memory.device_arena import Buffer, buffers_nbytes
 
 MAX_ROUTED_EXPERTS = 512     # moe_route.cu MAX_E (moe_align.cu takes up to 1024)

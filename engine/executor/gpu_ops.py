@@ -17,7 +17,7 @@ add_linear), and where the CuTe GEMM's plan splits that product in K, one kernel
 adds the residual and writes the RMSNorm of the next projection (add_linear_norm, rms_norm.cu
 splitk_rms_norm_residual); the gate_up product on the CuTe GEMM computes SiLU·up in its epilogue
 where its tile has that twin (norm_swiglu). With `pdl` on (CUDA-graph decode),
-every kernel is a programmatic dependent launch (kernels/raw_cuda/launch.py).
+every kernel is a programmatic dependent launch (openinfer_kernels/raw_cuda/launch.py).
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from engine.executor.gpu_moe_ops import GpuMoEOps
 from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
 from engine.executor.gpu_dsv4_ops import GpuDSV4Ops
 from engine.models.ops import AttentionSpec, ComposedOps
-from kernels.raw_cuda import kernel
-from kernels.raw_cuda.launch import launch
+from openinfer_kernels.raw_cuda import kernel
+from openinfer_kernels.raw_cuda.launch import launch
 from memory.device_arena import Buffer, buffers_nbytes
 
 RING_SLOTS = 10

@@ -1,4 +1,4 @@
-"""Prefill attention on tensor cores: the CuTe DSL varlen FlashAttention kernel (kernels/cute
+"""Prefill attention on tensor cores: the CuTe DSL varlen FlashAttention kernel (openinfer_kernels/cute
 `varlen_attention`) for the sequences of an eager step that feed many tokens.
 
 paged_decode.cu walks each query token's whole prefix on CUDA cores, O(T²) key reads for a T-token
@@ -65,7 +65,7 @@ def prefill_min_query(spec: str, head_dim: int) -> int | None:
     if head_dim not in CUTE_HEAD_DIMS:
         log.info("prefill attention: paged (the CuTe kernel takes head_dim %s, not %d)", CUTE_HEAD_DIMS, head_dim)
         return None
-    import kernels.cute as cute
+    import openinfer_kernels.cute as cute
 
     ok = cute.available()
     if not ok:
@@ -113,7 +113,7 @@ def plan_prefill(cu_seqlens: np.ndarray, context_lens: np.ndarray, positions: np
                  min_query: int, max_key_rows: int) -> PrefillPlan | None:
     """Group the sequences with at least min_query new tokens (and a context that fits the scratch)
     into launches of consecutive sequences whose contexts together fit max_key_rows; None if none."""
-    from kernels.cute.attention import attention_work
+    from openinfer_kernels.cute.attention import attention_work
 
     lens = np.diff(cu_seqlens)
     served = (lens >= min_query) & (context_lens <= max_key_rows)
@@ -165,7 +165,7 @@ class PrefillAttention:
 
     def __init__(self, arena, stream, max_tokens: int, max_seqs: int, key_rows: int, num_kv_heads: int,
                  head_dim: int, min_query: int):
-        from kernels.raw_cuda import kernel
+        from openinfer_kernels.raw_cuda import kernel
         from memory.streams import pinned_array
 
         self.stream, self.min_query, self.key_rows = stream, min_query, key_rows
@@ -222,8 +222,8 @@ class PrefillStep:
         """o[T, Hq·D]: the paged kernel for the rows no launch serves (launched over their span only, its
         split count theirs: decode rows before 8k prompt tokens do not pay for 8k empty query CTAs), then
         gather + CuTe per launch (overwriting the span's served rows, which the paged kernel zeroed)."""
-        import kernels.cute as cute
-        from kernels.raw_cuda.launch import launch
+        import openinfer_kernels.cute as cute
+        from openinfer_kernels.raw_cuda.launch import launch
 
         own, plan, d = self.owner, self.plan, self.owner.data
         T, Hq, Hkv, D = ctx.num_tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim

@@ -26,7 +26,7 @@ import numpy as np
 
 from engine.batch import SampledToken, SeqStep
 from engine.grammar import allowed_tokens, only_stop_tokens, step_bitmask
-from kernels.raw_cuda import kernel
+from openinfer_kernels.raw_cuda import kernel
 from memory.device_arena import Buffer, buffers_nbytes
 
 MAX_TOP_LOGPROBS = 20

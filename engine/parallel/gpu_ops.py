@@ -27,7 +27,7 @@ import numpy as np
 from engine.executor.gpu import GpuExecutor
 from engine.executor.gpu_ops import GpuOps
 from engine.executor.options import ExecutorOptions
-from kernels.raw_cuda import kernel
+from openinfer_kernels.raw_cuda import kernel
 from memory.device_arena import Buffer, buffers_nbytes
 from memory.state_slots import check_slots
 

@@ -1,6 +1,6 @@
 """Ahead-of-time build: compile every kernel variant for sm_90a, export to C, link one ``.so``.
 
-``python -m kernels.cute.build [--out DIR] [--force]`` runs on any x86-64 machine with the CuTe DSL
+``python -m openinfer_kernels.cute.build [--out DIR] [--force]`` runs on any x86-64 machine with the CuTe DSL
 (``pip install openinfer[cute]``) and a CUDA toolkit (for ``libcudart_static.a``); no GPU needed. Each
 variant is compiled against fake tensors with dynamic M/N/K/batch and strides, exported with
 ``export_to_c`` and cached as ``obj/<name>.<hash>.o`` where the hash covers the variant, the kernel

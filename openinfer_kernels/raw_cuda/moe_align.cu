@@ -1,4 +1,4 @@
-// Token -> expert grouping for the grouped (MoE) GEMM, on the device: kernels/cute/moe.py's
+// Token -> expert grouping for the grouped (MoE) GEMM, on the device: openinfer_kernels/cute/moe.py's
 // group_by_expert without the host. From the router's ids [T, top_k]:
 //   counts[e] = assignments to expert e;
 //   expert e's group starts at offsets[e] = sum over e' < e of ceil(counts[e'] / tile_m) · tile_m;

@@ -1,4 +1,4 @@
-// Paged KV -> contiguous K/V rows, for attention kernels that read packed sequences (kernels/cute
+// Paged KV -> contiguous K/V rows, for attention kernels that read packed sequences (openinfer_kernels/cute
 // varlen_attention). For each sequence b of a launch and each position p < cu_k[b+1] - cu_k[b]:
 //   k_out[cu_k[b] + p] = k_cache[block_tables[b][p / 16] * 16 + p % 16]   (and the same for V),
 // one row being Hkv·D bf16 (row_vecs 16-byte vectors). Grid (max blocks of a sequence, sequences),

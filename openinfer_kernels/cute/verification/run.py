@@ -1,6 +1,6 @@
 """GPU verification of every compiled kernel, one case at a time, surviving hangs and crashes.
 
-    python3 -m kernels.cute.verification.run [--out DIR] [--budget SECONDS] [--hang-s SECONDS]
+    python3 -m openinfer_kernels.cute.verification.run [--out DIR] [--budget SECONDS] [--hang-s SECONDS]
 
 The parent process never touches the GPU. It runs the cases of ``testing.CASES`` in a worker
 process (``--worker``) that prints ``@start i`` / ``@done i STATUS detail`` for each. A kernel that
@@ -232,7 +232,7 @@ def verify(out_dir: Path, budget_s: float, hang_s: float, log=print, kinds: set[
             if msg.startswith(("@done", "[")) or msg.startswith("HANG"):
                 log(msg)
 
-        results = run_all(CASES, [sys.executable, "-m", "kernels.cute.verification.run", "--worker"],
+        results = run_all(CASES, [sys.executable, "-m", "openinfer_kernels.cute.verification.run", "--worker"],
                           budget_s, case_timeout_s=hang_s + 30.0, log=both,
                           only=None if kinds is None and groups is None else
                           {i for i, c in enumerate(CASES) if (kinds is None or c.kind in kinds)

@@ -11,7 +11,7 @@ typedef unsigned short bf16_t;   // storage type: the raw bits of a bfloat16
 // 16 zero bytes: a load whose piece is out of range reads this instead of branching on the data.
 __device__ const uint4 kZero16 = {0u, 0u, 0u, 0u};
 
-// Programmatic dependent launch (kernels/raw_cuda/launch.py). pdl_wait: block until the previous
+// Programmatic dependent launch (openinfer_kernels/raw_cuda/launch.py). pdl_wait: block until the previous
 // kernel on the stream has completed and its writes are visible; it returns at once when this kernel
 // was launched without the PDL attribute. Every kernel calls it before touching memory another kernel
 // writes. pdl_launch_dependents: let the next kernel's blocks be scheduled (they stop at their own

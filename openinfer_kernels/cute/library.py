@@ -1,6 +1,6 @@
 """Loads the prebuilt ``libopeninfer_cute.so`` with ctypes and calls its kernels (no DSL at run time).
 
-The manifest (written by ``kernels.cute.build``) names each kernel's entry symbol and argument list.
+The manifest (written by ``openinfer_kernels.cute.build``) names each kernel's entry symbol and argument list.
 Every kernel module is initialised and loaded onto each device once, in ``Library.load`` — do it
 before capturing a CUDA graph. A call packs each tensor as ``{void *data; int32 shapes[k];
 int64 strides[j]}`` (only the dynamic modes), then the stream, then an ``int32`` return code, and
@@ -135,11 +135,11 @@ class Library:
         manifest_path = directory / "manifest.json"
         if not manifest_path.is_file():
             raise FileNotFoundError(
-                f"{manifest_path} missing: build the CuTe kernels with `python -m kernels.cute.build`")
+                f"{manifest_path} missing: build the CuTe kernels with `python -m openinfer_kernels.cute.build`")
         self.manifest = json.loads(manifest_path.read_text())
         so_path = directory / self.manifest["library"]
         if not so_path.is_file():
-            raise FileNotFoundError(f"{so_path} missing: rebuild with `python -m kernels.cute.build`")
+            raise FileNotFoundError(f"{so_path} missing: rebuild with `python -m openinfer_kernels.cute.build`")
         self._lib = ctypes.CDLL(str(so_path))
         self.kernels = {name: Kernel(self._lib, name, info) for name, info in self.manifest["kernels"].items()}
         self._loaded: set[int] = set()
@@ -162,7 +162,7 @@ class Library:
         try:
             return self.kernels[name]
         except KeyError:
-            raise KeyError(f"kernel {name!r} is not in the manifest; rebuild with `python -m kernels.cute.build`") from None
+            raise KeyError(f"kernel {name!r} is not in the manifest; rebuild with `python -m openinfer_kernels.cute.build`") from None
 
 
 _OPENED: dict[Path, Library] = {}

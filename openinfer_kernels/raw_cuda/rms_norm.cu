@@ -41,7 +41,7 @@ extern "C" __global__ void rms_norm_residual(const bf16_t* __restrict__ x, const
 
 // A split-K product's reduction, its residual add and the RMSNorm after it, in one kernel (decode:
 // o_proj / down_proj on the CuTe GEMM's split plans, then the next layer norm):
-//   r = bf16(sum_s partial[s] + residual)     (the sum in split order, as kernels/cute/splitk_reduce)
+//   r = bf16(sum_s partial[s] + residual)     (the sum in split order, as openinfer_kernels/cute/splitk_reduce)
 //   out = bf16(w * bf16(r / sqrt(mean(r²) + eps))), resid_out = r (may be residual itself)
 // partial: `splits` float32 slices of T·hidden, `slice` elements apart. Bit-identical to the split-K
 // reduction followed by rms_norm_residual on r. One block per row, one thread per 8 columns (launch

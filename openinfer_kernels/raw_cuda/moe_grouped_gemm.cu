@@ -1,4 +1,4 @@
-// Grouped (MoE) GEMM, the fallback of kernels/cute's grouped_gemm (where the CuTe library is not built
+// Grouped (MoE) GEMM, the fallback of openinfer_kernels/cute's grouped_gemm (where the CuTe library is not built
 // or its shapes do not fit): for every row r of the expert-grouped activations (moe_align.cu),
 //   out[r, n] = bf16(sum_k a[r, k] · w[tile_expert[r / tile_m], n, k])     (fp32 accumulation)
 // a [M, K], w [E, N, K], out [M, N] bf16; M a multiple of tile_m (64 or 128), K % 8 == 0. CTA tiles

@@ -174,7 +174,7 @@ class GemmRunner:
             if capturing:
                 raise RuntimeError(
                     f"split-K workspace of {nbytes} bytes needed during CUDA graph capture; call "
-                    "kernels.cute.reserve_workspace(max_m, shapes) before capturing")
+                    "openinfer_kernels.cute.reserve_workspace(max_m, shapes) before capturing")
             self._workspace = cupy.empty(max(nbytes, 1 << 20) // 4, dtype=cupy.float32)
         if capturing and (not self._captured or self._captured[-1] is not self._workspace):
             self._captured.append(self._workspace)  # a graph holds its address: never free it

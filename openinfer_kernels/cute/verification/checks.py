@@ -2,7 +2,7 @@
 
 Every check uses fresh random bf16 inputs, poisons the output with NaN first and compares with a
 float32 reference: it passes when the relative Frobenius error is ≤ ``TOLERANCE`` and every output
-element was written. ``CASES`` is the ordered catalogue that ``kernels.cute.verification.run`` runs one by one
+element was written. ``CASES`` is the ordered catalogue that ``openinfer_kernels.cute.verification.run`` runs one by one
 (simplest launch first: one tile and one k-tile, then more k-tiles than pipeline stages, then odd
 shapes, per config; then split-K, the planned path, graph replay, grouped GEMM, attention).
 """

@@ -1,9 +1,9 @@
 """CuTe DSL kernels for Hopper, compiled ahead of time into one ``.so`` and launched through ctypes.
 
-Build once per checkout (no GPU needed): ``python -m kernels.cute.build``. At run time only the
+Build once per checkout (no GPU needed): ``python -m openinfer_kernels.cute.build``. At run time only the
 ``.so``, its manifest and CuPy are used::
 
-    from kernels import cute
+    from openinfer_kernels import cute
     if cute.available():
         cute.init()                                  # load modules (before any graph capture)
         cute.gemm(a, w, out, stream=stream)          # out[M,N] = a[M,K] · w[N,K]ᵀ, bf16 as uint16
