@@ -43,13 +43,19 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return np.float32(1) / (np.float32(1) + xp_of(x).exp(-x))
 
 
-def hyper_connection(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndarray, iters: int,
-                     hc_eps: float, norm_eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """streams [T, N, D] -> (post [T, N], comb [T, N, N], collapsed [T, D]): mixes = rmsnorm(flat streams) · fnᵀ;
-    pre = sigmoid(mix·s0 + b) + eps, post = 2·sigmoid(mix·s1 + b), comb = softmax(mix·s2 + b) + eps, then
-    Sinkhorn: columns normalized, then iters - 1 times rows and columns; collapsed = sum_n pre_n · stream_n."""
-    xp, (T, N, D) = xp_of(streams), streams.shape
-    mix = rms(streams.reshape(T, N * D), norm_eps) @ fn.T                          # [T, (2 + N)·N]
+def hc_mix(streams: np.ndarray, fn: np.ndarray, norm_eps: float) -> np.ndarray:
+    """The mixes [T, (2 + N)·N] of the streams [T, N, D]: rmsnorm(flat streams) · fnᵀ."""
+    T, N, D = streams.shape
+    return rms(streams.reshape(T, N * D), norm_eps) @ fn.T
+
+
+def hc_weights(mix: np.ndarray, base: np.ndarray, scale: np.ndarray, iters: int, hc_eps: float
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pre [T, N], post [T, N], comb [T, N, N]) of the mixes: pre = sigmoid(mix·s0 + b) + eps,
+    post = 2·sigmoid(mix·s1 + b), comb = softmax(mix·s2 + b) + eps, then Sinkhorn: columns normalized, then
+    iters - 1 times rows and columns."""
+    xp, T = xp_of(mix), mix.shape[0]
+    N = int(round((mix.shape[1] + 1) ** 0.5)) - 1                             # (2 + N)·N columns
     pre_w, post_w, comb_w = mix[:, :N], mix[:, N:2 * N], mix[:, 2 * N:].reshape(T, N, N)
     pre_b, post_b, comb_b = base[:N], base[N:2 * N], base[2 * N:].reshape(N, N)
     pre = sigmoid(pre_w * scale[0] + pre_b) + np.float32(hc_eps)
@@ -61,7 +67,20 @@ def hyper_connection(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scal
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdims=True) + np.float32(hc_eps))
         comb = comb / (comb.sum(-2, keepdims=True) + np.float32(hc_eps))
-    return post, comb, xp.einsum("tn,tnd->td", pre, streams)
+    return pre, post, comb
+
+
+def hc_collapse(pre: np.ndarray, streams: np.ndarray) -> np.ndarray:
+    """sum_n pre_n · stream_n: [T, D]."""
+    return xp_of(streams).einsum("tn,tnd->td", pre, streams)
+
+
+def hyper_connection(streams: np.ndarray, fn: np.ndarray, base: np.ndarray, scale: np.ndarray, iters: int,
+                     hc_eps: float, norm_eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """streams [T, N, D] -> (post [T, N], comb [T, N, N], collapsed [T, D]): hc_weights of hc_mix, and the
+    streams collapsed by pre."""
+    pre, post, comb = hc_weights(hc_mix(streams, fn, norm_eps), base, scale, iters, hc_eps)
+    return post, comb, hc_collapse(pre, streams)
 
 
 def hc_merge(block_out: np.ndarray, streams: np.ndarray, post: np.ndarray, comb: np.ndarray) -> np.ndarray:

@@ -16,11 +16,12 @@ import math
 import numpy as np
 
 from engine.executor.cpu_dsv4_attention import NumpyDSV4AttentionOps
-from engine.executor.cpu_dsv4_ops import hash_route, hc_merge, hyper_connection, hyper_head, swiglu_limited
+from engine.executor.cpu_dsv4_ops import hash_route, hc_collapse, hc_merge, hc_mix, hc_weights, hyper_head, swiglu_limited
 from engine.executor.cpu_moe_ops import route_topk
 from memory.kv_pool import block_view
 
 INTERLEAVE_ROWS = 8     # gate_up rows interleaved in blocks of 8 (memory/weight_upload.py)
+WEIGHT_F32_CACHE = 1 << 22      # weights of at most this many elements keep a float32 copy on the device
 
 
 def bf16_to_f32(cp, a):
@@ -45,6 +46,25 @@ class GpuDSV4Ops(NumpyDSV4AttentionOps):
     def _b(self, a):
         return f32_to_bf16(self.cp, a)
 
+    def _weight_f32(self, w):
+        """A weight's float32 values, converted once and kept for weights up to WEIGHT_F32_CACHE elements (the
+        norms, sinks, hyper-connection and router tables); the large projections go through the bf16 GEMM."""
+        if w.dtype == np.float32 or w.size > WEIGHT_F32_CACHE:
+            return self._f(w)
+        return self._kept(w, "f32", self._f)
+
+    def _kept(self, w, form: str, convert):
+        """convert(w), computed on first use and kept with w (held, so its id stays its own)."""
+        cache = self.__dict__.setdefault("_kept_weights", {})
+        hit = cache.get((id(w), form))
+        if hit is None:
+            hit = cache[(id(w), form)] = (w, convert(w))
+        return hit[1]
+
+    def _host(self, a):
+        """A device array's values on the host (numpy), after the stream's work so far."""
+        return a.get() if hasattr(a, "get") else a
+
     def _split_gate_up(self, gate_up):
         """gate_up [T, 2I] as float32 [gate | up], undoing the upload's interleave of 8-row blocks."""
         g = self._f(gate_up)
@@ -60,10 +80,13 @@ class GpuDSV4Ops(NumpyDSV4AttentionOps):
             return self.cp.repeat(self._f(x)[:, None, :], n, axis=1)
 
     def hyper_connection(self, streams, fn, base, scale, iters, hc_eps, norm_eps):
+        """The mixes on the device; pre / post / comb (Sinkhorn: ~6 array ops an iteration on [T, N, N]) in
+        numpy after one small copy of the mixes, the host's ops being ~10x cheaper than eager launches."""
         with self.stream:
-            post, comb, x = hyper_connection(streams, self._f(fn), self._f(base), self._f(scale), iters, hc_eps,
-                                             norm_eps)
-            return post, comb, self._b(x)
+            mix = self._host(hc_mix(streams, self._weight_f32(fn), norm_eps))
+            base, scale = (self._kept(a, "host", lambda v: self._host(self._f(v))) for a in (base, scale))
+            pre, post, comb = (self.cp.asarray(a) for a in hc_weights(mix, base, scale, iters, hc_eps))
+            return post, comb, self._b(hc_collapse(pre, streams))
 
     def hc_merge(self, block_out, streams, post, comb):
         with self.stream:
@@ -71,8 +94,8 @@ class GpuDSV4Ops(NumpyDSV4AttentionOps):
 
     def hyper_head(self, streams, fn, base, scale, hc_eps, norm_eps):
         with self.stream:
-            s = self._f(scale).reshape(-1)[:1]          # on the device: no host round trip
-            return self._b(hyper_head(streams, self._f(fn), self._f(base), s, hc_eps, norm_eps))
+            s = self._weight_f32(scale).reshape(-1)[:1]          # on the device: no host round trip
+            return self._b(hyper_head(streams, self._weight_f32(fn), self._weight_f32(base), s, hc_eps, norm_eps))
 
     # ---- MLP ---------------------------------------------------------------------------------------------
     def swiglu_limited(self, gate_up, limit):
@@ -105,7 +128,7 @@ class GpuDSV4Ops(NumpyDSV4AttentionOps):
         """The experts tid2eid[token] (held as bf16: exact for ids below 256, checked at start by the line)."""
         logits = self._router_logits(x, gate_weight)
         with self.stream:
-            table = self._f(tid2eid).astype(np.int32)
+            table = self._kept(tid2eid, "int32", lambda t: self._f(t).astype(np.int32))
             weights, ids = hash_route(logits, table, ctx.input_ids[:x.shape[0]], spec.scale)
             return self.cp.ascontiguousarray(weights), self.cp.ascontiguousarray(ids)
 
@@ -121,7 +144,7 @@ class GpuDSV4Ops(NumpyDSV4AttentionOps):
         return out
 
     def _fp32(self, weight):
-        return self._f(weight)
+        return self._weight_f32(weight)
 
     def _dev(self, host):
         return self.cp.asarray(host)
