@@ -72,3 +72,23 @@ def test_serves_the_oracle_greedy_tokens_on_the_cpu():
     assert out.error is None and len(out.outputs[0].token_ids) == 8
     hf_greedy_check(path, prompt, out.outputs[0].token_ids)
 
+
+
+def test_decode_rows_attended_together_equal_each_alone(case, monkeypatch):
+    """A step's one-query sequences attend as one group padded to its longest context (attention_groups); with
+    a group budget of one row each sequence attends alone, and the logits are the same (the padding is
+    invisible); the grouped steps pass the gate."""
+    import numpy as np
+
+    import engine.executor.cpu_dsv4_attention as attention
+    from test_golden import gate_failures, new_executor
+    from harness.models import engine_logits
+
+    model, prompts, oracle = case
+    assert attention.attention_groups(np.array([1, 1, 3, 1]), np.array([9, 40, 13, 6]), 80) == [[3, 0], [1], [2]]
+    grouped = engine_logits(new_executor(model), prompts, prefill=[7, 3, 12, 5], chunks=1)
+    monkeypatch.setattr(attention, "CONTEXT_ROWS_PER_GROUP", 1)
+    alone = engine_logits(new_executor(model), prompts, prefill=[7, 3, 12, 5], chunks=1)
+    for g, a in zip(grouped, alone):
+        np.testing.assert_allclose(g, a, atol=1e-4)
+    assert not gate_failures(grouped, oracle)

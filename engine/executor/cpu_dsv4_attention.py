@@ -19,6 +19,8 @@ import numpy as np
 from engine.executor.cpu_dsv4_ops import argsort_stable, grouped_linear, rms, rope_trailing, sink_attention, xp_of
 from memory.kv_pool import BLOCK_SIZE, block_view
 
+CONTEXT_ROWS_PER_GROUP = 1 << 15     # padded context rows attended together (~0.4 GB float32 at V4-Flash's width)
+
 
 def cos_sin(positions, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [T, R/2] of positions [T] (numpy or CuPy) times the host table inv_freq [R/2]."""
@@ -29,38 +31,55 @@ def cos_sin(positions, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def compress_entries(kv: np.ndarray, gate: np.ndarray, ape: np.ndarray, norm: np.ndarray, rate: int, overlap: bool,
                      inv_freq: np.ndarray, eps: float) -> np.ndarray:
-    """The entries [n, d] of the n = len(kv) // rate closed windows from each token's compressor kv / gate
-    [L, s·d] (s = 2 with overlap: the first series feeds the next window's entry, the second its own)."""
-    xp, n = xp_of(kv), len(kv) // rate
-    d = kv.shape[1] // (2 if overlap else 1)
+    """The entries [B, n, d] of the n = L // rate closed windows of each sequence's compressor kv / gate
+    [B, L, s·d] (s = 2 with overlap: the first series feeds the next window's entry, the second its own)."""
+    xp, B, n = xp_of(kv), kv.shape[0], kv.shape[1] // rate
+    d = kv.shape[2] // (2 if overlap else 1)
     if n == 0:
-        return xp.zeros((0, d), np.float32)
-    kv = kv[:n * rate].reshape(n, rate, -1)
-    gate = gate[:n * rate].reshape(n, rate, -1) + ape
+        return xp.zeros((B, 0, d), np.float32)
+    kv = kv[:, :n * rate].reshape(B, n, rate, -1)
+    gate = gate[:, :n * rate].reshape(B, n, rate, -1) + ape
     if overlap:
-        prev_kv, prev_gate = xp.zeros((n, rate, d), np.float32), xp.full((n, rate, d), -np.inf, np.float32)
-        prev_kv[1:], prev_gate[1:] = kv[:-1, :, :d], gate[:-1, :, :d]
-        kv = xp.concatenate([prev_kv, kv[..., d:]], axis=1)
-        gate = xp.concatenate([prev_gate, gate[..., d:]], axis=1)
-    p = xp.exp(gate - gate.max(axis=1, keepdims=True))
-    entries = rms((kv * (p / p.sum(axis=1, keepdims=True))).sum(axis=1), eps, norm)
+        prev_kv, prev_gate = xp.zeros((B, n, rate, d), np.float32), xp.full((B, n, rate, d), -np.inf, np.float32)
+        prev_kv[:, 1:], prev_gate[:, 1:] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]
+        kv = xp.concatenate([prev_kv, kv[..., d:]], axis=2)
+        gate = xp.concatenate([prev_gate, gate[..., d:]], axis=2)
+    p = xp.exp(gate - gate.max(axis=2, keepdims=True))
+    entries = rms((kv * (p / p.sum(axis=2, keepdims=True))).sum(axis=2), eps, norm)          # [B, n, d]
     cos, sin = cos_sin(xp.arange(n, dtype=np.int32) * rate, inv_freq)
-    return rope_trailing(entries[:, None], cos, sin)[:, 0]
+    return rope_trailing(entries.transpose(1, 0, 2), cos, sin).transpose(1, 0, 2)
 
 
 def indexer_pick(q: np.ndarray, weights: np.ndarray, keys: np.ndarray, positions: np.ndarray, rate: int,
                  topk: int) -> np.ndarray:
-    """visible [n_q, n]: for each query the closed entries among its top `topk` by the indexer's score
-    (q [n_q, heads, d], weights [n_q, heads], keys [n, d]); all its closed entries when it has at most topk."""
+    """visible [B, Q, n]: for each query the closed entries among its top `topk` by the indexer's score
+    (q [B, Q, heads, d], weights [B, Q, heads], keys [B, n, d], positions [B, Q]); all its closed entries when
+    it has at most topk."""
     xp = xp_of(q)
-    score = xp.einsum("qh,qhn->qn", weights, xp.maximum(xp.einsum("qhd,nd->qhn", q, keys), np.float32(0)))
-    score = score * np.float32(keys.shape[1] ** -0.5)
-    closed = xp.arange(len(keys))[None, :] < ((positions + 1) // rate)[:, None]
+    score = xp.einsum("bqh,bqhn->bqn", weights, xp.maximum(xp.einsum("bqhd,bnd->bqhn", q, keys), np.float32(0)))
+    score = score * np.float32(keys.shape[-1] ** -0.5)
+    closed = xp.arange(keys.shape[1])[None, None, :] < ((positions + 1) // rate)[:, :, None]
     score = xp.where(closed, score, np.float32(-np.inf))
-    order = argsort_stable(-score)[:, :topk]
+    order = argsort_stable(-score)[..., :topk]
+    B, Q = order.shape[:2]
     picked = xp.zeros_like(closed)
-    picked[xp.arange(len(picked))[:, None], order] = True
+    picked[xp.arange(B)[:, None, None], xp.arange(Q)[None, :, None], order] = True
     return picked & closed
+
+
+def attention_groups(q_lens: np.ndarray, ctx_lens: np.ndarray, max_rows: int) -> list[list[int]]:
+    """The step's sequences in groups attended together (padded to the group's longest context): one-query
+    sequences (decode) by context length, as many as fit max_rows padded context rows; each longer one alone."""
+    groups, group, longest = [], [], 0
+    for i in sorted(np.flatnonzero(q_lens == 1).tolist(), key=lambda i: int(ctx_lens[i])):
+        longest = max(longest, int(ctx_lens[i]))
+        if group and longest * (len(group) + 1) > max_rows:
+            groups.append(group)
+            group, longest = [], int(ctx_lens[i])
+        group.append(i)
+    if group:
+        groups.append(group)
+    return groups + [[int(i)] for i in np.flatnonzero(q_lens != 1)]
 
 
 class NumpyDSV4AttentionOps:
@@ -88,26 +107,33 @@ class NumpyDSV4AttentionOps:
         xp = xp_of(kv)
         self._write_rows(spec.layer, b.slot_mapping, xp.concatenate(row, axis=-1))
         sinks, out = f32(w[L + "sinks"]), xp.empty((T, H, D), np.float32)
-        for i in range(len(b.seqs)):
-            q0, q1, n_ctx = int(b.cu_seqlens[i]), int(b.cu_seqlens[i + 1]), int(b.context_lens[i])
-            rows = self._context_rows(spec.layer, b.block_tables[i, :-(-n_ctx // BLOCK_SIZE)], n_ctx)
-            pos = positions[q0:q1]
-            d = pos[:, None] - xp.arange(n_ctx)[None, :]
-            keys, visible = rows[:, :D], (d >= 0) & (d < spec.window)
+        cu, ctx_lens = np.asarray(b.cu_seqlens), np.asarray(b.context_lens)
+        q_lens = np.diff(cu)
+        for group in attention_groups(q_lens, ctx_lens, CONTEXT_ROWS_PER_GROUP):
+            G, Q, n_ctx = len(group), int(q_lens[group].max()), int(ctx_lens[group].max())
+            real = np.arange(Q)[None, :] < q_lens[group][:, None]               # [G, Q]: padded queries False
+            rows_of = np.where(real, cu[group][:, None] + np.arange(Q)[None, :], 0)   # the step's token rows
+            tok, pos = self._dev(rows_of), self._dev(np.where(real, np.asarray(b.positions)[rows_of], -1))
+            rows = self._context_rows(spec.layer, b.block_tables[group, :-(-n_ctx // BLOCK_SIZE)],
+                                      ctx_lens[group], n_ctx)                   # [G, n_ctx, width], zero padded
+            d = pos[:, :, None] - xp.arange(n_ctx)[None, None, :]
+            keys, visible = rows[..., :D], (d >= 0) & (d < spec.window)
             if spec.rate:
                 s = spec.series * D
-                entries = compress_entries(rows[:, D:D + s], rows[:, D + s:D + 2 * s], f32(w[L + "comp_ape"]),
+                entries = compress_entries(rows[..., D:D + s], rows[..., D + s:D + 2 * s], f32(w[L + "comp_ape"]),
                                            f32(w[L + "comp_norm"]), spec.rate, spec.overlap, spec.compress_inv_freq,
                                            eps)
                 if spec.index_heads:
                     o, di = D + 2 * s, 2 * spec.index_dim
-                    ikeys = compress_entries(rows[:, o:o + di], rows[:, o + di:o + 2 * di], f32(w[L + "idx_comp_ape"]),
-                                             f32(w[L + "idx_comp_norm"]), spec.rate, True, spec.compress_inv_freq, eps)
-                    seen = indexer_pick(iq[q0:q1], iw[q0:q1], ikeys, pos, spec.rate, spec.index_topk)
+                    ikeys = compress_entries(rows[..., o:o + di], rows[..., o + di:o + 2 * di],
+                                             f32(w[L + "idx_comp_ape"]), f32(w[L + "idx_comp_norm"]), spec.rate, True,
+                                             spec.compress_inv_freq, eps)
+                    seen = indexer_pick(iq[tok], iw[tok], ikeys, pos, spec.rate, spec.index_topk)
                 else:
-                    seen = xp.arange(len(entries))[None, :] < ((pos + 1) // spec.rate)[:, None]
-                keys, visible = xp.concatenate([keys, entries]), xp.concatenate([visible, seen], axis=1)
-            out[q0:q1] = sink_attention(q[q0:q1], keys, visible, sinks, D ** -0.5)
+                    seen = xp.arange(entries.shape[1])[None, None, :] < ((pos + 1) // spec.rate)[:, :, None]
+                keys, visible = xp.concatenate([keys, entries], axis=1), xp.concatenate([visible, seen], axis=2)
+            res = sink_attention(q[tok], keys, visible, sinks, D ** -0.5)           # [G, Q, H, D]
+            out[self._dev(rows_of[real])] = res.reshape(G * Q, H, D)[self._dev(np.flatnonzero(real))]
         o = rope_trailing(out, cos, -sin).reshape(T, H * D)
         return self._dsv4_out(mm(grouped_linear(o, f32(w[L + "wo_a"]), spec.o_groups), w[L + "wo_b"]))
 
@@ -128,10 +154,12 @@ class NumpyDSV4AttentionOps:
         """Store rows [T, w] at the step's KV slots of layer."""
         self.kv[layer, 0, slots, 0, :rows.shape[1]] = rows
 
-    def _context_rows(self, layer: int, blocks, n: int):
-        """The first n rows of a sequence whose blocks are `blocks` (host ints), float32 [n, row width]."""
+    def _context_rows(self, layer: int, tables, lens, n: int):
+        """Rows [G, n, row width] float32 of G sequences: the first lens[g] rows of the blocks tables[g] (host
+        ints [G, blocks]), zeros after them."""
         cache = block_view(self.kv[layer, 0])
-        return cache[blocks].reshape(-1, cache.shape[-1])[:n]
+        rows = cache[tables].reshape(len(tables), -1, cache.shape[-1])[:, :n]
+        return np.where((np.arange(n)[None, :] < np.asarray(lens)[:, None])[..., None], rows, np.float32(0))
 
     def _dsv4_out(self, y):
         """The block's output in the executor's activation form."""

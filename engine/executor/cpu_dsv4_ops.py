@@ -133,14 +133,15 @@ def rope_trailing(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray
 
 def sink_attention(q: np.ndarray, keys: np.ndarray, visible: np.ndarray, sinks: np.ndarray, scale: float
                    ) -> np.ndarray:
-    """q [T, H, D] over keys [L, D] that are also the values (K = V), where visible [T, L]; head h's sink logit
-    takes part in the softmax's denominator only. Returns o [T, H, D]."""
+    """q [..., T, H, D] over keys [..., L, D] that are also the values (K = V), where visible [..., T, L]; head
+    h's sink logit takes part in the softmax's denominator only. Returns o [..., T, H, D]."""
     xp = xp_of(q)
-    scores = xp.where(visible[:, None, :], xp.einsum("thd,ld->thl", q, keys) * np.float32(scale), np.float32(-np.inf))
+    scores = xp.where(visible[..., :, None, :], xp.einsum("...thd,...ld->...thl", q, keys) * np.float32(scale),
+                      np.float32(-np.inf))
     m = xp.maximum(scores.max(-1, keepdims=True), sinks[None, :, None])
     p = xp.exp(scores - m)
     p = p / (p.sum(-1, keepdims=True) + xp.exp(sinks[None, :, None] - m))
-    return xp.einsum("thl,ld->thd", p, keys)
+    return xp.einsum("...thl,...ld->...thd", p, keys)
 
 
 def sliding_mqa_attention(q: np.ndarray, kv: np.ndarray, q_pos: np.ndarray, kv_pos: np.ndarray, window: int,

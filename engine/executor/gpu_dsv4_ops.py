@@ -152,6 +152,8 @@ class GpuDSV4Ops(NumpyDSV4AttentionOps):
     def _write_rows(self, layer: int, slots, rows) -> None:
         self.kv_cache[layer, 0][self.cp.asarray(slots), 0, :rows.shape[1]] = self._b(rows)
 
-    def _context_rows(self, layer: int, blocks, n: int):
-        cache = block_view(self.kv_cache[layer, 0])
-        return self._f(cache[self.cp.asarray(blocks)].reshape(-1, cache.shape[-1])[:n])
+    def _context_rows(self, layer: int, tables, lens, n: int):
+        cache, cp = block_view(self.kv_cache[layer, 0]), self.cp
+        rows = cache[cp.asarray(tables)].reshape(len(tables), -1, cache.shape[-1])[:, :n]
+        real = cp.asarray(np.arange(n)[None, :] < np.asarray(lens)[:, None])
+        return cp.where(real[..., None], self._f(rows), np.float32(0))
