@@ -1,7 +1,8 @@
 """DeepSeek-V4 attention in numpy (float32) over the paged pool, one row per token and layer (DSV4AttentionSpec
 .row_width values: [K = V (roped) | compressor kv | compressor gate | indexer kv | indexer gate]).
 
-A step writes its tokens' rows, then per sequence builds the compressed entries of every closed window of its
+A step writes its tokens' rows, then per sequence (its one-query sequences together, each context padded to
+the group's longest with zero rows no query sees) builds the compressed entries of every closed window of its
 context from the stored compressor inputs (compress_entries: softmax over each window's slots of gate + the
 learned position bias, the weighted sum of the kv, RMSNorm, rope at the window's first position; CSA's entry w
 also takes window w - 1's first series), and each query attends to its sliding window of K = V rows and to the

@@ -5,9 +5,10 @@ executor's bf16 GEMM (float32 out) and the routed experts on the MoE kernels (gp
 algorithms are cpu_dsv4_ops / cpu_dsv4_attention's own functions, which take CuPy arrays: the CPU gate
 checks the code the GPU runs; this file supplies the device primitives (dtype conversion, the KV rows).
 
-Eager steps only: the ops allocate from CuPy's pool and the attention walks the step's sequences on the
-host, so the executor captures no CUDA graphs for this line (DeepseekV4ForCausalLM.cuda_graphs). A
-correctness path: its speed is CuPy's element-wise kernels and float32 einsums, no roofline claimed.
+Eager steps only: the ops allocate from CuPy's pool, group the step's sequences on the host and copy the
+hyper-connection mixes there, so the executor captures no CUDA graphs for this line
+(DeepseekV4ForCausalLM.cuda_graphs). A correctness path: its speed is CuPy's element-wise kernels and float32
+einsums, host-bound (bench/results/deepseek.md), no roofline claimed.
 """
 from __future__ import annotations
 
