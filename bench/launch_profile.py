@@ -53,8 +53,8 @@ def main() -> None:
     scenarios = [parse_scenario(s) for s in a.scenarios.split(",")]
     model, ex = random_executor(a.model, scenarios, 1100)
     lines = []
-    for (n_prompts, length, decodes), name in zip(scenarios, a.scenarios.split(",")):
-        batch = build_step(n_prompts, length, decodes, 1100, model.config.vocab_size - 1000)
+    for (n_prompts, length, decodes, prefix), name in zip(scenarios, a.scenarios.split(",")):
+        batch = build_step(n_prompts, length, decodes, 1100, model.config.vocab_size - 1000, prefix=prefix)
         ex.execute(batch)                                   # warm-up
         ms, own, cum = profile_submit(ex, batch, a.top)
         print(f"{name}: submit {ms:.2f} ms", flush=True)

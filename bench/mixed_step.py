@@ -9,7 +9,8 @@ against cuBLAS's measured ~800. The sum of the ops' times against the step's GPU
 it is launch gaps (the GPU waiting on Python).
 
     python3 bench/mixed_step.py --out DIR [--model qwen3-4b] [--scenarios 8x1024,7x1024+200d,1x1024] [--reps 3]
-A scenario is P x L (P prompts of L tokens) with an optional +Dd (D decode rows at context --context).
+A scenario is P x L (P prompts of L tokens) with an optional @S (the L tokens follow a cached prefix of S:
+a chunk, or a prefix hit's recomputed tokens, e.g. 1x16@16384) and +Dd (D decode rows at context --context).
 Writes DIR/mixed_step.json and DIR/mixed_step.md.
 """
 from __future__ import annotations
@@ -33,15 +34,16 @@ GREEDY = SamplingParams(temperature=0.0)
 CUBLAS_TFLOPS = 800.0       # cuBLAS bf16 on the H200 (the brief's measured 790-820)
 
 
-def parse_scenario(text: str) -> tuple[int, int, int]:
-    """'8x1024' -> (8, 1024, 0); '7x1024+200d' -> (7, 1024, 200)."""
-    m = re.fullmatch(r"(\d+)x(\d+)(?:\+(\d+)d)?", text)
+def parse_scenario(text: str) -> tuple[int, int, int, int]:
+    """'8x1024' -> (8, 1024, 0, 0); '7x1024+200d' -> (7, 1024, 200, 0); '1x16@16384' -> (1, 16, 0, 16384)."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:@(\d+))?(?:\+(\d+)d)?", text)
     if not m:
-        raise SystemExit(f"bad scenario {text!r}: expected PxL or PxL+Dd")
-    return int(m[1]), int(m[2]), int(m[3] or 0)
+        raise SystemExit(f"bad scenario {text!r}: expected PxL[@S][+Dd]")
+    return int(m[1]), int(m[2]), int(m[4] or 0), int(m[3] or 0)
 
 
-def build_step(prompts: int, length: int, decodes: int, context: int, vocab: int, seed: int = 0) -> ModelBatch:
+def build_step(prompts: int, length: int, decodes: int, context: int, vocab: int, seed: int = 0,
+               prefix: int = 0) -> ModelBatch:
     """The step's rows: decodes first (as the scheduler puts them), each on its own blocks."""
     rng = np.random.default_rng(seed)
     seqs, next_block = [], 0
@@ -56,16 +58,17 @@ def build_step(prompts: int, length: int, decodes: int, context: int, vocab: int
         seqs.append(SeqStep(seq_id=j, token_ids=[int(rng.integers(0, vocab))], start_pos=context,
                             block_table=blocks(context + 1), sample=True, params=GREEDY, prompt_len=context))
     for j in range(prompts):
-        seqs.append(SeqStep(seq_id=decodes + j, token_ids=rng.integers(0, vocab, length).tolist(), start_pos=0,
-                            block_table=blocks(length), sample=True, params=GREEDY, prompt_len=length))
+        seqs.append(SeqStep(seq_id=decodes + j, token_ids=rng.integers(0, vocab, length).tolist(), start_pos=prefix,
+                            block_table=blocks(prefix + length), sample=True, params=GREEDY,
+                            prompt_len=prefix + length))
     return ModelBatch.build(seqs)
 
 
-def blocks_needed(prompts: int, length: int, decodes: int, context: int) -> int:
-    return prompts * -(-length // BLOCK_SIZE) + decodes * -(-(context + 1) // BLOCK_SIZE)
+def blocks_needed(prompts: int, length: int, decodes: int, context: int, prefix: int = 0) -> int:
+    return prompts * -(-(prefix + length) // BLOCK_SIZE) + decodes * -(-(context + 1) // BLOCK_SIZE)
 
 
-def random_executor(name: str, scenarios: list[tuple[int, int, int]], context: int):
+def random_executor(name: str, scenarios: list[tuple[int, int, int, int]], context: int):
     """(model, GpuExecutor) of bench/configs/<name> with random bf16 weights (written once to
     /tmp/<name>-random), sized for the scenarios' steps and the decode rows' context."""
     from engine.executor.gpu import GpuExecutor
@@ -79,9 +82,9 @@ def random_executor(name: str, scenarios: list[tuple[int, int, int]], context: i
     torch.cuda.empty_cache()                            # the HF copy's memory back before ours is sized
     model = load_model(folder)
     ex = GpuExecutor(model, options_of(
-        num_kv_blocks=max(blocks_needed(p, n, d, context) for p, n, d in scenarios) + 16,
-        max_model_len=max(context + 16, max(n for _, n, _ in scenarios)),
-        max_num_batched_tokens=max(p * n + d for p, n, d in scenarios), max_num_seqs=256, progress=False))
+        num_kv_blocks=max(blocks_needed(p, n, d, context, s) for p, n, d, s in scenarios) + 16,
+        max_model_len=max(context + 16, max(s + n for _, n, _, s in scenarios)),
+        max_num_batched_tokens=max(p * n + d for p, n, d, _ in scenarios), max_num_seqs=256, progress=False))
     return model, ex
 
 
@@ -145,8 +148,8 @@ def main() -> None:
     # per token: 2 FLOPs per weight of the layers (embedding and LM head left out; attention not counted)
     gflop = 2 * sum(int(w.size) for k, w in model.weights.items() if k not in ("embed_tokens", "lm_head")) / 1e9
     results = []
-    for (n_prompts, length, decodes), name in zip(scenarios, a.scenarios.split(",")):
-        batch = build_step(n_prompts, length, decodes, a.context, cfg.vocab_size - 1000)
+    for (n_prompts, length, decodes, prefix), name in zip(scenarios, a.scenarios.split(",")):
+        batch = build_step(n_prompts, length, decodes, a.context, cfg.vocab_size - 1000, prefix=prefix)
         r = time_scenario(ex, batch, a.reps)
         n_tok = n_prompts * length + decodes
         r.update(scenario=name, prefill_tokens=n_prompts * length, decode_rows=decodes, tokens=n_tok,

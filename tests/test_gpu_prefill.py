@@ -115,9 +115,9 @@ def spec_for(D: int, Hq: int = 8, Hkv: int = 2, scale: float | None = None) -> A
 
 
 def test_serves_only_the_kernels_head_dims_and_scale():
-    assert PrefillStep.serves(spec_for(128)) and PrefillStep.serves(spec_for(64))
-    assert not PrefillStep.serves(spec_for(32))
-    assert not PrefillStep.serves(spec_for(128, scale=0.1))
+    assert PrefillStep.cute_serves(spec_for(128)) and PrefillStep.cute_serves(spec_for(64))
+    assert not PrefillStep.cute_serves(spec_for(32))
+    assert not PrefillStep.cute_serves(spec_for(128, scale=0.1))
 
 
 def token_seqs(batch: ModelBatch) -> np.ndarray:
@@ -207,7 +207,7 @@ def test_prefill_path_with_numpy_kernels(monkeypatch, min_query, max_key_rows, l
     plan = plan_prefill(b.cu_seqlens, b.context_lens, b.positions, min_query, max_key_rows)
     assert len(plan.launches) == launches and (plan.paged_positions is not None) == paged
     rows = max_key_rows
-    own = types.SimpleNamespace(data=plan.data, stream=None, gather="kv_gather", launches=0,
+    own = types.SimpleNamespace(data=plan.data, stream=None, gather="kv_gather", launches=0, chunk=None,
                                 k=np.full((rows, Hkv, D), np.nan, np.float32), v=np.full((rows, Hkv, D), np.nan, np.float32))
     ops = PagedStandIn(kv, b, Hq // Hkv)
     step = PrefillStep(own, plan)

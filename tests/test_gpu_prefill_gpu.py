@@ -65,16 +65,18 @@ def test_kv_gather_matches_numpy(D, Hkv):
     np.testing.assert_array_equal(v_out.get(), want_v)
 
 
-def run_attention(cp, D: int, Hq: int, Hkv: int, settings: list[tuple[int | None, int]], seed: int):
+def run_attention(cp, D: int, Hq: int, Hkv: int, settings: list[tuple[int | None, int]], seed: int,
+                  steps=MIXED, chunk: bool = False):
     """One mixed step (MIXED: a decode, a long prompt, a short chunk, a chunk after a cached prefix) through
-    GpuOps.attention, once per (min_query or None for the paged kernel alone, scratch rows) setting:
-    (float outputs, float reference, launches per setting)."""
+    GpuOps.attention, once per (min_query or None for the paged kernel alone, scratch rows) setting, with
+    paged_chunk.cu serving the short runs if `chunk`: (float outputs, float reference, launches per
+    setting: CuTe launches, and chunk-kernel launches if `chunk`)."""
     from engine.executor.gpu_ops import GpuOps
     from engine.executor.gpu_prefill import PrefillAttention
     from memory.device_arena import DeviceArena
 
     rng = np.random.default_rng(seed)
-    b = mixed_batch(rng, MIXED)
+    b = mixed_batch(rng, steps)
     T, B = b.num_tokens, len(b.seqs)
     slots = (int(b.block_tables.max()) + 1) * 16
     kv_host = bits(rng.standard_normal((1, 2, slots, Hkv, D)))
@@ -100,14 +102,17 @@ def run_attention(cp, D: int, Hq: int, Hkv: int, settings: list[tuple[int | None
         cp.cuda.Device().synchronize()
         prefill = None
         if min_query is not None:
-            pa = PrefillAttention(arena, stream, T, B, key_rows, Hkv, D, min_query)
+            pa = PrefillAttention(arena, stream, T, B, key_rows, Hkv, D, min_query, group=Hq // Hkv if chunk else 0)
             prefill = pa.step(b)
         out = ops.attention(q, spec, dataclasses.replace(ctx, prefill=prefill))
         host = out.get(stream=stream)
         stream.synchronize()
         assert (host != POISON).all(), (min_query, key_rows)
         outs.append(f32(host))
-        launches.append(0 if prefill is None else pa.launches)
+        if prefill is None:
+            launches.append((0, 0) if chunk else 0)
+        else:
+            launches.append((pa.launches, pa.chunk.launches) if chunk else pa.launches)
     arena.close()
     ref = attention_ref(f32(q_host), f32(kv_host[0, 0]), f32(kv_host[0, 1]), b.block_tables, seq, b.positions,
                         D ** -0.5, Hq // Hkv)
@@ -127,6 +132,27 @@ def test_prefill_attention_matches_paged_kernel(D, Hq, Hkv):
     assert launches == [0, 1, 2, 2, 1]
     for (min_query, key_rows), got in zip(settings, outs):
         what = f"min_query {min_query}, scratch {key_rows}"
+        np.testing.assert_allclose(got, ref, atol=1.5e-2, rtol=1e-2, err_msg=what)
+        np.testing.assert_allclose(got, outs[0], atol=2e-2, rtol=2e-2, err_msg=what + " vs the paged kernel")
+
+
+# Short runs over long contexts (a 16-token prefix hit at 3k, 3 tokens at 70, 63 tokens at 2k, a 2-token
+# run inside one block) between a decode and a long prompt.
+SHORT_RUNS = [(499, 1), (3000, 16), (0, 300), (70, 3), (2047, 63), (5, 2), (900, 1)]
+
+
+@pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (128, 8, 2), (64, 8, 8), (128, 16, 1)])
+def test_chunk_kernel_matches_reference(D, Hq, Hkv):
+    """paged_chunk.cu (tensor cores, split over the keys, P in bf16) against the float reference and the
+    paged kernel, with CuTe serving the long prompt or nothing."""
+    import cupy as cp
+
+    cute_or_skip()
+    settings = [(None, 0), (64, 8192), (1000, 8192)]
+    outs, ref, launches = run_attention(cp, D, Hq, Hkv, settings, seed=D + Hq + Hkv, steps=SHORT_RUNS, chunk=True)
+    assert launches == [(0, 0), (1, 1), (0, 1)]
+    for (min_query, key_rows), got in zip(settings, outs):
+        what = f"min_query {min_query}"
         np.testing.assert_allclose(got, ref, atol=1.5e-2, rtol=1e-2, err_msg=what)
         np.testing.assert_allclose(got, outs[0], atol=2e-2, rtol=2e-2, err_msg=what + " vs the paged kernel")
 

@@ -10,6 +10,7 @@
 | OPENINFER_GEMV_UNROLL_NARROW | gemv_unroll_narrow | 4 |
 | OPENINFER_LAYER_RANGES | nvtx ("1": layers, "ops": ops) | 0 |
 | OPENINFER_EAGER_GRAPH_TOKENS | eager_graph_tokens (0: off) | 2048 |
+| OPENINFER_CHUNK_ATTENTION | chunk_attention ("0": off) | 1 |
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def gpu_tuning_from_env(env: Mapping[str, str] | None = None) -> GpuTuning:
         gemv_unroll=_int(env, "OPENINFER_GEMV_UNROLL", d.gemv_unroll),
         gemv_unroll_narrow=_int(env, "OPENINFER_GEMV_UNROLL_NARROW", d.gemv_unroll_narrow),
         eager_graph_tokens=_int(env, "OPENINFER_EAGER_GRAPH_TOKENS", d.eager_graph_tokens),
+        chunk_attention=env.get("OPENINFER_CHUNK_ATTENTION", "1").strip() != "0",
         nvtx=NVTX_VALUES[nvtx])
     tuning.validate()
     return tuning

@@ -146,7 +146,8 @@ class GpuExecutor(ExecutorBase):
         self.sampler = GpuSampler(self.arena, plan.max_seqs, plan.vocab, stream)
         self.prefill = None if prefill_min is None else PrefillAttention(
             self.arena, stream, plan.max_tokens, plan.max_seqs, PrefillAttention.key_rows(plan),
-            plan.kv.heads, plan.kv.dim, prefill_min)
+            plan.kv.heads, plan.kv.dim, prefill_min,
+            group=plan.num_heads // plan.kv.heads if tuning.chunk_attention else 0)
         state_arrays = self.arena.take_all("state", state_buffers(state, self.num_state_slots)) \
             if state is not None else None
         # The KV pool from what is left once the ops take theirs (or exactly num_kv_blocks).

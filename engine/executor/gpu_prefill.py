@@ -8,7 +8,8 @@ each such sequence's K/V (cached prefix + new tokens) into contiguous scratch ro
 varlen_attention launch runs over the packed sequences (query rows aligned to the end of each
 sequence's keys, so a cached prefix works). The other sequences of the step (decodes, short chunks)
 stay on the paged kernel, which runs first with their positions only (-1 elsewhere: zero rows the
-CuTe launch then overwrites). Consecutive served sequences share one launch while their contexts fit
+CuTe launch then overwrites), except short runs of 2 or more new tokens, which paged_chunk.cu serves
+(gpu_chunk.py: tensor cores straight from the paged cache, after the paged kernel). Consecutive served sequences share one launch while their contexts fit
 the scratch; a sequence between them that is not served splits the launches.
 
 Switch: GpuTuning.prefill_attention ($OPENINFER_PREFILL_ATTENTION): "cute" (default; when the
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.batch import ModelBatch
+from engine.executor.gpu_chunk import MIN_CHUNK_TOKENS, ChunkKernel, chunk_fits, chunk_tiles
 from memory.device_arena import Buffer, buffers_nbytes
 from memory.kv_pool import BLOCK_SIZE
 
@@ -81,8 +83,9 @@ def _aligned(n: int) -> int:
 def upload_entries(max_tokens: int, max_seqs: int) -> int:
     """int32 entries of the largest plan (at most one launch per sequence): cu_q and cu_k (n + 1 each)
     and the [tiles, 2] work list (tiles <= T/128 + B) per launch, each padded to ALIGN, then T paged
-    positions: <= 15·B + T + T/64 + ALIGN; rounded up."""
-    return 2 * max_tokens + 16 * max_seqs + 2 * ALIGN
+    positions: <= 15·B + T + T/64 + ALIGN; the chunk kernel's [tiles, 2] (tiles <= T + B at one token
+    a tile): 2·(T + B) + ALIGN more; rounded up."""
+    return 4 * max_tokens + 18 * max_seqs + 3 * ALIGN
 
 
 @dataclass(frozen=True)
@@ -107,17 +110,23 @@ class PrefillPlan:
     paged_positions: int | None         # offset of the paged kernel's positions, None: no row left to it
     paged_rows: tuple[int, int] = (0, 0)    # [first, end) rows the paged kernel launches over (all it serves)
     paged_context: int = 0              # the longest context among them (the paged launch's split count)
+    chunk_tiles: int = 0                # paged_chunk.cu's tiles ([n, 2] at chunk_work in data)
+    chunk_work: int = 0
+    chunk_context: int = 0              # the longest context among its sequences (its split count)
 
 
 def plan_prefill(cu_seqlens: np.ndarray, context_lens: np.ndarray, positions: np.ndarray,
-                 min_query: int, max_key_rows: int) -> PrefillPlan | None:
+                 min_query: int, max_key_rows: int, chunk_tokens: int = 0) -> PrefillPlan | None:
     """Group the sequences with at least min_query new tokens (and a context that fits the scratch)
-    into launches of consecutive sequences whose contexts together fit max_key_rows; None if none."""
+    into launches of consecutive sequences whose contexts together fit max_key_rows; with chunk_tokens
+    (paged_chunk.cu's tokens per tile), the others of 2 or more new tokens into its tiles. None if
+    neither serves a sequence."""
     from openinfer_kernels.cute.attention import attention_work
 
     lens = np.diff(cu_seqlens)
     served = (lens >= min_query) & (context_lens <= max_key_rows)
-    if not served.any():
+    chunked = ~served & (lens >= MIN_CHUNK_TOKENS) if chunk_tokens else np.zeros_like(served)
+    if not served.any() and not chunked.any():
         return None
     groups: list[list[int]] = []
     rows = 0
@@ -148,15 +157,20 @@ def plan_prefill(cu_seqlens: np.ndarray, context_lens: np.ndarray, positions: np
             first_seq=first, num_seqs=len(g), q_rows=(int(cu_seqlens[first]), int(cu_seqlens[last + 1])),
             key_rows=int(cu_k[-1]), key_blocks=int(-(-ctx.max() // BLOCK_SIZE)),
             cu_q=put(cu_q), cu_k=put(cu_k), work=put(work), tiles=int(work.shape[0])))
+    tiles, work, chunk_context = 0, 0, 0
+    if chunked.any():
+        tile_list = chunk_tiles(cu_seqlens, chunked, chunk_tokens)
+        tiles, work, chunk_context = tile_list.shape[0], put(tile_list), int(context_lens[chunked].max())
     paged, rows, longest = None, (0, 0), 0
-    if not served.all():
-        mine = np.repeat(served, lens)
+    left_seqs = ~served & ~chunked
+    if left_seqs.any():
+        mine = np.repeat(~left_seqs, lens)
         paged = put(np.where(mine, -1, positions))
         left = np.flatnonzero(~mine)
         rows = (int(left[0]), int(left[-1]) + 1)
-        longest = int(context_lens[~served].max())
+        longest = int(context_lens[left_seqs].max())
     return PrefillPlan(launches=launches, data=np.concatenate(chunks), paged_positions=paged, paged_rows=rows,
-                       paged_context=longest)
+                       paged_context=longest, chunk_tiles=tiles, chunk_work=work, chunk_context=chunk_context)
 
 
 class PrefillAttention:
@@ -164,7 +178,7 @@ class PrefillAttention:
     and uploads one eager step (None when no sequence of it is served)."""
 
     def __init__(self, arena, stream, max_tokens: int, max_seqs: int, key_rows: int, num_kv_heads: int,
-                 head_dim: int, min_query: int):
+                 head_dim: int, min_query: int, group: int = 0):
         from openinfer_kernels.raw_cuda import kernel
         from memory.streams import pinned_array
 
@@ -174,6 +188,8 @@ class PrefillAttention:
         self.data_host = pinned_array(self.data.shape, np.int32)
         self.gather = kernel("kv_gather", "kv_gather")
         self.launches = 0           # varlen_attention launches so far (tests check the path ran)
+        # paged_chunk.cu for short runs (group: query heads per KV head; 0 = off)
+        self.chunk = ChunkKernel(group, head_dim, stream) if group and chunk_fits(group, head_dim) else None
 
     @staticmethod
     def buffers(key_rows: int, num_kv_heads: int, head_dim: int, max_tokens: int, max_seqs: int) -> list[Buffer]:
@@ -194,7 +210,8 @@ class PrefillAttention:
     def step(self, batch: ModelBatch) -> "PrefillStep | None":
         if self.min_query is None or batch.is_decode_only:
             return None
-        plan = plan_prefill(batch.cu_seqlens, batch.context_lens, batch.positions, self.min_query, self.key_rows)
+        plan = plan_prefill(batch.cu_seqlens, batch.context_lens, batch.positions, self.min_query, self.key_rows,
+                            self.chunk.tokens if self.chunk is not None else 0)
         if plan is None:
             return None
         n = plan.data.size
@@ -215,13 +232,21 @@ class PrefillStep:
     plan: PrefillPlan
 
     @staticmethod
-    def serves(spec) -> bool:
+    def cute_serves(spec) -> bool:
         return spec.head_dim in CUTE_HEAD_DIMS and abs(spec.scale * spec.head_dim ** 0.5 - 1) < 1e-6
+
+    def serves(self, spec) -> bool:
+        """This layer goes through the plan: CuTe takes its shape, and so does the chunk kernel where
+        the plan has tiles for it (else the paged kernel serves the whole layer)."""
+        chunk = self.owner.chunk
+        return self.cute_serves(spec) and (not self.plan.chunk_tiles or (
+            spec.head_dim == chunk.head_dim and spec.num_heads == chunk.group * spec.num_kv_heads))
 
     def attention(self, ops, q, spec, ctx, out=None):
         """o[T, Hq·D]: the paged kernel for the rows no launch serves (launched over their span only, its
         split count theirs: decode rows before 8k prompt tokens do not pay for 8k empty query CTAs), then
-        gather + CuTe per launch (overwriting the span's served rows, which the paged kernel zeroed)."""
+        the short runs' paged_chunk.cu tiles and gather + CuTe per launch (overwriting the span's served
+        rows, which the paged kernel zeroed)."""
         import openinfer_kernels.cute as cute
         from openinfer_kernels.raw_cuda.launch import launch
 
@@ -236,6 +261,9 @@ class PrefillStep:
                                        input_ids=ctx.input_ids[r0:r1], prefill=None,
                                        num_splits=ops.splits(r1 - r0, Hkv, plan.paged_context))
             ops.paged_attention(q[r0:r1], spec, span, out[r0:r1])
+        if plan.chunk_tiles:
+            own.chunk.launch(ops, q, spec, ctx, out, d[plan.chunk_work:plan.chunk_work + 2 * plan.chunk_tiles],
+                             plan.chunk_tiles, plan.chunk_context)
         o = out.reshape(T, Hq, D)
         kc, vc = ops.kv_cache[spec.layer, 0], ops.kv_cache[spec.layer, 1]
         width = ctx.block_tables.shape[1]

@@ -58,7 +58,9 @@ class GpuTuning:
     gemv_unroll / gemv_unroll_narrow: gemv.cu k steps per weight batch (wide / narrow products).
     nvtx: "off" | "layers" (a range per decoder layer in eager steps) | "ops" (and per op).
     eager_graph_tokens: eager (prefill / mixed) steps of up to this many tokens run as piecewise CUDA graphs
-    by token bucket, attention launched between them (gpu_piecewise.py; 0: off; dense lines only)."""
+    by token bucket, attention launched between them (gpu_piecewise.py; 0: off; dense lines only).
+    chunk_attention: runs of 2+ new tokens below the CuTe minimum on paged_chunk.cu's tensor cores
+    (gpu_chunk.py; with the CuTe prefill path) instead of paged_decode.cu."""
     decode_kernels: str = "all"
     gemm: str = "auto"
     prefill_attention: str = "cute"
@@ -67,6 +69,7 @@ class GpuTuning:
     gemv_unroll_narrow: int = 4
     nvtx: str = "off"
     eager_graph_tokens: int = 2048
+    chunk_attention: bool = True
 
     def validate(self) -> None:
         """Parse every choice once (the parsers raise ValueError naming the setting)."""

@@ -105,16 +105,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
 
-// 16 bytes global -> shared without registers (cp.async, L2 only); zeros when !valid (no read).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(gmem), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
-
 // Fused prologue (one step = one query token per sequence): the group's query heads, normed and
 // roped from the qkv row into q_s; the split that holds position ctx − 1 (the step's own key) also
 // builds that key and value into kv_s and writes them to the cache at slot_mapping[t]. Returns the
