@@ -84,7 +84,7 @@ def random_executor(name: str, scenarios: list[tuple[int, int, int, int]], conte
     ex = GpuExecutor(model, options_of(
         num_kv_blocks=max(blocks_needed(p, n, d, context, s) for p, n, d, s in scenarios) + 16,
         max_model_len=max(context + 16, max(s + n for _, n, _, s in scenarios)),
-        max_num_batched_tokens=max(p * n + d for p, n, d, _ in scenarios), max_num_seqs=256, progress=False))
+        max_num_batched_tokens=max(256, max(p * n + d for p, n, d, _ in scenarios)), max_num_seqs=256, progress=False))
     return model, ex
 
 

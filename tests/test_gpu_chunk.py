@@ -94,9 +94,9 @@ def numpy_chunk(ops, kernel, grid, args):
                             po[r * D:(r + 1) * D], pm[r], ps[r] = acc, m, lsum
         return
     tiles, po, pm, ps, out, Hkv, S = args
-    n_tiles, Hkv = grid[0], grid[1]
-    Hq, D = Hkv * G, out.shape[1] // (Hkv * G)
-    for i in range(n_tiles):
+    assert grid[0] % QT == 0 and grid[1] == Hkv * G
+    Hq, D = grid[1], out.shape[1] // grid[1]
+    for i in range(grid[0] // QT):
         t0, n = tiles[2 * i], tiles[2 * i + 1]
         for j in range(n):
             for h in range(Hq):

@@ -72,6 +72,6 @@ class ChunkKernel:
                 tiles, ops.part_out, ops.part_max, ops.part_sum, out, np.int32(Hkv), np.float32(spec.scale)),
                self.stream)
         if S > 1:
-            launch(self.merge, (num_tiles, Hkv), (128,),
+            launch(self.merge, (num_tiles * self.tokens, spec.num_heads), (128,),
                    (tiles, ops.part_out, ops.part_max, ops.part_sum, out, np.int32(Hkv), np.int32(S)), self.stream)
         self.launches += 1

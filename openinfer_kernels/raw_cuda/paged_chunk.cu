@@ -220,29 +220,41 @@ paged_chunk_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k
 }
 
 // The splits of paged_chunk_attention combined: o = Σ_s 2^(m_s − M)·acc_s / Σ_s 2^(m_s − M)·l_s over the
-// splits that saw a key (l_s > 0). Grid (tiles, Hkv), a warp per query row of the tile.
+// splits that saw a key (l_s > 0). Grid (tiles · QT, Hq): one CTA per query row and head (rows past a
+// tile's n exit); the first warp turns the S maxima and sums into weights in shared memory, then each
+// thread sums its columns over the splits (independent, coalesced loads). Roofline: S·D·4 bytes a row.
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 paged_chunk_merge(const int* __restrict__ tiles, const float* __restrict__ part_out,
                   const float* __restrict__ part_max, const float* __restrict__ part_sum, bf16_t* __restrict__ out,
                   int num_kv_heads, int num_splits) {
+    __shared__ float w_s[64];                     // gpu_chunk.MAX_CHUNK_SPLITS
     pdl_begin();
-    const int tile = blockIdx.x, kvh = blockIdx.y, S = num_splits;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tile = blockIdx.x / QT, j = blockIdx.x % QT, head = blockIdx.y, S = num_splits;
     const int t0 = tiles[2 * tile], n = tiles[2 * tile + 1], num_heads = num_kv_heads * GQA;
-    for (int r = warp; r < n * GQA; r += WARPS) {
-        const int j = r / GQA, head = kvh * GQA + r % GQA;
-        const size_t prow = ((size_t)(tile * QT + j) * num_heads + head) * S;
+    if (j >= n) return;
+    const size_t prow = ((size_t)(tile * QT + j) * num_heads + head) * S;
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
         float m = -INFINITY;
-        for (int s = 0; s < S; ++s) if (part_sum[prow + s] > 0.f) m = fmaxf(m, part_max[prow + s]);
+        for (int s = lane; s < S; s += 32) if (part_sum[prow + s] > 0.f) m = fmaxf(m, part_max[prow + s]);
+        m = warp_max(m);
         float denom = 0.f;
-        for (int s = 0; s < S; ++s) if (part_sum[prow + s] > 0.f) denom += part_sum[prow + s] * exp2f(part_max[prow + s] - m);
-        const float inv = denom > 0.f ? 1.f / denom : 0.f;
-        bf16_t* dst = out + ((size_t)(t0 + j) * num_heads + head) * HEAD_DIM;
-        for (int d = lane; d < HEAD_DIM; d += 32) {
-            float acc = 0.f;
-            for (int s = 0; s < S; ++s)
-                if (part_sum[prow + s] > 0.f) acc += part_out[(prow + s) * HEAD_DIM + d] * exp2f(part_max[prow + s] - m);
-            dst[d] = f_to_bf16(acc * inv);
+        for (int s = lane; s < S; s += 32) {
+            const float w = part_sum[prow + s] > 0.f ? exp2f(part_max[prow + s] - m) : 0.f;
+            w_s[s] = w;
+            denom += w * part_sum[prow + s];
         }
+        denom = warp_sum(denom);
+        const float inv = denom > 0.f ? 1.f / denom : 0.f;
+        __syncwarp();
+        for (int s = lane; s < S; s += 32) w_s[s] *= inv;
+    }
+    __syncthreads();
+    bf16_t* dst = out + ((size_t)(t0 + j) * num_heads + head) * HEAD_DIM;
+    for (int d = threadIdx.x; d < HEAD_DIM; d += NTHREADS) {
+        float acc = 0.f;
+        #pragma unroll 8
+        for (int s = 0; s < S; ++s) acc += part_out[(prow + s) * HEAD_DIM + d] * w_s[s];
+        dst[d] = f_to_bf16(acc);
     }
 }
