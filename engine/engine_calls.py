@@ -1,7 +1,8 @@
 """Run-time engine ops, as the server calls them on either engine handle: LoRA adapter loads and unloads,
 and the device prefix cache's reset. Each op runs next to the engine loop (`run_engine_op`) and answers
 once, with None or an error that carries the HTTP status the server answers with (LoRAError for the
-LoRA ops, EngineCallError otherwise).
+LoRA ops, EngineCallError otherwise). The prefix-cache reset answers once the host tier's offload of the
+evicted blocks has landed (a request right after it then waits for no device-to-host copy).
 
 `EngineCalls` is the surface EngineHandle (engine in this process, `LocalEngineCalls`) and EngineClient
 (engine in a child process, engine/process.py, `RemoteEngineCalls`) share: `lora_adapters` (the served
@@ -33,7 +34,19 @@ def run_engine_op(engine, op: tuple, reply: Callable[[Exception | None], None]) 
     """op ("load", name, path), ("unload", name) or ("reset_prefix_cache",) on an EngineLoop; reply(None or
     the error) once, from whichever thread finishes it."""
     if op[0] == "reset_prefix_cache":
-        engine.call(lambda: (engine.reset_prefix_cache(), reply(None)))
+        def reset() -> None:                   # engine thread; the answer once the offload has landed
+            engine.reset_prefix_cache()
+            landed = engine.executor.copy_fence()
+
+            def wait() -> None:
+                try:
+                    landed()
+                except Exception as e:         # noqa: BLE001 - the caller gets it as the op's error
+                    reply(EngineCallError(f"prefix cache reset: the host tier's copies failed: {e}", 500))
+                    return
+                reply(None)
+            threading.Thread(target=wait, name="openinfer-reset-wait", daemon=True).start()
+        engine.call(reset)
         return
     registry = engine.loras
     if registry is None:

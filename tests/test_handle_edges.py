@@ -69,3 +69,25 @@ def test_idle_engine_runs_the_executors_warm_up_and_serves_between_pieces():
             time.sleep(0.01)
         time.sleep(0.1)
         assert ex.pieces == 6                 # it stops once the executor says there is nothing left
+
+
+def test_prompts_with_ids_outside_the_vocabulary_are_rejected_naming_the_first():
+    """The vocabulary check (one numpy pass for plain ints, a walk otherwise) names the first bad id and
+    lets a valid prompt through."""
+    h = EngineHandle(EngineConfig(max_model_len=128), executor=FakeExecutor(num_kv_blocks=64),
+                     tokenizer=FakeTokenizer(), model_name="fake")
+    vocab = FakeTokenizer.vocab_size
+
+    async def run(rid, prompt):
+        return [e async for e in h.submit(GenerateRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=2)))]
+    try:
+        for rid, prompt, bad in (("neg", [1, -3, vocab + 5], "-3"), ("big", [1, 2, vocab, vocab + 1], str(vocab)),
+                                 ("float", [1, 2.5, 3], "2.5"), ("huge", [1, 2 ** 70], str(2 ** 70)),
+                                 ("none", [1, None], "None")):
+            events = asyncio.run(run(rid, prompt))
+            assert isinstance(events[0], Rejected), (rid, events)
+            assert f"prompt token id {bad} is out of the vocabulary range" in events[0].reason, events[0].reason
+        events = asyncio.run(run("ok", [0, 1, vocab - 1]))
+        assert not any(isinstance(e, Rejected) for e in events)
+    finally:
+        h.shutdown()

@@ -191,3 +191,23 @@ def test_a_prompts_blocks_move_as_one_copy_each_way(pool_order):
     runs = lambda pairs, a, b: copy_runs(by_destination(pairs), 64, 64, "x", a, b)
     assert len(runs(offloads, "device block", "host slot")) == 1
     assert len(runs(restores, "host slot", "device block")) == 1
+
+
+def test_the_reset_answers_once_its_offload_has_landed():
+    """POST /reset_prefix_cache's op: the eviction and the offload run on the engine thread, and the answer
+    waits for the executor's copy fence (a request right after the reset then waits for no D2H copy)."""
+    import threading
+    import types
+
+    from engine.engine_calls import run_engine_op
+
+    landed, answers, calls = threading.Event(), [], []
+    engine = types.SimpleNamespace(
+        call=lambda fn: fn(), reset_prefix_cache=lambda: calls.append("reset"),
+        executor=types.SimpleNamespace(copy_fence=lambda: (calls.append("fence"), landed.wait)[1]))
+    done = threading.Event()
+    run_engine_op(engine, ("reset_prefix_cache",), lambda err: (answers.append(err), done.set()))
+    assert calls == ["reset", "fence"]
+    assert not done.wait(0.2) and answers == []          # the copies have not landed: no answer yet
+    landed.set()
+    assert done.wait(5) and answers == [None]

@@ -8,7 +8,7 @@ Capabilities are declared, not discovered: `supports_host_tier` says whether `co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -61,6 +61,11 @@ class Executor(Protocol):
         ordered before the next step."""
         ...
 
+    def copy_fence(self) -> Callable[[], None]:
+        """Called on the engine thread after copy_blocks: a wait (callable from any thread) that returns
+        once the copies queued so far have landed."""
+        ...
+
     def last_gpu_ms(self) -> float | None:
         """Device time of the last step (after its result()), or None where steps are not timed."""
         ...
@@ -98,6 +103,10 @@ class ExecutorBase:
 
     def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
         raise RuntimeError(f"{type(self).__name__} has no host KV tier")
+
+    def copy_fence(self) -> Callable[[], None]:
+        """Copies that complete inside copy_blocks (the numpy executor's) need no wait."""
+        return lambda: None
 
     def set_lora(self, slot: int, adapter) -> None:
         raise RuntimeError(f"{type(self).__name__} has no LoRA slots (options.max_loras = 0)")

@@ -225,6 +225,14 @@ class GpuExecutor(ExecutorBase):
             raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
         self.host_kv.copy_blocks(offloads, restores)
 
+    def copy_fence(self):
+        """An event after the copies queued so far on the compute stream; its synchronize is the wait."""
+        import cupy
+
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(self.stream)
+        return event.synchronize
+
     # ---- graph warm-up (the engine calls it while idle) -------------------------------------------
     def warm_up(self) -> bool:
         """Capture one decode graph not captured yet (greedy and sampling, every bucket, smallest
