@@ -34,8 +34,9 @@ def test_tiles_cover_each_served_run_in_order():
 
 
 def test_splits_fill_the_gpu_within_the_partials():
-    # one 16-token hit at 16k on 8 KV heads: as many splits as fill 4 CTAs per SM, capped at 64
-    assert chunk_splits(1, 16, 8, 16384, 8192 + 264, 132) == min(MAX_CHUNK_SPLITS, -(-4 * 132 // 8))
+    # one 16-token hit at 16k on 8 KV heads: as many splits as one wave of 3 CTAs per SM holds
+    assert chunk_splits(1, 16, 8, 16384, 8192 + 264, 132) == 3 * 132 // 8 == 49
+    assert chunk_splits(1, 16, 1, 16384, 8192 + 264, 132) == MAX_CHUNK_SPLITS
     assert chunk_splits(1, 16, 8, 300, 8456, 132) == 2              # no split under 256 keys
     assert chunk_splits(1, 16, 8, 100, 8456, 132) == 1
     assert chunk_splits(200, 16, 8, 16384, 8456, 132) == 1           # the grid is full already

@@ -18,7 +18,7 @@ import numpy as np
 CHUNK_ROWS = 64             # query rows per CTA (paged_chunk.cu ROWS)
 MIN_CHUNK_TOKENS = 2        # one-token rows (decodes) stay on paged_decode.cu
 SPLIT_KEYS = 256            # no split shorter than this many keys
-CTAS_PER_SM = 4             # splits until the grid holds this many CTAs per SM
+CTAS_PER_SM = 3             # CTAs an SM holds at once (paged_chunk.cu __launch_bounds__): splits fill one wave
 MAX_CHUNK_SPLITS = 64
 
 
@@ -41,9 +41,10 @@ def chunk_tiles(cu_seqlens: np.ndarray, served: np.ndarray, tokens: int) -> np.n
 
 
 def chunk_splits(tiles: int, tokens: int, num_kv_heads: int, max_context: int, capacity: int, num_sms: int) -> int:
-    """KV splits: enough CTAs for CTAS_PER_SM per SM, none shorter than SPLIT_KEYS keys, and the partials
+    """KV splits: as many as one wave of CTAS_PER_SM CTAs per SM holds (a second, partial wave would double
+    the time: each CTA's walk is latency-bound), none shorter than SPLIT_KEYS keys, and the partials
     (tiles · tokens · S query rows of every head) within the `capacity` rows GpuOps' buffers hold."""
-    want = -(-CTAS_PER_SM * num_sms // max(1, tiles * num_kv_heads))
+    want = CTAS_PER_SM * num_sms // max(1, tiles * num_kv_heads)
     s = min(MAX_CHUNK_SPLITS, want, -(-max_context // SPLIT_KEYS), capacity // max(1, tiles * tokens))
     return max(1, s)
 

@@ -8,8 +8,8 @@
 //    16 rows a warp, so the K and V rows it stages serve every query head of the group at once.
 //  * Keys go through shared memory in tiles of BN = 32 (cp.async, two stages: tile i + 1 loads while
 //    tile i is scored); S = Q·Kᵀ and O += P·V run as mma.m16n8k16 bf16 with fp32 accumulation
-//    (mma.cuh), the online softmax in the log2 domain on the S fragments (P rounded to bf16 for the
-//    product, as FlashAttention does).
+//    (mma.cuh; V's fragments by ldmatrix.trans), the online softmax in the log2 domain on the S
+//    fragments (P rounded to bf16 for the product, as FlashAttention does).
 //  * num_splits == 1: the CTA writes bf16 o itself. Otherwise it writes its fp32 partial (unnormalized
 //    acc, running max in log2 units, sum) at row ((i·QT + j)·Hq + h)·S + split of part_out / part_max /
 //    part_sum, and paged_chunk_merge (grid tiles × Hkv) combines the splits.
@@ -35,13 +35,23 @@
 #define KT (HEAD_DIM / 16)                       // k steps of Q·Kᵀ
 #define NT (HEAD_DIM / 8)                        // n tiles of P·V
 #define LOG2E 1.4426950408889634f
+#define CTAS_PER_SM 3                            // gpu_chunk.CTAS_PER_SM: the splits fill one wave of these
 static_assert(ROWS % GQA == 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128, "GQA divides 64, HEAD_DIM % 16 == 0");
+
+// Four 8x8 bf16 tiles of shared memory, transposed: lane l gives the address of row l % 8 of tile l / 8 and
+// receives, of tile i, elements (2·(l % 4), l / 4) and (2·(l % 4) + 1, l / 4) in r[i] (low half first): the
+// B fragment of mma.m16n8k16 when the tile's rows are k (keys) and its columns n (V's columns).
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const bf16_t* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return (unsigned)f_to_bf16(lo) | ((unsigned)f_to_bf16(hi) << 16);
 }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS)
+extern "C" __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 paged_chunk_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
                       const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
                       const int* __restrict__ token_seq, const int* __restrict__ positions,
@@ -174,16 +184,16 @@ paged_chunk_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k
                 o[i][0] *= alpha0; o[i][1] *= alpha0;
                 o[i][2] *= alpha1; o[i][3] *= alpha1;
             }
-            // O += P·V: B[k = key][n = d] from V rows 2t, 2t + 1 (and + 8) at column 8i + g.
+            // O += P·V: B[k = key][n = d], two n tiles per ldmatrix (tiles: keys +0 / +8 x columns +0 / +8).
             #pragma unroll
             for (int ks = 0; ks < BN / 16; ++ks) {
-                const bf16_t* vp = v_s[st] + (16 * ks + 2 * t4) * LDS + g;
+                const bf16_t* vp = v_s[st] + (16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8;
                 #pragma unroll
-                for (int i = 0; i < NT; ++i) {
-                    const bf16_t* c = vp + 8 * i;
-                    const unsigned b0 = (unsigned)c[0] | ((unsigned)c[LDS] << 16);
-                    const unsigned b1 = (unsigned)c[8 * LDS] | ((unsigned)c[9 * LDS] << 16);
-                    mma_16816(o[i], pa[ks][0], pa[ks][1], pa[ks][2], pa[ks][3], b0, b1);
+                for (int i = 0; i < NT; i += 2) {
+                    unsigned b[4];
+                    ldmatrix_x4_trans(b, vp + 8 * i);
+                    mma_16816(o[i], pa[ks][0], pa[ks][1], pa[ks][2], pa[ks][3], b[0], b[1]);
+                    mma_16816(o[i + 1], pa[ks][0], pa[ks][1], pa[ks][2], pa[ks][3], b[2], b[3]);
                 }
             }
         }
