@@ -61,7 +61,7 @@ class Scheduler:
         self.chunked_prefill = chunked_prefill   # off: a prompt's prefill runs in one step or waits
         self.host_tier = host_tier
         if host_tier is not None:
-            block_manager.subscribe(self._on_kv_event)
+            block_manager.subscribe(self._on_kv_event, stored=False)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()

@@ -51,16 +51,21 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()     # cached blocks with refcount 0
         self._subscribers: list[Callable[[KVEvent], None]] = []
+        self._stored_subscribers: list[Callable[[KVEvent], None]] = []     # the ones that want BlockStored
         self.query_tokens = 0                                 # prefix-cache lookups, in tokens
         self.hit_tokens = 0
 
     # -- observation ---------------------------------------------------------------------
-    def subscribe(self, callback: Callable[[KVEvent], None]) -> None:
-        """callback(event) for every BlockStored / BlockRemoved, on the engine thread."""
+    def subscribe(self, callback: Callable[[KVEvent], None], stored: bool = True) -> None:
+        """callback(event) for every BlockRemoved and (with `stored`) BlockStored, on the engine thread.
+        BlockStored carries the block's token ids: it is built only while someone wants it (a 16k-token
+        restore caches ~1,000 blocks in one step)."""
         self._subscribers.append(callback)
+        if stored:
+            self._stored_subscribers.append(callback)
 
     def _emit(self, event: KVEvent) -> None:
-        for callback in self._subscribers:
+        for callback in self._stored_subscribers if isinstance(event, BlockStored) else self._subscribers:
             callback(event)
 
     @property
@@ -137,7 +142,8 @@ class BlockManager:
             return
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
-        self._emit(BlockStored(block_hash, parent_hash, tuple(token_ids), adapter_id, block))
+        if self._stored_subscribers:
+            self._emit(BlockStored(block_hash, parent_hash, tuple(token_ids), adapter_id, block))
 
     def _uncache(self, block: int) -> None:
         block_hash = self.block_hash[block]

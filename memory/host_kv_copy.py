@@ -56,9 +56,26 @@ class Run:
     count: int
 
 
+def _int_pairs(pairs) -> np.ndarray | None:
+    """pairs as an [n, 2] integer array, or None where they are not plain int pairs (the loops below
+    then name what is wrong)."""
+    try:
+        a = np.asarray(pairs)
+    except (TypeError, ValueError):
+        return None
+    return a if a.ndim == 2 and a.shape[1] == 2 and a.shape[0] and a.dtype.kind in "iu" else None
+
+
 def copy_runs(pairs: Sequence[tuple[int, int]], src_limit: int, dst_limit: int, what: str,
               src_name: str, dst_name: str) -> list[Run]:
-    """Checked (src, dst) pairs merged, in list order, into runs where both sides step by one."""
+    """Checked (src, dst) pairs merged, in list order, into runs where both sides step by one (plain int
+    pairs in one numpy pass: a 16k-token restore is ~1,000 pairs)."""
+    a = _int_pairs(pairs)
+    if a is not None and a.min(axis=0).min() >= 0 and a[:, 0].max() < src_limit and a[:, 1].max() < dst_limit:
+        src, dst = a[:, 0].astype(np.int64), a[:, 1].astype(np.int64)
+        cuts = (np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1).tolist()
+        starts, ends = [0] + cuts, cuts + [len(src)]
+        return [Run(int(src[i]), int(dst[i]), j - i) for i, j in zip(starts, ends)]
     runs: list[Run] = []
     for pair in pairs:
         try:
@@ -80,6 +97,10 @@ def copy_runs(pairs: Sequence[tuple[int, int]], src_limit: int, dst_limit: int, 
 def by_destination(pairs: Sequence[tuple[int, int]]) -> list:
     """The (src, dst) pairs sorted by dst, stably; pairs that are not 2-sequences are left for
     copy_runs to name (sorted last)."""
+    a = _int_pairs(pairs)
+    if a is not None:
+        return a[np.argsort(a[:, 1], kind="stable")]
+
     def key(pair):
         try:
             return (0, int(pair[1])) if len(pair) == 2 else (1, 0)

@@ -134,3 +134,20 @@ def test_reset_prefix_cache():
     assert bm.reset_prefix_cache() == 2 and len(removed) == 2
     assert bm.cached == {}
     bm.check_invariants(idle=True)
+
+
+def test_subscribers_without_stored_get_only_removals():
+    bm = BlockManager(4)
+    everything, removals = [], []
+    bm.subscribe(removals.append, stored=False)
+    blocks = bm.allocate(2)
+    cache_seq(bm, blocks, list(range(32)))
+    assert removals == []                                  # no BlockStored built for it
+    bm.subscribe(everything.append)
+    more = bm.allocate(1)
+    cache_seq(bm, more, list(range(100, 116)))
+    assert [type(e) for e in everything] == [BlockStored] and removals == []
+    bm.free(blocks + more)
+    assert bm.reset_prefix_cache() == 3
+    assert [type(e) for e in removals] == [BlockRemoved] * 3
+    assert [type(e) for e in everything] == [BlockStored] + [BlockRemoved] * 3
