@@ -248,8 +248,11 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         q = self._out(T, Hq * D).reshape(T, Hq, D)
         kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
         null = np.uint64(0)
-        heads_per_block = 4                       # one warp per head
-        self._launch(self.k_rope, (T, -(-(Hq + 2 * Hkv) // heads_per_block)), (32 * heads_per_block,),
+        # one warp per head; a block per token shares one cos / sin table (qk_norm_rope_cache.cu), split
+        # into head groups only while the tokens alone do not fill the SMs twice
+        warps = 8
+        groups = 1 if T >= 2 * self.num_sms else -(-(Hq + 2 * Hkv) // warps)
+        self._launch(self.k_rope, (T, groups), (32 * warps,),
                      (qkv, q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
                       np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor),
                       ctx.positions, ctx.slot_mapping, q, kc, vc, np.int32(Hq), np.int32(Hkv), np.int32(D)))

@@ -55,6 +55,7 @@ __device__ __forceinline__ bf16_t silu_times(float gate, float up) {
     return f_to_bf16(round_bf16(__fdividef(gate, 1.f + __expf(-gate))) * up);
 }
 
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)    // device code only (tests/cuda_emulation.h compiles kernels that need none of it on the host)
 // 16 bytes global -> shared without registers (cp.async, L2 only); zeros when !valid (no read).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
     const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
@@ -64,6 +65,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool va
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+#endif
 
 __device__ __forceinline__ float warp_sum(float v) {
     #pragma unroll
