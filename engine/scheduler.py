@@ -211,11 +211,8 @@ class Scheduler:
         blocks = [0] * len(slots)                    # in slot order: consecutive slots -> consecutive blocks,
         for j, block in zip(rank, fresh):            # one copy for the run (memory/host_kv_copy.py)
             blocks[j] = block
-        for i, (slot, block) in enumerate(zip(slots, blocks), start=first):
-            self.host_tier.restore(hashes[i], slot, block)
-            parent = hashes[i - 1] if i else NO_PARENT
-            self.bm.cache_block(block, hashes[i], parent, seq.token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE],
-                                seq.lora_id)
+        self.host_tier.restore_many(hashes[first:first + len(slots)], slots, blocks)
+        self.bm.cache_blocks(blocks, hashes, first, seq.token_ids, seq.lora_id)
         seq.block_table += blocks
 
     def _fork_ready(self, seq: Sequence) -> bool:

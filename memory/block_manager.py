@@ -14,7 +14,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from memory.prefix_hash import longest_prefix
+from memory.kv_pool import BLOCK_SIZE
+from memory.prefix_hash import NO_PARENT, longest_prefix
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,23 @@ class BlockManager:
         self.cached[block_hash] = block
         if self._stored_subscribers:
             self._emit(BlockStored(block_hash, parent_hash, tuple(token_ids), adapter_id, block))
+
+    def cache_blocks(self, blocks: list[int], chain: list[int], first: int, token_ids: list[int],
+                     adapter_id: int = 0) -> None:
+        """cache_block for blocks[k] holding block first + k of a sequence whose hash chain is `chain`
+        (its parent chain[first + k - 1]) and tokens token_ids, in one pass (a prefix restored from the
+        host tier: ~1,000 blocks at 16k tokens)."""
+        if not self.enable_prefix_caching:
+            return
+        for k, block in enumerate(blocks):
+            i = first + k
+            if self.block_hash[block] is not None or chain[i] in self.cached:
+                continue
+            self.block_hash[block] = chain[i]
+            self.cached[chain[i]] = block
+            if self._stored_subscribers:
+                self._emit(BlockStored(chain[i], chain[i - 1] if i else NO_PARENT,
+                                       tuple(token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]), adapter_id, block))
 
     def _uncache(self, block: int) -> None:
         block_hash = self.block_hash[block]

@@ -65,6 +65,15 @@ class HostKVTier:
         self.restores.append((slot, device_block))
         self.restored_blocks += 1
 
+    def restore_many(self, block_hashes: list[int], slots: list[int], device_blocks: list[int]) -> None:
+        """restore() of each (hash, slot, block) in order, in one pass (a 16k-token prompt is ~1,000)."""
+        self._pinned.update(slots)
+        move = self.slot_of.move_to_end
+        for block_hash in block_hashes:
+            move(block_hash)
+        self.restores.extend(zip(slots, device_blocks))
+        self.restored_blocks += len(slots)
+
     def pin(self, slots: list[int]) -> None:
         """Keep these slots from reuse until end_step (an admission about to restore them)."""
         self._pinned.update(slots)
