@@ -151,3 +151,27 @@ def test_subscribers_without_stored_get_only_removals():
     assert bm.reset_prefix_cache() == 3
     assert [type(e) for e in removals] == [BlockRemoved] * 3
     assert [type(e) for e in everything] == [BlockStored] + [BlockRemoved] * 3
+
+
+def test_cache_blocks_equals_cache_block_one_by_one():
+    """The one-pass registration (a host-tier restore) leaves the same cache and emits the same events as
+    cache_block per block, skipping blocks or hashes already cached."""
+    tokens = list(range(5 * B + 3))
+    chain = hash_chain(tokens, B, 3)
+    states = []
+    for batched in (False, True):
+        bm = BlockManager(12)
+        events = []
+        bm.subscribe(events.append)
+        pre = bm.allocate(1)
+        bm.cache_block(pre[0], chain[1], chain[0], tokens[B:2 * B], 3)       # block 1's hash cached elsewhere
+        blocks = bm.allocate(4)
+        if batched:
+            bm.cache_blocks(blocks, chain, 1, tokens, 3)
+        else:
+            for k, block in enumerate(blocks):
+                i = 1 + k
+                bm.cache_block(block, chain[i], chain[i - 1], tokens[i * B:(i + 1) * B], 3)
+        states.append((dict(bm.cached), list(bm.block_hash), events))
+    assert states[0] == states[1]
+    assert len(states[1][2]) == 4                          # the pre-cached hash is not stored twice
