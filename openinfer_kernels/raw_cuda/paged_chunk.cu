@@ -18,15 +18,7 @@
 // 4·C·16·Hq·D flops (8.6 GFLOP at 16k, ~15 µs of mma.sync): bandwidth-bound with enough splits.
 #include "common.cuh"
 #include "mma.cuh"
-
-#ifndef GQA
-#define GQA 4
-#endif
-#ifndef HEAD_DIM
-#define HEAD_DIM 128
-#endif
-#define WARPS 4
-#define NTHREADS (WARPS * 32)
+#include "attention_shape.cuh"   // GQA, HEAD_DIM, WARPS, NTHREADS
 #define ROWS 64                                  // query rows per CTA (QT tokens x GQA heads)
 #define QT (ROWS / GQA)
 #define BN 32                                    // keys per shared-memory tile

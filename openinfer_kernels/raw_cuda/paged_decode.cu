@@ -33,15 +33,7 @@
 // C ~ 256 (1 MB/layer) it is latency-bound: two dependent DRAM round trips (table, K/V) plus the merge;
 // the fused entry adds (GQA + 2)·D·2 bytes of the qkv row per CTA (L2-resident: the GEMV just wrote it).
 #include "rope.cuh"      // norm_rope_head (and common.cuh)
-
-#ifndef GQA
-#define GQA 4
-#endif
-#ifndef HEAD_DIM
-#define HEAD_DIM 128
-#endif
-#define WARPS 4
-#define NTHREADS (WARPS * 32)
+#include "attention_shape.cuh"   // GQA, HEAD_DIM, WARPS, NTHREADS
 #define VEC 8                                            // bf16 per 16-byte load
 #define DV (HEAD_DIM / VEC)
 #define KEY_LANES ((DV <= 16 && (DV & (DV - 1)) == 0) ? DV : 16)
