@@ -15,7 +15,8 @@
 //    part_sum, and paged_chunk_merge (grid tiles × Hkv) combines the splits.
 // Roofline (a 16-token hit at context C, Qwen3-4B: Hkv 8, D 128): the K and V bytes C·Hkv·D·2·2 per layer
 // once (16k: 67 MB, 16 µs at 4.3 TB/s; the CUDA-core decode kernel walks them once per query row) and
-// 4·C·16·Hq·D flops (8.6 GFLOP at 16k, ~15 µs of mma.sync): bandwidth-bound with enough splits.
+// 4·C·16·Hq·D flops (8.6 GFLOP at 16k, ~15 µs of mma.sync). Measured on the H200 at 16k: ~50 µs a layer
+// with the merge (bench/results/chunk-attention.md): each CTA's walk of ~10 tiles is latency-bound.
 #include "common.cuh"
 #include "mma.cuh"
 #include "attention_shape.cuh"   // GQA, HEAD_DIM, WARPS, NTHREADS
