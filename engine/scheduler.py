@@ -28,7 +28,6 @@ from engine.sequence import Sequence, SeqStatus
 from memory.block_manager import BlockManager, BlockRemoved
 from memory.host_tier import HostKVTier
 from memory.kv_pool import BLOCK_SIZE, blocks_for
-from memory.prefix_hash import NO_PARENT
 from memory.state_slots import StateSlots
 
 
@@ -329,11 +328,8 @@ class Scheduler:
             seq.num_computed = step.context_len
             after = seq.num_computed // BLOCK_SIZE
             if after > before and self.bm.enable_prefix_caching:
-                hashes = seq.block_hashes(after)
-                for b in range(before, after):
-                    parent = hashes[b - 1] if b else NO_PARENT
-                    tokens = seq.token_ids[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]
-                    self.bm.cache_block(seq.block_table[b], hashes[b], parent, tokens, seq.lora_id)
+                self.bm.cache_blocks(seq.block_table[before:after], seq.block_hashes(after), before, seq.token_ids,
+                                     seq.lora_id)
             if self._fork_ready(seq):
                 forked += self._fork(seq, out)[1:]
         return forked

@@ -137,31 +137,29 @@ class BlockManager:
                     adapter_id: int = 0) -> None:
         """Register a full, computed block under its hash. A hash already cached in another
         block keeps that block; this one stays private."""
-        if not self.enable_prefix_caching or self.block_hash[block] is not None:
-            return
-        if block_hash in self.cached:
-            return
-        self.block_hash[block] = block_hash
-        self.cached[block_hash] = block
-        if self._stored_subscribers:
+        if self.enable_prefix_caching and self._register(block, block_hash) and self._stored_subscribers:
             self._emit(BlockStored(block_hash, parent_hash, tuple(token_ids), adapter_id, block))
 
     def cache_blocks(self, blocks: list[int], chain: list[int], first: int, token_ids: list[int],
                      adapter_id: int = 0) -> None:
         """cache_block for blocks[k] holding block first + k of a sequence whose hash chain is `chain`
-        (its parent chain[first + k - 1]) and tokens token_ids, in one pass (a prefix restored from the
-        host tier: ~1,000 blocks at 16k tokens)."""
+        (its parent chain[first + k - 1]) and tokens token_ids, in one pass: a block's tokens are sliced
+        only for a BlockStored someone wants (a prefix restored from the host tier: ~1,000 blocks at 16k)."""
         if not self.enable_prefix_caching:
             return
         for k, block in enumerate(blocks):
             i = first + k
-            if self.block_hash[block] is not None or chain[i] in self.cached:
-                continue
-            self.block_hash[block] = chain[i]
-            self.cached[chain[i]] = block
-            if self._stored_subscribers:
+            if self._register(block, chain[i]) and self._stored_subscribers:
                 self._emit(BlockStored(chain[i], chain[i - 1] if i else NO_PARENT,
                                        tuple(token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]), adapter_id, block))
+
+    def _register(self, block: int, block_hash: int) -> bool:
+        """block under block_hash, unless it has a hash already or another block holds that hash."""
+        if self.block_hash[block] is not None or block_hash in self.cached:
+            return False
+        self.block_hash[block] = block_hash
+        self.cached[block_hash] = block
+        return True
 
     def _uncache(self, block: int) -> None:
         block_hash = self.block_hash[block]

@@ -60,10 +60,7 @@ class HostKVTier:
 
     def restore(self, block_hash: int, slot: int, device_block: int) -> None:
         """Copy this slot into device_block before the step; the slot stays (and is pinned this step)."""
-        self._pinned.add(slot)
-        self.slot_of.move_to_end(block_hash)
-        self.restores.append((slot, device_block))
-        self.restored_blocks += 1
+        self.restore_many([block_hash], [slot], [device_block])
 
     def restore_many(self, block_hashes: list[int], slots: list[int], device_blocks: list[int]) -> None:
         """restore() of each (hash, slot, block) in order, in one pass (a 16k-token prompt is ~1,000)."""
