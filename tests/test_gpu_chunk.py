@@ -16,6 +16,8 @@ from engine.executor.gpu_prefill import PrefillStep, plan_prefill
 from tests.test_gpu_prefill import (PagedStandIn, causal_ref, mixed_batch, numpy_gather, numpy_varlen, spec_for,
                                     token_seqs)
 
+# Short runs over long contexts (a 16-token prefix hit at 3k, 3 tokens at 70, 63 tokens at 2k, a 2-token
+# run inside one block) between decodes and a long prompt (also the GPU test's step, test_gpu_prefill_gpu.py).
 SHORT_RUNS = [(499, 1), (3000, 16), (0, 300), (70, 3), (2047, 63), (5, 2), (900, 1)]
 
 

@@ -16,6 +16,7 @@ from engine.models.ops import AttentionSpec
 from harness.executors import new_gpu_executor
 from harness.models import build_tiny_model, engine_logits, random_sequences
 from tests.test_gpu_executor import PATHS, assert_gate, gate_row, hf_gpu_models, hf_run
+from tests.test_gpu_chunk import SHORT_RUNS
 from tests.test_gpu_prefill import MIXED, mixed_batch
 from tests.test_raw_cuda_kernels import attention_ref, bits, f32
 
@@ -134,11 +135,6 @@ def test_prefill_attention_matches_paged_kernel(D, Hq, Hkv):
         what = f"min_query {min_query}, scratch {key_rows}"
         np.testing.assert_allclose(got, ref, atol=1.5e-2, rtol=1e-2, err_msg=what)
         np.testing.assert_allclose(got, outs[0], atol=2e-2, rtol=2e-2, err_msg=what + " vs the paged kernel")
-
-
-# Short runs over long contexts (a 16-token prefix hit at 3k, 3 tokens at 70, 63 tokens at 2k, a 2-token
-# run inside one block) between a decode and a long prompt.
-SHORT_RUNS = [(499, 1), (3000, 16), (0, 300), (70, 3), (2047, 63), (5, 2), (900, 1)]
 
 
 @pytest.mark.parametrize("D,Hq,Hkv", [(128, 32, 8), (128, 8, 2), (64, 8, 8), (128, 16, 1)])
