@@ -249,6 +249,9 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
         ex.gemm.cute = None if "cublas" in flags else cute  # "all|cublas": cuBLAS where gemv.cu does not serve
         if hasattr(ex.ops, "moe_gemv_tokens"):           # "all|nomoegemv": decode experts on the grouped GEMM
             ex.ops.moe_gemv_tokens = 0 if "nomoegemv" in flags else type(ex.ops).moe_gemv_tokens
+            # "all|nomoefused": the router on cuBLAS + moe_topk and decode experts grouped (moe_align ...)
+            for knob in ("moe_fused_tokens", "route_gemv_tokens"):
+                setattr(ex.ops, knob, 0 if "nomoefused" in flags else getattr(type(ex.ops), knob))
         ex.set_decode_kernels(kernels)
         ex.graphs.pdl = "nopdl" not in flags             # "all|nopdl": plain launches in the graphs
         # "all|pd1": paged_decode.cu without its cp.async pipeline and at its old occupancy (A/B)

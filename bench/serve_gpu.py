@@ -76,11 +76,13 @@ def rss_mib(pid: int) -> float:
     return total + sum(rss_mib(int(c)) for c in children)
 
 
-def write_weights(model: str, folder: str) -> None:
-    config = ROOT / "bench" / "configs" / model / "config.json"
+def write_weights(model: str, folder: str, layers: int | None = None) -> None:
+    """Random weights of bench/configs/<model> (its first `layers` layers where given) into folder."""
+    from bench.decode import config_path
+
     code = ("from harness.models import write_random_qwen3; import sys; "
             "write_random_qwen3(sys.argv[1], sys.argv[2])")
-    subprocess.run([sys.executable, "-c", code, str(config), folder], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-c", code, config_path(model, layers), folder], cwd=ROOT, check=True)
 
 
 def start_server(folder: str, port: int, trace: Path, extra: list[str],
@@ -114,12 +116,12 @@ def scaled(args: list[str], scale: float) -> list[str]:
 
 def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra: list[str],
               device: str = "cuda", folder: str | None = None, scale: float = 1.0, input_len: int = 1024,
-              prefix_lengths: str = PREFIX_LENGTHS) -> dict:
+              prefix_lengths: str = PREFIX_LENGTHS, layers: int | None = None, weights_dir: str = "/tmp") -> dict:
     if folder is None:
-        folder = f"/tmp/{model}-random"
-        write_weights(model, folder)
+        folder = os.path.join(weights_dir, f"{model}{f'-L{layers}' if layers else ''}-random")
+        write_weights(model, folder, layers)
     port = free_port()
-    result: dict = {"model": model, "server_args": extra}
+    result: dict = {"model": model, "layers": layers, "server_args": extra}
     if "prefix" in scenarios and device == "cuda":
         result["pinned_h2d_gb_s"] = round(pinned_h2d_gb_s(), 1)
     for name in scenarios:                          # a fresh server per scenario: its own trace
@@ -178,11 +180,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--scale", type=float, default=1.0, help="scale every scenario's prompt count (smoke runs)")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--prefix-lengths", default=PREFIX_LENGTHS, help="the prefix scenario's prompt lengths")
+    p.add_argument("--layers", type=int, default=None, help="serve only the first N layers (a host disk too small)")
+    p.add_argument("--weights-dir", default="/tmp", help="where the random weights are written (e.g. /dev/shm)")
     args = p.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = {m: run_model(m, args.scenarios.split(","), out, args.tokenizer, args.server_arg, args.device,
-                            args.folder, args.scale, args.input_len, args.prefix_lengths)
+                            args.folder, args.scale, args.input_len, args.prefix_lengths, args.layers,
+                            args.weights_dir)
                for m in args.models.split(",")}
     (out / "serve-gpu-raw.json").write_text(json.dumps(results, indent=2))
     bundle(out)

@@ -61,6 +61,8 @@ inline int emu_shuffle_int(int v, int src_lane, bool keep) {       // an int's b
 inline int __shfl_xor_sync(unsigned, int v, int o) { return emu_shuffle_int(v, emu_lane() ^ o, false); }
 inline int __shfl_up_sync(unsigned, int v, int o) { return emu_shuffle_int(v, emu_lane() - o, emu_lane() < o); }
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+template <typename T> inline T __ldcg(const T* p) { return *p; }
 
 // Run body() as every thread of every block of the grid (1-D blocks), blocks one after another.
 inline void emu_launch(EmuDim grid, unsigned threads, size_t smem, const std::function<void()>& body) {

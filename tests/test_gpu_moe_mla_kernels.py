@@ -134,6 +134,41 @@ def test_routed_experts_match_numpy(tokens):
     np.testing.assert_allclose(host(out), want, rtol=ROUND, atol=3 * ROUND)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 4])
+def test_decode_router_and_ungrouped_experts_equal_the_general_path(tokens):
+    """A decode step's one-launch router (moe_route_gemv) picks the ids cuBLAS + moe_topk pick, and its
+    experts without the grouping (moe_gemv_silu / moe_gemv_combine) give the bits of the grouped path
+    (moe_align, gather, moe_gemv, silu_mul, moe_gemv, combine), launched twice (the router's counter)."""
+    import cupy
+
+    model, ex = executor("qwen3_moe")
+    ops, spec = ex.ops, model.model.moe.route
+    names = ("layers.1.router", "layers.1.experts_gate_up_proj", "layers.1.experts_down_proj")
+    router, gate_up, down = (ex.weights[k] for k in names)
+    rng = np.random.default_rng(10 + tokens)
+    x, residual = dev(rng.standard_normal((tokens, 64))), dev(rng.standard_normal((tokens, 64)))
+    results = []
+    for fused in (True, False):
+        ops.moe_fused_tokens = type(ops).moe_fused_tokens if fused else 0
+        ops.route_gemv_tokens = type(ops).route_gemv_tokens if fused else 0
+        for _ in range(2):
+            weights, ids = ops.route(x, router, spec)
+            out = ops.moe_experts(x, gate_up, down, weights, ids, residual.copy())
+        results.append((cupy.asnumpy(weights), cupy.asnumpy(ids), cupy.asnumpy(out)))
+    ops.moe_fused_tokens, ops.route_gemv_tokens = type(ops).moe_fused_tokens, type(ops).route_gemv_tokens
+    (w1, i1, o1), (w0, i0, o0) = results
+    np.testing.assert_array_equal(i1, i0)
+    np.testing.assert_allclose(w1, w0, rtol=1e-5, atol=1e-6)
+    # the same weights: the experts' paths compared on identical routing
+    out_fused = cupy.asnumpy(ops.moe_experts(x, gate_up, down, cupy.asarray(w0), cupy.asarray(i0), residual.copy()))
+    ops.moe_fused_tokens = 0
+    out_grouped = cupy.asnumpy(ops.moe_experts(x, gate_up, down, cupy.asarray(w0), cupy.asarray(i0), residual.copy()))
+    ops.moe_fused_tokens = type(ops).moe_fused_tokens
+    np.testing.assert_array_equal(out_fused, out_grouped)
+    assert np.any(out_fused != cupy.asnumpy(residual))
+    assert int(ops.moe["moe_counter"][0].get()) == 0
+
+
 def mla_step(model, ex):
     """A step of a 20-token prefill (block table [3, 5]) and a decode at position 37 (blocks [0, 1, 2]),
     the decode's earlier cache rows random; (host batch, GPU ctx, CPU ctx, NumpyOps over a float32

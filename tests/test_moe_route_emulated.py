@@ -23,8 +23,11 @@ SPECS = [RouteSpec(6, 3, renormalize=True), RouteSpec(6, 2, scale=1.5),         
 class EmulatedMoE(GpuMoEOps, EmulatedOps):
     def __init__(self, tokens: int, spec: RouteSpec):
         self.k_topk = ("moe_route", "moe_topk", ())
+        self.k_route_gemv = ("moe_route", "moe_route_gemv", ())
         self.moe = {"moe_weights": host(np.zeros(tokens * spec.top_k, np.float32)),
-                    "moe_ids": host(np.zeros(tokens * spec.top_k, np.int32))}
+                    "moe_ids": host(np.zeros(tokens * spec.top_k, np.int32)),
+                    "moe_logits": host(np.zeros(tokens * spec.num_experts, np.float32)),
+                    "moe_counter": host(np.zeros(1, np.int32))}
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"E{s.num_experts}k{s.top_k}g{s.num_groups}{s.scoring}")
@@ -43,6 +46,35 @@ def test_router_kernel_matches_numpy(spec, biased):
     np.testing.assert_allclose(np.asarray(weights).reshape(T, -1), want_w, rtol=2e-6, atol=1e-7)
     if biased:       # the check can fail: the bias moves the choice
         assert not np.array_equal(route_topk(logits, spec)[1], want_ids)
+
+
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[4], SPECS[5]],
+                         ids=lambda s: f"E{s.num_experts}k{s.top_k}g{s.num_groups}{s.scoring}")
+@pytest.mark.parametrize("tokens", [1, 5, 8])
+def test_one_launch_router_matches_numpy(spec, tokens):
+    """moe_route_gemv (GpuMoEOps.route of a decode step: the router product and the top-k in one launch,
+    the last CTA routing) against the float32 product of the same bf16 values and the numpy router; run
+    twice, as a graph replays it: its finishing counter is back at zero after each launch."""
+    from engine.executor.gpu_moe_ops import ROUTE_GEMV_TOKENS
+
+    assert tokens <= ROUTE_GEMV_TOKENS
+    E, H = spec.num_experts, 72
+    rng = np.random.default_rng(E + tokens)
+    x = rng.standard_normal((tokens, H)).astype(ml_dtypes.bfloat16)
+    router = (rng.standard_normal((E, H)) / 4).astype(ml_dtypes.bfloat16)
+    bias = (0.1 * rng.standard_normal(E)).astype(ml_dtypes.bfloat16) if spec.scoring == "sigmoid" else None
+    ops = EmulatedMoE(tokens, spec)
+    want_logits = x.astype(np.float32) @ router.astype(np.float32).T
+    want_w, want_ids = route_topk(want_logits, spec, None if bias is None else bias.astype(np.float32))
+    for _ in range(2):
+        weights, ids = ops.route(host(x.view(np.uint16)), host(router.view(np.uint16)), spec,
+                                 None if bias is None else host(bias.view(np.uint16)))
+        np.testing.assert_allclose(np.asarray(ops.moe["moe_logits"]).reshape(tokens, E), want_logits, rtol=1e-5,
+                                   atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(ids).reshape(tokens, -1), want_ids)
+        np.testing.assert_allclose(np.asarray(weights).reshape(tokens, -1), want_w, rtol=1e-5, atol=1e-6)
+        assert int(ops.moe["moe_counter"][0]) == 0
+        ops.moe["moe_ids"][:] = -7                      # the second launch must write them again
 
 
 def test_router_kernel_compiles_with_nvcc_for_sm90a(tmp_path):
@@ -73,9 +105,10 @@ class EmulatedExperts(GpuMoEOps, EmulatedOps):
         self.moe = {b.name: host(np.zeros(b.shape, b.dtype)) for b in self.moe_buffers(plan)
                     if isinstance(b, Buffer)}
         for name, entry in (("align", "moe_align"), ("gather", "moe_gather"), ("combine", "moe_combine"),
-                            ("gemv", "moe_gemv")):
-            setattr(self, f"k_{name}", ({"gather": "moe_permute", "combine": "moe_permute"}.get(name, entry),
-                                        entry, ()))
+                            ("gemv", "moe_gemv"), ("gemv_silu", "moe_gemv_silu"), ("gemv_combine", "moe_gemv_combine")):
+            file = {"gather": "moe_permute", "combine": "moe_permute"}.get(name, entry if name != "gemv_silu"
+                                                                           and name != "gemv_combine" else "moe_gemv")
+            setattr(self, f"k_{name}", (file, entry, ()))
         self.k_silu = ("silu_mul", "silu_mul", ())
         self.gate_up_interleaved = False
         self.out = host(np.zeros((tokens, hidden), np.uint16))
@@ -109,3 +142,36 @@ def test_decode_experts_on_the_gemv_match_numpy(tokens):
                                   residual.astype(np.float32))
     np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
     assert np.abs(got - want).mean() < 5e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_ungrouped_experts_equal_the_grouped_path(tokens, interleaved):
+    """The experts of a step of at most FUSED_MAX_TOKENS tokens without the grouping (moe_gemv_silu +
+    moe_gemv_combine: two launches) give the same bits as the grouped decode path (moe_align, gather,
+    moe_gemv, silu_mul, moe_gemv, combine), in both gate_up layouts, with an expert shared by two tokens
+    and an assignment of another rank (id -1) skipped by both."""
+    from engine.executor.gpu_gemm import interleave_gate_up
+    from engine.executor.gpu_moe_ops import FUSED_MAX_TOKENS
+
+    assert tokens <= FUSED_MAX_TOKENS
+    spec, H, inter = RouteSpec(7, 3, renormalize=True), 264, 48
+    rng = np.random.default_rng(10 * tokens + interleaved)
+    bf = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)  # noqa: E731
+    x, residual = bf(rng.standard_normal((tokens, H))), bf(rng.standard_normal((tokens, H)))
+    gate_up, down = rng.standard_normal((7, 2 * inter, H)) / 8, bf(rng.standard_normal((7, H, inter)) / 7)
+    gate_up = bf(interleave_gate_up(gate_up) if interleaved else gate_up)
+    weights, ids = route_topk(rng.standard_normal((tokens, 7)).astype(np.float32), spec)
+    ids = ids.astype(np.int32)
+    if tokens > 1:
+        ids[1, 0] = ids[0, 0]                           # two tokens on one expert
+        ids[tokens - 1, 2] = -1                         # another rank's expert
+    outs = []
+    for fused in (0, tokens):
+        ops = EmulatedExperts(tokens, spec, H, inter)
+        ops.gate_up_interleaved, ops.moe_fused_tokens = interleaved, fused
+        got = ops.moe_experts(host(x), host(gate_up), host(down), host(weights.astype(np.float32)), host(ids),
+                              host(residual))
+        outs.append(np.array(got))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    assert np.any(outs[0] != residual)

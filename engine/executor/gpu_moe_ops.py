@@ -23,6 +23,8 @@ MAX_ROUTED_EXPERTS = 512     # moe_route.cu MAX_E (moe_align.cu takes up to 1024
 MAX_TOP_K = 32
 TILE_ROWS = (64, 128)        # the grouped GEMM's M-tiles
 GEMV_MAX_TOKENS = 8          # steps of at most this many tokens run the experts on moe_gemv.cu (decode)
+ROUTE_GEMV_TOKENS = 8        # moe_route.cu moe_route_gemv's ROUTE_TOKENS: the router in one launch
+FUSED_MAX_TOKENS = 4         # steps of at most this many tokens skip the grouping (moe_gemv_silu / _combine)
 
 
 def expert_tile_m(tokens: int, top_k: int, experts: int) -> int:
@@ -45,6 +47,8 @@ def expert_rows(tokens: int, top_k: int, experts: int) -> int:
 
 class GpuMoEOps:
     moe_gemv_tokens = GEMV_MAX_TOKENS   # steps of at most this many tokens take moe_gemv.cu (0: never)
+    moe_fused_tokens = FUSED_MAX_TOKENS # ... the ungrouped experts (0: never)
+    route_gemv_tokens = ROUTE_GEMV_TOKENS  # ... the one-launch router (0: never)
 
     @staticmethod
     def moe_buffers(plan) -> list[Buffer]:
@@ -58,7 +62,8 @@ class GpuMoEOps:
         return [Buffer("moe_logits", (T * E,), np.float32), Buffer("moe_weights", (T * K,), np.float32),
                 Buffer("moe_ids", (T * K,), np.int32), Buffer("moe_row_of", (T * K,), np.int32),
                 Buffer("moe_row_token", (rows,), np.int32), Buffer("moe_tile_expert", (rows // 64,), np.int32),
-                Buffer("moe_a", (rows * max(H, I),), np.uint16), Buffer("moe_b", (rows * max(2 * I, H),), np.uint16)]
+                Buffer("moe_a", (rows * max(H, I),), np.uint16), Buffer("moe_b", (rows * max(2 * I, H),), np.uint16),
+                Buffer("moe_counter", (1,), np.int32)]
 
     @classmethod
     def moe_nbytes(cls, plan) -> int:
@@ -74,28 +79,54 @@ class GpuMoEOps:
             raise ValueError(f"GPU MoE kernels need at most {MAX_ROUTED_EXPERTS} experts, top_k <= {MAX_TOP_K}, "
                              f"hidden and expert intermediate % 8 == 0; got {s}")
         self.moe = arena.take_all("moe", self.moe_buffers(plan))
+        counter = self.moe["moe_counter"]   # moe_route_gemv's finishing count: zero between its launches
+        self.cp.cuda.runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, self.stream.ptr)
         self.k_topk = kernel("moe_route", "moe_topk")
         self.k_align = kernel("moe_align", "moe_align")
         self.k_gather = kernel("moe_permute", "moe_gather")
         self.k_combine = kernel("moe_permute", "moe_combine")
         self.k_grouped = kernel("moe_grouped_gemm", "moe_grouped_gemm")
         self.k_gemv = kernel("moe_gemv", "moe_gemv")
+        self.k_route_gemv = kernel("moe_route", "moe_route_gemv")
+        self.k_gemv_silu = kernel("moe_gemv", "moe_gemv_silu")
+        self.k_gemv_combine = kernel("moe_gemv", "moe_gemv_combine")
 
     def route(self, x, gate_weight, spec: RouteSpec, bias=None):
         T, E = x.shape[0], spec.num_experts
         logits = self.moe["moe_logits"][:T * E].reshape(T, E)
+        if T <= self.route_gemv_tokens and x.shape[1] % 8 == 0:
+            return self._route_gemv(x, gate_weight, logits, spec, bias)
         self.gemm(x, gate_weight, logits)                    # fp32 output: cuBLAS
         return self.route_logits(logits, spec, bias)
+
+    def _route_out(self, T: int, K: int):
+        """The routing's (weights [T, K] float32, ids [T, K] int32) views."""
+        return self.moe["moe_weights"][:T * K].reshape(T, K), self.moe["moe_ids"][:T * K].reshape(T, K)
+
+    @staticmethod
+    def _route_args(spec: RouteSpec) -> tuple:
+        """moe_route.cu's routing arguments after E: top_k .. sigmoid."""
+        return (np.int32(spec.top_k), np.int32(spec.renormalize), np.float32(spec.scale), np.int32(spec.num_groups),
+                np.int32(spec.topk_groups), np.int32(spec.scoring == "sigmoid"))
+
+    def _route_gemv(self, x, gate_weight, logits, spec: RouteSpec, bias):
+        """moe_route.cu moe_route_gemv: the router product and the top-k of a decode step in one launch."""
+        T, H = x.shape
+        E, K = spec.num_experts, spec.top_k
+        b = self.moe
+        weights, ids = self._route_out(T, K)
+        self._launch(self.k_route_gemv, (-(-E // 4),), (128,),
+                     (x, gate_weight, logits, b["moe_counter"], bias if bias is not None else np.uint64(0), weights,
+                      ids, np.int32(T), np.int32(E), np.int32(H), *self._route_args(spec)))
+        return weights, ids
 
     def route_logits(self, logits, spec: RouteSpec, bias=None):
         """moe_route.cu over float32 router logits [T, E] (bias: bf16 [E] or None): (weights, ids) views."""
         T, E, K = logits.shape[0], spec.num_experts, spec.top_k
-        b = self.moe
-        weights, ids = b["moe_weights"][:T * K].reshape(T, K), b["moe_ids"][:T * K].reshape(T, K)
+        weights, ids = self._route_out(T, K)
         self._launch(self.k_topk, (-(-T // 4),), (128,),
                      (logits, bias if bias is not None else np.uint64(0), weights, ids, np.int32(T), np.int32(E),
-                      np.int32(K), np.int32(spec.renormalize), np.float32(spec.scale), np.int32(spec.num_groups),
-                      np.int32(spec.topk_groups), np.int32(spec.scoring == "sigmoid")))
+                      *self._route_args(spec)))
         return weights, ids
 
     def group_experts(self, ids, num_experts: int):
@@ -142,6 +173,8 @@ class GpuMoEOps:
         T, H = x.shape
         E, two_i, _ = gate_up.shape
         inter = two_i // 2
+        if T <= self.moe_fused_tokens and (limit is None or limit == float("inf")):
+            return self._experts_ungrouped(x, gate_up, down, weights, ids, residual)
         tile_m, rows, row_of, row_token, tile_expert = self.group_experts(ids, E)
         b = self.moe
         a = b["moe_a"][:rows * H].reshape(rows, H)
@@ -154,4 +187,19 @@ class GpuMoEOps:
         self.grouped_linear(act, down, tile_expert, row_token, y, tile_m, T)
         out = self._residual_out(T, H)
         self._launch(self.k_combine, (T,), (128,), (y, row_of, weights, residual, out, np.int32(H), np.int32(ids.shape[1])))
+        return out
+
+    def _experts_ungrouped(self, x, gate_up, down, weights, ids, residual):
+        """A step of a few tokens: moe_gemv_silu then moe_gemv_combine over the (token, slot) assignments
+        as routed, no grouping by expert (moe_gemv.cu)."""
+        T, H = x.shape
+        inter = gate_up.shape[1] // 2
+        K = ids.shape[1]
+        act = self.moe["moe_a"][:T * K * inter].reshape(T * K, inter)
+        self._launch(self.k_gemv_silu, (-(-inter // 16), T * K), (128,),
+                     (x, gate_up, ids, act, np.int32(inter), np.int32(H), np.int32(K),
+                      np.int32(self.gate_up_interleaved)))
+        out = self._residual_out(T, H)
+        self._launch(self.k_gemv_combine, (-(-H // 8), T), (32 * min(K, 8),),
+                     (act, down, ids, weights, residual, out, np.int32(H), np.int32(inter), np.int32(K)))
         return out

@@ -26,6 +26,34 @@ __device__ __forceinline__ float dot8(uint4 x, uint4 y) {
     return s;
 }
 
+// acc[r][j] += the lane's share of a[r] · wrow[j] over K (r < nr): per 256-wide k step the lane loads its
+// 16-byte piece of the COLS_PER_WARP weight rows together, then each row's piece of a. The caller sums the
+// lanes (warp_sum). Every kernel here runs this loop, so a column's sum does not depend on the kernel.
+template <int R>
+__device__ __forceinline__ void warp_dots(const bf16_t* __restrict__ a, size_t a_stride, int nr,
+                                          const bf16_t* const (&wrow)[COLS_PER_WARP], int K,
+                                          float (&acc)[R][COLS_PER_WARP]) {
+    const int lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int j = 0; j < COLS_PER_WARP; ++j) acc[r][j] = 0.f;
+    #pragma unroll 2
+    for (int k = lane * 8; k < K; k += 256) {
+        uint4 wv[COLS_PER_WARP];
+        #pragma unroll
+        for (int j = 0; j < COLS_PER_WARP; ++j) wv[j] = *reinterpret_cast<const uint4*>(wrow[j] + k);
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (r < nr) {
+                const uint4 av = *reinterpret_cast<const uint4*>(a + r * a_stride + k);
+                #pragma unroll
+                for (int j = 0; j < COLS_PER_WARP; ++j) acc[r][j] += dot8(wv[j], av);
+            }
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(128)
 moe_gemv(const bf16_t* __restrict__ a, const bf16_t* __restrict__ w, const int* __restrict__ tile_expert,
          const int* __restrict__ row_token, bf16_t* __restrict__ out, int N, int K, int tile_m) {
@@ -44,24 +72,7 @@ moe_gemv(const bf16_t* __restrict__ a, const bf16_t* __restrict__ w, const int* 
     for (int r0 = 0; r0 < rows; r0 += ROWS) {
         const int nr = min(ROWS, rows - r0);
         float acc[ROWS][COLS_PER_WARP];
-        #pragma unroll
-        for (int r = 0; r < ROWS; ++r)
-            #pragma unroll
-            for (int j = 0; j < COLS_PER_WARP; ++j) acc[r][j] = 0.f;
-        #pragma unroll 2
-        for (int k = lane * 8; k < K; k += 256) {
-            uint4 wv[COLS_PER_WARP];
-            #pragma unroll
-            for (int j = 0; j < COLS_PER_WARP; ++j) wv[j] = *reinterpret_cast<const uint4*>(wrow[j] + k);
-            #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (r < nr) {
-                    const uint4 av = *reinterpret_cast<const uint4*>(a + (size_t)(m0 + r0 + r) * K + k);
-                    #pragma unroll
-                    for (int j = 0; j < COLS_PER_WARP; ++j) acc[r][j] += dot8(wv[j], av);
-                }
-            }
-        }
+        warp_dots<ROWS>(a + (size_t)(m0 + r0) * K, K, nr, wrow, K, acc);
         #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             if (r < nr) {
@@ -72,5 +83,83 @@ moe_gemv(const bf16_t* __restrict__ a, const bf16_t* __restrict__ w, const int* 
                 }
             }
         }
+    }
+}
+
+// The experts of a step of a few tokens without grouping them (no moe_align, gather, silu_mul or combine
+// launch): each (token, slot) assignment reads its expert straight from ids (a slot shared by two tokens
+// reads the expert twice, so this pays below a handful of tokens; ids < 0, another rank's experts, are
+// skipped). Each column's sum is the same as moe_gemv's (warp_dots), each rounding as the grouped path
+// (bf16 gate / up, silu_mul's SiLU·up, bf16 expert outputs, moe_combine's fp32 slot-order sum).
+//
+// moe_gemv_silu: act[s, c] = silu_times(bf16(x[s / top_k] · gate_c), bf16(x[s / top_k] · up_c)) for the
+// expert ids[s]; gate_up [E, 2I, H] with gate / up rows interleaved in blocks of 8 (interleaved = 1,
+// gpu_gemm.interleave_gate_up) or [gate | up]. Grid (ceil(I / 16), T·top_k), 128 threads: each warp owns 4
+// act columns, i.e. 4 gate and 4 up rows (8 weight rows, as moe_gemv's warps).
+extern "C" __global__ void __launch_bounds__(128)
+moe_gemv_silu(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_up, const int* __restrict__ ids,
+              bf16_t* __restrict__ act, int I, int H, int top_k, int interleaved) {
+    pdl_begin();
+    const int s = blockIdx.y, e = ids[s];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int c0 = (blockIdx.x * 4 + warp) * 4;
+    if (e < 0 || c0 >= I) return;
+    const bf16_t* wexp = gate_up + (size_t)e * 2 * I * H;
+    const bf16_t* wrow[COLS_PER_WARP];
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int c = min(c0 + j, I - 1);
+        const int g = interleaved ? (c / 8) * 16 + c % 8 : c;
+        wrow[j] = wexp + (size_t)g * H;
+        wrow[j + 4] = wexp + (size_t)(interleaved ? g + 8 : I + c) * H;
+    }
+    float acc[1][COLS_PER_WARP];
+    warp_dots<1>(x + (size_t)(s / top_k) * H, H, 1, wrow, H, acc);
+    float sums[COLS_PER_WARP];
+    #pragma unroll
+    for (int j = 0; j < COLS_PER_WARP; ++j) sums[j] = warp_sum(acc[0][j]);
+    if (lane < 4 && c0 + lane < I) {
+        float g = sums[0], u = sums[4];
+        #pragma unroll
+        for (int j = 1; j < 4; ++j) if (lane == j) { g = sums[j]; u = sums[j + 4]; }
+        act[(size_t)s * I + c0 + lane] = silu_times(round_bf16(g), round_bf16(u));
+    }
+}
+
+// moe_gemv_combine: out[t, n] = bf16(residual[t, n] + sum_k weights[t, k] · bf16(act[t·top_k + k] · down[ids[t, k], n]))
+// (fp32 sum in slot order). Grid (ceil(H / 8), T), 32·min(top_k, 8) threads: warp w takes slots w, w + 8,
+// ..., each for the CTA's 8 columns; the CTA's first 8 threads sum the slots. out may be residual (each
+// element read, then written, by one thread). top_k <= MAX_SLOTS.
+#define MAX_SLOTS 32
+extern "C" __global__ void __launch_bounds__(256)
+moe_gemv_combine(const bf16_t* __restrict__ act, const bf16_t* __restrict__ down, const int* __restrict__ ids,
+                 const float* __restrict__ weights, const bf16_t* residual, bf16_t* out, int H, int I, int top_k) {
+    pdl_begin();
+    __shared__ float ys[MAX_SLOTS][COLS_PER_WARP];
+    const int t = blockIdx.y, warps = blockDim.x >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n0 = blockIdx.x * COLS_PER_WARP;
+    for (int k = warp; k < top_k; k += warps) {
+        const int e = ids[t * top_k + k];
+        if (e < 0) continue;
+        const bf16_t* wrow[COLS_PER_WARP];
+        #pragma unroll
+        for (int j = 0; j < COLS_PER_WARP; ++j) wrow[j] = down + ((size_t)e * H + min(n0 + j, H - 1)) * I;
+        float acc[1][COLS_PER_WARP];
+        warp_dots<1>(act + (size_t)(t * top_k + k) * I, I, 1, wrow, I, acc);
+        #pragma unroll
+        for (int j = 0; j < COLS_PER_WARP; ++j) {
+            const float v = warp_sum(acc[0][j]);
+            if (lane == j) ys[k][j] = round_bf16(v);
+        }
+    }
+    __syncthreads();
+    const int j = threadIdx.x;
+    if (j < COLS_PER_WARP && n0 + j < H) {
+        float sum = 0.f;
+        for (int k = 0; k < top_k; ++k)
+            if (ids[t * top_k + k] >= 0) sum += weights[t * top_k + k] * ys[k][j];
+        const size_t i = (size_t)t * H + n0 + j;
+        out[i] = f_to_bf16(bf16_to_f(residual[i]) + sum);
     }
 }

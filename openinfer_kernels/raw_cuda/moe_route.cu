@@ -7,6 +7,7 @@
 //   the top_k choices (ties: the lower expert id first, as the numpy reference), in order;
 //   weights = their p (unbiased), renormalized to sum 1 when renorm (norm_topk_prob), times scale.
 // Writes weights float32 [T, top_k] and ids int32 [T, top_k]. Fixed grid, no host sync: graph-capturable.
+// moe_route_gemv (below) computes a decode step's logits itself and routes in its last CTA.
 // E <= MAX_E (each lane holds E / 32 scores), top_k <= 32, groups <= 32 and E % groups == 0 (with a bias:
 // E / groups >= 2). Roofline: reads T·E·4 bytes; E = 384: 1.5 KB per token, launch-bound at decode (~2-3 µs).
 #include "common.cuh"
@@ -38,28 +39,26 @@ __device__ __forceinline__ float warp_top2_sum(float v, float w) {
     return v + w;
 }
 
-extern "C" __global__ void __launch_bounds__(32 * WARPS)
-moe_topk(const float* __restrict__ logits, const bf16_t* __restrict__ bias, float* __restrict__ weights,
-         int* __restrict__ ids, int T, int E, int top_k, int renorm, float scale, int groups, int topk_groups,
-         int sigmoid) {
-    pdl_begin();
+// One token's routing by one warp: its float32 router logits `row` (read through L2: another CTA of the
+// same kernel may have just written them) -> weights[t, :top_k], ids[t, :top_k].
+__device__ __forceinline__ void route_token(const float* row, const bf16_t* __restrict__ bias,
+                                            float* __restrict__ weights, int* __restrict__ ids, int t, int E,
+                                            int top_k, int renorm, float scale, int groups, int topk_groups,
+                                            int sigmoid) {
     const int lane = threadIdx.x & 31;
-    const int t = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (t >= T) return;
-    const float* row = logits + (size_t)t * E;
     float p[PER_LANE];                       // expert lane + 32·e
     if (sigmoid) {
         #pragma unroll
         for (int e = 0; e < PER_LANE; ++e) {
             const int x = lane + 32 * e;
-            p[e] = x < E ? 1.f / (1.f + expf(-row[x])) : 0.f;
+            p[e] = x < E ? 1.f / (1.f + expf(-__ldcg(row + x))) : 0.f;
         }
     } else {
         float m = -INFINITY;
         #pragma unroll
         for (int e = 0; e < PER_LANE; ++e) {
             const int x = lane + 32 * e;
-            p[e] = x < E ? row[x] : -INFINITY;
+            p[e] = x < E ? __ldcg(row + x) : -INFINITY;
             m = fmaxf(m, p[e]);
         }
         m = warp_max(m);
@@ -134,4 +133,67 @@ moe_topk(const float* __restrict__ logits, const bf16_t* __restrict__ bias, floa
         weights[(size_t)t * top_k + lane] = (renorm ? w_sel / total : w_sel) * scale;
         ids[(size_t)t * top_k + lane] = id_sel;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+moe_topk(const float* __restrict__ logits, const bf16_t* __restrict__ bias, float* __restrict__ weights,
+         int* __restrict__ ids, int T, int E, int top_k, int renorm, float scale, int groups, int topk_groups,
+         int sigmoid) {
+    pdl_begin();
+    const int t = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (t >= T) return;
+    route_token(logits + (size_t)t * E, bias, weights, ids, t, E, top_k, renorm, scale, groups, topk_groups, sigmoid);
+}
+
+// The router of a decode step in one launch: logits[t, e] = x[t] · router[e] (bf16 in, fp32 sums; one warp
+// per expert row, its lanes splitting H in 16-byte pieces, every token's row against the weight piece it
+// loaded), then the CTA that finishes last (a counter the kernel resets for the next launch: graph
+// replays stay correct) routes every token as moe_topk. T <= ROUTE_TOKENS, H % 8 == 0; counter: one
+// zeroed int that no other kernel uses at the same time. Replaces the router GEMM's cuBLAS launch and the
+// top-k launch. Roofline: E·H·2 bytes of router weights (Qwen3-30B-A3B: 0.5 MB, ~0.1 µs at 4.3 TB/s):
+// launch- and latency-bound, one kernel boundary less per layer is the point.
+#define ROUTE_TOKENS 8
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+moe_route_gemv(const bf16_t* __restrict__ x, const bf16_t* __restrict__ router, float* logits, int* counter,
+               const bf16_t* __restrict__ bias, float* __restrict__ weights, int* __restrict__ ids, int T, int E,
+               int H, int top_k, int renorm, float scale, int groups, int topk_groups, int sigmoid) {
+    pdl_begin();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = blockIdx.x * WARPS + warp;
+    if (e < E) {
+        const bf16_t* wrow = router + (size_t)e * H;
+        float acc[ROUTE_TOKENS];
+        #pragma unroll
+        for (int t = 0; t < ROUTE_TOKENS; ++t) acc[t] = 0.f;
+        #pragma unroll 4
+        for (int k = lane * 8; k < H; k += 256) {
+            const uint4 wv = *reinterpret_cast<const uint4*>(wrow + k);
+            const bf16_t* ws = reinterpret_cast<const bf16_t*>(&wv);
+            #pragma unroll
+            for (int t = 0; t < ROUTE_TOKENS; ++t) {
+                if (t < T) {
+                    const uint4 xv = *reinterpret_cast<const uint4*>(x + (size_t)t * H + k);
+                    const bf16_t* xs = reinterpret_cast<const bf16_t*>(&xv);
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[t] += bf16_to_f(xs[i]) * bf16_to_f(ws[i]);
+                }
+            }
+        }
+        #pragma unroll
+        for (int t = 0; t < ROUTE_TOKENS; ++t) {
+            const float s = warp_sum(acc[t]);
+            if (t < T && lane == 0) logits[(size_t)t * E + e] = s;
+        }
+    }
+    __shared__ int last;
+    __threadfence();                         // this CTA's logits reach L2 before it is counted
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int t = warp; t < T; t += WARPS)
+        route_token(logits + (size_t)t * E, bias, weights, ids, t, E, top_k, renorm, scale, groups, topk_groups,
+                    sigmoid);
+    if (threadIdx.x == 0) *counter = 0;
 }
