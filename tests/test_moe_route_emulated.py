@@ -50,20 +50,18 @@ def test_router_kernel_matches_numpy(spec, biased):
 
 @pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[4], SPECS[5]],
                          ids=lambda s: f"E{s.num_experts}k{s.top_k}g{s.num_groups}{s.scoring}")
-@pytest.mark.parametrize("tokens", [1, 5, 8])
+@pytest.mark.parametrize("tokens", [1, 4, 8])
 def test_one_launch_router_matches_numpy(spec, tokens):
     """moe_route_gemv (GpuMoEOps.route of a decode step: the router product and the top-k in one launch,
     the last CTA routing) against the float32 product of the same bf16 values and the numpy router; run
     twice, as a graph replays it: its finishing counter is back at zero after each launch."""
-    from engine.executor.gpu_moe_ops import ROUTE_GEMV_TOKENS
-
-    assert tokens <= ROUTE_GEMV_TOKENS
     E, H = spec.num_experts, 72
     rng = np.random.default_rng(E + tokens)
     x = rng.standard_normal((tokens, H)).astype(ml_dtypes.bfloat16)
     router = (rng.standard_normal((E, H)) / 4).astype(ml_dtypes.bfloat16)
     bias = (0.1 * rng.standard_normal(E)).astype(ml_dtypes.bfloat16) if spec.scoring == "sigmoid" else None
     ops = EmulatedMoE(tokens, spec)
+    ops.route_gemv_tokens = 8                           # the kernel's limit (the default takes fewer)
     want_logits = x.astype(np.float32) @ router.astype(np.float32).T
     want_w, want_ids = route_topk(want_logits, spec, None if bias is None else bias.astype(np.float32))
     for _ in range(2):

@@ -23,7 +23,8 @@ MAX_ROUTED_EXPERTS = 512     # moe_route.cu MAX_E (moe_align.cu takes up to 1024
 MAX_TOP_K = 32
 TILE_ROWS = (64, 128)        # the grouped GEMM's M-tiles
 GEMV_MAX_TOKENS = 8          # steps of at most this many tokens run the experts on moe_gemv.cu (decode)
-ROUTE_GEMV_TOKENS = 8        # moe_route.cu moe_route_gemv's ROUTE_TOKENS: the router in one launch
+ROUTE_GEMV_TOKENS = 4        # the router in one launch (moe_route_gemv, at most its ROUTE_TOKENS = 8): at 8
+                             # tokens cuBLAS + moe_topk was faster (H200, 2026-12-04: its last CTA routes serially)
 FUSED_MAX_TOKENS = 4         # steps of at most this many tokens skip the grouping (moe_gemv_silu / _combine)
 
 
@@ -94,7 +95,7 @@ class GpuMoEOps:
     def route(self, x, gate_weight, spec: RouteSpec, bias=None):
         T, E = x.shape[0], spec.num_experts
         logits = self.moe["moe_logits"][:T * E].reshape(T, E)
-        if T <= self.route_gemv_tokens and x.shape[1] % 8 == 0:
+        if T <= min(self.route_gemv_tokens, 8) and x.shape[1] % 8 == 0:     # 8: the kernel's ROUTE_TOKENS
             return self._route_gemv(x, gate_weight, logits, spec, bias)
         self.gemm(x, gate_weight, logits)                    # fp32 output: cuBLAS
         return self.route_logits(logits, spec, bias)
