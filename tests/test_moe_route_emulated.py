@@ -75,6 +75,21 @@ def test_one_launch_router_matches_numpy(spec, tokens):
         ops.moe["moe_ids"][:] = -7                      # the second launch must write them again
 
 
+def test_router_drops_the_slots_of_a_nan_row():
+    """A row of NaN logits (a padded row of a piecewise graph holds whatever the ring held) routes to id -1
+    with weight 0 in every slot, which the expert kernels drop; the other rows route as numpy does."""
+    spec = RouteSpec(6, 3, renormalize=True)
+    logits = np.random.default_rng(3).standard_normal((3, 6)).astype(np.float32)
+    logits[1] = np.nan
+    ops = EmulatedMoE(3, spec)
+    weights, ids = ops.route_logits(host(logits), spec)
+    ids, weights = np.asarray(ids).reshape(3, -1), np.asarray(weights).reshape(3, -1)
+    np.testing.assert_array_equal(ids[1], [-1, -1, -1])
+    want_w, want_ids = route_topk(logits[[0, 2]], spec)
+    np.testing.assert_array_equal(ids[[0, 2]], want_ids)
+    np.testing.assert_allclose(weights[[0, 2]], want_w, rtol=2e-6)
+
+
 def test_router_kernel_compiles_with_nvcc_for_sm90a(tmp_path):
     """The device build the GPU runs (NVRTC there; nvcc here, where NVRTC's Python binding is missing)."""
     import os

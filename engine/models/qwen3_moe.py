@@ -58,7 +58,7 @@ class Qwen3MoeConfig:
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     model_type = "qwen3_moe"
-    piecewise_graphs = False                # routing decides on the host from the data
+    piecewise_graphs = True                 # routing and grouping run on the device with grids fixed by T
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)

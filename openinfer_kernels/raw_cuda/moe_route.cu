@@ -5,7 +5,9 @@
 //   choice without a bias, transformers' DeepseekV2TopkRouter; the sum of its two best choices with one,
 //   DeepseekV3TopkRouter), the other groups' experts leave the choice;
 //   the top_k choices (ties: the lower expert id first, as the numpy reference), in order;
-//   weights = their p (unbiased), renormalized to sum 1 when renorm (norm_topk_prob), times scale.
+//   weights = their p (unbiased), renormalized to sum 1 when renorm (norm_topk_prob), times scale;
+//   a slot with no comparable score left (NaN logits: a piecewise graph's padded row) gets id -1, weight 0,
+//   which every expert kernel drops, never an out-of-range expert.
 // Writes weights float32 [T, top_k] and ids int32 [T, top_k]. Fixed grid, no host sync: graph-capturable.
 // moe_route_gemv (below) computes a decode step's logits itself and routes in its last CTA.
 // E <= MAX_E (each lane holds E / 32 scores), top_k <= 32, groups <= 32 and E % groups == 0 (with a bias:
@@ -120,6 +122,7 @@ __device__ __forceinline__ void route_token(const float* row, const bf16_t* __re
             if (score[e] > v) { v = score[e]; i = x; }      // e ascending: the lower id wins a tie
         }
         warp_argmax(v, i);
+        if (i >= E) i = -1;                  // no score compares (NaN logits, e.g. a padded row): dropped, weight 0
         float mine = 0.f;                    // the chosen expert's unbiased score, from the lane that holds it
         #pragma unroll
         for (int e = 0; e < PER_LANE; ++e) {
