@@ -16,10 +16,10 @@ loaded, cuBLAS heuristics run, attention skipped), then the same pass under stre
 ended and a new one begun at each attention call; the hole records the call's query, spec and output
 buffer. The activation ring is reset before both passes so they hand out the same addresses, and left
 where the capture left it after a replay, so the ops after the forward (sampling rows, lm_head) do not
-reuse the hidden states' slot. A model line opts in with `piecewise_graphs` (the dense lines and
-Qwen3-MoE, whose routing and expert grouping run on the device with grids fixed by the token count; a
-padded row's routing drops its slots where its logits are NaN; lines whose ops decide from the data on the
-host, MLA's expanded or absorbed prefill, do not); LoRA steps stay eager.
+reuse the hidden states' slot. A model line opts in with `piecewise_graphs` (the dense lines; Qwen3-MoE's
+ops are capturable too, a padded row's routing dropping its slots where its logits are NaN, but it stays
+off: qwen3_moe.py says why; lines whose ops decide from the data on the host, MLA's expanded or absorbed
+prefill, do not); LoRA steps stay eager.
 """
 from __future__ import annotations
 

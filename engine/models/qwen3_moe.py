@@ -58,7 +58,11 @@ class Qwen3MoeConfig:
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     model_type = "qwen3_moe"
-    piecewise_graphs = True                 # routing and grouping run on the device with grids fixed by T
+    # Capturable (routing and grouping run on the device with grids fixed by T; the GPU gates pass with it
+    # on) but off: a 1024-token prefill of Qwen3-30B-A3B is GPU-bound (34 ms, launch 27.5 -> 11 ms with
+    # it), and capturing the 19 buckets while idle delayed concurrency-1 requests (TTFT 36.5 -> 88 ms,
+    # H200, 2026-12-04: bench/results/moe.md)
+    piecewise_graphs = False
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
