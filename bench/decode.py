@@ -179,21 +179,6 @@ def graph_replay_ms(ex, batch: int, replays: int = 20, graphs=None) -> float:
     return float(np.median(times))
 
 
-def profile_graph(ex, batch: int) -> None:
-    """Replay the batch's decode graph once between cudaProfilerStart / Stop: under
-    `ncu --profile-from-start off --graph-profiling node` each of its kernels is timed alone
-    (bench/ncu_table.py sums them per kernel)."""
-    import cupy
-
-    graphs = ex.graphs
-    graph = graphs.graphs[graphs.bucket(batch)][0]
-    ex.stream.synchronize()
-    cupy.cuda.runtime.profilerStart()
-    graph.launch(stream=ex.stream)
-    ex.stream.synchronize()
-    cupy.cuda.runtime.profilerStop()
-
-
 def op_breakdown(ex, cfg, bw: float) -> list[dict]:
     """Time each op of one eager batch-1 decode step with CUDA events (bench/op_timer.py: the ops the
     model code calls, the ones they compose left out)."""
@@ -228,8 +213,7 @@ def config_path(name: str, layers: int | None) -> str:
 
 
 def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: float, hf_batches: list[int],
-                kernel_sets: list[str], micro: str, layers: int | None = None,
-                profile_batches: tuple[int, ...] = ()) -> dict:
+                kernel_sets: list[str], micro: str, layers: int | None = None) -> dict:
     import torch
 
     from engine.executor.gpu import GpuExecutor
@@ -281,8 +265,6 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
             r["first_step_same"] = sum(x == y for x, y in zip(toks, ref)) / len(ref)
             rows.append(r)
             print(f"[{name}] {json.dumps(r)}", flush=True)
-            if b in profile_batches:
-                profile_graph(ex, b)
         breakdown[ks] = op_breakdown(ex, cfg, bw)
     micro_rows = []
     if micro:
@@ -390,8 +372,6 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="run only the first N layers of each model")
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     p.add_argument("--stem", default="decode", help="output file names: STEM.json, STEM.md, STEM.png")
-    p.add_argument("--profile-graph", default="", help="batches whose decode graph is replayed once inside "
-                   "cudaProfilerStart/Stop, for `ncu --profile-from-start off --graph-profiling node`")
     p.add_argument("--summary", nargs="+", metavar="DECODE_JSON", help="only print the compact table of these runs")
     a = p.parse_args()
     if a.summary:
@@ -405,8 +385,7 @@ def main() -> None:
     results = []
     for m in a.models.split(","):          # report after each model: a cut-off run keeps what it measured
         results.append(bench_model(m, batches, a.prompt, a.steps, bw, hf_batches,
-                                   [k.strip() for k in a.kernels.split(";")], a.micro, a.layers,
-                                   tuple(int(x) for x in a.profile_graph.split(",") if x)))
+                                   [k.strip() for k in a.kernels.split(";")], a.micro, a.layers))
         with open(os.path.join(a.out, f"{a.stem}.json"), "w") as f:
             json.dump(dict(bandwidth=bw, results=results), f, indent=1)
         text = report(results, bw, a.out, a.stem)

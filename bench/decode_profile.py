@@ -1,8 +1,11 @@
 """Per-kernel time of one graphed decode step, measured by Nsight Compute (ncu) on the GPU host.
 
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-        --log-file DIR/ncu.csv python3 bench/decode_profile.py --model qwen3-4b --batch 1
+        --log-file DIR/ncu.csv python3 bench/decode_profile.py --model qwen3-4b --batch 1 [--layers N]
     python3 bench/decode_profile.py --parse DIR/ncu.csv --model qwen3-4b > DIR/profile.md
+
+Any line of bench/configs (Qwen3-30B-A3B, DeepSeek-V2-Lite: its MoE and MLA kernels by name); --layers N
+writes and runs only the first N layers (bench/decode.py's config_path).
 
 The first form builds the executor on random Qwen3 weights (as bench/decode.py), prefills a prompt of
 128 tokens, runs a few graphed decode steps, and brackets one more with cudaProfilerStart/Stop, so
@@ -38,18 +41,18 @@ def projection_names(cfg) -> dict[int, list[tuple[str, int]]]:
     return grids
 
 
-def run_step(model_name: str, batch: int, prompt: int = 128) -> None:
+def run_step(model_name: str, batch: int, prompt: int = 128, layers: int | None = None) -> None:
     import cupy
 
-    from bench.decode import GREEDY, run_batch
+    from bench.decode import GREEDY, config_path, run_batch
     from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
     from engine.executor.gpu import GpuExecutor
     from engine.executor.options import options_of
     from engine.loader import load_model
     from harness.models import write_random_qwen3
 
-    folder = f"/tmp/{model_name}-random"
-    write_random_qwen3(os.path.join(ROOT, "bench", "configs", model_name, "config.json"), folder)
+    folder = f"/tmp/{model_name}{f'-L{layers}' if layers else ''}-random"
+    write_random_qwen3(config_path(model_name, layers), folder)
     model = load_model(folder)
     per_seq = -(-(prompt + 32) // BLOCK_SIZE)
     ex = GpuExecutor(model, options_of(num_kv_blocks=batch * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
@@ -83,7 +86,7 @@ def summarize(csv_path: str, model_name: str) -> str:
             continue
         scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
         us = float(row["Metric Value"].replace(",", "")) * scale.get(row.get("Metric Unit", "ns"), 1e-3)
-        kname = row["Kernel Name"].split("(")[0]
+        kname = row["Kernel Name"].split("(")[0].split("<")[0].strip()
         grid = row.get("Grid Size", "")
         label = kname
         if kname.startswith("gemv_"):
@@ -110,12 +113,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-4b")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=None, help="only the first N layers")
     p.add_argument("--parse", metavar="NCU_CSV", help="summarize an ncu --csv log instead of running")
     a = p.parse_args()
     if a.parse:
         print(summarize(a.parse, a.model))
     else:
-        run_step(a.model, a.batch)
+        run_step(a.model, a.batch, layers=a.layers)
 
 
 if __name__ == "__main__":
