@@ -22,8 +22,9 @@ SPECS = [RouteSpec(6, 3, renormalize=True), RouteSpec(6, 2, scale=1.5),         
 
 class EmulatedMoE(GpuMoEOps, EmulatedOps):
     def __init__(self, tokens: int, spec: RouteSpec):
-        self.k_topk = ("moe_route", "moe_topk", ())
-        self.k_route_gemv = ("moe_route", "moe_route_gemv", ())
+        self.route_max_e = 32 * -(-spec.num_experts // 32)         # built per model, as take_moe does
+        self.k_topk = ("moe_route", "moe_topk", (("MAX_E", self.route_max_e),))
+        self.k_route_gemv = ("moe_route", "moe_route_gemv", (("MAX_E", self.route_max_e),))
         self.moe = {"moe_weights": host(np.zeros(tokens * spec.top_k, np.float32)),
                     "moe_ids": host(np.zeros(tokens * spec.top_k, np.int32)),
                     "moe_logits": host(np.zeros(tokens * spec.num_experts, np.float32)),

@@ -82,13 +82,14 @@ class GpuMoEOps:
         self.moe = arena.take_all("moe", self.moe_buffers(plan))
         counter = self.moe["moe_counter"]   # moe_route_gemv's finishing count: zero between its launches
         self.cp.cuda.runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, self.stream.ptr)
-        self.k_topk = kernel("moe_route", "moe_topk")
+        max_e = self.route_max_e = 32 * -(-s.num_experts // 32)  # moe_route.cu's scores per lane: as the experts need
+        self.k_topk = kernel("moe_route", "moe_topk", MAX_E=max_e)
         self.k_align = kernel("moe_align", "moe_align")
         self.k_gather = kernel("moe_permute", "moe_gather")
         self.k_combine = kernel("moe_permute", "moe_combine")
         self.k_grouped = kernel("moe_grouped_gemm", "moe_grouped_gemm")
         self.k_gemv = kernel("moe_gemv", "moe_gemv")
-        self.k_route_gemv = kernel("moe_route", "moe_route_gemv")
+        self.k_route_gemv = kernel("moe_route", "moe_route_gemv", MAX_E=max_e)
         self.k_gemv_silu = kernel("moe_gemv", "moe_gemv_silu")
         self.k_gemv_combine = kernel("moe_gemv", "moe_gemv_combine")
 
@@ -99,6 +100,10 @@ class GpuMoEOps:
             return self._route_gemv(x, gate_weight, logits, spec, bias)
         self.gemm(x, gate_weight, logits)                    # fp32 output: cuBLAS
         return self.route_logits(logits, spec, bias)
+
+    def _check_experts(self, E: int) -> None:
+        if E > self.route_max_e:
+            raise ValueError(f"moe_route.cu was built for at most {self.route_max_e} experts, got {E}")
 
     def _route_out(self, T: int, K: int):
         """The routing's (weights [T, K] float32, ids [T, K] int32) views."""
@@ -114,6 +119,7 @@ class GpuMoEOps:
         """moe_route.cu moe_route_gemv: the router product and the top-k of a decode step in one launch."""
         T, H = x.shape
         E, K = spec.num_experts, spec.top_k
+        self._check_experts(E)
         b = self.moe
         weights, ids = self._route_out(T, K)
         self._launch(self.k_route_gemv, (-(-E // 4),), (128,),
@@ -124,6 +130,7 @@ class GpuMoEOps:
     def route_logits(self, logits, spec: RouteSpec, bias=None):
         """moe_route.cu over float32 router logits [T, E] (bias: bf16 [E] or None): (weights, ids) views."""
         T, E, K = logits.shape[0], spec.num_experts, spec.top_k
+        self._check_experts(E)
         weights, ids = self._route_out(T, K)
         self._launch(self.k_topk, (-(-T // 4),), (128,),
                      (logits, bias if bias is not None else np.uint64(0), weights, ids, np.int32(T), np.int32(E),

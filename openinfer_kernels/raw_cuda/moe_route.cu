@@ -10,11 +10,13 @@
 //   which every expert kernel drops, never an out-of-range expert.
 // Writes weights float32 [T, top_k] and ids int32 [T, top_k]. Fixed grid, no host sync: graph-capturable.
 // moe_route_gemv (below) computes a decode step's logits itself and routes in its last CTA.
-// E <= MAX_E (each lane holds E / 32 scores), top_k <= 32, groups <= 32 and E % groups == 0 (with a bias:
+// E <= MAX_E (each lane holds MAX_E / 32 scores; built per model with MAX_E = 32 · ceil(E / 32)), top_k <= 32, groups <= 32 and E % groups == 0 (with a bias:
 // E / groups >= 2). Roofline: reads T·E·4 bytes; E = 384: 1.5 KB per token, launch-bound at decode (~2-3 µs).
 #include "common.cuh"
 
-#define MAX_E 512
+#ifndef MAX_E
+#define MAX_E 512                            // compiled per model: 32 · ceil(E / 32) (gpu_moe_ops.take_moe)
+#endif
 #define PER_LANE (MAX_E / 32)
 #define WARPS 4
 
@@ -204,8 +206,10 @@ moe_route_gemv(const bf16_t* __restrict__ x, const bf16_t* __restrict__ router, 
         }
         #pragma unroll
         for (int t = 0; t < ROUTE_TOKENS; ++t) {
-            const float s = warp_sum(acc[t]);
-            if (t < T && lane == 0) logits[(size_t)t * E + e] = s;
+            if (t < T) {                     // T is uniform: the shuffles of the step's rows only
+                const float s = warp_sum(acc[t]);
+                if (lane == 0) logits[(size_t)t * E + e] = s;
+            }
         }
     }
     __shared__ int last;
