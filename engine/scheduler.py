@@ -7,7 +7,10 @@ whenever blocks run out; then, if nothing was preempted, waiting sequences join 
 budget, max_num_seqs and the KV pool allow (one whose LoRA adapter would be one more than
 max_loras among the running is passed over, keeping its place). A waiting sequence starts from its longest
 prefix-cache hit: device blocks first, then (with a host KV tier, memory/host_tier.py) blocks the
-device evicted earlier, copied back into fresh device blocks before the step.
+device evicted earlier, copied back into fresh device blocks before the step — or, where the
+executor restores asynchronously (supports_async_restore), while the sequence waits LOADING: the steps
+of the others go on, and it joins the running ones once its copies have landed (its blocks join the
+prefix cache then; a sequence aborted while loading gives its blocks back only after they land).
 
 A line with per-sequence state (linear attention, memory/state_slots.py) gives the scheduler its
 StateSlots: a sequence takes a slot when admitted and gives it back when it finishes, is aborted or is
@@ -21,6 +24,7 @@ one token further, blocks reserved) and confirmed once the step's tokens are in
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.batch import SeqStep
@@ -35,6 +39,19 @@ def counts_history(p) -> bool:
     """The sampling of these params reads the tokens generated so far (repetition / frequency / presence
     penalties): a step planned before the previous token is known would sample without it."""
     return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
+@dataclass
+class Restore:
+    """An asynchronous restore of a sequence's prefix: the device blocks its copies fill (the tail of the
+    sequence's block table), the host slots they read, where they sit in its hash chain, and the
+    executor's ticket once the copies are issued."""
+    blocks: list[int]
+    slots: list[int]
+    first: int
+    hashes: list[int]
+    issued: bool = False
+    ticket: object = None
 
 
 @dataclass
@@ -65,6 +82,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []        # admitted, their host-tier restores in flight
+        self._draining: list[Restore] = []        # restores of sequences finished while loading
+        self.async_restore = False                # the executor's supports_async_restore (engine loop)
+        self.copies_done: Callable[[object], bool] = lambda ticket: True
         self.num_preemptions = 0
         self._next_seq_id = 0
 
@@ -78,7 +99,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def _on_kv_event(self, event) -> None:
         if isinstance(event, BlockRemoved) and self.host_tier is not None:   # evicted: keep it on the host
@@ -88,6 +109,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        if self.loading or self._draining:
+            self._land_restores()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -105,11 +128,13 @@ class Scheduler:
             if self._lora_blocked(seq, loras):     # its adapter cannot join this step's; a later one may
                 skipped.append(self.waiting.popleft())
                 continue
-            if len(self.running) + seq.fork_count > self.max_num_seqs:
+            if len(self.running) + len(self.loading) + seq.fork_count > self.max_num_seqs:
                 break
             if not self._admit(seq, budget, out):
                 break
             self.waiting.popleft()
+            if seq.status is SeqStatus.LOADING:          # joins when its copies land
+                continue
             if seq.lora_id:
                 loras.add(seq.lora_id)
             group = self._fork(seq, out) if self._fork_ready(seq) else [seq]
@@ -124,7 +149,7 @@ class Scheduler:
 
     def _running_loras(self) -> set[int]:
         """The LoRA adapters (ids) among the running sequences (none tracked without max_loras)."""
-        return {s.lora_id for s in self.running if s.lora_id} if self.max_loras else set()
+        return {s.lora_id for s in self.running + self.loading if s.lora_id} if self.max_loras else set()
 
     def _lora_blocked(self, seq: Sequence, loras: set[int]) -> bool:
         """seq's adapter would be one more than max_loras among the running sequences' `loras` (a step's
@@ -195,10 +220,14 @@ class Scheduler:
             self._restore(seq, hashes, len(hit), host)
         self.bm.record_query(len(seq.token_ids), seq.num_computed)
         seq.num_cached_tokens = seq.num_computed
-        seq.status = SeqStatus.RUNNING
         self._take_state_slot(seq)
-        self.running.append(seq)
         out.admitted.append(seq)
+        if seq.load is not None:
+            seq.status = SeqStatus.LOADING
+            self.loading.append(seq)
+            return True
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
         return True
 
     def _restore(self, seq: Sequence, hashes: list[int], first: int, slots: list[int]) -> None:
@@ -211,8 +240,44 @@ class Scheduler:
         for j, block in zip(rank, fresh):            # one copy for the run (memory/host_kv_copy.py)
             blocks[j] = block
         self.host_tier.restore_many(hashes[first:first + len(slots)], slots, blocks)
-        self.bm.cache_blocks(blocks, hashes, first, seq.token_ids, seq.lora_id)
         seq.block_table += blocks
+        if self.async_restore and seq.fork_count == 1 and self.state_slots is None:
+            self.host_tier.hold(slots)               # read until the copies land
+            seq.load = Restore(blocks, list(slots), first, hashes)
+        else:
+            self.bm.cache_blocks(blocks, hashes, first, seq.token_ids, seq.lora_id)
+
+    def restores_issued(self, ticket: object) -> None:
+        """The executor took this step's copies (ticket: copy_blocks' answer for copies_done)."""
+        for r in [seq.load for seq in self.loading] + self._draining:
+            if not r.issued:
+                r.issued, r.ticket = True, ticket
+
+    def load_ticket(self) -> object:
+        """The ticket of the oldest loading sequence's issued copies (what an idle engine waits on), or None."""
+        return next((s.load.ticket for s in self.loading if s.load.issued and s.load.ticket is not None), None)
+
+    def _landed(self, r: Restore) -> bool:
+        return r.issued and (r.ticket is None or self.copies_done(r.ticket))
+
+    def _land_restores(self) -> None:
+        """Loading sequences whose copies have landed join the running ones (their blocks join the prefix
+        cache now); the blocks of sequences finished while loading are freed once theirs land."""
+        for seq in [s for s in self.loading if self._landed(s.load)]:
+            r, seq.load = seq.load, None
+            self.bm.cache_blocks(r.blocks, r.hashes, r.first, seq.token_ids, seq.lora_id)
+            self._release_slots(r)
+            self.loading.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        for r in [r for r in self._draining if self._landed(r)]:
+            self._draining.remove(r)
+            self.bm.free(r.blocks)
+            self._release_slots(r)
+
+    def _release_slots(self, r: Restore) -> None:
+        if self.host_tier is not None:           # (switched off after a failed copy: nothing to release)
+            self.host_tier.release(r.slots)
 
     def _fork_ready(self, seq: Sequence) -> bool:
         return seq.fork_count > 1 and seq.num_computed >= seq.fork_at
@@ -265,9 +330,9 @@ class Scheduler:
         no planned position runs past what admission allowed, or when a sequence has a grammar (its
         mask needs out's token) or penalties (repetition, frequency, presence: they count out's token)."""
         running = self.running
-        if (not self._admission_closed() or len(out.seqs) != len(running)
+        if (not self._admission_closed() or len(out.seqs) != len(running) or self.loading or self._draining
                 or len(running) > self.max_num_batched_tokens):
-            return None
+            return None                          # (loading sequences join through schedule())
         need = 0
         for seq, step, run in zip(out.seqs, out.steps, running):
             if (seq is not run or len(step.token_ids) != 1 or not step.sample or seq.fork_count > 1
@@ -298,14 +363,14 @@ class Scheduler:
         running set past max_num_seqs."""
         loras = self._running_loras()
         first = next((s for s in self.waiting if not self._lora_blocked(s, loras)), None)
-        return first is None or len(self.running) + first.fork_count > self.max_num_seqs
+        return first is None or len(self.running) + len(self.loading) + first.fork_count > self.max_num_seqs
 
     def confirm_decode_ahead(self, plan: SchedulerOutput) -> bool:
         """Whether a plan_decode_ahead plan is still what schedule() would return now (the same
         running sequences, in order, each with exactly the planned step's token appended and
         accounted, no waiting sequence able to join); if so, patch each step's token in. False: schedule afresh
         (blocks reserved for the plan stay with their sequences and serve that step)."""
-        if not self._admission_closed() or len(plan.seqs) != len(self.running):
+        if not self._admission_closed() or len(plan.seqs) != len(self.running) or self.loading:
             return False
         for seq, step, run in zip(plan.seqs, plan.steps, self.running):
             if (seq is not run or seq.status is not SeqStatus.RUNNING or seq.num_computed != step.start_pos
@@ -357,11 +422,18 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        """Drop a sequence (done or aborted) and its blocks' references."""
+        """Drop a sequence (done or aborted) and its blocks' references (a loading one's restored blocks
+        once their copies land: until then the copies still write them)."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SeqStatus.LOADING:
+            self.loading.remove(seq)
+            r, seq.load = seq.load, None
+            self._draining.append(r)
+            self.bm.free(seq.block_table[:len(seq.block_table) - len(r.blocks)])
+            seq.block_table = []
         if seq.block_table:
             self._offload_before_free(seq)
             self.bm.free(seq.block_table)

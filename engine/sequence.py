@@ -22,6 +22,7 @@ def sample_seed(base_seed: int, index: int) -> int:
 
 class SeqStatus(Enum):
     WAITING = "waiting"
+    LOADING = "loading"         # admitted; its prefix is still being copied back from the host KV tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -50,6 +51,7 @@ class Sequence:
     state_slot: int = -1                 # its state slot (lines with per-sequence state; -1: none)
     fork_early: bool = False             # n > 1 forks before any prefill (per-sequence state: no sharing)
     grammar: Any = None             # structured output: a GrammarMatcher, advanced with each token
+    load: Any = None                # LOADING: its Restore (engine/scheduler.py) until the copies land
     _hashes: list[int] = field(default_factory=list)
     _table_list: list[int] | None = field(default=None, repr=False, compare=False)
     _table_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False, compare=False)

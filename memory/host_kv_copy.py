@@ -33,6 +33,7 @@ or of the slots over 2 GiB) a run is copied as one 1D copy per plane instead.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -135,6 +136,12 @@ class HostKVCopy:
     def block_bytes(self) -> int:
         return self.planes * self.chunk
 
+    def with_memcpy(self, memcpy2d: Memcpy2D) -> "HostKVCopy":
+        """The same slots and pool, copies enqueued through another memcpy2d (another stream)."""
+        other = copy.copy(self)
+        other.memcpy2d = memcpy2d
+        return other
+
     def copy_blocks(self, offloads: Sequence[tuple[int, int]], restores: Sequence[tuple[int, int]]) -> int:
         """Enqueue offloads (device block -> host slot), then restores (host slot -> device block);
         both lists are checked before anything is enqueued. Returns the number of copies enqueued."""
@@ -174,10 +181,17 @@ def gpu_host_kv_copy(kv_cache, num_slots: int, stream) -> HostKVCopy:
     except (cupy.cuda.memory.OutOfMemoryError, rt.CUDARuntimeError) as e:
         raise MemoryError(f"host_kv_blocks={num_slots}: {nbytes / 2**30:.2f} GiB of pinned host memory "
                           f"could not be allocated ({e}); lower host_kv_blocks") from None
+    max_pitch = rt.deviceGetAttribute(CUDA_DEV_ATTR_MAX_PITCH, kv_cache.device.id)
+    return HostKVCopy(kv_cache.data.ptr, kv_cache.shape, kv_cache.dtype, host, gpu_memcpy2d(stream), max_pitch)
+
+
+def gpu_memcpy2d(stream) -> Memcpy2D:
+    """cudaMemcpy2DAsync on `stream`."""
+    import cupy
+
+    rt = cupy.cuda.runtime
     kinds = {True: rt.memcpyDeviceToHost, False: rt.memcpyHostToDevice}
 
     def memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, to_host: bool) -> None:
         rt.memcpy2DAsync(dst, dpitch, src, spitch, width, height, kinds[to_host], stream.ptr)
-
-    max_pitch = rt.deviceGetAttribute(CUDA_DEV_ATTR_MAX_PITCH, kv_cache.device.id)
-    return HostKVCopy(kv_cache.data.ptr, kv_cache.shape, kv_cache.dtype, host, memcpy2d, max_pitch)
+    return memcpy2d

@@ -5,7 +5,9 @@ host slot under the same hash instead of being lost; a later sequence whose pref
 device hits continues its hit in this tier, and those blocks are copied back into fresh device
 blocks before the step that needs them (the scheduler decides, the executor copies: the bytes live
 with the executor, next to its KV pool). Slots are reused least-recently-used first; a slot that a
-restore of the current step reads is pinned until the step's copies are issued (`end_step`).
+restore of the current step reads is pinned until the step's copies are issued (`end_step`), and one
+an asynchronous restore reads (the executor copies on its own stream, the sequence waits in the LOADING
+state) is held until those copies land (`hold` / `release`).
 
 Per step the scheduler hands the executor two lists, run in this order before the step's compute:
 offloads (device block -> host slot), then restores (host slot -> device block), so a block both
@@ -26,6 +28,7 @@ class HostKVTier:
         self.slot_of: OrderedDict[int, int] = OrderedDict()   # hash -> slot, least recently used first
         self._free = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()
+        self._held: dict[int, int] = {}                         # slot -> holds across steps (async restores)
         self.offloads: list[tuple[int, int]] = []              # this step's (device block, host slot)
         self._offload_hashes: list[int] = []                   # the hash of each of this step's offloads
         self.restores: list[tuple[int, int]] = []              # this step's (host slot, device block)
@@ -49,7 +52,7 @@ class HostKVTier:
         if self._free:
             return self._free.pop()
         for victim, slot in self.slot_of.items():
-            if slot not in self._pinned:
+            if slot not in self._pinned and slot not in self._held:
                 del self.slot_of[victim]
                 return slot
         return None
@@ -74,6 +77,20 @@ class HostKVTier:
     def pin(self, slots: list[int]) -> None:
         """Keep these slots from reuse until end_step (an admission about to restore them)."""
         self._pinned.update(slots)
+
+    def hold(self, slots: list[int]) -> None:
+        """Keep these slots from reuse past this step, until release(): an asynchronous restore reads them
+        until its copies land (the scheduler releases them then)."""
+        for slot in slots:
+            self._held[slot] = self._held.get(slot, 0) + 1
+
+    def release(self, slots: list[int]) -> None:
+        for slot in slots:
+            n = self._held.get(slot, 0) - 1
+            if n > 0:
+                self._held[slot] = n
+            else:
+                self._held.pop(slot, None)
 
     def end_step(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This step's (offloads, restores), handed to the executor; unpins every slot."""

@@ -134,7 +134,9 @@ def test_gpu_round_trip_through_pinned_slots(max_pitch):
 
 
 @pytest.mark.gpu
-def test_gpu_engine_prefix_comes_back_from_the_host_tier():
+@pytest.mark.parametrize("async_restore", [False, True])
+def test_gpu_engine_prefix_comes_back_from_the_host_tier(async_restore):
+    """Also with async_restore (restores on their own stream, the request LOADING until they land)."""
     from fake_executor import make_engine, run_until_idle, submit
     from test_host_tier import cached, tokens
 
@@ -147,7 +149,8 @@ def test_gpu_engine_prefix_comes_back_from_the_host_tier():
 
     model = load_model(tiny_model_path("qwen3_gqa4"))
     ex = GpuExecutor(model, options_of(num_kv_blocks=10, max_model_len=512, max_num_batched_tokens=512,
-                                       max_num_seqs=16, progress=False, host_kv_blocks=32))
+                                       max_num_seqs=16, progress=False, host_kv_blocks=32,
+                                       async_restore=async_restore))
     engine = make_engine(ex, model.tokenizer, max_model_len=512, host_kv_blocks=32, max_num_seqs=16,
                          max_num_batched_tokens=512)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -172,6 +175,7 @@ def test_gpu_engine_prefix_comes_back_from_the_host_tier():
             run(f"o{i}", [200 + i] + list(range(1, 70)))
         assert engine.block_manager.lookup(hashes) == []       # the device pool lost the prefix
         again = run("a3", prompt)
+        assert engine.scheduler.async_restore is async_restore and not engine.scheduler.loading
         engine.block_manager.check_invariants(idle=True)
         stats = engine.stats()
         assert cached(hit) == cached(again) == 64

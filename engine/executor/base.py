@@ -56,9 +56,21 @@ class Executor(Protocol):
         """float32 logits [T, vocab] for every token of the batch (tests, prompt logprobs)."""
         ...
 
-    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
-        """Host KV tier: offloads (device block -> host slot), then restores (host slot -> device block),
-        ordered before the next step."""
+    supports_async_restore: bool  # copy_blocks returns a ticket for restores that land on their own time
+
+    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> object:
+        """Host KV tier: offloads (device block -> host slot), then restores (host slot -> device block).
+        Returns None where they are ordered before the next step (the default); with
+        supports_async_restore, a ticket for copies_done / wait_copies: the restored blocks may be read
+        only once it is done (engine/scheduler.py keeps their sequences LOADING until then)."""
+        ...
+
+    def copies_done(self, ticket: object) -> bool:
+        """Whether the restores of copy_blocks' ticket have landed (never blocks)."""
+        ...
+
+    def wait_copies(self, ticket: object) -> None:
+        """Block until the restores of copy_blocks' ticket have landed."""
         ...
 
     def copy_fence(self) -> Callable[[], None]:
@@ -89,6 +101,7 @@ class ExecutorBase:
     supports_host_tier = False
     kv_block_bytes = 0
     supports_fed_steps = False    # async scheduling's fed steps (an asynchronous executor's)
+    supports_async_restore = False  # host-tier restores land before the next step (copy_blocks: None)
     last_step_graphed = False     # the last step replayed a CUDA graph
     num_state_slots = 0
     options: ExecutorOptions
@@ -107,6 +120,12 @@ class ExecutorBase:
     def copy_fence(self) -> Callable[[], None]:
         """Copies that complete inside copy_blocks (the numpy executor's) need no wait."""
         return lambda: None
+
+    def copies_done(self, ticket: object) -> bool:
+        return True
+
+    def wait_copies(self, ticket: object) -> None:
+        pass
 
     def set_lora(self, slot: int, adapter) -> None:
         raise RuntimeError(f"{type(self).__name__} has no LoRA slots (options.max_loras = 0)")

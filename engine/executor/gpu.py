@@ -40,7 +40,7 @@ from engine.loader import LoadedModel
 from engine.models.rope import rope_inv_freq
 from engine.sampling import prompt_logprobs
 from memory.device_arena import DeviceArena, arena_budget, buffers_nbytes
-from memory.host_kv_copy import gpu_host_kv_copy
+from memory.host_kv_copy import gpu_host_kv_copy, gpu_memcpy2d
 from memory.kv_pool import pool_blocks
 from memory.state_slots import check_slots, state_buffers
 from memory.streams import DeviceStreams
@@ -214,16 +214,47 @@ class GpuExecutor(ExecutorBase):
 
     # ---- host KV tier ---------------------------------------------------------------------------
     def enable_host_tier(self, num_slots: int) -> None:
-        """Host KV tier storage: num_slots pinned host blocks mirroring the KV pool (memory/host_kv_copy.py)."""
+        """Host KV tier storage: num_slots pinned host blocks mirroring the KV pool (memory/host_kv_copy.py);
+        with tuning.async_restore, restores go on a stream of their own."""
+        import cupy
+
         self.host_kv = gpu_host_kv_copy(self.kv_cache, num_slots, self.stream)
+        if self.options.gpu.async_restore:
+            self.restore_stream = cupy.cuda.Stream(non_blocking=True)
+            self.host_kv_restore = self.host_kv.with_memcpy(gpu_memcpy2d(self.restore_stream))
         log.info("host KV tier: %d blocks, %.2f GiB pinned", num_slots, num_slots * self.host_kv.block_bytes / 2**30)
 
-    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
+    @property
+    def supports_async_restore(self) -> bool:
+        return self.host_kv is not None and self.options.gpu.async_restore
+
+    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]):
         """offloads (device block -> host slot), then restores (host slot -> device block), queued on
-        the compute stream ahead of the next step; the host does not wait for them."""
+        the compute stream ahead of the next step (returns None); the host does not wait for them. With
+        async_restore the restores go on the restore stream behind everything queued on the compute stream
+        so far (the offloads included: a block evicted and refilled in one step is saved first) and an event
+        after them is returned: the scheduler keeps their sequences LOADING until it is done."""
+        import cupy
+
         if self.host_kv is None:
             raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
-        self.host_kv.copy_blocks(offloads, restores)
+        if not (self.supports_async_restore and restores):
+            self.host_kv.copy_blocks(offloads, restores)
+            return None
+        self.host_kv.copy_blocks(offloads, [])
+        ready, landed = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
+        ready.record(self.stream)
+        self.restore_stream.wait_event(ready)
+        self.host_kv_restore.copy_blocks([], restores)
+        landed.record(self.restore_stream)
+        return landed
+
+    def copies_done(self, ticket) -> bool:
+        return ticket is None or ticket.done
+
+    def wait_copies(self, ticket) -> None:
+        if ticket is not None:
+            ticket.synchronize()
 
     def copy_fence(self):
         """An event after the copies queued so far on the compute stream; its synchronize is the wait."""
