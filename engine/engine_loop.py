@@ -356,7 +356,8 @@ class EngineLoop:
     def _publish_stats(self) -> None:
         bm, tier = self.block_manager, self.scheduler.host_tier
         self._stats = EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running) + len(self.scheduler.loading),   # loading: admitted
+            num_waiting=len(self.scheduler.waiting),
             num_requests=len(self.requests), kv_blocks_used=bm.num_used_blocks,
             kv_blocks_total=bm.num_blocks, prefix_cache_queries=bm.query_tokens,
             prefix_cache_hits=bm.hit_tokens, prompt_tokens_total=self.outputs.prompt_tokens,

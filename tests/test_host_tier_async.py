@@ -93,6 +93,7 @@ def test_others_run_while_a_prefix_loads_and_held_slots_are_not_reused():
     engine.step()                                    # a2 admitted: its copies issued, it waits LOADING
     seq = next(s for s in engine.scheduler.loading if s.request_id == "a2")
     assert seq.status is SeqStatus.LOADING and cached(second) == 96
+    assert engine.stats().num_running == 2                # a loading request counts as admitted
     ran_while_loading = 0
     while seq.status is SeqStatus.LOADING:
         before = len(tokens(busy))
