@@ -95,8 +95,8 @@ class EngineLoop:
         self.scheduler = Scheduler(self.block_manager, max_seqs, max_tokens, host_tier(executor, config),
                                    chunked_prefill=config.enable_chunked_prefill, state_slots=slots,
                                    max_loras=config.max_loras if config.enable_lora else 0)
-        if self.scheduler.host_tier is not None and getattr(executor, "supports_async_restore", False):
-            self.scheduler.async_restore, self.scheduler.copies_done = True, executor.copies_done
+        if self.scheduler.host_tier is not None and getattr(executor, "supports_async_copies", False):
+            self.scheduler.enable_async_copies(executor.copies_done)
         self.loras = lora_registry(executor, config, self.scheduler)
         self.admission = Admission(AdmissionLimits(vocab_size=int(executor.vocab_size), max_model_len=max_model_len,
                                                    max_n=min(config.max_n, max_seqs),
@@ -294,8 +294,8 @@ class EngineLoop:
                 trace.end(out, planned, self.executor)
         if not out.steps or not self.scheduler.has_work():
             outputs.emit_deferred()
-        if not out.steps and self.scheduler.loading:    # nothing runs but restores in flight: wait for one
-            ticket = self.scheduler.load_ticket()
+        if not out.steps and self.scheduler.has_work():  # nothing could run: wait for copies in flight
+            ticket = self.scheduler.oldest_ticket()
             if ticket is not None:
                 self.executor.wait_copies(ticket)
         self._steps += 1
@@ -323,17 +323,20 @@ class EngineLoop:
         tier = self.scheduler.host_tier
         if tier is None:
             return
+        self.scheduler.land_copies()        # write-through copies that landed give their blocks back
         offloads, restores = tier.end_step()
-        if not offloads and not restores:
+        through = tier.take_through()
+        if not offloads and not restores and not through:
             return
         t = time.perf_counter()
         try:
-            self.scheduler.restores_issued(self.executor.copy_blocks(offloads, restores))
+            args = (offloads, restores, through) if through else (offloads, restores)
+            self.scheduler.copies_issued(self.executor.copy_blocks(*args))
             self._tier_copy_s += time.perf_counter() - t
         except Exception:                 # its slots no longer hold what they claim: stop using it
             log.exception("host KV tier copy failed; the tier is switched off")
             self.scheduler.host_tier = None
-            self.scheduler.restores_issued(None)     # (the failure fails the requests; their blocks come back)
+            self.scheduler.copies_issued(None)       # (the failure fails the requests; their blocks come back)
             raise
 
     def _plan_ahead(self, out: SchedulerOutput) -> None:

@@ -8,9 +8,12 @@ budget, max_num_seqs and the KV pool allow (one whose LoRA adapter would be one 
 max_loras among the running is passed over, keeping its place). A waiting sequence starts from its longest
 prefix-cache hit: device blocks first, then (with a host KV tier, memory/host_tier.py) blocks the
 device evicted earlier, copied back into fresh device blocks before the step — or, where the
-executor restores asynchronously (supports_async_restore), while the sequence waits LOADING: the steps
+executor copies asynchronously (supports_async_copies), while the sequence waits LOADING: the steps
 of the others go on, and it joins the running ones once its copies have landed (its blocks join the
-prefix cache then; a sequence aborted while loading gives its blocks back only after they land).
+prefix cache then; a sequence aborted while loading gives its blocks back only after they land). With
+asynchronous copies the tier is also written through: a block that joins the device prefix cache is
+copied to the host at once, off the step's path, and held (a reference) until that copy lands, so an
+eviction later copies nothing.
 
 A line with per-sequence state (linear attention, memory/state_slots.py) gives the scheduler its
 StateSlots: a sequence takes a slot when admitted and gives it back when it finishes, is aborted or is
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 
 from engine.batch import SeqStep
 from engine.sequence import Sequence, SeqStatus
-from memory.block_manager import BlockManager, BlockRemoved
+from memory.block_manager import BlockManager, BlockRemoved, BlockStored
 from memory.host_tier import HostKVTier
 from memory.kv_pool import BLOCK_SIZE, blocks_for
 from memory.state_slots import StateSlots
@@ -42,14 +45,14 @@ def counts_history(p) -> bool:
 
 
 @dataclass
-class Restore:
-    """An asynchronous restore of a sequence's prefix: the device blocks its copies fill (the tail of the
-    sequence's block table), the host slots they read, where they sit in its hash chain, and the
-    executor's ticket once the copies are issued."""
+class Copies:
+    """Asynchronous host-tier copies in flight: the device blocks and host slots they touch, the
+    executor's ticket once they are issued; for a restore of a sequence's prefix also where its blocks
+    (the tail of its block table) sit in its hash chain."""
     blocks: list[int]
     slots: list[int]
-    first: int
-    hashes: list[int]
+    first: int = 0
+    hashes: list[int] = field(default_factory=list)
     issued: bool = False
     ticket: object = None
 
@@ -83,8 +86,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []        # admitted, their host-tier restores in flight
-        self._draining: list[Restore] = []        # restores of sequences finished while loading
-        self.async_restore = False                # the executor's supports_async_restore (engine loop)
+        self._draining: list[Copies] = []         # restores of sequences finished while loading
+        self._writing: list[Copies] = []          # write-through copies in flight
+        self.async_copies = False                 # the executor's supports_async_copies (enable_async_copies)
         self.copies_done: Callable[[object], bool] = lambda ticket: True
         self.num_preemptions = 0
         self._next_seq_id = 0
@@ -105,12 +109,23 @@ class Scheduler:
         if isinstance(event, BlockRemoved) and self.host_tier is not None:   # evicted: keep it on the host
             self.host_tier.store(event.block_hash, event.block_id)
 
+    def enable_async_copies(self, copies_done: Callable[[object], bool]) -> None:
+        """The executor copies asynchronously: restores through LOADING, and the tier written through."""
+        self.async_copies, self.copies_done = True, copies_done
+        self.bm.subscribe(self._on_block_stored, stored=True)
+
+    def _on_block_stored(self, event) -> None:
+        if isinstance(event, BlockStored) and self.host_tier is not None:
+            slot = self.host_tier.store_through(event.block_hash, event.block_id)
+            if slot is not None:
+                self.bm.acquire([event.block_id])       # not evicted nor reused until its copy lands
+                self._writing.append(Copies([event.block_id], [slot]))
+
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        if self.loading or self._draining:
-            self._land_restores()
+        self.land_copies()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -241,28 +256,38 @@ class Scheduler:
             blocks[j] = block
         self.host_tier.restore_many(hashes[first:first + len(slots)], slots, blocks)
         seq.block_table += blocks
-        if self.async_restore and seq.fork_count == 1 and self.state_slots is None:
+        if self.async_copies and seq.fork_count == 1 and self.state_slots is None:
             self.host_tier.hold(slots)               # read until the copies land
-            seq.load = Restore(blocks, list(slots), first, hashes)
+            seq.load = Copies(blocks, list(slots), first, hashes)
         else:
             self.bm.cache_blocks(blocks, hashes, first, seq.token_ids, seq.lora_id)
 
-    def restores_issued(self, ticket: object) -> None:
+    def copies_issued(self, ticket: object) -> None:
         """The executor took this step's copies (ticket: copy_blocks' answer for copies_done)."""
-        for r in [seq.load for seq in self.loading] + self._draining:
+        for r in [seq.load for seq in self.loading] + self._draining + self._writing:
             if not r.issued:
                 r.issued, r.ticket = True, ticket
 
-    def load_ticket(self) -> object:
-        """The ticket of the oldest loading sequence's issued copies (what an idle engine waits on), or None."""
-        return next((s.load.ticket for s in self.loading if s.load.issued and s.load.ticket is not None), None)
+    def oldest_ticket(self) -> object:
+        """The ticket of the oldest issued copies still in flight (what an engine with no step to run
+        waits on: a loading sequence's, or a write-through's holding blocks), or None."""
+        pending = [s.load for s in self.loading] + self._writing + self._draining
+        return next((c.ticket for c in pending if c.issued and c.ticket is not None), None)
 
-    def _landed(self, r: Restore) -> bool:
+    def _landed(self, r: Copies) -> bool:
         return r.issued and (r.ticket is None or self.copies_done(r.ticket))
 
-    def _land_restores(self) -> None:
+    def land_copies(self) -> None:
         """Loading sequences whose copies have landed join the running ones (their blocks join the prefix
-        cache now); the blocks of sequences finished while loading are freed once theirs land."""
+        cache now); the blocks of sequences finished while loading are freed once theirs land, and those
+        written through to the host once their copy lands (the engine calls this before each step's copies)."""
+        if not (self.loading or self._draining or self._writing):
+            return
+        for c in [c for c in self._writing if self._landed(c)]:
+            self._writing.remove(c)
+            self.bm.free(c.blocks)
+            if self.host_tier is not None:
+                self.host_tier.done_writing(c.slots)
         for seq in [s for s in self.loading if self._landed(s.load)]:
             r, seq.load = seq.load, None
             self.bm.cache_blocks(r.blocks, r.hashes, r.first, seq.token_ids, seq.lora_id)
@@ -275,7 +300,7 @@ class Scheduler:
             self.bm.free(r.blocks)
             self._release_slots(r)
 
-    def _release_slots(self, r: Restore) -> None:
+    def _release_slots(self, r: Copies) -> None:
         if self.host_tier is not None:           # (switched off after a failed copy: nothing to release)
             self.host_tier.release(r.slots)
 

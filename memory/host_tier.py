@@ -7,7 +7,9 @@ blocks before the step that needs them (the scheduler decides, the executor copi
 with the executor, next to its KV pool). Slots are reused least-recently-used first; a slot that a
 restore of the current step reads is pinned until the step's copies are issued (`end_step`), and one
 an asynchronous restore reads (the executor copies on its own stream, the sequence waits in the LOADING
-state) is held until those copies land (`hold` / `release`).
+state) is held until those copies land (`hold` / `release`). With asynchronous copies the tier is also
+written through (`store_through`): a block that joins the device prefix cache gets its slot and copy at
+once, the slot held and left out of lookups until that copy lands (`done_writing`).
 
 Per step the scheduler hands the executor two lists, run in this order before the step's compute:
 offloads (device block -> host slot), then restores (host slot -> device block), so a block both
@@ -32,6 +34,8 @@ class HostKVTier:
         self.offloads: list[tuple[int, int]] = []              # this step's (device block, host slot)
         self._offload_hashes: list[int] = []                   # the hash of each of this step's offloads
         self.restores: list[tuple[int, int]] = []              # this step's (host slot, device block)
+        self.through: list[tuple[int, int]] = []               # this step's write-through (device block, host slot)
+        self._writing: set[int] = set()                        # slots whose write-through has not landed
         self.stored_blocks = 0                                 # lifetime counters
         self.restored_blocks = 0
 
@@ -58,8 +62,39 @@ class HostKVTier:
         return None
 
     def lookup(self, block_hashes: list[int]) -> list[int]:
-        """Slots of the longest prefix of these hashes held here (no state change)."""
-        return longest_prefix(self.slot_of, block_hashes)
+        """Slots of the longest prefix of these hashes held here (no state change), up to the first whose
+        write-through copy has not landed."""
+        slots = longest_prefix(self.slot_of, block_hashes)
+        if self._writing:
+            slots = slots[:next((i for i, s in enumerate(slots) if s in self._writing), len(slots))]
+        return slots
+
+    def store_through(self, block_hash: int, device_block: int) -> int | None:
+        """Write-through: a block just joined the device prefix cache, so its KV goes to a host slot now,
+        off the critical path (an eviction later copies nothing). Returns the slot, held and kept out of
+        lookups until done_writing; None where the hash is here already or every slot is taken."""
+        if block_hash in self.slot_of:
+            self.slot_of.move_to_end(block_hash)
+            return None
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        self.slot_of[block_hash] = slot
+        self.through.append((device_block, slot))
+        self._writing.add(slot)
+        self.hold([slot])
+        self.stored_blocks += 1
+        return slot
+
+    def done_writing(self, slots: list[int]) -> None:
+        """These write-through copies have landed: the slots serve lookups and may be reused again."""
+        self._writing.difference_update(slots)
+        self.release(slots)
+
+    def take_through(self) -> list[tuple[int, int]]:
+        """This step's write-through copies, handed to the executor."""
+        out, self.through = self.through, []
+        return out
 
     def restore(self, block_hash: int, slot: int, device_block: int) -> None:
         """Copy this slot into device_block before the step; the slot stays (and is pinned this step)."""

@@ -134,9 +134,9 @@ def test_gpu_round_trip_through_pinned_slots(max_pitch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("async_restore", [False, True])
-def test_gpu_engine_prefix_comes_back_from_the_host_tier(async_restore):
-    """Also with async_restore (restores on their own stream, the request LOADING until they land)."""
+@pytest.mark.parametrize("async_copies", [False, True])
+def test_gpu_engine_prefix_comes_back_from_the_host_tier(async_copies):
+    """Also with async_copies (restores on their own stream, the request LOADING until they land)."""
     from fake_executor import make_engine, run_until_idle, submit
     from test_host_tier import cached, tokens
 
@@ -150,7 +150,7 @@ def test_gpu_engine_prefix_comes_back_from_the_host_tier(async_restore):
     model = load_model(tiny_model_path("qwen3_gqa4"))
     ex = GpuExecutor(model, options_of(num_kv_blocks=10, max_model_len=512, max_num_batched_tokens=512,
                                        max_num_seqs=16, progress=False, host_kv_blocks=32,
-                                       async_restore=async_restore))
+                                       async_host_tier=async_copies))
     engine = make_engine(ex, model.tokenizer, max_model_len=512, host_kv_blocks=32, max_num_seqs=16,
                          max_num_batched_tokens=512)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -175,7 +175,7 @@ def test_gpu_engine_prefix_comes_back_from_the_host_tier(async_restore):
             run(f"o{i}", [200 + i] + list(range(1, 70)))
         assert engine.block_manager.lookup(hashes) == []       # the device pool lost the prefix
         again = run("a3", prompt)
-        assert engine.scheduler.async_restore is async_restore and not engine.scheduler.loading
+        assert engine.scheduler.async_copies is async_copies and not engine.scheduler.loading
         engine.block_manager.check_invariants(idle=True)
         stats = engine.stats()
         assert cached(hit) == cached(again) == 64

@@ -35,9 +35,10 @@ def test_tier_bookkeeping():
         HostKVTier(0)
 
 
-def prompt_then_evict_then_again(engine, prompt, params, others=8):
+def prompt_then_evict_then_again(engine, prompt, params, others=8, settle=lambda: None):
     """Run `prompt`, then enough other long prompts to push its blocks out of the device pool, then
-    `prompt` again; returns the two runs' events."""
+    `prompt` again; returns the two runs' events. settle: lands copies still in flight before the
+    idle checks (an executor with asynchronous copies)."""
     first = submit(engine, GenerateRequest("a1", prompt, params))
     run_until_idle(engine)
     for i in range(others):
@@ -45,6 +46,7 @@ def prompt_then_evict_then_again(engine, prompt, params, others=8):
         run_until_idle(engine)
     second = submit(engine, GenerateRequest("a2", prompt, params))
     run_until_idle(engine)
+    settle()
     engine.block_manager.check_invariants(idle=True)
     return first, second
 

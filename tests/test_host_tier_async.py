@@ -1,9 +1,12 @@
-"""Asynchronous host-tier restores (an executor with supports_async_restore): a sequence whose prefix
+"""Asynchronous host-tier copies (an executor with supports_async_copies): a sequence whose prefix
 comes back from the host tier waits LOADING until its copies land, while the other sequences' steps go
-on; then it runs as if restored synchronously. The stand-in executor lands a restore only after
-copies_done has been asked `delay` times (or on wait_copies), poisons the destination blocks until then
-and reads the host slots only when it lands: a sequence computed before its copies land, a held slot
-reused, or a block given back while its copy still writes it changes the outputs or trips an assert."""
+on; then it runs as if restored synchronously; and blocks that join the device prefix cache are written
+through to the host at once, held until that copy lands, so evicting them copies nothing. The stand-in
+executor lands a ticket with restores once `delay` steps have run since it was issued (others after
+`write_delay`; or on wait_copies), poisons
+the destination blocks and slots until then and reads the sources only when it lands: a sequence
+computed before its copies land, a held slot or block reused, a slot restored before its write lands,
+or a block given back while its copy still writes it changes the outputs or trips an assert."""
 from __future__ import annotations
 
 import pytest
@@ -19,43 +22,55 @@ POISON = 255
 
 
 class Ticket:
-    def __init__(self, restores, delay: int):
-        self.restores, self.polls_left, self.landed = list(restores), delay, False
+    def __init__(self, restores, through, land_at: int, kv):
+        self.restores, self.through, self.land_at, self.landed = list(restores), list(through), land_at, False
+        self.sources = {block: kv[block].copy() for block, _ in through}   # a held block must not change
 
 
 class AsyncCopies(FakeExecutor):
-    supports_async_restore = True
+    supports_async_copies = True
 
-    def __init__(self, delay: int = 3, **kw):
+    def __init__(self, delay: int = 3, write_delay: int = 1, **kw):
         super().__init__(**kw)
-        self.delay, self.tickets, self.polls = delay, [], 0
+        self.delay, self.write_delay, self.tickets = delay, write_delay, []
 
-    def copy_blocks(self, offloads, restores):
+    def copy_blocks(self, offloads, restores, through=()):
         super().copy_blocks(offloads, [])
         kv = self.kv.reshape(-1, BLOCK_SIZE)
         for _, block in restores:
             kv[block] = POISON                  # what the block holds until the copy lands
-        ticket = Ticket(restores, self.delay)
+        ticket = Ticket(restores, through, len(self.steps) + (self.delay if restores else self.write_delay), kv)
+        for _, slot in through:
+            self.host[slot] = POISON            # what the slot holds until the write lands
         self.tickets.append(ticket)
         return ticket
 
     def _land(self, ticket: Ticket) -> None:
         if not ticket.landed:
             kv = self.kv.reshape(-1, BLOCK_SIZE)
+            for block, slot in ticket.through:
+                assert (kv[block] == ticket.sources[block]).all(), "a held block changed before its copy"
+                self.host[slot] = kv[block]
             for slot, block in ticket.restores:
                 assert (kv[block] == POISON).all(), "a restored block was written before its copy landed"
                 kv[block] = self.host[slot]
             ticket.landed = True
 
     def copies_done(self, ticket) -> bool:
-        self.polls += 1
-        ticket.polls_left -= 1
-        if ticket.polls_left <= 0:
+        if len(self.steps) >= ticket.land_at:      # `delay` steps after it was issued
             self._land(ticket)
         return ticket.landed
 
     def wait_copies(self, ticket) -> None:
         self._land(ticket)
+
+
+def settle(engine, ex: AsyncCopies) -> None:
+    """Land every copy in flight and let the scheduler take their blocks and slots back (an idle engine
+    does so at its next step)."""
+    for t in ex.tickets:
+        ex.wait_copies(t)
+    engine.scheduler.land_copies()
 
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -68,8 +83,9 @@ def test_async_restore_gives_the_synchronous_outputs(delay):
     for name, ex in (("sync", FakeExecutor(num_kv_blocks=12, host_kv_blocks=64)),
                      ("async", AsyncCopies(delay, num_kv_blocks=12, host_kv_blocks=64))):
         engine = make_engine(ex, host_kv_blocks=64)
-        runs[name] = prompt_then_evict_then_again(engine, PROMPT, PARAMS)
-        assert engine.scheduler.async_restore is (name == "async")
+        settle_ = (lambda e=engine, x=ex: settle(e, x)) if name == "async" else (lambda: None)
+        runs[name] = prompt_then_evict_then_again(engine, PROMPT, PARAMS, settle=settle_)
+        assert engine.scheduler.async_copies is (name == "async")
         assert not engine.scheduler.loading and not engine.scheduler._draining
     (a0, b0), (a1, b1) = runs["sync"], runs["async"]
     assert tokens(a0) == tokens(b0) == tokens(a1) == tokens(b1) and len(tokens(b1)) == 12
@@ -77,7 +93,7 @@ def test_async_restore_gives_the_synchronous_outputs(delay):
 
 
 def test_others_run_while_a_prefix_loads_and_held_slots_are_not_reused():
-    """While one request's 6 blocks load (copies_done says no for 6 polls), a running request keeps
+    """While one request's blocks load (for 6 steps), a running request keeps
     decoding and new prompts evict into the small tier; the loading request then matches a cold run."""
     ex = AsyncCopies(delay=6, num_kv_blocks=24, host_kv_blocks=12)
     engine = make_engine(ex, host_kv_blocks=12)
@@ -104,6 +120,7 @@ def test_others_run_while_a_prefix_loads_and_held_slots_are_not_reused():
     assert ran_while_loading >= 3                    # the busy request decoded meanwhile
     run_until_idle(engine)
     assert tokens(second) == tokens(first)
+    settle(engine, ex)
     engine.block_manager.check_invariants(idle=True)
 
 
@@ -135,6 +152,7 @@ def test_a_request_aborted_while_loading_gives_its_blocks_back_after_the_copy():
     run_until_idle(engine)
     assert not [e for e in events if isinstance(e, Token)]
     assert len(tokens(busy)) == 30
+    settle(engine, ex)
     engine.block_manager.check_invariants(idle=True)
     assert engine.scheduler.host_tier._held == {}
 
@@ -142,5 +160,58 @@ def test_a_request_aborted_while_loading_gives_its_blocks_back_after_the_copy():
 def test_the_gpu_switch_reads_the_environment():
     from engine.executor.env import gpu_tuning_from_env
 
-    assert gpu_tuning_from_env({}).async_restore is False
-    assert gpu_tuning_from_env({"OPENINFER_ASYNC_RESTORE": "1"}).async_restore is True
+    assert gpu_tuning_from_env({}).async_host_tier is False
+    assert gpu_tuning_from_env({"OPENINFER_ASYNC_HOST_TIER": "1"}).async_host_tier is True
+
+
+def test_blocks_are_written_through_and_eviction_copies_nothing():
+    """With asynchronous copies every block that joins the prefix cache goes to the host tier at once
+    (held until it lands), so the evictions that follow copy nothing, and the evicted prefix still
+    comes back (restored, LOADING) with the synchronous run's outputs."""
+    ex = AsyncCopies(delay=2, num_kv_blocks=12, host_kv_blocks=64)
+    engine = make_engine(ex, host_kv_blocks=64)
+    first, second = prompt_then_evict_then_again(engine, PROMPT, PARAMS, settle=lambda: settle(engine, ex))
+    tier = engine.scheduler.host_tier
+    through = sum(len(t.through) for t in ex.tickets)
+    assert through >= 6 and tier.stored_blocks == through          # every stored block was written through
+    assert tier.offloads == [] and not engine.scheduler._writing
+    assert tokens(second) == tokens(first) and cached(second) == 96
+    engine.block_manager.check_invariants(idle=True)
+    assert tier._held == {} and tier._writing == set()
+
+
+def test_a_slot_is_not_restored_before_its_write_lands():
+    """A prefix whose host copy is still being written is not looked up there (the lookup stops at it)."""
+    from memory.host_tier import HostKVTier
+
+    tier = HostKVTier(8)
+    tier.store(11, 0)
+    assert tier.store_through(12, 1) is not None and tier.store_through(13, 2) is not None
+    assert tier.store_through(12, 5) is None                       # already here: no second copy
+    assert tier.lookup([11, 12, 13]) == [tier.slot_of[11]]
+    tier.done_writing([tier.slot_of[12]])
+    assert tier.lookup([11, 12, 13]) == [tier.slot_of[11], tier.slot_of[12]]
+    for _ in range(8):                                             # a held slot is never taken
+        tier.store(100 + _, 3)
+    assert 13 in tier.slot_of
+
+
+def test_a_block_written_through_is_not_evicted_before_its_copy_lands():
+    """A pool too small for two prompts: the second needs the first's cached blocks while their
+    write-through copies (landing 5 steps after issue) are in flight; it waits for them (the engine waits
+    on the copies when nothing can run) instead of evicting and overwriting a block being copied."""
+    ex = AsyncCopies(delay=1, write_delay=5, num_kv_blocks=8, host_kv_blocks=32)
+    engine = make_engine(ex, host_kv_blocks=32)
+    a = submit(engine, GenerateRequest("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
+    run_until_idle(engine)
+    assert engine.scheduler._writing                   # its blocks still being written through
+    b = submit(engine, GenerateRequest("b", [201] + list(range(1, 90)), PARAMS))
+    run_until_idle(engine)
+    settle(engine, ex)
+    assert len(tokens(a)) == 2 and len(tokens(b)) == 12
+    again = submit(engine, GenerateRequest("a2", PROMPT, SamplingParams(temperature=0.0, max_tokens=2,
+                                                                       ignore_eos=True)))
+    run_until_idle(engine)
+    settle(engine, ex)
+    assert tokens(again) == tokens(a) and cached(again) == 96   # the written-through prefix came back
+    engine.block_manager.check_invariants(idle=True)

@@ -56,13 +56,16 @@ class Executor(Protocol):
         """float32 logits [T, vocab] for every token of the batch (tests, prompt logprobs)."""
         ...
 
-    supports_async_restore: bool  # copy_blocks returns a ticket for restores that land on their own time
+    supports_async_copies: bool  # copy_blocks returns a ticket for copies that land on their own time
 
-    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> object:
+    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]],
+                    through: list[tuple[int, int]] = ()) -> object:
         """Host KV tier: offloads (device block -> host slot), then restores (host slot -> device block).
         Returns None where they are ordered before the next step (the default); with
-        supports_async_restore, a ticket for copies_done / wait_copies: the restored blocks may be read
-        only once it is done (engine/scheduler.py keeps their sequences LOADING until then)."""
+        supports_async_copies, a ticket for copies_done / wait_copies covering the restores and the
+        write-through copies `through` (device block -> host slot, blocks the scheduler holds until then):
+        the restored blocks may be read, and the written slots restored, only once it is done
+        (engine/scheduler.py keeps the sequences LOADING and the blocks held until then)."""
         ...
 
     def copies_done(self, ticket: object) -> bool:
@@ -101,7 +104,7 @@ class ExecutorBase:
     supports_host_tier = False
     kv_block_bytes = 0
     supports_fed_steps = False    # async scheduling's fed steps (an asynchronous executor's)
-    supports_async_restore = False  # host-tier restores land before the next step (copy_blocks: None)
+    supports_async_copies = False  # host-tier restores land before the next step (copy_blocks: None)
     last_step_graphed = False     # the last step replayed a CUDA graph
     num_state_slots = 0
     options: ExecutorOptions

@@ -11,7 +11,7 @@
 | OPENINFER_LAYER_RANGES | nvtx ("1": layers, "ops": ops) | 0 |
 | OPENINFER_EAGER_GRAPH_TOKENS | eager_graph_tokens (0: off) | 2048 |
 | OPENINFER_CHUNK_ATTENTION | chunk_attention ("0": off) | 1 |
-| OPENINFER_ASYNC_RESTORE | async_restore ("1": on) | 0 |
+| OPENINFER_ASYNC_HOST_TIER | async_host_tier ("1": on) | 0 |
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def gpu_tuning_from_env(env: Mapping[str, str] | None = None) -> GpuTuning:
         gemv_unroll_narrow=_int(env, "OPENINFER_GEMV_UNROLL_NARROW", d.gemv_unroll_narrow),
         eager_graph_tokens=_int(env, "OPENINFER_EAGER_GRAPH_TOKENS", d.eager_graph_tokens),
         chunk_attention=env.get("OPENINFER_CHUNK_ATTENTION", "1").strip() != "0",
-        async_restore=env.get("OPENINFER_ASYNC_RESTORE", "0").strip() == "1",
+        async_host_tier=env.get("OPENINFER_ASYNC_HOST_TIER", "0").strip() == "1",
         nvtx=NVTX_VALUES[nvtx])
     tuning.validate()
     return tuning

@@ -215,37 +215,42 @@ class GpuExecutor(ExecutorBase):
     # ---- host KV tier ---------------------------------------------------------------------------
     def enable_host_tier(self, num_slots: int) -> None:
         """Host KV tier storage: num_slots pinned host blocks mirroring the KV pool (memory/host_kv_copy.py);
-        with tuning.async_restore, restores go on a stream of their own."""
+        with tuning.async_host_tier, restores (and write-through offloads) go on a stream of their own."""
         import cupy
 
         self.host_kv = gpu_host_kv_copy(self.kv_cache, num_slots, self.stream)
-        if self.options.gpu.async_restore:
+        if self.options.gpu.async_host_tier:
             self.restore_stream = cupy.cuda.Stream(non_blocking=True)
             self.host_kv_restore = self.host_kv.with_memcpy(gpu_memcpy2d(self.restore_stream))
         log.info("host KV tier: %d blocks, %.2f GiB pinned", num_slots, num_slots * self.host_kv.block_bytes / 2**30)
 
     @property
-    def supports_async_restore(self) -> bool:
-        return self.host_kv is not None and self.options.gpu.async_restore
+    def supports_async_copies(self) -> bool:
+        return self.host_kv is not None and self.options.gpu.async_host_tier
 
-    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]):
+    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]],
+                    through: list[tuple[int, int]] = ()):
         """offloads (device block -> host slot), then restores (host slot -> device block), queued on
         the compute stream ahead of the next step (returns None); the host does not wait for them. With
-        async_restore the restores go on the restore stream behind everything queued on the compute stream
-        so far (the offloads included: a block evicted and refilled in one step is saved first) and an event
-        after them is returned: the scheduler keeps their sequences LOADING until it is done."""
+        async_host_tier the restores and the write-through copies (`through`: blocks that joined the
+        prefix cache, held by the scheduler until they land) go on the restore stream behind everything
+        queued on the compute stream so far (the offloads included: a block evicted and refilled in one
+        step is saved first), and an event after them is returned for copies_done / wait_copies."""
         import cupy
 
         if self.host_kv is None:
             raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
-        if not (self.supports_async_restore and restores):
-            self.host_kv.copy_blocks(offloads, restores)
+        if not self.supports_async_copies:
+            self.host_kv.copy_blocks(list(offloads) + list(through), restores)
             return None
-        self.host_kv.copy_blocks(offloads, [])
+        if offloads:
+            self.host_kv.copy_blocks(offloads, [])
+        if not (restores or through):
+            return None
         ready, landed = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
         ready.record(self.stream)
         self.restore_stream.wait_event(ready)
-        self.host_kv_restore.copy_blocks([], restores)
+        self.host_kv_restore.copy_blocks(through, restores)
         landed.record(self.restore_stream)
         return landed
 

@@ -61,9 +61,9 @@ class GpuTuning:
     by token bucket, attention launched between them (gpu_piecewise.py; 0: off; dense lines only).
     chunk_attention: runs of 2+ new tokens below the CuTe minimum on paged_chunk.cu's tensor cores
     (gpu_chunk.py; with the CuTe prefill path) instead of paged_decode.cu.
-    async_restore: host-tier restores on a stream of their own, their sequences LOADING until the copies
-    land (engine/scheduler.py) instead of ahead of the next step on the compute stream. Off until
-    checked on a GPU."""
+    async_host_tier: host-tier restores and write-through copies on a stream of their own, their sequences
+    LOADING and their blocks held until the copies land (engine/scheduler.py), instead of the copies ahead
+    of the next step on the compute stream. Off until checked on a GPU."""
     decode_kernels: str = "all"
     gemm: str = "auto"
     prefill_attention: str = "cute"
@@ -73,7 +73,7 @@ class GpuTuning:
     nvtx: str = "off"
     eager_graph_tokens: int = 2048
     chunk_attention: bool = True
-    async_restore: bool = False
+    async_host_tier: bool = False
 
     def validate(self) -> None:
         """Parse every choice once (the parsers raise ValueError naming the setting)."""
