@@ -136,7 +136,8 @@ def test_gpu_round_trip_through_pinned_slots(max_pitch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("async_copies", [False, True])
 def test_gpu_engine_prefix_comes_back_from_the_host_tier(async_copies):
-    """Also with async_copies (restores on their own stream, the request LOADING until they land)."""
+    """Also with async copies (restores and write-throughs on their own stream, the request LOADING
+    until they land, blocks held until written through)."""
     from fake_executor import make_engine, run_until_idle, submit
     from test_host_tier import cached, tokens
 
@@ -176,6 +177,9 @@ def test_gpu_engine_prefix_comes_back_from_the_host_tier(async_copies):
         assert engine.block_manager.lookup(hashes) == []       # the device pool lost the prefix
         again = run("a3", prompt)
         assert engine.scheduler.async_copies is async_copies and not engine.scheduler.loading
+        while (ticket := engine.scheduler.oldest_ticket()) is not None:     # write-throughs still in flight
+            ex.wait_copies(ticket)
+            engine.scheduler.land_copies()
         engine.block_manager.check_invariants(idle=True)
         stats = engine.stats()
         assert cached(hit) == cached(again) == 64
