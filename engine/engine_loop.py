@@ -138,6 +138,7 @@ class EngineLoop:
     def reset_prefix_cache(self) -> int:
         """Engine thread, between steps: evict every unreferenced cached device block (with a host tier they
         are offloaded to it now, not with the next step); returns how many."""
+        self._land_all_copies()             # blocks held by write-through copies become evictable
         n = self.block_manager.reset_prefix_cache()
         self._copy_tier_blocks()
         self._publish_stats()
@@ -294,7 +295,7 @@ class EngineLoop:
                 trace.end(out, planned, self.executor)
         if not out.steps or not self.scheduler.has_work():
             outputs.emit_deferred()
-        if not out.steps and self.scheduler.has_work():  # nothing could run: wait for copies in flight
+        if not out.steps and self.scheduler.has_work():  # nothing could run: wait for the oldest copies in flight
             ticket = self.scheduler.oldest_ticket()
             if ticket is not None:
                 self.executor.wait_copies(ticket)
@@ -317,6 +318,12 @@ class EngineLoop:
     def _build(self, steps) -> ModelBatch:
         """The step's batch, its LoRA adapters made resident in the executor first."""
         return ModelBatch.build(steps, None if self.loras is None else self.loras.prepare(steps))
+
+    def _land_all_copies(self) -> None:
+        """Wait for every asynchronous host-tier copy in flight and let the scheduler take back what they held."""
+        while (ticket := self.scheduler.oldest_ticket()) is not None:
+            self.executor.wait_copies(ticket)
+            self.scheduler.land_copies()
 
     def _copy_tier_blocks(self) -> None:
         """Before the step: the host tier's offloads of evicted blocks, then its restores."""

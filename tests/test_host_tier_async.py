@@ -16,6 +16,7 @@ from engine.events import Token
 from engine.request import GenerateRequest, SamplingParams
 from engine.sequence import SeqStatus
 from fake_executor import FakeExecutor, make_engine, run_until_idle, submit
+from memory.prefix_hash import hash_chain
 from test_host_tier import cached, prompt_then_evict_then_again, tokens
 
 POISON = 255
@@ -215,3 +216,22 @@ def test_a_block_written_through_is_not_evicted_before_its_copy_lands():
     settle(engine, ex)
     assert tokens(again) == tokens(a) and cached(again) == 96   # the written-through prefix came back
     engine.block_manager.check_invariants(idle=True)
+
+
+def test_the_prefix_cache_reset_waits_for_write_throughs_in_flight():
+    """POST /reset_prefix_cache right after a request: its blocks' write-through copies are still in
+    flight (held); the reset lands them first, so the prefix leaves the device and a repeat comes back
+    from the host tier."""
+    ex = AsyncCopies(delay=1, write_delay=50, num_kv_blocks=32, host_kv_blocks=32)
+    engine = make_engine(ex, host_kv_blocks=32)
+    first = submit(engine, GenerateRequest("a", PROMPT, PARAMS))
+    run_until_idle(engine)
+    assert engine.scheduler._writing
+    engine.reset_prefix_cache()
+    assert not engine.scheduler._writing
+    assert engine.block_manager.lookup(hash_chain(PROMPT[:96], BLOCK_SIZE)) == []
+    again = submit(engine, GenerateRequest("a2", PROMPT, PARAMS))
+    run_until_idle(engine)
+    settle(engine, ex)
+    assert cached(again) == 96 and tokens(again) == tokens(first)
+    assert engine.scheduler.host_tier.restored_blocks == 6
