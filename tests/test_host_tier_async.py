@@ -158,12 +158,6 @@ def test_a_request_aborted_while_loading_gives_its_blocks_back_after_the_copy():
     assert engine.scheduler.host_tier._held == {}
 
 
-def test_the_gpu_switch_reads_the_environment():
-    from engine.executor.env import gpu_tuning_from_env
-
-    assert gpu_tuning_from_env({}).async_host_tier is False
-    assert gpu_tuning_from_env({"OPENINFER_ASYNC_HOST_TIER": "1"}).async_host_tier is True
-
 
 def test_blocks_are_written_through_and_eviction_copies_nothing():
     """With asynchronous copies every block that joins the prefix cache goes to the host tier at once
