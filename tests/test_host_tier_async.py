@@ -78,6 +78,23 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPT = list(range(30, 130))                      # 100 tokens: 6 full blocks to restore
 
 
+def prefix_back_beside_a_busy_request(engine, others: int, busy_tokens: int):
+    """PROMPT run once, `others` prompts that push (some of) its blocks out to the tier, a request
+    decoding busy_tokens tokens started, then PROMPT again, admitted in the step after: the events of
+    (the first run, the busy request, the second run)."""
+    first = submit(engine, GenerateRequest("a1", PROMPT, PARAMS))
+    run_until_idle(engine)
+    for i in range(others):
+        submit(engine, GenerateRequest(f"o{i}", [200 + i] + list(range(1, 70)), PARAMS))
+        run_until_idle(engine)
+    busy = submit(engine, GenerateRequest("busy", [7] * 20, SamplingParams(temperature=0.0, max_tokens=busy_tokens,
+                                                                         ignore_eos=True)))
+    engine.step()
+    second = submit(engine, GenerateRequest("a2", PROMPT, PARAMS))
+    engine.step()                                    # a2 admitted: its copies issued, it waits LOADING
+    return first, busy, second
+
+
 @pytest.mark.parametrize("delay", [1, 4])
 def test_async_restore_gives_the_synchronous_outputs(delay):
     runs = {}
@@ -98,16 +115,7 @@ def test_others_run_while_a_prefix_loads_and_held_slots_are_not_reused():
     decoding and new prompts evict into the small tier; the loading request then matches a cold run."""
     ex = AsyncCopies(delay=6, num_kv_blocks=24, host_kv_blocks=12)
     engine = make_engine(ex, host_kv_blocks=12)
-    first = submit(engine, GenerateRequest("a1", PROMPT, PARAMS))
-    run_until_idle(engine)
-    for i in range(4):                               # push some of PROMPT's blocks out to the tier
-        submit(engine, GenerateRequest(f"o{i}", [200 + i] + list(range(1, 70)), PARAMS))
-        run_until_idle(engine)
-    busy = submit(engine, GenerateRequest("busy", [7] * 20, SamplingParams(temperature=0.0, max_tokens=40,
-                                                                         ignore_eos=True)))
-    engine.step()
-    second = submit(engine, GenerateRequest("a2", PROMPT, PARAMS))
-    engine.step()                                    # a2 admitted: its copies issued, it waits LOADING
+    first, busy, second = prefix_back_beside_a_busy_request(engine, others=4, busy_tokens=40)
     seq = next(s for s in engine.scheduler.loading if s.request_id == "a2")
     assert seq.status is SeqStatus.LOADING and cached(second) == 96
     assert engine.stats().num_running == 2                # a loading request counts as admitted
@@ -128,16 +136,7 @@ def test_others_run_while_a_prefix_loads_and_held_slots_are_not_reused():
 def test_a_request_aborted_while_loading_gives_its_blocks_back_after_the_copy():
     ex = AsyncCopies(delay=1000, num_kv_blocks=12, host_kv_blocks=64)   # lands only on wait_copies
     engine = make_engine(ex, host_kv_blocks=64)
-    submit(engine, GenerateRequest("a1", PROMPT, PARAMS))
-    run_until_idle(engine)
-    for i in range(8):
-        submit(engine, GenerateRequest(f"o{i}", [200 + i] + list(range(1, 70)), PARAMS))
-        run_until_idle(engine)
-    busy = submit(engine, GenerateRequest("busy", [9] * 20, SamplingParams(temperature=0.0, max_tokens=30,
-                                                                         ignore_eos=True)))
-    engine.step()
-    events = submit(engine, GenerateRequest("a2", PROMPT, PARAMS))
-    engine.step()
+    _, busy, events = prefix_back_beside_a_busy_request(engine, others=8, busy_tokens=30)
     seq = engine.scheduler.loading[0]
     blocks = list(seq.load.blocks)
     engine.abort("a2")
