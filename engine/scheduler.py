@@ -148,10 +148,10 @@ class Scheduler:
             if not self._admit(seq, budget, out):
                 break
             self.waiting.popleft()
-            if seq.status is SeqStatus.LOADING:          # joins when its copies land
-                continue
             if seq.lora_id:
                 loras.add(seq.lora_id)
+            if seq.status is SeqStatus.LOADING:          # joins when its copies land
+                continue
             group = self._fork(seq, out) if self._fork_ready(seq) else [seq]
             for s in group:
                 n = self._chunk(s, budget) if budget > 0 else 0
