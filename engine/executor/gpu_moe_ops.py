@@ -7,9 +7,11 @@ device weight), renormalized, scaled), one warp per token. moe_experts: moe_alig
 (token, slot) assignments by expert on the device (each group padded to whole M-tiles), moe_permute.cu
 gathers the activations into those rows, the grouped GEMM (openinfer_kernels.cute.grouped_gemm where the CuTe
 library serves, else moe_grouped_gemm.cu) runs gate_up, silu_mul.cu the activation, the grouped GEMM
-down, and moe_permute.cu's combine adds the routing-weighted rows to the residual stream. Every
-launch has a grid fixed by the step's token count (the rows bound below), nothing waits on the host:
-a decode step with experts is captured in its CUDA graph like a dense one.
+down, and moe_permute.cu's combine adds the routing-weighted rows to the residual stream. A decode step
+of at most 4 tokens takes three launches instead: moe_route_gemv (the router product and the top-k in
+one), moe_gemv_silu and moe_gemv_combine (each assignment reads its expert straight from the ids, the same
+bits as the grouped path). Every launch has a grid fixed by the step's token count (the rows bound below),
+nothing waits on the host: a decode step with experts is captured in its CUDA graph like a dense one.
 """
 from __future__ import annotations
 
