@@ -119,7 +119,10 @@ class Scheduler:
             slot = self.host_tier.store_through(event.block_hash, event.block_id)
             if slot is not None:
                 self.bm.acquire([event.block_id])       # not evicted nor reused until its copy lands
-                self._writing.append(Copies([event.block_id], [slot]))
+                if not self._writing or self._writing[-1].issued:   # one record per issue: one ticket poll
+                    self._writing.append(Copies([], []))
+                self._writing[-1].blocks.append(event.block_id)
+                self._writing[-1].slots.append(slot)
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -51,7 +51,7 @@ class Sequence:
     state_slot: int = -1                 # its state slot (lines with per-sequence state; -1: none)
     fork_early: bool = False             # n > 1 forks before any prefill (per-sequence state: no sharing)
     grammar: Any = None             # structured output: a GrammarMatcher, advanced with each token
-    load: Any = None                # LOADING: its Restore (engine/scheduler.py) until the copies land
+    load: Any = None                # LOADING: its restore's Copies (engine/scheduler.py) until they land
     _hashes: list[int] = field(default_factory=list)
     _table_list: list[int] | None = field(default=None, repr=False, compare=False)
     _table_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False, compare=False)

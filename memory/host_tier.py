@@ -41,16 +41,22 @@ class HostKVTier:
 
     def store(self, block_hash: int, device_block: int) -> None:
         """A cached device block is being evicted: keep its KV under its hash (a copy this step)."""
+        slot = self._new_slot(block_hash)
+        if slot is not None:
+            self.offloads.append((device_block, slot))
+            self._offload_hashes.append(block_hash)
+
+    def _new_slot(self, block_hash: int) -> int | None:
+        """A slot for a hash not held here yet (counted as stored); None where it is here already (made
+        the most recently used) or every slot is pinned or held (the block is dropped)."""
         if block_hash in self.slot_of:
-            self.slot_of.move_to_end(block_hash)             # same content already here
-            return
+            self.slot_of.move_to_end(block_hash)
+            return None
         slot = self._take_slot()
-        if slot is None:
-            return                                            # every slot is pinned: drop it
-        self.slot_of[block_hash] = slot
-        self.offloads.append((device_block, slot))
-        self._offload_hashes.append(block_hash)
-        self.stored_blocks += 1
+        if slot is not None:
+            self.slot_of[block_hash] = slot
+            self.stored_blocks += 1
+        return slot
 
     def _take_slot(self) -> int | None:
         if self._free:
@@ -73,17 +79,11 @@ class HostKVTier:
         """Write-through: a block just joined the device prefix cache, so its KV goes to a host slot now,
         off the critical path (an eviction later copies nothing). Returns the slot, held and kept out of
         lookups until done_writing; None where the hash is here already or every slot is taken."""
-        if block_hash in self.slot_of:
-            self.slot_of.move_to_end(block_hash)
-            return None
-        slot = self._take_slot()
-        if slot is None:
-            return None
-        self.slot_of[block_hash] = slot
-        self.through.append((device_block, slot))
-        self._writing.add(slot)
-        self.hold([slot])
-        self.stored_blocks += 1
+        slot = self._new_slot(block_hash)
+        if slot is not None:
+            self.through.append((device_block, slot))
+            self._writing.add(slot)
+            self.hold([slot])
         return slot
 
     def done_writing(self, slots: list[int]) -> None:

@@ -240,8 +240,8 @@ class GpuExecutor(ExecutorBase):
 
         if self.host_kv is None:
             raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
-        if not self.supports_async_copies:
-            self.host_kv.copy_blocks(list(offloads) + list(through), restores)
+        if not self.supports_async_copies:           # (no write-through without it)
+            self.host_kv.copy_blocks(offloads, restores)
             return None
         if offloads:
             self.host_kv.copy_blocks(offloads, [])
