@@ -193,6 +193,11 @@ def op_breakdown(ex, cfg, bw: float) -> list[dict]:
             for r in sorted(rows, key=lambda r: -r.ms)]
 
 
+def random_weights_folder(name: str, layers: int | None = None, root: str = "/tmp") -> str:
+    """Where a model's random weights are written (its first `layers` layers where given)."""
+    return os.path.join(root, f"{name}{f'-L{layers}' if layers else ''}-random")
+
+
 def config_path(name: str, layers: int | None) -> str:
     """bench/configs/<name>/config.json, or a copy with only the first `layers` layers (the per-layer schedules,
     layer_types and mlp_layer_types, cut alike)."""
@@ -221,7 +226,7 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     from engine.loader import load_model
     from harness.models import write_random_qwen3
 
-    folder = f"/tmp/{name}{f'-L{layers}' if layers else ''}-random"
+    folder = random_weights_folder(name, layers)
     t = time.perf_counter()
     hf = write_random_qwen3(config_path(name, layers), folder)
     print(f"[{name}] random weights in {folder}: {time.perf_counter() - t:.1f}s", flush=True)

@@ -44,14 +44,14 @@ def projection_names(cfg) -> dict[int, list[tuple[str, int]]]:
 def run_step(model_name: str, batch: int, prompt: int = 128, layers: int | None = None) -> None:
     import cupy
 
-    from bench.decode import GREEDY, config_path, run_batch
+    from bench.decode import GREEDY, config_path, random_weights_folder, run_batch
     from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
     from engine.executor.gpu import GpuExecutor
     from engine.executor.options import options_of
     from engine.loader import load_model
     from harness.models import write_random_qwen3
 
-    folder = f"/tmp/{model_name}{f'-L{layers}' if layers else ''}-random"
+    folder = random_weights_folder(model_name, layers)
     write_random_qwen3(config_path(model_name, layers), folder)
     model = load_model(folder)
     per_seq = -(-(prompt + 32) // BLOCK_SIZE)

@@ -23,7 +23,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.decode import config_path, copy_bandwidth, run_batch  # noqa: E402
+from bench.decode import config_path, copy_bandwidth, random_weights_folder, run_batch  # noqa: E402
 from engine.batch import BLOCK_SIZE  # noqa: E402
 from engine.lora import MODULES  # noqa: E402
 
@@ -81,7 +81,7 @@ def main() -> None:
 
     os.makedirs(args.out, exist_ok=True)
     name = "qwen3-4b"
-    folder = f"/tmp/{name}{f'-L{args.layers}' if args.layers else ''}-random"
+    folder = random_weights_folder(name, args.layers)
     write_random_qwen3(config_path(name, args.layers), folder)
     torch.cuda.empty_cache()
     model = load_model(folder)

@@ -118,7 +118,9 @@ def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra
               device: str = "cuda", folder: str | None = None, scale: float = 1.0, input_len: int = 1024,
               prefix_lengths: str = PREFIX_LENGTHS, layers: int | None = None, weights_dir: str = "/tmp") -> dict:
     if folder is None:
-        folder = os.path.join(weights_dir, f"{model}{f'-L{layers}' if layers else ''}-random")
+        from bench.decode import random_weights_folder
+
+        folder = random_weights_folder(model, layers, weights_dir)
         write_weights(model, folder, layers)
     port = free_port()
     result: dict = {"model": model, "layers": layers, "server_args": extra}
