@@ -337,13 +337,16 @@ class EngineLoop:
             return
         t = time.perf_counter()
         try:
-            args = (offloads, restores, through) if through else (offloads, restores)
-            self.scheduler.copies_issued(self.executor.copy_blocks(*args))
+            if offloads or restores:
+                self.scheduler.copies_issued(self.executor.copy_blocks(offloads, restores))
+            if through:                   # a ticket of their own: restores do not wait for write-throughs
+                self.scheduler.copies_issued(self.executor.copy_blocks([], [], through), writes=True)
             self._tier_copy_s += time.perf_counter() - t
         except Exception:                 # its slots no longer hold what they claim: stop using it
             log.exception("host KV tier copy failed; the tier is switched off")
             self.scheduler.host_tier = None
             self.scheduler.copies_issued(None)       # (the failure fails the requests; their blocks come back)
+            self.scheduler.copies_issued(None, writes=True)
             raise
 
     def _plan_ahead(self, out: SchedulerOutput) -> None:

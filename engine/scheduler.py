@@ -265,9 +265,10 @@ class Scheduler:
         else:
             self.bm.cache_blocks(blocks, hashes, first, seq.token_ids, seq.lora_id)
 
-    def copies_issued(self, ticket: object) -> None:
-        """The executor took this step's copies (ticket: copy_blocks' answer for copies_done)."""
-        for r in [seq.load for seq in self.loading] + self._draining + self._writing:
+    def copies_issued(self, ticket: object, writes: bool = False) -> None:
+        """The executor took this step's restores (writes: its write-through copies), ticket: copy_blocks'
+        answer for copies_done. The two kinds land apart: a restore need not wait for a long offload."""
+        for r in self._writing if writes else [seq.load for seq in self.loading] + self._draining:
             if not r.issued:
                 r.issued, r.ticket = True, ticket
 

@@ -44,9 +44,24 @@ def host(x) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-def executor(name: str, gemm: str = "auto"):
+def _executor(name: str, gemm: str):
     model = load_model(tiny_model_path(name))
     return model, new_gpu_executor(model, gemm=gemm, cuda_graphs=False)
+
+
+def executor(name: str, gemm: str = "auto"):
+    """A tiny model's executor, its compute stream made CuPy's current one: the test's uploads, copies and
+    reads then queue behind (and in front of) its kernels (that stream does not wait on the null stream)."""
+    model, ex = _executor(name, gemm)
+    ex.stream.use()
+    return model, ex
+
+
+@pytest.fixture(autouse=True)
+def _null_stream_after():
+    yield
+    import cupy
+    cupy.cuda.Stream.null.use()
 
 
 def test_router_topk_matches_numpy():

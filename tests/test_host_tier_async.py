@@ -158,6 +158,34 @@ def test_a_request_aborted_while_loading_gives_its_blocks_back_after_the_copy():
 
 
 
+def test_a_restore_does_not_wait_for_write_throughs():
+    """Restores and write-throughs are issued apart (each its own ticket: on the GPU, streams of their own),
+    so a prefix coming back from the tier runs once its restore lands while the write-throughs issued
+    beside it are still in flight (here they land only when waited for)."""
+    ex = AsyncCopies(delay=1, write_delay=1000, num_kv_blocks=24, host_kv_blocks=64)
+    engine = make_engine(ex, host_kv_blocks=64)
+    first = submit(engine, GenerateRequest("a1", PROMPT, PARAMS))
+    run_until_idle(engine)
+    for i in range(4):                                   # PROMPT's blocks pushed out to the tier
+        submit(engine, GenerateRequest(f"o{i}", [200 + i] + list(range(1, 70)), PARAMS))
+        run_until_idle(engine)
+        settle(engine, ex)
+    busy = submit(engine, GenerateRequest("busy", [7] * 40, SamplingParams(temperature=0.0, max_tokens=30,
+                                                                         ignore_eos=True)))
+    engine.step()                                        # its prompt's blocks: write-throughs in flight
+    second = submit(engine, GenerateRequest("a2", PROMPT, PARAMS))
+    engine.step()
+    seq = next(s for s in engine.scheduler.loading if s.request_id == "a2")
+    assert engine.scheduler._writing and all(not (t.through and t.restores) for t in ex.tickets)
+    for _ in range(3):
+        engine.step()
+    assert seq.status is SeqStatus.RUNNING and engine.scheduler._writing     # writes still in flight
+    run_until_idle(engine)
+    assert tokens(second) == tokens(first)
+    settle(engine, ex)
+    engine.block_manager.check_invariants(idle=True)
+
+
 def test_blocks_are_written_through_and_eviction_copies_nothing():
     """With asynchronous copies every block that joins the prefix cache goes to the host tier at once
     (held until it lands), so the evictions that follow copy nothing, and the evicted prefix still

@@ -219,9 +219,11 @@ class GpuExecutor(ExecutorBase):
         import cupy
 
         self.host_kv = gpu_host_kv_copy(self.kv_cache, num_slots, self.stream)
-        if self.options.gpu.async_host_tier:
-            self.restore_stream = cupy.cuda.Stream(non_blocking=True)
+        if self.options.gpu.async_host_tier:     # restores (host -> device) and write-throughs apart: in one
+            self.restore_stream = cupy.cuda.Stream(non_blocking=True)    # stream a restore would queue behind
+            self.through_stream = cupy.cuda.Stream(non_blocking=True)    # a long offload
             self.host_kv_restore = self.host_kv.with_memcpy(gpu_memcpy2d(self.restore_stream))
+            self.host_kv_through = self.host_kv.with_memcpy(gpu_memcpy2d(self.through_stream))
         log.info("host KV tier: %d blocks, %.2f GiB pinned", num_slots, num_slots * self.host_kv.block_bytes / 2**30)
 
     @property
@@ -233,9 +235,10 @@ class GpuExecutor(ExecutorBase):
         """offloads (device block -> host slot), then restores (host slot -> device block), queued on
         the compute stream ahead of the next step (returns None); the host does not wait for them. With
         async_host_tier the restores and the write-through copies (`through`: blocks that joined the
-        prefix cache, held by the scheduler until they land) go on the restore stream behind everything
+        prefix cache, held by the scheduler until they land) go on streams of their own (restores on one,
+        write-throughs on the other: a restore never queues behind a long offload), behind everything
         queued on the compute stream so far (the offloads included: a block evicted and refilled in one
-        step is saved first), and an event after them is returned for copies_done / wait_copies."""
+        step is saved first); the events after them are returned for copies_done / wait_copies."""
         import cupy
 
         if self.host_kv is None:
@@ -247,19 +250,24 @@ class GpuExecutor(ExecutorBase):
             self.host_kv.copy_blocks(offloads, [])
         if not (restores or through):
             return None
-        ready, landed = cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True)
+        ready = cupy.cuda.Event(disable_timing=True)
         ready.record(self.stream)
-        self.restore_stream.wait_event(ready)
-        self.host_kv_restore.copy_blocks(through, restores)
-        landed.record(self.restore_stream)
-        return landed
+        landed = []
+        for stream, copy, offload, restore in ((self.restore_stream, self.host_kv_restore, [], restores),
+                                               (self.through_stream, self.host_kv_through, through, [])):
+            if offload or restore:
+                stream.wait_event(ready)
+                copy.copy_blocks(offload, restore)
+                landed.append(cupy.cuda.Event(disable_timing=True))
+                landed[-1].record(stream)
+        return tuple(landed)
 
     def copies_done(self, ticket) -> bool:
-        return ticket is None or ticket.done
+        return ticket is None or all(event.done for event in ticket)
 
     def wait_copies(self, ticket) -> None:
-        if ticket is not None:
-            ticket.synchronize()
+        for event in ticket or ():
+            event.synchronize()
 
     def copy_fence(self):
         """An event after the copies queued so far on the compute stream; its synchronize is the wait."""

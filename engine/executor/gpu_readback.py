@@ -1,6 +1,8 @@
 """The sampled results of a launched step on their way to the host: the sampler's ids (and the
-logprobs asked for) are copied into pinned host buffers behind the step's kernels, and an event is
-recorded after the copies. The step returns at once as a ReadbackStep; its result() waits on that
+logprobs asked for) are written into pinned host buffers behind the step's kernels, and an event is
+recorded after them. One small kernel writes them through the buffers' mapping into the device's address
+space (host_readback.cu), not a device-to-host memcpy: a copy engine busy with a host-tier offload would
+hold such a memcpy up until the whole offload has gone (bench/copy_contention.py). The step returns at once as a ReadbackStep; its result() waits on that
 event, the step's one sync. At most two steps are in flight (async scheduling queues the next decode
 step before this one is read), so two sets of buffers serve every step, graphed or eager, in turn."""
 from __future__ import annotations
@@ -9,6 +11,8 @@ import numpy as np
 
 from engine.batch import SampledToken, StepOutput
 from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS
+
+CUDA_DEV_ATTR_UNIFIED_ADDRESSING = 41
 
 
 class ReadbackStep:
@@ -54,30 +58,49 @@ class Readback:
     been read, so each step's results land in buffers the other's copies do not touch."""
 
     def __init__(self, rows: int, stream):
+        import cupy
+
+        from openinfer_kernels.raw_cuda import kernel
+
         self.stream = stream
         self.slots = [ReadbackSlot(rows), ReadbackSlot(rows)]
         self.turn = 0
+        # unified addressing (every 64-bit Linux CUDA device): a pinned buffer's host address is its device one
+        self.mapped = bool(cupy.cuda.runtime.deviceGetAttribute(CUDA_DEV_ATTR_UNIFIED_ADDRESSING,
+                                                                cupy.cuda.Device().id))
+        self.k_readback = kernel("host_readback", "host_readback") if self.mapped else None
 
-    def _copy(self, host: np.ndarray, device, nbytes: int) -> None:
+    def _copy(self, pairs: list[tuple[np.ndarray, object, int]]) -> None:
+        """(host buffer, device array, 32-bit words) for each: one host_readback launch, or memcpys."""
         import cupy
 
-        cupy.cuda.runtime.memcpyAsync(host.ctypes.data, device.data.ptr, nbytes,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        if not self.mapped:
+            for host, device, words in pairs:
+                cupy.cuda.runtime.memcpyAsync(host.ctypes.data, device.data.ptr, words * 4,
+                                              cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+            return
+        args = []
+        for host, device, words in pairs + [(None, None, 0)] * (4 - len(pairs)):
+            args += [np.uint64(0 if device is None else device.data.ptr),
+                     np.uint64(0 if host is None else host.ctypes.data), np.int32(words)]
+        most = max(words for _, _, words in pairs)
+        self.k_readback((max(1, min(8, -(-most // 256))), 4), (256,), tuple(args), stream=self.stream)
 
     def queue(self, sampler, seqs, greedy: bool) -> ReadbackStep:
         """Copy the sampler's results for `seqs` (rows 0..n-1) back; greedy: the ids alone."""
         n = len(seqs)
         self.turn ^= 1
         slot = self.slots[self.turn]
-        self._copy(slot.ids_host, sampler.ids, n * 4)
+        pairs = [(slot.ids_host, sampler.ids, n)]
         logprobs = None if greedy else [q.params.logprobs for q in seqs]
         if logprobs is not None and any(k is not None for k in logprobs):
-            self._copy(slot.lp_host, sampler.logprob, n * 4)
+            pairs.append((slot.lp_host, sampler.logprob, n))
             if any(logprobs):
-                self._copy(slot.top_ids_host, sampler.top_ids, n * MAX_TOP_LOGPROBS * 4)
-                self._copy(slot.top_lp_host, sampler.top_lp, n * MAX_TOP_LOGPROBS * 4)
+                pairs += [(slot.top_ids_host, sampler.top_ids, n * MAX_TOP_LOGPROBS),
+                          (slot.top_lp_host, sampler.top_lp, n * MAX_TOP_LOGPROBS)]
         else:
             logprobs = None
+        self._copy(pairs)
         slot.ready.record(self.stream)
         return ReadbackStep([q.seq_id for q in seqs], slot.ids_host[:n], slot.ready, logprobs,
                             slot.lp_host[:n], slot.top_ids_host[:n], slot.top_lp_host[:n])
