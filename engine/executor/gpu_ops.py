@@ -150,6 +150,7 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         self.k_silu = kernel("silu_mul", "silu_mul")
         self.k_bias = kernel("add_bias", "add_bias")
         self.k_add = kernel("add_bias", "residual_add")
+        self.k_copy = kernel("add_bias", "copy_vectors")
         self.k_attn = kernel("paged_attention", "paged_attention_split")
         self.k_merge = kernel("paged_attention", "attention_merge")
         self.num_heads, self.head_dim = num_heads, head_dim
@@ -330,6 +331,16 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         self.paged_attention(q, spec, ctx, out)
         return out
 
+    def _copy(self, src, dst) -> None:
+        """dst[:] = src (same bytes) by a kernel where 16-byte vectors fit: a D2D memcpy goes through a copy
+        engine and queues there behind a host-tier restore in flight, stalling the forward that overlaps it."""
+        if dst.nbytes % 16 or src.data.ptr % 16 or dst.data.ptr % 16:
+            self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes,
+                                             self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+            return
+        vecs = dst.nbytes // 16
+        self._launch(self.k_copy, (min(1024, -(-vecs // 256)),), (256,), (src, dst, np.int64(vecs)))
+
     def _kv_layer_ready(self, layer: int) -> None:
         """A host-tier restore copying layer by layer (GpuExecutor._restore_by_layer): wait for this layer's."""
         if self.kv_layer_events is not None:
@@ -431,8 +442,7 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
             self.gemm.gemv(x, weight, out, "res", res_in=residual, pdl=self.pdl)
             return self.lora_add(out, x, lora)
         if residual.data.ptr != out.data.ptr:  # the first layer's residual is the embedding output
-            self.cp.cuda.runtime.memcpyAsync(out.data.ptr, residual.data.ptr, out.nbytes,
-                                             self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
+            self._copy(residual, out)
         self.gemm(x, weight, out, accumulate=True)  # cuBLAS beta = 1: the add in the product's epilogue
         return self.lora_add(out, x, lora)
 
