@@ -114,7 +114,6 @@ class GpuStepContext:
 class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
     op_ranges = False                       # NVTX range per op (op_range; eager steps)
     decode_defines: dict = {}               # paged_decode.cu build options (-D; benchmarks' A/B: STAGES, MIN_CTAS)
-    kv_layer_events = None                  # per-layer events of a restore in flight (the executor sets them)
 
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
                  max_width: int, hidden: int, vocab_size: int, logits_rows: int, num_heads: int, head_dim: int,
@@ -150,7 +149,6 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         self.k_silu = kernel("silu_mul", "silu_mul")
         self.k_bias = kernel("add_bias", "add_bias")
         self.k_add = kernel("add_bias", "residual_add")
-        self.k_copy = kernel("add_bias", "copy_vectors")
         self.k_attn = kernel("paged_attention", "paged_attention_split")
         self.k_merge = kernel("paged_attention", "attention_merge")
         self.num_heads, self.head_dim = num_heads, head_dim
@@ -309,7 +307,6 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         fused = self._rope_decode_kernel(spec, ctx)
         if fused is None:
             return super().rope_attention(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm)
-        self._kv_layer_ready(spec.layer)
         self._check_attention(spec, ctx)
         T, null = ctx.num_tokens, np.uint64(0)
         out = self._out(T, spec.num_heads * spec.head_dim)
@@ -323,28 +320,12 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
     def attention(self, q, spec: AttentionSpec, ctx: GpuStepContext, out=None):
         """o[T, Hq·D] into `out` (default: the next activation buffer; piecewise graphs pass the rows
         their next segment reads)."""
-        self._kv_layer_ready(spec.layer)
         if ctx.prefill is not None and ctx.prefill.serves(spec):     # long sequences: CuTe (gpu_prefill.py)
             return ctx.prefill.attention(self, q, spec, ctx, out)
         if out is None:
             out = self._out(ctx.num_tokens, spec.num_heads * spec.head_dim)
         self.paged_attention(q, spec, ctx, out)
         return out
-
-    def _copy(self, src, dst) -> None:
-        """dst[:] = src (same bytes) by a kernel where 16-byte vectors fit: a D2D memcpy goes through a copy
-        engine and queues there behind a host-tier restore in flight, stalling the forward that overlaps it."""
-        if dst.nbytes % 16 or src.data.ptr % 16 or dst.data.ptr % 16:
-            self.cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes,
-                                             self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
-            return
-        vecs = dst.nbytes // 16
-        self._launch(self.k_copy, (min(1024, -(-vecs // 256)),), (256,), (src, dst, np.int64(vecs)))
-
-    def _kv_layer_ready(self, layer: int) -> None:
-        """A host-tier restore copying layer by layer (GpuExecutor._restore_by_layer): wait for this layer's."""
-        if self.kv_layer_events is not None:
-            self.stream.wait_event(self.kv_layer_events[layer])
 
     def paged_attention(self, q, spec: AttentionSpec, ctx: GpuStepContext, out) -> None:
         """out[T, Hq·D] = attention of ctx's T query rows over the paged cache (paged_decode.cu where it
@@ -442,7 +423,8 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
             self.gemm.gemv(x, weight, out, "res", res_in=residual, pdl=self.pdl)
             return self.lora_add(out, x, lora)
         if residual.data.ptr != out.data.ptr:  # the first layer's residual is the embedding output
-            self._copy(residual, out)
+            self.cp.cuda.runtime.memcpyAsync(out.data.ptr, residual.data.ptr, out.nbytes,
+                                             self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         self.gemm(x, weight, out, accumulate=True)  # cuBLAS beta = 1: the add in the product's epilogue
         return self.lora_add(out, x, lora)
 

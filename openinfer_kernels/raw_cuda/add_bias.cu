@@ -25,13 +25,3 @@ extern "C" __global__ void residual_add(const bf16_t* __restrict__ x, const bf16
         reinterpret_cast<uint4*>(out)[i] = a;
     }
 }
-
-// A plain copy, 16 bytes per thread step: out[i] = x[i] for total_vecs 16-byte vectors. A kernel, not a
-// device-to-device memcpy: a memcpy goes through a copy engine, where it queues behind a host-tier
-// restore in flight (bench/copy_contention.py), holding up the forward that overlaps the restore.
-extern "C" __global__ void copy_vectors(const uint4* __restrict__ x, uint4* __restrict__ out, long long total_vecs) {
-    pdl_begin();
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total_vecs;
-         i += (long long)gridDim.x * blockDim.x)
-        out[i] = x[i];
-}
