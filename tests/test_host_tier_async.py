@@ -181,7 +181,7 @@ def test_a_restore_does_not_wait_for_write_throughs():
         engine.step()
     assert seq.status is SeqStatus.RUNNING and engine.scheduler._writing     # writes still in flight
     run_until_idle(engine)
-    assert tokens(second) == tokens(first)
+    assert tokens(second) == tokens(first) and len(tokens(busy)) == 30
     settle(engine, ex)
     engine.block_manager.check_invariants(idle=True)
 
