@@ -128,7 +128,7 @@ class HostKVCopy:
             raise ValueError(f"host KV slots {host.shape} {host.dtype}: want a contiguous {self.dtype} array "
                              f"(layers, planes, slots*{BLOCK_SIZE}, heads, dim) like {want}")
         self.kv_ptr, self.host, self.memcpy2d = int(kv_ptr), host, memcpy2d
-        self.planes = P * L
+        self.planes, self.layers = P * L, L
         self.chunk = BLOCK_SIZE * Hkv * D * self.dtype.itemsize
         self.max_pitch = int(max_pitch)
 
@@ -151,17 +151,33 @@ class HostKVCopy:
                        "device block")
         return sum(self._copy(r, to_host=True) for r in down) + sum(self._copy(r, to_host=False) for r in up)
 
-    def _copy(self, run: Run, to_host: bool) -> int:
+    def restore_layers(self, restores: Sequence[tuple[int, int]], layer_done: Callable[[int], None]) -> int:
+        """Enqueue restores (host slot -> device block) one layer at a time, layer_done(l) after layer l's
+        copies (an event there lets a forward start layer l while later layers still copy)."""
+        up = copy_runs(by_destination(restores), self.num_slots, self.num_blocks, "restore", "host slot",
+                       "device block")
+        per_layer = self.planes // self.layers
+        n = 0
+        for layer in range(self.layers):
+            rows = range(layer * per_layer, (layer + 1) * per_layer)
+            n += sum(self._copy(r, to_host=False, rows=rows) for r in up)
+            layer_done(layer)
+        return n
+
+    def _copy(self, run: Run, to_host: bool, rows: range | None = None) -> int:
+        """One run over the plane rows `rows` (default: every layer's planes)."""
         c = self.chunk
+        rows = rows if rows is not None else range(self.planes)
         device, host = (self.kv_ptr, self.num_blocks * c), (self.host.ctypes.data, self.num_slots * c)
         (src, src_pitch), (dst, dst_pitch) = (device, host) if to_host else (host, device)
-        src, dst, width = src + run.src * c, dst + run.dst * c, run.count * c
+        src = src + run.src * c + rows.start * src_pitch
+        dst, width = dst + run.dst * c + rows.start * dst_pitch, run.count * c
         if max(src_pitch, dst_pitch) <= self.max_pitch:
-            self.memcpy2d(dst, dst_pitch, src, src_pitch, width, self.planes, to_host)
+            self.memcpy2d(dst, dst_pitch, src, src_pitch, width, len(rows), to_host)
             return 1
-        for p in range(self.planes):
+        for p in range(len(rows)):
             self.memcpy2d(dst + p * dst_pitch, width, src + p * src_pitch, width, width, 1, to_host)
-        return self.planes
+        return len(rows)
 
 
 def gpu_host_kv_copy(kv_cache, num_slots: int, stream) -> HostKVCopy:

@@ -80,6 +80,31 @@ def test_copy_blocks_moves_the_same_bytes_as_the_reference(max_pitch):
         assert calls[0] == (3 * copier.chunk, copier.planes, True)
 
 
+@pytest.mark.parametrize("max_pitch", [1 << 31, 1000])
+def test_restore_layers_copies_layer_by_layer(max_pitch):
+    """restore_layers moves the bytes copy_blocks' restores move, one layer at a time: when layer l is
+    reported done, layers 0..l of every destination block hold their slots and later layers do not yet."""
+    rng = np.random.default_rng(1)
+    kv = rng.integers(0, 1 << 16, SHAPE, dtype=np.uint16)
+    host = rng.integers(0, 1 << 16, host_slots().shape, dtype=np.uint16)
+    calls: list = []
+    copier = HostKVCopy(kv.ctypes.data, kv.shape, kv.dtype, host, memmove_2d(calls), max_pitch=max_pitch)
+    restores = [(5, 11), (0, 3), (1, 4), (6, 0)]
+    want = kv.copy()
+    reference_copy(want, host.copy(), [], restores)
+    before, done = kv.copy(), []
+
+    def layer_done(layer: int) -> None:
+        dst = [b for _, b in restores]
+        assert (blocks_of(kv, dst)[:, :layer + 1] == blocks_of(want, dst)[:, :layer + 1]).all()
+        assert (blocks_of(kv, dst)[:, layer + 1:] == blocks_of(before, dst)[:, layer + 1:]).all()
+        done.append(layer)
+
+    n = copier.restore_layers(restores, layer_done)
+    np.testing.assert_array_equal(kv, want)
+    assert done == list(range(SHAPE[0])) and n == len(calls)
+    assert all(not to_host for _, _, to_host in calls)
+
 def test_bad_pairs_are_named_and_nothing_is_copied():
     kv = np.ones(SHAPE, np.uint16)
     calls: list = []

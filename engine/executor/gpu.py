@@ -174,6 +174,7 @@ class GpuExecutor(ExecutorBase):
         if state_arrays is not None:
             self.ops.state = state_arrays
         self.host_kv = None
+        self._kv_events = None     # a host-tier restore's per-layer events for the next step (copy_blocks)
         if options.host_kv_blocks:
             self.enable_host_tier(options.host_kv_blocks)
         self.last_host_s, self._fed = 0.0, False
@@ -219,11 +220,11 @@ class GpuExecutor(ExecutorBase):
         import cupy
 
         self.host_kv = gpu_host_kv_copy(self.kv_cache, num_slots, self.stream)
+        self.restore_stream = cupy.cuda.Stream(non_blocking=True)
+        self.host_kv_restore = self.host_kv.with_memcpy(gpu_memcpy2d(self.restore_stream))
         if self.options.gpu.async_host_tier:     # restores (host -> device) and write-throughs apart: in one
-            self.restore_stream = cupy.cuda.Stream(non_blocking=True)    # stream a restore would queue behind
-            self.through_stream = cupy.cuda.Stream(non_blocking=True)    # a long offload
-            self.host_kv_restore = self.host_kv.with_memcpy(gpu_memcpy2d(self.restore_stream))
-            self.host_kv_through = self.host_kv.with_memcpy(gpu_memcpy2d(self.through_stream))
+            self.through_stream = cupy.cuda.Stream(non_blocking=True)    # stream a restore would queue behind
+            self.host_kv_through = self.host_kv.with_memcpy(gpu_memcpy2d(self.through_stream))   # a long offload
         log.info("host KV tier: %d blocks, %.2f GiB pinned", num_slots, num_slots * self.host_kv.block_bytes / 2**30)
 
     @property
@@ -244,7 +245,11 @@ class GpuExecutor(ExecutorBase):
         if self.host_kv is None:
             raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
         if not self.supports_async_copies:           # (no write-through without it)
-            self.host_kv.copy_blocks(offloads, restores)
+            if restores and getattr(self.model, "piecewise_graphs", False):
+                self.host_kv.copy_blocks(offloads, [])
+                self._restore_by_layer(restores)
+            else:
+                self.host_kv.copy_blocks(offloads, restores)
             return None
         if offloads:
             self.host_kv.copy_blocks(offloads, [])
@@ -261,6 +266,46 @@ class GpuExecutor(ExecutorBase):
                 landed.append(cupy.cuda.Event(disable_timing=True))
                 landed[-1].record(stream)
         return tuple(landed)
+
+    def _restore_by_layer(self, restores: list[tuple[int, int]]) -> None:
+        """Restores on the restore stream (behind the compute stream's queue, offloads included), an event
+        after each layer's copies: the next step's attention of layer l waits for layer l alone, so its
+        forward runs while the later layers still copy (the dense lines, whose every KV read is
+        GpuOps.attention / rope_attention; other lines copy on the compute stream before the step)."""
+        import cupy
+
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(self.stream)
+        self.restore_stream.wait_event(ready)
+        events = []
+
+        def layer_done(_: int) -> None:
+            events.append(cupy.cuda.Event(disable_timing=True))
+            events[-1].record(self.restore_stream)
+        self.host_kv_restore.restore_layers(restores, layer_done)
+        self._kv_events = events
+
+    def _kv_landed(self, layerwise: bool) -> None:
+        """Before a step: the restores' per-layer events go to the ops (layerwise: its attention waits
+        for each layer), or the compute stream waits for all of them (a step that cannot wait per layer)."""
+        events, self._kv_events = self._kv_events, None
+        if events:
+            if layerwise:
+                self.ops.kv_layer_events = events
+            else:
+                self.stream.wait_event(events[-1])
+
+    def _uploads_by_kernel(self, on: bool) -> None:
+        mapped = self.readback.copy if on else None
+        self.inputs.mapped = mapped
+        if self.prefill is not None:
+            self.prefill.mapped = mapped
+
+    def _kv_step_done(self) -> None:
+        """After a step's forward: nothing after it runs before every restored layer has landed."""
+        events, self.ops.kv_layer_events = self.ops.kv_layer_events, None
+        if events:
+            self.stream.wait_event(events[-1])
 
     def copies_done(self, ticket) -> bool:
         return ticket is None or all(event.done for event in ticket)
@@ -282,6 +327,7 @@ class GpuExecutor(ExecutorBase):
         """Capture one decode graph not captured yet (greedy and sampling, every bucket, smallest
         first) on padded rows; False once there is none left. The engine calls this while it has
         no work, so captures happen before the first steps that need them, not during them."""
+        self._kv_landed(layerwise=False)
         todo = [(graphs, lora, m) for graphs, lora in ((self.graphs, False), (self.lora_graphs, True))
                 if graphs is not None for m in graphs.missing()]
         if not todo:
@@ -357,15 +403,22 @@ class GpuExecutor(ExecutorBase):
         """The step's final-normed hidden rows (the real rows first) and its context: replayed by token
         bucket where the piecewise graphs serve the step, else launched kernel by kernel."""
         pw = self.piecewise
-        if pw is not None and pw.serves(batch):
-            ctx = self.upload(batch, pad_tokens=pw.bucket(batch.num_tokens))
-            try:
-                return pw.forward(ctx), ctx
-            except Exception:
-                self._drop_piecewise()
-        ctx = self.upload(batch)
-        self.ops.reset()
-        return self.model.forward(self.ops, self.weights, ctx), ctx
+        self._kv_landed(layerwise=True)
+        # a restore in flight holds the H2D copy engine: the step's inputs go in by a kernel meanwhile
+        self._uploads_by_kernel(self.ops.kv_layer_events is not None)
+        try:
+            if pw is not None and pw.serves(batch):
+                ctx = self.upload(batch, pad_tokens=pw.bucket(batch.num_tokens))
+                try:
+                    return pw.forward(ctx), ctx
+                except Exception:
+                    self._drop_piecewise()
+            ctx = self.upload(batch)
+            self.ops.reset()
+            return self.model.forward(self.ops, self.weights, ctx), ctx
+        finally:
+            self._uploads_by_kernel(False)
+            self._kv_step_done()
 
     def _logits_host(self, hidden, rows: np.ndarray) -> np.ndarray:
         """float32 logits of the given hidden rows, on the host, in chunks of the logits buffer."""
@@ -396,6 +449,7 @@ class GpuExecutor(ExecutorBase):
         self._fed = fed
         graphs = self.graphs if batch.lora_slots is None else self.lora_graphs
         if graphs is not None and graphs.serves(batch):
+            self._kv_landed(layerwise=False)
             with nvtx_range(f"decode graph B={len(batch.seqs)}"):
                 pending = graphs.launch(batch, t0)
             self.last_host_s, self.last_step_graphed = graphs.last_host_s, True

@@ -27,6 +27,7 @@ class StepInputs:
         # two pinned twins used in turn: a step may be packed while the one before waits for its upload
         self.hosts = [pinned_array(self.device.shape, np.int32) for _ in range(2)]
         self.host = self.hosts[0]
+        self.mapped = None      # a MappedCopy: uploads by a kernel while set (a restore holds the copy engine)
 
     @staticmethod
     def buffers(max_tokens: int, max_seqs: int, max_blocks: int) -> list[Buffer]:
@@ -99,8 +100,11 @@ class StepInputs:
         tables[:B, batch.block_tables.shape[1]:] = 0
         tables[B:] = 0
         n = first_table + rows * mb
-        cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
-                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        if self.mapped is not None:
+            self.mapped([(h, self.device, n)], to_host=False)
+        else:
+            cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
+                                          cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         if fed_ids is not None:
             cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, fed_ids.data.ptr, batch.num_tokens * 4,
                                           cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)

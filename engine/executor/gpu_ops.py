@@ -114,6 +114,7 @@ class GpuStepContext:
 class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
     op_ranges = False                       # NVTX range per op (op_range; eager steps)
     decode_defines: dict = {}               # paged_decode.cu build options (-D; benchmarks' A/B: STAGES, MIN_CTAS)
+    kv_layer_events = None                  # per-layer events of a restore in flight (the executor sets them)
 
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
                  max_width: int, hidden: int, vocab_size: int, logits_rows: int, num_heads: int, head_dim: int,
@@ -307,6 +308,7 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         fused = self._rope_decode_kernel(spec, ctx)
         if fused is None:
             return super().rope_attention(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm)
+        self._kv_layer_ready(spec.layer)
         self._check_attention(spec, ctx)
         T, null = ctx.num_tokens, np.uint64(0)
         out = self._out(T, spec.num_heads * spec.head_dim)
@@ -320,12 +322,18 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
     def attention(self, q, spec: AttentionSpec, ctx: GpuStepContext, out=None):
         """o[T, Hq·D] into `out` (default: the next activation buffer; piecewise graphs pass the rows
         their next segment reads)."""
+        self._kv_layer_ready(spec.layer)
         if ctx.prefill is not None and ctx.prefill.serves(spec):     # long sequences: CuTe (gpu_prefill.py)
             return ctx.prefill.attention(self, q, spec, ctx, out)
         if out is None:
             out = self._out(ctx.num_tokens, spec.num_heads * spec.head_dim)
         self.paged_attention(q, spec, ctx, out)
         return out
+
+    def _kv_layer_ready(self, layer: int) -> None:
+        """A host-tier restore copying layer by layer (GpuExecutor._restore_by_layer): wait for this layer's."""
+        if self.kv_layer_events is not None:
+            self.stream.wait_event(self.kv_layer_events[layer])
 
     def paged_attention(self, q, spec: AttentionSpec, ctx: GpuStepContext, out) -> None:
         """out[T, Hq·D] = attention of ctx's T query rows over the paged cache (paged_decode.cu where it

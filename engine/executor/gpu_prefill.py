@@ -186,6 +186,7 @@ class PrefillAttention:
         b = arena.take_all("prefill", self.buffers(key_rows, num_kv_heads, head_dim, max_tokens, max_seqs))
         self.k, self.v, self.data = b["k"], b["v"], b["plan"]
         self.data_host = pinned_array(self.data.shape, np.int32)
+        self.mapped = None          # a MappedCopy: the plan uploaded by a kernel while set (as StepInputs.mapped)
         self.gather = kernel("kv_gather", "kv_gather")
         self.launches = 0           # varlen_attention launches so far (tests check the path ran)
         # paged_chunk.cu for short runs (group: query heads per KV head; 0 = off)
@@ -220,8 +221,11 @@ class PrefillAttention:
         import cupy
 
         self.data_host[:n] = plan.data
-        cupy.cuda.runtime.memcpyAsync(self.data.data.ptr, self.data_host.ctypes.data, n * 4,
-                                      cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        if self.mapped is not None:
+            self.mapped([(self.data_host, self.data, n)], to_host=False)
+        else:
+            cupy.cuda.runtime.memcpyAsync(self.data.data.ptr, self.data_host.ctypes.data, n * 4,
+                                          cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         return PrefillStep(self, plan)
 
 

@@ -1,7 +1,7 @@
 """The sampled results of a launched step on their way to the host: the sampler's ids (and the
 logprobs asked for) are written into pinned host buffers behind the step's kernels, and an event is
 recorded after them. One small kernel writes them through the buffers' mapping into the device's address
-space (host_readback.cu), not a device-to-host memcpy: a copy engine busy with a host-tier offload would
+space (gpu_mapped_copy.py), not a device-to-host memcpy: a copy engine busy with a host-tier offload would
 hold such a memcpy up until the whole offload has gone (bench/copy_contention.py). The step returns at once as a ReadbackStep; its result() waits on that
 event, the step's one sync. At most two steps are in flight (async scheduling queues the next decode
 step before this one is read), so two sets of buffers serve every step, graphed or eager, in turn."""
@@ -11,8 +11,6 @@ import numpy as np
 
 from engine.batch import SampledToken, StepOutput
 from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS
-
-CUDA_DEV_ATTR_UNIFIED_ADDRESSING = 41
 
 
 class ReadbackStep:
@@ -58,33 +56,12 @@ class Readback:
     been read, so each step's results land in buffers the other's copies do not touch."""
 
     def __init__(self, rows: int, stream):
-        import cupy
-
-        from openinfer_kernels.raw_cuda import kernel
+        from engine.executor.gpu_mapped_copy import MappedCopy
 
         self.stream = stream
         self.slots = [ReadbackSlot(rows), ReadbackSlot(rows)]
         self.turn = 0
-        # unified addressing (every 64-bit Linux CUDA device): a pinned buffer's host address is its device one
-        self.mapped = bool(cupy.cuda.runtime.deviceGetAttribute(CUDA_DEV_ATTR_UNIFIED_ADDRESSING,
-                                                                cupy.cuda.Device().id))
-        self.k_readback = kernel("host_readback", "host_readback") if self.mapped else None
-
-    def _copy(self, pairs: list[tuple[np.ndarray, object, int]]) -> None:
-        """(host buffer, device array, 32-bit words) for each: one host_readback launch, or memcpys."""
-        import cupy
-
-        if not self.mapped:
-            for host, device, words in pairs:
-                cupy.cuda.runtime.memcpyAsync(host.ctypes.data, device.data.ptr, words * 4,
-                                              cupy.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
-            return
-        args = []
-        for host, device, words in pairs + [(None, None, 0)] * (4 - len(pairs)):
-            args += [np.uint64(0 if device is None else device.data.ptr),
-                     np.uint64(0 if host is None else host.ctypes.data), np.int32(words)]
-        most = max(words for _, _, words in pairs)
-        self.k_readback((max(1, min(8, -(-most // 256))), 4), (256,), tuple(args), stream=self.stream)
+        self.copy = MappedCopy(stream)
 
     def queue(self, sampler, seqs, greedy: bool) -> ReadbackStep:
         """Copy the sampler's results for `seqs` (rows 0..n-1) back; greedy: the ids alone."""
@@ -100,7 +77,7 @@ class Readback:
                           (slot.top_lp_host, sampler.top_lp, n * MAX_TOP_LOGPROBS)]
         else:
             logprobs = None
-        self._copy(pairs)
+        self.copy(pairs, to_host=True)
         slot.ready.record(self.stream)
         return ReadbackStep([q.seq_id for q in seqs], slot.ids_host[:n], slot.ready, logprobs,
                             slot.lp_host[:n], slot.top_ids_host[:n], slot.top_lp_host[:n])
