@@ -60,7 +60,7 @@ class SamplingParams:
 class GenerateRequest:
     """One request as the engine sees it: token ids in, a TokenEvent stream out."""
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]         # or an int array (the server's token-id prompts: no list to pickle)
     params: SamplingParams = field(default_factory=SamplingParams)
     lora_name: str | None = None
     priority: int = 0

@@ -52,6 +52,8 @@ class Sequence:
     fork_early: bool = False             # n > 1 forks before any prefill (per-sequence state: no sharing)
     grammar: Any = None             # structured output: a GrammarMatcher, advanced with each token
     load: Any = None                # LOADING: its restore's Copies (engine/scheduler.py) until they land
+    prompt_array: np.ndarray | None = field(default=None, repr=False, compare=False)   # the prompt as the request
+                                    # brought it (an int array): hashed without converting token_ids again
     _hashes: list[int] = field(default_factory=list)
     _table_list: list[int] | None = field(default=None, repr=False, compare=False)
     _table_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False, compare=False)
@@ -81,8 +83,9 @@ class Sequence:
         if have < num_blocks:
             assert num_blocks * BLOCK_SIZE <= len(self.token_ids), "hash of a partial block"
             parent = self._hashes[-1] if self._hashes else NO_PARENT
-            self._hashes += hash_chain(self.token_ids[have * BLOCK_SIZE:num_blocks * BLOCK_SIZE],
-                                       BLOCK_SIZE, self.lora_id, parent)
+            src = self.prompt_array if self.prompt_array is not None and num_blocks * BLOCK_SIZE <= len(
+                self.prompt_array) else self.token_ids
+            self._hashes += hash_chain(src[have * BLOCK_SIZE:num_blocks * BLOCK_SIZE], BLOCK_SIZE, self.lora_id, parent)
         return self._hashes[:num_blocks]
 
     def block_table_array(self) -> np.ndarray:

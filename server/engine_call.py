@@ -10,6 +10,8 @@ import inspect
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.events import Error, Finished, Rejected, Scheduled, Token
 from engine.request import GenerateRequest
 from server.errors import APIError
@@ -57,7 +59,8 @@ class EngineCall:
         """Submit every prompt and wait for each one's first event, so that a rejection or an engine
         error becomes an HTTP status before any response byte is sent."""
         for i, prompt in enumerate(self.parsed.prompts):
-            req = GenerateRequest(self.ids[i], list(prompt), self.parsed.params, lora_name=self.parsed.lora_name)
+            ids = prompt if isinstance(prompt, np.ndarray) else list(prompt)      # token-id prompts: int32 arrays
+            req = GenerateRequest(self.ids[i], ids, self.parsed.params, lora_name=self.parsed.lora_name)
             try:
                 stream = self.handle.submit(req)
             except Exception as exc:      # e.g. the engine is shutting down

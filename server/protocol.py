@@ -12,7 +12,7 @@ from typing import Any
 from engine.detokenizer import stop_matcher
 from engine.request import SamplingParams
 from server.errors import APIError, invalid, wrong_type
-from server.fields import Fields, all_ints, check_token_ids
+from server.fields import Fields, all_ints, check_token_ids, token_id_array
 from server.limits import ServerLimits
 from server.structured import Constraint, parse_constraint
 from server.tools import ToolConfig, message_extras, output_constraint, parse_tools
@@ -223,11 +223,10 @@ def _completion_prompts(prompt, model: ModelInfo, echo: bool) -> tuple[list[list
             ids = encode_text(model.tokenizer, item)
             texts.append(item)
         else:
-            check_token_ids(item, model.vocab_size, "prompt")
-            ids = list(item)
+            ids = token_id_array(item, model.vocab_size, "prompt")
             if echo:
-                texts.append(model.tokenizer.decode(ids))
-        if not ids:
+                texts.append(model.tokenizer.decode(ids.tolist()))
+        if len(ids) == 0:
             raise invalid("'prompt' must not be empty", "prompt")
         prompts.append(ids)
     return prompts, texts

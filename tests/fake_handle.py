@@ -71,22 +71,23 @@ class FakeHandle:
             if self.fail:
                 yield Error(req.request_id, self.fail)
                 return
+            prompt = [int(t) for t in req.prompt_token_ids]   # a list or the server's int32 array, like the engine
             if p.prompt_logprobs is not None:
-                ids = req.prompt_token_ids
+                ids = prompt
                 yield PromptLogprobs(req.request_id, ids, [None] + [fake_logprob(t) for t in ids[1:]],
                                      [[]] + [self._top(t, p.prompt_logprobs) for t in ids[1:]])
             for step in range(p.max_tokens):
                 for k in range(p.n):
                     if req.request_id not in self.active:
-                        yield Finished(req.request_id, "abort", Usage(len(req.prompt_token_ids), step), k)
+                        yield Finished(req.request_id, "abort", Usage(len(prompt), step), k)
                         return
-                    tok = fake_token(req.prompt_token_ids, step, k)
+                    tok = fake_token(prompt, step, k)
                     top = self._top(tok, p.logprobs) if p.logprobs is not None else []
                     yield Token(req.request_id, tok, self.tokenizer.decode([tok]), k,
                                 fake_logprob(tok) if p.logprobs is not None else None, top)
                 await asyncio.sleep(self.token_delay)
             for k in range(p.n):
-                yield Finished(req.request_id, "length", Usage(len(req.prompt_token_ids), p.max_tokens), k)
+                yield Finished(req.request_id, "length", Usage(len(prompt), p.max_tokens), k)
         finally:
             self.active.discard(req.request_id)
 

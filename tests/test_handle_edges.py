@@ -1,8 +1,10 @@
 """EngineHandle limits as a client sees them (fake model)."""
 import asyncio
 
+import numpy as np
+
 from engine.config import EngineConfig
-from engine.events import Finished, Rejected
+from engine.events import Finished, Rejected, Token
 from engine.handle import EngineHandle
 from engine.request import GenerateRequest, SamplingParams
 from fake_executor import FakeExecutor, FakeTokenizer
@@ -89,5 +91,29 @@ def test_prompts_with_ids_outside_the_vocabulary_are_rejected_naming_the_first()
             assert f"prompt token id {bad} is out of the vocabulary range" in events[0].reason, events[0].reason
         events = asyncio.run(run("ok", [0, 1, vocab - 1]))
         assert not any(isinstance(e, Rejected) for e in events)
+        # the server's token-id prompts come as int32 arrays: the same checks, the same outputs as a list
+        events = asyncio.run(run("arr-bad", np.array([1, vocab + 2], np.int32)))
+        assert isinstance(events[0], Rejected) and f"prompt token id {vocab + 2} is out" in events[0].reason
+        assert isinstance(asyncio.run(run("arr-empty", np.zeros(0, np.int32)))[0], Rejected)
+        prompt = list(range(3, 40))
+        as_list, as_array = (asyncio.run(run(rid, p)) for rid, p in (("l", prompt), ("a", np.array(prompt, np.int32))))
+        tokens = [[(type(e.token_id), e.token_id) for e in events if isinstance(e, Token)] for events in (as_list, as_array)]
+        assert tokens[0] == tokens[1] and tokens[0] and all(t is int for t, _ in tokens[1])
+        assert [e.usage.prompt_tokens for e in as_array if isinstance(e, Finished)] == [len(prompt)]
     finally:
         h.shutdown()
+
+
+def test_a_prompt_array_hashes_as_its_list():
+    """Sequence.block_hashes over the request's int array (no list conversion) equals the list's chain,
+    extended past the prompt into generated tokens."""
+    from engine.sequence import Sequence
+    from memory.prefix_hash import hash_chain
+
+    prompt = list(range(100, 150))                   # 3 full blocks and 2 tokens
+    seqs = [Sequence(0, "r", list(prompt), len(prompt), SamplingParams(), lora_id=2, prompt_array=arr)
+            for arr in (None, np.array(prompt, np.int32))]
+    for s in seqs:
+        s.block_hashes(2)
+        s.token_ids += list(range(14))               # generated tokens fill the fourth block
+    assert seqs[0].block_hashes(4) == seqs[1].block_hashes(4) == hash_chain(seqs[0].token_ids, 16, 2)

@@ -38,7 +38,7 @@ def test_token_id_prompts_are_decoded_only_for_echo():
     model = ModelInfo(name="m", max_model_len=128, tokenizer=CountingTokenizer(), vocab_size=FakeTokenizer.vocab_size)
     ids = [5, 6, 7, 8]
     parsed = parse_completion({"model": "m", "prompt": [ids, ids], "max_tokens": 2}, model)
-    assert parsed.prompts == [ids, ids] and parsed.echo_texts == [] and CountingTokenizer.calls == 0
+    assert [p.tolist() for p in parsed.prompts] == [ids, ids] and parsed.echo_texts == [] and CountingTokenizer.calls == 0
     parsed = parse_completion({"model": "m", "prompt": ids, "max_tokens": 2, "echo": True}, model)
     assert parsed.echo_texts == [FakeTokenizer().decode(ids)] and CountingTokenizer.calls == 1
     with pytest.raises(APIError, match="token id 100000 outside"):
@@ -47,3 +47,7 @@ def test_token_id_prompts_are_decoded_only_for_echo():
         parse_completion({"model": "m", "prompt": [1, -3], "max_tokens": 2}, model)
     with pytest.raises(APIError, match="prompt"):
         parse_completion({"model": "m", "prompt": [1, True], "max_tokens": 2}, model)
+    with pytest.raises(APIError, match="token id 1180591620717411303424 outside"):    # past 64 bits
+        parse_completion({"model": "m", "prompt": [1, 2 ** 70], "max_tokens": 2}, model)
+    with pytest.raises(APIError, match="prompt"):
+        parse_completion({"model": "m", "prompt": [[1, 2], [3, 4.0]], "max_tokens": 2}, model)

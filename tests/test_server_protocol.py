@@ -10,6 +10,7 @@ import json
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -52,7 +53,8 @@ def test_prompt_forms_and_n_give_prompt_major_choice_indices(client, handle):
     for prompt in (ids, [ids]):
         same = client.completions.create(model="fake-model", prompt=prompt, max_tokens=4)
         assert same.choices[0].text == expected_text("abc", 4)
-    assert handle.submitted[-1].prompt_token_ids == ids
+    assert isinstance(handle.submitted[-1].prompt_token_ids, np.ndarray)      # token ids travel as an int32 array
+    assert handle.submitted[-1].prompt_token_ids.tolist() == ids
 
 
 def test_streaming_completion_sse_framing_and_usage(server):
