@@ -135,6 +135,7 @@ class GpuRankExecutor(GpuExecutor):
             self.comm.broadcast(self.sampler.ids)
         b, sampling = key
         self._fed = fed
+        self._kv_landed(layerwise=False)          # a host-tier restore still copying lands first
         ctx = self.upload(batch, b)
         if sampling:
             self.sampler.fill_graph_rows(batch.seqs, b)
