@@ -245,7 +245,7 @@ class GpuExecutor(ExecutorBase):
         if self.host_kv is None:
             raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
         if not self.supports_async_copies:           # (no write-through without it)
-            if restores and getattr(self.model, "piecewise_graphs", False):
+            if restores and getattr(self.model, "layerwise_restore", False):
                 self.host_kv.copy_blocks(offloads, [])
                 self._restore_by_layer(restores)
             else:
@@ -270,7 +270,7 @@ class GpuExecutor(ExecutorBase):
     def _restore_by_layer(self, restores: list[tuple[int, int]]) -> None:
         """Restores on the restore stream (behind the compute stream's queue, offloads included), an event
         after each layer's copies: the next step's attention of layer l waits for layer l alone, so its
-        forward runs while the later layers still copy (the dense lines, whose every KV read is
+        forward runs while the later layers still copy (lines with `layerwise_restore`, whose every KV read is
         GpuOps.attention / rope_attention; other lines copy on the compute stream before the step)."""
         import cupy
 

@@ -143,6 +143,9 @@ class DecoderLM:
     # True: the forward between two attention calls depends on the step's token count only (no host
     # decision from the data), so the GPU may replay it as piecewise CUDA graphs (gpu_piecewise.py)
     piecewise_graphs = False
+    # True: every read of the KV cache is ops.attention / rope_attention of its layer, so a host-tier restore
+    # may land layer by layer under the step's forward (GpuExecutor._restore_by_layer)
+    layerwise_restore = False
 
     def __init__(self, config: ModelConfig):
         self.config = config

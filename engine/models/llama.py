@@ -11,6 +11,7 @@ from engine.models.decoder import DecoderLM, LayerOptions
 class LlamaForCausalLM(DecoderLM):
     model_type = "llama"
     piecewise_graphs = True
+    layerwise_restore = True
 
     @staticmethod
     def layer_options(config: ModelConfig) -> LayerOptions:

@@ -14,6 +14,7 @@ from engine.models.decoder import DecoderLM, LayerOptions
 class Qwen3ForCausalLM(DecoderLM):
     model_type = "qwen3"
     piecewise_graphs = True
+    layerwise_restore = True
 
     @staticmethod
     def layer_options(config: ModelConfig) -> LayerOptions:

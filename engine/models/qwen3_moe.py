@@ -63,6 +63,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     # it), and capturing the 19 buckets while idle delayed concurrency-1 requests (TTFT 36.5 -> 88 ms,
     # H200, 2026-12-04: bench/results/moe.md)
     piecewise_graphs = False
+    layerwise_restore = False          # its attention is Qwen3's, but the path is not yet measured on the GPU
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
