@@ -117,3 +117,21 @@ def test_a_prompt_array_hashes_as_its_list():
         s.block_hashes(2)
         s.token_ids += list(range(14))               # generated tokens fill the fourth block
     assert seqs[0].block_hashes(4) == seqs[1].block_hashes(4) == hash_chain(seqs[0].token_ids, 16, 2)
+
+
+def test_a_prompt_array_shares_the_prefix_cache_with_its_list():
+    """A request whose prompt is an int array (the server's token-id prompts) hits the blocks a list prompt
+    of the same ids cached, and with n = 2 its samples fork from it as a list prompt's do."""
+    from fake_executor import make_engine, run_until_idle, submit
+    from test_host_tier import cached, tokens
+
+    engine = make_engine(FakeExecutor(num_kv_blocks=64))
+    prompt = list(range(5, 75))                      # 4 full blocks and 6 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, n=2)
+    first = submit(engine, GenerateRequest("list", prompt, params))
+    run_until_idle(engine)
+    second = submit(engine, GenerateRequest("array", np.array(prompt, np.int32), params))
+    run_until_idle(engine)
+    assert cached(first) == 0 and cached(second) == 64
+    assert tokens(second) == tokens(first) and len(tokens(first)) == 8
+    engine.block_manager.check_invariants(idle=True)
