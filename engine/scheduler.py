@@ -35,6 +35,7 @@ from engine.sequence import Sequence, SeqStatus
 from memory.block_manager import BlockManager, BlockRemoved, BlockStored
 from memory.host_tier import HostKVTier
 from memory.kv_pool import BLOCK_SIZE, blocks_for
+from memory.prefix_hash import RecentChains
 from memory.state_slots import StateSlots
 
 
@@ -92,6 +93,7 @@ class Scheduler:
         self.copies_done: Callable[[object], bool] = lambda ticket: True
         self.num_preemptions = 0
         self._next_seq_id = 0
+        self.recent_chains = RecentChains(BLOCK_SIZE)    # prompts sharing a prefix hash only their new blocks
 
     def new_seq_id(self) -> int:
         self._next_seq_id += 1
@@ -219,7 +221,10 @@ class Scheduler:
             limit = (len(seq.token_ids) - 1) // BLOCK_SIZE
             if seq.fork_count > 1:
                 limit = seq.fork_at // BLOCK_SIZE
+            tokens = seq.prompt_tokens()
+            seq.seed_hashes(self.recent_chains.reuse(tokens, seq.lora_id)[:limit])
             hashes = seq.block_hashes(limit)
+            self.recent_chains.remember(tokens, seq.lora_id, hashes)
             hit = self.bm.lookup(hashes)                 # [] with prefix caching off (pure-host mode)
             if self.host_tier is not None:
                 host = self.host_tier.lookup(hashes[len(hit):])

@@ -76,6 +76,18 @@ class Sequence:
             return 0
         return (self.prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
 
+    def seed_hashes(self, hashes: list[int]) -> None:
+        """Take the hashes of this sequence's leading full blocks computed elsewhere (memory/prefix_hash.py
+        RecentChains: the same tokens seen in a recent prompt) before any of its own are."""
+        if not self._hashes:
+            self._hashes = list(hashes)
+
+    def prompt_tokens(self) -> np.ndarray:
+        """The prompt as an int array (the request's own, or converted from token_ids once)."""
+        if self.prompt_array is None:
+            self.prompt_array = np.asarray(self.token_ids[:self.prompt_len], np.int32)
+        return self.prompt_array
+
     def block_hashes(self, num_blocks: int) -> list[int]:
         """Prefix-cache hashes of the first num_blocks full blocks (memoized; tokens of a full
         block never change)."""

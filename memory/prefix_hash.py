@@ -8,6 +8,7 @@ under the same adapter, so a block's KV can be shared. The hash is stable across
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Mapping
 
 import numpy as np
@@ -50,3 +51,43 @@ def longest_prefix(table: Mapping[int, int], block_hashes: list[int]) -> list[in
             break
         found.append(value)
     return found
+
+
+class RecentChains:
+    """The hash chains of recent prompts, so that a prompt sharing a prefix with one of them (a chat's next
+    turn, a common system prompt, a prefix-cache hit) hashes only the blocks after it: at 16k tokens the chain
+    is ~1 ms of the engine thread, the comparison that finds the shared prefix ~20 µs. One prompt kept per
+    (adapter, first block's tokens), the `capacity` most recently used; the prefix found by comparing the
+    tokens themselves, so a hash is only ever reused for the very tokens it was computed from."""
+
+    def __init__(self, block_size: int, capacity: int = 64):
+        self.block_size, self.capacity = block_size, capacity
+        self._chains: OrderedDict[tuple[int, bytes], tuple[np.ndarray, list[int]]] = OrderedDict()
+
+    def _key(self, tokens: np.ndarray, adapter_id: int) -> tuple[int, bytes] | None:
+        b = self.block_size
+        return (adapter_id, np.asarray(tokens[:b], np.int64).tobytes()) if len(tokens) >= b else None
+
+    def reuse(self, tokens: np.ndarray, adapter_id: int = 0) -> list[int]:
+        """The hashes of tokens' leading full blocks that a remembered prompt shares (maybe none)."""
+        key = self._key(tokens, adapter_id)
+        found = self._chains.get(key) if key is not None else None
+        if found is None:
+            return []
+        self._chains.move_to_end(key)
+        known, hashes = found
+        n = min(len(known), len(tokens))
+        diff = np.flatnonzero(known[:n] != tokens[:n])
+        common = int(diff[0]) if diff.size else n
+        return hashes[:common // self.block_size]
+
+    def remember(self, tokens: np.ndarray, adapter_id: int, hashes: list[int]) -> None:
+        """tokens' chain (hashes of its leading full blocks), replacing the one kept for its first block."""
+        key = self._key(tokens, adapter_id)
+        hashes = hashes[:len(tokens) // self.block_size]
+        if key is None or not hashes:
+            return
+        self._chains[key] = (np.array(tokens[:len(hashes) * self.block_size], np.int32), list(hashes))
+        self._chains.move_to_end(key)
+        while len(self._chains) > self.capacity:
+            self._chains.popitem(last=False)

@@ -175,3 +175,26 @@ def test_cache_blocks_equals_cache_block_one_by_one():
         states.append((dict(bm.cached), list(bm.block_hash), events))
     assert states[0] == states[1]
     assert len(states[1][2]) == 4                          # the pre-cached hash is not stored twice
+
+
+def test_recent_chains_reuse_exactly_the_shared_full_blocks():
+    """RecentChains hands back the hashes of the leading full blocks a new prompt shares token for token with a
+    remembered one of the same adapter (the chain a fresh hash_chain gives), nothing across adapters or for a
+    different first block, and forgets the least recently used beyond its capacity."""
+    import numpy as np
+
+    from memory.prefix_hash import RecentChains
+    rc = RecentChains(B, capacity=2)
+    a = np.arange(100, 170, dtype=np.int32)                       # 4 full blocks + 6 tokens
+    rc.remember(a, 0, hash_chain(a.tolist(), B))
+    assert rc.reuse(a) == hash_chain(a.tolist(), B)
+    b = a.copy()
+    b[40] = 7                                                     # differs inside block 2
+    assert rc.reuse(b) == hash_chain(a.tolist(), B)[:2] == hash_chain(b.tolist(), B)[:2]
+    assert rc.reuse(a[:20]) == hash_chain(a.tolist(), B)[:1]      # a shorter prompt: its own full blocks
+    assert rc.reuse(a, adapter_id=3) == [] and rc.reuse(a + 1) == []
+    rc.remember(a, 0, hash_chain(a.tolist(), B) + [123])          # hashes past the tokens are not kept
+    assert rc.reuse(np.concatenate([a, a])) == hash_chain(a.tolist(), B)
+    rc.remember(a + 1, 0, hash_chain((a + 1).tolist(), B))
+    rc.remember(a + 2, 0, hash_chain((a + 2).tolist(), B))        # capacity 2: a goes
+    assert rc.reuse(a) == [] and rc.reuse(a + 2) == hash_chain((a + 2).tolist(), B)

@@ -135,3 +135,27 @@ def test_a_prompt_array_shares_the_prefix_cache_with_its_list():
     assert cached(first) == 0 and cached(second) == 64
     assert tokens(second) == tokens(first) and len(tokens(first)) == 8
     engine.block_manager.check_invariants(idle=True)
+
+
+def test_a_prompt_sharing_a_recent_prefix_hashes_only_its_new_blocks(monkeypatch):
+    """The scheduler takes the chain of a recent prompt's shared blocks instead of hashing them again; the
+    chains it ends with are the ones hashed from scratch, and the prefix hits the same."""
+    import engine.sequence
+    from fake_executor import make_engine, run_until_idle, submit
+    from memory.prefix_hash import hash_chain
+    from test_host_tier import cached
+
+    hashed = []
+    monkeypatch.setattr(engine.sequence, "hash_chain",
+                        lambda t, *a, **k: hashed.append(len(t)) or hash_chain(t, *a, **k))
+    engine_ = make_engine(FakeExecutor(num_kv_blocks=64))
+    prompt = list(range(5, 105))                     # 6 full blocks and 4 tokens
+    p = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    submit(engine_, GenerateRequest("a", prompt, p))
+    run_until_idle(engine_)
+    turn = prompt[:70] + [200, 201] + list(range(30))  # shares 4 blocks and 6 tokens, then goes on
+    events = submit(engine_, GenerateRequest("b", turn, p))
+    seq = engine_.scheduler.waiting[0]
+    run_until_idle(engine_)
+    assert hashed == [6 * 16, 2 * 16]                # the second prompt hashed its 2 new full blocks only
+    assert seq.block_hashes(6) == hash_chain(turn, 16)[:6] and cached(events) == 64
