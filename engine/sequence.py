@@ -52,8 +52,8 @@ class Sequence:
     fork_early: bool = False             # n > 1 forks before any prefill (per-sequence state: no sharing)
     grammar: Any = None             # structured output: a GrammarMatcher, advanced with each token
     load: Any = None                # LOADING: its restore's Copies (engine/scheduler.py) until they land
-    prompt_array: np.ndarray | None = field(default=None, repr=False, compare=False)   # the prompt as the request
-                                    # brought it (an int array): hashed without converting token_ids again
+    # the prompt as an int array (the request's own, or prompt_tokens()): hashed without converting token_ids
+    prompt_array: np.ndarray | None = field(default=None, repr=False, compare=False)
     _hashes: list[int] = field(default_factory=list)
     _table_list: list[int] | None = field(default=None, repr=False, compare=False)
     _table_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False, compare=False)

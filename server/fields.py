@@ -2,9 +2,9 @@
 field and its allowed range (422 for a wrong JSON type or a missing field, 400 for a value out of range)."""
 from __future__ import annotations
 
-import numpy as np
-
 import math
+
+import numpy as np
 
 from server.errors import invalid, wrong_type
 
