@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from engine.detokenizer import stop_matcher
 from engine.request import SamplingParams
 from server.errors import APIError, invalid, wrong_type
@@ -108,8 +110,8 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     messages = parse_messages(body.get("messages"))
     add_generation_prompt = f.boolean("add_generation_prompt", True)
     tools = parse_tools(body, model.tokenizer)
-    prompt = render_chat(model.tokenizer, messages, add_generation_prompt, tools.template_tools if tools else None,
-                         model.max_text_chars)
+    prompt = np.array(render_chat(model.tokenizer, messages, add_generation_prompt,
+                                  tools.template_tools if tools else None, model.max_text_chars), np.int32)
     want_logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not want_logprobs:
@@ -220,7 +222,7 @@ def _completion_prompts(prompt, model: ModelInfo, echo: bool) -> tuple[list[list
     for item in items:
         if isinstance(item, str):
             check_text_fits(item, model.max_text_chars, "prompt")
-            ids = encode_text(model.tokenizer, item)
+            ids = np.array(encode_text(model.tokenizer, item), np.int32)     # travels as an array (fields.py)
             texts.append(item)
         else:
             ids = token_id_array(item, model.vocab_size, "prompt")

@@ -75,7 +75,7 @@ def test_chat_stream_and_non_stream_agree(client, handle):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     out = client.chat.completions.create(model="fake-model", messages=messages, max_tokens=6)
     template = ByteTokenizer().apply_chat_template(messages)
-    assert handle.submitted[-1].prompt_token_ids == ByteTokenizer().encode(template)
+    assert handle.submitted[-1].prompt_token_ids.tolist() == ByteTokenizer().encode(template)
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == expected_text(template, 6)
     stream = client.chat.completions.create(model="fake-model", messages=messages, max_tokens=6, stream=True,
