@@ -134,7 +134,7 @@ class GpuHostExecutor(ExecutorBase):
         ops.splits = types.MethodType(GpuOps.splits, ops)
         ex.ops, ex.sampler = ops, types.SimpleNamespace(ids=_Dev(max_seqs))
         ex.last_host_s = 0.0
-        ex.readback, ex.timer = Readback(max_seqs, ex.stream), None
+        ex.readback, ex.timer = Readback(max_seqs, ex.stream, ex.mapped_copy), None
         ex.graphs = DecodeGraphs(None, ops, {}, ex.sampler, ex.upload, ex.readback, ex.stream, ex.options.graph_sizes)
         graph = types.SimpleNamespace(launch=lambda stream=None: None)
         ex.graphs.graphs = {b: (graph, None) for b in ex.graphs.buckets}

@@ -11,7 +11,8 @@ PrefillAttention (the CuTe varlen kernel for long prefill sequences, gpu_prefill
 LoRA adapters, gpu_lora_ops.py) and PiecewiseGraphs (prefill and mixed steps of up to
 GpuTuning.eager_graph_tokens tokens as CUDA graphs per token bucket, attention launched between them,
 gpu_piecewise.py; dense lines; larger eager steps launch kernel by kernel); for a line with per-sequence
-state, its state slots (memory/state_slots.py, one per max_num_seqs) before the KV pool.
+state, its state slots (memory/state_slots.py, one per max_num_seqs) before the KV pool. The host KV
+tier's copies (streams, layer-by-layer restores) are GpuHostTier's (gpu_host_tier.py).
 `last_host_s` is the host time of the last step up to its launch.
 """
 from __future__ import annotations
@@ -27,7 +28,9 @@ from engine.executor.base import DoneStep, ExecutorBase, PendingStep
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, cute_rows, cute_workspace_bytes
 from engine.executor.gpu_deltanet_ops import check_deltanet_shapes
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
+from engine.executor.gpu_host_tier import GpuHostTier
 from engine.executor.gpu_inputs import StepInputs
+from engine.executor.gpu_mapped_copy import MappedCopy
 from engine.executor.gpu_ops import GpuOps, GpuStepContext
 from engine.executor.gpu_piecewise import PiecewiseGraphs, eager_buckets
 from engine.executor.gpu_plan import DeviceInfo, GpuPlan, gpu_plan
@@ -40,7 +43,6 @@ from engine.loader import LoadedModel
 from engine.models.rope import rope_inv_freq
 from engine.sampling import prompt_logprobs
 from memory.device_arena import DeviceArena, arena_budget, buffers_nbytes
-from memory.host_kv_copy import gpu_host_kv_copy, gpu_memcpy2d
 from memory.kv_pool import pool_blocks
 from memory.state_slots import check_slots, state_buffers
 from memory.streams import DeviceStreams
@@ -98,7 +100,7 @@ class StepTimer:
         return float(cupy.cuda.get_elapsed_time(begin, end))
 
 
-class GpuExecutor(ExecutorBase):
+class GpuExecutor(GpuHostTier, ExecutorBase):
     supports_host_tier = True
     ops_class = GpuOps              # a tensor-parallel rank's executor runs its own (engine/parallel)
 
@@ -173,12 +175,12 @@ class GpuExecutor(ExecutorBase):
         self.ops.gate_up_interleaved = interleave
         if state_arrays is not None:
             self.ops.state = state_arrays
-        self.host_kv = None
-        self._kv_events = None     # a host-tier restore's per-layer events for the next step (copy_blocks)
+        self.mapped_copy = MappedCopy(stream)      # read-backs (and uploads while a restore copies): no copy engine
+        self.host_kv, self._kv_events = None, None
         if options.host_kv_blocks:
             self.enable_host_tier(options.host_kv_blocks)
         self.last_host_s, self._fed = 0.0, False
-        self.readback = Readback(plan.max_seqs, stream)
+        self.readback = Readback(plan.max_seqs, stream, self.mapped_copy)
         self.timer = StepTimer(stream) if options.time_steps else None
         graphs_on = options.cuda_graphs and getattr(self.model, "cuda_graphs", True)
         if options.cuda_graphs and not graphs_on:
@@ -212,115 +214,6 @@ class GpuExecutor(ExecutorBase):
         """Load a LoRA adapter into one of the options.max_loras slots (None: empty it), queued on the
         compute stream behind the steps already launched (gpu_lora_ops.py)."""
         self.ops.set_lora_slot(slot, adapter)
-
-    # ---- host KV tier ---------------------------------------------------------------------------
-    def enable_host_tier(self, num_slots: int) -> None:
-        """Host KV tier storage: num_slots pinned host blocks mirroring the KV pool (memory/host_kv_copy.py);
-        with tuning.async_host_tier, restores (and write-through offloads) go on a stream of their own."""
-        import cupy
-
-        self.host_kv = gpu_host_kv_copy(self.kv_cache, num_slots, self.stream)
-        self.restore_stream = cupy.cuda.Stream(non_blocking=True)
-        self.host_kv_restore = self.host_kv.with_memcpy(gpu_memcpy2d(self.restore_stream))
-        if self.options.gpu.async_host_tier:     # restores (host -> device) and write-throughs apart: in one
-            self.through_stream = cupy.cuda.Stream(non_blocking=True)    # stream a restore would queue behind
-            self.host_kv_through = self.host_kv.with_memcpy(gpu_memcpy2d(self.through_stream))   # a long offload
-        log.info("host KV tier: %d blocks, %.2f GiB pinned", num_slots, num_slots * self.host_kv.block_bytes / 2**30)
-
-    @property
-    def supports_async_copies(self) -> bool:
-        return self.host_kv is not None and self.options.gpu.async_host_tier
-
-    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]],
-                    through: list[tuple[int, int]] = ()):
-        """offloads (device block -> host slot), then restores (host slot -> device block), queued on
-        the compute stream ahead of the next step (returns None); the host does not wait for them. With
-        async_host_tier the restores and the write-through copies (`through`: blocks that joined the
-        prefix cache, held by the scheduler until they land) go on streams of their own (restores on one,
-        write-throughs on the other: a restore never queues behind a long offload), behind everything
-        queued on the compute stream so far (the offloads included: a block evicted and refilled in one
-        step is saved first); the events after them are returned for copies_done / wait_copies."""
-        import cupy
-
-        if self.host_kv is None:
-            raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
-        if not self.supports_async_copies:           # (no write-through without it)
-            if restores and getattr(self.model, "layerwise_restore", False):
-                self.host_kv.copy_blocks(offloads, [])
-                self._restore_by_layer(restores)
-            else:
-                self.host_kv.copy_blocks(offloads, restores)
-            return None
-        if offloads:
-            self.host_kv.copy_blocks(offloads, [])
-        if not (restores or through):
-            return None
-        ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(self.stream)
-        landed = []
-        for stream, copy, offload, restore in ((self.restore_stream, self.host_kv_restore, [], restores),
-                                               (self.through_stream, self.host_kv_through, through, [])):
-            if offload or restore:
-                stream.wait_event(ready)
-                copy.copy_blocks(offload, restore)
-                landed.append(cupy.cuda.Event(disable_timing=True))
-                landed[-1].record(stream)
-        return tuple(landed)
-
-    def _restore_by_layer(self, restores: list[tuple[int, int]]) -> None:
-        """Restores on the restore stream (behind the compute stream's queue, offloads included), an event
-        after each layer's copies: the next step's attention of layer l waits for layer l alone, so its
-        forward runs while the later layers still copy (lines with `layerwise_restore`, whose every KV read is
-        GpuOps.attention / rope_attention; other lines copy on the compute stream before the step)."""
-        import cupy
-
-        ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(self.stream)
-        self.restore_stream.wait_event(ready)
-        events = []
-
-        def layer_done(_: int) -> None:
-            events.append(cupy.cuda.Event(disable_timing=True))
-            events[-1].record(self.restore_stream)
-        self.host_kv_restore.restore_layers(restores, layer_done)
-        self._kv_events = events
-
-    def _kv_landed(self, layerwise: bool) -> None:
-        """Before a step: the restores' per-layer events go to the ops (layerwise: its attention waits
-        for each layer), or the compute stream waits for all of them (a step that cannot wait per layer)."""
-        events, self._kv_events = self._kv_events, None
-        if events:
-            if layerwise:
-                self.ops.kv_layer_events = events
-            else:
-                self.stream.wait_event(events[-1])
-
-    def _uploads_by_kernel(self, on: bool) -> None:
-        mapped = self.readback.copy if on else None
-        self.inputs.mapped = mapped
-        if self.prefill is not None:
-            self.prefill.mapped = mapped
-
-    def _kv_step_done(self) -> None:
-        """After a step's forward: nothing after it runs before every restored layer has landed."""
-        events, self.ops.kv_layer_events = self.ops.kv_layer_events, None
-        if events:
-            self.stream.wait_event(events[-1])
-
-    def copies_done(self, ticket) -> bool:
-        return ticket is None or all(event.done for event in ticket)
-
-    def wait_copies(self, ticket) -> None:
-        for event in ticket or ():
-            event.synchronize()
-
-    def copy_fence(self):
-        """An event after the copies queued so far on the compute stream; its synchronize is the wait."""
-        import cupy
-
-        event = cupy.cuda.Event(disable_timing=True)
-        event.record(self.stream)
-        return event.synchronize
 
     # ---- graph warm-up (the engine calls it while idle) -------------------------------------------
     def warm_up(self) -> bool:

@@ -55,13 +55,12 @@ class Readback:
     """Two slots used in turn: with async scheduling a step is queued before the one before it has
     been read, so each step's results land in buffers the other's copies do not touch."""
 
-    def __init__(self, rows: int, stream):
-        from engine.executor.gpu_mapped_copy import MappedCopy
-
+    def __init__(self, rows: int, stream, copy):
+        """copy: the executor's MappedCopy on `stream`."""
         self.stream = stream
         self.slots = [ReadbackSlot(rows), ReadbackSlot(rows)]
         self.turn = 0
-        self.copy = MappedCopy(stream)
+        self.copy = copy
 
     def queue(self, sampler, seqs, greedy: bool) -> ReadbackStep:
         """Copy the sampler's results for `seqs` (rows 0..n-1) back; greedy: the ids alone."""
