@@ -106,6 +106,21 @@ def start_server(folder: str, port: int, trace: Path, extra: list[str],
         time.sleep(0.05)
 
 
+def wait_warm(port: int, limit_s: float = 300.0) -> float:
+    """Seconds until the engine's idle-time graph captures are done (/metrics openinfer_engine_warming_up
+    0): scenarios measure the warm engine, not requests queued behind a capture."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                if "openinfer_engine_warming_up 0" in r.read().decode():
+                    return time.perf_counter() - t0
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"engine still warming up after {limit_s:.0f} s")
+
+
 def scaled(args: list[str], scale: float) -> list[str]:
     """A scenario's arguments with its prompt count scaled (smoke runs)."""
     out = list(args)
@@ -133,6 +148,7 @@ def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra
         result.setdefault("start_to_healthy_s", []).append(round(healthy_s, 2))
         result.setdefault("rss_mib_healthy", []).append(round(rss_mib(proc.pid), 1))
         try:
+            result.setdefault("healthy_to_warm_s", []).append(round(wait_warm(port), 2))
             if name == "prefix":
                 result["prefix"] = run_prefix(model, port, out, tokenizer, prefix_lengths)
             else:

@@ -106,6 +106,8 @@ class EngineLoop:
         self.outputs = OutputProcessor(tokenizer, self.scheduler, max_model_len, self.abort)
         self._inbox: queue.Queue = queue.Queue()
         self._stats = EngineStats(kv_blocks_total=executor.num_kv_blocks)
+        self._warming = True            # the executor's warm-up (graph captures) runs while the engine idles
+        self.warm_listeners: list[Callable[[], None]] = []   # engine thread: called once the warm-up is done
         self._steps = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -168,16 +170,19 @@ class EngineLoop:
 
     # -- the loop ------------------------------------------------------------------------
     def _run(self) -> None:
-        warming = True                   # the executor's warm-up (graph captures) runs while idle
         while not self._stopping:
             idle = not self.has_work()
-            self.drain_inbox(block=idle and not warming)
-            if idle and warming and not self.has_work() and not self._stopping:
+            self.drain_inbox(block=idle and not self._warming)
+            if idle and self._warming and not self.has_work() and not self._stopping:
                 try:
-                    warming = self.executor.warm_up()
+                    self._warming = self.executor.warm_up()
                 except Exception:
                     log.exception("executor warm-up failed; later steps capture what they need")
-                    warming = False
+                    self._warming = False
+                if not self._warming:
+                    self._publish_stats()
+                    for fn in self.warm_listeners:
+                        fn()
                 self._run_after_step()
                 continue
             if self.has_work() and not self._stopping:
@@ -382,4 +387,4 @@ class EngineLoop:
             prefix_cache_host_hits=tier.restored_blocks * BLOCK_SIZE if tier else 0,
             host_kv_offload_bytes=tier.stored_blocks * self.executor.kv_block_bytes if tier else 0,
             host_kv_restore_bytes=tier.restored_blocks * self.executor.kv_block_bytes if tier else 0,
-            host_kv_copy_seconds=self._tier_copy_s)
+            host_kv_copy_seconds=self._tier_copy_s, warming_up=int(self._warming))

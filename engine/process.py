@@ -220,6 +220,14 @@ def _child_main(config: EngineConfig, inbox, outbox, notes=None) -> None:
         pending.clear()
         sender.put(pickle.dumps(("events", items, engine.stats()), protocol=pickle.HIGHEST_PROTOCOL))
 
+    # the stats reach the parent with a step's events: the end of the warm-up has none, so it sends them
+    def send_stats() -> None:
+        sender.put(pickle.dumps(("events", [], engine.stats()), protocol=pickle.HIGHEST_PROTOCOL))
+
+    engine.warm_listeners.append(send_stats)
+    if not engine.stats().warming_up:           # done before the listener was in place (a sent twice is harmless)
+        send_stats()
+
     def sink_for(rid: str):
         def sink(event) -> None:
             if not pending:

@@ -24,6 +24,8 @@ class EngineStats:
     host_kv_offload_bytes: int = 0      # KV bytes copied device -> host and host -> device (the rank's share)
     host_kv_restore_bytes: int = 0
     host_kv_copy_seconds: float = 0.0   # host time queuing the tier's copies (they run ahead of the step)
+    warming_up: int = 1                 # 1 while the executor still captures graphs in idle moments (healthy
+                                        # before that: the first requests may wait on a capture), then 0
 
     @property
     def kv_usage(self) -> float:

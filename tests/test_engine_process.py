@@ -108,3 +108,16 @@ def test_startup_notes_are_made_in_the_engine_process(config, monkeypatch):
         assert f"(asked in {os.getpid()})" not in c.startup_notes[0][1]
         assert "CpuExecutor" in c.startup_notes[-1][1]
     assert not asked_in                                  # the server process never asked
+
+
+def test_the_end_of_the_warm_up_reaches_the_parent_without_a_request(config):
+    """/metrics' openinfer_engine_warming_up: the engine's idle-time warm-up ends with no step to carry
+    its stats, so the child sends them itself (the CPU executor's warm-up ends at once)."""
+    import time
+
+    with EngineClient(config) as c:
+        deadline = time.monotonic() + 30
+        while c.stats().warming_up and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.stats().warming_up == 0
+        assert c.stats().num_steps == 0
