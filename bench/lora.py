@@ -122,7 +122,8 @@ def main() -> None:
     print(report(result))
 
 
-LORA_OPS = ("lora_add", "lora_swiglu", "_lora_shrink", "_lora_expand")
+LORA_OPS = ("lora_add", "lora_swiglu", "_lora_shrink", "_lora_expand", "lora_norm_linear", "lora_norm_swiglu",
+            "lora_add_linear_norm", "_expand")
 
 
 def eager_ops(ex, model, batch: int, prompt: int, adapters: int) -> list[dict]:

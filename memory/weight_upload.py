@@ -95,14 +95,21 @@ def stage(copy: Copy, buffer: np.ndarray) -> None:
 
 def upload_weights(arena: DeviceArena, weights: Iterable[tuple[str, np.ndarray]], streams: DeviceStreams,
                    total_bytes: int | None = None, progress: bool = True,
-                   interleave: Callable[[str], bool] = lambda name: False, workers: int = WORKERS) -> dict:
-    """Copy every (name, array or PackedWeight) into the arena as bf16; returns name -> CuPy uint16 array."""
+                   interleave: Callable[[str], bool] = lambda name: False, workers: int = WORKERS,
+                   extra_rows: Callable[[str], int] = lambda name: 0, extended: dict | None = None) -> dict:
+    """Copy every (name, array or PackedWeight) into the arena as bf16; returns name -> CuPy uint16 array.
+    extra_rows(name) > 0: the weight's buffer has that many rows after its own (LoRA's A slots), the
+    name maps to its first rows and ``extended[name]`` to the whole buffer."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
     out, copies = {}, []
     for name, w in weights:
-        dev = arena.take(f"weights.{name}", tuple(w.shape), np.uint16)
+        extra = extra_rows(name)
+        dev = arena.take(f"weights.{name}", (w.shape[0] + extra, *w.shape[1:]), np.uint16)
+        if extra:
+            extended[name] = dev
+            dev = dev[: w.shape[0]]
         out[name] = dev
         copies += weight_copies(w, dev.data.ptr, interleave(name))
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="weights -> GPU", disable=not progress)

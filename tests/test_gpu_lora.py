@@ -31,8 +31,17 @@ def adapters_of(name: str, ex) -> dict:
     return {a: load_adapter(a, tiny_adapter_path(name, a), sites, layers, 16) for a in ADAPTERS}
 
 
-def lora_gpu_executor(name: str, model, max_loras: int = 3, **settings):
-    ex = new_gpu_executor(model, max_loras=max_loras, max_lora_rank=16, **settings)
+def lora_gpu_executor(name: str, model, max_loras: int = 3, fused: bool = True, **settings):
+    """fused: steps of at most FUSED_MAX_ROWS rows take the extended product at every site (the tiny
+    models' sites are too narrow for the default FUSED_MAX_EXTRA); False: lora_shrink + lora_expand."""
+    from engine.executor import gpu_lora_ops
+
+    kept = gpu_lora_ops.FUSED_MAX_EXTRA
+    gpu_lora_ops.FUSED_MAX_EXTRA = 1e9 if fused else -1.0
+    try:
+        ex = new_gpu_executor(model, max_loras=max_loras, max_lora_rank=16, **settings)
+    finally:
+        gpu_lora_ops.FUSED_MAX_EXTRA = kept
     for slot, adapter in enumerate(list(adapters_of(name, ex).values())[:max_loras]):
         ex.set_lora(slot, adapter)
     return ex
@@ -66,16 +75,17 @@ def test_lora_gate(tiny, path_name):
         assert_gate(gate_row(f"{name}/lora-{a}/{path_name}", engine, *oracle[a]))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["extended", "shrink"])
 @pytest.mark.parametrize("backend", ["cute", "cublas"])
-def test_lora_gate_gemm_library(tiny, backend):
-    """Each GEMM library for every product, and batch-1 decode (gemv.cu: the residual epilogue, then the
-    LoRA delta; the norm and SiLU·up composed around the adapter's projections)."""
+def test_lora_gate_gemm_library(tiny, backend, fused):
+    """Each GEMM library for every product, and batch-1 decode (gemv.cu), small steps through the extended
+    product (the delta in the kernel after it) or through lora_shrink + lora_expand."""
     from openinfer_kernels.cute import available
 
     if backend == "cute" and not available():
         pytest.skip(f"CuTe kernels unavailable: {available().reason}")
     name, model, _, seqs, oracle = tiny
-    ex = lora_gpu_executor(name, model, gemm=backend)
+    ex = lora_gpu_executor(name, model, fused=fused, gemm=backend)
     try:
         for slot, a in enumerate(ADAPTERS):
             engine = engine_logits(ex, seqs, lora_slots=[slot] * len(seqs), **PATHS["decode"])
@@ -276,3 +286,58 @@ def _run(handle, prompts, loras, params) -> list[list[int]]:
     async def main():
         return await asyncio.gather(*(one(i, p, lora) for i, (p, lora) in enumerate(zip(prompts, loras))))
     return list(asyncio.run(main()))
+
+
+FUSED_ROWS = (1, 4, 9, 33, 64)
+
+
+@pytest.mark.parametrize("site_name", SITES)
+def test_extended_product_matches_shrink_and_expand(kernel_case, site_name):
+    """A small step's extended product with the delta in the kernel after it (lora_expand.cu modes 2 and
+    3 reading the shrink from the product's output; rms_norm.cu splitk_rms_norm_residual_lora) against the
+    same op through lora_shrink + lora_expand (numpy-checked above), a third of the rows without an
+    adapter, for each GEMM the rows select (gemv.cu, the CuTe split-K partials or cuBLAS)."""
+    import cupy
+
+    from engine.executor.gpu_lora_ops import bf16_bits
+
+    ex, _ = kernel_case
+    ops, site = ex.ops, ex.ops.lora_sites[site_name]
+    if site_name not in ops.lora_full:
+        pytest.skip("this executor's sites do not take the extended product")
+    weight = ex.weights[site_name]
+    dev = lambda a: cupy.asarray(bf16_bits(np.ascontiguousarray(a)))
+    host = lambda d: d.get().view(__import__("ml_dtypes").bfloat16).astype(np.float32)
+    rng = np.random.default_rng(1)
+    norm_w = dev(bf16_round(rng.uniform(0.5, 1.5, site.k)))
+    for rows in FUSED_ROWS:
+        x = dev(bf16_round(rng.standard_normal((rows, site.k))))
+        slots = rng.integers(-1, 3, rows).astype(np.int32)
+        ops.use_lora(slots, rows)
+        what = (site_name, rows)
+        if site_name.endswith("qkv_proj"):
+            got = host(ops.lora_norm_linear(x, norm_w, 1e-6, site_name))
+            normed, _ = ops.rms_norm(x, norm_w, 1e-6)
+            want = ops._out(rows, site.n)
+            ops.gemm(normed, weight, want)
+            ops.lora_add(want, normed, site_name)
+            assert_close(got, host(want), what)
+        elif site_name.endswith("gate_up_proj"):
+            got = host(ops.lora_norm_swiglu(x, norm_w, 1e-6, site_name))
+            normed, _ = ops.rms_norm(x, norm_w, 1e-6)
+            gate_up = ops._out(rows, site.n)
+            ops.gemm(normed, weight, gate_up)
+            assert_close(got, host(ops.lora_swiglu(gate_up, normed, site_name)), what)
+        else:
+            residual = dev(bf16_round(rng.standard_normal((rows, site.n))))
+            kept = residual.copy()
+            out, normed = ops.lora_add_linear_norm(x, site_name, residual, norm_w, 1e-6)
+            got, got_normed = host(out).copy(), host(normed).copy()
+            y = cupy.zeros((rows, site.n), np.float32)
+            ops.gemm(x, weight, y)                      # float32 product (cuBLAS), then the delta into it
+            ops.lora_add(None, x, site_name, into=y.data.ptr)
+            want = bf16_round(y.get() + host(kept))
+            assert_close(got, want, what)
+            want_normed = host(ops.rms_norm(dev(want), norm_w, 1e-6)[0])
+            assert_close(got_normed, want_normed, what + ("norm",))
+        ops.use_lora(None, rows)

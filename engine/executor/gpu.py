@@ -30,6 +30,7 @@ from engine.executor.gpu_deltanet_ops import check_deltanet_shapes
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_host_tier import GpuHostTier
 from engine.executor.gpu_inputs import StepInputs
+from engine.executor.gpu_lora_ops import extra_rows
 from engine.executor.gpu_mapped_copy import MappedCopy
 from engine.executor.gpu_ops import GpuOps, GpuStepContext
 from engine.executor.gpu_piecewise import PiecewiseGraphs, eager_buckets
@@ -129,6 +130,8 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         if state is not None:
             parts["state"] = buffers_nbytes(state_buffers(state, self.num_state_slots))
         weight_bytes = sum(int(a.size) * 2 for a in model.weights.values())
+        lora_rows = {name: extra_rows(site, options) for name, site in plan.lora_sites}   # every slot's A
+        weight_bytes += sum(rows * site.k * 2 for (_, site), rows in zip(plan.lora_sites, lora_rows.values()))
         block_bytes = plan.kv.block_bytes(KV_ITEMSIZE)
         if options.num_kv_blocks is None:
             arena_bytes = arena_budget(options.gpu_memory_utilization)
@@ -137,9 +140,11 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         self.arena = DeviceArena(arena_bytes)
         # gate_up weights go up with gate and up rows interleaved in blocks of 8 (gemv.cu's fused SiLU·up)
         interleave = cfg.intermediate_size % 8 == 0
+        extended: dict = {}
         self.weights = upload_weights(self.arena, model.weights.items(), self.streams, total_bytes=weight_bytes,
                                       progress=options.progress,
-                                      interleave=lambda name: interleave and name.endswith("gate_up_proj"))
+                                      interleave=lambda name: interleave and name.endswith("gate_up_proj"),
+                                      extra_rows=lambda name: lora_rows.get(name, 0), extended=extended)
         self.gemm = self._gemm(plan, cute_max_m, parts["gemm"] - WORKSPACE_BYTES)
         self.inv_freq = self.arena.take("rope.inv_freq", inv_freq.shape, np.float32)
         self.inv_freq.set(inv_freq, stream=stream)
@@ -170,6 +175,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         self.ops = self.ops_class(self.arena, self.gemm, self.kv_cache, self.inv_freq, attention_factor, plan.max_tokens,
                           plan.width, plan.hidden, plan.vocab, plan.logit_rows, plan.num_heads, plan.head_dim,
                           lm_head.data.ptr, stream, plan.device.num_sms, fast_attention=fast_attention)
+        self.ops.lora_weights = extended
         self.ops.take_sparse(self.arena, plan)
         self.ops.layer_ranges, self.ops.op_ranges = tuning.nvtx in ("layers", "ops"), tuning.nvtx == "ops"
         self.ops.gate_up_interleaved = interleave

@@ -9,8 +9,16 @@ the residual add and the next norm) and pays two launches per packed projection.
 
 Slots: per site (engine/lora.py) A [max_loras, slices · R, K] and B [max_loras, N, R] bf16, R the
 max_lora_rank padded to 8 (zero ranks past an adapter's own), B's rows in the executor's output order
-(gate_up interleaved like its weight) with lora_alpha / r folded in. `set_lora_slot` fills one slot,
-queued on the compute stream behind the steps already launched.
+(gate_up interleaved like its weight) with lora_alpha / r folded in. A lives in the rows after the site's
+weight (the executor uploads each site's weight into [N + max_loras · slices · R, K]: the model sees the
+first N rows), so one product by the extended weight computes the base output and every slot's shrink.
+`set_lora_slot` fills one slot, queued on the compute stream behind the steps already launched.
+
+Steps of at most FUSED_MAX_ROWS rows (decode) take that extended product where its extra columns are at
+most FUSED_MAX_EXTRA of the site's: q/k/v and gate/up then pay one kernel after the product (lora_expand.cu
+reading the shrink from the product's output: the delta added and the columns compacted, or SiLU·up),
+o/down none (rms_norm.cu's splitk_rms_norm_residual_lora adds the delta in the split-K reduction that
+already adds the residual and applies the next norm). Larger steps run lora_shrink + lora_expand.
 
 Per step (`use_lora`, from the executor's upload): the token -> slot map grouped by slot on the host
 (order: the tokens of slot 0, then slot 1, ..., then the rows without an adapter; starts: where each
@@ -34,11 +42,24 @@ SHRINK_ROWS = 8             # lora_shrink.cu ROWS
 SHRINK_KC_MAX = 1024        # lora_shrink.cu KC_MAX
 SHRINK_TARGET_CTAS = 264    # split K until a shrink's grid has about this many CTAs (2 per SM)
 EXPAND_COLUMNS = 256        # lora_expand.cu: a thread per output column
-EXPAND_ADD, EXPAND_ADD_F32, EXPAND_SWIGLU = 0, 1, 2      # lora_expand.cu's modes
+EXPAND_ADD, EXPAND_ADD_F32, EXPAND_SWIGLU, EXPAND_COPY = 0, 1, 2, 3      # lora_expand.cu's modes
+FUSED_MAX_ROWS = 64         # steps of at most this many rows take the extended product
+FUSED_MAX_EXTRA = 0.25      # ... at sites whose extra columns (max_loras · slices · R) are at most this of N
+SPLITK_LORA_MAX_R = 256     # rms_norm.cu LORA_MAX_R
 
 
 def padded_rank(rank: int) -> int:
     return -(-rank // 8) * 8
+
+
+def extra_rows(site, options) -> int:
+    """The rows after a LoRA site's weight that hold every slot's A."""
+    return options.max_loras * len(site.slices) * padded_rank(options.max_lora_rank)
+
+
+def fused_site(site, options) -> bool:
+    """Whether steps of at most FUSED_MAX_ROWS rows take the extended product at this site."""
+    return extra_rows(site, options) <= FUSED_MAX_EXTRA * site.n and padded_rank(options.max_lora_rank) <= SPLITK_LORA_MAX_R
 
 
 def bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -81,50 +102,68 @@ class GpuLoRAStep:
     """One step's grouped token -> slot map (device views of the static buffer) and its token tiles."""
     order: object           # int32 [max tokens]: the step's rows grouped by slot, those without an adapter last
     starts: object          # int32 [slots + 2]: group g's rows are order[starts[g]:starts[g + 1]]
+    token_slots: object     # int32 [max tokens]: each row's slot (-1: none), in batch order
     tiles: int              # ceil(rows / TILE_TOKENS): the kernels' grid.y
+    rows: int
 
 
 class GpuLoRAOps:
     lora = None             # this step's GpuLoRAStep (None: no adapter in the step)
     lora_w: dict = {}       # site -> (A, B) device arrays (empty: LoRA off)
+    lora_weights: dict = {} # site -> its extended weight [N + extra_rows, K] (the executor's upload)
+    lora_full: dict = {}    # the sites of lora_weights whose small steps take the extended product
 
     @staticmethod
     def lora_buffers(plan) -> list[Buffer]:
-        """Every site's A and B slots, the shrink's float32 rows and the step's grouped slot map."""
+        """Every site's B slots (A: in the rows after its weight), the shrink's float32 rows, the
+        extended products' outputs of small steps and the step's slot maps."""
         if not plan.lora_sites:
             return []
         slots, rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
         out, shapes = [], set()
         for name, site in plan.lora_sites:
-            out += [Buffer(f"{name}.a", (slots, len(site.slices) * rank, site.k), np.uint16),
-                    Buffer(f"{name}.b", (slots, site.n, rank), np.uint16)]
+            out.append(Buffer(f"{name}.b", (slots, site.n, rank), np.uint16))
             shapes.add((site.k, len(site.slices) * rank))
         partials = max(shrink_floats(k, nr, plan.max_tokens) for k, nr in shapes)
-        return out + [Buffer("shrunk", (partials,), np.float32),
-                      Buffer("slot_map", (plan.max_tokens + slots + 2,), np.int32)]
+        wide = min(plan.max_tokens, FUSED_MAX_ROWS) * max(site.n + extra_rows(site, plan.options)
+                                                          for _, site in plan.lora_sites)
+        return out + [Buffer("shrunk", (partials,), np.float32), Buffer("wide", (wide,), np.float32),
+                      Buffer("slot_map", (2 * plan.max_tokens + slots + 2,), np.int32)]
 
     @classmethod
     def lora_nbytes(cls, plan) -> int:
         return buffers_nbytes(cls.lora_buffers(plan))
 
     def take_lora(self, arena, plan) -> None:
-        """Carve the LoRA slots (none without --enable-lora) and load the kernels. A slot is read only
-        once an adapter is loaded into it (set_lora_slot writes every site), so nothing is zeroed here."""
+        """Carve the LoRA slots (none without --enable-lora; A: the rows after each site's weight, zeroed, so
+        the extended product's columns of an empty slot are zeros) and load the kernels."""
         self.lora, self.lora_w = None, {}
         if not plan.lora_sites:
             return
         bad = [name for name, site in plan.lora_sites if site.k % 8]
         if bad:
             raise ValueError(f"GPU LoRA kernels need input widths % 8 == 0; {bad[0]} has {dict(plan.lora_sites)[bad[0]].k}")
+        missing = [name for name, _ in plan.lora_sites if name not in self.lora_weights]
+        if missing:
+            raise ValueError(f"LoRA site {missing[0]}: no extended weight from the executor's upload")
         b = arena.take_all("lora", self.lora_buffers(plan))
         self.lora_sites = dict(plan.lora_sites)
-        self.lora_w = {name: (b[f"{name}.a"], b[f"{name}.b"]) for name in self.lora_sites}
-        self.lora_shrunk, self.lora_map = b["shrunk"], b["slot_map"]
-        self.lora_num_slots, self.lora_rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
+        slots, rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
+        self.lora_w = {name: (self.lora_weights[name][site.n:].reshape(slots, len(site.slices) * rank, site.k),
+                              b[f"{name}.b"]) for name, site in self.lora_sites.items()}
+        self.lora_full = {name: self.lora_weights[name] for name, site in self.lora_sites.items()
+                          if fused_site(site, plan.options)}
+        import cupy
+
+        for a, _ in self.lora_w.values():           # an empty slot's shrink columns: zeros, never read
+            cupy.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes, self.stream.ptr)
+        self.lora_shrunk, self.lora_map, self.lora_wide = b["shrunk"], b["slot_map"], b["wide"]
+        self.lora_num_slots, self.lora_rank = slots, rank
         from memory.streams import pinned_array
         self.lora_hosts = [pinned_array(self.lora_map.shape, np.int32) for _ in range(2)]   # used in turn
         self.k_lora_shrink = kernel("lora_shrink", "lora_shrink")
         self.k_lora_expand = kernel("lora_expand", "lora_expand")
+        self.k_rms_splitk_lora = kernel("rms_norm", "splitk_rms_norm_residual_lora")
 
     def set_lora_slot(self, slot: int, adapter) -> None:
         """Load a LoRA adapter (engine/lora.py LoRAAdapter) into a slot, or empty it (None)."""
@@ -155,24 +194,92 @@ class GpuLoRAOps:
         import cupy
 
         slots = self.lora_num_slots
-        tm = self.lora_map.shape[0] - slots - 2
+        tm = (self.lora_map.shape[0] - slots - 2) // 2
         if token_slots.size and int(token_slots.max()) >= slots:
             raise ValueError(f"LoRA slot {int(token_slots.max())} is outside the executor's {slots} (max_loras)")
         if token_slots.size < rows:                 # a graph's padding rows: no adapter
             token_slots = np.concatenate([token_slots, np.full(rows - token_slots.size, -1, token_slots.dtype)])
         self.lora_hosts.reverse()
-        h = self.lora_hosts[0]
+        h = self.lora_hosts[0]                      # [order (tm) | token slots (tm) | starts]
         order, starts = group_by_slot(token_slots, slots)
-        h[:order.size], h[tm:] = order, starts
+        h[:order.size], h[tm:tm + order.size], h[2 * tm:] = order, token_slots, starts
         runtime, dev = cupy.cuda.runtime, self.lora_map
-        runtime.memcpyAsync(dev.data.ptr, h.ctypes.data, order.size * 4, runtime.memcpyHostToDevice, self.stream.ptr)
-        runtime.memcpyAsync(dev[tm:].data.ptr, h[tm:].ctypes.data, (slots + 2) * 4, runtime.memcpyHostToDevice,
-                            self.stream.ptr)
-        self.lora = GpuLoRAStep(order=dev[:tm], starts=dev[tm:], tiles=-(-rows // TILE_TOKENS))
+        for at, count in ((0, order.size), (tm, order.size), (2 * tm, slots + 2)):
+            runtime.memcpyAsync(dev[at:].data.ptr, h[at:].ctypes.data, count * 4, runtime.memcpyHostToDevice,
+                                self.stream.ptr)
+        self.lora = GpuLoRAStep(order=dev[:tm], starts=dev[2 * tm:], token_slots=dev[tm:2 * tm],
+                                tiles=-(-rows // TILE_TOKENS), rows=rows)
 
     def lora_on(self, site) -> bool:
         """Whether the step runs adapters and `site` is a LoRA site (a fused op then composes)."""
         return self.lora is not None and site in self.lora_w
+
+    def lora_fused(self, site, rows: int) -> bool:
+        """Whether this step's product at `site` is by the extended weight (small steps, FUSED_MAX_ROWS)."""
+        return self.lora is not None and site in self.lora_full and rows <= FUSED_MAX_ROWS
+
+    # ---- small steps: the extended product, the delta in the kernel after it ----------------------
+    def _wide(self, rows: int, cols: int, dtype):
+        buf = self.lora_wide if dtype == np.float32 else self.lora_wide.view(np.uint16)
+        return buf[: rows * cols].reshape(rows, cols)
+
+    def _extended_product(self, x, norm_weight, eps, site, normed):
+        """x (RMSNorm'd by norm_weight where normed is None) · the extended weightᵀ: [T, N + extra] bf16."""
+        full = self.lora_full[site]
+        wide = self._wide(x.shape[0], full.shape[0], np.uint16)
+        if normed is None and self.gemm.gemv_serves(x, full):
+            self.gemm.gemv(x, full, wide, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+        else:
+            if normed is None:
+                normed, _ = self.rms_norm(x, norm_weight, eps)
+            self.gemm(normed, full, wide, pdl=self.pdl)
+        return wide
+
+    def lora_norm_linear(self, x, norm_weight, eps, site, normed=None):
+        """The projection of rmsnorm(x) (or ``normed``) with the step's adapters' deltas: the extended
+        product, then lora_expand.cu compacting its first N columns with the delta added."""
+        wide = self._extended_product(x, norm_weight, eps, site, normed)
+        out = self._out(x.shape[0], self.lora_sites[site].n)
+        self._expand_wide(wide, site, EXPAND_COPY, out)
+        return out
+
+    def lora_norm_swiglu(self, x, norm_weight, eps, site, normed=None):
+        """SiLU(gate)·up of the gate_up projection with the deltas added first, from the extended product."""
+        wide = self._extended_product(x, norm_weight, eps, site, normed)
+        act = self._out(x.shape[0], self.lora_sites[site].n // 2)
+        self._expand_wide(wide, site, EXPAND_SWIGLU, act)
+        return act
+
+    def lora_add_linear_norm(self, x, site, residual, norm_weight, eps):
+        """(residual + x · Wᵀ + delta, its RMSNorm by norm_weight): the extended product (gemv.cu in
+        float32, or the CuTe GEMM's split-K partials, or cuBLAS in float32), then one reduction kernel
+        (rms_norm.cu splitk_rms_norm_residual_lora) that adds the delta, the residual and norms."""
+        full, (_, b) = self.lora_full[site], self.lora_w[site]
+        T, n, ld = x.shape[0], self.lora_sites[site].n, self.lora_full[site].shape[0]
+        partials = None if self.gemm.gemv_serves(x, full) else self.gemm.cute_partials(x, full, residual)
+        if partials is not None:
+            if tuple(partials.shape[1:]) != (T, ld) or tuple(partials.strides[1:]) != (ld, 1):
+                raise ValueError(f"split-K partials {partials.shape} / {partials.strides}: not [S, {T}, {ld}] rows")
+            splits, ptr = partials.shape[0], partials.ptr
+        else:
+            wide = self._wide(T, ld, np.float32)
+            if self.gemm.gemv_serves(x, full):
+                self.gemm.gemv(x, full, wide, pdl=self.pdl)
+            else:
+                self.gemm(x, full, wide)
+            splits, ptr = 1, wide.data.ptr
+        from engine.executor.gpu_ops import splitk_norm_threads
+
+        out, normed = self._residual_out(T, n), self._out(T, n)
+        self._launch(self.k_rms_splitk_lora, (T,), (splitk_norm_threads(n),),
+                     (np.uint64(ptr), np.int32(splits), np.int64(T * ld), np.int32(ld), residual, norm_weight, normed,
+                      out, np.int32(n), np.float32(eps), self.lora.token_slots, b, np.int32(b.shape[2])))
+        return out, normed
+
+    def _expand_wide(self, wide, site, mode, act):
+        a, b = self.lora_w[site]
+        T, ld = wide.shape
+        self._expand(wide, 1, 0, ld, b.shape[1], a.shape[1], site, T, wide, ld, mode, act, chunks=1)
 
     def lora_add(self, y, x, site, norm=None, into=None):
         """y (the projection's bf16 output [T, N], or ``into``: a float32 [T, N] buffer's address, a
@@ -208,15 +315,22 @@ class GpuLoRAOps:
         return part, chunks
 
     def _lora_expand(self, part, chunks, site, T, y, mode, act=None):
+        nr = self.lora_w[site][0].shape[1]
+        n = self.lora_w[site][1].shape[1]
+        self._expand(part, 0, T * nr, nr, 0, 0, site, T, y, n, mode, act, chunks)
+
+    def _expand(self, src, src_bf16, cstride, ld, soff, sslot, site, T, y, ldy, mode, act, chunks):
+        """lora_expand.cu over the step's slot groups (modes 2 and 3: and the rows without an adapter)."""
         step, (a, b) = self.lora, self.lora_w[site]
         slots, nr, _ = a.shape
         n, rank = b.shape[1], b.shape[2]
         interleaved = site.endswith("gate_up_proj") and self.gate_up_interleaved
         b1, b2 = slice_bounds(self.lora_sites[site].slices)
         cols = n // 2 if mode == EXPAND_SWIGLU else n
-        launch(self.k_lora_expand, (-(-cols // EXPAND_COLUMNS), step.tiles, slots + (mode == EXPAND_SWIGLU)),
+        launch(self.k_lora_expand, (-(-cols // EXPAND_COLUMNS), step.tiles, slots + (mode >= EXPAND_SWIGLU)),
                (EXPAND_COLUMNS,),
-               (part, b, step.order, step.starts, y, np.uint64(0) if act is None else act, np.int32(T), np.int32(n),
+               (src, np.int32(src_bf16), np.int64(cstride), np.int32(ld), np.int32(soff), np.int32(sslot), b,
+                step.order, step.starts, y, np.int32(ldy), np.uint64(0) if act is None else act, np.int32(n),
                 np.int32(rank), np.int32(nr), np.int32(chunks), np.int32(b1), np.int32(b2), np.int32(interleaved),
                 np.int32(mode)),
                self.stream, pdl=self.pdl, shared_mem=TILE_TOKENS * nr * 4)

@@ -386,6 +386,8 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
     def norm_linear(self, x, norm_weight, eps, weight, bias=None, normed=None, lora=None):
         """gemv.cu's RMSNorm prologue + product (a LoRA delta after it, its shrink norming x again);
         else the composition."""
+        if bias is None and self.lora_fused(lora, x.shape[0]):
+            return self.lora_norm_linear(x, norm_weight, eps, lora, normed)
         if normed is not None or bias is not None or not self.gemm.gemv_serves(x, weight):
             return super().norm_linear(x, norm_weight, eps, weight, bias, normed=normed, lora=lora)
         out = self._out(x.shape[0], weight.shape[0])
@@ -398,6 +400,8 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         after the norm (one kernel fewer than product + silu_mul); else (and with a LoRA adapter in
         the step: the product, then lora_expand.cu's SiLU·up with the delta added first) the composition."""
         rows = x.shape[0]
+        if self.lora_fused(lora, rows):
+            return self.lora_norm_swiglu(x, norm_weight, eps, lora, normed)
         if self.lora_on(lora):
             gate_up, norm = self._out(rows, gate_up_weight.shape[0]), None
             if normed is None and self.gemm.gemv_serves(x, gate_up_weight):
@@ -442,6 +446,8 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         reduces its partials, adds the residual and applies the RMSNorm after it
         (rms_norm.cu splitk_rms_norm_residual), a LoRA delta added into the first partial before it;
         elsewhere add_linear, the norm left to the next op."""
+        if bias is None and self.lora_fused(lora, x.shape[0]):
+            return self.lora_add_linear_norm(x, lora, residual, norm_weight, eps)
         fusable = bias is None and not self.gemm.gemv_serves(x, weight)
         partials = self.gemm.cute_partials(x, weight, residual) if fusable else None
         if partials is None:

@@ -1,14 +1,19 @@
 // LoRA expand at one packed projection (vLLM V1's lora_expand over a token -> slot map): with
-//   h[t, :] = sum over chunks c of part[c, t, :]            (lora_shrink.cu's split-K partials, [C, T, NR])
+//   h[t, :] = sum over chunks c < C of src[c · cstride + t · ld + soff + s · sslot + :NR]   (float32 or bf16)
 //   d[t, c] = sum_r h[t, slice(c)·R + r] · B[s, c, r]       (the adapter's delta at output column c)
-// for every token t of slot s, one of three epilogues (mode):
+// for every token t of slot s. src is lora_shrink.cu's split-K partials ([C, T, NR] float32: cstride T·NR,
+// ld NR, soff = sslot = 0), or the product by the weight extended with every slot's A rows
+// (engine/executor/gpu_lora_ops.py: its output [T, N + S·NR] bf16, C 1, ld N + S·NR, soff N, sslot NR).
+// One of four epilogues (mode), y's rows ldy apart:
 //   0  y[t, c] = bf16(y[t, c] + d[t, c])      y [T, N] bf16, the projection's output, in place;
 //   1  y[t, c] += d[t, c]                     y [T, N] fp32: the first of a split-K GEMM's partials, reduced
 //                                             (with the residual add and the next norm) by the kernel after;
-//   2  act[t, i] = bf16(bf16(silu(bf16(gate + d_gate))) · bf16(up + d_up))   y the gate_up product [T, N]
-//                                             bf16, act [T, N/2]: the MLP's SiLU·up with the delta added
-//                                             first; grid.z has one more group, the tokens without an
-//                                             adapter (order[starts[S] .. starts[S + 1])), plain SiLU·up.
+//   2  act[t, i] = bf16(bf16(silu(bf16(gate + d_gate))) · bf16(up + d_up))   y the gate_up product bf16,
+//                                             act [T, N/2]: the MLP's SiLU·up with the delta added first;
+//   3  act[t, c] = bf16(y[t, c] + d[t, c])    act [T, N] bf16: the extended product's first N columns with
+//                                             the delta, compacted for the ops after it;
+// modes 2 and 3 have one more group in grid.z, the tokens without an adapter (order[starts[S] ..
+// starts[S + 1])): plain SiLU·up, or a copy.
 // B [S, N, R] bf16 (slot s's B of every slice in the projection's output row order, lora_alpha / r folded
 // in, zero-padded to R ranks, R % 8 == 0). slice(c): (c >= b1) + (c >= b2) from the slices' row bounds, or
 // with `interleaved` (the GPU's gate_up rows, 8 gate rows then the same 8 up rows) (c / 8) % 2.
@@ -52,12 +57,12 @@ __device__ __forceinline__ void delta(const float* in, int NR, const bf16_t* b, 
 }
 
 extern "C" __global__ void __launch_bounds__(256) lora_expand(
-        const float* __restrict__ part, const bf16_t* __restrict__ B, const int* __restrict__ order,
-        const int* __restrict__ starts, void* y, bf16_t* __restrict__ act, int T, int N, int R, int NR,
-        int C, int b1, int b2, int interleaved, int mode) {
+        const void* __restrict__ src, int src_bf16, long long cstride, int ld, int soff, int sslot,
+        const bf16_t* __restrict__ B, const int* __restrict__ order, const int* __restrict__ starts, void* y,
+        int ldy, bf16_t* __restrict__ act, int N, int R, int NR, int C, int b1, int b2, int interleaved, int mode) {
     extern __shared__ float rows[];          // [TT, NR]: the tile's h rows
     __shared__ int tok[TT];
-    const int S = gridDim.z - (mode == 2);   // slots; mode 2's last group: tokens without an adapter
+    const int S = gridDim.z - (mode >= 2);   // slots; modes 2, 3: the last group, tokens without an adapter
     const int s = blockIdx.z;
     const int begin = starts[s] + blockIdx.y * TT;
     const int n = min(starts[s + 1] - begin, TT);
@@ -82,19 +87,35 @@ extern "C" __global__ void __launch_bounds__(256) lora_expand(
         __syncthreads();
         for (int e = threadIdx.x; e < C * n * NR; e += blockDim.x) {   // j fastest: coalesced, no conflicts
             const int j = e % NR, i = (e / NR) % n, ch = e / (NR * n);
-            atomicAdd(&rows[i * NR + j], part[((size_t)ch * T + tok[i]) * NR + j]);
+            const size_t at = (size_t)ch * cstride + (size_t)tok[i] * ld + soff + (size_t)s * sslot + j;
+            const float v = src_bf16 ? bf16_to_f(static_cast<const bf16_t*>(src)[at]) : static_cast<const float*>(src)[at];
+            if (C == 1) rows[i * NR + j] = v;
+            else atomicAdd(&rows[i * NR + j], v);
         }
         __syncthreads();
     }
     if (col >= cols) return;
     float acc[TT], acc_up[TT];
+    if (mode == 3) {
+        const int slice = interleaved ? (c >> 3) & 1 : (c >= b1) + (c >= b2);
+        if (adapter) delta(rows + slice * R, NR, B + ((size_t)s * N + c) * R, R, pre, acc);
+        const bf16_t* yb = static_cast<const bf16_t*>(y);
+        #pragma unroll
+        for (int i = 0; i < TT; ++i) {
+            if (i < n) {
+                const bf16_t v = yb[(size_t)tok[i] * ldy + c];
+                act[(size_t)tok[i] * N + c] = adapter ? f_to_bf16(bf16_to_f(v) + acc[i]) : v;
+            }
+        }
+        return;
+    }
     if (mode != 2) {
         const int slice = interleaved ? (c >> 3) & 1 : (c >= b1) + (c >= b2);
         delta(rows + slice * R, NR, B + ((size_t)s * N + c) * R, R, pre, acc);
         #pragma unroll
         for (int i = 0; i < TT; ++i) {
             if (i < n) {
-                const size_t at = (size_t)tok[i] * N + c;
+                const size_t at = (size_t)tok[i] * ldy + c;
                 if (mode == 0) {
                     bf16_t* p = static_cast<bf16_t*>(y) + at;
                     *p = f_to_bf16(bf16_to_f(*p) + acc[i]);
@@ -116,7 +137,7 @@ extern "C" __global__ void __launch_bounds__(256) lora_expand(
     #pragma unroll
     for (int i = 0; i < TT; ++i) {
         if (i < n) {
-            const size_t row = (size_t)tok[i] * N;
+            const size_t row = (size_t)tok[i] * ldy;
             const float g = bf16_to_f(gu[row + c]), u = bf16_to_f(gu[row + cu]);
             act[(size_t)tok[i] * (N / 2) + col] = adapter ? silu_times(round_bf16(g + acc[i]), round_bf16(u + acc_up[i]))
                                                           : silu_times(g, u);

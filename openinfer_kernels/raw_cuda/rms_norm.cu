@@ -49,16 +49,29 @@ extern "C" __global__ void rms_norm_residual(const bf16_t* __restrict__ x, const
 // (the adds stay in split order). Roofline: 4·S·T·H + 3·2·T·H bytes (T = 8, H = 2560, S = 4: 0.45 MB,
 // ~0.1 µs), so launch- and latency-bound like the two kernels it replaces, one launch fewer.
 #define SPLIT_BATCH 4
-extern "C" __global__ void splitk_rms_norm_residual(const float* __restrict__ partial, int splits, long long slice,
-                                                    const bf16_t* residual, const bf16_t* __restrict__ w,
-                                                    bf16_t* __restrict__ out, bf16_t* resid_out, int hidden,
-                                                    float eps) {
+#define LORA_MAX_R 256     // splitk_rms_norm_residual_lora: the most (padded) LoRA ranks
+template <bool LORA>
+__device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partial, int splits, long long slice,
+                                                int ld, const bf16_t* residual, const bf16_t* __restrict__ w,
+                                                bf16_t* __restrict__ out, bf16_t* resid_out, int hidden, float eps,
+                                                const int* __restrict__ token_slots,
+                                                const bf16_t* __restrict__ B, int R) {
     // The next kernel may launch now: it waits for this one before it reads what this one writes.
     pdl_launch_dependents();
     pdl_wait();
     __shared__ float scratch[33];
-    const size_t row = (size_t)blockIdx.x * hidden;
+    __shared__ float h[LORA ? LORA_MAX_R : 1];
+    const size_t row = (size_t)blockIdx.x * hidden, prow = (size_t)blockIdx.x * ld;
     const int nvec = hidden / 8;
+    const int slot = LORA ? token_slots[blockIdx.x] : -1;
+    if (LORA && slot >= 0) {                 // the row's shrink: its slot's columns, summed in split order
+        for (int j = threadIdx.x; j < R; j += blockDim.x) {
+            float v = 0.f;
+            for (int sp = 0; sp < splits; ++sp) v += partial[sp * slice + prow + hidden + (size_t)slot * R + j];
+            h[j] = v;
+        }
+        __syncthreads();
+    }
     float ss = 0.f;
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
         float acc[8];
@@ -69,7 +82,7 @@ extern "C" __global__ void splitk_rms_norm_residual(const float* __restrict__ pa
             #pragma unroll
             for (int j = 0; j < SPLIT_BATCH; ++j) {
                 if (s0 + j < splits) {
-                    const float4* p = reinterpret_cast<const float4*>(partial + (s0 + j) * slice + row) + 2 * i;
+                    const float4* p = reinterpret_cast<const float4*>(partial + (s0 + j) * slice + prow) + 2 * i;
                     part[j][0] = p[0];
                     part[j][1] = p[1];
                 }
@@ -80,6 +93,20 @@ extern "C" __global__ void splitk_rms_norm_residual(const float* __restrict__ pa
                     acc[0] += part[j][0].x; acc[1] += part[j][0].y; acc[2] += part[j][0].z; acc[3] += part[j][0].w;
                     acc[4] += part[j][1].x; acc[5] += part[j][1].y; acc[6] += part[j][1].z; acc[7] += part[j][1].w;
                 }
+            }
+        }
+        if (LORA && slot >= 0) {             // + the adapter's delta: h · B[slot, column, :]
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const bf16_t* b = B + ((size_t)slot * hidden + 8 * i + e) * R;
+                float d = 0.f;
+                for (int r = 0; r < R; r += 8) {
+                    const uint4 bv = *reinterpret_cast<const uint4*>(b + r);
+                    const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv);
+                    #pragma unroll
+                    for (int q = 0; q < 8; ++q) d += h[r + q] * bf16_to_f(bs[q]);
+                }
+                acc[e] += d;
             }
         }
         uint4 rv = reinterpret_cast<const uint4*>(residual + row)[i];
@@ -94,4 +121,26 @@ extern "C" __global__ void splitk_rms_norm_residual(const float* __restrict__ pa
     }
     const float rstd = rsqrtf(block_sum(ss, scratch) / hidden + eps);
     write_normed_row(resid_out + row, w, out + row, nvec, rstd);
+}
+
+extern "C" __global__ void splitk_rms_norm_residual(const float* __restrict__ partial, int splits, long long slice,
+                                                    const bf16_t* residual, const bf16_t* __restrict__ w,
+                                                    bf16_t* __restrict__ out, bf16_t* resid_out, int hidden,
+                                                    float eps) {
+    splitk_norm_row<false>(partial, splits, slice, hidden, residual, w, out, resid_out, hidden, eps, nullptr,
+                           nullptr, 0);
+}
+
+// The same with a LoRA delta (o_proj / down_proj, gpu_lora_ops.py): the product was by the weight extended
+// with every slot's A rows, so a partial row holds `ld` = hidden + S·R columns, the shrink of slot s at
+// hidden + s·R; row t with token_slots[t] = s >= 0 adds h · B[s]ᵀ (B [S, hidden, R] bf16, lora_alpha / r
+// folded in, R % 8 == 0, R <= LORA_MAX_R) to the reduced sum before the residual add. Extra traffic per
+// row: its slot's B (hidden · R · 2 bytes, 82 KB on Qwen3-4B at rank 16, from L2 across the rows).
+extern "C" __global__ void splitk_rms_norm_residual_lora(const float* __restrict__ partial, int splits,
+                                                         long long slice, int ld, const bf16_t* residual,
+                                                         const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
+                                                         bf16_t* resid_out, int hidden, float eps,
+                                                         const int* __restrict__ token_slots,
+                                                         const bf16_t* __restrict__ B, int R) {
+    splitk_norm_row<true>(partial, splits, slice, ld, residual, w, out, resid_out, hidden, eps, token_slots, B, R);
 }
