@@ -238,3 +238,29 @@ def test_mla_attention_matches_numpy(name, form):
     assert (ctx.mla not in (None, False)) == (form == "expanded")
     want = cpu_ops_over(ex).mla_attention(q, kv_b, spec, cpu_ctx)
     np.testing.assert_allclose(host(o), want, rtol=ROUND, atol=3 * ROUND)     # o_lat is rounded before W_UV
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v2"])
+@pytest.mark.parametrize("splits,group", [(1, None), (3, 1), (7, 2), (16, None), (24, 4), (5, 16)])
+def test_mla_absorbed_splits_and_head_groups(name, splits, group):
+    """mla_decode.cu at forced split counts (empty splits included: 38 keys in splits of 16) and heads per
+    CTA, its last split's CTA merging the others in one launch: against numpy, bit-identical run twice,
+    every split ticket back at zero."""
+    import cupy
+    model, ex = executor(name)
+    spec = model.model.attention_specs[1]
+    batch, ctx, cpu_ctx = mla_step(model, ex)
+    ctx.batch, ctx.num_splits = None, splits
+    rng = np.random.default_rng(5)
+    q = bf16(rng.standard_normal((batch.num_tokens, spec.num_heads * spec.qk_dim)))
+    kv_b = bf16(model.weights["layers.1.kv_b_proj"])
+    ex.ops.mla_group = group
+    try:
+        runs = [cupy.asnumpy(ex.ops.mla_attention(dev(q), dev(kv_b), spec, ctx)) for _ in range(2)]
+    finally:
+        ex.ops.mla_group = None
+    np.testing.assert_array_equal(runs[0], runs[1])
+    assert int(ex.ops.mla["mla_counters"].sum()) == 0
+    want = cpu_ops_over(ex).mla_attention(q, kv_b, spec, cpu_ctx)
+    got = runs[0].view(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=ROUND, atol=3 * ROUND)

@@ -5,8 +5,8 @@ mla_latent_cache: mla_latent_cache.cu (latent RMSNorm + interleaved rope + the o
 and the query columns, RMSNorm'd when q_lora_rank is set). mla_attention picks the form per step:
   * absorbed (decode, and any step whose contexts do not fit the expansion rows): q_lat = W_UKᵀ·q_nope
     per head (one cuBLAS strided-batched GEMM reading kv_b_proj in place, float32 out), mla_decode.cu
-    over the latent cache (splits merged by paged_attention.cu's attention_merge), o = W_UV·o_lat per head
-    (a second strided-batched GEMM). Graph-capturable: every grid depends on the token count alone.
+    over the latent cache (one launch: its last split per head group merges the splits), o = W_UV·o_lat
+    per head (a second strided-batched GEMM). Graph-capturable: every grid depends on the token count alone.
   * expanded (eager steps with a prefill, contexts that fit): the context's latents gathered
     (mla_prefill.cu), one GEMM by kv_b_proj, K and V (V zero-padded to the key width) laid out in whole
     16-token blocks per sequence, and paged_attention.cu's kernels as plain multi-head attention.
@@ -21,11 +21,31 @@ from engine.executor.gpu_gemm import CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CU
     CUDA_R_32F
 from engine.models.ops import MLASpec
 from openinfer_kernels.raw_cuda import kernel
+from openinfer_kernels.raw_cuda.launch import launch
 from memory.device_arena import Buffer, buffers_nbytes
 from memory.kv_pool import BLOCK_SIZE, blocks_for
 
-MLA_HEADS_PER_CTA = 16            # mla_decode.cu MAX_G
+MLA_MAX_GROUP = 16                # mla_decode.cu MAX_G: heads per CTA at most
+MLA_MAX_SPLITS = 32               # mla_decode.cu MAX_SPLITS
+MLA_CHUNK = 32                    # mla_decode.cu CHUNK: latent rows staged in shared memory
 MLA_MAX_EXPAND_ROWS = 1 << 15     # cap of the expansion rows (their K and V: 2·rows·heads·(nope + rope)·2 bytes)
+
+
+def mla_decode_shape(num_tokens: int, num_splits: int, num_heads: int, num_sms: int) -> tuple[int, int]:
+    """(splits, heads per CTA) of mla_decode.cu: the step's splits, and the largest head group (<= 16,
+    halved from there) whose grid tokens x splits x groups still fills the SMs once (batch 1, 16 splits,
+    16 heads: 1 head per CTA, 256 CTAs; batch 32+: 16). Fewer heads per CTA read the latent more times
+    (from L2) but wait on fewer serial round trips."""
+    S, G = max(1, min(num_splits, MLA_MAX_SPLITS)), min(MLA_MAX_GROUP, num_heads)
+    while G > 1 and num_tokens * S * -(-num_heads // G) < num_sms:
+        G = -(-G // 2)
+    return S, G
+
+
+def mla_decode_smem(rope_dim: int, kv_rank: int, group: int) -> int:
+    """mla_decode.cu's dynamic shared memory: CHUNK bf16 latent rows and `group` float32 query rows."""
+    row = kv_rank + rope_dim
+    return MLA_CHUNK * row * 2 + group * row * 4
 
 
 def expand_rows(plan) -> int:
@@ -56,10 +76,13 @@ def expansion(batch, max_blocks: int, rows_cap: int):
 
 
 class GpuMLAOps:
+    mla_group = None                  # mla_decode.cu heads per CTA (None: mla_decode_shape; tests' A/B)
+
     @staticmethod
     def mla_buffers(plan) -> list[Buffer]:
         """q_lat (float32) and o_lat per token and head, the absorbed kernel's split partials (splits only
-        run while tokens x splits < 4 x SMs), and the expanded form's rows."""
+        run while tokens x splits < 4 x SMs) and split tickets (one per token and head group), and the
+        expanded form's rows."""
         s = plan.mla
         if s is None:
             return []
@@ -67,7 +90,8 @@ class GpuMLAOps:
         parts, xr = 4 * plan.device.num_sms * H, expand_rows(plan)
         return [Buffer("mla_q_lat", (T * H * R,), np.float32), Buffer("mla_o_lat", (T * H * R,), np.uint16),
                 Buffer("mla_part_out", (parts * R,), np.float32), Buffer("mla_part_max", (parts,), np.float32),
-                Buffer("mla_part_sum", (parts,), np.float32), Buffer("mla_x_slots", (xr,), np.int32),
+                Buffer("mla_part_sum", (parts,), np.float32), Buffer("mla_counters", (T * H,), np.int32),
+                Buffer("mla_x_slots", (xr,), np.int32),
                 Buffer("mla_x_tables", (plan.max_seqs * plan.max_blocks,), np.int32),
                 Buffer("mla_x_latent", (xr * R,), np.uint16), Buffer("mla_x_kv", (xr * H * (N + V),), np.uint16),
                 Buffer("mla_x_k", (xr * H * s.qk_dim,), np.uint16), Buffer("mla_x_v", (xr * H * s.qk_dim,), np.uint16)]
@@ -86,10 +110,13 @@ class GpuMLAOps:
             raise ValueError(f"GPU MLA kernels need kv_lora_rank and qk_rope_head_dim % 8 == 0 and an even "
                              f"nope + rope <= 256; got {s}")
         self.mla = arena.take_all("mla", self.mla_buffers(plan))
+        counters = self.mla["mla_counters"]       # zero between launches (the last split resets its own)
+        self.cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, self.stream.ptr)
         self.mla_expand_cap = expand_rows(plan)
         self.mla_max_blocks = plan.max_blocks
         self.k_mla_cache = kernel("mla_latent_cache", "mla_latent_cache")
         self.k_mla_decode = kernel("mla_decode", "mla_decode_split", KV_RANK=s.kv_lora_rank, ROPE_DIM=s.rope_dim)
+        self.k_mla_decode.max_dynamic_shared_size_bytes = mla_decode_smem(s.rope_dim, s.kv_lora_rank, MLA_MAX_GROUP)
         self.k_mla_gather = kernel("mla_prefill", "mla_gather_latent")
         self.k_mla_expand = kernel("mla_prefill", "mla_expand_kv")
         self.k_mla_q_rope = kernel("mla_prefill", "mla_q_rope")
@@ -120,16 +147,17 @@ class GpuMLAOps:
         # q_lat[t, h] = W_UK_hᵀ q_nope[t, h]: column-major q_latᵀ [R, T] = W_UK_hᵀ [R, N] · q_nopeᵀ [N, T]
         self.strided_gemm(CUBLAS_OP_N, R, T, N, kv_b, 0, R, head, q, 0, H * spec.qk_dim, spec.qk_dim,
                           q_lat, H * R, R, H)
-        S = ctx.num_splits if ctx.num_tokens * ctx.num_splits * H <= b["mla_part_max"].shape[0] else 1
+        S, G = mla_decode_shape(T, ctx.num_splits, H, self.num_sms)
+        if T * S * H > b["mla_part_max"].shape[0]:
+            S, G = 1, min(MLA_MAX_GROUP, H)
+        G = min(self.mla_group, MLA_MAX_GROUP, H) if self.mla_group else G
         bt = ctx.block_tables
-        self._launch(self.k_mla_decode, (S, -(-H // MLA_HEADS_PER_CTA), T), (256,),
-                     (q_lat, q, np.int32(spec.qk_dim), np.int32(N), self.inv_freq, np.float32(self.attention_factor),
-                      self.kv_cache[spec.layer, 0], bt, np.int32(bt.shape[1]), ctx.token_seq, ctx.positions,
-                      b["mla_part_out"], b["mla_part_max"], b["mla_part_sum"], o_lat, np.int32(H),
-                      np.float32(spec.scale)))
-        if S > 1:
-            self._launch(self.k_merge, (T * H,), (128,),
-                         (b["mla_part_out"], b["mla_part_max"], b["mla_part_sum"], o_lat, np.int32(S), np.int32(R)))
+        launch(self.k_mla_decode, (-(-H // G), S, T), (256,),
+               (q_lat, q, np.int32(spec.qk_dim), np.int32(N), self.inv_freq, np.float32(self.attention_factor),
+                self.kv_cache[spec.layer, 0], bt, np.int32(bt.shape[1]), ctx.token_seq, ctx.positions,
+                b["mla_part_out"], b["mla_part_max"], b["mla_part_sum"], o_lat, b["mla_counters"], np.int32(H),
+                np.int32(G), np.float32(spec.scale)),
+               self.stream, pdl=self.pdl, shared_mem=mla_decode_smem(spec.rope_dim, R, G))
         # o[t, h] = W_UV_h o_lat[t, h]: column-major oᵀ [V, T] = (W_UV_h as [R, V])ᵀ · o_latᵀ [R, T]
         o = self._out(T, H * V)
         self.strided_gemm(CUBLAS_OP_T, V, T, R, kv_b, N * R, R, head, o_lat, 0, H * R, R, o, H * V, V, H)
