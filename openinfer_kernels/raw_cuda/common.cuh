@@ -78,6 +78,26 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// One head's split weights for the CTA that merges a flash-decoding kernel's splits (one warp, `lane` its
+// lane): w[s] = e^(m_s - m) / sum_s' e^(m_s' - m) * l_s' over the splits with l_s > 0, 0 for the empty ones;
+// part_max (natural-log maxima) and part_sum the head's S splits, read from L2 (other CTAs wrote them).
+__device__ __forceinline__ void split_weights(const float* part_max, const float* part_sum, int S, float* w,
+                                              int lane) {
+    float mx = -INFINITY;
+    for (int sp = lane; sp < S; sp += 32)
+        if (__ldcg(part_sum + sp) > 0.f) mx = fmaxf(mx, __ldcg(part_max + sp));
+    mx = warp_max(mx);
+    float den = 0.f;
+    for (int sp = lane; sp < S; sp += 32) {
+        const float l = __ldcg(part_sum + sp);
+        const float f = l > 0.f ? expf(__ldcg(part_max + sp) - mx) : 0.f;
+        w[sp] = f;
+        den += l * f;
+    }
+    den = warp_sum(den);
+    for (int sp = lane; sp < S; sp += 32) w[sp] = den > 0.f ? w[sp] / den : 0.f;
+}
+
 // Sum over a whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* scratch /* [33] */) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;

@@ -360,19 +360,7 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
     // The last CTA: per head, the splits' weights e^(m_s − m) / Σ e^(m_s − m)·l_s (one warp per head) ...
     for (int g = warp; g < GQA; g += WARPS) {
         const size_t rows = ((size_t)t * num_heads + (size_t)kvh * GQA + g) * S;
-        float mx = -INFINITY;
-        for (int sp = lane; sp < S; sp += 32)
-            if (__ldcg(part_sum + rows + sp) > 0.f) mx = fmaxf(mx, __ldcg(part_max + rows + sp));
-        mx = warp_max(mx);
-        float den = 0.f;
-        for (int sp = lane; sp < S; sp += 32) {
-            const float l = __ldcg(part_sum + rows + sp);
-            const float f = l > 0.f ? expf(__ldcg(part_max + rows + sp) - mx) : 0.f;
-            weight_s[g][sp] = f;
-            den += l * f;
-        }
-        den = warp_sum(den);
-        for (int sp = lane; sp < S; sp += 32) weight_s[g][sp] = den > 0.f ? weight_s[g][sp] / den : 0.f;
+        split_weights(part_max + rows, part_sum + rows, S, weight_s[g], lane);
     }
     __syncthreads();
     // ... then o[head, d] = Σ_s weight_s · out_s[d] over the non-empty splits (the first `live`; an
