@@ -85,7 +85,8 @@ def silu_ref(gate, up):
 def test_gemv_silu_epilogue(cp, gemm, M, I, K):
     """norm_silu on the interleaved gate_up weight == its parts: the "norm" GEMV, then silu_mul.cu in
     interleaved mode (bit for bit), and the numpy composition on the un-interleaved weight; silu_mul.cu's
-    interleaved mode == its [gate | up] mode on the same values."""
+    interleaved mode == its [gate | up] mode on the same values; "silu" (no norm) == the "bf16" GEMV, then
+    silu_mul.cu."""
     from engine.executor.gpu_gemm import interleave_gate_up
 
     rng = np.random.default_rng(3 * M + I + K)
@@ -113,6 +114,15 @@ def test_gemv_silu_epilogue(cp, gemm, M, I, K):
     h = rb(matmul(rms_ref(x, nw, eps), w))
     ref = silu_ref(h[:, :I], h[:, I:])
     np.testing.assert_allclose(f32(got[:M]), ref, atol=2e-2 * np.abs(ref).max(), rtol=2e-2)
+    # "silu" (an input normed already: the MoE lines' shared experts) == the plain GEMV, then silu_mul.cu
+    no_norm, gate_up = poison(cp, (M + 1, I)), poison(cp, (M, 2 * I))
+    gemm.gemv(xd, wid, no_norm[:M], "silu")
+    gemm.gemv(xd, wid, gate_up, "bf16")
+    silu((64,), (256,), (gate_up, parts, np.int32(I), total, np.int32(1)), stream=gemm.stream)
+    gemm.stream.synchronize()
+    got = no_norm.get()
+    assert np.all(got[M] == 0x7FC1)
+    np.testing.assert_array_equal(got[:M], parts.get())
 
 
 def test_gemv_rejects_unknown_variant(cp, gemm):

@@ -32,7 +32,7 @@ CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 GEMV_LIMIT_M = 32             # gemv.cu has n8 tiles 1..4
-GEMV_VARIANTS = ("bf16", "f32", "norm", "res", "norm_silu")   # gemv.cu entry points gemv_<variant>_n<NT>
+GEMV_VARIANTS = ("bf16", "f32", "norm", "res", "norm_silu", "silu")   # gemv.cu entry points gemv_<variant>_n<NT>
 # GpuTuning.gemv_unroll / gemv_unroll_narrow: k steps per weight batch. H200, Qwen3-4B batch-1 graphed decode (2026-12-01): 2 -> 3.45 ms/step, 8 -> 4.95 (fewer registers,
 # more resident CTAs beat deeper per-warp batches) -- for the wide products. A narrow one (fewer than
 # two CTAs per SM: o_proj and down_proj, N = hidden) has too few CTAs to keep enough bytes in flight
@@ -241,7 +241,7 @@ class Gemm:
              pdl: bool = False) -> None:
         """out = x · wᵀ through gemv.cu, T <= 32 rows. variant "norm": x is RMSNorm'ed with norm_w, eps
         first; "res": out = bf16(x · wᵀ) + res_in; "norm_silu": "norm", then out [T, N/2] = SiLU(gate)·up
-        of the product, w interleaved (interleave_gate_up). "" picks "bf16" or "f32" from out's dtype."""
+        of the product, w interleaved (interleave_gate_up); "silu": the same without the norm. "" picks "bf16" or "f32" from out's dtype."""
         from openinfer_kernels.raw_cuda import kernel
 
         T = x.shape[0]

@@ -412,9 +412,12 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
                     normed, _ = self.rms_norm(x, norm_weight, eps)
                 self.gemm(normed, gate_up_weight, gate_up, pdl=self.pdl)
             return self.lora_swiglu(gate_up, normed, lora, norm)
-        if normed is None and self.gate_up_interleaved and self.gemm.gemv_serves(x, gate_up_weight):
+        if self.gate_up_interleaved and self.gemm.gemv_serves(x if normed is None else normed, gate_up_weight):
             out = self._out(rows, gate_up_weight.shape[0] // 2)
-            self.gemm.gemv(x, gate_up_weight, out, "norm_silu", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+            if normed is None:
+                self.gemm.gemv(x, gate_up_weight, out, "norm_silu", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+            else:               # normed already (the MoE lines' shared experts): SiLU·up without the norm
+                self.gemm.gemv(normed, gate_up_weight, out, "silu", pdl=self.pdl)
             return out
         if not (self.gate_up_interleaved and self.gemm.cute_fuses_swiglu(rows, gate_up_weight)):
             return super().norm_swiglu(x, norm_weight, eps, gate_up_weight, normed=normed)

@@ -190,7 +190,8 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
     GEMV_VARIANT(f32, NT, PRO_NONE, EPI_NONE, float)                                                     \
     GEMV_VARIANT(norm, NT, PRO_RMSNORM, EPI_NONE, bf16_t)                                                \
     GEMV_VARIANT(res, NT, PRO_NONE, EPI_RESIDUAL, bf16_t)                                                \
-    GEMV_VARIANT(norm_silu, NT, PRO_RMSNORM, EPI_SILU, bf16_t)
+    GEMV_VARIANT(norm_silu, NT, PRO_RMSNORM, EPI_SILU, bf16_t)                                          \
+    GEMV_VARIANT(silu, NT, PRO_NONE, EPI_SILU, bf16_t)
 
 GEMV_ENTRY(1)
 GEMV_ENTRY(2)
