@@ -5,7 +5,8 @@ launch, split in K into float32 partials) and lora_expand.cu (the partials summe
 epilogue: added into the projection's bf16 output, into a split-K GEMM's first float32 partial before
 its fused reduction, or SiLU·up of the gate_up product with the delta added first). So a step with
 adapters keeps the base forward's fused kernels (gemv.cu's norm prologue, the split-K reduction with
-the residual add and the next norm) and pays two launches per packed projection.
+the residual add and the next norm) and pays two launches per packed projection — in steps of more than
+FUSED_MAX_ROWS rows; smaller steps fold the shrink into the base product (below).
 
 Slots: per site (engine/lora.py) A [max_loras, slices · R, K] and B [max_loras, N, R] bf16, R the
 max_lora_rank padded to 8 (zero ranks past an adapter's own), B's rows in the executor's output order
