@@ -131,12 +131,13 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
             parts["state"] = buffers_nbytes(state_buffers(state, self.num_state_slots))
         weight_bytes = sum(int(a.size) * 2 for a in model.weights.values())
         lora_rows = {name: extra_rows(site, options) for name, site in plan.lora_sites}   # every slot's A
-        weight_bytes += sum(rows * site.k * 2 for (_, site), rows in zip(plan.lora_sites, lora_rows.values()))
+        lora_a_bytes = sum(rows * site.k * 2 for (_, site), rows in zip(plan.lora_sites, lora_rows.values()))
         block_bytes = plan.kv.block_bytes(KV_ITEMSIZE)
         if options.num_kv_blocks is None:
             arena_bytes = arena_budget(options.gpu_memory_utilization)
         else:
-            arena_bytes = weight_bytes + sum(parts.values()) + options.num_kv_blocks * block_bytes + SLACK_BYTES
+            arena_bytes = (weight_bytes + lora_a_bytes + sum(parts.values()) + options.num_kv_blocks * block_bytes
+                           + SLACK_BYTES)
         self.arena = DeviceArena(arena_bytes)
         # gate_up weights go up with gate and up rows interleaved in blocks of 8 (gemv.cu's fused SiLU·up)
         interleave = cfg.intermediate_size % 8 == 0
