@@ -131,7 +131,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
             parts["state"] = buffers_nbytes(state_buffers(state, self.num_state_slots))
         weight_bytes = sum(int(a.size) * 2 for a in model.weights.values())
         lora_rows = {name: extra_rows(site, options) for name, site in plan.lora_sites}   # every slot's A
-        lora_a_bytes = sum(rows * site.k * 2 for (_, site), rows in zip(plan.lora_sites, lora_rows.values()))
+        lora_a_bytes = sum(lora_rows[name] * site.k * 2 for name, site in plan.lora_sites)
         block_bytes = plan.kv.block_bytes(KV_ITEMSIZE)
         if options.num_kv_blocks is None:
             arena_bytes = arena_budget(options.gpu_memory_utilization)

@@ -105,7 +105,6 @@ class GpuLoRAStep:
     starts: object          # int32 [slots + 2]: group g's rows are order[starts[g]:starts[g + 1]]
     token_slots: object     # int32 [max tokens]: each row's slot (-1: none), in batch order
     tiles: int              # ceil(rows / TILE_TOKENS): the kernels' grid.y
-    rows: int
 
 
 class GpuLoRAOps:
@@ -209,7 +208,7 @@ class GpuLoRAOps:
             runtime.memcpyAsync(dev[at:].data.ptr, h[at:].ctypes.data, count * 4, runtime.memcpyHostToDevice,
                                 self.stream.ptr)
         self.lora = GpuLoRAStep(order=dev[:tm], starts=dev[2 * tm:], token_slots=dev[tm:2 * tm],
-                                tiles=-(-rows // TILE_TOKENS), rows=rows)
+                                tiles=-(-rows // TILE_TOKENS))
 
     def lora_on(self, site) -> bool:
         """Whether the step runs adapters and `site` is a LoRA site (a fused op then composes)."""
@@ -257,14 +256,15 @@ class GpuLoRAOps:
         (rms_norm.cu splitk_rms_norm_residual_lora) that adds the delta, the residual and norms."""
         full, (_, b) = self.lora_full[site], self.lora_w[site]
         T, n, ld = x.shape[0], self.lora_sites[site].n, self.lora_full[site].shape[0]
-        partials = None if self.gemm.gemv_serves(x, full) else self.gemm.cute_partials(x, full, residual)
+        gemv = self.gemm.gemv_serves(x, full)
+        partials = None if gemv else self.gemm.cute_partials(x, full, residual)
         if partials is not None:
             if tuple(partials.shape[1:]) != (T, ld) or tuple(partials.strides[1:]) != (ld, 1):
                 raise ValueError(f"split-K partials {partials.shape} / {partials.strides}: not [S, {T}, {ld}] rows")
             splits, ptr = partials.shape[0], partials.ptr
         else:
             wide = self._wide(T, ld, np.float32)
-            if self.gemm.gemv_serves(x, full):
+            if gemv:
                 self.gemm.gemv(x, full, wide, pdl=self.pdl)
             else:
                 self.gemm(x, full, wide)

@@ -78,6 +78,11 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Ask L2 for the 128-byte line at p (no register waits on it).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
 // One head's split weights for the CTA that merges a flash-decoding kernel's splits (one warp, `lane` its
 // lane): w[s] = e^(m_s - m) / sum_s' e^(m_s' - m) * l_s' over the splits with l_s > 0, 0 for the empty ones;
 // part_max (natural-log maxima) and part_sum the head's S splits, read from L2 (other CTAs wrote them).

@@ -88,7 +88,7 @@ __device__ __forceinline__ void prefetch_chunk(const bf16_t* cache, const int* t
     for (int i = threadIdx.x; i < n * LINES; i += NTHREADS) {
         const int j = i / LINES, p = c0 + j;
         const char* row = reinterpret_cast<const char*>(cache + ((size_t)table[p >> 4] * 16 + (p & 15)) * ROW);
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(row + (i % LINES) * 128));
+        prefetch_l2(row + (i % LINES) * 128);
     }
 }
 

@@ -93,10 +93,6 @@ struct RopeArgs {
     const int* slot_mapping;      // [T]: the KV slot of the step's own key (< 0: padding, not written)
 };
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
-}
-
 // Fused prologue (one step = one query token per sequence): the group's query heads, normed and
 // roped from the qkv row into q_s; the split that holds position ctx − 1 (the step's own key) also
 // builds that key and value into kv_s and writes them to the cache at slot_mapping[t]. Returns the
