@@ -242,7 +242,7 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     per_seq = -(-(prompt + steps + 1) // BLOCK_SIZE)
     t = time.perf_counter()
     ex = GpuExecutor(model, options_of(num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
-                                       max_num_batched_tokens=max(2048, max_b), max_num_seqs=max_b, progress=False,
+                                       max_num_batched_tokens=max(2048, max_b, prompt), max_num_seqs=max_b, progress=False,
                                        decode_kernels=kernel_sets[0].partition("|")[0]))
     cute = ex.gemm.cute  # the default GEMM library: the CuTe GEMM up to 128 rows where built
     print(f"[{name}] {ex.gemm.describe()}", flush=True)

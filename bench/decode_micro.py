@@ -113,7 +113,8 @@ def graph_chain_rows(ex, cfg, bw: float, rows_m=(1, 16, 32), unrolls=(2, 4, 8), 
     return rows
 
 
-def graph_attention_rows(ex, cfg, bw: float, cases=((1, 256), (1, 2048), (32, 256)), reps: int = 10) -> list[dict]:
+def graph_attention_rows(ex, cfg, bw: float, cases=((1, 256), (1, 1024), (1, 2048), (1, 8192), (1, 32768), (4, 8192),
+                                                    (32, 256)), reps: int = 10) -> list[dict]:
     """µs per decode attention layer (rope_attention: q/k norm + rope + KV write + attention, as in a
     decode step) inside a captured graph of all layers with programmatic dependent launches, per KV split
     count: the executor's choice and a sweep around it. Reads a random-content paged cache."""
@@ -129,7 +130,7 @@ def graph_attention_rows(ex, cfg, bw: float, cases=((1, 256), (1, 2048), (32, 25
     knorms = [ex.weights.get(f"layers.{s.layer}.k_norm") for s in specs]
     for B, ctx_len in cases:
         per_seq = -(-ctx_len // BLOCK_SIZE)
-        if B * per_seq > ex.num_kv_blocks or ctx_len > ex.max_model_len:
+        if B * per_seq > ex.num_kv_blocks or ctx_len > ex.max_model_len or B > ex.options.max_num_seqs:
             continue
         seqs = [SeqStep(seq_id=j, token_ids=[1], start_pos=ctx_len - 1, sample=True,
                         params=SamplingParams(temperature=0.0),
@@ -137,7 +138,7 @@ def graph_attention_rows(ex, cfg, bw: float, cases=((1, 256), (1, 2048), (32, 25
         ctx = ex.upload(ModelBatch.build(seqs))
         qkv = rand_bf16((B, width))
         chosen = ctx.num_splits
-        for S in sorted({1, 2, 4, 8, 16, 32, chosen} & set(range(1, -(-ctx_len // 16) + 1))):
+        for S in sorted({1, 2, 4, 8, 16, 32, 48, 64, chosen} & set(range(1, -(-ctx_len // 16) + 1))):
             c = dataclasses.replace(ctx, num_splits=S)
             ops.pdl = True
 

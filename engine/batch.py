@@ -4,6 +4,8 @@ A step mixes prefill chunks and decodes. Each SeqStep feeds `token_ids` at posit
 `start_pos ...` of one sequence; its KV lands in the paged cache through `block_table`
 (16-token blocks: token at position p lives in slot block_table[p // 16] * 16 + p % 16).
 Attention for those tokens covers positions [0, start_pos + len(token_ids)).
+`block_copies` are done first: a sequence that starts from part of a cached block (a partial prefix
+hit) gets that block's KV copied into its own (every layer and plane) before the step writes there.
 A line with per-sequence state (linear attention) reads and updates the sequence's `state_slot`
 (memory/state_slots.py); a step that starts at position 0 starts from zero state.
 """
@@ -37,6 +39,7 @@ class SeqStep:
     block_array: np.ndarray | None = None   # block_table as int32, when the caller keeps one
     state_slot: int = -1                # the sequence's state slot (-1: the line keeps no state)
     grammar: Any = None                     # structured output: the sequence's GrammarMatcher (engine/grammar.py)
+    block_copy: tuple[int, int] | None = None   # (cached block, own block): copy its KV before this step writes
 
     @property
     def context_len(self) -> int:
@@ -64,6 +67,7 @@ class ModelBatch:
     sample_rows: np.ndarray      # int32 [S]: rows of the flattened tokens whose logits are sampled
     state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [B]
     lora_slots: np.ndarray | None = None   # int32 [T]: each token's LoRA adapter slot (-1: none); None: no adapter
+    block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # int32 [C, 2] (src, dst)
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +90,7 @@ class ModelBatch:
         kept = all(a is not None for a in arrays)       # the scheduler keeps int32 tables: no conversion
         widths = [len(a) for a in arrays] if kept else [len(s.block_table) for s in seqs]
         sampled = [i for i, s in enumerate(seqs) if s.sample]
+        copies = [s.block_copy for s in seqs if s.block_copy is not None]
         for s, n, w in zip(seqs, lens, widths):
             if n == 0 or w * BLOCK_SIZE < s.start_pos + n:
                 _reject(s)
@@ -122,6 +127,7 @@ class ModelBatch:
             state_slots=np.fromiter((s.state_slot for s in seqs), np.int32, B),
             lora_slots=None if lora_slots is None else np.repeat(
                 np.array([lora_slots.get(s.lora_id, -1) for s in seqs], np.int32), lens),
+            block_copies=np.array(copies, np.int32) if copies else np.zeros((0, 2), np.int32),
         )
 
 

@@ -95,6 +95,7 @@ class EngineLoop:
         self.scheduler = Scheduler(self.block_manager, max_seqs, max_tokens, host_tier(executor, config),
                                    chunked_prefill=config.enable_chunked_prefill, state_slots=slots,
                                    max_loras=config.max_loras if config.enable_lora else 0)
+        self.scheduler.copy_on_write = getattr(executor, "supports_block_copies", False)
         if self.scheduler.host_tier is not None and getattr(executor, "supports_async_copies", False):
             self.scheduler.enable_async_copies(executor.copies_done)
         self.loras = lora_registry(executor, config, self.scheduler)

@@ -13,7 +13,8 @@ of the others go on, and it joins the running ones once its copies have landed (
 prefix cache then; a sequence aborted while loading gives its blocks back only after they land). With
 asynchronous copies the tier is also written through: a block that joins the device prefix cache is
 copied to the host at once, off the step's path, and held (a reference) until that copy lands, so an
-eviction later copies nothing.
+eviction later copies nothing. Then a partial hit (memory/block_manager.py), where the executor
+supports_block_copies: a prompt sent again computes one token, not 16.
 
 A line with per-sequence state (linear attention, memory/state_slots.py) gives the scheduler its
 StateSlots: a sequence takes a slot when admitted and gives it back when it finishes, is aborted or is
@@ -35,7 +36,7 @@ from engine.sequence import Sequence, SeqStatus
 from memory.block_manager import BlockManager, BlockRemoved, BlockStored
 from memory.host_tier import HostKVTier
 from memory.kv_pool import BLOCK_SIZE, blocks_for
-from memory.prefix_hash import RecentChains
+from memory.prefix_hash import NO_PARENT, RecentChains
 from memory.state_slots import StateSlots
 
 
@@ -91,6 +92,7 @@ class Scheduler:
         self._writing: list[Copies] = []          # write-through copies in flight
         self.async_copies = False                 # the executor's supports_async_copies (enable_async_copies)
         self.copies_done: Callable[[object], bool] = lambda ticket: True
+        self.copy_on_write = False                # the executor copies blocks (supports_block_copies): partial hits
         self.num_preemptions = 0
         self._next_seq_id = 0
         self.recent_chains = RecentChains(BLOCK_SIZE)    # prompts sharing a prefix hash only their new blocks
@@ -229,16 +231,17 @@ class Scheduler:
             if self.host_tier is not None:
                 host = self.host_tier.lookup(hashes[len(hit):])
         seq.num_computed = (len(hit) + len(host)) * BLOCK_SIZE
+        cow = -1 if seq.want_prompt_logprobs or host else self._partial_hit(seq, hashes, len(hit))
         n = self._chunk(seq, budget)
         need = blocks_for(seq.num_computed + n) - len(hit)
         # blocks taken from the LRU by the hit itself no longer count as free
-        lru_hits = sum(self.bm.ref_counts[b] == 0 for b in hit)
+        lru_hits = sum(self.bm.ref_counts[b] == 0 for b in hit + [cow] if b >= 0)
         slots_short = self.state_slots is not None and self.state_slots.num_free < seq.fork_count
         if need + lru_hits > self.bm.num_free_blocks or (n == 0 and not self._fork_ready(seq)) or slots_short:
             seq.num_computed = 0
             return False
-        self.bm.acquire(hit)
-        seq.block_table = list(hit)
+        self.bm.acquire(hit + [cow] if cow >= 0 else hit)
+        seq.block_table, seq.cow_source = list(hit), cow
         if host:
             self._restore(seq, hashes, len(hit), host)
         self.bm.record_query(len(seq.token_ids), seq.num_computed)
@@ -252,6 +255,17 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return True
+
+    def _partial_hit(self, seq: Sequence, hashes: list[int], full: int) -> int:
+        """Past `full` cached blocks, a cached block sharing the first k (< what is left) tokens of seq's next
+        one: num_computed gains k; returns that block (copied into seq's own before its step) or -1."""
+        at = full * BLOCK_SIZE
+        room = min(BLOCK_SIZE, len(seq.token_ids) - 1 - at)
+        if not self.copy_on_write or seq.fork_count > 1 or room <= 0:
+            return -1
+        block, k = self.bm.partial_hit(hashes[full - 1] if full else NO_PARENT, seq.lora_id, seq.token_ids[at:at + room])
+        seq.num_computed += k
+        return block
 
     def _restore(self, seq: Sequence, hashes: list[int], first: int, slots: list[int]) -> None:
         """Blocks first.. of seq's prefix come back from host slots into fresh device blocks, which
@@ -347,7 +361,8 @@ class Scheduler:
             params=seq.params, prompt_len=seq.prompt_len, history=seq.token_ids,
             num_generated=num_tokens - seq.prompt_len,
             want_prompt_logprobs=seq.want_prompt_logprobs and start < seq.prompt_len,
-            lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar))
+            lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar,
+            block_copy=(seq.cow_source, seq.block_table[start // BLOCK_SIZE]) if seq.cow_source >= 0 else None))
         return end - start
 
     # -- the next decode step, planned while this one runs ----------------------------------
@@ -421,6 +436,7 @@ class Scheduler:
         Returns the forked samples."""
         forked = []
         for seq, step in zip(out.seqs, out.steps):
+            self._release_cow_source(seq)            # the step, its block copy first, is done
             if seq.status is not SeqStatus.RUNNING:
                 continue
             before = seq.num_computed // BLOCK_SIZE
@@ -443,9 +459,15 @@ class Scheduler:
         for block_hash, block in zip(seq.block_hashes(full), seq.block_table):
             self.host_tier.store(block_hash, block)
 
+    def _release_cow_source(self, seq: Sequence) -> None:
+        if seq.cow_source >= 0:
+            self.bm.free([seq.cow_source])
+            seq.cow_source = -1
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute later: drop its KV, back to the front of the queue."""
         self.running.remove(seq)
+        self._release_cow_source(seq)
         self._offload_before_free(seq)
         self.bm.free(seq.block_table)
         seq.block_table = []
@@ -472,6 +494,7 @@ class Scheduler:
             self._offload_before_free(seq)
             self.bm.free(seq.block_table)
         seq.block_table = []
+        self._release_cow_source(seq)
         self._release_state_slot(seq)
         seq.status = SeqStatus.FINISHED
 

@@ -52,6 +52,8 @@ class Sequence:
     fork_early: bool = False             # n > 1 forks before any prefill (per-sequence state: no sharing)
     grammar: Any = None             # structured output: a GrammarMatcher, advanced with each token
     load: Any = None                # LOADING: its restore's Copies (engine/scheduler.py) until they land
+    cow_source: int = -1            # a partial prefix hit's cached block (memory/block_manager.py partial_hit),
+                                    # copied into its own before its first step; held until that step is done
     # the prompt as an int array (the request's own, or prompt_tokens()): hashed without converting token_ids
     prompt_array: np.ndarray | None = field(default=None, repr=False, compare=False)
     _hashes: list[int] = field(default_factory=list)

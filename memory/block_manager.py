@@ -7,11 +7,18 @@ A block is in exactly one state:
 Only full, computed blocks get a hash (`cache_block`); a hit hands the same block to another
 sequence (refcount + 1), so shared blocks are never written again. Subscribers see
 BlockStored when a block enters the cache and BlockRemoved when it is evicted from it.
+
+Partial hits (`partial_hit`): where a prompt's hash chain stops, a cached block under the same parent
+(and adapter) may still share the first k of the next block's tokens. The scheduler then gives the
+sequence a fresh block, has the executor copy the cached block's KV into it before the sequence's
+first step (copy-on-write: the shared block itself is never written), and computes from token k on.
+A prompt sent again, or again with its last token changed, so computes one token, not up to 16.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from itertools import islice
 from typing import Callable
 
 from memory.kv_pool import BLOCK_SIZE
@@ -54,6 +61,9 @@ class BlockManager:
         self._subscribers: list[Callable[[KVEvent], None]] = []
         self._stored_subscribers: list[Callable[[KVEvent], None]] = []     # the ones that want BlockStored
         self.query_tokens = 0                                 # prefix-cache lookups, in tokens
+        # partial hits: cached blocks by (parent hash, adapter), and where each one's tokens are
+        self._children: dict[tuple[int, int], dict[int, None]] = {}
+        self._origin: list[tuple[tuple[int, int], list[int], int] | None] = [None] * num_blocks
         self.hit_tokens = 0
 
     # -- observation ---------------------------------------------------------------------
@@ -137,7 +147,8 @@ class BlockManager:
                     adapter_id: int = 0) -> None:
         """Register a full, computed block under its hash. A hash already cached in another
         block keeps that block; this one stays private."""
-        if self.enable_prefix_caching and self._register(block, block_hash) and self._stored_subscribers:
+        if (self.enable_prefix_caching and self._register(block, block_hash, (parent_hash, adapter_id), token_ids, 0)
+                and self._stored_subscribers):
             self._emit(BlockStored(block_hash, parent_hash, tuple(token_ids), adapter_id, block))
 
     def cache_blocks(self, blocks: list[int], chain: list[int], first: int, token_ids: list[int],
@@ -149,23 +160,55 @@ class BlockManager:
             return
         for k, block in enumerate(blocks):
             i = first + k
-            if self._register(block, chain[i]) and self._stored_subscribers:
-                self._emit(BlockStored(chain[i], chain[i - 1] if i else NO_PARENT,
+            parent = chain[i - 1] if i else NO_PARENT
+            if self._register(block, chain[i], (parent, adapter_id), token_ids, i * BLOCK_SIZE) and self._stored_subscribers:
+                self._emit(BlockStored(chain[i], parent,
                                        tuple(token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]), adapter_id, block))
 
-    def _register(self, block: int, block_hash: int) -> bool:
-        """block under block_hash, unless it has a hash already or another block holds that hash."""
+    def _register(self, block: int, block_hash: int, under: tuple[int, int], token_ids: list[int], at: int) -> bool:
+        """block under block_hash, unless it has a hash already or another block holds that hash; `under`:
+        (parent hash, adapter); its tokens are token_ids[at:at + BLOCK_SIZE] (kept by reference)."""
         if self.block_hash[block] is not None or block_hash in self.cached:
             return False
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
+        self._children.setdefault(under, {})[block] = None
+        self._origin[block] = (under, token_ids, at)
         return True
 
     def _uncache(self, block: int) -> None:
         block_hash = self.block_hash[block]
         self.block_hash[block] = None
         del self.cached[block_hash]
+        under = self._origin[block][0]
+        self._origin[block] = None
+        siblings = self._children[under]
+        del siblings[block]
+        if not siblings:
+            del self._children[under]
         self._emit(BlockRemoved(block_hash, block))
+
+    def partial_hit(self, parent_hash: int, adapter_id: int, tokens: list[int],
+                    candidates: int = 32) -> tuple[int, int]:
+        """(block, k): a cached block under parent_hash (NO_PARENT: a first block) and adapter whose first
+        k tokens equal tokens[:k], k the longest found among the `candidates` most recently cached such
+        blocks; (-1, 0) if none shares a token. tokens: at most BLOCK_SIZE."""
+        if not self.enable_prefix_caching or not tokens:
+            return -1, 0
+        best, best_k = -1, 0
+        siblings = self._children.get((parent_hash, adapter_id), {})
+        for block in islice(reversed(siblings), candidates):
+            _, src, at = self._origin[block]
+            k = 0
+            for a, b in zip(tokens, src[at:at + len(tokens)]):
+                if a != b:
+                    break
+                k += 1
+            if k > best_k:
+                best, best_k = block, k
+                if k == len(tokens):
+                    break
+        return best, best_k
 
     def reset_prefix_cache(self) -> int:
         """Evict every unreferenced cached block; returns how many."""
@@ -197,3 +240,6 @@ class BlockManager:
             if idle:
                 assert ref == 0, f"block {block}: refcount {ref} while idle"
         assert len(self.cached) == sum(h is not None for h in self.block_hash), "stale hash map"
+        indexed = {b: under for under, blocks in self._children.items() for b in blocks}
+        assert indexed == {b: o[0] for b, o in enumerate(self._origin) if o is not None}, "stale partial-hit index"
+        assert set(indexed) == set(self.cached.values()), "partial-hit index and hash map disagree"

@@ -45,6 +45,7 @@ FAKE_OPTIONS = ExecutorOptions(max_model_len=1 << 16, max_num_batched_tokens=1 <
 
 class FakeExecutor(ExecutorBase):
     supports_host_tier = True
+    supports_block_copies = True
 
     def __init__(self, num_kv_blocks: int = 64, vocab_size: int = VOCAB, scale: float = 4.0,
                  fail_on_token: int | None = None, host_kv_blocks: int = 0):
@@ -67,6 +68,10 @@ class FakeExecutor(ExecutorBase):
     def forward_logits(self, batch: ModelBatch) -> np.ndarray:
         if self.fail_on_token is not None and self.fail_on_token in batch.input_ids:
             raise RuntimeError("injected failure")
+        blocks = self.kv.reshape(-1, BLOCK_SIZE)
+        for src, dst in batch.block_copies.tolist():         # partial prefix hits, before the step writes
+            assert src != dst and (blocks[src] >= 0).any(), f"block copy {src} -> {dst} of a block never written"
+            blocks[dst] = blocks[src]
         self.kv[batch.slot_mapping] = batch.input_ids
         rows = []
         for i, s in enumerate(batch.seqs):

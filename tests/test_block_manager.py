@@ -198,3 +198,27 @@ def test_recent_chains_reuse_exactly_the_shared_full_blocks():
     rc.remember(a + 1, 0, hash_chain((a + 1).tolist(), B))
     rc.remember(a + 2, 0, hash_chain((a + 2).tolist(), B))        # capacity 2: a goes
     assert rc.reuse(a) == [] and rc.reuse(a + 2) == hash_chain((a + 2).tolist(), B)
+
+
+def test_partial_hit_longest_shared_start_under_the_same_parent_and_adapter():
+    bm = BlockManager(8)
+    toks = list(range(100, 132))
+    blocks = bm.allocate(2)
+    cache_seq(bm, blocks, toks)
+    chain = hash_chain(toks, B)
+    other = bm.allocate(1)                                    # a sibling of block 1 sharing its first 5 tokens
+    sibling = toks[16:21] + [7] * 11
+    bm.cache_block(other[0], hash_block(chain[0], sibling), chain[0], sibling)
+    assert bm.partial_hit(chain[0], 0, toks[16:31]) == (blocks[1], 15)
+    assert bm.partial_hit(chain[0], 0, toks[16:21] + [7, 7, 9]) == (other[0], 7)
+    assert bm.partial_hit(chain[0], 0, [5, 6]) == (-1, 0)
+    assert bm.partial_hit(NO_PARENT, 0, toks[:3]) == (blocks[0], 3)
+    assert bm.partial_hit(NO_PARENT, 1, toks[:3]) == (-1, 0)          # another adapter's block: never
+    assert bm.partial_hit(chain[1], 0, toks[16:20]) == (-1, 0)        # another parent: never
+    bm.check_invariants()
+    bm.free(blocks + other)
+    bm.reset_prefix_cache()                                   # evicted: gone from the index too
+    assert bm.partial_hit(NO_PARENT, 0, toks[:3]) == (-1, 0)
+    bm.check_invariants(idle=True)
+    off = BlockManager(4, enable_prefix_caching=False)
+    assert off.partial_hit(NO_PARENT, 0, [1]) == (-1, 0)

@@ -79,10 +79,34 @@ def test_prefix_cache_hit_equals_miss():
     run_until_idle(engine)
     b = submit(engine, second)
     run_until_idle(engine)
-    assert b[0] == Scheduled("b", 32)
-    assert [e for e in b if isinstance(e, Finished)][0].usage.cached_tokens == 32
+    # two whole blocks, then a partial hit: a's third block (cached once its output filled it) shares
+    # shared[32:40], copied into b's own block before b computes from token 40
+    assert b[0] == Scheduled("b", 40)
+    assert [e for e in b if isinstance(e, Finished)][0].usage.cached_tokens == 40
     assert tokens(b) == tokens(alone(name, second, enable_prefix_caching=False))
     assert tokens(a) == tokens(alone(name, first, enable_prefix_caching=False))
+
+
+@pytest.mark.parametrize("name", ["qwen3_tied", "llama"])
+def test_prompt_sent_again_computes_one_token_with_the_same_logprobs(name):
+    """A prompt of whole blocks sent again, and again with its last token changed: the second sequence
+    copies the cached last block (copy-on-write) and computes one token; its sampled tokens' logprobs
+    equal a run without prefix caching (float32: within 1e-4)."""
+    vocab = loaded(name).config.vocab_size
+    rng = random.Random(9)
+    prompt = [rng.randrange(vocab - 200) for _ in range(48)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    engine = engine_for(name)
+    for rid, ids, cached in (("a", prompt, 0), ("b", prompt, 47), ("c", prompt[:-1] + [prompt[-1] + 1], 47)):
+        events = submit(engine, GenerateRequest(rid, ids, params))
+        run_until_idle(engine)
+        assert events[0] == Scheduled(rid, cached)
+        cold = alone(name, GenerateRequest(rid, ids, params), enable_prefix_caching=False)
+        assert tokens(events) == tokens(cold)
+        got = [e.logprob for e in events if isinstance(e, Token)]
+        want = [e.logprob for e in cold if isinstance(e, Token)]
+        assert max(abs(x - y) for x, y in zip(got, want)) < 1e-4
+    engine.block_manager.check_invariants(idle=True)
 
 
 def test_preemption_tiny_pool_identical():

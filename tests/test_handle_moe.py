@@ -32,7 +32,9 @@ def test_serves_the_oracle_greedy_tokens_and_hits_the_prefix_cache(name):
     with EngineHandle(EngineConfig(model=path, device="cpu", max_model_len=256, num_kv_blocks=64)) as h:
         a, = h.generate([first], GREEDY)
         b, = h.generate([second], GREEDY)
-    assert a.cached_tokens == 0 and b.cached_tokens == 32            # two full blocks of the shared prefix
+    # two full blocks of the shared prefix, then a partial hit: a's third block (full once a's output filled it)
+    # shares shared[32:40], copied into b's own block (every layer's latent / K and V)
+    assert a.cached_tokens == 0 and b.cached_tokens == 40
     for prompt, out in ((first, a), (second, b)):
         assert out.error is None and len(out.outputs[0].token_ids) == 8
         hf_greedy_check(path, prompt, out.outputs[0].token_ids)

@@ -8,6 +8,7 @@ import pytest
 from engine.events import Finished, Scheduled, Token
 from engine.request import GenerateRequest, SamplingParams
 from engine.sequence import sample_seed
+from memory.prefix_hash import hash_chain
 from fake_executor import EOS, FakeExecutor, make_engine, run_until_idle, submit
 
 
@@ -94,24 +95,47 @@ def test_prefix_cache_hit_same_output_and_cached_tokens():
     third = submit(engine, req("c", p[:40] + [7, 7, 7], temperature=0, max_tokens=20))
     run_until_idle(engine)
     assert first[0] == Scheduled("a", 0)
-    assert second[0] == Scheduled("b", 48) and third[0] == Scheduled("c", 32)
+    # c: two whole blocks, then a partial hit on a's third block (it shares p[32:40])
+    assert second[0] == Scheduled("b", 48) and third[0] == Scheduled("c", 40)
     assert tokens(second) == tokens(first)
     assert finished(second)[0].usage.cached_tokens == 48
     uncached = alone(req("c", p[:40] + [7, 7, 7], temperature=0, max_tokens=20),
                      enable_prefix_caching=False)
     assert tokens(third) == tokens(uncached)
-    assert engine.stats().prefix_cache_hits == 80 and engine.stats().prefix_cache_queries == 50 + 50 + 43
+    assert engine.stats().prefix_cache_hits == 88 and engine.stats().prefix_cache_queries == 50 + 50 + 43
     engine.block_manager.check_invariants(idle=True)
 
 
-def test_prompt_of_exact_blocks_recomputes_last_block():
+def test_prompt_of_exact_blocks_computes_its_last_token_on_a_copy():
+    """The last block of a prompt sent again is cached whole, but its last token must be computed (its
+    logits): the sequence takes a copy of the block (copy-on-write, the cached one never written) and
+    computes one token, not the block's 16; the cached block is held until that step is done."""
     p = list(range(32))
-    engine = make_engine()
+    ex = FakeExecutor()
+    engine = make_engine(ex)
     a = submit(engine, req("a", p, temperature=0, max_tokens=3))
     run_until_idle(engine)
+    bm = engine.block_manager
+    last = bm.lookup(hash_chain(p, 16))[1]
     b = submit(engine, req("b", p, temperature=0, max_tokens=3))
+    engine.step()
+    first = ex.steps[-1]
+    assert [len(s.token_ids) for s in first.seqs] == [1] and first.seqs[0].start_pos == 31
+    own = first.seqs[0].block_table[1]
+    assert first.block_copies.tolist() == [[last, own]] and own != last
+    assert bm.ref_counts[last] == 0 and last in bm._lru                # released once the step is done
     run_until_idle(engine)
-    assert b[0].cached_tokens == 16 and tokens(a) == tokens(b)
+    assert b[0].cached_tokens == 31 and tokens(a) == tokens(b)
+    assert all(not s.block_copies.size for s in ex.steps[ex.steps.index(first) + 1:])
+    bm.check_invariants(idle=True)
+
+    ex2 = FakeExecutor()
+    ex2.supports_block_copies = False                  # an executor that cannot copy: the whole block again
+    engine = make_engine(ex2)
+    for rid in "ab":
+        events = submit(engine, req(rid, p, temperature=0, max_tokens=3))
+        run_until_idle(engine)
+    assert events[0].cached_tokens == 16 and tokens(events) == tokens(a)
 
 
 def test_preemption_under_tiny_pool_same_output():

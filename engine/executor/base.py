@@ -37,6 +37,7 @@ class Executor(Protocol):
     num_kv_blocks: int          # size of the paged KV pool, in BLOCK_SIZE-token blocks
     vocab_size: int
     supports_host_tier: bool    # copy_blocks works (host_kv_blocks > 0)
+    supports_block_copies: bool  # a step's block_copies are done before it (the scheduler's partial prefix hits)
     kv_block_bytes: int         # bytes one KV block holds (what a host-tier copy of it moves; 0: unknown)
     supports_fed_steps: bool    # submit(batch, fed=True) works (async scheduling)
     last_step_graphed: bool     # the last step replayed a CUDA graph (the step trace's mode)
@@ -102,6 +103,7 @@ class ExecutorBase:
     """Defaults for the optional parts of Executor: synchronous submit, no host tier, no step timing,
     nothing to close."""
     supports_host_tier = False
+    supports_block_copies = False  # ModelBatch.block_copies refused: the scheduler plans no partial hits
     kv_block_bytes = 0
     supports_fed_steps = False    # async scheduling's fed steps (an asynchronous executor's)
     supports_async_copies = False  # host-tier restores land before the next step (copy_blocks: None)

@@ -14,7 +14,7 @@ from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
 from engine.models.rope import rope_cos_sin
 from engine.sampling import prompt_logprobs, sample_step
-from memory.kv_pool import BLOCK_SIZE, blocks_for, host_pool, pool_blocks
+from memory.kv_pool import BLOCK_SIZE, blocks_for, check_block_copies, copy_pool_blocks, host_pool, pool_blocks
 from memory.state_slots import check_slots, host_state
 
 DEFAULT_KV_BYTES = 1 << 30          # KV pool budget when num_kv_blocks is not given
@@ -23,6 +23,7 @@ ROUNDING = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 class CpuExecutor(ExecutorBase):
     supports_host_tier = True
+    supports_block_copies = True
     ops_class = NumpyOps            # a tensor-parallel rank's executor runs its own (engine/parallel)
 
     def __init__(self, model: LoadedModel, options: ExecutorOptions):
@@ -88,6 +89,8 @@ class CpuExecutor(ExecutorBase):
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         if self.num_state_slots:
             check_slots(batch.state_slots, self.num_state_slots)
+        check_block_copies(batch.block_copies, self.num_kv_blocks)
+        copy_pool_blocks(self.kv, batch.block_copies)
         self.ops.use_lora(batch.lora_slots)
         return CpuStepContext(batch, self.cos[batch.positions], self.sin[batch.positions])
 

@@ -44,7 +44,7 @@ from engine.loader import LoadedModel
 from engine.models.rope import rope_inv_freq
 from engine.sampling import prompt_logprobs
 from memory.device_arena import DeviceArena, arena_budget, buffers_nbytes
-from memory.kv_pool import pool_blocks
+from memory.kv_pool import copy_pool_blocks, pool_blocks
 from memory.state_slots import check_slots, state_buffers
 from memory.streams import DeviceStreams
 from memory.weight_upload import upload_weights
@@ -113,6 +113,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         for spec in getattr(model.model, "linear_specs", {}).values():     # hybrid lines' DeltaNet layers
             check_deltanet_shapes(spec)
         self.options, self.config, self.model = options, cfg, model.model
+        self.supports_block_copies = options.gpu.partial_prefix_hits
         self.vocab_size, self.max_model_len = cfg.vocab_size, options.max_model_len
         tuning = options.gpu
         self.device = DeviceInfo.query()
@@ -290,6 +291,9 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         self.inputs.check(batch, self.num_kv_blocks, check_ids=not fed)
         if self.num_state_slots:
             check_slots(batch.state_slots, self.num_state_slots)
+        if batch.block_copies.size:                 # partial prefix hits: on the stream, before the step
+            with self.stream:
+                copy_pool_blocks(self.kv_cache, batch.block_copies)
         ctx = self.inputs.upload(batch, lambda T, ctx_len: self.ops.splits(T, self.plan.kv.heads, ctx_len), pad_to,
                                  fed_ids=self.sampler.ids if fed else None, pad_tokens=pad_tokens)
         self.ops.use_lora(batch.lora_slots, ctx.num_tokens)

@@ -13,6 +13,7 @@ import numpy as np
 from engine.batch import ModelBatch
 from engine.executor.gpu_ops import GpuStepContext
 from memory.device_arena import Buffer, buffers_nbytes
+from memory.kv_pool import check_block_copies
 
 
 class StepInputs:
@@ -53,6 +54,7 @@ class StepInputs:
                              f"({num_kv_blocks} blocks)")
         if check_ids and (batch.input_ids.min() < 0 or batch.input_ids.max() >= self.vocab_size):
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
+        check_block_copies(batch.block_copies, num_kv_blocks)
 
     def _regions(self) -> tuple[int, int, int]:
         """Offsets of the state slots, the token offsets and the block tables."""

@@ -63,7 +63,11 @@ class GpuTuning:
     (gpu_chunk.py; with the CuTe prefill path) instead of paged_decode.cu.
     async_host_tier: host-tier restores and write-through copies on a stream of their own, their sequences
     LOADING and their blocks held until the copies land (engine/scheduler.py), instead of the copies ahead
-    of the next step on the compute stream. Off until checked on a GPU."""
+    of the next step on the compute stream. Off until checked on a GPU.
+    partial_prefix_hits: the executor copies blocks for the scheduler's partial prefix hits (supports_block_copies),
+    so a prompt sent again computes one token, not up to 16. Off by default: measured on the H200 (2026-12-04,
+    bench/results/prefix-ttft-gpu.md) the one-token step (a decode-graph step) answered no sooner at 1k and
+    later at 32k (21.3 against 17.4 ms) than the 16-token step on paged_chunk.cu."""
     decode_kernels: str = "all"
     gemm: str = "auto"
     prefill_attention: str = "cute"
@@ -74,6 +78,7 @@ class GpuTuning:
     eager_graph_tokens: int = 2048
     chunk_attention: bool = True
     async_host_tier: bool = False
+    partial_prefix_hits: bool = False
 
     def validate(self) -> None:
         """Parse every choice once (the parsers raise ValueError naming the setting)."""

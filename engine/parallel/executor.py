@@ -44,6 +44,7 @@ class TensorParallelExecutor(ExecutorBase):
         self.world_size = local.comm.world_size
         self.num_kv_blocks = min([local.num_kv_blocks] + list(followers.num_kv_blocks))
         self.supports_host_tier = local.supports_host_tier
+        self.supports_block_copies = local.supports_block_copies
         self.kv_block_bytes = local.kv_block_bytes              # this rank's share (KV heads split)
         self.supports_fed_steps = local.supports_fed_steps
         self.num_state_slots = local.num_state_slots
