@@ -214,3 +214,33 @@ def test_gpu_engine_prefix_comes_back_from_the_host_tier(async_copies):
         print("first", tokens(first), "hit", tokens(hit), "restored", tokens(again))
     finally:
         ex.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_copies", [False, True])
+def test_gpu_restored_prefix_scores_as_the_cold_prefill(async_copies):
+    """The issue's 'nothing lost' gate: a prompt prefilled cold, its prefix blocks offloaded to the host slots,
+    the device blocks overwritten by another prompt (the pool reused), the prefix restored into other blocks
+    and the prompt's tail computed over it: the tail's logits score as the cold prefill's own rows did, by the
+    gate of the prefix-hit tests (bf16 rounding apart: the tail runs as a chunk over the cache)."""
+    from engine.batch import ModelBatch, SeqStep
+    from engine.loader import load_model
+    from harness.executors import new_gpu_executor
+    from harness.models import random_sequences, tiny_model_path
+    from test_gpu_moe_mla import assert_same_scores
+
+    model = load_model(tiny_model_path("qwen3_gqa4"))
+    ex = new_gpu_executor(model, cuda_graphs=False, host_kv_blocks=8, async_host_tier=async_copies)
+    try:
+        vocab = model.config.vocab_size
+        seq, other = random_sequences(vocab, [70, 80], seed=3)
+        cold = ex.forward_logits(ModelBatch.build([SeqStep(0, seq, 0, [0, 1, 2, 3, 4], False)]))
+        ex.wait_copies(ex.copy_blocks([(0, 0), (1, 1), (2, 2), (3, 3)], []))
+        before = blocks_of(ex.kv_cache.get(), [0, 1, 2, 3])
+        ex.forward_logits(ModelBatch.build([SeqStep(1, other, 0, [0, 1, 2, 3, 4], False)]))   # pool reused
+        ex.wait_copies(ex.copy_blocks([], [(0, 10), (1, 11), (2, 12), (3, 13)]))
+        np.testing.assert_array_equal(blocks_of(ex.kv_cache.get(), [10, 11, 12, 13]), before)   # byte-exact back
+        hit = ex.forward_logits(ModelBatch.build([SeqStep(2, seq[64:], 64, [10, 11, 12, 13, 14], False)]))
+        assert_same_scores(hit, cold[64:])
+    finally:
+        ex.close()
