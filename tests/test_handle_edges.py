@@ -158,4 +158,5 @@ def test_a_prompt_sharing_a_recent_prefix_hashes_only_its_new_blocks(monkeypatch
     seq = engine_.scheduler.waiting[0]
     run_until_idle(engine_)
     assert hashed == [6 * 16, 2 * 16]                # the second prompt hashed its 2 new full blocks only
-    assert seq.block_hashes(6) == hash_chain(turn, 16)[:6] and cached(events) == 64
+    # 4 whole blocks, then a partial hit: a's fifth block shares the turn's next 6 tokens
+    assert seq.block_hashes(6) == hash_chain(turn, 16)[:6] and cached(events) == 70
