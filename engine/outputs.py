@@ -69,8 +69,8 @@ class OutputProcessor:
     # -- a step's results ----------------------------------------------------------------
     def process(self, out: SchedulerOutput, result: StepOutput, defer: bool = False) -> None:
         """Account the step and its sampled tokens. With `defer` (the executor launched the step
-        asynchronously), a token that does not end its sequence by id or length is appended now (the
-        next step's input) but detokenized and sent after the next step's launch (emit_deferred),
+        asynchronously), a token that does not end its sequence by id or length, nor is its first, is appended
+        now (the next step's input) but detokenized and sent after the next step's launch (emit_deferred),
         overlapping the device; a stop string found then ends the sequence one step late (the extra
         step's token is dropped, its KV slot freed with the sequence)."""
         self.register_forks(self.scheduler.advance(out))
@@ -90,7 +90,9 @@ class OutputProcessor:
                 self.generation_tokens += 1
                 if seq.grammar is not None:
                     self._advance_grammar(seq, token.token_id)
-                if defer and self.end_by_token(seq, token.token_id) is None:
+                # a request's first token goes out now: the step after a prefill is not launched ahead, so
+                # deferring it would hold the first token through that step's scheduling and launch (~1 ms)
+                if defer and seq.num_generated > 1 and self.end_by_token(seq, token.token_id) is None:
                     self.deferred.append((seq, token))
                 else:
                     self._emit_token(seq, token)

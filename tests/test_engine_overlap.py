@@ -249,3 +249,18 @@ def test_async_scheduling_never_feeds_a_step_whose_sampling_counts_the_history()
     alone = Checked()
     run(alone, [reqs[2]], async_scheduling=True)
     assert alone.fed_steps > 10
+
+
+def test_a_first_token_is_sent_with_its_step_not_after_the_next_launch():
+    """The step after a prefill is not launched ahead (its input is the prefill's token), so a deferred
+    first token would wait through that step's scheduling and launch: it goes out with its own step; the
+    later tokens still go out after the next launch."""
+    engine = make_engine(AsyncFakeExecutor())
+    events = submit(engine, GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=8, temperature=0.0,
+                                                                            ignore_eos=True)))
+    engine.step()                                  # the prefill: its token is the request's first
+    assert len([e for e in events if isinstance(e, Token)]) == 1
+    engine.step()                                  # the first decode: its token waits for the next launch
+    assert len([e for e in events if isinstance(e, Token)]) == 1
+    run_until_idle(engine)
+    assert len([e for e in events if isinstance(e, Token)]) == 8
