@@ -370,7 +370,8 @@ class Scheduler:
         """The step after `out`, planned before out's sampled tokens are known: every running
         sequence decodes one more token, its KV block reserved now; each step's token_ids hold a
         placeholder until confirm_decode_ahead. None unless `out` is exactly the running sequences
-        decoding one token each (no prompt logprobs, no fork pending), no waiting sequence can join
+        each sampling its next token (a decode, or a prompt's last chunk: the first decode goes out
+        behind its prefill too; no prompt logprobs, no fork pending), no waiting sequence can join
         (none waits, or max_num_seqs is reached: a busy server's steady state) and their blocks are
         free without preemption: then it is what schedule() will return, unless the running set
         changes first (an end, an abort, an arrival), which confirm_decode_ahead detects.
@@ -384,17 +385,17 @@ class Scheduler:
             return None                          # (loading sequences join through schedule())
         need = 0
         for seq, step, run in zip(out.seqs, out.steps, running):
-            if (seq is not run or len(step.token_ids) != 1 or not step.sample or seq.fork_count > 1
+            if (seq is not run or step.context_len != len(seq.token_ids) or not step.sample or seq.fork_count > 1
                     or step.want_prompt_logprobs or seq.want_prompt_logprobs
                     or (fed and (step.num_generated + 1 >= seq.params.max_tokens or seq.grammar is not None
                                  or counts_history(seq.params)))):
                 return None
-            need += max(0, blocks_for(step.start_pos + 2) - len(seq.block_table))
+            need += max(0, blocks_for(step.context_len + 1) - len(seq.block_table))
         if not self.bm.can_allocate(need):
             return None
         plan = SchedulerOutput()
         for seq, step in zip(out.seqs, out.steps):
-            pos = step.start_pos + 1
+            pos = step.context_len
             extra = blocks_for(pos + 1) - len(seq.block_table)
             if extra > 0:                # kept by the sequence even if the plan is dropped
                 seq.block_table += self.bm.allocate(extra)

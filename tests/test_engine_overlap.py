@@ -172,11 +172,12 @@ def test_plan_is_dropped_when_the_running_set_changes():
     planned = engine._planned_steps
     engine.step()                                  # b waits: the plan is dropped, b is admitted
     assert engine._planned_steps == planned and len(ex.steps[-1].seqs) == 2
-    engine.step()
+    engine.step()                                  # planned behind the mixed step (b's prefill was its last chunk)
+    assert engine._planned_steps == planned + 1
     engine.abort("b")
     engine.drain_inbox()
     engine.step()                                  # b aborted after the plan was made
-    assert engine._planned_steps == planned and len(ex.steps[-1].seqs) == 1
+    assert engine._planned_steps == planned + 1 and len(ex.steps[-1].seqs) == 1
     run_until_idle(engine)
     sync = run(FakeExecutor(), [GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0,
                                                                                 ignore_eos=True))])
@@ -264,3 +265,21 @@ def test_a_first_token_is_sent_with_its_step_not_after_the_next_launch():
     assert len([e for e in events if isinstance(e, Token)]) == 1
     run_until_idle(engine)
     assert len([e for e in events if isinstance(e, Token)]) == 8
+
+
+def test_the_first_decode_is_queued_behind_its_prefill():
+    """Async scheduling: the step after a prompt's last chunk is launched before that chunk's token is known
+    (its input id taken on the device, as for decodes), so its scheduling and launch overlap the prefill;
+    also behind a mixed step whose prompts all end in it. Tokens as a synchronous executor gives them."""
+    ex = AsyncFakeExecutor()
+    engine = make_engine(ex)
+    req = GenerateRequest("a", list(range(5, 45)), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    events = submit(engine, req)
+    engine.step()                                  # the prefill, and the first decode queued behind it
+    assert ex.log[:3] == [("launch", 0), ("launch", 0), ("result", 0)] and ex.fed_steps == 1
+    run_until_idle(engine)
+    assert client_view(events) == run(FakeExecutor(), [req])["a"]
+    reqs = requests()
+    lagged = AsyncFakeExecutor()
+    assert run(lagged, reqs, async_scheduling=True) == run(FakeExecutor(), reqs)
+    assert lagged.fed_steps > 0
