@@ -292,8 +292,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         if self.num_state_slots:
             check_slots(batch.state_slots, self.num_state_slots)
         if batch.block_copies.size:                 # partial prefix hits: on the stream, before the step
-            if self.ops.kv_layer_events:            # a source block may be a restore still landing layer by layer
-                self.stream.wait_event(self.ops.kv_layer_events[-1])
+            self._kv_step_done()                    # (a source block may be a restore still landing: all of it first)
             with self.stream:
                 copy_pool_blocks(self.kv_cache, batch.block_copies)
         ctx = self.inputs.upload(batch, lambda T, ctx_len: self.ops.splits(T, self.plan.kv.heads, ctx_len), pad_to,
