@@ -16,6 +16,7 @@ from harness.executors import new_gpu_executor
 from harness.models import random_sequences, tiny_model_path
 from memory.kv_pool import BLOCK_SIZE
 from test_gpu_executor import MIN_TIE_TOL
+from test_gpu_host_tier import blocks_of
 from test_gpu_moe_mla import MLA_FORMS_MEAN_DLOGPROB, MLA_FORMS_TIE_TOL, SAME_MEAN_DLOGPROB, assert_same_scores
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.gpu
 
 def block_rows(kv: np.ndarray, block: int) -> np.ndarray:
     """[L, P, 16, H, D]: one block's rows in every layer and plane."""
-    return kv[:, :, block * BLOCK_SIZE:(block + 1) * BLOCK_SIZE]
+    return blocks_of(kv, [block])[0]
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
