@@ -23,7 +23,8 @@ paged_decode.cu + gemv.cu with its fused RMSNorm / SiLU / residual; a "|nopdl" s
 graphs with plain launches instead of programmatic dependent ones, "|norope" runs q/k norm + rope + KV
 write as its own kernel instead of inside decode attention, "|cublas" runs the products gemv.cu does not
 take on cuBLAS instead of the executor's default (the CuTe GEMM up to 128 rows where it is built);
-"|pd1" builds paged_decode.cu without its cp.async pipeline at its old occupancy (STAGES 1, MIN_CTAS 1);
+"|pd1" builds paged_decode.cu without its cp.async pipeline at its old occupancy (STAGES 1, MIN_CTAS 1),
+"|wholegroup" runs it with all query heads of a KV head in one CTA at every batch (no head groups);
 flags combine, "all|cublas|nopdl") on the same executor and weights, and reports the
 fraction of sequences whose first 4 greedy tokens equal the first setting's. --micro adds the per-kernel
 table (bench/decode_micro.py; all parts, or the listed ones): "attention" (decode attention of all layers
@@ -261,6 +262,8 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
         ex.graphs.pdl = "nopdl" not in flags             # "all|nopdl": plain launches in the graphs
         # "all|pd1": paged_decode.cu without its cp.async pipeline and at its old occupancy (A/B)
         ex.ops.decode_defines = {"STAGES": 1, "MIN_CTAS": 1} if "pd1" in flags else {}
+        # "all|wholegroup": paged_decode.cu with every query head of a KV head in one CTA (before head groups)
+        ex.ops.decode_heads = cfg.num_attention_heads // cfg.num_key_value_heads if "wholegroup" in flags else 0
         ex.ops._decode_kernels.clear()
         for b in batches:
             r = run_batch(ex, model, b, prompt, steps, bw)

@@ -113,14 +113,16 @@ def graph_chain_rows(ex, cfg, bw: float, rows_m=(1, 16, 32), unrolls=(2, 4, 8), 
     return rows
 
 
-def graph_attention_rows(ex, cfg, bw: float, cases=((1, 256), (1, 1024), (1, 2048), (1, 8192), (1, 32768), (4, 8192),
+def graph_attention_rows(ex, cfg, bw: float, cases=((1, 128), (1, 256), (1, 1024), (1, 2048), (1, 8192), (1, 32768), (4, 8192),
                                                     (32, 256)), reps: int = 10) -> list[dict]:
     """µs per decode attention layer (rope_attention: q/k norm + rope + KV write + attention, as in a
     decode step) inside a captured graph of all layers with programmatic dependent launches, per KV split
-    count: the executor's choice and a sweep around it. Reads a random-content paged cache."""
+    count and query heads per CTA (paged_decode.cu's HEADS): the executor's choice and a sweep around it.
+    Reads a random-content paged cache."""
     import dataclasses
 
     from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
+    from engine.executor.gpu_ops import decode_heads_per_cta
     from engine.models.decoder import attention_specs
     from engine.request import SamplingParams
 
@@ -137,10 +139,13 @@ def graph_attention_rows(ex, cfg, bw: float, cases=((1, 256), (1, 1024), (1, 204
                         block_table=list(range(j * per_seq, (j + 1) * per_seq))) for j in range(B)]
         ctx = ex.upload(ModelBatch.build(seqs))
         qkv = rand_bf16((B, width))
-        chosen = ctx.num_splits
-        for S in sorted({1, 2, 4, 8, 16, 32, 48, 64, chosen} & set(range(1, -(-ctx_len // 16) + 1))):
+        chosen, group = ctx.num_splits, cfg.num_attention_heads // cfg.num_key_value_heads
+        heads_list = [h for h in (group, group // 2, group // 4, 1) if h >= 1 and group % h == 0]
+        for S, heads in [(S, h) for S in sorted({1, 2, 4, 8, 16, 32, 48, 64, chosen}
+                                                & set(range(1, -(-ctx_len // 16) + 1))) for h in dict.fromkeys(heads_list)]:
             c = dataclasses.replace(ctx, num_splits=S)
-            ops.pdl = True
+            ops.pdl, ops.decode_heads = True, heads
+            rule = decode_heads_per_cta(B, cfg.num_key_value_heads, group, ops.num_sms)
 
             def layers():
                 ops.reset()
@@ -151,11 +156,12 @@ def graph_attention_rows(ex, cfg, bw: float, cases=((1, 256), (1, 1024), (1, 204
             ex.stream.begin_capture()
             layers()
             graph = ex.stream.end_capture()
-            ops.pdl = False
+            ops.pdl, ops.decode_heads = False, 0
             t = time_ms(ex.stream, lambda: graph.launch(stream=ex.stream), reps) / len(specs)
             floor = B * ctx_len * cfg.num_key_value_heads * cfg.head_dim * 2 * 2 / bw * 1e3
-            rows.append(dict(kernel="graph.rope_attention", case=f"B={B} ctx={ctx_len} splits {S}"
-                             + (" (chosen)" if S == chosen else ""), old_ms=t, new_ms=t, roofline_ms=floor))
+            rows.append(dict(kernel="graph.rope_attention", case=f"B={B} ctx={ctx_len} splits {S} heads {heads}"
+                             + (" (chosen)" if S == chosen and heads == rule else ""), old_ms=t, new_ms=t,
+                             roofline_ms=floor))
     return rows
 
 

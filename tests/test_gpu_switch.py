@@ -6,7 +6,7 @@ import pytest
 
 from engine.executor.env import gpu_tuning_from_env
 from engine.executor.gpu_gemm import ALL_ROWS, CUTE_AUTO_MAX_M, cute_rows
-from engine.executor.gpu_ops import MAX_DECODE_SPLITS, attention_splits, decode_attention_fits
+from engine.executor.gpu_ops import MAX_DECODE_SPLITS, MAX_SPLITS, attention_splits, decode_attention_fits
 from engine.executor.options import DEFAULT_GEMV_MAX_M, parse_decode_kernels
 
 H200_SMS = 132
@@ -65,3 +65,37 @@ def test_decode_splits_fill_the_gpu():
     assert attention_splits(16, 8, 4096, MAX_DECODE_SPLITS, H200_SMS) == 3
     assert attention_splits(17, 8, 4096, MAX_DECODE_SPLITS, H200_SMS) == 1        # 136 CTAs fill the SMs once
     assert attention_splits(32, 8, 4096, MAX_DECODE_SPLITS, H200_SMS) == 1
+    # head groups count as rows: batch 1, 8 KV heads x 2 groups = 16 rows -> 17 splits (272 CTAs)
+    assert attention_splits(1, 8, 4096, MAX_DECODE_SPLITS, H200_SMS, groups=2) == 17
+    assert attention_splits(1, 8, 256, MAX_DECODE_SPLITS, H200_SMS, groups=2) == 8
+    assert attention_splits(9, 8, 4096, MAX_DECODE_SPLITS, H200_SMS, groups=2) == 1    # 144 rows
+
+
+def test_decode_heads_per_cta_splits_small_grids():
+    """paged_decode.cu takes 2 query heads a CTA while the (token, KV head) rows are under a quarter of
+    the SMs: Qwen3-4B (8 KV heads, group 4) to batch 4, Qwen3-30B-A3B (4 KV heads, group 8) to batch 8;
+    the whole group beyond, and for groups of 1, 2 or odd."""
+    from engine.executor.gpu_ops import decode_heads_per_cta
+
+    assert [decode_heads_per_cta(t, 8, 4, H200_SMS) for t in (1, 4, 5, 32)] == [2, 2, 4, 4]
+    assert [decode_heads_per_cta(t, 4, 8, H200_SMS) for t in (1, 8, 9)] == [2, 2, 8]
+    assert decode_heads_per_cta(1, 8, 2, H200_SMS) == 2 and decode_heads_per_cta(1, 4, 1, H200_SMS) == 1
+    assert decode_heads_per_cta(1, 2, 7, H200_SMS) == 7
+
+
+def test_decode_splits_follow_the_head_groups():
+    """GpuOps.splits counts paged_decode.cu's head groups as rows: Qwen3-30B-A3B at batch 1 in a decode
+    graph (max context 40960) takes 17 splits x 4 KV heads x 4 groups, no longer 64 x 4."""
+    from engine.executor.gpu_ops import GpuOps
+
+    class Probe(GpuOps):
+        def __init__(self):
+            self.num_heads, self.head_dim, self.num_sms, self.fast_attention = 32, 128, H200_SMS, True
+
+    ops = Probe()
+    assert ops.splits(1, 4, 40960) == 17 and ops._heads_per_cta(1, 4) == 2
+    assert ops.splits(64, 4, 40960) == 1 and ops._heads_per_cta(64, 4) == 8
+    ops.decode_heads = 8                                         # the benchmarks' override: whole groups
+    assert ops.splits(1, 4, 40960) == 64
+    ops.fast_attention = False                                   # paged_attention_split: no head groups
+    assert ops.splits(1, 4, 40960) == MAX_SPLITS

@@ -57,6 +57,12 @@ def test_paged_decode_compiles_for_each_shape(gqa, head_dim):
     _compile(os.path.join(KERNEL_DIR, "paged_decode.cu"), f"GQA={gqa}", f"HEAD_DIM={head_dim}")
 
 
+@pytest.mark.parametrize("gqa,heads", [(8, 4), (8, 2), (8, 1), (4, 2), (4, 1)])
+def test_paged_decode_compiles_for_head_groups(gqa, heads):
+    """... and per query heads per CTA (HEADS, a divisor of GQA: small grids)."""
+    _compile(os.path.join(KERNEL_DIR, "paged_decode.cu"), f"GQA={gqa}", "HEAD_DIM=128", f"HEADS={heads}")
+
+
 def test_kernels_include_only_what_nvrtc_finds():
     """Kernel files include each other and <cuda_bf16.h> only: the GPU host's NVRTC headers (pip's
     nvidia/cu13/include) lack the crt/ headers that <mma.h> pulls in, which `nvcc` here would not catch."""

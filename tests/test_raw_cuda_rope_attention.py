@@ -43,30 +43,34 @@ def decode_case(rng, D: int, Hq: int, Hkv: int, contexts: list[int], pad: int):
 
 
 def run_decode(cp, c: dict, Hq: int, Hkv: int, D: int, splits: int, qk_norm: bool, fused: bool,
-               attn_factor: float = 1.0):
-    """(out, k_cache, v_cache) on the host after the fused launch or the two composed ones."""
+               attn_factor: float = 1.0, heads: int = 0):
+    """(out, k_cache, v_cache) on the host after the fused launch or the two composed ones; heads: query
+    heads per CTA (0: the whole group)."""
     from openinfer_kernels.raw_cuda import kernel
 
     T, G, null = len(c["positions"]), Hq // Hkv, np.uint64(0)
+    heads = heads or G
+    build = dict(GQA=G, HEAD_DIM=D, **({"HEADS": heads} if heads != G else {}))
+    grid = (T, splits, Hkv * (G // heads))
     kc, vc = dev(cp, c["kc"]), dev(cp, c["vc"])
     out = poison(cp, (T, Hq * D))
     part_out = cp.full((T * Hq * splits * D,), np.nan, np.float32)
     part_max, part_sum = cp.full((T * Hq * splits,), np.nan, np.float32), cp.full((T * Hq * splits,), np.nan, np.float32)
-    counters = cp.zeros(T * Hkv, np.int32)
+    counters = cp.zeros(T * Hq, np.int32)
     norms = (dev(cp, c["q_norm"]), dev(cp, c["k_norm"])) if qk_norm else (null, null)
     qkv, inv_freq, pos, slots = dev(cp, c["qkv"]), dev(cp, c["inv_freq"]), dev(cp, c["positions"]), dev(cp, c["slots"])
     prologue = (np.float32(EPS), inv_freq, np.float32(attn_factor))
     tail = (kc, vc, dev(cp, c["tables"]), np.int32(c["tables"].shape[1]), dev(cp, c["token_seq"]), pos,
             part_out, part_max, part_sum, out, counters, np.int32(Hkv), np.float32(D ** -0.5))
     if fused:
-        kernel("paged_decode", "rope_paged_decode_attention", GQA=G, HEAD_DIM=D)(
-            (T, splits, Hkv), (128,), (qkv,) + norms + prologue + (slots,) + tail)
+        kernel("paged_decode", "rope_paged_decode_attention", **build)(
+            grid, (128,), (qkv,) + norms + prologue + (slots,) + tail)
     else:
         q = poison(cp, (T, Hq, D))
         kernel("qk_norm_rope_cache", "qk_norm_rope_cache")(
             (T, -(-(Hq + 2 * Hkv) // 4)), (128,),
             (qkv,) + norms + prologue + (pos, slots, q, kc, vc, np.int32(Hq), np.int32(Hkv), np.int32(D)))
-        kernel("paged_decode", "paged_decode_attention", GQA=G, HEAD_DIM=D)((T, splits, Hkv), (128,), (q,) + tail)
+        kernel("paged_decode", "paged_decode_attention", **build)(grid, (128,), (q,) + tail)
     assert not counters.get().any()                       # the split tickets are back at zero
     return out.get(), kc.get(), vc.get()
 
@@ -103,6 +107,24 @@ def test_rope_attention_equals_composed(G, D, qk_norm, batch):
             np.testing.assert_array_equal(got[2], ref[2], err_msg=f"v cache, {what}")
         pad_rows = c["positions"] < 0
         assert not f32(got[0][pad_rows]).any()                                      # padding: zeros
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,heads", [(8, 4), (8, 2), (8, 1), (4, 2), (4, 1), (2, 1)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_fewer_heads_per_cta_same_bits(G, heads, fused):
+    """A head group split over G/heads CTAs (small grids) runs each head's arithmetic unchanged: output,
+    K and V cache bit-identical to one CTA per KV head, at 1 and many splits, with padding rows."""
+    import cupy as cp
+
+    D, Hkv = 128, 2
+    rng = np.random.default_rng(G * 10 + heads + fused)
+    c = decode_case(rng, D, G * Hkv, Hkv, [4100, 300, 17, 1, 129], pad=2)
+    for splits in (1, 5, 64):
+        ref = run_decode(cp, c, G * Hkv, Hkv, D, splits, True, fused)
+        got = run_decode(cp, c, G * Hkv, Hkv, D, splits, True, fused, heads=heads)
+        for a, b, what in zip(got, ref, ("out", "k cache", "v cache")):
+            np.testing.assert_array_equal(a, b, err_msg=f"{what}, {splits} splits, {heads} heads per CTA")
 
 
 @pytest.mark.gpu
@@ -210,16 +232,18 @@ class GpuOpsProbe(GpuOps):
         self.calls.append(("launch", k, grid))
 
 
-@pytest.mark.parametrize("lens,pad_to,fast,fused", [
-    ([1], None, True, True),                 # batch-1 decode
-    ([1, 1, 1], 8, True, True),              # a decode graph: 3 sequences padded to 8 rows
-    ([1, 1, 1], None, False, False),         # the decode kernel switched off
-    ([1, 1], None, "no rope", False),        # the fused path switched off (bench A/B)
-    ([1] * 20, 64, True, False),             # 4 splits x 2 KV heads x 64 rows: over FUSED_ROPE_MAX_CTAS
-    ([4], None, True, False),                # a prefill chunk: later tokens read earlier tokens' keys
-    ([1, 3, 1], None, True, False),          # a mixed step
+@pytest.mark.parametrize("lens,pad_to,fast,fused,heads", [
+    ([1], None, True, True, 2),              # batch-1 decode: 2 (token, KV head) rows, 2 heads a CTA
+    ([1, 1, 1], 8, True, True, 2),           # a decode graph: 3 sequences padded to 8 rows (16 rows < 132 / 4)
+    ([1] * 20, None, True, True, 4),         # 40 rows: a quarter of the SMs and more, whole groups
+    ([1] * 16, None, True, True, 2),         # 32 rows: under a quarter of 132
+    ([1, 1, 1], None, False, False, 0),      # the decode kernel switched off
+    ([1, 1], None, "no rope", False, 0),     # the fused path switched off (bench A/B)
+    ([1] * 20, 64, True, False, 0),          # 4 splits x 2 KV heads x 64 rows: over FUSED_ROPE_MAX_CTAS
+    ([4], None, True, False, 0),             # a prefill chunk: later tokens read earlier tokens' keys
+    ([1, 3, 1], None, True, False, 0),       # a mixed step
 ])
-def test_gpu_rope_attention_routing(monkeypatch, lens, pad_to, fast, fused):
+def test_gpu_rope_attention_routing(monkeypatch, lens, pad_to, fast, fused, heads):
     from engine.executor import gpu_ops
 
     monkeypatch.setattr(gpu_ops, "kernel", lambda name, entry, **defines: (name, entry, tuple(sorted(defines.items()))))
@@ -229,8 +253,9 @@ def test_gpu_rope_attention_routing(monkeypatch, lens, pad_to, fast, fused):
     assert ctx.decode_only == (max(lens) == 1)
     out = ops.rope_attention("qkv", SPEC, ctx, q_norm="qn", k_norm="kn")
     if fused:
-        entry = ("paged_decode", "rope_paged_decode_attention", (("GQA", 4), ("HEAD_DIM", 64)))
-        assert ops.calls == [("launch", entry, (ctx.num_tokens, 4, 2))]
+        defines = (("GQA", 4),) + ((("HEADS", heads),) if heads != 4 else ()) + (("HEAD_DIM", 64),)
+        entry = ("paged_decode", "rope_paged_decode_attention", defines)
+        assert ops.calls == [("launch", entry, (ctx.num_tokens, 4, 2 * 4 // heads))]
         assert out.shape == (ctx.num_tokens, 8 * 64)
     else:
         assert [c[0] for c in ops.calls] == ["qkv_rope_cache", "attention"] and out == "o"

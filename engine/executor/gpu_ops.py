@@ -51,19 +51,35 @@ def splitk_norm_threads(hidden: int) -> int:
     return min(1024, -(-hidden // 256) * 32)
 
 
-def attention_splits(num_tokens: int, num_kv_heads: int, max_context: int, max_splits: int, num_sms: int) -> int:
+def attention_splits(num_tokens: int, num_kv_heads: int, max_context: int, max_splits: int, num_sms: int,
+                     groups: int = 1) -> int:
     """KV splits per (token, KV head): enough blocks to fill the SMs twice, none shorter than one
     16-token block (a split walks its keys serially, so short contexts want many short splits:
     batch-1 decode at 129 tokens with one split per head took 116 µs per layer, latency-bound).
     paged_decode.cu (max_splits == MAX_DECODE_SPLITS) walks 32 keys per CTA pass and merges the splits
     itself: it takes one split once the (token, KV head) CTAs fill the SMs once, and none shorter than
     32 keys (H200, Qwen3-4B in a decode graph: batch 32 at 256 tokens 28.1 -> 20.3 µs per layer with
-    1 split instead of 2; batch 1 at 256 tokens 10.0 -> 9.0 µs with 8 instead of 16)."""
+    1 split instead of 2; batch 1 at 256 tokens 10.0 -> 9.0 µs with 8 instead of 16). groups: CTAs per
+    (token, KV head) beside the splits (paged_decode.cu's head groups, decode_heads_per_cta)."""
     fast = max_splits == MAX_DECODE_SPLITS
-    if num_tokens * num_kv_heads >= (1 if fast else 2) * num_sms:
+    rows = num_tokens * num_kv_heads * groups
+    if rows >= (1 if fast else 2) * num_sms:
         return 1
-    want = -(-2 * num_sms // (num_tokens * num_kv_heads))
+    want = -(-2 * num_sms // rows)
     return max(1, min(max_splits, want, -(-max_context // (32 if fast else 16))))
+
+
+def decode_heads_per_cta(num_tokens: int, num_kv_heads: int, group: int, num_sms: int) -> int:
+    """Query heads per CTA of paged_decode.cu (its HEADS): 2 where the step's (token, KV head) rows are
+    fewer than a quarter of the SMs (batch-1-like grids, whose CTAs are latency-bound serial chains of
+    dots, P·V and merges over `group` heads), else the whole group. H200, batch 1 in a decode graph
+    (bench/results/moe.md, 2026-12-04 14:18 UTC), µs a layer at 1k / 2k / 8k keys: Qwen3-30B-A3B (group 8)
+    64 splits x 8 heads 31.9 / 32.9 / 39.4, 16 splits x 2 heads 10.0 / 11.5 / 21.0; Qwen3-4B (group 4) 33
+    x 4 13.3 / 15.3 / 24.5, 16 x 2 10.0 / 11.8 / 21.9. The other head groups' CTAs read each K/V row
+    again, from L2."""
+    if group > 2 and group % 2 == 0 and 4 * num_tokens * num_kv_heads < num_sms:
+        return 2
+    return group
 
 
 def decode_attention_fits(group: int, head_dim: int) -> bool:
@@ -114,6 +130,7 @@ class GpuStepContext:
 class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
     op_ranges = False                       # NVTX range per op (op_range; eager steps)
     decode_defines: dict = {}               # paged_decode.cu build options (-D; benchmarks' A/B: STAGES, MIN_CTAS)
+    decode_heads = 0                        # > 0: paged_decode.cu's heads per CTA (benchmarks' A/B), else decode_heads_per_cta
     kv_layer_events = None                  # per-layer events of a restore in flight (the executor sets them)
 
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
@@ -154,7 +171,7 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         self.k_merge = kernel("paged_attention", "attention_merge")
         self.num_heads, self.head_dim = num_heads, head_dim
         self.fast_attention = fast_attention   # paged_decode.cu instead of paged_attention_split
-        self._decode_kernels: dict[tuple[int, str], object] = {}
+        self._decode_kernels: dict[tuple[int, str, int], object] = {}
         self.fused_rope = True      # rope_attention in one kernel on decode steps (off: compose, for A/B)
 
     # ---- buffers -----------------------------------------------------------------------------
@@ -259,15 +276,29 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
                       ctx.positions, ctx.slot_mapping, q, kc, vc, np.int32(Hq), np.int32(Hkv), np.int32(D)))
         return q
 
-    def _decode_kernel(self, num_kv_heads: int, entry: str = "paged_decode_attention"):
-        """A paged_decode.cu entry for this model's group size, or None (switched off / no fit)."""
+    def _decode_kernel(self, num_kv_heads: int, entry: str = "paged_decode_attention", heads: int = 0):
+        """A paged_decode.cu entry for this model's group size (``heads`` query heads per CTA; 0: the
+        whole group), or None (switched off / no fit)."""
         group = self.num_heads // num_kv_heads
         if not self.fast_attention or not decode_attention_fits(group, self.head_dim):
             return None
-        if (group, entry) not in self._decode_kernels:
-            self._decode_kernels[group, entry] = kernel("paged_decode", entry, GQA=group, HEAD_DIM=self.head_dim,
-                                                        **self.decode_defines)
-        return self._decode_kernels[group, entry]
+        heads = heads or group
+        if group % heads:
+            raise ValueError(f"paged_decode.cu: {heads} heads per CTA do not divide the group of {group}")
+        if (group, entry, heads) not in self._decode_kernels:
+            extra = {"HEADS": heads} if heads != group else {}
+            self._decode_kernels[group, entry, heads] = kernel("paged_decode", entry, GQA=group,
+                                                               HEAD_DIM=self.head_dim, **extra, **self.decode_defines)
+        return self._decode_kernels[group, entry, heads]
+
+    def _heads_per_cta(self, num_tokens: int, num_kv_heads: int) -> int:
+        """paged_decode.cu's query heads per CTA for a step of num_tokens query rows (decode_heads_per_cta,
+        or the benchmarks' override)."""
+        group = self.num_heads // num_kv_heads
+        return self.decode_heads or decode_heads_per_cta(num_tokens, num_kv_heads, group, self.num_sms)
+
+    def _decode_heads(self, spec: AttentionSpec, ctx: GpuStepContext) -> int:
+        return self._heads_per_cta(ctx.num_tokens, spec.num_kv_heads)
 
     def _rope_decode_kernel(self, spec: AttentionSpec, ctx: GpuStepContext):
         """paged_decode.cu's fused q/k norm + rope + KV write + attention entry, when the step is decode
@@ -277,13 +308,16 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
                 or spec.num_heads != self.num_heads
                 or ctx.num_splits * spec.num_kv_heads * ctx.num_tokens > FUSED_ROPE_CTAS_PER_SM * self.num_sms):
             return None
-        return self._decode_kernel(spec.num_kv_heads, "rope_paged_decode_attention")
+        return self._decode_kernel(spec.num_kv_heads, "rope_paged_decode_attention", self._decode_heads(spec, ctx))
 
     def splits(self, num_tokens: int, num_kv_heads: int, max_context: int) -> int:
         """The step's KV split count for the attention kernel in use."""
-        fast = self.fast_attention and decode_attention_fits(self.num_heads // num_kv_heads, self.head_dim)
+        group = self.num_heads // num_kv_heads
+        fast = self.fast_attention and decode_attention_fits(group, self.head_dim)
+        mla = getattr(self, "mla", None) is not None          # mla_decode.cu sizes its own head groups
+        groups = group // self._heads_per_cta(num_tokens, num_kv_heads) if fast and not mla else 1
         return attention_splits(num_tokens, num_kv_heads, max_context, MAX_DECODE_SPLITS if fast else MAX_SPLITS,
-                                self.num_sms)
+                                self.num_sms, groups)
 
     def _check_attention(self, spec: AttentionSpec, ctx: GpuStepContext) -> None:
         Hq, Hkv, D, S = spec.num_heads, spec.num_kv_heads, spec.head_dim, ctx.num_splits
@@ -312,7 +346,8 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         self._check_attention(spec, ctx)
         T, null = ctx.num_tokens, np.uint64(0)
         out = self._out(T, spec.num_heads * spec.head_dim)
-        self._launch(fused, (T, ctx.num_splits, spec.num_kv_heads), (128,),
+        groups = spec.num_heads // spec.num_kv_heads // self._decode_heads(spec, ctx)
+        self._launch(fused, (T, ctx.num_splits, spec.num_kv_heads * groups), (128,),
                      (qkv, q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
                       np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor), ctx.slot_mapping)
                      + self._decode_args(spec, ctx, out))
@@ -343,9 +378,10 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         S = ctx.num_splits
         self._check_attention(spec, ctx)
         kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
-        fast = self._decode_kernel(Hkv) if D == self.head_dim else None
+        heads = self._decode_heads(spec, ctx)
+        fast = self._decode_kernel(Hkv, heads=heads) if D == self.head_dim else None
         if fast is not None:
-            self._launch(fast, (T, S, Hkv), (128,), (q,) + self._decode_args(spec, ctx, out))
+            self._launch(fast, (T, S, Hkv * (Hq // Hkv // heads)), (128,), (q,) + self._decode_args(spec, ctx, out))
             return
         self._launch(self.k_attn, (S, Hkv, T), (128,),
                      (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq,

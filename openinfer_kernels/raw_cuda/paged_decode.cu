@@ -1,9 +1,13 @@
 // Paged decode attention shaped for bandwidth: same contract as paged_attention_split (query token t of
 // sequence token_seq[t] at position positions[t] attends to KV positions [0, positions[t]] through the
 // 16-token block table; padded tokens, positions[t] < 0, give zeros), built for many keys in flight.
-// Compiled per (GQA = Hq/Hkv, HEAD_DIM) with -D options, so q, the accumulators and the loads live in
-// registers. Grid (T, num_splits, Hkv), 4 warps: one CTA per (token, KV split, KV head) serves all GQA
-// query heads of the group from one read of each K and V row. The token is the fastest grid index, so the
+// Compiled per (GQA = Hq/Hkv, HEAD_DIM, HEADS) with -D options, so q, the accumulators and the loads live
+// in registers. Grid (T, num_splits, Hkv·GQA/HEADS), 4 warps: one CTA per (token, KV split, KV head, head
+// group) serves HEADS query heads of the group from one read of each K and V row. HEADS = GQA (the
+// default) reads each K/V row once per split; a smaller HEADS (small grids: batch 1, few KV heads) gives
+// GQA/HEADS CTAs per (split, KV head), each with a shorter serial chain of dots, softmax, P·V and merge
+// (at batch 1 the CTAs are latency-bound: Qwen3-30B-A3B, GQA 8, 20 CTAs of 4 warps, one warp per
+// scheduler issuing every 6.4 cycles; the repeated K/V reads hit L2). The token is the fastest grid index, so the
 // CTAs of one (split, KV head) start together: the query rows of one sequence (a chunk, a prefix hit's
 // recomputed block) read the same K/V rows at about the same time, once from DRAM and then from L2,
 // instead of once per row.
@@ -34,6 +38,11 @@
 // the fused entry adds (GQA + 2)·D·2 bytes of the qkv row per CTA (L2-resident: the GEMV just wrote it).
 #include "rope.cuh"      // norm_rope_head (and common.cuh)
 #include "attention_shape.cuh"   // GQA, HEAD_DIM, WARPS, NTHREADS
+#ifndef HEADS
+#define HEADS GQA                                        // query heads per CTA (a divisor of GQA)
+#endif
+#define GROUPS (GQA / HEADS)                             // CTAs per (token, split, KV head)
+static_assert(GQA % HEADS == 0, "HEADS divides the group");
 #define VEC 8                                            // bf16 per 16-byte load
 #define DV (HEAD_DIM / VEC)
 #define KEY_LANES ((DV <= 16 && (DV & (DV - 1)) == 0) ? DV : 16)
@@ -46,12 +55,12 @@
 #define STAGES (CHUNKS == 1 ? 2 : 1)                     // stages per warp's shared-memory ring
 #endif
 #ifndef MIN_CTAS                                         // __launch_bounds__: CTAs per SM the registers allow
-#define MIN_CTAS (GQA * CHUNKS <= 4 ? 4 : 1)             // GQA 4 x D 128: 128 registers, no spills
+#define MIN_CTAS (HEADS * CHUNKS <= 4 ? 4 : 1)           // 4 heads x D 128: 128 registers, no spills
 #endif
 #define KEYS_PER_ITER (KEYS_PER_PASS * UNROLL)
 #define STAGE_VECS (UNROLL * CHUNKS * 2 * 32)             // 16-byte K and V pieces of one stage, per warp
 #define RING_BYTES_PER_WARP (STAGES * STAGE_VECS * 16)
-static_assert(GQA * HEAD_DIM * 4 <= RING_BYTES_PER_WARP, "a warp's partial output fits its ring");
+static_assert(HEADS * HEAD_DIM * 4 <= RING_BYTES_PER_WARP, "a warp's partial output fits its ring");
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 #define MAX_SPLITS 64                                    // gpu_ops.MAX_DECODE_SPLITS
@@ -93,19 +102,20 @@ struct RopeArgs {
     const int* slot_mapping;      // [T]: the KV slot of the step's own key (< 0: padding, not written)
 };
 
-// Fused prologue (one step = one query token per sequence): the group's query heads, normed and
-// roped from the qkv row into q_s; the split that holds position ctx − 1 (the step's own key) also
-// builds that key and value into kv_s and writes them to the cache at slot_mapping[t]. Returns the
-// position whose key and value come from kv_s (-1 for the other splits).
-__device__ __forceinline__ int rope_prologue(const RopeArgs& r, int t, int kvh, int num_kv_heads, int ctx,
-                                             bool owner, bf16_t (*q_s)[HEAD_DIM], bf16_t (*kv_s)[HEAD_DIM],
-                                             bf16_t* k_cache, bf16_t* v_cache) {
+// Fused prologue (one step = one query token per sequence): the CTA's HEADS query heads (from head0),
+// normed and roped from the qkv row into q_s; the split that holds position ctx − 1 (the step's own
+// key) also builds that key and value into kv_s, and its first head group's CTA (writer) writes them to
+// the cache at slot_mapping[t] (the other groups' CTAs of that split take them from kv_s too, never
+// from the cache). Returns the position whose key and value come from kv_s (-1 for the other splits).
+__device__ __forceinline__ int rope_prologue(const RopeArgs& r, int t, int kvh, int head0, int num_kv_heads,
+                                             int ctx, bool owner, bool writer, bf16_t (*q_s)[HEAD_DIM],
+                                             bf16_t (*kv_s)[HEAD_DIM], bf16_t* k_cache, bf16_t* v_cache) {
     const int num_heads = num_kv_heads * GQA, warp = threadIdx.x >> 5;
     const bf16_t* row = r.qkv + (size_t)t * (num_heads + 2 * num_kv_heads) * HEAD_DIM;
     const float pos = (float)(ctx - 1);
-    for (int j = warp; j < GQA + (owner ? 1 : 0); j += WARPS) {
-        if (j < GQA)
-            norm_rope_head(row + (size_t)(kvh * GQA + j) * HEAD_DIM, q_s[j], r.q_norm_w, r.eps, r.inv_freq,
+    for (int j = warp; j < HEADS + (owner ? 1 : 0); j += WARPS) {
+        if (j < HEADS)
+            norm_rope_head(row + (size_t)(head0 + j) * HEAD_DIM, q_s[j], r.q_norm_w, r.eps, r.inv_freq,
                            r.attn_factor, pos, HEAD_DIM);
         else
             norm_rope_head(row + (size_t)(num_heads + kvh) * HEAD_DIM, kv_s[0], r.k_norm_w, r.eps, r.inv_freq,
@@ -117,7 +127,7 @@ __device__ __forceinline__ int rope_prologue(const RopeArgs& r, int t, int kvh, 
     __syncthreads();
     if (!owner) return -1;
     const int slot = r.slot_mapping[t];
-    if (slot >= 0) {
+    if (slot >= 0 && writer) {                              // one head group's CTA writes the key
         const size_t off = ((size_t)slot * num_kv_heads + kvh) * HEAD_DIM;
         for (int i = threadIdx.x; i < HEAD_DIM; i += NTHREADS) {
             k_cache[off + i] = kv_s[0][i];
@@ -140,14 +150,14 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
     // Each warp's ring of STAGES stages (lane-private 16-byte pieces: [stage][u][c][K|V][lane]); after
     // the key loop the same bytes hold the warp's partial output for the merge (acc of warp w at w's ring).
     __shared__ __align__(16) uint4 ring[WARPS][STAGES * STAGE_VECS];
-    __shared__ float m_s[WARPS][GQA], l_s[WARPS][GQA];
-    __shared__ float weight_s[GQA][MAX_SPLITS];
+    __shared__ float m_s[WARPS][HEADS], l_s[WARPS][HEADS];
+    __shared__ float weight_s[HEADS][MAX_SPLITS];
     __shared__ int is_last;
-    __shared__ __align__(16) bf16_t q_s[ROPE ? GQA : 1][HEAD_DIM];
+    __shared__ __align__(16) bf16_t q_s[ROPE ? HEADS : 1][HEAD_DIM];
     __shared__ __align__(16) bf16_t kv_s[ROPE ? 2 : 1][HEAD_DIM];
 
-    const int t = blockIdx.x, split = blockIdx.y, kvh = blockIdx.z, S = gridDim.y;
-    const int num_heads = num_kv_heads * GQA;
+    const int t = blockIdx.x, split = blockIdx.y, kvh = blockIdx.z / GROUPS, hg = blockIdx.z % GROUPS;
+    const int S = gridDim.y, num_heads = num_kv_heads * GQA, head0 = kvh * GQA + hg * HEADS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int key = lane / KEY_LANES, sub = lane % KEY_LANES;
     const int ctx = positions[t] + 1;                       // 0 for padded tokens
@@ -180,12 +190,13 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
 
     int fresh = -1;                                         // the key taken from kv_s (ROPE)
     if (ROPE)
-        fresh = rope_prologue(r, t, kvh, num_kv_heads, ctx, start < end && end == ctx, q_s, kv_s, k_cache, v_cache);
-    const bf16_t* qg = ROPE ? &q_s[0][0] : q + ((size_t)t * num_heads + (size_t)kvh * GQA) * HEAD_DIM;
+        fresh = rope_prologue(r, t, kvh, head0, num_kv_heads, ctx, start < end && end == ctx, hg == 0, q_s, kv_s,
+                              k_cache, v_cache);
+    const bf16_t* qg = ROPE ? &q_s[0][0] : q + ((size_t)t * num_heads + head0) * HEAD_DIM;
     // This lane's slices of the group's query heads, scaled into the log2 domain.
-    float qf[GQA][CHUNKS][VEC];
+    float qf[HEADS][CHUNKS][VEC];
     #pragma unroll
-    for (int g = 0; g < GQA; ++g)
+    for (int g = 0; g < HEADS; ++g)
         #pragma unroll
         for (int c = 0; c < CHUNKS; ++c) {
             const int d0 = (c * KEY_LANES + sub) * VEC;
@@ -195,9 +206,9 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
             #pragma unroll
             for (int e = 0; e < VEC; ++e) qf[g][c][e] *= scale * LOG2E;
         }
-    float acc[GQA][CHUNKS][VEC], m[GQA], l[GQA];
+    float acc[HEADS][CHUNKS][VEC], m[HEADS], l[HEADS];
     #pragma unroll
-    for (int g = 0; g < GQA; ++g) {
+    for (int g = 0; g < HEADS; ++g) {
         m[g] = -INFINITY;
         l[g] = 0.f;
         #pragma unroll
@@ -238,7 +249,7 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
     for (int base = first; base < end; base += stride, ahead += stride) {
         issue((stage + STAGES - 1) % STAGES, ahead);       // the stage the previous iteration consumed
         cp_async_wait<STAGES - 1>();
-        float s[UNROLL][GQA];
+        float s[UNROLL][HEADS];
         #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const bool valid = base + u * KEYS_PER_PASS + key < end;
@@ -252,7 +263,7 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
                 unpack8(kr, kf[c]);
             }
             #pragma unroll
-            for (int g = 0; g < GQA; ++g) {
+            for (int g = 0; g < HEADS; ++g) {
                 float dot = 0.f;
                 #pragma unroll
                 for (int c = 0; c < CHUNKS; ++c)
@@ -263,7 +274,7 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
             }
         }
         #pragma unroll
-        for (int g = 0; g < GQA; ++g) {
+        for (int g = 0; g < HEADS; ++g) {
             float mx = s[0][g];
             #pragma unroll
             for (int u = 1; u < UNROLL; ++u) mx = fmaxf(mx, s[u][g]);
@@ -292,7 +303,7 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
                 float vf[VEC];
                 unpack8(vr, vf);
                 #pragma unroll
-                for (int g = 0; g < GQA; ++g)
+                for (int g = 0; g < HEADS; ++g)
                     #pragma unroll
                     for (int e = 0; e < VEC; ++e) acc[g][c][e] = fmaf(s[u][g], vf[e], acc[g][c][e]);
             }
@@ -303,7 +314,7 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
     auto acc_w = [&](int w) { return reinterpret_cast<float (*)[HEAD_DIM]>(ring[w]); };
     // Warp totals: every key lane-group of the warp shares the warp's running max.
     #pragma unroll
-    for (int g = 0; g < GQA; ++g) {
+    for (int g = 0; g < HEADS; ++g) {
         l[g] = across_keys_sum(l[g]);
         #pragma unroll
         for (int c = 0; c < CHUNKS; ++c)
@@ -322,7 +333,7 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
     }
     __syncthreads();
     // Merge the warps: one thread per (head of the group, d).
-    for (int i = threadIdx.x; i < GQA * HEAD_DIM; i += NTHREADS) {
+    for (int i = threadIdx.x; i < HEADS * HEAD_DIM; i += NTHREADS) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
         float mx = -INFINITY;
         #pragma unroll
@@ -336,7 +347,7 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
                 sum += l_s[w][g] * f;
             }
         }
-        const size_t head = (size_t)t * num_heads + (size_t)kvh * GQA + g;
+        const size_t head = (size_t)t * num_heads + head0 + g;
         if (S == 1) {
             out[head * HEAD_DIM + d] = f_to_bf16(sum > 0.f ? o / sum : 0.f);
         } else {
@@ -348,23 +359,23 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
     if (S == 1) return;
     __threadfence();                                        // this CTA's partials, visible before its ticket
     __syncthreads();
-    int* counter = counters + (size_t)t * num_kv_heads + kvh;
+    int* counter = counters + ((size_t)t * num_kv_heads + kvh) * GROUPS + hg;
     if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == S - 1;
     __syncthreads();
     if (!is_last) return;
     __threadfence();
     // The last CTA: per head, the splits' weights e^(m_s − m) / Σ e^(m_s − m)·l_s (one warp per head) ...
-    for (int g = warp; g < GQA; g += WARPS) {
-        const size_t rows = ((size_t)t * num_heads + (size_t)kvh * GQA + g) * S;
+    for (int g = warp; g < HEADS; g += WARPS) {
+        const size_t rows = ((size_t)t * num_heads + head0 + g) * S;
         split_weights(part_max + rows, part_sum + rows, S, weight_s[g], lane);
     }
     __syncthreads();
     // ... then o[head, d] = Σ_s weight_s · out_s[d] over the non-empty splits (the first `live`; an
     // empty split's partial is 0), unrolled without branches so the L2 reads overlap.
     const int live = per_split > 0 ? min(S, (ctx + per_split - 1) / per_split) : 0;
-    for (int i = threadIdx.x; i < GQA * HEAD_DIM; i += NTHREADS) {
+    for (int i = threadIdx.x; i < HEADS * HEAD_DIM; i += NTHREADS) {
         const int g = i / HEAD_DIM, d = i % HEAD_DIM;
-        const size_t head = (size_t)t * num_heads + (size_t)kvh * GQA + g;
+        const size_t head = (size_t)t * num_heads + head0 + g;
         const float* src = part_out + head * S * HEAD_DIM + d;
         float o = 0.f;
         #pragma unroll 8
