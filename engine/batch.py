@@ -77,6 +77,19 @@ class ModelBatch:
     def is_decode_only(self) -> bool:
         return self.num_tokens == len(self.seqs)       # every step feeds >= 1 token (build checks)
 
+    def fed_rows(self) -> int:
+        """The leading rows of a step queued before the step ahead of it finished (async scheduling): one
+        token each, its id the placeholder -1, taken on the device from that step's sampled ids row for
+        row; the rows after them (prompts admitted with the plan) carry their own ids. ValueError where
+        placeholders are not exactly such leading one-token rows."""
+        placeholders = self.input_ids < 0
+        fed = int(placeholders.sum())
+        if fed == 0 or placeholders[fed:].any() or not placeholders[:fed].all() or len(self.seqs) < fed:
+            raise ValueError("a fed step's placeholder ids (-1) must be its leading rows, one token each")
+        if int(self.cu_seqlens[fed]) != fed:
+            raise ValueError("a fed step's placeholder rows must be one-token rows")
+        return fed
+
     @classmethod
     def build(cls, seqs: list[SeqStep], lora_slots: dict[int, int] | None = None) -> "ModelBatch":
         """A few Python passes over the steps for their sizes; the per-token and per-block arrays

@@ -117,6 +117,7 @@ class EngineLoop:
         self._inflight: tuple | None = None    # async scheduling: (plan, batch, pending) already queued
         self._async = config.async_scheduling and config.overlap_steps and executor.supports_fed_steps
         self._planned_steps = 0
+        self._admitted_ahead = 0                # prompts admitted into steps launched ahead
         self._tier_copy_s = 0.0                # host time in the host tier's copy_blocks
         self.trace = StepTrace(config.step_trace) if config.step_trace else NoTrace()
 
@@ -309,9 +310,10 @@ class EngineLoop:
         self._publish_stats()
 
     def _launch_ahead(self, out: SchedulerOutput) -> bool:
-        """Async scheduling: plan the next decode step and queue it now, its input ids taken on the
-        device from `out`'s sampled ids (a sequence that ends at `out` by a stop token or string
-        computes one token more, which is dropped). False where no such step can be planned."""
+        """Async scheduling: plan the next step and queue it now, its decode rows' input ids taken on
+        the device from `out`'s sampled ids (a sequence that ends at `out` by a stop token or string
+        computes one token more, which is dropped), waiting prompts admitted after them with their own
+        ids. False where no such step can be planned."""
         plan = self.scheduler.plan_decode_ahead(out, fed=True)
         if plan is None:
             return False
@@ -319,6 +321,7 @@ class EngineLoop:
         batch = self._build(plan.steps)
         self._inflight = (plan, batch, self.executor.submit(batch, fed=True))
         self._planned_steps += 1
+        self._admitted_ahead += len(plan.admitted)
         return True
 
     def _build(self, steps) -> ModelBatch:
@@ -382,7 +385,7 @@ class EngineLoop:
             prefix_cache_hits=bm.hit_tokens, prompt_tokens_total=self.outputs.prompt_tokens,
             generation_tokens_total=self.outputs.generation_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps,
-            num_steps_planned_ahead=self._planned_steps,
+            num_steps_planned_ahead=self._planned_steps, num_prompts_admitted_ahead=self._admitted_ahead,
             host_kv_stored_blocks=tier.stored_blocks if tier else 0,
             host_kv_restored_blocks=tier.restored_blocks if tier else 0,
             prefix_cache_host_hits=tier.restored_blocks * BLOCK_SIZE if tier else 0,

@@ -113,6 +113,12 @@ class Scheduler(HostTierCopies):
             i += 1
         if out.preempted:
             return out
+        self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Waiting sequences join `out` (FCFS) while the token budget, max_num_seqs and the KV pool allow;
+        a sequence whose LoRA adapter cannot join is passed over, keeping its place."""
         loras, skipped = self._running_loras(), []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -136,7 +142,6 @@ class Scheduler(HostTierCopies):
                     s.block_table += self.bm.allocate(need)
                     budget -= self._add_step(s, n, out)
         self.waiting.extendleft(reversed(skipped))
-        return out
 
     def _running_loras(self) -> set[int]:
         """The LoRA adapters (ids) among the running sequences (none tracked without max_loras)."""
@@ -287,10 +292,13 @@ class Scheduler(HostTierCopies):
         fed (async scheduling: the plan is launched before `out`'s tokens are known, its ids taken from
         out's on the device): also None when a sequence's token of `out` is its last by max_tokens, so
         no planned position runs past what admission allowed, or when a sequence has a grammar (its
-        mask needs out's token) or penalties (repetition, frequency, presence: they count out's token)."""
+        mask needs out's token) or penalties (repetition, frequency, presence: they count out's token);
+        and waiting sequences may join it, after the decodes, as schedule() admits them (a mixed step
+        queued behind the step before it: its prompts' ids are known; a sequence that `out` ends takes
+        its place in max_num_seqs until the step after)."""
         running = self.running
-        if (not self._admission_closed() or len(out.seqs) != len(running) or self.loading or self._draining
-                or len(running) > self.max_num_batched_tokens):
+        if ((not fed and not self._admission_closed()) or len(out.seqs) != len(running) or self.loading
+                or self._draining or len(running) > self.max_num_batched_tokens):
             return None                          # (loading sequences join through schedule())
         need = 0
         for seq, step, run in zip(out.seqs, out.steps, running):
@@ -314,6 +322,8 @@ class Scheduler(HostTierCopies):
                 block_array=seq.block_table_array(), sample=True, params=seq.params,
                 prompt_len=seq.prompt_len, history=seq.token_ids, num_generated=step.num_generated + 1,
                 lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar))
+        if fed:
+            self._admit_waiting(plan, self.max_num_batched_tokens - len(plan.steps))
         return plan
 
     def _admission_closed(self) -> bool:

@@ -18,6 +18,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_steps_planned_ahead: int = 0    # decode steps scheduled while the previous one ran
+    num_prompts_admitted_ahead: int = 0  # prompts joining such a step (async scheduling's mixed steps)
     host_kv_stored_blocks: int = 0      # host KV tier: evicted blocks kept, blocks copied back
     host_kv_restored_blocks: int = 0
     prefix_cache_host_hits: int = 0     # of prefix_cache_hits, tokens restored from the host tier

@@ -121,3 +121,19 @@ def test_sequence_table_array_follows_its_list():
     child = seq.fork(2, 1)
     child.block_table += [11]
     assert child.block_table_array().tolist() == [11] and seq.block_table_array().tolist() == []
+
+
+def test_fed_rows_are_the_leading_placeholder_rows():
+    """A step queued before the one ahead of it finished (async scheduling): its leading one-token rows
+    carry the placeholder -1 (ids taken on the device); admitted prompts after them carry their own."""
+    def step(sid, ids, start):
+        return SeqStep(seq_id=sid, token_ids=ids, start_pos=start, block_table=[sid], sample=True)
+
+    mixed = ModelBatch.build([step(0, [-1], 5), step(1, [-1], 9), step(2, [7, 8, 9], 0)])
+    assert mixed.fed_rows() == 2
+    assert ModelBatch.build([step(0, [-1], 5), step(1, [-1], 3)]).fed_rows() == 2
+    for bad in ([step(0, [4], 5), step(1, [-1], 9)],          # a placeholder after a row with its own id
+                [step(0, [-1, -1], 5)],                      # a placeholder row of two tokens
+                [step(0, [3], 5)]):                          # nothing to feed
+        with pytest.raises(ValueError, match="fed step"):
+            ModelBatch.build(bad).fed_rows()

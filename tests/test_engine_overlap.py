@@ -18,9 +18,10 @@ class LaunchedStep:
 
     def result(self):
         self.executor.log.append(("result", len(self.executor.steps)))
-        if self.fed:        # the input ids are the sampled ids of the step run just before, row for row
-            assert self.batch.is_decode_only and (self.batch.input_ids == -1).all()
-            self.batch.input_ids[:] = self.executor.last_ids[:self.batch.num_tokens]
+        if self.fed:        # the leading rows' ids are the sampled ids of the step run just before, row for row
+            fed = self.batch.fed_rows()
+            self.executor.fed_rows.append((fed, self.batch.num_tokens))
+            self.batch.input_ids[:fed] = self.executor.last_ids[:fed]
         out = self.executor.execute(self.batch)
         self.executor.last_ids = [t.token_id for t in out.sampled]
         return out
@@ -35,6 +36,7 @@ class AsyncFakeExecutor(FakeExecutor):
         self.log: list[tuple] = []
         self.last_ids: list[int] = []
         self.fed_steps = 0
+        self.fed_rows: list[tuple[int, int]] = []     # (fed rows, tokens) of each fed step
 
     def submit(self, batch, fed: bool = False):
         self.log.append(("launch", len(self.steps)))
@@ -283,3 +285,84 @@ def test_the_first_decode_is_queued_behind_its_prefill():
     lagged = AsyncFakeExecutor()
     assert run(lagged, reqs, async_scheduling=True) == run(FakeExecutor(), reqs)
     assert lagged.fed_steps > 0
+
+
+def per_choice(events: list) -> dict:
+    """A client's events by choice (n > 1 samples stream interleaved in an order that follows the steps)."""
+    out: dict = {}
+    for e in events:
+        out.setdefault(getattr(e, "index", None), []).append(e)
+    return out
+
+
+def test_prompts_arriving_while_others_decode_join_steps_queued_ahead():
+    """Async scheduling with prompts arriving while others decode: each joins the step queued behind the
+    one running (a mixed step: the decodes' ids taken on the device, the prompt's from the host), through
+    prefix hits (whole and partial blocks), n > 1, stop ids and strings, logprobs, chunked prompts, a pool
+    small enough to preempt and a host KV tier: every client sees what a synchronous engine sends."""
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    shared = [int(t) for t in rng.integers(1, 250, 40)]
+    mixed_steps = 0
+    for trial in range(6):
+        reqs, arrivals = [], []
+        for i in range(12):
+            base = shared[: int(rng.integers(0, 40))] if rng.random() < 0.5 else []
+            prompt = base + [int(t) for t in rng.integers(1, 250, int(rng.integers(1, 30)))]
+            p = dict(max_tokens=int(rng.integers(1, 40)), temperature=float(rng.choice([0.0, 1.0])), seed=i,
+                     ignore_eos=bool(rng.random() < 0.7))
+            if rng.random() < 0.2:
+                p["n"] = 2
+            if rng.random() < 0.2:
+                p["stop"] = ["e"]
+            if rng.random() < 0.2:
+                p["stop_token_ids"] = [int(t) for t in rng.integers(1, 250, 5)]
+            if rng.random() < 0.2:
+                p["logprobs"] = 2
+            reqs.append(GenerateRequest(f"t{trial}r{i}", prompt, SamplingParams(**p)))
+            arrivals.append(int(rng.integers(0, 60)))
+        config = dict(max_num_seqs=int(rng.choice([3, 6])), max_num_batched_tokens=int(rng.choice([24, 64])))
+        blocks = int(rng.choice([24, 64]))
+        host = int(rng.choice([0, 16]))
+        ex = AsyncFakeExecutor(num_kv_blocks=blocks, host_kv_blocks=host)
+        engine = make_engine(ex, async_scheduling=True, host_kv_blocks=host, **config)
+        streams = {r.request_id: [] for r in reqs}
+        order = sorted(range(len(reqs)), key=lambda i: arrivals[i])
+        step = 0
+        while order or engine.has_work():
+            while order and arrivals[order[0]] <= step:
+                r = reqs[order.pop(0)]
+                engine.add_request(r, streams[r.request_id].append)
+            engine.drain_inbox()
+            if engine.has_work():
+                engine.step()
+            step += 1
+        sync = run(FakeExecutor(num_kv_blocks=blocks, host_kv_blocks=host), reqs, host_kv_blocks=host, **config)
+        assert {rid: per_choice(client_view(ev)) for rid, ev in streams.items()} == \
+            {rid: per_choice(ev) for rid, ev in sync.items()}, trial
+        mixed_steps += sum(fed < tokens for fed, tokens in ex.fed_rows)
+    assert mixed_steps > 10
+
+
+def test_a_prompt_arriving_during_a_decode_is_queued_with_the_next_decodes():
+    """Async scheduling: a prompt that arrives while a sequence decodes joins the step queued behind the
+    running one (its rows after the fed decode row), not a step scheduled after that one's result."""
+    ex = AsyncFakeExecutor()
+    engine = make_engine(ex)
+    a = submit(engine, GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)))
+    for _ in range(4):
+        engine.step()
+    b = submit(engine, GenerateRequest("b", list(range(20, 45)), SamplingParams(max_tokens=5, temperature=0.0,
+                                                                                ignore_eos=True)))
+    engine.step()                                  # runs the decode queued before b arrived, queues the mixed step
+    assert len(ex.steps[-1].seqs) == 1 and engine._inflight is not None
+    assert [len(s.token_ids) for s in engine._inflight[1].seqs] == [1, 25]
+    engine.step()                                  # the mixed step runs: a's id fed, b's 25 from the host
+    assert ex.fed_rows[-1] == (1, 26) and engine.stats().num_prompts_admitted_ahead == 1
+    run_until_idle(engine)
+    sync = run(FakeExecutor(), [GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=30, temperature=0.0,
+                                                                                ignore_eos=True)),
+                                GenerateRequest("b", list(range(20, 45)), SamplingParams(max_tokens=5, temperature=0.0,
+                                                                                         ignore_eos=True))])
+    assert client_view(a) == sync["a"] and client_view(b) == sync["b"]

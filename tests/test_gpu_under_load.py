@@ -53,3 +53,41 @@ def test_64_concurrent_requests_give_each_requests_greedy_output_alone():
         ref.close()
     print(f"{same}/{REQUESTS} requests identical under load and alone (the rest flip inside a tie, tol {tol:.3f})")
     assert same >= REQUESTS // 4          # ties are rare: most requests match token for token
+
+
+def test_requests_arriving_while_others_decode_join_steps_queued_ahead():
+    """Requests arriving a few milliseconds apart while others decode: async scheduling admits them into
+    the step queued behind the running one (a mixed eager step whose decode rows take their ids on the
+    device, the prompts' from the host). Each request's greedy output equals its output alone, up to ties."""
+    import queue
+    import time
+
+    from engine.request import GenerateRequest
+    from engine.handle import collect_events
+
+    model, seqs, o32, o16 = tiny_oracle(MODEL)
+    floor = np.abs(log_softmax(np.concatenate(o16)) - log_softmax(np.concatenate(o32)))
+    tol = max(MIN_TIE_TOL, float(np.percentile(floor, 99.9)))
+    rng = np.random.default_rng(21)
+    lengths = rng.integers(3, 200, 24).tolist()
+    prompts = random_sequences(model.config.vocab_size, lengths, seed=22)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS * 2, ignore_eos=True)
+    with engine() as h:
+        sinks = []
+        for i, p in enumerate(prompts):
+            q: queue.Queue = queue.Queue()
+            h.engine.add_request(GenerateRequest(f"arrive-{i}", list(p), params), q.put)
+            sinks.append((f"arrive-{i}", list(p), q))
+            time.sleep(0.004)
+        loaded = [collect_events(rid, ids, iter(q.get, None), 1).outputs[0].token_ids for rid, ids, q in sinks]
+        admitted_ahead = h.engine.stats().num_prompts_admitted_ahead
+    assert admitted_ahead > 0                               # mixed steps were queued ahead
+    with engine() as h:
+        alone = [h.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    ref = new_gpu_executor(model)
+    try:
+        same = sum(assert_same_or_tie(ref, p, a, b, tol, "arriving vs alone") for p, a, b in zip(prompts, loaded, alone))
+    finally:
+        ref.close()
+    print(f"{same}/{len(prompts)} identical; {admitted_ahead} prompts admitted into steps queued ahead")
+    assert same >= len(prompts) // 4

@@ -48,9 +48,10 @@ class Executor(Protocol):
         ...
 
     def submit(self, batch: ModelBatch, fed: bool = False) -> PendingStep:
-        """Launch one step; the caller's host work overlaps it until result(). fed: a decode step
-        whose input ids are the sampled ids of the step submitted just before it, row for row (async
-        scheduling: it is queued before those ids reach the caller)."""
+        """Launch one step; the caller's host work overlaps it until result(). fed: a step whose
+        leading rows' input ids (placeholders -1, ModelBatch.fed_rows) are the sampled ids of the step
+        submitted just before it, row for row (async scheduling: it is queued before those ids reach the
+        caller); prompts admitted with it follow those rows with their own ids."""
         ...
 
     def forward_logits(self, batch: ModelBatch) -> np.ndarray:

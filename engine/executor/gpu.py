@@ -284,11 +284,9 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
     def upload(self, batch: ModelBatch, pad_to: int | None = None, pad_tokens: int | None = None) -> GpuStepContext:
         """The step's inputs on the device (checked first; a fed step's ids come from the sampler);
         eager steps also plan prefill attention."""
-        fed = self._fed
+        fed = batch.fed_rows() if self._fed else 0
         self._fed = False
-        if fed and not batch.is_decode_only:
-            raise ValueError("a fed step must be a decode step (one token per sequence)")
-        self.inputs.check(batch, self.num_kv_blocks, check_ids=not fed)
+        self.inputs.check(batch, self.num_kv_blocks, skip_ids=fed)
         if self.num_state_slots:
             check_slots(batch.state_slots, self.num_state_slots)
         if batch.block_copies.size:                 # partial prefix hits: on the stream, before the step
@@ -296,7 +294,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
             with self.stream:
                 copy_pool_blocks(self.kv_cache, batch.block_copies)
         ctx = self.inputs.upload(batch, lambda T, ctx_len: self.ops.splits(T, self.plan.kv.heads, ctx_len), pad_to,
-                                 fed_ids=self.sampler.ids if fed else None, pad_tokens=pad_tokens)
+                                 fed_ids=(self.sampler.ids, fed) if fed else None, pad_tokens=pad_tokens)
         self.ops.use_lora(batch.lora_slots, ctx.num_tokens)
         if pad_to is None:
             ctx.batch = batch
@@ -307,7 +305,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
     def _hidden(self, batch: ModelBatch):
         """The step's final-normed hidden rows (the real rows first) and its context: replayed by token
         bucket where the piecewise graphs serve the step, else launched kernel by kernel."""
-        pw = self.piecewise
+        pw, fed = self.piecewise, self._fed
         self._kv_landed(layerwise=True)
         # a restore in flight holds the H2D copy engine: the step's inputs go in by a kernel meanwhile
         self._uploads_by_kernel(self.ops.kv_layer_events is not None)
@@ -318,6 +316,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
                     return pw.forward(ctx), ctx
                 except Exception:
                     self._drop_piecewise()
+                    self._fed = fed             # the eager upload below takes the fed ids again
             ctx = self.upload(batch)
             self.ops.reset()
             return self.model.forward(self.ops, self.weights, ctx), ctx
@@ -346,8 +345,9 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
     def submit(self, batch: ModelBatch, fed: bool = False) -> PendingStep:
         """Launch one step; it returns while the GPU runs it (its result() is the step's one sync),
         except an eager step with logit processing or prompt logprobs, which runs to the end here.
-        fed: a decode step whose input ids are the sampled ids of the step queued just before it, row
-        for row, taken on the device (the engine queues it before that step's ids reach the host)."""
+        fed: a step whose leading rows' input ids (placeholders, batch.fed_rows) are the sampled ids of
+        the step queued just before it, row for row, taken on the device (the engine queues it before
+        that step's ids reach the host); rows after them (prompts admitted with it) bring their own."""
         t0 = time.perf_counter()
         if self.timer is not None:
             self.timer.start()

@@ -39,9 +39,10 @@ class StepInputs:
     def nbytes(cls, plan) -> int:
         return buffers_nbytes(cls.buffers(plan.max_tokens, plan.max_seqs, plan.max_blocks))
 
-    def check(self, batch: ModelBatch, num_kv_blocks: int, check_ids: bool = True) -> None:
+    def check(self, batch: ModelBatch, num_kv_blocks: int, skip_ids: int = 0) -> None:
         """A step this executor cannot take raises ValueError (the scheduler, built from the same
-        options, never plans one; a direct caller learns what is wrong)."""
+        options, never plans one; a direct caller learns what is wrong). skip_ids: leading rows whose ids
+        are not checked (a fed step's placeholders, taken on the device)."""
         T, B = batch.num_tokens, len(batch.seqs)
         if T == 0 or T > self.max_tokens:
             raise ValueError(f"step has {T} tokens; the GPU executor takes 1..{self.max_tokens}")
@@ -52,7 +53,8 @@ class StepInputs:
         if int(batch.block_tables.max()) >= num_kv_blocks:
             raise ValueError(f"block id {int(batch.block_tables.max())} is outside the KV pool "
                              f"({num_kv_blocks} blocks)")
-        if check_ids and (batch.input_ids.min() < 0 or batch.input_ids.max() >= self.vocab_size):
+        ids = batch.input_ids[skip_ids:]
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         check_block_copies(batch.block_copies, num_kv_blocks)
 
@@ -71,8 +73,8 @@ class StepInputs:
         their views. pad_to (decode graphs): pad a one-token-per-sequence batch to that many rows;
         padded rows have position and slot -1 (attention skips them, no KV is written) and read
         block-table row 0. num_splits(T, max_context): the attention split count of the step.
-        fed_ids: a device array whose first T ids replace the batch's (a step queued before the
-        step that samples its input ids finished: async scheduling). pad_tokens (piecewise graphs of eager
+        fed_ids: (device array, R): its first R ids replace the batch's first R (a step queued before
+        the step that samples those rows' input ids finished: async scheduling; batch.fed_rows). pad_tokens (piecewise graphs of eager
         steps): pad the step's tokens, not its sequences, to that many rows (position and slot -1)."""
         import cupy
 
@@ -108,7 +110,8 @@ class StepInputs:
             cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
                                           cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         if fed_ids is not None:
-            cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, fed_ids.data.ptr, batch.num_tokens * 4,
+            ids, fed = fed_ids
+            cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, ids.data.ptr, fed * 4,
                                           cupy.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
         max_context = int(batch.context_lens.max()) if pad_to is None else self.max_model_len
         T = pad if pad is not None else T

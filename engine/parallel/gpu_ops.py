@@ -111,7 +111,7 @@ class GpuRankExecutor(GpuExecutor):
     def check(self, batch, fed: bool = False) -> None:
         """The step's refusals, here before it goes out: a rank that refused a step the others run would
         leave them waiting inside a collective."""
-        self.inputs.check(batch, self.num_kv_blocks, check_ids=not fed)
+        self.inputs.check(batch, self.num_kv_blocks, skip_ids=batch.fed_rows() if fed else 0)
         if self.num_state_slots:
             check_slots(batch.state_slots, self.num_state_slots)
 
