@@ -322,6 +322,11 @@ class EngineLoop:
         self._inflight = (plan, batch, self.executor.submit(batch, fed=True))
         self._planned_steps += 1
         self._admitted_ahead += len(plan.admitted)
+        # its admissions are announced now: an abort handled before the plan's own step() finds them known
+        self.outputs.register_forks(plan.forked)
+        for seq in plan.admitted:
+            self.outputs.on_scheduled(seq)
+        plan.forked, plan.admitted = [], []
         return True
 
     def _build(self, steps) -> ModelBatch:

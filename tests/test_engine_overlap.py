@@ -366,3 +366,45 @@ def test_a_prompt_arriving_during_a_decode_is_queued_with_the_next_decodes():
                                 GenerateRequest("b", list(range(20, 45)), SamplingParams(max_tokens=5, temperature=0.0,
                                                                                          ignore_eos=True))])
     assert client_view(a) == sync["a"] and client_view(b) == sync["b"]
+
+
+def test_aborts_of_prompts_admitted_into_steps_queued_ahead():
+    """Requests aborted right after arriving (their prompt possibly admitted into a step already queued):
+    each ends with an abort or its own end, the others stream what a synchronous engine sends, and every
+    block comes back."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    for trial in range(8):
+        reqs = [GenerateRequest(f"a{trial}r{i}", [int(t) for t in rng.integers(1, 250, int(rng.integers(1, 40)))],
+                                SamplingParams(max_tokens=int(rng.integers(2, 30)), temperature=0.0, ignore_eos=True))
+                for i in range(10)]
+        arrivals = [int(rng.integers(0, 40)) for _ in reqs]
+        doomed = {int(i) for i in rng.choice(len(reqs), 3, replace=False)}
+        ex = AsyncFakeExecutor(num_kv_blocks=40)
+        engine = make_engine(ex, async_scheduling=True, max_num_seqs=4, max_num_batched_tokens=32)
+        streams = {r.request_id: [] for r in reqs}
+        order, step, pending_aborts = sorted(range(len(reqs)), key=lambda i: arrivals[i]), 0, []
+        while order or engine.has_work() or pending_aborts:
+            for rid in pending_aborts:
+                engine.abort(rid)
+            pending_aborts = []
+            while order and arrivals[order[0]] <= step:
+                i = order.pop(0)
+                engine.add_request(reqs[i], streams[reqs[i].request_id].append)
+                if i in doomed:
+                    pending_aborts.append(reqs[i].request_id)   # aborted after the next step is queued
+            engine.drain_inbox()
+            if engine.has_work():
+                engine.step()
+            step += 1
+        engine.block_manager.check_invariants(idle=True)
+        sync = run(FakeExecutor(num_kv_blocks=40), [r for i, r in enumerate(reqs) if i not in doomed],
+                   max_num_seqs=4, max_num_batched_tokens=32)
+        for i, r in enumerate(reqs):
+            events = client_view(streams[r.request_id])
+            assert events[-1] is None and isinstance(events[-2], Finished), (trial, r.request_id)
+            if i in doomed:
+                assert all(not isinstance(e, Token) for e in events[events.index(events[-2]):-1])
+            else:
+                assert events == sync[r.request_id], (trial, r.request_id)
