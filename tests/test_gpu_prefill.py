@@ -179,7 +179,7 @@ class PagedStandIn(GpuOps):
     def _check_attention(self, spec, ctx):
         self.paged_calls.append(ctx.positions.copy())
 
-    def _decode_kernel(self, num_kv_heads, entry="paged_decode_attention"):
+    def _decode_kernel(self, num_kv_heads, entry="paged_decode_attention", heads=0):
         return "paged"
 
     def _launch(self, k, grid, block, args):
