@@ -116,9 +116,11 @@ class Scheduler(HostTierCopies):
         self._admit_waiting(out, budget)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, in_flight: frozenset[int] = frozenset()) -> None:
         """Waiting sequences join `out` (FCFS) while the token budget, max_num_seqs and the KV pool allow;
-        a sequence whose LoRA adapter cannot join is passed over, keeping its place."""
+        a sequence whose LoRA adapter cannot join is passed over, keeping its place. in_flight: hashes of
+        blocks the step still running fills (a plan ahead): a sequence whose next block is one of them
+        waits for it to be cached instead of computing it again."""
         loras, skipped = self._running_loras(), []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -127,7 +129,7 @@ class Scheduler(HostTierCopies):
                 continue
             if len(self.running) + len(self.loading) + seq.fork_count > self.max_num_seqs:
                 break
-            if not self._admit(seq, budget, out):
+            if not self._admit(seq, budget, out, in_flight):
                 break
             self.waiting.popleft()
             if seq.lora_id:
@@ -187,9 +189,9 @@ class Scheduler(HostTierCopies):
         seq.block_table += self.bm.allocate(need)
         return True
 
-    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput, in_flight: frozenset[int] = frozenset()) -> bool:
         """Move a waiting seq to running with its prefix-cache hit (device, then host tier), if its
-        first chunk fits."""
+        first chunk fits and its next block is not being filled by a step in flight (in_flight)."""
         hit: list[int] = []
         host: list[int] = []
         hashes: list[int] = []
@@ -202,6 +204,8 @@ class Scheduler(HostTierCopies):
             hashes = seq.block_hashes(limit)
             self.recent_chains.remember(tokens, seq.lora_id, hashes)
             hit = self.bm.lookup(hashes)                 # [] with prefix caching off (pure-host mode)
+            if len(hit) < len(hashes) and hashes[len(hit)] in in_flight:
+                return False                             # cached once the step in flight is done
             if self.host_tier is not None:
                 host = self.host_tier.lookup(hashes[len(hit):])
         seq.num_computed = (len(hit) + len(host)) * BLOCK_SIZE
@@ -323,8 +327,20 @@ class Scheduler(HostTierCopies):
                 prompt_len=seq.prompt_len, history=seq.token_ids, num_generated=step.num_generated + 1,
                 lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar))
         if fed:
-            self._admit_waiting(plan, self.max_num_batched_tokens - len(plan.steps))
+            self._admit_waiting(plan, self.max_num_batched_tokens - len(plan.steps), self._blocks_in_flight(out))
         return plan
+
+    def _blocks_in_flight(self, out: SchedulerOutput) -> frozenset[int]:
+        """Hashes of the full prompt blocks `out` computes (cached when it is done: advance)."""
+        if not self.bm.enable_prefix_caching or not self.waiting:
+            return frozenset()
+        hashes: set[int] = set()
+        for seq, step in zip(out.seqs, out.steps):
+            if step.start_pos < seq.prompt_len:
+                first, last = step.start_pos // BLOCK_SIZE, min(step.context_len, seq.prompt_len) // BLOCK_SIZE
+                if last > first:
+                    hashes.update(seq.block_hashes(last)[first:])
+        return frozenset(hashes)
 
     def _admission_closed(self) -> bool:
         """schedule() admits nobody this step: nothing waits, or the first waiting sequence (FCFS: the

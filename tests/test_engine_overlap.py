@@ -408,3 +408,30 @@ def test_aborts_of_prompts_admitted_into_steps_queued_ahead():
                 assert all(not isinstance(e, Token) for e in events[events.index(events[-2]):-1])
             else:
                 assert events == sync[r.request_id], (trial, r.request_id)
+
+
+def test_a_prompt_waits_for_the_prefix_blocks_of_the_step_in_flight():
+    """Async scheduling plans the next step while this one runs, before this step's prompt blocks are
+    cached: a prompt arriving meanwhile whose next block this step fills is not admitted into the plan
+    (it would compute the block again) but in the step after, with the prefix hit a synchronous engine
+    gives it."""
+    shared = list(range(30, 78))                   # 3 full blocks
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    ex = AsyncFakeExecutor()
+    engine = make_engine(ex)
+    submit(engine, GenerateRequest("x", [5, 6, 7], SamplingParams(max_tokens=40, **greedy)))
+    for _ in range(3):
+        engine.step()
+    a = submit(engine, GenerateRequest("a", shared + [1, 2], SamplingParams(max_tokens=5, **greedy)))
+    engine.step()                                  # x's decode runs; a's prefill is queued behind it
+    assert [len(s.token_ids) for s in engine._inflight[1].seqs] == [1, 50]
+    b = submit(engine, GenerateRequest("b", shared + [9, 9, 9], SamplingParams(max_tokens=5, **greedy)))
+    engine.step()                                  # a's prefill runs; b's first 3 blocks are in it: b waits
+    assert len(engine._inflight[1].seqs) == 2      # x and a decode, b not admitted yet
+    run_until_idle(engine)
+    scheduled = [e for e in b if isinstance(e, Scheduled)]
+    assert scheduled[0].cached_tokens == 48
+    first_b = next(st for batch in ex.steps for st in batch.seqs if st.seq_id == 3)
+    assert len(first_b.token_ids) == 3 and first_b.start_pos == 48      # the 3 blocks are not computed again
+    sync = run(FakeExecutor(), [GenerateRequest("b", shared + [9, 9, 9], SamplingParams(max_tokens=5, **greedy))])
+    assert client_view(b) == sync["b"]
