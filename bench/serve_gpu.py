@@ -5,7 +5,9 @@ torch memory is gone before the server starts), then `openinfer serve` starts wi
 (256 sequences, 8192 tokens per step) and a step trace; start-to-healthy (spawn to /health 200) and
 the server's RSS are measured; then `bench.serve` runs the scenarios against it: concurrency 1,
 a rate sweep (and rate inf), each with random 1024-token prompts and 128 output tokens. Writes
-serve-<model>.json / .md, the step traces and their tables (bench/step_profile.py) under --out-dir.
+serve-<model>.json / .md, the step traces and their tables (bench/step_profile.py) under --out-dir; each
+rate's run also carries its phase's bare decode step (the decode-graph steps' mean GPU span and batch) and
+its median TPOT over it (`tpot_over_bare_step`: the 16 req/s target's ratio).
 
     python bench/serve_gpu.py --models qwen3-4b --out-dir $OUT
 """
@@ -27,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import serve as serve_bench  # noqa: E402
 from bench.common_report import plot_sweep  # noqa: E402
-from bench.step_profile import load, summarize, table  # noqa: E402
+from bench.step_profile import bare_decode, load, split_phases, summarize, table  # noqa: E402
 
 # scenario -> bench.serve arguments (prompts per run, rate or concurrency)
 SCENARIOS = {
@@ -172,10 +174,23 @@ def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra
             text = table(summarize(rows))
             (out / f"steps-{model}-{name}.md").write_text(text + "\n")
             print(text, flush=True)
+            attach_bare_steps(result.get(name), rows)
     runs = sorted(result.pop("sweep_runs", []), key=lambda r: float(r["request_rate"]))
     if runs:
         plot_sweep(runs, out / f"serve-{model}-sweep.png", f"{model} on one H200: random 1024/128")
     return result
+
+
+def attach_bare_steps(runs: list[dict] | None, rows: list[dict]) -> None:
+    """Each rate's bare decode step (the mean GPU span of its phase's decode-graph steps, bench/step_profile.py)
+    and its median TPOT over it: the issue's "median TPOT <= 1.3 x the bare decode step at that batch"."""
+    if not runs:
+        return
+    for run, phase in zip(runs, split_phases(rows, len(runs))):
+        bare = bare_decode(phase)
+        if bare is not None:
+            run["bare_decode"] = {k: round(v, 3) for k, v in bare.items()}
+            run["tpot_over_bare_step"] = round(run["median_tpot_ms"] / bare["gpu_ms"], 3)
 
 
 def run_prefix(model: str, port: int, out: Path, tokenizer: str, lengths: str) -> dict:

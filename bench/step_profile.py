@@ -63,6 +63,28 @@ def table(summary: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def split_phases(rows: list[dict], phases: int) -> list[list[dict]]:
+    """A trace of several benchmark phases run one after another on one server (a rate sweep) cut at its
+    phases − 1 longest idle gaps between steps (each phase drains before the next starts)."""
+    if phases <= 1 or len(rows) < phases:
+        return [rows]
+    gaps = sorted(range(1, len(rows)), key=lambda i: rows[i]["t"] - rows[i - 1]["t"], reverse=True)[:phases - 1]
+    cuts = [0, *sorted(gaps), len(rows)]
+    return [rows[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def bare_decode(rows: list[dict]) -> dict | None:
+    """The replayed decode-graph steps of a phase: mean GPU ms (the bare step the serving TPOT is held
+    against), its median, and the mean batch; None without GPU timings."""
+    gpu = [(r["gpu_ms"], r["decode"]) for r in rows
+           if r["graphed"] and not r["prefill"] and r.get("gpu_ms") is not None]
+    if not gpu:
+        return None
+    ms = sorted(g for g, _ in gpu)
+    return dict(steps=len(gpu), gpu_ms=sum(ms) / len(ms), median_gpu_ms=ms[len(ms) // 2],
+                batch=sum(b for _, b in gpu) / len(gpu))
+
+
 def load(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

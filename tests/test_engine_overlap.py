@@ -433,5 +433,6 @@ def test_a_prompt_waits_for_the_prefix_blocks_of_the_step_in_flight():
     assert scheduled[0].cached_tokens == 48
     first_b = next(st for batch in ex.steps for st in batch.seqs if st.seq_id == 3)
     assert len(first_b.token_ids) == 3 and first_b.start_pos == 48      # the 3 blocks are not computed again
-    sync = run(FakeExecutor(), [GenerateRequest("b", shared + [9, 9, 9], SamplingParams(max_tokens=5, **greedy))])
-    assert client_view(b) == sync["b"]
+    sync = run(FakeExecutor(), [GenerateRequest("a", shared + [1, 2], SamplingParams(max_tokens=5, **greedy)),
+                                GenerateRequest("b", shared + [9, 9, 9], SamplingParams(max_tokens=5, **greedy))])
+    assert client_view(a) == sync["a"] and client_view(b) == sync["b"]
