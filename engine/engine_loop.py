@@ -317,16 +317,17 @@ class EngineLoop:
         plan = self.scheduler.plan_decode_ahead(out, fed=True)
         if plan is None:
             return False
+        # its admissions are announced now (they are running): an abort handled before the plan's own
+        # step(), or a failed launch (they are then scheduled afresh), finds them known
+        self.outputs.register_forks(plan.forked)
+        for seq in plan.admitted:
+            self.outputs.on_scheduled(seq)
+        self._admitted_ahead += len(plan.admitted)
+        plan.forked, plan.admitted = [], []
         self._copy_tier_blocks()            # blocks the plan evicted reach the host tier before it runs
         batch = self._build(plan.steps)
         self._inflight = (plan, batch, self.executor.submit(batch, fed=True))
         self._planned_steps += 1
-        self._admitted_ahead += len(plan.admitted)
-        # its admissions are announced now: an abort handled before the plan's own step() finds them known
-        self.outputs.register_forks(plan.forked)
-        for seq in plan.admitted:
-            self.outputs.on_scheduled(seq)
-        plan.forked, plan.admitted = [], []
         return True
 
     def _build(self, steps) -> ModelBatch:

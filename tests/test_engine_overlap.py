@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.events import Finished, Scheduled, Token
+from engine.events import Error, Finished, Scheduled, Token
 from engine.request import GenerateRequest, SamplingParams
 from fake_executor import FakeExecutor, make_engine, run_until_idle, submit
 
@@ -436,3 +436,31 @@ def test_a_prompt_waits_for_the_prefix_blocks_of_the_step_in_flight():
     sync = run(FakeExecutor(), [GenerateRequest("a", shared + [1, 2], SamplingParams(max_tokens=5, **greedy)),
                                 GenerateRequest("b", shared + [9, 9, 9], SamplingParams(max_tokens=5, **greedy))])
     assert client_view(a) == sync["a"] and client_view(b) == sync["b"]
+
+
+def test_a_failed_launch_of_a_mixed_step_queued_ahead_fails_only_the_step_before():
+    """The launch of a mixed step queued ahead raises: the requests of the step it was queued behind fail
+    (their next step never ran), the prompt it admitted is scheduled afresh and completes, and every block
+    comes back."""
+    class FailOnce(AsyncFakeExecutor):
+        failed = False
+
+        def submit(self, batch, fed: bool = False):
+            if fed and not self.failed and batch.fed_rows() < batch.num_tokens:
+                self.failed = True
+                raise RuntimeError("injected launch failure")
+            return super().submit(batch, fed)
+
+    ex = FailOnce()
+    engine = make_engine(ex)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    a = submit(engine, GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=30, **greedy)))
+    for _ in range(3):
+        engine.step()
+    b = submit(engine, GenerateRequest("b", list(range(20, 45)), SamplingParams(max_tokens=5, **greedy)))
+    run_until_idle(engine)
+    assert ex.failed
+    assert isinstance(a[-2], Error) and a[-1] is None and "injected launch failure" in a[-2].message
+    sync = run(FakeExecutor(), [GenerateRequest("b", list(range(20, 45)), SamplingParams(max_tokens=5, **greedy))])
+    assert client_view(b) == sync["b"] and [type(e) for e in b].count(Scheduled) == 1
+    engine.block_manager.check_invariants(idle=True)
