@@ -7,7 +7,8 @@ the server's RSS are measured; then `bench.serve` runs the scenarios against it:
 a rate sweep (and rate inf), each with random 1024-token prompts and 128 output tokens. Writes
 serve-<model>.json / .md, the step traces and their tables (bench/step_profile.py) under --out-dir; each
 rate's run also carries its phase's bare decode step (the decode-graph steps' mean GPU span and batch) and
-its median TPOT over it (`tpot_over_bare_step`: the 16 req/s target's ratio).
+its median TPOT over it (`tpot_over_bare_step`: the 16 req/s target's ratio); the c1 scenario's request
+trace (`--request-trace`) splits its TTFT into the request's gaps (`c1_ttft_gaps_ms`, bench/request_trace.py).
 
     python bench/serve_gpu.py --models qwen3-4b --out-dir $OUT
 """
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import serve as serve_bench  # noqa: E402
 from bench.common_report import plot_sweep  # noqa: E402
+from bench import request_trace  # noqa: E402
 from bench.step_profile import bare_decode, load, split_phases, summarize, table  # noqa: E402
 
 # scenario -> bench.serve arguments (prompts per run, rate or concurrency)
@@ -87,10 +89,15 @@ def write_weights(model: str, folder: str, layers: int | None = None) -> None:
     subprocess.run([sys.executable, "-c", code, config_path(model, layers), folder], cwd=ROOT, check=True)
 
 
+def request_trace_path(step_trace: Path) -> str:
+    """The request trace beside a scenario's step trace (server/request_trace.py)."""
+    return str(step_trace).replace("steps-", "requests-", 1)
+
+
 def start_server(folder: str, port: int, trace: Path, extra: list[str],
                  device: str = "cuda") -> tuple[subprocess.Popen, float]:
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", folder, "--device", device, "--port", str(port),
-           "--step-trace", str(trace), "--log-level", "warning", *extra]
+           "--step-trace", str(trace), "--request-trace", request_trace_path(trace), "--log-level", "warning", *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(str(trace) + ".log", "w"))
     while True:
@@ -175,6 +182,11 @@ def run_model(model: str, scenarios: list[str], out: Path, tokenizer: str, extra
             (out / f"steps-{model}-{name}.md").write_text(text + "\n")
             print(text, flush=True)
             attach_bare_steps(result.get(name), rows)
+            requests = Path(request_trace_path(trace))
+            if name == "c1" and requests.exists():          # where a lone request's TTFT goes
+                gaps = request_trace.breakdown(request_trace.load(str(requests)), [r for r in rows if "tm" in r])
+                result["c1_ttft_gaps_ms"] = {k: round(sorted(v)[len(v) // 2], 3) for k, v in gaps.items() if v}
+                print(request_trace.table(gaps), flush=True)
     runs = sorted(result.pop("sweep_runs", []), key=lambda r: float(r["request_rate"]))
     if runs:
         plot_sweep(runs, out / f"serve-{model}-sweep.png", f"{model} on one H200: random 1024/128")

@@ -34,6 +34,7 @@ class StepTrace:
         self.row = {p: 0.0 for p in PHASES}
         self.mark_at = time.perf_counter()
         self.row["t"] = round(self.mark_at - self.t0, 6)
+        self.row["tm"] = round(time.monotonic(), 6)         # the request trace's clock (server/request_trace.py)
 
     def mark(self, phase: str) -> None:
         """Charge the time since the last mark to phase."""

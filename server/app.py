@@ -20,7 +20,7 @@ import uuid
 from sanic import Request, Sanic, response
 from sanic.exceptions import RequestTimeout
 
-from engine.events import Error, Rejected
+from engine.events import Error, Rejected, Token
 from server.auth import OPEN_PATHS, check_api_key
 from server.body import parse_json
 from server.drain import InFlight
@@ -31,6 +31,7 @@ from server.lora_routes import add_lora_routes
 from server.metrics import ServerMetrics
 from server.offload import in_thread
 from server.protocol import ModelInfo, parse_chat, parse_completion
+from server.request_trace import RequestTrace
 from server.responses import ResponseBuilder
 from server.routes_info import add_info_routes
 from server.routes_tokenizer import add_tokenizer_routes
@@ -58,8 +59,9 @@ class BoundedRequest(Request):
 
 def create_app(handle, *, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int | None = None,
-               limits: ServerLimits | None = None) -> Sanic:
-    """max_n defaults to what the engine accepts (EngineHandle.max_n)."""
+               limits: ServerLimits | None = None, request_trace: str | None = None) -> Sanic:
+    """max_n defaults to what the engine accepts (EngineHandle.max_n); request_trace: a file for one timeline
+    line per generation request (server/request_trace.py)."""
     limits = limits or ServerLimits()
     limits.validate()
     app = Sanic(f"openinfer_{next(_app_ids)}", request_class=BoundedRequest)
@@ -75,6 +77,7 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
     app.ctx.limits = limits
     app.ctx.inflight = InFlight()
     app.ctx.metrics = ServerMetrics()
+    app.ctx.request_trace = RequestTrace(request_trace) if request_trace else None
     app.ctx.model = ModelInfo(name=served_model_name or handle.model_name, max_model_len=handle.max_model_len,
                               tokenizer=tokenizer, vocab_size=_vocab_size(handle),
                               max_n=max_n or _engine_max_n(handle), limits=limits,
@@ -129,7 +132,7 @@ def _parse(parse, raw: bytes, model: ModelInfo):
 
 
 async def _generate(request, parse, id_prefix: str):
-    app = request.app
+    app, http = request.app, time.monotonic()
     parsed = await in_thread(_parse, parse, request.body, app.ctx.model)
     if parsed.constraint is not None:     # a grammar that cannot compile is refused before the engine sees it
         await check_grammar(parsed.constraint.grammar, parsed.constraint.field, app.ctx.model)
@@ -154,6 +157,10 @@ async def _generate(request, parse, id_prefix: str):
         finally:
             app.ctx.inflight.calls.pop(request_id, None)
         _log_request(request_id, call)
+        if app.ctx.request_trace is not None:
+            s = call.summary()
+            app.ctx.request_trace.write(request_id, call.moments(http), prompt_tokens=s["prompt_tokens"],
+                                        completion_tokens=s["completion_tokens"], stream=parsed.stream)
 
 
 async def _stream(request, call: EngineCall, builder: ResponseBuilder) -> None:
@@ -165,6 +172,8 @@ async def _stream(request, call: EngineCall, builder: ResponseBuilder) -> None:
             break
         for chunk in builder.on_event(prompt_idx, event):
             await resp.send(sse(chunk))
+        if call.first_sent is None and isinstance(event, Token):
+            call.first_sent = time.monotonic()
     if builder.parsed.include_usage:
         await resp.send(sse(builder.usage_chunk()))
     await resp.send("data: [DONE]\n\n")

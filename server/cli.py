@@ -74,6 +74,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-trace", default=None, metavar="FILE",
                    help="write one JSON line per engine step (tokens, host phases, GPU time): bench/step_profile.py "
                         "tabulates it")
+    p.add_argument("--request-trace", default=None, metavar="FILE",
+                   help="write one JSON line per generation request (its moments from arrival to the first token "
+                        "sent, on the step trace's clock): bench/request_trace.py tabulates it")
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:
@@ -189,7 +192,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         for level, line in notes:
             log.log(level, "%s", line)
-        app = create_app(handle, api_key=args.api_key, limits=limits)
+        app = create_app(handle, api_key=args.api_key, limits=limits, request_trace=args.request_trace)
         print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
               f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         asyncio.run(_serve_until_signal(app, sock))

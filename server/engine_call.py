@@ -33,6 +33,7 @@ def engine_failure(event: Error | Rejected) -> APIError:
 class RequestTiming:
     prompt_tokens: int
     arrival: float
+    scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
     generated: int = 0
@@ -54,6 +55,7 @@ class EngineCall:
         self.tasks: list[asyncio.Task] = []
         self.buffered: list[tuple[int, object]] = []
         self.ended = 0              # request streams whose end marker has been taken off the queue
+        self.first_sent: float | None = None    # the first token's response chunk written (streaming)
 
     async def start(self) -> None:
         """Submit every prompt and wait for each one's first event, so that a rejection or an engine
@@ -113,6 +115,7 @@ class EngineCall:
         t, now = self.timing[i], time.monotonic()
         if isinstance(event, Scheduled):
             t.cached = event.cached_tokens
+            t.scheduled = t.scheduled or now
         elif isinstance(event, Token):
             t.first_token = t.first_token or now
             t.last_token = now
@@ -151,6 +154,12 @@ class EngineCall:
                     ttft=(t.first_token - t.arrival) if t.first_token else None,
                     e2e=time.monotonic() - t.arrival, decode_time=decode)
         self.tasks, self.metrics = [], None
+
+    def moments(self, http: float) -> dict[str, float | None]:
+        """The request's timeline for the request trace (server/request_trace.py): its first prompt's."""
+        t = self.timing[0]
+        return {"http": http, "parsed": t.arrival, "scheduled": t.scheduled, "first_token": t.first_token,
+                "first_sent": self.first_sent, "end": t.last_token}
 
     def summary(self) -> dict:
         """For the per-request log line."""
