@@ -326,7 +326,8 @@ class EngineLoop:
         plan.forked, plan.admitted = [], []
         self._copy_tier_blocks()            # blocks the plan evicted reach the host tier before it runs
         batch = self._build(plan.steps)
-        self._inflight = (plan, batch, self.executor.submit(batch, fed=True))
+        fed = any(step.token_ids[0] < 0 for step in plan.steps)     # no decode rows: prompt chunks alone
+        self._inflight = (plan, batch, self.executor.submit(batch, fed=fed))
         self._planned_steps += 1
         return True
 

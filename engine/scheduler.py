@@ -296,26 +296,42 @@ class Scheduler(HostTierCopies):
         fed (async scheduling: the plan is launched before `out`'s tokens are known, its ids taken from
         out's on the device): also None when a sequence's token of `out` is its last by max_tokens, so
         no planned position runs past what admission allowed, or when a sequence has a grammar (its
-        mask needs out's token) or penalties (repetition, frequency, presence: they count out's token);
-        and waiting sequences may join it, after the decodes, as schedule() admits them (a mixed step
-        queued behind the step before it: its prompts' ids are known; a sequence that `out` ends takes
-        its place in max_num_seqs until the step after)."""
+        mask needs out's token) or penalties (repetition, frequency, presence: they count out's token).
+        A fed plan is also a mixed step: after the decodes (the rows whose ids come from `out`, in
+        out's order), the prompts `out` left mid-prefill take their next chunk, and waiting sequences
+        join as schedule() admits them (their ids are known; a sequence that `out` ends keeps its
+        place in max_num_seqs until the step after)."""
         running = self.running
         if ((not fed and not self._admission_closed()) or len(out.seqs) != len(running) or self.loading
                 or self._draining or len(running) > self.max_num_batched_tokens):
             return None                          # (loading sequences join through schedule())
-        need = 0
+        if fed and {id(s) for s in out.seqs} != {id(s) for s in running}:
+            return None
+        decodes, chunks, need = [], [], 0
         for seq, step, run in zip(out.seqs, out.steps, running):
-            if (seq is not run or step.context_len != len(seq.token_ids) or not step.sample or seq.fork_count > 1
-                    or step.want_prompt_logprobs or seq.want_prompt_logprobs
+            if seq.fork_count > 1 or step.want_prompt_logprobs or seq.want_prompt_logprobs:
+                return None
+            if fed and not step.sample and step.context_len < seq.prompt_len == len(seq.token_ids):
+                chunks.append((seq, step))       # a prompt mid-prefill: its next chunk (fed plans only)
+                continue
+            if ((not fed and seq is not run) or step.context_len != len(seq.token_ids) or not step.sample
                     or (fed and (step.num_generated + 1 >= seq.params.max_tokens or seq.grammar is not None
                                  or counts_history(seq.params)))):
                 return None
+            decodes.append((seq, step))
             need += max(0, blocks_for(step.context_len + 1) - len(seq.block_table))
+        budget, sizes = self.max_num_batched_tokens - len(decodes), []
+        for seq, step in chunks:
+            n = min(len(seq.token_ids) - step.context_len, budget)
+            if n <= 0:
+                return None
+            budget -= n
+            sizes.append(n)
+            need += max(0, blocks_for(step.context_len + n) - len(seq.block_table))
         if not self.bm.can_allocate(need):
             return None
         plan = SchedulerOutput()
-        for seq, step in zip(out.seqs, out.steps):
+        for seq, step in decodes:
             pos = step.context_len
             extra = blocks_for(pos + 1) - len(seq.block_table)
             if extra > 0:                # kept by the sequence even if the plan is dropped
@@ -326,8 +342,19 @@ class Scheduler(HostTierCopies):
                 block_array=seq.block_table_array(), sample=True, params=seq.params,
                 prompt_len=seq.prompt_len, history=seq.token_ids, num_generated=step.num_generated + 1,
                 lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar))
+        for (seq, step), n in zip(chunks, sizes):
+            start, end = step.context_len, step.context_len + n
+            extra = blocks_for(end) - len(seq.block_table)
+            if extra > 0:
+                seq.block_table += self.bm.allocate(extra)
+            plan.seqs.append(seq)
+            plan.steps.append(SeqStep(
+                seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start, block_table=seq.block_table,
+                block_array=seq.block_table_array(), sample=end == len(seq.token_ids), params=seq.params,
+                prompt_len=seq.prompt_len, history=seq.token_ids, num_generated=0, lora_id=seq.lora_id,
+                state_slot=seq.state_slot, grammar=seq.grammar))
         if fed:
-            self._admit_waiting(plan, self.max_num_batched_tokens - len(plan.steps), self._blocks_in_flight(out))
+            self._admit_waiting(plan, budget, self._blocks_in_flight(out))
         return plan
 
     def _blocks_in_flight(self, out: SchedulerOutput) -> frozenset[int]:

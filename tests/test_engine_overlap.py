@@ -464,3 +464,23 @@ def test_a_failed_launch_of_a_mixed_step_queued_ahead_fails_only_the_step_before
     sync = run(FakeExecutor(), [GenerateRequest("b", list(range(20, 45)), SamplingParams(max_tokens=5, **greedy))])
     assert client_view(b) == sync["b"] and [type(e) for e in b].count(Scheduled) == 1
     engine.block_manager.check_invariants(idle=True)
+
+
+def test_a_prompt_chunked_over_several_steps_is_queued_ahead_chunk_by_chunk():
+    """Async scheduling with a small step budget: a long prompt's chunks after the first are queued behind
+    the step before (their ids are the prompt's; the decode beside them takes its id on the device), and
+    its first decode behind its last chunk; both requests stream what a synchronous engine sends."""
+    ex = AsyncFakeExecutor()
+    engine = make_engine(ex, max_num_batched_tokens=16)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    reqs = [GenerateRequest("x", [5, 6, 7], SamplingParams(max_tokens=30, **greedy)),
+            GenerateRequest("long", list(range(30, 100)), SamplingParams(max_tokens=4, **greedy))]
+    x = submit(engine, reqs[0])
+    for _ in range(3):
+        engine.step()
+    long = submit(engine, reqs[1])
+    run_until_idle(engine)
+    chunked = [(fed, tokens) for fed, tokens in ex.fed_rows if tokens == 16]    # x's decode + a 15-token chunk
+    assert len(chunked) >= 3
+    sync = run(FakeExecutor(), reqs, max_num_batched_tokens=16)
+    assert client_view(x) == sync["x"] and client_view(long) == sync["long"]
