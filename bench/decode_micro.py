@@ -39,7 +39,7 @@ def time_ms(stream, fn, reps: int = 20) -> float:
 def attention_rows(ex, cfg, bw: float) -> list[dict]:
     import cupy
 
-    from engine.executor.gpu_ops import MAX_DECODE_SPLITS, MAX_SPLITS, attention_splits
+    from engine.executor.attention_grid import MAX_DECODE_SPLITS, MAX_SPLITS, attention_splits
     from openinfer_kernels.raw_cuda import kernel
 
     Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -122,7 +122,7 @@ def graph_attention_rows(ex, cfg, bw: float, cases=((1, 128), (1, 256), (1, 1024
     import dataclasses
 
     from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
-    from engine.executor.gpu_ops import decode_heads_per_cta
+    from engine.executor.attention_grid import decode_heads_per_cta
     from engine.models.decoder import attention_specs
     from engine.request import SamplingParams
 

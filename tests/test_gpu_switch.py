@@ -6,7 +6,7 @@ import pytest
 
 from engine.executor.env import gpu_tuning_from_env
 from engine.executor.gpu_gemm import ALL_ROWS, CUTE_AUTO_MAX_M, cute_rows
-from engine.executor.gpu_ops import MAX_DECODE_SPLITS, MAX_SPLITS, attention_splits, decode_attention_fits
+from engine.executor.attention_grid import MAX_DECODE_SPLITS, MAX_SPLITS, attention_splits, decode_attention_fits
 from engine.executor.options import DEFAULT_GEMV_MAX_M, parse_decode_kernels
 
 H200_SMS = 132
@@ -75,7 +75,7 @@ def test_decode_heads_per_cta_splits_small_grids():
     """paged_decode.cu takes 2 query heads a CTA while the (token, KV head) rows are under a quarter of
     the SMs: Qwen3-4B (8 KV heads, group 4) to batch 4, Qwen3-30B-A3B (4 KV heads, group 8) to batch 8;
     the whole group beyond, and for groups of 1, 2 or odd."""
-    from engine.executor.gpu_ops import decode_heads_per_cta
+    from engine.executor.attention_grid import decode_heads_per_cta
 
     assert [decode_heads_per_cta(t, 8, 4, H200_SMS) for t in (1, 4, 5, 32)] == [2, 2, 4, 4]
     assert [decode_heads_per_cta(t, 4, 8, H200_SMS) for t in (1, 8, 9)] == [2, 2, 8]

@@ -22,7 +22,7 @@ def cp():
                                              (64, 4, 4, 16), (32, 4, 2, 64), (96, 8, 8, 5), (256, 8, 2, 4),
                                              (128, 64, 8, 2)])
 def test_paged_decode_attention(cp, D, Hq, Hkv, splits):
-    from engine.executor.gpu_ops import decode_attention_fits
+    from engine.executor.attention_grid import decode_attention_fits
     from openinfer_kernels.raw_cuda import kernel
 
     G = Hq // Hkv

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.executor.attention_grid import (FUSED_ROPE_CTAS_PER_SM, MAX_DECODE_SPLITS, MAX_GROUP, MAX_HEAD_DIM,
+                                            MAX_SPLITS, attention_splits, decode_attention_fits,
+                                            decode_heads_per_cta)
 from engine.executor.gpu_lora_ops import GpuLoRAOps
 from engine.executor.gpu_mla_ops import GpuMLAOps
 from engine.executor.gpu_moe_ops import GpuMoEOps
@@ -37,57 +40,11 @@ from openinfer_kernels.raw_cuda.launch import launch
 from memory.device_arena import Buffer, buffers_nbytes
 
 RING_SLOTS = 10
-MAX_SPLITS = 16
-MAX_DECODE_SPLITS = 64      # paged_decode.cu path (its splits are cheap: no serial key walk)
-MAX_GROUP = 16            # query heads per KV head (paged_attention.cu MAX_G)
-MAX_HEAD_DIM = 256
-# Larger decode grids than this many CTAs per SM run rope + attention as two kernels (one more wave
-# repeats the fused prologue: slower at batch 32, bench/results/rope_attention.md).
-FUSED_ROPE_CTAS_PER_SM = 2
 
 
 def splitk_norm_threads(hidden: int) -> int:
     """Threads per row of rms_norm.cu's splitk_rms_norm_residual: one per 8 columns, whole warps."""
     return min(1024, -(-hidden // 256) * 32)
-
-
-def attention_splits(num_tokens: int, num_kv_heads: int, max_context: int, max_splits: int, num_sms: int,
-                     groups: int = 1) -> int:
-    """KV splits per (token, KV head): enough blocks to fill the SMs twice, none shorter than one
-    16-token block (a split walks its keys serially, so short contexts want many short splits:
-    batch-1 decode at 129 tokens with one split per head took 116 µs per layer, latency-bound).
-    paged_decode.cu (max_splits == MAX_DECODE_SPLITS) walks 32 keys per CTA pass and merges the splits
-    itself: it takes one split once the (token, KV head) CTAs fill the SMs once, and none shorter than
-    32 keys (H200, Qwen3-4B in a decode graph: batch 32 at 256 tokens 28.1 -> 20.3 µs per layer with
-    1 split instead of 2; batch 1 at 256 tokens 10.0 -> 9.0 µs with 8 instead of 16). groups: CTAs per
-    (token, KV head) beside the splits (paged_decode.cu's head groups, decode_heads_per_cta)."""
-    fast = max_splits == MAX_DECODE_SPLITS
-    rows = num_tokens * num_kv_heads * groups
-    if rows >= (1 if fast else 2) * num_sms:
-        return 1
-    want = -(-2 * num_sms // rows)
-    return max(1, min(max_splits, want, -(-max_context // (32 if fast else 16))))
-
-
-def decode_heads_per_cta(num_tokens: int, num_kv_heads: int, group: int, num_sms: int) -> int:
-    """Query heads per CTA of paged_decode.cu (its HEADS): 2 where the step's (token, KV head) rows are
-    fewer than a quarter of the SMs (batch-1-like grids, whose CTAs are latency-bound serial chains of
-    dots, P·V and merges over `group` heads), else the whole group. H200, batch 1 in a decode graph
-    (bench/results/moe.md, 2026-12-04 14:18 UTC), µs a layer at 1k / 2k / 8k keys: Qwen3-30B-A3B (group 8)
-    64 splits x 8 heads 31.9 / 32.9 / 39.4, 16 splits x 2 heads 10.0 / 11.5 / 21.0; Qwen3-4B (group 4) 33
-    x 4 13.3 / 15.3 / 24.5, 16 x 2 10.0 / 11.8 / 21.9. The other head groups' CTAs read each K/V row
-    again, from L2."""
-    if group > 2 and group % 2 == 0 and 4 * num_tokens * num_kv_heads < num_sms:
-        return 2
-    return group
-
-
-def decode_attention_fits(group: int, head_dim: int) -> bool:
-    """paged_decode.cu holds group x head_dim/8/lanes-per-key 16-byte slices of q and of the
-    accumulators per lane in registers: at most 8 (Qwen3 GQA 4 x D 128: 4)."""
-    dv = head_dim // 8
-    lanes = dv if dv <= 16 and dv & (dv - 1) == 0 else 16
-    return head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM and group * -(-dv // lanes) <= 8
 
 
 def op_range(fn):
@@ -297,18 +254,25 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         group = self.num_heads // num_kv_heads
         return self.decode_heads or decode_heads_per_cta(num_tokens, num_kv_heads, group, self.num_sms)
 
-    def _decode_heads(self, spec: AttentionSpec, ctx: GpuStepContext) -> int:
-        return self._heads_per_cta(ctx.num_tokens, spec.num_kv_heads)
+    def _decode_launch(self, spec: AttentionSpec, ctx: GpuStepContext, entry: str):
+        """(kernel, grid) of a paged_decode.cu entry for this step, its head groups chosen once; None where
+        the kernel does not serve the layer."""
+        heads = self._heads_per_cta(ctx.num_tokens, spec.num_kv_heads)
+        k = self._decode_kernel(spec.num_kv_heads, entry, heads)
+        if k is None:
+            return None
+        groups = spec.num_heads // spec.num_kv_heads // heads
+        return k, (ctx.num_tokens, ctx.num_splits, spec.num_kv_heads * groups)
 
     def _rope_decode_kernel(self, spec: AttentionSpec, ctx: GpuStepContext):
-        """paged_decode.cu's fused q/k norm + rope + KV write + attention entry, when the step is decode
+        """paged_decode.cu's fused q/k norm + rope + KV write + attention entry and its grid, when the step is decode
         only, its grid is at most FUSED_ROPE_CTAS_PER_SM CTAs per SM and the decode kernel serves this layer; else None
         (the composition runs; both give the same bits)."""
         if (not self.fused_rope or not ctx.decode_only or spec.head_dim != self.head_dim
                 or spec.num_heads != self.num_heads
                 or ctx.num_splits * spec.num_kv_heads * ctx.num_tokens > FUSED_ROPE_CTAS_PER_SM * self.num_sms):
             return None
-        return self._decode_kernel(spec.num_kv_heads, "rope_paged_decode_attention", self._decode_heads(spec, ctx))
+        return self._decode_launch(spec, ctx, "rope_paged_decode_attention")
 
     def splits(self, num_tokens: int, num_kv_heads: int, max_context: int) -> int:
         """The step's KV split count for the attention kernel in use."""
@@ -344,10 +308,9 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
             return super().rope_attention(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm)
         self._kv_layer_ready(spec.layer)
         self._check_attention(spec, ctx)
-        T, null = ctx.num_tokens, np.uint64(0)
-        out = self._out(T, spec.num_heads * spec.head_dim)
-        groups = spec.num_heads // spec.num_kv_heads // self._decode_heads(spec, ctx)
-        self._launch(fused, (T, ctx.num_splits, spec.num_kv_heads * groups), (128,),
+        null = np.uint64(0)
+        out = self._out(ctx.num_tokens, spec.num_heads * spec.head_dim)
+        self._launch(*fused, (128,),
                      (qkv, q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
                       np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor), ctx.slot_mapping)
                      + self._decode_args(spec, ctx, out))
@@ -378,10 +341,9 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         S = ctx.num_splits
         self._check_attention(spec, ctx)
         kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
-        heads = self._decode_heads(spec, ctx)
-        fast = self._decode_kernel(Hkv, heads=heads) if D == self.head_dim else None
+        fast = self._decode_launch(spec, ctx, "paged_decode_attention") if D == self.head_dim else None
         if fast is not None:
-            self._launch(fast, (T, S, Hkv * (Hq // Hkv // heads)), (128,), (q,) + self._decode_args(spec, ctx, out))
+            self._launch(*fast, (128,), (q,) + self._decode_args(spec, ctx, out))
             return
         self._launch(self.k_attn, (S, Hkv, T), (128,),
                      (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq,
