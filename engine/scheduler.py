@@ -267,21 +267,25 @@ class Scheduler(HostTierCopies):
         """Add n new tokens of seq to the step; returns the tokens fed (budget spent)."""
         start = seq.num_computed - self._overlap(seq)
         end = seq.num_computed + n
-        num_tokens = len(seq.token_ids)
         out.seqs.append(seq)
-        # the step shares seq.block_table, no copy: the table only grows in place (_reserve,
-        # admission, and plan_decode_ahead while the step runs: blocks past its context), and
-        # preempt / finish rebind it
-        out.steps.append(SeqStep(
+        copy = (seq.cow_source, seq.block_table[start // BLOCK_SIZE]) if seq.cow_source >= 0 else None
+        out.steps.append(self._step_of(seq, start, end, copy))
+        return end - start
+
+    @staticmethod
+    def _step_of(seq: Sequence, start: int, end: int, block_copy: tuple[int, int] | None = None) -> SeqStep:
+        """seq's tokens [start, end) as a step. It shares seq.block_table, no copy: the table only grows in
+        place (_reserve, admission, and plan_decode_ahead while the step runs: blocks past its context),
+        and preempt / finish rebind it."""
+        num_tokens = len(seq.token_ids)
+        return SeqStep(
             seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
             block_table=seq.block_table, block_array=seq.block_table_array(),
             sample=end == num_tokens and seq.fork_count == 1,
             params=seq.params, prompt_len=seq.prompt_len, history=seq.token_ids,
             num_generated=num_tokens - seq.prompt_len,
             want_prompt_logprobs=seq.want_prompt_logprobs and start < seq.prompt_len,
-            lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar,
-            block_copy=(seq.cow_source, seq.block_table[start // BLOCK_SIZE]) if seq.cow_source >= 0 else None))
-        return end - start
+            lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar, block_copy=block_copy)
 
     # -- the next decode step, planned while this one runs ----------------------------------
     def plan_decode_ahead(self, out: SchedulerOutput, fed: bool = False) -> SchedulerOutput | None:
@@ -348,11 +352,7 @@ class Scheduler(HostTierCopies):
             if extra > 0:
                 seq.block_table += self.bm.allocate(extra)
             plan.seqs.append(seq)
-            plan.steps.append(SeqStep(
-                seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start, block_table=seq.block_table,
-                block_array=seq.block_table_array(), sample=end == len(seq.token_ids), params=seq.params,
-                prompt_len=seq.prompt_len, history=seq.token_ids, num_generated=0, lora_id=seq.lora_id,
-                state_slot=seq.state_slot, grammar=seq.grammar))
+            plan.steps.append(self._step_of(seq, start, end))     # (its block copy went with its first chunk)
         if fed:
             self._admit_waiting(plan, budget, self._blocks_in_flight(out))
         return plan

@@ -87,7 +87,7 @@ class GpuStepContext:
 class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
     op_ranges = False                       # NVTX range per op (op_range; eager steps)
     decode_defines: dict = {}               # paged_decode.cu build options (-D; benchmarks' A/B: STAGES, MIN_CTAS)
-    decode_heads = 0                        # > 0: paged_decode.cu's heads per CTA (benchmarks' A/B), else decode_heads_per_cta
+    decode_heads = 0                        # > 0: paged_decode.cu's heads per CTA (benchmarks' A/B)
     kv_layer_events = None                  # per-layer events of a restore in flight (the executor sets them)
 
     def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
