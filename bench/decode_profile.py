@@ -41,7 +41,9 @@ def projection_names(cfg) -> dict[int, list[tuple[str, int]]]:
     return grids
 
 
-def run_step(model_name: str, batch: int, prompt: int = 128, layers: int | None = None) -> None:
+def run_step(model_name: str, batch: int, prompt: int = 128, layers: int | None = None, adapters: int = 0,
+             rank: int = 16) -> None:
+    """adapters: sequence j runs with random rank-`rank` LoRA adapter j % adapters (bench/lora.py's)."""
     import cupy
 
     from bench.decode import GREEDY, config_path, random_weights_folder, run_batch
@@ -55,13 +57,23 @@ def run_step(model_name: str, batch: int, prompt: int = 128, layers: int | None 
     write_random_qwen3(config_path(model_name, layers), folder)
     model = load_model(folder)
     per_seq = -(-(prompt + 32) // BLOCK_SIZE)
+    lora = dict(max_loras=adapters, max_lora_rank=rank) if adapters else {}
     ex = GpuExecutor(model, options_of(num_kv_blocks=batch * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
-                                       max_num_batched_tokens=2048, max_num_seqs=batch, progress=False))
-    run_batch(ex, model, batch, prompt, 8, COPY_TB_S * 1e12)     # prefill + graph capture
+                                       max_num_batched_tokens=2048, max_num_seqs=batch, progress=False, **lora))
+    if adapters:
+        from bench.lora import write_random_adapter
+        from engine.lora import load_adapter, lora_sites
+
+        sites = lora_sites(ex.model)
+        for slot in range(adapters):
+            path = write_random_adapter(model, f"/tmp/{model_name}-lora-r{rank}-{slot}", rank, seed=slot)
+            ex.set_lora(slot, load_adapter(f"a{slot}", path, sites, model.config.num_hidden_layers, rank))
+    run_batch(ex, model, batch, prompt, 8, COPY_TB_S * 1e12, adapters=adapters)     # prefill + graph capture
     seqs = [SeqStep(seq_id=j, token_ids=[7], start_pos=prompt + 8, sample=True, params=GREEDY,
-                    block_table=list(range(j * per_seq, (j + 1) * per_seq)), prompt_len=prompt)
+                    block_table=list(range(j * per_seq, (j + 1) * per_seq)), prompt_len=prompt,
+                    lora_id=j % adapters + 1 if adapters else 0)
             for j in range(batch)]
-    mb = ModelBatch.build(seqs)
+    mb = ModelBatch.build(seqs, {i + 1: i for i in range(adapters)} or None)
     ex.execute(mb)
     ex.stream.synchronize()
     cupy.cuda.profiler.start()
@@ -114,12 +126,14 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-4b")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--layers", type=int, default=None, help="only the first N layers")
+    p.add_argument("--adapters", type=int, default=0, help="LoRA: sequence j runs with random adapter j %% N")
+    p.add_argument("--rank", type=int, default=16, help="the adapters' rank")
     p.add_argument("--parse", metavar="NCU_CSV", help="summarize an ncu --csv log instead of running")
     a = p.parse_args()
     if a.parse:
         print(summarize(a.parse, a.model))
     else:
-        run_step(a.model, a.batch, layers=a.layers)
+        run_step(a.model, a.batch, layers=a.layers, adapters=a.adapters, rank=a.rank)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,12 @@ def test_paged_decode_compiles_for_head_groups(gqa, heads):
     _compile(os.path.join(KERNEL_DIR, "paged_decode.cu"), f"GQA={gqa}", "HEAD_DIM=128", f"HEADS={heads}")
 
 
+@pytest.mark.parametrize("rank", [8, 16, 64, 128, 256])
+def test_splitk_lora_norm_compiles_for_each_rank(rank):
+    """rms_norm.cu is compiled per padded LoRA rank (LORA_R) for splitk_rms_norm_residual_lora."""
+    _compile(os.path.join(KERNEL_DIR, "rms_norm.cu"), f"LORA_R={rank}")
+
+
 def test_kernels_include_only_what_nvrtc_finds():
     """Kernel files include each other and <cuda_bf16.h> only: the GPU host's NVRTC headers (pip's
     nvidia/cu13/include) lack the crt/ headers that <mma.h> pulls in, which `nvcc` here would not catch."""

@@ -39,6 +39,7 @@ from openinfer_kernels.raw_cuda.launch import launch
 from memory.device_arena import Buffer, buffers_nbytes
 
 TILE_TOKENS = 8             # lora_shrink.cu / lora_expand.cu TT
+SMALL_TILE_TOKENS = 4       # lora_expand.cu TT in steps of at most FUSED_MAX_ROWS rows (more CTAs, shorter threads)
 SHRINK_ROWS = 8             # lora_shrink.cu ROWS
 SHRINK_KC_MAX = 1024        # lora_shrink.cu KC_MAX
 SHRINK_TARGET_CTAS = 264    # split K until a shrink's grid has about this many CTAs (2 per SM)
@@ -47,6 +48,8 @@ EXPAND_ADD, EXPAND_ADD_F32, EXPAND_SWIGLU, EXPAND_COPY = 0, 1, 2, 3      # lora_
 FUSED_MAX_ROWS = 64         # steps of at most this many rows take the extended product
 FUSED_MAX_EXTRA = 0.25      # ... at sites whose extra columns (max_loras · slices · R) are at most this of N
 SPLITK_LORA_MAX_R = 256     # rms_norm.cu LORA_MAX_R
+SPLITK_LORA_THREADS = 1024  # rms_norm.cu LORA_THREADS (compiled per rank, LORA_R = the padded max_lora_rank)
+SPLITK_LORA_MAX_HIDDEN = 8192   # rms_norm.cu LORA_MAX_HIDDEN: the widest o / down output it reduces
 
 
 def padded_rank(rank: int) -> int:
@@ -60,7 +63,8 @@ def extra_rows(site, options) -> int:
 
 def fused_site(site, options) -> bool:
     """Whether steps of at most FUSED_MAX_ROWS rows take the extended product at this site."""
-    return extra_rows(site, options) <= FUSED_MAX_EXTRA * site.n and padded_rank(options.max_lora_rank) <= SPLITK_LORA_MAX_R
+    return (extra_rows(site, options) <= FUSED_MAX_EXTRA * site.n and padded_rank(options.max_lora_rank) <= SPLITK_LORA_MAX_R
+            and (len(site.slices) > 1 or site.n <= SPLITK_LORA_MAX_HIDDEN))   # o / down: rms_norm.cu's delta row
 
 
 def bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -163,7 +167,8 @@ class GpuLoRAOps:
         self.lora_hosts = [pinned_array(self.lora_map.shape, np.int32) for _ in range(2)]   # used in turn
         self.k_lora_shrink = kernel("lora_shrink", "lora_shrink")
         self.k_lora_expand = kernel("lora_expand", "lora_expand")
-        self.k_rms_splitk_lora = kernel("rms_norm", "splitk_rms_norm_residual_lora")
+        self.k_lora_expand_small = kernel("lora_expand", "lora_expand", TT=SMALL_TILE_TOKENS)
+        self.k_rms_splitk_lora = kernel("rms_norm", "splitk_rms_norm_residual_lora", LORA_R=rank)
 
     def set_lora_slot(self, slot: int, adapter) -> None:
         """Load a LoRA adapter (engine/lora.py LoRAAdapter) into a slot, or empty it (None)."""
@@ -272,7 +277,8 @@ class GpuLoRAOps:
         from engine.executor.gpu_ops import splitk_norm_threads
 
         out, normed = self._residual_out(T, n), self._out(T, n)
-        self._launch(self.k_rms_splitk_lora, (T,), (splitk_norm_threads(n),),
+        threads = min(SPLITK_LORA_THREADS, max(splitk_norm_threads(n), -(-n // 32) * 32))   # a column each
+        self._launch(self.k_rms_splitk_lora, (T,), (threads,),
                      (np.uint64(ptr), np.int32(splits), np.int64(T * ld), np.int32(ld), residual, norm_weight, normed,
                       out, np.int32(n), np.float32(eps), self.lora.token_slots, b, np.int32(b.shape[2])))
         return out, normed
@@ -328,7 +334,9 @@ class GpuLoRAOps:
         interleaved = site.endswith("gate_up_proj") and self.gate_up_interleaved
         b1, b2 = slice_bounds(self.lora_sites[site].slices)
         cols = n // 2 if mode == EXPAND_SWIGLU else n
-        launch(self.k_lora_expand, (-(-cols // EXPAND_COLUMNS), step.tiles, slots + (mode >= EXPAND_SWIGLU)),
+        small = T <= FUSED_MAX_ROWS         # T: the step's rows (a graph's bucket), so the grid is fixed
+        k, tiles = (self.k_lora_expand_small, -(-T // SMALL_TILE_TOKENS)) if small else (self.k_lora_expand, step.tiles)
+        launch(k, (-(-cols // EXPAND_COLUMNS), tiles, slots + (mode >= EXPAND_SWIGLU)),
                (EXPAND_COLUMNS,),
                (src, np.int32(src_bf16), np.int64(cstride), np.int32(ld), np.int32(soff), np.int32(sslot), b,
                 step.order, step.starts, y, np.int32(ldy), np.uint64(0) if act is None else act, np.int32(n),

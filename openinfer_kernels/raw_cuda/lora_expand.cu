@@ -26,7 +26,9 @@
 // and takes 8 GFLOP (CUDA cores) per layer, ~0.2 ms each way, against ~2.6 ms of base GEMMs per layer.
 #include "common.cuh"
 
-#define TT 8       // tokens per CTA (lora_shrink.cu's tile)
+#ifndef TT
+#define TT 8       // tokens per CTA (lora_shrink.cu's tile); decode steps compile 4: twice the CTAs, half the
+#endif             // serial FMAs a thread (a 32-row step's SiLU·up expand: ~150 CTAs of 2.3 warps a scheduler)
 #define RPRE 2     // 16-byte pieces of B (8 ranks each) loaded before the wait
 
 __device__ __forceinline__ void b_row(const bf16_t* b, int R, uint4* pre) {
@@ -82,9 +84,22 @@ extern "C" __global__ void __launch_bounds__(256) lora_expand(
     pdl_wait();
     pdl_launch_dependents();
     __syncthreads();
+    // The projection's values this thread reads (modes 2, 3) go out before the shrink's round trip.
+    float yv[TT], yu[TT];
+    if (mode >= 2 && col < cols) {
+        const bf16_t* yb = static_cast<const bf16_t*>(y);
+        #pragma unroll
+        for (int i = 0; i < TT; ++i) {
+            const size_t at = (size_t)tok[i] * ldy;          // rows past n: the tile's last token again
+            yv[i] = bf16_to_f(yb[at + c]);
+            yu[i] = mode == 2 ? bf16_to_f(yb[at + cu]) : 0.f;
+        }
+    }
     if (adapter) {
-        for (int e = threadIdx.x; e < TT * NR; e += blockDim.x) rows[e] = 0.f;
-        __syncthreads();
+        if (C > 1) {
+            for (int e = threadIdx.x; e < TT * NR; e += blockDim.x) rows[e] = 0.f;
+            __syncthreads();
+        }
         for (int e = threadIdx.x; e < C * n * NR; e += blockDim.x) {   // j fastest: coalesced, no conflicts
             const int j = e % NR, i = (e / NR) % n, ch = e / (NR * n);
             const size_t at = (size_t)ch * cstride + (size_t)tok[i] * ld + soff + (size_t)s * sslot + j;
@@ -99,14 +114,9 @@ extern "C" __global__ void __launch_bounds__(256) lora_expand(
     if (mode == 3) {
         const int slice = interleaved ? (c >> 3) & 1 : (c >= b1) + (c >= b2);
         if (adapter) delta(rows + slice * R, NR, B + ((size_t)s * N + c) * R, R, pre, acc);
-        const bf16_t* yb = static_cast<const bf16_t*>(y);
         #pragma unroll
-        for (int i = 0; i < TT; ++i) {
-            if (i < n) {
-                const bf16_t v = yb[(size_t)tok[i] * ldy + c];
-                act[(size_t)tok[i] * N + c] = adapter ? f_to_bf16(bf16_to_f(v) + acc[i]) : v;
-            }
-        }
+        for (int i = 0; i < TT; ++i)
+            if (i < n) act[(size_t)tok[i] * N + c] = f_to_bf16(adapter ? yv[i] + acc[i] : yv[i]);
         return;
     }
     if (mode != 2) {
@@ -133,14 +143,11 @@ extern "C" __global__ void __launch_bounds__(256) lora_expand(
         #pragma unroll
         for (int i = 0; i < TT; ++i) acc[i] = acc_up[i] = 0.f;
     }
-    const bf16_t* gu = static_cast<const bf16_t*>(y);
     #pragma unroll
     for (int i = 0; i < TT; ++i) {
         if (i < n) {
-            const size_t row = (size_t)tok[i] * ldy;
-            const float g = bf16_to_f(gu[row + c]), u = bf16_to_f(gu[row + cu]);
-            act[(size_t)tok[i] * (N / 2) + col] = adapter ? silu_times(round_bf16(g + acc[i]), round_bf16(u + acc_up[i]))
-                                                          : silu_times(g, u);
+            act[(size_t)tok[i] * (N / 2) + col] = adapter ? silu_times(round_bf16(yv[i] + acc[i]), round_bf16(yu[i] + acc_up[i]))
+                                                          : silu_times(yv[i], yu[i]);
         }
     }
 }

@@ -50,26 +50,69 @@ extern "C" __global__ void rms_norm_residual(const bf16_t* __restrict__ x, const
 // ~0.1 µs), so launch- and latency-bound like the two kernels it replaces, one launch fewer.
 #define SPLIT_BATCH 4
 #define LORA_MAX_R 256     // splitk_rms_norm_residual_lora: the most (padded) LoRA ranks
+#ifndef LORA_R
+#define LORA_R 16          // splitk_rms_norm_residual_lora: the (padded) rank, compiled per executor
+#endif
+#define LORA_BATCH 8       // 16-byte pieces of a B row loaded together
+#define LORA_THREADS 1024  // splitk_rms_norm_residual_lora's threads (the delta phase spreads over them)
+#define LORA_MAX_HIDDEN 8192   // its shared delta row (32 KB)
+
+// d = sum_r h[r] · b[r] over one column's B row (LORA_R ranks, contiguous), in rank order; the row's
+// pieces go out LORA_BATCH at a time.
+__device__ __forceinline__ float lora_column(const bf16_t* __restrict__ b, const float* h) {
+    constexpr int Q = LORA_R / 8;
+    const uint4* bp = reinterpret_cast<const uint4*>(b);
+    float d = 0.f;
+    #pragma unroll 1
+    for (int q0 = 0; q0 < Q; q0 += LORA_BATCH) {
+        uint4 bv[LORA_BATCH];
+        #pragma unroll
+        for (int u = 0; u < LORA_BATCH; ++u) if (q0 + u < Q) bv[u] = __ldg(bp + q0 + u);
+        #pragma unroll
+        for (int u = 0; u < LORA_BATCH; ++u) {
+            if (q0 + u < Q) {
+                const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv[u]);
+                #pragma unroll
+                for (int e = 0; e < 8; ++e) d += h[(q0 + u) * 8 + e] * bf16_to_f(bs[e]);
+            }
+        }
+    }
+    return d;
+}
+
 template <bool LORA>
 __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partial, int splits, long long slice,
                                                 int ld, const bf16_t* residual, const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ out, bf16_t* resid_out, int hidden, float eps,
                                                 const int* __restrict__ token_slots,
                                                 const bf16_t* __restrict__ B, int R) {
+    __shared__ float scratch[33];
+    __shared__ float h[LORA ? LORA_R : 1];
+    __shared__ float delta[LORA ? LORA_MAX_HIDDEN : 1];
+    const size_t row = (size_t)blockIdx.x * hidden, prow = (size_t)blockIdx.x * ld;
+    const int nvec = hidden / 8;
+    // The step's token -> slot map is uploaded before the step (no kernel writes it) and B is a weight:
+    // the slot's B starts towards L2 before the wait.
+    const int slot = LORA ? token_slots[blockIdx.x] : -1;
+    const bf16_t* b_slot = LORA && slot >= 0 ? B + (size_t)slot * hidden * LORA_R : nullptr;
+    if (LORA && slot >= 0)
+        for (int l = threadIdx.x; l < hidden * LORA_R * 2 / 128; l += blockDim.x)
+            prefetch_l2(reinterpret_cast<const char*>(b_slot) + (size_t)l * 128);
     // The next kernel may launch now: it waits for this one before it reads what this one writes.
     pdl_launch_dependents();
     pdl_wait();
-    __shared__ float scratch[33];
-    __shared__ float h[LORA ? LORA_MAX_R : 1];
-    const size_t row = (size_t)blockIdx.x * hidden, prow = (size_t)blockIdx.x * ld;
-    const int nvec = hidden / 8;
-    const int slot = LORA ? token_slots[blockIdx.x] : -1;
-    if (LORA && slot >= 0) {                 // the row's shrink: its slot's columns, summed in split order
-        for (int j = threadIdx.x; j < R; j += blockDim.x) {
+    if (LORA && slot >= 0) {
+        // The row's shrink (its slot's columns, summed in split order), then the delta of every column,
+        // h · B[slot, column, :], one column per thread at a time (a row's 8 columns per thread, as the
+        // sum below, left a 10-warp CTA issuing 128 dependent FMAs a thread: 12 µs against 4).
+        for (int j = threadIdx.x; j < LORA_R; j += blockDim.x) {
             float v = 0.f;
-            for (int sp = 0; sp < splits; ++sp) v += partial[sp * slice + prow + hidden + (size_t)slot * R + j];
+            #pragma unroll 4
+            for (int sp = 0; sp < splits; ++sp) v += partial[sp * slice + prow + hidden + (size_t)slot * LORA_R + j];
             h[j] = v;
         }
+        __syncthreads();
+        for (int n = threadIdx.x; n < hidden; n += blockDim.x) delta[n] = lora_column(b_slot + (size_t)n * LORA_R, h);
         __syncthreads();
     }
     float ss = 0.f;
@@ -95,19 +138,9 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
                 }
             }
         }
-        if (LORA && slot >= 0) {             // + the adapter's delta: h · B[slot, column, :]
+        if (LORA && slot >= 0) {             // + the adapter's delta
             #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const bf16_t* b = B + ((size_t)slot * hidden + 8 * i + e) * R;
-                float d = 0.f;
-                for (int r = 0; r < R; r += 8) {
-                    const uint4 bv = *reinterpret_cast<const uint4*>(b + r);
-                    const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv);
-                    #pragma unroll
-                    for (int q = 0; q < 8; ++q) d += h[r + q] * bf16_to_f(bs[q]);
-                }
-                acc[e] += d;
-            }
+            for (int e = 0; e < 8; ++e) acc[e] += delta[8 * i + e];
         }
         uint4 rv = reinterpret_cast<const uint4*>(residual + row)[i];
         bf16_t* rs = reinterpret_cast<bf16_t*>(&rv);
@@ -136,7 +169,8 @@ extern "C" __global__ void splitk_rms_norm_residual(const float* __restrict__ pa
 // hidden + s·R; row t with token_slots[t] = s >= 0 adds h · B[s]ᵀ (B [S, hidden, R] bf16, lora_alpha / r
 // folded in, R % 8 == 0, R <= LORA_MAX_R) to the reduced sum before the residual add. Extra traffic per
 // row: its slot's B (hidden · R · 2 bytes, 82 KB on Qwen3-4B at rank 16, from L2 across the rows).
-extern "C" __global__ void splitk_rms_norm_residual_lora(const float* __restrict__ partial, int splits,
+// R must equal LORA_R, the rank the kernel was compiled for (checked by the caller).
+extern "C" __global__ void __launch_bounds__(LORA_THREADS) splitk_rms_norm_residual_lora(const float* __restrict__ partial, int splits,
                                                          long long slice, int ld, const bf16_t* residual,
                                                          const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
                                                          bf16_t* resid_out, int hidden, float eps,
