@@ -24,7 +24,8 @@ graphs with plain launches instead of programmatic dependent ones, "|norope" run
 write as its own kernel instead of inside decode attention, "|cublas" runs the products gemv.cu does not
 take on cuBLAS instead of the executor's default (the CuTe GEMM up to 128 rows where it is built);
 "|pd1" builds paged_decode.cu without its cp.async pipeline at its old occupancy (STAGES 1, MIN_CTAS 1),
-"|wholegroup" runs it with all query heads of a KV head in one CTA at every batch (no head groups);
+"|wholegroup" runs it with all query heads of a KV head in one CTA at every batch (no head groups),
+"|mlaraw" MLA's absorbed-form projections on mla_absorb.cu at up to 8 tokens instead of cuBLAS;
 flags combine, "all|cublas|nopdl") on the same executor and weights, and reports the
 fraction of sequences whose first 4 greedy tokens equal the first setting's. --micro adds the per-kernel
 table (bench/decode_micro.py; all parts, or the listed ones): "attention" (decode attention of all layers
@@ -265,6 +266,8 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
         # "all|wholegroup": paged_decode.cu with every query head of a KV head in one CTA (before head groups)
         ex.ops.decode_heads = cfg.num_attention_heads // cfg.num_key_value_heads if "wholegroup" in flags else 0
         ex.ops._decode_kernels.clear()
+        if hasattr(ex.ops, "mla_absorb_tokens"):         # "all|mlaraw": MLA's absorbed projections on mla_absorb.cu
+            ex.ops.mla_absorb_tokens = 8 if "mlaraw" in flags else type(ex.ops).mla_absorb_tokens
         for b in batches:
             r = run_batch(ex, model, b, prompt, steps, bw)
             r["kernels"], r["hf_ms_per_step"] = ks, hf_rows.get(b)

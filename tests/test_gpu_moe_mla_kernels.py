@@ -264,3 +264,35 @@ def test_mla_absorbed_splits_and_head_groups(name, splits, group):
     want = cpu_ops_over(ex).mla_attention(q, kv_b, spec, cpu_ctx)
     got = runs[0].view(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=ROUND, atol=3 * ROUND)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v2"])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_mla_absorb_kernels_match_cublas_and_numpy(name, tokens):
+    """mla_absorb.cu's two projections (steps of at most 8 tokens, mla_absorb_tokens) around mla_decode.cu,
+    against the same step through the cuBLAS strided-batched pair and against numpy: decode tokens at
+    contexts 6 to 69 over random cache rows."""
+    model, ex = executor(name)
+    spec = model.model.attention_specs[1]
+    batch = ModelBatch.build([SeqStep(i, [7], 5 + 9 * i, list(range(5 * i, 5 * i + 5)), False)
+                              for i in range(tokens)])
+    rng = np.random.default_rng(6)
+    layer = ex.kv_cache[1, 0]
+    rows = 16 * 5 * tokens
+    layer[:rows] = dev(rng.standard_normal((rows, 1, layer.shape[-1])))
+    ctx = ex.upload(batch)
+    ctx.batch = None                     # as in a decode graph: the absorbed form
+    cos, sin = rope_cos_sin(model.config, 128, model.model.rope_dim)
+    cpu_ctx = CpuStepContext(batch, cos[batch.positions], sin[batch.positions])
+    q = bf16(rng.standard_normal((tokens, spec.num_heads * spec.qk_dim)))
+    kv_b = bf16(model.weights["layers.1.kv_b_proj"])
+    outs = []
+    for absorb in (0, 8):
+        ex.ops.mla_absorb_tokens = absorb
+        try:
+            outs.append(host(ex.ops.mla_attention(dev(q), dev(kv_b), spec, ctx)))
+        finally:
+            ex.ops.mla_absorb_tokens = type(ex.ops).mla_absorb_tokens
+    np.testing.assert_allclose(outs[1], outs[0], rtol=ROUND, atol=ROUND)
+    want = cpu_ops_over(ex).mla_attention(q, kv_b, spec, cpu_ctx)
+    np.testing.assert_allclose(outs[1], want, rtol=ROUND, atol=3 * ROUND)

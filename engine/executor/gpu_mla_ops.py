@@ -6,7 +6,9 @@ and the query columns, RMSNorm'd when q_lora_rank is set). mla_attention picks t
   * absorbed (decode, and any step whose contexts do not fit the expansion rows): q_lat = W_UKᵀ·q_nope
     per head (one cuBLAS strided-batched GEMM reading kv_b_proj in place, float32 out), mla_decode.cu
     over the latent cache (one launch: its last split per head group merges the splits), o = W_UV·o_lat
-    per head (a second strided-batched GEMM). Graph-capturable: every grid depends on the token count alone.
+    per head (a second strided-batched GEMM); steps of at most mla_absorb_tokens tokens can take
+    mla_absorb.cu's two kernels for the projections instead (their weights read before the
+    programmatic-launch wait). Graph-capturable: every grid depends on the token count alone.
   * expanded (eager steps with a prefill, contexts that fit): the context's latents gathered
     (mla_prefill.cu), one GEMM by kv_b_proj, K and V (V zero-padded to the key width) laid out in whole
     16-token blocks per sequence, and paged_attention.cu's kernels as plain multi-head attention.
@@ -29,6 +31,7 @@ MLA_MAX_GROUP = 16                # mla_decode.cu MAX_G: heads per CTA at most
 MLA_MAX_SPLITS = 32               # mla_decode.cu MAX_SPLITS
 MLA_CHUNK = 32                    # mla_decode.cu CHUNK: latent rows staged in shared memory
 MLA_MAX_EXPAND_ROWS = 1 << 15     # cap of the expansion rows (their K and V: 2·rows·heads·(nope + rope)·2 bytes)
+MLA_ABSORB_MAX_TOKENS = 8         # mla_absorb.cu MAX_T
 
 
 def mla_decode_shape(num_tokens: int, num_splits: int, num_heads: int, num_sms: int) -> tuple[int, int]:
@@ -77,6 +80,9 @@ def expansion(batch, max_blocks: int, rows_cap: int):
 
 class GpuMLAOps:
     mla_group = None                  # mla_decode.cu heads per CTA (None: mla_decode_shape; tests' A/B)
+    # steps of at most this many tokens take mla_absorb.cu's projections instead of cuBLAS (0: never; up to
+    # MLA_ABSORB_MAX_TOKENS). Off until measured on the GPU (bench/decode.py --kernels "all|mlaraw").
+    mla_absorb_tokens = 0
 
     @staticmethod
     def mla_buffers(plan) -> list[Buffer]:
@@ -117,6 +123,9 @@ class GpuMLAOps:
         self.k_mla_cache = kernel("mla_latent_cache", "mla_latent_cache")
         self.k_mla_decode = kernel("mla_decode", "mla_decode_split", KV_RANK=s.kv_lora_rank, ROPE_DIM=s.rope_dim)
         self.k_mla_decode.max_dynamic_shared_size_bytes = mla_decode_smem(s.rope_dim, s.kv_lora_rank, MLA_MAX_GROUP)
+        self.mla_absorb_fits = s.nope_dim <= 256 and s.kv_lora_rank <= 1024      # mla_absorb.cu MAX_ROWS, MAX_PIECES
+        self.k_mla_absorb_q = kernel("mla_absorb", "mla_absorb_q")
+        self.k_mla_absorb_o = kernel("mla_absorb", "mla_absorb_o")
         self.k_mla_gather = kernel("mla_prefill", "mla_gather_latent")
         self.k_mla_expand = kernel("mla_prefill", "mla_expand_kv")
         self.k_mla_q_rope = kernel("mla_prefill", "mla_q_rope")
@@ -144,9 +153,15 @@ class GpuMLAOps:
         T, H, R, N, V = ctx.num_tokens, spec.num_heads, spec.kv_lora_rank, spec.nope_dim, spec.v_dim
         b, head = self.mla, (N + V) * R                     # kv_b's stride between heads, in values
         q_lat, o_lat = b["mla_q_lat"][:T * H * R], b["mla_o_lat"][:T * H * R]
+        raw = T <= min(self.mla_absorb_tokens, MLA_ABSORB_MAX_TOKENS) and self.mla_absorb_fits
         # q_lat[t, h] = W_UK_hᵀ q_nope[t, h]: column-major q_latᵀ [R, T] = W_UK_hᵀ [R, N] · q_nopeᵀ [N, T]
-        self.strided_gemm(CUBLAS_OP_N, R, T, N, kv_b, 0, R, head, q, 0, H * spec.qk_dim, spec.qk_dim,
-                          q_lat, H * R, R, H)
+        if raw:
+            launch(self.k_mla_absorb_q, (-(-R // 64), H), (256,),
+                   (q, kv_b, q_lat, np.int32(T), np.int32(H), np.int32(N), np.int32(V), np.int32(R),
+                    np.int32(spec.qk_dim)), self.stream, pdl=self.pdl)
+        else:
+            self.strided_gemm(CUBLAS_OP_N, R, T, N, kv_b, 0, R, head, q, 0, H * spec.qk_dim, spec.qk_dim,
+                              q_lat, H * R, R, H)
         S, G = mla_decode_shape(T, ctx.num_splits, H, self.num_sms)
         if T * S * H > b["mla_part_max"].shape[0]:
             S, G = 1, min(MLA_MAX_GROUP, H)
@@ -160,7 +175,12 @@ class GpuMLAOps:
                self.stream, pdl=self.pdl, shared_mem=mla_decode_smem(spec.rope_dim, R, G))
         # o[t, h] = W_UV_h o_lat[t, h]: column-major oᵀ [V, T] = (W_UV_h as [R, V])ᵀ · o_latᵀ [R, T]
         o = self._out(T, H * V)
-        self.strided_gemm(CUBLAS_OP_T, V, T, R, kv_b, N * R, R, head, o_lat, 0, H * R, R, o, H * V, V, H)
+        if raw:
+            launch(self.k_mla_absorb_o, (-(-V // 8), H), (256,),
+                   (o_lat, kv_b, o, np.int32(T), np.int32(H), np.int32(N), np.int32(V), np.int32(R)),
+                   self.stream, pdl=self.pdl)
+        else:
+            self.strided_gemm(CUBLAS_OP_T, V, T, R, kv_b, N * R, R, head, o_lat, 0, H * R, R, o, H * V, V, H)
         return o
 
     def strided_gemm(self, op_a: int, m: int, n: int, k: int, a, a_off: int, lda: int, stride_a: int,
