@@ -65,6 +65,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--layers", type=int, default=None, help="the first N layers only (a small disk)")
+    p.add_argument("--qkv-in-attention", action="store_true",
+                   help="decode steps add the q/k/v delta inside the fused rope + attention kernel (lora_in_attention)")
     p.add_argument("--ops", action="store_true",
                    help="also time each op of one eager decode step per row (bench/op_timer.py), the LoRA kernels apart")
     args = p.parse_args()
@@ -91,6 +93,7 @@ def main() -> None:
     ex = GpuExecutor(model, options_of(num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
                                        max_num_batched_tokens=max(2048, max_b), max_num_seqs=max_b, progress=False,
                                        max_loras=max(1, slots), max_lora_rank=args.rank))
+    ex.ops.lora_in_attention = args.qkv_in_attention
     sites = lora_sites(ex.model)
     for slot in range(slots):
         path = write_random_adapter(model, f"/tmp/{name}-lora-r{args.rank}-{slot}", args.rank, seed=slot)
@@ -114,6 +117,7 @@ def main() -> None:
             print(f"[{name}] {json.dumps(r)}", flush=True)
     ex.close()
     result = dict(model=name + (f" ({args.layers} layers)" if args.layers else ""), copy_bandwidth=bw,
+                  qkv_in_attention=args.qkv_in_attention,
                   device=torch.cuda.get_device_name(), rows=rows)
     with open(os.path.join(args.out, "lora.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -116,6 +116,10 @@ class GpuLoRAOps:
     lora_w: dict = {}       # site -> (A, B) device arrays (empty: LoRA off)
     lora_weights: dict = {} # site -> its extended weight [N + extra_rows, K] (the executor's upload)
     lora_full: dict = {}    # the sites of lora_weights whose small steps take the extended product
+    # Decode steps add the q/k/v delta inside paged_decode.cu's fused rope + attention entry (its _lora
+    # entry reads the extended product's rows) instead of a compacting lora_expand.cu launch before it.
+    # Off until measured on the GPU (bench/lora.py --qkv-in-attention).
+    lora_in_attention = False
 
     @staticmethod
     def lora_buffers(plan) -> list[Buffer]:
@@ -246,6 +250,31 @@ class GpuLoRAOps:
         wide = self._extended_product(x, norm_weight, eps, site, normed)
         out = self._out(x.shape[0], self.lora_sites[site].n)
         self._expand_wide(wide, site, EXPAND_COPY, out)
+        return out
+
+    def qkv_rope_attention(self, x, norm_weight, eps, weight, bias, spec, ctx, normed=None, q_norm=None, k_norm=None,
+                           lora=None):
+        """A decode step with adapters (lora_in_attention): the q/k/v product by the extended weight, then
+        paged_decode.cu's rope_paged_decode_attention_lora adding each row's delta in its prologue; else
+        the composition (norm_linear, rope_attention)."""
+        rows = x.shape[0]
+        fused = None
+        if (self.lora_in_attention and bias is None and self.lora_fused(lora, rows)
+                and len(self.lora_sites[lora].slices) == 3):
+            fused = self._rope_decode_kernel(spec, ctx, "rope_paged_decode_attention_lora", LORA_R=self.lora_rank)
+        if fused is None:
+            return super().qkv_rope_attention(x, norm_weight, eps, weight, bias, spec, ctx, normed=normed,
+                                              q_norm=q_norm, k_norm=k_norm, lora=lora)
+        wide = self._extended_product(x, norm_weight, eps, lora, normed)
+        self._kv_layer_ready(spec.layer)
+        self._check_attention(spec, ctx)
+        null = np.uint64(0)
+        out = self._out(rows, spec.num_heads * spec.head_dim)
+        self._launch(*fused, (128,),
+                     (wide, np.int32(wide.shape[1]), self.lora.token_slots, self.lora_w[lora][1],
+                      q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
+                      np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor), ctx.slot_mapping)
+                     + self._decode_args(spec, ctx, out))
         return out
 
     def lora_norm_swiglu(self, x, norm_weight, eps, site, normed=None):

@@ -128,7 +128,7 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         self.k_merge = kernel("paged_attention", "attention_merge")
         self.num_heads, self.head_dim = num_heads, head_dim
         self.fast_attention = fast_attention   # paged_decode.cu instead of paged_attention_split
-        self._decode_kernels: dict[tuple[int, str, int], object] = {}
+        self._decode_kernels: dict[tuple, object] = {}     # (group, entry, heads, defines) -> kernel
         self.fused_rope = True      # rope_attention in one kernel on decode steps (off: compose, for A/B)
 
     # ---- buffers -----------------------------------------------------------------------------
@@ -233,20 +233,21 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
                       ctx.positions, ctx.slot_mapping, q, kc, vc, np.int32(Hq), np.int32(Hkv), np.int32(D)))
         return q
 
-    def _decode_kernel(self, num_kv_heads: int, entry: str = "paged_decode_attention", heads: int = 0):
+    def _decode_kernel(self, num_kv_heads: int, entry: str = "paged_decode_attention", heads: int = 0, **defines):
         """A paged_decode.cu entry for this model's group size (``heads`` query heads per CTA; 0: the
-        whole group), or None (switched off / no fit)."""
+        whole group; defines: the entry's own build options, e.g. LORA_R), or None (switched off / no fit)."""
         group = self.num_heads // num_kv_heads
         if not self.fast_attention or not decode_attention_fits(group, self.head_dim):
             return None
         heads = heads or group
         if group % heads:
             raise ValueError(f"paged_decode.cu: {heads} heads per CTA do not divide the group of {group}")
-        if (group, entry, heads) not in self._decode_kernels:
+        key = (group, entry, heads, tuple(sorted(defines.items())))
+        if key not in self._decode_kernels:
             extra = {"HEADS": heads} if heads != group else {}
-            self._decode_kernels[group, entry, heads] = kernel("paged_decode", entry, GQA=group,
-                                                               HEAD_DIM=self.head_dim, **extra, **self.decode_defines)
-        return self._decode_kernels[group, entry, heads]
+            self._decode_kernels[key] = kernel("paged_decode", entry, GQA=group, HEAD_DIM=self.head_dim, **extra,
+                                               **self.decode_defines, **defines)
+        return self._decode_kernels[key]
 
     def _heads_per_cta(self, num_tokens: int, num_kv_heads: int) -> int:
         """paged_decode.cu's query heads per CTA for a step of num_tokens query rows (decode_heads_per_cta,
@@ -254,17 +255,18 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         group = self.num_heads // num_kv_heads
         return self.decode_heads or decode_heads_per_cta(num_tokens, num_kv_heads, group, self.num_sms)
 
-    def _decode_launch(self, spec: AttentionSpec, ctx: GpuStepContext, entry: str):
+    def _decode_launch(self, spec: AttentionSpec, ctx: GpuStepContext, entry: str, **defines):
         """(kernel, grid) of a paged_decode.cu entry for this step, its head groups chosen once; None where
         the kernel does not serve the layer."""
         heads = self._heads_per_cta(ctx.num_tokens, spec.num_kv_heads)
-        k = self._decode_kernel(spec.num_kv_heads, entry, heads)
+        k = self._decode_kernel(spec.num_kv_heads, entry, heads, **defines)
         if k is None:
             return None
         groups = spec.num_heads // spec.num_kv_heads // heads
         return k, (ctx.num_tokens, ctx.num_splits, spec.num_kv_heads * groups)
 
-    def _rope_decode_kernel(self, spec: AttentionSpec, ctx: GpuStepContext):
+    def _rope_decode_kernel(self, spec: AttentionSpec, ctx: GpuStepContext, entry="rope_paged_decode_attention",
+                            **defines):
         """paged_decode.cu's fused q/k norm + rope + KV write + attention entry and its grid, when the step is decode
         only, its grid is at most FUSED_ROPE_CTAS_PER_SM CTAs per SM and the decode kernel serves this layer; else None
         (the composition runs; both give the same bits)."""
@@ -272,7 +274,7 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
                 or spec.num_heads != self.num_heads
                 or ctx.num_splits * spec.num_kv_heads * ctx.num_tokens > FUSED_ROPE_CTAS_PER_SM * self.num_sms):
             return None
-        return self._decode_launch(spec, ctx, "rope_paged_decode_attention")
+        return self._decode_launch(spec, ctx, entry, **defines)
 
     def splits(self, num_tokens: int, num_kv_heads: int, max_context: int) -> int:
         """The step's KV split count for the attention kernel in use."""

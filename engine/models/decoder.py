@@ -90,11 +90,10 @@ def attention_block(ops: Ops, w: dict[str, Array], residual: Array, normed: Arra
     one kernel did it with the add, its post-attention norm. Each projection names its LoRA site (its
     weight's name): the step's adapters add their deltas there."""
     i = spec.layer
-    qkv = ops.norm_linear(residual, w[f"layers.{i}.input_layernorm"], eps, w[f"layers.{i}.qkv_proj"],
-                          w.get(f"layers.{i}.qkv_bias"), normed=normed, lora=f"layers.{i}.qkv_proj")
-    o = ops.rope_attention(qkv, spec, ctx,
-                           q_norm=w[f"layers.{i}.q_norm"] if opt.qk_norm else None,
-                           k_norm=w[f"layers.{i}.k_norm"] if opt.qk_norm else None)
+    o = ops.qkv_rope_attention(residual, w[f"layers.{i}.input_layernorm"], eps, w[f"layers.{i}.qkv_proj"],
+                               w.get(f"layers.{i}.qkv_bias"), spec, ctx, normed=normed,
+                               q_norm=w[f"layers.{i}.q_norm"] if opt.qk_norm else None,
+                               k_norm=w[f"layers.{i}.k_norm"] if opt.qk_norm else None, lora=f"layers.{i}.qkv_proj")
     return ops.add_linear_norm(o, w[f"layers.{i}.o_proj"], residual, w[f"layers.{i}.post_attention_layernorm"], eps,
                                w.get(f"layers.{i}.o_bias"), lora=f"layers.{i}.o_proj")
 

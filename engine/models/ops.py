@@ -198,6 +198,13 @@ class Ops(Protocol):
                        q_norm: Array | None = None, k_norm: Array | None = None) -> Array:
         """attention(qkv_rope_cache(qkv, ...), spec, ctx): o[T, Hq·D], with k and v written to the cache."""
 
+    def qkv_rope_attention(self, x: Array, norm_weight: Array, eps: float, weight: Array, bias: Array | None,
+                           spec: AttentionSpec, ctx: Any, normed: Array | None = None, q_norm: Array | None = None,
+                           k_norm: Array | None = None, lora: str | None = None) -> Array:
+        """rope_attention(norm_linear(x, norm_weight, eps, weight, bias, normed, lora), spec, ctx, q_norm,
+        k_norm): a decoder layer's attention from its input (where an executor adds the q/k/v adapter
+        delta inside the attention kernel instead of between the two)."""
+
     def norm_swiglu(self, x: Array, norm_weight: Array, eps: float, gate_up_weight: Array,
                     normed: Array | None = None, lora: str | None = None) -> Array:
         """silu_mul(norm_linear(x, norm_weight, eps, gate_up_weight, normed=normed, lora=lora)): the MLP
@@ -250,6 +257,11 @@ class ComposedOps:
 
     def rope_attention(self, qkv, spec, ctx, q_norm=None, k_norm=None):
         return self.attention(self.qkv_rope_cache(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm), spec, ctx)
+
+    def qkv_rope_attention(self, x, norm_weight, eps, weight, bias, spec, ctx, normed=None, q_norm=None, k_norm=None,
+                           lora=None):
+        qkv = self.norm_linear(x, norm_weight, eps, weight, bias, normed=normed, lora=lora)
+        return self.rope_attention(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm)
 
     def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None, lora=None):
         return self.silu_mul(self.norm_linear(x, norm_weight, eps, gate_up_weight, normed=normed, lora=lora))

@@ -100,28 +100,77 @@ struct RopeArgs {
     const float* inv_freq;        // [D/2]
     float attn_factor;
     const int* slot_mapping;      // [T]: the KV slot of the step's own key (< 0: padding, not written)
+    int row_stride;               // values between two qkv rows ((Hq + 2·Hkv)·D, or the LoRA product's width)
+    // LoRA (the _lora entry): row t's slot lora_slots[t] (-1: none) adds h · B[slot, column]ᵀ to each
+    // column before the norms, h its slot's shrink in the row's columns lora_n + slot · 3·LORA_R (q, k, v)
+    const int* lora_slots;        // [T] or null
+    const bf16_t* lora_b;         // [slots, lora_n, LORA_R] bf16, lora_alpha / r folded in
+    int lora_n;                   // (Hq + 2·Hkv)·D: the projection's columns
 };
+
+#ifndef LORA_R                                          // the _lora entry's (padded) rank: defined where it is built
+#define LORA_R 8
+#define NO_LORA_ENTRY
+#endif
+#define LORA_ROWS (HEADS + 2)                            // a CTA's staged rows: its query heads, then k and v
+
+// The qkv column of a CTA's staged row j: query head head0 + j (j < HEADS), its k (HEADS), its v (HEADS + 1).
+__device__ __forceinline__ int staged_head(int j, int head0, int kvh, int num_heads, int num_kv_heads) {
+    return j < HEADS ? head0 + j : j == HEADS ? num_heads + kvh : num_heads + num_kv_heads + kvh;
+}
+
+// LoRA: the CTA's rows of the qkv row with the slot's delta, bf16(y + h · B[slot, column]ᵀ) (rank order,
+// as lora_expand.cu's compacting epilogue), into lora_s; h (the q, k and v slices' shrink) via h_s.
+__device__ __forceinline__ void lora_stage(const RopeArgs& r, const bf16_t* row, int slot, int rows, int head0,
+                                           int kvh, int num_heads, int num_kv_heads, bf16_t (*lora_s)[HEAD_DIM],
+                                           float* h_s) {
+    for (int j = threadIdx.x; j < 3 * LORA_R; j += NTHREADS) h_s[j] = bf16_to_f(row[r.lora_n + slot * 3 * LORA_R + j]);
+    __syncthreads();
+    for (int e = threadIdx.x; e < rows * HEAD_DIM; e += NTHREADS) {
+        const int j = e / HEAD_DIM, d = e % HEAD_DIM;
+        const int col = staged_head(j, head0, kvh, num_heads, num_kv_heads) * HEAD_DIM + d;
+        const float* h = h_s + (j < HEADS ? 0 : j - HEADS + 1) * LORA_R;
+        const uint4* b = reinterpret_cast<const uint4*>(r.lora_b + ((size_t)slot * r.lora_n + col) * LORA_R);
+        float acc = 0.f;
+        #pragma unroll
+        for (int q = 0; q < LORA_R / 8; ++q) {
+            const uint4 bv = __ldg(b + q);
+            const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv);
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) acc += h[q * 8 + i] * bf16_to_f(bs[i]);
+        }
+        lora_s[j][d] = f_to_bf16(bf16_to_f(row[col]) + acc);
+    }
+    __syncthreads();
+}
 
 // Fused prologue (one step = one query token per sequence): the CTA's HEADS query heads (from head0),
 // normed and roped from the qkv row into q_s; the split that holds position ctx − 1 (the step's own
 // key) also builds that key and value into kv_s, and its first head group's CTA (writer) writes them to
 // the cache at slot_mapping[t] (the other groups' CTAs of that split take them from kv_s too, never
 // from the cache). Returns the position whose key and value come from kv_s (-1 for the other splits).
+// LORA: a row with an adapter is first staged with its delta (lora_stage) and normed from there.
+template <bool LORA>
 __device__ __forceinline__ int rope_prologue(const RopeArgs& r, int t, int kvh, int head0, int num_kv_heads,
                                              int ctx, bool owner, bool writer, bf16_t (*q_s)[HEAD_DIM],
-                                             bf16_t (*kv_s)[HEAD_DIM], bf16_t* k_cache, bf16_t* v_cache) {
+                                             bf16_t (*kv_s)[HEAD_DIM], bf16_t* k_cache, bf16_t* v_cache,
+                                             int lora_slot, bf16_t (*lora_s)[HEAD_DIM], float* h_s) {
     const int num_heads = num_kv_heads * GQA, warp = threadIdx.x >> 5;
-    const bf16_t* row = r.qkv + (size_t)t * (num_heads + 2 * num_kv_heads) * HEAD_DIM;
+    const bf16_t* row = r.qkv + (size_t)t * r.row_stride;
     const float pos = (float)(ctx - 1);
+    const bool staged = LORA && lora_slot >= 0;          // CTA-uniform
+    if (staged)
+        lora_stage(r, row, lora_slot, HEADS + (owner ? 2 : 0), head0, kvh, num_heads, num_kv_heads, lora_s, h_s);
+    auto src = [&](int j) -> const bf16_t* {
+        return staged ? lora_s[j] : row + (size_t)staged_head(j, head0, kvh, num_heads, num_kv_heads) * HEAD_DIM;
+    };
     for (int j = warp; j < HEADS + (owner ? 1 : 0); j += WARPS) {
         if (j < HEADS)
-            norm_rope_head(row + (size_t)(head0 + j) * HEAD_DIM, q_s[j], r.q_norm_w, r.eps, r.inv_freq,
-                           r.attn_factor, pos, HEAD_DIM);
+            norm_rope_head(src(j), q_s[j], r.q_norm_w, r.eps, r.inv_freq, r.attn_factor, pos, HEAD_DIM);
         else
-            norm_rope_head(row + (size_t)(num_heads + kvh) * HEAD_DIM, kv_s[0], r.k_norm_w, r.eps, r.inv_freq,
-                           r.attn_factor, pos, HEAD_DIM);
+            norm_rope_head(src(HEADS), kv_s[0], r.k_norm_w, r.eps, r.inv_freq, r.attn_factor, pos, HEAD_DIM);
     }
-    const bf16_t* v_row = row + (size_t)(num_heads + num_kv_heads + kvh) * HEAD_DIM;
+    const bf16_t* v_row = src(HEADS + 1);
     if (owner)
         for (int i = threadIdx.x; i < HEAD_DIM; i += NTHREADS) kv_s[1][i] = v_row[i];
     __syncthreads();
@@ -138,8 +187,8 @@ __device__ __forceinline__ int rope_prologue(const RopeArgs& r, int t, int kvh, 
 }
 
 // The attention of one CTA (split, KV head, token); ROPE: q (and the step's own key) from the qkv
-// row through rope_prologue instead of from q.
-template <bool ROPE>
+// row through rope_prologue instead of from q; LORA: with the row's adapter delta.
+template <bool ROPE, bool LORA = false>
 __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, bf16_t* k_cache, bf16_t* v_cache,
                                                  const int* __restrict__ block_tables, int max_blocks,
                                                  const int* __restrict__ token_seq, const int* __restrict__ positions,
@@ -155,6 +204,8 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
     __shared__ int is_last;
     __shared__ __align__(16) bf16_t q_s[ROPE ? HEADS : 1][HEAD_DIM];
     __shared__ __align__(16) bf16_t kv_s[ROPE ? 2 : 1][HEAD_DIM];
+    __shared__ __align__(16) bf16_t lora_s[LORA ? LORA_ROWS : 1][HEAD_DIM];
+    __shared__ float h_s[LORA ? 3 * LORA_R : 1];
 
     const int t = blockIdx.x, split = blockIdx.y, kvh = blockIdx.z / GROUPS, hg = blockIdx.z % GROUPS;
     const int S = gridDim.y, num_heads = num_kv_heads * GQA, head0 = kvh * GQA + hg * HEADS;
@@ -186,12 +237,24 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
             }
         }
     }
+    // LoRA: the row's slot (uploaded with the step) and its B rows of this CTA's columns (a weight) start
+    // towards L2 too.
+    const int lora_slot = LORA && r.lora_slots != nullptr ? r.lora_slots[t] : -1;
+    if (LORA && lora_slot >= 0) {
+        const bool owner = start < end && end == ctx;
+        for (int j = 0; j < HEADS + (owner ? 2 : 0); ++j) {
+            const char* b = reinterpret_cast<const char*>(
+                r.lora_b + ((size_t)lora_slot * r.lora_n + (size_t)staged_head(j, head0, kvh, num_heads, num_kv_heads)
+                            * HEAD_DIM) * LORA_R);
+            for (int off = threadIdx.x * 128; off < HEAD_DIM * LORA_R * 2; off += NTHREADS * 128) prefetch_l2(b + off);
+        }
+    }
     pdl_begin();
 
     int fresh = -1;                                         // the key taken from kv_s (ROPE)
     if (ROPE)
-        fresh = rope_prologue(r, t, kvh, head0, num_kv_heads, ctx, start < end && end == ctx, hg == 0, q_s, kv_s,
-                              k_cache, v_cache);
+        fresh = rope_prologue<LORA>(r, t, kvh, head0, num_kv_heads, ctx, start < end && end == ctx, hg == 0, q_s,
+                                    kv_s, k_cache, v_cache, lora_slot, lora_s, h_s);
     const bf16_t* qg = ROPE ? &q_s[0][0] : q + ((size_t)t * num_heads + head0) * HEAD_DIM;
     // This lane's slices of the group's query heads, scaled into the log2 domain.
     float qf[HEADS][CHUNKS][VEC];
@@ -406,7 +469,29 @@ rope_paged_decode_attention(const bf16_t* __restrict__ qkv, const bf16_t* __rest
                             const int* __restrict__ token_seq, const int* __restrict__ positions,
                             float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
                             bf16_t* __restrict__ out, int* __restrict__ counters, int num_kv_heads, float scale) {
-    const RopeArgs r{qkv, q_norm_w, k_norm_w, eps, inv_freq, attn_factor, slot_mapping};
+    const RopeArgs r{qkv, q_norm_w, k_norm_w, eps, inv_freq, attn_factor, slot_mapping,
+                     num_kv_heads * (GQA + 2) * HEAD_DIM, nullptr, nullptr, 0};
     decode_attention<true>(nullptr, k_cache, v_cache, block_tables, max_blocks, token_seq, positions, part_out,
                            part_max, part_sum, out, counters, num_kv_heads, scale, r);
 }
+
+#ifndef NO_LORA_ENTRY
+// The same with the step's LoRA deltas at the q/k/v projection added in the prologue (the qkv rows are
+// the product by the weight extended with every slot's A: row_stride columns, the shrink after lora_n),
+// so no kernel compacts the product between them (gpu_lora_ops.lora_rope_attention). LORA_R % 8 == 0.
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
+rope_paged_decode_attention_lora(const bf16_t* __restrict__ qkv, int row_stride, const int* __restrict__ lora_slots,
+                                 const bf16_t* __restrict__ lora_b, const bf16_t* __restrict__ q_norm_w,
+                                 const bf16_t* __restrict__ k_norm_w, float eps, const float* __restrict__ inv_freq,
+                                 float attn_factor, const int* __restrict__ slot_mapping, bf16_t* k_cache,
+                                 bf16_t* v_cache, const int* __restrict__ block_tables, int max_blocks,
+                                 const int* __restrict__ token_seq, const int* __restrict__ positions,
+                                 float* __restrict__ part_out, float* __restrict__ part_max,
+                                 float* __restrict__ part_sum, bf16_t* __restrict__ out, int* __restrict__ counters,
+                                 int num_kv_heads, float scale) {
+    const RopeArgs r{qkv, q_norm_w, k_norm_w, eps, inv_freq, attn_factor, slot_mapping, row_stride, lora_slots,
+                     lora_b, num_kv_heads * (GQA + 2) * HEAD_DIM};
+    decode_attention<true, true>(nullptr, k_cache, v_cache, block_tables, max_blocks, token_seq, positions,
+                                 part_out, part_max, part_sum, out, counters, num_kv_heads, scale, r);
+}
+#endif
