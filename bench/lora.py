@@ -7,6 +7,7 @@ per step (wall, median), the graph replayed back to back (the GPU time), and the
 the same batch without adapters. The issue's target: at most 10% at batch 32 with 4 adapters.
 
     python3 bench/lora.py --out DIR [--batches 1,32] [--adapters 0,1,4] [--rank 16] [--steps 128] [--layers N]
+        [--qkv-in-attention]   (decode steps add the q/k/v delta in the fused attention kernel)
 
 Writes DIR/lora.json and DIR/lora.md (copy them to bench/results/ with the date, GPU and command).
 """

@@ -30,7 +30,7 @@ inline std::vector<char> emu_dynamic_smem;
 #define __forceinline__ inline
 #define __shared__ static
 #define __launch_bounds__(...)
-#define __align__(n) alignas(n)
+#define __align__(n) __attribute__((aligned(n)))
 
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
@@ -63,6 +63,16 @@ inline int __shfl_up_sync(unsigned, int v, int o) { return emu_shuffle_int(v, em
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <typename T> inline T __ldcg(const T* p) { return *p; }
+template <typename T> inline T __ldg(const T* p) { return *p; }
+inline float __uint_as_float(unsigned v) { float f; std::memcpy(&f, &v, sizeof f); return f; }
+inline unsigned __float_as_uint(float f) { unsigned v; std::memcpy(&v, &f, sizeof v); return v; }
+// cp.async: the copy done at once (the wait is then a no-op); !valid writes zeros, as the hardware does.
+inline void cp_async16(void* smem, const void* gmem, bool valid) {
+    if (valid) std::memcpy(smem, gmem, 16); else std::memset(smem, 0, 16);
+}
+inline void cp_async_commit() {}
+template <int N> inline void cp_async_wait() {}
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 
 // Run body() as every thread of every block of the grid (1-D blocks), blocks one after another.
 inline void emu_launch(EmuDim grid, unsigned threads, size_t smem, const std::function<void()>& body) {

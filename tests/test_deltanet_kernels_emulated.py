@@ -25,6 +25,7 @@ from openinfer_kernels.raw_cuda import KERNEL_DIR
 from openinfer_kernels.raw_cuda.launch import pack_argument
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
+DYNAMIC_SMEM = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?(\w+) (\w+)\[\];")   # -> the block's buffer
 ENTRY = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)')
 
 
@@ -51,8 +52,8 @@ def emulated(name: str, defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDL
     if include is None or gxx is None:
         pytest.skip("g++ or the CUDA headers (cuda_bf16.h) are not available")
     with open(os.path.join(KERNEL_DIR, f"{name}.cu"), encoding="utf-8") as f:
-        source = f.read().replace("extern __shared__ __align__(16) char smem[];",
-                                  "char* smem = emu_dynamic_smem.data();")
+        source = DYNAMIC_SMEM.sub(lambda m: f"{m[1]}* {m[2]} = reinterpret_cast<{m[1]}*>(emu_dynamic_smem.data());",
+                                  f.read())
     wrappers = []
     for entry, params in ENTRY.findall(source):
         args = ", ".join(f"*({t}*)a[{i}]" for i, t in enumerate(_param_types(params)))

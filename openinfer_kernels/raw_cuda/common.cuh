@@ -80,7 +80,9 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // Ask L2 for the 128-byte line at p (no register waits on it).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef __CUDA_ARCH__                                     // (a hint: nothing in the host emulation of the tests)
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+#endif
 }
 
 // One head's split weights for the CTA that merges a flash-decoding kernel's splits (one warp, `lane` its

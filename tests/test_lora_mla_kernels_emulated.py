@@ -1,0 +1,210 @@
+"""LoRA's decode-step kernels and MLA's absorbed projections on the host, without a GPU (tests/cuda_emulation.h,
+as test_deltanet_kernels_emulated): rms_norm.cu's splitk_rms_norm_residual_lora (the o / down delta in the
+split-K reduction, compiled per rank), lora_expand.cu's compacting and SiLU·up epilogues in both tile sizes
+(TT 8, and 4 for small steps) reading the extended product, and mla_absorb.cu's W_UK / W_UV projections,
+each against numpy with the kernels' roundings, launched with the grids their GPU ops use.
+What the emulation cannot see (speed, coalescing, occupancy) is for test_gpu_lora.py and test_gpu_moe_mla_kernels.py."""
+from __future__ import annotations
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from engine.executor.gpu_lora_ops import EXPAND_COPY, EXPAND_SWIGLU, SPLITK_LORA_THREADS, group_by_slot
+from engine.executor.gpu_ops import splitk_norm_threads
+from openinfer_kernels.raw_cuda.launch import pack_argument
+from test_deltanet_kernels_emulated import emulated, host
+
+
+def bf16(x) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def f32(bits) -> np.ndarray:
+    return np.asarray(bits).view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def rb(x) -> np.ndarray:
+    return f32(bf16(x))
+
+
+def run(name: str, entry: str, grid, threads: int, args, smem: int = 0, **defines) -> None:
+    values = [pack_argument(a) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    getattr(emulated(name, tuple(sorted(defines.items()))), f"emu_{entry}")(
+        *(ctypes.c_uint(v) for v in g), ctypes.c_uint(threads), ctypes.c_size_t(smem), params)
+
+
+def assert_bf16_close(got_bits, want, what) -> None:
+    """Equal up to one bf16 rounding step (the kernel's float32 sums may round the other way)."""
+    got = f32(got_bits)
+    np.testing.assert_allclose(got, want, rtol=1.6e-2, atol=1e-3, err_msg=what)
+    assert np.mean(got == want) > 0.9, what
+
+
+@pytest.mark.parametrize("hidden,rank,splits,slots", [(64, 16, 3, [0, -1, 2, 1]), (200, 8, 1, [1, 1, -1]),
+                                                      (96, 64, 5, [2, 0])])
+def test_splitk_norm_with_the_lora_delta(hidden, rank, splits, slots):
+    """r = bf16(sum of the split-K partials (split order) + h · B[slot]ᵀ + residual), h the row's slot's
+    shrink columns summed over the splits; out = bf16(w · bf16(r · rstd)); rows without a slot: no delta."""
+    rng = np.random.default_rng(hidden + rank)
+    T, S = len(slots), 3
+    ld = hidden + S * rank
+    partial = rng.standard_normal((splits, T, ld)).astype(np.float32)
+    residual, w = bf16(rng.standard_normal((T, hidden))), bf16(1 + 0.1 * rng.standard_normal(hidden))
+    B = bf16(0.3 * rng.standard_normal((S, hidden, rank)))
+    token_slots = np.array(slots, np.int32)
+    out, resid_out = host(np.zeros((T, hidden), np.uint16)), host(np.zeros((T, hidden), np.uint16))
+    threads = min(SPLITK_LORA_THREADS, max(splitk_norm_threads(hidden), -(-hidden // 32) * 32))
+    run("rms_norm", "splitk_rms_norm_residual_lora", (T,), threads,
+        (host(partial), np.int32(splits), np.int64(T * ld), np.int32(ld), host(residual), host(w), out, resid_out,
+         np.int32(hidden), np.float32(1e-6), host(token_slots), host(B), np.int32(rank)), LORA_R=rank)
+    acc = np.zeros((T, hidden), np.float32)
+    for s in range(splits):
+        acc += partial[s, :, :hidden]
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            h = np.zeros(rank, np.float32)
+            for s in range(splits):
+                h += partial[s, t, hidden + slot * rank:hidden + (slot + 1) * rank]
+            acc[t] += f32(B[slot]) @ h
+    r = rb(acc + f32(residual))
+    rstd = 1 / np.sqrt(np.mean(r * r, -1, keepdims=True) + np.float32(1e-6))
+    assert_bf16_close(resid_out, r, "resid_out")
+    assert_bf16_close(out, rb(f32(w) * rb(r * rstd)), "normed")
+
+
+def silu_times(g, u):
+    return rb(rb(g / (1 + np.exp(-g))) * u)
+
+
+@pytest.mark.parametrize("tile", [8, 4])
+@pytest.mark.parametrize("mode,slices,interleaved", [(EXPAND_COPY, (48, 16, 16), 0), (EXPAND_SWIGLU, (40, 40), 1),
+                                                     (EXPAND_SWIGLU, (24, 24), 0)])
+def test_expand_from_the_extended_product(tile, mode, slices, interleaved):
+    """lora_expand.cu reading the shrink from the extended product's row [T, N + slots · NR] (bf16):
+    mode 3, the first N columns with each row's delta (bf16(y + h · B[slot, c])) compacted; mode 2, SiLU·up
+    of the gate / up columns with their deltas added first (interleaved: 8 gate rows, then their 8 up rows);
+    rows without an adapter copied / plain SiLU·up; every token tile of each slot's group."""
+    rng = np.random.default_rng(tile + mode)
+    R, S = 8, 3
+    N, NR = sum(slices), len(slices) * R
+    token_slots = np.array([0, 2, -1, 0, 1, 0, 0, 0, 0, 0, -1, 2], np.int32)
+    T = len(token_slots)
+    wide = bf16(rng.standard_normal((T, N + S * NR)))
+    B = bf16(0.5 * rng.standard_normal((S, N, R)))
+    order, starts = group_by_slot(token_slots, S)
+    cols = N // 2 if mode == EXPAND_SWIGLU else N
+    act = host(np.zeros((T, cols), np.uint16))
+    ends = list(np.cumsum(slices)[:-1]) + [N] * 2
+    run("lora_expand", "lora_expand", (-(-cols // 256), -(-T // tile), S + 1), 256,
+        (host(wide), np.int32(1), np.int64(0), np.int32(N + S * NR), np.int32(N), np.int32(NR), host(B),
+         host(order.astype(np.int32)), host(starts.astype(np.int32)), host(wide), np.int32(N + S * NR), act,
+         np.int32(N), np.int32(R), np.int32(NR), np.int32(1), np.int32(ends[0]), np.int32(ends[1]),
+         np.int32(interleaved), np.int32(mode)), smem=8 * NR * 4, TT=tile)
+    y = f32(wide)
+    delta = np.zeros((T, N), np.float32)
+    c = np.arange(N)
+    slice_of = (c // 8) % 2 if interleaved else (c >= ends[0]).astype(int) + (c >= ends[1])
+    for t, s in enumerate(token_slots):
+        if s >= 0:
+            h = y[t, N + s * NR:N + (s + 1) * NR].reshape(len(slices), R)
+            delta[t] = np.einsum("cr,cr->c", f32(B[s]), h[slice_of])
+    if mode == EXPAND_COPY:
+        assert_bf16_close(act, rb(y[:, :N] + delta), "compacted")
+        return
+    if interleaved:
+        i = np.arange(cols)
+        g_col, u_col = (i // 8) * 16 + i % 8, (i // 8) * 16 + i % 8 + 8
+    else:
+        g_col, u_col = np.arange(cols), np.arange(cols) + cols
+    has = (token_slots >= 0)[:, None]
+    g = np.where(has, rb(y[:, g_col] + delta[:, g_col]), y[:, g_col])
+    u = np.where(has, rb(y[:, u_col] + delta[:, u_col]), y[:, u_col])
+    assert_bf16_close(act, silu_times(g, u), "silu")
+
+
+@pytest.mark.parametrize("T,H,N,V,R", [(1, 3, 24, 20, 32), (3, 2, 16, 24, 128), (8, 4, 128, 128, 512)])
+def test_mla_absorb_projections(T, H, N, V, R):
+    """mla_absorb.cu: q_lat[t, h] = W_UK_hᵀ q_nope[t, h] (float32) from q rows [T, H·qk] and kv_b_proj
+    [H·(N + V), R]; o[t, h] = bf16(W_UV_h o_lat[t, h]) (grids as gpu_mla_ops._mla_absorbed)."""
+    rng = np.random.default_rng(T + R)
+    qk = N + 8
+    q, kv_b = bf16(rng.standard_normal((T, H * qk))), bf16(rng.standard_normal((H * (N + V), R)) / np.sqrt(N))
+    o_lat = bf16(rng.standard_normal((T, H * R)))
+    q_lat, o = host(np.zeros((T, H, R), np.float32)), host(np.zeros((T, H * V), np.uint16))
+    run("mla_absorb", "mla_absorb_q", (-(-R // 64), H), 256,
+        (host(q), host(kv_b), q_lat, np.int32(T), np.int32(H), np.int32(N), np.int32(V), np.int32(R), np.int32(qk)))
+    run("mla_absorb", "mla_absorb_o", (-(-V // 8), H), 256,
+        (host(o_lat), host(kv_b), o, np.int32(T), np.int32(H), np.int32(N), np.int32(V), np.int32(R)))
+    w = f32(kv_b).reshape(H, N + V, R)
+    qn = f32(q).reshape(T, H, qk)[:, :, :N]
+    np.testing.assert_allclose(q_lat, np.einsum("thn,hnr->thr", qn, w[:, :N]), rtol=1e-5, atol=1e-4)
+    want = np.einsum("thr,hvr->thv", f32(o_lat).reshape(T, H, R), w[:, N:]).reshape(T, H * V)
+    assert_bf16_close(o, rb(want), "o")
+
+
+def decode_attention_args(rng, T: int, Hq: int, Hkv: int, D: int, splits: int):
+    """A decode step's cache and tables for paged_decode.cu: token t of sequence t at context 5 + 16·t,
+    blocks shuffled, the new tokens' slots zeroed. Returns (tail arguments after slot_mapping, the slot
+    mapping, k cache, v cache, out)."""
+    contexts = [5 + 16 * t for t in range(T)]
+    blocks = [-(-c // 16) for c in contexts]
+    perm = rng.permutation(sum(blocks) + 2).astype(np.int32)
+    tables, at = np.zeros((T, max(blocks)), np.int32), 0
+    for i, n in enumerate(blocks):
+        tables[i, :n], at = perm[at:at + n], at + n
+    positions = np.array([c - 1 for c in contexts], np.int32)
+    slots = np.array([tables[i, p // 16] * 16 + p % 16 for i, p in enumerate(positions)], np.int32)
+    kc, vc = (host(bf16(rng.standard_normal(((len(perm)) * 16, Hkv, D)))) for _ in range(2))
+    out = host(np.zeros((T, Hq * D), np.uint16))
+    tail = (kc, vc, host(tables), np.int32(tables.shape[1]), host(np.arange(T, dtype=np.int32)), host(positions),
+            host(np.zeros(T * Hq * splits * D, np.float32)), host(np.zeros(T * Hq * splits, np.float32)),
+            host(np.zeros(T * Hq * splits, np.float32)), out, host(np.zeros(T * Hq, np.int32)), np.int32(Hkv),
+            np.float32(D ** -0.5))
+    return tail, host(slots), kc, vc, out
+
+
+@pytest.mark.parametrize("group,heads,splits", [(2, 2, 1), (2, 1, 3), (4, 2, 2)])
+def test_rope_decode_attention_adds_the_lora_delta(group, heads, splits):
+    """paged_decode.cu's rope_paged_decode_attention_lora on the extended q/k/v product's rows (the delta of
+    each row's slot added in its prologue; a row without one read as it is) gives the bits of the plain
+    fused entry on those rows compacted with their deltas by lora_expand.cu (mode 3): the attention output
+    and the K / V written to the cache."""
+    rng = np.random.default_rng(group * 10 + splits)
+    D, Hkv, R, S = 32, 2, 8, 3
+    Hq = group * Hkv
+    N, NR = (Hq + 2 * Hkv) * D, 3 * R
+    token_slots = np.array([0, -1, 2, 0], np.int32)
+    T = len(token_slots)
+    wide = bf16(rng.standard_normal((T, N + S * NR)))
+    B = bf16(0.5 * rng.standard_normal((S, N, R)))
+    q_norm, k_norm = bf16(1 + 0.2 * rng.standard_normal(D)), bf16(1 + 0.2 * rng.standard_normal(D))
+    inv_freq = (1.0 / (1e4 ** (np.arange(0, D, 2) / D))).astype(np.float32)
+    order, starts = group_by_slot(token_slots, S)
+    compact = host(np.zeros((T, N), np.uint16))
+    run("lora_expand", "lora_expand", (-(-N // 256), -(-T // 4), S + 1), 256,
+        (host(wide), np.int32(1), np.int64(0), np.int32(N + S * NR), np.int32(N), np.int32(NR), host(B),
+         host(order.astype(np.int32)), host(starts.astype(np.int32)), host(wide), np.int32(N + S * NR), compact,
+         np.int32(N), np.int32(R), np.int32(NR), np.int32(1), np.int32(Hq * D), np.int32((Hq + Hkv) * D),
+         np.int32(0), np.int32(EXPAND_COPY)), smem=8 * NR * 4, TT=4)
+    build = dict(GQA=group, HEAD_DIM=D, LORA_R=R, **({"HEADS": heads} if heads != group else {}))
+    grid = (T, splits, Hkv * (group // heads))
+    prologue = (host(q_norm), host(k_norm), np.float32(1e-6), host(inv_freq), np.float32(1.0))
+    results = []
+    for lora in (False, True):
+        tail, slot_mapping, kc, vc, out = decode_attention_args(np.random.default_rng(7), T, Hq, Hkv, D, splits)
+        if lora:
+            run("paged_decode", "rope_paged_decode_attention_lora", grid, 128,
+                (host(wide), np.int32(N + S * NR), host(token_slots), host(B)) + prologue + (slot_mapping,) + tail,
+                **build)
+        else:
+            run("paged_decode", "rope_paged_decode_attention", grid, 128,
+                (compact,) + prologue + (slot_mapping,) + tail, **build)
+        results.append((np.array(out), np.array(kc), np.array(vc)))
+    for name, a, b in zip(("out", "k cache", "v cache"), *results):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert np.any(results[0][0] != 0)
