@@ -208,3 +208,38 @@ def test_rope_decode_attention_adds_the_lora_delta(group, heads, splits):
     for name, a, b in zip(("out", "k cache", "v cache"), *results):
         np.testing.assert_array_equal(a, b, err_msg=name)
     assert np.any(results[0][0] != 0)
+
+
+@pytest.mark.parametrize("tile", [8, 4])
+@pytest.mark.parametrize("mode", [0, 1])
+def test_expand_from_shrink_partials(tile, mode):
+    """lora_expand.cu after lora_shrink.cu (larger steps, or small ones off the extended product): the
+    shrink's float32 split-K partials [C, T, NR] summed (atomically, in shared memory) and the delta added
+    to the projection's bf16 output in place (mode 0) or to a float32 split-K partial (mode 1)."""
+    rng = np.random.default_rng(tile * 3 + mode)
+    R, S, C, slices = 8, 3, 3, (24, 16, 16)
+    N, NR = sum(slices), len(slices) * R
+    token_slots = np.array([1, -1, 0, 1, 1, 2, 1, 1, 1, 1, 1], np.int32)
+    T = len(token_slots)
+    part = rng.standard_normal((C, T, NR)).astype(np.float32)
+    B = bf16(0.5 * rng.standard_normal((S, N, R)))
+    y0 = bf16(rng.standard_normal((T, N))) if mode == 0 else rng.standard_normal((T, N)).astype(np.float32)
+    y = host(y0.copy())
+    order, starts = group_by_slot(token_slots, S)
+    ends = list(np.cumsum(slices)[:-1]) + [N] * 2
+    run("lora_expand", "lora_expand", (-(-N // 256), -(-T // tile), S), 256,
+        (host(part), np.int32(0), np.int64(T * NR), np.int32(NR), np.int32(0), np.int32(0), host(B),
+         host(order.astype(np.int32)), host(starts.astype(np.int32)), y, np.int32(N), np.uint64(0), np.int32(N),
+         np.int32(R), np.int32(NR), np.int32(C), np.int32(ends[0]), np.int32(ends[1]), np.int32(0),
+         np.int32(mode)), smem=8 * NR * 4, TT=tile)
+    h = part.sum(0)
+    c = np.arange(N)
+    slice_of = (c >= ends[0]).astype(int) + (c >= ends[1])
+    delta = np.zeros((T, N), np.float32)
+    for t, s in enumerate(token_slots):
+        if s >= 0:
+            delta[t] = np.einsum("cr,cr->c", f32(B[s]), h[t].reshape(len(slices), R)[slice_of])
+    if mode == 0:
+        assert_bf16_close(y, rb(f32(y0) + delta), "in place")
+    else:
+        np.testing.assert_allclose(np.array(y), y0 + delta, rtol=1e-5, atol=1e-5)
