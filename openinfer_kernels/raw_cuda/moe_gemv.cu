@@ -139,6 +139,10 @@ moe_gemv_combine(const bf16_t* __restrict__ act, const bf16_t* __restrict__ down
     const int t = blockIdx.y, warps = blockDim.x >> 5;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n0 = blockIdx.x * COLS_PER_WARP;
+    // The summing threads' residual values go out with the weights, not after them.
+    const int j = threadIdx.x;
+    const size_t at = (size_t)t * H + n0 + j;
+    const float res = j < COLS_PER_WARP && n0 + j < H ? bf16_to_f(residual[at]) : 0.f;
     for (int k = warp; k < top_k; k += warps) {
         const int e = ids[t * top_k + k];
         if (e < 0) continue;
@@ -154,12 +158,10 @@ moe_gemv_combine(const bf16_t* __restrict__ act, const bf16_t* __restrict__ down
         }
     }
     __syncthreads();
-    const int j = threadIdx.x;
     if (j < COLS_PER_WARP && n0 + j < H) {
         float sum = 0.f;
         for (int k = 0; k < top_k; ++k)
             if (ids[t * top_k + k] >= 0) sum += weights[t * top_k + k] * ys[k][j];
-        const size_t i = (size_t)t * H + n0 + j;
-        out[i] = f_to_bf16(bf16_to_f(residual[i]) + sum);
+        out[at] = f_to_bf16(res + sum);
     }
 }

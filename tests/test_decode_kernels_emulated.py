@@ -1,9 +1,11 @@
-"""LoRA's decode-step kernels and MLA's absorbed projections on the host, without a GPU (tests/cuda_emulation.h,
-as test_deltanet_kernels_emulated): rms_norm.cu's splitk_rms_norm_residual_lora (the o / down delta in the
-split-K reduction, compiled per rank), lora_expand.cu's compacting and SiLU·up epilogues in both tile sizes
-(TT 8, and 4 for small steps) reading the extended product, and mla_absorb.cu's W_UK / W_UV projections,
-each against numpy with the kernels' roundings, launched with the grids their GPU ops use.
-What the emulation cannot see (speed, coalescing, occupancy) is for test_gpu_lora.py and test_gpu_moe_mla_kernels.py."""
+"""Decode-step kernels on the host, without a GPU (tests/cuda_emulation.h, as test_deltanet_kernels_emulated),
+each against numpy with the kernels' roundings and launched with the grids their GPU ops use: LoRA's
+rms_norm.cu splitk_rms_norm_residual_lora (the o / down delta in the split-K reduction, compiled per rank),
+lora_expand.cu's epilogues in both tile sizes (TT 8, and 4 for small steps) from the extended product or the
+shrink's partials, and paged_decode.cu's rope_paged_decode_attention_lora (bit for bit against compaction +
+the plain fused entry); MLA's mla_absorb.cu projections; the MoE decode experts of moe_gemv.cu.
+What the emulation cannot see (speed, coalescing, occupancy) is for the GPU tests (test_gpu_lora.py,
+test_gpu_moe_mla_kernels.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -243,3 +245,46 @@ def test_expand_from_shrink_partials(tile, mode):
         assert_bf16_close(y, rb(f32(y0) + delta), "in place")
     else:
         np.testing.assert_allclose(np.array(y), y0 + delta, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,top_k,interleaved", [(1, 6, 1), (3, 2, 0)])
+def test_moe_decode_experts(T, top_k, interleaved):
+    """moe_gemv.cu's ungrouped decode experts: moe_gemv_silu (act = SiLU(bf16 gate) · bf16 up of each
+    (token, slot)'s expert; gate_up rows interleaved in blocks of 8 or [gate | up]) and moe_gemv_combine
+    (out = bf16(residual + sum_k weight · bf16(act · down)), in slot order; a slot of id -1 dropped)."""
+    rng = np.random.default_rng(T * 10 + top_k)
+    E, H, I = 5, 72, 40
+    x = bf16(rng.standard_normal((T, H)))
+    gate_up = bf16(rng.standard_normal((E, 2 * I, H)) / np.sqrt(H))
+    down = bf16(rng.standard_normal((E, H, I)) / np.sqrt(I))
+    ids = rng.integers(0, E, (T, top_k)).astype(np.int32)
+    ids[0, -1] = -1
+    weights = rng.uniform(0.1, 1, (T, top_k)).astype(np.float32)
+    residual = bf16(rng.standard_normal((T, H)))
+    act, out = host(np.zeros((T * top_k, I), np.uint16)), host(np.zeros((T, H), np.uint16))
+    run("moe_gemv", "moe_gemv_silu", (-(-I // 16), T * top_k), 128,
+        (host(x), host(gate_up), host(ids), act, np.int32(I), np.int32(H), np.int32(top_k), np.int32(interleaved)))
+    run("moe_gemv", "moe_gemv_combine", (-(-H // 8), T), 32 * min(top_k, 8),
+        (act, host(down), host(ids), host(weights), host(residual), out, np.int32(H), np.int32(I), np.int32(top_k)))
+    w = f32(gate_up)
+    if interleaved:
+        c = np.arange(I)
+        g_rows, u_rows = (c // 8) * 16 + c % 8, (c // 8) * 16 + c % 8 + 8
+    else:
+        g_rows, u_rows = np.arange(I), np.arange(I) + I
+    want_act = np.zeros((T * top_k, I), np.float32)
+    for s in range(T * top_k):
+        e = ids.flat[s]
+        if e >= 0:
+            xs = f32(x)[s // top_k]
+            want_act[s] = silu_times(rb(w[e, g_rows] @ xs), rb(w[e, u_rows] @ xs))
+    live = ids.reshape(-1) >= 0
+    assert_bf16_close(np.array(act)[live], want_act[live], "act")
+    want = f32(residual).copy()
+    for t in range(T):
+        acc = np.zeros(H, np.float32)
+        for k in range(top_k):
+            if ids[t, k] >= 0:
+                acc += weights[t, k] * rb(f32(down)[ids[t, k]] @ f32(act)[t * top_k + k])
+        want[t] = rb(want[t] + acc)
+    assert_bf16_close(out, want, "combined")
