@@ -288,3 +288,42 @@ def test_moe_decode_experts(T, top_k, interleaved):
                 acc += weights[t, k] * rb(f32(down)[ids[t, k]] @ f32(act)[t * top_k + k])
         want[t] = rb(want[t] + acc)
     assert_bf16_close(out, want, "combined")
+
+
+@pytest.mark.parametrize("T,H", [(1, 3), (5, 2)])
+def test_mla_absorb_q_with_the_latent_cache(T, H):
+    """mla_absorb.cu's mla_absorb_q_cache (q_lora_rank unset) against mla_latent_cache.cu then mla_absorb_q
+    on the copied query: the same q_lat, query columns and cache rows, bit for bit (a padding token of slot
+    -1 writes no cache row)."""
+    rng = np.random.default_rng(T * 7 + H)
+    N, V, R, Dr = 24, 20, 96, 8
+    qk = N + Dr
+    width = H * qk + R + Dr
+    y = bf16(rng.standard_normal((T, width)))
+    kv_b = bf16(rng.standard_normal((H * (N + V), R)) / np.sqrt(N))
+    kv_norm = bf16(1 + 0.2 * rng.standard_normal(R))
+    inv_freq = (1.0 / (1e4 ** (np.arange(0, Dr, 2) / Dr))).astype(np.float32)
+    positions = rng.integers(0, 500, T).astype(np.int32)
+    slots = np.array([3 * t + 1 for t in range(T)], np.int32)
+    if T > 1:
+        slots[-1] = -1
+    common = (np.float32(1e-6), host(inv_freq), np.float32(0.9), host(positions), host(slots))
+    outs = []
+    for fused in (False, True):
+        cache = host(np.zeros((3 * T + 2, R + Dr), np.uint16))
+        q_out, q_lat = host(np.zeros((T, H * qk), np.uint16)), host(np.zeros((T, H, R), np.float32))
+        if fused:
+            run("mla_absorb", "mla_absorb_q_cache", (-(-R // 64) + 1, H), 256,
+                (host(y), host(kv_b), q_lat, np.int32(T), np.int32(H), np.int32(N), np.int32(V), np.int32(R),
+                 np.int32(qk), np.int32(Dr), host(kv_norm)) + common + (cache, q_out))
+        else:
+            run("mla_latent_cache", "mla_latent_cache", (T,), 128,
+                (host(y), np.int32(H * qk), np.int32(R), np.int32(Dr), host(kv_norm), np.uint64(0)) + common
+                + (cache, q_out))
+            run("mla_absorb", "mla_absorb_q", (-(-R // 64), H), 256,
+                (q_out, host(kv_b), q_lat, np.int32(T), np.int32(H), np.int32(N), np.int32(V), np.int32(R),
+                 np.int32(qk)))
+        outs.append((np.array(q_lat), np.array(q_out), np.array(cache)))
+    for name, a, b in zip(("q_lat", "q", "cache"), *outs):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert np.any(outs[0][2] != 0) and (T == 1 or not np.any(outs[0][2][3 * T - 2]))

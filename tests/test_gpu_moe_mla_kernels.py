@@ -296,3 +296,36 @@ def test_mla_absorb_kernels_match_cublas_and_numpy(name, tokens):
     np.testing.assert_allclose(outs[1], outs[0], rtol=ROUND, atol=ROUND)
     want = cpu_ops_over(ex).mla_attention(q, kv_b, spec, cpu_ctx)
     np.testing.assert_allclose(outs[1], want, rtol=ROUND, atol=3 * ROUND)
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_mla_latent_attention_in_one_launch_matches_the_composition(tokens):
+    """q_lora_rank unset (deepseek_v2_lite): mla_latent_attention's mla_absorb_q_cache (the latent cache write
+    and W_UK's absorption in one launch) against mla_latent_cache + mla_attention on cuBLAS: the same cache
+    rows and the attention output within the bf16 rounding."""
+    import cupy
+
+    model, ex = executor("deepseek_v2_lite")
+    spec = model.model.attention_specs[1]
+    batch = ModelBatch.build([SeqStep(i, [7], 5 + 9 * i, list(range(5 * i, 5 * i + 5)), False)
+                              for i in range(tokens)])
+    rng = np.random.default_rng(8)
+    layer = ex.kv_cache[1, 0]
+    rows = 16 * 5 * tokens
+    start = dev(rng.standard_normal((rows, 1, layer.shape[-1])))
+    ctx = ex.upload(batch)
+    ctx.batch = None
+    y = dev(bf16(rng.standard_normal((tokens, spec.q_cols + spec.cache_dim))))
+    kv_b = dev(bf16(model.weights["layers.1.kv_b_proj"]))
+    kv_norm = dev(bf16(1 + 0.2 * rng.standard_normal(spec.kv_lora_rank)))
+    outs = []
+    for absorb in (0, 8):
+        layer[:rows] = start
+        ex.ops.mla_absorb_tokens = absorb
+        try:
+            o = host(ex.ops.mla_latent_attention(y, kv_b, spec, ctx, kv_norm))
+        finally:
+            ex.ops.mla_absorb_tokens = type(ex.ops).mla_absorb_tokens
+        outs.append((o, cupy.asnumpy(layer[:rows])))
+    np.testing.assert_array_equal(outs[1][1], outs[0][1])
+    np.testing.assert_allclose(outs[1][0], outs[0][0], rtol=ROUND, atol=ROUND)

@@ -126,6 +126,7 @@ class GpuMLAOps:
         self.mla_absorb_fits = s.nope_dim <= 256 and s.kv_lora_rank <= 1024      # mla_absorb.cu MAX_ROWS, MAX_PIECES
         self.k_mla_absorb_q = kernel("mla_absorb", "mla_absorb_q")
         self.k_mla_absorb_o = kernel("mla_absorb", "mla_absorb_o")
+        self.k_mla_absorb_q_cache = kernel("mla_absorb", "mla_absorb_q_cache")
         self.k_mla_gather = kernel("mla_prefill", "mla_gather_latent")
         self.k_mla_expand = kernel("mla_prefill", "mla_expand_kv")
         self.k_mla_q_rope = kernel("mla_prefill", "mla_q_rope")
@@ -148,18 +149,38 @@ class GpuMLAOps:
             return self._mla_absorbed(q, kv_b, spec, ctx)
         return self._mla_expanded(q, kv_b, spec, ctx, plan)
 
+    def mla_latent_attention(self, y, kv_b, spec: MLASpec, ctx, kv_norm):
+        """q_lora_rank unset, a step of mla_absorb.cu's size in the absorbed form: mla_absorb_q_cache does the
+        cache write and W_UK's absorption of q in one launch (then mla_decode.cu and W_UV as mla_attention);
+        else the composition."""
+        T, H, R = ctx.num_tokens, spec.num_heads, spec.kv_lora_rank
+        if not self._mla_raw(T) or spec.q_cols != H * spec.qk_dim or self._mla_expansion(spec, ctx) is not None:
+            return super().mla_latent_attention(y, kv_b, spec, ctx, kv_norm)
+        q, q_lat = self._out(T, spec.q_cols), self.mla["mla_q_lat"][:T * H * R]
+        launch(self.k_mla_absorb_q_cache, (-(-R // 64) + 1, H), (256,),
+               (y, kv_b, q_lat, np.int32(T), np.int32(H), np.int32(spec.nope_dim), np.int32(spec.v_dim), np.int32(R),
+                np.int32(spec.qk_dim), np.int32(spec.rope_dim), kv_norm, np.float32(spec.rms_eps), self.inv_freq,
+                np.float32(self.attention_factor), ctx.positions, ctx.slot_mapping, self.kv_cache[spec.layer, 0], q),
+               self.stream, pdl=self.pdl)
+        return self._mla_absorbed(q, kv_b, spec, ctx, q_absorbed=True)
+
+    def _mla_raw(self, tokens: int) -> bool:
+        """Whether a step of `tokens` query rows takes mla_absorb.cu's projections."""
+        return tokens <= min(self.mla_absorb_tokens, MLA_ABSORB_MAX_TOKENS) and self.mla_absorb_fits
+
     # ---- absorbed form ---------------------------------------------------------------------------
-    def _mla_absorbed(self, q, kv_b, spec: MLASpec, ctx):
+    def _mla_absorbed(self, q, kv_b, spec: MLASpec, ctx, q_absorbed: bool = False):
+        """q_absorbed: q_lat already holds W_UKᵀ·q_nope (mla_absorb_q_cache)."""
         T, H, R, N, V = ctx.num_tokens, spec.num_heads, spec.kv_lora_rank, spec.nope_dim, spec.v_dim
         b, head = self.mla, (N + V) * R                     # kv_b's stride between heads, in values
         q_lat, o_lat = b["mla_q_lat"][:T * H * R], b["mla_o_lat"][:T * H * R]
-        raw = T <= min(self.mla_absorb_tokens, MLA_ABSORB_MAX_TOKENS) and self.mla_absorb_fits
+        raw = self._mla_raw(T)
         # q_lat[t, h] = W_UK_hᵀ q_nope[t, h]: column-major q_latᵀ [R, T] = W_UK_hᵀ [R, N] · q_nopeᵀ [N, T]
-        if raw:
+        if raw and not q_absorbed:
             launch(self.k_mla_absorb_q, (-(-R // 64), H), (256,),
                    (q, kv_b, q_lat, np.int32(T), np.int32(H), np.int32(N), np.int32(V), np.int32(R),
                     np.int32(spec.qk_dim)), self.stream, pdl=self.pdl)
-        else:
+        elif not q_absorbed:
             self.strided_gemm(CUBLAS_OP_N, R, T, N, kv_b, 0, R, head, q, 0, H * spec.qk_dim, spec.qk_dim,
                               q_lat, H * R, R, H)
         S, G = mla_decode_shape(T, ctx.num_splits, H, self.num_sms)

@@ -163,6 +163,11 @@ class Ops(Protocol):
         paged cache of layer spec.layer at ctx slot_mapping. Returns the query columns [T, q_cols],
         RMSNorm'd by q_norm where given (q_lora_rank set)."""
 
+    def mla_latent_attention(self, y: Array, kv_b: Array, spec: MLASpec, ctx: Any, kv_norm: Array) -> Array:
+        """mla_attention(mla_latent_cache(y, spec, ctx, kv_norm), kv_b, spec, ctx) where q_lora_rank is
+        unset (y's query columns are q): one op, so an executor can do the cache write and W_UK's
+        absorption of q in one launch."""
+
     def mla_attention(self, q: Array, kv_b: Array, spec: MLASpec, ctx: Any) -> Array:
         """q[T, heads·(nope + rope)]: rotate each head's rope part, then causal attention of each
         sequence's new queries over its latent cache with the keys and values kv_b
@@ -262,6 +267,9 @@ class ComposedOps:
                            lora=None):
         qkv = self.norm_linear(x, norm_weight, eps, weight, bias, normed=normed, lora=lora)
         return self.rope_attention(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm)
+
+    def mla_latent_attention(self, y, kv_b, spec, ctx, kv_norm):
+        return self.mla_attention(self.mla_latent_cache(y, spec, ctx, kv_norm), kv_b, spec, ctx)
 
     def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None, lora=None):
         return self.silu_mul(self.norm_linear(x, norm_weight, eps, gate_up_weight, normed=normed, lora=lora))

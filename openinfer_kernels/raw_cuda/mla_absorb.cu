@@ -13,7 +13,7 @@
 // split R in 16-byte pieces (R <= 256·MAX_PIECES).
 // Roofline: W_UK and W_UV once each per step, H·(N + V)·R·2 bytes (V2-Lite: 2 MB each, ~0.5 µs at 4.3 TB/s);
 // at decode both are latency-bound: one weight round trip (hidden under PDL) and one of the step's rows.
-#include "common.cuh"
+#include "mla_latent.cuh"      // mla_absorb_q_cache's prologue part (and common.cuh)
 
 #define MAX_T 8                 // tokens per launch (gpu_mla_ops.MLA_ABSORB_MAX_TOKENS)
 #define MAX_ROWS 8              // mla_absorb_q: nope rows per thread (N <= 256)
@@ -26,9 +26,9 @@ __device__ __forceinline__ void fma8(float (&acc)[8], float x, uint4 w) {
     for (int e = 0; e < 8; ++e) acc[e] += x * bf16_to_f(ws[e]);
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-mla_absorb_q(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv_b, float* __restrict__ q_lat, int T,
-             int H, int N, int V, int R, int qk) {
+// The q_lat columns of CTA (blockIdx.x, head blockIdx.y); q rows q_stride values apart.
+__device__ __forceinline__ void absorb_q(const bf16_t* __restrict__ q, int q_stride, const bf16_t* __restrict__ kv_b,
+                                         float* __restrict__ q_lat, int T, int H, int N, int V, int R, int qk) {
     __shared__ float red[8][MAX_T][QCOLS];
     const int h = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rg = threadIdx.x >> 3, cg = threadIdx.x & 7;
@@ -49,7 +49,7 @@ mla_absorb_q(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv_b, floa
         #pragma unroll
         for (int e = 0; e < 8; ++e) acc[t][e] = 0.f;
         if (t < T) {
-            const bf16_t* qt = q + (size_t)t * H * qk + (size_t)h * qk;
+            const bf16_t* qt = q + (size_t)t * q_stride + (size_t)h * qk;
             #pragma unroll
             for (int i = 0; i < MAX_ROWS; ++i) {
                 const int n = rg + 32 * i;
@@ -79,6 +79,34 @@ mla_absorb_q(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv_b, floa
         for (int k = 0; k < 8; ++k) s += red[k][t][c];
         q_lat[((size_t)t * H + h) * R + col] = s;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+mla_absorb_q(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv_b, float* __restrict__ q_lat, int T,
+             int H, int N, int V, int R, int qk) {
+    absorb_q(q, H * qk, kv_b, q_lat, T, H, N, V, R, qk);
+}
+
+// mla_absorb_q reading q_nope straight from the fused down-projection rows y [T, q_cols + R + Dr]
+// (q_lora_rank unset: q_cols = H·qk), and mla_latent_cache.cu's work done by one more column of CTAs
+// (blockIdx.x = ceil(R / 64): tokens blockIdx.y, blockIdx.y + H, ...): the latent and rope key to the
+// paged cache, the query columns to q_out (mla_decode.cu's rope part). One launch for the two.
+extern "C" __global__ void __launch_bounds__(256)
+mla_absorb_q_cache(const bf16_t* __restrict__ y, const bf16_t* __restrict__ kv_b, float* __restrict__ q_lat,
+                   int T, int H, int N, int V, int R, int qk, int Dr, const bf16_t* __restrict__ kv_norm, float eps,
+                   const float* __restrict__ inv_freq, float attn_factor, const int* __restrict__ positions,
+                   const int* __restrict__ slot_mapping, bf16_t* __restrict__ cache, bf16_t* __restrict__ q_out) {
+    const int q_cols = H * qk, width = q_cols + R + Dr;
+    if (blockIdx.x < gridDim.x - 1) {
+        absorb_q(y, width, kv_b, q_lat, T, H, N, V, R, qk);
+        return;
+    }
+    pdl_wait();
+    pdl_launch_dependents();
+    __shared__ float scratch[33];
+    for (int t = blockIdx.y; t < T; t += gridDim.y)
+        mla_latent_row(y + (size_t)t * width, q_cols, R, Dr, kv_norm, nullptr, eps, inv_freq, attn_factor,
+                       (float)positions[t], slot_mapping[t], cache, q_out + (size_t)t * q_cols, scratch);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
