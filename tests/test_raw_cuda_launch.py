@@ -1,7 +1,9 @@
-"""openinfer_kernels/raw_cuda/launch.py's argument packing and driver structures (no GPU needed)."""
+"""openinfer_kernels/raw_cuda/launch.py's argument packing and driver structures, and the module sources' header
+digest (no GPU needed)."""
 from __future__ import annotations
 
 import ctypes
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -35,3 +37,25 @@ def test_driver_structures_match_cuda_h_layout():
     assert raw.count(0) == 72 - 2
     assert LaunchConfig.stream.offset == 32 and LaunchConfig.attrs.offset == 40
     assert LaunchConfig.num_attrs.offset == 48 and ctypes.sizeof(LaunchConfig) == 56
+
+
+def test_a_header_change_changes_every_module_source(tmp_path):
+    """CuPy's kernel cache keys a module by its source text, not by the headers it includes: each module's
+    source carries the headers' digest, so editing a .cuh changes every module's key (a .cu alone only its own)."""
+    import shutil
+
+    from openinfer_kernels.raw_cuda import KERNEL_DIR, headers_digest, module_source
+
+    for f in os.listdir(KERNEL_DIR):
+        if f.endswith((".cu", ".cuh")):
+            shutil.copy(os.path.join(KERNEL_DIR, f), tmp_path / f)
+    d = str(tmp_path)
+    before = {n: module_source(n, d) for n in ("rms_norm", "paged_decode")}
+    assert before["rms_norm"].startswith(f"// openinfer kernel headers {headers_digest(d)}\n")
+    with open(tmp_path / "common.cuh", "a", encoding="utf-8") as f:
+        f.write("\n// edited\n")
+    headers_digest.cache_clear()
+    after = {n: module_source(n, d) for n in ("rms_norm", "paged_decode")}
+    headers_digest.cache_clear()
+    assert all(after[n] != before[n] for n in before)
+    assert after["rms_norm"].split("\n", 1)[1] == before["rms_norm"].split("\n", 1)[1]
