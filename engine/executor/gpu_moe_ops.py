@@ -52,6 +52,7 @@ class GpuMoEOps:
     moe_gemv_tokens = GEMV_MAX_TOKENS   # steps of at most this many tokens take moe_gemv.cu (0: never)
     moe_fused_tokens = FUSED_MAX_TOKENS # ... the ungrouped experts (0: never)
     route_gemv_tokens = ROUTE_GEMV_TOKENS  # ... the one-launch router (0: never)
+    route_norm_tokens = 0               # ... that router with the layer's input norm inside (off until measured)
 
     @staticmethod
     def moe_buffers(plan) -> list[Buffer]:
@@ -92,6 +93,7 @@ class GpuMoEOps:
         self.k_grouped = kernel("moe_grouped_gemm", "moe_grouped_gemm")
         self.k_gemv = kernel("moe_gemv", "moe_gemv")
         self.k_route_gemv = kernel("moe_route", "moe_route_gemv", MAX_E=max_e)
+        self.k_route_gemv_norm = kernel("moe_route", "moe_route_gemv_norm", MAX_E=max_e)
         self.k_gemv_silu = kernel("moe_gemv", "moe_gemv_silu")
         self.k_gemv_combine = kernel("moe_gemv", "moe_gemv_combine")
 
@@ -102,6 +104,22 @@ class GpuMoEOps:
             return self._route_gemv(x, gate_weight, logits, spec, bias)
         self.gemm(x, gate_weight, logits)                    # fp32 output: cuBLAS
         return self.route_logits(logits, spec, bias)
+
+    def norm_route(self, x, norm_weight, eps, gate_weight, spec: RouteSpec, bias=None):
+        """A decode step of at most route_norm_tokens tokens: moe_route_gemv_norm norms x (the residual stream)
+        inside the router and writes the norm for the experts; else the composition."""
+        T, H = x.shape
+        if not (T <= min(self.route_norm_tokens, self.route_gemv_tokens, 8) and H % 8 == 0):
+            return super().norm_route(x, norm_weight, eps, gate_weight, spec, bias)
+        E, K = spec.num_experts, spec.top_k
+        self._check_experts(E)
+        normed, logits = self._out(T, H), self.moe["moe_logits"][:T * E].reshape(T, E)
+        weights, ids = self._route_out(T, K)
+        self._launch(self.k_route_gemv_norm, (-(-E // 4),), (128,),
+                     (x, norm_weight, np.float32(eps), normed, gate_weight, logits, self.moe["moe_counter"],
+                      bias if bias is not None else np.uint64(0), weights, ids, np.int32(T), np.int32(E), np.int32(H),
+                      *self._route_args(spec)))
+        return normed, weights, ids
 
     def _check_experts(self, E: int) -> None:
         if E > self.route_max_e:
