@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -18,18 +17,7 @@ from engine.executor.gpu_lora_ops import EXPAND_COPY, EXPAND_SWIGLU, SPLITK_LORA
 from engine.executor.gpu_ops import splitk_norm_threads
 from openinfer_kernels.raw_cuda.launch import pack_argument
 from test_deltanet_kernels_emulated import emulated, host
-
-
-def bf16(x) -> np.ndarray:
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-
-
-def f32(bits) -> np.ndarray:
-    return np.asarray(bits).view(ml_dtypes.bfloat16).astype(np.float32)
-
-
-def rb(x) -> np.ndarray:
-    return f32(bf16(x))
+from test_rope_cache_emulated import bf16, f32, rb
 
 
 def run(name: str, entry: str, grid, threads: int, args, smem: int = 0, **defines) -> None:

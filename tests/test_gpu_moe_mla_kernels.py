@@ -266,6 +266,16 @@ def test_mla_absorbed_splits_and_head_groups(name, splits, group):
     np.testing.assert_allclose(got, want, rtol=ROUND, atol=3 * ROUND)
 
 
+def decode_step(ex, tokens: int):
+    """A decode step of `tokens` sequences (sequence i at context 6 + 9·i, blocks 5i .. 5i + 4), uploaded as a
+    decode graph sees it (no host batch: the absorbed form): (host batch, ctx, layer 1's cache, its rows read)."""
+    batch = ModelBatch.build([SeqStep(i, [7], 5 + 9 * i, list(range(5 * i, 5 * i + 5)), False)
+                              for i in range(tokens)])
+    ctx = ex.upload(batch)
+    ctx.batch = None
+    return batch, ctx, ex.kv_cache[1, 0], 16 * 5 * tokens
+
+
 @pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v2"])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_mla_absorb_kernels_match_cublas_and_numpy(name, tokens):
@@ -274,14 +284,9 @@ def test_mla_absorb_kernels_match_cublas_and_numpy(name, tokens):
     contexts 6 to 69 over random cache rows."""
     model, ex = executor(name)
     spec = model.model.attention_specs[1]
-    batch = ModelBatch.build([SeqStep(i, [7], 5 + 9 * i, list(range(5 * i, 5 * i + 5)), False)
-                              for i in range(tokens)])
     rng = np.random.default_rng(6)
-    layer = ex.kv_cache[1, 0]
-    rows = 16 * 5 * tokens
+    batch, ctx, layer, rows = decode_step(ex, tokens)
     layer[:rows] = dev(rng.standard_normal((rows, 1, layer.shape[-1])))
-    ctx = ex.upload(batch)
-    ctx.batch = None                     # as in a decode graph: the absorbed form
     cos, sin = rope_cos_sin(model.config, 128, model.model.rope_dim)
     cpu_ctx = CpuStepContext(batch, cos[batch.positions], sin[batch.positions])
     q = bf16(rng.standard_normal((tokens, spec.num_heads * spec.qk_dim)))
@@ -307,14 +312,9 @@ def test_mla_latent_attention_in_one_launch_matches_the_composition(tokens):
 
     model, ex = executor("deepseek_v2_lite")
     spec = model.model.attention_specs[1]
-    batch = ModelBatch.build([SeqStep(i, [7], 5 + 9 * i, list(range(5 * i, 5 * i + 5)), False)
-                              for i in range(tokens)])
     rng = np.random.default_rng(8)
-    layer = ex.kv_cache[1, 0]
-    rows = 16 * 5 * tokens
+    _, ctx, layer, rows = decode_step(ex, tokens)
     start = dev(rng.standard_normal((rows, 1, layer.shape[-1])))
-    ctx = ex.upload(batch)
-    ctx.batch = None
     y = dev(bf16(rng.standard_normal((tokens, spec.q_cols + spec.cache_dim))))
     kv_b = dev(bf16(model.weights["layers.1.kv_b_proj"]))
     kv_norm = dev(bf16(1 + 0.2 * rng.standard_normal(spec.kv_lora_rank)))
