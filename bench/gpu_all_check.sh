@@ -11,7 +11,7 @@ source bench/gpu_env.sh
 export OPENINFER_GATE_LOG=$OUT/gate.jsonl
 rm -f "$OPENINFER_GATE_LOG"
 LIMIT=${GPU_CHECK_LIMIT:-540}
-PYTEST=(python3 -m pytest -q -rfE -p no:cacheprovider --durations=5)
+PYTEST=(python3 -m pytest -v -rfE -p no:cacheprovider --durations=10)   # -v: a group cut off by its limit still names its last test
 declare -A GROUPS_TESTS=(
   [core]="tests/test_raw_cuda_kernels.py tests/test_raw_cuda_fused.py tests/test_raw_cuda_decode.py tests/test_raw_cuda_rope_attention.py tests/test_gpu_executor.py tests/test_gpu_graphs.py tests/test_gpu_graph_sampling.py tests/test_gpu_eager_async.py tests/test_gpu_long_steps.py tests/test_gpu_prefill_gpu.py"
   [serving]="tests/test_gpu_server.py tests/test_gpu_host_tier.py tests/test_gpu_under_load.py tests/test_gpu_piecewise.py"
@@ -31,6 +31,7 @@ wait
 for g in "${groups[@]}"; do
   rc=$(cat "$OUT/$g.rc"); echo "=== $g: exit $rc"
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/$g.log" | grep -vE "^GATE " | tail -15
+  [ "$rc" -eq 124 ] && { echo "--- $g ran out of its ${LIMIT}s; its last lines:"; grep -E "::" "$OUT/$g.log" | tail -3; }
   [ "$rc" -ne 0 ] && status=$rc
 done
 python3 bench/gate_table.py "$OPENINFER_GATE_LOG" > "$OUT/gate.md" 2>&1
