@@ -36,10 +36,12 @@ def assert_bf16_close(got_bits, want, what) -> None:
 
 
 @pytest.mark.parametrize("hidden,rank,splits,slots", [(64, 16, 3, [0, -1, 2, 1]), (200, 8, 1, [1, 1, -1]),
-                                                      (96, 64, 5, [2, 0])])
+                                                      (256, 32, 6, [2, 1]), (96, 64, 5, [2, 0]), (8192, 8, 2, [1, -1])])
 def test_splitk_norm_with_the_lora_delta(hidden, rank, splits, slots):
     """r = bf16(sum of the split-K partials (split order) + h · B[slot]ᵀ + residual), h the row's slot's
-    shrink columns summed over the splits; out = bf16(w · bf16(r · rstd)); rows without a slot: no delta."""
+    shrink columns summed over the splits; out = bf16(w · bf16(r · rstd)); rows without a slot: no delta.
+    Ranks to 32 with warps to spare compute the delta beside the sum; rank 64, and hidden 8192 (a thread per
+    vector, none to spare), one after the other."""
     rng = np.random.default_rng(hidden + rank)
     T, S = len(slots), 3
     ld = hidden + S * rank

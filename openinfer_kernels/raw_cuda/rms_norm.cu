@@ -80,6 +80,74 @@ __device__ __forceinline__ float lora_column(const bf16_t* __restrict__ b, const
     return d;
 }
 
+// acc = sum over the splits of the 8 partial columns of vector i (split order, SPLIT_BATCH loads at a time).
+__device__ __forceinline__ void sum_partials8(const float* __restrict__ partial, int splits, long long slice,
+                                              size_t prow, int i, float (&acc)[8]) {
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    for (int s0 = 0; s0 < splits; s0 += SPLIT_BATCH) {
+        float4 part[SPLIT_BATCH][2];
+        #pragma unroll
+        for (int j = 0; j < SPLIT_BATCH; ++j) {
+            if (s0 + j < splits) {
+                const float4* p = reinterpret_cast<const float4*>(partial + (s0 + j) * slice + prow) + 2 * i;
+                part[j][0] = p[0];
+                part[j][1] = p[1];
+            }
+        }
+        #pragma unroll
+        for (int j = 0; j < SPLIT_BATCH; ++j) {
+            if (s0 + j < splits) {
+                acc[0] += part[j][0].x; acc[1] += part[j][0].y; acc[2] += part[j][0].z; acc[3] += part[j][0].w;
+                acc[4] += part[j][1].x; acc[5] += part[j][1].y; acc[6] += part[j][1].z; acc[7] += part[j][1].w;
+            }
+        }
+    }
+}
+
+// resid_out's vector i = bf16(acc + residual); its squares added to ss (in element order).
+__device__ __forceinline__ void add_residual8(const bf16_t* residual, bf16_t* resid_out, size_t row, int i,
+                                              const float (&acc)[8], float& ss) {
+    uint4 rv = reinterpret_cast<const uint4*>(residual + row)[i];
+    bf16_t* rs = reinterpret_cast<bf16_t*>(&rv);
+    #pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        rs[e] = f_to_bf16(acc[e] + bf16_to_f(rs[e]));
+        const float f = bf16_to_f(rs[e]);
+        ss += f * f;
+    }
+    reinterpret_cast<uint4*>(resid_out + row)[i] = rv;
+}
+
+// One warp's share of a LoRA row's delta (the helper warps of splitk_norm_row): delta[n] = h · B[slot, n, :]
+// for the columns n = 32·(warp index) + lane, then a stride of the helper warps; each warp sums h itself
+// (lane j: the shrink column j, over the splits in order), the lanes exchanging it by shuffles; rank order as
+// lora_column.
+__device__ __forceinline__ void lora_delta_warp(const float* __restrict__ partial, int splits, long long slice,
+                                                size_t hrow, const bf16_t* __restrict__ b_slot, int hidden,
+                                                int warp, int warps, float* delta) {
+    constexpr int Q = LORA_R / 8;
+    const int lane = threadIdx.x & 31;
+    float hl = 0.f;
+    if (lane < LORA_R)
+        for (int sp = 0; sp < splits; ++sp) hl += partial[sp * slice + hrow + lane];
+    for (int base = warp * 32; base < hidden; base += warps * 32) {
+        const int n = base + lane;
+        const uint4* bp = reinterpret_cast<const uint4*>(b_slot + (size_t)min(n, hidden - 1) * LORA_R);
+        uint4 bv[Q];
+        #pragma unroll
+        for (int q = 0; q < Q; ++q) bv[q] = __ldg(bp + q);
+        float d = 0.f;
+        #pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv[q]);
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) d += __shfl_sync(0xffffffffu, hl, q * 8 + e) * bf16_to_f(bs[e]);
+        }
+        if (n < hidden) delta[n] = d;
+    }
+}
+
 template <bool LORA>
 __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partial, int splits, long long slice,
                                                 int ld, const bf16_t* residual, const bf16_t* __restrict__ w,
@@ -101,56 +169,47 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
     // The next kernel may launch now: it waits for this one before it reads what this one writes.
     pdl_launch_dependents();
     pdl_wait();
-    if (LORA && slot >= 0) {
-        // The row's shrink (its slot's columns, summed in split order), then the delta of every column,
-        // h · B[slot, column, :], one column per thread at a time (a row's 8 columns per thread, as the
-        // sum below, left a 10-warp CTA issuing 128 dependent FMAs a thread: 12 µs against 4).
-        for (int j = threadIdx.x; j < LORA_R; j += blockDim.x) {
-            float v = 0.f;
-            #pragma unroll 4
-            for (int sp = 0; sp < splits; ++sp) v += partial[sp * slice + prow + hidden + (size_t)slot * LORA_R + j];
-            h[j] = v;
-        }
-        __syncthreads();
-        for (int n = threadIdx.x; n < hidden; n += blockDim.x) delta[n] = lora_column(b_slot + (size_t)n * LORA_R, h);
-        __syncthreads();
-    }
     float ss = 0.f;
-    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+    const int vec_threads = (nvec + 31) / 32 * 32;
+    if (LORA && slot >= 0 && LORA_R <= 32 && (int)blockDim.x >= vec_threads + 32) {
+        // Two roles at once: a thread per vector sums its partials while the warps past them compute the
+        // delta (a row's 8 columns a thread, as the sum, left a 10-warp CTA issuing 128 dependent FMAs a
+        // thread: 12 µs against the base's 4; the delta first, then the sum, left the two serial).
         float acc[8];
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-        for (int s0 = 0; s0 < splits; s0 += SPLIT_BATCH) {
-            float4 part[SPLIT_BATCH][2];
+        if ((int)threadIdx.x < nvec)
+            sum_partials8(partial, splits, slice, prow, threadIdx.x, acc);
+        else if ((int)threadIdx.x >= vec_threads)
+            lora_delta_warp(partial, splits, slice, prow + hidden + (size_t)slot * LORA_R, b_slot, hidden,
+                            (threadIdx.x - vec_threads) >> 5, (blockDim.x - vec_threads) >> 5, delta);
+        __syncthreads();
+        if ((int)threadIdx.x < nvec) {
             #pragma unroll
-            for (int j = 0; j < SPLIT_BATCH; ++j) {
-                if (s0 + j < splits) {
-                    const float4* p = reinterpret_cast<const float4*>(partial + (s0 + j) * slice + prow) + 2 * i;
-                    part[j][0] = p[0];
-                    part[j][1] = p[1];
-                }
+            for (int e = 0; e < 8; ++e) acc[e] += delta[8 * threadIdx.x + e];
+            add_residual8(residual, resid_out, row, threadIdx.x, acc, ss);
+        }
+    } else {
+        if (LORA && slot >= 0) {
+            // The row's shrink (its slot's columns, summed in split order), then every column's delta, one
+            // column per thread at a time, then the sum below.
+            for (int j = threadIdx.x; j < LORA_R; j += blockDim.x) {
+                float v = 0.f;
+                #pragma unroll 4
+                for (int sp = 0; sp < splits; ++sp) v += partial[sp * slice + prow + hidden + (size_t)slot * LORA_R + j];
+                h[j] = v;
             }
-            #pragma unroll
-            for (int j = 0; j < SPLIT_BATCH; ++j) {
-                if (s0 + j < splits) {
-                    acc[0] += part[j][0].x; acc[1] += part[j][0].y; acc[2] += part[j][0].z; acc[3] += part[j][0].w;
-                    acc[4] += part[j][1].x; acc[5] += part[j][1].y; acc[6] += part[j][1].z; acc[7] += part[j][1].w;
-                }
+            __syncthreads();
+            for (int n = threadIdx.x; n < hidden; n += blockDim.x) delta[n] = lora_column(b_slot + (size_t)n * LORA_R, h);
+            __syncthreads();
+        }
+        for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+            float acc[8];
+            sum_partials8(partial, splits, slice, prow, i, acc);
+            if (LORA && slot >= 0) {         // + the adapter's delta
+                #pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] += delta[8 * i + e];
             }
+            add_residual8(residual, resid_out, row, i, acc, ss);
         }
-        if (LORA && slot >= 0) {             // + the adapter's delta
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] += delta[8 * i + e];
-        }
-        uint4 rv = reinterpret_cast<const uint4*>(residual + row)[i];
-        bf16_t* rs = reinterpret_cast<bf16_t*>(&rv);
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            rs[e] = f_to_bf16(acc[e] + bf16_to_f(rs[e]));
-            const float f = bf16_to_f(rs[e]);
-            ss += f * f;
-        }
-        reinterpret_cast<uint4*>(resid_out + row)[i] = rv;
     }
     const float rstd = rsqrtf(block_sum(ss, scratch) / hidden + eps);
     write_normed_row(resid_out + row, w, out + row, nvec, rstd);
