@@ -266,16 +266,8 @@ class GpuLoRAOps:
             return super().qkv_rope_attention(x, norm_weight, eps, weight, bias, spec, ctx, normed=normed,
                                               q_norm=q_norm, k_norm=k_norm, lora=lora)
         wide = self._extended_product(x, norm_weight, eps, lora, normed)
-        self._kv_layer_ready(spec.layer)
-        self._check_attention(spec, ctx)
-        null = np.uint64(0)
-        out = self._out(rows, spec.num_heads * spec.head_dim)
-        self._launch(*fused, (128,),
-                     (wide, np.int32(wide.shape[1]), self.lora.token_slots, self.lora_w[lora][1],
-                      q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
-                      np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor), ctx.slot_mapping)
-                     + self._decode_args(spec, ctx, out))
-        return out
+        return self._rope_decode(fused, (wide, np.int32(wide.shape[1]), self.lora.token_slots, self.lora_w[lora][1]),
+                                 spec, ctx, q_norm, k_norm)
 
     def lora_norm_swiglu(self, x, norm_weight, eps, site, normed=None):
         """SiLU(gate)·up of the gate_up projection with the deltas added first, from the extended product."""

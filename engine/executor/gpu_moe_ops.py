@@ -111,15 +111,8 @@ class GpuMoEOps:
         T, H = x.shape
         if not (T <= min(self.route_norm_tokens, self.route_gemv_tokens, 8) and H % 8 == 0):
             return super().norm_route(x, norm_weight, eps, gate_weight, spec, bias)
-        E, K = spec.num_experts, spec.top_k
-        self._check_experts(E)
-        normed, logits = self._out(T, H), self.moe["moe_logits"][:T * E].reshape(T, E)
-        weights, ids = self._route_out(T, K)
-        self._launch(self.k_route_gemv_norm, (-(-E // 4),), (128,),
-                     (x, norm_weight, np.float32(eps), normed, gate_weight, logits, self.moe["moe_counter"],
-                      bias if bias is not None else np.uint64(0), weights, ids, np.int32(T), np.int32(E), np.int32(H),
-                      *self._route_args(spec)))
-        return normed, weights, ids
+        normed, logits = self._out(T, H), self.moe["moe_logits"][:T * spec.num_experts].reshape(T, spec.num_experts)
+        return (normed, *self._route_gemv(x, gate_weight, logits, spec, bias, norm=(norm_weight, eps, normed)))
 
     def _check_experts(self, E: int) -> None:
         if E > self.route_max_e:
@@ -135,16 +128,18 @@ class GpuMoEOps:
         return (np.int32(spec.top_k), np.int32(spec.renormalize), np.float32(spec.scale), np.int32(spec.num_groups),
                 np.int32(spec.topk_groups), np.int32(spec.scoring == "sigmoid"))
 
-    def _route_gemv(self, x, gate_weight, logits, spec: RouteSpec, bias):
-        """moe_route.cu moe_route_gemv: the router product and the top-k of a decode step in one launch."""
+    def _route_gemv(self, x, gate_weight, logits, spec: RouteSpec, bias, norm=None):
+        """moe_route.cu moe_route_gemv: the router product and the top-k of a decode step in one launch;
+        norm (norm_weight, eps, out): moe_route_gemv_norm, over x's RMSNorm, which it writes to out."""
         T, H = x.shape
         E, K = spec.num_experts, spec.top_k
         self._check_experts(E)
-        b = self.moe
         weights, ids = self._route_out(T, K)
-        self._launch(self.k_route_gemv, (-(-E // 4),), (128,),
-                     (x, gate_weight, logits, b["moe_counter"], bias if bias is not None else np.uint64(0), weights,
-                      ids, np.int32(T), np.int32(E), np.int32(H), *self._route_args(spec)))
+        k, head = ((self.k_route_gemv, (x,)) if norm is None else
+                   (self.k_route_gemv_norm, (x, norm[0], np.float32(norm[1]), norm[2])))
+        self._launch(k, (-(-E // 4),), (128,),
+                     head + (gate_weight, logits, self.moe["moe_counter"], bias if bias is not None else np.uint64(0),
+                             weights, ids, np.int32(T), np.int32(E), np.int32(H), *self._route_args(spec)))
         return weights, ids
 
     def route_logits(self, logits, spec: RouteSpec, bias=None):

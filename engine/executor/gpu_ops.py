@@ -308,14 +308,19 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         fused = self._rope_decode_kernel(spec, ctx)
         if fused is None:
             return super().rope_attention(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm)
+        return self._rope_decode(fused, (qkv,), spec, ctx, q_norm, k_norm)
+
+    def _rope_decode(self, fused, rows: tuple, spec: AttentionSpec, ctx: GpuStepContext, q_norm, k_norm):
+        """Launch a fused rope + decode attention entry (kernel, grid): `rows` its qkv-row arguments, then
+        the arguments every entry shares. Returns o[T, Hq·D]."""
         self._kv_layer_ready(spec.layer)
         self._check_attention(spec, ctx)
         null = np.uint64(0)
         out = self._out(ctx.num_tokens, spec.num_heads * spec.head_dim)
         self._launch(*fused, (128,),
-                     (qkv, q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
-                      np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor), ctx.slot_mapping)
-                     + self._decode_args(spec, ctx, out))
+                     rows + (q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
+                             np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor),
+                             ctx.slot_mapping) + self._decode_args(spec, ctx, out))
         return out
 
     @op_range
