@@ -25,7 +25,7 @@ write as its own kernel instead of inside decode attention, "|cublas" runs the p
 take on cuBLAS instead of the executor's default (the CuTe GEMM up to 128 rows where it is built);
 "|pd1" builds paged_decode.cu without its cp.async pipeline at its old occupancy (STAGES 1, MIN_CTAS 1),
 "|wholegroup" runs it with all query heads of a KV head in one CTA at every batch (no head groups),
-"|mlaraw" MLA's absorbed-form projections on mla_absorb.cu at up to 8 tokens instead of cuBLAS,
+"|nomlaraw" MLA's absorbed-form projections on cuBLAS instead of mla_absorb.cu (the default up to 8 tokens),
 "|routenorm" the MoE layers' input norm inside the decode router (moe_route_gemv_norm);
 flags combine, "all|cublas|nopdl") on the same executor and weights, and reports the
 fraction of sequences whose first 4 greedy tokens equal the first setting's. --micro adds the per-kernel
@@ -267,8 +267,8 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
         # "all|wholegroup": paged_decode.cu with every query head of a KV head in one CTA (before head groups)
         ex.ops.decode_heads = cfg.num_attention_heads // cfg.num_key_value_heads if "wholegroup" in flags else 0
         ex.ops._decode_kernels.clear()
-        if hasattr(ex.ops, "mla_absorb_tokens"):         # "all|mlaraw": MLA's absorbed projections on mla_absorb.cu
-            ex.ops.mla_absorb_tokens = 8 if "mlaraw" in flags else type(ex.ops).mla_absorb_tokens
+        if hasattr(ex.ops, "mla_absorb_tokens"):         # "all|nomlaraw": MLA's absorbed projections on cuBLAS
+            ex.ops.mla_absorb_tokens = 0 if "nomlaraw" in flags else type(ex.ops).mla_absorb_tokens
         if hasattr(ex.ops, "route_norm_tokens"):         # "all|routenorm": the MoE input norm inside the router
             ex.ops.route_norm_tokens = 8 if "routenorm" in flags else type(ex.ops).route_norm_tokens
         for b in batches:

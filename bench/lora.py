@@ -7,7 +7,8 @@ per step (wall, median), the graph replayed back to back (the GPU time), and the
 the same batch without adapters. The issue's target: at most 10% at batch 32 with 4 adapters.
 
     python3 bench/lora.py --out DIR [--batches 1,32] [--adapters 0,1,4] [--rank 16] [--steps 128] [--layers N]
-        [--qkv-in-attention]   (decode steps add the q/k/v delta in the fused attention kernel)
+        [--qkv-compaction]   (decode steps compact the q/k/v delta with lora_expand.cu before attention,
+                              instead of adding it inside the fused attention kernel, the default)
 
 Writes DIR/lora.json and DIR/lora.md (copy them to bench/results/ with the date, GPU and command).
 """
@@ -66,8 +67,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--layers", type=int, default=None, help="the first N layers only (a small disk)")
-    p.add_argument("--qkv-in-attention", action="store_true",
-                   help="decode steps add the q/k/v delta inside the fused rope + attention kernel (lora_in_attention)")
+    p.add_argument("--qkv-compaction", action="store_true",
+                   help="decode steps compact the q/k/v delta with lora_expand.cu before attention (lora_in_attention off)")
     p.add_argument("--ops", action="store_true",
                    help="also time each op of one eager decode step per row (bench/op_timer.py), the LoRA kernels apart")
     args = p.parse_args()
@@ -94,7 +95,7 @@ def main() -> None:
     ex = GpuExecutor(model, options_of(num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
                                        max_num_batched_tokens=max(2048, max_b), max_num_seqs=max_b, progress=False,
                                        max_loras=max(1, slots), max_lora_rank=args.rank))
-    ex.ops.lora_in_attention = args.qkv_in_attention
+    ex.ops.lora_in_attention = not args.qkv_compaction
     sites = lora_sites(ex.model)
     for slot in range(slots):
         path = write_random_adapter(model, f"/tmp/{name}-lora-r{args.rank}-{slot}", args.rank, seed=slot)
@@ -118,7 +119,7 @@ def main() -> None:
             print(f"[{name}] {json.dumps(r)}", flush=True)
     ex.close()
     result = dict(model=name + (f" ({args.layers} layers)" if args.layers else ""), copy_bandwidth=bw,
-                  qkv_in_attention=args.qkv_in_attention,
+                  qkv_in_attention=not args.qkv_compaction,
                   device=torch.cuda.get_device_name(), rows=rows)
     with open(os.path.join(args.out, "lora.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -237,11 +237,13 @@ def test_expand_from_shrink_partials(tile, mode):
         np.testing.assert_allclose(np.array(y), y0 + delta, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("T,top_k,interleaved", [(1, 6, 1), (3, 2, 0)])
-def test_moe_decode_experts(T, top_k, interleaved):
+@pytest.mark.parametrize("T,top_k,interleaved,cols,unroll", [(1, 6, 1, 8, 2), (3, 2, 0, 8, 2), (1, 6, 1, 4, 4),
+                                                              (3, 2, 0, 2, 1)])
+def test_moe_decode_experts(T, top_k, interleaved, cols, unroll):
     """moe_gemv.cu's ungrouped decode experts: moe_gemv_silu (act = SiLU(bf16 gate) · bf16 up of each
     (token, slot)'s expert; gate_up rows interleaved in blocks of 8 or [gate | up]) and moe_gemv_combine
-    (out = bf16(residual + sum_k weight · bf16(act · down)), in slot order; a slot of id -1 dropped)."""
+    (out = bf16(residual + sum_k weight · bf16(act · down)), in slot order; a slot of id -1 dropped), in
+    every compile variant (COMBINE_COLS columns a CTA, MOE_UNROLL): the same bits."""
     rng = np.random.default_rng(T * 10 + top_k)
     E, H, I = 5, 72, 40
     x = bf16(rng.standard_normal((T, H)))
@@ -251,11 +253,22 @@ def test_moe_decode_experts(T, top_k, interleaved):
     ids[0, -1] = -1
     weights = rng.uniform(0.1, 1, (T, top_k)).astype(np.float32)
     residual = bf16(rng.standard_normal((T, H)))
-    act, out = host(np.zeros((T * top_k, I), np.uint16)), host(np.zeros((T, H), np.uint16))
-    run("moe_gemv", "moe_gemv_silu", (-(-I // 16), T * top_k), 128,
-        (host(x), host(gate_up), host(ids), act, np.int32(I), np.int32(H), np.int32(top_k), np.int32(interleaved)))
-    run("moe_gemv", "moe_gemv_combine", (-(-H // 8), T), 32 * min(top_k, 8),
-        (act, host(down), host(ids), host(weights), host(residual), out, np.int32(H), np.int32(I), np.int32(top_k)))
+
+    def experts(cols: int, unroll: int):
+        act, out = host(np.zeros((T * top_k, I), np.uint16)), host(np.zeros((T, H), np.uint16))
+        variant = dict(COMBINE_COLS=cols, MOE_UNROLL=unroll)
+        run("moe_gemv", "moe_gemv_silu", (-(-I // 16), T * top_k), 128,
+            (host(x), host(gate_up), host(ids), act, np.int32(I), np.int32(H), np.int32(top_k),
+             np.int32(interleaved)), **variant)
+        run("moe_gemv", "moe_gemv_combine", (-(-H // cols), T), 32 * min(top_k, 8),
+            (act, host(down), host(ids), host(weights), host(residual), out, np.int32(H), np.int32(I),
+             np.int32(top_k)), **variant)
+        return np.array(act), np.array(out)
+
+    act, out = experts(cols, unroll)
+    if (cols, unroll) != (8, 2):
+        for got, want in zip((act, out), experts(8, 2)):
+            np.testing.assert_array_equal(got, want)
     w = f32(gate_up)
     if interleaved:
         c = np.arange(I)

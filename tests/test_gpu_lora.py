@@ -97,24 +97,25 @@ def test_lora_gate_gemm_library(tiny, backend, fused):
 
 
 def test_qkv_delta_in_attention(tiny):
-    """lora_in_attention: decode steps add the q/k/v delta in paged_decode.cu's rope_paged_decode_attention_lora
-    prologue, reading the extended product's rows, instead of compacting them with lora_expand.cu first: each
-    adapter's HF gate by the floor method, and the same scores as the compacting path, one adapter per
-    batch and a batch mixing them with the base model (graphed decode)."""
+    """lora_in_attention (the default): decode steps add the q/k/v delta in paged_decode.cu's
+    rope_paged_decode_attention_lora prologue, reading the extended product's rows, instead of compacting them
+    with lora_expand.cu first: each adapter's HF gate by the floor method, and the same scores as the
+    compacting path, one adapter per batch and a batch mixing them with the base model (graphed decode)."""
     name, model, ex, seqs, oracle = tiny
+    assert ex.ops.lora_in_attention
     inner = lora_gpu_executor(name, model)
-    inner.ops.lora_in_attention = True
+    inner.ops.lora_in_attention = False
     try:
         for slots in [[slot] * len(seqs) for slot in range(len(ADAPTERS))] + [[0, None, 2, 1]]:
-            got = engine_logits(inner, seqs, lora_slots=slots, **PATHS["decode"])
-            want = engine_logits(ex, seqs, lora_slots=slots, **PATHS["decode"])
+            got = engine_logits(ex, seqs, lora_slots=slots, **PATHS["decode"])
+            want = engine_logits(inner, seqs, lora_slots=slots, **PATHS["decode"])
             for g, w in zip(got, want):
                 assert_same_scores(g, w, 1e-3)
             if len(set(slots)) == 1:
                 a = ADAPTERS[slots[0]]
                 assert_gate(gate_row(f"{name}/lora-{a}/qkv-in-attention", got, *oracle[a]))
-        base_fused = any(key[1] == "rope_paged_decode_attention" for key in ex.ops._decode_kernels)
-        assert base_fused == any(key[1] == "rope_paged_decode_attention_lora" for key in inner.ops._decode_kernels)
+        base_fused = any(key[1] == "rope_paged_decode_attention" for key in inner.ops._decode_kernels)
+        assert base_fused == any(key[1] == "rope_paged_decode_attention_lora" for key in ex.ops._decode_kernels)
     finally:
         inner.close()
 

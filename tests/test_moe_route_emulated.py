@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.executor.cpu_moe_ops import route_topk
-from engine.executor.gpu_moe_ops import GpuMoEOps
+from engine.executor.gpu_moe_ops import COMBINE_COLS, MOE_UNROLL, GpuMoEOps
 from engine.models.ops import RouteSpec
 from test_deltanet_kernels_emulated import EmulatedOps, host
 
@@ -123,7 +123,8 @@ class EmulatedExperts(GpuMoEOps, EmulatedOps):
                             ("gemv", "moe_gemv"), ("gemv_silu", "moe_gemv_silu"), ("gemv_combine", "moe_gemv_combine")):
             file = {"gather": "moe_permute", "combine": "moe_permute"}.get(name, entry if name != "gemv_silu"
                                                                            and name != "gemv_combine" else "moe_gemv")
-            setattr(self, f"k_{name}", (file, entry, ()))
+            gemv = (("COMBINE_COLS", COMBINE_COLS), ("MOE_UNROLL", MOE_UNROLL)) if file == "moe_gemv" else ()
+            setattr(self, f"k_{name}", (file, entry, gemv))
         self.k_silu = ("silu_mul", "silu_mul", ())
         self.gate_up_interleaved = False
         self.out = host(np.zeros((tokens, hidden), np.uint16))

@@ -81,8 +81,8 @@ def expansion(batch, max_blocks: int, rows_cap: int):
 class GpuMLAOps:
     mla_group = None                  # mla_decode.cu heads per CTA (None: mla_decode_shape; tests' A/B)
     # steps of at most this many tokens take mla_absorb.cu's projections instead of cuBLAS (0: never; up to
-    # MLA_ABSORB_MAX_TOKENS). Off until measured on the GPU (bench/decode.py --kernels "all|mlaraw").
-    mla_absorb_tokens = 0
+    # MLA_ABSORB_MAX_TOKENS): DeepSeek-V2-Lite's batch-1 graph step 1.250 -> 1.111 ms (moe.md, 2026-12-04 19:28).
+    mla_absorb_tokens = 8
 
     @staticmethod
     def mla_buffers(plan) -> list[Buffer]:

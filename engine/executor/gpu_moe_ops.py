@@ -28,6 +28,8 @@ GEMV_MAX_TOKENS = 8          # steps of at most this many tokens run the experts
 ROUTE_GEMV_TOKENS = 4        # the router in one launch (moe_route_gemv, at most its ROUTE_TOKENS = 8): at 8
                              # tokens cuBLAS + moe_topk was faster (H200, 2026-12-04: its last CTA routes serially)
 FUSED_MAX_TOKENS = 4         # steps of at most this many tokens skip the grouping (moe_gemv_silu / _combine)
+MOE_UNROLL = 2               # moe_gemv.cu: 256-wide k steps whose weight loads a lane issues together
+COMBINE_COLS = 8             # moe_gemv_combine's output columns per CTA
 
 
 def expert_tile_m(tokens: int, top_k: int, experts: int) -> int:
@@ -91,11 +93,12 @@ class GpuMoEOps:
         self.k_gather = kernel("moe_permute", "moe_gather")
         self.k_combine = kernel("moe_permute", "moe_combine")
         self.k_grouped = kernel("moe_grouped_gemm", "moe_grouped_gemm")
-        self.k_gemv = kernel("moe_gemv", "moe_gemv")
+        gemv = dict(MOE_UNROLL=MOE_UNROLL, COMBINE_COLS=COMBINE_COLS)     # bench/moe_micro.py's choice
+        self.k_gemv = kernel("moe_gemv", "moe_gemv", **gemv)
         self.k_route_gemv = kernel("moe_route", "moe_route_gemv", MAX_E=max_e)
         self.k_route_gemv_norm = kernel("moe_route", "moe_route_gemv_norm", MAX_E=max_e)
-        self.k_gemv_silu = kernel("moe_gemv", "moe_gemv_silu")
-        self.k_gemv_combine = kernel("moe_gemv", "moe_gemv_combine")
+        self.k_gemv_silu = kernel("moe_gemv", "moe_gemv_silu", **gemv)
+        self.k_gemv_combine = kernel("moe_gemv", "moe_gemv_combine", **gemv)
 
     def route(self, x, gate_weight, spec: RouteSpec, bias=None):
         T, E = x.shape[0], spec.num_experts
@@ -223,6 +226,6 @@ class GpuMoEOps:
                      (x, gate_up, ids, act, np.int32(inter), np.int32(H), np.int32(K),
                       np.int32(self.gate_up_interleaved)))
         out = self._residual_out(T, H)
-        self._launch(self.k_gemv_combine, (-(-H // 8), T), (32 * min(K, 8),),
+        self._launch(self.k_gemv_combine, (-(-H // COMBINE_COLS), T), (32 * min(K, 8),),
                      (act, down, ids, weights, residual, out, np.int32(H), np.int32(inter), np.int32(K)))
         return out

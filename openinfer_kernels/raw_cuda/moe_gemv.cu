@@ -16,6 +16,14 @@
 
 #define COLS_PER_WARP 8
 #define ROWS 4
+#ifndef MOE_UNROLL
+#define MOE_UNROLL 2            // 256-wide k steps whose weight loads a lane issues together (warp_dots)
+#endif
+#ifndef COMBINE_COLS
+#define COMBINE_COLS 8          // moe_gemv_combine: output columns per CTA (gpu_moe_ops.COMBINE_COLS)
+#endif
+#define PRAGMA_(x) _Pragma(#x)
+#define UNROLL_BY(n) PRAGMA_(unroll n)
 
 __device__ __forceinline__ float dot8(uint4 x, uint4 y) {
     const bf16_t* xs = reinterpret_cast<const bf16_t*>(&x);
@@ -27,28 +35,28 @@ __device__ __forceinline__ float dot8(uint4 x, uint4 y) {
 }
 
 // acc[r][j] += the lane's share of a[r] · wrow[j] over K (r < nr): per 256-wide k step the lane loads its
-// 16-byte piece of the COLS_PER_WARP weight rows together, then each row's piece of a. The caller sums the
-// lanes (warp_sum). Every kernel here runs this loop, so a column's sum does not depend on the kernel.
-template <int R>
+// 16-byte piece of the C weight rows together (MOE_UNROLL steps at a time), then each row's piece of a. The
+// caller sums the lanes (warp_sum). Every kernel here runs this loop, so a column's sum does not depend on
+// the kernel, nor on C or MOE_UNROLL (each lane adds its pieces in k order).
+template <int R, int C>
 __device__ __forceinline__ void warp_dots(const bf16_t* __restrict__ a, size_t a_stride, int nr,
-                                          const bf16_t* const (&wrow)[COLS_PER_WARP], int K,
-                                          float (&acc)[R][COLS_PER_WARP]) {
+                                          const bf16_t* const (&wrow)[C], int K, float (&acc)[R][C]) {
     const int lane = threadIdx.x & 31;
     #pragma unroll
     for (int r = 0; r < R; ++r)
         #pragma unroll
-        for (int j = 0; j < COLS_PER_WARP; ++j) acc[r][j] = 0.f;
-    #pragma unroll 2
+        for (int j = 0; j < C; ++j) acc[r][j] = 0.f;
+    UNROLL_BY(MOE_UNROLL)
     for (int k = lane * 8; k < K; k += 256) {
-        uint4 wv[COLS_PER_WARP];
+        uint4 wv[C];
         #pragma unroll
-        for (int j = 0; j < COLS_PER_WARP; ++j) wv[j] = *reinterpret_cast<const uint4*>(wrow[j] + k);
+        for (int j = 0; j < C; ++j) wv[j] = *reinterpret_cast<const uint4*>(wrow[j] + k);
         #pragma unroll
         for (int r = 0; r < R; ++r) {
             if (r < nr) {
                 const uint4 av = *reinterpret_cast<const uint4*>(a + r * a_stride + k);
                 #pragma unroll
-                for (int j = 0; j < COLS_PER_WARP; ++j) acc[r][j] += dot8(wv[j], av);
+                for (int j = 0; j < C; ++j) acc[r][j] += dot8(wv[j], av);
             }
         }
     }
@@ -72,7 +80,7 @@ moe_gemv(const bf16_t* __restrict__ a, const bf16_t* __restrict__ w, const int* 
     for (int r0 = 0; r0 < rows; r0 += ROWS) {
         const int nr = min(ROWS, rows - r0);
         float acc[ROWS][COLS_PER_WARP];
-        warp_dots<ROWS>(a + (size_t)(m0 + r0) * K, K, nr, wrow, K, acc);
+        warp_dots<ROWS, COLS_PER_WARP>(a + (size_t)(m0 + r0) * K, K, nr, wrow, K, acc);
         #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             if (r < nr) {
@@ -114,7 +122,7 @@ moe_gemv_silu(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_up, 
         wrow[j + 4] = wexp + (size_t)(interleaved ? g + 8 : I + c) * H;
     }
     float acc[1][COLS_PER_WARP];
-    warp_dots<1>(x + (size_t)(s / top_k) * H, H, 1, wrow, H, acc);
+    warp_dots<1, COLS_PER_WARP>(x + (size_t)(s / top_k) * H, H, 1, wrow, H, acc);
     float sums[COLS_PER_WARP];
     #pragma unroll
     for (int j = 0; j < COLS_PER_WARP; ++j) sums[j] = warp_sum(acc[0][j]);
@@ -127,38 +135,38 @@ moe_gemv_silu(const bf16_t* __restrict__ x, const bf16_t* __restrict__ gate_up, 
 }
 
 // moe_gemv_combine: out[t, n] = bf16(residual[t, n] + sum_k weights[t, k] · bf16(act[t·top_k + k] · down[ids[t, k], n]))
-// (fp32 sum in slot order). Grid (ceil(H / 8), T), 32·min(top_k, 8) threads: warp w takes slots w, w + 8,
-// ..., each for the CTA's 8 columns; the CTA's first 8 threads sum the slots. out may be residual (each
-// element read, then written, by one thread). top_k <= MAX_SLOTS.
+// (fp32 sum in slot order). Grid (ceil(H / COMBINE_COLS), T), 32·min(top_k, 8) threads: warp w takes slots
+// w, w + 8, ..., each for the CTA's COMBINE_COLS columns; the CTA's first COMBINE_COLS threads sum the slots.
+// out may be residual (each element read, then written, by one thread). top_k <= MAX_SLOTS.
 #define MAX_SLOTS 32
 extern "C" __global__ void __launch_bounds__(256)
 moe_gemv_combine(const bf16_t* __restrict__ act, const bf16_t* __restrict__ down, const int* __restrict__ ids,
                  const float* __restrict__ weights, const bf16_t* residual, bf16_t* out, int H, int I, int top_k) {
     pdl_begin();
-    __shared__ float ys[MAX_SLOTS][COLS_PER_WARP];
+    __shared__ float ys[MAX_SLOTS][COMBINE_COLS];
     const int t = blockIdx.y, warps = blockDim.x >> 5;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n0 = blockIdx.x * COLS_PER_WARP;
+    const int n0 = blockIdx.x * COMBINE_COLS;
     // The summing threads' residual values go out with the weights, not after them.
     const int j = threadIdx.x;
     const size_t at = (size_t)t * H + n0 + j;
-    const float res = j < COLS_PER_WARP && n0 + j < H ? bf16_to_f(residual[at]) : 0.f;
+    const float res = j < COMBINE_COLS && n0 + j < H ? bf16_to_f(residual[at]) : 0.f;
     for (int k = warp; k < top_k; k += warps) {
         const int e = ids[t * top_k + k];
         if (e < 0) continue;
-        const bf16_t* wrow[COLS_PER_WARP];
+        const bf16_t* wrow[COMBINE_COLS];
         #pragma unroll
-        for (int j = 0; j < COLS_PER_WARP; ++j) wrow[j] = down + ((size_t)e * H + min(n0 + j, H - 1)) * I;
-        float acc[1][COLS_PER_WARP];
-        warp_dots<1>(act + (size_t)(t * top_k + k) * I, I, 1, wrow, I, acc);
+        for (int c = 0; c < COMBINE_COLS; ++c) wrow[c] = down + ((size_t)e * H + min(n0 + c, H - 1)) * I;
+        float acc[1][COMBINE_COLS];
+        warp_dots<1, COMBINE_COLS>(act + (size_t)(t * top_k + k) * I, I, 1, wrow, I, acc);
         #pragma unroll
-        for (int j = 0; j < COLS_PER_WARP; ++j) {
-            const float v = warp_sum(acc[0][j]);
-            if (lane == j) ys[k][j] = round_bf16(v);
+        for (int c = 0; c < COMBINE_COLS; ++c) {
+            const float v = warp_sum(acc[0][c]);
+            if (lane == c) ys[k][c] = round_bf16(v);
         }
     }
     __syncthreads();
-    if (j < COLS_PER_WARP && n0 + j < H) {
+    if (j < COMBINE_COLS && n0 + j < H) {
         float sum = 0.f;
         for (int k = 0; k < top_k; ++k)
             if (ids[t * top_k + k] >= 0) sum += weights[t * top_k + k] * ys[k][j];

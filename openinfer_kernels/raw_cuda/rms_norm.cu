@@ -122,29 +122,40 @@ __device__ __forceinline__ void add_residual8(const bf16_t* residual, bf16_t* re
 // One warp's share of a LoRA row's delta (the helper warps of splitk_norm_row): delta[n] = h · B[slot, n, :]
 // for the columns n = 32·(warp index) + lane, then a stride of the helper warps; each warp sums h itself
 // (lane j: the shrink column j, over the splits in order), the lanes exchanging it by shuffles; rank order as
-// lora_column.
+// lora_column. A lane loads the B rows of LORA_GROUP of its columns before it multiplies any (its L2 round
+// trips overlap: at Qwen3-4B's hidden 2560 and 22 helper warps, 4 columns a lane, one trip instead of 4).
+#define LORA_GROUP (LORA_R <= 8 ? 8 : 64 / LORA_R)        // 8 uint4 of B in flight a lane
 __device__ __forceinline__ void lora_delta_warp(const float* __restrict__ partial, int splits, long long slice,
                                                 size_t hrow, const bf16_t* __restrict__ b_slot, int hidden,
                                                 int warp, int warps, float* delta) {
     constexpr int Q = LORA_R / 8;
-    const int lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31, stride = warps * 32;
     float hl = 0.f;
-    if (lane < LORA_R)
+    if (lane < LORA_R) {
+        #pragma unroll 4
         for (int sp = 0; sp < splits; ++sp) hl += partial[sp * slice + hrow + lane];
-    for (int base = warp * 32; base < hidden; base += warps * 32) {
-        const int n = base + lane;
-        const uint4* bp = reinterpret_cast<const uint4*>(b_slot + (size_t)min(n, hidden - 1) * LORA_R);
-        uint4 bv[Q];
+    }
+    for (int base = warp * 32; base < hidden; base += stride * LORA_GROUP) {
+        uint4 bv[LORA_GROUP][Q];
         #pragma unroll
-        for (int q = 0; q < Q; ++q) bv[q] = __ldg(bp + q);
-        float d = 0.f;
-        #pragma unroll
-        for (int q = 0; q < Q; ++q) {
-            const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv[q]);
+        for (int g = 0; g < LORA_GROUP; ++g) {
+            const int n = min(base + g * stride + lane, hidden - 1);
+            const uint4* bp = reinterpret_cast<const uint4*>(b_slot + (size_t)n * LORA_R);
             #pragma unroll
-            for (int e = 0; e < 8; ++e) d += __shfl_sync(0xffffffffu, hl, q * 8 + e) * bf16_to_f(bs[e]);
+            for (int q = 0; q < Q; ++q) bv[g][q] = __ldg(bp + q);
         }
-        if (n < hidden) delta[n] = d;
+        #pragma unroll
+        for (int g = 0; g < LORA_GROUP; ++g) {
+            float d = 0.f;
+            #pragma unroll
+            for (int q = 0; q < Q; ++q) {
+                const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv[g][q]);
+                #pragma unroll
+                for (int e = 0; e < 8; ++e) d += __shfl_sync(0xffffffffu, hl, q * 8 + e) * bf16_to_f(bs[e]);
+            }
+            const int n = base + g * stride + lane;
+            if (n < hidden) delta[n] = d;
+        }
     }
 }
 
