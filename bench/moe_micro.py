@@ -84,7 +84,6 @@ def expert_rows(bw: float, tokens=(1, 4)) -> list[dict]:
                     rows.append(dict(part="experts", model=name, tokens=T, kernel=part, variant=v, us=us,
                                      roofline_fraction=nbytes[part] / bw / (us * 1e-6)))
                     print(json.dumps(rows[-1]), flush=True)
-        del gate_up, down
     return rows
 
 
