@@ -28,8 +28,11 @@ GEMV_MAX_TOKENS = 8          # steps of at most this many tokens run the experts
 ROUTE_GEMV_TOKENS = 4        # the router in one launch (moe_route_gemv, at most its ROUTE_TOKENS = 8): at 8
                              # tokens cuBLAS + moe_topk was faster (H200, 2026-12-04: its last CTA routes serially)
 FUSED_MAX_TOKENS = 4         # steps of at most this many tokens skip the grouping (moe_gemv_silu / _combine)
+# moe_gemv.cu's compile variants (the same bits each), H200 in graphs (bench/moe_micro.py, 2026-12-04 19:45 UTC):
+# COMBINE_COLS 4 against 8, µs a layer of moe_gemv_combine, DeepSeek-V2-Lite 1 / 4 tokens 13.6 -> 12.1 /
+# 49.0 -> 41.5, Qwen3-30B-A3B 9.2 -> 8.7 / 30.3 -> 28.1; MOE_UNROLL 4 slowed moe_gemv_silu (16.5 -> 18.2).
 MOE_UNROLL = 2               # moe_gemv.cu: 256-wide k steps whose weight loads a lane issues together
-COMBINE_COLS = 8             # moe_gemv_combine's output columns per CTA
+COMBINE_COLS = 4             # moe_gemv_combine's output columns per CTA
 
 
 def expert_tile_m(tokens: int, top_k: int, experts: int) -> int:

@@ -30,7 +30,7 @@ from engine.executor.attention_grid import (FUSED_ROPE_CTAS_PER_SM, MAX_DECODE_S
                                             MAX_SPLITS, attention_splits, decode_attention_fits,
                                             decode_heads_per_cta)
 from engine.executor.gpu_lora_ops import GpuLoRAOps
-from engine.executor.gpu_mla_ops import GpuMLAOps
+from engine.executor.gpu_mla_ops import MLA_MAX_SPLITS, GpuMLAOps
 from engine.executor.gpu_moe_ops import GpuMoEOps
 from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
 from engine.executor.gpu_dsv4_ops import GpuDSV4Ops
@@ -281,6 +281,11 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         group = self.num_heads // num_kv_heads
         fast = self.fast_attention and decode_attention_fits(group, self.head_dim)
         mla = getattr(self, "mla", None) is not None          # mla_decode.cu sizes its own head groups
+        if mla and num_tokens == 1:
+            # A batch-1 MLA step takes up to 32 splits (mla_decode_shape then gives 2 heads a CTA):
+            # DeepSeek-V2-Lite in a graph, 1k / 4k keys, 21.7 / 53.2 -> 19.7 / 37.5 µs a layer; at 8 tokens
+            # 16 stays better (49.6 against 61.3 at 1k keys) (H200, bench/moe_micro.py, 2026-12-04 19:45 UTC).
+            return attention_splits(1, num_kv_heads, max_context, MLA_MAX_SPLITS, self.num_sms)
         groups = group // self._heads_per_cta(num_tokens, num_kv_heads) if fast and not mla else 1
         return attention_splits(num_tokens, num_kv_heads, max_context, MAX_DECODE_SPLITS if fast else MAX_SPLITS,
                                 self.num_sms, groups)
