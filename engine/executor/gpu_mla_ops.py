@@ -121,8 +121,13 @@ class GpuMLAOps:
         self.mla_expand_cap = expand_rows(plan)
         self.mla_max_blocks = plan.max_blocks
         self.k_mla_cache = kernel("mla_latent_cache", "mla_latent_cache")
-        self.k_mla_decode = kernel("mla_decode", "mla_decode_split", KV_RANK=s.kv_lora_rank, ROPE_DIM=s.rope_dim)
-        self.k_mla_decode.max_dynamic_shared_size_bytes = mla_decode_smem(s.rope_dim, s.kv_lora_rank, MLA_MAX_GROUP)
+        # k_mla_decode_late reads its first latent rows after the programmatic-launch wait: it follows
+        # mla_absorb_q_cache, which writes the step's rows in the launch right before it
+        self.k_mla_decode, self.k_mla_decode_late = (
+            kernel("mla_decode", "mla_decode_split", KV_RANK=s.kv_lora_rank, ROPE_DIM=s.rope_dim, EARLY_CHUNK=early)
+            for early in (1, 0))
+        for k in (self.k_mla_decode, self.k_mla_decode_late):
+            k.max_dynamic_shared_size_bytes = mla_decode_smem(s.rope_dim, s.kv_lora_rank, MLA_MAX_GROUP)
         self.mla_absorb_fits = s.nope_dim <= 256 and s.kv_lora_rank <= 1024      # mla_absorb.cu MAX_ROWS, MAX_PIECES
         self.k_mla_absorb_q = kernel("mla_absorb", "mla_absorb_q")
         self.k_mla_absorb_o = kernel("mla_absorb", "mla_absorb_o")
@@ -188,7 +193,7 @@ class GpuMLAOps:
             S, G = 1, min(MLA_MAX_GROUP, H)
         G = min(self.mla_group, MLA_MAX_GROUP, H) if self.mla_group else G
         bt = ctx.block_tables
-        launch(self.k_mla_decode, (-(-H // G), S, T), (256,),
+        launch(self.k_mla_decode_late if q_absorbed else self.k_mla_decode, (-(-H // G), S, T), (256,),
                (q_lat, q, np.int32(spec.qk_dim), np.int32(N), self.inv_freq, np.float32(self.attention_factor),
                 self.kv_cache[spec.layer, 0], bt, np.int32(bt.shape[1]), ctx.token_seq, ctx.positions,
                 b["mla_part_out"], b["mla_part_max"], b["mla_part_sum"], o_lat, b["mla_counters"], np.int32(H),

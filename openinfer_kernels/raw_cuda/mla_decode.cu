@@ -10,9 +10,10 @@
 // Flash-decoding, one launch: grid (head groups, S splits, T); a CTA serves `group` (<= MAX_G, chosen
 // by the launcher so small batches still fill the SMs) heads of one token over one split of its context,
 // in CHUNK-key steps with an online softmax (online_softmax.cuh: natural-log maxima):
-//  * the chunk's latent rows go to shared memory by cp.async (16-byte pieces, all in flight at once; the
-//    first chunk's before pdl_wait: the cache rows were written by mla_latent_cache, which completed
-//    before the q_lat GEMM this launch follows), the next chunk's are prefetched into L2;
+//  * the chunk's latent rows go to shared memory by cp.async (16-byte pieces, all in flight at once; with
+//    EARLY_CHUNK the first chunk's before pdl_wait: the step's cache rows were written by mla_latent_cache,
+//    which completed before the q_lat launch this one follows; without it after the wait, where the launch
+//    right before wrote them, mla_absorb.cu's mla_absorb_q_cache), the next chunk's are prefetched into L2;
 //  * scores: a warp takes KPW keys, lanes across the row's bf16 pairs, each q value read once from shared
 //    memory for the KPW keys, the KPW dots reduced together (sum4_scatter: 6 shuffles, not 20);
 //  * P·C: a thread owns latent pairs, the chunk's weights read as float4 of 4 keys, accumulated key by key.
@@ -40,6 +41,9 @@
 #define LINES ((ROW * 2 + 127) / 128)                    // 128-byte lines of a row (L2 prefetch)
 #ifndef MAX_G
 #define MAX_G 16                                         // gpu_mla_ops.MLA_MAX_GROUP
+#endif
+#ifndef EARLY_CHUNK
+#define EARLY_CHUNK 1                                    // the first chunk's rows read before pdl_wait
 #endif
 #ifndef MIN_CTAS
 #define MIN_CTAS 2                                       // __launch_bounds__: 128 registers
@@ -115,8 +119,9 @@ mla_decode_split(const float* __restrict__ q_lat, const bf16_t* __restrict__ q, 
     const int per_split = ((ctx + S - 1) / S + 15) / 16 * 16;
     const int start = split * per_split, end = min(ctx, start + per_split);
     const int* table = block_tables + (size_t)token_seq[t] * max_blocks;
-    if (start < end) load_chunk(kv_s, cache, table, start, min(CHUNK, end - start));
+    if (EARLY_CHUNK && start < end) load_chunk(kv_s, cache, table, start, min(CHUNK, end - start));
     pdl_begin();
+    if (!EARLY_CHUNK && start < end) load_chunk(kv_s, cache, table, start, min(CHUNK, end - start));
 
     for (int i = tid; i < G * (KV_RANK / 4); i += NTHREADS) {
         const int g = i / (KV_RANK / 4), d = 4 * (i % (KV_RANK / 4));

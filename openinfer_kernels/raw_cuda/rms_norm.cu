@@ -124,7 +124,7 @@ __device__ __forceinline__ void add_residual8(const bf16_t* residual, bf16_t* re
 // (lane j: the shrink column j, over the splits in order), the lanes exchanging it by shuffles; rank order as
 // lora_column. A lane loads the B rows of LORA_GROUP of its columns before it multiplies any (its L2 round
 // trips overlap: at Qwen3-4B's hidden 2560 and 22 helper warps, 4 columns a lane, one trip instead of 4).
-#define LORA_GROUP (LORA_R <= 8 ? 8 : 64 / LORA_R)        // 8 uint4 of B in flight a lane
+#define LORA_GROUP (LORA_R <= 8 ? 8 : LORA_R >= 64 ? 1 : 64 / LORA_R)     // 8 uint4 of B in flight a lane
 __device__ __forceinline__ void lora_delta_warp(const float* __restrict__ partial, int splits, long long slice,
                                                 size_t hrow, const bf16_t* __restrict__ b_slot, int hidden,
                                                 int warp, int warps, float* delta) {
