@@ -25,8 +25,7 @@ write as its own kernel instead of inside decode attention, "|cublas" runs the p
 take on cuBLAS instead of the executor's default (the CuTe GEMM up to 128 rows where it is built);
 "|pd1" builds paged_decode.cu without its cp.async pipeline at its old occupancy (STAGES 1, MIN_CTAS 1),
 "|wholegroup" runs it with all query heads of a KV head in one CTA at every batch (no head groups),
-"|nomlaraw" MLA's absorbed-form projections on cuBLAS instead of mla_absorb.cu (the default up to 8 tokens),
-"|routenorm" the MoE layers' input norm inside the decode router (moe_route_gemv_norm);
+"|nomlaraw" MLA's absorbed-form projections on cuBLAS instead of mla_absorb.cu (the default up to 8 tokens);
 flags combine, "all|cublas|nopdl") on the same executor and weights, and reports the
 fraction of sequences whose first 4 greedy tokens equal the first setting's. --micro adds the per-kernel
 table (bench/decode_micro.py; all parts, or the listed ones): "attention" (decode attention of all layers
@@ -269,8 +268,6 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
         ex.ops._decode_kernels.clear()
         if hasattr(ex.ops, "mla_absorb_tokens"):         # "all|nomlaraw": MLA's absorbed projections on cuBLAS
             ex.ops.mla_absorb_tokens = 0 if "nomlaraw" in flags else type(ex.ops).mla_absorb_tokens
-        if hasattr(ex.ops, "route_norm_tokens"):         # "all|routenorm": the MoE input norm inside the router
-            ex.ops.route_norm_tokens = 8 if "routenorm" in flags else type(ex.ops).route_norm_tokens
         for b in batches:
             r = run_batch(ex, model, b, prompt, steps, bw)
             r["kernels"], r["hf_ms_per_step"] = ks, hf_rows.get(b)

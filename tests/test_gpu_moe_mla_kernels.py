@@ -329,27 +329,3 @@ def test_mla_latent_attention_in_one_launch_matches_the_composition(tokens):
         outs.append((o, cupy.asnumpy(layer[:rows])))
     np.testing.assert_array_equal(outs[1][1], outs[0][1])
     np.testing.assert_allclose(outs[1][0], outs[0][0], rtol=ROUND, atol=ROUND)
-
-
-@pytest.mark.parametrize("tokens", [1, 4])
-def test_router_with_the_input_norm_matches_norm_then_router(tokens):
-    """route_norm_tokens: norm_route's moe_route_gemv_norm (the MoE layer's input norm inside the decode
-    router) against rms_norm.cu then moe_route_gemv: the norm within one bf16 rounding, the same experts."""
-    model, ex = executor("deepseek_v2_lite")
-    spec = model.model.mla.route
-    H = model.config.hidden_size
-    rng = np.random.default_rng(9)
-    x = dev(bf16(3 * rng.standard_normal((tokens, H))))
-    w = dev(bf16(1 + 0.2 * rng.standard_normal(H)))
-    router = dev(bf16(rng.standard_normal((spec.num_experts, H)) / 4))
-    outs = []
-    for fused in (0, 8):
-        ex.ops.route_norm_tokens = fused
-        try:
-            normed, weights, ids = ex.ops.norm_route(x, w, 1e-6, router, spec)
-            outs.append((host(normed), weights.get().copy(), ids.get().copy()))
-        finally:
-            ex.ops.route_norm_tokens = type(ex.ops).route_norm_tokens
-    np.testing.assert_allclose(outs[1][0], outs[0][0], rtol=8e-3, atol=1e-6)
-    np.testing.assert_array_equal(outs[1][2], outs[0][2])
-    np.testing.assert_allclose(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-6)

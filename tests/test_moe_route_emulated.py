@@ -25,7 +25,6 @@ class EmulatedMoE(GpuMoEOps, EmulatedOps):
         self.route_max_e = 32 * -(-spec.num_experts // 32)         # built per model, as take_moe does
         self.k_topk = ("moe_route", "moe_topk", (("MAX_E", self.route_max_e),))
         self.k_route_gemv = ("moe_route", "moe_route_gemv", (("MAX_E", self.route_max_e),))
-        self.k_route_gemv_norm = ("moe_route", "moe_route_gemv_norm", (("MAX_E", self.route_max_e),))
         self.moe = {"moe_weights": host(np.zeros(tokens * spec.top_k, np.float32)),
                     "moe_ids": host(np.zeros(tokens * spec.top_k, np.int32)),
                     "moe_logits": host(np.zeros(tokens * spec.num_experts, np.float32)),
@@ -191,32 +190,3 @@ def test_ungrouped_experts_equal_the_grouped_path(tokens, interleaved):
         outs.append(np.array(got))
     np.testing.assert_array_equal(outs[0], outs[1])
     assert np.any(outs[0] != residual)
-
-
-@pytest.mark.parametrize("spec", [SPECS[1], SPECS[4]], ids=lambda s: f"E{s.num_experts}k{s.top_k}{s.scoring}")
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_router_with_the_input_norm_matches_numpy(spec, tokens):
-    """GpuMoEOps.norm_route of a decode step (route_norm_tokens): moe_route_gemv_norm norms the residual
-    stream inside the router: the norm it writes is rms_norm.cu's, bf16(w · bf16(x · rstd)), and the routing
-    is the numpy router's over that norm."""
-    E, H = spec.num_experts, 72
-    rng = np.random.default_rng(E * 3 + tokens)
-    x = (3 * rng.standard_normal((tokens, H))).astype(ml_dtypes.bfloat16)
-    w = (1 + 0.2 * rng.standard_normal(H)).astype(ml_dtypes.bfloat16)
-    router = (rng.standard_normal((E, H)) / 4).astype(ml_dtypes.bfloat16)
-    bias = (0.1 * rng.standard_normal(E)).astype(ml_dtypes.bfloat16) if spec.scoring == "sigmoid" else None
-    ops = EmulatedMoE(tokens, spec)
-    ops.route_gemv_tokens = ops.route_norm_tokens = 8
-    xf = x.astype(np.float32)
-    rstd = 1 / np.sqrt(np.mean(xf * xf, -1, keepdims=True) + np.float32(1e-6))
-    want_x = (w.astype(np.float32) * (xf * rstd).astype(ml_dtypes.bfloat16).astype(np.float32)).astype(ml_dtypes.bfloat16)
-    normed, weights, ids = ops.norm_route(host(x.view(np.uint16)), host(w.view(np.uint16)), 1e-6,
-                                          host(router.view(np.uint16)), spec,
-                                          None if bias is None else host(bias.view(np.uint16)))
-    got_x = np.asarray(normed).view(ml_dtypes.bfloat16).astype(np.float32)
-    np.testing.assert_allclose(got_x, want_x.astype(np.float32), rtol=8e-3, atol=1e-6)
-    want_w, want_ids = route_topk(got_x @ router.astype(np.float32).T, spec,
-                                  None if bias is None else bias.astype(np.float32))
-    np.testing.assert_array_equal(np.asarray(ids).reshape(tokens, -1), want_ids)
-    np.testing.assert_allclose(np.asarray(weights).reshape(tokens, -1), want_w, rtol=1e-5, atol=1e-6)
-    assert int(ops.moe["moe_counter"][0]) == 0

@@ -57,7 +57,6 @@ class GpuMoEOps:
     moe_gemv_tokens = GEMV_MAX_TOKENS   # steps of at most this many tokens take moe_gemv.cu (0: never)
     moe_fused_tokens = FUSED_MAX_TOKENS # ... the ungrouped experts (0: never)
     route_gemv_tokens = ROUTE_GEMV_TOKENS  # ... the one-launch router (0: never)
-    route_norm_tokens = 0               # ... that router with the layer's input norm inside (off until measured)
 
     @staticmethod
     def moe_buffers(plan) -> list[Buffer]:
@@ -99,7 +98,6 @@ class GpuMoEOps:
         gemv = dict(MOE_UNROLL=MOE_UNROLL, COMBINE_COLS=COMBINE_COLS)     # bench/moe_micro.py's choice
         self.k_gemv = kernel("moe_gemv", "moe_gemv", **gemv)
         self.k_route_gemv = kernel("moe_route", "moe_route_gemv", MAX_E=max_e)
-        self.k_route_gemv_norm = kernel("moe_route", "moe_route_gemv_norm", MAX_E=max_e)
         self.k_gemv_silu = kernel("moe_gemv", "moe_gemv_silu", **gemv)
         self.k_gemv_combine = kernel("moe_gemv", "moe_gemv_combine", **gemv)
 
@@ -110,15 +108,6 @@ class GpuMoEOps:
             return self._route_gemv(x, gate_weight, logits, spec, bias)
         self.gemm(x, gate_weight, logits)                    # fp32 output: cuBLAS
         return self.route_logits(logits, spec, bias)
-
-    def norm_route(self, x, norm_weight, eps, gate_weight, spec: RouteSpec, bias=None):
-        """A decode step of at most route_norm_tokens tokens: moe_route_gemv_norm norms x (the residual stream)
-        inside the router and writes the norm for the experts; else the composition."""
-        T, H = x.shape
-        if not (T <= min(self.route_norm_tokens, self.route_gemv_tokens, 8) and H % 8 == 0):
-            return super().norm_route(x, norm_weight, eps, gate_weight, spec, bias)
-        normed, logits = self._out(T, H), self.moe["moe_logits"][:T * spec.num_experts].reshape(T, spec.num_experts)
-        return (normed, *self._route_gemv(x, gate_weight, logits, spec, bias, norm=(norm_weight, eps, normed)))
 
     def _check_experts(self, E: int) -> None:
         if E > self.route_max_e:
@@ -134,18 +123,15 @@ class GpuMoEOps:
         return (np.int32(spec.top_k), np.int32(spec.renormalize), np.float32(spec.scale), np.int32(spec.num_groups),
                 np.int32(spec.topk_groups), np.int32(spec.scoring == "sigmoid"))
 
-    def _route_gemv(self, x, gate_weight, logits, spec: RouteSpec, bias, norm=None):
-        """moe_route.cu moe_route_gemv: the router product and the top-k of a decode step in one launch;
-        norm (norm_weight, eps, out): moe_route_gemv_norm, over x's RMSNorm, which it writes to out."""
+    def _route_gemv(self, x, gate_weight, logits, spec: RouteSpec, bias):
+        """moe_route.cu moe_route_gemv: the router product and the top-k of a decode step in one launch."""
         T, H = x.shape
         E, K = spec.num_experts, spec.top_k
         self._check_experts(E)
         weights, ids = self._route_out(T, K)
-        k, head = ((self.k_route_gemv, (x,)) if norm is None else
-                   (self.k_route_gemv_norm, (x, norm[0], np.float32(norm[1]), norm[2])))
-        self._launch(k, (-(-E // 4),), (128,),
-                     head + (gate_weight, logits, self.moe["moe_counter"], bias if bias is not None else np.uint64(0),
-                             weights, ids, np.int32(T), np.int32(E), np.int32(H), *self._route_args(spec)))
+        self._launch(self.k_route_gemv, (-(-E // 4),), (128,),
+                     (x, gate_weight, logits, self.moe["moe_counter"], bias if bias is not None else np.uint64(0),
+                      weights, ids, np.int32(T), np.int32(E), np.int32(H), *self._route_args(spec)))
         return weights, ids
 
     def route_logits(self, logits, spec: RouteSpec, bias=None):

@@ -40,12 +40,8 @@ def routed_experts(ops: Ops, w: dict[str, Array], residual: Array, normed: Array
                    route: RouteSpec) -> tuple[Array, Array]:
     """(residual + the routed experts' weighted sum over x, x) with x = rmsnorm(residual) by the post-attention
     norm (``normed`` where already computed)."""
-    if normed is not None:
-        x = normed
-        weights, ids = ops.route(x, w[f"layers.{i}.router"], route, w.get(f"layers.{i}.router_bias"))
-    else:
-        x, weights, ids = ops.norm_route(residual, w[f"layers.{i}.post_attention_layernorm"], eps,
-                                         w[f"layers.{i}.router"], route, w.get(f"layers.{i}.router_bias"))
+    x = normed if normed is not None else ops.rms_norm(residual, w[f"layers.{i}.post_attention_layernorm"], eps)[0]
+    weights, ids = ops.route(x, w[f"layers.{i}.router"], route, w.get(f"layers.{i}.router_bias"))
     out = ops.moe_experts(x, w[f"layers.{i}.experts_gate_up_proj"], w[f"layers.{i}.experts_down_proj"],
                           weights, ids, residual)
     return out, x

@@ -149,11 +149,6 @@ class Ops(Protocol):
         """Router of x[T, H] by gate_weight [E, H] in float32 (RouteSpec; bias: float32 [E], the score
         correction bias): (weights float32 [T, top_k], expert ids int32 [T, top_k])."""
 
-    def norm_route(self, x: Array, norm_weight: Array, eps: float, gate_weight: Array, spec: RouteSpec,
-                   bias: Array | None = None) -> tuple[Array, Array, Array]:
-        """(rmsnorm(x) · norm_weight, *route(that norm, gate_weight, spec, bias)): an MoE layer's input norm and
-        router (one launch where an executor fuses them)."""
-
     def moe_experts(self, x: Array, gate_up: Array, down: Array, weights: Array, ids: Array,
                     residual: Array, limit: float | None = None) -> Array:
         """residual + sum_j weights[t, j] · down[e] · silu_mul(gate_up[e] · x[t]), e = ids[t, j]: the
@@ -272,10 +267,6 @@ class ComposedOps:
                            lora=None):
         qkv = self.norm_linear(x, norm_weight, eps, weight, bias, normed=normed, lora=lora)
         return self.rope_attention(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm)
-
-    def norm_route(self, x, norm_weight, eps, gate_weight, spec, bias=None):
-        normed = self.rms_norm(x, norm_weight, eps)[0]
-        return (normed, *self.route(normed, gate_weight, spec, bias))
 
     def mla_latent_attention(self, y, kv_b, spec, ctx, kv_norm):
         return self.mla_attention(self.mla_latent_cache(y, spec, ctx, kv_norm), kv_b, spec, ctx)

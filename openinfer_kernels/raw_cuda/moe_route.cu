@@ -169,44 +169,16 @@ __device__ __forceinline__ void load_router_piece(uint4 (&wv)[ROUTE_U], const bf
     }
 }
 
-// NORM (moe_route_gemv_norm): x is the residual stream and the router reads x's RMSNorm by norm_w,
-// bf16(norm_w · bf16(x · rstd)) as rms_norm.cu rounds it (rstd from every CTA's own sum of x², in another
-// order than rms_norm.cu's: the same value up to float rounding); CTA 0 writes that norm to x_out for the
-// experts after it. Replaces the norm's launch before the router.
-template <bool NORM>
-__device__ __forceinline__ void route_gemv(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm_w, float eps,
-                                           bf16_t* __restrict__ x_out, const bf16_t* __restrict__ router,
-                                           float* logits, int* counter, const bf16_t* __restrict__ bias,
-                                           float* __restrict__ weights, int* __restrict__ ids, int T, int E, int H,
-                                           int top_k, int renorm, float scale, int groups, int topk_groups,
-                                           int sigmoid) {
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+moe_route_gemv(const bf16_t* __restrict__ x, const bf16_t* __restrict__ router, float* logits, int* counter,
+               const bf16_t* __restrict__ bias, float* __restrict__ weights, int* __restrict__ ids, int T, int E,
+               int H, int top_k, int renorm, float scale, int groups, int topk_groups, int sigmoid) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = blockIdx.x * WARPS + warp;
     const bf16_t* wrow = router + (size_t)min(e, E - 1) * H;
     uint4 wv[ROUTE_U];
     if (e < E) load_router_piece(wv, wrow, lane * 8, H);
     pdl_begin();
-    __shared__ float rstd_s[NORM ? ROUTE_TOKENS : 1];
-    if (NORM) {
-        __shared__ float scratch[33];
-        for (int t = 0; t < T; ++t) {
-            float ss = 0.f;
-            for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
-                const uint4 xv = reinterpret_cast<const uint4*>(x + (size_t)t * H)[v];
-                const bf16_t* xs = reinterpret_cast<const bf16_t*>(&xv);
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) { const float f = bf16_to_f(xs[i]); ss += f * f; }
-            }
-            const float rstd = rsqrtf(block_sum(ss, scratch) / H + eps);
-            if (threadIdx.x == 0) rstd_s[t] = rstd;
-            if (blockIdx.x == 0)
-                for (int v = threadIdx.x; v < H / 8; v += blockDim.x)
-                    reinterpret_cast<uint4*>(x_out + (size_t)t * H)[v] =
-                        rmsnorm8(reinterpret_cast<const uint4*>(x + (size_t)t * H)[v],
-                                 reinterpret_cast<const uint4*>(norm_w)[v], rstd);
-        }
-        __syncthreads();
-    }
     if (e < E) {
         float acc[ROUTE_TOKENS];
         #pragma unroll
@@ -221,7 +193,6 @@ __device__ __forceinline__ void route_gemv(const bf16_t* __restrict__ x, const b
                     for (int u = 0; u < ROUTE_U; ++u) {
                         const int k = k0 + 256 * u;
                         xv[u] = k < H ? *reinterpret_cast<const uint4*>(x + (size_t)t * H + k) : kZero16;
-                        if (NORM && k < H) xv[u] = rmsnorm8(xv[u], *reinterpret_cast<const uint4*>(norm_w + k), rstd_s[t]);
                     }
                     #pragma unroll
                     for (int u = 0; u < ROUTE_U; ++u) {
@@ -252,21 +223,4 @@ __device__ __forceinline__ void route_gemv(const bf16_t* __restrict__ x, const b
         route_token(logits + (size_t)t * E, bias, weights, ids, t, E, top_k, renorm, scale, groups, topk_groups,
                     sigmoid);
     if (threadIdx.x == 0) *counter = 0;
-}
-
-extern "C" __global__ void __launch_bounds__(32 * WARPS)
-moe_route_gemv(const bf16_t* __restrict__ x, const bf16_t* __restrict__ router, float* logits, int* counter,
-               const bf16_t* __restrict__ bias, float* __restrict__ weights, int* __restrict__ ids, int T, int E,
-               int H, int top_k, int renorm, float scale, int groups, int topk_groups, int sigmoid) {
-    route_gemv<false>(x, nullptr, 0.f, nullptr, router, logits, counter, bias, weights, ids, T, E, H, top_k, renorm,
-                      scale, groups, topk_groups, sigmoid);
-}
-
-extern "C" __global__ void __launch_bounds__(32 * WARPS)
-moe_route_gemv_norm(const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm_w, float eps,
-                    bf16_t* __restrict__ x_out, const bf16_t* __restrict__ router, float* logits, int* counter,
-                    const bf16_t* __restrict__ bias, float* __restrict__ weights, int* __restrict__ ids, int T, int E,
-                    int H, int top_k, int renorm, float scale, int groups, int topk_groups, int sigmoid) {
-    route_gemv<true>(x, norm_w, eps, x_out, router, logits, counter, bias, weights, ids, T, E, H, top_k, renorm,
-                     scale, groups, topk_groups, sigmoid);
 }
