@@ -121,13 +121,14 @@ class GpuMLAOps:
         self.mla_expand_cap = expand_rows(plan)
         self.mla_max_blocks = plan.max_blocks
         self.k_mla_cache = kernel("mla_latent_cache", "mla_latent_cache")
-        # k_mla_decode_late reads its first latent rows after the programmatic-launch wait: it follows
-        # mla_absorb_q_cache, which writes the step's rows in the launch right before it
-        self.k_mla_decode, self.k_mla_decode_late = (
-            kernel("mla_decode", "mla_decode_split", KV_RANK=s.kv_lora_rank, ROPE_DIM=s.rope_dim, EARLY_CHUNK=early)
-            for early in (1, 0))
-        for k in (self.k_mla_decode, self.k_mla_decode_late):
+        def decode_kernel(early: int):
+            k = kernel("mla_decode", "mla_decode_split", KV_RANK=s.kv_lora_rank, ROPE_DIM=s.rope_dim, EARLY_CHUNK=early)
             k.max_dynamic_shared_size_bytes = mla_decode_smem(s.rope_dim, s.kv_lora_rank, MLA_MAX_GROUP)
+            return k
+        self.k_mla_decode = decode_kernel(1)
+        # Where q_lora_rank is unset, mla_absorb_q_cache writes the step's latent rows in the launch right
+        # before the attention: that one reads its first rows after the programmatic-launch wait.
+        self.k_mla_decode_late = decode_kernel(0) if s.q_cols == s.num_heads * s.qk_dim else None
         self.mla_absorb_fits = s.nope_dim <= 256 and s.kv_lora_rank <= 1024      # mla_absorb.cu MAX_ROWS, MAX_PIECES
         self.k_mla_absorb_q = kernel("mla_absorb", "mla_absorb_q")
         self.k_mla_absorb_o = kernel("mla_absorb", "mla_absorb_o")

@@ -478,7 +478,7 @@ rope_paged_decode_attention(const bf16_t* __restrict__ qkv, const bf16_t* __rest
 #ifndef NO_LORA_ENTRY
 // The same with the step's LoRA deltas at the q/k/v projection added in the prologue (the qkv rows are
 // the product by the weight extended with every slot's A: row_stride columns, the shrink after lora_n),
-// so no kernel compacts the product between them (gpu_lora_ops.lora_rope_attention). LORA_R % 8 == 0.
+// so no kernel compacts the product between them (GpuLoRAOps.qkv_rope_attention). LORA_R % 8 == 0.
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 rope_paged_decode_attention_lora(const bf16_t* __restrict__ qkv, int row_stride, const int* __restrict__ lora_slots,
                                  const bf16_t* __restrict__ lora_b, const bf16_t* __restrict__ q_norm_w,
