@@ -9,6 +9,8 @@ the same batch without adapters. The issue's target: at most 10% at batch 32 wit
     python3 bench/lora.py --out DIR [--batches 1,32] [--adapters 0,1,4] [--rank 16] [--steps 128] [--layers N]
         [--qkv-compaction]   (decode steps compact the q/k/v delta with lora_expand.cu before attention,
                               instead of adding it inside the fused attention kernel, the default)
+        [--gate-up-expand]   (decode steps take gate_up's delta in lora_expand.cu's SiLU·up after an
+                              N-extended product, instead of the K-extended product, the default)
 
 Writes DIR/lora.json and DIR/lora.md (copy them to bench/results/ with the date, GPU and command).
 """
@@ -69,6 +71,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="the first N layers only (a small disk)")
     p.add_argument("--qkv-compaction", action="store_true",
                    help="decode steps compact the q/k/v delta with lora_expand.cu before attention (lora_in_attention off)")
+    p.add_argument("--gate-up-expand", action="store_true",
+                   help="gate_up's delta by lora_expand.cu after an N-extended product (lora_gate_up_in_k off)")
     p.add_argument("--ops", action="store_true",
                    help="also time each op of one eager decode step per row (bench/op_timer.py), the LoRA kernels apart")
     args = p.parse_args()
@@ -94,7 +98,8 @@ def main() -> None:
     per_seq = -(-(args.prompt + args.steps + 1) // BLOCK_SIZE)
     ex = GpuExecutor(model, options_of(num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
                                        max_num_batched_tokens=max(2048, max_b), max_num_seqs=max_b, progress=False,
-                                       max_loras=max(1, slots), max_lora_rank=args.rank))
+                                       max_loras=max(1, slots), max_lora_rank=args.rank,
+                                       lora_gate_up_in_k=not args.gate_up_expand))
     ex.ops.lora_in_attention = not args.qkv_compaction
     sites = lora_sites(ex.model)
     for slot in range(slots):
@@ -119,7 +124,7 @@ def main() -> None:
             print(f"[{name}] {json.dumps(r)}", flush=True)
     ex.close()
     result = dict(model=name + (f" ({args.layers} layers)" if args.layers else ""), copy_bandwidth=bw,
-                  qkv_in_attention=not args.qkv_compaction,
+                  qkv_in_attention=not args.qkv_compaction, gate_up_in_k=bool(ex.ops.lora_kext),
                   device=torch.cuda.get_device_name(), rows=rows)
     with open(os.path.join(args.out, "lora.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -32,16 +32,17 @@ def adapters_of(name: str, ex) -> dict:
 
 
 def lora_gpu_executor(name: str, model, max_loras: int = 3, fused: bool = True, **settings):
-    """fused: steps of at most FUSED_MAX_ROWS rows take the extended product at every site (the tiny
-    models' sites are too narrow for the default FUSED_MAX_EXTRA); False: lora_shrink + lora_expand."""
+    """fused: steps of at most FUSED_MAX_ROWS rows take the extended product at every site, gate_up's as
+    the K-extension unless lora_gate_up_in_k=False (the tiny models' sites are too narrow for the default
+    FUSED_MAX_EXTRA and KEXT_MAX_EXTRA); False: lora_shrink + lora_expand."""
     from engine.executor import gpu_lora_ops
 
-    kept = gpu_lora_ops.FUSED_MAX_EXTRA
-    gpu_lora_ops.FUSED_MAX_EXTRA = 1e9 if fused else -1.0
+    kept = gpu_lora_ops.FUSED_MAX_EXTRA, gpu_lora_ops.KEXT_MAX_EXTRA
+    gpu_lora_ops.FUSED_MAX_EXTRA = gpu_lora_ops.KEXT_MAX_EXTRA = 1e9 if fused else -1.0
     try:
         ex = new_gpu_executor(model, max_loras=max_loras, max_lora_rank=16, **settings)
     finally:
-        gpu_lora_ops.FUSED_MAX_EXTRA = kept
+        gpu_lora_ops.FUSED_MAX_EXTRA, gpu_lora_ops.KEXT_MAX_EXTRA = kept
     for slot, adapter in enumerate(list(adapters_of(name, ex).values())[:max_loras]):
         ex.set_lora(slot, adapter)
     return ex
@@ -75,17 +76,19 @@ def test_lora_gate(tiny, path_name):
         assert_gate(gate_row(f"{name}/lora-{a}/{path_name}", engine, *oracle[a]))
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["extended", "shrink"])
+@pytest.mark.parametrize("mode", ["extended", "n-extended", "shrink"])
 @pytest.mark.parametrize("backend", ["cute", "cublas"])
-def test_lora_gate_gemm_library(tiny, backend, fused):
+def test_lora_gate_gemm_library(tiny, backend, mode):
     """Each GEMM library for every product, and batch-1 decode (gemv.cu), small steps through the extended
-    product (the delta in the kernel after it) or through lora_shrink + lora_expand."""
+    products (gate_up's K-extended, or with lora_gate_up_in_k off N-extended like the others: the delta in
+    the kernel after it) or through lora_shrink + lora_expand."""
     from openinfer_kernels.cute import available
 
     if backend == "cute" and not available():
         pytest.skip(f"CuTe kernels unavailable: {available().reason}")
     name, model, _, seqs, oracle = tiny
-    ex = lora_gpu_executor(name, model, fused=fused, gemm=backend)
+    ex = lora_gpu_executor(name, model, fused=mode != "shrink", gemm=backend, lora_gate_up_in_k=mode != "n-extended")
+    assert bool(ex.ops.lora_kext) == (mode == "extended")
     try:
         for slot, a in enumerate(ADAPTERS):
             engine = engine_logits(ex, seqs, lora_slots=[slot] * len(seqs), **PATHS["decode"])
@@ -350,6 +353,22 @@ def test_extended_product_matches_shrink_and_expand(kernel_case, site_name):
             ops.gemm(normed, weight, want)
             ops.lora_add(want, normed, site_name)
             assert_close(got, host(want), what)
+        elif site_name in ops.lora_kext:
+            # K-extended: the o_proj's split-K norm writes each row's shrink beside it, then one product of
+            # those rows by [W | B]; against the base product of the same normed rows + shrink + expand
+            o_name = site_name.replace("gate_up_proj", "o_proj")
+            o = ops.lora_sites[o_name]
+            xo = dev(bf16_round(rng.standard_normal((rows, o.k))))
+            residual = dev(bf16_round(rng.standard_normal((rows, o.n))))
+            out, normed = ops.lora_add_linear_norm(xo, o_name, residual, norm_w, 1e-6)
+            assert ops.lora_pending is not None and ops.lora_pending[0] == site_name
+            with ops.stream:
+                dense = cupy.ascontiguousarray(normed)
+            got = host(ops.lora_norm_swiglu(out, norm_w, 1e-6, site_name, normed=normed))
+            assert ops.lora_pending is None
+            gate_up = ops._out(rows, site.n)
+            ops.gemm(dense, weight, gate_up)
+            assert_close(got, host(ops.lora_swiglu(gate_up, dense, site_name)), what + ("k-extended",))
         elif site_name.endswith("gate_up_proj"):
             got = host(ops.lora_norm_swiglu(x, norm_w, 1e-6, site_name))
             normed, _ = ops.rms_norm(x, norm_w, 1e-6)

@@ -70,6 +70,11 @@ def interleave_gate_up(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.swapaxes(blocks, -4, -3).reshape(w.shape))
 
 
+def row_stride(a) -> int:
+    """A matrix's row stride in values (its width where it has one row or contiguous rows)."""
+    return a.strides[0] // a.itemsize if a.shape[0] > 1 else a.shape[1]
+
+
 def _direct_cublas():
     """libcublas through ctypes, or None."""
     try:
@@ -171,7 +176,8 @@ class Gemm:
             raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
     def __call__(self, x, w, out, pdl: bool = False, accumulate: bool = False) -> None:
-        """x [T, K] bf16 (uint16 bits), w [N, K] bf16, out [T, N] bf16 (uint16) or float32.
+        """x [T, K] bf16 (uint16 bits), w [N, K] bf16, out [T, N] bf16 (uint16) or float32; x and w may be
+        views of wider rows (a K-extended LoRA weight, gpu_lora_ops.py), out is contiguous.
         pdl: launch a gemv.cu kernel as a programmatic dependent launch (openinfer_kernels/raw_cuda/launch.py).
         accumulate: out += x · wᵀ, added in fp32 before the one rounding (cuBLAS beta = 1, or the CuTe
         GEMM's residual epilogue): the residual add of o_proj / down_proj with no kernel of its own."""
@@ -191,8 +197,8 @@ class Gemm:
         ctype = CUDA_R_32F if out.dtype == np.float32 else CUDA_R_16BF
         beta = self._beta_one if accumulate else self._beta
         # Column-major view: outᵀ [N, T] = w [K, N]ᵀ · xᵀ [K, T] (+ outᵀ).
-        args = (CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, self._alpha.ctypes.data, w.data.ptr, CUDA_R_16BF, K,
-                x.data.ptr, CUDA_R_16BF, K, beta.ctypes.data, out.data.ptr, ctype, N,
+        args = (CUBLAS_OP_T, CUBLAS_OP_N, N, T, K, self._alpha.ctypes.data, w.data.ptr, CUDA_R_16BF, row_stride(w),
+                x.data.ptr, CUDA_R_16BF, row_stride(x), beta.ctypes.data, out.data.ptr, ctype, N,
                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
         if self.lib is not None:
             self._check(self.lib.cublasGemmEx(self.handle, *args), "cublasGemmEx")
@@ -231,10 +237,11 @@ class Gemm:
 
     def gemv_serves(self, x, w, out=None) -> bool:
         """Whether gemv.cu takes this product: at most gemv_max_m rows, 16-byte pieces of contiguous
-        rows (K % 8 == 0, aligned, C-contiguous), a bf16 output (out None: a fresh bf16 buffer)."""
+        rows (K % 8 == 0, aligned; x C-contiguous, w's rows contiguous 16-byte-aligned rows of a row
+        stride of its own), a bf16 output (out None: a fresh bf16 buffer)."""
         K = w.shape[1]
-        return (x.shape[0] <= self.gemv_max_m and K % 8 == 0
-                and (x.data.ptr | w.data.ptr) % 16 == 0 and x.flags.c_contiguous and w.flags.c_contiguous
+        return (x.shape[0] <= self.gemv_max_m and K % 8 == 0 and row_stride(w) % 8 == 0
+                and (x.data.ptr | w.data.ptr) % 16 == 0 and x.flags.c_contiguous and w.strides[1] == w.itemsize
                 and (out is None or (out.dtype == np.uint16 and out.flags.c_contiguous)))
 
     def gemv(self, x, w, out, variant: str = "", norm_w=None, res_in=None, eps: float = 0.0,
@@ -256,7 +263,7 @@ class Gemm:
             self._gemv[key] = kernel("gemv", f"gemv_{variant}_n{key[0]}", GEMV_U=key[2])
         null = np.uint64(0)
         args = (x, w, out, np.int32(T), np.int32(N), np.int32(K), null if norm_w is None else norm_w,
-                null if res_in is None else res_in, np.float32(eps))
+                null if res_in is None else res_in, np.float32(eps), np.int32(row_stride(w)))
         launch(self._gemv[key], (ctas,), (256,), args, self.stream, pdl=pdl)
 
     def close(self) -> None:

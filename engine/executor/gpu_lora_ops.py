@@ -21,6 +21,16 @@ reading the shrink from the product's output: the delta added and the columns co
 o/down none (rms_norm.cu's splitk_rms_norm_residual_lora adds the delta in the split-K reduction that
 already adds the residual and applies the next norm). Larger steps run lora_shrink + lora_expand.
 
+gate_up is K-extended instead (k_extended, GpuTuning.lora_gate_up_in_k, where its slots' columns are a few
+percent of K): its weight is uploaded as [N, K + E], each row followed by every slot's B (scaled) in E =
+max_loras · 2 · R columns (gate rows in a slot's first R, up rows in its last R, zeros elsewhere), A in a
+buffer of its own. In a small step the o_proj's split-K norm (rms_norm.cu
+splitk_rms_norm_residual_lora_shrink) writes the post-attention normed row and beside it every slot's
+shrink columns (this row's slot's x · A rounded to bf16, zeros elsewhere), so gate_up is one product by the
+extended weight with the base's fused SiLU·up (gemv.cu or the CuTe GEMM's twin): no lora_expand, ~5% more
+weight bytes. The model's gate_up weight is the first K columns (a view of row stride K + E) for the base
+and large steps.
+
 Per step (`use_lora`, from the executor's upload): the token -> slot map grouped by slot on the host
 (order: the tokens of slot 0, then slot 1, ..., then the rows without an adapter; starts: where each
 group begins) into a static device buffer, so the batch keeps its order and a decode graph reads the map
@@ -29,6 +39,7 @@ A step without adapters sets nothing (`lora` None) and its forward takes the den
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -47,6 +58,8 @@ EXPAND_COLUMNS = 256        # lora_expand.cu: a thread per output column
 EXPAND_ADD, EXPAND_ADD_F32, EXPAND_SWIGLU, EXPAND_COPY = 0, 1, 2, 3      # lora_expand.cu's modes
 FUSED_MAX_ROWS = 64         # steps of at most this many rows take the extended product
 FUSED_MAX_EXTRA = 0.25      # ... at sites whose extra columns (max_loras · slices · R) are at most this of N
+KEXT_MAX_EXTRA = 0.08       # gate_up's K-extension where the slots' columns are at most this of K (its bytes)
+KEXT_MAX_NR = 64            # ... and a slot's shrunk rows at most this (one warp of rms_norm.cu's 32 each)
 SPLITK_LORA_MAX_R = 256     # rms_norm.cu LORA_MAX_R
 SPLITK_LORA_THREADS = 1024  # rms_norm.cu LORA_THREADS (compiled per rank, LORA_R = the padded max_lora_rank)
 SPLITK_LORA_MAX_HIDDEN = 8192   # rms_norm.cu LORA_MAX_HIDDEN: the widest o / down output it reduces
@@ -56,15 +69,45 @@ def padded_rank(rank: int) -> int:
     return -(-rank // 8) * 8
 
 
-def extra_rows(site, options) -> int:
-    """The rows after a LoRA site's weight that hold every slot's A."""
+def slot_rows(site, options) -> int:
+    """Every slot's shrunk rows at a site (max_loras · slices · R): A's rows, or the K-extension's columns."""
     return options.max_loras * len(site.slices) * padded_rank(options.max_lora_rank)
 
 
 def fused_site(site, options) -> bool:
     """Whether steps of at most FUSED_MAX_ROWS rows take the extended product at this site."""
-    return (extra_rows(site, options) <= FUSED_MAX_EXTRA * site.n and padded_rank(options.max_lora_rank) <= SPLITK_LORA_MAX_R
+    return (slot_rows(site, options) <= FUSED_MAX_EXTRA * site.n and padded_rank(options.max_lora_rank) <= SPLITK_LORA_MAX_R
             and (len(site.slices) > 1 or site.n <= SPLITK_LORA_MAX_HIDDEN))   # o / down: rms_norm.cu's delta row
+
+
+def k_extended(name: str, sites: dict, options) -> bool:
+    """Whether small steps take a gate_up site's delta as a K-extension of its product
+    (GpuTuning.lora_gate_up_in_k): where its layer's o_proj takes the extended product (its split-K norm
+    writes each row's shrink beside the normed row), the slots' columns are at most KEXT_MAX_EXTRA of K
+    and a slot's shrunk rows at most KEXT_MAX_NR (rms_norm.cu's shrink_row)."""
+    m = re.fullmatch(r"layers\.(\d+)\.gate_up_proj", name)
+    if m is None or not options.gpu.lora_gate_up_in_k:
+        return False
+    site, o = sites[name], sites.get(f"layers.{m.group(1)}.o_proj")
+    return (o is not None and fused_site(o, options) and fused_site(site, options) and site.k <= SPLITK_LORA_MAX_HIDDEN
+            and len(site.slices) * padded_rank(options.max_lora_rank) <= KEXT_MAX_NR
+            and slot_rows(site, options) <= KEXT_MAX_EXTRA * site.k)
+
+
+def extra_rows(name: str, sites: dict, options) -> int:
+    """The rows after a LoRA site's weight that hold every slot's A (none where it is K-extended)."""
+    return 0 if k_extended(name, sites, options) else slot_rows(sites[name], options)
+
+
+def extra_cols(name: str, sites: dict, options) -> int:
+    """The columns after each row of a K-extended site's weight that hold every slot's B."""
+    return slot_rows(sites[name], options) if k_extended(name, sites, options) else 0
+
+
+def extended_shape(name: str, sites: dict, options) -> tuple[int, int]:
+    """A LoRA site's weight as uploaded: [N + extra rows, K + extra columns]."""
+    site = sites[name]
+    return site.n + extra_rows(name, sites, options), site.k + extra_cols(name, sites, options)
 
 
 def bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -123,18 +166,21 @@ class GpuLoRAOps:
 
     @staticmethod
     def lora_buffers(plan) -> list[Buffer]:
-        """Every site's B slots (A: in the rows after its weight), the shrink's float32 rows, the
-        extended products' outputs of small steps and the step's slot maps."""
+        """Every site's B slots (A: in the rows after its weight, or a buffer of its own where the site
+        is K-extended), the shrink's float32 rows, the extended products' outputs of small steps and the
+        step's slot maps."""
         if not plan.lora_sites:
             return []
-        slots, rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
+        slots, rank, sites = plan.options.max_loras, padded_rank(plan.options.max_lora_rank), dict(plan.lora_sites)
         out, shapes = [], set()
         for name, site in plan.lora_sites:
             out.append(Buffer(f"{name}.b", (slots, site.n, rank), np.uint16))
+            if k_extended(name, sites, plan.options):
+                out.append(Buffer(f"{name}.a", (slots, len(site.slices) * rank, site.k), np.uint16))
             shapes.add((site.k, len(site.slices) * rank))
         partials = max(shrink_floats(k, nr, plan.max_tokens) for k, nr in shapes)
-        wide = min(plan.max_tokens, FUSED_MAX_ROWS) * max(site.n + extra_rows(site, plan.options)
-                                                          for _, site in plan.lora_sites)
+        wide = min(plan.max_tokens, FUSED_MAX_ROWS) * max(site.n + extra_rows(name, sites, plan.options)
+                                                          for name, site in plan.lora_sites)
         return out + [Buffer("shrunk", (partials,), np.float32), Buffer("wide", (wide,), np.float32),
                       Buffer("slot_map", (2 * plan.max_tokens + slots + 2,), np.int32)]
 
@@ -155,16 +201,24 @@ class GpuLoRAOps:
         if missing:
             raise ValueError(f"LoRA site {missing[0]}: no extended weight from the executor's upload")
         b = arena.take_all("lora", self.lora_buffers(plan))
-        self.lora_sites = dict(plan.lora_sites)
+        sites = self.lora_sites = dict(plan.lora_sites)
         slots, rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
-        self.lora_w = {name: (self.lora_weights[name][site.n:].reshape(slots, len(site.slices) * rank, site.k),
-                              b[f"{name}.b"]) for name, site in self.lora_sites.items()}
-        self.lora_full = {name: self.lora_weights[name] for name, site in self.lora_sites.items()
+        self.lora_kext = {name for name in sites if k_extended(name, sites, plan.options)}
+        self.lora_w = {name: (b[f"{name}.a"] if name in self.lora_kext else
+                              self.lora_weights[name][site.n:].reshape(slots, len(site.slices) * rank, site.k),
+                              b[f"{name}.b"]) for name, site in sites.items()}
+        self.lora_full = {name: self.lora_weights[name] for name, site in sites.items()
                           if fused_site(site, plan.options)}
+        # o_proj -> its layer's K-extended gate_up: the o_proj's split-K norm writes the shrink beside its row
+        self.lora_next = {name.replace("gate_up_proj", "o_proj"): name for name in self.lora_kext}
+        self.lora_pending = None        # (gate_up site, [T, K + E] rows) the norm before it wrote
         import cupy
 
         for a, _ in self.lora_w.values():           # an empty slot's shrink columns: zeros, never read
             cupy.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes, self.stream.ptr)
+        for name in self.lora_kext:                 # every slot's B columns: zeros until a slot is set
+            with self.stream:
+                self.lora_full[name][:, sites[name].k:].fill(0)
         self.lora_shrunk, self.lora_map, self.lora_wide = b["shrunk"], b["slot_map"], b["wide"]
         self.lora_num_slots, self.lora_rank = slots, rank
         from memory.streams import pinned_array
@@ -173,6 +227,9 @@ class GpuLoRAOps:
         self.k_lora_expand = kernel("lora_expand", "lora_expand")
         self.k_lora_expand_small = kernel("lora_expand", "lora_expand", TT=SMALL_TILE_TOKENS)
         self.k_rms_splitk_lora = kernel("rms_norm", "splitk_rms_norm_residual_lora", LORA_R=rank)
+        self.k_rms_splitk_lora_shrink = {       # by the next site's shrunk rows (a slot's)
+            nr: kernel("rms_norm", "splitk_rms_norm_residual_lora_shrink", LORA_R=rank, SHRINK_NR=nr)
+            for nr in {len(sites[name].slices) * rank for name in self.lora_kext}}
 
     def set_lora_slot(self, slot: int, adapter) -> None:
         """Load a LoRA adapter (engine/lora.py LoRAAdapter) into a slot, or empty it (None)."""
@@ -186,11 +243,34 @@ class GpuLoRAOps:
             if w is not None:
                 a[:, :w.a.shape[1]] = w.a
                 b[:, :w.b.shape[1]] = w.b
+            if name in self.lora_kext:
+                self._set_b_columns(name, slot, b, rank)
             if name.endswith("gate_up_proj") and self.gate_up_interleaved:
                 b = interleave_gate_up(b)
             a_dev, b_dev = self.lora_w[name]
             a_dev[slot].set(bf16_bits(a).reshape(a_dev.shape[1:]), stream=self.stream)
             b_dev[slot].set(bf16_bits(b), stream=self.stream)
+
+    def _set_b_columns(self, name: str, slot: int, b: np.ndarray, rank: int) -> None:
+        """A K-extended site's slot columns [N, slices · R] after each weight row: row n of slice i holds
+        its B row in columns i·R .. i·R + R (zeros in the other slices'), rows in the weight's order."""
+        from engine.executor.gpu_gemm import interleave_gate_up
+        import cupy
+
+        site, full = self.lora_sites[name], self.lora_full[name]
+        nr = len(site.slices) * rank
+        cols = np.zeros((site.n, nr), np.float32)
+        lo = 0
+        for i, width in enumerate(site.slices):
+            cols[lo:lo + width, i * rank:(i + 1) * rank] = b[lo:lo + width]
+            lo += width
+        if name.endswith("gate_up_proj") and self.gate_up_interleaved:
+            cols = interleave_gate_up(cols)
+        host = np.ascontiguousarray(bf16_bits(cols))
+        pitch = full.strides[0]
+        rt = cupy.cuda.runtime
+        rt.memcpy2DAsync(full.data.ptr + (site.k + slot * nr) * 2, pitch, host.ctypes.data, nr * 2, nr * 2, site.n,
+                         rt.memcpyHostToDevice, self.stream.ptr)      # pageable: staged before it returns
 
     def use_lora(self, token_slots: np.ndarray | None, rows: int) -> None:
         """Before a step's forward: its token -> slot map (-1: no adapter; None: no adapter in the step)
@@ -270,10 +350,34 @@ class GpuLoRAOps:
                                  spec, ctx, q_norm, k_norm)
 
     def lora_norm_swiglu(self, x, norm_weight, eps, site, normed=None):
-        """SiLU(gate)·up of the gate_up projection with the deltas added first, from the extended product."""
+        """SiLU(gate)·up of the gate_up projection with the deltas added first: a K-extended site's product
+        of the rows the norm before it wrote ([normed | shrink] · [W | B]ᵀ, the base's fused SiLU·up);
+        else the N-extended product, then lora_expand.cu's SiLU·up with the delta."""
+        if site in self.lora_kext:
+            return self._k_extended_swiglu(x, norm_weight, eps, site, normed)
         wide = self._extended_product(x, norm_weight, eps, site, normed)
         act = self._out(x.shape[0], self.lora_sites[site].n // 2)
         self._expand_wide(wide, site, EXPAND_SWIGLU, act)
+        return act
+
+    def _k_extended_swiglu(self, x, norm_weight, eps, site, normed):
+        """gate_up of a K-extended site: one product of the norm's extended rows by the extended weight
+        (gemv.cu's SiLU·up, the CuTe GEMM's SiLU·up twin, or the product and silu_mul); where the norm
+        before did not write them (not a step this path plans), the large steps' shrink + expand."""
+        pending, self.lora_pending = self.lora_pending, None
+        full, k = self.lora_full[site], self.lora_sites[site].k
+        if normed is None or pending is None or pending[0] != site or normed.data.ptr != pending[1].data.ptr:
+            return self.lora_unfused_swiglu(x, norm_weight, eps, full[:, :k], normed, site)
+        rows, T, n = pending[1], x.shape[0], full.shape[0]
+        act = self._out(T, n // 2)
+        if self.gate_up_interleaved and self.gemm.gemv_serves(rows, full):
+            self.gemm.gemv(rows, full, act, "silu", pdl=self.pdl)
+        elif self.gate_up_interleaved and self.gemm.cute_fuses_swiglu(T, full):
+            self.gemm.cute_swiglu(rows, full, act)
+        else:
+            gate_up = self._out(T, n)
+            self.gemm(rows, full, gate_up, pdl=self.pdl)
+            return self.silu_mul(gate_up)
         return act
 
     def lora_add_linear_norm(self, x, site, residual, norm_weight, eps):
@@ -297,12 +401,25 @@ class GpuLoRAOps:
             splits, ptr = 1, wide.data.ptr
         from engine.executor.gpu_ops import splitk_norm_threads
 
-        out, normed = self._residual_out(T, n), self._out(T, n)
-        threads = min(SPLITK_LORA_THREADS, max(splitk_norm_threads(n), -(-n // 32) * 32))   # a column each
-        self._launch(self.k_rms_splitk_lora, (T,), (threads,),
-                     (np.uint64(ptr), np.int32(splits), np.int64(T * ld), np.int32(ld), residual, norm_weight, normed,
-                      out, np.int32(n), np.float32(eps), self.lora.token_slots, b, np.int32(b.shape[2])))
-        return out, normed
+        out = self._residual_out(T, n)
+        args = (np.uint64(ptr), np.int32(splits), np.int64(T * ld), np.int32(ld), residual, norm_weight)
+        lora_args = (self.lora.token_slots, b, np.int32(b.shape[2]))
+        nxt = self.lora_next.get(site)
+        if nxt is None:
+            normed = self._out(T, n)
+            threads = min(SPLITK_LORA_THREADS, max(splitk_norm_threads(n), -(-n // 32) * 32))   # a column each
+            self._launch(self.k_rms_splitk_lora, (T,), (threads,),
+                         args + (normed, out, np.int32(n), np.float32(eps)) + lora_args)
+            return out, normed
+        # the next product is K-extended: its rows [normed | every slot's shrink], this row's slot's x · A
+        a_next = self.lora_w[nxt][0]
+        ldo = self.lora_full[nxt].shape[1]
+        rows = self._out(T, ldo)
+        self._launch(self.k_rms_splitk_lora_shrink[a_next.shape[1]], (T,), (SPLITK_LORA_THREADS,),
+                     args + (rows, out, np.int32(n), np.float32(eps)) + lora_args
+                     + (a_next, np.int32(ldo), np.int32(self.lora_num_slots)))
+        self.lora_pending = (nxt, rows)
+        return out, rows[:, :n]
 
     def _expand_wide(self, wide, site, mode, act):
         a, b = self.lora_w[site]
@@ -319,6 +436,24 @@ class GpuLoRAOps:
         self._lora_expand(part, chunks, site, x.shape[0], y if into is None else np.uint64(into),
                           EXPAND_ADD if into is None else EXPAND_ADD_F32)
         return y
+
+    def lora_unfused_swiglu(self, x, norm_weight, eps, gate_up_weight, normed, site):
+        """SiLU·up of rmsnorm(x) (or ``normed``) · gate_upᵀ with the deltas: the base product, then the
+        shrink and lora_expand.cu's SiLU·up (steps of more than FUSED_MAX_ROWS rows)."""
+        gate_up, norm = self._out(x.shape[0], gate_up_weight.shape[0]), None
+        if normed is not None and not normed.flags.c_contiguous:     # the shrink reads contiguous rows
+            dense = self._out(*normed.shape)
+            with self.stream:
+                dense[...] = normed
+            normed = dense
+        if normed is None and self.gemm.gemv_serves(x, gate_up_weight):
+            self.gemm.gemv(x, gate_up_weight, gate_up, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+            normed, norm = x, (norm_weight, eps)
+        else:
+            if normed is None:
+                normed, _ = self.rms_norm(x, norm_weight, eps)
+            self.gemm(normed, gate_up_weight, gate_up, pdl=self.pdl)
+        return self.lora_swiglu(gate_up, normed, site, norm)
 
     def lora_swiglu(self, gate_up, x, site, norm=None):
         """SiLU(gate)·up [T, N/2] of the gate_up product [T, N] with the step's adapters' deltas added

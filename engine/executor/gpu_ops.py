@@ -413,15 +413,7 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         if self.lora_fused(lora, rows):
             return self.lora_norm_swiglu(x, norm_weight, eps, lora, normed)
         if self.lora_on(lora):
-            gate_up, norm = self._out(rows, gate_up_weight.shape[0]), None
-            if normed is None and self.gemm.gemv_serves(x, gate_up_weight):
-                self.gemm.gemv(x, gate_up_weight, gate_up, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
-                normed, norm = x, (norm_weight, eps)
-            else:
-                if normed is None:
-                    normed, _ = self.rms_norm(x, norm_weight, eps)
-                self.gemm(normed, gate_up_weight, gate_up, pdl=self.pdl)
-            return self.lora_swiglu(gate_up, normed, lora, norm)
+            return self.lora_unfused_swiglu(x, norm_weight, eps, gate_up_weight, normed, lora)
         if self.gate_up_interleaved and self.gemm.gemv_serves(x if normed is None else normed, gate_up_weight):
             out = self._out(rows, gate_up_weight.shape[0] // 2)
             if normed is None:

@@ -67,7 +67,10 @@ class GpuTuning:
     partial_prefix_hits: the executor copies blocks for the scheduler's partial prefix hits (supports_block_copies),
     so a prompt sent again computes one token, not up to 16. Off by default: measured on the H200 (2026-12-04,
     bench/results/prefix-ttft-gpu.md) the one-token step (a decode-graph step) answered no sooner at 1k and
-    later at 32k (21.3 against 17.4 ms) than the 16-token step on paged_chunk.cu."""
+    later at 32k (21.3 against 17.4 ms) than the 16-token step on paged_chunk.cu.
+    lora_gate_up_in_k: small LoRA steps add gate_up's delta as a K-extension of its product (the weight
+    uploaded with every slot's B in columns after each row, the post-attention norm writing each row's shrink
+    beside it; gpu_lora_ops.py) instead of lora_expand.cu's SiLU·up after an N-extended product."""
     decode_kernels: str = "all"
     gemm: str = "auto"
     prefill_attention: str = "cute"
@@ -79,6 +82,7 @@ class GpuTuning:
     chunk_attention: bool = True
     async_host_tier: bool = False
     partial_prefix_hits: bool = False
+    lora_gate_up_in_k: bool = True
 
     def validate(self) -> None:
         """Parse every choice once (the parsers raise ValueError naming the setting)."""

@@ -19,7 +19,7 @@
 // dependent launch (launch.py) the weight stream starts while the previous kernel is still finishing.
 // The RMSNorm prologue has every CTA sum x² of its rows itself (M·K·2 bytes from L2: 5 KB at M = 1,
 // H = 2560), which is cheaper than a kernel boundary. The warps' partial tiles are summed in shared
-// memory. K must be a multiple of 8 and the rows 16-byte aligned.
+// memory. K and the weight's row stride must be multiples of 8 and the rows 16-byte aligned.
 // Roofline: N·K·2 weight bytes (+ M·K·2 of x, M·N of y): Qwen3-4B gate_up (19456 x 2560) is 99.6 MB,
 // 23 µs at 4.3 TB/s; at M <= 32 the tensor cores have > 20x headroom, so it is purely bandwidth-bound.
 #include "common.cuh"
@@ -49,7 +49,7 @@ __device__ __forceinline__ void store(float* y, size_t i, float v) { y[i] = v; }
 template <int NT, int PRO, int EPI, typename OutT>
 __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, OutT* y,
                                           int M, int N, int K, const bf16_t* __restrict__ norm_w,
-                                          const bf16_t* res_in, float eps) {
+                                          const bf16_t* res_in, float eps, int ldw) {
     constexpr int U = NT <= 2 ? GEMV_U : (GEMV_U > 2 ? GEMV_U / 2 : 1);
     __shared__ float red[GEMV_WARPS][NT * 4][32];
     __shared__ float rstd_s[NT * 8];
@@ -57,8 +57,8 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
     const int g = lane >> 2, tq = lane & 3;
     const int row0 = blockIdx.x * 16;
     const bool lo_ok = row0 + g < N, hi_ok = row0 + g + 8 < N;
-    const bf16_t* w_lo = w + (size_t)(lo_ok ? row0 + g : 0) * K;
-    const bf16_t* w_hi = w + (size_t)(hi_ok ? row0 + g + 8 : 0) * K;
+    const bf16_t* w_lo = w + (size_t)(lo_ok ? row0 + g : 0) * ldw;
+    const bf16_t* w_hi = w + (size_t)(hi_ok ? row0 + g + 8 : 0) * ldw;
     const bf16_t* x_row[NT];
     bool x_ok[NT];
     #pragma unroll
@@ -178,12 +178,13 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
     }
 }
 
-// Every entry: (x, w, y, M, N, K, norm_w, res_in, eps); the pointers a variant does not use may be 0.
+// Every entry: (x, w, y, M, N, K, norm_w, res_in, eps, ldw); the pointers a variant does not use may be 0;
+// ldw: w's row stride in values (K for a plain weight; more where its rows are a K-extended LoRA weight's).
 #define GEMV_VARIANT(NAME, NT, PRO, RES, OUT)                                                            \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                        \
     gemv_##NAME##_n##NT(const bf16_t* x, const bf16_t* w, OUT* y, int M, int N, int K,                  \
-                        const bf16_t* norm_w, const bf16_t* res_in, float eps) {                         \
-        gemv_tile<NT, PRO, RES>(x, w, y, M, N, K, norm_w, res_in, eps);                                  \
+                        const bf16_t* norm_w, const bf16_t* res_in, float eps, int ldw) {                \
+        gemv_tile<NT, PRO, RES>(x, w, y, M, N, K, norm_w, res_in, eps, ldw);                             \
     }
 #define GEMV_ENTRY(NT)                                                                                   \
     GEMV_VARIANT(bf16, NT, PRO_NONE, EPI_NONE, bf16_t)                                                   \
