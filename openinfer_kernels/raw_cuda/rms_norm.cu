@@ -159,12 +159,13 @@ __device__ __forceinline__ void lora_delta_warp(const float* __restrict__ partia
     }
 }
 
-// The next site's shrink (splitk_rms_norm_residual_lora_shrink): the normed row [hidden] (bf16 values, in
-// shared memory) times each of the slot's NR rows of A_next [hidden], a warp per row (16-byte pieces, the
-// lanes' sums in warp_sum order), rounded to bf16 into ext[slot·NR + j]; the other slots' columns (all of a
+// The next site's shrink (splitk_rms_norm_residual_lora_shrink): the normed row [hidden] (bf16, in shared
+// memory) times each of the slot's NR rows of A_next [hidden], a warp per row (16-byte pieces of both, the
+// lanes' pieces consecutive: a shared load is 4 wavefronts, not a float row's 8-way bank conflicts), the
+// lanes' sums in warp_sum order, rounded to bf16 into ext[slot·NR + j]; the other slots' columns (all of a
 // row without an adapter) zeroed, so the next product by [W | B of every slot] adds this slot's delta only.
 template <int NR>
-__device__ __forceinline__ void shrink_row(const float* normed, const bf16_t* __restrict__ a_slot, bf16_t* ext,
+__device__ __forceinline__ void shrink_row(const uint4* normed, const bf16_t* __restrict__ a_slot, bf16_t* ext,
                                            int slot, int num_slots, int hidden) {
     for (int c = threadIdx.x; c < num_slots * NR; c += blockDim.x)
         if (c / NR != slot) ext[c] = f_to_bf16(0.f);
@@ -175,10 +176,11 @@ __device__ __forceinline__ void shrink_row(const float* normed, const bf16_t* __
         float s = 0.f;
         #pragma unroll 4
         for (int i = lane; i < nvec; i += 32) {
-            const uint4 av = __ldg(a + i);
+            const uint4 av = __ldg(a + i), xv = normed[i];
             const bf16_t* as = reinterpret_cast<const bf16_t*>(&av);
+            const bf16_t* xs = reinterpret_cast<const bf16_t*>(&xv);
             #pragma unroll
-            for (int e = 0; e < 8; ++e) s += normed[8 * i + e] * bf16_to_f(as[e]);
+            for (int e = 0; e < 8; ++e) s += bf16_to_f(xs[e]) * bf16_to_f(as[e]);
         }
         s = warp_sum(s);
         if (lane == 0) ext[slot * NR + j] = f_to_bf16(s);
@@ -195,7 +197,7 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
                                                 int num_slots = 0) {
     __shared__ float scratch[33];
     __shared__ float h[LORA ? LORA_R : 1];
-    __shared__ float delta[LORA ? LORA_MAX_HIDDEN : 1];
+    __shared__ __align__(16) float delta[LORA ? LORA_MAX_HIDDEN : 4];
     const size_t row = (size_t)blockIdx.x * hidden, prow = (size_t)blockIdx.x * ld;
     const size_t orow = (size_t)blockIdx.x * (NR_NEXT ? ldo : hidden);
     const int nvec = hidden / 8;
@@ -227,8 +229,10 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
                             (threadIdx.x - vec_threads) >> 5, (blockDim.x - vec_threads) >> 5, delta);
         __syncthreads();
         if ((int)threadIdx.x < nvec) {
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] += delta[8 * threadIdx.x + e];
+            const float4 d0 = reinterpret_cast<const float4*>(delta)[2 * threadIdx.x];     // 16-byte loads:
+            const float4 d1 = reinterpret_cast<const float4*>(delta)[2 * threadIdx.x + 1]; // no 8-way conflicts
+            acc[0] += d0.x; acc[1] += d0.y; acc[2] += d0.z; acc[3] += d0.w;
+            acc[4] += d1.x; acc[5] += d1.y; acc[6] += d1.z; acc[7] += d1.w;
             add_residual8(residual, resid_out, row, threadIdx.x, acc, ss);
         }
     } else {
@@ -256,17 +260,16 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
         }
     }
     const float rstd = rsqrtf(block_sum(ss, scratch) / hidden + eps);
-    if (NR_NEXT) {                 // block_sum's barrier: every read of the delta row is done
+    if (NR_NEXT) {                 // block_sum's barrier: every read of the delta row is done; it holds the normed row
+        uint4* normed = reinterpret_cast<uint4*>(delta);
         for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-            uint4 v = rmsnorm8(reinterpret_cast<const uint4*>(resid_out + row)[i],
-                               reinterpret_cast<const uint4*>(w)[i], rstd);
+            const uint4 v = rmsnorm8(reinterpret_cast<const uint4*>(resid_out + row)[i],
+                                     reinterpret_cast<const uint4*>(w)[i], rstd);
             reinterpret_cast<uint4*>(out + orow)[i] = v;
-            const bf16_t* vs = reinterpret_cast<const bf16_t*>(&v);
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) delta[8 * i + e] = bf16_to_f(vs[e]);
+            normed[i] = v;
         }
         __syncthreads();
-        shrink_row<NR_NEXT ? NR_NEXT : 1>(delta, a_slot, out + orow + hidden, slot, num_slots, hidden);
+        shrink_row<NR_NEXT ? NR_NEXT : 1>(normed, a_slot, out + orow + hidden, slot, num_slots, hidden);
         return;
     }
     write_normed_row(resid_out + row, w, out + orow, nvec, rstd);
