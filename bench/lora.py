@@ -9,8 +9,8 @@ the same batch without adapters. The issue's target: at most 10% at batch 32 wit
     python3 bench/lora.py --out DIR [--batches 1,32] [--adapters 0,1,4] [--rank 16] [--steps 128] [--layers N]
         [--qkv-compaction]   (decode steps compact the q/k/v delta with lora_expand.cu before attention,
                               instead of adding it inside the fused attention kernel, the default)
-        [--gate-up-expand]   (decode steps take gate_up's delta in lora_expand.cu's SiLU·up after an
-                              N-extended product, instead of the K-extended product, the default)
+        [--gate-up-in-k]     (decode steps take gate_up's delta as a K-extension of its product, fed by
+                              the post-attention norm, instead of lora_expand.cu's SiLU·up, the default)
 
 Writes DIR/lora.json and DIR/lora.md (copy them to bench/results/ with the date, GPU and command).
 """
@@ -71,8 +71,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="the first N layers only (a small disk)")
     p.add_argument("--qkv-compaction", action="store_true",
                    help="decode steps compact the q/k/v delta with lora_expand.cu before attention (lora_in_attention off)")
-    p.add_argument("--gate-up-expand", action="store_true",
-                   help="gate_up's delta by lora_expand.cu after an N-extended product (lora_gate_up_in_k off)")
+    p.add_argument("--gate-up-in-k", action="store_true",
+                   help="gate_up's delta as a K-extension of its product (GpuTuning.lora_gate_up_in_k on)")
     p.add_argument("--ops", action="store_true",
                    help="also time each op of one eager decode step per row (bench/op_timer.py), the LoRA kernels apart")
     args = p.parse_args()
@@ -99,7 +99,7 @@ def main() -> None:
     ex = GpuExecutor(model, options_of(num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
                                        max_num_batched_tokens=max(2048, max_b), max_num_seqs=max_b, progress=False,
                                        max_loras=max(1, slots), max_lora_rank=args.rank,
-                                       lora_gate_up_in_k=not args.gate_up_expand))
+                                       lora_gate_up_in_k=args.gate_up_in_k))
     ex.ops.lora_in_attention = not args.qkv_compaction
     sites = lora_sites(ex.model)
     for slot in range(slots):

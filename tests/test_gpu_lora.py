@@ -33,7 +33,7 @@ def adapters_of(name: str, ex) -> dict:
 
 def lora_gpu_executor(name: str, model, max_loras: int = 3, fused: bool = True, **settings):
     """fused: steps of at most FUSED_MAX_ROWS rows take the extended product at every site, gate_up's as
-    the K-extension unless lora_gate_up_in_k=False (the tiny models' sites are too narrow for the default
+    the K-extension with lora_gate_up_in_k=True (the tiny models' sites are too narrow for the default
     FUSED_MAX_EXTRA and KEXT_MAX_EXTRA); False: lora_shrink + lora_expand."""
     from engine.executor import gpu_lora_ops
 
@@ -76,19 +76,19 @@ def test_lora_gate(tiny, path_name):
         assert_gate(gate_row(f"{name}/lora-{a}/{path_name}", engine, *oracle[a]))
 
 
-@pytest.mark.parametrize("mode", ["extended", "n-extended", "shrink"])
+@pytest.mark.parametrize("mode", ["extended", "k-extended", "shrink"])
 @pytest.mark.parametrize("backend", ["cute", "cublas"])
 def test_lora_gate_gemm_library(tiny, backend, mode):
     """Each GEMM library for every product, and batch-1 decode (gemv.cu), small steps through the extended
-    products (gate_up's K-extended, or with lora_gate_up_in_k off N-extended like the others: the delta in
-    the kernel after it) or through lora_shrink + lora_expand."""
+    products (the delta in the kernel after it; with lora_gate_up_in_k gate_up's K-extended: the delta in
+    the product, fed by the norm before it) or through lora_shrink + lora_expand."""
     from openinfer_kernels.cute import available
 
     if backend == "cute" and not available():
         pytest.skip(f"CuTe kernels unavailable: {available().reason}")
     name, model, _, seqs, oracle = tiny
-    ex = lora_gpu_executor(name, model, fused=mode != "shrink", gemm=backend, lora_gate_up_in_k=mode != "n-extended")
-    assert bool(ex.ops.lora_kext) == (mode == "extended")
+    ex = lora_gpu_executor(name, model, fused=mode != "shrink", gemm=backend, lora_gate_up_in_k=mode == "k-extended")
+    assert bool(ex.ops.lora_kext) == (mode == "k-extended")
     try:
         for slot, a in enumerate(ADAPTERS):
             engine = engine_logits(ex, seqs, lora_slots=[slot] * len(seqs), **PATHS["decode"])
@@ -184,11 +184,12 @@ def silu_times(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=MODELS)
 def kernel_case(request):
-    """(executor with the adapters in slots 0..2, NumpyLoRAOps holding the same bf16-rounded adapters)."""
+    """(executor with the adapters in slots 0..2, gate_up K-extended (the other sites' extended products are
+    the default's), NumpyLoRAOps holding the same bf16-rounded adapters)."""
     from engine.executor.cpu_lora_ops import CpuLoRASlots, NumpyLoRAOps
 
     name = request.param
-    ex = lora_gpu_executor(name, load_model(tiny_model_path(name)))
+    ex = lora_gpu_executor(name, load_model(tiny_model_path(name)), lora_gate_up_in_k=True)
     rounded = adapters_of(name, ex)
     for adapter in rounded.values():          # the GPU holds A and the scaled B in bf16
         for w in adapter.sites.values():

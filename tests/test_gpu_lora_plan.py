@@ -45,7 +45,7 @@ def test_plan_sizes_the_lora_slots_of_qwen3_4b():
     """Qwen3-4B, 4 slots of rank 16: A and B of the 4 x 36 sites, ~66 MB a slot (A in the rows after each
     site's weight, but gate_up's, K-extended: its B in columns after each row, its A a buffer of its own;
     every site small enough for the extended product; its shapes planned for the CuTe GEMM); none without
-    LoRA; the K-extension off by GpuTuning or where the slots' columns would be too many."""
+    LoRA; the K-extension off by default (GpuTuning) or where the slots' columns would be too many."""
     from engine.executor.gpu_plan import DeviceInfo, gpu_plan
     from engine.executor.options import options_of
     from engine.model_config import ModelConfig
@@ -54,7 +54,7 @@ def test_plan_sizes_the_lora_slots_of_qwen3_4b():
     model = build_model(ModelConfig.from_file(os.path.join(CONFIGS, "qwen3-4b")))
     device = DeviceInfo(name="H200", num_sms=132, total_memory=141 << 30, compute_capability="90")
     plan = gpu_plan(options_of(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192, max_loras=4,
-                               max_lora_rank=16), model, device)
+                               max_lora_rank=16, lora_gate_up_in_k=True), model, device)
     sites = dict(plan.lora_sites)
     assert len(sites) == 4 * 36 and sites["layers.0.qkv_proj"].slices == (4096, 1024, 1024)
     per_slot = sum((len(s.slices) * 16 * s.k + s.n * 16) * 2 for s in sites.values())
@@ -76,12 +76,12 @@ def test_plan_sizes_the_lora_slots_of_qwen3_4b():
     assert (6144 + 4 * 3 * 16, 2560) in plan.linear_shapes and (2560 + 4 * 16, 9728) in plan.linear_shapes
     assert (2 * 9728, 2560 + 4 * 2 * 16) in plan.linear_shapes
     plain = gpu_plan(options_of(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192, max_loras=4,
-                                max_lora_rank=16, lora_gate_up_in_k=False), model, device)
+                                max_lora_rank=16), model, device)         # the default: no K-extension
     assert not any(k_extended(n, sites, plain.options) for n in sites)
     assert (2 * 9728 + 4 * 2 * 16, 2560) in plain.linear_shapes
     assert "layers.3.gate_up_proj.a" not in {b.name for b in GpuLoRAOps.lora_buffers(plain)}
     wide = gpu_plan(options_of(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192, max_loras=32,
-                               max_lora_rank=64), model, device)     # 32 slots x 64 ranks
+                               max_lora_rank=64, lora_gate_up_in_k=True), model, device)     # 32 slots x 64 ranks
     wide_sites = dict(wide.lora_sites)          # q/k/v: 6144 extra rows on 6144 (shrink + expand), gate/up: 4096 on 19456
     assert not fused_site(wide_sites["layers.0.qkv_proj"], wide.options)
     assert fused_site(wide_sites["layers.0.gate_up_proj"], wide.options)

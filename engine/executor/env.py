@@ -13,7 +13,7 @@
 | OPENINFER_CHUNK_ATTENTION | chunk_attention ("0": off) | 1 |
 | OPENINFER_ASYNC_HOST_TIER | async_host_tier ("1": on) | 0 |
 | OPENINFER_PARTIAL_PREFIX_HITS | partial_prefix_hits ("1": on) | 0 |
-| OPENINFER_LORA_GATE_UP_IN_K | lora_gate_up_in_k ("0": off) | 1 |
+| OPENINFER_LORA_GATE_UP_IN_K | lora_gate_up_in_k ("1": on) | 0 |
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def gpu_tuning_from_env(env: Mapping[str, str] | None = None) -> GpuTuning:
         chunk_attention=env.get("OPENINFER_CHUNK_ATTENTION", "1").strip() != "0",
         async_host_tier=env.get("OPENINFER_ASYNC_HOST_TIER", "0").strip() == "1",
         partial_prefix_hits=env.get("OPENINFER_PARTIAL_PREFIX_HITS", "0").strip() == "1",
-        lora_gate_up_in_k=env.get("OPENINFER_LORA_GATE_UP_IN_K", "1").strip() != "0",
+        lora_gate_up_in_k=env.get("OPENINFER_LORA_GATE_UP_IN_K", "0").strip() == "1",
         nvtx=NVTX_VALUES[nvtx])
     tuning.validate()
     return tuning

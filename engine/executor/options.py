@@ -70,7 +70,8 @@ class GpuTuning:
     later at 32k (21.3 against 17.4 ms) than the 16-token step on paged_chunk.cu.
     lora_gate_up_in_k: small LoRA steps add gate_up's delta as a K-extension of its product (the weight
     uploaded with every slot's B in columns after each row, the post-attention norm writing each row's shrink
-    beside it; gpu_lora_ops.py) instead of lora_expand.cu's SiLU·up after an N-extended product."""
+    beside it; gpu_lora_ops.py) instead of lora_expand.cu's SiLU·up after an N-extended product. Off until
+    measured faster: its first build measured +22% at batch 32 against +11.6% (bench/results/lora.md)."""
     decode_kernels: str = "all"
     gemm: str = "auto"
     prefill_attention: str = "cute"
@@ -82,7 +83,7 @@ class GpuTuning:
     chunk_attention: bool = True
     async_host_tier: bool = False
     partial_prefix_hits: bool = False
-    lora_gate_up_in_k: bool = True
+    lora_gate_up_in_k: bool = False
 
     def validate(self) -> None:
         """Parse every choice once (the parsers raise ValueError naming the setting)."""

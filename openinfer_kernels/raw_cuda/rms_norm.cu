@@ -229,10 +229,8 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
                             (threadIdx.x - vec_threads) >> 5, (blockDim.x - vec_threads) >> 5, delta);
         __syncthreads();
         if ((int)threadIdx.x < nvec) {
-            const float4 d0 = reinterpret_cast<const float4*>(delta)[2 * threadIdx.x];     // 16-byte loads:
-            const float4 d1 = reinterpret_cast<const float4*>(delta)[2 * threadIdx.x + 1]; // no 8-way conflicts
-            acc[0] += d0.x; acc[1] += d0.y; acc[2] += d0.z; acc[3] += d0.w;
-            acc[4] += d1.x; acc[5] += d1.y; acc[6] += d1.z; acc[7] += d1.w;
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] += delta[8 * threadIdx.x + e];
             add_residual8(residual, resid_out, row, threadIdx.x, acc, ss);
         }
     } else {
