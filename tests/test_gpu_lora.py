@@ -35,14 +35,14 @@ def lora_gpu_executor(name: str, model, max_loras: int = 3, fused: bool = True, 
     """fused: steps of at most FUSED_MAX_ROWS rows take the extended product at every site, gate_up's as
     the K-extension with lora_gate_up_in_k=True (the tiny models' sites are too narrow for the default
     FUSED_MAX_EXTRA and KEXT_MAX_EXTRA); False: lora_shrink + lora_expand."""
-    from engine.executor import gpu_lora_ops
+    from engine.executor import gpu_lora_layout as layout
 
-    kept = gpu_lora_ops.FUSED_MAX_EXTRA, gpu_lora_ops.KEXT_MAX_EXTRA
-    gpu_lora_ops.FUSED_MAX_EXTRA = gpu_lora_ops.KEXT_MAX_EXTRA = 1e9 if fused else -1.0
+    kept = layout.FUSED_MAX_EXTRA, layout.KEXT_MAX_EXTRA
+    layout.FUSED_MAX_EXTRA = layout.KEXT_MAX_EXTRA = 1e9 if fused else -1.0
     try:
         ex = new_gpu_executor(model, max_loras=max_loras, max_lora_rank=16, **settings)
     finally:
-        gpu_lora_ops.FUSED_MAX_EXTRA, gpu_lora_ops.KEXT_MAX_EXTRA = kept
+        layout.FUSED_MAX_EXTRA, layout.KEXT_MAX_EXTRA = kept
     for slot, adapter in enumerate(list(adapters_of(name, ex).values())[:max_loras]):
         ex.set_lora(slot, adapter)
     return ex

@@ -6,8 +6,9 @@ import os
 
 import numpy as np
 
-from engine.executor.gpu_lora_ops import (FUSED_MAX_ROWS, GpuLoRAOps, extra_cols, extra_rows, fused_site, group_by_slot,
-                                          k_extended, padded_rank, shrink_chunk, shrink_floats, slice_bounds)
+from engine.executor.gpu_lora_layout import (FUSED_MAX_ROWS, extra_cols, extra_rows, fused_site, k_extended,
+                                             padded_rank)
+from engine.executor.gpu_lora_ops import GpuLoRAOps, group_by_slot, shrink_chunk, shrink_floats, slice_bounds
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs")
 

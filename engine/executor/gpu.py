@@ -30,7 +30,7 @@ from engine.executor.gpu_deltanet_ops import check_deltanet_shapes
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_host_tier import GpuHostTier
 from engine.executor.gpu_inputs import StepInputs
-from engine.executor.gpu_lora_ops import extra_cols, extra_rows
+from engine.executor.gpu_lora_layout import extra_cols, extra_rows
 from engine.executor.gpu_mapped_copy import MappedCopy
 from engine.executor.gpu_ops import GpuOps, GpuStepContext
 from engine.executor.gpu_piecewise import PiecewiseGraphs, eager_buckets
@@ -131,7 +131,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         if state is not None:
             parts["state"] = buffers_nbytes(state_buffers(state, self.num_state_slots))
         weight_bytes = sum(int(a.size) * 2 for a in model.weights.values())
-        sites = dict(plan.lora_sites)           # every slot's A rows, or B columns (gpu_lora_ops.py)
+        sites = dict(plan.lora_sites)           # every slot's A rows, or B columns (gpu_lora_layout.py)
         lora_rows = {name: extra_rows(name, sites, options) for name in sites}
         lora_cols = {name: extra_cols(name, sites, options) for name in sites}
         lora_a_bytes = sum((lora_rows[name] * site.k + lora_cols[name] * site.n) * 2 for name, site in sites.items())

@@ -39,7 +39,6 @@ A step without adapters sets nothing (`lora` None) and its forward takes the den
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -47,6 +46,8 @@ import numpy as np
 
 from openinfer_kernels.raw_cuda import kernel
 from openinfer_kernels.raw_cuda.launch import launch
+from engine.executor.gpu_lora_layout import (FUSED_MAX_ROWS, extra_rows, fused_site, k_extended,
+                                             padded_rank)
 from memory.device_arena import Buffer, buffers_nbytes
 
 TILE_TOKENS = 8             # lora_shrink.cu / lora_expand.cu TT
@@ -56,58 +57,7 @@ SHRINK_KC_MAX = 1024        # lora_shrink.cu KC_MAX
 SHRINK_TARGET_CTAS = 264    # split K until a shrink's grid has about this many CTAs (2 per SM)
 EXPAND_COLUMNS = 256        # lora_expand.cu: a thread per output column
 EXPAND_ADD, EXPAND_ADD_F32, EXPAND_SWIGLU, EXPAND_COPY = 0, 1, 2, 3      # lora_expand.cu's modes
-FUSED_MAX_ROWS = 64         # steps of at most this many rows take the extended product
-FUSED_MAX_EXTRA = 0.25      # ... at sites whose extra columns (max_loras · slices · R) are at most this of N
-KEXT_MAX_EXTRA = 0.08       # gate_up's K-extension where the slots' columns are at most this of K (its bytes)
-KEXT_MAX_NR = 64            # ... and a slot's shrunk rows at most this (one warp of rms_norm.cu's 32 each)
-SPLITK_LORA_MAX_R = 256     # rms_norm.cu LORA_MAX_R
 SPLITK_LORA_THREADS = 1024  # rms_norm.cu LORA_THREADS (compiled per rank, LORA_R = the padded max_lora_rank)
-SPLITK_LORA_MAX_HIDDEN = 8192   # rms_norm.cu LORA_MAX_HIDDEN: the widest o / down output it reduces
-
-
-def padded_rank(rank: int) -> int:
-    return -(-rank // 8) * 8
-
-
-def slot_rows(site, options) -> int:
-    """Every slot's shrunk rows at a site (max_loras · slices · R): A's rows, or the K-extension's columns."""
-    return options.max_loras * len(site.slices) * padded_rank(options.max_lora_rank)
-
-
-def fused_site(site, options) -> bool:
-    """Whether steps of at most FUSED_MAX_ROWS rows take the extended product at this site."""
-    return (slot_rows(site, options) <= FUSED_MAX_EXTRA * site.n and padded_rank(options.max_lora_rank) <= SPLITK_LORA_MAX_R
-            and (len(site.slices) > 1 or site.n <= SPLITK_LORA_MAX_HIDDEN))   # o / down: rms_norm.cu's delta row
-
-
-def k_extended(name: str, sites: dict, options) -> bool:
-    """Whether small steps take a gate_up site's delta as a K-extension of its product
-    (GpuTuning.lora_gate_up_in_k): where its layer's o_proj takes the extended product (its split-K norm
-    writes each row's shrink beside the normed row), the slots' columns are at most KEXT_MAX_EXTRA of K
-    and a slot's shrunk rows at most KEXT_MAX_NR (rms_norm.cu's shrink_row)."""
-    m = re.fullmatch(r"layers\.(\d+)\.gate_up_proj", name)
-    if m is None or not options.gpu.lora_gate_up_in_k:
-        return False
-    site, o = sites[name], sites.get(f"layers.{m.group(1)}.o_proj")
-    return (o is not None and fused_site(o, options) and fused_site(site, options) and site.k <= SPLITK_LORA_MAX_HIDDEN
-            and len(site.slices) * padded_rank(options.max_lora_rank) <= KEXT_MAX_NR
-            and slot_rows(site, options) <= KEXT_MAX_EXTRA * site.k)
-
-
-def extra_rows(name: str, sites: dict, options) -> int:
-    """The rows after a LoRA site's weight that hold every slot's A (none where it is K-extended)."""
-    return 0 if k_extended(name, sites, options) else slot_rows(sites[name], options)
-
-
-def extra_cols(name: str, sites: dict, options) -> int:
-    """The columns after each row of a K-extended site's weight that hold every slot's B."""
-    return slot_rows(sites[name], options) if k_extended(name, sites, options) else 0
-
-
-def extended_shape(name: str, sites: dict, options) -> tuple[int, int]:
-    """A LoRA site's weight as uploaded: [N + extra rows, K + extra columns]."""
-    site = sites[name]
-    return site.n + extra_rows(name, sites, options), site.k + extra_cols(name, sites, options)
 
 
 def bf16_bits(a: np.ndarray) -> np.ndarray:

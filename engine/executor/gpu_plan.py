@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.executor.options import ExecutorOptions
-from engine.executor.gpu_lora_ops import extended_shape
+from engine.executor.gpu_lora_layout import extended_shape
 from engine.lora import lora_sites
 from engine.model_config import ModelConfig
 from engine.models.moe import ExpertShape
@@ -95,7 +95,7 @@ def gpu_plan(options: ExecutorOptions, model, device: DeviceInfo) -> GpuPlan:
                      and not w.name.endswith(".router") and w.shape[0] % 8 == 0 and w.shape[1] % 8 == 0})
     mla = model.attention_specs[0] if isinstance(model.attention_specs[0], MLASpec) else None
     lora = tuple(sorted(lora_sites(model).items())) if options.max_loras else ()
-    # small LoRA steps multiply by a site's weight extended with every slot's A rows or B columns (gpu_lora_ops.py)
+    # small LoRA steps multiply by a site's weight extended with every slot's A rows or B columns (gpu_lora_layout.py)
     shapes = sorted(set(shapes) | {extended_shape(name, dict(lora), options) for name, _ in lora})
     return GpuPlan(options=options, config=model.config, device=device, kv=model.kv_layout(),
                    width=model.activation_width, num_heads=widest.num_heads, head_dim=widest.head_dim,
