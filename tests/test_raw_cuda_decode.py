@@ -59,18 +59,21 @@ SHAPES = [(1, 40, 264), (3, 17, 8), (8, 100, 2568), (9, 16, 32), (16, 2560, 4096
 @pytest.mark.parametrize("M,N,K", SHAPES)
 @pytest.mark.parametrize("fp32_out", [False, True])
 @pytest.mark.parametrize("unroll", [2, 4, 8])          # GEMV_U: k steps per weight batch
-def test_gemv(cp, M, N, K, fp32_out, unroll):
+@pytest.mark.parametrize("pad", [0, 40])               # columns after each weight row (a K-extended LoRA weight)
+def test_gemv(cp, M, N, K, fp32_out, unroll, pad):
     from openinfer_kernels.raw_cuda import kernel
 
     rng = np.random.default_rng(M * 7 + N + K)
     x, w = bits(rng.standard_normal((M, K))), bits(rng.standard_normal((N, K)) * K ** -0.5)
+    wide = np.full((N, K + pad), 0x7FC1, np.uint16)    # the columns past K are NaN: never read
+    wide[:, :K] = w
     dtype = np.float32 if fp32_out else np.uint16
     y = poison(cp, (M + 1, N), dtype)                  # row M must stay poisoned
     nt = -(-M // 8)
     null = np.uint64(0)
     kernel("gemv", f"gemv_{'f32' if fp32_out else 'bf16'}_n{nt}", GEMV_U=unroll)(
-        (-(-N // 16),), (256,), (dev(cp, x), dev(cp, w), y, np.int32(M), np.int32(N), np.int32(K), null, null,
-                                 np.float32(0)))
+        (-(-N // 16),), (256,), (dev(cp, x), dev(cp, wide), y, np.int32(M), np.int32(N), np.int32(K), null, null,
+                                 np.float32(0), np.int32(K + pad)))
     got = y.get()
     tail = got[M]
     assert np.all(np.isnan(tail)) if fp32_out else np.all(tail == 0x7FC1)

@@ -125,6 +125,47 @@ def test_gemv_silu_epilogue(cp, gemm, M, I, K):
     np.testing.assert_array_equal(got[:M], parts.get())
 
 
+@pytest.mark.parametrize("M", [1, 9, 40])
+def test_products_by_a_weight_of_wider_rows(cp, gemm, M):
+    """A weight that is the first K columns of wider rows (a K-extended LoRA site's view; NaN past K, never
+    read): gemv.cu's "bf16" and "norm_silu" (its row stride) and cuBLAS (lda) give the bits of the same
+    weight stored alone, and a product over the whole rows reads every column."""
+    from engine.executor.gpu_gemm import Gemm, interleave_gate_up
+
+    rng = np.random.default_rng(M)
+    I, K, extra = 64, 264, 40
+    x, w = case(rng, M, 2 * I, K)
+    wi = interleave_gate_up(w)
+    wide = np.full((2 * I, K + extra), 0x7FC1, np.uint16)
+    wide[:, :K] = wi
+    alone, wided = dev(cp, wi), dev(cp, wide)
+    view = wided[:, :K]
+    nw = dev(cp, bits(1 + 0.1 * rng.standard_normal(K)))
+    xd = dev(cp, x)
+    blas = Gemm(gemm.stream)                       # no gemv rows: cuBLAS for every product
+    try:
+        for g in (gemm, blas):
+            want, got = poison(cp, (M, 2 * I)), poison(cp, (M, 2 * I))
+            g(xd, alone, want)
+            g(xd, view, got)
+            g.stream.synchronize()
+            np.testing.assert_array_equal(got.get(), want.get())
+        if M <= gemm.gemv_max_m:
+            want, got = poison(cp, (M, I)), poison(cp, (M, I))
+            gemm.gemv(xd, alone, want, "norm_silu", norm_w=nw, eps=1e-6)
+            gemm.gemv(xd, view, got, "norm_silu", norm_w=nw, eps=1e-6)
+            gemm.stream.synchronize()
+            np.testing.assert_array_equal(got.get(), want.get())
+        wide[:, K:] = bits(rng.standard_normal((2 * I, extra)) * 0.1)    # the whole rows: [x | y] · [W | B]ᵀ
+        y = bits(rng.standard_normal((M, extra)))
+        whole = poison(cp, (M, 2 * I))
+        blas(dev(cp, np.concatenate([x, y], 1)), dev(cp, wide), whole)
+        blas.stream.synchronize()
+        close(whole.get(), matmul(np.concatenate([x, y], 1), wide))
+    finally:
+        blas.close()
+
+
 def test_gemv_rejects_unknown_variant(cp, gemm):
     x, w = cp.zeros((1, 64), np.uint16), cp.zeros((16, 64), np.uint16)
     with pytest.raises(ValueError, match="variant"):
