@@ -109,6 +109,9 @@ class GpuLoRAOps:
     lora_w: dict = {}       # site -> (A, B) device arrays (empty: LoRA off)
     lora_weights: dict = {} # site -> its extended weight [N + extra_rows, K] (the executor's upload)
     lora_full: dict = {}    # the sites of lora_weights whose small steps take the extended product
+    lora_kext: set = set()  # ... of them the K-extended (gate_up; gpu_lora_layout.k_extended)
+    lora_next: dict = {}    # o_proj site -> its layer's K-extended gate_up
+    lora_pending = None     # (gate_up site, [T, K + E] rows) the o_proj's norm wrote for it this layer
     # Decode steps add the q/k/v delta inside paged_decode.cu's fused rope + attention entry (its _lora
     # entry reads the extended product's rows) instead of a compacting lora_expand.cu launch before it.
     # Batch 1 / 4 adapters: +6.2% -> +4.7% of the graph step; batch 32 unchanged (lora.md, 2026-12-04 19:27).
@@ -159,9 +162,8 @@ class GpuLoRAOps:
                               b[f"{name}.b"]) for name, site in sites.items()}
         self.lora_full = {name: self.lora_weights[name] for name, site in sites.items()
                           if fused_site(site, plan.options)}
-        # o_proj -> its layer's K-extended gate_up: the o_proj's split-K norm writes the shrink beside its row
         self.lora_next = {name.replace("gate_up_proj", "o_proj"): name for name in self.lora_kext}
-        self.lora_pending = None        # (gate_up site, [T, K + E] rows) the norm before it wrote
+        self.lora_pending = None
         import cupy
 
         for a, _ in self.lora_w.values():           # an empty slot's shrink columns: zeros, never read
