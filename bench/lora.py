@@ -11,6 +11,7 @@ the same batch without adapters. The issue's target: at most 10% at batch 32 wit
                               instead of adding it inside the fused attention kernel, the default)
         [--gate-up-in-k]     (decode steps take gate_up's delta as a K-extension of its product, fed by
                               the post-attention norm, instead of lora_expand.cu's SiLU·up, the default)
+        [--norm-threads N]   (threads of the split-K LoRA norms, a multiple of 32 up to 1024, the default)
 
 Writes DIR/lora.json and DIR/lora.md (copy them to bench/results/ with the date, GPU and command).
 """
@@ -73,6 +74,8 @@ def main() -> None:
                    help="decode steps compact the q/k/v delta with lora_expand.cu before attention (lora_in_attention off)")
     p.add_argument("--gate-up-in-k", action="store_true",
                    help="gate_up's delta as a K-extension of its product (GpuTuning.lora_gate_up_in_k on)")
+    p.add_argument("--norm-threads", type=int, default=1024,
+                   help="threads of the split-K LoRA norms (GpuLoRAOps.lora_norm_threads)")
     p.add_argument("--ops", action="store_true",
                    help="also time each op of one eager decode step per row (bench/op_timer.py), the LoRA kernels apart")
     args = p.parse_args()
@@ -101,6 +104,9 @@ def main() -> None:
                                        max_loras=max(1, slots), max_lora_rank=args.rank,
                                        lora_gate_up_in_k=args.gate_up_in_k))
     ex.ops.lora_in_attention = not args.qkv_compaction
+    if args.norm_threads % 32 or not 32 <= args.norm_threads <= 1024:
+        raise SystemExit(f"--norm-threads {args.norm_threads}: want a multiple of 32 in 32..1024")
+    ex.ops.lora_norm_threads = args.norm_threads
     sites = lora_sites(ex.model)
     for slot in range(slots):
         path = write_random_adapter(model, f"/tmp/{name}-lora-r{args.rank}-{slot}", args.rank, seed=slot)
@@ -125,6 +131,7 @@ def main() -> None:
     ex.close()
     result = dict(model=name + (f" ({args.layers} layers)" if args.layers else ""), copy_bandwidth=bw,
                   qkv_in_attention=not args.qkv_compaction, gate_up_in_k=bool(ex.ops.lora_kext),
+                  norm_threads=args.norm_threads,
                   device=torch.cuda.get_device_name(), rows=rows)
     with open(os.path.join(args.out, "lora.json"), "w") as f:
         json.dump(result, f, indent=1)

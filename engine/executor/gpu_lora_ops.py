@@ -116,6 +116,10 @@ class GpuLoRAOps:
     # entry reads the extended product's rows) instead of a compacting lora_expand.cu launch before it.
     # Batch 1 / 4 adapters: +6.2% -> +4.7% of the graph step; batch 32 unchanged (lora.md, 2026-12-04 19:27).
     lora_in_attention = True
+    # Threads of the split-K LoRA norms (rms_norm.cu splitk_rms_norm_residual_lora[_shrink], at most
+    # SPLITK_LORA_THREADS): a thread per 8 columns sums the partials, the warps past them compute the delta.
+    # 1,024 threads at 64 registers take a whole SM's register file (bench/lora.py --norm-threads compares).
+    lora_norm_threads = SPLITK_LORA_THREADS
 
     @staticmethod
     def lora_buffers(plan) -> list[Buffer]:
@@ -359,7 +363,7 @@ class GpuLoRAOps:
         nxt = self.lora_next.get(site)
         if nxt is None:
             normed = self._out(T, n)
-            threads = min(SPLITK_LORA_THREADS, max(splitk_norm_threads(n), -(-n // 32) * 32))   # a column each
+            threads = min(self.lora_norm_threads, max(splitk_norm_threads(n), -(-n // 32) * 32))   # a column each
             self._launch(self.k_rms_splitk_lora, (T,), (threads,),
                          args + (normed, out, np.int32(n), np.float32(eps)) + lora_args)
             return out, normed
@@ -367,7 +371,8 @@ class GpuLoRAOps:
         a_next = self.lora_w[nxt][0]
         ldo = self.lora_full[nxt].shape[1]
         rows = self._out(T, ldo)
-        self._launch(self.k_rms_splitk_lora_shrink[a_next.shape[1]], (T,), (SPLITK_LORA_THREADS,),
+        threads = max(self.lora_norm_threads, splitk_norm_threads(n))
+        self._launch(self.k_rms_splitk_lora_shrink[a_next.shape[1]], (T,), (threads,),
                      args + (rows, out, np.int32(n), np.float32(eps)) + lora_args
                      + (a_next, np.int32(ldo), np.int32(self.lora_num_slots)))
         self.lora_pending = (nxt, rows)
