@@ -14,6 +14,7 @@ the same batch without adapters. The issue's target: at most 10% at batch 32 wit
         [--norm-threads N]   (threads of the split-K LoRA norms, a multiple of 32 up to 1024, the default)
 
 Writes DIR/lora.json and DIR/lora.md (copy them to bench/results/ with the date, GPU and command).
+bench/lora_ab.sh runs it once per path (the default and the flags below) in one GPU call.
 """
 from __future__ import annotations
 
