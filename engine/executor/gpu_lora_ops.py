@@ -107,7 +107,7 @@ class GpuLoRAStep:
 class GpuLoRAOps:
     lora = None             # this step's GpuLoRAStep (None: no adapter in the step)
     lora_w: dict = {}       # site -> (A, B) device arrays (empty: LoRA off)
-    lora_weights: dict = {} # site -> its extended weight [N + extra_rows, K] (the executor's upload)
+    lora_weights: dict = {} # site -> its extended weight [N + extra rows, K] or [N, K + extra cols] (the upload)
     lora_full: dict = {}    # the sites of lora_weights whose small steps take the extended product
     lora_kext: set = set()  # ... of them the K-extended (gate_up; gpu_lora_layout.k_extended)
     lora_next: dict = {}    # o_proj site -> its layer's K-extended gate_up
