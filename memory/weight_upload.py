@@ -104,13 +104,10 @@ def weight_copies(w, dst: int, interleave: bool, pitch: int = 0) -> list[Copy]:
         return copies_of(list(getattr(w, "parts", [w])), dst, False, pitch=pitch)
     if hasattr(w, "parts") and w.ndim == 2:
         return copies_of(list(w.parts), dst, True, pitch=pitch)
-    if pitch:
-        half = w.shape[0] // 2
-        return copies_of([w[:half], w[half:]], dst, True, pitch=pitch)
     experts = [w] if w.ndim == 2 else [w[e] for e in range(w.shape[0])]
     per = int(np.prod(experts[0].shape)) * 2
     half = experts[0].shape[0] // 2
-    return [c for e, x in enumerate(experts) for c in copies_of([x[:half], x[half:]], dst + e * per, True)]
+    return [c for e, x in enumerate(experts) for c in copies_of([x[:half], x[half:]], dst + e * per, True, pitch=pitch)]
 
 
 def stage(copy: Copy, buffer: np.ndarray) -> None:

@@ -29,15 +29,21 @@ def fused_site(site, options) -> bool:
             and (len(site.slices) > 1 or site.n <= SPLITK_LORA_MAX_HIDDEN))   # o / down: rms_norm.cu's delta row
 
 
+def norm_site_before(name: str) -> str | None:
+    """The o_proj site whose split-K norm feeds a dense layer's gate_up site (None for other names)."""
+    m = re.fullmatch(r"layers\.(\d+)\.gate_up_proj", name)
+    return None if m is None else f"layers.{m.group(1)}.o_proj"
+
+
 def k_extended(name: str, sites: dict, options) -> bool:
     """Whether small steps take a gate_up site's delta as a K-extension of its product
     (GpuTuning.lora_gate_up_in_k): where its layer's o_proj takes the extended product (its split-K norm
     writes each row's shrink beside the normed row), the slots' columns are at most KEXT_MAX_EXTRA of K
     and a slot's shrunk rows at most KEXT_MAX_NR (rms_norm.cu's shrink_row)."""
-    m = re.fullmatch(r"layers\.(\d+)\.gate_up_proj", name)
-    if m is None or not options.gpu.lora_gate_up_in_k:
+    before = norm_site_before(name)
+    if before is None or not options.gpu.lora_gate_up_in_k:
         return False
-    site, o = sites[name], sites.get(f"layers.{m.group(1)}.o_proj")
+    site, o = sites[name], sites.get(before)
     return (o is not None and fused_site(o, options) and fused_site(site, options) and site.k <= SPLITK_LORA_MAX_HIDDEN
             and len(site.slices) * padded_rank(options.max_lora_rank) <= KEXT_MAX_NR
             and slot_rows(site, options) <= KEXT_MAX_EXTRA * site.k)

@@ -47,7 +47,7 @@ import numpy as np
 from openinfer_kernels.raw_cuda import kernel
 from openinfer_kernels.raw_cuda.launch import launch
 from engine.executor.gpu_lora_layout import (FUSED_MAX_ROWS, extra_rows, fused_site, k_extended,
-                                             padded_rank)
+                                             norm_site_before, padded_rank)
 from memory.device_arena import Buffer, buffers_nbytes
 
 TILE_TOKENS = 8             # lora_shrink.cu / lora_expand.cu TT
@@ -166,7 +166,7 @@ class GpuLoRAOps:
                               b[f"{name}.b"]) for name, site in sites.items()}
         self.lora_full = {name: self.lora_weights[name] for name, site in sites.items()
                           if fused_site(site, plan.options)}
-        self.lora_next = {name.replace("gate_up_proj", "o_proj"): name for name in self.lora_kext}
+        self.lora_next = {norm_site_before(name): name for name in self.lora_kext}
         self.lora_pending = None
         import cupy
 
@@ -317,24 +317,14 @@ class GpuLoRAOps:
         return act
 
     def _k_extended_swiglu(self, x, norm_weight, eps, site, normed):
-        """gate_up of a K-extended site: one product of the norm's extended rows by the extended weight
-        (gemv.cu's SiLU·up, the CuTe GEMM's SiLU·up twin, or the product and silu_mul); where the norm
-        before did not write them (not a step this path plans), the large steps' shrink + expand."""
+        """gate_up of a K-extended site: the base's SiLU·up product (norm_swiglu without an adapter) of the
+        norm's extended rows by the extended weight; where the norm before did not write them (not a step
+        this path plans), the large steps' shrink + expand."""
         pending, self.lora_pending = self.lora_pending, None
         full, k = self.lora_full[site], self.lora_sites[site].k
         if normed is None or pending is None or pending[0] != site or normed.data.ptr != pending[1].data.ptr:
             return self.lora_unfused_swiglu(x, norm_weight, eps, full[:, :k], normed, site)
-        rows, T, n = pending[1], x.shape[0], full.shape[0]
-        act = self._out(T, n // 2)
-        if self.gate_up_interleaved and self.gemm.gemv_serves(rows, full):
-            self.gemm.gemv(rows, full, act, "silu", pdl=self.pdl)
-        elif self.gate_up_interleaved and self.gemm.cute_fuses_swiglu(T, full):
-            self.gemm.cute_swiglu(rows, full, act)
-        else:
-            gate_up = self._out(T, n)
-            self.gemm(rows, full, gate_up, pdl=self.pdl)
-            return self.silu_mul(gate_up)
-        return act
+        return self.norm_swiglu(x, norm_weight, eps, full, normed=pending[1])
 
     def lora_add_linear_norm(self, x, site, residual, norm_weight, eps):
         """(residual + x · Wᵀ + delta, its RMSNorm by norm_weight): the extended product (gemv.cu in
@@ -358,12 +348,12 @@ class GpuLoRAOps:
         from engine.executor.gpu_ops import splitk_norm_threads
 
         out = self._residual_out(T, n)
+        threads = min(self.lora_norm_threads, max(splitk_norm_threads(n), -(-n // 32) * 32))   # a column each
         args = (np.uint64(ptr), np.int32(splits), np.int64(T * ld), np.int32(ld), residual, norm_weight)
         lora_args = (self.lora.token_slots, b, np.int32(b.shape[2]))
         nxt = self.lora_next.get(site)
         if nxt is None:
             normed = self._out(T, n)
-            threads = min(self.lora_norm_threads, max(splitk_norm_threads(n), -(-n // 32) * 32))   # a column each
             self._launch(self.k_rms_splitk_lora, (T,), (threads,),
                          args + (normed, out, np.int32(n), np.float32(eps)) + lora_args)
             return out, normed
@@ -371,7 +361,6 @@ class GpuLoRAOps:
         a_next = self.lora_w[nxt][0]
         ldo = self.lora_full[nxt].shape[1]
         rows = self._out(T, ldo)
-        threads = max(self.lora_norm_threads, splitk_norm_threads(n))
         self._launch(self.k_rms_splitk_lora_shrink[a_next.shape[1]], (T,), (threads,),
                      args + (rows, out, np.int32(n), np.float32(eps)) + lora_args
                      + (a_next, np.int32(ldo), np.int32(self.lora_num_slots)))

@@ -5,12 +5,14 @@
 // bandwidth, so launch-bound at decode); one block per row, 16-byte vectors, fp32 accumulation.
 #include "common.cuh"
 
-// out = rmsnorm8 of a row of r with weights w (the second pass of both kernels below).
+// out = rmsnorm8 of a row of r with weights w (the second pass of both kernels below); keep: a copy of the
+// normed row too (shared memory), or null.
 __device__ __forceinline__ void write_normed_row(const bf16_t* r, const bf16_t* __restrict__ w, bf16_t* out,
-                                                 int nvec, float rstd) {
+                                                 int nvec, float rstd, uint4* keep = nullptr) {
     for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-        reinterpret_cast<uint4*>(out)[i] = rmsnorm8(reinterpret_cast<const uint4*>(r)[i],
-                                                    reinterpret_cast<const uint4*>(w)[i], rstd);
+        const uint4 v = rmsnorm8(reinterpret_cast<const uint4*>(r)[i], reinterpret_cast<const uint4*>(w)[i], rstd);
+        reinterpret_cast<uint4*>(out)[i] = v;
+        if (keep != nullptr) keep[i] = v;
     }
 }
 
@@ -258,19 +260,13 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
         }
     }
     const float rstd = rsqrtf(block_sum(ss, scratch) / hidden + eps);
-    if (NR_NEXT) {                 // block_sum's barrier: every read of the delta row is done; it holds the normed row
-        uint4* normed = reinterpret_cast<uint4*>(delta);
-        for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-            const uint4 v = rmsnorm8(reinterpret_cast<const uint4*>(resid_out + row)[i],
-                                     reinterpret_cast<const uint4*>(w)[i], rstd);
-            reinterpret_cast<uint4*>(out + orow)[i] = v;
-            normed[i] = v;
-        }
+    // NR_NEXT: the delta row (every read of it done at block_sum's barrier) keeps the normed row for the shrink
+    uint4* normed = NR_NEXT ? reinterpret_cast<uint4*>(delta) : nullptr;
+    write_normed_row(resid_out + row, w, out + orow, nvec, rstd, normed);
+    if (NR_NEXT) {
         __syncthreads();
         shrink_row<NR_NEXT ? NR_NEXT : 1>(normed, a_slot, out + orow + hidden, slot, num_slots, hidden);
-        return;
     }
-    write_normed_row(resid_out + row, w, out + orow, nvec, rstd);
 }
 
 extern "C" __global__ void splitk_rms_norm_residual(const float* __restrict__ partial, int splits, long long slice,
