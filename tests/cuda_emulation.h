@@ -35,6 +35,8 @@ inline std::vector<char> emu_dynamic_smem;
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline int emu_warp() { return threadIdx.x / 32; }
 inline int emu_lane() { return threadIdx.x % 32; }
 inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }

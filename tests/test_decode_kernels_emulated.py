@@ -3,7 +3,7 @@ each against numpy with the kernels' roundings and launched with the grids their
 rms_norm.cu splitk_rms_norm_residual_lora (the o / down delta in the split-K reduction, compiled per rank),
 lora_expand.cu's epilogues in both tile sizes (TT 8, and 4 for small steps) from the extended product or the
 shrink's partials, and paged_decode.cu's rope_paged_decode_attention_lora (bit for bit against compaction +
-the plain fused entry); MLA's mla_absorb.cu projections; the MoE decode experts of moe_gemv.cu.
+the plain fused entry) and the plain fused entry (bit for bit against qk_norm_rope_cache.cu + the unfused one); MLA's mla_absorb.cu projections; the MoE decode experts of moe_gemv.cu.
 What the emulation cannot see (speed, coalescing, occupancy) is for the GPU tests (test_gpu_lora.py,
 test_gpu_moe_mla_kernels.py)."""
 from __future__ import annotations
@@ -218,6 +218,44 @@ def test_rope_decode_attention_adds_the_lora_delta(group, heads, splits):
         else:
             run("paged_decode", "rope_paged_decode_attention", grid, 128,
                 (compact,) + prologue + (slot_mapping,) + tail, **build)
+        results.append((np.array(out), np.array(kc), np.array(vc)))
+    for name, a, b in zip(("out", "k cache", "v cache"), *results):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert np.any(results[0][0] != 0)
+
+
+@pytest.mark.parametrize("D,group,heads,splits,qk_norm", [(128, 4, 4, 1, True), (128, 4, 2, 3, True),
+                                                      (64, 2, 2, 2, False), (256, 2, 1, 1, True), (48, 2, 2, 2, True)])
+def test_rope_decode_attention_equals_composed(D, group, heads, splits, qk_norm):
+    """paged_decode.cu's fused entry (q/k norm + rope + KV write + attention in one launch) gives the bits of
+    qk_norm_rope_cache.cu then the plain entry: the attention output and the K / V written to the cache, in
+    16-byte pieces (D 64 / 128 / 256, lane groups on several heads of a warp, the key among them) and a warp
+    a head (D 48). A decode row computed in a mixed step and alone must match (GPU: test_raw_cuda_rope_attention)."""
+    rng = np.random.default_rng(D + group * 7 + splits)
+    Hkv, T = 2, 3
+    Hq = group * Hkv
+    qkv = bf16(rng.standard_normal((T, (Hq + 2 * Hkv) * D)))
+    q_norm, k_norm = ((bf16(1 + 0.2 * rng.standard_normal(D)) for _ in range(2)) if qk_norm
+                      else (np.uint64(0), np.uint64(0)))
+    norms = (host(q_norm), host(k_norm)) if qk_norm else (q_norm, k_norm)
+    inv_freq = (1.0 / (1e6 ** (np.arange(0, D, 2) / D))).astype(np.float32)
+    # LORA_R: the emulation wraps every entry of the file, the LoRA one too
+    build = dict(GQA=group, HEAD_DIM=D, LORA_R=8, **({"HEADS": heads} if heads != group else {}))
+    grid = (T, splits, Hkv * (group // heads))
+    results = []
+    for fused in (True, False):
+        tail, slot_mapping, kc, vc, out = decode_attention_args(np.random.default_rng(11), T, Hq, Hkv, D, splits)
+        positions = tail[5]
+        if fused:
+            run("paged_decode", "rope_paged_decode_attention", grid, 128,
+                (host(qkv),) + norms + (np.float32(1e-6), host(inv_freq), np.float32(1.0), slot_mapping) + tail,
+                **build)
+        else:
+            q = host(np.zeros((T, Hq, D), np.uint16))
+            run("qk_norm_rope_cache", "qk_norm_rope_cache", (T, 1), 256,
+                (host(qkv),) + norms + (np.float32(1e-6), host(inv_freq), np.float32(1.0), positions, slot_mapping,
+                                        q, kc, vc, np.int32(Hq), np.int32(Hkv), np.int32(D)))
+            run("paged_decode", "paged_decode_attention", grid, 128, (q,) + tail, **build)
         results.append((np.array(out), np.array(kc), np.array(vc)))
     for name, a, b in zip(("out", "k cache", "v cache"), *results):
         np.testing.assert_array_equal(a, b, err_msg=name)

@@ -64,8 +64,10 @@ def emulated(name: str, defines: tuple[tuple[str, int], ...] = ()) -> ctypes.CDL
     cpp, lib = os.path.join(out, f"{name}.cpp"), os.path.join(out, f"{name}.so")
     with open(cpp, "w", encoding="utf-8") as f:
         f.write('#include "cuda_emulation.h"\nusing std::min;\nusing std::max;\n' + source + "\n" + "\n".join(wrappers))
-    cmd = [gxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", f"-I{TESTS}", f"-I{KERNEL_DIR}", f"-I{include}",
-           *[f"-D{k}={v}" for k, v in defines], cpp, "-o", lib]
+    # -fno-gnu-unique: a template's __shared__ (a static) stays the library's own; as a unique symbol the first
+    # build loaded (another HEAD_DIM, another size) would serve every later one
+    cmd = [gxx, "-std=c++20", "-O1", "-fno-gnu-unique", "-shared", "-fPIC", "-pthread", f"-I{TESTS}",
+           f"-I{KERNEL_DIR}", f"-I{include}", *[f"-D{k}={v}" for k, v in defines], cpp, "-o", lib]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return ctypes.CDLL(lib)
 

@@ -83,6 +83,15 @@ def test_decode_heads_per_cta_splits_small_grids():
     assert decode_heads_per_cta(1, 2, 7, H200_SMS) == 7
 
 
+def test_rope_heads_per_warp_follow_the_piece_form():
+    """qk_norm_rope_cache.cu serves 32 / (D/8) heads a warp where D/8 is a power of two from 2 to 32 (16-byte
+    pieces), else a head a warp; GpuOps sizes its head groups by it."""
+    from engine.executor.attention_grid import rope_heads_per_warp
+
+    assert [rope_heads_per_warp(d) for d in (16, 32, 64, 128, 256)] == [16, 8, 4, 2, 1]
+    assert [rope_heads_per_warp(d) for d in (8, 48, 80, 96, 192, 512, 130)] == [1] * 7
+
+
 def test_decode_splits_follow_the_head_groups():
     """GpuOps.splits counts paged_decode.cu's head groups as rows: Qwen3-30B-A3B at batch 1 in a decode
     graph (max context 40960) takes 17 splits x 4 KV heads x 4 groups, no longer 64 x 4."""

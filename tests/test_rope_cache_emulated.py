@@ -1,6 +1,7 @@
 """qk_norm_rope_cache.cu on the host (tests/cuda_emulation.h, as test_deltanet_kernels_emulated): every launch
 shape GpuOps uses (one block per token with one shared cos / sin table; head groups for short steps; fewer
-threads than D/2 pairs) against a numpy reference of the same roundings (bf16 norm, bf16 rotation, cos and
+threads than D/2 pairs; 16-byte pieces with a warp's lane groups on query, key and value heads at once and past
+the last head, and a head dim of no piece form, 48) against a numpy reference of the same roundings (bf16 norm, bf16 rotation, cos and
 sin of float32 angles), q to the query buffer, k and v to their cache slots, padding rows untouched.
 On the GPU: tests/test_raw_cuda_kernels.py and the fused decode entry's bits (test_raw_cuda_rope_attention)."""
 from __future__ import annotations
@@ -57,7 +58,7 @@ def reference(qkv, qn, kn, eps, inv_freq, factor, pos, Hq, Hkv, D):
 
 @pytest.mark.parametrize("D,Hq,Hkv,grid_y,threads,qk_norm", [
     (128, 8, 2, 1, 256, True), (128, 8, 2, 2, 256, True), (64, 4, 4, 3, 128, False), (256, 4, 1, 1, 64, True),
-    (16, 2, 1, 1, 32, False)])
+    (16, 2, 1, 1, 32, False), (64, 6, 1, 1, 64, True), (128, 5, 1, 2, 64, True), (48, 4, 2, 1, 64, True)])
 def test_rope_cache_kernel_matches_numpy(D, Hq, Hkv, grid_y, threads, qk_norm):
     rng = np.random.default_rng(D + Hq + grid_y)
     T, eps, slots, factor = 5, 1e-6, 16, 1.25

@@ -1,6 +1,6 @@
 """How the paged attention kernels' grids are sized: the KV split count of a step (attention_splits), the
 query heads per CTA of paged_decode.cu (decode_heads_per_cta), whether a model's group fits that kernel
-(decode_attention_fits), and the limits they share. Pure functions of the step's shape, so the CPU tests
+(decode_attention_fits), qk_norm_rope_cache.cu's heads per warp (rope_heads_per_warp), and the limits they share. Pure functions of the step's shape, so the CPU tests
 check them without a GPU; GpuOps (gpu_ops.py) applies them."""
 from __future__ import annotations
 
@@ -50,3 +50,11 @@ def decode_attention_fits(group: int, head_dim: int) -> bool:
     dv = head_dim // 8
     lanes = dv if dv <= 16 and dv & (dv - 1) == 0 else 16
     return head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM and group * -(-dv // lanes) <= 8
+
+
+def rope_heads_per_warp(head_dim: int) -> int:
+    """Heads a warp of qk_norm_rope_cache.cu serves at once: 32 / (D/8) where D/8 is a power of two from
+    2 to 32 (rope.cuh's rope_piece_lanes: 16-byte pieces, D/8 lanes a head), else 1 (a warp a head)."""
+    lanes = head_dim // 8
+    fits = head_dim % 8 == 0 and 2 <= lanes <= 32 and lanes & (lanes - 1) == 0
+    return 32 // lanes if fits else 1

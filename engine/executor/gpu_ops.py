@@ -28,7 +28,7 @@ import numpy as np
 
 from engine.executor.attention_grid import (FUSED_ROPE_CTAS_PER_SM, MAX_DECODE_SPLITS, MAX_GROUP, MAX_HEAD_DIM,
                                             MAX_SPLITS, attention_splits, decode_attention_fits,
-                                            decode_heads_per_cta)
+                                            decode_heads_per_cta, rope_heads_per_warp)
 from engine.executor.gpu_lora_ops import GpuLoRAOps
 from engine.executor.gpu_mla_ops import MLA_MAX_SPLITS, GpuMLAOps
 from engine.executor.gpu_moe_ops import GpuMoEOps
@@ -223,10 +223,11 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         q = self._out(T, Hq * D).reshape(T, Hq, D)
         kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
         null = np.uint64(0)
-        # one warp per head; a block per token shares one cos / sin table (qk_norm_rope_cache.cu), split
-        # into head groups only while the tokens alone do not fill the SMs twice
+        # a block per token shares one cos / sin table (qk_norm_rope_cache.cu; a warp serves
+        # rope_heads_per_warp heads at once), split into head groups only while the tokens alone do not fill
+        # the SMs twice
         warps = 8
-        groups = 1 if T >= 2 * self.num_sms else -(-(Hq + 2 * Hkv) // warps)
+        groups = 1 if T >= 2 * self.num_sms else -(-(Hq + 2 * Hkv) // (warps * rope_heads_per_warp(D)))
         self._launch(self.k_rope, (T, groups), (32 * warps,),
                      (qkv, q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
                       np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor),

@@ -164,11 +164,30 @@ __device__ __forceinline__ int rope_prologue(const RopeArgs& r, int t, int kvh, 
     auto src = [&](int j) -> const bf16_t* {
         return staged ? lora_s[j] : row + (size_t)staged_head(j, head0, kvh, num_heads, num_kv_heads) * HEAD_DIM;
     };
-    for (int j = warp; j < HEADS + (owner ? 1 : 0); j += WARPS) {
-        if (j < HEADS)
-            norm_rope_head(src(j), q_s[j], r.q_norm_w, r.eps, r.inv_freq, r.attn_factor, pos, HEAD_DIM);
-        else
-            norm_rope_head(src(HEADS), kv_s[0], r.k_norm_w, r.eps, r.inv_freq, r.attn_factor, pos, HEAD_DIM);
+    constexpr int LANES = rope_piece_lanes(HEAD_DIM);
+    const int rows = HEADS + (owner ? 1 : 0);            // the query heads, then the key (CTA-uniform)
+    if constexpr (LANES > 0) {                           // qk_norm_rope_cache.cu's pieces: the same bits
+        __shared__ float cos_s[HEAD_DIM / 2], sin_s[HEAD_DIM / 2];
+        for (int i = threadIdx.x; i < HEAD_DIM / 2; i += NTHREADS)
+            rope_angle(r.inv_freq, r.attn_factor, pos, i, cos_s[i], sin_s[i]);
+        __syncthreads();
+        constexpr int PER_WARP = 32 / LANES;
+        const int lane = threadIdx.x & 31, e0 = 8 * (lane % LANES);
+        for (int j0 = warp * PER_WARP; j0 < rows; j0 += WARPS * PER_WARP) {
+            const int j = j0 + lane / LANES;
+            const bool live = j < rows;
+            const uint4 x = live ? *reinterpret_cast<const uint4*>(src(j) + e0) : kZero16;
+            const uint4 out = norm_rope_piece<LANES>(x, j < HEADS ? r.q_norm_w : r.k_norm_w, live, r.eps,
+                                                     [&](int i, float& c, float& s) { c = cos_s[i]; s = sin_s[i]; });
+            if (live) *reinterpret_cast<uint4*>((j < HEADS ? q_s[j] : kv_s[0]) + e0) = out;
+        }
+    } else {
+        for (int j = warp; j < rows; j += WARPS) {
+            if (j < HEADS)
+                norm_rope_head(src(j), q_s[j], r.q_norm_w, r.eps, r.inv_freq, r.attn_factor, pos, HEAD_DIM);
+            else
+                norm_rope_head(src(HEADS), kv_s[0], r.k_norm_w, r.eps, r.inv_freq, r.attn_factor, pos, HEAD_DIM);
+        }
     }
     const bf16_t* v_row = src(HEADS + 1);
     if (owner)

@@ -1,4 +1,4 @@
-// Attention prologue for one step, grid (T, head groups), one warp per head:
+// Attention prologue for one step, grid (T, head groups), heads in lanes (below):
 //   q, k, v = split(qkv[t]);  q, k = per-head RMSNorm(q, k) (Qwen3, when weights are given);
 //   q, k = rotary(q, k) neox style: angle_i = pos[t] · inv_freq[i], pairs (i, i + D/2), cos and sin
 //          scaled by attn_factor (yarn; 1 otherwise);
@@ -8,12 +8,40 @@
 // rope.cuh's norm_rope_head computes per head), so a token's Hq + Hkv heads share one table: with a
 // table per head the full-precision sincosf of thousand-radian angles, not the bytes, set the time (an
 // 8k-token Qwen3-4B step: 6.3 ms of 36 layers where the bytes take ~1.7 ms). Launch few head groups
-// (gridDim.y) per token for long steps; each group builds its own table.
+// (gridDim.y) per token for long steps; each group builds its own table. Head dims 16 … 256 that are 8 times a
+// power of two (rope_piece_lanes) move 16-byte pieces, D/8 lanes a head and 32/(D/8) heads a warp
+// (rope.cuh's norm_rope_piece, the fused decode entry's function too: same bits); other head dims a warp a
+// head, 2 bytes a lane (4.3 ms of that 8k-token step at D 128, ~120 µs a layer against ~47 µs of bytes).
 // Roofline: reads (Hq + 2·Hkv)·D·2 bytes per token and writes as much: ~12 KB per token for Qwen3-4B
 // (~3 ns); launch-bound at decode, bandwidth-bound for long prefills.
-#include "rope.cuh"   // norm_rope_head_with, rope_angle
+#include "rope.cuh"   // norm_rope_piece, norm_rope_head_with, rope_angle
 
 #define MAX_HALF 128   // D <= 256 (gpu_ops.MAX_HEAD_DIM)
+
+// Token t's heads in 16-byte pieces (D = 8 · LANES): lane group g of warp w takes head (block's first + w) ·
+// 32/LANES + g, then strides by the grid's warps; q to q_out, k and v to their cache slot (slot < 0: not written).
+template <int LANES, typename Table>
+__device__ __forceinline__ void rope_heads_in_pieces(const bf16_t* __restrict__ row, const bf16_t* __restrict__ q_norm_w,
+                                                     const bf16_t* __restrict__ k_norm_w, float eps, int t, int slot,
+                                                     bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_cache,
+                                                     bf16_t* __restrict__ v_cache, int num_heads, int num_kv_heads,
+                                                     Table table) {
+    constexpr int D = 8 * LANES, PER_WARP = 32 / LANES;
+    const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5, lane = threadIdx.x & 31, e0 = 8 * (lane % LANES);
+    const int heads = num_heads + 2 * num_kv_heads;
+    for (int h0 = (blockIdx.y * nwarps + warp) * PER_WARP; h0 < heads; h0 += nwarps * gridDim.y * PER_WARP) {
+        const int h = h0 + lane / LANES;                 // warp-uniform loop: every lane reaches the shuffles
+        const bool live = h < heads, is_q = h < num_heads, is_k = !is_q && h < num_heads + num_kv_heads;
+        const uint4 x = live ? *reinterpret_cast<const uint4*>(row + (size_t)h * D + e0) : kZero16;
+        const uint4 out = norm_rope_piece<LANES>(x, is_q ? q_norm_w : k_norm_w, live && (is_q || is_k), eps, table);
+        bf16_t* dst = !live ? nullptr
+                    : is_q ? q_out + ((size_t)t * num_heads + h) * D
+                    : slot < 0 ? nullptr
+                    : is_k ? k_cache + ((size_t)slot * num_kv_heads + h - num_heads) * D
+                    : v_cache + ((size_t)slot * num_kv_heads + h - num_heads - num_kv_heads) * D;
+        if (dst != nullptr) *reinterpret_cast<uint4*>(dst + e0) = out;
+    }
+}
 
 extern "C" __global__ void qk_norm_rope_cache(const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ q_norm_w,
                                               const bf16_t* __restrict__ k_norm_w, float eps,
@@ -32,6 +60,19 @@ extern "C" __global__ void qk_norm_rope_cache(const bf16_t* __restrict__ qkv, co
     for (int i = threadIdx.x; i < D / 2; i += blockDim.x) rope_angle(inv_freq, attn_factor, pos, i, cos_s[i], sin_s[i]);
     __syncthreads();
     auto table = [&](int i, float& c, float& s) { c = cos_s[i]; s = sin_s[i]; };
+    switch (rope_piece_lanes(D)) {                       // block-uniform
+        case 2: return rope_heads_in_pieces<2>(row, q_norm_w, k_norm_w, eps, t, slot, q_out, k_cache, v_cache,
+                                               num_heads, num_kv_heads, table);
+        case 4: return rope_heads_in_pieces<4>(row, q_norm_w, k_norm_w, eps, t, slot, q_out, k_cache, v_cache,
+                                               num_heads, num_kv_heads, table);
+        case 8: return rope_heads_in_pieces<8>(row, q_norm_w, k_norm_w, eps, t, slot, q_out, k_cache, v_cache,
+                                               num_heads, num_kv_heads, table);
+        case 16: return rope_heads_in_pieces<16>(row, q_norm_w, k_norm_w, eps, t, slot, q_out, k_cache, v_cache,
+                                                 num_heads, num_kv_heads, table);
+        case 32: return rope_heads_in_pieces<32>(row, q_norm_w, k_norm_w, eps, t, slot, q_out, k_cache, v_cache,
+                                                 num_heads, num_kv_heads, table);
+        default: break;
+    }
     for (int h = blockIdx.y * nwarps + warp; h < num_heads + 2 * num_kv_heads; h += nwarps * gridDim.y) {
         const bf16_t* src = row + (size_t)h * D;
         if (h < num_heads) {
