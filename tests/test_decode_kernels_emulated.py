@@ -224,6 +224,32 @@ def test_rope_decode_attention_adds_the_lora_delta(group, heads, splits):
     assert np.any(results[0][0] != 0)
 
 
+@pytest.mark.parametrize("D,group,heads,splits", [(128, 4, 4, 1), (128, 4, 2, 3), (128, 8, 8, 2), (64, 8, 8, 1),
+                                                   (256, 4, 4, 2), (32, 8, 8, 1), (64, 6, 6, 2), (128, 1, 1, 2)])
+def test_decode_attention_matches_numpy(D, group, heads, splits):
+    """paged_decode.cu's plain entry against float32 attention over each sequence's paged keys: the query heads
+    of a key summed by halving exchanges (power-of-two groups up to the key's lanes) or a butterfly a head
+    (GQA 6, and 8 heads over D 32's 4 lanes), in head groups and over splits merged by the last CTA."""
+    rng = np.random.default_rng(D * group + splits)
+    Hkv, T = 2, 5
+    Hq = group * Hkv
+    tail, _, kc, vc, out = decode_attention_args(np.random.default_rng(3), T, Hq, Hkv, D, splits)
+    q = bf16(2 * rng.standard_normal((T, Hq, D)))
+    build = dict(GQA=group, HEAD_DIM=D, LORA_R=8, **({"HEADS": heads} if heads != group else {}))
+    run("paged_decode", "paged_decode_attention", (T, splits, Hkv * (group // heads)), 128, (host(q),) + tail, **build)
+    tables, positions = np.asarray(tail[2]), np.asarray(tail[5])
+    k, v = f32(np.asarray(kc)), f32(np.asarray(vc))
+    want = np.zeros((T, Hq, D), np.float32)
+    for t in range(T):
+        p = np.arange(positions[t] + 1)
+        slots = tables[t, p // 16] * 16 + p % 16
+        for h in range(Hq):
+            sc = k[slots, h // group] @ f32(q[t, h]) * np.float32(D ** -0.5)
+            w = np.exp(sc - sc.max())
+            want[t, h] = (w / w.sum()) @ v[slots, h // group]
+    assert_bf16_close(np.asarray(out).reshape(T, Hq, D), rb(want), f"D {D}, GQA {group}, {heads} heads, {splits} splits")
+
+
 @pytest.mark.parametrize("D,group,heads,splits,qk_norm", [(128, 4, 4, 1, True), (128, 4, 2, 3, True),
                                                       (64, 2, 2, 2, False), (256, 2, 1, 1, True), (48, 2, 2, 2, True)])
 def test_rope_decode_attention_equals_composed(D, group, heads, splits, qk_norm):

@@ -19,7 +19,11 @@
 //    4 CTAs (16 warps) per SM instead of 3, each with up to 8 KB in flight (H200, Qwen3-4B decode at
 //    batch ~200 and 1.1k context: the register-pipelined kernel before reached ~2.3 TB/s).
 //  * scores in the log2 domain (q pre-scaled by scale·log2 e, exp2f), online softmax per warp (the running
-//    max is warp-uniform, the sums and P·V stay per lane), then one merge of the warps in shared memory.
+//    max is warp-uniform, the sums and P·V stay per lane; they are rescaled only when the max moves, bits
+//    unchanged), then one merge of the warps in shared memory. A key's HEADS dots are summed over its lanes by
+//    halving exchanges (key_sums). At batch ~200 and 1k keys the loop is near the SM's issue rate (~630
+//    instructions a warp per 4 KB of K/V at GQA 4 × D 128, where HBM's rate allows ~880): its shuffles,
+//    adds and rescales were a quarter of them.
 //  * num_splits == 1: the CTA writes the normalized bf16 output itself. Otherwise it writes its fp32 partial
 //    (acc, max in natural-log units, sum: attention_merge's layout) and takes a ticket from
 //    counters[t·Hkv + kvh]; the last split's CTA merges all of them and resets the counter to 0 (the
@@ -79,6 +83,45 @@ __device__ __forceinline__ float key_sum(float v) {
     #pragma unroll
     for (int o = KEY_LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
+}
+// The HEADS dot products of one key, each summed over the key's KEY_LANES lanes, into v[g] on every lane: the
+// bits of key_sum on each (the same pairs added in the same order: own + partner), with log2(HEADS) halving
+// exchanges (at offset o a lane keeps half its values and trades the other half with its partner), the
+// butterfly's remaining levels on the one value left, and HEADS broadcasts: GQA 4 × D 128, 9 shuffles a key
+// instead of 16 (the decode loop's shuffles and adds were ~20% of its instructions). Lane sub of a key holds
+// head sub / (KEY_LANES / HEADS) at the end.
+#define HALVING_SUMS (HEADS > 1 && HEADS <= KEY_LANES && (HEADS & (HEADS - 1)) == 0)
+template <int N, int O>
+__device__ __forceinline__ float halving_sum(float (&w)[HEADS], int sub) {
+    if constexpr (O == 0) {
+        return w[0];
+    } else if constexpr (N == 1) {
+        w[0] += __shfl_xor_sync(0xffffffffu, w[0], O);
+        return halving_sum<1, O / 2>(w, sub);
+    } else {
+        const bool high = (sub & O) != 0;                // keeps the upper half, sends the lower
+        #pragma unroll
+        for (int i = 0; i < N / 2; ++i) {
+            const float send = high ? w[i] : w[N / 2 + i];
+            const float keep = high ? w[N / 2 + i] : w[i];
+            w[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+        }
+        return halving_sum<N / 2, O / 2>(w, sub);
+    }
+}
+__device__ __forceinline__ void key_sums(float (&v)[HEADS]) {
+    const int lane = threadIdx.x & 31, sub = lane % KEY_LANES;
+    if constexpr (HALVING_SUMS) {
+        float w[HEADS];
+        #pragma unroll
+        for (int g = 0; g < HEADS; ++g) w[g] = v[g];
+        const float mine = halving_sum<HEADS, KEY_LANES / 2>(w, sub);
+        #pragma unroll
+        for (int g = 0; g < HEADS; ++g) v[g] = __shfl_sync(0xffffffffu, mine, lane - sub + g * (KEY_LANES / HEADS));
+    } else {
+        #pragma unroll
+        for (int g = 0; g < HEADS; ++g) v[g] = key_sum(v[g]);
+    }
 }
 __device__ __forceinline__ float across_keys_max(float v) {
     #pragma unroll
@@ -344,16 +387,18 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
                 if (own && d0 < HEAD_DIM) kr = *reinterpret_cast<const uint4*>(&kv_s[0][d0]);
                 unpack8(kr, kf[c]);
             }
+            float dot[HEADS];
             #pragma unroll
             for (int g = 0; g < HEADS; ++g) {
-                float dot = 0.f;
+                dot[g] = 0.f;
                 #pragma unroll
                 for (int c = 0; c < CHUNKS; ++c)
                     #pragma unroll
-                    for (int e = 0; e < VEC; ++e) dot = fmaf(qf[g][c][e], kf[c][e], dot);
-                dot = key_sum(dot);
-                s[u][g] = valid ? dot : -INFINITY;
+                    for (int e = 0; e < VEC; ++e) dot[g] = fmaf(qf[g][c][e], kf[c][e], dot[g]);
             }
+            key_sums(dot);
+            #pragma unroll
+            for (int g = 0; g < HEADS; ++g) s[u][g] = valid ? dot[g] : -INFINITY;
         }
         #pragma unroll
         for (int g = 0; g < HEADS; ++g) {
@@ -361,13 +406,15 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
             #pragma unroll
             for (int u = 1; u < UNROLL; ++u) mx = fmaxf(mx, s[u][g]);
             const float m_new = fmaxf(m[g], across_keys_max(mx));   // finite: the warp's first key is valid
-            const float alpha = exp2f(m[g] - m_new);
-            m[g] = m_new;
-            l[g] *= alpha;
-            #pragma unroll
-            for (int c = 0; c < CHUNKS; ++c)
+            if (m_new != m[g]) {           // warp-uniform; an unchanged max scales by exp2(0) = 1: nothing to do
+                const float alpha = exp2f(m[g] - m_new);
+                m[g] = m_new;
+                l[g] *= alpha;
                 #pragma unroll
-                for (int e = 0; e < VEC; ++e) acc[g][c][e] *= alpha;
+                for (int c = 0; c < CHUNKS; ++c)
+                    #pragma unroll
+                    for (int e = 0; e < VEC; ++e) acc[g][c][e] *= alpha;
+            }
             #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 s[u][g] = exp2f(s[u][g] - m_new);                // the key's weight: 0 for invalid keys
