@@ -107,6 +107,14 @@ __device__ __forceinline__ void sum_partials8(const float* __restrict__ partial,
     }
 }
 
+// acc += the delta row's vector i (shared memory, two 16-byte loads: a float a load, 8 lanes 32 bytes apart
+// hit one bank, 8-way conflicts).
+__device__ __forceinline__ void add_delta8(float (&acc)[8], const float* delta, int i) {
+    const float4 a = reinterpret_cast<const float4*>(delta)[2 * i], b = reinterpret_cast<const float4*>(delta)[2 * i + 1];
+    acc[0] += a.x; acc[1] += a.y; acc[2] += a.z; acc[3] += a.w;
+    acc[4] += b.x; acc[5] += b.y; acc[6] += b.z; acc[7] += b.w;
+}
+
 // resid_out's vector i = bf16(acc + residual); its squares added to ss (in element order).
 __device__ __forceinline__ void add_residual8(const bf16_t* residual, bf16_t* resid_out, size_t row, int i,
                                               const float (&acc)[8], float& ss) {
@@ -123,7 +131,8 @@ __device__ __forceinline__ void add_residual8(const bf16_t* residual, bf16_t* re
 
 // One warp's share of a LoRA row's delta (the helper warps of splitk_norm_row): delta[n] = h · B[slot, n, :]
 // for the columns n = 32·(warp index) + lane, then a stride of the helper warps; each warp sums h itself
-// (lane j: the shrink column j, over the splits in order), the lanes exchanging it by shuffles; rank order as
+// (lane j: the shrink column j, over the splits in order) into its row of shared memory, which every lane then
+// reads as broadcasts (16-byte loads; a shuffle a rank and column before: 64 a lane at rank 16); rank order as
 // lora_column. A lane loads the B rows of LORA_GROUP of its columns before it multiplies any (its L2 round
 // trips overlap: at Qwen3-4B's hidden 2560 and 22 helper warps, 4 columns a lane, one trip instead of 4).
 #define LORA_GROUP (LORA_R <= 8 ? 8 : LORA_R >= 64 ? 1 : 64 / LORA_R)     // 8 uint4 of B in flight a lane
@@ -137,6 +146,10 @@ __device__ __forceinline__ void lora_delta_warp(const float* __restrict__ partia
         #pragma unroll 4
         for (int sp = 0; sp < splits; ++sp) hl += partial[sp * slice + hrow + lane];
     }
+    __shared__ __align__(16) float h_w[32][LORA_R];      // each helper warp's copy of h, read as broadcasts
+    if (lane < LORA_R) h_w[warp][lane] = hl;
+    __syncwarp();
+    const float4* hv = reinterpret_cast<const float4*>(h_w[warp]);
     for (int base = warp * 32; base < hidden; base += stride * LORA_GROUP) {
         uint4 bv[LORA_GROUP][Q];
         #pragma unroll
@@ -146,6 +159,12 @@ __device__ __forceinline__ void lora_delta_warp(const float* __restrict__ partia
             #pragma unroll
             for (int q = 0; q < Q; ++q) bv[g][q] = __ldg(bp + q);
         }
+        float hv4[LORA_R / 4][4];                        // h, 16 bytes a load (broadcast: one address a warp)
+        #pragma unroll
+        for (int k = 0; k < LORA_R / 4; ++k) {
+            const float4 f = hv[k];
+            hv4[k][0] = f.x; hv4[k][1] = f.y; hv4[k][2] = f.z; hv4[k][3] = f.w;
+        }
         #pragma unroll
         for (int g = 0; g < LORA_GROUP; ++g) {
             float d = 0.f;
@@ -153,7 +172,7 @@ __device__ __forceinline__ void lora_delta_warp(const float* __restrict__ partia
             for (int q = 0; q < Q; ++q) {
                 const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv[g][q]);
                 #pragma unroll
-                for (int e = 0; e < 8; ++e) d += __shfl_sync(0xffffffffu, hl, q * 8 + e) * bf16_to_f(bs[e]);
+                for (int e = 0; e < 8; ++e) d += hv4[2 * q + e / 4][e % 4] * bf16_to_f(bs[e]);
             }
             const int n = base + g * stride + lane;
             if (n < hidden) delta[n] = d;
@@ -231,8 +250,7 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
                             (threadIdx.x - vec_threads) >> 5, (blockDim.x - vec_threads) >> 5, delta);
         __syncthreads();
         if ((int)threadIdx.x < nvec) {
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] += delta[8 * threadIdx.x + e];
+            add_delta8(acc, delta, threadIdx.x);
             add_residual8(residual, resid_out, row, threadIdx.x, acc, ss);
         }
     } else {
@@ -252,10 +270,7 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
         for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
             float acc[8];
             sum_partials8(partial, splits, slice, prow, i, acc);
-            if (LORA && slot >= 0) {         // + the adapter's delta
-                #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[e] += delta[8 * i + e];
-            }
+            if (LORA && slot >= 0) add_delta8(acc, delta, i);     // + the adapter's delta
             add_residual8(residual, resid_out, row, i, acc, ss);
         }
     }
