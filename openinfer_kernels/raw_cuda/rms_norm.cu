@@ -136,9 +136,26 @@ __device__ __forceinline__ void add_residual8(const bf16_t* residual, bf16_t* re
 // lora_column. A lane loads the B rows of LORA_GROUP of its columns before it multiplies any (its L2 round
 // trips overlap: at Qwen3-4B's hidden 2560 and 22 helper warps, 4 columns a lane, one trip instead of 4).
 #define LORA_GROUP (LORA_R <= 8 ? 8 : LORA_R >= 64 ? 1 : 64 / LORA_R)     // 8 uint4 of B in flight a lane
+struct LoraBRows { uint4 v[LORA_GROUP][LORA_R / 8]; };   // a lane's B rows of one pass (LORA_GROUP columns)
+#define LORA_B_EARLY (LORA_R <= 16)      // the first pass's rows held across the wait (rank 32: 32 registers, spills)
+
+// The B rows of pass `base` (columns base + g·stride + lane): B is a weight, so the first pass's go out before
+// the programmatic-launch wait, over the product's tail (LORA_B_EARLY).
+__device__ __forceinline__ void lora_b_rows(LoraBRows& b, const bf16_t* __restrict__ b_slot, int base, int stride,
+                                            int hidden) {
+    const int lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int g = 0; g < LORA_GROUP; ++g) {
+        const int n = min(base + g * stride + lane, hidden - 1);
+        const uint4* bp = reinterpret_cast<const uint4*>(b_slot + (size_t)n * LORA_R);
+        #pragma unroll
+        for (int q = 0; q < LORA_R / 8; ++q) b.v[g][q] = __ldg(bp + q);
+    }
+}
+
 __device__ __forceinline__ void lora_delta_warp(const float* __restrict__ partial, int splits, long long slice,
                                                 size_t hrow, const bf16_t* __restrict__ b_slot, int hidden,
-                                                int warp, int warps, float* delta) {
+                                                int warp, int warps, float* delta, const LoraBRows& first) {
     constexpr int Q = LORA_R / 8;
     const int lane = threadIdx.x & 31, stride = warps * 32;
     float hl = 0.f;
@@ -150,15 +167,9 @@ __device__ __forceinline__ void lora_delta_warp(const float* __restrict__ partia
     if (lane < LORA_R) h_w[warp][lane] = hl;
     __syncwarp();
     const float4* hv = reinterpret_cast<const float4*>(h_w[warp]);
+    LoraBRows bv = first;
     for (int base = warp * 32; base < hidden; base += stride * LORA_GROUP) {
-        uint4 bv[LORA_GROUP][Q];
-        #pragma unroll
-        for (int g = 0; g < LORA_GROUP; ++g) {
-            const int n = min(base + g * stride + lane, hidden - 1);
-            const uint4* bp = reinterpret_cast<const uint4*>(b_slot + (size_t)n * LORA_R);
-            #pragma unroll
-            for (int q = 0; q < Q; ++q) bv[g][q] = __ldg(bp + q);
-        }
+        if (!LORA_B_EARLY || base != warp * 32) lora_b_rows(bv, b_slot, base, stride, hidden);
         float hv4[LORA_R / 4][4];                        // h, 16 bytes a load (broadcast: one address a warp)
         #pragma unroll
         for (int k = 0; k < LORA_R / 4; ++k) {
@@ -170,7 +181,7 @@ __device__ __forceinline__ void lora_delta_warp(const float* __restrict__ partia
             float d = 0.f;
             #pragma unroll
             for (int q = 0; q < Q; ++q) {
-                const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv[g][q]);
+                const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv.v[g][q]);
                 #pragma unroll
                 for (int e = 0; e < 8; ++e) d += hv4[2 * q + e / 4][e % 4] * bf16_to_f(bs[e]);
             }
@@ -233,12 +244,17 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
     if (NR_NEXT && slot >= 0)
         for (int l = threadIdx.x; l < hidden * NR_NEXT * 2 / 128; l += blockDim.x)
             prefetch_l2(reinterpret_cast<const char*>(a_slot) + (size_t)l * 128);
+    const int vec_threads = (nvec + 31) / 32 * 32;
+    const bool helpers = LORA && slot >= 0 && LORA_R <= 32 && (int)blockDim.x >= vec_threads + 32;
+    const int helper_warp = ((int)threadIdx.x - vec_threads) >> 5, helper_warps = ((int)blockDim.x - vec_threads) >> 5;
+    LoraBRows first;
+    if (LORA_B_EARLY && helpers && (int)threadIdx.x >= vec_threads)
+        lora_b_rows(first, b_slot, helper_warp * 32, helper_warps * 32, hidden);
     // The next kernel may launch now: it waits for this one before it reads what this one writes.
     pdl_launch_dependents();
     pdl_wait();
     float ss = 0.f;
-    const int vec_threads = (nvec + 31) / 32 * 32;
-    if (LORA && slot >= 0 && LORA_R <= 32 && (int)blockDim.x >= vec_threads + 32) {
+    if (helpers) {
         // Two roles at once: a thread per vector sums its partials while the warps past them compute the
         // delta (a row's 8 columns a thread, as the sum, left a 10-warp CTA issuing 128 dependent FMAs a
         // thread: 12 µs against the base's 4; the delta first, then the sum, left the two serial).
@@ -247,7 +263,7 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
             sum_partials8(partial, splits, slice, prow, threadIdx.x, acc);
         else if ((int)threadIdx.x >= vec_threads)
             lora_delta_warp(partial, splits, slice, prow + hidden + (size_t)slot * LORA_R, b_slot, hidden,
-                            (threadIdx.x - vec_threads) >> 5, (blockDim.x - vec_threads) >> 5, delta);
+                            helper_warp, helper_warps, delta, first);
         __syncthreads();
         if ((int)threadIdx.x < nvec) {
             add_delta8(acc, delta, threadIdx.x);
