@@ -241,9 +241,9 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
     if (LORA && slot >= 0)
         for (int l = threadIdx.x; l < hidden * LORA_R * 2 / 128; l += blockDim.x)
             prefetch_l2(reinterpret_cast<const char*>(b_slot) + (size_t)l * 128);
-    if (NR_NEXT && slot >= 0)
-        for (int l = threadIdx.x; l < hidden * NR_NEXT * 2 / 128; l += blockDim.x)
-            prefetch_l2(reinterpret_cast<const char*>(a_slot) + (size_t)l * 128);
+    if (NR_NEXT && slot >= 0)        // into L1: the shrink reads the slot's whole A_next (164 KB at Qwen3-4B's
+        for (int l = threadIdx.x; l < hidden * NR_NEXT * 2 / 128; l += blockDim.x)     // gate/up, rank 16) last
+            prefetch_l1(reinterpret_cast<const char*>(a_slot) + (size_t)l * 128);
     const int vec_threads = (nvec + 31) / 32 * 32;
     const bool helpers = LORA && slot >= 0 && LORA_R <= 32 && (int)blockDim.x >= vec_threads + 32;
     const int helper_warp = ((int)threadIdx.x - vec_threads) >> 5, helper_warps = ((int)blockDim.x - vec_threads) >> 5;
