@@ -163,26 +163,45 @@ __device__ __forceinline__ int staged_head(int j, int head0, int kvh, int num_he
 }
 
 // LoRA: the CTA's rows of the qkv row with the slot's delta, bf16(y + h · B[slot, column]ᵀ) (rank order,
-// as lora_expand.cu's compacting epilogue), into lora_s; h (the q, k and v slices' shrink) via h_s.
+// as lora_expand.cu's compacting epilogue), into lora_s; h (the q, k and v slices' shrink) via h_s. A thread's
+// B rows of BATCH elements go out together (one L2 round trip for them, not one an element).
 __device__ __forceinline__ void lora_stage(const RopeArgs& r, const bf16_t* row, int slot, int rows, int head0,
                                            int kvh, int num_heads, int num_kv_heads, bf16_t (*lora_s)[HEAD_DIM],
                                            float* h_s) {
+    constexpr int Q = LORA_R / 8;
+    constexpr int BATCH = Q >= 8 ? 1 : 8 / Q;      // elements whose B rows are in flight together (8 uint4 a thread)
+    const int total = rows * HEAD_DIM;
     for (int j = threadIdx.x; j < 3 * LORA_R; j += NTHREADS) h_s[j] = bf16_to_f(row[r.lora_n + slot * 3 * LORA_R + j]);
     __syncthreads();
-    for (int e = threadIdx.x; e < rows * HEAD_DIM; e += NTHREADS) {
-        const int j = e / HEAD_DIM, d = e % HEAD_DIM;
-        const int col = staged_head(j, head0, kvh, num_heads, num_kv_heads) * HEAD_DIM + d;
-        const float* h = h_s + (j < HEADS ? 0 : j - HEADS + 1) * LORA_R;
-        const uint4* b = reinterpret_cast<const uint4*>(r.lora_b + ((size_t)slot * r.lora_n + col) * LORA_R);
-        float acc = 0.f;
+    for (int e0 = threadIdx.x; e0 < total; e0 += BATCH * NTHREADS) {
+        uint4 bv[BATCH][Q];
+        float y[BATCH];
         #pragma unroll
-        for (int q = 0; q < LORA_R / 8; ++q) {
-            const uint4 bv = __ldg(b + q);
-            const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv);
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) acc += h[q * 8 + i] * bf16_to_f(bs[i]);
+        for (int k = 0; k < BATCH; ++k) {
+            const int e = e0 + k * NTHREADS;
+            if (e < total) {
+                const int col = staged_head(e / HEAD_DIM, head0, kvh, num_heads, num_kv_heads) * HEAD_DIM + e % HEAD_DIM;
+                const uint4* b = reinterpret_cast<const uint4*>(r.lora_b + ((size_t)slot * r.lora_n + col) * LORA_R);
+                #pragma unroll
+                for (int q = 0; q < Q; ++q) bv[k][q] = __ldg(b + q);
+                y[k] = bf16_to_f(row[col]);
+            }
         }
-        lora_s[j][d] = f_to_bf16(bf16_to_f(row[col]) + acc);
+        #pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const int e = e0 + k * NTHREADS, j = e / HEAD_DIM;
+            if (e < total) {
+                const float* h = h_s + (j < HEADS ? 0 : j - HEADS + 1) * LORA_R;
+                float acc = 0.f;
+                #pragma unroll
+                for (int q = 0; q < Q; ++q) {
+                    const bf16_t* bs = reinterpret_cast<const bf16_t*>(&bv[k][q]);
+                    #pragma unroll
+                    for (int i = 0; i < 8; ++i) acc += h[q * 8 + i] * bf16_to_f(bs[i]);
+                }
+                lora_s[j][e % HEAD_DIM] = f_to_bf16(y[k] + acc);
+            }
+        }
     }
     __syncthreads();
 }
