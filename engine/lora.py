@@ -5,8 +5,10 @@ A dense model line's LoRA sites are its packed projections, by engine weight nam
 (slices q, k, v), `layers.{i}.o_proj`, `layers.{i}.gate_up_proj` (slices gate, up) and
 `layers.{i}.down_proj`. A PEFT module's pair (`...layers.{i}.self_attn.q_proj.lora_A.weight` [r, K],
 `...lora_B.weight` [N, r]) lands in its site's slice: the slice's output gains
-scaling · (x · Aᵀ) · Bᵀ, scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). Every refusal
-is a LoRAError whose message names the adapter and the problem.
+scaling · (x · Aᵀ) · Bᵀ, scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). A module's r and
+lora_alpha are `rank_pattern` / `alpha_pattern`'s where a key matches its name, as PEFT matches them; modules of
+a lower rank than the adapter's largest are zero-padded to it. Every refusal is a LoRAError whose message names
+the adapter and the problem.
 """
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ SITE_SUFFIXES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 LORA_MODEL_TYPES = ("qwen3", "llama", "qwen2")       # the dense lines (decoder.py's blocks)
 MAX_LORA_RANK = 256                                   # the GPU kernels' bound (lora_expand.cu's shared tile)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])"
                   r"(?:\.default)?\.weight$")
 # adapter_config.json settings whose non-default value changes the math beyond plain LoRA
 _REFUSED = {"use_dora": (None, False), "modules_to_save": (None, []), "bias": (None, "none"),
-            "rank_pattern": (None, {}), "alpha_pattern": (None, {}), "lora_bias": (None, False)}
+            "lora_bias": (None, False)}
 
 
 class LoRAError(ValueError):
@@ -64,9 +66,9 @@ class SiteLoRA:
 class LoRAAdapter:
     name: str
     path: str
-    rank: int
-    alpha: float
-    scaling: float
+    rank: int                           # its modules' largest rank (the width of every SiteLoRA)
+    alpha: float                        # the config's lora_alpha and the scaling it gives at the config's r
+    scaling: float                      # (rank_pattern / alpha_pattern modules have their own, folded into B)
     modules: tuple[str, ...]            # the PEFT modules it adapts (q_proj, ...)
     sites: dict[str, SiteLoRA]
 
@@ -113,37 +115,79 @@ def load_adapter(name: str, path: str, sites: dict[str, Site], num_layers: int, 
         raise LoRAError(f"{where}: {path} is not a folder")
     cfg = _read_config(where, path)
     rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise LoRAError(f"{where}: adapter_config.json has no valid rank 'r' (got {rank!r})")
-    if rank > max_rank:
-        raise LoRAError(f"{where}: rank {rank} is over --max-lora-rank {max_rank}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise LoRAError(f"{where}: 'lora_alpha' must be a number (got {alpha!r})")
+    _check_rank(where, "r", rank, max_rank)
+    _check_alpha(where, "'lora_alpha'", alpha)
     for key, fine in _REFUSED.items():
         if cfg.get(key) not in fine:
             raise LoRAError(f"{where}: {key}={cfg[key]!r} is not supported (plain LoRA only)")
+    ranks, alphas = _pattern(where, cfg, "rank_pattern"), _pattern(where, cfg, "alpha_pattern")
+    for key, r in ranks.items():
+        _check_rank(where, f"rank_pattern[{key!r}]", r, max_rank)
+    for key, a in alphas.items():
+        _check_alpha(where, f"alpha_pattern[{key!r}]", a)
     _check_targets(where, cfg.get("target_modules"))
-    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     pairs = _read_pairs(where, path, num_layers)
+    module_rank = {k: _lookup(ranks, module_path, rank) for k, (module_path, _, _) in pairs.items()}
+    width = max(module_rank.values())             # the adapter's rank: its modules' largest
     out: dict[str, SiteLoRA] = {}
-    for (layer, module), (a, b) in sorted(pairs.items()):
+    for (layer, module), (module_path, a, b) in sorted(pairs.items()):
+        r, al = module_rank[layer, module], _lookup(alphas, module_path, alpha)
+        scaling = _scaling(cfg, al, r)
         suffix, j = MODULES[module]
         site_name = f"layers.{layer}.{suffix}"
         site = sites[site_name]
         k, n = site.k, site.slices[j]
-        for key, t, want in ((f"{module}.lora_A", a, (rank, k)), (f"{module}.lora_B", b, (n, rank))):
+        for key, t, want in ((f"{module}.lora_A", a, (r, k)), (f"{module}.lora_B", b, (n, r))):
             if tuple(t.shape) != want:
                 raise LoRAError(f"{where}: shape mismatch: layer {layer} {key} has shape {tuple(t.shape)}, "
-                                f"expected {want} (rank {rank}, the model's {module} is {n} x {k})")
+                                f"expected {want} (rank {r}, the model's {module} is {n} x {k})")
         w = out.get(site_name)
         if w is None:
-            w = out[site_name] = SiteLoRA(np.zeros((len(site.slices), rank, k), np.float32),
-                                          np.zeros((site.n, rank), np.float32))
-        w.a[j] = np.asarray(a, np.float32)
+            w = out[site_name] = SiteLoRA(np.zeros((len(site.slices), width, k), np.float32),
+                                          np.zeros((site.n, width), np.float32))
+        w.a[j, :r] = np.asarray(a, np.float32)
         row = sum(site.slices[:j])
-        w.b[row:row + n] = np.asarray(b, np.float32) * np.float32(scaling)
-    return LoRAAdapter(name=name, path=path, rank=rank, alpha=float(alpha), scaling=float(scaling),
+        w.b[row:row + n, :r] = np.asarray(b, np.float32) * np.float32(scaling)
+    return LoRAAdapter(name=name, path=path, rank=width, alpha=float(alpha), scaling=float(_scaling(cfg, alpha, rank)),
                        modules=tuple(sorted({m for _, m in pairs})), sites=out)
+
+
+def _scaling(cfg: dict, alpha: float, rank: int) -> float:
+    return alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+
+
+def _check_rank(where: str, what: str, rank, max_rank: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise LoRAError(f"{where}: adapter_config.json has no valid rank {what!r} (got {rank!r})"
+                        if what == "r" else f"{where}: {what} must be a positive integer rank (got {rank!r})")
+    if rank > max_rank:
+        raise LoRAError(f"{where}: rank {rank}{'' if what == 'r' else f' ({what})'} is over --max-lora-rank {max_rank}")
+
+
+def _check_alpha(where: str, what: str, alpha) -> None:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoRAError(f"{where}: {what} must be a number (got {alpha!r})")
+
+
+def _pattern(where: str, cfg: dict, field: str) -> dict:
+    """rank_pattern / alpha_pattern: {regex or module name: value}, each key a valid regular expression."""
+    pattern = cfg.get(field) or {}
+    if not isinstance(pattern, dict):
+        raise LoRAError(f"{where}: {field} must be a JSON object (got {pattern!r})")
+    for key in pattern:
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise LoRAError(f"{where}: {field} key {key!r} is not a valid regular expression: {e}") from None
+    return pattern
+
+
+def _lookup(pattern: dict, module_path: str, default):
+    """PEFT's rule: the first key (in the file's order) K with module_path matching `(.*\\.)?(K)$`."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", module_path):
+            return value
+    return default
 
 
 def _read_config(where: str, path: str) -> dict:
@@ -176,8 +220,9 @@ def _check_targets(where: str, targets) -> None:
                                 f"({', '.join(MODULES)})")
 
 
-def _read_pairs(where: str, path: str, num_layers: int) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
-    """(layer, module) -> (A, B) of the safetensors file; every tensor must be such a pair's half."""
+def _read_pairs(where: str, path: str, num_layers: int) -> dict[tuple[int, str], tuple[str, np.ndarray, np.ndarray]]:
+    """(layer, module) -> (module path as PEFT names it, A, B) of the safetensors file; every tensor must be
+    such a pair's half."""
     from engine.loader.safetensors_io import DTYPES, read_header
 
     file = os.path.join(path, WEIGHTS_FILE)
@@ -187,24 +232,26 @@ def _read_pairs(where: str, path: str, num_layers: int) -> dict[tuple[int, str],
         raise LoRAError(f"{where}: {file}: {e}") from None
     raw = np.memmap(file, dtype=np.uint8, mode="r") if header else None
     halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    paths: dict[tuple[int, str], str] = {}
     for key, entry in header.items():
         m = _KEY.match(key)
-        module = m.group(2) if m else key.rsplit(".lora_", 1)[0].split(".")[-1]
+        module = m.group(3) if m else key.rsplit(".lora_", 1)[0].split(".")[-1]
         if m is None or module not in MODULES:
             raise LoRAError(f"{where}: tensor {key!r}: target {module!r} is not one this model has LoRA support "
                             f"for ({', '.join(MODULES)})")
-        layer = int(m.group(1))
+        layer = int(m.group(2))
         if layer >= num_layers:
             raise LoRAError(f"{where}: tensor {key!r}: layer {layer} is beyond the model's {num_layers} layers")
         if entry.get("dtype") not in DTYPES:
             raise LoRAError(f"{where}: tensor {key!r}: unsupported dtype {entry.get('dtype')}")
         begin, end = entry["data_offsets"]
         t = raw[start + begin:start + end].view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
-        halves.setdefault((layer, module), {})[m.group(3)] = t
+        halves.setdefault((layer, module), {})[m.group(4)] = t
+        paths[layer, module] = m.group(1)
     if not halves:
         raise LoRAError(f"{where}: {file} holds no LoRA tensors")
     for (layer, module), h in halves.items():
         if len(h) != 2:
             missing = "lora_B" if "A" in h else "lora_A"
             raise LoRAError(f"{where}: layer {layer} {module} has no {missing} tensor")
-    return {k: (h["A"], h["B"]) for k, h in halves.items()}
+    return {k: (paths[k], h["A"], h["B"]) for k, h in halves.items()}

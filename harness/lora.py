@@ -20,6 +20,12 @@ TINY_ADAPTERS: dict[str, dict] = {
     "mlp4_rs": dict(r=4, lora_alpha=8, target_modules=MLP, use_rslora=True),
     "mixed16": dict(r=16, lora_alpha=24, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
 }
+# per-module ranks and alphas (PEFT's rank_pattern / alpha_pattern: a module name, a full path, a regex)
+PATTERNED_ADAPTERS: dict[str, dict] = {
+    "patterned8": dict(r=8, lora_alpha=16, target_modules=ATTENTION + MLP,
+                       rank_pattern={"q_proj": 4, "model.layers.1.mlp.down_proj": 12},
+                       alpha_pattern={r"layers\.0\.self_attn\.[kv]_proj": 3, "up_proj": 40}),
+}
 
 
 def randomize_lora_(model, seed: int, b_std: float = 0.05) -> None:
@@ -50,10 +56,12 @@ def write_peft_adapter(base_path: str, out_dir: str, seed: int = 0, **lora) -> s
 
 @functools.lru_cache(maxsize=None)
 def tiny_adapter_path(model: str, adapter: str) -> str:
-    """Adapter `adapter` of TINY_ADAPTERS for tiny model `model`, written once per process."""
-    seed = sorted(TINY_ADAPTERS).index(adapter) + 1
+    """Adapter `adapter` of TINY_ADAPTERS (or PATTERNED_ADAPTERS) for tiny model `model`, written once per
+    process."""
+    names = sorted(TINY_ADAPTERS) + sorted(PATTERNED_ADAPTERS)
+    settings = TINY_ADAPTERS.get(adapter) or PATTERNED_ADAPTERS[adapter]
     return write_peft_adapter(tiny_model_path(model), os.path.join(_tmp_root(), f"{model}-lora-{adapter}"),
-                              seed=seed, **TINY_ADAPTERS[adapter])
+                              seed=names.index(adapter) + 1, **settings)
 
 
 def peft_model(base_path: str, adapter_path: str, dtype: str = "float32", device: str = "cpu"):

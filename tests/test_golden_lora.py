@@ -11,6 +11,10 @@ order differs between batch sizes, as it does without adapters; bound 1e-4).
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import numpy as np
 import pytest
 
@@ -96,6 +100,31 @@ def test_gate_fails_on_the_wrong_adapter_or_scaling(case):
         assert failures(engine_logits(ex, prompts[:2], lora_slots=[2, 2]), oracle["attn8"][:2])
     finally:
         ex.set_lora(2, load_adapter(ADAPTERS[2], tiny_adapter_path(name, ADAPTERS[2]), lora_sites(ex.model), 2, 16))
+
+
+def test_rank_and_alpha_patterns_match_peft(case, tmp_path):
+    """PEFT's rank_pattern / alpha_pattern (a module name, a full path, a regex): each module its own rank
+    (zero-padded to the adapter's largest) and scaling; read without the alpha pattern, the gate fails."""
+    name, ex, prompts, _, _ = case
+    folder = tiny_adapter_path(name, "patterned8")
+    oracle = [hf_lora_logits(tiny_model_path(name), folder, p) for p in prompts[:2]]
+    sites = lora_sites(ex.model)
+    adapter = load_adapter("p", folder, sites, 2, 16)
+    assert adapter.rank == 12 and sites["layers.0.qkv_proj"].n == adapter.sites["layers.0.qkv_proj"].b.shape[0]
+    unpatterned = str(tmp_path / "unpatterned")
+    shutil.copytree(folder, unpatterned)
+    cfg = json.load(open(os.path.join(unpatterned, "adapter_config.json")))
+    cfg["alpha_pattern"] = {}
+    json.dump(cfg, open(os.path.join(unpatterned, "adapter_config.json"), "w"))
+    try:
+        ex.set_lora(2, adapter)
+        got = engine_logits(ex, prompts[:2], lora_slots=[2, 2], chunks=[5, 16])
+        print(f"{name}/patterned8: max |dlogprob| {max(compare_logits(e, o).max_abs_dlogprob for e, o in zip(got, oracle)):.3g}")
+        assert not failures(got, oracle)
+        ex.set_lora(2, load_adapter("u", unpatterned, sites, 2, 16))
+        assert failures(engine_logits(ex, prompts[:2], lora_slots=[2, 2]), oracle)
+    finally:
+        ex.set_lora(2, load_adapter(ADAPTERS[2], tiny_adapter_path(name, ADAPTERS[2]), sites, 2, 16))
 
 
 def test_steps_without_adapters_score_as_the_base_model(case):

@@ -87,6 +87,11 @@ def test_rslora_scales_by_the_root_of_the_rank(sites):
     (lambda f: edit_config(f, r=32), "rank 32 is over --max-lora-rank 16"),
     (lambda f: edit_config(f, target_modules=["q_proj", "lm_head"]), "target module 'lm_head'"),
     (lambda f: edit_config(f, use_dora=True), "use_dora"),
+    (lambda f: edit_config(f, rank_pattern={"q_proj": 32}), r"rank 32 \(rank_pattern\['q_proj'\]\) is over --max-lora-rank 16"),
+    (lambda f: edit_config(f, rank_pattern={"v_proj": 4}), r"shape mismatch: layer 0 v_proj.lora_A has shape \(16, 64\), "
+                                                            r"expected \(4, 64\) \(rank 4"),
+    (lambda f: edit_config(f, alpha_pattern={"q_proj(": 2}), r"alpha_pattern key 'q_proj\(' is not a valid regular"),
+    (lambda f: edit_config(f, alpha_pattern={"q_proj": "big"}), r"alpha_pattern\['q_proj'\] must be a number"),
     (lambda f: edit_config(f, peft_type="IA3"), "peft_type 'IA3'"),
     (lambda f: open(os.path.join(f, "adapter_config.json"), "w").write("{oops"), "not valid JSON"),
     (lambda f: edit_tensors(f, lambda t: t.update({"base_model.model.model.embed_tokens.lora_A.weight":
