@@ -31,8 +31,8 @@ class EngineCallError(Exception):
 
 
 def run_engine_op(engine, op: tuple, reply: Callable[[Exception | None], None]) -> None:
-    """op ("load", name, path), ("unload", name) or ("reset_prefix_cache",) on an EngineLoop; reply(None or
-    the error) once, from whichever thread finishes it."""
+    """op ("load", name, path, in_place), ("unload", name) or ("reset_prefix_cache",) on an EngineLoop;
+    reply(None or the error) once, from whichever thread finishes it."""
     if op[0] == "reset_prefix_cache":
         def reset() -> None:                   # engine thread; the answer once the offload has landed
             engine.reset_prefix_cache()
@@ -58,7 +58,7 @@ def run_engine_op(engine, op: tuple, reply: Callable[[Exception | None], None]) 
 
     def add(adapter) -> None:                  # engine thread
         try:
-            registry.add(adapter)
+            registry.add(adapter, replace=op[3])
         except LoRAError as e:
             reply(e)
             return
@@ -90,12 +90,14 @@ class EngineCalls:
             self._lora_served = dict(self.config.lora_modules)
         return self._lora_served
 
-    async def load_lora_adapter(self, name: str, path: str) -> None:
+    async def load_lora_adapter(self, name: str, path: str, in_place: bool = False) -> None:
+        """Load an adapter under a new name, or with `in_place` under a loaded one (vLLM's load_inplace):
+        requests from then on use the new adapter, those running end on the old."""
         if not self.config.enable_lora:
             raise LoRAError(NOT_ENABLED)
-        if name in self.lora_adapters:
-            raise LoRAError(f"LoRA adapter {name!r} is already loaded")
-        await self._engine_op(("load", name, path))
+        if name in self.lora_adapters and not in_place:
+            raise LoRAError(f"LoRA adapter {name!r} is already loaded (load it with 'load_inplace' to replace it)")
+        await self._engine_op(("load", name, path, in_place))
         self.lora_adapters[name] = path
 
     async def unload_lora_adapter(self, name: str) -> None:

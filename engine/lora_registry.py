@@ -11,7 +11,9 @@ Each loaded adapter has an id, never reused: sequences carry it (Sequence.lora_i
 salts its block hashes with it (memory/prefix_hash.py), so a block computed under one adapter is served
 to no other, not even to a later adapter loaded under the same name. An unload while sequences use the
 adapter waits for them: its name stops being admitted at once and the reply comes when the last of them
-has ended (`after_step`).
+has ended (`after_step`). A load in place (vLLM's `load_inplace`) gives the name a new adapter and id at
+once: new requests get the new weights, and the old adapter drains as an unload does, its running
+requests ending on the weights they began with.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ Reply = Callable[[LoRAError | None], None]
 
 @dataclass
 class _Unload:
-    lora_id: int
-    replies: list[Reply] = field(default_factory=list)
+    name: str
+    replies: list[Reply] = field(default_factory=list)     # empty: replaced in place, no one waits
 
 
 class LoRARegistry:
@@ -44,7 +46,7 @@ class LoRARegistry:
         self.adapters: dict[int, LoRAAdapter] = {}            # every loaded adapter, draining ones too
         self.slot_of: OrderedDict[int, int] = OrderedDict()   # resident: id -> slot, least recently used first
         self.free_slots = list(range(max_loras - 1, -1, -1))
-        self.unloading: dict[str, _Unload] = {}
+        self.unloading: dict[int, _Unload] = {}               # draining: id -> name, who waits
         self._next_id = 1
         self.loads = 0                                        # slot loads (misses), for tests and logs
 
@@ -54,15 +56,21 @@ class LoRARegistry:
         return load_adapter(name, path, self.sites, self.num_layers, self.max_rank)
 
     # -- engine thread ----------------------------------------------------------------------------
-    def add(self, adapter: LoRAAdapter) -> int:
-        """Register a read adapter under its name; LoRAError if that name is loaded (or unloading)."""
-        if adapter.name in self.ids or adapter.name in self.unloading:
-            raise LoRAError(f"LoRA adapter {adapter.name!r} is already loaded")
+    def add(self, adapter: LoRAAdapter, replace: bool = False) -> int:
+        """Register a read adapter under its name; LoRAError if that name is loaded, unless `replace`: then
+        the adapter loaded under it drains (as an unload, no one waiting) and the name is this one's."""
+        old = self.ids.get(adapter.name)
+        if old is not None and not replace:
+            raise LoRAError(f"LoRA adapter {adapter.name!r} is already loaded (load it with 'load_inplace' "
+                            f"to replace it)")
         lora_id, self._next_id = self._next_id, self._next_id + 1
         self.ids[adapter.name] = lora_id
         self.adapters[lora_id] = adapter
-        log.info("LoRA adapter %r loaded (rank %d, %s) from %s", adapter.name, adapter.rank,
-                 ", ".join(adapter.modules), adapter.path)
+        if old is not None:
+            self.unloading[old] = _Unload(adapter.name)
+            self.after_step()
+        log.info("LoRA adapter %r %s (rank %d, %s) from %s", adapter.name, "loaded" if old is None else
+                 "replaced in place", adapter.rank, ", ".join(adapter.modules), adapter.path)
         return lora_id
 
     def id_of(self, name: str) -> int | None:
@@ -72,28 +80,29 @@ class LoRARegistry:
     def remove(self, name: str, reply: Reply) -> None:
         """Stop admitting `name`; reply(None) once no sequence uses it (now, or from after_step), or
         reply(LoRAError 404) for a name that is not loaded."""
-        if name in self.unloading:
-            self.unloading[name].replies.append(reply)
-            return
         lora_id = self.ids.pop(name, None)
         if lora_id is None:
-            reply(LoRAError(f"LoRA adapter {name!r} is not loaded", status=404))
+            waiting = next((u for u in self.unloading.values() if u.name == name and u.replies), None)
+            if waiting is None:
+                reply(LoRAError(f"LoRA adapter {name!r} is not loaded", status=404))
+            else:
+                waiting.replies.append(reply)
             return
-        self.unloading[name] = _Unload(lora_id, [reply])
+        self.unloading[lora_id] = _Unload(name, [reply])
         self.after_step()
 
     def after_step(self) -> None:
         """Finish the unloads whose adapter no sequence uses any more (its slot is freed; a later load
         into it is queued behind the steps already launched)."""
-        for name, u in list(self.unloading.items()):
-            if self.in_use(u.lora_id):
+        for lora_id, u in list(self.unloading.items()):
+            if self.in_use(lora_id):
                 continue
-            del self.unloading[name]
-            self.adapters.pop(u.lora_id)
-            slot = self.slot_of.pop(u.lora_id, None)
+            del self.unloading[lora_id]
+            self.adapters.pop(lora_id)
+            slot = self.slot_of.pop(lora_id, None)
             if slot is not None:
                 self.free_slots.append(slot)
-            log.info("LoRA adapter %r unloaded", name)
+            log.info("LoRA adapter %r (id %d) unloaded", u.name, lora_id)
             for reply in u.replies:
                 reply(None)
 

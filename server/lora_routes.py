@@ -1,4 +1,5 @@
-"""LoRA adapters over HTTP, vLLM's interface: `POST /v1/load_lora_adapter {"lora_name", "lora_path"}`,
+"""LoRA adapters over HTTP, vLLM's interface: `POST /v1/load_lora_adapter {"lora_name", "lora_path",
+"load_inplace"}` (load_inplace: replace the adapter loaded under that name; new requests get the new one),
 `POST /v1/unload_lora_adapter {"lora_name"}` (both behind the API key, as every /v1 route), and the
 adapters' cards in `/v1/models` (`parent`: the base model, `root`: the adapter's folder).
 
@@ -47,9 +48,10 @@ def add_lora_routes(app) -> None:
     async def load_lora_adapter(request):
         body = parse_json(request.body)
         name, path = _name(body), _name(body, "lora_path")
+        in_place = Fields(body).boolean("load_inplace", False)
         if name == request.app.ctx.model.name:
             raise APIError(400, f"'lora_name' {name!r} is the base model's name", "lora_name")
-        await _call(request.app.ctx.handle, "load_lora_adapter", name, path)
+        await _call(request.app.ctx.handle, "load_lora_adapter", name, path, in_place)
         return response.text(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -179,8 +179,10 @@ def _get(summary: str, ok: dict, *errors: int, open_route: bool = False, content
     return {"get": op}
 
 
-def _lora_post(summary: str, fields: list[str]) -> dict:
-    body = {"type": "object", "required": fields, "properties": {f: {"type": "string", "minLength": 1} for f in fields}}
+def _lora_post(summary: str, fields: list[str], flags: tuple[str, ...] = ()) -> dict:
+    body = {"type": "object", "required": fields,
+            "properties": {**{f: {"type": "string", "minLength": 1} for f in fields},
+                           **{f: {"type": "boolean"} for f in flags}}}
     op = _post(summary, body, {})
     op["post"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     return op
@@ -230,7 +232,8 @@ def openapi_document(version: str, model: ModelInfo) -> dict:
                              content={"text/plain": {"schema": {"type": "string"}}}),
             "/openapi.json": _get("This document", {"type": "object"}, open_route=True),
             "/reset_prefix_cache": _reset_post(),
-            "/v1/load_lora_adapter": _lora_post("Load a LoRA adapter (with --enable-lora)", ["lora_name", "lora_path"]),
+            "/v1/load_lora_adapter": _lora_post("Load a LoRA adapter (with --enable-lora; load_inplace: replace the one loaded under that name)",
+                                                  ["lora_name", "lora_path"], ("load_inplace",)),
             "/v1/unload_lora_adapter": _lora_post("Unload a LoRA adapter, once its requests have ended", ["lora_name"]),
         },
     }

@@ -235,6 +235,38 @@ def test_unload_waits_for_the_requests_that_use_it(handle):
     asyncio.run(main())
 
 
+def test_load_in_place_replaces_the_adapter_for_new_requests_only(handle):
+    """vLLM's load_inplace: a request decoding with the adapter when it is replaced generates what it does
+    undisturbed (the old weights); requests from then on use the new adapter, with none of the old one's
+    cached blocks; the old adapter's slot is freed once its request ends."""
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+
+    async def main():
+        undisturbed = await collect(handle, request("r0", PROMPTS[2], "attn8", params))
+        old_id = handle.engine.loras.ids["attn8"]
+        stream = handle.submit(request("r1", PROMPTS[2], "attn8", params))
+        first = await stream.__anext__()
+        await handle.load_lora_adapter("attn8", tiny_adapter_path(MODEL, "mixed16"), in_place=True)
+        assert handle.engine.loras.ids["attn8"] != old_id and old_id in handle.engine.loras.unloading
+        new = await collect(handle, request("r2", PROMPTS[2], "attn8"))
+        rest = [e async for e in stream]
+        assert tokens([first] + rest) == tokens(undisturbed) and len(tokens(undisturbed)) == 120
+        assert cached(new) == 0 and tokens(new) == oracle_greedy(PROMPTS[2], "mixed16")
+        for _ in range(1000):                      # the old adapter drains after its request's last step
+            if old_id not in handle.engine.loras.adapters:
+                break
+            await asyncio.sleep(0.001)
+        assert old_id not in handle.engine.loras.adapters and old_id not in handle.engine.loras.unloading
+        assert handle.lora_adapters["attn8"] == tiny_adapter_path(MODEL, "mixed16")
+        # in place on a name not loaded is a plain load; a bad folder leaves the loaded adapter serving
+        await handle.load_lora_adapter("fresh", tiny_adapter_path(MODEL, "mlp4_rs"), in_place=True)
+        with pytest.raises(LoRAError, match="is not a folder"):
+            await handle.load_lora_adapter("attn8", "/nowhere", in_place=True)
+        again = await collect(handle, request("r3", PROMPTS[1], "attn8"))
+        assert tokens(again) == oracle_greedy(PROMPTS[1], "mixed16")
+    asyncio.run(main())
+
+
 def test_engine_process_loads_and_unloads():
     """The same calls on the engine in a process of its own (answers over its pipe)."""
     from engine.process import EngineClient

@@ -92,6 +92,11 @@ def test_load_and_unload_at_run_time(http, client):
     assert complete_ids(client, "late", PROMPT)[1] == greedy_oracle(PROMPT, "mixed16", 6)
     r = load(http, "late", tiny_adapter_path(MODEL, "attn8"))
     assert r.status_code == 400 and "already loaded" in r.json()["error"]["message"]
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": tiny_adapter_path(MODEL, "attn8"),
+                                                 "load_inplace": True})
+    assert r.status_code == 200 and complete_ids(client, "late", PROMPT)[1] == greedy_oracle(PROMPT, "attn8", 6)
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": "/y",
+                                                    "load_inplace": "yes"}).status_code == 422
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "late"})
     assert r.status_code == 200 and "late" in r.text
     assert "late" not in {c["id"] for c in http.get("/v1/models").json()["data"]}
