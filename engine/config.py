@@ -29,9 +29,10 @@ class EngineConfig:
     (off: max_num_batched_tokens must hold max_model_len).
     enforce_eager / cuda_graph_sizes: no CUDA graphs / the decode batch sizes captured.
     gpu: the GPU kernel choices (None: from the environment, engine/executor/env.py).
-    enable_lora / lora_modules / max_loras / max_lora_rank: LoRA adapters (engine/lora.py): the
-    (name, path) pairs loaded at start, the adapters resident in the executor at once (the rest wait
-    in host memory) and the largest rank taken.
+    enable_lora / lora_modules / max_loras / max_lora_rank / max_cpu_loras: LoRA adapters
+    (engine/lora.py): the (name, path) pairs loaded at start, the adapters resident in the executor at
+    once (the rest wait in host memory), the largest rank taken, and the adapters kept in host memory
+    (None: every loaded one; the others are read from their folders again when a request needs them).
     tensor_parallel_size: ranks one model is split across (one process per GPU; threads on the CPU;
     engine/parallel).
     """
@@ -62,6 +63,7 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     tensor_parallel_size: int = 1
 
     def validate(self) -> None:
@@ -82,6 +84,8 @@ class EngineConfig:
              "give the host KV tier's size once: kv_offload_gib or host_kv_blocks"),
 
             (self.max_loras >= 1, "max_loras must be >= 1"),
+            (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+             f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"),
             (1 <= self.max_lora_rank <= MAX_LORA_RANK, f"max_lora_rank must be in [1, {MAX_LORA_RANK}]"),
             (self.enable_lora or not self.lora_modules, "lora_modules needs enable_lora (--enable-lora)"),
             (len({name for name, _ in self.lora_modules}) == len(self.lora_modules),

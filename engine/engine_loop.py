@@ -18,7 +18,7 @@ from typing import Callable
 from engine.admission import Admission, AdmissionLimits
 from engine.batch import ModelBatch
 from engine.config import EngineConfig
-from engine.events import Rejected
+from engine.events import Error, Finished, Rejected, Usage
 from engine.grammar import GrammarCache
 from engine.executor.base import DoneStep
 from engine.lora_registry import lora_registry
@@ -112,6 +112,7 @@ class EngineLoop:
         self._steps = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._fetching: dict[str, tuple[GenerateRequest, Sink]] = {}    # requests waiting for their adapter's read
         self._after_step: list[Callable[[], None]] = []
         self._plan: tuple[SchedulerOutput, ModelBatch] | None = None  # the next decode step, planned ahead
         self._inflight: tuple | None = None    # async scheduling: (plan, batch, pending) already queued
@@ -201,6 +202,9 @@ class EngineLoop:
             self._run_after_step()
         for rid in list(self.requests):
             self.outputs.fail(rid, "engine shut down")
+        for rid, (_, sink) in list(self._fetching.items()):
+            self.outputs.send(sink, Error(rid, "engine shut down"))
+            self.outputs.send(sink, None)
         self._run_after_step()
         self.trace.close()
 
@@ -222,7 +226,8 @@ class EngineLoop:
             if msg[0] == "add":
                 self._add(msg[1], msg[2])
             elif msg[0] == "abort":
-                self.outputs.abort(msg[1])
+                if not self._abort_fetching(msg[1]):
+                    self.outputs.abort(msg[1])
             elif msg[0] == "call":
                 try:
                     msg[1]()
@@ -237,13 +242,39 @@ class EngineLoop:
             reason = self.admission.reject_reason(req, self.requests)
         except Exception as e:
             reason = f"invalid request: {type(e).__name__}: {e}"
+        if reason is None and req.request_id in self._fetching:
+            reason = f"request_id {req.request_id!r} is already in flight"
         if reason is not None:
             self.outputs.send(sink, Rejected(req.request_id, reason))
             self.outputs.send(sink, None)
             return
+        if req.lora_name is not None and not self.loras.in_host(req.lora_name):
+            self._fetching[req.request_id] = (req, sink)       # admitted once its adapter is read again
+            self.loras.fetch(req.lora_name, lambda err, rid=req.request_id: self._fetched(rid, err), self.call)
+            return
         seq = self.admission.sequence(req, self.scheduler.new_seq_id())
         self.outputs.add(req, sink, seq)
         self.scheduler.add(seq)
+
+    def _fetched(self, request_id: str, err) -> None:
+        """Engine thread: the adapter a waiting request names is in host memory again (or could not be read)."""
+        req, sink = self._fetching.pop(request_id, (None, None))
+        if req is None:                     # aborted while the adapter was read
+            return
+        if err is not None:
+            self.outputs.send(sink, Rejected(request_id, f"lora_name {req.lora_name!r}: {err}"))
+            self.outputs.send(sink, None)
+        else:
+            self._add(req, sink)
+
+    def _abort_fetching(self, request_id: str) -> bool:
+        req, sink = self._fetching.pop(request_id, (None, None))
+        if req is None:
+            return False
+        for index in range(req.params.n):
+            self.outputs.send(sink, Finished(request_id, "abort", Usage(len(req.prompt_token_ids), 0), index))
+        self.outputs.send(sink, None)
+        return True
 
     def step(self) -> None:
         """One engine step: schedule (or take the step planned or launched ahead), launch, emit the

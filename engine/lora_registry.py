@@ -1,11 +1,14 @@
 """The engine's LoRA adapters: names, ids and the executor's adapter slots (engine thread only, except
 `read`).
 
-Every adapter stays in host memory while it is loaded; at most `max_loras` are resident in the executor
-(its slots: the GPU pool). `prepare(steps)` makes a step's adapters resident, taking free slots first and
-then those of the least recently used adapters the step does not need, and returns the lora id -> slot map
-ModelBatch.build turns into the per-token slot array. The scheduler never puts more than max_loras
-adapters into one step, so a step always fits.
+At most `max_loras` adapters are resident in the executor (its slots: the GPU pool) and at most
+`max_cpu_loras` in host memory (None: every loaded one; vLLM's --max-cpu-loras), the least recently used
+out first, never one a waiting or running sequence uses (so the bound is exceeded while they all are). A
+request for an adapter out of host memory waits while a thread reads its folder again (`fetch`; the
+engine admits it then, or rejects it naming the read's error). `prepare(steps)` makes a step's adapters
+resident, taking free slots first and then those of the least recently used adapters the step does not
+need, and returns the lora id -> slot map ModelBatch.build turns into the per-token slot array. The
+scheduler never puts more than max_loras adapters into one step, so a step always fits.
 
 Each loaded adapter has an id, never reused: sequences carry it (Sequence.lora_id) and the prefix cache
 salts its block hashes with it (memory/prefix_hash.py), so a block computed under one adapter is served
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -36,14 +40,17 @@ class _Unload:
 
 
 class LoRARegistry:
-    def __init__(self, executor, max_loras: int, max_rank: int, in_use: Callable[[int], bool]):
+    def __init__(self, executor, max_loras: int, max_rank: int, in_use: Callable[[int], bool],
+                 max_cpu_loras: int | None = None):
         self.executor = executor
         self.sites = lora_sites(executor.model)
         self.num_layers = executor.config.num_hidden_layers
-        self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.in_use = in_use                                  # lora id -> whether a sequence still uses it
         self.ids: dict[str, int] = {}                         # admitted names
-        self.adapters: dict[int, LoRAAdapter] = {}            # every loaded adapter, draining ones too
+        self.loaded: dict[int, tuple[str, str]] = {}          # every loaded adapter (draining too): name, folder
+        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()    # those read into host memory, LRU first
+        self.fetching: dict[int, list[Reply]] = {}            # re-reads under way: who waits for each
         self.slot_of: OrderedDict[int, int] = OrderedDict()   # resident: id -> slot, least recently used first
         self.free_slots = list(range(max_loras - 1, -1, -1))
         self.unloading: dict[int, _Unload] = {}               # draining: id -> name, who waits
@@ -65,7 +72,9 @@ class LoRARegistry:
                             f"to replace it)")
         lora_id, self._next_id = self._next_id, self._next_id + 1
         self.ids[adapter.name] = lora_id
-        self.adapters[lora_id] = adapter
+        self.loaded[lora_id] = (adapter.name, adapter.path)
+        self.host[lora_id] = adapter
+        self._trim()
         if old is not None:
             self.unloading[old] = _Unload(adapter.name)
             self.after_step()
@@ -76,6 +85,49 @@ class LoRARegistry:
     def id_of(self, name: str) -> int | None:
         """The id of an admitted adapter name (None: unknown, or being unloaded)."""
         return self.ids.get(name)
+
+    def in_host(self, name: str) -> bool:
+        """Whether the admitted adapter `name` is in host memory (a request for it can be admitted now)."""
+        return self.ids.get(name) in self.host
+
+    def fetch(self, name: str, reply: Reply, call: Callable[[Callable[[], None]], None]) -> None:
+        """Read the admitted adapter `name` into host memory again, on a thread of its own; reply(None or
+        the LoRAError) on the engine thread (through `call`) once it is there, before anything is evicted."""
+        lora_id = self.ids[name]
+        if lora_id in self.fetching:
+            self.fetching[lora_id].append(reply)
+            return
+        self.fetching[lora_id] = [reply]
+        path = self.loaded[lora_id][1]
+
+        def read() -> None:
+            try:
+                adapter, err = self.read(name, path), None
+            except LoRAError as e:
+                adapter, err = None, e
+            except Exception as e:            # noqa: BLE001 - the waiting requests get it as their error
+                adapter, err = None, LoRAError(f"LoRA adapter {name!r}: reading {path} failed: {e}", 500)
+            call(lambda: self._fetched(lora_id, adapter, err))
+
+        threading.Thread(target=read, name="openinfer-lora-fetch", daemon=True).start()
+
+    def _fetched(self, lora_id: int, adapter: LoRAAdapter | None, err: LoRAError | None) -> None:
+        if adapter is not None and lora_id in self.loaded:
+            self.host[lora_id] = adapter
+            log.info("LoRA adapter %r read into host memory again", adapter.name)
+        for reply in self.fetching.pop(lora_id, []):
+            reply(err)
+        self._trim()
+
+    def _trim(self) -> None:
+        """Host memory down to max_cpu_loras adapters where those in use allow, least recently used out."""
+        if self.max_cpu_loras is None:
+            return
+        for lora_id in list(self.host):
+            if len(self.host) <= self.max_cpu_loras:
+                return
+            if not self.in_use(lora_id):
+                del self.host[lora_id]
 
     def remove(self, name: str, reply: Reply) -> None:
         """Stop admitting `name`; reply(None) once no sequence uses it (now, or from after_step), or
@@ -98,13 +150,16 @@ class LoRARegistry:
             if self.in_use(lora_id):
                 continue
             del self.unloading[lora_id]
-            self.adapters.pop(lora_id)
+            self.loaded.pop(lora_id)
+            self.host.pop(lora_id, None)
             slot = self.slot_of.pop(lora_id, None)
             if slot is not None:
                 self.free_slots.append(slot)
             log.info("LoRA adapter %r (id %d) unloaded", u.name, lora_id)
             for reply in u.replies:
                 reply(None)
+        if self.max_cpu_loras is not None and len(self.host) > self.max_cpu_loras:
+            self._trim()                        # adapters in use when read, now maybe not
 
     def prepare(self, steps: Iterable) -> dict[int, int] | None:
         """The step's adapters resident (loaded into slots where they are not); lora id -> slot, or None
@@ -115,11 +170,13 @@ class LoRARegistry:
         if len(ids) > self.max_loras:
             raise RuntimeError(f"a step with {len(ids)} LoRA adapters; the executor holds {self.max_loras}")
         for lora_id in ids:
+            if lora_id in self.host:
+                self.host.move_to_end(lora_id)
             if lora_id in self.slot_of:
                 self.slot_of.move_to_end(lora_id)
                 continue
             slot = self.free_slots.pop() if self.free_slots else self._evict(ids)
-            self.executor.set_lora(slot, self.adapters[lora_id])
+            self.executor.set_lora(slot, self.host[lora_id])      # in host: a used adapter is never trimmed
             self.slot_of[lora_id] = slot
             self.loads += 1
         return {lora_id: self.slot_of[lora_id] for lora_id in ids}
@@ -141,7 +198,7 @@ def lora_registry(executor, config, scheduler) -> LoRARegistry | None:
     def in_use(lora_id: int) -> bool:
         return any(s.lora_id == lora_id for s in itertools.chain(scheduler.running, scheduler.waiting))
 
-    registry = LoRARegistry(executor, config.max_loras, config.max_lora_rank, in_use)
+    registry = LoRARegistry(executor, config.max_loras, config.max_lora_rank, in_use, config.max_cpu_loras)
     for name, path in config.lora_modules:
         try:
             registry.add(registry.read(name, path))

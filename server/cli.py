@@ -69,6 +69,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=1,
                    help="LoRA adapters resident on the device at once (more wait in host memory)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank accepted")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="LoRA adapters kept in host memory (>= --max-loras; default: every loaded one); the "
+                        "others are read from their folders again when a request names them")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model across this many GPUs (one process each, NCCL); on the CPU, threads")
     p.add_argument("--step-trace", default=None, metavar="FILE",
@@ -154,6 +157,7 @@ def engine_config(args: argparse.Namespace):
                           async_scheduling=args.async_scheduling, step_trace=args.step_trace,
                           enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules),
                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                          max_cpu_loras=args.max_cpu_loras,
                           tensor_parallel_size=args.tensor_parallel_size)
     config.validate()
     return config

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.config import EngineConfig
-from engine.events import Rejected, Scheduled, Token
+from engine.events import Finished, Rejected, Scheduled, Token
 from engine.handle import EngineHandle
 from engine.lora import LoRAError
 from engine.request import GenerateRequest, SamplingParams
@@ -35,13 +35,13 @@ def modules(names=ADAPTERS) -> tuple[tuple[str, str], ...]:
     return tuple((a, tiny_adapter_path(MODEL, a)) for a in names)
 
 
-def lora_engine(max_loras: int = 3, num_kv_blocks: int = 64, host_kv_blocks: int = 0, **config):
+def lora_engine(max_loras: int = 3, num_kv_blocks: int = 64, host_kv_blocks: int = 0, lora_modules=None, **config):
     from engine.executor.cpu import CpuExecutor
     from engine.executor.options import options_of
     model = loaded()
     ex = CpuExecutor(model, options_of(num_kv_blocks=num_kv_blocks, max_model_len=512, max_loras=max_loras,
                                        host_kv_blocks=host_kv_blocks))
-    return make_engine(ex, model.tokenizer, enable_lora=True, lora_modules=modules(), max_loras=max_loras,
+    return make_engine(ex, model.tokenizer, enable_lora=True, lora_modules=lora_modules or modules(), max_loras=max_loras,
                        host_kv_blocks=host_kv_blocks, **config)
 
 
@@ -101,6 +101,67 @@ def test_mixed_requests_equal_each_alone(max_loras):
     assert max(slots_per_step) == max_loras
     # three slots: each adapter loaded once; one slot: each at least once, swapped in turn
     assert engine.loras.loads == 3 if max_loras == 3 else engine.loras.loads >= 3
+
+
+def run_reading(engine, reqs) -> list[list]:
+    """run() where requests may wait for their adapter's folder to be read again (a thread's answer
+    reaches the engine through its inbox)."""
+    got = [submit(engine, r) for r in reqs]
+    while engine._fetching or engine.has_work():
+        engine.drain_inbox(block=not engine.has_work())
+        run_until_idle(engine)
+        engine.loras.after_step()
+    engine.block_manager.check_invariants(idle=True)
+    return got
+
+
+def test_adapters_out_of_host_memory_are_read_again():
+    """--max-cpu-loras 1, three adapters: one kept in host memory, the others read again when a request
+    names them (each request then decodes as peft does); all three in use at once exceed the bound
+    until they end."""
+    engine = lora_engine(max_loras=1, max_cpu_loras=1)
+    assert len(engine.loras.host) == 1 and len(engine.loras.loaded) == 3
+    kept = next(a for a in ADAPTERS if engine.loras.in_host(a))
+    reads = []
+    real_read = engine.loras.read
+    engine.loras.read = lambda name, path: reads.append(name) or real_read(name, path)
+    reqs = [request(f"h-{lora}", PROMPTS[i], lora) for i, lora in enumerate(ADAPTERS)]
+    got = run_reading(engine, reqs)
+    for i, (r, events) in enumerate(zip(reqs, got)):
+        assert tokens(events) == oracle_greedy(PROMPTS[i], r.lora_name), r.request_id
+    assert set(reads) >= set(ADAPTERS) - {kept} and len(engine.loras.host) == 1
+    i, other = next((i, a) for i, a in enumerate(ADAPTERS) if not engine.loras.in_host(a))
+    before = len(reads)
+    (again,) = run_reading(engine, [request("again", PROMPTS[i], other)])
+    assert tokens(again) == tokens(got[i]) and reads[before:] == [other]
+
+
+def test_an_adapter_that_cannot_be_read_again_rejects_its_request(tmp_path):
+    import shutil
+    folder = str(tmp_path / "gone")
+    shutil.copytree(tiny_adapter_path(MODEL, "attn8"), folder)
+    engine = lora_engine(max_loras=1, max_cpu_loras=1, lora_modules=(("gone", folder),) + modules(["mixed16"]))
+    assert len(engine.loras.host) == 1 and engine.loras.in_host("mixed16") and not engine.loras.in_host("gone")
+    shutil.rmtree(folder)
+    bad, good = run_reading(engine, [request("bad", PROMPTS[0], "gone"), request("good", PROMPTS[0], "mixed16")])
+    assert isinstance(bad[0], Rejected) and "is not a folder" in bad[0].reason and bad[-1] is None
+    assert tokens(good) == oracle_greedy(PROMPTS[0], "mixed16")
+
+
+def test_abort_while_the_adapter_is_read():
+    import threading
+    engine = lora_engine(max_loras=1, max_cpu_loras=1)
+    gate, real_read = threading.Event(), engine.loras.read
+    engine.loras.read = lambda name, path: gate.wait(10) and real_read(name, path)
+    waiting = next(a for a in ADAPTERS if not engine.loras.in_host(a))
+    events = submit(engine, request("slow", PROMPTS[0], waiting))
+    engine.abort("slow")
+    engine.drain_inbox()
+    assert [e.reason for e in events if isinstance(e, Finished)] == ["abort"] and events[-1] is None
+    gate.set()
+    while engine.loras.fetching:
+        engine.drain_inbox(block=True)
+    assert not engine.requests and not engine._fetching and engine.loras.in_host(waiting)
 
 
 def test_prefix_cache_never_serves_one_adapters_blocks_to_another():
@@ -231,7 +292,7 @@ def test_unload_waits_for_the_requests_that_use_it(handle):
         await asyncio.wait_for(unload, 10)
         assert isinstance(refused[0], Rejected)
         assert tokens([first] + rest) == tokens(undisturbed) and len(tokens(undisturbed)) == 120
-        assert handle.engine.loras.adapters == {} and "attn8" not in handle.lora_adapters
+        assert handle.engine.loras.loaded == {} and "attn8" not in handle.lora_adapters
     asyncio.run(main())
 
 
@@ -253,10 +314,10 @@ def test_load_in_place_replaces_the_adapter_for_new_requests_only(handle):
         assert tokens([first] + rest) == tokens(undisturbed) and len(tokens(undisturbed)) == 120
         assert cached(new) == 0 and tokens(new) == oracle_greedy(PROMPTS[2], "mixed16")
         for _ in range(1000):                      # the old adapter drains after its request's last step
-            if old_id not in handle.engine.loras.adapters:
+            if old_id not in handle.engine.loras.loaded:
                 break
             await asyncio.sleep(0.001)
-        assert old_id not in handle.engine.loras.adapters and old_id not in handle.engine.loras.unloading
+        assert old_id not in handle.engine.loras.loaded and old_id not in handle.engine.loras.unloading
         assert handle.lora_adapters["attn8"] == tiny_adapter_path(MODEL, "mixed16")
         # in place on a name not loaded is a plain load; a bad folder leaves the loaded adapter serving
         await handle.load_lora_adapter("fresh", tiny_adapter_path(MODEL, "mlp4_rs"), in_place=True)

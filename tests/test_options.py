@@ -29,7 +29,7 @@ def non_default_config(model: str) -> EngineConfig:
                         schedule_ahead=False, async_scheduling=False, host_kv_blocks=9,
                         gpu=GpuTuning(decode_kernels="attention", gemm="cublas", pdl=False, nvtx="ops"),
                         progress=False, enable_lora=True, lora_modules=(("ad", tiny_adapter_path("qwen3_untied", "attn8")),),
-                        max_loras=2, max_lora_rank=8)
+                        max_loras=2, max_lora_rank=8, max_cpu_loras=3)
 
 
 def block_bytes(path: str, itemsize: int) -> int:
@@ -102,6 +102,7 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "max_loras": opts.max_loras == 2 == eng.scheduler.max_loras == eng.loras.max_loras
             and len(ex.ops.lora_slots.slots) == 2,
             "max_lora_rank": opts.max_lora_rank == 8 == eng.loras.max_rank,
+            "max_cpu_loras": eng.loras.max_cpu_loras == 3,
             "tensor_parallel_size": tensor_parallel_reaches_the_ranks(path),      # LoRA and TP exclude each other
             "kv_offload_gib": offload_slots(path, 0.001) == (0.001 * 2**30) // block_bytes(path, 4),
         }
@@ -142,12 +143,13 @@ def test_cli_flags_build_the_config():
     args = build_parser().parse_args(["serve", "--max-num-batched-tokens", "8192", "--max-num-seqs", "300",
                                       "--no-enable-chunked-prefill", "--enforce-eager", "--cuda-graph-sizes", "1", "8",
                                       "--dtype", "bfloat16", "--enable-lora", "--lora-modules", "a=/x", "b=/y",
-                                      "--max-loras", "4", "--max-lora-rank", "64"])
+                                      "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "6"])
     c = engine_config(args)
     assert engine_config(build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])).tensor_parallel_size == 2
     assert (c.max_num_batched_tokens, c.max_num_seqs, c.enable_chunked_prefill, c.enforce_eager,
             c.cuda_graph_sizes, c.dtype) == (8192, 300, False, True, (1, 8), "bfloat16")
-    assert (c.enable_lora, c.lora_modules, c.max_loras, c.max_lora_rank) == (True, (("a", "/x"), ("b", "/y")), 4, 64)
+    assert (c.enable_lora, c.lora_modules, c.max_loras, c.max_lora_rank, c.max_cpu_loras) == (
+        True, (("a", "/x"), ("b", "/y")), 4, 64, 6)
     d = engine_config(build_parser().parse_args(["serve"]))
     assert d.max_num_seqs is None and d.max_num_batched_tokens is None      # the device's defaults
 
@@ -186,6 +188,7 @@ def test_float_dtypes_are_fine_on_the_cpu():
     (EngineConfig(enable_lora=True, lora_modules=(("a", "/x"), ("a", "/y"))), "names must be distinct"),
     (EngineConfig(enable_lora=True, max_lora_rank=512), "max_lora_rank must be in"),
     (EngineConfig(enable_lora=True, max_loras=0), "max_loras must be >= 1"),
+    (EngineConfig(enable_lora=True, max_loras=4, max_cpu_loras=2), r"max_cpu_loras \(2\) must be >= max_loras \(4\)"),
 ])
 def test_lora_settings_that_cannot_work_are_refused(config, words):
     with pytest.raises(ValueError, match=words):
