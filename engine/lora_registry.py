@@ -40,13 +40,13 @@ class _Unload:
 
 
 class LoRARegistry:
-    def __init__(self, executor, max_loras: int, max_rank: int, in_use: Callable[[int], bool],
+    def __init__(self, executor, max_loras: int, max_rank: int, in_use: Callable[[], set[int]],
                  max_cpu_loras: int | None = None):
         self.executor = executor
         self.sites = lora_sites(executor.model)
         self.num_layers = executor.config.num_hidden_layers
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
-        self.in_use = in_use                                  # lora id -> whether a sequence still uses it
+        self.in_use = in_use                                  # the lora ids waiting or running sequences use
         self.ids: dict[str, int] = {}                         # admitted names
         self.loaded: dict[int, tuple[str, str]] = {}          # every loaded adapter (draining too): name, folder
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()    # those read into host memory, LRU first
@@ -121,12 +121,13 @@ class LoRARegistry:
 
     def _trim(self) -> None:
         """Host memory down to max_cpu_loras adapters where those in use allow, least recently used out."""
-        if self.max_cpu_loras is None:
+        if self.max_cpu_loras is None or len(self.host) <= self.max_cpu_loras:
             return
+        used = self.in_use()
         for lora_id in list(self.host):
             if len(self.host) <= self.max_cpu_loras:
                 return
-            if not self.in_use(lora_id):
+            if lora_id not in used:
                 del self.host[lora_id]
 
     def remove(self, name: str, reply: Reply) -> None:
@@ -146,8 +147,9 @@ class LoRARegistry:
     def after_step(self) -> None:
         """Finish the unloads whose adapter no sequence uses any more (its slot is freed; a later load
         into it is queued behind the steps already launched)."""
+        used = self.in_use() if self.unloading else set()
         for lora_id, u in list(self.unloading.items()):
-            if self.in_use(lora_id):
+            if lora_id in used:
                 continue
             del self.unloading[lora_id]
             self.loaded.pop(lora_id)
@@ -158,8 +160,7 @@ class LoRARegistry:
             log.info("LoRA adapter %r (id %d) unloaded", u.name, lora_id)
             for reply in u.replies:
                 reply(None)
-        if self.max_cpu_loras is not None and len(self.host) > self.max_cpu_loras:
-            self._trim()                        # adapters in use when read, now maybe not
+        self._trim()                            # adapters in use when read may be done with
 
     def prepare(self, steps: Iterable) -> dict[int, int] | None:
         """The step's adapters resident (loaded into slots where they are not); lora id -> slot, or None
@@ -188,15 +189,16 @@ class LoRARegistry:
 
 def lora_registry(executor, config, scheduler) -> LoRARegistry | None:
     """The registry of an engine with --enable-lora (None without), --lora-modules loaded; a bad module
-    is refused at start (ValueError naming it). An adapter is in use while a waiting or running
-    sequence of the scheduler carries its id."""
+    is refused at start (ValueError naming it). An adapter is in use while a waiting, running or loading
+    (host-tier restores in flight) sequence of the scheduler carries its id."""
     if not config.enable_lora:
         return None
     slots = executor.options.max_loras
     if slots < config.max_loras:
         raise ValueError(f"max_loras={config.max_loras}: the executor holds {slots} LoRA slots")
-    def in_use(lora_id: int) -> bool:
-        return any(s.lora_id == lora_id for s in itertools.chain(scheduler.running, scheduler.waiting))
+    def in_use() -> set[int]:
+        seqs = itertools.chain(scheduler.running, scheduler.waiting, scheduler.loading)
+        return {s.lora_id for s in seqs if s.lora_id}
 
     registry = LoRARegistry(executor, config.max_loras, config.max_lora_rank, in_use, config.max_cpu_loras)
     for name, path in config.lora_modules:

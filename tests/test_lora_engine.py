@@ -148,6 +148,23 @@ def test_an_adapter_that_cannot_be_read_again_rejects_its_request(tmp_path):
     assert tokens(good) == oracle_greedy(PROMPTS[0], "mixed16")
 
 
+def test_an_adapter_is_in_use_while_a_sequence_waits_runs_or_loads():
+    """A sequence whose host-tier restores are in flight (scheduler.loading) holds its adapter too: an unload
+    or a host-memory trim then would leave its next step without the adapter."""
+    engine = lora_engine(max_loras=1, max_cpu_loras=1)
+    ids = [engine.loras.id_of(a) for a in ADAPTERS]
+    seqs = [engine.admission.sequence(request(f"s{i}", PROMPTS[0], a), i) for i, a in enumerate(ADAPTERS)]
+    engine.scheduler.waiting.append(seqs[0])
+    engine.scheduler.running.append(seqs[1])
+    engine.scheduler.loading.append(seqs[2])
+    try:
+        assert engine.loras.in_use() == set(ids)
+    finally:
+        engine.scheduler.waiting.remove(seqs[0])
+        engine.scheduler.running.remove(seqs[1])
+        engine.scheduler.loading.remove(seqs[2])
+
+
 def test_abort_while_the_adapter_is_read():
     import threading
     engine = lora_engine(max_loras=1, max_cpu_loras=1)
