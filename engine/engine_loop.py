@@ -245,8 +245,7 @@ class EngineLoop:
         if reason is None and req.request_id in self._fetching:
             reason = f"request_id {req.request_id!r} is already in flight"
         if reason is not None:
-            self.outputs.send(sink, Rejected(req.request_id, reason))
-            self.outputs.send(sink, None)
+            self._reject(sink, req.request_id, reason)
             return
         if req.lora_name is not None and not self.loras.in_host(req.lora_name):
             self._fetching[req.request_id] = (req, sink)       # admitted once its adapter is read again
@@ -262,10 +261,13 @@ class EngineLoop:
         if req is None:                     # aborted while the adapter was read
             return
         if err is not None:
-            self.outputs.send(sink, Rejected(request_id, f"lora_name {req.lora_name!r}: {err}"))
-            self.outputs.send(sink, None)
+            self._reject(sink, request_id, f"lora_name {req.lora_name!r}: {err}")
         else:
             self._add(req, sink)
+
+    def _reject(self, sink: Sink, request_id: str, reason: str) -> None:
+        self.outputs.send(sink, Rejected(request_id, reason))
+        self.outputs.send(sink, None)
 
     def _abort_fetching(self, request_id: str) -> bool:
         req, sink = self._fetching.pop(request_id, (None, None))
