@@ -161,7 +161,7 @@ def test_products_by_a_weight_of_wider_rows(cp, gemm, M):
         whole = poison(cp, (M, 2 * I))
         blas(dev(cp, np.concatenate([x, y], 1)), dev(cp, wide), whole)
         blas.stream.synchronize()
-        close(whole.get(), matmul(np.concatenate([x, y], 1), wide))
+        close(whole.get(), matmul(f32(np.concatenate([x, y], 1)), wide))
     finally:
         blas.close()
 

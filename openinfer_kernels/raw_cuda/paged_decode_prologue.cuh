@@ -104,14 +104,14 @@ __device__ __forceinline__ int rope_prologue(const RopeArgs& r, int t, int kvh, 
         for (int i = threadIdx.x; i < HEAD_DIM / 2; i += NTHREADS)
             rope_angle(r.inv_freq, r.attn_factor, pos, i, cos_s[i], sin_s[i]);
         __syncthreads();
-        constexpr int PER_WARP = 32 / LANES;
-        const int lane = threadIdx.x & 31, e0 = 8 * (lane % LANES);
+        constexpr int L = LANES > 0 ? LANES : 1, PER_WARP = 32 / L;   // L: no division by zero where unused
+        const int lane = threadIdx.x & 31, e0 = 8 * (lane % L);
         for (int j0 = warp * PER_WARP; j0 < rows; j0 += WARPS * PER_WARP) {
-            const int j = j0 + lane / LANES;
+            const int j = j0 + lane / L;
             const bool live = j < rows;
             const uint4 x = live ? *reinterpret_cast<const uint4*>(src(j) + e0) : kZero16;
-            const uint4 out = norm_rope_piece<LANES>(x, j < HEADS ? r.q_norm_w : r.k_norm_w, live, r.eps,
-                                                     [&](int i, float& c, float& s) { c = cos_s[i]; s = sin_s[i]; });
+            const uint4 out = norm_rope_piece<L>(x, j < HEADS ? r.q_norm_w : r.k_norm_w, live, r.eps,
+                                                 [&](int i, float& c, float& s) { c = cos_s[i]; s = sin_s[i]; });
             if (live) *reinterpret_cast<uint4*>((j < HEADS ? q_s[j] : kv_s[0]) + e0) = out;
         }
     } else {
