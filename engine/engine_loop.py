@@ -416,7 +416,12 @@ class EngineLoop:
         return out, batch
 
     def _publish_stats(self) -> None:
-        bm, tier = self.block_manager, self.scheduler.host_tier
+        bm, tier, sched, reg = self.block_manager, self.scheduler.host_tier, self.scheduler, self.loras
+        lora = {} if reg is None else dict(
+            lora_max_adapters=reg.max_loras, lora_adapters_loaded=len(reg.loaded),
+            lora_adapters_resident=len(reg.slot_of), lora_slot_loads=reg.loads,
+            lora_running_adapters=reg.names(s.lora_id for s in (*sched.running, *sched.loading)),
+            lora_waiting_adapters=reg.names(s.lora_id for s in sched.waiting))
         self._stats = EngineStats(
             num_running=len(self.scheduler.running) + len(self.scheduler.loading),   # loading: admitted
             num_waiting=len(self.scheduler.waiting),
@@ -431,4 +436,4 @@ class EngineLoop:
             prefix_cache_host_hits=tier.restored_blocks * BLOCK_SIZE if tier else 0,
             host_kv_offload_bytes=tier.stored_blocks * self.executor.kv_block_bytes if tier else 0,
             host_kv_restore_bytes=tier.restored_blocks * self.executor.kv_block_bytes if tier else 0,
-            host_kv_copy_seconds=self._tier_copy_s, warming_up=int(self._warming))
+            host_kv_copy_seconds=self._tier_copy_s, warming_up=int(self._warming), **lora)

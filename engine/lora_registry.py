@@ -182,6 +182,10 @@ class LoRARegistry:
             self.loads += 1
         return {lora_id: self.slot_of[lora_id] for lora_id in ids}
 
+    def names(self, ids: Iterable[int]) -> str:
+        """The loaded adapters' names of `ids` (0 and unknown ids skipped), sorted and comma-separated."""
+        return ",".join(sorted({self.loaded[i][0] for i in ids if i in self.loaded}))
+
     def _evict(self, keep: set[int]) -> int:
         victim = next(i for i in self.slot_of if i not in keep)
         return self.slot_of.pop(victim)

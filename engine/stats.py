@@ -25,6 +25,12 @@ class EngineStats:
     host_kv_offload_bytes: int = 0      # KV bytes copied device -> host and host -> device (the rank's share)
     host_kv_restore_bytes: int = 0
     host_kv_copy_seconds: float = 0.0   # host time queuing the tier's copies (they run ahead of the step)
+    lora_max_adapters: int = 0          # LoRA (0: off): adapter slots on the device (--max-loras), adapters
+    lora_adapters_loaded: int = 0       # loaded (draining ones too), resident in slots, slot loads so far
+    lora_adapters_resident: int = 0
+    lora_slot_loads: int = 0
+    lora_running_adapters: str = ""     # the names running / waiting sequences use, comma-separated
+    lora_waiting_adapters: str = ""     # (vLLM's lora_requests_info labels)
     warming_up: int = 1                 # 1 while the executor still captures graphs in idle moments (healthy
                                         # before that: the first requests may wait on a capture), then 0
 

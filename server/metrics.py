@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 PREFIX = "openinfer_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -96,7 +97,7 @@ class ServerMetrics:
             for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.requests,
                            self.request_errors, self.ttft, self.tpot, self.e2e):
                 lines += metric.render()
-        lines += engine_gauges(stats)
+        lines += engine_gauges(stats) + lora_info(stats)
         return "\n".join(lines) + "\n"
 
 
@@ -114,3 +115,19 @@ def engine_gauges(stats) -> list[str]:
         name, help_text = ENGINE_GAUGES.get(key, (f"engine_{key}", f"Engine statistic {key}."))
         lines += gauge(name, help_text, value)
     return lines
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def lora_info(stats) -> list[str]:
+    """vLLM's lora_requests_info: labels max_lora and the running / waiting adapters' names (comma-separated),
+    the value the time of the report; nothing when the engine serves no LoRA adapters."""
+    if not getattr(stats, "lora_max_adapters", 0):
+        return []
+    name = PREFIX + "lora_requests_info"
+    labels = (f'running_lora_adapters="{_label(stats.lora_running_adapters)}",max_lora="{stats.lora_max_adapters}",'
+              f'waiting_lora_adapters="{_label(stats.lora_waiting_adapters)}"')
+    return [f"# HELP {name} Running stats on LoRA requests.", f"# TYPE {name} gauge",
+            f"{name}{{{labels}}} {time.time()}"]

@@ -238,6 +238,24 @@ def test_scheduler_passes_over_an_adapter_that_cannot_join():
     assert [s.seq_id for s in sched.schedule().seqs] == [3, 2]
 
 
+def test_stats_name_the_running_and_waiting_adapters():
+    """EngineStats (/metrics' lora_requests_info): with one slot, the first adapter's request runs while the
+    second's waits; the base request names no adapter; afterwards nothing runs or waits."""
+    engine = lora_engine(max_loras=1)
+    a, b = ADAPTERS[:2]
+    for r in (request("ra", PROMPTS[0], a), request("rb", PROMPTS[1], b), request("base", PROMPTS[2], None)):
+        submit(engine, r)
+    engine.drain_inbox()
+    engine.step()
+    st = engine.stats()
+    assert (st.lora_running_adapters, st.lora_waiting_adapters) == (a, b)
+    assert (st.lora_max_adapters, st.lora_adapters_loaded, st.lora_adapters_resident) == (1, len(ADAPTERS), 1)
+    run_until_idle(engine)
+    st = engine.stats()
+    assert (st.lora_running_adapters, st.lora_waiting_adapters) == ("", "")
+    assert st.lora_slot_loads == engine.loras.loads == 2
+
+
 def test_unknown_adapter_and_lora_off_are_rejected():
     engine = lora_engine()
     (events,) = run(engine, [request("x", PROMPTS[0], "nope")])

@@ -86,6 +86,21 @@ def test_the_model_field_picks_the_adapter(client, server):
         client.completions.create(model="nope", prompt="x", max_tokens=1)
 
 
+def test_metrics_report_lora_requests_info(http, client):
+    """/metrics carries vLLM's lora_requests_info (max_lora, running and waiting adapters' names) and the
+    adapter counts; after a request the adapter is neither running nor waiting, and it was loaded once."""
+    complete_ids(client, "attn8", PROMPT, 2)
+    text = http.get("/metrics").text
+    info = [line for line in text.splitlines() if line.startswith("openinfer_lora_requests_info{")]
+    assert len(info) == 1, text
+    labels, value = info[0].rsplit(" ", 1)
+    assert 'max_lora="2"' in labels and 'running_lora_adapters=""' in labels and 'waiting_lora_adapters=""' in labels
+    assert float(value) > 1.7e9
+    gauges = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line.startswith("openinfer_engine_lora_")}
+    assert gauges["openinfer_engine_lora_adapters_loaded"] >= 1 and gauges["openinfer_engine_lora_slot_loads"] >= 1
+
+
 def test_load_and_unload_at_run_time(http, client):
     assert load(http, "late", tiny_adapter_path(MODEL, "mixed16")).status_code == 200
     assert "late" in {c["id"] for c in http.get("/v1/models").json()["data"]}

@@ -230,6 +230,16 @@ def test_metrics_count_tokens_and_export_engine_stats(server, client):
         assert "openinfer_" + name in after
 
 
+def test_lora_requests_info_escapes_adapter_names():
+    """Prometheus label values escape backslashes, quotes and newlines; no line at all without LoRA."""
+    from engine.stats import EngineStats
+    from server.metrics import lora_info
+    assert lora_info(EngineStats()) == []
+    line = lora_info(EngineStats(lora_max_adapters=4, lora_running_adapters='a"b,c\\d', lora_waiting_adapters="e\nf"))[-1]
+    assert line.startswith('openinfer_lora_requests_info{running_lora_adapters="a\\"b,c\\\\d",max_lora="4",'
+                           'waiting_lora_adapters="e\\nf"} ')
+
+
 def test_disconnect_mid_stream_aborts_the_engine_request():
     handle = FakeHandle(token_delay=0.05)
     with BackgroundServer(create_app(handle)) as srv:
