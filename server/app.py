@@ -27,7 +27,7 @@ from server.drain import InFlight
 from server.engine_call import EngineCall, engine_failure
 from server.errors import APIError, error_response
 from server.limits import ServerLimits
-from server.lora_routes import add_lora_routes
+from server.lora_routes import add_lora_routes, resolve_lora
 from server.metrics import ServerMetrics
 from server.offload import in_thread
 from server.protocol import ModelInfo, parse_chat, parse_completion
@@ -59,9 +59,11 @@ class BoundedRequest(Request):
 
 def create_app(handle, *, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int | None = None,
-               limits: ServerLimits | None = None, request_trace: str | None = None) -> Sanic:
+               limits: ServerLimits | None = None, request_trace: str | None = None,
+               lora_resolver_dir: str | None = None) -> Sanic:
     """max_n defaults to what the engine accepts (EngineHandle.max_n); request_trace: a file for one timeline
-    line per generation request (server/request_trace.py)."""
+    line per generation request (server/request_trace.py); lora_resolver_dir: a folder of LoRA adapters a
+    request's unknown 'model' is looked up in (server/lora_routes.py)."""
     limits = limits or ServerLimits()
     limits.validate()
     app = Sanic(f"openinfer_{next(_app_ids)}", request_class=BoundedRequest)
@@ -84,6 +86,8 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
                               max_token_bytes=_int_or_none(getattr(tokenizer, "max_token_bytes", None)),
                               adapters=getattr(handle, "lora_adapters", {}))
     app.ctx.created = int(time.time())
+    app.ctx.lora_resolver_dir = lora_resolver_dir
+    app.ctx.lora_resolving = asyncio.Lock()
     app.ctx.openapi = None                  # built on first request
     app.error_handler.add(Exception, lambda request, exc: error_response(exc))
     app.on_request(check_api_key)
@@ -133,7 +137,12 @@ def _parse(parse, raw: bytes, model: ModelInfo):
 
 async def _generate(request, parse, id_prefix: str):
     app, http = request.app, time.monotonic()
-    parsed = await in_thread(_parse, parse, request.body, app.ctx.model)
+    try:
+        parsed = await in_thread(_parse, parse, request.body, app.ctx.model)
+    except APIError as e:
+        if e.code != "model_not_found" or not await resolve_lora(app, request.body):
+            raise
+        parsed = await in_thread(_parse, parse, request.body, app.ctx.model)
     if parsed.constraint is not None:     # a grammar that cannot compile is refused before the engine sees it
         await check_grammar(parsed.constraint.grammar, parsed.constraint.field, app.ctx.model)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"

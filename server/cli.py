@@ -110,6 +110,18 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
     return limits
 
 
+def lora_resolver_dir(args: argparse.Namespace) -> str | None:
+    """--lora-resolver-dir, checked: it needs --enable-lora and an existing folder (ValueError otherwise)."""
+    folder = args.lora_resolver_dir
+    if not folder:
+        return None
+    if not args.enable_lora:
+        raise ValueError("--lora-resolver-dir (or VLLM_LORA_RESOLVER_CACHE_DIR) needs --enable-lora")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--lora-resolver-dir {folder!r} is not a folder")
+    return os.path.abspath(folder)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="openinfer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine in a process of its own, so a busy HTTP side never takes the engine "
                             "thread's GIL (engine/process.py)")
+    serve.add_argument("--lora-resolver-dir", default=os.environ.get("VLLM_LORA_RESOLVER_CACHE_DIR"), metavar="DIR",
+                       help="with --enable-lora: a request naming an unknown model loads DIR/<model> as a LoRA "
+                            "adapter first, where that folder holds one (env VLLM_LORA_RESOLVER_CACHE_DIR)")
     _limit_args(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
@@ -186,6 +201,7 @@ def serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     config = engine_config(args)
     limits = server_limits(args)
+    resolver_dir = lora_resolver_dir(args)
     sock = socket.create_server((args.host, args.port))     # fail fast if the port is taken
     if args.engine_process:                                 # CUDA is touched in the engine process only
         handle = EngineClient(config, notes=startup_notes)
@@ -196,7 +212,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         for level, line in notes:
             log.log(level, "%s", line)
-        app = create_app(handle, api_key=args.api_key, limits=limits, request_trace=args.request_trace)
+        app = create_app(handle, api_key=args.api_key, limits=limits, request_trace=args.request_trace,
+                         lora_resolver_dir=resolver_dir)
         print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
               f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         asyncio.run(_serve_until_signal(app, sock))

@@ -7,8 +7,17 @@ The handle (engine/engine_calls.py) does the work; a refused adapter (missing fi
 a target the model lacks, a shape mismatch) answers 400 naming the problem, an unknown name 404, and the
 server goes on serving. An unload answers once the requests that use the adapter have ended; the name
 is refused for new requests from the call on.
+
+With a resolver folder (`--lora-resolver-dir`, vLLM's filesystem resolver: VLLM_LORA_RESOLVER_CACHE_DIR),
+a request naming an unknown model loads `<folder>/<model>` as an adapter first, when that holds an
+`adapter_config.json` (names of plain path components only: no `..`, no absolute paths).
 """
 from __future__ import annotations
+
+import json
+import logging
+import os
+import re
 
 from sanic import response
 
@@ -16,6 +25,10 @@ from engine.lora import LoRAError
 from server.body import parse_json
 from server.errors import APIError, wrong_type
 from server.fields import Fields
+
+
+log = logging.getLogger("openinfer.server")
+_RESOLVABLE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*")
 
 
 def lora_cards(app) -> list[dict]:
@@ -59,3 +72,26 @@ def add_lora_routes(app) -> None:
         name = _name(parse_json(request.body))
         await _call(request.app.ctx.handle, "unload_lora_adapter", name)
         return response.text(f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+async def resolve_lora(app, raw: bytes) -> bool:
+    """Load the adapter an unknown 'model' of the request body `raw` names from the resolver folder; False
+    when there is none to load (no folder, a name that is no plain relative path, no adapter_config.json
+    there); APIError 400 naming the problem when the folder holds a bad adapter."""
+    root = getattr(app.ctx, "lora_resolver_dir", None)
+    if root is None:
+        return False
+    try:
+        name = json.loads(raw).get("model")
+    except (ValueError, AttributeError):
+        return False
+    if not isinstance(name, str) or not _RESOLVABLE.fullmatch(name):
+        return False
+    path = os.path.join(root, name)
+    if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return False
+    async with app.ctx.lora_resolving:
+        if name not in app.ctx.model.adapters:          # a request just before this one may have loaded it
+            await _call(app.ctx.handle, "load_lora_adapter", name, path, False)
+            log.info("LoRA adapter %r resolved from %s", name, path)
+    return True

@@ -174,3 +174,41 @@ def test_unload_while_a_stream_uses_the_adapter_waits_for_it(server, http):
     assert pending and unloaded.status_code == 200
     assert streamed == whole and len(server[1].tokenizer.encode(whole)) > 100
     assert "busy" not in {c["id"] for c in http.get("/v1/models").json()["data"]}
+
+
+def test_unknown_models_resolve_from_the_resolver_folder(server, tmp_path):
+    """--lora-resolver-dir (vLLM's filesystem resolver): a request naming an unknown model loads
+    <folder>/<model> first (concurrent requests for it load it once) and decodes as peft does; names outside
+    the folder, folders without an adapter_config.json and unknown names stay 404; a bad adapter there is a
+    400 naming the problem and the server goes on serving."""
+    from concurrent.futures import ThreadPoolExecutor
+    handle = server[1]
+    shutil.copytree(tiny_adapter_path(MODEL, "mixed16"), tmp_path / "team" / "m16")
+    bad_copy(tmp_path, r=64)
+    (tmp_path / "empty").mkdir()
+    with BackgroundServer(create_app(handle, api_key=KEY, lora_resolver_dir=str(tmp_path))) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda _: complete_ids(c, "team/m16", PROMPT), range(2)))
+        assert got == [("team/m16", greedy_oracle(PROMPT, "mixed16", 6))] * 2
+        assert handle.lora_adapters["team/m16"] == str(tmp_path / "team" / "m16")
+        for name in ("empty", "nope", "../" + tmp_path.name + "/empty", "/etc", "team/../team/m16"):
+            with pytest.raises(openai.NotFoundError):
+                c.completions.create(model=name, prompt="x", max_tokens=1)
+        with pytest.raises(openai.BadRequestError, match="rank 64 is over --max-lora-rank 16"):
+            c.chat.completions.create(model="bad", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        assert complete_ids(c, "attn8", PROMPT, 2)[1] == greedy_oracle(PROMPT, "attn8", 2)
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as h:
+            assert h.post("/v1/unload_lora_adapter", json={"lora_name": "team/m16"}).status_code == 200
+
+
+def test_the_resolver_folder_is_checked_at_start(tmp_path):
+    from server.cli import build_parser, lora_resolver_dir
+    args = build_parser().parse_args(["serve", "--lora-resolver-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        lora_resolver_dir(args)
+    args = build_parser().parse_args(["serve", "--enable-lora", "--lora-resolver-dir", str(tmp_path / "no")])
+    with pytest.raises(ValueError, match="is not a folder"):
+        lora_resolver_dir(args)
+    args = build_parser().parse_args(["serve", "--enable-lora", "--lora-resolver-dir", str(tmp_path)])
+    assert lora_resolver_dir(args) == str(tmp_path)
