@@ -420,8 +420,8 @@ class EngineLoop:
         lora = {} if reg is None else dict(
             lora_max_adapters=reg.max_loras, lora_adapters_loaded=len(reg.loaded),
             lora_adapters_resident=len(reg.slot_of), lora_slot_loads=reg.loads,
-            lora_running_adapters=reg.names(s.lora_id for s in (*sched.running, *sched.loading)),
-            lora_waiting_adapters=reg.names(s.lora_id for s in sched.waiting))
+            lora_running_adapters=reg.names({s.lora_id for s in sched.running} | {s.lora_id for s in sched.loading}),
+            lora_waiting_adapters=reg.names({s.lora_id for s in sched.waiting}))
         self._stats = EngineStats(
             num_running=len(self.scheduler.running) + len(self.scheduler.loading),   # loading: admitted
             num_waiting=len(self.scheduler.waiting),

@@ -182,8 +182,9 @@ class LoRARegistry:
             self.loads += 1
         return {lora_id: self.slot_of[lora_id] for lora_id in ids}
 
-    def names(self, ids: Iterable[int]) -> str:
-        """The loaded adapters' names of `ids` (0 and unknown ids skipped), sorted and comma-separated."""
+    def names(self, ids: set[int]) -> str:
+        """The loaded adapters' names of `ids` (0 and unknown ids skipped), sorted and comma-separated (a set:
+        the stats ask after every step, for every sequence)."""
         return ",".join(sorted({self.loaded[i][0] for i in ids if i in self.loaded}))
 
     def _evict(self, keep: set[int]) -> int:

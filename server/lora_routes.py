@@ -78,7 +78,7 @@ async def resolve_lora(app, raw: bytes) -> bool:
     """Load the adapter an unknown 'model' of the request body `raw` names from the resolver folder; False
     when there is none to load (no folder, a name that is no plain relative path, no adapter_config.json
     there); APIError 400 naming the problem when the folder holds a bad adapter."""
-    root = getattr(app.ctx, "lora_resolver_dir", None)
+    root = app.ctx.lora_resolver_dir
     if root is None:
         return False
     try:
