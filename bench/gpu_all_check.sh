@@ -4,8 +4,10 @@
 #   bash bench/gpu_all_check.sh [group ...]     (default: every group)
 # Groups: core (raw kernels, executor gate, graphs, async eager steps, long steps, prefill), serving
 # (server, host tier, 64 requests under load, piecewise graphs), moe_mla, dsv3 (DeepSeek-V3 / Kimi-K2,
-# FP8 / int4 folders), dsv4 (DeepSeek-V4 in eager steps, an FP8 / FP4 folder), qwen35, lora, structured. The gate
-# table of every group lands in $OUT/gate.md.
+# FP8 / int4 folders), dsv4 (DeepSeek-V4 in eager steps, an FP8 / FP4 folder), qwen35, lora, structured,
+# free_running (greedy decode vs transformers' full recompute, every line). The gate table of every group lands in
+# $OUT/gate.md. GPU_LOAD=1 also runs bench/gpu_load.py (products and copies from another process) the whole time:
+# results must not depend on timing.
 set -uo pipefail
 source bench/gpu_env.sh
 export OPENINFER_GATE_LOG=$OUT/gate.jsonl
@@ -21,13 +23,22 @@ declare -A GROUPS_TESTS=(
   [qwen35]="tests/test_gpu_qwen35.py"
   [lora]="tests/test_gpu_lora.py tests/test_gpu_lora_plan.py tests/test_raw_cuda_compile.py"
   [structured]="tests/test_structured_gpu.py tests/test_gpu_sampler.py"
+  [free_running]="tests/test_gpu_free_running.py"
 )
 groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core serving moe_mla dsv3 dsv4 qwen35 lora structured)
+load_pid=
+if [ "${GPU_LOAD:-0}" = 1 ]; then
+  python3 bench/gpu_load.py --seconds "$LIMIT" > "$OUT/gpu_load.log" 2>&1 &
+  load_pid=$!
+fi
+pids=()
 for g in "${groups[@]}"; do
   # shellcheck disable=SC2086
   ( timeout -k 5 "$LIMIT" "${PYTEST[@]}" ${GROUPS_TESTS[$g]} > "$OUT/$g.log" 2>&1; echo $? > "$OUT/$g.rc" ) &
+  pids+=($!)
 done
-wait
+wait "${pids[@]}"
+[ -n "$load_pid" ] && { kill "$load_pid" 2>/dev/null; wait "$load_pid" 2>/dev/null; echo "=== load: $(tail -1 "$OUT/gpu_load.log")"; }
 for g in "${groups[@]}"; do
   rc=$(cat "$OUT/$g.rc"); echo "=== $g: exit $rc"
   grep -E "^FAILED|^ERROR|passed|failed" "$OUT/$g.log" | grep -vE "^GATE " | tail -15

@@ -143,6 +143,7 @@ def test_gpu_round_trip_through_pinned_slots(max_pitch):
     shape = (4, 2, 64 * BLOCK_SIZE, 2, 32)
     start = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
     kv = cupy.asarray(start)
+    cupy.cuda.Device().synchronize()                           # the upload ran on the default stream
     copier = gpu_host_kv_copy(kv, 16, stream)
     if max_pitch is not None:
         copier.max_pitch = max_pitch                           # the one-copy-per-plane path

@@ -20,6 +20,7 @@ import pytest
 
 from deltanet_kernel_cases import (SHAPES, STEPS, check_conv_and_delta_rule, check_gated_rms_norm_and_sigmoid_gate,
                                    random_inputs, run_conv_and_delta_rule, spec_of)
+from gpu_contention import hold_default_stream
 from engine.batch import ModelBatch, SeqStep
 from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
 from engine.loader import load_model
@@ -36,7 +37,9 @@ QWEN35_4B_CONFIG = os.path.join(REAL_CONFIGS, "qwen3.5-4b", "config.json")
 
 # ---- per kernel ----------------------------------------------------------------------------------
 class DeviceOps(DeltaNetGpuOps):
-    """The GPU ops alone: outputs in fresh device arrays, launched on one stream."""
+    """The GPU ops alone: inputs, outputs and launches all on one stream of their own (an upload or a
+    fill on CuPy's default stream would not be ordered before a launch on a non-blocking stream: under
+    other GPU load the kernels then read inputs that had not landed yet)."""
 
     def __init__(self, pdl: bool = False):
         import cupy
@@ -46,31 +49,36 @@ class DeviceOps(DeltaNetGpuOps):
         self._launch_with_smem(k, grid, block, args, 0)
 
     def _out(self, rows, cols):
-        return self.cp.zeros((rows, cols), self.cp.uint16)
+        with self.stream:
+            return self.cp.zeros((rows, cols), self.cp.uint16)
+
+    def dev(self, a):
+        with self.stream:
+            return self.cp.asarray(np.ascontiguousarray(a))
+
+    def back(self, a) -> np.ndarray:
+        self.stream.synchronize()
+        return self.cp.asnumpy(a, stream=self.stream)
 
 
-def dev(a):
-    import cupy
-    return cupy.asarray(np.ascontiguousarray(a))
-
-
-def back(a) -> np.ndarray:
-    import cupy
-    cupy.cuda.runtime.deviceSynchronize()
-    return cupy.asnumpy(a)
-
-
+@pytest.mark.parametrize("contended", [False, True], ids=["idle", "default-stream-busy"])
 @pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("step_name", sorted(STEPS))
-def test_conv_and_delta_rule_kernels(shape, step_name, pdl):
+def test_conv_and_delta_rule_kernels(shape, step_name, pdl, contended):
+    """Also with CuPy's default stream held busy: the ops must not depend on work queued there."""
     spec, step = spec_of(*shape), STEPS[step_name]
     inp = random_inputs(spec, step, num_slots=4, seed=len(step.lens))
-    check_conv_and_delta_rule(spec, step, inp, run_conv_and_delta_rule(DeviceOps(pdl), spec, step, inp, dev, back))
+    ops = DeviceOps(pdl)
+    if contended:
+        hold_default_stream()
+    check_conv_and_delta_rule(spec, step, inp, run_conv_and_delta_rule(ops, spec, step, inp, ops.dev, ops.back))
 
 
 def test_gated_rms_norm_and_sigmoid_gate_kernels():
-    check_gated_rms_norm_and_sigmoid_gate(DeviceOps(), spec_of(*SHAPES[2]), 4096, dev, back)
+    ops = DeviceOps()
+    hold_default_stream()
+    check_gated_rms_norm_and_sigmoid_gate(ops, spec_of(*SHAPES[2]), 4096, ops.dev, ops.back)
 
 
 # ---- the line against transformers ---------------------------------------------------------------

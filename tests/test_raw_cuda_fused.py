@@ -238,10 +238,12 @@ def test_splitk_rms_norm_residual_equals_reduce_then_norm(cp, M, N, K, in_place)
     h_in = dev(cp, res)
     h_out = h_in if in_place else poison(cp, (M, N))
     normed = poison(cp, (M + 1, N))
+    cp.cuda.Device().synchronize()  # the uploads and fills ran on the default stream
     kernel("rms_norm", "splitk_rms_norm_residual")(
         (M,), (splitk_norm_threads(N),), (np.uint64(part.ptr), np.int32(part.shape[0]), np.int64(M * N), h_in, dnw, normed, h_out,
                        np.int32(N), np.float32(eps)), stream=stream)
     h_ref, normed_ref = dev(cp, res), poison(cp, (M, N))
+    cp.cuda.Device().synchronize()
     cute.gemm(dx, dw, h_ref, stream, residual=h_ref)
     kernel("rms_norm", "rms_norm_residual")((M,), (256,), (h_ref, np.uint64(0), dnw, normed_ref, h_ref, np.int32(N),
                                                            np.float32(eps)), stream=stream)

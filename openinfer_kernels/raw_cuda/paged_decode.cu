@@ -327,7 +327,8 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
         }
         stage = (stage + 1) % STAGES;
     }
-    cp_async_wait<0>();                                     // the ring becomes the warp's partial output
+    cp_async_wait<0>();                                     // the ring becomes the warp's partial output,
+    __syncwarp();                                           // once every lane's copies (zero fills too) landed
     auto acc_w = [&](int w) { return reinterpret_cast<float (*)[HEAD_DIM]>(ring[w]); };
     // Warp totals: every key lane-group of the warp shares the warp's running max.
     #pragma unroll
