@@ -165,6 +165,7 @@ class PromptLogprobResult:
     start_pos: int                                        # logprobs[i] is of token at start_pos + 1 + i
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
+    ranks: list[int] = field(default_factory=list)        # each token's rank in its distribution (1: the likeliest)
 
 
 @dataclass

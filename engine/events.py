@@ -44,11 +44,12 @@ class Token:
 
 @dataclass
 class PromptLogprobs:
-    """For echo: one entry per prompt token (the first is None: nothing predicts it)."""
+    """For echo and prompt_logprobs: one entry per prompt token (the first is None: nothing predicts it)."""
     request_id: str
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[list[TopLogprob]]
+    ranks: list[int | None] = field(default_factory=list)   # each token's rank in its distribution (1: likeliest)
 
 
 @dataclass

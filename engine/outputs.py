@@ -29,7 +29,7 @@ class RequestState:
     unfinished: int = 1
     cached_tokens: int = 0
     scheduled: bool = False
-    prompt_lp: dict[int, tuple[float, list]] = field(default_factory=dict)
+    prompt_lp: dict[int, tuple[float, list, int | None]] = field(default_factory=dict)   # pos -> (lp, top, rank)
 
 
 class OutputProcessor:
@@ -116,8 +116,9 @@ class OutputProcessor:
         if seq is None or seq.request_id not in self.requests:
             return
         state = self.requests[seq.request_id]
-        for i, (lp, top) in enumerate(zip(plp.logprobs, plp.top_logprobs)):
-            state.prompt_lp[plp.start_pos + 1 + i] = (lp, top)
+        ranks = plp.ranks or [None] * len(plp.logprobs)
+        for i, (lp, top, rank) in enumerate(zip(plp.logprobs, plp.top_logprobs, ranks)):
+            state.prompt_lp[plp.start_pos + 1 + i] = (lp, top, rank)
 
     def _emit_prompt_logprobs(self, seq: Sequence) -> None:
         seq.want_prompt_logprobs = False
@@ -125,11 +126,13 @@ class OutputProcessor:
         prompt = seq.token_ids[:seq.prompt_len]
         lps: list[float | None] = [None]
         tops: list[list[TopLogprob]] = [[]]
+        ranks: list[int | None] = [None]
         for pos in range(1, seq.prompt_len):
-            lp, top = state.prompt_lp.get(pos, (None, []))
+            lp, top, rank = state.prompt_lp.get(pos, (None, [], None))
             lps.append(lp)
             tops.append(self._top(top))
-        self.send(state.sink, PromptLogprobs(seq.request_id, prompt, lps, tops))
+            ranks.append(rank)
+        self.send(state.sink, PromptLogprobs(seq.request_id, prompt, lps, tops, ranks))
 
     def _top(self, pairs) -> list[TopLogprob]:
         if not pairs:

@@ -25,7 +25,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1
     logprobs: int | None = None         # None: none; k: sampled token's logprob + top-k (k <= 20)
-    prompt_logprobs: int | None = None  # for echo: logprobs of the prompt tokens
+    prompt_logprobs: int | None = None  # echo / prompt_logprobs: logprobs of the prompt tokens, top-k of each
     skip_special_tokens: bool = True
     grammar: str | None = None          # structured output: llguidance grammar text (server/structured.py)
 

@@ -129,11 +129,13 @@ def top_logprobs(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
 
 
 def prompt_logprobs(logits: np.ndarray, next_ids: list[int], k: int
-                    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """Logprobs of next_ids[i] under logits[i] (raw distribution), plus each row's top-k."""
-    lps, tops = [], []
+                    ) -> tuple[list[float], list[list[tuple[int, float]]], list[int]]:
+    """Logprobs of next_ids[i] under logits[i] (raw distribution), each row's top-k, and each token's rank
+    in its row (vLLM's: how many tokens are at least as likely, itself included)."""
+    lps, tops, ranks = [], [], []
     for row, token in zip(logits, next_ids):
         lp = log_softmax(row)
         lps.append(float(lp[token]))
         tops.append(top_logprobs(lp, k))
-    return lps, tops
+        ranks.append(int(np.count_nonzero(lp >= lp[token])))
+    return lps, tops, ranks

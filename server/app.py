@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 import uuid
@@ -31,8 +30,11 @@ from server.lora_routes import add_lora_routes, resolve_lora
 from server.metrics import ServerMetrics
 from server.offload import in_thread
 from server.protocol import ModelInfo, parse_chat, parse_completion
+from server.reasoning import check_reasoning_parser
 from server.request_trace import RequestTrace
 from server.responses import ResponseBuilder
+from server.responses_api import parse_responses
+from server.responses_stream import ResponsesBuilder
 from server.routes_info import add_info_routes
 from server.routes_tokenizer import add_tokenizer_routes
 from server.structured import check_grammar
@@ -60,12 +62,14 @@ class BoundedRequest(Request):
 def create_app(handle, *, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int | None = None,
                limits: ServerLimits | None = None, request_trace: str | None = None,
-               lora_resolver_dir: str | None = None) -> Sanic:
+               lora_resolver_dir: str | None = None, reasoning_parser: str | None = None) -> Sanic:
     """max_n defaults to what the engine accepts (EngineHandle.max_n); request_trace: a file for one timeline
     line per generation request (server/request_trace.py); lora_resolver_dir: a folder of LoRA adapters a
-    request's unknown 'model' is looked up in (server/lora_routes.py)."""
+    request's unknown 'model' is looked up in (server/lora_routes.py); reasoning_parser: how chat replies
+    split off the model's thinking (server/reasoning.py; an unknown name is a ValueError)."""
     limits = limits or ServerLimits()
     limits.validate()
+    check_reasoning_parser(reasoning_parser, handle.tokenizer)
     app = Sanic(f"openinfer_{next(_app_ids)}", request_class=BoundedRequest)
     app.config.REQUEST_MAX_SIZE = max_body_bytes
     app.config.KEEP_ALIVE_TIMEOUT = 30
@@ -84,7 +88,7 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
                               tokenizer=tokenizer, vocab_size=_vocab_size(handle),
                               max_n=max_n or _engine_max_n(handle), limits=limits,
                               max_token_bytes=_int_or_none(getattr(tokenizer, "max_token_bytes", None)),
-                              adapters=getattr(handle, "lora_adapters", {}))
+                              adapters=getattr(handle, "lora_adapters", {}), reasoning_parser=reasoning_parser)
     app.ctx.created = int(time.time())
     app.ctx.lora_resolver_dir = lora_resolver_dir
     app.ctx.lora_resolving = asyncio.Lock()
@@ -130,12 +134,16 @@ def _add_generation_routes(app: Sanic) -> None:
     async def chat_completions(request):
         return await _generate(request, parse_chat, "chatcmpl")
 
+    @app.post("/v1/responses")
+    async def responses(request):
+        return await _generate(request, parse_responses, "resp", ResponsesBuilder)
+
 
 def _parse(parse, raw: bytes, model: ModelInfo):
     return parse(parse_json(raw, model.limits.max_json_depth), model)
 
 
-async def _generate(request, parse, id_prefix: str):
+async def _generate(request, parse, id_prefix: str, builder_type=ResponseBuilder):
     app, http = request.app, time.monotonic()
     try:
         parsed = await in_thread(_parse, parse, request.body, app.ctx.model)
@@ -146,8 +154,8 @@ async def _generate(request, parse, id_prefix: str):
     if parsed.constraint is not None:     # a grammar that cannot compile is refused before the engine sees it
         await check_grammar(parsed.constraint.grammar, parsed.constraint.field, app.ctx.model)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    builder = ResponseBuilder(parsed, request_id, parsed.lora_name or app.ctx.model.name, int(time.time()),
-                              app.ctx.model.tokenizer)
+    builder = builder_type(parsed, request_id, parsed.lora_name or app.ctx.model.name, int(time.time()),
+                           app.ctx.model.tokenizer)
     call = EngineCall(app.ctx.handle, parsed, request_id, app.ctx.metrics)
     app.ctx.inflight.calls[request_id] = call
     try:
@@ -172,25 +180,22 @@ async def _generate(request, parse, id_prefix: str):
                                         completion_tokens=s["completion_tokens"], stream=parsed.stream)
 
 
-async def _stream(request, call: EngineCall, builder: ResponseBuilder) -> None:
+async def _stream(request, call: EngineCall, builder) -> None:
+    """Server-sent events: the builder's chunks (ResponseBuilder, or the Responses API's typed events) as
+    they come, then its tail."""
     resp = await request.respond(content_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     async for prompt_idx, event in call.events():
         if isinstance(event, (Error, Rejected)):
-            await resp.send(sse(engine_failure(event).body()))
+            await resp.send(builder.sse_error(engine_failure(event)))
             break
         for chunk in builder.on_event(prompt_idx, event):
-            await resp.send(sse(chunk))
+            await resp.send(builder.sse(chunk))
         if call.first_sent is None and isinstance(event, Token):
             call.first_sent = time.monotonic()
-    if builder.parsed.include_usage:
-        await resp.send(sse(builder.usage_chunk()))
-    await resp.send("data: [DONE]\n\n")
+    for tail in builder.sse_tail():
+        await resp.send(tail)
     await resp.eof()
-
-
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
 def _log_request(request_id: str, call: EngineCall) -> None:

@@ -15,6 +15,7 @@ import socket
 import sys
 
 from server.limits import ServerLimits
+from server.reasoning import REASONING_PARSERS
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine in a process of its own, so a busy HTTP side never takes the engine "
                             "thread's GIL (engine/process.py)")
+    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                       help="split chat replies' thinking (<think>...</think>) into reasoning_content: qwen3 "
+                            "(Qwen3, Qwen3.5), deepseek_r1 (DeepSeek-R1 and its distills)")
     serve.add_argument("--lora-resolver-dir", default=os.environ.get("VLLM_LORA_RESOLVER_CACHE_DIR"), metavar="DIR",
                        help="with --enable-lora: a request naming an unknown model loads DIR/<model> as a LoRA "
                             "adapter first, where that folder holds one (env VLLM_LORA_RESOLVER_CACHE_DIR)")
@@ -213,7 +217,7 @@ def serve(args: argparse.Namespace) -> int:
         for level, line in notes:
             log.log(level, "%s", line)
         app = create_app(handle, api_key=args.api_key, limits=limits, request_trace=args.request_trace,
-                         lora_resolver_dir=resolver_dir)
+                         lora_resolver_dir=resolver_dir, reasoning_parser=args.reasoning_parser)
         print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
               f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         asyncio.run(_serve_until_signal(app, sock))

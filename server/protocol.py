@@ -16,6 +16,7 @@ from engine.request import SamplingParams
 from server.errors import APIError, invalid, wrong_type
 from server.fields import Fields, all_ints, check_token_ids, token_id_array
 from server.limits import ServerLimits
+from server.reasoning import Reasoning, request_reasoning
 from server.structured import Constraint, parse_constraint
 from server.tools import ToolConfig, message_extras, output_constraint, parse_tools
 
@@ -30,7 +31,6 @@ UNSUPPORTED_FIELDS = {
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "functions": (None, []),
-    "prompt_logprobs": (None,),
     "prompt_embeds": (None,),
     "continue_final_message": (None, False),
     "lora_request": (None,),
@@ -40,6 +40,8 @@ UNSUPPORTED_FIELDS = {
     "truncate_prompt_tokens": (None,),
 }
 CHAT_ONLY_HARMLESS = {"echo": (None, False)}
+# Template variables the server sets itself: chat_template_kwargs may not name them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt")
 
 
 @dataclass
@@ -58,6 +60,7 @@ class ModelInfo:
         """A longer text cannot fit max_model_len tokens (a character is at least a byte)."""
         return self.max_model_len * self.max_token_bytes if self.max_token_bytes else None
     adapters: dict[str, str] = field(default_factory=dict)   # LoRA adapters served now: name -> path
+    reasoning_parser: str | None = None         # --reasoning-parser (server/reasoning.py)
 
 
 @dataclass
@@ -77,6 +80,9 @@ class ParsedRequest:
     constraint: Constraint | None = None        # structured output (params.grammar is its grammar)
     tools: ToolConfig | None = None             # chat tools: the output's tool calls are parsed
     lora_name: str | None = None                # the LoRA adapter the 'model' field names (None: the base)
+    prompt_logprobs: int | None = None          # vLLM's prompt_logprobs: top-k per prompt token (None: not asked)
+    reasoning: Reasoning | None = None          # chat with a reasoning parser: where the output's thinking is
+    request_fields: dict = field(default_factory=dict)   # what the response repeats of the request (Responses API)
 
 
 def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
@@ -89,8 +95,7 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
     max_tokens = _max_tokens(f, model, prompts, 16, allow_zero=echo)
     params = _sampling_params(f, model, max_tokens)
     params.logprobs = logprobs
-    if echo and logprobs is not None:
-        params.prompt_logprobs = logprobs
+    prompt_logprobs = _prompt_logprobs(f, params, logprobs if echo else None)
     for key in ("tools", "tool_choice"):
         if body.get(key) not in (None, []):
             raise invalid(f"'{key}' is only supported on /v1/chat/completions", key)
@@ -100,7 +105,8 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
                          include_usage=_include_usage(f), echo=echo,
                          echo_texts=texts if echo else [], logprobs=logprobs, user=f.string("user"),
                          tokens_as_ids=f.boolean("return_tokens_as_token_ids", False),
-                         prompt_only=max_tokens == 0, constraint=constraint, lora_name=lora_name)
+                         prompt_only=max_tokens == 0, constraint=constraint, lora_name=lora_name,
+                         prompt_logprobs=prompt_logprobs)
 
 
 def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
@@ -111,7 +117,8 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     add_generation_prompt = f.boolean("add_generation_prompt", True)
     tools = parse_tools(body, model.tokenizer)
     prompt = np.array(render_chat(model.tokenizer, messages, add_generation_prompt,
-                                  tools.template_tools if tools else None, model.max_text_chars), np.int32)
+                                  tools.template_tools if tools else None, model.max_text_chars,
+                                  template_kwargs(f)), np.int32)
     want_logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not want_logprobs:
@@ -119,12 +126,16 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     logprobs = (top or 0) if want_logprobs else None
     params = _sampling_params(f, model, _max_tokens(f, model, [prompt], None))
     params.logprobs = logprobs
+    prompt_logprobs = _prompt_logprobs(f, params, None)
     constraint = output_constraint(body, tools)
     params.grammar = constraint.grammar if constraint else None
+    reasoning = request_reasoning(model.reasoning_parser, model.tokenizer, prompt, constraint is not None,
+                                  f.boolean("include_reasoning", True))
     return ParsedRequest("chat", [prompt], params, stream=f.boolean("stream", False),
                          include_usage=_include_usage(f), logprobs=logprobs, user=f.string("user"),
                          tokens_as_ids=f.boolean("return_tokens_as_token_ids", False), constraint=constraint,
-                         tools=tools if tools and tools.parse else None, lora_name=lora_name)
+                         tools=tools if tools and tools.parse else None, lora_name=lora_name,
+                         prompt_logprobs=prompt_logprobs, reasoning=reasoning)
 
 
 def parse_messages(messages) -> list[dict]:
@@ -148,11 +159,13 @@ def parse_messages(messages) -> list[dict]:
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None, max_chars: int | None = None) -> list[int]:
-    """Prompt ids of a conversation (and the tools offered); a template that refuses it (e.g. roles
-    that must alternate, or no template at all) is the request's problem: 400 naming `messages`, as is
-    a conversation of more than max_chars characters (refused before it is tokenized)."""
-    extra = {"tools": tools} if tools else {}
+                tools: list[dict] | None = None, max_chars: int | None = None,
+                template_kwargs: dict | None = None) -> list[int]:
+    """Prompt ids of a conversation (and the tools offered, and the template's own variables: vLLM's
+    chat_template_kwargs); a template that refuses it (e.g. roles that must alternate, or no template at
+    all) is the request's problem: 400 naming `messages`, as is a conversation of more than max_chars
+    characters (refused before it is tokenized)."""
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     try:
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
     except Exception as exc:
@@ -162,6 +175,18 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         check_text_fits(rendered, max_chars, "messages")
         return encode_text(tokenizer, rendered, add_special_tokens=False)
     return list(rendered)
+
+
+def template_kwargs(f: Fields) -> dict:
+    """vLLM's chat_template_kwargs: variables for the chat template (e.g. Qwen3's enable_thinking)."""
+    kwargs = f.raw("chat_template_kwargs", {})
+    if not isinstance(kwargs, dict):
+        raise wrong_type("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
+    reserved = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
+    if reserved:
+        raise invalid(f"'chat_template_kwargs' may not set {reserved[0]!r}: the request's own fields give it",
+                      "chat_template_kwargs")
+    return kwargs
 
 
 def check_text_fits(text: str, max_chars: int | None, name: str) -> None:
@@ -290,6 +315,20 @@ def _sampling_params(f: Fields, model: ModelInfo, max_tokens: int) -> SamplingPa
         raise invalid(f"'{name}' {rule}, got {getattr(params, name)}", name) from None
     stop_matcher(params.stop)          # built here, off the engine thread, for the engine's detokenizer
     return params
+
+
+def _prompt_logprobs(f: Fields, params: SamplingParams, echo_logprobs: int | None) -> int | None:
+    """vLLM's prompt_logprobs (top-k of each prompt token's distribution; not with a stream, as vLLM); the
+    engine computes the larger of it and echo's logprobs."""
+    k = f.integer("prompt_logprobs", None, 0, MAX_LOGPROBS,
+                  f"in [0, {MAX_LOGPROBS}] (-1, the whole vocabulary, is not served)")
+    if k is not None and f.boolean("stream", False):
+        if k > 0:
+            raise invalid("'prompt_logprobs' are not available with 'stream'", "prompt_logprobs")
+        k = None
+    wanted = [n for n in (k, echo_logprobs) if n is not None]
+    params.prompt_logprobs = max(wanted) if wanted else None
+    return k
 
 
 def _stop_strings(f: Fields, limits: ServerLimits) -> list[str]:

@@ -10,10 +10,13 @@ backslash escapes).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from engine.events import Finished, PromptLogprobs, Scheduled, Token, TopLogprob
+from server.errors import APIError
 from server.protocol import ParsedRequest
+from server.reasoning import REASONING, ReasoningStream
 from server.tool_calls import ToolCallStream
 
 MIN_LOGPROB = -9999.0       # -inf is not valid JSON
@@ -39,6 +42,8 @@ class ChoiceState:
     emitted_chars: int = 0          # text streamed so far (echo included): logprobs' text_offset
     tools: ToolCallStream | None = None     # chat with tools: the text split into content and tool calls
     content: list[str] = field(default_factory=list)   # ... and the content part of it
+    reasoning: ReasoningStream | None = None    # chat with a reasoning parser: the text split off as reasoning
+    thinking: list[str] = field(default_factory=list)  # ... and the reasoning part of it
 
 
 class ResponseBuilder:
@@ -50,11 +55,12 @@ class ResponseBuilder:
         self.tokenizer = tokenizer
         self.n = parsed.params.n
         self.choices = {i: ChoiceState(i) for i in range(len(parsed.prompts) * self.n)}
-        if parsed.tools is not None:
-            for choice in self.choices.values():
-                choice.tools = ToolCallStream(parsed.tools.format)
+        for choice in self.choices.values():
+            choice.tools = ToolCallStream(parsed.tools.format) if parsed.tools is not None else None
+            choice.reasoning = ReasoningStream(parsed.reasoning.start) if parsed.reasoning is not None else None
         self.cached_tokens = [0] * len(parsed.prompts)
         self.prompt_logprobs: dict[int, list[LogprobEntry]] = {}
+        self.prompt_events: dict[int, PromptLogprobs] = {}
         self.object = "text_completion" if parsed.kind == "completion" else "chat.completion"
 
     # -- folding events ------------------------------------------------------------------------------
@@ -65,6 +71,7 @@ class ResponseBuilder:
             return []
         if isinstance(event, PromptLogprobs):
             self.prompt_logprobs[prompt_idx] = self._prompt_entries(event)
+            self.prompt_events[prompt_idx] = event
             return []
         if isinstance(event, Token) and not self.parsed.prompt_only:
             choice = self.choices[prompt_idx * self.n + event.index]
@@ -87,8 +94,25 @@ class ResponseBuilder:
         return []
 
     def _prompt_entries(self, event: PromptLogprobs) -> list[LogprobEntry]:
-        return [LogprobEntry(t, self._token(t), lp, self._top(top) if lp is not None else None)
+        """Echo's entries (its top-k: `logprobs`; the engine may have computed more for prompt_logprobs)."""
+        k = self.parsed.logprobs or 0
+        return [LogprobEntry(t, self._token(t), lp, self._top(top[:k]) if lp is not None else None)
                 for t, lp, top in zip(event.token_ids, event.logprobs, event.top_logprobs)]
+
+    def _vllm_prompt_logprobs(self, prompt_idx: int) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token (the first None) {token id: {logprob, rank, decoded_token}},
+        the prompt token first with its rank, then the top-k with ranks 1..k."""
+        event, k = self.prompt_events.get(prompt_idx), self.parsed.prompt_logprobs
+        if event is None:
+            return []
+        out: list[dict | None] = [None]
+        ranks = event.ranks or [None] * len(event.token_ids)
+        for t, lp, top, rank in list(zip(event.token_ids, event.logprobs, event.top_logprobs, ranks))[1:]:
+            position = {str(t): {"logprob": _clamp(lp), "rank": rank, "decoded_token": self.tokenizer.decode([t])}}
+            for r, alt in enumerate(top[:k], 1):
+                position[str(alt.token_id)] = {"logprob": _clamp(alt.logprob), "rank": r, "decoded_token": alt.token}
+            out.append(position)
+        return out
 
     def _token(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.parsed.tokens_as_ids else self.tokenizer.decode([token_id])
@@ -109,8 +133,8 @@ class ResponseBuilder:
             elif self.parsed.echo:
                 text = self.parsed.echo_texts[prompt_idx] + text
                 entries = self.prompt_logprobs.get(prompt_idx, []) + entries
-        if choice.tools is not None:
-            return chunks + self._tool_chunks(choice, text, entries, finish)
+        if choice.tools is not None or choice.reasoning is not None:
+            return chunks + self._split_chunks(choice, text, entries, finish)
         reason = choice.finish_reason if finish else None
         if finish and not text and not entries and self.parsed.kind == "chat":
             chunks.append(self._chunk(choice.index, {}, None, reason))
@@ -123,20 +147,36 @@ class ResponseBuilder:
             chunks.append(self._chunk(choice.index, text, lp, reason, choice.stop_reason if finish else None))
         return chunks
 
-    def _tool_chunks(self, choice: ChoiceState, text: str, entries: list[LogprobEntry], finish: bool) -> list[dict]:
-        """Chat with tools: content and tool-call deltas (a call whole, once its block closes; the
-        step's logprobs ride on its first chunk); finish_reason "tool_calls" where calls were made."""
-        deltas = choice.tools.feed(text) + (choice.tools.finish() if finish else [])
+    def _split_chunks(self, choice: ChoiceState, text: str, entries: list[LogprobEntry], finish: bool) -> list[dict]:
+        """Chat with tools or a reasoning parser: reasoning, content and tool-call deltas (a call whole, once
+        its block closes; tool calls are parsed in the content only; the step's logprobs ride on its first
+        chunk); finish_reason "tool_calls" where calls were made."""
+        deltas = []
+        for kind, piece in self._pieces(choice, text, finish):
+            if kind == REASONING:
+                choice.thinking.append(piece)
+                if self.parsed.reasoning.include:
+                    deltas.append({"reasoning_content": piece, "reasoning": piece})
+            else:
+                deltas += choice.tools.feed(piece) if choice.tools is not None else [{"content": piece}]
+        if finish and choice.tools is not None:
+            deltas += choice.tools.finish()
         choice.content += [d["content"] for d in deltas if "content" in d]
         lp = self._chat_logprobs(entries) if entries else None
         if lp is not None and not deltas:
             deltas = [{}]
         chunks = [self._chunk(choice.index, d, lp if i == 0 else None) for i, d in enumerate(deltas)]
         if finish:
-            if choice.tools.calls and choice.finish_reason == "stop":
+            if choice.tools is not None and choice.tools.calls and choice.finish_reason == "stop":
                 choice.finish_reason = "tool_calls"
             chunks.append(self._chunk(choice.index, {}, None, choice.finish_reason))
         return chunks
+
+    @staticmethod
+    def _pieces(choice: ChoiceState, text: str, finish: bool) -> list[tuple[str, str]]:
+        if choice.reasoning is None:
+            return [("content", text)] if text else []
+        return choice.reasoning.feed(text) + (choice.reasoning.finish() if finish else [])
 
     def _chunk(self, index: int, content, logprobs, finish_reason=None, stop_reason=None) -> dict:
         if self.parsed.kind == "chat":
@@ -181,15 +221,21 @@ class ResponseBuilder:
             lp = self._completion_logprobs(entries, 0) if self.parsed.logprobs is not None else None
             choices.append({"index": i, "text": text, "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+            if self.parsed.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_idx)
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
+        if self.parsed.kind == "chat" and self.parsed.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(0)
+        return body
 
-    @staticmethod
-    def _message(c: ChoiceState) -> dict:
-        if c.tools is None:
+    def _message(self, c: ChoiceState) -> dict:
+        if c.tools is None and c.reasoning is None:
             return {"role": "assistant", "content": "".join(c.text)}
         message = {"role": "assistant", "content": "".join(c.content) or None}
-        if c.tools.calls:
+        if c.reasoning is not None and self.parsed.reasoning.include:
+            message["reasoning_content"] = message["reasoning"] = "".join(c.thinking) or None
+        if c.tools is not None and c.tools.calls:
             message["tool_calls"] = [call.message() for call in c.tools.calls]
         return message
 
@@ -224,6 +270,24 @@ class ResponseBuilder:
         if "\ufffd" in text and not self.parsed.tokens_as_ids:
             text = raw.decode("utf-8", "backslashreplace")
         return {"token": text, "bytes": list(raw)}
+
+
+    # -- server-sent events ----------------------------------------------------------------------------
+    @staticmethod
+    def sse(payload: dict) -> str:
+        return sse(payload)
+
+    @staticmethod
+    def sse_error(error: APIError) -> str:
+        return sse(error.body())
+
+    def sse_tail(self) -> list[str]:
+        """What ends a stream: the usage chunk (stream_options.include_usage), then [DONE]."""
+        return ([sse(self.usage_chunk())] if self.parsed.include_usage else []) + ["data: [DONE]\n\n"]
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
 def _clamp(logprob: float | None) -> float | None:

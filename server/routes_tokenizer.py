@@ -9,7 +9,7 @@ from server.errors import APIError, wrong_type
 from server.fields import Fields, check_token_ids, is_int
 from server.offload import in_thread
 from server.protocol import (ModelInfo, check_model_name, check_text_fits, encode_text, parse_messages,
-                             render_chat)
+                             render_chat, template_kwargs)
 
 
 def add_tokenizer_routes(app: Sanic) -> None:
@@ -39,7 +39,7 @@ def _tokenize(raw: bytes, model: ModelInfo) -> list[int]:
     if "messages" in body:
         add_generation_prompt = f.boolean("add_generation_prompt", True)
         return render_chat(model.tokenizer, parse_messages(body["messages"]), add_generation_prompt,
-                           max_chars=model.max_text_chars)
+                           max_chars=model.max_text_chars, template_kwargs=template_kwargs(f))
     if isinstance(body.get("prompt"), str):
         check_text_fits(body["prompt"], model.max_text_chars, "prompt")
         return encode_text(model.tokenizer, body["prompt"], add_special)

@@ -84,7 +84,7 @@ class ToolCallStream:
                 self._content(self.buffer[:start], out)
                 self.buffer, self.in_call = self.buffer[start + len(OPEN):], True
                 continue
-            keep = _partial_suffix(self.buffer, OPEN)
+            keep = partial_suffix(self.buffer, OPEN)
             self._content(self.buffer[:len(self.buffer) - keep], out)
             self.buffer = self.buffer[len(self.buffer) - keep:]
             return out
@@ -147,7 +147,7 @@ class ToolCallStream:
             out.append({"content": body})
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag (held back: it may be one)."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):

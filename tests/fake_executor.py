@@ -92,8 +92,8 @@ class FakeExecutor(ExecutorBase):
             if s.want_prompt_logprobs:
                 rows = logits[batch.cu_seqlens[i]: batch.cu_seqlens[i + 1] - 1]
                 k = s.params.prompt_logprobs or 0
-                lps, tops = prompt_logprobs(rows, s.token_ids[1:], k)
-                plps.append(PromptLogprobResult(s.seq_id, s.start_pos, lps, tops))
+                lps, tops, ranks = prompt_logprobs(rows, s.token_ids[1:], k)
+                plps.append(PromptLogprobResult(s.seq_id, s.start_pos, lps, tops, ranks))
         return StepOutput(sampled, plps)
 
     def copy_blocks(self, offloads, restores) -> None:

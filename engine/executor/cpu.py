@@ -118,5 +118,6 @@ class CpuExecutor(ExecutorBase):
         targets = s.prompt_logprob_targets()
         rows = self.ops.gather_rows(hidden, np.arange(q0, q0 + len(targets)))
         logits = self.model.compute_logits(self.ops, self.weights, rows).astype(np.float32)
-        lps, tops = prompt_logprobs(logits, targets, s.params.prompt_logprobs or 0)
-        return PromptLogprobResult(seq_id=s.seq_id, start_pos=s.start_pos, logprobs=lps, top_logprobs=tops)
+        lps, tops, ranks = prompt_logprobs(logits, targets, s.params.prompt_logprobs or 0)
+        return PromptLogprobResult(seq_id=s.seq_id, start_pos=s.start_pos, logprobs=lps, top_logprobs=tops,
+                                   ranks=ranks)

@@ -418,10 +418,10 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         results, at = [], 0
         for i, (_, n), target in zip(want, spans, targets):
             s = batch.seqs[i]
-            lps, tops = prompt_logprobs(logits[at:at + n], target, s.params.prompt_logprobs or 0)
+            lps, tops, ranks = prompt_logprobs(logits[at:at + n], target, s.params.prompt_logprobs or 0)
             at += n
             results.append(PromptLogprobResult(seq_id=s.seq_id, start_pos=s.start_pos, logprobs=lps,
-                                               top_logprobs=tops))
+                                               top_logprobs=tops, ranks=ranks))
         return results
 
     def close(self) -> None:
