@@ -20,7 +20,8 @@ REFUSED = {"previous_response_id": (None,), "conversation": (None,), "background
 PASSED = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "user", "top_k", "min_p", "seed",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "logit_bias",
           "min_tokens", "ignore_eos", "skip_special_tokens")
-RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+RENAMED = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),       # chat field -> Responses
+           ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 
@@ -38,23 +39,26 @@ def parse_responses(body: dict, model: ModelInfo) -> ParsedRequest:
         raise wrong_type("'metadata' must be an object", "metadata")
     chat = {key: body[key] for key in PASSED if body.get(key) is not None}
     chat["messages"] = _messages(body.get("input"), f.string("instructions"))
-    chat.update(_output_fields(body, f))
+    fmt = _text_format(body.get("text"))
+    chat.update(_output_fields(body, f, fmt))
     try:
         parsed = parse_chat(chat, model)
     except APIError as e:
         raise _renamed(e) from None
+    if parsed.constraint is not None:           # a schema that does not compile is refused naming it
+        parsed.constraint.field = _renamed_param(parsed.constraint.field)
     parsed.request_fields = {
         "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
         "metadata": metadata, "parallel_tool_calls": f.boolean("parallel_tool_calls", True),
         "temperature": f.number("temperature", 1.0), "top_p": f.number("top_p", 1.0),
         "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
-        "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-        "reasoning": body.get("reasoning"), "user": body.get("user"), "top_logprobs": body.get("top_logprobs"),
+        "text": {"format": fmt or {"type": "text"}}, "reasoning": body.get("reasoning"), "user": body.get("user"),
+        "top_logprobs": body.get("top_logprobs"),
     }
     return parsed
 
 
-def _output_fields(body: dict, f: Fields) -> dict:
+def _output_fields(body: dict, f: Fields, fmt: dict | None) -> dict:
     """The chat fields of what shapes the output: token limit, tools, format, logprobs, template variables."""
     chat: dict = {}
     if body.get("max_output_tokens") is not None:
@@ -63,9 +67,11 @@ def _output_fields(body: dict, f: Fields) -> dict:
         chat["tools"] = _tools(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    fmt = _text_format(body.get("text"))
-    if fmt is not None:
-        chat["response_format"] = fmt
+    if fmt is not None and fmt["type"] != "json_schema":
+        chat["response_format"] = {"type": fmt["type"]}
+    elif fmt is not None:
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt["name"], "schema": fmt["schema"], "strict": fmt.get("strict")}}
     top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
     include = f.strings("include")
     if top is not None or LOGPROBS_INCLUDE in include:
@@ -173,7 +179,7 @@ def _tool_choice(choice):
 
 
 def _text_format(text) -> dict | None:
-    """`text.format` as the chat response_format (None: plain text)."""
+    """`text.format`, checked (None: plain text; a json_schema format named "response" where unnamed)."""
     if text is None:
         return None
     if not isinstance(text, dict):
@@ -192,8 +198,7 @@ def _text_format(text) -> dict | None:
         raise wrong_type("'text.format.strict' must be a boolean", "text.format.strict")
     if not isinstance(fmt.get("schema"), dict):
         raise wrong_type("'text.format.schema' must be a JSON schema (an object)", "text.format.schema")
-    return {"type": "json_schema", "json_schema": {"name": name or "response", "schema": fmt["schema"],
-                                                   "strict": strict}}
+    return {**fmt, "name": name or "response"}
 
 
 def _reasoning_effort(reasoning) -> str | None:
@@ -209,10 +214,14 @@ def _reasoning_effort(reasoning) -> str | None:
 
 def _renamed(e: APIError) -> APIError:
     """A refusal of the chat request, naming the Responses field it came from."""
-    param, message = e.param, e.message
-    for chat_name, name in RENAMED.items():
-        if param is not None and (param == chat_name or param.startswith(chat_name + "[")
-                                  or param.startswith(chat_name + ".")):
-            param = name if chat_name == "messages" else name + param[len(chat_name):]
+    message = e.message
+    for chat_name, name in RENAMED:
         message = message.replace(f"'{chat_name}", f"'{name}")
-    return APIError(e.status, message, param, e.code)
+    return APIError(e.status, message, _renamed_param(e.param), e.code)
+
+
+def _renamed_param(param: str | None) -> str | None:
+    for chat_name, name in RENAMED:
+        if param is not None and (param == chat_name or param.startswith((chat_name + "[", chat_name + "."))):
+            return name if chat_name == "messages" else name + param[len(chat_name):]
+    return param

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import dataclass
 
 from engine.events import Error, Finished, PromptLogprobs, Rejected, Scheduled, Token, TopLogprob, Usage
@@ -101,6 +102,22 @@ class FakeHandle:
 
     def stats(self) -> FakeStats:
         return FakeStats(len(self.active), 0, len(self.active) * 2)
+
+
+class ScriptedHandle(FakeHandle):
+    """The fake engine whose 'model' writes `script` (ASCII) and stops, 1 to 3 bytes per token (a tag of
+    the text is split across tokens as a real tokenizer may split it)."""
+    script = ""
+
+    async def submit(self, req):
+        self.submitted.append(req)
+        yield Scheduled(req.request_id, 0)
+        rng, data, at, n = random.Random(self.script), self.script.encode(), 0, 0
+        while at < len(data):
+            k = rng.randint(1, 3)
+            yield Token(req.request_id, data[at] + 1, data[at:at + k].decode(), 0)
+            at, n = at + k, n + 1
+        yield Finished(req.request_id, "stop", Usage(len(req.prompt_token_ids), n))
 
 
 def expected_text(prompt: str, n_tokens: int, sample: int = 0) -> str:

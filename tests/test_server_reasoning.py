@@ -19,8 +19,7 @@ import httpx
 import openai
 import pytest
 
-from engine.events import Finished, Scheduled, Token, Usage
-from fake_handle import ByteTokenizer, FakeHandle
+from fake_handle import ByteTokenizer, FakeHandle, ScriptedHandle
 from server.app import create_app
 from server.background import BackgroundServer
 from server.cli import build_parser
@@ -91,21 +90,6 @@ class ThinkingTemplate(ByteTokenizer):
             text += "<assistant>" + ("<think>\n\n</think>\n\n" if not enable_thinking else
                                      "<think>\n" if self.opens else "")
         return text
-
-
-class ScriptedHandle(FakeHandle):
-    """The fake engine whose 'model' writes `script`, 1 to 3 bytes per token."""
-    script = ""
-
-    async def submit(self, req):
-        self.submitted.append(req)
-        yield Scheduled(req.request_id, 0)
-        rng, data, at, n = random.Random(len(self.submitted)), self.script.encode(), 0, 0
-        while at < len(data):
-            k = rng.randint(1, 3)
-            yield Token(req.request_id, data[at] + 1, data[at:at + k].decode(), 0)
-            at, n = at + k, n + 1
-        yield Finished(req.request_id, "stop", Usage(len(req.prompt_token_ids), n))
 
 
 def scripted_server(parser: str, opens: bool = False) -> tuple[ScriptedHandle, BackgroundServer]:
