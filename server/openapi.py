@@ -5,6 +5,7 @@ say (a prompt plus max_tokens must fit max_model_len) is the validators' alone."
 from __future__ import annotations
 
 from server.protocol import CHAT_ROLES, MAX_LOGPROBS, ModelInfo
+from server.responses_api import RESPONSE_SCHEMA, request_schema
 
 
 def _nullable(schema: dict) -> dict:
@@ -103,12 +104,15 @@ def _bodies(model: ModelInfo) -> dict[str, dict]:
     return {
         "completion": {"type": "object", "required": ["prompt"], "properties": {
             **sampling, "prompt": prompt, "echo": _BOOL, "logprobs": _int(0, MAX_LOGPROBS),
+            "prompt_logprobs": _int(0, MAX_LOGPROBS),
             "max_tokens": _int(0, model.max_model_len - 1)}},          # 0 with echo: score the prompt
         "chat": {"type": "object", "required": ["messages"], "properties": {
             **sampling, "messages": messages, "max_completion_tokens": _int(1, model.max_model_len - 1),
             "logprobs": _BOOL, "top_logprobs": _int(0, MAX_LOGPROBS), "add_generation_prompt": _BOOL,
             "tools": _nullable({"type": "array", "items": tool}), "parallel_tool_calls": _BOOL,
-            "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, named_tool]})}},
+            "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, named_tool]}),
+            "prompt_logprobs": _int(0, MAX_LOGPROBS), "chat_template_kwargs": _nullable(_ANY_OBJECT),
+            "include_reasoning": _BOOL}},
         "tokenize": {"anyOf": [
             {"type": "object", "required": ["prompt"],
              "properties": {"model": sampling["model"], "prompt": {"type": "string"},
@@ -210,6 +214,8 @@ def openapi_document(version: str, model: ModelInfo) -> dict:
             "/v1/completions": _post("Complete a prompt (or a list of prompts)", bodies["completion"],
                                      COMPLETION, stream=True),
             "/v1/chat/completions": _post("Answer a conversation", bodies["chat"], CHAT_COMPLETION, stream=True),
+            "/v1/responses": _post("OpenAI's Responses API, stateless (typed events with stream)",
+                                   request_schema(bodies["chat"]), RESPONSE_SCHEMA, stream=True),
             "/v1/models": _get("The served model", {"type": "object", "required": ["object", "data"],
                                                     "properties": {"data": {"type": "array", "items": MODEL}}},
                                401),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from server.errors import APIError, invalid, wrong_type
 from server.fields import Fields
 from server.protocol import MAX_LOGPROBS, ModelInfo, ParsedRequest, parse_chat
+from server.tools import NAME
 
 STATELESS = "this server keeps no responses (store is false): send the whole conversation as 'input'"
 REFUSED = {"previous_response_id": (None,), "conversation": (None,), "background": (None, False),
@@ -73,7 +74,9 @@ def _output_fields(body: dict, f: Fields, fmt: dict | None) -> dict:
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": fmt["name"], "schema": fmt["schema"], "strict": fmt.get("strict")}}
     top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
-    include = f.strings("include")
+    include = f.raw("include", [])
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise wrong_type("'include' must be a list of strings", "include")
     if top is not None or LOGPROBS_INCLUDE in include:
         chat["logprobs"], chat["top_logprobs"] = True, top or 0
     kwargs, effort = body.get("chat_template_kwargs"), _reasoning_effort(body.get("reasoning"))
@@ -225,3 +228,53 @@ def _renamed_param(param: str | None) -> str | None:
         if param is not None and (param == chat_name or param.startswith((chat_name + "[", chat_name + "."))):
             return name if chat_name == "messages" else name + param[len(chat_name):]
     return param
+
+
+def request_schema(chat: dict) -> dict:
+    """The body's JSON schema for /openapi.json (what the checks above enforce; `chat`: the chat body's
+    schema, whose sampling fields the two share)."""
+    null = {"type": "null"}
+    string = {"type": "string"}
+    part = {"type": "object", "required": ["type"], "properties": {"type": {"enum": list(TEXT_PARTS)}, "text": string}}
+    text = {"anyOf": [string, {"type": "array", "items": part}]}
+    item = {"anyOf": [
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "type": {"const": "message"}, "role": {"enum": ["user", "system", "developer", "assistant"]},
+            "content": text}},
+        {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+            "type": {"const": "function_call"}, "call_id": string, "name": string, "arguments": string}},
+        {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+            "type": {"const": "function_call_output"}, "call_id": string, "output": text}},
+        {"type": "object", "required": ["type"], "properties": {"type": {"const": "reasoning"}}}]}
+    tool = {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "function"}, "name": {"type": "string", "pattern": NAME.pattern},
+        "parameters": {"anyOf": [{"type": "object"}, null]}}}
+    fmt = {"anyOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "schema"], "properties": {
+            "type": {"const": "json_schema"}, "name": {"anyOf": [string, null]}, "schema": {"type": "object"},
+            "strict": {"anyOf": [{"type": "boolean"}, null]}}}, null]}
+    choice = {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object", "required": ["type", "name"],
+              "properties": {"type": {"const": "function"}, "name": string}}, null]}
+    properties = {key: chat["properties"][key] for key in PASSED}
+    properties.update({
+        "input": {"anyOf": [string, {"type": "array", "items": item}, null]},
+        "instructions": {"anyOf": [string, null]},
+        "max_output_tokens": chat["properties"]["max_completion_tokens"],
+        "tools": {"anyOf": [{"type": "array", "items": tool}, null]}, "tool_choice": choice,
+        "text": {"anyOf": [{"type": "object", "properties": {"format": fmt}}, null]},
+        "top_logprobs": chat["properties"]["top_logprobs"],
+        "include": {"anyOf": [{"type": "array", "items": string}, null]},
+        "store": {"anyOf": [{"type": "boolean"}, null]}, "metadata": {"anyOf": [{"type": "object"}, null]},
+        "reasoning": {"anyOf": [{"type": "object", "properties": {"effort": {"anyOf": [string, null]}}}, null]},
+        "chat_template_kwargs": {"anyOf": [{"type": "object"}, null]},
+        "previous_response_id": null, "conversation": null, "prompt": null,
+        "background": {"anyOf": [{"const": False}, null]}, "truncation": {"anyOf": [{"const": "disabled"}, null]},
+    })
+    return {"type": "object", "properties": properties}
+
+
+RESPONSE_SCHEMA = {"type": "object", "required": ["id", "object", "created_at", "status", "model", "output"],
+                   "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                                  "created_at": {"type": "integer"}, "status": {"type": "string"},
+                                  "model": {"type": "string"}, "output": {"type": "array", "items": {"type": "object"}}}}

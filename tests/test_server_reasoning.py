@@ -245,30 +245,37 @@ def qwen3_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def live(qwen3_model):
+def qwen3_engine(qwen3_model):
     from engine.config import EngineConfig
     from engine.handle import EngineHandle
     handle = EngineHandle(EngineConfig(model=qwen3_model, device="cpu", max_model_len=256, num_kv_blocks=64))
-    with BackgroundServer(create_app(handle, served_model_name="qwen3", reasoning_parser="qwen3")) as srv:
-        yield srv
+    yield handle
     handle.shutdown()
 
 
-def test_chat_template_kwargs_reach_the_template(live, qwen3_model):
+@pytest.fixture(scope="module")
+def live(qwen3_engine):
+    with BackgroundServer(create_app(qwen3_engine, served_model_name="qwen3", reasoning_parser="qwen3")) as srv:
+        yield srv
+
+
+def test_chat_template_kwargs_reach_the_template(qwen3_engine, qwen3_model):
     from transformers import AutoTokenizer
     oracle = AutoTokenizer.from_pretrained(qwen3_model)
-    for kwargs in ({}, {"enable_thinking": True}, {"enable_thinking": False}):
-        want = oracle.apply_chat_template(USER, tokenize=False, add_generation_prompt=True, **kwargs)
-        ids = httpx.post(live.url + "/tokenize", json={"messages": USER, "chat_template_kwargs": kwargs}).json()
-        assert ids["tokens"] == oracle.encode(want, add_special_tokens=False)
-        reply = httpx.post(live.url + "/v1/chat/completions", json={
-            "messages": USER, "max_tokens": 1, "chat_template_kwargs": kwargs}).json()
-        assert reply["usage"]["prompt_tokens"] == ids["count"]
-    assert want.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    bad = httpx.post(live.url + "/v1/chat/completions", json={"messages": USER, "chat_template_kwargs": [1]})
-    assert bad.status_code == 422 and bad.json()["error"]["param"] == "chat_template_kwargs"
-    bad = httpx.post(live.url + "/v1/chat/completions", json={"messages": USER, "chat_template_kwargs": {"tools": []}})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+    with BackgroundServer(create_app(qwen3_engine)) as srv:         # no reasoning parser: the template alone
+        for kwargs in ({}, {"enable_thinking": True}, {"enable_thinking": False}):
+            want = oracle.apply_chat_template(USER, tokenize=False, add_generation_prompt=True, **kwargs)
+            ids = httpx.post(srv.url + "/tokenize", json={"messages": USER, "chat_template_kwargs": kwargs}).json()
+            assert ids["tokens"] == oracle.encode(want, add_special_tokens=False)
+            reply = httpx.post(srv.url + "/v1/chat/completions", json={
+                "messages": USER, "max_tokens": 1, "chat_template_kwargs": kwargs}).json()
+            assert reply["usage"]["prompt_tokens"] == ids["count"]
+        assert want.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        bad = httpx.post(srv.url + "/v1/chat/completions", json={"messages": USER, "chat_template_kwargs": [1]})
+        assert bad.status_code == 422 and bad.json()["error"]["param"] == "chat_template_kwargs"
+        bad = httpx.post(srv.url + "/v1/chat/completions", json={"messages": USER,
+                                                                 "chat_template_kwargs": {"tools": []}})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def test_real_think_tokens_split_as_the_raw_output_reads(live):
