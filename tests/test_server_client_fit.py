@@ -1,12 +1,15 @@
 """What clients (lm-eval, OpenAI's SDK) rely on, against the real engine (CPU, tiny random-weight Qwen3,
 the real Qwen tokenizer): prompt scoring with max_tokens 0, the chosen token among the top logprobs,
-a byte-fragment token's real bytes in chat logprobs, /tokenizer_info. Oracle: transformers float32."""
+a byte-fragment token's real bytes in chat logprobs, /tokenizer_info, vLLM's prompt_logprobs (per prompt
+token a dict token id -> {logprob, rank, decoded_token}: the prompt token first at its rank, the top-k at
+ranks 1..k). Oracle: transformers float32 and its tokenizer."""
 from __future__ import annotations
 
 import json
 
 import httpx
 import numpy as np
+import openai
 import pytest
 
 from server.app import create_app
@@ -33,6 +36,10 @@ def handle():
 def url(handle):
     with BackgroundServer(create_app(handle)) as srv:
         yield srv.url
+
+
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
 def post(url: str, route: str, **body) -> dict:
@@ -125,3 +132,66 @@ def test_tokenizer_info_has_vllms_fields(url, handle):
     # what lm-eval's remote tokenizer does with it: the eos id through /tokenize
     ids = post(url, "/tokenize", prompt=info["eos_token"], add_special_tokens=False)["tokens"]
     assert ids == [tok.token_to_id("<|im_end|>")]
+
+
+def check_prompt_logprobs(plp: list, ids: list[int], k: int, path: str) -> None:
+    from transformers import AutoTokenizer
+    hf_tok = AutoTokenizer.from_pretrained(path)
+    oracle = log_softmax(hf_logits(path, ids))
+    assert len(plp) == len(ids) and plp[0] is None
+    for pos in range(1, len(ids)):
+        row, entry = oracle[pos - 1], plp[pos]
+        token = str(ids[pos])
+        assert list(entry)[0] == token                     # the prompt token first, as vLLM's dict has it
+        mine = entry[token]
+        assert abs(mine["logprob"] - row[ids[pos]]) <= LOGPROB_TOL
+        lo, hi = np.count_nonzero(row > mine["logprob"] + LOGPROB_TOL) + 1, np.count_nonzero(row >= mine["logprob"] - LOGPROB_TOL)
+        assert lo <= mine["rank"] <= hi                    # its rank: the tokens at least as likely
+        assert mine["decoded_token"] == hf_tok.decode([ids[pos]])
+        assert sorted(e["rank"] for e in entry.values())[:k] == list(range(1, k + 1))   # the top-k: ranks 1..k
+        kth = np.sort(row)[-k] if k else np.inf
+        for t, e in entry.items():
+            assert abs(e["logprob"] - row[int(t)]) <= LOGPROB_TOL and e["decoded_token"] == hf_tok.decode([int(t)])
+            assert t == token or row[int(t)] >= kth - LOGPROB_TOL  # each alternative among the k most likely
+        assert len(entry) == k + (mine["rank"] > k)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_completion_prompt_logprobs_match_the_oracle(url, handle, path, k):
+    ids = handle.tokenizer.encode("Colorless green ideas sleep furiously")
+    out = sdk(url).completions.create(model=handle.model_name, prompt=ids, max_tokens=2, n=2, temperature=1.0, seed=1,
+                                    extra_body={"prompt_logprobs": k})
+    assert [c.model_extra["prompt_logprobs"] for c in out.choices] == [out.choices[0].model_extra["prompt_logprobs"]] * 2
+    check_prompt_logprobs(out.choices[0].model_extra["prompt_logprobs"], ids, k, path)
+
+
+def test_each_prompt_has_its_own_and_echo_keeps_its_k(url, handle, path):
+    texts = ["The sky is", "A quick brown fox jumps"]
+    out = sdk(url).completions.create(model=handle.model_name, prompt=texts, max_tokens=1, echo=True, logprobs=1,
+                                    extra_body={"prompt_logprobs": 4})
+    for choice, text in zip(out.choices, texts):
+        ids = handle.tokenizer.encode(text)
+        check_prompt_logprobs(choice.model_extra["prompt_logprobs"], ids, 4, path)
+        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs[1:])    # echo's: logprobs 1, + the token
+    plain = sdk(url).completions.create(model=handle.model_name, prompt="The sky is", max_tokens=1)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+
+
+def test_chat_prompt_logprobs_cover_the_rendered_prompt(url, handle, path):
+    messages = [{"role": "user", "content": "Hello there"}]
+    ids = post(url, "/tokenize", messages=messages)["tokens"]
+    out = sdk(url).chat.completions.create(model=handle.model_name, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 1})
+    check_prompt_logprobs(out.model_extra["prompt_logprobs"], ids, 1, path)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),      # vLLM: not with a stream (0 is fine)
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),                     # the whole vocabulary: not served
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+])
+def test_prompt_logprobs_refusals(url, body, param):
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    ok = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "prompt_logprobs": 0,
+                                                          "stream": True})
+    assert ok.status_code == 200 and ok.text.endswith("data: [DONE]\n\n")

@@ -10,6 +10,7 @@ own rendering of that template.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -92,13 +93,17 @@ class ThinkingTemplate(ByteTokenizer):
         return text
 
 
-def scripted_server(parser: str, opens: bool = False) -> tuple[ScriptedHandle, BackgroundServer]:
+@contextlib.contextmanager
+def scripted(parser: str, opens: bool = False):
+    """(the scripted engine, an openai client of a server over it with `parser`)."""
     handle = ScriptedHandle()
     handle.tokenizer = ThinkingTemplate(opens)
-    return handle, BackgroundServer(create_app(handle, reasoning_parser=parser))
+    with BackgroundServer(create_app(handle, reasoning_parser=parser)) as srv:
+        yield handle, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
 
 
 USER = [{"role": "user", "content": "capital of France?"}]
+THINKING = "<think>\nThe capital of France is Paris.\n</think>\n\nParis."
 WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 
 
@@ -118,11 +123,9 @@ def chat_both_ways(client, **kwargs) -> tuple[dict, dict]:
 
 
 def test_chat_splits_reasoning_streamed_and_whole():
-    handle, srv = scripted_server("qwen3")
-    with srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-        handle.script = "<think>\nThe capital of France is Paris.\n</think>\n\nParis."
-        reasoning, content = vllm_split(handle.script, OPEN)
+    with scripted("qwen3") as (handle, client):
+        handle.script = THINKING
+        reasoning, content = vllm_split(THINKING, OPEN)
         message, streamed = chat_both_ways(client)
         assert (message["reasoning_content"], message["reasoning"], message["content"]) == (reasoning, reasoning, content)
         assert streamed == {"reasoning_content": reasoning, "reasoning": reasoning, "content": content}
@@ -137,9 +140,7 @@ def test_chat_splits_reasoning_streamed_and_whole():
 
 
 def test_tool_calls_are_parsed_in_the_content_only():
-    handle, srv = scripted_server("qwen3")
-    with srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    with scripted("qwen3") as (handle, client):
         inner = '<tool_call>\n{"name": "weather", "arguments": {"city": "Rome"}}\n</tool_call>'
         outer = '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
         handle.script = f"<think>\nMaybe {inner}? No.\n</think>\n\n{outer}"
@@ -152,9 +153,7 @@ def test_tool_calls_are_parsed_in_the_content_only():
 
 
 def test_the_prompts_end_decides_where_the_output_starts():
-    handle, srv = scripted_server("deepseek_r1", opens=True)
-    with srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+    with scripted("deepseek_r1", opens=True) as (handle, client):
         handle.script = "Paris is the capital.\n</think>\n\nParis."
         message, streamed = chat_both_ways(client)
         assert (message["reasoning_content"], message["content"]) == vllm_split(handle.script, REASONING)
@@ -167,11 +166,9 @@ def test_the_prompts_end_decides_where_the_output_starts():
 
 
 def test_responses_api_gives_a_reasoning_item_then_the_message():
-    handle, srv = scripted_server("qwen3")
-    with srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-        handle.script = "<think>\nThe capital of France is Paris.\n</think>\n\nParis."
-        reasoning, content = vllm_split(handle.script, OPEN)
+    with scripted("qwen3") as (handle, client):
+        handle.script = THINKING
+        reasoning, content = vllm_split(THINKING, OPEN)
         out = client.responses.create(model="fake-model", input="capital of France?")
         assert [item.type for item in out.output] == ["reasoning", "message"]
         assert out.output[0].content[0].text == reasoning and out.output_text == content

@@ -32,9 +32,8 @@ def server(handle):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
 def sse_events(url: str, body: dict) -> list[dict]:
@@ -53,7 +52,8 @@ def sse_events(url: str, body: dict) -> list[dict]:
     return events
 
 
-def test_a_text_reply_streamed_and_whole(server, client, handle):
+def test_a_text_reply_streamed_and_whole(server, handle):
+    client = sdk(server.url)
     handle.script = "Paris is the capital of France."
     body = {"model": "fake-model", "input": "capital of France?", "instructions": "be brief", "temperature": 0.5}
     whole = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
@@ -90,8 +90,7 @@ def test_max_output_tokens_ends_it_incomplete():
     fake = FakeHandle()
     with BackgroundServer(create_app(fake)) as srv:
         events = sse_events(srv.url, {"input": "hello", "max_output_tokens": 4})
-        out = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0).responses.create(
-            model="fake-model", input="hello", max_output_tokens=4)
+        out = sdk(srv.url).responses.create(model="fake-model", input="hello", max_output_tokens=4)
     assert events[-1]["type"] == "response.incomplete" and events[-2]["item"]["status"] == "incomplete"
     assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
     assert out.output_text == expected_text(ByteTokenizer().apply_chat_template([{"role": "user", "content": "hello"}]), 4)
@@ -175,7 +174,7 @@ def live():
 
 
 def test_function_calls_streamed_whole_and_fed_back(live):
-    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = sdk(live.url)
     kwargs = dict(model="qwen3", input="Weather in Paris?", tools=[WEATHER], tool_choice="required",
                   parallel_tool_calls=False, temperature=0, max_output_tokens=64)
     out = client.responses.create(**kwargs)
@@ -206,7 +205,7 @@ def test_function_calls_streamed_whole_and_fed_back(live):
 
 
 def test_json_schema_output(live):
-    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
+    client = sdk(live.url)
     schema = WEATHER["parameters"]
     fmt = {"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}}
     out = client.responses.create(model="qwen3", input="A city", text=fmt, temperature=1.0, max_output_tokens=40)
