@@ -3,6 +3,9 @@
 One ResponseBuilder per HTTP request: `on_event` folds each event into per-choice state and returns
 the stream chunks it produces; `response()` is the non-streaming body. Choice index = prompt * n + sample.
 
+With a reasoning parser a chat reply's thinking is split off its content (server/reasoning.py), tool calls
+parsed in the content only (server/tool_calls.py).
+
 Logprobs as OpenAI gives them: a completion's top_logprobs always hold the chosen token (up to k + 1
 entries, prompt positions included); a chat token's `bytes` are the token's own bytes, also for a token
 that is only part of a UTF-8 character (its `token` then spells the bytes that are no text as
@@ -207,6 +210,8 @@ class ResponseBuilder:
 
     def response(self) -> dict:
         choices = []
+        prompt_logprobs = ({i: self._vllm_prompt_logprobs(i) for i in range(len(self.parsed.prompts))}
+                           if self.parsed.prompt_logprobs is not None else {})
         for i, c in sorted(self.choices.items()):
             prompt_idx = i // self.n
             if self.parsed.kind == "chat":
@@ -222,11 +227,11 @@ class ResponseBuilder:
             choices.append({"index": i, "text": text, "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if self.parsed.prompt_logprobs is not None:
-                choices[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt_idx)
+                choices[-1]["prompt_logprobs"] = prompt_logprobs[prompt_idx]
         body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
         if self.parsed.kind == "chat" and self.parsed.prompt_logprobs is not None:
-            body["prompt_logprobs"] = self._vllm_prompt_logprobs(0)
+            body["prompt_logprobs"] = prompt_logprobs[0]
         return body
 
     def _message(self, c: ChoiceState) -> dict:
