@@ -121,6 +121,23 @@ def test_prompt_logprobs_and_sampling_match_oracle(case):
         assert got.seq_id == i and got.start_pos == 0 and len(got.logprobs) == len(p) - 1
         assert np.max(np.abs(np.asarray(got.logprobs) - want)) <= MAX_DLOGPROB
         assert [t for t, _ in got.top_logprobs[0]] == list(np.argsort(-lp[0])[:2])
+        assert_prompt_ranks(got, p, lp, MAX_DLOGPROB)
+
+
+def assert_prompt_ranks(got, prompt: list[int], lp: np.ndarray | None, tol: float) -> None:
+    """Each prompt token's rank (vLLM's: how many tokens are at least as likely): the top-k entries at least as
+    likely where it is one of them (more only where a tie runs past k), past k where not, and (with the
+    oracle's logprobs lp) within the band that logprobs off by tol allow."""
+    assert len(got.ranks) == len(got.logprobs) == len(prompt) - 1
+    for pos, (rank, token, x) in enumerate(zip(got.ranks, prompt[1:], got.logprobs)):
+        top = got.top_logprobs[pos]
+        at_least = sum(l >= x for _, l in top)
+        if token in [t for t, _ in top]:
+            assert rank == at_least or (rank > at_least and top[-1][1] >= x)
+        else:
+            assert rank > len(top)
+        if lp is not None:
+            assert np.count_nonzero(lp[pos] > x + tol) + 1 <= rank <= np.count_nonzero(lp[pos] >= x - tol)
 
 
 def test_config_has_the_shapes_the_issue_asks_for():

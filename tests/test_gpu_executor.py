@@ -233,6 +233,27 @@ def test_tiny_batched_equals_batch1(tiny):
 GPU_CPU_TIE_TOL = 0.1
 
 
+def test_prompt_logprobs_and_ranks(tiny):
+    """The eager path's prompt logprobs (echo, prompt_logprobs): within the bf16 floor of HF float32, and each
+    token's rank consistent with the top-k."""
+    from tests.test_golden import assert_prompt_ranks
+    name, model, ex, seqs, o32, o16 = tiny
+    steps, start = [], 0
+    for i, p in enumerate(seqs):
+        n = -(-len(p) // BLOCK_SIZE)
+        steps.append(SeqStep(seq_id=i, token_ids=p, start_pos=0, block_table=list(range(start, start + n)),
+                             sample=True, params=SamplingParams(temperature=0.0, prompt_logprobs=5),
+                             want_prompt_logprobs=True))
+        start += n
+    out = ex.execute(ModelBatch.build(steps))
+    for i, (p, o, o_bf16) in enumerate(zip(seqs, o32, o16)):
+        got, lp = out.prompt_logprobs[i], log_softmax(o)
+        floor = np.abs(log_softmax(o_bf16) - lp)[np.arange(len(p) - 1), p[1:]].max()
+        err = np.abs(np.asarray(got.logprobs) - lp[np.arange(len(p) - 1), p[1:]]).mean()
+        assert err <= max(MAX_MEAN_DLOGPROB, 2 * floor), (name, err, floor)
+        assert_prompt_ranks(got, p, None, 0.0)
+
+
 def test_gpu_equals_cpu_greedy_64_steps():
     from engine.executor.cpu import CpuExecutor
     from engine.executor.options import options_of
