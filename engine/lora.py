@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.lora_patterns import PatternError, first_match, pattern_matches
+
 # PEFT module -> (engine site suffix, slice of the packed projection)
 MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
@@ -127,11 +129,12 @@ def load_adapter(name: str, path: str, sites: dict[str, Site], num_layers: int, 
         _check_alpha(where, f"alpha_pattern[{key!r}]", a)
     _check_targets(where, cfg.get("target_modules"))
     pairs = _read_pairs(where, path, num_layers)
-    module_rank = {k: _lookup(ranks, module_path, rank) for k, (module_path, _, _) in pairs.items()}
+    matches = _match_patterns(where, ranks, alphas, sorted({p for p, _, _ in pairs.values()}))
+    module_rank = {k: first_match(ranks, module_path, matches, rank) for k, (module_path, _, _) in pairs.items()}
     width = max(module_rank.values())             # the adapter's rank: its modules' largest
     out: dict[str, SiteLoRA] = {}
     for (layer, module), (module_path, a, b) in sorted(pairs.items()):
-        r, al = module_rank[layer, module], _lookup(alphas, module_path, alpha)
+        r, al = module_rank[layer, module], first_match(alphas, module_path, matches, alpha)
         scaling = _scaling(cfg, al, r)
         suffix, j = MODULES[module]
         site_name = f"layers.{layer}.{suffix}"
@@ -170,24 +173,22 @@ def _check_alpha(where: str, what: str, alpha) -> None:
 
 
 def _pattern(where: str, cfg: dict, field: str) -> dict:
-    """rank_pattern / alpha_pattern: {regex or module name: value}, each key a valid regular expression."""
+    """rank_pattern / alpha_pattern: {regex or module name: value}."""
     pattern = cfg.get(field) or {}
     if not isinstance(pattern, dict):
         raise LoRAError(f"{where}: {field} must be a JSON object (got {pattern!r})")
-    for key in pattern:
-        try:
-            re.compile(key)
-        except re.error as e:
-            raise LoRAError(f"{where}: {field} key {key!r} is not a valid regular expression: {e}") from None
     return pattern
 
 
-def _lookup(pattern: dict, module_path: str, default):
-    """PEFT's rule: the first key (in the file's order) K with module_path matching `(.*\\.)?(K)$`."""
-    for key, value in pattern.items():
-        if re.match(rf"(.*\.)?({key})$", module_path):
-            return value
-    return default
+def _match_patterns(where: str, ranks: dict, alphas: dict, module_paths: list[str]) -> dict[str, set[str]]:
+    """Every pattern key -> the module paths it matches (engine/lora_patterns.py: bounded); LoRAError naming a
+    key that is no valid regular expression or whose matching runs out of time."""
+    try:
+        return pattern_matches([*ranks, *alphas], module_paths)
+    except PatternError as e:
+        field = "rank_pattern" if e.key in ranks else "alpha_pattern"
+        key = e.key if len(e.key) <= 100 else e.key[:100] + "..."
+        raise LoRAError(f"{where}: {field} key {key!r} {e}") from None
 
 
 def _read_config(where: str, path: str) -> dict:
@@ -201,7 +202,7 @@ def _read_config(where: str, path: str) -> dict:
     try:
         with open(file, encoding="utf-8") as f:
             cfg = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise LoRAError(f"{where}: {file} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
         raise LoRAError(f"{where}: {file} must hold a JSON object")
