@@ -1,7 +1,9 @@
 """Run-time engine ops, as the server calls them on either engine handle: LoRA adapter loads and unloads,
 and the device prefix cache's reset. Each op runs next to the engine loop (`run_engine_op`) and answers
 once, with None or an error that carries the HTTP status the server answers with (LoRAError for the
-LoRA ops, EngineCallError otherwise). The prefix-cache reset answers once the host tier's offload of the
+LoRA ops, EngineCallError otherwise), whatever fails: an unexpected exception in any part of an op is
+its answer too (a 500 naming the op), and an op on an engine that has stopped answers 503 at once. The
+prefix-cache reset answers once the host tier's offload of the
 evicted blocks has landed (a request right after it then waits for no device-to-host copy).
 
 `EngineCalls` is the surface EngineHandle (engine in this process, `LocalEngineCalls`) and EngineClient
@@ -13,11 +15,14 @@ thread; an unload answers once no sequence uses the adapter; the reset runs betw
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import threading
 from typing import Callable
 
 from engine.lora import LoRAError
 
+log = logging.getLogger("openinfer.engine")
 NOT_ENABLED = "LoRA is not enabled: start the server with --enable-lora"
 LORA_OPS = ("load", "unload")
 
@@ -32,7 +37,13 @@ class EngineCallError(Exception):
 
 def run_engine_op(engine, op: tuple, reply: Callable[[Exception | None], None]) -> None:
     """op ("load", name, path, in_place), ("unload", name) or ("reset_prefix_cache",) on an EngineLoop;
-    reply(None or the error) once, from whichever thread finishes it."""
+    reply(None or the error) once, from whichever thread finishes it. Every part runs guarded: whatever
+    it raises is the op's answer (`op_failure`), so no caller waits for ever."""
+    guard = functools.partial(_guarded, op, reply)
+    guard(lambda: _start_op(engine, op, reply, guard))()
+
+
+def _start_op(engine, op: tuple, reply: Callable[[Exception | None], None], guard) -> None:
     if op[0] == "reset_prefix_cache":
         def reset() -> None:                   # engine thread; the answer once the offload has landed
             engine.reset_prefix_cache()
@@ -45,34 +56,46 @@ def run_engine_op(engine, op: tuple, reply: Callable[[Exception | None], None]) 
                     reply(EngineCallError(f"prefix cache reset: the host tier's copies failed: {e}", 500))
                     return
                 reply(None)
-            threading.Thread(target=wait, name="openinfer-reset-wait", daemon=True).start()
-        engine.call(reset)
+            threading.Thread(target=guard(wait), name="openinfer-reset-wait", daemon=True).start()
+        engine.call(guard(reset))
         return
     registry = engine.loras
     if registry is None:
         reply(LoRAError(NOT_ENABLED))
         return
     if op[0] == "unload":
-        engine.call(lambda: registry.remove(op[1], reply))
+        engine.call(guard(lambda: registry.remove(op[1], reply)))
         return
 
     def add(adapter) -> None:                  # engine thread
-        try:
-            registry.add(adapter, replace=op[3])
-        except LoRAError as e:
-            reply(e)
-            return
+        registry.add(adapter, replace=op[3])
         reply(None)
 
     def read() -> None:
-        try:
-            adapter = registry.read(op[1], op[2])
-        except LoRAError as e:
-            reply(e)
-            return
-        engine.call(lambda: add(adapter))
+        adapter = registry.read(op[1], op[2])
+        engine.call(guard(lambda: add(adapter)))
 
-    threading.Thread(target=read, name="openinfer-lora-read", daemon=True).start()
+    threading.Thread(target=guard(read), name="openinfer-lora-read", daemon=True).start()
+
+
+def op_failure(op: tuple, err: Exception) -> LoRAError | EngineCallError:
+    """The answer to an op that raised an unexpected `err`: a 500 naming the op and the error."""
+    what = {"load": "loading LoRA adapter {!r} from {}", "unload": "unloading LoRA adapter {!r}"}.get(
+        op[0], "the prefix cache reset").format(*op[1:3])
+    message = f"{what} failed: {type(err).__name__}: {err}"
+    return LoRAError(message, 500) if op[0] in LORA_OPS else EngineCallError(message, 500)
+
+
+def _guarded(op: tuple, reply: Callable[[Exception | None], None], fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            fn()
+        except (LoRAError, EngineCallError) as e:
+            reply(e)
+        except Exception as e:                 # noqa: BLE001 - answered as the op's error, never lost
+            log.exception("engine op %s failed", op[0])
+            reply(op_failure(op, e))
+    return run
 
 
 def settle(future: asyncio.Future, value) -> None:
@@ -125,6 +148,8 @@ class LocalEngineCalls(EngineCalls):
     """EngineHandle's: run_engine_op on its own engine loop."""
 
     async def _engine_op(self, op: tuple) -> None:
+        if not self.engine.is_alive():
+            raise EngineCallError("the engine is not running", 503)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         run_engine_op(self.engine, op, lambda err: loop.call_soon_threadsafe(settle, future, err))
@@ -145,7 +170,13 @@ class RemoteEngineCalls(EngineCalls):
         future = loop.create_future()
         call_id = next(self._op_ids)
         self._ops_waiting[call_id] = (loop, future)
-        self._send(("op", call_id, op))
+        try:
+            if getattr(self, "_gone", False):     # the reader has failed every waiting call already
+                raise EOFError
+            self._send(("op", call_id, op))
+        except (EOFError, OSError, ValueError):
+            self._ops_waiting.pop(call_id, None)
+            raise EngineCallError("the engine process ended", 503) from None
         status, message = await future
         if status:
             raise (LoRAError if op[0] in LORA_OPS else EngineCallError)(message, status)

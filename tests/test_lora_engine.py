@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -363,11 +364,73 @@ def test_load_in_place_replaces_the_adapter_for_new_requests_only(handle):
     asyncio.run(main())
 
 
-def test_engine_process_loads_and_unloads():
+def malformed_copy(folder: str, out) -> str:
+    """The adapter at `folder` with a safetensors header whose one entry lacks its data_offsets."""
+    import json
+    import shutil
+    import struct
+    shutil.copytree(folder, out)
+    header = json.dumps({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                         {"dtype": "F32", "shape": [8, 64]}}).encode()
+    with open(os.path.join(out, "adapter_model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + bytes(2048))
+    return str(out)
+
+
+def test_every_failure_of_an_op_is_answered(handle, tmp_path, monkeypatch):
+    """A malformed adapter file is a 400 naming the problem; an unexpected error in any part of an op
+    (reading on its thread, registering or unloading on the engine thread, the prefix-cache reset) is a 500
+    naming the op; none leaves the caller waiting, and the engine goes on serving."""
+    from engine.engine_calls import EngineCallError
+    bad = malformed_copy(tiny_adapter_path(MODEL, "mixed16"), tmp_path / "bad")
+    registry, engine = handle.engine.loras, handle.engine
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk on fire")
+
+    async def answer(coro):
+        with pytest.raises((LoRAError, EngineCallError)) as err:
+            await asyncio.wait_for(coro, 30)
+        return err.value.status, str(err.value)
+
+    async def main():
+        status, message = await answer(handle.load_lora_adapter("bad", bad))
+        assert status == 400 and "'data_offsets' None is not [begin, end]" in message and bad in message
+        for target, method, call, what in [
+                (registry, "read", handle.load_lora_adapter("r", bad), f"loading LoRA adapter 'r' from {bad}"),
+                (registry, "add", handle.load_lora_adapter("a", tiny_adapter_path(MODEL, "mixed16")),
+                 "loading LoRA adapter 'a'"),
+                (registry, "remove", handle.unload_lora_adapter("attn8"), "unloading LoRA adapter 'attn8'"),
+                (engine, "reset_prefix_cache", handle.reset_prefix_cache(), "the prefix cache reset")]:
+            with monkeypatch.context() as m:
+                m.setattr(target, method, boom)
+                status, message = await answer(call)
+            assert status == 500 and message.startswith(what) and "RuntimeError: disk on fire" in message, message
+        assert set(handle.lora_adapters) == {"attn8"} and set(registry.ids) == {"attn8"}
+        got = await collect(handle, request("after", PROMPTS[1], "attn8"))
+        assert tokens(got) == oracle_greedy(PROMPTS[1], "attn8")
+    asyncio.run(main())
+
+
+def test_ops_on_a_stopped_engine_are_answered():
+    h = EngineHandle(EngineConfig(model=tiny_model_path(MODEL), device="cpu", num_kv_blocks=16, max_model_len=128,
+                                  enable_lora=True, progress=False))
+    h.shutdown()
+    from engine.engine_calls import EngineCallError
+
+    async def main():
+        for call in (h.load_lora_adapter("x", tiny_adapter_path(MODEL, "attn8")), h.reset_prefix_cache()):
+            with pytest.raises(EngineCallError, match="the engine is not running"):
+                await asyncio.wait_for(call, 10)
+    asyncio.run(main())
+
+
+def test_engine_process_loads_and_unloads(tmp_path):
     """The same calls on the engine in a process of its own (answers over its pipe)."""
     from engine.process import EngineClient
     config = EngineConfig(model=tiny_model_path(MODEL), device="cpu", num_kv_blocks=32, max_model_len=256,
                           enable_lora=True, max_loras=1, progress=False)
+    bad = malformed_copy(tiny_adapter_path(MODEL, "mixed16"), tmp_path / "bad")
     client = EngineClient(config)
     try:
         async def main():
@@ -375,6 +438,8 @@ def test_engine_process_loads_and_unloads():
             got = await collect(client, request("p1", PROMPTS[0], "m"))
             with pytest.raises(LoRAError, match="is not a folder"):
                 await client.load_lora_adapter("x", "/nowhere")
+            with pytest.raises(LoRAError, match=r"'data_offsets' None is not \[begin, end\]"):
+                await asyncio.wait_for(client.load_lora_adapter("x", bad), 30)
             await client.unload_lora_adapter("m")
             with pytest.raises(LoRAError) as gone:
                 await client.unload_lora_adapter("m")

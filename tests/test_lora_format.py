@@ -145,3 +145,44 @@ def test_the_benchmarks_adapters_load(tmp_path, sites):
     folder = write_random_adapter(load_model(tiny_model_path(MODEL)), str(tmp_path / "bench"), rank=16, seed=0)
     ad = read(folder, sites)
     assert ad.modules == tuple(sorted(MODULES)) and len(ad.sites) == 8 and ad.scaling == 2.0
+
+
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+GOOD_ENTRY = {"dtype": "F32", "shape": [16, 64], "data_offsets": [0, 16 * 64 * 4]}
+
+
+def write_raw(folder: str, header: bytes, data: bytes = b"", length: int | None = None) -> str:
+    """adapter_model.safetensors as given: an 8-byte length (the header's own unless `length`), header, data."""
+    import struct
+    path = os.path.join(folder, "adapter_model.safetensors")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header) if length is None else length) + header + data)
+    return path
+
+
+@pytest.mark.parametrize("header,data,length,words", [
+    (json.dumps([GOOD_ENTRY]).encode(), b"", None, "the safetensors header is a JSON list, not an object"),
+    (json.dumps({Q_A: {"dtype": "F32", "shape": [16, 64]}}).encode(), bytes(4096), None,
+     r"tensor '.*q_proj.lora_A.weight': 'data_offsets' None is not \[begin, end\]"),
+    (json.dumps({Q_A: [0, 4096]}).encode(), bytes(4096), None, "its entry is a JSON list, not an object"),
+    (json.dumps({Q_A: "F32"}).encode(), b"", None, "its entry is a JSON str, not an object"),
+    (json.dumps({Q_A: GOOD_ENTRY}).encode(), bytes(100), None,
+     r"'data_offsets' \[0, 4096\] is not \[begin, end\] within the file's 100 data bytes"),
+    (json.dumps({Q_A: {**GOOD_ENTRY, "data_offsets": [4096, 0]}}).encode(), bytes(4096), None, "'data_offsets'"),
+    (json.dumps({Q_A: {**GOOD_ENTRY, "data_offsets": [0, 4000]}}).encode(), bytes(4096), None,
+     r"span 4000 bytes; shape \[16, 64\] of F32 is 4096"),
+    (json.dumps({Q_A: {**GOOD_ENTRY, "shape": [16, "64"]}}).encode(), bytes(4096), None,
+     "'shape' .* is not a list of non-negative integers"),
+    (json.dumps({Q_A: {**GOOD_ENTRY, "dtype": 7}}).encode(), bytes(4096), None, "'dtype' 7 is not a string"),
+    (json.dumps({Q_A: GOOD_ENTRY}).encode(), b"", 10_000, "header of 10000 bytes in a file of"),
+    (b"[" * 100_000 + b"]" * 100_000, b"", None, "the safetensors header is not valid JSON"),
+    (b"{\"a\": \xff}", b"", None, "the safetensors header is not valid JSON"),
+])
+def test_malformed_safetensors_are_refused_naming_the_file(tmp_path, sites, header, data, length, words):
+    """A header that is not safetensors' (the reader must check it before indexing the data) is a 400
+    naming the file and what is wrong, never an exception of another kind out of the reader."""
+    folder = copy_adapter(tmp_path)
+    path = write_raw(folder, header, data, length)
+    with pytest.raises(LoRAError, match=words) as err:
+        read(folder, sites)
+    assert err.value.status == 400 and path in str(err.value) and "'ad'" in str(err.value)

@@ -3,6 +3,7 @@ arrays in their stored dtype (bf16 as ml_dtypes.bfloat16), and write them back."
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import struct
@@ -21,17 +22,52 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def read_header(path: str) -> tuple[dict, int]:
-    """(tensor entries, byte offset of the data section)."""
+    """(tensor entries, byte offset of the data section); ValueError naming the file and what is wrong
+    with a header that is not safetensors' (`check_entry`)."""
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) != 8:
             raise ValueError(f"{path}: not a safetensors file (too short)")
         (n,) = struct.unpack("<Q", raw)
-        if n > 100 * 2**20:
-            raise ValueError(f"{path}: not a safetensors file (header of {n} bytes)")
-        header = json.loads(f.read(n))
+        if n > min(100 * 2**20, size - 8):
+            raise ValueError(f"{path}: not a safetensors file (header of {n} bytes in a file of {size})")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{path}: the safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
+    for name, entry in header.items():
+        problem = check_entry(entry, size - 8 - n)
+        if problem:
+            raise ValueError(f"{path}: tensor {name!r}: {problem}")
     return header, 8 + n
+
+
+def check_entry(entry, data_bytes: int) -> str | None:
+    """What is wrong with a header's tensor entry (None: nothing): it must be an object with a string
+    'dtype', a 'shape' of non-negative integers and 'data_offsets' [begin, end] within the data section
+    (`data_bytes` long), as many bytes as the shape holds in a dtype this reader knows."""
+    if not isinstance(entry, dict):
+        return f"its entry is a JSON {type(entry).__name__}, not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str):
+        return f"'dtype' {dtype!r} is not a string"
+    if not isinstance(shape, list) or not all(_count(d) for d in shape):
+        return f"'shape' {shape!r} is not a list of non-negative integers"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
+            and offsets[0] <= offsets[1] <= data_bytes):
+        return f"'data_offsets' {offsets!r} is not [begin, end] within the file's {data_bytes} data bytes"
+    want = math.prod(shape) * DTYPES[dtype].itemsize if dtype in DTYPES else None
+    if want is not None and offsets[1] - offsets[0] != want:
+        return f"'data_offsets' {offsets!r} span {offsets[1] - offsets[0]} bytes; shape {shape} of {dtype} is {want}"
+    return None
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class SafetensorsCheckpoint:
