@@ -3,8 +3,8 @@ and the device prefix cache's reset. Each op runs next to the engine loop (`run_
 once, with None or an error that carries the HTTP status the server answers with (LoRAError for the
 LoRA ops, EngineCallError otherwise), whatever fails: an unexpected exception in any part of an op is
 its answer too (a 500 naming the op), and an op on an engine that has stopped answers 503 at once. The
-prefix-cache reset answers once the host tier's offload of the
-evicted blocks has landed (a request right after it then waits for no device-to-host copy).
+prefix-cache reset answers once the host tier's offload of the evicted blocks has landed (a request right
+after it then waits for no device-to-host copy).
 
 `EngineCalls` is the surface EngineHandle (engine in this process, `LocalEngineCalls`) and EngineClient
 (engine in a child process, engine/process.py, `RemoteEngineCalls`) share: `lora_adapters` (the served

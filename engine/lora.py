@@ -6,7 +6,8 @@ A dense model line's LoRA sites are its packed projections, by engine weight nam
 `layers.{i}.down_proj`. A PEFT module's pair (`...layers.{i}.self_attn.q_proj.lora_A.weight` [r, K],
 `...lora_B.weight` [N, r]) lands in its site's slice: the slice's output gains
 scaling · (x · Aᵀ) · Bᵀ, scaling = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). A module's r and
-lora_alpha are `rank_pattern` / `alpha_pattern`'s where a key matches its name, as PEFT matches them; modules of
+lora_alpha are `rank_pattern` / `alpha_pattern`'s where a key matches its name, as PEFT matches them
+(engine/lora_patterns.py: an adapter's regular expressions never run unbounded here); modules of
 a lower rank than the adapter's largest are zero-padded to it. Every refusal is a LoRAError whose message names
 the adapter and the problem.
 """

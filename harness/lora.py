@@ -6,7 +6,10 @@ adapters of the tiny models, written by peft itself, and the transformers + peft
 from __future__ import annotations
 
 import functools
+import json
 import os
+import shutil
+import struct
 
 import numpy as np
 
@@ -62,6 +65,16 @@ def tiny_adapter_path(model: str, adapter: str) -> str:
     settings = TINY_ADAPTERS.get(adapter) or PATTERNED_ADAPTERS[adapter]
     return write_peft_adapter(tiny_model_path(model), os.path.join(_tmp_root(), f"{model}-lora-{adapter}"),
                               seed=names.index(adapter) + 1, **settings)
+
+
+def malformed_adapter(folder: str, out: str) -> str:
+    """A copy of the adapter `folder` at `out` whose safetensors header's one entry lacks its data_offsets."""
+    header = json.dumps({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+                         {"dtype": "F32", "shape": [8, 64]}}).encode()
+    shutil.copytree(folder, out)
+    with open(os.path.join(out, "adapter_model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header + bytes(2048))
+    return str(out)
 
 
 def peft_model(base_path: str, adapter_path: str, dtype: str = "float32", device: str = "cpu"):

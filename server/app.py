@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 import uuid
 
@@ -21,7 +22,7 @@ from sanic.exceptions import RequestTimeout
 
 from engine.events import Error, Rejected, Token
 from server.auth import OPEN_PATHS, check_api_key
-from server.body import parse_json
+from server.body import parse_json, require_json
 from server.drain import InFlight
 from server.engine_call import EngineCall, engine_failure
 from server.errors import APIError, error_response
@@ -62,14 +63,19 @@ class BoundedRequest(Request):
 def create_app(handle, *, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_n: int | None = None,
                limits: ServerLimits | None = None, request_trace: str | None = None,
-               lora_resolver_dir: str | None = None, reasoning_parser: str | None = None) -> Sanic:
+               lora_resolver_dir: str | None = None, allow_runtime_lora: bool = False,
+               allowed_lora_paths: tuple[str, ...] = (), reasoning_parser: str | None = None) -> Sanic:
     """max_n defaults to what the engine accepts (EngineHandle.max_n); request_trace: a file for one timeline
-    line per generation request (server/request_trace.py); lora_resolver_dir: a folder of LoRA adapters a
-    request's unknown 'model' is looked up in (server/lora_routes.py); reasoning_parser: how chat replies
+    line per generation request (server/request_trace.py). LoRA at run time (server/lora_routes.py):
+    allow_runtime_lora turns on /v1/load_lora_adapter and /v1/unload_lora_adapter, whose loads read only
+    inside allowed_lora_paths and lora_resolver_dir, a folder of adapters a request's unknown 'model' is
+    looked up in (it needs allow_runtime_lora: ValueError otherwise). reasoning_parser: how chat replies
     split off the model's thinking (server/reasoning.py; an unknown name is a ValueError)."""
     limits = limits or ServerLimits()
     limits.validate()
     check_reasoning_parser(reasoning_parser, handle.tokenizer)
+    if lora_resolver_dir and not allow_runtime_lora:
+        raise ValueError("a LoRA resolver folder needs run-time LoRA loading allowed")
     app = Sanic(f"openinfer_{next(_app_ids)}", request_class=BoundedRequest)
     app.config.REQUEST_MAX_SIZE = max_body_bytes
     app.config.KEEP_ALIVE_TIMEOUT = 30
@@ -90,12 +96,15 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
                               max_token_bytes=_int_or_none(getattr(tokenizer, "max_token_bytes", None)),
                               adapters=getattr(handle, "lora_adapters", {}), reasoning_parser=reasoning_parser)
     app.ctx.created = int(time.time())
-    app.ctx.lora_resolver_dir = lora_resolver_dir
+    app.ctx.lora_runtime_updates = allow_runtime_lora
+    app.ctx.lora_resolver_dir = os.path.realpath(lora_resolver_dir) if lora_resolver_dir else None
+    app.ctx.lora_roots = tuple(os.path.realpath(p) for p in (*allowed_lora_paths, lora_resolver_dir) if p)
     app.ctx.lora_resolving = asyncio.Lock()
     app.ctx.openapi = None                  # built on first request
     app.error_handler.add(Exception, lambda request, exc: error_response(exc))
     app.on_request(check_api_key)
     app.on_request(_refuse_while_draining)
+    app.on_request(require_json)
     _add_generation_routes(app)
     add_info_routes(app)
     add_tokenizer_routes(app)

@@ -1,7 +1,9 @@
-"""The JSON body of a request, parsed and checked before any field is read: its nesting depth (a 2 KB
-body of 1,000 brackets must reach neither the parser's nor a validator's recursion limit) and its text
-(a lone surrogate such as "\\ud800" is not Unicode text: no tokenizer takes it). Both refusals are a
-400 naming the field."""
+"""The JSON body of a request, parsed and checked before any field is read: its media type (a body must
+come as `Content-Type: application/json`, or a `+json` type: 415 otherwise, so that no page's plain form
+or text post reaches a route without the browser asking first), its nesting depth (a 2 KB body of 1,000
+brackets must reach neither the parser's nor a validator's recursion limit) and its text (a lone
+surrogate such as "\\ud800" is not Unicode text: no tokenizer takes it). Those two refusals are a 400
+naming the field."""
 from __future__ import annotations
 
 import json
@@ -12,6 +14,19 @@ from server.errors import APIError, invalid, wrong_type
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")      # the only way a surrogate gets into JSON
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}:,]')
+
+
+def require_json(request) -> None:
+    """Request middleware: a POST that brings a body (every POST route takes JSON) must say it is JSON."""
+    headers = request.headers
+    if request.method != "POST" or (headers.get("content-length", "0").strip() in ("", "0")
+                                    and "transfer-encoding" not in headers):
+        return
+    given = headers.get("content-type", "")
+    media = given.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise APIError(415, f"the request body must be JSON, sent with 'Content-Type: application/json' (got "
+                            f"{repr(given) if given else 'none'})", code="unsupported_media_type")
 
 
 def parse_json(raw: bytes, max_depth: int = 64) -> dict:

@@ -111,16 +111,33 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
     return limits
 
 
-def lora_resolver_dir(args: argparse.Namespace) -> str | None:
-    """--lora-resolver-dir, checked: it needs --enable-lora and an existing folder (ValueError otherwise)."""
-    folder = args.lora_resolver_dir
-    if not folder:
-        return None
-    if not args.enable_lora:
-        raise ValueError("--lora-resolver-dir (or VLLM_LORA_RESOLVER_CACHE_DIR) needs --enable-lora")
-    if not os.path.isdir(folder):
-        raise ValueError(f"--lora-resolver-dir {folder!r} is not a folder")
-    return os.path.abspath(folder)
+def runtime_lora(args: argparse.Namespace) -> dict:
+    """create_app's run-time LoRA arguments from --allow-runtime-lora-updating, --allowed-lora-path and
+    --lora-resolver-dir, checked (ValueError): the folders need --enable-lora and the run-time switch and
+    must exist; the switch with --enable-lora needs at least one folder (loads read nowhere else)."""
+    switch = "--allow-runtime-lora-updating (or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)"
+    named = [("--allowed-lora-path", p) for p in args.allowed_lora_path]
+    if args.lora_resolver_dir:
+        named.append(("--lora-resolver-dir (or VLLM_LORA_RESOLVER_CACHE_DIR)", args.lora_resolver_dir))
+    for flag, folder in named:
+        if not args.enable_lora:
+            raise ValueError(f"{flag} needs --enable-lora")
+        if not args.allow_runtime_lora_updating:
+            raise ValueError(f"{flag} needs {switch}")
+        if not os.path.isdir(folder):
+            raise ValueError(f"{flag} {folder!r} is not a folder")
+    if args.enable_lora and args.allow_runtime_lora_updating and not named:
+        raise ValueError(f"{switch} needs the folders adapters may be loaded from: --allowed-lora-path DIR "
+                         f"(or --lora-resolver-dir DIR)")
+    resolver = os.path.abspath(args.lora_resolver_dir) if args.lora_resolver_dir else None
+    return {"allow_runtime_lora": args.enable_lora and args.allow_runtime_lora_updating,
+            "allowed_lora_paths": tuple(os.path.abspath(p) for p in args.allowed_lora_path),
+            "lora_resolver_dir": resolver}
+
+
+def _env_flag(name: str) -> bool:
+    """vLLM's reading of a boolean environment variable: "1" or "true" (any case)."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,9 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                        help="split chat replies' thinking (<think>...</think>) into reasoning_content: qwen3 "
                             "(Qwen3, Qwen3.5), deepseek_r1 (DeepSeek-R1 and its distills)")
+    serve.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
+                       default=_env_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
+                       help="with --enable-lora: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (and "
+                            "--lora-resolver-dir); env VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+    serve.add_argument("--allowed-lora-path", action="append", default=[], metavar="DIR",
+                       help="a folder run-time LoRA loads may read from (its adapters' real paths must lie "
+                            "inside it; repeat for several)")
     serve.add_argument("--lora-resolver-dir", default=os.environ.get("VLLM_LORA_RESOLVER_CACHE_DIR"), metavar="DIR",
-                       help="with --enable-lora: a request naming an unknown model loads DIR/<model> as a LoRA "
-                            "adapter first, where that folder holds one (env VLLM_LORA_RESOLVER_CACHE_DIR)")
+                       help="with run-time LoRA updating: a request naming an unknown model loads DIR/<model> as a "
+                            "LoRA adapter first, where that folder holds one (env VLLM_LORA_RESOLVER_CACHE_DIR)")
     _limit_args(serve)
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
@@ -205,7 +229,7 @@ def serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     config = engine_config(args)
     limits = server_limits(args)
-    resolver_dir = lora_resolver_dir(args)
+    lora_access = runtime_lora(args)
     sock = socket.create_server((args.host, args.port))     # fail fast if the port is taken
     if args.engine_process:                                 # CUDA is touched in the engine process only
         handle = EngineClient(config, notes=startup_notes)
@@ -217,7 +241,7 @@ def serve(args: argparse.Namespace) -> int:
         for level, line in notes:
             log.log(level, "%s", line)
         app = create_app(handle, api_key=args.api_key, limits=limits, request_trace=args.request_trace,
-                         lora_resolver_dir=resolver_dir, reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser, **lora_access)
         print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
               f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
         asyncio.run(_serve_until_signal(app, sock))

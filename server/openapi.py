@@ -170,7 +170,7 @@ def _answers(ok: dict, *errors: int, stream: bool = False) -> dict:
 
 def _post(summary: str, body: dict, ok: dict, stream: bool = False) -> dict:
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": _json(body)},
-                     "responses": _answers(ok, 400, 401, 404, 408, 413, 422, 500, 503, stream=stream)}}
+                     "responses": _answers(ok, 400, 401, 404, 408, 413, 415, 422, 500, 503, stream=stream)}}
 
 
 def _get(summary: str, ok: dict, *errors: int, open_route: bool = False, content: dict | None = None) -> dict:
@@ -189,6 +189,8 @@ def _lora_post(summary: str, fields: list[str], flags: tuple[str, ...] = ()) -> 
                            **{f: {"type": "boolean"} for f in flags}}}
     op = _post(summary, body, {})
     op["post"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    op["post"]["responses"]["403"] = {"content": _json(ERROR), "description": (
+        "run-time LoRA loading is off (VLLM_ALLOW_RUNTIME_LORA_UPDATING), or lora_path is outside the allowed folders")}
     return op
 
 
@@ -238,8 +240,11 @@ def openapi_document(version: str, model: ModelInfo) -> dict:
                              content={"text/plain": {"schema": {"type": "string"}}}),
             "/openapi.json": _get("This document", {"type": "object"}, open_route=True),
             "/reset_prefix_cache": _reset_post(),
-            "/v1/load_lora_adapter": _lora_post("Load a LoRA adapter (with --enable-lora; load_inplace: replace the one loaded under that name)",
-                                                  ["lora_name", "lora_path"], ("load_inplace",)),
-            "/v1/unload_lora_adapter": _lora_post("Unload a LoRA adapter, once its requests have ended", ["lora_name"]),
+            "/v1/load_lora_adapter": _lora_post(
+                "Load a LoRA adapter (with --enable-lora and run-time loading allowed: VLLM_ALLOW_RUNTIME_LORA_UPDATING; "
+                "lora_path inside an --allowed-lora-path folder; load_inplace: replace the one loaded under that name)",
+                ["lora_name", "lora_path"], ("load_inplace",)),
+            "/v1/unload_lora_adapter": _lora_post("Unload a LoRA adapter, once its requests have ended (with run-time "
+                                                  "loading allowed)", ["lora_name"]),
         },
     }

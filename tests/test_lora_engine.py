@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from engine.handle import EngineHandle
 from engine.lora import LoRAError
 from engine.request import GenerateRequest, SamplingParams
 from fake_executor import make_engine, run_until_idle, submit
-from harness.lora import TINY_ADAPTERS, hf_lora_logits, tiny_adapter_path
+from harness.lora import TINY_ADAPTERS, hf_lora_logits, malformed_adapter, tiny_adapter_path
 from harness.models import hf_logits, tiny_model_path
 from memory.prefix_hash import hash_chain
 
@@ -364,25 +363,12 @@ def test_load_in_place_replaces_the_adapter_for_new_requests_only(handle):
     asyncio.run(main())
 
 
-def malformed_copy(folder: str, out) -> str:
-    """The adapter at `folder` with a safetensors header whose one entry lacks its data_offsets."""
-    import json
-    import shutil
-    import struct
-    shutil.copytree(folder, out)
-    header = json.dumps({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
-                         {"dtype": "F32", "shape": [8, 64]}}).encode()
-    with open(os.path.join(out, "adapter_model.safetensors"), "wb") as f:
-        f.write(struct.pack("<Q", len(header)) + header + bytes(2048))
-    return str(out)
-
-
 def test_every_failure_of_an_op_is_answered(handle, tmp_path, monkeypatch):
     """A malformed adapter file is a 400 naming the problem; an unexpected error in any part of an op
     (reading on its thread, registering or unloading on the engine thread, the prefix-cache reset) is a 500
     naming the op; none leaves the caller waiting, and the engine goes on serving."""
     from engine.engine_calls import EngineCallError
-    bad = malformed_copy(tiny_adapter_path(MODEL, "mixed16"), tmp_path / "bad")
+    bad = malformed_adapter(tiny_adapter_path(MODEL, "mixed16"), tmp_path / "bad")
     registry, engine = handle.engine.loras, handle.engine
 
     def boom(*args, **kwargs):
@@ -430,7 +416,7 @@ def test_engine_process_loads_and_unloads(tmp_path):
     from engine.process import EngineClient
     config = EngineConfig(model=tiny_model_path(MODEL), device="cpu", num_kv_blocks=32, max_model_len=256,
                           enable_lora=True, max_loras=1, progress=False)
-    bad = malformed_copy(tiny_adapter_path(MODEL, "mixed16"), tmp_path / "bad")
+    bad = malformed_adapter(tiny_adapter_path(MODEL, "mixed16"), tmp_path / "bad")
     client = EngineClient(config)
     try:
         async def main():

@@ -1,13 +1,15 @@
 """LoRA over HTTP (vLLM's interface) on the real engine (CPU, tiny Qwen3, PEFT adapters): the request's
 `model` picks an adapter, /v1/models lists adapters with their parent, adapters load and unload at run
-time behind the API key, bad adapters are refused with a 4xx naming the problem while the server goes
-on serving, and an unload waits for the requests that use the adapter."""
+time behind the API key, where the server allows it (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING) and only from
+the allowed folders, bad adapters are refused with a 4xx naming the problem while the server goes on
+serving, and an unload waits for the requests that use the adapter."""
 from __future__ import annotations
 
 import asyncio
 import json
 import os
 import shutil
+import tempfile
 
 import httpx
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.handle import EngineHandle
-from harness.lora import hf_lora_logits, tiny_adapter_path
+from harness.lora import hf_lora_logits, malformed_adapter, tiny_adapter_path
 from harness.models import hf_logits, tiny_model_path
 from server.app import create_app
 from server.background import BackgroundServer
@@ -26,13 +28,29 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server():
+def roots(tmp_path_factory) -> tuple[str, str]:
+    """The folders run-time loads may read: the tiny adapters' and every test's tmp_path."""
+    return os.path.dirname(tiny_adapter_path(MODEL, "attn8")), str(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def server(roots):
     h = EngineHandle(EngineConfig(model=tiny_model_path(MODEL), device="cpu", max_model_len=512, num_kv_blocks=128,
                                   enable_lora=True, max_loras=2, progress=False,
                                   lora_modules=(("attn8", tiny_adapter_path(MODEL, "attn8")),)))
-    with BackgroundServer(create_app(h, api_key=KEY)) as srv:
+    with BackgroundServer(create_app(h, api_key=KEY, allow_runtime_lora=True, allowed_lora_paths=roots)) as srv:
         yield srv, h
     h.shutdown()
+
+
+@pytest.fixture()
+def outside():
+    """A folder outside the allowed ones, holding a good adapter (`adapter`) and a plain file (`secret`)."""
+    folder = tempfile.mkdtemp(prefix="openinfer-outside-")
+    shutil.copytree(tiny_adapter_path(MODEL, "mixed16"), os.path.join(folder, "adapter"))
+    open(os.path.join(folder, "secret"), "w").write("{}")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -176,39 +194,112 @@ def test_unload_while_a_stream_uses_the_adapter_waits_for_it(server, http):
     assert "busy" not in {c["id"] for c in http.get("/v1/models").json()["data"]}
 
 
-def test_unknown_models_resolve_from_the_resolver_folder(server, tmp_path):
+def test_unknown_models_resolve_from_the_resolver_folder(server, tmp_path, outside):
     """--lora-resolver-dir (vLLM's filesystem resolver): a request naming an unknown model loads
     <folder>/<model> first (concurrent requests for it load it once) and decodes as peft does; names outside
-    the folder, folders without an adapter_config.json and unknown names stay 404; a bad adapter there is a
-    400 naming the problem and the server goes on serving."""
+    the folder (by their text or through a symlink), folders without an adapter_config.json and unknown names
+    stay 404; a bad or malformed adapter there is a 400 naming the problem, and the server (resolver
+    included) goes on serving."""
     from concurrent.futures import ThreadPoolExecutor
     handle = server[1]
     shutil.copytree(tiny_adapter_path(MODEL, "mixed16"), tmp_path / "team" / "m16")
+    shutil.copytree(tiny_adapter_path(MODEL, "mlp4_rs"), tmp_path / "team" / "rs4")
     bad_copy(tmp_path, r=64)
+    malformed_adapter(tiny_adapter_path(MODEL, "mixed16"), tmp_path / "broken")
+    (tmp_path / "escape").symlink_to(os.path.join(outside, "adapter"))
     (tmp_path / "empty").mkdir()
-    with BackgroundServer(create_app(handle, api_key=KEY, lora_resolver_dir=str(tmp_path))) as srv:
+    with BackgroundServer(create_app(handle, api_key=KEY, lora_resolver_dir=str(tmp_path),
+                                     allow_runtime_lora=True)) as srv:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         with ThreadPoolExecutor(2) as pool:
             got = list(pool.map(lambda _: complete_ids(c, "team/m16", PROMPT), range(2)))
         assert got == [("team/m16", greedy_oracle(PROMPT, "mixed16", 6))] * 2
-        assert handle.lora_adapters["team/m16"] == str(tmp_path / "team" / "m16")
-        for name in ("empty", "nope", "../" + tmp_path.name + "/empty", "/etc", "team/../team/m16"):
+        assert handle.lora_adapters["team/m16"] == os.path.realpath(tmp_path / "team" / "m16")
+        for name in ("empty", "nope", "../" + tmp_path.name + "/empty", "/etc", "team/../team/m16", "escape"):
             with pytest.raises(openai.NotFoundError):
                 c.completions.create(model=name, prompt="x", max_tokens=1)
         with pytest.raises(openai.BadRequestError, match="rank 64 is over --max-lora-rank 16"):
             c.chat.completions.create(model="bad", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        with pytest.raises(openai.BadRequestError, match=r"'data_offsets' None is not \[begin, end\]"):
+            c.completions.create(model="broken", prompt="x", max_tokens=1)
+        assert complete_ids(c, "team/rs4", PROMPT, 2) == ("team/rs4", greedy_oracle(PROMPT, "mlp4_rs", 2))
         assert complete_ids(c, "attn8", PROMPT, 2)[1] == greedy_oracle(PROMPT, "attn8", 2)
         with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as h:
-            assert h.post("/v1/unload_lora_adapter", json={"lora_name": "team/m16"}).status_code == 200
+            for name in ("team/m16", "team/rs4"):
+                assert h.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
 
 
-def test_the_resolver_folder_is_checked_at_start(tmp_path):
-    from server.cli import build_parser, lora_resolver_dir
-    args = build_parser().parse_args(["serve", "--lora-resolver-dir", str(tmp_path)])
-    with pytest.raises(ValueError, match="needs --enable-lora"):
-        lora_resolver_dir(args)
-    args = build_parser().parse_args(["serve", "--enable-lora", "--lora-resolver-dir", str(tmp_path / "no")])
-    with pytest.raises(ValueError, match="is not a folder"):
-        lora_resolver_dir(args)
-    args = build_parser().parse_args(["serve", "--enable-lora", "--lora-resolver-dir", str(tmp_path)])
-    assert lora_resolver_dir(args) == str(tmp_path)
+def test_run_time_loading_is_off_unless_allowed(server):
+    """Without VLLM_ALLOW_RUNTIME_LORA_UPDATING (create_app's allow_runtime_lora) both routes are a 403
+    naming how to turn it on, and the adapters loaded at start serve on."""
+    handle = server[1]
+    with BackgroundServer(create_app(handle, api_key=KEY)) as srv, \
+            httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
+        for path, body in (("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": tiny_adapter_path(MODEL, "mixed16")}),
+                           ("/v1/unload_lora_adapter", {"lora_name": "attn8"})):
+            r = c.post(path, json=body)
+            assert r.status_code == 403, r.text
+            err = r.json()["error"]
+            assert err["code"] == "runtime_lora_updating_disabled", err
+            assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" in err["message"] and "--allowed-lora-path" in err["message"]
+        assert "x" not in handle.lora_adapters and "attn8" in handle.lora_adapters
+        assert httpx.post(srv.url + "/v1/load_lora_adapter", json={}).status_code == 401
+    with pytest.raises(ValueError, match="resolver folder needs run-time LoRA loading"):
+        create_app(handle, lora_resolver_dir="/tmp")
+
+
+def test_loads_read_only_inside_the_allowed_folders(server, http, tmp_path, outside):
+    """Outside the allowed folders (absolute, relative, `~`, through a symlink in an allowed folder, or an
+    adapter there whose weights file links out) a load is a 403 that reads the same whether anything is
+    there or not; inside them a relative path loads, as its real path."""
+    handle = server[1]
+    (tmp_path / "link").symlink_to(os.path.join(outside, "adapter"))
+    linked = shutil.copytree(tiny_adapter_path(MODEL, "mixed16"), tmp_path / "linked_weights")
+    os.remove(linked / "adapter_model.safetensors")
+    (linked / "adapter_model.safetensors").symlink_to(os.path.join(outside, "adapter", "adapter_model.safetensors"))
+    paths = [os.path.join(outside, "adapter"), os.path.join(outside, "secret"), os.path.join(outside, "nothing"),
+             "/etc", "/nowhere/at/all", "/", "~", "~/nothing", "relative/adapter",
+             os.path.relpath(os.path.join(outside, "adapter")), str(tmp_path / "link"), str(linked),
+             str(tmp_path) + "/../" * 12 + outside.lstrip("/") + "/adapter"]
+    messages = set()
+    for path in paths:
+        r = load(http, "escape", path)
+        assert r.status_code == 403, (path, r.text)
+        err = r.json()["error"]
+        assert (err["code"], err["param"]) == ("lora_path_not_allowed", "lora_path"), err
+        messages.add(err["message"].replace(repr(path), "PATH"))
+    assert len(messages) == 1, messages
+    assert "escape" not in handle.lora_adapters
+    relative = os.path.relpath(tiny_adapter_path(MODEL, "mlp4_rs"))
+    assert load(http, "rel", relative).status_code == 200
+    assert handle.lora_adapters["rel"] == os.path.realpath(tiny_adapter_path(MODEL, "mlp4_rs"))
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "rel"}).status_code == 200
+
+
+def test_run_time_lora_flags_are_checked_at_start(tmp_path, monkeypatch):
+    """--allow-runtime-lora-updating (env VLLM_ALLOW_RUNTIME_LORA_UPDATING, "1" or "true" as vLLM reads it),
+    --allowed-lora-path and --lora-resolver-dir: a combination that cannot work is refused at start."""
+    from server.cli import build_parser, runtime_lora
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    monkeypatch.delenv("VLLM_LORA_RESOLVER_CACHE_DIR", raising=False)
+
+    def access(*flags):
+        return runtime_lora(build_parser().parse_args(["serve", *flags]))
+    folder = str(tmp_path)
+    for flags, words in [
+            (["--lora-resolver-dir", folder], "needs --enable-lora"),
+            (["--enable-lora", "--lora-resolver-dir", folder], "needs --allow-runtime-lora-updating"),
+            (["--enable-lora", "--allowed-lora-path", folder], "needs --allow-runtime-lora-updating"),
+            (["--enable-lora", "--allow-runtime-lora-updating"], "needs the folders adapters may be loaded from"),
+            (["--enable-lora", "--allow-runtime-lora-updating", "--allowed-lora-path", folder + "/no"], "is not a folder"),
+            (["--enable-lora", "--allow-runtime-lora-updating", "--lora-resolver-dir", folder + "/no"], "is not a folder")]:
+        with pytest.raises(ValueError, match=words):
+            access(*flags)
+    assert access() == {"allow_runtime_lora": False, "allowed_lora_paths": (), "lora_resolver_dir": None}
+    assert access("--enable-lora", "--allow-runtime-lora-updating", "--allowed-lora-path", folder,
+                  "--lora-resolver-dir", folder) == {"allow_runtime_lora": True, "allowed_lora_paths": (folder,),
+                                                     "lora_resolver_dir": folder}
+    for value, on in (("1", True), ("True", True), ("0", False), ("yes", False)):
+        monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
+        assert build_parser().parse_args(["serve"]).allow_runtime_lora_updating is on
+    assert build_parser().parse_args(["serve", "--no-allow-runtime-lora-updating"]).allow_runtime_lora_updating is False

@@ -110,6 +110,30 @@ def test_bad_input_is_a_4xx_naming_the_field(server, handle, case, method, path,
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.parametrize("path", [CMPL, CHAT, "/tokenize", "/detokenize", "/v1/load_lora_adapter",
+                                  "/v1/unload_lora_adapter", "/reset_prefix_cache"])
+def test_json_routes_take_json_bodies_only(server, handle, path):
+    """A body that does not come as JSON (a form's or a plain text post, which a browser sends anywhere
+    without asking first, or one with no Content-Type) is a 415 with an OpenAI error body before any route
+    reads it; application/json (any case, with parameters) and +json types are read."""
+    good = {CMPL: body(prompt="x", max_tokens=1), CHAT: body(messages=USER, max_tokens=1),
+            "/tokenize": body(prompt="hi"), "/detokenize": body(tokens=[1, 2])}.get(path, b"{}")
+    before = handle.stats().num_steps
+    for content_type in ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                         "multipart/form-data; boundary=x", "application/jsonx", None):
+        headers = {**AUTH, **({"content-type": content_type} if content_type else {})}
+        r = httpx.post(server.url + path, content=good, headers=headers, timeout=30)
+        assert r.status_code == 415, (content_type, r.text[:300])
+        err = r.json()["error"]
+        assert (err["type"], err["code"]) == ("invalid_request_error", "unsupported_media_type")
+        assert "Content-Type: application/json" in err["message"] and repr(content_type or "none")[1:-1] in err["message"]
+    assert handle.stats().num_steps == before
+    if path in (CMPL, CHAT, "/tokenize", "/detokenize"):
+        for content_type in ("application/json; charset=utf-8", "Application/JSON", "application/merge+json"):
+            r = httpx.post(server.url + path, content=good, headers={**AUTH, "content-type": content_type}, timeout=30)
+            assert r.status_code == 200, (content_type, r.text[:300])
+
+
 def test_open_routes_need_no_key_and_the_rest_do(server):
     for path in ("/health", "/version", "/metrics", "/openapi.json"):
         assert httpx.get(server.url + path, timeout=10).status_code == 200, path

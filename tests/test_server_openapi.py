@@ -45,6 +45,8 @@ def test_the_document_describes_every_route_and_body(server):
             described.add((path, method.upper()))
             if method == "post":
                 assert op["requestBody"]["content"]["application/json"]["schema"], path
+                assert "415" in op["responses"], path              # a body that is not JSON
+                assert ("403" in op["responses"]) == ("lora_adapter" in path), path
             assert "200" in op["responses"], path
             assert (op.get("security") == []) == (path in OPEN_PATHS), path
     assert described == served
