@@ -67,6 +67,17 @@ def tiny_adapter_path(model: str, adapter: str) -> str:
                               seed=names.index(adapter) + 1, **settings)
 
 
+def adapter_copy(folder: str, out, **config) -> str:
+    """A copy of the adapter `folder` at `out` with `config` written over its adapter_config.json."""
+    shutil.copytree(folder, out)
+    path = os.path.join(out, "adapter_config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({**cfg, **config}, f)
+    return str(out)
+
+
 def malformed_adapter(folder: str, out: str) -> str:
     """A copy of the adapter `folder` at `out` whose safetensors header's one entry lacks its data_offsets."""
     header = json.dumps({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":

@@ -5,9 +5,7 @@ engine goes on generating."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -21,7 +19,7 @@ from engine.handle import EngineHandle
 from engine.lora import LoRAError, load_adapter, lora_sites
 from engine.lora_patterns import PATTERN_BUDGET_S, first_match, pattern_matches
 from engine.request import GenerateRequest, SamplingParams
-from harness.lora import tiny_adapter_path
+from harness.lora import adapter_copy, tiny_adapter_path
 from harness.models import tiny_model_path
 
 MODEL = "qwen3_tied"
@@ -33,11 +31,7 @@ SLOW = "(.*)(.*)(.*)(.*)(.*)(.*)(.*)(.*)X"   # seconds per module name (the issu
 
 
 def adapter_with(tmp_path, **config) -> str:
-    folder = str(tmp_path / "adapter")
-    shutil.copytree(tiny_adapter_path(MODEL, "attn8"), folder)
-    path = os.path.join(folder, "adapter_config.json")
-    json.dump({**json.load(open(path)), **config}, open(path, "w"))
-    return folder
+    return adapter_copy(tiny_adapter_path(MODEL, "attn8"), tmp_path / "adapter", **config)
 
 
 @pytest.mark.parametrize("keys", [

@@ -18,7 +18,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.handle import EngineHandle
-from harness.lora import hf_lora_logits, malformed_adapter, tiny_adapter_path
+from harness.lora import adapter_copy, hf_lora_logits, malformed_adapter, tiny_adapter_path
 from harness.models import hf_logits, tiny_model_path
 from server.app import create_app
 from server.background import BackgroundServer
@@ -140,11 +140,7 @@ def test_load_and_unload_at_run_time(http, client):
 
 
 def bad_copy(tmp_path, **config) -> str:
-    folder = str(tmp_path / "bad")
-    shutil.copytree(tiny_adapter_path(MODEL, "mixed16"), folder)
-    cfg_path = os.path.join(folder, "adapter_config.json")
-    json.dump({**json.load(open(cfg_path)), **config}, open(cfg_path, "w"))
-    return folder
+    return adapter_copy(tiny_adapter_path(MODEL, "mixed16"), tmp_path / "bad", **config)
 
 
 @pytest.mark.parametrize("make,words", [
