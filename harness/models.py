@@ -166,8 +166,8 @@ def randomize_(model, seed: int) -> None:
             if "e_score_correction_bias" in name:         # DeepSeek-V3's router bias: ~ the spread of its scores
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
             elif name.endswith("tid2eid"):                # DeepSeek-V4's hash routing: distinct experts per token
-                b.copy_(torch.stack([torch.randperm(model.config.n_routed_experts, generator=g)[:b.shape[1]]
-                                     for _ in range(b.shape[0])]))
+                experts = torch.rand(b.shape[0], model.config.n_routed_experts, generator=g).argsort(-1)
+                b.copy_(experts[:, :b.shape[1]])
 
 
 def build_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:

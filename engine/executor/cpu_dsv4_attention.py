@@ -7,8 +7,11 @@ context from the stored compressor inputs (compress_entries: softmax over each w
 learned position bias, the weighted sum of the kv, RMSNorm, rope at the window's first position; CSA's entry w
 also takes window w - 1's first series), and each query attends to its sliding window of K = V rows and to the
 compressed entries it may see: a closed window (w < (position + 1) // m) and, on CSA layers, one the lightning
-indexer ranks in its top index_topk (sum over indexer heads of weight · relu(q · k)). Transformers' no-cache
-forward is this computation over the whole sequence, which is what the gate checks on every path.
+indexer ranks in its top index_topk (sum over indexer heads of weight · relu(q · k); among equal scores, as the
+entries whose every head's q · k is negative all score 0, the lower entry first). Transformers' no-cache
+forward is this computation over the whole sequence, which is what the gate checks on every path (its
+torch.topk leaves the order of equal scores unspecified: the oracles hold it to this rule,
+harness/dsv4_oracle.py).
 
 The algorithm is written once over an executor's primitives (_mm, _fp32, _dev, _write_rows, _context_rows):
 numpy here, CuPy and the bf16 GEMM on the GPU (engine/executor/gpu_dsv4_ops.py).
@@ -54,8 +57,9 @@ def compress_entries(kv: np.ndarray, gate: np.ndarray, ape: np.ndarray, norm: np
 def indexer_pick(q: np.ndarray, weights: np.ndarray, keys: np.ndarray, positions: np.ndarray, rate: int,
                  topk: int) -> np.ndarray:
     """visible [B, Q, n]: for each query the closed entries among its top `topk` by the indexer's score
-    (q [B, Q, heads, d], weights [B, Q, heads], keys [B, n, d], positions [B, Q]); all its closed entries when
-    it has at most topk."""
+    (q [B, Q, heads, d], weights [B, Q, heads], keys [B, n, d], positions [B, Q]), equal scores the lower entry
+    first (a stable sort: the same on every path and executor); all its closed entries when it has at most
+    topk."""
     xp = xp_of(q)
     score = xp.einsum("bqh,bqhn->bqn", weights, xp.maximum(xp.einsum("bqhd,bnd->bqhn", q, keys), np.float32(0)))
     score = score * np.float32(keys.shape[-1] ** -0.5)
