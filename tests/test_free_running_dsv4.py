@@ -12,8 +12,10 @@ recompute once a query had more closed entries than index_topk (test_transformer
 _ties; the engine's decode equals its own prefill to 1e-5 on every path). Queries whose kept set float32 noise
 could tip excuse a mismatch (the probe's fragile choices).
 
-Measured (numpy executor vs transformers float32, the issue's model): tie tolerance ~5e-5 (twice the largest
-measured gap spread), max |Δlogprob| of a generated token ~6e-6, no flip on any path; seeded sweep: the same.
+Measured (numpy executor vs transformers float32): tie tolerance 2e-5 .. 8e-5 (twice the largest measured gap
+spread), max |Δlogprob| of a generated token <= 7e-6, every token of every run transformers' argmax (no tie
+flip, no fragile stop) on the issue's model, this sweep and 30 wider random configs (HCA entries of up to 128,
+index_topk up to 64, windows of 1 to 64, budgets of 16 to 200, prompts of 1 to 140 tokens).
 """
 from __future__ import annotations
 
@@ -58,12 +60,13 @@ def follow_up(run, shared: int) -> list[int]:
 
 
 def assert_gate(oracle, executor, runs, min_compared: float = 0.9, one_forward: bool = False) -> None:
-    """Every run passes the gate and at least min_compared of their steps were judged. one_forward: the steps
-    from one forward over each run's sequence (FullRecompute.along, checked against per-prefix forwards at
-    some steps) instead of one forward per prefix."""
+    """Every run passes the gate (the tie tolerance measured on the first) and at least min_compared of their
+    steps were judged. one_forward: the steps from one forward over each run's sequence (FullRecompute.along,
+    checked against per-prefix forwards at some steps) instead of one forward per prefix."""
     for run in runs if one_forward else ():
         oracle.along(run.prompt + run.tokens[:-1], len(run.prompt))
-    verdicts = [judge(oracle, run, tie_tolerance(executor, oracle, [run])) for run in runs]
+    tolerance = tie_tolerance(executor, oracle, runs[:1])
+    verdicts = [judge(oracle, run, tolerance) for run in runs]
     failures = [f for v in verdicts for f in v.failures()]
     assert not failures, failures
     compared = sum(v.compared for v in verdicts)
