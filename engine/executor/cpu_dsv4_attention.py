@@ -65,7 +65,7 @@ def indexer_pick(q: np.ndarray, weights: np.ndarray, keys: np.ndarray, positions
     score = score * np.float32(keys.shape[-1] ** -0.5)
     closed = xp.arange(keys.shape[1])[None, None, :] < ((positions + 1) // rate)[:, :, None]
     score = xp.where(closed, score, np.float32(-np.inf))
-    order = argsort_stable(-score)[..., :topk]
+    order = argsort_stable(np.float32(0) - score)[..., :topk]   # 0 - s: no -0.0 (a radix sort would order it apart)
     B, Q = order.shape[:2]
     picked = xp.zeros_like(closed)
     picked[xp.arange(B)[:, None, None], xp.arange(Q)[None, :, None], order] = True
