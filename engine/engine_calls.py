@@ -1,16 +1,19 @@
 """Run-time engine ops, as the server calls them on either engine handle: LoRA adapter loads and unloads,
-and the device prefix cache's reset. Each op runs next to the engine loop (`run_engine_op`) and answers
-once, with None or an error that carries the HTTP status the server answers with (LoRAError for the
-LoRA ops, EngineCallError otherwise), whatever fails: an unexpected exception in any part of an op is
-its answer too (a 500 naming the op), and an op on an engine that has stopped answers 503 at once. The
-prefix-cache reset answers once the host tier's offload of the evicted blocks has landed (a request right
-after it then waits for no device-to-host copy).
+the device prefix cache's reset, and a request's grammar check. Each op runs next to the engine loop
+(`run_engine_op`) and answers once, with None or an error that carries the HTTP status the server
+answers with (LoRAError for the LoRA ops, GrammarError for the check, EngineCallError otherwise),
+whatever fails: an unexpected exception in any part of an op is its answer too (a 500 naming the op),
+and an op on an engine that has stopped answers 503 at once. The prefix-cache reset answers once the
+host tier's offload of the evicted blocks has landed (a request right after it then waits for no
+device-to-host copy).
 
 `EngineCalls` is the surface EngineHandle (engine in this process, `LocalEngineCalls`) and EngineClient
 (engine in a child process, engine/process.py, `RemoteEngineCalls`) share: `lora_adapters` (the served
-names -> paths), `load_lora_adapter`, `unload_lora_adapter`, `reset_prefix_cache` (coroutines). An
-adapter folder is read on a thread of its own (never the engine thread), then registered on the engine
-thread; an unload answers once no sequence uses the adapter; the reset runs between two steps.
+names -> paths), `load_lora_adapter`, `unload_lora_adapter`, `reset_prefix_cache`, `check_grammar`
+(coroutines). An adapter folder is read on a thread of its own (never the engine thread), then
+registered on the engine thread; an unload answers once no sequence uses the adapter; the reset runs
+between two steps; a grammar compiles and is probed on a worker of the engine's grammar cache
+(engine/grammar.py), where the request's admission then finds it.
 """
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ import logging
 import threading
 from typing import Callable
 
+from engine.grammar import GrammarError
 from engine.lora import LoRAError
 
 log = logging.getLogger("openinfer.engine")
 NOT_ENABLED = "LoRA is not enabled: start the server with --enable-lora"
 LORA_OPS = ("load", "unload")
+NO_GRAMMARS = "structured output is not available with this tokenizer"
 
 
 class EngineCallError(Exception):
@@ -36,14 +41,17 @@ class EngineCallError(Exception):
 
 
 def run_engine_op(engine, op: tuple, reply: Callable[[Exception | None], None]) -> None:
-    """op ("load", name, path, in_place), ("unload", name) or ("reset_prefix_cache",) on an EngineLoop;
-    reply(None or the error) once, from whichever thread finishes it. Every part runs guarded: whatever
+    """op ("load", name, path, in_place), ("unload", name), ("reset_prefix_cache",) or ("check_grammar",
+    grammar) on an EngineLoop; reply(None or the error) once, from whichever thread finishes it. Every part runs guarded: whatever
     it raises is the op's answer (`op_failure`), so no caller waits for ever."""
     guard = functools.partial(_guarded, op, reply)
     guard(lambda: _start_op(engine, op, reply, guard))()
 
 
 def _start_op(engine, op: tuple, reply: Callable[[Exception | None], None], guard) -> None:
+    if op[0] == "check_grammar":
+        _check_grammar(engine.admission.grammars, op[1], reply, guard)
+        return
     if op[0] == "reset_prefix_cache":
         def reset() -> None:                   # engine thread; the answer once the offload has landed
             engine.reset_prefix_cache()
@@ -78,10 +86,23 @@ def _start_op(engine, op: tuple, reply: Callable[[Exception | None], None], guar
     threading.Thread(target=guard(read), name="openinfer-lora-read", daemon=True).start()
 
 
+def _check_grammar(grammars, grammar: str, reply: Callable[[Exception | None], None], guard) -> None:
+    """reply(None or the GrammarError) once `grammar` is compiled and probed in `grammars` (the engine's
+    GrammarCache; None: structured output is off), beside the engine thread, never on it."""
+    if grammars is None:
+        reply(GrammarError(NO_GRAMMARS))
+        return
+
+    def answer() -> None:
+        problem = grammars.check(grammar)
+        reply(None if problem is None else GrammarError(problem))
+    grammars.run_check(grammar, guard(answer))
+
+
 def op_failure(op: tuple, err: Exception) -> LoRAError | EngineCallError:
     """The answer to an op that raised an unexpected `err`: a 500 naming the op and the error."""
-    what = {"load": "loading LoRA adapter {!r} from {}", "unload": "unloading LoRA adapter {!r}"}.get(
-        op[0], "the prefix cache reset").format(*op[1:3])
+    what = {"load": "loading LoRA adapter {!r} from {}", "unload": "unloading LoRA adapter {!r}",
+            "check_grammar": "checking a grammar"}.get(op[0], "the prefix cache reset").format(*op[1:3])
     message = f"{what} failed: {type(err).__name__}: {err}"
     return LoRAError(message, 500) if op[0] in LORA_OPS else EngineCallError(message, 500)
 
@@ -140,6 +161,11 @@ class EngineCalls:
         returns once done, between steps."""
         await self._engine_op(("reset_prefix_cache",))
 
+    async def check_grammar(self, grammar: str) -> None:
+        """Compile and probe a request's grammar in the engine's grammar cache, the one its admission
+        uses (one compile per grammar); GrammarError naming why it cannot be enforced."""
+        await self._engine_op(("check_grammar", grammar))
+
     async def _engine_op(self, op: tuple) -> None:
         raise NotImplementedError
 
@@ -161,7 +187,8 @@ class LocalEngineCalls(EngineCalls):
 class RemoteEngineCalls(EngineCalls):
     """EngineClient's: the op goes down the pipe as ("op", call id, op); the child answers
     ("op", call id, status, message) (status 0: done), which the reader thread hands to `engine_op_reply`;
-    a failed op raises LoRAError for the LoRA ops, EngineCallError for the others."""
+    a failed op raises LoRAError for the LoRA ops, GrammarError for the grammar check (status 400),
+    EngineCallError for the others."""
 
     async def _engine_op(self, op: tuple) -> None:
         if not hasattr(self, "_ops_waiting"):
@@ -178,6 +205,8 @@ class RemoteEngineCalls(EngineCalls):
             self._ops_waiting.pop(call_id, None)
             raise EngineCallError("the engine process ended", 503) from None
         status, message = await future
+        if status == GrammarError.status and op[0] == "check_grammar":
+            raise GrammarError(message)
         if status:
             raise (LoRAError if op[0] in LORA_OPS else EngineCallError)(message, status)
 

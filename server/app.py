@@ -160,8 +160,8 @@ async def _generate(request, parse, id_prefix: str, builder_type=ResponseBuilder
         if e.code != "model_not_found" or not await resolve_lora(app, request.body):
             raise
         parsed = await in_thread(_parse, parse, request.body, app.ctx.model)
-    if parsed.constraint is not None:     # a grammar that cannot compile is refused before the engine sees it
-        await check_grammar(parsed.constraint.grammar, parsed.constraint.field, app.ctx.model)
+    if parsed.constraint is not None:     # a grammar the engine cannot enforce is refused before it runs
+        await check_grammar(parsed.constraint.grammar, parsed.constraint.field, app.ctx.handle)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     builder = builder_type(parsed, request_id, parsed.lora_name or app.ctx.model.name, int(time.time()),
                            app.ctx.model.tokenizer)

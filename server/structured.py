@@ -1,5 +1,5 @@
 """Structured output requests: the fields that constrain an output, turned into one llguidance grammar
-(SamplingParams.grammar), and the check that it compiles before the request reaches the engine.
+(SamplingParams.grammar), and the check, by the engine, that it can be enforced before the request runs.
 
 Fields (completions and chat): OpenAI's `response_format` ({"type": "json_object"} or {"type":
 "json_schema", "json_schema": {"name", "schema", "strict"}}), vLLM's `guided_json`, `guided_regex`,
@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from dataclasses import dataclass
 
-from engine.grammar import GrammarCache, GrammarError
-from server.errors import invalid, wrong_type
+from engine.engine_calls import EngineCallError
+from engine.grammar import CHECK_TIME_LIMIT_S, GrammarError
+from server.errors import APIError, invalid, wrong_type
+from server.schema_recursion import unsatisfiable_ref
 
-COMPILE_TIMEOUT_S = 10.0        # a grammar that takes longer to compile is refused (400)
+CHECK_WAIT_S = CHECK_TIME_LIMIT_S + 5.0     # the engine's own limit decides; this only bounds the wait
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 HARMLESS_KEYS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
@@ -104,6 +105,10 @@ def json_grammar(schema, name: str) -> str:
             raise invalid(f"'{name}' is not valid JSON: {exc}", name) from None
     if not isinstance(schema, (dict, bool)):
         raise wrong_type(f"'{name}' must be a JSON schema (an object)", name)
+    ref = unsatisfiable_ref(schema)
+    if ref is not None:
+        raise invalid(f"'{name}' is not a valid JSON schema: Unsatisfiable schema: '$ref' {ref!r} recurses with no "
+                      f"way out (every value would contain another)", name)
     try:
         return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as exc:
@@ -145,29 +150,17 @@ def regex_literal(text: str) -> str:
 BUILDERS = {"json": json_grammar, "regex": regex_grammar, "choice": choice_grammar, "grammar": lark_grammar}
 
 
-# -- the compile check ---------------------------------------------------------------------------------
-_caches: dict[int, GrammarCache] = {}
-_caches_lock = threading.Lock()
-
-
-def grammar_cache(model) -> GrammarCache:
-    """The server's compiled-grammar cache for a served model (ModelInfo): one per tokenizer."""
-    with _caches_lock:
-        cache = _caches.get(id(model.tokenizer))
-        if cache is None or cache.tokenizer is not model.tokenizer:
-            eos = list(getattr(model.tokenizer, "eos_token_ids", []) or [])
-            cache = _caches[id(model.tokenizer)] = GrammarCache(model.tokenizer, model.vocab_size, eos)
-        return cache
-
-
-async def check_grammar(grammar: str, field: str, model) -> None:
-    """400 naming `field` where the grammar does not compile, or takes longer than COMPILE_TIMEOUT_S
-    (the compile runs in a worker thread; one that times out still lands in the cache when done)."""
-    cache = grammar_cache(model)
-    loop = asyncio.get_running_loop()
+# -- the check ---------------------------------------------------------------------------------------
+async def check_grammar(grammar: str, field: str, handle) -> None:
+    """400 naming `field` where the engine cannot enforce the grammar: it does not compile, fails the
+    engine's probe, or takes longer than CHECK_TIME_LIMIT_S to (the engine's grammar cache decides, off
+    the engine thread, and keeps the answer: the same one every time; the request then finds the compiled
+    grammar there). CHECK_WAIT_S bounds the wait on an engine that does not answer."""
     try:
-        await asyncio.wait_for(loop.run_in_executor(None, cache.compile, grammar), COMPILE_TIMEOUT_S)
+        await asyncio.wait_for(handle.check_grammar(grammar), CHECK_WAIT_S)
     except GrammarError as exc:
-        raise invalid(f"'{field}' cannot be compiled: {exc}", field) from None
+        raise invalid(f"'{field}' cannot be enforced: {exc}", field) from None
     except asyncio.TimeoutError:
-        raise invalid(f"'{field}' took longer than {COMPILE_TIMEOUT_S:g} s to compile", field) from None
+        raise invalid(f"'{field}' took longer than {CHECK_WAIT_S:g} s to compile and check", field) from None
+    except EngineCallError as exc:             # the engine process has ended
+        raise APIError(exc.status, f"engine error: {exc}", code="engine_error") from None

@@ -6,6 +6,7 @@ import asyncio
 import random
 from dataclasses import dataclass
 
+from engine.grammar import GrammarCache
 from engine.events import Error, Finished, PromptLogprobs, Rejected, Scheduled, Token, TopLogprob, Usage
 
 EOS = 0
@@ -102,6 +103,10 @@ class FakeHandle:
 
     def stats(self) -> FakeStats:
         return FakeStats(len(self.active), 0, len(self.active) * 2)
+
+    async def check_grammar(self, grammar: str) -> None:
+        """The engine's check, on a real grammar cache of the byte tokenizer (which cannot do it)."""
+        GrammarCache(self.tokenizer, self.tokenizer.vocab_size, self.tokenizer.eos_token_ids).compile(grammar)
 
 
 class ScriptedHandle(FakeHandle):

@@ -60,6 +60,32 @@ def test_rejections_and_aborts_cross_the_pipe(client):
     assert sum(isinstance(e, Token) for e in events) < 200
 
 
+def test_grammar_checks_run_in_the_engine_process(client):
+    """The server's grammar check crosses the pipe to the engine's grammar cache: a grammar past the
+    limits is the same GrammarError every time; a good one is compiled there, where its request runs."""
+    import re
+
+    from engine.grammar import GrammarError
+    from server.structured import regex_grammar
+
+    async def refusal(grammar: str) -> str:
+        with pytest.raises(GrammarError) as e:
+            await client.check_grammar(grammar)
+        return str(e.value)
+
+    async def run():
+        bad = regex_grammar("a{1000000}", "r")
+        reasons = {await refusal(bad), await refusal(bad)}
+        good = regex_grammar("[0-9]{3}-pipe", "r")
+        await client.check_grammar(good)
+        params = SamplingParams(temperature=1.0, seed=3, max_tokens=16, grammar=good)
+        return reasons, [e async for e in client.submit(GenerateRequest("g", [5, 6, 7], params))]
+    reasons, events = asyncio.run(run())
+    assert len(reasons) == 1 and "lexer error" in reasons.pop()
+    assert re.fullmatch("[0-9]{3}-pipe", "".join(e.text for e in events if isinstance(e, Token)))
+    assert [e.reason for e in events if isinstance(e, Finished)] == ["stop"]
+
+
 def test_start_up_errors_are_raised_in_the_parent():
     with pytest.raises(FileNotFoundError, match="no/such"):
         EngineClient(EngineConfig(model="/no/such/model", device="cpu"))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.batch import SeqStep
-from engine.events import Finished, Rejected, Token
+from engine.events import Error, Finished, Rejected, Token
 from engine.grammar import GrammarCache, allowed_tokens, only_stop_tokens, step_bitmask
 from engine.request import GenerateRequest, SamplingParams
 from engine.sampling import sample_step
@@ -148,3 +148,37 @@ def test_host_sampler_applies_the_mask_and_min_tokens_yields_to_it():
     _, masks = step_bitmask([s.grammar for s in steps])
     assert only_stop_tokens(allowed_tokens(masks[0], 151936), eos)
     assert all(t.token_id in eos for t in sample_step(logits, steps))     # not masked by min_tokens
+
+
+def test_a_grammar_failing_while_generating_fails_its_request_and_is_refused_after(monkeypatch):
+    """A matcher that goes past llguidance's limits mid-generation (the probe skipped, so `a{1000000}`
+    reaches generation) ends its request with an Error naming why — never a Finished with text the grammar
+    does not match: the failed matcher's masks allow only EOS, and the shared lexer, spent, failed every
+    later copy at its first mask (issue 51: a 500, then a 200 with ""). The grammar is then refused at
+    admission; an unconstrained neighbour runs on unchanged."""
+    from engine import grammar
+    monkeypatch.setattr(grammar, "PROBE_WALKS", 0)
+    engine = engine_for("qwen3_tied", num_kv_blocks=128)
+    bad = regex_grammar("a{1000000}", "regex")
+    first = submit(engine, GenerateRequest("g1", [5, 6, 7], SamplingParams(temperature=1.0, seed=1, max_tokens=8,
+                                                                           grammar=bad)))
+    plain = submit(engine, GenerateRequest("p", [5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True)))
+    run_until_idle(engine)
+    (error,) = [e for e in first if isinstance(e, Error)]
+    assert "structured output failed: lexer error" in error.message and first[-1] is None
+    assert not any(isinstance(e, (Finished, Token)) for e in first), first
+    assert finish_of(plain).reason == "length" and len([e for e in plain if isinstance(e, Token)]) == 6
+    for rid in ("g2", "g3"):
+        events = submit(engine, GenerateRequest(rid, [5, 6, 7], SamplingParams(temperature=1.0, seed=2, max_tokens=8,
+                                                                                grammar=bad)))
+        run_until_idle(engine)
+        assert isinstance(events[0], Rejected) and "past the engine's limits while generating" in events[0].reason
+    engine.block_manager.check_invariants(idle=True)
+
+
+def test_a_failed_matcher_refuses_even_eos():
+    tok = loaded("qwen3_tied").tokenizer
+    matcher = GrammarCache(tok, None, tok.eos_token_ids).matcher(choice_grammar(["x"], "c"))
+    assert not matcher.accept(tok.encode("y", add_special_tokens=False)[0])
+    assert matcher.error and not matcher.done
+    assert not matcher.accept(tok.eos_token_ids[0])          # llguidance "consumes" it in its error state

@@ -166,17 +166,102 @@ def test_bad_constraints_are_400_before_the_engine(server, handle, monkeypatch, 
     assert submitted == []
 
 
-def test_grammar_compile_timeout_is_a_400(server, monkeypatch):
-    """A compile that outlasts COMPILE_TIMEOUT_S is a 400 (a slow compile made slow on purpose: a real
-    one's time races the timeout)."""
-    import time
+# the grammars of issue 51: they compiled, then went past llguidance's limits at their first tokens (the
+# schema admits no finite value: its matcher recursed until a limit)
+PAST_LIMITS = [
+    ({"guided_regex": "a{1000}{1000}"}, "guided_regex", "lexer error"),
+    ({"guided_regex": "a{1000000}"}, "guided_regex", "lexer error"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}},
+     "response_format.json_schema.schema", "'$ref' '#' recurses with no way out"),
+    ({"guided_grammar": "start: " + " | ".join(f'"w{i}"' for i in range(5000))}, "guided_grammar", "max is 2000"),
+]
+
+
+@pytest.mark.parametrize("extra,param,words", PAST_LIMITS,
+                         ids=["regex-nested-counts", "regex-million", "schema-recursion", "lark-5000"])
+def test_grammars_past_the_engines_limits_are_400_every_time(server, handle, monkeypatch, extra, param, words):
+    """Refused before the engine sees them (never a 500, never a 200 with text that does not match), on
+    both endpoints, streamed or not, the first time and every time after, with the same reason."""
+    submitted, messages = [], set()
+    monkeypatch.setattr(handle, "submit", lambda req: submitted.append(req))
+    for path, body in (("/v1/chat/completions", chat(**extra)), ("/v1/completions", {"prompt": "x", **extra})):
+        for stream in (False, True, False):
+            r = httpx.post(server.url + path, json={**body, "max_tokens": 8, "temperature": 1.0, "stream": stream},
+                           timeout=60)
+            assert r.status_code == 400, (path, stream, r.status_code, r.text[:300])
+            err = r.json()["error"]
+            assert err["param"] == param and words in err["message"], err
+            messages.add(err["message"])
+    assert submitted == [] and len(messages) == 1, messages
+
+
+def test_a_new_grammar_compiles_once_for_its_check_and_its_requests(server, handle, monkeypatch):
+    """The server's check and the engine's admission share the engine's grammar cache: one compile for
+    requests arriving together and after (issue 54: it was one in the server's cache and one in the
+    engine's)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     from engine.grammar import GrammarCache
+    built = []
+    build = GrammarCache._build
+    monkeypatch.setattr(GrammarCache, "_build", lambda self, g: (built.append(g), build(self, g))[1])
+    body = {"prompt": "Code:", "max_tokens": 12, "temperature": 1.0, "guided_regex": r"[0-9]{3}-once-[a-z]{2}"}
 
-    compile_ = GrammarCache.compile
-    monkeypatch.setattr(GrammarCache, "compile", lambda self, g: (time.sleep(1.0), compile_(self, g))[1])
-    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.05)
-    schema = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"[a-z]{{{i}}}x"}
-                                               for i in range(40)}}
-    r = httpx.post(server.url + "/v1/chat/completions", json=chat(guided_json=schema), timeout=30)
-    assert r.status_code == 400 and "took longer than" in r.json()["error"]["message"], r.text
+    def post(seed: int) -> str:
+        r = httpx.post(server.url + "/v1/completions", json={**body, "seed": seed}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(post, range(4)))
+    texts.append(post(4))
+    assert all(re.fullmatch(body["guided_regex"], t) for t in texts), texts
+    assert built == [grammar_of(body)]
+
+
+def grammar_of(body: dict) -> str:
+    return structured.parse_constraint(body).grammar
+
+
+def test_a_check_over_the_time_limit_is_a_400_every_time(server, monkeypatch):
+    """A grammar whose compile and probe outlast CHECK_TIME_LIMIT_S is refused, and stays refused once
+    the slow check has finished (made slow on purpose: a real one's time races the limit); the server
+    stops waiting after CHECK_WAIT_S."""
+    import time
+
+    from engine import grammar
+    probe = grammar.probe
+    monkeypatch.setattr(grammar, "probe", lambda m, eos: (time.sleep(1.0), probe(m, eos))[1])
+    monkeypatch.setattr(grammar, "CHECK_TIME_LIMIT_S", 0.5)
+    monkeypatch.setattr(structured, "CHECK_WAIT_S", 0.2)
+    body = chat(guided_regex="[a-z]{3}-slow")
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and "took longer than 0.2 s" in r.json()["error"]["message"], r.text
+    time.sleep(1.5)                                 # the check finishes meanwhile: over the limit
+    monkeypatch.setattr(structured, "CHECK_WAIT_S", 30.0)
+    for _ in range(2):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and "took longer than 0.5 s" in r.json()["error"]["message"], r.text
+
+
+def test_a_grammar_failing_mid_generation_is_an_engine_error_then_a_400(server, monkeypatch):
+    """Where a matcher fails while generating (the probe skipped, so a grammar past the limits reaches the
+    engine), the request ends as other engine failures do: a 500 `engine_error` naming the grammar's
+    error, or streamed, an error chunk and [DONE] with no finish_reason; never a 200 with text the
+    grammar does not match. The grammar is refused (400) from then on."""
+    from engine import grammar
+    monkeypatch.setattr(grammar, "PROBE_WALKS", 0)
+    body = {"prompt": "x", "max_tokens": 8, "temperature": 1.0, "guided_regex": "b{2000000}"}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error", r.text
+    assert "structured output failed: lexer error" in r.json()["error"]["message"]
+    body["guided_regex"] = "c{2000000}"
+    r = httpx.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.text.rstrip().endswith("data: [DONE]") and "structured output failed" in events[-1]["error"]["message"]
+    assert all(c["finish_reason"] is None and c["text"] == "" for e in events[:-1] for c in e["choices"]), events
+    for regex in ("b{2000000}", "c{2000000}"):
+        for stream in (False, True):
+            r = httpx.post(server.url + "/v1/completions", json={**body, "guided_regex": regex, "stream": stream},
+                           timeout=60)
+            assert r.status_code == 400 and "while generating: lexer error" in r.json()["error"]["message"], r.text
