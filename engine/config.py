@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.executor.options import DEFAULT_GRAPH_SIZES, DTYPES, GpuTuning
+from engine.kv_events import KVEventsConfig
 from engine.lora import MAX_LORA_RANK
 
 # vLLM's defaults on a GPU; the numpy executor takes smaller steps (its attention is O(T^2) in memory).
@@ -35,6 +36,8 @@ class EngineConfig:
     (None: every loaded one; the others are read from their folders again when a request needs them).
     tensor_parallel_size: ranks one model is split across (one process per GPU; threads on the CPU;
     engine/parallel).
+    kv_events_config: vLLM's --kv-events-config: the prefix cache's changes published for a KV-aware router
+    (engine/kv_events.py).
     """
     model: str | None = None
     device: str = "auto"                     # "auto" | "cpu" | "cuda"
@@ -65,6 +68,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     tensor_parallel_size: int = 1
+    kv_events_config: KVEventsConfig | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
@@ -97,6 +101,15 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        events = self.kv_events_config
+        if events is not None:
+            try:
+                events.validate()
+            except ValueError as e:
+                raise ValueError(f"kv_events_config: {e}") from None
+            if events.enabled and not self.enable_prefix_caching:
+                raise ValueError("--kv-events-config: KV cache events describe the prefix cache, which "
+                                 "--no-enable-prefix-caching turns off")
 
     def limits(self, device: str) -> tuple[int, int]:
         """(max_num_seqs, max_num_batched_tokens) on a resolved device ("cpu" / "cuda")."""

@@ -20,6 +20,7 @@ from engine.batch import ModelBatch
 from engine.config import EngineConfig
 from engine.events import Error, Finished, Rejected, Usage
 from engine.grammar import GrammarCache
+from engine.kv_events import kv_event_log
 from engine.executor.base import DoneStep
 from engine.lora_registry import lora_registry
 from engine.outputs import OutputProcessor, RequestState, Sink
@@ -92,7 +93,10 @@ class EngineLoop:
         max_seqs, max_tokens = step_limits(executor, config, max_model_len)
         slots = StateSlots(executor.num_state_slots) if executor.num_state_slots else None
         self.block_manager = BlockManager(executor.num_kv_blocks, prefix_caching(config, slots))
-        self.scheduler = Scheduler(self.block_manager, max_seqs, max_tokens, host_tier(executor, config),
+        tier = host_tier(executor, config)
+        # subscribed before the scheduler: an eviction is recorded before the host-tier store it causes
+        self.kv_events = kv_event_log(config.kv_events_config, self.block_manager, tier, self._lora_name)
+        self.scheduler = Scheduler(self.block_manager, max_seqs, max_tokens, tier,
                                    chunked_prefill=config.enable_chunked_prefill, state_slots=slots,
                                    max_loras=config.max_loras if config.enable_lora else 0)
         self.scheduler.copy_on_write = getattr(executor, "supports_block_copies", False)
@@ -126,6 +130,9 @@ class EngineLoop:
     def requests(self) -> dict[str, RequestState]:
         return self.outputs.requests
 
+    def _lora_name(self, lora_id: int) -> str | None:
+        return self.loras.loaded.get(lora_id, (None,))[0] if self.loras is not None else None
+
     # -- thread-safe surface -------------------------------------------------------------
     def add_request(self, req: GenerateRequest, sink: Sink) -> None:
         self._inbox.put(("add", req, sink))
@@ -144,8 +151,13 @@ class EngineLoop:
         """Engine thread, between steps: evict every unreferenced cached device block (with a host tier they
         are offloaded to it now, not with the next step); returns how many."""
         self._land_all_copies()             # blocks held by write-through copies become evictable
+        if self.kv_events is not None:
+            self.kv_events.begin_reset()
         n = self.block_manager.reset_prefix_cache()
         self._copy_tier_blocks()
+        if self.kv_events is not None:      # nothing left cached anywhere: vLLM's AllBlocksCleared
+            self.kv_events.end_reset(self.scheduler.host_tier is None and not self.block_manager.cached)
+            self.kv_events.flush(time.time())
         self._publish_stats()
         return n
 
@@ -206,6 +218,8 @@ class EngineLoop:
             self.outputs.send(sink, Error(rid, "engine shut down"))
             self.outputs.send(sink, None)
         self._run_after_step()
+        if self.kv_events is not None:
+            self.kv_events.close(time.time())
         self.trace.close()
 
     def _run_after_step(self) -> None:
@@ -340,6 +354,8 @@ class EngineLoop:
             if ticket is not None:
                 self.executor.wait_copies(ticket)
         self._steps += 1
+        if self.kv_events is not None:      # the step's prefix-cache changes, one batch for the publisher
+            self.kv_events.flush(time.time())
         self._publish_stats()
 
     def _launch_ahead(self, out: SchedulerOutput) -> bool:

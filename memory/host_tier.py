@@ -13,11 +13,13 @@ once, the slot held and left out of lookups until that copy lands (`done_writing
 
 Per step the scheduler hands the executor two lists, run in this order before the step's compute:
 offloads (device block -> host slot), then restores (host slot -> device block), so a block both
-evicted and re-used in one step is saved before it is overwritten.
+evicted and re-used in one step is saved before it is overwritten. `on_move(hash, stored)`, where set, is
+told of every hash the tier takes in and every one it drops (the KV events' host medium).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from memory.prefix_hash import longest_prefix
 
@@ -38,6 +40,7 @@ class HostKVTier:
         self._writing: set[int] = set()                        # slots whose write-through has not landed
         self.stored_blocks = 0                                 # lifetime counters
         self.restored_blocks = 0
+        self.on_move: Callable[[int, bool], None] | None = None
 
     def store(self, block_hash: int, device_block: int) -> None:
         """A cached device block is being evicted: keep its KV under its hash (a copy this step)."""
@@ -56,6 +59,8 @@ class HostKVTier:
         if slot is not None:
             self.slot_of[block_hash] = slot
             self.stored_blocks += 1
+            if self.on_move is not None:
+                self.on_move(block_hash, True)
         return slot
 
     def _take_slot(self) -> int | None:
@@ -64,6 +69,8 @@ class HostKVTier:
         for victim, slot in self.slot_of.items():
             if slot not in self._pinned and slot not in self._held:
                 del self.slot_of[victim]
+                if self.on_move is not None:
+                    self.on_move(victim, False)
                 return slot
         return None
 

@@ -75,12 +75,25 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "others are read from their folders again when a request names them")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model across this many GPUs (one process each, NCCL); on the CPU, threads")
+    p.add_argument("--kv-events-config", type=kv_events_config, default=None, metavar="JSON",
+                   help="publish the prefix cache's changes for a KV-aware router, as vLLM does: e.g. "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+                        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (needs the kv-events extra)")
     p.add_argument("--step-trace", default=None, metavar="FILE",
                    help="write one JSON line per engine step (tokens, host phases, GPU time): bench/step_profile.py "
                         "tabulates it")
     p.add_argument("--request-trace", default=None, metavar="FILE",
                    help="write one JSON line per generation request (its moments from arrival to the first token "
                         "sent, on the step trace's clock): bench/request_trace.py tabulates it")
+
+
+def kv_events_config(text: str):
+    """--kv-events-config's JSON, parsed and checked (argparse reports a ValueError's message)."""
+    from engine.kv_events import KVEventsConfig
+    try:
+        return KVEventsConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:
@@ -201,7 +214,8 @@ def engine_config(args: argparse.Namespace):
                           enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules),
                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           max_cpu_loras=args.max_cpu_loras,
-                          tensor_parallel_size=args.tensor_parallel_size)
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          kv_events_config=args.kv_events_config)
     config.validate()
     return config
 
