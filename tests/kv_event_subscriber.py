@@ -4,7 +4,6 @@ vllm/distributed/kv_events.py (vLLM 0.24) declares it, so a payload this decodes
 consumers decode."""
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -65,12 +64,6 @@ class KVEventBatch(EventBatch):
 
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 END_SEQ = -1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def events_config(port: int, replay_port: int | None = None, topic: str = "kv") -> dict:

@@ -17,10 +17,10 @@ pytest.importorskip("msgspec")
 from engine.kv_events import KVEventsConfig
 from engine.request import GenerateRequest, SamplingParams
 from fake_executor import FakeExecutor, make_engine, run_until_idle, submit
-from kv_event_subscriber import (AllBlocksCleared, BlockRemoved, BlockStored, Subscriber, events_config,
-                                 free_port)
+from kv_event_subscriber import AllBlocksCleared, BlockRemoved, BlockStored, Subscriber, events_config
 from memory.kv_pool import BLOCK_SIZE
 from memory.prefix_hash import hash_chain
+from test_server_cli import free_port
 
 ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 

@@ -1,0 +1,129 @@
+"""Two CPU replicas of `openinfer serve` (the demo model) behind vllm-router, an existing KV-aware router
+written for vLLM, on loopback. Its kv_aware policy subscribes to each replica's KV events (--kv-events-config)
+and sends a request to the replica whose cache holds the longest prefix of it. Each conversation's first turn
+goes straight to one replica, so the router can learn where its prefix lives only from the events; the
+second turn, through the router, must then land there: usage.prompt_tokens_details.cached_tokens at least the
+first turn's prompt rounded down to whole blocks. Behind the same router with round_robin, the second turns
+alternate between the replicas and only those that happen to land on the right one hit."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("zmq")
+pytest.importorskip("msgspec")
+
+from engine.loader.demo import demo_model_path
+from kv_event_subscriber import events_config
+from memory.kv_pool import BLOCK_SIZE
+from test_server_cli import OPENINFER, ROOT, free_port, interrupt, wait_healthy
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+# two replicas on a 2-core machine: BLAS threads of their own would only spin against each other (measured:
+# 4.3 s of CPU per chat request with them under load, 0.5 s without)
+ONE_BLAS_THREAD = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+CONVERSATIONS = 8                       # per policy
+TOPICS = ["tides", "glaciers", "volcanoes", "comets", "coral reefs", "deserts", "auroras", "monsoons",
+          "geysers", "fjords", "canyons", "lagoons", "tundra", "savannas", "estuaries", "atolls"]
+
+
+def router_binary() -> str:
+    found = shutil.which("vllm-router", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if found is None:
+        pytest.skip("vllm-router is not installed (the test extra brings it)")
+    return found
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    """[(url, events port)] of two demo-model servers publishing KV events."""
+    procs, out = [], []
+    try:
+        for _ in range(2):
+            port, events = free_port(), free_port()
+            procs.append(subprocess.Popen(
+                OPENINFER + ["serve", "--device", "cpu", "--port", str(port),
+                             "--kv-events-config", json.dumps(events_config(events, topic=""))],
+                cwd=ROOT, env=ONE_BLAS_THREAD, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            out.append((f"http://127.0.0.1:{port}", events))
+        for (url, _), proc in zip(out, procs):
+            wait_healthy(url, proc, timeout=180)
+        yield out
+    finally:
+        for proc in procs:
+            interrupt(proc)
+
+
+def start_router(replicas, policy: str, log) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+           "--prometheus-port", str(free_port()), "--worker-urls", *[url for url, _ in replicas]]
+    if policy == "kv_aware":
+        cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", demo_model_path()]
+        for url, events in replicas:
+            cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{events}"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, f"vllm-router exited ({proc.returncode}): see {log.name}"
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "vllm-router not healthy within 60 s"
+        time.sleep(0.2)
+
+
+def chat(url: str, messages: list[dict]) -> dict:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 3, "temperature": 0}
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def conversations(topics: list[str], replicas, router: str) -> list[tuple[int, int]]:
+    """(first turn's prompt tokens, second turn's cached tokens) of a two-turn chat per topic: each first turn
+    sent to a replica directly (two to one, two to the other, ...), every second turn through the router."""
+    firsts = []
+    for i, topic in enumerate(topics):
+        messages = [{"role": "system", "content": f"You answer questions about {topic} in one short sentence. "
+                                                  f"Stay on {topic}; never change the subject away from {topic}."},
+                    {"role": "user", "content": f"What should a first-time visitor know about {topic}?"}]
+        reply = chat(replicas[(i // 2) % 2][0], messages)
+        firsts.append((messages + [reply["choices"][0]["message"], {"role": "user", "content": "Why?"}],
+                       reply["usage"]["prompt_tokens"]))
+    time.sleep(0.5)                                              # the events' way to the router: milliseconds
+    return [(tokens, chat(router, messages)["usage"]["prompt_tokens_details"]["cached_tokens"])
+            for messages, tokens in firsts]
+
+
+def hits(turns: list[tuple[int, int]]) -> int:
+    return sum(cached >= first // BLOCK_SIZE * BLOCK_SIZE > 0 for first, cached in turns)
+
+
+def test_second_turns_land_on_the_replica_holding_their_prefix(replicas):
+    with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="vllm-router-") as log:
+        kv_router, kv_url = start_router(replicas, "kv_aware", log)
+        rr_router, rr_url = start_router(replicas, "round_robin", log)
+        try:
+            time.sleep(1.0)                                     # the router's subscriptions reach the replicas
+            kv = conversations(TOPICS[:CONVERSATIONS], replicas, kv_url)
+            rr = conversations(TOPICS[CONVERSATIONS:2 * CONVERSATIONS], replicas, rr_url)
+        finally:
+            for proc in (kv_router, rr_router):
+                interrupt(proc)
+        print(f"second turns with their whole first prompt cached: kv_aware {hits(kv)}/{len(kv)} {kv}, "
+              f"round_robin {hits(rr)}/{len(rr)} {rr}")
+        assert hits(kv) == CONVERSATIONS, f"kv_aware: {kv}; the router's log:\n{log.read()[-3000:]}"
+        assert hits(rr) <= CONVERSATIONS // 2 + 1, rr
