@@ -94,6 +94,7 @@ class Subscriber:
             topic, seq, payload = self.sub.recv_multipart()
             assert topic == self.topic
             item = (int.from_bytes(seq, "big"), DECODER.decode(payload))
+            assert msgspec.msgpack.encode(item[1]) == payload      # byte for byte what vLLM's structs encode
             self.payloads[item[0]] = payload
             new.append(item)
         self.received += new

@@ -73,6 +73,19 @@ def test_a_prompts_full_blocks_are_stored_as_one_chain(events):
     assert seqs == list(range(len(seqs))) and all(b.data_parallel_rank == 0 for _, b in sub.received)
 
 
+def test_lora_blocks_name_their_adapter():
+    """vLLM's fields for a LoRA request's blocks: lora_id (the adapter's id), lora_name, and the name as each
+    block's extra key (what its hash covers beyond the tokens); a chain breaks where the adapter changes."""
+    from engine.kv_event_publisher import EventTranslator
+    from memory.block_manager import BlockStored as Stored
+    blocks = [Stored(11, 0, tuple(range(16)), 3, 0), Stored(12, 11, tuple(range(16, 32)), 3, 1),
+              Stored(13, 12, tuple(range(32, 48)), 0, 2)]
+    events = EventTranslator().events(blocks, {3: "sql"})
+    assert [(e.block_hashes, e.parent_block_hash, e.lora_id, e.lora_name, e.extra_keys) for e in events] == [
+        ([11, 12], None, 3, "sql", [("sql",), ("sql",)]), ([13], 12, None, None, [None])]
+    assert events[0].token_ids == list(range(32))
+
+
 def test_evicted_blocks_are_removed_one_event_each(events):
     engine, sub = events(FakeExecutor(num_kv_blocks=10))
     first = list(range(1, 66))                                 # 4 full blocks (+1 for its tail)
