@@ -17,25 +17,22 @@ A prompt sent again, or again with its last token changed, so computes one token
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from itertools import islice
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from memory.kv_pool import BLOCK_SIZE
 from memory.prefix_hash import NO_PARENT, longest_prefix
 
 
-@dataclass(frozen=True)
-class BlockStored:
-    block_hash: int
+class BlockStored(NamedTuple):          # (a NamedTuple: ~3x cheaper to build than a frozen dataclass, and
+    block_hash: int                     # one is built per block cached while a subscriber wants them)
     parent_hash: int
     token_ids: tuple[int, ...]
     adapter_id: int
     block_id: int
 
 
-@dataclass(frozen=True)
-class BlockRemoved:
+class BlockRemoved(NamedTuple):
     block_hash: int
     block_id: int
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import pytest
 
@@ -191,6 +192,31 @@ def test_missed_batches_come_back_from_the_replay_socket(events):
     dealer.send_multipart([b"", b"xy", b"z"])
     dealer.close(linger=0)
     assert [seq for seq, _ in sub.replay(last)] == [last]
+
+
+def test_a_host_endpoint_is_connected_to_and_ranks_offset_it():
+    """vLLM's rules: a wildcard (or ipc / inproc) endpoint is bound, a host one connected to (here a proxy's
+    XSUB binds it and subscribes to everything); data-parallel rank r publishes on the tcp port + r, or the
+    address + "_dp<r>"."""
+    import zmq
+    from engine.kv_event_publisher import offset_endpoint_port
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.XSUB)
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    engine = make_engine(kv_events_config=KVEventsConfig(True, endpoint=f"tcp://127.0.0.1:{port}"))
+    try:
+        time.sleep(0.3)
+        sub.send(b"\x01")                                      # subscribe to every topic
+        time.sleep(0.3)
+        run(engine, "a", list(range(1, 40)))
+        assert sub.poll(10_000) and len(sub.recv_multipart()) == 3
+    finally:
+        engine.kv_events.close(0.0)
+        sub.close(linger=0)
+        ctx.term()
+    assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint_port("tcp://*:5557", 3) == "tcp://*:5560"
+    assert offset_endpoint_port("inproc://cache", 2) == "inproc://cache_dp2"
 
 
 @pytest.mark.parametrize("text, message", [
