@@ -13,6 +13,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.executor.env import gpu_tuning_from_env
 from engine.executor.options import ExecutorOptions, GpuTuning, executor_options, options_of
+from engine.kv_events import KVEventsConfig
 from engine.model_config import ModelConfig
 from engine.request import GenerateRequest, SamplingParams
 from harness.lora import tiny_adapter_path
@@ -29,7 +30,8 @@ def non_default_config(model: str) -> EngineConfig:
                         schedule_ahead=False, async_scheduling=False, host_kv_blocks=9,
                         gpu=GpuTuning(decode_kernels="attention", gemm="cublas", pdl=False, nvtx="ops"),
                         progress=False, enable_lora=True, lora_modules=(("ad", tiny_adapter_path("qwen3_untied", "attn8")),),
-                        max_loras=2, max_lora_rank=8, max_cpu_loras=3)
+                        max_loras=2, max_lora_rank=8, max_cpu_loras=3,
+                        kv_events_config=KVEventsConfig(True, endpoint="inproc://test-options-kv-events"))
 
 
 def block_bytes(path: str, itemsize: int) -> int:
@@ -105,6 +107,9 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "max_cpu_loras": eng.loras.max_cpu_loras == 3,
             "tensor_parallel_size": tensor_parallel_reaches_the_ranks(path),      # LoRA and TP exclude each other
             "kv_offload_gib": offload_slots(path, 0.001) == (0.001 * 2**30) // block_bytes(path, 4),
+            # the event log records the block manager's and the host tier's changes
+            "kv_events_config": eng.kv_events is not None and eng.scheduler.host_tier.on_move is not None
+            and eng.kv_events._on_block in eng.block_manager._stored_subscribers,
         }
         h.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert set(checks) == {f.name for f in dataclasses.fields(EngineConfig)}
