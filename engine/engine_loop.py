@@ -131,7 +131,7 @@ class EngineLoop:
         return self.outputs.requests
 
     def _lora_name(self, lora_id: int) -> str | None:
-        return self.loras.loaded.get(lora_id, (None,))[0] if self.loras is not None else None
+        return (self.loras.names({lora_id}) or None) if self.loras is not None else None
 
     # -- thread-safe surface -------------------------------------------------------------
     def add_request(self, req: GenerateRequest, sink: Sink) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 from memory.block_manager import BlockManager, BlockRemoved, BlockStored
 from memory.host_tier import HostKVTier
@@ -22,8 +23,7 @@ EXTRA = "kv-events"         # the install extra that brings pyzmq and msgspec
 ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
-@dataclass(frozen=True)
-class HostMove:
+class HostMove(NamedTuple):
     """The host tier took (stored) or dropped a block's hash."""
     block_hash: int
     stored: bool

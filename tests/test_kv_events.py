@@ -74,17 +74,28 @@ def test_a_prompts_full_blocks_are_stored_as_one_chain(events):
     assert seqs == list(range(len(seqs))) and all(b.data_parallel_rank == 0 for _, b in sub.received)
 
 
-def test_lora_blocks_name_their_adapter():
-    """vLLM's fields for a LoRA request's blocks: lora_id (the adapter's id), lora_name, and the name as each
-    block's extra key (what its hash covers beyond the tokens); a chain breaks where the adapter changes."""
-    from engine.kv_event_publisher import EventTranslator
-    from memory.block_manager import BlockStored as Stored
-    blocks = [Stored(11, 0, tuple(range(16)), 3, 0), Stored(12, 11, tuple(range(16, 32)), 3, 1),
-              Stored(13, 12, tuple(range(32, 48)), 0, 2)]
-    events = EventTranslator().events(blocks, {3: "sql"})
-    assert [(e.block_hashes, e.parent_block_hash, e.lora_id, e.lora_name, e.extra_keys) for e in events] == [
-        ([11, 12], None, 3, "sql", [("sql",), ("sql",)]), ([13], 12, None, None, [None])]
-    assert events[0].token_ids == list(range(32))
+def test_a_lora_requests_blocks_name_their_adapter():
+    """vLLM's fields for a LoRA request's blocks (a tiny model, a PEFT adapter): lora_id the adapter's id,
+    lora_name its name, and the name as each block's extra key (what its hash covers beyond the tokens)."""
+    from test_lora_engine import ADAPTERS, lora_engine
+    port = free_port()
+    engine = lora_engine(kv_events_config=KVEventsConfig(**events_config(port)))
+    sub = Subscriber(port)
+    try:
+        prompt, name = list(range(1, 40)), ADAPTERS[0]
+        for rid, lora in (("base", None), ("lora", name)):
+            submit(engine, GenerateRequest(rid, prompt, ONE_TOKEN, lora_name=lora))
+            run_until_idle(engine)
+        base, tuned = stored(e for _, b in sub.wait(lambda evs: len(stored(evs)) == 2) for e in b.events)
+        lora_id = engine.loras.id_of(name)
+        assert (base.block_hashes, base.lora_id, base.lora_name, base.extra_keys) == (
+            hash_chain(prompt, BLOCK_SIZE), None, None, [None, None])
+        assert (tuned.block_hashes, tuned.lora_id, tuned.lora_name, tuned.extra_keys) == (
+            hash_chain(prompt, BLOCK_SIZE, lora_id), lora_id, name, [(name,), (name,)])
+        assert tuned.token_ids == base.token_ids == prompt[:32]
+    finally:
+        engine.kv_events.close(0.0)
+        sub.close()
 
 
 def test_evicted_blocks_are_removed_one_event_each(events):
