@@ -23,6 +23,7 @@ inline std::unique_ptr<std::barrier<>> emu_block_barrier;
 inline std::vector<std::unique_ptr<std::barrier<>>> emu_warp_barriers;
 inline std::vector<float> emu_xchg;                       // [warps][32]
 inline std::vector<char> emu_dynamic_smem;
+inline std::vector<unsigned> emu_frags;                   // [warps][32][6]: a lane's mma fragments
 
 #define __global__
 #define __device__
@@ -66,6 +67,7 @@ inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 template <typename T> inline T __ldcg(const T* p) { return *p; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
+template <typename T> inline T __ldcs(const T* p) { return *p; }
 inline float __uint_as_float(unsigned v) { float f; std::memcpy(&f, &v, sizeof f); return f; }
 inline unsigned __float_as_uint(float f) { unsigned v; std::memcpy(&v, &f, sizeof v); return v; }
 // cp.async: the copy done at once (the wait is then a no-op); !valid writes zeros, as the hardware does.
@@ -75,6 +77,79 @@ inline void cp_async16(void* smem, const void* gmem, bool valid) {
 inline void cp_async_commit() {}
 template <int N> inline void cp_async_wait() {}
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+
+// Warp-wide tensor-core products (mma.cuh): every lane posts its fragment registers, then computes its four
+// accumulators from the whole A and B, products summed in float in k order (the hardware's order and
+// rounding inside one instruction may differ). Element e of a lane's register r is A[arow(L, r, e)][acol(..)].
+inline float emu_bf16_bits(unsigned v) { return __bfloat162float(__ushort_as_bfloat16((unsigned short)v)); }
+inline float emu_e4m3_bits(unsigned v) {                   // e4m3fn: bias 7, no infinities, S.1111.111 NaN
+    const int e = (v >> 3) & 15, m = v & 7;
+    const float f = e == 15 && m == 7 ? NAN : e == 0 ? std::ldexp((float)m, -9) : std::ldexp((float)(8 + m), e - 10);
+    return v & 0x80 ? -f : f;
+}
+template <int K, int PER, typename Decode>
+inline void emu_mma(float c[4], const unsigned (&frag)[6], Decode decode) {
+    unsigned* mine = emu_frags.data() + (emu_warp() * 32 + emu_lane()) * 6;
+    for (int r = 0; r < 6; ++r) mine[r] = frag[r];
+    __syncwarp();
+    const unsigned* all = emu_frags.data() + emu_warp() * 32 * 6;
+    const int bits = 32 / PER, half = K / 2;               // a lane's k span per register: PER values
+    float A[16][K], B[K][8];
+    for (int L = 0; L < 32; ++L) {
+        const int g = L / 4, t = L % 4;
+        for (int e = 0; e < PER; ++e) {
+            const unsigned mask = (1u << bits) - 1;
+            for (int r = 0; r < 4; ++r)                   // a0: (g, lo k), a1: (g+8, lo k), a2: (g, hi k), a3: (g+8, hi k)
+                A[g + 8 * (r & 1)][t * PER + e + half * (r >> 1)] = decode((all[L * 6 + r] >> (bits * e)) & mask);
+            for (int r = 0; r < 2; ++r) B[t * PER + e + half * r][g] = decode((all[L * 6 + 4 + r] >> (bits * e)) & mask);
+        }
+    }
+    __syncwarp();
+    const int g = emu_lane() / 4, t = emu_lane() % 4;
+    for (int j = 0; j < 4; ++j) {
+        const int row = g + 8 * (j >> 1), col = 2 * t + (j & 1);
+        float s = c[j];
+        for (int k = 0; k < K; ++k) s += A[row][k] * B[k][col];
+        c[j] = s;
+    }
+}
+inline void mma_16816(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    emu_mma<16, 2>(c, {a0, a1, a2, a3, b0, b1}, emu_bf16_bits);
+}
+inline void mma_16832_e4m3(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    emu_mma<32, 4>(c, {a0, a1, a2, a3, b0, b1}, emu_e4m3_bits);
+}
+
+// fp8.cuh: float -> e4m3 rounded to nearest even (ties to the even code), finite values saturated to ±448.
+inline unsigned emu_e4m3(float f) {
+    const unsigned sign = std::signbit(f) ? 0x80u : 0u;
+    const float a = std::fabs(f);
+    if (std::isnan(f)) return sign | 0x7Fu;
+    unsigned lo = 0;                                       // the largest code whose value is <= a (codes ascend)
+    for (unsigned c = 1; c <= 0x7E; ++c) if (emu_e4m3_bits(c) <= a) lo = c;
+    if (lo == 0x7E) return sign | 0x7Eu;                   // 448 and beyond
+    const float below = emu_e4m3_bits(lo), above = emu_e4m3_bits(lo + 1), mid = (below + above) / 2;   // exact
+    const unsigned c = a < mid ? lo : a > mid ? lo + 1 : (lo % 2 == 0 ? lo : lo + 1);
+    return sign | c;
+}
+inline unsigned short e4m3x2(float lo, float hi) { return (unsigned short)(emu_e4m3(lo) | emu_e4m3(hi) << 8); }
+
+// bf16x2.cuh: packed bf16 pairs, each half computed in float and rounded once (exact for the inputs the
+// kernels give it: the float result is exact before that rounding).
+template <typename Op>
+inline unsigned emu_bf16x2(unsigned a, unsigned b, unsigned c, Op op) {
+    unsigned d = 0;
+    for (int h = 0; h < 2; ++h) {
+        const float v = op(emu_bf16_bits(a >> (16 * h)), emu_bf16_bits(b >> (16 * h)), emu_bf16_bits(c >> (16 * h)));
+        d |= (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(v)) << (16 * h);
+    }
+    return d;
+}
+inline unsigned bf16x2_sub(unsigned a, unsigned b) { return emu_bf16x2(a, b, 0, [](float x, float y, float) { return x - y; }); }
+inline unsigned bf16x2_mul(unsigned a, unsigned b) { return emu_bf16x2(a, b, 0, [](float x, float y, float) { return x * y; }); }
+inline unsigned bf16x2_fma(unsigned a, unsigned b, unsigned c) {
+    return emu_bf16x2(a, b, c, [](float x, float y, float z) { return std::fma(x, y, z); });
+}
 
 // Run body() as every thread of every block of the grid (1-D blocks), blocks one after another.
 inline void emu_launch(EmuDim grid, unsigned threads, size_t smem, const std::function<void()>& body) {
@@ -89,6 +164,7 @@ inline void emu_launch(EmuDim grid, unsigned threads, size_t smem, const std::fu
                 for (unsigned w = 0; w < warps; ++w)
                     emu_warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w)));
                 emu_xchg.assign(warps * 32, 0.f);
+                emu_frags.assign(warps * 32 * 6, 0u);
                 emu_dynamic_smem.assign(smem, 0);
                 std::vector<std::thread> pool;
                 for (unsigned t = 0; t < threads; ++t)

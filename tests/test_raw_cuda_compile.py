@@ -95,3 +95,20 @@ def test_kernels_include_only_what_nvrtc_finds():
         with open(path, encoding="utf-8") as f:
             for name in re.findall(r'#include\s+[<"]([^>"]+)[>"]', f.read()):
                 assert name in local or name == "cuda_bf16.h", f"{os.path.basename(path)} includes {name}"
+
+
+@pytest.mark.parametrize("fp4,zero,fp16", [(a, b, c) for a in (0, 1) for b in (0, 1) for c in (0, 1)])
+def test_gemv_w4_compiles_for_each_format(fp4, zero, fp16):
+    """gemv_w4.cu is compiled per 4-bit format (openinfer_kernels/quant/w4_layout.W4Packed.defines)."""
+    _compile(os.path.join(KERNEL_DIR, "gemv_w4.cu"), f"W4_FP4={fp4}", f"W4_ZERO={zero}", f"W4_SCALE_FP16={fp16}")
+
+
+@pytest.mark.parametrize("name,prefix", [("gemv_w4.cu", "W4"), ("gemv_fp8.cu", "FP8")])
+@pytest.mark.parametrize("tiles,batch", [(1, 1), (4, 3)])
+def test_quantized_gemvs_compile_for_each_shape(name, prefix, tiles, batch):
+    """... and per CTA tiles (W4_RT / FP8_RT, dividing the 8 warps) and k steps in flight (W4_U / FP8_U)."""
+    _compile(os.path.join(KERNEL_DIR, name), f"{prefix}_RT={tiles}", f"{prefix}_U={batch}")
+
+
+def test_gemv_fp8_compiles_with_channel_scales():
+    _compile(os.path.join(KERNEL_DIR, "gemv_fp8.cu"), "FP8_CHANNEL=1")

@@ -122,3 +122,25 @@ __device__ __forceinline__ float block_sum(float v, float* scratch /* [33] */) {
     r = warp_sum(r);
     return r;
 }
+
+// A row's residual add and its threads' shares of the sum of squares (rms_norm.cu, fp8_quant.cu): r = bf16(x +
+// residual) written to resid_out (residual null: r = x, nothing written); returns this thread's sum of r² over
+// the row's 8-value vectors threadIdx.x, threadIdx.x + blockDim.x, ... (nvec of them).
+__device__ __forceinline__ float residual_row_sum_squares(const bf16_t* x, const bf16_t* residual, bf16_t* resid_out,
+                                                          int nvec) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+        uint4 xv = reinterpret_cast<const uint4*>(x)[i];
+        bf16_t* xs = reinterpret_cast<bf16_t*>(&xv);
+        if (residual != nullptr) {
+            uint4 rv = reinterpret_cast<const uint4*>(residual)[i];
+            const bf16_t* rs = reinterpret_cast<const bf16_t*>(&rv);
+            #pragma unroll
+            for (int e = 0; e < 8; ++e) xs[e] = f_to_bf16(bf16_to_f(xs[e]) + bf16_to_f(rs[e]));
+            reinterpret_cast<uint4*>(resid_out)[i] = xv;
+        }
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) { float f = bf16_to_f(xs[e]); ss += f * f; }
+    }
+    return ss;
+}

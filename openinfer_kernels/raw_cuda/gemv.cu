@@ -24,6 +24,7 @@
 // 23 µs at 4.3 TB/s; at M <= 32 the tensor cores have > 20x headroom, so it is purely bandwidth-bound.
 #include "common.cuh"
 #include "mma.cuh"
+#include "gemv_cta.cuh"
 
 #define GEMV_WARPS 8
 #ifndef GEMV_U
@@ -31,9 +32,6 @@
 #endif
 #define PRO_NONE 0
 #define PRO_RMSNORM 1
-#define EPI_NONE 0
-#define EPI_RESIDUAL 1
-#define EPI_SILU 2
 
 __device__ __forceinline__ const bf16_t* zero16() { return reinterpret_cast<const bf16_t*>(&kZero16); }
 
@@ -42,16 +40,13 @@ __device__ __forceinline__ uint4 load_streaming(const bf16_t* p) {   // weights:
 }
 __device__ __forceinline__ uint4 load_cached(const bf16_t* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
 
-__device__ __forceinline__ void store(bf16_t* y, size_t i, float v) { y[i] = f_to_bf16(v); }
-__device__ __forceinline__ void store(float* y, size_t i, float v) { y[i] = v; }
-
 
 template <int NT, int PRO, int EPI, typename OutT>
 __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w, OutT* y,
                                           int M, int N, int K, const bf16_t* __restrict__ norm_w,
                                           const bf16_t* res_in, float eps, int ldw) {
     constexpr int U = NT <= 2 ? GEMV_U : (GEMV_U > 2 ? GEMV_U / 2 : 1);
-    __shared__ float red[GEMV_WARPS][NT * 4][32];
+    __shared__ GemvPartials<NT, 1, GEMV_WARPS> red;
     __shared__ float rstd_s[NT * 8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
@@ -61,11 +56,7 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
     const bf16_t* w_hi = w + (size_t)(hi_ok ? row0 + g + 8 : 0) * ldw;
     const bf16_t* x_row[NT];
     bool x_ok[NT];
-    #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-        x_ok[n] = n * 8 + g < M;
-        x_row[n] = x + (size_t)(x_ok[n] ? n * 8 + g : 0) * K;
-    }
+    gemv_x_rows(x, M, K, g, x_row, x_ok);
     const int steps = (K + 31) / 32;
     const int per_warp = (steps + GEMV_WARPS - 1) / GEMV_WARPS;
     const int s_begin = warp * per_warp, s_end = min(steps, s_begin + per_warp);
@@ -148,34 +139,7 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
         #pragma unroll
         for (int u = 0; u < U; ++u) { a_lo[u] = an_lo[u]; a_hi[u] = an_hi[u]; }
     }
-    #pragma unroll
-    for (int n = 0; n < NT; ++n)
-        #pragma unroll
-        for (int j = 0; j < 4; ++j) red[warp][n * 4 + j][lane] = c[n][j];
-    __syncthreads();
-    // Thread i < 32·NT·4 sums one accumulator slot over the warps and stores it:
-    // c[n][j] of lane (g, tq) is y[m = 8n + 2tq + (j & 1), row = row0 + g + 8·(j >> 1)].
-    // EPI_SILU: rows row0 + g and row0 + 8 + g are gate and up of output column blockIdx.x·8 + g
-    // (slots j and j + 2 of one lane), and only the threads of slots j < 2 store.
-    for (int i = threadIdx.x; i < NT * 4 * 32; i += blockDim.x) {
-        const int slot = i / 32, ln = i % 32, n = slot / 4, j = slot % 4;
-        const int m = n * 8 + (ln & 3) * 2 + (j & 1), row = row0 + (ln >> 2) + 8 * (j >> 1);
-        if (m >= M || row >= N || (EPI == EPI_SILU && j >= 2)) continue;
-        float v = 0.f, up = 0.f;
-        #pragma unroll
-        for (int wp = 0; wp < GEMV_WARPS; ++wp) {
-            v += red[wp][slot][ln];
-            if (EPI == EPI_SILU) up += red[wp][slot + 2][ln];
-        }
-        if (EPI == EPI_SILU) {                       // silu_mul.cu's arithmetic on the bf16 linear outputs
-            const float act = bf16_to_f(silu_times(round_bf16(v), round_bf16(up)));   // exact in bf16
-            store(y, (size_t)m * (N / 2) + blockIdx.x * 8 + (ln >> 2), act);
-            continue;
-        }
-        const size_t at = (size_t)m * N + row;
-        if (EPI == EPI_RESIDUAL) v = round_bf16(v) + bf16_to_f(res_in[at]);
-        store(y, at, v);
-    }
+    gemv_store<NT, EPI>(c, red, 0, warp, y, M, N, row0, res_in);
 }
 
 // Every entry: (x, w, y, M, N, K, norm_w, res_in, eps, ldw); the pointers a variant does not use may be 0;

@@ -23,20 +23,8 @@ extern "C" __global__ void rms_norm_residual(const bf16_t* __restrict__ x, const
     __shared__ float scratch[33];
     const size_t row = (size_t)blockIdx.x * hidden;
     const int nvec = hidden / 8;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-        uint4 xv = reinterpret_cast<const uint4*>(x + row)[i];
-        bf16_t* xs = reinterpret_cast<bf16_t*>(&xv);
-        if (residual != nullptr) {
-            uint4 rv = reinterpret_cast<const uint4*>(residual + row)[i];
-            const bf16_t* rs = reinterpret_cast<const bf16_t*>(&rv);
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) xs[e] = f_to_bf16(bf16_to_f(xs[e]) + bf16_to_f(rs[e]));
-            reinterpret_cast<uint4*>(resid_out + row)[i] = xv;
-        }
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) { float f = bf16_to_f(xs[e]); ss += f * f; }
-    }
+    const float ss = residual_row_sum_squares(x + row, residual != nullptr ? residual + row : nullptr, resid_out + row,
+                                              nvec);
     const float rstd = rsqrtf(block_sum(ss, scratch) / hidden + eps);
     write_normed_row((residual != nullptr ? resid_out : x) + row, w, out + row, nvec, rstd);
 }

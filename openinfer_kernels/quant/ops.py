@@ -1,0 +1,174 @@
+"""Host launches of the quantized-weight raw CUDA kernels on one stream (CuPy arrays; bf16 as uint16, e4m3 as
+uint8): the W4A16 GEMV (gemv_w4.cu, dense and grouped), the FP8 activation quantization (fp8_quant.cu, alone
+and after the RMSNorm) and the W8A8 GEMV (gemv_fp8.cu, dense and grouped). Each call checks its shapes and
+raises ValueError before launching; ``_kernel`` / ``_launch`` are the two places that touch CUDA (the tests
+run these same launches through a host emulation of the kernels). The prefill FP8 GEMM is the CuTe one
+(openinfer_kernels/cute/gemm.py ``fp8_gemm``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .fp8_ref import GROUP
+from .w4_layout import W4Packed
+
+GEMV_MAX_M = 16                     # two n8 tiles
+GEMV_THREADS = 256
+TILES_PER_CTA = 2                   # gemv_w4.cu W4_RT, gemv_fp8.cu FP8_RT
+EPILOGUES = {"bf16": 0, "f32": 1, "residual": 2, "silu": 3}   # gemv_cta.cuh GEMV_EPI_*
+
+
+@dataclass(frozen=True)
+class W4Weight:
+    """A W4Packed on the device (any array type), with what the kernel needs of it."""
+
+    codes: object
+    scales: object
+    zeros: object | None
+    n: int
+    k: int
+    group: int
+    defines: tuple[tuple[str, int], ...]
+    experts: int = 1
+
+    @classmethod
+    def upload(cls, packed: W4Packed, to_device=None) -> "W4Weight":
+        """``to_device``: numpy -> device array (cupy.asarray by default)."""
+        if to_device is None:
+            import cupy
+            to_device = cupy.asarray
+        lead = packed.codes.shape[:-5]
+        return cls(to_device(packed.codes), to_device(packed.scales),
+                   None if packed.zeros is None else to_device(packed.zeros), packed.n, packed.k, packed.group,
+                   tuple(sorted(packed.defines.items())), int(np.prod(lead)) if lead else 1)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _rows(a, cols: int | None, what: str, dtype=np.uint16) -> int:
+    """a's row count, after checking that it is a C-contiguous dtype [rows, cols] (cols None: any)."""
+    _check(a.ndim == 2 and (cols is None or a.shape[1] == cols) and a.dtype == dtype and a.flags.c_contiguous,
+           f"{what} must be a C-contiguous {np.dtype(dtype).name} [rows, {cols or 'K'}], got {a.dtype} {a.shape}")
+    return a.shape[0]
+
+
+def _epilogue(epi: str, y, m: int, n: int, res) -> int:
+    _check(epi in EPILOGUES, f"epilogue {epi!r}: one of {sorted(EPILOGUES)}")
+    cols = n // 2 if epi == "silu" else n
+    _rows(y, cols, "y", np.float32 if epi == "f32" else np.uint16)
+    _check(y.shape[0] == m, f"y has {y.shape[0]} rows, x {m}")
+    _check(epi != "silu" or n % 16 == 0, f"silu: N = {n} must interleave whole blocks of 8 gate and 8 up rows")
+    _check((epi == "residual") == (res is not None), "a residual is given exactly with the residual epilogue")
+    if res is not None:
+        _check(res.shape == (m, n) and res.dtype == np.uint16, f"residual must be bf16 [{m}, {n}]")
+    return EPILOGUES[epi]
+
+
+class QuantOps:
+    """The quantized-weight kernels' launches on ``stream`` (programmatic dependent launches where ``pdl``)."""
+
+    pdl = True
+
+    def __init__(self, stream=None):
+        self.stream = stream
+
+    def _kernel(self, name: str, entry: str, **defines: int):
+        from openinfer_kernels.raw_cuda import kernel
+        return kernel(name, entry, **defines)
+
+    def _launch(self, k, grid, block, args) -> None:
+        from openinfer_kernels.raw_cuda.launch import launch
+        launch(k, grid, block, args, self.stream, pdl=self.pdl)
+
+    def gemv_w4(self, x, w: W4Weight, y, epi: str = "bf16", res=None) -> None:
+        """y = x · Wᵀ (x bf16 [M <= 16, K]) with an epilogue: "bf16", "f32" (y float32), "residual" (y =
+        bf16(bf16(x · Wᵀ) + res), res may be y) or "silu" (y [M, N/2], W's rows gate / up interleaved by 8)."""
+        m = _rows(x, w.k, "x")
+        _check(1 <= m <= GEMV_MAX_M, f"gemv_w4 serves 1..{GEMV_MAX_M} rows, got {m}")
+        _check(w.experts == 1, "gemv_w4 takes one weight; experts go through gemv_w4_grouped")
+        code = _epilogue(epi, y, m, w.n, res)
+        k = self._kernel("gemv_w4", f"gemv_w4_n{_ceil(m, 8)}", **dict(w.defines))
+        null = np.uint64(0)
+        self._launch(k, (_ceil(_ceil(w.n, 16), TILES_PER_CTA),), (GEMV_THREADS,),
+                     (x, w.codes, w.scales, null if w.zeros is None else w.zeros, y, np.int32(m), np.int32(w.n),
+                      np.int32(w.k), np.int32(w.group), null if res is None else res, np.int32(code)))
+
+    def gemv_w4_grouped(self, a, w: W4Weight, tile_expert, row_token, out, tile_m: int) -> None:
+        """out[r] = bf16(a[r] · W[tile_expert[r / tile_m]]ᵀ) for the rows with row_token >= 0 (moe_align's
+        expert-grouped rows; W the experts stacked)."""
+        rows = _rows(a, w.k, "a")
+        _check(rows % tile_m == 0 and tile_expert.shape == (rows // tile_m,) and row_token.shape == (rows,),
+               f"{rows} rows in tiles of {tile_m}: tile_expert [{rows // tile_m}] and row_token [{rows}] expected")
+        _rows(out, w.n, "out")
+        k = self._kernel("gemv_w4", "gemv_w4_grouped", **dict(w.defines))
+        self._launch(k, (_ceil(_ceil(w.n, 16), TILES_PER_CTA), rows // tile_m), (GEMV_THREADS,),
+                     (a, w.codes, w.scales, np.uint64(0) if w.zeros is None else w.zeros, tile_expert, row_token, out,
+                      np.int32(w.n), np.int32(w.k), np.int32(w.group), np.int32(tile_m)))
+
+    def fp8_quant(self, x, q, scales, norm_w=None, residual=None, resid_out=None, eps: float = 0.0) -> None:
+        """q (e4m3 [M, K]) and scales (float32 [K / 128, ld], ld >= M) of x (bf16 [M, K]); with ``norm_w``, of
+        the RMSNorm of r = x (+ residual, written to resid_out) first (rms_norm.cu's rounding)."""
+        m = _rows(x, None, "x")
+        K = x.shape[1]
+        _check(K % GROUP == 0, f"K = {K} must be a multiple of {GROUP}")
+        _rows(q, K, "q", np.uint8)
+        _check(q.shape[0] == m and scales.ndim == 2 and scales.shape[0] == K // GROUP and scales.shape[1] >= m
+               and scales.dtype == np.float32 and scales.flags.c_contiguous,
+               f"scales must be float32 [{K // GROUP}, >= {m}], got {scales.dtype} {scales.shape}")
+        threads = min(1024, _ceil(K // 8, 32) * 32)
+        if norm_w is None:
+            _check(residual is None, "a residual needs the RMSNorm (norm_w)")
+            self._launch(self._kernel("fp8_quant", "fp8_quant"), (m,), (threads,),
+                         (x, q, scales, np.int32(K), np.int32(scales.shape[1])))
+            return
+        _check((residual is None) == (resid_out is None), "residual and resid_out come together")
+        null = np.uint64(0)
+        self._launch(self._kernel("fp8_quant", "rms_norm_residual_fp8_quant"), (m,), (threads,),
+                     (x, null if residual is None else residual, norm_w, null if resid_out is None else resid_out, q,
+                      scales, np.int32(K), np.int32(scales.shape[1]), np.float32(eps)))
+
+    def gemv_fp8(self, xq, x_scales, w, w_scales, y, epi: str = "bf16", res=None) -> None:
+        """y = the W8A8 product of xq (e4m3 [M <= 16, K], scales [K/128, ld]) and w (e4m3 [N, K]) with w_scales
+        float32 [ceil(N/128), K/128] (blocks) or [N] (channels); epilogues as gemv_w4."""
+        m = _rows(xq, None, "xq", np.uint8)
+        n = _rows(w, xq.shape[1], "w", np.uint8)
+        K = xq.shape[1]
+        _check(1 <= m <= GEMV_MAX_M and K % GROUP == 0, f"gemv_fp8 serves 1..{GEMV_MAX_M} rows and K % {GROUP} == 0")
+        channel = self._check_fp8_scales(w_scales, n, K)
+        code = _epilogue(epi, y, m, n, res)
+        _check(x_scales.shape[0] == K // GROUP and x_scales.shape[1] >= m, f"x_scales must be [{K // GROUP}, >= {m}]")
+        k = self._kernel("gemv_fp8", f"gemv_fp8_n{_ceil(m, 8)}", FP8_CHANNEL=int(channel))
+        self._launch(k, (_ceil(_ceil(n, 16), TILES_PER_CTA),), (GEMV_THREADS,),
+                     (xq, x_scales, np.int32(x_scales.shape[1]), w, w_scales, y, np.int32(m), np.int32(n), np.int32(K),
+                      np.uint64(0) if res is None else res, np.int32(code)))
+
+    def gemv_fp8_grouped(self, aq, a_scales, w, w_scales, tile_expert, row_token, out, tile_m: int) -> None:
+        """Grouped W8A8 decode experts (as gemv_w4_grouped): w e4m3 [E, N, K], w_scales [E, ...] per expert."""
+        rows, K = aq.shape
+        _check(w.ndim == 3 and w.shape[2] == K and w.dtype == np.uint8, f"w must be e4m3 [E, N, {K}]")
+        E, n = w.shape[:2]
+        channel = self._check_fp8_scales(w_scales[0], n, K)
+        _check(w_scales.shape[0] == E and rows % tile_m == 0 and tile_expert.shape == (rows // tile_m,),
+               "w_scales per expert and tile_expert per tile of tile_m rows expected")
+        _rows(out, n, "out")
+        k = self._kernel("gemv_fp8", "gemv_fp8_grouped", FP8_CHANNEL=int(channel))
+        self._launch(k, (_ceil(_ceil(n, 16), TILES_PER_CTA), rows // tile_m), (GEMV_THREADS,),
+                     (aq, a_scales, np.int32(a_scales.shape[1]), w, w_scales, tile_expert, row_token, out,
+                      np.int32(n), np.int32(K), np.int32(tile_m)))
+
+    @staticmethod
+    def _check_fp8_scales(ws, n: int, k: int) -> bool:
+        """True for channel scales [N], False for block scales [ceil(N/128), K/128]; ValueError otherwise."""
+        if ws.shape == (n,) and ws.dtype == np.float32:
+            return True
+        _check(ws.shape == (_ceil(n, GROUP), k // GROUP) and ws.dtype == np.float32,
+               f"weight scales must be float32 [{n}] or [{_ceil(n, GROUP)}, {k // GROUP}], got {ws.dtype} {ws.shape}")
+        return False

@@ -1,0 +1,205 @@
+// W4A16 decode GEMV: y[M, N] = x[M, K] · Wᵀ for M <= 16 rows (NT n8 tiles, 1..2), x bf16, W 4-bit codes with a
+// scale (and zero) per group of `group` k along each row, dequantized in registers to the bf16 weights
+//   int codes (AWQ, GPTQ, compressed-tensors int4):  W = bf16((q - zero) · scale)
+//   e2m1 codes (FP4 experts, ue8m0 scales):          W = bf16(e2m1(q) · scale)
+// each rounded ONCE from the exact product: the weights the load-time dequantization holds in bf16, so y
+// is that product up to float32 accumulation order (mma.m16n8k16, bf16 operands, fp32 accumulators).
+// Compile-time format (openinfer_kernels/quant/w4_layout.py picks them): W4_FP4 (e2m1 codes), W4_ZERO (a
+// uint8 zero per (row, group); else 8, the symmetric formats' offset), W4_SCALE_FP16 (fp16 scales, split
+// exactly into bf16 hi + lo so that W = fma(q - zero, hi, (q - zero) · lo) still rounds once; else bf16).
+//
+// The layout (w4_layout.pack_w4; N padded to 16 rows, K to 128, scales to whole groups with 0):
+//   codes  uint32 [N/16 tiles][K/128 steps][2 halves][32 lanes][4 words]: the 16-byte piece a lane loads.
+//          Lane 4g + t, half h holds row 16·tile + g + 8h, k = 128·step + 32t + 8·word + j, the code of
+//          j = 2(p % 4) + p / 4 in nibble p (AWQ's order): pairs (j, j+1) sit in nibbles (p, p + 4), so one
+//          mask and OR makes the bf16 pair 128 + q (int) or its bits e2m1 · 2^-126 (e2m1 at bits 12-15).
+//   scales uint16 [N/16][G][8 g][2 h] (G = K/128·128 / group), zeros uint8 likewise: a lane's two rows of a
+//          group in one 4-byte (2-byte) load.
+// A lane's 32 k of a row lie in one group (group % 32 == 0). Each warp step reads 1 KB of codes: every
+// load instruction of a warp is 512 contiguous bytes.
+// CTA: W4_RT tiles of 16 rows, the 8 warps split K W4_KW ways per tile (gemv_cta.cuh sums them); the
+// x pieces of a k step are read by W4_RT warps (L1), so at W4_RT = 2 a CTA streams 32 rows of codes per
+// read of x. The codes of the next W4_U k steps are in flight while the current ones are used, and the
+// first ones are issued before pdl_wait (launch.py): the stream starts under the previous kernel's tail.
+// Dequantization per code: a shift and a LOP3 (int) or two (e2m1), then one to three packed bf16 ops.
+// Roofline: N·K/2 code bytes + N·K/group·2 scale bytes (+ N·K/group zeros) + M·K·2 (x) + M·N·2 (y):
+// Qwen3-8B qkv (6144 x 4096, group 128) 12.6 + 0.4 (+0.2) MB, 2.8 µs at 4.8 TB/s, 3.8x fewer bytes than
+// gemv.cu's bf16 weights; gate_up 24576 x 4096: 52.4 MB, 10.9 µs; down 4096 x 12288: 26.2 MB, 5.5 µs.
+#include "common.cuh"
+#include "bf16x2.cuh"
+#include "mma.cuh"
+#include "gemv_cta.cuh"
+
+#ifndef W4_FP4
+#define W4_FP4 0
+#endif
+#ifndef W4_ZERO
+#define W4_ZERO 0
+#endif
+#ifndef W4_SCALE_FP16
+#define W4_SCALE_FP16 0
+#endif
+#ifndef W4_RT
+#define W4_RT 2                           // 16-row tiles per CTA
+#endif
+#ifndef W4_U
+#define W4_U 2                            // 128-wide k steps per code batch (x2 in flight)
+#endif
+#define W4_WARPS 8
+#define W4_KW (W4_WARPS / W4_RT)          // warps per tile, splitting K
+
+// The bf16 pairs of one (row, group): 128 + zero (the int codes' offset), the scale (hi) and, for fp16
+// scales, the rest of it (lo = scale - hi, exact in bf16: an fp16 significand has 3 bits past bf16's).
+struct W4Group { unsigned zero, hi, lo; };
+
+__device__ __forceinline__ float fp16_bits_to_f(unsigned h) {      // exact (no <cuda_fp16.h> under NVRTC)
+    const unsigned e = (h >> 10) & 31, m = h & 1023;
+    const float f = e == 0 ? (float)m * 5.9604644775390625e-8f        // subnormal: m · 2^-24
+                  : e == 31 ? (m ? __uint_as_float(0x7fc00000u) : INFINITY) : __uint_as_float(((e + 112) << 23) | (m << 13));
+    return (h & 0x8000) ? -f : f;
+}
+
+__device__ __forceinline__ W4Group w4_group(unsigned scale_bits, unsigned zero) {
+    W4Group q;
+    q.zero = bf16x2_splat((bf16_t)(0x4300u | (W4_ZERO ? zero : 8u)));   // bf16 128 + zero (zero < 128)
+#if W4_SCALE_FP16
+    const float s = fp16_bits_to_f(scale_bits);
+    const bf16_t hi = f_to_bf16(s);
+    q.hi = bf16x2_splat(hi);
+    q.lo = bf16x2_splat(f_to_bf16(s - bf16_to_f(hi)));
+#else
+    q.hi = bf16x2_splat((bf16_t)scale_bits);
+    q.lo = 0u;
+#endif
+    return q;
+}
+
+// The 8 codes of one word to 4 bf16 pairs of weights: pair j = k (2j, 2j + 1) of the word's 8.
+__device__ __forceinline__ void w4_dequant(unsigned w, const W4Group& q, unsigned (&p)[4]) {
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#if W4_FP4
+        const unsigned t = w << (12 - 4 * j);                                  // codes of pair j to bits 12-15, 28-31
+        const unsigned v = (t & 0x80008000u) | ((t >> 6) & 0x01C001C0u);      // sign; e1 e0 m to 8-6: e2m1 · 2^-126
+        p[j] = bf16x2_mul(bf16x2_mul(v, 0x7E807E80u), q.hi);                  // · 2^126 (exact), · scale
+#else
+        const unsigned d = bf16x2_sub(((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u, q.zero);   // q - zero, exact
+#if W4_SCALE_FP16
+        p[j] = bf16x2_fma(d, q.hi, bf16x2_mul(d, q.lo));
+#else
+        p[j] = bf16x2_mul(d, q.hi);
+#endif
+#endif
+    }
+}
+
+__device__ __forceinline__ const bf16_t* w4_zero_x() { return reinterpret_cast<const bf16_t*>(&kZero16); }
+
+// One warp's share of one tile: c += x · W_tileᵀ over k steps [s_begin, s_end) (mma slot layout as
+// gemv.cu: a lane's 4 consecutive k per mma on its own fragment slots, in A and B alike).
+// Codes of step s: wq + ((tile·S + s)·2 + h)·32 + lane; scale pair: scales[(tile·G + grp)·8 + g].
+template <int NT>
+__device__ __forceinline__ void w4_tile_dots(const bf16_t* __restrict__ x, const uint4* __restrict__ wq,
+                                             const unsigned* __restrict__ scales, const unsigned short* __restrict__ zeros,
+                                             int M, int K, int group, int tile, int kw, bool wait_first,
+                                             float (&c)[NT][4]) {
+    constexpr int U = W4_U;
+    const int lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const int S = (K + 127) / 128, G = (S * 128 + group - 1) / group;
+    const int per_warp = (S + W4_KW - 1) / W4_KW;
+    const int s_begin = kw * per_warp, s_end = min(S, s_begin + per_warp);
+    const uint4* wt = wq + (size_t)tile * S * 64 + lane;
+    const unsigned* st = scales + (size_t)tile * G * 8 + g;
+    const unsigned short* zt = zeros + (size_t)tile * G * 8 + g;
+    const bf16_t* x_row[NT];
+    bool x_ok[NT];
+    gemv_x_rows(x, M, K, g, x_row, x_ok);
+
+    uint4 lo[U], hi[U];
+    unsigned sc[U], zr[U];
+    auto load_codes = [&](uint4 (&l)[U], uint4 (&h)[U], unsigned (&s)[U], unsigned (&z)[U], int s0) {
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int step = min(s0 + u, s_end - 1);       // past the end: a repeat, never used
+            l[u] = __ldcs(wt + (size_t)step * 64);
+            h[u] = __ldcs(wt + (size_t)step * 64 + 32);
+            const int grp = (step * 128 + tq * 32) / group;
+            s[u] = __ldg(st + grp * 8);
+            z[u] = W4_ZERO ? (unsigned)__ldg(zt + grp * 8) : 0u;
+        }
+    };
+    if (s_begin < s_end) load_codes(lo, hi, sc, zr, s_begin);
+    if (wait_first) {
+        pdl_wait();                  // from here on: x, res_in and y are the previous kernels'
+        pdl_launch_dependents();
+    }
+    for (int s0 = s_begin; s0 < s_end; s0 += U) {
+        uint4 xb[U][NT][4];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int k0 = (s0 + u) * 128 + tq * 32;
+            #pragma unroll
+            for (int n = 0; n < NT; ++n)
+                #pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    xb[u][n][i] = __ldg(reinterpret_cast<const uint4*>(
+                        x_ok[n] && s0 + u < s_end && k0 + 8 * i < K ? x_row[n] + k0 + 8 * i : w4_zero_x()));
+        }
+        uint4 nlo[U], nhi[U];
+        unsigned nsc[U], nzr[U];
+        if (s0 + U < s_end) load_codes(nlo, nhi, nsc, nzr, s0 + U);   // next batch in flight
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (s0 + u >= s_end) break;
+            const W4Group q_lo = w4_group(sc[u] & 0xFFFFu, zr[u] & 0xFFu), q_hi = w4_group(sc[u] >> 16, zr[u] >> 8);
+            const unsigned wl[4] = {lo[u].x, lo[u].y, lo[u].z, lo[u].w}, wh[4] = {hi[u].x, hi[u].y, hi[u].z, hi[u].w};
+            #pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                unsigned pl[4], ph[4];
+                w4_dequant(wl[w], q_lo, pl);
+                w4_dequant(wh[w], q_hi, ph);
+                #pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    mma_16816(c[n], pl[0], ph[0], pl[1], ph[1], xb[u][n][w].x, xb[u][n][w].y);
+                    mma_16816(c[n], pl[2], ph[2], pl[3], ph[3], xb[u][n][w].z, xb[u][n][w].w);
+                }
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) { lo[u] = nlo[u]; hi[u] = nhi[u]; sc[u] = nsc[u]; zr[u] = nzr[u]; }
+    }
+}
+
+// Dense entries: (x [M, K], codes, scales, zeros (0 unless W4_ZERO), y, M, N, K, group, res_in, epi);
+// grid ceil(N/16 / W4_RT), 256 threads; epi as gemv_cta.cuh's GEMV_EPI_* (res_in: the residual, may be y).
+#define W4_DENSE(NT)                                                                                          \
+    gemv_dense<NT, W4_RT, W4_KW>([&](int tile, int kw, float (&c)[NT][4]) {                                 \
+        w4_tile_dots<NT>(x, wq, scales, zeros, M, K, group, tile, kw, true, c);                               \
+    }, y, M, N, res_in, epi)
+
+extern "C" __global__ void __launch_bounds__(W4_WARPS * 32)
+gemv_w4_n1(const bf16_t* x, const uint4* wq, const unsigned* scales, const unsigned short* zeros, void* y, int M,
+           int N, int K, int group, const bf16_t* res_in, int epi) {
+    W4_DENSE(1);
+}
+
+extern "C" __global__ void __launch_bounds__(W4_WARPS * 32)
+gemv_w4_n2(const bf16_t* x, const uint4* wq, const unsigned* scales, const unsigned short* zeros, void* y, int M,
+           int N, int K, int group, const bf16_t* res_in, int epi) {
+    W4_DENSE(2);
+}
+
+// Grouped (MoE) decode experts on moe_align.cu's expert-grouped rows, as moe_gemv.cu's moe_gemv:
+//   out[r, n] = bf16(a[r] · W[tile_expert[r / tile_m]]ᵀ) for every real row r (row_token[r] >= 0)
+// codes / scales / zeros: every expert's layout, one after another. Grid (ceil(N/16 / W4_RT), tiles).
+extern "C" __global__ void __launch_bounds__(W4_WARPS * 32)
+gemv_w4_grouped(const bf16_t* a, const uint4* wq, const unsigned* scales, const unsigned short* zeros,
+                const int* __restrict__ tile_expert, const int* __restrict__ row_token, bf16_t* out, int N, int K,
+                int group, int tile_m) {
+    const int T = (N + 15) / 16, S = (K + 127) / 128, G = (S * 128 + group - 1) / group;
+    gemv_grouped<W4_RT, W4_KW>([&](int r0, int rows, int tile, int kw, float (&c)[2][4]) {
+        const size_t e = (size_t)tile_expert[blockIdx.y];
+        w4_tile_dots<2>(a + (size_t)r0 * K, wq + e * T * S * 64, scales + e * T * G * 8,
+                        zeros + (W4_ZERO ? e * T * G * 8 : 0), rows, K, group, tile, kw, false, c);
+    }, row_token, tile_m, out, N);
+}
