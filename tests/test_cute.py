@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from openinfer_kernels.cute.attention import ATTENTION_KERNELS
-from openinfer_kernels.cute.configs import GEMM_VARIANTS, REDUCE_NAME, REDUCE_RESIDUAL_NAME
-from openinfer_kernels.cute.gemm import DeviceTensor, as_device_tensor, check_gemm_args, check_grouped_args
+from openinfer_kernels.cute.configs import (FP8_GEMM_VARIANTS, GEMM_VARIANTS, REDUCE_NAME, REDUCE_RESIDUAL_NAME,
+                                            plan_fp8_gemm)
+from openinfer_kernels.cute.gemm import (DeviceTensor, as_device_tensor, check_fp8_args, check_gemm_args,
+                                         check_grouped_args)
 from openinfer_kernels.cute.moe import group_by_expert
 from openinfer_kernels.cute.library import KernelLaunchError, Library, TensorArg, _tensor_struct
 
@@ -27,7 +29,7 @@ def test_build_writes_library_and_manifest(built):
     out, log = built
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["arch"] == "sm_90a" and manifest["dsl_version"] == "4.8.1"
-    names = {v.name for v in GEMM_VARIANTS} | {REDUCE_NAME, REDUCE_RESIDUAL_NAME, *ATTENTION_KERNELS}
+    names = {v.name for v in GEMM_VARIANTS + FP8_GEMM_VARIANTS} | {REDUCE_NAME, REDUCE_RESIDUAL_NAME, *ATTENTION_KERNELS}
     assert {"varlen_attention", "varlen_attention_ws", "varlen_attention_ws_d64"} <= set(ATTENTION_KERNELS)
     assert set(manifest["kernels"]) == names
     assert log.count("compiled ") == len(names)
@@ -62,6 +64,10 @@ def test_library_loads_manifest_without_gpu(built):
         assert len(lib[v.name].structs) == (4 if v.grouped or v.residual else 3)
         scalars = [p["name"] for p in lib[v.name].params if p["kind"] == "int32"]
         assert scalars == ["b_early"], (v.name, lib[v.name].params)
+    for v in FP8_GEMM_VARIANTS:  # a, b, out (M, N, L), then sfa (M, K/128) MN-major and sfb (N/128, K/128)
+        params = lib[v.name].params
+        assert [p["name"] for p in params] == ["a", "b", "c", "sfa", "sfb", "b_early", "stream", "ret"], v.name
+        assert [s.__name__ for s in lib[v.name].structs] == ["Tensor_3_2"] * 3 + ["Tensor_2_1"] * 2
     with pytest.raises(KeyError, match="not in the manifest"):
         lib["gemm_nope"]
 
@@ -183,6 +189,37 @@ def test_launcher_rejects_unaligned_sizes():
         check_gemm_args(*_args(n=60))
     with pytest.raises(TypeError, match="device array"):
         as_device_tensor([1, 2], "a")
+
+
+def _fp8_args(m=4, n=64, k=256, **over):
+    arrays = {"a": FakeArray((m, k), "|u1"), "a_scales": FakeArray((k // 128, m + 2), "<f4"),
+              "b": FakeArray((n, k), "|u1"), "b_scales": FakeArray((-(-n // 128), k // 128), "<f4"),
+              "out": FakeArray((m, n))}
+    arrays.update(over)
+    return [as_device_tensor(a, name) for name, a in arrays.items()]
+
+
+def test_fp8_launcher_checks():
+    assert check_fp8_args(*_fp8_args()) == (4, 64, 256)
+    for over, message in [
+        ({"a": FakeArray((4, 256))}, "a must be e4m3 bytes"),
+        ({"b": FakeArray((64, 128), "|u1")}, r"b must be e4m3 bytes \(uint8\) \[64, 256\]"),
+        ({"a_scales": FakeArray((2, 3), "<f4")}, r"a_scales must be float32 \[2, >= 4\]"),
+        ({"b_scales": FakeArray((2, 2), "<f4")}, r"b_scales must be float32 \[1, 2\]"),
+        ({"out": FakeArray((4, 64), "<f4")}, "out must be bfloat16"),
+    ]:
+        with pytest.raises((TypeError, ValueError), match=message):
+            check_fp8_args(*_fp8_args(**over))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        check_fp8_args(*_fp8_args(k=200))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        check_fp8_args(*_fp8_args(n=60))
+
+
+def test_fp8_plan_streams_small_m_and_fills_waves():
+    assert plan_fp8_gemm(1, 6144, 4096).name == "gemm_fp8_64x128_c1x1_ws"
+    assert plan_fp8_gemm(4096, 4096, 4096).name == "gemm_fp8_128x128_c1x1_ws"
+    assert plan_fp8_gemm(256, 2048, 4096).name == "gemm_fp8_128x64_c1x1_ws"   # 32 wide tiles, 64 narrow
 
 
 def test_available_reports_missing_build(monkeypatch, tmp_path):

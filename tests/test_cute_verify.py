@@ -2,6 +2,7 @@
 recorded against the right case, a fresh worker resumes after them, and the catalogue is sound."""
 import sys
 
+import numpy as np
 import pytest
 import textwrap
 
@@ -161,6 +162,33 @@ def test_checks_pass_a_correct_kernel_and_locate_a_broken_one(monkeypatch):
     bad = testing.gemm_check(lambda a, b, out, plan=None, residual=None, prefetch_weights=False: _numpy_gemm(a, b, out, broken=True),
                              None, 17, 200, 72)
     assert not bad.ok and "cols 64-199" in bad.detail
+
+
+def _numpy_fp8_gemm(runner, a, a_scales, b, b_scales, out, variant=None, prefetch_weights=False, broken=False):
+    """The block-scaled FP8 product block by block from the e4m3 bytes (broken: B's first scale block for all N)."""
+    import ml_dtypes
+
+    from openinfer_kernels.cute.bf16 import to_bf16
+
+    av, bv = (np.asarray(x).view(ml_dtypes.float8_e4m3fn).astype(np.float64) for x in (a, b))
+    res = np.zeros(out.shape)
+    for kb in range(av.shape[1] // 128):
+        part = av[:, kb * 128:(kb + 1) * 128] @ bv[:, kb * 128:(kb + 1) * 128].T
+        sb = np.repeat(b_scales[:, kb], 128)[:b.shape[0]] if not broken else b_scales[0, kb]
+        res += part * a_scales[kb, :a.shape[0], None] * sb
+    out[...] = to_bf16(res.astype(np.float32))
+
+
+def test_fp8_check_passes_the_block_scaled_product_and_fails_a_wrong_scale(monkeypatch):
+    from openinfer_kernels.cute.verification import checks as testing
+
+    gemm = sys.modules["openinfer_kernels.cute.gemm"]  # the package's `gemm` attribute is the function
+    monkeypatch.setitem(sys.modules, "cupy", _FakeCupy())
+    monkeypatch.setattr(gemm, "fp8_gemm", _numpy_fp8_gemm)
+    good = testing.fp8_check(None, None, 17, 272, 384)
+    assert good.ok and good.err < 5e-3
+    monkeypatch.setattr(gemm, "fp8_gemm", lambda *a, **kw: _numpy_fp8_gemm(*a, **kw, broken=True))
+    assert not testing.fp8_check(None, None, 17, 272, 384).ok
 
 
 @pytest.mark.parametrize("how", ["separate", "inplace"])

@@ -6,11 +6,10 @@ channel weight scales, its epilogues and its grouped (MoE) entry. All on the hos
 through their launches (quant/ops.py). The GPU gate against the measured floor is test_gpu_quant_kernels.py."""
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
 
-from harness.quantized import quantize_fp8_block
+from harness.quant_cases import random_fp8_weight
 from openinfer_kernels.quant import fp8_ref
 from test_decode_kernels_emulated import assert_bf16_close, run
 from test_deltanet_kernels_emulated import host
@@ -84,16 +83,6 @@ def test_rms_norm_fp8_quant_is_rms_norm_then_quant(with_residual):
         np.testing.assert_array_equal(resid_a, resid_b)
 
 
-def fp8_weight(rng, N, K, channel: bool):
-    """(e4m3 bytes [N, K], float32 scales): block scales as DeepSeek's checkpoints (amax / 448 per 128 x 128,
-    harness.quantized), or one scale a row."""
-    w = rng.standard_normal((N, K)).astype(np.float32) * 0.05
-    if channel:
-        ws = (np.abs(w).max(1) / 448).astype(np.float32)
-        return (w / ws[:, None]).astype(ml_dtypes.float8_e4m3fn), ws
-    return quantize_fp8_block(w, (128, 128))
-
-
 @pytest.mark.parametrize("channel", [False, True])
 @pytest.mark.parametrize("M", [1, 6, 13])
 def test_gemv_fp8_is_the_w8a8_product(channel, M):
@@ -101,7 +90,7 @@ def test_gemv_fp8_is_the_w8a8_product(channel, M):
     5 blocks over 4 k-warps; within the floor set by the activation quantization against x · dequant(W)ᵀ."""
     rng = np.random.default_rng(M + 10 * channel)
     N, K = 200, 640
-    w, ws = fp8_weight(rng, N, K, channel)
+    w, ws = random_fp8_weight(rng, N, K, channel)
     x = activations(rng, M, K)
     q, s = fp8_ref.quantize_activations(f32(x), M + 1)
     y = host(np.zeros((M, N), np.uint16))
@@ -117,7 +106,7 @@ def test_gemv_fp8_is_the_w8a8_product(channel, M):
 def test_gemv_fp8_epilogues(epi):
     rng = np.random.default_rng(len(epi))
     M, N, K = 3, 64, 256
-    w, ws = fp8_weight(rng, N, K, False)
+    w, ws = random_fp8_weight(rng, N, K, False)
     q, s = fp8_ref.quantize_activations(f32(activations(rng, M, K)))
     product = fp8_ref.w8a8_exact(q, s, w, ws)
     args = (host(q.view(np.uint8)), host(s), host(w.view(np.uint8)), host(ws))
@@ -142,7 +131,7 @@ def test_gemv_fp8_grouped_experts():
     """Expert-grouped rows in tiles of 20 (one of 17 rows: two chunks), each with its tile's expert."""
     rng = np.random.default_rng(4)
     E, N, K, tile_m = 2, 48, 256, 20
-    weights = [fp8_weight(rng, N, K, False) for _ in range(E)]
+    weights = [random_fp8_weight(rng, N, K, False) for _ in range(E)]
     w = np.stack([a.view(np.uint8) for a, _ in weights])
     ws = np.stack([b for _, b in weights])
     counts, experts = [17, 3], [1, 0]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from engine.loader.quantized import dequant_fp4_block, dequant_packed_group
+from harness.quant_cases import W4_KINDS, random_w4
 from harness.quantized import pack_int32_bitwise, quantize_int_group
 from openinfer_kernels.quant import w4_formats as fmt
 from openinfer_kernels.quant.ops import QuantOps, W4Weight
@@ -159,24 +160,11 @@ def test_fp4_reader_is_the_loader():
     np.testing.assert_array_equal(rb(fmt.dequant(w)), fmt.dequant(w))   # exact in bf16: the kernel's weights
 
 
-def random_codes(rng, N, K, group, kind: str, lead=()) -> fmt.W4Codes:
-    codes = rng.integers(0, 16, (*lead, N, K)).astype(np.uint8)
-    G = K // group
-    if kind == "fp4":
-        return fmt.W4Codes(codes, fmt.ue8m0_to_bf16_bits(rng.integers(118, 130, (*lead, N, G)).astype(np.uint8)),
-                           fmt.BF16, None, group, fp4=True)
-    if kind == "bf16":
-        return fmt.W4Codes(codes, bf16(rng.uniform(0.01, 0.1, (*lead, N, G))), fmt.BF16, None, group)
-    scales = rng.uniform(0.005, 0.1, (*lead, N, G)).astype(np.float16).view(np.uint16)
-    zeros = rng.integers(0, 17, (*lead, N, G)).astype(np.uint8) if kind == "fp16_zero" else None
-    return fmt.W4Codes(codes, scales, fmt.FP16, zeros, group)
-
-
-@pytest.mark.parametrize("kind", ["fp4", "bf16", "fp16", "fp16_zero"])
+@pytest.mark.parametrize("kind", W4_KINDS)
 @pytest.mark.parametrize("N,K,group,lead", [(40, 160, 32, ()), (16, 512, 128, (3,)), (33, 256, 256, ())])
 def test_layout_round_trips(kind, N, K, group, lead):
     rng = np.random.default_rng(N + K + len(kind))
-    w = random_codes(rng, N, K, group, kind, lead)
+    w = random_w4(rng, kind, N, K, group, lead)
     p = pack_w4(w)
     back = unpack_w4(p)
     for a, b in ((back.codes, w.codes), (back.scales, w.scales), (back.zeros, w.zeros)):
@@ -189,7 +177,7 @@ def test_layout_round_trips(kind, N, K, group, lead):
 def test_layout_puts_each_code_where_the_kernel_reads_it():
     """Lane 4g + t of step s, half h, word w, nibble NIBBLE_OF[j]: row 16·tile + g + 8h, k = 128s + 32t + 8w + j."""
     rng = np.random.default_rng(5)
-    w = random_codes(rng, 32, 256, 32, "bf16")
+    w = random_w4(rng, "bf16", 32, 256, 32)
     p = pack_w4(w)
     for _ in range(200):
         row, k = rng.integers(0, 32), rng.integers(0, 256)
@@ -205,13 +193,13 @@ def kernel_reference(x_bits, w: fmt.W4Codes) -> np.ndarray:
     return f32(x_bits) @ rb(fmt.dequant(w)).T
 
 
-@pytest.mark.parametrize("kind", ["fp4", "bf16", "fp16", "fp16_zero"])
+@pytest.mark.parametrize("kind", W4_KINDS)
 @pytest.mark.parametrize("M", [1, 6, 13])
 def test_gemv_w4_matches_the_dequantized_product(kind, M):
     """y = bf16(x · bf16(W)ᵀ): 40 rows (a tile and a half past N), K 384 in 3 steps over 4 k-warps (one idle)."""
     rng = np.random.default_rng(M * 31 + len(kind))
     N, K, group = 40, 384, 64 if kind != "fp4" else 32
-    w = random_codes(rng, N, K, group, kind)
+    w = random_w4(rng, kind, N, K, group)
     x = bf16(rng.standard_normal((M, K)))
     y = host(np.zeros((M, N), np.uint16))
     EmulatedQuantOps().gemv_w4(host(x), W4Weight.upload(pack_w4(w), host), y)
@@ -223,7 +211,7 @@ def test_gemv_w4_epilogues(epi):
     """float32 out; bf16(bf16(x · Wᵀ) + res) in place; SiLU(bf16 gate) · bf16 up of interleaved gate / up rows."""
     rng = np.random.default_rng(len(epi))
     M, N, K = 5, 64, 256
-    w = random_codes(rng, N, K, 128, "fp16_zero")
+    w = random_w4(rng, "fp16_zero", N, K, 128)
     x = bf16(rng.standard_normal((M, K)))
     product = kernel_reference(x, w)
     weight = W4Weight.upload(pack_w4(w), host)
@@ -249,7 +237,7 @@ def test_gemv_w4_grouped_experts():
     chunks): each real row times its tile's expert, padding rows and tiles untouched."""
     rng = np.random.default_rng(2)
     E, N, K, tile_m = 3, 48, 256, 24
-    w = random_codes(rng, N, K, 64, "fp16_zero", (E,))
+    w = random_w4(rng, "fp16_zero", N, K, 64, (E,))
     counts, experts = [2, 0, 18], [0, 1, 2]
     rows = tile_m * len(counts)
     row_token = np.full(rows, -1, np.int32)
@@ -267,9 +255,22 @@ def test_gemv_w4_grouped_experts():
         assert np.all(got[c:] == 0x7FC0)
 
 
+@pytest.mark.parametrize("kind", ["fp16_zero", "fp4"])
+def test_dequant_w4_is_the_load_time_dequantization_in_bf16(kind):
+    """w4_dequant.cu (prefill's bf16 weights): bit for bit bf16(dequant(W)), experts one after another, N and K
+    not multiples of the tile (33 rows, K 160) in a wider buffer (ld 168) whose extra columns stay untouched."""
+    rng = np.random.default_rng(len(kind))
+    E, N, K, ld = 2, 33, 160, 168
+    w = random_w4(rng, kind, N, K, 32, (E,))
+    out = host(np.full((E, N, ld), 0x7FC0, np.uint16))
+    EmulatedQuantOps().dequant_w4(W4Weight.upload(pack_w4(w), host), out)
+    np.testing.assert_array_equal(np.asarray(out)[..., :K], bf16(fmt.dequant(w)))
+    assert np.all(np.asarray(out)[..., K:] == 0x7FC0)
+
+
 def test_gemv_w4_refuses_bad_shapes():
     rng = np.random.default_rng(0)
-    w = W4Weight.upload(pack_w4(random_codes(rng, 16, 128, 32, "bf16")), host)
+    w = W4Weight.upload(pack_w4(random_w4(rng, "bf16", 16, 128, 32)), host)
     ops = EmulatedQuantOps()
     with pytest.raises(ValueError, match="1..16 rows"):
         ops.gemv_w4(host(np.zeros((17, 128), np.uint16)), w, host(np.zeros((17, 16), np.uint16)))

@@ -98,9 +98,10 @@ def test_kernels_include_only_what_nvrtc_finds():
 
 
 @pytest.mark.parametrize("fp4,zero,fp16", [(a, b, c) for a in (0, 1) for b in (0, 1) for c in (0, 1)])
-def test_gemv_w4_compiles_for_each_format(fp4, zero, fp16):
-    """gemv_w4.cu is compiled per 4-bit format (openinfer_kernels/quant/w4_layout.W4Packed.defines)."""
-    _compile(os.path.join(KERNEL_DIR, "gemv_w4.cu"), f"W4_FP4={fp4}", f"W4_ZERO={zero}", f"W4_SCALE_FP16={fp16}")
+@pytest.mark.parametrize("name", ["gemv_w4.cu", "w4_dequant.cu"])
+def test_w4_kernels_compile_for_each_format(name, fp4, zero, fp16):
+    """gemv_w4.cu and w4_dequant.cu are compiled per 4-bit format (quant/w4_layout.W4Packed.defines)."""
+    _compile(os.path.join(KERNEL_DIR, name), f"W4_FP4={fp4}", f"W4_ZERO={zero}", f"W4_SCALE_FP16={fp16}")
 
 
 @pytest.mark.parametrize("name,prefix", [("gemv_w4.cu", "W4"), ("gemv_fp8.cu", "FP8")])

@@ -31,7 +31,7 @@ os.environ["CUTE_DSL_ARCH"] = ARCH  # must precede the first cutlass import
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "build"
 LIB_NAME = "libopeninfer_cute.so"
-SOURCES = {"gemm": ("gemm_sm90.py", "gemm_sm90_epilogue.py", "dsmem.py"),
+SOURCES = {"gemm": ("gemm_sm90.py", "gemm_sm90_epilogue.py", "gemm_sm90_fp8.py", "dsmem.py"),
            REDUCE: ("splitk_reduce.py",), REDUCE_RES: ("splitk_reduce.py",),
            "fa2": ("attention_sm90.py",), "ws": ("attention_ws_sm90.py", "attention_sm90.py")}
 
@@ -126,6 +126,14 @@ def _fake_args(kind: str, out: str | None = None):
 
     m, n, k, batch = cute.sym_int32(), cute.sym_int32(divisibility=8), cute.sym_int32(divisibility=8), cute.sym_int32()
     bf16, f32 = cutlass.BFloat16, cutlass.Float32
+    if kind == "fp8":  # A, B e4m3 (K % 128 == 0); sfa (M, K/128) MN-major; sfb (ceil(N/128), K/128); D bf16
+        k128, kb = cute.sym_int32(divisibility=128), cute.sym_int32()
+        a = make_fake_tensor(cutlass.Float8E4M3FN, (m, k128, cute.sym_int32()), (ld(), 1, ld()), assumed_align=16)
+        b = make_fake_tensor(cutlass.Float8E4M3FN, (n, k128, cute.sym_int32()), (ld(), 1, ld()), assumed_align=16)
+        c = make_fake_tensor(bf16, (m, n, batch), (ld(), 1, ld()), assumed_align=16)
+        sfa = make_fake_tensor(f32, (m, kb), (1, cute.sym_int64()), assumed_align=4)
+        sfb = make_fake_tensor(f32, (cute.sym_int32(), kb), (cute.sym_int64(), 1), assumed_align=4)
+        return a, b, c, sfa, sfb, cutlass.Int32(0), cuda.CUstream(0)
     if kind in ("gemm", "grouped", "residual"):
         a = make_fake_tensor(bf16, (m, k, cute.sym_int32()), (ld(), 1, ld()), assumed_align=16)
         b = make_fake_tensor(bf16, (n, k, cute.sym_int32()), (ld(), 1, ld()), assumed_align=16)
@@ -159,7 +167,7 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
 
     from .attention_sm90 import VarlenAttentionSm90
     from .attention_ws_sm90 import VarlenAttentionWsSm90
-    from .configs import VARIANTS_BY_NAME
+    from .configs import FP8_VARIANTS_BY_NAME, VARIANTS_BY_NAME
     from .gemm_sm90 import GemmSm90
     from .splitk_reduce import splitk_reduce, splitk_reduce_residual
 
@@ -169,6 +177,8 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
                   VarlenAttentionWsSm90(v.head_dim, v.kv_stages, overlap=v.schedule == "ws_overlap",
                                         persistent=v.schedule == "ws_persistent"))
         compiled = cute.compile(kernel, *_fake_args(name))
+    elif name in FP8_VARIANTS_BY_NAME:
+        compiled = cute.compile(GemmSm90(FP8_VARIANTS_BY_NAME[name]).fp8_gemm, *_fake_args("fp8"))
     elif name in VARIANTS_BY_NAME:
         variant = VARIANTS_BY_NAME[name]
         if variant.grouped:
@@ -186,12 +196,12 @@ def _compile(name: str, obj_dir: Path, key: str) -> None:
 
 def build(out_dir: Path = DEFAULT_OUT, force: bool = False, log=print) -> dict:
     """Compile what changed, relink if needed, write and return the manifest."""
-    from .configs import GEMM_VARIANTS
+    from .configs import FP8_GEMM_VARIANTS, GEMM_VARIANTS
 
     out_dir = Path(out_dir)
     obj_dir = out_dir / "obj"
     obj_dir.mkdir(parents=True, exist_ok=True)
-    entries = [(v.name, repr(v), SOURCES["gemm"]) for v in GEMM_VARIANTS] + [
+    entries = [(v.name, repr(v), SOURCES["gemm"]) for v in GEMM_VARIANTS + FP8_GEMM_VARIANTS] + [
         (REDUCE, REDUCE, SOURCES[REDUCE]), (REDUCE_RES, REDUCE_RES, SOURCES[REDUCE_RES]),
         *((v.name, repr(v), SOURCES["fa2" if v.schedule == "fa2" else "ws"]) for v in ATTENTION_VARIANTS)]
     kernels, objects, compiled = {}, [], 0

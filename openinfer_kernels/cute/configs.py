@@ -29,13 +29,15 @@ class GemmVariant:
     ws: bool = False  # warp-specialised: a producer warpgroup issues the TMA loads, the others only compute
     silu: bool = False  # D[:, j] = SiLU(P[:, gate j])·P[:, up j] of the product P, B's rows interleaved (gate_up)
     a_rows: int = 0  # > 0: the TMA loads only A's first a_rows rows of the tile (for M <= a_rows)
+    fp8: bool = False  # A and B e4m3 with per-128 block scales (gemm_sm90_fp8), D bf16
 
     @property
     def name(self) -> str:
         kind = "grouped" if self.grouped else "gemm"
         suffix = (("_k2" if self.k_split == 2 else "") + ("_ws" if self.ws else "") + ("_res" if self.residual else "")
                   + ("_silu" if self.silu else "") + (f"_a{self.a_rows}" if self.a_rows else ""))
-        return f"{kind}_{self.out}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}{suffix}"
+        inputs = "fp8" if self.fp8 else self.out
+        return f"{kind}_{inputs}_{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}{suffix}"
 
 
 GEMM_VARIANTS: tuple[GemmVariant, ...] = (
@@ -146,6 +148,15 @@ GEMM_VARIANTS += tuple(replace(v, a_rows=A_BOX_ROWS) for v in GEMM_VARIANTS if t
 REDUCE_NAME = "splitk_reduce"
 REDUCE_RESIDUAL_NAME = "splitk_reduce_res"
 VARIANTS_BY_NAME = {v.name: v for v in GEMM_VARIANTS}
+# FP8 block-scaled twins (gemm_sm90_fp8): warp-specialised, a consumer warpgroup per 64 rows, a tile's columns
+# in one 128-wide B scale block. Not tuned on a GPU yet: plan_fp8_gemm is a wave-fill rule to be replaced by
+# the sweep of bench/quant_kernels.py.
+FP8_GEMM_VARIANTS: tuple[GemmVariant, ...] = (
+    GemmVariant(128, 128, ws=True, fp8=True),
+    GemmVariant(128, 64, ws=True, fp8=True),
+    GemmVariant(64, 128, ws=True, fp8=True),
+)
+FP8_VARIANTS_BY_NAME = {v.name: v for v in FP8_GEMM_VARIANTS}
 
 
 def silu_twin(plan: GemmPlan) -> GemmVariant | None:
@@ -422,3 +433,14 @@ def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS, residual: bool = Fals
     if m <= A_BOX_ROWS:
         variant = VARIANTS_BY_NAME.get(replace(variant, a_rows=A_BOX_ROWS).name, variant)
     return GemmPlan(variant, plan.splits)
+
+
+def plan_fp8_gemm(m: int, n: int, k: int, sms: int = H200_SMS) -> GemmVariant:
+    """The FP8 variant for ``D[m, n] = A[m, k]·B[n, k]ᵀ``: 64x128 tiles up to M = 64 (a weight stream), else
+    128x128, or 128x64 where that fills a wave better (narrow N, few row tiles)."""
+    if m <= 64:
+        return FP8_VARIANTS_BY_NAME["gemm_fp8_64x128_c1x1_ws"]
+    wide, narrow = _ceil(m, 128) * _ceil(n, 128), _ceil(m, 128) * _ceil(n, 64)
+    if wave_fill(narrow, sms) > wave_fill(wide, sms) * 1.25 and narrow <= sms:
+        return FP8_VARIANTS_BY_NAME["gemm_fp8_128x64_c1x1_ws"]
+    return FP8_VARIANTS_BY_NAME["gemm_fp8_128x128_c1x1_ws"]

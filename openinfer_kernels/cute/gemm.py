@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from .configs import (REDUCE_NAME, REDUCE_RESIDUAL_NAME, VARIANTS_BY_NAME, GemmPlan, plan_gemm, silu_twin,
-                      split_count, takes_weight_prefetch)
+from .configs import (FP8_VARIANTS_BY_NAME, REDUCE_NAME, REDUCE_RESIDUAL_NAME, VARIANTS_BY_NAME, GemmPlan,
+                      GemmVariant, plan_fp8_gemm, plan_gemm, silu_twin, split_count, takes_weight_prefetch)
 from .library import Library, TensorArg, open_library
 
 BF16_TYPESTRS = ("<u2", "|u2", "bfloat16", "<V2")
@@ -326,6 +326,57 @@ def grouped_gemm(runner: GemmRunner, a, w, tile_expert, out, stream=None, prefet
         TensorArg(w.ptr, (n, k, experts), (ldb, w.strides[0] if experts > 1 else ldb * n)),
         TensorArg(out.ptr, (m, n, 1), (_row_stride(out), _row_stride(out) * m)),
         TensorArg(tile_expert.ptr, (tile_expert.shape[0],), ()),
+        int(prefetch_weights), stream=_stream_ptr(stream))
+
+
+FP8_BLOCK = 128
+
+
+def check_fp8_args(a: DeviceTensor, a_scales: DeviceTensor, b: DeviceTensor, b_scales: DeviceTensor,
+                   out: DeviceTensor) -> tuple[int, int, int]:
+    """Validate a block-scaled FP8 GEMM; return (M, N, K)."""
+    for t, what in ((a, "a"), (b, "b"), (a_scales, "a_scales"), (b_scales, "b_scales"), (out, "out")):
+        if len(t.shape) != 2:
+            raise ValueError(f"{what} must be 2-D, got shape {t.shape}")
+    (m, k), n = a.shape, b.shape[0]
+    if m < 1 or n < 1 or k < FP8_BLOCK or k % FP8_BLOCK or n % 16:
+        raise ValueError(f"FP8 GEMM M={m}, N={n}, K={k}: K a positive multiple of {FP8_BLOCK}, N of 16")
+    for t, what, rows in ((a, "a", m), (b, "b", n)):
+        if t.dtype not in ("|u1", "<u1") or t.shape != (rows, k) or (k > 1 and t.strides[1] != 1) \
+                or (rows > 1 and t.strides[0] % 16) or t.ptr % 16:
+            raise ValueError(f"{what} must be e4m3 bytes (uint8) [{rows}, {k}], contiguous 16-byte-aligned rows; "
+                             f"got {t.dtype} {t.shape} strides {t.strides}")
+    kb = k // FP8_BLOCK
+    if a_scales.dtype != "float32" or a_scales.shape[0] != kb or a_scales.shape[1] < m or a_scales.strides[1] != 1:
+        raise ValueError(f"a_scales must be float32 [{kb}, >= {m}] (MN-major, fp8_quant.cu's), got "
+                         f"{a_scales.dtype} {a_scales.shape}")
+    if b_scales.dtype != "float32" or b_scales.shape != (-(-n // FP8_BLOCK), kb) or b_scales.strides[1] != 1:
+        raise ValueError(f"b_scales must be float32 [{-(-n // FP8_BLOCK)}, {kb}], got {b_scales.dtype} {b_scales.shape}")
+    _check_matrix(out, "out", m, n, "bfloat16")
+    return m, n, k
+
+
+def fp8_gemm(runner: GemmRunner, a, a_scales, b, b_scales, out, stream=None, prefetch_weights: bool = False,
+             variant: GemmVariant | None = None) -> None:
+    """``out[M, N] = bf16(sum_kb a_scales[kb, m] · b_scales[n // 128, kb] · (a · bᵀ over k-block kb))``: the
+    block-scaled FP8 GEMM (gemm_sm90_fp8) of prefill. ``a``: e4m3 activations [M, K] (uint8 in CuPy) with
+    their per-token 128-group scales ``a_scales`` float32 [K/128, ld >= M] (raw_cuda/fp8_quant.cu); ``b``:
+    e4m3 weights [N, K] with ``b_scales`` float32 [ceil(N/128), K/128] (``weight_scale_inv``). K % 128 == 0,
+    N % 16 == 0. ``variant``: one of ``configs.FP8_GEMM_VARIANTS`` (default ``plan_fp8_gemm``);
+    ``prefetch_weights`` as for ``GemmRunner.__call__``."""
+    a, b, out = as_device_tensor(a, "a"), as_device_tensor(b, "b"), as_device_tensor(out, "out")
+    a_scales, b_scales = as_device_tensor(a_scales, "a_scales"), as_device_tensor(b_scales, "b_scales")
+    m, n, k = check_fp8_args(a, a_scales, b, b_scales, out)
+    variant = variant or plan_fp8_gemm(m, n, k)
+    if variant.name not in FP8_VARIANTS_BY_NAME:
+        raise ValueError(f"{variant.name} is not an FP8 GEMM variant")
+    runner.ensure_loaded()
+    lda, ldb, ldo = _row_stride(a), _row_stride(b), _row_stride(out)
+    kb = k // FP8_BLOCK
+    runner.library[variant.name](
+        TensorArg(a.ptr, (m, k, 1), (lda, lda * m)), TensorArg(b.ptr, (n, k, 1), (ldb, ldb * n)),
+        TensorArg(out.ptr, (m, n, 1), (ldo, ldo * m)), TensorArg(a_scales.ptr, (m, kb), (a_scales.strides[0],)),
+        TensorArg(b_scales.ptr, (b_scales.shape[0], kb), (b_scales.strides[0] if b_scales.shape[0] > 1 else kb,)),
         int(prefetch_weights), stream=_stream_ptr(stream))
 
 

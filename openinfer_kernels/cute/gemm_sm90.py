@@ -29,6 +29,9 @@ other rows read stale shared memory into output rows that are never stored). Eve
 programmatic dependent launch: it waits (``griddepcontrol.wait``) before touching A, R or D, may
 load its first weight tiles before that (``b_early``), and lets the next kernel launch early.
 
+FP8 twins (``fp8=True``): A and B e4m3, block-scaled (``gemm_sm90_fp8``: per-128 k-tile scales applied in
+the mainloop), bf16 D; warp-specialised, one or two consumer warpgroups, no other variant on top.
+
 Roofline on the H200: ``2·M·N·K`` flops at ~790 TFLOP/s (measured dense bf16) against
 ``2·(M·K + N·K + M·N)`` bytes at ~4.8 TB/s. Intensity crosses ~165 flop/byte near M ≈ 200 for the
 Qwen3 projection shapes: below, the weight read bounds the time (small-M decode), above, the
@@ -47,12 +50,13 @@ import cutlass.utils.hopper_helpers as sm90_utils
 
 from .configs import H200_SMS, GemmVariant
 from .gemm_sm90_epilogue import EpilogueSm90
+from .gemm_sm90_fp8 import BlockScaledMainloopSm90
 
 SM90_SMEM_BYTES = 232448  # usable dynamic shared memory per CTA on sm_90 (227 KiB)
 RASTER_GROUP = 8
 
 
-class GemmSm90(EpilogueSm90):
+class GemmSm90(EpilogueSm90, BlockScaledMainloopSm90):
     """Builds the jit entry point for one GemmVariant; call it through ``cute.compile``."""
 
     def __init__(self, tile: GemmVariant):
@@ -65,13 +69,18 @@ class GemmSm90(EpilogueSm90):
                                     and tile.k_split == 1 and not tile.grouped)
         assert not tile.silu or (tile.out == "bf16" and tile.k_split == 1 and not (tile.residual or tile.grouped)
                                  and tile.tile_n % 32 == 0 and tile.tile_n <= 256)
+        assert not tile.fp8 or (tile.ws and tile.out == "bf16" and tile.tile_m in (64, 128) and 128 % tile.tile_n == 0
+                                and tile.cluster_m * tile.cluster_n == 1 and tile.k_split == 1 and not (
+                                    tile.grouped or tile.residual or tile.silu or tile.a_rows))
         self.tile = tile
         self.cluster_mn = (tile.cluster_m, tile.cluster_n)
         self.acc_dtype = cutlass.Float32
         # Consumer warpgroups: three for a 192-row tile, two for a 128-row one (64 rows each) but
         # 128x128 (one or two measured the same); a 64-row tile takes one. A narrow 128-row tile on
         # one warpgroup issues short wgmmas back to back (128x80: m64n80k16, ~40 tensor cycles each).
+        # FP8 tiles: a warpgroup per 64 rows (the promotion's row scales follow the warps' 16-row slabs).
         wgs = 3 if tile.tile_m == 192 else 2 if tile.tile_m == 128 and tile.tile_n != 128 else 1
+        wgs = tile.tile_m // 64 if tile.fp8 else wgs
         self.atom_layout_mnk = (wgs, 1, 1)
         self.num_mma_wg = math.prod(self.atom_layout_mnk)
         # Warp-specialised variants (``ws``) put a producer warpgroup first, whose warp 0 issues every
@@ -141,23 +150,32 @@ class GemmSm90(EpilogueSm90):
     def __call__(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, b_early: cutlass.Int32,
                  stream: cuda.CUstream):
         """Dense GEMM (``grouped=False`` variants)."""
-        self._launch(a, b, c, c, c, b_early, stream)  # c stands in for the unused tile → expert map and residual
+        self._launch(a, b, c, c, c, b_early, stream, c, c)  # c stands in for the unused tile → expert map,
+        # residual and scales
 
     @cute.jit
     def residual_gemm(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, r: cute.Tensor,
                       b_early: cutlass.Int32, stream: cuda.CUstream):
         """``D = A·Bᵀ + R`` (``residual=True`` variants): R is ``(M, N, 1)`` like D and may be D."""
-        self._launch(a, b, c, c, r, b_early, stream)
+        self._launch(a, b, c, c, r, b_early, stream, c, c)
 
     @cute.jit
     def grouped(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
                 b_early: cutlass.Int32, stream: cuda.CUstream):
         """Grouped GEMM (``grouped=True``): B is ``(N, K, E)``; M-tile ``t`` uses expert ``tile_expert[t]``."""
-        self._launch(a, b, c, tile_expert, c, b_early, stream)
+        self._launch(a, b, c, tile_expert, c, b_early, stream, c, c)
+
+    @cute.jit
+    def fp8_gemm(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, sfa: cute.Tensor, sfb: cute.Tensor,
+                 b_early: cutlass.Int32, stream: cuda.CUstream):
+        """Block-scaled FP8 GEMM (``fp8=True``): A ``(M, K, 1)`` and B ``(N, K, 1)`` e4m3, ``sfa`` ``(M, K/128)``
+        float32 MN-major (stride 1 along M), ``sfb`` ``(ceil(N/128), K/128)`` float32, D bf16."""
+        self._launch(a, b, c, c, c, b_early, stream, sfa, sfb)
 
     @cute.jit
     def _launch(self, a: cute.Tensor, b: cute.Tensor, c: cute.Tensor, tile_expert: cute.Tensor,
-                r: cute.Tensor, b_early: cutlass.Int32, stream: cuda.CUstream):
+                r: cute.Tensor, b_early: cutlass.Int32, stream: cuda.CUstream, sfa: cute.Tensor,
+                sfb: cute.Tensor):
         self.a_dtype = a.element_type
         self.c_dtype = c.element_type
         self.c_layout = utils.LayoutEnum.from_tensor(c)
@@ -197,7 +215,7 @@ class GemmSm90(EpilogueSm90):
         grid = tuple(x * y for x, y in zip(clusters, cluster_mnl))
 
         self.smem_struct = self._smem_struct()
-        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tile_expert, tma_r, tr, b_early, self.tiled_mma,
+        self.kernel(tma_a, ta, tma_b, tb, tma_c, tc, tile_expert, tma_r, tr, sfa, sfb, b_early, self.tiled_mma,
                     self.epi_mma, self.cta_layout_mnk,
                     self.sa_layout, self.sb_layout, self.sc_layout, self.sr_layout).launch(
             grid=grid, block=[self.threads, 1, 1], cluster=cluster_mnl, stream=stream, use_pdl=True,
@@ -241,7 +259,8 @@ class GemmSm90(EpilogueSm90):
     @cute.kernel
     def kernel(self, tma_a: cute.CopyAtom, mA: cute.Tensor, tma_b: cute.CopyAtom, mB: cute.Tensor,
                tma_c: cute.CopyAtom, mC: cute.Tensor, tile_expert: cute.Tensor, tma_r: cute.CopyAtom,
-               mR: cute.Tensor, b_early: cutlass.Int32, tiled_mma: cute.TiledMma, epi_mma: cute.TiledMma,
+               mR: cute.Tensor, mSFA: cute.Tensor, mSFB: cute.Tensor, b_early: cutlass.Int32,
+               tiled_mma: cute.TiledMma, epi_mma: cute.TiledMma,
                cta_layout_mnk: cute.Layout, sa_layout: cute.ComposedLayout,
                sb_layout: cute.ComposedLayout, sc_layout: cute.ComposedLayout, sr_layout: cute.ComposedLayout):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -363,8 +382,12 @@ class GemmSm90(EpilogueSm90):
                     self._load_stage(ring, produce, *stage_args)
                     produce.advance()
             if is_mma:
-                self._mma_mainloop(ring, read, release, produce, k_tiles, warp, tiled_mma, acc, frag_a, frag_b,
-                                   stage_args)
+                if cutlass.const_expr(self.tile.fp8):
+                    self._scaled_mainloop(ring, read, k_tiles, k_first, tiled_mma, acc, frag_a, frag_b, mSFA, mSFB,
+                                          pid_m, pid_n, mma_tidx)
+                else:
+                    self._mma_mainloop(ring, read, release, produce, k_tiles, warp, tiled_mma, acc, frag_a, frag_b,
+                                       stage_args)
         else:
             self._mma_mainloop(ring, read, release, produce, k_tiles, warp, tiled_mma, acc, frag_a, frag_b, stage_args)
 

@@ -1,5 +1,6 @@
 """Host launches of the quantized-weight raw CUDA kernels on one stream (CuPy arrays; bf16 as uint16, e4m3 as
-uint8): the W4A16 GEMV (gemv_w4.cu, dense and grouped), the FP8 activation quantization (fp8_quant.cu, alone
+uint8): the W4A16 GEMV (gemv_w4.cu, dense and grouped) and the 4-bit weights' bf16 for prefill (w4_dequant.cu),
+the FP8 activation quantization (fp8_quant.cu, alone
 and after the RMSNorm) and the W8A8 GEMV (gemv_fp8.cu, dense and grouped). Each call checks its shapes and
 raises ValueError before launching; ``_kernel`` / ``_launch`` are the two places that touch CUDA (the tests
 run these same launches through a host emulation of the kernels). The prefill FP8 GEMM is the CuTe one
@@ -112,6 +113,18 @@ class QuantOps:
         self._launch(k, (_ceil(_ceil(w.n, 16), TILES_PER_CTA), rows // tile_m), (GEMV_THREADS,),
                      (a, w.codes, w.scales, np.uint64(0) if w.zeros is None else w.zeros, tile_expert, row_token, out,
                       np.int32(w.n), np.int32(w.k), np.int32(w.group), np.int32(tile_m)))
+
+    def dequant_w4(self, w: W4Weight, out) -> None:
+        """out = the bf16 weights (bf16 [E, N, ld] or [N, ld], ld >= K a multiple of 8) for the products the
+        GEMV does not take: the prefill runs the bf16 GEMM on them (w4_dequant.cu)."""
+        shape = (w.n, out.shape[-1]) if w.experts == 1 and out.ndim == 2 else (w.experts, w.n, out.shape[-1])
+        _check(out.shape == shape and out.dtype == np.uint16 and out.flags.c_contiguous and out.shape[-1] >= w.k
+               and out.shape[-1] % 8 == 0, f"out must be a C-contiguous bf16 [{'E, ' if w.experts > 1 else ''}"
+               f"{w.n}, >= {w.k}] (a multiple of 8), got {out.dtype} {out.shape}")
+        pieces = _ceil(w.n, 16) * _ceil(w.k, 128) * 64
+        self._launch(self._kernel("w4_dequant", "w4_dequant", **dict(w.defines)), (_ceil(pieces, 256), w.experts),
+                     (256,), (w.codes, w.scales, np.uint64(0) if w.zeros is None else w.zeros, out, np.int32(w.n),
+                              np.int32(w.k), np.int32(w.group), np.int32(out.shape[-1])))
 
     def fp8_quant(self, x, q, scales, norm_w=None, residual=None, resid_out=None, eps: float = 0.0) -> None:
         """q (e4m3 [M, K]) and scales (float32 [K / 128, ld], ld >= M) of x (bf16 [M, K]); with ``norm_w``, of

@@ -4,15 +4,13 @@
 //   e2m1 codes (FP4 experts, ue8m0 scales):          W = bf16(e2m1(q) · scale)
 // each rounded ONCE from the exact product: the weights the load-time dequantization holds in bf16, so y
 // is that product up to float32 accumulation order (mma.m16n8k16, bf16 operands, fp32 accumulators).
-// Compile-time format (openinfer_kernels/quant/w4_layout.py picks them): W4_FP4 (e2m1 codes), W4_ZERO (a
-// uint8 zero per (row, group); else 8, the symmetric formats' offset), W4_SCALE_FP16 (fp16 scales, split
-// exactly into bf16 hi + lo so that W = fma(q - zero, hi, (q - zero) · lo) still rounds once; else bf16).
+// The format is compile-time (w4.cuh's W4_FP4, W4_ZERO, W4_SCALE_FP16: openinfer_kernels/quant/w4_layout.py
+// W4Packed.defines).
 //
 // The layout (w4_layout.pack_w4; N padded to 16 rows, K to 128, scales to whole groups with 0):
 //   codes  uint32 [N/16 tiles][K/128 steps][2 halves][32 lanes][4 words]: the 16-byte piece a lane loads.
-//          Lane 4g + t, half h holds row 16·tile + g + 8h, k = 128·step + 32t + 8·word + j, the code of
-//          j = 2(p % 4) + p / 4 in nibble p (AWQ's order): pairs (j, j+1) sit in nibbles (p, p + 4), so one
-//          mask and OR makes the bf16 pair 128 + q (int) or its bits e2m1 · 2^-126 (e2m1 at bits 12-15).
+//          Lane 4g + t, half h holds row 16·tile + g + 8h, k = 128·step + 32t + 8·word + j (w4.cuh's nibble
+//          order within a word).
 //   scales uint16 [N/16][G][8 g][2 h] (G = K/128·128 / group), zeros uint8 likewise: a lane's two rows of a
 //          group in one 4-byte (2-byte) load.
 // A lane's 32 k of a row lie in one group (group % 32 == 0). Each warp step reads 1 KB of codes: every
@@ -21,24 +19,15 @@
 // x pieces of a k step are read by W4_RT warps (L1), so at W4_RT = 2 a CTA streams 32 rows of codes per
 // read of x. The codes of the next W4_U k steps are in flight while the current ones are used, and the
 // first ones are issued before pdl_wait (launch.py): the stream starts under the previous kernel's tail.
-// Dequantization per code: a shift and a LOP3 (int) or two (e2m1), then one to three packed bf16 ops.
+// Dequantization per code: a shift and a LOP3 (int) or three (e2m1), then one to three packed bf16 ops.
 // Roofline: N·K/2 code bytes + N·K/group·2 scale bytes (+ N·K/group zeros) + M·K·2 (x) + M·N·2 (y):
 // Qwen3-8B qkv (6144 x 4096, group 128) 12.6 + 0.4 (+0.2) MB, 2.8 µs at 4.8 TB/s, 3.8x fewer bytes than
 // gemv.cu's bf16 weights; gate_up 24576 x 4096: 52.4 MB, 10.9 µs; down 4096 x 12288: 26.2 MB, 5.5 µs.
 #include "common.cuh"
-#include "bf16x2.cuh"
 #include "mma.cuh"
+#include "w4.cuh"
 #include "gemv_cta.cuh"
 
-#ifndef W4_FP4
-#define W4_FP4 0
-#endif
-#ifndef W4_ZERO
-#define W4_ZERO 0
-#endif
-#ifndef W4_SCALE_FP16
-#define W4_SCALE_FP16 0
-#endif
 #ifndef W4_RT
 #define W4_RT 2                           // 16-row tiles per CTA
 #endif
@@ -47,51 +36,6 @@
 #endif
 #define W4_WARPS 8
 #define W4_KW (W4_WARPS / W4_RT)          // warps per tile, splitting K
-
-// The bf16 pairs of one (row, group): 128 + zero (the int codes' offset), the scale (hi) and, for fp16
-// scales, the rest of it (lo = scale - hi, exact in bf16: an fp16 significand has 3 bits past bf16's).
-struct W4Group { unsigned zero, hi, lo; };
-
-__device__ __forceinline__ float fp16_bits_to_f(unsigned h) {      // exact (no <cuda_fp16.h> under NVRTC)
-    const unsigned e = (h >> 10) & 31, m = h & 1023;
-    const float f = e == 0 ? (float)m * 5.9604644775390625e-8f        // subnormal: m · 2^-24
-                  : e == 31 ? (m ? __uint_as_float(0x7fc00000u) : INFINITY) : __uint_as_float(((e + 112) << 23) | (m << 13));
-    return (h & 0x8000) ? -f : f;
-}
-
-__device__ __forceinline__ W4Group w4_group(unsigned scale_bits, unsigned zero) {
-    W4Group q;
-    q.zero = bf16x2_splat((bf16_t)(0x4300u | (W4_ZERO ? zero : 8u)));   // bf16 128 + zero (zero < 128)
-#if W4_SCALE_FP16
-    const float s = fp16_bits_to_f(scale_bits);
-    const bf16_t hi = f_to_bf16(s);
-    q.hi = bf16x2_splat(hi);
-    q.lo = bf16x2_splat(f_to_bf16(s - bf16_to_f(hi)));
-#else
-    q.hi = bf16x2_splat((bf16_t)scale_bits);
-    q.lo = 0u;
-#endif
-    return q;
-}
-
-// The 8 codes of one word to 4 bf16 pairs of weights: pair j = k (2j, 2j + 1) of the word's 8.
-__device__ __forceinline__ void w4_dequant(unsigned w, const W4Group& q, unsigned (&p)[4]) {
-    #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#if W4_FP4
-        const unsigned t = w << (12 - 4 * j);                                  // codes of pair j to bits 12-15, 28-31
-        const unsigned v = (t & 0x80008000u) | ((t >> 6) & 0x01C001C0u);      // sign; e1 e0 m to 8-6: e2m1 · 2^-126
-        p[j] = bf16x2_mul(bf16x2_mul(v, 0x7E807E80u), q.hi);                  // · 2^126 (exact), · scale
-#else
-        const unsigned d = bf16x2_sub(((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u, q.zero);   // q - zero, exact
-#if W4_SCALE_FP16
-        p[j] = bf16x2_fma(d, q.hi, bf16x2_mul(d, q.lo));
-#else
-        p[j] = bf16x2_mul(d, q.hi);
-#endif
-#endif
-    }
-}
 
 __device__ __forceinline__ const bf16_t* w4_zero_x() { return reinterpret_cast<const bf16_t*>(&kZero16); }
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 
 from ..bf16 import from_bf16, to_bf16
 from ..attention import ATTENTION_KERNELS
-from ..configs import GEMM_VARIANTS, VARIANTS_BY_NAME, GemmPlan, plan_gemm, silu_twin, split_count
+from ..configs import (FP8_GEMM_VARIANTS, FP8_VARIANTS_BY_NAME, GEMM_VARIANTS, VARIANTS_BY_NAME, GemmPlan,
+                       plan_fp8_gemm, plan_gemm, silu_twin, split_count)
 
 NAN_BF16 = 0x7FC0
 HANG_SECONDS = float(os.environ.get("OPENINFER_CUTE_HANG_S", "20"))
@@ -131,6 +132,34 @@ def swiglu_check(runner, plan: GemmPlan | None, m: int, n: int, k: int) -> Check
     return compare(from_bf16(out), ref)
 
 
+def fp8_check(runner, name: str | None, m: int, n: int, k: int) -> Check:
+    """One block-scaled FP8 GEMM (``name``: an FP8 variant; None: the planned one) against float32 on the same
+    e4m3 operands: ``(a · sfa) @ (b · sfb)ᵀ`` with the scales spread over their 128-blocks (which is the
+    block-scaled sum). Operands: normal samples rounded to e4m3 (subnormals included), scales near 2^-8."""
+    import cupy as cp
+    import ml_dtypes
+    import numpy as np
+
+    from ..gemm import fp8_gemm
+
+    rng = np.random.default_rng()
+
+    def e4m3(rows: int):
+        codes = (rng.standard_normal((rows, k)) * 32).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+        return codes.view(np.uint8), codes.astype(np.float32)
+
+    (a, a_values), (b, b_values) = e4m3(m), e4m3(n)
+    sfa = (rng.uniform(0.5, 2, (k // 128, m)) * 2.0 ** -8).astype(np.float32)
+    sfb = (rng.uniform(0.5, 2, (-(-n // 128), k // 128)) * 2.0 ** -6).astype(np.float32)
+    ref = (a_values * np.repeat(sfa.T, 128, axis=1)) @ (b_values * np.repeat(np.repeat(sfb, 128, 0)[:n], 128, 1)).T
+    out = cp.full((m, n), NAN_BF16, dtype=cp.uint16)
+    variant = FP8_VARIANTS_BY_NAME[name] if name else None
+    fp8_gemm(runner, cp.asarray(a), cp.asarray(sfa), cp.asarray(b), cp.asarray(sfb), out, variant=variant,
+             prefetch_weights=True)
+    sync_or_die(f"FP8 GEMM {name or plan_fp8_gemm(m, n, k).name} M={m} N={n} K={k}")
+    return compare(from_bf16(out), cp.asarray(ref))
+
+
 def graph_check(runner, m: int, n: int, k: int) -> Check:
     """The planned GEMM captured in a CUDA graph and replayed must equal the eager launch bit for bit."""
     import cupy as cp
@@ -222,7 +251,7 @@ class Case:
 
     group: str
     label: str
-    kind: str  # gemm | residual | planned | prefetch | padded | graph | swiglu | grouped | attention
+    kind: str  # gemm | residual | planned | prefetch | padded | graph | swiglu | grouped | attention | fp8
     args: tuple
 
 
@@ -236,6 +265,7 @@ DENSE_ORDER = (SIMPLEST,) + tuple(v.name for v in GEMM_VARIANTS
 # SiLU·up twins: N a multiple of 16 (gate and up interleaved in 8s), tails in M, N and K
 SILU_SHAPES = ((1, 208, 328), (17, 2064, 1032), (255, 400, 2568), (1000, 1296, 520))
 SPLITK_ORDER = tuple(v.name for v in GEMM_VARIANTS if v.out == "f32")
+FP8_SHAPES = ((1, 208, 384), (17, 2064, 1152), (255, 400, 2560), (1000, 1296, 512))   # K % 128, N % 16
 
 
 _MIX = (1, 17, 64, 130, 1000, 4096, 0, 63)
@@ -311,6 +341,12 @@ def build_cases() -> tuple[Case, ...]:
         cases.append(Case("prefetch", f"M={m} N={n} K={k} {plan.variant.name}/S{plan.splits}", "prefetch", (m, n, k)))
     for m in (8, 300):
         cases.append(Case("graph", f"M={m} N=2560 K=4096", "graph", (m, 2560, 4096)))
+    for v in FP8_GEMM_VARIANTS:  # one tile and one k-tile, k-tiles > stages, tails in M and N, partial scale blocks
+        for m, n, k in ((v.tile_m, v.tile_n, 128), (v.tile_m, v.tile_n, 17 * 128)) + FP8_SHAPES + \
+                ((17 * v.tile_m + 5, 576, 256),):
+            cases.append(Case(v.name, f"M={m} N={n} K={k}", "fp8", (v.name, m, n, k)))
+    for m, n, k in ((1, 6144, 4096), (64, 4096, 12288), (300, 24576, 4096), (2048, 4096, 4096)):
+        cases.append(Case("fp8_planned", f"M={m} N={n} K={k} {plan_fp8_gemm(m, n, k).name}", "fp8", (None, m, n, k)))
     for args in ((64, 37, 8, 16, 264, 520), (64, 1, 8, 64, 768, 2048), (128, 300, 2, 8, 1536, 2048)):
         cases.append(Case(f"grouped_bf16_{args[0]}x128_c1x1", "tokens={1} top_k={2} experts={3} N={4} K={5}"
                           .format(*args), "grouped", args))
@@ -349,4 +385,6 @@ def run_case(runner, case: Case) -> Check:
         return grouped_check(runner, *case.args)
     if case.kind == "attention":
         return attention_check(runner, *case.args)
+    if case.kind == "fp8":
+        return fp8_check(runner, *case.args)
     raise ValueError(f"unknown case kind {case.kind!r}")
