@@ -15,6 +15,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -27,7 +29,6 @@ from openinfer_kernels.quant.w4_layout import pack_w4
 pytestmark = pytest.mark.gpu
 FLOOR_FACTOR = 1.1
 BF16_ROUNDING = 2.0 ** -8
-SHAPES = list(QWEN3_8B_SHAPES.items())
 
 
 def bf16_bits(x) -> np.ndarray:
@@ -53,19 +54,24 @@ def ops():
     return QuantOps(cupy.cuda.get_current_stream())
 
 
+@functools.lru_cache(maxsize=4)
+def w4_case(name: str, kind: str) -> tuple[W4Weight, np.ndarray]:
+    """A projection's random 4-bit weight on the device and its bf16 weights (float32), made once per M."""
+    N, K = QWEN3_8B_SHAPES[name]
+    w = random_w4(np.random.default_rng(N + len(kind)), kind, N, K, 32 if kind in ("fp4", "bf16") else 128)
+    return W4Weight.upload(pack_w4(w)), values(bf16_bits(fmt.dequant(w)))
+
+
 @pytest.mark.parametrize("M", [1, 8, 16])
 @pytest.mark.parametrize("kind", W4_KINDS)
-@pytest.mark.parametrize("name,shape", SHAPES, ids=[s[0] for s in SHAPES])
-def test_gemv_w4(name, shape, kind, M):
+@pytest.mark.parametrize("name", list(QWEN3_8B_SHAPES))
+def test_gemv_w4(name, kind, M):
     import cupy
 
-    N, K = shape
-    rng = np.random.default_rng(M + N + len(kind))
-    w = random_w4(rng, kind, N, K, 32 if kind in ("fp4", "bf16") else 128)
-    x = bf16_bits(rng.standard_normal((M, K)))
-    y = cupy.full((M, N), 0x7FC0, np.uint16)
-    ops().gemv_w4(cupy.asarray(x), W4Weight.upload(pack_w4(w)), y)
-    weights = values(bf16_bits(fmt.dequant(w)))
+    weight, weights = w4_case(name, kind)
+    x = bf16_bits(np.random.default_rng(M).standard_normal((M, weight.k)))
+    y = cupy.full((M, weight.n), 0x7FC0, np.uint16)
+    ops().gemv_w4(cupy.asarray(x), weight, y)
     assert_bf16_equal_but_ties(values(y), values(x) @ weights.T, f"{name} {kind} M={M}")
 
 
@@ -170,16 +176,21 @@ def check_w8a8(got_bits, x_bits, q, s, w, ws, channel: bool, what: str) -> None:
     assert fp8_ref.relative_error(got, fp8_ref.w8a8_exact(q, s, w, ws, channel)) <= BF16_ROUNDING, what
 
 
+@functools.lru_cache(maxsize=2)
+def fp8_case(name: str, channel: bool) -> tuple[np.ndarray, np.ndarray]:
+    N, K = QWEN3_8B_SHAPES[name]
+    return random_fp8_weight(np.random.default_rng(N + channel), N, K, channel)
+
+
 @pytest.mark.parametrize("M", [1, 8, 16])
 @pytest.mark.parametrize("channel", [False, True])
-@pytest.mark.parametrize("name,shape", SHAPES, ids=[s[0] for s in SHAPES])
-def test_gemv_fp8(name, shape, channel, M):
+@pytest.mark.parametrize("name", list(QWEN3_8B_SHAPES))
+def test_gemv_fp8(name, channel, M):
     import cupy
 
-    N, K = shape
-    rng = np.random.default_rng(M + N + channel)
-    w, ws = random_fp8_weight(rng, N, K, channel)
-    x = bf16_bits(rng.standard_normal((M, K)))
+    w, ws = fp8_case(name, channel)
+    N, K = w.shape
+    x = bf16_bits(np.random.default_rng(M).standard_normal((M, K)))
     q, s = fp8_ref.quantize_activations(values(x))
     y = cupy.full((M, N), 0x7FC0, np.uint16)
     ops().gemv_fp8(cupy.asarray(q.view(np.uint8)), cupy.asarray(s), cupy.asarray(w.view(np.uint8)), cupy.asarray(ws), y)
@@ -187,8 +198,8 @@ def test_gemv_fp8(name, shape, channel, M):
 
 
 @pytest.mark.parametrize("M", [64, 512, 2048])
-@pytest.mark.parametrize("name,shape", SHAPES, ids=[s[0] for s in SHAPES])
-def test_cute_fp8_gemm(name, shape, M):
+@pytest.mark.parametrize("name", list(QWEN3_8B_SHAPES))
+def test_cute_fp8_gemm(name, M):
     """Prefill: fp8_quant.cu's activations into the CuTe block-scaled GEMM (the planned variant)."""
     import cupy
 
@@ -198,10 +209,9 @@ def test_cute_fp8_gemm(name, shape, M):
         pytest.skip(cute.available().reason)
     from openinfer_kernels.cute.gemm import GemmRunner, fp8_gemm
 
-    N, K = shape
-    rng = np.random.default_rng(M + N)
-    w, ws = random_fp8_weight(rng, N, K, False)
-    x = bf16_bits(rng.standard_normal((M, K)))
+    w, ws = fp8_case(name, False)
+    N, K = w.shape
+    x = bf16_bits(np.random.default_rng(M).standard_normal((M, K)))
     q, s = cupy.zeros((M, K), np.uint8), cupy.zeros((K // 128, M), np.float32)
     ops().fp8_quant(cupy.asarray(x), q, s)
     y = cupy.full((M, N), 0x7FC0, np.uint16)
