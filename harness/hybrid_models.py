@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from harness.models import _tmp_root, randomize_, save_tiny, tokenizer_source
+from harness.models import _tmp_root, in_vocab, randomize_, save_tiny, tokenizer_source
 
 # name -> (composite form?, text config overrides)
 HYBRID_MODELS: dict[str, tuple[bool, dict]] = {
@@ -61,9 +61,9 @@ def _hybrid_weights_(model, seed: int) -> None:
                 p.mul_(0.3)
 
 
-def hf_config(name: str, vocab: int, bos: int, eos: int):
+def hf_config(composite: bool, text: dict, vocab: int, bos: int, eos: int):
+    """The transformers config of a hybrid model: text overrides on the tiny base, text-only or composite."""
     import transformers
-    composite, text = HYBRID_MODELS[name]
     text = {**_TEXT_BASE, **text, "vocab_size": vocab, "bos_token_id": bos, "eos_token_id": eos}
     if not composite:
         return transformers.Qwen3_5TextConfig(**text)
@@ -71,14 +71,20 @@ def hf_config(name: str, vocab: int, bos: int, eos: int):
                                       tie_word_embeddings=text["tie_word_embeddings"])
 
 
-def build_hybrid_model(name: str, out_dir: str, seed: int = 0) -> str:
-    """Save tiny hybrid model `name` as an HF folder (bf16) with the real tokenizer."""
+def build_hybrid_model(name: str, out_dir: str, seed: int = 0, vocab: int | None = None) -> str:
+    """Save tiny hybrid model `name` as an HF folder (bf16) with the real tokenizer (vocab: as build_config_model)."""
+    return build_hybrid_config(*HYBRID_MODELS[name], out_dir, seed, vocab)
+
+
+def build_hybrid_config(composite: bool, text: dict, out_dir: str, seed: int = 0, vocab: int | None = None) -> str:
+    """Save a tiny hybrid model of hf_config(composite, text) as an HF folder (bf16) with the real tokenizer."""
     import torch
     import transformers
-    _, vocab, bos, eos = tokenizer_source()
-    config = hf_config(name, vocab, bos, eos)
+    _, rows, bos, eos = tokenizer_source()
+    vocab = vocab or rows
+    config = hf_config(composite, text, vocab, in_vocab(bos, vocab), in_vocab(eos, vocab))
     torch.manual_seed(seed)
-    auto = transformers.AutoModelForImageTextToText if HYBRID_MODELS[name][0] else transformers.AutoModelForCausalLM
+    auto = transformers.AutoModelForImageTextToText if composite else transformers.AutoModelForCausalLM
     model = auto.from_config(config)
     randomize_(model, seed)
     _hybrid_weights_(model, seed)

@@ -173,17 +173,29 @@ def randomize_(model, seed: int) -> None:
 def build_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
     """Save a random-weight model `name` of TINY_MODELS, SPARSE_MODELS or DSV3_MODELS as an HF folder (bf16) with a
     real tokenizer."""
+    cls_name, base = {**TINY_MODELS, **SPARSE_MODELS, **DSV3_MODELS, **DSV4_MODELS}[name]
+    return build_config_model(cls_name, {**base, **overrides}, out_dir, seed)
+
+
+def build_config_model(cls_name: str, overrides: dict, out_dir: str, seed: int = 0, vocab: int | None = None) -> str:
+    """Save a random-weight model of transformers config class `cls_name` (the tiny base, then `overrides`) as an HF
+    folder (bf16) with a real tokenizer; vocab: embedding rows (None: the tokenizer's; fewer keep the tokenizer's
+    first ids, for gates that run many steps)."""
     import torch
     import transformers
-    cls_name, base = {**TINY_MODELS, **SPARSE_MODELS, **DSV3_MODELS, **DSV4_MODELS}[name]
-    overrides = {**base, **overrides}
-    _, vocab, bos, eos = tokenizer_source()
+    _, rows, bos, eos = tokenizer_source()
+    vocab = vocab or rows
     config = getattr(transformers, cls_name)(**{**_BASE, **overrides}, vocab_size=vocab,
-                                             bos_token_id=bos, eos_token_id=eos)
+                                             bos_token_id=in_vocab(bos, vocab), eos_token_id=in_vocab(eos, vocab))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     randomize_(model, seed)
     return save_tiny(model, out_dir)
+
+
+def in_vocab(token: int, vocab: int) -> int | None:
+    """A special token's id where the embedding has its row, else None."""
+    return token if token < vocab else None
 
 
 def save_tiny(model, out_dir: str) -> str:
