@@ -43,17 +43,19 @@ ORACLE_TOP = 20                 # transformers' best tokens kept per step (the e
 class RunPath:
     """How the engine runs a set of prompts. budget: max_num_batched_tokens (None: the executor's; a prompt
     longer than what is left of it after the step's decodes is prefilled in chunks). together: every prompt
-    submitted at once (batched steps of mixed lengths) or each run alone after the last. follow_up: after each
-    prompt's request, a second one whose prompt is that request's prompt and first `follow_up` generated tokens
-    plus one fresh token, so it hits the prefix cache on blocks the first filled in prefill and in decode
-    (lines with per-sequence state keep prefix caching off: the follow-up then recomputes). kv_blocks: the engine
-    sees only that many blocks of the executor's KV pool (None: all); a pool smaller than the prompts need
-    preempts sequences, which resume by recomputing their prompt and tokens."""
+    submitted at once (batched steps of mixed lengths) or each run alone after the last. follow_up: for each
+    prompt, a later request whose prompt is that prompt and its first `follow_up` generated tokens plus one fresh
+    token, so it hits the prefix cache on blocks filled in prefill and in decode (lines with per-sequence state
+    keep prefix caching off: the follow-up then recomputes). kv_blocks: the engine sees only that many blocks of
+    the executor's KV pool (None: all); a pool smaller than the prompts need preempts sequences, which resume by
+    recomputing their prompt and tokens. host_kv_blocks: the host KV tier's slots (the executor built with as many
+    or more), where evicted prefix-cache blocks go and hits come back from."""
     name: str
     budget: int | None = None
     together: bool = True
     follow_up: int = 0
     kv_blocks: int | None = None
+    host_kv_blocks: int = 0
 
 
 @dataclass
@@ -63,12 +65,14 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)      # the engine's logprob of each of its tokens
     cached_tokens: int = 0
+    refusal: str | None = None                                # the engine's Error or Rejected event, if any
 
 
 @dataclass
 class GreedyRun:
     generations: list[Generation]
     preemptions: int
+    host_restored_blocks: int           # prefix-cache blocks brought back from the host KV tier
 
 
 def greedy_params(new_tokens: int) -> SamplingParams:
@@ -76,15 +80,15 @@ def greedy_params(new_tokens: int) -> SamplingParams:
 
 
 class _Collector:
-    """A request's sink: its tokens, logprobs and cached-token count; errors raise."""
+    """A request's sink: its tokens, logprobs, cached-token count and refusal."""
 
     def __init__(self, gen: Generation):
         self.gen = gen
 
     def __call__(self, event) -> None:
         if isinstance(event, (Error, Rejected)):
-            raise AssertionError(f"engine refused or failed a request: {event}")
-        if isinstance(event, Scheduled):
+            self.gen.refusal = repr(event)
+        elif isinstance(event, Scheduled):
             self.gen.cached_tokens = event.cached_tokens
         elif isinstance(event, Token):
             self.gen.tokens.append(event.token_id)
@@ -108,7 +112,8 @@ def new_engine(executor, tokenizer, path: RunPath) -> EngineLoop:
     if path.kv_blocks:
         executor = _SmallerPool(executor, path.kv_blocks)
     budget = path.budget or opts.max_num_batched_tokens
-    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=min(opts.max_num_seqs, budget))
+    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=min(opts.max_num_seqs, budget),
+                          host_kv_blocks=path.host_kv_blocks)
     return EngineLoop(executor, tokenizer, config, opts.max_model_len, eos_token_ids=[])
 
 
@@ -126,6 +131,8 @@ def run_engine(engine: EngineLoop, prompts: list[list[int]], new_tokens: int, ta
         if steps > 100000:
             raise AssertionError("engine did not finish")
     for g in gens:
+        if g.refusal is not None:
+            raise AssertionError(f"the engine refused or failed a request: {g.refusal}")
         if len(g.tokens) != new_tokens:
             raise AssertionError(f"engine gave {len(g.tokens)} tokens, asked for {new_tokens}")
     return gens
@@ -133,22 +140,21 @@ def run_engine(engine: EngineLoop, prompts: list[list[int]], new_tokens: int, ta
 
 def engine_greedy(executor, tokenizer, prompts: list[list[int]], path: RunPath,
                   new_tokens: int = NEW_TOKENS) -> GreedyRun:
-    """Greedy generations of `prompts` through a fresh EngineLoop over `executor`, as `path` runs them (with
-    follow-ups: each prompt's generation, then its follow-up's)."""
+    """Greedy generations of `prompts` through a fresh EngineLoop over `executor`, as `path` runs them: the prompts'
+    generations in order, then (path.follow_up) their follow-ups', sent once every prompt is done, one at a time
+    (a pool too small for them all has by then evicted the earlier prompts' blocks: to the host tier if any)."""
     engine = new_engine(executor, tokenizer, path)
-    if path.together and not path.follow_up:
+    if path.together:
         gens = run_engine(engine, prompts, new_tokens, "r")
     else:
-        gens = []
-        for i, p in enumerate(prompts):
-            first, = run_engine(engine, [p], new_tokens, f"r{i}-")
-            gens.append(first)
-            if path.follow_up:
-                shared = first.prompt + first.tokens[:path.follow_up]
-                gens += run_engine(engine, [shared + [(shared[-1] + 1) % executor.vocab_size]], new_tokens,
-                                   f"f{i}-")
+        gens = [g for i, p in enumerate(prompts) for g in run_engine(engine, [p], new_tokens, f"r{i}-")]
+    if path.follow_up:
+        shared = [g.prompt + g.tokens[:path.follow_up] for g in gens]
+        follow = [s + [(s[-1] + 1) % executor.vocab_size] for s in shared]
+        gens += [g for i, f in enumerate(follow) for g in run_engine(engine, [f], new_tokens, f"f{i}-")]
     engine.block_manager.check_invariants(idle=True)
-    return GreedyRun(gens, engine.scheduler.num_preemptions)
+    tier = engine.scheduler.host_tier
+    return GreedyRun(gens, engine.scheduler.num_preemptions, tier.restored_blocks if tier else 0)
 
 
 # ---- transformers, full recompute -----------------------------------------------------------------------------

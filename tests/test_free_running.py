@@ -6,18 +6,22 @@ the same sequence (engine vs transformers, teacher-forced); the run goes on alon
 logprob of each token must match transformers' on the same prefix.
 
 Paths: batch 1; batched prompts of mixed lengths; chunked prefill with every chunk edge on a KV-block edge (batch 1,
-budget 16) and with chunk edges inside blocks beside running decodes (batched, budget 19); a prefix hit (a second
-request whose prompt is the first's prompt and 24 of its generated tokens: it reads blocks filled in prefill and in
-decode, the last one partly, through a block copy). Prompts of 1, 15, 17, 33 and 70 tokens (70: two delta-rule
-chunks of Qwen3.5's prefill), each growing 48 tokens, so decode crosses 3-4 block edges. Then seeded sweeps of random
-tiny configurations per line (harness/free_running_models.py) with prompt lengths at block edges and random budgets.
+budget 16) and with chunk edges inside blocks beside running decodes (batched, budget 19); prefix hits (later
+requests whose prompts are earlier prompts and 24 of their generated tokens: they read blocks filled in prefill and
+in decode, the last one partly, through a block copy), from the device and, in a pool too small to keep them, from
+the host KV tier; preemption (a 10-block pool: sequences resume by recompute). Prompts of 1, 15, 17, 33 and 70
+tokens (70: two delta-rule chunks of Qwen3.5's prefill), each growing 48 tokens, so decode crosses 3-4 block edges.
+Then seeded sweeps of random tiny configurations per line (harness/free_running_models.py) with prompt lengths at
+block and delta-rule chunk edges, random budgets and pools.
 
 Bounds (float32 on both sides, as the golden gates): |Δlogprob| of every generated token <= 1e-3, and a tie
-tolerance measured above 2e-3 fails by itself. Measured (2026-12): max |Δlogprob| 4e-6 .. 1.2e-5 over the lines and
-paths, teacher-forced tie tolerance (largest gap spread) 2e-5 .. 6e-5; no flip, tie or not, on these models.
+tolerance measured above 2e-3 fails by itself. Measured (2026-12, these models, every path): max |Δlogprob| of the
+generated tokens 2.9e-6 .. 2.0e-5; teacher-forced tie tolerance 5.2e-6 .. 1.5e-4 (qwen3_5_text the widest); no flip,
+tie or not. On DeepSeek-V4 before its incremental-decode fix the same gate fails every path (|Δlogprob| up to 0.24).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -26,9 +30,9 @@ import pytest
 from engine.executor.cpu import CpuExecutor
 from engine.executor.options import options_of
 from engine.loader import load_model
-from harness.free_running import (EngineSpread, FullRecompute, Generation, GreedyRun, OracleStep, RunPath,
-                                  engine_greedy, judge, judge_all)
-from harness.free_running_models import LINES, gate_model_path, load_oracle, sweep_model, sweep_spec
+from harness.free_running import (NEW_TOKENS, EngineSpread, FullRecompute, Generation, GreedyRun, OracleStep,
+                                  RunPath, engine_greedy, judge, judge_all)
+from harness.free_running_models import gate_model_path, load_oracle, sweep_model, sweep_spec
 from harness.models import random_sequences
 
 MAX_DLOGPROB = 1e-3
@@ -41,21 +45,26 @@ PATHS = [
     RunPath("chunked-at-block-edges", budget=16, together=False),
     RunPath("chunked-mixed", budget=19),
     RunPath("prefix-hit", together=False, follow_up=24),
+    RunPath("prefix-hit-host-tier", together=False, follow_up=24, kv_blocks=7, host_kv_blocks=32),
     RunPath("preempted", kv_blocks=10),
 ]
+PATH = {p.name: p for p in PATHS}
+# every line once (harness/models.py's other variants, qwen3_gqa4 and deepseek_v2_lite, are shapes the sweeps draw)
+LINES = ["qwen3_tied", "qwen3_untied", "llama", "qwen2", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
+         "qwen3_5_text", "qwen3_5"]
 
 
 def new_executor(model) -> CpuExecutor:
-    return CpuExecutor(model, options_of(num_kv_blocks=128, max_model_len=512, max_num_seqs=16))
+    return CpuExecutor(model, options_of(num_kv_blocks=128, max_model_len=512, max_num_seqs=16, host_kv_blocks=32))
 
 
 class Gate:
     """A model under the gate: its executor, transformers' full recompute, the tie tolerance."""
 
-    def __init__(self, path: str):
-        self.model = load_model(path)
-        self.executor = new_executor(self.model)
-        self.oracle = FullRecompute(load_oracle(path))
+    def __init__(self, model, oracle_model):
+        self.model = model
+        self.executor = new_executor(model)
+        self.oracle = FullRecompute(oracle_model)
         self.tolerance = EngineSpread(self.executor, self.oracle)
 
     def failures(self, prompts: list[list[int]], run: RunPath) -> tuple[GreedyRun, list[str]]:
@@ -67,30 +76,46 @@ class Gate:
         return out, [f"{run.name}: {f}" for v in verdicts for f in v.failures(MAX_DLOGPROB, MAX_TIE_TOL)]
 
 
+def gate_of(path: str) -> Gate:
+    return Gate(load_model(path), load_oracle(path))
+
+
 @pytest.fixture(scope="module", params=LINES)
-def gate(request):
-    g = Gate(gate_model_path(request.param))
-    g.prompts = random_sequences(g.model.config.vocab_size, PROMPT_LENS, seed=11)
-    return g
+def line(request) -> tuple[Gate, list[list[int]]]:
+    """Each line's model (qwen3 tied and untied, llama, qwen2, qwen3_moe, deepseek_v2, deepseek_v3, kimi_k2, qwen3_5
+    text and composite) under the gate, and the prompts."""
+    g = gate_of(gate_model_path(request.param))
+    return g, random_sequences(g.model.config.vocab_size, PROMPT_LENS, seed=11)
 
 
 @pytest.mark.parametrize("run", PATHS, ids=[p.name for p in PATHS])
-def test_free_running_greedy_is_transformers_full_recompute(gate, run):
-    prompts = gate.prompts[2:4] if run.follow_up else gate.prompts
-    out, failures = gate.failures(prompts, run)
+def test_free_running_greedy_is_transformers_full_recompute(line, run):
+    gate, prompts = line
+    stateful = bool(gate.executor.num_state_slots)        # prefix caching off, no host tier
+    if stateful and run.host_kv_blocks:
+        pytest.skip("a line with per-sequence state keeps no prefix cache, hence no host KV tier")
+    out, failures = gate.failures(prompts[2:4] if run.follow_up else prompts, run)
     assert not failures, failures
-    if run.follow_up and not gate.executor.num_state_slots:     # a line with state keeps prefix caching off
-        hits = [g.cached_tokens for g in out.generations[1::2]]
+    assert_path_taken(run, out, stateful)
+
+
+def assert_path_taken(run: RunPath, out: GreedyRun, stateful: bool) -> None:
+    """The run went the way its path says: follow-ups hit the prefix cache (from the host tier where the path has
+    one), a small pool preempted."""
+    if run.follow_up and not stateful:
+        hits = [g.cached_tokens for g in out.generations[len(out.generations) // 2:]]
         assert all(h >= 16 for h in hits), f"follow-ups did not hit the prefix cache: {hits}"
-    assert (out.preemptions > 0) == bool(run.kv_blocks), out.preemptions
+    assert (out.host_restored_blocks > 0) == bool(run.host_kv_blocks), out.host_restored_blocks
+    assert (out.preemptions > 0) == bool(run.kv_blocks and not run.follow_up), out.preemptions
 
 
 def test_tie_tolerance_is_measured_small():
     """The tolerance a flip would be judged by: engine vs transformers teacher-forced on a generated sequence, the
-    largest change of any two tokens' gap; float32 on both sides keeps it far under the cap."""
-    g = Gate(gate_model_path("qwen3_untied"))
-    gens = engine_greedy(g.executor, g.model.tokenizer, random_sequences(4096, [20], seed=2), PATHS[0]).generations
-    tol = g.tolerance(gens[0])
+    largest change of the gap between two of transformers' 20 best tokens; float32 on both sides keeps it far under
+    the cap."""
+    g = gate_of(gate_model_path("qwen3_untied"))
+    prompts = random_sequences(g.model.config.vocab_size, [20], seed=2)
+    tol = g.tolerance(engine_greedy(g.executor, g.model.tokenizer, prompts, PATH["batch1"]).generations[0])
     print(f"tie tolerance {tol:.3g}")
     assert 0 < tol <= MAX_TIE_TOL / 10
 
@@ -102,13 +127,13 @@ def test_gate_fails_when_a_partial_prefix_hit_skips_its_block_copy(monkeypatch):
     teacher-forced gate can see it; this one does."""
     import engine.executor.cpu as cpu
 
-    g = Gate(gate_model_path("qwen3_tied"))
-    prompts, run = random_sequences(g.model.config.vocab_size, [17], seed=4), PATHS[-1]
+    g = gate_of(gate_model_path("qwen3_tied"))
+    prompts, run = random_sequences(g.model.config.vocab_size, [17], seed=4), PATH["prefix-hit"]
     assert not g.failures(prompts, run)[1]
     monkeypatch.setattr(cpu, "copy_pool_blocks", lambda pool, pairs: None)
     g.executor.kv.fill(0)             # (else the block holds, by chance, what the same requests left in it)
     failures = g.failures(prompts, run)[1]
-    assert failures and all("prompt of 42 tokens" in f for f in failures), failures
+    assert failures and all("prompt of 42 tokens" in f for f in failures), failures     # the follow-up
 
 
 def test_gate_fails_when_a_sampled_row_is_not_the_last_of_its_chunk(monkeypatch):
@@ -116,9 +141,9 @@ def test_gate_fails_when_a_sampled_row_is_not_the_last_of_its_chunk(monkeypatch)
     gives the engine a token from the wrong position (forward_logits, what teacher-forced gates read, is right)."""
     from engine.batch import ModelBatch
 
-    g = Gate(gate_model_path("llama"))
+    g = gate_of(gate_model_path("llama"))
     prompts = random_sequences(g.model.config.vocab_size, [9, 20], seed=5)
-    assert not g.failures(prompts, PATHS[1])[1]
+    assert not g.failures(prompts, PATH["batched"])[1]
     build = ModelBatch.build
 
     def early(steps, *args, **kwargs):
@@ -128,7 +153,7 @@ def test_gate_fails_when_a_sampled_row_is_not_the_last_of_its_chunk(monkeypatch)
         return batch
 
     monkeypatch.setattr(ModelBatch, "build", staticmethod(early))
-    assert g.failures(prompts, PATHS[1])[1]
+    assert g.failures(prompts, PATH["batched"])[1]
 
 
 class _Oracle:
@@ -172,25 +197,39 @@ SWEEP = [(line, seed) for line in ("qwen3", "llama", "qwen2", "qwen3_moe", "deep
          for seed in range(2)]
 
 
-def sweep_case(line: str, seed: int) -> tuple[list[int], list[RunPath]]:
-    """Prompt lengths around KV-block edges (and Qwen3.5's 64-token delta-rule chunks), a random step budget that
-    puts chunk edges inside blocks or on them, and a prefix hit at a random depth into the first generation."""
+def blocks(tokens: int) -> int:
+    return -(-tokens // 16)
+
+
+def sweep_case(line: str, seed: int) -> tuple[list[int], RunPath, RunPath]:
+    """Prompt lengths around KV-block edges (and Qwen3.5's 64-token delta-rule chunks); the prompts batched under a
+    random step budget (chunk edges on and inside blocks) in the whole pool or one small enough to preempt; the
+    first two alone, then follow-ups hitting their prefixes at a random depth, from the device or (a pool too
+    small to keep both) from the host KV tier."""
     rng = random.Random(f"sweep/{line}/{seed}")
     edges = [16, 32, 48] + ([64, 128] if line == "qwen3_5" else [])
     lens = [max(1, e + rng.choice([-1, 0, 1])) for e in rng.sample(edges, 3)]
     budget = rng.choice([16, 32, rng.randint(17, 40), rng.randint(41, 80)])
-    pool = rng.choice([None, -(-(max(lens) + 48) // 16) + rng.randint(1, 4)])        # small: preempts
-    return lens, [RunPath(f"together-budget{budget}-blocks{pool}", budget=budget, kv_blocks=pool),
-                  RunPath("prefix-hit", together=False, follow_up=rng.randint(1, 40), budget=rng.choice([16, 512]))]
+    pool = rng.choice([None, blocks(max(lens) + NEW_TOKENS) + rng.randint(1, 4)])
+    together = RunPath(f"together-budget{budget}-blocks{pool}", budget=budget, kv_blocks=pool)
+    tier, depth = rng.random() < 0.5, rng.randint(1, 40)
+    prefix = RunPath("prefix-hit-host-tier" if tier else "prefix-hit", together=False, follow_up=depth,
+                     budget=rng.choice([16, 512]), host_kv_blocks=32 if tier else 0,
+                     kv_blocks=blocks(max(lens[:2]) + depth + 1 + NEW_TOKENS) + 1 if tier else None)
+    return lens, together, prefix
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("line,seed", SWEEP, ids=[f"{line}-{seed}" for line, seed in SWEEP])
 def test_sweep_free_running(line, seed):
-    lens, runs = sweep_case(line, seed)
-    g = Gate(sweep_model(line, seed))
+    lens, together, prefix = sweep_case(line, seed)
+    g = gate_of(sweep_model(line, seed))
+    stateful = bool(g.executor.num_state_slots)
+    if stateful:
+        prefix = dataclasses.replace(prefix, kv_blocks=None, host_kv_blocks=0)
     prompts = random_sequences(g.model.config.vocab_size, lens, seed=seed)
-    failures = []
-    for run in runs:
-        failures += g.failures(prompts if run.together else prompts[:1], run)[1]
-    assert not failures, (sweep_spec(line, seed), lens, failures)
+    out, failures = g.failures(prompts, together)
+    prefixed, more = g.failures(prompts[:2], prefix)
+    assert not failures + more, (sweep_spec(line, seed), lens, failures + more)
+    if not prefix.kv_blocks:
+        assert_path_taken(prefix, prefixed, stateful)
