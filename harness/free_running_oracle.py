@@ -48,23 +48,39 @@ class Run:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)      # the engine's logprob of each of its tokens
     cached_tokens: int = 0
+    refusal: str | None = None                                # the engine's Error or Rejected event, if any
 
     def sink(self, event) -> None:
-        if isinstance(event, (Error, Rejected)):
-            raise AssertionError(f"the engine refused or failed a request: {event}")
-        if isinstance(event, Scheduled):
+        if isinstance(event, (Error, Rejected)):            # (an exception here the engine would swallow)
+            self.refusal = repr(event)
+        elif isinstance(event, Scheduled):
             self.cached_tokens = event.cached_tokens
         elif isinstance(event, Token):
             self.tokens.append(event.token_id)
             self.logprobs.append(event.logprob)
 
 
-def new_engine(executor, tokenizer, budget: int | None = None) -> EngineLoop:
+class _SmallerPool:
+    """`executor` as an engine sees it with only its first `blocks` KV blocks (the rest stay unused)."""
+
+    def __init__(self, executor, blocks: int):
+        self._executor, self.num_kv_blocks = executor, min(blocks, executor.num_kv_blocks)
+
+    def __getattr__(self, name: str):
+        return getattr(self._executor, name)
+
+
+def new_engine(executor, tokenizer, budget: int | None = None, kv_blocks: int | None = None,
+               host_kv_blocks: int = 0) -> EngineLoop:
     """A hand-driven EngineLoop over executor (prefix caching and chunked prefill on); budget: tokens a step
-    (max_num_batched_tokens; a prompt longer than what a step leaves is prefilled in chunks)."""
+    (max_num_batched_tokens; a prompt longer than what a step leaves is prefilled in chunks); kv_blocks: the
+    engine sees only that many blocks of the executor's KV pool (a small pool preempts); host_kv_blocks: the
+    host KV tier's slots (the executor built with as many)."""
     opts = executor.options
     budget = budget or opts.max_num_batched_tokens
-    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=min(opts.max_num_seqs, budget))
+    config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=min(opts.max_num_seqs, budget),
+                          host_kv_blocks=host_kv_blocks)
+    executor = _SmallerPool(executor, kv_blocks) if kv_blocks else executor
     return EngineLoop(executor, tokenizer, config, opts.max_model_len, eos_token_ids=[])
 
 
@@ -80,6 +96,9 @@ def run_greedy(engine: EngineLoop, prompts: list[list[int]], max_tokens: int) ->
             break
         engine.step()
         engine.drain_inbox()
+    refused = [r.refusal for r in runs if r.refusal]
+    if refused:
+        raise AssertionError(f"the engine refused or failed a request: {refused}")
     bad = [len(r.tokens) for r in runs if len(r.tokens) != max_tokens]
     if engine.has_work() or bad:
         raise AssertionError(f"the engine did not finish: {bad} tokens of {max_tokens}")
@@ -133,10 +152,11 @@ class FullRecompute:
         torch.set_num_threads(1)            # a tiny model's ops: threads only add their synchronization
         try:
             with torch.no_grad(), self.probe() as fragile:
-                out = self.model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=keep)
+                ids = torch.tensor([ids], device=next(self.model.parameters()).device)
+                out = self.model(input_ids=ids, use_cache=False, logits_to_keep=keep)
         finally:
             torch.set_num_threads(threads)
-        return out.logits[0].float().numpy(), list(fragile)
+        return out.logits[0].float().cpu().numpy(), list(fragile)
 
     def step(self, prefix: list[int]) -> OracleStep:
         """transformers' next token after prefix: one forward over it (its last position)."""
@@ -188,6 +208,7 @@ class Verdict:
     flips: list[tuple[int, float]] = field(default_factory=list)
     bound: float = MAX_DLOGPROB
     max_dlogprob: float = 0.0
+    dlogprobs: list[float] = field(default_factory=list)      # |engine - transformers| logprob of each token judged
     stopped: tuple[int, tuple[str, ...]] | None = None
 
     def failures(self) -> list[str]:
@@ -214,5 +235,6 @@ def judge(oracle: FullRecompute, run: Run, tie_tol: float, max_dlogprob: float =
         if gap > 0:
             (v.ties if gap <= tie_tol else v.flips).append((t, gap))
         v.max_dlogprob = max(v.max_dlogprob, dlogprob)
+        v.dlogprobs.append(dlogprob)
         v.compared += 1
     return v
