@@ -1,6 +1,7 @@
 """The free-running greedy gate (harness/free_running_oracle.py, harness/free_running_paths.py) on the GPU executor,
 CUDA-graph decode and eager steps, through the engine loop as it serves (overlapped steps, decode planned and
-launched ahead): every line's tiny model but DeepSeek-V4's (harness/free_running_models.py) and test_free_running's
+launched ahead): every line's tiny model but DeepSeek-V4's (harness/free_running_models.py; its own in
+test_gpu_free_running_dsv4.py) and test_free_running's
 prompts and paths (batch 1, batched, chunked prefill at and inside KV-block edges, a prefix hit from the device and
 from the host KV tier, preemption), 48 greedy tokens a prompt, against transformers float32 by full recompute on
 the same GPU.
@@ -77,19 +78,25 @@ def test_gpu_free_running_greedy(line, run, graphs):
     if ex.num_state_slots and run.host_kv_blocks:
         pytest.skip("a line with per-sequence state keeps no prefix cache, hence no host KV tier")
     out = engine_greedy(ex, model.tokenizer, prompts[2:4] if run.follow_up else prompts, run)
+    assert_floor_gate(f"{name}/{run.name}/{'graphs' if graphs else 'eager'}", exact, bf16, out)
+    assert_path_taken(run, out, bool(ex.num_state_slots))
+
+
+def assert_floor_gate(case: str, exact: FullRecompute, bf16: FullRecompute, out) -> dict:
+    """The runs of `out` (a GreedyRun) judged by the floor method above; their row printed, logged and returned."""
     tol, hf_misses, hf_mean = bf16_floor(exact, bf16, out.runs)
     verdicts = [judge(exact, r, tol, max_dlogprob=float("inf")) for r in out.runs]
     flips = sum(len(v.flips) for v in verdicts)
     mean = float(np.mean([d for v in verdicts for d in v.dlogprobs]))
     bound = max(MIN_MEAN_DLOGPROB, 2 * hf_mean)
-    row = dict(case=f"{name}/{run.name}/{'graphs' if graphs else 'eager'}", tokens=sum(v.compared for v in verdicts),
-               tie_tol=tol, flips=flips, hf_bf16_misses=hf_misses, ties=sum(len(v.ties) for v in verdicts),
-               mean_dlogprob=mean, bound=bound, cached=[r.cached_tokens for r in out.runs],
-               preemptions=out.preemptions, host_restored_blocks=out.host_restored_blocks)
+    row = dict(case=case, tokens=sum(v.compared for v in verdicts), tie_tol=tol, flips=flips,
+               hf_bf16_misses=hf_misses, ties=sum(len(v.ties) for v in verdicts), mean_dlogprob=mean, bound=bound,
+               cached=[r.cached_tokens for r in out.runs], preemptions=out.preemptions,
+               host_restored_blocks=out.host_restored_blocks)
     print("GATE-FREE " + json.dumps(row))
     if os.environ.get("OPENINFER_GATE_LOG"):
         with open(os.environ["OPENINFER_GATE_LOG"], "a") as f:
             f.write(json.dumps(row) + "\n")
     assert flips <= hf_misses + 1, (row, [(v.prompt_len, v.flips) for v in verdicts if v.flips])
     assert mean <= bound, row
-    assert_path_taken(run, out, bool(ex.num_state_slots))
+    return row
