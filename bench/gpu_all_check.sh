@@ -23,9 +23,9 @@ declare -A GROUPS_TESTS=(
   [qwen35]="tests/test_gpu_qwen35.py"
   [lora]="tests/test_gpu_lora.py tests/test_gpu_lora_plan.py tests/test_raw_cuda_compile.py"
   [structured]="tests/test_structured_gpu.py tests/test_gpu_sampler.py"
-  [free_running]="tests/test_gpu_free_running.py"
+  [free_running]="tests/test_gpu_free_running.py tests/test_gpu_free_running_dsv4.py"
 )
-groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core serving moe_mla dsv3 dsv4 qwen35 lora structured)
+groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core serving moe_mla dsv3 dsv4 qwen35 lora structured free_running)
 load_pid=
 if [ "${GPU_LOAD:-0}" = 1 ]; then
   python3 bench/gpu_load.py --seconds "$LIMIT" > "$OUT/gpu_load.log" 2>&1 &
