@@ -44,6 +44,7 @@ class ChoiceState:
     started: bool = False           # first chunk (role / echo) sent
     emitted_chars: int = 0          # text streamed so far (echo included): logprobs' text_offset
     tools: ToolCallStream | None = None     # chat with tools: the text split into content and tool calls
+                                            # (or a grammar-bound stream of calls, server/tool_calls.py)
     content: list[str] = field(default_factory=list)   # ... and the content part of it
     reasoning: ReasoningStream | None = None    # chat with a reasoning parser: the text split off as reasoning
     thinking: list[str] = field(default_factory=list)  # ... and the reasoning part of it
@@ -59,7 +60,7 @@ class ResponseBuilder:
         self.n = parsed.params.n
         self.choices = {i: ChoiceState(i) for i in range(len(parsed.prompts) * self.n)}
         for choice in self.choices.values():
-            choice.tools = ToolCallStream(parsed.tools.format) if parsed.tools is not None else None
+            choice.tools = parsed.tools.output_stream() if parsed.tools is not None else None
             choice.reasoning = ReasoningStream(parsed.reasoning.start) if parsed.reasoning is not None else None
         self.cached_tokens = [0] * len(parsed.prompts)
         self.prompt_logprobs: dict[int, list[LogprobEntry]] = {}
@@ -153,7 +154,7 @@ class ResponseBuilder:
     def _split_chunks(self, choice: ChoiceState, text: str, entries: list[LogprobEntry], finish: bool) -> list[dict]:
         """Chat with tools or a reasoning parser: reasoning, content and tool-call deltas (a call whole, once
         its block closes; tool calls are parsed in the content only; the step's logprobs ride on its first
-        chunk); finish_reason "tool_calls" where calls were made."""
+        chunk); finish_reason "tool_calls" where calls were made (a named function's: "stop", as OpenAI's)."""
         deltas = []
         for kind, piece in self._pieces(choice, text, finish):
             if kind == REASONING:
@@ -171,7 +172,7 @@ class ResponseBuilder:
         chunks = [self._chunk(choice.index, d, lp if i == 0 else None) for i, d in enumerate(deltas)]
         if finish:
             if choice.tools is not None and choice.tools.calls and choice.finish_reason == "stop":
-                choice.finish_reason = "tool_calls"
+                choice.finish_reason = choice.tools.calls_finish_reason
             chunks.append(self._chunk(choice.index, {}, None, choice.finish_reason))
         return chunks
 

@@ -5,6 +5,10 @@ streamed reply and a plain one carry the same content and calls.
 
 Content is the text outside the calls, without the blank space around them. A block that does not
 parse as a call (a model free to call, tool_choice auto) stays content, as written.
+
+A grammar-bound output (server/tools.py) has no content: `CallArrayStream` reads tool_choice required's
+JSON array (each call sent as its object closes), `NamedCallStream` a named function's arguments
+object. A call cut off by max_tokens is dropped (the finish_reason "length" tells).
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ def call_from_object(obj, args_keys=("arguments", "parameters")) -> ToolCall | N
 
 class ToolCallStream:
     """Splits streamed text of one choice into content and tool calls (format: hermes | llama3_json)."""
+    calls_finish_reason = "tool_calls"      # the choice's finish_reason "stop" where it made calls
 
     def __init__(self, fmt: str = "hermes"):
         self.format = fmt
@@ -145,6 +150,74 @@ class ToolCallStream:
         if body:
             self.started = True
             out.append({"content": body})
+
+
+class CallArrayStream:
+    """tool_choice required: `[{"name": ..., "parameters": {...}}, ...]`, each call sent once its object
+    closes (the grammar made the text valid JSON; a string may hold any bracket)."""
+    calls_finish_reason = "tool_calls"
+
+    def __init__(self):
+        self.calls: list[ToolCall] = []
+        self.item: list[str] = []           # the open item's text
+        self.depth = 0
+        self.in_string = self.escaped = False
+
+    def feed(self, text: str) -> list[dict]:
+        out: list[dict] = []
+        for ch in text:
+            if self.depth >= 2:
+                self.item.append(ch)
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 2:
+                    self.item = [ch]
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 1:
+                    self._item_closed(out)
+        return out
+
+    def _item_closed(self, out: list[dict]) -> None:
+        call = call_from_json("".join(self.item), ("parameters",))
+        if call is not None:
+            out.append({"tool_calls": [call.delta(len(self.calls))]})
+            self.calls.append(call)
+
+    def finish(self) -> list[dict]:
+        return []
+
+
+class NamedCallStream:
+    """A named function's call: the output is its arguments object, sent as one call at the end."""
+    calls_finish_reason = "stop"            # OpenAI's (and vLLM's) finish_reason for a forced function
+
+    def __init__(self, name: str):
+        self.name, self.text, self.calls = name, [], []
+
+    def feed(self, text: str) -> list[dict]:
+        self.text.append(text)
+        return []
+
+    def finish(self) -> list[dict]:
+        try:
+            args = json.loads("".join(self.text))
+        except ValueError:                  # cut off by max_tokens
+            return []
+        call = call_from_object({"name": self.name, "arguments": args})
+        if call is None:
+            return []
+        self.calls.append(call)
+        return [{"tool_calls": [call.delta(0)]}]
 
 
 def partial_suffix(text: str, tag: str) -> int:

@@ -1,10 +1,16 @@
 """Chat tool calling, the request side: `tools` and `tool_choice` checked, the tools rendered through
-the model's chat template, and for `required` or a named function a grammar in the model's own
-tool-call format, so the call is enforced by sampling, not hoped for.
+the model's chat template, and for `required` or a named function a JSON schema grammar, so the call is
+enforced by sampling, not hoped for, and ends when it is complete (vLLM's forms):
 
-Formats (picked from the chat template): "hermes", Qwen's `<tool_call>\\n{"name": ..., "arguments":
-{...}}\\n</tool_call>` (one block per call, "\\n" between); "llama3_json", Llama 3's bare
-`{"name": ..., "parameters": {...}}` (calls separated by "; "). server/tool_calls.py parses them back.
+- `required`: a JSON array of calls `[{"name": ..., "parameters": {...}}, ...]` (an anyOf over the tools;
+  one item at most where parallel_tool_calls is false);
+- a named function: its arguments object alone (the tool's parameters schema).
+
+Every object of these schemas that lists its `properties` and leaves `additionalProperties` open is
+closed (as xgrammar's strict mode does in vLLM): a model may not pad a call with keys the tool does not
+take. With tool_choice `auto` the model writes calls in its own format, read off the chat template:
+"hermes", Qwen's `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; "llama3_json", Llama
+3's bare `{"name": ..., "parameters": {...}}`. server/tool_calls.py parses each form back.
 """
 from __future__ import annotations
 
@@ -13,10 +19,14 @@ import re
 from dataclasses import dataclass
 
 from server.errors import invalid, wrong_type
-from server.structured import JSON_OPTIONS, Constraint, parse_constraint
+from server.structured import Constraint, json_grammar, parse_constraint
+from server.tool_calls import CallArrayStream, NamedCallStream, ToolCallStream
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+NO_PARAMETERS = {"type": "object", "properties": {}}
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
 
 
 @dataclass
@@ -27,7 +37,6 @@ class ToolConfig:
     named: str | None = None
     parallel: bool = True
     format: str = "hermes"
-    tag_tokens: bool = False    # <tool_call> / </tool_call> are tokens of the vocabulary (Qwen)
 
     @property
     def template_tools(self) -> list[dict] | None:
@@ -38,34 +47,58 @@ class ToolConfig:
     def parse(self) -> bool:
         return self.choice != "none"
 
+    def output_stream(self):
+        """The parser of one choice's output (server/tool_calls.py)."""
+        if self.choice == "required":
+            return CallArrayStream()
+        if self.choice == "named":
+            return NamedCallStream(self.named)
+        return ToolCallStream(self.format)
+
+    def schema(self) -> dict | None:
+        """The JSON schema of `required` / a named function (None: the model chooses)."""
+        params = {t["function"]["name"]: closed(t["function"].get("parameters") or NO_PARAMETERS)
+                  for t in self.tools}
+        if self.choice == "named":
+            return params[self.named]
+        if self.choice != "required":
+            return None
+        defs = {}
+        for p in params.values():           # a tool's "#/$defs/..." references name the document's root
+            for key in ("$defs", "definitions"):
+                for name, sub in p.pop(key, {}).items():
+                    if defs.setdefault(key, {}).setdefault(name, sub) != sub:
+                        raise invalid(f"'tools' define {key} '{name}' twice, differently", "tools")
+        item = {"type": "object", "anyOf": [
+            {"properties": {"name": {"type": "string", "enum": [name]}, "parameters": p},
+             "required": ["name", "parameters"], "additionalProperties": False} for name, p in params.items()]}
+        return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}), "items": item, **defs}
+
     def grammar(self) -> str | None:
         """The llguidance grammar of `required` / a named function (None: the model chooses)."""
-        if self.choice not in ("required", "named"):
-            return None
-        functions = [t["function"] for t in self.tools
-                     if self.choice == "required" or t["function"]["name"] == self.named]
-        args_key = "parameters" if self.format == "llama3_json" else "arguments"
-        variants = [call_schema(f, args_key) for f in functions]
-        schema = dict(variants[0]) if len(variants) == 1 else {"anyOf": variants}
-        schema["x-guidance"] = JSON_OPTIONS
-        body = json.dumps(schema, ensure_ascii=False)
-        many = self.parallel and self.choice == "required"
-        if self.format == "llama3_json":
-            call, sep = "call: %json " + body, '"; "'
-        else:                   # the tags as the model's own tokens where it has them (as literals they'd be spelled)
-            open_tag, close_tag = ("<tool_call>", "</tool_call>") if self.tag_tokens else ('"<tool_call>"', '"</tool_call>"')
-            call = f'call: {open_tag} "\\n" call_body "\\n" {close_tag}\ncall_body: %json {body}'
-            sep = '"\\n"'
-        start = f"start: call ({sep} call)*" if many else "start: call"
-        from llguidance import LLMatcher
-        return LLMatcher.grammar_from_lark(f"{start}\n{call}\n")
+        schema = self.schema()
+        return None if schema is None else json_grammar(schema, "tools")
 
 
-def call_schema(function: dict, args_key: str) -> dict:
-    return {"type": "object",
-            "properties": {"name": {"const": function["name"]},
-                           args_key: function.get("parameters") or NO_PARAMETERS},
-            "required": ["name", args_key], "additionalProperties": False}
+def closed(schema):
+    """A copy of a JSON schema whose objects with listed `properties` admit no other keys (where the
+    schema leaves that open); objects combined by `allOf` stay open (a branch sees only its own keys)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict) and not any(
+            k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")):
+        out["additionalProperties"] = False
+    for key in SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed(v) for k, v in out[key].items()}
+    for key in SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(v) for v in out[key]]
+    for key in SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = [closed(v) for v in out[key]] if isinstance(out[key], list) else closed(out[key])
+    return out
 
 
 def output_constraint(body: dict, tools: ToolConfig | None) -> Constraint | None:
@@ -99,7 +132,8 @@ def parse_tools(body: dict, tokenizer) -> ToolConfig | None:
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise invalid("'tools' has two functions of the same name", "tools")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel         # null: the default, as OpenAI's schema allows
     if not isinstance(parallel, bool):
         raise wrong_type("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     kind, named = _choice(choice, names)
@@ -107,15 +141,7 @@ def parse_tools(body: dict, tokenizer) -> ToolConfig | None:
         if kind in ("required", "named"):
             raise invalid(f"'tool_choice' {choice!r} needs 'tools'", "tool_choice")
         return None
-    tag_tokens = all(_token_id(tokenizer, tag) is not None for tag in ("<tool_call>", "</tool_call>"))
-    return ToolConfig(tools, kind, named, parallel, tool_format(tokenizer), tag_tokens)
-
-
-def _token_id(tokenizer, text: str) -> int | None:
-    try:
-        return tokenizer.token_to_id(text)
-    except Exception:           # a tokenizer without token_to_id
-        return None
+    return ToolConfig(tools, kind, named, parallel, tool_format(tokenizer))
 
 
 def _tool(tool, i: int) -> dict:

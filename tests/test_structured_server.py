@@ -120,6 +120,73 @@ def test_named_tool_choice_calls_that_function(client):
         assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
 
 
+def test_required_tool_calls_end_when_the_array_closes(client, handle):
+    """tool_choice required with the default parallel_tool_calls: a model that would rather go on (its
+    end-of-text suppressed) still stops once the JSON array of calls closes — finish_reason "tool_calls",
+    every call whole and within its tool's schema, no raw call text in content; a call cut off by
+    max_tokens is dropped, never left as content. `parallel_tool_calls: null` is the default."""
+    no_eos = {str(t): -100 for t in handle.tokenizer.eos_token_ids}
+    schemas = {"get_weather": SCHEMA, "get_time": TIME["function"]["parameters"]}
+    for seed in range(3):
+        reply = client.chat.completions.create(model="qwen3_tied", messages=USER, tools=[WEATHER, TIME],
+                                               tool_choice="required", max_tokens=200, seed=seed, temperature=1.0,
+                                               logit_bias=no_eos, extra_body={"parallel_tool_calls": None})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        assert choice.message.tool_calls and reply.usage.completion_tokens < 200
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), {**schemas[call.function.name],
+                                                                      "additionalProperties": False})
+    cut = client.chat.completions.create(model="qwen3_tied", messages=USER, tools=[WEATHER, TIME],
+                                         tool_choice="required", max_tokens=12, temperature=0.0)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content is None
+    assert not cut.choices[0].message.tool_calls
+
+
+def test_named_tool_choice_is_the_arguments_and_finishes_stop(client, handle):
+    """A named function (vLLM's, OpenAI's): the output is its arguments object, ended by the grammar;
+    finish_reason "stop"; streamed, the same call in one delta."""
+    args = dict(model="qwen3_tied", messages=USER, tools=[WEATHER, TIME], max_tokens=100, temperature=1.0, seed=3,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                logit_bias={str(t): -100 for t in handle.tokenizer.eos_token_ids})
+    choice = client.chat.completions.create(**args).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    deltas = [(c.choices[0].delta.tool_calls, c.choices[0].finish_reason)
+              for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    calls = [d.function for tool_calls, _ in deltas for d in tool_calls or []]
+    assert [(f.name, f.arguments) for f in calls] == [(call.function.name, call.function.arguments)]
+    assert deltas[-1][1] == "stop"
+
+
+def test_langchain_structured_output_and_named_tool(server, handle):
+    """langchain-openai's with_structured_output(method="function_calling") and bind_tools(tool_choice=NAME):
+    a named tool choice over a pydantic schema, which leaves extra keys open. A model that would rather not
+    close the object (every token with a "}" biased away) pads it with keys where the schema lets it; the
+    call is held to the tool's keys, ends when complete, and each returns it."""
+    pytest.importorskip("langchain_openai", reason="langchain-openai is in the test extra")
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Forecast(BaseModel):
+        """A weather forecast request."""
+        city: str = Field(max_length=12)
+        days: int = Field(ge=1, le=7)
+
+    tok = handle.tokenizer
+    no_close = {str(i): -100 for i in range(tok.tok.get_vocab_size()) if "}" in tok.decode([i])}
+    llm = ChatOpenAI(model="qwen3_tied", base_url=server.url + "/v1", api_key="unused", max_tokens=100,
+                     temperature=1.0, seed=5, max_retries=0, logit_bias=no_close)
+    forecast = llm.with_structured_output(Forecast, method="function_calling").invoke("Weather in Paris?")
+    assert isinstance(forecast, Forecast) and 1 <= forecast.days <= 7
+    message = llm.bind_tools([Forecast], tool_choice="Forecast").invoke("Weather in Oslo?")
+    (call,) = message.tool_calls
+    assert call["name"] == "Forecast" and set(call["args"]) <= {"city", "days"}
+    Forecast(**call["args"])
+
+
 def test_tool_choice_none_and_auto_answer(client):
     for choice in ("none", "auto"):
         reply = client.chat.completions.create(model="qwen3_tied", messages=USER, tools=[WEATHER], max_tokens=6,
