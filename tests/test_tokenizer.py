@@ -26,7 +26,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def folders():
-    return {"tiny": tiny_model_path("qwen3_tied"), "demo": demo_model_path(install=False)}
+    return {"tiny": tiny_model_path("qwen3_tied"), "demo": demo_model_path()}
 
 
 @pytest.mark.parametrize("which", ["tiny", "demo"])
@@ -60,7 +60,7 @@ def test_demo_tokenizer_matches_transformers_gguf_tokenizer(folders):
     (texts without digits: llama.cpp's 'smollm' pre-tokenizer splits digits one by one, which
     transformers' generic GGUF conversion does not)."""
     from transformers import AutoTokenizer
-    gguf = demo_gguf_path(install=False)
+    gguf = demo_gguf_path()
     theirs = AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf))
     ours = load_model(folders["demo"]).tokenizer
     for text in [t for t in TEXTS if not any(c.isdigit() for c in t)] + ["The capital of France is"]:

