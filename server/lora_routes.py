@@ -83,7 +83,16 @@ def _runtime_updates(app) -> None:
         raise APIError(403, RUNTIME_OFF, code="runtime_lora_updating_disabled")
 
 
+def lora_enabled(handle) -> bool:
+    """Whether the engine serves LoRA adapters (--enable-lora): only then are the routes there."""
+    return bool(getattr(getattr(handle, "config", None), "enable_lora", False))
+
+
 def add_lora_routes(app) -> None:
+    """The load / unload routes, where the engine serves LoRA adapters (else they do not exist: 404)."""
+    if not lora_enabled(app.ctx.handle):
+        return
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request):
         _runtime_updates(request.app)

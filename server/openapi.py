@@ -1,7 +1,9 @@
-"""The OpenAPI 3.1 document served at /openapi.json: every route, its request body and its answers
-(an OpenAI error body for every refusal). Bodies list the fields this server reads, with the ranges the
-validators enforce (server/protocol.py) for this server's model and ServerLimits; what one schema cannot
-say (a prompt plus max_tokens must fit max_model_len) is the validators' alone."""
+"""The OpenAPI 3.1 document served at /openapi.json: every route of the running server, its request
+body and its answers (an OpenAI error body for every refusal). Bodies list the fields this server reads,
+with the ranges the validators enforce (server/protocol.py) for this server's model and ServerLimits; what
+one schema cannot say (a prompt plus max_tokens must fit max_model_len) is the validators' alone. It
+declares the bearer key only where the server requires one (--api-key), and the LoRA routes only where
+they are served (--enable-lora)."""
 from __future__ import annotations
 
 from server.protocol import CHAT_ROLES, MAX_LOGPROBS, ModelInfo
@@ -30,6 +32,11 @@ def _num(lo: float | None = None, hi: float | None = None) -> dict:
 
 
 _BOOL = _nullable({"type": "boolean"})
+
+
+def _only_with(flag: str) -> dict:
+    """The branch of a body's anyOf where `flag` is true (a field that needs it is then allowed)."""
+    return {"required": [flag], "properties": {flag: {"const": True}}}
 _STR = _nullable({"type": "string"})
 _ANY_OBJECT = {"type": "object"}
 
@@ -46,7 +53,7 @@ def _bodies(model: ModelInfo) -> dict[str, dict]:
         "model": _STR,                  # the served model's name or one of its LoRA adapters' (else a 404)
         "max_tokens": _int(1, model.max_model_len - 1),
         "temperature": _num(0),
-        "top_p": _num(0, 1),
+        "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
         "top_k": _int(-1),
         "min_p": _num(0, 1),
         "seed": _int(-(2 ** 63), 2 ** 64 - 1),
@@ -68,13 +75,15 @@ def _bodies(model: ModelInfo) -> dict[str, dict]:
         "user": _STR,
         "return_tokens_as_token_ids": _BOOL,
         # structured output (server/structured.py): one constraint per request
-        "response_format": _nullable({"type": "object", "required": ["type"], "properties": {
-            "type": {"enum": ["text", "json_object", "json_schema"]},
-            "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": _ANY_OBJECT,
-                                                             "strict": _BOOL}}}}),
+        "response_format": _nullable({"anyOf": [   # only json_schema's json_schema is read
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "properties": {
+                    "name": _STR, "schema": {"type": ["object", "boolean"]}, "strict": _BOOL}}}}]}),
         "guided_json": _nullable({"anyOf": [_ANY_OBJECT, {"type": "string"}]}),
         "guided_regex": _STR,
-        "guided_choice": _nullable({"type": "array", "items": {"type": "string"}}),
+        "guided_choice": _nullable({"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}),
         "guided_grammar": _STR,
         "structured_outputs": _nullable(_ANY_OBJECT),
     }
@@ -105,14 +114,16 @@ def _bodies(model: ModelInfo) -> dict[str, dict]:
         "completion": {"type": "object", "required": ["prompt"], "properties": {
             **sampling, "prompt": prompt, "echo": _BOOL, "logprobs": _int(0, MAX_LOGPROBS),
             "prompt_logprobs": _int(0, MAX_LOGPROBS),
-            "max_tokens": _int(0, model.max_model_len - 1)}},          # 0 with echo: score the prompt
+            "max_tokens": _int(0, model.max_model_len - 1)},
+            "anyOf": [_only_with("echo"), {"properties": {"max_tokens": sampling["max_tokens"]}}]},  # 0: score
         "chat": {"type": "object", "required": ["messages"], "properties": {
             **sampling, "messages": messages, "max_completion_tokens": _int(1, model.max_model_len - 1),
             "logprobs": _BOOL, "top_logprobs": _int(0, MAX_LOGPROBS), "add_generation_prompt": _BOOL,
             "tools": _nullable({"type": "array", "items": tool}), "parallel_tool_calls": _BOOL,
             "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, named_tool]}),
             "prompt_logprobs": _int(0, MAX_LOGPROBS), "chat_template_kwargs": _nullable(_ANY_OBJECT),
-            "include_reasoning": _BOOL}},
+            "include_reasoning": _BOOL},
+            "anyOf": [_only_with("logprobs"), {"properties": {"top_logprobs": {"type": "null"}}}]},
         "tokenize": {"anyOf": [
             {"type": "object", "required": ["prompt"],
              "properties": {"model": sampling["model"], "prompt": {"type": "string"},
@@ -160,7 +171,8 @@ def _json(schema: dict) -> dict:
 def _answers(ok: dict, *errors: int, stream: bool = False) -> dict:
     content = _json(ok)
     if stream:
-        content["text/event-stream"] = {"schema": {"type": "string"},
+        content["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                                   "properties": {"data": {"type": "string"}}},
                                         "description": "with stream: `data: {chunk}` events, then `data: [DONE]`"}
     answers = {"200": {"description": "OK", "content": content}}
     for status in errors:
@@ -183,6 +195,16 @@ def _get(summary: str, ok: dict, *errors: int, open_route: bool = False, content
     return {"get": op}
 
 
+def _without_auth(paths: dict) -> dict:
+    """The operations of a server with no API key: no 401 answers, no per-route security."""
+    for item in paths.values():
+        for method, op in item.items():
+            if method != "parameters":
+                op["responses"].pop("401", None)
+                op.pop("security", None)
+    return paths
+
+
 def _lora_post(summary: str, fields: list[str], flags: tuple[str, ...] = ()) -> dict:
     body = {"type": "object", "required": fields,
             "properties": {**{f: {"type": "string", "minLength": 1} for f in fields},
@@ -203,48 +225,50 @@ def _reset_post() -> dict:
     return op
 
 
-def openapi_document(version: str, model: ModelInfo) -> dict:
+def openapi_document(version: str, model: ModelInfo, *, api_key: bool = False, lora: bool = False) -> dict:
+    """The document of a server for `model`; api_key: it requires the bearer key; lora: it serves adapters."""
     bodies = _bodies(model)
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "openinfer", "version": version,
-                 "description": f"OpenAI-compatible completions and chat completions of '{model.name}' "
-                                f"(max_model_len {model.max_model_len}), and vLLM's tokenizer routes."},
-        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-        "security": [{"bearer": []}],
-        "paths": {
-            "/v1/completions": _post("Complete a prompt (or a list of prompts)", bodies["completion"],
-                                     COMPLETION, stream=True),
-            "/v1/chat/completions": _post("Answer a conversation", bodies["chat"], CHAT_COMPLETION, stream=True),
-            "/v1/responses": _post("OpenAI's Responses API, stateless (typed events with stream)",
-                                   request_schema(bodies["chat"]), RESPONSE_SCHEMA, stream=True),
-            "/v1/models": _get("The served model", {"type": "object", "required": ["object", "data"],
-                                                    "properties": {"data": {"type": "array", "items": MODEL}}},
-                               401),
-            "/v1/models/{model_id}": {**_get("One model", MODEL, 401, 404), "parameters": [
-                {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]},
-            "/tokenize": _post("Token ids of a prompt or a conversation", bodies["tokenize"], {
-                "type": "object", "required": ["tokens", "count", "max_model_len"],
-                "properties": {"tokens": bodies["token_ids"], "count": {"type": "integer"},
-                               "max_model_len": {"type": "integer"}}}),
-            "/detokenize": _post("Text of token ids", bodies["detokenize"], {
-                "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}),
-            "/tokenizer_info": _get("The tokenizer's configuration (vLLM's fields)", {
-                "type": "object", "required": ["tokenizer_class"],
-                "properties": {"tokenizer_class": {"type": "string"}, "eos_token": _STR, "bos_token": _STR,
-                               "chat_template": _STR}}, 401, 404),
-            "/health": _get("200 while the engine runs", {"type": "object"}, 503, open_route=True),
-            "/version": _get("The server's version", {"type": "object", "required": ["version"]},
-                             open_route=True),
-            "/metrics": _get("Prometheus metrics", {}, open_route=True,
-                             content={"text/plain": {"schema": {"type": "string"}}}),
-            "/openapi.json": _get("This document", {"type": "object"}, open_route=True),
-            "/reset_prefix_cache": _reset_post(),
-            "/v1/load_lora_adapter": _lora_post(
-                "Load a LoRA adapter (with --enable-lora and run-time loading allowed: VLLM_ALLOW_RUNTIME_LORA_UPDATING; "
-                "lora_path inside an --allowed-lora-path folder; load_inplace: replace the one loaded under that name)",
-                ["lora_name", "lora_path"], ("load_inplace",)),
-            "/v1/unload_lora_adapter": _lora_post("Unload a LoRA adapter, once its requests have ended (with run-time "
-                                                  "loading allowed)", ["lora_name"]),
-        },
+    paths = {
+        "/v1/completions": _post("Complete a prompt (or a list of prompts)", bodies["completion"],
+                                 COMPLETION, stream=True),
+        "/v1/chat/completions": _post("Answer a conversation", bodies["chat"], CHAT_COMPLETION, stream=True),
+        "/v1/responses": _post("OpenAI's Responses API, stateless (typed events with stream)",
+                               request_schema(bodies["chat"]), RESPONSE_SCHEMA, stream=True),
+        "/v1/models": _get("The served model", {"type": "object", "required": ["object", "data"],
+                                                "properties": {"data": {"type": "array", "items": MODEL}}},
+                           401),
+        "/v1/models/{model_id}": {**_get("One model", MODEL, 401, 404), "parameters": [
+            {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}]},
+        "/tokenize": _post("Token ids of a prompt or a conversation", bodies["tokenize"], {
+            "type": "object", "required": ["tokens", "count", "max_model_len"],
+            "properties": {"tokens": bodies["token_ids"], "count": {"type": "integer"},
+                           "max_model_len": {"type": "integer"}}}),
+        "/detokenize": _post("Text of token ids", bodies["detokenize"], {
+            "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}),
+        "/tokenizer_info": _get("The tokenizer's configuration (vLLM's fields)", {
+            "type": "object", "required": ["tokenizer_class"],
+            "properties": {"tokenizer_class": {"type": "string"}, "eos_token": _STR, "bos_token": _STR,
+                           "chat_template": _STR}}, 401, 404),
+        "/health": _get("200 while the engine runs", {"type": "object"}, 503, open_route=True),
+        "/version": _get("The server's version", {"type": "object", "required": ["version"]}, open_route=True),
+        "/metrics": _get("Prometheus metrics", {}, open_route=True,
+                         content={"text/plain": {"schema": {"type": "string"}}}),
+        "/openapi.json": _get("This document", {"type": "object"}, open_route=True),
+        "/reset_prefix_cache": _reset_post(),
     }
+    if lora:
+        paths["/v1/load_lora_adapter"] = _lora_post(
+            "Load a LoRA adapter (run-time loading allowed: VLLM_ALLOW_RUNTIME_LORA_UPDATING; lora_path inside an "
+            "--allowed-lora-path folder; load_inplace: replace the one loaded under that name)",
+            ["lora_name", "lora_path"], ("load_inplace",))
+        paths["/v1/unload_lora_adapter"] = _lora_post("Unload a LoRA adapter, once its requests have ended (with "
+                                                      "run-time loading allowed)", ["lora_name"])
+    doc = {"openapi": "3.1.0",
+           "info": {"title": "openinfer", "version": version,
+                    "description": f"OpenAI-compatible completions and chat completions of '{model.name}' "
+                                   f"(max_model_len {model.max_model_len}), and vLLM's tokenizer routes."},
+           "paths": paths if api_key else _without_auth(paths)}
+    if api_key:
+        doc["components"] = {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}
+        doc["security"] = [{"bearer": []}]
+    return doc

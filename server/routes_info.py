@@ -10,6 +10,7 @@ from server import __version__
 from server.body import parse_json
 from server.errors import APIError
 from server.lora_routes import lora_cards
+from server.lora_routes import lora_enabled
 from server.openapi import openapi_document
 
 
@@ -63,7 +64,9 @@ def add_info_routes(app: Sanic) -> None:
     @app.get("/openapi.json")
     async def openapi(request):
         if request.app.ctx.openapi is None:
-            request.app.ctx.openapi = openapi_document(__version__, request.app.ctx.model)
+            ctx = request.app.ctx
+            ctx.openapi = openapi_document(__version__, ctx.model, api_key=bool(ctx.api_key),
+                                           lora=lora_enabled(ctx.handle))
         return response.json(request.app.ctx.openapi)
 
 

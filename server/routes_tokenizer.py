@@ -6,7 +6,7 @@ from sanic import Sanic, response
 
 from server.body import parse_json
 from server.errors import APIError, wrong_type
-from server.fields import Fields, check_token_ids, is_int
+from server.fields import Fields, token_id_list
 from server.offload import in_thread
 from server.protocol import (ModelInfo, check_model_name, check_text_fits, encode_text, parse_messages,
                              render_chat, template_kwargs)
@@ -49,8 +49,4 @@ def _tokenize(raw: bytes, model: ModelInfo) -> list[int]:
 def _detokenize(raw: bytes, model: ModelInfo) -> str:
     body = parse_json(raw, model.limits.max_json_depth)
     check_model_name(Fields(body), model)
-    ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
-        raise wrong_type("'tokens' must be a list of integer token ids", "tokens")
-    check_token_ids(ids, model.vocab_size, "tokens")
-    return model.tokenizer.decode(ids)
+    return model.tokenizer.decode(token_id_list(body.get("tokens"), model.vocab_size, "tokens"))

@@ -69,6 +69,10 @@ def _response_format(fmt) -> list[tuple[str, str, object]]:
         if not isinstance(spec, dict):
             raise wrong_type("'response_format.json_schema' must be an object with 'name' and 'schema'",
                              "response_format.json_schema")
+        for key, kind in (("name", str), ("strict", bool)):
+            if spec.get(key) is not None and not isinstance(spec[key], kind):
+                raise wrong_type(f"'response_format.json_schema.{key}' must be a {kind.__name__}",
+                                 f"response_format.json_schema.{key}")
         schema = spec.get("schema", {"type": "object"})
         return [("json", "response_format.json_schema.schema", schema)]
     raise invalid(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",

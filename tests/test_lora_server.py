@@ -85,6 +85,11 @@ def load(http, name: str, path: str):
     return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
 
 
+def test_the_document_lists_the_lora_routes(server):
+    from tests.test_server_openapi import check_document
+    check_document(server[0], secured=True, lora=True)
+
+
 def test_models_lists_adapters_with_their_parent(http, server):
     base = server[1].model_name
     cards = {c["id"]: c for c in http.get("/v1/models").json()["data"]}
