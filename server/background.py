@@ -13,6 +13,7 @@ import threading
 import time
 
 from server.drain import CUT_GRACE_S
+from server.http1 import Http1Protocol
 
 log = logging.getLogger("openinfer.server")
 OTHER_REQUESTS_GRACE_S = 1.0      # after the drain: time for requests other than generations to finish
@@ -79,7 +80,8 @@ async def serve_until(app, sock: socket.socket, stop: asyncio.Event, on_ready=No
     stop accepting, drain the generation requests (server/drain.py: up to the app's drain_timeout,
     then the rest end with finish_reason "abort"), give any other request a moment, close every
     connection and run the stop listeners."""
-    server = await app.create_server(sock=sock, return_asyncio_server=True, access_log=False)
+    server = await app.create_server(sock=sock, return_asyncio_server=True, access_log=False,
+                                     protocol=Http1Protocol)          # HTTP/1.0 and half-closed clients
     await server.startup()
     await server.before_start()
     await server.start_serving()

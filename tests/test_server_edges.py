@@ -50,4 +50,6 @@ def test_token_id_prompts_are_decoded_only_for_echo():
     with pytest.raises(APIError, match="token id 1180591620717411303424 outside"):    # past 64 bits
         parse_completion({"model": "m", "prompt": [1, 2 ** 70], "max_tokens": 2}, model)
     with pytest.raises(APIError, match="prompt"):
-        parse_completion({"model": "m", "prompt": [[1, 2], [3, 4.0]], "max_tokens": 2}, model)
+        parse_completion({"model": "m", "prompt": [[1, 2], [3, 4.5]], "max_tokens": 2}, model)
+    parsed = parse_completion({"model": "m", "prompt": [[1, 2], [3, 4.0]], "max_tokens": 2}, model)   # JSON Schema's
+    assert [p.tolist() for p in parsed.prompts] == [[1, 2], [3, 4]]                                  # integer
