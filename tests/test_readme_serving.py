@@ -155,3 +155,57 @@ def test_readme_examples_run_as_written(readme_server):
     for lang, code in examples:
         if "/metrics" in code:
             run_example(lang, code, readme_server)
+
+
+def readme_block(lang: str, marker: str) -> str:
+    """The README's one `lang` block that holds `marker`."""
+    blocks = [code for block_lang, code in readme_blocks() if block_lang == lang and marker in code]
+    assert len(blocks) == 1, f"README: {len(blocks)} {lang} blocks hold {marker!r}"
+    return blocks[0]
+
+
+@pytest.mark.slow
+def test_readme_python_example_generates_the_oracles_text():
+    """The "From Python" block, run as written, prints the demo model's greedy answer: transformers' greedy
+    tokens on the demo model's GGUF (the oracle) for the same prompt and length."""
+    import torch
+
+    from engine.loader.demo import demo_gguf_path, demo_model_path
+    from engine.tokenizer import Tokenizer
+    from harness.models import hf_model
+    code = readme_block("python", "EngineHandle(")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    content = re.search(r'"content": "([^"]+)"', code).group(1)
+    max_tokens = int(re.search(r"max_tokens=(\d+)", code).group(1))
+    tok = Tokenizer.from_folder(demo_model_path())
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": content}]), add_special_tokens=False)
+    gguf = demo_gguf_path()
+    with torch.no_grad():
+        out = hf_model(os.path.dirname(gguf), os.path.basename(gguf)).generate(
+            torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=tok.eos_token_ids,
+            pad_token_id=tok.eos_token_ids[0])
+    expected = tok.decode([t for t in out[0, len(ids):].tolist() if t not in tok.eos_token_ids])
+    assert expected and run.stdout == expected + "\n"
+
+
+@pytest.mark.slow
+def test_readme_lm_eval_local_task_runs_as_written(readme_server, tmp_path):
+    """The lm_eval block, as written (the task's YAML and dataset made in a fresh folder, the Hub switched
+    off), against the README's server: the task is scored. (lm-eval is in the test extra: the pip line is
+    left out; tests/test_lm_eval.py checks the loglikelihoods against transformers.)"""
+    code = readme_block("bash", "lm_eval --model local-completions")
+    script = "\n".join(line for line in code.splitlines() if not line.startswith(".venv/bin/pip"))
+    lm_eval = os.path.join(ROOT, ".venv/bin/lm_eval")
+    if not os.path.exists(lm_eval):
+        lm_eval = f"{shlex.quote(sys.executable)} -m lm_eval"
+    script = script.replace(".venv/bin/lm_eval", lm_eval)
+    env = dict(readme_server, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"))
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    task = re.search(r"--tasks (\S+)", code).group(1)
+    row = next((line for line in run.stdout.splitlines() if line.startswith(f"|{task}")), None)
+    assert row is not None, run.stdout[-2000:]
+    cells = [c.strip() for c in row.split("|")]
+    assert "acc" in cells and 0.0 <= float(cells[cells.index("acc") + 2]) <= 1.0, row
