@@ -1,12 +1,14 @@
-"""The HTTP/1 connection: Sanic's, with two client forms it mishandles.
+"""The HTTP/1 connection: Sanic's, with two things an HTTP/1.0 client needs.
 
-- An HTTP/1.0 client knows no chunked transfer coding (RFC 9112 §6.1: a server must not send it one):
-  a streamed answer of unknown length goes as it is, and the connection's close ends it.
-- A client that half-closes (shuts down its writing side once its request is sent, as `nc -N` does)
-  still reads: the end of its input ends only the connection's keep-alive, not the request being
-  answered (asyncio's default closes the transport). TCP tells a half-close from a client gone only when
-  the server writes: a client that went away is noticed at its stream's next chunk (its request then
-  aborted, its KV freed), or when a whole answer is written.
+- It knows no chunked transfer coding (RFC 9112 §6.1: a server must not send it one): a streamed answer
+  of unknown length goes as it is, and the connection's close ends it.
+- It may half-close (shut down its sending side once its request is out, as `nc -N` does, the way a
+  1.0 client marks its request's end): it still reads, so the end of its input does not end the request
+  being answered (asyncio's default closes the transport, and the answer is lost).
+
+An HTTP/1.1 client's end of input still means it has gone (its request aborted, its KV freed at once):
+TCP tells a half-close from a client gone only when the server writes, and a whole answer is written
+only at its end.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ class Http1(Http):
 
 
 class Http1Protocol(HttpProtocol):
-    """Sanic's protocol with Http1, answering a request whose client half-closed its connection."""
+    """Sanic's protocol with Http1, answering an HTTP/1.0 request whose client half-closed its connection."""
     HTTP_CLASS = Http1
     __slots__ = ("input_ended",)
 
@@ -49,14 +51,26 @@ class Http1Protocol(HttpProtocol):
         super().__init__(*args, **kwargs)
         self.input_ended = False
 
-    def eof_received(self) -> bool:
-        """The client sends no more: answer what it sent, then close (True keeps the transport open)."""
+    def eof_received(self) -> bool | None:
+        """An HTTP/1.0 client sends no more: answer what it sent, then close (True keeps the transport open
+        for that). Any other: asyncio's way (None: the transport closes, the request is cancelled)."""
+        if self._request_version() != "1.0":
+            return None
         self.input_ended = True
         if self._http is not None:
             self._http.keep_alive = False
         if self._data_received:
             self._data_received.set()
         return True
+
+    def _request_version(self) -> str | None:
+        """The HTTP version of the request being read or answered (from its request line where it is
+        not parsed yet: its bytes may come with the end of input)."""
+        request = self._http.request if self._http is not None else None
+        if request is not None:
+            return request.version
+        line = bytes(self.recv_buffer[:self.recv_buffer.find(b"\r\n")]) if self.recv_buffer else b""
+        return line.rsplit(b"/", 1)[-1].decode("latin-1") if line.endswith((b"HTTP/1.0", b"HTTP/1.1")) else None
 
     async def receive_more(self) -> None:
         if self.input_ended:                    # waiting for bytes that will not come: as a closed client
