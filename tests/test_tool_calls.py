@@ -77,6 +77,7 @@ def qwen():
 def grammar_takes(cache, config: ToolConfig, text: str) -> tuple[bool, bool]:
     """(the grammar accepts every token of text, it is then complete: the engine ends the output there)."""
     matcher = cache.matcher(config.grammar())
+    matcher.on_error = None             # a refusal here is the test's point, not the grammar's failure
     ok = all(matcher.accept(t) for t in cache.tokenizer.encode(text, add_special_tokens=False))
     return ok, ok and matcher.done
 
