@@ -10,19 +10,22 @@ own process the engine thread shares the GIL with nothing but two small pipe thr
 Protocol (multiprocessing pipes, pickled): parent -> child ("add", GenerateRequest), ("abort", id),
 ("op", call id, op), ("stop",); child -> parent ("ready", info) once the engine is up (or ("error",
 kind, message)), then ("events", [(request id, TokenEvent | None), ...], EngineStats) after every engine
-step that produced events, and ("op", call id, status, message) answering a run-time op
-(engine/engine_calls.py). The child pickles on the engine thread (one dumps per step) and a sender thread
+step that produced events, ("op", call id, status, message) answering a run-time op
+(engine/engine_calls.py), and ("stopping", signal name) when a SIGTERM was sent to the child: it exits
+once its requests have ended (engine/process_tree.py: how the child is tied to its parent). The child pickles on the engine thread (one dumps per step) and a sender thread
 writes; the parent's reader thread hands each batch to the asyncio loops of its streams in one wake-up
 per loop. The parent loads only the tokenizer (for the server's prompt encoding and chat templates).
 """
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing
 import pickle
 import queue
+import signal
 import threading
 from collections import defaultdict
 
@@ -30,11 +33,13 @@ from engine.config import EngineConfig
 from engine.events import Error, TokenEvent
 from engine.handle import RequestOutput, RequestStream, _deliver, collect_events
 from engine.engine_calls import RemoteEngineCalls, child_engine_op
+from engine.process_tree import ParentLink, StopOnSigterm, detach_from_parent
 from engine.request import GenerateRequest, SamplingParams
 from engine.stats import EngineStats
 
 log = logging.getLogger("openinfer.engine")
 START_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "MemoryError": MemoryError}
+POLL_S = 0.25                    # the child's wait for a message: how soon it sees a SIGTERM's stop
 
 
 class _LoopBox:
@@ -54,15 +59,13 @@ class EngineClient(RemoteEngineCalls):
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
         self._to_child, child_in = ctx.Pipe(duplex=False)[::-1]
         child_out, self._from_child = ctx.Pipe(duplex=False)[::-1]
-        self._proc = ctx.Process(target=_child_main, args=(config, child_in, child_out, notes), name="openinfer-engine",
-                                 daemon=True)
+        link = ParentLink.here((self._to_child, self._from_child), forked=ctx.get_start_method() == "fork")
+        self._proc = ctx.Process(target=_child_main, args=(config, child_in, child_out, notes, link),
+                                 name="openinfer-engine", daemon=True)
         self._proc.start()
         child_in.close()
         child_out.close()
-        if not self._from_child.poll(start_timeout_s):
-            self._proc.kill()
-            raise RuntimeError(f"the engine process did not start in {start_timeout_s:.0f} s")
-        msg = self._from_child.recv()
+        msg = self._wait_ready(start_timeout_s)
         if msg[0] == "error":
             self._proc.join(10)
             raise START_ERRORS.get(msg[1], RuntimeError)(msg[2])
@@ -77,13 +80,30 @@ class EngineClient(RemoteEngineCalls):
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
         self._closed = self._gone = False
+        self._stopping: str | None = None       # the signal the child was sent, once it said so
+        self._end: tuple[str, bool] | None = None
+        self._on_end = None
         self._reader = threading.Thread(target=self._read, name="openinfer-engine-reader", daemon=True)
         self._reader.start()
+        atexit.register(self.shutdown)          # before multiprocessing's own exit handler SIGTERMs the child
+
+    def _wait_ready(self, timeout: float) -> tuple:
+        """The child's first message: ("ready", info) or ("error", kind, message)."""
+        try:
+            if self._from_child.poll(timeout):
+                return self._from_child.recv()
+        except EOFError:
+            self._proc.join(10)
+            raise RuntimeError(f"the engine process ended while starting ({exit_text(self._proc.exitcode)})") from None
+        self._proc.kill()
+        raise RuntimeError(f"the engine process did not start in {timeout:.0f} s")
 
     # -- the serving surface (EngineHandle's) -------------------------------------------------
     def submit(self, req: GenerateRequest) -> RequestStream:
         if self._closed or not self._proc.is_alive():
             raise RuntimeError("engine is shut down")
+        if self._stopping:
+            raise RuntimeError(f"the engine process is stopping ({self._stopping})")
         stream = RequestStream(self, req.request_id, _LoopBox(asyncio.get_running_loop()))
         with self._lock:
             self._streams[req.request_id] = stream
@@ -91,14 +111,34 @@ class EngineClient(RemoteEngineCalls):
         return stream
 
     def abort(self, request_id: str) -> None:
-        if not self._closed:
-            self._send(("abort", request_id))
+        if not (self._closed or self._gone):
+            try:
+                self._send(("abort", request_id))
+            except OSError:                  # the engine process has just ended: nothing left to abort
+                pass
 
     def stats(self) -> EngineStats:
         return self._stats
 
     def is_healthy(self) -> bool:
-        return not (self._closed or self._gone) and self._proc.is_alive()
+        return not (self._closed or self._gone or self._stopping) and self._proc.is_alive()
+
+    def on_end(self, callback) -> None:
+        """callback(why, failed), once, from the reader thread (or here, if it already happened): when the
+        engine process says it is stopping (a SIGTERM sent to it; failed False) or ends without shutdown()
+        (killed, crashed; failed True)."""
+        with self._lock:
+            self._on_end, end = callback, self._end
+        if end is not None:
+            callback(*end)
+
+    def _report_end(self, why: str, failed: bool) -> None:
+        with self._lock:
+            if self._end is not None:
+                return
+            self._end, callback = (why, failed), self._on_end
+        if callback is not None:
+            callback(why, failed)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run prompts (text or token ids) to completion; blocks (not from a running event loop)."""
@@ -117,6 +157,7 @@ class EngineClient(RemoteEngineCalls):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         try:
             self._send(("stop",))
         except OSError:
@@ -146,6 +187,11 @@ class EngineClient(RemoteEngineCalls):
                 if msg[0] == "op":               # the answer to a run-time op (engine_calls.py)
                     self.engine_op_reply(msg)
                     continue
+                if msg[0] == "stopping":
+                    self._stopping = msg[1]
+                    log.warning("the engine process received %s: it ends once its running requests have", msg[1])
+                    self._report_end(f"the engine process received {msg[1]}", failed=False)
+                    continue
                 kind, items, stats = msg
                 self._stats = stats
                 self._dispatch(items)
@@ -157,7 +203,10 @@ class EngineClient(RemoteEngineCalls):
             left = list(self._streams.items())
             self._streams.clear()
         if not self._closed:
-            log.error("the engine process ended (exit code %s)", self._proc.exitcode)
+            self._proc.join(5)
+            why = f"the engine process ended ({exit_text(self._proc.exitcode)})"
+            log.log(logging.INFO if self._stopping else logging.ERROR, "%s", why)
+            self._report_end(why, failed=not self._stopping)
         self._dispatch_to([(s, Error(rid, "the engine process ended")) for rid, s in left]
                           + [(s, None) for _, s in left])
 
@@ -185,6 +234,12 @@ class EngineClient(RemoteEngineCalls):
                 pass
 
 
+def exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
 def _load_tokenizer(folder: str):
     from engine.loader.hf import read_generation_config
     from engine.model_config import ModelConfig
@@ -194,15 +249,13 @@ def _load_tokenizer(folder: str):
 
 
 # ---- the child ------------------------------------------------------------------------------------
-def _child_main(config: EngineConfig, inbox, outbox, notes=None) -> None:
-    import signal
-
+def _child_main(config: EngineConfig, inbox, outbox, notes=None, link: ParentLink | None = None) -> None:
     from engine.handle import EngineHandle
 
-    # the parent decides when the engine stops ("stop"): a signal to the whole process group (Ctrl-C,
-    # systemd's SIGTERM) must not end the engine in the middle of the server's drain
+    if link is not None:
+        detach_from_parent(link, keep=(inbox, outbox))
+    # Ctrl-C reaches the whole process group: the parent drains, then stops the engine ("stop")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         handle = EngineHandle(config)
     except Exception as e:                       # a bad flag or model: the parent raises it
@@ -228,17 +281,34 @@ def _child_main(config: EngineConfig, inbox, outbox, notes=None) -> None:
     if not engine.stats().warming_up:           # done before the listener was in place (a sent twice is harmless)
         send_stats()
 
+    running: set[str] = set()
+
     def sink_for(rid: str):
         def sink(event) -> None:
             if not pending:
                 engine.call_after_step(flush)
             pending.append((rid, event))
+            if event is None:
+                running.discard(rid)
         return sink
 
+    _serve_inbox(engine, inbox, sender, sink_for, running)
+    handle.shutdown()
+    sender.close()
+
+
+def _serve_inbox(engine, inbox, sender: "_Sender", sink_for, running: set[str]) -> None:
+    """The child's main thread: the parent's messages to the engine, until "stop", the parent's end (EOF)
+    or, after a SIGTERM, the end of the last running request."""
+    stopping = pickle.dumps(("stopping", "SIGTERM"))
+    stop = StopOnSigterm(lambda: sender.put(stopping))      # SimpleQueue.put: safe in a signal handler
     try:
-        while True:
+        while not (stop.requested and not running):
+            if not inbox.poll(POLL_S):
+                continue
             msg = inbox.recv()
             if msg[0] == "add":
+                running.add(msg[1].request_id)
                 engine.add_request(msg[1], sink_for(msg[1].request_id))
             elif msg[0] == "abort":
                 engine.abort(msg[1])
@@ -248,8 +318,6 @@ def _child_main(config: EngineConfig, inbox, outbox, notes=None) -> None:
                 break
     except (EOFError, OSError):                  # the parent is gone
         pass
-    handle.shutdown()
-    sender.close()
 
 
 class _Sender:

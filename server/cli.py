@@ -113,7 +113,7 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logit-bias", type=int, default=d.max_logit_bias, help="'logit_bias' entries per request")
     p.add_argument("--max-json-depth", type=int, default=d.max_json_depth, help="nesting of a request's JSON body")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout,
-                   help="seconds a request's headers may be silent and its whole body may take to arrive")
+                   help="seconds a request's headers, and then its whole body, may take to arrive")
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help="on SIGTERM / Ctrl-C: seconds running requests may take to finish before they are "
                         "ended with finish_reason 'abort' (a second signal exits at once)")
@@ -287,20 +287,38 @@ def serve(args: argparse.Namespace) -> int:
                          reasoning_parser=args.reasoning_parser, **lora_access)
         print(f"openinfer: serving '{app.ctx.model.name}' (max_model_len {handle.max_model_len}) "
               f"on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-        asyncio.run(_serve_until_signal(app, sock))
+        code = asyncio.run(_serve_until_signal(app, sock, handle))
     finally:
         handle.shutdown()
         log.info("shutdown: engine stopped")
-    return 0
+    return code
 
 
-async def _serve_until_signal(app, sock) -> None:
-    """SIGINT / SIGTERM: drain and stop (serve_until); a second one exits at once."""
+async def _serve_until_signal(app, sock, handle) -> int:
+    """SIGINT / SIGTERM: drain and stop (serve_until); a second one exits at once. The engine process
+    ending on its own stops the server too, as vLLM's API server stops when its engine core dies: after a
+    SIGTERM sent to it, with the same drain and exit code 0; killed or crashed (its requests have failed),
+    with exit code 1, for a supervisor to restart it. Returns the exit code."""
     from server.background import serve_until
     stop = asyncio.Event()
+    exit_code = 0
+
+    def on_engine_end(why: str, failed: bool) -> None:
+        nonlocal exit_code
+        if stop.is_set():
+            return
+        if failed:
+            log.error("shutdown: %s; the server stops (exit code 1)", why)
+            exit_code = 1
+        else:
+            log.warning("shutdown: %s; draining the server", why)
+        stop.set()
+
+    signals: list[signal.Signals] = []          # the engine's end sets stop too: a first signal still drains
 
     def on_signal(sig: signal.Signals) -> None:
-        if stop.is_set():
+        signals.append(sig)
+        if len(signals) > 1:
             log.warning("shutdown: second %s, exiting now without draining", sig.name)
             for child in multiprocessing.active_children():     # the engine process must not outlive us
                 child.kill()
@@ -311,7 +329,16 @@ async def _serve_until_signal(app, sock) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+
+    def engine_ended(why: str, failed: bool) -> None:           # the engine client's reader thread
+        try:
+            loop.call_soon_threadsafe(on_engine_end, why, failed)
+        except RuntimeError:                                    # this loop has closed: the server has stopped
+            pass
+    if hasattr(handle, "on_end"):
+        handle.on_end(engine_ended)
     await serve_until(app, sock, stop)
+    return exit_code
 
 
 def generate(args: argparse.Namespace) -> int:

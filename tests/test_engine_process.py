@@ -1,6 +1,7 @@
 """The engine in a process of its own (EngineClient): the same tokens as the in-process engine, aborts
-and errors crossing the pipe, start-up errors raised in the parent, and a dead engine process failing
-its open requests instead of hanging them."""
+and errors crossing the pipe, start-up errors raised in the parent, a dead engine process failing
+its open requests instead of hanging them, and the process tied to its parent (engine/process_tree.py):
+none of the parent's sockets held, dead with the parent, a SIGTERM ending it once its requests have."""
 from __future__ import annotations
 
 import asyncio
@@ -93,20 +94,28 @@ def test_start_up_errors_are_raised_in_the_parent():
         EngineClient(EngineConfig(model=tiny_model_path("qwen3_tied"), device="cpu", max_model_len=100000))
 
 
+def signal_mid_request(c: EngineClient, sig: signal.Signals, max_tokens: int) -> list:
+    """The events of one request whose engine process is sent `sig` after its second event."""
+    async def run():
+        stream = c.submit(GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        events = []
+        async for e in stream:
+            events.append(e)
+            if len(events) == 2:
+                os.kill(c._proc.pid, sig)
+        return events
+    return asyncio.run(asyncio.wait_for(run(), 60))
+
+
 def test_a_dead_engine_fails_open_requests(config):
     c = EngineClient(config)
+    ended = []
+    c.on_end(lambda why, failed: ended.append((why, failed)))
     try:
-        async def run():
-            stream = c.submit(GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True)))
-            events = []
-            async for e in stream:
-                events.append(e)
-                if len(events) == 2:
-                    os.kill(c._proc.pid, signal.SIGKILL)
-            return events
-        events = asyncio.run(asyncio.wait_for(run(), 60))
+        events = signal_mid_request(c, signal.SIGKILL, max_tokens=200)
         assert isinstance(events[-1], Error) and "engine process ended" in events[-1].message
         assert not c.is_healthy()
+        assert ended == [("the engine process ended (killed by SIGKILL)", True)]      # the server stops on it
     finally:
         c.shutdown()
 
@@ -147,3 +156,74 @@ def test_the_end_of_the_warm_up_reaches_the_parent_without_a_request(config):
             time.sleep(0.02)
         assert c.stats().warming_up == 0
         assert c.stats().num_steps == 0
+
+
+def test_the_engine_process_holds_no_socket_of_its_parent(config):
+    """A listener the server closes stops listening: the engine process, forked after the server bound
+    its port, must not keep it open (the kernel would accept connections nobody answers, and the port
+    would stay taken after the server died)."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    with EngineClient(config) as c:
+        listener.close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        assert c.is_healthy()
+
+
+def test_the_engine_process_dies_with_its_parent(tmp_path):
+    """kill -9 of the process that started the engine process ends that too (PR_SET_PDEATHSIG, and EOF on
+    its input pipe, whose write end only the parent holds)."""
+    import subprocess
+    import sys
+    import time
+
+    script = ("import sys, time\nfrom engine.config import EngineConfig\nfrom engine.process import EngineClient\n"
+              f"c = EngineClient(EngineConfig(model={tiny_model_path('qwen3_tied')!r}, device='cpu', "
+              "max_model_len=256, num_kv_blocks=64, progress=False))\n"
+              "print(c._proc.pid, flush=True)\ntime.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the engine process outlived its parent"
+    finally:
+        parent.kill()
+        if _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan is reaped by init, a child of ours is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_to_the_engine_process_lets_its_requests_finish_then_ends_it(config):
+    """SIGTERM stops the engine process gracefully: the parent hears of it at once (no new requests; the
+    server drains), the running request finishes whole, then the process exits with code 0."""
+    c = EngineClient(config)
+    ended = []
+    c.on_end(lambda why, failed: ended.append((why, failed)))
+    try:
+        events = signal_mid_request(c, signal.SIGTERM, max_tokens=40)
+        assert isinstance(events[-1], Finished) and events[-1].reason == "length"
+        assert sum(isinstance(e, Token) for e in events) == 40
+        assert ended == [("the engine process received SIGTERM", False)]
+        assert not c.is_healthy()
+        with pytest.raises(RuntimeError, match="stopping"):
+            c.submit(GenerateRequest("late", [1, 2], PARAMS))
+        c._proc.join(30)
+        assert c._proc.exitcode == 0
+    finally:
+        c.shutdown()
