@@ -5,7 +5,7 @@
 (`data: {...}` ... `data: [DONE]`); a client that goes away mid-request cancels its handler task,
 and the handler's `finally` aborts the engine requests, freeing their KV blocks. Parsing and
 tokenization run off the event loop (server/offload.py); ServerLimits bound what one request may ask
-for and how long the server waits for it to arrive; `app.ctx.inflight` tracks the generation
+for and how long the server waits for it to arrive (server/deadlines.py); `app.ctx.inflight` tracks the generation
 requests for the shutdown drain (server/drain.py).
 """
 from __future__ import annotations
@@ -17,13 +17,13 @@ import os
 import time
 import uuid
 
-from sanic import Request, Sanic, response
-from sanic.exceptions import RequestTimeout
+from sanic import Sanic, response
 
 from engine.events import Error, Rejected, Token
 from server.auth import OPEN_PATHS, check_api_key
 from server.body import parse_json, require_json
-from server.drain import InFlight
+from server.deadlines import BoundedRequest
+from server.drain import InFlight, shutting_down
 from server.engine_call import EngineCall, engine_failure
 from server.errors import APIError, error_response
 from server.limits import ServerLimits
@@ -43,21 +43,6 @@ from server.structured import check_grammar
 log = logging.getLogger("openinfer.server")
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 _app_ids = itertools.count()
-
-
-class BoundedRequest(Request):
-    """A request whose whole body must arrive within the request timeout, however slowly it trickles
-    in (a slow-loris client gets a 408 and its connection closed)."""
-
-    async def receive_body(self):
-        timeout = self.app.ctx.limits.request_timeout
-        try:
-            await asyncio.wait_for(super().receive_body(), timeout)
-        except asyncio.TimeoutError:
-            # Sanic's HTTP/1 connection would read the rest of the body after the error response, at
-            # the client's pace: mark it as done and the connection as closing instead
-            self.stream.request_body, self.stream.keep_alive = None, False
-            raise RequestTimeout(f"request body not received within {timeout:g} s") from None
 
 
 def create_app(handle, *, served_model_name: str | None = None, api_key: str | None = None,
@@ -80,7 +65,7 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
     app.config.REQUEST_MAX_SIZE = max_body_bytes
     app.config.KEEP_ALIVE_TIMEOUT = 30
     app.config.RESPONSE_TIMEOUT = 3600
-    app.config.REQUEST_TIMEOUT = limits.request_timeout      # headers: seconds of silence
+    app.config.REQUEST_TIMEOUT = limits.request_timeout      # seconds of silence; deadlines.py: in total
     app.config.NOISY_EXCEPTIONS = False
     app.config.TOUCHUP = False          # several apps may start in one process (tests, embedding)
     tokenizer = handle.tokenizer
@@ -131,7 +116,7 @@ def _int_or_none(value) -> int | None:
 
 async def _refuse_while_draining(request):
     if request.app.ctx.inflight.draining and request.path not in OPEN_PATHS:
-        raise APIError(503, "the server is shutting down", code="shutting_down")
+        raise shutting_down(request)
 
 
 def _add_generation_routes(app: Sanic) -> None:

@@ -12,8 +12,8 @@ import socket
 import threading
 import time
 
+from server.deadlines import BoundedHttpProtocol
 from server.drain import CUT_GRACE_S
-from server.http1 import Http1Protocol
 
 log = logging.getLogger("openinfer.server")
 OTHER_REQUESTS_GRACE_S = 1.0      # after the drain: time for requests other than generations to finish
@@ -77,11 +77,13 @@ class BackgroundServer:
 
 async def serve_until(app, sock: socket.socket, stop: asyncio.Event, on_ready=None) -> None:
     """Serve `app` on `sock` until `stop` is set, then shut down gracefully and log what that did:
-    stop accepting, drain the generation requests (server/drain.py: up to the app's drain_timeout,
-    then the rest end with finish_reason "abort"), give any other request a moment, close every
-    connection and run the stop listeners."""
+    drain the generation requests (server/drain.py: up to the app's drain_timeout, then the rest end
+    with finish_reason "abort") while answering every new request with a 503, stop listening, give any
+    other request a moment, close every connection and run the stop listeners. Connections are served
+    by BoundedHttpProtocol: server/http1.py's (HTTP/1.0 and half-closed clients) with server/deadlines.py's
+    bound (a request's headers arrive in time or get a 408)."""
     server = await app.create_server(sock=sock, return_asyncio_server=True, access_log=False,
-                                     protocol=Http1Protocol)          # HTTP/1.0 and half-closed clients
+                                     protocol=BoundedHttpProtocol)
     await server.startup()
     await server.before_start()
     await server.start_serving()
@@ -89,17 +91,15 @@ async def serve_until(app, sock: socket.socket, stop: asyncio.Event, on_ready=No
     if on_ready is not None:
         on_ready()
     await stop.wait()
-    server.server.close()                      # no new connections
     inflight, timeout = app.ctx.inflight, app.ctx.limits.drain_timeout
-    log.info("shutdown: no new connections; draining %d running requests (at most %g s)", len(inflight), timeout)
-
-    def close_idle() -> None:
-        for conn in list(server.connections):
-            conn.close_if_idle()
-    report = await inflight.drain(timeout, on_tick=close_idle)
+    log.info("shutdown: draining %d running requests (at most %g s); new requests get a 503", len(inflight),
+             timeout)
+    report = await inflight.drain(timeout)
+    server.server.close()                      # stop listening: the kernel refuses new connections
     deadline = time.monotonic() + OTHER_REQUESTS_GRACE_S
     while server.connections and time.monotonic() < deadline:
-        close_idle()
+        for conn in list(server.connections):
+            conn.close_if_idle()
         await asyncio.sleep(0.05)
     busy = len(server.connections)
     await server.before_stop()

@@ -1,7 +1,9 @@
 """Graceful shutdown of the generation requests: the server tracks each one it is answering; on
-shutdown it refuses new ones (503) and lets the running ones finish for up to drain_timeout seconds,
-then aborts the rest in the engine — which ends them as any aborted request ends: a stream gets its
-final chunk with finish_reason "abort" and `data: [DONE]`, a non-streaming request its body."""
+shutdown it answers every new request with a 503 (an OpenAI error body, `Retry-After`, the connection
+closed after it; `/health` too, for load balancers) and lets the running ones finish for up to
+drain_timeout seconds, then aborts the rest in the engine — which ends them as any aborted request
+ends: a stream gets its final chunk with finish_reason "abort" and `data: [DONE]`, a non-streaming
+request its body."""
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +11,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from server.errors import APIError
+
 log = logging.getLogger("openinfer.server")
 CUT_GRACE_S = 5.0                # how long aborted requests get to send their last chunk
+RETRY_AFTER_S = 5                # what a 503 of the drain tells clients: a restart takes about this long
 
 
 @dataclass
@@ -34,25 +39,31 @@ class InFlight:
     def __len__(self) -> int:
         return len(self.calls)
 
-    async def drain(self, timeout: float, on_tick=None) -> DrainReport:
+    async def drain(self, timeout: float) -> DrainReport:
         """Wait up to `timeout` s for the running requests, then abort the rest and give them
-        CUT_GRACE_S to send their ends. on_tick() runs every 50 ms (e.g. to close idle connections)."""
+        CUT_GRACE_S to send their ends."""
         self.draining = True
         start = time.monotonic()
         report = DrainReport(running=len(self.calls))
-        await self._wait(start + timeout, on_tick)
+        await self._wait(start + timeout)
         report.cut = sorted(self.calls)
         for call in list(self.calls.values()):
             await call.abort()
         if report.cut:
             log.warning("shutdown: %d requests still running after the %.0f s drain timeout were ended with "
                         "finish_reason 'abort': %s", len(report.cut), timeout, ", ".join(report.cut))
-            await self._wait(time.monotonic() + CUT_GRACE_S, on_tick)
+            await self._wait(time.monotonic() + CUT_GRACE_S)
         report.seconds = time.monotonic() - start
         return report
 
-    async def _wait(self, deadline: float, on_tick) -> None:
+    async def _wait(self, deadline: float) -> None:
         while self.calls and time.monotonic() < deadline:
-            if on_tick is not None:
-                on_tick()
             await asyncio.sleep(0.05)
+
+
+def shutting_down(request) -> APIError:
+    """The 503 for a request that arrives during the drain; its connection closes after the answer."""
+    if request.stream is not None:
+        request.stream.keep_alive = False
+    return APIError(503, "the server is shutting down", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})

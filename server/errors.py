@@ -24,12 +24,14 @@ ERROR_TYPES = {
 class APIError(Exception):
     """A request the server refuses; `param` names the offending field when there is one."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)
@@ -55,7 +57,7 @@ def error_response(exc: Exception):
     malformed request) keep their status and headers (a 405's Allow); anything else is a server
     fault (500)."""
     if isinstance(exc, APIError):
-        return response.json(exc.body(), status=exc.status)
+        return response.json(exc.body(), status=exc.status, headers=exc.headers)
     if isinstance(exc, SanicException):
         status = int(getattr(exc, "status_code", 500) or 500)
         message = str(exc) or type(exc).__name__

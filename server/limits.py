@@ -18,7 +18,7 @@ class ServerLimits:
     max_stop_token_ids: int = 1024      # `stop_token_ids` per request
     max_logit_bias: int = 1024          # `logit_bias` entries per request
     max_json_depth: int = 64            # nesting of the JSON body (a chat message is 4 deep)
-    request_timeout: float = 10.0       # seconds: headers (of silence) and the whole body (in total)
+    request_timeout: float = 10.0       # seconds: the headers, then the whole body, each in total
     drain_timeout: float = 30.0         # seconds running requests may take to finish on shutdown
 
     def validate(self) -> None:

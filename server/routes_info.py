@@ -8,6 +8,7 @@ from sanic import Sanic, response
 from engine.engine_calls import EngineCallError
 from server import __version__
 from server.body import parse_json
+from server.drain import shutting_down
 from server.errors import APIError
 from server.lora_routes import lora_cards
 from server.lora_routes import lora_enabled
@@ -31,7 +32,7 @@ def add_info_routes(app: Sanic) -> None:
     @app.get("/health")
     async def health(request):
         if request.app.ctx.inflight.draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
+            raise shutting_down(request)
         healthy = getattr(request.app.ctx.handle, "is_healthy", None)
         if callable(healthy) and not healthy():
             raise APIError(503, "engine is not running")

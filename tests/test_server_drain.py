@@ -1,6 +1,7 @@
-"""Shutdown drains: new connections are refused, running requests finish up to the drain timeout, the
-rest end with a final chunk carrying finish_reason "abort" and `data: [DONE]` (a non-streaming request:
-its body), the log names what was cut, and a second SIGTERM exits at once."""
+"""Shutdown drains: new requests get a 503 with Retry-After (then the server stops listening), running
+requests finish up to the drain timeout, the rest end with a final chunk carrying finish_reason "abort"
+and `data: [DONE]` (a non-streaming request: its body), the log names what was cut, and a second SIGTERM
+exits at once."""
 from __future__ import annotations
 
 import json
@@ -18,6 +19,7 @@ import pytest
 from fake_handle import FakeHandle
 from server.app import create_app
 from server.background import BackgroundServer
+from server.drain import RETRY_AFTER_S
 from server.limits import ServerLimits
 from harness.models import tiny_model_path
 from tests.test_server_cli import OPENINFER, ROOT, free_port, wait_healthy
@@ -64,9 +66,13 @@ def test_drain_lets_short_requests_finish_and_ends_the_rest_with_abort(caplog):
     stopper = threading.Thread(target=srv.stop)
     stopper.start()
     time.sleep(0.2)
-    with pytest.raises(httpx.ConnectError):            # not accepting any more
-        httpx.get(srv.url + "/health", timeout=2)
+    for method, path in (("GET", "/health"), ("POST", "/v1/completions"), ("GET", "/v1/models")):
+        late = httpx.request(method, srv.url + path, json={"prompt": "late"} if method == "POST" else None, timeout=2)
+        assert late.status_code == 503 and late.headers["retry-after"] == str(RETRY_AFTER_S), (path, late.text)
+        assert late.json()["error"]["code"] == "shutting_down" and late.headers["connection"] == "close"
     stopper.join(30)
+    with pytest.raises(httpx.ConnectError):            # no longer listening
+        httpx.get(srv.url + "/health", timeout=2)
     took = time.monotonic() - t0
     for job in jobs:
         job.join(10)
@@ -91,6 +97,7 @@ def test_requests_arriving_while_draining_get_a_503():
         srv.app.ctx.inflight.draining = True
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert r.headers["retry-after"] == str(RETRY_AFTER_S)
         assert httpx.get(srv.url + "/health", timeout=10).status_code == 503
         srv.app.ctx.inflight.draining = False
 

@@ -152,6 +152,7 @@ HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/j
 
 @pytest.mark.parametrize("case,data,dribble", [
     ("partial headers", HEAD, b""),
+    ("headers a byte at a time", HEAD, b"X-Slow: " + b"a" * 1000),      # never silent for a whole second
     ("partial body", HEAD + b"Content-Length: 1000\r\n\r\n{\"prompt\": ", b""),
     ("body a byte at a time", HEAD + b"Content-Length: 1000\r\n\r\n{\"prompt\": \"", b"a" * 1000),
 ])
