@@ -137,8 +137,9 @@ def _parse(parse, raw: bytes, model: ModelInfo):
     return parse(parse_json(raw, model.limits.max_json_depth), model)
 
 
-async def _generate(request, parse, id_prefix: str, builder_type=ResponseBuilder):
-    app, http = request.app, time.monotonic()
+async def _parse_request(request, parse):
+    """The request parsed and checked: its LoRA adapter loaded (server/lora_routes.py), its grammar accepted."""
+    app = request.app
     try:
         parsed = await in_thread(_parse, parse, request.body, app.ctx.model)
     except APIError as e:
@@ -147,6 +148,13 @@ async def _generate(request, parse, id_prefix: str, builder_type=ResponseBuilder
         parsed = await in_thread(_parse, parse, request.body, app.ctx.model)
     if parsed.constraint is not None:     # a grammar the engine cannot enforce is refused before it runs
         await check_grammar(parsed.constraint.grammar, parsed.constraint.field, app.ctx.handle)
+    return parsed
+
+
+async def _generate(request, parse, id_prefix: str, builder_type=ResponseBuilder):
+    app, http = request.app, time.monotonic()
+    with app.ctx.inflight.arrival():     # a drain that begins now waits for it
+        parsed = await _parse_request(request, parse)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     builder = builder_type(parsed, request_id, parsed.lora_name or app.ctx.model.name, int(time.time()),
                            app.ctx.model.tokenizer)
@@ -154,6 +162,8 @@ async def _generate(request, parse, id_prefix: str, builder_type=ResponseBuilder
     app.ctx.inflight.calls[request_id] = call
     try:
         await call.start()
+        if app.ctx.inflight.cutting:      # parsed after the drain timeout: it ends at once, with "abort"
+            await call.abort()
         if parsed.stream:
             await _stream(request, call, builder)
             return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from server.errors import APIError
@@ -30,26 +31,39 @@ class DrainReport:
 
 
 class InFlight:
-    """The generation requests being answered: HTTP request id -> its EngineCall."""
+    """The generation requests being answered: HTTP request id -> its EngineCall, and how many are still
+    being read (parsed, tokenized) — accepted before the drain began, they are waited for as well."""
 
     def __init__(self):
         self.calls: dict = {}
+        self.arriving = 0
         self.draining = False
+        self.cutting = False            # past the drain timeout: a request that starts now is aborted at once
 
     def __len__(self) -> int:
-        return len(self.calls)
+        return len(self.calls) + self.arriving
+
+    @contextmanager
+    def arrival(self):
+        """Around a generation request's parsing; its EngineCall enters `calls` right after."""
+        self.arriving += 1
+        try:
+            yield
+        finally:
+            self.arriving -= 1
 
     async def drain(self, timeout: float) -> DrainReport:
         """Wait up to `timeout` s for the running requests, then abort the rest and give them
         CUT_GRACE_S to send their ends."""
         self.draining = True
         start = time.monotonic()
-        report = DrainReport(running=len(self.calls))
+        report = DrainReport(running=len(self))
         await self._wait(start + timeout)
+        self.cutting = True
         report.cut = sorted(self.calls)
         for call in list(self.calls.values()):
             await call.abort()
-        if report.cut:
+        if report.cut or self.arriving:
             log.warning("shutdown: %d requests still running after the %.0f s drain timeout were ended with "
                         "finish_reason 'abort': %s", len(report.cut), timeout, ", ".join(report.cut))
             await self._wait(time.monotonic() + CUT_GRACE_S)
@@ -57,7 +71,7 @@ class InFlight:
         return report
 
     async def _wait(self, deadline: float) -> None:
-        while self.calls and time.monotonic() < deadline:
+        while len(self) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
 

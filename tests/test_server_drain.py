@@ -92,6 +92,27 @@ def test_drain_lets_short_requests_finish_and_ends_the_rest_with_abort(caplog):
     assert "1 of 4 running requests finished" in summary and "3 ended with finish_reason 'abort'" in summary
 
 
+def test_a_request_still_being_read_when_the_drain_begins_is_answered():
+    """Accepted before the drain, it is waited for like a running one, however long its tokenization takes
+    (the drain used to see no running request and close its connection unanswered)."""
+    handle = FakeHandle()
+    encode = handle.tokenizer.encode
+
+    def slow_encode(text, add_special_tokens=True):
+        time.sleep(2.0)
+        return encode(text, add_special_tokens)
+    handle.tokenizer.encode = slow_encode
+    srv = BackgroundServer(create_app(handle)).start()
+    out: dict = {}
+    job = threading.Thread(target=lambda: out.update(r=httpx.post(
+        srv.url + "/v1/completions", json={"prompt": "slow", "max_tokens": 3}, timeout=30)))
+    job.start()
+    time.sleep(0.5)
+    srv.stop()
+    job.join(30)
+    assert out["r"].status_code == 200 and out["r"].json()["choices"][0]["text"] == "wol"
+
+
 def test_requests_arriving_while_draining_get_a_503():
     with BackgroundServer(create_app(FakeHandle())) as srv:
         srv.app.ctx.inflight.draining = True
