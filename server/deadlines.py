@@ -12,6 +12,12 @@ from sanic.exceptions import RequestTimeout
 from server.http1 import Http1, Http1Protocol
 
 
+def unread(request) -> bool:
+    """Sanic's stand-in for a request whose headers were never read (cut off, malformed): it carries the
+    error answer only, so there is nothing to check on it (the 408 stays a 408, not a 401 or a 503)."""
+    return request.method == "NONE"
+
+
 class BoundedRequest(Request):
     """A request whose whole body must arrive within the request timeout."""
 

@@ -147,6 +147,7 @@ def seconds_until_closed(s: socket.socket, dribble: bytes = b"", every: float = 
 
 
 SLOW = ServerLimits(request_timeout=1.0)
+HEADERS_CUT = b"request headers not received within 1 s"
 HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
 
@@ -164,3 +165,17 @@ def test_a_slow_client_is_cut_off_after_the_request_timeout(tokenizer, case, dat
         assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
     assert took < SLOW.request_timeout + 2.5, f"{case}: the connection stayed open {took:.1f} s"
     assert got == b"" or got.startswith(b"HTTP/1.1 408"), got[:100]
+
+
+@pytest.mark.parametrize("api_key,draining", [("k", False), (None, True)])
+def test_a_client_cut_off_before_its_headers_gets_a_408(tokenizer, api_key, draining):
+    """The answer to headers that never finish is the 408, whatever the request checks would have said of a
+    request (an API key: 401; the drain: 503) — there was no request to check."""
+    with BackgroundServer(create_app(TokenizerOnlyHandle(tokenizer, 256), api_key=api_key, limits=SLOW)) as srv:
+        srv.app.ctx.inflight.draining = draining
+        s = open_and_send(srv.port, HEAD)
+        took, got = seconds_until_closed(s, b"X-Slow: " + b"a" * 1000)
+        s.close()
+        srv.app.ctx.inflight.draining = False
+    assert got.startswith(b"HTTP/1.1 408") and HEADERS_CUT in got, got[:300]
+    assert took < SLOW.request_timeout + 2.5
