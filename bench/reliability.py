@@ -199,7 +199,7 @@ def read_stream(url: str, body: dict, out: dict, key) -> None:
 def drain(server: Server, streams: int) -> dict:
     """SIGTERM with `streams` long streams running and requests arriving: the drain's figures."""
     out: dict = {}
-    body = {"prompt": "Tell a long story", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Tell a long story", "max_tokens": 200, "ignore_eos": True, "stream": True}
     jobs = [threading.Thread(target=read_stream, args=(server.url, body, out, i)) for i in range(streams)]
     for job in jobs:
         job.start()
