@@ -54,6 +54,18 @@ class Victims:
             except httpx.HTTPError:
                 await asyncio.sleep(0.5)
 
+    async def baseline(self, seconds: float, timeout: float = 600.0) -> float:
+        """The median gap over `seconds` once every stream has sent chunks (the victims alone)."""
+        deadline = time.monotonic() + timeout
+        while sum(len(times) >= 5 for times in self.runs) < self.n:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the victim streams did not start")
+            await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        await asyncio.sleep(seconds)
+        gaps = self.gaps(t0, time.monotonic())
+        return statistics.median(gaps) if gaps else 0.0
+
     def gaps(self, t0: float, t1: float) -> list[float]:
         """Gaps between two chunks of one request that overlap [t0, t1]."""
         return [b - a for times in self.runs for a, b in zip(times, times[1:]) if b >= t0 and a <= t1]
@@ -61,11 +73,6 @@ class Victims:
     def stall_ratio(self, t0: float, t1: float, baseline: float) -> float | None:
         gaps = self.gaps(t0, t1)
         return max(gaps) / baseline if gaps and baseline > 0 else None
-
-
-def median_gap(victims: Victims, t0: float, t1: float) -> float:
-    gaps = victims.gaps(t0, t1)
-    return statistics.median(gaps) if gaps else 0.0
 
 
 async def http_input(client: httpx.AsyncClient, method: str, path: str, content: bytes, headers: dict,

@@ -147,10 +147,7 @@ async def phase_a(args, url: str) -> dict:
                                  limits=httpx.Limits(max_connections=200)) as client:
         victims = abuse.Victims(client, args.victims)
         victims.start()
-        await asyncio.sleep(args.baseline_s)
-        t0 = time.monotonic()
-        await asyncio.sleep(args.baseline_s)
-        baseline = abuse.median_gap(victims, t0, time.monotonic())
+        baseline = await victims.baseline(args.baseline_s)
         print(f"victims' median gap {baseline * 1e3:.0f} ms", file=sys.stderr, flush=True)
         rows = await run_inputs(client, victims, server_a_inputs(client, url), args.repeat, baseline)
         host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
@@ -224,10 +221,7 @@ async def lora_phase(args, url: str, root: Path) -> list[InputRow]:
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=600) as client:
         victims = abuse.Victims(client, max(2, args.victims // 2))
         victims.start()
-        await asyncio.sleep(args.baseline_s)
-        t0 = time.monotonic()
-        await asyncio.sleep(args.baseline_s)
-        baseline = abuse.median_gap(victims, t0, time.monotonic())
+        baseline = await victims.baseline(args.baseline_s)
         inputs = []
         for name, body in abuse.lora_path_inputs(root):
             inputs.append((name, lambda b=body: abuse.http_input(client, "POST", "/v1/load_lora_adapter",

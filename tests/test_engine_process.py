@@ -173,6 +173,7 @@ def test_the_engine_process_holds_no_socket_of_its_parent(config):
         assert c.is_healthy()
 
 
+@pytest.mark.slow                 # a Python process of its own starts an engine: 10-30 s on 2 cores
 def test_the_engine_process_dies_with_its_parent(tmp_path):
     """kill -9 of the process that started the engine process ends that too (PR_SET_PDEATHSIG, and EOF on
     its input pipe, whose write end only the parent holds)."""

@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 from harness.models import tiny_model_path
 from tests.test_server_cli import OPENINFER, ROOT, free_port
 from tests.test_server_drain import engine_requests, ending, read_stream, start_long_streams
 
+pytestmark = pytest.mark.slow      # each starts one or two servers: 5-30 s apiece on 2 cores
 HANG_S = 10.0          # a request without an answer (or a clean close) this long hangs
 
 
