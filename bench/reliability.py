@@ -228,7 +228,8 @@ async def lora_phase(args, url: str, root: Path) -> list[InputRow]:
                                                                  json.dumps(b).encode(), JSON, 30.0), 1))
         for name, adapter, body in abuse.lora_inputs(root, *model_dims(args.model)):
             content = json.dumps({**body, "model": adapter}).encode()
-            inputs.append((name, lambda c=content: abuse.http_input(client, "POST", "/v1/completions", c, JSON, 30.0), 1))
+            inputs.append((name, lambda c=content: abuse.http_input(client, "POST", "/v1/completions", c, JSON,
+                                                                    30.0), 1))
         rows = await run_inputs(client, victims, inputs, 1, baseline)
         await victims.stop()
     return rows

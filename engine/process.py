@@ -12,9 +12,9 @@ Protocol (multiprocessing pipes, pickled): parent -> child ("add", GenerateReque
 kind, message)), then ("events", [(request id, TokenEvent | None), ...], EngineStats) after every engine
 step that produced events, ("op", call id, status, message) answering a run-time op
 (engine/engine_calls.py), and ("stopping", signal name) when a SIGTERM was sent to the child: it exits
-once its requests have ended (engine/process_tree.py: how the child is tied to its parent). The child pickles on the engine thread (one dumps per step) and a sender thread
-writes; the parent's reader thread hands each batch to the asyncio loops of its streams in one wake-up
-per loop. The parent loads only the tokenizer (for the server's prompt encoding and chat templates).
+once its requests have ended (engine/process_tree.py: how the child is tied to its parent). The child
+pickles on the engine thread (one dumps per step) and a sender thread writes; the parent's reader
+thread hands each batch to the asyncio loops of its streams in one wake-up per loop. The parent loads only the tokenizer (for the server's prompt encoding and chat templates).
 """
 from __future__ import annotations
 
