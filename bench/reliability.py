@@ -51,6 +51,7 @@ class Server:
     url: str
     log: Path
     start_s: float
+    started = []                       # every server process this run started (killed if the run fails)
 
     @classmethod
     def start(cls, args, port: int, *flags: str, timeout: float = 900) -> "Server":
@@ -59,6 +60,7 @@ class Server:
                KEY, *(["--model", args.model] if args.model else []), *flags]
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        cls.started.append(proc)
         url = f"http://127.0.0.1:{port}"
         while time.monotonic() - t0 < timeout:
             if proc.poll() is not None:
@@ -130,6 +132,9 @@ def server_a_inputs(client: httpx.AsyncClient, url: str) -> list:
     for case, method, path, content, headers, _, _ in CASES:
         hdrs = {"content-type": "application/json", **(AUTH if headers is None else headers)}
         out.append((case, lambda m=method, p=path, c=content, h=hdrs: abuse.http_input(client, m, p, c, h), None))
+    form = {"content-type": "application/x-www-form-urlencoded", **AUTH}
+    out.append(("a form-encoded body", lambda: abuse.http_input(client, "POST", "/v1/completions", b"prompt=x", form),
+                None))
     body = abuse.HEAD + b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"prompt\": \""
     out += [("headers a byte every 5 s", lambda: abuse.trickle(host, int(port), abuse.HEAD, b"X-Slow: " + b"a" * 99,
                                                                  5.0, 60.0), 1),
@@ -303,6 +308,16 @@ def main() -> None:
     p.add_argument("--workdir", default=tempfile.mkdtemp(prefix="openinfer-reliability-"))
     p.add_argument("--json", default=None, help="write the result here")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    try:
+        run(args)
+    finally:
+        for proc in Server.started:          # a failed run leaves no server behind (their engines die with them)
+            if proc.poll() is None:
+                proc.kill()
+
+
+def run(args) -> None:
     trace = Path(args.workdir) / "steps.jsonl"
     a = Server.start(args, args.port, "--step-trace", str(trace))
     result = {"start_s": round(a.start_s, 1), **asyncio.run(phase_a(args, a.url))}
@@ -310,7 +325,8 @@ def main() -> None:
     result["steps"] = step_times(trace)
     root = Path(args.workdir) / "adapters"
     root.mkdir(exist_ok=True)
-    b = Server.start(args, args.port + 1, "--enable-lora", "--lora-resolver-dir", str(root))
+    b = Server.start(args, args.port + 1, "--enable-lora", "--allow-runtime-lora-updating", "--lora-resolver-dir",
+                     str(root))
     result["lora_inputs"] = [asdict(r) for r in asyncio.run(lora_phase(args, b.url, root))]
     result["kills"] = kills(args, b, args.port + 1)
     print(json.dumps(result, indent=2))
