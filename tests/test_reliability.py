@@ -92,6 +92,20 @@ def wait_for_engine_request(url: str) -> None:
         time.sleep(0.02)
 
 
+def signal_the_engine_during(served: Served, sig: signal.Signals, request) -> None:
+    """request() on a thread; once it is in the engine, `sig` to the engine process; then wait for the
+    server to exit and the request to end (the server is stopped in any case)."""
+    client = threading.Thread(target=request)
+    try:
+        client.start()
+        wait_for_engine_request(served.url)
+        os.kill(served.engine_pid(), sig)
+        served.proc.wait(30)
+        client.join(HANG_S)
+    finally:
+        served.stop()
+
+
 def test_kill_9_of_the_server_ends_the_engine_process_and_a_restart_binds_the_port(tmp_path):
     port = free_port()
     first = Served.start(tmp_path, port)
@@ -111,18 +125,10 @@ def test_kill_9_of_the_server_ends_the_engine_process_and_a_restart_binds_the_po
 def test_kill_9_of_the_engine_process_fails_its_requests_ends_the_server_and_a_restart_serves(tmp_path):
     port = free_port()
     first = Served.start(tmp_path, port)
-    try:
-        out: dict = {}
-        stream = threading.Thread(target=lambda: out.update(r=httpx.post(
-            first.url + "/v1/completions", json={"prompt": "x", "max_tokens": 480, "ignore_eos": True,
-                                                 "stream": True}, timeout=HANG_S)))
-        stream.start()
-        wait_for_engine_request(first.url)
-        os.kill(first.engine_pid(), signal.SIGKILL)
-        first.proc.wait(HANG_S)
-        stream.join(HANG_S)
-    finally:
-        first.stop()
+    out: dict = {}
+    body = {"prompt": "x", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    signal_the_engine_during(first, signal.SIGKILL,
+                             lambda: out.update(r=httpx.post(first.url + "/v1/completions", json=body, timeout=HANG_S)))
     log = first.log()
     assert first.proc.returncode == 1, log
     assert "the engine process ended (killed by SIGKILL); the server stops (exit code 1)" in log
@@ -137,17 +143,9 @@ def test_kill_9_of_the_engine_process_fails_its_requests_ends_the_server_and_a_r
 
 def test_sigterm_to_the_engine_process_drains_the_server_and_exits_cleanly(tmp_path):
     served = Served.start(tmp_path, free_port())
-    try:
-        out: dict = {}
-        body = {"prompt": "x", "max_tokens": 60, "ignore_eos": True, "stream": True}
-        stream = threading.Thread(target=read_stream, args=(served.url, body, out, 0))
-        stream.start()
-        wait_for_engine_request(served.url)
-        os.kill(served.engine_pid(), signal.SIGTERM)
-        served.proc.wait(30)
-        stream.join(HANG_S)
-    finally:
-        served.stop()
+    out: dict = {}
+    body = {"prompt": "x", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    signal_the_engine_during(served, signal.SIGTERM, lambda: read_stream(served.url, body, out, 0))
     log = served.log()
     assert served.proc.returncode == 0, log
     assert "the engine process received SIGTERM; draining the server" in log
