@@ -26,6 +26,7 @@ class Victims:
     def __init__(self, client: httpx.AsyncClient, n: int, max_tokens: int = 4096):
         self.client, self.n, self.max_tokens = client, n, max_tokens
         self.runs: list[list[float]] = []          # one list of chunk times per request
+        self.current: list[list[float]] = [[] for _ in range(n)]   # each stream's request in progress
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -44,6 +45,7 @@ class Victims:
         while not self._stop.is_set():
             times: list[float] = []
             self.runs.append(times)
+            self.current[i] = times
             try:
                 async with self.client.stream("POST", "/v1/completions", json=body, timeout=600) as r:
                     if r.status_code != 200:
@@ -70,7 +72,12 @@ class Victims:
         """Gaps between two chunks of one request that overlap [t0, t1]."""
         return [b - a for times in self.runs for a, b in zip(times, times[1:]) if b >= t0 and a <= t1]
 
-    def stall_ratio(self, t0: float, t1: float, baseline: float) -> float | None:
+    async def stall_ratio(self, t0: float, t1: float, baseline: float, timeout: float = 600.0) -> float | None:
+        """The longest gap overlapping [t0, t1] over `baseline`, once every victim has sent a chunk after t1
+        (the gap open when an input ends counts whole)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and any(not times or times[-1] < t1 for times in self.current):
+            await asyncio.sleep(0.05)
         gaps = self.gaps(t0, t1)
         return max(gaps) / baseline if gaps and baseline > 0 else None
 

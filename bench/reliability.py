@@ -117,7 +117,7 @@ async def run_inputs(client: httpx.AsyncClient, victims: abuse.Victims, inputs: 
         t0 = time.monotonic()
         for _ in range(times or repeat):
             outcomes[await make()] += 1
-        ratio = victims.stall_ratio(t0, time.monotonic(), baseline)
+        ratio = await victims.stall_ratio(t0, time.monotonic(), baseline)
         rows.append(InputRow(name, sum(outcomes.values()), dict(outcomes), ratio and round(ratio, 1)))
         print(f"  {name}: {dict(outcomes)} stall x{ratio or 0:.1f}", file=sys.stderr, flush=True)
     return rows
@@ -158,7 +158,7 @@ async def phase_a(args, url: str) -> dict:
         host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
         t1 = time.monotonic()
         swarm = await abuse.trickle_swarm(host, int(port), args.tricklers, 5.0, 60.0)
-        swarm_ratio = victims.stall_ratio(t1, time.monotonic(), baseline)
+        swarm_ratio = await victims.stall_ratio(t1, time.monotonic(), baseline)
         rows.append(InputRow(f"{args.tricklers:,} connections trickling headers (a byte every 5 s, up to 60 s)",
                              args.tricklers, swarm["outcomes"], swarm_ratio and round(swarm_ratio, 1)))
         await victims.stop()
