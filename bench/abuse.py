@@ -23,8 +23,8 @@ HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/j
 class Victims:
     """`n` streams decoding (ignore_eos) until stop(); each chunk's arrival time, by stream."""
 
-    def __init__(self, client: httpx.AsyncClient, n: int, max_tokens: int = 4096):
-        self.client, self.n, self.max_tokens = client, n, max_tokens
+    def __init__(self, client: httpx.AsyncClient, n: int, headers: dict, max_tokens: int = 4096):
+        self.client, self.n, self.headers, self.max_tokens = client, n, headers, max_tokens
         self.runs: list[list[float]] = []          # one list of chunk times per request
         self.current: list[list[float]] = [[] for _ in range(n)]   # each stream's request in progress
         self._stop = asyncio.Event()
@@ -47,7 +47,8 @@ class Victims:
             self.runs.append(times)
             self.current[i] = times
             try:
-                async with self.client.stream("POST", "/v1/completions", json=body, timeout=600) as r:
+                async with self.client.stream("POST", "/v1/completions", json=body, headers=self.headers,
+                                              timeout=600) as r:
                     if r.status_code != 200:
                         raise RuntimeError(f"a victim stream was refused: {r.status_code} {await r.aread()!r}")
                     async for line in r.aiter_lines():

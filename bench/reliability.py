@@ -42,6 +42,7 @@ from bench.soak import run_soak  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON = {"content-type": "application/json"}
 STEP_PHASES = ("schedule", "copy", "build", "launch", "emit", "plan", "wait", "process")
 
 
@@ -142,15 +143,15 @@ def server_a_inputs(client: httpx.AsyncClient, url: str) -> list:
     for name, tokens, n in (("8,101-token prompt", 8101, 1), ("2,000-token prompt, n=16", 2000, 16)):
         req = {"prompt": abuse.long_prompt(tokens), "max_tokens": 16, "n": n, "ignore_eos": True}
         out.append((name, lambda r=req: abuse.http_input(client, "POST", "/v1/completions", json.dumps(r).encode(),
-                                                         {"content-type": "application/json"}, 600.0), 1))
+                                                         {**JSON, **AUTH}, 600.0), 1))
     return out
 
 
 async def phase_a(args, url: str) -> dict:
-    """Inputs, trickle swarm and soak against server A; its victims' baseline gap."""
-    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=600,
-                                 limits=httpx.Limits(max_connections=200)) as client:
-        victims = abuse.Victims(client, args.victims)
+    """Inputs, trickle swarm and soak against server A; its victims' baseline gap. The client sends no API
+    key of its own: each input brings its headers."""
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=200)) as client:
+        victims = abuse.Victims(client, args.victims, AUTH)
         victims.start()
         baseline = await victims.baseline(args.baseline_s)
         print(f"victims' median gap {baseline * 1e3:.0f} ms", file=sys.stderr, flush=True)
@@ -224,7 +225,7 @@ def drain(server: Server, streams: int) -> dict:
 async def lora_phase(args, url: str, root: Path) -> list[InputRow]:
     """The adapter inputs (bench/abuse.py) against server B while its victims decode."""
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=600) as client:
-        victims = abuse.Victims(client, max(2, args.victims // 2))
+        victims = abuse.Victims(client, max(2, args.victims // 2), AUTH)
         victims.start()
         baseline = await victims.baseline(args.baseline_s)
         inputs = []
@@ -281,8 +282,6 @@ def step_times(path: Path) -> dict:
             "max_ms": round(ms[-1], 1), "over_500ms": sum(m > 500 for m in ms),
             "longest": {k: worst[k] for k in ("seqs", "prefill", "decode")}}
 
-
-JSON = {"content-type": "application/json"}
 
 
 def table(result: dict) -> str:
