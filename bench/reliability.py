@@ -1,7 +1,7 @@
 """Fault and abuse run against `openinfer serve` on the CPU (the demo model unless --model): the figures of
 bench/results/reliability.md.
 
-    python -m bench.reliability --json /tmp/reliability.json     # about 20 minutes on 2 busy cores
+    python -m bench.reliability --json /tmp/reliability.json     # 17 minutes on 2 busy cores, one BLAS thread
 
 Server A (the CPU defaults, an API key, a step trace):
   inputs   while --victims streams decode, each abusive input (tests/test_server_hardening.py's cases, headers

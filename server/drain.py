@@ -16,7 +16,7 @@ from server.errors import APIError
 
 log = logging.getLogger("openinfer.server")
 CUT_GRACE_S = 5.0                # how long aborted requests get to send their last chunk
-RETRY_AFTER_S = 5                # what a 503 of the drain tells clients: a restart takes about this long
+RETRY_AFTER_S = 5                # the drain's 503s: retry in this many seconds (another replica, or this restarted)
 
 
 @dataclass
@@ -63,9 +63,10 @@ class InFlight:
         report.cut = sorted(self.calls)
         for call in list(self.calls.values()):
             await call.abort()
-        if report.cut or self.arriving:
+        if report.cut:
             log.warning("shutdown: %d requests still running after the %.0f s drain timeout were ended with "
                         "finish_reason 'abort': %s", len(report.cut), timeout, ", ".join(report.cut))
+        if len(self):
             await self._wait(time.monotonic() + CUT_GRACE_S)
         report.seconds = time.monotonic() - start
         return report
