@@ -123,18 +123,22 @@ class OracleStep:
     ids: np.ndarray
     logprobs: np.ndarray
     fragile: tuple[str, ...] = ()
+    every: np.ndarray | None = None     # the logprobs of every token (None: only the best TOP are known)
 
     def gap_to(self, token: int) -> float:
-        """Logprob of the best token minus token's (inf when token is not among the best TOP)."""
+        """Logprob of the best token minus token's (inf when token's is not known: not among the best TOP and
+        no full row kept)."""
         hit = np.flatnonzero(self.ids == token)
-        return float(self.logprobs[0] - self.logprobs[hit[0]]) if hit.size else float("inf")
+        if hit.size:
+            return float(self.logprobs[0] - self.logprobs[hit[0]])
+        return float(self.logprobs[0] - self.every[token]) if self.every is not None else float("inf")
 
 
 def _step_of(logits: np.ndarray, fragile) -> OracleStep:
     lp = log_softmax(logits[None])[0]
     best = np.argpartition(-lp, TOP)[:TOP]
     ids = best[np.argsort(-lp[best], kind="stable")]
-    return OracleStep(ids, lp[ids], tuple(text for _, text in fragile))
+    return OracleStep(ids, lp[ids], tuple(text for _, text in fragile), lp.astype(np.float32))
 
 
 class FullRecompute:
