@@ -233,3 +233,51 @@ def test_attention_routes_unserved_layers_to_the_paged_kernel():
                          prefill=served)
     ops.attention(np.ones((40, 8, 32), np.float32), spec_for(32), ctx)
     assert len(ops.paged_calls) == 1
+
+
+# ---- the plan's upload under async scheduling ---------------------------------------------------
+class _LaggingDevice:
+    """A stand-in for CuPy's runtime whose host-to-device copies run only when the test says (a device
+    still busy with earlier work): each copy reads its pinned source then, as the copy engine would."""
+
+    def __init__(self):
+        self.queued = []
+        self.memcpyHostToDevice = 1
+
+    def memcpyAsync(self, dst, src, nbytes, kind, stream):
+        self.queued.append((dst, src, nbytes))
+
+    def run_copies(self) -> list[np.ndarray]:
+        import ctypes
+        out = [np.frombuffer(ctypes.string_at(src, nbytes), np.int32).copy() for _, src, nbytes in self.queued]
+        self.queued.clear()
+        return out
+
+
+def test_the_next_steps_plan_never_overwrites_one_still_waiting_for_its_upload(monkeypatch):
+    """Async scheduling plans and uploads eager step N + 1 while step N's plan copy may still wait in the
+    stream (on a loaded GPU, behind earlier kernels): N's copy must still read N's plan. (With one pinned
+    buffer it read N + 1's: garbage attention for chunked prefill under load, then an illegal address.)"""
+    import sys
+
+    import memory.streams
+    import openinfer_kernels.raw_cuda
+
+    runtime = _LaggingDevice()
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    monkeypatch.setattr(memory.streams, "pinned_array", lambda shape, dtype: np.zeros(shape, dtype))
+    monkeypatch.setattr(openinfer_kernels.raw_cuda, "kernel", lambda *a, **k: None)
+
+    class Arena:
+        def take_all(self, prefix, buffers):
+            return {b.name: types.SimpleNamespace(shape=b.shape, size=int(np.prod(b.shape)),
+                                                  data=types.SimpleNamespace(ptr=0)) for b in buffers}
+
+    pa = gpu_prefill.PrefillAttention(Arena(), types.SimpleNamespace(ptr=0), max_tokens=512, max_seqs=8,
+                                      key_rows=1024, num_kv_heads=2, head_dim=64, min_query=16)
+    rng = np.random.default_rng(3)
+    first, second = mixed_batch(rng, [(0, 40), (0, 33)]), mixed_batch(rng, [(16, 60)])
+    plans = [pa.step(first).plan.data.copy(), pa.step(second).plan.data.copy()]    # both queued, none ran
+    for want, got in zip(plans, runtime.run_copies()):
+        np.testing.assert_array_equal(got, want)

@@ -185,7 +185,10 @@ class PrefillAttention:
         self.stream, self.min_query, self.key_rows = stream, min_query, key_rows
         b = arena.take_all("prefill", self.buffers(key_rows, num_kv_heads, head_dim, max_tokens, max_seqs))
         self.k, self.v, self.data = b["k"], b["v"], b["plan"]
-        self.data_host = pinned_array(self.data.shape, np.int32)
+        # two pinned twins used in turn (as StepInputs'): with async scheduling the next eager step is planned
+        # and uploaded while this one's copy may still wait in the stream behind earlier work
+        self.data_hosts = [pinned_array(self.data.shape, np.int32) for _ in range(2)]
+        self.data_host = self.data_hosts[0]
         self.mapped = None          # a MappedCopy: the plan uploaded by a kernel while set (as StepInputs.mapped)
         self.gather = kernel("kv_gather", "kv_gather")
         self.launches = 0           # varlen_attention launches so far (tests check the path ran)
@@ -220,6 +223,7 @@ class PrefillAttention:
             raise ValueError(f"prefill plan of {n} entries exceeds its {self.data.size}-entry buffer")
         import cupy
 
+        self.data_host = self.data_hosts[1] if self.data_host is self.data_hosts[0] else self.data_hosts[0]
         self.data_host[:n] = plan.data
         if self.mapped is not None:
             self.mapped([(self.data_host, self.data, n)], to_host=False)
