@@ -16,6 +16,7 @@ from harness.models import random_sequences
 from test_free_running import PATHS, PROMPT_LENS
 
 pytestmark = pytest.mark.gpu
+NEW_TOKENS = 32                 # more than a follow-up's shared tokens (PATHS: 24)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_moe", "deepseek_v2", "qwen3_5_text"])
@@ -38,8 +39,7 @@ def lagging(ex, monkeypatch, ms: float = 15.0) -> None:
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-@pytest.mark.parametrize("run", [p for p in PATHS if p.name in ("batched", "chunked-mixed", "prefix-hit-host-tier")],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("run", [p for p in PATHS if p.name != "batch1"], ids=lambda p: p.name)
 def test_a_lagging_device_changes_nothing(line, run, graphs, monkeypatch):
     model, executors = line
     ex = executors[graphs]
@@ -47,8 +47,8 @@ def test_a_lagging_device_changes_nothing(line, run, graphs, monkeypatch):
         pytest.skip("a line with per-sequence state keeps no prefix cache, hence no host KV tier")
     prompts = random_sequences(GATE_VOCAB, PROMPT_LENS, seed=11)
     prompts = prompts[2:4] if run.follow_up else prompts
-    calm = engine_greedy(ex, model.tokenizer, prompts, run, new_tokens=24)
+    calm = engine_greedy(ex, model.tokenizer, prompts, run, new_tokens=NEW_TOKENS)
     lagging(ex, monkeypatch)
-    late = engine_greedy(ex, model.tokenizer, prompts, run, new_tokens=24)
+    late = engine_greedy(ex, model.tokenizer, prompts, run, new_tokens=NEW_TOKENS)
     assert [r.tokens for r in late.runs] == [r.tokens for r in calm.runs]
     assert [r.logprobs for r in late.runs] == [r.logprobs for r in calm.runs]
