@@ -43,9 +43,11 @@ def values(bits) -> np.ndarray:
 
 
 def assert_bf16_equal_but_ties(got: np.ndarray, want_f32: np.ndarray, what: str) -> None:
-    """got (bf16 values) is want rounded to bf16, up to one ulp where float32 sums of another order round apart."""
+    """got (bf16 values) is want rounded to bf16, up to one ulp where float32 sums of another order round apart;
+    an output that cancels to near zero may differ by the float32 summation error of its terms, whose size
+    follows the largest outputs (2^-16 of them: 1.8e-4 seen on a 512-scale qkv product), not its own."""
     want = values(bf16_bits(want_f32))
-    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6, err_msg=what)
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -16 * float(np.abs(want).max()), err_msg=what)
     assert np.mean(got == want) > 0.95, what
 
 
