@@ -88,6 +88,24 @@ class _Dev:
         return self.host[key]
 
 
+class _HostTwins:
+    """StepInputs' staging buffers without events (the bench's device buffer is a host array)."""
+
+    def __init__(self, n: int):
+        self.buffers, self.turn = [np.zeros(n, np.int32) for _ in range(2)], 0
+
+    @property
+    def current(self) -> np.ndarray:
+        return self.buffers[self.turn]
+
+    def take(self) -> np.ndarray:
+        self.turn ^= 1
+        return self.current
+
+    def sent(self, stream) -> None:
+        pass
+
+
 def _stub_cupy() -> None:
     """The few cupy entry points the executor's host path touches, as no-ops (even where cupy
     is installed: nothing here reaches a GPU)."""
@@ -125,8 +143,7 @@ class GpuHostExecutor(ExecutorBase):
         inputs.max_tokens, inputs.max_seqs = ex.options.max_num_batched_tokens, max_seqs
         inputs.max_blocks = -(-max_model_len // 16)
         n_inputs = StepInputs.buffers(inputs.max_tokens, inputs.max_seqs, inputs.max_blocks)[0].shape[0]
-        inputs.hosts, inputs.device = [np.zeros(n_inputs, np.int32) for _ in range(2)], _Dev(n_inputs)
-        inputs.host = inputs.hosts[0]
+        inputs.hosts, inputs.device = _HostTwins(n_inputs), _Dev(n_inputs)
         ex.inputs, ex.prefill, ex.piecewise, ex.lora_graphs, ex.num_state_slots = inputs, None, None, None, 0
         ex._fed = False
         ops = types.SimpleNamespace(fast_attention=True, num_heads=32, head_dim=128, num_sms=132,

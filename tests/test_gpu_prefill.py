@@ -237,34 +237,52 @@ def test_attention_routes_unserved_layers_to_the_paged_kernel():
 
 # ---- the plan's upload under async scheduling ---------------------------------------------------
 class _LaggingDevice:
-    """A stand-in for CuPy's runtime whose host-to-device copies run only when the test says (a device
-    still busy with earlier work): each copy reads its pinned source then, as the copy engine would."""
+    """A stand-in for CuPy's runtime whose host-to-device copies run only when the host waits for them (an
+    event's synchronize) or the test says: a device still busy with earlier work. Each copy reads its pinned
+    source when it runs, as the copy engine would."""
 
     def __init__(self):
-        self.queued = []
+        self.queued, self.done = [], []
         self.memcpyHostToDevice = 1
+        device = self
+
+        class Event:
+            def __init__(self, **kwargs):
+                self.at = 0
+
+            def record(self, stream):
+                self.at = len(device.queued) + len(device.done)
+
+            def synchronize(self):
+                device.run_copies(self.at - len(device.done))
+
+        self.Event = Event
 
     def memcpyAsync(self, dst, src, nbytes, kind, stream):
         self.queued.append((dst, src, nbytes))
 
-    def run_copies(self) -> list[np.ndarray]:
+    def run_copies(self, count: int | None = None) -> list[np.ndarray]:
         import ctypes
-        out = [np.frombuffer(ctypes.string_at(src, nbytes), np.int32).copy() for _, src, nbytes in self.queued]
-        self.queued.clear()
-        return out
+        count = len(self.queued) if count is None else max(0, count)
+        for _, src, nbytes in self.queued[:count]:
+            self.done.append(np.frombuffer(ctypes.string_at(src, nbytes), np.int32).copy())
+        del self.queued[:count]
+        return self.done
 
 
-def test_the_next_steps_plan_never_overwrites_one_still_waiting_for_its_upload(monkeypatch):
-    """Async scheduling plans and uploads eager step N + 1 while step N's plan copy may still wait in the
-    stream (on a loaded GPU, behind earlier kernels): N's copy must still read N's plan. (With one pinned
-    buffer it read N + 1's: garbage attention for chunked prefill under load, then an illegal address.)"""
+def test_queued_steps_plans_never_overwrite_one_still_waiting_for_its_upload(monkeypatch):
+    """Async scheduling plans and uploads eager steps while the ones before may still wait in the stream (on a
+    loaded GPU, behind earlier kernels; a prefill chunk that samples nothing returns without waiting for the
+    GPU, so three or more can be queued): every queued copy must still read its own step's plan. (With one
+    pinned buffer, or two used blindly in turn, a copy read a later step's plan: garbage attention for chunked
+    prefill under load, then an illegal address.)"""
     import sys
 
     import memory.streams
     import openinfer_kernels.raw_cuda
 
     runtime = _LaggingDevice()
-    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, Event=runtime.Event))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     monkeypatch.setattr(memory.streams, "pinned_array", lambda shape, dtype: np.zeros(shape, dtype))
     monkeypatch.setattr(openinfer_kernels.raw_cuda, "kernel", lambda *a, **k: None)
@@ -277,7 +295,10 @@ def test_the_next_steps_plan_never_overwrites_one_still_waiting_for_its_upload(m
     pa = gpu_prefill.PrefillAttention(Arena(), types.SimpleNamespace(ptr=0), max_tokens=512, max_seqs=8,
                                       key_rows=1024, num_kv_heads=2, head_dim=64, min_query=16)
     rng = np.random.default_rng(3)
-    first, second = mixed_batch(rng, [(0, 40), (0, 33)]), mixed_batch(rng, [(16, 60)])
-    plans = [pa.step(first).plan.data.copy(), pa.step(second).plan.data.copy()]    # both queued, none ran
-    for want, got in zip(plans, runtime.run_copies()):
-        np.testing.assert_array_equal(got, want)
+    steps = [mixed_batch(rng, [(0, 40), (0, 33)]), mixed_batch(rng, [(16, 60)]), mixed_batch(rng, [(0, 17)]),
+             mixed_batch(rng, [(32, 48), (5, 20)])]
+    plans = [pa.step(b).plan.data.copy() for b in steps]            # none of the copies has run yet
+    got = runtime.run_copies()
+    assert len(got) == len(plans)
+    for want, copied in zip(plans, got):
+        np.testing.assert_array_equal(copied, want)

@@ -19,15 +19,14 @@ from memory.kv_pool import check_block_copies
 class StepInputs:
     def __init__(self, arena, stream, max_tokens: int, max_seqs: int, max_blocks: int, vocab_size: int,
                  max_model_len: int):
-        from memory.streams import pinned_array
+        from memory.streams import PinnedTwins
 
         self.stream, self.vocab_size, self.max_model_len = stream, vocab_size, max_model_len
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         b = arena.take_all("inputs", self.buffers(max_tokens, max_seqs, max_blocks))
         self.device, self.extra_rows = b["step"], b["extra_rows"]
-        # two pinned twins used in turn: a step may be packed while the one before waits for its upload
-        self.hosts = [pinned_array(self.device.shape, np.int32) for _ in range(2)]
-        self.host = self.hosts[0]
+        # pinned staging used in turn: a step may be packed while the ones before wait for their uploads
+        self.hosts = PinnedTwins(self.device.shape, np.int32)
         self.mapped = None      # a MappedCopy: uploads by a kernel while set (a restore holds the copy engine)
 
     @staticmethod
@@ -63,9 +62,13 @@ class StepInputs:
         Tm = self.max_tokens
         return 5 * Tm, 5 * Tm + self.max_seqs, 5 * Tm + 2 * self.max_seqs + 1
 
+    @property
+    def host(self) -> np.ndarray:
+        """The staging buffer of the last upload."""
+        return self.hosts.current
+
     def _next_host(self) -> np.ndarray:
-        self.host = self.hosts[1] if self.host is self.hosts[0] else self.hosts[0]
-        return self.host
+        return self.hosts.take()
 
     def upload(self, batch: ModelBatch, num_splits, pad_to: int | None = None, fed_ids=None,
                pad_tokens: int | None = None) -> GpuStepContext:
@@ -109,6 +112,7 @@ class StepInputs:
         else:
             cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
                                           cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        self.hosts.sent(self.stream)
         if fed_ids is not None:
             ids, fed = fed_ids
             cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, ids.data.ptr, fed * 4,
@@ -135,6 +139,7 @@ class StepInputs:
         n = first_table + seqs * self.max_blocks
         cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        self.hosts.sent(self.stream)
         return self.views(rows, seqs, seqs, splits)
 
     def views(self, T: int, B: int, S: int, splits: int) -> GpuStepContext:

@@ -177,8 +177,8 @@ class GpuLoRAOps:
                 self.lora_full[name][:, sites[name].k:].fill(0)
         self.lora_shrunk, self.lora_map, self.lora_wide = b["shrunk"], b["slot_map"], b["wide"]
         self.lora_num_slots, self.lora_rank = slots, rank
-        from memory.streams import pinned_array
-        self.lora_hosts = [pinned_array(self.lora_map.shape, np.int32) for _ in range(2)]   # used in turn
+        from memory.streams import PinnedTwins
+        self.lora_hosts = PinnedTwins(self.lora_map.shape, np.int32)      # staging used in turn
         self.k_lora_shrink = kernel("lora_shrink", "lora_shrink")
         self.k_lora_expand = kernel("lora_expand", "lora_expand")
         self.k_lora_expand_small = kernel("lora_expand", "lora_expand", TT=SMALL_TILE_TOKENS)
@@ -244,14 +244,14 @@ class GpuLoRAOps:
             raise ValueError(f"LoRA slot {int(token_slots.max())} is outside the executor's {slots} (max_loras)")
         if token_slots.size < rows:                 # a graph's padding rows: no adapter
             token_slots = np.concatenate([token_slots, np.full(rows - token_slots.size, -1, token_slots.dtype)])
-        self.lora_hosts.reverse()
-        h = self.lora_hosts[0]                      # [order (tm) | token slots (tm) | starts]
+        h = self.lora_hosts.take()                  # [order (tm) | token slots (tm) | starts]
         order, starts = group_by_slot(token_slots, slots)
         h[:order.size], h[tm:tm + order.size], h[2 * tm:] = order, token_slots, starts
         runtime, dev = cupy.cuda.runtime, self.lora_map
         for at, count in ((0, order.size), (tm, order.size), (2 * tm, slots + 2)):
             runtime.memcpyAsync(dev[at:].data.ptr, h[at:].ctypes.data, count * 4, runtime.memcpyHostToDevice,
                                 self.stream.ptr)
+        self.lora_hosts.sent(self.stream)
         self.lora = GpuLoRAStep(order=dev[:tm], starts=dev[2 * tm:], token_slots=dev[tm:2 * tm],
                                 tiles=-(-rows // TILE_TOKENS))
 

@@ -180,15 +180,14 @@ class PrefillAttention:
     def __init__(self, arena, stream, max_tokens: int, max_seqs: int, key_rows: int, num_kv_heads: int,
                  head_dim: int, min_query: int, group: int = 0):
         from openinfer_kernels.raw_cuda import kernel
-        from memory.streams import pinned_array
+        from memory.streams import PinnedTwins
 
         self.stream, self.min_query, self.key_rows = stream, min_query, key_rows
         b = arena.take_all("prefill", self.buffers(key_rows, num_kv_heads, head_dim, max_tokens, max_seqs))
         self.k, self.v, self.data = b["k"], b["v"], b["plan"]
-        # two pinned twins used in turn (as StepInputs'): with async scheduling the next eager step is planned
-        # and uploaded while this one's copy may still wait in the stream behind earlier work
-        self.data_hosts = [pinned_array(self.data.shape, np.int32) for _ in range(2)]
-        self.data_host = self.data_hosts[0]
+        # the plan's staging (as StepInputs'): async scheduling plans and uploads the next eager steps while
+        # this one's copy may still wait in the stream behind earlier work
+        self.data_hosts = PinnedTwins(self.data.shape, np.int32)
         self.mapped = None          # a MappedCopy: the plan uploaded by a kernel while set (as StepInputs.mapped)
         self.gather = kernel("kv_gather", "kv_gather")
         self.launches = 0           # varlen_attention launches so far (tests check the path ran)
@@ -223,13 +222,14 @@ class PrefillAttention:
             raise ValueError(f"prefill plan of {n} entries exceeds its {self.data.size}-entry buffer")
         import cupy
 
-        self.data_host = self.data_hosts[1] if self.data_host is self.data_hosts[0] else self.data_hosts[0]
-        self.data_host[:n] = plan.data
+        host = self.data_hosts.take()
+        host[:n] = plan.data
         if self.mapped is not None:
-            self.mapped([(self.data_host, self.data, n)], to_host=False)
+            self.mapped([(host, self.data, n)], to_host=False)
         else:
-            cupy.cuda.runtime.memcpyAsync(self.data.data.ptr, self.data_host.ctypes.data, n * 4,
+            cupy.cuda.runtime.memcpyAsync(self.data.data.ptr, host.ctypes.data, n * 4,
                                           cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        self.data_hosts.sent(self.stream)
         return PrefillStep(self, plan)
 
 
