@@ -1,15 +1,27 @@
 """ModelConfig: the hyper-parameters of one model, parsed from a Hugging Face `config.json`."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.model_files import ModelLoadError, read_json_object
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_text",
                          "deepseek_v3", "kimi_k2", "deepseek_v4")
 # Composite (vision-language) configs: the text model's hyper-parameters sit under `text_config`.
 TEXT_CONFIG_MODEL_TYPES = ("qwen3_5",)
+# Sizes that must be positive integers: the required ones, and those that may be left out (or null).
+REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _positive(d: dict[str, Any], key: str) -> int:
+    """d[key] as a positive int; ValueError naming the field otherwise (0, negatives, 1.5, "abc", true)."""
+    value = d[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer() or value < 1:
+        raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    return int(value)
 
 
 def text_model_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -76,12 +88,20 @@ class ModelConfig:
             d = text_model_fields(d)
         if model_type == "deepseek_v4" and "intermediate_size" not in d:     # transformers' alias of it
             d = {**d, "intermediate_size": d.get("moe_intermediate_size")}
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "intermediate_size", "vocab_size"):
+        for key in REQUIRED_SIZES:
             if key not in d:
                 raise ValueError(f"config.json ({model_type}) is missing {key!r}")
-        heads = int(d["num_attention_heads"])
-        head_dim = d.get("head_dim") or int(d["hidden_size"]) // heads
+        dims = {key: _positive(d, key) for key in REQUIRED_SIZES + OPTIONAL_SIZES
+                if key in REQUIRED_SIZES or d.get(key) is not None}
+        heads = dims["num_attention_heads"]
+        kv_heads = dims.get("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of "
+                             f"num_key_value_heads ({kv_heads})")
+        head_dim = dims.get("head_dim") or dims["hidden_size"] // heads
+        if head_dim < 1:
+            raise ValueError(f"hidden_size ({dims['hidden_size']}) is smaller than "
+                             f"num_attention_heads ({heads}) and no head_dim is given")
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
@@ -98,19 +118,19 @@ class ModelConfig:
         dtype = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
         return cls(
             model_type=model_type,
-            hidden_size=int(d["hidden_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            hidden_size=dims["hidden_size"],
+            num_hidden_layers=dims["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(d["intermediate_size"]),
-            vocab_size=int(d["vocab_size"]),
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate_size=dims["intermediate_size"],
+            vocab_size=dims["vocab_size"],
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            max_position_embeddings=dims.get("max_position_embeddings", 4096),
             torch_dtype=str(dtype),
             hidden_act=act,
             bos_token_id=d.get("bos_token_id"),
@@ -125,9 +145,8 @@ class ModelConfig:
             path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model config not found: {path}")
-        with open(path, encoding="utf-8") as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        d = read_json_object(path)
+        try:
+            return cls.from_dict(d)
+        except (ValueError, TypeError) as e:
+            raise ModelLoadError(f"{path}: {e}") from None

@@ -33,12 +33,14 @@ from engine.config import EngineConfig
 from engine.events import Error, TokenEvent
 from engine.handle import RequestOutput, RequestStream, _deliver, collect_events
 from engine.engine_calls import RemoteEngineCalls, child_engine_op
+from engine.model_files import ModelLoadError
 from engine.process_tree import ParentLink, StopOnSigterm, detach_from_parent
 from engine.request import GenerateRequest, SamplingParams
 from engine.stats import EngineStats
 
 log = logging.getLogger("openinfer.engine")
-START_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "MemoryError": MemoryError}
+START_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "MemoryError": MemoryError,
+                "ModelLoadError": ModelLoadError}
 POLL_S = 0.25                    # the child's wait for a message: how soon it sees a SIGTERM's stop
 
 

@@ -15,6 +15,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
+from engine.model_files import ModelLoadError, read_json_object
+
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")      # SentencePiece byte-fallback tokens
 
@@ -78,13 +80,6 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _read_json(path: str) -> dict:
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, tokenizer_config: dict | None = None,
                  chat_template: str | None = None, eos_token_ids: list[int] | None = None):
@@ -106,8 +101,8 @@ class Tokenizer:
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer.json not found in {folder}")
-        config = _read_json(os.path.join(folder, "tokenizer_config.json"))
-        for key, value in _read_json(os.path.join(folder, "special_tokens_map.json")).items():
+        config = read_json_object(os.path.join(folder, "tokenizer_config.json"), required=False)
+        for key, value in read_json_object(os.path.join(folder, "special_tokens_map.json"), required=False).items():
             if key in SPECIAL_KEYS and config.get(key) is None:
                 config[key] = value
         template_path = os.path.join(folder, "chat_template.jinja")
@@ -117,7 +112,11 @@ class Tokenizer:
                 template = f.read()
         eos = (generation_config or {}).get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        return cls(HFTokenizer.from_file(path), config, template, eos_ids)
+        try:
+            tok = HFTokenizer.from_file(path)
+        except Exception as e:              # the tokenizers library raises a bare Exception
+            raise ModelLoadError(f"{path}: not a tokenizer the tokenizers library reads ({e})") from None
+        return cls(tok, config, template, eos_ids)
 
     # --- ids <-> text -----------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from engine.loader import load_model
 from engine.loader.gguf_convert import convert_gguf, gguf_folder_for, hf_tensor_name, unpermute_qk
 from engine.loader.safetensors_io import SafetensorsCheckpoint, save_safetensors
 from engine.model_config import ModelConfig
+from engine.model_files import ModelLoadError
 from harness.models import build_tiny_model, qwen_tokenizer_dir, tiny_model_path
 
 
@@ -77,8 +78,9 @@ def test_dtypes_and_shards_load_the_same_model(tmp_path, dtype, shards):
 def test_missing_tensor_is_named(tmp_path):
     name = "model.layers.1.self_attn.k_proj.weight"
     folder = copy_folder(tiny_model_path("qwen3_tied"), str(tmp_path / "m"), drop=name)
-    with pytest.raises(KeyError, match=name.replace(".", r"\.")):
+    with pytest.raises(ModelLoadError, match=name.replace(".", r"\.")) as e:
         load_model(folder)
+    assert folder in str(e.value)
 
 
 def test_shape_mismatch_names_tensor_and_both_shapes(tmp_path):

@@ -19,8 +19,11 @@ import numpy as np
 
 from engine.loader.gguf_tokenizer import build_tokenizer
 from engine.loader.safetensors_io import save_safetensors
+from engine.model_config import ModelConfig
+from engine.model_files import ModelLoadError
 
 CONVERTER_VERSION = 2
+TEMP_MARK = ".tmp"                      # a conversion writes <folder>.tmp<pid>, then renames it <folder>
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 
 _TENSOR_NAMES = {
@@ -59,9 +62,17 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+def _required(reader, key: str):
+    value = _field(reader, key)
+    if value is None:
+        raise ModelLoadError(f"{reader.path}: GGUF metadata {key!r} is missing")
+    return value
+
+
 def _config(reader, arch: str, tensor_names: set[str], vocab_size: int) -> dict:
     g = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
-    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
+    need = lambda key: int(_required(reader, f"{arch}.{key}"))  # noqa: E731
+    hidden, heads = need("embedding_length"), need("attention.head_count")
     rope_scaling = None
     if g("rope.scaling.type") in ("linear", "yarn"):
         rope_scaling = {"rope_type": g("rope.scaling.type"), "factor": float(g("rope.scaling.factor"))}
@@ -72,11 +83,11 @@ def _config(reader, arch: str, tensor_names: set[str], vocab_size: int) -> dict:
                            "qwen3": "Qwen3ForCausalLM"}[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": int(g("feed_forward_length")),
-        "num_hidden_layers": int(g("block_count")),
+        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": int(g("attention.head_count_kv", heads)),
-        "head_dim": int(g("attention.key_length", hidden // heads)),
+        "head_dim": int(g("attention.key_length", hidden // heads if heads > 0 else 0)),
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "rope_scaling": rope_scaling,
@@ -109,26 +120,76 @@ def gguf_folder_for(gguf_path: str) -> str:
 
 
 def convert_gguf(gguf_path: str, out_dir: str | None = None, progress: bool = True) -> str:
-    """Return an HF folder for `gguf_path`, converting it on first use (cached)."""
+    """Return an HF folder for `gguf_path`, converting it on first use (cached). The folder is written
+    under a temporary name and renamed when complete; temporary folders a killed conversion left are
+    removed first. ModelLoadError naming the file for a damaged or unsupported GGUF."""
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     out_dir = out_dir or gguf_folder_for(gguf_path)
+    remove_stale_temps(out_dir)
     if os.path.isfile(os.path.join(out_dir, "model.safetensors")):
         return out_dir
+    reader = _open(gguf_path)
+    try:
+        cfg, tokenizer, tok_config, tensors = _convert(reader, gguf_path, progress)
+    except ModelLoadError:
+        raise
+    except ValueError as e:                 # unsupported content, or the gguf package on damaged data
+        raise ModelLoadError(f"{gguf_path}: cannot convert: {e}") from None
+    except (TypeError, KeyError, IndexError) as e:
+        raise ModelLoadError(f"{gguf_path}: damaged GGUF file ({type(e).__name__}: {e})") from None
+    tmp = f"{out_dir}{TEMP_MARK}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        gen = {"bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+               "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id")}
+        for name, obj in (("config.json", cfg), ("tokenizer_config.json", tok_config),
+                          ("generation_config.json", {k: v for k, v in gen.items() if v is not None})):
+            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+                json.dump(obj, f, indent=2, ensure_ascii=False)
+        tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        save_safetensors(os.path.join(tmp, "model.safetensors"), tensors)
+        os.makedirs(os.path.dirname(out_dir) or ".", exist_ok=True)
+        _publish(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)       # gone once renamed; what an error or Ctrl-C left
+    return out_dir
+
+
+def _open(gguf_path: str):
+    """A GGUFReader over the file, its tensors checked to lie within it."""
     from gguf import GGUFReader
+    try:
+        reader = GGUFReader(gguf_path)
+    except Exception as e:               # the gguf package raises ValueError, IndexError, ... on damaged files
+        raise ModelLoadError(f"{gguf_path}: not a readable GGUF file, or a truncated one "
+                             f"({type(e).__name__}: {e})") from None
+    size = os.path.getsize(gguf_path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ModelLoadError(f"{gguf_path}: truncated: tensor {t.name!r} ends at byte "
+                                 f"{t.data_offset + t.n_bytes}, the file has {size}")
+    return reader
+
+
+def _convert(reader, gguf_path: str, progress: bool):
+    """(config.json dict, tokenizer, tokenizer_config dict, HF-named tensors) of an open GGUF."""
     from tqdm import tqdm
 
-    reader = GGUFReader(gguf_path)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; "
-                         f"supported: {', '.join(SUPPORTED_ARCHS)}")
+        raise ModelLoadError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; "
+                             f"supported: {', '.join(SUPPORTED_ARCHS)}")
     tok_meta = {k[len("tokenizer."):]: _field(reader, k) for k in reader.fields if k.startswith("tokenizer.")}
     tokenizer, tok_config = build_tokenizer(tok_meta)
     names = {t.name for t in reader.tensors}
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ModelLoadError(f"{gguf_path}: no token_embd.weight tensor")
     vocab_size = int(_field(reader, f"{arch}.vocab_size", 0) or int(embd.shape[-1]))
     cfg = _config(reader, arch, names, vocab_size)
+    ModelConfig.from_dict(cfg)              # sizes checked before any tensor is reshaped by them
 
     tensors: dict[str, np.ndarray] = {}
     bar = tqdm(reader.tensors, desc=f"converting {os.path.basename(gguf_path)}", unit="tensor",
@@ -143,23 +204,38 @@ def convert_gguf(gguf_path: str, out_dir: str | None = None, progress: bool = Tr
     dtypes = {a.dtype for n, a in tensors.items() if a.ndim == 2}
     cfg["torch_dtype"] = "bfloat16" if dtypes == {np.dtype(ml_dtypes.bfloat16)} else (
         "float16" if dtypes == {np.dtype(np.float16)} else "float32")
+    return cfg, tokenizer, tok_config, tensors
 
-    tmp = f"{out_dir}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    gen = {"bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-           "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id")}
-    for name, obj in (("config.json", cfg), ("tokenizer_config.json", tok_config),
-                      ("generation_config.json", {k: v for k, v in gen.items() if v is not None})):
-        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, ensure_ascii=False)
-    tokenizer.save(os.path.join(tmp, "tokenizer.json"))
-    save_safetensors(os.path.join(tmp, "model.safetensors"), tensors)
-    os.makedirs(os.path.dirname(out_dir) or ".", exist_ok=True)
+
+def _publish(tmp: str, out_dir: str) -> None:
+    """Rename the complete folder tmp to out_dir (atomic: a folder at out_dir is always complete)."""
     try:
-        os.rename(tmp, out_dir)         # atomic: a folder at out_dir is always complete
+        os.rename(tmp, out_dir)
     except OSError:
         if not os.path.isfile(os.path.join(out_dir, "model.safetensors")):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)     # another process converted it meanwhile
-    return out_dir
+            raise                       # (else another process converted it meanwhile)
+
+
+def remove_stale_temps(out_dir: str) -> None:
+    """Remove the temporary folders of conversions into out_dir whose process is gone (killed midway)."""
+    parent, stem = os.path.split(os.path.abspath(out_dir))
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return
+    for entry in entries:
+        head, mark, pid = entry.rpartition(TEMP_MARK)
+        if mark and head == stem and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False                    # this process is not converting it now: a leftover of an earlier one
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True                     # another user's live process
+    return True

@@ -2,7 +2,6 @@
 generation config."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from engine.model_config import ModelConfig
+from engine.model_files import ModelLoadError, read_json_object
 from engine.models.decoder import DecoderLM
 from engine.models.registry import build_model
 from engine.models.weights import pack_weights
@@ -29,11 +29,7 @@ class LoadedModel:
 
 
 def read_generation_config(folder: str, config: ModelConfig) -> dict[str, Any]:
-    path = os.path.join(folder, "generation_config.json")
-    gen: dict[str, Any] = {}
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            gen = json.load(f)
+    gen = read_json_object(os.path.join(folder, "generation_config.json"), required=False)
     if gen.get("eos_token_id") is None and config.eos_token_id is not None:
         gen["eos_token_id"] = config.eos_token_id
     return gen
@@ -47,7 +43,10 @@ def load_hf_folder(folder: str, dequant_dtype=np.float32) -> LoadedModel:
     model = build_model(config)
     ckpt = SafetensorsCheckpoint(folder)
     has, get = model.checkpoint(*dequantizing(config.raw, ckpt.__contains__, ckpt.get, dequant_dtype))
-    weights = pack_weights(model.weight_specs(), has, get, where=folder)
+    try:
+        weights = pack_weights(model.weight_specs(), has, get, where=folder)
+    except KeyError as e:                   # a tensor the model needs is not in the checkpoint
+        raise ModelLoadError(e.args[0]) from None
     gen = read_generation_config(folder, config)
     tokenizer = Tokenizer.from_folder(folder, gen)
     return LoadedModel(config, weights, tokenizer, gen, os.path.abspath(folder), model)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import threading
 import struct
+import threading
 
 import ml_dtypes
 import numpy as np
+
+from engine.model_files import ModelLoadError, read_json_object
 
 DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
@@ -22,27 +24,28 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def read_header(path: str) -> tuple[dict, int]:
-    """(tensor entries, byte offset of the data section); ValueError naming the file and what is wrong
-    with a header that is not safetensors' (`check_entry`)."""
+    """(tensor entries, byte offset of the data section); ModelLoadError (a ValueError) naming the file and
+    what is wrong with a header that is not safetensors' (`check_entry`), or a file shorter than its header
+    says (a truncated download or copy)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         raw = f.read(8)
         if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (too short)")
+            raise ModelLoadError(f"{path}: not a safetensors file ({size} bytes; truncated?)")
         (n,) = struct.unpack("<Q", raw)
         if n > min(100 * 2**20, size - 8):
-            raise ValueError(f"{path}: not a safetensors file (header of {n} bytes in a file of {size})")
+            raise ModelLoadError(f"{path}: not a safetensors file (header of {n} bytes in a file of {size})")
         try:
             header = json.loads(f.read(n))
         except (ValueError, RecursionError) as e:
-            raise ValueError(f"{path}: the safetensors header is not valid JSON: {e}") from None
+            raise ModelLoadError(f"{path}: the safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
-        raise ValueError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object")
+        raise ModelLoadError(f"{path}: the safetensors header is a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
     for name, entry in header.items():
         problem = check_entry(entry, size - 8 - n)
         if problem:
-            raise ValueError(f"{path}: tensor {name!r}: {problem}")
+            raise ModelLoadError(f"{path}: tensor {name!r}: {problem}")
     return header, 8 + n
 
 
@@ -57,9 +60,11 @@ def check_entry(entry, data_bytes: int) -> str | None:
         return f"'dtype' {dtype!r} is not a string"
     if not isinstance(shape, list) or not all(_count(d) for d in shape):
         return f"'shape' {shape!r} is not a list of non-negative integers"
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
-            and offsets[0] <= offsets[1] <= data_bytes):
-        return f"'data_offsets' {offsets!r} is not [begin, end] within the file's {data_bytes} data bytes"
+    pair = isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
+    if not (pair and offsets[0] <= offsets[1] <= data_bytes):
+        truncated = pair and offsets[0] <= offsets[1]          # a whole header over a cut-off file
+        return (f"'data_offsets' {offsets!r} is not [begin, end] within the file's {data_bytes} data bytes"
+                + (": the file is truncated (an interrupted download or copy? fetch it again)" if truncated else ""))
     want = math.prod(shape) * DTYPES[dtype].itemsize if dtype in DTYPES else None
     if want is not None and offsets[1] - offsets[0] != want:
         return f"'data_offsets' {offsets!r} span {offsets[1] - offsets[0]} bytes; shape {shape} of {dtype} is {want}"
@@ -78,8 +83,9 @@ class SafetensorsCheckpoint:
         index = os.path.join(folder, "model.safetensors.index.json")
         single = os.path.join(folder, "model.safetensors")
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ModelLoadError(f"{index}: no 'weight_map' object of tensor name -> file name")
             files = sorted(set(weight_map.values()))
         elif os.path.isfile(single):
             files = ["model.safetensors"]
