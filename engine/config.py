@@ -38,6 +38,8 @@ class EngineConfig:
     engine/parallel).
     kv_events_config: vLLM's --kv-events-config: the prefix cache's changes published for a KV-aware router
     (engine/kv_events.py).
+    cpu_threads: the CPU executor's BLAS threads for steps above decode size (None: $OPENBLAS_NUM_THREADS,
+    else the cores less one; decode-size steps run on one: engine/executor/cpu_threads.py).
     """
     model: str | None = None
     device: str = "auto"                     # "auto" | "cpu" | "cuda"
@@ -69,6 +71,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     tensor_parallel_size: int = 1
     kv_events_config: KVEventsConfig | None = None
+    cpu_threads: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
@@ -95,6 +98,7 @@ class EngineConfig:
             (len({name for name, _ in self.lora_modules}) == len(self.lora_modules),
              "lora_modules names must be distinct"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1"),
             (self.tensor_parallel_size == 1 or not self.enable_lora,
              "enable_lora with tensor_parallel_size > 1: LoRA adapters are not sharded across ranks"),
         ]

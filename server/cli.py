@@ -55,6 +55,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "taken on the GPU): no host time between decode steps")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model across this many GPUs (one process each, NCCL); on the CPU, threads")
+    p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
+                   help="the CPU executor's BLAS threads for steps of more than 16 tokens (decode-size steps run on "
+                        "one; default: $OPENBLAS_NUM_THREADS, else the cores less one)")
     p.add_argument("--step-trace", default=None, metavar="FILE",
                    help="write one JSON line per engine step (tokens, host phases, GPU time): bench/step_profile.py "
                         "tabulates it")
@@ -244,7 +247,7 @@ def engine_config(args: argparse.Namespace):
                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           max_cpu_loras=args.max_cpu_loras,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          kv_events_config=args.kv_events_config)
+                          kv_events_config=args.kv_events_config, cpu_threads=args.cpu_threads)
     config.validate()
     return config
 

@@ -68,7 +68,9 @@ def describe_executor(handle, device: str) -> str:
         return f"executor: GpuExecutor on the GPU (--device {device}){where}, which logs its linear layers' library"
     name = type(executor).__name__ if executor is not None else "CpuExecutor"
     why = "--device cpu" if device == "cpu" else f"--device {device} and {cupy_status() or 'no GPU'}"
-    return f"executor: {name} (numpy) on the CPU ({why}){where}; linear layers: numpy matmul ({_blas()})"
+    threads = getattr(executor, "threads", None)
+    threads = f"; {threads.describe()}" if threads is not None else ""
+    return f"executor: {name} (numpy) on the CPU ({why}){where}; linear layers: numpy matmul ({_blas()}){threads}"
 
 
 def _blas() -> str:

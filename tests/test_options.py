@@ -31,7 +31,7 @@ def non_default_config(model: str) -> EngineConfig:
                         gpu=GpuTuning(decode_kernels="attention", gemm="cublas", pdl=False, nvtx="ops"),
                         progress=False, enable_lora=True, lora_modules=(("ad", tiny_adapter_path("qwen3_untied", "attn8")),),
                         max_loras=2, max_lora_rank=8, max_cpu_loras=3,
-                        kv_events_config=KVEventsConfig(True, endpoint="inproc://test-options-kv-events"))
+                        kv_events_config=KVEventsConfig(True, endpoint="inproc://test-options-kv-events"), cpu_threads=3)
 
 
 def block_bytes(path: str, itemsize: int) -> int:
@@ -110,6 +110,7 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             # the event log records the block manager's and the host tier's changes
             "kv_events_config": eng.kv_events is not None and eng.scheduler.host_tier.on_move is not None
             and eng.kv_events._on_block in eng.block_manager._stored_subscribers,
+            "cpu_threads": opts.cpu_threads == 3 == ex.threads.threads,
         }
         h.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert set(checks) == {f.name for f in dataclasses.fields(EngineConfig)}

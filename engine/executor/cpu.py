@@ -10,6 +10,7 @@ from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import ExecutorBase
 from engine.executor.cpu_lora_ops import CpuLoRASlots
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
+from engine.executor.cpu_threads import CpuThreads, default_cpu_threads
 from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
 from engine.models.rope import rope_cos_sin
@@ -44,6 +45,7 @@ class CpuExecutor(ExecutorBase):
         self.host_kv = host_pool(self.layout, options.host_kv_blocks) if options.host_kv_blocks else None
         self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len, self.model.rope_dim)
         self.ops = self.ops_class(self.kv)
+        self.threads = CpuThreads(options.cpu_threads or default_cpu_threads())
         state = self.model.state_layout()          # linear-attention lines: one state slot per sequence
         self.num_state_slots = options.max_num_seqs if state is not None else 0
         if state is not None:
@@ -80,6 +82,7 @@ class CpuExecutor(ExecutorBase):
         return np.asfortranarray(a) if a.ndim == 2 else np.array(a)
 
     def _context(self, batch: ModelBatch) -> CpuStepContext:
+        self.threads.for_step(batch.num_tokens)
         if batch.num_tokens and int(batch.positions.max()) >= self.max_model_len:
             raise ValueError(f"position {int(batch.positions.max())} is beyond max_model_len {self.max_model_len}")
         if batch.block_tables.size and int(batch.block_tables.max()) >= self.num_kv_blocks:

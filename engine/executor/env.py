@@ -1,4 +1,5 @@
-"""The GPU executor's environment variables, read here and nowhere else, once, into GpuTuning.
+"""The executors' environment variables, read here and nowhere else, once: the GPU executor's into
+GpuTuning, and the BLAS thread count of the CPU executor's larger steps (cpu_threads_from_env).
 
 | variable | GpuTuning field | default |
 | --- | --- | --- |
@@ -14,6 +15,7 @@
 | OPENINFER_ASYNC_HOST_TIER | async_host_tier ("1": on) | 0 |
 | OPENINFER_PARTIAL_PREFIX_HITS | partial_prefix_hits ("1": on) | 0 |
 | OPENINFER_LORA_GATE_UP_IN_K | lora_gate_up_in_k ("1": on) | 0 |
+| OPENBLAS_NUM_THREADS, else OMP_NUM_THREADS | ExecutorOptions.cpu_threads (without --cpu-threads) | cores less one |
 """
 from __future__ import annotations
 
@@ -58,3 +60,16 @@ def gpu_tuning_from_env(env: Mapping[str, str] | None = None) -> GpuTuning:
         nvtx=NVTX_VALUES[nvtx])
     tuning.validate()
     return tuning
+
+
+def cpu_threads_from_env(env: Mapping[str, str] | None = None) -> int | None:
+    """The BLAS threads a user asked for with OPENBLAS_NUM_THREADS (else OMP_NUM_THREADS), or None;
+    ValueError naming the variable for one that is not a positive integer."""
+    env = os.environ if env is None else env
+    for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        if env.get(name, "").strip():
+            threads = _int(env, name, 0)
+            if threads < 1:
+                raise ValueError(f"${name}={env[name]!r}: want a positive integer")
+            return threads
+    return None

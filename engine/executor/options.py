@@ -113,7 +113,8 @@ class ExecutorOptions:
     host_kv_blocks: host KV tier slots the executor allocates. progress: the weight-upload bar.
     time_steps: CUDA events around every step (EngineConfig.step_trace turns it on). max_loras: LoRA
     adapter slots (0: LoRA off), of max_lora_rank ranks each. tensor_parallel_size: ranks the model is
-    split across (engine/parallel; every rank runs with these options)."""
+    split across (engine/parallel; every rank runs with these options). cpu_threads: the CPU executor's
+    BLAS threads for steps above decode size (engine/executor/cpu_threads.py; None: the cores less one)."""
     max_model_len: int = 4096
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -129,6 +130,7 @@ class ExecutorOptions:
     max_loras: int = 0
     max_lora_rank: int = 16
     tensor_parallel_size: int = 1
+    cpu_threads: int | None = None
 
     def validate(self) -> None:
         checks = [
@@ -145,6 +147,7 @@ class ExecutorOptions:
             (self.host_kv_blocks >= 0, "host_kv_blocks must be >= 0"),
             (self.max_loras >= 0 and self.max_lora_rank >= 1, "max_loras must be >= 0, max_lora_rank >= 1"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.cpu_threads is None or self.cpu_threads >= 1, f"cpu_threads must be >= 1, got {self.cpu_threads}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -170,7 +173,7 @@ def executor_options(config, device: str, model_max_len: int) -> ExecutorOptions
     """The executor's options for an EngineConfig on a resolved device ("cpu" / "cuda") and the model's
     own context limit (its max_position_embeddings); the GPU kernel choices are config.gpu, else the
     environment's. Raises ValueError naming the flag for a combination that cannot work."""
-    from engine.executor.env import gpu_tuning_from_env
+    from engine.executor.env import cpu_threads_from_env, gpu_tuning_from_env
 
     if config.max_model_len is not None and config.max_model_len > model_max_len:
         raise ValueError(f"max_model_len ({config.max_model_len}) is more than the model's context "
@@ -188,7 +191,8 @@ def executor_options(config, device: str, model_max_len: int) -> ExecutorOptions
         cuda_graph_sizes=tuple(config.cuda_graph_sizes), host_kv_blocks=config.host_kv_blocks,
         progress=config.progress, time_steps=config.step_trace is not None,
         gpu=config.gpu or gpu_tuning_from_env(), max_loras=config.max_loras if config.enable_lora else 0,
-        max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size)
+        max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size,
+        cpu_threads=(config.cpu_threads or cpu_threads_from_env()) if device == "cpu" else None)
     options.validate()
     if device == "cuda":
         options.validate_for_gpu()
