@@ -179,23 +179,9 @@ async def run_soak(url: str, requests: int = 300, concurrency: int = 64, disconn
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    port = args.port
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--device", "cpu", "--port", str(port),
-           "--max-num-seqs", str(args.concurrency)] + (["--model", args.model] if args.model else [])
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
-                            stderr=open(args.server_log, "w"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited ({proc.returncode}); see {args.server_log}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit("server did not start")
+    from bench.common_server import start_server as start
+    return start(["--device", "cpu", "--max-num-seqs", str(args.concurrency)]
+                 + (["--model", args.model] if args.model else []), args.port, args.server_log)
 
 
 def main() -> None:

@@ -12,8 +12,9 @@ from engine.executor.options import DEFAULT_GRAPH_SIZES, DTYPES, GpuTuning
 from engine.kv_events import KVEventsConfig
 from engine.lora import MAX_LORA_RANK
 
-# vLLM's defaults on a GPU; the numpy executor takes smaller steps (its attention is O(T^2) in memory).
-DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (64, 2048)}   # device -> (max_num_seqs, max_num_batched_tokens)
+# vLLM's defaults on a GPU. On the CPU a step of the demo model takes ~0.13 s + 3.5 ms a token's worth of work
+# (its attention counted: engine/step_budget.py) on one core of a 2-core machine: 96 keeps it under ~0.47 s.
+DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (64, 96)}   # device -> (max_num_seqs, max_num_batched_tokens)
 
 
 @dataclass
@@ -23,7 +24,8 @@ class EngineConfig:
     model: an HF model folder or a .gguf file; None serves the built-in demo model.
     max_model_len: prompt + output token limit per sequence; None takes the model's own limit.
     max_num_seqs / max_num_batched_tokens: sequences / tokens per step; None takes the device's
-    default (DEFAULT_LIMITS: vLLM's 256 / 8192 on the GPU).
+    default (DEFAULT_LIMITS: vLLM's 256 / 8192 on the GPU). With the CPU executor the tokens bound the
+    step's work too (its StepCost counts attention: engine/step_budget.py).
     num_kv_blocks: size of the paged KV pool in 16-token blocks; None lets the executor size
     it (from gpu_memory_utilization on the GPU).
     enable_chunked_prefill: split prompts longer than a step's token budget over several steps

@@ -98,7 +98,8 @@ class EngineLoop:
         self.kv_events = kv_event_log(config.kv_events_config, self.block_manager, tier, self._lora_name)
         self.scheduler = Scheduler(self.block_manager, max_seqs, max_tokens, tier,
                                    chunked_prefill=config.enable_chunked_prefill, state_slots=slots,
-                                   max_loras=config.max_loras if config.enable_lora else 0)
+                                   max_loras=config.max_loras if config.enable_lora else 0,
+                                   step_cost=getattr(executor, "step_cost", None))
         self.scheduler.copy_on_write = getattr(executor, "supports_block_copies", False)
         if self.scheduler.host_tier is not None and getattr(executor, "supports_async_copies", False):
             self.scheduler.enable_async_copies(executor.copies_done)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from engine.batch import SeqStep
 from engine.scheduler_copies import Copies, HostTierCopies
 from engine.sequence import Sequence, SeqStatus
+from engine.step_budget import MIN_PREFILL, StepBudget, StepCost
 from memory.block_manager import BlockManager
 from memory.host_tier import HostKVTier
 from memory.kv_pool import BLOCK_SIZE, blocks_for
@@ -63,8 +64,9 @@ class SchedulerOutput:
 class Scheduler(HostTierCopies):
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, host_tier: HostKVTier | None = None, chunked_prefill: bool = True,
-                 state_slots: StateSlots | None = None, max_loras: int = 0):
+                 state_slots: StateSlots | None = None, max_loras: int = 0, step_cost: StepCost | None = None):
         self.bm = block_manager
+        self.step_cost = step_cost               # the executor's cost model: work bounds chunks too (step_budget.py)
         self.state_slots = state_slots           # per-sequence state slots (None: the line keeps none)
         self.max_loras = max_loras               # > 0: at most this many LoRA adapters among the running
         self.chunked_prefill = chunked_prefill   # off: a prompt's prefill runs in one step or waits
@@ -100,29 +102,33 @@ class Scheduler(HostTierCopies):
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.new_budget()
         self.land_copies()
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             seq = self.running[i]
             n = self._chunk(seq, budget)
             if n and not self._reserve(seq, n, out):
                 break                                    # seq preempted itself
             if n:
-                budget -= self._add_step(seq, n, out)
+                self._add_step(seq, n, out, budget)
             i += 1
         if out.preempted:
             return out
         self._admit_waiting(out, budget)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, in_flight: frozenset[int] = frozenset()) -> None:
+    def new_budget(self) -> StepBudget:
+        """A step's budget: max_num_batched_tokens tokens, and as much work under the executor's StepCost."""
+        return StepBudget.of(self.max_num_batched_tokens, self.step_cost if self.chunked_prefill else None)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget, in_flight: frozenset[int] = frozenset()) -> None:
         """Waiting sequences join `out` (FCFS) while the token budget, max_num_seqs and the KV pool allow;
         a sequence whose LoRA adapter cannot join is passed over, keeping its place. in_flight: hashes of
         blocks the step still running fills (a plan ahead): a sequence whose next block is one of them
         waits for it to be cached instead of computing it again."""
         loras, skipped = self._running_loras(), []
-        while self.waiting and budget > 0:
+        while self.waiting and budget.tokens > 0:
             seq = self.waiting[0]
             if self._lora_blocked(seq, loras):     # its adapter cannot join this step's; a later one may
                 skipped.append(self.waiting.popleft())
@@ -138,11 +144,11 @@ class Scheduler(HostTierCopies):
                 continue
             group = self._fork(seq, out) if self._fork_ready(seq) else [seq]
             for s in group:
-                n = self._chunk(s, budget) if budget > 0 else 0
+                n = self._chunk(s, budget) if budget.tokens > 0 else 0
                 need = blocks_for(s.num_computed + n) - len(s.block_table)
                 if n > 0 and self.bm.can_allocate(need):
                     s.block_table += self.bm.allocate(need)
-                    budget -= self._add_step(s, n, out)
+                    self._add_step(s, n, out, budget)
         self.waiting.extendleft(reversed(skipped))
 
     def _running_loras(self) -> set[int]:
@@ -154,19 +160,18 @@ class Scheduler(HostTierCopies):
         adapters must all be resident in the executor's slots at once)."""
         return bool(self.max_loras and seq.lora_id and seq.lora_id not in loras and len(loras) >= self.max_loras)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Sequence, budget: StepBudget) -> int:
         """New tokens of seq to compute this step (0: none fit)."""
         end = seq.fork_at if seq.fork_count > 1 else len(seq.token_ids)
-        if not self.chunked_prefill and end - seq.num_computed + self._overlap(seq) > budget:
-            return 0
-        if not seq.want_prompt_logprobs:
-            return min(end - seq.num_computed, budget)
-        # Prompt logprobs: a chunk after the first re-feeds the previous chunk's last token, so
+        left, overlap = end - seq.num_computed, self._overlap(seq)
+        if not self.chunked_prefill:
+            return left if left + overlap <= budget.tokens else 0
+        n = budget.fit(seq.num_computed - overlap, left + overlap, MIN_PREFILL + overlap) - overlap
+        # Prompt logprobs: a chunk after the first re-feeds the previous chunk's last token (overlap), so
         # that the logprob of its own first token is computed too. That re-written slot must not
         # sit in a full (hence possibly cached and shared) block: no chunk but the last may end
         # on a block boundary.
-        n = min(end - seq.num_computed, budget - self._overlap(seq))
-        if seq.num_computed + n < end and (seq.num_computed + n) % BLOCK_SIZE == 0:
+        if seq.want_prompt_logprobs and seq.num_computed + n < end and (seq.num_computed + n) % BLOCK_SIZE == 0:
             n -= 1
         return max(n, 0)
 
@@ -189,7 +194,7 @@ class Scheduler(HostTierCopies):
         seq.block_table += self.bm.allocate(need)
         return True
 
-    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput, in_flight: frozenset[int] = frozenset()) -> bool:
+    def _admit(self, seq: Sequence, budget: StepBudget, out: SchedulerOutput, in_flight: frozenset[int] = frozenset()) -> bool:
         """Move a waiting seq to running with its prefix-cache hit (device, then host tier), if its
         first chunk fits and its next block is not being filled by a step in flight (in_flight)."""
         hit: list[int] = []
@@ -263,14 +268,14 @@ class Scheduler(HostTierCopies):
         out.forked += group[1:]
         return group
 
-    def _add_step(self, seq: Sequence, n: int, out: SchedulerOutput) -> int:
-        """Add n new tokens of seq to the step; returns the tokens fed (budget spent)."""
+    def _add_step(self, seq: Sequence, n: int, out: SchedulerOutput, budget: StepBudget) -> None:
+        """Add n new tokens of seq to the step, spending them from the budget."""
         start = seq.num_computed - self._overlap(seq)
         end = seq.num_computed + n
         out.seqs.append(seq)
         copy = (seq.cow_source, seq.block_table[start // BLOCK_SIZE]) if seq.cow_source >= 0 else None
         out.steps.append(self._step_of(seq, start, end, copy))
-        return end - start
+        budget.spend(start, end - start, prefill=end - start > 1 or start < seq.prompt_len)
 
     @staticmethod
     def _step_of(seq: Sequence, start: int, end: int, block_copy: tuple[int, int] | None = None) -> SeqStep:
@@ -324,12 +329,14 @@ class Scheduler(HostTierCopies):
                 return None
             decodes.append((seq, step))
             need += max(0, blocks_for(step.context_len + 1) - len(seq.block_table))
-        budget, sizes = self.max_num_batched_tokens - len(decodes), []
+        budget, sizes = self.new_budget(), []
+        for seq, step in decodes:
+            budget.spend(step.context_len, 1, prefill=False)
         for seq, step in chunks:
-            n = min(len(seq.token_ids) - step.context_len, budget)
+            n = budget.fit(step.context_len, len(seq.token_ids) - step.context_len)
             if n <= 0:
                 return None
-            budget -= n
+            budget.spend(step.context_len, n, prefill=True)
             sizes.append(n)
             need += max(0, blocks_for(step.context_len + n) - len(seq.block_table))
         if not self.bm.can_allocate(need):

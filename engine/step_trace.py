@@ -13,7 +13,9 @@ ran, and its host phases in milliseconds:
   plan      the next decode step planned (overlaps the device)
   wait      blocked on the step's result
   process   the step's results accounted, its tokens turned into events
-and gpu_ms, the device time between the step's first and last queued work (CUDA events).
+and gpu_ms, the device time between the step's first and last queued work (CUDA events), and cpu_ms, the
+CPU time of the engine thread over the step (the CPU executor computes on it: with one BLAS thread, what
+the step takes on a core of its own, however loaded the machine).
 """
 from __future__ import annotations
 
@@ -28,10 +30,11 @@ class StepTrace:
         self.file = open(path, "w", encoding="utf-8", buffering=1 << 16)
         self.t0 = time.perf_counter()
         self.row: dict = {}
-        self.mark_at = 0.0
+        self.mark_at = self.cpu_at = 0.0
 
     def begin(self) -> None:
         self.row = {p: 0.0 for p in PHASES}
+        self.cpu_at = time.thread_time()
         self.mark_at = time.perf_counter()
         self.row["t"] = round(self.mark_at - self.t0, 6)
         self.row["tm"] = round(time.monotonic(), 6)         # the request trace's clock (server/request_trace.py)
@@ -51,7 +54,8 @@ class StepTrace:
         for p in PHASES:
             row[p] = round(row[p], 4)
         row.update(seqs=len(out.steps), prefill=prefill, decode=out.num_tokens - prefill, planned=planned,
-                   graphed=executor.last_step_graphed, gpu_ms=None if gpu_ms is None else round(gpu_ms, 4))
+                   graphed=executor.last_step_graphed, gpu_ms=None if gpu_ms is None else round(gpu_ms, 4),
+                   cpu_ms=round((time.thread_time() - self.cpu_at) * 1e3, 4))
         self.file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:

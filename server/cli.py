@@ -32,7 +32,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output token limit per request (default: the model's own)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per engine step at most (default: 8192 on the GPU, 2048 on the CPU)")
+                   help="tokens per engine step at most (default: 8192 on the GPU; 96 on the CPU, where a token's "
+                        "attention over a long context counts as more than one)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts over several steps (off: --max-num-batched-tokens must hold "
                         "--max-model-len)")

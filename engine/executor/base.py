@@ -14,6 +14,7 @@ import numpy as np
 
 from engine.batch import ModelBatch, StepOutput
 from engine.executor.options import ExecutorOptions
+from engine.step_budget import StepCost
 
 
 class PendingStep(Protocol):
@@ -42,6 +43,7 @@ class Executor(Protocol):
     supports_fed_steps: bool    # submit(batch, fed=True) works (async scheduling)
     last_step_graphed: bool     # the last step replayed a CUDA graph (the step trace's mode)
     num_state_slots: int        # per-sequence state slots (linear-attention lines; 0: none)
+    step_cost: StepCost | None  # what attention adds to a step, in tokens (None: the token budget alone bounds it)
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         """Run one step: write the new tokens' KV, sample where asked."""
@@ -110,6 +112,7 @@ class ExecutorBase:
     supports_async_copies = False  # host-tier restores land before the next step (copy_blocks: None)
     last_step_graphed = False     # the last step replayed a CUDA graph
     num_state_slots = 0
+    step_cost = None              # a StepCost (engine/step_budget.py): work bounds a step besides its tokens
     options: ExecutorOptions
 
     def execute(self, batch: ModelBatch) -> StepOutput:

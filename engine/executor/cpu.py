@@ -9,6 +9,7 @@ import numpy as np
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import ExecutorBase
 from engine.executor.cpu_lora_ops import CpuLoRASlots
+from engine.executor.cpu_cost import cpu_step_cost
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
 from engine.executor.cpu_threads import CpuThreads, default_cpu_threads
 from engine.executor.options import ExecutorOptions
@@ -36,6 +37,7 @@ class CpuExecutor(ExecutorBase):
         self.weights = {name: self._prepare(a, rounding) for name, a in model.weights.items()}
         self.layout = self.model.kv_layout()
         self.kv_block_bytes = self.layout.block_bytes(4)          # the numpy pool is float32
+        self.step_cost = cpu_step_cost(cfg, self.weights, self.kv_block_bytes // BLOCK_SIZE)
         num_kv_blocks = options.num_kv_blocks
         if num_kv_blocks is None:
             need = blocks_for(self.max_model_len)

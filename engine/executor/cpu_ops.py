@@ -84,15 +84,20 @@ class NumpyOps(NumpyLoRAOps, NumpyMoEOps, NumpyMLAOps, DeltaNetNumpyOps, NumpyDS
             k = k_all[blocks].reshape(-1, Hkv, D)[:L]
             v = v_all[blocks].reshape(-1, Hkv, D)[:L]
             n = q1 - q0
-            # [Hkv, G·n, D] @ [Hkv, D, L]: q head h·G + g reads kv head h (GQA)
-            qs = q[q0:q1].reshape(n, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * n, D)
-            scores = (qs @ k.transpose(1, 2, 0)) * np.float32(spec.scale)
+            # [Hkv, G·n, D] @ [Hkv, D, L]: q head h·G + g reads kv head h (GQA); the scale goes on q (n·D
+            # products, not n·L), the causal mask on the keys from the chunk's first position on (the
+            # earlier ones every query sees), the softmax in place, its sum divides the output
+            qs = (q[q0:q1] * np.float32(spec.scale)).reshape(n, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * n, D)
+            scores = qs @ k.transpose(1, 2, 0)
             qpos = np.tile(b.positions[q0:q1], G)                    # row r is query r % n
-            scores[:, np.arange(L)[None, :] > qpos[:, None]] = -np.inf
+            first = int(qpos.min())
+            if first + 1 < L:
+                scores[:, :, first:] += np.where(np.arange(first, L)[None, :] > qpos[:, None], -np.inf,
+                                                 0).astype(np.float32)
             scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
-            o = (p @ v.transpose(1, 0, 2)).reshape(Hkv, G, n, D).transpose(2, 0, 1, 3)
+            np.exp(scores, out=scores)
+            o = (scores @ v.transpose(1, 0, 2)) / scores.sum(axis=-1, keepdims=True)
+            o = o.reshape(Hkv, G, n, D).transpose(2, 0, 1, 3)
             out[q0:q1] = o.reshape(q1 - q0, Hq, D)
         return out.reshape(T, Hq * D)
 

@@ -48,6 +48,7 @@ class TensorParallelExecutor(ExecutorBase):
         self.kv_block_bytes = local.kv_block_bytes              # this rank's share (KV heads split)
         self.supports_fed_steps = local.supports_fed_steps
         self.num_state_slots = local.num_state_slots
+        self.step_cost = local.step_cost                        # rank 0's (every rank holds a like share)
 
     @property
     def last_step_graphed(self) -> bool:
