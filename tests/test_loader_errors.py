@@ -112,10 +112,11 @@ def test_damaged_gguf_is_named_and_converts_nothing(tmp_path, demo_gguf_bytes, s
     assert os.listdir(tmp_path) == ["model.gguf"]                 # no folder, finished or temporary
 
 
-def write_small_gguf(path: str, heads: int, hidden: int = 8) -> None:
+def write_small_gguf(path: str, heads: int, hidden: int = 8, layers: int | None = 1) -> None:
     import gguf
     w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(1)
+    if layers is not None:
+        w.add_block_count(layers)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(16)
     w.add_head_count(heads)
@@ -129,10 +130,11 @@ def write_small_gguf(path: str, heads: int, hidden: int = 8) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("heads,hidden,key", [(0, 8, "num_attention_heads"), (2, 0, "hidden_size")])
-def test_gguf_with_zero_sizes_is_named(tmp_path, heads, hidden, key):
+@pytest.mark.parametrize("heads,hidden,layers,key", [(0, 8, 1, "num_attention_heads"), (2, 0, 1, "hidden_size"),
+                                                     (2, 8, 0, "num_hidden_layers"), (2, 8, None, "block_count")])
+def test_gguf_with_zero_or_missing_sizes_is_named(tmp_path, heads, hidden, layers, key):
     path = str(tmp_path / "zero.gguf")
-    write_small_gguf(path, heads, hidden)
+    write_small_gguf(path, heads, hidden, layers)
     with pytest.raises(ModelLoadError) as e:
         convert_gguf(path, out_dir=str(tmp_path / "converted"), progress=False)
     assert path in str(e.value) and key in str(e.value)

@@ -65,7 +65,7 @@ def _field(reader, key: str, default=None):
 def _required(reader, key: str):
     value = _field(reader, key)
     if value is None:
-        raise ModelLoadError(f"{reader.path}: GGUF metadata {key!r} is missing")
+        raise ValueError(f"GGUF metadata {key!r} is missing")
     return value
 
 
