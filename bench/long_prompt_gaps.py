@@ -83,8 +83,8 @@ def trace_summary(path: str, start: float, end: float) -> dict:
     worst_wall = max(rows, key=lambda r: r["wall_ms"], default=None)
     worst_cpu = max(rows, key=lambda r: r.get("cpu_ms") or 0.0, default=None)
     return {"steps": len(rows), "prefill_tokens": sum(r["prefill"] for r in rows),
-            "worst_wall": {k: worst_wall[k] for k in held} if worst_wall else None,
-            "worst_cpu": {k: worst_cpu[k] for k in held} if worst_cpu else None}
+            "worst_wall": {k: worst_wall.get(k) for k in held} if worst_wall else None,
+            "worst_cpu": {k: worst_cpu.get(k) for k in held} if worst_cpu else None}
 
 
 def main() -> None:
