@@ -25,9 +25,12 @@ MIN_PREFILL = 4
 @dataclass(frozen=True)
 class StepCost:
     """A sequence's share of a step, in tokens' worth of work: feeding n tokens after `start` computed
-    ones (so its context is start + n keys) costs n + context * key + n * context * pair."""
+    ones (so its context is start + n keys) costs n + context * key + n * context * pair. min_work: the
+    work a step may hold even where max_num_batched_tokens tokens' worth is less (a small model's tokens
+    cost little: its steps are not cut finer than a larger model's of the same time)."""
     key: float                  # one key of the context read (its K and V, every layer)
     pair: float                 # one (new token, key) pair scored (every head, every layer)
+    min_work: float = 0.0
 
     def of(self, start: int, n: int) -> float:
         context = start + n
@@ -61,7 +64,8 @@ class StepBudget:
 
     @classmethod
     def of(cls, max_num_batched_tokens: int, cost: StepCost | None) -> "StepBudget":
-        return cls(max_num_batched_tokens, float(max_num_batched_tokens), cost)
+        work = max(max_num_batched_tokens, cost.min_work) if cost is not None else max_num_batched_tokens
+        return cls(max_num_batched_tokens, float(work), cost)
 
     def fit(self, start: int, want: int, least: int = MIN_PREFILL) -> int:
         """How many of `want` new tokens, fed after `start` computed ones, this step can take: all the

@@ -100,13 +100,13 @@ def run_long_prompt(cost: StepCost, long_len: int, n: int, streams: int = 8) -> 
 def check_steps(ex: InstantExecutor, cost: StepCost, long_len: int, streams: int = 8) -> int:
     """Every step: each stream decodes one token, and the step's work is within the budget, or its one
     prefill chunk is the MIN_PREFILL tokens that keep the prompt going. Returns the steps."""
-    budget = ex.options.max_num_batched_tokens
+    budget, tokens = StepBudget.of(ex.options.max_num_batched_tokens, cost).work, ex.options.max_num_batched_tokens
     for rows in ex.steps:
         assert sum(1 for p, _, _ in rows if p == 24) == streams, rows    # no stream waits a step
         work = sum(cost.of(start, k) for _, start, k in rows)
         chunks = [(start, k) for p, start, k in rows if p == long_len and start < long_len]
         assert work <= budget + 1e-9 or (len(chunks) == 1 and chunks[0][1] <= MIN_PREFILL), (rows, work)
-        assert sum(k for _, _, k in rows) <= budget
+        assert sum(k for _, _, k in rows) <= tokens
     return len(ex.steps)
 
 
@@ -172,3 +172,18 @@ def test_prompt_logprobs_and_outputs_are_the_same_under_a_tight_cost_model():
     assert plp[0].logprobs == ref[0].logprobs and plp[0].top_logprobs == ref[0].top_logprobs
     tokens = lambda events: [e.token_id for e in events if getattr(e, "token_id", None) is not None]  # noqa: E731
     assert tokens(long) == tokens(ref_long) and tokens(stream) == tokens(ref_stream)
+
+
+def test_a_small_model_is_not_cut_finer_than_the_demo_model(demo_cost):
+    """The work a step may hold is at least what the CPU default's 96 demo-model tokens take: the demo
+    model's budget is its tokens, a tiny model's (whose tokens cost ~1,000x less) is not cut by attention."""
+    from engine.loader import load_model
+    from harness.models import tiny_model_path
+
+    tiny = load_model(tiny_model_path("qwen3_tied"))
+    cost = cpu_step_cost(tiny.config, tiny.weights, tiny.model.kv_layout().block_bytes(4) // BLOCK_SIZE)
+    assert round(demo_cost.min_work) == DEFAULT_LIMITS["cpu"][1]
+    assert StepBudget.of(96, demo_cost).work == pytest.approx(96, abs=0.1)
+    assert StepBudget.of(512, demo_cost).work == 512                     # a larger budget asked for is kept
+    budget = StepBudget.of(64, cost)
+    assert cost.min_work > 1000 and budget.fit(1000, 200) == 64          # only the tokens bound it

@@ -9,7 +9,9 @@ passes over the scores, SOFTMAX_MACS' worth.
 Measured with SmolLM2-135M (106.2 M layer multiply-adds a token, 46,080 KV bytes a key, 30 layers x 9
 heads of 64) on the 2-core machine, one BLAS thread, whole steps (`bench/cpu_step_cost.py`: CPU time, best
 of 4; the KV blocks scattered over the pool as a server's are; 2026-12-06): a token 3.3-3.6 ms, a key
-15-22 us, a pair 1.7-2.4 us; taken as 3.5 ms, 20 us (1/175 token) and 2.2 us (1/1,600 token).
+15-22 us, a pair 1.7-2.4 us; taken as 3.5 ms, 20 us (1/175 token) and 2.2 us (1/1,600 token). A step
+may hold MIN_STEP_S of work at that core's rate (MAC_RATE) whatever its token budget: the CPU default's 96
+tokens of SmolLM2, so a smaller model's steps are not cut finer.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from engine.step_budget import StepCost
 
 KV_BYTE_MACS = 13.0          # 106.2e6 / 175 / 46,080
 SOFTMAX_MACS = 118.0         # per (head, pair), beyond 2 x head_dim: 106.2e6 / 1,600 / 270 - 128
+MAC_RATE = 106.2e6 / 3.5e-3  # multiply-adds a second of one core
+MIN_STEP_S = 96 * 3.5e-3     # the work a step may hold at least (96 SmolLM2 tokens)
 
 
 def layer_macs(config, weights: dict[str, np.ndarray]) -> float:
@@ -42,4 +46,5 @@ def cpu_step_cost(config, weights: dict[str, np.ndarray], kv_bytes_per_token: in
     token keeps in the float32 KV pool, every layer)."""
     token = layer_macs(config, weights)
     pair = config.num_hidden_layers * config.num_attention_heads * (2 * config.head_dim + SOFTMAX_MACS)
-    return StepCost(key=kv_bytes_per_token * KV_BYTE_MACS / token, pair=pair / token)
+    return StepCost(key=kv_bytes_per_token * KV_BYTE_MACS / token, pair=pair / token,
+                    min_work=MIN_STEP_S * MAC_RATE / token)
