@@ -96,7 +96,7 @@ def test_heads_not_a_multiple_of_kv_heads_is_named(tmp_path):
 
 @pytest.fixture(scope="module")
 def demo_gguf_bytes() -> bytes:
-    with open(demo_gguf_path(install=False), "rb") as f:
+    with open(demo_gguf_path(), "rb") as f:
         return f.read()
 
 

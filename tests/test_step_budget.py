@@ -29,7 +29,7 @@ def demo_cost() -> StepCost:
     """The numpy executor's cost model of the demo model (SmolLM2-135M), as CpuExecutor builds it."""
     from engine.loader import load_model
     from engine.loader.demo import demo_model_path
-    model = load_model(demo_model_path(install=False))
+    model = load_model(demo_model_path())
     return cpu_step_cost(model.config, model.weights, model.model.kv_layout().block_bytes(4) // BLOCK_SIZE)
 
 
