@@ -64,12 +64,13 @@ class EngineClient(RemoteEngineCalls):
         link = ParentLink.here((self._to_child, self._from_child), forked=ctx.get_start_method() == "fork")
         self._proc = ctx.Process(target=_child_main, args=(config, child_in, child_out, notes, link),
                                  name="openinfer-engine", daemon=True)
+        self._reap_lock = threading.Lock()
         self._proc.start()
         child_in.close()
         child_out.close()
         msg = self._wait_ready(start_timeout_s)
         if msg[0] == "error":
-            self._proc.join(10)
+            self.wait(10)
             raise START_ERRORS.get(msg[1], RuntimeError)(msg[2])
         info = msg[1]
         self.model_name, self.max_model_len, self.max_n = info["model_name"], info["max_model_len"], info["max_n"]
@@ -95,14 +96,13 @@ class EngineClient(RemoteEngineCalls):
             if self._from_child.poll(timeout):
                 return self._from_child.recv()
         except EOFError:
-            self._proc.join(10)
-            raise RuntimeError(f"the engine process ended while starting ({exit_text(self._proc.exitcode)})") from None
+            raise RuntimeError(f"the engine process ended while starting ({exit_text(self.wait(10))})") from None
         self._proc.kill()
         raise RuntimeError(f"the engine process did not start in {timeout:.0f} s")
 
     # -- the serving surface (EngineHandle's) -------------------------------------------------
     def submit(self, req: GenerateRequest) -> RequestStream:
-        if self._closed or not self._proc.is_alive():
+        if self._closed or not self._alive():
             raise RuntimeError("engine is shut down")
         if self._stopping:
             raise RuntimeError(f"the engine process is stopping ({self._stopping})")
@@ -123,7 +123,7 @@ class EngineClient(RemoteEngineCalls):
         return self._stats
 
     def is_healthy(self) -> bool:
-        return not (self._closed or self._gone or self._stopping) and self._proc.is_alive()
+        return not (self._closed or self._gone or self._stopping) and self._alive()
 
     def on_end(self, callback) -> None:
         """callback(why, failed), once, from the reader thread (or here, if it already happened): when the
@@ -164,10 +164,21 @@ class EngineClient(RemoteEngineCalls):
             self._send(("stop",))
         except OSError:
             pass
-        self._proc.join(30)
-        if self._proc.is_alive():
+        if self.wait(30) is None:
             self._proc.kill()
         self._to_child.close()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The engine process's exit code once it has ended (None: still running after `timeout` s). Waits one
+        thread at a time: multiprocessing's join or is_alive in two threads at once can reap the child in one
+        and answer "still running" in the other."""
+        with self._reap_lock:
+            self._proc.join(timeout)
+            return self._proc.exitcode
+
+    def _alive(self) -> bool:
+        with self._reap_lock:
+            return self._proc.is_alive()
 
     def __enter__(self) -> "EngineClient":
         return self
@@ -205,8 +216,7 @@ class EngineClient(RemoteEngineCalls):
             left = list(self._streams.items())
             self._streams.clear()
         if not self._closed:
-            self._proc.join(5)
-            why = f"the engine process ended ({exit_text(self._proc.exitcode)})"
+            why = f"the engine process ended ({exit_text(self.wait(5))})"
             log.log(logging.INFO if self._stopping else logging.ERROR, "%s", why)
             self._report_end(why, failed=not self._stopping)
         self._dispatch_to([(s, Error(rid, "the engine process ended")) for rid, s in left]

@@ -47,6 +47,18 @@ def load_oracle(path: str, dtype: str = "float32", device: str = "cpu"):
     return model.to(device).eval()
 
 
+def hf_autocast(model):
+    """The context transformers' model runs in: DeepSeek-V4 in bf16 under bf16 autocast (its float32
+    hyper-connection streams reach bf16 projections uncast in transformers 5.x: a dtype error, not a different
+    model); every other model as loaded."""
+    import contextlib
+
+    import torch
+    if model.config.model_type == "deepseek_v4" and model.dtype == torch.bfloat16:
+        return torch.autocast(model.device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 # ---- seeded random configurations -------------------------------------------------------------------------------
 def _heads(rng: random.Random, choices=(2, 3, 4, 8)) -> dict:
     heads = rng.choice(choices)

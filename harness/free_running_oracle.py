@@ -33,6 +33,7 @@ from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.events import Error, Rejected, Scheduled, Token
 from engine.request import GenerateRequest, SamplingParams
+from harness.free_running_models import hf_autocast
 from harness.models import engine_logits, log_softmax
 
 TOP = 20                    # transformers' best tokens kept per step
@@ -155,7 +156,7 @@ class FullRecompute:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)            # a tiny model's ops: threads only add their synchronization
         try:
-            with torch.no_grad(), self.probe() as fragile:
+            with torch.no_grad(), hf_autocast(self.model), self.probe() as fragile:
                 ids = torch.tensor([ids], device=next(self.model.parameters()).device)
                 out = self.model(input_ids=ids, use_cache=False, logits_to_keep=keep)
         finally:

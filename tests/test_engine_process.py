@@ -224,7 +224,6 @@ def test_sigterm_to_the_engine_process_lets_its_requests_finish_then_ends_it(con
         assert not c.is_healthy()
         with pytest.raises(RuntimeError, match="stopping"):
             c.submit(GenerateRequest("late", [1, 2], PARAMS))
-        c._proc.join(30)
-        assert c._proc.exitcode == 0
+        assert c.wait(30) == 0
     finally:
         c.shutdown()

@@ -28,6 +28,7 @@ from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
 from engine.loader import load_model
 from engine.request import SamplingParams
 from harness.executors import new_gpu_executor
+from harness.free_running_models import hf_autocast
 from harness.models import TINY_MODELS, engine_logits, log_softmax, random_sequences, tiny_model_path, write_random_qwen3
 
 pytestmark = pytest.mark.gpu
@@ -50,16 +51,10 @@ def hf_gpu_models(path: str):
 
 
 def hf_run(model, ids: list[int]) -> np.ndarray:
-    """HF's logits of one sequence. DeepSeek-V4 in bf16 runs under bf16 autocast: its float32 hyper-connection
-    streams reach bf16 projections uncast in transformers < 5.2x (a dtype error, not a different model)."""
-    import contextlib
-
+    """HF's logits of one sequence (DeepSeek-V4 in bf16 under bf16 autocast: harness.free_running_models.hf_autocast)."""
     import torch
 
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16)
-                if model.config.model_type == "deepseek_v4" and model.dtype == torch.bfloat16
-                else contextlib.nullcontext())
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), hf_autocast(model):
         return model(torch.tensor([ids], device="cuda")).logits[0].float().cpu().numpy()
 
 

@@ -199,7 +199,8 @@ def kernel_case(request):
     ref.lora_slots = CpuLoRASlots(ex.ops.lora_sites, 3)
     for slot, adapter in enumerate(rounded.values()):
         ref.lora_slots.set(slot, adapter)
-    yield ex, ref
+    with ex.stream:         # the tests' uploads and reads in order with the executor's kernels
+        yield ex, ref
     ex.close()
 
 

@@ -42,12 +42,19 @@ def values(bits) -> np.ndarray:
     return cupy.asnumpy(bits).view(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def assert_bf16_equal_but_ties(got: np.ndarray, want_f32: np.ndarray, what: str) -> None:
+def assert_bf16_equal_but_ties(got: np.ndarray, want_f32: np.ndarray, what: str, rounded_term=None) -> None:
     """got (bf16 values) is want rounded to bf16, up to one ulp where float32 sums of another order round apart;
     an output that cancels to near zero may differ by the float32 summation error of its terms, whose size
-    follows the largest outputs (2^-16 of them: 1.8e-4 seen on a 512-scale qkv product), not its own."""
+    follows the largest outputs (2^-16 of them: 1.8e-4 seen on a 512-scale qkv product), not its own. A term
+    the kernel rounds to bf16 before adding (the residual epilogue's product) may round one ulp apart, an error
+    of that ulp however far the sum cancels."""
     want = values(bf16_bits(want_f32))
-    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -16 * float(np.abs(want).max()), err_msg=what)
+    allowed = 2 ** -16 * float(np.abs(want).max()) + 2 ** -7 * np.abs(want)
+    if rounded_term is not None:
+        allowed = allowed + 2 ** -7 * np.abs(rounded_term)
+    excess = np.abs(got - want) - allowed
+    worst = np.unravel_index(np.argmax(excess), excess.shape)
+    assert excess[worst] <= 0, (what, worst, float(got[worst]), float(want[worst]), float(allowed[worst]))
     assert np.mean(got == want) > 0.95, what
 
 
@@ -107,7 +114,8 @@ def test_gemv_w4_epilogues(epi):
         res = bf16_bits(rng.standard_normal((M, N)))
         y = cupy.asarray(res)
         ops().gemv_w4(cupy.asarray(x), weight, y, "residual", res=y)
-        assert_bf16_equal_but_ties(values(y), values(bf16_bits(product)) + values(res), epi)
+        rounded = values(bf16_bits(product))
+        assert_bf16_equal_but_ties(values(y), rounded + values(res), epi, rounded_term=rounded)
     else:
         y = cupy.zeros((M, N // 2), np.uint16)
         ops().gemv_w4(cupy.asarray(x), weight, y, "silu")

@@ -270,10 +270,9 @@ def test_cute_swiglu_equals_gemm_then_silu_mul(cp, M, I, K):
     x, w = case(rng, M, 2 * I, K)
     stream = cp.cuda.Stream(non_blocking=True)
     dx, dwi = dev(cp, x), dev(cp, interleave_gate_up(w))
-    cp.cuda.Device().synchronize()  # the uploads ran on the default stream
-    fused = poison(cp, (M + 1, I))
+    fused, gate_up, parts = poison(cp, (M + 1, I)), poison(cp, (M, 2 * I)), poison(cp, (M, I))
+    cp.cuda.Device().synchronize()  # the uploads and fills ran on the default stream
     assert cute.gemm_swiglu(dx, dwi, fused[:M], stream, prefetch_weights=True)
-    gate_up, parts = poison(cp, (M, 2 * I)), poison(cp, (M, I))
     cute.gemm(dx, dwi, gate_up, stream, prefetch_weights=True)
     kernel("silu_mul", "silu_mul")((64,), (256,), (gate_up, parts, np.int32(I), np.int64(M * I // 8), np.int32(1)),
                                    stream=stream)

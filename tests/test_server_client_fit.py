@@ -14,10 +14,10 @@ import pytest
 
 from server.app import create_app
 from server.background import BackgroundServer
-from harness.models import hf_logits, log_softmax, tiny_model_path
+from harness.models import F32_LOGPROB_TOL, hf_logits, log_softmax, tiny_model_path
 from tests.tiny_engine import MODEL, tiny_handle
 
-LOGPROB_TOL = 2e-5             # engine vs transformers float32 on this model (see test_server_live.py)
+LOGPROB_TOL = F32_LOGPROB_TOL
 
 
 @pytest.fixture(scope="module")
