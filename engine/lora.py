@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.lora_patterns import PatternError, first_match, pattern_matches
+from engine.models.registry import model_types_where
 
 # PEFT module -> (engine site suffix, slice of the packed projection)
 MODULES = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
            "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
            "down_proj": ("down_proj", 0)}
 SITE_SUFFIXES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-LORA_MODEL_TYPES = ("qwen3", "llama", "qwen2")       # the dense lines (decoder.py's blocks)
 MAX_LORA_RANK = 256                                   # the GPU kernels' bound (lora_expand.cu's shared tile)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"^(?:base_model\.model\.)?(model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+))\.lora_([AB])"
@@ -76,10 +76,15 @@ class LoRAAdapter:
     sites: dict[str, SiteLoRA]
 
 
+def lora_model_types() -> tuple[str, ...]:
+    """The model types whose line has LoRA sites (the registry's lines declaring `lora`)."""
+    return model_types_where(lambda line: line.lora)
+
+
 def check_lora_model(model_type: str) -> None:
-    if model_type not in LORA_MODEL_TYPES:
+    if model_type not in lora_model_types():
         raise ValueError(f"--enable-lora: model type {model_type!r} has no LoRA support "
-                         f"(supported: {', '.join(LORA_MODEL_TYPES)})")
+                         f"(supported: {', '.join(lora_model_types())})")
 
 
 def lora_sites(model) -> dict[str, Site]:

@@ -6,11 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.model_files import ModelLoadError, read_json_object
-
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe", "deepseek_v2", "qwen3_5", "qwen3_5_text",
-                         "deepseek_v3", "kimi_k2", "deepseek_v4")
-# Composite (vision-language) configs: the text model's hyper-parameters sit under `text_config`.
-TEXT_CONFIG_MODEL_TYPES = ("qwen3_5",)
+from engine.models.registry import model_class
 # Sizes that must be positive integers: the required ones, and those that may be left out (or null).
 REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings")
@@ -22,22 +18,6 @@ def _positive(d: dict[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer() or value < 1:
         raise ValueError(f"{key} must be a positive integer, got {value!r}")
     return int(value)
-
-
-def text_model_fields(d: dict[str, Any]) -> dict[str, Any]:
-    """A composite config's text_config with the composite's model_type and tie_word_embeddings (the
-    composite model ties its lm_head, as transformers does), ids and dtype taken from the top level
-    where the text config has none."""
-    text = d.get("text_config")
-    if not isinstance(text, dict):
-        raise ValueError(f"config.json ({d.get('model_type')}) has no text_config")
-    out = dict(text)
-    for key in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype"):
-        if out.get(key) is None and d.get(key) is not None:
-            out[key] = d[key]
-    out["model_type"] = d["model_type"]
-    out["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
-    return out
 
 
 @dataclass
@@ -63,14 +43,6 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
-    def qkv_bias(self) -> bool:
-        return self.attention_bias or self.model_type == "qwen2"
-
-    @property
-    def o_bias(self) -> bool:
-        return self.attention_bias and self.model_type != "qwen2"
-
-    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -81,13 +53,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         model_type = d.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        if model_type in TEXT_CONFIG_MODEL_TYPES:
-            d = text_model_fields(d)
-        if model_type == "deepseek_v4" and "intermediate_size" not in d:     # transformers' alias of it
-            d = {**d, "intermediate_size": d.get("moe_intermediate_size")}
+        d = model_class(model_type).config_fields(d)
         for key in REQUIRED_SIZES:
             if key not in d:
                 raise ValueError(f"config.json ({model_type}) is missing {key!r}")

@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 
+from engine.models.registry import supported_model_types
 from server.limits import ServerLimits
 from server.reasoning import REASONING_PARSERS
 
@@ -23,7 +24,8 @@ DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 def _engine_args(p: argparse.ArgumentParser) -> None:
     """The engine's options (EngineConfig), named as vLLM names them."""
     p.add_argument("--model", default=None,
-                   help="HF model folder or .gguf file (default: the built-in SmolLM2-135M-Instruct demo)")
+                   help=f"HF model folder (model_type {', '.join(supported_model_types())}) or .gguf file "
+                        f"(default: the built-in SmolLM2-135M-Instruct demo)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="cuda: the GPU executor; cpu: the numpy executor; auto: the GPU when CuPy sees one")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",

@@ -142,12 +142,13 @@ def assert_prompt_ranks(got, prompt: list[int], lp: np.ndarray | None, tol: floa
 
 def test_config_has_the_shapes_the_issue_asks_for():
     from engine.model_config import ModelConfig
+    from engine.models.registry import build_model
     cfgs = {n: ModelConfig.from_file(tiny_model_path(n)) for n in TINY_MODELS}
     qwen3 = [c for c in cfgs.values() if c.model_type == "qwen3"]
     assert {c.num_attention_heads // c.num_key_value_heads for c in qwen3} == {1, 2, 4}
     assert {c.tie_word_embeddings for c in qwen3} == {True, False}
     assert any(c.head_dim != c.hidden_size // c.num_attention_heads for c in qwen3)
-    assert cfgs["qwen2"].qkv_bias and cfgs["llama"].rope_scaling["rope_type"] == "llama3"
+    assert build_model(cfgs["qwen2"]).opt.qkv_bias and cfgs["llama"].rope_scaling["rope_type"] == "llama3"
 
 
 def test_executor_rejects_bad_steps_clearly():

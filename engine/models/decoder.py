@@ -139,6 +139,9 @@ class DecoderLM:
     line with another structure overrides `weight_specs` and `forward`."""
     model_type = ""
     expert_shape = None          # moe.ExpertShape of a line with routed experts
+    lora = False                 # its projections are LoRA sites (decoder.py's dense blocks): --enable-lora serves it
+    tensor_parallel = False      # engine/parallel/sharding.py knows how to shard its weights
+    cuda_graphs = True           # the GPU may capture its decode steps (False: eager steps only)
     # True: the forward between two attention calls depends on the step's token count only (no host
     # decision from the data), so the GPU may replay it as piecewise CUDA graphs (gpu_piecewise.py)
     piecewise_graphs = False
@@ -150,6 +153,12 @@ class DecoderLM:
         self.config = config
         self.opt = self.layer_options(config)
         self.attention_specs = attention_specs(config)
+
+    @staticmethod
+    def config_fields(d: dict[str, Any]) -> dict[str, Any]:
+        """config.json's fields as ModelConfig reads them; a line whose config nests or renames them (a
+        composite's text_config, an alias) maps them here, and refuses settings it cannot serve."""
+        return d
 
     @staticmethod
     def layer_options(config: ModelConfig) -> LayerOptions:

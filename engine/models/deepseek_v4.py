@@ -143,6 +143,12 @@ class DeepseekV4ForCausalLM(DecoderLM):
     model_type = "deepseek_v4"
     cuda_graphs = False         # the GPU ops allocate and walk the step's sequences on the host: eager steps
 
+    @staticmethod
+    def config_fields(d: dict[str, Any]) -> dict[str, Any]:
+        if "intermediate_size" not in d:                 # transformers' alias of it
+            d = {**d, "intermediate_size": d.get("moe_intermediate_size")}
+        return d
+
     def __init__(self, config: ModelConfig):
         self.config, self.opt = config, LayerOptions()
         self.v4 = m = DeepseekV4Config.from_raw(config.raw, config.num_hidden_layers)

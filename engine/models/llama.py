@@ -12,11 +12,17 @@ class LlamaForCausalLM(DecoderLM):
     model_type = "llama"
     piecewise_graphs = True
     layerwise_restore = True
+    lora = True
+    tensor_parallel = True
 
     @staticmethod
     def layer_options(config: ModelConfig) -> LayerOptions:
-        return LayerOptions(qkv_bias=config.qkv_bias, o_bias=config.o_bias, qk_norm=False)
+        return LayerOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=False)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     model_type = "qwen2"
+
+    @staticmethod
+    def layer_options(config: ModelConfig) -> LayerOptions:
+        return LayerOptions(qkv_bias=True, o_bias=False, qk_norm=False)

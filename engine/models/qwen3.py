@@ -15,6 +15,8 @@ class Qwen3ForCausalLM(DecoderLM):
     model_type = "qwen3"
     piecewise_graphs = True
     layerwise_restore = True
+    lora = True
+    tensor_parallel = True
 
     @staticmethod
     def layer_options(config: ModelConfig) -> LayerOptions:

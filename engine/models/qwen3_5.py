@@ -63,6 +63,22 @@ def rotary_permutation(head_dim: int, rot: int) -> np.ndarray:
     return np.concatenate([np.arange(r2), rest[:half - r2], np.arange(r2, rot), rest[half - r2:]])
 
 
+def text_model_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A composite config's text_config with the composite's model_type and tie_word_embeddings (the
+    composite model ties its lm_head, as transformers does), ids and dtype taken from the top level
+    where the text config has none."""
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json ({d.get('model_type')}) has no text_config")
+    out = dict(text)
+    for key in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype"):
+        if out.get(key) is None and d.get(key) is not None:
+            out[key] = d[key]
+    out["model_type"] = d["model_type"]
+    out["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
+    return out
+
+
 class Qwen3_5ForCausalLM(DecoderLM):
     model_type = "qwen3_5_text"
     prefix = "model."                       # where the checkpoint keeps the text model
@@ -260,3 +276,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """The composite checkpoint: the same text model under model.language_model.*."""
     model_type = "qwen3_5"
     prefix = "model.language_model."
+
+    @staticmethod
+    def config_fields(d: dict[str, Any]) -> dict[str, Any]:
+        return text_model_fields(d)

@@ -64,6 +64,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     # H200, 2026-12-04: bench/results/moe.md)
     piecewise_graphs = False
     layerwise_restore = False          # its attention is Qwen3's, but the path is not yet measured on the GPU
+    lora = False                       # the routed experts are no LoRA sites
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)

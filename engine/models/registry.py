@@ -1,34 +1,52 @@
-"""model_type -> model line."""
+"""The model registry: model_type -> model line, in one table. Everything that lists the supported model
+types (config validation and its message, the CLI help, tests) reads MODEL_REGISTRY.
+
+A line is named by its module and class and imported on first use, so the table imports no model code:
+engine/model_config.py validates against it, and a line's module imports ModelConfig.
+"""
 from __future__ import annotations
 
-from engine.model_config import ModelConfig
-from engine.models.decoder import DecoderLM
-from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
-from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
-from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
-from engine.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
-from engine.models.qwen3 import Qwen3ForCausalLM
-from engine.models.qwen3_moe import Qwen3MoeForCausalLM
-from engine.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+import importlib
+from typing import TYPE_CHECKING, Callable
 
-MODEL_REGISTRY: dict[str, type[DecoderLM]] = {
-    "qwen3": Qwen3ForCausalLM,
-    "llama": LlamaForCausalLM,
-    "qwen2": Qwen2ForCausalLM,
-    "qwen3_moe": Qwen3MoeForCausalLM,
-    "deepseek_v2": DeepseekV2ForCausalLM,
-    "deepseek_v3": DeepseekV3ForCausalLM,
-    "kimi_k2": DeepseekV3ForCausalLM,           # Kimi-K2: DeepSeek-V3's architecture under its own name
-    "deepseek_v4": DeepseekV4ForCausalLM,       # the GPU in eager steps
-    "qwen3_5_text": Qwen3_5ForCausalLM,
-    "qwen3_5": Qwen3_5ForConditionalGeneration,
+if TYPE_CHECKING:
+    from engine.model_config import ModelConfig
+    from engine.models.decoder import DecoderLM
+
+# model_type (config.json's) -> (module under engine/models/, class)
+MODEL_REGISTRY: dict[str, tuple[str, str]] = {
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("llama", "Qwen2ForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "deepseek_v2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
+    "kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM"),     # Kimi-K2: DeepSeek-V3's architecture, its own name
+    "deepseek_v4": ("deepseek_v4", "DeepseekV4ForCausalLM"),  # the GPU in eager steps
+    "qwen3_5_text": ("qwen3_5", "Qwen3_5ForCausalLM"),
+    "qwen3_5": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
 }
 
 
-def build_model(config: ModelConfig) -> DecoderLM:
+def supported_model_types() -> tuple[str, ...]:
+    """The model types served, in the table's order."""
+    return tuple(MODEL_REGISTRY)
+
+
+def model_class(model_type: str) -> type[DecoderLM]:
+    """The line serving `model_type`; ValueError naming the supported types for any other."""
     try:
-        cls = MODEL_REGISTRY[config.model_type]
-    except KeyError:
-        raise ValueError(f"unsupported model_type {config.model_type!r}; "
-                         f"supported: {', '.join(sorted(MODEL_REGISTRY))}") from None
-    return cls(config)
+        module, name = MODEL_REGISTRY[model_type]
+    except (KeyError, TypeError):
+        raise ValueError(f"unsupported model_type {model_type!r}; "
+                         f"supported: {', '.join(supported_model_types())}") from None
+    return getattr(importlib.import_module(f"engine.models.{module}"), name)
+
+
+def model_types_where(has: Callable[[type[DecoderLM]], bool]) -> tuple[str, ...]:
+    """The model types whose line has what `has` asks of its class (e.g. `lambda line: line.lora`)."""
+    return tuple(t for t in MODEL_REGISTRY if has(model_class(t)))
+
+
+def build_model(config: ModelConfig) -> DecoderLM:
+    return model_class(config.model_type)(config)

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.model_config import ModelConfig
+from engine.models.registry import model_class, model_types_where
 from engine.models.weights import PackedWeight, WeightSpec
 
-SUPPORTED_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe")
+SUPPORTED_TYPES = model_types_where(lambda line: line.tensor_parallel)       # the lines declaring it
 REPLICATE, ROWS, COLS, EXPERTS, RANK0 = "replicate", "rows", "cols", "experts", "rank0"
 _REPLICATED = ("norm", "input_layernorm", "post_attention_layernorm", "q_norm", "k_norm", "router")
 
@@ -179,9 +180,7 @@ class VocabParallelLogits:
 
 def rank_model(cfg: ModelConfig):
     """The model line of a rank's config, with vocab-parallel logits."""
-    from engine.models.registry import MODEL_REGISTRY
-
-    cls = MODEL_REGISTRY[cfg.model_type]
+    cls = model_class(cfg.model_type)
     return type(f"Rank{cls.__name__}", (VocabParallelLogits, cls), {})(cfg)
 
 
