@@ -33,6 +33,7 @@ from engine.executor.cpu import CpuExecutor
 from engine.executor.options import options_of
 from engine.loader import load_model
 from harness.free_running_models import GATE_VOCAB, gate_model_path, load_oracle, sweep_model, sweep_spec
+from harness.free_running_models import LINES as GATE_MODELS
 from harness.free_running_oracle import FullRecompute, OracleStep, Run, judge, new_engine, run_greedy, tie_tolerance
 from harness.free_running_paths import NEW_TOKENS, GreedyRun, RunPath, engine_greedy
 from harness.models import random_sequences
@@ -49,9 +50,9 @@ PATHS = [
     RunPath("preempted", kv_blocks=10),
 ]
 PATH = {p.name: p for p in PATHS}
-# every line once (harness/models.py's other variants, qwen3_gqa4 and deepseek_v2_lite, are shapes the sweeps draw)
-LINES = ["qwen3_tied", "qwen3_untied", "llama", "qwen2", "qwen3_moe", "deepseek_v2", "deepseek_v3", "kimi_k2",
-         "qwen3_5_text", "qwen3_5"]
+# every line's tiny models (harness/models.py's other variants, qwen3_gqa4 and deepseek_v2_lite, are shapes the
+# sweeps draw)
+LINES = [name for name in GATE_MODELS if name not in ("qwen3_gqa4", "deepseek_v2_lite")]
 
 
 def new_executor(model) -> CpuExecutor:
