@@ -83,6 +83,9 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
     # qkv bias, tied
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2,
                                   tie_word_embeddings=True, rope_theta=10000.0)),
+    # head_dim 32 != hidden / heads (16, as Mistral-Nemo's); GQA 2; untied; a window as long as the context
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      sliding_window=512, tie_word_embeddings=False, rope_theta=1000000.0)),
 }
 
 # The MoE and MLA lines (tests/test_golden_moe.py): experts not a power of two, top-k > 1, dense and

@@ -118,6 +118,19 @@ def test_bad_paths_and_config_errors(tmp_path):
         create_executor(load_model(tiny_model_path("qwen2")), options_of(), device="tpu")
 
 
+@pytest.mark.parametrize("window,context,served", [(4096, 32768, False), (None, 32768, True), (32768, 32768, True),
+                                                   (8192, None, True), (2048, None, False)])
+def test_a_mistral_window_shorter_than_its_context_is_refused(window, context, served):
+    """Mistral-7B v0.1 attends to 4096 tokens of 32768: full attention within the window, wrong beyond it."""
+    d = {"model_type": "mistral", "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+         "intermediate_size": 8, "vocab_size": 10, "sliding_window": window, "max_position_embeddings": context}
+    if served:
+        assert ModelConfig.from_dict(d).max_position_embeddings == (context or 4096)
+    else:
+        with pytest.raises(ValueError, match=f"sliding_window {window} is shorter than max_position_embeddings"):
+            ModelConfig.from_dict(d)
+
+
 def test_factory_auto_falls_back_to_cpu():
     ex = create_executor(load_model(tiny_model_path("qwen2")), options_of(num_kv_blocks=8, max_model_len=64), device="auto")
     from engine.executor.factory import gpu_available

@@ -18,6 +18,7 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("llama", "Qwen2ForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "deepseek_v2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "deepseek_v3": ("deepseek_v3", "DeepseekV3ForCausalLM"),
