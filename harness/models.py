@@ -180,6 +180,13 @@ def randomize_(model, seed: int) -> None:
                 b.copy_(experts[:, :b.shape[1]])
 
 
+def tiny_model_type(name: str) -> str:
+    """The model_type of tiny model `name` (its transformers config class says it), without building it."""
+    import transformers
+    cls_name, _ = {**TINY_MODELS, **SPARSE_MODELS, **DSV3_MODELS, **DSV4_MODELS}[name]
+    return getattr(transformers, cls_name).model_type
+
+
 def build_tiny_model(name: str, out_dir: str, seed: int = 0, **overrides) -> str:
     """Save a random-weight model `name` of TINY_MODELS, SPARSE_MODELS or DSV3_MODELS as an HF folder (bf16) with a
     real tokenizer."""

@@ -32,7 +32,7 @@ import pytest
 from engine.executor.cpu import CpuExecutor
 from engine.executor.options import options_of
 from engine.loader import load_model
-from harness.free_running_models import GATE_VOCAB, gate_model_path, load_oracle, sweep_model, sweep_spec
+from harness.free_running_models import GATE_VOCAB, SWEEP_LINES, gate_model_path, load_oracle, sweep_model, sweep_spec
 from harness.free_running_models import LINES as GATE_MODELS
 from harness.free_running_oracle import FullRecompute, OracleStep, Run, judge, new_engine, run_greedy, tie_tolerance
 from harness.free_running_paths import NEW_TOKENS, GreedyRun, RunPath, engine_greedy
@@ -184,8 +184,7 @@ def test_the_engines_logprobs_are_checked_on_every_token():
 
 
 # ---- seeded sweeps of random tiny configurations ------------------------------------------------------------------
-SWEEP = [(line, seed) for line in ("qwen3", "llama", "qwen2", "qwen3_moe", "deepseek_v2", "deepseek_v3", "qwen3_5")
-         for seed in range(2)]
+SWEEP = [(line, seed) for line in SWEEP_LINES for seed in range(2)]
 
 
 def blocks(tokens: int) -> int:

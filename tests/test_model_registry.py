@@ -11,12 +11,9 @@ from engine.models.registry import MODEL_REGISTRY, model_class, supported_model_
 
 def oracle_model_types() -> set[str]:
     """The model_type of every tiny oracle model of harness/ (transformers' config classes say it)."""
-    import transformers
-
     from harness.hybrid_models import HYBRID_MODELS, hf_config
-    from harness.models import DSV3_MODELS, DSV4_MODELS, SPARSE_MODELS, TINY_MODELS
-    specs = {**TINY_MODELS, **SPARSE_MODELS, **DSV3_MODELS, **DSV4_MODELS}.values()
-    types = {getattr(transformers, cls_name).model_type for cls_name, _ in specs}
+    from harness.models import DSV3_MODELS, DSV4_MODELS, SPARSE_MODELS, TINY_MODELS, tiny_model_type
+    types = {tiny_model_type(name) for name in {**TINY_MODELS, **SPARSE_MODELS, **DSV3_MODELS, **DSV4_MODELS}}
     return types | {hf_config(composite, text, 256, 1, 2).model_type for composite, text in HYBRID_MODELS.values()}
 
 

@@ -14,11 +14,13 @@ from engine.loader import load_model
 from engine.models.registry import MODEL_REGISTRY, build_model
 from engine.parallel.sharding import (COLS, EXPERTS, RANK0, REPLICATE, ROWS, SUPPORTED_TYPES, Shard,
                                       check_tensor_parallel, shard_config, shard_model, split_of)
-from harness.models import tiny_model_path
+from harness.models import SPARSE_MODELS, TINY_MODELS, tiny_model_path, tiny_model_type
 
 
-@pytest.fixture(scope="module", params=["qwen3_tied", "qwen3_untied", "llama", "qwen2", "qwen3_moe"])
+@pytest.fixture(scope="module", params=[name for name in {**TINY_MODELS, **SPARSE_MODELS}
+                                        if tiny_model_type(name) in SUPPORTED_TYPES])
 def loaded(request):
+    """Each tiny model of a line declaring tensor-parallel sharding."""
     return load_model(tiny_model_path(request.param))
 
 
