@@ -19,7 +19,8 @@ from engine.loader.gguf_convert import convert_gguf, gguf_folder_for, hf_tensor_
 from engine.loader.safetensors_io import SafetensorsCheckpoint, save_safetensors
 from engine.model_config import ModelConfig
 from engine.model_files import ModelLoadError
-from harness.models import build_tiny_model, qwen_tokenizer_dir, tiny_model_path
+from harness.models import (TINY_MODELS, build_config_model, build_tiny_model, hf_logits, qwen_tokenizer_dir,
+                            tiny_model_path)
 
 
 def copy_folder(src: str, dst: str, dtype=None, shards: int = 1, drop: str | None = None,
@@ -129,6 +130,19 @@ def test_a_mistral_window_shorter_than_its_context_is_refused(window, context, s
     else:
         with pytest.raises(ValueError, match=f"sliding_window {window} is shorter than max_position_embeddings"):
             ModelConfig.from_dict(d)
+
+
+def test_a_mistral_window_that_changes_transformers_logits_is_refused_at_load(tmp_path):
+    """Past its window, transformers' Mistral differs from full attention (what the engine computes): refused."""
+    cls_name, base = TINY_MODELS["mistral"]
+    window = build_config_model(cls_name, {**base, "sliding_window": 8}, str(tmp_path / "window"), vocab=256)
+    full = build_config_model(cls_name, {**base, "sliding_window": None}, str(tmp_path / "full"), vocab=256)
+    ids = list(range(1, 21))
+    assert np.abs(hf_logits(window, ids)[12:] - hf_logits(full, ids)[12:]).max() > 1e-2
+    np.testing.assert_allclose(hf_logits(window, ids)[:8], hf_logits(full, ids)[:8], atol=1e-5)
+    with pytest.raises(ModelLoadError, match="sliding_window 8 is shorter than max_position_embeddings 512"):
+        load_model(window)
+    assert load_model(full).config.model_type == "mistral"
 
 
 def test_factory_auto_falls_back_to_cpu():
