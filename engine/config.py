@@ -42,6 +42,8 @@ class EngineConfig:
     (engine/kv_events.py).
     cpu_threads: the CPU executor's BLAS threads for steps above decode size (None: $OPENBLAS_NUM_THREADS,
     else the cores less one; decode-size steps run on one: engine/executor/cpu_threads.py).
+    data_parallel_size / data_parallel_rank: whole engines serving one endpoint (engine/process_replicas.py) and
+    this one's place among them: its KV events carry the rank, on the endpoint's port + rank.
     """
     model: str | None = None
     device: str = "auto"                     # "auto" | "cpu" | "cuda"
@@ -74,6 +76,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     kv_events_config: KVEventsConfig | None = None
     cpu_threads: int | None = None
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
@@ -103,6 +107,9 @@ class EngineConfig:
             (self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads must be >= 1"),
             (self.tensor_parallel_size == 1 or not self.enable_lora,
              "enable_lora with tensor_parallel_size > 1: LoRA adapters are not sharded across ranks"),
+            (self.data_parallel_size >= 1, "data_parallel_size must be >= 1"),
+            (0 <= self.data_parallel_rank < self.data_parallel_size,
+             f"data_parallel_rank must be in [0, data_parallel_size) = [0, {self.data_parallel_size})"),
         ]
         for ok, message in checks:
             if not ok:

@@ -166,6 +166,10 @@ class EngineCalls:
         uses (one compile per grammar); GrammarError naming why it cannot be enforced."""
         await self._engine_op(("check_grammar", grammar))
 
+    async def engine_op(self, op: tuple) -> None:
+        """One op as run_engine_op takes it, on this engine (a data-parallel client sends each replica its ops)."""
+        await self._engine_op(op)
+
     async def _engine_op(self, op: tuple) -> None:
         raise NotImplementedError
 

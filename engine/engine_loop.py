@@ -95,7 +95,8 @@ class EngineLoop:
         self.block_manager = BlockManager(executor.num_kv_blocks, prefix_caching(config, slots))
         tier = host_tier(executor, config)
         # subscribed before the scheduler: an eviction is recorded before the host-tier store it causes
-        self.kv_events = kv_event_log(config.kv_events_config, self.block_manager, tier, self._lora_name)
+        self.kv_events = kv_event_log(config.kv_events_config, self.block_manager, tier, self._lora_name,
+                                      config.data_parallel_rank)
         self.scheduler = Scheduler(self.block_manager, max_seqs, max_tokens, tier,
                                    chunked_prefill=config.enable_chunked_prefill, state_slots=slots,
                                    max_loras=config.max_loras if config.enable_lora else 0,

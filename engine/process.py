@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
 import threading
+import uuid
 from collections import defaultdict
 
 from engine.config import EngineConfig
@@ -52,43 +53,70 @@ class _LoopBox:
 
 
 class EngineClient(RemoteEngineCalls):
-    def __init__(self, config: EngineConfig, start_timeout_s: float = 1800.0, notes=None):
+    def __init__(self, config: EngineConfig, start_timeout_s: float = 1800.0, notes=None, *,
+                 env: dict[str, str] | None = None, siblings: tuple["EngineClient", ...] = (), wait: bool = True):
         """`notes(handle, device) -> [(log level, line)]`, if given, runs in the engine process once the
         engine is up (what to say at start about the device: only that process may touch CUDA, a forked
-        child cannot use a CUDA context its parent created); its lines are `startup_notes`."""
+        child cannot use a CUDA context its parent created); its lines are `startup_notes`. env: variables set
+        in the engine process before its engine is built (a data-parallel replica's CUDA_VISIBLE_DEVICES);
+        siblings: engine processes started before this one, whose pipe ends its process closes (else their
+        input would never see EOF); wait False: return once the process is started, `wait_ready` then waits."""
         config.validate()
         self.config = config
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
         self._to_child, child_in = ctx.Pipe(duplex=False)[::-1]
         child_out, self._from_child = ctx.Pipe(duplex=False)[::-1]
-        link = ParentLink.here((self._to_child, self._from_child), forked=ctx.get_start_method() == "fork")
-        self._proc = ctx.Process(target=_child_main, args=(config, child_in, child_out, notes, link),
+        ends = self.parent_ends + tuple(end for sibling in siblings for end in sibling.parent_ends)
+        link = ParentLink.here(ends, forked=ctx.get_start_method() == "fork")
+        self._proc = ctx.Process(target=_child_main, args=(config, child_in, child_out, notes, link, env or {}),
                                  name="openinfer-engine", daemon=True)
         self._reap_lock = threading.Lock()
         self._proc.start()
         child_in.close()
         child_out.close()
-        msg = self._wait_ready(start_timeout_s)
+        self._closed = self._gone = self._ready = False
+        if wait:
+            self.wait_ready(start_timeout_s)
+
+    @property
+    def parent_ends(self) -> tuple:
+        """This process's ends of the engine process's pipes."""
+        return self._to_child, self._from_child
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def wait_ready(self, timeout_s: float = 1800.0, tokenizer=None) -> None:
+        """Until the engine process is up (its start-up error raised here); tokenizer: the model's, where
+        another client already loaded it."""
+        msg = self._wait_ready(timeout_s)
         if msg[0] == "error":
             self.wait(10)
             raise START_ERRORS.get(msg[1], RuntimeError)(msg[2])
         info = msg[1]
         self.model_name, self.max_model_len, self.max_n = info["model_name"], info["max_model_len"], info["max_n"]
         self.vocab_size, self.model_path = info["vocab_size"], info["model_path"]
+        self.num_kv_blocks: int = info["num_kv_blocks"]
         self.startup_notes: list[tuple[int, str]] = info["notes"]
-        self.tokenizer = _load_tokenizer(self.model_path)
+        self.tokenizer = tokenizer or _load_tokenizer(self.model_path)
         self._stats = EngineStats()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
-        self._ids = itertools.count()
-        self._closed = self._gone = False
         self._stopping: str | None = None       # the signal the child was sent, once it said so
         self._end: tuple[str, bool] | None = None
         self._on_end = None
         self._reader = threading.Thread(target=self._read, name="openinfer-engine-reader", daemon=True)
         self._reader.start()
+        self._ready = True
         atexit.register(self.shutdown)          # before multiprocessing's own exit handler SIGTERMs the child
+
+    def kill(self) -> None:
+        """End the engine process now (one that has not said it is ready: nothing to drain)."""
+        self._closed = True
+        self._proc.kill()
+        self._proc.join(10)
 
     def _wait_ready(self, timeout: float) -> tuple:
         """The child's first message: ("ready", info) or ("error", kind, message)."""
@@ -122,6 +150,13 @@ class EngineClient(RemoteEngineCalls):
     def stats(self) -> EngineStats:
         return self._stats
 
+    def in_flight(self) -> int:
+        """Requests sent and not yet ended (running or waiting in the engine, or their last events on the way)."""
+        return len(self._streams)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     def is_healthy(self) -> bool:
         return not (self._closed or self._gone or self._stopping) and self._alive()
 
@@ -144,19 +179,13 @@ class EngineClient(RemoteEngineCalls):
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Run prompts (text or token ids) to completion; blocks (not from a running event loop)."""
-        params = params or SamplingParams()
-
-        async def run() -> list[RequestOutput]:
-            async def one(prompt) -> RequestOutput:
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                rid = f"generate-{next(self._ids)}"
-                events = [e async for e in self.submit(GenerateRequest(rid, ids, params))]
-                return collect_events(rid, ids, events, params.n)
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
-        return asyncio.run(run())
+        return generate_through(self, prompts, params)
 
     def shutdown(self) -> None:
         if self._closed:
+            return
+        if not self._ready:
+            self.kill()
             return
         self._closed = True
         atexit.unregister(self.shutdown)
@@ -246,6 +275,21 @@ class EngineClient(RemoteEngineCalls):
                 pass
 
 
+def generate_through(handle, prompts: list[str | list[int]], params: SamplingParams | None = None
+                     ) -> list[RequestOutput]:
+    """Run prompts (text or token ids) to completion through `handle.submit`; blocks (not from a running loop)."""
+    params = params or SamplingParams()
+
+    async def run() -> list[RequestOutput]:
+        async def one(prompt) -> RequestOutput:
+            tokens = handle.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"generate-{uuid.uuid4().hex}"
+            events = [e async for e in handle.submit(GenerateRequest(rid, tokens, params))]
+            return collect_events(rid, tokens, events, params.n)
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+    return asyncio.run(run())
+
+
 def exit_text(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -261,11 +305,13 @@ def _load_tokenizer(folder: str):
 
 
 # ---- the child ------------------------------------------------------------------------------------
-def _child_main(config: EngineConfig, inbox, outbox, notes=None, link: ParentLink | None = None) -> None:
+def _child_main(config: EngineConfig, inbox, outbox, notes=None, link: ParentLink | None = None,
+                env: dict[str, str] | None = None) -> None:
     from engine.handle import EngineHandle
 
     if link is not None:
         detach_from_parent(link, keep=(inbox, outbox))
+    os.environ.update(env or {})                 # before anything here touches CUDA
     # Ctrl-C reaches the whole process group: the parent drains, then stops the engine ("stop")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -276,6 +322,7 @@ def _child_main(config: EngineConfig, inbox, outbox, notes=None, link: ParentLin
     engine = handle.engine
     outbox.send(("ready", dict(model_name=handle.model_name, max_model_len=handle.max_model_len, max_n=handle.max_n,
                                vocab_size=handle.executor.vocab_size, model_path=handle.model_path,
+                               num_kv_blocks=handle.executor.num_kv_blocks,
                                notes=notes(handle, config.device) if notes else [])))
     sender = _Sender(outbox)
     pending: list = []

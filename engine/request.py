@@ -65,3 +65,4 @@ class GenerateRequest:
     lora_name: str | None = None
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    data_parallel_rank: int | None = None   # the replica to serve it (vLLM's X-data-parallel-rank); None: any

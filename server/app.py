@@ -80,6 +80,7 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
                               max_n=max_n or _engine_max_n(handle), limits=limits,
                               max_token_bytes=_int_or_none(getattr(tokenizer, "max_token_bytes", None)),
                               adapters=getattr(handle, "lora_adapters", {}), reasoning_parser=reasoning_parser)
+    app.ctx.data_parallel_size = getattr(handle, "data_parallel_size", 1)
     app.ctx.created = int(time.time())
     app.ctx.lora_runtime_updates = allow_runtime_lora
     app.ctx.lora_resolver_dir = os.path.realpath(lora_resolver_dir) if lora_resolver_dir else None
@@ -151,14 +152,32 @@ async def _parse_request(request, parse):
     return parsed
 
 
+def data_parallel_rank(request) -> int | None:
+    """vLLM's X-data-parallel-rank header: the engine (of --data-parallel-size) to serve the request; None
+    without it; 400 unless an integer in [0, data parallel size)."""
+    value = request.headers.get("x-data-parallel-rank")
+    if value is None:
+        return None
+    size = request.app.ctx.data_parallel_size
+    try:
+        rank = int(value)
+    except ValueError:
+        rank = -1
+    if not 0 <= rank < size:
+        raise APIError(400, f"X-data-parallel-rank {value!r}: must be an integer in [0, {size}) (this server runs "
+                            f"{size} engine{'s' if size > 1 else ''})", code="invalid_data_parallel_rank")
+    return rank
+
+
 async def _generate(request, parse, id_prefix: str, builder_type=ResponseBuilder):
     app, http = request.app, time.monotonic()
+    rank = data_parallel_rank(request)
     with app.ctx.inflight.arrival():     # a drain that begins now waits for it
         parsed = await _parse_request(request, parse)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     builder = builder_type(parsed, request_id, parsed.lora_name or app.ctx.model.name, int(time.time()),
                            app.ctx.model.tokenizer)
-    call = EngineCall(app.ctx.handle, parsed, request_id, app.ctx.metrics)
+    call = EngineCall(app.ctx.handle, parsed, request_id, app.ctx.metrics, data_parallel_rank=rank)
     app.ctx.inflight.calls[request_id] = call
     try:
         await call.start()

@@ -93,6 +93,13 @@ def _serving_engine_args(p: argparse.ArgumentParser) -> None:
                    help="publish the prefix cache's changes for a KV-aware router, as vLLM does: e.g. "
                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
                         "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (needs the kv-events extra)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="N engine processes behind this one endpoint, each a whole engine with its own KV cache "
+                        "(--max-num-seqs, --num-kv-blocks and --gpu-memory-utilization's share apply to each): one "
+                        "GPU each (with -tp, TP GPUs each) where N x TP GPUs are visible, else all on the one GPU "
+                        "with --gpu-memory-utilization / N each; on the CPU, N numpy engines. A request goes to the "
+                        "least loaded engine, or to one nearly as idle that holds more of its prompt's prefix "
+                        "(or to the one its X-data-parallel-rank header names)")
     p.add_argument("--request-trace", default=None, metavar="FILE",
                    help="write one JSON line per generation request (its moments from arrival to the first token "
                         "sent, on the step trace's clock): bench/request_trace.py tabulates it")
@@ -250,7 +257,8 @@ def engine_config(args: argparse.Namespace):
                           max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                           max_cpu_loras=args.max_cpu_loras,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          kv_events_config=args.kv_events_config, cpu_threads=args.cpu_threads)
+                          kv_events_config=args.kv_events_config, cpu_threads=args.cpu_threads,
+                          data_parallel_size=args.data_parallel_size)
     config.validate()
     return config
 
@@ -273,14 +281,20 @@ def _setup_logging(level: str) -> None:
 def serve(args: argparse.Namespace) -> int:
     from engine.handle import EngineHandle
     from engine.process import EngineClient
+    from engine.process_replicas import DataParallelClient
     from server.app import create_app
     from server.startup import startup_notes
     _setup_logging(args.log_level)
     config = engine_config(args)
     limits = server_limits(args)
     lora_access = runtime_lora(args)
+    if config.data_parallel_size > 1 and not args.engine_process:
+        raise ValueError("--data-parallel-size needs the engine processes (--engine-process)")
     sock = socket.create_server((args.host, args.port))     # fail fast if the port is taken
-    if args.engine_process:                                 # CUDA is touched in the engine process only
+    if config.data_parallel_size > 1:
+        handle = DataParallelClient(config, notes=startup_notes)
+        notes = handle.startup_notes
+    elif args.engine_process:                               # CUDA is touched in the engine process only
         handle = EngineClient(config, notes=startup_notes)
         notes = [(level, f"{line} [the engine process]") for level, line in handle.startup_notes]
     else:

@@ -44,10 +44,12 @@ class RequestTiming:
 
 
 class EngineCall:
-    def __init__(self, handle, parsed: ParsedRequest, request_id: str, metrics: ServerMetrics | None = None):
+    def __init__(self, handle, parsed: ParsedRequest, request_id: str, metrics: ServerMetrics | None = None,
+                 data_parallel_rank: int | None = None):
         self.handle = handle
         self.parsed = parsed
         self.metrics = metrics
+        self.data_parallel_rank = data_parallel_rank     # the engine a client asked for (X-data-parallel-rank)
         many = len(parsed.prompts) > 1
         self.ids = [f"{request_id}-{i}" if many else request_id for i in range(len(parsed.prompts))]
         self.timing = [RequestTiming(len(p), time.monotonic()) for p in parsed.prompts]
@@ -62,7 +64,8 @@ class EngineCall:
         error becomes an HTTP status before any response byte is sent."""
         for i, prompt in enumerate(self.parsed.prompts):
             ids = prompt if isinstance(prompt, np.ndarray) else list(prompt)      # token-id prompts: int32 arrays
-            req = GenerateRequest(self.ids[i], ids, self.parsed.params, lora_name=self.parsed.lora_name)
+            req = GenerateRequest(self.ids[i], ids, self.parsed.params, lora_name=self.parsed.lora_name,
+                                  data_parallel_rank=self.data_parallel_rank)
             try:
                 stream = self.handle.submit(req)
             except Exception as exc:      # e.g. the engine is shutting down

@@ -1,5 +1,10 @@
 """Prometheus text exposition: request latency histograms and token counters the server measures,
-plus gauges read from the engine's stats() (running / waiting requests, KV usage, prefix-cache hits)."""
+plus gauges read from the engine's stats() (running / waiting requests, KV usage, prefix-cache hits).
+
+With several engines (--data-parallel-size) each engine gauge has the engines' total (no label, what one
+engine reports) and each engine's value under the label engine="<rank>" (vLLM's label), and
+openinfer_data_parallel_requests_total{engine="<rank>"} counts the requests sent to each: a sum over a gauge's
+series must select one kind, e.g. sum(openinfer_num_requests_running{engine!=""})."""
 from __future__ import annotations
 
 import dataclasses
@@ -46,9 +51,11 @@ class Counter:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter", f"{self.name} {self.value}"]
 
 
-def gauge(name: str, help_text: str, value: float) -> list[str]:
+def gauge(name: str, help_text: str, samples: list[tuple[str, float]], kind: str = "gauge") -> list[str]:
+    """One metric family: (labels, value) samples, labels as written between braces ("" for none)."""
     name = PREFIX + name
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {float(value)}"]
+    return ([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            + [f"{name}{{{labels}}} {float(v)}" if labels else f"{name} {float(v)}" for labels, v in samples])
 
 
 # Engine stats under fixed names (stat -> metric, help); any other numeric field is exported as
@@ -91,18 +98,23 @@ class ServerMetrics:
             if decode_time is not None and generated > 1:
                 self.tpot.observe(decode_time / (generated - 1))
 
-    def render(self, stats=None) -> str:
+    def render(self, stats=None, replicas: list | None = None, dispatched: list[int] | None = None) -> str:
+        """replicas / dispatched: with several engines, each one's stats and the requests sent to each."""
         lines = []
         with self.lock:
             for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.requests,
                            self.request_errors, self.ttft, self.tpot, self.e2e):
                 lines += metric.render()
-        lines += engine_gauges(stats) + lora_info(stats)
+        lines += engine_gauges(stats, replicas or []) + lora_info(stats)
+        if dispatched:
+            lines += gauge("data_parallel_requests_total", "Engine requests sent to each data-parallel engine.",
+                           [(f'engine="{rank}"', n) for rank, n in enumerate(dispatched)], kind="counter")
         return "\n".join(lines) + "\n"
 
 
-def engine_gauges(stats) -> list[str]:
-    """Every numeric field (and the named derived properties) of the engine's stats as a gauge."""
+def engine_gauges(stats, replicas: list | None = None) -> list[str]:
+    """Every numeric field (and the named derived properties) of the engine's stats as a gauge; with
+    replicas, each one's value too, labelled engine="<rank>"."""
     if stats is None or not dataclasses.is_dataclass(stats):
         return []
     names = [f.name for f in dataclasses.fields(stats)]
@@ -113,7 +125,8 @@ def engine_gauges(stats) -> list[str]:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         name, help_text = ENGINE_GAUGES.get(key, (f"engine_{key}", f"Engine statistic {key}."))
-        lines += gauge(name, help_text, value)
+        samples = [("", value)] + [(f'engine="{rank}"', getattr(s, key)) for rank, s in enumerate(replicas or [])]
+        lines += gauge(name, help_text, samples)
     return lines
 
 

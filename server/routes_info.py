@@ -44,9 +44,12 @@ def add_info_routes(app: Sanic) -> None:
 
     @app.get("/metrics")
     async def metrics(request):
-        stats = request.app.ctx.handle.stats()
-        return response.text(request.app.ctx.metrics.render(stats),
-                             content_type="text/plain; version=0.0.4; charset=utf-8")
+        handle = request.app.ctx.handle
+        stats = handle.stats()
+        several = request.app.ctx.data_parallel_size > 1       # per engine too (engine/process_replicas.py)
+        text = request.app.ctx.metrics.render(stats, handle.replica_stats() if several else None,
+                                              handle.dispatched if several else None)
+        return response.text(text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request):
