@@ -63,14 +63,16 @@ def replicas():
             interrupt(proc)
 
 
-def start_router(replicas, policy: str, log) -> tuple[subprocess.Popen, str]:
+def start_router(replicas, policy: str, log, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """vllm-router over `replicas`, [(url, events port or ports: one per data-parallel rank)], on `policy`."""
     port = free_port()
     cmd = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-           "--prometheus-port", str(free_port()), "--worker-urls", *[url for url, _ in replicas]]
+           "--prometheus-port", str(free_port()), "--worker-urls", *[url for url, _ in replicas], *extra]
     if policy == "kv_aware":
         cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", demo_model_path()]
         for url, events in replicas:
-            cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{events}"]
+            ports = events if isinstance(events, (list, tuple)) else [events]
+            cmd += ["--kv-event-source", f"{url}=" + ",".join(f"tcp://127.0.0.1:{p}" for p in ports)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -85,26 +87,27 @@ def start_router(replicas, policy: str, log) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
 
 
-def chat(url: str, messages: list[dict]) -> dict:
+def chat(url: str, messages: list[dict], headers: dict | None = None) -> dict:
     body = {"model": MODEL, "messages": messages, "max_tokens": 3, "temperature": 0}
-    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    response = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
 
 
-def conversations(topics: list[str], replicas, router: str) -> list[tuple[int, int]]:
-    """(first turn's prompt tokens, second turn's cached tokens) of a two-turn chat per topic: each first turn
-    sent to a replica directly (two to one, two to the other, ...), every second turn through the router."""
+def conversations(topics: list[str], first_turn, router: str, headers: dict | None = None) -> list[tuple[int, int]]:
+    """(first turn's prompt tokens, second turn's cached tokens) of a two-turn chat per topic: the i-th first turn
+    sent by first_turn(i, messages) straight to one replica (two to one, two to the other, ...), every second
+    turn through the router."""
     firsts = []
     for i, topic in enumerate(topics):
         messages = [{"role": "system", "content": f"You answer questions about {topic} in one short sentence. "
                                                   f"Stay on {topic}; never change the subject away from {topic}."},
                     {"role": "user", "content": f"What should a first-time visitor know about {topic}?"}]
-        reply = chat(replicas[(i // 2) % 2][0], messages)
+        reply = first_turn(i, messages)
         firsts.append((messages + [reply["choices"][0]["message"], {"role": "user", "content": "Why?"}],
                        reply["usage"]["prompt_tokens"]))
     time.sleep(0.5)                                              # the events' way to the router: milliseconds
-    return [(tokens, chat(router, messages)["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return [(tokens, chat(router, messages, headers)["usage"]["prompt_tokens_details"]["cached_tokens"])
             for messages, tokens in firsts]
 
 
@@ -118,8 +121,10 @@ def test_second_turns_land_on_the_replica_holding_their_prefix(replicas):
         rr_router, rr_url = start_router(replicas, "round_robin", log)
         try:
             time.sleep(1.0)                                     # the router's subscriptions reach the replicas
-            kv = conversations(TOPICS[:CONVERSATIONS], replicas, kv_url)
-            rr = conversations(TOPICS[CONVERSATIONS:2 * CONVERSATIONS], replicas, rr_url)
+            def direct(i: int, messages: list[dict]) -> dict:
+                return chat(replicas[(i // 2) % 2][0], messages)
+            kv = conversations(TOPICS[:CONVERSATIONS], direct, kv_url)
+            rr = conversations(TOPICS[CONVERSATIONS:2 * CONVERSATIONS], direct, rr_url)
         finally:
             for proc in (kv_router, rr_router):
                 interrupt(proc)
