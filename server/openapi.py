@@ -225,8 +225,18 @@ def _reset_post() -> dict:
     return op
 
 
-def openapi_document(version: str, model: ModelInfo, *, api_key: bool = False, lora: bool = False) -> dict:
-    """The document of a server for `model`; api_key: it requires the bearer key; lora: it serves adapters."""
+def _with_rank_header(op: dict, engines: int) -> dict:
+    """A generation route's optional X-data-parallel-rank header (vLLM's): the engine that serves the request."""
+    op["post"]["parameters"] = [{"name": "X-data-parallel-rank", "in": "header", "required": False,
+                                 "schema": {"type": "integer", "minimum": 0, "maximum": engines - 1},
+                                 "description": "the engine (of --data-parallel-size) to serve the request"}]
+    return op
+
+
+def openapi_document(version: str, model: ModelInfo, *, api_key: bool = False, lora: bool = False,
+                     engines: int = 1) -> dict:
+    """The document of a server for `model`; api_key: it requires the bearer key; lora: it serves adapters;
+    engines: its --data-parallel-size."""
     bodies = _bodies(model)
     paths = {
         "/v1/completions": _post("Complete a prompt (or a list of prompts)", bodies["completion"],
@@ -256,6 +266,8 @@ def openapi_document(version: str, model: ModelInfo, *, api_key: bool = False, l
         "/openapi.json": _get("This document", {"type": "object"}, open_route=True),
         "/reset_prefix_cache": _reset_post(),
     }
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        _with_rank_header(paths[route], engines)
     if lora:
         paths["/v1/load_lora_adapter"] = _lora_post(
             "Load a LoRA adapter (run-time loading allowed: VLLM_ALLOW_RUNTIME_LORA_UPDATING; lora_path inside an "

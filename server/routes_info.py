@@ -70,7 +70,7 @@ def add_info_routes(app: Sanic) -> None:
         if request.app.ctx.openapi is None:
             ctx = request.app.ctx
             ctx.openapi = openapi_document(__version__, ctx.model, api_key=bool(ctx.api_key),
-                                           lora=lora_enabled(ctx.handle))
+                                           lora=lora_enabled(ctx.handle), engines=ctx.data_parallel_size)
         return response.json(request.app.ctx.openapi)
 
 
