@@ -1,7 +1,8 @@
 """One streamed request against an OpenAI-compatible server, timed the way `vllm bench serve` times it.
 
 Timestamps are taken on the client with `time.perf_counter()` as each complete SSE event is parsed:
-- TTFT: request sent -> first chunk whose choice carries non-empty text,
+- TTFT: request sent -> first chunk whose choice carries non-empty text (or, with logprobs and
+  return_tokens_as_token_ids, a token id),
 - ITL: the gaps between consecutive chunks with text (one entry per gap, so a server that packs
   several tokens into one chunk shows fewer, longer gaps — as in vLLM's client),
 - latency (end-to-end): request sent -> last chunk with text (the trailing usage chunk carries no token),
@@ -41,6 +42,7 @@ class RequestResult:
     latency: float = 0.0
     start_time: float = 0.0         # perf_counter() when the request was sent
     generated_text: str = ""
+    token_ids: list[int] = field(default_factory=list)   # with logprobs and return_tokens_as_token_ids
 
 
 class SSEParser:
@@ -58,6 +60,12 @@ class SSEParser:
             if data:  # comment-only events (":" pings) carry no data
                 payloads.append(b"\n".join(data).decode("utf-8"))
         return payloads
+
+
+def _token_ids(choice: dict) -> list[int]:
+    """The ids of a completion chunk's tokens, where its logprobs name them "token_id:<id>"."""
+    tokens = (choice.get("logprobs") or {}).get("tokens") or []
+    return [int(t.rsplit(":", 1)[1]) for t in tokens if isinstance(t, str) and t.startswith("token_id:")]
 
 
 def _choice_text(choice: dict) -> str:
@@ -123,8 +131,11 @@ async def send_request(client: HttpClient, path: str, payload: dict, prompt_len:
                         raise RuntimeError(f"error in stream: {message['error']}")
                     if message.get("usage"):
                         _read_usage(result, message["usage"])
-                    text = _choice_text(message["choices"][0]) if message.get("choices") else ""
-                    if not text:
+                    choice = message["choices"][0] if message.get("choices") else {}
+                    ids = _token_ids(choice)
+                    result.token_ids += ids
+                    text = _choice_text(choice) if choice else ""
+                    if not (text or ids):      # (a token whose text is still held back counts where named)
                         continue
                     if chunks_with_text == 0:
                         result.ttft = now - start

@@ -1,0 +1,308 @@
+"""The scale-out benchmark (issue 57): multi-turn conversations (bench/scale_out_load.py) over two engines on
+one host — follow-up turns' TTFT p50 / p90 and their cache-hit rate against the ideal — routed three ways:
+
+- router-kv_aware: two `openinfer serve` replicas publishing KV events (--kv-events-config) behind vllm-router's
+  kv_aware policy, which sends a request to the replica whose cache holds the longest prefix of it;
+- router-round_robin: the same replicas behind vllm-router's round_robin;
+- dp: one `openinfer serve --data-parallel-size 2`, no router (its own dispatch: the least loaded engine, or a
+  nearly as idle one holding a longer prefix; engine/process_dispatch.py).
+
+The replicas start one after another (on one GPU each with its own --num-kv-blocks, so the three modes get the
+same KV pools) and serve both router modes, their prefix caches reset in between; every mode's conversations
+are its own (other system prompts and messages: nothing one mode cached helps the next). Each server waits
+out its engines' graph captures before its mode runs. Writes <label>.json and <label>.md into --out-dir: the
+date, the machine, the command and each mode's figures, with the replicas' share of the requests.
+
+    # the GPU (H100 / H200), Qwen3-4B random weights (written first, as bench/serve_gpu.py does):
+    python bench/scale_out.py --random qwen3-4b --out-dir $OUT
+    # the CPU, the demo model, a small scale:
+    python bench/scale_out.py --device cpu --users 8 --turns 4 --system-prompts 2 --system-tokens 256 \\
+        --user-tokens 32 --output-tokens 8 --out-dir bench/results
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common_data import load_tokenizer  # noqa: E402
+from bench.scale_out_load import Workload, fill_ideal, run_conversations, summary, texts  # noqa: E402
+from bench.serve_gpu import free_port, wait_warm  # noqa: E402
+from memory.kv_pool import BLOCK_SIZE  # noqa: E402
+
+MODES = ("router-kv_aware", "router-round_robin", "dp")
+GPU_SERVER_ARGS = ["--num-kv-blocks", "8000"]     # per engine: 128k tokens of Qwen3-4B KV (18.9 GB)
+
+
+def serve(folder: str, device: str, extra: list[str], log: Path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """`openinfer serve` of folder, healthy; its stderr in log."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", folder, "--device", device, "--port", str(port),
+           "--log-level", "warning", *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(url + "/health", proc, f"the server (see {log})", 1200)
+    return proc, url
+
+
+def wait_for(url: str, proc: subprocess.Popen, what: str, limit_s: float) -> None:
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode})")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() - t0 > limit_s:
+            raise RuntimeError(f"{what}: no 200 from {url} in {limit_s:.0f} s")
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def router_binary() -> str:
+    found = shutil.which("vllm-router", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if found is None:
+        raise RuntimeError("vllm-router is not installed (pip install vllm-router; the test extra brings it)")
+    return found
+
+
+def start_router(policy: str, replicas: list[tuple[str, int]], model_folder: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """vllm-router over replicas [(url, KV events port)] with `policy`, healthy."""
+    port = free_port()
+    cmd = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+           "--prometheus-port", str(free_port()), "--worker-urls", *[url for url, _ in replicas]]
+    if policy == "kv_aware":
+        cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", model_folder]
+        cmd += [a for url, events in replicas for a in ("--kv-event-source", f"{url}=tcp://127.0.0.1:{events}")]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_for(url + "/health", proc, f"vllm-router (see {log})", 60)
+    time.sleep(1.0)                     # its subscriptions reach the publishers
+    return proc, url
+
+
+def counters(url: str, prefix: str) -> dict[str, float]:
+    """The /metrics samples whose name starts with prefix."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix)}
+
+
+def model_name(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def run_mode(name: str, url: str, tokenize_url: str, tokenizer, workload: Workload) -> dict:
+    """One mode's conversations through url, their ideal hits from tokenize_url, and the summary."""
+    systems, messages = texts(tokenizer, workload)
+    model = model_name(tokenize_url)
+    turns = asyncio.run(run_conversations(url, model, systems, messages, workload.output_tokens))
+    asyncio.run(fill_ideal(tokenize_url, model, turns))
+    result = {"mode": name, **summary(turns)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def spread(before: list[dict], after: list[dict]) -> list[int]:
+    """Requests each replica (or engine) served between two readings of its counters."""
+    return [int(sum(a.values()) - sum(b.values())) for b, a in zip(before, after)]
+
+
+@contextmanager
+def replicas(args, folder: str, out: Path, env: dict):
+    """Two `openinfer serve` publishing KV events: [(url, events port)], started one after another."""
+    procs, served = [], []
+    try:
+        for r in range(2):
+            events = free_port()
+            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}"}
+            proc, url = serve(folder, args.device, args.server_args + ["--kv-events-config", json.dumps(config)],
+                              out / f"scale-out-replica{r}.log", env)
+            procs.append(proc)
+            served.append((url, events))
+        for url, _ in served:
+            wait_warm(int(url.rsplit(":", 1)[1]))
+        yield served
+    finally:
+        for proc in procs:
+            stop(proc)
+
+
+def router_modes(args, folder: str, out: Path, tokenizer, env: dict) -> list[dict]:
+    results = []
+    policies = [m.split("-", 1)[1] for m in args.modes if m.startswith("router-")]
+    with replicas(args, folder, out, env) as served:
+        for i, policy in enumerate(policies):
+            for url, _ in served:
+                urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"), timeout=600)
+            router, router_url = start_router(policy, served, folder, out / f"scale-out-router-{policy}.log")
+            try:
+                before = [counters(url, "openinfer_request_success_total") for url, _ in served]
+                result = run_mode(f"router-{policy}", router_url, served[0][0], tokenizer,
+                                  replace(args.workload, seed=args.workload.seed + 1 + i))
+                result["requests_per_replica"] = spread(before, [counters(u, "openinfer_request_success_total")
+                                                                 for u, _ in served])
+                results.append(result)
+            finally:
+                stop(router)
+    return results
+
+
+def dp_mode(args, folder: str, out: Path, tokenizer, env: dict) -> dict:
+    proc, url = serve(folder, args.device, args.server_args + ["--data-parallel-size", "2"], out / "scale-out-dp.log",
+                      env)
+    try:
+        wait_warm(int(url.rsplit(":", 1)[1]))
+        before = counters(url, "openinfer_data_parallel_requests_total{")
+        result = run_mode("dp", url, url, tokenizer, replace(args.workload, seed=args.workload.seed + 100))
+        after = counters(url, "openinfer_data_parallel_requests_total{")
+        result["requests_per_replica"] = [int(after[k] - before.get(k, 0)) for k in sorted(after)]
+        return result
+    finally:
+        stop(proc)
+
+
+def machine() -> str:
+    """CPU model, cores, memory, and the GPUs nvidia-smi names."""
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    mem = next((int(line.split()[1]) / 2**20 for line in open("/proc/meminfo") if line.startswith("MemTotal")), 0) \
+        if os.path.exists("/proc/meminfo") else 0
+    gpus = "no GPU"
+    if shutil.which("nvidia-smi"):
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                               capture_output=True, text=True)
+        gpus = "; ".join(line.strip() for line in query.stdout.splitlines() if line.strip()) or gpus
+    return f"{platform.machine()}, {os.cpu_count()} cores ({cpu}), {mem:.0f} GiB, {gpus}"
+
+
+def ratios(modes: list[dict]) -> dict:
+    """The issue's targets: kv_aware's follow-up TTFT p50 against round_robin's, and its hit over the ideal."""
+    by = {m["mode"]: m for m in modes}
+    kv, rr = by.get("router-kv_aware"), by.get("router-round_robin")
+    out = {}
+    if kv and rr and kv["follow_up_ttft_p50_ms"]:
+        out["round_robin_over_kv_aware_ttft_p50"] = round(rr["follow_up_ttft_p50_ms"] / kv["follow_up_ttft_p50_ms"], 2)
+    if kv:
+        out["kv_aware_hit_over_ideal"] = kv["hit_over_ideal"]
+    return out
+
+
+def markdown(report: dict) -> str:
+    w = report["workload"]
+    lines = [f"# Scale-out: {w['users']} users × {w['turns']} turns over two engines, routed three ways", "",
+             f"- date: {report['date']}", f"- machine: {report['machine']}", f"- model: {report['model']}",
+             f"- command: `{report['command']}`",
+             f"- server arguments (each engine): `{' '.join(report['server_args']) or '(defaults)'}`",
+             f"- workload: {w['system_prompts']} shared system prompts of {w['system_tokens']} tokens; per turn a "
+             f"{w['user_tokens']}-token message and a {w['output_tokens']}-token reply; closed loop, all users at "
+             f"once", "",
+             "| mode | follow-up TTFT p50 (ms) | p90 (ms) | first turns' TTFT p50 (ms) | hit rate | ideal | hit / ideal "
+             "| requests per engine | errors |", "| --- " * 9 + "|"]
+    for m in report["modes"]:
+        lines.append(f"| {m['mode']} | {m['follow_up_ttft_p50_ms']} | {m['follow_up_ttft_p90_ms']} "
+                     f"| {m['first_turn_ttft_p50_ms']} | {m['hit_rate']} | {m['ideal_hit_rate']} | {m['hit_over_ideal']} "
+                     f"| {' / '.join(map(str, m.get('requests_per_replica', [])))} | {m['errors']} |")
+    r = report["targets"]
+    if r:
+        lines += ["", f"round_robin's follow-up TTFT p50 over kv_aware's: {r.get('round_robin_over_kv_aware_ttft_p50')}× "
+                      f"(target ≥ 3×); kv_aware's hit over the ideal: {r.get('kv_aware_hit_over_ideal')} (target ≥ 0.9)"]
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Workload()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--folder", default=None, help="the model folder (default: --random's weights, or on the CPU the "
+                                                  "demo model)")
+    p.add_argument("--random", default=None, metavar="MODEL", help="write random weights of bench/configs/MODEL "
+                                                                   "first (e.g. qwen3-4b) and serve them")
+    p.add_argument("--weights-dir", default="/tmp", help="where --random's weights are written")
+    for name in ("users", "turns", "system_prompts", "system_tokens", "user_tokens", "output_tokens", "seed"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--server-arg", action="append", default=[], help="an `openinfer serve` argument for every "
+                                                                     "server (repeat); on the GPU after "
+                                                                     + " ".join(GPU_SERVER_ARGS))
+    p.add_argument("--blas-threads", type=int, default=1, help="OPENBLAS_NUM_THREADS of each server on the CPU")
+    p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
+    p.add_argument("--label", default="scale-out")
+    return p
+
+
+def model_folder(args) -> str:
+    if args.folder:
+        return args.folder
+    if args.random:
+        from bench.decode import random_weights_folder
+        from bench.serve_gpu import write_weights
+
+        folder = random_weights_folder(args.random, None, args.weights_dir)
+        write_weights(args.random, folder)
+        return folder
+    if args.device == "cpu":
+        from engine.loader.demo import demo_model_path
+        return demo_model_path()
+    raise SystemExit("give --folder or --random on the GPU")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    if unknown := set(args.modes) - set(MODES):
+        raise SystemExit(f"unknown mode(s) {', '.join(sorted(unknown))}")
+    args.workload = Workload(args.users, args.turns, args.system_prompts, args.system_tokens, args.user_tokens,
+                             args.output_tokens, args.seed)
+    args.server_args = (GPU_SERVER_ARGS if args.device == "cuda" else []) + args.server_arg
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    folder = model_folder(args)
+    tokenizer = load_tokenizer(folder)
+    env = dict(os.environ, **({"OPENBLAS_NUM_THREADS": str(args.blas_threads), "OMP_NUM_THREADS": str(args.blas_threads)}
+                              if args.device == "cpu" else {}))
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "machine": machine(), "model": args.random or folder,
+              "command": "python bench/scale_out.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+              "workload": asdict(args.workload), "server_args": args.server_args, "modes": []}
+    if any(m.startswith("router-") for m in args.modes):
+        report["modes"] += router_modes(args, folder, out, tokenizer, env)
+    if "dp" in args.modes:
+        report["modes"].append(dp_mode(args, folder, out, tokenizer, env))
+    report["targets"] = ratios(report["modes"])
+    (out / f"{args.label}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{args.label}.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
