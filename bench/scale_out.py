@@ -124,7 +124,7 @@ def run_mode(name: str, url: str, tokenize_url: str, tokenizer, workload: Worklo
     """One mode's conversations through url, their ideal hits from tokenize_url, and the summary."""
     systems, messages = texts(tokenizer, workload)
     model = model_name(tokenize_url)
-    turns = asyncio.run(run_conversations(url, model, systems, messages, workload.output_tokens))
+    turns = asyncio.run(run_conversations(url, model, systems, messages, workload))
     asyncio.run(fill_ideal(tokenize_url, model, turns))
     result = {"mode": name, **summary(turns)}
     print(json.dumps(result), flush=True)
@@ -223,8 +223,8 @@ def markdown(report: dict) -> str:
              f"- command: `{report['command']}`",
              f"- server arguments (each engine): `{' '.join(report['server_args']) or '(defaults)'}`",
              f"- workload: {w['system_prompts']} shared system prompts of {w['system_tokens']} tokens; per turn a "
-             f"{w['user_tokens']}-token message and a {w['output_tokens']}-token reply; closed loop, all users at "
-             f"once", "",
+             f"{w['user_tokens']}-token message and a {w['output_tokens']}-token reply; closed loop, a user thinking "
+             f"{w['think_ms']} ms on average (exponential) before each turn", "",
              "| mode | follow-up TTFT p50 (ms) | p90 (ms) | first turns' TTFT p50 (ms) | hit rate | ideal | hit / ideal "
              "| requests per engine | errors |", "| --- " * 9 + "|"]
     for m in report["modes"]:
@@ -247,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random", default=None, metavar="MODEL", help="write random weights of bench/configs/MODEL "
                                                                    "first (e.g. qwen3-4b) and serve them")
     p.add_argument("--weights-dir", default="/tmp", help="where --random's weights are written")
-    for name in ("users", "turns", "system_prompts", "system_tokens", "user_tokens", "output_tokens", "seed"):
+    for name in ("users", "turns", "system_prompts", "system_tokens", "user_tokens", "output_tokens", "seed",
+                 "think_ms"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--server-arg", action="append", default=[], help="an `openinfer serve` argument for every "
@@ -256,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blas-threads", type=int, default=1, help="OPENBLAS_NUM_THREADS of each server on the CPU")
     p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--label", default="scale-out")
+    p.add_argument("--machine", default=None, help="the machine as the report names it (default: read from "
+                                                   "/proc and nvidia-smi)")
     return p
 
 
@@ -281,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown := set(args.modes) - set(MODES):
         raise SystemExit(f"unknown mode(s) {', '.join(sorted(unknown))}")
     args.workload = Workload(args.users, args.turns, args.system_prompts, args.system_tokens, args.user_tokens,
-                             args.output_tokens, args.seed)
+                             args.output_tokens, args.seed, args.think_ms)
     args.server_args = (GPU_SERVER_ARGS if args.device == "cuda" else []) + args.server_arg
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -290,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
     env = dict(os.environ, **({"OPENBLAS_NUM_THREADS": str(args.blas_threads), "OMP_NUM_THREADS": str(args.blas_threads)}
                               if args.device == "cpu" else {}))
     report = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "machine": machine(), "model": args.random or folder,
+              "machine": args.machine or machine(), "model": args.random or folder,
               "command": "python bench/scale_out.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "workload": asdict(args.workload), "server_args": args.server_args, "modes": []}
     if any(m.startswith("router-") for m in args.modes):

@@ -4,8 +4,10 @@ Each of U users holds one conversation of T turns; the users share S system prom
 each of exactly --system-tokens tokens. A turn appends "\\n\\nUser: <message>\\n\\nAssistant:" (the message
 exactly --user-tokens tokens of random text) to the conversation so far, streams a completion of exactly
 --output-tokens tokens (ignore_eos; logprobs naming the token ids), and appends the reply's text: the history
-grows by every turn's message and reply. All users start at once; a user sends its next turn when its reply
-has ended (a closed loop, no think time).
+grows by every turn's message and reply. A user thinks before each turn (its first too, so the users start
+spread out): a random time, exponential with a mean of --think-ms (seeded per user), after its previous reply
+ended — a closed loop. Without think time the users move in lockstep, and a round-robin router over R replicas
+then sends every turn of a user to one replica whenever R divides the number of users.
 
 Per turn: TTFT (request sent -> first token), prompt tokens and cached tokens (usage.prompt_tokens_details),
 the reply's token ids. A follow-up turn's ideal hit is what its previous turn left in the KV cache, the
@@ -44,13 +46,15 @@ class Turn:
 
 @dataclass
 class Workload:
+    """The issue's scale by default: 64 users x 6 turns, 2k-token shared system prompts."""
     users: int = 64
-    turns: int = 6
-    system_prompts: int = 4
-    system_tokens: int = 2048
-    user_tokens: int = 192
-    output_tokens: int = 128
-    seed: int = 0
+    turns: int = 6                  # per user
+    system_prompts: int = 4         # shared: user u has the (u % system_prompts)-th
+    system_tokens: int = 2048       # each system prompt's length
+    user_tokens: int = 192          # each message's length
+    output_tokens: int = 128        # each reply's length
+    seed: int = 0                   # of the texts and the pauses
+    think_ms: int = 1000            # the mean of a user's pause before each turn
 
 
 def texts(tokenizer, w: Workload) -> tuple[list[str], list[list[str]]]:
@@ -65,13 +69,16 @@ def texts(tokenizer, w: Workload) -> tuple[list[str], list[list[str]]]:
 
 
 async def run_conversations(url: str, model: str, systems: list[str], messages: list[list[str]],
-                            output_tokens: int, api_key: str | None = None) -> list[Turn]:
+                            w: Workload, api_key: str | None = None) -> list[Turn]:
     """Every user's conversation through `url`; the turns in order of (user, turn)."""
     client, headers = make_client(url), auth_headers(api_key)
+    output_tokens = w.output_tokens
 
     async def user(u: int) -> list[Turn]:
         history, done = systems[u % len(systems)], []
+        pauses = np.random.default_rng((w.seed, u)).exponential(w.think_ms / 1000, len(messages[u]))
         for k, message in enumerate(messages[u]):
+            await asyncio.sleep(pauses[k])
             turn = Turn(u, k, f"{history}\n\nUser: {message}\n\nAssistant:")
             payload = {"model": model, "prompt": turn.prompt, "max_tokens": output_tokens, "min_tokens": output_tokens,
                        "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},

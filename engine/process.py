@@ -116,7 +116,7 @@ class EngineClient(RemoteEngineCalls):
         """End the engine process now (one that has not said it is ready: nothing to drain)."""
         self._closed = True
         self._proc.kill()
-        self._proc.join(10)
+        self.wait(10)
 
     def _wait_ready(self, timeout: float) -> tuple:
         """The child's first message: ("ready", info) or ("error", kind, message)."""

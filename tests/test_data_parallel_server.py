@@ -10,8 +10,6 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +21,7 @@ pytest.importorskip("msgspec")
 from kv_event_subscriber import BlockStored, Subscriber, events_config
 from memory.kv_pool import BLOCK_SIZE
 from memory.prefix_hash import hash_chain
-from test_kv_router import CONVERSATIONS, ONE_BLAS_THREAD, TOPICS, chat, conversations, hits, start_router
+from test_kv_router import ONE_BLAS_THREAD, chat, kv_aware_against_round_robin
 from test_reliability import Served, gone
 from test_server_cli import OPENINFER, ROOT, free_port, interrupt, wait_healthy
 
@@ -100,7 +98,8 @@ def test_each_engine_publishes_its_kv_events_with_its_rank_on_its_port(server):
             assert complete(url, prompts[r], r).status_code == 200
         for r, sub in enumerate(subs):
             chain = hash_chain(prompts[r], BLOCK_SIZE)
-            sub.wait(lambda evs: set(chain) <= {h for e in evs if isinstance(e, BlockStored) for h in e.block_hashes})
+            sub.wait(lambda evs, chain=chain: set(chain) <= {h for e in evs if isinstance(e, BlockStored)
+                                                             for h in e.block_hashes})
             assert {batch.data_parallel_rank for _, batch in sub.received} == {r}
             other = set(hash_chain(prompts[1 - r], BLOCK_SIZE))
             assert not other & {h for e in sub.events() if isinstance(e, BlockStored) for h in e.block_hashes}
@@ -114,24 +113,10 @@ def test_vllm_routers_data_parallel_mode_sends_second_turns_where_their_kv_is(se
     reads each rank's events from its own port. First turns go to the server pinned to a rank (two to one,
     two to the other, ...), second turns through the router."""
     url, events = server
-    workers = [(url, [events, events + 1])]
-    extra = ("--intra-node-data-parallel-size", "2", "--api-key", ROUTER_KEY)
-    with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="vllm-router-") as log:
-        kv_router, kv_url = start_router(workers, "kv_aware", log, extra)
-        rr_router, rr_url = start_router(workers, "round_robin", log, extra)
-        try:
-            time.sleep(1.0)                                     # the router's subscriptions reach the engines
-            def pinned(i: int, messages: list[dict]) -> dict:
-                return chat(url, messages, {"X-data-parallel-rank": str((i // 2) % 2)})
-            kv = conversations(TOPICS[:CONVERSATIONS], pinned, kv_url)
-            rr = conversations(TOPICS[CONVERSATIONS:2 * CONVERSATIONS], pinned, rr_url)
-        finally:
-            for proc in (kv_router, rr_router):
-                interrupt(proc)
-        print(f"second turns with their whole first prompt cached: kv_aware {hits(kv)}/{len(kv)} {kv}, "
-              f"round_robin {hits(rr)}/{len(rr)} {rr}")
-        assert hits(kv) == CONVERSATIONS, f"kv_aware: {kv}; the router's log:\n{log.read()[-3000:]}"
-        assert hits(rr) <= CONVERSATIONS // 2 + 1, rr
+    kv_aware_against_round_robin(
+        [(url, [events, events + 1])],
+        lambda i, messages: chat(url, messages, {"X-data-parallel-rank": str((i // 2) % 2)}),
+        ("--intra-node-data-parallel-size", "2", "--api-key", ROUTER_KEY))
 
 
 def descendants(pid: int) -> list[int]:

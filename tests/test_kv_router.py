@@ -115,16 +115,16 @@ def hits(turns: list[tuple[int, int]]) -> int:
     return sum(cached >= first // BLOCK_SIZE * BLOCK_SIZE > 0 for first, cached in turns)
 
 
-def test_second_turns_land_on_the_replica_holding_their_prefix(replicas):
+def kv_aware_against_round_robin(workers, first_turn, extra: tuple[str, ...] = ()) -> None:
+    """First turns through first_turn(i, messages), second turns through vllm-router over workers: kv_aware
+    sends every one where its first turn's KV is, round_robin about half."""
     with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="vllm-router-") as log:
-        kv_router, kv_url = start_router(replicas, "kv_aware", log)
-        rr_router, rr_url = start_router(replicas, "round_robin", log)
+        kv_router, kv_url = start_router(workers, "kv_aware", log, extra)
+        rr_router, rr_url = start_router(workers, "round_robin", log, extra)
         try:
-            time.sleep(1.0)                                     # the router's subscriptions reach the replicas
-            def direct(i: int, messages: list[dict]) -> dict:
-                return chat(replicas[(i // 2) % 2][0], messages)
-            kv = conversations(TOPICS[:CONVERSATIONS], direct, kv_url)
-            rr = conversations(TOPICS[CONVERSATIONS:2 * CONVERSATIONS], direct, rr_url)
+            time.sleep(1.0)                                     # the router's subscriptions reach the publishers
+            kv = conversations(TOPICS[:CONVERSATIONS], first_turn, kv_url)
+            rr = conversations(TOPICS[CONVERSATIONS:2 * CONVERSATIONS], first_turn, rr_url)
         finally:
             for proc in (kv_router, rr_router):
                 interrupt(proc)
@@ -132,3 +132,7 @@ def test_second_turns_land_on_the_replica_holding_their_prefix(replicas):
               f"round_robin {hits(rr)}/{len(rr)} {rr}")
         assert hits(kv) == CONVERSATIONS, f"kv_aware: {kv}; the router's log:\n{log.read()[-3000:]}"
         assert hits(rr) <= CONVERSATIONS // 2 + 1, rr
+
+
+def test_second_turns_land_on_the_replica_holding_their_prefix(replicas):
+    kv_aware_against_round_robin(replicas, lambda i, messages: chat(replicas[(i // 2) % 2][0], messages))
