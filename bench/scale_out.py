@@ -7,14 +7,16 @@ one host — follow-up turns' TTFT p50 / p90 and their cache-hit rate against th
 - dp: one `openinfer serve --data-parallel-size 2`, no router (its own dispatch: the least loaded engine, or a
   nearly as idle one holding a longer prefix; engine/process_dispatch.py).
 
-The replicas start one after another (on one GPU each with its own --num-kv-blocks, so the three modes get the
-same KV pools) and serve both router modes, their prefix caches reset in between; every mode's conversations
-are its own (other system prompts and messages: nothing one mode cached helps the next). Each server waits
-out its engines' graph captures before its mode runs. Writes <label>.json and <label>.md into --out-dir: the
-date, the machine, the command and each mode's figures, with the replicas' share of the requests.
+The replicas start one after another and serve both router modes, their prefix caches reset in between; on
+the GPU both share the one visible GPU (CUDA_VISIBLE_DEVICES=0), each with --num-kv-blocks 8000, so the three
+modes get the same KV pools (`-dp 2` places its engines there too). Every mode's conversations are its own
+(other system prompts and messages: nothing one mode cached helps the next). Each server waits out its
+engines' graph captures before its mode runs. Writes <label>.json and <label>.md into --out-dir: the date, the
+machine, the command and each mode's figures, with the replicas' share of the requests.
 
     # the GPU (H100 / H200), Qwen3-4B random weights (written first, as bench/serve_gpu.py does):
-    python bench/scale_out.py --random qwen3-4b --out-dir $OUT
+    CUDA_VISIBLE_DEVICES=0 python bench/scale_out.py --random qwen3-4b --label scale-out-gpu \
+        --out-dir bench/results
     # the CPU, the demo model, a small scale:
     python bench/scale_out.py --device cpu --users 8 --turns 4 --system-prompts 2 --system-tokens 256 \\
         --user-tokens 32 --output-tokens 8 --out-dir bench/results
@@ -48,9 +50,16 @@ from memory.kv_pool import BLOCK_SIZE  # noqa: E402
 
 MODES = ("router-kv_aware", "router-round_robin", "dp")
 GPU_SERVER_ARGS = ["--num-kv-blocks", "8000"]     # per engine: 128k tokens of Qwen3-4B KV (18.9 GB)
+GPU_COMMAND = ("CUDA_VISIBLE_DEVICES=0 python bench/scale_out.py --random qwen3-4b --label scale-out-gpu "
+               "--out-dir bench/results")
+CPU_NOTE = (f"These are CPU figures (the numpy engine, the demo model, a small scale): they show the modes work "
+            f"and how the routing places turns, not the issue's GPU targets. The GPU figures (Qwen3-4B random "
+            f"weights, 64 users x 6 turns, 2k-token system prompts, two engines sharing one H100 / H200) are not "
+            f"measured yet: `{GPU_COMMAND}`.")
 
 
-def serve(folder: str, device: str, extra: list[str], log: Path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def serve(folder: str, device: str, extra: list[str], log: Path,
+          env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`openinfer serve` of folder, healthy; its stderr in log."""
     port = free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", folder, "--device", device, "--port", str(port),
@@ -93,7 +102,8 @@ def router_binary() -> str:
     return found
 
 
-def start_router(policy: str, replicas: list[tuple[str, int]], model_folder: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start_router(policy: str, replicas: list[tuple[str, int]], model_folder: str,
+                 log: Path) -> tuple[subprocess.Popen, str]:
     """vllm-router over replicas [(url, KV events port)] with `policy`, healthy."""
     port = free_port()
     cmd = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
@@ -225,16 +235,20 @@ def markdown(report: dict) -> str:
              f"- workload: {w['system_prompts']} shared system prompts of {w['system_tokens']} tokens; per turn a "
              f"{w['user_tokens']}-token message and a {w['output_tokens']}-token reply; closed loop, a user thinking "
              f"{w['think_ms']} ms on average (exponential) before each turn", "",
-             "| mode | follow-up TTFT p50 (ms) | p90 (ms) | first turns' TTFT p50 (ms) | hit rate | ideal | hit / ideal "
-             "| requests per engine | errors |", "| --- " * 9 + "|"]
+             "| mode | follow-up TTFT p50 (ms) | p90 (ms) | first turns' TTFT p50 (ms) | hit rate | ideal "
+             "| hit / ideal | requests per engine | errors |", "| --- " * 9 + "|"]
     for m in report["modes"]:
         lines.append(f"| {m['mode']} | {m['follow_up_ttft_p50_ms']} | {m['follow_up_ttft_p90_ms']} "
-                     f"| {m['first_turn_ttft_p50_ms']} | {m['hit_rate']} | {m['ideal_hit_rate']} | {m['hit_over_ideal']} "
+                     f"| {m['first_turn_ttft_p50_ms']} | {m['hit_rate']} | {m['ideal_hit_rate']} "
+                     f"| {m['hit_over_ideal']} "
                      f"| {' / '.join(map(str, m.get('requests_per_replica', [])))} | {m['errors']} |")
     r = report["targets"]
+    if report.get("note"):
+        lines += ["", report["note"]]
     if r:
-        lines += ["", f"round_robin's follow-up TTFT p50 over kv_aware's: {r.get('round_robin_over_kv_aware_ttft_p50')}× "
-                      f"(target ≥ 3×); kv_aware's hit over the ideal: {r.get('kv_aware_hit_over_ideal')} (target ≥ 0.9)"]
+        lines += ["", f"round_robin's follow-up TTFT p50 over kv_aware's: "
+                      f"{r.get('round_robin_over_kv_aware_ttft_p50')}× (target ≥ 3×); kv_aware's hit over the "
+                      f"ideal: {r.get('kv_aware_hit_over_ideal')} (target ≥ 0.9)"]
     return "\n".join(lines) + "\n"
 
 
@@ -290,7 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     folder = model_folder(args)
     tokenizer = load_tokenizer(folder)
-    env = dict(os.environ, **({"OPENBLAS_NUM_THREADS": str(args.blas_threads), "OMP_NUM_THREADS": str(args.blas_threads)}
+    threads = str(args.blas_threads)
+    env = dict(os.environ, **({"OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads}
                               if args.device == "cpu" else {}))
     report = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "machine": args.machine or machine(), "model": args.random or folder,
@@ -301,6 +316,8 @@ def main(argv: list[str] | None = None) -> dict:
     if "dp" in args.modes:
         report["modes"].append(dp_mode(args, folder, out, tokenizer, env))
     report["targets"] = ratios(report["modes"])
+    if args.device == "cpu":
+        report["note"] = CPU_NOTE
     (out / f"{args.label}.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / f"{args.label}.md").write_text(markdown(report))
     print(markdown(report))
