@@ -12,7 +12,8 @@ the GPU both share the one visible GPU (CUDA_VISIBLE_DEVICES=0), each with --num
 modes get the same KV pools (`-dp 2` places its engines there too). Every mode's conversations are its own
 (other system prompts and messages: nothing one mode cached helps the next). Each server waits out its
 engines' graph captures before its mode runs. Writes <label>.json and <label>.md into --out-dir: the date, the
-machine, the command and each mode's figures, with the replicas' share of the requests.
+machine, the command and each mode's figures, with the replicas' share of the requests (the servers' and
+routers' logs go to a temporary folder, named at start).
 
     # the GPU (H100 / H200), Qwen3-4B random weights (written first, as bench/serve_gpu.py does):
     CUDA_VISIBLE_DEVICES=0 python bench/scale_out.py --random qwen3-4b --label scale-out-gpu \
@@ -34,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -147,7 +149,7 @@ def spread(before: list[dict], after: list[dict]) -> list[int]:
 
 
 @contextmanager
-def replicas(args, folder: str, out: Path, env: dict):
+def replicas(args, folder: str, logs: Path, env: dict):
     """Two `openinfer serve` publishing KV events: [(url, events port)], started one after another."""
     procs, served = [], []
     try:
@@ -155,7 +157,7 @@ def replicas(args, folder: str, out: Path, env: dict):
             events = free_port()
             config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}"}
             proc, url = serve(folder, args.device, args.server_args + ["--kv-events-config", json.dumps(config)],
-                              out / f"scale-out-replica{r}.log", env)
+                              logs / f"replica{r}.log", env)
             procs.append(proc)
             served.append((url, events))
         for url, _ in served:
@@ -166,14 +168,14 @@ def replicas(args, folder: str, out: Path, env: dict):
             stop(proc)
 
 
-def router_modes(args, folder: str, out: Path, tokenizer, env: dict) -> list[dict]:
+def router_modes(args, folder: str, logs: Path, tokenizer, env: dict) -> list[dict]:
     results = []
     policies = [m.split("-", 1)[1] for m in args.modes if m.startswith("router-")]
-    with replicas(args, folder, out, env) as served:
+    with replicas(args, folder, logs, env) as served:
         for i, policy in enumerate(policies):
             for url, _ in served:
                 urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"), timeout=600)
-            router, router_url = start_router(policy, served, folder, out / f"scale-out-router-{policy}.log")
+            router, router_url = start_router(policy, served, folder, logs / f"router-{policy}.log")
             try:
                 before = [counters(url, "openinfer_request_success_total") for url, _ in served]
                 result = run_mode(f"router-{policy}", router_url, served[0][0], tokenizer,
@@ -186,9 +188,8 @@ def router_modes(args, folder: str, out: Path, tokenizer, env: dict) -> list[dic
     return results
 
 
-def dp_mode(args, folder: str, out: Path, tokenizer, env: dict) -> dict:
-    proc, url = serve(folder, args.device, args.server_args + ["--data-parallel-size", "2"], out / "scale-out-dp.log",
-                      env)
+def dp_mode(args, folder: str, logs: Path, tokenizer, env: dict) -> dict:
+    proc, url = serve(folder, args.device, args.server_args + ["--data-parallel-size", "2"], logs / "dp.log", env)
     try:
         wait_warm(int(url.rsplit(":", 1)[1]))
         before = counters(url, "openinfer_data_parallel_requests_total{")
@@ -302,6 +303,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.server_args = (GPU_SERVER_ARGS if args.device == "cuda" else []) + args.server_arg
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="scale-out-logs-"))        # the servers' and routers' logs
+    print(f"logs in {logs}", flush=True)
     folder = model_folder(args)
     tokenizer = load_tokenizer(folder)
     threads = str(args.blas_threads)
@@ -312,9 +315,9 @@ def main(argv: list[str] | None = None) -> dict:
               "command": "python bench/scale_out.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "workload": asdict(args.workload), "server_args": args.server_args, "modes": []}
     if any(m.startswith("router-") for m in args.modes):
-        report["modes"] += router_modes(args, folder, out, tokenizer, env)
+        report["modes"] += router_modes(args, folder, logs, tokenizer, env)
     if "dp" in args.modes:
-        report["modes"].append(dp_mode(args, folder, out, tokenizer, env))
+        report["modes"].append(dp_mode(args, folder, logs, tokenizer, env))
     report["targets"] = ratios(report["modes"])
     if args.device == "cpu":
         report["note"] = CPU_NOTE
