@@ -104,12 +104,12 @@ def router_binary() -> str:
     return found
 
 
-def start_router(policy: str, replicas: list[tuple[str, int]], model_folder: str,
-                 log: Path) -> tuple[subprocess.Popen, str]:
-    """vllm-router over replicas [(url, KV events port)] with `policy`, healthy."""
+def start_router(policy: str, replicas: list[tuple[str, int]], model_folder: str, log: Path,
+                 extra: list[str] | tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """vllm-router over replicas [(url, KV events port)] with `policy` (and extra arguments), healthy."""
     port = free_port()
     cmd = [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-           "--prometheus-port", str(free_port()), "--worker-urls", *[url for url, _ in replicas]]
+           "--prometheus-port", str(free_port()), "--worker-urls", *[url for url, _ in replicas], *extra]
     if policy == "kv_aware":
         cmd += ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", model_folder]
         cmd += [a for url, events in replicas for a in ("--kv-event-source", f"{url}=tcp://127.0.0.1:{events}")]
@@ -175,7 +175,8 @@ def router_modes(args, folder: str, logs: Path, tokenizer, env: dict) -> list[di
         for i, policy in enumerate(policies):
             for url, _ in served:
                 urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"), timeout=600)
-            router, router_url = start_router(policy, served, folder, logs / f"router-{policy}.log")
+            router, router_url = start_router(policy, served, folder, logs / f"router-{policy}.log",
+                                              args.router_arg)
             try:
                 before = [counters(url, "openinfer_request_success_total") for url, _ in served]
                 result = run_mode(f"router-{policy}", router_url, served[0][0], tokenizer,
@@ -232,7 +233,8 @@ def markdown(report: dict) -> str:
     lines = [f"# Scale-out: {w['users']} users × {w['turns']} turns over two engines, routed three ways", "",
              f"- date: {report['date']}", f"- machine: {report['machine']}", f"- model: {report['model']}",
              f"- command: `{report['command']}`",
-             f"- server arguments (each engine): `{' '.join(report['server_args']) or '(defaults)'}`",
+             f"- server arguments (each engine): `{' '.join(report['server_args']) or '(defaults)'}`; "
+             f"vllm-router's: `{' '.join(report.get('router_args', [])) or '(defaults)'}`",
              f"- workload: {w['system_prompts']} shared system prompts of {w['system_tokens']} tokens; per turn a "
              f"{w['user_tokens']}-token message and a {w['output_tokens']}-token reply; closed loop, a user thinking "
              f"{w['think_ms']} ms on average (exponential) before each turn", "",
@@ -271,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-arg", action="append", default=[], help="an `openinfer serve` argument for every "
                                                                      "server (repeat); on the GPU after "
                                                                      + " ".join(GPU_SERVER_ARGS))
+    p.add_argument("--router-arg", action="append", default=[], help="a vllm-router argument for both router "
+                                                                     "modes (repeat; e.g. --router-arg=--router-"
+                                                                     "temperature --router-arg=0.5)")
     p.add_argument("--blas-threads", type=int, default=1, help="OPENBLAS_NUM_THREADS of each server on the CPU")
     p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--label", default="scale-out")
@@ -315,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "machine": args.machine or machine(), "model": args.random or folder,
               "command": "python bench/scale_out.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
-              "workload": asdict(args.workload), "server_args": args.server_args, "modes": []}
+              "workload": asdict(args.workload), "server_args": args.server_args,
+              "router_args": args.router_arg, "modes": []}
     if any(m.startswith("router-") for m in args.modes):
         report["modes"] += router_modes(args, folder, logs, tokenizer, env)
     if "dp" in args.modes:
