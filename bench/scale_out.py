@@ -19,8 +19,8 @@ routers' logs go to a temporary folder, named at start).
     CUDA_VISIBLE_DEVICES=0 python bench/scale_out.py --random qwen3-4b --label scale-out-gpu \
         --out-dir bench/results
     # the CPU, the demo model, a small scale:
-    python bench/scale_out.py --device cpu --users 8 --turns 4 --system-prompts 2 --system-tokens 256 \\
-        --user-tokens 32 --output-tokens 8 --out-dir bench/results
+    python bench/scale_out.py --device cpu --users 8 --turns 4 --system-prompts 2 --system-tokens 128 \\
+        --user-tokens 64 --output-tokens 16 --think-ms 2000 --out-dir bench/results
 """
 from __future__ import annotations
 
