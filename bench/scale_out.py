@@ -16,7 +16,7 @@ machine, the command and each mode's figures, with the replicas' share of the re
 routers' logs go to a temporary folder, named at start).
 
     # the GPU (H100 / H200), Qwen3-4B random weights (written first, as bench/serve_gpu.py does):
-    CUDA_VISIBLE_DEVICES=0 python bench/scale_out.py --random qwen3-4b --label scale-out-gpu \
+    CUDA_VISIBLE_DEVICES=0 python bench/scale_out.py --random qwen3-4b --label scale-out-gpu \\
         --out-dir bench/results
     # the CPU, the demo model, a small scale:
     python bench/scale_out.py --device cpu --users 8 --turns 4 --system-prompts 2 --system-tokens 128 \\
