@@ -1,5 +1,6 @@
 """Prometheus text exposition: request latency histograms and token counters the server measures,
-plus gauges read from the engine's stats() (running / waiting requests, KV usage, prefix-cache hits)."""
+plus gauges read from the engine's stats() (running / waiting requests, KV usage, prefix-cache hits) and,
+with speculative decoding on, vLLM's spec_decode_* counters."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,6 +63,14 @@ ENGINE_GAUGES = {
 }
 
 
+# Speculative decoding's counters (EngineStats field -> help), vLLM's names and helps, exported as counters.
+SPEC_DECODE_COUNTERS = {
+    "spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+}
+
+
 class ServerMetrics:
     """Everything /metrics reports; `observe_request` is called once per finished engine request."""
 
@@ -97,7 +106,7 @@ class ServerMetrics:
             for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.requests,
                            self.request_errors, self.ttft, self.tpot, self.e2e):
                 lines += metric.render()
-        lines += engine_gauges(stats) + lora_info(stats)
+        lines += engine_gauges(stats) + spec_decode_counters(stats) + lora_info(stats)
         return "\n".join(lines) + "\n"
 
 
@@ -109,12 +118,29 @@ def engine_gauges(stats) -> list[str]:
     names += [k for k in ENGINE_GAUGES if k not in names and hasattr(stats, k)]
     lines = []
     for key in names:
+        if key in SPEC_DECODE_COUNTERS:
+            continue
         value = getattr(stats, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         name, help_text = ENGINE_GAUGES.get(key, (f"engine_{key}", f"Engine statistic {key}."))
         lines += gauge(name, help_text, value)
     return lines
+
+
+def spec_decode_counters(stats) -> list[str]:
+    """vLLM's spec_decode_* counters, the accepted tokens per draft position labelled `position`; nothing
+    while speculative decoding is off."""
+    per_pos = getattr(stats, "spec_decode_accepted_per_pos", ())
+    if not per_pos:
+        return []
+    lines = []
+    for key, help_text in SPEC_DECODE_COUNTERS.items():
+        name = f"{PREFIX}{key}_total"
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {getattr(stats, key)}"]
+    name = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
+    lines += [f"# HELP {name} Accepted tokens per draft position.", f"# TYPE {name} counter"]
+    return lines + [f'{name}{{position="{pos}"}} {n}' for pos, n in enumerate(per_pos)]
 
 
 def _label(value: str) -> str:
