@@ -35,7 +35,7 @@ class ScriptedProposer:
             ref = self.reference.get((seq.request_id, seq.index), [])
             n = len(seq.token_ids)
             draft = list(ref[n:n + k]) if ref[:n] == seq.token_ids else []
-            rng = random.Random(hash((seq.request_id, seq.index, n)))
+            rng = random.Random(f"{seq.request_id}/{seq.index}/{n}")
             out.append([(t + 1 + rng.randrange(self.vocab - 1)) % self.vocab if rng.random() < self.wrong else t
                         for t in draft])
         return out
@@ -104,7 +104,7 @@ def test_verify_steps_cost_fewer_steps_and_respect_the_budget():
     on, engine = run(reqs, executor=ex, spec=SPEC, proposer=ScriptedProposer(reference(off, reqs), 0.1, 262),
                      max_num_batched_tokens=16)
     assert on == off
-    assert engine.stats().num_steps < 0.5 * off_engine.stats().num_steps
+    assert engine.stats().num_steps < 0.6 * off_engine.stats().num_steps
     assert max(b.num_tokens for b in ex.steps) <= 16
     assert any(0 < s.num_drafts < SPEC.num_speculative_tokens for b in ex.steps for s in b.seqs)   # cut to fit
 
@@ -240,3 +240,27 @@ def test_proposals_never_run_past_max_model_len_or_max_tokens():
     seq.num_computed = 15                                       # not a decode (a token not yet computed): none
     speculator.propose([seq])
     assert seq.draft_ids == []
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_host_tier_restores_only_accepted_blocks(prefix_caching):
+    """A small device pool and a host KV tier (write-back, and pure-host mode without prefix caching): blocks
+    written by verify steps go to the host and come back for a prompt that continues an output; it generates
+    what it generates cold. A block offloaded while it held a rejected draft's KV would come back wrong."""
+    first = GenerateRequest("a", [9] * 10, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    off, _ = run([first])
+    out = reference(off, [first])[("a", 0)]
+    second = GenerateRequest("b", out[:66] + [1, 2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    fillers = [GenerateRequest(f"f{i}", [100 + i] * 150, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+               for i in range(3)]
+    cold, _ = run([second], enable_prefix_caching=False)
+    engine = make_engine(FakeExecutor(num_kv_blocks=12, host_kv_blocks=32), speculative_config=SPEC,
+                         host_kv_blocks=32, enable_prefix_caching=prefix_caching)
+    engine.speculator.proposer = ScriptedProposer(reference(off, [first]) | reference(cold, [second]), 0.3, 262)
+    got = {}
+    for r in [first] + fillers + [second]:          # the fillers push the first request's blocks to the host
+        got[r.request_id] = submit(engine, r)
+        run_until_idle(engine)
+    engine.block_manager.check_invariants(idle=True)
+    assert by_sample(client_view(got["a"])) == off["a"] and by_sample(client_view(got["b"])) == cold["b"]
+    assert engine.scheduler.host_tier.restored_blocks >= 3 and engine.speculator.counters.num_accepted_tokens > 20
