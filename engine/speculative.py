@@ -10,8 +10,9 @@ those sizes, where verification costs more throughput than it gains).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from engine.json_flag import json_object
 
 SERVED_METHODS = ("ngram",)
 PLANNED_METHODS = ("eagle3", "mtp")          # vLLM's methods the engine recognises but does not serve yet
@@ -36,18 +37,12 @@ class SpeculativeConfig:
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] = ()
 
     @classmethod
-    def from_json(cls, text: str) -> "SpeculativeConfig":
+    def from_json(cls, text: str) -> SpeculativeConfig:
         """Parse --speculative-config's JSON object; ValueError saying what is wrong."""
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not JSON ({e.msg}): {text!r}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"a JSON object is needed, got {text!r}")
-        return cls.from_dict(raw)
+        return cls.from_dict(json_object(text))
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "SpeculativeConfig":
+    def from_dict(cls, raw: dict) -> SpeculativeConfig:
         unknown = sorted(set(raw) - set(KEYS))
         if unknown:
             raise ValueError(f"unknown key(s) {', '.join(unknown)} (known: {', '.join(KEYS)})")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.batch import SampledToken, SeqStep
 from engine.ngram import DraftProposer, NgramProposer
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 from engine.speculative import SpeculativeConfig, check_speculation
 
 

@@ -108,8 +108,8 @@ def test_cli_flag_parses_and_refuses_with_a_clear_message(capsys):
     args = build_parser().parse_args(["serve", "--speculative-config",
                                       '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'])
     assert engine_config(args).speculative_config == SpeculativeConfig("ngram", 3, 2, 2)
-    gen = build_parser().parse_args(["generate", "hi", "--speculative-config", '{"model": "ngram", '
-                                     '"num_speculative_tokens": 1}'])
+    gen = build_parser().parse_args(["generate", "hi", "--speculative-config",
+                                     '{"model": "ngram", "num_speculative_tokens": 1}'])
     assert engine_config(gen).speculative_config.method == "ngram"
     with pytest.raises(SystemExit):
         main(["serve", "--speculative-config", '{"method": "eagle3", "model": "x", "num_speculative_tokens": 2}'])
@@ -117,8 +117,9 @@ def test_cli_flag_parses_and_refuses_with_a_clear_message(capsys):
 
 
 def test_generate_with_speculation_prints_what_it_prints_without():
-    from harness.models import tiny_model_path
     from test_server_cli import OPENINFER, ROOT
+
+    from harness.models import tiny_model_path
     argv = OPENINFER + ["generate", "one two one two one two", "--model", tiny_model_path("qwen3_tied"), "--device",
                         "cpu", "--max-tokens", "12", "--no-chat"]
     spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}']

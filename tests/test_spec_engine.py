@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
+from fake_executor import run_until_idle, submit
+from test_handle_models import engine_for, loaded
+from test_spec_scheduler import ScriptedProposer
 
 from engine.events import Finished, PromptLogprobs, Token
 from engine.request import GenerateRequest, SamplingParams
 from engine.speculative import SpeculativeConfig
-from fake_executor import run_until_idle, submit
-from test_handle_models import engine_for, loaded
-from test_spec_scheduler import ScriptedProposer
 
 NGRAM = SpeculativeConfig("ngram", 4, 1, 3)
 # CPU numpy: the k + 1 rows of a verify step are computed as one chunk, plain decoding one row a step; the

@@ -9,15 +9,15 @@ from __future__ import annotations
 import random
 
 import pytest
+from fake_executor import FakeExecutor, make_engine, run_until_idle, submit
+from test_engine_overlap import client_view, requests
 
 from engine.events import Finished, Token
 from engine.request import GenerateRequest, SamplingParams
 from engine.speculative import SpeculativeConfig
 from engine.speculator import Speculator
-from fake_executor import FakeExecutor, make_engine, run_until_idle, submit
 from memory.kv_pool import BLOCK_SIZE, blocks_for
 from memory.prefix_hash import hash_chain
-from test_engine_overlap import client_view, requests
 
 SPEC = SpeculativeConfig("ngram", 6, 1, 3)
 
@@ -214,7 +214,7 @@ def test_k_follows_the_batch_size_schedule():
                                                                   ignore_eos=True)) for i in range(3)]
     off, _ = run(reqs)
     ex = FakeExecutor()
-    on, engine = run(reqs, executor=ex, spec=spec, proposer=ScriptedProposer(reference(off, reqs), 0.0, 262))
+    on, _ = run(reqs, executor=ex, spec=spec, proposer=ScriptedProposer(reference(off, reqs), 0.0, 262))
     assert on == off
     drafts = [(len(b.seqs), max(s.num_drafts for s in b.seqs)) for b in ex.steps]
     assert all(d == 0 for n, d in drafts if n > 1) and any(d == 4 for n, d in drafts if n == 1)

@@ -11,13 +11,13 @@ import subprocess
 
 import httpx
 import pytest
+from test_server_cli import OPENINFER, ROOT, free_port, interrupt, wait_healthy
 
 from engine.config import EngineConfig
 from engine.handle import EngineHandle
 from harness.models import tiny_model_path
 from server.app import create_app
 from server.background import BackgroundServer
-from test_server_cli import OPENINFER, ROOT, free_port, interrupt, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +117,7 @@ def test_metrics_report_the_spec_decode_counters(servers):
     spec, plain = servers
     post(spec, "/v1/completions", {"model": MODEL, **BODIES[0]})
     text = httpx.get(spec + "/metrics").text
-    values = {m[0]: float(m[1]) for m in re.findall(r"^(openinfer_spec_decode_\S+) (\S+)$", text, re.M)}
+    values = {m[0]: float(m[1]) for m in re.findall(r"^(openinfer_spec_decode_\S+) (\S+)$", text, re.MULTILINE)}
     drafts = values["openinfer_spec_decode_num_drafts_total"]
     draft_tokens = values["openinfer_spec_decode_num_draft_tokens_total"]
     accepted = values["openinfer_spec_decode_num_accepted_tokens_total"]
