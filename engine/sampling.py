@@ -62,6 +62,8 @@ def verify_seq(rows: np.ndarray, s: SeqStep) -> SampledToken:
     """Verify s's draft tokens (its last num_drafts token_ids) against its rows [1 + num_drafts, V]; the
     grammar, if any, takes the accepted drafts while the rows are sampled and gives them back after."""
     drafts = s.token_ids[len(s.token_ids) - s.num_drafts:]
+    if len(rows) != len(drafts) + 1:
+        raise ValueError(f"{len(rows)} rows to verify {len(drafts)} draft tokens")
     accepted: list[SampledToken] = []
     taken = 0                                   # drafts the grammar took
     try:
@@ -69,17 +71,19 @@ def verify_seq(rows: np.ndarray, s: SeqStep) -> SampledToken:
             allowed = None if s.grammar is None else allowed_tokens(s.grammar.bitmask(), raw.shape[0])
             token = sample_row(raw, s, allowed, drafts[:j])
             if j == len(drafts) or token.token_id != drafts[j]:
-                token.accepted = accepted
-                return token
-            accepted.append(token)
+                break
             if s.grammar is not None:
                 if not s.grammar.advance_draft(drafts[j]):
                     raise RuntimeError(f"the grammar refused draft token {drafts[j]}, which its mask allowed")
                 taken += 1
+                if s.grammar.done:              # complete: the sequence ends at this token (and a matcher keeps
+                    break                       # no record to roll back of tokens taken after it stopped)
+            accepted.append(token)
     finally:
         if taken:
             s.grammar.rollback(taken)
-    raise ValueError(f"{len(rows)} rows to verify {len(drafts)} draft tokens")
+    token.accepted = accepted
+    return token
 
 
 def sample_row(raw: np.ndarray, s: SeqStep, allowed: np.ndarray | None = None, ahead: list[int] = ()) -> SampledToken:

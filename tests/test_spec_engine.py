@@ -150,3 +150,38 @@ def test_demo_model_with_ngram():
     assert_same(off, on)
     c = engine.speculator.counters
     assert c.num_accepted_tokens > 0.3 * c.num_draft_tokens > 0
+
+
+class Fixed:
+    """Proposes the same drafts to every sequence."""
+
+    def __init__(self, drafts: list[int]):
+        self.drafts = drafts
+
+    def propose(self, seqs, limits):
+        return [self.drafts for _ in seqs]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafts_past_the_grammars_end(temperature):
+    """Drafts that complete the grammar and run on into EOS: the sequence ends where its grammar does (the
+    matcher keeps no rollback record of tokens taken after it stopped, so verification stops there)."""
+    from server.structured import choice_grammar
+    name = "qwen3_tied"
+    tok = loaded(name).tokenizer
+    words = tok.encode("alpha beta gamma", add_special_tokens=False)
+    params = SamplingParams(temperature=temperature, seed=1, max_tokens=10, logprobs=1,
+                            grammar=choice_grammar(["alpha beta gamma", "alpha delta"], "c"))
+    req = GenerateRequest("g", tok.encode("Say it:", add_special_tokens=False), params)
+    off, _ = outputs(name, [req])
+    said = [t for t, _ in off[0][0]]
+    assert tok.decode(said) in ("alpha beta gamma", "alpha delta")
+    engine = engine_for(name, speculative_config=NGRAM)
+    engine.speculator.proposer = Fixed(said[1:] + tok.eos_token_ids + words)
+    events = submit(engine, req)
+    engine.step()                                 # the prefill: its first token, "alpha"
+    run_until_idle(engine)
+    engine.block_manager.check_invariants(idle=True)
+    assert [e.token_id for e in events if isinstance(e, Token)] == said
+    assert [e.reason for e in events if isinstance(e, Finished)] == ["stop"]
+    assert engine.speculator.counters.num_accepted_tokens >= 1
