@@ -27,7 +27,8 @@ one token further, blocks reserved) and confirmed once the step's tokens are in
 
 Speculative decoding (engine/speculator.py): a decoding sequence with draft_ids feeds its last token and as
 many drafts as the step budget leaves (a verify step, SeqStep.num_drafts): tokens, less one for each running
-sequence after it, and work (the drafts are cut to it; the decode never is); KV blocks for all of them. After
+sequence after it and MIN_PREFILL for a waiting prompt, and work (the drafts are cut to it, the decode never
+is; a verify step is no prefill: the first prefill chunk's MIN_PREFILL stands); KV blocks for all of them. After
 the step (advance, told how many drafts each step accepted) only the accepted positions count as computed: the
 rejected ones' slots are written over later, blocks that hold nothing but rejected positions past the next
 token's are freed, and only blocks full of accepted tokens are hashed into the prefix cache.
@@ -114,7 +115,7 @@ class Scheduler(HostTierCopies):
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             seq = self.running[i]
-            n = self._chunk(seq, budget, reserve=len(self.running) - i - 1)
+            n = self._chunk(seq, budget, reserve=len(self.running) - i - 1 + MIN_PREFILL * bool(self.waiting))
             if n and not self._reserve(seq, n, out):
                 break                                    # seq preempted itself
             if n:
@@ -168,8 +169,8 @@ class Scheduler(HostTierCopies):
         return bool(self.max_loras and seq.lora_id and seq.lora_id not in loras and len(loras) >= self.max_loras)
 
     def _chunk(self, seq: Sequence, budget: StepBudget, reserve: int = 0) -> int:
-        """New tokens of seq to compute this step (0: none fit). reserve: tokens kept for the running
-        sequences after seq (a verify step's drafts never take a later sequence's decode)."""
+        """New tokens of seq to compute this step (0: none fit). reserve: tokens a verify step's drafts leave
+        to the running sequences after seq (a token each) and to a waiting prompt's first chunk."""
         if seq.draft_ids:                    # a decode and its drafts: as many drafts as the budget leaves
             return self._verify_tokens(seq, budget, reserve)
         end = seq.fork_at if seq.fork_count > 1 else len(seq.token_ids)

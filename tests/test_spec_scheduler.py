@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from fake_executor import FakeExecutor, make_engine, run_until_idle, submit
 from test_engine_overlap import client_view, requests
@@ -16,6 +17,7 @@ from engine.events import Finished, Token
 from engine.request import GenerateRequest, SamplingParams
 from engine.speculative import SpeculativeConfig
 from engine.speculator import Speculator
+from engine.step_budget import MIN_PREFILL, StepBudget, StepCost
 from memory.kv_pool import BLOCK_SIZE, blocks_for
 from memory.prefix_hash import hash_chain
 
@@ -264,3 +266,36 @@ def test_host_tier_restores_only_accepted_blocks(prefix_caching):
     engine.block_manager.check_invariants(idle=True)
     assert by_sample(client_view(got["a"])) == off["a"] and by_sample(client_view(got["b"])) == cold["b"]
     assert engine.scheduler.host_tier.restored_blocks >= 3 and engine.speculator.counters.num_accepted_tokens > 20
+
+
+def test_drafts_never_take_a_decode_or_the_first_prefill_chunk():
+    """Both step budgets with drafts: the token budget keeps a token for every running sequence after a verify
+    step (4 streams, 6 drafts each, 12 tokens: no stream ever skips a step) and MIN_PREFILL for a waiting
+    prompt; the work budget (a cost model) cuts the drafts, never a decode; a verify step is no prefill, so the
+    prompt joining gets its first chunk at once (scheduling order: the drafts fit the work left at their turn)."""
+    streams = [GenerateRequest(f"s{i}", [30 + i] * 3, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+               for i in range(4)]
+    late = GenerateRequest("late", list(range(100, 160)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    off, _ = run(streams + [late], max_num_batched_tokens=12)
+    ex = FakeExecutor()
+    ex.step_cost = cost = StepCost(key=0.05, pair=0.02)
+    engine = make_engine(ex, speculative_config=SPEC, max_num_batched_tokens=12)
+    engine.speculator.proposer = ScriptedProposer(reference(off, streams + [late]), 0.0, 262)
+    events = {r.request_id: submit(engine, r) for r in streams}
+    for _ in range(4):
+        engine.step()                                      # the prompts, then verify steps
+    events["late"] = submit(engine, late)
+    ex.steps.clear()
+    run_until_idle(engine)
+    assert {rid: by_sample(client_view(ev)) for rid, ev in events.items()} == off
+    first = [s for s in ex.steps[0].seqs if s.prompt_len == 60]
+    assert first and len(first[0].token_ids) >= MIN_PREFILL, ex.steps[0].seqs
+    steps_of = {}
+    for at, step in enumerate(ex.steps):
+        for s in step.seqs:
+            steps_of.setdefault(s.seq_id, []).append(at)
+        assert sum(len(s.token_ids) for s in step.seqs) <= 12
+        work = np.cumsum([cost.of(s.start_pos, len(s.token_ids)) for s in step.seqs])
+        assert all(w <= 12 + 1e-9 for w, s in zip(work, step.seqs) if s.num_drafts), step.seqs  # drafts fit the work left
+    assert all(at == list(range(at[0], at[-1] + 1)) for at in steps_of.values()), steps_of    # none skipped
+    assert sum(s.num_drafts for step in ex.steps for s in step.seqs) > 20
