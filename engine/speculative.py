@@ -6,7 +6,8 @@ refused until the engine serves them), `num_speculative_tokens` (k, the draft to
 one given sets the other), `model` (a draft checkpoint: eagle3), and `num_speculative_tokens_per_batch_size`
 (vLLM's per-batch-size schedule: [[lo, hi, k], ...], inclusive ranges from 1 up, a gap taking the entry
 before it and sizes past the last its k, each k at most num_speculative_tokens; k = 0 turns drafting off at
-those sizes, where verification costs more throughput than it gains).
+those sizes, where verification costs more throughput than it gains), and `disable_by_batch_size` (vLLM's
+older switch: no drafts while that many sequences or more run; at least 2).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ MTP_ALIASES = ("deepseek_mtp", "qwen3_5_mtp", "qwen3_next_mtp")     # vLLM's old
 MAX_SPECULATIVE_TOKENS = 32
 NGRAM_DEFAULT_SIZE = 5                        # vLLM's prompt_lookup_min / _max when neither is given
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-        "num_speculative_tokens_per_batch_size")
+        "num_speculative_tokens_per_batch_size", "disable_by_batch_size")
 
 
 def _is_int(v) -> bool:
@@ -35,6 +36,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = NGRAM_DEFAULT_SIZE
     model: str | None = None
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] = ()
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -61,7 +63,8 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens_per_batch_size must be a list of [lo, hi, k] entries")
         config = cls(method=method, num_speculative_tokens=raw.get("num_speculative_tokens"),
                      prompt_lookup_min=lo, prompt_lookup_max=hi, model=raw.get("model"),
-                     num_speculative_tokens_per_batch_size=tuple(tuple(e) for e in schedule))
+                     num_speculative_tokens_per_batch_size=tuple(tuple(e) for e in schedule),
+                     disable_by_batch_size=raw.get("disable_by_batch_size"))
         config.validate()
         return config
 
@@ -85,6 +88,10 @@ class SpeculativeConfig:
         if self.model is not None and self.model != "ngram":
             raise ValueError(f"model {self.model!r}: method 'ngram' takes no draft model")
         self._validate_schedule()
+        off = self.disable_by_batch_size
+        if off is not None and not (_is_int(off) and off >= 2):
+            raise ValueError(f"disable_by_batch_size must be an integer >= 2 (the batch size from which drafting is "
+                             f"off), got {off!r}")
 
     def _validate_schedule(self) -> None:
         """vLLM's 3-item form: [lo, hi, k] entries, sorted, not overlapping, the first from batch size 1."""
@@ -104,7 +111,10 @@ class SpeculativeConfig:
 
     def tokens_for_batch(self, batch_size: int) -> int:
         """k for a step of batch_size running sequences (the schedule's entry covering it, a gap the entry before
-        it, past the last entry its k; k with no schedule), at most num_speculative_tokens."""
+        it, past the last entry its k; k with no schedule), at most num_speculative_tokens; 0 from
+        disable_by_batch_size on."""
+        if self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size:
+            return 0
         k = self.num_speculative_tokens
         for lo, _hi, entry_k in self.num_speculative_tokens_per_batch_size:
             if batch_size < lo:

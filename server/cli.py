@@ -63,7 +63,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding, as vLLM configures it: e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (prompt lookup; optional "
                         "\"prompt_lookup_min\", and \"num_speculative_tokens_per_batch_size\": [[lo, hi, k], ...] "
-                        "to draft fewer tokens, or none, at larger batches)")
+                        "or \"disable_by_batch_size\": n to draft fewer tokens, or none, at larger batches)")
     p.add_argument("--step-trace", default=None, metavar="FILE",
                    help="write one JSON line per engine step (tokens, host phases, GPU time): bench/step_profile.py "
                         "tabulates it")

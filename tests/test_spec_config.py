@@ -49,6 +49,8 @@ def test_ngram_defaults_and_vllm_spellings():
     ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4, -1]]},
      "k >= 0"),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": 3}, "list of"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": "8"}, "disable_by_batch_size must be"),
 ])
 def test_bad_configs_are_refused_naming_why(raw, needle):
     with pytest.raises(ValueError) as e:
@@ -64,11 +66,14 @@ def test_bad_json_is_refused(text):
 
 def test_the_batch_size_schedule_follows_vllms_lookup():
     """Inclusive ranges; a gap takes the entry before it, sizes past the last entry its k; k at most
-    num_speculative_tokens; no schedule: always num_speculative_tokens."""
+    num_speculative_tokens; no schedule: always num_speculative_tokens; none from disable_by_batch_size on."""
     c = parse(method="ngram", num_speculative_tokens=4,
               num_speculative_tokens_per_batch_size=[[1, 2, 6], [3, 4, 2], [8, 16, 0]])
     assert [c.tokens_for_batch(b) for b in (1, 2, 3, 4, 5, 7, 8, 16, 17, 500)] == [4, 4, 2, 2, 2, 2, 0, 0, 0, 0]
     assert parse(method="ngram", num_speculative_tokens=3).tokens_for_batch(1000) == 3
+    off = parse(method="ngram", num_speculative_tokens=3, disable_by_batch_size=4,       # vLLM: off from 4 running
+                num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 8, 1]])
+    assert [off.tokens_for_batch(b) for b in (1, 2, 3, 4, 9)] == [3, 3, 1, 0, 0]
 
 
 class _Executor:
