@@ -123,6 +123,15 @@ class SpeculativeConfig:
         return k
 
 
+def check_device(config: SpeculativeConfig | None, device: str) -> None:
+    """Refuse (ValueError) speculation on the GPU before the model is loaded: the GPU executor does not verify
+    draft tokens yet (it samples one row per sequence; a verify step samples k + 1)."""
+    if config is not None and device != "cpu":
+        raise ValueError(f"--speculative-config: the GPU executor does not verify draft tokens yet (a verify step "
+                         f"samples k + 1 rows per sequence); speculative decoding runs with --device cpu for now "
+                         f"(device resolved: {device})")
+
+
 def check_speculation(config: SpeculativeConfig, executor) -> None:
     """Refuse (ValueError) a speculative config the executor or the model line cannot serve."""
     if not executor.supports_draft_verify:

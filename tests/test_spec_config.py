@@ -92,6 +92,22 @@ def test_an_executor_or_line_that_cannot_verify_is_refused():
         check_speculation(config, stateful)
 
 
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_the_gpu_is_refused_before_the_model_loads(device, monkeypatch):
+    """--speculative-config with the GPU (named, or "auto" finding one) is refused at start, before the model is
+    read: the GPU executor does not verify drafts yet, and must not run a verify step as a plain one."""
+    from engine import loader
+    from engine.config import EngineConfig
+    from engine.executor import factory
+    from engine.handle import EngineHandle
+    monkeypatch.setattr(factory, "gpu_available", lambda: True)
+    monkeypatch.setattr(loader, "load_model", lambda path: pytest.fail("the model was loaded"))
+    config = EngineConfig(model="/nonexistent", device=device, speculative_config=parse(method="ngram",
+                                                                                       num_speculative_tokens=2))
+    with pytest.raises(ValueError, match="the GPU executor does not verify draft tokens yet.*--device cpu"):
+        EngineHandle(config)
+
+
 def test_engine_config_validates_it():
     from engine.config import EngineConfig
     with pytest.raises(ValueError, match="speculative_config: num_speculative_tokens"):
