@@ -182,9 +182,9 @@ class SampledToken:
     token_id: int
     logprob: float | None = None                          # of the sampled token (when asked)
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
-    accepted: list["SampledToken"] = field(default_factory=list)  # a verify step: the accepted drafts before it
+    accepted: list[SampledToken] = field(default_factory=list)  # a verify step: the accepted drafts before it
 
-    def emitted(self) -> list["SampledToken"]:
+    def emitted(self) -> list[SampledToken]:
         """The tokens this sampling adds to its sequence, in order: the accepted drafts, then itself."""
         return [*self.accepted, self] if self.accepted else [self]
 

@@ -78,9 +78,9 @@ def spec_decode_stats(speculator) -> dict:
     if speculator is None:
         return {}
     c = speculator.counters
-    return dict(spec_decode_num_drafts=c.num_drafts, spec_decode_num_draft_tokens=c.num_draft_tokens,
-                spec_decode_num_accepted_tokens=c.num_accepted_tokens,
-                spec_decode_accepted_per_pos=tuple(c.accepted_per_pos))
+    return {"spec_decode_num_drafts": c.num_drafts, "spec_decode_num_draft_tokens": c.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": c.num_accepted_tokens,
+            "spec_decode_accepted_per_pos": tuple(c.accepted_per_pos)}
 
 
 def prefix_caching(config: EngineConfig, state_slots: StateSlots | None) -> bool:

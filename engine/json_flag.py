@@ -10,6 +10,6 @@ def json_object(text: str) -> dict:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"not JSON ({e.msg}): {text!r}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"a JSON object is needed, got {text!r}")
-    return raw
+    if isinstance(raw, dict):
+        return raw
+    raise ValueError(f"a JSON object is needed, got {text!r}")
