@@ -308,6 +308,12 @@ class EngineLoop:
         self.outputs.send(sink, None)
         return True
 
+    def _schedule(self) -> SchedulerOutput:
+        """The next step: the running sequences' drafts first (speculative decoding), then the scheduler's pick."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+        return self.scheduler.schedule()
+
     def step(self) -> None:
         """One engine step: schedule (or take the step planned or launched ahead), launch, emit the
         previous step's deferred tokens and plan (or, with async scheduling, launch) the next decode
@@ -318,9 +324,7 @@ class EngineLoop:
         out, batch, pending = launched if launched is not None else (*self._take_plan(), None)
         planned = out is not None
         if out is None:
-            if self.speculator is not None:
-                self.speculator.propose(self.scheduler.running)
-            out = self.scheduler.schedule()
+            out = self._schedule()
         trace.mark("schedule")
         if pending is None:
             self._copy_tier_blocks()

@@ -172,7 +172,7 @@ class Scheduler(HostTierCopies):
         """New tokens of seq to compute this step (0: none fit). reserve: tokens a verify step's drafts leave
         to the running sequences after seq (a token each) and to a waiting prompt's first chunk."""
         if seq.draft_ids:                    # a decode and its drafts: as many drafts as the budget leaves
-            return self._verify_tokens(seq, budget, reserve)
+            return budget.fit_verify(seq.num_computed, len(seq.draft_ids), reserve)
         end = seq.fork_at if seq.fork_count > 1 else len(seq.token_ids)
         left, overlap = end - seq.num_computed, self._overlap(seq)
         if not self.chunked_prefill:
@@ -185,14 +185,6 @@ class Scheduler(HostTierCopies):
         if seq.want_prompt_logprobs and seq.num_computed + n < end and (seq.num_computed + n) % BLOCK_SIZE == 0:
             n -= 1
         return max(n, 0)
-
-    def _verify_tokens(self, seq: Sequence, budget: StepBudget, reserve: int) -> int:
-        """A decode with drafts: its token and as many drafts as both budgets leave (tokens, less `reserve`,
-        and work: the drafts, unlike the decode, are cut to it)."""
-        n = max(min(1 + len(seq.draft_ids), budget.tokens - reserve), 1)
-        if budget.cost is not None and n > 1:
-            n = max(budget.cost.most_within(budget.work, seq.num_computed, n), 1)
-        return n
 
     def _overlap(self, seq: Sequence) -> int:
         """1 where a prompt-logprobs chunk re-feeds the previous chunk's last token (not with state)."""
