@@ -8,6 +8,12 @@ Attention for those tokens covers positions [0, start_pos + len(token_ids)).
 hit) gets that block's KV copied into its own (every layer and plane) before the step writes there.
 A line with per-sequence state (linear attention) reads and updates the sequence's `state_slot`
 (memory/state_slots.py); a step that starts at position 0 starts from zero state.
+
+Speculative decoding: a step may end in `num_drafts` draft tokens (a verify step: the sequence's last token,
+then k drafts). Its last k + 1 rows are all sampled (sample_rows lists them, grouped by sequence) and
+verified (engine/sampling.py verify_seq): the SampledToken is the token after the accepted drafts, its
+`accepted` the accepted drafts, each with its own logprobs. The KV slots of rejected drafts are written
+but never read: the scheduler counts only accepted positions as computed, and later steps overwrite them.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ class SeqStep:
     state_slot: int = -1                # the sequence's state slot (-1: the line keeps no state)
     grammar: Any = None                     # structured output: the sequence's GrammarMatcher (engine/grammar.py)
     block_copy: tuple[int, int] | None = None   # (cached block, own block): copy its KV before this step writes
+    num_drafts: int = 0                 # the last num_drafts of token_ids are draft tokens to verify (sample set)
 
     @property
     def context_len(self) -> int:
@@ -64,7 +71,8 @@ class ModelBatch:
     cu_seqlens: np.ndarray       # int32 [B+1]: query offsets into the flattened tokens
     context_lens: np.ndarray     # int32 [B]: KV length each sequence attends to after this step
     block_tables: np.ndarray     # int32 [B, max_blocks], padded with 0
-    sample_rows: np.ndarray      # int32 [S]: rows of the flattened tokens whose logits are sampled
+    sample_rows: np.ndarray      # int32 [S]: rows of the flattened tokens whose logits are sampled (1 +
+                                 # num_drafts per sampled sequence, in order)
     state_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [B]
     lora_slots: np.ndarray | None = None   # int32 [T]: each token's LoRA adapter slot (-1: none); None: no adapter
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))  # int32 [C, 2] (src, dst)
@@ -105,7 +113,7 @@ class ModelBatch:
         sampled = [i for i, s in enumerate(seqs) if s.sample]
         copies = [s.block_copy for s in seqs if s.block_copy is not None]
         for s, n, w in zip(seqs, lens, widths):
-            if n == 0 or w * BLOCK_SIZE < s.start_pos + n:
+            if n == 0 or w * BLOCK_SIZE < s.start_pos + n or _bad_drafts(s):
                 _reject(s)
         cu = np.zeros(B + 1, np.int32)
         cu[1:] = list(accumulate(lens))
@@ -136,7 +144,7 @@ class ModelBatch:
             cu_seqlens=cu,
             context_lens=cu[1:] - cu[:-1] + np.array(starts, np.int32),
             block_tables=tables,
-            sample_rows=cu[1:][sampled] - 1,
+            sample_rows=_sample_rows(cu[1:][sampled], [seqs[i].num_drafts for i in sampled]),
             state_slots=np.fromiter((s.state_slot for s in seqs), np.int32, B),
             lora_slots=None if lora_slots is None else np.repeat(
                 np.array([lora_slots.get(s.lora_id, -1) for s in seqs], np.int32), lens),
@@ -144,9 +152,26 @@ class ModelBatch:
         )
 
 
+def _sample_rows(ends: np.ndarray, drafts: list[int]) -> np.ndarray:
+    """The sampled rows: the last 1 + drafts[i] rows before ends[i] of each sampled sequence."""
+    if not any(drafts):
+        return ends - 1
+    counts = np.asarray(drafts, np.int32) + 1
+    firsts = np.cumsum(counts) - counts
+    return (np.repeat(ends - counts, counts) + np.arange(int(counts.sum())) - np.repeat(firsts, counts)).astype(np.int32)
+
+
+def _bad_drafts(s: SeqStep) -> bool:
+    """Draft tokens a step cannot carry: negative, or not fewer than its tokens of a sampled step."""
+    return s.num_drafts < 0 or (s.num_drafts > 0 and not (s.sample and s.num_drafts < len(s.token_ids)))
+
+
 def _reject(s: SeqStep) -> None:
     if not s.token_ids:
         raise ValueError(f"seq {s.seq_id}: empty step")
+    if _bad_drafts(s):
+        raise ValueError(f"seq {s.seq_id}: {s.num_drafts} draft tokens in a step of {len(s.token_ids)} tokens "
+                         f"(sample {s.sample}): a verify step samples its last token and every draft after it")
     need = -(-s.context_len // BLOCK_SIZE)
     raise ValueError(f"seq {s.seq_id}: block table has {len(s.block_table)} blocks, needs {need}")
 
@@ -157,6 +182,11 @@ class SampledToken:
     token_id: int
     logprob: float | None = None                          # of the sampled token (when asked)
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    accepted: list[SampledToken] = field(default_factory=list)  # a verify step: the accepted drafts before it
+
+    def emitted(self) -> list[SampledToken]:
+        """The tokens this sampling adds to its sequence, in order: the accepted drafts, then itself."""
+        return [*self.accepted, self] if self.accepted else [self]
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from engine.executor.options import DEFAULT_GRAPH_SIZES, DTYPES, GpuTuning
 from engine.kv_events import KVEventsConfig
 from engine.lora import MAX_LORA_RANK
+from engine.speculative import SpeculativeConfig
 
 # vLLM's defaults on a GPU. On the CPU a step of the demo model takes ~0.13 s + 3.5 ms a token's worth of work
 # (its attention counted: engine/step_budget.py) on one core of a 2-core machine: 96 keeps it under ~0.47 s.
@@ -44,6 +45,8 @@ class EngineConfig:
     else the cores less one; decode-size steps run on one: engine/executor/cpu_threads.py).
     data_parallel_size / data_parallel_rank: whole engines serving one endpoint (engine/process_replicas.py) and
     this one's place among them: its KV events carry the rank, on the endpoint's port + rank.
+    speculative_config: vLLM's --speculative-config: draft tokens verified in each decode step
+    (engine/speculative.py; None: off).
     """
     model: str | None = None
     device: str = "auto"                     # "auto" | "cpu" | "cuda"
@@ -78,6 +81,7 @@ class EngineConfig:
     cpu_threads: int | None = None
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    speculative_config: SpeculativeConfig | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
@@ -114,6 +118,11 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.speculative_config is not None:
+            try:
+                self.speculative_config.validate()
+            except ValueError as e:
+                raise ValueError(f"speculative_config: {e}") from None
         events = self.kv_events_config
         if events is not None:
             try:

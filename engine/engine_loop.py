@@ -26,6 +26,7 @@ from engine.lora_registry import lora_registry
 from engine.outputs import OutputProcessor, RequestState, Sink
 from engine.request import GenerateRequest
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculator import speculator_for
 from engine.stats import EngineStats
 from engine.step_trace import NoTrace, StepTrace
 from memory.block_manager import BlockManager
@@ -72,6 +73,16 @@ def host_tier(executor, config: EngineConfig) -> HostKVTier | None:
     return HostKVTier(config.host_kv_blocks)
 
 
+def spec_decode_stats(speculator) -> dict:
+    """EngineStats' spec_decode_* fields (none while speculation is off)."""
+    if speculator is None:
+        return {}
+    c = speculator.counters
+    return {"spec_decode_num_drafts": c.num_drafts, "spec_decode_num_draft_tokens": c.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": c.num_accepted_tokens,
+            "spec_decode_accepted_per_pos": tuple(c.accepted_per_pos)}
+
+
 def prefix_caching(config: EngineConfig, state_slots: StateSlots | None) -> bool:
     """Whether the block manager caches prefixes: as configured, except for a line with per-sequence
     (linear-attention) state, whose state at a cached block is not kept: a hit would skip the tokens
@@ -111,6 +122,9 @@ class EngineLoop:
                                    eos_token_ids, config.seed,
                                    GrammarCache(tokenizer, int(executor.vocab_size), eos_token_ids), self.loras)
         self.outputs = OutputProcessor(tokenizer, self.scheduler, max_model_len, self.abort)
+        # speculative decoding: drafts before each step (a step's drafts depend on the last one's acceptance,
+        # so no step is planned or launched ahead while it is on)
+        self.speculator = speculator_for(config.speculative_config, executor, max_model_len)
         self._inbox: queue.Queue = queue.Queue()
         self._stats = EngineStats(kv_blocks_total=executor.num_kv_blocks)
         self._warming = True            # the executor's warm-up (graph captures) runs while the engine idles
@@ -122,7 +136,8 @@ class EngineLoop:
         self._after_step: list[Callable[[], None]] = []
         self._plan: tuple[SchedulerOutput, ModelBatch] | None = None  # the next decode step, planned ahead
         self._inflight: tuple | None = None    # async scheduling: (plan, batch, pending) already queued
-        self._async = config.async_scheduling and config.overlap_steps and executor.supports_fed_steps
+        self._async = (config.async_scheduling and config.overlap_steps and executor.supports_fed_steps
+                       and self.speculator is None)
         self._planned_steps = 0
         self._admitted_ahead = 0                # prompts admitted into steps launched ahead
         self._tier_copy_s = 0.0                # host time in the host tier's copy_blocks
@@ -294,6 +309,12 @@ class EngineLoop:
         self.outputs.send(sink, None)
         return True
 
+    def _schedule(self) -> SchedulerOutput:
+        """The next step: the running sequences' drafts first (speculative decoding), then the scheduler's pick."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
+        return self.scheduler.schedule()
+
     def step(self) -> None:
         """One engine step: schedule (or take the step planned or launched ahead), launch, emit the
         previous step's deferred tokens and plan (or, with async scheduling, launch) the next decode
@@ -304,7 +325,7 @@ class EngineLoop:
         out, batch, pending = launched if launched is not None else (*self._take_plan(), None)
         planned = out is not None
         if out is None:
-            out = self.scheduler.schedule()
+            out = self._schedule()
         trace.mark("schedule")
         if pending is None:
             self._copy_tier_blocks()
@@ -327,7 +348,7 @@ class EngineLoop:
                     outputs.emit_deferred()
                     self._run_after_step()  # and hand them to their consumers now, not after this step
                 trace.mark("emit")
-                if self.config.schedule_ahead and not isinstance(pending, DoneStep):
+                if self.config.schedule_ahead and self.speculator is None and not isinstance(pending, DoneStep):
                     if not (self._async and self._launch_ahead(out)):
                         self._plan_ahead(out)
                 trace.mark("plan")
@@ -347,6 +368,8 @@ class EngineLoop:
                     outputs.fail(rid, f"engine step failed: {type(e).__name__}: {e}")
             else:
                 outputs.process(out, result, defer=not isinstance(pending, DoneStep))
+                if self.speculator is not None:
+                    self.speculator.record(out.steps, result.sampled)
                 trace.mark("process")
                 trace.end(out, planned, self.executor)
         if not out.steps or not self.scheduler.has_work():
@@ -454,4 +477,5 @@ class EngineLoop:
             prefix_cache_host_hits=tier.restored_blocks * BLOCK_SIZE if tier else 0,
             host_kv_offload_bytes=tier.stored_blocks * self.executor.kv_block_bytes if tier else 0,
             host_kv_restore_bytes=tier.restored_blocks * self.executor.kv_block_bytes if tier else 0,
-            host_kv_copy_seconds=self._tier_copy_s, warming_up=int(self._warming), **lora)
+            host_kv_copy_seconds=self._tier_copy_s, warming_up=int(self._warming), **lora,
+            **spec_decode_stats(self.speculator))

@@ -82,6 +82,25 @@ class GrammarMatcher:
             self.on_error(self.error)
         return False
 
+    def bitmask(self) -> np.ndarray:
+        """int32 [words]: the next-token bitmask of this matcher alone."""
+        out = np.empty((1, self.words), np.int32)
+        fill_bitmask([self], out)
+        return out[0]
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of tokens, in order, the grammar would accept from here (its state unchanged)."""
+        return int(self.m.validate_tokens([int(t) for t in tokens]))
+
+    def advance_draft(self, token: int) -> bool:
+        """Take a draft token while its step is verified (rollback undoes it); False if refused."""
+        return bool(self.m.consume_token(int(token))) and not self.m.is_error()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens tokens taken (advance_draft)."""
+        if num_tokens and not self.m.rollback(int(num_tokens)):
+            raise RuntimeError(f"the grammar could not roll back {num_tokens} draft tokens")
+
     def fork(self) -> "GrammarMatcher":
         return GrammarMatcher(self.m.deep_copy(), self.words, self.on_error)
 

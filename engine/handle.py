@@ -275,11 +275,13 @@ def _build(config: EngineConfig):
     from engine.executor.factory import create_executor, resolve_device
     from engine.executor.options import executor_options
     from engine.loader import load_model
+    from engine.speculative import check_device
     path = config.model
     if path is None:
         from engine.loader.demo import demo_model_path
         path = demo_model_path()
     device = resolve_device(config.device)
+    check_device(config.speculative_config, device)      # before the model is read
     t0 = time.perf_counter()
     model = load_model(path)
     t1 = time.perf_counter()

@@ -9,11 +9,11 @@ AllBlocksCleared, as vLLM's reset is; otherwise the reset is what it does, block
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+from engine.json_flag import json_object
 from memory.block_manager import BlockManager, BlockRemoved, BlockStored
 from memory.host_tier import HostKVTier
 
@@ -54,12 +54,7 @@ class KVEventsConfig:
     @classmethod
     def from_json(cls, text: str) -> "KVEventsConfig":
         """Parse --kv-events-config's JSON object; ValueError saying what is wrong."""
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"not JSON ({e.msg}): {text!r}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"a JSON object is needed, got {text!r}")
+        raw = json_object(text)
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(raw) - set(known))
         if unknown:

@@ -73,32 +73,43 @@ class OutputProcessor:
         now (the next step's input) but detokenized and sent after the next step's launch (emit_deferred),
         overlapping the device; a stop string found then ends the sequence one step late (the extra
         step's token is dropped, its KV slot freed with the sequence)."""
-        self.register_forks(self.scheduler.advance(out))
+        sampled = iter(result.sampled)
+        tokens = [next(sampled) if step.sample else None for step in out.steps]
+        accepted = [len(t.accepted) if t is not None else 0 for t in tokens] if any(
+            step.num_drafts for step in out.steps) else None
+        self.register_forks(self.scheduler.advance(out, accepted))
         for plp in result.prompt_logprobs:
             self._collect_prompt_logprobs(out, plp)
-        sampled = iter(result.sampled)
-        for seq, step in zip(out.seqs, out.steps):
-            token = next(sampled) if step.sample else None
+        for seq, token in zip(out.seqs, tokens):
             if seq.status is not SeqStatus.RUNNING or seq.request_id not in self.requests:
                 continue
             try:
                 if seq.want_prompt_logprobs and seq.num_computed >= seq.prompt_len:
                     self._emit_prompt_logprobs(seq)
-                if token is None:
-                    continue
-                seq.token_ids.append(token.token_id)
-                self.generation_tokens += 1
-                if seq.grammar is not None:
-                    self._advance_grammar(seq, token.token_id)
-                # a request's first token goes out now: the step after a prefill is not launched ahead, so
-                # deferring it would hold the first token through that step's scheduling and launch (~1 ms)
-                if defer and seq.num_generated > 1 and self.end_by_token(seq, token.token_id) is None:
-                    self.deferred.append((seq, token))
-                else:
-                    self._emit_token(seq, token)
+                if token is not None:
+                    self._take(seq, token, defer)
             except Exception as e:
                 log.exception("request %s failed", seq.request_id)
                 self.fail(seq.request_id, f"{type(e).__name__}: {e}")
+
+    def _take(self, seq: Sequence, sampled: SampledToken, defer: bool) -> None:
+        """Append the step's tokens of seq (a verify step's accepted drafts, then the token after them) and
+        send them, one by one, until one ends the sequence (the rest are dropped)."""
+        for token in sampled.emitted():
+            seq.token_ids.append(token.token_id)
+            self.generation_tokens += 1
+            if seq.grammar is not None:
+                self._advance_grammar(seq, token.token_id)
+            # a request's first token goes out now: the step after a prefill is not launched ahead, so
+            # deferring it would hold the first token through that step's scheduling and launch (~1 ms);
+            # several tokens of a verify step go out now too (in order, the last may end the sequence)
+            if (defer and not sampled.accepted and seq.num_generated > 1
+                    and self.end_by_token(seq, token.token_id) is None):
+                self.deferred.append((seq, token))
+            else:
+                self._emit_token(seq, token)
+            if seq.status is SeqStatus.FINISHED:
+                return
 
     def emit_deferred(self) -> None:
         pending, self.deferred = self.deferred, []

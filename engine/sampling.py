@@ -19,6 +19,16 @@ must reproduce. Per row, in this order:
    request draws the same whatever else is in the batch, and after a preemption.
 Logprobs (sampled token's, and the top-k with k <= 20) are of the RAW model distribution,
 log_softmax of the logits before any of the steps above (vLLM's default); prompt logprobs too.
+
+Draft verification (speculative decoding, `verify_seq`): a step with draft tokens d_1..d_k has k + 1 rows;
+row j is sampled exactly as the plain decode row after d_1..d_j would be (penalties over the history with
+d_1..d_j, min_tokens and the draw's step at num_generated + j, the grammar's mask after d_1..d_j), giving
+s_0..s_k. The drafts are accepted while d_{j+1} == s_j; the tokens emitted are d_1..d_a, then s_a. This is
+exact rejection sampling for a draft of probability 1 (n-gram, and EAGLE / MTP's greedy drafts): d is
+accepted with probability p(d) = min(1, p(d) / q(d)), and on a rejection the emitted s_j is the row's own
+draw given s_j != d, distributed as norm(max(0, p - q)) = p without d, renormalized. Greedy is the same rule
+with argmax rows. So a request emits, token for token and with the same seed, what it samples without
+speculation.
 """
 from __future__ import annotations
 
@@ -30,9 +40,17 @@ from engine.request import SamplingParams
 
 
 def sample_step(logits: np.ndarray, seqs: list[SeqStep]) -> list[SampledToken]:
-    """logits: float32 [S, V], one row per SeqStep with sample=True (in order)."""
-    if len(logits) != len(seqs):
-        raise ValueError(f"{len(logits)} logit rows for {len(seqs)} sampled sequences")
+    """logits: float32 [R, V], the rows of the SeqSteps with sample=True in order: 1 + num_drafts each
+    (ModelBatch.sample_rows). One SampledToken per step."""
+    rows = sum(1 + s.num_drafts for s in seqs)
+    if len(logits) != rows:
+        raise ValueError(f"{len(logits)} logit rows for {len(seqs)} sampled sequences ({rows} rows)")
+    if rows != len(seqs):
+        out, at = [], 0
+        for s in seqs:
+            out.append(verify_seq(logits[at:at + 1 + s.num_drafts], s))
+            at += 1 + s.num_drafts
+        return out
     rows, masks = step_bitmask([s.grammar for s in seqs])
     allowed = dict.fromkeys(range(len(seqs)))
     for i, mask in zip(rows, masks if masks is not None else []):
@@ -40,15 +58,46 @@ def sample_step(logits: np.ndarray, seqs: list[SeqStep]) -> list[SampledToken]:
     return [sample_row(row, s, allowed[i]) for i, (row, s) in enumerate(zip(logits, seqs))]
 
 
-def sample_row(raw: np.ndarray, s: SeqStep, allowed: np.ndarray | None = None) -> SampledToken:
-    """allowed: the grammar's bool [V] mask of the row (None: no grammar)."""
+def verify_seq(rows: np.ndarray, s: SeqStep) -> SampledToken:
+    """Verify s's draft tokens (its last num_drafts token_ids) against its rows [1 + num_drafts, V]; the
+    grammar, if any, takes the accepted drafts while the rows are sampled and gives them back after."""
+    drafts = s.token_ids[len(s.token_ids) - s.num_drafts:]
+    if len(rows) != len(drafts) + 1:
+        raise ValueError(f"{len(rows)} rows to verify {len(drafts)} draft tokens")
+    accepted: list[SampledToken] = []
+    taken = 0                                   # drafts the grammar took
+    try:
+        for j, raw in enumerate(rows):
+            allowed = None if s.grammar is None else allowed_tokens(s.grammar.bitmask(), raw.shape[0])
+            token = sample_row(raw, s, allowed, drafts[:j])
+            if j == len(drafts) or token.token_id != drafts[j]:
+                break
+            if s.grammar is not None:
+                if not s.grammar.advance_draft(drafts[j]):
+                    raise RuntimeError(f"the grammar refused draft token {drafts[j]}, which its mask allowed")
+                taken += 1
+                if s.grammar.done:              # complete: the sequence ends at this token (and a matcher keeps
+                    break                       # no record to roll back of tokens taken after it stopped)
+            accepted.append(token)
+    finally:
+        if taken:
+            s.grammar.rollback(taken)
+    token.accepted = accepted
+    return token
+
+
+def sample_row(raw: np.ndarray, s: SeqStep, allowed: np.ndarray | None = None, ahead: list[int] = ()) -> SampledToken:
+    """allowed: the grammar's bool [V] mask of the row (None: no grammar). ahead: draft tokens between the
+    step's history and this row (a verify step's row j: d_1..d_j)."""
     p = s.params
-    logits = processed_logits(raw, p, s.history, s.prompt_len, s.num_generated, allowed)
+    history = s.history + list(ahead) if ahead else s.history
+    step = s.num_generated + len(ahead)
+    logits = processed_logits(raw, p, history, s.prompt_len, step, allowed)
     if p.greedy:
         token = int(np.argmax(logits))
     else:
         probs = filtered_probs(logits, p)
-        token = draw(probs, 0 if p.seed is None else p.seed, s.num_generated)
+        token = draw(probs, 0 if p.seed is None else p.seed, step)
     out = SampledToken(s.seq_id, token)
     if p.logprobs is not None:
         lp = log_softmax(raw)

@@ -24,6 +24,14 @@ re-feed a prompt-logprobs chunk's last token (the executor scores the next promp
 While a decode step runs, the next one can be planned ahead (plan_decode_ahead: the same sequences,
 one token further, blocks reserved) and confirmed once the step's tokens are in
 (confirm_decode_ahead), so the host's scheduling overlaps the device.
+
+Speculative decoding (engine/speculator.py): a decoding sequence with draft_ids feeds its last token and as
+many drafts as the step budget leaves (a verify step, SeqStep.num_drafts): tokens, less one for each running
+sequence after it and MIN_PREFILL for a waiting prompt, and work (the drafts are cut to it, the decode never
+is; a verify step is no prefill: the first prefill chunk's MIN_PREFILL stands); KV blocks for all of them. After
+the step (advance, told how many drafts each step accepted) only the accepted positions count as computed: the
+rejected ones' slots are written over later, blocks that hold nothing but rejected positions past the next
+token's are freed, and only blocks full of accepted tokens are hashed into the prefix cache.
 """
 from __future__ import annotations
 
@@ -107,7 +115,7 @@ class Scheduler(HostTierCopies):
         i = 0
         while i < len(self.running) and budget.tokens > 0:
             seq = self.running[i]
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, reserve=len(self.running) - i - 1 + MIN_PREFILL * bool(self.waiting))
             if n and not self._reserve(seq, n, out):
                 break                                    # seq preempted itself
             if n:
@@ -160,8 +168,11 @@ class Scheduler(HostTierCopies):
         adapters must all be resident in the executor's slots at once)."""
         return bool(self.max_loras and seq.lora_id and seq.lora_id not in loras and len(loras) >= self.max_loras)
 
-    def _chunk(self, seq: Sequence, budget: StepBudget) -> int:
-        """New tokens of seq to compute this step (0: none fit)."""
+    def _chunk(self, seq: Sequence, budget: StepBudget, reserve: int = 0) -> int:
+        """New tokens of seq to compute this step (0: none fit). reserve: tokens a verify step's drafts leave
+        to the running sequences after seq (a token each) and to a waiting prompt's first chunk."""
+        if seq.draft_ids:                    # a decode and its drafts: as many drafts as the budget leaves
+            return budget.fit_verify(seq.num_computed, len(seq.draft_ids), reserve)
         end = seq.fork_at if seq.fork_count > 1 else len(seq.token_ids)
         left, overlap = end - seq.num_computed, self._overlap(seq)
         if not self.chunked_prefill:
@@ -274,19 +285,23 @@ class Scheduler(HostTierCopies):
         end = seq.num_computed + n
         out.seqs.append(seq)
         copy = (seq.cow_source, seq.block_table[start // BLOCK_SIZE]) if seq.cow_source >= 0 else None
-        out.steps.append(self._step_of(seq, start, end, copy))
-        budget.spend(start, end - start, prefill=end - start > 1 or start < seq.prompt_len)
+        step = self._step_of(seq, start, end, copy)
+        out.steps.append(step)
+        budget.spend(start, end - start, prefill=end - start - step.num_drafts > 1 or start < seq.prompt_len)
+        seq.draft_ids = []                       # fed (or dropped where the budget ran out)
 
     @staticmethod
     def _step_of(seq: Sequence, start: int, end: int, block_copy: tuple[int, int] | None = None) -> SeqStep:
-        """seq's tokens [start, end) as a step. It shares seq.block_table, no copy: the table only grows in
-        place (_reserve, admission, and plan_decode_ahead while the step runs: blocks past its context),
-        and preempt / finish rebind it."""
+        """seq's tokens [start, end) as a step, positions past its token_ids taken from its draft_ids. It
+        shares seq.block_table, no copy: the table only grows in place (_reserve, admission, and
+        plan_decode_ahead while the step runs: blocks past its context), and preempt / finish / advance
+        rebind it."""
         num_tokens = len(seq.token_ids)
+        drafts = seq.draft_ids[:end - num_tokens] if end > num_tokens else []
         return SeqStep(
-            seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
+            seq_id=seq.seq_id, token_ids=seq.token_ids[start:end] + drafts, start_pos=start,
             block_table=seq.block_table, block_array=seq.block_table_array(),
-            sample=end == num_tokens and seq.fork_count == 1,
+            sample=end >= num_tokens and seq.fork_count == 1, num_drafts=len(drafts),
             params=seq.params, prompt_len=seq.prompt_len, history=seq.token_ids,
             num_generated=num_tokens - seq.prompt_len,
             want_prompt_logprobs=seq.want_prompt_logprobs and start < seq.prompt_len,
@@ -318,7 +333,7 @@ class Scheduler(HostTierCopies):
             return None
         decodes, chunks, need = [], [], 0
         for seq, step, run in zip(out.seqs, out.steps, running):
-            if seq.fork_count > 1 or step.want_prompt_logprobs or seq.want_prompt_logprobs:
+            if seq.fork_count > 1 or step.want_prompt_logprobs or seq.want_prompt_logprobs or step.num_drafts:
                 return None
             if fed and not step.sample and step.context_len < seq.prompt_len == len(seq.token_ids):
                 chunks.append((seq, step))       # a prompt mid-prefill: its next chunk (fed plans only)
@@ -400,24 +415,38 @@ class Scheduler(HostTierCopies):
         return True
 
     # -- after the step ------------------------------------------------------------------
-    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+    def advance(self, out: SchedulerOutput, accepted: list[int] | None = None) -> list[Sequence]:
         """Account the step's computed tokens (before sampled tokens are appended): cache
-        newly full blocks, fork n > 1 parents that finished their shared prefill.
+        newly full blocks, fork n > 1 parents that finished their shared prefill. accepted: per step,
+        the draft tokens its verification accepted (None: no step had drafts).
         Returns the forked samples."""
         forked = []
-        for seq, step in zip(out.seqs, out.steps):
+        for i, (seq, step) in enumerate(zip(out.seqs, out.steps)):
             self._release_cow_source(seq)            # the step, its block copy first, is done
             if seq.status is not SeqStatus.RUNNING:
                 continue
+            kept = accepted[i] if step.num_drafts else 0
             before = seq.num_computed // BLOCK_SIZE
-            seq.num_computed = step.context_len
+            seq.num_computed = step.context_len - (step.num_drafts - kept)
             after = seq.num_computed // BLOCK_SIZE
             if after > before and self.bm.enable_prefix_caching:
-                self.bm.cache_blocks(seq.block_table[before:after], seq.block_hashes(after), before, seq.token_ids,
+                tokens = seq.token_ids + step.token_ids[len(step.token_ids) - step.num_drafts:][:kept] if kept \
+                    else seq.token_ids                # the accepted drafts are appended after this
+                self.bm.cache_blocks(seq.block_table[before:after], seq.block_hashes(after, tokens), before, tokens,
                                      seq.lora_id)
+            if kept < step.num_drafts:
+                self._free_rejected(seq)
             if self._fork_ready(seq):
                 forked += self._fork(seq, out)[1:]
         return forked
+
+    def _free_rejected(self, seq: Sequence) -> None:
+        """Free the blocks past the one its next token (the verify step's last sampled one) goes to: they
+        hold only rejected drafts' KV (never hashed)."""
+        keep = blocks_for(seq.num_computed + 1)
+        if len(seq.block_table) > keep:
+            self.bm.free(seq.block_table[keep:])
+            seq.block_table = seq.block_table[:keep]
 
     def _release_cow_source(self, seq: Sequence) -> None:
         if seq.cow_source >= 0:
@@ -430,7 +459,7 @@ class Scheduler(HostTierCopies):
         self._release_cow_source(seq)
         self._offload_before_free(seq)
         self.bm.free(seq.block_table)
-        seq.block_table = []
+        seq.block_table, seq.draft_ids = [], []
         seq.num_computed = 0
         self._release_state_slot(seq)
         seq.status = SeqStatus.WAITING
@@ -453,7 +482,7 @@ class Scheduler(HostTierCopies):
         if seq.block_table:
             self._offload_before_free(seq)
             self.bm.free(seq.block_table)
-        seq.block_table = []
+        seq.block_table, seq.draft_ids = [], []
         self._release_cow_source(seq)
         self._release_state_slot(seq)
         seq.status = SeqStatus.FINISHED

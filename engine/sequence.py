@@ -54,6 +54,7 @@ class Sequence:
     load: Any = None                # LOADING: its restore's Copies (engine/scheduler.py) until they land
     cow_source: int = -1            # a partial prefix hit's cached block (memory/block_manager.py partial_hit),
                                     # copied into its own before its first step; held until that step is done
+    draft_ids: list[int] = field(default_factory=list)   # speculative decoding: drafts for its next step
     # the prompt as an int array (the request's own, or prompt_tokens()): hashed without converting token_ids
     prompt_array: np.ndarray | None = field(default=None, repr=False, compare=False)
     _hashes: list[int] = field(default_factory=list)
@@ -90,15 +91,17 @@ class Sequence:
             self.prompt_array = np.asarray(self.token_ids[:self.prompt_len], np.int32)
         return self.prompt_array
 
-    def block_hashes(self, num_blocks: int) -> list[int]:
+    def block_hashes(self, num_blocks: int, tokens: list[int] | None = None) -> list[int]:
         """Prefix-cache hashes of the first num_blocks full blocks (memoized; tokens of a full
-        block never change)."""
+        block never change). tokens: the sequence's tokens where token_ids does not hold them all yet
+        (a verify step's accepted drafts, appended after the scheduler accounts the step)."""
+        tokens = self.token_ids if tokens is None else tokens
         have = len(self._hashes)
         if have < num_blocks:
-            assert num_blocks * BLOCK_SIZE <= len(self.token_ids), "hash of a partial block"
+            assert num_blocks * BLOCK_SIZE <= len(tokens), "hash of a partial block"
             parent = self._hashes[-1] if self._hashes else NO_PARENT
             src = self.prompt_array if self.prompt_array is not None and num_blocks * BLOCK_SIZE <= len(
-                self.prompt_array) else self.token_ids
+                self.prompt_array) else tokens
             self._hashes += hash_chain(src[have * BLOCK_SIZE:num_blocks * BLOCK_SIZE], BLOCK_SIZE, self.lora_id, parent)
         return self._hashes[:num_blocks]
 
@@ -120,5 +123,5 @@ class Sequence:
         return dataclasses.replace(
             self, seq_id=seq_id, index=index, params=params, token_ids=list(self.token_ids),
             block_table=list(self.block_table), fork_count=1, want_prompt_logprobs=False,
-            state_slot=-1, _hashes=list(self._hashes),
+            state_slot=-1, _hashes=list(self._hashes), draft_ids=[],
             grammar=self.grammar.fork() if self.grammar is not None else None)

@@ -31,6 +31,10 @@ class EngineStats:
     lora_slot_loads: int = 0
     lora_running_adapters: str = ""     # the names running / waiting sequences use, comma-separated
     lora_waiting_adapters: str = ""     # (vLLM's lora_requests_info labels)
+    spec_decode_num_drafts: int = 0     # speculative decoding (vLLM's spec_decode_*): verify steps with drafts
+    spec_decode_num_draft_tokens: int = 0   # (one per sequence and step), draft tokens verified, accepted,
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()   # accepted by position in the draft (() while off)
     warming_up: int = 1                 # 1 while the executor still captures graphs in idle moments (healthy
                                         # before that: the first requests may wait on a capture), then 0
 

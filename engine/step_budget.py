@@ -77,6 +77,15 @@ class StepBudget:
         m = self.cost.most_within(self.work, start, n)
         return m if self.prefilled else max(m, min(n, least))
 
+    def fit_verify(self, start: int, drafts: int, reserve: int) -> int:
+        """A decode with drafts (speculative decoding), fed after `start` computed tokens: its token and as many
+        drafts as the step leaves: tokens less `reserve` (kept for what follows), and work (the drafts are cut
+        to it; the decode, as any decode, never is)."""
+        n = max(min(1 + drafts, self.tokens - reserve), 1)
+        if self.cost is not None and n > 1:
+            n = max(self.cost.most_within(self.work, start, n), 1)
+        return n
+
     def spend(self, start: int, n: int, prefill: bool) -> None:
         """Account n tokens fed after `start` computed ones (prefill: part of a prompt, or a recompute)."""
         self.tokens -= n

@@ -61,6 +61,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, default=None, metavar="N",
                    help="the CPU executor's BLAS threads for steps of more than 16 tokens (decode-size steps run on "
                         "one; default: $OPENBLAS_NUM_THREADS, else the cores less one)")
+    p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM configures it: e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (prompt lookup; optional "
+                        "\"prompt_lookup_min\", and \"num_speculative_tokens_per_batch_size\": [[lo, hi, k], ...] "
+                        "or \"disable_by_batch_size\": n to draft fewer tokens, or none, at larger batches)")
     p.add_argument("--step-trace", default=None, metavar="FILE",
                    help="write one JSON line per engine step (tokens, host phases, GPU time): bench/step_profile.py "
                         "tabulates it")
@@ -110,6 +115,15 @@ def kv_events_config(text: str):
     from engine.kv_events import KVEventsConfig
     try:
         return KVEventsConfig.from_json(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def speculative_config(text: str):
+    """--speculative-config's JSON, parsed and checked (argparse reports a ValueError's message)."""
+    from engine.speculative import SpeculativeConfig
+    try:
+        return SpeculativeConfig.from_json(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -258,7 +272,8 @@ def engine_config(args: argparse.Namespace):
                           max_cpu_loras=args.max_cpu_loras,
                           tensor_parallel_size=args.tensor_parallel_size,
                           kv_events_config=args.kv_events_config, cpu_threads=args.cpu_threads,
-                          data_parallel_size=args.data_parallel_size)
+                          data_parallel_size=args.data_parallel_size,
+                          speculative_config=args.speculative_config)
     config.validate()
     return config
 

@@ -1,5 +1,6 @@
 """Prometheus text exposition: request latency histograms and token counters the server measures,
-plus gauges read from the engine's stats() (running / waiting requests, KV usage, prefix-cache hits).
+plus gauges read from the engine's stats() (running / waiting requests, KV usage, prefix-cache hits) and,
+with speculative decoding on, vLLM's spec_decode_* counters.
 
 With several engines (--data-parallel-size) each engine gauge has the engines' total (no label, what one
 engine reports) and each engine's value under the label engine="<rank>" (vLLM's label), and
@@ -69,6 +70,14 @@ ENGINE_GAUGES = {
 }
 
 
+# Speculative decoding's counters (EngineStats field -> help), vLLM's names and helps, exported as counters.
+SPEC_DECODE_COUNTERS = {
+    "spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+}
+
+
 class ServerMetrics:
     """Everything /metrics reports; `observe_request` is called once per finished engine request."""
 
@@ -105,7 +114,7 @@ class ServerMetrics:
             for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.requests,
                            self.request_errors, self.ttft, self.tpot, self.e2e):
                 lines += metric.render()
-        lines += engine_gauges(stats, replicas or []) + lora_info(stats)
+        lines += engine_gauges(stats, replicas or []) + spec_decode_counters(stats) + lora_info(stats)
         if dispatched:
             lines += gauge("data_parallel_requests_total", "Engine requests sent to each data-parallel engine.",
                            [(f'engine="{rank}"', n) for rank, n in enumerate(dispatched)], kind="counter")
@@ -121,6 +130,8 @@ def engine_gauges(stats, replicas: list | None = None) -> list[str]:
     names += [k for k in ENGINE_GAUGES if k not in names and hasattr(stats, k)]
     lines = []
     for key in names:
+        if key in SPEC_DECODE_COUNTERS:
+            continue
         value = getattr(stats, key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
@@ -128,6 +139,21 @@ def engine_gauges(stats, replicas: list | None = None) -> list[str]:
         samples = [("", value)] + [(f'engine="{rank}"', getattr(s, key)) for rank, s in enumerate(replicas or [])]
         lines += gauge(name, help_text, samples)
     return lines
+
+
+def spec_decode_counters(stats) -> list[str]:
+    """vLLM's spec_decode_* counters, the accepted tokens per draft position labelled `position`; nothing
+    while speculative decoding is off."""
+    per_pos = getattr(stats, "spec_decode_accepted_per_pos", ())
+    if not per_pos:
+        return []
+    lines = []
+    for key, help_text in SPEC_DECODE_COUNTERS.items():
+        name = f"{PREFIX}{key}_total"
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {getattr(stats, key)}"]
+    name = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
+    lines += [f"# HELP {name} Accepted tokens per draft position.", f"# TYPE {name} counter"]
+    return lines + [f'{name}{{position="{pos}"}} {n}' for pos, n in enumerate(per_pos)]
 
 
 def _label(value: str) -> str:

@@ -46,6 +46,7 @@ FAKE_OPTIONS = ExecutorOptions(max_model_len=1 << 16, max_num_batched_tokens=1 <
 class FakeExecutor(ExecutorBase):
     supports_host_tier = True
     supports_block_copies = True
+    supports_draft_verify = True        # sample_step verifies draft rows
 
     def __init__(self, num_kv_blocks: int = 64, vocab_size: int = VOCAB, scale: float = 4.0,
                  fail_on_token: int | None = None, host_kv_blocks: int = 0):

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.executor.env import gpu_tuning_from_env
 from engine.executor.options import ExecutorOptions, GpuTuning, executor_options, options_of
 from engine.kv_events import KVEventsConfig
+from engine.speculative import SpeculativeConfig
 from engine.model_config import ModelConfig
 from engine.request import GenerateRequest, SamplingParams
 from harness.lora import tiny_adapter_path
@@ -31,7 +32,8 @@ def non_default_config(model: str) -> EngineConfig:
                         gpu=GpuTuning(decode_kernels="attention", gemm="cublas", pdl=False, nvtx="ops"),
                         progress=False, enable_lora=True, lora_modules=(("ad", tiny_adapter_path("qwen3_untied", "attn8")),),
                         max_loras=2, max_lora_rank=8, max_cpu_loras=3,
-                        kv_events_config=KVEventsConfig(True, endpoint="inproc://test-options-kv-events"), cpu_threads=3)
+                        kv_events_config=KVEventsConfig(True, endpoint="inproc://test-options-kv-events"), cpu_threads=3,
+                        speculative_config=SpeculativeConfig("ngram", 2))
 
 
 def block_bytes(path: str, itemsize: int) -> int:
@@ -111,6 +113,9 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "kv_events_config": eng.kv_events is not None and eng.scheduler.host_tier.on_move is not None
             and eng.kv_events._on_block in eng.block_manager._stored_subscribers,
             "cpu_threads": opts.cpu_threads == 3 == ex.threads.threads,
+            # the engine's speculator runs this config (k = 2: two per-position counters)
+            "speculative_config": eng.speculator.config is config.speculative_config
+            and eng.speculator.counters.accepted_per_pos == [0, 0],
         }
         h.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert set(checks) == {f.name for f in dataclasses.fields(EngineConfig)}

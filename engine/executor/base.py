@@ -44,9 +44,12 @@ class Executor(Protocol):
     last_step_graphed: bool     # the last step replayed a CUDA graph (the step trace's mode)
     num_state_slots: int        # per-sequence state slots (linear-attention lines; 0: none)
     step_cost: StepCost | None  # what attention adds to a step, in tokens (None: the token budget alone bounds it)
+    supports_draft_verify: bool  # steps with draft tokens (SeqStep.num_drafts) are verified: speculative decoding
 
     def execute(self, batch: ModelBatch) -> StepOutput:
-        """Run one step: write the new tokens' KV, sample where asked."""
+        """Run one step: write the new tokens' KV, sample where asked. A step with draft tokens samples its
+        1 + num_drafts rows (batch.sample_rows) and verifies them as engine/sampling.py verify_seq defines:
+        its SampledToken carries the accepted drafts (`accepted`) before the token after them."""
         ...
 
     def submit(self, batch: ModelBatch, fed: bool = False) -> PendingStep:
@@ -113,6 +116,7 @@ class ExecutorBase:
     last_step_graphed = False     # the last step replayed a CUDA graph
     num_state_slots = 0
     step_cost = None              # a StepCost (engine/step_budget.py): work bounds a step besides its tokens
+    supports_draft_verify = False  # a step with draft tokens is refused: no speculative decoding
     options: ExecutorOptions
 
     def execute(self, batch: ModelBatch) -> StepOutput:

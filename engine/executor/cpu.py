@@ -26,6 +26,7 @@ ROUNDING = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 class CpuExecutor(ExecutorBase):
     supports_host_tier = True
     supports_block_copies = True
+    supports_draft_verify = True    # engine/sampling.py verifies a step's draft rows
     ops_class = NumpyOps            # a tensor-parallel rank's executor runs its own (engine/parallel)
 
     def __init__(self, model: LoadedModel, options: ExecutorOptions):

@@ -27,7 +27,8 @@ def follower_step(s: SeqStep) -> SeqStep:
     history = s.history[:s.context_len + 1] if s.want_prompt_logprobs else []
     return SeqStep(seq_id=s.seq_id, token_ids=s.token_ids, start_pos=s.start_pos, block_table=[], sample=s.sample,
                    params=FOLLOWER_PARAMS, prompt_len=s.prompt_len, history=history,
-                   want_prompt_logprobs=s.want_prompt_logprobs, lora_id=s.lora_id, state_slot=s.state_slot)
+                   want_prompt_logprobs=s.want_prompt_logprobs, lora_id=s.lora_id, state_slot=s.state_slot,
+                   num_drafts=s.num_drafts)
 
 
 def follower_batch(batch: ModelBatch) -> ModelBatch:
@@ -49,6 +50,7 @@ class TensorParallelExecutor(ExecutorBase):
         self.supports_fed_steps = local.supports_fed_steps
         self.num_state_slots = local.num_state_slots
         self.step_cost = local.step_cost                        # rank 0's (every rank holds a like share)
+        self.supports_draft_verify = local.supports_draft_verify
 
     @property
     def last_step_graphed(self) -> bool:

@@ -1,0 +1,88 @@
+"""Speculative decoding in the engine loop: before each step, draft tokens for the running sequences that
+decode (Sequence.draft_ids, which the scheduler feeds after the sequence's last token: k + 1 query tokens,
+their KV slots); after it, the acceptance counters (vLLM's spec_decode_* metrics).
+
+How many drafts a sequence gets: the config's k for the step's batch size (tokens_for_batch), and never so
+many that the accepted drafts and the token after them could run past max_tokens or max_model_len; a
+sequence under a grammar keeps only the drafts its grammar accepts (a refused token would be rejected by the
+masked verification anyway). The executor verifies (engine/sampling.py verify_seq); the scheduler keeps the
+accepted tokens' KV, frees what only rejected ones used and hashes only accepted tokens' blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.batch import SampledToken, SeqStep
+from engine.ngram import DraftProposer, NgramProposer
+from engine.sequence import SeqStatus, Sequence
+from engine.speculative import SpeculativeConfig, check_speculation
+
+
+@dataclass
+class SpecDecodeCounters:
+    """vLLM's spec_decode counters: verify steps with drafts (one per sequence and step), draft tokens
+    verified, draft tokens accepted, and accepted ones by their position in the draft."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: DraftProposer | None = None):
+        self.config, self.max_model_len = config, max_model_len
+        self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.counters = SpecDecodeCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set each running sequence's draft_ids for the next step ([] where it gets none)."""
+        k = self.config.tokens_for_batch(len(running))
+        seqs, limits = [], []
+        for seq in running:
+            seq.draft_ids = []
+            limit = min(k, self.room(seq)) if k and decoding(seq) else 0
+            if limit > 0:
+                seqs.append(seq)
+                limits.append(limit)
+        if not seqs:
+            return
+        for seq, limit, drafts in zip(seqs, limits, self.proposer.propose(seqs, limits)):
+            drafts = [int(t) for t in drafts[:limit]]
+            if seq.grammar is not None and drafts:
+                drafts = drafts[:seq.grammar.valid_prefix(drafts)]
+            seq.draft_ids = drafts
+
+    def room(self, seq: Sequence) -> int:
+        """Drafts that fit: the accepted ones and the token after them within max_tokens, the last draft's
+        position within max_model_len."""
+        return min(seq.params.max_tokens - seq.num_generated - 1, self.max_model_len - len(seq.token_ids))
+
+    def record(self, steps: list[SeqStep], sampled: list[SampledToken]) -> None:
+        """Count a finished step's verified drafts (sampled: one per step with sample set, in order)."""
+        c = self.counters
+        tokens = iter(sampled)
+        for step in steps:
+            token = next(tokens) if step.sample else None
+            if token is None or not step.num_drafts:
+                continue
+            accepted = len(token.accepted)
+            c.num_drafts += 1
+            c.num_draft_tokens += step.num_drafts
+            c.num_accepted_tokens += accepted
+            for pos in range(accepted):
+                c.accepted_per_pos[pos] += 1
+
+
+def decoding(seq: Sequence) -> bool:
+    """seq runs its next step as a decode: prefill done, its last token not yet computed, no fork or prompt
+    logprobs pending."""
+    return (seq.status is SeqStatus.RUNNING and seq.fork_count == 1 and not seq.want_prompt_logprobs
+            and seq.num_computed == len(seq.token_ids) - 1)
+
+
+def speculator_for(config: SpeculativeConfig | None, executor, max_model_len: int) -> Speculator | None:
+    """The engine's Speculator (None: speculation off); ValueError where the executor or model cannot serve it."""
+    if config is None:
+        return None
+    check_speculation(config, executor)
+    return Speculator(config, max_model_len)
