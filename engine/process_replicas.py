@@ -170,8 +170,9 @@ SAME_ON_EVERY_REPLICA = ("warming_up", "lora_max_adapters", "lora_adapters_loade
 
 
 def summed_stats(replicas: list[EngineStats]) -> EngineStats:
-    """One EngineStats for several engines: counts and gauges added, but for what each replica holds alike
-    (SAME_ON_EVERY_REPLICA: the largest); the adapter names' union."""
+    """One EngineStats for several engines: counts and gauges added (per-position counts position by
+    position), but for what each replica holds alike (SAME_ON_EVERY_REPLICA: the largest); the adapter names'
+    union."""
     total = EngineStats()
     for field in dataclasses.fields(EngineStats):
         values = [getattr(s, field.name) for s in replicas]
@@ -179,6 +180,8 @@ def summed_stats(replicas: list[EngineStats]) -> EngineStats:
             value = max(values, default=getattr(total, field.name))
         elif isinstance(getattr(total, field.name), str):
             value = ",".join(sorted({n for v in values for n in v.split(",") if n}))
+        elif isinstance(getattr(total, field.name), tuple):        # per position: added position by position
+            value = tuple(sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values), default=0)))
         else:
             value = sum(values)
         setattr(total, field.name, value)

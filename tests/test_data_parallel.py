@@ -4,6 +4,8 @@ against the arena's own budget formula —, the CPU, refusals), their KV event e
 and /metrics per engine."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.config import EngineConfig
@@ -181,6 +183,10 @@ def test_stats_of_several_engines_add_up():
     assert total.lora_running_adapters == "a,b,c"
     one = replica_stats()[0]
     assert summed_stats([one]) == one                  # one engine: its own stats
+    spec = [dataclasses.replace(s, spec_decode_num_drafts=d, spec_decode_accepted_per_pos=pos)
+            for s, d, pos in zip(replica_stats(), (4, 2), ((3, 1), (2,)))]
+    total = summed_stats(spec)      # speculative decoding's counters: per position, position by position
+    assert (total.spec_decode_num_drafts, total.spec_decode_accepted_per_pos) == (6, (5, 1))
 
 
 def test_metrics_report_each_engine_under_its_label_and_the_total_unlabelled():

@@ -16,6 +16,7 @@ from engine.executor.options import ExecutorOptions, GpuTuning, executor_options
 from engine.kv_events import KVEventsConfig
 from engine.speculative import SpeculativeConfig
 from engine.model_config import ModelConfig
+from engine.process_placement import place_replicas
 from engine.request import GenerateRequest, SamplingParams
 from harness.lora import tiny_adapter_path
 from harness.models import tiny_model_path
@@ -33,7 +34,7 @@ def non_default_config(model: str) -> EngineConfig:
                         progress=False, enable_lora=True, lora_modules=(("ad", tiny_adapter_path("qwen3_untied", "attn8")),),
                         max_loras=2, max_lora_rank=8, max_cpu_loras=3,
                         kv_events_config=KVEventsConfig(True, endpoint="inproc://test-options-kv-events"), cpu_threads=3,
-                        speculative_config=SpeculativeConfig("ngram", 2))
+                        speculative_config=SpeculativeConfig("ngram", 2), data_parallel_size=2, data_parallel_rank=1)
 
 
 def block_bytes(path: str, itemsize: int) -> int:
@@ -114,6 +115,9 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             and eng.kv_events._on_block in eng.block_manager._stored_subscribers,
             "cpu_threads": opts.cpu_threads == 3 == ex.threads.threads,
             # the engine's speculator runs this config (k = 2: two per-position counters)
+            # the server starts data_parallel_size engines (engine/process_replicas.py); this one publishes as rank 1
+            "data_parallel_size": len(place_replicas(config, []).replicas) == 2,
+            "data_parallel_rank": eng.kv_events.publisher.rank == 1,
             "speculative_config": eng.speculator.config is config.speculative_config
             and eng.speculator.counters.accepted_per_pos == [0, 0],
         }
@@ -143,7 +147,9 @@ def test_every_engine_config_field_has_a_cli_flag():
 
     sub = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {a.dest for a in sub._actions}
-    not_flags = {"gpu", "progress"}            # the GPU kernel choices are environment variables (README)
+    # the GPU kernel choices are environment variables (README); a replica's rank is set by the server that starts
+    # the --data-parallel-size engines (engine/process_replicas.py)
+    not_flags = {"gpu", "progress", "data_parallel_rank"}
     missing = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in flags | not_flags]
     assert missing == []
 
