@@ -13,7 +13,6 @@ GpuTuning, and the BLAS thread count of the CPU executor's larger steps (cpu_thr
 | OPENINFER_EAGER_GRAPH_TOKENS | eager_graph_tokens (0: off) | 2048 |
 | OPENINFER_CHUNK_ATTENTION | chunk_attention ("0": off) | 1 |
 | OPENINFER_ASYNC_HOST_TIER | async_host_tier ("1": on) | 0 |
-| OPENINFER_PARTIAL_PREFIX_HITS | partial_prefix_hits ("1": on) | 0 |
 | OPENINFER_LORA_GATE_UP_IN_K | lora_gate_up_in_k ("1": on) | 0 |
 | OPENBLAS_NUM_THREADS, else OMP_NUM_THREADS | ExecutorOptions.cpu_threads (without --cpu-threads) | cores less one |
 """
@@ -55,7 +54,6 @@ def gpu_tuning_from_env(env: Mapping[str, str] | None = None) -> GpuTuning:
         eager_graph_tokens=_int(env, "OPENINFER_EAGER_GRAPH_TOKENS", d.eager_graph_tokens),
         chunk_attention=env.get("OPENINFER_CHUNK_ATTENTION", "1").strip() != "0",
         async_host_tier=env.get("OPENINFER_ASYNC_HOST_TIER", "0").strip() == "1",
-        partial_prefix_hits=env.get("OPENINFER_PARTIAL_PREFIX_HITS", "0").strip() == "1",
         lora_gate_up_in_k=env.get("OPENINFER_LORA_GATE_UP_IN_K", "0").strip() == "1",
         nvtx=NVTX_VALUES[nvtx])
     tuning.validate()

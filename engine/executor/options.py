@@ -64,10 +64,6 @@ class GpuTuning:
     async_host_tier: host-tier restores and write-through copies on a stream of their own, their sequences
     LOADING and their blocks held until the copies land (engine/scheduler.py), instead of the copies ahead
     of the next step on the compute stream. Off until checked on a GPU.
-    partial_prefix_hits: the executor copies blocks for the scheduler's partial prefix hits (supports_block_copies),
-    so a prompt sent again computes one token, not up to 16. Off by default: measured on the H200 (2026-12-04,
-    bench/results/prefix-ttft-gpu.md) the one-token step (a decode-graph step) answered no sooner at 1k and
-    later at 32k (21.3 against 17.4 ms) than the 16-token step on paged_chunk.cu.
     lora_gate_up_in_k: small LoRA steps add gate_up's delta as a K-extension of its product (the weight
     uploaded with every slot's B in columns after each row, the post-attention norm writing each row's shrink
     beside it; gpu_lora_ops.py) instead of lora_expand.cu's SiLU·up after an N-extended product. Off until
@@ -82,7 +78,6 @@ class GpuTuning:
     eager_graph_tokens: int = 2048
     chunk_attention: bool = True
     async_host_tier: bool = False
-    partial_prefix_hits: bool = False
     lora_gate_up_in_k: bool = False
 
     def validate(self) -> None:
