@@ -31,7 +31,7 @@ class EngineConfig:
     enable_chunked_prefill: split prompts longer than a step's token budget over several steps
     (off: max_num_batched_tokens must hold max_model_len).
     enforce_eager / cuda_graph_sizes: no CUDA graphs / the decode batch sizes captured.
-    gpu: the GPU kernel choices (None: from the environment, engine/executor/env.py).
+    gpu: the GPU kernel choices (None: from the environment, engine/env.py).
     enable_lora / lora_modules / max_loras / max_lora_rank / max_cpu_loras: LoRA adapters
     (engine/lora.py): the (name, path) pairs loaded at start, the adapters resident in the executor at
     once (the rest wait in host memory), the largest rank taken, and the adapters kept in host memory

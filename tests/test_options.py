@@ -11,8 +11,8 @@ import random
 import pytest
 
 from engine.config import EngineConfig
-from engine.executor.env import gpu_tuning_from_env
-from engine.executor.options import ExecutorOptions, GpuTuning, executor_options, options_of
+from engine import env
+from engine.executor.options import ExecutorOptions, GpuTuning, executor_options, gpu_tuning_from_env, options_of
 from engine.kv_events import KVEventsConfig
 from engine.model_config import ModelConfig
 from engine.request import GenerateRequest, SamplingParams
@@ -235,17 +235,33 @@ def test_environment_is_read_once_into_gpu_tuning():
 
 
 def test_no_module_but_env_reads_the_environment():
-    """Environment variables are read in engine/executor/env.py alone (the engine's own settings)."""
+    """Environment variables are read in engine/env.py alone (the engine's and the server's), each declared
+    there once with its default and meaning."""
     offenders = []
-    for top in ("engine", "memory", "openinfer_kernels/raw_cuda"):
+    for top in ("engine", "memory", "server", "openinfer_kernels/raw_cuda"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
             for f in files:
                 path = os.path.join(dirpath, f)
-                if f.endswith(".py") and not path.endswith(os.path.join("executor", "env.py")):
+                if f.endswith(".py") and path != os.path.join(ROOT, "engine", "env.py"):
                     text = open(path, encoding="utf-8").read()
-                    if "os.environ" in text and "OPENINFER_" in text and "OPENINFER_CACHE" not in text:
+                    if "environ" in text.replace("environment", "") or "getenv" in text:
                         offenders.append(os.path.relpath(path, ROOT))
     assert offenders == []
+    names = [var.name for var in env.VARIABLES]
+    assert len(names) == len(set(names)) and all(var.meaning and var.want for var in env.VARIABLES)
+    for var in env.VARIABLES:
+        assert var.read({}) == var.default
+
+
+def test_server_defaults_come_from_the_environment(monkeypatch):
+    from server.cli import build_parser
+
+    for name, value in (("OPENINFER_API_KEY", "k"), ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),
+                        ("VLLM_LORA_RESOLVER_CACHE_DIR", "/r")):
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["serve"])
+    assert (args.api_key, args.allow_runtime_lora_updating, args.lora_resolver_dir) == ("k", True, "/r")
+    assert env.cache_root({"OPENINFER_CACHE": "~/c"}) == os.path.expanduser("~/c")
 
 
 def test_graph_sizes_stop_at_max_num_seqs():

@@ -1,5 +1,5 @@
 """ExecutorOptions: every setting an executor runs with, built once from EngineConfig (and, for the
-GPU kernel choices, the environment: engine/executor/env.py) and checked before anything loads.
+GPU kernel choices, the environment: engine/env.py) and checked before anything loads.
 
 The scheduler is built from the same limits, so a step the executor cannot take is never planned:
 at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences, no position at or past
@@ -8,7 +8,10 @@ at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences, no positio
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from engine import env as environment
 
 # Decode batch sizes captured as CUDA graphs (vLLM's --cuda-graph-sizes); a batch pads up to the next.
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -97,6 +100,21 @@ class GpuTuning:
             raise ValueError(f"nvtx must be off, layers or ops, got {self.nvtx!r}")
 
 
+def gpu_tuning_from_env(env: Mapping[str, str] | None = None) -> GpuTuning:
+    """GpuTuning from the environment's variables (engine/env.py; unset ones keep the defaults); raises
+    ValueError naming the variable on a value that does not parse."""
+    e = environment
+    tuning = GpuTuning(
+        decode_kernels=e.DECODE_KERNELS.read(env), gemm=e.GEMM.read(env),
+        prefill_attention=e.PREFILL_ATTENTION.read(env), pdl=e.PDL.read(env),
+        gemv_unroll=e.GEMV_UNROLL.read(env), gemv_unroll_narrow=e.GEMV_UNROLL_NARROW.read(env),
+        nvtx=e.LAYER_RANGES.read(env), eager_graph_tokens=e.EAGER_GRAPH_TOKENS.read(env),
+        chunk_attention=e.CHUNK_ATTENTION.read(env), async_host_tier=e.ASYNC_HOST_TIER.read(env),
+        lora_gate_up_in_k=e.LORA_GATE_UP_IN_K.read(env))
+    tuning.validate()
+    return tuning
+
+
 @dataclass(frozen=True)
 class ExecutorOptions:
     """max_model_len: tokens per sequence (prompt + output). max_num_batched_tokens / max_num_seqs:
@@ -168,8 +186,6 @@ def executor_options(config, device: str, model_max_len: int) -> ExecutorOptions
     """The executor's options for an EngineConfig on a resolved device ("cpu" / "cuda") and the model's
     own context limit (its max_position_embeddings); the GPU kernel choices are config.gpu, else the
     environment's. Raises ValueError naming the flag for a combination that cannot work."""
-    from engine.executor.env import cpu_threads_from_env, gpu_tuning_from_env
-
     if config.max_model_len is not None and config.max_model_len > model_max_len:
         raise ValueError(f"max_model_len ({config.max_model_len}) is more than the model's context "
                          f"(max_position_embeddings {model_max_len})")
@@ -187,7 +203,7 @@ def executor_options(config, device: str, model_max_len: int) -> ExecutorOptions
         progress=config.progress, time_steps=config.step_trace is not None,
         gpu=config.gpu or gpu_tuning_from_env(), max_loras=config.max_loras if config.enable_lora else 0,
         max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size,
-        cpu_threads=(config.cpu_threads or cpu_threads_from_env()) if device == "cpu" else None)
+        cpu_threads=(config.cpu_threads or environment.cpu_threads_from_env()) if device == "cpu" else None)
     options.validate()
     if device == "cuda":
         options.validate_for_gpu()
@@ -197,8 +213,6 @@ def executor_options(config, device: str, model_max_len: int) -> ExecutorOptions
 def options_of(**settings) -> ExecutorOptions:
     """ExecutorOptions from flat settings: its own fields and GpuTuning's by name, the GPU choices not
     given taken from the environment (tests and benchmarks build executors directly this way)."""
-    from engine.executor.env import gpu_tuning_from_env
-
     tuning_fields = {f.name for f in dataclasses.fields(GpuTuning)}
     tuning = {k: settings.pop(k) for k in list(settings) if k in tuning_fields}
     gpu = dataclasses.replace(settings.pop("gpu", None) or gpu_tuning_from_env(), **tuning)
