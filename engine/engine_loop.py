@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.events import Error, Finished, Rejected, Usage
 from engine.grammar import GrammarCache
 from engine.kv_events import kv_event_log
+from engine.limits import StepLimits
 from engine.executor.base import DoneStep
 from engine.lora_registry import lora_registry
 from engine.outputs import OutputProcessor, RequestState, Sink
@@ -36,25 +37,6 @@ from memory.state_slots import StateSlots
 log = logging.getLogger("openinfer.engine")
 
 __all__ = ["EngineLoop", "EngineStats", "Sink"]
-
-
-def step_limits(executor, config: EngineConfig, max_model_len: int) -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens) of the scheduler: the config's where set, else the
-    executor's; refused (ValueError) where the executor was built for less."""
-    opts = executor.options
-    tokens = config.max_num_batched_tokens or opts.max_num_batched_tokens
-    seqs = config.max_num_seqs or min(opts.max_num_seqs, tokens)
-    for name, want, have in (("max_num_seqs", seqs, opts.max_num_seqs),
-                             ("max_num_batched_tokens", tokens, opts.max_num_batched_tokens),
-                             ("max_model_len", max_model_len, opts.max_model_len)):
-        if want > have:
-            raise ValueError(f"{name} {want} is more than the executor was built for ({have})")
-    if tokens < seqs:
-        raise ValueError(f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({seqs})")
-    if not config.enable_chunked_prefill and tokens < max_model_len:
-        raise ValueError(f"max_num_batched_tokens ({tokens}) is below max_model_len ({max_model_len}) "
-                         f"with chunked prefill off")
-    return seqs, tokens
 
 
 def host_tier(executor, config: EngineConfig) -> HostKVTier | None:
@@ -84,28 +66,27 @@ def prefix_caching(config: EngineConfig, state_slots: StateSlots | None) -> bool
 
 
 class EngineLoop:
-    def __init__(self, executor, tokenizer, config: EngineConfig, max_model_len: int,
+    def __init__(self, executor, tokenizer, config: EngineConfig, limits: StepLimits,
                  eos_token_ids: list[int]):
         self.executor = executor
         self.tokenizer = tokenizer
         self.config = config
-        self.max_model_len = max_model_len
-        max_seqs, max_tokens = step_limits(executor, config, max_model_len)
+        self.limits = limits
+        self.max_model_len = max_model_len = limits.max_model_len
         slots = StateSlots(executor.num_state_slots) if executor.num_state_slots else None
         self.block_manager = BlockManager(executor.num_kv_blocks, prefix_caching(config, slots))
         tier = host_tier(executor, config)
         # subscribed before the scheduler: an eviction is recorded before the host-tier store it causes
         self.kv_events = kv_event_log(config.kv_events_config, self.block_manager, tier, self._lora_name)
-        self.scheduler = Scheduler(self.block_manager, max_seqs, max_tokens, tier,
-                                   chunked_prefill=config.enable_chunked_prefill, state_slots=slots,
+        self.scheduler = Scheduler(self.block_manager, limits, tier, state_slots=slots,
                                    max_loras=config.max_loras if config.enable_lora else 0,
-                                   step_cost=getattr(executor, "step_cost", None))
+                                   step_cost=executor.step_cost)
         self.scheduler.copy_on_write = getattr(executor, "supports_block_copies", False)
         if self.scheduler.host_tier is not None and getattr(executor, "supports_async_copies", False):
             self.scheduler.enable_async_copies(executor.copies_done)
         self.loras = lora_registry(executor, config, self.scheduler)
         self.admission = Admission(AdmissionLimits(vocab_size=int(executor.vocab_size), max_model_len=max_model_len,
-                                                   max_n=min(config.max_n, max_seqs),
+                                                   max_n=min(config.max_n, limits.max_num_seqs),
                                                    num_kv_blocks=executor.num_kv_blocks),
                                    eos_token_ids, config.seed,
                                    GrammarCache(tokenizer, int(executor.vocab_size), eos_token_ids), self.loras)

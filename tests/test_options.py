@@ -12,8 +12,9 @@ import pytest
 
 from engine.config import EngineConfig
 from engine import env
-from engine.executor.options import ExecutorOptions, GpuTuning, executor_options, gpu_tuning_from_env, options_of
+from engine.executor.options import ExecutorOptions, GpuTuning, gpu_tuning_from_env, options_of, resolved_options
 from engine.kv_events import KVEventsConfig
+from engine.limits import StepLimits
 from engine.model_config import ModelConfig
 from engine.request import GenerateRequest, SamplingParams
 from harness.lora import tiny_adapter_path
@@ -112,6 +113,8 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             and eng.kv_events._on_block in eng.block_manager._stored_subscribers,
             "cpu_threads": opts.cpu_threads == 3 == ex.threads.threads,
         }
+        # one resolution: the scheduler plans within the very limits the executor was built for
+        assert eng.scheduler.limits is eng.limits and eng.limits == StepLimits(400, 5, 400, chunked_prefill=False)
         h.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert set(checks) == {f.name for f in dataclasses.fields(EngineConfig)}
     assert [name for name, ok in checks.items() if not ok] == []
@@ -162,9 +165,9 @@ def test_cli_flags_build_the_config():
 
 @pytest.mark.parametrize("device,limits", [("cuda", (256, 8192)), ("cpu", (64, 96))])
 def test_device_defaults_follow_vllm_on_the_gpu(device, limits):
-    o = executor_options(EngineConfig(gpu=GpuTuning()), device, 40960)
+    o = resolved_options(EngineConfig(gpu=GpuTuning()), device, 40960)[1]
     assert (o.max_num_seqs, o.max_num_batched_tokens, o.max_model_len) == (*limits, 40960)
-    o = executor_options(EngineConfig(max_num_batched_tokens=16384, max_num_seqs=512, gpu=GpuTuning()), device, 8192)
+    o = resolved_options(EngineConfig(max_num_batched_tokens=16384, max_num_seqs=512, gpu=GpuTuning()), device, 8192)[1]
     assert (o.max_num_seqs, o.max_num_batched_tokens) == (512, 16384)
 
 
@@ -181,12 +184,12 @@ def test_device_defaults_follow_vllm_on_the_gpu(device, limits):
 ])
 def test_combinations_that_cannot_work_are_refused_at_start(config, device, words):
     with pytest.raises(ValueError, match=words):
-        executor_options(config, device, 40960)
+        resolved_options(config, device, 40960)[1]
 
 
 def test_float_dtypes_are_fine_on_the_cpu():
     for dtype in ("float16", "float32", "auto"):
-        assert executor_options(EngineConfig(dtype=dtype, gpu=GpuTuning()), "cpu", 512).dtype == dtype
+        assert resolved_options(EngineConfig(dtype=dtype, gpu=GpuTuning()), "cpu", 512)[1].dtype == dtype
 
 
 @pytest.mark.parametrize("config,words", [
@@ -231,7 +234,7 @@ def test_environment_is_read_once_into_gpu_tuning():
         with pytest.raises(ValueError, match=name):
             gpu_tuning_from_env({name: value})
     # config.gpu overrides the environment; None reads it
-    assert executor_options(EngineConfig(gpu=GpuTuning(gemm="cute")), "cuda", 512).gpu.gemm == "cute"
+    assert resolved_options(EngineConfig(gpu=GpuTuning(gemm="cute")), "cuda", 512)[1].gpu.gemm == "cute"
 
 
 def test_no_module_but_env_reads_the_environment():
@@ -280,7 +283,7 @@ def test_gpu_parts_size_themselves_from_the_plan():
 
     cfg = ModelConfig.from_file(os.path.join(ROOT, "bench", "configs", "qwen3-4b", "config.json"))
     model = build_model(cfg)
-    options = executor_options(EngineConfig(gpu=GpuTuning()), "cuda", cfg.max_position_embeddings)
+    options = resolved_options(EngineConfig(gpu=GpuTuning()), "cuda", cfg.max_position_embeddings)[1]
     plan = gpu_plan(options, model, DeviceInfo("H200", 132, 141 << 30, "90"))
     assert plan.kv.block_bytes(2) == 36 * 2 * 16 * 8 * 128 * 2            # 144 KiB per block
     assert plan.logit_rows == 1024 and plan.width == 2 * 9728

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine import env as environment
+from engine.limits import StepLimits, resolve_limits
 
 # Decode batch sizes captured as CUDA graphs (vLLM's --cuda-graph-sizes); a batch pads up to the next.
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -147,11 +148,6 @@ class ExecutorOptions:
 
     def validate(self) -> None:
         checks = [
-            (self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"),
-            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
-            (self.max_num_batched_tokens >= self.max_num_seqs,
-             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-             f"({self.max_num_seqs}): a decode step of every sequence feeds one token each"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
@@ -182,21 +178,13 @@ class ExecutorOptions:
         return dataclasses.replace(self, **changes)
 
 
-def executor_options(config, device: str, model_max_len: int) -> ExecutorOptions:
-    """The executor's options for an EngineConfig on a resolved device ("cpu" / "cuda") and the model's
-    own context limit (its max_position_embeddings); the GPU kernel choices are config.gpu, else the
-    environment's. Raises ValueError naming the flag for a combination that cannot work."""
-    if config.max_model_len is not None and config.max_model_len > model_max_len:
-        raise ValueError(f"max_model_len ({config.max_model_len}) is more than the model's context "
-                         f"(max_position_embeddings {model_max_len})")
-    max_model_len = config.max_model_len or model_max_len
-    max_num_seqs, max_tokens = config.limits(device)
-    if not config.enable_chunked_prefill and max_tokens < max_model_len:
-        raise ValueError(f"max_num_batched_tokens ({max_tokens}) is below max_model_len ({max_model_len}) "
-                         f"with chunked prefill off: a longer prompt could never be scheduled; raise "
-                         f"--max-num-batched-tokens, lower --max-model-len or enable chunked prefill")
+def executor_options(config, device: str, limits: StepLimits) -> ExecutorOptions:
+    """The executor's options for an EngineConfig on a resolved device ("cpu" / "cuda"), built for its
+    resolved limits (engine/limits.py); the GPU kernel choices are config.gpu, else the environment's.
+    Raises ValueError naming the flag for a combination that cannot work."""
     options = ExecutorOptions(
-        max_model_len=max_model_len, max_num_batched_tokens=max_tokens, max_num_seqs=max_num_seqs,
+        max_model_len=limits.max_model_len, max_num_batched_tokens=limits.max_num_batched_tokens,
+        max_num_seqs=limits.max_num_seqs,
         num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
         dtype=config.dtype, cuda_graphs=not config.enforce_eager,
         cuda_graph_sizes=tuple(config.cuda_graph_sizes), host_kv_blocks=config.host_kv_blocks,
@@ -208,6 +196,13 @@ def executor_options(config, device: str, model_max_len: int) -> ExecutorOptions
     if device == "cuda":
         options.validate_for_gpu()
     return options
+
+
+def resolved_options(config, device: str, model_max_len: int) -> tuple[StepLimits, ExecutorOptions]:
+    """An EngineConfig's limits, resolved once for the device and the model's own context
+    (max_position_embeddings), and the executor's options built for them."""
+    limits = resolve_limits(config, device, model_max_len)
+    return limits, executor_options(config, device, limits)
 
 
 def options_of(**settings) -> ExecutorOptions:
