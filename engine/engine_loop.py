@@ -81,8 +81,8 @@ class EngineLoop:
         self.scheduler = Scheduler(self.block_manager, limits, tier, state_slots=slots,
                                    max_loras=config.max_loras if config.enable_lora else 0,
                                    step_cost=executor.step_cost)
-        self.scheduler.copy_on_write = getattr(executor, "supports_block_copies", False)
-        if self.scheduler.host_tier is not None and getattr(executor, "supports_async_copies", False):
+        self.scheduler.copy_on_write = executor.supports_block_copies
+        if self.scheduler.host_tier is not None and executor.supports_async_copies:
             self.scheduler.enable_async_copies(executor.copies_done)
         self.loras = lora_registry(executor, config, self.scheduler)
         self.admission = Admission(AdmissionLimits(vocab_size=int(executor.vocab_size), max_model_len=max_model_len,

@@ -234,9 +234,7 @@ class EngineHandle(LocalEngineCalls):
         if not self._closed:
             self._closed = True
             self._engine.shutdown()
-            close = getattr(self.executor, "close", None)
-            if close is not None:
-                close()
+            self.executor.close()
 
     def __enter__(self) -> "EngineHandle":
         return self
