@@ -40,7 +40,7 @@ from engine.config import EngineConfig
 from engine.executor.base import ExecutorBase
 from engine.executor.options import ExecutorOptions
 from engine.handle import EngineHandle
-from engine.limits import limits_within
+from engine.loop_options import options_within
 from engine.request import GenerateRequest, SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -289,7 +289,7 @@ def run_batch(tokenizer: Tokenizer, model: TextModel, batch: int, steps: int, ex
                               max_model_len=max_model_len)
         engine = handle.engine
     else:
-        engine = engine_loop.EngineLoop(ex, tokenizer, config, limits_within(ex.options, config, max_model_len),
+        engine = engine_loop.EngineLoop(ex, tokenizer, options_within(ex.options, config, max_model_len),
                                         tokenizer.eos_token_ids)
     timer = StepTimer(engine, batch)
     timer.profile = cProfile.Profile() if profile else None

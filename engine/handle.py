@@ -25,10 +25,10 @@ from typing import Callable
 from memory.kv_pool import BLOCK_SIZE
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, EngineStats
-from engine.limits import limits_within
 from engine.events import (Error, Finished, PromptLogprobs, Rejected,
                            Scheduled, Token, TokenEvent)
 from engine.engine_calls import LocalEngineCalls
+from engine.loop_options import LoopOptions, options_within
 from engine.request import GenerateRequest, SamplingParams
 from memory.block_manager import KVEvent
 
@@ -166,10 +166,10 @@ class EngineHandle(LocalEngineCalls):
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids
         if info is None:                               # an executor built elsewhere: the config within its limits
-            limits = limits_within(executor.options, self.config, self.max_model_len)
+            options = options_within(executor.options, self.config, self.max_model_len)
         else:
-            limits = dataclasses.replace(limits, max_model_len=self.max_model_len)
-        self._engine = EngineLoop(executor, tokenizer, self.config, limits, eos_token_ids)
+            options = LoopOptions.of(self.config, dataclasses.replace(limits, max_model_len=self.max_model_len))
+        self._engine = EngineLoop(executor, tokenizer, options, eos_token_ids)
         self._ids = itertools.count()
         self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # loop -> _Mailbox
         self._mailbox_lock = threading.Lock()

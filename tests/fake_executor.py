@@ -108,12 +108,12 @@ def make_engine(executor=None, tokenizer=None, max_model_len: int = 512, **confi
     """An EngineLoop driven by hand (no thread): add with `submit`, then `run_until_idle`."""
     from engine.config import EngineConfig
     from engine.engine_loop import EngineLoop
-    from engine.limits import limits_within
+    from engine.loop_options import options_within
     executor = executor or FakeExecutor()
     tokenizer = tokenizer or FakeTokenizer()
     eos = getattr(tokenizer, "eos_token_ids", [EOS])
     config = EngineConfig(**config)
-    return EngineLoop(executor, tokenizer, config, limits_within(executor.options, config, max_model_len), eos)
+    return EngineLoop(executor, tokenizer, options_within(executor.options, config, max_model_len), eos)
 
 
 def submit(engine, req) -> list:

@@ -91,10 +91,10 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "max_n": eng.admission.limits.max_n == 3,
             "seed": eng.admission.sequence(GenerateRequest("r", [1, 2], SamplingParams()), 1).params.seed
             == random.Random(1234).getrandbits(63),
-            "overlap_steps": eng.config.overlap_steps is False,
-            "schedule_ahead": eng.config.schedule_ahead is False,
+            "overlap_steps": eng.options.overlap_steps is False,
+            "schedule_ahead": eng.options.schedule_ahead is False,
             # off (the default is on, where the loop overlaps steps on an executor that takes fed steps)
-            "async_scheduling": eng.config.async_scheduling is False and eng._async is False,
+            "async_scheduling": eng.options.async_scheduling is False and eng._async is False,
             "host_kv_blocks": opts.host_kv_blocks == 9 == eng.scheduler.host_tier.num_slots
             and ex.host_kv.shape[2] == 9 * 16,
             "gpu": opts.gpu == config.gpu,
@@ -294,3 +294,15 @@ def test_gpu_parts_size_themselves_from_the_plan():
     assert GpuOps.nbytes(smaller) < GpuOps.nbytes(plan)          # sized by the options, nothing fixed
     fewer_sms = gpu_plan(options, model, DeviceInfo("small", 16, 24 << 30, "90"))
     assert GpuOps.nbytes(fewer_sms) < GpuOps.nbytes(plan)        # the device's SM count, asked, not assumed
+
+
+def test_the_engine_loop_reads_resolved_options_not_the_config():
+    from engine.loop_options import LoopOptions
+
+    limits = StepLimits(512, 4, 64)
+    options = LoopOptions.of(EngineConfig(max_n=16, overlap_steps=False, max_loras=3), limits)
+    assert options.limits is limits and options.max_n == 4                  # max_n capped by max_num_seqs
+    assert options.async_scheduling is False and options.max_loras == 0      # no overlap / no --enable-lora
+    names = {f.name for f in dataclasses.fields(LoopOptions)} - {"limits"}
+    assert names <= {f.name for f in dataclasses.fields(EngineConfig)}
+    assert "EngineConfig" not in open(os.path.join(ROOT, "engine", "engine_loop.py"), encoding="utf-8").read()

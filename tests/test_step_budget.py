@@ -11,7 +11,8 @@ import pytest
 
 from engine.batch import StepOutput
 from engine.config import EngineConfig
-from engine.limits import DEFAULT_LIMITS, limits_within, resolve_limits
+from engine.limits import DEFAULT_LIMITS, resolve_limits
+from engine.loop_options import options_within
 from engine.engine_loop import EngineLoop
 from engine.executor.base import ExecutorBase
 from engine.executor.cpu_cost import cpu_step_cost
@@ -84,7 +85,7 @@ def run_long_prompt(cost: StepCost, long_len: int, n: int, streams: int = 8) -> 
     its samples has a token. Returns the executor (its steps) and the long request's events."""
     ex = InstantExecutor(cost)
     config = EngineConfig(device="cpu")
-    engine = EngineLoop(ex, FakeTokenizer(), config, limits_within(ex.options, config, MAX_MODEL_LEN), [256])
+    engine = EngineLoop(ex, FakeTokenizer(), options_within(ex.options, config, MAX_MODEL_LEN), [256])
     greedy = SamplingParams(temperature=0, max_tokens=6000, ignore_eos=True)
     for i in range(streams):
         submit(engine, GenerateRequest(f"s{i}", [10 + i] * 24, greedy))
