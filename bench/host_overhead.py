@@ -67,7 +67,7 @@ class TextModel:
 class InstantExecutor(ExecutorBase):
     def __init__(self, model: TextModel, num_kv_blocks: int, vocab_size: int):
         self.model, self.num_kv_blocks, self.vocab_size = model, num_kv_blocks, vocab_size
-        self.options = ExecutorOptions(max_model_len=1 << 20, max_num_batched_tokens=1 << 16, max_num_seqs=4096)
+        self.options = ExecutorOptions().replace(max_model_len=1 << 20, max_num_batched_tokens=1 << 16, max_num_seqs=4096)
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         ids = self.model.next_tokens(batch)
@@ -134,8 +134,8 @@ class GpuHostExecutor(ExecutorBase):
         from engine.executor.gpu_ops import GpuOps
         from engine.executor.options import ExecutorOptions
         ex = GpuExecutor.__new__(GpuExecutor)
-        ex.options = ExecutorOptions(max_model_len=max_model_len, max_num_batched_tokens=max(max_num_batched_tokens,
-                                     max_seqs), max_num_seqs=max_seqs)
+        ex.options = ExecutorOptions().replace(max_model_len=max_model_len, max_num_seqs=max_seqs,
+                                               max_num_batched_tokens=max(max_num_batched_tokens, max_seqs))
         ex.vocab_size, ex.max_model_len, ex.num_kv_blocks = vocab_size, max_model_len, num_kv_blocks
         ex.plan = types.SimpleNamespace(kv=types.SimpleNamespace(heads=8))
         ex.stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)

@@ -168,7 +168,9 @@ class EngineHandle(LocalEngineCalls):
         if info is None:                               # an executor built elsewhere: the config within its limits
             options = options_within(executor.options, self.config, self.max_model_len)
         else:
-            options = LoopOptions.of(self.config, dataclasses.replace(limits, max_model_len=self.max_model_len))
+            if limits.max_model_len != self.max_model_len:          # cut to what the KV pool holds
+                limits = dataclasses.replace(limits, max_model_len=self.max_model_len)
+            options = LoopOptions.of(self.config, limits)
         self._engine = EngineLoop(executor, tokenizer, options, eos_token_ids)
         self._ids = itertools.count()
         self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # loop -> _Mailbox

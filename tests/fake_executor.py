@@ -40,7 +40,7 @@ class FakeTokenizer:
 
 
 # Limits well above what the engine tests ask for (the engine takes its own from EngineConfig).
-FAKE_OPTIONS = ExecutorOptions(max_model_len=1 << 16, max_num_batched_tokens=1 << 16, max_num_seqs=1024)
+FAKE_OPTIONS = ExecutorOptions().replace(max_model_len=1 << 16, max_num_batched_tokens=1 << 16, max_num_seqs=1024)
 
 
 class FakeExecutor(ExecutorBase):

@@ -114,7 +114,8 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "cpu_threads": opts.cpu_threads == 3 == ex.threads.threads,
         }
         # one resolution: the scheduler plans within the very limits the executor was built for
-        assert eng.scheduler.limits is eng.limits and eng.limits == StepLimits(400, 5, 400, chunked_prefill=False)
+        assert eng.scheduler.limits is eng.limits is opts.limits
+        assert eng.limits == StepLimits(400, 5, 400, chunked_prefill=False)
         h.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert set(checks) == {f.name for f in dataclasses.fields(EngineConfig)}
     assert [name for name, ok in checks.items() if not ok] == []
@@ -268,8 +269,8 @@ def test_server_defaults_come_from_the_environment(monkeypatch):
 
 
 def test_graph_sizes_stop_at_max_num_seqs():
-    assert ExecutorOptions(max_num_seqs=40).graph_sizes == (1, 2, 4, 8, 16, 24, 32, 40)
-    assert ExecutorOptions(max_num_seqs=256, max_num_batched_tokens=8192).graph_sizes[-1] == 256
+    assert ExecutorOptions().replace(max_num_seqs=40).graph_sizes == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert ExecutorOptions().replace(max_num_seqs=256, max_num_batched_tokens=8192).graph_sizes[-1] == 256
     assert options_of(max_num_seqs=8, gemm="cublas").gpu.gemm == "cublas"
 
 

@@ -1,9 +1,9 @@
 """ExecutorOptions: every setting an executor runs with, built once from EngineConfig (and, for the
 GPU kernel choices, the environment: engine/env.py) and checked before anything loads.
 
-The scheduler is built from the same limits, so a step the executor cannot take is never planned:
-at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences, no position at or past
-`max_model_len`. A combination that cannot work is refused here, at start, with the flag's name.
+The scheduler plans within the same StepLimits (engine/limits.py), so a step the executor cannot
+take is never planned: at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences, no
+position at or past `max_model_len`. A combination that cannot work is refused here, at start, with the flag's name.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from engine import env as environment
 from engine.limits import StepLimits, resolve_limits
+
+LIMIT_FIELDS = tuple(f.name for f in dataclasses.fields(StepLimits))
 
 # Decode batch sizes captured as CUDA graphs (vLLM's --cuda-graph-sizes); a batch pads up to the next.
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -118,10 +120,10 @@ def gpu_tuning_from_env(env: Mapping[str, str] | None = None) -> GpuTuning:
 
 @dataclass(frozen=True)
 class ExecutorOptions:
-    """max_model_len: tokens per sequence (prompt + output). max_num_batched_tokens / max_num_seqs:
-    tokens / sequences per step. num_kv_blocks: the KV pool in blocks (None: what the memory budget
-    holds: gpu_memory_utilization on the GPU, 1 GiB on the CPU). dtype: "auto" / "float32" keep
-    the checkpoint's values (the CPU computes in float32), "bfloat16" / "float16" round the weights to
+    """limits: the step limits the executor is built for (engine/limits.py; max_model_len,
+    max_num_seqs and max_num_batched_tokens read through). num_kv_blocks: the KV pool in blocks
+    (None: what the memory budget holds: gpu_memory_utilization on the GPU, 1 GiB on the CPU). dtype:
+    "auto" / "float32" keep the checkpoint's values (the CPU computes in float32), "bfloat16" / "float16" round the weights to
     it (the CPU then matches the GPU's weights); the GPU runs bfloat16 only. cuda_graphs: replay
     decode steps as CUDA graphs of the batch sizes in cuda_graph_sizes (up to max_num_seqs).
     host_kv_blocks: host KV tier slots the executor allocates. progress: the weight-upload bar.
@@ -129,9 +131,7 @@ class ExecutorOptions:
     adapter slots (0: LoRA off), of max_lora_rank ranks each. tensor_parallel_size: ranks the model is
     split across (engine/parallel; every rank runs with these options). cpu_threads: the CPU executor's
     BLAS threads for steps above decode size (engine/executor/cpu_threads.py; None: the cores less one)."""
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    limits: StepLimits = field(default_factory=lambda: StepLimits(4096, 64, 2048))
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
@@ -145,6 +145,9 @@ class ExecutorOptions:
     max_lora_rank: int = 16
     tensor_parallel_size: int = 1
     cpu_threads: int | None = None
+    max_model_len = property(lambda self: self.limits.max_model_len)                    # read through the limits
+    max_num_seqs = property(lambda self: self.limits.max_num_seqs)
+    max_num_batched_tokens = property(lambda self: self.limits.max_num_batched_tokens)
 
     def validate(self) -> None:
         checks = [
@@ -175,6 +178,10 @@ class ExecutorOptions:
         return tuple(sizes)
 
     def replace(self, **changes) -> "ExecutorOptions":
+        """A copy with `changes`, StepLimits' fields among them by name."""
+        limits = {name: changes.pop(name) for name in LIMIT_FIELDS if name in changes}
+        if limits:
+            changes["limits"] = dataclasses.replace(changes.get("limits", self.limits), **limits)
         return dataclasses.replace(self, **changes)
 
 
@@ -183,9 +190,7 @@ def executor_options(config, device: str, limits: StepLimits) -> ExecutorOptions
     resolved limits (engine/limits.py); the GPU kernel choices are config.gpu, else the environment's.
     Raises ValueError naming the flag for a combination that cannot work."""
     options = ExecutorOptions(
-        max_model_len=limits.max_model_len, max_num_batched_tokens=limits.max_num_batched_tokens,
-        max_num_seqs=limits.max_num_seqs,
-        num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
+        limits=limits, num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
         dtype=config.dtype, cuda_graphs=not config.enforce_eager,
         cuda_graph_sizes=tuple(config.cuda_graph_sizes), host_kv_blocks=config.host_kv_blocks,
         progress=config.progress, time_steps=config.step_trace is not None,
@@ -206,9 +211,9 @@ def resolved_options(config, device: str, model_max_len: int) -> tuple[StepLimit
 
 
 def options_of(**settings) -> ExecutorOptions:
-    """ExecutorOptions from flat settings: its own fields and GpuTuning's by name, the GPU choices not
-    given taken from the environment (tests and benchmarks build executors directly this way)."""
+    """ExecutorOptions from flat settings: its own fields, StepLimits' and GpuTuning's by name, the GPU
+    choices not given taken from the environment (tests and benchmarks build executors directly this way)."""
     tuning_fields = {f.name for f in dataclasses.fields(GpuTuning)}
     tuning = {k: settings.pop(k) for k in list(settings) if k in tuning_fields}
     gpu = dataclasses.replace(settings.pop("gpu", None) or gpu_tuning_from_env(), **tuning)
-    return ExecutorOptions(gpu=gpu, **settings)
+    return ExecutorOptions(gpu=gpu).replace(**settings)
