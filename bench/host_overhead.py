@@ -40,6 +40,7 @@ from engine.config import EngineConfig
 from engine.executor.base import ExecutorBase
 from engine.executor.options import ExecutorOptions
 from engine.handle import EngineHandle
+from engine.loop_options import options_within
 from engine.request import GenerateRequest, SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -66,7 +67,7 @@ class TextModel:
 class InstantExecutor(ExecutorBase):
     def __init__(self, model: TextModel, num_kv_blocks: int, vocab_size: int):
         self.model, self.num_kv_blocks, self.vocab_size = model, num_kv_blocks, vocab_size
-        self.options = ExecutorOptions(max_model_len=1 << 20, max_num_batched_tokens=1 << 16, max_num_seqs=4096)
+        self.options = ExecutorOptions().replace(max_model_len=1 << 20, max_num_batched_tokens=1 << 16, max_num_seqs=4096)
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         ids = self.model.next_tokens(batch)
@@ -133,8 +134,8 @@ class GpuHostExecutor(ExecutorBase):
         from engine.executor.gpu_ops import GpuOps
         from engine.executor.options import ExecutorOptions
         ex = GpuExecutor.__new__(GpuExecutor)
-        ex.options = ExecutorOptions(max_model_len=max_model_len, max_num_batched_tokens=max(max_num_batched_tokens,
-                                     max_seqs), max_num_seqs=max_seqs)
+        ex.options = ExecutorOptions().replace(max_model_len=max_model_len, max_num_seqs=max_seqs,
+                                               max_num_batched_tokens=max(max_num_batched_tokens, max_seqs))
         ex.vocab_size, ex.max_model_len, ex.num_kv_blocks = vocab_size, max_model_len, num_kv_blocks
         ex.plan = types.SimpleNamespace(kv=types.SimpleNamespace(heads=8))
         ex.stream = types.SimpleNamespace(ptr=0, synchronize=lambda: None)
@@ -288,7 +289,8 @@ def run_batch(tokenizer: Tokenizer, model: TextModel, batch: int, steps: int, ex
                               max_model_len=max_model_len)
         engine = handle.engine
     else:
-        engine = engine_loop.EngineLoop(ex, tokenizer, config, max_model_len, tokenizer.eos_token_ids)
+        engine = engine_loop.EngineLoop(ex, tokenizer, options_within(ex.options, config, max_model_len),
+                                        tokenizer.eos_token_ids)
     timer = StepTimer(engine, batch)
     timer.profile = cProfile.Profile() if profile else None
     timer.wanted = steps

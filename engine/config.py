@@ -1,8 +1,8 @@
 """EngineConfig: everything that shapes one engine instance (model, device, batch and KV limits).
 
-It travels EngineConfig -> ExecutorOptions (engine/executor/options.py, with the GPU kernel choices
-of GpuTuning) -> the executor; the scheduler and the engine loop read the same limits from the
-executor's options, so the two can never disagree.
+Its limits are resolved once into StepLimits (engine/limits.py), which the executor is built for and
+the scheduler plans within; the rest travels EngineConfig -> ExecutorOptions (engine/executor/options.py,
+with the GPU kernel choices of GpuTuning) -> the executor.
 """
 from __future__ import annotations
 
@@ -13,11 +13,6 @@ from engine.kv_events import KVEventsConfig
 from engine.lora import MAX_LORA_RANK
 from engine.speculative import SpeculativeConfig
 
-# vLLM's defaults on a GPU. On the CPU a step of the demo model takes ~0.13 s + 3.5 ms a token's worth of work
-# (its attention counted: engine/step_budget.py) on one core of a 2-core machine: 96 keeps it under ~0.47 s.
-DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (64, 96)}   # device -> (max_num_seqs, max_num_batched_tokens)
-
-
 @dataclass
 class EngineConfig:
     """Names follow vLLM's engine arguments where vLLM has one.
@@ -25,14 +20,14 @@ class EngineConfig:
     model: an HF model folder or a .gguf file; None serves the built-in demo model.
     max_model_len: prompt + output token limit per sequence; None takes the model's own limit.
     max_num_seqs / max_num_batched_tokens: sequences / tokens per step; None takes the device's
-    default (DEFAULT_LIMITS: vLLM's 256 / 8192 on the GPU). With the CPU executor the tokens bound the
+    default (engine/limits.py DEFAULT_LIMITS: vLLM's 256 / 8192 on the GPU). With the CPU executor the tokens bound the
     step's work too (its StepCost counts attention: engine/step_budget.py).
     num_kv_blocks: size of the paged KV pool in 16-token blocks; None lets the executor size
     it (from gpu_memory_utilization on the GPU).
     enable_chunked_prefill: split prompts longer than a step's token budget over several steps
     (off: max_num_batched_tokens must hold max_model_len).
     enforce_eager / cuda_graph_sizes: no CUDA graphs / the decode batch sizes captured.
-    gpu: the GPU kernel choices (None: from the environment, engine/executor/env.py).
+    gpu: the GPU kernel choices (None: from the environment, engine/env.py).
     enable_lora / lora_modules / max_loras / max_lora_rank / max_cpu_loras: LoRA adapters
     (engine/lora.py): the (name, path) pairs loaded at start, the adapters resident in the executor at
     once (the rest wait in host memory), the largest rank taken, and the adapters kept in host memory
@@ -132,10 +127,3 @@ class EngineConfig:
             if events.enabled and not self.enable_prefix_caching:
                 raise ValueError("--kv-events-config: KV cache events describe the prefix cache, which "
                                  "--no-enable-prefix-caching turns off")
-
-    def limits(self, device: str) -> tuple[int, int]:
-        """(max_num_seqs, max_num_batched_tokens) on a resolved device ("cpu" / "cuda")."""
-        seqs, tokens = DEFAULT_LIMITS[device]
-        seqs = self.max_num_seqs or seqs
-        tokens = self.max_num_batched_tokens or max(tokens, seqs)
-        return seqs, tokens

@@ -17,10 +17,10 @@ from typing import Callable
 
 from engine.admission import Admission, AdmissionLimits
 from engine.batch import ModelBatch
-from engine.config import EngineConfig
 from engine.events import Error, Finished, Rejected, Usage
 from engine.grammar import GrammarCache
 from engine.kv_events import kv_event_log
+from engine.loop_options import LoopOptions
 from engine.executor.base import DoneStep
 from engine.lora_registry import lora_registry
 from engine.outputs import OutputProcessor, RequestState, Sink
@@ -39,38 +39,19 @@ log = logging.getLogger("openinfer.engine")
 __all__ = ["EngineLoop", "EngineStats", "Sink"]
 
 
-def step_limits(executor, config: EngineConfig, max_model_len: int) -> tuple[int, int]:
-    """(max_num_seqs, max_num_batched_tokens) of the scheduler: the config's where set, else the
-    executor's; refused (ValueError) where the executor was built for less."""
-    opts = executor.options
-    tokens = config.max_num_batched_tokens or opts.max_num_batched_tokens
-    seqs = config.max_num_seqs or min(opts.max_num_seqs, tokens)
-    for name, want, have in (("max_num_seqs", seqs, opts.max_num_seqs),
-                             ("max_num_batched_tokens", tokens, opts.max_num_batched_tokens),
-                             ("max_model_len", max_model_len, opts.max_model_len)):
-        if want > have:
-            raise ValueError(f"{name} {want} is more than the executor was built for ({have})")
-    if tokens < seqs:
-        raise ValueError(f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({seqs})")
-    if not config.enable_chunked_prefill and tokens < max_model_len:
-        raise ValueError(f"max_num_batched_tokens ({tokens}) is below max_model_len ({max_model_len}) "
-                         f"with chunked prefill off")
-    return seqs, tokens
-
-
-def host_tier(executor, config: EngineConfig) -> HostKVTier | None:
+def host_tier(executor, options: LoopOptions) -> HostKVTier | None:
     """The host KV tier's bookkeeping over the slots the executor allocated (None: off)."""
-    if not config.host_kv_blocks:
+    if not options.host_kv_blocks:
         return None
     if executor.num_state_slots:
-        raise ValueError(f"host_kv_blocks={config.host_kv_blocks}: the host KV tier keeps prefix-cache blocks, and "
+        raise ValueError(f"host_kv_blocks={options.host_kv_blocks}: the host KV tier keeps prefix-cache blocks, and "
                          f"prefix caching is off for a model with per-sequence (linear-attention) state")
     if not executor.supports_host_tier:
-        raise ValueError(f"host_kv_blocks={config.host_kv_blocks}: {type(executor).__name__} has no host KV tier")
-    if executor.options.host_kv_blocks < config.host_kv_blocks:
-        raise ValueError(f"host_kv_blocks={config.host_kv_blocks}: the executor holds "
+        raise ValueError(f"host_kv_blocks={options.host_kv_blocks}: {type(executor).__name__} has no host KV tier")
+    if executor.options.host_kv_blocks < options.host_kv_blocks:
+        raise ValueError(f"host_kv_blocks={options.host_kv_blocks}: the executor holds "
                          f"{executor.options.host_kv_blocks} host KV slots")
-    return HostKVTier(config.host_kv_blocks)
+    return HostKVTier(options.host_kv_blocks)
 
 
 def spec_decode_stats(speculator) -> dict:
@@ -83,48 +64,45 @@ def spec_decode_stats(speculator) -> dict:
             "spec_decode_accepted_per_pos": tuple(c.accepted_per_pos)}
 
 
-def prefix_caching(config: EngineConfig, state_slots: StateSlots | None) -> bool:
+def prefix_caching(options: LoopOptions, state_slots: StateSlots | None) -> bool:
     """Whether the block manager caches prefixes: as configured, except for a line with per-sequence
     (linear-attention) state, whose state at a cached block is not kept: a hit would skip the tokens
     that state needs, so it is off there (logged)."""
-    if config.enable_prefix_caching and state_slots is not None:
+    if options.enable_prefix_caching and state_slots is not None:
         log.info("prefix caching off: the model keeps per-sequence linear-attention state, which a cached "
                  "KV prefix does not restore")
         return False
-    return config.enable_prefix_caching
+    return options.enable_prefix_caching
 
 
 class EngineLoop:
-    def __init__(self, executor, tokenizer, config: EngineConfig, max_model_len: int,
-                 eos_token_ids: list[int]):
+    def __init__(self, executor, tokenizer, options: LoopOptions, eos_token_ids: list[int]):
         self.executor = executor
         self.tokenizer = tokenizer
-        self.config = config
-        self.max_model_len = max_model_len
-        max_seqs, max_tokens = step_limits(executor, config, max_model_len)
+        self.options = options
+        self.limits = limits = options.limits
+        self.max_model_len = max_model_len = limits.max_model_len
         slots = StateSlots(executor.num_state_slots) if executor.num_state_slots else None
-        self.block_manager = BlockManager(executor.num_kv_blocks, prefix_caching(config, slots))
-        tier = host_tier(executor, config)
+        self.block_manager = BlockManager(executor.num_kv_blocks, prefix_caching(options, slots))
+        tier = host_tier(executor, options)
         # subscribed before the scheduler: an eviction is recorded before the host-tier store it causes
-        self.kv_events = kv_event_log(config.kv_events_config, self.block_manager, tier, self._lora_name,
-                                      config.data_parallel_rank)
-        self.scheduler = Scheduler(self.block_manager, max_seqs, max_tokens, tier,
-                                   chunked_prefill=config.enable_chunked_prefill, state_slots=slots,
-                                   max_loras=config.max_loras if config.enable_lora else 0,
-                                   step_cost=getattr(executor, "step_cost", None))
-        self.scheduler.copy_on_write = getattr(executor, "supports_block_copies", False)
-        if self.scheduler.host_tier is not None and getattr(executor, "supports_async_copies", False):
+        self.kv_events = kv_event_log(options.kv_events_config, self.block_manager, tier, self._lora_name,
+                                      options.data_parallel_rank)
+        self.scheduler = Scheduler(self.block_manager, limits, tier, state_slots=slots, max_loras=options.max_loras,
+                                   step_cost=executor.step_cost)
+        self.scheduler.copy_on_write = executor.supports_block_copies
+        if self.scheduler.host_tier is not None and executor.supports_async_copies:
             self.scheduler.enable_async_copies(executor.copies_done)
-        self.loras = lora_registry(executor, config, self.scheduler)
+        self.loras = lora_registry(executor, options, self.scheduler)
         self.admission = Admission(AdmissionLimits(vocab_size=int(executor.vocab_size), max_model_len=max_model_len,
-                                                   max_n=min(config.max_n, max_seqs),
+                                                   max_n=options.max_n,
                                                    num_kv_blocks=executor.num_kv_blocks),
-                                   eos_token_ids, config.seed,
+                                   eos_token_ids, options.seed,
                                    GrammarCache(tokenizer, int(executor.vocab_size), eos_token_ids), self.loras)
         self.outputs = OutputProcessor(tokenizer, self.scheduler, max_model_len, self.abort)
         # speculative decoding: drafts before each step (a step's drafts depend on the last one's acceptance,
         # so no step is planned or launched ahead while it is on)
-        self.speculator = speculator_for(config.speculative_config, executor, max_model_len)
+        self.speculator = speculator_for(options.speculative_config, executor, max_model_len)
         self._inbox: queue.Queue = queue.Queue()
         self._stats = EngineStats(kv_blocks_total=executor.num_kv_blocks)
         self._warming = True            # the executor's warm-up (graph captures) runs while the engine idles
@@ -136,12 +114,11 @@ class EngineLoop:
         self._after_step: list[Callable[[], None]] = []
         self._plan: tuple[SchedulerOutput, ModelBatch] | None = None  # the next decode step, planned ahead
         self._inflight: tuple | None = None    # async scheduling: (plan, batch, pending) already queued
-        self._async = (config.async_scheduling and config.overlap_steps and executor.supports_fed_steps
-                       and self.speculator is None)
+        self._async = options.async_scheduling and executor.supports_fed_steps and self.speculator is None
         self._planned_steps = 0
         self._admitted_ahead = 0                # prompts admitted into steps launched ahead
         self._tier_copy_s = 0.0                # host time in the host tier's copy_blocks
-        self.trace = StepTrace(config.step_trace) if config.step_trace else NoTrace()
+        self.trace = StepTrace(options.step_trace) if options.step_trace else NoTrace()
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -341,14 +318,14 @@ class EngineLoop:
                     batch = self._build(out.steps)
                 trace.mark("build")
                 if pending is None:
-                    pending = (self.executor.submit(batch) if self.config.overlap_steps
+                    pending = (self.executor.submit(batch) if self.options.overlap_steps
                                else DoneStep(self.executor.execute(batch)))
                 trace.mark("launch")
                 if outputs.deferred:        # the previous step's tokens, while the device runs this one
                     outputs.emit_deferred()
                     self._run_after_step()  # and hand them to their consumers now, not after this step
                 trace.mark("emit")
-                if self.config.schedule_ahead and self.speculator is None and not isinstance(pending, DoneStep):
+                if self.options.schedule_ahead and self.speculator is None and not isinstance(pending, DoneStep):
                     if not (self._async and self._launch_ahead(out)):
                         self._plan_ahead(out)
                 trace.mark("plan")

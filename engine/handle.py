@@ -28,6 +28,7 @@ from engine.engine_loop import EngineLoop, EngineStats
 from engine.events import (Error, Finished, PromptLogprobs, Rejected,
                            Scheduled, Token, TokenEvent)
 from engine.engine_calls import LocalEngineCalls
+from engine.loop_options import LoopOptions, options_within
 from engine.request import GenerateRequest, SamplingParams
 from memory.block_manager import KVEvent
 
@@ -140,9 +141,11 @@ class EngineHandle(LocalEngineCalls):
         self.config = config or EngineConfig()
         self.config.validate()
         self.model_path = None
+        info = None
         if executor is None:
             executor, tokenizer, info = _build(self.config)
             self.config = info["config"]                   # sizes resolved against the model (kv_offload_gib)
+            limits = info["limits"]
             model_name = model_name or info["model_name"]
             max_model_len = max_model_len or info["max_model_len"]
             self.model_path = info["model_path"]
@@ -162,8 +165,13 @@ class EngineHandle(LocalEngineCalls):
             self.max_model_len = pool_tokens
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids
-        self._engine = EngineLoop(executor, tokenizer, self.config, self.max_model_len,
-                                  eos_token_ids)
+        if info is None:                               # an executor built elsewhere: the config within its limits
+            options = options_within(executor.options, self.config, self.max_model_len)
+        else:
+            if limits.max_model_len != self.max_model_len:          # cut to what the KV pool holds
+                limits = dataclasses.replace(limits, max_model_len=self.max_model_len)
+            options = LoopOptions.of(self.config, limits)
+        self._engine = EngineLoop(executor, tokenizer, options, eos_token_ids)
         self._ids = itertools.count()
         self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # loop -> _Mailbox
         self._mailbox_lock = threading.Lock()
@@ -228,9 +236,7 @@ class EngineHandle(LocalEngineCalls):
         if not self._closed:
             self._closed = True
             self._engine.shutdown()
-            close = getattr(self.executor, "close", None)
-            if close is not None:
-                close()
+            self.executor.close()
 
     def __enter__(self) -> "EngineHandle":
         return self
@@ -273,7 +279,7 @@ def _build(config: EngineConfig):
     import os
 
     from engine.executor.factory import create_executor, resolve_device
-    from engine.executor.options import executor_options
+    from engine.executor.options import resolved_options
     from engine.loader import load_model
     from engine.speculative import check_device
     path = config.model
@@ -288,12 +294,13 @@ def _build(config: EngineConfig):
     if config.kv_offload_gib:              # the host tier in GiB -> slots of this model's KV blocks
         blocks = host_blocks_for_gib(config.kv_offload_gib, model.model.kv_layout(), 2 if device == "cuda" else 4)
         config = dataclasses.replace(config, host_kv_blocks=blocks, kv_offload_gib=0.0)
-    options = executor_options(config, device, model.config.max_position_embeddings)
+    limits, options = resolved_options(config, device, model.config.max_position_embeddings)
     executor = create_executor(model, options, device)
     log.info("start: model read in %.2f s, executor up in %.2f s (weights to the device, buffers, kernels)",
              t1 - t0, time.perf_counter() - t1)
     name = os.path.basename(os.path.normpath(str(path)))
     if name.endswith(".gguf"):
         name = name[:-5]
-    info = {"model_name": name, "max_model_len": options.max_model_len, "model_path": model.path, "config": config}
+    info = {"model_name": name, "max_model_len": options.max_model_len, "model_path": model.path, "config": config,
+            "limits": limits}
     return executor, model.tokenizer, info

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from engine.batch import SeqStep
 from engine.scheduler_copies import Copies, HostTierCopies
+from engine.limits import StepLimits
 from engine.sequence import Sequence, SeqStatus
 from engine.step_budget import MIN_PREFILL, StepBudget, StepCost
 from memory.block_manager import BlockManager
@@ -70,19 +71,19 @@ class SchedulerOutput:
 
 
 class Scheduler(HostTierCopies):
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, host_tier: HostKVTier | None = None, chunked_prefill: bool = True,
+    def __init__(self, block_manager: BlockManager, limits: StepLimits, host_tier: HostKVTier | None = None,
                  state_slots: StateSlots | None = None, max_loras: int = 0, step_cost: StepCost | None = None):
         self.bm = block_manager
         self.step_cost = step_cost               # the executor's cost model: work bounds chunks too (step_budget.py)
         self.state_slots = state_slots           # per-sequence state slots (None: the line keeps none)
         self.max_loras = max_loras               # > 0: at most this many LoRA adapters among the running
-        self.chunked_prefill = chunked_prefill   # off: a prompt's prefill runs in one step or waits
+        self.chunked_prefill = limits.chunked_prefill   # off: a prompt's prefill runs in one step or waits
         self.host_tier = host_tier
         if host_tier is not None:
             block_manager.subscribe(self._on_kv_event, stored=False)
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.limits = limits                     # resolved once at start (engine/limits.py), the executor's too
+        self.max_num_seqs = limits.max_num_seqs
+        self.max_num_batched_tokens = limits.max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []        # admitted, their host-tier restores in flight

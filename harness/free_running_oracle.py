@@ -31,6 +31,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
+from engine.loop_options import options_within
 from engine.events import Error, Rejected, Scheduled, Token
 from engine.request import GenerateRequest, SamplingParams
 from harness.free_running_models import hf_autocast
@@ -82,7 +83,7 @@ def new_engine(executor, tokenizer, budget: int | None = None, kv_blocks: int | 
     config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=min(opts.max_num_seqs, budget),
                           host_kv_blocks=host_kv_blocks)
     executor = _SmallerPool(executor, kv_blocks) if kv_blocks else executor
-    return EngineLoop(executor, tokenizer, config, opts.max_model_len, eos_token_ids=[])
+    return EngineLoop(executor, tokenizer, options_within(opts, config, opts.max_model_len), eos_token_ids=[])
 
 
 def run_greedy(engine: EngineLoop, prompts: list[list[int]], max_tokens: int) -> list[Run]:

@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 
+from engine import env as environment
 from engine.models.registry import supported_model_types
 from server.limits import ServerLimits
 from server.reasoning import REASONING_PARSERS
@@ -180,11 +181,6 @@ def runtime_lora(args: argparse.Namespace) -> dict:
             "lora_resolver_dir": resolver}
 
 
-def _env_flag(name: str) -> bool:
-    """vLLM's reading of a boolean environment variable: "1" or "true" (any case)."""
-    return os.environ.get(name, "0").strip().lower() in ("1", "true")
-
-
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Each flag's default after its help, where it has one and the help does not already say it."""
 
@@ -209,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="model name the API reports and accepts (default: the model folder's or file's name; "
                             "the demo model's: SmolLM2-135M-Instruct)")
-    serve.add_argument("--api-key", default=os.environ.get("OPENINFER_API_KEY"),
+    serve.add_argument("--api-key", default=environment.API_KEY.read(),
                        help="require 'Authorization: Bearer <key>' on every route but /health, /version, /metrics "
                             "and /openapi.json (default: env OPENINFER_API_KEY, else none)")
     serve.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted")
@@ -220,13 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split chat replies' thinking (<think>...</think>) into reasoning_content: qwen3 "
                             "(Qwen3, Qwen3.5), deepseek_r1 (DeepSeek-R1 and its distills)")
     serve.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
-                       default=_env_flag("VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
+                       default=environment.ALLOW_RUNTIME_LORA_UPDATING.read(),
                        help="with --enable-lora: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (and "
                             "--lora-resolver-dir); env VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
     serve.add_argument("--allowed-lora-path", action="append", default=[], metavar="DIR",
                        help="a folder run-time LoRA loads may read from (its adapters' real paths must lie "
                             "inside it; repeat for several)")
-    serve.add_argument("--lora-resolver-dir", default=os.environ.get("VLLM_LORA_RESOLVER_CACHE_DIR"), metavar="DIR",
+    serve.add_argument("--lora-resolver-dir", default=environment.LORA_RESOLVER_CACHE_DIR.read(), metavar="DIR",
                        help="with run-time LoRA updating: a request naming an unknown model loads DIR/<model> as a "
                             "LoRA adapter first, where that folder holds one (default: env VLLM_LORA_RESOLVER_CACHE_DIR)")
     _limit_args(serve)

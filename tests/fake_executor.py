@@ -40,7 +40,7 @@ class FakeTokenizer:
 
 
 # Limits well above what the engine tests ask for (the engine takes its own from EngineConfig).
-FAKE_OPTIONS = ExecutorOptions(max_model_len=1 << 16, max_num_batched_tokens=1 << 16, max_num_seqs=1024)
+FAKE_OPTIONS = ExecutorOptions().replace(max_model_len=1 << 16, max_num_batched_tokens=1 << 16, max_num_seqs=1024)
 
 
 class FakeExecutor(ExecutorBase):
@@ -109,10 +109,12 @@ def make_engine(executor=None, tokenizer=None, max_model_len: int = 512, **confi
     """An EngineLoop driven by hand (no thread): add with `submit`, then `run_until_idle`."""
     from engine.config import EngineConfig
     from engine.engine_loop import EngineLoop
+    from engine.loop_options import options_within
     executor = executor or FakeExecutor()
     tokenizer = tokenizer or FakeTokenizer()
     eos = getattr(tokenizer, "eos_token_ids", [EOS])
-    return EngineLoop(executor, tokenizer, EngineConfig(**config), max_model_len, eos)
+    config = EngineConfig(**config)
+    return EngineLoop(executor, tokenizer, options_within(executor.options, config, max_model_len), eos)
 
 
 def submit(engine, req) -> list:

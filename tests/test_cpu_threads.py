@@ -10,7 +10,7 @@ import pytest
 from engine.batch import ModelBatch, SeqStep
 from engine.executor.cpu import CpuExecutor
 from engine.executor.cpu_threads import DECODE_TOKENS, default_cpu_threads, openblas, usable_cores
-from engine.executor.env import cpu_threads_from_env
+from engine.env import cpu_threads_from_env
 from engine.executor.options import options_of
 from engine.loader import load_model
 from harness.models import tiny_model_path

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.executor.env import gpu_tuning_from_env
+from engine.executor.options import gpu_tuning_from_env
 from engine.executor.gpu_gemm import ALL_ROWS, CUTE_AUTO_MAX_M, cute_rows
 from engine.executor.attention_grid import MAX_DECODE_SPLITS, MAX_SPLITS, attention_splits, decode_attention_fits
 from engine.executor.options import DEFAULT_GEMV_MAX_M, parse_decode_kernels

@@ -13,6 +13,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.events import Finished, Rejected, Scheduled, Token
 from engine.handle import EngineHandle
+from engine.limits import StepLimits
 from engine.lora import LoRAError
 from engine.request import GenerateRequest, SamplingParams
 from fake_executor import make_engine, run_until_idle, submit
@@ -222,7 +223,7 @@ def test_scheduler_passes_over_an_adapter_that_cannot_join():
     from engine.sequence import Sequence
     from memory.block_manager import BlockManager
 
-    sched = Scheduler(BlockManager(64), max_num_seqs=8, max_num_batched_tokens=256, max_loras=1)
+    sched = Scheduler(BlockManager(64), StepLimits(512, max_num_seqs=8, max_num_batched_tokens=256), max_loras=1)
 
     def seq(i: int, lora: int) -> Sequence:
         return Sequence(seq_id=i, request_id=f"r{i}", token_ids=[1, 2, 3], prompt_len=3, params=GREEDY, lora_id=lora)

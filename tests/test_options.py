@@ -11,9 +11,10 @@ import random
 import pytest
 
 from engine.config import EngineConfig
-from engine.executor.env import gpu_tuning_from_env
-from engine.executor.options import ExecutorOptions, GpuTuning, executor_options, options_of
+from engine import env
+from engine.executor.options import ExecutorOptions, GpuTuning, gpu_tuning_from_env, options_of, resolved_options
 from engine.kv_events import KVEventsConfig
+from engine.limits import StepLimits
 from engine.speculative import SpeculativeConfig
 from engine.model_config import ModelConfig
 from engine.process_placement import place_replicas
@@ -93,10 +94,10 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "max_n": eng.admission.limits.max_n == 3,
             "seed": eng.admission.sequence(GenerateRequest("r", [1, 2], SamplingParams()), 1).params.seed
             == random.Random(1234).getrandbits(63),
-            "overlap_steps": eng.config.overlap_steps is False,
-            "schedule_ahead": eng.config.schedule_ahead is False,
+            "overlap_steps": eng.options.overlap_steps is False,
+            "schedule_ahead": eng.options.schedule_ahead is False,
             # off (the default is on, where the loop overlaps steps on an executor that takes fed steps)
-            "async_scheduling": eng.config.async_scheduling is False and eng._async is False,
+            "async_scheduling": eng.options.async_scheduling is False and eng._async is False,
             "host_kv_blocks": opts.host_kv_blocks == 9 == eng.scheduler.host_tier.num_slots
             and ex.host_kv.shape[2] == 9 * 16,
             "gpu": opts.gpu == config.gpu,
@@ -121,6 +122,9 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "speculative_config": eng.speculator.config is config.speculative_config
             and eng.speculator.counters.accepted_per_pos == [0, 0],
         }
+        # one resolution: the scheduler plans within the very limits the executor was built for
+        assert eng.scheduler.limits is eng.limits is opts.limits
+        assert eng.limits == StepLimits(400, 5, 400, chunked_prefill=False)
         h.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert set(checks) == {f.name for f in dataclasses.fields(EngineConfig)}
     assert [name for name, ok in checks.items() if not ok] == []
@@ -173,9 +177,9 @@ def test_cli_flags_build_the_config():
 
 @pytest.mark.parametrize("device,limits", [("cuda", (256, 8192)), ("cpu", (64, 96))])
 def test_device_defaults_follow_vllm_on_the_gpu(device, limits):
-    o = executor_options(EngineConfig(gpu=GpuTuning()), device, 40960)
+    o = resolved_options(EngineConfig(gpu=GpuTuning()), device, 40960)[1]
     assert (o.max_num_seqs, o.max_num_batched_tokens, o.max_model_len) == (*limits, 40960)
-    o = executor_options(EngineConfig(max_num_batched_tokens=16384, max_num_seqs=512, gpu=GpuTuning()), device, 8192)
+    o = resolved_options(EngineConfig(max_num_batched_tokens=16384, max_num_seqs=512, gpu=GpuTuning()), device, 8192)[1]
     assert (o.max_num_seqs, o.max_num_batched_tokens) == (512, 16384)
 
 
@@ -192,12 +196,12 @@ def test_device_defaults_follow_vllm_on_the_gpu(device, limits):
 ])
 def test_combinations_that_cannot_work_are_refused_at_start(config, device, words):
     with pytest.raises(ValueError, match=words):
-        executor_options(config, device, 40960)
+        resolved_options(config, device, 40960)[1]
 
 
 def test_float_dtypes_are_fine_on_the_cpu():
     for dtype in ("float16", "float32", "auto"):
-        assert executor_options(EngineConfig(dtype=dtype, gpu=GpuTuning()), "cpu", 512).dtype == dtype
+        assert resolved_options(EngineConfig(dtype=dtype, gpu=GpuTuning()), "cpu", 512)[1].dtype == dtype
 
 
 @pytest.mark.parametrize("config,words", [
@@ -231,37 +235,53 @@ def test_environment_is_read_once_into_gpu_tuning():
     env = {"OPENINFER_DECODE_KERNELS": "attention,gemv:4", "OPENINFER_GEMM": "cublas",
            "OPENINFER_PREFILL_ATTENTION": "paged", "OPENINFER_PDL": "0", "OPENINFER_GEMV_UNROLL": "3",
            "OPENINFER_GEMV_UNROLL_NARROW": "6", "OPENINFER_LAYER_RANGES": "ops", "OPENINFER_CHUNK_ATTENTION": "0",
-           "OPENINFER_ASYNC_HOST_TIER": "1", "OPENINFER_PARTIAL_PREFIX_HITS": "1", "OPENINFER_LORA_GATE_UP_IN_K": "1"}
+           "OPENINFER_ASYNC_HOST_TIER": "1", "OPENINFER_LORA_GATE_UP_IN_K": "1"}
     assert gpu_tuning_from_env(env) == GpuTuning(decode_kernels="attention,gemv:4", gemm="cublas",
                                                  prefill_attention="paged", pdl=False, gemv_unroll=3,
                                                  gemv_unroll_narrow=6, nvtx="ops", chunk_attention=False,
-                                                 async_host_tier=True, partial_prefix_hits=True,
+                                                 async_host_tier=True,
                                                  lora_gate_up_in_k=True)
     assert gpu_tuning_from_env({}) == GpuTuning()
     for name, value in (("OPENINFER_GEMV_UNROLL", "x"), ("OPENINFER_LAYER_RANGES", "2")):
         with pytest.raises(ValueError, match=name):
             gpu_tuning_from_env({name: value})
     # config.gpu overrides the environment; None reads it
-    assert executor_options(EngineConfig(gpu=GpuTuning(gemm="cute")), "cuda", 512).gpu.gemm == "cute"
+    assert resolved_options(EngineConfig(gpu=GpuTuning(gemm="cute")), "cuda", 512)[1].gpu.gemm == "cute"
 
 
 def test_no_module_but_env_reads_the_environment():
-    """Environment variables are read in engine/executor/env.py alone (the engine's own settings)."""
+    """Environment variables are read in engine/env.py alone (the engine's and the server's), each declared
+    there once with its default and meaning."""
     offenders = []
-    for top in ("engine", "memory", "openinfer_kernels/raw_cuda"):
+    for top in ("engine", "memory", "server", "openinfer_kernels/raw_cuda"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
             for f in files:
                 path = os.path.join(dirpath, f)
-                if f.endswith(".py") and not path.endswith(os.path.join("executor", "env.py")):
+                if f.endswith(".py") and path != os.path.join(ROOT, "engine", "env.py"):
                     text = open(path, encoding="utf-8").read()
-                    if "os.environ" in text and "OPENINFER_" in text and "OPENINFER_CACHE" not in text:
+                    if "environ" in text.replace("environment", "") or "getenv" in text:
                         offenders.append(os.path.relpath(path, ROOT))
     assert offenders == []
+    names = [var.name for var in env.VARIABLES]
+    assert len(names) == len(set(names)) and all(var.meaning and var.want for var in env.VARIABLES)
+    for var in env.VARIABLES:
+        assert var.read({}) == var.default
+
+
+def test_server_defaults_come_from_the_environment(monkeypatch):
+    from server.cli import build_parser
+
+    for name, value in (("OPENINFER_API_KEY", "k"), ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"),
+                        ("VLLM_LORA_RESOLVER_CACHE_DIR", "/r")):
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["serve"])
+    assert (args.api_key, args.allow_runtime_lora_updating, args.lora_resolver_dir) == ("k", True, "/r")
+    assert env.cache_root({"OPENINFER_CACHE": "~/c"}) == os.path.expanduser("~/c")
 
 
 def test_graph_sizes_stop_at_max_num_seqs():
-    assert ExecutorOptions(max_num_seqs=40).graph_sizes == (1, 2, 4, 8, 16, 24, 32, 40)
-    assert ExecutorOptions(max_num_seqs=256, max_num_batched_tokens=8192).graph_sizes[-1] == 256
+    assert ExecutorOptions().replace(max_num_seqs=40).graph_sizes == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert ExecutorOptions().replace(max_num_seqs=256, max_num_batched_tokens=8192).graph_sizes[-1] == 256
     assert options_of(max_num_seqs=8, gemm="cublas").gpu.gemm == "cublas"
 
 
@@ -275,7 +295,7 @@ def test_gpu_parts_size_themselves_from_the_plan():
 
     cfg = ModelConfig.from_file(os.path.join(ROOT, "bench", "configs", "qwen3-4b", "config.json"))
     model = build_model(cfg)
-    options = executor_options(EngineConfig(gpu=GpuTuning()), "cuda", cfg.max_position_embeddings)
+    options = resolved_options(EngineConfig(gpu=GpuTuning()), "cuda", cfg.max_position_embeddings)[1]
     plan = gpu_plan(options, model, DeviceInfo("H200", 132, 141 << 30, "90"))
     assert plan.kv.block_bytes(2) == 36 * 2 * 16 * 8 * 128 * 2            # 144 KiB per block
     assert plan.logit_rows == 1024 and plan.width == 2 * 9728
@@ -286,3 +306,15 @@ def test_gpu_parts_size_themselves_from_the_plan():
     assert GpuOps.nbytes(smaller) < GpuOps.nbytes(plan)          # sized by the options, nothing fixed
     fewer_sms = gpu_plan(options, model, DeviceInfo("small", 16, 24 << 30, "90"))
     assert GpuOps.nbytes(fewer_sms) < GpuOps.nbytes(plan)        # the device's SM count, asked, not assumed
+
+
+def test_the_engine_loop_reads_resolved_options_not_the_config():
+    from engine.loop_options import LoopOptions
+
+    limits = StepLimits(512, 4, 64)
+    options = LoopOptions.of(EngineConfig(max_n=16, overlap_steps=False, max_loras=3), limits)
+    assert options.limits is limits and options.max_n == 4                  # max_n capped by max_num_seqs
+    assert options.async_scheduling is False and options.max_loras == 0      # no overlap / no --enable-lora
+    names = {f.name for f in dataclasses.fields(LoopOptions)} - {"limits"}
+    assert names <= {f.name for f in dataclasses.fields(EngineConfig)}
+    assert "EngineConfig" not in open(os.path.join(ROOT, "engine", "engine_loop.py"), encoding="utf-8").read()

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from engine.batch import StepOutput
-from engine.config import DEFAULT_LIMITS, EngineConfig
+from engine.config import EngineConfig
+from engine.limits import DEFAULT_LIMITS, resolve_limits
+from engine.loop_options import options_within
 from engine.engine_loop import EngineLoop
 from engine.executor.base import ExecutorBase
 from engine.executor.cpu_cost import cpu_step_cost
-from engine.executor.options import executor_options
+from engine.executor.options import resolved_options
 from engine.request import GenerateRequest, SamplingParams
 from engine.sampling import sample_step
 from engine.step_budget import MIN_PREFILL, StepBudget, StepCost
@@ -66,7 +68,7 @@ class InstantExecutor(ExecutorBase):
     vocab_size = 262
 
     def __init__(self, step_cost: StepCost, num_kv_blocks: int = 4096):
-        self.options = executor_options(EngineConfig(device="cpu"), "cpu", MAX_MODEL_LEN)
+        self.options = resolved_options(EngineConfig(device="cpu"), "cpu", MAX_MODEL_LEN)[1]
         self.step_cost, self.num_kv_blocks = step_cost, num_kv_blocks
         self.steps: list[list[tuple[int, int, int]]] = []
 
@@ -82,7 +84,8 @@ def run_long_prompt(cost: StepCost, long_len: int, n: int, streams: int = 8) -> 
     """`streams` streams decode; then a prompt of long_len tokens (n samples) joins; steps run until each of
     its samples has a token. Returns the executor (its steps) and the long request's events."""
     ex = InstantExecutor(cost)
-    engine = EngineLoop(ex, FakeTokenizer(), EngineConfig(device="cpu"), MAX_MODEL_LEN, [256])
+    config = EngineConfig(device="cpu")
+    engine = EngineLoop(ex, FakeTokenizer(), options_within(ex.options, config, MAX_MODEL_LEN), [256])
     greedy = SamplingParams(temperature=0, max_tokens=6000, ignore_eos=True)
     for i in range(streams):
         submit(engine, GenerateRequest(f"s{i}", [10 + i] * 24, greedy))
@@ -140,7 +143,9 @@ def test_the_cpu_executor_brings_its_cost_model_and_the_gpu_none():
     assert ex.step_cost == cpu_step_cost(model.config, ex.weights, ex.kv_block_bytes // BLOCK_SIZE)
     assert 0 < ex.step_cost.pair < ex.step_cost.key < 1
     assert ExecutorBase.step_cost is None and make_engine().scheduler.step_cost is None
-    assert EngineConfig().limits("cpu") == DEFAULT_LIMITS["cpu"] and DEFAULT_LIMITS["cuda"] == (256, 8192)
+    limits = resolve_limits(EngineConfig(), "cpu", MAX_MODEL_LEN)
+    assert (limits.max_num_seqs, limits.max_num_batched_tokens) == DEFAULT_LIMITS["cpu"]
+    assert DEFAULT_LIMITS["cuda"] == (256, 8192)
 
 
 def test_prompt_logprobs_and_outputs_are_the_same_under_a_tight_cost_model():

@@ -103,6 +103,10 @@ class StepTimer:
 
 class GpuExecutor(GpuHostTier, ExecutorBase):
     supports_host_tier = True
+    # the scheduler's partial prefix hits (1 token computed, not up to 16) measured not to pay here: that one-token
+    # step reads the whole context as a decode and is not overlapped (bench/results/prefix-ttft-gpu.md, 2026-12-04;
+    # 21.3 against 17.4 ms at 32k). The block copies themselves work (tests/test_gpu_partial_hit.py).
+    supports_block_copies = False
     ops_class = GpuOps              # a tensor-parallel rank's executor runs its own (engine/parallel)
 
     def __init__(self, model: LoadedModel, options: ExecutorOptions):
@@ -113,7 +117,6 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         for spec in getattr(model.model, "linear_specs", {}).values():     # hybrid lines' DeltaNet layers
             check_deltanet_shapes(spec)
         self.options, self.config, self.model = options, cfg, model.model
-        self.supports_block_copies = options.gpu.partial_prefix_hits
         self.vocab_size, self.max_model_len = cfg.vocab_size, options.max_model_len
         tuning = options.gpu
         self.device = DeviceInfo.query()

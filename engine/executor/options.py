@@ -1,14 +1,20 @@
 """ExecutorOptions: every setting an executor runs with, built once from EngineConfig (and, for the
-GPU kernel choices, the environment: engine/executor/env.py) and checked before anything loads.
+GPU kernel choices, the environment: engine/env.py) and checked before anything loads.
 
-The scheduler is built from the same limits, so a step the executor cannot take is never planned:
-at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences, no position at or past
-`max_model_len`. A combination that cannot work is refused here, at start, with the flag's name.
+The scheduler plans within the same StepLimits (engine/limits.py), so a step the executor cannot
+take is never planned: at most `max_num_batched_tokens` tokens and `max_num_seqs` sequences, no
+position at or past `max_model_len`. A combination that cannot work is refused here, at start, with the flag's name.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from engine import env as environment
+from engine.limits import StepLimits, resolve_limits
+
+LIMIT_FIELDS = tuple(f.name for f in dataclasses.fields(StepLimits))
 
 # Decode batch sizes captured as CUDA graphs (vLLM's --cuda-graph-sizes); a batch pads up to the next.
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -64,10 +70,6 @@ class GpuTuning:
     async_host_tier: host-tier restores and write-through copies on a stream of their own, their sequences
     LOADING and their blocks held until the copies land (engine/scheduler.py), instead of the copies ahead
     of the next step on the compute stream. Off until checked on a GPU.
-    partial_prefix_hits: the executor copies blocks for the scheduler's partial prefix hits (supports_block_copies),
-    so a prompt sent again computes one token, not up to 16. Off by default: measured on the H200 (2026-12-04,
-    bench/results/prefix-ttft-gpu.md) the one-token step (a decode-graph step) answered no sooner at 1k and
-    later at 32k (21.3 against 17.4 ms) than the 16-token step on paged_chunk.cu.
     lora_gate_up_in_k: small LoRA steps add gate_up's delta as a K-extension of its product (the weight
     uploaded with every slot's B in columns after each row, the post-attention norm writing each row's shrink
     beside it; gpu_lora_ops.py) instead of lora_expand.cu's SiLU·up after an N-extended product. Off until
@@ -82,7 +84,6 @@ class GpuTuning:
     eager_graph_tokens: int = 2048
     chunk_attention: bool = True
     async_host_tier: bool = False
-    partial_prefix_hits: bool = False
     lora_gate_up_in_k: bool = False
 
     def validate(self) -> None:
@@ -102,12 +103,27 @@ class GpuTuning:
             raise ValueError(f"nvtx must be off, layers or ops, got {self.nvtx!r}")
 
 
+def gpu_tuning_from_env(env: Mapping[str, str] | None = None) -> GpuTuning:
+    """GpuTuning from the environment's variables (engine/env.py; unset ones keep the defaults); raises
+    ValueError naming the variable on a value that does not parse."""
+    e = environment
+    tuning = GpuTuning(
+        decode_kernels=e.DECODE_KERNELS.read(env), gemm=e.GEMM.read(env),
+        prefill_attention=e.PREFILL_ATTENTION.read(env), pdl=e.PDL.read(env),
+        gemv_unroll=e.GEMV_UNROLL.read(env), gemv_unroll_narrow=e.GEMV_UNROLL_NARROW.read(env),
+        nvtx=e.LAYER_RANGES.read(env), eager_graph_tokens=e.EAGER_GRAPH_TOKENS.read(env),
+        chunk_attention=e.CHUNK_ATTENTION.read(env), async_host_tier=e.ASYNC_HOST_TIER.read(env),
+        lora_gate_up_in_k=e.LORA_GATE_UP_IN_K.read(env))
+    tuning.validate()
+    return tuning
+
+
 @dataclass(frozen=True)
 class ExecutorOptions:
-    """max_model_len: tokens per sequence (prompt + output). max_num_batched_tokens / max_num_seqs:
-    tokens / sequences per step. num_kv_blocks: the KV pool in blocks (None: what the memory budget
-    holds: gpu_memory_utilization on the GPU, 1 GiB on the CPU). dtype: "auto" / "float32" keep
-    the checkpoint's values (the CPU computes in float32), "bfloat16" / "float16" round the weights to
+    """limits: the step limits the executor is built for (engine/limits.py; max_model_len,
+    max_num_seqs and max_num_batched_tokens read through). num_kv_blocks: the KV pool in blocks
+    (None: what the memory budget holds: gpu_memory_utilization on the GPU, 1 GiB on the CPU). dtype:
+    "auto" / "float32" keep the checkpoint's values (the CPU computes in float32), "bfloat16" / "float16" round the weights to
     it (the CPU then matches the GPU's weights); the GPU runs bfloat16 only. cuda_graphs: replay
     decode steps as CUDA graphs of the batch sizes in cuda_graph_sizes (up to max_num_seqs).
     host_kv_blocks: host KV tier slots the executor allocates. progress: the weight-upload bar.
@@ -115,9 +131,7 @@ class ExecutorOptions:
     adapter slots (0: LoRA off), of max_lora_rank ranks each. tensor_parallel_size: ranks the model is
     split across (engine/parallel; every rank runs with these options). cpu_threads: the CPU executor's
     BLAS threads for steps above decode size (engine/executor/cpu_threads.py; None: the cores less one)."""
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    limits: StepLimits = field(default_factory=lambda: StepLimits(4096, 64, 2048))
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
@@ -131,14 +145,12 @@ class ExecutorOptions:
     max_lora_rank: int = 16
     tensor_parallel_size: int = 1
     cpu_threads: int | None = None
+    max_model_len = property(lambda self: self.limits.max_model_len)                    # read through the limits
+    max_num_seqs = property(lambda self: self.limits.max_num_seqs)
+    max_num_batched_tokens = property(lambda self: self.limits.max_num_batched_tokens)
 
     def validate(self) -> None:
         checks = [
-            (self.max_model_len >= 1, f"max_model_len must be >= 1, got {self.max_model_len}"),
-            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
-            (self.max_num_batched_tokens >= self.max_num_seqs,
-             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-             f"({self.max_num_seqs}): a decode step of every sequence feeds one token each"),
             (self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks must be >= 1"),
             (0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]"),
             (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"),
@@ -166,45 +178,42 @@ class ExecutorOptions:
         return tuple(sizes)
 
     def replace(self, **changes) -> "ExecutorOptions":
+        """A copy with `changes`, StepLimits' fields among them by name."""
+        limits = {name: changes.pop(name) for name in LIMIT_FIELDS if name in changes}
+        if limits:
+            changes["limits"] = dataclasses.replace(changes.get("limits", self.limits), **limits)
         return dataclasses.replace(self, **changes)
 
 
-def executor_options(config, device: str, model_max_len: int) -> ExecutorOptions:
-    """The executor's options for an EngineConfig on a resolved device ("cpu" / "cuda") and the model's
-    own context limit (its max_position_embeddings); the GPU kernel choices are config.gpu, else the
-    environment's. Raises ValueError naming the flag for a combination that cannot work."""
-    from engine.executor.env import cpu_threads_from_env, gpu_tuning_from_env
-
-    if config.max_model_len is not None and config.max_model_len > model_max_len:
-        raise ValueError(f"max_model_len ({config.max_model_len}) is more than the model's context "
-                         f"(max_position_embeddings {model_max_len})")
-    max_model_len = config.max_model_len or model_max_len
-    max_num_seqs, max_tokens = config.limits(device)
-    if not config.enable_chunked_prefill and max_tokens < max_model_len:
-        raise ValueError(f"max_num_batched_tokens ({max_tokens}) is below max_model_len ({max_model_len}) "
-                         f"with chunked prefill off: a longer prompt could never be scheduled; raise "
-                         f"--max-num-batched-tokens, lower --max-model-len or enable chunked prefill")
+def executor_options(config, device: str, limits: StepLimits) -> ExecutorOptions:
+    """The executor's options for an EngineConfig on a resolved device ("cpu" / "cuda"), built for its
+    resolved limits (engine/limits.py); the GPU kernel choices are config.gpu, else the environment's.
+    Raises ValueError naming the flag for a combination that cannot work."""
     options = ExecutorOptions(
-        max_model_len=max_model_len, max_num_batched_tokens=max_tokens, max_num_seqs=max_num_seqs,
-        num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
+        limits=limits, num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
         dtype=config.dtype, cuda_graphs=not config.enforce_eager,
         cuda_graph_sizes=tuple(config.cuda_graph_sizes), host_kv_blocks=config.host_kv_blocks,
         progress=config.progress, time_steps=config.step_trace is not None,
         gpu=config.gpu or gpu_tuning_from_env(), max_loras=config.max_loras if config.enable_lora else 0,
         max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size,
-        cpu_threads=(config.cpu_threads or cpu_threads_from_env()) if device == "cpu" else None)
+        cpu_threads=(config.cpu_threads or environment.cpu_threads_from_env()) if device == "cpu" else None)
     options.validate()
     if device == "cuda":
         options.validate_for_gpu()
     return options
 
 
-def options_of(**settings) -> ExecutorOptions:
-    """ExecutorOptions from flat settings: its own fields and GpuTuning's by name, the GPU choices not
-    given taken from the environment (tests and benchmarks build executors directly this way)."""
-    from engine.executor.env import gpu_tuning_from_env
+def resolved_options(config, device: str, model_max_len: int) -> tuple[StepLimits, ExecutorOptions]:
+    """An EngineConfig's limits, resolved once for the device and the model's own context
+    (max_position_embeddings), and the executor's options built for them."""
+    limits = resolve_limits(config, device, model_max_len)
+    return limits, executor_options(config, device, limits)
 
+
+def options_of(**settings) -> ExecutorOptions:
+    """ExecutorOptions from flat settings: its own fields, StepLimits' and GpuTuning's by name, the GPU
+    choices not given taken from the environment (tests and benchmarks build executors directly this way)."""
     tuning_fields = {f.name for f in dataclasses.fields(GpuTuning)}
     tuning = {k: settings.pop(k) for k in list(settings) if k in tuning_fields}
     gpu = dataclasses.replace(settings.pop("gpu", None) or gpu_tuning_from_env(), **tuning)
-    return ExecutorOptions(gpu=gpu, **settings)
+    return ExecutorOptions(gpu=gpu).replace(**settings)

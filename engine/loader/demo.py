@@ -48,7 +48,8 @@ def demo_model_path() -> str:
 def demo_cache_folder(gguf_path: str) -> str:
     """$OPENINFER_CACHE/gguf/<stem>-<SHA-256 of the file>-v<converter version>: the same file
     anywhere converts once."""
-    from engine.loader.gguf_convert import CONVERTER_VERSION, cache_root
+    from engine.env import cache_root
+    from engine.loader.gguf_convert import CONVERTER_VERSION
     st = os.stat(gguf_path)
     digest = _sha256(os.path.realpath(gguf_path), st.st_size, st.st_mtime_ns)
     stem = os.path.splitext(os.path.basename(gguf_path))[0]

@@ -17,6 +17,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
+from engine.env import cache_root
 from engine.loader.gguf_tokenizer import build_tokenizer
 from engine.loader.safetensors_io import save_safetensors
 from engine.model_config import ModelConfig
@@ -34,10 +35,6 @@ _TENSOR_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def cache_root() -> str:
-    return os.path.expanduser(os.environ.get("OPENINFER_CACHE") or "~/.cache/openinfer")
 
 
 def hf_tensor_name(name: str) -> str:

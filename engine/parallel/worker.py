@@ -22,6 +22,7 @@ import threading
 import time
 from multiprocessing.connection import Client, Listener
 
+from engine.env import child_environment
 from engine.executor.options import ExecutorOptions
 from engine.parallel.executor import TensorParallelExecutor
 from engine.parallel.ranks import ProcessRanks, follower_loop
@@ -59,10 +60,8 @@ def rank_executor(model, options: ExecutorOptions, comm, rank: int):
 
 
 def _spawn(address: str, rank: int, key: bytes) -> subprocess.Popen:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen([sys.executable, "-m", "engine.parallel.worker", address, str(rank)],
-                            stdin=subprocess.PIPE, env=env)
+                            stdin=subprocess.PIPE, env=child_environment(_REPO))
     proc.stdin.write(key.hex().encode() + b"\n")
     proc.stdin.close()
     return proc
