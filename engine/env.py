@@ -112,6 +112,17 @@ def cache_root(env: Mapping[str, str] | None = None) -> str:
     return os.path.expanduser(CACHE.read(env))
 
 
+def visible_gpus_listed(env: Mapping[str, str] | None = None) -> list[str] | None:
+    """The GPU ids CUDA_VISIBLE_DEVICES lists (set but empty: none), or None where it is unset (every GPU)."""
+    listed = (os.environ if env is None else env).get("CUDA_VISIBLE_DEVICES")
+    return None if listed is None else [e.strip() for e in listed.split(",") if e.strip()]
+
+
+def set_in_this_process(values: Mapping[str, str]) -> None:
+    """Set variables in this process's environment (an engine process's own GPU, before CUDA starts)."""
+    os.environ.update(values)
+
+
 def child_environment(first_on_path: str) -> dict[str, str]:
     """This process's environment for a Python child process, `first_on_path` ahead on its PYTHONPATH."""
     env = dict(os.environ)

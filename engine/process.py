@@ -22,7 +22,6 @@ import asyncio
 import atexit
 import logging
 import multiprocessing
-import os
 import pickle
 import queue
 import signal
@@ -34,6 +33,7 @@ from engine.config import EngineConfig
 from engine.events import Error, TokenEvent
 from engine.handle import RequestOutput, RequestStream, _deliver, collect_events
 from engine.engine_calls import RemoteEngineCalls, child_engine_op
+from engine.env import set_in_this_process
 from engine.model_files import ModelLoadError
 from engine.process_tree import ParentLink, StopOnSigterm, detach_from_parent
 from engine.request import GenerateRequest, SamplingParams
@@ -311,7 +311,7 @@ def _child_main(config: EngineConfig, inbox, outbox, notes=None, link: ParentLin
 
     if link is not None:
         detach_from_parent(link, keep=(inbox, outbox))
-    os.environ.update(env or {})                 # before anything here touches CUDA
+    set_in_this_process(env or {})               # before anything here touches CUDA
     # Ctrl-C reaches the whole process group: the parent drains, then stops the engine ("stop")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

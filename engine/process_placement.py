@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.env import visible_gpus_listed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_COUNT_CODE = ("try:\n    import cupy\n    print(cupy.cuda.runtime.getDeviceCount())\n"
@@ -56,9 +57,8 @@ def visible_gpus(device: str) -> list[str]:
         count = int(probe.stdout.split()[-1])
     except (IndexError, ValueError):
         count = 0
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [e.strip() for e in listed.split(",") if e.strip()] if listed is not None else []
-    return ids[:count] if listed is not None else [str(i) for i in range(count)]
+    listed = visible_gpus_listed()
+    return listed[:count] if listed is not None else [str(i) for i in range(count)]
 
 
 def place_replicas(config: EngineConfig, gpus: list[str]) -> Placement:
