@@ -90,7 +90,13 @@ def test_generate_prints_the_completion():
                                          (["serve", "--max-num-seqs", "0"], "max_num_seqs"),
                                          (["serve", "--model", "/no/such/model"], "/no/such/model")])
 def test_bad_cli_options_fail_with_a_clear_message(args, needle):
-    run = subprocess.run(OPENINFER + args, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    import socket
+
+    with socket.socket() as s:          # a free port: the default 8000 may be another server's here
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run(OPENINFER + args + ["--port", str(port)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
     assert run.returncode == 2 and needle in run.stderr
 
 
