@@ -1,4 +1,4 @@
-"""lm-eval's `local-completions` against the server, run as the README shows it (`lm_eval` CLI,
+"""lm-eval's `local-completions` against the server, run as docs/serving.md shows it (`lm_eval` CLI,
 `tokenizer_backend=remote`: no local tokenizer), on two tiny local tasks: a multiple-choice one
 (loglikelihood: echo + logprobs requests) and a generate_until one. Oracles: transformers float32 on
 the same weights for the loglikelihoods, the engine's own greedy output for the generations."""
@@ -38,8 +38,8 @@ TASKS = {
 
 
 def readme_model_args(url: str, model: str) -> str:
-    """The README's lm_eval --model_args, for this server."""
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    """The lm_eval --model_args of docs/serving.md, for this server."""
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "serving.md")).read()
     args = re.search(r"lm_eval --model local-completions .*?--model_args (\S+)", readme, re.S).group(1)
     fields = dict(item.split("=", 1) for item in args.split(","))
     assert fields["tokenizer_backend"] == "remote" and fields["base_url"].endswith("/v1/completions")
@@ -69,7 +69,7 @@ def handle():
 
 @pytest.fixture(scope="module")
 def run(handle, tmp_path_factory):
-    """The lm_eval command of the README; (results, samples by task)."""
+    """The lm_eval command of docs/serving.md; (results, samples by task)."""
     folder = tmp_path_factory.mktemp("lm_eval")
     write_tasks(folder)
     with BackgroundServer(create_app(handle, served_model_name="tiny")) as srv:

@@ -151,7 +151,7 @@ def test_every_engine_config_field_has_a_cli_flag():
 
     sub = build_parser()._subparsers._group_actions[0].choices["serve"]
     flags = {a.dest for a in sub._actions}
-    # the GPU kernel choices are environment variables (README); a replica's rank is set by the server that starts
+    # the GPU kernel choices are environment variables (docs/gpu.md); a replica's rank is set by the server that starts
     # the --data-parallel-size engines (engine/process_replicas.py)
     not_flags = {"gpu", "progress", "data_parallel_rank"}
     missing = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in flags | not_flags]

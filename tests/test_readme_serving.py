@@ -1,5 +1,6 @@
 """The README's serving examples, run exactly as written: its `.venv/bin/openinfer serve` command (the
-demo model) in a subprocess, then every curl block and every openai-client Python block against it.
+demo model) in a subprocess, then every curl block and every openai-client Python block of the README and of
+docs/serving.md against it.
 Where the checkout has no .venv (a development tree), the same command runs as
 `python -m server.cli`, so the checkout's own code serves."""
 from __future__ import annotations
@@ -21,13 +22,14 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+SERVING_DOC = os.path.join(ROOT, "docs", "serving.md")
 PORT = 8000
 OPENINFER = ".venv/bin/openinfer"
 
 
-def readme_blocks(section: str | None = None) -> list[tuple[str, str]]:
+def readme_blocks(section: str | None = None, path: str = README) -> list[tuple[str, str]]:
     """(language, code) of every fenced block of the README (or of one `## section`), in order."""
-    with open(README, encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f:
         text = f.read()
     if section is not None:
         text = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
@@ -48,14 +50,21 @@ def runnable(command: str) -> str:
     return f"{shlex.quote(sys.executable)} -m server.cli" + command[len(OPENINFER):]
 
 
+def example_blocks() -> list[tuple[str, str]]:
+    """The README's blocks, then docs/serving.md's (run against the README's server too)."""
+    return readme_blocks() + readme_blocks(path=SERVING_DOC)
+
+
 def client_examples() -> list[tuple[str, str]]:
-    return [(lang, code) for lang, code in readme_blocks()
+    return [(lang, code) for lang, code in example_blocks()
             if (lang == "bash" and code.lstrip().startswith("curl ")) or (lang == "python" and "OpenAI(" in code)]
 
 
 def test_readme_has_the_examples():
     langs = [lang for lang, _ in client_examples()]
     assert langs.count("bash") >= 2 and langs.count("python") >= 1
+    readme = [lang for lang, code in readme_blocks() if (lang, code) in client_examples()]
+    assert "bash" in readme and "python" in readme        # a curl and an openai-client example in the README
     assert f"--port {PORT}" in serve_command()
 
 
@@ -158,9 +167,9 @@ def test_readme_examples_run_as_written(readme_server):
 
 
 def readme_block(lang: str, marker: str) -> str:
-    """The README's one `lang` block that holds `marker`."""
-    blocks = [code for block_lang, code in readme_blocks() if block_lang == lang and marker in code]
-    assert len(blocks) == 1, f"README: {len(blocks)} {lang} blocks hold {marker!r}"
+    """The one `lang` block of the README and docs/serving.md that holds `marker`."""
+    blocks = [code for block_lang, code in example_blocks() if block_lang == lang and marker in code]
+    assert len(blocks) == 1, f"README + docs/serving.md: {len(blocks)} {lang} blocks hold {marker!r}"
     return blocks[0]
 
 
