@@ -1,6 +1,6 @@
 """The README and docs/ against the code: every repository path they name exists, every relative link (and its
-`#anchor`) resolves, every `openinfer serve` flag and GPU environment variable is documented, and the README
-stays short and keeps the line CI runs (.ci/run)."""
+`#anchor`) resolves, every `openinfer serve` flag, route, GPU environment variable and model type is documented,
+and the README stays short and keeps the line CI runs (.ci/run)."""
 from __future__ import annotations
 
 import os
@@ -94,6 +94,15 @@ def test_every_serve_flag_is_documented():
                if flag.startswith("--") and flag not in ("--help",) and flag not in text
                and flag.replace("--no-", "--[no-]") not in text and flag.replace("--", "--[no-]", 1) not in text]
     assert missing == [], f"docs/serving.md does not name {missing}"
+
+
+def test_every_route_is_documented():
+    text = read("docs/serving.md")
+    routes = set()
+    for name in os.listdir(os.path.join(ROOT, "server")):
+        if name.endswith(".py"):
+            routes.update(re.findall(r'@app\.(?:get|post)\("([^"<]+)', read(f"server/{name}")))
+    assert "/v1/completions" in routes and [r for r in sorted(routes) if r not in text] == []
 
 
 def test_every_gpu_environment_variable_is_documented():
