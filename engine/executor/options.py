@@ -55,7 +55,7 @@ def parse_decode_kernels(spec: str, default_rows: int = DEFAULT_GEMV_MAX_M) -> t
 
 @dataclass(frozen=True)
 class GpuTuning:
-    """The GPU executor's kernel choices (README "GPU decode" lists them with their variables).
+    """The GPU executor's kernel choices (docs/gpu.md "Decode" lists them with their variables).
 
     decode_kernels: "all" | "none" | a comma list of "attention", "gemv[:rows]".
     gemm: "auto" (CuTe GEMM for products of at most 128 rows where built, cuBLAS above) | "cute" | "cublas".
