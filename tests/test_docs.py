@@ -1,5 +1,5 @@
 """The README and docs/ against the code: every repository path they name exists, every relative link (and its
-`#anchor`) resolves, every `openinfer serve` flag, route, GPU environment variable and model type is documented,
+`#anchor`) resolves, every `openinfer serve` flag, route, bench/ script, GPU environment variable and model type is documented,
 and the README stays short and keeps the line CI runs (.ci/run)."""
 from __future__ import annotations
 
@@ -103,6 +103,12 @@ def test_every_route_is_documented():
         if name.endswith(".py"):
             routes.update(re.findall(r'@app\.(?:get|post)\("([^"<]+)', read(f"server/{name}")))
     assert "/v1/completions" in routes and [r for r in sorted(routes) if r not in text] == []
+
+
+def test_every_bench_script_is_documented():
+    text = read("docs/benchmarks.md") + read("docs/gpu.md")
+    scripts = [f"bench/{n}" for n in sorted(os.listdir(os.path.join(ROOT, "bench"))) if n.endswith((".py", ".sh"))]
+    assert scripts and [s for s in scripts if f"`{s}" not in text and f" {s}" not in text] == []
 
 
 def test_every_gpu_environment_variable_is_documented():
