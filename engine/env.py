@@ -4,7 +4,7 @@ not parse with the variable's name (a bad variable, like a bad flag, is refused 
 
 The GPU executor's kernel choices are read into GpuTuning (engine/executor/options.py,
 gpu_tuning_from_env), the CPU executor's BLAS threads by cpu_threads_from_env, the CLI's defaults by
-server/cli.py. README "Environment variables" lists them for users.
+server/cli.py. docs/serving.md and docs/gpu.md list them for users.
 """
 from __future__ import annotations
 
