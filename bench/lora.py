@@ -9,8 +9,6 @@ the same batch without adapters. The issue's target: at most 10% at batch 32 wit
     python3 bench/lora.py --out DIR [--batches 1,32] [--adapters 0,1,4] [--rank 16] [--steps 128] [--layers N]
         [--qkv-compaction]   (decode steps compact the q/k/v delta with lora_expand.cu before attention,
                               instead of adding it inside the fused attention kernel, the default)
-        [--gate-up-in-k]     (decode steps take gate_up's delta as a K-extension of its product, fed by
-                              the post-attention norm, instead of lora_expand.cu's SiLU·up, the default)
         [--norm-threads N]   (threads of the split-K LoRA norms, a multiple of 32 up to 1024, the default)
 
 Writes DIR/lora.json and DIR/lora.md (copy them to bench/results/ with the date, GPU and command).
@@ -73,8 +71,6 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="the first N layers only (a small disk)")
     p.add_argument("--qkv-compaction", action="store_true",
                    help="decode steps compact the q/k/v delta with lora_expand.cu before attention (lora_in_attention off)")
-    p.add_argument("--gate-up-in-k", action="store_true",
-                   help="gate_up's delta as a K-extension of its product (GpuTuning.lora_gate_up_in_k on)")
     p.add_argument("--norm-threads", type=int, default=1024,
                    help="threads of the split-K LoRA norms (GpuLoRAOps.lora_norm_threads)")
     p.add_argument("--ops", action="store_true",
@@ -102,8 +98,7 @@ def main() -> None:
     per_seq = -(-(args.prompt + args.steps + 1) // BLOCK_SIZE)
     ex = GpuExecutor(model, options_of(num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
                                        max_num_batched_tokens=max(2048, max_b), max_num_seqs=max_b, progress=False,
-                                       max_loras=max(1, slots), max_lora_rank=args.rank,
-                                       lora_gate_up_in_k=args.gate_up_in_k))
+                                       max_loras=max(1, slots), max_lora_rank=args.rank))
     ex.ops.lora_in_attention = not args.qkv_compaction
     if args.norm_threads % 32 or not 32 <= args.norm_threads <= 1024:
         raise SystemExit(f"--norm-threads {args.norm_threads}: want a multiple of 32 in 32..1024")
@@ -131,7 +126,7 @@ def main() -> None:
             print(f"[{name}] {json.dumps(r)}", flush=True)
     ex.close()
     result = dict(model=name + (f" ({args.layers} layers)" if args.layers else ""), copy_bandwidth=bw,
-                  qkv_in_attention=not args.qkv_compaction, gate_up_in_k=bool(ex.ops.lora_kext),
+                  qkv_in_attention=not args.qkv_compaction,
                   norm_threads=args.norm_threads,
                   device=torch.cuda.get_device_name(), rows=rows)
     with open(os.path.join(args.out, "lora.json"), "w") as f:

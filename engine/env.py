@@ -83,8 +83,6 @@ CHUNK_ATTENTION = EnvVar("OPENINFER_CHUNK_ATTENTION", True, _off_at_0, "0 or 1",
                          "short runs of new tokens on paged_chunk.cu's tensor cores")
 ASYNC_HOST_TIER = EnvVar("OPENINFER_ASYNC_HOST_TIER", False, _on_at_1, "0 or 1",
                          "host-tier copies on a stream of their own (off until checked on a GPU)")
-LORA_GATE_UP_IN_K = EnvVar("OPENINFER_LORA_GATE_UP_IN_K", False, _on_at_1, "0 or 1",
-                           "small LoRA steps add gate_up's delta as a K-extension of its product")
 # -- the CPU executor ------------------------------------------------------------------------------------
 OPENBLAS_NUM_THREADS = EnvVar("OPENBLAS_NUM_THREADS", None, _positive, "a positive integer",
                               "BLAS threads of the CPU executor's steps above decode size (without --cpu-threads)")

@@ -45,11 +45,9 @@ class Copy:
         return self.width * self.height
 
 
-def copies_of(parts: list[np.ndarray], dst: int, interleave: bool, max_bytes: int = STAGING_BYTES,
-              pitch: int = 0) -> list[Copy]:
+def copies_of(parts: list[np.ndarray], dst: int, interleave: bool, max_bytes: int = STAGING_BYTES) -> list[Copy]:
     """The copies that put `parts` (stacked along dim 0) at device address dst, bf16: rows in order,
-    or with interleave (two parts of equal rows, a multiple of 8) in blocks of 8 alternating; pitch > 0:
-    the device rows are that many bytes apart (a weight with columns of its own after each row)."""
+    or with interleave (two parts of equal rows, a multiple of 8) in blocks of 8 alternating."""
     if interleave and (len(parts) != 2 or parts[0].shape != parts[1].shape or parts[0].shape[0] % INTERLEAVE_ROWS):
         raise ValueError(f"row interleave needs two parts of equal rows, a multiple of {INTERLEAVE_ROWS}: "
                          f"{[p.shape for p in parts]}")
@@ -57,9 +55,7 @@ def copies_of(parts: list[np.ndarray], dst: int, interleave: bool, max_bytes: in
     for p, part in enumerate(parts):
         rows = part.reshape(part.shape[0], -1) if part.ndim > 1 else part.reshape(1, -1)
         row_bytes = rows.shape[1] * 2
-        if pitch:
-            out += _pitched(rows, dst, at, pitch, p if interleave else None, max_bytes)
-        elif interleave:
+        if interleave:
             block = INTERLEAVE_ROWS * row_bytes
             per = max(1, max_bytes // block)
             for b0 in range(0, rows.shape[0] // INTERLEAVE_ROWS, per):
@@ -72,42 +68,21 @@ def copies_of(parts: list[np.ndarray], dst: int, interleave: bool, max_bytes: in
                 src = rows[r:r + per]
                 width = src.shape[0] * row_bytes
                 out.append(Copy(src, at + r * row_bytes, width, width, 1))
-        at += rows.shape[0] * (pitch or row_bytes)    # parts of a vector differ in length: advance by bytes
+        at += rows.shape[0] * row_bytes    # parts of a vector differ in length: advance by bytes
     return out
 
 
-def _pitched(rows: np.ndarray, dst: int, at: int, pitch: int, part: int | None, max_bytes: int) -> list[Copy]:
-    """One part's rows to device rows `pitch` bytes apart: in order from `at`, or (part p of an interleave)
-    row 8·b + r to device row 16·b + 8·p + r from dst, one 2D copy per r (rows 16 pitches apart)."""
-    row_bytes = rows.shape[1] * 2
-    per = max(1, max_bytes // row_bytes)
-    if part is None:
-        return [Copy(rows[r:r + per], at + r * pitch, pitch, row_bytes, min(per, rows.shape[0] - r))
-                for r in range(0, rows.shape[0], per)]
-    out, blocks = [], rows.shape[0] // INTERLEAVE_ROWS
-    for b0 in range(0, blocks, per):
-        n = min(per, blocks - b0)
-        for r in range(INTERLEAVE_ROWS):
-            src = rows[b0 * INTERLEAVE_ROWS + r:(b0 + n) * INTERLEAVE_ROWS:INTERLEAVE_ROWS]
-            out.append(Copy(src, dst + (2 * INTERLEAVE_ROWS * b0 + INTERLEAVE_ROWS * part + r) * pitch,
-                            2 * INTERLEAVE_ROWS * pitch, row_bytes, n))
-    return out
-
-
-def weight_copies(w, dst: int, interleave: bool, pitch: int = 0) -> list[Copy]:
+def weight_copies(w, dst: int, interleave: bool) -> list[Copy]:
     """The copies of one weight (an array or a PackedWeight) to dst; interleave: gate_up's halves in
-    blocks of 8 rows, per expert for a stacked [experts, 2I, H] weight; pitch > 0 (a 2D weight): its
-    device rows that many bytes apart."""
-    if pitch and w.ndim != 2:
-        raise ValueError(f"a row pitch needs a 2D weight, got {w.shape}")
+    blocks of 8 rows, per expert for a stacked [experts, 2I, H] weight."""
     if not interleave:
-        return copies_of(list(getattr(w, "parts", [w])), dst, False, pitch=pitch)
+        return copies_of(list(getattr(w, "parts", [w])), dst, False)
     if hasattr(w, "parts") and w.ndim == 2:
-        return copies_of(list(w.parts), dst, True, pitch=pitch)
+        return copies_of(list(w.parts), dst, True)
     experts = [w] if w.ndim == 2 else [w[e] for e in range(w.shape[0])]
     per = int(np.prod(experts[0].shape)) * 2
     half = experts[0].shape[0] // 2
-    return [c for e, x in enumerate(experts) for c in copies_of([x[:half], x[half:]], dst + e * per, True, pitch=pitch)]
+    return [c for e, x in enumerate(experts) for c in copies_of([x[:half], x[half:]], dst + e * per, True)]
 
 
 def stage(copy: Copy, buffer: np.ndarray) -> None:
@@ -121,28 +96,22 @@ def stage(copy: Copy, buffer: np.ndarray) -> None:
 def upload_weights(arena: DeviceArena, weights: Iterable[tuple[str, np.ndarray]], streams: DeviceStreams,
                    total_bytes: int | None = None, progress: bool = True,
                    interleave: Callable[[str], bool] = lambda name: False, workers: int = WORKERS,
-                   extra_rows: Callable[[str], int] = lambda name: 0, extended: dict | None = None,
-                   extra_cols: Callable[[str], int] = lambda name: 0) -> dict:
+                   extra_rows: Callable[[str], int] = lambda name: 0, extended: dict | None = None) -> dict:
     """Copy every (name, array or PackedWeight) into the arena as bf16; returns name -> CuPy uint16 array.
     extra_rows(name) > 0: the weight's buffer has that many rows after its own (LoRA's A slots), the
-    name maps to its first rows and ``extended[name]`` to the whole buffer; extra_cols(name) > 0 (a 2D
-    weight): that many columns after each of its rows (LoRA's B slots), the name maps to the first
-    columns (a view of row stride K + extra) and ``extended[name]`` to the whole buffer."""
+    name maps to its first rows and ``extended[name]`` to the whole buffer."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
     out, copies = {}, []
     for name, w in weights:
-        extra, cols = extra_rows(name), extra_cols(name)
-        if extra and cols:
-            raise ValueError(f"{name}: extra rows or extra columns, not both")
-        shape = (w.shape[0] + extra, *w.shape[1:]) if not cols else (w.shape[0], w.shape[1] + cols)
-        dev = arena.take(f"weights.{name}", shape, np.uint16)
-        if extra or cols:
+        extra = extra_rows(name)
+        dev = arena.take(f"weights.{name}", (w.shape[0] + extra, *w.shape[1:]), np.uint16)
+        if extra:
             extended[name] = dev
-            dev = dev[: w.shape[0]] if extra else dev[:, : w.shape[1]]
+            dev = dev[: w.shape[0]]
         out[name] = dev
-        copies += weight_copies(w, dev.data.ptr, interleave(name), pitch=dev.strides[0] if cols else 0)
+        copies += weight_copies(w, dev.data.ptr, interleave(name))
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="weights -> GPU", disable=not progress)
     ring = [pinned_array((STAGING_BYTES,), np.uint8) for _ in range(workers + 2)]
     done = [streams.event() for _ in ring]

@@ -32,17 +32,16 @@ def adapters_of(name: str, ex) -> dict:
 
 
 def lora_gpu_executor(name: str, model, max_loras: int = 3, fused: bool = True, **settings):
-    """fused: steps of at most FUSED_MAX_ROWS rows take the extended product at every site, gate_up's as
-    the K-extension with lora_gate_up_in_k=True (the tiny models' sites are too narrow for the default
-    FUSED_MAX_EXTRA and KEXT_MAX_EXTRA); False: lora_shrink + lora_expand."""
+    """fused: steps of at most FUSED_MAX_ROWS rows take the extended product at every site (the tiny models'
+    sites are too narrow for the default FUSED_MAX_EXTRA); False: lora_shrink + lora_expand."""
     from engine.executor import gpu_lora_layout as layout
 
-    kept = layout.FUSED_MAX_EXTRA, layout.KEXT_MAX_EXTRA
-    layout.FUSED_MAX_EXTRA = layout.KEXT_MAX_EXTRA = 1e9 if fused else -1.0
+    kept = layout.FUSED_MAX_EXTRA
+    layout.FUSED_MAX_EXTRA = 1e9 if fused else -1.0
     try:
         ex = new_gpu_executor(model, max_loras=max_loras, max_lora_rank=16, **settings)
     finally:
-        layout.FUSED_MAX_EXTRA, layout.KEXT_MAX_EXTRA = kept
+        layout.FUSED_MAX_EXTRA = kept
     for slot, adapter in enumerate(list(adapters_of(name, ex).values())[:max_loras]):
         ex.set_lora(slot, adapter)
     return ex
@@ -76,19 +75,17 @@ def test_lora_gate(tiny, path_name):
         assert_gate(gate_row(f"{name}/lora-{a}/{path_name}", engine, *oracle[a]))
 
 
-@pytest.mark.parametrize("mode", ["extended", "k-extended", "shrink"])
+@pytest.mark.parametrize("mode", ["extended", "shrink"])
 @pytest.mark.parametrize("backend", ["cute", "cublas"])
 def test_lora_gate_gemm_library(tiny, backend, mode):
     """Each GEMM library for every product, and batch-1 decode (gemv.cu), small steps through the extended
-    products (the delta in the kernel after it; with lora_gate_up_in_k gate_up's K-extended: the delta in
-    the product, fed by the norm before it) or through lora_shrink + lora_expand."""
+    products (the delta in the kernel after it) or through lora_shrink + lora_expand."""
     from openinfer_kernels.cute import available
 
     if backend == "cute" and not available():
         pytest.skip(f"CuTe kernels unavailable: {available().reason}")
     name, model, _, seqs, oracle = tiny
-    ex = lora_gpu_executor(name, model, fused=mode != "shrink", gemm=backend, lora_gate_up_in_k=mode == "k-extended")
-    assert bool(ex.ops.lora_kext) == (mode == "k-extended")
+    ex = lora_gpu_executor(name, model, fused=mode != "shrink", gemm=backend)
     try:
         for slot, a in enumerate(ADAPTERS):
             engine = engine_logits(ex, seqs, lora_slots=[slot] * len(seqs), **PATHS["decode"])
@@ -184,12 +181,11 @@ def silu_times(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module", params=MODELS)
 def kernel_case(request):
-    """(executor with the adapters in slots 0..2, gate_up K-extended (the other sites' extended products are
-    the default's), NumpyLoRAOps holding the same bf16-rounded adapters)."""
+    """(executor with the adapters in slots 0..2, NumpyLoRAOps holding the same bf16-rounded adapters)."""
     from engine.executor.cpu_lora_ops import CpuLoRASlots, NumpyLoRAOps
 
     name = request.param
-    ex = lora_gpu_executor(name, load_model(tiny_model_path(name)), lora_gate_up_in_k=True)
+    ex = lora_gpu_executor(name, load_model(tiny_model_path(name)))
     rounded = adapters_of(name, ex)
     for adapter in rounded.values():          # the GPU holds A and the scaled B in bf16
         for w in adapter.sites.values():
@@ -355,22 +351,6 @@ def test_extended_product_matches_shrink_and_expand(kernel_case, site_name):
             ops.gemm(normed, weight, want)
             ops.lora_add(want, normed, site_name)
             assert_close(got, host(want), what)
-        elif site_name in ops.lora_kext:
-            # K-extended: the o_proj's split-K norm writes each row's shrink beside it, then one product of
-            # those rows by [W | B]; against the base product of the same normed rows + shrink + expand
-            o_name = site_name.replace("gate_up_proj", "o_proj")
-            o = ops.lora_sites[o_name]
-            xo = dev(bf16_round(rng.standard_normal((rows, o.k))))
-            residual = dev(bf16_round(rng.standard_normal((rows, o.n))))
-            out, normed = ops.lora_add_linear_norm(xo, o_name, residual, norm_w, 1e-6)
-            assert ops.lora_pending is not None and ops.lora_pending[0] == site_name
-            with ops.stream:
-                dense = cupy.ascontiguousarray(normed)
-            got = host(ops.lora_norm_swiglu(out, norm_w, 1e-6, site_name, normed=normed))
-            assert ops.lora_pending is None
-            gate_up = ops._out(rows, site.n)
-            ops.gemm(dense, weight, gate_up)
-            assert_close(got, host(ops.lora_swiglu(gate_up, dense, site_name)), what + ("k-extended",))
         elif site_name.endswith("gate_up_proj"):
             got = host(ops.lora_norm_swiglu(x, norm_w, 1e-6, site_name))
             normed, _ = ops.rms_norm(x, norm_w, 1e-6)

@@ -6,8 +6,7 @@ import os
 
 import numpy as np
 
-from engine.executor.gpu_lora_layout import (FUSED_MAX_ROWS, extra_cols, extra_rows, fused_site, k_extended,
-                                             padded_rank)
+from engine.executor.gpu_lora_layout import FUSED_MAX_ROWS, extra_rows, fused_site, padded_rank
 from engine.executor.gpu_lora_ops import GpuLoRAOps, group_by_slot, shrink_chunk, shrink_floats, slice_bounds
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "configs")
@@ -44,9 +43,8 @@ def test_slice_bounds():
 
 def test_plan_sizes_the_lora_slots_of_qwen3_4b():
     """Qwen3-4B, 4 slots of rank 16: A and B of the 4 x 36 sites, ~66 MB a slot (A in the rows after each
-    site's weight, but gate_up's, K-extended: its B in columns after each row, its A a buffer of its own;
-    every site small enough for the extended product; its shapes planned for the CuTe GEMM); none without
-    LoRA; the K-extension off by default (GpuTuning) or where the slots' columns would be too many."""
+    site's weight; every site small enough for the extended product; its shapes planned for the CuTe GEMM);
+    none without LoRA."""
     from engine.executor.gpu_plan import DeviceInfo, gpu_plan
     from engine.executor.options import options_of
     from engine.model_config import ModelConfig
@@ -55,37 +53,28 @@ def test_plan_sizes_the_lora_slots_of_qwen3_4b():
     model = build_model(ModelConfig.from_file(os.path.join(CONFIGS, "qwen3-4b")))
     device = DeviceInfo(name="H200", num_sms=132, total_memory=141 << 30, compute_capability="90")
     plan = gpu_plan(options_of(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192, max_loras=4,
-                               max_lora_rank=16, lora_gate_up_in_k=True), model, device)
+                               max_lora_rank=16), model, device)
     sites = dict(plan.lora_sites)
     assert len(sites) == 4 * 36 and sites["layers.0.qkv_proj"].slices == (4096, 1024, 1024)
     per_slot = sum((len(s.slices) * 16 * s.k + s.n * 16) * 2 for s in sites.values())
     assert 60e6 < per_slot < 70e6
     buffers = {b.name: b for b in GpuLoRAOps.lora_buffers(plan)}
     assert buffers["layers.3.gate_up_proj.b"].shape == (4, 2 * 9728, 16) and "layers.3.qkv_proj.a" not in buffers
-    assert buffers["layers.3.gate_up_proj.a"].shape == (4, 2 * 16, 2560)
-    kext = {name for name in sites if k_extended(name, sites, plan.options)}
-    assert kext == {f"layers.{i}.gate_up_proj" for i in range(36)}
+    assert "layers.3.gate_up_proj.a" not in buffers
     partials = max(shrink_floats(s.k, len(s.slices) * 16, 8192) for s in sites.values())
     assert buffers["shrunk"].shape == (partials,) and partials * 4 < 8 << 20
     assert buffers["slot_map"].shape == (2 * 8192 + 4 + 2,)
-    assert buffers["wide"].shape == (FUSED_MAX_ROWS * 2 * 9728,)
+    assert buffers["wide"].shape == (FUSED_MAX_ROWS * (2 * 9728 + 4 * 2 * 16),)
     a_bytes = sum(extra_rows(n, sites, plan.options) * s.k * 2 for n, s in sites.items())
-    assert a_bytes == 4 * sum(len(s.slices) * 16 * s.k * 2 for n, s in sites.items() if n not in kext)
-    assert sum(extra_cols(n, sites, plan.options) for n in sites) == 36 * 4 * 2 * 16
+    assert a_bytes == 4 * sum(len(s.slices) * 16 * s.k * 2 for n, s in sites.items())
     assert GpuLoRAOps.lora_nbytes(plan) + a_bytes >= 4 * per_slot
     assert all(fused_site(s, plan.options) for s in sites.values())
     assert (6144 + 4 * 3 * 16, 2560) in plan.linear_shapes and (2560 + 4 * 16, 9728) in plan.linear_shapes
-    assert (2 * 9728, 2560 + 4 * 2 * 16) in plan.linear_shapes
-    plain = gpu_plan(options_of(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192, max_loras=4,
-                                max_lora_rank=16), model, device)         # the default: no K-extension
-    assert not any(k_extended(n, sites, plain.options) for n in sites)
-    assert (2 * 9728 + 4 * 2 * 16, 2560) in plain.linear_shapes
-    assert "layers.3.gate_up_proj.a" not in {b.name for b in GpuLoRAOps.lora_buffers(plain)}
+    assert (2 * 9728 + 4 * 2 * 16, 2560) in plan.linear_shapes
     wide = gpu_plan(options_of(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192, max_loras=32,
-                               max_lora_rank=64, lora_gate_up_in_k=True), model, device)     # 32 slots x 64 ranks
+                               max_lora_rank=64), model, device)     # 32 slots x 64 ranks
     wide_sites = dict(wide.lora_sites)          # q/k/v: 6144 extra rows on 6144 (shrink + expand), gate/up: 4096 on 19456
     assert not fused_site(wide_sites["layers.0.qkv_proj"], wide.options)
     assert fused_site(wide_sites["layers.0.gate_up_proj"], wide.options)
-    assert not k_extended("layers.0.gate_up_proj", wide_sites, wide.options)     # 4096 columns on K = 2560
     off = gpu_plan(options_of(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192), model, device)
     assert off.lora_sites == () and GpuLoRAOps.lora_nbytes(off) == 0

@@ -80,9 +80,8 @@ def test_paged_decode_compiles_for_head_groups(gqa, heads):
 
 @pytest.mark.parametrize("rank", [8, 16, 64, 128, 256])
 def test_splitk_lora_norm_compiles_for_each_rank(rank):
-    """rms_norm.cu is compiled per padded LoRA rank (LORA_R) for splitk_rms_norm_residual_lora, and per
-    next site's shrunk rows (SHRINK_NR, at most KEXT_MAX_NR) for its _shrink entry."""
-    _compile(os.path.join(KERNEL_DIR, "rms_norm.cu"), f"LORA_R={rank}", f"SHRINK_NR={min(2 * rank, 64)}")
+    """rms_norm.cu is compiled per padded LoRA rank (LORA_R) for splitk_rms_norm_residual_lora."""
+    _compile(os.path.join(KERNEL_DIR, "rms_norm.cu"), f"LORA_R={rank}")
 
 
 def test_kernels_include_only_what_nvrtc_finds():

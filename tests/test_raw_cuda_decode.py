@@ -59,7 +59,7 @@ SHAPES = [(1, 40, 264), (3, 17, 8), (8, 100, 2568), (9, 16, 32), (16, 2560, 4096
 @pytest.mark.parametrize("M,N,K", SHAPES)
 @pytest.mark.parametrize("fp32_out", [False, True])
 @pytest.mark.parametrize("unroll", [2, 4, 8])          # GEMV_U: k steps per weight batch
-@pytest.mark.parametrize("pad", [0, 40])               # columns after each weight row (a K-extended LoRA weight)
+@pytest.mark.parametrize("pad", [0, 40])               # columns after each weight row (a view of wider rows)
 def test_gemv(cp, M, N, K, fp32_out, unroll, pad):
     from openinfer_kernels.raw_cuda import kernel
 

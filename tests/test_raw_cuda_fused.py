@@ -127,7 +127,7 @@ def test_gemv_silu_epilogue(cp, gemm, M, I, K):
 
 @pytest.mark.parametrize("M", [1, 9, 40])
 def test_products_by_a_weight_of_wider_rows(cp, gemm, M):
-    """A weight that is the first K columns of wider rows (a K-extended LoRA site's view; NaN past K, never
+    """A weight that is the first K columns of wider rows (a view of wider rows; NaN past K, never
     read): gemv.cu's "bf16" and "norm_silu" (its row stride) and cuBLAS (lda) give the bits of the same
     weight stored alone, and a product over the whole rows reads every column."""
     from engine.executor.gpu_gemm import Gemm, interleave_gate_up

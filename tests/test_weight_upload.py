@@ -82,22 +82,3 @@ def test_stacked_expert_gate_up_is_interleaved_per_expert():
     device = np.zeros(whole.size * 2, np.uint8)
     apply(weight_copies(whole, 0, True), device, 1 << 12)
     np.testing.assert_array_equal(device.view(ml_dtypes.bfloat16).reshape(whole.shape), interleave_gate_up(whole))
-
-
-@pytest.mark.parametrize("chunk", [48, 1000, 1 << 20])
-@pytest.mark.parametrize("interleave", [False, True])
-def test_rows_land_at_a_pitch(chunk, interleave):
-    """A weight with columns of its own after each row (a K-extended LoRA site): each row at its pitch, in
-    order or interleaved, whole weights and packed parts alike; the extra columns are never written."""
-    rng = np.random.default_rng(2)
-    gate, up = bf16(rng.standard_normal((32, 24))), bf16(rng.standard_normal((32, 24)))
-    want = np.concatenate([gate, up])
-    pitch = (24 + 8) * 2
-    for copies, staging in ((copies_of([gate, up], 16, interleave, max_bytes=chunk, pitch=pitch), max(chunk, 48)),
-                            (weight_copies(want, 16, interleave, pitch=pitch), 1 << 20)):
-        device = np.full(64 * pitch + 16, 0xEE, np.uint8)
-        apply(copies, device, staging)
-        rows = device[16:16 + 64 * pitch].reshape(64, pitch)
-        got = np.ascontiguousarray(rows[:, :48]).view(ml_dtypes.bfloat16)
-        np.testing.assert_array_equal(got, interleave_gate_up(want) if interleave else want)
-        assert (rows[:, 48:] == 0xEE).all() and (device[:16] == 0xEE).all()

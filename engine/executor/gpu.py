@@ -30,7 +30,7 @@ from engine.executor.gpu_deltanet_ops import check_deltanet_shapes
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_host_tier import GpuHostTier
 from engine.executor.gpu_inputs import StepInputs
-from engine.executor.gpu_lora_layout import extra_cols, extra_rows
+from engine.executor.gpu_lora_layout import extra_rows
 from engine.executor.gpu_mapped_copy import MappedCopy
 from engine.executor.gpu_ops import GpuOps, GpuStepContext
 from engine.executor.gpu_piecewise import PiecewiseGraphs, eager_buckets
@@ -134,10 +134,9 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         if state is not None:
             parts["state"] = buffers_nbytes(state_buffers(state, self.num_state_slots))
         weight_bytes = sum(int(a.size) * 2 for a in model.weights.values())
-        sites = dict(plan.lora_sites)           # every slot's A rows, or B columns (gpu_lora_layout.py)
+        sites = dict(plan.lora_sites)           # every slot's A rows (gpu_lora_layout.py)
         lora_rows = {name: extra_rows(name, sites, options) for name in sites}
-        lora_cols = {name: extra_cols(name, sites, options) for name in sites}
-        lora_a_bytes = sum((lora_rows[name] * site.k + lora_cols[name] * site.n) * 2 for name, site in sites.items())
+        lora_a_bytes = sum(lora_rows[name] * site.k * 2 for name, site in sites.items())
         block_bytes = plan.kv.block_bytes(KV_ITEMSIZE)
         if options.num_kv_blocks is None:
             arena_bytes = arena_budget(options.gpu_memory_utilization)
@@ -151,8 +150,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         self.weights = upload_weights(self.arena, model.weights.items(), self.streams, total_bytes=weight_bytes,
                                       progress=options.progress,
                                       interleave=lambda name: interleave and name.endswith("gate_up_proj"),
-                                      extra_rows=lambda name: lora_rows.get(name, 0), extended=extended,
-                                      extra_cols=lambda name: lora_cols.get(name, 0))
+                                      extra_rows=lambda name: lora_rows.get(name, 0), extended=extended)
         self.gemm = self._gemm(plan, cute_max_m, parts["gemm"] - WORKSPACE_BYTES)
         self.inv_freq = self.arena.take("rope.inv_freq", inv_freq.shape, np.float32)
         self.inv_freq.set(inv_freq, stream=stream)

@@ -177,7 +177,7 @@ class Gemm:
 
     def __call__(self, x, w, out, pdl: bool = False, accumulate: bool = False) -> None:
         """x [T, K] bf16 (uint16 bits), w [N, K] bf16, out [T, N] bf16 (uint16) or float32; x and w may be
-        views of wider rows (a K-extended LoRA weight, gpu_lora_ops.py), out is contiguous.
+        views of wider rows (their row strides are read), out is contiguous.
         pdl: launch a gemv.cu kernel as a programmatic dependent launch (openinfer_kernels/raw_cuda/launch.py).
         accumulate: out += x · wᵀ, added in fp32 before the one rounding (cuBLAS beta = 1, or the CuTe
         GEMM's residual epilogue): the residual add of o_proj / down_proj with no kernel of its own."""

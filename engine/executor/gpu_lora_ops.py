@@ -21,16 +21,6 @@ reading the shrink from the product's output: the delta added and the columns co
 o/down none (rms_norm.cu's splitk_rms_norm_residual_lora adds the delta in the split-K reduction that
 already adds the residual and applies the next norm). Larger steps run lora_shrink + lora_expand.
 
-gate_up is K-extended instead (k_extended, GpuTuning.lora_gate_up_in_k, where its slots' columns are a few
-percent of K): its weight is uploaded as [N, K + E], each row followed by every slot's B (scaled) in E =
-max_loras · 2 · R columns (gate rows in a slot's first R, up rows in its last R, zeros elsewhere), A in a
-buffer of its own. In a small step the o_proj's split-K norm (rms_norm.cu
-splitk_rms_norm_residual_lora_shrink) writes the post-attention normed row and beside it every slot's
-shrink columns (this row's slot's x · A rounded to bf16, zeros elsewhere), so gate_up is one product by the
-extended weight with the base's fused SiLU·up (gemv.cu or the CuTe GEMM's twin): no lora_expand, ~5% more
-weight bytes. The model's gate_up weight is the first K columns (a view of row stride K + E) for the base
-and large steps.
-
 Per step (`use_lora`, from the executor's upload): the token -> slot map grouped by slot on the host
 (order: the tokens of slot 0, then slot 1, ..., then the rows without an adapter; starts: where each
 group begins) into a static device buffer, so the batch keeps its order and a decode graph reads the map
@@ -46,8 +36,7 @@ import numpy as np
 
 from openinfer_kernels.raw_cuda import kernel
 from openinfer_kernels.raw_cuda.launch import launch
-from engine.executor.gpu_lora_layout import (FUSED_MAX_ROWS, extra_rows, fused_site, k_extended,
-                                             norm_site_before, padded_rank)
+from engine.executor.gpu_lora_layout import FUSED_MAX_ROWS, extra_rows, fused_site, padded_rank
 from memory.device_arena import Buffer, buffers_nbytes
 
 TILE_TOKENS = 8             # lora_shrink.cu / lora_expand.cu TT
@@ -107,33 +96,27 @@ class GpuLoRAStep:
 class GpuLoRAOps:
     lora = None             # this step's GpuLoRAStep (None: no adapter in the step)
     lora_w: dict = {}       # site -> (A, B) device arrays (empty: LoRA off)
-    lora_weights: dict = {} # site -> its extended weight [N + extra rows, K] or [N, K + extra cols] (the upload)
+    lora_weights: dict = {} # site -> its extended weight [N + extra rows, K] (the upload)
     lora_full: dict = {}    # the sites of lora_weights whose small steps take the extended product
-    lora_kext: set = set()  # ... of them the K-extended (gate_up; gpu_lora_layout.k_extended)
-    lora_next: dict = {}    # o_proj site -> its layer's K-extended gate_up
-    lora_pending = None     # (gate_up site, [T, K + E] rows) the o_proj's norm wrote for it this layer
     # Decode steps add the q/k/v delta inside paged_decode.cu's fused rope + attention entry (its _lora
     # entry reads the extended product's rows) instead of a compacting lora_expand.cu launch before it.
     # Batch 1 / 4 adapters: +6.2% -> +4.7% of the graph step; batch 32 unchanged (lora.md, 2026-12-04 19:27).
     lora_in_attention = True
-    # Threads of the split-K LoRA norms (rms_norm.cu splitk_rms_norm_residual_lora[_shrink], at most
+    # Threads of the split-K LoRA norm (rms_norm.cu splitk_rms_norm_residual_lora, at most
     # SPLITK_LORA_THREADS): a thread per 8 columns sums the partials, the warps past them compute the delta.
     # 1,024 threads at 64 registers take a whole SM's register file (bench/lora.py --norm-threads compares).
     lora_norm_threads = SPLITK_LORA_THREADS
 
     @staticmethod
     def lora_buffers(plan) -> list[Buffer]:
-        """Every site's B slots (A: in the rows after its weight, or a buffer of its own where the site
-        is K-extended), the shrink's float32 rows, the extended products' outputs of small steps and the
-        step's slot maps."""
+        """Every site's B slots (A: in the rows after its weight), the shrink's float32 rows, the extended
+        products' outputs of small steps and the step's slot maps."""
         if not plan.lora_sites:
             return []
         slots, rank, sites = plan.options.max_loras, padded_rank(plan.options.max_lora_rank), dict(plan.lora_sites)
         out, shapes = [], set()
         for name, site in plan.lora_sites:
             out.append(Buffer(f"{name}.b", (slots, site.n, rank), np.uint16))
-            if k_extended(name, sites, plan.options):
-                out.append(Buffer(f"{name}.a", (slots, len(site.slices) * rank, site.k), np.uint16))
             shapes.add((site.k, len(site.slices) * rank))
         partials = max(shrink_floats(k, nr, plan.max_tokens) for k, nr in shapes)
         wide = min(plan.max_tokens, FUSED_MAX_ROWS) * max(site.n + extra_rows(name, sites, plan.options)
@@ -160,21 +143,14 @@ class GpuLoRAOps:
         b = arena.take_all("lora", self.lora_buffers(plan))
         sites = self.lora_sites = dict(plan.lora_sites)
         slots, rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
-        self.lora_kext = {name for name in sites if k_extended(name, sites, plan.options)}
-        self.lora_w = {name: (b[f"{name}.a"] if name in self.lora_kext else
-                              self.lora_weights[name][site.n:].reshape(slots, len(site.slices) * rank, site.k),
+        self.lora_w = {name: (self.lora_weights[name][site.n:].reshape(slots, len(site.slices) * rank, site.k),
                               b[f"{name}.b"]) for name, site in sites.items()}
         self.lora_full = {name: self.lora_weights[name] for name, site in sites.items()
                           if fused_site(site, plan.options)}
-        self.lora_next = {norm_site_before(name): name for name in self.lora_kext}
-        self.lora_pending = None
         import cupy
 
         for a, _ in self.lora_w.values():           # an empty slot's shrink columns: zeros, never read
             cupy.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes, self.stream.ptr)
-        for name in self.lora_kext:                 # every slot's B columns: zeros until a slot is set
-            with self.stream:
-                self.lora_full[name][:, sites[name].k:].fill(0)
         self.lora_shrunk, self.lora_map, self.lora_wide = b["shrunk"], b["slot_map"], b["wide"]
         self.lora_num_slots, self.lora_rank = slots, rank
         from memory.streams import PinnedTwins
@@ -183,9 +159,6 @@ class GpuLoRAOps:
         self.k_lora_expand = kernel("lora_expand", "lora_expand")
         self.k_lora_expand_small = kernel("lora_expand", "lora_expand", TT=SMALL_TILE_TOKENS)
         self.k_rms_splitk_lora = kernel("rms_norm", "splitk_rms_norm_residual_lora", LORA_R=rank)
-        self.k_rms_splitk_lora_shrink = {       # by the next site's shrunk rows (a slot's)
-            nr: kernel("rms_norm", "splitk_rms_norm_residual_lora_shrink", LORA_R=rank, SHRINK_NR=nr)
-            for nr in {len(sites[name].slices) * rank for name in self.lora_kext}}
 
     def set_lora_slot(self, slot: int, adapter) -> None:
         """Load a LoRA adapter (engine/lora.py LoRAAdapter) into a slot, or empty it (None)."""
@@ -199,34 +172,11 @@ class GpuLoRAOps:
             if w is not None:
                 a[:, :w.a.shape[1]] = w.a
                 b[:, :w.b.shape[1]] = w.b
-            if name in self.lora_kext:
-                self._set_b_columns(name, slot, b, rank)
             if name.endswith("gate_up_proj") and self.gate_up_interleaved:
                 b = interleave_gate_up(b)
             a_dev, b_dev = self.lora_w[name]
             a_dev[slot].set(bf16_bits(a).reshape(a_dev.shape[1:]), stream=self.stream)
             b_dev[slot].set(bf16_bits(b), stream=self.stream)
-
-    def _set_b_columns(self, name: str, slot: int, b: np.ndarray, rank: int) -> None:
-        """A K-extended site's slot columns [N, slices · R] after each weight row: row n of slice i holds
-        its B row in columns i·R .. i·R + R (zeros in the other slices'), rows in the weight's order."""
-        from engine.executor.gpu_gemm import interleave_gate_up
-        import cupy
-
-        site, full = self.lora_sites[name], self.lora_full[name]
-        nr = len(site.slices) * rank
-        cols = np.zeros((site.n, nr), np.float32)
-        lo = 0
-        for i, width in enumerate(site.slices):
-            cols[lo:lo + width, i * rank:(i + 1) * rank] = b[lo:lo + width]
-            lo += width
-        if name.endswith("gate_up_proj") and self.gate_up_interleaved:
-            cols = interleave_gate_up(cols)
-        host = np.ascontiguousarray(bf16_bits(cols))
-        pitch = full.strides[0]
-        rt = cupy.cuda.runtime
-        rt.memcpy2DAsync(full.data.ptr + (site.k + slot * nr) * 2, pitch, host.ctypes.data, nr * 2, nr * 2, site.n,
-                         rt.memcpyHostToDevice, self.stream.ptr)      # pageable: staged before it returns
 
     def use_lora(self, token_slots: np.ndarray | None, rows: int) -> None:
         """Before a step's forward: its token -> slot map (-1: no adapter; None: no adapter in the step)
@@ -306,25 +256,12 @@ class GpuLoRAOps:
                                  spec, ctx, q_norm, k_norm)
 
     def lora_norm_swiglu(self, x, norm_weight, eps, site, normed=None):
-        """SiLU(gate)·up of the gate_up projection with the deltas added first: a K-extended site's product
-        of the rows the norm before it wrote ([normed | shrink] · [W | B]ᵀ, the base's fused SiLU·up);
-        else the N-extended product, then lora_expand.cu's SiLU·up with the delta."""
-        if site in self.lora_kext:
-            return self._k_extended_swiglu(x, norm_weight, eps, site, normed)
+        """SiLU(gate)·up of the gate_up projection with the deltas added first: the extended product, then
+        lora_expand.cu's SiLU·up with the delta."""
         wide = self._extended_product(x, norm_weight, eps, site, normed)
         act = self._out(x.shape[0], self.lora_sites[site].n // 2)
         self._expand_wide(wide, site, EXPAND_SWIGLU, act)
         return act
-
-    def _k_extended_swiglu(self, x, norm_weight, eps, site, normed):
-        """gate_up of a K-extended site: the base's SiLU·up product (norm_swiglu without an adapter) of the
-        norm's extended rows by the extended weight; where the norm before did not write them (not a step
-        this path plans), the large steps' shrink + expand."""
-        pending, self.lora_pending = self.lora_pending, None
-        full, k = self.lora_full[site], self.lora_sites[site].k
-        if normed is None or pending is None or pending[0] != site or normed.data.ptr != pending[1].data.ptr:
-            return self.lora_unfused_swiglu(x, norm_weight, eps, full[:, :k], normed, site)
-        return self.norm_swiglu(x, norm_weight, eps, full, normed=pending[1])
 
     def lora_add_linear_norm(self, x, site, residual, norm_weight, eps):
         """(residual + x · Wᵀ + delta, its RMSNorm by norm_weight): the extended product (gemv.cu in
@@ -351,22 +288,10 @@ class GpuLoRAOps:
         threads = min(self.lora_norm_threads, max(splitk_norm_threads(n), -(-n // 32) * 32))   # a column each
         args = (np.uint64(ptr), np.int32(splits), np.int64(T * ld), np.int32(ld), residual, norm_weight)
         lora_args = (self.lora.token_slots, b, np.int32(b.shape[2]))
-        nxt = self.lora_next.get(site)
-        if nxt is None:
-            normed = self._out(T, n)
-            self._launch(self.k_rms_splitk_lora, (T,), (threads,),
-                         args + (normed, out, np.int32(n), np.float32(eps)) + lora_args)
-            return out, normed
-        # the next product is K-extended: its rows [normed | every slot's shrink], this row's slot's x · A
-        a_next = self.lora_w[nxt][0]
-        ldo = self.lora_full[nxt].shape[1]
-        rows = self._out(T, ldo)
-        self._launch(self.k_rms_splitk_lora_shrink[a_next.shape[1]], (T,), (threads,),
-                     args + (rows, out, np.int32(n), np.float32(eps)) + lora_args
-                     + (a_next, np.int32(ldo), np.int32(self.lora_num_slots)))
-        self.lora_pending = (nxt, rows)
-        return out, rows[:, :n]
-
+        normed = self._out(T, n)
+        self._launch(self.k_rms_splitk_lora, (T,), (threads,),
+                     args + (normed, out, np.int32(n), np.float32(eps)) + lora_args)
+        return out, normed
     def _expand_wide(self, wide, site, mode, act):
         a, b = self.lora_w[site]
         T, ld = wide.shape

@@ -69,11 +69,7 @@ class GpuTuning:
     (gpu_chunk.py; with the CuTe prefill path) instead of paged_decode.cu.
     async_host_tier: host-tier restores and write-through copies on a stream of their own, their sequences
     LOADING and their blocks held until the copies land (engine/scheduler.py), instead of the copies ahead
-    of the next step on the compute stream. Off until checked on a GPU.
-    lora_gate_up_in_k: small LoRA steps add gate_up's delta as a K-extension of its product (the weight
-    uploaded with every slot's B in columns after each row, the post-attention norm writing each row's shrink
-    beside it; gpu_lora_ops.py) instead of lora_expand.cu's SiLU·up after an N-extended product. Off until
-    measured faster: its first build measured +22% at batch 32 against +11.6% (bench/results/lora.md)."""
+    of the next step on the compute stream. Off until checked on a GPU."""
     decode_kernels: str = "all"
     gemm: str = "auto"
     prefill_attention: str = "cute"
@@ -84,7 +80,6 @@ class GpuTuning:
     eager_graph_tokens: int = 2048
     chunk_attention: bool = True
     async_host_tier: bool = False
-    lora_gate_up_in_k: bool = False
 
     def validate(self) -> None:
         """Parse every choice once (the parsers raise ValueError naming the setting)."""
@@ -112,8 +107,7 @@ def gpu_tuning_from_env(env: Mapping[str, str] | None = None) -> GpuTuning:
         prefill_attention=e.PREFILL_ATTENTION.read(env), pdl=e.PDL.read(env),
         gemv_unroll=e.GEMV_UNROLL.read(env), gemv_unroll_narrow=e.GEMV_UNROLL_NARROW.read(env),
         nvtx=e.LAYER_RANGES.read(env), eager_graph_tokens=e.EAGER_GRAPH_TOKENS.read(env),
-        chunk_attention=e.CHUNK_ATTENTION.read(env), async_host_tier=e.ASYNC_HOST_TIER.read(env),
-        lora_gate_up_in_k=e.LORA_GATE_UP_IN_K.read(env))
+        chunk_attention=e.CHUNK_ATTENTION.read(env), async_host_tier=e.ASYNC_HOST_TIER.read(env))
     tuning.validate()
     return tuning
 

@@ -84,12 +84,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 #endif
 }
-// The same into this SM's L1 (and L2 on the way): read-only data a CTA reads soon and whole (a weight slice).
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-#ifdef __CUDA_ARCH__
-    asm volatile("prefetch.global.L1 [%0];" :: "l"(p));
-#endif
-}
 
 // One head's split weights for the CTA that merges a flash-decoding kernel's splits (one warp, `lane` its
 // lane): w[s] = e^(m_s - m) / sum_s' e^(m_s' - m) * l_s' over the splits with l_s > 0, 0 for the empty ones;

@@ -143,7 +143,7 @@ __device__ __forceinline__ void gemv_tile(const bf16_t* __restrict__ x, const bf
 }
 
 // Every entry: (x, w, y, M, N, K, norm_w, res_in, eps, ldw); the pointers a variant does not use may be 0;
-// ldw: w's row stride in values (K for a plain weight; more where its rows are a K-extended LoRA weight's).
+// ldw: w's row stride in values (K for a plain weight; more where w is a view of wider rows).
 #define GEMV_VARIANT(NAME, NT, PRO, RES, OUT)                                                            \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)                                        \
     gemv_##NAME##_n##NT(const bf16_t* x, const bf16_t* w, OUT* y, int M, int N, int K,                  \

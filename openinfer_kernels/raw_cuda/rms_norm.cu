@@ -5,15 +5,12 @@
 // bandwidth, so launch-bound at decode); one block per row, 16-byte vectors, fp32 accumulation.
 #include "common.cuh"
 
-// out = rmsnorm8 of a row of r with weights w (the second pass of both kernels below); keep: a copy of the
-// normed row too (shared memory), or null.
+// out = rmsnorm8 of a row of r with weights w (the second pass of both kernels below).
 __device__ __forceinline__ void write_normed_row(const bf16_t* r, const bf16_t* __restrict__ w, bf16_t* out,
-                                                 int nvec, float rstd, uint4* keep = nullptr) {
-    for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-        const uint4 v = rmsnorm8(reinterpret_cast<const uint4*>(r)[i], reinterpret_cast<const uint4*>(w)[i], rstd);
-        reinterpret_cast<uint4*>(out)[i] = v;
-        if (keep != nullptr) keep[i] = v;
-    }
+                                                 int nvec, float rstd) {
+    for (int i = threadIdx.x; i < nvec; i += blockDim.x)
+        reinterpret_cast<uint4*>(out)[i] =
+            rmsnorm8(reinterpret_cast<const uint4*>(r)[i], reinterpret_cast<const uint4*>(w)[i], rstd);
 }
 
 extern "C" __global__ void rms_norm_residual(const bf16_t* __restrict__ x, const bf16_t* __restrict__ residual,
@@ -179,59 +176,24 @@ __device__ __forceinline__ void lora_delta_warp(const float* __restrict__ partia
     }
 }
 
-// The next site's shrink (splitk_rms_norm_residual_lora_shrink): the normed row [hidden] (bf16, in shared
-// memory) times each of the slot's NR rows of A_next [hidden], a warp per row (16-byte pieces of both, the
-// lanes' pieces consecutive: a shared load is 4 wavefronts, not a float row's 8-way bank conflicts), the
-// lanes' sums in warp_sum order, rounded to bf16 into ext[slot·NR + j]; the other slots' columns (all of a
-// row without an adapter) zeroed, so the next product by [W | B of every slot] adds this slot's delta only.
-template <int NR>
-__device__ __forceinline__ void shrink_row(const uint4* normed, const bf16_t* __restrict__ a_slot, bf16_t* ext,
-                                           int slot, int num_slots, int hidden) {
-    for (int c = threadIdx.x; c < num_slots * NR; c += blockDim.x)
-        if (c / NR != slot) ext[c] = f_to_bf16(0.f);
-    if (slot < 0) return;
-    const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, nvec = hidden / 8;
-    for (int j = threadIdx.x >> 5; j < NR; j += warps) {
-        const uint4* a = reinterpret_cast<const uint4*>(a_slot + (size_t)j * hidden);
-        float s = 0.f;
-        #pragma unroll 4
-        for (int i = lane; i < nvec; i += 32) {
-            const uint4 av = __ldg(a + i), xv = normed[i];
-            const bf16_t* as = reinterpret_cast<const bf16_t*>(&av);
-            const bf16_t* xs = reinterpret_cast<const bf16_t*>(&xv);
-            #pragma unroll
-            for (int e = 0; e < 8; ++e) s += bf16_to_f(xs[e]) * bf16_to_f(as[e]);
-        }
-        s = warp_sum(s);
-        if (lane == 0) ext[slot * NR + j] = f_to_bf16(s);
-    }
-}
-
-template <bool LORA, int NR_NEXT = 0>
+template <bool LORA>
 __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partial, int splits, long long slice,
                                                 int ld, const bf16_t* residual, const bf16_t* __restrict__ w,
                                                 bf16_t* __restrict__ out, bf16_t* resid_out, int hidden, float eps,
                                                 const int* __restrict__ token_slots,
-                                                const bf16_t* __restrict__ B, int R,
-                                                const bf16_t* __restrict__ a_next = nullptr, int ldo = 0,
-                                                int num_slots = 0) {
+                                                const bf16_t* __restrict__ B, int R) {
     __shared__ float scratch[33];
     __shared__ float h[LORA ? LORA_R : 1];
     __shared__ __align__(16) float delta[LORA ? LORA_MAX_HIDDEN : 4];
     const size_t row = (size_t)blockIdx.x * hidden, prow = (size_t)blockIdx.x * ld;
-    const size_t orow = (size_t)blockIdx.x * (NR_NEXT ? ldo : hidden);
     const int nvec = hidden / 8;
-    // The step's token -> slot map is uploaded before the step (no kernel writes it), B and A_next are
-    // weights: the slot's B and A_next start towards L2 before the wait.
+    // The step's token -> slot map is uploaded before the step (no kernel writes it), B is a weight: the
+    // slot's B starts towards L2 before the wait.
     const int slot = LORA ? token_slots[blockIdx.x] : -1;
     const bf16_t* b_slot = LORA && slot >= 0 ? B + (size_t)slot * hidden * LORA_R : nullptr;
-    const bf16_t* a_slot = NR_NEXT && slot >= 0 ? a_next + (size_t)slot * NR_NEXT * hidden : nullptr;
     if (LORA && slot >= 0)
         for (int l = threadIdx.x; l < hidden * LORA_R * 2 / 128; l += blockDim.x)
             prefetch_l2(reinterpret_cast<const char*>(b_slot) + (size_t)l * 128);
-    if (NR_NEXT && slot >= 0)        // into L1: the shrink reads the slot's whole A_next (164 KB at Qwen3-4B's
-        for (int l = threadIdx.x; l < hidden * NR_NEXT * 2 / 128; l += blockDim.x)     // gate/up, rank 16) last
-            prefetch_l1(reinterpret_cast<const char*>(a_slot) + (size_t)l * 128);
     const int vec_threads = (nvec + 31) / 32 * 32;
     const bool helpers = LORA && slot >= 0 && LORA_R <= 32 && (int)blockDim.x >= vec_threads + 32;
     const int helper_warp = ((int)threadIdx.x - vec_threads) >> 5, helper_warps = ((int)blockDim.x - vec_threads) >> 5;
@@ -279,13 +241,7 @@ __device__ __forceinline__ void splitk_norm_row(const float* __restrict__ partia
         }
     }
     const float rstd = rsqrtf(block_sum(ss, scratch) / hidden + eps);
-    // NR_NEXT: the delta row (every read of it done at block_sum's barrier) keeps the normed row for the shrink
-    uint4* normed = NR_NEXT ? reinterpret_cast<uint4*>(delta) : nullptr;
-    write_normed_row(resid_out + row, w, out + orow, nvec, rstd, normed);
-    if (NR_NEXT) {
-        __syncthreads();
-        shrink_row<NR_NEXT ? NR_NEXT : 1>(normed, a_slot, out + orow + hidden, slot, num_slots, hidden);
-    }
+    write_normed_row(resid_out + row, w, out + row, nvec, rstd);
 }
 
 extern "C" __global__ void splitk_rms_norm_residual(const float* __restrict__ partial, int splits, long long slice,
@@ -309,21 +265,4 @@ extern "C" __global__ void __launch_bounds__(LORA_THREADS) splitk_rms_norm_resid
                                                          const int* __restrict__ token_slots,
                                                          const bf16_t* __restrict__ B, int R) {
     splitk_norm_row<true>(partial, splits, slice, ld, residual, w, out, resid_out, hidden, eps, token_slots, B, R);
-}
-
-// The same, and the next product's LoRA shrink beside the normed row (o_proj before a K-extended gate_up,
-// gpu_lora_ops.py): out rows `ldo` = hidden + num_slots·SHRINK_NR apart, the normed row in the first hidden
-// columns, then every slot's SHRINK_NR shrink columns (shrink_row: this row's slot's x·A_next rounded to bf16,
-// zeros elsewhere). A_next [num_slots, SHRINK_NR, hidden] bf16. Extra traffic per row: its slot's A_next
-// (SHRINK_NR · hidden · 2 bytes, 164 KB on Qwen3-4B's gate/up at rank 16, from L2 across the rows).
-#ifndef SHRINK_NR
-#define SHRINK_NR 32       // splitk_rms_norm_residual_lora_shrink: the next site's shrunk rows a slot, compiled per site
-#endif
-extern "C" __global__ void __launch_bounds__(LORA_THREADS) splitk_rms_norm_residual_lora_shrink(
-        const float* __restrict__ partial, int splits, long long slice, int ld, const bf16_t* residual,
-        const bf16_t* __restrict__ w, bf16_t* __restrict__ out, bf16_t* resid_out, int hidden, float eps,
-        const int* __restrict__ token_slots, const bf16_t* __restrict__ B, int R, const bf16_t* __restrict__ a_next,
-        int ldo, int num_slots) {
-    splitk_norm_row<true, SHRINK_NR>(partial, splits, slice, ld, residual, w, out, resid_out, hidden, eps, token_slots,
-                                     B, R, a_next, ldo, num_slots);
 }
