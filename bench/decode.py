@@ -254,11 +254,12 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
         kernels, *flags = ks.split("|")
         ex.ops.fused_rope = "norope" not in flags        # "all|norope": rope kernel + decode attention
         ex.gemm.cute = None if "cublas" in flags else cute  # "all|cublas": cuBLAS where gemv.cu does not serve
-        if hasattr(ex.ops, "moe_gemv_tokens"):           # "all|nomoegemv": decode experts on the grouped GEMM
-            ex.ops.moe_gemv_tokens = 0 if "nomoegemv" in flags else type(ex.ops).moe_gemv_tokens
+        moe, mla = ex.ops.moe, ex.ops.mla
+        if moe is not None:                              # "all|nomoegemv": decode experts on the grouped GEMM
+            moe.gemv_tokens = 0 if "nomoegemv" in flags else type(moe).gemv_tokens
             # "all|nomoefused": the router on cuBLAS + moe_topk and decode experts grouped (moe_align ...)
-            for knob in ("moe_fused_tokens", "route_gemv_tokens"):
-                setattr(ex.ops, knob, 0 if "nomoefused" in flags else getattr(type(ex.ops), knob))
+            for knob in ("fused_tokens", "route_gemv_tokens"):
+                setattr(moe, knob, 0 if "nomoefused" in flags else getattr(type(moe), knob))
         ex.set_decode_kernels(kernels)
         ex.graphs.pdl = "nopdl" not in flags             # "all|nopdl": plain launches in the graphs
         # "all|pd1": paged_decode.cu without its cp.async pipeline and at its old occupancy (A/B)
@@ -266,8 +267,8 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
         # "all|wholegroup": paged_decode.cu with every query head of a KV head in one CTA (before head groups)
         ex.ops.decode_heads = cfg.num_attention_heads // cfg.num_key_value_heads if "wholegroup" in flags else 0
         ex.ops._decode_kernels.clear()
-        if hasattr(ex.ops, "mla_absorb_tokens"):         # "all|nomlaraw": MLA's absorbed projections on cuBLAS
-            ex.ops.mla_absorb_tokens = 0 if "nomlaraw" in flags else type(ex.ops).mla_absorb_tokens
+        if mla is not None:                              # "all|nomlaraw": MLA's absorbed projections on cuBLAS
+            mla.absorb_tokens = 0 if "nomlaraw" in flags else type(mla).absorb_tokens
         for b in batches:
             r = run_batch(ex, model, b, prompt, steps, bw)
             r["kernels"], r["hf_ms_per_step"] = ks, hf_rows.get(b)

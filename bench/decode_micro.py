@@ -144,8 +144,8 @@ def graph_attention_rows(ex, cfg, bw: float, cases=((1, 128), (1, 256), (1, 1024
         for S, heads in [(S, h) for S in sorted({1, 2, 4, 8, 16, 32, 48, 64, chosen}
                                                 & set(range(1, -(-ctx_len // 16) + 1))) for h in dict.fromkeys(heads_list)]:
             c = dataclasses.replace(ctx, num_splits=S)
-            ops.pdl, ops.decode_heads = True, heads
-            rule = decode_heads_per_cta(B, cfg.num_key_value_heads, group, ops.num_sms)
+            ops.shared.pdl, ops.decode_heads = True, heads
+            rule = decode_heads_per_cta(B, cfg.num_key_value_heads, group, ops.shared.num_sms)
 
             def layers():
                 ops.reset()
@@ -156,7 +156,7 @@ def graph_attention_rows(ex, cfg, bw: float, cases=((1, 128), (1, 256), (1, 1024
             ex.stream.begin_capture()
             layers()
             graph = ex.stream.end_capture()
-            ops.pdl, ops.decode_heads = False, 0
+            ops.shared.pdl, ops.decode_heads = False, 0
             t = time_ms(ex.stream, lambda: graph.launch(stream=ex.stream), reps) / len(specs)
             floor = B * ctx_len * cfg.num_key_value_heads * cfg.head_dim * 2 * 2 / bw * 1e3
             rows.append(dict(kernel="graph.rope_attention", case=f"B={B} ctx={ctx_len} splits {S} heads {heads}"

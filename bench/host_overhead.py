@@ -147,9 +147,10 @@ class GpuHostExecutor(ExecutorBase):
         inputs.hosts, inputs.device = _HostTwins(n_inputs), _Dev(n_inputs)
         ex.inputs, ex.prefill, ex.piecewise, ex.lora_graphs, ex.num_state_slots = inputs, None, None, None, 0
         ex._fed = False
-        ops = types.SimpleNamespace(fast_attention=True, num_heads=32, head_dim=128, num_sms=132,
-                                    use_lora=lambda slots, rows: None)
-        ops.splits = types.MethodType(GpuOps.splits, ops)
+        ops = GpuOps.__new__(GpuOps)             # its real split choice (splits) over a Qwen3-8B shape
+        ops.fast_attention, ops.num_heads, ops.head_dim = True, 32, 128
+        ops.shared = types.SimpleNamespace(num_sms=132)
+        ops.use_lora = lambda slots, rows: None
         ex.ops, ex.sampler = ops, types.SimpleNamespace(ids=_Dev(max_seqs))
         ex.last_host_s = 0.0
         ex.readback, ex.timer = Readback(max_seqs, ex.stream, ex.mapped_copy), None

@@ -72,7 +72,7 @@ def main() -> None:
     p.add_argument("--qkv-compaction", action="store_true",
                    help="decode steps compact the q/k/v delta with lora_expand.cu before attention (lora_in_attention off)")
     p.add_argument("--norm-threads", type=int, default=1024,
-                   help="threads of the split-K LoRA norms (GpuLoRAOps.lora_norm_threads)")
+                   help="threads of the split-K LoRA norms (GpuLoRAOps.norm_threads)")
     p.add_argument("--ops", action="store_true",
                    help="also time each op of one eager decode step per row (bench/op_timer.py), the LoRA kernels apart")
     args = p.parse_args()
@@ -102,7 +102,7 @@ def main() -> None:
     ex.ops.lora_in_attention = not args.qkv_compaction
     if args.norm_threads % 32 or not 32 <= args.norm_threads <= 1024:
         raise SystemExit(f"--norm-threads {args.norm_threads}: want a multiple of 32 in 32..1024")
-    ex.ops.lora_norm_threads = args.norm_threads
+    ex.ops.lora.norm_threads = args.norm_threads
     sites = lora_sites(ex.model)
     for slot in range(slots):
         path = write_random_adapter(model, f"/tmp/{name}-lora-r{args.rank}-{slot}", args.rank, seed=slot)
@@ -136,8 +136,8 @@ def main() -> None:
     print(report(result))
 
 
-LORA_OPS = ("lora_add", "lora_swiglu", "_lora_shrink", "_lora_expand", "lora_norm_linear", "lora_norm_swiglu",
-            "lora_add_linear_norm", "_expand")
+LORA_OPS = ("lora.add", "lora.swiglu", "lora._shrink", "lora._expand_part", "lora.norm_linear", "lora.norm_swiglu",
+            "lora.add_linear_norm", "lora._expand")
 
 
 def eager_ops(ex, model, batch: int, prompt: int, adapters: int) -> list[dict]:

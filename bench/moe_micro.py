@@ -115,18 +115,18 @@ def mla_rows(bw: float, cases=((1, 176), (1, 1024), (1, 4096), (8, 176), (8, 102
         ctx = ex.upload(ModelBatch.build(seqs))
         ctx.batch = None                                   # the absorbed form, as a decode graph runs it
         q = rand_bf16((B, H * spec.qk_dim))
-        chosen = mla_decode_shape(B, ctx.num_splits, H, ops.num_sms)
+        chosen = mla_decode_shape(B, ctx.num_splits, H, ops.shared.num_sms)
         for S in sorted({1, 2, 4, 8, 16, 32, ctx.num_splits}):
             for G in (1, 2, 4, 8, 16):
                 c = dataclasses.replace(ctx, num_splits=S)
-                ops.pdl, ops.mla_group = True, G
+                ops.shared.pdl, ops.mla.group = True, G
 
                 def body():
                     ops.reset()
                     for _ in range(LAYERS):
-                        ops.mla_attention(q, kv_b, spec, c)
+                        ops.mla.attention(q, kv_b, spec, c)
                 us = graph_us(ex.stream, body, LAYERS)
-                ops.pdl, ops.mla_group = False, None
+                ops.shared.pdl, ops.mla.group = False, None
                 floor = B * ctx_len * (spec.kv_lora_rank + spec.rope_dim) * 2 / bw * 1e6
                 rows.append(dict(part="mla", model=name, tokens=B, context=ctx_len, splits=S, group=G, us=us,
                                  chosen=(S, G) == chosen,

@@ -1,15 +1,15 @@
-"""CUDA-event time of each op of one eager GPU step: GpuOps methods wrapped for the run, an event pair
-recorded around every call. Calls inside another wrapped op (norm_linear's inner linear) are kept apart
+"""CUDA-event time of each op of one eager GPU step: GpuOps methods (and its op families' parts', named
+"family.op") wrapped for the run, an event pair recorded around every call. Calls inside another wrapped op (norm_linear's inner linear) are kept apart
 by nesting depth, so the top-level rows add up to the step and the inner rows split them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# GpuOps methods a step's model code calls (outer fused ops and the ops they compose)
+# GpuOps methods a step's model code calls (outer fused ops and the ops they compose), and its families'
 OPS = ("embed", "rms_norm", "linear", "qkv_rope_cache", "attention", "silu_mul", "gather_rows", "add",
-       "norm_linear", "add_linear", "add_linear_norm", "norm_swiglu", "rope_attention", "route", "moe_experts",
-       "mla_latent_cache", "mla_attention", "causal_conv1d", "gated_delta_rule", "gated_rms_norm",
-       "sigmoid_gate")
+       "norm_linear", "add_linear", "add_linear_norm", "norm_swiglu", "rope_attention", "moe.route", "moe.experts",
+       "mla.latent_cache", "mla.attention", "mla.latent_attention", "deltanet.causal_conv1d",
+       "deltanet.gated_delta_rule", "deltanet.gated_rms_norm", "deltanet.sigmoid_gate")
 # the weight argument of the ops that multiply by one (its bytes: the op's read roofline and its FLOPs)
 WEIGHT_ARG = {"linear": 1, "add_linear": 1, "add_linear_norm": 1, "norm_linear": 3, "norm_swiglu": 3}
 
@@ -23,6 +23,15 @@ class OpTime:
     weight_bytes: int = 0
     flops: float = 0.0       # 2·rows·weight elements for a product, else 0
     events: list = field(default_factory=list, repr=False)
+
+
+def _targets(ops, names):
+    """(object, attribute, name) of each name the served line has: "op" on ops, "family.op" on that part."""
+    for name in names:
+        family, _, attr = name.rpartition(".")
+        owner = vars(ops).get(family) if family else ops
+        if owner is not None and hasattr(owner, attr):
+            yield owner, attr, name
 
 
 def time_ops(ex, run, names=OPS) -> list[OpTime]:
@@ -56,19 +65,19 @@ def time_ops(ex, run, names=OPS) -> list[OpTime]:
             return out
         return timed
 
-    saved = {n: getattr(ops, n) for n in names if hasattr(ops, n)}
-    own = {n: vars(ops)[n] for n in saved if n in vars(ops)}      # instance attributes to put back
-    for n, f in saved.items():
-        setattr(ops, n, wrap(n, f))
+    targets = list(_targets(ops, names))
+    own = [(owner, attr, vars(owner).get(attr)) for owner, attr, _ in targets]    # instance attributes to put back
+    for owner, attr, name in targets:
+        setattr(owner, attr, wrap(name, getattr(owner, attr)))
     try:
         run()
         ex.stream.synchronize()
     finally:
-        for n in saved:
-            if n in own:
-                setattr(ops, n, own[n])
+        for owner, attr, kept in own:
+            if kept is not None:
+                setattr(owner, attr, kept)
             else:
-                delattr(ops, n)
+                delattr(owner, attr)
     for row in rows.values():
         row.ms = sum(cupy.cuda.get_elapsed_time(a, b) for a, b in row.events)
         row.events = []

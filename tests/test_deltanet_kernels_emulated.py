@@ -20,7 +20,7 @@ import pytest
 
 from deltanet_kernel_cases import (SHAPES, STEPS, check_conv_and_delta_rule, check_gated_rms_norm_and_sigmoid_gate,
                                    random_inputs, run_conv_and_delta_rule, spec_of)
-from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
+from engine.executor.gpu_deltanet_ops import GpuDeltaNetOps
 from openinfer_kernels.raw_cuda import KERNEL_DIR
 from openinfer_kernels.raw_cuda.launch import pack_argument
 
@@ -84,17 +84,12 @@ def host(a) -> HostArray:
     return np.ascontiguousarray(a).view(HostArray)
 
 
-class EmulatedOps(DeltaNetGpuOps):
-    """The GPU ops with their launches run by the host emulation and their outputs in host memory."""
-    pdl = False
+class EmulatedShared:
+    """What the GPU op families share (gpu_shared.GpuShared), with launches run by the host emulation (kernels
+    as (file, entry, defines)) and outputs in host memory."""
+    pdl, gate_up_interleaved = False, False
 
-    def _deltanet_kernel(self, name, entry, **defines):
-        return name, entry, tuple(sorted(defines.items()))
-
-    def _launch(self, k, grid, block, args):
-        self._launch_with_smem(k, grid, block, args, 0)
-
-    def _launch_with_smem(self, k, grid, block, args, shared_mem):
+    def launch(self, k, grid, block, args, shared_mem=0):
         name, entry, defines = k
         values = [pack_argument(a) for a in args]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
@@ -102,8 +97,18 @@ class EmulatedOps(DeltaNetGpuOps):
         getattr(emulated(name, defines), f"emu_{entry}")(*(ctypes.c_uint(v) for v in g), ctypes.c_uint(block[0]),
                                                           ctypes.c_size_t(shared_mem), params)
 
-    def _out(self, rows, cols):
+    def out(self, rows, cols):
         return host(np.zeros((rows, cols), np.uint16))
+
+
+class EmulatedOps(GpuDeltaNetOps):
+    """The GPU ops with their launches run by the host emulation and their outputs in host memory."""
+
+    def __init__(self):
+        super().__init__(EmulatedShared(), None)
+
+    def _kernel(self, name, entry, **defines):
+        return name, entry, tuple(sorted(defines.items()))
 
 
 def back(a) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""The DeepSeek-V4 GPU ops (engine/executor/gpu_dsv4_ops.py) on this machine: GpuDSV4Ops with numpy standing in
-for CuPy, over what the GPU holds — bf16 bits (uint16) weights with gate_up rows interleaved in blocks of 8 as
+"""The DeepSeek-V4 GPU ops (engine/executor/gpu_dsv4_ops.py, and the MoE part's sqrtsoftplus router and limited
+SwiGLU, gpu_moe_ops.py) on this machine: GpuDSV4Ops and GpuMoEOps with numpy standing in for CuPy, over what the GPU holds — bf16 bits (uint16) weights with gate_up rows interleaved in blocks of 8 as
 the upload lays them out, a uint16 KV pool, bf16 activations between ops, float32 router logits — and the GPU
 executor's other ops emulated in numpy on those bits (embedding, RMSNorm, bf16 GEMMs, the routed experts with
 the ops' own expert_activation). The line's forward through them, teacher-forced with prefill, decode and
@@ -19,7 +19,9 @@ import pytest
 
 from engine.executor.cpu import CpuExecutor
 from engine.executor.gpu_dsv4_ops import GpuDSV4Ops, bf16_to_f32, f32_to_bf16
+from engine.executor.gpu_moe_ops import GpuMoEOps
 from engine.executor.options import options_of
+from engine.models.ops import ComposedOps
 from engine.loader import load_model
 from harness.models import engine_logits, log_softmax, random_sequences, tiny_model_path
 
@@ -38,17 +40,41 @@ def interleaved(w: np.ndarray) -> np.ndarray:
     return w.reshape(*lead, 2, two_i // 16, 8, h).swapaxes(-4, -3).reshape(w.shape)
 
 
-class EmulatedGpuOps(GpuDSV4Ops):
-    """GpuDSV4Ops on numpy, plus numpy stand-ins of the GPU executor's ops the line also calls."""
+def gemm(x, w, out) -> None:
+    """The bf16 GEMM: float32 products of bf16 values, into a bf16 or float32 output."""
+    y = f32(x) @ f32(w).T
+    out[...] = y if out.dtype == np.float32 else bits(y)
+
+
+class EmulatedDSV4(GpuDSV4Ops):
+    def __init__(self, shared, moe):
+        self.shared, self.moe, self.cp, self._kept_weights = shared, moe, np, {}
+
+
+class EmulatedMoE(GpuMoEOps):
+    """GpuMoEOps' router and expert activation on numpy; the experts' products a loop over the assignments."""
+
+    def __init__(self, shared, max_rows: int, experts: int, linear):
+        self.shared, self.cp, self.linear = shared, np, linear
+        self.buf = {"moe_logits": np.zeros(max_rows * experts, np.float32)}
+
+    def experts(self, x, gate_up, down, weights, ids, residual, limit=None):
+        out = f32(residual).copy()
+        for t, e in np.ndindex(*ids.shape):
+            act = np.empty((1, gate_up.shape[1] // 2), np.uint16)
+            self.expert_activation(self.linear(x[t:t + 1], gate_up[ids[t, e]]), act, limit)
+            out[t] += weights[t, e] * f32(self.linear(act, down[ids[t, e]]))[0]
+        return bits(out)
+
+
+class EmulatedGpuOps(ComposedOps):
+    """The GPU's DeepSeek-V4 and MoE parts on numpy, plus numpy stand-ins of the dense ops the line also calls."""
 
     def __init__(self, kv_cache, max_rows: int, experts: int, interleave: bool):
-        self.cp, self.stream, self.kv_cache = np, contextlib.nullcontext(), kv_cache
-        self.gate_up_interleaved = interleave
-        self.moe = {"moe_logits": np.zeros(max_rows * experts, np.float32)}
-
-    def gemm(self, x, w, out) -> None:
-        y = f32(x) @ f32(w).T
-        out[...] = y if out.dtype == np.float32 else bits(y)
+        self.shared = SimpleNamespace(stream=contextlib.nullcontext(), kv_cache=kv_cache, gemm=gemm,
+                                      gate_up_interleaved=interleave)
+        self.moe = EmulatedMoE(self.shared, max_rows, experts, self.linear)
+        self.dsv4 = EmulatedDSV4(self.shared, self.moe)
 
     def embed(self, table, ctx):
         return table[ctx.input_ids]
@@ -60,16 +86,8 @@ class EmulatedGpuOps(GpuDSV4Ops):
 
     def linear(self, x, weight, bias=None):
         out = np.empty((x.shape[0], weight.shape[0]), np.uint16)
-        self.gemm(x, weight, out)
+        gemm(x, weight, out)
         return out
-
-    def moe_experts(self, x, gate_up, down, weights, ids, residual, limit=None):
-        out = f32(residual).copy()
-        for t, e in np.ndindex(*ids.shape):
-            act = np.empty((1, gate_up.shape[1] // 2), np.uint16)
-            self.expert_activation(self.linear(x[t:t + 1], gate_up[ids[t, e]]), act, limit)
-            out[t] += weights[t, e] * f32(self.linear(act, down[ids[t, e]]))[0]
-        return bits(out)
 
 
 class EmulatedGpuExecutor(CpuExecutor):
@@ -124,7 +142,7 @@ def test_the_check_fails_without_the_gate_up_interleave(reference):
     class Misread(EmulatedGpuExecutor):
         def __init__(self, model, options):
             super().__init__(model, options)
-            self.ops.gate_up_interleaved = False
+            self.ops.shared.gate_up_interleaved = False
 
     argmax, worst = agreement(run(Misread, seqs), want)
     assert not (argmax >= 0.9 and worst <= 0.35), (argmax, worst)

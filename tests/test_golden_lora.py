@@ -130,4 +130,4 @@ def test_rank_and_alpha_patterns_match_peft(case, tmp_path):
 def test_steps_without_adapters_score_as_the_base_model(case):
     _, ex, prompts, _, base = case
     got = engine_logits(ex, prompts[:2], chunks=[4, 16])
-    assert not failures(got, base[:2]) and ex.ops.lora_groups == []
+    assert not failures(got, base[:2]) and ex.ops.lora.groups == []

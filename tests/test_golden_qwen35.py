@@ -87,12 +87,13 @@ def test_gate_fails_when_state_is_not_carried():
     oracle = [hybrid_hf_logits(path, p) for p in prompts]
     ex = new_executor(model)
     assert not gate_failures(engine_logits(ex, prompts, chunks=2), oracle)
+    deltanet = ex.ops.deltanet
     for name in ("recurrent", "conv"):
-        real = ex.ops.state[name]
-        ex.ops.state = {**ex.ops.state, name: _Forgetful(real)}
+        real = deltanet.state[name]
+        deltanet.state = {**deltanet.state, name: _Forgetful(real)}
         assert gate_failures(engine_logits(ex, prompts, chunks=2), oracle), f"{name} state loss not caught"
         assert gate_failures(engine_logits(ex, prompts, prefill=4, chunks=1), oracle)
-        ex.ops.state = {**ex.ops.state, name: real}
+        deltanet.state = {**deltanet.state, name: real}
 
 
 class _Forgetful:

@@ -126,7 +126,7 @@ def test_prefill_path_with_the_chunk_kernel(monkeypatch, min_query, Hq, Hkv, cap
     kv = rng.standard_normal((1, 2, slots, Hkv, D)).astype(np.float32)
     q = rng.standard_normal((T, Hq, D)).astype(np.float32)
     ops = PagedStandIn(kv, b, G)
-    ops.max_tokens, ops.num_sms = capacity, 132
+    ops.shared.max_tokens, ops.shared.num_sms = capacity, 132
     ops.part_out, ops.part_max, ops.part_sum = (np.full(s, np.nan, np.float32) for s in
                                                 ((capacity + 264) * Hq * D, (capacity + 264) * Hq, (capacity + 264) * Hq))
     chunk = ChunkKernel.__new__(ChunkKernel)

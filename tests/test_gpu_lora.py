@@ -182,7 +182,7 @@ def silu_times(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="module", params=MODELS)
 def kernel_case(request):
     """(executor with the adapters in slots 0..2, NumpyLoRAOps holding the same bf16-rounded adapters)."""
-    from engine.executor.cpu_lora_ops import CpuLoRASlots, NumpyLoRAOps
+    from engine.executor.cpu_lora_ops import NumpyLoRAOps
 
     name = request.param
     ex = lora_gpu_executor(name, load_model(tiny_model_path(name)))
@@ -191,10 +191,9 @@ def kernel_case(request):
         for w in adapter.sites.values():
             w.a[:] = bf16_round(w.a)
             w.b[:] = bf16_round(w.b)
-    ref = NumpyLoRAOps()
-    ref.lora_slots = CpuLoRASlots(ex.ops.lora_sites, 3)
+    ref = NumpyLoRAOps(ex.ops.lora.sites, 3)
     for slot, adapter in enumerate(rounded.values()):
-        ref.lora_slots.set(slot, adapter)
+        ref.set_slot(slot, adapter)
     with ex.stream:         # the tests' uploads and reads in order with the executor's kernels
         yield ex, ref
     ex.close()
@@ -221,9 +220,9 @@ def test_kernels_match_the_numpy_reference(kernel_case, site_name):
     from engine.executor.gpu_lora_ops import bf16_bits
 
     ex, ref = kernel_case
-    site = ex.ops.lora_sites[site_name]
+    lora, site = ex.ops.lora, ex.ops.lora.sites[site_name]
     gate_up = site_name.endswith("gate_up_proj")
-    interleave = gate_up and ex.ops.gate_up_interleaved
+    interleave = gate_up and ex.ops.shared.gate_up_interleaved
     dev = lambda a: cupy.asarray(bf16_bits(np.ascontiguousarray(a)))
     host = lambda d: d.get().view(__import__("ml_dtypes").bfloat16).astype(np.float32)
     rng = np.random.default_rng(0)
@@ -231,33 +230,33 @@ def test_kernels_match_the_numpy_reference(kernel_case, site_name):
         x = bf16_round(rng.standard_normal((rows, site.k)))
         y = bf16_round(rng.standard_normal((rows, site.n)))
         slots = rng.integers(-1, 3, rows).astype(np.int32)
-        ref.use_lora(slots)
-        want = ref.lora_add(y.copy(), x, site_name)
+        ref.use(slots)
+        want = ref.add(y.copy(), x, site_name)
         y_gpu, want_gpu = (interleave_gate_up(y.T).T, interleave_gate_up(want.T).T) if interleave else (y, want)
         ex.ops.use_lora(slots, rows)
         x_dev, y_dev = dev(x), dev(y_gpu)
-        ex.ops.lora_add(y_dev, x_dev, site_name)
+        lora.add(y_dev, x_dev, site_name)
         got = host(y_dev)
         assert_close(got, want_gpu, (site_name, rows, "bf16"))
         assert np.array_equal(got[slots < 0], y_gpu[slots < 0])      # rows without an adapter: untouched
 
         y32 = cupy.asarray(np.ascontiguousarray(y_gpu))
-        ex.ops.lora_add(None, x_dev, site_name, into=y32.data.ptr)
+        lora.add(None, x_dev, site_name, into=y32.data.ptr)
         assert_close(y32.get(), want_gpu, (site_name, rows, "float32"))
         assert np.array_equal(y32.get()[slots < 0], y_gpu[slots < 0])
 
         if site_name.endswith(("qkv_proj", "gate_up_proj")):
             w = bf16_round(rng.uniform(0.5, 1.5, site.k))
-            normed_want = ref.lora_add(y.copy(), rms_normed(x, w, 1e-6), site_name)
+            normed_want = ref.add(y.copy(), rms_normed(x, w, 1e-6), site_name)
             normed_want = interleave_gate_up(normed_want.T).T if interleave else normed_want
             y_dev = dev(y_gpu)
-            ex.ops.lora_add(y_dev, x_dev, site_name, norm=(dev(w), 1e-6))
+            lora.add(y_dev, x_dev, site_name, norm=(dev(w), 1e-6))
             assert_close(host(y_dev), normed_want, (site_name, rows, "norm"))
         if gate_up:
             inter = site.n // 2
             act_want = silu_times(bf16_round(want[:, :inter]), bf16_round(want[:, inter:]))
             act_want[slots < 0] = silu_times(y[slots < 0, :inter], y[slots < 0, inter:])
-            act = ex.ops.lora_swiglu(dev(y_gpu), x_dev, site_name)
+            act = lora.swiglu(dev(y_gpu), x_dev, site_name)
             assert_close(host(act), act_want, (site_name, rows, "swiglu"))
 
 
@@ -331,8 +330,9 @@ def test_extended_product_matches_shrink_and_expand(kernel_case, site_name):
     from engine.executor.gpu_lora_ops import bf16_bits
 
     ex, _ = kernel_case
-    ops, site = ex.ops, ex.ops.lora_sites[site_name]
-    if site_name not in ops.lora_full:
+    ops, lora, site = ex.ops, ex.ops.lora, ex.ops.lora.sites[site_name]
+    gemm = ops.shared.gemm
+    if site_name not in lora.full:
         pytest.skip("this executor's sites do not take the extended product")
     weight = ex.weights[site_name]
     dev = lambda a: cupy.asarray(bf16_bits(np.ascontiguousarray(a)))
@@ -345,26 +345,26 @@ def test_extended_product_matches_shrink_and_expand(kernel_case, site_name):
         ops.use_lora(slots, rows)
         what = (site_name, rows)
         if site_name.endswith("qkv_proj"):
-            got = host(ops.lora_norm_linear(x, norm_w, 1e-6, site_name))
+            got = host(lora.norm_linear(x, norm_w, 1e-6, site_name))
             normed, _ = ops.rms_norm(x, norm_w, 1e-6)
-            want = ops._out(rows, site.n)
-            ops.gemm(normed, weight, want)
-            ops.lora_add(want, normed, site_name)
+            want = ops.activation(rows, site.n)
+            gemm(normed, weight, want)
+            lora.add(want, normed, site_name)
             assert_close(got, host(want), what)
         elif site_name.endswith("gate_up_proj"):
-            got = host(ops.lora_norm_swiglu(x, norm_w, 1e-6, site_name))
+            got = host(lora.norm_swiglu(x, norm_w, 1e-6, site_name))
             normed, _ = ops.rms_norm(x, norm_w, 1e-6)
-            gate_up = ops._out(rows, site.n)
-            ops.gemm(normed, weight, gate_up)
-            assert_close(got, host(ops.lora_swiglu(gate_up, normed, site_name)), what)
+            gate_up = ops.activation(rows, site.n)
+            gemm(normed, weight, gate_up)
+            assert_close(got, host(lora.swiglu(gate_up, normed, site_name)), what)
         else:
             residual = dev(bf16_round(rng.standard_normal((rows, site.n))))
             kept = residual.copy()
-            out, normed = ops.lora_add_linear_norm(x, site_name, residual, norm_w, 1e-6)
+            out, normed = lora.add_linear_norm(x, site_name, residual, norm_w, 1e-6)
             got, got_normed = host(out).copy(), host(normed).copy()
             y = cupy.zeros((rows, site.n), np.float32)
-            ops.gemm(x, weight, y)                      # float32 product (cuBLAS), then the delta into it
-            ops.lora_add(None, x, site_name, into=y.data.ptr)
+            gemm(x, weight, y)                          # float32 product (cuBLAS), then the delta into it
+            lora.add(None, x, site_name, into=y.data.ptr)
             want = bf16_round(y.get() + host(kept))
             assert_close(got, want, what)
             want_normed = host(ops.rms_norm(dev(want), norm_w, 1e-6)[0])

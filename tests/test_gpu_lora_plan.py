@@ -58,7 +58,7 @@ def test_plan_sizes_the_lora_slots_of_qwen3_4b():
     assert len(sites) == 4 * 36 and sites["layers.0.qkv_proj"].slices == (4096, 1024, 1024)
     per_slot = sum((len(s.slices) * 16 * s.k + s.n * 16) * 2 for s in sites.values())
     assert 60e6 < per_slot < 70e6
-    buffers = {b.name: b for b in GpuLoRAOps.lora_buffers(plan)}
+    buffers = {b.name: b for b in GpuLoRAOps.buffers(plan)}
     assert buffers["layers.3.gate_up_proj.b"].shape == (4, 2 * 9728, 16) and "layers.3.qkv_proj.a" not in buffers
     assert "layers.3.gate_up_proj.a" not in buffers
     partials = max(shrink_floats(s.k, len(s.slices) * 16, 8192) for s in sites.values())
@@ -67,7 +67,7 @@ def test_plan_sizes_the_lora_slots_of_qwen3_4b():
     assert buffers["wide"].shape == (FUSED_MAX_ROWS * (2 * 9728 + 4 * 2 * 16),)
     a_bytes = sum(extra_rows(n, sites, plan.options) * s.k * 2 for n, s in sites.items())
     assert a_bytes == 4 * sum(len(s.slices) * 16 * s.k * 2 for n, s in sites.items())
-    assert GpuLoRAOps.lora_nbytes(plan) + a_bytes >= 4 * per_slot
+    assert GpuLoRAOps.nbytes(plan) + a_bytes >= 4 * per_slot
     assert all(fused_site(s, plan.options) for s in sites.values())
     assert (6144 + 4 * 3 * 16, 2560) in plan.linear_shapes and (2560 + 4 * 16, 9728) in plan.linear_shapes
     assert (2 * 9728 + 4 * 2 * 16, 2560) in plan.linear_shapes
@@ -77,4 +77,4 @@ def test_plan_sizes_the_lora_slots_of_qwen3_4b():
     assert not fused_site(wide_sites["layers.0.qkv_proj"], wide.options)
     assert fused_site(wide_sites["layers.0.gate_up_proj"], wide.options)
     off = gpu_plan(options_of(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192), model, device)
-    assert off.lora_sites == () and GpuLoRAOps.lora_nbytes(off) == 0
+    assert off.lora_sites == () and GpuLoRAOps.nbytes(off) == 0

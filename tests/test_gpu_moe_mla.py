@@ -103,7 +103,7 @@ def test_mla_expanded_prefill_equals_absorbed(name):
     seqs = random_sequences(model.config.vocab_size, [40, 17], seed=6)
     batch = ModelBatch.build([SeqStep(0, seqs[0], 0, [0, 1, 2], False), SeqStep(1, seqs[1], 0, [3, 4], False)])
     expanded = ex.forward_logits(batch)
-    ex.ops.mla_expand_cap = 0
+    ex.ops.mla.expand_cap = 0
     absorbed = ex.forward_logits(batch)
     assert_same_scores(expanded, absorbed, MLA_FORMS_MEAN_DLOGPROB[name], MLA_FORMS_TIE_TOL)
     ex.close()

@@ -1,5 +1,5 @@
 """The MoE and MLA GPU kernels against the numpy reference ops (engine/executor/cpu_moe_ops.py,
-cpu_mla_ops.py), each through the GpuOps method that launches it, on the buffers of a tiny model's
+cpu_mla_ops.py), each through the GPU op family method that launches it, on the buffers of a tiny model's
 GpuExecutor: router top-k (greedy, renormalized, scaled, group-limited), the device-side expert
 grouping (moe_align.cu) against openinfer_kernels/cute/moe.py's layout rules, the grouped GEMM (CuTe and the
 wmma fallback), the whole routed-expert op, the MLA cache write, and MLA attention in both forms.
@@ -71,8 +71,8 @@ def test_router_topk_matches_numpy():
     for spec in (RouteSpec(6, 3, renormalize=True), RouteSpec(6, 2, scale=1.5),
                  RouteSpec(6, 3, num_groups=3, topk_groups=2), RouteSpec(6, 1, num_groups=2, topk_groups=1)):
         x, gate = dev(rng.standard_normal((37, 64))), dev(rng.standard_normal((6, 64)) / 4)
-        weights, ids = ex.ops.route(x, gate, spec)
-        logits = cupy.asnumpy(ex.ops.moe["moe_logits"][:37 * 6]).reshape(37, 6)
+        weights, ids = ex.ops.moe.route(x, gate, spec)
+        logits = cupy.asnumpy(ex.ops.moe.buf["moe_logits"][:37 * 6]).reshape(37, 6)
         np.testing.assert_allclose(logits, host(x) @ host(gate).T, rtol=1e-4, atol=1e-4)
         want_w, want_ids = route_topk(logits, spec)
         np.testing.assert_array_equal(cupy.asnumpy(ids), want_ids, err_msg=str(spec))
@@ -91,7 +91,7 @@ def test_expert_grouping_on_the_device(tokens, skew):
     E, K = 6, 3
     rng = np.random.default_rng(tokens)
     ids = np.stack([rng.permutation([0, 1, 2] if skew else E)[:K] for _ in range(tokens)]).astype(np.int32)
-    tile_m, rows, row_of, row_token, tile_expert = ex.ops.group_experts(cupy.asarray(ids), E)
+    tile_m, rows, row_of, row_token, tile_expert = ex.ops.moe.group_experts(cupy.asarray(ids), E)
     row_of, row_token, tile_expert = (cupy.asnumpy(a) for a in (row_of, row_token, tile_expert))
     ref = group_by_expert(ids, E, tile_m)
     used = ref.tile_expert.size
@@ -122,14 +122,14 @@ def test_grouped_gemm_matches_numpy(gemm):
         tile_expert = rng.integers(0, E, tiles).astype(np.int32)
         row_token = np.arange(M, dtype=np.int32)
         out = cupy.zeros((M, N), cupy.uint16)
-        ex.ops.grouped_linear(dev(a), dev(w), cupy.asarray(tile_expert), cupy.asarray(row_token), out, tile_m, tokens)
+        ex.ops.moe.grouped_linear(dev(a), dev(w), cupy.asarray(tile_expert), cupy.asarray(row_token), out, tile_m, tokens)
         want = np.einsum("mk,mnk->mn", bf16(a), bf16(w)[np.repeat(tile_expert, tile_m)])
         np.testing.assert_allclose(host(out), want, rtol=ROUND, atol=ROUND)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 def test_routed_experts_match_numpy(tokens):
-    """route + moe_experts (grouping, gather, grouped gate_up, SiLU·up, grouped down, weighted combine
+    """route + experts (grouping, gather, grouped gate_up, SiLU·up, grouped down, weighted combine
     into the residual) against NumpyMoEOps on the same bf16 weights."""
     import cupy
 
@@ -140,12 +140,14 @@ def test_routed_experts_match_numpy(tokens):
     rng = np.random.default_rng(tokens)
     x, residual = bf16(rng.standard_normal((tokens, 64))), bf16(rng.standard_normal((tokens, 64)))
     spec = model.model.moe.route
-    weights, ids = ex.ops.route(dev(x), dev(w["layers.1.router"]), spec)
+    weights, ids = ex.ops.moe.route(dev(x), dev(w["layers.1.router"]), spec)
     gate_up = w["layers.1.experts_gate_up_proj"]
-    out = ex.ops.moe_experts(dev(x), dev(interleave_gate_up(gate_up) if ex.ops.gate_up_interleaved else gate_up),
+    interleaved = ex.ops.shared.gate_up_interleaved
+    out = ex.ops.moe.experts(dev(x), dev(interleave_gate_up(gate_up) if interleaved else gate_up),
                              dev(w["layers.1.experts_down_proj"]), weights, ids, dev(residual))
-    want = NumpyOps(np.zeros((1, 1, 16, 1, 8), np.float32)).moe_experts(x, gate_up, w["layers.1.experts_down_proj"], cupy.asnumpy(weights),
-                                   cupy.asnumpy(ids), residual)
+    numpy = NumpyOps(np.zeros((1, 1, 16, 1, 8), np.float32), frozenset({"moe"}))
+    want = numpy.moe.experts(x, gate_up, w["layers.1.experts_down_proj"], cupy.asnumpy(weights), cupy.asnumpy(ids),
+                             residual)
     np.testing.assert_allclose(host(out), want, rtol=ROUND, atol=3 * ROUND)
 
 
@@ -157,31 +159,31 @@ def test_decode_router_and_ungrouped_experts_equal_the_general_path(tokens):
     import cupy
 
     model, ex = executor("qwen3_moe")
-    ops, spec = ex.ops, model.model.moe.route
+    ops, spec = ex.ops.moe, model.model.moe.route
     names = ("layers.1.router", "layers.1.experts_gate_up_proj", "layers.1.experts_down_proj")
     router, gate_up, down = (ex.weights[k] for k in names)
     rng = np.random.default_rng(10 + tokens)
     x, residual = dev(rng.standard_normal((tokens, 64))), dev(rng.standard_normal((tokens, 64)))
     results = []
     for fused in (True, False):
-        ops.moe_fused_tokens = type(ops).moe_fused_tokens if fused else 0
+        ops.fused_tokens = type(ops).fused_tokens if fused else 0
         ops.route_gemv_tokens = type(ops).route_gemv_tokens if fused else 0
         for _ in range(2):
             weights, ids = ops.route(x, router, spec)
-            out = ops.moe_experts(x, gate_up, down, weights, ids, residual.copy())
+            out = ops.experts(x, gate_up, down, weights, ids, residual.copy())
         results.append((cupy.asnumpy(weights), cupy.asnumpy(ids), cupy.asnumpy(out)))
-    ops.moe_fused_tokens, ops.route_gemv_tokens = type(ops).moe_fused_tokens, type(ops).route_gemv_tokens
+    ops.fused_tokens, ops.route_gemv_tokens = type(ops).fused_tokens, type(ops).route_gemv_tokens
     (w1, i1, o1), (w0, i0, o0) = results
     np.testing.assert_array_equal(i1, i0)
     np.testing.assert_allclose(w1, w0, rtol=1e-5, atol=1e-6)
     # the same weights: the experts' paths compared on identical routing
-    out_fused = cupy.asnumpy(ops.moe_experts(x, gate_up, down, cupy.asarray(w0), cupy.asarray(i0), residual.copy()))
-    ops.moe_fused_tokens = 0
-    out_grouped = cupy.asnumpy(ops.moe_experts(x, gate_up, down, cupy.asarray(w0), cupy.asarray(i0), residual.copy()))
-    ops.moe_fused_tokens = type(ops).moe_fused_tokens
+    out_fused = cupy.asnumpy(ops.experts(x, gate_up, down, cupy.asarray(w0), cupy.asarray(i0), residual.copy()))
+    ops.fused_tokens = 0
+    out_grouped = cupy.asnumpy(ops.experts(x, gate_up, down, cupy.asarray(w0), cupy.asarray(i0), residual.copy()))
+    ops.fused_tokens = type(ops).fused_tokens
     np.testing.assert_array_equal(out_fused, out_grouped)
     assert np.any(out_fused != cupy.asnumpy(residual))
-    assert int(ops.moe["moe_counter"][0].get()) == 0
+    assert int(ops.buf["moe_counter"][0].get()) == 0
 
 
 def mla_step(model, ex):
@@ -199,7 +201,7 @@ def mla_step(model, ex):
 
 
 def cpu_ops_over(ex) -> NumpyOps:
-    return NumpyOps(host(ex.kv_cache))
+    return NumpyOps(host(ex.kv_cache), frozenset({"mla"}))
 
 
 @pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v2"])
@@ -211,10 +213,10 @@ def test_mla_latent_cache_matches_numpy(name):
     y = bf16(rng.standard_normal((batch.num_tokens, spec.q_cols + spec.cache_dim)))
     kv_norm = bf16(1 + 0.2 * rng.standard_normal(spec.kv_lora_rank))
     q_norm = bf16(1 + 0.2 * rng.standard_normal(spec.q_cols)) if model.model.mla.q_lora_rank else None
-    q = ex.ops.mla_latent_cache(dev(y), spec, ctx, dev(kv_norm), None if q_norm is None else dev(q_norm))
+    q = ex.ops.mla.latent_cache(dev(y), spec, ctx, dev(kv_norm), None if q_norm is None else dev(q_norm))
     ref = cpu_ops_over(ex)
     ref.kv[1, 0, batch.slot_mapping] = 0
-    want_q = ref.mla_latent_cache(y, spec, cpu_ctx, kv_norm, q_norm)
+    want_q = ref.mla.latent_cache(y, spec, cpu_ctx, kv_norm, q_norm)
     np.testing.assert_allclose(host(q), want_q, rtol=ROUND, atol=ROUND)
     np.testing.assert_allclose(host(ex.kv_cache)[1, 0, batch.slot_mapping], ref.kv[1, 0, batch.slot_mapping],
                                rtol=ROUND, atol=ROUND)
@@ -234,9 +236,9 @@ def test_mla_attention_matches_numpy(name, form):
     rng = np.random.default_rng(4)
     q = bf16(rng.standard_normal((batch.num_tokens, spec.num_heads * spec.qk_dim)))
     kv_b = bf16(model.weights["layers.1.kv_b_proj"])
-    o = ex.ops.mla_attention(dev(q), dev(kv_b), spec, ctx)
+    o = ex.ops.mla.attention(dev(q), dev(kv_b), spec, ctx)
     assert (ctx.mla not in (None, False)) == (form == "expanded")
-    want = cpu_ops_over(ex).mla_attention(q, kv_b, spec, cpu_ctx)
+    want = cpu_ops_over(ex).mla.attention(q, kv_b, spec, cpu_ctx)
     np.testing.assert_allclose(host(o), want, rtol=ROUND, atol=3 * ROUND)     # o_lat is rounded before W_UV
 
 
@@ -254,14 +256,14 @@ def test_mla_absorbed_splits_and_head_groups(name, splits, group):
     rng = np.random.default_rng(5)
     q = bf16(rng.standard_normal((batch.num_tokens, spec.num_heads * spec.qk_dim)))
     kv_b = bf16(model.weights["layers.1.kv_b_proj"])
-    ex.ops.mla_group = group
+    ex.ops.mla.group = group
     try:
-        runs = [cupy.asnumpy(ex.ops.mla_attention(dev(q), dev(kv_b), spec, ctx)) for _ in range(2)]
+        runs = [cupy.asnumpy(ex.ops.mla.attention(dev(q), dev(kv_b), spec, ctx)) for _ in range(2)]
     finally:
-        ex.ops.mla_group = None
+        ex.ops.mla.group = None
     np.testing.assert_array_equal(runs[0], runs[1])
-    assert int(ex.ops.mla["mla_counters"].sum()) == 0
-    want = cpu_ops_over(ex).mla_attention(q, kv_b, spec, cpu_ctx)
+    assert int(ex.ops.mla.buf["mla_counters"].sum()) == 0
+    want = cpu_ops_over(ex).mla.attention(q, kv_b, spec, cpu_ctx)
     got = runs[0].view(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=ROUND, atol=3 * ROUND)
 
@@ -293,13 +295,13 @@ def test_mla_absorb_kernels_match_cublas_and_numpy(name, tokens):
     kv_b = bf16(model.weights["layers.1.kv_b_proj"])
     outs = []
     for absorb in (0, 8):
-        ex.ops.mla_absorb_tokens = absorb
+        ex.ops.mla.absorb_tokens = absorb
         try:
-            outs.append(host(ex.ops.mla_attention(dev(q), dev(kv_b), spec, ctx)))
+            outs.append(host(ex.ops.mla.attention(dev(q), dev(kv_b), spec, ctx)))
         finally:
-            ex.ops.mla_absorb_tokens = type(ex.ops).mla_absorb_tokens
+            ex.ops.mla.absorb_tokens = type(ex.ops.mla).absorb_tokens
     np.testing.assert_allclose(outs[1], outs[0], rtol=ROUND, atol=ROUND)
-    want = cpu_ops_over(ex).mla_attention(q, kv_b, spec, cpu_ctx)
+    want = cpu_ops_over(ex).mla.attention(q, kv_b, spec, cpu_ctx)
     np.testing.assert_allclose(outs[1], want, rtol=ROUND, atol=3 * ROUND)
 
 
@@ -321,11 +323,11 @@ def test_mla_latent_attention_in_one_launch_matches_the_composition(tokens):
     outs = []
     for absorb in (0, 8):
         layer[:rows] = start
-        ex.ops.mla_absorb_tokens = absorb
+        ex.ops.mla.absorb_tokens = absorb
         try:
-            o = host(ex.ops.mla_latent_attention(y, kv_b, spec, ctx, kv_norm))
+            o = host(ex.ops.mla.latent_attention(y, kv_b, spec, ctx, kv_norm))
         finally:
-            ex.ops.mla_absorb_tokens = type(ex.ops).mla_absorb_tokens
+            ex.ops.mla.absorb_tokens = type(ex.ops.mla).absorb_tokens
         outs.append((o, cupy.asnumpy(layer[:rows])))
     np.testing.assert_array_equal(outs[1][1], outs[0][1])
     np.testing.assert_allclose(outs[1][0], outs[0][0], rtol=ROUND, atol=ROUND)

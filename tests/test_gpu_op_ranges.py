@@ -4,6 +4,7 @@ CPU only: GpuOps' real norm_linear over stand-in leaf ops wrapped by the real op
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -26,7 +27,7 @@ def test_op_ranges_nest_and_stay_off_by_default(monkeypatch):
         """No device: gemv.cu declines, so norm_linear composes rms_norm and linear (the leaves below)."""
 
         def __init__(self):
-            self.gemm = type("NoGemv", (), {"gemv_serves": staticmethod(lambda *a, **k: False)})()
+            self.shared = SimpleNamespace(gemm=SimpleNamespace(gemv_serves=lambda *a, **k: False))
 
         @op_range
         def rms_norm(self, x, weight, eps, residual=None):

@@ -5,6 +5,7 @@ attention launched between the segments with the step's context and the output r
 to the next segment; the ring is left where the capture left it."""
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -42,24 +43,39 @@ class Graph:
 
 
 class Ops:
-    """Ops whose every kernel is a (name, layer) item on the stream; buffers are ring slot numbers."""
+    """Ops whose every kernel is a (name, layer) item on the stream; buffers are ring slot numbers. The
+    piecewise graphs' hook as GpuOps has it: reset / ring_position / activation / hooked_attention."""
 
     def __init__(self, stream):
-        self.stream, self.ring_next = stream, 0
+        self.stream, self.ring_next, self.hook = stream, 0, None
 
-    def reset(self):
-        self.ring_next = 0
+    def reset(self, at: int = 0):
+        self.ring_next = at
 
-    def _out(self, rows, cols):
+    @property
+    def ring_position(self):
+        return self.ring_next
+
+    def activation(self, rows, cols):
         slot, self.ring_next = self.ring_next, (self.ring_next + 1) % 10
         return ("ring", slot, rows, cols)
 
+    @contextlib.contextmanager
+    def hooked_attention(self, hook):
+        self.hook = hook
+        try:
+            yield
+        finally:
+            self.hook = None
+
     def op(self, name, layer):
         self.stream.launch((name, layer))
-        return self._out(4, 8)
+        return self.activation(4, 8)
 
     def attention(self, q, spec, ctx, out=None):
-        out = out if out is not None else self._out(ctx.num_tokens, spec.num_heads * spec.head_dim)
+        if self.hook is not None:
+            return self.hook(q, spec, ctx)
+        out = out if out is not None else self.activation(ctx.num_tokens, spec.num_heads * spec.head_dim)
         self.stream.launch(("attention", spec.layer, q, out, ctx.step))
         return out
 

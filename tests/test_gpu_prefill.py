@@ -168,9 +168,10 @@ class PagedStandIn(GpuOps):
     """GpuOps with the paged kernel replaced by numpy (rows with position < 0 give zeros)."""
 
     def __init__(self, kv_cache, batch, G):
-        self.kv_cache, self.batch, self.G, self.paged_calls = kv_cache, batch, G, []
+        self.batch, self.G, self.paged_calls = batch, G, []
+        self.shared = types.SimpleNamespace(kv_cache=kv_cache, num_sms=132, max_tokens=0)
         self.head_dim = kv_cache.shape[-1]
-        self.num_heads, self.num_sms, self.fast_attention = kv_cache.shape[-2] * G, 132, True
+        self.num_heads, self.fast_attention = kv_cache.shape[-2] * G, True
         self.part_out = self.part_max = self.part_sum = self.split_counters = None
 
     def _out(self, rows, cols):
@@ -187,7 +188,7 @@ class PagedStandIn(GpuOps):
         assert grid[0] == q.shape[0] == positions.shape[0] == token_seq.shape[0] == out.shape[0]
         rows = np.flatnonzero(positions >= 0)
         out[:] = 0
-        out[rows] = causal_ref(q, self.kv_cache[0, 0], self.kv_cache[0, 1], self.batch, self.G, rows,
+        out[rows] = causal_ref(q, self.shared.kv_cache[0, 0], self.shared.kv_cache[0, 1], self.batch, self.G, rows,
                                seq=token_seq, positions=positions)[rows]
 
 

@@ -5,6 +5,7 @@ tiny Qwen3 models whose head_dim (128, 64) the CuTe kernel takes (the TINY_MODEL
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -74,6 +75,8 @@ def run_attention(cp, D: int, Hq: int, Hkv: int, settings: list[tuple[int | None
     setting: CuTe launches, and chunk-kernel launches if `chunk`)."""
     from engine.executor.gpu_ops import GpuOps
     from engine.executor.gpu_prefill import PrefillAttention
+    from engine.executor.gpu_shared import GpuShared
+    from engine.executor.options import GpuTuning
     from memory.device_arena import DeviceArena
 
     rng = np.random.default_rng(seed)
@@ -86,8 +89,12 @@ def run_attention(cp, D: int, Hq: int, Hkv: int, settings: list[tuple[int | None
     arena = DeviceArena(256 << 20)
     kv = arena.take("kv", kv_host.shape, np.uint16)
     kv.set(kv_host)
-    ops = GpuOps(arena, None, kv, cp.zeros(D // 2, np.float32), 1.0, T, Hq * D, Hq * D, 8, 1, Hq, D, 0, stream,
-                 DeviceInfo.query().num_sms, fast_attention=True)
+    plan = SimpleNamespace(max_tokens=T, width=Hq * D, hidden=Hq * D, vocab=8, logit_rows=1, num_heads=Hq,
+                           head_dim=D, device=DeviceInfo.query(), families=frozenset(),
+                           options=SimpleNamespace(gpu=GpuTuning(decode_kernels="attention")))
+    shared = GpuShared.take(arena, plan, stream=stream, gemm=None, kv_cache=kv, inv_freq=cp.zeros(D // 2, np.float32),
+                            attention_factor=1.0)
+    ops = GpuOps(plan, shared, arena, 0)
     seq = np.repeat(np.arange(B, dtype=np.int32), np.diff(b.cu_seqlens))
     ctx = GpuStepContext(num_tokens=T, input_ids=cp.zeros(T, np.int32), positions=cp.asarray(b.positions),
                          slot_mapping=cp.asarray(b.slot_mapping), token_seq=cp.asarray(seq),
@@ -98,7 +105,7 @@ def run_attention(cp, D: int, Hq: int, Hkv: int, settings: list[tuple[int | None
     cp.cuda.Device().synchronize()
     outs, launches = [], []
     for min_query, key_rows in settings:
-        for r in ops.ring:
+        for r in ops.shared.ring:
             r.fill(POISON)
         cp.cuda.Device().synchronize()
         prefill = None

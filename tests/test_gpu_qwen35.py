@@ -22,7 +22,7 @@ from deltanet_kernel_cases import (SHAPES, STEPS, check_conv_and_delta_rule, che
                                    random_inputs, run_conv_and_delta_rule, spec_of)
 from gpu_contention import hold_default_stream
 from engine.batch import ModelBatch, SeqStep
-from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
+from engine.executor.gpu_deltanet_ops import GpuDeltaNetOps
 from engine.loader import load_model
 from engine.request import SamplingParams
 from harness.executors import new_gpu_executor
@@ -36,21 +36,34 @@ QWEN35_4B_CONFIG = os.path.join(REAL_CONFIGS, "qwen3.5-4b", "config.json")
 
 
 # ---- per kernel ----------------------------------------------------------------------------------
-class DeviceOps(DeltaNetGpuOps):
+class DeviceShared:
+    """What the GPU op families share (gpu_shared.GpuShared): launches on one stream of their own, outputs
+    fresh zeroed device arrays."""
+
+    def __init__(self, stream, pdl: bool):
+        self.stream, self.pdl = stream, pdl
+
+    def launch(self, k, grid, block, args, shared_mem: int = 0) -> None:
+        from openinfer_kernels.raw_cuda.launch import launch
+
+        launch(k, grid, block, args, self.stream, pdl=self.pdl, shared_mem=shared_mem)
+
+    def out(self, rows, cols):
+        import cupy
+
+        with self.stream:
+            return cupy.zeros((rows, cols), cupy.uint16)
+
+
+class DeviceOps(GpuDeltaNetOps):
     """The GPU ops alone: inputs, outputs and launches all on one stream of their own (an upload or a
     fill on CuPy's default stream would not be ordered before a launch on a non-blocking stream: under
     other GPU load the kernels then read inputs that had not landed yet)."""
 
     def __init__(self, pdl: bool = False):
         import cupy
-        self.cp, self.stream, self.pdl = cupy, cupy.cuda.Stream(non_blocking=True), pdl
-
-    def _launch(self, k, grid, block, args):
-        self._launch_with_smem(k, grid, block, args, 0)
-
-    def _out(self, rows, cols):
-        with self.stream:
-            return self.cp.zeros((rows, cols), self.cp.uint16)
+        self.cp, self.stream = cupy, cupy.cuda.Stream(non_blocking=True)
+        super().__init__(DeviceShared(self.stream, pdl), None)
 
     def dev(self, a):
         with self.stream:

@@ -60,7 +60,7 @@ def test_plan_sizes_the_sparse_buffers_of_the_real_configs(name):
     plan = gpu_plan(options_of(max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=8192), model, device)
     assert plan.experts == model.expert_shape and (plan.mla is not None) == (name == "deepseek-v2-lite")
     assert all(n % 8 == 0 for n, _ in plan.linear_shapes)          # routers (float32 logits) are not planned
-    sparse = GpuOps.sparse_nbytes(plan)
+    sparse = GpuOps.families_nbytes(plan)
     assert 0.2e9 < sparse < 3e9, sparse                              # a fraction of the 80+ GB left for KV
     assert GpuOps.nbytes(plan) > sparse
 

@@ -2,6 +2,8 @@
 path on, and clear errors for what they do not know."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from engine.executor.options import gpu_tuning_from_env
@@ -99,7 +101,8 @@ def test_decode_splits_follow_the_head_groups():
 
     class Probe(GpuOps):
         def __init__(self):
-            self.num_heads, self.head_dim, self.num_sms, self.fast_attention = 32, 128, H200_SMS, True
+            self.num_heads, self.head_dim, self.fast_attention = 32, 128, True
+            self.shared = SimpleNamespace(num_sms=H200_SMS)
 
     ops = Probe()
     assert ops.splits(1, 4, 40960) == 17 and ops._heads_per_cta(1, 4) == 2

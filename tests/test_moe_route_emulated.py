@@ -11,7 +11,7 @@ import pytest
 from engine.executor.cpu_moe_ops import route_topk
 from engine.executor.gpu_moe_ops import COMBINE_COLS, MOE_UNROLL, GpuMoEOps
 from engine.models.ops import RouteSpec
-from test_deltanet_kernels_emulated import EmulatedOps, host
+from test_deltanet_kernels_emulated import EmulatedShared, host
 
 SPECS = [RouteSpec(6, 3, renormalize=True), RouteSpec(6, 2, scale=1.5),                       # Qwen3-MoE, V2-Lite
          RouteSpec(6, 3, num_groups=3, topk_groups=2),                                      # V2 group-limited
@@ -20,12 +20,13 @@ SPECS = [RouteSpec(6, 3, renormalize=True), RouteSpec(6, 2, scale=1.5),         
          RouteSpec(256, 8, renormalize=True, scale=2.5, num_groups=8, topk_groups=4, scoring="sigmoid")]  # V3
 
 
-class EmulatedMoE(GpuMoEOps, EmulatedOps):
+class EmulatedMoE(GpuMoEOps):
     def __init__(self, tokens: int, spec: RouteSpec):
-        self.route_max_e = 32 * -(-spec.num_experts // 32)         # built per model, as take_moe does
+        self.shared = EmulatedShared()
+        self.route_max_e = 32 * -(-spec.num_experts // 32)         # built per model, as GpuMoEOps does
         self.k_topk = ("moe_route", "moe_topk", (("MAX_E", self.route_max_e),))
         self.k_route_gemv = ("moe_route", "moe_route_gemv", (("MAX_E", self.route_max_e),))
-        self.moe = {"moe_weights": host(np.zeros(tokens * spec.top_k, np.float32)),
+        self.buf = {"moe_weights": host(np.zeros(tokens * spec.top_k, np.float32)),
                     "moe_ids": host(np.zeros(tokens * spec.top_k, np.int32)),
                     "moe_logits": host(np.zeros(tokens * spec.num_experts, np.float32)),
                     "moe_counter": host(np.zeros(1, np.int32))}
@@ -68,12 +69,12 @@ def test_one_launch_router_matches_numpy(spec, tokens):
     for _ in range(2):
         weights, ids = ops.route(host(x.view(np.uint16)), host(router.view(np.uint16)), spec,
                                  None if bias is None else host(bias.view(np.uint16)))
-        np.testing.assert_allclose(np.asarray(ops.moe["moe_logits"]).reshape(tokens, E), want_logits, rtol=1e-5,
+        np.testing.assert_allclose(np.asarray(ops.buf["moe_logits"]).reshape(tokens, E), want_logits, rtol=1e-5,
                                    atol=1e-5)
         np.testing.assert_array_equal(np.asarray(ids).reshape(tokens, -1), want_ids)
         np.testing.assert_allclose(np.asarray(weights).reshape(tokens, -1), want_w, rtol=1e-5, atol=1e-6)
-        assert int(ops.moe["moe_counter"][0]) == 0
-        ops.moe["moe_ids"][:] = -7                      # the second launch must write them again
+        assert int(ops.buf["moe_counter"][0]) == 0
+        ops.buf["moe_ids"][:] = -7                      # the second launch must write them again
 
 
 def test_router_drops_the_slots_of_a_nan_row():
@@ -105,8 +106,18 @@ def test_router_kernel_compiles_with_nvcc_for_sm90a(tmp_path):
                    check=True, capture_output=True)
 
 
-class EmulatedExperts(GpuMoEOps, EmulatedOps):
-    """moe_experts of a decode-sized step on the host: moe_align, the gather, moe_gemv.cu for both products,
+class ExpertsShared(EmulatedShared):
+    """The residual stream: one host buffer."""
+
+    def __init__(self, tokens: int, hidden: int):
+        self.residual = host(np.zeros((tokens, hidden), np.uint16))
+
+    def residual_out(self, rows: int, cols: int):
+        return self.residual
+
+
+class EmulatedExperts(GpuMoEOps):
+    """experts() of a decode-sized step on the host: moe_align, the gather, moe_gemv.cu for both products,
     silu_mul.cu and the weighted combine, each through the emulation."""
 
     def __init__(self, tokens: int, spec: RouteSpec, hidden: int, inter: int):
@@ -116,7 +127,8 @@ class EmulatedExperts(GpuMoEOps, EmulatedOps):
 
         plan = SimpleNamespace(max_tokens=tokens, experts=SimpleNamespace(
             num_experts=spec.num_experts, top_k=spec.top_k, hidden=hidden, inter=inter))
-        self.moe = {b.name: host(np.zeros(b.shape, b.dtype)) for b in self.moe_buffers(plan)
+        self.shared = ExpertsShared(tokens, hidden)
+        self.buf = {b.name: host(np.zeros(b.shape, b.dtype)) for b in self.buffers(plan)
                     if isinstance(b, Buffer)}
         for name, entry in (("align", "moe_align"), ("gather", "moe_gather"), ("combine", "moe_combine"),
                             ("gemv", "moe_gemv"), ("gemv_silu", "moe_gemv_silu"), ("gemv_combine", "moe_gemv_combine")):
@@ -125,16 +137,11 @@ class EmulatedExperts(GpuMoEOps, EmulatedOps):
             gemv = (("COMBINE_COLS", COMBINE_COLS), ("MOE_UNROLL", MOE_UNROLL)) if file == "moe_gemv" else ()
             setattr(self, f"k_{name}", (file, entry, gemv))
         self.k_silu = ("silu_mul", "silu_mul", ())
-        self.gate_up_interleaved = False
-        self.out = host(np.zeros((tokens, hidden), np.uint16))
-
-    def _residual_out(self, rows: int, cols: int):
-        return self.out
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_decode_experts_on_the_gemv_match_numpy(tokens):
-    """GpuMoEOps.moe_experts for a step of at most GEMV_MAX_TOKENS tokens (experts shared between tokens
+    """GpuMoEOps.experts for a step of at most GEMV_MAX_TOKENS tokens (experts shared between tokens
     included) against NumpyMoEOps on the same bf16 values, to bf16 rounding of the intermediate rows."""
     from engine.executor.cpu_moe_ops import NumpyMoEOps
     from engine.executor.cpu_ops import NumpyOps
@@ -148,13 +155,14 @@ def test_decode_experts_on_the_gemv_match_numpy(tokens):
     gate_up, down = bf(rng.standard_normal((6, 2 * inter, H)) / 8), bf(rng.standard_normal((6, H, inter)) / 7)
     weights, ids = route_topk(rng.standard_normal((tokens, 6)).astype(np.float32), spec)
     ops = EmulatedExperts(tokens, spec, H, inter)
-    got = ops.moe_experts(host(x.view(np.uint16)), host(gate_up.view(np.uint16)), host(down.view(np.uint16)),
-                          host(weights.astype(np.float32)), host(ids.astype(np.int32)), host(residual.view(np.uint16)))
+    got = ops.experts(host(x.view(np.uint16)), host(gate_up.view(np.uint16)), host(down.view(np.uint16)),
+                      host(weights.astype(np.float32)), host(ids.astype(np.int32)), host(residual.view(np.uint16)))
     got = np.asarray(got).view(ml_dtypes.bfloat16).astype(np.float32)
 
-    assert issubclass(NumpyOps, NumpyMoEOps)
-    want = NumpyOps(np.zeros(1)).moe_experts(*(np.asarray(v, np.float32) for v in (x, gate_up, down)), weights, ids,
-                                  residual.astype(np.float32))
+    numpy = NumpyOps(np.zeros(1), frozenset({"moe"}))
+    assert isinstance(numpy.moe, NumpyMoEOps)
+    want = numpy.moe.experts(*(np.asarray(v, np.float32) for v in (x, gate_up, down)), weights, ids,
+                             residual.astype(np.float32))
     np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
     assert np.abs(got - want).mean() < 5e-3
 
@@ -184,9 +192,9 @@ def test_ungrouped_experts_equal_the_grouped_path(tokens, interleaved):
     outs = []
     for fused in (0, tokens):
         ops = EmulatedExperts(tokens, spec, H, inter)
-        ops.gate_up_interleaved, ops.moe_fused_tokens = interleaved, fused
-        got = ops.moe_experts(host(x), host(gate_up), host(down), host(weights.astype(np.float32)), host(ids),
-                              host(residual))
+        ops.shared.gate_up_interleaved, ops.fused_tokens = interleaved, fused
+        got = ops.experts(host(x), host(gate_up), host(down), host(weights.astype(np.float32)), host(ids),
+                          host(residual))
         outs.append(np.array(got))
     np.testing.assert_array_equal(outs[0], outs[1])
     assert np.any(outs[0] != residual)

@@ -106,7 +106,7 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "enable_lora": eng.loras is not None and eng.admission.loras is eng.loras,
             "lora_modules": eng.loras.id_of("ad") == 1 and h.lora_adapters == dict(config.lora_modules),
             "max_loras": opts.max_loras == 2 == eng.scheduler.max_loras == eng.loras.max_loras
-            and len(ex.ops.lora_slots.slots) == 2,
+            and len(ex.ops.lora.slots) == 2,
             "max_lora_rank": opts.max_lora_rank == 8 == eng.loras.max_rank,
             "max_cpu_loras": eng.loras.max_cpu_loras == 3,
             "tensor_parallel_size": tensor_parallel_reaches_the_ranks(path),      # LoRA and TP exclude each other

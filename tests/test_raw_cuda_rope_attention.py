@@ -6,6 +6,8 @@ split counts 1..64. On the CPU: the ComposedOps default, and GpuOps' choice betw
 (decode-only steps) and the composition (prefill and mixed steps)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -216,12 +218,12 @@ class GpuOpsProbe(GpuOps):
     def __init__(self, fast_attention: bool, head_dim: int = 64, num_heads: int = 8):
         self.calls = []
         self.fast_attention, self.head_dim, self.num_heads = fast_attention, head_dim, num_heads
-        self.num_sms = 132                          # H200
         self.fused_rope = True
         self._decode_kernels = {}
-        self.kv_cache = np.zeros((1, 2, 16, 2, head_dim), np.uint16)
+        self.shared = SimpleNamespace(num_sms=132, kv_cache=np.zeros((1, 2, 16, 2, head_dim), np.uint16),  # H200
+                                      inv_freq=np.zeros(1), attention_factor=1.0)
         self.part_out = self.part_max = self.part_sum = np.zeros(1 << 12, np.float32)
-        self.split_counters, self.inv_freq, self.attention_factor = np.zeros(64, np.int32), np.zeros(1), 1.0
+        self.split_counters = np.zeros(64, np.int32)
 
     qkv_rope_cache, attention = RecordingOps.qkv_rope_cache, RecordingOps.attention
 

@@ -8,12 +8,13 @@ import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import ExecutorBase
-from engine.executor.cpu_lora_ops import CpuLoRASlots
 from engine.executor.cpu_cost import cpu_step_cost
+from engine.executor.cpu_lora_ops import NumpyLoRAOps
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
 from engine.executor.cpu_threads import CpuThreads, default_cpu_threads
 from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
+from engine.lora import lora_sites
 from engine.models.rope import rope_cos_sin
 from engine.sampling import prompt_logprobs, sample_step
 from memory.kv_pool import BLOCK_SIZE, blocks_for, check_block_copies, copy_pool_blocks, host_pool, pool_blocks
@@ -27,7 +28,6 @@ class CpuExecutor(ExecutorBase):
     supports_host_tier = True
     supports_block_copies = True
     supports_draft_verify = True    # engine/sampling.py verifies a step's draft rows
-    ops_class = NumpyOps            # a tensor-parallel rank's executor runs its own (engine/parallel)
 
     def __init__(self, model: LoadedModel, options: ExecutorOptions):
         options.validate()
@@ -47,19 +47,26 @@ class CpuExecutor(ExecutorBase):
         self.kv = host_pool(self.layout, self.num_kv_blocks)
         self.host_kv = host_pool(self.layout, options.host_kv_blocks) if options.host_kv_blocks else None
         self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len, self.model.rope_dim)
-        self.ops = self.ops_class(self.kv)
         self.threads = CpuThreads(options.cpu_threads or default_cpu_threads())
         state = self.model.state_layout()          # linear-attention lines: one state slot per sequence
         self.num_state_slots = options.max_num_seqs if state is not None else 0
-        if state is not None:
-            self.ops.state = host_state(state, self.num_state_slots)
-        if options.max_loras:
-            from engine.lora import lora_sites
-            self.ops.lora_slots = CpuLoRASlots(lora_sites(self.model), options.max_loras)
+        lora = NumpyLoRAOps(lora_sites(self.model), options.max_loras) if options.max_loras else None
+        self.ops = self._ops(state, lora)
+
+    def _ops(self, state, lora: NumpyLoRAOps | None) -> NumpyOps:
+        """The model's ops over the KV pool: its op families, its state slots, the LoRA slots (a
+        tensor-parallel rank's executor builds its own, engine/parallel)."""
+        return NumpyOps(self.kv, self.model.op_families, self._state_arrays(state), lora)
+
+    def _state_arrays(self, state) -> dict | None:
+        """The per-sequence state slots of a line that declares state (memory/state_slots.py)."""
+        return host_state(state, self.num_state_slots) if state is not None else None
 
     def set_lora(self, slot: int, adapter) -> None:
         """Load a LoRA adapter (engine/lora.py) into one of the options.max_loras slots (None: empty it)."""
-        self.ops.lora_slots.set(slot, adapter)
+        if self.ops.lora is None:
+            super().set_lora(slot, adapter)
+        self.ops.lora.set_slot(slot, adapter)
 
     def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]]) -> None:
         """offloads (device block -> host slot) first, then restores (host slot -> device block)."""

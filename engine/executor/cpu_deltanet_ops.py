@@ -1,5 +1,5 @@
-"""The hybrid lines' Ops (Gated DeltaNet + gated attention, engine/models/ops.py) in numpy, float32: the
-reference the GPU kernels are checked against. NumpyOps inherits them.
+"""The hybrid lines' op family (Gated DeltaNet + gated attention: ops.deltanet, models/ops.py DeltaNetOps) in
+numpy, float32: the reference the GPU kernels are checked against.
 
 State (memory/state_slots.py), set by the executor: state["conv"] [L, slots, K - 1, conv_dim] (the
 last K - 1 inputs of the conv, oldest first) and state["recurrent"] [L, slots, Hv, Dk, Dv].
@@ -100,9 +100,12 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return np.moveaxis(o, 0, 2).reshape(N * chunk, H, Dv)[:n], S
 
 
-class DeltaNetNumpyOps:
-    state: dict[str, np.ndarray] | None = None      # set by the executor for lines that declare state
+class NumpyDeltaNetOps:
+    """ops.deltanet of the numpy executor over its state slots (memory/state_slots.py host_state)."""
     chunk = CHUNK
+
+    def __init__(self, state: dict[str, np.ndarray]):
+        self.state = state
 
     @staticmethod
     def _seq_spans(ctx):

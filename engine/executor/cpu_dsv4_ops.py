@@ -13,7 +13,8 @@
   the output (rotation by -position); grouped_linear: the grouped output projection's block-diagonal part.
 
 The functions take numpy or CuPy arrays (xp_of): the GPU executor runs the same code on the device
-(engine/executor/gpu_dsv4_ops.py), so what the CPU gate checks is what the GPU computes.
+(engine/executor/gpu_dsv4_ops.py), so what the CPU gate checks is what the GPU computes. The numpy executor's
+DeepSeek-V4 part (ops.dsv4) is cpu_dsv4_attention.NumpyDSV4Ops.
 """
 from __future__ import annotations
 
@@ -158,28 +159,3 @@ def grouped_linear(x: np.ndarray, weight: np.ndarray, groups: int) -> np.ndarray
     T = x.shape[0]
     w = weight.reshape(groups, -1, weight.shape[-1])                        # [g, N, K]
     return xp_of(x).einsum("tgk,gnk->tgn", x.reshape(T, groups, -1), w).reshape(T, -1)
-
-
-class NumpyDSV4Ops:
-    """DeepSeek-V4's ops as methods of NumpyOps (the line's forward calls them; engine/models/deepseek_v4.py)."""
-
-    def hc_streams(self, x, n: int):
-        """The residual streams [T, n, H] of the embedded tokens x [T, H] (n copies)."""
-        return np.repeat(np.asarray(x, np.float32)[:, None, :], n, axis=1)
-
-    def hyper_connection(self, streams, fn, base, scale, iters, hc_eps, norm_eps):
-        return hyper_connection(streams, fn, base, scale, iters, hc_eps, norm_eps)
-
-    def hc_merge(self, block_out, streams, post, comb):
-        return hc_merge(block_out, streams, post, comb)
-
-    def hyper_head(self, streams, fn, base, scale, hc_eps, norm_eps):
-        return hyper_head(streams, fn, base, np.asarray(scale, np.float32).reshape(-1)[:1], hc_eps, norm_eps)
-
-    def swiglu_limited(self, gate_up, limit):
-        return swiglu_limited(gate_up, limit)
-
-    def hash_route(self, x, gate_weight, tid2eid, spec, ctx):
-        """hash_route on the step's token ids (RouteSpec: its scale; scores sqrtsoftplus)."""
-        return hash_route(x @ gate_weight.T, np.asarray(tid2eid).astype(np.int64), np.asarray(ctx.batch.input_ids),
-                          spec.scale)

@@ -1,5 +1,5 @@
-"""Multi-head latent attention Ops in numpy (float32) over the one-plane paged pool of an MLA model
-line, kv[layer, 0, slots, 0, kv_lora_rank + rope_dim] (RMSNorm'd latent, then the rotated rope key).
+"""The multi-head latent attention op family in numpy (float32; ops.mla, models/ops.py MLAOps) over the one-plane
+paged pool of an MLA model line, kv[layer, 0, slots, 0, kv_lora_rank + rope_dim] (RMSNorm'd latent, then the rotated rope key).
 
 mla_attention takes the absorbed form for a sequence with one new token (decode: W_UK folded into
 the query, attention over the latent, W_UV after) and expands K and V from the latent otherwise
@@ -56,19 +56,25 @@ def mla_expanded(q_nope, q_pe, c, k_pe, w_uk, w_uv, masked, scale) -> np.ndarray
 
 
 class NumpyMLAOps:
-    """Mixed into NumpyOps (which provides self.kv and rms_norm)."""
+    """ops.mla of the numpy executor over the paged pool kv; norm: the dense ops' rms_norm."""
 
-    def mla_latent_cache(self, y, spec: MLASpec, ctx, kv_norm, q_norm=None):
+    def __init__(self, kv: np.ndarray, norm):
+        self.kv, self.norm = kv, norm
+
+    def latent_cache(self, y, spec: MLASpec, ctx, kv_norm, q_norm=None):
         qc, R = spec.q_cols, spec.kv_lora_rank
-        c, _ = self.rms_norm(y[:, qc:qc + R], kv_norm, spec.rms_eps)
+        c, _ = self.norm(y[:, qc:qc + R], kv_norm, spec.rms_eps)
         k_pe = rope_interleaved(y[:, None, qc + R:qc + R + spec.rope_dim], ctx.cos, ctx.sin)[:, 0]
         slots = ctx.batch.slot_mapping
         self.kv[spec.layer, 0, slots, 0, :R] = c
         self.kv[spec.layer, 0, slots, 0, R:] = k_pe
         q = np.ascontiguousarray(y[:, :qc], dtype=np.float32)
-        return q if q_norm is None else self.rms_norm(q, q_norm, spec.rms_eps)[0]
+        return q if q_norm is None else self.norm(q, q_norm, spec.rms_eps)[0]
 
-    def mla_attention(self, q, kv_b, spec: MLASpec, ctx):
+    def latent_attention(self, y, kv_b, spec: MLASpec, ctx, kv_norm):
+        return self.attention(self.latent_cache(y, spec, ctx, kv_norm), kv_b, spec, ctx)
+
+    def attention(self, q, kv_b, spec: MLASpec, ctx):
         b = ctx.batch
         T, H, R = q.shape[0], spec.num_heads, spec.kv_lora_rank
         q = q.reshape(T, H, spec.qk_dim)

@@ -1,5 +1,5 @@
-"""The mixture-of-experts Ops in numpy (float32): the router (RouteSpec) and the routed experts over
-stacked weights. The reference the GPU's routing, permutation and grouped-GEMM kernels are checked
+"""The mixture-of-experts op family in numpy (float32; ops.moe, models/ops.py MoEOps): the router (RouteSpec)
+and the routed experts over stacked weights. The reference the GPU's routing, permutation and grouped-GEMM kernels are checked
 against (route_topk and expert_rows are also used by those tests)."""
 from __future__ import annotations
 
@@ -54,12 +54,15 @@ def expert_rows(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarr
 
 
 class NumpyMoEOps:
-    """Mixed into NumpyOps (which provides silu_mul)."""
+    """ops.moe of the numpy executor; silu_mul: the dense ops' SwiGLU (the experts' activation)."""
+
+    def __init__(self, silu_mul):
+        self.silu_mul = silu_mul
 
     def route(self, x, gate_weight, spec: RouteSpec, bias=None):
         return route_topk(x @ gate_weight.T, spec, bias)
 
-    def moe_experts(self, x, gate_up, down, weights, ids, residual, limit=None):
+    def experts(self, x, gate_up, down, weights, ids, residual, limit=None):
         k = ids.shape[1]
         order, offsets = expert_rows(ids, gate_up.shape[0])
         out = np.array(residual, dtype=np.float32)

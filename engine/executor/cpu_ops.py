@@ -1,5 +1,6 @@
 """The Ops of engine/models/ops.py in numpy (float32), over the paged KV pool of memory/kv_pool.py,
-kv[layer, K/V, slots, Hkv, D]. This is the reference the GPU kernels are checked against."""
+kv[layer, K/V, slots, Hkv, D], and the op families the served line uses as parts (cpu_*_ops.py). This is the
+reference the GPU kernels are checked against."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,12 +8,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.batch import ModelBatch
-from engine.executor.cpu_dsv4_attention import NumpyDSV4AttentionOps
-from engine.executor.cpu_dsv4_ops import NumpyDSV4Ops
+from engine.executor.cpu_deltanet_ops import NumpyDeltaNetOps
+from engine.executor.cpu_dsv4_attention import NumpyDSV4Ops
 from engine.executor.cpu_lora_ops import NumpyLoRAOps
 from engine.executor.cpu_mla_ops import NumpyMLAOps
 from engine.executor.cpu_moe_ops import NumpyMoEOps
-from engine.executor.cpu_deltanet_ops import DeltaNetNumpyOps
 from engine.models.ops import AttentionSpec, ComposedOps
 from memory.kv_pool import BLOCK_SIZE, block_view
 
@@ -37,10 +37,30 @@ def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-class NumpyOps(NumpyLoRAOps, NumpyMoEOps, NumpyMLAOps, DeltaNetNumpyOps, NumpyDSV4Ops, NumpyDSV4AttentionOps,
-               ComposedOps):
-    def __init__(self, kv: np.ndarray):
-        self.kv = kv                        # float32 [layers, 2, slots, Hkv, D]
+class NumpyOps(ComposedOps):
+    """The dense Ops in numpy and the served line's op families as parts (None where it uses none)."""
+
+    def __init__(self, kv: np.ndarray, families: frozenset[str] = frozenset(), state: dict | None = None,
+                 lora: NumpyLoRAOps | None = None):
+        """kv: float32 [layers, planes, slots, heads, dim]; families: the line's op_families; state: its
+        state slots (memory/state_slots.py host_state); lora: the executor's adapter slots."""
+        self.kv = kv
+        self.moe = self._moe_part() if "moe" in families else None
+        self.mla = NumpyMLAOps(kv, self.rms_norm) if "mla" in families else None
+        self.deltanet = NumpyDeltaNetOps(state) if "deltanet" in families else None
+        self.dsv4 = NumpyDSV4Ops(kv) if "dsv4" in families else None
+        self.lora = lora
+
+    def _moe_part(self) -> NumpyMoEOps:
+        """The MoE part (a tensor-parallel rank's ops build their own, engine/parallel)."""
+        return NumpyMoEOps(self.silu_mul)
+
+    def use_lora(self, token_slots: np.ndarray | None) -> None:
+        """The step's token -> LoRA slot map (None: no adapter in the step)."""
+        if self.lora is not None:
+            self.lora.use(token_slots)
+        elif token_slots is not None:
+            raise ValueError("the step's LoRA slots are outside the executor's (max_loras)")
 
     def embed(self, table: np.ndarray, ctx: CpuStepContext) -> np.ndarray:
         return table[ctx.batch.input_ids].astype(np.float32)

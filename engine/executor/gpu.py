@@ -20,13 +20,13 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import DoneStep, ExecutorBase, PendingStep
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, cute_rows, cute_workspace_bytes
-from engine.executor.gpu_deltanet_ops import check_deltanet_shapes
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_host_tier import GpuHostTier
 from engine.executor.gpu_inputs import StepInputs
@@ -38,6 +38,7 @@ from engine.executor.gpu_plan import DeviceInfo, GpuPlan, gpu_plan
 from engine.executor.gpu_prefill import PrefillAttention, prefill_min_query
 from engine.executor.gpu_readback import Readback
 from engine.executor.gpu_sampler import GpuSampler, needs_processing
+from engine.executor.gpu_shared import GpuShared
 from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE, ExecutorOptions,
                                      parse_decode_kernels)
 from engine.loader import LoadedModel
@@ -52,15 +53,6 @@ from memory.weight_upload import upload_weights
 log = logging.getLogger(__name__)
 SLACK_BYTES = 64 << 20
 KV_ITEMSIZE = 2                 # bf16 KV
-
-
-def check_model_shapes(cfg) -> None:
-    """The GPU kernels' shape limits, refused at start."""
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    if H % 8 or I % 8 or D % 2 or D > 256 or Hq % Hkv or Hq // Hkv > 16:
-        raise ValueError(f"GPU kernels need hidden % 8 == 0 (got {H}), intermediate % 8 == 0 (got {I}), "
-                         f"an even head_dim <= 256 (got {D}), heads/kv_heads <= 16 (got {Hq}/{Hkv})")
 
 
 def parts_nbytes(plan: GpuPlan, cute_max_m: int, prefill_on: bool, ops=GpuOps) -> dict[str, int]:
@@ -101,6 +93,19 @@ class StepTimer:
         return float(cupy.cuda.get_elapsed_time(begin, end))
 
 
+@dataclass
+class ArenaSizes:
+    """What the executor carves: every part's bytes (parts_nbytes, the rope table, the state slots), the weights'
+    and the LoRA slots' A rows after each site's weight (gpu_lora_layout.py)."""
+    parts: dict[str, int]
+    weights: int
+    lora_rows: dict[str, int]           # site -> rows after its weight
+    lora_bytes: int
+    cute_max_m: int                     # the CuTe GEMM's row limit (gpu_gemm.cute_rows)
+    prefill_min: int | None             # the CuTe prefill attention's min query (None: paged kernel only)
+    state: object                       # the line's StateLayout (None: no per-sequence state)
+
+
 class GpuExecutor(GpuHostTier, ExecutorBase):
     supports_host_tier = True
     # the scheduler's partial prefix hits (1 token computed, not up to 16) measured not to pay here: that one-token
@@ -112,61 +117,84 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
     def __init__(self, model: LoadedModel, options: ExecutorOptions):
         options.validate()
         options.validate_for_gpu()
-        cfg = model.config
-        getattr(model.model, "check_gpu_shapes", lambda: check_model_shapes(cfg))()
-        for spec in getattr(model.model, "linear_specs", {}).values():     # hybrid lines' DeltaNet layers
-            check_deltanet_shapes(spec)
-        self.options, self.config, self.model = options, cfg, model.model
-        self.vocab_size, self.max_model_len = cfg.vocab_size, options.max_model_len
-        tuning = options.gpu
+        model.model.check_gpu_shapes()
+        self.options, self.config, self.model = options, model.config, model.model
+        self.vocab_size, self.max_model_len = model.config.vocab_size, options.max_model_len
         self.device = DeviceInfo.query()
-        plan = self.plan = gpu_plan(options, model.model, self.device)
+        self.plan = gpu_plan(options, model.model, self.device)
         self.streams = DeviceStreams()
-        stream = self.stream = self.streams.compute
+        self.stream = self.streams.compute
+        sizes = self._sizes(model)
+        self.arena = DeviceArena(self._arena_bytes(sizes))
+        lora_weights = self._upload_weights(model, sizes)
+        self._take_parts(sizes)
+        self._take_kv_pool(sizes)
+        self._build_ops(lora_weights)
+        self._host_side()
+        self._build_graphs()
+        self.stream.synchronize()
+        log.info("GPU executor on %s (%d SMs): %s", self.device.name, self.device.num_sms, self.gemm.describe())
+        log.info("%s; %d KV blocks", self.arena.summary(), self.num_kv_blocks)
+
+    def _sizes(self, model: LoadedModel) -> ArenaSizes:
+        """Every part's bytes from the plan (before anything is carved); the rope table is computed here."""
+        plan, tuning = self.plan, self.options.gpu
         # the CuTe prefill attention reads K and V planes: none for a latent (one-plane) KV layout
-        prefill_min = prefill_min_query(tuning.prefill_attention, cfg.head_dim) if plan.kv.planes == 2 else None
+        prefill_min = prefill_min_query(tuning.prefill_attention, self.config.head_dim) if plan.kv.planes == 2 else None
         cute_max_m = cute_rows(tuning.gemm)
-        inv_freq, attention_factor = rope_inv_freq(cfg, model.model.rope_dim)
         parts = parts_nbytes(plan, cute_max_m, prefill_min is not None, self.ops_class)
-        parts["rope"] = inv_freq.nbytes
-        state = model.model.state_layout()         # linear-attention lines: one state slot per sequence
-        self.num_state_slots = options.max_num_seqs if state is not None else 0
+        parts["rope"] = rope_inv_freq(self.config, self.model.rope_dim)[0].nbytes
+        state = self.model.state_layout()          # linear-attention lines: one state slot per sequence
+        self.num_state_slots = self.options.max_num_seqs if state is not None else 0
         if state is not None:
             parts["state"] = buffers_nbytes(state_buffers(state, self.num_state_slots))
-        weight_bytes = sum(int(a.size) * 2 for a in model.weights.values())
         sites = dict(plan.lora_sites)           # every slot's A rows (gpu_lora_layout.py)
-        lora_rows = {name: extra_rows(name, sites, options) for name in sites}
-        lora_a_bytes = sum(lora_rows[name] * site.k * 2 for name, site in sites.items())
-        block_bytes = plan.kv.block_bytes(KV_ITEMSIZE)
-        if options.num_kv_blocks is None:
-            arena_bytes = arena_budget(options.gpu_memory_utilization)
-        else:
-            arena_bytes = (weight_bytes + lora_a_bytes + sum(parts.values()) + options.num_kv_blocks * block_bytes
-                           + SLACK_BYTES)
-        self.arena = DeviceArena(arena_bytes)
-        # gate_up weights go up with gate and up rows interleaved in blocks of 8 (gemv.cu's fused SiLU·up)
-        interleave = cfg.intermediate_size % 8 == 0
+        lora_rows = {name: extra_rows(name, sites, self.options) for name in sites}
+        return ArenaSizes(parts=parts, weights=sum(int(a.size) * 2 for a in model.weights.values()),
+                          lora_rows=lora_rows, lora_bytes=sum(lora_rows[name] * site.k * 2 for name, site in sites.items()),
+                          cute_max_m=cute_max_m, prefill_min=prefill_min, state=state)
+
+    def _arena_bytes(self, sizes: ArenaSizes) -> int:
+        """The arena: options.gpu_memory_utilization of the device, or exactly the parts and num_kv_blocks."""
+        if self.options.num_kv_blocks is None:
+            return arena_budget(self.options.gpu_memory_utilization)
+        return (sizes.weights + sizes.lora_bytes + sum(sizes.parts.values())
+                + self.options.num_kv_blocks * self.plan.kv.block_bytes(KV_ITEMSIZE) + SLACK_BYTES)
+
+    def _upload_weights(self, model: LoadedModel, sizes: ArenaSizes) -> dict:
+        """The weights into the arena (gate_up rows interleaved in blocks of 8 for gemv.cu's fused SiLU·up);
+        returns each LoRA site's weight extended with every slot's A rows."""
+        self.gate_up_interleaved = self.config.intermediate_size % 8 == 0
         extended: dict = {}
-        self.weights = upload_weights(self.arena, model.weights.items(), self.streams, total_bytes=weight_bytes,
-                                      progress=options.progress,
-                                      interleave=lambda name: interleave and name.endswith("gate_up_proj"),
-                                      extra_rows=lambda name: lora_rows.get(name, 0), extended=extended)
-        self.gemm = self._gemm(plan, cute_max_m, parts["gemm"] - WORKSPACE_BYTES)
+        self.weights = upload_weights(self.arena, model.weights.items(), self.streams, total_bytes=sizes.weights,
+                                      progress=self.options.progress,
+                                      interleave=lambda name: self.gate_up_interleaved and name.endswith("gate_up_proj"),
+                                      extra_rows=lambda name: sizes.lora_rows.get(name, 0), extended=extended)
+        return extended
+
+    def _take_parts(self, sizes: ArenaSizes) -> None:
+        """The GEMM library, the rope table, the step inputs, the sampler, the prefill attention, the state slots."""
+        plan, stream = self.plan, self.stream
+        self.gemm = self._gemm(plan, sizes.cute_max_m, sizes.parts["gemm"] - WORKSPACE_BYTES)
+        inv_freq, self.attention_factor = rope_inv_freq(self.config, self.model.rope_dim)
         self.inv_freq = self.arena.take("rope.inv_freq", inv_freq.shape, np.float32)
         self.inv_freq.set(inv_freq, stream=stream)
         self.inputs = StepInputs(self.arena, stream, plan.max_tokens, plan.max_seqs, plan.max_blocks,
-                                 cfg.vocab_size, plan.max_model_len)
+                                 self.config.vocab_size, plan.max_model_len)
         self.sampler = GpuSampler(self.arena, plan.max_seqs, plan.vocab, stream)
-        self.prefill = None if prefill_min is None else PrefillAttention(
+        self.prefill = None if sizes.prefill_min is None else PrefillAttention(
             self.arena, stream, plan.max_tokens, plan.max_seqs, PrefillAttention.key_rows(plan),
-            plan.kv.heads, plan.kv.dim, prefill_min,
-            group=plan.num_heads // plan.kv.heads if tuning.chunk_attention else 0)
-        state_arrays = self.arena.take_all("state", state_buffers(state, self.num_state_slots)) \
-            if state is not None else None
-        # The KV pool from what is left once the ops take theirs (or exactly num_kv_blocks).
-        num_kv_blocks = options.num_kv_blocks
+            plan.kv.heads, plan.kv.dim, sizes.prefill_min,
+            group=plan.num_heads // plan.kv.heads if self.options.gpu.chunk_attention else 0)
+        self.state = (self.arena.take_all("state", state_buffers(sizes.state, self.num_state_slots))
+                      if sizes.state is not None else None)
+
+    def _take_kv_pool(self, sizes: ArenaSizes) -> None:
+        """The KV pool from what is left once the ops take theirs (or exactly num_kv_blocks)."""
+        plan = self.plan
+        num_kv_blocks = self.options.num_kv_blocks
         if num_kv_blocks is None:
-            num_kv_blocks = pool_blocks(plan.kv, KV_ITEMSIZE, self.arena.free_bytes - parts["ops"] - SLACK_BYTES)
+            num_kv_blocks = pool_blocks(plan.kv, KV_ITEMSIZE, self.arena.free_bytes - sizes.parts["ops"] - SLACK_BYTES)
         if num_kv_blocks < 1:
             raise MemoryError("no device memory left for the KV cache: raise gpu_memory_utilization "
                               "or lower max_num_batched_tokens")
@@ -174,39 +202,44 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
             log.warning("KV pool of %d blocks holds less than one max_model_len sequence (%d blocks)",
                         num_kv_blocks, plan.max_blocks)
         self.num_kv_blocks = int(num_kv_blocks)
-        self.kv_block_bytes = block_bytes
+        self.kv_block_bytes = plan.kv.block_bytes(KV_ITEMSIZE)
         self.kv_cache = self.arena.take("kv", plan.kv.pool_shape(self.num_kv_blocks), np.uint16)
-        lm_head = self.weights["embed_tokens" if cfg.tie_word_embeddings else "lm_head"]
-        fast_attention, self.gemm.gemv_max_m = parse_decode_kernels(tuning.decode_kernels, self.default_gemv_rows())
-        self.ops = self.ops_class(self.arena, self.gemm, self.kv_cache, self.inv_freq, attention_factor, plan.max_tokens,
-                          plan.width, plan.hidden, plan.vocab, plan.logit_rows, plan.num_heads, plan.head_dim,
-                          lm_head.data.ptr, stream, plan.device.num_sms, fast_attention=fast_attention)
-        self.ops.lora_weights = extended
-        self.ops.take_sparse(self.arena, plan)
-        self.ops.layer_ranges, self.ops.op_ranges = tuning.nvtx in ("layers", "ops"), tuning.nvtx == "ops"
-        self.ops.gate_up_interleaved = interleave
-        if state_arrays is not None:
-            self.ops.state = state_arrays
-        self.mapped_copy = MappedCopy(stream)      # read-backs (and uploads while a restore copies): no copy engine
+
+    def _build_ops(self, lora_weights: dict) -> None:
+        """The ops over the parts every op family shares (GpuShared), their buffers carved last."""
+        self.gemm.gemv_max_m = parse_decode_kernels(self.options.gpu.decode_kernels, self.default_gemv_rows())[1]
+        shared = GpuShared.take(self.arena, self.plan, stream=self.stream, gemm=self.gemm, kv_cache=self.kv_cache,
+                                inv_freq=self.inv_freq, attention_factor=self.attention_factor,
+                                gate_up_interleaved=self.gate_up_interleaved)
+        lm_head = self.weights["embed_tokens" if self.config.tie_word_embeddings else "lm_head"]
+        self.ops = self._ops(shared, lm_head.data.ptr, lora_weights)
+
+    def _ops(self, shared: GpuShared, lm_head_ptr: int, lora_weights: dict) -> GpuOps:
+        return self.ops_class(self.plan, shared, self.arena, lm_head_ptr, lora_weights=lora_weights, state=self.state)
+
+    def _host_side(self) -> None:
+        """Read-backs (and uploads while a restore copies: mapped_copy, no copy engine), the host KV tier,
+        the step timer."""
+        self.mapped_copy = MappedCopy(self.stream)
         self.host_kv, self._kv_events = None, None
-        if options.host_kv_blocks:
-            self.enable_host_tier(options.host_kv_blocks)
+        if self.options.host_kv_blocks:
+            self.enable_host_tier(self.options.host_kv_blocks)
         self.last_host_s, self._fed = 0.0, False
-        self.readback = Readback(plan.max_seqs, stream, self.mapped_copy)
-        self.timer = StepTimer(stream) if options.time_steps else None
-        graphs_on = options.cuda_graphs and getattr(self.model, "cuda_graphs", True)
+        self.readback = Readback(self.plan.max_seqs, self.stream, self.mapped_copy)
+        self.timer = StepTimer(self.stream) if self.options.time_steps else None
+
+    def _build_graphs(self) -> None:
+        """Decode graphs (and a second set for steps with LoRA adapters: the same forward with lora_shrink /
+        lora_expand), and the piecewise graphs of eager steps where the line takes them."""
+        options, model = self.options, self.model
+        graphs_on = options.cuda_graphs and model.cuda_graphs
         if options.cuda_graphs and not graphs_on:
-            log.info("%s: eager steps only (the line's ops are not graph-capturable)", cfg.model_type)
+            log.info("%s: eager steps only (the line's ops are not graph-capturable)", self.config.model_type)
         self.graphs = self._graphs() if graphs_on else None
-        # decode graphs of steps with LoRA adapters: the same forward with lora_shrink / lora_expand
-        self.lora_graphs = self._graphs() if graphs_on and plan.lora_sites else None
-        piecewise = (graphs_on and options.tensor_parallel_size == 1
-                     and getattr(self.model, "piecewise_graphs", False))
-        buckets = eager_buckets(plan.max_tokens, tuning.eager_graph_tokens) if piecewise else []
-        self.piecewise = PiecewiseGraphs(self.model, self.ops, self.weights, stream, buckets) if buckets else None
-        stream.synchronize()
-        log.info("GPU executor on %s (%d SMs): %s", self.device.name, self.device.num_sms, self.gemm.describe())
-        log.info("%s; %d KV blocks", self.arena.summary(), self.num_kv_blocks)
+        self.lora_graphs = self._graphs() if graphs_on and self.plan.lora_sites else None
+        piecewise = graphs_on and options.tensor_parallel_size == 1 and model.piecewise_graphs
+        buckets = eager_buckets(self.plan.max_tokens, options.gpu.eager_graph_tokens) if piecewise else []
+        self.piecewise = PiecewiseGraphs(model, self.ops, self.weights, self.stream, buckets) if buckets else None
 
     def _gemm(self, plan: GpuPlan, cute_max_m: int, cute_bytes: int) -> Gemm:
         tuning = plan.options.gpu
@@ -225,7 +258,9 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
     def set_lora(self, slot: int, adapter) -> None:
         """Load a LoRA adapter into one of the options.max_loras slots (None: empty it), queued on the
         compute stream behind the steps already launched (gpu_lora_ops.py)."""
-        self.ops.set_lora_slot(slot, adapter)
+        if self.ops.lora is None:
+            super().set_lora(slot, adapter)
+        self.ops.lora.set_slot(slot, adapter)
 
     # ---- graph warm-up (the engine calls it while idle) -------------------------------------------
     def warm_up(self) -> bool:

@@ -65,9 +65,9 @@ class ChunkKernel:
         """out rows of the tiles' tokens = their attention over the paged cache (q [T, Hq, D], out [T, Hq·D])."""
         from openinfer_kernels.raw_cuda.launch import launch
 
-        Hkv = spec.num_kv_heads
-        S = chunk_splits(num_tiles, self.tokens, Hkv, max_context, ops.max_tokens + 2 * ops.num_sms, ops.num_sms)
-        kc, vc = ops.kv_cache[spec.layer, 0], ops.kv_cache[spec.layer, 1]
+        Hkv, sh = spec.num_kv_heads, ops.shared
+        S = chunk_splits(num_tiles, self.tokens, Hkv, max_context, sh.max_tokens + 2 * sh.num_sms, sh.num_sms)
+        kc, vc = sh.kv_cache[spec.layer, 0], sh.kv_cache[spec.layer, 1]
         launch(self.attend, (num_tiles, S, Hkv), (128,),
                (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq, ctx.positions,
                 tiles, ops.part_out, ops.part_max, ops.part_sum, out, np.int32(Hkv), np.float32(spec.scale)),

@@ -1,5 +1,6 @@
-"""The hybrid lines' Ops (Gated DeltaNet + gated attention, engine/models/ops.py) on the GPU; GpuOps
-inherits them. Raw CUDA kernels, one launch each:
+"""The hybrid lines' op family (Gated DeltaNet + gated attention: ops.deltanet, models/ops.py DeltaNetOps) on the
+GPU, a part GpuOps builds for a line with per-sequence state, over the executor's GpuShared. Raw CUDA kernels,
+one launch each:
   causal_conv1d      causal_conv1d.cu          conv over the window + SiLU, the window's update
   gated_delta_rule   gated_delta_rule.cu       decode steps: the one-step recurrence
                                                other steps: the chunk-parallel form, CHUNK tokens per chunk
@@ -15,7 +16,6 @@ from __future__ import annotations
 import numpy as np
 
 from openinfer_kernels.raw_cuda import kernel
-from openinfer_kernels.raw_cuda.launch import launch
 
 CHUNK = 64                  # gated_delta_rule.cu CHUNK (= cpu_deltanet_ops.CHUNK)
 VB = 32                     # value columns per CTA of both delta-rule entries
@@ -39,66 +39,66 @@ def check_deltanet_shapes(spec) -> None:
                          f"{spec.num_v_heads}/{spec.num_k_heads}) and a conv width <= 8 (got {spec.conv_kernel})")
 
 
-class DeltaNetGpuOps:
-    state: dict | None = None       # set by the executor for lines that declare state
+class GpuDeltaNetOps:
+    """ops.deltanet on the GPU; state: the executor's state slots (memory/state_slots.py)."""
 
-    def _deltanet_kernel(self, name: str, entry: str, **defines: int):
+    def __init__(self, shared, state: dict | None):
+        self.shared, self.state = shared, state
+        self._kernels: dict[tuple, object] = {}
+
+    def _kernel(self, name: str, entry: str, **defines: int):
         """A compiled entry, cached per compile-time constants; the chunked entry may use more than
         48 KB of dynamic shared memory."""
-        cache = self.__dict__.setdefault("_deltanet_kernels", {})
         key = (name, entry, tuple(sorted(defines.items())))
-        if key not in cache:
+        if key not in self._kernels:
             k = kernel(name, entry, **defines)
             if entry == "gated_delta_rule_chunked":
                 k.max_dynamic_shared_size_bytes = chunked_smem_bytes(defines["DK"])
-            cache[key] = k
-        return cache[key]
-
-    def _launch_with_smem(self, k, grid, block, args, shared_mem: int) -> None:
-        launch(k, grid, block, args, self.stream, pdl=self.pdl, shared_mem=shared_mem)
+            self._kernels[key] = k
+        return self._kernels[key]
 
     def causal_conv1d(self, proj, weight, spec, ctx):
-        T, C = ctx.num_tokens, spec.conv_dim
-        out = self._out(T, C)
-        k = self._deltanet_kernel("causal_conv1d", "causal_conv1d", CONV_K=spec.conv_kernel)
-        self._launch(k, (-(-C // 256), ctx.state_slots.shape[0]), (256,),
-                     (proj, np.int32(proj.shape[1]), weight, self.state["conv"][spec.layer], out, ctx.cu_seqlens,
-                      ctx.positions, ctx.state_slots, np.int32(C)))
+        T, C, sh = ctx.num_tokens, spec.conv_dim, self.shared
+        out = sh.out(T, C)
+        k = self._kernel("causal_conv1d", "causal_conv1d", CONV_K=spec.conv_kernel)
+        sh.launch(k, (-(-C // 256), ctx.state_slots.shape[0]), (256,),
+                  (proj, np.int32(proj.shape[1]), weight, self.state["conv"][spec.layer], out, ctx.cu_seqlens,
+                   ctx.positions, ctx.state_slots, np.int32(C)))
         return out
 
     def gated_delta_rule(self, x, proj, a_log, dt_bias, spec, ctx):
-        T, Hv, Dv = ctx.num_tokens, spec.num_v_heads, spec.v_dim
-        out = self._out(T, Hv * Dv)
+        T, Hv, Dv, sh = ctx.num_tokens, spec.num_v_heads, spec.v_dim, self.shared
+        out = sh.out(T, Hv * Dv)
         head = (x, proj, np.int32(proj.shape[1]), np.int32(spec.b_offset), np.int32(spec.a_offset), a_log, dt_bias,
                 self.state["recurrent"][spec.layer], out)
         tail = (np.int32(spec.num_k_heads), np.int32(Hv), np.int32(Dv), np.float32(spec.k_dim ** -0.5))
         blocks = -(-Dv // VB)
         if ctx.decode_only:
-            k = self._deltanet_kernel("gated_delta_rule", "gated_delta_rule_decode", DK=spec.k_dim)
-            self._launch(k, (blocks, Hv, T), (DECODE_THREADS,), head + (ctx.positions, ctx.state_slots) + tail)
+            k = self._kernel("gated_delta_rule", "gated_delta_rule_decode", DK=spec.k_dim)
+            sh.launch(k, (blocks, Hv, T), (DECODE_THREADS,), head + (ctx.positions, ctx.state_slots) + tail)
         else:
-            k = self._deltanet_kernel("gated_delta_rule", "gated_delta_rule_chunked", DK=spec.k_dim)
-            self._launch_with_smem(k, (blocks, Hv, ctx.state_slots.shape[0]), (CHUNK_THREADS,),
-                                   head + (ctx.cu_seqlens, ctx.positions, ctx.state_slots) + tail,
-                                   chunked_smem_bytes(spec.k_dim))
+            k = self._kernel("gated_delta_rule", "gated_delta_rule_chunked", DK=spec.k_dim)
+            sh.launch(k, (blocks, Hv, ctx.state_slots.shape[0]), (CHUNK_THREADS,),
+                      head + (ctx.cu_seqlens, ctx.positions, ctx.state_slots) + tail,
+                      shared_mem=chunked_smem_bytes(spec.k_dim))
         return out
 
     def gated_rms_norm(self, x, proj, weight, spec):
-        T, Hv, Dv = x.shape[0], spec.num_v_heads, spec.v_dim
-        out = self._out(T, Hv * Dv)
+        T, Hv, Dv, sh = x.shape[0], spec.num_v_heads, spec.v_dim, self.shared
+        out = sh.out(T, Hv * Dv)
         rows = T * Hv
-        k = self._deltanet_kernel("gated_rms_norm", "gated_rms_norm")
-        self._launch(k, (-(-rows // 4),), (128,),
-                     (x, np.uint64(proj.data.ptr + 2 * spec.z_offset), np.int32(proj.shape[1]), weight, out,
-                      np.int32(rows), np.int32(Hv), np.int32(Dv), np.float32(spec.rms_eps)))
+        k = self._kernel("gated_rms_norm", "gated_rms_norm")
+        sh.launch(k, (-(-rows // 4),), (128,),
+                  (x, np.uint64(proj.data.ptr + 2 * spec.z_offset), np.int32(proj.shape[1]), weight, out,
+                   np.int32(rows), np.int32(Hv), np.int32(Dv), np.float32(spec.rms_eps)))
         return out
 
     def sigmoid_gate(self, x, gate):
         T, n = x.shape
         if n % 8:
             raise ValueError(f"sigmoid_gate.cu takes rows of a multiple of 8 values, got {n}")
-        out = self._out(T, n)
+        out = self.shared.out(T, n)
         total = T * n // 8
-        k = self._deltanet_kernel("sigmoid_gate", "sigmoid_gate")
-        self._launch(k, (max(1, min(4096, -(-total // 256))),), (256,), (x, gate, out, np.int64(total)))
+        k = self._kernel("sigmoid_gate", "sigmoid_gate")
+        self.shared.launch(k, (max(1, min(4096, -(-total // 256))),), (256,), (x, gate, out, np.int64(total)))
         return out

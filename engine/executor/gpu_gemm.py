@@ -266,6 +266,25 @@ class Gemm:
                 null if res_in is None else res_in, np.float32(eps), np.int32(row_stride(w)))
         launch(self._gemv[key], (ctas,), (256,), args, self.stream, pdl=pdl)
 
+    def strided_batched(self, op_a: int, m: int, n: int, k: int, a, a_off: int, lda: int, stride_a: int,
+                        b, b_off: int, ldb: int, stride_b: int, c, ldc: int, stride_c: int, batch: int) -> None:
+        """cuBLAS strided-batched GEMM, column-major: C_i [m, n] = op(A_i) · B_i for i < batch, A and B bf16
+        (offsets and strides in values), C bf16 or float32 (from its dtype), fp32 accumulation (MLA's
+        per-head absorptions, gpu_mla_ops.py)."""
+        ctype = CUDA_R_32F if c.dtype == np.float32 else CUDA_R_16BF
+        args = [op_a, CUBLAS_OP_N, m, n, k, self._alpha.ctypes.data, a.data.ptr + 2 * a_off, CUDA_R_16BF, lda,
+                stride_a, b.data.ptr + 2 * b_off, CUDA_R_16BF, ldb, stride_b, self._beta.ctypes.data, c.data.ptr, ctype,
+                ldc, stride_c, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT]
+        if self.lib is None:
+            with self.stream:           # CuPy binds the handle to its current stream at each call
+                self._cublas.gemmStridedBatchedEx(self.handle, *args)
+            return
+        fn = self.lib.cublasGemmStridedBatchedEx
+        p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        fn.argtypes = [p, i, i, i, i, i, p, p, i, i, ll, p, i, i, ll, p, p, i, i, ll, i, i, i]
+        fn.restype = i
+        self._check(fn(self.handle, *args), "cublasGemmStridedBatchedEx")
+
     def close(self) -> None:
         if self.handle:
             if self.lib is not None:

@@ -88,13 +88,10 @@ class DecodeGraphs:
     def _body(self, ctx, sampling: bool):
         ops = self.ops
         ops.reset()
-        ops.pdl = self.pdl
-        try:
+        with ops.pdl_launches(self.pdl):
             hidden = self.model.forward(ops, self.weights, ctx)
             rows = ops.gather_rows(hidden, ctx.sample_rows)
             logits = self.model.compute_logits(ops, self.weights, rows)
-        finally:
-            ops.pdl = False
         if sampling:
             self.sampler.graph_tail(logits, ctx.num_tokens)
         else:

@@ -1,5 +1,5 @@
-"""LoRA on the GPU, mixed into GpuOps (it provides _launch, stream, pdl and gate_up_interleaved): the
-adapter slots in the arena, the step's token -> slot map and the LoRA ops as two raw CUDA kernels per
+"""LoRA on the GPU (ops.lora; models/ops.py LoRAOps), a part GpuOps builds with --enable-lora over the executor's
+GpuShared; the dense ops call it at each projection that names a LoRA site. The adapter slots in the arena, the step's token -> slot map and the LoRA ops as two raw CUDA kernels per
 packed projection, vLLM V1's design: lora_shrink.cu (x · A of every slice, q/k/v or gate/up in one
 launch, split in K into float32 partials) and lora_expand.cu (the partials summed, · B, scaled, and one
 epilogue: added into the projection's bf16 output, into a split-K GEMM's first float32 partial before
@@ -13,7 +13,7 @@ max_lora_rank padded to 8 (zero ranks past an adapter's own), B's rows in the ex
 (gate_up interleaved like its weight) with lora_alpha / r folded in. A lives in the rows after the site's
 weight (the executor uploads each site's weight into [N + max_loras · slices · R, K]: the model sees the
 first N rows), so one product by the extended weight computes the base output and every slot's shrink.
-`set_lora_slot` fills one slot, queued on the compute stream behind the steps already launched.
+`set_slot` fills one slot, queued on the compute stream behind the steps already launched.
 
 Steps of at most FUSED_MAX_ROWS rows (decode) take that extended product where its extra columns are at
 most FUSED_MAX_EXTRA of the site's: q/k/v and gate/up then pay one kernel after the product (lora_expand.cu
@@ -21,11 +21,11 @@ reading the shrink from the product's output: the delta added and the columns co
 o/down none (rms_norm.cu's splitk_rms_norm_residual_lora adds the delta in the split-K reduction that
 already adds the residual and applies the next norm). Larger steps run lora_shrink + lora_expand.
 
-Per step (`use_lora`, from the executor's upload): the token -> slot map grouped by slot on the host
+Per step (`use`, from the executor's upload): the token -> slot map grouped by slot on the host
 (order: the tokens of slot 0, then slot 1, ..., then the rows without an adapter; starts: where each
 group begins) into a static device buffer, so the batch keeps its order and a decode graph reads the map
 at fixed addresses; the kernels' grids depend on the step's rows alone (padded to the graph's bucket).
-A step without adapters sets nothing (`lora` None) and its forward takes the dense paths unchanged.
+A step without adapters sets nothing (`step` None) and its forward takes the dense paths unchanged.
 """
 from __future__ import annotations
 
@@ -34,10 +34,12 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from openinfer_kernels.raw_cuda import kernel
-from openinfer_kernels.raw_cuda.launch import launch
+from engine.executor.gpu_gemm import interleave_gate_up
 from engine.executor.gpu_lora_layout import FUSED_MAX_ROWS, extra_rows, fused_site, padded_rank
+from engine.executor.gpu_shared import splitk_norm_threads
+from openinfer_kernels.raw_cuda import kernel
 from memory.device_arena import Buffer, buffers_nbytes
+from memory.streams import PinnedTwins
 
 TILE_TOKENS = 8             # lora_shrink.cu / lora_expand.cu TT
 SMALL_TILE_TOKENS = 4       # lora_expand.cu TT in steps of at most FUSED_MAX_ROWS rows (more CTAs, shorter threads)
@@ -94,21 +96,42 @@ class GpuLoRAStep:
 
 
 class GpuLoRAOps:
-    lora = None             # this step's GpuLoRAStep (None: no adapter in the step)
-    lora_w: dict = {}       # site -> (A, B) device arrays (empty: LoRA off)
-    lora_weights: dict = {} # site -> its extended weight [N + extra rows, K] (the upload)
-    lora_full: dict = {}    # the sites of lora_weights whose small steps take the extended product
-    # Decode steps add the q/k/v delta inside paged_decode.cu's fused rope + attention entry (its _lora
-    # entry reads the extended product's rows) instead of a compacting lora_expand.cu launch before it.
-    # Batch 1 / 4 adapters: +6.2% -> +4.7% of the graph step; batch 32 unchanged (lora.md, 2026-12-04 19:27).
-    lora_in_attention = True
+    """ops.lora on the GPU: weights, site -> its weight extended with every slot's A rows (the upload); norm: the
+    dense ops' rms_norm (a product whose GEMM takes no norm prologue runs it first)."""
     # Threads of the split-K LoRA norm (rms_norm.cu splitk_rms_norm_residual_lora, at most
     # SPLITK_LORA_THREADS): a thread per 8 columns sums the partials, the warps past them compute the delta.
     # 1,024 threads at 64 registers take a whole SM's register file (bench/lora.py --norm-threads compares).
-    lora_norm_threads = SPLITK_LORA_THREADS
+    norm_threads = SPLITK_LORA_THREADS
+
+    def __init__(self, plan, shared, arena, weights: dict, norm):
+        """Carve the LoRA slots (A: the rows after each site's weight, zeroed, so the extended product's columns
+        of an empty slot are zeros) and load the kernels."""
+        bad = [name for name, site in plan.lora_sites if site.k % 8]
+        if bad:
+            raise ValueError(f"GPU LoRA kernels need input widths % 8 == 0; {bad[0]} has {dict(plan.lora_sites)[bad[0]].k}")
+        missing = [name for name, _ in plan.lora_sites if name not in weights]
+        if missing:
+            raise ValueError(f"LoRA site {missing[0]}: no extended weight from the executor's upload")
+        self.shared, self.norm = shared, norm
+        b = arena.take_all("lora", self.buffers(plan))
+        sites = self.sites = dict(plan.lora_sites)
+        self.num_slots, self.rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
+        self.w = {name: (weights[name][site.n:].reshape(self.num_slots, len(site.slices) * self.rank, site.k),
+                         b[f"{name}.b"]) for name, site in sites.items()}      # site -> (A, B) of every slot
+        self.full = {name: weights[name] for name, site in sites.items()
+                     if fused_site(site, plan.options)}   # the sites whose small steps take the extended product
+        for a, _ in self.w.values():           # an empty slot's shrink columns: zeros, never read
+            shared.zero(a)
+        self.shrunk, self.map, self.wide = b["shrunk"], b["slot_map"], b["wide"]
+        self.hosts = PinnedTwins(self.map.shape, np.int32)      # staging used in turn
+        self.step: GpuLoRAStep | None = None    # this step's slot map (None: no adapter in the step)
+        self.k_shrink = kernel("lora_shrink", "lora_shrink")
+        self.k_expand = kernel("lora_expand", "lora_expand")
+        self.k_expand_small = kernel("lora_expand", "lora_expand", TT=SMALL_TILE_TOKENS)
+        self.k_rms_splitk = kernel("rms_norm", "splitk_rms_norm_residual_lora", LORA_R=self.rank)
 
     @staticmethod
-    def lora_buffers(plan) -> list[Buffer]:
+    def buffers(plan) -> list[Buffer]:
         """Every site's B slots (A: in the rows after its weight), the shrink's float32 rows, the extended
         products' outputs of small steps and the step's slot maps."""
         if not plan.lora_sites:
@@ -125,152 +148,102 @@ class GpuLoRAOps:
                       Buffer("slot_map", (2 * plan.max_tokens + slots + 2,), np.int32)]
 
     @classmethod
-    def lora_nbytes(cls, plan) -> int:
-        return buffers_nbytes(cls.lora_buffers(plan))
+    def nbytes(cls, plan) -> int:
+        return buffers_nbytes(cls.buffers(plan))
 
-    def take_lora(self, arena, plan) -> None:
-        """Carve the LoRA slots (none without --enable-lora; A: the rows after each site's weight, zeroed, so
-        the extended product's columns of an empty slot are zeros) and load the kernels."""
-        self.lora, self.lora_w = None, {}
-        if not plan.lora_sites:
-            return
-        bad = [name for name, site in plan.lora_sites if site.k % 8]
-        if bad:
-            raise ValueError(f"GPU LoRA kernels need input widths % 8 == 0; {bad[0]} has {dict(plan.lora_sites)[bad[0]].k}")
-        missing = [name for name, _ in plan.lora_sites if name not in self.lora_weights]
-        if missing:
-            raise ValueError(f"LoRA site {missing[0]}: no extended weight from the executor's upload")
-        b = arena.take_all("lora", self.lora_buffers(plan))
-        sites = self.lora_sites = dict(plan.lora_sites)
-        slots, rank = plan.options.max_loras, padded_rank(plan.options.max_lora_rank)
-        self.lora_w = {name: (self.lora_weights[name][site.n:].reshape(slots, len(site.slices) * rank, site.k),
-                              b[f"{name}.b"]) for name, site in sites.items()}
-        self.lora_full = {name: self.lora_weights[name] for name, site in sites.items()
-                          if fused_site(site, plan.options)}
-        import cupy
-
-        for a, _ in self.lora_w.values():           # an empty slot's shrink columns: zeros, never read
-            cupy.cuda.runtime.memsetAsync(a.data.ptr, 0, a.nbytes, self.stream.ptr)
-        self.lora_shrunk, self.lora_map, self.lora_wide = b["shrunk"], b["slot_map"], b["wide"]
-        self.lora_num_slots, self.lora_rank = slots, rank
-        from memory.streams import PinnedTwins
-        self.lora_hosts = PinnedTwins(self.lora_map.shape, np.int32)      # staging used in turn
-        self.k_lora_shrink = kernel("lora_shrink", "lora_shrink")
-        self.k_lora_expand = kernel("lora_expand", "lora_expand")
-        self.k_lora_expand_small = kernel("lora_expand", "lora_expand", TT=SMALL_TILE_TOKENS)
-        self.k_rms_splitk_lora = kernel("rms_norm", "splitk_rms_norm_residual_lora", LORA_R=rank)
-
-    def set_lora_slot(self, slot: int, adapter) -> None:
+    def set_slot(self, slot: int, adapter) -> None:
         """Load a LoRA adapter (engine/lora.py LoRAAdapter) into a slot, or empty it (None)."""
-        from engine.executor.gpu_gemm import interleave_gate_up
-
-        rank = self.lora_rank
-        for name, site in self.lora_sites.items():
-            a = np.zeros((len(site.slices), rank, site.k), np.float32)
-            b = np.zeros((site.n, rank), np.float32)
+        for name, site in self.sites.items():
+            a = np.zeros((len(site.slices), self.rank, site.k), np.float32)
+            b = np.zeros((site.n, self.rank), np.float32)
             w = None if adapter is None else adapter.sites.get(name)
             if w is not None:
                 a[:, :w.a.shape[1]] = w.a
                 b[:, :w.b.shape[1]] = w.b
-            if name.endswith("gate_up_proj") and self.gate_up_interleaved:
+            if name.endswith("gate_up_proj") and self.shared.gate_up_interleaved:
                 b = interleave_gate_up(b)
-            a_dev, b_dev = self.lora_w[name]
-            a_dev[slot].set(bf16_bits(a).reshape(a_dev.shape[1:]), stream=self.stream)
-            b_dev[slot].set(bf16_bits(b), stream=self.stream)
+            a_dev, b_dev = self.w[name]
+            a_dev[slot].set(bf16_bits(a).reshape(a_dev.shape[1:]), stream=self.shared.stream)
+            b_dev[slot].set(bf16_bits(b), stream=self.shared.stream)
 
-    def use_lora(self, token_slots: np.ndarray | None, rows: int) -> None:
+    def use(self, token_slots: np.ndarray | None, rows: int) -> None:
         """Before a step's forward: its token -> slot map (-1: no adapter; None: no adapter in the step)
         grouped by slot into the static buffer; rows: the step's rows (a decode graph's bucket)."""
         if token_slots is None:
-            self.lora = None
+            self.step = None
             return
-        if not self.lora_w:
-            raise ValueError("a step with LoRA adapters on an executor without LoRA slots (max_loras = 0)")
         import cupy
 
-        slots = self.lora_num_slots
-        tm = (self.lora_map.shape[0] - slots - 2) // 2
+        slots = self.num_slots
+        tm = (self.map.shape[0] - slots - 2) // 2
         if token_slots.size and int(token_slots.max()) >= slots:
             raise ValueError(f"LoRA slot {int(token_slots.max())} is outside the executor's {slots} (max_loras)")
         if token_slots.size < rows:                 # a graph's padding rows: no adapter
             token_slots = np.concatenate([token_slots, np.full(rows - token_slots.size, -1, token_slots.dtype)])
-        h = self.lora_hosts.take()                  # [order (tm) | token slots (tm) | starts]
+        h = self.hosts.take()                       # [order (tm) | token slots (tm) | starts]
         order, starts = group_by_slot(token_slots, slots)
         h[:order.size], h[tm:tm + order.size], h[2 * tm:] = order, token_slots, starts
-        runtime, dev = cupy.cuda.runtime, self.lora_map
+        runtime, dev = cupy.cuda.runtime, self.map
         for at, count in ((0, order.size), (tm, order.size), (2 * tm, slots + 2)):
             runtime.memcpyAsync(dev[at:].data.ptr, h[at:].ctypes.data, count * 4, runtime.memcpyHostToDevice,
-                                self.stream.ptr)
-        self.lora_hosts.sent(self.stream)
-        self.lora = GpuLoRAStep(order=dev[:tm], starts=dev[2 * tm:], token_slots=dev[tm:2 * tm],
+                                self.shared.stream.ptr)
+        self.hosts.sent(self.shared.stream)
+        self.step = GpuLoRAStep(order=dev[:tm], starts=dev[2 * tm:], token_slots=dev[tm:2 * tm],
                                 tiles=-(-rows // TILE_TOKENS))
 
-    def lora_on(self, site) -> bool:
+    def on(self, site) -> bool:
         """Whether the step runs adapters and `site` is a LoRA site (a fused op then composes)."""
-        return self.lora is not None and site in self.lora_w
+        return self.step is not None and site in self.w
 
-    def lora_fused(self, site, rows: int) -> bool:
+    def fused(self, site, rows: int) -> bool:
         """Whether this step's product at `site` is by the extended weight (small steps, FUSED_MAX_ROWS)."""
-        return self.lora is not None and site in self.lora_full and rows <= FUSED_MAX_ROWS
+        return self.step is not None and site in self.full and rows <= FUSED_MAX_ROWS
 
     # ---- small steps: the extended product, the delta in the kernel after it ----------------------
     def _wide(self, rows: int, cols: int, dtype):
-        buf = self.lora_wide if dtype == np.float32 else self.lora_wide.view(np.uint16)
+        buf = self.wide if dtype == np.float32 else self.wide.view(np.uint16)
         return buf[: rows * cols].reshape(rows, cols)
 
-    def _extended_product(self, x, norm_weight, eps, site, normed):
+    def extended_product(self, x, norm_weight, eps, site, normed):
         """x (RMSNorm'd by norm_weight where normed is None) · the extended weightᵀ: [T, N + extra] bf16."""
-        full = self.lora_full[site]
+        full, gemm = self.full[site], self.shared.gemm
         wide = self._wide(x.shape[0], full.shape[0], np.uint16)
-        if normed is None and self.gemm.gemv_serves(x, full):
-            self.gemm.gemv(x, full, wide, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+        if normed is None and gemm.gemv_serves(x, full):
+            gemm.gemv(x, full, wide, "norm", norm_w=norm_weight, eps=eps, pdl=self.shared.pdl)
         else:
             if normed is None:
-                normed, _ = self.rms_norm(x, norm_weight, eps)
-            self.gemm(normed, full, wide, pdl=self.pdl)
+                normed, _ = self.norm(x, norm_weight, eps)
+            gemm(normed, full, wide, pdl=self.shared.pdl)
         return wide
 
-    def lora_norm_linear(self, x, norm_weight, eps, site, normed=None):
+    def attention_rows(self, wide, site) -> tuple:
+        """rope_paged_decode_attention_lora's row arguments for the extended q/k/v product `wide`."""
+        return wide, np.int32(wide.shape[1]), self.step.token_slots, self.w[site][1]
+
+    def norm_linear(self, x, norm_weight, eps, site, normed=None):
         """The projection of rmsnorm(x) (or ``normed``) with the step's adapters' deltas: the extended
         product, then lora_expand.cu compacting its first N columns with the delta added."""
-        wide = self._extended_product(x, norm_weight, eps, site, normed)
-        out = self._out(x.shape[0], self.lora_sites[site].n)
+        wide = self.extended_product(x, norm_weight, eps, site, normed)
+        out = self.shared.out(x.shape[0], self.sites[site].n)
         self._expand_wide(wide, site, EXPAND_COPY, out)
         return out
 
-    def qkv_rope_attention(self, x, norm_weight, eps, weight, bias, spec, ctx, normed=None, q_norm=None, k_norm=None,
-                           lora=None):
-        """A decode step with adapters (lora_in_attention): the q/k/v product by the extended weight, then
-        paged_decode.cu's rope_paged_decode_attention_lora adding each row's delta in its prologue; else
-        the composition (norm_linear, rope_attention)."""
-        rows = x.shape[0]
-        fused = None
-        if (self.lora_in_attention and bias is None and self.lora_fused(lora, rows)
-                and len(self.lora_sites[lora].slices) == 3):
-            fused = self._rope_decode_kernel(spec, ctx, "rope_paged_decode_attention_lora", LORA_R=self.lora_rank)
-        if fused is None:
-            return super().qkv_rope_attention(x, norm_weight, eps, weight, bias, spec, ctx, normed=normed,
-                                              q_norm=q_norm, k_norm=k_norm, lora=lora)
-        wide = self._extended_product(x, norm_weight, eps, lora, normed)
-        return self._rope_decode(fused, (wide, np.int32(wide.shape[1]), self.lora.token_slots, self.lora_w[lora][1]),
-                                 spec, ctx, q_norm, k_norm)
-
-    def lora_norm_swiglu(self, x, norm_weight, eps, site, normed=None):
+    def norm_swiglu(self, x, norm_weight, eps, site, normed=None):
         """SiLU(gate)·up of the gate_up projection with the deltas added first: the extended product, then
         lora_expand.cu's SiLU·up with the delta."""
-        wide = self._extended_product(x, norm_weight, eps, site, normed)
-        act = self._out(x.shape[0], self.lora_sites[site].n // 2)
+        wide = self.extended_product(x, norm_weight, eps, site, normed)
+        act = self.shared.out(x.shape[0], self.sites[site].n // 2)
         self._expand_wide(wide, site, EXPAND_SWIGLU, act)
         return act
 
-    def lora_add_linear_norm(self, x, site, residual, norm_weight, eps):
+    def add_linear_norm(self, x, site, residual, norm_weight, eps):
         """(residual + x · Wᵀ + delta, its RMSNorm by norm_weight): the extended product (gemv.cu in
         float32, or the CuTe GEMM's split-K partials, or cuBLAS in float32), then one reduction kernel
         (rms_norm.cu splitk_rms_norm_residual_lora) that adds the delta, the residual and norms."""
-        full, (_, b) = self.lora_full[site], self.lora_w[site]
-        T, n, ld = x.shape[0], self.lora_sites[site].n, self.lora_full[site].shape[0]
-        gemv = self.gemm.gemv_serves(x, full)
-        partials = None if gemv else self.gemm.cute_partials(x, full, residual)
+        full, (_, b), sh = self.full[site], self.w[site], self.shared
+        T, n, ld = x.shape[0], self.sites[site].n, full.shape[0]
+        gemv = sh.gemm.gemv_serves(x, full)
+        partials = None if gemv else sh.gemm.cute_partials(x, full, residual)
         if partials is not None:
             if tuple(partials.shape[1:]) != (T, ld) or tuple(partials.strides[1:]) != (ld, 1):
                 raise ValueError(f"split-K partials {partials.shape} / {partials.strides}: not [S, {T}, {ld}] rows")
@@ -278,95 +251,94 @@ class GpuLoRAOps:
         else:
             wide = self._wide(T, ld, np.float32)
             if gemv:
-                self.gemm.gemv(x, full, wide, pdl=self.pdl)
+                sh.gemm.gemv(x, full, wide, pdl=sh.pdl)
             else:
-                self.gemm(x, full, wide)
+                sh.gemm(x, full, wide)
             splits, ptr = 1, wide.data.ptr
-        from engine.executor.gpu_ops import splitk_norm_threads
-
-        out = self._residual_out(T, n)
-        threads = min(self.lora_norm_threads, max(splitk_norm_threads(n), -(-n // 32) * 32))   # a column each
+        out = sh.residual_out(T, n)
+        threads = min(self.norm_threads, max(splitk_norm_threads(n), -(-n // 32) * 32))   # a column each
         args = (np.uint64(ptr), np.int32(splits), np.int64(T * ld), np.int32(ld), residual, norm_weight)
-        lora_args = (self.lora.token_slots, b, np.int32(b.shape[2]))
-        normed = self._out(T, n)
-        self._launch(self.k_rms_splitk_lora, (T,), (threads,),
-                     args + (normed, out, np.int32(n), np.float32(eps)) + lora_args)
+        lora_args = (self.step.token_slots, b, np.int32(b.shape[2]))
+        normed = sh.out(T, n)
+        sh.launch(self.k_rms_splitk, (T,), (threads,), args + (normed, out, np.int32(n), np.float32(eps)) + lora_args)
         return out, normed
+
     def _expand_wide(self, wide, site, mode, act):
-        a, b = self.lora_w[site]
+        a, b = self.w[site]
         T, ld = wide.shape
         self._expand(wide, 1, 0, ld, b.shape[1], a.shape[1], site, T, wide, ld, mode, act, chunks=1)
 
-    def lora_add(self, y, x, site, norm=None, into=None):
+    # ---- larger steps: lora_shrink + lora_expand ---------------------------------------------------
+    def add(self, y, x, site, norm=None, into=None):
         """y (the projection's bf16 output [T, N], or ``into``: a float32 [T, N] buffer's address, a
         split-K GEMM's first partial) += the step's adapters' deltas at `site` for x [T, K]; norm:
         (norm_w, eps) where x is the un-normed input of a product that fused its RMSNorm."""
-        if not self.lora_on(site):
+        if not self.on(site):
             return y
-        part, chunks = self._lora_shrink(x, site, norm)
-        self._lora_expand(part, chunks, site, x.shape[0], y if into is None else np.uint64(into),
+        part, chunks = self._shrink(x, site, norm)
+        self._expand_part(part, chunks, site, x.shape[0], y if into is None else np.uint64(into),
                           EXPAND_ADD if into is None else EXPAND_ADD_F32)
         return y
 
-    def lora_unfused_swiglu(self, x, norm_weight, eps, gate_up_weight, normed, site):
+    def unfused_swiglu(self, x, norm_weight, eps, gate_up_weight, normed, site):
         """SiLU·up of rmsnorm(x) (or ``normed``) · gate_upᵀ with the deltas: the base product, then the
         shrink and lora_expand.cu's SiLU·up (steps of more than FUSED_MAX_ROWS rows)."""
-        gate_up, norm = self._out(x.shape[0], gate_up_weight.shape[0]), None
+        sh = self.shared
+        gate_up, norm = sh.out(x.shape[0], gate_up_weight.shape[0]), None
         if normed is not None and not normed.flags.c_contiguous:     # the shrink reads contiguous rows
-            dense = self._out(*normed.shape)
-            with self.stream:
+            dense = sh.out(*normed.shape)
+            with sh.stream:
                 dense[...] = normed
             normed = dense
-        if normed is None and self.gemm.gemv_serves(x, gate_up_weight):
-            self.gemm.gemv(x, gate_up_weight, gate_up, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+        if normed is None and sh.gemm.gemv_serves(x, gate_up_weight):
+            sh.gemm.gemv(x, gate_up_weight, gate_up, "norm", norm_w=norm_weight, eps=eps, pdl=sh.pdl)
             normed, norm = x, (norm_weight, eps)
         else:
             if normed is None:
-                normed, _ = self.rms_norm(x, norm_weight, eps)
-            self.gemm(normed, gate_up_weight, gate_up, pdl=self.pdl)
-        return self.lora_swiglu(gate_up, normed, site, norm)
+                normed, _ = self.norm(x, norm_weight, eps)
+            sh.gemm(normed, gate_up_weight, gate_up, pdl=sh.pdl)
+        return self.swiglu(gate_up, normed, site, norm)
 
-    def lora_swiglu(self, gate_up, x, site, norm=None):
+    def swiglu(self, gate_up, x, site, norm=None):
         """SiLU(gate)·up [T, N/2] of the gate_up product [T, N] with the step's adapters' deltas added
-        first (rows without an adapter: plain SiLU·up); x, norm as lora_add's."""
+        first (rows without an adapter: plain SiLU·up); x, norm as add's."""
         T, n = gate_up.shape
-        act = self._out(T, n // 2)
-        part, chunks = self._lora_shrink(x, site, norm)
-        self._lora_expand(part, chunks, site, T, gate_up, EXPAND_SWIGLU, act)
+        act = self.shared.out(T, n // 2)
+        part, chunks = self._shrink(x, site, norm)
+        self._expand_part(part, chunks, site, T, gate_up, EXPAND_SWIGLU, act)
         return act
 
-    def _lora_shrink(self, x, site, norm):
-        step, (a, _) = self.lora, self.lora_w[site]
+    def _shrink(self, x, site, norm):
+        step, (a, _) = self.step, self.w[site]
         slots, nr, k = a.shape
         T = x.shape[0]
         kc = shrink_chunk(k, nr, T)
         chunks = -(-k // kc)
-        part = self.lora_shrunk[: chunks * T * nr]
+        part = self.shrunk[: chunks * T * nr]
         norm_w, eps = norm if norm is not None else (np.uint64(0), 0.0)
-        self._launch(self.k_lora_shrink, (chunks * -(-nr // SHRINK_ROWS), step.tiles, slots), (256,),
-                     (x, a, step.order, step.starts, part, np.int32(T), np.int32(k), np.int32(nr), np.int32(kc),
-                      norm_w, np.float32(eps)))
+        self.shared.launch(self.k_shrink, (chunks * -(-nr // SHRINK_ROWS), step.tiles, slots), (256,),
+                           (x, a, step.order, step.starts, part, np.int32(T), np.int32(k), np.int32(nr), np.int32(kc),
+                            norm_w, np.float32(eps)))
         return part, chunks
 
-    def _lora_expand(self, part, chunks, site, T, y, mode, act=None):
-        nr = self.lora_w[site][0].shape[1]
-        n = self.lora_w[site][1].shape[1]
+    def _expand_part(self, part, chunks, site, T, y, mode, act=None):
+        nr = self.w[site][0].shape[1]
+        n = self.w[site][1].shape[1]
         self._expand(part, 0, T * nr, nr, 0, 0, site, T, y, n, mode, act, chunks)
 
     def _expand(self, src, src_bf16, cstride, ld, soff, sslot, site, T, y, ldy, mode, act, chunks):
         """lora_expand.cu over the step's slot groups (modes 2 and 3: and the rows without an adapter)."""
-        step, (a, b) = self.lora, self.lora_w[site]
+        step, (a, b) = self.step, self.w[site]
         slots, nr, _ = a.shape
         n, rank = b.shape[1], b.shape[2]
-        interleaved = site.endswith("gate_up_proj") and self.gate_up_interleaved
-        b1, b2 = slice_bounds(self.lora_sites[site].slices)
+        interleaved = site.endswith("gate_up_proj") and self.shared.gate_up_interleaved
+        b1, b2 = slice_bounds(self.sites[site].slices)
         cols = n // 2 if mode == EXPAND_SWIGLU else n
         small = T <= FUSED_MAX_ROWS         # T: the step's rows (a graph's bucket), so the grid is fixed
-        k, tiles = (self.k_lora_expand_small, -(-T // SMALL_TILE_TOKENS)) if small else (self.k_lora_expand, step.tiles)
-        launch(k, (-(-cols // EXPAND_COLUMNS), tiles, slots + (mode >= EXPAND_SWIGLU)),
-               (EXPAND_COLUMNS,),
-               (src, np.int32(src_bf16), np.int64(cstride), np.int32(ld), np.int32(soff), np.int32(sslot), b,
-                step.order, step.starts, y, np.int32(ldy), np.uint64(0) if act is None else act, np.int32(n),
-                np.int32(rank), np.int32(nr), np.int32(chunks), np.int32(b1), np.int32(b2), np.int32(interleaved),
-                np.int32(mode)),
-               self.stream, pdl=self.pdl, shared_mem=TILE_TOKENS * nr * 4)
+        k, tiles = (self.k_expand_small, -(-T // SMALL_TILE_TOKENS)) if small else (self.k_expand, step.tiles)
+        self.shared.launch(k, (-(-cols // EXPAND_COLUMNS), tiles, slots + (mode >= EXPAND_SWIGLU)), (EXPAND_COLUMNS,),
+                           (src, np.int32(src_bf16), np.int64(cstride), np.int32(ld), np.int32(soff), np.int32(sslot), b,
+                            step.order, step.starts, y, np.int32(ldy), np.uint64(0) if act is None else act,
+                            np.int32(n), np.int32(rank), np.int32(nr), np.int32(chunks), np.int32(b1), np.int32(b2),
+                            np.int32(interleaved), np.int32(mode)),
+                           shared_mem=TILE_TOKENS * nr * 4)

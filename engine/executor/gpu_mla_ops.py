@@ -1,10 +1,10 @@
-"""Multi-head latent attention Ops on the GPU, mixed into GpuOps (it provides gemm, kv_cache, inv_freq,
-attention_factor, the activation ring, the paged-attention kernels and their split partials).
+"""The multi-head latent attention op family on the GPU (ops.mla; models/ops.py MLAOps), a part GpuOps builds for
+an MLA line over the executor's GpuShared and the dense ops' split attention kernels (GpuOps.split_attention).
 
 mla_latent_cache: mla_latent_cache.cu (latent RMSNorm + interleaved rope + the one-plane cache write,
 and the query columns, RMSNorm'd when q_lora_rank is set). mla_attention picks the form per step:
   * absorbed (decode, and any step whose contexts do not fit the expansion rows): q_lat = W_UKᵀ·q_nope
-    per head (one cuBLAS strided-batched GEMM reading kv_b_proj in place, float32 out), mla_decode.cu
+    per head (one cuBLAS strided-batched GEMM reading kv_b_proj in place, float32 out: Gemm.strided_batched), mla_decode.cu
     over the latent cache (one launch: its last split per head group merges the splits), o = W_UV·o_lat
     per head (a second strided-batched GEMM); steps of at most mla_absorb_tokens tokens can take
     mla_absorb.cu's two kernels for the projections instead (their weights read before the
@@ -15,15 +15,11 @@ and the query columns, RMSNorm'd when q_lora_rank is set). mla_attention picks t
 """
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
-from engine.executor.gpu_gemm import CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT, CUBLAS_OP_N, CUBLAS_OP_T, CUDA_R_16BF, \
-    CUDA_R_32F
+from engine.executor.gpu_gemm import CUBLAS_OP_N, CUBLAS_OP_T
 from engine.models.ops import MLASpec
 from openinfer_kernels.raw_cuda import kernel
-from openinfer_kernels.raw_cuda.launch import launch
 from memory.device_arena import Buffer, buffers_nbytes
 from memory.kv_pool import BLOCK_SIZE, blocks_for
 
@@ -79,13 +75,44 @@ def expansion(batch, max_blocks: int, rows_cap: int):
 
 
 class GpuMLAOps:
-    mla_group = None                  # mla_decode.cu heads per CTA (None: mla_decode_shape; tests' A/B)
+    """ops.mla on the GPU; attention: the dense ops (their split attention kernels and partials)."""
+    group = None                      # mla_decode.cu heads per CTA (None: mla_decode_shape; tests' A/B)
     # steps of at most this many tokens take mla_absorb.cu's projections instead of cuBLAS (0: never; up to
     # MLA_ABSORB_MAX_TOKENS): DeepSeek-V2-Lite's batch-1 graph step 1.250 -> 1.111 ms (moe.md, 2026-12-04 19:28).
-    mla_absorb_tokens = 8
+    absorb_tokens = 8
+
+    def __init__(self, plan, shared, arena, attention):
+        """Carve the plan's MLA buffers and load the kernels; the kernels' limits refused here."""
+        s = plan.mla
+        if s.kv_lora_rank % 8 or s.rope_dim % 8 or s.qk_dim > 256 or s.qk_dim % 2:
+            raise ValueError(f"GPU MLA kernels need kv_lora_rank and qk_rope_head_dim % 8 == 0 and an even "
+                             f"nope + rope <= 256; got {s}")
+        self.shared, self.dense = shared, attention
+        self.buf = arena.take_all("mla", self.buffers(plan))
+        shared.zero(self.buf["mla_counters"])       # zero between launches (the last split resets its own)
+        self.expand_cap = expand_rows(plan)
+        self.max_blocks = plan.max_blocks
+        self.k_cache = kernel("mla_latent_cache", "mla_latent_cache")
+
+        def decode_kernel(early: int):
+            k = kernel("mla_decode", "mla_decode_split", KV_RANK=s.kv_lora_rank, ROPE_DIM=s.rope_dim, EARLY_CHUNK=early)
+            k.max_dynamic_shared_size_bytes = mla_decode_smem(s.rope_dim, s.kv_lora_rank, MLA_MAX_GROUP)
+            return k
+        self.k_decode = decode_kernel(1)
+        # Where q_lora_rank is unset, mla_absorb_q_cache writes the step's latent rows in the launch right
+        # before the attention: that one reads its first rows after the programmatic-launch wait.
+        self.k_decode_late = decode_kernel(0) if s.q_cols == s.num_heads * s.qk_dim else None
+        self.absorb_fits = s.nope_dim <= 256 and s.kv_lora_rank <= 1024      # mla_absorb.cu MAX_ROWS, MAX_PIECES
+        self.k_absorb_q = kernel("mla_absorb", "mla_absorb_q")
+        self.k_absorb_o = kernel("mla_absorb", "mla_absorb_o")
+        self.k_absorb_q_cache = kernel("mla_absorb", "mla_absorb_q_cache")
+        self.k_gather = kernel("mla_prefill", "mla_gather_latent")
+        self.k_expand = kernel("mla_prefill", "mla_expand_kv")
+        self.k_q_rope = kernel("mla_prefill", "mla_q_rope")
+        self.k_compact = kernel("mla_prefill", "mla_compact_o")
 
     @staticmethod
-    def mla_buffers(plan) -> list[Buffer]:
+    def buffers(plan) -> list[Buffer]:
         """q_lat (float32) and o_lat per token and head, the absorbed kernel's split partials (splits only
         run while tokens x splits < 4 x SMs) and split tickets (one per token and head group), and the
         expanded form's rows."""
@@ -103,176 +130,123 @@ class GpuMLAOps:
                 Buffer("mla_x_k", (xr * H * s.qk_dim,), np.uint16), Buffer("mla_x_v", (xr * H * s.qk_dim,), np.uint16)]
 
     @classmethod
-    def mla_nbytes(cls, plan) -> int:
-        return buffers_nbytes(cls.mla_buffers(plan))
+    def nbytes(cls, plan) -> int:
+        return buffers_nbytes(cls.buffers(plan))
 
-    def take_mla(self, arena, plan) -> None:
-        """Carve the MLA buffers (none for another line) and check the kernels' limits."""
-        s = plan.mla
-        self.mla = None
-        if s is None:
-            return
-        if s.kv_lora_rank % 8 or s.rope_dim % 8 or s.qk_dim > 256 or s.qk_dim % 2:
-            raise ValueError(f"GPU MLA kernels need kv_lora_rank and qk_rope_head_dim % 8 == 0 and an even "
-                             f"nope + rope <= 256; got {s}")
-        self.mla = arena.take_all("mla", self.mla_buffers(plan))
-        counters = self.mla["mla_counters"]       # zero between launches (the last split resets its own)
-        self.cp.cuda.runtime.memsetAsync(counters.data.ptr, 0, counters.nbytes, self.stream.ptr)
-        self.mla_expand_cap = expand_rows(plan)
-        self.mla_max_blocks = plan.max_blocks
-        self.k_mla_cache = kernel("mla_latent_cache", "mla_latent_cache")
-        def decode_kernel(early: int):
-            k = kernel("mla_decode", "mla_decode_split", KV_RANK=s.kv_lora_rank, ROPE_DIM=s.rope_dim, EARLY_CHUNK=early)
-            k.max_dynamic_shared_size_bytes = mla_decode_smem(s.rope_dim, s.kv_lora_rank, MLA_MAX_GROUP)
-            return k
-        self.k_mla_decode = decode_kernel(1)
-        # Where q_lora_rank is unset, mla_absorb_q_cache writes the step's latent rows in the launch right
-        # before the attention: that one reads its first rows after the programmatic-launch wait.
-        self.k_mla_decode_late = decode_kernel(0) if s.q_cols == s.num_heads * s.qk_dim else None
-        self.mla_absorb_fits = s.nope_dim <= 256 and s.kv_lora_rank <= 1024      # mla_absorb.cu MAX_ROWS, MAX_PIECES
-        self.k_mla_absorb_q = kernel("mla_absorb", "mla_absorb_q")
-        self.k_mla_absorb_o = kernel("mla_absorb", "mla_absorb_o")
-        self.k_mla_absorb_q_cache = kernel("mla_absorb", "mla_absorb_q_cache")
-        self.k_mla_gather = kernel("mla_prefill", "mla_gather_latent")
-        self.k_mla_expand = kernel("mla_prefill", "mla_expand_kv")
-        self.k_mla_q_rope = kernel("mla_prefill", "mla_q_rope")
-        self.k_mla_compact = kernel("mla_prefill", "mla_compact_o")
-
-    # ---- Ops -----------------------------------------------------------------------------------
-    def mla_latent_cache(self, y, spec: MLASpec, ctx, kv_norm, q_norm=None):
-        T = ctx.num_tokens
-        q = self._out(T, spec.q_cols)
-        self._launch(self.k_mla_cache, (T,), (128,),
-                     (y, np.int32(spec.q_cols), np.int32(spec.kv_lora_rank), np.int32(spec.rope_dim), kv_norm,
-                      np.uint64(0) if q_norm is None else q_norm, np.float32(spec.rms_eps), self.inv_freq,
-                      np.float32(self.attention_factor), ctx.positions, ctx.slot_mapping,
-                      self.kv_cache[spec.layer, 0], q))
+    # ---- MLAOps ----------------------------------------------------------------------------------
+    def latent_cache(self, y, spec: MLASpec, ctx, kv_norm, q_norm=None):
+        T, sh = ctx.num_tokens, self.shared
+        q = sh.out(T, spec.q_cols)
+        sh.launch(self.k_cache, (T,), (128,),
+                  (y, np.int32(spec.q_cols), np.int32(spec.kv_lora_rank), np.int32(spec.rope_dim), kv_norm,
+                   np.uint64(0) if q_norm is None else q_norm, np.float32(spec.rms_eps), sh.inv_freq,
+                   np.float32(sh.attention_factor), ctx.positions, ctx.slot_mapping,
+                   sh.kv_cache[spec.layer, 0], q))
         return q
 
-    def mla_attention(self, q, kv_b, spec: MLASpec, ctx):
-        plan = self._mla_expansion(spec, ctx)
+    def attention(self, q, kv_b, spec: MLASpec, ctx):
+        plan = self._expansion(spec, ctx)
         if plan is None:
-            return self._mla_absorbed(q, kv_b, spec, ctx)
-        return self._mla_expanded(q, kv_b, spec, ctx, plan)
+            return self._absorbed(q, kv_b, spec, ctx)
+        return self._expanded(q, kv_b, spec, ctx, plan)
 
-    def mla_latent_attention(self, y, kv_b, spec: MLASpec, ctx, kv_norm):
+    def latent_attention(self, y, kv_b, spec: MLASpec, ctx, kv_norm):
         """q_lora_rank unset, a step of mla_absorb.cu's size in the absorbed form: mla_absorb_q_cache does the
-        cache write and W_UK's absorption of q in one launch (then mla_decode.cu and W_UV as mla_attention);
+        cache write and W_UK's absorption of q in one launch (then mla_decode.cu and W_UV as attention);
         else the composition."""
-        T, H, R = ctx.num_tokens, spec.num_heads, spec.kv_lora_rank
-        if not self._mla_raw(T) or spec.q_cols != H * spec.qk_dim or self._mla_expansion(spec, ctx) is not None:
-            return super().mla_latent_attention(y, kv_b, spec, ctx, kv_norm)
-        q, q_lat = self._out(T, spec.q_cols), self.mla["mla_q_lat"][:T * H * R]
-        launch(self.k_mla_absorb_q_cache, (-(-R // 64) + 1, H), (256,),
-               (y, kv_b, q_lat, np.int32(T), np.int32(H), np.int32(spec.nope_dim), np.int32(spec.v_dim), np.int32(R),
-                np.int32(spec.qk_dim), np.int32(spec.rope_dim), kv_norm, np.float32(spec.rms_eps), self.inv_freq,
-                np.float32(self.attention_factor), ctx.positions, ctx.slot_mapping, self.kv_cache[spec.layer, 0], q),
-               self.stream, pdl=self.pdl)
-        return self._mla_absorbed(q, kv_b, spec, ctx, q_absorbed=True)
+        T, H, R, sh = ctx.num_tokens, spec.num_heads, spec.kv_lora_rank, self.shared
+        if not self._raw(T) or spec.q_cols != H * spec.qk_dim or self._expansion(spec, ctx) is not None:
+            return self.attention(self.latent_cache(y, spec, ctx, kv_norm), kv_b, spec, ctx)
+        q, q_lat = sh.out(T, spec.q_cols), self.buf["mla_q_lat"][:T * H * R]
+        sh.launch(self.k_absorb_q_cache, (-(-R // 64) + 1, H), (256,),
+                  (y, kv_b, q_lat, np.int32(T), np.int32(H), np.int32(spec.nope_dim), np.int32(spec.v_dim), np.int32(R),
+                   np.int32(spec.qk_dim), np.int32(spec.rope_dim), kv_norm, np.float32(spec.rms_eps), sh.inv_freq,
+                   np.float32(sh.attention_factor), ctx.positions, ctx.slot_mapping, sh.kv_cache[spec.layer, 0], q))
+        return self._absorbed(q, kv_b, spec, ctx, q_absorbed=True)
 
-    def _mla_raw(self, tokens: int) -> bool:
+    def _raw(self, tokens: int) -> bool:
         """Whether a step of `tokens` query rows takes mla_absorb.cu's projections."""
-        return tokens <= min(self.mla_absorb_tokens, MLA_ABSORB_MAX_TOKENS) and self.mla_absorb_fits
+        return tokens <= min(self.absorb_tokens, MLA_ABSORB_MAX_TOKENS) and self.absorb_fits
 
     # ---- absorbed form ---------------------------------------------------------------------------
-    def _mla_absorbed(self, q, kv_b, spec: MLASpec, ctx, q_absorbed: bool = False):
+    def _decode_shape(self, tokens: int, splits: int, heads: int) -> tuple[int, int]:
+        """(splits, heads per CTA) of mla_decode.cu for a step: mla_decode_shape, one split where its partials
+        would not fit."""
+        S, G = mla_decode_shape(tokens, splits, heads, self.shared.num_sms)
+        if tokens * S * heads > self.buf["mla_part_max"].shape[0]:
+            S, G = 1, min(MLA_MAX_GROUP, heads)
+        return S, (min(self.group, MLA_MAX_GROUP, heads) if self.group else G)
+
+    def _absorbed(self, q, kv_b, spec: MLASpec, ctx, q_absorbed: bool = False):
         """q_absorbed: q_lat already holds W_UKᵀ·q_nope (mla_absorb_q_cache)."""
         T, H, R, N, V = ctx.num_tokens, spec.num_heads, spec.kv_lora_rank, spec.nope_dim, spec.v_dim
-        b, head = self.mla, (N + V) * R                     # kv_b's stride between heads, in values
+        b, sh, head = self.buf, self.shared, (N + V) * R      # kv_b's stride between heads, in values
         q_lat, o_lat = b["mla_q_lat"][:T * H * R], b["mla_o_lat"][:T * H * R]
-        raw = self._mla_raw(T)
+        raw = self._raw(T)
         # q_lat[t, h] = W_UK_hᵀ q_nope[t, h]: column-major q_latᵀ [R, T] = W_UK_hᵀ [R, N] · q_nopeᵀ [N, T]
         if raw and not q_absorbed:
-            launch(self.k_mla_absorb_q, (-(-R // 64), H), (256,),
-                   (q, kv_b, q_lat, np.int32(T), np.int32(H), np.int32(N), np.int32(V), np.int32(R),
-                    np.int32(spec.qk_dim)), self.stream, pdl=self.pdl)
+            sh.launch(self.k_absorb_q, (-(-R // 64), H), (256,),
+                      (q, kv_b, q_lat, np.int32(T), np.int32(H), np.int32(N), np.int32(V), np.int32(R),
+                       np.int32(spec.qk_dim)))
         elif not q_absorbed:
-            self.strided_gemm(CUBLAS_OP_N, R, T, N, kv_b, 0, R, head, q, 0, H * spec.qk_dim, spec.qk_dim,
-                              q_lat, H * R, R, H)
-        S, G = mla_decode_shape(T, ctx.num_splits, H, self.num_sms)
-        if T * S * H > b["mla_part_max"].shape[0]:
-            S, G = 1, min(MLA_MAX_GROUP, H)
-        G = min(self.mla_group, MLA_MAX_GROUP, H) if self.mla_group else G
+            sh.gemm.strided_batched(CUBLAS_OP_N, R, T, N, kv_b, 0, R, head, q, 0, H * spec.qk_dim, spec.qk_dim,
+                                    q_lat, H * R, R, H)
+        S, G = self._decode_shape(T, ctx.num_splits, H)
         bt = ctx.block_tables
-        launch(self.k_mla_decode_late if q_absorbed else self.k_mla_decode, (-(-H // G), S, T), (256,),
-               (q_lat, q, np.int32(spec.qk_dim), np.int32(N), self.inv_freq, np.float32(self.attention_factor),
-                self.kv_cache[spec.layer, 0], bt, np.int32(bt.shape[1]), ctx.token_seq, ctx.positions,
-                b["mla_part_out"], b["mla_part_max"], b["mla_part_sum"], o_lat, b["mla_counters"], np.int32(H),
-                np.int32(G), np.float32(spec.scale)),
-               self.stream, pdl=self.pdl, shared_mem=mla_decode_smem(spec.rope_dim, R, G))
+        sh.launch(self.k_decode_late if q_absorbed else self.k_decode, (-(-H // G), S, T), (256,),
+                  (q_lat, q, np.int32(spec.qk_dim), np.int32(N), sh.inv_freq, np.float32(sh.attention_factor),
+                   sh.kv_cache[spec.layer, 0], bt, np.int32(bt.shape[1]), ctx.token_seq, ctx.positions,
+                   b["mla_part_out"], b["mla_part_max"], b["mla_part_sum"], o_lat, b["mla_counters"], np.int32(H),
+                   np.int32(G), np.float32(spec.scale)),
+                  shared_mem=mla_decode_smem(spec.rope_dim, R, G))
         # o[t, h] = W_UV_h o_lat[t, h]: column-major oᵀ [V, T] = (W_UV_h as [R, V])ᵀ · o_latᵀ [R, T]
-        o = self._out(T, H * V)
+        o = sh.out(T, H * V)
         if raw:
-            launch(self.k_mla_absorb_o, (-(-V // 8), H), (256,),
-                   (o_lat, kv_b, o, np.int32(T), np.int32(H), np.int32(N), np.int32(V), np.int32(R)),
-                   self.stream, pdl=self.pdl)
+            sh.launch(self.k_absorb_o, (-(-V // 8), H), (256,),
+                      (o_lat, kv_b, o, np.int32(T), np.int32(H), np.int32(N), np.int32(V), np.int32(R)))
         else:
-            self.strided_gemm(CUBLAS_OP_T, V, T, R, kv_b, N * R, R, head, o_lat, 0, H * R, R, o, H * V, V, H)
+            sh.gemm.strided_batched(CUBLAS_OP_T, V, T, R, kv_b, N * R, R, head, o_lat, 0, H * R, R, o, H * V, V, H)
         return o
 
-    def strided_gemm(self, op_a: int, m: int, n: int, k: int, a, a_off: int, lda: int, stride_a: int,
-                     b, b_off: int, ldb: int, stride_b: int, c, ldc: int, stride_c: int, batch: int) -> None:
-        """cuBLAS strided-batched GEMM, column-major: C_i [m, n] = op(A_i) · B_i for i < batch, A and B bf16
-        (offsets and strides in values), C bf16 or float32 (from its dtype), fp32 accumulation."""
-        ctype = CUDA_R_32F if c.dtype == np.float32 else CUDA_R_16BF
-        g = self.gemm
-        args = [op_a, CUBLAS_OP_N, m, n, k, g._alpha.ctypes.data, a.data.ptr + 2 * a_off, CUDA_R_16BF, lda, stride_a,
-                b.data.ptr + 2 * b_off, CUDA_R_16BF, ldb, stride_b, g._beta.ctypes.data, c.data.ptr, ctype, ldc,
-                stride_c, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT]
-        if g.lib is None:
-            with self.stream:           # CuPy binds the handle to its current stream at each call
-                g._cublas.gemmStridedBatchedEx(g.handle, *args)
-            return
-        fn = g.lib.cublasGemmStridedBatchedEx
-        p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        fn.argtypes = [p, i, i, i, i, i, p, p, i, i, ll, p, i, i, ll, p, p, i, i, ll, i, i, i]
-        fn.restype = i
-        g._check(fn(g.handle, *args), "cublasGemmStridedBatchedEx")
-
     # ---- expanded form ---------------------------------------------------------------------------
-    def _mla_expansion(self, spec: MLASpec, ctx):
+    def _expansion(self, spec: MLASpec, ctx):
         """(rows, src_slots, tables) device views of an eager prefill step whose contexts fit the
         expansion rows (built and uploaded once per step, at its first layer); None: absorbed form."""
         if ctx.batch is None or ctx.decode_only or spec.v_dim > spec.qk_dim:
             return None
         if ctx.mla is None:
-            host = expansion(ctx.batch, self.mla_max_blocks, self.mla_expand_cap)
+            host = expansion(ctx.batch, self.max_blocks, self.expand_cap)
             if host is None:
                 ctx.mla = False
             else:
                 rows, src, tables = host
-                slots = self.mla["mla_x_slots"][:rows]
-                dev_tables = self.mla["mla_x_tables"][:tables.size].reshape(tables.shape)
-                slots.set(src, stream=self.stream)
-                dev_tables.set(tables, stream=self.stream)
+                slots = self.buf["mla_x_slots"][:rows]
+                dev_tables = self.buf["mla_x_tables"][:tables.size].reshape(tables.shape)
+                slots.set(src, stream=self.shared.stream)
+                dev_tables.set(tables, stream=self.shared.stream)
                 ctx.mla = (rows, slots, dev_tables)
         return ctx.mla or None
 
-    def _mla_expanded(self, q, kv_b, spec: MLASpec, ctx, plan):
+    def _expanded(self, q, kv_b, spec: MLASpec, ctx, plan):
         rows, slots, tables = plan
         T, H, R, N, V, Dr, Dk = (ctx.num_tokens, spec.num_heads, spec.kv_lora_rank, spec.nope_dim, spec.v_dim,
                                  spec.rope_dim, spec.qk_dim)
-        b, cache = self.mla, self.kv_cache[spec.layer, 0]
+        b, sh = self.buf, self.shared
+        cache = sh.kv_cache[spec.layer, 0]
         latent = b["mla_x_latent"][:rows * R].reshape(rows, R)
-        self._launch(self.k_mla_gather, (rows,), (64,), (cache, slots, latent, np.int32(R), np.int32(R + Dr)))
+        sh.launch(self.k_gather, (rows,), (64,), (cache, slots, latent, np.int32(R), np.int32(R + Dr)))
         kv = b["mla_x_kv"][:rows * H * (N + V)].reshape(rows, H * (N + V))
-        self.gemm(latent, kv_b, kv)
+        sh.gemm(latent, kv_b, kv)
         k, v = b["mla_x_k"][:rows * H * Dk], b["mla_x_v"][:rows * H * Dk]
-        self._launch(self.k_mla_expand, (rows,), (128,),
-                     (kv, cache, slots, k, v, np.int32(H), np.int32(N), np.int32(V), np.int32(Dr), np.int32(R)))
-        q_rot = self._out(T, H * Dk)
-        self._launch(self.k_mla_q_rope, (T,), (128,),
-                     (q, self.inv_freq, np.float32(self.attention_factor), ctx.positions, q_rot, np.int32(H),
-                      np.int32(N), np.int32(Dr)))
-        S = ctx.num_splits
-        if T * H * S > self.part_max.shape[0]:
-            raise ValueError(f"attention partials: {T} tokens x {S} splits x {H} heads exceed the buffer")
-        o_full = self._out(T, H * Dk)
-        self._launch(self.k_attn, (S, H, T), (128,),
-                     (q_rot, k, v, tables, np.int32(tables.shape[1]), ctx.token_seq, ctx.positions, self.part_out,
-                      self.part_max, self.part_sum, np.int32(H), np.int32(H), np.int32(Dk), np.float32(spec.scale)))
-        self._launch(self.k_merge, (T * H,), (128,),
-                     (self.part_out, self.part_max, self.part_sum, o_full, np.int32(S), np.int32(Dk)))
-        o = self._out(T, H * V)
-        self._launch(self.k_mla_compact, (T,), (128,), (o_full, o, np.int32(H), np.int32(Dk), np.int32(V)))
+        sh.launch(self.k_expand, (rows,), (128,),
+                  (kv, cache, slots, k, v, np.int32(H), np.int32(N), np.int32(V), np.int32(Dr), np.int32(R)))
+        q_rot = sh.out(T, H * Dk)
+        sh.launch(self.k_q_rope, (T,), (128,),
+                  (q, sh.inv_freq, np.float32(sh.attention_factor), ctx.positions, q_rot, np.int32(H),
+                   np.int32(N), np.int32(Dr)))
+        self.dense.check_partials(T, H, ctx.num_splits)
+        o_full = sh.out(T, H * Dk)
+        self.dense.split_attention(q_rot, k, v, tables, H, H, Dk, spec.scale, ctx, o_full)
+        o = sh.out(T, H * V)
+        sh.launch(self.k_compact, (T,), (128,), (o_full, o, np.int32(H), np.int32(Dk), np.int32(V)))
         return o

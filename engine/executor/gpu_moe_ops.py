@@ -1,5 +1,5 @@
-"""The mixture-of-experts Ops on the GPU, mixed into GpuOps (it provides gemm, _launch, _residual_out,
-stream and gate_up_interleaved).
+"""The mixture-of-experts op family on the GPU (ops.moe; models/ops.py MoEOps), a part GpuOps builds for a line
+with routed experts, over the executor's GpuShared.
 
 route: the router GEMM into float32 logits (cuBLAS), then moe_route.cu's softmax or sigmoid + top-k (greedy
 or group-limited, with DeepSeek-V3's score correction bias where the line has one (held in bf16, as every
@@ -12,11 +12,18 @@ of at most 4 tokens takes three launches instead: moe_route_gemv (the router pro
 one), moe_gemv_silu and moe_gemv_combine (each assignment reads its expert straight from the ids, the same
 bits as the grouped path). Every launch has a grid fixed by the step's token count (the rows bound below),
 nothing waits on the host: a decode step with experts is captured in its CUDA graph like a dense one.
+DeepSeek-V4's sqrtsoftplus scores (route_topk on the device) and its limited SwiGLU (swiglu_limit) run as CuPy
+float32 array ops (eager steps only: that line captures no graphs).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
+from engine.executor.cpu_dsv4_ops import swiglu_limited
+from engine.executor.cpu_moe_ops import route_topk
+from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16, split_gate_up
 from engine.models.ops import RouteSpec
 from openinfer_kernels.raw_cuda import kernel
 from memory.device_arena import Buffer, buffers_nbytes
@@ -33,6 +40,7 @@ FUSED_MAX_TOKENS = 4         # steps of at most this many tokens skip the groupi
 # 49.0 -> 41.5, Qwen3-30B-A3B 9.2 -> 8.7 / 30.3 -> 28.1; MOE_UNROLL 4 slowed moe_gemv_silu (16.5 -> 18.2).
 MOE_UNROLL = 2               # moe_gemv.cu: 256-wide k steps whose weight loads a lane issues together
 COMBINE_COLS = 4             # moe_gemv_combine's output columns per CTA
+KERNEL_SCORINGS = ("softmax", "sigmoid")     # RouteSpec.scoring moe_route.cu computes
 
 
 def expert_tile_m(tokens: int, top_k: int, experts: int) -> int:
@@ -54,12 +62,37 @@ def expert_rows(tokens: int, top_k: int, experts: int) -> int:
 
 
 class GpuMoEOps:
-    moe_gemv_tokens = GEMV_MAX_TOKENS   # steps of at most this many tokens take moe_gemv.cu (0: never)
-    moe_fused_tokens = FUSED_MAX_TOKENS # ... the ungrouped experts (0: never)
+    """ops.moe on the GPU: the router and the routed experts (its buffers carved from the arena at build)."""
+    gemv_tokens = GEMV_MAX_TOKENS       # steps of at most this many tokens take moe_gemv.cu (0: never)
+    fused_tokens = FUSED_MAX_TOKENS     # ... the ungrouped experts (0: never)
     route_gemv_tokens = ROUTE_GEMV_TOKENS  # ... the one-launch router (0: never)
 
+    def __init__(self, plan, shared, arena):
+        """Carve the plan's MoE buffers and load the kernels; the kernels' limits refused here."""
+        import cupy
+
+        s = plan.experts
+        if s.num_experts > MAX_ROUTED_EXPERTS or s.top_k > MAX_TOP_K or s.hidden % 8 or s.inter % 8:
+            raise ValueError(f"GPU MoE kernels need at most {MAX_ROUTED_EXPERTS} experts, top_k <= {MAX_TOP_K}, "
+                             f"hidden and expert intermediate % 8 == 0; got {s}")
+        self.shared, self.cp = shared, cupy
+        self.buf = arena.take_all("moe", self.buffers(plan))
+        shared.zero(self.buf["moe_counter"])      # moe_route_gemv's finishing count: zero between its launches
+        max_e = self.route_max_e = 32 * -(-s.num_experts // 32)  # moe_route.cu's scores per lane: as the experts need
+        self.k_topk = kernel("moe_route", "moe_topk", MAX_E=max_e)
+        self.k_align = kernel("moe_align", "moe_align")
+        self.k_gather = kernel("moe_permute", "moe_gather")
+        self.k_combine = kernel("moe_permute", "moe_combine")
+        self.k_grouped = kernel("moe_grouped_gemm", "moe_grouped_gemm")
+        self.k_silu = kernel("silu_mul", "silu_mul")
+        gemv = dict(MOE_UNROLL=MOE_UNROLL, COMBINE_COLS=COMBINE_COLS)     # bench/moe_micro.py's choice
+        self.k_gemv = kernel("moe_gemv", "moe_gemv", **gemv)
+        self.k_route_gemv = kernel("moe_route", "moe_route_gemv", MAX_E=max_e)
+        self.k_gemv_silu = kernel("moe_gemv", "moe_gemv_silu", **gemv)
+        self.k_gemv_combine = kernel("moe_gemv", "moe_gemv_combine", **gemv)
+
     @staticmethod
-    def moe_buffers(plan) -> list[Buffer]:
+    def buffers(plan) -> list[Buffer]:
         """Router logits / weights / ids, the grouping's maps and two row buffers the grouped products
         alternate between (activations -> gate_up -> SiLU·up -> down)."""
         s = plan.experts
@@ -74,40 +107,34 @@ class GpuMoEOps:
                 Buffer("moe_counter", (1,), np.int32)]
 
     @classmethod
-    def moe_nbytes(cls, plan) -> int:
-        return buffers_nbytes(cls.moe_buffers(plan))
+    def nbytes(cls, plan) -> int:
+        return buffers_nbytes(cls.buffers(plan))
 
-    def take_moe(self, arena, plan) -> None:
-        """Carve the MoE buffers (none for a dense line) and check the kernels' limits."""
-        s = plan.experts
-        self.moe = None
-        if s is None:
-            return
-        if s.num_experts > MAX_ROUTED_EXPERTS or s.top_k > MAX_TOP_K or s.hidden % 8 or s.inter % 8:
-            raise ValueError(f"GPU MoE kernels need at most {MAX_ROUTED_EXPERTS} experts, top_k <= {MAX_TOP_K}, "
-                             f"hidden and expert intermediate % 8 == 0; got {s}")
-        self.moe = arena.take_all("moe", self.moe_buffers(plan))
-        counter = self.moe["moe_counter"]   # moe_route_gemv's finishing count: zero between its launches
-        self.cp.cuda.runtime.memsetAsync(counter.data.ptr, 0, counter.nbytes, self.stream.ptr)
-        max_e = self.route_max_e = 32 * -(-s.num_experts // 32)  # moe_route.cu's scores per lane: as the experts need
-        self.k_topk = kernel("moe_route", "moe_topk", MAX_E=max_e)
-        self.k_align = kernel("moe_align", "moe_align")
-        self.k_gather = kernel("moe_permute", "moe_gather")
-        self.k_combine = kernel("moe_permute", "moe_combine")
-        self.k_grouped = kernel("moe_grouped_gemm", "moe_grouped_gemm")
-        gemv = dict(MOE_UNROLL=MOE_UNROLL, COMBINE_COLS=COMBINE_COLS)     # bench/moe_micro.py's choice
-        self.k_gemv = kernel("moe_gemv", "moe_gemv", **gemv)
-        self.k_route_gemv = kernel("moe_route", "moe_route_gemv", MAX_E=max_e)
-        self.k_gemv_silu = kernel("moe_gemv", "moe_gemv_silu", **gemv)
-        self.k_gemv_combine = kernel("moe_gemv", "moe_gemv_combine", **gemv)
-
+    # ---- the router ------------------------------------------------------------------------------------
     def route(self, x, gate_weight, spec: RouteSpec, bias=None):
+        """(weights, ids) views: moe_route.cu for softmax / sigmoid scores (a decode step's product and top-k in
+        one launch); sqrtsoftplus (DeepSeek-V4) by route_topk on the device over the float32 logits."""
+        if spec.scoring not in KERNEL_SCORINGS:
+            return self._route_on_device(x, gate_weight, spec, bias)
         T, E = x.shape[0], spec.num_experts
-        logits = self.moe["moe_logits"][:T * E].reshape(T, E)
+        logits = self.buf["moe_logits"][:T * E].reshape(T, E)
         if T <= min(self.route_gemv_tokens, 8) and x.shape[1] % 8 == 0:     # 8: the kernel's ROUTE_TOKENS
             return self._route_gemv(x, gate_weight, logits, spec, bias)
-        self.gemm(x, gate_weight, logits)                    # fp32 output: cuBLAS
+        self.shared.gemm(x, gate_weight, logits)                    # fp32 output: cuBLAS
         return self.route_logits(logits, spec, bias)
+
+    def router_logits(self, x, gate_weight):
+        """float32 router logits [T, E] of x (cuBLAS) in the MoE logits buffer."""
+        T, E = x.shape[0], gate_weight.shape[0]
+        logits = self.buf["moe_logits"][:T * E].reshape(T, E)
+        self.shared.gemm(x, gate_weight, logits)
+        return logits
+
+    def _route_on_device(self, x, gate_weight, spec: RouteSpec, bias):
+        logits = self.router_logits(x, gate_weight)
+        with self.shared.stream:
+            weights, ids = route_topk(logits, spec, None if bias is None else bf16_to_f32(self.cp, bias))
+            return self.cp.ascontiguousarray(weights), self.cp.ascontiguousarray(ids)
 
     def _check_experts(self, E: int) -> None:
         if E > self.route_max_e:
@@ -115,7 +142,7 @@ class GpuMoEOps:
 
     def _route_out(self, T: int, K: int):
         """The routing's (weights [T, K] float32, ids [T, K] int32) views."""
-        return self.moe["moe_weights"][:T * K].reshape(T, K), self.moe["moe_ids"][:T * K].reshape(T, K)
+        return self.buf["moe_weights"][:T * K].reshape(T, K), self.buf["moe_ids"][:T * K].reshape(T, K)
 
     @staticmethod
     def _route_args(spec: RouteSpec) -> tuple:
@@ -129,9 +156,9 @@ class GpuMoEOps:
         E, K = spec.num_experts, spec.top_k
         self._check_experts(E)
         weights, ids = self._route_out(T, K)
-        self._launch(self.k_route_gemv, (-(-E // 4),), (128,),
-                     (x, gate_weight, logits, self.moe["moe_counter"], bias if bias is not None else np.uint64(0),
-                      weights, ids, np.int32(T), np.int32(E), np.int32(H), *self._route_args(spec)))
+        self.shared.launch(self.k_route_gemv, (-(-E // 4),), (128,),
+                           (x, gate_weight, logits, self.buf["moe_counter"], bias if bias is not None else np.uint64(0),
+                            weights, ids, np.int32(T), np.int32(E), np.int32(H), *self._route_args(spec)))
         return weights, ids
 
     def route_logits(self, logits, spec: RouteSpec, bias=None):
@@ -139,69 +166,77 @@ class GpuMoEOps:
         T, E, K = logits.shape[0], spec.num_experts, spec.top_k
         self._check_experts(E)
         weights, ids = self._route_out(T, K)
-        self._launch(self.k_topk, (-(-T // 4),), (128,),
-                     (logits, bias if bias is not None else np.uint64(0), weights, ids, np.int32(T), np.int32(E),
-                      *self._route_args(spec)))
+        self.shared.launch(self.k_topk, (-(-T // 4),), (128,),
+                           (logits, bias if bias is not None else np.uint64(0), weights, ids, np.int32(T), np.int32(E),
+                            *self._route_args(spec)))
         return weights, ids
 
+    # ---- the experts -----------------------------------------------------------------------------------
     def group_experts(self, ids, num_experts: int):
         """moe_align.cu over ids [T, top_k]: (tile_m, rows, row_of, row_token, tile_expert) device views."""
         T, K = ids.shape
-        b = self.moe
+        b = self.buf
         tile_m = expert_tile_m(T, K, num_experts)
         tiles = expert_tiles(T, K, num_experts, tile_m)
         rows = tiles * tile_m
         row_of, row_token = b["moe_row_of"][:T * K], b["moe_row_token"][:rows]
         tile_expert = b["moe_tile_expert"][:tiles]
-        self._launch(self.k_align, (1,), (1024,),
-                     (ids, np.int32(T), np.int32(K), np.int32(num_experts), np.int32(tile_m), np.int32(tiles),
-                      row_of, row_token, tile_expert))
+        self.shared.launch(self.k_align, (1,), (1024,),
+                           (ids, np.int32(T), np.int32(K), np.int32(num_experts), np.int32(tile_m), np.int32(tiles),
+                            row_of, row_token, tile_expert))
         return tile_m, rows, row_of, row_token, tile_expert
 
     def grouped_linear(self, a, w, tile_expert, row_token, out, tile_m: int, tokens: int) -> None:
-        """out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ: moe_gemv.cu for a step of at most moe_gemv_tokens
+        """out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ: moe_gemv.cu for a step of at most gemv_tokens
         tokens (a few real rows per tile: the experts' weights read once, no padded rows computed), else the
         CuTe grouped GEMM where it serves, else moe_grouped_gemm.cu (tensor-core mma, graph-capturable too)."""
-        if tokens <= self.moe_gemv_tokens:
+        sh = self.shared
+        if tokens <= self.gemv_tokens:
             N, K = w.shape[1], w.shape[2]
-            self._launch(self.k_gemv, (-(-N // 32), a.shape[0] // tile_m), (128,),
-                         (a, w, tile_expert, row_token, out, np.int32(N), np.int32(K), np.int32(tile_m)))
+            sh.launch(self.k_gemv, (-(-N // 32), a.shape[0] // tile_m), (128,),
+                      (a, w, tile_expert, row_token, out, np.int32(N), np.int32(K), np.int32(tile_m)))
             return
-        if self.gemm.cute is not None:
-            self.gemm.cute.grouped_gemm(a, w, tile_expert, out, stream=self.stream, prefetch_weights=True)
+        if sh.gemm.cute is not None:
+            sh.gemm.cute.grouped_gemm(a, w, tile_expert, out, stream=sh.stream, prefetch_weights=True)
             return
         M, K = a.shape
         N = w.shape[1]
-        self._launch(self.k_grouped, (-(-N // 64), M // 64), (128,),
-                     (a, w, tile_expert, row_token, out, np.int32(M), np.int32(N), np.int32(K), np.int32(tile_m)))
+        sh.launch(self.k_grouped, (-(-N // 64), M // 64), (128,),
+                  (a, w, tile_expert, row_token, out, np.int32(M), np.int32(N), np.int32(K), np.int32(tile_m)))
 
     def expert_activation(self, gate_up, out, limit) -> None:
-        """silu_mul.cu over the grouped gate_up rows into out (the limited form: gpu_dsv4_ops.py)."""
-        if limit is not None and limit != float("inf"):
-            raise ValueError("the limited SwiGLU (swiglu_limit) runs in the DeepSeek-V4 ops only")
+        """silu_mul.cu over the grouped gate_up rows into out; with a finite limit (DeepSeek-V4's swiglu_limit)
+        the limited form, as CuPy float32 array ops."""
+        sh = self.shared
+        if limit is not None and not math.isinf(limit):
+            with sh.stream:
+                g = split_gate_up(self.cp, bf16_to_f32(self.cp, gate_up), sh.gate_up_interleaved)
+                out[...] = f32_to_bf16(self.cp, swiglu_limited(g, limit))
+            return
         rows, inter = out.shape
         total = rows * inter // 8
-        self._launch(self.k_silu, (max(1, min(4096, -(-total // 256))),), (256,),
-                     (gate_up, out, np.int32(inter), np.int64(total), np.int32(self.gate_up_interleaved)))
+        sh.launch(self.k_silu, (max(1, min(4096, -(-total // 256))),), (256,),
+                  (gate_up, out, np.int32(inter), np.int64(total), np.int32(sh.gate_up_interleaved)))
 
-    def moe_experts(self, x, gate_up, down, weights, ids, residual, limit=None):
+    def experts(self, x, gate_up, down, weights, ids, residual, limit=None):
         T, H = x.shape
         E, two_i, _ = gate_up.shape
         inter = two_i // 2
-        if T <= self.moe_fused_tokens and (limit is None or limit == float("inf")):
+        if T <= self.fused_tokens and (limit is None or limit == float("inf")):
             return self._experts_ungrouped(x, gate_up, down, weights, ids, residual)
         tile_m, rows, row_of, row_token, tile_expert = self.group_experts(ids, E)
-        b = self.moe
+        b, sh = self.buf, self.shared
         a = b["moe_a"][:rows * H].reshape(rows, H)
-        self._launch(self.k_gather, (rows,), (128,), (x, row_token, a, np.int32(H)))
+        sh.launch(self.k_gather, (rows,), (128,), (x, row_token, a, np.int32(H)))
         gu = b["moe_b"][:rows * two_i].reshape(rows, two_i)
         self.grouped_linear(a, gate_up, tile_expert, row_token, gu, tile_m, T)
         act = b["moe_a"][:rows * inter].reshape(rows, inter)
         self.expert_activation(gu, act, limit)
         y = b["moe_b"][:rows * H].reshape(rows, H)
         self.grouped_linear(act, down, tile_expert, row_token, y, tile_m, T)
-        out = self._residual_out(T, H)
-        self._launch(self.k_combine, (T,), (128,), (y, row_of, weights, residual, out, np.int32(H), np.int32(ids.shape[1])))
+        out = sh.residual_out(T, H)
+        sh.launch(self.k_combine, (T,), (128,),
+                  (y, row_of, weights, residual, out, np.int32(H), np.int32(ids.shape[1])))
         return out
 
     def _experts_ungrouped(self, x, gate_up, down, weights, ids, residual):
@@ -209,12 +244,12 @@ class GpuMoEOps:
         as routed, no grouping by expert (moe_gemv.cu)."""
         T, H = x.shape
         inter = gate_up.shape[1] // 2
-        K = ids.shape[1]
-        act = self.moe["moe_a"][:T * K * inter].reshape(T * K, inter)
-        self._launch(self.k_gemv_silu, (-(-inter // 16), T * K), (128,),
-                     (x, gate_up, ids, act, np.int32(inter), np.int32(H), np.int32(K),
-                      np.int32(self.gate_up_interleaved)))
-        out = self._residual_out(T, H)
-        self._launch(self.k_gemv_combine, (-(-H // COMBINE_COLS), T), (32 * min(K, 8),),
-                     (act, down, ids, weights, residual, out, np.int32(H), np.int32(inter), np.int32(K)))
+        K, sh = ids.shape[1], self.shared
+        act = self.buf["moe_a"][:T * K * inter].reshape(T * K, inter)
+        sh.launch(self.k_gemv_silu, (-(-inter // 16), T * K), (128,),
+                  (x, gate_up, ids, act, np.int32(inter), np.int32(H), np.int32(K),
+                   np.int32(sh.gate_up_interleaved)))
+        out = sh.residual_out(T, H)
+        sh.launch(self.k_gemv_combine, (-(-H // COMBINE_COLS), T), (32 * min(K, 8),),
+                  (act, down, ids, weights, residual, out, np.int32(H), np.int32(inter), np.int32(K)))
         return out

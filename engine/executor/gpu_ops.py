@@ -1,10 +1,10 @@
 """The model Ops (engine/models/ops.py) on the GPU: CuPy device arrays, raw CUDA kernels, cuBLAS.
 
-Every output is a view of a preallocated buffer: activations rotate through a ring of RING_SLOTS
-buffers (a tensor is dead long before its slot comes round again), the residual stream has a buffer
-of its own (updated in place by the residual adds), the logits have their own fp32 buffer, and the
-attention split partials theirs. Nothing here allocates or synchronizes with the host, so a decode
-step can be captured in a CUDA graph.
+Every output is a view of a preallocated buffer: the activation ring and the residual stream's buffer
+(GpuShared, gpu_shared.py), the logits' own fp32 buffer and the attention split partials'. Nothing here
+allocates or synchronizes with the host, so a decode step can be captured in a CUDA graph. The op families
+a line uses beyond these (MoE, MLA, LoRA, Gated DeltaNet, DeepSeek-V4) are parts built from the plan
+(gpu_*_ops.py): `ops.moe`, `ops.mla`, ... (None where the line uses none).
 
 Decode fusion: where gemv.cu takes a linear layer (at most gemv_max_m rows), the RMSNorm before it,
 the residual add after it and the SiLU·up after gate_up run inside the GEMV (norm_linear, add_linear,
@@ -21,30 +21,26 @@ every kernel is a programmatic dependent launch (openinfer_kernels/raw_cuda/laun
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
 import numpy as np
 
+from engine.executor import gpu_graphs
 from engine.executor.attention_grid import (FUSED_ROPE_CTAS_PER_SM, MAX_DECODE_SPLITS, MAX_GROUP, MAX_HEAD_DIM,
                                             MAX_SPLITS, attention_splits, decode_attention_fits,
                                             decode_heads_per_cta, rope_heads_per_warp)
+from engine.executor.gpu_deltanet_ops import GpuDeltaNetOps
+from engine.executor.gpu_dsv4_ops import GpuDSV4Ops
 from engine.executor.gpu_lora_ops import GpuLoRAOps
 from engine.executor.gpu_mla_ops import MLA_MAX_SPLITS, GpuMLAOps
 from engine.executor.gpu_moe_ops import GpuMoEOps
-from engine.executor.gpu_deltanet_ops import DeltaNetGpuOps
-from engine.executor.gpu_dsv4_ops import GpuDSV4Ops
+from engine.executor.gpu_shared import activation_buffers, splitk_norm_threads
+from engine.executor.options import parse_decode_kernels
 from engine.models.ops import AttentionSpec, ComposedOps
 from openinfer_kernels.raw_cuda import kernel
-from openinfer_kernels.raw_cuda.launch import launch
 from memory.device_arena import Buffer, buffers_nbytes
-
-RING_SLOTS = 10
-
-
-def splitk_norm_threads(hidden: int) -> int:
-    """Threads per row of rms_norm.cu's splitk_rms_norm_residual: one per 8 columns, whole warps."""
-    return min(1024, -(-hidden // 256) * 32)
 
 
 def op_range(fn):
@@ -54,8 +50,7 @@ def op_range(fn):
     def ranged(self, *args, **kwargs):
         if not self.op_ranges:
             return fn(self, *args, **kwargs)
-        from engine.executor.gpu_graphs import nvtx_range
-        with nvtx_range(fn.__name__):
+        with gpu_graphs.nvtx_range(fn.__name__):
             return fn(self, *args, **kwargs)
     return ranged
 
@@ -84,39 +79,39 @@ class GpuStepContext:
         return self.num_tokens == self.block_tables.shape[0]
 
 
-class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, ComposedOps):
-    op_ranges = False                       # NVTX range per op (op_range; eager steps)
+class GpuOps(ComposedOps):
+    """The dense Ops on the GPU, and the op families the plan's line uses as parts (moe, mla, lora, deltanet,
+    dsv4: None where it uses none), each built from the plan over the shared GpuShared."""
+    moe_class = GpuMoEOps                   # the parts' classes (a tensor-parallel rank's ops replace the MoE one)
+    mla_class = GpuMLAOps
+    lora_class = GpuLoRAOps
     decode_defines: dict = {}               # paged_decode.cu build options (-D; benchmarks' A/B: STAGES, MIN_CTAS)
     decode_heads = 0                        # > 0: paged_decode.cu's heads per CTA (benchmarks' A/B)
+    fused_rope = True                       # rope_attention in one kernel on decode steps (off: compose, for A/B)
+    # Decode steps add the q/k/v delta inside paged_decode.cu's fused rope + attention entry (its _lora
+    # entry reads the extended product's rows) instead of a compacting lora_expand.cu launch before it.
+    # Batch 1 / 4 adapters: +6.2% -> +4.7% of the graph step; batch 32 unchanged (lora.md, 2026-12-04 19:27).
+    lora_in_attention = True
+    op_ranges = layer_ranges = False        # NVTX ranges per op / per decoder layer (GpuTuning.nvtx; eager steps)
     kv_layer_events = None                  # per-layer events of a restore in flight (the executor sets them)
+    attention_hook = None                   # the piecewise graphs' capture (hooked_attention)
 
-    def __init__(self, arena, gemm, kv_cache, inv_freq, attention_factor: float, max_tokens: int,
-                 max_width: int, hidden: int, vocab_size: int, logits_rows: int, num_heads: int, head_dim: int,
-                 lm_head_ptr: int, stream, num_sms: int, fast_attention: bool = False):
-        import cupy
-
-        self.cp = cupy
-        self.gemm = gemm
-        self.kv_cache = kv_cache            # uint16 [L, 2, slots, Hkv, D]
-        self.inv_freq = inv_freq            # float32 [D/2]
-        self.attention_factor = float(attention_factor)
-        self.stream = stream
+    def __init__(self, plan, shared, arena, lm_head_ptr: int, lora_weights: dict | None = None,
+                 state: dict | None = None):
+        """plan: gpu_plan.GpuPlan; shared: the executor's GpuShared; arena: what the ops' buffers are carved
+        from; lm_head_ptr: the lm_head weight's address (its product is float32 logits); lora_weights: site
+        -> its weight extended with every slot's A rows (the upload); state: the linear-attention state slots."""
+        self.shared = shared
         self.lm_head_ptr = lm_head_ptr
-        self.max_tokens = max_tokens
-        self.num_sms = num_sms
-        b = arena.take_all("activations", self.buffers(max_tokens, max_width, hidden, vocab_size, logits_rows,
-                                                       num_heads, head_dim, num_sms))
-        self.ring = [b[f"ring{i}"] for i in range(RING_SLOTS)]
-        self.ring_next = 0
-        self.residual = b["residual"]
-        self.pdl = False                    # programmatic dependent launches (set while capturing decode)
-        self.layer_ranges = False           # NVTX range per decoder layer (eager steps; see layer_scope)
-        self.gate_up_interleaved = False    # gate_up weights in gemv.cu's SiLU·up layout (set by the executor)
+        self.num_heads, self.head_dim = plan.num_heads, plan.head_dim
+        tuning = plan.options.gpu
+        self.fast_attention = parse_decode_kernels(tuning.decode_kernels)[0]   # paged_decode.cu, else the split kernel
+        self.layer_ranges, self.op_ranges = tuning.nvtx in ("layers", "ops"), tuning.nvtx == "ops"
+        b = arena.take_all("activations", self.buffers(plan))
         self.logits = b["logits"]
         self.part_out, self.part_max, self.part_sum = b["attn_part_out"], b["attn_part_max"], b["attn_part_sum"]
-        # paged_decode.cu's split tickets, one per (token, KV head); zero between launches.
-        self.split_counters = b["attn_split_counters"]
-        cupy.cuda.runtime.memsetAsync(self.split_counters.data.ptr, 0, self.split_counters.nbytes, stream.ptr)
+        self.split_counters = b["attn_split_counters"]      # paged_decode.cu's split tickets: zero between launches
+        shared.zero(self.split_counters)
         self.k_embed = kernel("embedding", "embedding_gather")
         self.k_rms = kernel("rms_norm", "rms_norm_residual")
         self.k_rms_splitk = kernel("rms_norm", "splitk_rms_norm_residual")
@@ -126,60 +121,87 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         self.k_add = kernel("add_bias", "residual_add")
         self.k_attn = kernel("paged_attention", "paged_attention_split")
         self.k_merge = kernel("paged_attention", "attention_merge")
-        self.num_heads, self.head_dim = num_heads, head_dim
-        self.fast_attention = fast_attention   # paged_decode.cu instead of paged_attention_split
         self._decode_kernels: dict[tuple, object] = {}     # (group, entry, heads, defines) -> kernel
-        self.fused_rope = True      # rope_attention in one kernel on decode steps (off: compose, for A/B)
+        self._build_families(plan, arena, lora_weights, state)
+
+    def _build_families(self, plan, arena, lora_weights, state) -> None:
+        """The parts of the families the plan's line uses (their buffers carved in this order)."""
+        shared, families = self.shared, plan.families
+        self.moe = self._moe_part(plan, arena) if "moe" in families else None
+        self.mla = self.mla_class(plan, shared, arena, self) if "mla" in families else None
+        self.lora = self.lora_class(plan, shared, arena, lora_weights, self.rms_norm) if "lora" in families else None
+        self.deltanet = GpuDeltaNetOps(shared, state) if "deltanet" in families else None
+        self.dsv4 = GpuDSV4Ops(shared, self.moe) if "dsv4" in families else None
+
+    def _moe_part(self, plan, arena) -> GpuMoEOps:
+        return self.moe_class(plan, self.shared, arena)
 
     # ---- buffers -----------------------------------------------------------------------------
     @staticmethod
-    def buffers(max_tokens: int, max_width: int, hidden: int, vocab_size: int, logits_rows: int, num_heads: int,
-                head_dim: int, num_sms: int) -> list[Buffer]:
-        """The activation ring, the residual stream, the logits and the attention split partials."""
-        part_rows = (max_tokens + 2 * num_sms) * num_heads
-        return ([Buffer(f"ring{i}", (max_tokens * max_width,), np.uint16) for i in range(RING_SLOTS)]
-                + [Buffer("residual", (max_tokens * hidden,), np.uint16),
-                   Buffer("logits", (logits_rows, vocab_size), np.float32),
-                   Buffer("attn_part_out", (part_rows * head_dim,), np.float32),
-                   Buffer("attn_part_max", (part_rows,), np.float32),
-                   Buffer("attn_part_sum", (part_rows,), np.float32),
-                   Buffer("attn_split_counters", (max_tokens * num_heads,), np.int32)])
+    def buffers(plan) -> list[Buffer]:
+        """The logits and the attention split partials (the activation ring and the residual: GpuShared's)."""
+        part_rows = (plan.max_tokens + 2 * plan.device.num_sms) * plan.num_heads
+        return [Buffer("logits", (plan.logit_rows, plan.vocab), np.float32),
+                Buffer("attn_part_out", (part_rows * plan.head_dim,), np.float32),
+                Buffer("attn_part_max", (part_rows,), np.float32),
+                Buffer("attn_part_sum", (part_rows,), np.float32),
+                Buffer("attn_split_counters", (plan.max_tokens * plan.num_heads,), np.int32)]
 
     @classmethod
     def nbytes(cls, plan) -> int:
-        """The activation buffers and, for the MoE / MLA lines, theirs (taken by take_sparse)."""
-        return buffers_nbytes(cls.buffers(plan.max_tokens, plan.width, plan.hidden, plan.vocab, plan.logit_rows,
-                                          plan.num_heads, plan.head_dim, plan.device.num_sms)) + cls.sparse_nbytes(plan)
+        """The activation buffers (GpuShared's and these) and the families' of the plan's line."""
+        return buffers_nbytes(activation_buffers(plan) + cls.buffers(plan)) + cls.families_nbytes(plan)
 
     @classmethod
-    def sparse_nbytes(cls, plan) -> int:
-        return cls.moe_nbytes(plan) + cls.mla_nbytes(plan) + cls.lora_nbytes(plan)
-
-    def take_sparse(self, arena, plan) -> None:
-        """The MoE and MLA buffers of the plan's model line (gpu_moe_ops.py, gpu_mla_ops.py) and the
-        LoRA slots (gpu_lora_ops.py)."""
-        self.take_moe(arena, plan)
-        self.take_mla(arena, plan)
-        self.take_lora(arena, plan)
+    def families_nbytes(cls, plan) -> int:
+        return cls.moe_class.nbytes(plan) + cls.mla_class.nbytes(plan) + cls.lora_class.nbytes(plan)
 
     def _out(self, rows: int, cols: int):
-        if rows > self.max_tokens:
-            raise ValueError(f"{rows} tokens exceed the {self.max_tokens} the activation buffers hold")
-        buf = self.ring[self.ring_next]
-        self.ring_next = (self.ring_next + 1) % RING_SLOTS
-        return buf[: rows * cols].reshape(rows, cols)
-
-    def reset(self) -> None:
-        """Start each forward at slot 0 so a captured graph sees the same addresses on replay."""
-        self.ring_next = 0
+        return self.shared.out(rows, cols)
 
     def _launch(self, k, grid, block, args) -> None:
-        launch(k, grid, block, args, self.stream, pdl=self.pdl)
+        self.shared.launch(k, grid, block, args)
 
-    def _residual_out(self, rows: int, cols: int):
-        if rows * cols > self.residual.shape[0]:
-            raise ValueError(f"{rows} tokens exceed the {self.max_tokens} the residual buffer holds")
-        return self.residual[: rows * cols].reshape(rows, cols)
+    def reset(self, at: int = 0) -> None:
+        """Start a forward at ring slot `at` (0: a captured graph sees the same addresses on replay)."""
+        self.shared.ring_next = at
+
+    @property
+    def ring_position(self) -> int:
+        """The activation ring's next slot (the piecewise graphs put it back after a replay)."""
+        return self.shared.ring_next
+
+    def activation(self, rows: int, cols: int):
+        """The next activation buffer [rows, cols] (an attention output the prefill path or the piecewise
+        graphs hand out)."""
+        return self._out(rows, cols)
+
+    @contextlib.contextmanager
+    def hooked_attention(self, hook):
+        """attention(q, spec, ctx, out) calls hook(q, spec, ctx) instead while inside (the piecewise graphs'
+        capture leaves each attention call out of its segments, gpu_piecewise.py)."""
+        self.attention_hook = hook
+        try:
+            yield
+        finally:
+            self.attention_hook = None
+
+    def use_lora(self, token_slots, rows: int) -> None:
+        """The step's token -> LoRA slot map (None: no adapter in the step) for the LoRA part; rows: the
+        step's rows (a decode graph's bucket)."""
+        if self.lora is not None:
+            self.lora.use(token_slots, rows)
+        elif token_slots is not None:
+            raise ValueError("a step with LoRA adapters on an executor without LoRA slots (max_loras = 0)")
+
+    @contextlib.contextmanager
+    def pdl_launches(self, on: bool):
+        """Every launch a programmatic dependent launch while inside, when on (a decode graph's capture)."""
+        self.shared.pdl = on
+        try:
+            yield
+        finally:
+            self.shared.pdl = False
 
     # ---- Ops ---------------------------------------------------------------------------------
     @op_range
@@ -209,7 +231,7 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
             out = self.logits[:T]
         else:
             out = self._out(T, N)
-        self.gemm(x, weight, out, pdl=self.pdl)
+        self.shared.gemm(x, weight, out, pdl=self.shared.pdl)
         if bias is not None:
             total = T * N
             self._launch(self.k_bias, (min(1024, -(-total // 256)),), (256,),
@@ -218,19 +240,19 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
 
     @op_range
     def qkv_rope_cache(self, qkv, spec: AttentionSpec, ctx: GpuStepContext, q_norm=None, k_norm=None):
-        T = ctx.num_tokens
+        T, sh = ctx.num_tokens, self.shared
         Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q = self._out(T, Hq * D).reshape(T, Hq, D)
-        kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
+        kc, vc = sh.kv_cache[spec.layer, 0], sh.kv_cache[spec.layer, 1]
         null = np.uint64(0)
         # a block per token shares one cos / sin table (qk_norm_rope_cache.cu; a warp serves
         # rope_heads_per_warp heads at once), split into head groups only while the tokens alone do not fill
         # the SMs twice
         warps = 8
-        groups = 1 if T >= 2 * self.num_sms else -(-(Hq + 2 * Hkv) // (warps * rope_heads_per_warp(D)))
+        groups = 1 if T >= 2 * sh.num_sms else -(-(Hq + 2 * Hkv) // (warps * rope_heads_per_warp(D)))
         self._launch(self.k_rope, (T, groups), (32 * warps,),
                      (qkv, q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
-                      np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor),
+                      np.float32(spec.rms_eps), sh.inv_freq, np.float32(sh.attention_factor),
                       ctx.positions, ctx.slot_mapping, q, kc, vc, np.int32(Hq), np.int32(Hkv), np.int32(D)))
         return q
 
@@ -254,7 +276,7 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         """paged_decode.cu's query heads per CTA for a step of num_tokens query rows (decode_heads_per_cta,
         or the benchmarks' override)."""
         group = self.num_heads // num_kv_heads
-        return self.decode_heads or decode_heads_per_cta(num_tokens, num_kv_heads, group, self.num_sms)
+        return self.decode_heads or decode_heads_per_cta(num_tokens, num_kv_heads, group, self.shared.num_sms)
 
     def _decode_launch(self, spec: AttentionSpec, ctx: GpuStepContext, entry: str, **defines):
         """(kernel, grid) of a paged_decode.cu entry for this step, its head groups chosen once; None where
@@ -273,23 +295,23 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         (the composition runs; both give the same bits)."""
         if (not self.fused_rope or not ctx.decode_only or spec.head_dim != self.head_dim
                 or spec.num_heads != self.num_heads
-                or ctx.num_splits * spec.num_kv_heads * ctx.num_tokens > FUSED_ROPE_CTAS_PER_SM * self.num_sms):
+                or ctx.num_splits * spec.num_kv_heads * ctx.num_tokens > FUSED_ROPE_CTAS_PER_SM * self.shared.num_sms):
             return None
         return self._decode_launch(spec, ctx, entry, **defines)
 
     def splits(self, num_tokens: int, num_kv_heads: int, max_context: int) -> int:
         """The step's KV split count for the attention kernel in use."""
-        group = self.num_heads // num_kv_heads
+        group, num_sms = self.num_heads // num_kv_heads, self.shared.num_sms
         fast = self.fast_attention and decode_attention_fits(group, self.head_dim)
-        mla = getattr(self, "mla", None) is not None          # mla_decode.cu sizes its own head groups
+        mla = self.mla is not None          # mla_decode.cu sizes its own head groups
         if mla and num_tokens == 1:
             # A batch-1 MLA step takes up to 32 splits (mla_decode_shape then gives 2 heads a CTA):
             # DeepSeek-V2-Lite in a graph, 1k / 4k keys, 21.7 / 53.2 -> 19.7 / 37.5 µs a layer; at 8 tokens
             # 16 stays better (49.6 against 61.3 at 1k keys) (H200, bench/moe_micro.py, 2026-12-04 19:45 UTC).
-            return attention_splits(1, num_kv_heads, max_context, MLA_MAX_SPLITS, self.num_sms)
+            return attention_splits(1, num_kv_heads, max_context, MLA_MAX_SPLITS, num_sms)
         groups = group // self._heads_per_cta(num_tokens, num_kv_heads) if fast and not mla else 1
         return attention_splits(num_tokens, num_kv_heads, max_context, MAX_DECODE_SPLITS if fast else MAX_SPLITS,
-                                self.num_sms, groups)
+                                num_sms, groups)
 
     def _check_attention(self, spec: AttentionSpec, ctx: GpuStepContext) -> None:
         Hq, Hkv, D, S = spec.num_heads, spec.num_kv_heads, spec.head_dim, ctx.num_splits
@@ -299,9 +321,15 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         if ctx.num_tokens * Hq * S > self.part_max.shape[0] or S > MAX_DECODE_SPLITS:
             raise ValueError(f"attention partials: {ctx.num_tokens} tokens x {S} splits exceed the buffer")
 
+    def check_partials(self, tokens: int, heads: int, splits: int) -> None:
+        """The attention split partials hold tokens x heads x splits rows (else ValueError)."""
+        if tokens * heads * splits > self.part_max.shape[0]:
+            raise ValueError(f"attention partials: {tokens} tokens x {splits} splits x {heads} heads exceed the buffer")
+
     def _decode_args(self, spec: AttentionSpec, ctx: GpuStepContext, out) -> tuple:
         """paged_decode.cu's arguments from the KV cache on (the same for both entries)."""
-        kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
+        kv = self.shared.kv_cache
+        kc, vc = kv[spec.layer, 0], kv[spec.layer, 1]
         return (kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq, ctx.positions,
                 self.part_out, self.part_max, self.part_sum, out, self.split_counters,
                 np.int32(spec.num_kv_heads), np.float32(spec.scale))
@@ -321,18 +349,40 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         the arguments every entry shares. Returns o[T, Hq·D]."""
         self._kv_layer_ready(spec.layer)
         self._check_attention(spec, ctx)
-        null = np.uint64(0)
+        null, sh = np.uint64(0), self.shared
         out = self._out(ctx.num_tokens, spec.num_heads * spec.head_dim)
         self._launch(*fused, (128,),
                      rows + (q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
-                             np.float32(spec.rms_eps), self.inv_freq, np.float32(self.attention_factor),
+                             np.float32(spec.rms_eps), sh.inv_freq, np.float32(sh.attention_factor),
                              ctx.slot_mapping) + self._decode_args(spec, ctx, out))
         return out
+
+    def qkv_rope_attention(self, x, norm_weight, eps, weight, bias, spec, ctx, normed=None, q_norm=None, k_norm=None,
+                           lora=None):
+        """A decode step with a LoRA adapter at the q/k/v site: the product by the extended weight, then
+        paged_decode.cu's rope_paged_decode_attention_lora adding each row's delta in its prologue; else the
+        composition (norm_linear, rope_attention)."""
+        fused = self._lora_attention_kernel(spec, ctx, lora, x.shape[0]) if bias is None else None
+        if fused is None:
+            return super().qkv_rope_attention(x, norm_weight, eps, weight, bias, spec, ctx, normed=normed,
+                                              q_norm=q_norm, k_norm=k_norm, lora=lora)
+        wide = self.lora.extended_product(x, norm_weight, eps, lora, normed)
+        return self._rope_decode(fused, self.lora.attention_rows(wide, lora), spec, ctx, q_norm, k_norm)
+
+    def _lora_attention_kernel(self, spec: AttentionSpec, ctx: GpuStepContext, site, rows: int):
+        """The fused rope + decode attention entry that adds a q/k/v site's delta (lora_in_attention), or None."""
+        lora = self.lora
+        if (lora is None or not self.lora_in_attention or not lora.fused(site, rows)
+                or len(lora.sites[site].slices) != 3):
+            return None
+        return self._rope_decode_kernel(spec, ctx, "rope_paged_decode_attention_lora", LORA_R=lora.rank)
 
     @op_range
     def attention(self, q, spec: AttentionSpec, ctx: GpuStepContext, out=None):
         """o[T, Hq·D] into `out` (default: the next activation buffer; piecewise graphs pass the rows
         their next segment reads)."""
+        if self.attention_hook is not None:
+            return self.attention_hook(q, spec, ctx)
         self._kv_layer_ready(spec.layer)
         if ctx.prefill is not None and ctx.prefill.serves(spec):     # long sequences: CuTe (gpu_prefill.py)
             return ctx.prefill.attention(self, q, spec, ctx, out)
@@ -344,26 +394,31 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
     def _kv_layer_ready(self, layer: int) -> None:
         """A host-tier restore copying layer by layer (GpuExecutor._restore_by_layer): wait for this layer's."""
         if self.kv_layer_events is not None:
-            self.stream.wait_event(self.kv_layer_events[layer])
+            self.shared.stream.wait_event(self.kv_layer_events[layer])
 
     def paged_attention(self, q, spec: AttentionSpec, ctx: GpuStepContext, out) -> None:
         """out[T, Hq·D] = attention of ctx's T query rows over the paged cache (paged_decode.cu where it
         fits, else paged_attention_split + attention_merge)."""
-        T = ctx.num_tokens
-        Hq, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        S = ctx.num_splits
         self._check_attention(spec, ctx)
-        kc, vc = self.kv_cache[spec.layer, 0], self.kv_cache[spec.layer, 1]
-        fast = self._decode_launch(spec, ctx, "paged_decode_attention") if D == self.head_dim else None
+        kv = self.shared.kv_cache
+        fast = self._decode_launch(spec, ctx, "paged_decode_attention") if spec.head_dim == self.head_dim else None
         if fast is not None:
             self._launch(*fast, (128,), (q,) + self._decode_args(spec, ctx, out))
             return
-        self._launch(self.k_attn, (S, Hkv, T), (128,),
-                     (q, kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq,
-                      ctx.positions, self.part_out, self.part_max, self.part_sum,
-                      np.int32(Hq), np.int32(Hkv), np.int32(D), np.float32(spec.scale)))
-        self._launch(self.k_merge, (T * Hq,), (128,),
-                     (self.part_out, self.part_max, self.part_sum, out, np.int32(S), np.int32(D)))
+        self.split_attention(q, kv[spec.layer, 0], kv[spec.layer, 1], ctx.block_tables, spec.num_heads,
+                             spec.num_kv_heads, spec.head_dim, spec.scale, ctx, out)
+
+    def split_attention(self, q, k, v, tables, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                        ctx: GpuStepContext, out) -> None:
+        """paged_attention_split of ctx's query rows over k, v [blocks · 16, heads, dim] by block `tables`,
+        then attention_merge of its ctx.num_splits splits into out [T, heads · dim] (MLA's expanded form too)."""
+        T, S = ctx.num_tokens, ctx.num_splits
+        self._launch(self.k_attn, (S, num_kv_heads, T), (128,),
+                     (q, k, v, tables, np.int32(tables.shape[1]), ctx.token_seq, ctx.positions, self.part_out,
+                      self.part_max, self.part_sum, np.int32(num_heads), np.int32(num_kv_heads), np.int32(head_dim),
+                      np.float32(scale)))
+        self._launch(self.k_merge, (T * num_heads,), (128,),
+                     (self.part_out, self.part_max, self.part_sum, out, np.int32(S), np.int32(head_dim)))
 
     @op_range
     def silu_mul(self, gate_up):
@@ -372,7 +427,7 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         out = self._out(T, inter)
         total = T * inter // 8
         self._launch(self.k_silu, (max(1, min(4096, -(-total // 256))),), (256,),
-                     (gate_up, out, np.int32(inter), np.int64(total), np.int32(self.gate_up_interleaved)))
+                     (gate_up, out, np.int32(inter), np.int64(total), np.int32(self.shared.gate_up_interleaved)))
         return out
 
     @op_range
@@ -386,48 +441,56 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
     @op_range
     def add(self, x, residual):
         T, H = x.shape
-        out = self._residual_out(T, H)
+        out = self.shared.residual_out(T, H)
         total = T * H // 8
         self._launch(self.k_add, (max(1, min(4096, -(-total // 256))),), (256,),
                      (x, residual, out, np.int64(total)))
         return out
 
     # ---- fused decode ops (gemv.cu), composed from the above where the GEMV does not serve ----
+    def _lora_fused(self, site, rows: int) -> bool:
+        """The step's product at `site` is by the LoRA-extended weight (gpu_lora_ops.py)."""
+        return self.lora is not None and self.lora.fused(site, rows)
+
+    def _lora_on(self, site) -> bool:
+        return self.lora is not None and self.lora.on(site)
+
     @op_range
     def norm_linear(self, x, norm_weight, eps, weight, bias=None, normed=None, lora=None):
         """gemv.cu's RMSNorm prologue + product (a LoRA delta after it, its shrink norming x again);
         else the composition."""
-        if bias is None and self.lora_fused(lora, x.shape[0]):
-            return self.lora_norm_linear(x, norm_weight, eps, lora, normed)
-        if normed is not None or bias is not None or not self.gemm.gemv_serves(x, weight):
+        gemm = self.shared.gemm
+        if bias is None and self._lora_fused(lora, x.shape[0]):
+            return self.lora.norm_linear(x, norm_weight, eps, lora, normed)
+        if normed is not None or bias is not None or not gemm.gemv_serves(x, weight):
             return super().norm_linear(x, norm_weight, eps, weight, bias, normed=normed, lora=lora)
         out = self._out(x.shape[0], weight.shape[0])
-        self.gemm.gemv(x, weight, out, "norm", norm_w=norm_weight, eps=eps, pdl=self.pdl)
-        return self.lora_add(out, x, lora, norm=(norm_weight, eps)) if self.lora_on(lora) else out
+        gemm.gemv(x, weight, out, "norm", norm_w=norm_weight, eps=eps, pdl=self.shared.pdl)
+        return self.lora.add(out, x, lora, norm=(norm_weight, eps)) if self._lora_on(lora) else out
 
     @op_range
     def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None, lora=None):
         """gemv.cu's RMSNorm + product + SiLU·up in one kernel; else the CuTe GEMM's SiLU·up twin
         after the norm (one kernel fewer than product + silu_mul); else (and with a LoRA adapter in
         the step: the product, then lora_expand.cu's SiLU·up with the delta added first) the composition."""
-        rows = x.shape[0]
-        if self.lora_fused(lora, rows):
-            return self.lora_norm_swiglu(x, norm_weight, eps, lora, normed)
-        if self.lora_on(lora):
-            return self.lora_unfused_swiglu(x, norm_weight, eps, gate_up_weight, normed, lora)
-        if self.gate_up_interleaved and self.gemm.gemv_serves(x if normed is None else normed, gate_up_weight):
+        rows, sh = x.shape[0], self.shared
+        if self._lora_fused(lora, rows):
+            return self.lora.norm_swiglu(x, norm_weight, eps, lora, normed)
+        if self._lora_on(lora):
+            return self.lora.unfused_swiglu(x, norm_weight, eps, gate_up_weight, normed, lora)
+        if sh.gate_up_interleaved and sh.gemm.gemv_serves(x if normed is None else normed, gate_up_weight):
             out = self._out(rows, gate_up_weight.shape[0] // 2)
             if normed is None:
-                self.gemm.gemv(x, gate_up_weight, out, "norm_silu", norm_w=norm_weight, eps=eps, pdl=self.pdl)
+                sh.gemm.gemv(x, gate_up_weight, out, "norm_silu", norm_w=norm_weight, eps=eps, pdl=sh.pdl)
             else:               # normed already (the MoE lines' shared experts): SiLU·up without the norm
-                self.gemm.gemv(normed, gate_up_weight, out, "silu", pdl=self.pdl)
+                sh.gemm.gemv(normed, gate_up_weight, out, "silu", pdl=sh.pdl)
             return out
-        if not (self.gate_up_interleaved and self.gemm.cute_fuses_swiglu(rows, gate_up_weight)):
+        if not (sh.gate_up_interleaved and sh.gemm.cute_fuses_swiglu(rows, gate_up_weight)):
             return super().norm_swiglu(x, norm_weight, eps, gate_up_weight, normed=normed)
         if normed is None:
             normed, _ = self.rms_norm(x, norm_weight, eps)
         out = self._out(rows, gate_up_weight.shape[0] // 2)
-        self.gemm.cute_swiglu(normed, gate_up_weight, out)
+        sh.gemm.cute_swiglu(normed, gate_up_weight, out)
         return out
 
     @op_range
@@ -436,14 +499,14 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         into the sum after it."""
         if bias is not None:
             return super().add_linear(x, weight, residual, bias, lora=lora)
-        out = self._residual_out(x.shape[0], weight.shape[0])
-        if self.gemm.gemv_serves(x, weight):
-            self.gemm.gemv(x, weight, out, "res", res_in=residual, pdl=self.pdl)
+        sh = self.shared
+        out = sh.residual_out(x.shape[0], weight.shape[0])
+        if sh.gemm.gemv_serves(x, weight):
+            sh.gemm.gemv(x, weight, out, "res", res_in=residual, pdl=sh.pdl)
             return self.lora_add(out, x, lora)
         if residual.data.ptr != out.data.ptr:  # the first layer's residual is the embedding output
-            self.cp.cuda.runtime.memcpyAsync(out.data.ptr, residual.data.ptr, out.nbytes,
-                                             self.cp.cuda.runtime.memcpyDeviceToDevice, self.stream.ptr)
-        self.gemm(x, weight, out, accumulate=True)  # cuBLAS beta = 1: the add in the product's epilogue
+            sh.copy(out, residual)
+        sh.gemm(x, weight, out, accumulate=True)  # cuBLAS beta = 1: the add in the product's epilogue
         return self.lora_add(out, x, lora)
 
     @op_range
@@ -452,20 +515,21 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         reduces its partials, adds the residual and applies the RMSNorm after it
         (rms_norm.cu splitk_rms_norm_residual), a LoRA delta added into the first partial before it;
         elsewhere add_linear, the norm left to the next op."""
-        if bias is None and self.lora_fused(lora, x.shape[0]):
-            return self.lora_add_linear_norm(x, lora, residual, norm_weight, eps)
-        fusable = bias is None and not self.gemm.gemv_serves(x, weight)
-        partials = self.gemm.cute_partials(x, weight, residual) if fusable else None
+        if bias is None and self._lora_fused(lora, x.shape[0]):
+            return self.lora.add_linear_norm(x, lora, residual, norm_weight, eps)
+        gemm = self.shared.gemm
+        fusable = bias is None and not gemm.gemv_serves(x, weight)
+        partials = gemm.cute_partials(x, weight, residual) if fusable else None
         if partials is None:
             return self.add_linear(x, weight, residual, bias, lora=lora), None
         T, N = x.shape[0], weight.shape[0]
-        out, normed = self._residual_out(T, N), self._out(T, N)
+        out, normed = self.shared.residual_out(T, N), self._out(T, N)
         splits, _, _ = partials.shape
         self.reduce_partials(partials)
-        if self.lora_on(lora):
+        if self._lora_on(lora):
             if tuple(partials.shape[1:]) != (T, N) or tuple(partials.strides[1:]) != (N, 1):
                 raise ValueError(f"split-K partials {partials.shape} / {partials.strides}: not [S, {T}, {N}] rows")
-            self.lora_add(None, x, lora, into=partials.ptr)
+            self.lora.add(None, x, lora, into=partials.ptr)
         self._launch(self.k_rms_splitk, (T,), (splitk_norm_threads(N),),
                      (np.uint64(partials.ptr), np.int32(splits), np.int64(T * N), residual, norm_weight, normed, out,
                       np.int32(N), np.float32(eps)))
@@ -480,5 +544,4 @@ class GpuOps(GpuDSV4Ops, GpuLoRAOps, GpuMoEOps, GpuMLAOps, DeltaNetGpuOps, Compo
         kernels, not host ranges; profile graphs with nsys --cuda-graph-trace=node)."""
         if not self.layer_ranges:
             return super().layer_scope(layer)
-        from engine.executor.gpu_graphs import nvtx_range
-        return nvtx_range(f"layer {layer}")
+        return gpu_graphs.nvtx_range(f"layer {layer}")

@@ -14,8 +14,8 @@ of ~330 kernels (vLLM's piecewise graphs, in the same spirit).
 Capture (per bucket, on first use or while the engine is idle): one eager pass on padded rows (kernels
 loaded, cuBLAS heuristics run, attention skipped), then the same pass under stream capture, a graph
 ended and a new one begun at each attention call; the hole records the call's query, spec and output
-buffer. The activation ring is reset before both passes so they hand out the same addresses, and left
-where the capture left it after a replay, so the ops after the forward (sampling rows, lm_head) do not
+buffer (GpuOps.hooked_attention: the ops' public hook for it). The activation ring is reset before both
+passes so they hand out the same addresses, and left where the capture left it after a replay, so the ops after the forward (sampling rows, lm_head) do not
 reuse the hidden states' slot. A model line opts in with `piecewise_graphs` (the dense lines; Qwen3-MoE's
 ops are capturable too, a padded row's routing dropping its slots where its logits are NaN, but it stays
 off: qwen3_moe.py says why; lines whose ops decide from the data on the host, MLA's expanded or absorbed
@@ -93,35 +93,28 @@ class PiecewiseGraphs:
             if i < len(g.holes):
                 h = g.holes[i]
                 ops.attention(h.q, h.spec, ctx, out=h.out)
-        ops.ring_next = g.ring_after
+        ops.reset(g.ring_after)
         return g.hidden
 
     # ---- capture ---------------------------------------------------------------------------------
     def _pass(self, ctx, on_attention):
-        """One forward with ops.attention replaced by on_attention(q, spec, ctx) -> out."""
+        """One forward with every attention call answered by on_attention(q, spec, ctx) -> out."""
         ops = self.ops
-        own = vars(ops).get("attention")           # an instance attribute to put back (a profiler's wrapper)
         ops.reset()
-        ops.attention = on_attention
-        try:
+        with ops.hooked_attention(on_attention):
             return self.model.forward(ops, self.weights, ctx)
-        finally:
-            if own is None:
-                del ops.attention
-            else:
-                ops.attention = own
 
     def _capture(self, ctx) -> BucketGraphs:
         ops, stream = self.ops, self.stream
         width = lambda spec: spec.num_heads * spec.head_dim          # noqa: E731
-        self._pass(ctx, lambda q, spec, c, out=None: ops._out(c.num_tokens, width(spec)))   # eager warm-up
+        self._pass(ctx, lambda q, spec, c: ops.activation(c.num_tokens, width(spec)))   # eager warm-up
         stream.synchronize()
         mode = capture_mode()
         begin = lambda: stream.begin_capture(*mode)                   # noqa: E731
         segments, holes = [], []
 
-        def hole(q, spec, c, out=None):
-            out = ops._out(c.num_tokens, width(spec))
+        def hole(q, spec, c):
+            out = ops.activation(c.num_tokens, width(spec))
             segments.append(stream.end_capture())
             holes.append(Hole(q, spec, out))
             begin()
@@ -132,4 +125,4 @@ class PiecewiseGraphs:
             hidden = self._pass(ctx, hole)
         finally:
             segments.append(stream.end_capture())
-        return BucketGraphs(segments=segments, holes=holes, hidden=hidden, ring_after=ops.ring_next)
+        return BucketGraphs(segments=segments, holes=holes, hidden=hidden, ring_after=ops.ring_position)

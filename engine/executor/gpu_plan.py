@@ -54,6 +54,7 @@ class GpuPlan:
     experts: ExpertShape | None = None     # the routed experts' shape (MoE lines; gpu_moe_ops.py)
     mla: MLASpec | None = None             # the latent attention's shape (MLA lines; gpu_mla_ops.py)
     lora_sites: tuple = ()                 # (name, engine.lora.Site) of the LoRA sites (max_loras > 0)
+    families: frozenset = frozenset()      # the op families the ops build (the line's op_families, "lora")
 
     @property
     def max_tokens(self) -> int:
@@ -87,8 +88,8 @@ class GpuPlan:
 
 
 def gpu_plan(options: ExecutorOptions, model, device: DeviceInfo) -> GpuPlan:
-    """The plan of a model line (its kv_layout, activation width, attention specs and, for the MoE and
-    MLA lines, expert_shape and MLASpec; its LoRA sites with max_loras) on a device."""
+    """The plan of a model line (its kv_layout, activation width, attention specs, op families and, for the
+    MoE and MLA lines, expert_shape and MLASpec; its LoRA sites with max_loras) on a device."""
     widest = max(model.attention_specs, key=lambda s: s.num_heads * s.head_dim)
     shapes = sorted({tuple(w.shape) for w in model.weight_specs()     # routers: float32 logits, cuBLAS
                      if len(w.shape) == 2 and w.name not in ("embed_tokens", "lm_head")
@@ -97,6 +98,8 @@ def gpu_plan(options: ExecutorOptions, model, device: DeviceInfo) -> GpuPlan:
     lora = tuple(sorted(lora_sites(model).items())) if options.max_loras else ()
     # small LoRA steps multiply by a site's weight extended with every slot's A rows or B columns (gpu_lora_layout.py)
     shapes = sorted(set(shapes) | {extended_shape(name, dict(lora), options) for name, _ in lora})
+    families = frozenset(model.op_families) | ({"lora"} if lora else set())
     return GpuPlan(options=options, config=model.config, device=device, kv=model.kv_layout(),
                    width=model.activation_width, num_heads=widest.num_heads, head_dim=widest.head_dim,
-                   linear_shapes=tuple(shapes), experts=model.expert_shape, mla=mla, lora_sites=lora)
+                   linear_shapes=tuple(shapes), experts=model.expert_shape, mla=mla, lora_sites=lora,
+                   families=families)

@@ -261,7 +261,7 @@ class PrefillStep:
         own, plan, d = self.owner, self.plan, self.owner.data
         T, Hq, Hkv, D = ctx.num_tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim
         if out is None:
-            out = ops._out(T, Hq * D)
+            out = ops.activation(T, Hq * D)
         if plan.paged_positions is not None:
             (r0, r1), at = plan.paged_rows, plan.paged_positions
             span = dataclasses.replace(ctx, num_tokens=r1 - r0, positions=d[at + r0:at + r1],
@@ -273,7 +273,7 @@ class PrefillStep:
             own.chunk.launch(ops, q, spec, ctx, out, d[plan.chunk_work:plan.chunk_work + 2 * plan.chunk_tiles],
                              plan.chunk_tiles, plan.chunk_context)
         o = out.reshape(T, Hq, D)
-        kc, vc = ops.kv_cache[spec.layer, 0], ops.kv_cache[spec.layer, 1]
+        kc, vc = ops.shared.kv_cache[spec.layer, 0], ops.shared.kv_cache[spec.layer, 1]
         width = ctx.block_tables.shape[1]
         for a in plan.launches:
             cu_k = d[a.cu_k:a.cu_k + a.num_seqs + 1]

@@ -8,10 +8,11 @@ capture it in a CUDA graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 from engine.model_config import ModelConfig
-from engine.models.ops import Array, AttentionSpec, Ops
+from engine.models.ops import Array, AttentionSpec, LinearAttentionSpec, Ops
 from engine.models.weights import WeightSpec, packed
 from memory.kv_pool import KVLayout
 from memory.state_slots import StateLayout
@@ -136,12 +137,18 @@ def lm_head_weight(cfg: ModelConfig, w: dict[str, Array]) -> Array:
 class DecoderLM:
     """What a model line exposes to the loader and the executors. A dense model line says which
     layer pieces it has (`layer_options`, hence its weights) and runs `decoder_stack`; a model
-    line with another structure overrides `weight_specs` and `forward`."""
+    line with another structure overrides `weight_specs` and `forward`. Its capabilities are declared
+    here (the executors read them, never probe for them)."""
     model_type = ""
     expert_shape = None          # moe.ExpertShape of a line with routed experts
     lora = False                 # its projections are LoRA sites (decoder.py's dense blocks): --enable-lora serves it
     tensor_parallel = False      # engine/parallel/sharding.py knows how to shard its weights
-    cuda_graphs = True           # the GPU may capture its decode steps (False: eager steps only)
+    # layer -> LinearAttentionSpec of the Gated DeltaNet layers (hybrid lines; the GPU checks their shapes)
+    linear_specs: Mapping[int, LinearAttentionSpec] = MappingProxyType({})
+    gpu_supported = True         # the GPU executor runs the line (False: --device cpu only)
+    # the GPU may capture the line's steps as CUDA graphs (its ops allocate nothing and wait on nothing from
+    # the host)
+    cuda_graphs = True
     # True: the forward between two attention calls depends on the step's token count only (no host
     # decision from the data), so the GPU may replay it as piecewise CUDA graphs (gpu_piecewise.py)
     piecewise_graphs = False
@@ -163,6 +170,21 @@ class DecoderLM:
     @staticmethod
     def layer_options(config: ModelConfig) -> LayerOptions:
         raise NotImplementedError
+
+    @property
+    def op_families(self) -> frozenset[str]:
+        """The op families (engine/models/ops.py) the forward calls beyond the dense Ops: "moe" with routed
+        experts; a line with others adds its own. The executors build those parts only."""
+        return frozenset({"moe"}) if self.expert_shape is not None else frozenset()
+
+    def check_gpu_shapes(self) -> None:
+        """The GPU kernels' shape limits for this line, refused at start (the GPU executor calls it)."""
+        c = self.config
+        H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
+        Hq, Hkv = c.num_attention_heads, c.num_key_value_heads
+        if H % 8 or I % 8 or D % 2 or D > 256 or Hq % Hkv or Hq // Hkv > 16:
+            raise ValueError(f"GPU kernels need hidden % 8 == 0 (got {H}), intermediate % 8 == 0 (got {I}), "
+                             f"an even head_dim <= 256 (got {D}), heads/kv_heads <= 16 (got {Hq}/{Hkv})")
 
     def weight_specs(self) -> list[WeightSpec]:
         return model_weight_specs(self.config, self.opt)

@@ -131,10 +131,10 @@ def mla_block(ops: Ops, w: dict[str, Array], residual: Array, normed: Array | No
     i = spec.layer
     y = ops.norm_linear(residual, w[f"layers.{i}.input_layernorm"], eps, w[f"layers.{i}.q_kv_a_proj"], normed=normed)
     if f"layers.{i}.q_b_proj" in w:
-        q = ops.mla_latent_cache(y, spec, ctx, w[f"layers.{i}.kv_a_layernorm"], w[f"layers.{i}.q_a_layernorm"])
-        o = ops.mla_attention(ops.linear(q, w[f"layers.{i}.q_b_proj"]), w[f"layers.{i}.kv_b_proj"], spec, ctx)
+        q = ops.mla.latent_cache(y, spec, ctx, w[f"layers.{i}.kv_a_layernorm"], w[f"layers.{i}.q_a_layernorm"])
+        o = ops.mla.attention(ops.linear(q, w[f"layers.{i}.q_b_proj"]), w[f"layers.{i}.kv_b_proj"], spec, ctx)
     else:
-        o = ops.mla_latent_attention(y, w[f"layers.{i}.kv_b_proj"], spec, ctx, w[f"layers.{i}.kv_a_layernorm"])
+        o = ops.mla.latent_attention(y, w[f"layers.{i}.kv_b_proj"], spec, ctx, w[f"layers.{i}.kv_a_layernorm"])
     return ops.add_linear_norm(o, w[f"layers.{i}.o_proj"], residual, w[f"layers.{i}.post_attention_layernorm"], eps)
 
 
@@ -156,6 +156,10 @@ class DeepseekV2ForCausalLM(DecoderLM):
     @staticmethod
     def layer_options(config: ModelConfig) -> LayerOptions:
         return LayerOptions()
+
+    @property
+    def op_families(self) -> frozenset[str]:
+        return super().op_families | {"mla"}
 
     def layer_weight_specs(self, i: int) -> list[WeightSpec]:
         c, m = self.config, self.mla

@@ -142,6 +142,7 @@ class DeepseekV4Config:
 class DeepseekV4ForCausalLM(DecoderLM):
     model_type = "deepseek_v4"
     cuda_graphs = False         # the GPU ops allocate and walk the step's sequences on the host: eager steps
+    op_families = frozenset({"moe", "dsv4"})
 
     @staticmethod
     def config_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -255,28 +256,29 @@ class DeepseekV4ForCausalLM(DecoderLM):
     def moe(self, ops, w: dict[str, Array], x: Array, i: int, ctx: Any) -> Array:
         """The shared expert plus the routed experts (hash- or score-routed) of layer i on x."""
         L, limit = f"layers.{i}.", self.v4.swiglu_limit
-        shared = ops.linear(ops.swiglu_limited(ops.linear(x, w[L + "shared_gate_up_proj"]), limit),
+        shared = ops.linear(ops.dsv4.swiglu_limited(ops.linear(x, w[L + "shared_gate_up_proj"]), limit),
                             w[L + "shared_down_proj"])
         if L + "tid2eid" in w:
-            weights, ids = ops.hash_route(x, w[L + "router"], w[L + "tid2eid"], self.v4.route, ctx)
+            weights, ids = ops.dsv4.hash_route(x, w[L + "router"], w[L + "tid2eid"], self.v4.route, ctx)
         else:
-            weights, ids = ops.route(x, w[L + "router"], self.v4.route, w[L + "router_bias"])
-        return ops.moe_experts(x, w[L + "experts_gate_up_proj"], w[L + "experts_down_proj"], weights, ids, shared,
+            weights, ids = ops.moe.route(x, w[L + "router"], self.v4.route, w[L + "router_bias"])
+        return ops.moe.experts(x, w[L + "experts_gate_up_proj"], w[L + "experts_down_proj"], weights, ids, shared,
                                limit=limit)
 
     def forward(self, ops, w: dict[str, Array], ctx: Any) -> Array:
         c, m = self.config, self.v4
         eps, hc = c.rms_norm_eps, (m.hc_iters, m.hc_eps, c.rms_norm_eps)
-        streams = ops.hc_streams(ops.embed(w["embed_tokens"], ctx), m.hc_mult)
+        v4 = ops.dsv4
+        streams = v4.hc_streams(ops.embed(w["embed_tokens"], ctx), m.hc_mult)
         for spec in self.attention_specs:
             L = f"layers.{spec.layer}."
-            post, comb, x = ops.hyper_connection(streams, w[L + "hc_attn_fn"], w[L + "hc_attn_base"],
-                                                 w[L + "hc_attn_scale"], *hc)
-            out = ops.dsv4_attention(ops.rms_norm(x, w[L + "input_layernorm"], eps)[0], w, spec, ctx)
-            streams = ops.hc_merge(out, streams, post, comb)
-            post, comb, x = ops.hyper_connection(streams, w[L + "hc_ffn_fn"], w[L + "hc_ffn_base"],
-                                                 w[L + "hc_ffn_scale"], *hc)
+            post, comb, x = v4.hyper_connection(streams, w[L + "hc_attn_fn"], w[L + "hc_attn_base"],
+                                                w[L + "hc_attn_scale"], *hc)
+            out = v4.attention(ops.rms_norm(x, w[L + "input_layernorm"], eps)[0], w, spec, ctx)
+            streams = v4.hc_merge(out, streams, post, comb)
+            post, comb, x = v4.hyper_connection(streams, w[L + "hc_ffn_fn"], w[L + "hc_ffn_base"],
+                                                w[L + "hc_ffn_scale"], *hc)
             out = self.moe(ops, w, ops.rms_norm(x, w[L + "post_attention_layernorm"], eps)[0], spec.layer, ctx)
-            streams = ops.hc_merge(out, streams, post, comb)
-        x = ops.hyper_head(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], m.hc_eps, eps)
+            streams = v4.hc_merge(out, streams, post, comb)
+        x = v4.hyper_head(streams, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], m.hc_eps, eps)
         return ops.rms_norm(x, w["norm"], eps)[0]

@@ -41,7 +41,7 @@ def routed_experts(ops: Ops, w: dict[str, Array], residual: Array, normed: Array
     """(residual + the routed experts' weighted sum over x, x) with x = rmsnorm(residual) by the post-attention
     norm (``normed`` where already computed)."""
     x = normed if normed is not None else ops.rms_norm(residual, w[f"layers.{i}.post_attention_layernorm"], eps)[0]
-    weights, ids = ops.route(x, w[f"layers.{i}.router"], route, w.get(f"layers.{i}.router_bias"))
-    out = ops.moe_experts(x, w[f"layers.{i}.experts_gate_up_proj"], w[f"layers.{i}.experts_down_proj"],
+    weights, ids = ops.moe.route(x, w[f"layers.{i}.router"], route, w.get(f"layers.{i}.router_bias"))
+    out = ops.moe.experts(x, w[f"layers.{i}.experts_gate_up_proj"], w[f"layers.{i}.experts_down_proj"],
                           weights, ids, residual)
     return out, x

@@ -2,6 +2,11 @@
 arrays (numpy on the CPU, CuPy device arrays on the GPU); a model file composes these ops
 and never touches an array library directly, so one forward serves both executors.
 
+Ops are the dense ops every line uses; a line's other ops come in op families, each a part the executor
+builds only for the lines that use it (DecoderLM.op_families) and the line calls through its attribute:
+`ops.moe` (MoEOps), `ops.mla` (MLAOps), `ops.deltanet` (DeltaNetOps), `ops.dsv4` (DSV4Ops); `ops.lora`
+(LoRAOps) is the executor's, present with LoRA slots, and adds adapter deltas where a dense op names a site.
+
 Shapes: T = tokens in the step (flattened over sequences), H = hidden size.
 `ctx` is the executor's per-step context (the ModelBatch plus device copies of its arrays).
 """
@@ -114,7 +119,115 @@ class LinearAttentionSpec:
         return self.a_offset + self.num_v_heads
 
 
+class MoEOps(Protocol):
+    """Mixture of experts (engine/models/moe.py)."""
+
+    def route(self, x: Array, gate_weight: Array, spec: RouteSpec, bias: Array | None = None) -> tuple[Array, Array]:
+        """Router of x[T, H] by gate_weight [E, H] in float32 (RouteSpec; bias: float32 [E], the score
+        correction bias): (weights float32 [T, top_k], expert ids int32 [T, top_k])."""
+
+    def experts(self, x: Array, gate_up: Array, down: Array, weights: Array, ids: Array, residual: Array,
+                limit: float | None = None) -> Array:
+        """residual + sum_j weights[t, j] · down[e] · silu_mul(gate_up[e] · x[t]), e = ids[t, j]: the
+        routed experts (gate_up [E, 2I, H], down [E, H, I]) added to the residual stream. limit: gate and up
+        clamped first (gate <= limit, |up| <= limit: DeepSeek-V4's swiglu_limit)."""
+
+
+class MLAOps(Protocol):
+    """Multi-head latent attention (engine/models/deepseek_v2.py)."""
+
+    def latent_cache(self, y: Array, spec: MLASpec, ctx: Any, kv_norm: Array, q_norm: Array | None = None) -> Array:
+        """y[T, q_cols + kv_lora_rank + rope_dim], the fused down-projection: RMSNorm the latent by
+        kv_norm, rotate the rope key (interleaved pairs) at ctx positions and write both into the
+        paged cache of layer spec.layer at ctx slot_mapping. Returns the query columns [T, q_cols],
+        RMSNorm'd by q_norm where given (q_lora_rank set)."""
+
+    def attention(self, q: Array, kv_b: Array, spec: MLASpec, ctx: Any) -> Array:
+        """q[T, heads·(nope + rope)]: rotate each head's rope part, then causal attention of each
+        sequence's new queries over its latent cache with the keys and values kv_b
+        [heads·(nope + v), kv_lora_rank] expands from it. Returns o[T, heads·v]. The executor picks
+        the form: absorbed (W_UK folded into q, W_UV after attention over the latent: decode) or
+        expanded (K and V built from the latent: prefill)."""
+
+    def latent_attention(self, y: Array, kv_b: Array, spec: MLASpec, ctx: Any, kv_norm: Array) -> Array:
+        """attention(latent_cache(y, spec, ctx, kv_norm), kv_b, spec, ctx) where q_lora_rank is unset (y's
+        query columns are q): one op, so an executor can do the cache write and W_UK's absorption of q in
+        one launch."""
+
+
+class DeltaNetOps(Protocol):
+    """Hybrid lines (Gated DeltaNet + gated attention; engine/models/qwen3_5.py). State lives in the step's
+    state slots (ctx); a sequence whose step starts at position 0 starts from zero state."""
+
+    def causal_conv1d(self, proj: Array, weight: Array, spec: LinearAttentionSpec, ctx: Any) -> Array:
+        """silu(depthwise causal conv, width conv_kernel, of proj[:, :conv_dim] over each sequence's
+        conv state (its previous conv_kernel - 1 inputs) and this step's rows); weight [conv_dim, 1,
+        conv_kernel]. Updates the conv state. Returns x[T, conv_dim] = [q | k | v]."""
+
+    def gated_delta_rule(self, x: Array, proj: Array, a_log: Array, dt_bias: Array, spec: LinearAttentionSpec,
+                         ctx: Any) -> Array:
+        """The gated delta rule over each sequence's recurrent state S [Hv, Dk, Dv] (float32):
+        q, k = l2norm(x's q, k) (q also · Dk^-1/2; key head h·Hk/Hv serves value head h),
+        beta = sigmoid(b), g = -exp(a_log) · softplus(a + dt_bias) (b, a from proj); per token
+        S = e^g S;  S += k (beta (v - Sᵀk))ᵀ;  o = Sᵀ q. Prefill chunks in the chunk-parallel form,
+        decode as the one-step recurrence. Updates the state. Returns o[T, Hv·Dv]."""
+
+    def gated_rms_norm(self, x: Array, proj: Array, weight: Array, spec: LinearAttentionSpec) -> Array:
+        """Per value head: rmsnorm(x) · weight · silu(z), z from proj. Returns [T, Hv·Dv]."""
+
+    def sigmoid_gate(self, x: Array, gate: Array) -> Array:
+        """x · sigmoid(gate) (the gated attention's output gate)."""
+
+
+class DSV4Ops(Protocol):
+    """DeepSeek-V4's own mechanisms (engine/models/deepseek_v4.py; engine/executor/cpu_dsv4_ops.py defines each)."""
+
+    def hc_streams(self, x: Array, n: int) -> Array:
+        """The residual streams [T, n, H] of the embedded tokens x [T, H] (n copies)."""
+
+    def hyper_connection(self, streams: Array, fn: Array, base: Array, scale: Array, iters: int, hc_eps: float,
+                         norm_eps: float) -> tuple[Array, Array, Array]:
+        """streams [T, N, H] -> (post [T, N], comb [T, N, N], the streams collapsed [T, H])."""
+
+    def hc_merge(self, block_out: Array, streams: Array, post: Array, comb: Array) -> Array:
+        """The new streams: post_n · block_out + sum_j comb[j, n] · stream_j."""
+
+    def hyper_head(self, streams: Array, fn: Array, base: Array, scale: Array, hc_eps: float,
+                   norm_eps: float) -> Array:
+        """The final collapse of the streams [T, N, H] -> [T, H]."""
+
+    def swiglu_limited(self, gate_up: Array, limit: float) -> Array:
+        """gate_up [T, 2I] -> silu(min(gate, limit)) · clip(up, -limit, limit)."""
+
+    def hash_route(self, x: Array, gate_weight: Array, tid2eid: Array, spec: RouteSpec, ctx: Any
+                   ) -> tuple[Array, Array]:
+        """(weights, ids): the experts tid2eid[token] of the step's tokens, weighted by their sqrtsoftplus scores."""
+
+    def attention(self, x: Array, w: dict, spec: Any, ctx: Any) -> Array:
+        """The attention block of layer spec.layer on x [T, H] (its input norm applied; sliding window and
+        compressed entries); writes the step's KV rows. Returns the output projection's [T, H]."""
+
+
+class LoRAOps(Protocol):
+    """LoRA adapters (engine/lora.py): the executor loads them into slots and sets each step's token -> slot
+    map; a dense op that names a site (`lora=`, its engine weight name, e.g. "layers.3.qkv_proj") adds the
+    step's adapters' deltas there, nothing when the step runs none."""
+
+    def set_slot(self, slot: int, adapter) -> None:
+        """Load a LoRAAdapter into a slot (None: empty it)."""
+
+    def add(self, y: Array, x: Array, site: str) -> Array:
+        """y + each row's adapter delta at `site`, scaling · (x · Aᵀ) · Bᵀ over every slice of the packed
+        projection (rows without an adapter unchanged); may update y in place."""
+
+
 class Ops(Protocol):
+    moe: MoEOps | None              # the op families (None where the served line uses none)
+    mla: MLAOps | None
+    deltanet: DeltaNetOps | None
+    dsv4: DSV4Ops | None
+    lora: LoRAOps | None            # with LoRA slots (the executor's max_loras)
+
     def embed(self, table: Array, ctx: Any) -> Array:
         """x[T, H] = table[input_ids]."""
 
@@ -144,54 +257,16 @@ class Ops(Protocol):
     def add(self, x: Array, residual: Array) -> Array:
         """x + residual (the residual stream update)."""
 
-    # Mixture of experts (engine/models/moe.py).
-    def route(self, x: Array, gate_weight: Array, spec: RouteSpec, bias: Array | None = None) -> tuple[Array, Array]:
-        """Router of x[T, H] by gate_weight [E, H] in float32 (RouteSpec; bias: float32 [E], the score
-        correction bias): (weights float32 [T, top_k], expert ids int32 [T, top_k])."""
-
-    def moe_experts(self, x: Array, gate_up: Array, down: Array, weights: Array, ids: Array,
-                    residual: Array, limit: float | None = None) -> Array:
-        """residual + sum_j weights[t, j] · down[e] · silu_mul(gate_up[e] · x[t]), e = ids[t, j]: the
-        routed experts (gate_up [E, 2I, H], down [E, H, I]) added to the residual stream. limit: gate and up
-        clamped first (gate <= limit, |up| <= limit: DeepSeek-V4's swiglu_limit)."""
-
-    # Multi-head latent attention (engine/models/deepseek_v2.py).
-    def mla_latent_cache(self, y: Array, spec: MLASpec, ctx: Any, kv_norm: Array,
-                         q_norm: Array | None = None) -> Array:
-        """y[T, q_cols + kv_lora_rank + rope_dim], the fused down-projection: RMSNorm the latent by
-        kv_norm, rotate the rope key (interleaved pairs) at ctx positions and write both into the
-        paged cache of layer spec.layer at ctx slot_mapping. Returns the query columns [T, q_cols],
-        RMSNorm'd by q_norm where given (q_lora_rank set)."""
-
-    def mla_latent_attention(self, y: Array, kv_b: Array, spec: MLASpec, ctx: Any, kv_norm: Array) -> Array:
-        """mla_attention(mla_latent_cache(y, spec, ctx, kv_norm), kv_b, spec, ctx) where q_lora_rank is
-        unset (y's query columns are q): one op, so an executor can do the cache write and W_UK's
-        absorption of q in one launch."""
-
-    def mla_attention(self, q: Array, kv_b: Array, spec: MLASpec, ctx: Any) -> Array:
-        """q[T, heads·(nope + rope)]: rotate each head's rope part, then causal attention of each
-        sequence's new queries over its latent cache with the keys and values kv_b
-        [heads·(nope + v), kv_lora_rank] expands from it. Returns o[T, heads·v]. The executor picks
-        the form: absorbed (W_UK folded into q, W_UV after attention over the latent: decode) or
-        expanded (K and V built from the latent: prefill)."""
-
-    # LoRA (engine/lora.py): `lora` names a projection's site (its engine weight name, e.g.
-    # "layers.3.qkv_proj"); the executor adds the step's adapters' deltas there, nothing when the step
-    # runs none.
-    def lora_add(self, y: Array, x: Array, site: str) -> Array:
-        """y + each row's adapter delta at `site`, scaling · (x · Aᵀ) · Bᵀ over every slice of the packed
-        projection (rows without an adapter unchanged); may update y in place."""
-
     # Fused ops (ComposedOps composes them from the ops above; an executor overrides them where one
-    # kernel does it, e.g. the GPU's decode GEMV and decode attention).
+    # kernel does it, e.g. the GPU's decode GEMV and decode attention). `lora`: the projection's LoRA site.
     def norm_linear(self, x: Array, norm_weight: Array, eps: float, weight: Array,
                     bias: Array | None = None, normed: Array | None = None, lora: str | None = None) -> Array:
-        """linear(rmsnorm(x) * norm_weight, weight, bias) (+ lora_add); ``normed``: that norm, already
+        """linear(rmsnorm(x) * norm_weight, weight, bias) (+ the LoRA delta); ``normed``: that norm, already
         computed (by add_linear_norm)."""
 
     def add_linear(self, x: Array, weight: Array, residual: Array, bias: Array | None = None,
                    lora: str | None = None) -> Array:
-        """residual + linear(x, weight, bias) (+ lora_add): the new residual stream (may reuse residual's
+        """residual + linear(x, weight, bias) (+ the LoRA delta): the new residual stream (may reuse residual's
         memory)."""
 
     def add_linear_norm(self, x: Array, weight: Array, residual: Array, norm_weight: Array, eps: float,
@@ -218,34 +293,36 @@ class Ops(Protocol):
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         """Brackets one decoder layer's ops (an NVTX range on the GPU)."""
 
-    # Hybrid lines (Gated DeltaNet + gated attention; engine/models/qwen3_5.py). State lives in the
-    # step's state slots (ctx); a sequence whose step starts at position 0 starts from zero state.
-    def causal_conv1d(self, proj: Array, weight: Array, spec: LinearAttentionSpec, ctx: Any) -> Array:
-        """silu(depthwise causal conv, width conv_kernel, of proj[:, :conv_dim] over each sequence's
-        conv state (its previous conv_kernel - 1 inputs) and this step's rows); weight [conv_dim, 1,
-        conv_kernel]. Updates the conv state. Returns x[T, conv_dim] = [q | k | v]."""
-
-    def gated_delta_rule(self, x: Array, proj: Array, a_log: Array, dt_bias: Array, spec: LinearAttentionSpec,
-                         ctx: Any) -> Array:
-        """The gated delta rule over each sequence's recurrent state S [Hv, Dk, Dv] (float32):
-        q, k = l2norm(x's q, k) (q also · Dk^-1/2; key head h·Hk/Hv serves value head h),
-        beta = sigmoid(b), g = -exp(a_log) · softplus(a + dt_bias) (b, a from proj); per token
-        S = e^g S;  S += k (beta (v - Sᵀk))ᵀ;  o = Sᵀ q. Prefill chunks in the chunk-parallel form,
-        decode as the one-step recurrence. Updates the state. Returns o[T, Hv·Dv]."""
-
-    def gated_rms_norm(self, x: Array, proj: Array, weight: Array, spec: LinearAttentionSpec) -> Array:
-        """Per value head: rmsnorm(x) · weight · silu(z), z from proj. Returns [T, Hv·Dv]."""
-
-    def sigmoid_gate(self, x: Array, gate: Array) -> Array:
-        """x · sigmoid(gate) (the gated attention's output gate)."""
-
 
 class ComposedOps:
-    """The fused ops of Ops written as their parts; an executor's ops class derives from this and
-    overrides what it fuses."""
+    """The fused ops of Ops written as their parts; an executor's ops class derives from this, implements
+    the leaf ops and overrides what it fuses. The families: none until the executor builds the served line's."""
+    moe = mla = deltanet = dsv4 = lora = None
+
+    # ---- the leaf ops (Ops) an executor's ops class implements -------------------------------------------
+    def rms_norm(self, x, weight, eps, residual=None):
+        raise NotImplementedError
+
+    def linear(self, x, weight, bias=None):
+        raise NotImplementedError
+
+    def add(self, x, residual):
+        raise NotImplementedError
+
+    def silu_mul(self, gate_up):
+        raise NotImplementedError
+
+    def qkv_rope_cache(self, qkv, spec, ctx, q_norm=None, k_norm=None):
+        raise NotImplementedError
+
+    def attention(self, q, spec, ctx):
+        raise NotImplementedError
+
+    # ---- the fused ops, composed ---------------------------------------------------------------------------
 
     def lora_add(self, y, x, site):
-        return y                    # no adapters (an executor's LoRA ops mixin overrides it)
+        """y + the step's adapter deltas at `site` (y itself without LoRA slots)."""
+        return y if self.lora is None else self.lora.add(y, x, site)
 
     def norm_linear(self, x, norm_weight, eps, weight, bias=None, normed=None, lora=None):
         if normed is None:
@@ -267,9 +344,6 @@ class ComposedOps:
                            lora=None):
         qkv = self.norm_linear(x, norm_weight, eps, weight, bias, normed=normed, lora=lora)
         return self.rope_attention(qkv, spec, ctx, q_norm=q_norm, k_norm=k_norm)
-
-    def mla_latent_attention(self, y, kv_b, spec, ctx, kv_norm):
-        return self.mla_attention(self.mla_latent_cache(y, spec, ctx, kv_norm), kv_b, spec, ctx)
 
     def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None, lora=None):
         return self.silu_mul(self.norm_linear(x, norm_weight, eps, gate_up_weight, normed=normed, lora=lora))

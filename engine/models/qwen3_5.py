@@ -120,6 +120,8 @@ class Qwen3_5ForCausalLM(DecoderLM):
             raise ValueError("unsupported: Qwen3.5 with attention_bias=true")
         return LayerOptions(qk_norm=True)
 
+    op_families = frozenset({"deltanet"})     # the Gated DeltaNet layers and the gated attention's output gate
+
     # ---- declarations -------------------------------------------------------------------------
     def weight_specs(self) -> list[WeightSpec]:
         c = self.config
@@ -254,7 +256,7 @@ class Qwen3_5ForCausalLM(DecoderLM):
         gate = ops.linear(normed, w[f"layers.{i}.attn_gate_proj"])
         o = ops.rope_attention(qkv, self.attention_layers[i], ctx, q_norm=w[f"layers.{i}.q_norm"],
                                k_norm=w[f"layers.{i}.k_norm"])
-        o = ops.sigmoid_gate(o, gate)
+        o = ops.deltanet.sigmoid_gate(o, gate)
         return ops.add_linear_norm(o, w[f"layers.{i}.o_proj"], residual, w[f"layers.{i}.post_attention_layernorm"], eps)
 
     def _deltanet_block(self, ops: Ops, w, residual, normed, i: int, ctx, eps: float):
@@ -262,9 +264,9 @@ class Qwen3_5ForCausalLM(DecoderLM):
         spec = self.linear_specs[i]
         proj = ops.norm_linear(residual, w[f"layers.{i}.input_layernorm"], eps, w[f"layers.{i}.in_proj"],
                                normed=normed)
-        x = ops.causal_conv1d(proj, w[f"layers.{i}.conv1d"], spec, ctx)
-        o = ops.gated_delta_rule(x, proj, w[f"layers.{i}.A_log"], w[f"layers.{i}.dt_bias"], spec, ctx)
-        o = ops.gated_rms_norm(o, proj, w[f"layers.{i}.linear_norm"], spec)
+        x = ops.deltanet.causal_conv1d(proj, w[f"layers.{i}.conv1d"], spec, ctx)
+        o = ops.deltanet.gated_delta_rule(x, proj, w[f"layers.{i}.A_log"], w[f"layers.{i}.dt_bias"], spec, ctx)
+        o = ops.deltanet.gated_rms_norm(o, proj, w[f"layers.{i}.linear_norm"], spec)
         post_norm = w[f"layers.{i}.post_attention_layernorm"]
         return ops.add_linear_norm(o, w[f"layers.{i}.out_proj"], residual, post_norm, eps)
 

@@ -1,4 +1,5 @@
-"""A tensor-parallel rank's Ops in numpy, and the CPU executor of one rank.
+"""A tensor-parallel rank's Ops in numpy (NumpyOps and its MoE part with the collectives), and the CPU
+executor of one rank.
 
 The model line's forward runs unchanged over a rank's shard (engine/parallel/sharding.py); what
 differs is where a product covers only part of its sum:
@@ -17,49 +18,61 @@ from __future__ import annotations
 import numpy as np
 
 from engine.executor.cpu import CpuExecutor
+from engine.executor.cpu_moe_ops import NumpyMoEOps
 from engine.executor.cpu_ops import NumpyOps
 from engine.executor.options import ExecutorOptions
 from engine.parallel.comm import Communicator
 
 
-class TensorParallelNumpyOps:
-    """Mixed before NumpyOps: the row-parallel sums, expert-parallel MoE and vocab-parallel logits.
-    comm: the rank's communicator; experts: (first, number) of the rank's routed experts."""
-    comm: Communicator
-    experts: tuple[int, int] = (0, 0)
+class RankNumpyMoEOps(NumpyMoEOps):
+    """The MoE part of a rank: its (first, number) routed experts over every token, the partial sums
+    all-reduced (the combine)."""
+
+    def __init__(self, silu_mul, comm: Communicator, experts: tuple[int, int]):
+        super().__init__(silu_mul)
+        self.comm, self.rank_experts = comm, experts
+
+    def experts(self, x, gate_up, down, weights, ids, residual, limit=None):
+        first, count = self.rank_experts
+        local = ids - first
+        mine = (local >= 0) & (local < count)
+        # another rank's assignment weighs 0 on expert 0: its rows add exactly 0
+        base = residual if self.comm.rank == 0 else np.zeros_like(residual)
+        y = super().experts(x, gate_up, down, np.where(mine, weights, np.float32(0)), np.where(mine, local, 0),
+                            base, limit)
+        return self.comm.all_reduce(y)
+
+
+class RankNumpyOps(NumpyOps):
+    """NumpyOps of a rank: the row-parallel sums, vocab-parallel logits and the rank's MoE part. comm: the
+    rank's communicator; experts: (first, number) of its routed experts."""
+
+    def __init__(self, kv, families, state, lora, comm: Communicator, experts: tuple[int, int] = (0, 0)):
+        self.comm, self.rank_experts = comm, experts
+        super().__init__(kv, families, state, lora)
+
+    def _moe_part(self) -> RankNumpyMoEOps:
+        return RankNumpyMoEOps(self.silu_mul, self.comm, self.rank_experts)
 
     def add_linear(self, x, weight, residual, bias=None, lora=None):
         y = self.linear(x, weight, bias)
         return self.comm.all_reduce(y + residual if self.comm.rank == 0 else y)
 
-    def moe_experts(self, x, gate_up, down, weights, ids, residual, limit=None):
-        first, count = self.experts
-        local = ids - first
-        mine = (local >= 0) & (local < count)
-        # another rank's assignment weighs 0 on expert 0: its rows add exactly 0
-        base = residual if self.comm.rank == 0 else np.zeros_like(residual)
-        y = super().moe_experts(x, gate_up, down, np.where(mine, weights, np.float32(0)), np.where(mine, local, 0),
-                                base, limit)
-        return self.comm.all_reduce(y)
-
     def vocab_parallel_logits(self, hidden, weight):
         return np.concatenate(list(self.comm.all_gather(self.linear(hidden, weight))), axis=-1)
-
-
-class RankNumpyOps(TensorParallelNumpyOps, NumpyOps):
-    pass
 
 
 class CpuRankExecutor(CpuExecutor):
     """The numpy executor of one rank's shard (engine/parallel/sharding.py shard_model): its KV pool
     holds the rank's KV heads. `follow` runs a step rank 0 submitted (the same code: the same
     collectives in the same order)."""
-    ops_class = RankNumpyOps
 
     def __init__(self, model, options: ExecutorOptions, comm: Communicator, experts: tuple[int, int] = (0, 0)):
+        self.comm, self.experts = comm, experts          # the rank's ops take them (_ops)
         super().__init__(model, options)
-        self.ops.comm, self.ops.experts = comm, experts
-        self.comm = comm
+
+    def _ops(self, state, lora) -> RankNumpyOps:
+        return RankNumpyOps(self.kv, self.model.op_families, self._state_arrays(state), lora, self.comm, self.experts)
 
     def graph_key(self, batch):
         """No CUDA graphs on the CPU."""

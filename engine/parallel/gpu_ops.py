@@ -1,5 +1,5 @@
-"""A tensor-parallel rank on the GPU: its Ops (GpuOps plus the collectives, on the compute stream, so a
-decode graph captures them) and its executor.
+"""A tensor-parallel rank on the GPU: its Ops (GpuOps and its MoE part with the collectives, on the compute
+stream, so a decode graph captures them) and its executor.
 
 Where the collectives go, the dense path's kernels otherwise unchanged (the CPU ranks, cpu_ops.py, do
 the same sums in numpy):
@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.executor.gpu import GpuExecutor
+from engine.executor.gpu_moe_ops import GpuMoEOps
 from engine.executor.gpu_ops import GpuOps
 from engine.executor.options import ExecutorOptions
 from openinfer_kernels.raw_cuda import kernel
@@ -32,68 +33,86 @@ from memory.device_arena import Buffer, buffers_nbytes
 from memory.state_slots import check_slots
 
 
-class TensorParallelGpuOps:
-    """Mixed before GpuOps. comm: the rank's NcclCommunicator; experts: (first, number) of its routed
-    experts."""
-    comm = None
-    experts: tuple[int, int] = (0, 0)
+class RankGpuMoEOps(GpuMoEOps):
+    """The MoE part of a rank: its (first, number) routed experts (expert parallelism); comm: its
+    NcclCommunicator."""
+
+    def __init__(self, plan, shared, arena, comm, experts: tuple[int, int]):
+        super().__init__(plan, shared, arena)
+        self.comm, self.rank_experts = comm, experts
+        self.local_ids = arena.take_all("tp", self.rank_buffers(plan))["tp_expert_ids"]
+        self.k_local_ids = kernel("expert_shard", "local_expert_ids")
 
     @staticmethod
-    def parallel_buffers(plan) -> list[Buffer]:
-        """The gathered logits and, for a line with experts, the rank's view of the router's ids."""
-        out = [Buffer("tp_logits", (plan.logit_rows * plan.vocab,), np.float32)]
-        if plan.experts is not None:
-            out.append(Buffer("tp_expert_ids", (plan.max_tokens * plan.experts.top_k,), np.int32))
-        return out
+    def rank_buffers(plan) -> list[Buffer]:
+        """The rank's view of the router's ids."""
+        return [Buffer("tp_expert_ids", (plan.max_tokens * plan.experts.top_k,), np.int32)]
 
     @classmethod
-    def sparse_nbytes(cls, plan) -> int:
-        return super().sparse_nbytes(plan) + buffers_nbytes(cls.parallel_buffers(plan))
+    def nbytes(cls, plan) -> int:
+        return super().nbytes(plan) + (buffers_nbytes(cls.rank_buffers(plan)) if plan.experts is not None else 0)
 
-    def take_sparse(self, arena, plan) -> None:
-        super().take_sparse(arena, plan)
-        self.parallel = arena.take_all("tp", self.parallel_buffers(plan))
-        self.k_local_ids = kernel("expert_shard", "local_expert_ids") if plan.experts is not None else None
+    def experts(self, x, gate_up, down, weights, ids, residual, limit=None):
+        T, K = ids.shape
+        first, count = self.rank_experts
+        sh = self.shared
+        local = self.local_ids[:T * K].reshape(T, K)
+        sh.launch(self.k_local_ids, (max(1, -(-T * K // 256)),), (256,),
+                  (ids, local, np.int32(T * K), np.int32(first), np.int32(count)))
+        if self.comm.rank != 0:       # the residual comes from rank 0's combine alone
+            residual = sh.residual_out(T, x.shape[1])
+            sh.zero(residual)
+        return self.comm.all_reduce(super().experts(x, gate_up, down, weights, local, residual, limit))
+
+
+class RankGpuOps(GpuOps):
+    """GpuOps of a rank: the row-parallel sums, the gathered logits and the rank's MoE part. comm: the rank's
+    NcclCommunicator; experts: (first, number) of its routed experts."""
+    moe_class = RankGpuMoEOps
+
+    def __init__(self, plan, shared, arena, lm_head_ptr: int, comm, experts: tuple[int, int] = (0, 0), **parts):
+        self.comm, self.rank_experts = comm, experts
+        super().__init__(plan, shared, arena, lm_head_ptr, **parts)
+        self.gathered = arena.take_all("tp", self.rank_buffers(plan))["tp_logits"]
+
+    def _moe_part(self, plan, arena) -> RankGpuMoEOps:
+        return RankGpuMoEOps(plan, self.shared, arena, self.comm, self.rank_experts)
+
+    @staticmethod
+    def rank_buffers(plan) -> list[Buffer]:
+        """The gathered logits."""
+        return [Buffer("tp_logits", (plan.logit_rows * plan.vocab,), np.float32)]
+
+    @classmethod
+    def nbytes(cls, plan) -> int:
+        return super().nbytes(plan) + buffers_nbytes(cls.rank_buffers(plan))
 
     def add_linear(self, x, weight, residual, bias=None, lora=None):
         if self.comm.rank == 0:
             out = super().add_linear(x, weight, residual, bias, lora=lora)
         else:                          # the bare partial product (o_proj's bias is zeros here)
-            out = self._residual_out(x.shape[0], weight.shape[0])
-            self.gemm(x, weight, out, pdl=self.pdl)
+            out = self.shared.residual_out(x.shape[0], weight.shape[0])
+            self.shared.gemm(x, weight, out, pdl=self.shared.pdl)
         return self.comm.all_reduce(out)
 
     def reduce_partials(self, partials) -> None:
         splits, rows, cols = partials.shape
         self.comm.all_reduce_raw(partials.ptr, splits * rows * cols, np.float32)
 
-    def moe_experts(self, x, gate_up, down, weights, ids, residual):
-        T, K = ids.shape
-        first, count = self.experts
-        local = self.parallel["tp_expert_ids"][:T * K].reshape(T, K)
-        self._launch(self.k_local_ids, (max(1, -(-T * K // 256)),), (256,),
-                     (ids, local, np.int32(T * K), np.int32(first), np.int32(count)))
-        if self.comm.rank != 0:       # the residual comes from rank 0's combine alone
-            residual = self._residual_out(T, x.shape[1])
-            self.cp.cuda.runtime.memsetAsync(residual.data.ptr, 0, residual.nbytes, self.stream.ptr)
-        return self.comm.all_reduce(super().moe_experts(x, gate_up, down, weights, local, residual))
-
     def vocab_parallel_logits(self, hidden, weight):
         rows, part, n, rank = hidden.shape[0], weight.shape[0], self.comm.world_size, self.comm.rank
         if rows > self.logits.shape[0]:
             raise ValueError(f"{rows} logit rows exceed the {self.logits.shape[0]} the logits buffer holds")
-        gathered = self.parallel["tp_logits"][:n * rows * part].reshape(n, rows, part)
-        self.gemm(hidden, weight, gathered[rank])              # float32 logits: cuBLAS
+        gathered = self.gathered[:n * rows * part].reshape(n, rows, part)
+        self.shared.gemm(hidden, weight, gathered[rank])              # float32 logits: cuBLAS
         self.comm.all_gather(gathered[rank], gathered)
-        out, rt = self.logits[:rows], self.cp.cuda.runtime
+        import cupy
+
+        out, rt, stream = self.logits[:rows], cupy.cuda.runtime, self.shared.stream
         for r in range(n):             # rank r's logits are columns r·V/N.. of every row
             rt.memcpy2DAsync(out.data.ptr + r * part * 4, out.strides[0], gathered[r].data.ptr, part * 4, part * 4,
-                             rows, rt.memcpyDeviceToDevice, self.stream.ptr)
+                             rows, rt.memcpyDeviceToDevice, stream.ptr)
         return out
-
-
-class RankGpuOps(TensorParallelGpuOps, GpuOps):
-    pass
 
 
 class GpuRankExecutor(GpuExecutor):
@@ -103,10 +122,13 @@ class GpuRankExecutor(GpuExecutor):
     ops_class = RankGpuOps
 
     def __init__(self, model, options: ExecutorOptions, comm, experts: tuple[int, int] = (0, 0)):
+        self.comm, self.experts = comm, experts             # the rank's ops take them (_ops)
         super().__init__(model, options)
         comm.bind(self.stream)
-        self.comm = comm
-        self.ops.comm, self.ops.experts = comm, experts
+
+    def _ops(self, shared, lm_head_ptr: int, lora_weights: dict) -> RankGpuOps:
+        return RankGpuOps(self.plan, shared, self.arena, lm_head_ptr, self.comm, self.experts,
+                          lora_weights=lora_weights, state=self.state)
 
     def check(self, batch, fed: bool = False) -> None:
         """The step's refusals, here before it goes out: a rank that refused a step the others run would
