@@ -17,7 +17,7 @@ of one eager batch-1 step (CUDA events around each op) with each op's weight-rea
     python3 bench/decode.py --out DIR [--models qwen3-4b,qwen3-8b] [--batches 1,8,32,128,256]
         [--kernels "none;all"] [--micro [attention,gemv,single]] [--layers N]
     python3 bench/decode.py --out DIR --models deepseek-v2-lite,qwen3-30b-a3b --batches 1,8,32,128 --kernels all
---kernels runs the batches once per decode-kernel setting (GpuExecutor.set_decode_kernels: "none" the
+--kernels runs the batches once per decode-kernel setting (bench/ab_switches.py set_decode_kernels: "none" the
 old path, split attention + cuBLAS, and this script's default; "all", the executor's default,
 paged_decode.cu + gemv.cu with its fused RMSNorm / SiLU / residual; a "|nopdl" suffix captures the
 graphs with plain launches instead of programmatic dependent ones, "|norope" runs q/k norm + rope + KV
@@ -223,7 +223,7 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
                 kernel_sets: list[str], micro: str, layers: int | None = None) -> dict:
     import torch
 
-    from engine.executor.gpu import GpuExecutor
+    from bench.ab_switches import ABGpuExecutor
     from engine.executor.options import options_of
     from engine.loader import load_model
     from harness.models import write_random_qwen3
@@ -243,9 +243,9 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
     max_b = max(batches)
     per_seq = -(-(prompt + steps + 1) // BLOCK_SIZE)
     t = time.perf_counter()
-    ex = GpuExecutor(model, options_of(num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
-                                       max_num_batched_tokens=max(2048, max_b, prompt), max_num_seqs=max_b, progress=False,
-                                       decode_kernels=kernel_sets[0].partition("|")[0]))
+    ex = ABGpuExecutor(model, options_of(num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
+                                         max_num_batched_tokens=max(2048, max_b, prompt), max_num_seqs=max_b,
+                                         progress=False, decode_kernels=kernel_sets[0].partition("|")[0]))
     cute = ex.gemm.cute  # the default GEMM library: the CuTe GEMM up to 128 rows where built
     print(f"[{name}] {ex.gemm.describe()}", flush=True)
     print(f"[{name}] executor up in {time.perf_counter() - t:.1f}s ({weight_bytes / 1e9:.2f} GB of weights)", flush=True)

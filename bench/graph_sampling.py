@@ -8,7 +8,7 @@ tokens and positions every time) is submitted and waited for `steps` times; repo
 wall time per step (submit + result) and the host time up to the launch (executor.last_host_s;
 the eager path's sampling host work comes after it), with the host pieces of a graph step printed.
 "graph": sampling captured in the decode graph (GraphStep); "eager": the greedy graph, then the
-sampler's kernels launched eagerly and synced (DecodeGraphs.sample_in_graph = False). Then the
+sampler's kernels launched eagerly and synced (bench/ab_switches.py: graphs.sample_in_graph = False). Then the
 argmax + logsumexp of S rows alone (CUDA events): one CTA per row vs ARGMAX_CHUNKS CTAs per row.
 """
 from __future__ import annotations
@@ -68,13 +68,14 @@ def time_steps(ex, batch, steps: int, acc: dict[str, float]) -> tuple[float, flo
 
 def step_rows(batches: list[int], steps: int) -> list[tuple]:
     from engine.loader import load_model
+    from bench.ab_switches import ABGpuExecutor
     from engine.request import SamplingParams
     from harness.executors import Decoder, new_gpu_executor
     from harness.models import random_sequences, tiny_model_path
 
     model = load_model(tiny_model_path("qwen3_gqa4"))
     B = max(batches)
-    ex = new_gpu_executor(model, max_num_seqs=B, num_kv_blocks=4 * B + 16)
+    ex = new_gpu_executor(model, ABGpuExecutor, max_num_seqs=B, num_kv_blocks=4 * B + 16)
     acc, rows = timed_parts(ex), []
     for n in batches:
         dec = Decoder(ex, random_sequences(model.config.vocab_size, [12] * n, seed=n), steps=1)

@@ -81,7 +81,7 @@ def main() -> None:
 
     import torch
 
-    from engine.executor.gpu import GpuExecutor
+    from bench.ab_switches import ABGpuExecutor
     from engine.executor.options import options_of
     from engine.loader import load_model
     from engine.lora import load_adapter, lora_sites
@@ -96,9 +96,9 @@ def main() -> None:
     bw = copy_bandwidth()
     max_b, slots = max(batches), max(counts)
     per_seq = -(-(args.prompt + args.steps + 1) // BLOCK_SIZE)
-    ex = GpuExecutor(model, options_of(num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
-                                       max_num_batched_tokens=max(2048, max_b), max_num_seqs=max_b, progress=False,
-                                       max_loras=max(1, slots), max_lora_rank=args.rank))
+    ex = ABGpuExecutor(model, options_of(num_kv_blocks=max_b * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
+                                         max_num_batched_tokens=max(2048, max_b), max_num_seqs=max_b, progress=False,
+                                         max_loras=max(1, slots), max_lora_rank=args.rank))
     ex.ops.lora_in_attention = not args.qkv_compaction
     if args.norm_threads % 32 or not 32 <= args.norm_threads <= 1024:
         raise SystemExit(f"--norm-threads {args.norm_threads}: want a multiple of 32 in 32..1024")

@@ -90,7 +90,7 @@ def expert_rows(bw: float, tokens=(1, 4)) -> list[dict]:
 def mla_rows(bw: float, cases=((1, 176), (1, 1024), (1, 4096), (8, 176), (8, 1024))) -> list[dict]:
     from bench.decode import config_path, random_weights_folder
     from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
-    from engine.executor.gpu import GpuExecutor
+    from bench.ab_switches import ABGpuExecutor
     from engine.executor.gpu_mla_ops import mla_decode_shape
     from engine.executor.options import options_of
     from engine.loader import load_model
@@ -102,8 +102,8 @@ def mla_rows(bw: float, cases=((1, 176), (1, 1024), (1, 4096), (8, 176), (8, 102
     write_random_qwen3(config_path(name, 2), folder)
     model = load_model(folder)
     max_b = max(b for b, _ in cases)
-    ex = GpuExecutor(model, options_of(num_kv_blocks=max_b * max_len // BLOCK_SIZE + 16, max_model_len=max_len,
-                                       max_num_batched_tokens=2048, max_num_seqs=max_b, progress=False))
+    ex = ABGpuExecutor(model, options_of(num_kv_blocks=max_b * max_len // BLOCK_SIZE + 16, max_model_len=max_len,
+                                         max_num_batched_tokens=2048, max_num_seqs=max_b, progress=False))
     ops, spec = ex.ops, model.model.attention_specs[1]
     kv_b = ex.weights["layers.1.kv_b_proj"]
     H, rows = spec.num_heads, []

@@ -6,13 +6,14 @@ from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
 from engine.request import SamplingParams
 
 
-def new_gpu_executor(model, **settings):
-    """A GpuExecutor for the tiny models; settings: ExecutorOptions / GpuTuning fields (options_of)."""
+def new_gpu_executor(model, executor_class=None, **settings):
+    """A GpuExecutor for the tiny models; settings: ExecutorOptions / GpuTuning fields (options_of);
+    executor_class: a GpuExecutor subclass (bench/ab_switches.py's, with the A/B switches)."""
     from engine.executor.gpu import GpuExecutor
     from engine.executor.options import options_of
 
     args = dict(num_kv_blocks=96, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=16, progress=False)
-    return GpuExecutor(model, options_of(**{**args, **settings}))
+    return (executor_class or GpuExecutor)(model, options_of(**{**args, **settings}))
 
 
 def new_parallel_gpu_executor(model, tensor_parallel_size: int = 2, **settings):

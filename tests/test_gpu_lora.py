@@ -97,13 +97,16 @@ def test_lora_gate_gemm_library(tiny, backend, mode):
 
 
 def test_qkv_delta_in_attention(tiny):
-    """lora_in_attention (the default): decode steps add the q/k/v delta in paged_decode.cu's
-    rope_paged_decode_attention_lora prologue, reading the extended product's rows, instead of compacting them
-    with lora_expand.cu first: each adapter's HF gate by the floor method, and the same scores as the
-    compacting path, one adapter per batch and a batch mixing them with the base model (graphed decode)."""
+    """The default: decode steps add the q/k/v delta in paged_decode.cu's rope_paged_decode_attention_lora
+    prologue, reading the extended product's rows, instead of compacting them with lora_expand.cu first
+    (bench/ab_switches.py lora_in_attention off): each adapter's HF gate by the floor method, and the same
+    scores as the compacting path, one adapter per batch and a batch mixing them with the base model
+    (graphed decode)."""
+    from bench.ab_switches import ABGpuExecutor, ABGpuOps
+
     name, model, ex, seqs, oracle = tiny
-    assert ex.ops.lora_in_attention
-    inner = lora_gpu_executor(name, model)
+    assert ABGpuOps.lora_in_attention
+    inner = lora_gpu_executor(name, model, executor_class=ABGpuExecutor)
     inner.ops.lora_in_attention = False
     try:
         for slots in [[slot] * len(seqs) for slot in range(len(ADAPTERS))] + [[0, None, 2, 1]]:

@@ -45,8 +45,11 @@ def host(x) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def _executor(name: str, gemm: str):
+    """bench/ab_switches.py's executor: the production paths, and the MLA head-group switch one test forces."""
+    from bench.ab_switches import ABGpuExecutor
+
     model = load_model(tiny_model_path(name))
-    return model, new_gpu_executor(model, gemm=gemm, cuda_graphs=False)
+    return model, new_gpu_executor(model, ABGpuExecutor, gemm=gemm, cuda_graphs=False)
 
 
 def executor(name: str, gemm: str = "auto"):

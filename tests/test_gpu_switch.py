@@ -97,9 +97,9 @@ def test_rope_heads_per_warp_follow_the_piece_form():
 def test_decode_splits_follow_the_head_groups():
     """GpuOps.splits counts paged_decode.cu's head groups as rows: Qwen3-30B-A3B at batch 1 in a decode
     graph (max context 40960) takes 17 splits x 4 KV heads x 4 groups, no longer 64 x 4."""
-    from engine.executor.gpu_ops import GpuOps
+    from bench.ab_switches import ABGpuOps
 
-    class Probe(GpuOps):
+    class Probe(ABGpuOps):
         def __init__(self):
             self.num_heads, self.head_dim, self.fast_attention = 32, 128, True
             self.shared = SimpleNamespace(num_sms=H200_SMS)

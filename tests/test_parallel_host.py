@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from engine.batch import ModelBatch, SeqStep
-from engine.executor.gpu_graphs import DecodeGraphs
+from bench.ab_switches import ABDecodeGraphs
 from engine.parallel.comm import LocalGroup
 from engine.parallel.executor import follower_batch
 from engine.parallel.ranks import follower_loop
@@ -111,7 +111,7 @@ def test_rank_zeros_graph_choice():
     """mode(): which graph a decode step replays; graph_key: what the other ranks are told (None: eager)."""
     from engine.parallel.gpu_ops import GpuRankExecutor
 
-    graphs = DecodeGraphs(None, None, None, None, None, None, None, (1, 2, 4, 8))
+    graphs = ABDecodeGraphs(None, None, None, None, None, None, None, (1, 2, 4, 8))
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=3)
     assert graphs.mode([seq(0, params=greedy)]) == "greedy"
     assert graphs.mode([seq(0, params=greedy), seq(1, params=sampled)]) == "sampling"

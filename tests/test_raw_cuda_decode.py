@@ -117,6 +117,7 @@ def test_executor_decode_kernels_match_default():
     from harness.models import tiny_model_path
     from harness.executors import new_gpu_executor
     from harness.models import random_sequences
+    from bench.ab_switches import ABGpuExecutor
     from tests.test_gpu_executor import MIN_TIE_TOL, assert_same_or_tie, greedy
 
     model = load_model(tiny_model_path("qwen3_gqa4"))
@@ -126,7 +127,7 @@ def test_executor_decode_kernels_match_default():
     assert new.ops.fast_attention and new.gemm.gemv_max_m == new.default_gemv_rows() and not old.ops.fast_attention
     prompts = random_sequences(model.config.vocab_size, [5, 30, 17, 64, 1], seed=9)
     ref = greedy(old, prompts, 16)
-    switched = new_gpu_executor(model, decode_kernels="", gemm="cublas")
+    switched = new_gpu_executor(model, ABGpuExecutor, decode_kernels="", gemm="cublas")
     greedy(switched, prompts, 4)                      # graphs captured with the default kernels ...
     switched.set_decode_kernels("attention,gemv:32")  # ... dropped: recaptured with the new ones
     assert switched.ops.fast_attention and switched.gemm.gemv_max_m == 32

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from engine.batch import ModelBatch, SeqStep
-from engine.executor.gpu_ops import GpuOps, GpuStepContext
+from bench.ab_switches import ABGpuOps
+from engine.executor.gpu_ops import GpuStepContext
 from engine.models.ops import AttentionSpec, ComposedOps
 from tests.test_raw_cuda_kernels import attention_ref, bits, dev, f32, poison, rope_ref
 
@@ -211,9 +212,9 @@ def step_context(lens: list[int], pad_to: int | None = None):
                           block_tables=tables, sample_rows=np.zeros(T, np.int32), num_splits=4)
 
 
-class GpuOpsProbe(GpuOps):
-    """GpuOps' routing on the CPU: host stand-ins for its buffers, kernels as names, launches and the
-    composed ops recorded."""
+class GpuOpsProbe(ABGpuOps):
+    """GpuOps' routing on the CPU (with bench/ab_switches.py's fused_rope switch): host stand-ins for its
+    buffers, kernels as names, launches and the composed ops recorded."""
 
     def __init__(self, fast_attention: bool, head_dim: int = 64, num_heads: int = 8):
         self.calls = []

@@ -113,6 +113,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
     # 21.3 against 17.4 ms at 32k). The block copies themselves work (tests/test_gpu_partial_hit.py).
     supports_block_copies = False
     ops_class = GpuOps              # a tensor-parallel rank's executor runs its own (engine/parallel)
+    graphs_class = DecodeGraphs
 
     def __init__(self, model: LoadedModel, options: ExecutorOptions):
         options.validate()
@@ -252,8 +253,8 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         return gemm
 
     def _graphs(self) -> DecodeGraphs:
-        return DecodeGraphs(self.model, self.ops, self.weights, self.sampler, self.upload, self.readback,
-                            self.stream, self.options.graph_sizes, pdl=self.options.gpu.pdl)
+        return self.graphs_class(self.model, self.ops, self.weights, self.sampler, self.upload, self.readback,
+                                 self.stream, self.options.graph_sizes, pdl=self.options.gpu.pdl)
 
     def set_lora(self, slot: int, adapter) -> None:
         """Load a LoRA adapter into one of the options.max_loras slots (None: empty it), queued on the
@@ -302,22 +303,9 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         except Exception:                   # a capture the failure left open: nothing queued to wait for
             log.warning("stream synchronize after the failed capture raised", exc_info=True)
 
-    # ---- decode kernel switch (benchmarks, A/B) ---------------------------------------------------
     def default_gemv_rows(self) -> int:
         """The GEMV's row limit of "all" / "gemv": batch 1 only where the CuTe GEMM serves decode."""
         return DEFAULT_GEMV_MAX_M_CUTE if self.gemm.cute is not None else DEFAULT_GEMV_MAX_M
-
-    def set_decode_kernels(self, spec: str) -> None:
-        """Switch the decode kernels (GpuTuning.decode_kernels) between steps; drops captured graphs."""
-        fast_attention, gemv_max_m = parse_decode_kernels(spec, self.default_gemv_rows())
-        self.stream.synchronize()
-        self.ops.fast_attention, self.gemm.gemv_max_m = fast_attention, gemv_max_m
-        if self.graphs is not None:
-            self.graphs = self._graphs()
-        if self.lora_graphs is not None:
-            self.lora_graphs = self._graphs()
-        if self.piecewise is not None:
-            self.piecewise.graphs.clear()
 
     # ---- steps ------------------------------------------------------------------------------------
     def upload(self, batch: ModelBatch, pad_to: int | None = None, pad_tokens: int | None = None) -> GpuStepContext:

@@ -16,7 +16,7 @@ Both queue the results' copy into pinned host memory behind the graph and return
 -> gpu_readback.ReadbackStep): the caller's host work overlaps the step until its result() waits on
 the copy's event (the one sync of the step). Steps with logit_bias / min_tokens / penalties
 (gpu_sampler `needs_processing`) replay the greedy graph and run the GPU sampler eagerly on its
-logits; `sample_in_graph = False` sends every non-greedy step that way. Steps with grammar rows
+logits. Steps with grammar rows
 (structured output) replay the greedy graph too: while it runs, the host computes the rows' token
 masks, then the sampler queues the masked tail behind it (gpu_sampler `masked_tail`), read back like
 a graphed step. Prefill and mixed steps
@@ -75,7 +75,6 @@ class DecodeGraphs:
         self.buckets = sorted(sizes)
         self.graphs: dict[int, tuple] = {}             # greedy graphs: bucket -> (graph, logits)
         self.sampling_graphs: dict[int, tuple] = {}    # sampling graphs: bucket -> (graph, logits)
-        self.sample_in_graph = True
         self.last_host_s = 0.0
 
     def serves(self, batch: ModelBatch) -> bool:
@@ -130,15 +129,15 @@ class DecodeGraphs:
 
     def mode(self, seqs) -> str:
         """How launch() runs these rows: "greedy" / "sampling" (that graph), or the greedy graph followed by
-        the masked tail ("masked": grammar rows) or by the eager sampler ("eager": logit processing, or
-        sample_in_graph off). Tensor-parallel ranks replay the graph rank 0's mode picks (engine/parallel)."""
+        the masked tail ("masked": grammar rows) or by the eager sampler ("eager": logit processing).
+        Tensor-parallel ranks replay the graph rank 0's mode picks (engine/parallel)."""
         if any(map(needs_processing, seqs)):
             return "eager"
         if any(s.grammar is not None for s in seqs):
             return "masked"
         if all(s.params.greedy and s.params.logprobs is None for s in seqs):
             return "greedy"
-        return "sampling" if self.sample_in_graph else "eager"
+        return "sampling"
 
     def run(self, ctx, b: int, sampling: bool):
         """Replay bucket b's greedy or sampling graph on the uploaded ctx (captured here on first use);

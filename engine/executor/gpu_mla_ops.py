@@ -76,7 +76,6 @@ def expansion(batch, max_blocks: int, rows_cap: int):
 
 class GpuMLAOps:
     """ops.mla on the GPU; attention: the dense ops (their split attention kernels and partials)."""
-    group = None                      # mla_decode.cu heads per CTA (None: mla_decode_shape; tests' A/B)
     # steps of at most this many tokens take mla_absorb.cu's projections instead of cuBLAS (0: never; up to
     # MLA_ABSORB_MAX_TOKENS): DeepSeek-V2-Lite's batch-1 graph step 1.250 -> 1.111 ms (moe.md, 2026-12-04 19:28).
     absorb_tokens = 8
@@ -175,7 +174,7 @@ class GpuMLAOps:
         S, G = mla_decode_shape(tokens, splits, heads, self.shared.num_sms)
         if tokens * S * heads > self.buf["mla_part_max"].shape[0]:
             S, G = 1, min(MLA_MAX_GROUP, heads)
-        return S, (min(self.group, MLA_MAX_GROUP, heads) if self.group else G)
+        return S, G
 
     def _absorbed(self, q, kv_b, spec: MLASpec, ctx, q_absorbed: bool = False):
         """q_absorbed: q_lat already holds W_UKᵀ·q_nope (mla_absorb_q_cache)."""

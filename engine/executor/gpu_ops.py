@@ -85,13 +85,6 @@ class GpuOps(ComposedOps):
     moe_class = GpuMoEOps                   # the parts' classes (a tensor-parallel rank's ops replace the MoE one)
     mla_class = GpuMLAOps
     lora_class = GpuLoRAOps
-    decode_defines: dict = {}               # paged_decode.cu build options (-D; benchmarks' A/B: STAGES, MIN_CTAS)
-    decode_heads = 0                        # > 0: paged_decode.cu's heads per CTA (benchmarks' A/B)
-    fused_rope = True                       # rope_attention in one kernel on decode steps (off: compose, for A/B)
-    # Decode steps add the q/k/v delta inside paged_decode.cu's fused rope + attention entry (its _lora
-    # entry reads the extended product's rows) instead of a compacting lora_expand.cu launch before it.
-    # Batch 1 / 4 adapters: +6.2% -> +4.7% of the graph step; batch 32 unchanged (lora.md, 2026-12-04 19:27).
-    lora_in_attention = True
     op_ranges = layer_ranges = False        # NVTX ranges per op / per decoder layer (GpuTuning.nvtx; eager steps)
     kv_layer_events = None                  # per-layer events of a restore in flight (the executor sets them)
     attention_hook = None                   # the piecewise graphs' capture (hooked_attention)
@@ -269,14 +262,13 @@ class GpuOps(ComposedOps):
         if key not in self._decode_kernels:
             extra = {"HEADS": heads} if heads != group else {}
             self._decode_kernels[key] = kernel("paged_decode", entry, GQA=group, HEAD_DIM=self.head_dim, **extra,
-                                               **self.decode_defines, **defines)
+                                               **defines)
         return self._decode_kernels[key]
 
     def _heads_per_cta(self, num_tokens: int, num_kv_heads: int) -> int:
-        """paged_decode.cu's query heads per CTA for a step of num_tokens query rows (decode_heads_per_cta,
-        or the benchmarks' override)."""
+        """paged_decode.cu's query heads per CTA for a step of num_tokens query rows (decode_heads_per_cta)."""
         group = self.num_heads // num_kv_heads
-        return self.decode_heads or decode_heads_per_cta(num_tokens, num_kv_heads, group, self.shared.num_sms)
+        return decode_heads_per_cta(num_tokens, num_kv_heads, group, self.shared.num_sms)
 
     def _decode_launch(self, spec: AttentionSpec, ctx: GpuStepContext, entry: str, **defines):
         """(kernel, grid) of a paged_decode.cu entry for this step, its head groups chosen once; None where
@@ -293,7 +285,7 @@ class GpuOps(ComposedOps):
         """paged_decode.cu's fused q/k norm + rope + KV write + attention entry and its grid, when the step is decode
         only, its grid is at most FUSED_ROPE_CTAS_PER_SM CTAs per SM and the decode kernel serves this layer; else None
         (the composition runs; both give the same bits)."""
-        if (not self.fused_rope or not ctx.decode_only or spec.head_dim != self.head_dim
+        if (not ctx.decode_only or spec.head_dim != self.head_dim
                 or spec.num_heads != self.num_heads
                 or ctx.num_splits * spec.num_kv_heads * ctx.num_tokens > FUSED_ROPE_CTAS_PER_SM * self.shared.num_sms):
             return None
@@ -370,10 +362,12 @@ class GpuOps(ComposedOps):
         return self._rope_decode(fused, self.lora.attention_rows(wide, lora), spec, ctx, q_norm, k_norm)
 
     def _lora_attention_kernel(self, spec: AttentionSpec, ctx: GpuStepContext, site, rows: int):
-        """The fused rope + decode attention entry that adds a q/k/v site's delta (lora_in_attention), or None."""
+        """The fused rope + decode attention entry that adds a q/k/v site's delta, or None. Decode steps add it
+        there (its _lora entry reads the extended product's rows) instead of a compacting lora_expand.cu launch
+        before attention: batch 1 / 4 adapters +6.2% -> +4.7% of the graph step, batch 32 unchanged (H200,
+        bench/results/lora.md, 2026-12-04 19:27; bench/lora.py --qkv-compaction runs the other path)."""
         lora = self.lora
-        if (lora is None or not self.lora_in_attention or not lora.fused(site, rows)
-                or len(lora.sites[site].slices) != 3):
+        if lora is None or not lora.fused(site, rows) or len(lora.sites[site].slices) != 3:
             return None
         return self._rope_decode_kernel(spec, ctx, "rope_paged_decode_attention_lora", LORA_R=lora.rank)
 
