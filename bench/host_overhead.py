@@ -150,7 +150,6 @@ class GpuHostExecutor(ExecutorBase):
         ops = GpuOps.__new__(GpuOps)             # its real split choice (splits) over a Qwen3-8B shape
         ops.fast_attention, ops.num_heads, ops.head_dim = True, 32, 128
         ops.shared = types.SimpleNamespace(num_sms=132)
-        ops.use_lora = lambda slots, rows: None
         ex.ops, ex.sampler = ops, types.SimpleNamespace(ids=_Dev(max_seqs))
         ex.last_host_s = 0.0
         ex.readback, ex.timer = Readback(max_seqs, ex.stream, ex.mapped_copy), None

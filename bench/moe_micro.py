@@ -6,7 +6,7 @@ step runs them), per launch shape or compile variant, on the GPU:
   from HBM, as in a step), per compile variant (MOE_UNROLL, COMBINE_COLS; every variant gives the same
   bits), at DeepSeek-V2-Lite's and Qwen3-30B-A3B's shapes; µs per layer and the fraction of the HBM
   roofline (the routed experts' bytes / copy bandwidth).
-- `mla`: mla_attention's absorbed form (W_UK, mla_decode.cu, W_UV) of a DeepSeek-V2-Lite layer (random
+- `mla`: ops.mla.attention's absorbed form (W_UK, mla_decode.cu, W_UV) of a DeepSeek-V2-Lite layer (random
   weights, 2 layers, through the real loader) per KV split count and heads per CTA, the executor's
   choice marked.
 

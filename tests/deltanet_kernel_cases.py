@@ -80,7 +80,7 @@ def random_inputs(spec: LinearAttentionSpec, step: Step, num_slots: int, seed: i
 
 def context(step: Step, dev):
     """The GpuStepContext the ops read, its arrays put where the ops run by dev (host or device)."""
-    from engine.executor.gpu_ops import GpuStepContext
+    from engine.executor.gpu_inputs import GpuStepContext
     T, B = int(sum(step.lens)), len(step.lens)
     return GpuStepContext(num_tokens=T, input_ids=None, positions=dev(step.positions), slot_mapping=None,
                           token_seq=None, block_tables=np.zeros((T if step.decode_only else B, 1)),

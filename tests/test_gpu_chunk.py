@@ -11,7 +11,7 @@ import pytest
 
 from engine.executor.gpu_chunk import (CHUNK_ROWS, MAX_CHUNK_SPLITS, ChunkKernel, chunk_fits, chunk_splits,
                                        chunk_tiles)
-from engine.executor.gpu_ops import GpuStepContext
+from engine.executor.gpu_inputs import GpuStepContext
 from engine.executor.gpu_prefill import PrefillStep, plan_prefill
 from tests.test_gpu_prefill import (PagedStandIn, causal_ref, mixed_batch, numpy_gather, numpy_varlen, spec_for,
                                     token_seqs)

@@ -213,7 +213,7 @@ def assert_close(got, want, what):
 
 @pytest.mark.parametrize("site_name", SITES)
 def test_kernels_match_the_numpy_reference(kernel_case, site_name):
-    """lora_add at a site of layer 0 for 1 to 500 tokens with a random token -> slot map (a third of the
+    """ops.lora.add at a site of layer 0 for 1 to 500 tokens with a random token -> slot map (a third of the
     rows without an adapter) against NumpyLoRAOps on the same bf16-rounded weights, through each of
     lora_expand.cu's epilogues: into the bf16 output, into a float32 buffer (a split-K partial), SiLU·up
     of the gate_up product; and lora_shrink.cu's RMSNorm prologue for the sites whose input is normed."""
@@ -236,7 +236,7 @@ def test_kernels_match_the_numpy_reference(kernel_case, site_name):
         ref.use(slots)
         want = ref.add(y.copy(), x, site_name)
         y_gpu, want_gpu = (interleave_gate_up(y.T).T, interleave_gate_up(want.T).T) if interleave else (y, want)
-        ex.ops.use_lora(slots, rows)
+        lora.use(slots, rows)
         x_dev, y_dev = dev(x), dev(y_gpu)
         lora.add(y_dev, x_dev, site_name)
         got = host(y_dev)
@@ -345,7 +345,7 @@ def test_extended_product_matches_shrink_and_expand(kernel_case, site_name):
     for rows in FUSED_ROWS:
         x = dev(bf16_round(rng.standard_normal((rows, site.k))))
         slots = rng.integers(-1, 3, rows).astype(np.int32)
-        ops.use_lora(slots, rows)
+        lora.use(slots, rows)
         what = (site_name, rows)
         if site_name.endswith("qkv_proj"):
             got = host(lora.norm_linear(x, norm_w, 1e-6, site_name))
@@ -372,4 +372,4 @@ def test_extended_product_matches_shrink_and_expand(kernel_case, site_name):
             assert_close(got, want, what)
             want_normed = host(ops.rms_norm(dev(want), norm_w, 1e-6)[0])
             assert_close(got_normed, want_normed, what + ("norm",))
-        ops.use_lora(None, rows)
+        lora.use(None, rows)

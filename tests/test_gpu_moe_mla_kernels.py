@@ -228,7 +228,7 @@ def test_mla_latent_cache_matches_numpy(name):
 @pytest.mark.parametrize("name", ["deepseek_v2_lite", "deepseek_v2"])
 @pytest.mark.parametrize("form", ["absorbed", "expanded"])
 def test_mla_attention_matches_numpy(name, form):
-    """mla_attention over a prefill and a decode sequence: the absorbed form (mla_decode.cu between two
+    """ops.mla.attention over a prefill and a decode sequence: the absorbed form (mla_decode.cu between two
     strided-batched GEMMs; what a decode graph runs) and the expanded one (paged_attention.cu over K and V
     built from the latent), against the numpy reference on the same cache."""
     model, ex = executor(name)
@@ -310,8 +310,8 @@ def test_mla_absorb_kernels_match_cublas_and_numpy(name, tokens):
 
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_mla_latent_attention_in_one_launch_matches_the_composition(tokens):
-    """q_lora_rank unset (deepseek_v2_lite): mla_latent_attention's mla_absorb_q_cache (the latent cache write
-    and W_UK's absorption in one launch) against mla_latent_cache + mla_attention on cuBLAS: the same cache
+    """q_lora_rank unset (deepseek_v2_lite): ops.mla.latent_attention's mla_absorb_q_cache (the latent cache write
+    and W_UK's absorption in one launch) against latent_cache + attention on cuBLAS: the same cache
     rows and the attention output within the bf16 rounding."""
     import cupy
 

@@ -13,7 +13,8 @@ import pytest
 from engine.batch import BLOCK_SIZE, ModelBatch, SeqStep
 from engine.executor import gpu_prefill
 from engine.executor.options import gpu_tuning_from_env
-from engine.executor.gpu_ops import GpuOps, GpuStepContext
+from engine.executor.gpu_inputs import GpuStepContext
+from engine.executor.gpu_ops import GpuOps
 from engine.executor.gpu_prefill import (DEFAULT_MIN_QUERY, PrefillStep, parse_prefill_attention, plan_prefill,
                                          prefill_min_query, upload_entries)
 from engine.models.ops import AttentionSpec

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engine.executor.gpu_ops import GpuStepContext
+from engine.executor.gpu_inputs import GpuStepContext
 from engine.executor.gpu_plan import DeviceInfo
 from engine.loader import load_model
 from engine.models.ops import AttentionSpec

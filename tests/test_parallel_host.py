@@ -138,12 +138,13 @@ def test_a_gpu_rank_takes_the_gathered_logits_and_expert_ids(model, extra):
     from engine.executor.options import GpuTuning, resolved_options
     from engine.model_config import ModelConfig
     from engine.parallel.gpu_ops import RankGpuOps
-    from engine.parallel.sharding import rank_model, shard_config
+    from engine.models.registry import build_model
+    from engine.parallel.sharding import shard_config
 
     cfg = ModelConfig.from_file(os.path.join(ROOT, "bench", "configs", model, "config.json"))
     config = EngineConfig(gpu=GpuTuning(), tensor_parallel_size=2)
     options = resolved_options(config, "cuda", cfg.max_position_embeddings)[1]
-    plan = gpu_plan(options, rank_model(shard_config(cfg, 2)), DeviceInfo("H200", 132, 141 << 30, "90"))
+    plan = gpu_plan(options, build_model(shard_config(cfg, 2)), DeviceInfo("H200", 132, 141 << 30, "90"))
     assert plan.kv.heads == cfg.num_key_value_heads // 2
     mine, one = parts_nbytes(plan, 128, True, RankGpuOps), parts_nbytes(plan, 128, True)
     assert extra <= mine["ops"] - one["ops"] <= extra + 1024

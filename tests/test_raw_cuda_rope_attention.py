@@ -13,7 +13,7 @@ import pytest
 
 from engine.batch import ModelBatch, SeqStep
 from bench.ab_switches import ABGpuOps
-from engine.executor.gpu_ops import GpuStepContext
+from engine.executor.gpu_inputs import GpuStepContext
 from engine.models.ops import AttentionSpec, ComposedOps
 from tests.test_raw_cuda_kernels import attention_ref, bits, dev, f32, poison, rope_ref
 

@@ -42,6 +42,7 @@ class Executor(Protocol):
     kv_block_bytes: int         # bytes one KV block holds (what a host-tier copy of it moves; 0: unknown)
     supports_fed_steps: bool    # submit(batch, fed=True) works (async scheduling)
     last_step_graphed: bool     # the last step replayed a CUDA graph (the step trace's mode)
+    last_host_s: float          # host time of the last step up to its launch (0.0: not measured)
     num_state_slots: int        # per-sequence state slots (linear-attention lines; 0: none)
     step_cost: StepCost | None  # what attention adds to a step, in tokens (None: the token budget alone bounds it)
     supports_draft_verify: bool  # steps with draft tokens (SeqStep.num_drafts) are verified: speculative decoding
@@ -114,6 +115,7 @@ class ExecutorBase:
     supports_fed_steps = False    # async scheduling's fed steps (an asynchronous executor's)
     supports_async_copies = False  # host-tier restores land before the next step (copy_blocks: None)
     last_step_graphed = False     # the last step replayed a CUDA graph
+    last_host_s = 0.0             # host time of the last step up to its launch (the GPU executor measures it)
     num_state_slots = 0
     step_cost = None              # a StepCost (engine/step_budget.py): work bounds a step besides its tokens
     supports_draft_verify = False  # a step with draft tokens is refused: no speculative decoding

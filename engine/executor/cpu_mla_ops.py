@@ -1,7 +1,7 @@
 """The multi-head latent attention op family in numpy (float32; ops.mla, models/ops.py MLAOps) over the one-plane
 paged pool of an MLA model line, kv[layer, 0, slots, 0, kv_lora_rank + rope_dim] (RMSNorm'd latent, then the rotated rope key).
 
-mla_attention takes the absorbed form for a sequence with one new token (decode: W_UK folded into
+attention takes the absorbed form for a sequence with one new token (decode: W_UK folded into
 the query, attention over the latent, W_UV after) and expands K and V from the latent otherwise
 (prefill, transformers' form); both are exact in float32 and gated against transformers.
 """

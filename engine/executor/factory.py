@@ -45,7 +45,7 @@ def create_executor(model: LoadedModel, options: ExecutorOptions, device: str = 
     """The executor for `device` ("cpu", "cuda" or "auto"), carrying `options` (tensor_parallel_size > 1:
     rank 0's executor over the model's shards, engine/parallel)."""
     device = resolve_device(device)
-    if device == "cuda" and getattr(model.model, "gpu_supported", True) is False:
+    if device == "cuda" and not model.model.gpu_supported:
         raise ValueError(f"{model.config.model_type}: the GPU executor does not run this model line yet "
                          f"(serve it with --device cpu)")
     if options.tensor_parallel_size > 1:

@@ -29,10 +29,10 @@ from engine.executor.base import DoneStep, ExecutorBase, PendingStep
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, cute_rows, cute_workspace_bytes
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_host_tier import GpuHostTier
-from engine.executor.gpu_inputs import StepInputs
+from engine.executor.gpu_inputs import GpuStepContext, StepInputs
 from engine.executor.gpu_lora_layout import extra_rows
 from engine.executor.gpu_mapped_copy import MappedCopy
-from engine.executor.gpu_ops import GpuOps, GpuStepContext
+from engine.executor.gpu_ops import GpuOps
 from engine.executor.gpu_piecewise import PiecewiseGraphs, eager_buckets
 from engine.executor.gpu_plan import DeviceInfo, GpuPlan, gpu_plan
 from engine.executor.gpu_prefill import PrefillAttention, prefill_min_query
@@ -276,7 +276,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         graphs, lora, (b, sampling) = todo[0]
         with nvtx_range(f"warm up graph B={b}{' sampling' if sampling else ''}{' LoRA' if lora else ''}"):
             ctx = self.inputs.upload_padding(b, self.ops.splits(b, self.plan.kv.heads, self.max_model_len))
-            self.ops.use_lora(np.full(b, -1, np.int32) if lora else None, b)
+            self._use_lora(np.full(b, -1, np.int32) if lora else None, b)
             graphs.warm(b, sampling, ctx)
         return len(todo) > 1 or bool(self.piecewise and self.piecewise.missing())
 
@@ -287,7 +287,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
             return False
         with nvtx_range(f"warm up eager graphs T={missing[0]}"):
             try:
-                self.ops.use_lora(None, missing[0])      # no adapter (a LoRA graph's warm-up may have left one on)
+                self._use_lora(None, missing[0])         # no adapter (a LoRA graph's warm-up may have left one on)
                 self.piecewise.warm(missing[0], self.inputs.upload_padding(missing[0], 1, seqs=1))
             except Exception:
                 self._drop_piecewise()
@@ -322,12 +322,20 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
                 copy_pool_blocks(self.kv_cache, batch.block_copies)
         ctx = self.inputs.upload(batch, lambda T, ctx_len: self.ops.splits(T, self.plan.kv.heads, ctx_len), pad_to,
                                  fed_ids=(self.sampler.ids, fed) if fed else None, pad_tokens=pad_tokens)
-        self.ops.use_lora(batch.lora_slots, ctx.num_tokens)
+        self._use_lora(batch.lora_slots, ctx.num_tokens)
         if pad_to is None:
             ctx.batch = batch
             if self.prefill is not None:
                 ctx.prefill = self.prefill.step(batch)
         return ctx
+
+    def _use_lora(self, token_slots, rows: int) -> None:
+        """The step's token -> LoRA slot map (None: no adapter in the step) for the LoRA part; rows: the
+        step's rows (a decode graph's bucket)."""
+        if self.ops.lora is not None:
+            self.ops.lora.use(token_slots, rows)
+        elif token_slots is not None:
+            raise ValueError("a step with LoRA adapters on an executor without LoRA slots (max_loras = 0)")
 
     def _hidden(self, batch: ModelBatch):
         """The step's final-normed hidden rows (the real rows first) and its context: replayed by token

@@ -23,6 +23,7 @@ import logging
 
 import numpy as np
 
+from engine.executor.gpu_device import DeviceInfo
 from openinfer_kernels.raw_cuda.launch import launch
 
 CUDA_R_16BF = 14
@@ -112,7 +113,6 @@ class Gemm:
         self._gemv: dict[tuple[int, str, int], object] = {}
         self.gemv_unroll = tuple(gemv_unroll)   # (wide, narrow) k steps per weight batch
         if num_sms is None:
-            from engine.executor.gpu_plan import DeviceInfo
             num_sms = DeviceInfo.query().num_sms
         self.num_sms = num_sms
         self.cute_workspace = cute_workspace

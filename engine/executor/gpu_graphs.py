@@ -87,7 +87,7 @@ class DecodeGraphs:
     def _body(self, ctx, sampling: bool):
         ops = self.ops
         ops.reset()
-        with ops.pdl_launches(self.pdl):
+        with ops.shared.pdl_launches(self.pdl):
             hidden = self.model.forward(ops, self.weights, ctx)
             rows = ops.gather_rows(hidden, ctx.sample_rows)
             logits = self.model.compute_logits(ops, self.weights, rows)

@@ -52,7 +52,7 @@ class GpuHostTier:
         if self.host_kv is None:
             raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
         if not self.supports_async_copies:           # (no write-through without it)
-            if restores and getattr(self.model, "layerwise_restore", False):
+            if restores and self.model.layerwise_restore:
                 self.host_kv.copy_blocks(offloads, [])
                 self._restore_by_layer(restores)
             else:

@@ -8,12 +8,37 @@ Decode graphs read the same addresses at every replay; eager steps read prefixes
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from engine.batch import ModelBatch
-from engine.executor.gpu_ops import GpuStepContext
 from memory.device_arena import Buffer, buffers_nbytes
 from memory.kv_pool import check_block_copies
+
+
+@dataclass
+class GpuStepContext:
+    """Device views of one step's ModelBatch arrays (static buffers, filled by the executor)."""
+    num_tokens: int
+    input_ids: object       # int32 [T]
+    positions: object       # int32 [T]  (-1: padding)
+    slot_mapping: object    # int32 [T]  (-1: padding)
+    token_seq: object       # int32 [T]  row of block_tables each token reads
+    block_tables: object    # int32 [B, max_blocks]
+    sample_rows: object     # int32 [S]
+    num_splits: int
+    prefill: object = None  # gpu_prefill.PrefillStep: the CuTe kernel's sequences (eager steps only)
+    batch: object = None    # the host ModelBatch (eager steps only; None in decode graphs)
+    mla: object = None      # gpu_mla_ops: the step's expansion plan, built at its first MLA layer
+    state_slots: object = None  # int32 [B]  state slot of each row (-1: padding; lines with state)
+    cu_seqlens: object = None   # int32 [B+1] token offsets of the rows
+
+    @property
+    def decode_only(self) -> bool:
+        """One query token per sequence (T == block-table rows; a decode graph's padded rows count as
+        sequences of their own): no token of the step attends to another token's new key."""
+        return self.num_tokens == self.block_tables.shape[0]
 
 
 class StepInputs:

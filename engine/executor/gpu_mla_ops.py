@@ -1,8 +1,8 @@
 """The multi-head latent attention op family on the GPU (ops.mla; models/ops.py MLAOps), a part GpuOps builds for
 an MLA line over the executor's GpuShared and the dense ops' split attention kernels (GpuOps.split_attention).
 
-mla_latent_cache: mla_latent_cache.cu (latent RMSNorm + interleaved rope + the one-plane cache write,
-and the query columns, RMSNorm'd when q_lora_rank is set). mla_attention picks the form per step:
+latent_cache: mla_latent_cache.cu (latent RMSNorm + interleaved rope + the one-plane cache write,
+and the query columns, RMSNorm'd when q_lora_rank is set). attention picks the form per step:
   * absorbed (decode, and any step whose contexts do not fit the expansion rows): q_lat = W_UKᵀ·q_nope
     per head (one cuBLAS strided-batched GEMM reading kv_b_proj in place, float32 out: Gemm.strided_batched), mla_decode.cu
     over the latent cache (one launch: its last split per head group merges the splits), o = W_UV·o_lat

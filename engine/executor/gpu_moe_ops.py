@@ -3,7 +3,7 @@ with routed experts, over the executor's GpuShared.
 
 route: the router GEMM into float32 logits (cuBLAS), then moe_route.cu's softmax or sigmoid + top-k (greedy
 or group-limited, with DeepSeek-V3's score correction bias where the line has one (held in bf16, as every
-device weight), renormalized, scaled), one warp per token. moe_experts: moe_align.cu groups the
+device weight), renormalized, scaled), one warp per token. experts: moe_align.cu groups the
 (token, slot) assignments by expert on the device (each group padded to whole M-tiles), moe_permute.cu
 gathers the activations into those rows, the grouped GEMM (openinfer_kernels.cute.grouped_gemm where the CuTe
 library serves, else moe_grouped_gemm.cu) runs gate_up, silu_mul.cu the activation, the grouped GEMM

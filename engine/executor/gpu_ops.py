@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,6 +32,7 @@ from engine.executor.attention_grid import (FUSED_ROPE_CTAS_PER_SM, MAX_DECODE_S
                                             decode_heads_per_cta, rope_heads_per_warp)
 from engine.executor.gpu_deltanet_ops import GpuDeltaNetOps
 from engine.executor.gpu_dsv4_ops import GpuDSV4Ops
+from engine.executor.gpu_inputs import GpuStepContext
 from engine.executor.gpu_lora_ops import GpuLoRAOps
 from engine.executor.gpu_mla_ops import MLA_MAX_SPLITS, GpuMLAOps
 from engine.executor.gpu_moe_ops import GpuMoEOps
@@ -53,30 +53,6 @@ def op_range(fn):
         with gpu_graphs.nvtx_range(fn.__name__):
             return fn(self, *args, **kwargs)
     return ranged
-
-
-@dataclass
-class GpuStepContext:
-    """Device views of one step's ModelBatch arrays (static buffers, filled by the executor)."""
-    num_tokens: int
-    input_ids: object       # int32 [T]
-    positions: object       # int32 [T]  (-1: padding)
-    slot_mapping: object    # int32 [T]  (-1: padding)
-    token_seq: object       # int32 [T]  row of block_tables each token reads
-    block_tables: object    # int32 [B, max_blocks]
-    sample_rows: object     # int32 [S]
-    num_splits: int
-    prefill: object = None  # gpu_prefill.PrefillStep: the CuTe kernel's sequences (eager steps only)
-    batch: object = None    # the host ModelBatch (eager steps only; None in decode graphs)
-    mla: object = None      # gpu_mla_ops: the step's expansion plan, built at its first MLA layer
-    state_slots: object = None  # int32 [B]  state slot of each row (-1: padding; lines with state)
-    cu_seqlens: object = None   # int32 [B+1] token offsets of the rows
-
-    @property
-    def decode_only(self) -> bool:
-        """One query token per sequence (T == block-table rows; a decode graph's padded rows count as
-        sequences of their own): no token of the step attends to another token's new key."""
-        return self.num_tokens == self.block_tables.shape[0]
 
 
 class GpuOps(ComposedOps):
@@ -178,23 +154,6 @@ class GpuOps(ComposedOps):
             yield
         finally:
             self.attention_hook = None
-
-    def use_lora(self, token_slots, rows: int) -> None:
-        """The step's token -> LoRA slot map (None: no adapter in the step) for the LoRA part; rows: the
-        step's rows (a decode graph's bucket)."""
-        if self.lora is not None:
-            self.lora.use(token_slots, rows)
-        elif token_slots is not None:
-            raise ValueError("a step with LoRA adapters on an executor without LoRA slots (max_loras = 0)")
-
-    @contextlib.contextmanager
-    def pdl_launches(self, on: bool):
-        """Every launch a programmatic dependent launch while inside, when on (a decode graph's capture)."""
-        self.shared.pdl = on
-        try:
-            yield
-        finally:
-            self.shared.pdl = False
 
     # ---- Ops ---------------------------------------------------------------------------------
     @op_range

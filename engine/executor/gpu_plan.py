@@ -1,5 +1,5 @@
 """GpuPlan: the sizes every GPU part is built for (the executor options, the model's shapes and KV
-layout, the device's facts), and DeviceInfo, the device asked once.
+layout, the device's facts: gpu_device.DeviceInfo).
 
 Each part (GpuOps, GpuSampler, StepInputs, PrefillAttention, Gemm) states its own bytes from a plan
 (`nbytes(plan)`) and takes exactly those from the arena; the executor adds them up, gives the
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.executor.gpu_device import DeviceInfo
 from engine.executor.options import ExecutorOptions
 from engine.executor.gpu_lora_layout import extended_shape
 from engine.lora import lora_sites
@@ -20,25 +21,6 @@ from memory.kv_pool import KVLayout, blocks_for
 # Logit rows the eager paths compute at once (prompt logprobs and forward_logits go in chunks of it):
 # 1024 rows of a 151,936-token vocabulary are 0.6 GB of float32.
 LOGIT_CHUNK_ROWS = 1024
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """What the executor needs to know of its GPU, asked once at start."""
-    name: str
-    num_sms: int
-    total_memory: int
-    compute_capability: str
-
-    @classmethod
-    def query(cls) -> "DeviceInfo":
-        import cupy
-
-        dev = cupy.cuda.Device()
-        props = cupy.cuda.runtime.getDeviceProperties(dev.id)
-        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-        return cls(name=name, num_sms=int(props["multiProcessorCount"]), total_memory=int(props["totalGlobalMem"]),
-                   compute_capability=str(dev.compute_capability))
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ graph is captured (every launch then a programmatic dependent launch, openinfer_
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,15 @@ class GpuShared:
         if rows * cols > self.residual.shape[0]:
             raise ValueError(f"{rows} tokens exceed the {self.max_tokens} the residual buffer holds")
         return self.residual[: rows * cols].reshape(rows, cols)
+
+    @contextlib.contextmanager
+    def pdl_launches(self, on: bool):
+        """Every launch a programmatic dependent launch while inside, when on (a decode graph's capture)."""
+        self.pdl = on
+        try:
+            yield
+        finally:
+            self.pdl = False
 
     def launch(self, k, grid, block, args, shared_mem: int = 0) -> None:
         launch(k, grid, block, args, self.stream, pdl=self.pdl, shared_mem=shared_mem)

@@ -221,4 +221,4 @@ class DecoderLM:
 
     def compute_logits(self, ops: Ops, w: dict[str, Array], hidden: Array) -> Array:
         """logits [R, V] for the given hidden rows."""
-        return ops.linear(hidden, lm_head_weight(self.config, w))
+        return ops.logits(hidden, lm_head_weight(self.config, w))

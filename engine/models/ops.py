@@ -257,6 +257,10 @@ class Ops(Protocol):
     def add(self, x: Array, residual: Array) -> Array:
         """x + residual (the residual stream update)."""
 
+    def logits(self, hidden: Array, weight: Array) -> Array:
+        """float32 logits [R, V] of the hidden rows by the lm_head weight [V, H] (linear; a tensor-parallel
+        rank's weight holds its vocabulary rows, and its ops gather every rank's: engine/parallel)."""
+
     # Fused ops (ComposedOps composes them from the ops above; an executor overrides them where one
     # kernel does it, e.g. the GPU's decode GEMV and decode attention). `lora`: the projection's LoRA site.
     def norm_linear(self, x: Array, norm_weight: Array, eps: float, weight: Array,
@@ -319,6 +323,9 @@ class ComposedOps:
         raise NotImplementedError
 
     # ---- the fused ops, composed ---------------------------------------------------------------------------
+
+    def logits(self, hidden, weight):
+        return self.linear(hidden, weight)
 
     def lora_add(self, y, x, site):
         """y + the step's adapter deltas at `site` (y itself without LoRA slots)."""

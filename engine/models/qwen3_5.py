@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from engine.model_config import ModelConfig
-from engine.models.decoder import DecoderLM, LayerOptions, lm_head_weight, mlp_block
+from engine.models.decoder import DecoderLM, LayerOptions, mlp_block
 from engine.models.ops import Array, AttentionSpec, LinearAttentionSpec, Ops
 from engine.models.rope import partial_rotary_factor, rotary_dim
 from engine.models.weights import WeightSpec, packed
@@ -269,9 +269,6 @@ class Qwen3_5ForCausalLM(DecoderLM):
         o = ops.deltanet.gated_rms_norm(o, proj, w[f"layers.{i}.linear_norm"], spec)
         post_norm = w[f"layers.{i}.post_attention_layernorm"]
         return ops.add_linear_norm(o, w[f"layers.{i}.out_proj"], residual, post_norm, eps)
-
-    def compute_logits(self, ops: Ops, w: dict[str, Array], hidden: Array) -> Array:
-        return ops.linear(hidden, lm_head_weight(self.config, w))
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):

@@ -58,7 +58,7 @@ class RankNumpyOps(NumpyOps):
         y = self.linear(x, weight, bias)
         return self.comm.all_reduce(y + residual if self.comm.rank == 0 else y)
 
-    def vocab_parallel_logits(self, hidden, weight):
+    def logits(self, hidden, weight):
         return np.concatenate(list(self.comm.all_gather(self.linear(hidden, weight))), axis=-1)
 
 

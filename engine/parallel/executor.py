@@ -58,7 +58,7 @@ class TensorParallelExecutor(ExecutorBase):
 
     @property
     def last_host_s(self) -> float:
-        return getattr(self.local, "last_host_s", 0.0)
+        return self.local.last_host_s
 
     def _run(self, name: str, args: tuple, here):
         """`name`(*args) on every other rank, then here() on rank 0."""

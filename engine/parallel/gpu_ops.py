@@ -99,7 +99,7 @@ class RankGpuOps(GpuOps):
         splits, rows, cols = partials.shape
         self.comm.all_reduce_raw(partials.ptr, splits * rows * cols, np.float32)
 
-    def vocab_parallel_logits(self, hidden, weight):
+    def logits(self, hidden, weight):
         rows, part, n, rank = hidden.shape[0], weight.shape[0], self.comm.world_size, self.comm.rank
         if rows > self.logits.shape[0]:
             raise ValueError(f"{rows} logit rows exceed the {self.logits.shape[0]} the logits buffer holds")

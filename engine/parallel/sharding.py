@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.model_config import ModelConfig
-from engine.models.registry import model_class, model_types_where
+from engine.models.registry import build_model, model_types_where
 from engine.models.weights import PackedWeight, WeightSpec
 
 SUPPORTED_TYPES = model_types_where(lambda line: line.tensor_parallel)       # the lines declaring it
@@ -170,23 +170,9 @@ def expert_range(model, shard: Shard) -> tuple[int, int]:
     return share(model.expert_shape.num_experts, shard)
 
 
-class VocabParallelLogits:
-    """Mixed before a model line: its logits are the rank's vocabulary rows of the lm_head, gathered
-    across the ranks by the ops (`vocab_parallel_logits`), so every rank holds the whole [R, V] rows."""
-
-    def compute_logits(self, ops, w, hidden):
-        return ops.vocab_parallel_logits(hidden, w["lm_head"])
-
-
-def rank_model(cfg: ModelConfig):
-    """The model line of a rank's config, with vocab-parallel logits."""
-    cls = model_class(cfg.model_type)
-    return type(f"Rank{cls.__name__}", (VocabParallelLogits, cls), {})(cfg)
-
-
 def shard_model(loaded, shard: Shard):
     """Rank `shard`'s LoadedModel: its config, its model line and its weights (views of `loaded`'s)."""
     check_tensor_parallel(loaded.model, shard.world_size)
     cfg = shard_config(loaded.config, shard.world_size)
-    return dataclasses.replace(loaded, config=cfg, model=rank_model(cfg),
+    return dataclasses.replace(loaded, config=cfg, model=build_model(cfg),
                                weights=shard_weights(loaded.model, loaded.weights, shard))

@@ -1,0 +1,68 @@
+"""Op families are parts the executor owns (DESIGN.md): each executor's ops build the parts of the served line's
+declared op_families and no other, each part has every method of its Protocol (engine/models/ops.py), the GPU
+plan sizes exactly those parts' buffers, and no ops class stacks mixins. Real configs (bench/configs), no weights,
+no GPU."""
+from __future__ import annotations
+
+import ast
+import glob
+import os
+
+import numpy as np
+import pytest
+
+from engine.executor.cpu_lora_ops import NumpyLoRAOps
+from engine.executor.cpu_ops import NumpyOps
+from engine.model_config import ModelConfig
+from engine.models.ops import DeltaNetOps, DSV4Ops, LoRAOps, MLAOps, MoEOps
+from engine.models.registry import build_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "bench", "configs")
+PROTOCOLS = {"moe": MoEOps, "mla": MLAOps, "deltanet": DeltaNetOps, "dsv4": DSV4Ops}
+LINES = {"qwen3-4b": set(), "qwen3-30b-a3b": {"moe"}, "deepseek-v2-lite": {"moe", "mla"}, "kimi-k2": {"moe", "mla"},
+         "qwen3.5-4b": {"deltanet"}, "deepseek-v4-flash": {"moe", "dsv4"}}
+
+
+def protocol_methods(protocol) -> set[str]:
+    return {name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")}
+
+
+@pytest.mark.parametrize("name", sorted(LINES))
+def test_numpy_ops_build_the_lines_families(name):
+    model = build_model(ModelConfig.from_file(os.path.join(CONFIGS, name)))
+    assert model.op_families == LINES[name]
+    ops = NumpyOps(np.zeros((1, 1, 16, 1, 8), np.float32), model.op_families, state={},
+                   lora=NumpyLoRAOps({}, 2))
+    for family, protocol in PROTOCOLS.items():
+        part = getattr(ops, family)
+        assert (part is not None) == (family in LINES[name]), family
+        if part is not None:
+            assert all(callable(getattr(part, m, None)) for m in protocol_methods(protocol)), family
+    assert all(callable(getattr(ops.lora, m, None)) for m in protocol_methods(LoRAOps))
+    assert NumpyOps(np.zeros(1)).lora is None
+
+
+@pytest.mark.parametrize("name", sorted(LINES))
+def test_gpu_plan_sizes_the_lines_parts_only(name):
+    from engine.executor.gpu_ops import GpuOps
+    from engine.executor.gpu_plan import DeviceInfo, gpu_plan
+    from engine.executor.options import options_of
+
+    model = build_model(ModelConfig.from_file(os.path.join(CONFIGS, name)))
+    plan = gpu_plan(options_of(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=1024), model,
+                    DeviceInfo(name="H200", num_sms=132, total_memory=141 << 30, compute_capability="90"))
+    assert plan.families == LINES[name]
+    parts = {"moe": GpuOps.moe_class.nbytes(plan), "mla": GpuOps.mla_class.nbytes(plan),
+             "lora": GpuOps.lora_class.nbytes(plan)}
+    assert {family for family, n in parts.items() if n} == LINES[name] & {"moe", "mla"}
+    assert GpuOps.families_nbytes(plan) == sum(parts.values())
+
+
+def test_ops_classes_stack_no_mixins():
+    """Every ops class of the executors (and of a tensor-parallel rank) derives from one class at most."""
+    engine = os.path.join(ROOT, "engine")
+    files = [f for d in ("executor", "parallel", "models") for f in glob.glob(os.path.join(engine, d, "*ops.py"))]
+    stacked = [f"{os.path.basename(f)}:{node.name}" for f in files for node in ast.walk(ast.parse(open(f).read()))
+               if isinstance(node, ast.ClassDef) and len(node.bases) > 1]
+    assert stacked == []
