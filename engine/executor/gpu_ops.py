@@ -77,7 +77,7 @@ class GpuOps(ComposedOps):
         self.fast_attention = parse_decode_kernels(tuning.decode_kernels)[0]   # paged_decode.cu, else the split kernel
         self.layer_ranges, self.op_ranges = tuning.nvtx in ("layers", "ops"), tuning.nvtx == "ops"
         b = arena.take_all("activations", self.buffers(plan))
-        self.logits = b["logits"]
+        self.logits_buf = b["logits"]
         self.part_out, self.part_max, self.part_sum = b["attn_part_out"], b["attn_part_max"], b["attn_part_sum"]
         self.split_counters = b["attn_split_counters"]      # paged_decode.cu's split tickets: zero between launches
         shared.zero(self.split_counters)
@@ -178,9 +178,9 @@ class GpuOps(ComposedOps):
         T = x.shape[0]
         N = weight.shape[0]
         if weight.data.ptr == self.lm_head_ptr:
-            if T > self.logits.shape[0]:
-                raise ValueError(f"{T} logit rows exceed the {self.logits.shape[0]} the logits buffer holds")
-            out = self.logits[:T]
+            if T > self.logits_buf.shape[0]:
+                raise ValueError(f"{T} logit rows exceed the {self.logits_buf.shape[0]} the logits buffer holds")
+            out = self.logits_buf[:T]
         else:
             out = self._out(T, N)
         self.shared.gemm(x, weight, out, pdl=self.shared.pdl)

@@ -101,14 +101,14 @@ class RankGpuOps(GpuOps):
 
     def logits(self, hidden, weight):
         rows, part, n, rank = hidden.shape[0], weight.shape[0], self.comm.world_size, self.comm.rank
-        if rows > self.logits.shape[0]:
-            raise ValueError(f"{rows} logit rows exceed the {self.logits.shape[0]} the logits buffer holds")
+        if rows > self.logits_buf.shape[0]:
+            raise ValueError(f"{rows} logit rows exceed the {self.logits_buf.shape[0]} the logits buffer holds")
         gathered = self.gathered[:n * rows * part].reshape(n, rows, part)
         self.shared.gemm(hidden, weight, gathered[rank])              # float32 logits: cuBLAS
         self.comm.all_gather(gathered[rank], gathered)
         import cupy
 
-        out, rt, stream = self.logits[:rows], cupy.cuda.runtime, self.shared.stream
+        out, rt, stream = self.logits_buf[:rows], cupy.cuda.runtime, self.shared.stream
         for r in range(n):             # rank r's logits are columns r·V/N.. of every row
             rt.memcpy2DAsync(out.data.ptr + r * part * 4, out.strides[0], gathered[r].data.ptr, part * 4, part * 4,
                              rows, rt.memcpyDeviceToDevice, stream.ptr)
