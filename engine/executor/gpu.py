@@ -12,7 +12,7 @@ LoRA adapters, gpu_lora_ops.py) and PiecewiseGraphs (prefill and mixed steps of 
 GpuTuning.eager_graph_tokens tokens as CUDA graphs per token bucket, attention launched between them,
 gpu_piecewise.py; dense lines; larger eager steps launch kernel by kernel); for a line with per-sequence
 state, its state slots (memory/state_slots.py, one per max_num_seqs) before the KV pool. The host KV
-tier's copies (streams, layer-by-layer restores) are GpuHostTier's (gpu_host_tier.py).
+tier (streams, layer-by-layer restores) is a part too, GpuHostTier (gpu_host_tier.py).
 `last_host_s` is the host time of the last step up to its launch.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import DoneStep, ExecutorBase, PendingStep
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, cute_rows, cute_workspace_bytes
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
-from engine.executor.gpu_host_tier import GpuHostTier
+from engine.executor.gpu_host_tier import GpuHostTier, compute_event, events_done, layers_landed, wait_events
 from engine.executor.gpu_inputs import GpuStepContext, StepInputs
 from engine.executor.gpu_lora_layout import extra_rows
 from engine.executor.gpu_mapped_copy import MappedCopy
@@ -106,7 +106,7 @@ class ArenaSizes:
     state: object                       # the line's StateLayout (None: no per-sequence state)
 
 
-class GpuExecutor(GpuHostTier, ExecutorBase):
+class GpuExecutor(ExecutorBase):
     supports_host_tier = True
     # the scheduler's partial prefix hits (1 token computed, not up to 16) measured not to pay here: that one-token
     # step reads the whole context as a decode and is not overlapped (bench/results/prefix-ttft-gpu.md, 2026-12-04;
@@ -222,9 +222,9 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         """Read-backs (and uploads while a restore copies: mapped_copy, no copy engine), the host KV tier,
         the step timer."""
         self.mapped_copy = MappedCopy(self.stream)
-        self.host_kv, self._kv_events = None, None
-        if self.options.host_kv_blocks:
-            self.enable_host_tier(self.options.host_kv_blocks)
+        self.host_tier = GpuHostTier(self.kv_cache, self.options.host_kv_blocks, self.stream,
+                                     self.options.gpu.async_host_tier, self.model.layerwise_restore
+                                     ) if self.options.host_kv_blocks else None
         self.last_host_s, self._fed = 0.0, False
         self.readback = Readback(self.plan.max_seqs, self.stream, self.mapped_copy)
         self.timer = StepTimer(self.stream) if self.options.time_steps else None
@@ -255,6 +255,36 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
     def _graphs(self) -> DecodeGraphs:
         return self.graphs_class(self.model, self.ops, self.weights, self.sampler, self.upload, self.readback,
                                  self.stream, self.options.graph_sizes, pdl=self.options.gpu.pdl)
+
+    # ---- the host KV tier (gpu_host_tier.py) ----------------------------------------------------------
+    @property
+    def supports_async_copies(self) -> bool:
+        return self.host_tier is not None and self.host_tier.async_copies
+
+    def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]],
+                    through: list[tuple[int, int]] = ()):
+        if self.host_tier is None:
+            raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
+        return self.host_tier.copy_blocks(offloads, restores, through)
+
+    copies_done, wait_copies = staticmethod(events_done), staticmethod(wait_events)
+
+    def copy_fence(self):
+        """An event after the copies queued so far on the compute stream; its synchronize is the wait."""
+        return compute_event(self.stream).synchronize
+
+    def _kv_landed(self, layerwise: bool) -> None:
+        """Before a step: a restore's layers landed (GpuHostTier.landed)."""
+        if self.host_tier is not None:
+            self.host_tier.landed(self.ops, layerwise)
+
+    def _uploads_by_kernel(self, on: bool) -> None:
+        """While a restore holds the H2D copy engine, the step's inputs go in by mapped_copy.cu (a memcpy
+        would queue behind the restore: bench/copy_contention.py)."""
+        mapped = self.mapped_copy if on else None
+        self.inputs.mapped = mapped
+        if self.prefill is not None:
+            self.prefill.mapped = mapped
 
     def set_lora(self, slot: int, adapter) -> None:
         """Load a LoRA adapter into one of the options.max_loras slots (None: empty it), queued on the
@@ -317,7 +347,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
         if self.num_state_slots:
             check_slots(batch.state_slots, self.num_state_slots)
         if batch.block_copies.size:                 # partial prefix hits: on the stream, before the step
-            self._kv_step_done()                    # (a source block may be a restore still landing: all of it first)
+            layers_landed(self.ops, self.stream)    # (a source block may be a restore still landing: all of it first)
             with self.stream:
                 copy_pool_blocks(self.kv_cache, batch.block_copies)
         ctx = self.inputs.upload(batch, lambda T, ctx_len: self.ops.splits(T, self.plan.kv.heads, ctx_len), pad_to,
@@ -357,7 +387,7 @@ class GpuExecutor(GpuHostTier, ExecutorBase):
             return self.model.forward(self.ops, self.weights, ctx), ctx
         finally:
             self._uploads_by_kernel(False)
-            self._kv_step_done()
+            layers_landed(self.ops, self.stream)
 
     def _logits_host(self, hidden, rows: np.ndarray) -> np.ndarray:
         """float32 logits of the given hidden rows, on the host, in chunks of the logits buffer."""

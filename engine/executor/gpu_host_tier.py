@@ -1,11 +1,11 @@
-"""The GPU executor's host KV tier (a mixin of GpuExecutor): pinned host slots mirroring the KV pool
-(memory/host_kv_copy.py) and the copies the scheduler asks for, on the streams that keep them off the steps'
-path. Offloads run on the compute stream ahead of the next step. Restores run on a stream of their own:
-for a line with `layerwise_restore` (every KV read is GpuOps.attention / rope_attention of its layer) one
-layer at a time, an event after each, so the next step's attention of layer l waits for layer l alone and
-its forward overlaps the copy; meanwhile the step's inputs go in by a kernel (gpu_mapped_copy.py), since
-a memcpy would queue on the copy engine behind the restore. With GpuTuning.async_host_tier the restores and
-the write-through copies go on two streams of their own and come back as tickets (events) that the
+"""The GPU executor's host KV tier, a part it owns when options.host_kv_blocks > 0: pinned host slots mirroring
+the KV pool (memory/host_kv_copy.py) and the copies the scheduler asks for, on the streams that keep them off
+the steps' path. Offloads run on the compute stream ahead of the next step. Restores run on a stream of their
+own: for a line with `layerwise_restore` (every KV read is GpuOps.attention / rope_attention of its layer) one
+layer at a time, an event after each, so the next step's attention of layer l waits for layer l alone and its
+forward overlaps the copy; meanwhile the executor uploads the step's inputs by a kernel (gpu_mapped_copy.py),
+since a memcpy would queue on the copy engine behind the restore. With GpuTuning.async_host_tier the restores
+and the write-through copies go on two streams of their own and come back as tickets (events) that the
 scheduler polls (engine/scheduler.py: LOADING sequences, held blocks)."""
 from __future__ import annotations
 
@@ -17,42 +17,36 @@ log = logging.getLogger(__name__)
 
 
 class GpuHostTier:
-    """Uses the executor's kv_cache, stream, options, model, ops, inputs, prefill and mapped_copy;
-    host_kv and _kv_events start as None (GpuExecutor.__init__)."""
+    """num_slots pinned host blocks mirroring kv_cache; stream: the compute stream; async_copies: restores and
+    write-throughs return tickets (GpuTuning.async_host_tier); layerwise: the line's `layerwise_restore`."""
 
-    def enable_host_tier(self, num_slots: int) -> None:
-        """Host KV tier storage: num_slots pinned host blocks mirroring the KV pool (memory/host_kv_copy.py);
-        with tuning.async_host_tier, restores (and write-through offloads) go on a stream of their own."""
+    def __init__(self, kv_cache, num_slots: int, stream, async_copies: bool, layerwise: bool):
         import cupy
 
-        self.host_kv = gpu_host_kv_copy(self.kv_cache, num_slots, self.stream)
+        self.stream, self.async_copies, self.layerwise = stream, async_copies, layerwise
+        self.host_kv = gpu_host_kv_copy(kv_cache, num_slots, stream)
         self.restore_stream = cupy.cuda.Stream(non_blocking=True)
         self.host_kv_restore = self.host_kv.with_memcpy(gpu_memcpy2d(self.restore_stream))
-        if self.options.gpu.async_host_tier:     # restores (host -> device) and write-throughs apart: in one
-            self.through_stream = cupy.cuda.Stream(non_blocking=True)    # stream a restore would queue behind
-            self.host_kv_through = self.host_kv.with_memcpy(gpu_memcpy2d(self.through_stream))   # a long offload
+        if async_copies:     # restores (host -> device) and write-throughs apart: in one stream a restore
+            self.through_stream = cupy.cuda.Stream(non_blocking=True)    # would queue behind a long offload
+            self.host_kv_through = self.host_kv.with_memcpy(gpu_memcpy2d(self.through_stream))
+        self.layer_events: list | None = None     # the last layer-by-layer restore's events, until a step takes them
         log.info("host KV tier: %d blocks, %.2f GiB pinned", num_slots, num_slots * self.host_kv.block_bytes / 2**30)
-
-    @property
-    def supports_async_copies(self) -> bool:
-        return self.host_kv is not None and self.options.gpu.async_host_tier
 
     def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]],
                     through: list[tuple[int, int]] = ()):
         """offloads (device block -> host slot), then restores (host slot -> device block), queued ahead of
-        the next step (returns None; a layerwise_restore line's restores layer by layer on the restore stream,
+        the next step (returns None; a layerwise line's restores layer by layer on the restore stream,
         _restore_by_layer, the others on the compute stream); the host does not wait for them. With
-        async_host_tier the restores and the write-through copies (`through`: blocks that joined the
+        async_copies the restores and the write-through copies (`through`: blocks that joined the
         prefix cache, held by the scheduler until they land) go on streams of their own (restores on one,
         write-throughs on the other: a restore never queues behind a long offload), behind everything
         queued on the compute stream so far (the offloads included: a block evicted and refilled in one
         step is saved first); the events after them are returned for copies_done / wait_copies."""
         import cupy
 
-        if self.host_kv is None:
-            raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
-        if not self.supports_async_copies:           # (no write-through without it)
-            if restores and self.model.layerwise_restore:
+        if not self.async_copies:           # (no write-through without it)
+            if restores and self.layerwise:
                 self.host_kv.copy_blocks(offloads, [])
                 self._restore_by_layer(restores)
             else:
@@ -62,7 +56,7 @@ class GpuHostTier:
             self.host_kv.copy_blocks(offloads, [])
         if not (restores or through):
             return None
-        ready = self._compute_event()
+        ready = compute_event(self.stream)
         landed = []
         for stream, copy, offload, restore in ((self.restore_stream, self.host_kv_restore, [], restores),
                                                (self.through_stream, self.host_kv_through, through, [])):
@@ -80,54 +74,47 @@ class GpuHostTier:
         GpuOps.attention / rope_attention; other lines copy on the compute stream before the step)."""
         import cupy
 
-        self.restore_stream.wait_event(self._compute_event())
+        self.restore_stream.wait_event(compute_event(self.stream))
         events = []
 
         def layer_done(_: int) -> None:
             events.append(cupy.cuda.Event(disable_timing=True))
             events[-1].record(self.restore_stream)
         self.host_kv_restore.restore_layers(restores, layer_done)
-        self._kv_events = events
+        self.layer_events = events
 
-    def _kv_landed(self, layerwise: bool) -> None:
+    def landed(self, ops, layerwise: bool) -> None:
         """Before a step: the restores' per-layer events go to the ops (layerwise: its attention waits
         for each layer), or the compute stream waits for all of them (a step that cannot wait per layer)."""
-        events, self._kv_events = self._kv_events, None
+        events, self.layer_events = self.layer_events, None
         if events:
             if layerwise:
-                self.ops.kv_layer_events = events
+                ops.kv_layer_events = events
             else:
                 self.stream.wait_event(events[-1])
 
-    def _uploads_by_kernel(self, on: bool) -> None:
-        """While a restore holds the H2D copy engine, the step's inputs go in by mapped_copy.cu (a memcpy
-        would queue behind the restore: bench/copy_contention.py)."""
-        mapped = self.mapped_copy if on else None
-        self.inputs.mapped = mapped
-        if self.prefill is not None:
-            self.prefill.mapped = mapped
 
-    def _kv_step_done(self) -> None:
-        """After a step's forward: nothing after it runs before every restored layer has landed."""
-        events, self.ops.kv_layer_events = self.ops.kv_layer_events, None
-        if events:
-            self.stream.wait_event(events[-1])
+def layers_landed(ops, stream) -> None:
+    """After a step's forward: nothing after it on `stream` runs before every restored layer has landed."""
+    events, ops.kv_layer_events = ops.kv_layer_events, None
+    if events:
+        stream.wait_event(events[-1])
 
-    def copies_done(self, ticket) -> bool:
-        return ticket is None or all(event.done for event in ticket)
 
-    def wait_copies(self, ticket) -> None:
-        for event in ticket or ():
-            event.synchronize()
+def events_done(ticket) -> bool:
+    """Whether every event of copy_blocks' ticket has run (None: nothing in flight)."""
+    return ticket is None or all(event.done for event in ticket)
 
-    def copy_fence(self):
-        """An event after the copies queued so far on the compute stream; its synchronize is the wait."""
-        return self._compute_event().synchronize
 
-    def _compute_event(self):
-        """An event after everything queued on the compute stream so far."""
-        import cupy
+def wait_events(ticket) -> None:
+    for event in ticket or ():
+        event.synchronize()
 
-        event = cupy.cuda.Event(disable_timing=True)
-        event.record(self.stream)
-        return event
+
+def compute_event(stream):
+    """An event after everything queued on `stream` so far."""
+    import cupy
+
+    event = cupy.cuda.Event(disable_timing=True)
+    event.record(stream)
+    return event
