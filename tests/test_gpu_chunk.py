@@ -141,7 +141,8 @@ def test_prefill_path_with_the_chunk_kernel(monkeypatch, min_query, Hq, Hkv, cap
         seen.append((kernel.name, grid))
         return numpy_chunk(ops, kernel, grid, args)
 
-    monkeypatch.setattr("openinfer_kernels.raw_cuda.launch.launch", fake_launch)
+    for module in ("gpu_prefill", "gpu_chunk"):          # the launches of both parts
+        monkeypatch.setattr(f"engine.executor.{module}.launch", fake_launch)
     monkeypatch.setattr(cute, "varlen_attention", numpy_varlen)
     plan = plan_prefill(b.cu_seqlens, b.context_lens, b.positions, min_query, 8192, chunk.tokens)
     own = types.SimpleNamespace(data=plan.data, stream=None, gather="kv_gather", launches=0, chunk=chunk,

@@ -198,7 +198,8 @@ class PagedStandIn(GpuOps):
 def test_prefill_path_with_numpy_kernels(monkeypatch, min_query, max_key_rows, launches, paged):
     import openinfer_kernels.cute as cute
 
-    monkeypatch.setattr("openinfer_kernels.raw_cuda.launch.launch", numpy_gather)
+    for module in ("gpu_prefill", "gpu_chunk"):
+        monkeypatch.setattr(f"engine.executor.{module}.launch", numpy_gather)
     monkeypatch.setattr(cute, "varlen_attention", numpy_varlen)
     rng = np.random.default_rng(min_query + max_key_rows)
     b = mixed_batch(rng, MIXED)
@@ -281,13 +282,12 @@ def test_queued_steps_plans_never_overwrite_one_still_waiting_for_its_upload(mon
     import sys
 
     import memory.streams
-    import openinfer_kernels.raw_cuda
 
     runtime = _LaggingDevice()
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, Event=runtime.Event))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     monkeypatch.setattr(memory.streams, "pinned_array", lambda shape, dtype: np.zeros(shape, dtype))
-    monkeypatch.setattr(openinfer_kernels.raw_cuda, "kernel", lambda *a, **k: None)
+    monkeypatch.setattr(gpu_prefill, "kernel", lambda *a, **k: None)
 
     class Arena:
         def take_all(self, prefix, buffers):

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from openinfer_kernels.raw_cuda import kernel
+from openinfer_kernels.raw_cuda.launch import launch
+
 CHUNK_ROWS = 64             # query rows per CTA (paged_chunk.cu ROWS)
 MIN_CHUNK_TOKENS = 2        # one-token rows (decodes) stay on paged_decode.cu
 SPLIT_KEYS = 256            # no split shorter than this many keys
@@ -53,8 +56,6 @@ class ChunkKernel:
     """paged_chunk.cu compiled for one (GQA, head_dim); `launch` runs it (and the merge) over a plan's tiles."""
 
     def __init__(self, group: int, head_dim: int, stream):
-        from openinfer_kernels.raw_cuda import kernel
-
         self.group, self.head_dim, self.stream = group, head_dim, stream
         self.tokens = tile_tokens(group)
         self.attend = kernel("paged_chunk", "paged_chunk_attention", GQA=group, HEAD_DIM=head_dim)
@@ -63,8 +64,6 @@ class ChunkKernel:
 
     def launch(self, ops, q, spec, ctx, out, tiles, num_tiles: int, max_context: int) -> None:
         """out rows of the tiles' tokens = their attention over the paged cache (q [T, Hq, D], out [T, Hq·D])."""
-        from openinfer_kernels.raw_cuda.launch import launch
-
         Hkv, sh = spec.num_kv_heads, ops.shared
         S = chunk_splits(num_tiles, self.tokens, Hkv, max_context, sh.max_tokens + 2 * sh.num_sms, sh.num_sms)
         kc, vc = sh.kv_cache[spec.layer, 0], sh.kv_cache[spec.layer, 1]

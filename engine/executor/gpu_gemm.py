@@ -24,6 +24,7 @@ import logging
 import numpy as np
 
 from engine.executor.gpu_device import DeviceInfo
+from openinfer_kernels.raw_cuda import kernel
 from openinfer_kernels.raw_cuda.launch import launch
 
 CUDA_R_16BF = 14
@@ -249,8 +250,6 @@ class Gemm:
         """out = x · wᵀ through gemv.cu, T <= 32 rows. variant "norm": x is RMSNorm'ed with norm_w, eps
         first; "res": out = bf16(x · wᵀ) + res_in; "norm_silu": "norm", then out [T, N/2] = SiLU(gate)·up
         of the product, w interleaved (interleave_gate_up); "silu": the same without the norm. "" picks "bf16" or "f32" from out's dtype."""
-        from openinfer_kernels.raw_cuda import kernel
-
         T = x.shape[0]
         N, K = w.shape
         variant = variant or ("f32" if out.dtype == np.float32 else "bf16")

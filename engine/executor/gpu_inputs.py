@@ -15,6 +15,7 @@ import numpy as np
 from engine.batch import ModelBatch
 from memory.device_arena import Buffer, buffers_nbytes
 from memory.kv_pool import check_block_copies
+from memory.streams import PinnedTwins
 
 
 @dataclass
@@ -44,8 +45,6 @@ class GpuStepContext:
 class StepInputs:
     def __init__(self, arena, stream, max_tokens: int, max_seqs: int, max_blocks: int, vocab_size: int,
                  max_model_len: int):
-        from memory.streams import PinnedTwins
-
         self.stream, self.vocab_size, self.max_model_len = stream, vocab_size, max_model_len
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
         b = arena.take_all("inputs", self.buffers(max_tokens, max_seqs, max_blocks))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from openinfer_kernels.raw_cuda import kernel
+
 CUDA_DEV_ATTR_UNIFIED_ADDRESSING = 41
 MAX_ARRAYS = 4
 
@@ -14,8 +16,6 @@ MAX_ARRAYS = 4
 class MappedCopy:
     def __init__(self, stream):
         import cupy
-
-        from openinfer_kernels.raw_cuda import kernel
 
         self.stream = stream
         self.mapped = bool(cupy.cuda.runtime.deviceGetAttribute(CUDA_DEV_ATTR_UNIFIED_ADDRESSING,

@@ -33,6 +33,9 @@ from engine.batch import ModelBatch
 from engine.executor.gpu_chunk import MIN_CHUNK_TOKENS, ChunkKernel, chunk_fits, chunk_tiles
 from memory.device_arena import Buffer, buffers_nbytes
 from memory.kv_pool import BLOCK_SIZE
+from memory.streams import PinnedTwins
+from openinfer_kernels.raw_cuda import kernel
+from openinfer_kernels.raw_cuda.launch import launch
 
 log = logging.getLogger(__name__)
 DEFAULT_MIN_QUERY = 64          # new tokens of a sequence from which the CuTe kernel serves it
@@ -179,9 +182,6 @@ class PrefillAttention:
 
     def __init__(self, arena, stream, max_tokens: int, max_seqs: int, key_rows: int, num_kv_heads: int,
                  head_dim: int, min_query: int, group: int = 0):
-        from openinfer_kernels.raw_cuda import kernel
-        from memory.streams import PinnedTwins
-
         self.stream, self.min_query, self.key_rows = stream, min_query, key_rows
         b = arena.take_all("prefill", self.buffers(key_rows, num_kv_heads, head_dim, max_tokens, max_seqs))
         self.k, self.v, self.data = b["k"], b["v"], b["plan"]
@@ -256,7 +256,6 @@ class PrefillStep:
         the short runs' paged_chunk.cu tiles and gather + CuTe per launch (overwriting the span's served
         rows, which the paged kernel zeroed)."""
         import openinfer_kernels.cute as cute
-        from openinfer_kernels.raw_cuda.launch import launch
 
         own, plan, d = self.owner, self.plan, self.owner.data
         T, Hq, Hkv, D = ctx.num_tokens, spec.num_heads, spec.num_kv_heads, spec.head_dim

@@ -11,6 +11,7 @@ import numpy as np
 
 from engine.batch import SampledToken, StepOutput
 from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS
+from memory.streams import pinned_array
 
 
 class ReadbackStep:
@@ -41,8 +42,6 @@ class ReadbackSlot:
 
     def __init__(self, rows: int):
         import cupy
-
-        from memory.streams import pinned_array
 
         self.ids_host = pinned_array((rows,), np.int32)
         self.lp_host = pinned_array((rows,), np.float32)

@@ -28,6 +28,7 @@ from engine.batch import SampledToken, SeqStep
 from engine.grammar import allowed_tokens, only_stop_tokens, step_bitmask
 from openinfer_kernels.raw_cuda import kernel
 from memory.device_arena import Buffer, buffers_nbytes
+from memory.streams import pinned_array
 
 MAX_TOP_LOGPROBS = 20
 PENALTY_ENTRIES = 1 << 20
@@ -116,8 +117,6 @@ def pack_graph_rows(host: dict[str, np.ndarray], seqs: list[SeqStep], rows: int)
 class GpuSampler:
     def __init__(self, arena, max_rows: int, vocab: int, stream):
         import cupy
-
-        from memory.streams import pinned_array
 
         self.cp, self.stream, self.vocab, self.max_rows = cupy, stream, vocab, max_rows
         b = arena.take_all("sampler", self.buffers(max_rows, vocab))
