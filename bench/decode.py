@@ -266,7 +266,6 @@ def bench_model(name: str, batches: list[int], prompt: int, steps: int, bw: floa
         ex.ops.decode_defines = {"STAGES": 1, "MIN_CTAS": 1} if "pd1" in flags else {}
         # "all|wholegroup": paged_decode.cu with every query head of a KV head in one CTA (before head groups)
         ex.ops.decode_heads = cfg.num_attention_heads // cfg.num_key_value_heads if "wholegroup" in flags else 0
-        ex.ops._decode_kernels.clear()
         if mla is not None:                              # "all|nomlaraw": MLA's absorbed projections on cuBLAS
             mla.absorb_tokens = 0 if "nomlaraw" in flags else type(mla).absorb_tokens
         for b in batches:
