@@ -66,3 +66,39 @@ def test_no_class_in_the_engine_stacks_mixins():
     stacked = [f"{os.path.relpath(f, ROOT)}:{node.name}" for f in files for node in ast.walk(ast.parse(open(f).read()))
                if isinstance(node, ast.ClassDef) and len(node.bases) > 1]
     assert stacked == []
+
+
+def engine_classes() -> dict[str, tuple[list[str], set[str], set[str]]]:
+    """Each class of engine/executor, engine/parallel and engine/models: its bases, the names its methods
+    assign on self, its methods (properties excluded: a property's setter assigns its own name)."""
+    out = {}
+    for f in [f for d in ("executor", "parallel", "models") for f in glob.glob(os.path.join(ROOT, "engine", d, "*.py"))]:
+        for node in ast.walk(ast.parse(open(f).read())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            methods = {m.name for m in node.body if isinstance(m, ast.FunctionDef)
+                       and not any("property" in ast.unparse(d) or "setter" in ast.unparse(d) for d in m.decorator_list)}
+            assigned = {t.attr for m in node.body if isinstance(m, ast.FunctionDef) for s in ast.walk(m)
+                        if isinstance(s, (ast.Assign, ast.AnnAssign))
+                        for target in (s.targets if isinstance(s, ast.Assign) else [s.target])
+                        for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+            out[node.name] = ([ast.unparse(b) for b in node.bases], assigned, methods)
+    return out
+
+
+def test_no_attribute_shadows_a_method():
+    """An attribute a part or an executor sets on itself never hides a method of its class, of a class it
+    derives from or of one deriving from it (GpuOps held its logits buffer under the name of the logits op
+    that ComposedOps and the rank ops define; PrefillAttention its key rows under a static method's name)."""
+    classes = engine_classes()
+
+    def lineage(name):
+        bases = classes[name][0]
+        return [name] + [c for b in bases if b in classes for c in lineage(b)]
+    clashes = []
+    for name in classes:
+        chain = lineage(name)
+        assigned, methods = (set().union(*(classes[c][i] for c in chain)) for i in (1, 2))
+        clashes += [f"{name}.{a}" for a in sorted(assigned & methods)]
+    assert clashes == []

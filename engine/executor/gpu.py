@@ -184,7 +184,7 @@ class GpuExecutor(ExecutorBase):
                                  self.config.vocab_size, plan.max_model_len)
         self.sampler = GpuSampler(self.arena, plan.max_seqs, plan.vocab, stream)
         self.prefill = None if sizes.prefill_min is None else PrefillAttention(
-            self.arena, stream, plan.max_tokens, plan.max_seqs, PrefillAttention.key_rows(plan),
+            self.arena, stream, plan.max_tokens, plan.max_seqs, PrefillAttention.plan_key_rows(plan),
             plan.kv.heads, plan.kv.dim, sizes.prefill_min,
             group=plan.num_heads // plan.kv.heads if self.options.gpu.chunk_attention else 0)
         self.state = (self.arena.take_all("state", state_buffers(sizes.state, self.num_state_slots))

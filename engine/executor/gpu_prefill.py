@@ -201,14 +201,14 @@ class PrefillAttention:
                 Buffer("plan", (upload_entries(max_tokens, max_seqs),), np.int32)]
 
     @staticmethod
-    def key_rows(plan) -> int:
+    def plan_key_rows(plan) -> int:
         """Gathered K/V rows: any one sequence's context (max_model_len) plus a step's tokens."""
         return plan.max_model_len + plan.max_tokens
 
     @classmethod
     def nbytes(cls, plan) -> int:
         kv = plan.kv
-        return buffers_nbytes(cls.buffers(cls.key_rows(plan), kv.heads, kv.dim, plan.max_tokens, plan.max_seqs))
+        return buffers_nbytes(cls.buffers(cls.plan_key_rows(plan), kv.heads, kv.dim, plan.max_tokens, plan.max_seqs))
 
     def step(self, batch: ModelBatch) -> "PrefillStep | None":
         if self.min_query is None or batch.is_decode_only:
