@@ -301,7 +301,11 @@ class Ops(Protocol):
 class ComposedOps:
     """The fused ops of Ops written as their parts; an executor's ops class derives from this, implements
     the leaf ops and overrides what it fuses. The families: none until the executor builds the served line's."""
-    moe = mla = deltanet = dsv4 = lora = None
+    moe: MoEOps | None = None
+    mla: MLAOps | None = None
+    deltanet: DeltaNetOps | None = None
+    dsv4: DSV4Ops | None = None
+    lora: LoRAOps | None = None
 
     # ---- the leaf ops (Ops) an executor's ops class implements -------------------------------------------
     def rms_norm(self, x, weight, eps, residual=None):
