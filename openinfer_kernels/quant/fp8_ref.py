@@ -48,10 +48,13 @@ def w8a8_exact(q: np.ndarray, s: np.ndarray, w: np.ndarray, ws: np.ndarray, chan
     with scales ws (blocks or channels)."""
     M, K = q.shape
     N = w.shape[0]
-    qb = q.astype(np.float64).reshape(M, K // GROUP, GROUP)
-    wb = w.astype(np.float64).reshape(N, K // GROUP, GROUP)
-    blocks = np.einsum("mbk,nbk->mnb", qb, wb)                               # exact: small integers · powers of 2
-    return np.einsum("mnb,bm,nb->mn", blocks, np.asarray(s, np.float64)[:, :M], weight_scale_per_k(ws, N, K, channel))
+    qf, wf = q.astype(np.float64), w.astype(np.float64)
+    s, wsk = np.asarray(s, np.float64)[:, :M], weight_scale_per_k(ws, N, K, channel)
+    out = np.zeros((M, N))
+    for b in range(K // GROUP):          # one BLAS product a block, exact: small integers · powers of 2
+        cols = slice(b * GROUP, (b + 1) * GROUP)
+        out += (qf[:, cols] @ wf[:, cols].T) * s[b][:, None] * wsk[:, b][None, :]
+    return out
 
 
 def dequant_weight(w: np.ndarray, ws: np.ndarray, channel: bool = False) -> np.ndarray:
