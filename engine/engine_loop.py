@@ -18,10 +18,11 @@ from typing import Callable
 from engine.admission import Admission, AdmissionLimits
 from engine.batch import ModelBatch
 from engine.events import Error, Finished, Rejected, Usage
+from engine.executor.base import DoneStep
 from engine.grammar import GrammarCache
+from engine.host_tier import HostTier, host_slots
 from engine.kv_events import kv_event_log
 from engine.loop_options import LoopOptions
-from engine.executor.base import DoneStep
 from engine.lora_registry import lora_registry
 from engine.outputs import OutputProcessor, RequestState, Sink
 from engine.request import GenerateRequest
@@ -30,28 +31,11 @@ from engine.speculator import speculator_for
 from engine.stats import EngineStats
 from engine.step_trace import NoTrace, StepTrace
 from memory.block_manager import BlockManager
-from memory.host_tier import HostKVTier
-from memory.kv_pool import BLOCK_SIZE
 from memory.state_slots import StateSlots
 
 log = logging.getLogger("openinfer.engine")
 
 __all__ = ["EngineLoop", "EngineStats", "Sink"]
-
-
-def host_tier(executor, options: LoopOptions) -> HostKVTier | None:
-    """The host KV tier's bookkeeping over the slots the executor allocated (None: off)."""
-    if not options.host_kv_blocks:
-        return None
-    if executor.num_state_slots:
-        raise ValueError(f"host_kv_blocks={options.host_kv_blocks}: the host KV tier keeps prefix-cache blocks, and "
-                         f"prefix caching is off for a model with per-sequence (linear-attention) state")
-    if not executor.supports_host_tier:
-        raise ValueError(f"host_kv_blocks={options.host_kv_blocks}: {type(executor).__name__} has no host KV tier")
-    if executor.options.host_kv_blocks < options.host_kv_blocks:
-        raise ValueError(f"host_kv_blocks={options.host_kv_blocks}: the executor holds "
-                         f"{executor.options.host_kv_blocks} host KV slots")
-    return HostKVTier(options.host_kv_blocks)
 
 
 def spec_decode_stats(speculator) -> dict:
@@ -84,15 +68,14 @@ class EngineLoop:
         self.max_model_len = max_model_len = limits.max_model_len
         slots = StateSlots(executor.num_state_slots) if executor.num_state_slots else None
         self.block_manager = BlockManager(executor.num_kv_blocks, prefix_caching(options, slots))
-        tier = host_tier(executor, options)
-        # subscribed before the scheduler: an eviction is recorded before the host-tier store it causes
-        self.kv_events = kv_event_log(options.kv_events_config, self.block_manager, tier, self._lora_name,
+        host = host_slots(executor, options.host_kv_blocks)
+        # subscribed before the host tier: an eviction is recorded before the host-tier store it causes
+        self.kv_events = kv_event_log(options.kv_events_config, self.block_manager, host, self._lora_name,
                                       options.data_parallel_rank)
+        tier = HostTier(host, self.block_manager, executor) if host is not None else None
         self.scheduler = Scheduler(self.block_manager, limits, tier, state_slots=slots, max_loras=options.max_loras,
                                    step_cost=executor.step_cost)
         self.scheduler.copy_on_write = executor.supports_block_copies
-        if self.scheduler.host_tier is not None and executor.supports_async_copies:
-            self.scheduler.enable_async_copies(executor.copies_done)
         self.loras = lora_registry(executor, options, self.scheduler)
         self.admission = Admission(AdmissionLimits(vocab_size=int(executor.vocab_size), max_model_len=max_model_len,
                                                    max_n=options.max_n,
@@ -117,7 +100,6 @@ class EngineLoop:
         self._async = options.async_scheduling and executor.supports_fed_steps and self.speculator is None
         self._planned_steps = 0
         self._admitted_ahead = 0                # prompts admitted into steps launched ahead
-        self._tier_copy_s = 0.0                # host time in the host tier's copy_blocks
         self.trace = StepTrace(options.step_trace) if options.step_trace else NoTrace()
 
     @property
@@ -148,9 +130,10 @@ class EngineLoop:
         if self.kv_events is not None:
             self.kv_events.begin_reset()
         n = self.block_manager.reset_prefix_cache()
-        self._copy_tier_blocks()
+        self.scheduler.issue_copies()
         if self.kv_events is not None:      # nothing left cached anywhere: vLLM's AllBlocksCleared
-            self.kv_events.end_reset(self.scheduler.host_tier is None and not self.block_manager.cached)
+            tier = self.scheduler.host_tier
+            self.kv_events.end_reset((tier is None or not tier.on) and not self.block_manager.cached)
             self.kv_events.flush(time.time())
         self._publish_stats()
         return n
@@ -305,7 +288,7 @@ class EngineLoop:
             out = self._schedule()
         trace.mark("schedule")
         if pending is None:
-            self._copy_tier_blocks()
+            self.scheduler.issue_copies()
         for seq in out.preempted:
             log.debug("preempted seq %d of %s", seq.seq_id, seq.request_id)
         outputs.register_forks(out.forked)
@@ -351,10 +334,9 @@ class EngineLoop:
                 trace.end(out, planned, self.executor)
         if not out.steps or not self.scheduler.has_work():
             outputs.emit_deferred()
-        if not out.steps and self.scheduler.has_work():  # nothing could run: wait for the oldest copies in flight
-            ticket = self.scheduler.oldest_ticket()
-            if ticket is not None:
-                self.executor.wait_copies(ticket)
+        tier = self.scheduler.host_tier
+        if not out.steps and self.scheduler.has_work() and tier is not None:
+            tier.wait_oldest()              # nothing could run: wait for the oldest copies in flight
         self._steps += 1
         if self.kv_events is not None:      # the step's prefix-cache changes, one batch for the publisher
             self.kv_events.flush(time.time())
@@ -375,7 +357,7 @@ class EngineLoop:
             self.outputs.on_scheduled(seq)
         self._admitted_ahead += len(plan.admitted)
         plan.forked, plan.admitted = [], []
-        self._copy_tier_blocks()            # blocks the plan evicted reach the host tier before it runs
+        self.scheduler.issue_copies()       # blocks the plan evicted reach the host tier before it runs
         batch = self._build(plan.steps)
         fed = any(step.token_ids[0] < 0 for step in plan.steps)     # no decode rows: prompt chunks alone
         self._inflight = (plan, batch, self.executor.submit(batch, fed=fed))
@@ -388,33 +370,9 @@ class EngineLoop:
 
     def _land_all_copies(self) -> None:
         """Wait for every asynchronous host-tier copy in flight and let the scheduler take back what they held."""
-        while (ticket := self.scheduler.oldest_ticket()) is not None:
-            self.executor.wait_copies(ticket)
-            self.scheduler.land_copies()
-
-    def _copy_tier_blocks(self) -> None:
-        """Before the step: the host tier's offloads of evicted blocks, then its restores."""
         tier = self.scheduler.host_tier
-        if tier is None:
-            return
-        self.scheduler.land_copies()        # write-through copies that landed give their blocks back
-        offloads, restores = tier.end_step()
-        through = tier.take_through()
-        if not offloads and not restores and not through:
-            return
-        t = time.perf_counter()
-        try:
-            if offloads or restores:
-                self.scheduler.copies_issued(self.executor.copy_blocks(offloads, restores))
-            if through:                   # a ticket of their own: restores do not wait for write-throughs
-                self.scheduler.copies_issued(self.executor.copy_blocks([], [], through), writes=True)
-            self._tier_copy_s += time.perf_counter() - t
-        except Exception:                 # its slots no longer hold what they claim: stop using it
-            log.exception("host KV tier copy failed; the tier is switched off")
-            self.scheduler.host_tier = None
-            self.scheduler.copies_issued(None)       # (the failure fails the requests; their blocks come back)
-            self.scheduler.copies_issued(None, writes=True)
-            raise
+        while tier is not None and tier.wait_oldest():
+            self.scheduler.land_copies()
 
     def _plan_ahead(self, out: SchedulerOutput) -> None:
         """While `out` runs: the next decode step's schedule and batch, its tokens still placeholders."""
@@ -434,7 +392,8 @@ class EngineLoop:
         return out, batch
 
     def _publish_stats(self) -> None:
-        bm, tier, sched, reg = self.block_manager, self.scheduler.host_tier, self.scheduler, self.loras
+        bm, sched, reg = self.block_manager, self.scheduler, self.loras
+        host = sched.host_tier.stats(self.executor.kv_block_bytes) if sched.host_tier is not None else {}
         lora = {} if reg is None else dict(
             lora_max_adapters=reg.max_loras, lora_adapters_loaded=len(reg.loaded),
             lora_adapters_resident=len(reg.slot_of), lora_slot_loads=reg.loads,
@@ -449,10 +408,5 @@ class EngineLoop:
             generation_tokens_total=self.outputs.generation_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self._steps,
             num_steps_planned_ahead=self._planned_steps, num_prompts_admitted_ahead=self._admitted_ahead,
-            host_kv_stored_blocks=tier.stored_blocks if tier else 0,
-            host_kv_restored_blocks=tier.restored_blocks if tier else 0,
-            prefix_cache_host_hits=tier.restored_blocks * BLOCK_SIZE if tier else 0,
-            host_kv_offload_bytes=tier.stored_blocks * self.executor.kv_block_bytes if tier else 0,
-            host_kv_restore_bytes=tier.restored_blocks * self.executor.kv_block_bytes if tier else 0,
-            host_kv_copy_seconds=self._tier_copy_s, warming_up=int(self._warming), **lora,
+            warming_up=int(self._warming), **lora, **host,
             **spec_decode_stats(self.speculator))

@@ -1,29 +1,22 @@
 """Continuous-batching scheduler: FCFS, chunked prefill mixed with decodes under a token
 budget, preemption by recompute when KV blocks run out, n > 1 by forking after prefill.
 
-Each step: running sequences first (oldest first; a decode costs 1 token, an unfinished
-prefill the rest of its prompt up to the budget), preempting the youngest running sequence
-whenever blocks run out; then, if nothing was preempted, waiting sequences join while the
-budget, max_num_seqs and the KV pool allow (one whose LoRA adapter would be one more than
-max_loras among the running is passed over, keeping its place). A waiting sequence starts from its longest
-prefix-cache hit: device blocks first, then (with a host KV tier, memory/host_tier.py) blocks the
-device evicted earlier, copied back into fresh device blocks before the step — or, where the
-executor copies asynchronously (supports_async_copies), while the sequence waits LOADING: the steps
-of the others go on, and it joins the running ones once its copies have landed (its blocks join the
-prefix cache then; a sequence aborted while loading gives its blocks back only after they land). With
-asynchronous copies the tier is also written through: a block that joins the device prefix cache is
-copied to the host at once, off the step's path, and held (a reference) until that copy lands, so an
-eviction later copies nothing (engine/scheduler_copies.py). Then a partial hit (memory/block_manager.py), where the executor
-supports_block_copies: a prompt sent again computes one token, not 16.
+Each step: running sequences first (oldest first; a decode costs 1 token, an unfinished prefill the rest of its
+prompt up to the budget), preempting the youngest running sequence whenever blocks run out; then, if nothing was
+preempted, waiting sequences join while the budget, max_num_seqs and the KV pool allow (one whose LoRA adapter
+would be one more than max_loras among the running is passed over, keeping its place). A waiting sequence starts
+from its longest prefix-cache hit: device blocks first, then blocks evicted to the host KV tier (engine/host_tier.py),
+copied back before the step (or while it waits LOADING); then a partial hit (memory/block_manager.py), where the
+executor supports_block_copies: a prompt sent again computes one token, not 16.
 
-A line with per-sequence state (linear attention, memory/state_slots.py) gives the scheduler its
-StateSlots: a sequence takes a slot when admitted and gives it back when it finishes, is aborted or is
-preempted (it recomputes from zero state); such lines fork n > 1 samples before any prefill and never
-re-feed a prompt-logprobs chunk's last token (the executor scores the next prompt token instead).
+A line with per-sequence state (linear attention, memory/state_slots.py) gives the scheduler its StateSlots: a
+sequence takes a slot when admitted and gives it back when it finishes, is aborted or is preempted (it recomputes
+from zero state); such lines fork n > 1 samples before any prefill and never re-feed a prompt-logprobs chunk's
+last token (the executor scores the next prompt token instead).
 
-While a decode step runs, the next one can be planned ahead (plan_decode_ahead: the same sequences,
-one token further, blocks reserved) and confirmed once the step's tokens are in
-(confirm_decode_ahead), so the host's scheduling overlaps the device.
+While a decode step runs, the next one can be planned ahead (plan_decode_ahead: the same sequences, one token
+further, blocks reserved) and confirmed once the step's tokens are in (confirm_decode_ahead), so the host's
+scheduling overlaps the device.
 
 Speculative decoding (engine/speculator.py): a decoding sequence with draft_ids feeds its last token and as
 many drafts as the step budget leaves (a verify step, SeqStep.num_drafts): tokens, less one for each running
@@ -36,16 +29,14 @@ token's are freed, and only blocks full of accepted tokens are hashed into the p
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.batch import SeqStep
-from engine.scheduler_copies import Copies, HostTierCopies
+from engine.host_tier import HostTier
 from engine.limits import StepLimits
 from engine.sequence import Sequence, SeqStatus
 from engine.step_budget import MIN_PREFILL, StepBudget, StepCost
 from memory.block_manager import BlockManager
-from memory.host_tier import HostKVTier
 from memory.kv_pool import BLOCK_SIZE, blocks_for
 from memory.prefix_hash import NO_PARENT, RecentChains
 from memory.state_slots import StateSlots
@@ -70,27 +61,21 @@ class SchedulerOutput:
         return sum(len(s.token_ids) for s in self.steps)
 
 
-class Scheduler(HostTierCopies):
-    def __init__(self, block_manager: BlockManager, limits: StepLimits, host_tier: HostKVTier | None = None,
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, limits: StepLimits, host_tier: HostTier | None = None,
                  state_slots: StateSlots | None = None, max_loras: int = 0, step_cost: StepCost | None = None):
         self.bm = block_manager
         self.step_cost = step_cost               # the executor's cost model: work bounds chunks too (step_budget.py)
         self.state_slots = state_slots           # per-sequence state slots (None: the line keeps none)
         self.max_loras = max_loras               # > 0: at most this many LoRA adapters among the running
         self.chunked_prefill = limits.chunked_prefill   # off: a prompt's prefill runs in one step or waits
-        self.host_tier = host_tier
-        if host_tier is not None:
-            block_manager.subscribe(self._on_kv_event, stored=False)
+        self.host_tier = host_tier               # its host KV tier part (engine/host_tier.py; None: off)
         self.limits = limits                     # resolved once at start (engine/limits.py), the executor's too
         self.max_num_seqs = limits.max_num_seqs
         self.max_num_batched_tokens = limits.max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []        # admitted, their host-tier restores in flight
-        self._draining: list[Copies] = []         # restores of sequences finished while loading
-        self._writing: list[Copies] = []          # write-through copies in flight
-        self.async_copies = False                 # the executor's supports_async_copies (enable_async_copies)
-        self.copies_done: Callable[[object], bool] = lambda ticket: True
         self.copy_on_write = False                # the executor copies blocks (supports_block_copies): partial hits
         self.num_preemptions = 0
         self._next_seq_id = 0
@@ -212,7 +197,8 @@ class Scheduler(HostTierCopies):
         hit: list[int] = []
         host: list[int] = []
         hashes: list[int] = []
-        if not seq.want_prompt_logprobs and (self.bm.enable_prefix_caching or self.host_tier is not None):
+        tier = self.host_tier if self.host_tier is not None and self.host_tier.on else None
+        if not seq.want_prompt_logprobs and (self.bm.enable_prefix_caching or tier is not None):
             limit = (len(seq.token_ids) - 1) // BLOCK_SIZE
             if seq.fork_count > 1:
                 limit = seq.fork_at // BLOCK_SIZE
@@ -223,8 +209,8 @@ class Scheduler(HostTierCopies):
             hit = self.bm.lookup(hashes)                 # [] with prefix caching off (pure-host mode)
             if len(hit) < len(hashes) and hashes[len(hit)] in in_flight:
                 return False                             # cached once the step in flight is done
-            if self.host_tier is not None:
-                host = self.host_tier.lookup(hashes[len(hit):])
+            if tier is not None:
+                host = tier.lookup(hashes[len(hit):])
         seq.num_computed = (len(hit) + len(host)) * BLOCK_SIZE
         cow = -1 if seq.want_prompt_logprobs or host else self._partial_hit(seq, hashes, len(hit))
         n = self._chunk(seq, budget)
@@ -238,7 +224,7 @@ class Scheduler(HostTierCopies):
         self.bm.acquire(hit + [cow] if cow >= 0 else hit)
         seq.block_table, seq.cow_source = list(hit), cow
         if host:
-            self._restore(seq, hashes, len(hit), host)
+            tier.restore(seq, hashes, len(hit), host, may_load=seq.fork_count == 1 and self.state_slots is None)
         self.bm.record_query(len(seq.token_ids), seq.num_computed)
         seq.num_cached_tokens = seq.num_computed
         self._take_state_slot(seq)
@@ -326,9 +312,9 @@ class Scheduler(HostTierCopies):
         out's order), the prompts `out` left mid-prefill take their next chunk, and waiting sequences
         join as schedule() admits them (their ids are known; a sequence that `out` ends keeps its
         place in max_num_seqs until the step after)."""
-        running = self.running
+        running, tier = self.running, self.host_tier
         if ((not fed and not self._admission_closed()) or len(out.seqs) != len(running) or self.loading
-                or self._draining or len(running) > self.max_num_batched_tokens):
+                or (tier is not None and tier.draining) or len(running) > self.max_num_batched_tokens):
             return None                          # (loading sequences join through schedule())
         if fed and {id(s) for s in out.seqs} != {id(s) for s in running}:
             return None
@@ -458,7 +444,8 @@ class Scheduler(HostTierCopies):
         """Recompute later: drop its KV, back to the front of the queue."""
         self.running.remove(seq)
         self._release_cow_source(seq)
-        self._offload_before_free(seq)
+        if self.host_tier is not None:
+            self.host_tier.offload_on_free(seq)
         self.bm.free(seq.block_table)
         seq.block_table, seq.draft_ids = [], []
         seq.num_computed = 0
@@ -476,17 +463,31 @@ class Scheduler(HostTierCopies):
             self.waiting.remove(seq)
         elif seq.status is SeqStatus.LOADING:
             self.loading.remove(seq)
-            r, seq.load = seq.load, None
-            self._draining.append(r)
-            self.bm.free(seq.block_table[:len(seq.block_table) - len(r.blocks)])
-            seq.block_table = []
+            self.host_tier.drain(seq)
         if seq.block_table:
-            self._offload_before_free(seq)
+            if self.host_tier is not None:
+                self.host_tier.offload_on_free(seq)
             self.bm.free(seq.block_table)
         seq.block_table, seq.draft_ids = [], []
         self._release_cow_source(seq)
         self._release_state_slot(seq)
         seq.status = SeqStatus.FINISHED
+
+    # -- the host tier's copies (engine/host_tier.py) ---------------------------------------
+    def land_copies(self) -> None:
+        """Loading sequences whose copies landed join the running ones; the tier settles the rest that landed."""
+        tier = self.host_tier
+        if tier is not None and (self.loading or tier.draining or tier.writing):
+            for seq in tier.land(self.loading):
+                self.loading.remove(seq)
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+
+    def issue_copies(self) -> None:
+        """Before the step: what landed is settled, then the step's host-tier copies go to the executor."""
+        if self.host_tier is not None and self.host_tier.on:
+            self.land_copies()          # write-through copies that landed give their blocks back
+            self.host_tier.issue()
 
     # -- per-sequence state slots ----------------------------------------------------------
     def _take_state_slot(self, seq: Sequence) -> None:

@@ -60,4 +60,4 @@ def engine_greedy(executor, tokenizer, prompts: list[list[int]], path: RunPath,
         follow = [follow_up_prompt(r, path.follow_up, executor.vocab_size) for r in runs]
         runs += [r for p in follow for r in run_greedy(engine, [p], new_tokens)]
     tier = engine.scheduler.host_tier
-    return GreedyRun(runs, engine.scheduler.num_preemptions, tier.restored_blocks if tier else 0)
+    return GreedyRun(runs, engine.scheduler.num_preemptions, tier.slots.restored_blocks if tier else 0)

@@ -1,4 +1,5 @@
-"""The host KV tier's bookkeeping: which prefix-cache blocks live in host memory, in which slot.
+"""The host KV tier's slot map: which prefix-cache blocks live in host memory, in which slot (the scheduler's
+host tier part, engine/host_tier.py, drives it and hands the copies to the executor).
 
 When the device pool evicts a cached block (BlockManager's BlockRemoved), its KV is copied into a
 host slot under the same hash instead of being lost; a later sequence whose prefix runs past the

@@ -202,8 +202,8 @@ def test_gpu_engine_prefix_comes_back_from_the_host_tier(async_copies):
             run(f"o{i}", [200 + i] + list(range(1, 70)))
         assert engine.block_manager.lookup(hashes) == []       # the device pool lost the prefix
         again = run("a3", prompt)
-        assert engine.scheduler.async_copies is async_copies and not engine.scheduler.loading
-        while (ticket := engine.scheduler.oldest_ticket()) is not None:     # write-throughs still in flight
+        assert engine.scheduler.host_tier.async_copies is async_copies and not engine.scheduler.loading
+        while (ticket := engine.scheduler.host_tier.oldest_ticket()) is not None:     # write-throughs still in flight
             ex.wait_copies(ticket)
             engine.scheduler.land_copies()
         engine.block_manager.check_invariants(idle=True)

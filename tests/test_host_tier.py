@@ -68,9 +68,9 @@ def test_evicted_prefix_comes_back_from_the_host_tier(tier_blocks):
     assert tokens(second) == tokens(first) and len(tokens(first)) == 12
     tier = engine.scheduler.host_tier
     if tier_blocks:
-        assert cached(second) == 96 and tier.restored_blocks == 6 and tier.stored_blocks >= 6
+        assert cached(second) == 96 and tier.slots.restored_blocks == 6 and tier.slots.stored_blocks >= 6
         stats = engine.stats()
-        assert stats.host_kv_restored_blocks == 6 and stats.host_kv_stored_blocks == tier.stored_blocks
+        assert stats.host_kv_restored_blocks == 6 and stats.host_kv_stored_blocks == tier.slots.stored_blocks
     else:
         assert tier is None and cached(second) == 0          # the device pool alone lost the prefix
 
@@ -136,7 +136,7 @@ def test_pure_host_mode_serves_a_repeat_from_the_host_tier(model):
     run_until_idle(engine)
     tier = engine.scheduler.host_tier
     assert tokens(second) == tokens(first) and len(tokens(first)) == 10
-    assert cached(first) == 0 and cached(second) == full and tier.restored_blocks == full // 16
+    assert cached(first) == 0 and cached(second) == full and tier.slots.restored_blocks == full // 16
     assert not engine.block_manager.cached                       # the device cached nothing
     engine.block_manager.check_invariants(idle=True)
 

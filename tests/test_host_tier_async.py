@@ -103,8 +103,8 @@ def test_async_restore_gives_the_synchronous_outputs(delay):
         engine = make_engine(ex, host_kv_blocks=64)
         settle_ = (lambda e=engine, x=ex: settle(e, x)) if name == "async" else (lambda: None)
         runs[name] = prompt_then_evict_then_again(engine, PROMPT, PARAMS, settle=settle_)
-        assert engine.scheduler.async_copies is (name == "async")
-        assert not engine.scheduler.loading and not engine.scheduler._draining
+        assert engine.scheduler.host_tier.async_copies is (name == "async")
+        assert not engine.scheduler.loading and not engine.scheduler.host_tier.draining
     (a0, b0), (a1, b1) = runs["sync"], runs["async"]
     assert tokens(a0) == tokens(b0) == tokens(a1) == tokens(b1) and len(tokens(b1)) == 12
     assert cached(b0) == cached(b1) == 96
@@ -142,19 +142,19 @@ def test_a_request_aborted_while_loading_gives_its_blocks_back_after_the_copy():
     engine.abort("a2")
     engine.drain_inbox()
     engine.step()
-    assert not engine.scheduler.loading and len(engine.scheduler._draining) == 1
+    assert not engine.scheduler.loading and len(engine.scheduler.host_tier.draining) == 1
     assert all(engine.block_manager.ref_counts[b] == 1 for b in blocks)   # still held: the copy writes them
-    ticket = engine.scheduler._draining[0].ticket
+    ticket = engine.scheduler.host_tier.draining[0].ticket
     ex.wait_copies(ticket)
     engine.step()
-    assert not engine.scheduler._draining
+    assert not engine.scheduler.host_tier.draining
     assert all(engine.block_manager.ref_counts[b] == 0 for b in blocks)
     run_until_idle(engine)
     assert not [e for e in events if isinstance(e, Token)]
     assert len(tokens(busy)) == 30
     settle(engine, ex)
     engine.block_manager.check_invariants(idle=True)
-    assert engine.scheduler.host_tier._held == {}
+    assert engine.scheduler.host_tier.slots._held == {}
 
 
 
@@ -176,10 +176,10 @@ def test_a_restore_does_not_wait_for_write_throughs():
     second = submit(engine, GenerateRequest("a2", PROMPT, PARAMS))
     engine.step()
     seq = next(s for s in engine.scheduler.loading if s.request_id == "a2")
-    assert engine.scheduler._writing and all(not (t.through and t.restores) for t in ex.tickets)
+    assert engine.scheduler.host_tier.writing and all(not (t.through and t.restores) for t in ex.tickets)
     for _ in range(3):
         engine.step()
-    assert seq.status is SeqStatus.RUNNING and engine.scheduler._writing     # writes still in flight
+    assert seq.status is SeqStatus.RUNNING and engine.scheduler.host_tier.writing     # writes still in flight
     run_until_idle(engine)
     assert tokens(second) == tokens(first) and len(tokens(busy)) == 30
     settle(engine, ex)
@@ -193,10 +193,10 @@ def test_blocks_are_written_through_and_eviction_copies_nothing():
     ex = AsyncCopies(delay=2, num_kv_blocks=12, host_kv_blocks=64)
     engine = make_engine(ex, host_kv_blocks=64)
     first, second = prompt_then_evict_then_again(engine, PROMPT, PARAMS, settle=lambda: settle(engine, ex))
-    tier = engine.scheduler.host_tier
+    tier = engine.scheduler.host_tier.slots
     through = sum(len(t.through) for t in ex.tickets)
     assert through >= 6 and tier.stored_blocks == through          # every stored block was written through
-    assert tier.offloads == [] and not engine.scheduler._writing
+    assert tier.offloads == [] and not engine.scheduler.host_tier.writing
     assert tokens(second) == tokens(first) and cached(second) == 96
     engine.block_manager.check_invariants(idle=True)
     assert tier._held == {} and tier._writing == set()
@@ -226,7 +226,7 @@ def test_a_block_written_through_is_not_evicted_before_its_copy_lands():
     engine = make_engine(ex, host_kv_blocks=32)
     a = submit(engine, GenerateRequest("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
     run_until_idle(engine)
-    assert engine.scheduler._writing                   # its blocks still being written through
+    assert engine.scheduler.host_tier.writing                   # its blocks still being written through
     b = submit(engine, GenerateRequest("b", [201] + list(range(1, 90)), PARAMS))
     run_until_idle(engine)
     settle(engine, ex)
@@ -247,12 +247,12 @@ def test_the_prefix_cache_reset_waits_for_write_throughs_in_flight():
     engine = make_engine(ex, host_kv_blocks=32)
     first = submit(engine, GenerateRequest("a", PROMPT, PARAMS))
     run_until_idle(engine)
-    assert engine.scheduler._writing
+    assert engine.scheduler.host_tier.writing
     engine.reset_prefix_cache()
-    assert not engine.scheduler._writing
+    assert not engine.scheduler.host_tier.writing
     assert engine.block_manager.lookup(hash_chain(PROMPT[:96], BLOCK_SIZE)) == []
     again = submit(engine, GenerateRequest("a2", PROMPT, PARAMS))
     run_until_idle(engine)
     settle(engine, ex)
     assert cached(again) == 96 and tokens(again) == tokens(first)
-    assert engine.scheduler.host_tier.restored_blocks == 6
+    assert engine.scheduler.host_tier.slots.restored_blocks == 6

@@ -152,7 +152,7 @@ def cache_view(evs) -> dict[str, set[int]]:
 
 def engine_view(engine) -> dict[str, set[int]]:
     tier = engine.scheduler.host_tier
-    return {"GPU": set(engine.block_manager.cached), "CPU": set(tier.slot_of) if tier else set()}
+    return {"GPU": set(engine.block_manager.cached), "CPU": set(tier.slots.slot_of) if tier else set()}
 
 
 @pytest.mark.parametrize("write_through", [False, True])
@@ -167,7 +167,7 @@ def test_host_tier_moves_carry_medium_cpu(events, write_through):
     prompts = [first] + [[100 + i] + list(range(150, 214)) for i in range(5)]
     for i, prompt in enumerate(prompts):
         run(engine, f"p{i}", prompt)
-    tier, cached = engine.scheduler.host_tier, engine.block_manager.cached
+    tier, cached = engine.scheduler.host_tier.slots, engine.block_manager.cached
     lost = [p for p in prompts if hash_chain(p, BLOCK_SIZE)[0] in set(tier.slot_of) - set(cached)]
     assert lost or write_through                               # (written through: the host has the newest)
     for prompt in lost[:1]:

@@ -211,9 +211,9 @@ def test_host_tier_never_restores_one_adapters_blocks_to_another():
     a_hashes = hash_chain(prompt[:32], 16, engine.loras.id_of("attn8"))
     assert engine.block_manager.lookup(a_hashes) == [] and len(tier.lookup(a_hashes)) == 2
     (b1,) = run(engine, [request("b1", prompt, "mlp4_rs")])
-    assert cached(b1) == 0 and tier.restored_blocks == 0
+    assert cached(b1) == 0 and tier.slots.restored_blocks == 0
     (a2,) = run(engine, [request("a2", prompt, "attn8")])
-    assert cached(a2) == 32 and tier.restored_blocks == 2 and tokens(a2) == tokens(a1)
+    assert cached(a2) == 32 and tier.slots.restored_blocks == 2 and tokens(a2) == tokens(a1)
 
 
 def test_scheduler_passes_over_an_adapter_that_cannot_join():

@@ -52,7 +52,7 @@ def offload_slots(path: str, gib: float) -> int:
     config = EngineConfig(model=path, device="cpu", kv_offload_gib=gib, num_kv_blocks=16, progress=False)
     with EngineHandle(config) as h:
         slots = h.executor.options.host_kv_blocks
-        assert slots == h.engine.scheduler.host_tier.num_slots == h.config.host_kv_blocks
+        assert slots == h.engine.scheduler.host_tier.slots.num_slots == h.config.host_kv_blocks
         assert config.kv_offload_gib == gib and config.host_kv_blocks == 0       # the caller's config untouched
         return slots
 
@@ -98,7 +98,7 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "schedule_ahead": eng.options.schedule_ahead is False,
             # off (the default is on, where the loop overlaps steps on an executor that takes fed steps)
             "async_scheduling": eng.options.async_scheduling is False and eng._async is False,
-            "host_kv_blocks": opts.host_kv_blocks == 9 == eng.scheduler.host_tier.num_slots
+            "host_kv_blocks": opts.host_kv_blocks == 9 == eng.scheduler.host_tier.slots.num_slots
             and ex.host_kv.shape[2] == 9 * 16,
             "gpu": opts.gpu == config.gpu,
             "progress": opts.progress is False,
@@ -112,7 +112,7 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "tensor_parallel_size": tensor_parallel_reaches_the_ranks(path),      # LoRA and TP exclude each other
             "kv_offload_gib": offload_slots(path, 0.001) == (0.001 * 2**30) // block_bytes(path, 4),
             # the event log records the block manager's and the host tier's changes
-            "kv_events_config": eng.kv_events is not None and eng.scheduler.host_tier.on_move is not None
+            "kv_events_config": eng.kv_events is not None and eng.scheduler.host_tier.slots.on_move is not None
             and eng.kv_events._on_block in eng.block_manager._stored_subscribers,
             "cpu_threads": opts.cpu_threads == 3 == ex.threads.threads,
             # the engine's speculator runs this config (k = 2: two per-position counters)

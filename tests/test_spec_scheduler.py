@@ -265,7 +265,7 @@ def test_host_tier_restores_only_accepted_blocks(prefix_caching):
         run_until_idle(engine)
     engine.block_manager.check_invariants(idle=True)
     assert by_sample(client_view(got["a"])) == off["a"] and by_sample(client_view(got["b"])) == cold["b"]
-    assert engine.scheduler.host_tier.restored_blocks >= 3 and engine.speculator.counters.num_accepted_tokens > 20
+    assert engine.scheduler.host_tier.slots.restored_blocks >= 3 and engine.speculator.counters.num_accepted_tokens > 20
 
 
 def test_drafts_never_take_a_decode_or_the_first_prefill_chunk():

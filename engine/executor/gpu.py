@@ -12,7 +12,8 @@ LoRA adapters, gpu_lora_ops.py) and PiecewiseGraphs (prefill and mixed steps of 
 GpuTuning.eager_graph_tokens tokens as CUDA graphs per token bucket, attention launched between them,
 gpu_piecewise.py; dense lines; larger eager steps launch kernel by kernel); for a line with per-sequence
 state, its state slots (memory/state_slots.py, one per max_num_seqs) before the KV pool. The host KV
-tier (streams, layer-by-layer restores) is a part too, GpuHostTier (gpu_host_tier.py).
+tier's copies (pinned slots, streams, layer-by-layer restores) are a part too, GpuHostCopies (gpu_host_copies.py);
+what to copy when is the scheduler's (engine/host_tier.py).
 `last_host_s` is the host time of the last step up to its launch.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import DoneStep, ExecutorBase, PendingStep
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, cute_rows, cute_workspace_bytes
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
-from engine.executor.gpu_host_tier import GpuHostTier, compute_event, events_done, layers_landed, wait_events
+from engine.executor.gpu_host_copies import GpuHostCopies, compute_event, events_done, layers_landed, wait_events
 from engine.executor.gpu_inputs import GpuStepContext, StepInputs
 from engine.executor.gpu_lora_layout import extra_rows
 from engine.executor.gpu_mapped_copy import MappedCopy
@@ -222,9 +223,9 @@ class GpuExecutor(ExecutorBase):
         """Read-backs (and uploads while a restore copies: mapped_copy, no copy engine), the host KV tier,
         the step timer."""
         self.mapped_copy = MappedCopy(self.stream)
-        self.host_tier = GpuHostTier(self.kv_cache, self.options.host_kv_blocks, self.stream,
-                                     self.options.gpu.async_host_tier, self.model.layerwise_restore
-                                     ) if self.options.host_kv_blocks else None
+        self.host_copies = GpuHostCopies(self.kv_cache, self.options.host_kv_blocks, self.stream,
+                                         self.options.gpu.async_host_tier, self.model.layerwise_restore
+                                         ) if self.options.host_kv_blocks else None
         self.last_host_s, self._fed = 0.0, False
         self.readback = Readback(self.plan.max_seqs, self.stream, self.mapped_copy)
         self.timer = StepTimer(self.stream) if self.options.time_steps else None
@@ -256,16 +257,16 @@ class GpuExecutor(ExecutorBase):
         return self.graphs_class(self.model, self.ops, self.weights, self.sampler, self.upload, self.readback,
                                  self.stream, self.options.graph_sizes, pdl=self.options.gpu.pdl)
 
-    # ---- the host KV tier (gpu_host_tier.py) ----------------------------------------------------------
+    # ---- the host KV tier's copies (gpu_host_copies.py) ------------------------------------------------
     @property
     def supports_async_copies(self) -> bool:
-        return self.host_tier is not None and self.host_tier.async_copies
+        return self.host_copies is not None and self.host_copies.async_copies
 
     def copy_blocks(self, offloads: list[tuple[int, int]], restores: list[tuple[int, int]],
                     through: list[tuple[int, int]] = ()):
-        if self.host_tier is None:
+        if self.host_copies is None:
             raise RuntimeError("copy_blocks: the host KV tier is not enabled (host_kv_blocks = 0)")
-        return self.host_tier.copy_blocks(offloads, restores, through)
+        return self.host_copies.copy_blocks(offloads, restores, through)
 
     copies_done, wait_copies = staticmethod(events_done), staticmethod(wait_events)
 
@@ -274,9 +275,9 @@ class GpuExecutor(ExecutorBase):
         return compute_event(self.stream).synchronize
 
     def _kv_landed(self, layerwise: bool) -> None:
-        """Before a step: a restore's layers landed (GpuHostTier.landed)."""
-        if self.host_tier is not None:
-            self.host_tier.landed(self.ops, layerwise)
+        """Before a step: a restore's layers landed (GpuHostCopies.landed)."""
+        if self.host_copies is not None:
+            self.host_copies.landed(self.ops, layerwise)
 
     def _uploads_by_kernel(self, on: bool) -> None:
         """While a restore holds the H2D copy engine, the step's inputs go in by mapped_copy.cu (a memcpy

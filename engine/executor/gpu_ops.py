@@ -345,7 +345,7 @@ class GpuOps(ComposedOps):
         return out
 
     def _kv_layer_ready(self, layer: int) -> None:
-        """A host-tier restore copying layer by layer (GpuHostTier._restore_by_layer): wait for this layer's."""
+        """A host-tier restore copying layer by layer (GpuHostCopies._restore_by_layer): wait for this layer's."""
         if self.kv_layer_events is not None:
             self.shared.stream.wait_event(self.kv_layer_events[layer])
 

@@ -153,7 +153,7 @@ class DecoderLM:
     # decision from the data), so the GPU may replay it as piecewise CUDA graphs (gpu_piecewise.py)
     piecewise_graphs = False
     # True: every read of the KV cache is ops.attention / rope_attention of its layer, so a host-tier restore
-    # may land layer by layer under the step's forward (GpuHostTier._restore_by_layer)
+    # may land layer by layer under the step's forward (GpuHostCopies._restore_by_layer)
     layerwise_restore = False
 
     def __init__(self, config: ModelConfig):

@@ -1,12 +1,13 @@
-"""The GPU executor's host KV tier, a part it owns when options.host_kv_blocks > 0: pinned host slots mirroring
-the KV pool (memory/host_kv_copy.py) and the copies the scheduler asks for, on the streams that keep them off
-the steps' path. Offloads run on the compute stream ahead of the next step. Restores run on a stream of their
-own: for a line with `layerwise_restore` (every KV read is GpuOps.attention / rope_attention of its layer) one
-layer at a time, an event after each, so the next step's attention of layer l waits for layer l alone and its
-forward overlaps the copy; meanwhile the executor uploads the step's inputs by a kernel (gpu_mapped_copy.py),
-since a memcpy would queue on the copy engine behind the restore. With GpuTuning.async_host_tier the restores
-and the write-through copies go on two streams of their own and come back as tickets (events) that the
-scheduler polls (engine/scheduler.py: LOADING sequences, held blocks)."""
+"""The GPU executor's host KV tier copies, a part it owns when options.host_kv_blocks > 0: pinned host slots
+mirroring the KV pool (memory/host_kv_copy.py) and the copies the scheduler's host tier (engine/host_tier.py) asks
+for, on the streams that keep them off the steps' path: it moves bytes, it decides nothing. Offloads run on the
+compute stream ahead of the next step. Restores run on a stream of their own: for a line with `layerwise_restore`
+(every KV read is GpuOps.attention / rope_attention of its layer) one layer at a time, an event after each, so the
+next step's attention of layer l waits for layer l alone and its forward overlaps the copy; meanwhile the executor
+uploads the step's inputs by a kernel (gpu_mapped_copy.py), since a memcpy would queue on the copy engine behind
+the restore. With GpuTuning.async_host_tier the restores and the write-through copies go on two streams of their
+own and come back as tickets (events) that the scheduler's host tier polls (engine/host_tier.py: LOADING
+sequences, held blocks)."""
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,7 @@ from memory.host_kv_copy import gpu_host_kv_copy, gpu_memcpy2d
 log = logging.getLogger(__name__)
 
 
-class GpuHostTier:
+class GpuHostCopies:
     """num_slots pinned host blocks mirroring kv_cache; stream: the compute stream; async_copies: restores and
     write-throughs return tickets (GpuTuning.async_host_tier); layerwise: the line's `layerwise_restore`."""
 
