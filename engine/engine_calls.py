@@ -23,6 +23,7 @@ import logging
 import threading
 from typing import Callable
 
+from engine.config import EngineConfig
 from engine.grammar import GrammarError
 from engine.lora import LoRAError
 
@@ -125,12 +126,26 @@ def settle(future: asyncio.Future, value) -> None:
 
 
 class EngineCalls:
-    """Mixed into the engine handles (they have `config`); `_engine_op(op)` sends one op to run_engine_op."""
+    """The base of the engine handles: what the server asks of an engine besides submit / abort / stats, each
+    declared here; `_engine_op(op)` sends one op to run_engine_op."""
+    config: EngineConfig            # the engine's settings (enable_lora, lora_modules)
+    max_n: int                      # the most samples (n) a request may ask for
+    executor = None                 # the executor, where the engine runs in this process (EngineHandle)
+    data_parallel_size = 1          # engines behind the handle (DataParallelClient: its replicas)
+    _lora_served: dict[str, str] | None = None
+
+    def is_healthy(self) -> bool:
+        """Whether the engine still serves requests."""
+        raise NotImplementedError
+
+    def on_end(self, callback: Callable[[str, bool], None]) -> None:
+        """callback(why, failed), once, when an engine in a process of its own ends (EngineClient); an engine
+        in this process reports nothing."""
 
     @property
     def lora_adapters(self) -> dict[str, str]:
         """The adapters served now: name -> path (--lora-modules, then run-time loads and unloads)."""
-        if not hasattr(self, "_lora_served"):
+        if self._lora_served is None:
             self._lora_served = dict(self.config.lora_modules)
         return self._lora_served
 
@@ -193,16 +208,18 @@ class RemoteEngineCalls(EngineCalls):
     ("op", call id, status, message) (status 0: done), which the reader thread hands to `engine_op_reply`;
     a failed op raises LoRAError for the LoRA ops, GrammarError for the grammar check (status 400),
     EngineCallError for the others."""
+    _ops_waiting: dict | None = None     # call id -> (loop, future), from the first op on
+    _gone = False                        # the reader has failed every waiting call already
 
     async def _engine_op(self, op: tuple) -> None:
-        if not hasattr(self, "_ops_waiting"):
+        if self._ops_waiting is None:
             self._ops_waiting, self._op_ids = {}, iter(range(1, 1 << 62))
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         call_id = next(self._op_ids)
         self._ops_waiting[call_id] = (loop, future)
         try:
-            if getattr(self, "_gone", False):     # the reader has failed every waiting call already
+            if self._gone:
                 raise EOFError
             self._send(("op", call_id, op))
         except (EOFError, OSError, ValueError):
@@ -218,7 +235,7 @@ class RemoteEngineCalls(EngineCalls):
         """Reader thread: ("op", call id, status, message) from the child; (None, status, message)
         fails every call still waiting (the child has gone)."""
         _, call_id, status, message = msg
-        waiting = getattr(self, "_ops_waiting", {})
+        waiting = self._ops_waiting or {}
         for key in list(waiting) if call_id is None else [call_id]:
             loop, future = waiting.pop(key, (None, None))
             if loop is not None:

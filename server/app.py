@@ -1,7 +1,7 @@
 """The Sanic app: OpenAI-compatible routes over an EngineHandle.
 
-`create_app(handle, ...)` builds it; the handle is anything with the EngineHandle surface
-(tokenizer, model_name, max_model_len, submit, abort, stats). Streaming is SSE
+`create_app(handle, ...)` builds it; the handle is an engine handle (engine/engine_calls.py EngineCalls,
+what it declares, and tokenizer, model_name, max_model_len, submit, abort, stats). Streaming is SSE
 (`data: {...}` ... `data: [DONE]`); a client that goes away mid-request cancels its handler task,
 and the handler's `finally` aborts the engine requests, freeing their KV blocks. Parsing and
 tokenization run off the event loop (server/offload.py); ServerLimits bound what one request may ask
@@ -76,11 +76,11 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
     app.ctx.metrics = ServerMetrics()
     app.ctx.request_trace = RequestTrace(request_trace) if request_trace else None
     app.ctx.model = ModelInfo(name=served_model_name or handle.model_name, max_model_len=handle.max_model_len,
-                              tokenizer=tokenizer, vocab_size=_vocab_size(handle),
-                              max_n=max_n or _engine_max_n(handle), limits=limits,
+                              tokenizer=tokenizer, vocab_size=_int_or_none(getattr(tokenizer, "vocab_size", None)),
+                              max_n=max_n or handle.max_n, limits=limits,
                               max_token_bytes=_int_or_none(getattr(tokenizer, "max_token_bytes", None)),
-                              adapters=getattr(handle, "lora_adapters", {}), reasoning_parser=reasoning_parser)
-    app.ctx.data_parallel_size = getattr(handle, "data_parallel_size", 1)
+                              adapters=handle.lora_adapters, reasoning_parser=reasoning_parser)
+    app.ctx.data_parallel_size = handle.data_parallel_size
     app.ctx.created = int(time.time())
     app.ctx.lora_runtime_updates = allow_runtime_lora
     app.ctx.lora_resolver_dir = os.path.realpath(lora_resolver_dir) if lora_resolver_dir else None
@@ -96,19 +96,6 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
     add_tokenizer_routes(app)
     add_lora_routes(app)
     return app
-
-
-def _engine_max_n(handle) -> int:
-    """The n the engine admits (EngineHandle.max_n: max_n capped by max_num_seqs); 16 for a stand-in."""
-    return getattr(handle, "max_n", 16)
-
-
-def _vocab_size(handle) -> int | None:
-    for owner in (handle, handle.tokenizer):
-        size = getattr(owner, "vocab_size", None)
-        if isinstance(size, int):
-            return size
-    return None
 
 
 def _int_or_none(value) -> int | None:

@@ -366,8 +366,7 @@ async def _serve_until_signal(app, sock, handle) -> int:
             loop.call_soon_threadsafe(on_engine_end, why, failed)
         except RuntimeError:                                    # this loop has closed: the server has stopped
             pass
-    if hasattr(handle, "on_end"):
-        handle.on_end(engine_ended)
+    handle.on_end(engine_ended)
     await serve_until(app, sock, stop)
     return exit_code
 
@@ -394,7 +393,8 @@ def generate(args: argparse.Namespace) -> int:
                     print(f"\n[finish_reason={event.reason} prompt_tokens={event.usage.prompt_tokens} "
                           f"completion_tokens={event.usage.completion_tokens}]", file=sys.stderr)
                 elif isinstance(event, (Error, Rejected)):
-                    print(f"\nerror: {getattr(event, 'message', None) or event.reason}", file=sys.stderr)
+                    why = event.message if isinstance(event, Error) else event.reason
+                    print(f"\nerror: {why}", file=sys.stderr)
                     return 1
             return 0
         return asyncio.run(run())

@@ -107,12 +107,10 @@ class EngineCall:
         finally:
             self.timing[i].closed = True
             await self.queue.put((i, _DONE))
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                try:
-                    await aclose()
-                except Exception:
-                    pass
+            try:
+                await stream.aclose()           # a RequestStream (engine/handle.py): frees what the request held
+            except Exception:
+                pass
 
     def _observe(self, i: int, event) -> None:
         t, now = self.timing[i], time.monotonic()

@@ -65,10 +65,8 @@ def _name(body: dict, field: str = "lora_name") -> str:
     return value
 
 
-async def _call(handle, method: str, *args) -> None:
-    fn = getattr(handle, method, None)
-    if fn is None:
-        raise APIError(400, "this engine has no LoRA adapters")
+async def _call(fn, *args) -> None:
+    """An engine handle's LoRA op, its errors as API errors."""
     try:
         await fn(*args)
     except LoRAError as e:
@@ -85,7 +83,7 @@ def _runtime_updates(app) -> None:
 
 def lora_enabled(handle) -> bool:
     """Whether the engine serves LoRA adapters (--enable-lora): only then are the routes there."""
-    return bool(getattr(getattr(handle, "config", None), "enable_lora", False))
+    return handle.config.enable_lora
 
 
 def add_lora_routes(app) -> None:
@@ -105,14 +103,14 @@ def add_lora_routes(app) -> None:
         if real is None:
             raise APIError(403, f"'lora_path' {path!r} is not inside a folder LoRA adapters may be loaded from "
                                 f"(--allowed-lora-path, --lora-resolver-dir)", "lora_path", "lora_path_not_allowed")
-        await _call(request.app.ctx.handle, "load_lora_adapter", name, real, in_place)
+        await _call(request.app.ctx.handle.load_lora_adapter, name, real, in_place)
         return response.text(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request):
         _runtime_updates(request.app)
         name = _name(parse_json(request.body))
-        await _call(request.app.ctx.handle, "unload_lora_adapter", name)
+        await _call(request.app.ctx.handle.unload_lora_adapter, name)
         return response.text(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
@@ -135,6 +133,6 @@ async def resolve_lora(app, raw: bytes) -> bool:
         return False
     async with app.ctx.lora_resolving:
         if name not in app.ctx.model.adapters:          # a request just before this one may have loaded it
-            await _call(app.ctx.handle, "load_lora_adapter", name, path, False)
+            await _call(app.ctx.handle.load_lora_adapter, name, path, False)
             log.info("LoRA adapter %r resolved from %s", name, path)
     return True

@@ -33,8 +33,7 @@ def add_info_routes(app: Sanic) -> None:
     async def health(request):
         if request.app.ctx.inflight.draining:
             raise shutting_down(request)
-        healthy = getattr(request.app.ctx.handle, "is_healthy", None)
-        if callable(healthy) and not healthy():
+        if not request.app.ctx.handle.is_healthy():
             raise APIError(503, "engine is not running")
         return response.json({"status": "ok"})
 
@@ -56,11 +55,8 @@ def add_info_routes(app: Sanic) -> None:
         fields = parse_json(request.body) if request.body else {}      # an empty object, or no body at all
         if fields:
             raise APIError(400, f"unknown field(s): {', '.join(sorted(fields))}")
-        reset = getattr(request.app.ctx.handle, "reset_prefix_cache", None)
-        if reset is None:
-            raise APIError(400, "this engine has no prefix cache to reset")
         try:
-            await reset()
+            await request.app.ctx.handle.reset_prefix_cache()
         except EngineCallError as e:             # the engine process has ended
             raise APIError(503, str(e), code="engine_unavailable") from None
         return response.text("Success: prefix cache reset.")

@@ -56,19 +56,19 @@ def describe_executor(handle, device: str) -> str:
     with the number of ranks, under tensor parallelism). An EngineClient has no executor here (it is in the
     engine process): its device follows the rule the executor factory applies, and on the GPU the engine
     process logs the library itself (and the tensor-parallel ranks)."""
-    executor = getattr(handle, "executor", None)
-    ranks = getattr(executor, "world_size", 1)
-    executor = getattr(executor, "local", executor)          # tensor parallel: rank 0's executor
+    executor = handle.executor                                # None: it runs in the engine process
     where = "" if executor is not None else "; it runs in the engine process"
-    where += f"; tensor parallel over {ranks} ranks" if ranks > 1 else ""
-    gemm = getattr(executor, "gemm", None)
-    if gemm is not None and hasattr(gemm, "describe"):
-        return f"executor: {type(executor).__name__} on the GPU (--device {device}){where}; {gemm.describe()}"
+    if executor is not None and executor.world_size > 1:
+        where += f"; tensor parallel over {executor.world_size} ranks"
+    executor = executor.rank0() if executor is not None else None     # tensor parallel: rank 0's executor
+    if executor is not None and executor.gemm is not None:
+        library = executor.gemm.describe()
+        return f"executor: {type(executor).__name__} on the GPU (--device {device}){where}; {library}"
     if executor is None and (device == "cuda" or (device == "auto" and cupy_status() is None)):
         return f"executor: GpuExecutor on the GPU (--device {device}){where}, which logs its linear layers' library"
     name = type(executor).__name__ if executor is not None else "CpuExecutor"
     why = "--device cpu" if device == "cpu" else f"--device {device} and {cupy_status() or 'no GPU'}"
-    threads = getattr(executor, "threads", None)
+    threads = executor.threads if executor is not None else None
     threads = f"; {threads.describe()}" if threads is not None else ""
     return f"executor: {name} (numpy) on the CPU ({why}){where}; linear layers: numpy matmul ({_blas()}){threads}"
 

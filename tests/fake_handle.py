@@ -6,6 +6,8 @@ import asyncio
 import random
 from dataclasses import dataclass
 
+from engine.config import EngineConfig
+from engine.engine_calls import EngineCalls
 from engine.grammar import GrammarCache
 from engine.events import Error, Finished, PromptLogprobs, Rejected, Scheduled, Token, TopLogprob, Usage
 
@@ -49,11 +51,13 @@ def fake_logprob(token: int) -> float:
     return -((token % 7) + 1) / 4
 
 
-class FakeHandle:
+class FakeHandle(EngineCalls):
     model_name = "fake-model"
     max_model_len = 256
+    max_n = 16
 
     def __init__(self, token_delay: float = 0.0, reject: str | None = None, fail: str | None = None):
+        self.config = EngineConfig()
         self.tokenizer = ByteTokenizer()
         self.token_delay = token_delay
         self.reject, self.fail = reject, fail
@@ -96,6 +100,9 @@ class FakeHandle:
     def _top(self, tok: int, k: int) -> list[TopLogprob]:
         alts = [tok] + [t for t in (tok + 1, tok + 2, tok + 3) if t < 257]
         return [TopLogprob(t, self.tokenizer.decode([t]), fake_logprob(t)) for t in alts[:k]]
+
+    def is_healthy(self) -> bool:
+        return True
 
     def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from engine.tokenizer import Tokenizer
+from fake_handle import FakeHandle
 from server.app import create_app
 from server.background import BackgroundServer
 from server.limits import ServerLimits
@@ -24,11 +25,12 @@ def stalled(latencies: list[float], took: float) -> bool:
     return max(latencies) >= max(HEALTH_BOUND_S, took / 4)
 
 
-class TokenizerOnlyHandle:
+class TokenizerOnlyHandle(FakeHandle):
     """Enough of an EngineHandle for requests the server refuses before the engine."""
     model_name = "m"
 
     def __init__(self, tokenizer, max_model_len: int):
+        super().__init__()
         self.tokenizer, self.max_model_len = tokenizer, max_model_len
 
     def submit(self, req):

@@ -6,6 +6,7 @@ import signal
 import subprocess
 from types import SimpleNamespace
 
+from engine.executor.base import ExecutorBase
 from server import startup
 from harness.models import tiny_model_path
 from tests.test_server_cli import OPENINFER, ROOT, free_port, wait_healthy
@@ -26,12 +27,12 @@ def test_a_gpu_without_cupy_is_named_with_the_install_command(monkeypatch):
 
 
 def test_the_executor_line_names_device_reason_and_library(monkeypatch):
-    gpu = SimpleNamespace(executor=type("GpuExecutor", (), {"gemm": SimpleNamespace(
+    gpu = SimpleNamespace(executor=type("GpuExecutor", (ExecutorBase,), {"gemm": SimpleNamespace(
         describe=lambda: "linear layers: CuTe GEMM for at most 128 rows, cuBLAS otherwise")})())
     line = startup.describe_executor(gpu, "auto")
     assert line.startswith("executor: GpuExecutor on the GPU") and "CuTe GEMM for at most 128 rows" in line
     monkeypatch.setattr(startup, "cupy_status", lambda: "CuPy sees no GPU")
-    cpu = SimpleNamespace(executor=type("CpuExecutor", (), {})())
+    cpu = SimpleNamespace(executor=type("CpuExecutor", (ExecutorBase,), {})())
     line = startup.describe_executor(cpu, "auto")
     assert "CpuExecutor (numpy) on the CPU (--device auto and CuPy sees no GPU)" in line and "BLAS" in line
 

@@ -46,6 +46,13 @@ class Executor(Protocol):
     num_state_slots: int        # per-sequence state slots (linear-attention lines; 0: none)
     step_cost: StepCost | None  # what attention adds to a step, in tokens (None: the token budget alone bounds it)
     supports_draft_verify: bool  # steps with draft tokens (SeqStep.num_drafts) are verified: speculative decoding
+    world_size: int             # ranks a step runs on (tensor parallelism; 1: this executor alone)
+    gemm: object | None         # the GPU executor's linear-layer library (gpu_gemm.py Gemm; None: numpy matmul)
+    threads: object | None      # the numpy executor's BLAS threads (cpu_threads.py CpuThreads; None: not numpy)
+
+    def rank0(self) -> Executor:
+        """The executor of rank 0's shard: itself (tensor parallelism: the one beside the other ranks)."""
+        ...
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         """Run one step: write the new tokens' KV, sample where asked. A step with draft tokens samples its
@@ -119,7 +126,13 @@ class ExecutorBase:
     num_state_slots = 0
     step_cost = None              # a StepCost (engine/step_budget.py): work bounds a step besides its tokens
     supports_draft_verify = False  # a step with draft tokens is refused: no speculative decoding
+    world_size = 1
+    gemm = None                   # (the GPU executor's Gemm)
+    threads = None                # (the numpy executor's CpuThreads)
     options: ExecutorOptions
+
+    def rank0(self) -> ExecutorBase:
+        return self
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         raise NotImplementedError

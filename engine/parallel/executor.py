@@ -60,6 +60,10 @@ class TensorParallelExecutor(ExecutorBase):
     def last_host_s(self) -> float:
         return self.local.last_host_s
 
+    def rank0(self):
+        """Rank 0's own executor (the start-up line names it and its library)."""
+        return self.local
+
     def _run(self, name: str, args: tuple, here):
         """`name`(*args) on every other rank, then here() on rank 0."""
         self.followers.send((name, args))
