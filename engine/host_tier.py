@@ -82,7 +82,7 @@ class HostTier:
     def stats(self, block_bytes: int) -> dict:
         """EngineStats' host-tier fields (the slot map's counters: 0 once a copy failed); block_bytes: one
         KV block's bytes."""
-        stored, restored = (self.slots.stored_blocks, self.slots.restored_blocks) if self.slots else (0, 0)
+        stored, restored = (self.slots.stored_blocks, self.slots.restored_blocks) if self.on else (0, 0)
         return {"host_kv_stored_blocks": stored, "host_kv_restored_blocks": restored,
                 "prefix_cache_host_hits": restored * BLOCK_SIZE, "host_kv_offload_bytes": stored * block_bytes,
                 "host_kv_restore_bytes": restored * block_bytes, "host_kv_copy_seconds": self.copy_seconds}
