@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.batch import ModelBatch
+from engine.executor.cpu_attention import PagedAttention
 from engine.executor.cpu_deltanet_ops import NumpyDeltaNetOps
 from engine.executor.cpu_dsv4_attention import NumpyDSV4Ops
 from engine.executor.cpu_lora_ops import NumpyLoRAOps
@@ -50,6 +51,7 @@ class NumpyOps(ComposedOps):
         self.deltanet = NumpyDeltaNetOps(state) if "deltanet" in families else None
         self.dsv4 = NumpyDSV4Ops(kv) if "dsv4" in families else None
         self.lora = lora
+        self.paged = PagedAttention()
 
     def _moe_part(self) -> NumpyMoEOps:
         """The MoE part (a tensor-parallel rank's ops build their own, engine/parallel)."""
@@ -91,35 +93,15 @@ class NumpyOps(ComposedOps):
 
     def attention(self, q, spec: AttentionSpec, ctx: CpuStepContext):
         b = ctx.batch
-        T, Hq, D = q.shape
-        Hkv = spec.num_kv_heads
-        G = Hq // Hkv
-        out = np.empty((T, Hq, D), dtype=np.float32)
-        k_all = block_view(self.kv[spec.layer, 0])
-        v_all = block_view(self.kv[spec.layer, 1])
+        out = np.empty(q.shape, dtype=np.float32)
+        k_plane = block_view(self.kv[spec.layer, 0])
+        v_plane = block_view(self.kv[spec.layer, 1])
         for i in range(len(b.seqs)):
             q0, q1 = int(b.cu_seqlens[i]), int(b.cu_seqlens[i + 1])
             L = int(b.context_lens[i])
             blocks = b.block_tables[i, : -(-L // BLOCK_SIZE)]
-            k = k_all[blocks].reshape(-1, Hkv, D)[:L]
-            v = v_all[blocks].reshape(-1, Hkv, D)[:L]
-            n = q1 - q0
-            # [Hkv, G·n, D] @ [Hkv, D, L]: q head h·G + g reads kv head h (GQA); the scale goes on q (n·D
-            # products, not n·L), the causal mask on the keys from the chunk's first position on (the
-            # earlier ones every query sees), the softmax in place, its sum divides the output
-            qs = (q[q0:q1] * np.float32(spec.scale)).reshape(n, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * n, D)
-            scores = qs @ k.transpose(1, 2, 0)
-            qpos = np.tile(b.positions[q0:q1], G)                    # row r is query r % n
-            first = int(qpos.min())
-            if first + 1 < L:
-                scores[:, :, first:] += np.where(np.arange(first, L)[None, :] > qpos[:, None], -np.inf,
-                                                 0).astype(np.float32)
-            scores -= scores.max(axis=-1, keepdims=True)
-            np.exp(scores, out=scores)
-            o = (scores @ v.transpose(1, 0, 2)) / scores.sum(axis=-1, keepdims=True)
-            o = o.reshape(Hkv, G, n, D).transpose(2, 0, 1, 3)
-            out[q0:q1] = o.reshape(q1 - q0, Hq, D)
-        return out.reshape(T, Hq * D)
+            out[q0:q1] = self.paged.attend(q[q0:q1], k_plane, v_plane, blocks, L, b.positions[q0:q1], spec.scale)
+        return out.reshape(q.shape[0], -1)
 
     def silu_mul(self, gate_up):
         half = gate_up.shape[-1] // 2
