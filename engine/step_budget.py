@@ -9,10 +9,9 @@ more than one token; the scheduler cuts prefill chunks to what the work budget l
 cut (each running sequence still takes its one token, as with the token budget alone), and the step's
 first prefill chunk gets at least MIN_PREFILL tokens, so every prompt progresses whatever the decodes
 take. Four, not one: late in a long prompt a step's read of the prompt's own context is most of its cost
-(8k tokens of SmolLM2 on the CPU: ~45 tokens' worth). The scheduler with SmolLM2's CPU cost model and
-defaults, 8 streams decoding, then an 8,101-token prompt (tests/test_step_budget.py's run, each step
-timed as 0.13 s + 3.5 ms a token's worth) took 788 steps, the longest ~0.55 s, with 4, and 1,379 steps,
-the longest ~0.59 s, with 1 (the streams grow while the prompt crawls): 673 s of prefill against 375.
+(8k tokens of SmolLM2 on the CPU: ~23 tokens' worth). With SmolLM2's CPU cost model and defaults, 8 streams
+decoding, then an 8,101-token prompt (tests/test_step_budget.py's run), a step late in the prompt holds the
+decodes and a chunk of ~7 tokens: at 0.13 s + 3.5 ms a token's worth, ~0.47 s.
 """
 from __future__ import annotations
 

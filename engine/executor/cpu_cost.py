@@ -1,15 +1,17 @@
 """The numpy executor's step cost (engine/step_budget.py StepCost) for a model, from its shape.
 
 One token's linear layers cost a multiply-add per layer weight. One key of a sequence's context costs
-reading its K and V out of the paged pool (float32, every layer; gathered, then read by the two
-products: memory-bound), KV_BYTE_MACS multiply-adds' worth per byte. One (new token, key) pair costs its
+reading its K and V out of the paged pool (float32, every layer; staged a group of blocks at a time and
+read there by the two products, engine/executor/cpu_attention.py: memory-bound), KV_BYTE_MACS
+multiply-adds' worth per byte. One (new token, key) pair costs its
 score and its share of the output, 2 x head_dim multiply-adds per head and layer, and the softmax's
 passes over the scores, SOFTMAX_MACS' worth.
 
 Measured with SmolLM2-135M (106.2 M layer multiply-adds a token, 46,080 KV bytes a key, 30 layers x 9
 heads of 64) on the 2-core machine, one BLAS thread, whole steps (`bench/cpu_step_cost.py`: CPU time, best
 of 4; the KV blocks scattered over the pool as a server's are; 2026-12-06): a token 3.3-3.6 ms, a key
-15-22 us, a pair 1.7-2.4 us; taken as 3.5 ms, 20 us (1/175 token) and 2.2 us (1/1,600 token). A step
+9.7-11 us (15-22 us before the staged attention), a pair 1.7-2.4 us; taken as 3.5 ms, 10 us (1/350
+token) and 2.2 us (1/1,600 token). A step
 may hold MIN_STEP_S of work at that core's rate (MAC_RATE) whatever its token budget: the CPU default's 96
 tokens of SmolLM2, so a smaller model's steps are not cut finer.
 """
@@ -19,7 +21,7 @@ import numpy as np
 
 from engine.step_budget import StepCost
 
-KV_BYTE_MACS = 13.0          # 106.2e6 / 175 / 46,080
+KV_BYTE_MACS = 6.6           # 106.2e6 / 350 / 46,080
 SOFTMAX_MACS = 118.0         # per (head, pair), beyond 2 x head_dim: 106.2e6 / 1,600 / 270 - 128
 MAC_RATE = 106.2e6 / 3.5e-3  # multiply-adds a second of one core
 MIN_STEP_S = 96 * 3.5e-3     # the work a step may hold at least (96 SmolLM2 tokens)
