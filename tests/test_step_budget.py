@@ -180,7 +180,7 @@ def test_prompt_logprobs_and_outputs_are_the_same_under_a_tight_cost_model():
 
 
 def test_a_small_model_is_not_cut_finer_than_the_demo_model(demo_cost):
-    """The work a step may hold is at least what the CPU default's 96 demo-model tokens take: the demo
+    """The work a step may hold is at least what the CPU default's demo-model tokens take: the demo
     model's budget is its tokens, a tiny model's (whose tokens cost ~1,000x less) is not cut by attention."""
     from engine.loader import load_model
     from harness.models import tiny_model_path
@@ -188,7 +188,8 @@ def test_a_small_model_is_not_cut_finer_than_the_demo_model(demo_cost):
     tiny = load_model(tiny_model_path("qwen3_tied"))
     cost = cpu_step_cost(tiny.config, tiny.weights, tiny.model.kv_layout().block_bytes(4) // BLOCK_SIZE)
     assert round(demo_cost.min_work) == DEFAULT_LIMITS["cpu"][1]
-    assert StepBudget.of(96, demo_cost).work == pytest.approx(96, abs=0.1)
+    tokens = DEFAULT_LIMITS["cpu"][1]
+    assert StepBudget.of(tokens, demo_cost).work == pytest.approx(tokens, abs=0.1)
     assert StepBudget.of(512, demo_cost).work == 512                     # a larger budget asked for is kept
     budget = StepBudget.of(64, cost)
     assert cost.min_work > 1000 and budget.fit(1000, 200) == 64          # only the tokens bound it

@@ -12,8 +12,8 @@ heads of 64) on the 2-core machine, one BLAS thread, whole steps (`bench/cpu_ste
 of 4; the KV blocks scattered over the pool as a server's are; 2026-12-06): a token 3.3-3.6 ms, a key
 9.7-11 us (15-22 us before the staged attention), a pair 1.7-2.4 us; taken as 3.5 ms, 10 us (1/350
 token) and 2.2 us (1/1,600 token). A step
-may hold MIN_STEP_S of work at that core's rate (MAC_RATE) whatever its token budget: the CPU default's 96
-tokens of SmolLM2, so a smaller model's steps are not cut finer.
+may hold MIN_STEP_S of work at that core's rate (MAC_RATE) whatever its token budget: the CPU default's 76
+tokens of SmolLM2 (engine/limits.py), so a smaller model's steps are not cut finer.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from engine.step_budget import StepCost
 KV_BYTE_MACS = 6.6           # 106.2e6 / 350 / 46,080
 SOFTMAX_MACS = 118.0         # per (head, pair), beyond 2 x head_dim: 106.2e6 / 1,600 / 270 - 128
 MAC_RATE = 106.2e6 / 3.5e-3  # multiply-adds a second of one core
-MIN_STEP_S = 96 * 3.5e-3     # the work a step may hold at least (96 SmolLM2 tokens)
+MIN_STEP_S = 76 * 3.5e-3     # the work a step may hold at least (76 SmolLM2 tokens)
 
 
 def layer_macs(config, weights: dict[str, np.ndarray]) -> float:
