@@ -175,7 +175,7 @@ def test_cli_flags_build_the_config():
     assert d.max_num_seqs is None and d.max_num_batched_tokens is None      # the device's defaults
 
 
-@pytest.mark.parametrize("device,limits", [("cuda", (256, 8192)), ("cpu", (64, 96))])
+@pytest.mark.parametrize("device,limits", [("cuda", (256, 8192)), ("cpu", (64, 76))])
 def test_device_defaults_follow_vllm_on_the_gpu(device, limits):
     o = resolved_options(EngineConfig(gpu=GpuTuning()), device, 40960)[1]
     assert (o.max_num_seqs, o.max_num_batched_tokens, o.max_model_len) == (*limits, 40960)
