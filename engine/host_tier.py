@@ -1,7 +1,7 @@
 """The host KV tier, one part the scheduler owns: it decides which blocks move between the device pool and
 host memory and tracks them until they land; the executor only moves the bytes (Executor.copy_blocks,
 copies_done, wait_copies: the numpy arrays of engine/executor/cpu.py, the pinned slots and streams of
-engine/executor/gpu_host_tier.py).
+engine/executor/gpu_host_copies.py).
 
 Which block lives in which host slot is the slot map (memory/host_tier.py HostKVTier). Here: blocks the device
 evicts go to it (`_on_evicted`); a prefix hit's host blocks come back into fresh device blocks (`restore`);

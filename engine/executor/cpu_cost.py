@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.limits import DEFAULT_LIMITS
 from engine.step_budget import StepCost
 
 KV_BYTE_MACS = 6.6           # 106.2e6 / 350 / 46,080
 SOFTMAX_MACS = 118.0         # per (head, pair), beyond 2 x head_dim: 106.2e6 / 1,600 / 270 - 128
 MAC_RATE = 106.2e6 / 3.5e-3  # multiply-adds a second of one core
-MIN_STEP_S = 76 * 3.5e-3     # the work a step may hold at least (76 SmolLM2 tokens)
+MIN_STEP_S = DEFAULT_LIMITS["cpu"][1] * 3.5e-3   # the work a step may hold at least (the default's SmolLM2 tokens)
 
 
 def layer_macs(config, weights: dict[str, np.ndarray]) -> float:
