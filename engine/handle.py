@@ -287,7 +287,7 @@ def _build(config: EngineConfig):
         from engine.loader.demo import demo_model_path
         path = demo_model_path()
     device = resolve_device(config.device)
-    check_device(config.speculative_config, device)      # before the model is read
+    check_device(config.speculative_config, device, config.tensor_parallel_size)      # before the model is read
     t0 = time.perf_counter()
     model = load_model(path)
     t1 = time.perf_counter()

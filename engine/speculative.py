@@ -123,20 +123,21 @@ class SpeculativeConfig:
         return k
 
 
-def check_device(config: SpeculativeConfig | None, device: str) -> None:
-    """Refuse (ValueError) speculation on the GPU before the model is loaded: the GPU executor does not verify
-    draft tokens yet (it samples one row per sequence; a verify step samples k + 1)."""
-    if config is not None and device != "cpu":
-        raise ValueError(f"--speculative-config: the GPU executor does not verify draft tokens yet (a verify step "
-                         f"samples k + 1 rows per sequence); speculative decoding runs with --device cpu for now "
-                         f"(device resolved: {device})")
+def check_device(config: SpeculativeConfig | None, device: str, tensor_parallel_size: int = 1) -> None:
+    """Refuse (ValueError) before the model is loaded what no executor of this device serves: on the GPU,
+    speculation across tensor-parallel ranks (the ranks replay rank 0's decode steps; a verify step's rows are
+    sampled and accepted on rank 0 alone, which the ranks' lock-step does not carry yet)."""
+    if config is not None and device != "cpu" and tensor_parallel_size > 1:
+        raise ValueError(f"--speculative-config: the GPU executor verifies draft tokens on one GPU; with "
+                         f"--tensor-parallel-size {tensor_parallel_size} speculative decoding is not served yet "
+                         f"(serve with --tensor-parallel-size 1, or without --speculative-config)")
 
 
 def check_speculation(config: SpeculativeConfig, executor) -> None:
     """Refuse (ValueError) a speculative config the executor or the model line cannot serve."""
     if not executor.supports_draft_verify:
         raise ValueError(f"--speculative-config: {type(executor).__name__} does not verify draft tokens yet "
-                         f"(the numpy executor, --device cpu, does)")
+                         f"(the numpy executor and the one-GPU executor do)")
     if executor.num_state_slots:
         raise ValueError("--speculative-config: this model keeps per-sequence linear-attention state (Qwen3.5's "
                          "Gated DeltaNet layers), which the rejected draft tokens of a verify step would advance; it "

@@ -73,15 +73,16 @@ class _SmallerPool:
 
 
 def new_engine(executor, tokenizer, budget: int | None = None, kv_blocks: int | None = None,
-               host_kv_blocks: int = 0) -> EngineLoop:
+               host_kv_blocks: int = 0, speculative_config=None) -> EngineLoop:
     """A hand-driven EngineLoop over executor (prefix caching and chunked prefill on); budget: tokens a step
     (max_num_batched_tokens; a prompt longer than what a step leaves is prefilled in chunks); kv_blocks: the
     engine sees only that many blocks of the executor's KV pool (a small pool preempts); host_kv_blocks: the
-    host KV tier's slots (the executor built with as many)."""
+    host KV tier's slots (the executor built with as many); speculative_config: speculative decoding's
+    (engine/speculative.py; None: off)."""
     opts = executor.options
     budget = budget or opts.max_num_batched_tokens
     config = EngineConfig(max_num_batched_tokens=budget, max_num_seqs=min(opts.max_num_seqs, budget),
-                          host_kv_blocks=host_kv_blocks)
+                          host_kv_blocks=host_kv_blocks, speculative_config=speculative_config)
     executor = _SmallerPool(executor, kv_blocks) if kv_blocks else executor
     return EngineLoop(executor, tokenizer, options_within(opts, config, opts.max_model_len), eos_token_ids=[])
 

@@ -39,6 +39,7 @@ class GreedyRun:
     runs: list[Run]                     # the prompts' runs in order, then their follow-ups'
     preemptions: int
     host_restored_blocks: int           # prefix-cache blocks brought back from the host KV tier
+    accepted_drafts: int = 0            # draft tokens accepted (speculative decoding)
 
 
 def follow_up_prompt(run: Run, shared: int, vocab_size: int) -> list[int]:
@@ -48,10 +49,13 @@ def follow_up_prompt(run: Run, shared: int, vocab_size: int) -> list[int]:
 
 
 def engine_greedy(executor, tokenizer, prompts: list[list[int]], path: RunPath,
-                  new_tokens: int = NEW_TOKENS) -> GreedyRun:
+                  new_tokens: int = NEW_TOKENS, speculation=None) -> GreedyRun:
     """Greedy runs of `prompts` (then their follow-ups) through a fresh EngineLoop over `executor`, as `path`
-    runs them."""
-    engine = new_engine(executor, tokenizer, path.budget, path.kv_blocks, path.host_kv_blocks)
+    runs them. speculation: (SpeculativeConfig, its draft proposer or None for the config's) to decode with."""
+    config, proposer = speculation or (None, None)
+    engine = new_engine(executor, tokenizer, path.budget, path.kv_blocks, path.host_kv_blocks, config)
+    if proposer is not None:
+        engine.speculator.proposer = proposer
     if path.together:
         runs = run_greedy(engine, prompts, new_tokens)
     else:
@@ -60,4 +64,5 @@ def engine_greedy(executor, tokenizer, prompts: list[list[int]], path: RunPath,
         follow = [follow_up_prompt(r, path.follow_up, executor.vocab_size) for r in runs]
         runs += [r for p in follow for r in run_greedy(engine, [p], new_tokens)]
     tier = engine.scheduler.host_tier
-    return GreedyRun(runs, engine.scheduler.num_preemptions, tier.slots.restored_blocks if tier else 0)
+    accepted = engine.speculator.counters.num_accepted_tokens if engine.speculator else 0
+    return GreedyRun(runs, engine.scheduler.num_preemptions, tier.slots.restored_blocks if tier else 0, accepted)

@@ -40,8 +40,10 @@ from engine.executor.gpu_prefill import PrefillAttention, prefill_min_query
 from engine.executor.gpu_readback import Readback
 from engine.executor.gpu_sampler import GpuSampler, needs_processing
 from engine.executor.gpu_shared import GpuShared
+from engine.executor.gpu_verify import GpuVerify, verifies
 from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE, ExecutorOptions,
                                      parse_decode_kernels)
+from engine.executor.verify_rows import verify_rows
 from engine.loader import LoadedModel
 from engine.models.rope import rope_inv_freq
 from engine.sampling import prompt_logprobs
@@ -60,7 +62,8 @@ def parts_nbytes(plan: GpuPlan, cute_max_m: int, prefill_on: bool, ops=GpuOps) -
     """Every part's arena bytes (the KV pool and the weights aside); ops: the executor's ops class."""
     return {"ops": ops.nbytes(plan), "sampler": GpuSampler.nbytes(plan), "inputs": StepInputs.nbytes(plan),
             "gemm": WORKSPACE_BYTES + cute_workspace_bytes(plan, cute_max_m),
-            "prefill": PrefillAttention.nbytes(plan) if prefill_on else 0}
+            "prefill": PrefillAttention.nbytes(plan) if prefill_on else 0,
+            "verify": GpuVerify.nbytes(plan) if plan.options.num_speculative_tokens else 0}
 
 
 class StepTimer:
@@ -113,6 +116,7 @@ class GpuExecutor(ExecutorBase):
     # step reads the whole context as a decode and is not overlapped (bench/results/prefix-ttft-gpu.md, 2026-12-04;
     # 21.3 against 17.4 ms at 32k). The block copies themselves work (tests/test_gpu_partial_hit.py).
     supports_block_copies = False
+    supports_draft_verify = True    # verify steps: gpu_verify.py (sized by options.num_speculative_tokens)
     ops_class = GpuOps              # a tensor-parallel rank's executor runs its own (engine/parallel)
     graphs_class = DecodeGraphs
 
@@ -183,7 +187,9 @@ class GpuExecutor(ExecutorBase):
         self.inv_freq.set(inv_freq, stream=stream)
         self.inputs = StepInputs(self.arena, stream, plan.max_tokens, plan.max_seqs, plan.max_blocks,
                                  self.config.vocab_size, plan.max_model_len)
-        self.sampler = GpuSampler(self.arena, plan.max_seqs, plan.vocab, stream)
+        self.sampler = GpuSampler(self.arena, plan.sample_rows, plan.vocab, stream)
+        self.verify = GpuVerify(self.arena, plan.sample_rows, plan.max_seqs, self.sampler, stream
+                                ) if self.options.num_speculative_tokens else None
         self.prefill = None if sizes.prefill_min is None else PrefillAttention(
             self.arena, stream, plan.max_tokens, plan.max_seqs, PrefillAttention.plan_key_rows(plan),
             plan.kv.heads, plan.kv.dim, sizes.prefill_min,
@@ -227,7 +233,7 @@ class GpuExecutor(ExecutorBase):
                                          self.options.gpu.async_host_tier, self.model.layerwise_restore
                                          ) if self.options.host_kv_blocks else None
         self.last_host_s, self._fed = 0.0, False
-        self.readback = Readback(self.plan.max_seqs, self.stream, self.mapped_copy)
+        self.readback = Readback(self.plan.sample_rows, self.stream, self.mapped_copy)
         self.timer = StepTimer(self.stream) if self.options.time_steps else None
 
     def _build_graphs(self) -> None:
@@ -438,34 +444,32 @@ class GpuExecutor(ExecutorBase):
         return None if self.timer is None else self.timer.elapsed_ms()
 
     def launch_eager(self, batch: ModelBatch) -> PendingStep:
-        """One step with per-kernel launches (prefill and mixed steps; decode where graphs are off).
-        Sampled rows with no logit processing run the decode graphs' sampling kernels (grammar rows: the
-        masked tail) and come back through the readback, so the host goes on while the GPU runs the step."""
-        hidden, ctx = self._hidden(batch)
+        """One step with per-kernel launches (prefill and mixed steps, verify steps; decode where graphs are
+        off). Sampled rows with no logit processing run the decode graphs' sampling kernels (grammar rows: the
+        masked tail) and come back through the readback, so the host goes on while the GPU runs the step; a
+        verify step's 1 + k rows per sequence sample as rows of their own and are accepted on the device
+        (gpu_verify.py)."""
         sampled = [s for s in batch.seqs if s.sample]
+        drafts = verifies(self.verify, sampled)
+        hidden, ctx = self._hidden(batch)
+        verify = verify_rows(sampled) if drafts else None        # the grammars' masks while the forward runs
+        steps, bitmask = (verify.steps, verify.bitmask) if verify is not None else (sampled, None)
         want = [i for i, s in enumerate(batch.seqs) if s.want_prompt_logprobs and s.prompt_logprob_targets()]
         logits = None
         if sampled:
             rows = self.ops.gather_rows(hidden, ctx.sample_rows)
             logits = self.model.compute_logits(self.ops, self.weights, rows)
-        if want or any(map(needs_processing, sampled)):
-            out = StepOutput(sampled=self.sampler.sample(logits, sampled) if sampled else [])
+        if want or any(map(needs_processing, steps)):
+            tokens = self.sampler.sample(logits, steps, bitmask) if sampled else []
+            out = StepOutput(sampled=verify.accept(tokens) if verify is not None else tokens)
             if want:
                 out.prompt_logprobs = self._prompt_logprobs(batch, want, hidden)
             return DoneStep(out)
         if not sampled:
             return DoneStep(StepOutput(sampled=[]))
-        n = len(sampled)
-        if any(s.grammar is not None for s in sampled):     # structured output: the masked tail
-            self.sampler.argmax(logits, n)
-            self.sampler.masked_tail(logits, sampled)
-            return self.readback.queue(self.sampler, sampled, greedy=False)
-        greedy = all(s.params.greedy and s.params.logprobs is None for s in sampled)
-        if greedy:
-            self.sampler.argmax(logits, n)
-        else:
-            self.sampler.fill_graph_rows(sampled, n)
-            self.sampler.graph_tail(logits, n)
+        greedy = self.sampler.queue_rows(logits, steps, bitmask)
+        if verify is not None:
+            return self.verify.queue(verify, greedy, self.readback)
         return self.readback.queue(self.sampler, sampled, greedy)
 
     def execute_eager(self, batch: ModelBatch) -> StepOutput:

@@ -56,9 +56,16 @@ class GpuPlan:
         return blocks_for(self.max_model_len)
 
     @property
+    def sample_rows(self) -> int:
+        """Sampled rows of a step: one per sequence, 1 + k with k draft tokens (speculative decoding), within
+        the step's tokens."""
+        k = self.options.num_speculative_tokens
+        return max(self.max_seqs, min(self.max_tokens, self.max_seqs * (1 + k))) if k else self.max_seqs
+
+    @property
     def logit_rows(self) -> int:
         """Rows of the logits buffer: every sampled row of a step, and chunks of the eager paths."""
-        return max(self.max_seqs, min(self.max_tokens, LOGIT_CHUNK_ROWS))
+        return max(self.sample_rows, min(self.max_tokens, LOGIT_CHUNK_ROWS))
 
     @property
     def hidden(self) -> int:

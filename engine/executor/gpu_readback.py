@@ -16,12 +16,13 @@ from memory.streams import pinned_array
 
 class ReadbackStep:
     """A launched step whose ids (and logprobs, when asked) are on their way into pinned host memory.
-    logprobs[i]: the row's SamplingParams.logprobs (None: not asked)."""
+    logprobs[i]: the row's SamplingParams.logprobs (None: not asked). lead_host: the words read back before the
+    ids (a verify step's accepted counts, gpu_verify.py)."""
 
     def __init__(self, seq_ids: list[int], ids_host: np.ndarray, done, logprobs: list | None = None,
                  lp_host: np.ndarray | None = None, top_ids_host: np.ndarray | None = None,
-                 top_lp_host: np.ndarray | None = None):
-        self.seq_ids, self.ids_host, self.done = seq_ids, ids_host, done
+                 top_lp_host: np.ndarray | None = None, lead_host: np.ndarray | None = None):
+        self.seq_ids, self.ids_host, self.done, self.lead_host = seq_ids, ids_host, done, lead_host
         self.logprobs, self.lp_host, self.top_ids_host, self.top_lp_host = logprobs, lp_host, top_ids_host, top_lp_host
 
     def result(self) -> StepOutput:
@@ -43,7 +44,7 @@ class ReadbackSlot:
     def __init__(self, rows: int):
         import cupy
 
-        self.ids_host = pinned_array((rows,), np.int32)
+        self.ids_host = pinned_array((2 * rows,), np.int32)     # a verify step's counts (< rows) lead its ids
         self.lp_host = pinned_array((rows,), np.float32)
         self.top_ids_host = pinned_array((rows, MAX_TOP_LOGPROBS), np.int32)
         self.top_lp_host = pinned_array((rows, MAX_TOP_LOGPROBS), np.float32)
@@ -61,12 +62,15 @@ class Readback:
         self.turn = 0
         self.copy = copy
 
-    def queue(self, sampler, seqs, greedy: bool) -> ReadbackStep:
-        """Copy the sampler's results for `seqs` (rows 0..n-1) back; greedy: the ids alone."""
+    def queue(self, sampler, seqs, greedy: bool, ids=None) -> ReadbackStep:
+        """Copy the sampler's results for `seqs` (rows 0..n-1) back; greedy: the ids alone. ids: (device array,
+        lead): read the rows' ids from that array after its first `lead` words, which come back too (a verify
+        step's accepted counts, gpu_verify.py)."""
         n = len(seqs)
         self.turn ^= 1
         slot = self.slots[self.turn]
-        pairs = [(slot.ids_host, sampler.ids, n)]
+        source, lead = ids if ids is not None else (sampler.ids, 0)
+        pairs = [(slot.ids_host, source, lead + n)]
         logprobs = None if greedy else [q.params.logprobs for q in seqs]
         if logprobs is not None and any(k is not None for k in logprobs):
             pairs.append((slot.lp_host, sampler.logprob, n))
@@ -77,5 +81,5 @@ class Readback:
             logprobs = None
         self.copy(pairs, to_host=True)
         slot.ready.record(self.stream)
-        return ReadbackStep([q.seq_id for q in seqs], slot.ids_host[:n], slot.ready, logprobs,
-                            slot.lp_host[:n], slot.top_ids_host[:n], slot.top_lp_host[:n])
+        return ReadbackStep([q.seq_id for q in seqs], slot.ids_host[lead:lead + n], slot.ready, logprobs,
+                            slot.lp_host[:n], slot.top_ids_host[:n], slot.top_lp_host[:n], slot.ids_host[:lead])

@@ -182,8 +182,8 @@ class GpuSampler:
 
     @classmethod
     def nbytes(cls, plan) -> int:
-        """A row per sequence of a step (plan.max_seqs), over the vocabulary."""
-        return buffers_nbytes(cls.buffers(plan.max_seqs, plan.vocab))
+        """A row per sampled row of a step (plan.sample_rows), over the vocabulary."""
+        return buffers_nbytes(cls.buffers(plan.sample_rows, plan.vocab))
 
     def argmax(self, logits, S: int) -> None:
         """ids[:S] = the argmax of each raw logits row, lse[:S] = its logsumexp. Up to
@@ -215,10 +215,11 @@ class GpuSampler:
         self.argmax(logits, rows)
         self._sample_rows(logits, logits, rows)
 
-    def upload_masks(self, seqs: list[SeqStep]) -> dict[int, np.ndarray]:
+    def upload_masks(self, seqs: list[SeqStep], bitmask=None) -> dict[int, np.ndarray]:
         """The grammar rows' bitmasks (llguidance, on the host: the step's one mask computation) into
-        the device bitmask, flags 1 for them and 0 for the other rows; {row: its bitmask row}."""
-        rows, masks = step_bitmask([s.grammar for s in seqs])
+        the device bitmask, flags 1 for them and 0 for the other rows; {row: its bitmask row}. bitmask:
+        (rows, their masks) computed already (a verify step's, verify_rows.py)."""
+        rows, masks = bitmask if bitmask is not None else step_bitmask([s.grammar for s in seqs])
         if not rows:
             return {}
         n, w = len(seqs), min(self.words, masks.shape[1])
@@ -240,13 +241,13 @@ class GpuSampler:
         self._launch(self.k_mask, (chunks, n), (256,), (logits, out, np.int32(self.vocab), self.bitmask,
                                                        np.int32(self.words), self.mask_flags))
 
-    def masked_tail(self, logits, seqs: list[SeqStep]) -> None:
+    def masked_tail(self, logits, seqs: list[SeqStep], bitmask=None) -> None:
         """A decode step with grammar rows, after the greedy graph (ids and lse of the raw logits):
-        the masks (computed here, while the graph runs), the masked copy, its greedy argmax, then
-        graph_tail's sampling and logprob kernels over it, for the step's rows."""
+        the masks (computed here, while the graph runs, unless given: upload_masks), the masked copy, its
+        greedy argmax, then graph_tail's sampling and logprob kernels over it, for the step's rows."""
         n, V, null = len(seqs), np.int32(self.vocab), np.uint64(0)
         self.fill_graph_rows(seqs, n)
-        self.upload_masks(seqs)
+        self.upload_masks(seqs, bitmask)
         self.mask(logits, self.processed, n)
         self._launch(self.k_argmax, (n,), (1024,), (self.processed, V, null, self.ids, null, null))
         self._sample_rows(logits, self.processed, n)
@@ -270,8 +271,24 @@ class GpuSampler:
     def _up(self, dev, host: np.ndarray) -> None:
         dev[: host.shape[0]].set(np.ascontiguousarray(host, dtype=dev.dtype), stream=self.stream)
 
-    def sample(self, logits, seqs: list[SeqStep]) -> list[SampledToken]:
-        """logits: device float32 [S, V] (row i for seqs[i])."""
+    def queue_rows(self, logits, seqs: list[SeqStep], bitmask=None) -> bool:
+        """The kernels of rows that need no logit processing, queued with no sync (their results in this
+        sampler's buffers, row i for seqs[i]): grammar rows the masked tail, all-greedy rows without logprobs
+        the argmax alone (returns True: only the ids are asked), else graph_tail's sampling."""
+        n = len(seqs)
+        self.argmax(logits, n)
+        if any(s.grammar is not None for s in seqs):
+            self.masked_tail(logits, seqs, bitmask)
+            return False
+        if all(s.params.greedy and s.params.logprobs is None for s in seqs):
+            return True
+        self.fill_graph_rows(seqs, n)
+        self._sample_rows(logits, logits, n)
+        return False
+
+    def sample(self, logits, seqs: list[SeqStep], bitmask=None) -> list[SampledToken]:
+        """logits: device float32 [S, V] (row i for seqs[i]); bitmask: the grammar rows' masks when computed
+        already (upload_masks)."""
         S, V = len(seqs), self.vocab
         if S == 0:
             return []
@@ -280,7 +297,7 @@ class GpuSampler:
         null = np.uint64(0)
         self.argmax(logits, S)
         processed = [i for i, s in enumerate(seqs) if needs_processing(s)]
-        masks = self.upload_masks(seqs)
+        masks = self.upload_masks(seqs, bitmask)
         source = logits
         if processed or masks:
             self.cp.cuda.runtime.memcpyAsync(self.processed.data.ptr, logits.data.ptr, S * V * 4,

@@ -124,7 +124,9 @@ class ExecutorOptions:
     time_steps: CUDA events around every step (EngineConfig.step_trace turns it on). max_loras: LoRA
     adapter slots (0: LoRA off), of max_lora_rank ranks each. tensor_parallel_size: ranks the model is
     split across (engine/parallel; every rank runs with these options). cpu_threads: the CPU executor's
-    BLAS threads for steps above decode size (engine/executor/cpu_threads.py; None: the cores less one)."""
+    BLAS threads for steps above decode size (engine/executor/cpu_threads.py; None: the cores less one).
+    num_speculative_tokens: the draft tokens a verify step may carry per sequence (speculative decoding's k; 0:
+    off): the GPU sizes its sampled rows for 1 + k per sequence."""
     limits: StepLimits = field(default_factory=lambda: StepLimits(4096, 64, 2048))
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -139,6 +141,7 @@ class ExecutorOptions:
     max_lora_rank: int = 16
     tensor_parallel_size: int = 1
     cpu_threads: int | None = None
+    num_speculative_tokens: int = 0
     max_model_len = property(lambda self: self.limits.max_model_len)                    # read through the limits
     max_num_seqs = property(lambda self: self.limits.max_num_seqs)
     max_num_batched_tokens = property(lambda self: self.limits.max_num_batched_tokens)
@@ -154,6 +157,7 @@ class ExecutorOptions:
             (self.max_loras >= 0 and self.max_lora_rank >= 1, "max_loras must be >= 0, max_lora_rank >= 1"),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.cpu_threads is None or self.cpu_threads >= 1, f"cpu_threads must be >= 1, got {self.cpu_threads}"),
+            (self.num_speculative_tokens >= 0, "num_speculative_tokens must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -190,7 +194,8 @@ def executor_options(config, device: str, limits: StepLimits) -> ExecutorOptions
         progress=config.progress, time_steps=config.step_trace is not None,
         gpu=config.gpu or gpu_tuning_from_env(), max_loras=config.max_loras if config.enable_lora else 0,
         max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size,
-        cpu_threads=(config.cpu_threads or environment.cpu_threads_from_env()) if device == "cpu" else None)
+        cpu_threads=(config.cpu_threads or environment.cpu_threads_from_env()) if device == "cpu" else None,
+        num_speculative_tokens=spec.num_speculative_tokens if (spec := config.speculative_config) else 0)
     options.validate()
     if device == "cuda":
         options.validate_for_gpu()
