@@ -93,19 +93,28 @@ def test_an_executor_or_line_that_cannot_verify_is_refused():
 
 
 @pytest.mark.parametrize("device", ["cuda", "auto"])
-def test_the_gpu_is_refused_before_the_model_loads(device, monkeypatch):
-    """--speculative-config with the GPU (named, or "auto" finding one) is refused at start, before the model is
-    read: the GPU executor does not verify drafts yet, and must not run a verify step as a plain one."""
+def test_gpu_tensor_parallel_is_refused_before_the_model_loads(device, monkeypatch):
+    """--speculative-config with the GPU (named, or "auto" finding one) over tensor-parallel ranks is refused at
+    start, before the model is read (a verify step's rows sample on rank 0 alone); one GPU takes it."""
     from engine import loader
     from engine.config import EngineConfig
     from engine.executor import factory
     from engine.handle import EngineHandle
+    from engine.speculative import check_device
     monkeypatch.setattr(factory, "gpu_available", lambda: True)
     monkeypatch.setattr(loader, "load_model", lambda path: pytest.fail("the model was loaded"))
-    config = EngineConfig(model="/nonexistent", device=device, speculative_config=parse(method="ngram",
-                                                                                       num_speculative_tokens=2))
-    with pytest.raises(ValueError, match="the GPU executor does not verify draft tokens yet.*--device cpu"):
+    spec = parse(method="ngram", num_speculative_tokens=2)
+    config = EngineConfig(model="/nonexistent", device=device, speculative_config=spec, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 speculative decoding is not served yet"):
         EngineHandle(config)
+    check_device(spec, "cuda")
+    check_device(spec, "cpu", tensor_parallel_size=2)
+
+
+def test_the_gpu_executor_verifies_and_its_tensor_parallel_ranks_do_not():
+    from engine.executor.gpu import GpuExecutor
+    from engine.parallel.gpu_ops import GpuRankExecutor
+    assert GpuExecutor.supports_draft_verify and not GpuRankExecutor.supports_draft_verify
 
 
 def test_engine_config_validates_it():
