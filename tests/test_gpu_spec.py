@@ -16,6 +16,8 @@ import random
 
 import numpy as np
 import pytest
+from test_free_running import PATHS, PROMPT_LENS
+from test_gpu_free_running import assert_floor_gate
 
 from engine.batch import SeqStep
 from engine.executor.verify_rows import verify_rows
@@ -28,8 +30,6 @@ from harness.free_running_models import GATE_VOCAB, gate_model_path, load_oracle
 from harness.free_running_oracle import FullRecompute
 from harness.free_running_paths import engine_greedy
 from harness.models import random_sequences
-from test_free_running import PATHS, PROMPT_LENS
-from test_gpu_free_running import assert_floor_gate
 
 pytestmark = pytest.mark.gpu
 K = 4
@@ -114,6 +114,7 @@ def verify_batch(params: list[SamplingParams], logits: np.ndarray, rng: random.R
 @pytest.mark.parametrize("params", [PARAMS, PENALTIES, PARAMS + PENALTIES], ids=["device", "eager", "mixed"])
 def test_gpu_verify_sampling_matches_the_reference(params):
     import cupy
+
     from engine.executor.gpu_sampler import needs_processing
     model = load_model(gate_model_path("qwen3_tied"))
     ex = new_gpu_executor(model, num_speculative_tokens=K, cuda_graphs=False)

@@ -218,7 +218,7 @@ def test_the_executor_is_sized_for_the_verify_rows():
     from engine.limits import StepLimits
     from engine.speculative import SpeculativeConfig
     rows = GpuPlan.sample_rows.fget
-    plan = lambda **kw: SimpleNamespace(options=options_of(**kw), max_seqs=kw["max_num_seqs"],   # noqa: E731
+    plan = lambda **kw: SimpleNamespace(options=options_of(**kw), max_seqs=kw["max_num_seqs"],
                                         max_tokens=kw["max_num_batched_tokens"])
     assert rows(plan(max_num_seqs=16, max_num_batched_tokens=512)) == 16
     assert rows(plan(max_num_seqs=16, max_num_batched_tokens=512, num_speculative_tokens=4)) == 80
@@ -226,3 +226,51 @@ def test_the_executor_is_sized_for_the_verify_rows():
     config = EngineConfig(speculative_config=SpeculativeConfig("ngram", 3))
     assert executor_options(config, "cpu", StepLimits(256, 8, 64)).num_speculative_tokens == 3
     assert executor_options(EngineConfig(), "cpu", StepLimits(256, 8, 64)).num_speculative_tokens == 0
+
+
+def test_a_verify_graphs_layout():
+    """pad_verify_batch / pad_rows (a verify graph's static shape: 4 sequences of 5 rows): each real token's id,
+    position and slot at its sequence's rows, padded rows position and slot -1; the padded rows sampled and
+    accepted emit what the step's own rows emit (a grammar's masks moved with their rows)."""
+    from engine.executor.verify_rows import pad_rows, pad_verify_batch
+    rng = random.Random(0)
+    specs = [("greedy", 3, None), ("sampled", 0, None), ("penalties", 4, FakeGrammar(length=9, seed=2))]
+    logits_by_seq, steps = [], []
+    for i, (name, k, grammar) in enumerate(specs):
+        logits = (np.random.default_rng(i).standard_normal((k + 1, V)) * 2).astype(np.float32)
+        step = seq_step(PARAMS[name], k, drafts_for(logits, PARAMS[name], k, rng, grammar), grammar, seq_id=i)
+        step.block_table, step.start_pos = [7 + i, 2 * i], 9 + i
+        logits_by_seq.append(logits)
+        steps.append(step)
+    batch = ModelBatch.build(steps)
+    padded = pad_verify_batch(batch, 5, 4)
+    assert padded.num_tokens == 20 and padded.cu_seqlens.tolist() == [0, 5, 10, 15, 20]
+    real = [i * 5 + j for i, s in enumerate(steps) for j in range(len(s.token_ids))]
+    assert padded.input_ids[real].tolist() == batch.input_ids.tolist()
+    assert padded.positions[real].tolist() == batch.positions.tolist()
+    assert padded.slot_mapping[real].tolist() == batch.slot_mapping.tolist()
+    pad = np.setdiff1d(np.arange(20), real)
+    assert (padded.positions[pad] == -1).all() and (padded.slot_mapping[pad] == -1).all()
+    assert padded.block_tables[:3].tolist() == batch.block_tables.tolist() and not padded.block_tables[3].any()
+    assert len(padded.seqs) == 4 and padded.sample_rows.tolist() == list(range(20))
+    rows = pad_rows(verify_rows(steps), 5, 4)
+    assert rows.num_rows == 20 and rows.bitmask[0] == list(range(10, 15))
+    logits = (np.random.default_rng(9).standard_normal((20, V)) * 2).astype(np.float32)
+    for i, lg in enumerate(logits_by_seq):
+        logits[i * 5:i * 5 + len(lg)] = lg
+    masks = dict(zip(*rows.bitmask))
+    tokens = [sample_row(raw, st, allowed_tokens(masks[r], V) if r in masks else None)
+              for r, (raw, st) in enumerate(zip(logits, rows.steps))]
+    got = rows.accept(tokens)
+    want = emulated_verify(np.concatenate(logits_by_seq), steps)
+    assert [as_tuple(t) for t in got] == [as_tuple(t) for t in want]
+    assert sum(len(t.accepted) for t in want) >= 2
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_verify_batch(batch, 4, 4)
+
+
+def test_verify_graph_buckets():
+    from engine.executor.gpu_verify_graphs import VERIFY_GRAPH_MAX_SEQS, verify_buckets
+    sizes = (1, 2, 4, 8, 16, 32)
+    assert verify_buckets(sizes, 5, 512) == [b for b in sizes if b <= VERIFY_GRAPH_MAX_SEQS]
+    assert verify_buckets(sizes, 5, 12) == [1, 2]

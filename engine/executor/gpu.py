@@ -13,12 +13,13 @@ GpuTuning.eager_graph_tokens tokens as CUDA graphs per token bucket, attention l
 gpu_piecewise.py; dense lines; larger eager steps launch kernel by kernel); for a line with per-sequence
 state, its state slots (memory/state_slots.py, one per max_num_seqs) before the KV pool. The host KV
 tier's copies (pinned slots, streams, layer-by-layer restores) are a part too, GpuHostCopies (gpu_host_copies.py);
-what to copy when is the scheduler's (engine/host_tier.py).
+what to copy when is the scheduler's (engine/host_tier.py). With speculative decoding
+(options.num_speculative_tokens), GpuVerify accepts a verify step's drafts on the device (gpu_verify.py) and
+VerifyGraphs replay verify steps (gpu_verify_graphs.py).
 `last_host_s` is the host time of the last step up to its launch.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -40,7 +41,9 @@ from engine.executor.gpu_prefill import PrefillAttention, prefill_min_query
 from engine.executor.gpu_readback import Readback
 from engine.executor.gpu_sampler import GpuSampler, needs_processing
 from engine.executor.gpu_shared import GpuShared
+from engine.executor.gpu_step_timer import StepTimer
 from engine.executor.gpu_verify import GpuVerify, verifies
+from engine.executor.gpu_verify_graphs import build_verify_graphs
 from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE, ExecutorOptions,
                                      parse_decode_kernels)
 from engine.executor.verify_rows import verify_rows
@@ -64,37 +67,6 @@ def parts_nbytes(plan: GpuPlan, cute_max_m: int, prefill_on: bool, ops=GpuOps) -
             "gemm": WORKSPACE_BYTES + cute_workspace_bytes(plan, cute_max_m),
             "prefill": PrefillAttention.nbytes(plan) if prefill_on else 0,
             "verify": GpuVerify.nbytes(plan) if plan.options.num_speculative_tokens else 0}
-
-
-class StepTimer:
-    """CUDA events around each step's work on the stream: its GPU time, with no sync of its own. Steps
-    are read in the order they were queued (two may be in flight), so the pairs wait in a queue."""
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.pairs: collections.deque = collections.deque()
-
-    def start(self) -> None:
-        import cupy
-
-        begin = cupy.cuda.Event()
-        begin.record(self.stream)
-        self.pairs.append([begin, None])
-
-    def stop(self) -> None:
-        import cupy
-
-        self.pairs[-1][1] = end = cupy.cuda.Event()
-        end.record(self.stream)
-
-    def elapsed_ms(self) -> float | None:
-        import cupy
-
-        if not self.pairs:
-            return None
-        begin, end = self.pairs.popleft()
-        end.synchronize()
-        return float(cupy.cuda.get_elapsed_time(begin, end))
 
 
 @dataclass
@@ -248,6 +220,7 @@ class GpuExecutor(ExecutorBase):
         piecewise = graphs_on and options.tensor_parallel_size == 1 and model.piecewise_graphs
         buckets = eager_buckets(self.plan.max_tokens, options.gpu.eager_graph_tokens) if piecewise else []
         self.piecewise = PiecewiseGraphs(model, self.ops, self.weights, self.stream, buckets) if buckets else None
+        self.verify_graphs = build_verify_graphs(self)
 
     def _gemm(self, plan: GpuPlan, cute_max_m: int, cute_bytes: int) -> Gemm:
         tuning = plan.options.gpu
@@ -306,14 +279,17 @@ class GpuExecutor(ExecutorBase):
         first) on padded rows; False once there is none left. The engine calls this while it has
         no work, so captures happen before the first steps that need them, not during them."""
         self._kv_landed(layerwise=False)
-        todo = [(graphs, lora, m) for graphs, lora in ((self.graphs, False), (self.lora_graphs, True))
+        todo = [(graphs, lora, m) for graphs, lora in ((self.graphs, False), (self.lora_graphs, True),
+                                                       (self.verify_graphs, False))
                 if graphs is not None for m in graphs.missing()]
         if not todo:
             return self._warm_piecewise()
         graphs, lora, (b, sampling) = todo[0]
+        rows = graphs.rows_of(b)
         with nvtx_range(f"warm up graph B={b}{' sampling' if sampling else ''}{' LoRA' if lora else ''}"):
-            ctx = self.inputs.upload_padding(b, self.ops.splits(b, self.plan.kv.heads, self.max_model_len))
-            self._use_lora(np.full(b, -1, np.int32) if lora else None, b)
+            ctx = self.inputs.upload_padding(rows, self.ops.splits(rows, self.plan.kv.heads, self.max_model_len),
+                                             seqs=b, sampled=rows)
+            self._use_lora(np.full(rows, -1, np.int32) if lora else None, rows)
             graphs.warm(b, sampling, ctx)
         return len(todo) > 1 or bool(self.piecewise and self.piecewise.missing())
 
@@ -424,8 +400,9 @@ class GpuExecutor(ExecutorBase):
         if self.timer is not None:
             self.timer.start()
         self._fed = fed
-        graphs = self.graphs if batch.lora_slots is None else self.lora_graphs
-        if graphs is not None and graphs.serves(batch):
+        graphs = next((g for g in (self.graphs if batch.lora_slots is None else self.lora_graphs,
+                                   None if fed else self.verify_graphs) if g is not None and g.serves(batch)), None)
+        if graphs is not None:
             self._kv_landed(layerwise=False)
             with nvtx_range(f"decode graph B={len(batch.seqs)}"):
                 pending = graphs.launch(batch, t0)
@@ -444,11 +421,10 @@ class GpuExecutor(ExecutorBase):
         return None if self.timer is None else self.timer.elapsed_ms()
 
     def launch_eager(self, batch: ModelBatch) -> PendingStep:
-        """One step with per-kernel launches (prefill and mixed steps, verify steps; decode where graphs are
-        off). Sampled rows with no logit processing run the decode graphs' sampling kernels (grammar rows: the
-        masked tail) and come back through the readback, so the host goes on while the GPU runs the step; a
-        verify step's 1 + k rows per sequence sample as rows of their own and are accepted on the device
-        (gpu_verify.py)."""
+        """One step with per-kernel launches (prefill, mixed and verify steps; decode where graphs are off).
+        Sampled rows with no logit processing run the decode graphs' sampling kernels (grammar rows: the
+        masked tail) and come back through the readback, so the host goes on while the GPU runs the step
+        (a verify step's rows accepted on the device first, gpu_verify.py)."""
         sampled = [s for s in batch.seqs if s.sample]
         drafts = verifies(self.verify, sampled)
         hidden, ctx = self._hidden(batch)

@@ -112,12 +112,16 @@ class DecodeGraphs:
         return [(b, sampling) for b in self.buckets for sampling in (False, True)
                 if b not in (self.sampling_graphs if sampling else self.graphs)]
 
+    def rows_of(self, bucket: int) -> int:
+        """Token rows of a bucket's graph: one a sequence (a verify graph's: 1 + k, gpu_verify_graphs.py)."""
+        return bucket
+
     def warm(self, b: int, sampling: bool, ctx) -> None:
         """Capture bucket b's graph now, on a context of padded rows (executor.warm_up)."""
         graphs = self.sampling_graphs if sampling else self.graphs
         if b not in graphs:
             if sampling:
-                self.sampler.fill_graph_rows([], b)
+                self.sampler.fill_graph_rows([], self.rows_of(b))
             graphs[b] = self._capture(ctx, sampling)
 
     def _replay(self, graphs: dict, ctx, b: int, sampling: bool):

@@ -145,17 +145,20 @@ class StepInputs:
         T = pad if pad is not None else T
         return self.views(T, rows, S, num_splits(T, max_context))
 
-    def upload_padding(self, rows: int, splits: int, seqs: int | None = None) -> GpuStepContext:
+    def upload_padding(self, rows: int, splits: int, seqs: int | None = None, sampled: int | None = None
+                       ) -> GpuStepContext:
         """A context of `rows` padded token rows only (graph warm-up: every row has position and slot -1,
         so the step writes no KV and attends to nothing), in `seqs` sequences (default one per row, a
-        decode graph's; piecewise graphs of eager steps warm up on one), the last one taking the rest."""
+        decode graph's; piecewise graphs of eager steps warm up on one), the last one taking the rest;
+        `sampled` rows sampled (default one a sequence; a verify graph's: every row)."""
         import cupy
 
         seqs = rows if seqs is None else seqs
+        sampled = seqs if sampled is None else sampled
         Tm, h = self.max_tokens, self._next_host()
         slots, cu, first_table = self._regions()
         h[0:rows], h[Tm:Tm + rows], h[2 * Tm:2 * Tm + rows], h[3 * Tm:3 * Tm + rows] = 0, -1, -1, 0
-        h[4 * Tm:4 * Tm + seqs] = np.arange(seqs, dtype=np.int32)
+        h[4 * Tm:4 * Tm + sampled] = np.arange(sampled, dtype=np.int32)
         h[slots:slots + seqs] = -1
         h[cu:cu + seqs] = np.arange(seqs, dtype=np.int32)
         h[cu + seqs] = rows
@@ -164,7 +167,7 @@ class StepInputs:
         cupy.cuda.runtime.memcpyAsync(self.device.data.ptr, h.ctypes.data, n * 4,
                                       cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         self.hosts.sent(self.stream)
-        return self.views(rows, seqs, seqs, splits)
+        return self.views(rows, seqs, sampled, splits)
 
     def views(self, T: int, B: int, S: int, splits: int) -> GpuStepContext:
         Tm, mb, d = self.max_tokens, self.max_blocks, self.device

@@ -9,6 +9,11 @@ the draft row r's token must equal for the next row to count, -1 on each sequenc
 grammar completes at that row's draft (verify_seq stops there: that row's token ends the sequence).
 Acceptance (`accepted_counts`, spec_accept.cu on the device) counts, per sequence, the leading rows whose
 token equals their compare; `assemble` turns the per-row tokens into the engine's SampledTokens.
+
+A verify graph (gpu_verify_graphs.py) runs a static shape: `bucket` sequences of `per_seq` = 1 + k rows each.
+`pad_verify_batch` lays a step out so (a sequence's tokens at rows i · per_seq.., the rest position and slot -1:
+no KV written, nothing attended; filler sequences after the step's) and `pad_rows` its sampled rows alike
+(filler rows greedy, compare -1, so acceptance never reaches them).
 """
 from __future__ import annotations
 
@@ -17,7 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.batch import SampledToken, SeqStep
+from engine.batch import ModelBatch, SampledToken, SeqStep
+from engine.request import SamplingParams
+
+FILLER = SeqStep(seq_id=-1, token_ids=[0], start_pos=0, block_table=[], sample=True,
+                 params=SamplingParams(temperature=0.0))   # a padded sequence's (and row's) step: greedy, no logprobs
 
 
 @dataclass
@@ -109,3 +118,40 @@ def accepted_counts(ids: np.ndarray, compare: np.ndarray, row_start: np.ndarray)
             r += 1
         counts[b] = r - int(row_start[b])
     return counts
+
+
+def pad_rows(rows: VerifyRows, per_seq: int, bucket: int) -> VerifyRows:
+    """rows in a verify graph's layout: sequence i's rows at i · per_seq.., every other row FILLER, compare -1."""
+    steps, compare = [FILLER] * (bucket * per_seq), np.full(bucket * per_seq, -1, np.int32)
+    where = np.zeros(rows.num_rows, np.int64)           # each row's place in the padded layout
+    for i in range(len(rows.seqs)):
+        first, end = int(rows.row_start[i]), int(rows.row_start[i + 1])
+        if end - first > per_seq:
+            raise ValueError(f"a sequence of {end - first} verify rows in a graph of {per_seq} rows a sequence")
+        where[first:end] = i * per_seq + np.arange(end - first)
+        steps[i * per_seq:i * per_seq + end - first] = rows.steps[first:end]
+    compare[where] = rows.compare
+    bitmask = None if rows.bitmask is None else (where[rows.bitmask[0]].tolist(), rows.bitmask[1])
+    return VerifyRows(seqs=rows.seqs, steps=steps, compare=compare,
+                      row_start=(np.arange(len(rows.seqs) + 1) * per_seq).astype(np.int32), bitmask=bitmask)
+
+
+def pad_verify_batch(batch: ModelBatch, per_seq: int, bucket: int) -> ModelBatch:
+    """batch as `bucket` sequences of `per_seq` token rows (a verify graph's shape): sequence i's tokens at rows
+    i · per_seq.. with their ids, positions and slots, the other rows id 0 and position and slot -1; filler
+    sequences (block-table rows of zeros, state slot -1) after the batch's; every row sampled."""
+    B, T = len(batch.seqs), bucket * per_seq
+    lens = np.diff(batch.cu_seqlens)
+    if B > bucket or int(lens.max(initial=0)) > per_seq or batch.block_copies.size or batch.lora_slots is not None:
+        raise ValueError("pad_verify_batch: the step does not fit the verify graph's shape")
+    dst = np.repeat(np.arange(B) * per_seq - batch.cu_seqlens[:-1], lens) + np.arange(batch.num_tokens)
+    ids, positions, slots = np.zeros(T, np.int32), np.full(T, -1, np.int32), np.full(T, -1, np.int32)
+    ids[dst], positions[dst], slots[dst] = batch.input_ids, batch.positions, batch.slot_mapping
+    tables = np.zeros((bucket, batch.block_tables.shape[1]), np.int32)
+    tables[:B] = batch.block_tables
+    context = np.zeros(bucket, np.int32)
+    context[:B] = batch.context_lens
+    return ModelBatch(seqs=batch.seqs + [FILLER] * (bucket - B), input_ids=ids, positions=positions,
+                      slot_mapping=slots, cu_seqlens=(np.arange(bucket + 1) * per_seq).astype(np.int32),
+                      context_lens=context, block_tables=tables, sample_rows=np.arange(T, dtype=np.int32),
+                      state_slots=np.full(bucket, -1, np.int32))
