@@ -5,7 +5,8 @@
 # Groups: core (raw kernels, executor gate, graphs, async eager steps, long steps, prefill), serving
 # (server, host tier, 64 requests under load, piecewise graphs), moe_mla, dsv3 (DeepSeek-V3 / Kimi-K2,
 # FP8 / int4 folders), dsv4 (DeepSeek-V4 in eager steps, an FP8 / FP4 folder), qwen35, lora, structured,
-# free_running (greedy decode vs transformers' full recompute, every line). The gate table of every group lands in
+# free_running (greedy decode vs transformers' full recompute, every line), spec (speculative decoding: the
+# free-running gate with verify steps, the verify sampling against the CPU's). The gate table of every group lands in
 # $OUT/gate.md. GPU_LOAD=1 also runs bench/gpu_load.py (products and copies from another process) the whole time:
 # results must not depend on timing.
 set -uo pipefail
@@ -24,8 +25,9 @@ declare -A GROUPS_TESTS=(
   [lora]="tests/test_gpu_lora.py tests/test_gpu_lora_plan.py tests/test_raw_cuda_compile.py"
   [structured]="tests/test_structured_gpu.py tests/test_gpu_sampler.py"
   [free_running]="tests/test_gpu_free_running.py tests/test_gpu_free_running_dsv4.py"
+  [spec]="tests/test_gpu_spec.py"
 )
-groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core serving moe_mla dsv3 dsv4 qwen35 lora structured free_running)
+groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core serving moe_mla dsv3 dsv4 qwen35 lora structured free_running spec)
 load_pid=
 if [ "${GPU_LOAD:-0}" = 1 ]; then
   python3 bench/gpu_load.py --seconds "$LIMIT" > "$OUT/gpu_load.log" 2>&1 &
