@@ -56,18 +56,25 @@ def bf16_floor(exact: FullRecompute, bf16: FullRecompute, runs: list[Run]) -> tu
     return tol, misses, float(d.mean())
 
 
-@pytest.fixture(scope="module", params=LINES)
-def line(request):
-    """(name, model, float32 oracle, bf16 transformers, prompts, executors by cuda_graphs: built once per line)."""
-    path = gate_model_path(request.param)
+def gate_line(name: str, **settings):
+    """Yields (name, model, float32 oracle, bf16 transformers, prompts, executors by cuda_graphs), then closes the
+    executors; settings: the executors' own (options_of)."""
+    path = gate_model_path(name)
     model = load_model(path)
     exact = FullRecompute(load_oracle(path, "float32", "cuda"))
     bf16 = FullRecompute(load_oracle(path, "bfloat16", "cuda"))
     prompts = random_sequences(GATE_VOCAB, PROMPT_LENS, seed=11)
-    executors = {graphs: new_gpu_executor(model, cuda_graphs=graphs, host_kv_blocks=32) for graphs in (True, False)}
-    yield request.param, model, exact, bf16, prompts, executors
+    executors = {graphs: new_gpu_executor(model, cuda_graphs=graphs, host_kv_blocks=32, **settings)
+                 for graphs in (True, False)}
+    yield name, model, exact, bf16, prompts, executors
     for ex in executors.values():
         ex.close()
+
+
+@pytest.fixture(scope="module", params=LINES)
+def line(request):
+    """gate_line's, built once per line."""
+    yield from gate_line(request.param)
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])

@@ -16,8 +16,8 @@ import random
 
 import numpy as np
 import pytest
-from test_free_running import PATHS, PROMPT_LENS
-from test_gpu_free_running import assert_floor_gate
+from test_free_running import PATHS
+from test_gpu_free_running import assert_floor_gate, gate_line
 
 from engine.batch import SeqStep
 from engine.executor.verify_rows import verify_rows
@@ -26,10 +26,8 @@ from engine.request import SamplingParams
 from engine.sampling import sample_row, verify_seq
 from engine.speculative import SpeculativeConfig
 from harness.executors import new_gpu_executor
-from harness.free_running_models import GATE_VOCAB, gate_model_path, load_oracle
-from harness.free_running_oracle import FullRecompute
+from harness.free_running_models import GATE_VOCAB, gate_model_path
 from harness.free_running_paths import engine_greedy
-from harness.models import random_sequences
 
 pytestmark = pytest.mark.gpu
 K = 4
@@ -59,16 +57,7 @@ class ReferenceProposer:
 
 @pytest.fixture(scope="module", params=SPEC_LINES)
 def line(request):
-    path = gate_model_path(request.param)
-    model = load_model(path)
-    exact = FullRecompute(load_oracle(path, "float32", "cuda"))
-    bf16 = FullRecompute(load_oracle(path, "bfloat16", "cuda"))
-    prompts = random_sequences(GATE_VOCAB, PROMPT_LENS, seed=11)
-    executors = {graphs: new_gpu_executor(model, cuda_graphs=graphs, host_kv_blocks=32, num_speculative_tokens=K)
-                 for graphs in (True, False)}
-    yield request.param, model, exact, bf16, prompts, executors
-    for ex in executors.values():
-        ex.close()
+    yield from gate_line(request.param, num_speculative_tokens=K)
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
@@ -120,11 +109,12 @@ def test_gpu_verify_sampling_matches_the_reference(params):
     ex = new_gpu_executor(model, num_speculative_tokens=K, cuda_graphs=False)
     try:
         rng = random.Random(0)
-        params = params * 3
+        params = (params * 6)[:12]                  # 12 sequences, 33 rows: within the executor's 16 and 80
         S = sum(i % (K + 1) + 1 for i in range(len(params)))
         logits = (np.random.default_rng(1).standard_normal((S, GATE_VOCAB)) * 3).astype(np.float32)
         steps = verify_batch(params, logits, rng)
         rows = verify_rows(steps)
+        ex.verify.check(len(steps), rows.num_rows)
         device = cupy.asarray(logits)
         if any(map(needs_processing, rows.steps)):
             got = rows.accept(ex.sampler.sample(device, rows.steps, rows.bitmask))
