@@ -17,6 +17,7 @@ from engine.executor.gpu import GpuExecutor
 from engine.executor.gpu_graphs import DecodeGraphs
 from engine.executor.gpu_mla_ops import MLA_MAX_GROUP, GpuMLAOps
 from engine.executor.gpu_ops import GpuOps
+from engine.executor.gpu_verify_graphs import build_verify_graphs
 from engine.executor.options import parse_decode_kernels
 
 
@@ -71,3 +72,4 @@ class ABGpuExecutor(GpuExecutor):
             self.lora_graphs = self._graphs()
         if self.piecewise is not None:
             self.piecewise.graphs.clear()
+        self.verify_graphs = build_verify_graphs(self)

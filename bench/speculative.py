@@ -2,10 +2,10 @@
 the GPU and the command; every speculation figure has the no-speculation figure of the same run beside it.
 
 1. verify: the verify step's cost against a plain decode step, Qwen3-8B real shape with random bf16 weights through
-   the real loader (bench/decode.py's), k = 4, batch 1 and 32, each sequence at --context tokens. Per batch: the
-   decode step (its CUDA graph) and the verify step (each sequence its last token and 4 random drafts: 5 query rows
-   over the paged cache, 5 sampled rows, acceptance on the device), ms per step with its one sync (wall) and GPU
-   ms (CUDA events); the verify step graphed (VerifyGraphs, up to 8 sequences) and eager (piecewise graphs around
+   the real loader (bench/decode.py's), k = 4, batch 1 and 32 (and 8, the largest verify graph), each sequence at
+   --context tokens. Per batch: the decode step (its CUDA graph) and the verify step (each sequence its last token
+   and 4 random drafts: 5 query rows over the paged cache, 5 sampled rows, acceptance on the device), ms per step
+   with its one sync (wall) and GPU ms (CUDA events); the verify step graphed (VerifyGraphs, up to 8 sequences) and eager (piecewise graphs around
    paged_chunk.cu's attention). Targets: batch 1 <= 1.15x the decode step, batch 32 <= 1.5x.
 2. oracle: the same model, one request (c1), --tokens greedy tokens after a 256-token prompt: TPOT without
    speculation, then with a bench-only proposer that drafts that run's own next tokens (accepted wherever the verify
@@ -16,7 +16,7 @@ the GPU and the command; every speculation figure has the no-speculation figure 
    each): output tokens/s both ways (target: within 3%).
 
     bash -c 'source bench/gpu_env.sh && python3 bench/speculative.py --out bench/results'
-        [--parts verify,oracle,demo] [--model qwen3-8b] [--layers N] [--batches 1,32] [--context 512]
+        [--parts verify,oracle,demo] [--model qwen3-8b] [--layers N] [--batches 1,8,32] [--context 512]
 Run time on an H100: ~2 min to write Qwen3-8B's random weights (reused from /tmp after), ~1 min of graph
 captures, ~1 min of timing; the demo part ~1 min.
 """
@@ -280,7 +280,7 @@ def main() -> None:
     ap.add_argument("--parts", default="verify,oracle,demo")
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--copies", type=int, default=16)
