@@ -274,3 +274,19 @@ def test_verify_graph_buckets():
     sizes = (1, 2, 4, 8, 16, 32)
     assert verify_buckets(sizes, 5, 512) == [b for b in sizes if b <= VERIFY_GRAPH_MAX_SEQS]
     assert verify_buckets(sizes, 5, 12) == [1, 2]
+
+
+def test_the_graph_rows_of_a_padded_verify_step():
+    """The per-row parameter block a verify graph's sampling tail reads (gpu_sampler.pack_graph_rows over pad_rows'
+    steps): each real row its request's parameters and the draw step after the drafts before it; filler rows
+    greedy (temperature 0), no logprobs."""
+    from engine.executor.gpu_sampler import GRAPH_FIELDS, pack_graph_rows
+    from engine.executor.verify_rows import pad_rows
+    steps = [seq_step(PARAMS["sampled"], 2, [4, 8], seq_id=0), seq_step(PARAMS["greedy-logprobs"], 0, [], seq_id=1)]
+    rows = pad_rows(verify_rows(steps), 3, 2)
+    host = {name: np.full(6, 99, dtype) for name, dtype in GRAPH_FIELDS}
+    pack_graph_rows(host, rows.steps, 6)
+    assert host["temperature"].tolist() == pytest.approx([0.8, 0.8, 0.8, 0, 0, 0])
+    assert host["step"].tolist() == [3, 4, 5, 0, 0, 0] and host["seed"].tolist() == [7, 7, 7, 0, 0, 0]
+    assert host["logprobs"].tolist() == [1, 1, 1, 3, 0, 0]
+    assert rows.compare.tolist() == [4, 8, -1, -1, -1, -1]
