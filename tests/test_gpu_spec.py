@@ -145,13 +145,13 @@ def test_engine_handle_serves_ngram_on_one_gpu_and_refuses_gated_deltanet():
     got = []
     for spec in (None, NGRAM):
         config = EngineConfig(model=tiny_model_path("qwen3_tied"), device="cuda", max_model_len=256, progress=False,
-                              speculative_config=spec)
+                              num_kv_blocks=64, speculative_config=spec)
         with EngineHandle(config) as h:
             got.append(h.generate([prompt], params)[0].outputs[0].token_ids)
             stats = h.stats()
     assert stats.spec_decode_num_draft_tokens > 0
     assert len(got[1]) == 24
     config = EngineConfig(model=hybrid_model_path("qwen3_5_text"), device="cuda", max_model_len=128, progress=False,
-                          speculative_config=NGRAM)
+                          num_kv_blocks=16, speculative_config=NGRAM)
     with pytest.raises(ValueError, match="Gated DeltaNet"):
         EngineHandle(config)
