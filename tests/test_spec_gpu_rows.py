@@ -3,8 +3,9 @@
 as spec_accept.cu, emits exactly what engine/sampling.py verify_seq (the numpy executor's verification) emits —
 tokens, accepted drafts, logprobs — for greedy, seeded sampling, penalties, min_tokens, logit_bias and a grammar
 that completes inside the drafts; spec_accept.cu run on the host (tests/cuda_emulation.h) against
-accepted_counts; the read-back's layout (accepted counts before the rows' ids) assembled into SampledTokens; the
-sampled rows the executor is sized for; the start-time refusals."""
+accepted_counts; GpuVerify and the read-back over host memory (CuPy replaced): the accepted counts before the
+rows' ids, assembled into SampledTokens, in the eager and a verify graph's padded layout; the sampled rows the
+executor is sized for."""
 from __future__ import annotations
 
 import random
@@ -22,6 +23,7 @@ from engine.request import SamplingParams
 from engine.sampling import sample_row, verify_seq
 
 V = 64
+K_PAD = 5                      # a padded verify graph's rows per sequence (k = 4)
 PARAMS = {
     "greedy": SamplingParams(temperature=0),
     "greedy-logprobs": SamplingParams(temperature=0, logprobs=3),
@@ -290,3 +292,80 @@ def test_the_graph_rows_of_a_padded_verify_step():
     assert host["step"].tolist() == [3, 4, 5, 0, 0, 0] and host["seed"].tolist() == [7, 7, 7, 0, 0, 0]
     assert host["logprobs"].tolist() == [1, 1, 1, 3, 0, 0]
     assert rows.compare.tolist() == [4, 8, -1, -1, -1, -1]
+
+
+class FakeCupy:
+    """What GpuVerify and Readback touch of CuPy, over host memory: pinned memory a bytearray, copies memmove,
+    events that are always done."""
+
+    class cuda:
+        alloc_pinned_memory = staticmethod(bytearray)
+
+        class Event:
+            def __init__(self, *args, **kwargs):
+                pass
+
+            def record(self, stream=None):
+                pass
+
+            def synchronize(self):
+                pass
+
+        class runtime:
+            memcpyHostToDevice, memcpyDeviceToHost = 1, 2
+
+            @staticmethod
+            def memcpyAsync(dst, src, nbytes, kind, stream):
+                import ctypes
+                ctypes.memmove(dst, src, nbytes)
+
+
+def host_copy(pairs, to_host):
+    """gpu_mapped_copy.MappedCopy's contract: 32-bit words between pinned host arrays and device arrays."""
+    for host_array, device, words in pairs:
+        dst, src = (host_array, device) if to_host else (device, host_array)
+        np.asarray(dst).reshape(-1).view(np.int32)[:words] = np.asarray(src).reshape(-1).view(np.int32)[:words]
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "graph"])
+def test_the_device_side_on_the_host(monkeypatch, padded):
+    """GpuVerify.queue (its buffers, spec_accept.cu run by the host emulation) and Readback (its slots, one copy of
+    the counts and ids, the logprobs), CuPy replaced by host memory: the sampler's per-row results become what
+    the host's acceptance of the same rows gives, in the eager layout and a verify graph's padded one."""
+    import sys
+
+    from engine.executor import gpu_verify
+    from engine.executor.gpu_readback import Readback
+    from engine.executor.gpu_sampler import MAX_TOP_LOGPROBS
+    from engine.executor.verify_rows import pad_rows
+    from test_deltanet_kernels_emulated import EmulatedShared, host
+    monkeypatch.setitem(sys.modules, "cupy", FakeCupy)
+    monkeypatch.setattr(gpu_verify, "kernel", lambda name, entry: lambda grid, block, args, stream=None:
+                        EmulatedShared().launch((name, entry, ()), grid, block, args))
+    rng = random.Random(2)
+    steps, logits = [], []
+    for i, (name, k) in enumerate([("greedy-logprobs", 4), ("sampled", 2), ("greedy", 0), ("sampled", 4)]):
+        lg = (np.random.default_rng(i).standard_normal((k + 1, V)) * 2).astype(np.float32)
+        steps.append(seq_step(PARAMS[name], k, drafts_for(lg, PARAMS[name], k, rng), seq_id=i))
+        logits.append(lg)
+    rows = verify_rows(steps)
+    want = rows.accept([sample_row(raw, st) for raw, st in zip(np.concatenate(logits), rows.steps)])
+    if padded:
+        rows = pad_rows(rows, K_PAD, 4)
+        logits = [np.concatenate([lg, np.zeros((K_PAD - len(lg), V), np.float32)]) for lg in logits]
+    tokens = [sample_row(raw, st) for raw, st in zip(np.concatenate(logits), rows.steps)]
+    S, max_rows = rows.num_rows, 32
+    arena = SimpleNamespace(take_all=lambda prefix, buffers: {b.name: host(np.zeros(b.shape, b.dtype)) for b in buffers})
+    sampler = SimpleNamespace(ids=host(np.zeros(max_rows, np.int32)), logprob=host(np.zeros(max_rows, np.float32)),
+                              top_ids=host(np.zeros((max_rows, MAX_TOP_LOGPROBS), np.int32)),
+                              top_lp=host(np.zeros((max_rows, MAX_TOP_LOGPROBS), np.float32)))
+    for r, t in enumerate(tokens):
+        sampler.ids[r], sampler.logprob[r] = t.token_id, t.logprob if t.logprob is not None else 0.0
+        for j, (tid, lp) in enumerate(t.top_logprobs):
+            sampler.top_ids[r, j], sampler.top_lp[r, j] = tid, lp
+    verify = gpu_verify.GpuVerify(arena, max_rows, 8, sampler, stream=SimpleNamespace(ptr=0))
+    verify.check(len(rows.seqs), S)
+    got = verify.queue(rows, False, Readback(max_rows, None, host_copy)).result().sampled
+    assert [as_tuple(t) for t in got] == [as_tuple(t) for t in want]
+    assert [len(t.accepted) for t in got] != [0] * 4
+
