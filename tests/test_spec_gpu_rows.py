@@ -278,6 +278,23 @@ def test_verify_graph_buckets():
     assert verify_buckets(sizes, 5, 12) == [1, 2]
 
 
+@pytest.mark.parametrize("group", [4, 8, 16])
+def test_verify_graph_tiles(group):
+    """A verify graph's paged_chunk.cu tiles (gpu_verify_graphs.py): the largest bucket's, each bucket's a prefix
+    of them, covering each sequence's k + 1 rows in tiles of its own (16 GQA heads: two tiles a sequence)."""
+    from engine.executor.gpu_chunk import chunk_tiles, tile_tokens
+    per_seq, tokens = K_PAD, tile_tokens(group)
+    big = chunk_tiles(np.arange(33) * per_seq, np.ones(32, bool), tokens)
+    per = -(-per_seq // tokens)
+    assert big.shape[0] == 32 * per
+    for b in (1, 3, 8):
+        tiles = big[:b * per]
+        np.testing.assert_array_equal(tiles, chunk_tiles(np.arange(b + 1) * per_seq, np.ones(b, bool), tokens))
+        rows = [r for t0, n in tiles.tolist() for r in range(t0, t0 + n)]
+        assert rows == list(range(b * per_seq))
+        assert all(t0 // per_seq == (t0 + n - 1) // per_seq for t0, n in tiles.tolist())
+
+
 def test_the_graph_rows_of_a_padded_verify_step():
     """The per-row parameter block a verify graph's sampling tail reads (gpu_sampler.pack_graph_rows over pad_rows'
     steps): each real row its request's parameters and the draw step after the drafts before it; filler rows

@@ -44,13 +44,15 @@ class GpuVerify:
         self.max_rows, self.max_seqs = max_rows, max_seqs
         b = arena.take_all("verify", self.buffers(max_rows, max_seqs))
         self.inputs, self.out = b["verify_inputs"], b["verify_out"]      # [compare | row_start], [counts | ids]
+        self.tiles = b["verify_tiles"]          # a verify graph's paged_chunk.cu tiles (gpu_verify_graphs.py)
         self.hosts = PinnedTwins(self.inputs.shape, np.int32)
         self.k_accept = kernel("spec_accept", "spec_accept")
 
     @staticmethod
     def buffers(max_rows: int, max_seqs: int) -> list[Buffer]:
         return [Buffer("verify_inputs", (max_rows + max_seqs + 1,), np.int32),
-                Buffer("verify_out", (max_seqs + max_rows,), np.int32)]
+                Buffer("verify_out", (max_seqs + max_rows,), np.int32),
+                Buffer("verify_tiles", (2 * max_rows,), np.int32)]
 
     @classmethod
     def nbytes(cls, plan) -> int:

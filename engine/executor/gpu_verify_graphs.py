@@ -9,25 +9,29 @@ lm_head over every row, the argmax or the sampling tail (fill_graph_rows' per-ro
 after the drafts before it); the acceptance and the read-back follow it (GpuVerify.queue), grammar rows take the
 masked tail and rows with logit processing the eager sampler, as in decode graphs.
 
-Attention in the graph is paged_decode.cu per row (the rows' positions make it causal within the k + 1 rows,
-their keys written by qkv_rope_cache first): the chunk kernel (paged_chunk.cu, which stages each key tile once
-for a sequence's k + 1 rows × its GQA heads) plans its tiles and splits per step on the host, so it serves the
-eager verify steps. Per-row walks read a sequence's keys k + 1 times, mostly from L2 at small batches, where
-launch overhead is what a graph saves; from VERIFY_GRAPH_MAX_SEQS sequences on steps run eager (piecewise graphs
-around the chunk kernel on the dense lines). Dense lines only (model.piecewise_graphs: the lines whose
-multi-token steps capture; MoE and MLA lines plan those on the host).
+Attention in the graph is paged_chunk.cu (gpu_chunk.py: each key tile staged once for a sequence's k + 1 rows ×
+its GQA heads, on tensor cores), as in eager verify steps, over static tiles (sequence i's rows; the bucket's tiles
+a prefix of the largest bucket's, uploaded once): the kernel reads each tile's context from the rows' positions on
+the device, so only its split count is fixed, max_model_len's, as the decode graphs' is; padded rows (position -1)
+attend to nothing. Layers of another shape, and lines without the chunk kernel, take paged_decode.cu per row (the
+rows' positions make it causal within the k + 1 rows, their keys written by qkv_rope_cache first). Dense lines only
+(model.piecewise_graphs: the lines whose multi-token steps capture; MoE and MLA lines plan those on the host).
+Steps of more than VERIFY_GRAPH_MAX_SEQS sequences run eager (piecewise graphs around the same chunk attention).
 """
 from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from engine.batch import ModelBatch, StepOutput
 from engine.executor.base import DoneStep, PendingStep
+from engine.executor.gpu_chunk import chunk_tiles
 from engine.executor.gpu_graphs import DecodeGraphs
 from engine.executor.verify_rows import pad_rows, pad_verify_batch, verify_rows
 
-VERIFY_GRAPH_MAX_SEQS = 8       # sequences: above, the chunk kernel's single key pass beats per-row walks (a guess
-                                # to measure: bench/speculative.py reports the verify step graphed and eager)
+VERIFY_GRAPH_MAX_SEQS = 32      # the largest verify graph (bench/speculative.py times the verify step graphed and
+                                # eager at batch 1, 8 and 32)
 
 
 def verify_buckets(sizes: tuple[int, ...], per_seq: int, max_tokens: int) -> list[int]:
@@ -38,12 +42,36 @@ def verify_buckets(sizes: tuple[int, ...], per_seq: int, max_tokens: int) -> lis
 
 class VerifyGraphs(DecodeGraphs):
     """DecodeGraphs over verify steps: `upload` takes a padded ModelBatch (pad_verify_batch) and returns its
-    static context; `verify` is the executor's GpuVerify; per_seq: 1 + num_speculative_tokens."""
+    static context; `verify` is the executor's GpuVerify; per_seq: 1 + num_speculative_tokens; chunk: the
+    executor's ChunkKernel (None: paged_decode.cu serves), its tiles in verify.tiles."""
 
     def __init__(self, model, ops, weights, sampler, upload, readback, stream, buckets: list[int], verify,
-                 per_seq: int, pdl: bool = True):
+                 per_seq: int, max_model_len: int, chunk=None, pdl: bool = True):
         super().__init__(model, ops, weights, sampler, upload, readback, stream, tuple(buckets), pdl)
-        self.verify, self.per_seq = verify, per_seq
+        self.verify, self.per_seq, self.max_model_len, self.chunk = verify, per_seq, max_model_len, chunk
+        if chunk is not None:
+            b = self.buckets[-1]
+            tiles = chunk_tiles(np.arange(b + 1, dtype=np.int32) * per_seq, np.ones(b, bool), chunk.tokens)
+            self.tiles_per_seq = tiles.shape[0] // b
+            verify.tiles[:tiles.size].set(tiles.ravel(), stream=stream)
+
+    def _body(self, ctx, sampling: bool):
+        if self.chunk is None:
+            return super()._body(ctx, sampling)
+        with self.ops.hooked_attention(self._chunk_attention):
+            return super()._body(ctx, sampling)
+
+    def _chunk_attention(self, q, spec, ctx):
+        """o[T, Hq·D]: paged_chunk.cu over the bucket's tiles, its split count max_model_len's (layers of another
+        shape: paged_decode.cu per row)."""
+        ops, chunk = self.ops, self.chunk
+        out = ops.activation(ctx.num_tokens, spec.num_heads * spec.head_dim)
+        if spec.head_dim != chunk.head_dim or spec.num_heads != chunk.group * spec.num_kv_heads:
+            ops.paged_attention(q, spec, ctx, out)
+            return out
+        n = ctx.block_tables.shape[0] * self.tiles_per_seq
+        chunk.launch(ops, q, spec, ctx, out, self.verify.tiles[:2 * n], n, self.max_model_len)
+        return out
 
     def serves(self, batch: ModelBatch) -> bool:
         return (bool(self.buckets) and len(batch.seqs) <= self.buckets[-1] and batch.lora_slots is None
@@ -92,5 +120,6 @@ def build_verify_graphs(ex) -> VerifyGraphs | None:
             ex.ops.lora.use(None, ctx.num_tokens)
         return ctx
 
+    chunk = ex.prefill.chunk if ex.prefill is not None else None
     return VerifyGraphs(ex.model, ex.ops, ex.weights, ex.sampler, upload, ex.readback, ex.stream, buckets,
-                        ex.verify, k + 1, pdl=ex.options.gpu.pdl)
+                        ex.verify, k + 1, ex.max_model_len, chunk, pdl=ex.options.gpu.pdl)
