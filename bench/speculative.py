@@ -190,7 +190,16 @@ DEMO_TEXTS = [
     "Fix the typo in this paragraph and give the corrected paragraph:\n\n"
     "The quick brown fox jumps over the lazzy dog. The quick brown fox is very quick. "
     "The lazy dog does not move when the quick brown fox jumps over it.\n",
+    "Repeat this sentence exactly three times: The committee approved the budget for the new library in March.",
 ]
+
+
+def chat_prompt(tok, text: str) -> str:
+    """text as the model's chat template renders a user turn (the text itself where it has none)."""
+    try:
+        return tok.apply_chat_template([{"role": "user", "content": text}])
+    except ValueError:
+        return text
 
 
 def demo_ngram(tokens: int, copies: int) -> dict:
@@ -198,8 +207,7 @@ def demo_ngram(tokens: int, copies: int) -> dict:
     from engine.loader.demo import demo_model_path
     model = load_model(demo_model_path())
     tok = model.tokenizer
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
-               for t in DEMO_TEXTS]
+    prompts = [tok.encode(chat_prompt(tok, t), add_special_tokens=False) for t in DEMO_TEXTS]
     ex = build_executor(model, max_seqs=max(8, len(prompts) * copies), max_model_len=2048)
     spec = SpeculativeConfig("ngram", K, 2, 4)
     try:
