@@ -93,6 +93,17 @@ def drafts_for(logits: np.ndarray, params: SamplingParams, k: int, rng: random.R
     return drafts
 
 
+def verify_case(specs, seed: int) -> tuple[list[SeqStep], list[np.ndarray]]:
+    """One SeqStep per (PARAMS name, draft count, grammar or None) and its rows' logits; drafts by drafts_for."""
+    rng = random.Random(seed)
+    steps, logits = [], []
+    for i, (name, k, grammar) in enumerate(specs):
+        lg = (np.random.default_rng(i).standard_normal((k + 1, V)) * 2).astype(np.float32)
+        steps.append(seq_step(PARAMS[name], k, drafts_for(lg, PARAMS[name], k, rng, grammar), grammar, seq_id=i))
+        logits.append(lg)
+    return steps, logits
+
+
 def emulated_verify(logits: np.ndarray, steps: list[SeqStep]):
     """The GPU path on the host: the rows of verify_rows, each sampled alone with its own mask, then accepted."""
     rows = verify_rows(steps)
@@ -127,12 +138,8 @@ def test_rows_sampled_alone_emit_what_verify_seq_emits(name, with_grammar):
 def test_a_batch_of_verify_and_plain_rows():
     """Sequences with and without drafts in one step: their rows in ModelBatch.sample_rows' order, each
     sequence's tokens verify_seq's."""
-    rng = random.Random(1)
-    logits_by_seq, steps = [], []
-    for i, (name, k) in enumerate([("greedy", 3), ("sampled", 0), ("penalties", 2), ("greedy-logprobs", 4)]):
-        logits = (np.random.default_rng(i).standard_normal((k + 1, V)) * 2).astype(np.float32)
-        steps.append(seq_step(PARAMS[name], k, drafts_for(logits, PARAMS[name], k, rng), seq_id=i))
-        logits_by_seq.append(logits)
+    steps, logits_by_seq = verify_case([("greedy", 3, None), ("sampled", 0, None), ("penalties", 2, None),
+                                        ("greedy-logprobs", 4, None)], seed=1)
     batch = ModelBatch.build(steps)
     rows = verify_rows(steps)
     assert rows.num_rows == len(batch.sample_rows) == 13
@@ -235,15 +242,10 @@ def test_a_verify_graphs_layout():
     position and slot at its sequence's rows, padded rows position and slot -1; the padded rows sampled and
     accepted emit what the step's own rows emit (a grammar's masks moved with their rows)."""
     from engine.executor.verify_rows import pad_rows, pad_verify_batch
-    rng = random.Random(0)
-    specs = [("greedy", 3, None), ("sampled", 0, None), ("penalties", 4, FakeGrammar(length=9, seed=2))]
-    logits_by_seq, steps = [], []
-    for i, (name, k, grammar) in enumerate(specs):
-        logits = (np.random.default_rng(i).standard_normal((k + 1, V)) * 2).astype(np.float32)
-        step = seq_step(PARAMS[name], k, drafts_for(logits, PARAMS[name], k, rng, grammar), grammar, seq_id=i)
+    steps, logits_by_seq = verify_case([("greedy", 3, None), ("sampled", 0, None),
+                                        ("penalties", 4, FakeGrammar(length=9, seed=2))], seed=0)
+    for i, step in enumerate(steps):
         step.block_table, step.start_pos = [7 + i, 2 * i], 9 + i
-        logits_by_seq.append(logits)
-        steps.append(step)
     batch = ModelBatch.build(steps)
     padded = pad_verify_batch(batch, 5, 4)
     assert padded.num_tokens == 20 and padded.cu_seqlens.tolist() == [0, 5, 10, 15, 20]
@@ -359,12 +361,8 @@ def test_the_device_side_on_the_host(monkeypatch, padded):
     monkeypatch.setitem(sys.modules, "cupy", FakeCupy)
     monkeypatch.setattr(gpu_verify, "kernel", lambda name, entry: lambda grid, block, args, stream=None:
                         EmulatedShared().launch((name, entry, ()), grid, block, args))
-    rng = random.Random(2)
-    steps, logits = [], []
-    for i, (name, k) in enumerate([("greedy-logprobs", 4), ("sampled", 2), ("greedy", 0), ("sampled", 4)]):
-        lg = (np.random.default_rng(i).standard_normal((k + 1, V)) * 2).astype(np.float32)
-        steps.append(seq_step(PARAMS[name], k, drafts_for(lg, PARAMS[name], k, rng), seq_id=i))
-        logits.append(lg)
+    steps, logits = verify_case([("greedy-logprobs", 4, None), ("sampled", 2, None), ("greedy", 0, None),
+                                 ("sampled", 4, None)], seed=2)
     rows = verify_rows(steps)
     want = rows.accept([sample_row(raw, st) for raw, st in zip(np.concatenate(logits), rows.steps)])
     if padded:
