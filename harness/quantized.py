@@ -4,6 +4,8 @@ benchmarks; the engine only reads them, engine/loader/quantized.py):
 * `fp8_folder`: every 2-D projection weight of the decoder layers as float8 e4m3 with float32
   `weight_scale_inv` per [bn, bk] block (DeepSeek-V3's; amax / 448 per block, a last partial block
   kept) and quantization_config {"quant_method": "fp8", "weight_block_size": [bn, bk]}.
+* `fp8_channel_folder`: the same projections as compressed-tensors `float-quantized` fp8 with one float32
+  `weight_scale` per output row ([N, 1], amax / 448: what vLLM's --quantization fp8 computes at load).
 * `int4_experts_folder`: the routed experts' projections as compressed-tensors `pack-quantized` symmetric
   int4 with bf16 group scales (Kimi-K2-Thinking's): weight_packed / weight_scale / weight_shape, the rest
   as it was. Also writes `reference`: the same folder in bf16 holding the dequantized values, which are
@@ -99,6 +101,36 @@ def fp8_folder(src: str, dst: str, block: tuple[int, int] = (128, 128)) -> str:
             out[name] = a
     return _rewrite(src, dst, out, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                     "weight_block_size": list(block)})
+
+
+def quantize_fp8_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fp8 e4m3 [N, K], scale float32 [N, 1]) with w ~ fp8 · scale per row (amax / 448; 1 for a zero row)."""
+    w = np.asarray(w, np.float32)
+    scale = np.empty((w.shape[0], 1), np.float32)
+    q = np.empty(w.shape, ml_dtypes.float8_e4m3fn)
+    for n in range(w.shape[0]):
+        amax = float(np.abs(w[n]).max())
+        scale[n, 0] = np.float32(amax) / np.float32(FP8_MAX) if amax > 0 else 1.0
+        q[n] = np.clip(w[n] / scale[n, 0], -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_channel_folder(src: str, dst: str) -> str:
+    """A copy of HF folder src with its layers' projections in compressed-tensors float-quantized fp8
+    (channel weight scales, dynamic per-token activations)."""
+    out = {}
+    for name, a in _tensors(src).items():
+        if LAYER_LINEAR.match(name) and a.ndim == 2:
+            out[name], out[name[:-len("weight")] + "weight_scale"] = quantize_fp8_channel(a)
+        else:
+            out[name] = a
+    scheme = {"weights": {"type": "float", "num_bits": 8, "symmetric": True, "strategy": "channel",
+                          "dynamic": False},
+              "input_activations": {"type": "float", "num_bits": 8, "symmetric": True, "strategy": "token",
+                                    "dynamic": True},
+              "targets": ["Linear"]}
+    return _rewrite(src, dst, out, {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                    "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]})
 
 
 def int4_experts_folder(src: str, dst: str, reference: str, group: int = 32) -> tuple[str, str]:

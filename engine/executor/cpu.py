@@ -11,10 +11,12 @@ from engine.executor.base import ExecutorBase
 from engine.executor.cpu_cost import cpu_step_cost
 from engine.executor.cpu_lora_ops import NumpyLoRAOps
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
+from engine.executor.cpu_quant_ops import host_fp8
 from engine.executor.cpu_threads import CpuThreads, default_cpu_threads
 from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
 from engine.lora import lora_sites
+from engine.models.quant_linear import Fp8Linear, log_kept
 from engine.models.rope import rope_cos_sin
 from engine.sampling import prompt_logprobs, sample_step
 from memory.kv_pool import BLOCK_SIZE, blocks_for, check_block_copies, copy_pool_blocks, host_pool, pool_blocks
@@ -36,6 +38,7 @@ class CpuExecutor(ExecutorBase):
         self.vocab_size, self.max_model_len = cfg.vocab_size, options.max_model_len
         rounding = ROUNDING.get(options.dtype)
         self.weights = {name: self._prepare(a, rounding) for name, a in model.weights.items()}
+        log_kept(self.weights, {"fp8": "W8A8 in numpy (the GPU kernels' numerics, cpu_quant_ops.py)"})
         self.layout = self.model.kv_layout()
         self.kv_block_bytes = self.layout.block_bytes(4)          # the numpy pool is float32
         self.step_cost = cpu_step_cost(cfg, self.weights, self.kv_block_bytes // BLOCK_SIZE)
@@ -85,7 +88,10 @@ class CpuExecutor(ExecutorBase):
 
     @staticmethod
     def _prepare(a: np.ndarray, rounding) -> np.ndarray:
-        """float32 in memory; matrices column-major, so `x @ w.T` reads w.T contiguously (3x faster gemv)."""
+        """float32 in memory; matrices column-major, so `x @ w.T` reads w.T contiguously (3x faster gemv); a
+        kept FP8 weight stays FP8 (its codes as float32 values: cpu_quant_ops.py)."""
+        if isinstance(a, Fp8Linear):
+            return host_fp8(a)
         if rounding is not None and a.ndim >= 2:
             a = np.asarray(a).astype(rounding)
         a = np.asarray(a, dtype=np.float32)

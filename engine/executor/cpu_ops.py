@@ -14,7 +14,9 @@ from engine.executor.cpu_dsv4_attention import NumpyDSV4Ops
 from engine.executor.cpu_lora_ops import NumpyLoRAOps
 from engine.executor.cpu_mla_ops import NumpyMLAOps
 from engine.executor.cpu_moe_ops import NumpyMoEOps
+from engine.executor.cpu_quant_ops import w8a8_linear
 from engine.models.ops import AttentionSpec, ComposedOps
+from engine.models.quant_linear import Fp8Linear
 from memory.kv_pool import BLOCK_SIZE, block_view
 
 
@@ -72,7 +74,7 @@ class NumpyOps(ComposedOps):
         return _rms(r, weight, eps).astype(np.float32), r
 
     def linear(self, x, weight, bias=None):
-        y = x @ weight.T
+        y = w8a8_linear(x, weight) if isinstance(weight, Fp8Linear) else x @ weight.T
         return y if bias is None else y + bias
 
     def qkv_rope_cache(self, qkv, spec: AttentionSpec, ctx: CpuStepContext, q_norm=None, k_norm=None):

@@ -48,6 +48,7 @@ from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE
                                      parse_decode_kernels)
 from engine.executor.verify_rows import verify_rows
 from engine.loader import LoadedModel
+from engine.models.quant_linear import Fp8Linear, log_kept
 from engine.models.rope import rope_inv_freq
 from engine.sampling import prompt_logprobs
 from memory.device_arena import DeviceArena, arena_budget, buffers_nbytes
@@ -144,7 +145,9 @@ class GpuExecutor(ExecutorBase):
         returns each LoRA site's weight extended with every slot's A rows."""
         self.gate_up_interleaved = self.config.intermediate_size % 8 == 0
         extended: dict = {}
-        self.weights = upload_weights(self.arena, model.weights.items(), self.streams, total_bytes=sizes.weights,
+        log_kept(model.weights, {"fp8": "the bf16 kernels, dequantized at upload (no kept-FP8 GPU path yet)"})
+        host = ((n, w.dequantized() if isinstance(w, Fp8Linear) else w) for n, w in model.weights.items())
+        self.weights = upload_weights(self.arena, host, self.streams, total_bytes=sizes.weights,
                                       progress=self.options.progress,
                                       interleave=lambda name: self.gate_up_interleaved and name.endswith("gate_up_proj"),
                                       extra_rows=lambda name: sizes.lora_rows.get(name, 0), extended=extended)

@@ -11,9 +11,11 @@ import numpy as np
 from engine.model_config import ModelConfig
 from engine.model_files import ModelLoadError, read_json_object
 from engine.models.decoder import DecoderLM
+from engine.models.quant_linear import Fp8Linear
 from engine.models.registry import build_model
 from engine.models.weights import pack_weights
-from engine.loader.quantized import dequantizing
+from engine.loader.kept_linear import linear_keeper
+from engine.loader.quantized import dequantizing, quant_format
 from engine.loader.safetensors_io import SafetensorsCheckpoint
 from engine.tokenizer import Tokenizer
 
@@ -35,18 +37,26 @@ def read_generation_config(folder: str, config: ModelConfig) -> dict[str, Any]:
     return gen
 
 
-def load_hf_folder(folder: str, dequant_dtype=np.float32) -> LoadedModel:
-    """dequant_dtype: what quantized weights (FP8, packed int) are dequantized to (loader/quantized.py)."""
+def load_hf_folder(folder: str, dequant_dtype=np.float32, quantization: str | None = None,
+                   keep_quantized: bool = True) -> LoadedModel:
+    """dequant_dtype: what quantized weights (FP8, packed int) are dequantized to (loader/quantized.py);
+    quantization: vLLM's --quantization ("fp8": the line's linear layers quantized at load); keep_quantized:
+    the line's linear layers in a kept format load kept (loader/kept_linear.py), else dequantized too."""
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"model folder not found: {folder}")
     config = ModelConfig.from_file(folder)
     model = build_model(config)
     ckpt = SafetensorsCheckpoint(folder)
+    keeper = linear_keeper(quant_format(config.raw), quantization, model,
+                           *model.checkpoint(ckpt.__contains__, ckpt.get)) if keep_quantized else None
     has, get = model.checkpoint(*dequantizing(config.raw, ckpt.__contains__, ckpt.get, dequant_dtype))
     try:
-        weights = pack_weights(model.weight_specs(), has, get, where=folder)
+        weights = pack_weights(model.weight_specs(), has, get, where=folder, keep=keeper and keeper.keep)
     except KeyError as e:                   # a tensor the model needs is not in the checkpoint
         raise ModelLoadError(e.args[0]) from None
+    if quantization is not None and not any(isinstance(w, Fp8Linear) for w in weights.values()):
+        raise ValueError(f"--quantization {quantization}: no linear layer of {folder} can be quantized (W8A8 needs "
+                         f"input widths that are multiples of 128)")
     gen = read_generation_config(folder, config)
     tokenizer = Tokenizer.from_folder(folder, gen)
     return LoadedModel(config, weights, tokenizer, gen, os.path.abspath(folder), model)

@@ -15,9 +15,14 @@ each `X.weight` with its dequantized values, so every model line loads them unch
   unsigned value q + 2^(bits-1); `X.weight_scale` [N, K / group]; `X.weight_shape` [N, K];
   w[n, k] = q[n, k] · scale[n, k // group], multiplied in the scale's dtype (compressed-tensors'
   dequantize: bf16 scales give bf16-rounded products) and returned as `dtype`.
+* compressed-tensors `float-quantized` FP8 (config_groups weights {"type": "float", "num_bits": 8, "strategy":
+  "tensor" | "channel"}): `X.weight` float8 e4m3 [N, K] and `X.weight_scale` ([1] or [N, 1]);
+  w[n, k] = fp8[n, k] · scale[n] in float32. Activation scales (`input_scale`, static) are not read: the
+  activations are quantized dynamically per token (vLLM's dynamic scheme).
 
-Values come back as float32 by default (exact against those references); the GPU uploads them as bf16,
-so on the GPU the quantized formats are dequantized at load too (a kept-quantized path is future work).
+Values come back as float32 by default (exact against those references). A model line's linear layers in an
+FP8 format are kept as the checkpoint ships them instead (engine/loader/kept_linear.py); what is dequantized
+here is the rest (experts, MLA projections, lines that keep none).
 """
 from __future__ import annotations
 
@@ -136,7 +141,60 @@ class PackedIntFormat:
         return (lambda name: has(name) or parts(name) is not None), get_weight
 
 
-def quant_format(raw: dict[str, Any]) -> Fp8BlockFormat | PackedIntFormat | None:
+def channel_scale(scale: np.ndarray, rows: int) -> np.ndarray:
+    """float32 [rows] from a tensor scale ([1] / []) or a channel scale ([rows, 1] / [rows])."""
+    s = np.asarray(scale).astype(np.float32).reshape(-1)
+    if s.size == 1:
+        return np.repeat(s, rows)
+    if s.size != rows:
+        raise ValueError(f"a weight of {rows} rows needs a tensor or channel scale, got {list(np.shape(scale))}")
+    return s
+
+
+@dataclass(frozen=True)
+class Fp8ChannelFormat:
+    strategy: str              # "tensor" | "channel"
+
+    def describe(self) -> str:
+        return f"compressed-tensors float-quantized fp8 weights (per {self.strategy} scales)"
+
+    def view(self, has: Has, get: Get, dtype) -> tuple[Has, Get]:
+        def get_weight(name: str) -> np.ndarray:
+            scale = name[:-len("weight")] + "weight_scale" if name.endswith(".weight") else None
+            if scale is None or not has(scale):
+                return get(name)
+            w = np.asarray(get(name)).astype(np.float32)
+            return (w * channel_scale(get(scale), w.shape[0])[:, None]).astype(dtype)
+        return has, get_weight
+
+
+def compressed_tensors_format(q: dict[str, Any]) -> Fp8ChannelFormat | PackedIntFormat:
+    """The one weight scheme of a compressed-tensors config (pack-quantized int or float-quantized fp8)."""
+    groups = list((q.get("config_groups") or {}).values())
+    formats = {g.get("format") or q.get("format") for g in groups}
+    weights = [g.get("weights") or {} for g in groups]
+    kinds = {(w.get("type"), int(w.get("num_bits") or 0), bool(w.get("symmetric", True)),
+              w.get("strategy"), w.get("group_size")) for w in weights}
+    if len(formats) != 1 or len(kinds) != 1 or formats & {"pack-quantized", "float-quantized"} != formats:
+        raise ValueError(f"compressed-tensors: only one pack-quantized (int) or float-quantized (fp8) weight scheme "
+                         f"is supported, got formats {sorted(map(str, formats))} and schemes {sorted(map(str, kinds))}")
+    kind, bits, symmetric, strategy, group = kinds.pop()
+    if formats == {"float-quantized"}:
+        if kind != "float" or bits != 8 or strategy not in ("tensor", "channel"):
+            raise ValueError(f"compressed-tensors float-quantized: only fp8 (type float, 8 bits) with tensor or "
+                             f"channel scales is supported (int weights come pack-quantized), got type={kind} bits={bits} "
+                             f"strategy={strategy}")
+        return Fp8ChannelFormat(strategy)
+    if kind != "int" or not symmetric or strategy not in ("group", "channel") or 32 % bits:
+        raise ValueError(f"compressed-tensors: unsupported weight scheme type={kind} bits={bits} "
+                         f"symmetric={symmetric} strategy={strategy}")
+    return PackedIntFormat(bits, int(group) if strategy == "group" else None)
+
+
+QuantFormat = Fp8BlockFormat | Fp8ChannelFormat | PackedIntFormat
+
+
+def quant_format(raw: dict[str, Any]) -> QuantFormat | None:
     """The weight format a config.json's quantization_config names (None: not quantized); ValueError for
     one this loader cannot dequantize."""
     q = raw.get("quantization_config") or raw.get("compression_config")
@@ -149,19 +207,7 @@ def quant_format(raw: dict[str, Any]) -> Fp8BlockFormat | PackedIntFormat | None
             raise ValueError(f"fp8 checkpoints: only e4m3 with weight_block_size [bn, bk] are supported, got {q}")
         return Fp8BlockFormat((int(block[0]), int(block[1])))
     if method == "compressed-tensors":
-        groups = list((q.get("config_groups") or {}).values())
-        formats = {g.get("format") or q.get("format") for g in groups}
-        weights = [g.get("weights") or {} for g in groups]
-        kinds = {(w.get("type"), int(w.get("num_bits") or 0), bool(w.get("symmetric", True)),
-                  w.get("strategy"), w.get("group_size")) for w in weights}
-        if formats != {"pack-quantized"} or len(kinds) != 1:
-            raise ValueError(f"compressed-tensors: only one pack-quantized weight scheme is supported, got "
-                             f"formats {sorted(map(str, formats))} and schemes {sorted(map(str, kinds))}")
-        kind, bits, symmetric, strategy, group = kinds.pop()
-        if kind != "int" or not symmetric or strategy not in ("group", "channel") or 32 % bits:
-            raise ValueError(f"compressed-tensors: unsupported weight scheme type={kind} bits={bits} "
-                             f"symmetric={symmetric} strategy={strategy}")
-        return PackedIntFormat(bits, int(group) if strategy == "group" else None)
+        return compressed_tensors_format(q)
     raise ValueError(f"unsupported quantization_config quant_method {method!r} (supported: fp8, compressed-tensors)")
 
 

@@ -25,6 +25,10 @@ class LayerOptions:
     qk_norm: bool = False          # per-head RMSNorm on q and k before rotary (Qwen3)
 
 
+# decoder.py's dense blocks' projections (attention_block, mlp_block)
+DENSE_LINEARS = (".qkv_proj", ".o_proj", ".gate_up_proj", ".down_proj")
+
+
 def attention_specs(cfg: ModelConfig) -> list[AttentionSpec]:
     return [AttentionSpec(layer=i, num_heads=cfg.num_attention_heads,
                           num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
@@ -142,6 +146,9 @@ class DecoderLM:
     model_type = ""
     expert_shape = None          # moe.ExpertShape of a line with routed experts
     lora = False                 # its projections are LoRA sites (decoder.py's dense blocks): --enable-lora serves it
+    # the engine weights (name suffixes) its forward passes only to ops.linear and the fused linear ops, so they
+    # may load kept quantized (engine/models/quant_linear.py); () dequantizes every quantized weight at load
+    kept_quantized: tuple[str, ...] = ()
     tensor_parallel = False      # engine/parallel/sharding.py knows how to shard its weights
     # layer -> LinearAttentionSpec of the Gated DeltaNet layers (hybrid lines; the GPU checks their shapes)
     linear_specs: Mapping[int, LinearAttentionSpec] = MappingProxyType({})

@@ -5,7 +5,7 @@ The forward is the pre-norm decoder_stack of engine/models/decoder.py, without q
 from __future__ import annotations
 
 from engine.model_config import ModelConfig
-from engine.models.decoder import DecoderLM, LayerOptions
+from engine.models.decoder import DENSE_LINEARS, DecoderLM, LayerOptions
 
 
 class LlamaForCausalLM(DecoderLM):
@@ -13,6 +13,7 @@ class LlamaForCausalLM(DecoderLM):
     piecewise_graphs = True
     layerwise_restore = True
     lora = True
+    kept_quantized = DENSE_LINEARS
     tensor_parallel = True
 
     @staticmethod

@@ -8,7 +8,7 @@ paged-KV write -> paged attention -> o_proj + residual add -> RMSNorm + fused ga
 from __future__ import annotations
 
 from engine.model_config import ModelConfig
-from engine.models.decoder import DecoderLM, LayerOptions
+from engine.models.decoder import DENSE_LINEARS, DecoderLM, LayerOptions
 
 
 class Qwen3ForCausalLM(DecoderLM):
@@ -16,6 +16,7 @@ class Qwen3ForCausalLM(DecoderLM):
     piecewise_graphs = True
     layerwise_restore = True
     lora = True
+    kept_quantized = DENSE_LINEARS
     tensor_parallel = True
 
     @staticmethod

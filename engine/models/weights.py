@@ -65,14 +65,20 @@ def stacked(name: str, groups: list[list[tuple[str, Shape]]]) -> WeightSpec:
 
 
 def pack_weights(specs: list[WeightSpec], has: Callable[[str], bool],
-                 get: Callable[[str], np.ndarray], where: str = "checkpoint") -> dict[str, np.ndarray]:
+                 get: Callable[[str], np.ndarray], where: str = "checkpoint",
+                 keep: Callable[[WeightSpec], object | None] | None = None) -> dict[str, np.ndarray]:
     """Build the engine weights from checkpoint tensors (kept in their stored dtype; a weight of
     several parts as a PackedWeight of them). Stacked experts are fetched and written by LOAD_WORKERS
-    threads (a quantized checkpoint's `get` dequantizes: numpy work that drops the GIL).
+    threads (a quantized checkpoint's `get` dequantizes: numpy work that drops the GIL). keep(spec): the
+    weight kept quantized (engine/loader/kept_linear.py), None to build it from has / get.
     Raises KeyError / ValueError naming the tensor (and both shapes) on a missing tensor or a
     shape mismatch."""
     out: dict[str, np.ndarray] = {}
     for spec in specs:
+        kept = keep(spec) if keep is not None else None
+        if kept is not None:
+            out[spec.name] = kept
+            continue
         for src, _ in spec.parts:
             if not has(src):
                 raise KeyError(f"missing tensor {src!r} (for {spec.name}) in {where}")

@@ -1,0 +1,104 @@
+"""Which linear weights load kept quantized (engine/models/quant_linear.py), chosen per layer at load.
+
+A weight the model line declares keepable (DecoderLM.kept_quantized: its forward passes it only to the linear
+ops) is kept when every checkpoint tensor it is packed from is quantized in a kept format:
+
+* quant_method fp8 with [128, 128] blocks: `X.weight` e4m3 and `X.weight_scale_inv` (float32 / bf16 / ue8m0,
+  read as float32);
+* compressed-tensors float-quantized fp8: `X.weight` e4m3 and `X.weight_scale` (tensor or channel; kept as
+  channel scales);
+* `--quantization fp8` (vLLM's flag) on an unquantized checkpoint: every such weight quantized here per
+  output row (fp8_per_channel), its activations per token at run time.
+
+A layer the checkpoint leaves unquantized (no scale: modules_to_not_convert / ignore), lm_head, the norms, the
+routers and the experts load as before (engine/loader/quantized.py dequantizes what is quantized among them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.loader.quantized import Fp8BlockFormat, Fp8ChannelFormat, Get, Has, QuantFormat, channel_scale
+from engine.models.quant_linear import Fp8Linear, fp8_concat, fp8_per_channel
+from engine.models.weights import WeightSpec
+from openinfer_kernels.quant.fp8_ref import E4M3, GROUP
+
+QUANTIZATIONS = ("fp8",)          # --quantization values served
+
+
+def check_quantization(quantization: str | None) -> None:
+    """ValueError for a --quantization value not served, naming why."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not supported: --quantization fp8 quantizes a bf16 "
+                         f"checkpoint at load (per-channel e4m3 weights, dynamic per-token activations); "
+                         f"checkpoints quantized in fp8, compressed-tensors or pack-quantized int formats are read "
+                         f"from their quantization_config without the flag")
+
+
+@dataclass(frozen=True)
+class LinearKeeper:
+    """keep(spec) -> the spec's weight kept quantized, or None (loaded as before)."""
+    fmt: QuantFormat | None
+    quantize: bool                  # --quantization fp8: quantize unquantized keepable weights
+    suffixes: tuple[str, ...]
+    has: Has
+    get: Get
+
+    def keep(self, spec: WeightSpec) -> Fp8Linear | None:
+        if spec.experts or not spec.name.endswith(self.suffixes):
+            return None
+        parts = []
+        for name, shape in spec.parts:
+            part = self._part(name, shape)
+            if part is None:
+                return None
+            parts.append(part)
+        return fp8_concat(parts)
+
+    def _part(self, name: str, shape: tuple[int, ...]) -> Fp8Linear | None:
+        base = name[:-len("weight")]
+        if not name.endswith(".weight") or not self.has(name) or len(shape) != 2 or shape[1] % GROUP:
+            return None
+        block, channel = self.has(base + "weight_scale_inv"), self.has(base + "weight_scale")
+        if isinstance(self.fmt, Fp8BlockFormat) and self.fmt.block == (GROUP, GROUP) and block:
+            return Fp8Linear(_e4m3(self.get(name), name, shape), np.asarray(self.get(base + "weight_scale_inv"))
+                             .astype(np.float32))
+        if isinstance(self.fmt, Fp8ChannelFormat) and channel:
+            return Fp8Linear(_e4m3(self.get(name), name, shape), channel_scale(self.get(base + "weight_scale"), shape[0]))
+        if self.quantize and self.fmt is None:
+            w = self.get(name)
+            if tuple(w.shape) != shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {shape}")
+            return fp8_per_channel(w)
+        return None
+
+
+def _e4m3(w: np.ndarray, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if tuple(w.shape) != shape:
+        raise ValueError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {shape}")
+    if w.dtype == E4M3:
+        return w
+    if w.dtype in (np.uint8, np.int8):
+        return w.view(E4M3)
+    raise ValueError(f"tensor {name!r}: an fp8 checkpoint's weight must be float8 e4m3, got {w.dtype}")
+
+
+def linear_keeper(fmt: QuantFormat | None, quantization: str | None, model: Any, has: Has,
+                  get: Get) -> LinearKeeper | None:
+    """The keeper of a checkpoint (format fmt) for a model line, or None where nothing can be kept;
+    ValueError for --quantization where it cannot serve (an unsupported value, a checkpoint quantized in
+    another format, a line that keeps no linear layers)."""
+    check_quantization(quantization)
+    if quantization is not None:
+        if fmt is not None and not isinstance(fmt, (Fp8BlockFormat, Fp8ChannelFormat)):
+            raise ValueError(f"--quantization {quantization}: the checkpoint is already quantized ({fmt.describe()})")
+        if not model.kept_quantized:
+            raise ValueError(f"--quantization {quantization}: the {model.config.model_type} line keeps no quantized "
+                             f"linear layers (its weights would only be dequantized again)")
+    if not model.kept_quantized or (fmt is None and quantization is None):
+        return None
+    if not isinstance(fmt, (Fp8BlockFormat, Fp8ChannelFormat, type(None))):
+        return None
+    return LinearKeeper(fmt, quantization == "fp8", model.kept_quantized, has, get)

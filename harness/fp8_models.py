@@ -1,0 +1,77 @@
+"""Tiny dense folders in FP8 for the W8A8 gates, and transformers oracles on their dequantized weights.
+
+`fp8_tiny(line, fmt)`: a tiny random model of that line at widths W8A8 takes (hidden, heads · head_dim, the
+MLP and the KV rows multiples of 128, so fused q/k/v block scales stack), written as an FP8 folder ("block":
+quant_method fp8 with [128, 128] `weight_scale_inv`; "channel": compressed-tensors float-quantized) and as
+the float32 folder of its dequantized weights (the oracle's). The oracles (transformers, float32, eager) on
+that folder: `hf_logits` plain; `hf_w8a8_logits` with each decoder projection's input quantized per token and
+128-wide group to e4m3 first (torch's own cast: the activation quantization of vLLM's dynamic scheme);
+`hf_bf16_logits` the model in bf16 (the bf16 floor).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import os
+
+import numpy as np
+
+from harness.models import _tmp_root, build_tiny_model, hf_model
+from harness.quantized import dequantized_copy, fp8_channel_folder, fp8_folder
+
+W8A8_WIDTHS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=32)
+FP8_LINES = {"qwen3": "qwen3_untied", "llama": "llama", "qwen2": "qwen2"}     # line -> its TINY_MODELS base
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_tiny(line: str, fmt: str = "block") -> tuple[str, str]:
+    """(the FP8 folder, the float32 folder of its dequantized weights) of a tiny `line` model."""
+    src = os.path.join(_tmp_root(), f"{line}-w8a8")
+    if not os.path.isdir(src):
+        overrides = {k: v for k, v in W8A8_WIDTHS.items() if line == "qwen3" or k != "head_dim"}
+        build_tiny_model(FP8_LINES[line], src, **overrides)
+    dst = f"{src}-fp8-{fmt}"
+    fp8_folder(src, dst, (128, 128)) if fmt == "block" else fp8_channel_folder(src, dst)
+    return dst, dequantized_copy(dst, dst + "-ref")
+
+
+def fake_quant_e4m3(x):
+    """x [..., K] (torch) quantized per row and 128-wide group to e4m3 and back: s = max(amax, 1e-10) / 448,
+    x ~ e4m3(clamp(x / s)) · s."""
+    import torch
+    g = x.float().to(x.dtype).reshape(*x.shape[:-1], x.shape[-1] // 128, 128)
+    s = g.abs().amax(-1, keepdim=True).clamp_min(1e-10) / 448.0
+    q = (g / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return (q * s).reshape(x.shape).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _w8a8_model(path: str, double: bool):
+    model = copy.deepcopy(hf_model(path))
+    model = model.double() if double else model
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in PROJECTIONS:
+            module.register_forward_pre_hook(lambda _m, args: (fake_quant_e4m3(args[0]),))
+    return model
+
+
+@functools.lru_cache(maxsize=4)
+def _bf16_model(path: str):
+    import torch
+    return copy.deepcopy(hf_model(path)).to(torch.bfloat16)
+
+
+def _logits(model, ids: list[int]) -> np.ndarray:
+    import torch
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def hf_w8a8_logits(path: str, ids: list[int], double: bool = False) -> np.ndarray:
+    """double: the model in float64 (the activations quantized from float32 copies): W8A8's float32 floor."""
+    return _logits(_w8a8_model(path, double), ids)
+
+
+def hf_bf16_logits(path: str, ids: list[int]) -> np.ndarray:
+    return _logits(_bf16_model(path), ids)
