@@ -40,12 +40,15 @@ class EngineConfig:
     else the cores less one; decode-size steps run on one: engine/executor/cpu_threads.py).
     data_parallel_size / data_parallel_rank: whole engines serving one endpoint (engine/process_replicas.py) and
     this one's place among them: its KV events carry the rank, on the endpoint's port + rank.
+    quantization: vLLM's --quantization ("fp8": the line's linear layers quantized at load, W8A8;
+    engine/loader/kept_linear.py).
     speculative_config: vLLM's --speculative-config: draft tokens verified in each decode step
     (engine/speculative.py; None: off).
     """
     model: str | None = None
     device: str = "auto"                     # "auto" | "cpu" | "cuda"
     dtype: str = "auto"                      # "auto" | "bfloat16" | "float16" | "float32"
+    quantization: str | None = None          # None | "fp8"
     served_model_name: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int | None = None
@@ -77,6 +80,13 @@ class EngineConfig:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     speculative_config: SpeculativeConfig | None = None
+
+    def _check_quantization(self) -> None:
+        from engine.loader.kept_linear import check_quantization
+        check_quantization(self.quantization)
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization {self.quantization} with tensor_parallel_size > 1: tensor-parallel ranks "
+                             f"do not keep quantized weights")
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
@@ -113,6 +123,7 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self._check_quantization()
         if self.speculative_config is not None:
             try:
                 self.speculative_config.validate()

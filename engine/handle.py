@@ -289,7 +289,7 @@ def _build(config: EngineConfig):
     device = resolve_device(config.device)
     check_device(config.speculative_config, device, config.tensor_parallel_size)      # before the model is read
     t0 = time.perf_counter()
-    model = load_model(path)
+    model = load_model(path, quantization=config.quantization)
     t1 = time.perf_counter()
     if config.kv_offload_gib:              # the host tier in GiB -> slots of this model's KV blocks
         blocks = host_blocks_for_gib(config.kv_offload_gib, model.model.kv_layout(), 2 if device == "cuda" else 4)

@@ -32,6 +32,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="weights' dtype: the GPU runs bfloat16 (auto, bfloat16); the CPU computes in float32 "
                         "and with bfloat16 / float16 first rounds the weights to it")
+    p.add_argument("--quantization", "-q", default=None, metavar="METHOD",
+                   help="fp8: quantize a bf16 checkpoint's linear layers at load (per-channel e4m3 weights, dynamic "
+                        "per-token activations: W8A8). Checkpoints already quantized (fp8, compressed-tensors) are "
+                        "read from their quantization_config without it")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output token limit per request (default: the model's own)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -252,6 +256,7 @@ def engine_config(args: argparse.Namespace):
     from engine.lora import parse_lora_modules
     served = getattr(args, "served_model_name", None) or (DEMO_MODEL_NAME if args.model is None else None)
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, served_model_name=served,
+                          quantization=args.quantization,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_chunked_prefill=args.enable_chunked_prefill,

@@ -145,6 +145,25 @@ def test_quantization_refusals():
         load_model(tiny_model_path("deepseek_v2_lite"), quantization="fp8")
 
 
+def test_quantization_flag_is_checked_at_start():
+    from engine.config import EngineConfig
+    EngineConfig(quantization="fp8").validate()
+    with pytest.raises(ValueError, match="'fp4' is not supported"):
+        EngineConfig(quantization="fp4").validate()
+    with pytest.raises(ValueError, match="tensor-parallel ranks"):
+        EngineConfig(quantization="fp8", tensor_parallel_size=2).validate()
+
+
+def test_startup_log_names_format_and_kernel_per_family(caplog):
+    import logging
+    path, _ = fp8_tiny("qwen3", "block")
+    with caplog.at_level(logging.INFO):
+        new_executor(load_model(path))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("quantized linear")]
+    assert len(lines) == 4 and all("128x128 block scales, served by W8A8 in numpy" in line for line in lines), lines
+    assert any(line.startswith("quantized linear qkv_proj (2 layers)") for line in lines)
+
+
 def test_float_quantized_formats():
     scheme = {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}
     fmt = quant_format({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",

@@ -88,7 +88,8 @@ def test_generate_prints_the_completion():
 
 @pytest.mark.parametrize("args,needle", [(["serve", "--device", "tpu"], "--device"),
                                          (["serve", "--max-num-seqs", "0"], "max_num_seqs"),
-                                         (["serve", "--model", "/no/such/model"], "/no/such/model")])
+                                         (["serve", "--model", "/no/such/model"], "/no/such/model"),
+                                         (["serve", "--quantization", "awq"], "quantization 'awq' is not supported")])
 def test_bad_cli_options_fail_with_a_clear_message(args, needle):
     import socket
 
