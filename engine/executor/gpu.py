@@ -48,6 +48,7 @@ from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE
                                      parse_decode_kernels)
 from engine.executor.verify_rows import verify_rows
 from engine.loader import LoadedModel
+from engine.executor.gpu_fp8_ops import block_scaled_gate_up, device_nbytes, fp8_ops_class, upload_fp8
 from engine.models.quant_linear import Fp8Linear, log_kept
 from engine.models.rope import rope_inv_freq
 from engine.sampling import prompt_logprobs
@@ -101,6 +102,7 @@ class GpuExecutor(ExecutorBase):
         self.vocab_size, self.max_model_len = model.config.vocab_size, options.max_model_len
         self.device = DeviceInfo.query()
         self.plan = gpu_plan(options, model.model, self.device)
+        self.ops_class = fp8_ops_class(model.weights, self.ops_class)
         self.streams = DeviceStreams()
         self.stream = self.streams.compute
         sizes = self._sizes(model)
@@ -129,7 +131,7 @@ class GpuExecutor(ExecutorBase):
             parts["state"] = buffers_nbytes(state_buffers(state, self.num_state_slots))
         sites = dict(plan.lora_sites)           # every slot's A rows (gpu_lora_layout.py)
         lora_rows = {name: extra_rows(name, sites, self.options) for name in sites}
-        return ArenaSizes(parts=parts, weights=sum(int(a.size) * 2 for a in model.weights.values()),
+        return ArenaSizes(parts=parts, weights=sum(device_nbytes(a) for a in model.weights.values()),
                           lora_rows=lora_rows, lora_bytes=sum(lora_rows[name] * site.k * 2 for name, site in sites.items()),
                           cute_max_m=cute_max_m, prefill_min=prefill_min, state=state)
 
@@ -141,16 +143,18 @@ class GpuExecutor(ExecutorBase):
                 + self.options.num_kv_blocks * self.plan.kv.block_bytes(KV_ITEMSIZE) + SLACK_BYTES)
 
     def _upload_weights(self, model: LoadedModel, sizes: ArenaSizes) -> dict:
-        """The weights into the arena (gate_up rows interleaved in blocks of 8 for gemv.cu's fused SiLU·up);
-        returns each LoRA site's weight extended with every slot's A rows."""
-        self.gate_up_interleaved = self.config.intermediate_size % 8 == 0
+        """The weights into the arena (gate_up rows interleaved in blocks of 8 for gemv.cu's fused SiLU·up unless
+        block-scaled FP8 ones are kept: gpu_fp8_ops.py); returns each LoRA site's weight extended by the A rows."""
+        self.gate_up_interleaved = self.config.intermediate_size % 8 == 0 and not block_scaled_gate_up(model.weights)
         extended: dict = {}
-        log_kept(model.weights, {"fp8": "the bf16 kernels, dequantized at upload (no kept-FP8 GPU path yet)"})
-        host = ((n, w.dequantized() if isinstance(w, Fp8Linear) else w) for n, w in model.weights.items())
-        self.weights = upload_weights(self.arena, host, self.streams, total_bytes=sizes.weights,
-                                      progress=self.options.progress,
-                                      interleave=lambda name: self.gate_up_interleaved and name.endswith("gate_up_proj"),
-                                      extra_rows=lambda name: sizes.lora_rows.get(name, 0), extended=extended)
+        log_kept(model.weights, {"fp8": "fp8_quant.cu + gemv_fp8.cu (decode), the CuTe FP8 GEMM (prefill)"})
+        kept = {n: w for n, w in model.weights.items() if isinstance(w, Fp8Linear)}
+        interleave = lambda name: self.gate_up_interleaved and name.endswith("gate_up_proj")
+        self.weights = upload_weights(self.arena, [(n, w) for n, w in model.weights.items() if n not in kept],
+                                      self.streams, total_bytes=sizes.weights, progress=self.options.progress,
+                                      interleave=interleave, extra_rows=lambda n: sizes.lora_rows.get(n, 0),
+                                      extended=extended)
+        self.weights.update(upload_fp8(self.arena, kept, self.stream, interleave))
         return extended
 
     def _take_parts(self, sizes: ArenaSizes) -> None:

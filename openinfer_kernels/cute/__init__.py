@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from .attention import attention_work
 from .attention import varlen_attention as _varlen_attention
 from .gemm import DeviceTensor, GemmRunner
+from .gemm import fp8_gemm as _fp8_gemm
 from .gemm import grouped_gemm as _grouped_gemm
 from .moe import ExpertGroups, group_by_expert
 
-__all__ = ["available", "init", "gemm", "gemm_partials", "gemm_swiglu", "grouped_gemm", "group_by_expert", "ExpertGroups",
+__all__ = ["available", "init", "gemm", "gemm_partials", "gemm_swiglu", "fp8_gemm", "grouped_gemm",
+           "group_by_expert", "ExpertGroups",
            "varlen_attention", "attention_work", "reserve_workspace", "use_workspace", "DeviceTensor"]
 
 _runner: GemmRunner | None = None
@@ -121,6 +123,12 @@ def gemm_swiglu(a, b, out, stream=None, prefetch_weights: bool = False) -> bool:
     interleaved in blocks of 8; True where launched, False (nothing launched) where the planned
     tile has no SiLU·up twin."""
     return _get_runner().swiglu(a, b, out, stream, prefetch_weights=prefetch_weights)
+
+
+def fp8_gemm(a, a_scales, b, b_scales, out, stream=None, prefetch_weights: bool = False) -> None:
+    """The block-scaled W8A8 product (``gemm.fp8_gemm``): e4m3 activations ``a`` [M, K] with per-token 128-group
+    scales [K/128, >= M], e4m3 weights ``b`` [N, K] with [ceil(N/128), K/128] block scales, bf16 ``out``."""
+    _fp8_gemm(_get_runner(), a, a_scales, b, b_scales, out, stream, prefetch_weights=prefetch_weights)
 
 
 def grouped_gemm(a, w, tile_expert, out, stream=None, prefetch_weights: bool = False) -> None:
