@@ -46,14 +46,18 @@ def fake_quant_e4m3(x):
     return (q * s).reshape(x.shape).to(x.dtype)
 
 
-@functools.lru_cache(maxsize=4)
-def _w8a8_model(path: str, double: bool):
-    model = copy.deepcopy(hf_model(path))
-    model = model.double() if double else model
+def with_w8a8_hooks(model):
+    """model (transformers) with each decoder projection's input fake-quantized first (fake_quant_e4m3)."""
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in PROJECTIONS:
             module.register_forward_pre_hook(lambda _m, args: (fake_quant_e4m3(args[0]),))
     return model
+
+
+@functools.lru_cache(maxsize=4)
+def _w8a8_model(path: str, double: bool):
+    model = copy.deepcopy(hf_model(path))
+    return with_w8a8_hooks(model.double() if double else model)
 
 
 @functools.lru_cache(maxsize=4)

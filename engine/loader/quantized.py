@@ -96,6 +96,17 @@ def dequant_packed_group(packed: np.ndarray, scale: np.ndarray, shape: tuple[int
     return product.astype(scale.dtype).astype(dtype, copy=False)      # in the scale's dtype, as compressed-tensors
 
 
+def scaled_view(has: Has, get: Get, scale_name: str, dequant: Callable[[np.ndarray, np.ndarray], np.ndarray]
+                ) -> tuple[Has, Get]:
+    """(has, get) where each `X.weight` with an `X.<scale_name>` comes back as dequant(weight, scale)."""
+    def get_weight(name: str) -> np.ndarray:
+        scale = name[:-len("weight")] + scale_name if name.endswith(".weight") else None
+        if scale is None or not has(scale):
+            return get(name)
+        return dequant(get(name), get(scale))
+    return has, get_weight
+
+
 @dataclass(frozen=True)
 class Fp8BlockFormat:
     block: tuple[int, int]
@@ -104,15 +115,11 @@ class Fp8BlockFormat:
         return f"FP8 e4m3 weights with {self.block[0]}x{self.block[1]} block scales"
 
     def view(self, has: Has, get: Get, dtype) -> tuple[Has, Get]:
-        def get_weight(name: str) -> np.ndarray:
-            scale = name[:-len("weight")] + "weight_scale_inv" if name.endswith(".weight") else None
-            if scale is None or not has(scale):
-                return get(name)
-            w, s = get(name), get(scale)
+        def dequant(w: np.ndarray, s: np.ndarray) -> np.ndarray:
             if w.dtype in (np.int8, np.uint8):                      # FP4: two e2m1 values per byte
                 return dequant_fp4_block(w, s, dtype)
             return dequant_fp8_block(w, s, self.block, dtype)
-        return has, get_weight
+        return scaled_view(has, get, "weight_scale_inv", dequant)
 
 
 @dataclass(frozen=True)
@@ -159,13 +166,10 @@ class Fp8ChannelFormat:
         return f"compressed-tensors float-quantized fp8 weights (per {self.strategy} scales)"
 
     def view(self, has: Has, get: Get, dtype) -> tuple[Has, Get]:
-        def get_weight(name: str) -> np.ndarray:
-            scale = name[:-len("weight")] + "weight_scale" if name.endswith(".weight") else None
-            if scale is None or not has(scale):
-                return get(name)
-            w = np.asarray(get(name)).astype(np.float32)
-            return (w * channel_scale(get(scale), w.shape[0])[:, None]).astype(dtype)
-        return has, get_weight
+        def dequant(w: np.ndarray, s: np.ndarray) -> np.ndarray:
+            w = np.asarray(w).astype(np.float32)
+            return (w * channel_scale(s, w.shape[0])[:, None]).astype(dtype)
+        return scaled_view(has, get, "weight_scale", dequant)
 
 
 def compressed_tensors_format(q: dict[str, Any]) -> Fp8ChannelFormat | PackedIntFormat:
