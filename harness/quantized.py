@@ -91,12 +91,13 @@ def _tensors(src: str) -> dict[str, np.ndarray]:
     return {k: np.array(ckpt.get(k)) for k in ckpt.keys()}
 
 
-def fp8_folder(src: str, dst: str, block: tuple[int, int] = (128, 128)) -> str:
-    """A copy of HF folder src with its layers' projections in FP8 with block scales."""
+def fp8_folder(src: str, dst: str, block: tuple[int, int] = (128, 128), quantize=quantize_fp8_block) -> str:
+    """A copy of HF folder src with its layers' projections in FP8 with block scales (quantize(w, block): the
+    block quantizer, e.g. a vectorized one for real shapes)."""
     out = {}
     for name, a in _tensors(src).items():
         if LAYER_LINEAR.match(name) and a.ndim == 2:
-            out[name], out[name[:-len("weight")] + "weight_scale_inv"] = quantize_fp8_block(a, block)
+            out[name], out[name[:-len("weight")] + "weight_scale_inv"] = quantize(a, block)
         else:
             out[name] = a
     return _rewrite(src, dst, out, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
