@@ -6,6 +6,9 @@ benchmarks; the engine only reads them, engine/loader/quantized.py):
   kept) and quantization_config {"quant_method": "fp8", "weight_block_size": [bn, bk]}.
 * `fp8_channel_folder`: the same projections as compressed-tensors `float-quantized` fp8 with one float32
   `weight_scale` per output row ([N, 1], amax / 448: what vLLM's --quantization fp8 computes at load).
+* `int4_folder`: the layers' projections as AWQ (gemm version: asymmetric, zero points, qweight [K, N/8] in
+  AutoAWQ's nibble order) or GPTQ (v1: symmetric, qweight [K/8, N], zeros minus one) int4, group 128, fp16
+  scales; also writes `reference`: the same folder in float32 holding the dequantized values (q - z) · s.
 * `int4_experts_folder`: the routed experts' projections as compressed-tensors `pack-quantized` symmetric
   int4 with bf16 group scales (Kimi-K2-Thinking's): weight_packed / weight_scale / weight_shape, the rest
   as it was. Also writes `reference`: the same folder in bf16 holding the dequantized values, which are
@@ -132,6 +135,59 @@ def fp8_channel_folder(src: str, dst: str) -> str:
               "targets": ["Linear"]}
     return _rewrite(src, dst, out, {"quant_method": "compressed-tensors", "format": "float-quantized",
                                     "config_groups": {"group_0": scheme}, "ignore": ["lm_head"]})
+
+
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # AutoAWQ's: word c's nibble i holds column 8c + order[i]
+
+
+def pack_words(values: np.ndarray, order=tuple(range(8))) -> np.ndarray:
+    """Nibbles [..., 8·W] into int32 words [..., W]: word c holds value 8c + order[i] in bits 4i."""
+    v = values.astype(np.uint32).reshape(*values.shape[:-1], -1, 8)
+    words = np.zeros(v.shape[:-1], np.uint32)
+    for i, j in enumerate(order):
+        words |= v[..., j] << np.uint32(4 * i)
+    return words.view(np.int32)
+
+
+def quantize_int4(w: np.ndarray, group: int, symmetric: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q [N, K] 0..15, zeros [N, K/g] (8 where symmetric), scales fp16 [N, K/g]) with w ~ (q - z) · s per group:
+    symmetric s = amax / 7; else s = (max - min) / 15, z = round(-min / s)."""
+    w = np.asarray(w, np.float32)
+    N, K = w.shape
+    g = w.reshape(N, K // group, group)
+    if symmetric:
+        s = np.maximum(np.abs(g).max(-1) / 7, 1e-6).astype(np.float16)
+        z = np.full(s.shape, 8, np.int64)
+    else:
+        lo, hi = g.min(-1), g.max(-1)
+        s = np.maximum((hi - lo) / 15, 1e-6).astype(np.float16)
+        z = np.clip(np.round(-lo / s.astype(np.float32)), 0, 15).astype(np.int64)
+    q = np.clip(np.round(g / s.astype(np.float32)[..., None]) + z[..., None], 0, 15).astype(np.int64)
+    return q.reshape(N, K), z, s
+
+
+def int4_folder(src: str, dst: str, reference: str, method: str, group: int = 128) -> tuple[str, str]:
+    """(dst: src with its layers' projections in AWQ ("awq") or GPTQ v1 ("gptq") int4, reference: the same
+    weights dequantized in float32)."""
+    packed, plain = {}, {}
+    for name, a in _tensors(src).items():
+        if not (LAYER_LINEAR.match(name) and a.ndim == 2):
+            packed[name] = plain[name] = a
+            continue
+        q, z, s = quantize_int4(a, group, symmetric=method == "gptq")
+        base = name[:-len("weight")]
+        if method == "awq":
+            packed.update({base + "qweight": pack_words(q.T, AWQ_PACK_ORDER), base + "scales": s.T.copy(),
+                           base + "qzeros": pack_words(z.T, AWQ_PACK_ORDER)})
+        else:
+            packed.update({base + "qweight": pack_words(q).T.copy(), base + "qzeros": pack_words(z.T - 1),
+                           base + "scales": s.T.copy(), base + "g_idx": np.arange(a.shape[1], dtype=np.int32) // group})
+        deq = (q - np.repeat(z, group, 1)) * np.repeat(s.astype(np.float32), group, 1)
+        plain[name] = deq.astype(np.float32)
+    config = ({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+              if method == "awq" else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                       "sym": True, "checkpoint_format": "gptq"})
+    return _rewrite(src, dst, packed, config), _rewrite(src, reference, plain, None)
 
 
 def int4_experts_folder(src: str, dst: str, reference: str, group: int = 32) -> tuple[str, str]:

@@ -31,11 +31,11 @@ from engine.executor.cpu_quant_ops import host_fp8, w8a8_linear
 from engine.loader import load_model
 from engine.loader.quantized import quant_format
 from engine.models.quant_linear import Fp8Linear, fp8_concat, fp8_per_channel
-from harness.fp8_models import fp8_tiny, hf_w8a8_logits
+from harness.quant_models import fp8_tiny, hf_w8a8_logits
 from harness.models import engine_logits, hf_logits, log_softmax, test_prompts, tiny_model_path
 from harness.quantized import quantize_fp8_block
 from openinfer_kernels.quant import fp8_ref
-from test_golden import new_executor
+from test_golden import gate_failures, new_executor
 
 MIN_MEAN = 1e-4                  # float32 vs float32 (tests/test_golden.py measures max 6.5e-5)
 MIN_TIE = 0.02
@@ -173,3 +173,22 @@ def test_float_quantized_formats():
     with pytest.raises(ValueError, match="tensor or channel"):
         quant_format({"quantization_config": {"quant_method": "compressed-tensors", "format": "float-quantized",
                                               "config_groups": {"g": block}}})
+
+
+@pytest.mark.parametrize("line,method", [("qwen3", "awq"), ("qwen3", "gptq"),
+                                         pytest.param("llama", "awq", marks=pytest.mark.slow)])
+def test_int4_folder_loads_kept_and_is_exact(line, method):
+    """AWQ / GPTQ int4 (group 128): the projections load kept packed (W4Linear), dequantizing to the writer's own
+    (q - z) · s bit for bit; the logits pass test_golden's float32 gate against transformers on those weights."""
+    from engine.models.quant_linear import W4Linear
+    from harness.quant_models import int4_tiny
+    path, ref = int4_tiny(line, method)
+    model, want = load_model(path), load_model(ref)
+    kept = {n for n, w in model.weights.items() if isinstance(w, W4Linear)}
+    assert kept == {f"layers.{i}.{p}" for i in range(2) for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    assert all((model.weights[n].w4.zeros is None) == (method == "gptq") for n in kept)
+    for name in kept:
+        np.testing.assert_array_equal(np.asarray(model.weights[name]), np.asarray(want.weights[name]), err_msg=name)
+    prompts = test_prompts(model.tokenizer, 3)
+    got = engine_logits(new_executor(model), prompts, prefill=4, chunks=3)
+    assert not gate_failures(got, [hf_logits(ref, p) for p in prompts])

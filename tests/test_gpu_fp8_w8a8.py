@@ -1,6 +1,6 @@
 """FP8 W8A8 on the GPU executor (engine/executor/gpu_fp8_ops.py), tiny Qwen3 / Llama folders in both FP8 formats
-(harness/fp8_models.py), by the floor method against transformers on the dequantized weights with each
-projection's input quantized as the kernels do (e4m3 per token and 128-group, harness.fp8_models.with_w8a8_hooks):
+(harness.quant_models.py), by the floor method against transformers on the dequantized weights with each
+projection's input quantized as the kernels do (e4m3 per token and 128-group, harness.quant_models.with_w8a8_hooks):
 HF float32 is the oracle, HF bf16 (the same hooks) the floor: argmax by regret and mean |Δlogprob| within
 tests/test_gpu_executor.py's rule (max(0.02, 2 x the floor's mean)). Every KV path (one prefill, prefill then
 decode rows, chunks) runs decode rows through gemv_fp8 and larger steps through the CuTe FP8 GEMM (or, with
@@ -14,7 +14,7 @@ import pytest
 
 from engine.loader import load_model
 from harness.executors import new_gpu_executor
-from harness.fp8_models import fp8_tiny, with_w8a8_hooks
+from harness.quant_models import fp8_tiny, with_w8a8_hooks
 from harness.models import engine_logits, random_sequences
 from test_gpu_executor import GPU_CPU_TIE_TOL, PATHS, assert_gate, assert_same_or_tie, gate_row, greedy, hf_run
 

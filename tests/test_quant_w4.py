@@ -17,15 +17,13 @@ import pytest
 
 from engine.loader.quantized import dequant_fp4_block, dequant_packed_group
 from harness.quant_cases import W4_KINDS, random_w4
-from harness.quantized import pack_int32_bitwise, quantize_int_group
+from harness.quantized import AWQ_PACK_ORDER, pack_int32_bitwise, pack_words, quantize_int_group
 from openinfer_kernels.quant import w4_formats as fmt
 from openinfer_kernels.quant.ops import QuantOps, W4Weight
 from openinfer_kernels.quant.w4_layout import pack_w4, unpack_w4
 from test_decode_kernels_emulated import assert_bf16_close, run
 from test_deltanet_kernels_emulated import host
 from test_rope_cache_emulated import bf16, f32, rb
-
-AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 class EmulatedQuantOps(QuantOps):
@@ -39,15 +37,6 @@ class EmulatedQuantOps(QuantOps):
     def _launch(self, k, grid, block, args):
         name, entry, defines = k
         run(name, entry, tuple(grid), block[0], args, **defines)
-
-
-def pack_words(values: np.ndarray, order=tuple(range(8))) -> np.ndarray:
-    """Nibbles [..., 8·W] into int32 words [..., W]: word c holds value 8c + order[i] in bits 4i."""
-    v = values.astype(np.uint32).reshape(*values.shape[:-1], -1, 8)
-    words = np.zeros(v.shape[:-1], np.uint32)
-    for i, j in enumerate(order):
-        words |= v[..., j] << np.uint32(4 * i)
-    return words.view(np.int32)
 
 
 def awq_checkpoint(rng, N, K, group):

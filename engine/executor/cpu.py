@@ -16,7 +16,7 @@ from engine.executor.cpu_threads import CpuThreads, default_cpu_threads
 from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
 from engine.lora import lora_sites
-from engine.models.quant_linear import Fp8Linear, log_kept
+from engine.models.quant_linear import Fp8Linear, W4Linear, log_kept
 from engine.models.rope import rope_cos_sin
 from engine.sampling import prompt_logprobs, sample_step
 from memory.kv_pool import BLOCK_SIZE, blocks_for, check_block_copies, copy_pool_blocks, host_pool, pool_blocks
@@ -38,7 +38,8 @@ class CpuExecutor(ExecutorBase):
         self.vocab_size, self.max_model_len = cfg.vocab_size, options.max_model_len
         rounding = ROUNDING.get(options.dtype)
         self.weights = {name: self._prepare(a, rounding) for name, a in model.weights.items()}
-        log_kept(self.weights, {"fp8": "W8A8 in numpy (the GPU kernels' numerics, cpu_quant_ops.py)"})
+        log_kept(model.weights, {"fp8": "W8A8 in numpy (the GPU kernels' numerics, cpu_quant_ops.py)",
+                                 "int4": "numpy on the exactly dequantized weights (W4A16)"})
         self.layout = self.model.kv_layout()
         self.kv_block_bytes = self.layout.block_bytes(4)          # the numpy pool is float32
         self.step_cost = cpu_step_cost(cfg, self.weights, self.kv_block_bytes // BLOCK_SIZE)
@@ -89,9 +90,12 @@ class CpuExecutor(ExecutorBase):
     @staticmethod
     def _prepare(a: np.ndarray, rounding) -> np.ndarray:
         """float32 in memory; matrices column-major, so `x @ w.T` reads w.T contiguously (3x faster gemv); a
-        kept FP8 weight stays FP8 (its codes as float32 values: cpu_quant_ops.py)."""
+        kept FP8 weight stays FP8 (its codes as float32 values: cpu_quant_ops.py), a kept int4 one is dequantized
+        exactly (W4A16: the product is the dequantized weights')."""
         if isinstance(a, Fp8Linear):
             return host_fp8(a)
+        if isinstance(a, W4Linear):
+            a = a.dequantized()
         if rounding is not None and a.ndim >= 2:
             a = np.asarray(a).astype(rounding)
         a = np.asarray(a, dtype=np.float32)

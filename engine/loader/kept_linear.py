@@ -7,6 +7,8 @@ ops) is kept when every checkpoint tensor it is packed from is quantized in a ke
   read as float32);
 * compressed-tensors float-quantized fp8: `X.weight` e4m3 and `X.weight_scale` (tensor or channel; kept as
   channel scales);
+* AWQ (gemm version, zero points), GPTQ (no act-order) and compressed-tensors pack-quantized int4: the codes
+  kept packed with their group scales (and zeros), W4A16 (W4Linear);
 * `--quantization fp8` (vLLM's flag) on an unquantized checkpoint: every such weight quantized here per
   output row (fp8_per_channel), its activations per token at run time.
 
@@ -20,8 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from engine.loader.quantized import Fp8BlockFormat, Fp8ChannelFormat, Get, Has, QuantFormat, channel_scale
-from engine.models.quant_linear import Fp8Linear, fp8_concat, fp8_per_channel
+from engine.loader.quantized import (Fp8BlockFormat, Fp8ChannelFormat, Get, Has, Int4Format, PackedIntFormat,
+                                     QuantFormat, channel_scale)
+from engine.models.quant_linear import Fp8Linear, W4Linear, fp8_concat, fp8_per_channel, w4_concat
+from openinfer_kernels.quant.w4_formats import from_compressed_tensors
 from engine.models.weights import WeightSpec
 from openinfer_kernels.quant.fp8_ref import E4M3, GROUP
 
@@ -46,16 +50,31 @@ class LinearKeeper:
     has: Has
     get: Get
 
-    def keep(self, spec: WeightSpec) -> Fp8Linear | None:
+    def keep(self, spec: WeightSpec) -> Fp8Linear | W4Linear | None:
         if spec.experts or not spec.name.endswith(self.suffixes):
             return None
         parts = []
         for name, shape in spec.parts:
-            part = self._part(name, shape)
+            int4 = isinstance(self.fmt, (Int4Format, PackedIntFormat))
+            part = self._w4(name, shape) if int4 else self._part(name, shape)
             if part is None:
                 return None
             parts.append(part)
-        return fp8_concat(parts)
+        return w4_concat(parts) if isinstance(parts[0], W4Linear) else fp8_concat(parts)
+
+    def _w4(self, name: str, shape: tuple[int, ...]) -> W4Linear | None:
+        """An AWQ / GPTQ / pack-quantized int4 part, kept packed (None: the tensor is not in that format)."""
+        base = name[:-len("weight")]
+        if isinstance(self.fmt, Int4Format):
+            w4 = self.fmt.codes(base, self.has, self.get) if self.has(base + "qweight") else None
+        elif self.fmt.bits == 4 and self.has(base + "weight_packed") and not self.has(base + "weight_zero_point"):
+            scale = self.get(base + "weight_scale")
+            w4 = from_compressed_tensors(self.get(base + "weight_packed"), scale, shape, shape[1] // scale.shape[-1])
+        else:
+            return None
+        if w4 is not None and tuple(w4.codes.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(w4.codes.shape)}, expected {shape}")
+        return None if w4 is None else W4Linear(w4)
 
     def _part(self, name: str, shape: tuple[int, ...]) -> Fp8Linear | None:
         base = name[:-len("weight")]
@@ -66,7 +85,8 @@ class LinearKeeper:
             return Fp8Linear(_e4m3(self.get(name), name, shape), np.asarray(self.get(base + "weight_scale_inv"))
                              .astype(np.float32))
         if isinstance(self.fmt, Fp8ChannelFormat) and channel:
-            return Fp8Linear(_e4m3(self.get(name), name, shape), channel_scale(self.get(base + "weight_scale"), shape[0]))
+            scale = channel_scale(self.get(base + "weight_scale"), shape[0])
+            return Fp8Linear(_e4m3(self.get(name), name, shape), scale)
         if self.quantize and self.fmt is None:
             w = self.get(name)
             if tuple(w.shape) != shape:
@@ -98,7 +118,5 @@ def linear_keeper(fmt: QuantFormat | None, quantization: str | None, model: Any,
             raise ValueError(f"--quantization {quantization}: the {model.config.model_type} line keeps no quantized "
                              f"linear layers (its weights would only be dequantized again)")
     if not model.kept_quantized or (fmt is None and quantization is None):
-        return None
-    if not isinstance(fmt, (Fp8BlockFormat, Fp8ChannelFormat, type(None))):
         return None
     return LinearKeeper(fmt, quantization == "fp8", model.kept_quantized, has, get)

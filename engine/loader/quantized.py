@@ -32,6 +32,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from openinfer_kernels.quant.w4_formats import W4Codes, from_awq, from_gptq
+from openinfer_kernels.quant.w4_formats import dequant as w4_dequant
+
 log = logging.getLogger(__name__)
 
 Has = Callable[[str], bool]
@@ -131,21 +134,27 @@ class PackedIntFormat:
         return f"compressed-tensors pack-quantized int{self.bits} weights (group {self.group or 'per channel'})"
 
     def view(self, has: Has, get: Get, dtype) -> tuple[Has, Get]:
-        def parts(name: str) -> str | None:
-            base = name[:-len("weight")] if name.endswith(".weight") else None
-            return base if base is not None and has(base + "weight_packed") else None
-
-        def get_weight(name: str) -> np.ndarray:
-            base = parts(name)
-            if base is None:
-                return get(name)
+        def dequant(base: str) -> np.ndarray:
             if has(base + "weight_zero_point"):
-                raise ValueError(f"{name}: asymmetric packed weights (weight_zero_point) are not supported")
+                raise ValueError(f"{base}weight: asymmetric packed weights (weight_zero_point) are not supported")
             shape = tuple(int(d) for d in np.asarray(get(base + "weight_shape")).reshape(-1))
             scale = get(base + "weight_scale")
             group = self.group or shape[1] // scale.shape[-1]
             return dequant_packed_group(get(base + "weight_packed"), scale, shape, self.bits, group, dtype)
-        return (lambda name: has(name) or parts(name) is not None), get_weight
+        return packed_view(has, get, "weight_packed", dequant)
+
+
+def packed_view(has: Has, get: Get, marker: str, dequant: Callable[[str], np.ndarray]) -> tuple[Has, Get]:
+    """(has, get) answering `X.weight` for a weight stored packed as `X.<marker>` (and its companions) with
+    dequant("X.")."""
+    def base_of(name: str) -> str | None:
+        base = name[:-len("weight")] if name.endswith(".weight") else None
+        return base if base is not None and has(base + marker) else None
+
+    def get_weight(name: str) -> np.ndarray:
+        base = base_of(name)
+        return get(name) if base is None else dequant(base)
+    return (lambda name: has(name) or base_of(name) is not None), get_weight
 
 
 def channel_scale(scale: np.ndarray, rows: int) -> np.ndarray:
@@ -186,8 +195,8 @@ def compressed_tensors_format(q: dict[str, Any]) -> Fp8ChannelFormat | PackedInt
     if formats == {"float-quantized"}:
         if kind != "float" or bits != 8 or strategy not in ("tensor", "channel"):
             raise ValueError(f"compressed-tensors float-quantized: only fp8 (type float, 8 bits) with tensor or "
-                             f"channel scales is supported (int weights come pack-quantized), got type={kind} bits={bits} "
-                             f"strategy={strategy}")
+                             f"channel scales is supported (int weights come pack-quantized), got type={kind} "
+                             f"bits={bits} strategy={strategy}")
         return Fp8ChannelFormat(strategy)
     if kind != "int" or not symmetric or strategy not in ("group", "channel") or 32 % bits:
         raise ValueError(f"compressed-tensors: unsupported weight scheme type={kind} bits={bits} "
@@ -195,7 +204,52 @@ def compressed_tensors_format(q: dict[str, Any]) -> Fp8ChannelFormat | PackedInt
     return PackedIntFormat(bits, int(group) if strategy == "group" else None)
 
 
-QuantFormat = Fp8BlockFormat | Fp8ChannelFormat | PackedIntFormat
+@dataclass(frozen=True)
+class Int4Format:
+    """AWQ (gemm version, zero points) or GPTQ (no act-order; v1 zeros stored minus one, or gptq_v2) int4 linear
+    weights: `X.qweight`, `X.qzeros`, `X.scales` fp16 (GPTQ: and `X.g_idx`), read by
+    openinfer_kernels/quant/w4_formats.py (each to its format's rule) and dequantized exactly in float32."""
+    method: str                # "awq" | "gptq"
+    group: int                 # -1: one group per row (GPTQ)
+    v2: bool = False
+
+    def describe(self) -> str:
+        return f"{self.method} int4 weights (group {self.group})"
+
+    def codes(self, base: str, has: Has, get: Get) -> W4Codes:
+        qweight = get(base + "qweight")
+        K = qweight.shape[0] * (1 if self.method == "awq" else 8)
+        group = self.group if self.group > 0 else K
+        if self.method == "awq":
+            return from_awq(qweight, get(base + "qzeros"), get(base + "scales"), group)
+        g_idx = get(base + "g_idx") if has(base + "g_idx") else None
+        return from_gptq(qweight, get(base + "qzeros"), get(base + "scales"), group, g_idx, self.v2)
+
+    def view(self, has: Has, get: Get, dtype) -> tuple[Has, Get]:
+        return packed_view(has, get, "qweight", lambda base: w4_dequant(self.codes(base, has, get)).astype(dtype))
+
+
+def int4_format(method: str, q: dict[str, Any]) -> Int4Format:
+    """AWQ / GPTQ quantization_config -> Int4Format; ValueError for what the readers do not take."""
+    bits = int(q.get("bits") or q.get("w_bit") or 0)
+    group = int(q.get("group_size") or q.get("q_group_size") or 0)
+    if bits != 4 or group == 0:
+        raise ValueError(f"{method}: only 4-bit weights with a group_size are supported, got bits {bits}")
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm" or not q.get("zero_point", True):
+            raise ValueError(f"awq: only the gemm version with zero points is supported, got version {version!r}, "
+                             f"zero_point {q.get('zero_point')}")
+        return Int4Format("awq", group)
+    if q.get("desc_act"):
+        raise ValueError("gptq with desc_act (act-order) is not supported")
+    fmt = str(q.get("checkpoint_format", "gptq"))
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"gptq checkpoint_format {fmt!r}: gptq or gptq_v2")
+    return Int4Format("gptq", group, fmt == "gptq_v2")
+
+
+QuantFormat = Fp8BlockFormat | Fp8ChannelFormat | PackedIntFormat | Int4Format
 
 
 def quant_format(raw: dict[str, Any]) -> QuantFormat | None:
@@ -212,7 +266,10 @@ def quant_format(raw: dict[str, Any]) -> QuantFormat | None:
         return Fp8BlockFormat((int(block[0]), int(block[1])))
     if method == "compressed-tensors":
         return compressed_tensors_format(q)
-    raise ValueError(f"unsupported quantization_config quant_method {method!r} (supported: fp8, compressed-tensors)")
+    if method in ("awq", "gptq"):
+        return int4_format(method, q)
+    raise ValueError(f"unsupported quantization_config quant_method {method!r} (supported: fp8, compressed-tensors, "
+                     f"awq, gptq)")
 
 
 def dequantizing(raw: dict[str, Any], has: Has, get: Get, dtype=np.float32) -> tuple[Has, Get]:

@@ -7,6 +7,9 @@ scales, either per [128, 128] block ([ceil(N/128), K/128], `weight_scale_inv`) o
 compressed-tensors' channel scales, a tensor scale repeated, and `--quantization fp8`'s own). The activations
 are quantized on the fly per token and 128-wide group (openinfer_kernels/quant/fp8_ref.py), so K must be a
 multiple of 128.
+
+INT4 W4A16 (AWQ gemm version, GPTQ without act-order, compressed-tensors pack-quantized int4): W4Linear, the codes
+kept packed; the activations stay bf16, the products are exact to the dequantized weights.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from openinfer_kernels.quant.fp8_ref import E4M3, E4M3_MAX, GROUP
+from openinfer_kernels.quant.w4_formats import SYMMETRIC_ZERO, W4Codes, dequant
 
 log = logging.getLogger(__name__)
 
@@ -97,19 +101,70 @@ def fp8_per_channel(w: np.ndarray) -> Fp8Linear:
     return Fp8Linear(codes, scale)
 
 
+@dataclass(frozen=True, eq=False)
+class W4Linear:
+    """A 4-bit weight kept packed (W4A16): AWQ, GPTQ or compressed-tensors int4 read into one canonical form
+    (openinfer_kernels/quant/w4_formats.py W4Codes: codes 0..15, 16-bit group scales, zeros or the symmetric 8);
+    W[n, k] = (code - zero) · scale, exact in float32."""
+    w4: W4Codes
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.w4.codes.shape)
+
+    ndim = 2
+
+    @property
+    def size(self) -> int:
+        return int(self.w4.codes.size)
+
+    @property
+    def nbytes(self) -> int:
+        """What the device keeps: half a byte a weight and the scales (and zeros)."""
+        zeros = 0 if self.w4.zeros is None else self.w4.zeros.size // 2
+        return self.size // 2 + int(self.w4.scales.nbytes) + zeros
+
+    def describe(self) -> str:
+        kind = "asymmetric (zero points)" if self.w4.zeros is not None else "symmetric"
+        return f"int4 {kind}, group {self.w4.group}, {self.w4.scale_dtype} scales"
+
+    def dequantized(self, dtype=np.float32) -> np.ndarray:
+        return dequant(self.w4).astype(dtype, copy=False)
+
+    def __array__(self, dtype=None, copy=None):
+        return self.dequantized(np.float32 if dtype is None else dtype)
+
+
+def w4_concat(parts: list[W4Linear]) -> W4Linear | None:
+    """The parts stacked along N, or None where their groups or scale types differ."""
+    if len(parts) == 1:
+        return parts[0]
+    ws = [p.w4 for p in parts]
+    if len({(w.group, w.scale_dtype, w.fp4, w.codes.shape[1]) for w in ws}) != 1:
+        return None
+    zeros = None if all(w.zeros is None for w in ws) else np.concatenate(
+        [np.full(w.scales.shape, SYMMETRIC_ZERO, np.uint8) if w.zeros is None else w.zeros for w in ws])
+    return W4Linear(W4Codes(np.concatenate([w.codes for w in ws]), np.concatenate([w.scales for w in ws]),
+                            ws[0].scale_dtype, zeros, ws[0].group, ws[0].fp4))
+
+
+KEPT = (Fp8Linear, W4Linear)
+
+
 def kept_families(weights: dict) -> dict[str, tuple[str, int]]:
     """Layer family (the weight name without its layer: "qkv_proj") -> (the kept format, layers)."""
     out: dict[str, tuple[str, int]] = {}
     for name, w in weights.items():
-        if isinstance(w, Fp8Linear):
+        if isinstance(w, KEPT):
             family = name.rsplit(".", 1)[-1]
             fmt, count = out.get(family, (w.describe(), 0))
-            out[family] = (fmt if fmt == w.describe() else "fp8 e4m3, mixed scales", count + 1)
+            out[family] = (fmt if fmt == w.describe() else "mixed formats", count + 1)
     return out
 
 
 def log_kept(weights: dict, kernels: dict[str, str]) -> None:
-    """The startup log: per layer family, the format kept and the kernel serving it (kernels: "fp8" -> its
-    name in this executor)."""
+    """The startup log: per layer family, the format kept and the kernel serving it (kernels: "fp8" / "int4" ->
+    its name in this executor)."""
     for family, (fmt, count) in sorted(kept_families(weights).items()):
-        log.info("quantized linear %s (%d layers): %s, served by %s", family, count, fmt, kernels["fp8"])
+        kernel = kernels["int4" if fmt.startswith("int4") else "fp8"]
+        log.info("quantized linear %s (%d layers): %s, served by %s", family, count, fmt, kernel)

@@ -1,4 +1,5 @@
-"""Tiny dense folders in FP8 for the W8A8 gates, and transformers oracles on their dequantized weights.
+"""Tiny dense folders in FP8 (W8A8) and INT4 (W4A16) for the quantized gates, and transformers oracles on their
+dequantized weights.
 
 `fp8_tiny(line, fmt)`: a tiny random model of that line at widths W8A8 takes (hidden, heads · head_dim, the
 MLP and the KV rows multiples of 128, so fused q/k/v block scales stack), written as an FP8 folder ("block":
@@ -6,7 +7,8 @@ quant_method fp8 with [128, 128] `weight_scale_inv`; "channel": compressed-tenso
 the float32 folder of its dequantized weights (the oracle's). The oracles (transformers, float32, eager) on
 that folder: `hf_logits` plain; `hf_w8a8_logits` with each decoder projection's input quantized per token and
 128-wide group to e4m3 first (torch's own cast: the activation quantization of vLLM's dynamic scheme);
-`hf_bf16_logits` the model in bf16 (the bf16 floor).
+`hf_bf16_logits` the model in bf16 (the bf16 floor). `int4_tiny(line, method)`: the same tiny model in AWQ or
+GPTQ int4 (harness.quantized.int4_folder) and the float32 folder of the writer's own dequantized values.
 """
 from __future__ import annotations
 
@@ -17,20 +19,33 @@ import os
 import numpy as np
 
 from harness.models import _tmp_root, build_tiny_model, hf_model
-from harness.quantized import dequantized_copy, fp8_channel_folder, fp8_folder
+from harness.quantized import dequantized_copy, fp8_channel_folder, fp8_folder, int4_folder
 
 W8A8_WIDTHS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=32)
 FP8_LINES = {"qwen3": "qwen3_untied", "llama": "llama", "qwen2": "qwen2"}     # line -> its TINY_MODELS base
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@functools.lru_cache(maxsize=None)
-def fp8_tiny(line: str, fmt: str = "block") -> tuple[str, str]:
-    """(the FP8 folder, the float32 folder of its dequantized weights) of a tiny `line` model."""
+def tiny_source(line: str) -> str:
+    """The bf16 tiny `line` model at the widths the quantized formats take (built once)."""
     src = os.path.join(_tmp_root(), f"{line}-w8a8")
     if not os.path.isdir(src):
         overrides = {k: v for k, v in W8A8_WIDTHS.items() if line == "qwen3" or k != "head_dim"}
         build_tiny_model(FP8_LINES[line], src, **overrides)
+    return src
+
+
+@functools.lru_cache(maxsize=None)
+def int4_tiny(line: str, method: str) -> tuple[str, str]:
+    """(the AWQ / GPTQ folder, the float32 folder of its dequantized weights) of a tiny `line` model."""
+    src = tiny_source(line)
+    return int4_folder(src, f"{src}-{method}", f"{src}-{method}-ref", method)
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_tiny(line: str, fmt: str = "block") -> tuple[str, str]:
+    """(the FP8 folder, the float32 folder of its dequantized weights) of a tiny `line` model."""
+    src = tiny_source(line)
     dst = f"{src}-fp8-{fmt}"
     fp8_folder(src, dst, (128, 128)) if fmt == "block" else fp8_channel_folder(src, dst)
     return dst, dequantized_copy(dst, dst + "-ref")
