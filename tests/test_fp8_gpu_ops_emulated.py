@@ -1,21 +1,28 @@
-"""The GPU's FP8 W8A8 part (engine/executor/gpu_fp8_ops.py GpuFp8Linear) on the host emulation of its kernels
+"""The GPU's quantized-linear parts on the host emulation: FP8 W8A8 (engine/executor/gpu_fp8_ops.py GpuFp8Linear) on the host emulation of its kernels
 (fp8_quant.cu, gemv_fp8.cu, silu_mul.cu, add_bias.cu; launched exactly as on the GPU), against the numpy
 executor's W8A8 product (cpu_quant_ops.w8a8_linear) up to one bf16 rounding: decode rows, and larger steps
 through the GEMV 16 rows at a time (the path without the CuTe library; the CuTe FP8 GEMM itself is checked on
-the GPU, tests/test_gpu_quant_kernels.py and tests/test_gpu_fp8_w8a8.py); block and channel scales; the
+the GPU, tests/test_gpu_quant_kernels.py and tests/test_gpu_quantized_linear.py); block and channel scales; the
 RMSNorm fused before the quantization; the residual and SiLU·up epilogues, on gate_up rows interleaved
-(channel scales) and not (block scales)."""
+(channel scales) and not (block scales). INT4 W4A16 (gpu_w4_linear.py GpuW4Linear): gemv_w4.cu and
+w4_dequant.cu's bf16 scratch against the exactly dequantized weights, gate_up rows interleaved at upload or not."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 from engine.executor.cpu_quant_ops import w8a8_linear
 from engine.executor.gpu_fp8_ops import Fp8Device, GpuFp8Linear, fp8_host_arrays
-from engine.models.quant_linear import Fp8Linear, fp8_per_channel
+from engine.executor.gpu_gemm import interleave_gate_up
+from engine.executor.gpu_w4_linear import GpuW4Linear, interleaved_codes
+from engine.models.quant_linear import Fp8Linear, W4Linear, fp8_per_channel
+from harness.quant_cases import random_w4
 from harness.quantized import quantize_fp8_block
+from openinfer_kernels.quant.ops import W4Weight
+from openinfer_kernels.quant.w4_layout import pack_w4
 from test_decode_kernels_emulated import assert_bf16_close
 from test_deltanet_kernels_emulated import EmulatedShared, host
 from test_quant_w4 import EmulatedQuantOps
@@ -118,3 +125,35 @@ def test_swiglu_epilogue(channel, T):
 def test_block_scaled_gate_up_is_not_interleaved():
     with pytest.raises(ValueError, match="not interleaved"):
         fp8_host_arrays(weight(False), interleave=True)
+
+
+# ---- the int4 part (engine/executor/gpu_w4_linear.py) -------------------------------------------------------
+class EmulatedW4Linear(GpuW4Linear):
+    quant_ops_class = EmulatedQuantOps
+
+
+def w4_device(w4):
+    return W4Weight.upload(pack_w4(w4), host)
+
+
+@pytest.mark.parametrize("kind", ["fp16_zero", "bf16"])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_w4_part_decode_and_prefill_weights(kind, interleave):
+    """gemv_w4 (decode rows; SiLU·up on rows interleaved at upload) and the bf16 scratch of w4_dequant.cu
+    (larger steps) against the exactly dequantized weights."""
+    w4 = random_w4(np.random.default_rng(4), kind, N, K, 128)
+    want_w = W4Linear(w4).dequantized()
+    w = w4_device(interleaved_codes(w4) if interleave else w4)
+    p = EmulatedW4Linear(SimpleNamespace(linear_shapes=((N, K),), max_tokens=64), Shared(interleave), Arena())
+    np.testing.assert_array_equal(f32(p.bf16(w)), (interleave_gate_up(want_w) if interleave else want_w)
+                                  .astype(ml_dtypes.bfloat16).astype(np.float32))
+    x = activations(5)
+    y = rb(f32(x) @ rb(want_w).T)                    # the kernels multiply the bf16 rounding of the weights
+    if interleave:
+        out = host(np.zeros((5, N // 2), np.uint16))
+        p.gemv(host(x), w, out, "silu")
+        assert_bf16_close(out, rb(rb(silu(y[:, :N // 2])) * y[:, N // 2:]), f"w4 silu {kind}")
+    else:
+        out = host(np.zeros((5, N), np.uint16))
+        p.gemv(host(x), w, out)
+        assert_bf16_close(out, y, f"w4 {kind}")

@@ -48,8 +48,8 @@ from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE
                                      parse_decode_kernels)
 from engine.executor.verify_rows import verify_rows
 from engine.loader import LoadedModel
-from engine.executor.gpu_fp8_ops import block_scaled_gate_up, device_nbytes, fp8_ops_class, upload_fp8
-from engine.models.quant_linear import Fp8Linear, log_kept
+from engine.executor.gpu_quant_ops import block_scaled_gate_up, device_nbytes, quant_ops_class, upload_quantized
+from engine.models.quant_linear import KEPT
 from engine.models.rope import rope_inv_freq
 from engine.sampling import prompt_logprobs
 from memory.device_arena import DeviceArena, arena_budget, buffers_nbytes
@@ -102,7 +102,7 @@ class GpuExecutor(ExecutorBase):
         self.vocab_size, self.max_model_len = model.config.vocab_size, options.max_model_len
         self.device = DeviceInfo.query()
         self.plan = gpu_plan(options, model.model, self.device)
-        self.ops_class = fp8_ops_class(model.weights, self.ops_class)
+        self.ops_class = quant_ops_class(model.weights, self.ops_class)
         self.streams = DeviceStreams()
         self.stream = self.streams.compute
         sizes = self._sizes(model)
@@ -144,17 +144,15 @@ class GpuExecutor(ExecutorBase):
 
     def _upload_weights(self, model: LoadedModel, sizes: ArenaSizes) -> dict:
         """The weights into the arena (gate_up rows interleaved in blocks of 8 for gemv.cu's fused SiLU·up unless
-        block-scaled FP8 ones are kept: gpu_fp8_ops.py); returns each LoRA site's weight extended by the A rows."""
+        block-scaled FP8 ones are kept: gpu_quant_ops.py); returns each LoRA site's weight extended by the A rows."""
         self.gate_up_interleaved = self.config.intermediate_size % 8 == 0 and not block_scaled_gate_up(model.weights)
         extended: dict = {}
-        log_kept(model.weights, {"fp8": "fp8_quant.cu + gemv_fp8.cu (decode), the CuTe FP8 GEMM (prefill)"})
-        kept = {n: w for n, w in model.weights.items() if isinstance(w, Fp8Linear)}
         interleave = lambda name: self.gate_up_interleaved and name.endswith("gate_up_proj")
-        self.weights = upload_weights(self.arena, [(n, w) for n, w in model.weights.items() if n not in kept],
+        self.weights = upload_weights(self.arena, [(n, w) for n, w in model.weights.items() if not isinstance(w, KEPT)],
                                       self.streams, total_bytes=sizes.weights, progress=self.options.progress,
                                       interleave=interleave, extra_rows=lambda n: sizes.lora_rows.get(n, 0),
                                       extended=extended)
-        self.weights.update(upload_fp8(self.arena, kept, self.stream, interleave))
+        self.weights.update(upload_quantized(self.arena, model.weights, self.stream, interleave))
         return extended
 
     def _take_parts(self, sizes: ArenaSizes) -> None:

@@ -1,5 +1,5 @@
-"""FP8 W8A8 linear layers on the GPU: the quantized-linear part (ops.fp8) and the dense ops that route a kept FP8
-weight (engine/models/quant_linear.py Fp8Linear, uploaded as Fp8Device) to it.
+"""FP8 W8A8 linear layers on the GPU: the FP8 part of the quantized-linear family (ops.fp8; gpu_quant_ops.py routes
+a kept FP8 weight, engine/models/quant_linear.py Fp8Linear uploaded as Fp8Device, to it).
 
 A product x · Wᵀ quantizes x per token and 128-wide group to e4m3 (openinfer_kernels/raw_cuda/fp8_quant.cu; with
 the RMSNorm before it fused in, rms_norm_residual_fp8_quant, where the dense path fuses the norm into the
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.executor.gpu_gemm import interleave_gate_up
-from engine.executor.gpu_ops import GpuOps, op_range
 from engine.models.quant_linear import Fp8Linear
 from memory.device_arena import Buffer, buffers_nbytes
 from openinfer_kernels.quant.fp8_ref import GROUP
@@ -60,19 +59,6 @@ def fp8_host_arrays(w: Fp8Linear, interleave: bool) -> dict[str, np.ndarray]:
     block = np.ones((-(-N // GROUP), K // GROUP), np.float32) if w.channel else scale
     return {"codes": np.ascontiguousarray(codes), "scale": np.ascontiguousarray(scale),
             "block_scale": np.ascontiguousarray(block)}
-
-
-def device_nbytes(w) -> int:
-    """What one weight takes in the arena: a kept FP8 one its codes and scales (with the carve alignment), any
-    other its bf16 values."""
-    if not isinstance(w, Fp8Linear):
-        return int(w.size) * 2
-    N, K = w.shape
-    return N * K + int(w.scale.nbytes) + 4 * -(-N // GROUP) * (K // GROUP) + 3 * 256
-
-
-def block_scaled_gate_up(weights: dict) -> bool:
-    return any(isinstance(w, Fp8Linear) and not w.channel for n, w in weights.items() if n.endswith("gate_up_proj"))
 
 
 def upload_fp8(arena, weights: dict, stream, interleave) -> dict[str, Fp8Device]:
@@ -178,73 +164,3 @@ class GpuFp8Linear:
                 "fp8_channel_scale")
         with self.shared.stream:
             self._row_scale(scale, y)
-
-
-class GpuFp8Ops(GpuOps):
-    """GpuOps with the quantized-linear part: the dense linear ops take an Fp8Device weight through it (the
-    executor runs this class for a model with kept FP8 weights)."""
-
-    def __init__(self, plan, shared, arena, lm_head_ptr: int, lora_weights: dict | None = None, state=None):
-        if "lora" in plan.families:
-            raise ValueError("--enable-lora with FP8 weights kept on the GPU is not supported (LoRA sites extend "
-                             "bf16 weights)")
-        super().__init__(plan, shared, arena, lm_head_ptr, lora_weights, state)
-        self.fp8 = GpuFp8Linear(plan, shared, arena)
-
-    @classmethod
-    def families_nbytes(cls, plan) -> int:
-        return super().families_nbytes(plan) + GpuFp8Linear.nbytes(plan)
-
-    @op_range
-    def linear(self, x, weight, bias=None):
-        if not isinstance(weight, Fp8Device):
-            return super().linear(x, weight, bias)
-        out = self._out(x.shape[0], weight.shape[0])
-        self.fp8.run(x, weight, out)
-        return out if bias is None else self._bias(out, bias)
-
-    def _bias(self, out, bias):
-        T, N = out.shape
-        self._launch(self.k_bias, (min(1024, -(-T * N // 256)),), (256,), (out, bias, np.int32(N), np.int64(T * N)))
-        return out
-
-    @op_range
-    def norm_linear(self, x, norm_weight, eps, weight, bias=None, normed=None, lora=None):
-        if not isinstance(weight, Fp8Device):
-            return super().norm_linear(x, norm_weight, eps, weight, bias, normed=normed, lora=lora)
-        out = self._out(x.shape[0], weight.shape[0])
-        if normed is None:
-            self.fp8.run(x, weight, out, norm_w=norm_weight, eps=eps)
-        else:
-            self.fp8.run(normed, weight, out)
-        return out if bias is None else self._bias(out, bias)
-
-    @op_range
-    def norm_swiglu(self, x, norm_weight, eps, gate_up_weight, normed=None, lora=None):
-        if not isinstance(gate_up_weight, Fp8Device):
-            return super().norm_swiglu(x, norm_weight, eps, gate_up_weight, normed=normed, lora=lora)
-        out = self._out(x.shape[0], gate_up_weight.shape[0] // 2)
-        if normed is None:
-            self.fp8.run(x, gate_up_weight, out, "silu", norm_w=norm_weight, eps=eps)
-        else:
-            self.fp8.run(normed, gate_up_weight, out, "silu")
-        return out
-
-    @op_range
-    def add_linear(self, x, weight, residual, bias=None, lora=None):
-        if not isinstance(weight, Fp8Device) or bias is not None:
-            return super().add_linear(x, weight, residual, bias, lora=lora)
-        out = self.shared.residual_out(x.shape[0], weight.shape[0])
-        self.fp8.run(x, weight, out, "residual", res=residual)
-        return out
-
-    @op_range
-    def add_linear_norm(self, x, weight, residual, norm_weight, eps, bias=None, lora=None):
-        if not isinstance(weight, Fp8Device):
-            return super().add_linear_norm(x, weight, residual, norm_weight, eps, bias, lora=lora)
-        return self.add_linear(x, weight, residual, bias, lora=lora), None
-
-
-def fp8_ops_class(weights: dict, default: type[GpuOps]) -> type[GpuOps]:
-    """GpuFp8Ops for a model that keeps FP8 linear layers, else `default`."""
-    return GpuFp8Ops if any(isinstance(w, Fp8Linear) for w in weights.values()) else default

@@ -1,0 +1,82 @@
+"""INT4 W4A16 linear layers on the GPU: the int4 part of the quantized-linear family (ops.w4; gpu_quant_ops.py routes
+a kept int4 weight, engine/models/quant_linear.py W4Linear uploaded as a W4Weight, to it).
+
+The codes stay packed in the kernel's layout (openinfer_kernels/quant/w4_layout.py pack_w4, re-packed once at load;
+a gate_up weight's rows interleaved by 8 first where the executor interleaves gate_up). Decode rows (at most
+GEMV_MAX_M) multiply through gemv_w4.cu, which dequantizes in registers, with its epilogues (bf16, the residual
+add, SiLU·up); larger steps dequantize the weight into one bf16 scratch buffer (w4_dequant.cu) and run the bf16
+dense op on it (cuBLAS / the CuTe GEMM): exact to the dequantized weights up to bf16 accumulation either way.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.executor.gpu_gemm import interleave_gate_up
+from engine.models.quant_linear import W4Linear
+from memory.device_arena import Buffer, buffers_nbytes
+from openinfer_kernels.quant.ops import QuantOps, W4Weight
+from openinfer_kernels.quant.w4_formats import W4Codes
+from openinfer_kernels.quant.w4_layout import pack_w4
+
+
+def interleaved_codes(w: W4Codes) -> W4Codes:
+    """A gate_up weight's rows (codes, scales, zeros) in blocks of 8 gate / 8 up rows."""
+    zeros = None if w.zeros is None else interleave_gate_up(w.zeros)
+    return W4Codes(interleave_gate_up(w.codes), interleave_gate_up(w.scales), w.scale_dtype, zeros, w.group, w.fp4)
+
+
+def upload_w4(arena, weights: dict, stream, interleave) -> dict[str, W4Weight]:
+    """The kept int4 weights into the arena in the kernel's layout (interleave(name): gate_up rows interleaved)."""
+    out = {}
+    for name, w in weights.items():
+        codes = interleaved_codes(w.w4) if interleave(name) else w.w4
+        parts = iter(("codes", "scales", "zeros"))
+
+        def to_device(a: np.ndarray, name=name):
+            dev = arena.take(f"weights.{name}.{next(parts)}", a.shape, a.dtype)
+            dev.set(np.ascontiguousarray(a), stream=stream)
+            return dev
+        out[name] = W4Weight.upload(pack_w4(codes), to_device)
+    stream.synchronize()
+    return out
+
+
+def w4_device_nbytes(w: W4Linear) -> int:
+    """The packed layout's bytes (padded to whole tiles) and the carve alignment."""
+    N, K = w.shape
+    tiles, steps = -(-N // 16), -(-K // 128)
+    groups = -(-steps * 128 // w.w4.group)
+    per_group = tiles * groups * 16
+    return tiles * steps * 1024 + per_group * (2 + (w.w4.zeros is not None)) + 3 * 256
+
+
+class GpuW4Linear:
+    """ops.w4: gemv(x, w, out, epi, res) for decode rows; bf16(w), the weight dequantized into the scratch buffer
+    (valid until the next bf16 call) for the bf16 dense ops."""
+    quant_ops_class = QuantOps
+
+    def __init__(self, plan, shared, arena):
+        self.shared = shared
+        self.scratch = arena.take_all("w4", self.buffers(plan))["scratch"]
+        self.kernels = self.quant_ops_class(shared.stream)
+
+    @staticmethod
+    def buffers(plan) -> list[Buffer]:
+        """One bf16 scratch of the largest linear weight (its K rounded up to 8: w4_dequant.cu's row stride)."""
+        size = max([n * -(-k // 8) * 8 for n, k in plan.linear_shapes] + [8])
+        return [Buffer("scratch", (size,), np.uint16)]
+
+    @classmethod
+    def nbytes(cls, plan) -> int:
+        return buffers_nbytes(cls.buffers(plan))
+
+    def gemv(self, x, w: W4Weight, out, epi: str = "bf16", res=None) -> None:
+        self.kernels.pdl = self.shared.pdl
+        self.kernels.gemv_w4(x, w, out, epi, res)
+
+    def bf16(self, w: W4Weight):
+        ld = -(-w.k // 8) * 8
+        out = self.scratch[:w.n * ld].reshape(w.n, ld)
+        self.kernels.pdl = self.shared.pdl
+        self.kernels.dequant_w4(w, out)
+        return out[:, :w.k]
