@@ -10,9 +10,10 @@ Per format, beside the bf16 figure of the same run:
 * ttft: one 1024-token prompt's prefill step through the executor (median of 5);
 * serve (bench/serve_gpu.py against `openinfer serve`, random 1024/128): c1 (concurrency 1: median TTFT; target
   <= 0.75 x bf16) and rate inf (1000 prompts: output tokens/s; target >= 1.5 x bf16).
-INT4 W4A16 (AWQ) is not kept on the GPU yet: its row says so.
+AWQ int4 (W4A16, group 128, zero points: harness.quantized.int4_folder): the batch-1 decode step, target <= 0.40 x
+bf16 (`--formats bf16,awq --parts decode`).
 
-    python bench/quantization.py --out bench/results [--parts decode,ttft,serve] [--formats bf16,fp8,fp8-dynamic]
+    python bench/quantization.py --out bench/results [--parts decode,ttft,serve] [--formats bf16,fp8,fp8-dynamic,awq]
         [--scale 1.0]
 
 Writes OUT/quantization.json and OUT/quantization.md (date, GPU, command). Runtime on an H100 / H200: ~3 min of
@@ -43,8 +44,10 @@ FORMATS = {               # format -> (folder suffix, `openinfer serve` / load_m
     "bf16": ("", None),
     "fp8": ("-fp8-block", None),
     "fp8-dynamic": ("", "fp8"),
+    "awq": ("-awq", None),
 }
 TARGETS = {"decode_ms": ("<=", 0.60), "c1_median_ttft_ms": ("<=", 0.75), "inf_output_throughput": (">=", 1.5)}
+AWQ_DECODE_TARGET = 0.40        # AWQ int4's batch-1 decode step against bf16's
 
 
 def quantize_fp8_block_fast(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -60,16 +63,19 @@ def quantize_fp8_block_fast(w: np.ndarray, block: tuple[int, int]) -> tuple[np.n
     return q, scale
 
 
-def folders(weights_dir: str) -> dict[str, str]:
-    """bf16 random weights (written once), and their FP8 block-scaled copy."""
-    from harness.quantized import fp8_folder
+def folders(weights_dir: str, formats: list[str]) -> dict[str, str]:
+    """bf16 random weights (written once), and their FP8 block-scaled and AWQ int4 copies where asked for."""
+    from harness.quantized import fp8_folder, int4_folder
     bf16 = random_weights_folder(MODEL, None, weights_dir)
     t = time.perf_counter()
     write_weights(MODEL, bf16)
-    fp8 = bf16 + FORMATS["fp8"][0]
-    if not os.path.exists(os.path.join(fp8, ".complete")):
-        fp8_folder(bf16, fp8, (128, 128), quantize_fp8_block_fast)
-        open(os.path.join(fp8, ".complete"), "w").close()
+    writers = {"fp8": lambda dst: fp8_folder(bf16, dst, (128, 128), quantize_fp8_block_fast),
+               "awq": lambda dst: int4_folder(bf16, dst, None, "awq")}
+    for fmt, write in writers.items():
+        dst = bf16 + FORMATS[fmt][0]
+        if fmt in formats and not os.path.exists(os.path.join(dst, ".done")):
+            write(dst)
+            open(os.path.join(dst, ".done"), "w").close()
     print(f"weights ready in {time.perf_counter() - t:.0f} s", flush=True)
     return {name: bf16 + suffix for name, (suffix, _) in FORMATS.items()}
 
@@ -128,7 +134,8 @@ def ratios(rows: dict) -> dict:
             continue
         for key, value in row.items():
             if isinstance(value, (int, float)) and base.get(key):
-                op, target = TARGETS.get(key, ("", None))
+                awq_decode = (fmt, key) == ("awq", "decode_ms")
+                op, target = ("<=", AWQ_DECODE_TARGET) if awq_decode else TARGETS.get(key, ("", None))
                 r = value / base[key]
                 met = None if target is None else (r <= target if op == "<=" else r >= target)
                 out.setdefault(fmt, {})[key] = {"ratio": r, "target": f"{op} {target}" if target else None, "met": met}
@@ -144,7 +151,7 @@ def report(result: dict) -> str:
             met = "" if r["met"] is None else (" (met)" if r["met"] else " (NOT met)")
             lines.append(f"| {fmt} | {key} | {result['rows'][fmt][key]:.3f} | {result['rows']['bf16'][key]:.3f} | "
                          f"{r['ratio']:.3f} | {r['target'] or '-'}{met} |")
-    lines += ["", "INT4 W4A16 (AWQ): not run (the GPU does not keep int4 weights yet).", ""]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench/results")
     p.add_argument("--parts", default="decode,ttft,serve")
-    p.add_argument("--formats", default="bf16,fp8,fp8-dynamic")
+    p.add_argument("--formats", default="bf16,fp8,fp8-dynamic,awq")
     p.add_argument("--scale", type=float, default=1.0, help="the serving scenarios' prompt counts scaled")
     p.add_argument("--weights-dir", default="/tmp")
     p.add_argument("--tokenizer",
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     import cupy
     out, parts = Path(args.out), args.parts.split(",")
     out.mkdir(parents=True, exist_ok=True)
-    paths, bw = folders(args.weights_dir), copy_bandwidth()
+    paths, bw = folders(args.weights_dir, args.formats.split(",")), copy_bandwidth()
     rows = {}
     for fmt in args.formats.split(","):
         rows[fmt] = executor_rows(fmt, paths[fmt], parts, bw) if {"decode", "ttft"} & set(parts) else {}

@@ -166,9 +166,9 @@ def quantize_int4(w: np.ndarray, group: int, symmetric: bool) -> tuple[np.ndarra
     return q.reshape(N, K), z, s
 
 
-def int4_folder(src: str, dst: str, reference: str, method: str, group: int = 128) -> tuple[str, str]:
+def int4_folder(src: str, dst: str, reference: str | None, method: str, group: int = 128) -> tuple[str, str | None]:
     """(dst: src with its layers' projections in AWQ ("awq") or GPTQ v1 ("gptq") int4, reference: the same
-    weights dequantized in float32)."""
+    weights dequantized in float32; None: not written)."""
     packed, plain = {}, {}
     for name, a in _tensors(src).items():
         if not (LAYER_LINEAR.match(name) and a.ndim == 2):
@@ -182,12 +182,12 @@ def int4_folder(src: str, dst: str, reference: str, method: str, group: int = 12
         else:
             packed.update({base + "qweight": pack_words(q).T.copy(), base + "qzeros": pack_words(z.T - 1),
                            base + "scales": s.T.copy(), base + "g_idx": np.arange(a.shape[1], dtype=np.int32) // group})
-        deq = (q - np.repeat(z, group, 1)) * np.repeat(s.astype(np.float32), group, 1)
-        plain[name] = deq.astype(np.float32)
+        if reference is not None:
+            plain[name] = ((q - np.repeat(z, group, 1)) * np.repeat(s.astype(np.float32), group, 1)).astype(np.float32)
     config = ({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
               if method == "awq" else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
                                        "sym": True, "checkpoint_format": "gptq"})
-    return _rewrite(src, dst, packed, config), _rewrite(src, reference, plain, None)
+    return _rewrite(src, dst, packed, config), reference and _rewrite(src, reference, plain, None)
 
 
 def int4_experts_folder(src: str, dst: str, reference: str, group: int = 32) -> tuple[str, str]:

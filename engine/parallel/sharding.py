@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.model_config import ModelConfig
-from engine.models.quant_linear import Fp8Linear
+from engine.models.quant_linear import KEPT
 from engine.models.registry import build_model, model_types_where
 from engine.models.weights import PackedWeight, WeightSpec
 
@@ -136,9 +136,9 @@ def _span(size: int, heads: int | None, shard: Shard) -> slice:
 
 
 def shard_weight(w, spec: WeightSpec, split: Split, shard: Shard):
-    """A rank's part of one engine weight (views where the source allows); a kept FP8 weight is sharded
+    """A rank's part of one engine weight (views where the source allows); a kept quantized weight is sharded
     dequantized (tensor-parallel ranks do not keep quantized weights yet)."""
-    if isinstance(w, Fp8Linear):
+    if isinstance(w, KEPT):
         w = w.dequantized()
     if split.kind == REPLICATE:
         return w
