@@ -88,7 +88,7 @@ class GpuFp8Linear:
         self.kernels = self.quant_ops_class(shared.stream)
         self.k_silu = self._kernel("silu_mul", "silu_mul")
         self.k_add = self._kernel("add_bias", "residual_add")
-        self._row_scale = None
+        self._row_scale = self._row_scale_kernel() if shared.gemm.cute is not None else None
 
     def _kernel(self, name: str, entry: str):
         return kernel(name, entry)
@@ -114,7 +114,11 @@ class GpuFp8Linear:
 
     def run(self, x, w: Fp8Device, out, epi: str = "bf16", res=None, norm_w=None, eps: float = 0.0) -> None:
         T = x.shape[0]
-        if T <= GEMV_MAX_M:
+        if epi == "silu" and not self.shared.gate_up_interleaved:        # block-scaled gate_up: not interleaved
+            y = self.shared.out(T, w.shape[0])
+            self.run(x, w, y, "bf16", None, norm_w, eps)
+            self._silu(y, out)
+        elif T <= GEMV_MAX_M:
             self._gemv(x, w, out, epi, res, norm_w, eps)
         elif self.shared.gemm.cute is not None:
             self._gemm(x, w, out, epi, res, norm_w, eps)
@@ -125,11 +129,6 @@ class GpuFp8Linear:
 
     def _gemv(self, x, w: Fp8Device, out, epi, res, norm_w, eps) -> None:
         q, s = self.quantize(x, norm_w, eps)
-        if epi == "silu" and not self.shared.gate_up_interleaved:        # block-scaled gate_up: not interleaved
-            y = self.shared.out(x.shape[0], w.shape[0])
-            self.kernels.gemv_fp8(q, s, w.codes, w.scale, y)
-            self._silu(y, out)
-            return
         self.kernels.gemv_fp8(q, s, w.codes, w.scale, out, epi, res)
 
     def _gemm(self, x, w: Fp8Device, out, epi, res, norm_w, eps) -> None:
@@ -153,14 +152,19 @@ class GpuFp8Linear:
                            (gate_up, out, np.int32(two_i // 2), np.int64(total),
                             np.int32(self.shared.gate_up_interleaved)))
 
-    def _scale_rows(self, y, scale) -> None:
-        """y[t, n] = bf16(y[t, n] · scale[n]) in place (a channel-scaled weight's product on the CuTe GEMM)."""
+    @staticmethod
+    def _row_scale_kernel():
+        """y[t, n] = bf16(y[t, n] · s[n]) in place, compiled and loaded here (before any graph capture)."""
         import cupy
-        if self._row_scale is None:
-            self._row_scale = cupy.ElementwiseKernel(
-                "float32 s", "uint16 y",
-                "float v = __uint_as_float(((unsigned int)y) << 16) * s;"
-                "unsigned int u = __float_as_uint(v); u += 0x7FFFu + ((u >> 16) & 1u); y = (unsigned short)(u >> 16);",
-                "fp8_channel_scale")
+        k = cupy.ElementwiseKernel(
+            "float32 s", "uint16 y",
+            "float v = __uint_as_float(((unsigned int)y) << 16) * s;"
+            "unsigned int u = __float_as_uint(v); u += 0x7FFFu + ((u >> 16) & 1u); y = (unsigned short)(u >> 16);",
+            "fp8_channel_scale")
+        k(cupy.ones(1, np.float32), cupy.zeros(1, np.uint16))
+        return k
+
+    def _scale_rows(self, y, scale) -> None:
+        """A channel-scaled weight's product on the CuTe GEMM times its row scales (one more bf16 rounding)."""
         with self.shared.stream:
             self._row_scale(scale, y)
