@@ -192,3 +192,15 @@ def test_int4_folder_loads_kept_and_is_exact(line, method):
     prompts = test_prompts(model.tokenizer, 3)
     got = engine_logits(new_executor(model), prompts, prefill=4, chunks=3)
     assert not gate_failures(got, [hf_logits(ref, p) for p in prompts])
+
+
+def test_engine_config_quantization_reaches_the_loader():
+    """EngineConfig(quantization="fp8") (the CLI's --quantization) serves the bf16 folder with kept FP8 layers."""
+    from engine.config import EngineConfig
+    from engine.handle import _build
+    from harness.quant_models import tiny_source
+    executor, _, _ = _build(EngineConfig(model=tiny_source("qwen3"), device="cpu", quantization="fp8",
+                                         num_kv_blocks=16, max_model_len=128))
+    assert isinstance(executor.weights["layers.0.qkv_proj"], Fp8Linear)
+    executor, _, _ = _build(EngineConfig(model=tiny_source("qwen3"), device="cpu", num_kv_blocks=16, max_model_len=128))
+    assert not isinstance(executor.weights["layers.0.qkv_proj"], Fp8Linear)
