@@ -204,3 +204,18 @@ def test_engine_config_quantization_reaches_the_loader():
     assert isinstance(executor.weights["layers.0.qkv_proj"], Fp8Linear)
     executor, _, _ = _build(EngineConfig(model=tiny_source("qwen3"), device="cpu", num_kv_blocks=16, max_model_len=128))
     assert not isinstance(executor.weights["layers.0.qkv_proj"], Fp8Linear)
+
+
+def test_tensor_parallel_ranks_shard_kept_weights_dequantized():
+    """CPU tensor-parallel ranks take a kept int4 model (sharded dequantized): the same logits as one executor."""
+    from engine.executor.options import options_of
+    from engine.parallel.launch import start_cpu_ranks
+    from harness.quant_models import int4_tiny
+    model = load_model(int4_tiny("qwen3", "awq")[0])
+    parallel = start_cpu_ranks(model, options_of(num_kv_blocks=48, max_model_len=512, tensor_parallel_size=2))
+    try:
+        prompts = test_prompts(model.tokenizer, 2)
+        got, want = engine_logits(parallel, prompts), engine_logits(new_executor(model), prompts)
+        assert max(np.abs(log_softmax(g) - log_softmax(w)).max() for g, w in zip(got, want)) < 1e-4
+    finally:
+        parallel.close()
