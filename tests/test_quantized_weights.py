@@ -165,7 +165,8 @@ def test_unsupported_quantization_configs_are_refused():
     assert quant_format({}) is None
     asym = {**ok, "config_groups": {"g": {"weights": {**ok["config_groups"]["g"]["weights"], "symmetric": False}}}}
     for bad, needle in (({"quant_method": "marlin"}, "quant_method"), ({"quant_method": "awq", "bits": 8}, "4-bit"),
-                        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "act-order"), ({"quant_method": "fp8"}, "weight_block_size"),
+                        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "act-order"),
+                        ({"quant_method": "fp8"}, "weight_block_size"),
                         (asym, "symmetric=False"), ({**ok, "format": "float-quantized"}, "pack-quantized")):
         with pytest.raises(ValueError, match=needle):
             quant_format({"quantization_config": bad})
