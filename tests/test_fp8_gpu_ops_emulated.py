@@ -1,6 +1,6 @@
 """The GPU's quantized-linear parts on the host emulation of their kernels: FP8 W8A8
-(engine/executor/gpu_fp8_ops.py GpuFp8Linear: fp8_quant.cu, gemv_fp8.cu, silu_mul.cu, add_bias.cu; launched exactly as on the GPU), against the numpy
-executor's W8A8 product (cpu_quant_ops.w8a8_linear) up to one bf16 rounding: decode rows, and larger steps
+(engine/executor/gpu_fp8_ops.py GpuFp8Linear: fp8_quant.cu, gemv_fp8.cu, silu_mul.cu, add_bias.cu; launched
+exactly as on the GPU), against the numpy executor's W8A8 product (cpu_quant_ops.w8a8_linear) up to one bf16 rounding: decode rows, and larger steps
 through the GEMV 16 rows at a time (the path without the CuTe library; the CuTe FP8 GEMM itself is checked on
 the GPU, tests/test_gpu_quant_kernels.py and tests/test_gpu_quantized_linear.py); block and channel scales; the
 RMSNorm fused before the quantization; the residual and SiLU·up epilogues, on gate_up rows interleaved
