@@ -16,7 +16,7 @@ bf16 (`--formats bf16,awq --parts decode`).
     python bench/quantization.py --out bench/results [--parts decode,ttft,serve] [--formats bf16,fp8,fp8-dynamic,awq]
         [--scale 1.0]
 
-Writes OUT/quantization.json and OUT/quantization.md (date, GPU, command). Runtime on an H100 / H200: ~3 min of
+Writes OUT/<stem>.json and OUT/<stem>.md (--stem, default quantization; date, GPU, command). Runtime on an H100 / H200: ~3 min of
 weight writing (bf16, then FP8), ~1 min per format for decode + ttft, ~3 min per format for serve (--scale 0.2
 for a smoke run).
 """
@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--formats", default="bf16,fp8,fp8-dynamic,awq")
     p.add_argument("--scale", type=float, default=1.0, help="the serving scenarios' prompt counts scaled")
     p.add_argument("--weights-dir", default="/tmp")
+    p.add_argument("--stem", default="quantization", help="output file names (a run split in parts: one stem each)")
     p.add_argument("--tokenizer",
                    default=os.environ.get("OPENINFER_TEST_TOKENIZER", "/work/shared/models/qwen-tokenizer"))
     args = p.parse_args(argv)
@@ -179,8 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "gpu": gpu,
               "command": "python bench/quantization.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "copy_bandwidth_gb_s": bw / 1e9, "rows": rows, "ratios": ratios(rows)}
-    (out / "quantization.json").write_text(json.dumps(result, indent=2))
-    (out / "quantization.md").write_text(report(result))
+    (out / f"{args.stem}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{args.stem}.md").write_text(report(result))
     print(report(result), flush=True)
     return result
 
