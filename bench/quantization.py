@@ -16,9 +16,9 @@ bf16 (`--formats bf16,awq --parts decode`).
     python bench/quantization.py --out bench/results [--parts decode,ttft,serve] [--formats bf16,fp8,fp8-dynamic,awq]
         [--scale 1.0]
 
-Writes OUT/<stem>.json and OUT/<stem>.md (--stem, default quantization; date, GPU, command). Runtime on an H100 / H200: ~3 min of
-weight writing (bf16, then FP8), ~1 min per format for decode + ttft, ~3 min per format for serve (--scale 0.2
-for a smoke run).
+Writes OUT/<stem>.json and OUT/<stem>.md (--stem, default quantization; date, GPU, command). Runtime on an
+H100 / H200 (estimated): ~2 min writing the bf16 weights, ~2-3 min each for the FP8 and AWQ copies (numpy), ~1 min
+per format for decode + ttft, ~3 min per format for serve (--scale 0.2 for a smoke run).
 """
 from __future__ import annotations
 
