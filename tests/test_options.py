@@ -110,6 +110,7 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "max_lora_rank": opts.max_lora_rank == 8 == eng.loras.max_rank,
             "max_cpu_loras": eng.loras.max_cpu_loras == 3,
             "tensor_parallel_size": tensor_parallel_reaches_the_ranks(path),      # LoRA and TP exclude each other
+            "quantization": quantization_reaches_the_weights(),   # needs widths of whole 128-blocks
             "kv_offload_gib": offload_slots(path, 0.001) == (0.001 * 2**30) // block_bytes(path, 4),
             # the event log records the block manager's and the host tier's changes
             "kv_events_config": eng.kv_events is not None and eng.scheduler.host_tier.slots.on_move is not None
@@ -130,6 +131,20 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
     assert [name for name, ok in checks.items() if not ok] == []
     steps = [json.loads(line) for line in open(config.step_trace)]
     assert len(steps) == 3 and steps[0]["prefill"] == 3 and [s["decode"] for s in steps[1:]] == [1, 1]
+
+
+def quantization_reaches_the_weights() -> bool:
+    """--quantization fp8 (not in the non-default config: the tiny qwen3's width 64 is no whole 128-block):
+    the executor's linear layers are the kept FP8 ones."""
+    from engine.executor.cpu import CpuExecutor
+    from engine.handle import EngineHandle
+    from engine.models.quant_linear import Fp8Linear
+    from harness.quant_models import tiny_source
+
+    config = EngineConfig(model=tiny_source("qwen3"), device="cpu", quantization="fp8", num_kv_blocks=16,
+                          max_model_len=128, progress=False)
+    with EngineHandle(config) as h:
+        return isinstance(h.executor, CpuExecutor) and isinstance(h.executor.weights["layers.0.qkv_proj"], Fp8Linear)
 
 
 def tensor_parallel_reaches_the_ranks(path: str) -> bool:
