@@ -12,6 +12,7 @@ from engine.executor.options import DEFAULT_GRAPH_SIZES, DTYPES, GpuTuning
 from engine.kv_events import KVEventsConfig
 from engine.lora import MAX_LORA_RANK
 from engine.speculative import SpeculativeConfig
+from memory.kv_format import is_fp8
 
 @dataclass
 class EngineConfig:
@@ -44,6 +45,8 @@ class EngineConfig:
     engine/loader/kept_linear.py).
     speculative_config: vLLM's --speculative-config: draft tokens verified in each decode step
     (engine/speculative.py; None: off).
+    kv_cache_dtype: vLLM's --kv-cache-dtype: "auto" / "bfloat16" keep the executor's KV dtype, "fp8" / "fp8_e4m3"
+    store e4m3 with the checkpoint's per-tensor scales (else 1.0; memory/kv_format.py).
     """
     model: str | None = None
     device: str = "auto"                     # "auto" | "cpu" | "cuda"
@@ -80,6 +83,7 @@ class EngineConfig:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     speculative_config: SpeculativeConfig | None = None
+    kv_cache_dtype: str = "auto"             # vLLM's --kv-cache-dtype: auto | bfloat16 | fp8 | fp8_e4m3 (memory/kv_format.py)
 
     def _check_quantization(self) -> None:
         from engine.loader.kept_linear import check_quantization
@@ -124,6 +128,7 @@ class EngineConfig:
             if not ok:
                 raise ValueError(message)
         self._check_quantization()
+        is_fp8(self.kv_cache_dtype)
         if self.speculative_config is not None:
             try:
                 self.speculative_config.validate()

@@ -22,6 +22,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
+from memory.kv_format import is_fp8
 from memory.kv_pool import BLOCK_SIZE
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, EngineStats
@@ -292,7 +293,8 @@ def _build(config: EngineConfig):
     model = load_model(path, quantization=config.quantization)
     t1 = time.perf_counter()
     if config.kv_offload_gib:              # the host tier in GiB -> slots of this model's KV blocks
-        blocks = host_blocks_for_gib(config.kv_offload_gib, model.model.kv_layout(), 2 if device == "cuda" else 4)
+        itemsize = 1 if is_fp8(config.kv_cache_dtype) else 2 if device == "cuda" else 4
+        blocks = host_blocks_for_gib(config.kv_offload_gib, model.model.kv_layout(), itemsize)
         config = dataclasses.replace(config, host_kv_blocks=blocks, kv_offload_gib=0.0)
     limits, options = resolved_options(config, device, model.config.max_position_embeddings)
     executor = create_executor(model, options, device)

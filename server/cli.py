@@ -16,6 +16,7 @@ import sys
 
 from engine import env as environment
 from engine.models.registry import supported_model_types
+from memory.kv_format import KV_CACHE_DTYPES
 from server.limits import ServerLimits
 from server.reasoning import REASONING_PARSERS
 
@@ -46,6 +47,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "--max-model-len)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of the GPU's memory the engine takes (weights, activations, KV cache)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the KV cache's stored type: auto (the model's), bfloat16, fp8 = fp8_e4m3 (e4m3 with the "
+                        "checkpoint's per-tensor k_scale / v_scale, else 1.0: twice the KV blocks in the same memory); "
+                        "fp8_e5m2 is refused")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in 16-token blocks (default: what --gpu-memory-utilization leaves)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -274,7 +279,7 @@ def engine_config(args: argparse.Namespace):
                           tensor_parallel_size=args.tensor_parallel_size,
                           kv_events_config=args.kv_events_config, cpu_threads=args.cpu_threads,
                           data_parallel_size=args.data_parallel_size,
-                          speculative_config=args.speculative_config)
+                          speculative_config=args.speculative_config, kv_cache_dtype=args.kv_cache_dtype)
     config.validate()
     return config
 

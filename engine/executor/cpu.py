@@ -3,6 +3,8 @@
 "bfloat16" / "float16" so the CPU sees the GPU's weights)."""
 from __future__ import annotations
 
+import logging
+
 import ml_dtypes
 import numpy as np
 
@@ -15,12 +17,15 @@ from engine.executor.cpu_quant_ops import host_fp8
 from engine.executor.cpu_threads import CpuThreads, default_cpu_threads
 from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
+from engine.loader.kv_scales import kv_format_of
 from engine.lora import lora_sites
 from engine.models.quant_linear import Fp8Linear, W4Linear, log_kept
 from engine.models.rope import rope_cos_sin
 from engine.sampling import prompt_logprobs, sample_step
 from memory.kv_pool import BLOCK_SIZE, blocks_for, check_block_copies, copy_pool_blocks, host_pool, pool_blocks
 from memory.state_slots import check_slots, host_state
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KV_BYTES = 1 << 30          # KV pool budget when num_kv_blocks is not given
 ROUNDING = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -41,15 +46,19 @@ class CpuExecutor(ExecutorBase):
         log_kept(model.weights, {"fp8": "W8A8 in numpy (the GPU kernels' numerics, cpu_quant_ops.py)",
                                  "int4": "numpy on the exactly dequantized weights (W4A16)"})
         self.layout = self.model.kv_layout()
-        self.kv_block_bytes = self.layout.block_bytes(4)          # the numpy pool is float32
+        self.kv_format = kv_format_of(options.kv_cache_dtype, model)
+        itemsize = self.kv_format.itemsize(4)                      # the numpy pool is float32, or e4m3 bytes
+        self.kv_block_bytes = self.layout.block_bytes(itemsize)
         self.step_cost = cpu_step_cost(cfg, self.weights, self.kv_block_bytes // BLOCK_SIZE)
         num_kv_blocks = options.num_kv_blocks
         if num_kv_blocks is None:
             need = blocks_for(self.max_model_len)
-            num_kv_blocks = max(need, min(pool_blocks(self.layout, 4, DEFAULT_KV_BYTES), 8 * need))
+            num_kv_blocks = max(need, min(pool_blocks(self.layout, itemsize, DEFAULT_KV_BYTES), 8 * need))
         self.num_kv_blocks = int(num_kv_blocks)
-        self.kv = host_pool(self.layout, self.num_kv_blocks)
-        self.host_kv = host_pool(self.layout, options.host_kv_blocks) if options.host_kv_blocks else None
+        kv_dtype = self.kv_format.host_dtype()
+        self.kv = host_pool(self.layout, self.num_kv_blocks, kv_dtype)
+        self.host_kv = host_pool(self.layout, options.host_kv_blocks, kv_dtype) if options.host_kv_blocks else None
+        log.info("%s; %d KV blocks", self.kv_format.describe("float32"), self.num_kv_blocks)
         self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len, self.model.rope_dim)
         self.threads = CpuThreads(options.cpu_threads or default_cpu_threads())
         state = self.model.state_layout()          # linear-attention lines: one state slot per sequence
@@ -60,7 +69,7 @@ class CpuExecutor(ExecutorBase):
     def _ops(self, state, lora: NumpyLoRAOps | None) -> NumpyOps:
         """The model's ops over the KV pool: its op families, its state slots, the LoRA slots (a
         tensor-parallel rank's executor builds its own, engine/parallel)."""
-        return NumpyOps(self.kv, self.model.op_families, self._state_arrays(state), lora)
+        return NumpyOps(self.kv, self.model.op_families, self._state_arrays(state), lora, self.kv_format)
 
     def _state_arrays(self, state) -> dict | None:
         """The per-sequence state slots of a line that declares state (memory/state_slots.py)."""

@@ -31,28 +31,34 @@ class PagedAttention:
             self._stages[key] = np.empty((blocks, BLOCK_SIZE, heads, dim), np.float32)
         return self._stages[key]
 
-    def _groups(self, plane: np.ndarray, blocks: np.ndarray, length: int):
-        """(first token, its [tokens, Hkv, D] keys or values) of the context, a staged group at a time."""
+    def _groups(self, plane: np.ndarray, blocks: np.ndarray, length: int, scale: float = 1.0):
+        """(first token, its [tokens, Hkv, D] keys or values) of the context, a staged group at a time; a
+        pool of e4m3 bytes (the FP8 KV cache) staged as its float32 values times the plane's scale."""
         stage = self._stage(plane.shape[2], plane.shape[3])
         per = stage.shape[0]
         for j in range(0, len(blocks), per):
             m = min(per, len(blocks) - j)
-            np.take(plane, blocks[j:j + m], axis=0, out=stage[:m], mode="clip")
+            if plane.dtype == np.float32:
+                np.take(plane, blocks[j:j + m], axis=0, out=stage[:m], mode="clip")
+            else:
+                np.copyto(stage[:m], plane[blocks[j:j + m]], casting="unsafe")
+                stage[:m] *= np.float32(scale)
             t0 = j * BLOCK_SIZE
             yield t0, stage[:m].reshape(m * BLOCK_SIZE, *plane.shape[2:])[:min(length - t0, m * BLOCK_SIZE)]
 
     def attend(self, q: np.ndarray, k_plane: np.ndarray, v_plane: np.ndarray, blocks: np.ndarray, L: int,
-               positions: np.ndarray, scale: float) -> np.ndarray:
+               positions: np.ndarray, scale: float, kv_scales: tuple[float, float] = (1.0, 1.0)) -> np.ndarray:
         """q: float32 [n, Hq, D] at `positions` (< L); k_plane, v_plane: a layer's pool planes as [blocks,
-        BLOCK_SIZE, Hkv, D]; blocks: the sequence's blocks covering its L context tokens. Returns float32
-        [n, Hq, D]: each query attends to the keys up to its own position."""
+        BLOCK_SIZE, Hkv, D] (float32, or e4m3 read as e4m3 · kv_scales); blocks: the sequence's blocks
+        covering its L context tokens. Returns float32 [n, Hq, D]: each query attends to the keys up to its
+        own position."""
         n, Hq, D = q.shape
         Hkv = k_plane.shape[2]
         G = Hq // Hkv
         # rows g·n + t of kv head h: query head h·G + g at token t; the scale on q (n·D products, not n·L)
         qs = (q * np.float32(scale)).reshape(n, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * n, D)
         scores_t = np.empty((Hkv, L, G * n), np.float32)
-        for t0, k in self._groups(k_plane, blocks, L):
+        for t0, k in self._groups(k_plane, blocks, L, kv_scales[0]):
             np.matmul(k.transpose(1, 0, 2), qs.transpose(0, 2, 1), out=scores_t[:, t0:t0 + len(k)])
         scores = np.ascontiguousarray(scores_t.transpose(0, 2, 1))           # [Hkv, G·n, L]
         qpos = np.tile(positions, G)
@@ -63,7 +69,7 @@ class PagedAttention:
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         out = np.zeros((Hkv, G * n, D), np.float32)
-        for t0, v in self._groups(v_plane, blocks, L):
+        for t0, v in self._groups(v_plane, blocks, L, kv_scales[1]):
             out += scores[:, :, t0:t0 + len(v)] @ v.transpose(1, 0, 2)
         out /= scores.sum(axis=-1, keepdims=True)
         return out.reshape(Hkv, G, n, D).transpose(2, 0, 1, 3).reshape(n, Hq, D)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.models.ops import MLASpec
+from memory.kv_format import KVFormat
 from memory.kv_pool import BLOCK_SIZE, block_view
 
 
@@ -58,16 +59,16 @@ def mla_expanded(q_nope, q_pe, c, k_pe, w_uk, w_uv, masked, scale) -> np.ndarray
 class NumpyMLAOps:
     """ops.mla of the numpy executor over the paged pool kv; norm: the dense ops' rms_norm."""
 
-    def __init__(self, kv: np.ndarray, norm):
-        self.kv, self.norm = kv, norm
+    def __init__(self, kv: np.ndarray, norm, kv_format: KVFormat = KVFormat()):
+        self.kv, self.norm, self.kv_format = kv, norm, kv_format
 
     def latent_cache(self, y, spec: MLASpec, ctx, kv_norm, q_norm=None):
         qc, R = spec.q_cols, spec.kv_lora_rank
         c, _ = self.norm(y[:, qc:qc + R], kv_norm, spec.rms_eps)
         k_pe = rope_interleaved(y[:, None, qc + R:qc + R + spec.rope_dim], ctx.cos, ctx.sin)[:, 0]
         slots = ctx.batch.slot_mapping
-        self.kv[spec.layer, 0, slots, 0, :R] = c
-        self.kv[spec.layer, 0, slots, 0, R:] = k_pe
+        self.kv[spec.layer, 0, slots, 0, :R] = self.kv_format.store(c, spec.layer, 0)
+        self.kv[spec.layer, 0, slots, 0, R:] = self.kv_format.store(k_pe, spec.layer, 0)
         q = np.ascontiguousarray(y[:, :qc], dtype=np.float32)
         return q if q_norm is None else self.norm(q, q_norm, spec.rms_eps)[0]
 
@@ -85,6 +86,7 @@ class NumpyMLAOps:
         for i in range(len(b.seqs)):
             q0, q1, L = int(b.cu_seqlens[i]), int(b.cu_seqlens[i + 1]), int(b.context_lens[i])
             rows = cache[b.block_tables[i, : -(-L // BLOCK_SIZE)]].reshape(-1, spec.cache_dim)[:L]
+            rows = self.kv_format.load(rows, spec.layer, 0)
             masked = np.arange(L)[None, :] > b.positions[q0:q1][:, None]    # [n, L] causal
             form = mla_absorbed if q1 - q0 == 1 else mla_expanded
             out[q0:q1] = form(q_nope[q0:q1], q_pe[q0:q1], rows[:, :R], rows[:, R:], w_uk, w_uv, masked, spec.scale)

@@ -17,6 +17,7 @@ from engine.executor.cpu_moe_ops import NumpyMoEOps
 from engine.executor.cpu_quant_ops import w8a8_linear
 from engine.models.ops import AttentionSpec, ComposedOps
 from engine.models.quant_linear import Fp8Linear
+from memory.kv_format import KVFormat
 from memory.kv_pool import BLOCK_SIZE, block_view
 
 
@@ -44,12 +45,13 @@ class NumpyOps(ComposedOps):
     """The dense Ops in numpy and the served line's op families as parts (None where it uses none)."""
 
     def __init__(self, kv: np.ndarray, families: frozenset[str] = frozenset(), state: dict | None = None,
-                 lora: NumpyLoRAOps | None = None):
-        """kv: float32 [layers, planes, slots, heads, dim]; families: the line's op_families; state: its
-        state slots (memory/state_slots.py host_state); lora: the executor's adapter slots."""
-        self.kv = kv
+                 lora: NumpyLoRAOps | None = None, kv_format: KVFormat = KVFormat()):
+        """kv: [layers, planes, slots, heads, dim], float32 or e4m3 as kv_format stores it (memory/kv_format.py);
+        families: the line's op_families; state: its state slots (memory/state_slots.py host_state); lora: the
+        executor's adapter slots."""
+        self.kv, self.kv_format = kv, kv_format
         self.moe = self._moe_part() if "moe" in families else None
-        self.mla = NumpyMLAOps(kv, self.rms_norm) if "mla" in families else None
+        self.mla = NumpyMLAOps(kv, self.rms_norm, kv_format) if "mla" in families else None
         self.deltanet = NumpyDeltaNetOps(state) if "deltanet" in families else None
         self.dsv4 = NumpyDSV4Ops(kv) if "dsv4" in families else None
         self.lora = lora
@@ -89,8 +91,8 @@ class NumpyOps(ComposedOps):
             k = _rms(k, k_norm, spec.rms_eps)
         q, k = _rope(q, ctx.cos, ctx.sin), _rope(k, ctx.cos, ctx.sin)
         slots = ctx.batch.slot_mapping
-        self.kv[spec.layer, 0, slots] = k
-        self.kv[spec.layer, 1, slots] = v
+        self.kv[spec.layer, 0, slots] = self.kv_format.store(k, spec.layer, 0)
+        self.kv[spec.layer, 1, slots] = self.kv_format.store(v, spec.layer, 1)
         return q.astype(np.float32)
 
     def attention(self, q, spec: AttentionSpec, ctx: CpuStepContext):
@@ -102,7 +104,8 @@ class NumpyOps(ComposedOps):
             q0, q1 = int(b.cu_seqlens[i]), int(b.cu_seqlens[i + 1])
             L = int(b.context_lens[i])
             blocks = b.block_tables[i, : -(-L // BLOCK_SIZE)]
-            out[q0:q1] = self.paged.attend(q[q0:q1], k_plane, v_plane, blocks, L, b.positions[q0:q1], spec.scale)
+            out[q0:q1] = self.paged.attend(q[q0:q1], k_plane, v_plane, blocks, L, b.positions[q0:q1], spec.scale,
+                                           self.kv_format.plane_scales(spec.layer))
         return out.reshape(q.shape[0], -1)
 
     def silu_mul(self, gate_up):

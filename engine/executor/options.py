@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine import env as environment
 from engine.limits import StepLimits, resolve_limits
+from memory.kv_format import is_fp8
 
 LIMIT_FIELDS = tuple(f.name for f in dataclasses.fields(StepLimits))
 
@@ -126,7 +127,8 @@ class ExecutorOptions:
     split across (engine/parallel; every rank runs with these options). cpu_threads: the CPU executor's
     BLAS threads for steps above decode size (engine/executor/cpu_threads.py; None: the cores less one).
     num_speculative_tokens: the draft tokens a verify step may carry per sequence (speculative decoding's k; 0:
-    off): the GPU sizes its sampled rows for 1 + k per sequence."""
+    off): the GPU sizes its sampled rows for 1 + k per sequence.
+    kv_cache_dtype: --kv-cache-dtype (memory/kv_format.py: "fp8" / "fp8_e4m3" store the pool as e4m3)."""
     limits: StepLimits = field(default_factory=lambda: StepLimits(4096, 64, 2048))
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -142,6 +144,7 @@ class ExecutorOptions:
     tensor_parallel_size: int = 1
     cpu_threads: int | None = None
     num_speculative_tokens: int = 0
+    kv_cache_dtype: str = "auto"
     max_model_len = property(lambda self: self.limits.max_model_len)                    # read through the limits
     max_num_seqs = property(lambda self: self.limits.max_num_seqs)
     max_num_batched_tokens = property(lambda self: self.limits.max_num_batched_tokens)
@@ -162,6 +165,7 @@ class ExecutorOptions:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        is_fp8(self.kv_cache_dtype)
         self.gpu.validate()
 
     def validate_for_gpu(self) -> None:
@@ -195,7 +199,8 @@ def executor_options(config, device: str, limits: StepLimits) -> ExecutorOptions
         gpu=config.gpu or gpu_tuning_from_env(), max_loras=config.max_loras if config.enable_lora else 0,
         max_lora_rank=config.max_lora_rank, tensor_parallel_size=config.tensor_parallel_size,
         cpu_threads=(config.cpu_threads or environment.cpu_threads_from_env()) if device == "cpu" else None,
-        num_speculative_tokens=spec.num_speculative_tokens if (spec := config.speculative_config) else 0)
+        num_speculative_tokens=spec.num_speculative_tokens if (spec := config.speculative_config) else 0,
+        kv_cache_dtype=config.kv_cache_dtype)
     options.validate()
     if device == "cuda":
         options.validate_for_gpu()

@@ -162,6 +162,8 @@ class DecoderLM:
     # True: every read of the KV cache is ops.attention / rope_attention of its layer, so a host-tier restore
     # may land layer by layer under the step's forward (GpuHostCopies._restore_by_layer)
     layerwise_restore = False
+    # its paged KV may be stored as FP8 e4m3 (--kv-cache-dtype fp8, memory/kv_format.py)
+    fp8_kv_cache = True
 
     def __init__(self, config: ModelConfig):
         self.config = config
@@ -210,6 +212,10 @@ class DecoderLM:
         """What one token stores in the paged KV pool: K and V of every layer's KV heads."""
         c = self.config
         return KVLayout(layers=c.num_hidden_layers, planes=2, heads=c.num_key_value_heads, dim=c.head_dim)
+
+    def kv_layers(self) -> dict[int, int]:
+        """Decoder layer -> its layer in the paged KV pool (the checkpoint names KV scales by the first)."""
+        return {i: i for i in range(self.kv_layout().layers)}
 
     @property
     def rope_dim(self) -> int:

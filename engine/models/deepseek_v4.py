@@ -143,6 +143,7 @@ class DeepseekV4ForCausalLM(DecoderLM):
     model_type = "deepseek_v4"
     cuda_graphs = False         # the GPU ops allocate and walk the step's sequences on the host: eager steps
     op_families = frozenset({"moe", "dsv4"})
+    fp8_kv_cache = False        # its KV rows also hold the compressors' kv and gates, read as they are
 
     @staticmethod
     def config_fields(d: dict[str, Any]) -> dict[str, Any]:

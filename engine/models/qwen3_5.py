@@ -173,6 +173,9 @@ class Qwen3_5ForCausalLM(DecoderLM):
         c = self.config
         return KVLayout(layers=len(self.attention_specs), planes=2, heads=c.num_key_value_heads, dim=c.head_dim)
 
+    def kv_layers(self) -> dict[int, int]:
+        return {i: spec.layer for i, spec in self.attention_layers.items()}
+
     def state_layout(self) -> StateLayout | None:
         """Per linear layer: the conv window [conv_kernel - 1, conv_dim] (activation dtype) and the
         recurrent state [Hv, Dk, Dv] (float32)."""

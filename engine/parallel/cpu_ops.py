@@ -22,6 +22,7 @@ from engine.executor.cpu_moe_ops import NumpyMoEOps
 from engine.executor.cpu_ops import NumpyOps
 from engine.executor.options import ExecutorOptions
 from engine.parallel.comm import Communicator
+from memory.kv_format import KVFormat
 
 
 class RankNumpyMoEOps(NumpyMoEOps):
@@ -47,9 +48,10 @@ class RankNumpyOps(NumpyOps):
     """NumpyOps of a rank: the row-parallel sums, vocab-parallel logits and the rank's MoE part. comm: the
     rank's communicator; experts: (first, number) of its routed experts."""
 
-    def __init__(self, kv, families, state, lora, comm: Communicator, experts: tuple[int, int] = (0, 0)):
+    def __init__(self, kv, families, state, lora, comm: Communicator, experts: tuple[int, int] = (0, 0),
+                 kv_format: KVFormat = KVFormat()):
         self.comm, self.rank_experts = comm, experts
-        super().__init__(kv, families, state, lora)
+        super().__init__(kv, families, state, lora, kv_format)
 
     def _moe_part(self) -> RankNumpyMoEOps:
         return RankNumpyMoEOps(self.silu_mul, self.comm, self.rank_experts)
@@ -72,7 +74,8 @@ class CpuRankExecutor(CpuExecutor):
         super().__init__(model, options)
 
     def _ops(self, state, lora) -> RankNumpyOps:
-        return RankNumpyOps(self.kv, self.model.op_families, self._state_arrays(state), lora, self.comm, self.experts)
+        return RankNumpyOps(self.kv, self.model.op_families, self._state_arrays(state), lora, self.comm, self.experts,
+                            self.kv_format)
 
     def graph_key(self, batch):
         """No CUDA graphs on the CPU."""
