@@ -133,6 +133,11 @@ inline unsigned emu_e4m3(float f) {
     return sign | c;
 }
 inline unsigned short e4m3x2(float lo, float hi) { return (unsigned short)(emu_e4m3(lo) | emu_e4m3(hi) << 8); }
+// kv_fp8.cuh: two e4m3 bytes as floats; cp.async of 8 bytes.
+inline void e4m3x2_to_floats(unsigned short v, float& lo, float& hi) { lo = emu_e4m3_bits(v & 0xff); hi = emu_e4m3_bits(v >> 8); }
+inline void cp_async8(void* smem, const void* gmem, bool valid) {
+    if (valid) std::memcpy(smem, gmem, 8); else std::memset(smem, 0, 8);
+}
 
 // bf16x2.cuh: packed bf16 pairs, each half computed in float and rounded once (exact for the inputs the
 // kernels give it: the float result is exact before that rounding).

@@ -35,7 +35,8 @@ def non_default_config(model: str) -> EngineConfig:
                         progress=False, enable_lora=True, lora_modules=(("ad", tiny_adapter_path("qwen3_untied", "attn8")),),
                         max_loras=2, max_lora_rank=8, max_cpu_loras=3,
                         kv_events_config=KVEventsConfig(True, endpoint="inproc://test-options-kv-events"), cpu_threads=3,
-                        speculative_config=SpeculativeConfig("ngram", 2), data_parallel_size=2, data_parallel_rank=1)
+                        speculative_config=SpeculativeConfig("ngram", 2), data_parallel_size=2, data_parallel_rank=1,
+                        kv_cache_dtype="fp8")
 
 
 def block_bytes(path: str, itemsize: int) -> int:
@@ -122,6 +123,8 @@ def test_every_engine_config_field_reaches_its_consumer(tmp_path):
             "data_parallel_rank": eng.kv_events.publisher.rank == 1,
             "speculative_config": eng.speculator.config is config.speculative_config
             and eng.speculator.counters.accepted_per_pos == [0, 0],
+            # the pool and the host tier hold e4m3 bytes
+            "kv_cache_dtype": opts.kv_cache_dtype == "fp8" and ex.kv.dtype.itemsize == ex.host_kv.dtype.itemsize == 1,
         }
         # one resolution: the scheduler plans within the very limits the executor was built for
         assert eng.scheduler.limits is eng.limits is opts.limits

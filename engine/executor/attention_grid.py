@@ -58,3 +58,4 @@ def rope_heads_per_warp(head_dim: int) -> int:
     lanes = head_dim // 8
     fits = head_dim % 8 == 0 and 2 <= lanes <= 32 and lanes & (lanes - 1) == 0
     return 32 // lanes if fits else 1
+

@@ -32,6 +32,7 @@ from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, cute_rows, cute_work
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_host_copies import GpuHostCopies, compute_event, events_done, layers_landed, wait_events
 from engine.executor.gpu_inputs import GpuStepContext, StepInputs
+from engine.executor.gpu_kv_format import gpu_kv_format
 from engine.executor.gpu_lora_layout import extra_rows
 from engine.executor.gpu_mapped_copy import MappedCopy
 from engine.executor.gpu_ops import GpuOps
@@ -60,7 +61,7 @@ from memory.weight_upload import upload_weights
 
 log = logging.getLogger(__name__)
 SLACK_BYTES = 64 << 20
-KV_ITEMSIZE = 2                 # bf16 KV
+KV_ITEMSIZE = 2                 # bf16 KV (FP8: 1, memory/kv_format.py)
 
 
 def parts_nbytes(plan: GpuPlan, cute_max_m: int, prefill_on: bool, ops=GpuOps) -> dict[str, int]:
@@ -103,6 +104,8 @@ class GpuExecutor(ExecutorBase):
         self.device = DeviceInfo.query()
         self.plan = gpu_plan(options, model.model, self.device)
         self.ops_class = quant_ops_class(model.weights, self.ops_class)
+        self.kv_format = gpu_kv_format(options.kv_cache_dtype, model, self.plan)
+        self.kv_itemsize = self.kv_format.itemsize(KV_ITEMSIZE)
         self.streams = DeviceStreams()
         self.stream = self.streams.compute
         sizes = self._sizes(model)
@@ -115,7 +118,7 @@ class GpuExecutor(ExecutorBase):
         self._build_graphs()
         self.stream.synchronize()
         log.info("GPU executor on %s (%d SMs): %s", self.device.name, self.device.num_sms, self.gemm.describe())
-        log.info("%s; %d KV blocks", self.arena.summary(), self.num_kv_blocks)
+        log.info("%s; %d KV blocks, %s", self.arena.summary(), self.num_kv_blocks, self.kv_format.describe("bf16"))
 
     def _sizes(self, model: LoadedModel) -> ArenaSizes:
         """Every part's bytes from the plan (before anything is carved); the rope table is computed here."""
@@ -140,7 +143,7 @@ class GpuExecutor(ExecutorBase):
         if self.options.num_kv_blocks is None:
             return arena_budget(self.options.gpu_memory_utilization)
         return (sizes.weights + sizes.lora_bytes + sum(sizes.parts.values())
-                + self.options.num_kv_blocks * self.plan.kv.block_bytes(KV_ITEMSIZE) + SLACK_BYTES)
+                + self.options.num_kv_blocks * self.plan.kv.block_bytes(self.kv_itemsize) + SLACK_BYTES)
 
     def _upload_weights(self, model: LoadedModel, sizes: ArenaSizes) -> dict:
         """The weights into the arena (gate_up rows interleaved in blocks of 8 for gemv.cu's fused SiLU·up unless
@@ -170,7 +173,8 @@ class GpuExecutor(ExecutorBase):
         self.prefill = None if sizes.prefill_min is None else PrefillAttention(
             self.arena, stream, plan.max_tokens, plan.max_seqs, PrefillAttention.plan_key_rows(plan),
             plan.kv.heads, plan.kv.dim, sizes.prefill_min,
-            group=plan.num_heads // plan.kv.heads if self.options.gpu.chunk_attention else 0)
+            group=plan.num_heads // plan.kv.heads if self.options.gpu.chunk_attention and not self.kv_format.fp8 else 0,
+            kv_format=self.kv_format)
         self.state = (self.arena.take_all("state", state_buffers(sizes.state, self.num_state_slots))
                       if sizes.state is not None else None)
 
@@ -179,7 +183,7 @@ class GpuExecutor(ExecutorBase):
         plan = self.plan
         num_kv_blocks = self.options.num_kv_blocks
         if num_kv_blocks is None:
-            num_kv_blocks = pool_blocks(plan.kv, KV_ITEMSIZE, self.arena.free_bytes - sizes.parts["ops"] - SLACK_BYTES)
+            num_kv_blocks = pool_blocks(plan.kv, self.kv_itemsize, self.arena.free_bytes - sizes.parts["ops"] - SLACK_BYTES)
         if num_kv_blocks < 1:
             raise MemoryError("no device memory left for the KV cache: raise gpu_memory_utilization "
                               "or lower max_num_batched_tokens")
@@ -187,14 +191,16 @@ class GpuExecutor(ExecutorBase):
             log.warning("KV pool of %d blocks holds less than one max_model_len sequence (%d blocks)",
                         num_kv_blocks, plan.max_blocks)
         self.num_kv_blocks = int(num_kv_blocks)
-        self.kv_block_bytes = plan.kv.block_bytes(KV_ITEMSIZE)
-        self.kv_cache = self.arena.take("kv", plan.kv.pool_shape(self.num_kv_blocks), np.uint16)
+        self.kv_block_bytes = plan.kv.block_bytes(self.kv_itemsize)
+        self.kv_cache = self.arena.take("kv", plan.kv.pool_shape(self.num_kv_blocks),
+                                        np.uint8 if self.kv_format.fp8 else np.uint16)
 
     def _build_ops(self, lora_weights: dict) -> None:
         """The ops over the parts every op family shares (GpuShared), their buffers carved last."""
         self.gemm.gemv_max_m = parse_decode_kernels(self.options.gpu.decode_kernels, self.default_gemv_rows())[1]
         shared = GpuShared.take(self.arena, self.plan, stream=self.stream, gemm=self.gemm, kv_cache=self.kv_cache,
                                 inv_freq=self.inv_freq, attention_factor=self.attention_factor,
+                                kv_format=self.kv_format,
                                 gate_up_interleaved=self.gate_up_interleaved)
         lm_head = self.weights["embed_tokens" if self.config.tie_word_embeddings else "lm_head"]
         self.ops = self._ops(shared, lm_head.data.ptr, lora_weights)

@@ -84,7 +84,7 @@ class GpuOps(ComposedOps):
         self.k_embed = kernel("embedding", "embedding_gather")
         self.k_rms = kernel("rms_norm", "rms_norm_residual")
         self.k_rms_splitk = kernel("rms_norm", "splitk_rms_norm_residual")
-        self.k_rope = kernel("qk_norm_rope_cache", "qk_norm_rope_cache")
+        self.k_rope = kernel("qk_norm_rope_cache", "qk_norm_rope_cache" + shared.kv_entry)   # bf16 or e4m3 cache
         self.k_silu = kernel("silu_mul", "silu_mul")
         self.k_bias = kernel("add_bias", "add_bias")
         self.k_add = kernel("add_bias", "residual_add")
@@ -205,7 +205,8 @@ class GpuOps(ComposedOps):
         self._launch(self.k_rope, (T, groups), (32 * warps,),
                      (qkv, q_norm if q_norm is not None else null, k_norm if k_norm is not None else null,
                       np.float32(spec.rms_eps), sh.inv_freq, np.float32(sh.attention_factor),
-                      ctx.positions, ctx.slot_mapping, q, kc, vc, np.int32(Hq), np.int32(Hkv), np.int32(D)))
+                      ctx.positions, ctx.slot_mapping, q, kc, vc, np.int32(Hq), np.int32(Hkv), np.int32(D))
+                     + sh.kv_scales(spec.layer))
         return q
 
     def _decode_kernel(self, num_kv_heads: int, entry: str = "paged_decode_attention", heads: int = 0, **defines):
@@ -243,8 +244,8 @@ class GpuOps(ComposedOps):
                             **defines):
         """paged_decode.cu's fused q/k norm + rope + KV write + attention entry and its grid, when the step is decode
         only, its grid is at most FUSED_ROPE_CTAS_PER_SM CTAs per SM and the decode kernel serves this layer; else None
-        (the composition runs; both give the same bits)."""
-        if (not ctx.decode_only or spec.head_dim != self.head_dim
+        (the composition runs; both give the same bits; an FP8 cache takes the composition)."""
+        if (not ctx.decode_only or spec.head_dim != self.head_dim or self.shared.kv_format.fp8
                 or spec.num_heads != self.num_heads
                 or ctx.num_splits * spec.num_kv_heads * ctx.num_tokens > FUSED_ROPE_CTAS_PER_SM * self.shared.num_sms):
             return None
@@ -278,12 +279,11 @@ class GpuOps(ComposedOps):
             raise ValueError(f"attention partials: {tokens} tokens x {splits} splits x {heads} heads exceed the buffer")
 
     def _decode_args(self, spec: AttentionSpec, ctx: GpuStepContext, out) -> tuple:
-        """paged_decode.cu's arguments from the KV cache on (the same for both entries)."""
+        """paged_decode.cu's arguments from the KV cache on (the same for every entry; an FP8 cache's scales last)."""
         kv = self.shared.kv_cache
-        kc, vc = kv[spec.layer, 0], kv[spec.layer, 1]
-        return (kc, vc, ctx.block_tables, np.int32(ctx.block_tables.shape[1]), ctx.token_seq, ctx.positions,
-                self.part_out, self.part_max, self.part_sum, out, self.split_counters,
-                np.int32(spec.num_kv_heads), np.float32(spec.scale))
+        return (kv[spec.layer, 0], kv[spec.layer, 1], ctx.block_tables, np.int32(ctx.block_tables.shape[1]),
+                ctx.token_seq, ctx.positions, self.part_out, self.part_max, self.part_sum, out, self.split_counters,
+                np.int32(spec.num_kv_heads), np.float32(spec.scale)) + self.shared.kv_scales(spec.layer)
 
     @op_range
     def rope_attention(self, qkv, spec: AttentionSpec, ctx: GpuStepContext, q_norm=None, k_norm=None):
@@ -351,11 +351,11 @@ class GpuOps(ComposedOps):
 
     def paged_attention(self, q, spec: AttentionSpec, ctx: GpuStepContext, out) -> None:
         """out[T, Hq·D] = attention of ctx's T query rows over the paged cache (paged_decode.cu where it
-        fits, else paged_attention_split + attention_merge)."""
+        fits, else paged_attention_split + attention_merge; an FP8 cache: paged_decode_attention_fp8)."""
         self._check_attention(spec, ctx)
-        kv = self.shared.kv_cache
-        fast = self._decode_launch(spec, ctx, "paged_decode_attention") if spec.head_dim == self.head_dim else None
-        if fast is not None:
+        kv, entry = self.shared.kv_cache, "paged_decode_attention" + self.shared.kv_entry
+        fast = self._decode_launch(spec, ctx, entry) if spec.head_dim == self.head_dim else None
+        if fast is not None or self.shared.kv_format.fp8:       # FP8: paged_decode.cu's (gpu_kv_format.py checks)
             self._launch(*fast, (128,), (q,) + self._decode_args(spec, ctx, out))
             return
         self.split_attention(q, kv[spec.layer, 0], kv[spec.layer, 1], ctx.block_tables, spec.num_heads,

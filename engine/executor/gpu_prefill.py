@@ -181,7 +181,7 @@ class PrefillAttention:
     and uploads one eager step (None when no sequence of it is served)."""
 
     def __init__(self, arena, stream, max_tokens: int, max_seqs: int, key_rows: int, num_kv_heads: int,
-                 head_dim: int, min_query: int, group: int = 0):
+                 head_dim: int, min_query: int, group: int = 0, kv_format: KVFormat = KVFormat()):
         self.stream, self.min_query, self.key_rows = stream, min_query, key_rows
         b = arena.take_all("prefill", self.buffers(key_rows, num_kv_heads, head_dim, max_tokens, max_seqs))
         self.k, self.v, self.data = b["k"], b["v"], b["plan"]
@@ -189,7 +189,8 @@ class PrefillAttention:
         # this one's copy may still wait in the stream behind earlier work
         self.data_hosts = PinnedTwins(self.data.shape, np.int32)
         self.mapped = None          # a MappedCopy: the plan uploaded by a kernel while set (as StepInputs.mapped)
-        self.gather = kernel("kv_gather", "kv_gather")
+        # the cache's K/V to the bf16 staging (an e4m3 cache widened on the way: kv_gather_fp8)
+        self.gather = kernel("kv_gather", "kv_gather_fp8" if kv_format.fp8 else "kv_gather")
         self.launches = 0           # varlen_attention launches so far (tests check the path ran)
         # paged_chunk.cu for short runs (group: query heads per KV head; 0 = off)
         self.chunk = ChunkKernel(group, head_dim, stream) if group and chunk_fits(group, head_dim) else None
@@ -278,8 +279,8 @@ class PrefillStep:
             cu_k = d[a.cu_k:a.cu_k + a.num_seqs + 1]
             k, v = own.k[:a.key_rows], own.v[:a.key_rows]
             launch(own.gather, (a.key_blocks, a.num_seqs), (GATHER_THREADS,),
-                   (kc, vc, ctx.block_tables[a.first_seq:], np.int32(width), cu_k, k, v, np.int32(Hkv * D // 8)),
-                   own.stream)
+                   (kc, vc, ctx.block_tables[a.first_seq:], np.int32(width), cu_k, k, v, np.int32(Hkv * D // 8))
+                   + ops.shared.kv_scales(spec.layer), own.stream)
             r0, r1 = a.q_rows
             cute.varlen_attention(q[r0:r1], k, v, o[r0:r1], d[a.cu_q:a.cu_q + a.num_seqs + 1], cu_k,
                                   d[a.work:a.work + 2 * a.tiles].reshape(a.tiles, 2), stream=own.stream)

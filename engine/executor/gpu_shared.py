@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from memory.device_arena import Buffer
+from memory.kv_format import KVFormat
 from openinfer_kernels.raw_cuda.launch import launch
 
 RING_SLOTS = 10
@@ -35,7 +36,7 @@ def activation_buffers(plan) -> list[Buffer]:
 class GpuShared:
     stream: object                  # the compute stream: every launch goes on it
     gemm: object                    # gpu_gemm.Gemm
-    kv_cache: object                # uint16 [layers, planes, slots, heads, dim]
+    kv_cache: object                # uint16 (bf16) or uint8 (e4m3) [layers, planes, slots, heads, dim]
     inv_freq: object                # float32 [rope_dim / 2]
     attention_factor: float         # cos / sin scaling (yarn)
     num_sms: int
@@ -43,6 +44,7 @@ class GpuShared:
     ring: list                      # RING_SLOTS buffers of [max_tokens · width] bf16 values
     residual: object                # [max_tokens · hidden] bf16 values
     gate_up_interleaved: bool = False   # gate_up weights in blocks of 8 gate / 8 up rows (gemv.cu's SiLU·up)
+    kv_format: KVFormat = KVFormat()    # kv_cache's: bf16, or e4m3 (uint8) with per-layer scales (gpu_kv_format.py)
     pdl: bool = False               # programmatic dependent launches (set while capturing decode)
     ring_next: int = 0
 
@@ -52,6 +54,17 @@ class GpuShared:
         b = arena.take_all("activations", activation_buffers(plan))
         return cls(ring=[b[f"ring{i}"] for i in range(RING_SLOTS)], residual=b["residual"],
                    num_sms=plan.device.num_sms, max_tokens=plan.max_tokens, **parts)
+
+    @property
+    def kv_entry(self) -> str:
+        """The suffix of the cache kernels' entries for kv_cache's format ("_fp8" for e4m3)."""
+        return "_fp8" if self.kv_format.fp8 else ""
+
+    def kv_scales(self, layer: int) -> tuple:
+        """The FP8 entries' trailing (k_scale, v_scale) arguments of a layer; () for bf16."""
+        if not self.kv_format.fp8:
+            return ()
+        return tuple(np.float32(s) for s in self.kv_format.scales[layer])
 
     def out(self, rows: int, cols: int):
         """The next activation buffer as [rows, cols]."""

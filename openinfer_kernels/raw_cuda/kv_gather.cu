@@ -5,18 +5,21 @@
 // 256 threads: CTA (x, b) copies 16-token block x of sequence b, which is 16 consecutive cache slots
 // and 16 consecutive output rows, so both sides are one contiguous run of 16-byte vectors; CTAs past
 // a sequence's end exit.
+// kv_gather_fp8: the same from an e4m3 cache (kv_fp8.cuh), each 8-value piece (8 bytes) widened to bf16 of
+// e4m3 · scale on the way (the CuTe prefill attention reads bf16): reads half the bytes, writes the same.
 // Roofline: bytes = 2 (K, V) x 2 (read + write) x sum(context) x Hkv x D x 2; Qwen3-4B (Hkv 8, D 128)
 // at 4096 keys: 33.6 MB per layer, 7.8 us at 4.3 TB/s (the attention over them: ~0.27 ms at 500 TFLOP/s).
 #include "common.cuh"
+#include "kv_fp8.cuh"   // e4m3x8_to_bf16x8
 
 #define BLOCK 16
 
+// k_cache, v_cache [slots x row_vecs]; block_tables [sequences x table_width]; cu_k [sequences + 1];
+// k_out, v_out [cu_k[-1] x row_vecs] (no commas in the parameter list's comments: the host emulation parses it).
 extern "C" __global__ void __launch_bounds__(256) kv_gather(
-    const uint4* __restrict__ k_cache, const uint4* __restrict__ v_cache,   // [slots, row_vecs]
-    const int* __restrict__ block_tables, int table_width,                 // [sequences, table_width]
-    const int* __restrict__ cu_k,                                          // [sequences + 1]
-    uint4* __restrict__ k_out, uint4* __restrict__ v_out,                  // [cu_k[-1], row_vecs]
-    int row_vecs) {
+    const uint4* __restrict__ k_cache, const uint4* __restrict__ v_cache,
+    const int* __restrict__ block_tables, int table_width, const int* __restrict__ cu_k,
+    uint4* __restrict__ k_out, uint4* __restrict__ v_out, int row_vecs) {
     pdl_wait();
     const int b = blockIdx.y, first = blockIdx.x * BLOCK;
     const int row0 = cu_k[b], len = cu_k[b + 1] - row0;
@@ -29,5 +32,25 @@ extern "C" __global__ void __launch_bounds__(256) kv_gather(
         const uint4 k = k_cache[src + i], v = v_cache[src + i];
         k_out[dst + i] = k;
         v_out[dst + i] = v;
+    }
+}
+
+// The caches' row_vecs pieces are 8 e4m3 bytes (uint2) each; the outputs' 8 bf16 (uint4).
+extern "C" __global__ void __launch_bounds__(256) kv_gather_fp8(
+    const uint2* __restrict__ k_cache, const uint2* __restrict__ v_cache,
+    const int* __restrict__ block_tables, int table_width, const int* __restrict__ cu_k,
+    uint4* __restrict__ k_out, uint4* __restrict__ v_out, int row_vecs, float k_scale, float v_scale) {
+    pdl_wait();
+    const int b = blockIdx.y, first = blockIdx.x * BLOCK;
+    const int row0 = cu_k[b], len = cu_k[b + 1] - row0;
+    if (first >= len) return;
+    const int tokens = min(BLOCK, len - first);
+    const long long src = (long long)block_tables[(long long)b * table_width + blockIdx.x] * BLOCK * row_vecs;
+    const long long dst = (long long)(row0 + first) * row_vecs;
+    const int n = tokens * row_vecs;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const uint2 k = k_cache[src + i], v = v_cache[src + i];
+        k_out[dst + i] = e4m3x8_to_bf16x8(k, k_scale);
+        v_out[dst + i] = e4m3x8_to_bf16x8(v, v_scale);
     }
 }

@@ -42,6 +42,7 @@
 // the fused entry adds (GQA + 2)·D·2 bytes of the qkv row per CTA (L2-resident: the GEMV just wrote it).
 #include "common.cuh"    // bf16_t, pdl_begin / pdl_wait, cp.async
 #include "attention_shape.cuh"   // GQA, HEAD_DIM, WARPS, NTHREADS
+#include "kv_fp8.cuh"            // the e4m3 cache of paged_decode_attention_fp8
 #ifndef HEADS
 #define HEADS GQA                                        // query heads per CTA (a divisor of GQA)
 #endif
@@ -137,15 +138,19 @@ __device__ __forceinline__ float across_keys_sum(float v) {
 #include "paged_decode_prologue.cuh"   // RopeArgs, rope_prologue (the fused entries)
 
 // The attention of one CTA (split, KV head, token); ROPE: q (and the step's own key) from the qkv
-// row through rope_prologue instead of from q; LORA: with the row's adapter delta.
-template <bool ROPE, bool LORA = false>
-__device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, bf16_t* k_cache, bf16_t* v_cache,
+// row through rope_prologue instead of from q; LORA: with the row's adapter delta; FP8: the cache holds e4m3
+// (kv_fp8.cuh; not with ROPE): each lane's 8-value piece is 8 bytes (cp.async of 8), widened after the load,
+// k_scale folded into q and v_scale into the output.
+template <bool ROPE, bool LORA = false, bool FP8 = false>
+__device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, void* k_cache, void* v_cache,
                                                  const int* __restrict__ block_tables, int max_blocks,
                                                  const int* __restrict__ token_seq, const int* __restrict__ positions,
                                                  float* __restrict__ part_out, float* __restrict__ part_max,
                                                  float* __restrict__ part_sum, bf16_t* __restrict__ out,
                                                  int* __restrict__ counters, int num_kv_heads, float scale,
-                                                 const RopeArgs& r) {
+                                                 const RopeArgs& r, float k_scale = 1.f, float v_scale = 1.f) {
+    static_assert(!(ROPE && FP8), "the fused rope entries write bf16 keys");
+    typedef typename KVElem<FP8>::type KV;
     // Each warp's ring of STAGES stages (lane-private 16-byte pieces: [stage][u][c][K|V][lane]); after
     // the key loop the same bytes hold the warp's partial output for the merge (acc of warp w at w's ring).
     __shared__ __align__(16) uint4 ring[WARPS][STAGES * STAGE_VECS];
@@ -166,8 +171,8 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
     const int start = split * per_split, end = min(ctx, start + per_split);
     const int* table = block_tables + (size_t)token_seq[t] * max_blocks;
     const size_t row_stride = (size_t)num_kv_heads * HEAD_DIM;
-    const bf16_t* kbase = k_cache + (size_t)kvh * HEAD_DIM;
-    const bf16_t* vbase = v_cache + (size_t)kvh * HEAD_DIM;
+    const KV* kbase = static_cast<const KV*>(k_cache) + (size_t)kvh * HEAD_DIM;
+    const KV* vbase = static_cast<const KV*>(v_cache) + (size_t)kvh * HEAD_DIM;
 
     // The block tables, positions and the keys before this step's are written by the host or by
     // kernels that completed before the previous one (the previous kernel writes q, or nothing this
@@ -202,9 +207,10 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
     pdl_begin();
 
     int fresh = -1;                                         // the key taken from kv_s (ROPE)
-    if (ROPE)
+    if constexpr (ROPE)
         fresh = rope_prologue<LORA>(r, t, kvh, head0, num_kv_heads, ctx, start < end && end == ctx, hg == 0, q_s,
-                                    kv_s, k_cache, v_cache, lora_slot, lora_s, h_s);
+                                    kv_s, static_cast<bf16_t*>(k_cache), static_cast<bf16_t*>(v_cache), lora_slot,
+                                    lora_s, h_s);
     const bf16_t* qg = ROPE ? &q_s[0][0] : q + ((size_t)t * num_heads + head0) * HEAD_DIM;
     // This lane's slices of the group's query heads, scaled into the log2 domain.
     float qf[HEADS][CHUNKS][VEC];
@@ -217,7 +223,7 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
             if (d0 < HEAD_DIM) raw = *reinterpret_cast<const uint4*>(qg + g * HEAD_DIM + d0);
             unpack8(raw, qf[g][c]);
             #pragma unroll
-            for (int e = 0; e < VEC; ++e) qf[g][c][e] *= scale * LOG2E;
+            for (int e = 0; e < VEC; ++e) qf[g][c][e] *= scale * LOG2E * k_scale;   // k_scale 1 unless FP8
         }
     float acc[HEADS][CHUNKS][VEC], m[HEADS], l[HEADS];
     #pragma unroll
@@ -246,8 +252,13 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
                 const int d0 = (c * KEY_LANES + sub) * VEC;
                 const bool ok = slot >= 0 && d0 < HEAD_DIM && !own;
                 const size_t off = ok ? (size_t)slot * row_stride + d0 : 0;
-                cp_async16(piece(stage, u, c, 0), kbase + off, ok);
-                cp_async16(piece(stage, u, c, 1), vbase + off, ok);
+                if constexpr (FP8) {
+                    cp_async8(piece(stage, u, c, 0), kbase + off, ok);
+                    cp_async8(piece(stage, u, c, 1), vbase + off, ok);
+                } else {
+                    cp_async16(piece(stage, u, c, 0), kbase + off, ok);
+                    cp_async16(piece(stage, u, c, 1), vbase + off, ok);
+                }
             }
             const int p = b + stride + u * KEYS_PER_PASS + key;
             slot_next[u] = p < end ? table[p >> 4] * 16 + (p & 15) : -1;
@@ -273,7 +284,8 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
                 const int d0 = (c * KEY_LANES + sub) * VEC;
                 uint4 kr = *piece(stage, u, c, 0);
                 if (own && d0 < HEAD_DIM) kr = *reinterpret_cast<const uint4*>(&kv_s[0][d0]);
-                unpack8(kr, kf[c]);
+                if constexpr (FP8) e4m3x8_to_float(make_uint2(kr.x, kr.y), 1.f, kf[c]);
+                else unpack8(kr, kf[c]);
             }
             float dot[HEADS];
             #pragma unroll
@@ -318,7 +330,8 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
                 uint4 vr = *piece(stage, u, c, 1);
                 if (own && d0 < HEAD_DIM) vr = *reinterpret_cast<const uint4*>(&kv_s[ROPE ? 1 : 0][d0]);
                 float vf[VEC];
-                unpack8(vr, vf);
+                if constexpr (FP8) e4m3x8_to_float(make_uint2(vr.x, vr.y), 1.f, vf);
+                else unpack8(vr, vf);
                 #pragma unroll
                 for (int g = 0; g < HEADS; ++g)
                     #pragma unroll
@@ -365,6 +378,7 @@ __device__ __forceinline__ void decode_attention(const bf16_t* __restrict__ q, b
                 sum += l_s[w][g] * f;
             }
         }
+        o *= v_scale;                                       // 1 unless FP8: exact
         const size_t head = (size_t)t * num_heads + head0 + g;
         if (S == 1) {
             out[head * HEAD_DIM + d] = f_to_bf16(sum > 0.f ? o / sum : 0.f);
@@ -412,6 +426,19 @@ paged_decode_attention(const bf16_t* __restrict__ q, const bf16_t* k_cache, cons
     decode_attention<false>(q, const_cast<bf16_t*>(k_cache), const_cast<bf16_t*>(v_cache), block_tables,
                             max_blocks, token_seq, positions, part_out, part_max, part_sum, out, counters,
                             num_kv_heads, scale, RopeArgs{});
+}
+
+// The same over an e4m3 cache (kv_fp8.cuh): k_scale, v_scale its per-tensor scales.
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
+paged_decode_attention_fp8(const bf16_t* __restrict__ q, const unsigned char* k_cache, const unsigned char* v_cache,
+                           const int* __restrict__ block_tables, int max_blocks,
+                           const int* __restrict__ token_seq, const int* __restrict__ positions,
+                           float* __restrict__ part_out, float* __restrict__ part_max, float* __restrict__ part_sum,
+                           bf16_t* __restrict__ out, int* __restrict__ counters, int num_kv_heads, float scale,
+                           float k_scale, float v_scale) {
+    decode_attention<false, false, true>(q, const_cast<unsigned char*>(k_cache), const_cast<unsigned char*>(v_cache),
+                                         block_tables, max_blocks, token_seq, positions, part_out, part_max, part_sum,
+                                         out, counters, num_kv_heads, scale, RopeArgs{}, k_scale, v_scale);
 }
 
 // One query token per sequence (decode): q/k norm + rope + KV write (qk_norm_rope_cache.cu) and the

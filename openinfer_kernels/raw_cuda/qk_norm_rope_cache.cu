@@ -15,17 +15,19 @@
 // Roofline: reads (Hq + 2·Hkv)·D·2 bytes per token and writes as much: ~12 KB per token for Qwen3-4B
 // (~3 ns); launch-bound at decode, bandwidth-bound for long prefills.
 #include "rope.cuh"   // norm_rope_piece, norm_rope_head_with, rope_angle
+#include "kv_fp8.cuh"  // store_kv8
 
 #define MAX_HALF 128   // D <= 256 (gpu_ops.MAX_HEAD_DIM)
 
 // Token t's heads in 16-byte pieces (D = 8 · LANES): lane group g of warp w takes head (block's first + w) ·
-// 32/LANES + g, then strides by the grid's warps; q to q_out, k and v to their cache slot (slot < 0: not written).
-template <int LANES, typename Table>
+// 32/LANES + g, then strides by the grid's warps; q to q_out, k and v to their cache slot (slot < 0: not written;
+// FP8: as e4m3 of k / k_scale, v / v_scale, kv_fp8.cuh).
+template <int LANES, bool FP8, typename Table>
 __device__ __forceinline__ void rope_heads_in_pieces(const bf16_t* __restrict__ row, const bf16_t* __restrict__ q_norm_w,
                                                      const bf16_t* __restrict__ k_norm_w, float eps, int t, int slot,
-                                                     bf16_t* __restrict__ q_out, bf16_t* __restrict__ k_cache,
-                                                     bf16_t* __restrict__ v_cache, int num_heads, int num_kv_heads,
-                                                     Table table) {
+                                                     bf16_t* __restrict__ q_out, void* __restrict__ k_cache,
+                                                     void* __restrict__ v_cache, int num_heads, int num_kv_heads,
+                                                     Table table, float k_scale, float v_scale) {
     constexpr int D = 8 * LANES, PER_WARP = 32 / LANES;
     const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5, lane = threadIdx.x & 31, e0 = 8 * (lane % LANES);
     const int heads = num_heads + 2 * num_kv_heads;
@@ -34,22 +36,25 @@ __device__ __forceinline__ void rope_heads_in_pieces(const bf16_t* __restrict__ 
         const bool live = h < heads, is_q = h < num_heads, is_k = !is_q && h < num_heads + num_kv_heads;
         const uint4 x = live ? *reinterpret_cast<const uint4*>(row + (size_t)h * D + e0) : kZero16;
         const uint4 out = norm_rope_piece<LANES>(x, is_q ? q_norm_w : k_norm_w, live && (is_q || is_k), eps, table);
-        bf16_t* dst = !live ? nullptr
-                    : is_q ? q_out + ((size_t)t * num_heads + h) * D
-                    : slot < 0 ? nullptr
-                    : is_k ? k_cache + ((size_t)slot * num_kv_heads + h - num_heads) * D
-                    : v_cache + ((size_t)slot * num_kv_heads + h - num_heads - num_kv_heads) * D;
-        if (dst != nullptr) *reinterpret_cast<uint4*>(dst + e0) = out;
+        if (live && is_q) {
+            *reinterpret_cast<uint4*>(q_out + ((size_t)t * num_heads + h) * D + e0) = out;
+        } else if (live && slot >= 0) {
+            const int kvh = h - num_heads - (is_k ? 0 : num_kv_heads);
+            store_kv8<FP8>(is_k ? k_cache : v_cache, ((size_t)slot * num_kv_heads + kvh) * D + e0, out,
+                           is_k ? k_scale : v_scale);
+        }
     }
 }
 
-extern "C" __global__ void qk_norm_rope_cache(const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ q_norm_w,
-                                              const bf16_t* __restrict__ k_norm_w, float eps,
-                                              const float* __restrict__ inv_freq, float attn_factor,
-                                              const int* __restrict__ positions,
-                                              const int* __restrict__ slot_mapping, bf16_t* __restrict__ q_out,
-                                              bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache,
-                                              int num_heads, int num_kv_heads, int D) {
+// The entries' work, the cache bf16 or e4m3 (FP8: head dims of rope_piece_lanes only, gpu_ops checks at start).
+template <bool FP8>
+__device__ __forceinline__ void norm_rope_cache(const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ q_norm_w,
+                                                const bf16_t* __restrict__ k_norm_w, float eps,
+                                                const float* __restrict__ inv_freq, float attn_factor,
+                                                const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                                                bf16_t* __restrict__ q_out, void* __restrict__ k_cache,
+                                                void* __restrict__ v_cache, int num_heads, int num_kv_heads, int D,
+                                                float k_scale, float v_scale) {
     __shared__ float cos_s[MAX_HALF], sin_s[MAX_HALF];
     pdl_begin();
     const int t = blockIdx.x;
@@ -60,30 +65,55 @@ extern "C" __global__ void qk_norm_rope_cache(const bf16_t* __restrict__ qkv, co
     for (int i = threadIdx.x; i < D / 2; i += blockDim.x) rope_angle(inv_freq, attn_factor, pos, i, cos_s[i], sin_s[i]);
     __syncthreads();
     auto table = [&](int i, float& c, float& s) { c = cos_s[i]; s = sin_s[i]; };
+#define PIECES(L) return rope_heads_in_pieces<L, FP8>(row, q_norm_w, k_norm_w, eps, t, slot, q_out, k_cache, v_cache, \
+                                                       num_heads, num_kv_heads, table, k_scale, v_scale)
     switch (rope_piece_lanes(D)) {                       // block-uniform
-        case 2: return rope_heads_in_pieces<2>(row, q_norm_w, k_norm_w, eps, t, slot, q_out, k_cache, v_cache,
-                                               num_heads, num_kv_heads, table);
-        case 4: return rope_heads_in_pieces<4>(row, q_norm_w, k_norm_w, eps, t, slot, q_out, k_cache, v_cache,
-                                               num_heads, num_kv_heads, table);
-        case 8: return rope_heads_in_pieces<8>(row, q_norm_w, k_norm_w, eps, t, slot, q_out, k_cache, v_cache,
-                                               num_heads, num_kv_heads, table);
-        case 16: return rope_heads_in_pieces<16>(row, q_norm_w, k_norm_w, eps, t, slot, q_out, k_cache, v_cache,
-                                                 num_heads, num_kv_heads, table);
-        case 32: return rope_heads_in_pieces<32>(row, q_norm_w, k_norm_w, eps, t, slot, q_out, k_cache, v_cache,
-                                                 num_heads, num_kv_heads, table);
+        case 2: PIECES(2);
+        case 4: PIECES(4);
+        case 8: PIECES(8);
+        case 16: PIECES(16);
+        case 32: PIECES(32);
         default: break;
     }
+#undef PIECES
+    if constexpr (FP8) return;
+    bf16_t* kc = static_cast<bf16_t*>(k_cache);
+    bf16_t* vc = static_cast<bf16_t*>(v_cache);
     for (int h = blockIdx.y * nwarps + warp; h < num_heads + 2 * num_kv_heads; h += nwarps * gridDim.y) {
         const bf16_t* src = row + (size_t)h * D;
         if (h < num_heads) {
             norm_rope_head_with(src, q_out + ((size_t)t * num_heads + h) * D, q_norm_w, eps, D, table);
         } else if (slot >= 0 && h < num_heads + num_kv_heads) {
             const int kh = h - num_heads;
-            norm_rope_head_with(src, k_cache + ((size_t)slot * num_kv_heads + kh) * D, k_norm_w, eps, D, table);
+            norm_rope_head_with(src, kc + ((size_t)slot * num_kv_heads + kh) * D, k_norm_w, eps, D, table);
         } else if (slot >= 0) {
             const int vh = h - num_heads - num_kv_heads;
-            bf16_t* dst = v_cache + ((size_t)slot * num_kv_heads + vh) * D;
+            bf16_t* dst = vc + ((size_t)slot * num_kv_heads + vh) * D;
             for (int i = lane; i < D; i += 32) dst[i] = src[i];
         }
     }
+}
+
+extern "C" __global__ void qk_norm_rope_cache(const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ q_norm_w,
+                                              const bf16_t* __restrict__ k_norm_w, float eps,
+                                              const float* __restrict__ inv_freq, float attn_factor,
+                                              const int* __restrict__ positions,
+                                              const int* __restrict__ slot_mapping, bf16_t* __restrict__ q_out,
+                                              bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache,
+                                              int num_heads, int num_kv_heads, int D) {
+    norm_rope_cache<false>(qkv, q_norm_w, k_norm_w, eps, inv_freq, attn_factor, positions, slot_mapping, q_out,
+                           k_cache, v_cache, num_heads, num_kv_heads, D, 1.f, 1.f);
+}
+
+// The same into an e4m3 cache (kv_fp8.cuh): k / k_scale and v / v_scale, saturated.
+extern "C" __global__ void qk_norm_rope_cache_fp8(const bf16_t* __restrict__ qkv, const bf16_t* __restrict__ q_norm_w,
+                                                  const bf16_t* __restrict__ k_norm_w, float eps,
+                                                  const float* __restrict__ inv_freq, float attn_factor,
+                                                  const int* __restrict__ positions,
+                                                  const int* __restrict__ slot_mapping, bf16_t* __restrict__ q_out,
+                                                  unsigned char* __restrict__ k_cache,
+                                                  unsigned char* __restrict__ v_cache, int num_heads,
+                                                  int num_kv_heads, int D, float k_scale, float v_scale) {
+    norm_rope_cache<true>(qkv, q_norm_w, k_norm_w, eps, inv_freq, attn_factor, positions, slot_mapping, q_out,
+                          k_cache, v_cache, num_heads, num_kv_heads, D, k_scale, v_scale);
 }
