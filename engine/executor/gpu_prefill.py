@@ -32,6 +32,7 @@ import numpy as np
 from engine.batch import ModelBatch
 from engine.executor.gpu_chunk import MIN_CHUNK_TOKENS, ChunkKernel, chunk_fits, chunk_tiles
 from memory.device_arena import Buffer, buffers_nbytes
+from memory.kv_format import KVFormat
 from memory.kv_pool import BLOCK_SIZE
 from memory.streams import PinnedTwins
 from openinfer_kernels.raw_cuda import kernel
