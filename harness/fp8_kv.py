@@ -77,13 +77,15 @@ def mla_fp8_latent(model, scales: np.ndarray):
             h.remove()
 
 
-def hf_fp8_kv_logits(path: str, seqs: list[list[int]], scales: np.ndarray, mla: bool = False) -> list[np.ndarray]:
-    """transformers float32 logits of each sequence with its KV rounded through e4m3 (scales [layers, planes])."""
+def hf_fp8_kv_logits(path: str, seqs: list[list[int]], scales: np.ndarray, mla: bool = False,
+                     dtype: str = "float32") -> list[np.ndarray]:
+    """transformers' logits (float32 or bfloat16 model, as float32) of each sequence with its KV rounded through
+    e4m3 (scales [layers, planes])."""
     import torch
     from transformers import AutoModelForCausalLM
 
     impl = "eager" if mla else register_fp8_kv_attention(scales)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=impl).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=impl).eval()
     rounding = mla_fp8_latent(model, scales) if mla else contextlib.nullcontext()
     with torch.no_grad(), rounding:
         return [model(torch.tensor([s])).logits[0].float().numpy() for s in seqs]

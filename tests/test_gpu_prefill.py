@@ -18,6 +18,7 @@ from engine.executor.gpu_ops import GpuOps
 from engine.executor.gpu_prefill import (DEFAULT_MIN_QUERY, PrefillStep, parse_prefill_attention, plan_prefill,
                                          prefill_min_query, upload_entries)
 from engine.models.ops import AttentionSpec
+from memory.kv_format import KVFormat
 from openinfer_kernels.cute.attention import attention_work
 
 
@@ -170,7 +171,8 @@ class PagedStandIn(GpuOps):
 
     def __init__(self, kv_cache, batch, G):
         self.batch, self.G, self.paged_calls = batch, G, []
-        self.shared = types.SimpleNamespace(kv_cache=kv_cache, num_sms=132, max_tokens=0)
+        self.shared = types.SimpleNamespace(kv_cache=kv_cache, num_sms=132, max_tokens=0, kv_format=KVFormat(),
+                                            kv_entry="", kv_scales=lambda layer: ())
         self.head_dim = kv_cache.shape[-1]
         self.num_heads, self.fast_attention = kv_cache.shape[-2] * G, True
         self.part_out = self.part_max = self.part_sum = self.split_counters = None

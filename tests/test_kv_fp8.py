@@ -197,3 +197,13 @@ def test_host_tier_and_prefix_cache_move_fp8_blocks_unchanged():
     (a0, b0), (a1, b1) = runs[0], runs[32]
     assert tokens(a0) == tokens(b0) == tokens(a1) == tokens(b1)
     assert cached(b1) == 64 and cached(b0) == 0
+
+
+def test_gpu_refuses_what_its_fp8_kernels_do_not_serve():
+    """Host side of the GPU executor's check (engine/executor/gpu_kv_format.py), before anything is built."""
+    from engine.executor.gpu_kv_format import fp8_kv_problem
+    assert fp8_kv_problem(frozenset(), 4, 128, True) is None
+    assert fp8_kv_problem(frozenset({"moe"}), 8, 64, True) is None
+    assert "MLA" in fp8_kv_problem(frozenset({"mla"}), 16, 576, True)
+    assert "OPENINFER_DECODE_KERNELS" in fp8_kv_problem(frozenset(), 4, 128, False)
+    assert "head_dim 96" in fp8_kv_problem(frozenset(), 4, 96, True)
