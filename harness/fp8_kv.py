@@ -99,3 +99,16 @@ def hf_logits_in(path: str, seqs: list[list[int]], dtype: str) -> list[np.ndarra
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="eager")
     with torch.no_grad():
         return [model.eval()(torch.tensor([s])).logits[0].float().numpy() for s in seqs]
+
+
+def fp8_case(name: str):
+    """A tiny model of harness.models for the FP8 gates: (path, LoadedModel, 4 random sequences of 96 / 61 / 80 / 33
+    tokens, unit KV scales [layers, planes])."""
+    from engine.loader import load_model
+    from harness.models import random_sequences, tiny_model_path
+
+    path = tiny_model_path(name)
+    model = load_model(path)
+    layout = model.model.kv_layout()
+    seqs = random_sequences(model.config.vocab_size, [96, 61, 80, 33], seed=1)
+    return path, model, seqs, np.ones((layout.layers, layout.planes), np.float32)

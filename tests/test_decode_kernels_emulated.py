@@ -203,6 +203,23 @@ def test_rope_decode_attention_adds_the_lora_delta(group, heads, splits):
     assert np.any(results[0][0] != 0)
 
 
+def paged_attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray,
+                              positions: np.ndarray) -> np.ndarray:
+    """float32 attention of query row t (q [T, Hq, D]) over its sequence's keys 0..positions[t] (k, v [slots, Hkv, D]
+    through the 16-token block tables [T, width]), query head h reading KV head h // (Hq / Hkv)."""
+    T, Hq, D = q.shape
+    group = Hq // k.shape[1]
+    want = np.zeros((T, Hq, D), np.float32)
+    for t in range(T):
+        p = np.arange(positions[t] + 1)
+        slots = tables[t, p // 16] * 16 + p % 16
+        for h in range(Hq):
+            sc = k[slots, h // group] @ q[t, h] * np.float32(D ** -0.5)
+            w = np.exp(sc - sc.max())
+            want[t, h] = (w / w.sum()) @ v[slots, h // group]
+    return want
+
+
 @pytest.mark.parametrize("D,group,heads,splits", [(128, 4, 4, 1), (128, 4, 2, 3), (128, 8, 8, 2), (64, 8, 8, 1),
                                                    (256, 4, 4, 2), (32, 8, 8, 1), (64, 6, 6, 2), (128, 1, 1, 2)])
 def test_decode_attention_matches_numpy(D, group, heads, splits):
@@ -216,16 +233,8 @@ def test_decode_attention_matches_numpy(D, group, heads, splits):
     q = bf16(2 * rng.standard_normal((T, Hq, D)))
     build = dict(GQA=group, HEAD_DIM=D, LORA_R=8, **({"HEADS": heads} if heads != group else {}))
     run("paged_decode", "paged_decode_attention", (T, splits, Hkv * (group // heads)), 128, (host(q),) + tail, **build)
-    tables, positions = np.asarray(tail[2]), np.asarray(tail[5])
-    k, v = f32(np.asarray(kc)), f32(np.asarray(vc))
-    want = np.zeros((T, Hq, D), np.float32)
-    for t in range(T):
-        p = np.arange(positions[t] + 1)
-        slots = tables[t, p // 16] * 16 + p % 16
-        for h in range(Hq):
-            sc = k[slots, h // group] @ f32(q[t, h]) * np.float32(D ** -0.5)
-            w = np.exp(sc - sc.max())
-            want[t, h] = (w / w.sum()) @ v[slots, h // group]
+    want = paged_attention_reference(f32(q), f32(np.asarray(kc)), f32(np.asarray(vc)), np.asarray(tail[2]),
+                                     np.asarray(tail[5]))
     assert_bf16_close(np.asarray(out).reshape(T, Hq, D), rb(want), f"D {D}, GQA {group}, {heads} heads, {splits} splits")
 
 

@@ -16,9 +16,10 @@ import pytest
 
 from engine.loader import load_model
 from harness.executors import new_gpu_executor
-from harness.fp8_kv import hf_fp8_kv_logits
+from harness.fp8_kv import fp8_case, hf_fp8_kv_logits
 from harness.models import engine_logits, random_sequences, tiny_model_path
 from memory.kv_format import E4M3, dequantize_e4m3, quantize_e4m3
+from tests.test_decode_kernels_emulated import paged_attention_reference
 from tests.test_gpu_executor import MIN_TIE_TOL, assert_gate, assert_same_or_tie, gate_row, greedy
 
 pytestmark = pytest.mark.gpu
@@ -32,11 +33,7 @@ def fp8_executor(model, **settings):
 
 @pytest.fixture(scope="module", params=["qwen3_tied", "llama", "qwen3_gqa4"])
 def tiny(request):
-    path = tiny_model_path(request.param)
-    model = load_model(path)
-    layout = model.model.kv_layout()
-    seqs = random_sequences(model.config.vocab_size, [96, 61, 80, 33], seed=1)
-    ones = np.ones((layout.layers, layout.planes), np.float32)
+    path, model, seqs, ones = fp8_case(request.param)
     o32, o16 = (hf_fp8_kv_logits(path, seqs, ones, dtype=d) for d in ("float32", "bfloat16"))
     ex = fp8_executor(model)
     yield request.param, model, ex, seqs, o32, o16
@@ -65,31 +62,15 @@ def test_fp8_graphs_decode_as_eager():
 
 
 def test_fp8_prefix_hit_and_host_tier_restore_generate_the_cold_run():
-    """A prefix evicted to the host tier (e4m3 bytes, 1 per value) and restored, and a device prefix hit,
-    generate what the cold run generated."""
-    from fake_executor import make_engine
-    from test_host_tier import cached, prompt_then_evict_then_again, tokens
+    """A prefix restored from the host tier (e4m3 bytes, 1 per value), a device prefix hit and a recomputed
+    prefix all generate what the cold run generated."""
+    from test_host_tier import cached, tokens
+    from test_kv_fp8 import host_tier_runs
 
-    from engine.request import SamplingParams
-    model = load_model(tiny_model_path("qwen3_gqa4"))
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompt = [(7 * i + 3) % 200 + 10 for i in range(70)]
-    runs = {}
-    for tier in (0, 32):
-        ex = fp8_executor(model, num_kv_blocks=10, host_kv_blocks=tier)
-        engine = make_engine(ex, model.tokenizer, max_model_len=512, host_kv_blocks=tier, max_num_seqs=16,
-                             max_num_batched_tokens=512)
-        runs[tier] = prompt_then_evict_then_again(engine, prompt, params, others=4)
-        if tier:
-            assert engine.stats().host_kv_restore_bytes == 4 * model.model.kv_layout().block_bytes(1)
-        ex.close()
-    (a0, b0), (a1, b1) = runs[0], runs[32]
-    assert tokens(a0) == tokens(b0) == tokens(a1) == tokens(b1) and cached(b1) == 64
-    ex = fp8_executor(model)
-    engine = make_engine(ex, model.tokenizer, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=512)
-    first, second = prompt_then_evict_then_again(engine, prompt, params, others=0)
-    assert tokens(first) == tokens(second) == tokens(a0) and cached(second) == 64
-    ex.close()
+    runs = host_tier_runs(fp8_executor, max_num_seqs=16, max_num_batched_tokens=512)
+    (a0, b0), (a1, b1), (a2, b2) = runs.values()
+    assert tokens(a0) == tokens(b0) == tokens(a1) == tokens(b1) == tokens(a2) == tokens(b2)
+    assert cached(b1) == cached(b2) == 64 and cached(b0) == 0     # restored, hit; evicted: recomputed
 
 
 def test_fp8_pool_holds_twice_the_blocks():
@@ -181,13 +162,6 @@ def test_fp8_decode_attention_kernel(group, splits):
          cupy.zeros(T * Hq * splits, cupy.float32), cupy.zeros(T * Hq * splits, cupy.float32), out,
          cupy.zeros(T * Hq, cupy.int32), np.int32(Hkv), np.float32(D ** -0.5), np.float32(k_scale),
          np.float32(v_scale)))
-    k, v = dequantize_e4m3(k8, k_scale), dequantize_e4m3(v8, v_scale)
-    want = np.zeros((T, Hq, D), np.float32)
-    for t in range(T):
-        p = np.arange(positions[t] + 1)
-        s = tables[t, p // 16] * 16 + p % 16
-        for h in range(Hq):
-            sc = k[s, h // group] @ bf16_values(q[t, h]) * np.float32(D ** -0.5)
-            w = np.exp(sc - sc.max())
-            want[t, h] = (w / w.sum()) @ v[s, h // group]
+    want = paged_attention_reference(bf16_values(q), dequantize_e4m3(k8, k_scale), dequantize_e4m3(v8, v_scale),
+                                     tables, positions)
     np.testing.assert_allclose(bf16_values(out.get()).reshape(T, Hq, D), want, rtol=1.6e-2, atol=1e-3)

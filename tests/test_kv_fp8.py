@@ -28,7 +28,7 @@ from engine.executor.options import options_of
 from engine.loader import load_model
 from engine.loader.kv_scales import kv_format_of
 from engine.loader.safetensors_io import SafetensorsCheckpoint, save_safetensors
-from harness.fp8_kv import hf_fp8_kv_logits, hf_logits_in
+from harness.fp8_kv import fp8_case, hf_fp8_kv_logits, hf_logits_in
 from harness.models import engine_logits, log_softmax, random_sequences, tiny_model_path
 from memory.kv_format import FP8_MAX, KVFormat, is_fp8, quantize_e4m3
 from memory.kv_pool import pool_blocks
@@ -72,11 +72,8 @@ def oracles(path: str, seqs, scales: np.ndarray, mla: bool):
 
 @pytest.fixture(scope="module", params=["qwen3_tied", "llama", "deepseek_v3"])
 def case(request):
-    path = tiny_model_path(request.param)
-    model = load_model(path)
-    layout = model.model.kv_layout()
-    seqs = random_sequences(model.config.vocab_size, [96, 61, 80, 33], seed=1)
-    return model, seqs, oracles(path, seqs, np.ones((layout.layers, layout.planes), np.float32), layout.planes == 1)
+    path, model, seqs, ones = fp8_case(request.param)
+    return model, seqs, oracles(path, seqs, ones, ones.shape[1] == 1)
 
 
 @pytest.mark.parametrize("path_name", sorted(PATHS))
@@ -176,27 +173,36 @@ def test_pool_holds_twice_the_blocks_of_bf16_in_the_same_memory():
     assert ex.kv_block_bytes == layout.block_bytes(1) and ex.kv.nbytes == 48 * layout.block_bytes(1)
 
 
-def test_host_tier_and_prefix_cache_move_fp8_blocks_unchanged():
-    """A prefix evicted to the host tier and restored generates what it did the first time, and what the
-    engine without a tier generates; the tier moves e4m3 bytes (1 per value)."""
+def host_tier_runs(new_executor, **engine_args) -> dict:
+    """test_host_tier's prompt sent twice on FP8 pools of the tiny qwen3_gqa4: "evicted" (10 blocks, other prompts
+    between), "restored" (the same with a host tier of 32 blocks), "hit" (96 blocks, nothing between: a device
+    prefix hit); {case: (first run's events, second's)}. The tier's restores move 1 byte a value."""
     from fake_executor import make_engine
-    from test_host_tier import cached, prompt_then_evict_then_again, tokens
+    from test_host_tier import prompt_then_evict_then_again
 
     from engine.request import SamplingParams
     model = load_model(tiny_model_path("qwen3_gqa4"))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompt = [(7 * i + 3) % 200 + 10 for i in range(70)]
     runs = {}
-    for tier_blocks in (0, 32):
-        ex = fp8_executor(model, num_kv_blocks=10, host_kv_blocks=tier_blocks)
-        engine = make_engine(ex, model.tokenizer, max_model_len=512, host_kv_blocks=tier_blocks)
-        runs[tier_blocks] = prompt_then_evict_then_again(engine, prompt, params, others=4)
-        if tier_blocks:
-            assert ex.host_kv.dtype == ml_dtypes.float8_e4m3fn
+    for case, (tier, blocks, others) in {"evicted": (0, 10, 4), "restored": (32, 10, 4), "hit": (0, 96, 0)}.items():
+        ex = new_executor(model, num_kv_blocks=blocks, host_kv_blocks=tier)
+        engine = make_engine(ex, model.tokenizer, max_model_len=512, host_kv_blocks=tier, **engine_args)
+        runs[case] = prompt_then_evict_then_again(engine, prompt, params, others=others)
+        if tier:
             assert engine.stats().host_kv_restore_bytes == 4 * model.model.kv_layout().block_bytes(1)
-    (a0, b0), (a1, b1) = runs[0], runs[32]
-    assert tokens(a0) == tokens(b0) == tokens(a1) == tokens(b1)
-    assert cached(b1) == 64 and cached(b0) == 0
+        ex.close()
+    return runs
+
+
+def test_host_tier_and_prefix_cache_move_fp8_blocks_unchanged():
+    """A prefix evicted to the host tier and restored generates what it did the first time, and what the
+    engine without a tier generates."""
+    from test_host_tier import cached, tokens
+
+    (a0, b0), (a1, b1), (a2, b2) = host_tier_runs(fp8_executor).values()
+    assert tokens(a0) == tokens(b0) == tokens(a1) == tokens(b1) == tokens(a2) == tokens(b2)
+    assert cached(b1) == cached(b2) == 64 and cached(b0) == 0
 
 
 def test_gpu_refuses_what_its_fp8_kernels_do_not_serve():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from memory.kv_format import E4M3, dequantize_e4m3, quantize_e4m3
-from test_decode_kernels_emulated import assert_bf16_close, decode_attention_args, run
+from test_decode_kernels_emulated import assert_bf16_close, decode_attention_args, paged_attention_reference, run
 from test_deltanet_kernels_emulated import host
 from test_rope_cache_emulated import bf16, f32, rb
 
@@ -56,17 +56,9 @@ def test_decode_attention_reads_the_e4m3_cache(D, group, heads, splits):
     build = dict(GQA=group, HEAD_DIM=D, LORA_R=8, **({"HEADS": heads} if heads != group else {}))
     args = (host(q), k8, v8) + tail[2:] + (np.float32(k_scale), np.float32(v_scale))
     run("paged_decode", "paged_decode_attention_fp8", (T, splits, Hkv * (group // heads)), 128, args, **build)
-    tables, positions = np.asarray(tail[2]), np.asarray(tail[5])
     k = dequantize_e4m3(np.asarray(k8).view(E4M3), k_scale)
     v = dequantize_e4m3(np.asarray(v8).view(E4M3), v_scale)
-    want = np.zeros((T, Hq, D), np.float32)
-    for t in range(T):
-        p = np.arange(positions[t] + 1)
-        slots = tables[t, p // 16] * 16 + p % 16
-        for h in range(Hq):
-            sc = k[slots, h // group] @ f32(q[t, h]) * np.float32(D ** -0.5)
-            w = np.exp(sc - sc.max())
-            want[t, h] = (w / w.sum()) @ v[slots, h // group]
+    want = paged_attention_reference(f32(q), k, v, np.asarray(tail[2]), np.asarray(tail[5]))
     got = np.asarray(out).reshape(T, Hq, D)
     assert_bf16_close(got, rb(want), f"D {D}, GQA {group}, {heads} heads, {splits} splits")
     # the bf16 values of the same cache, read as if they were bf16, are far off: the test sees the format
