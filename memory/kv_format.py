@@ -67,10 +67,11 @@ class KVFormat:
         if not self.fp8:
             return f"KV cache {own}"
         s = self.scales
-        default = " (no scales in the checkpoint: 1.0)" if bool((s == 1).all()) else ""
-        return (f"KV cache fp8 e4m3, per-tensor scales{default} k {float(s[:, 0].min()):.4g}.."
-                f"{float(s[:, 0].max()):.4g}" + (f", v {float(s[:, 1].min()):.4g}..{float(s[:, 1].max()):.4g}"
-                                                  if s.shape[1] > 1 else ""))
+        if bool((s == 1).all()):
+            return "KV cache fp8 e4m3, per-tensor scales 1.0 (none in the checkpoint)"
+        planes = [f"{name} {float(s[:, i].min()):.4g}..{float(s[:, i].max()):.4g}" for i, name in
+                  zip(range(s.shape[1]), ("k_scale", "v_scale"))]
+        return "KV cache fp8 e4m3, the checkpoint's per-tensor scales: " + ", ".join(planes)
 
     def store(self, values: np.ndarray, layer: int, plane: int) -> np.ndarray:
         """What the pool stores for float32 values of (layer, plane)."""

@@ -112,7 +112,10 @@ def test_checkpoint_scales_are_read_and_applied(tmp_path):
     path = with_kv_scales("qwen3_tied", tmp_path, scales)
     model = load_model(path)
     want = np.array([[0.004, 0.05], [1.0, 0.02]], np.float32)
-    assert np.array_equal(kv_format_of("fp8", model).scales, want)
+    fmt = kv_format_of("fp8", model)
+    assert np.array_equal(fmt.scales, want)
+    assert fmt.describe("float32") == ("KV cache fp8 e4m3, the checkpoint's per-tensor scales: k_scale 0.004..1, "
+                                       "v_scale 0.02..0.05")                 # the startup log's words
     seqs = random_sequences(model.config.vocab_size, [61, 33], seed=2)
     o32, o16, o8 = oracles(path, seqs, want, mla=False)
     ex = fp8_executor(model)
