@@ -120,6 +120,7 @@ def main() -> None:
     print(f"[{a.model}] random weights in {folder}: {time.perf_counter() - t:.1f}s", flush=True)
     model = load_model(folder)
     bw = copy_bandwidth()
+    cupy.get_default_memory_pool().free_all_blocks()      # the copy's 8 GB back before the pools are sized
     res = dict(model=a.model + (f" (first {a.layers} layers)" if a.layers else ""), layers=a.layers,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                gpu=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), command=" ".join(sys.argv),
