@@ -173,3 +173,28 @@ def test_sweep_free_running(seed):
     hit, = run_greedy(engine, [follow_up(runs[1], 17)], NEW_TOKENS)
     assert BLOCK_SIZE <= hit.cached_tokens < len(hit.prompt)
     assert_gate(oracle, executor, runs + [hit], one_forward=True)
+
+
+# ---- entries closing across block, chunk and prefix-hit edges; preemption ---------------------------------------
+# Entries of 3 and 24 tokens: windows straddle KV blocks (16) and prefill chunks (16), so a prefix hit restores a
+# window's first compressor inputs and the step that closes it recomputes the rest (an entry is stored once, in
+# the row of its window's last token, when that token is written).
+STRADDLE = dict(num_hidden_layers=4, layer_types=[CSA, HCA, S, CSA], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+                sliding_window=5, compress_rates={CSA: 3, HCA: 24}, index_topk=4, hc_mult=2, index_n_heads=2,
+                o_groups=2)
+
+
+def test_entries_straddling_blocks_chunks_prefix_hits_and_preemption():
+    """Prompts of 40 and 7 in 16-token chunks; a follow-up hitting the prefix cache inside an HCA window and a CSA
+    window; then the same prompts in a pool small enough to preempt (sequences resume by recompute)."""
+    path, model, executor = dsv4_model("straddle", 5, **STRADDLE)
+    oracle = FullRecompute(hf_model(path), index_tie_rule)
+    prompts = prompts_of(random.Random(5), [40, 7])
+    engine = new_engine(executor, model.tokenizer, budget=16)
+    runs = run_greedy(engine, prompts, NEW_TOKENS)
+    hit, = run_greedy(engine, [follow_up(runs[0], 9)], NEW_TOKENS)
+    assert hit.cached_tokens % 24 and hit.cached_tokens % 3 and hit.cached_tokens >= 2 * BLOCK_SIZE
+    small = new_engine(executor, model.tokenizer, budget=16, kv_blocks=7)
+    preempted = run_greedy(small, prompts, NEW_TOKENS)
+    assert small.scheduler.num_preemptions > 0
+    assert_gate(oracle, executor, runs + [hit] + preempted, one_forward=True)

@@ -1,17 +1,21 @@
 """DeepSeek-V4 attention in numpy (float32) over the paged pool, one row per token and layer (DSV4AttentionSpec
 .row_width values: [K = V (roped) | compressor kv | compressor gate | indexer kv | indexer gate]).
 
-A step writes its tokens' rows, then per sequence (its one-query sequences together, each context padded to
-the group's longest with zero rows no query sees) builds the compressed entries of every closed window of its
-context from the stored compressor inputs (compress_entries: softmax over each window's slots of gate + the
-learned position bias, the weighted sum of the kv, RMSNorm, rope at the window's first position; CSA's entry w
-also takes window w - 1's first series), and each query attends to its sliding window of K = V rows and to the
-compressed entries it may see: a closed window (w < (position + 1) // m) and, on CSA layers, one the lightning
-indexer ranks in its top index_topk (sum over indexer heads of weight · relu(q · k); among equal scores, as the
-entries whose every head's q · k is negative all score 0, the lower entry first). Transformers' no-cache
-forward is this computation over the whole sequence, which is what the gate checks on every path (its
-torch.topk leaves the order of equal scores unspecified: the oracles hold it to this rule,
-harness/dsv4_oracle.py).
+A step writes its tokens' rows; a token that closes a window of m tokens (position + 1 a multiple of m) then
+computes that window's entry once from the stored compressor inputs (close_entries: softmax over the window's
+slots of gate + the learned position bias, the weighted sum of the kv, RMSNorm, rope at the window's first
+position; CSA's entry w also takes window w - 1's first series) and the indexer's key the same way, and stores
+both in its own row over inputs no later entry reads (entry_columns). Per sequence (its one-query sequences
+together, each context padded to the group's longest with zero rows no query sees) each query attends to its
+sliding window of K = V rows and to the stored entries it may see: a closed window (w < (position + 1) // m)
+and, on CSA layers, one the lightning indexer ranks in its top index_topk (sum over indexer heads of
+weight · relu(q · k); among equal scores, as the entries whose every head's q · k is negative all score 0, the
+lower entry first). No entry is rebuilt: a prefix-cache hit restores the blocks of its whole-block prefix, the
+entries closed in it with them; a window still open at the prefix's end keeps its first tokens' compressor
+inputs in the restored rows and closes in the step that writes its last token, as after preemption's
+recompute. Transformers' no-cache forward is this computation over the whole sequence, which is what the gate
+checks on every path (its torch.topk leaves the order of equal scores unspecified: the oracles hold it to this
+rule, harness/dsv4_oracle.py).
 
 The algorithm (dsv4_attention) is written once over an executor's primitives (DSV4Primitives): numpy here
 (NumpyDSV4Ops, the numpy executor's DeepSeek-V4 part, ops.dsv4), CuPy and the bf16 GEMM on the GPU
@@ -37,25 +41,23 @@ def cos_sin(positions, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return xp.cos(angles).astype(np.float32), xp.sin(angles).astype(np.float32)
 
 
-def compress_entries(kv: np.ndarray, gate: np.ndarray, ape: np.ndarray, norm: np.ndarray, rate: int, overlap: bool,
-                     inv_freq: np.ndarray, eps: float) -> np.ndarray:
-    """The entries [B, n, d] of the n = L // rate closed windows of each sequence's compressor kv / gate
-    [B, L, s·d] (s = 2 with overlap: the first series feeds the next window's entry, the second its own)."""
-    xp, B, n = xp_of(kv), kv.shape[0], kv.shape[1] // rate
-    d = kv.shape[2] // (2 if overlap else 1)
-    if n == 0:
-        return xp.zeros((B, 0, d), np.float32)
-    kv = kv[:, :n * rate].reshape(B, n, rate, -1)
-    gate = gate[:, :n * rate].reshape(B, n, rate, -1) + ape
+def compress_windows(rows, prev, have_prev, first, ape, norm, rate: int, overlap: bool, inv_freq, eps: float):
+    """The entries [N, d] of N closing windows from their compressor kv | gate columns rows [N, rate, 2·s·d]
+    (s = 2 with overlap: the first series feeds the next window's entry, the second its own) and, with overlap,
+    the previous window's prev [N, rate, 2·s·d] (have_prev [N]: False for window 0, which has none); first [N]:
+    each window's first position (its entry's rope)."""
+    xp, N = xp_of(rows), rows.shape[0]
+    sd = rows.shape[-1] // 2
+    d = sd // (2 if overlap else 1)
+    kv, gate = rows[..., :sd], rows[..., sd:] + ape
     if overlap:
-        prev_kv, prev_gate = xp.zeros((B, n, rate, d), np.float32), xp.full((B, n, rate, d), -np.inf, np.float32)
-        prev_kv[:, 1:], prev_gate[:, 1:] = kv[:, :-1, :, :d], gate[:, :-1, :, :d]
-        kv = xp.concatenate([prev_kv, kv[..., d:]], axis=2)
-        gate = xp.concatenate([prev_gate, gate[..., d:]], axis=2)
-    p = xp.exp(gate - gate.max(axis=2, keepdims=True))
-    entries = rms((kv * (p / p.sum(axis=2, keepdims=True))).sum(axis=2), eps, norm)          # [B, n, d]
-    cos, sin = cos_sin(xp.arange(n, dtype=np.int32) * rate, inv_freq)
-    return rope_trailing(entries.transpose(1, 0, 2), cos, sin).transpose(1, 0, 2)
+        prev_gate = xp.where(have_prev[:, None, None], prev[..., sd:sd + d] + ape[:, :d], np.float32(-np.inf))
+        kv = xp.concatenate([prev[..., :d] * have_prev[:, None, None], kv[..., d:]], axis=1)
+        gate = xp.concatenate([prev_gate, gate[..., d:]], axis=1)
+    p = xp.exp(gate - gate.max(axis=1, keepdims=True))
+    entries = rms((kv * (p / p.sum(axis=1, keepdims=True))).sum(axis=1), eps, norm)          # [N, d]
+    cos, sin = cos_sin(first, inv_freq)
+    return rope_trailing(entries[:, None], cos, sin)[:, 0]
 
 
 def indexer_pick(q: np.ndarray, weights: np.ndarray, keys: np.ndarray, positions: np.ndarray, rate: int,
@@ -74,6 +76,41 @@ def indexer_pick(q: np.ndarray, weights: np.ndarray, keys: np.ndarray, positions
     picked = xp.zeros_like(closed)
     picked[xp.arange(B)[:, None, None], xp.arange(Q)[None, :, None], order] = True
     return picked & closed
+
+
+def entry_columns(spec) -> tuple[int, int]:
+    """Where a closed window's entry and its indexer key sit in the row of the window's last token: over the
+    compressor inputs only that row's own entry needed (the kv of its entry series, HCA's only one, and the
+    indexer kv's second series; CSA's next entry reads the first series, which stays)."""
+    D, s = spec.head_dim, spec.series
+    return s * D, D + 2 * s * D + spec.index_dim
+
+
+def close_entries(rows, slots, pos: np.ndarray, w, spec, p: "DSV4Primitives") -> None:
+    """The entries (and indexer keys) of the windows this step's tokens close (position + 1 a multiple of the
+    rate), computed once from the window's compressor inputs in rows [G, n, width] (and, CSA, the previous
+    window's), stored in the closing token's row (entry_columns: in the pool at the step's slots [G, Q] and in
+    rows, for this step's queries). pos: the step's positions [G, Q] on the host, -1 for padding."""
+    g, q = np.nonzero((pos >= 0) & ((pos + 1) % spec.rate == 0))
+    if not len(g):
+        return
+    L, D, m, f32 = f"layers.{spec.layer}.", spec.head_dim, spec.rate, p.fp32
+    first = pos[g, q] + 1 - m
+    at = first[:, None] + np.arange(m)[None, :]                                      # [N, m]
+    window, prev = rows[p.dev(g)[:, None], p.dev(at)], rows[p.dev(g)[:, None], p.dev(np.maximum(at - m, 0))]
+    have_prev, first_d = p.dev(first > 0), p.dev(first)
+    cols, o = entry_columns(spec), D + 2 * spec.series * D
+    made = [(cols[0], compress_windows(window[..., D:o], prev[..., D:o], have_prev, first_d, f32(w[L + "comp_ape"]),
+                                       f32(w[L + "comp_norm"]), m, spec.overlap, spec.compress_inv_freq,
+                                       spec.rms_eps))]
+    if spec.index_heads:
+        di = 4 * spec.index_dim
+        made.append((cols[1], compress_windows(window[..., o:o + di], prev[..., o:o + di], have_prev, first_d,
+                                               f32(w[L + "idx_comp_ape"]), f32(w[L + "idx_comp_norm"]), m, True,
+                                               spec.compress_inv_freq, spec.rms_eps)))
+    for col, entries in made:
+        p.write_rows(spec.layer, slots[g, q], entries, col)
+        rows[p.dev(g), p.dev(pos[g, q]), col:col + entries.shape[1]] = entries
 
 
 def attention_groups(q_lens: np.ndarray, ctx_lens: np.ndarray, max_rows: int) -> list[list[int]]:
@@ -118,24 +155,22 @@ def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
         G, Q, n_ctx = len(group), int(q_lens[group].max()), int(ctx_lens[group].max())
         real = np.arange(Q)[None, :] < q_lens[group][:, None]               # [G, Q]: padded queries False
         rows_of = np.where(real, cu[group][:, None] + np.arange(Q)[None, :], 0)   # the step's token rows
-        tok, pos = p.dev(rows_of), p.dev(np.where(real, np.asarray(b.positions)[rows_of], -1))
+        host_pos = np.where(real, np.asarray(b.positions)[rows_of], -1)                # [G, Q]
+        tok, pos = p.dev(rows_of), p.dev(host_pos)
         rows = p.context_rows(spec.layer, b.block_tables[group, :-(-n_ctx // BLOCK_SIZE)],
                               ctx_lens[group], n_ctx)                   # [G, n_ctx, width], zero padded
         d = pos[:, :, None] - xp.arange(n_ctx)[None, None, :]
         keys, visible = rows[..., :D], (d >= 0) & (d < spec.window)
         if spec.rate:
-            s = spec.series * D
-            entries = compress_entries(rows[..., D:D + s], rows[..., D + s:D + 2 * s], f32(w[L + "comp_ape"]),
-                                       f32(w[L + "comp_norm"]), spec.rate, spec.overlap, spec.compress_inv_freq,
-                                       eps)
+            close_entries(rows, np.where(real, np.asarray(b.slot_mapping)[rows_of], -1), host_pos, w, spec, p)
+            n, cols = n_ctx // spec.rate, entry_columns(spec)
+            closed_rows = rows[:, spec.rate - 1:n * spec.rate:spec.rate]              # [G, n, width]
+            entries = closed_rows[..., cols[0]:cols[0] + D]
             if spec.index_heads:
-                o, di = D + 2 * s, 2 * spec.index_dim
-                ikeys = compress_entries(rows[..., o:o + di], rows[..., o + di:o + 2 * di],
-                                         f32(w[L + "idx_comp_ape"]), f32(w[L + "idx_comp_norm"]), spec.rate, True,
-                                         spec.compress_inv_freq, eps)
+                ikeys = closed_rows[..., cols[1]:cols[1] + spec.index_dim]
                 seen = indexer_pick(iq[tok], iw[tok], ikeys, pos, spec.rate, spec.index_topk)
             else:
-                seen = xp.arange(entries.shape[1])[None, None, :] < ((pos + 1) // spec.rate)[:, :, None]
+                seen = xp.arange(n)[None, None, :] < ((pos + 1) // spec.rate)[:, :, None]
             keys, visible = xp.concatenate([keys, entries], axis=1), xp.concatenate([visible, seen], axis=2)
         res = sink_attention(q[tok], keys, visible, sinks, D ** -0.5)           # [G, Q, H, D]
         out[p.dev(rows_of[real])] = res.reshape(G * Q, H, D)[p.dev(np.flatnonzero(real))]
@@ -155,8 +190,8 @@ class DSV4Primitives(Protocol):
     def dev(self, host):
         """A host array of the step (positions) where the algorithm computes."""
 
-    def write_rows(self, layer: int, slots, rows) -> None:
-        """Store rows [T, w] at the step's KV slots of layer."""
+    def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
+        """Store rows [T, w] at the step's KV slots (host ints) of layer, from column col."""
 
     def context_rows(self, layer: int, tables, lens, n: int):
         """Rows [G, n, row width] float32 of G sequences: the first lens[g] rows of the blocks tables[g] (host
@@ -207,8 +242,8 @@ class NumpyDSV4Ops:
     def dev(self, host):
         return np.asarray(host)
 
-    def write_rows(self, layer: int, slots, rows) -> None:
-        self.kv[layer, 0, slots, 0, :rows.shape[1]] = rows
+    def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
+        self.kv[layer, 0, slots, 0, col:col + rows.shape[1]] = rows
 
     def context_rows(self, layer: int, tables, lens, n: int):
         cache = block_view(self.kv[layer, 0])

@@ -110,8 +110,8 @@ class GpuDSV4Ops:
     def dev(self, host):
         return self.cp.asarray(host)
 
-    def write_rows(self, layer: int, slots, rows) -> None:
-        self.shared.kv_cache[layer, 0][self.cp.asarray(slots), 0, :rows.shape[1]] = self._b(rows)
+    def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
+        self.shared.kv_cache[layer, 0][self.cp.asarray(slots), 0, col:col + rows.shape[1]] = self._b(rows)
 
     def context_rows(self, layer: int, tables, lens, n: int):
         cache, cp = block_view(self.shared.kv_cache[layer, 0]), self.cp

@@ -19,9 +19,11 @@ others by sqrtsoftplus scores + the correction bias; weights renormalized, times
 SwiGLU with gate <= swiglu_limit and |up| <= swiglu_limit in the experts and the one shared expert.
 
 KV (kv_layout): one plane of one head per token and layer, `dsv4_row_width` values: the roped K = V, then the
-layer's compressor inputs (its kv and gate projections, and the indexer's), from which the executor builds the
-compressed entries of every closed window each step. Exact and simple, not compact: the compact layout (a
-window ring per sequence and one entry per m tokens) is the GPU's to build.
+layer's compressor inputs (its kv and gate projections, and the indexer's); the token closing a window of m
+stores the window's entry and indexer key in its row, over inputs no later entry reads
+(cpu_dsv4_attention.entry_columns), computed once and never rebuilt. Exact and simple, not compact: every
+token keeps its compressor inputs (the compact layout, a window ring per sequence and one entry per m tokens,
+is not built yet).
 """
 from __future__ import annotations
 
