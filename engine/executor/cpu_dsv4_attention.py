@@ -2,20 +2,20 @@
 .row_width values: [K = V (roped) | compressor kv | compressor gate | indexer kv | indexer gate]).
 
 A step writes its tokens' rows; a token that closes a window of m tokens (position + 1 a multiple of m) then
-computes that window's entry once from the stored compressor inputs (close_entries: softmax over the window's
-slots of gate + the learned position bias, the weighted sum of the kv, RMSNorm, rope at the window's first
-position; CSA's entry w also takes window w - 1's first series) and the indexer's key the same way, and stores
-both in its own row over inputs no later entry reads (entry_columns). Per sequence (its one-query sequences
-together, each context padded to the group's longest with zero rows no query sees) each query attends to its
-sliding window of K = V rows and to the stored entries it may see: a closed window (w < (position + 1) // m)
-and, on CSA layers, one the lightning indexer ranks in its top index_topk (sum over indexer heads of
-weight · relu(q · k); among equal scores, as the entries whose every head's q · k is negative all score 0, the
-lower entry first). No entry is rebuilt: a prefix-cache hit restores the blocks of its whole-block prefix, the
-entries closed in it with them; a window still open at the prefix's end keeps its first tokens' compressor
-inputs in the restored rows and closes in the step that writes its last token, as after preemption's
-recompute. Transformers' no-cache forward is this computation over the whole sequence, which is what the gate
-checks on every path (its torch.topk leaves the order of equal scores unspecified: the oracles hold it to this
-rule, harness/dsv4_oracle.py).
+computes that window's entry once from the stored compressor inputs (close_entries: softmax over the window's slots
+of gate + the learned position bias, the weighted sum of the kv, RMSNorm, rope at the window's first position;
+CSA's entry w also takes window w - 1's first series) and the indexer's key the same way, and stores both in its
+own row over inputs no later entry reads (entry_columns). Per sequence (its one-query sequences together, padded to
+the group's longest with zero rows no query sees) each query attends to its sliding window of K = V rows
+(group_keys) and to the stored entries it may see (group_entries), both read from the pool by position (rows_at:
+window + queries - 1 rows and one per closed window, not the whole context): a closed window (w < (position + 1) //
+m) and, on CSA layers, one the lightning indexer ranks in its top index_topk (sum over indexer heads of weight ·
+relu(q · k); among equal scores, as the entries whose every head's q · k is negative all score 0, the lower entry
+first). No entry is rebuilt: a prefix-cache hit restores the blocks of its whole-block prefix, the entries closed
+in it with them; a window still open at the prefix's end keeps its first tokens' compressor inputs in the restored
+rows and closes in the step that writes its last token, as after preemption's recompute. Transformers' no-cache
+forward is this computation over the whole sequence, which is what the gate checks on every path (its torch.topk
+leaves the order of equal scores unspecified: the oracles hold it to this rule, harness/dsv4_oracle.py).
 
 The algorithm (dsv4_attention) is written once over an executor's primitives (DSV4Primitives): numpy here
 (NumpyDSV4Ops, the numpy executor's DeepSeek-V4 part, ops.dsv4), CuPy and the bf16 GEMM on the GPU
@@ -29,7 +29,7 @@ import numpy as np
 
 from engine.executor.cpu_dsv4_ops import (argsort_stable, grouped_linear, hash_route, hc_merge, hyper_connection,
                                           hyper_head, rms, rope_trailing, sink_attention, swiglu_limited, xp_of)
-from memory.kv_pool import BLOCK_SIZE, block_view
+from memory.kv_pool import BLOCK_SIZE
 
 CONTEXT_ROWS_PER_GROUP = 1 << 15     # padded context rows attended together (~0.4 GB float32 at V4-Flash's width)
 
@@ -86,31 +86,55 @@ def entry_columns(spec) -> tuple[int, int]:
     return s * D, D + 2 * s * D + spec.index_dim
 
 
-def close_entries(rows, slots, pos: np.ndarray, w, spec, p: "DSV4Primitives") -> None:
+def close_entries(tables, slots, pos: np.ndarray, w, spec, p: "DSV4Primitives") -> None:
     """The entries (and indexer keys) of the windows this step's tokens close (position + 1 a multiple of the
-    rate), computed once from the window's compressor inputs in rows [G, n, width] (and, CSA, the previous
-    window's), stored in the closing token's row (entry_columns: in the pool at the step's slots [G, Q] and in
-    rows, for this step's queries). pos: the step's positions [G, Q] on the host, -1 for padding."""
+    rate), computed once from the window's compressor inputs in the pool (and, CSA, the previous window's) and
+    stored in the closing token's row (entry_columns). tables: the group's block tables [G, blocks]; slots, pos:
+    the step's KV slots and positions [G, Q] on the host, -1 for padding."""
     g, q = np.nonzero((pos >= 0) & ((pos + 1) % spec.rate == 0))
     if not len(g):
         return
     L, D, m, f32 = f"layers.{spec.layer}.", spec.head_dim, spec.rate, p.fp32
     first = pos[g, q] + 1 - m
     at = first[:, None] + np.arange(m)[None, :]                                      # [N, m]
-    window, prev = rows[p.dev(g)[:, None], p.dev(at)], rows[p.dev(g)[:, None], p.dev(np.maximum(at - m, 0))]
-    have_prev, first_d = p.dev(first > 0), p.dev(first)
-    cols, o = entry_columns(spec), D + 2 * spec.series * D
-    made = [(cols[0], compress_windows(window[..., D:o], prev[..., D:o], have_prev, first_d, f32(w[L + "comp_ape"]),
-                                       f32(w[L + "comp_norm"]), m, spec.overlap, spec.compress_inv_freq,
-                                       spec.rms_eps))]
+    o = D + 2 * spec.series * D                         # compressor kv | gate, then the indexer's from o
+    width = o - D + (4 * spec.index_dim if spec.index_heads else 0)
+    window = p.rows_at(spec.layer, tables[g], at, D, width)
+    prev = p.rows_at(spec.layer, tables[g], np.where(at >= m, at - m, -1), D, width)
+    have_prev, first_d, cols, o = p.dev(first > 0), p.dev(first), entry_columns(spec), o - D
+    p.write_rows(spec.layer, slots[g, q], compress_windows(
+        window[..., :o], prev[..., :o], have_prev, first_d, f32(w[L + "comp_ape"]), f32(w[L + "comp_norm"]), m,
+        spec.overlap, spec.compress_inv_freq, spec.rms_eps), cols[0])
     if spec.index_heads:
-        di = 4 * spec.index_dim
-        made.append((cols[1], compress_windows(window[..., o:o + di], prev[..., o:o + di], have_prev, first_d,
-                                               f32(w[L + "idx_comp_ape"]), f32(w[L + "idx_comp_norm"]), m, True,
-                                               spec.compress_inv_freq, spec.rms_eps)))
-    for col, entries in made:
-        p.write_rows(spec.layer, slots[g, q], entries, col)
-        rows[p.dev(g), p.dev(pos[g, q]), col:col + entries.shape[1]] = entries
+        p.write_rows(spec.layer, slots[g, q], compress_windows(
+            window[..., o:], prev[..., o:], have_prev, first_d, f32(w[L + "idx_comp_ape"]),
+            f32(w[L + "idx_comp_norm"]), m, True, spec.compress_inv_freq, spec.rms_eps), cols[1])
+
+
+def group_keys(tables, pos: np.ndarray, ctx_lens: np.ndarray, spec, p: "DSV4Primitives"):
+    """(keys [G, Q + window - 1, D], their positions [G, Q + window - 1], -1 where none): the K = V rows the
+    group's queries (positions pos [G, Q], -1 padding) may see in their sliding windows, read from the pool."""
+    first = np.where(pos >= 0, pos, np.iinfo(np.int32).max).min(axis=1)             # each sequence's first query
+    span = first[:, None] - spec.window + 1 + np.arange(pos.shape[1] + spec.window - 1)[None, :]
+    span = np.where((span >= 0) & (span < ctx_lens[:, None]), span, -1)
+    return p.rows_at(spec.layer, tables, span, 0, spec.head_dim), span
+
+
+def group_entries(tables, ctx_lens: np.ndarray, spec, p: "DSV4Primitives"):
+    """(entries [G, n, D], indexer keys [G, n, index_dim] or None): the stored entries of the closed windows of
+    the group's contexts (n: the longest's count; zeros past a sequence's own)."""
+    n, cols = int(ctx_lens.max()) // spec.rate, entry_columns(spec)
+    at = (np.arange(n)[None, :] + 1) * spec.rate - 1
+    at = np.where(at < ctx_lens[:, None], at, -1)
+    entries = p.rows_at(spec.layer, tables, at, cols[0], spec.head_dim)
+    return entries, p.rows_at(spec.layer, tables, at, cols[1], spec.index_dim) if spec.index_heads else None
+
+
+def slots_at(tables: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The KV slots [G, R] of positions at [G, R] (-1: the first block's first slot) of G sequences whose blocks
+    are tables [G, blocks] (host ints)."""
+    at = np.maximum(at, 0)
+    return np.take_along_axis(np.asarray(tables), at // BLOCK_SIZE, axis=1) * BLOCK_SIZE + at % BLOCK_SIZE
 
 
 def attention_groups(q_lens: np.ndarray, ctx_lens: np.ndarray, max_rows: int) -> list[list[int]]:
@@ -152,25 +176,23 @@ def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
     cu, ctx_lens = np.asarray(b.cu_seqlens), np.asarray(b.context_lens)
     q_lens = np.diff(cu)
     for group in attention_groups(q_lens, ctx_lens, CONTEXT_ROWS_PER_GROUP):
-        G, Q, n_ctx = len(group), int(q_lens[group].max()), int(ctx_lens[group].max())
+        G, Q = len(group), int(q_lens[group].max())
         real = np.arange(Q)[None, :] < q_lens[group][:, None]               # [G, Q]: padded queries False
         rows_of = np.where(real, cu[group][:, None] + np.arange(Q)[None, :], 0)   # the step's token rows
         host_pos = np.where(real, np.asarray(b.positions)[rows_of], -1)                # [G, Q]
         tok, pos = p.dev(rows_of), p.dev(host_pos)
-        rows = p.context_rows(spec.layer, b.block_tables[group, :-(-n_ctx // BLOCK_SIZE)],
-                              ctx_lens[group], n_ctx)                   # [G, n_ctx, width], zero padded
-        d = pos[:, :, None] - xp.arange(n_ctx)[None, None, :]
-        keys, visible = rows[..., :D], (d >= 0) & (d < spec.window)
+        tables, lens = np.asarray(b.block_tables)[group], ctx_lens[group]
         if spec.rate:
-            close_entries(rows, np.where(real, np.asarray(b.slot_mapping)[rows_of], -1), host_pos, w, spec, p)
-            n, cols = n_ctx // spec.rate, entry_columns(spec)
-            closed_rows = rows[:, spec.rate - 1:n * spec.rate:spec.rate]              # [G, n, width]
-            entries = closed_rows[..., cols[0]:cols[0] + D]
+            close_entries(tables, np.where(real, np.asarray(b.slot_mapping)[rows_of], -1), host_pos, w, spec, p)
+        keys, key_pos = group_keys(tables, host_pos, lens, spec, p)
+        d = pos[:, :, None] - p.dev(key_pos)[:, None, :]
+        visible = (d >= 0) & (d < spec.window) & p.dev(key_pos >= 0)[:, None, :]
+        if spec.rate:
+            entries, ikeys = group_entries(tables, lens, spec, p)
             if spec.index_heads:
-                ikeys = closed_rows[..., cols[1]:cols[1] + spec.index_dim]
                 seen = indexer_pick(iq[tok], iw[tok], ikeys, pos, spec.rate, spec.index_topk)
             else:
-                seen = xp.arange(n)[None, None, :] < ((pos + 1) // spec.rate)[:, :, None]
+                seen = xp.arange(entries.shape[1])[None, None, :] < ((pos + 1) // spec.rate)[:, :, None]
             keys, visible = xp.concatenate([keys, entries], axis=1), xp.concatenate([visible, seen], axis=2)
         res = sink_attention(q[tok], keys, visible, sinks, D ** -0.5)           # [G, Q, H, D]
         out[p.dev(rows_of[real])] = res.reshape(G * Q, H, D)[p.dev(np.flatnonzero(real))]
@@ -193,9 +215,9 @@ class DSV4Primitives(Protocol):
     def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
         """Store rows [T, w] at the step's KV slots (host ints) of layer, from column col."""
 
-    def context_rows(self, layer: int, tables, lens, n: int):
-        """Rows [G, n, row width] float32 of G sequences: the first lens[g] rows of the blocks tables[g] (host
-        ints [G, blocks]), zeros after them."""
+    def rows_at(self, layer: int, tables, at, col: int, width: int):
+        """Values [G, R, width] float32 from column col of the rows at positions at (host ints [G, R], -1: zeros)
+        of G sequences whose blocks are tables (host ints [G, blocks])."""
 
     def block_out(self, y):
         """The block's output in the executor's activation form."""
@@ -245,10 +267,9 @@ class NumpyDSV4Ops:
     def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
         self.kv[layer, 0, slots, 0, col:col + rows.shape[1]] = rows
 
-    def context_rows(self, layer: int, tables, lens, n: int):
-        cache = block_view(self.kv[layer, 0])
-        rows = cache[tables].reshape(len(tables), -1, cache.shape[-1])[:, :n]
-        return np.where((np.arange(n)[None, :] < np.asarray(lens)[:, None])[..., None], rows, np.float32(0))
+    def rows_at(self, layer: int, tables, at, col: int, width: int):
+        rows = self.kv[layer, 0, slots_at(tables, at), 0, col:col + width]
+        return np.where((at >= 0)[..., None], rows, np.float32(0))
 
     def block_out(self, y):
         return y

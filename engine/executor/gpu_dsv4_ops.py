@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.executor.cpu_dsv4_attention import dsv4_attention
+from engine.executor.cpu_dsv4_attention import dsv4_attention, slots_at
 from engine.executor.cpu_dsv4_ops import hash_route, hc_collapse, hc_merge, hc_mix, hc_weights, hyper_head, swiglu_limited
 from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16, split_gate_up
-from memory.kv_pool import block_view
 
 WEIGHT_F32_CACHE = 1 << 22      # weights of at most this many elements keep a float32 copy on the device
 
@@ -113,11 +112,9 @@ class GpuDSV4Ops:
     def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
         self.shared.kv_cache[layer, 0][self.cp.asarray(slots), 0, col:col + rows.shape[1]] = self._b(rows)
 
-    def context_rows(self, layer: int, tables, lens, n: int):
-        cache, cp = block_view(self.shared.kv_cache[layer, 0]), self.cp
-        rows = cache[cp.asarray(tables)].reshape(len(tables), -1, cache.shape[-1])[:, :n]
-        real = cp.asarray(np.arange(n)[None, :] < np.asarray(lens)[:, None])
-        return cp.where(real[..., None], self._f(rows), np.float32(0))
+    def rows_at(self, layer: int, tables, at, col: int, width: int):
+        rows = self.shared.kv_cache[layer, 0][self.cp.asarray(slots_at(tables, at)), 0, col:col + width]
+        return self.cp.where(self.cp.asarray(at >= 0)[..., None], self._f(rows), np.float32(0))
 
     def block_out(self, y):
         return y                            # float32: hc_merge reads it as it is
