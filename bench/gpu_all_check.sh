@@ -6,7 +6,8 @@
 # (server, host tier, 64 requests under load, piecewise graphs), moe_mla, dsv3 (DeepSeek-V3 / Kimi-K2,
 # FP8 / int4 folders), dsv4 (DeepSeek-V4 in eager steps, an FP8 / FP4 folder), qwen35, lora, structured,
 # free_running (greedy decode vs transformers' full recompute, every line), spec (speculative decoding: the
-# free-running gate with verify steps, the verify sampling against the CPU's). The gate table of every group lands in
+# free-running gate with verify steps, the verify sampling against the CPU's), quant (kept-quantized weights,
+# the FP8 KV cache, the quantized kernels). The gate table of every group lands in
 # $OUT/gate.md. GPU_LOAD=1 also runs bench/gpu_load.py (products and copies from another process) the whole time:
 # results must not depend on timing.
 set -uo pipefail
@@ -26,8 +27,9 @@ declare -A GROUPS_TESTS=(
   [structured]="tests/test_structured_gpu.py tests/test_gpu_sampler.py"
   [free_running]="tests/test_gpu_free_running.py tests/test_gpu_free_running_dsv4.py"
   [spec]="tests/test_gpu_spec.py"
+  [quant]="tests/test_gpu_quantized_linear.py tests/test_gpu_kv_fp8.py tests/test_gpu_quant_kernels.py"
 )
-groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core serving moe_mla dsv3 dsv4 qwen35 lora structured free_running spec)
+groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core serving moe_mla dsv3 dsv4 qwen35 lora structured free_running spec quant)
 load_pid=
 if [ "${GPU_LOAD:-0}" = 1 ]; then
   python3 bench/gpu_load.py --seconds "$LIMIT" > "$OUT/gpu_load.log" 2>&1 &
