@@ -15,6 +15,7 @@ from engine.batch import ModelBatch, SeqStep
 from bench.ab_switches import ABGpuOps
 from engine.executor.gpu_inputs import GpuStepContext
 from engine.models.ops import AttentionSpec, ComposedOps
+from memory.kv_format import KVFormat
 from tests.test_raw_cuda_kernels import attention_ref, bits, dev, f32, poison, rope_ref
 
 CONTEXTS = [1, 17, 300, 4100]
@@ -222,7 +223,8 @@ class GpuOpsProbe(ABGpuOps):
         self.fused_rope = True
         self._decode_kernels = {}
         self.shared = SimpleNamespace(num_sms=132, kv_cache=np.zeros((1, 2, 16, 2, head_dim), np.uint16),  # H200
-                                      inv_freq=np.zeros(1), attention_factor=1.0)
+                                      inv_freq=np.zeros(1), attention_factor=1.0, kv_format=KVFormat(),
+                                      kv_scales=lambda layer: ())   # bf16: no scale arguments
         self.part_out = self.part_max = self.part_sum = np.zeros(1 << 12, np.float32)
         self.split_counters = np.zeros(64, np.int32)
 
