@@ -3,7 +3,7 @@
 # process, hard timeout, log in $OUT/NAME.log), from the repository root:
 #   bash bench/gpu_all_check.sh [group ...]     (default: every group)
 # Groups: core (raw kernels, executor gate, graphs, async eager steps, long steps, prefill), serving
-# (server, host tier, 64 requests under load, piecewise graphs), moe_mla, dsv3 (DeepSeek-V3 / Kimi-K2,
+# (server, host tier, 64 requests under load, piecewise graphs, a lagging device, partial prefix hits), moe_mla, dsv3 (DeepSeek-V3 / Kimi-K2,
 # FP8 / int4 folders), dsv4 (DeepSeek-V4 in eager steps, an FP8 / FP4 folder), qwen35, lora, structured,
 # free_running (greedy decode vs transformers' full recompute, every line), spec (speculative decoding: the
 # free-running gate with verify steps, the verify sampling against the CPU's), quant (kept-quantized weights,
@@ -18,7 +18,7 @@ LIMIT=${GPU_CHECK_LIMIT:-540}
 PYTEST=(python3 -m pytest -v -rfE -p no:cacheprovider --durations=10)   # -v: a group cut off by its limit still names its last test
 declare -A GROUPS_TESTS=(
   [core]="tests/test_raw_cuda_kernels.py tests/test_raw_cuda_fused.py tests/test_raw_cuda_decode.py tests/test_raw_cuda_rope_attention.py tests/test_gpu_executor.py tests/test_gpu_graphs.py tests/test_gpu_graph_sampling.py tests/test_gpu_eager_async.py tests/test_gpu_long_steps.py tests/test_gpu_prefill_gpu.py"
-  [serving]="tests/test_gpu_server.py tests/test_gpu_host_tier.py tests/test_gpu_under_load.py tests/test_gpu_piecewise.py"
+  [serving]="tests/test_gpu_server.py tests/test_gpu_host_tier.py tests/test_gpu_under_load.py tests/test_gpu_piecewise.py tests/test_gpu_lagging_device.py tests/test_gpu_partial_hit.py"
   [moe_mla]="tests/test_gpu_moe_mla_kernels.py tests/test_gpu_moe_mla.py tests/test_raw_cuda_sparse_compile.py"
   [dsv3]="tests/test_gpu_dsv3.py"
   [dsv4]="tests/test_gpu_dsv4.py"
