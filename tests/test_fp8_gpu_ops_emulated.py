@@ -31,12 +31,23 @@ from test_rope_cache_emulated import bf16, f32, rb
 N, K, EPS = 256, 384, 1e-6
 
 
+class Gemm:
+    """The bf16 GEMM's stand-in: no CuTe; records the buffers marked rewritten (no early weight loads)."""
+    cute = None
+
+    def __init__(self):
+        self.rewritten = []
+
+    def mark_rewritten(self, buffer) -> None:
+        self.rewritten.append(buffer)
+
+
 class Shared(EmulatedShared):
     stream = None
-    gemm = SimpleNamespace(cute=None)
 
     def __init__(self, interleaved: bool):
         self.gate_up_interleaved = interleaved
+        self.gemm = Gemm()
 
 
 class Arena:
@@ -145,6 +156,8 @@ def test_w4_part_decode_and_prefill_weights(kind, interleave):
     want_w = W4Linear(w4).dequantized()
     w = w4_device(interleaved_codes(w4) if interleave else w4)
     p = EmulatedW4Linear(SimpleNamespace(linear_shapes=((N, K),), max_tokens=64), Shared(interleave), Arena())
+    # w4_dequant writes the scratch just before each product: the GEMM must not load its tiles early (PDL)
+    assert len(p.shared.gemm.rewritten) == 1 and p.shared.gemm.rewritten[0] is p.scratch
     np.testing.assert_array_equal(f32(p.bf16(w)), (interleave_gate_up(want_w) if interleave else want_w)
                                   .astype(ml_dtypes.bfloat16).astype(np.float32))
     x = activations(5)

@@ -78,9 +78,12 @@ def test_fp8_pool_holds_twice_the_blocks():
     counts = {}
     for dtype in ("auto", "fp8"):
         ex = new_gpu_executor(model, num_kv_blocks=None, gpu_memory_utilization=0.3, kv_cache_dtype=dtype)
-        counts[dtype] = (ex.num_kv_blocks, ex.kv_cache.nbytes)
+        assert ex.kv_cache.nbytes == ex.num_kv_blocks * ex.kv_block_bytes
+        counts[dtype] = ex.num_kv_blocks / ex.kv_cache.nbytes
         ex.close()
-    assert counts["fp8"][0] >= 1.99 * counts["auto"][0] and abs(counts["fp8"][1] / counts["auto"][1] - 1) < 0.01
+    # blocks per pool byte: the two pools' bytes differ with what else holds device memory when each starts
+    # (the budget is utilization x total - memory in use, and other processes share the GPU)
+    assert counts["fp8"] >= 1.99 * counts["auto"], counts
 
 
 # ---- the kernels on the device against numpy -------------------------------------------------------------

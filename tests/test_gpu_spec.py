@@ -3,7 +3,8 @@
 * The free-running greedy gate (test_gpu_free_running.py's floor method against transformers float32) with
   speculation on: every path of test_free_running (batch 1, batched, chunked prefill, prefix hits from the device
   and the host tier, preemption), CUDA graphs on and off, on a dense line (piecewise graphs serve its verify
-  steps), a MoE line and an MLA line. Drafts come from the spec-off run's own tokens with 30% of them wrong (a
+  steps), a MoE line and an MLA line; a run speculation changes may differ from the spec-off run only from a
+  near tie of transformers' float32 on. Drafts come from the spec-off run's own tokens with 30% of them wrong (a
   random model repeats too little for prompt lookup): long acceptances and rejections both run.
 * The verify sampling on device logits against engine/sampling.py verify_seq on the same logits: ids exactly,
   logprobs to float32 rounding, for greedy, seeded sampling (the graph tail's kernels), logprobs and penalties
@@ -71,8 +72,23 @@ def test_gpu_speculative_greedy(line, run, graphs):
     on = engine_greedy(ex, model.tokenizer, prompts, run, speculation=(NGRAM, proposer))
     assert on.accepted_drafts > 10, on.accepted_drafts
     row = assert_floor_gate(f"spec/{name}/{run.name}/{'graphs' if graphs else 'eager'}", exact, bf16, on)
-    same = sum(a.tokens == b.tokens for a, b in zip(off.runs, on.runs))
-    assert same >= len(on.runs) - row["hf_bf16_misses"] - 1, (same, len(on.runs), row)
+    assert_divergences_are_ties(exact, off, on, row["tie_tol"])
+
+
+def assert_divergences_are_ties(exact, off, on, tie_tol: float) -> None:
+    """Where speculation changes a greedy run, its first differing token must be a near tie of transformers'
+    float32 on that prefix: both choices within the floor's tie tolerance of its best. A verify step multiplies
+    k+1 rows per sequence, and a MoE or MLA line's kernels round those products their own way (as a different
+    batch does), so a near tie may fall either way; a wrong rollback or acceptance differs where the oracle has
+    a clear winner, and fails here."""
+    for a, b in zip(off.runs, on.runs):
+        t = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
+        if t is None:
+            assert len(a.tokens) == len(b.tokens), (a.prompt, len(a.tokens), len(b.tokens))
+            continue
+        step = exact.step(a.prompt + a.tokens[:t])
+        gaps = step.gap_to(a.tokens[t]), step.gap_to(b.tokens[t])
+        assert max(gaps) <= tie_tol, (len(a.prompt), t, a.tokens[t], b.tokens[t], gaps, tie_tol)
 
 
 PARAMS = [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2),

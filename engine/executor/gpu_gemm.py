@@ -117,6 +117,7 @@ class Gemm:
             num_sms = DeviceInfo.query().num_sms
         self.num_sms = num_sms
         self.cute_workspace = cute_workspace
+        self.rewritten: list[tuple[int, int]] = []      # device ranges a forward writes weights into (mark_rewritten)
         self._alpha = np.ones(1, np.float32)
         self._beta = np.zeros(1, np.float32)
         self._beta_one = np.ones(1, np.float32)
@@ -171,6 +172,15 @@ class Gemm:
             self.cute, self.cute_missing = None, f"its start-up check failed: {type(exc).__name__}: {exc}"
             log.warning("CuTe GEMM off, cuBLAS serves every product: %s", self.cute_missing)
 
+    def mark_rewritten(self, buffer) -> None:
+        """Weights read from ``buffer`` are written by the kernel just before their product (a dequantized int4
+        weight's scratch): those products load no weight tile before that kernel ends (no early loads, no PDL)."""
+        self.rewritten.append((buffer.data.ptr, buffer.data.ptr + buffer.nbytes))
+
+    def stable(self, w) -> bool:
+        """Whether ``w`` is a model weight no kernel of the forward writes, so its tiles may load early."""
+        return not any(lo <= w.data.ptr < hi for lo, hi in self.rewritten)
+
     @staticmethod
     def _check(status: int, what: str) -> None:
         if status != 0:
@@ -190,10 +200,11 @@ class Gemm:
             self.gemv(x, w, out, pdl=pdl)
             return
         if self.cute_serves(T, out):
-            # w is a model weight, never written in a forward: its first k-tiles may load while
-            # the kernel before finishes (a chain of weight streams overlaps its launch gaps)
+            # a model weight no forward writes: its first k-tiles may load while the kernel before finishes
+            # (a chain of weight streams overlaps its launch gaps)
             self.cute.use_workspace(self.cute_workspace)
-            self.cute.gemm(x, w, out, self.stream, residual=out if accumulate else None, prefetch_weights=True)
+            self.cute.gemm(x, w, out, self.stream, residual=out if accumulate else None,
+                           prefetch_weights=self.stable(w))
             return
         ctype = CUDA_R_32F if out.dtype == np.float32 else CUDA_R_16BF
         beta = self._beta_one if accumulate else self._beta
@@ -214,7 +225,7 @@ class Gemm:
         if not self.cute_serves(x.shape[0], residual):
             return None
         self.cute.use_workspace(self.cute_workspace)
-        return self.cute.gemm_partials(x, w, self.stream, residual=True, prefetch_weights=True)
+        return self.cute.gemm_partials(x, w, self.stream, residual=True, prefetch_weights=self.stable(w))
 
     def cute_fuses_swiglu(self, rows: int, w) -> bool:
         """Whether the CuTe GEMM takes a gate_up product of ``rows`` rows with its SiLU·up in the
@@ -228,7 +239,7 @@ class Gemm:
         """out [T, N/2] = SiLU(gate)·up of x · wᵀ in one CuTe GEMM, w a gate_up weight interleaved
         (interleave_gate_up); only where cute_fuses_swiglu."""
         self.cute.use_workspace(self.cute_workspace)
-        if not self.cute.gemm_swiglu(x, w, out, self.stream, prefetch_weights=True):
+        if not self.cute.gemm_swiglu(x, w, out, self.stream, prefetch_weights=self.stable(w)):
             raise RuntimeError(f"no SiLU·up GEMM for {x.shape[0]} rows of {w.shape}: ask cute_fuses_swiglu first")
 
     def cute_serves(self, rows: int, out) -> bool:
@@ -263,7 +274,8 @@ class Gemm:
         null = np.uint64(0)
         args = (x, w, out, np.int32(T), np.int32(N), np.int32(K), null if norm_w is None else norm_w,
                 null if res_in is None else res_in, np.float32(eps), np.int32(row_stride(w)))
-        launch(self._gemv[key], (ctas,), (256,), args, self.stream, pdl=pdl)
+        # gemv.cu loads its first weight tiles before pdl_wait: only a stable weight may launch dependent
+        launch(self._gemv[key], (ctas,), (256,), args, self.stream, pdl=pdl and self.stable(w))
 
     def strided_batched(self, op_a: int, m: int, n: int, k: int, a, a_off: int, lda: int, stride_a: int,
                         b, b_off: int, ldb: int, stride_b: int, c, ldc: int, stride_c: int, batch: int) -> None:

@@ -58,6 +58,7 @@ class GpuW4Linear:
     def __init__(self, plan, shared, arena):
         self.shared = shared
         self.scratch = arena.take_all("w4", self.buffers(plan))["scratch"]
+        shared.gemm.mark_rewritten(self.scratch)        # w4_dequant writes it just before each product
         self.kernels = self.quant_ops_class(shared.stream)
 
     @staticmethod
