@@ -49,7 +49,9 @@ class ReferenceProposer:
         for seq, k in zip(seqs, limits):
             ref = self.reference.get(tuple(seq.token_ids[:seq.prompt_len]), [])
             n = len(seq.token_ids)
-            draft = list(ref[n:n + k]) if ref[:n] == list(seq.token_ids) else []
+            # past a parting from the reference: k drafts all the same (wrong, almost surely), so every step
+            # keeps its k + 1 rows whatever was accepted before
+            draft = list(ref[n:n + k]) if ref[:n] == list(seq.token_ids) else [0] * k
             rng = random.Random(f"{seq.prompt_len}/{seq.token_ids[:4]}/{n}")
             out.append([(t + 1 + rng.randrange(self.vocab - 1)) % self.vocab if rng.random() < self.wrong else t
                         for t in draft])
@@ -73,6 +75,22 @@ def test_gpu_speculative_greedy(line, run, graphs):
     assert on.accepted_drafts > 10, on.accepted_drafts
     row = assert_floor_gate(f"spec/{name}/{run.name}/{'graphs' if graphs else 'eager'}", exact, bf16, on)
     assert_divergences_are_ties(exact, off, on, row["tie_tol"])
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_gpu_acceptance_never_changes_the_tokens(line, graphs):
+    """Which drafts a step accepts never changes what it emits: every draft wrong (next to nothing accepted) and 30% wrong
+    give the same tokens, exactly, as every step has k + 1 rows either way and row j is the plain decode row after
+    the drafts before it. A wrong rollback of rejected rows (KV, positions, prefix blocks) breaks it. (On MoE lines
+    a (k+1)-row step may round a near tie other than a 1-row decode step does: that parting is the floor gate's.)"""
+    name, model, exact, bf16, prompts, executors = line
+    ex = executors[graphs]
+    off = engine_greedy(ex, model.tokenizer, prompts, PATHS[0])
+    runs = {wrong: engine_greedy(ex, model.tokenizer, prompts, PATHS[0],
+                                 speculation=(NGRAM, ReferenceProposer(off.runs, wrong, ex.vocab_size)))
+            for wrong in (1.0, 0.3)}
+    assert runs[1.0].accepted_drafts < runs[0.3].accepted_drafts, {w: r.accepted_drafts for w, r in runs.items()}
+    assert [r.tokens for r in runs[1.0].runs] == [r.tokens for r in runs[0.3].runs]
 
 
 def assert_divergences_are_ties(exact, off, on, tie_tol: float) -> None:
