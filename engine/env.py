@@ -81,8 +81,8 @@ EAGER_GRAPH_TOKENS = EnvVar("OPENINFER_EAGER_GRAPH_TOKENS", 2048, int, "an integ
                             "eager steps of up to this many tokens as piecewise CUDA graphs (0: off)")
 CHUNK_ATTENTION = EnvVar("OPENINFER_CHUNK_ATTENTION", True, _off_at_0, "0 or 1",
                          "short runs of new tokens on paged_chunk.cu's tensor cores")
-ASYNC_HOST_TIER = EnvVar("OPENINFER_ASYNC_HOST_TIER", False, _on_at_1, "0 or 1",
-                         "host-tier copies on a stream of their own (off until checked on a GPU)")
+ASYNC_HOST_TIER = EnvVar("OPENINFER_ASYNC_HOST_TIER", True, _off_at_0, "0 or 1",
+                         "host-tier copies on a stream of their own (0: ahead of the step on the compute stream)")
 # -- the CPU executor ------------------------------------------------------------------------------------
 OPENBLAS_NUM_THREADS = EnvVar("OPENBLAS_NUM_THREADS", None, _positive, "a positive integer",
                               "BLAS threads of the CPU executor's steps above decode size (without --cpu-threads)")

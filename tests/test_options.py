@@ -253,11 +253,11 @@ def test_environment_is_read_once_into_gpu_tuning():
     env = {"OPENINFER_DECODE_KERNELS": "attention,gemv:4", "OPENINFER_GEMM": "cublas",
            "OPENINFER_PREFILL_ATTENTION": "paged", "OPENINFER_PDL": "0", "OPENINFER_GEMV_UNROLL": "3",
            "OPENINFER_GEMV_UNROLL_NARROW": "6", "OPENINFER_LAYER_RANGES": "ops", "OPENINFER_CHUNK_ATTENTION": "0",
-           "OPENINFER_ASYNC_HOST_TIER": "1"}
+           "OPENINFER_ASYNC_HOST_TIER": "0"}
     assert gpu_tuning_from_env(env) == GpuTuning(decode_kernels="attention,gemv:4", gemm="cublas",
                                                  prefill_attention="paged", pdl=False, gemv_unroll=3,
                                                  gemv_unroll_narrow=6, nvtx="ops", chunk_attention=False,
-                                                 async_host_tier=True)
+                                                 async_host_tier=False)
     assert gpu_tuning_from_env({}) == GpuTuning()
     for name, value in (("OPENINFER_GEMV_UNROLL", "x"), ("OPENINFER_LAYER_RANGES", "2")):
         with pytest.raises(ValueError, match=name):

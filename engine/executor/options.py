@@ -70,7 +70,7 @@ class GpuTuning:
     (gpu_chunk.py; with the CuTe prefill path) instead of paged_decode.cu.
     async_host_tier: host-tier restores and write-through copies on a stream of their own, their sequences
     LOADING and their blocks held until the copies land (engine/scheduler.py), instead of the copies ahead
-    of the next step on the compute stream. Off until checked on a GPU."""
+    of the next step on the compute stream (OPENINFER_ASYNC_HOST_TIER=0)."""
     decode_kernels: str = "all"
     gemm: str = "auto"
     prefill_attention: str = "cute"
@@ -80,7 +80,7 @@ class GpuTuning:
     nvtx: str = "off"
     eager_graph_tokens: int = 2048
     chunk_attention: bool = True
-    async_host_tier: bool = False
+    async_host_tier: bool = True
 
     def validate(self) -> None:
         """Parse every choice once (the parsers raise ValueError naming the setting)."""
