@@ -21,11 +21,14 @@ import asyncio
 import functools
 import logging
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from engine.config import EngineConfig
 from engine.grammar import GrammarError
 from engine.lora import LoRAError
+
+if TYPE_CHECKING:
+    from engine.tokenizer import TokenizerBase
 
 log = logging.getLogger("openinfer.engine")
 NOT_ENABLED = "LoRA is not enabled: start the server with --enable-lora"
@@ -130,6 +133,7 @@ class EngineCalls:
     declared here; `_engine_op(op)` sends one op to run_engine_op."""
     config: EngineConfig            # the engine's settings (enable_lora, lora_modules)
     max_n: int                      # the most samples (n) a request may ask for
+    tokenizer: TokenizerBase        # the model's (the server encodes prompts and renders chats with it)
     executor = None                 # the executor, where the engine runs in this process (EngineHandle)
     data_parallel_size = 1          # engines behind the handle (DataParallelClient: its replicas)
     _lora_served: dict[str, str] | None = None

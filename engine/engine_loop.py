@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from engine.admission import Admission, AdmissionLimits
 from engine.batch import ModelBatch
@@ -32,6 +32,9 @@ from engine.stats import EngineStats
 from engine.step_trace import NoTrace, StepTrace
 from memory.block_manager import BlockManager
 from memory.state_slots import StateSlots
+
+if TYPE_CHECKING:
+    from engine.tokenizer import TokenizerBase
 
 log = logging.getLogger("openinfer.engine")
 
@@ -60,7 +63,7 @@ def prefix_caching(options: LoopOptions, state_slots: StateSlots | None) -> bool
 
 
 class EngineLoop:
-    def __init__(self, executor, tokenizer, options: LoopOptions, eos_token_ids: list[int]):
+    def __init__(self, executor, tokenizer: TokenizerBase, options: LoopOptions, eos_token_ids: list[int]):
         self.executor = executor
         self.tokenizer = tokenizer
         self.options = options

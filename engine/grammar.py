@@ -29,9 +29,12 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from engine.tokenizer import TokenizerBase
 
 CACHE_SIZE = 256                # compiled grammars kept (by grammar text)
 CHECK_TIME_LIMIT_S = 10.0       # a grammar whose compile and probe take longer is refused
@@ -53,12 +56,12 @@ def parser_limits():
 
 
 @functools.lru_cache(maxsize=8)
-def llg_tokenizer(tokenizer, n_vocab: int | None, eos: tuple[int, ...]):
+def llg_tokenizer(tokenizer: TokenizerBase, n_vocab: int | None, eos: tuple[int, ...]):
     """The llguidance tokenizer of an engine Tokenizer (its `tokenizers` backend), built once (~1-2 s
     for a 152K vocabulary). n_vocab: the model's logit rows, where more than the tokenizer's."""
     from llguidance import LLTokenizer
-    backend = getattr(tokenizer, "tok", None)
-    if backend is None or not hasattr(backend, "to_str"):
+    backend = tokenizer.tok
+    if backend is None:
         raise GrammarError("structured output needs a Hugging Face `tokenizers` tokenizer")
     size = backend.get_vocab_size(with_added_tokens=True)
     return LLTokenizer(backend.to_str(), n_vocab=n_vocab if n_vocab and n_vocab > size else None,
@@ -126,7 +129,8 @@ class GrammarCache:
     server's checks run in its worker threads (`run_check`), admission on the engine thread, and a
     grammar compiling in one is waited for by the others (one compile per text)."""
 
-    def __init__(self, tokenizer, vocab_size: int | None, eos_token_ids: list[int], capacity: int = CACHE_SIZE):
+    def __init__(self, tokenizer: TokenizerBase, vocab_size: int | None, eos_token_ids: list[int],
+                 capacity: int = CACHE_SIZE):
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, tuple(eos_token_ids)
         self.capacity = capacity
         self._entries: OrderedDict[str, _Entry] = OrderedDict()

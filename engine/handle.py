@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from memory.kv_format import is_fp8
 from memory.kv_pool import BLOCK_SIZE
@@ -32,6 +32,9 @@ from engine.engine_calls import LocalEngineCalls
 from engine.loop_options import LoopOptions, options_within
 from engine.request import GenerateRequest, SamplingParams
 from memory.block_manager import KVEvent
+
+if TYPE_CHECKING:
+    from engine.tokenizer import TokenizerBase
 
 log = logging.getLogger("openinfer.engine")
 
@@ -134,7 +137,7 @@ class RequestOutput:
 
 
 class EngineHandle(LocalEngineCalls):
-    def __init__(self, config: EngineConfig | None = None, *, executor=None, tokenizer=None,
+    def __init__(self, config: EngineConfig | None = None, *, executor=None, tokenizer: TokenizerBase | None = None,
                  model_name: str | None = None, max_model_len: int | None = None,
                  eos_token_ids: list[int] | None = None):
         """Build from config (loads the model and its executor), or wrap an already built

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from engine.batch import SampledToken, StepOutput
 from engine.detokenizer import IncrementalDetokenizer
@@ -14,6 +14,9 @@ from engine.events import Error, Finished, PromptLogprobs, Scheduled, Token, Tok
 from engine.request import GenerateRequest
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SeqStatus
+
+if TYPE_CHECKING:
+    from engine.tokenizer import TokenizerBase
 
 log = logging.getLogger("openinfer.engine")
 
@@ -33,7 +36,8 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, scheduler: Scheduler, max_model_len: int, abort: Callable[[str], None]):
+    def __init__(self, tokenizer: TokenizerBase, scheduler: Scheduler, max_model_len: int,
+                 abort: Callable[[str], None]):
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self.abort_later = abort                 # queues an abort (a consumer went away)
@@ -243,7 +247,7 @@ class OutputProcessor:
                 self.abort_later(event.request_id)
 
 
-def make_decoder(tokenizer, skip: bool) -> Callable[[list[int]], str]:
+def make_decoder(tokenizer: TokenizerBase, skip: bool) -> Callable[[list[int]], str]:
     """tokenizer.decode, with the text of single tokens memoized (a pure function of the id; the
     detokenizer's window start and top logprobs decode one token each per step)."""
     pieces: dict[int, str] = {}

@@ -7,7 +7,7 @@ import os
 import re
 from datetime import datetime
 from functools import cached_property, lru_cache
-from typing import Any
+from typing import Any, Sequence
 
 import jinja2
 import jinja2.ext
@@ -80,7 +80,41 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class Tokenizer:
+class TokenizerBase:
+    """What the engine and the server ask of every tokenizer they load (a model folder's `Tokenizer`, the
+    GGUF conversion's, a test's stand-in), declared once: a part a tokenizer lacks keeps its default here,
+    so callers read it instead of probing for it."""
+    vocab_size: int | None = None           # ids are below it (None: not known)
+    eos_token_ids: Sequence[int] = ()       # the ids that end a generation
+    chat_template: str | None = None        # the Jinja source (None: the model has none)
+    max_token_bytes: int | None = None      # the most bytes of text one token covers (None: not known)
+    tok: HFTokenizer | None = None          # the `tokenizers` tokenizer grammars compile over (None: no grammars)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        raise NotImplementedError
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text of a conversation; ValueError where the model has no template or refuses it."""
+        raise ValueError("this model has no chat template (tokenizer_config.json / chat_template.jinja)")
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token stands for (None: not known; its decoded text is all there is)."""
+        return None
+
+    def has_marker_tokens(self, *markers: str) -> bool:
+        """Whether each marker (reasoning's `<think>`) is one token of the vocabulary, as in a model trained
+        to write it; True where the tokenizer names no tokens (a byte tokenizer writes any text)."""
+        return True
+
+    def info(self) -> dict[str, Any] | None:
+        """tokenizer_config.json as a client reads it (vLLM's /tokenizer_info); None: nothing to describe."""
+        return None
+
+
+class Tokenizer(TokenizerBase):
     def __init__(self, tokenizer: HFTokenizer, tokenizer_config: dict | None = None,
                  chat_template: str | None = None, eos_token_ids: list[int] | None = None):
         self.tok = tokenizer
@@ -173,6 +207,9 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
+
+    def has_marker_tokens(self, *markers: str) -> bool:
+        return all(self.tok.token_to_id(m) is not None for m in markers)
 
     def is_special(self, token_id: int) -> bool:
         added = self.tok.get_added_tokens_decoder().get(int(token_id))

@@ -76,9 +76,9 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
     app.ctx.metrics = ServerMetrics()
     app.ctx.request_trace = RequestTrace(request_trace) if request_trace else None
     app.ctx.model = ModelInfo(name=served_model_name or handle.model_name, max_model_len=handle.max_model_len,
-                              tokenizer=tokenizer, vocab_size=_int_or_none(getattr(tokenizer, "vocab_size", None)),
+                              tokenizer=tokenizer, vocab_size=tokenizer.vocab_size,
                               max_n=max_n or handle.max_n, limits=limits,
-                              max_token_bytes=_int_or_none(getattr(tokenizer, "max_token_bytes", None)),
+                              max_token_bytes=tokenizer.max_token_bytes,
                               adapters=handle.lora_adapters, reasoning_parser=reasoning_parser)
     app.ctx.data_parallel_size = handle.data_parallel_size
     app.ctx.created = int(time.time())
@@ -96,10 +96,6 @@ def create_app(handle, *, served_model_name: str | None = None, api_key: str | N
     add_tokenizer_routes(app)
     add_lora_routes(app)
     return app
-
-
-def _int_or_none(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 async def _refuse_while_draining(request):

@@ -388,7 +388,7 @@ def generate(args: argparse.Namespace) -> int:
     from server.protocol import encode_text, render_chat
     with EngineHandle(engine_config(args)) as handle:
         tok = handle.tokenizer
-        chat = args.chat if args.chat is not None else bool(getattr(tok, "chat_template", None))
+        chat = args.chat if args.chat is not None else bool(tok.chat_template)
         ids = (render_chat(tok, [{"role": "user", "content": args.prompt}]) if chat
                else encode_text(tok, args.prompt))
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p,

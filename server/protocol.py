@@ -7,7 +7,7 @@ server does not provide. Parsing tokenizes, so the server runs it off its event 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +19,9 @@ from server.limits import ServerLimits
 from server.reasoning import Reasoning, request_reasoning
 from server.structured import Constraint, parse_constraint
 from server.tools import ToolConfig, message_extras, output_constraint, parse_tools
+
+if TYPE_CHECKING:
+    from engine.tokenizer import TokenizerBase
 
 MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5             # a temperature this small samples greedily (as vLLM does)
@@ -49,7 +52,7 @@ class ModelInfo:
     """What validation needs to know about the served model."""
     name: str
     max_model_len: int
-    tokenizer: Any
+    tokenizer: TokenizerBase
     vocab_size: int | None = None
     max_n: int = 16
     limits: ServerLimits = field(default_factory=ServerLimits)
@@ -158,7 +161,7 @@ def parse_messages(messages) -> list[dict]:
     return out
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+def render_chat(tokenizer: TokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
                 tools: list[dict] | None = None, max_chars: int | None = None,
                 template_kwargs: dict | None = None) -> list[int]:
     """Prompt ids of a conversation (and the tools offered, and the template's own variables: vLLM's
@@ -196,12 +199,9 @@ def check_text_fits(text: str, max_chars: int | None, name: str) -> None:
                       f"(max_model_len) can hold in any tokenization (at most {max_chars})", name)
 
 
-def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+def encode_text(tokenizer: TokenizerBase, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of `text`; a rendered chat template already carries its special tokens."""
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-    except TypeError:       # a tokenizer whose encode takes no such flag
-        return list(tokenizer.encode(text))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def _message_text(content, role: str, where: str) -> str:

@@ -15,8 +15,12 @@ the rest is content, tags included.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from server.tool_calls import partial_suffix
+
+if TYPE_CHECKING:
+    from engine.tokenizer import TokenizerBase
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 OPEN_TAG, CLOSE_TAG = "<think>", "</think>"
@@ -24,14 +28,13 @@ REASONING, OPEN, CONTENT = "reasoning", "open", "content"     # OPEN: content, u
 PROMPT_TAIL_TOKENS = 32         # the prompt's last tokens, decoded, show whether its template opened a block
 
 
-def check_reasoning_parser(name: str | None, tokenizer) -> None:
+def check_reasoning_parser(name: str | None, tokenizer: TokenizerBase) -> None:
     """Refuse (ValueError, at start) a parser this server does not have, or a model with no think tags."""
     if name is None:
         return
     if name not in REASONING_PARSERS:
         raise ValueError(f"--reasoning-parser {name!r} is not one of {', '.join(REASONING_PARSERS)}")
-    token_to_id = getattr(tokenizer, "token_to_id", None)
-    if token_to_id is not None and any(token_to_id(tag) is None for tag in (OPEN_TAG, CLOSE_TAG)):
+    if not tokenizer.has_marker_tokens(OPEN_TAG, CLOSE_TAG):
         raise ValueError(f"--reasoning-parser {name}: the model's vocabulary has no {OPEN_TAG} / {CLOSE_TAG} "
                          "tokens, so it does not write reasoning blocks")
 
@@ -44,7 +47,8 @@ class Reasoning:
     include: bool = True
 
 
-def request_reasoning(parser: str | None, tokenizer, prompt, constrained: bool, include: bool) -> Reasoning | None:
+def request_reasoning(parser: str | None, tokenizer: TokenizerBase, prompt, constrained: bool,
+                      include: bool) -> Reasoning | None:
     """The split of a chat request's output (None: no reasoning parser), from the end of its prompt ids."""
     if parser is None:
         return None

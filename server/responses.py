@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.events import Finished, PromptLogprobs, Scheduled, Token, TopLogprob
 from server.errors import APIError
 from server.protocol import ParsedRequest
 from server.reasoning import REASONING, ReasoningStream
 from server.tool_calls import ToolCallStream
+
+if TYPE_CHECKING:
+    from engine.tokenizer import TokenizerBase
 
 MIN_LOGPROB = -9999.0       # -inf is not valid JSON
 
@@ -51,7 +55,7 @@ class ChoiceState:
 
 
 class ResponseBuilder:
-    def __init__(self, parsed: ParsedRequest, request_id: str, model_name: str, created: int, tokenizer):
+    def __init__(self, parsed: ParsedRequest, request_id: str, model_name: str, created: int, tokenizer: TokenizerBase):
         self.parsed = parsed
         self.id = request_id
         self.model = model_name
@@ -271,8 +275,9 @@ class ResponseBuilder:
 
     def _chat_token(self, token_id: int, text: str) -> dict:
         """token and bytes: the token's own bytes where the tokenizer knows them."""
-        token_bytes = getattr(self.tokenizer, "token_bytes", None)
-        raw = token_bytes(token_id) if token_bytes is not None else text.encode("utf-8")
+        raw = self.tokenizer.token_bytes(token_id)
+        if raw is None:
+            raw = text.encode("utf-8")
         if "\ufffd" in text and not self.parsed.tokens_as_ids:
             text = raw.decode("utf-8", "backslashreplace")
         return {"token": text, "bytes": list(raw)}

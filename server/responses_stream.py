@@ -15,10 +15,14 @@ from __future__ import annotations
 import copy
 import json
 import uuid
+from typing import TYPE_CHECKING
 
 from server.errors import APIError
 from server.protocol import ParsedRequest
 from server.responses import ResponseBuilder
+
+if TYPE_CHECKING:
+    from engine.tokenizer import TokenizerBase
 
 TEXT_DELTA = {"message": "response.output_text.delta", "reasoning": "response.reasoning_text.delta"}
 TEXT_DONE = {"message": "response.output_text.done", "reasoning": "response.reasoning_text.done"}
@@ -27,7 +31,7 @@ TEXT_DONE = {"message": "response.output_text.done", "reasoning": "response.reas
 class ResponsesBuilder:
     """One /v1/responses reply (the app's builder interface: on_event, response, sse, sse_error, sse_tail)."""
 
-    def __init__(self, parsed: ParsedRequest, request_id: str, model_name: str, created: int, tokenizer):
+    def __init__(self, parsed: ParsedRequest, request_id: str, model_name: str, created: int, tokenizer: TokenizerBase):
         self.chat = ResponseBuilder(parsed, request_id, model_name, created, tokenizer)
         self.parsed = parsed
         self.id = "resp_" + request_id.rsplit("-", 1)[-1]

@@ -25,10 +25,10 @@ def add_tokenizer_routes(app: Sanic) -> None:
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(request):
-        info = getattr(request.app.ctx.model.tokenizer, "info", None)
+        info = request.app.ctx.model.tokenizer.info()
         if info is None:
             raise APIError(404, "this model's tokenizer does not describe itself", code="not_found")
-        return response.json(info())
+        return response.json(info)
 
 
 def _tokenize(raw: bytes, model: ModelInfo) -> list[int]:

@@ -17,10 +17,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from server.errors import invalid, wrong_type
 from server.structured import Constraint, json_grammar, parse_constraint
 from server.tool_calls import CallArrayStream, NamedCallStream, ToolCallStream
+
+if TYPE_CHECKING:
+    from engine.tokenizer import TokenizerBase
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 NO_PARAMETERS = {"type": "object", "properties": {}}
@@ -113,9 +117,9 @@ def output_constraint(body: dict, tools: ToolConfig | None) -> Constraint | None
     return Constraint("tools", "tools", grammar)
 
 
-def tool_format(tokenizer) -> str:
+def tool_format(tokenizer: TokenizerBase) -> str:
     """The model's tool-call format, read off its chat template (hermes where it shows neither)."""
-    template = getattr(tokenizer, "chat_template", None) or ""
+    template = tokenizer.chat_template or ""
     if "<tool_call>" in template:
         return "hermes"
     if "<|python_tag|>" in template or '"parameters"' in template:
@@ -123,7 +127,7 @@ def tool_format(tokenizer) -> str:
     return "hermes"
 
 
-def parse_tools(body: dict, tokenizer) -> ToolConfig | None:
+def parse_tools(body: dict, tokenizer: TokenizerBase) -> ToolConfig | None:
     """The request's tools (None: no tools, tool_choice absent or harmless)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is not None and not isinstance(tools, list):

@@ -14,17 +14,18 @@ from engine.batch import BLOCK_SIZE, ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import ExecutorBase
 from engine.executor.options import ExecutorOptions
 from engine.sampling import prompt_logprobs, sample_step
+from engine.tokenizer import TokenizerBase
 
 EOS = 256
 EXTRA = {257: "é".encode(), 258: b"ab", 259: "€".encode()[:2], 260: "€".encode()[2:], 261: b" the"}
 VOCAB = 262
 
 
-class FakeTokenizer:
+class FakeTokenizer(TokenizerBase):
     eos_token_ids = [EOS]
     vocab_size = VOCAB
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

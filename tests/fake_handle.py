@@ -10,11 +10,12 @@ from engine.config import EngineConfig
 from engine.engine_calls import EngineCalls
 from engine.grammar import GrammarCache
 from engine.events import Error, Finished, PromptLogprobs, Rejected, Scheduled, Token, TopLogprob, Usage
+from engine.tokenizer import TokenizerBase
 
 EOS = 0
 
 
-class ByteTokenizer:
+class ByteTokenizer(TokenizerBase):
     """One token per UTF-8 byte (ids 1..256 = byte + 1); id 0 is EOS."""
     vocab_size = 257
     eos_token_ids = [EOS]
@@ -22,7 +23,7 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b + 1 for b in text.encode("utf-8")]
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, TokenizerBase
 from fake_handle import FakeHandle
 from server.app import create_app
 from server.background import BackgroundServer
@@ -102,14 +102,14 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(tok
 
 
 def test_a_slow_tokenizer_does_not_hold_up_other_requests():
-    class SlowTokenizer:
+    class SlowTokenizer(TokenizerBase):
         vocab_size = 300
 
         def encode(self, text, add_special_tokens=True):
             time.sleep(2.0)                          # a long tokenization, seen from the event loop
             return [1] * 10_000
 
-        def decode(self, ids):
+        def decode(self, ids, skip_special_tokens=False):
             return "x"
     with BackgroundServer(create_app(TokenizerOnlyHandle(SlowTokenizer(), max_model_len=100))) as srv:
         t0 = time.monotonic()
