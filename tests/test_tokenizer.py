@@ -7,7 +7,7 @@ import pytest
 
 from engine.loader import load_model
 from engine.loader.demo import demo_gguf_path, demo_model_path
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, TokenizerBase
 from harness.models import tiny_model_path
 
 TEXTS = [
@@ -69,6 +69,35 @@ def test_demo_tokenizer_matches_transformers_gguf_tokenizer(folders):
     conv = CONVERSATIONS[1]
     assert ours.apply_chat_template(conv) == theirs.apply_chat_template(conv, tokenize=False,
                                                                         add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("which", ["tiny", "demo"])
+def test_the_declared_parts_are_filled_at_load(folders, which):
+    """What TokenizerBase declares, as a loaded tokenizer (a folder's, the GGUF conversion's) fills it,
+    against transformers' tokenizer of the same folder."""
+    from transformers import AutoTokenizer
+    ours = load_model(folders[which]).tokenizer
+    theirs = AutoTokenizer.from_pretrained(folders[which])
+    assert isinstance(ours, TokenizerBase) and ours.tok is not None
+    assert ours.vocab_size == len(theirs)
+    assert ours.chat_template == theirs.chat_template and ours.info()["chat_template"] == theirs.chat_template
+    assert theirs.eos_token_id in ours.eos_token_ids
+    vocab = theirs.get_vocab()
+    for markers in [("<think>", "</think>"), ("<|im_end|>",), ("<|im_start|>", "<|no such token|>")]:
+        assert ours.has_marker_tokens(*markers) == all(m in vocab for m in markers), markers
+    for text in TEXTS:
+        ids = theirs.encode(text, add_special_tokens=False)
+        assert b"".join(ours.token_bytes(i) for i in ids) == text.encode()
+        assert all(len(ours.token_bytes(i)) <= ours.max_token_bytes for i in ids)
+
+
+def test_the_base_declares_every_part_absent():
+    """A tokenizer with only encode / decode (a test's stand-in) answers each optional part as absent."""
+    base = TokenizerBase()
+    assert (base.vocab_size, base.chat_template, base.max_token_bytes, base.tok, base.info()) == (None,) * 5
+    assert list(base.eos_token_ids) == [] and base.token_bytes(5) is None and base.has_marker_tokens("<think>")
+    with pytest.raises(ValueError, match="no chat template"):
+        base.apply_chat_template([{"role": "user", "content": "x"}])
 
 
 def test_eos_and_special_ids(folders):
