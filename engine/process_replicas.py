@@ -173,16 +173,17 @@ def summed_stats(replicas: list[EngineStats]) -> EngineStats:
     """One EngineStats for several engines: counts and gauges added (per-position counts position by
     position), but for what each replica holds alike (SAME_ON_EVERY_REPLICA: the largest); the adapter names'
     union."""
-    total = EngineStats()
-    for field in dataclasses.fields(EngineStats):
-        values = [getattr(s, field.name) for s in replicas]
-        if field.name in SAME_ON_EVERY_REPLICA:
-            value = max(values, default=getattr(total, field.name))
-        elif isinstance(getattr(total, field.name), str):
-            value = ",".join(sorted({n for v in values for n in v.split(",") if n}))
-        elif isinstance(getattr(total, field.name), tuple):        # per position: added position by position
-            value = tuple(sum(v[i] for v in values if i < len(v)) for i in range(max(map(len, values), default=0)))
+    rows = [dataclasses.asdict(s) for s in replicas]
+    total = {}
+    for name, default in dataclasses.asdict(EngineStats()).items():
+        values = [row[name] for row in rows]
+        if name in SAME_ON_EVERY_REPLICA:
+            total[name] = max(values, default=default)
+        elif isinstance(default, str):
+            total[name] = ",".join(sorted({n for v in values for n in v.split(",") if n}))
+        elif isinstance(default, tuple):        # per position: added position by position
+            longest = max(map(len, values), default=0)
+            total[name] = tuple(sum(v[i] for v in values if i < len(v)) for i in range(longest))
         else:
-            value = sum(values)
-        setattr(total, field.name, value)
-    return total
+            total[name] = sum(values)
+    return EngineStats(**total)

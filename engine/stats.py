@@ -1,7 +1,7 @@
 """The engine's counters and gauges, published after every step (EngineHandle.stats, /metrics)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass
@@ -45,3 +45,7 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def by_name(self) -> dict[str, int | float | str | tuple[int, ...]]:
+        """Every field, then the derived figures (kv_usage, prefix_cache_hit_rate), by name (/metrics)."""
+        return {**asdict(self), "kv_usage": self.kv_usage, "prefix_cache_hit_rate": self.prefix_cache_hit_rate}

@@ -8,9 +8,12 @@ openinfer_data_parallel_requests_total{engine="<rank>"} counts the requests sent
 series must select one kind, e.g. sum(openinfer_num_requests_running{engine!=""})."""
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.stats import EngineStats
 
 PREFIX = "openinfer_"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -107,7 +110,8 @@ class ServerMetrics:
             if decode_time is not None and generated > 1:
                 self.tpot.observe(decode_time / (generated - 1))
 
-    def render(self, stats=None, replicas: list | None = None, dispatched: list[int] | None = None) -> str:
+    def render(self, stats: EngineStats | None = None, replicas: list[EngineStats] | None = None,
+               dispatched: list[int] | None = None) -> str:
         """replicas / dispatched: with several engines, each one's stats and the requests sent to each."""
         lines = []
         with self.lock:
@@ -121,36 +125,31 @@ class ServerMetrics:
         return "\n".join(lines) + "\n"
 
 
-def engine_gauges(stats, replicas: list | None = None) -> list[str]:
-    """Every numeric field (and the named derived properties) of the engine's stats as a gauge; with
-    replicas, each one's value too, labelled engine="<rank>"."""
-    if stats is None or not dataclasses.is_dataclass(stats):
+def engine_gauges(stats: EngineStats | None, replicas: list[EngineStats] | None = None) -> list[str]:
+    """Every numeric field (and the derived figures) of the engine's stats as a gauge; with replicas, each
+    one's value too, labelled engine="<rank>"."""
+    if stats is None:
         return []
-    names = [f.name for f in dataclasses.fields(stats)]
-    names += [k for k in ENGINE_GAUGES if k not in names and hasattr(stats, k)]
+    each = [s.by_name() for s in replicas or []]
     lines = []
-    for key in names:
-        if key in SPEC_DECODE_COUNTERS:
-            continue
-        value = getattr(stats, key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+    for key, value in stats.by_name().items():
+        if key in SPEC_DECODE_COUNTERS or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         name, help_text = ENGINE_GAUGES.get(key, (f"engine_{key}", f"Engine statistic {key}."))
-        samples = [("", value)] + [(f'engine="{rank}"', getattr(s, key)) for rank, s in enumerate(replicas or [])]
+        samples = [("", value)] + [(f'engine="{rank}"', values[key]) for rank, values in enumerate(each)]
         lines += gauge(name, help_text, samples)
     return lines
 
 
-def spec_decode_counters(stats) -> list[str]:
+def spec_decode_counters(stats: EngineStats | None) -> list[str]:
     """vLLM's spec_decode_* counters, the accepted tokens per draft position labelled `position`; nothing
     while speculative decoding is off."""
-    per_pos = getattr(stats, "spec_decode_accepted_per_pos", ())
-    if not per_pos:
+    if stats is None or not stats.spec_decode_accepted_per_pos:
         return []
-    lines = []
+    per_pos, values, lines = stats.spec_decode_accepted_per_pos, stats.by_name(), []
     for key, help_text in SPEC_DECODE_COUNTERS.items():
         name = f"{PREFIX}{key}_total"
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {getattr(stats, key)}"]
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {values[key]}"]
     name = PREFIX + "spec_decode_num_accepted_tokens_per_pos_total"
     lines += [f"# HELP {name} Accepted tokens per draft position.", f"# TYPE {name} counter"]
     return lines + [f'{name}{{position="{pos}"}} {n}' for pos, n in enumerate(per_pos)]
@@ -160,10 +159,10 @@ def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def lora_info(stats) -> list[str]:
+def lora_info(stats: EngineStats | None) -> list[str]:
     """vLLM's lora_requests_info: labels max_lora and the running / waiting adapters' names (comma-separated),
     the value the time of the report; nothing when the engine serves no LoRA adapters."""
-    if not getattr(stats, "lora_max_adapters", 0):
+    if stats is None or not stats.lora_max_adapters:
         return []
     name = PREFIX + "lora_requests_info"
     labels = (f'running_lora_adapters="{_label(stats.lora_running_adapters)}",max_lora="{stats.lora_max_adapters}",'

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.engine_calls import EngineCalls
 from engine.grammar import GrammarCache
 from engine.events import Error, Finished, PromptLogprobs, Rejected, Scheduled, Token, TopLogprob, Usage
+from engine.stats import EngineStats
 from engine.tokenizer import TokenizerBase
 
 EOS = 0
@@ -29,18 +29,6 @@ class ByteTokenizer(TokenizerBase):
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
-
-
-@dataclass
-class FakeStats:
-    num_running: int
-    num_waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int = 100
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks_used / self.kv_blocks_total
 
 
 def fake_token(prompt: list[int], step: int, sample: int) -> int:
@@ -109,8 +97,8 @@ class FakeHandle(EngineCalls):
         self.aborted.append(request_id)
         self.active.discard(request_id)
 
-    def stats(self) -> FakeStats:
-        return FakeStats(len(self.active), 0, len(self.active) * 2)
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.active), kv_blocks_used=len(self.active) * 2, kv_blocks_total=100)
 
     async def check_grammar(self, grammar: str) -> None:
         """The engine's check, on a real grammar cache of the byte tokenizer (which cannot do it)."""
