@@ -82,8 +82,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _serving_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine's options that only serving uses: many requests at once, prefixes shared between them,
-    LoRA adapters a request names, the prefix cache's events for a router, the per-request trace."""
+    """The engine's options that only serving uses: the name served, samples per request, many requests at
+    once, prefixes shared between them, LoRA adapters a request names, the prefix cache's events for a
+    router, the per-request trace."""
+    p.add_argument("--served-model-name", default=None,
+                   help="model name the API reports and accepts (default: the model folder's or file's name; "
+                        "the demo model's: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="sequences per engine step at most (default: 256 on the GPU, 64 on the CPU)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -211,13 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     _serving_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
-    serve.add_argument("--served-model-name", default=None,
-                       help="model name the API reports and accepts (default: the model folder's or file's name; "
-                            "the demo model's: SmolLM2-135M-Instruct)")
     serve.add_argument("--api-key", default=environment.API_KEY.read(),
                        help="require 'Authorization: Bearer <key>' on every route but /health, /version, /metrics "
                             "and /openapi.json (default: env OPENINFER_API_KEY, else none)")
-    serve.add_argument("--max-n", type=int, default=16, help="largest n (samples per request) accepted")
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="run the engine in a process of its own, so a busy HTTP side never takes the engine "
                             "thread's GIL (engine/process.py)")
@@ -259,7 +260,7 @@ def engine_config(args: argparse.Namespace):
     from engine.config import EngineConfig
     from engine.executor.options import DEFAULT_GRAPH_SIZES
     from engine.lora import parse_lora_modules
-    served = getattr(args, "served_model_name", None) or (DEMO_MODEL_NAME if args.model is None else None)
+    served = args.served_model_name or (DEMO_MODEL_NAME if args.model is None else None)
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, served_model_name=served,
                           quantization=args.quantization,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -269,7 +270,7 @@ def engine_config(args: argparse.Namespace):
                           num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                           enforce_eager=args.enforce_eager,
                           cuda_graph_sizes=tuple(args.cuda_graph_sizes or DEFAULT_GRAPH_SIZES),
-                          max_n=getattr(args, "max_n", 16), seed=args.seed, overlap_steps=args.overlap_steps,
+                          max_n=args.max_n, seed=args.seed, overlap_steps=args.overlap_steps,
                           schedule_ahead=args.schedule_ahead, host_kv_blocks=args.host_kv_blocks,
                           kv_offload_gib=args.kv_offload_gib,
                           async_scheduling=args.async_scheduling, step_trace=args.step_trace,
