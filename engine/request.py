@@ -5,6 +5,14 @@ import time
 from dataclasses import dataclass, field
 
 
+class ParamRangeError(ValueError):
+    """A sampling parameter outside its range: `name` says which, `rule` its range, `value` what it was."""
+
+    def __init__(self, name: str, rule: str, value: object):
+        super().__init__(f"{name} {rule}")
+        self.name, self.rule, self.value = name, rule, value
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling semantics. The host sampler (engine/sampling.py) defines them;
@@ -34,26 +42,28 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise ValueError naming the field and its allowed range."""
+        """Raise ParamRangeError (a ValueError) naming the field and its allowed range."""
+        logprobs, prompt_logprobs = self.logprobs, self.prompt_logprobs
         checks = [
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k must be -1 (off) or >= 1"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            ("temperature", self.temperature, self.temperature >= 0, "must be >= 0"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k, self.top_k == -1 or self.top_k >= 1, "must be -1 (off) or >= 1"),
+            ("min_p", self.min_p, 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("presence_penalty", self.presence_penalty, -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", self.frequency_penalty, -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             # bounded so a divided or multiplied float32 logit stays finite (1e-310 made it inf: NaN draws)
-            (1e-6 <= self.repetition_penalty <= 1e6, "repetition_penalty must be in [1e-6, 1e6]"),
-            (self.max_tokens >= 1, "max_tokens must be >= 1"),
-            (0 <= self.min_tokens <= self.max_tokens, "min_tokens must be in [0, max_tokens]"),
-            (self.n >= 1, "n must be >= 1"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-             "prompt_logprobs must be in [0, 20]"),
+            ("repetition_penalty", self.repetition_penalty, 1e-6 <= self.repetition_penalty <= 1e6,
+             "must be in [1e-6, 1e6]"),
+            ("max_tokens", self.max_tokens, self.max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", self.min_tokens, 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
+            ("n", self.n, self.n >= 1, "must be >= 1"),
+            ("logprobs", logprobs, logprobs is None or 0 <= logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", prompt_logprobs, prompt_logprobs is None or 0 <= prompt_logprobs <= 20,
+             "must be in [0, 20]"),
         ]
-        for ok, message in checks:
+        for name, value, ok, rule in checks:
             if not ok:
-                raise ValueError(message)
+                raise ParamRangeError(name, rule, value)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.detokenizer import stop_matcher
-from engine.request import SamplingParams
+from engine.request import ParamRangeError, SamplingParams
 from server.errors import APIError, invalid, wrong_type
 from server.fields import Fields, all_ints, check_token_ids, token_id_array
 from server.limits import ServerLimits
@@ -308,11 +308,8 @@ def _sampling_params(f: Fields, model: ModelInfo, max_tokens: int) -> SamplingPa
     )
     try:
         params.validate()              # the value ranges are the contract's: "<field> must be ..."
-    except ValueError as exc:
-        name, _, rule = str(exc).partition(" ")
-        if not hasattr(params, name):
-            raise invalid(str(exc)) from None
-        raise invalid(f"'{name}' {rule}, got {getattr(params, name)}", name) from None
+    except ParamRangeError as exc:
+        raise invalid(f"'{exc.name}' {exc.rule}, got {exc.value}", exc.name) from None
     stop_matcher(params.stop)          # built here, off the engine thread, for the engine's detokenizer
     return params
 
