@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from memory.device_arena import DeviceArena
+from memory.packed_weight import PackedWeight
 from memory.streams import DeviceStreams, pinned_array
 
 log = logging.getLogger(__name__)
@@ -75,9 +76,10 @@ def copies_of(parts: list[np.ndarray], dst: int, interleave: bool, max_bytes: in
 def weight_copies(w, dst: int, interleave: bool) -> list[Copy]:
     """The copies of one weight (an array or a PackedWeight) to dst; interleave: gate_up's halves in
     blocks of 8 rows, per expert for a stacked [experts, 2I, H] weight."""
+    packed = isinstance(w, PackedWeight)
     if not interleave:
-        return copies_of(list(getattr(w, "parts", [w])), dst, False)
-    if hasattr(w, "parts") and w.ndim == 2:
+        return copies_of(list(w.parts) if packed else [w], dst, False)
+    if packed and w.ndim == 2:
         return copies_of(list(w.parts), dst, True)
     experts = [w] if w.ndim == 2 else [w[e] for e in range(w.shape[0])]
     per = int(np.prod(experts[0].shape)) * 2

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.executor.gpu_gemm import interleave_gate_up
-from engine.models.weights import PackedWeight
+from memory.packed_weight import PackedWeight
 from memory.weight_upload import copies_of, stage, weight_copies
 
 

@@ -11,6 +11,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from memory.packed_weight import PackedWeight
+
 Shape = tuple[int, ...]
 LOAD_WORKERS = max(1, min(16, (os.cpu_count() or 1) - 1))
 
@@ -32,24 +34,6 @@ class WeightSpec:
             rows = sum(s[0] for _, s in self.parts[: len(self.parts) // self.experts])
             return (self.experts, rows, *first[1:])
         return (sum(s[0] for _, s in self.parts), *first[1:])
-
-
-class PackedWeight:
-    """An engine weight concatenated from checkpoint tensors along dim 0, kept as its parts (memory-mapped
-    views) until someone needs it whole: an executor copies each part straight into its place (the GPU
-    upload, with no host-side concatenation), np.asarray() concatenates."""
-
-    def __init__(self, parts: list[np.ndarray]):
-        self.parts = parts
-        self.dtype = np.result_type(*[a.dtype for a in parts])
-        self.shape = (sum(a.shape[0] for a in parts), *parts[0].shape[1:])
-        self.ndim = len(self.shape)
-        self.size = int(np.prod(self.shape, dtype=np.int64))
-        self.nbytes = self.size * self.dtype.itemsize
-
-    def __array__(self, dtype=None, copy=None):
-        whole = np.concatenate([np.asarray(a, dtype=self.dtype) for a in self.parts], axis=0)
-        return whole if dtype is None else whole.astype(dtype)
 
 
 def packed(name: str, *parts: tuple[str, Shape]) -> WeightSpec:

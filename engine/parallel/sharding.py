@@ -25,7 +25,8 @@ import numpy as np
 from engine.model_config import ModelConfig
 from engine.models.quant_linear import KEPT
 from engine.models.registry import build_model, model_types_where
-from engine.models.weights import PackedWeight, WeightSpec
+from engine.models.weights import WeightSpec
+from memory.packed_weight import PackedWeight
 
 SUPPORTED_TYPES = model_types_where(lambda line: line.tensor_parallel)       # the lines declaring it
 REPLICATE, ROWS, COLS, EXPERTS, RANK0 = "replicate", "rows", "cols", "experts", "rank0"
