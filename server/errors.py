@@ -59,11 +59,11 @@ def error_response(exc: Exception):
     if isinstance(exc, APIError):
         return response.json(exc.body(), status=exc.status, headers=exc.headers)
     if isinstance(exc, SanicException):
-        status = int(getattr(exc, "status_code", 500) or 500)
+        status = int(exc.status_code or 500)
         message = str(exc) or type(exc).__name__
         if status == 413:
             message = f"request body too large: {message}"
-        return response.json(error_body(status, message), status=status, headers=getattr(exc, "headers", None))
+        return response.json(error_body(status, message), status=status, headers=exc.headers)
     logging.getLogger("openinfer.server").error("request failed", exc_info=exc)
     return response.json(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"),
                          status=500)

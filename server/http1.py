@@ -23,7 +23,7 @@ class Http1(Http):
     async def http1_response_header(self, data: bytes, end_stream: bool) -> None:
         res = self.response
         if (end_stream or self.request is None or self.request.version != "1.0" or self.head_only
-                or "content-length" in res.headers or getattr(res, "body", None)):
+                or "content-length" in res.headers or res.body):
             return await super().http1_response_header(data, end_stream)
         self.keep_alive = False                 # the close is the body's end
         res.headers["connection"] = "close"

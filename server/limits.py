@@ -23,10 +23,12 @@ class ServerLimits:
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""
-        for name in ("max_prompts", "max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_logit_bias",
-                     "max_json_depth"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        counts = {"max_prompts": self.max_prompts, "max_stop_strings": self.max_stop_strings,
+                  "max_stop_chars": self.max_stop_chars, "max_stop_token_ids": self.max_stop_token_ids,
+                  "max_logit_bias": self.max_logit_bias, "max_json_depth": self.max_json_depth}
+        for name, value in counts.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
         if not self.drain_timeout >= 0:

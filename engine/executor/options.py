@@ -90,9 +90,9 @@ class GpuTuning:
         parse_decode_kernels(self.decode_kernels)
         cute_rows(self.gemm)
         parse_prefill_attention(self.prefill_attention)
-        for name in ("gemv_unroll", "gemv_unroll_narrow"):
-            if not 1 <= getattr(self, name) <= 16:
-                raise ValueError(f"{name} must be in 1..16, got {getattr(self, name)}")
+        for name, value in (("gemv_unroll", self.gemv_unroll), ("gemv_unroll_narrow", self.gemv_unroll_narrow)):
+            if not 1 <= value <= 16:
+                raise ValueError(f"{name} must be in 1..16, got {value}")
         if self.eager_graph_tokens < 0:
             raise ValueError(f"eager_graph_tokens must be >= 0, got {self.eager_graph_tokens}")
         if self.nvtx not in ("off", "layers", "ops"):
