@@ -40,6 +40,7 @@ class BlasThreads:
     """OpenBLAS's thread count: get() asks it, use(n) sets it where it differs from the last set."""
 
     def __init__(self, lib: ctypes.CDLL, set_name: str, get_name: str, path: str):
+        # a C library's symbols, looked up by name (which BLAS numpy loaded decides the names)
         self._set, self._get, self.path = getattr(lib, set_name), getattr(lib, get_name), path
         self._set.argtypes, self._get.restype = [ctypes.c_int], ctypes.c_int
         self._last: int | None = None
@@ -76,7 +77,7 @@ def openblas() -> BlasThreads | None:
         except OSError:
             continue
         for set_name, get_name in SYMBOLS:
-            if hasattr(lib, set_name) and hasattr(lib, get_name):
+            if hasattr(lib, set_name) and hasattr(lib, get_name):      # a C library: does it export them?
                 return BlasThreads(lib, set_name, get_name, path)
     return None
 

@@ -41,7 +41,7 @@ def model_class(model_type: str) -> type[DecoderLM]:
     except (KeyError, TypeError):
         raise ValueError(f"unsupported model_type {model_type!r}; "
                          f"supported: {', '.join(supported_model_types())}") from None
-    return getattr(importlib.import_module(f"engine.models.{module}"), name)
+    return getattr(importlib.import_module(f"engine.models.{module}"), name)     # imported only when served
 
 
 def model_types_where(has: Callable[[type[DecoderLM]], bool]) -> tuple[str, ...]:

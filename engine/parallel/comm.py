@@ -109,7 +109,7 @@ def nccl_library():
                   "ncclAllReduce": [p, p, z, i, i, p, p], "ncclAllGather": [p, p, z, i, p, p],
                   "ncclBroadcast": [p, p, z, i, i, p, p], "ncclCommDestroy": [p], "ncclCommAbort": [p]}
     for name, args in signatures.items():
-        fn = getattr(lib, name)
+        fn = getattr(lib, name)         # a C library's symbol, by name (ctypes)
         fn.argtypes, fn.restype = args, i
     lib.ncclGetErrorString.argtypes, lib.ncclGetErrorString.restype = [i], ctypes.c_char_p
     return lib

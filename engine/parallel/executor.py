@@ -95,7 +95,7 @@ class TensorParallelExecutor(ExecutorBase):
 
     def call(self, name: str, *args):
         """Any rank-executor method run on every rank together (benchmarks: measure_all_reduce)."""
-        return self._run(name, args, lambda: getattr(self.local, name)(*args))
+        return self._run(name, args, lambda: getattr(self.local, name)(*args))     # the caller names the method
 
     def last_gpu_ms(self) -> float | None:
         return self.local.last_gpu_ms()

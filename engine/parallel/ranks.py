@@ -38,7 +38,7 @@ def follower_loop(executor, receive, reply) -> None:
             if name == "follow":
                 pending.append(executor.follow(*args))
             else:
-                getattr(executor, name)(*args)
+                getattr(executor, name)(*args)          # rank 0's call, sent by method name
         except Exception as e:        # noqa: BLE001 -- handed to rank 0
             pending.clear()
             error = e
