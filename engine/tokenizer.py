@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
-from typing import Any, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
