@@ -7,7 +7,7 @@ server does not provide. Parsing tokenizes, so the server runs it off its event 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
