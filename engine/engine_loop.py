@@ -332,7 +332,7 @@ class EngineLoop:
             else:
                 outputs.process(out, result, defer=not isinstance(pending, DoneStep))
                 if self.speculator is not None:
-                    self.speculator.record(out.steps, result.sampled)
+                    self.speculator.record(out.steps, result.sampled, self.scheduler.running)
                 trace.mark("process")
                 trace.end(out, planned, self.executor)
         if not out.steps or not self.scheduler.has_work():

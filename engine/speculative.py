@@ -1,9 +1,10 @@
 """Speculative decoding settings: vLLM's `--speculative-config` JSON, parsed and checked once, at start.
 
-Keys, as vLLM names them: `method` ("ngram"; vLLM's "eagle3" and "mtp" / "deepseek_mtp" are recognised and
-refused until the engine serves them), `num_speculative_tokens` (k, the draft tokens proposed per step),
-`prompt_lookup_min` / `prompt_lookup_max` (ngram: the n-gram sizes looked up; both 5 when neither is given,
-one given sets the other), `model` (a draft checkpoint: eagle3), and `num_speculative_tokens_per_batch_size`
+Keys, as vLLM names them: `method` ("ngram", or "eagle3": an EAGLE-3 head, engine/eagle3.py; vLLM's "mtp" /
+"deepseek_mtp" is recognised and refused until the engine serves it), `num_speculative_tokens` (k, the draft
+tokens proposed per step), `prompt_lookup_min` / `prompt_lookup_max` (ngram: the n-gram sizes looked up; both 5
+when neither is given, one given sets the other), `model` (eagle3: the head's folder), and
+`num_speculative_tokens_per_batch_size`
 (vLLM's per-batch-size schedule: [[lo, hi, k], ...], inclusive ranges from 1 up, a gap taking the entry
 before it and sizes past the last its k, each k at most num_speculative_tokens; k = 0 turns drafting off at
 those sizes, where verification costs more throughput than it gains), and `disable_by_batch_size` (vLLM's
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 
 from engine.json_flag import json_object
 
-SERVED_METHODS = ("ngram",)
-PLANNED_METHODS = ("eagle3", "mtp")          # vLLM's methods the engine recognises but does not serve yet
+SERVED_METHODS = ("ngram", "eagle3")
+PLANNED_METHODS = ("mtp",)                   # vLLM's methods the engine recognises but does not serve yet
 MTP_ALIASES = ("deepseek_mtp", "qwen3_5_mtp", "qwen3_next_mtp")     # vLLM's older names of "mtp"
 MAX_SPECULATIVE_TOKENS = 32
 NGRAM_DEFAULT_SIZE = 5                        # vLLM's prompt_lookup_min / _max when neither is given
@@ -85,8 +86,10 @@ class SpeculativeConfig:
         if not (_is_int(lo) and _is_int(hi) and 1 <= lo <= hi):
             raise ValueError(f"prompt_lookup_min ({lo!r}) and prompt_lookup_max ({hi!r}) must be integers with "
                              f"1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.model is not None and self.model != "ngram":
+        if self.method == "ngram" and self.model is not None and self.model != "ngram":
             raise ValueError(f"model {self.model!r}: method 'ngram' takes no draft model")
+        if self.method == "eagle3" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("method 'eagle3' needs \"model\": the folder of an EAGLE-3 draft head")
         self._validate_schedule()
         off = self.disable_by_batch_size
         if off is not None and not (_is_int(off) and off >= 2):
@@ -138,6 +141,9 @@ def check_speculation(config: SpeculativeConfig, executor) -> None:
     if not executor.supports_draft_verify:
         raise ValueError(f"--speculative-config: {type(executor).__name__} does not verify draft tokens yet "
                          f"(the numpy executor and the one-GPU executor do)")
+    if config.method == "eagle3" and not executor.supports_eagle3:
+        raise ValueError(f"--speculative-config: {type(executor).__name__} does not run EAGLE-3 heads yet (the numpy "
+                         f"executor does)")
     if executor.num_state_slots:
         raise ValueError("--speculative-config: this model keeps per-sequence linear-attention state (Qwen3.5's "
                          "Gated DeltaNet layers), which the rejected draft tokens of a verify step would advance; it "

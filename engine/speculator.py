@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.batch import SampledToken, SeqStep
+from engine.eagle3 import load_eagle3_head
 from engine.ngram import DraftProposer, NgramProposer
 from engine.sequence import SeqStatus, Sequence
 from engine.speculative import SpeculativeConfig, check_speculation
@@ -29,13 +30,19 @@ class SpecDecodeCounters:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: DraftProposer | None = None):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: DraftProposer | None = None,
+                 draft_states=None):
+        """draft_states: what keeps per-sequence draft state (an EAGLE-3 draft: keep(seq_ids) drops the
+        others'); None: the proposer keeps none."""
         self.config, self.max_model_len = config, max_model_len
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.draft_states = draft_states
         self.counters = SpecDecodeCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
 
     def propose(self, running: list[Sequence]) -> None:
         """Set each running sequence's draft_ids for the next step ([] where it gets none)."""
+        if self.draft_states is not None:
+            self.draft_states.keep({seq.seq_id for seq in running})
         k = self.config.tokens_for_batch(len(running))
         seqs, limits = [], []
         for seq in running:
@@ -57,8 +64,11 @@ class Speculator:
         position within max_model_len."""
         return min(seq.params.max_tokens - seq.num_generated - 1, self.max_model_len - len(seq.token_ids))
 
-    def record(self, steps: list[SeqStep], sampled: list[SampledToken]) -> None:
-        """Count a finished step's verified drafts (sampled: one per step with sample set, in order)."""
+    def record(self, steps: list[SeqStep], sampled: list[SampledToken], running: list[Sequence] = ()) -> None:
+        """Count a finished step's verified drafts (sampled: one per step with sample set, in order); drop the
+        draft state of sequences no longer `running` (finished, aborted, preempted) at once."""
+        if self.draft_states is not None:
+            self.draft_states.keep({seq.seq_id for seq in running})
         c = self.counters
         tokens = iter(sampled)
         for step in steps:
@@ -85,4 +95,7 @@ def speculator_for(config: SpeculativeConfig | None, executor, max_model_len: in
     if config is None:
         return None
     check_speculation(config, executor)
+    if config.method == "eagle3":
+        draft = executor.attach_eagle3(load_eagle3_head(config.model, executor.config))
+        return Speculator(config, max_model_len, draft, draft_states=draft)
     return Speculator(config, max_model_len)

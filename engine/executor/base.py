@@ -46,6 +46,7 @@ class Executor(Protocol):
     num_state_slots: int        # per-sequence state slots (linear-attention lines; 0: none)
     step_cost: StepCost | None  # what attention adds to a step, in tokens (None: the token budget alone bounds it)
     supports_draft_verify: bool  # steps with draft tokens (SeqStep.num_drafts) are verified: speculative decoding
+    supports_eagle3: bool       # attach_eagle3 works: an EAGLE-3 head drafts from the target's hidden states
     world_size: int             # ranks a step runs on (tensor parallelism; 1: this executor alone)
     gemm: object | None         # the GPU executor's linear-layer library (gpu_gemm.py Gemm; None: numpy matmul)
     threads: object | None      # the numpy executor's BLAS threads (cpu_threads.py CpuThreads; None: not numpy)
@@ -69,6 +70,12 @@ class Executor(Protocol):
 
     def forward_logits(self, batch: ModelBatch) -> np.ndarray:
         """float32 logits [T, vocab] for every token of the batch (tests, prompt logprobs)."""
+        ...
+
+    def attach_eagle3(self, head) -> object:
+        """Keep, on every step from now on, the hidden states the EAGLE-3 head (engine/eagle3.py) reads; returns
+        the DraftProposer (engine/ngram.py) running the head over them, with keep(seq_ids) dropping the states
+        of the sequences not among seq_ids."""
         ...
 
     supports_async_copies: bool  # copy_blocks returns a ticket for copies that land on their own time
@@ -126,6 +133,7 @@ class ExecutorBase:
     num_state_slots = 0
     step_cost = None              # a StepCost (engine/step_budget.py): work bounds a step besides its tokens
     supports_draft_verify = False  # a step with draft tokens is refused: no speculative decoding
+    supports_eagle3 = False       # no EAGLE-3 head drafts (attach_eagle3)
     world_size = 1
     gemm = None                   # (the GPU executor's Gemm)
     threads = None                # (the numpy executor's CpuThreads)

@@ -9,6 +9,8 @@ import ml_dtypes
 import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
+from engine.eagle3 import Eagle3Head
+from engine.eagle3_draft import NumpyEagle3Draft
 from engine.executor.base import ExecutorBase
 from engine.executor.cpu_cost import cpu_step_cost
 from engine.executor.cpu_lora_ops import NumpyLoRAOps
@@ -35,6 +37,7 @@ class CpuExecutor(ExecutorBase):
     supports_host_tier = True
     supports_block_copies = True
     supports_draft_verify = True    # engine/sampling.py verifies a step's draft rows
+    supports_eagle3 = True          # an EAGLE-3 head drafts on the host (engine/eagle3_draft.py)
 
     def __init__(self, model: LoadedModel, options: ExecutorOptions):
         options.validate()
@@ -65,6 +68,13 @@ class CpuExecutor(ExecutorBase):
         self.num_state_slots = options.max_num_seqs if state is not None else 0
         lora = NumpyLoRAOps(lora_sites(self.model), options.max_loras) if options.max_loras else None
         self.ops = self._ops(state, lora)
+        self.draft: NumpyEagle3Draft | None = None
+
+    def attach_eagle3(self, head: Eagle3Head) -> NumpyEagle3Draft:
+        """Keep the hidden states `head` reads on every step from now on; the draft proposer over them."""
+        self.draft = NumpyEagle3Draft(head, self.weights["embed_tokens"], self.max_model_len)
+        self.ops.keep_layers = frozenset(head.aux_layers)
+        return self.draft
 
     def _ops(self, state, lora: NumpyLoRAOps | None) -> NumpyOps:
         """The model's ops over the KV pool: its op families, its state slots, the LoRA slots (a
@@ -127,7 +137,10 @@ class CpuExecutor(ExecutorBase):
         return CpuStepContext(batch, self.cos[batch.positions], self.sin[batch.positions])
 
     def _hidden(self, batch: ModelBatch) -> np.ndarray:
-        return self.model.forward(self.ops, self.weights, self._context(batch))
+        hidden = self.model.forward(self.ops, self.weights, self._context(batch))
+        if self.draft is not None:
+            self.draft.take(batch, self.ops.kept)
+        return hidden
 
     def forward_logits(self, batch: ModelBatch) -> np.ndarray:
         """float32 logits [T, V] for every token (also writes the step's KV)."""

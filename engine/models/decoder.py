@@ -127,6 +127,7 @@ def decoder_stack(ops: Ops, w: dict[str, Array], ctx: Any, cfg: ModelConfig,
     for n, spec in enumerate(specs):
         next_norm = w[f"layers.{specs[n + 1].layer}.input_layernorm"] if n + 1 < len(specs) else w["norm"]
         with ops.layer_scope(spec.layer):
+            ops.keep_hidden(spec.layer, residual)
             residual, normed = attention(ops, w, residual, normed, spec, ctx, opt, eps)
             residual, normed = mlp(ops, w, residual, normed, spec.layer, eps, next_norm)
     if normed is None:

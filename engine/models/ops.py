@@ -297,6 +297,10 @@ class Ops(Protocol):
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         """Brackets one decoder layer's ops (an NVTX range on the GPU)."""
 
+    def keep_hidden(self, layer: int, x: Array) -> None:
+        """x [T, H], the residual stream entering decoder layer `layer`: kept for a draft head that reads it
+        (EAGLE-3) where the executor asked for that layer; nothing otherwise."""
+
 
 class ComposedOps:
     """The fused ops of Ops written as their parts; an executor's ops class derives from this, implements
@@ -361,3 +365,6 @@ class ComposedOps:
 
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def keep_hidden(self, layer, x):
+        return None

@@ -1,0 +1,199 @@
+"""EAGLE-3 draft heads (--speculative-config method "eagle3") on the numpy executor: tiny random heads in the
+public layout (harness/eagle3_heads.py) load for Qwen3 and Llama targets and are refused, with the reason, where
+they do not fit; the drafts the engine proposes, step after step (catch-up over verified tokens, scratch KV of
+rejected drafts overwritten), equal a torch reference of the head written from the definition
+(tests/eagle3_reference.py); and with the head drafting, every request generates exactly what it generates
+without speculation — concurrent requests, chunked prefill, preemption, prefix hits, aborts."""
+from __future__ import annotations
+
+import functools
+import re
+import os
+
+import pytest
+from eagle3_reference import Eagle3Reference
+from fake_executor import run_until_idle, submit
+from test_handle_models import engine_for
+from test_spec_engine import assert_same, repetitive_requests
+
+from engine.eagle3 import load_eagle3_head
+from engine.events import Finished, Token
+from engine.model_config import ModelConfig
+from engine.model_files import ModelLoadError
+from engine.request import GenerateRequest, SamplingParams
+from engine.speculative import SpeculativeConfig
+from harness.eagle3_heads import write_random_eagle3
+from harness.models import _tmp_root, build_tiny_model, tiny_model_path
+
+# name -> (target, head writer options): GQA heads, a draft vocabulary with d2t, the head's own embedding,
+# "model."-prefixed names, norm_before_residual, a 6-layer target with the default aux layers (2, 3, 3)
+HEADS = {
+    "qwen3": ("qwen3_tied", dict(aux_layers=[0, 1, 1], draft_vocab=32000)),
+    "qwen3_draft_vocab": ("qwen3_untied", dict(aux_layers=[1, 0, 1], draft_vocab=3000, ship_embed=True,
+                                               hidden=48, prefix="model.")),
+    "llama": ("llama", dict(aux_layers=[1, 1, 0], norm_before_residual=True, heads=2, kv_heads=1, head_dim=32)),
+    "llama_default_layers": ("llama6", dict(draft_vocab=5000)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def target_path(name: str) -> str:
+    if name == "llama6":
+        return build_tiny_model("llama", os.path.join(_tmp_root(), "llama6"), seed=2, num_hidden_layers=6)
+    return tiny_model_path(name)
+
+
+@functools.lru_cache(maxsize=None)
+def head_path(name: str) -> str:
+    target, options = HEADS[name]
+    return write_random_eagle3(target_path(target), os.path.join(_tmp_root(), f"eagle3_{name}"), seed=7, **options)
+
+
+def eagle3(name: str, k: int = 3) -> SpeculativeConfig:
+    return SpeculativeConfig("eagle3", k, model=head_path(name))
+
+
+def eagle3_engine(name: str, **config):
+    from engine.executor.cpu import CpuExecutor
+    from engine.executor.options import options_of
+    from engine.loader import load_model
+    from fake_executor import make_engine
+    model = load_model(target_path(HEADS[name][0]))
+    ex = CpuExecutor(model, options_of(num_kv_blocks=config.pop("num_kv_blocks", 64), max_model_len=512))
+    return make_engine(ex, model.tokenizer, max_model_len=512, speculative_config=eagle3(name), **config)
+
+
+class Recording:
+    """Wraps a proposer: every proposal with the sequence's tokens and computed count then."""
+
+    def __init__(self, proposer):
+        self.proposer, self.calls = proposer, []
+
+    def propose(self, seqs, limits):
+        drafts = self.proposer.propose(seqs, limits)
+        self.calls += [(list(s.token_ids), s.num_computed, d) for s, d in zip(seqs, drafts)]
+        return drafts
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_drafts_equal_the_torch_reference(name):
+    """Greedy requests run together in chunks; each proposal the head made equals the reference's drafts after
+    the same tokens (a near tie, margin < 1e-3, may go either way)."""
+    engine = eagle3_engine(name, max_num_batched_tokens=16)
+    engine.speculator.proposer = recording = Recording(engine.speculator.proposer)
+    reqs = [GenerateRequest(f"r{i}", list(range(100 + 40 * i, 100 + 40 * i + 9 + 5 * i)),
+                            SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)) for i in range(3)]
+    for r in reqs:
+        submit(engine, r)
+    run_until_idle(engine)
+    reference = Eagle3Reference(head_path(name), target_path(HEADS[name][0]))
+    assert len(recording.calls) >= 10
+    for tokens, computed, drafts in recording.calls[::2]:
+        want, margins = reference.drafts(tokens, computed, len(drafts))
+        for j, (got, ref) in enumerate(zip(drafts, want)):
+            assert got == ref or margins[j] < 1e-3, (tokens, computed, drafts, want)
+            if got != ref:
+                break
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama_default_layers"])
+def test_eagle3_generates_what_plain_decoding_generates(name):
+    reqs = repetitive_requests("qwen3_tied", 6, seed=4)
+    off, _ = _outputs_of(name, reqs, speculation=False)
+    on, engine = _outputs_of(name, reqs, speculation=True)
+    assert_same(off, on)
+    c = engine.speculator.counters
+    assert c.num_drafts > 20 and c.num_draft_tokens > c.num_accepted_tokens
+
+
+def _outputs_of(name, reqs, speculation: bool, waves: int = 1, **config):
+    """outputs() of the head's target, with the head drafting or without speculation."""
+    engine = eagle3_engine(name, max_num_batched_tokens=24, **config)
+    if not speculation:
+        engine.speculator = None
+    streams = []
+    for wave in range(waves):
+        streams += [submit(engine, GenerateRequest(f"{r.request_id}-{wave}", r.prompt_token_ids, r.params))
+                    for r in reqs]
+        run_until_idle(engine)
+    engine.block_manager.check_invariants(idle=True)
+    got = [([(e.token_id, e.logprob) for e in ev if isinstance(e, Token)],
+            [e.reason for e in ev if isinstance(e, Finished)]) for ev in streams]
+    return got, engine
+
+
+def test_preemption_prefix_hits_and_aborts():
+    name = "qwen3"
+    reqs = repetitive_requests("qwen3_tied", 6, seed=5, max_tokens=40)
+    off, _ = _outputs_of(name, reqs, False, waves=2, num_kv_blocks=14, max_num_seqs=6)
+    on, engine = _outputs_of(name, reqs, True, waves=2, num_kv_blocks=14, max_num_seqs=6)
+    assert engine.scheduler.num_preemptions > 0 and engine.stats().prefix_cache_hits > 0
+    assert_same(off, on)
+    # an abort mid-decode: the other requests unchanged, the aborted one's draft state dropped
+    engine = eagle3_engine(name)
+    streams = [submit(engine, GenerateRequest(f"a{r.request_id}", r.prompt_token_ids, r.params)) for r in reqs[:3]]
+    for _ in range(4):
+        engine.step()
+    engine.abort("ar1")
+    run_until_idle(engine)
+    assert [e.reason for e in streams[1] if isinstance(e, Finished)] == ["abort"]
+    for i in (0, 2):
+        assert [e.token_id for e in streams[i] if isinstance(e, Token)] == [t for t, _ in off[i][0]]
+    assert not engine.speculator.draft_states.states
+
+
+def _refusal(target: str, **options) -> str:
+    folder = write_random_eagle3(target_path(target), os.path.join(_tmp_root(), "eagle3_bad"), **options)
+    with pytest.raises(ValueError) as e:
+        load_eagle3_head(folder, ModelConfig.from_file(target_path(target)))
+    return str(e.value)
+
+
+def test_heads_that_do_not_fit_are_refused():
+    assert "aux hidden state layers [0, 1, 2]" in _refusal("qwen3_tied", aux_layers=[0, 1, 2])
+    assert "aux hidden state layers [2, 1, -1]" in _refusal("qwen3_tied")        # vLLM's default needs 3+ layers
+    with pytest.raises(ModelLoadError, match="does not fit the head's hidden size 48"):
+        load_eagle3_head(write_random_eagle3(target_path("qwen3_tied"), os.path.join(_tmp_root(), "e3h"), hidden=48,
+                                             aux_layers=[0, 0, 1]), ModelConfig.from_file(target_path("qwen3_tied")))
+    wrong = write_random_eagle3(target_path("qwen3_tied"), os.path.join(_tmp_root(), "e3w"), aux_layers=[0, 0, 1])
+    with pytest.raises(ModelLoadError, match="head is for a target of vocab"):
+        load_eagle3_head(wrong, _other_vocab_target())
+    from engine.loader.safetensors_io import SafetensorsCheckpoint, save_safetensors
+    ckpt = SafetensorsCheckpoint(wrong)
+    tensors = {n: ckpt.get(n) for n in ckpt.keys()}
+    target = ModelConfig.from_file(target_path("qwen3_tied"))
+    for change, message in ((lambda t: t.pop("fc.weight"), "missing fc.weight"),
+                            (lambda t: t.update({"midlayer.self_attn.q_norm.weight": t["norm.weight"]}),
+                             "q_norm.weight' is not part"),
+                            (lambda t: t.update({"fc.weight": t["fc.weight"][:, :128]}), re.escape("shape [64, 128], the layout"))):
+        bad = dict(tensors)
+        change(bad)
+        save_safetensors(os.path.join(wrong, "model.safetensors"), bad)
+        with pytest.raises(ModelLoadError, match=message):
+            load_eagle3_head(wrong, target)
+    with pytest.raises(ValueError, match="serves qwen3 and llama targets; this model is 'qwen3_moe'"):
+        load_eagle3_head(wrong, ModelConfig.from_file(tiny_model_path("qwen3_moe")))
+    with pytest.raises(ModelLoadError, match="is not a folder"):
+        load_eagle3_head(os.path.join(wrong, "nope"), target)
+
+
+def _other_vocab_target() -> ModelConfig:
+    cfg = ModelConfig.from_file(target_path("qwen3_tied"))
+    cfg.vocab_size += 1
+    return cfg
+
+
+def test_speculative_config_and_executor_checks():
+    with pytest.raises(ValueError, match="'eagle3' needs \"model\""):
+        SpeculativeConfig.from_json('{"method": "eagle3", "num_speculative_tokens": 3}')
+    config = SpeculativeConfig.from_json('{"method": "eagle3", "num_speculative_tokens": 3, "model": "/x"}')
+    assert config.model == "/x"
+    with pytest.raises(ValueError, match="is not a folder"):
+        engine_for("qwen3_tied", speculative_config=config)
+    from engine.executor.base import ExecutorBase
+    from engine.speculative import check_speculation
+
+    class VerifiesOnly(ExecutorBase):
+        supports_draft_verify = True
+    with pytest.raises(ValueError, match="VerifiesOnly does not run EAGLE-3 heads"):
+        check_speculation(config, VerifiesOnly())
