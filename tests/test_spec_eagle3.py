@@ -15,6 +15,7 @@ from eagle3_reference import Eagle3Reference
 from fake_executor import run_until_idle, submit
 from test_handle_models import engine_for
 from test_spec_engine import assert_same, repetitive_requests
+from test_spec_scheduler import ScriptedProposer
 
 from engine.eagle3 import load_eagle3_head
 from engine.events import Finished, Token
@@ -64,53 +65,31 @@ def eagle3_engine(name: str, **config):
 
 
 class Recording:
-    """Wraps a proposer: every proposal with the sequence's tokens and computed count then."""
+    """Wraps the head's proposer: records every proposal with the sequence's tokens and computed count then;
+    steer: a proposer whose drafts go to verification instead (so some are accepted: a random head's never are),
+    the head still run each step."""
 
-    def __init__(self, proposer):
-        self.proposer, self.calls = proposer, []
+    def __init__(self, proposer, steer=None):
+        self.proposer, self.steer, self.calls = proposer, steer, []
 
     def propose(self, seqs, limits):
         drafts = self.proposer.propose(seqs, limits)
         self.calls += [(list(s.token_ids), s.num_computed, d) for s, d in zip(seqs, drafts)]
-        return drafts
+        return drafts if self.steer is None else self.steer.propose(seqs, limits)
 
 
-@pytest.mark.parametrize("name", list(HEADS))
-def test_drafts_equal_the_torch_reference(name):
-    """Greedy requests run together in chunks; each proposal the head made equals the reference's drafts after
-    the same tokens (a near tie, margin < 1e-3, may go either way)."""
-    engine = eagle3_engine(name, max_num_batched_tokens=16)
-    engine.speculator.proposer = recording = Recording(engine.speculator.proposer)
-    reqs = [GenerateRequest(f"r{i}", list(range(100 + 40 * i, 100 + 40 * i + 9 + 5 * i)),
-                            SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)) for i in range(3)]
-    for r in reqs:
-        submit(engine, r)
-    run_until_idle(engine)
-    reference = Eagle3Reference(head_path(name), target_path(HEADS[name][0]))
-    assert len(recording.calls) >= 10
-    for tokens, computed, drafts in recording.calls[::2]:
-        want, margins = reference.drafts(tokens, computed, len(drafts))
-        for j, (got, ref) in enumerate(zip(drafts, want)):
-            assert got == ref or margins[j] < 1e-3, (tokens, computed, drafts, want)
-            if got != ref:
-                break
-
-
-@pytest.mark.parametrize("name", ["qwen3", "llama_default_layers"])
-def test_eagle3_generates_what_plain_decoding_generates(name):
-    reqs = repetitive_requests("qwen3_tied", 6, seed=4)
-    off, _ = _outputs_of(name, reqs, speculation=False)
-    on, engine = _outputs_of(name, reqs, speculation=True)
-    assert_same(off, on)
-    c = engine.speculator.counters
-    assert c.num_drafts > 20 and c.num_draft_tokens > c.num_accepted_tokens
-
-
-def _outputs_of(name, reqs, speculation: bool, waves: int = 1, **config):
-    """outputs() of the head's target, with the head drafting or without speculation."""
-    engine = eagle3_engine(name, max_num_batched_tokens=24, **config)
+def run_eagle3(name, reqs, speculation: bool = True, waves: int = 1, steer_from=None, **config):
+    """Per request [(token id, logprob)] and finish reasons; the engine. waves: the prompts sent again after the
+    first wave (prefix hits); steer_from: a spec-off run's outputs, drafted from (30% of the tokens wrong) while
+    the head runs alongside (Recording)."""
+    engine = eagle3_engine(name, **config)
     if not speculation:
         engine.speculator = None
+    elif steer_from is not None:
+        reference = {(f"{r.request_id}-{w}", 0): list(r.prompt_token_ids) + [t for t, _ in toks]
+                     for w in range(waves) for r, (toks, _) in zip(reqs, steer_from)}
+        vocab = engine.executor.vocab_size
+        engine.speculator.proposer = Recording(engine.speculator.proposer, ScriptedProposer(reference, 0.3, vocab))
     streams = []
     for wave in range(waves):
         streams += [submit(engine, GenerateRequest(f"{r.request_id}-{wave}", r.prompt_token_ids, r.params))
@@ -122,12 +101,52 @@ def _outputs_of(name, reqs, speculation: bool, waves: int = 1, **config):
     return got, engine
 
 
+@pytest.mark.parametrize("name", list(HEADS))
+def test_drafts_equal_the_torch_reference(name):
+    """Greedy requests run together in chunks, the verified drafts steered so some are accepted (the head catches
+    up over several verified positions, past rejected rows); each proposal the head made equals the reference's
+    drafts after the same tokens (a near tie, margin < 1e-3, may go either way)."""
+    reqs = [GenerateRequest(f"r{i}", list(range(100 + 40 * i, 100 + 40 * i + 9 + 5 * i)),
+                            SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)) for i in range(3)]
+    off, _ = run_eagle3(name, reqs, speculation=False, max_num_batched_tokens=16)
+    on, engine = run_eagle3(name, reqs, steer_from=off, max_num_batched_tokens=16)
+    assert_same(off, on)
+    assert engine.speculator.counters.num_accepted_tokens >= 5
+    reference = Eagle3Reference(head_path(name), target_path(HEADS[name][0]))
+    calls = engine.speculator.proposer.calls
+    assert len(calls) >= 10
+    for tokens, computed, drafts in calls[::2]:
+        want, margins = reference.drafts(tokens, computed, len(drafts))
+        for j, (got, ref) in enumerate(zip(drafts, want)):
+            assert got == ref or margins[j] < 1e-3, (tokens, computed, drafts, want)
+            if got != ref:
+                break
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen3", "llama_default_layers"])
+def test_eagle3_generates_what_plain_decoding_generates(name):
+    """Greedy and seeded sampled requests together, in chunks: the head's own drafts, and steered ones."""
+    reqs = repetitive_requests("qwen3_tied", 6, seed=4)
+    off, _ = run_eagle3(name, reqs, speculation=False, max_num_batched_tokens=24)
+    on, engine = run_eagle3(name, reqs, max_num_batched_tokens=24)
+    assert_same(off, on)
+    assert engine.speculator.counters.num_draft_tokens > 100
+    steered, engine = run_eagle3(name, reqs, steer_from=off, max_num_batched_tokens=24)
+    assert_same(off, steered)
+    c = engine.speculator.counters
+    assert c.num_draft_tokens > c.num_accepted_tokens > 20
+
+
+@pytest.mark.slow
 def test_preemption_prefix_hits_and_aborts():
     name = "qwen3"
-    reqs = repetitive_requests("qwen3_tied", 6, seed=5, max_tokens=40)
-    off, _ = _outputs_of(name, reqs, False, waves=2, num_kv_blocks=14, max_num_seqs=6)
-    on, engine = _outputs_of(name, reqs, True, waves=2, num_kv_blocks=14, max_num_seqs=6)
+    reqs = repetitive_requests("qwen3_tied", 5, seed=5, max_tokens=32)
+    config = dict(waves=2, num_kv_blocks=14, max_num_seqs=6, max_num_batched_tokens=24)
+    off, _ = run_eagle3(name, reqs, speculation=False, **config)
+    on, engine = run_eagle3(name, reqs, steer_from=off[:len(reqs)], **config)
     assert engine.scheduler.num_preemptions > 0 and engine.stats().prefix_cache_hits > 0
+    assert engine.speculator.counters.num_accepted_tokens > 20
     assert_same(off, on)
     # an abort mid-decode: the other requests unchanged, the aborted one's draft state dropped
     engine = eagle3_engine(name)
