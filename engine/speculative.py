@@ -12,6 +12,7 @@ older switch: no drafts while that many sequences or more run; at least 2).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from engine.json_flag import json_object
@@ -88,8 +89,9 @@ class SpeculativeConfig:
                              f"1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.method == "ngram" and self.model is not None and self.model != "ngram":
             raise ValueError(f"model {self.model!r}: method 'ngram' takes no draft model")
-        if self.method == "eagle3" and not (isinstance(self.model, str) and self.model):
-            raise ValueError("method 'eagle3' needs \"model\": the folder of an EAGLE-3 draft head")
+        if self.method == "eagle3" and not (isinstance(self.model, str) and os.path.isdir(self.model)):
+            raise ValueError(f"method 'eagle3' needs \"model\": the folder of an EAGLE-3 draft head (config.json and "
+                             f"safetensors), got {self.model!r}")
         self._validate_schedule()
         off = self.disable_by_batch_size
         if off is not None and not (_is_int(off) and off >= 2):

@@ -27,7 +27,8 @@ def test_ngram_defaults_and_vllm_spellings():
 @pytest.mark.parametrize("raw,needle", [
     ({"method": "medusa", "num_speculative_tokens": 2}, "'medusa' is not a speculative decoding method"),
     ({"num_speculative_tokens": 2}, "method is required"),
-    ({"method": "eagle3", "model": "/m", "num_speculative_tokens": 2}, "'eagle3' is not served by this engine yet"),
+    ({"method": "eagle3", "model": "/m", "num_speculative_tokens": 2}, "the folder of an EAGLE-3 draft head"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "got None"),
     ({"method": "deepseek_mtp", "num_speculative_tokens": 1}, "'mtp' is not served by this engine yet"),
     ({"method": "mtp", "num_speculative_tokens": 1}, "supported: ngram"),
     ({"method": "ngram"}, "num_speculative_tokens must be an integer in [1, 32], got None"),
@@ -143,7 +144,8 @@ def test_cli_flag_parses_and_refuses_with_a_clear_message(capsys):
     assert engine_config(gen).speculative_config.method == "ngram"
     with pytest.raises(SystemExit):
         main(["serve", "--speculative-config", '{"method": "eagle3", "model": "x", "num_speculative_tokens": 2}'])
-    assert "--speculative-config: method 'eagle3' is not served by this engine yet" in capsys.readouterr().err
+    assert "--speculative-config: method 'eagle3' needs \"model\": the folder of an EAGLE-3 draft head" in \
+        capsys.readouterr().err
 
 
 def test_generate_with_speculation_prints_what_it_prints_without():

@@ -205,10 +205,11 @@ def _other_vocab_target() -> ModelConfig:
 def test_speculative_config_and_executor_checks():
     with pytest.raises(ValueError, match="'eagle3' needs \"model\""):
         SpeculativeConfig.from_json('{"method": "eagle3", "num_speculative_tokens": 3}')
-    config = SpeculativeConfig.from_json('{"method": "eagle3", "num_speculative_tokens": 3, "model": "/x"}')
-    assert config.model == "/x"
-    with pytest.raises(ValueError, match="is not a folder"):
-        engine_for("qwen3_tied", speculative_config=config)
+    config = SpeculativeConfig.from_json(f'{{"method": "eagle3", "num_speculative_tokens": 3, '
+                                         f'"model": "{head_path("qwen3")}"}}')
+    assert config.model == head_path("qwen3")
+    with pytest.raises(ValueError, match="serves qwen3 and llama targets; this model is 'qwen3_moe'"):
+        engine_for("qwen3_moe", speculative_config=config)
     from engine.executor.base import ExecutorBase
     from engine.speculative import check_speculation
 
