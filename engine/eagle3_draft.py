@@ -1,7 +1,7 @@
 """An EAGLE-3 head drafting on the host (numpy, float32): the numpy executor's `eagle3` proposer.
 
-Per sequence (DraftState) the draft keeps the target's kept hidden states by position (`aux`, fed after every
-step the sequence ran in: `take`) and the head layer's own KV by position (`kv`). Before a decode step,
+Per sequence (DraftState) the draft keeps the target's kept hidden states by position until the head has read
+them (`aux`, fed after every step the sequence ran in: `take`) and the head layer's own KV by position (`kv`). Before a decode step,
 `propose` first catches the head up over the positions the target computed since (`end` to num_computed: hidden
 states of the target at p, token at p + 1 — both final, so these KV rows are the head's committed ones), then
 runs k autoregressive head steps from num_computed - 1 on: the first token from the catch-up's last row, each
@@ -29,17 +29,31 @@ from engine.sequence import Sequence
 @dataclass
 class DraftState:
     first: int                   # the first position with the target's hidden states
-    aux: np.ndarray              # float32 [capacity, 3 Ht]: the target's kept hidden states at first + i
-    kv: np.ndarray               # float32 [capacity, 2, Hkv, D]: the head's K and V at first + i
     end: int                     # the head's committed KV covers [first, end)
+    aux: np.ndarray              # float32 [n, 3 Ht]: the target's kept hidden states at end + i (not yet read)
+    kv: np.ndarray               # float32 [capacity, 2, Hkv, D]: the head's K and V at first + i
     last: np.ndarray | None = None   # the head's pre-norm output at end - 1 (the next draft's hidden input)
 
+    def keep_rows(self, pos: np.ndarray, rows: np.ndarray) -> None:
+        """The target's hidden states `rows` at positions `pos` (those below `end` are read already)."""
+        ok = pos >= self.end
+        at = pos[ok] - self.end
+        if at.size and at.max() >= len(self.aux):
+            self.aux = np.concatenate([self.aux, np.zeros((at.max() + 1 - len(self.aux), self.aux.shape[1]),
+                                                          np.float32)])
+        self.aux[at] = rows[ok]
+
+    def take_rows(self, upto: int) -> np.ndarray:
+        """The hidden states at [end, upto), given up (end moves to upto)."""
+        rows, self.aux = self.aux[:upto - self.end], self.aux[upto - self.end:].copy()
+        self.end = upto
+        return rows
+
     def grow(self, upto: int) -> None:
-        """Room for positions below `upto`."""
+        """KV room for positions below `upto`."""
         need = upto - self.first
-        if need > len(self.aux):
-            cap = max(need, 2 * len(self.aux))
-            self.aux = np.concatenate([self.aux, np.zeros((cap - len(self.aux),) + self.aux.shape[1:], np.float32)])
+        if need > len(self.kv):
+            cap = max(need, 2 * len(self.kv))
             self.kv = np.concatenate([self.kv, np.zeros((cap - len(self.kv),) + self.kv.shape[1:], np.float32)])
 
 
@@ -66,9 +80,7 @@ class NumpyEagle3Draft:
                 state = self.states[s.seq_id] = DraftState(
                     first=int(pos[0]), end=int(pos[0]), aux=np.zeros((0, aux.shape[1]), np.float32),
                     kv=np.zeros((0, 2, c.num_key_value_heads, c.head_dim), np.float32))
-            ok = pos >= state.first
-            state.grow(int(pos.max()) + 1)
-            state.aux[pos[ok] - state.first] = aux[q0:q1][ok]
+            state.keep_rows(pos, aux[q0:q1])
 
     def keep(self, seq_ids: set[int]) -> None:
         """Drop the states of sequences not in seq_ids."""
@@ -97,12 +109,11 @@ class NumpyEagle3Draft:
         state, done = self.states.get(seq.seq_id), seq.num_computed
         if state is None or done <= state.first:
             return None
+        state.grow(done + k)
         if done > state.end:
             pos = np.arange(state.end, done)
-            hidden = state.aux[pos - state.first] @ self.w["fc"].T
+            hidden = state.take_rows(done) @ self.w["fc"].T
             state.last = self._layer(state, hidden, np.asarray(seq.token_ids, np.int64)[pos + 1], pos)[-1]
-            state.end = done
-        state.grow(done + k)
         return state
 
     def _tokens(self, prenorm: np.ndarray) -> np.ndarray:

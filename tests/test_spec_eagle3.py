@@ -217,3 +217,9 @@ def test_speculative_config_and_executor_checks():
         supports_draft_verify = True
     with pytest.raises(ValueError, match="VerifiesOnly does not run EAGLE-3 heads"):
         check_speculation(config, VerifiesOnly())
+    from engine.config import EngineConfig
+    from engine.handle import EngineHandle
+    tp = EngineConfig(model=target_path("qwen3_tied"), device="cpu", max_model_len=128, progress=False,
+                      tensor_parallel_size=2, speculative_config=config)
+    with pytest.raises(ValueError, match="TensorParallelExecutor does not run EAGLE-3 heads"):
+        EngineHandle(tp)
