@@ -12,6 +12,9 @@ or rejects — `end` is the rollback (the target's rejected rows are overwritten
 A sequence's state starts at the first position the target computed for it (a prefix hit's cached positions
 have no hidden states: the head attends from there); a state is dropped when its sequence leaves the running
 set (`keep`: finished, aborted, preempted) and rebuilt from its next computed rows.
+
+The arithmetic is array-module generic (`xp`: numpy on the numpy executor, CuPy on the GPU's, where the kept
+hidden states arrive as bf16 bits and every array op is queued on the compute stream).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import numpy as np
 
 from engine.batch import ModelBatch
 from engine.eagle3 import Eagle3Head
-from engine.executor.cpu_ops import _rms, _rope
+from engine.executor.gpu_bf16 import bf16_to_f32
 from engine.models.rope import rope_cos_sin
 from engine.sequence import Sequence
 
@@ -33,15 +36,17 @@ class DraftState:
     aux: np.ndarray              # float32 [n, 3 Ht]: the target's kept hidden states at end + i (not yet read)
     kv: np.ndarray               # float32 [capacity, 2, Hkv, D]: the head's K and V at first + i
     last: np.ndarray | None = None   # the head's pre-norm output at end - 1 (the next draft's hidden input)
+    xp: object = np                  # the arrays' module
 
     def keep_rows(self, pos: np.ndarray, rows: np.ndarray) -> None:
         """The target's hidden states `rows` at positions `pos` (those below `end` are read already)."""
-        ok = pos >= self.end
+        ok = np.flatnonzero(pos >= self.end)
         at = pos[ok] - self.end
         if at.size and at.max() >= len(self.aux):
-            self.aux = np.concatenate([self.aux, np.zeros((at.max() + 1 - len(self.aux), self.aux.shape[1]),
-                                                          np.float32)])
-        self.aux[at] = rows[ok]
+            more = self.xp.zeros((int(at.max()) + 1 - len(self.aux), self.aux.shape[1]), np.float32)
+            self.aux = self.xp.concatenate([self.aux, more])
+        if at.size:
+            self.aux[self.xp.asarray(at)] = rows[self.xp.asarray(ok)]
 
     def take_rows(self, upto: int) -> np.ndarray:
         """The hidden states at [end, upto), given up (end moves to upto)."""
@@ -54,32 +59,38 @@ class DraftState:
         need = upto - self.first
         if need > len(self.kv):
             cap = max(need, 2 * len(self.kv))
-            self.kv = np.concatenate([self.kv, np.zeros((cap - len(self.kv),) + self.kv.shape[1:], np.float32)])
+            self.kv = self.xp.concatenate([self.kv, self.xp.zeros((cap - len(self.kv),) + self.kv.shape[1:],
+                                                                  np.float32)])
 
 
-class NumpyEagle3Draft:
-    """The DraftProposer of an EAGLE-3 head over a numpy target (engine/ngram.py's protocol)."""
+class Eagle3Draft:
+    """The DraftProposer of an EAGLE-3 head (engine/ngram.py's protocol) over the target's kept hidden states."""
 
-    def __init__(self, head: Eagle3Head, target_embed: np.ndarray, max_model_len: int):
-        self.head, self.cfg, self.w = head, head.config, head.weights
+    def __init__(self, head: Eagle3Head, target_embed, max_model_len: int, xp=np):
+        """target_embed: the target's embedding (float32, or bf16 bits on the GPU), used where the head ships
+        none; xp: the module of the head's weights (head.weights are numpy: uploaded here where xp is not)."""
+        self.head, self.cfg, self.xp = head, head.config, xp
+        self.w = {k: xp.asarray(v) for k, v in head.weights.items()}
+        self.to_target = head.weights["draft_to_target"]                 # host: the drafts go to the host
         self.embed = self.w.get("embed_tokens", target_embed)
-        self.cos, self.sin = rope_cos_sin(self.cfg, max_model_len + 1)
+        self.cos, self.sin = (xp.asarray(a) for a in rope_cos_sin(self.cfg, max_model_len + 1))
         self.states: dict[int, DraftState] = {}
 
-    def take(self, batch: ModelBatch, kept: dict[int, np.ndarray]) -> None:
-        """Keep a step's hidden states (kept[layer]: [T, Ht] entering that target layer) by sequence and position."""
-        aux = np.concatenate([kept[layer] for layer in self.head.aux_layers], axis=-1)
-        c = self.cfg
+    def take(self, batch: ModelBatch, kept: dict) -> None:
+        """Keep a step's hidden states (kept[layer]: [T, Ht] entering that target layer, float32 or bf16 bits)
+        by sequence and position."""
+        xp, c = self.xp, self.cfg
+        aux = xp.concatenate([bf16_to_f32(xp, kept[layer]) for layer in self.head.aux_layers], axis=-1)
         for i, s in enumerate(batch.seqs):
             q0, q1 = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-            if q1 == q0:
-                continue
             pos = batch.positions[q0:q1]
+            if q1 == q0 or s.seq_id < 0 or pos[0] < 0:
+                continue
             state = self.states.get(s.seq_id)
             if state is None:
                 state = self.states[s.seq_id] = DraftState(
-                    first=int(pos[0]), end=int(pos[0]), aux=np.zeros((0, aux.shape[1]), np.float32),
-                    kv=np.zeros((0, 2, c.num_key_value_heads, c.head_dim), np.float32))
+                    first=int(pos[0]), end=int(pos[0]), aux=xp.zeros((0, aux.shape[1]), np.float32),
+                    kv=xp.zeros((0, 2, c.num_key_value_heads, c.head_dim), np.float32), xp=xp)
             state.keep_rows(pos, aux[q0:q1])
 
     def keep(self, seq_ids: set[int]) -> None:
@@ -96,9 +107,9 @@ class NumpyEagle3Draft:
             rows = [i for i in hidden if j < limits[i]]
             if not rows:
                 break
-            tokens = self._tokens(np.concatenate([hidden[i] for i in rows]))
+            tokens = self._tokens(self.xp.concatenate([hidden[i] for i in rows]))
             for i, token in zip(rows, tokens):
-                drafts[i].append(int(self.w["draft_to_target"][token]))
+                drafts[i].append(int(self.to_target[token]))
                 if j + 1 < limits[i]:                   # the next step: scratch KV at position num_computed + j
                     hidden[i] = self._layer(states[i], hidden[i], np.array(drafts[i][-1:]),
                                             np.array([seqs[i].num_computed + j]))
@@ -112,41 +123,56 @@ class NumpyEagle3Draft:
         state.grow(done + k)
         if done > state.end:
             pos = np.arange(state.end, done)
-            hidden = state.take_rows(done) @ self.w["fc"].T
+            hidden = state.take_rows(done) @ self.w["fc"].T                  # pos, tokens: host arrays
             state.last = self._layer(state, hidden, np.asarray(seq.token_ids, np.int64)[pos + 1], pos)[-1]
         return state
 
-    def _tokens(self, prenorm: np.ndarray) -> np.ndarray:
-        """The draft ids the head's lm_head gives its (final-normed) output rows."""
-        normed = _rms(prenorm, self.w["norm"], self.cfg.rms_norm_eps)
-        return np.argmax(normed @ self.w["lm_head"].T, axis=-1)
+    def _tokens(self, prenorm) -> list[int]:
+        """The draft ids the head's lm_head gives its (final-normed) output rows (on the host)."""
+        normed = _rms(self.xp, prenorm, self.w["norm"], self.cfg.rms_norm_eps)
+        return self.xp.argmax(normed @ self.w["lm_head"].T, axis=-1).tolist()
 
-    def _layer(self, state: DraftState, hidden: np.ndarray, tokens: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def _layer(self, state: DraftState, hidden, tokens: np.ndarray, pos: np.ndarray):
         """The head's decoder layer at positions pos (hidden inputs [n, H], the tokens after them): writes its KV
         there, attends causally from state.first; returns the pre-norm output [n, H]."""
-        w, c, eps = self.w, self.cfg, self.cfg.rms_norm_eps
-        embedded = _rms(self.embed[tokens], w["input_layernorm"], eps)
-        normed = _rms(hidden, w["hidden_norm"], eps)
+        xp, w, c, eps = self.xp, self.w, self.cfg, self.cfg.rms_norm_eps
+        embedded = _rms(xp, bf16_to_f32(xp, self.embed[xp.asarray(tokens)]), w["input_layernorm"], eps)
+        normed = _rms(xp, hidden, w["hidden_norm"], eps)
         residual = normed if self.head.norm_before_residual else hidden
-        qkv = np.concatenate([embedded, normed], axis=-1) @ w["qkv_proj"].T
+        qkv = xp.concatenate([embedded, normed], axis=-1) @ w["qkv_proj"].T
         n, D, Hq, Hkv = len(pos), c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        q = _rope(qkv[:, :Hq * D].reshape(n, Hq, D), self.cos[pos], self.sin[pos])
-        k = _rope(qkv[:, Hq * D:(Hq + Hkv) * D].reshape(n, Hkv, D), self.cos[pos], self.sin[pos])
+        cos, sin = self.cos[xp.asarray(pos)], self.sin[xp.asarray(pos)]
+        q = _rope(xp, qkv[:, :Hq * D].reshape(n, Hq, D), cos, sin)
+        k = _rope(xp, qkv[:, Hq * D:(Hq + Hkv) * D].reshape(n, Hkv, D), cos, sin)
         rows = pos - state.first
-        state.kv[rows, 0], state.kv[rows, 1] = k, qkv[:, (Hq + Hkv) * D:].reshape(n, Hkv, D)
-        h = _attend(q, state.kv[:rows[-1] + 1], rows, D ** -0.5) @ w["o_proj"].T + residual
-        act = _rms(h, w["post_attention_layernorm"], eps) @ w["gate_up_proj"].T
-        gate, up = np.split(act, 2, axis=-1)
-        return (gate / (1 + np.exp(-gate)) * up) @ w["down_proj"].T + h
+        at = xp.asarray(rows)
+        state.kv[at, 0], state.kv[at, 1] = k, qkv[:, (Hq + Hkv) * D:].reshape(n, Hkv, D)
+        h = _attend(xp, q, state.kv[:int(rows[-1]) + 1], at, D ** -0.5) @ w["o_proj"].T + residual
+        act = _rms(xp, h, w["post_attention_layernorm"], eps) @ w["gate_up_proj"].T
+        gate, up = xp.split(act, 2, axis=-1)
+        return (gate / (1 + xp.exp(-gate)) * up) @ w["down_proj"].T + h
 
 
-def _attend(q: np.ndarray, kv: np.ndarray, rows: np.ndarray, scale: float) -> np.ndarray:
+def _rms(xp, x, weight, eps: float):
+    var = xp.mean(xp.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return (x * (np.float32(1.0) / xp.sqrt(var + np.float32(eps)))) * weight
+
+
+def _rope(xp, x, cos, sin):
+    """Neox rotary on x[n, heads, D]: pairs (x[i], x[i + D/2]) rotated by the position's angle."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return xp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def _attend(xp, q, kv, rows, scale: float):
     """Causal GQA attention of q [n, Hq, D] at rows over kv [L, 2, Hkv, D] (row r sees rows <= r): [n, Hq·D]."""
     n, Hq, D = q.shape
     group = Hq // kv.shape[2]
-    keys, values = np.repeat(kv[:, 0], group, axis=1), np.repeat(kv[:, 1], group, axis=1)   # [L, Hq, D]
-    scores = np.einsum("nhd,lhd->hnl", q, keys) * np.float32(scale)
-    scores = np.where(np.arange(len(kv))[None, None, :] <= rows[None, :, None], scores, -np.inf)
-    p = np.exp(scores - scores.max(-1, keepdims=True))
+    keys, values = xp.repeat(kv[:, 0], group, axis=1), xp.repeat(kv[:, 1], group, axis=1)   # [L, Hq, D]
+    scores = xp.einsum("nhd,lhd->hnl", q, keys) * np.float32(scale)
+    scores = xp.where(xp.arange(len(kv))[None, None, :] <= rows[None, :, None], scores, np.float32(-np.inf))
+    p = xp.exp(scores - scores.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    return np.einsum("hnl,lhd->nhd", p, values).reshape(n, Hq * D).astype(np.float32)
+    return xp.einsum("hnl,lhd->nhd", p, values).reshape(n, Hq * D).astype(np.float32)

@@ -10,7 +10,7 @@ import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.eagle3 import Eagle3Head
-from engine.eagle3_draft import NumpyEagle3Draft
+from engine.eagle3_draft import Eagle3Draft
 from engine.executor.base import ExecutorBase
 from engine.executor.cpu_cost import cpu_step_cost
 from engine.executor.cpu_lora_ops import NumpyLoRAOps
@@ -68,11 +68,11 @@ class CpuExecutor(ExecutorBase):
         self.num_state_slots = options.max_num_seqs if state is not None else 0
         lora = NumpyLoRAOps(lora_sites(self.model), options.max_loras) if options.max_loras else None
         self.ops = self._ops(state, lora)
-        self.draft: NumpyEagle3Draft | None = None
+        self.draft: Eagle3Draft | None = None
 
-    def attach_eagle3(self, head: Eagle3Head) -> NumpyEagle3Draft:
+    def attach_eagle3(self, head: Eagle3Head) -> Eagle3Draft:
         """Keep the hidden states `head` reads on every step from now on; the draft proposer over them."""
-        self.draft = NumpyEagle3Draft(head, self.weights["embed_tokens"], self.max_model_len)
+        self.draft = Eagle3Draft(head, self.weights["embed_tokens"], self.max_model_len)
         self.ops.keep_layers = frozenset(head.aux_layers)
         return self.draft
 
