@@ -18,6 +18,7 @@ hidden states arrive as bf16 bits and every array op is queued on the compute st
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,17 @@ from engine.eagle3 import Eagle3Head
 from engine.executor.gpu_bf16 import bf16_to_f32
 from engine.models.rope import rope_cos_sin
 from engine.sequence import Sequence
+
+
+class HiddenKeeper:
+    """Ops.keep_hidden's keeper on the host: a copy of the step's hidden states entering each of `layers`."""
+
+    def __init__(self, layers):
+        self.layers, self.kept = frozenset(layers), {}
+
+    def keep(self, layer: int, x) -> None:
+        if layer in self.layers:
+            self.kept[layer] = np.array(x, np.float32)
 
 
 @dataclass
@@ -66,19 +78,26 @@ class DraftState:
 class Eagle3Draft:
     """The DraftProposer of an EAGLE-3 head (engine/ngram.py's protocol) over the target's kept hidden states."""
 
-    def __init__(self, head: Eagle3Head, target_embed, max_model_len: int, xp=np):
+    def __init__(self, head: Eagle3Head, target_embed, max_model_len: int, xp=np, stream=None):
         """target_embed: the target's embedding (float32, or bf16 bits on the GPU), used where the head ships
-        none; xp: the module of the head's weights (head.weights are numpy: uploaded here where xp is not)."""
+        none; xp: the module of the head's weights (head.weights are numpy: uploaded here where xp is not);
+        stream: the CuPy stream every array op is queued on (None: numpy's, none)."""
         self.head, self.cfg, self.xp = head, head.config, xp
-        self.w = {k: xp.asarray(v) for k, v in head.weights.items()}
+        self.stream = stream if stream is not None else contextlib.nullcontext()
+        with self.stream:
+            self.w = {k: xp.asarray(v) for k, v in head.weights.items()}
+            self.cos, self.sin = (xp.asarray(a) for a in rope_cos_sin(self.cfg, max_model_len + 1))
         self.to_target = head.weights["draft_to_target"]                 # host: the drafts go to the host
         self.embed = self.w.get("embed_tokens", target_embed)
-        self.cos, self.sin = (xp.asarray(a) for a in rope_cos_sin(self.cfg, max_model_len + 1))
         self.states: dict[int, DraftState] = {}
 
     def take(self, batch: ModelBatch, kept: dict) -> None:
         """Keep a step's hidden states (kept[layer]: [T, Ht] entering that target layer, float32 or bf16 bits)
         by sequence and position."""
+        with self.stream:
+            self._take(batch, kept)
+
+    def _take(self, batch: ModelBatch, kept: dict) -> None:
         xp, c = self.xp, self.cfg
         aux = xp.concatenate([bf16_to_f32(xp, kept[layer]) for layer in self.head.aux_layers], axis=-1)
         for i, s in enumerate(batch.seqs):
@@ -99,6 +118,10 @@ class Eagle3Draft:
             del self.states[sid]
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        with self.stream:
+            return self._propose(seqs, limits)
+
+    def _propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         """Each sequence's head caught up, then k head steps, the lm_head of every sequence's step in one GEMM."""
         states = [self._caught_up(s, k) for s, k in zip(seqs, limits)]
         drafts: list[list[int]] = [[] for _ in seqs]

@@ -145,7 +145,7 @@ def check_speculation(config: SpeculativeConfig, executor) -> None:
                          f"(the numpy executor and the one-GPU executor do)")
     if config.method == "eagle3" and not executor.supports_eagle3:
         raise ValueError(f"--speculative-config: {type(executor).__name__} does not run EAGLE-3 heads yet (the numpy "
-                         f"executor does)")
+                         f"executor and the one-GPU executor do)")
     if executor.num_state_slots:
         raise ValueError("--speculative-config: this model keeps per-sequence linear-attention state (Qwen3.5's "
                          "Gated DeltaNet layers), which the rejected draft tokens of a verify step would advance; it "

@@ -10,7 +10,7 @@ import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.eagle3 import Eagle3Head
-from engine.eagle3_draft import Eagle3Draft
+from engine.eagle3_draft import Eagle3Draft, HiddenKeeper
 from engine.executor.base import ExecutorBase
 from engine.executor.cpu_cost import cpu_step_cost
 from engine.executor.cpu_lora_ops import NumpyLoRAOps
@@ -73,7 +73,7 @@ class CpuExecutor(ExecutorBase):
     def attach_eagle3(self, head: Eagle3Head) -> Eagle3Draft:
         """Keep the hidden states `head` reads on every step from now on; the draft proposer over them."""
         self.draft = Eagle3Draft(head, self.weights["embed_tokens"], self.max_model_len)
-        self.ops.keep_layers = frozenset(head.aux_layers)
+        self.ops.keeper = HiddenKeeper(head.aux_layers)
         return self.draft
 
     def _ops(self, state, lora: NumpyLoRAOps | None) -> NumpyOps:
@@ -139,7 +139,7 @@ class CpuExecutor(ExecutorBase):
     def _hidden(self, batch: ModelBatch) -> np.ndarray:
         hidden = self.model.forward(self.ops, self.weights, self._context(batch))
         if self.draft is not None:
-            self.draft.take(batch, self.ops.kept)
+            self.draft.take(batch, self.ops.keeper.kept)
         return hidden
 
     def forward_logits(self, batch: ModelBatch) -> np.ndarray:

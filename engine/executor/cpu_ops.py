@@ -56,8 +56,6 @@ class NumpyOps(ComposedOps):
         self.dsv4 = NumpyDSV4Ops(kv) if "dsv4" in families else None
         self.lora = lora
         self.paged = PagedAttention()
-        self.keep_layers: frozenset[int] = frozenset()    # layers whose entering hidden states a draft head reads
-        self.kept: dict[int, np.ndarray] = {}             # the last step's, by layer
 
     def _moe_part(self) -> NumpyMoEOps:
         """The MoE part (a tensor-parallel rank's ops build their own, engine/parallel)."""
@@ -114,10 +112,6 @@ class NumpyOps(ComposedOps):
         half = gate_up.shape[-1] // 2
         g, u = gate_up[:, :half], gate_up[:, half:]
         return (g * (np.float32(0.5) * (np.float32(1.0) + np.tanh(g * np.float32(0.5))))) * u
-
-    def keep_hidden(self, layer, x):
-        if layer in self.keep_layers:
-            self.kept[layer] = np.array(x, np.float32)
 
     def gather_rows(self, x, rows):
         return x[np.asarray(rows, dtype=np.int64)]

@@ -28,6 +28,7 @@ import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import DoneStep, ExecutorBase, PendingStep
+from engine.executor.gpu_eagle3 import attach_gpu_eagle3, take_step_rows
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, cute_rows, cute_workspace_bytes
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_host_copies import GpuHostCopies, compute_event, events_done, layers_landed, wait_events
@@ -93,6 +94,8 @@ class GpuExecutor(ExecutorBase):
     supports_block_copies = False
     supports_draft_verify = True    # verify steps: gpu_verify.py (sized by options.num_speculative_tokens)
     ops_class = GpuOps              # a tensor-parallel rank's executor runs its own (engine/parallel)
+    supports_eagle3 = True          # an EAGLE-3 head drafts on the device (gpu_eagle3.py; the steps then eager)
+    draft = None                    # the attached head's Eagle3Draft
     graphs_class = DecodeGraphs
 
     def __init__(self, model: LoadedModel, options: ExecutorOptions):
@@ -439,6 +442,8 @@ class GpuExecutor(ExecutorBase):
         sampled = [s for s in batch.seqs if s.sample]
         drafts = verifies(self.verify, sampled)
         hidden, ctx = self._hidden(batch)
+        if self.draft is not None:
+            take_step_rows(self, batch)
         verify = verify_rows(sampled) if drafts else None        # the grammars' masks while the forward runs
         steps, bitmask = (verify.steps, verify.bitmask) if verify is not None else (sampled, None)
         want = [i for i, s in enumerate(batch.seqs) if s.want_prompt_logprobs and s.prompt_logprob_targets()]
@@ -458,6 +463,10 @@ class GpuExecutor(ExecutorBase):
         if verify is not None:
             return self.verify.queue(verify, greedy, self.readback)
         return self.readback.queue(self.sampler, sampled, greedy)
+
+    def attach_eagle3(self, head):
+        self.draft = attach_gpu_eagle3(self, head)
+        return self.draft
 
     def execute_eager(self, batch: ModelBatch) -> StepOutput:
         return self.launch_eager(batch).result()

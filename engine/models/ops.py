@@ -366,5 +366,8 @@ class ComposedOps:
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    keeper = None       # a draft head's (EAGLE-3): keeper.keep(layer, x) copies the hidden states it reads
+
     def keep_hidden(self, layer, x):
-        return None
+        if self.keeper is not None:
+            self.keeper.keep(layer, x)

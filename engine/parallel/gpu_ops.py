@@ -121,6 +121,7 @@ class GpuRankExecutor(GpuExecutor):
     with `follow`, replaying the graph captured together with rank 0's."""
     ops_class = RankGpuOps
     supports_draft_verify = False   # a verify step's rows sample on rank 0 only (engine/speculative.py check_device)
+    supports_eagle3 = False         # a rank keeps its shard of the hidden states, not a head's whole rows
 
     def __init__(self, model, options: ExecutorOptions, comm, experts: tuple[int, int] = (0, 0)):
         self.comm, self.experts = comm, experts             # the rank's ops take them (_ops)
