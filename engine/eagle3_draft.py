@@ -1,13 +1,14 @@
-"""An EAGLE-3 head drafting on the host (numpy, float32): the numpy executor's `eagle3` proposer.
+"""An EAGLE-3 head drafting (float32): the `eagle3` proposer of the numpy and the GPU executors.
 
 Per sequence (DraftState) the draft keeps the target's kept hidden states by position until the head has read
-them (`aux`, fed after every step the sequence ran in: `take`) and the head layer's own KV by position (`kv`). Before a decode step,
-`propose` first catches the head up over the positions the target computed since (`end` to num_computed: hidden
-states of the target at p, token at p + 1 — both final, so these KV rows are the head's committed ones), then
-runs k autoregressive head steps from num_computed - 1 on: the first token from the catch-up's last row, each
-next from the head's own pre-norm output and the token it just drafted. Those steps' KV rows lie at positions
-from num_computed on, past `end`: scratch, overwritten by the next catch-up whatever the verification accepts
-or rejects — `end` is the rollback (the target's rejected rows are overwritten alike before they are read).
+them (`aux`, fed after every step the sequence ran in: `take`) and the head layer's own KV by position (`kv`).
+Before a decode step, `propose` first catches the head up over the positions the target computed since (`end`
+to num_computed: hidden states of the target at p, token at p + 1 — both final, so these KV rows are the head's
+committed ones), then runs k autoregressive head steps from num_computed - 1 on: the first token from the
+catch-up's last row, each next from the head's own pre-norm output and the token it just drafted. Those steps'
+KV rows lie at positions from num_computed on, past `end`: scratch, overwritten by the next catch-up whatever
+the verification accepts or rejects — `end` is the rollback (the target's rejected rows are overwritten alike
+before they are read).
 
 A sequence's state starts at the first position the target computed for it (a prefix hit's cached positions
 have no hidden states: the head attends from there); a state is dropped when its sequence leaves the running

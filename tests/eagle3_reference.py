@@ -39,6 +39,7 @@ class Eagle3Reference:
     def __init__(self, head_dir: str, target_dir: str):
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
         from harness.models import hf_model
         self.cfg, self.w = _load(head_dir)
         self.target = hf_model(target_dir)

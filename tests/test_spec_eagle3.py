@@ -7,8 +7,8 @@ without speculation — concurrent requests, chunked prefill, preemption, prefix
 from __future__ import annotations
 
 import functools
-import re
 import os
+import re
 
 import pytest
 from eagle3_reference import Eagle3Reference
@@ -37,14 +37,14 @@ HEADS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def target_path(name: str) -> str:
     if name == "llama6":
         return build_tiny_model("llama", os.path.join(_tmp_root(), "llama6"), seed=2, num_hidden_layers=6)
     return tiny_model_path(name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def head_path(name: str) -> str:
     target, options = HEADS[name]
     return write_random_eagle3(target_path(target), os.path.join(_tmp_root(), f"eagle3_{name}"), seed=7, **options)
@@ -55,10 +55,11 @@ def eagle3(name: str, k: int = 3) -> SpeculativeConfig:
 
 
 def eagle3_engine(name: str, **config):
+    from fake_executor import make_engine
+
     from engine.executor.cpu import CpuExecutor
     from engine.executor.options import options_of
     from engine.loader import load_model
-    from fake_executor import make_engine
     model = load_model(target_path(HEADS[name][0]))
     ex = CpuExecutor(model, options_of(num_kv_blocks=config.pop("num_kv_blocks", 64), max_model_len=512))
     return make_engine(ex, model.tokenizer, max_model_len=512, speculative_config=eagle3(name), **config)
@@ -184,7 +185,8 @@ def test_heads_that_do_not_fit_are_refused():
     for change, message in ((lambda t: t.pop("fc.weight"), "missing fc.weight"),
                             (lambda t: t.update({"midlayer.self_attn.q_norm.weight": t["norm.weight"]}),
                              "q_norm.weight' is not part"),
-                            (lambda t: t.update({"fc.weight": t["fc.weight"][:, :128]}), re.escape("shape [64, 128], the layout"))):
+                            (lambda t: t.update({"fc.weight": t["fc.weight"][:, :128]}),
+                             re.escape("shape [64, 128], the layout"))):
         bad = dict(tensors)
         change(bad)
         save_safetensors(os.path.join(wrong, "model.safetensors"), bad)
