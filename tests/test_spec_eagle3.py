@@ -112,7 +112,10 @@ def test_drafts_equal_the_torch_reference(name):
     off, _ = run_eagle3(name, reqs, speculation=False, max_num_batched_tokens=16)
     on, engine = run_eagle3(name, reqs, steer_from=off, max_num_batched_tokens=16)
     assert_same(off, on)
-    assert engine.speculator.counters.num_accepted_tokens >= 5
+    c, stats = engine.speculator.counters, engine.stats()          # vLLM's spec_decode_* metrics, as for ngram
+    assert c.num_accepted_tokens >= 5
+    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens) == (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
     reference = Eagle3Reference(head_path(name), target_path(HEADS[name][0]))
     calls = engine.speculator.proposer.calls
     assert len(calls) >= 10
