@@ -15,7 +15,9 @@ vLLM's llama_eagle3.py), H the head's hidden size, Ht the target's, Vd the draft
   midlayer.self_attn.{q,k,v}_proj [.., 2 H] (the normed embedding and the normed hidden, concatenated)
   midlayer.self_attn.o_proj, midlayer.mlp.{gate,up,down}_proj, norm.weight [H], lm_head.weight [Vd, H]
   d2t int64 [Vd] (target id = draft id + d2t[draft id]), t2d bool [V] (unused), embed_tokens.weight [V, H]
-  where shipped (else the target's). Names may carry a "model." prefix and "layers.0." for "midlayer.".
+  where shipped (else the target's). Names may carry a "model." prefix and "layers.0." for "midlayer.". vLLM's
+  speculators form (Eagle3Speculator: the layer's fields under transformer_layer_config, the aux layer ids at
+  the top) reads the same.
 
 The target's hidden state "entering layer i" is its residual stream before layer i (vLLM's aux hidden states).
 """
@@ -72,6 +74,17 @@ def layout_name(name: str) -> str:
     return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
 
 
+def flat_config(raw: dict) -> dict:
+    """vLLM speculators' form of a head's config (architectures ["Eagle3Speculator"]: the layer's fields under
+    transformer_layer_config, draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids, ... at the
+    top) as one flat dict; a flat config as it is."""
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        return raw
+    top = {k: v for k, v in raw.items() if k not in ("transformer_layer_config", "model_type")}
+    return {**layer, **top}
+
+
 def _head_fields(raw: dict, path: str) -> dict:
     """config.json's fields as ModelConfig reads them, or ModelLoadError for a file that is no EAGLE-3 head."""
     archs = raw.get("architectures") or []
@@ -86,7 +99,8 @@ def _head_fields(raw: dict, path: str) -> dict:
 
 
 def _aux_layers(raw: dict, num_layers: int, path: str) -> tuple[int, int, int]:
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = (raw.get("eagle_aux_hidden_state_layer_ids")
+           or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
     ids = tuple(ids) if ids else default_aux_layers(num_layers)
     if len(ids) != 3 or not all(isinstance(i, int) and 0 <= i < num_layers for i in ids):
         raise ModelLoadError(f"{path}: aux hidden state layers {list(ids)} must be 3 layer ids of the target's "
@@ -104,7 +118,7 @@ def load_eagle3_head(folder: str, target: ModelConfig) -> Eagle3Head:
         raise ModelLoadError(f"--speculative-config: eagle3's \"model\" {folder!r} is not a folder (an EAGLE-3 "
                              f"head's config.json and safetensors)")
     path = os.path.join(folder, "config.json")
-    raw = read_json_object(path)
+    raw = flat_config(read_json_object(path))
     try:
         cfg = ModelConfig.from_dict(_head_fields(raw, path))
     except (ValueError, TypeError) as e:

@@ -32,11 +32,12 @@ def _shapes(H: int, Ht: int, I: int, heads: int, kv_heads: int, D: int, V: int, 
 def write_random_eagle3(target_dir: str, out_dir: str, seed: int = 0, hidden: int | None = None, heads: int = 4,
                         kv_heads: int = 2, head_dim: int = 16, intermediate: int = 96, draft_vocab: int | None = None,
                         aux_layers: list[int] | None = None, ship_embed: bool = False, norm_before_residual=False,
-                        prefix: str = "", rope: dict | None = None) -> str:
+                        prefix: str = "", rope: dict | None = None, speculators: bool = False) -> str:
     """A random head for the target in target_dir: matrices ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.2); draft_vocab:
     a random sorted subset of the target's ids (d2t, t2d) where smaller than its vocabulary; aux_layers: written
     as eagle_config.eagle_aux_hidden_state_layer_ids (None: left out, the engine's default); ship_embed: its own
-    embed_tokens (else the target's is used); prefix: put before every tensor name ("model.")."""
+    embed_tokens (else the target's is used); prefix: put before every tensor name ("model."); speculators: the
+    config in vLLM speculators' form (Eagle3Speculator, the layer's fields under transformer_layer_config)."""
     with open(os.path.join(target_dir, "config.json")) as f:
         target = json.load(f)
     V, Ht = target["vocab_size"], target["hidden_size"]
@@ -61,6 +62,13 @@ def write_random_eagle3(target_dir: str, out_dir: str, seed: int = 0, hidden: in
               "norm_before_residual": norm_before_residual, "target_hidden_size": Ht, **(rope or {})}
     if aux_layers is not None:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layers), "use_aux_hidden_state": True}
+    if speculators:
+        top = ("draft_vocab_size", "target_hidden_size", "norm_before_residual")
+        config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                  **{k: config[k] for k in top}, "transformer_layer_config": {
+                      k: v for k, v in config.items() if k not in top + ("architectures", "eagle_config")}}
+        if aux_layers is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = list(aux_layers)
     os.makedirs(out_dir, exist_ok=True)
     save_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

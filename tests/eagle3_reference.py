@@ -21,6 +21,7 @@ def _load(head_dir: str) -> tuple[dict, dict]:
     from safetensors.torch import load_file
     with open(os.path.join(head_dir, "config.json")) as f:
         cfg = json.load(f)
+    cfg = {**cfg.pop("transformer_layer_config", {}), **cfg}            # vLLM speculators' nesting
     raw = load_file(os.path.join(head_dir, "model.safetensors"))
     w = {k.removeprefix("model.").replace("layers.0.", "midlayer."): v for k, v in raw.items()}
     return cfg, {k: (v.float() if v.is_floating_point() else v) for k, v in w.items()}
@@ -44,9 +45,11 @@ class Eagle3Reference:
         self.cfg, self.w = _load(head_dir)
         self.target = hf_model(target_dir)
         L = self.target.config.num_hidden_layers
-        ids = (self.cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        ids = (self.cfg.get("eagle_aux_hidden_state_layer_ids")
+               or (self.cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
         self.aux = list(ids) if ids else [2, L // 2, L - 3]
-        self.rotary = LlamaRotaryEmbedding(LlamaConfig(**{k: v for k, v in self.cfg.items() if k != "eagle_config"}))
+        fields = {k: v for k, v in self.cfg.items() if k not in ("eagle_config", "architectures", "model_type")}
+        self.rotary = LlamaRotaryEmbedding(LlamaConfig(**fields))
         self.embed = self.w.get("embed_tokens.weight", self.target.get_input_embeddings().weight.detach().float())
         self.d2t = self.w.get("d2t", torch.zeros(self.cfg["draft_vocab_size"], dtype=torch.long))
 

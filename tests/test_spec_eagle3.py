@@ -27,12 +27,14 @@ from harness.eagle3_heads import write_random_eagle3
 from harness.models import _tmp_root, build_tiny_model, tiny_model_path
 
 # name -> (target, head writer options): GQA heads, a draft vocabulary with d2t, the head's own embedding,
-# "model."-prefixed names, norm_before_residual, a 6-layer target with the default aux layers (2, 3, 3)
+# "model."-prefixed names, norm_before_residual in vLLM speculators' config form, a 6-layer target with the default
+# aux layers (2, 3, 3)
 HEADS = {
     "qwen3": ("qwen3_tied", dict(aux_layers=[0, 1, 1], draft_vocab=32000)),
     "qwen3_draft_vocab": ("qwen3_untied", dict(aux_layers=[1, 0, 1], draft_vocab=3000, ship_embed=True,
                                                hidden=48, prefix="model.")),
-    "llama": ("llama", dict(aux_layers=[1, 1, 0], norm_before_residual=True, heads=2, kv_heads=1, head_dim=32)),
+    "llama": ("llama", dict(aux_layers=[1, 1, 0], norm_before_residual=True, heads=2, kv_heads=1, head_dim=32,
+                            speculators=True)),
     "llama_default_layers": ("llama6", dict(draft_vocab=5000)),
 }
 
