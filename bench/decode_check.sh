@@ -21,11 +21,11 @@ export OPENINFER_GATE_LOG=$OUT/gate.jsonl
 rm -f "$OPENINFER_GATE_LOG"
 PYTEST=(python3 -m pytest -q -s -rfE -p no:cacheprovider)
 
-UNIT_TESTS=(tests/test_raw_cuda_fused.py tests/test_raw_cuda_decode.py tests/test_raw_cuda_kernels.py
-            tests/test_raw_cuda_rope_attention.py)
+UNIT_TESTS=(tests/kernels/test_raw_cuda_fused.py tests/kernels/test_raw_cuda_decode.py tests/kernels/test_raw_cuda_kernels.py
+            tests/kernels/test_raw_cuda_rope_attention.py)
 [ "${DECODE_CHECK_UNITS:-1}" = 1 ] || UNIT_TESTS=()
 step unit_and_tiny_gate 200 env OPENINFER_DECODE_KERNELS=all OPENINFER_GATE_4B=0 "${PYTEST[@]}" \
-  "${UNIT_TESTS[@]}" tests/test_gpu_executor.py tests/test_gpu_graphs.py \
+  "${UNIT_TESTS[@]}" tests/gpu/test_gpu_executor.py tests/gpu/test_gpu_graphs.py \
   -k "not gpu_equals_cpu and not deterministic"
 KERNEL_SETS=${DECODE_CHECK_KERNELS:-"all"}
 BATCHES=${DECODE_CHECK_BATCHES:-1,32}
@@ -34,7 +34,7 @@ step bench_qwen3_4b 180 python3 bench/decode.py --models qwen3-4b --batches "$BA
   --steps 128 --kernels "$KERNEL_SETS" --micro "${DECODE_CHECK_MICRO:-attention,gemv}" --out "$OUT/qwen3-4b"
 if [ "${DECODE_CHECK_4B_GATE:-1}" = 1 ]; then
   step qwen3_4b_gate 70 env OPENINFER_DECODE_KERNELS=all OPENINFER_GATE_4B=1 "${PYTEST[@]}" \
-    tests/test_gpu_executor.py -k qwen3_4b
+    tests/gpu/test_gpu_executor.py -k qwen3_4b
 fi
 step bench_qwen3_8b 150 python3 bench/decode.py --models qwen3-8b --batches 1,32 --hf-batches "${HF:+1}" \
   --steps 128 --kernels "$KERNEL_SETS" --out "$OUT/qwen3-8b"
@@ -45,7 +45,7 @@ if [ "${DECODE_CHECK_NCU:-1}" = 1 ] && command -v ncu > /dev/null; then
     python3 bench/decode_profile.py --parse "$OUT/ncu_b$b.csv" --model qwen3-4b > "$OUT/profile_b$b.md"
   done
 fi
-step gpu_server 90 "${PYTEST[@]}" tests/test_gpu_server.py
+step gpu_server 90 "${PYTEST[@]}" tests/gpu/test_gpu_server.py
 
 for m in qwen3-4b qwen3-8b; do [ -f "$OUT/$m/decode.md" ] && { echo; echo "## $m"; cat "$OUT/$m/decode.md"; }; done
 for b in 1 32; do [ -f "$OUT/profile_b$b.md" ] && { echo; cat "$OUT/profile_b$b.md"; }; done

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The DeepSeek-V3 / Kimi-K2 and DeepSeek-V4 lines on the GPU, from the repository root, in stages that each fit one
 # GPU call (the random checkpoints stay in /tmp while the machine is held):
-#   bash bench/deepseek_gpu_check.sh tests     its GPU tests by the floor method (tests/test_gpu_dsv3.py: every
+#   bash bench/deepseek_gpu_check.sh tests     its GPU tests by the floor method (tests/gpu/test_gpu_dsv3.py: every
 #                                              path on the tiny V3 / Kimi-K2 models, the biased sigmoid router on
 #                                              the device, FP8 / int4 folders) and the MoE kernels' unit tests
 #   bash bench/deepseek_gpu_check.sh write     Kimi-K2 real width, $DSV3_LAYERS layers (default 4), random
 #                                              $DSV3_FORMAT (default int4) checkpoint
 #   bash bench/deepseek_gpu_check.sh bench     bench/deepseek.py on it: decode batch 1 / 32 -> $OUT/deepseek.md/.json
-#   bash bench/deepseek_gpu_check.sh v4tests   tests/test_gpu_dsv4.py: the tiny DeepSeek-V4 in eager steps, an
+#   bash bench/deepseek_gpu_check.sh v4tests   tests/gpu/test_gpu_dsv4.py: the tiny DeepSeek-V4 in eager steps, an
 #                                              FP8 / FP4 folder
 #   bash bench/deepseek_gpu_check.sh v4write   DeepSeek-V4-Flash real width, $DSV4_LAYERS layers (default 4: sliding,
 #                                              sliding, compressed-sparse, heavily-compressed), random checkpoint in
@@ -20,10 +20,10 @@ PYTEST=(python3 -m pytest -q -s -rfE -p no:cacheprovider)
 ARGS=(--out "$OUT" --layers "${DSV3_LAYERS:-4}" --format "${DSV3_FORMAT:-int4}")
 V4ARGS=(--model deepseek-v4-flash --out "$OUT" --layers "${DSV4_LAYERS:-4}" --steps "${DSV4_STEPS:-256}")
 case "${1:-tests}" in
-  tests) step dsv3_gpu_tests 560 "${PYTEST[@]}" tests/test_gpu_dsv3.py tests/test_gpu_moe_mla_kernels.py ;;
+  tests) step dsv3_gpu_tests 560 "${PYTEST[@]}" tests/gpu/test_gpu_dsv3.py tests/kernels/test_gpu_moe_mla_kernels.py ;;
   write) step dsv3_write 560 python3 bench/deepseek.py "${ARGS[@]}" --write-only ;;
   bench) step dsv3_bench 560 python3 bench/deepseek.py "${ARGS[@]}"; cat "$OUT/deepseek.md" 2>/dev/null ;;
-  v4tests) step dsv4_gpu_tests 560 "${PYTEST[@]}" tests/test_gpu_dsv4.py ;;
+  v4tests) step dsv4_gpu_tests 560 "${PYTEST[@]}" tests/gpu/test_gpu_dsv4.py ;;
   v4write) step dsv4_write 560 python3 bench/deepseek.py "${V4ARGS[@]}" --write-only ;;
   v4bench) step dsv4_bench 560 python3 bench/deepseek.py "${V4ARGS[@]}"; cat "$OUT/deepseek-v4.md" 2>/dev/null ;;
 esac

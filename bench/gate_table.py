@@ -1,5 +1,5 @@
 """Print the accuracy-gate tables (markdown) from the JSON lines the gate tests append to $OPENINFER_GATE_LOG:
-the teacher-forced rows, then the free-running rows (tests/test_gpu_free_running*.py).
+the teacher-forced rows, then the free-running rows (tests/gpu/test_gpu_free_running*.py).
     python3 bench/gate_table.py GATE_LOG"""
 import json
 import os

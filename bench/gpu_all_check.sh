@@ -17,17 +17,17 @@ rm -f "$OPENINFER_GATE_LOG"
 LIMIT=${GPU_CHECK_LIMIT:-540}
 PYTEST=(python3 -m pytest -v -rfE -p no:cacheprovider --durations=10)   # -v: a group cut off by its limit still names its last test
 declare -A GROUPS_TESTS=(
-  [core]="tests/test_raw_cuda_kernels.py tests/test_raw_cuda_fused.py tests/test_raw_cuda_decode.py tests/test_raw_cuda_rope_attention.py tests/test_gpu_executor.py tests/test_gpu_graphs.py tests/test_gpu_graph_sampling.py tests/test_gpu_eager_async.py tests/test_gpu_long_steps.py tests/test_gpu_prefill_gpu.py"
-  [serving]="tests/test_gpu_server.py tests/test_gpu_host_tier.py tests/test_gpu_under_load.py tests/test_gpu_piecewise.py tests/test_gpu_lagging_device.py tests/test_gpu_partial_hit.py"
-  [moe_mla]="tests/test_gpu_moe_mla_kernels.py tests/test_gpu_moe_mla.py tests/test_raw_cuda_sparse_compile.py"
-  [dsv3]="tests/test_gpu_dsv3.py"
-  [dsv4]="tests/test_gpu_dsv4.py"
-  [qwen35]="tests/test_gpu_qwen35.py"
-  [lora]="tests/test_gpu_lora.py tests/test_gpu_lora_plan.py tests/test_raw_cuda_compile.py"
-  [structured]="tests/test_structured_gpu.py tests/test_gpu_sampler.py"
-  [free_running]="tests/test_gpu_free_running.py tests/test_gpu_free_running_dsv4.py"
-  [spec]="tests/test_gpu_spec.py"
-  [quant]="tests/test_gpu_quantized_linear.py tests/test_gpu_kv_fp8.py tests/test_gpu_quant_kernels.py"
+  [core]="tests/kernels/test_raw_cuda_kernels.py tests/kernels/test_raw_cuda_fused.py tests/kernels/test_raw_cuda_decode.py tests/kernels/test_raw_cuda_rope_attention.py tests/gpu/test_gpu_executor.py tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_graph_sampling.py tests/gpu/test_gpu_eager_async.py tests/gpu/test_gpu_long_steps.py tests/gpu/test_gpu_prefill_gpu.py"
+  [serving]="tests/gpu/test_gpu_server.py tests/gpu/test_gpu_host_tier.py tests/gpu/test_gpu_under_load.py tests/gpu/test_gpu_piecewise.py tests/gpu/test_gpu_lagging_device.py tests/gpu/test_gpu_partial_hit.py"
+  [moe_mla]="tests/kernels/test_gpu_moe_mla_kernels.py tests/gpu/test_gpu_moe_mla.py tests/kernels/test_raw_cuda_sparse_compile.py"
+  [dsv3]="tests/gpu/test_gpu_dsv3.py"
+  [dsv4]="tests/gpu/test_gpu_dsv4.py"
+  [qwen35]="tests/gpu/test_gpu_qwen35.py"
+  [lora]="tests/gpu/test_gpu_lora.py tests/kernels/test_gpu_lora_plan.py tests/kernels/test_raw_cuda_compile.py"
+  [structured]="tests/structured/test_structured_gpu.py tests/gpu/test_gpu_sampler.py"
+  [free_running]="tests/gpu/test_gpu_free_running.py tests/gpu/test_gpu_free_running_dsv4.py"
+  [spec]="tests/gpu/test_gpu_spec.py"
+  [quant]="tests/gpu/test_gpu_quantized_linear.py tests/gpu/test_gpu_kv_fp8.py tests/kernels/test_gpu_quant_kernels.py"
 )
 groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core serving moe_mla dsv3 dsv4 qwen35 lora structured free_running spec quant)
 load_pid=

@@ -11,11 +11,11 @@ export OPENINFER_GATE_LOG=$OUT/gate.jsonl
 rm -f "$OPENINFER_GATE_LOG"
 PYTEST=(python3 -m pytest -q -rfE -p no:cacheprovider --durations=8)
 STEP_TAIL=25
-step suite 330 "${PYTEST[@]}" tests/test_raw_cuda_kernels.py tests/test_raw_cuda_fused.py tests/test_raw_cuda_decode.py \
-  tests/test_raw_cuda_rope_attention.py tests/test_gpu_sampler.py tests/test_gpu_executor.py tests/test_gpu_graphs.py \
-  tests/test_gpu_graph_sampling.py tests/test_gpu_eager_async.py tests/test_gpu_long_steps.py tests/test_gpu_prefill_gpu.py \
-  tests/test_gpu_host_tier.py tests/test_gpu_server.py ${GPU_CHECK_EXTRA:-}
-step qwen3_4b_gate 90 env OPENINFER_GATE_4B=1 "${PYTEST[@]}" tests/test_gpu_executor.py -k qwen3_4b
+step suite 330 "${PYTEST[@]}" tests/kernels/test_raw_cuda_kernels.py tests/kernels/test_raw_cuda_fused.py tests/kernels/test_raw_cuda_decode.py \
+  tests/kernels/test_raw_cuda_rope_attention.py tests/gpu/test_gpu_sampler.py tests/gpu/test_gpu_executor.py tests/gpu/test_gpu_graphs.py \
+  tests/gpu/test_gpu_graph_sampling.py tests/gpu/test_gpu_eager_async.py tests/gpu/test_gpu_long_steps.py tests/gpu/test_gpu_prefill_gpu.py \
+  tests/gpu/test_gpu_host_tier.py tests/gpu/test_gpu_server.py ${GPU_CHECK_EXTRA:-}
+step qwen3_4b_gate 90 env OPENINFER_GATE_4B=1 "${PYTEST[@]}" tests/gpu/test_gpu_executor.py -k qwen3_4b
 step bench_qwen3_4b 150 python3 bench/decode.py --models qwen3-4b --batches 1,32,128 --hf-batches "" --steps 128 \
   --kernels all --out "$OUT/qwen3-4b"
 python3 bench/gate_table.py "$OPENINFER_GATE_LOG" > "$OUT/gate.md" 2>&1

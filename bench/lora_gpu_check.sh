@@ -13,8 +13,8 @@ export OPENINFER_GATE_LOG=$OUT/gate.jsonl
 rm -f "$OPENINFER_GATE_LOG"
 PYTEST=(python3 -m pytest -q -rfE -p no:cacheprovider --durations=8)
 STEP_TAIL=25
-step lora_tests 360 "${PYTEST[@]}" tests/test_gpu_lora.py tests/test_gpu_lora_plan.py tests/test_raw_cuda_compile.py
-step base_tests 300 "${PYTEST[@]}" tests/test_gpu_executor.py tests/test_gpu_graphs.py
+step lora_tests 360 "${PYTEST[@]}" tests/gpu/test_gpu_lora.py tests/kernels/test_gpu_lora_plan.py tests/kernels/test_raw_cuda_compile.py
+step base_tests 300 "${PYTEST[@]}" tests/gpu/test_gpu_executor.py tests/gpu/test_gpu_graphs.py
 step bench_lora 240 python3 bench/lora.py --out "$OUT/lora"
 python3 bench/gate_table.py "$OPENINFER_GATE_LOG" > "$OUT/gate.md" 2>&1
 [ -f "$OUT/lora/lora.md" ] && cat "$OUT/lora/lora.md"

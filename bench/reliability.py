@@ -4,7 +4,7 @@ bench/results/reliability.md.
     python -m bench.reliability --json /tmp/reliability.json     # 17 minutes on 2 busy cores, one BLAS thread
 
 Server A (the CPU defaults, an API key, a step trace):
-  inputs   while --victims streams decode, each abusive input (tests/test_server_hardening.py's cases, headers
+  inputs   while --victims streams decode, each abusive input (tests/server/test_server_hardening.py's cases, headers
            and a body trickled one byte every 5 s, an 8,101-token prompt, a 2,000-token prompt with n=16): its
            outcomes, hangs, and the victims' worst stall ratio (bench/abuse.py);
   trickle  --tricklers connections trickling their headers one byte every 5 s for up to 60 s;
@@ -126,7 +126,7 @@ async def run_inputs(client: httpx.AsyncClient, victims: abuse.Victims, inputs: 
 
 def server_a_inputs(client: httpx.AsyncClient, url: str) -> list:
     """(name, coroutine factory, times or None for --repeat): the request cases, trickles, long prompts."""
-    from tests.test_server_hardening import CASES
+    from tests.server.test_server_hardening import CASES
 
     host, port = url.rsplit("/", 1)[1].rsplit(":", 1)
     out = []

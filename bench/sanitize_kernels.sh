@@ -7,8 +7,8 @@
 set -uo pipefail
 source bench/gpu_env.sh
 CASES=(
-  "tests/test_gpu_qwen35.py -k conv_and_delta_rule_kernels and idle and plain"
-  "tests/test_raw_cuda_decode.py -k paged_decode_attention"
+  "tests/gpu/test_gpu_qwen35.py -k conv_and_delta_rule_kernels and idle and plain"
+  "tests/kernels/test_raw_cuda_decode.py -k paged_decode_attention"
 )
 for tool in racecheck initcheck; do
   : > "$OUT/sanitize-$tool.log"

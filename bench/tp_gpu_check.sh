@@ -15,9 +15,9 @@ export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}   # no NVLink multicast: the all-
 rm -f "$OPENINFER_GATE_LOG"
 PYTEST=(python3 -m pytest -q -s -rfE -p no:cacheprovider --durations=8)
 STEP_TAIL=25
-step tp_tests 900 "${PYTEST[@]}" tests/test_gpu_parallel.py tests/test_raw_cuda_compile.py
-step base_tests 600 "${PYTEST[@]}" tests/test_gpu_executor.py tests/test_gpu_graphs.py tests/test_gpu_moe_mla.py \
-  tests/test_gpu_moe_mla_kernels.py
+step tp_tests 900 "${PYTEST[@]}" tests/gpu/test_gpu_parallel.py tests/kernels/test_raw_cuda_compile.py
+step base_tests 600 "${PYTEST[@]}" tests/gpu/test_gpu_executor.py tests/gpu/test_gpu_graphs.py tests/gpu/test_gpu_moe_mla.py \
+  tests/kernels/test_gpu_moe_mla_kernels.py
 step bench_tp 1500 python3 bench/tp.py --out "$OUT/tp" --serve
 python3 bench/gate_table.py "$OPENINFER_GATE_LOG" > "$OUT/gate.md" 2>&1
 [ -f "$OUT/tp/tp.md" ] && cat "$OUT/tp/tp.md"

@@ -10,7 +10,7 @@ cut (each running sequence still takes its one token, as with the token budget a
 first prefill chunk gets at least MIN_PREFILL tokens, so every prompt progresses whatever the decodes
 take. Four, not one: late in a long prompt a step's read of the prompt's own context is most of its cost
 (8k tokens of SmolLM2 on the CPU: ~23 tokens' worth). With SmolLM2's CPU cost model and defaults, 8 streams
-decoding, then an 8,101-token prompt (tests/test_step_budget.py's run), a step late in the prompt holds the
+decoding, then an 8,101-token prompt (tests/engine/test_step_budget.py's run), a step late in the prompt holds the
 decodes and a chunk of ~7 tokens: at 0.13 s + 3.5 ms a token's worth, ~0.47 s.
 """
 from __future__ import annotations

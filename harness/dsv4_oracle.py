@@ -5,7 +5,7 @@ The indexer keeps each query's `index_topk` best compressed entries by score = s
 weight · relu(q · k). Entries whose every head's q · k is negative all score exactly 0, so equal scores at the
 top-k's edge are common (with 2 index heads about a quarter of the entries), and which of them torch.topk
 keeps is unspecified: transformers' no-cache forward over a sequence and over its prefix keep different ones
-(tests/test_free_running_dsv4.py shows it), so its full recompute is no oracle there. `index_tie_rule` makes
+(tests/models/test_free_running_dsv4.py shows it), so its full recompute is no oracle there. `index_tie_rule` makes
 the choice the one the engine makes (cpu_dsv4_attention.indexer_pick): among equal scores the lower entry
 index first. It changes nothing where the scores at the edge differ.
 

@@ -1,4 +1,4 @@
-"""Models of the free-running gate (tests/test_free_running.py): every line's tiny model with a small vocabulary
+"""Models of the free-running gate (tests/models/test_free_running.py): every line's tiny model with a small vocabulary
 (GATE_VOCAB rows: the gate runs thousands of steps on each side, and the vocabulary's rows dominate a tiny
 model's step), seeded random tiny configurations per line for the sweeps, and the transformers oracle of a
 folder on any device.

@@ -88,7 +88,7 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
                                       sliding_window=512, tie_word_embeddings=False, rope_theta=1000000.0)),
 }
 
-# The MoE and MLA lines (tests/test_golden_moe.py): experts not a power of two, top-k > 1, dense and
+# The MoE and MLA lines (tests/models/test_golden_moe.py): experts not a power of two, top-k > 1, dense and
 # MoE layers mixed, rope dim != nope dim != v dim, q_lora_rank None and set, group-limited routing.
 SPARSE_MODELS: dict[str, tuple[str, dict]] = {
     # layer 0 dense (mlp_only_layers), layers 1-2 MoE: 6 experts, top-3 renormalized; GQA 2, head_dim 32
@@ -113,7 +113,7 @@ SPARSE_MODELS: dict[str, tuple[str, dict]] = {
         n_group=3, topk_group=2, routed_scaling_factor=1.0, tie_word_embeddings=False, rope_theta=10000.0)),
 }
 
-# The DeepSeek-V3 line (tests/test_golden_dsv3.py): sigmoid routing with a random score correction bias,
+# The DeepSeek-V3 line (tests/models/test_golden_dsv3.py): sigmoid routing with a random score correction bias,
 # q LoRA, one shared expert, a dense first layer, yarn as Kimi-K2's config has it.
 DSV3_MODELS: dict[str, tuple[str, dict]] = {
     # group-limited: 8 experts in 4 groups (best 2 groups by their top-2 sums), top-3 renormalized x 2.5
@@ -133,7 +133,7 @@ DSV3_MODELS: dict[str, tuple[str, dict]] = {
                                           "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 
-# DeepSeek-V4 (tests/test_golden_dsv4.py): one layer of each attention kind (sliding, compressed sparse with the
+# DeepSeek-V4 (tests/models/test_golden_dsv4.py): one layer of each attention kind (sliding, compressed sparse with the
 # indexer's top-3 of entries of 4 tokens, heavily compressed in entries of 8), the first MLP hash-routed, 3
 # hyper-connection streams, a window of 6 tokens, swiglu_limit low enough to clamp.
 DSV4_MODELS: dict[str, tuple[str, dict]] = {

@@ -1,5 +1,5 @@
 """DeepSeek-V4's own mechanisms in numpy (float32), each one op checked against transformers' module for it
-(tests/test_dsv4_parts.py); the deepseek_v4 model line (engine/models/deepseek_v4.py) runs them, its attention
+(tests/models/test_dsv4_parts.py); the deepseek_v4 model line (engine/models/deepseek_v4.py) runs them, its attention
 (sliding, CSA with the lightning indexer, HCA) is cpu_dsv4_attention.py (docs/models.md, DeepSeek-V4).
 
 * hyper_connection / hc_merge / hyper_head: manifold-constrained hyper-connections (hc_mult residual streams;

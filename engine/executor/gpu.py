@@ -90,7 +90,7 @@ class GpuExecutor(ExecutorBase):
     supports_host_tier = True
     # the scheduler's partial prefix hits (1 token computed, not up to 16) measured not to pay here: that one-token
     # step reads the whole context as a decode and is not overlapped (bench/results/prefix-ttft-gpu.md, 2026-12-04;
-    # 21.3 against 17.4 ms at 32k). The block copies themselves work (tests/test_gpu_partial_hit.py).
+    # 21.3 against 17.4 ms at 32k). The block copies themselves work (tests/gpu/test_gpu_partial_hit.py).
     supports_block_copies = False
     supports_draft_verify = True    # verify steps: gpu_verify.py (sized by options.num_speculative_tokens)
     ops_class = GpuOps              # a tensor-parallel rank's executor runs its own (engine/parallel)

@@ -16,7 +16,7 @@ Build once per checkout (no GPU needed): ``python -m openinfer_kernels.cute.buil
     else:
         print(cute.available().reason)
 
-Validation status and H200 numbers: bench/results/kernels.md (``tests/test_cute_gpu.py`` must pass
+Validation status and H200 numbers: bench/results/kernels.md (``tests/kernels/test_cute_gpu.py`` must pass
 on the GPU before the engine relies on a kernel).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ the scales are stored MN-major, ``s[kb, m]`` (DeepGEMM's layout). Weights are e4
 ``y[m, n] = sum_kb sw(n, kb) · s[kb, m] · sum_k q[m, k] · w[n, k]``: ``w8a8_exact`` computes it in float64
 (the e4m3 products are exact), the kernels in float32 from the same e4m3 operands. ``error_floor`` is what
 the activation quantization alone costs against the float product with the dequantized weights: the GPU
-gate of the kernels is a bound set from it (tests/test_gpu_quant_kernels.py).
+gate of the kernels is a bound set from it (tests/kernels/test_gpu_quant_kernels.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,92 @@
+"""GPU accuracy gate of the DeepSeek-V4 line (the tiny model of harness DSV4_MODELS: one sliding, one
+compressed-sparse and one heavily-compressed layer, a hash-routed MLP first, 3 hyper-connection streams) by the
+DESIGN.md floor method, as test_gpu_moe_mla / test_gpu_dsv3 run it (HF float32 the oracle, HF bf16 vs float32 the
+floor): prefill, decode, chunked prefill, each GEMM library, batch 1 twice bit-identical, batched == batch 1, mixed
+steps, a prefix-cache hit equal to a full prefill. Plus the line's real checkpoint format on the GPU (dequantized at
+load, uploaded as bf16): FP8 projections and FP4 experts (bench/deepseek_weights.py's writer, at a small width)
+against transformers on the dequantized weights.
+
+The line runs eager steps only (DeepseekV4ForCausalLM.cuda_graphs is False): an executor built with CUDA graphs on
+holds no decode graphs (no LoRA or piecewise ones either), captures nothing at warm-up, and decodes as one built
+with them off; so there are no bucket tests here.
+"""
+from __future__ import annotations
+
+import pytest
+
+import test_gpu_moe_mla as moe_mla
+from engine.loader import load_model
+from harness.executors import new_gpu_executor
+from harness.models import DSV4_MODELS, engine_logits, random_sequences, tiny_model_path
+from test_gpu_executor import (MIN_TIE_TOL, assert_gate, assert_same_or_tie, gate_row, greedy,  # noqa: F401
+                               hf_gpu_models, hf_run, test_tiny_batch1_deterministic, test_tiny_batched_equals_batch1,
+                               test_tiny_gate, test_tiny_gate_gemm_library)
+from test_gpu_moe_mla import test_tiny_mixed_steps_gate  # noqa: F401
+
+pytestmark = pytest.mark.gpu
+NAMES = sorted(DSV4_MODELS)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def tiny(request):
+    yield from moe_mla.tiny_case(request.param)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prefix_hit_equals_full_prefill(name):
+    moe_mla.test_prefix_hit_equals_full_prefill(name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_eager_steps_only_with_cuda_graphs_on(name):
+    """cuda_graphs on (the default) builds no graphs for this line; its decode steps are eager and give the
+    greedy tokens of an executor built with graphs off, in batches that straddled the other lines' buckets."""
+    from engine.batch import ModelBatch, SeqStep
+    from engine.request import SamplingParams
+
+    model = load_model(tiny_model_path(name))
+    assert model.model.cuda_graphs is False
+    ex, eager = new_gpu_executor(model), new_gpu_executor(model, cuda_graphs=False)
+    try:
+        assert ex.options.cuda_graphs
+        assert ex.graphs is None and ex.lora_graphs is None and ex.piecewise is None
+        assert ex.warm_up() is False                     # nothing to capture
+        identical = total = 0
+        for n in (1, 3, 5, 9):
+            prompts = random_sequences(model.config.vocab_size, [3 + 7 * i % 29 for i in range(n)], seed=n)
+            g, e = greedy(ex, prompts, 10), greedy(eager, prompts, 10)
+            for p, a, b in zip(prompts, g, e):
+                identical += assert_same_or_tie(eager, p, a, b, MIN_TIE_TOL, f"{name} graphs on vs off, batch {n}")
+                total += 1
+        print(f"{name}: cuda_graphs on == off greedy {identical}/{total} sequences over 10 steps")
+        step = SeqStep(seq_id=0, token_ids=[5], start_pos=0, block_table=[0], sample=True,
+                       params=SamplingParams(temperature=0.0))
+        ex.execute(ModelBatch.build([step]))
+        assert ex.last_step_graphed is False
+    finally:
+        ex.close()
+        eager.close()
+
+
+def test_fp8_checkpoint_with_fp4_experts_gate(tmp_path):
+    """A DeepSeek-V4 folder in the line's real format (FP8 projections with ue8m0 block scales, FP4 experts; the
+    benchmark config's 4-layer cut at a small width, tests/models/test_quantized_weights.py) on the GPU against HF float32 /
+    bf16 on the same weights dequantized (the floor method)."""
+    from bench.deepseek_weights import write_random_quantized
+    from harness.quantized import dequantized_copy
+    from test_quantized_weights import tiny_v4_config
+
+    path = str(tmp_path / "fp8")
+    write_random_quantized(tiny_v4_config(tmp_path), path, "fp8", device="cpu")
+    oracle = dequantized_copy(path, str(tmp_path / "ref"))
+    model = load_model(path)
+    seqs = random_sequences(model.config.vocab_size, [64, 29], seed=3)
+    m32, m16 = hf_gpu_models(oracle)
+    o32, o16 = [hf_run(m32, s) for s in seqs], [hf_run(m16, s) for s in seqs]
+    del m32, m16
+    ex = new_gpu_executor(model)
+    try:
+        assert_gate(gate_row("deepseek_v4/fp8-fp4/chunked", engine_logits(ex, seqs, prefill=5, chunks=[1, 7]),
+                             o32, o16))
+    finally:
+        ex.close()
