@@ -1,31 +1,37 @@
-"""The numpy executor's step cost (engine/step_budget.py StepCost) for a model, from its shape.
+"""The numpy executor's step cost (engine/step_budget.py StepCost) for a model, from its shape: bytes
+read and multiply-adds, at rates measured on the 2-core machine (one BLAS thread).
 
-One token's linear layers cost a multiply-add per layer weight. One key of a sequence's context costs
-reading its K and V out of the paged pool (float32, every layer; staged a group of blocks at a time and
-read there by the two products, engine/executor/cpu_attention.py: memory-bound), KV_BYTE_MACS
-multiply-adds' worth per byte. One (new token, key) pair costs its
-score and its share of the output, 2 x head_dim multiply-adds per head and layer, and the softmax's
-passes over the scores, SOFTMAX_MACS' worth.
+The linear layers read their float32 weights once a step: at one row as matrix-vector products
+(GEMV_BYTES_S), from two rows on as OpenBLAS's matrix products, which pack the weights first and read them
+at well under half that rate (GEMM_BYTES_S), plus each row's multiply-adds (GEMM_MACS_S); the lm_head
+likewise over the rows a step samples. A sequence costs SEQ_LAYER_S a layer (its attention's calls);
+one key of its context, reading its K and V out of the paged pool (staged a group of blocks at a time,
+engine/executor/cpu_attention.py: memory-bound), KV_BYTES_S; one (new token, key) pair its score and
+share of the output, 2 x head_dim multiply-adds per head and layer, and the softmax's passes over the
+scores, SOFTMAX_MACS' worth, at ATTENTION_MACS_S. A step aims at TARGET_S.
 
-Measured with SmolLM2-135M (106.2 M layer multiply-adds a token, 46,080 KV bytes a key, 30 layers x 9
-heads of 64) on the 2-core machine, one BLAS thread, whole steps (`bench/cpu_step_cost.py`: CPU time, best
-of 4; the KV blocks scattered over the pool as a server's are; 2026-12-06): a token 3.3-3.6 ms, a key
-9.7-11 us (15-22 us before the staged attention), a pair 1.7-2.4 us; taken as 3.5 ms, 10 us (1/350
-token) and 2.2 us (1/1,600 token). A step
-may hold MIN_STEP_S of work at that core's rate (MAC_RATE) whatever its token budget: the CPU default's 76
-tokens of SmolLM2 (engine/limits.py), so a smaller model's steps are not cut finer.
+Measured with SmolLM2-135M (Q4_1 GGUF dequantized to float32: 424.8 MB of layer weights, 113.2 MB of
+lm_head; 46,080 KV bytes a key, 30 layers x 9 heads of 64) on the 2-core Xeon @ 2.80 GHz, shared,
+2026-12-06 (CPU time, medians; bench/results/reliability.md):
+`python -m bench.cpu_step_cost --products 1,2,3,4,6,8,12,16,24,32,48,64,80,96 --reps 9`: the layers
+TODO.
+The attention terms from whole steps (`python -m bench.cpu_step_cost`, best of 4, earlier that day):
+a key 9.7-11 us, a pair 1.7-2.4 us; taken as 10 us and 2.2 us.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from engine.limits import DEFAULT_LIMITS
-from engine.step_budget import StepCost
+from engine.step_budget import Products, StepCost
 
-KV_BYTE_MACS = 6.6           # 106.2e6 / 350 / 46,080
-SOFTMAX_MACS = 118.0         # per (head, pair), beyond 2 x head_dim: 106.2e6 / 1,600 / 270 - 128
-MAC_RATE = 106.2e6 / 3.5e-3  # multiply-adds a second of one core
-MIN_STEP_S = DEFAULT_LIMITS["cpu"][1] * 3.5e-3   # the work a step may hold at least (the default's SmolLM2 tokens)
+GEMV_BYTES_S = 13.3e9        # weights read by matrix-vector products (one row)
+GEMM_BYTES_S = 5.7e9         # weights read by matrix products (two rows or more: OpenBLAS packs them)
+GEMM_MACS_S = 41e9           # a matrix product's multiply-adds
+SEQ_LAYER_S = 60e-6          # a sequence's attention calls, a layer
+KV_BYTES_S = 46_080 / 10e-6  # a key's K and V read out of the pool
+SOFTMAX_MACS = 118.0         # per (head, pair), beyond 2 x head_dim
+ATTENTION_MACS_S = 30.3e9    # a pair's products and softmax
+TARGET_S = 0.40              # a step's aim: under 0.5 s with ~20% for the model's error on a shared machine
 
 
 def layer_macs(config, weights: dict[str, np.ndarray]) -> float:
@@ -44,10 +50,17 @@ def layer_macs(config, weights: dict[str, np.ndarray]) -> float:
     return max(total, 1.0)
 
 
+def products(macs: float) -> Products:
+    """Products of `macs` float32 weights (4 bytes each, read once a step) at this machine's rates."""
+    return Products(one=4 * macs / GEMV_BYTES_S, many=4 * macs / GEMM_BYTES_S, row=macs / GEMM_MACS_S)
+
+
 def cpu_step_cost(config, weights: dict[str, np.ndarray], kv_bytes_per_token: int) -> StepCost:
     """StepCost of the numpy executor for a model (config: its ModelConfig; kv_bytes_per_token: what one
     token keeps in the float32 KV pool, every layer)."""
-    token = layer_macs(config, weights)
-    pair = config.num_hidden_layers * config.num_attention_heads * (2 * config.head_dim + SOFTMAX_MACS)
-    return StepCost(key=kv_bytes_per_token * KV_BYTE_MACS / token, pair=pair / token,
-                    min_work=MIN_STEP_S * MAC_RATE / token)
+    layers = config.num_hidden_layers
+    pair = layers * config.num_attention_heads * (2 * config.head_dim + SOFTMAX_MACS)
+    head = weights.get("lm_head", weights.get("embed_tokens"))
+    return StepCost(layers=products(layer_macs(config, weights)), head=products(head.size if head is not None else 0),
+                    seq=layers * SEQ_LAYER_S, key=kv_bytes_per_token / KV_BYTES_S, pair=pair / ATTENTION_MACS_S,
+                    target=TARGET_S)

@@ -17,7 +17,7 @@ from engine.events import Finished, Token
 from engine.request import GenerateRequest, SamplingParams
 from engine.speculative import SpeculativeConfig
 from engine.speculator import Speculator
-from engine.step_budget import MIN_PREFILL, StepBudget, StepCost
+from engine.step_budget import MIN_PREFILL, Products, StepBudget, StepCost
 from memory.kv_pool import BLOCK_SIZE, blocks_for
 from memory.prefix_hash import hash_chain
 
@@ -278,7 +278,8 @@ def test_drafts_never_take_a_decode_or_the_first_prefill_chunk():
     late = GenerateRequest("late", list(range(100, 160)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     off, _ = run(streams + [late], max_num_batched_tokens=12)
     ex = FakeExecutor()
-    ex.step_cost = cost = StepCost(key=0.05, pair=0.02)
+    ex.step_cost = cost = StepCost(Products(1.0, 0.0, 1.0), Products(0.0, 0.0, 0.0), 0.0, key=0.05, pair=0.02,
+                                   target=12)
     engine = make_engine(ex, speculative_config=SPEC, max_num_batched_tokens=12)
     engine.speculator.proposer = ScriptedProposer(reference(off, streams + [late]), 0.0, 262)
     events = {r.request_id: submit(engine, r) for r in streams}
@@ -295,7 +296,7 @@ def test_drafts_never_take_a_decode_or_the_first_prefill_chunk():
         for s in step.seqs:
             steps_of.setdefault(s.seq_id, []).append(at)
         assert sum(len(s.token_ids) for s in step.seqs) <= 12
-        work = np.cumsum([cost.of(s.start_pos, len(s.token_ids)) for s in step.seqs])
+        work = np.cumsum([len(s.token_ids) + cost.own(s.start_pos, len(s.token_ids)) for s in step.seqs])
         assert all(w <= 12 + 1e-9 for w, s in zip(work, step.seqs) if s.num_drafts), step.seqs  # drafts fit the work left
     assert all(at == list(range(at[0], at[-1] + 1)) for at in steps_of.values()), steps_of    # none skipped
     assert sum(s.num_drafts for step in ex.steps for s in step.seqs) > 20
