@@ -40,9 +40,11 @@ class Products:
 
 @dataclass(frozen=True)
 class StepCost:
-    """A step's modelled time, seconds: the decoder layers' products over all its rows, the lm_head's
-    over the rows it samples (one a sequence, every row of a verify), and each sequence's own part
-    (own()). target: the time a step aims at."""
+    """A step's modelled time, seconds: its fixed part (`base`: the calls of its embedding, norms,
+    sampling), the decoder layers' products over all its rows, the lm_head's over the rows it samples
+    (one a sequence, every row of a verify), and each sequence's own part (own()). target: the time a
+    step aims at."""
+    base: float
     layers: Products
     head: Products
     seq: float                  # a sequence's fixed share (its attention's calls, every layer)
@@ -58,7 +60,7 @@ class StepCost:
 
     def time(self, rows: int, sampled: int, own: float) -> float:
         """A step of `rows` rows sampling `sampled`, its sequences' own parts summing to `own`."""
-        return self.layers.of(rows) + self.head.of(sampled) + own
+        return self.base + self.layers.of(rows) + self.head.of(sampled) + own
 
 
 @dataclass
@@ -80,7 +82,7 @@ class StepBudget:
     def of(cls, max_num_batched_tokens: int, cost: StepCost | None) -> "StepBudget":
         if cost is None:
             return cls(max_num_batched_tokens)
-        tokens = cost.layers.of(max_num_batched_tokens) + cost.head.of(1)
+        tokens = cost.base + cost.layers.of(max_num_batched_tokens) + cost.head.of(1)
         return cls(max_num_batched_tokens, cost, max(cost.target, tokens))
 
     def time(self) -> float:

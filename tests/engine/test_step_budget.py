@@ -39,7 +39,7 @@ def random_cost(rng: random.Random) -> StepCost:
     one, head_one = rng.choice([0.03, 0.1]), rng.choice([0.0, 0.01])
     layers = Products(one, many=one * rng.choice([1.0, 2.5]), row=rng.choice([0.0, 0.003]))
     head = Products(head_one, many=head_one * rng.choice([1.0, 2.5]), row=rng.choice([0.0, 6e-4]))
-    return StepCost(layers, head, seq=rng.choice([0.0, 2e-3]), key=rng.choice([0.0, 1e-5, 1e-3]),
+    return StepCost(rng.choice([0.0, 0.01]), layers, head, seq=rng.choice([0.0, 2e-3]), key=rng.choice([0.0, 1e-5, 1e-3]),
                     pair=rng.choice([0.0, 2e-6, 1e-4]), target=rng.uniform(0.05, 1.0))
 
 
@@ -152,7 +152,7 @@ def check_steps(ex: InstantExecutor, cost: StepCost, long_len: int, streams: int
     limit = StepBudget.of(tokens, cost).limit
     for rows in ex.steps:
         assert sum(1 for p, _, _ in rows if p == 24) == streams, rows    # no stream waits a step
-        time = cost.layers.of(sum(k for _, _, k in rows)) + cost.head.of(len(rows))
+        time = cost.base + cost.layers.of(sum(k for _, _, k in rows)) + cost.head.of(len(rows))
         time += sum(cost.seq + (start + k) * cost.key + k * (start + k) * cost.pair for _, start, k in rows)
         chunks = [(start, k) for p, start, k in rows if p == long_len and start < long_len]
         assert time <= limit + 1e-9 or (len(chunks) == 1 and chunks[0][1] <= MIN_PREFILL), (rows, time)
@@ -215,7 +215,7 @@ def test_prompt_logprobs_and_outputs_are_the_same_under_a_tight_cost_model():
         chunks = [(s.start_pos, len(s.token_ids)) for b in ex.steps for s in b.seqs if s.want_prompt_logprobs]
         return stream, long, chunks
 
-    stream, long, chunks = run(StepCost(Products(1.0, 0.0, 1.0), Products(0.0, 0.0, 0.0), 0.0, key=0.5, pair=0.01,
+    stream, long, chunks = run(StepCost(0.0, Products(1.0, 0.0, 1.0), Products(0.0, 0.0, 0.0), 0.0, key=0.5, pair=0.01,
                                         target=32))
     ref_stream, ref_long, ref_chunks = run(None)
     assert len(chunks) > len(ref_chunks) and all(n <= MIN_PREFILL + 1 for start, n in chunks if start >= 40)
@@ -240,6 +240,6 @@ def test_a_small_model_is_bound_by_its_tokens_and_a_larger_budget_is_kept(demo_c
     tokens = DEFAULT_LIMITS["cpu"][1]
     assert StepBudget.of(tokens, demo_cost).fit(0, 500) == tokens
     budget = StepBudget.of(512, demo_cost)
-    assert budget.limit == pytest.approx(demo_cost.layers.of(512) + demo_cost.head.of(1))
+    assert budget.limit == pytest.approx(demo_cost.base + demo_cost.layers.of(512) + demo_cost.head.of(1))
     assert budget.limit > TARGET_S
     assert budget.fit(0, 600) > 4 * tokens

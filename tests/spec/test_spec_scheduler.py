@@ -278,7 +278,7 @@ def test_drafts_never_take_a_decode_or_the_first_prefill_chunk():
     late = GenerateRequest("late", list(range(100, 160)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     off, _ = run(streams + [late], max_num_batched_tokens=12)
     ex = FakeExecutor()
-    ex.step_cost = cost = StepCost(Products(1.0, 0.0, 1.0), Products(0.0, 0.0, 0.0), 0.0, key=0.05, pair=0.02,
+    ex.step_cost = cost = StepCost(0.0, Products(1.0, 0.0, 1.0), Products(0.0, 0.0, 0.0), 0.0, key=0.05, pair=0.02,
                                    target=12)
     engine = make_engine(ex, speculative_config=SPEC, max_num_batched_tokens=12)
     engine.speculator.proposer = ScriptedProposer(reference(off, streams + [late]), 0.0, 262)
