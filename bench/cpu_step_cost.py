@@ -30,12 +30,12 @@ from engine.step_budget import StepBudget  # noqa: E402
 from memory.kv_pool import blocks_for  # noqa: E402
 
 
-def cpu_times(run, reps: int) -> np.ndarray:
-    """CPU seconds of `reps` calls of run()."""
+def cpu_times(run, reps: int, *args) -> np.ndarray:
+    """CPU seconds of `reps` calls of run(*args)."""
     out = []
     for _ in range(reps):
         t = time.process_time()
-        run()
+        run(*args)
         out.append(time.process_time() - t)
     return np.array(out)
 
@@ -60,7 +60,7 @@ def steps(ex: CpuExecutor, specs: list[tuple[int, int, int, int]], per_seq: int,
             seqs.append(SeqStep(i + 1, [5], c, order[at:at + blocks_for(c + 1)], True))
             at += blocks_for(c + 1)
         batch = ModelBatch.build(seqs)
-        t = cpu_times(lambda: ex.execute(batch), reps) * 1e3
+        t = cpu_times(ex.execute, reps, batch) * 1e3
         print(f"n={n} s={s} d={d} c={c}: {t.min():.1f} ms CPU best, {np.median(t):.1f} median "
               f"(model {modelled(ex, n, s, d, c) * 1e3:.1f})", flush=True)
 
@@ -71,6 +71,11 @@ def fit(rows: list[int], seconds: list[float]) -> tuple[float, float, float]:
     more = [r for r in rows if r > 1]
     row, many = np.polyfit(more, [at[r] for r in more], 1) if len(more) > 1 else (0.0, at.get(more[0], 0.0))
     return at.get(1, 0.0), float(many), float(row)
+
+
+def linear_layers(ex: CpuExecutor, xs: dict[int, np.ndarray], mats: list[np.ndarray]) -> None:
+    for w in mats:
+        ex.ops.linear(xs[w.shape[1]], w)
 
 
 def products(ex: CpuExecutor, rows: list[int], reps: int) -> None:
@@ -84,7 +89,7 @@ def products(ex: CpuExecutor, rows: list[int], reps: int) -> None:
         line = [f"rows={r}:"]
         for name, mats in parts.items():
             xs = {w.shape[1]: rng.standard_normal((r, w.shape[1]), dtype=np.float32) for w in mats}
-            t = cpu_times(lambda: [ex.ops.linear(xs[w.shape[1]], w) for w in mats], reps) * 1e3
+            t = cpu_times(linear_layers, reps, ex, xs, mats) * 1e3
             medians[name].append(float(np.median(t)) / 1e3)
             line.append(f"{name} median {np.median(t):.1f} ms, p90 {np.percentile(t, 90):.1f}")
         print(" ".join(line), flush=True)

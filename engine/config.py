@@ -21,8 +21,8 @@ class EngineConfig:
     model: an HF model folder or a .gguf file; None serves the built-in demo model.
     max_model_len: prompt + output token limit per sequence; None takes the model's own limit.
     max_num_seqs / max_num_batched_tokens: sequences / tokens per step; None takes the device's
-    default (engine/limits.py DEFAULT_LIMITS: vLLM's 256 / 8192 on the GPU). With the CPU executor the tokens bound the
-    step's work too (its StepCost counts attention: engine/step_budget.py).
+    default (engine/limits.py DEFAULT_LIMITS: vLLM's 256 / 8192 on the GPU). With the CPU executor a modelled time
+    bounds the step too (its StepCost: engine/step_budget.py).
     num_kv_blocks: size of the paged KV pool in 16-token blocks; None lets the executor size
     it (from gpu_memory_utilization on the GPU).
     enable_chunked_prefill: split prompts longer than a step's token budget over several steps

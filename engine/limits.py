@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# vLLM's defaults on a GPU. On the CPU a step of the demo model takes ~0.13 s + 3.5 ms a token's worth of work
-# (its attention counted: engine/step_budget.py) on one core of a 2-core machine: 76 aims at 0.40 s, which keeps
-# it under 0.5 s with the ~20% by which whole steps ran over that model on the shared machine (2026-12-06).
+# vLLM's defaults on a GPU. On the CPU the executor's cost model bounds a step's time as well (0.40 s on a core of
+# the 2-core machine: engine/executor/cpu_cost.py); 76 tokens of a fresh prompt beside 8 decodes of the demo model
+# are ~0.37 s of it, so the tokens bind at a prompt's start and the time later.
 DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (64, 76)}   # device -> (max_num_seqs, max_num_batched_tokens)
 
 

@@ -20,7 +20,7 @@ scheduling overlaps the device.
 
 Speculative decoding (engine/speculator.py): a decoding sequence with draft_ids feeds its last token and as
 many drafts as the step budget leaves (a verify step, SeqStep.num_drafts): tokens, less one for each running
-sequence after it and MIN_PREFILL for a waiting prompt, and work (the drafts are cut to it, the decode never
+sequence after it and MIN_PREFILL for a waiting prompt, and time (the drafts are cut to it, the decode never
 is; a verify step is no prefill: the first prefill chunk's MIN_PREFILL stands); KV blocks for all of them. After
 the step (advance, told how many drafts each step accepted) only the accepted positions count as computed: the
 rejected ones' slots are written over later, blocks that hold nothing but rejected positions past the next
@@ -65,7 +65,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, limits: StepLimits, host_tier: HostTier | None = None,
                  state_slots: StateSlots | None = None, max_loras: int = 0, step_cost: StepCost | None = None):
         self.bm = block_manager
-        self.step_cost = step_cost               # the executor's cost model: work bounds chunks too (step_budget.py)
+        self.step_cost = step_cost               # the executor's cost model: time bounds chunks too (step_budget.py)
         self.state_slots = state_slots           # per-sequence state slots (None: the line keeps none)
         self.max_loras = max_loras               # > 0: at most this many LoRA adapters among the running
         self.chunked_prefill = limits.chunked_prefill   # off: a prompt's prefill runs in one step or waits
@@ -113,7 +113,7 @@ class Scheduler:
         return out
 
     def new_budget(self) -> StepBudget:
-        """A step's budget: max_num_batched_tokens tokens, and as much work under the executor's StepCost."""
+        """A step's budget: max_num_batched_tokens tokens, and a time under the executor's StepCost."""
         return StepBudget.of(self.max_num_batched_tokens, self.step_cost if self.chunked_prefill else None)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: StepBudget, in_flight: frozenset[int] = frozenset()) -> None:

@@ -79,7 +79,7 @@ class StepBudget:
     prefilled: bool = False
 
     @classmethod
-    def of(cls, max_num_batched_tokens: int, cost: StepCost | None) -> "StepBudget":
+    def of(cls, max_num_batched_tokens: int, cost: StepCost | None) -> StepBudget:
         if cost is None:
             return cls(max_num_batched_tokens)
         tokens = cost.base + cost.layers.of(max_num_batched_tokens) + cost.head.of(1)
@@ -95,7 +95,9 @@ class StepBudget:
     def most_within(self, start: int, n: int, verify: bool = False) -> int:
         """The most tokens m <= n fed after `start` (each sampled where `verify`, else one row) that keep
         the step within its limit (0 if none): the step's time grows with m, so a bisection finds it."""
-        fits = lambda m: self._time_with(start, m, m if verify else 1) <= self.limit  # noqa: E731
+        def fits(m: int) -> bool:
+            return self._time_with(start, m, m if verify else 1) <= self.limit
+
         if n <= 0 or not fits(1):
             return 0
         lo, hi = 1, n                       # fits(lo); the answer is in [lo, hi]

@@ -44,7 +44,7 @@ class Executor(Protocol):
     last_step_graphed: bool     # the last step replayed a CUDA graph (the step trace's mode)
     last_host_s: float          # host time of the last step up to its launch (0.0: not measured)
     num_state_slots: int        # per-sequence state slots (linear-attention lines; 0: none)
-    step_cost: StepCost | None  # what attention adds to a step, in tokens (None: the token budget alone bounds it)
+    step_cost: StepCost | None  # a step's modelled time (None: the token budget alone bounds it)
     supports_draft_verify: bool  # steps with draft tokens (SeqStep.num_drafts) are verified: speculative decoding
     supports_eagle3: bool       # attach_eagle3 works: an EAGLE-3 head drafts from the target's hidden states
     world_size: int             # ranks a step runs on (tensor parallelism; 1: this executor alone)
@@ -131,7 +131,7 @@ class ExecutorBase:
     last_step_graphed = False     # the last step replayed a CUDA graph
     last_host_s = 0.0             # host time of the last step up to its launch (the GPU executor measures it)
     num_state_slots = 0
-    step_cost = None              # a StepCost (engine/step_budget.py): work bounds a step besides its tokens
+    step_cost = None              # a StepCost (engine/step_budget.py): time bounds a step besides its tokens
     supports_draft_verify = False  # a step with draft tokens is refused: no speculative decoding
     supports_eagle3 = False       # no EAGLE-3 head drafts (attach_eagle3)
     world_size = 1

@@ -5,6 +5,7 @@ keeps its token every step, and the GPU's budget (no cost model) stays vLLM's to
 from __future__ import annotations
 
 import random
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -52,9 +53,10 @@ def test_most_within_is_the_largest_chunk_that_fits():
         for _ in range(rng.randrange(0, 4)):
             budget.spend(rng.randrange(0, 4000), 1, prefill=False)
         start, n, verify = rng.randrange(0, 9000), rng.randrange(0, 300), rng.random() < 0.3
-        with_m = lambda m: budget.cost.time(budget.rows + m, budget.sampled + (m if verify else 1),  # noqa: E731
-                                            budget.own + budget.cost.own(start, m))
-        want = max((m for m in range(n + 1) if m == 0 or with_m(m) <= budget.limit), default=0)
+        cost, sampled = budget.cost, [m if verify else 1 for m in range(n + 1)]
+        times = [cost.time(budget.rows + m, budget.sampled + sampled[m], budget.own + cost.own(start, m))
+                 for m in range(n + 1)]
+        want = max((m for m in range(n + 1) if m == 0 or times[m] <= budget.limit), default=0)
         assert budget.most_within(start, n, verify) == want, (budget, start, n, verify)
 
 
@@ -63,8 +65,8 @@ def test_the_linear_layers_cost_grows_with_rows_and_jumps_from_one(demo_cost):
     row's matrix-vector product (the OpenBLAS packing the issue measured); from there on each row adds
     its multiply-adds; the lm_head likewise, a quarter of the layers' weights."""
     for products in (demo_cost.layers, demo_cost.head):
-        times = [products.of(r) for r in range(0, 257)]
-        assert times[0] == 0 and all(a < b for a, b in zip(times, times[1:]))
+        times = [products.of(r) for r in range(257)]
+        assert times[0] == 0 and all(a < b for a, b in pairwise(times))
         assert times[2] > 2 * times[1]
     assert 0.2 < demo_cost.head.one / demo_cost.layers.one < 0.35
     macs = 106.2e6                                       # SmolLM2-135M's decoder-layer multiply-adds a token
@@ -85,7 +87,7 @@ def test_the_chunk_shrinks_as_its_context_grows_and_the_step_stays_within_its_ta
         budget.spend(start, n, prefill=True)
         sizes.append(n)
         assert n == MIN_PREFILL or budget.time() <= TARGET_S
-    assert all(a >= b for a, b in zip(sizes, sizes[1:])) and sizes[0] > 4 * sizes[-1], sizes
+    assert all(a >= b for a, b in pairwise(sizes)) and sizes[0] > 4 * sizes[-1], sizes
 
 
 def test_without_a_cost_model_the_budget_is_tokens():
