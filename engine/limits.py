@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# vLLM's defaults on a GPU. On the CPU the executor's cost model bounds a step's time as well (0.40 s on a core of
-# the 2-core machine: engine/executor/cpu_cost.py); 76 tokens of a fresh prompt beside 8 decodes of the demo model
-# are ~0.37 s of it, so the tokens bind at a prompt's start and the time later.
+# vLLM's defaults on a GPU. On the CPU the executor's cost model bounds a step's time as well (0.35 s on a core of
+# the 2-core machine: engine/executor/cpu_cost.py); 76 tokens of a fresh prompt alone are ~0.29 s of it, so alone
+# the tokens bind, and beside decodes or late in a long prompt the time.
 DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (64, 76)}   # device -> (max_num_seqs, max_num_batched_tokens)
 
 

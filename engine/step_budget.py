@@ -11,7 +11,7 @@ takes its one token, as with the token budget alone), and the step's first prefi
 MIN_PREFILL tokens, so every prompt progresses whatever the decodes take. Four, not one: late in a long
 prompt a step's read of the prompt's own context is most of its cost. With SmolLM2's CPU cost model and
 defaults, 8 streams decoding, then an 8,101-token prompt (tests/engine/test_step_budget.py's run), a step late in
-the prompt holds the decodes and a chunk of ~9 tokens, modelled at ~0.40 s.
+the prompt holds the decodes and MIN_PREFILL's 4 tokens, modelled at ~0.38 s (the CPU's target: 0.35 s).
 """
 from __future__ import annotations
 
