@@ -21,7 +21,8 @@ from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
 from engine.loader.kv_scales import kv_format_of
 from engine.lora import lora_sites
-from engine.models.quant_linear import Fp8Linear, W4Linear, log_kept
+from engine.models.quant_experts import Fp8Experts, W4Experts, log_kept
+from engine.models.quant_linear import Fp8Linear, W4Linear
 from engine.models.rope import rope_cos_sin
 from engine.sampling import prompt_logprobs, sample_step
 from memory.kv_pool import BLOCK_SIZE, blocks_for, check_block_copies, copy_pool_blocks, host_pool, pool_blocks
@@ -46,8 +47,8 @@ class CpuExecutor(ExecutorBase):
         self.vocab_size, self.max_model_len = cfg.vocab_size, options.max_model_len
         rounding = ROUNDING.get(options.dtype)
         self.weights = {name: self._prepare(a, rounding) for name, a in model.weights.items()}
-        log_kept(model.weights, {"fp8": "W8A8 in numpy (the GPU kernels' numerics, cpu_quant_ops.py)",
-                                 "int4": "numpy on the exactly dequantized weights (W4A16)"})
+        fp8, w4 = "W8A8 in numpy (the GPU kernels' numerics, cpu_quant_ops.py)", "numpy on the dequantized weights (W4A16)"
+        log_kept(model.weights, {Fp8Linear: fp8, Fp8Experts: fp8, W4Linear: w4, W4Experts: w4})
         self.layout = self.model.kv_layout()
         self.kv_format = kv_format_of(options.kv_cache_dtype, model)
         itemsize = self.kv_format.itemsize(4)                      # the numpy pool is float32, or e4m3 bytes
@@ -111,9 +112,9 @@ class CpuExecutor(ExecutorBase):
         """float32 in memory; matrices column-major, so `x @ w.T` reads w.T contiguously (3x faster gemv); a
         kept FP8 weight stays FP8 (its codes as float32 values: cpu_quant_ops.py), a kept int4 one is dequantized
         exactly (W4A16: the product is the dequantized weights')."""
-        if isinstance(a, Fp8Linear):
+        if isinstance(a, (Fp8Linear, Fp8Experts)):
             return host_fp8(a)
-        if isinstance(a, W4Linear):
+        if isinstance(a, (W4Linear, W4Experts)):
             a = a.dequantized()
         if rounding is not None and a.ndim >= 2:
             a = np.asarray(a).astype(rounding)

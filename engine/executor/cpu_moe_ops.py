@@ -1,12 +1,15 @@
 """The mixture-of-experts op family in numpy (float32; ops.moe, models/ops.py MoEOps): the router (RouteSpec)
-and the routed experts over stacked weights. The reference the GPU's routing, permutation and grouped-GEMM kernels are checked
+and the routed experts over stacked weights (FP8 experts kept: each expert's products in W8A8, cpu_quant_ops.py;
+4-bit ones arrive dequantized to the kernels' bf16 values, engine/executor/cpu.py). The reference the GPU's routing, permutation and grouped-GEMM kernels are checked
 against (route_topk and expert_rows are also used by those tests)."""
 from __future__ import annotations
 
 import numpy as np
 
 from engine.executor.cpu_dsv4_ops import argsort_stable, sigmoid, sqrtsoftplus, swiglu_limited, xp_of
+from engine.executor.cpu_quant_ops import w8a8_linear
 from engine.models.ops import RouteSpec
+from engine.models.quant_experts import Fp8Experts
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -53,6 +56,11 @@ def expert_rows(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarr
     return order, np.concatenate([[0], np.cumsum(counts)])
 
 
+def expert_product(x: np.ndarray, w, e: int) -> np.ndarray:
+    """x · expert e of w (stacked float32 [E, N, K], or FP8 experts kept: the W8A8 product)ᵀ."""
+    return w8a8_linear(x, w.expert(e)) if isinstance(w, Fp8Experts) else x @ w[e].T
+
+
 class NumpyMoEOps:
     """ops.moe of the numpy executor; silu_mul: the dense ops' SwiGLU (the experts' activation)."""
 
@@ -70,7 +78,7 @@ class NumpyMoEOps:
         for e in np.flatnonzero(np.diff(offsets)):
             sel = order[offsets[e]:offsets[e + 1]]
             tokens = sel // k
-            gu = x[tokens] @ gate_up[e].T
-            y = (self.silu_mul(gu) if limit is None else swiglu_limited(gu, limit)) @ down[e].T
+            gu = expert_product(x[tokens], gate_up, e)
+            y = expert_product(self.silu_mul(gu) if limit is None else swiglu_limited(gu, limit), down, e)
             np.add.at(out, tokens, y * flat_w[sel][:, None])
         return out

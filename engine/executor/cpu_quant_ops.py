@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.models.quant_experts import Fp8Experts
 from engine.models.quant_linear import Fp8Linear
 from openinfer_kernels.quant.fp8_ref import GROUP, quantize_activations
 
 
-def host_fp8(w: Fp8Linear) -> Fp8Linear:
-    """w with its codes as float32 values, column-major (each block's codes[:, block]ᵀ reads contiguously)."""
-    return Fp8Linear(np.asfortranarray(np.asarray(w.codes).astype(np.float32)), w.scale)
+def host_fp8(w: Fp8Linear | Fp8Experts) -> Fp8Linear | Fp8Experts:
+    """w with its codes as float32 values, each [N, K] matrix column-major (each block's codes[:, block]ᵀ reads
+    contiguously)."""
+    codes = np.asarray(w.codes).astype(np.float32)
+    return type(w)(np.ascontiguousarray(codes.swapaxes(-1, -2)).swapaxes(-1, -2), w.scale)
 
 
 def w8a8_linear(x: np.ndarray, w: Fp8Linear) -> np.ndarray:

@@ -51,7 +51,7 @@ from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE
 from engine.executor.verify_rows import verify_rows
 from engine.loader import LoadedModel
 from engine.executor.gpu_quant_ops import block_scaled_gate_up, device_nbytes, quant_ops_class, upload_quantized
-from engine.models.quant_linear import KEPT
+from engine.models.quant_experts import KEPT
 from engine.models.rope import rope_inv_freq
 from engine.sampling import prompt_logprobs
 from memory.device_arena import DeviceArena, arena_budget, buffers_nbytes

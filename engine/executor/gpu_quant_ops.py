@@ -15,7 +15,8 @@ import numpy as np
 from engine.executor.gpu_fp8_ops import Fp8Device, GpuFp8Linear, upload_fp8
 from engine.executor.gpu_ops import GpuOps, op_range
 from engine.executor.gpu_w4_linear import GpuW4Linear, upload_w4, w4_device_nbytes
-from engine.models.quant_linear import KEPT, Fp8Linear, W4Linear, log_kept
+from engine.models.quant_experts import KEPT, Fp8Experts, W4Experts, log_kept
+from engine.models.quant_linear import Fp8Linear, W4Linear
 from openinfer_kernels.quant.ops import GEMV_MAX_M, W4Weight
 from openinfer_kernels.quant.fp8_ref import GROUP
 

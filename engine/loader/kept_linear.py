@@ -24,8 +24,9 @@ import numpy as np
 
 from engine.loader.quantized import (Fp8BlockFormat, Fp8ChannelFormat, Get, Has, Int4Format, PackedIntFormat,
                                      QuantFormat, channel_scale)
+from engine.models.quant_experts import Fp8Experts, W4Experts, stack_experts
 from engine.models.quant_linear import Fp8Linear, W4Linear, fp8_concat, fp8_per_channel, w4_concat
-from openinfer_kernels.quant.w4_formats import from_compressed_tensors
+from openinfer_kernels.quant.w4_formats import from_compressed_tensors, from_fp4
 from engine.models.weights import WeightSpec
 from openinfer_kernels.quant.fp8_ref import E4M3, GROUP
 
@@ -45,22 +46,50 @@ def check_quantization(quantization: str | None) -> None:
 class LinearKeeper:
     """keep(spec) -> the spec's weight kept quantized, or None (loaded as before)."""
     fmt: QuantFormat | None
-    quantize: bool                  # --quantization fp8: quantize unquantized keepable weights
+    quantize: bool                  # --quantization fp8: quantize unquantized keepable weights (not experts)
     suffixes: tuple[str, ...]
     has: Has
     get: Get
+    expert_suffixes: tuple[str, ...] = ()
 
-    def keep(self, spec: WeightSpec) -> Fp8Linear | W4Linear | None:
-        if spec.experts or not spec.name.endswith(self.suffixes):
+    def keep(self, spec: WeightSpec) -> Fp8Linear | W4Linear | Fp8Experts | W4Experts | None:
+        if spec.experts:
+            return self._experts(spec) if spec.name.endswith(self.expert_suffixes) else None
+        if not spec.name.endswith(self.suffixes):
             return None
         parts = []
         for name, shape in spec.parts:
-            int4 = isinstance(self.fmt, (Int4Format, PackedIntFormat))
-            part = self._w4(name, shape) if int4 else self._part(name, shape)
+            part = self._kept_part(name, shape)
             if part is None:
                 return None
             parts.append(part)
         return w4_concat(parts) if isinstance(parts[0], W4Linear) else fp8_concat(parts)
+
+    def _experts(self, spec: WeightSpec) -> Fp8Experts | W4Experts | None:
+        """Stacked experts kept when every expert's every part is (FP8 blocks / rows, int4 or FP4)."""
+        per = len(spec.parts) // spec.experts
+        if self._kept_part(*spec.parts[0], quantize=False) is None:          # not kept: nothing more read
+            return None
+        groups = [[self._kept_part(name, shape, quantize=False) for name, shape in spec.parts[e * per:(e + 1) * per]]
+                  for e in range(spec.experts)]
+        return None if any(p is None for g in groups for p in g) else stack_experts(groups)
+
+    def _kept_part(self, name: str, shape: tuple[int, ...], quantize: bool = True) -> Fp8Linear | W4Linear | None:
+        if isinstance(self.fmt, (Int4Format, PackedIntFormat)):
+            return self._w4(name, shape)
+        if isinstance(self.fmt, Fp8BlockFormat) and self.has(name) and self.get(name).dtype in (np.int8, np.uint8):
+            return self._fp4(name, shape)
+        return self._part(name, shape, quantize)
+
+    def _fp4(self, name: str, shape: tuple[int, ...]) -> W4Linear | None:
+        """An FP4 part of an fp8 checkpoint (DeepSeek-V4's experts: bytes [N, K/2], ue8m0 scales [N, K/32])."""
+        scale = name[:-len("weight")] + "weight_scale_inv"
+        if not self.has(scale) or len(shape) != 2:
+            return None
+        w4 = from_fp4(self.get(name), self.get(scale))
+        if tuple(w4.codes.shape) != tuple(shape):
+            raise ValueError(f"tensor {name!r} holds fp4 values {tuple(w4.codes.shape)}, expected {shape}")
+        return W4Linear(w4)
 
     def _w4(self, name: str, shape: tuple[int, ...]) -> W4Linear | None:
         """An AWQ / GPTQ / pack-quantized int4 part, kept packed (None: the tensor is not in that format)."""
@@ -76,7 +105,7 @@ class LinearKeeper:
             raise ValueError(f"tensor {name!r} has shape {tuple(w4.codes.shape)}, expected {shape}")
         return None if w4 is None else W4Linear(w4)
 
-    def _part(self, name: str, shape: tuple[int, ...]) -> Fp8Linear | None:
+    def _part(self, name: str, shape: tuple[int, ...], quantize: bool = True) -> Fp8Linear | None:
         base = name[:-len("weight")]
         if not name.endswith(".weight") or not self.has(name) or len(shape) != 2 or shape[1] % GROUP:
             return None
@@ -87,7 +116,7 @@ class LinearKeeper:
         if isinstance(self.fmt, Fp8ChannelFormat) and channel:
             scale = channel_scale(self.get(base + "weight_scale"), shape[0])
             return Fp8Linear(_e4m3(self.get(name), name, shape), scale)
-        if self.quantize and self.fmt is None:
+        if self.quantize and quantize and self.fmt is None:
             w = self.get(name)
             if tuple(w.shape) != shape:
                 raise ValueError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {shape}")
@@ -117,6 +146,6 @@ def linear_keeper(fmt: QuantFormat | None, quantization: str | None, model: Any,
         if not model.kept_quantized:
             raise ValueError(f"--quantization {quantization}: the {model.config.model_type} line keeps no quantized "
                              f"linear layers (its weights would only be dequantized again)")
-    if not model.kept_quantized or (fmt is None and quantization is None):
+    if not (model.kept_quantized or model.kept_experts) or (fmt is None and quantization is None):
         return None
-    return LinearKeeper(fmt, quantization == "fp8", model.kept_quantized, has, get)
+    return LinearKeeper(fmt, quantization == "fp8", model.kept_quantized, has, get, model.kept_experts)

@@ -150,6 +150,9 @@ class DecoderLM:
     # the engine weights (name suffixes) its forward passes only to ops.linear and the fused linear ops, so they
     # may load kept quantized (engine/models/quant_linear.py); () dequantizes every quantized weight at load
     kept_quantized: tuple[str, ...] = ()
+    # the stacked expert weights (name suffixes) it passes only to ops.moe.experts, so they may load kept quantized
+    # (engine/models/quant_experts.py)
+    kept_experts: tuple[str, ...] = ()
     tensor_parallel = False      # engine/parallel/sharding.py knows how to shard its weights
     # layer -> LinearAttentionSpec of the Gated DeltaNet layers (hybrid lines; the GPU checks their shapes)
     linear_specs: Mapping[int, LinearAttentionSpec] = MappingProxyType({})

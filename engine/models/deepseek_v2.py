@@ -27,7 +27,7 @@ from typing import Any
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderLM, LayerOptions, decoder_stack, mlp_block, mlp_weight_specs, \
     model_weight_specs
-from engine.models.moe import ExpertShape, expert_weight_specs, routed_experts
+from engine.models.moe import EXPERT_WEIGHTS, ExpertShape, expert_weight_specs, routed_experts
 from engine.models.ops import Array, MLASpec, Ops, RouteSpec
 from engine.models.weights import WeightSpec, packed
 from memory.kv_pool import KVLayout
@@ -141,6 +141,7 @@ def mla_block(ops: Ops, w: dict[str, Array], residual: Array, normed: Array | No
 class DeepseekV2ForCausalLM(DecoderLM):
     model_type = "deepseek_v2"
     line_config = DeepseekV2Config          # the MLA / MoE fields (DeepSeek-V3: its own subclass)
+    kept_experts = EXPERT_WEIGHTS
 
     def __init__(self, config: ModelConfig):
         self.mla = self.line_config.from_raw(config.raw)

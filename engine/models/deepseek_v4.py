@@ -33,7 +33,7 @@ from typing import Any
 
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderLM, LayerOptions
-from engine.models.moe import ExpertShape
+from engine.models.moe import EXPERT_WEIGHTS, ExpertShape
 from engine.models.ops import Array, RouteSpec
 from engine.models.rope import rope_inv_freq
 from engine.models.weights import WeightSpec, packed, stacked
@@ -146,6 +146,7 @@ class DeepseekV4ForCausalLM(DecoderLM):
     cuda_graphs = False         # the GPU ops allocate and walk the step's sequences on the host: eager steps
     op_families = frozenset({"moe", "dsv4"})
     fp8_kv_cache = False        # its KV rows also hold the compressors' kv and gates, read as they are
+    kept_experts = EXPERT_WEIGHTS
 
     @staticmethod
     def config_fields(d: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,9 @@ from engine.models.ops import Array, Ops, RouteSpec
 from engine.models.weights import WeightSpec, packed, stacked
 
 
+EXPERT_WEIGHTS = ("experts_gate_up_proj", "experts_down_proj")     # DecoderLM.kept_experts of the MoE lines
+
+
 @dataclass(frozen=True)
 class ExpertShape:
     """A model line's routed experts as an executor sizes its buffers: experts, top_k, hidden size and

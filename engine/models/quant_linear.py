@@ -13,15 +13,12 @@ kept packed; the activations stay bf16, the products are exact to the dequantize
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from openinfer_kernels.quant.fp8_ref import E4M3, E4M3_MAX, GROUP
 from openinfer_kernels.quant.w4_formats import SYMMETRIC_ZERO, W4Codes, dequant
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,25 +143,3 @@ def w4_concat(parts: list[W4Linear]) -> W4Linear | None:
         [np.full(w.scales.shape, SYMMETRIC_ZERO, np.uint8) if w.zeros is None else w.zeros for w in ws])
     return W4Linear(W4Codes(np.concatenate([w.codes for w in ws]), np.concatenate([w.scales for w in ws]),
                             ws[0].scale_dtype, zeros, ws[0].group, ws[0].fp4))
-
-
-KEPT = (Fp8Linear, W4Linear)
-
-
-def kept_families(weights: dict) -> dict[str, tuple[str, int]]:
-    """Layer family (the weight name without its layer: "qkv_proj") -> (the kept format, layers)."""
-    out: dict[str, tuple[str, int]] = {}
-    for name, w in weights.items():
-        if isinstance(w, KEPT):
-            family = name.rsplit(".", 1)[-1]
-            fmt, count = out.get(family, (w.describe(), 0))
-            out[family] = (fmt if fmt == w.describe() else "mixed formats", count + 1)
-    return out
-
-
-def log_kept(weights: dict, kernels: dict[str, str]) -> None:
-    """The startup log: per layer family, the format kept and the kernel serving it (kernels: "fp8" / "int4" ->
-    its name in this executor)."""
-    for family, (fmt, count) in sorted(kept_families(weights).items()):
-        kernel = kernels["int4" if fmt.startswith("int4") else "fp8"]
-        log.info("quantized linear %s (%d layers): %s, served by %s", family, count, fmt, kernel)

@@ -15,7 +15,7 @@ from typing import Any
 from engine.model_config import ModelConfig
 from engine.models.decoder import (attention_weight_specs, decoder_stack, mlp_block,
                                    mlp_weight_specs, model_weight_specs)
-from engine.models.moe import ExpertShape, expert_weight_specs, routed_experts
+from engine.models.moe import EXPERT_WEIGHTS, ExpertShape, expert_weight_specs, routed_experts
 from engine.models.ops import Array, Ops, RouteSpec
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.models.weights import WeightSpec
@@ -65,6 +65,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     piecewise_graphs = False
     layerwise_restore = False          # its attention is Qwen3's, but the path is not yet measured on the GPU
     lora = False                       # the routed experts are no LoRA sites
+    kept_experts = EXPERT_WEIGHTS
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)

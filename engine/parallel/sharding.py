@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.model_config import ModelConfig
-from engine.models.quant_linear import KEPT
+from engine.models.quant_experts import KEPT
 from engine.models.registry import build_model, model_types_where
 from engine.models.weights import WeightSpec
 from memory.packed_weight import PackedWeight
