@@ -218,11 +218,21 @@ class GpuMoEOps:
         sh.launch(self.k_silu, (max(1, min(4096, -(-total // 256))),), (256,),
                   (gate_up, out, np.int32(inter), np.int64(total), np.int32(sh.gate_up_interleaved)))
 
+    @staticmethod
+    def expert_dims(w) -> tuple[int, int, int]:
+        """(experts, N, K) of a stacked expert weight."""
+        return tuple(w.shape)
+
+    @staticmethod
+    def fusable(w) -> bool:
+        """The ungrouped decode kernels (moe_gemv.cu) read this expert weight (bf16 [E, N, K])."""
+        return True
+
     def experts(self, x, gate_up, down, weights, ids, residual, limit=None):
         T, H = x.shape
-        E, two_i, _ = gate_up.shape
+        E, two_i, _ = self.expert_dims(gate_up)
         inter = two_i // 2
-        if T <= self.fused_tokens and (limit is None or limit == float("inf")):
+        if T <= self.fused_tokens and self.fusable(gate_up) and (limit is None or limit == float("inf")):
             return self._experts_ungrouped(x, gate_up, down, weights, ids, residual)
         tile_m, rows, row_of, row_token, tile_expert = self.group_experts(ids, E)
         b, sh = self.buf, self.shared

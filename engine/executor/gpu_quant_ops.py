@@ -14,6 +14,7 @@ import numpy as np
 
 from engine.executor.gpu_fp8_ops import Fp8Device, GpuFp8Linear, upload_fp8
 from engine.executor.gpu_ops import GpuOps, op_range
+from engine.executor.gpu_quant_moe import GpuQuantMoEOps, fp8_experts_nbytes, kept_experts_kernels, upload_experts
 from engine.executor.gpu_w4_linear import GpuW4Linear, upload_w4, w4_device_nbytes
 from engine.models.quant_experts import KEPT, Fp8Experts, W4Experts, log_kept
 from engine.models.quant_linear import Fp8Linear, W4Linear
@@ -23,8 +24,10 @@ from openinfer_kernels.quant.fp8_ref import GROUP
 
 def device_nbytes(w) -> int:
     """What one weight takes in the arena: a kept one its packed codes and scales, any other its bf16 values."""
-    if isinstance(w, W4Linear):
+    if isinstance(w, (W4Linear, W4Experts)):
         return w4_device_nbytes(w)
+    if isinstance(w, Fp8Experts):
+        return fp8_experts_nbytes(w)
     if isinstance(w, Fp8Linear):
         N, K = w.shape
         return N * K + int(w.scale.nbytes) + 4 * -(-N // GROUP) * (K // GROUP) + 3 * 256
@@ -32,17 +35,21 @@ def device_nbytes(w) -> int:
 
 
 def block_scaled_gate_up(weights: dict) -> bool:
-    return any(isinstance(w, Fp8Linear) and not w.channel for n, w in weights.items() if n.endswith("gate_up_proj"))
+    """A gate_up weight (dense or experts) kept in FP8 with block scales: its rows cannot be interleaved."""
+    return any(isinstance(w, (Fp8Linear, Fp8Experts)) and not w.channel
+               for n, w in weights.items() if n.endswith("gate_up_proj"))
 
 
 def upload_quantized(arena, weights: dict, stream, interleave) -> dict:
     """The kept weights of `weights` into the arena (interleave(name): its gate_up rows interleaved by 8), said
     per layer family in the startup log."""
-    log_kept(weights, {"fp8": "fp8_quant.cu + gemv_fp8.cu (decode), the CuTe FP8 GEMM (prefill)",
-                       "int4": "gemv_w4.cu (decode), w4_dequant.cu + the bf16 GEMM (prefill)"})
-    fp8 = {n: w for n, w in weights.items() if isinstance(w, Fp8Linear)}
-    w4 = {n: w for n, w in weights.items() if isinstance(w, W4Linear)}
-    return {**upload_fp8(arena, fp8, stream, interleave), **upload_w4(arena, w4, stream, interleave)}
+    log_kept(weights, {Fp8Linear: "fp8_quant.cu + gemv_fp8.cu (decode), the CuTe FP8 GEMM (prefill)",
+                       W4Linear: "gemv_w4.cu (decode), w4_dequant.cu + the bf16 GEMM (prefill)",
+                       **kept_experts_kernels()})
+    of = lambda kind: {n: w for n, w in weights.items() if isinstance(w, kind)}    # noqa: E731
+    return {**upload_fp8(arena, of(Fp8Linear), stream, interleave),
+            **upload_w4(arena, of((W4Linear, W4Experts)), stream, interleave),
+            **upload_experts(arena, of(Fp8Experts), stream, interleave)}
 
 
 def quant_ops_class(weights: dict, default: type[GpuOps]) -> type[GpuOps]:
@@ -51,7 +58,8 @@ def quant_ops_class(weights: dict, default: type[GpuOps]) -> type[GpuOps]:
 
 
 class GpuQuantOps(GpuOps):
-    """GpuOps with the quantized-linear parts (ops.fp8, ops.w4)."""
+    """GpuOps with the quantized-linear parts (ops.fp8, ops.w4) and the MoE part serving kept experts."""
+    moe_class = GpuQuantMoEOps
 
     def __init__(self, plan, shared, arena, lm_head_ptr: int, lora_weights: dict | None = None, state=None):
         if "lora" in plan.families:

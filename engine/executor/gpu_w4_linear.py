@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.executor.gpu_gemm import interleave_gate_up
+from engine.models.quant_experts import W4Experts
 from engine.models.quant_linear import W4Linear
 from memory.device_arena import Buffer, buffers_nbytes
 from openinfer_kernels.quant.ops import QuantOps, W4Weight
@@ -26,7 +27,8 @@ def interleaved_codes(w: W4Codes) -> W4Codes:
 
 
 def upload_w4(arena, weights: dict, stream, interleave) -> dict[str, W4Weight]:
-    """The kept int4 weights into the arena in the kernel's layout (interleave(name): gate_up rows interleaved)."""
+    """The kept 4-bit weights (W4Linear, or W4Experts: one W4Weight of E experts) into the arena in the kernel's
+    layout (interleave(name): gate_up rows interleaved)."""
     out = {}
     for name, w in weights.items():
         codes = interleaved_codes(w.w4) if interleave(name) else w.w4
@@ -41,13 +43,13 @@ def upload_w4(arena, weights: dict, stream, interleave) -> dict[str, W4Weight]:
     return out
 
 
-def w4_device_nbytes(w: W4Linear) -> int:
-    """The packed layout's bytes (padded to whole tiles) and the carve alignment."""
-    N, K = w.shape
+def w4_device_nbytes(w: W4Linear | W4Experts) -> int:
+    """The packed layout's bytes (padded to whole tiles; experts one after another) and the carve alignment."""
+    *lead, N, K = w.shape
     tiles, steps = -(-N // 16), -(-K // 128)
     groups = -(-steps * 128 // w.w4.group)
     per_group = tiles * groups * 16
-    return tiles * steps * 1024 + per_group * (2 + (w.w4.zeros is not None)) + 3 * 256
+    return int(np.prod(lead, dtype=np.int64)) * (tiles * steps * 1024 + per_group * (2 + (w.w4.zeros is not None))) + 3 * 256
 
 
 class GpuW4Linear:
