@@ -7,7 +7,8 @@ quant_method fp8 with [128, 128] `weight_scale_inv`; "channel": compressed-tenso
 the float32 folder of its dequantized weights (the oracle's). The oracles (transformers, float32, eager) on
 that folder: `hf_logits` plain; `hf_w8a8_logits` with each decoder projection's input quantized per token and
 128-wide group to e4m3 first (torch's own cast: the activation quantization of vLLM's dynamic scheme);
-`hf_bf16_logits` the model in bf16 (the bf16 floor). `int4_tiny(line, method)`: the same tiny model in AWQ or
+`hf_bf16_logits` the model in bf16 (the bf16 floor); `hf_w8a8_moe_logits` with the routed experts' inputs quantized
+too (MoE folders whose experts are kept in FP8). `int4_tiny(line, method)`: the same tiny model in AWQ or
 GPTQ int4 (harness.quantized.int4_folder) and the float32 folder of the writer's own dequantized values.
 """
 from __future__ import annotations
@@ -51,6 +52,21 @@ def fp8_tiny(line: str, fmt: str = "block") -> tuple[str, str]:
     return dst, dequantized_copy(dst, dst + "-ref")
 
 
+MOE_W8A8_WIDTHS = {"qwen3_moe": dict(W8A8_WIDTHS, moe_intermediate_size=128),      # q, k, v rows: whole blocks
+                   "deepseek_v3": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128)}
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_moe_tiny(line: str) -> tuple[str, str]:
+    """(the FP8 block-scaled folder, the float32 folder of its dequantized weights) of a tiny MoE `line` model
+    whose routed experts (and, for qwen3_moe, attention and dense MLP) W8A8 keeps: K multiples of 128."""
+    src = os.path.join(_tmp_root(), f"{line}-moe-w8a8")
+    if not os.path.isdir(src):
+        build_tiny_model(line, src, **MOE_W8A8_WIDTHS[line])
+    dst = fp8_folder(src, f"{src}-fp8", (128, 128))
+    return dst, dequantized_copy(dst, dst + "-ref")
+
+
 def fake_quant_e4m3(x):
     """x [..., K] (torch) quantized per row and 128-wide group to e4m3 and back: s = max(amax, 1e-10) / 448,
     x ~ e4m3(clamp(x / s)) · s."""
@@ -79,6 +95,39 @@ def _w8a8_model(path: str, double: bool):
 def _bf16_model(path: str):
     import torch
     return copy.deepcopy(hf_model(path)).to(torch.bfloat16)
+
+
+def with_w8a8_experts(model):
+    """model (transformers) with each routed-experts module run by its own eager forward (the class's, undecorated)
+    with the input of every expert product fake-quantized first (fake_quant_e4m3): kept FP8 experts' W8A8."""
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts") and hasattr(module, "gate_up_proj"):
+            eager = getattr(type(module).forward, "__wrapped__", type(module).forward)
+            module.forward = functools.partial(_quantized_linears, eager, module)
+    return model
+
+
+def _quantized_linears(forward, module, *args, **kwargs):
+    import torch.nn.functional as F
+    linear = F.linear
+    F.linear = lambda x, w, b=None: linear(fake_quant_e4m3(x), w, b)
+    try:
+        return forward(module, *args, **kwargs)
+    finally:
+        F.linear = linear
+
+
+@functools.lru_cache(maxsize=4)
+def _w8a8_moe_model(path: str, dense: bool, double: bool):
+    model = copy.deepcopy(hf_model(path))
+    model = model.double() if double else model
+    return with_w8a8_experts(with_w8a8_hooks(model) if dense else model)
+
+
+def hf_w8a8_moe_logits(path: str, ids: list[int], dense: bool, double: bool = False) -> np.ndarray:
+    """The W8A8 oracle of an MoE folder whose routed experts are kept in FP8 (and, with dense, its decoder
+    projections too); double: in float64 (the floor)."""
+    return _logits(_w8a8_moe_model(path, dense, double), ids)
 
 
 def _logits(model, ids: list[int]) -> np.ndarray:
