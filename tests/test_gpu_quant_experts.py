@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_gpu_executor import PATHS, assert_gate, gate_row, hf_run
+from test_gpu_quantized_linear import assert_graphs_equal_eager
 
 from engine.loader import load_model
 from harness.executors import new_gpu_executor
 from harness.models import engine_logits, random_sequences, tiny_model_path
 from harness.quant_models import fp8_moe_tiny, with_w8a8_experts, with_w8a8_hooks
 from harness.quantized import int4_experts_folder
-from test_gpu_executor import GPU_CPU_TIE_TOL, PATHS, assert_gate, assert_same_or_tie, gate_row, greedy, hf_run
 
 pytestmark = pytest.mark.gpu
 CASES = [("qwen3_moe", "fp8"), ("deepseek_v3", "fp8"), ("kimi_k2", "int4")]
@@ -68,25 +69,18 @@ def test_kept_experts_gate(experts_case):
 
 def test_graph_decode_equals_eager(experts_case):
     name, model, seqs, _, _ = experts_case
-    prompts = [s[:20] for s in seqs]
-    eager, graphed = new_gpu_executor(model, cuda_graphs=False), new_gpu_executor(model)
-    try:
-        want, got = greedy(eager, prompts, 24), greedy(graphed, prompts, 24)
-        for p, a, b in zip(prompts, got, want):
-            assert_same_or_tie(eager, p, a, b, GPU_CPU_TIE_TOL, f"experts/{name} graphs vs eager")
-    finally:
-        eager.close()
-        graphed.close()
+    assert_graphs_equal_eager(model, seqs, f"experts/{name}")
 
 
 def test_deepseek_v4_fp4_experts_gate(tmp_path):
     """The DeepSeek-V4 benchmark writer's folder (FP8 projections, FP4 experts) at a small width: the experts on the
     device as W4 packs (gemv_w4_grouped), the logits against HF float32 / bf16 on the dequantized folder."""
+    from test_gpu_executor import hf_gpu_models
+    from test_quantized_weights import tiny_v4_config
+
     from bench.deepseek_weights import write_random_quantized
     from harness.quantized import dequantized_copy
     from openinfer_kernels.quant.ops import W4Weight
-    from test_gpu_executor import hf_gpu_models
-    from test_quantized_weights import tiny_v4_config
 
     folder_path = str(tmp_path / "fp8")
     write_random_quantized(tiny_v4_config(tmp_path), folder_path, "fp8", device="cpu")

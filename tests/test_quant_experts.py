@@ -28,14 +28,21 @@ import logging
 
 import numpy as np
 import pytest
+from test_fp8_w8a8 import floor_gate
+from test_golden import new_executor
 
 from engine.loader import load_model
 from engine.models.quant_experts import Fp8Experts, W4Experts
-from harness.models import engine_logits, hf_logits, hf_model, log_softmax, test_prompts, tiny_model_path
+from harness.models import (
+    engine_logits,
+    hf_logits,
+    hf_model,
+    log_softmax,
+    test_prompts,
+    tiny_model_path,
+)
 from harness.quant_models import fp8_moe_tiny, hf_bf16_logits, hf_w8a8_moe_logits
 from harness.quantized import fp8_folder, int4_experts_folder
-from test_fp8_w8a8 import floor_gate
-from test_golden import new_executor
 
 DENSE_KEPT = {"qwen3_moe": True, "deepseek_v3": False}     # the line keeps its attention / dense MLP in FP8 too
 

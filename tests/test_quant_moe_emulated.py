@@ -11,6 +11,9 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 import pytest
+from test_deltanet_kernels_emulated import host
+from test_moe_route_emulated import ExpertsShared
+from test_quant_w4 import EmulatedQuantOps
 
 from engine.executor.cpu_moe_ops import NumpyMoEOps, route_topk
 from engine.executor.cpu_quant_ops import host_fp8
@@ -25,9 +28,6 @@ from harness.quantized import quantize_fp8_block
 from openinfer_kernels.quant.ops import W4Weight
 from openinfer_kernels.quant.w4_formats import W4Codes, ue8m0_to_bf16_bits
 from openinfer_kernels.quant.w4_layout import pack_w4
-from test_moe_route_emulated import ExpertsShared
-from test_deltanet_kernels_emulated import host
-from test_quant_w4 import EmulatedQuantOps
 
 E, H, INTER = 4, 256, 128
 SPEC = RouteSpec(E, 2, renormalize=True)
