@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 
+import ml_dtypes
 import numpy as np
 import pytest
 from test_fp8_w8a8 import floor_gate
@@ -101,3 +102,17 @@ def test_int4_experts_load_kept_in_under_a_third_of_bf16(caplog):
     assert not isinstance(model.weights["layers.1.shared_gate_up_proj"], W4Experts)
     assert any(r.getMessage().startswith("quantized experts_down_proj (2 layers): experts int4 symmetric, group 32")
                for r in caplog.records)
+
+
+def test_the_device_counts_the_experts_kept_bytes():
+    """The GPU arena (and so the KV pool, sized from what is left) counts kept experts at their kept bytes: the W4
+    packed layout (about 0.56 bytes a value at group 32 with bf16 scales) and e4m3 codes + float32 block scales."""
+    from engine.executor.gpu_quant_ops import device_nbytes
+    from harness.quant_cases import random_w4
+    from openinfer_kernels.quant.w4_layout import pack_w4
+    rng = np.random.default_rng(0)
+    w4 = W4Experts(random_w4(rng, "bf16", 256, 512, 32, (4,)))
+    assert device_nbytes(w4) == pack_w4(w4.w4).nbytes + 3 * 256 and device_nbytes(w4) <= 0.30 * 2 * w4.size
+    codes = rng.standard_normal((4, 256, 512)).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    fp8 = Fp8Experts(codes, np.ones((4, 2, 4), np.float32))
+    assert device_nbytes(fp8) == codes.size + 4 * 2 * 4 * 4 + 2 * 256 and device_nbytes(fp8) < 0.51 * 2 * fp8.size

@@ -12,8 +12,12 @@ ops) is kept when every checkpoint tensor it is packed from is quantized in a ke
 * `--quantization fp8` (vLLM's flag) on an unquantized checkpoint: every such weight quantized here per
   output row (fp8_per_channel), its activations per token at run time.
 
-A layer the checkpoint leaves unquantized (no scale: modules_to_not_convert / ignore), lm_head, the norms, the
-routers and the experts load as before (engine/loader/quantized.py dequantizes what is quantized among them).
+The routed experts a line declares (DecoderLM.kept_experts) are kept the same way when every expert's every tensor is
+(FP8 blocks or rows, int4, and DeepSeek-V4's FP4: int8 bytes of two e2m1 with ue8m0 `weight_scale_inv` per 32),
+stacked into one object per layer and projection (engine/models/quant_experts.py); `--quantization fp8` does not
+quantize experts. A layer the checkpoint leaves unquantized (no scale: modules_to_not_convert / ignore), lm_head, the
+norms, the routers and experts not kept load as before (engine/loader/quantized.py dequantizes what is quantized
+among them).
 """
 from __future__ import annotations
 

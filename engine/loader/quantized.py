@@ -20,9 +20,9 @@ each `X.weight` with its dequantized values, so every model line loads them unch
   w[n, k] = fp8[n, k] · scale[n] in float32. Activation scales (`input_scale`, static) are not read: the
   activations are quantized dynamically per token (vLLM's dynamic scheme).
 
-Values come back as float32 by default (exact against those references). A model line's linear layers in an
-FP8 format are kept as the checkpoint ships them instead (engine/loader/kept_linear.py); what is dequantized
-here is the rest (experts, MLA projections, lines that keep none).
+Values come back as float32 by default (exact against those references). A model line's linear layers and routed
+experts in a kept format are kept as the checkpoint ships them instead (engine/loader/kept_linear.py); what is
+dequantized here is the rest (MLA projections, experts the kept kernels cannot take, lines that keep none).
 """
 from __future__ import annotations
 
@@ -278,6 +278,6 @@ def dequantizing(raw: dict[str, Any], has: Has, get: Get, dtype=np.float32) -> t
     fmt = quant_format(raw)
     if fmt is None:
         return has, get
-    log.info("%s: dequantized at load to %s (on the GPU held as bf16: no kept-quantized kernels yet)",
+    log.info("%s: what the model line does not keep quantized is dequantized at load to %s (on the GPU held as bf16)",
              fmt.describe(), np.dtype(dtype).name)
     return fmt.view(has, get, dtype)
