@@ -37,8 +37,8 @@ class EmulatedQuantMoE(GpuQuantMoEOps):
     """GpuQuantMoEOps with its launches on the host emulation and its buffers in host memory."""
 
     def __init__(self, tokens: int, interleaved: bool):
-        plan = SimpleNamespace(max_tokens=tokens, experts=SimpleNamespace(num_experts=E, top_k=SPEC.top_k,
-                                                                          hidden=H, inter=INTER))
+        plan = SimpleNamespace(max_tokens=tokens, fp8_experts=True, experts=SimpleNamespace(
+            num_experts=E, top_k=SPEC.top_k, hidden=H, inter=INTER))
         self.shared = ExpertsShared(tokens, H)
         self.shared.gate_up_interleaved = interleaved
         self.buf = {b.name: host(np.zeros(b.shape, b.dtype)) for b in self.buffers(plan)}

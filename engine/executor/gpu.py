@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -50,6 +50,7 @@ from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE
                                      parse_decode_kernels)
 from engine.executor.verify_rows import verify_rows
 from engine.loader import LoadedModel
+from engine.executor.gpu_quant_moe import has_fp8_experts
 from engine.executor.gpu_quant_ops import block_scaled_gate_up, device_nbytes, quant_ops_class, upload_quantized
 from engine.models.quant_experts import KEPT
 from engine.models.rope import rope_inv_freq
@@ -105,7 +106,7 @@ class GpuExecutor(ExecutorBase):
         self.options, self.config, self.model = options, model.config, model.model
         self.vocab_size, self.max_model_len = model.config.vocab_size, options.max_model_len
         self.device = DeviceInfo.query()
-        self.plan = gpu_plan(options, model.model, self.device)
+        self.plan = replace(gpu_plan(options, model.model, self.device), fp8_experts=has_fp8_experts(model.weights))
         self.ops_class = quant_ops_class(model.weights, self.ops_class)
         self.kv_format = gpu_kv_format(options.kv_cache_dtype, model, self.plan)
         self.kv_itemsize = self.kv_format.itemsize(KV_ITEMSIZE)

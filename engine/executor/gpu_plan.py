@@ -37,6 +37,7 @@ class GpuPlan:
     mla: MLASpec | None = None             # the latent attention's shape (MLA lines; gpu_mla_ops.py)
     lora_sites: tuple = ()                 # (name, engine.lora.Site) of the LoRA sites (max_loras > 0)
     families: frozenset = frozenset()      # the op families the ops build (the line's op_families, "lora")
+    fp8_experts: bool = False              # routed experts kept in FP8 (their activations quantized: gpu_quant_moe.py)
 
     @property
     def max_tokens(self) -> int:

@@ -64,6 +64,11 @@ def fp8_experts_nbytes(w: Fp8Experts) -> int:
     return int(w.codes.size) + int(w.scale.nbytes) + 2 * 256
 
 
+def has_fp8_experts(weights: dict) -> bool:
+    """Routed experts kept in FP8 among the model's weights (GpuPlan.fp8_experts)."""
+    return any(isinstance(w, Fp8Experts) for w in weights.values())
+
+
 def kept_experts_kernels() -> dict[type, str]:
     """The startup log's kernels of the kept experts (engine/models/quant_experts.py log_kept)."""
     return {Fp8Experts: "fp8_quant.cu + gemv_fp8_grouped (gemv_fp8.cu), decode and prefill",
@@ -81,10 +86,10 @@ class GpuQuantMoEOps(GpuMoEOps):
 
     @staticmethod
     def buffers(plan) -> list[Buffer]:
-        """GpuMoEOps' and the grouped rows quantized to e4m3 with their scales (FP8 experts' activations)."""
+        """GpuMoEOps' and, with FP8 experts, the grouped rows quantized to e4m3 with their scales."""
         s = plan.experts
-        if s is None:
-            return []
+        if s is None or not plan.fp8_experts:
+            return GpuMoEOps.buffers(plan)
         rows, width = expert_rows(plan.max_tokens, s.top_k, s.num_experts), max(s.hidden, s.inter)
         return GpuMoEOps.buffers(plan) + [Buffer("moe_aq", (rows * width,), np.uint8),
                                           Buffer("moe_aq_scales", (rows * -(-width // GROUP),), np.float32)]

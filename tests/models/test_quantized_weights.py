@@ -243,6 +243,7 @@ def test_the_benchmark_v4_checkpoint_writer(tmp_path):
     from bench.deepseek_weights import planned_bytes, write_random_quantized
     from engine.loader.quantized import FP4_E2M1
     from engine.loader.safetensors_io import SafetensorsCheckpoint
+    from engine.models.quant_experts import W4Experts
     from harness.models import random_sequences
     from harness.quantized import dequantized_copy
 
@@ -264,7 +265,9 @@ def test_the_benchmark_v4_checkpoint_writer(tmp_path):
     assert tid2eid.dtype == np.int32 and tid2eid.shape == (4096, 2) and tid2eid.min() >= 0 and tid2eid.max() < 8
     assert (tid2eid[:, 0] != tid2eid[:, 1]).all()
     model = load_model(folder)
-    down = np.asarray(model.weights["layers.3.experts_down_proj"], np.float32)[5]
+    kept = model.weights["layers.3.experts_down_proj"]
+    assert isinstance(kept, W4Experts) and kept.w4.fp4 and kept.w4.group == 32     # the FP4 experts kept packed
+    down = np.asarray(kept, np.float32)[5]
     steps = down.reshape(128, 2, 32) / np.asarray(scale, np.float32)[..., None]
     assert np.isin(steps, FP4_E2M1).all()                                 # e2m1 values times a power of two
     amax = np.abs(steps).max(-1)
