@@ -22,7 +22,7 @@ from engine.executor.gpu_quant_moe import Fp8ExpertsDevice, GpuQuantMoEOps
 from engine.executor.gpu_w4_linear import interleaved_codes
 from engine.models.ops import RouteSpec
 from engine.models.quant_experts import Fp8Experts, W4Experts
-from engine.models.quant_linear import Fp8Linear, fp8_per_channel
+from engine.models.quant_linear import Fp8Linear, W4Linear, fp8_per_channel
 from harness.quant_cases import random_w4
 from harness.quantized import quantize_fp8_block
 from openinfer_kernels.quant.ops import W4Weight
@@ -127,3 +127,43 @@ def test_a_wrong_expert_scale_is_caught():
     assert_experts_close(got, delta, residual)
     with pytest.raises(AssertionError):
         assert_experts_close(bad, delta, residual)
+
+
+class DeviceArray(np.ndarray):
+    """A host array with CuPy's set (what the uploads call)."""
+
+    def set(self, a, stream=None):
+        self[...] = a
+
+
+class Arena:
+    def take(self, name, shape, dtype):
+        return np.zeros(shape, dtype).view(DeviceArray)
+
+
+class Stream:
+    def synchronize(self):
+        pass
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_uploads_hold_the_experts_as_the_kernels_read_them(interleave):
+    """upload_quantized's expert uploads (4-bit: packed one expert at a time; FP8: codes and scales) hold what the
+    kernels' tests feed them: pack_w4 of the whole stack (rows interleaved where asked), the e4m3 bits and scales."""
+    from engine.executor.gpu_quant_ops import upload_quantized
+    rng = np.random.default_rng(3)
+    w4 = W4Experts(random_w4(rng, "fp16_zero", 2 * INTER, H, 64, (E,)))
+    fp8 = fp8_experts(rng, 2 * INTER, H, channel=interleave)
+    dense = W4Linear(random_w4(rng, "bf16", 2 * INTER, H, 32))
+    dev = upload_quantized(Arena(), {"layers.0.experts_gate_up_proj": w4, "layers.1.experts_gate_up_proj": fp8,
+                                     "layers.0.gate_up_proj": dense}, Stream(), lambda name: interleave)
+    for name, w in (("layers.0.experts_gate_up_proj", w4), ("layers.0.gate_up_proj", dense)):
+        got = dev[name]
+        want = W4Weight.upload(pack_w4(interleaved_codes(w.w4) if interleave else w.w4), host)
+        assert (got.experts, got.n, got.k, got.group, got.defines) == (want.experts, want.n, want.k, want.group,
+                                                                       want.defines)
+        for part in ("codes", "scales", "zeros"):
+            np.testing.assert_array_equal(getattr(got, part), getattr(want, part))
+    got, want = dev["layers.1.experts_gate_up_proj"], device_weight(fp8, interleave)
+    np.testing.assert_array_equal(got.codes, want.codes)
+    np.testing.assert_array_equal(got.scale, want.scale)

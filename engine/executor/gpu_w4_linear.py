@@ -26,21 +26,37 @@ def interleaved_codes(w: W4Codes) -> W4Codes:
     return W4Codes(interleave_gate_up(w.codes), interleave_gate_up(w.scales), w.scale_dtype, zeros, w.group, w.fp4)
 
 
-def upload_w4(arena, weights: dict, stream, interleave) -> dict[str, W4Weight]:
-    """The kept 4-bit weights (W4Linear, or W4Experts: one W4Weight of E experts) into the arena in the kernel's
-    layout (interleave(name): gate_up rows interleaved)."""
-    out = {}
-    for name, w in weights.items():
-        codes = interleaved_codes(w.w4) if interleave(name) else w.w4
-        parts = iter(("codes", "scales", "zeros"))
+def expert_codes(w: W4Codes, e: int) -> W4Codes:
+    """Expert e of stacked codes [E, N, K]."""
+    return W4Codes(w.codes[e], w.scales[e], w.scale_dtype, None if w.zeros is None else w.zeros[e], w.group, w.fp4)
 
-        def to_device(a: np.ndarray, name=name):
-            dev = arena.take(f"weights.{name}.{next(parts)}", a.shape, a.dtype)
-            dev.set(np.ascontiguousarray(a), stream=stream)
-            return dev
-        out[name] = W4Weight.upload(pack_w4(codes), to_device)
+
+def upload_w4(arena, weights: dict, stream, interleave) -> dict[str, W4Weight]:
+    """The kept 4-bit weights (W4Linear, or W4Experts: one W4Weight of E experts) into the arena in the kernel's layout
+    (interleave(name): gate_up rows interleaved)."""
+    out = {name: _upload_packed(arena, name, w.w4, stream, interleave(name)) for name, w in weights.items()}
     stream.synchronize()
     return out
+
+
+def _upload_packed(arena, name: str, w: W4Codes, stream, interleave: bool) -> W4Weight:
+    """w (codes [N, K] or stacked [E, N, K]) re-packed one expert at a time (the packing's temporaries stay one
+    expert's size) into arena arrays holding the experts' layouts one after another."""
+    lead = w.codes.shape[:-2]
+    dev, weight = {}, None
+    for e in range(lead[0] if lead else 1):
+        piece = expert_codes(w, e) if lead else w
+        p = pack_w4(interleaved_codes(piece) if interleave else piece)
+        if weight is None:
+            for part in ("codes", "scales", "zeros"):
+                a = getattr(p, part)
+                if a is not None:
+                    dev[part] = arena.take(f"weights.{name}.{part}", (*lead, *a.shape), a.dtype)
+            weight = W4Weight(dev["codes"], dev["scales"], dev.get("zeros"), p.n, p.k, p.group,
+                              tuple(sorted(p.defines.items())), lead[0] if lead else 1)
+        for part, dst in dev.items():
+            (dst[e] if lead else dst).set(np.ascontiguousarray(getattr(p, part)), stream=stream)
+    return weight
 
 
 def w4_device_nbytes(w: W4Linear | W4Experts) -> int:
