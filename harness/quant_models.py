@@ -77,10 +77,10 @@ def fake_quant_e4m3(x):
     return (q * s).reshape(x.shape).to(x.dtype)
 
 
-def with_w8a8_hooks(model):
+def with_w8a8_hooks(model, projections: tuple[str, ...] = PROJECTIONS):
     """model (transformers) with each decoder projection's input fake-quantized first (fake_quant_e4m3)."""
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in PROJECTIONS:
+        if name.rsplit(".", 1)[-1] in projections:
             module.register_forward_pre_hook(lambda _m, args: (fake_quant_e4m3(args[0]),))
     return model
 
@@ -117,17 +117,24 @@ def _quantized_linears(forward, module, *args, **kwargs):
         F.linear = linear
 
 
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+KEPT_PROJECTIONS = {"qwen3_moe": PROJECTIONS, "deepseek_v3": MLP_PROJECTIONS}    # beside the routed experts
+
+
+def with_w8a8_moe(model, line: str):
+    """model with what `line` keeps in FP8 W8A8: its routed experts and KEPT_PROJECTIONS[line]."""
+    return with_w8a8_experts(with_w8a8_hooks(model, KEPT_PROJECTIONS[line]))
+
+
 @functools.lru_cache(maxsize=4)
-def _w8a8_moe_model(path: str, dense: bool, double: bool):
+def _w8a8_moe_model(path: str, line: str, double: bool):
     model = copy.deepcopy(hf_model(path))
-    model = model.double() if double else model
-    return with_w8a8_experts(with_w8a8_hooks(model) if dense else model)
+    return with_w8a8_moe(model.double() if double else model, line)
 
 
-def hf_w8a8_moe_logits(path: str, ids: list[int], dense: bool, double: bool = False) -> np.ndarray:
-    """The W8A8 oracle of an MoE folder whose routed experts are kept in FP8 (and, with dense, its decoder
-    projections too); double: in float64 (the floor)."""
-    return _logits(_w8a8_moe_model(path, dense, double), ids)
+def hf_w8a8_moe_logits(path: str, ids: list[int], line: str, double: bool = False) -> np.ndarray:
+    """The W8A8 oracle of an FP8 MoE folder of `line` (with_w8a8_moe); double: in float64 (the floor)."""
+    return _logits(_w8a8_moe_model(path, line, double), ids)
 
 
 def _logits(model, ids: list[int]) -> np.ndarray:

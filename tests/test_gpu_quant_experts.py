@@ -18,7 +18,7 @@ from test_gpu_quantized_linear import assert_graphs_equal_eager
 from engine.loader import load_model
 from harness.executors import new_gpu_executor
 from harness.models import engine_logits, random_sequences, tiny_model_path
-from harness.quant_models import fp8_moe_tiny, with_w8a8_experts, with_w8a8_hooks
+from harness.quant_models import fp8_moe_tiny, with_w8a8_moe
 from harness.quantized import int4_experts_folder
 
 pytestmark = pytest.mark.gpu
@@ -45,7 +45,7 @@ def experts_case(request):
     for dtype in (torch.float32, torch.bfloat16):
         hf = AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, attn_implementation="eager")
         if fmt == "fp8":
-            hf = with_w8a8_experts(with_w8a8_hooks(hf) if line == "qwen3_moe" else hf)
+            hf = with_w8a8_moe(hf, line)
         oracle.append([hf_run(hf.cuda().eval(), s) for s in seqs])
         del hf
     return "-".join(request.param), model, seqs, oracle[0], oracle[1]

@@ -7,8 +7,8 @@
   reference folder's) bit for bit; experts whose widths W8A8 cannot take load dequantized as before.
 * The FP8 gate, by the floor method (DESIGN.md), against transformers float32 on the dequantized weights with
   every kept product's input quantized per token and 128-group (harness/quant_models.py hf_w8a8_moe_logits: the
-  experts' own eager forward with each expert product's input fake-quantized; Qwen3-MoE's attention and dense MLP
-  hooked too), per prompt: mean |Δlogprob| <= max(1e-4, 2 x the floor), the floor being that oracle in float64
+  experts' own eager forward with each expert product's input fake-quantized; the kept dense projections hooked
+  too: Qwen3-MoE's attention and dense MLP, DeepSeek-V3's dense MLP and shared experts), per prompt: mean |Δlogprob| <= max(1e-4, 2 x the floor), the floor being that oracle in float64
   against itself in float32, argmax by regret missing no more positions than the float64 oracle + 1. These tiny
   random MoE models are chaotic: float32 noise can flip an e4m3 rounding, then a near-tied expert choice, and the
   flip cascades through the later positions (the float64 oracle itself does so on one Qwen3-MoE prompt), so one
@@ -34,6 +34,7 @@ from test_golden import new_executor
 
 from engine.loader import load_model
 from engine.models.quant_experts import Fp8Experts, W4Experts
+from engine.models.quant_linear import Fp8Linear
 from harness.models import (
     engine_logits,
     hf_logits,
@@ -45,9 +46,6 @@ from harness.models import (
 from harness.quant_models import fp8_moe_tiny, hf_bf16_logits, hf_w8a8_moe_logits
 from harness.quantized import fp8_folder, int4_experts_folder
 
-DENSE_KEPT = {"qwen3_moe": True, "deepseek_v3": False}     # the line keeps its attention / dense MLP in FP8 too
-
-
 @pytest.mark.parametrize("line", ["qwen3_moe", "deepseek_v3"])
 def test_fp8_experts_load_kept_and_pass_the_floor_gate(line):
     path, ref = fp8_moe_tiny(line)
@@ -56,15 +54,17 @@ def test_fp8_experts_load_kept_and_pass_the_floor_gate(line):
     assert isinstance(gate_up, Fp8Experts) and isinstance(down, Fp8Experts) and not gate_up.channel
     E, two_i, H = gate_up.shape
     assert gate_up.scale.shape == (E, two_i // 128, H // 128) and gate_up.nbytes < 0.51 * 2 * gate_up.size
+    dense = ["layers.0.gate_up_proj", "layers.0.down_proj"] + (["layers.1.shared_gate_up_proj",
+                                                                "layers.1.shared_down_proj"] if line == "deepseek_v3" else [])
+    assert all(isinstance(model.weights[n], Fp8Linear) for n in dense)    # dense MLPs, shared experts: kept linears
     experts = hf_model(ref).model.layers[1].mlp.experts
     np.testing.assert_array_equal(np.asarray(gate_up), experts.gate_up_proj.detach().numpy())
     np.testing.assert_array_equal(np.asarray(down), experts.down_proj.detach().numpy())
 
     prompts = test_prompts(model.tokenizer)
     got = engine_logits(new_executor(model), prompts, prefill=4, chunks=3)
-    dense = DENSE_KEPT[line]
-    oracle = [hf_w8a8_moe_logits(ref, p, dense) for p in prompts]
-    floor = [hf_w8a8_moe_logits(ref, p, dense, double=True) for p in prompts]
+    oracle = [hf_w8a8_moe_logits(ref, p, line) for p in prompts]
+    floor = [hf_w8a8_moe_logits(ref, p, line, double=True) for p in prompts]
     f32 = log_softmax(np.concatenate([hf_logits(ref, p) for p in prompts]))
     bf16 = np.abs(log_softmax(np.concatenate([hf_bf16_logits(ref, p) for p in prompts])) - f32)
     rows = [floor_gate([g], [o], [f]) for g, o, f in zip(got, oracle, floor)]

@@ -142,6 +142,9 @@ class DeepseekV2ForCausalLM(DecoderLM):
     model_type = "deepseek_v2"
     line_config = DeepseekV2Config          # the MLA / MoE fields (DeepSeek-V3: its own subclass)
     kept_experts = EXPERT_WEIGHTS
+    # the dense MLPs and the shared experts (mlp_block: norm_swiglu / add_linear_norm); the latent attention's
+    # projections are dequantized
+    kept_quantized = ("gate_up_proj", "down_proj")
 
     def __init__(self, config: ModelConfig):
         self.mla = self.line_config.from_raw(config.raw)

@@ -142,6 +142,8 @@ def test_quantization_refusals():
     with pytest.raises(ValueError, match="multiples of 128"):
         load_model(tiny_model_path("qwen3_untied"), quantization="fp8")      # hidden 64
     with pytest.raises(ValueError, match="keeps no quantized linear layers"):
+        load_model(tiny_model_path("deepseek_v4"), quantization="fp8")
+    with pytest.raises(ValueError, match="multiples of 128"):      # its dense MLPs are kept, but hidden is 64
         load_model(tiny_model_path("deepseek_v2_lite"), quantization="fp8")
 
 
