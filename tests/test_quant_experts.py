@@ -14,8 +14,9 @@
   flip cascades through the later positions (the float64 oracle itself does so on one Qwen3-MoE prompt), so one
   prompt of four may pass the bound if it stays inside the bf16 floor. Measured (4 prompts, transformers 5.25,
   CPU), the engine against the oracle per prompt: qwen3_moe 5e-7, 7e-7, 7e-7, 7e-4 (floors 4e-7, 6e-7, 6e-7, 7e-4);
-  deepseek_v3 1e-6, 2e-6, 1e-6, 4e-3 (floors 5e-7, 2e-6, 8e-6, 1e-6: a flip at position 15 of the fourth). The W8A8
-  error itself (the engine against plain float32): qwen3_moe mean 0.11 / p99 0.56, deepseek_v3 0.071 / 0.74, against
+  deepseek_v3 1e-6, 1e-5, 9e-7, 4e-5 (floors 4e-7, 9e-7, 9e-7, 4e-5; with its experts alone kept a flip at position 15
+  of the fourth prompt gave 4e-3 against a floor of 1e-6: such flips pass inside the bf16 floor). The W8A8
+  error itself (the engine against plain float32): qwen3_moe mean 0.11 / p99 0.56, deepseek_v3 0.16 / 1.3, against
   HF bf16's floor 0.025 / 0.31 and 0.061 / 0.76; bounded by 2 x the activation quantization's own error on HF (the
   hooked oracle against the plain one), and > 10 x the gate's bound (the gate's power).
 * INT4 / FP4: exact to the dequantized weights (the kernels' bf16 values) up to accumulation: the gates of
