@@ -3,7 +3,7 @@ block-scaled experts (Qwen3-MoE, which keeps its attention and dense MLP in FP8 
 harness.quant_models.fp8_moe_tiny) and Kimi-K2-Thinking-style int4 experts (compressed-tensors pack-quantized, group
 32), by the floor method against transformers on the dequantized weights (FP8: each kept product's input quantized as
 the kernels do, harness.quant_models.with_w8a8_experts / with_w8a8_hooks): HF float32 the oracle, HF bf16 (the same
-quantization) the floor, tests/test_gpu_executor.py's rule. The experts are on the device kept (uint8 e4m3 codes +
+quantization) the floor, tests/gpu/test_gpu_executor.py's rule. The experts are on the device kept (uint8 e4m3 codes +
 float32 scales, the W4 packed layout), every KV path (one prefill, prefill then decode rows, chunks) runs them on
 gemv_fp8_grouped / gemv_w4_grouped, and CUDA-graph decode gives eager greedy's tokens (a flip only inside a tie).
 DeepSeek-V4's FP4 experts (eager steps only) against the dequantized folder.

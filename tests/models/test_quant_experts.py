@@ -20,7 +20,7 @@
   HF bf16's floor 0.025 / 0.31 and 0.061 / 0.76; bounded by 2 x the activation quantization's own error on HF (the
   hooked oracle against the plain one), and > 10 x the gate's bound (the gate's power).
 * INT4 / FP4: exact to the dequantized weights (the kernels' bf16 values) up to accumulation: the gates of
-  tests/test_quantized_weights.py (Kimi-K2 int4, the DeepSeek-V4 FP4 writer) now run on the kept experts; here
+  tests/models/test_quantized_weights.py (Kimi-K2 int4, the DeepSeek-V4 FP4 writer) now run on the kept experts; here
   the kept type and its bytes (<= 0.30 x bf16 at group 32).
 """
 from __future__ import annotations
