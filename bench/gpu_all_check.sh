@@ -26,7 +26,7 @@ declare -A GROUPS_TESTS=(
   [lora]="tests/gpu/test_gpu_lora.py tests/kernels/test_gpu_lora_plan.py tests/kernels/test_raw_cuda_compile.py"
   [structured]="tests/structured/test_structured_gpu.py tests/gpu/test_gpu_sampler.py"
   [free_running]="tests/gpu/test_gpu_free_running.py tests/gpu/test_gpu_free_running_dsv4.py"
-  [spec]="tests/gpu/test_gpu_spec.py"
+  [spec]="tests/gpu/test_gpu_spec.py tests/gpu/test_gpu_eagle3.py"
   [quant]="tests/gpu/test_gpu_quantized_linear.py tests/gpu/test_gpu_kv_fp8.py tests/kernels/test_gpu_quant_kernels.py tests/gpu/test_gpu_quant_experts.py"
 )
 groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(core serving moe_mla dsv3 dsv4 qwen35 lora structured free_running spec quant)
