@@ -26,6 +26,7 @@ import numpy as np
 
 from engine.batch import ModelBatch
 from engine.eagle3 import Eagle3Head
+from engine.executor.cpu_ops import rms, rope
 from engine.executor.gpu_bf16 import bf16_to_f32
 from engine.models.rope import rope_cos_sin
 from engine.sequence import Sequence
@@ -147,56 +148,45 @@ class Eagle3Draft:
         state.grow(done + k)
         if done > state.end:
             pos = np.arange(state.end, done)
-            hidden = state.take_rows(done) @ self.w["fc"].T                  # pos, tokens: host arrays
-            state.last = self._layer(state, hidden, np.asarray(seq.token_ids, np.int64)[pos + 1], pos)[-1]
+            tokens = np.asarray(seq.token_ids[state.end + 1:done + 1], np.int64)   # pos, tokens: host arrays
+            hidden = state.take_rows(done) @ self.w["fc"].T
+            state.last = self._layer(state, hidden, tokens, pos)[-1]
         return state
 
     def _tokens(self, prenorm) -> list[int]:
         """The draft ids the head's lm_head gives its (final-normed) output rows (on the host)."""
-        normed = _rms(self.xp, prenorm, self.w["norm"], self.cfg.rms_norm_eps)
+        normed = rms(prenorm, self.w["norm"], self.cfg.rms_norm_eps)
         return self.xp.argmax(normed @ self.w["lm_head"].T, axis=-1).tolist()
 
     def _layer(self, state: DraftState, hidden, tokens: np.ndarray, pos: np.ndarray):
         """The head's decoder layer at positions pos (hidden inputs [n, H], the tokens after them): writes its KV
         there, attends causally from state.first; returns the pre-norm output [n, H]."""
         xp, w, c, eps = self.xp, self.w, self.cfg, self.cfg.rms_norm_eps
-        embedded = _rms(xp, bf16_to_f32(xp, self.embed[xp.asarray(tokens)]), w["input_layernorm"], eps)
-        normed = _rms(xp, hidden, w["hidden_norm"], eps)
+        embedded = rms(bf16_to_f32(xp, self.embed[xp.asarray(tokens)]), w["input_layernorm"], eps)
+        normed = rms(hidden, w["hidden_norm"], eps)
         residual = normed if self.head.norm_before_residual else hidden
         qkv = xp.concatenate([embedded, normed], axis=-1) @ w["qkv_proj"].T
         n, D, Hq, Hkv = len(pos), c.head_dim, c.num_attention_heads, c.num_key_value_heads
-        cos, sin = self.cos[xp.asarray(pos)], self.sin[xp.asarray(pos)]
-        q = _rope(xp, qkv[:, :Hq * D].reshape(n, Hq, D), cos, sin)
-        k = _rope(xp, qkv[:, Hq * D:(Hq + Hkv) * D].reshape(n, Hkv, D), cos, sin)
-        rows = pos - state.first
-        at = xp.asarray(rows)
+        p = xp.asarray(pos)
+        cos, sin = self.cos[p], self.sin[p]
+        q = rope(qkv[:, :Hq * D].reshape(n, Hq, D), cos, sin)
+        k = rope(qkv[:, Hq * D:(Hq + Hkv) * D].reshape(n, Hkv, D), cos, sin)
+        at = p - state.first
         state.kv[at, 0], state.kv[at, 1] = k, qkv[:, (Hq + Hkv) * D:].reshape(n, Hkv, D)
-        h = _attend(xp, q, state.kv[:int(rows[-1]) + 1], at, D ** -0.5) @ w["o_proj"].T + residual
-        act = _rms(xp, h, w["post_attention_layernorm"], eps) @ w["gate_up_proj"].T
+        h = _attend(xp, q, state.kv[:int(pos[-1]) - state.first + 1], at, D ** -0.5) @ w["o_proj"].T + residual
+        act = rms(h, w["post_attention_layernorm"], eps) @ w["gate_up_proj"].T
         gate, up = xp.split(act, 2, axis=-1)
         return (gate / (1 + xp.exp(-gate)) * up) @ w["down_proj"].T + h
-
-
-def _rms(xp, x, weight, eps: float):
-    var = xp.mean(xp.square(x), axis=-1, keepdims=True, dtype=np.float32)
-    return (x * (np.float32(1.0) / xp.sqrt(var + np.float32(eps)))) * weight
-
-
-def _rope(xp, x, cos, sin):
-    """Neox rotary on x[n, heads, D]: pairs (x[i], x[i + D/2]) rotated by the position's angle."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return xp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
 def _attend(xp, q, kv, rows, scale: float):
     """Causal GQA attention of q [n, Hq, D] at rows over kv [L, 2, Hkv, D] (row r sees rows <= r): [n, Hq·D]."""
     n, Hq, D = q.shape
-    group = Hq // kv.shape[2]
-    keys, values = xp.repeat(kv[:, 0], group, axis=1), xp.repeat(kv[:, 1], group, axis=1)   # [L, Hq, D]
-    scores = xp.einsum("nhd,lhd->hnl", q, keys) * np.float32(scale)
-    scores = xp.where(xp.arange(len(kv))[None, None, :] <= rows[None, :, None], scores, np.float32(-np.inf))
+    Hkv = kv.shape[2]
+    q4 = q.reshape(n, Hkv, Hq // Hkv, D)            # query head h·G + g reads kv head h (GQA), no repeated K / V
+    scores = xp.einsum("nkgd,lkd->kgnl", q4, kv[:, 0]) * np.float32(scale)
+    scores = xp.where(xp.arange(len(kv))[None, None, None, :] <= rows[None, None, :, None], scores,
+                      np.float32(-np.inf))
     p = xp.exp(scores - scores.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    return xp.einsum("hnl,lhd->nhd", p, values).reshape(n, Hq * D).astype(np.float32)
+    return xp.einsum("kgnl,lkd->nkgd", p, kv[:, 1]).reshape(n, Hq * D)

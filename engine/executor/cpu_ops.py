@@ -11,6 +11,7 @@ from engine.batch import ModelBatch
 from engine.executor.cpu_attention import PagedAttention
 from engine.executor.cpu_deltanet_ops import NumpyDeltaNetOps
 from engine.executor.cpu_dsv4_attention import NumpyDSV4Ops
+from engine.executor.cpu_dsv4_ops import xp_of
 from engine.executor.cpu_lora_ops import NumpyLoRAOps
 from engine.executor.cpu_mla_ops import NumpyMLAOps
 from engine.executor.cpu_moe_ops import NumpyMoEOps
@@ -28,17 +29,19 @@ class CpuStepContext:
     sin: np.ndarray
 
 
-def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    var = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
-    return (x * (np.float32(1.0) / np.sqrt(var + np.float32(eps)))) * weight
+def rms(x, weight, eps: float):
+    """RMSNorm of x's rows (numpy or CuPy arrays: an EAGLE-3 head's draft runs on either)."""
+    xp = xp_of(x)
+    var = xp.mean(xp.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return (x * (np.float32(1.0) / xp.sqrt(var + np.float32(eps)))) * weight
 
 
-def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+def rope(x, cos, sin):
     """Neox rotary on x[T, heads, D]: pairs (x[i], x[i + D/2]) rotated by the position's angle."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return xp_of(x).concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
 class NumpyOps(ComposedOps):
@@ -73,7 +76,7 @@ class NumpyOps(ComposedOps):
 
     def rms_norm(self, x, weight, eps, residual=None):
         r = x if residual is None else x + residual
-        return _rms(r, weight, eps).astype(np.float32), r
+        return rms(r, weight, eps).astype(np.float32), r
 
     def linear(self, x, weight, bias=None):
         y = w8a8_linear(x, weight) if isinstance(weight, Fp8Linear) else x @ weight.T
@@ -86,10 +89,10 @@ class NumpyOps(ComposedOps):
         k = qkv[:, nq:nq + nkv].reshape(T, spec.num_kv_heads, D)
         v = qkv[:, nq + nkv:nq + 2 * nkv].reshape(T, spec.num_kv_heads, D)
         if q_norm is not None:
-            q = _rms(q, q_norm, spec.rms_eps)
+            q = rms(q, q_norm, spec.rms_eps)
         if k_norm is not None:
-            k = _rms(k, k_norm, spec.rms_eps)
-        q, k = _rope(q, ctx.cos, ctx.sin), _rope(k, ctx.cos, ctx.sin)
+            k = rms(k, k_norm, spec.rms_eps)
+        q, k = rope(q, ctx.cos, ctx.sin), rope(k, ctx.cos, ctx.sin)
         slots = ctx.batch.slot_mapping
         self.kv[spec.layer, 0, slots] = self.kv_format.store(k, spec.layer, 0)
         self.kv[spec.layer, 1, slots] = self.kv_format.store(v, spec.layer, 1)

@@ -45,8 +45,6 @@ def attach_gpu_eagle3(executor, head: Eagle3Head) -> Eagle3Draft:
     """Keep the hidden states `head` reads on every step of the GPU executor from now on (its steps eager);
     the draft over them."""
     import cupy
-    if head.config.hidden_size != executor.config.hidden_size and "embed_tokens" not in head.weights:
-        raise ValueError("the EAGLE-3 head's hidden size differs from the target's and it ships no embedding")
     executor.graphs = executor.lora_graphs = executor.verify_graphs = executor.piecewise = None
     log.info("EAGLE-3 head attached: the target's steps run eager (no CUDA graphs)")
     keeper = DeviceHiddenKeeper(head.aux_layers, executor.plan.max_tokens, executor.config.hidden_size,
@@ -55,10 +53,9 @@ def attach_gpu_eagle3(executor, head: Eagle3Head) -> Eagle3Draft:
     draft = Eagle3Draft(head, executor.weights["embed_tokens"], executor.max_model_len, xp=cupy,
                         stream=executor.stream)
     executor.stream.synchronize()
-    executor.keeper = keeper
     return draft
 
 
 def take_step_rows(executor, batch) -> None:
     """After a step's forward is queued: the draft takes its kept rows (queued on the compute stream)."""
-    executor.draft.take(batch, executor.keeper.rows(batch.num_tokens))
+    executor.draft.take(batch, executor.ops.keeper.rows(batch.num_tokens))

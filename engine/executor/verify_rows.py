@@ -24,6 +24,7 @@ import numpy as np
 
 from engine.batch import ModelBatch, SampledToken, SeqStep
 from engine.request import SamplingParams
+from engine.scheduler import counts_history
 
 FILLER = SeqStep(seq_id=-1, token_ids=[0], start_pos=0, block_table=[], sample=True,
                  params=SamplingParams(temperature=0.0))   # a padded sequence's (and row's) step: greedy, no logprobs
@@ -80,7 +81,9 @@ def _row_step(s: SeqStep, ahead: list[int]) -> SeqStep:
     """Row j of s's verification: the decode step after the drafts `ahead` (d_1..d_j)."""
     if not ahead and not s.num_drafts:
         return s
-    return dataclasses.replace(s, token_ids=[], history=s.history + list(ahead), num_drafts=0,
+    # only penalties read the history: other rows keep the sequence's (no copy of the context per row)
+    history = s.history + list(ahead) if counts_history(s.params) else s.history
+    return dataclasses.replace(s, token_ids=[], history=history, num_drafts=0,
                                num_generated=s.num_generated + len(ahead))
 
 

@@ -52,7 +52,7 @@ def gate_with(name: str, change) -> list[str]:
 def test_gate_fails_on_neox_rope_for_mla(monkeypatch):
     """DeepSeek's rope pairs (x[2i], x[2i+1]); rotating (x[i], x[i + D/2]) instead is caught."""
     import engine.executor.cpu_mla_ops as mla
-    from engine.executor.cpu_ops import _rope
+    from engine.executor.cpu_ops import rope as _rope
 
     assert gate_with("deepseek_v2_lite", lambda m: monkeypatch.setattr(mla, "rope_interleaved", _rope))
 
