@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from openinfer_kernels.quant.fp8_ref import E4M3, E4M3_MAX, GROUP
+from openinfer_kernels.quant.fp8_ref import E4M3, E4M3_MAX, GROUP, weight_scale_per_k
 from openinfer_kernels.quant.w4_formats import SYMMETRIC_ZERO, W4Codes, dequant
 
 
@@ -61,10 +61,7 @@ class Fp8Linear:
 
     def scale_per_k(self) -> np.ndarray:
         """float32 [N, K/128]: the scale of every (row, 128-column block)."""
-        N, K = self.shape
-        if self.channel:
-            return np.repeat(self.scale[:, None], K // GROUP, axis=1)
-        return np.repeat(self.scale, GROUP, axis=0)[:N]
+        return weight_scale_per_k(self.scale, *self.shape, self.channel).astype(np.float32)
 
     def dequantized(self, dtype=np.float32) -> np.ndarray:
         """codes · scale in float32 (transformers' Fp8Dequantize for block scales), as `dtype`."""
