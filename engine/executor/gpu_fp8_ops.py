@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.executor.gpu_gemm import interleave_gate_up
+from engine.models.quant_experts import Fp8Experts
 from engine.models.quant_linear import Fp8Linear
 from memory.device_arena import Buffer, buffers_nbytes
 from openinfer_kernels.quant.fp8_ref import GROUP
@@ -47,28 +48,36 @@ class Fp8Device:
         return self.codes.data
 
 
-def fp8_host_arrays(w: Fp8Linear, interleave: bool) -> dict[str, np.ndarray]:
-    """codes / scale / block_scale as uploaded; interleave: a channel-scaled gate_up's rows (and scales) in blocks
-    of 8 gate / 8 up rows."""
+def fp8_host_arrays(w: Fp8Linear | Fp8Experts, interleave: bool) -> dict[str, np.ndarray]:
+    """codes / scale (and a linear's block_scale) as uploaded; interleave: a channel-scaled gate_up's rows (and
+    scales) in blocks of 8 gate / 8 up rows (each expert's)."""
     codes, scale = np.asarray(w.codes).view(np.uint8), w.scale
     if interleave:
         if not w.channel:
             raise ValueError("block-scaled gate_up weights are not interleaved")
-        codes, scale = interleave_gate_up(codes), interleave_gate_up(scale[:, None])[:, 0]
-    N, K = w.shape
-    block = np.ones((-(-N // GROUP), K // GROUP), np.float32) if w.channel else scale
-    return {"codes": np.ascontiguousarray(codes), "scale": np.ascontiguousarray(scale),
-            "block_scale": np.ascontiguousarray(block)}
+        codes, scale = interleave_gate_up(codes), interleave_gate_up(scale[..., None])[..., 0]
+    out = {"codes": np.ascontiguousarray(codes), "scale": np.ascontiguousarray(scale)}
+    if isinstance(w, Fp8Linear):
+        N, K = w.shape
+        out["block_scale"] = np.ascontiguousarray(np.ones((-(-N // GROUP), K // GROUP), np.float32)
+                                                  if w.channel else scale)
+    return out
+
+
+def upload_fp8_parts(arena, name: str, w: Fp8Linear | Fp8Experts, stream, interleave: bool) -> dict:
+    """One kept FP8 weight's arrays (fp8_host_arrays) into the arena, queued on stream: the device arrays by part."""
+    dev = {}
+    for part, a in fp8_host_arrays(w, interleave).items():
+        dev[part] = arena.take(f"weights.{name}.{part}", a.shape, a.dtype)
+        dev[part].set(a, stream=stream)
+    return dev
 
 
 def upload_fp8(arena, weights: dict, stream, interleave) -> dict[str, Fp8Device]:
     """The kept FP8 weights into the arena (interleave(name): gate_up rows interleaved)."""
     out = {}
     for name, w in weights.items():
-        dev = {}
-        for part, a in fp8_host_arrays(w, interleave(name)).items():
-            dev[part] = arena.take(f"weights.{name}.{part}", a.shape, a.dtype)
-            dev[part].set(a, stream=stream)
+        dev = upload_fp8_parts(arena, name, w, stream, interleave(name))
         out[name] = Fp8Device(dev["codes"], dev["scale"], dev["block_scale"], w.channel)
     stream.synchronize()
     return out

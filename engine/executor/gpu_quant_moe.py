@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.executor.gpu_gemm import interleave_gate_up
+from engine.executor.gpu_fp8_ops import upload_fp8_parts
 from engine.executor.gpu_moe_ops import GpuMoEOps, expert_rows
 from engine.models.quant_experts import Fp8Experts, W4Experts
 from memory.device_arena import Buffer
@@ -45,15 +45,7 @@ def upload_experts(arena, weights: dict, stream, interleave) -> dict:
     gpu_w4_linear.upload_w4 stacks them as one W4Weight of E experts)."""
     out = {}
     for name, w in weights.items():
-        codes, scale = np.asarray(w.codes).view(np.uint8), w.scale
-        if interleave(name):
-            if not w.channel:
-                raise ValueError("block-scaled FP8 gate_up experts are not interleaved")
-            codes, scale = interleave_gate_up(codes), interleave_gate_up(scale[..., None])[..., 0]
-        dev = {}
-        for part, a in (("codes", codes), ("scale", scale)):
-            dev[part] = arena.take(f"weights.{name}.{part}", a.shape, a.dtype)
-            dev[part].set(np.ascontiguousarray(a), stream=stream)
+        dev = upload_fp8_parts(arena, name, w, stream, interleave(name))
         out[name] = Fp8ExpertsDevice(dev["codes"], dev["scale"])
     stream.synchronize()
     return out
