@@ -30,7 +30,7 @@ from engine.loader.quantized import (Fp8BlockFormat, Fp8ChannelFormat, Get, Has,
                                      QuantFormat, channel_scale)
 from engine.models.quant_experts import Fp8Experts, W4Experts, stack_experts
 from engine.models.quant_linear import Fp8Linear, W4Linear, fp8_concat, fp8_per_channel, w4_concat
-from openinfer_kernels.quant.w4_formats import from_compressed_tensors, from_fp4
+from openinfer_kernels.quant.w4_formats import from_fp4
 from engine.models.weights import WeightSpec
 from openinfer_kernels.quant.fp8_ref import E4M3, GROUP
 
@@ -98,13 +98,7 @@ class LinearKeeper:
     def _w4(self, name: str, shape: tuple[int, ...]) -> W4Linear | None:
         """An AWQ / GPTQ / pack-quantized int4 part, kept packed (None: the tensor is not in that format)."""
         base = name[:-len("weight")]
-        if isinstance(self.fmt, Int4Format):
-            w4 = self.fmt.codes(base, self.has, self.get) if self.has(base + "qweight") else None
-        elif self.fmt.bits == 4 and self.has(base + "weight_packed") and not self.has(base + "weight_zero_point"):
-            scale = self.get(base + "weight_scale")
-            w4 = from_compressed_tensors(self.get(base + "weight_packed"), scale, shape, shape[1] // scale.shape[-1])
-        else:
-            return None
+        w4 = self.fmt.codes(base, self.has, self.get) if self.has(base + self.fmt.marker) else None
         if w4 is not None and tuple(w4.codes.shape) != tuple(shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(w4.codes.shape)}, expected {shape}")
         return None if w4 is None else W4Linear(w4)

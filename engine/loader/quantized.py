@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from openinfer_kernels.quant.w4_formats import W4Codes, from_awq, from_gptq
+from openinfer_kernels.quant.w4_formats import W4Codes, from_awq, from_compressed_tensors, from_gptq
 from openinfer_kernels.quant.w4_formats import dequant as w4_dequant
 
 log = logging.getLogger(__name__)
@@ -129,19 +129,30 @@ class Fp8BlockFormat:
 class PackedIntFormat:
     bits: int
     group: int | None          # None: the group follows from the scale's shape (channel: one group per row)
+    marker = "weight_packed"   # the tensor a packed weight `X.weight` is stored as
 
     def describe(self) -> str:
         return f"compressed-tensors pack-quantized int{self.bits} weights (group {self.group or 'per channel'})"
+
+    def _parts(self, base: str, get: Get) -> tuple[np.ndarray, np.ndarray, tuple[int, int], int]:
+        """(weight_packed, weight_scale, the weight's shape, its group) of `base`."""
+        shape = tuple(int(d) for d in np.asarray(get(base + "weight_shape")).reshape(-1))
+        scale = get(base + "weight_scale")
+        return get(base + "weight_packed"), scale, shape, self.group or shape[1] // scale.shape[-1]
+
+    def codes(self, base: str, has: Has, get: Get) -> W4Codes | None:
+        """A symmetric int4 weight kept packed (None: other bits, or zero points: dequantized instead)."""
+        if self.bits != 4 or has(base + "weight_zero_point"):
+            return None
+        return from_compressed_tensors(*self._parts(base, get))
 
     def view(self, has: Has, get: Get, dtype) -> tuple[Has, Get]:
         def dequant(base: str) -> np.ndarray:
             if has(base + "weight_zero_point"):
                 raise ValueError(f"{base}weight: asymmetric packed weights (weight_zero_point) are not supported")
-            shape = tuple(int(d) for d in np.asarray(get(base + "weight_shape")).reshape(-1))
-            scale = get(base + "weight_scale")
-            group = self.group or shape[1] // scale.shape[-1]
-            return dequant_packed_group(get(base + "weight_packed"), scale, shape, self.bits, group, dtype)
-        return packed_view(has, get, "weight_packed", dequant)
+            packed, scale, shape, group = self._parts(base, get)
+            return dequant_packed_group(packed, scale, shape, self.bits, group, dtype)
+        return packed_view(has, get, self.marker, dequant)
 
 
 def packed_view(has: Has, get: Get, marker: str, dequant: Callable[[str], np.ndarray]) -> tuple[Has, Get]:
@@ -212,6 +223,7 @@ class Int4Format:
     method: str                # "awq" | "gptq"
     group: int                 # -1: one group per row (GPTQ)
     v2: bool = False
+    marker = "qweight"         # the tensor a packed weight `X.weight` is stored as
 
     def describe(self) -> str:
         return f"{self.method} int4 weights (group {self.group})"
@@ -226,7 +238,7 @@ class Int4Format:
         return from_gptq(qweight, get(base + "qzeros"), get(base + "scales"), group, g_idx, self.v2)
 
     def view(self, has: Has, get: Get, dtype) -> tuple[Has, Get]:
-        return packed_view(has, get, "qweight", lambda base: w4_dequant(self.codes(base, has, get)).astype(dtype))
+        return packed_view(has, get, self.marker, lambda base: w4_dequant(self.codes(base, has, get)).astype(dtype))
 
 
 def int4_format(method: str, q: dict[str, Any]) -> Int4Format:
