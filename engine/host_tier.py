@@ -9,7 +9,8 @@ pure-host mode (prefix caching off) offloads a sequence's full blocks as it lets
 before each step the step's offloads, restores and write-throughs are handed to the executor (`issue`). With
 asynchronous copies (the executor's supports_async_copies) a restore keeps its sequence LOADING until its
 copies land, the tier is written through as blocks join the device prefix cache (each block held until its
-copy lands), and `land` settles what has landed. A failed copy switches the tier off (`slots` None): what is
+copy lands), and `land` settles what has landed; the engine is not idle while copies in flight hold device
+blocks (`holds_blocks`: the scheduler's has_work). A failed copy switches the tier off (`slots` None): what is
 in flight still lands, nothing new is stored or looked up.
 """
 from __future__ import annotations
@@ -74,6 +75,12 @@ class HostTier:
     @property
     def on(self) -> bool:
         return self.slots is not None
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Copies in flight still hold device blocks past their sequences: write-throughs, and restores of
+        sequences finished while loading (the engine is not idle until they land and give them back)."""
+        return bool(self.writing or self.draining)
 
     def lookup(self, hashes: list[int]) -> list[int]:
         """Host slots of the longest prefix of these hashes held on the host."""

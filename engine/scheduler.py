@@ -91,7 +91,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.loading or (self.host_tier and self.host_tier.holds_blocks))
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

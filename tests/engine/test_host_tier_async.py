@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from engine.batch import BLOCK_SIZE
-from engine.events import Token
+from engine.events import Finished, Token
 from engine.request import GenerateRequest, SamplingParams
 from engine.sequence import SeqStatus
 from fake_executor import FakeExecutor, make_engine, run_until_idle, submit
@@ -67,11 +67,18 @@ class AsyncCopies(FakeExecutor):
 
 
 def settle(engine, ex: AsyncCopies) -> None:
-    """Land every copy in flight and let the scheduler take their blocks and slots back (an idle engine
-    does so at its next step)."""
+    """Land every copy in flight and let the scheduler take their blocks and slots back (an engine stepped
+    until idle has: copies that hold blocks count as its work)."""
     for t in ex.tickets:
         ex.wait_copies(t)
     engine.scheduler.land_copies()
+
+
+def until_finished(engine, events: list) -> None:
+    """Step the engine until the request of `events` is done (its copies may still be in flight)."""
+    while not any(isinstance(e, Finished) for e in events):
+        engine.step()
+        engine.drain_inbox()
 
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -225,8 +232,8 @@ def test_a_block_written_through_is_not_evicted_before_its_copy_lands():
     ex = AsyncCopies(delay=1, write_delay=5, num_kv_blocks=8, host_kv_blocks=32)
     engine = make_engine(ex, host_kv_blocks=32)
     a = submit(engine, GenerateRequest("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
-    run_until_idle(engine)
-    assert engine.scheduler.host_tier.writing                   # its blocks still being written through
+    until_finished(engine, a)
+    assert engine.scheduler.host_tier.writing and engine.has_work()     # not idle until they land                   # its blocks still being written through
     b = submit(engine, GenerateRequest("b", [201] + list(range(1, 90)), PARAMS))
     run_until_idle(engine)
     settle(engine, ex)
@@ -246,7 +253,7 @@ def test_the_prefix_cache_reset_waits_for_write_throughs_in_flight():
     ex = AsyncCopies(delay=1, write_delay=50, num_kv_blocks=32, host_kv_blocks=32)
     engine = make_engine(ex, host_kv_blocks=32)
     first = submit(engine, GenerateRequest("a", PROMPT, PARAMS))
-    run_until_idle(engine)
+    until_finished(engine, first)
     assert engine.scheduler.host_tier.writing
     engine.reset_prefix_cache()
     assert not engine.scheduler.host_tier.writing
