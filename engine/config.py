@@ -88,9 +88,6 @@ class EngineConfig:
     def _check_quantization(self) -> None:
         from engine.loader.kept_linear import check_quantization
         check_quantization(self.quantization)
-        if self.quantization is not None and self.tensor_parallel_size > 1:
-            raise ValueError(f"quantization {self.quantization} with tensor_parallel_size > 1: tensor-parallel ranks "
-                             f"do not keep quantized weights")
 
     def validate(self) -> None:
         """Raise ValueError naming the field and its allowed range."""

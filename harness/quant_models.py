@@ -20,49 +20,66 @@ import os
 import numpy as np
 
 from harness.models import _tmp_root, build_tiny_model, hf_model
-from harness.quantized import dequantized_copy, fp8_channel_folder, fp8_folder, int4_folder
+from harness.quantized import LAYER_LINEAR, dequantized_copy, fp8_channel_folder, fp8_folder, int4_folder, packed_int4_folder
 
 W8A8_WIDTHS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=32)
 FP8_LINES = {"qwen3": "qwen3_untied", "llama": "llama", "qwen2": "qwen2"}     # line -> its TINY_MODELS base
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def tiny_source(line: str) -> str:
-    """The bf16 tiny `line` model at the widths the quantized formats take (built once)."""
-    src = os.path.join(_tmp_root(), f"{line}-w8a8")
+# Two ranks' shards still whole 128-row blocks and 128-wide groups: each rank's q / k / v rows (one head of 128),
+# o_proj's and down_proj's K shares (128)
+TP2_WIDTHS = dict(W8A8_WIDTHS, num_attention_heads=2, num_key_value_heads=2, head_dim=128)
+
+
+def tiny_source(line: str, tp2: bool = False) -> str:
+    """The bf16 tiny `line` model at the widths the quantized formats take (tp2: that two ranks' shards take; qwen3
+    only), built once."""
+    src = os.path.join(_tmp_root(), f"{line}-w8a8" + ("-tp2" if tp2 else ""))
     if not os.path.isdir(src):
-        overrides = {k: v for k, v in W8A8_WIDTHS.items() if line == "qwen3" or k != "head_dim"}
+        overrides = {k: v for k, v in (TP2_WIDTHS if tp2 else W8A8_WIDTHS).items() if line == "qwen3" or k != "head_dim"}
         build_tiny_model(FP8_LINES[line], src, **overrides)
     return src
 
 
 @functools.lru_cache(maxsize=None)
-def int4_tiny(line: str, method: str) -> tuple[str, str]:
-    """(the AWQ / GPTQ folder, the float32 folder of its dequantized weights) of a tiny `line` model."""
-    src = tiny_source(line)
+def int4_tiny(line: str, method: str, tp2: bool = False) -> tuple[str, str]:
+    """(the AWQ / GPTQ / compressed-tensors pack-quantized folder, the float32 folder of its dequantized weights) of a
+    tiny `line` model (tp2: tiny_source's)."""
+    src = tiny_source(line, tp2)
+    if method == "compressed-tensors":
+        return packed_int4_folder(src, f"{src}-ct", f"{src}-ct-ref", LAYER_LINEAR, group=128)
     return int4_folder(src, f"{src}-{method}", f"{src}-{method}-ref", method)
 
 
 @functools.lru_cache(maxsize=None)
-def fp8_tiny(line: str, fmt: str = "block") -> tuple[str, str]:
-    """(the FP8 folder, the float32 folder of its dequantized weights) of a tiny `line` model."""
-    src = tiny_source(line)
+def fp8_tiny(line: str, fmt: str = "block", tp2: bool = False) -> tuple[str, str]:
+    """(the FP8 folder, the float32 folder of its dequantized weights) of a tiny `line` model (tp2: tiny_source's)."""
+    src = tiny_source(line, tp2)
     dst = f"{src}-fp8-{fmt}"
     fp8_folder(src, dst, (128, 128)) if fmt == "block" else fp8_channel_folder(src, dst)
     return dst, dequantized_copy(dst, dst + "-ref")
 
 
 MOE_W8A8_WIDTHS = {"qwen3_moe": dict(W8A8_WIDTHS, moe_intermediate_size=128),      # q, k, v rows: whole blocks
+                   "qwen3_moe-tp2": dict(TP2_WIDTHS, moe_intermediate_size=128),
                    "deepseek_v3": dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128)}
 
 
+def moe_source(line: str, tp2: bool = False) -> str:
+    """The bf16 tiny MoE `line` model at MOE_W8A8_WIDTHS (tp2: two ranks' shards whole blocks), built once."""
+    key = line + ("-tp2" if tp2 else "")
+    src = os.path.join(_tmp_root(), f"{key}-moe-w8a8")
+    if not os.path.isdir(src):
+        build_tiny_model(line, src, **MOE_W8A8_WIDTHS[key])
+    return src
+
+
 @functools.lru_cache(maxsize=None)
-def fp8_moe_tiny(line: str) -> tuple[str, str]:
+def fp8_moe_tiny(line: str, tp2: bool = False) -> tuple[str, str]:
     """(the FP8 block-scaled folder, the float32 folder of its dequantized weights) of a tiny MoE `line` model
     whose routed experts (and, for qwen3_moe, attention and dense MLP) W8A8 keeps: K multiples of 128."""
-    src = os.path.join(_tmp_root(), f"{line}-moe-w8a8")
-    if not os.path.isdir(src):
-        build_tiny_model(line, src, **MOE_W8A8_WIDTHS[line])
+    src = moe_source(line, tp2)
     dst = fp8_folder(src, f"{src}-fp8", (128, 128))
     return dst, dequantized_copy(dst, dst + "-ref")
 

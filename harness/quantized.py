@@ -193,9 +193,18 @@ def int4_folder(src: str, dst: str, reference: str | None, method: str, group: i
 def int4_experts_folder(src: str, dst: str, reference: str, group: int = 32) -> tuple[str, str]:
     """(dst: src with its routed experts in compressed-tensors int4, reference: the same weights dequantized
     in bf16)."""
+    ignore = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]
+    return packed_int4_folder(src, dst, reference, EXPERT_LINEAR, group, ignore)
+
+
+def packed_int4_folder(src: str, dst: str, reference: str, pattern: re.Pattern, group: int = 32,
+                       ignore: tuple[str, ...] = ("lm_head",)) -> tuple[str, str]:
+    """(dst: src with the weights `pattern` matches in compressed-tensors pack-quantized int4 (symmetric, `group`),
+    the others (`ignore`: their config entry) left unquantized; reference: the same weights dequantized, in their
+    own dtype)."""
     packed, plain = {}, {}
     for name, a in _tensors(src).items():
-        if not EXPERT_LINEAR.match(name):
+        if not pattern.match(name):
             packed[name] = plain[name] = a
             continue
         q, scale, deq = quantize_int_group(a, 4, group)
@@ -207,7 +216,7 @@ def int4_experts_folder(src: str, dst: str, reference: str, group: int = 32) -> 
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                   "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group,
                   "dynamic": False, "observer": "minmax"}}},
-              "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
+              "ignore": list(ignore)}
     return _rewrite(src, dst, packed, config), _rewrite(src, reference, plain, None)
 
 

@@ -28,6 +28,7 @@ class LoadedModel:
     generation_config: dict[str, Any]
     path: str                               # the HF folder the model was loaded from
     model: DecoderLM = field(repr=False, default=None)  # type: ignore[assignment]
+    quantization: str | None = None         # the --quantization it was loaded with (each GPU rank loads it so)
 
 
 def read_generation_config(folder: str, config: ModelConfig) -> dict[str, Any]:
@@ -59,4 +60,4 @@ def load_hf_folder(folder: str, dequant_dtype=np.float32, quantization: str | No
                          f"input widths that are multiples of 128)")
     gen = read_generation_config(folder, config)
     tokenizer = Tokenizer.from_folder(folder, gen)
-    return LoadedModel(config, weights, tokenizer, gen, os.path.abspath(folder), model)
+    return LoadedModel(config, weights, tokenizer, gen, os.path.abspath(folder), model, quantization)

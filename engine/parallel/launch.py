@@ -8,7 +8,7 @@ from engine.executor.options import ExecutorOptions
 from engine.parallel.comm import LocalGroup
 from engine.parallel.executor import TensorParallelExecutor
 from engine.parallel.ranks import COLLECTIVE_TIMEOUT_S, ThreadRanks
-from engine.parallel.sharding import Shard, check_tensor_parallel, expert_range, shard_model
+from engine.parallel.sharding import Shard, check_kept_cuts, check_tensor_parallel, expert_range, shard_model
 
 log = logging.getLogger("openinfer.engine")
 
@@ -28,6 +28,7 @@ def start_cpu_ranks(model, options: ExecutorOptions) -> TensorParallelExecutor:
 def create_parallel_executor(model, options: ExecutorOptions, device: str) -> TensorParallelExecutor:
     """The tensor-parallel executor of a resolved device ("cpu" / "cuda")."""
     check_tensor_parallel(model.model, options.tensor_parallel_size)
+    check_kept_cuts(model, options.tensor_parallel_size)
     log.info("tensor parallel: %d ranks (%s)", options.tensor_parallel_size,
              "one process per GPU, NCCL" if device == "cuda" else "threads, numpy collectives")
     if device == "cuda":

@@ -11,6 +11,8 @@ split part by part:
     other ranks hold zeros, so every rank takes the same code path and issues the same collectives);
   * EXPERTS: the routed experts' stacked weights, E / N whole experts per rank (expert parallelism);
   * replicated: the embedding, the norms, q/k norm and the router.
+A weight kept quantized (FP8, int4, kept experts) is split by the same rule, its codes with their scales
+(kept_shards.py): a cut that would split a scale block or group is refused at start (check_kept_cuts).
 A weight with no rule refuses tensor parallelism at start, so a new weight in a model line cannot be
 split wrongly in silence. A rank runs the line built from `shard_config` (its heads, KV heads and
 intermediate size), whose paged KV holds its KV heads alone.
@@ -24,8 +26,10 @@ import numpy as np
 
 from engine.model_config import ModelConfig
 from engine.models.quant_experts import KEPT
+from engine.models.quant_linear import Fp8Linear, W4Linear
 from engine.models.registry import build_model, model_types_where
 from engine.models.weights import WeightSpec
+from engine.parallel.kept_shards import Span, check_cuts, experts_of, kept_shard
 from memory.packed_weight import PackedWeight
 
 SUPPORTED_TYPES = model_types_where(lambda line: line.tensor_parallel)       # the lines declaring it
@@ -136,11 +140,37 @@ def _span(size: int, heads: int | None, shard: Shard) -> slice:
     return slice(first * unit, (first + count) * unit)
 
 
+def _part_spans(spec: WeightSpec, split: Split, shard: Shard) -> list[slice]:
+    """A ROWS weight's rows held by a rank, one slice per packed part (in the part's own rows)."""
+    sizes = [shape[0] for _, shape in spec.parts]
+    return [_span(size, h, shard) for size, h in zip(sizes, split.heads or (None,) * len(sizes))]
+
+
+def _kept_cuts(w, spec: WeightSpec, split: Split, shard: Shard) -> tuple[int, list[Span]]:
+    """(axis, spans) of a kept linear weight held by a rank: its rows of every packed part (ROWS, in the joined
+    weight's rows) or its columns (COLS)."""
+    if split.kind == COLS:
+        s = _span(w.shape[1], split.heads[0] if split.heads else None, shard)
+        return 1, [(s.start, s.stop)]
+    offsets = np.cumsum([0] + [shape[0] for _, shape in spec.parts])
+    return 0, [(int(o) + s.start, int(o) + s.stop) for o, s in zip(offsets, _part_spans(spec, split, shard))]
+
+
+def _shard_kept(w, spec: WeightSpec, split: Split, shard: Shard):
+    """A rank's part of a weight kept quantized: its codes with their scales (kept_shards.py), never dequantized."""
+    if split.kind == REPLICATE:
+        return w
+    if split.kind == EXPERTS:
+        return experts_of(w, *share(w.shape[0], shard))
+    if split.kind not in (ROWS, COLS):
+        raise ValueError(f"tensor parallelism: {spec.name} is kept quantized, its rule {split.kind!r} takes dense weights")
+    return kept_shard(spec.name, w, *_kept_cuts(w, spec, split, shard), shard.rank, shard.world_size)
+
+
 def shard_weight(w, spec: WeightSpec, split: Split, shard: Shard):
-    """A rank's part of one engine weight (views where the source allows); a kept quantized weight is sharded
-    dequantized (tensor-parallel ranks do not keep quantized weights yet)."""
+    """A rank's part of one engine weight (views where the source allows; a kept quantized one stays quantized)."""
     if isinstance(w, KEPT):
-        w = w.dequantized()
+        return _shard_kept(w, spec, split, shard)
     if split.kind == REPLICATE:
         return w
     if split.kind == RANK0:
@@ -148,12 +178,22 @@ def shard_weight(w, spec: WeightSpec, split: Split, shard: Shard):
     if split.kind == EXPERTS:
         first, count = share(w.shape[0], shard)
         return w[first:first + count]
-    parts = _parts(w, spec) if split.kind == ROWS else [w]
-    heads = split.heads or (None,) * len(parts)
     if split.kind == COLS:
-        return w[:, _span(w.shape[1], heads[0], shard)]
-    out = [p[_span(p.shape[0], h, shard)] for p, h in zip(parts, heads)]
+        return w[:, _span(w.shape[1], split.heads[0] if split.heads else None, shard)]
+    out = [p[s] for p, s in zip(_parts(w, spec), _part_spans(spec, split, shard))]
     return out[0] if len(out) == 1 else PackedWeight(out)
+
+
+def check_kept_cuts(loaded, world_size: int) -> None:
+    """Refuse at start (ValueError naming the weight and its sizes) a kept linear weight whose rank shards would
+    split its scale blocks or groups (kept_shards.py), before any rank is built."""
+    cfg = loaded.model.config
+    for spec in loaded.model.weight_specs():
+        w = loaded.weights.get(spec.name)
+        split = split_of(spec.name, cfg)
+        if isinstance(w, (Fp8Linear, W4Linear)) and split.kind in (ROWS, COLS):
+            for rank in range(world_size):
+                check_cuts(spec.name, w, *_kept_cuts(w, spec, split, Shard(rank, world_size)), rank, world_size)
 
 
 def shard_weights(model, weights: dict, shard: Shard) -> dict:

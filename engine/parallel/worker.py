@@ -5,7 +5,7 @@ never inherits a CUDA context), reached over a Unix socket in a private folder (
 
 Start-up: each rank says hello; rank 0 makes the NCCL id and sends it with the model folder and the
 options; every rank joins the communicator (ncclCommInitRank returns once all have), binds GPU `rank`,
-loads the checkpoint (memory-mapped), builds its shard's GpuRankExecutor and reports its KV pool; then
+loads the checkpoint (memory-mapped; quantized at load as rank 0's was, --quantization), builds its shard's GpuRankExecutor and reports its KV pool; then
 it follows rank 0's calls (ranks.follower_loop) until "close". A rank that fails reports and exits.
 """
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _start(model, options: ExecutorOptions, listener, procs: list) -> TensorPara
     for conn in conns:
         # the other ranks' steps are not timed (nobody reads their step trace) and show no upload bar
         follower = options.replace(progress=False, time_steps=False)
-        conn.send(("init", {"path": model.path, "options": follower, "uid": uid}))
+        conn.send(("init", {"path": model.path, "quantization": model.quantization, "options": follower, "uid": uid}))
     device = current_device()          # NCCL joins on the calling thread's device: rank 0's, the current one
     comm = _in_thread("join", lambda: (use_device(device), NcclCommunicator(n, uid, 0))[1], procs, deadline)
     local = rank_executor(model, options, comm, 0)
@@ -154,7 +154,7 @@ def main(argv: list[str]) -> int:
         use_device(rank)
         options: ExecutorOptions = init["options"]
         comm = NcclCommunicator(options.tensor_parallel_size, init["uid"], rank)
-        executor = rank_executor(load_model(init["path"]), options, comm, rank)
+        executor = rank_executor(load_model(init["path"], quantization=init["quantization"]), options, comm, rank)
     except Exception as e:            # noqa: BLE001 -- rank 0 raises it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return 1

@@ -152,8 +152,7 @@ def test_quantization_flag_is_checked_at_start():
     EngineConfig(quantization="fp8").validate()
     with pytest.raises(ValueError, match="'fp4' is not supported"):
         EngineConfig(quantization="fp4").validate()
-    with pytest.raises(ValueError, match="tensor-parallel ranks"):
-        EngineConfig(quantization="fp8", tensor_parallel_size=2).validate()
+    EngineConfig(quantization="fp8", tensor_parallel_size=2).validate()       # the ranks keep their FP8 shards
 
 
 def test_startup_log_names_format_and_kernel_per_family(caplog):
@@ -208,16 +207,20 @@ def test_engine_config_quantization_reaches_the_loader():
     assert not isinstance(executor.weights["layers.0.qkv_proj"], Fp8Linear)
 
 
-def test_tensor_parallel_ranks_shard_kept_weights_dequantized():
-    """CPU tensor-parallel ranks take a kept int4 model (sharded dequantized): the same logits as one executor."""
-    from engine.executor.options import options_of
-    from engine.parallel.launch import start_cpu_ranks
-    from harness.quant_models import int4_tiny
-    model = load_model(int4_tiny("qwen3", "awq")[0])
-    parallel = start_cpu_ranks(model, options_of(num_kv_blocks=48, max_model_len=512, tensor_parallel_size=2))
+def test_tensor_parallel_ranks_keep_their_fp8_shards():
+    """--quantization fp8 with tensor_parallel_size 2: each CPU rank keeps its shard of the weights quantized at load
+    in FP8 (q / k / v, gate / up by rows, o_proj / down_proj by columns), never a dequantized copy
+    (tests/scale/test_parallel_quant.py: every kept format's logits and bytes)."""
+    from engine.config import EngineConfig
+    from engine.handle import _build
+    from harness.quant_models import tiny_source
+    executor, _, _ = _build(EngineConfig(model=tiny_source("qwen3", tp2=True), device="cpu", quantization="fp8",
+                                         tensor_parallel_size=2, num_kv_blocks=16, max_model_len=128))
     try:
-        prompts = test_prompts(model.tokenizer, 2)
-        got, want = engine_logits(parallel, prompts), engine_logits(new_executor(model), prompts)
-        assert max(np.abs(log_softmax(g) - log_softmax(w)).max() for g, w in zip(got, want)) < 1e-4
+        for rank in [executor.local, *executor.followers.executors]:
+            shapes = {p: rank.weights[f"layers.0.{p}"].shape for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+            assert all(isinstance(rank.weights[f"layers.0.{p}"], Fp8Linear) for p in shapes)
+            assert shapes == {"qkv_proj": (384, 128), "o_proj": (128, 128), "gate_up_proj": (256, 128),
+                              "down_proj": (128, 128)}, shapes
     finally:
-        parallel.close()
+        executor.close()
