@@ -95,6 +95,7 @@ class GpuExecutor(ExecutorBase):
     supports_block_copies = False
     supports_draft_verify = True    # verify steps: gpu_verify.py (sized by options.num_speculative_tokens)
     ops_class = GpuOps              # a tensor-parallel rank's executor runs its own (engine/parallel)
+    kept_ops_class = None           # ... and its own for kept quantized weights (None: GpuQuantOps)
     supports_eagle3 = True          # an EAGLE-3 head drafts on the device (gpu_eagle3.py; the steps then eager)
     draft = None                    # the attached head's Eagle3Draft
     graphs_class = DecodeGraphs
@@ -107,7 +108,7 @@ class GpuExecutor(ExecutorBase):
         self.vocab_size, self.max_model_len = model.config.vocab_size, options.max_model_len
         self.device = DeviceInfo.query()
         self.plan = replace(gpu_plan(options, model.model, self.device), fp8_experts=has_fp8_experts(model.weights))
-        self.ops_class = quant_ops_class(model.weights, self.ops_class)
+        self.ops_class = quant_ops_class(model.weights, self.ops_class, self.kept_ops_class)
         self.kv_format = gpu_kv_format(options.kv_cache_dtype, model, self.plan)
         self.kv_itemsize = self.kv_format.itemsize(KV_ITEMSIZE)
         self.streams = DeviceStreams()

@@ -14,6 +14,8 @@ the same sums in numpy):
   * routed experts (expert parallelism): expert_shard.cu maps the router's ids to the rank's experts
     (others -1, dropped by moe_align.cu); rank 0's combine adds the residual, the others' a zeroed
     buffer; the same all-reduce sums them.
+  * weights kept quantized (a rank's FP8 / int4 shard, its kept experts): RankGpuQuantOps, the same collectives
+    around the one-GPU quantized kernels (GpuQuantOps), which serve a rank's codes and scales unchanged;
   * logits: the rank's vocabulary rows into its slot of a [N, R, V/N] float32 buffer, an all-gather in
     place, then one 2D copy per rank into the sampler's [R, V] logits: every rank holds the whole rows
     and rank 0 samples them with the unchanged sampler (top-k / top-p, logprobs, grammar masks,
@@ -26,7 +28,10 @@ import numpy as np
 
 from engine.executor.gpu import GpuExecutor
 from engine.executor.gpu_moe_ops import GpuMoEOps
+from engine.executor.gpu_fp8_ops import Fp8Device
 from engine.executor.gpu_ops import GpuOps
+from engine.executor.gpu_quant_moe import GpuQuantMoEOps
+from engine.executor.gpu_quant_ops import GpuQuantOps
 from engine.executor.options import ExecutorOptions
 from openinfer_kernels.raw_cuda import kernel
 from memory.device_arena import Buffer, buffers_nbytes
@@ -76,7 +81,7 @@ class RankGpuOps(GpuOps):
         self.gathered = arena.take_all("tp", self.rank_buffers(plan))["tp_logits"]
 
     def _moe_part(self, plan, arena) -> RankGpuMoEOps:
-        return RankGpuMoEOps(plan, self.shared, arena, self.comm, self.rank_experts)
+        return self.moe_class(plan, self.shared, arena, self.comm, self.rank_experts)
 
     @staticmethod
     def rank_buffers(plan) -> list[Buffer]:
@@ -91,9 +96,14 @@ class RankGpuOps(GpuOps):
         if self.comm.rank == 0:
             out = super().add_linear(x, weight, residual, bias, lora=lora)
         else:                          # the bare partial product (o_proj's bias is zeros here)
-            out = self.shared.residual_out(x.shape[0], weight.shape[0])
-            self.shared.gemm(x, weight, out, pdl=self.shared.pdl)
+            out = self.partial_product(x, weight)
         return self.comm.all_reduce(out)
+
+    def partial_product(self, x, weight):
+        """x · weightᵀ into the residual buffer, no residual added (the ranks other than 0)."""
+        out = self.shared.residual_out(x.shape[0], weight.shape[0])
+        self.shared.gemm(x, weight, out, pdl=self.shared.pdl)
+        return out
 
     def reduce_partials(self, partials) -> None:
         splits, rows, cols = partials.shape
@@ -115,11 +125,33 @@ class RankGpuOps(GpuOps):
         return out
 
 
+class RankGpuQuantMoEOps(RankGpuMoEOps, GpuQuantMoEOps):
+    """The MoE part of a rank whose experts are kept quantized: RankGpuMoEOps' expert shard and combine around
+    GpuQuantMoEOps' grouped kernels (a rank's experts are whole experts, each with its own scales)."""
+
+
+class RankGpuQuantOps(RankGpuOps, GpuQuantOps):
+    """The ops of a rank whose shard keeps quantized weights (engine/parallel/kept_shards.py): RankGpuOps' collectives
+    around GpuQuantOps' one-GPU kernels, which take a rank's codes and scales as they take a whole weight's."""
+    moe_class = RankGpuQuantMoEOps
+
+    def partial_product(self, x, weight):
+        """A kept weight's bare product on its own kernel (FP8 W8A8; int4 gemv_w4 at decode rows, its bf16
+        dequantization through the GEMM otherwise)."""
+        fp8, w4 = isinstance(weight, Fp8Device), self._decode_w4(weight, x.shape[0])
+        if not (fp8 or w4):
+            return super().partial_product(x, self._bf16(weight))
+        out = self.shared.residual_out(x.shape[0], weight.shape[0] if fp8 else weight.n)
+        self.fp8.run(x, weight, out) if fp8 else self.w4.gemv(x, weight, out)
+        return out
+
+
 class GpuRankExecutor(GpuExecutor):
     """The GPU executor of one rank's shard (sharding.shard_model) on the current device. Rank 0 checks a
     step before any rank sees it (`check`) and names its decode graph (`graph_key`); the others run it
     with `follow`, replaying the graph captured together with rank 0's."""
     ops_class = RankGpuOps
+    kept_ops_class = RankGpuQuantOps
     supports_draft_verify = False   # a verify step's rows sample on rank 0 only (engine/speculative.py check_device)
     supports_eagle3 = False         # a rank keeps its shard of the hidden states, not a head's whole rows
 
@@ -129,8 +161,8 @@ class GpuRankExecutor(GpuExecutor):
         comm.bind(self.stream)
 
     def _ops(self, shared, lm_head_ptr: int, lora_weights: dict) -> RankGpuOps:
-        return RankGpuOps(self.plan, shared, self.arena, lm_head_ptr, self.comm, self.experts,
-                          lora_weights=lora_weights, state=self.state)
+        return self.ops_class(self.plan, shared, self.arena, lm_head_ptr, self.comm, self.experts,
+                              lora_weights=lora_weights, state=self.state)
 
     def check(self, batch, fed: bool = False) -> None:
         """The step's refusals, here before it goes out: a rank that refused a step the others run would

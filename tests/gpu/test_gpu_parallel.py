@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 
+import numpy as np
 import pytest
 
 from engine.loader import load_model
@@ -151,4 +152,38 @@ def test_qwen3_8b_two_gpus_gate_and_greedy():
             for p, x, y in zip(ps, a, b):
                 assert_same_or_tie(one, p, x, y, tol, "qwen3-8b TP=2 vs TP=1")
     finally:
+        one.close()
+
+
+KEPT_FOLDERS = ["fp8-block", "fp8-channel", "awq", "gptq", "compressed-tensors", "fp8-experts", "int4-experts"]
+
+
+@pytest.mark.parametrize("case", KEPT_FOLDERS)
+def test_two_gpus_keep_quantized_shards_and_score_as_one(case):
+    """A kept FP8 / int4 folder (tests/scale/test_parallel_quant.py's, whose cuts fall on the scale blocks and
+    groups) on 2 GPUs: rank 0 serves its shard on the quantized kernels (RankGpuQuantOps), and against the numpy
+    executor's float32 emulation of the same numerics TP=2 is as close as TP=1 (mean |Δlogprob| at most twice
+    TP=1's plus 1e-3, argmax misses at most TP=1's plus one), through prefill, decode and chunked prefill."""
+    from engine.executor.cpu import CpuExecutor
+    from engine.executor.options import options_of
+    from engine.parallel.gpu_ops import RankGpuQuantOps
+    from harness.models import log_softmax
+    from test_parallel_quant import FOLDERS
+
+    model = load_model(FOLDERS[case][0]())
+    seqs = random_sequences(model.config.vocab_size, [96, 61, 80, 33], seed=1)
+    cpu = CpuExecutor(model, options_of(num_kv_blocks=96, max_model_len=512))
+    one, two = new_gpu_executor(model), new_parallel_gpu_executor(model, 2)
+    try:
+        assert isinstance(two.rank0().ops, RankGpuQuantOps)
+        for path, kw in PATHS.items():
+            ref = log_softmax(np.concatenate(engine_logits(cpu, seqs, **kw)))
+            rows = []
+            for ex in (one, two):
+                lp = log_softmax(np.concatenate(engine_logits(ex, seqs, **kw)))
+                rows.append((float(np.abs(lp - ref).mean()), int(np.sum(lp.argmax(-1) != ref.argmax(-1)))))
+            print(f"KEPT TP {case}/{path}: TP=1 (mean, misses) {rows[0]}, TP=2 {rows[1]}")
+            assert rows[1][0] <= 2 * rows[0][0] + 1e-3 and rows[1][1] <= rows[0][1] + 1, rows
+    finally:
+        two.close()
         one.close()
