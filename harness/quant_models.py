@@ -20,7 +20,8 @@ import os
 import numpy as np
 
 from harness.models import _tmp_root, build_tiny_model, hf_model
-from harness.quantized import LAYER_LINEAR, dequantized_copy, fp8_channel_folder, fp8_folder, int4_folder, packed_int4_folder
+from harness.quantized import (LAYER_LINEAR, dequantized_copy, fp8_channel_folder, fp8_folder, int4_folder,
+                               packed_int4_folder)
 
 W8A8_WIDTHS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=32)
 FP8_LINES = {"qwen3": "qwen3_untied", "llama": "llama", "qwen2": "qwen2"}     # line -> its TINY_MODELS base
@@ -37,7 +38,8 @@ def tiny_source(line: str, tp2: bool = False) -> str:
     only), built once."""
     src = os.path.join(_tmp_root(), f"{line}-w8a8" + ("-tp2" if tp2 else ""))
     if not os.path.isdir(src):
-        overrides = {k: v for k, v in (TP2_WIDTHS if tp2 else W8A8_WIDTHS).items() if line == "qwen3" or k != "head_dim"}
+        widths = TP2_WIDTHS if tp2 else W8A8_WIDTHS
+        overrides = {k: v for k, v in widths.items() if line == "qwen3" or k != "head_dim"}
         build_tiny_model(FP8_LINES[line], src, **overrides)
     return src
 

@@ -5,7 +5,8 @@ never inherits a CUDA context), reached over a Unix socket in a private folder (
 
 Start-up: each rank says hello; rank 0 makes the NCCL id and sends it with the model folder and the
 options; every rank joins the communicator (ncclCommInitRank returns once all have), binds GPU `rank`,
-loads the checkpoint (memory-mapped; quantized at load as rank 0's was, --quantization), builds its shard's GpuRankExecutor and reports its KV pool; then
+loads the checkpoint (memory-mapped; quantized at load as rank 0's was, --quantization), builds its shard's
+GpuRankExecutor and reports its KV pool; then
 it follows rank 0's calls (ranks.follower_loop) until "close". A rank that fails reports and exits.
 """
 from __future__ import annotations

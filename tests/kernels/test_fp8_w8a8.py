@@ -218,7 +218,8 @@ def test_tensor_parallel_ranks_keep_their_fp8_shards():
                                          tensor_parallel_size=2, num_kv_blocks=16, max_model_len=128))
     try:
         for rank in [executor.local, *executor.followers.executors]:
-            shapes = {p: rank.weights[f"layers.0.{p}"].shape for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+            names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+            shapes = {p: rank.weights[f"layers.0.{p}"].shape for p in names}
             assert all(isinstance(rank.weights[f"layers.0.{p}"], Fp8Linear) for p in shapes)
             assert shapes == {"qkv_proj": (384, 128), "o_proj": (128, 128), "gate_up_proj": (256, 128),
                               "down_proj": (128, 128)}, shapes
