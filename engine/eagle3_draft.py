@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.batch import ModelBatch
+from engine.draft_rows import KeptRows, drop_states, keep_step_rows
 from engine.eagle3 import Eagle3Head
 from engine.executor.cpu_ops import rms, rope
 from engine.executor.gpu_bf16 import bf16_to_f32
@@ -32,41 +33,9 @@ from engine.models.rope import rope_cos_sin
 from engine.sequence import Sequence
 
 
-class HiddenKeeper:
-    """Ops.keep_hidden's keeper on the host: a copy of the step's hidden states entering each of `layers`."""
-
-    def __init__(self, layers):
-        self.layers, self.kept = frozenset(layers), {}
-
-    def keep(self, layer: int, x) -> None:
-        if layer in self.layers:
-            self.kept[layer] = np.array(x, np.float32)
-
-
 @dataclass
-class DraftState:
-    first: int                   # the first position with the target's hidden states
-    end: int                     # the head's committed KV covers [first, end)
-    aux: np.ndarray              # float32 [n, 3 Ht]: the target's kept hidden states at end + i (not yet read)
-    kv: np.ndarray               # float32 [capacity, 2, Hkv, D]: the head's K and V at first + i
-    last: np.ndarray | None = None   # the head's pre-norm output at end - 1 (the next draft's hidden input)
-    xp: object = np                  # the arrays' module
-
-    def keep_rows(self, pos: np.ndarray, rows: np.ndarray) -> None:
-        """The target's hidden states `rows` at positions `pos` (those below `end` are read already)."""
-        ok = np.flatnonzero(pos >= self.end)
-        at = pos[ok] - self.end
-        if at.size and at.max() >= len(self.aux):
-            more = self.xp.zeros((int(at.max()) + 1 - len(self.aux), self.aux.shape[1]), np.float32)
-            self.aux = self.xp.concatenate([self.aux, more])
-        if at.size:
-            self.aux[self.xp.asarray(at)] = rows[self.xp.asarray(ok)]
-
-    def take_rows(self, upto: int) -> np.ndarray:
-        """The hidden states at [end, upto), given up (end moves to upto)."""
-        rows, self.aux = self.aux[:upto - self.end], self.aux[upto - self.end:].copy()
-        self.end = upto
-        return rows
+class DraftState(KeptRows):
+    kv: np.ndarray = None        # float32 [capacity, 2, Hkv, D]: the head's K and V at first + i
 
     def grow(self, upto: int) -> None:
         """KV room for positions below `upto`."""
@@ -102,22 +71,13 @@ class Eagle3Draft:
     def _take(self, batch: ModelBatch, kept: dict) -> None:
         xp, c = self.xp, self.cfg
         aux = xp.concatenate([bf16_to_f32(xp, kept[layer]) for layer in self.head.aux_layers], axis=-1)
-        for i, s in enumerate(batch.seqs):
-            q0, q1 = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
-            pos = batch.positions[q0:q1]
-            if q1 == q0 or s.seq_id < 0 or pos[0] < 0:
-                continue
-            state = self.states.get(s.seq_id)
-            if state is None:
-                state = self.states[s.seq_id] = DraftState(
-                    first=int(pos[0]), end=int(pos[0]), aux=xp.zeros((0, aux.shape[1]), np.float32),
-                    kv=xp.zeros((0, 2, c.num_key_value_heads, c.head_dim), np.float32), xp=xp)
-            state.keep_rows(pos, aux[q0:q1])
+        keep_step_rows(self.states, batch, aux, lambda first: DraftState(
+            first=first, end=first, aux=xp.zeros((0, aux.shape[1]), np.float32), xp=xp,
+            kv=xp.zeros((0, 2, c.num_key_value_heads, c.head_dim), np.float32)))
 
     def keep(self, seq_ids: set[int]) -> None:
         """Drop the states of sequences not in seq_ids."""
-        for sid in [s for s in self.states if s not in seq_ids]:
-            del self.states[sid]
+        drop_states(self.states, seq_ids)
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         with self.stream:

@@ -1,7 +1,7 @@
 """Speculative decoding settings: vLLM's `--speculative-config` JSON, parsed and checked once, at start.
 
-Keys, as vLLM names them: `method` ("ngram", or "eagle3": an EAGLE-3 head, engine/eagle3.py; vLLM's "mtp" /
-"deepseek_mtp" is recognised and refused until the engine serves it), `num_speculative_tokens` (k, the draft
+Keys, as vLLM names them: `method` ("ngram"; "eagle3": an EAGLE-3 head, engine/eagle3.py; "mtp", alias
+"deepseek_mtp": the target's own multi-token-prediction layer, engine/mtp.py), `num_speculative_tokens` (k, the draft
 tokens proposed per step), `prompt_lookup_min` / `prompt_lookup_max` (ngram: the n-gram sizes looked up; both 5
 when neither is given, one given sets the other), `model` (eagle3: the head's folder), and
 `num_speculative_tokens_per_batch_size`
@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 from engine.json_flag import json_object
 
-SERVED_METHODS = ("ngram", "eagle3")
-PLANNED_METHODS = ("mtp",)                   # vLLM's methods the engine recognises but does not serve yet
+SERVED_METHODS = ("ngram", "eagle3", "mtp")
 MTP_ALIASES = ("deepseek_mtp", "qwen3_5_mtp", "qwen3_next_mtp")     # vLLM's older names of "mtp"
 MAX_SPECULATIVE_TOKENS = 32
 NGRAM_DEFAULT_SIZE = 5                        # vLLM's prompt_lookup_min / _max when neither is given
@@ -74,12 +73,9 @@ class SpeculativeConfig:
         """ValueError naming the key and what it takes, or why the method is not served."""
         if self.method is None:
             raise ValueError(f"method is required (supported: {', '.join(SERVED_METHODS)})")
-        if self.method not in SERVED_METHODS + PLANNED_METHODS:
+        if self.method not in SERVED_METHODS:
             raise ValueError(f"method {self.method!r} is not a speculative decoding method this engine knows "
                              f"(supported: {', '.join(SERVED_METHODS)})")
-        if self.method in PLANNED_METHODS:
-            raise ValueError(f"method {self.method!r} is not served by this engine yet (it needs its draft weights "
-                             f"run on the device); supported: {', '.join(SERVED_METHODS)}")
         k = self.num_speculative_tokens
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
@@ -92,6 +88,9 @@ class SpeculativeConfig:
         if self.method == "eagle3" and not (isinstance(self.model, str) and os.path.isdir(self.model)):
             raise ValueError(f"method 'eagle3' needs \"model\": the folder of an EAGLE-3 draft head (config.json and "
                              f"safetensors), got {self.model!r}")
+        if self.method == "mtp" and self.model is not None:
+            raise ValueError(f"model {self.model!r}: method 'mtp' drafts with the served model's own "
+                             f"multi-token-prediction layers and takes no draft model")
         self._validate_schedule()
         off = self.disable_by_batch_size
         if off is not None and not (_is_int(off) and off >= 2):
@@ -146,6 +145,9 @@ def check_speculation(config: SpeculativeConfig, executor) -> None:
     if config.method == "eagle3" and not executor.supports_eagle3:
         raise ValueError(f"--speculative-config: {type(executor).__name__} does not run EAGLE-3 heads yet (the numpy "
                          f"executor and the one-GPU executor do)")
+    if config.method == "mtp" and not executor.supports_mtp:
+        raise ValueError(f"--speculative-config: {type(executor).__name__} does not run multi-token-prediction "
+                         f"layers yet (method 'mtp' is served by the numpy executor, --device cpu)")
     if executor.num_state_slots:
         raise ValueError("--speculative-config: this model keeps per-sequence linear-attention state (Qwen3.5's "
                          "Gated DeltaNet layers), which the rejected draft tokens of a verify step would advance; it "

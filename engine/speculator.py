@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.batch import SampledToken, SeqStep
 from engine.eagle3 import load_eagle3_head
+from engine.mtp import load_mtp_layer
 from engine.ngram import DraftProposer, NgramProposer
 from engine.sequence import SeqStatus, Sequence
 from engine.speculative import SpeculativeConfig, check_speculation
@@ -32,7 +33,7 @@ class SpecDecodeCounters:
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: DraftProposer | None = None,
                  draft_states=None):
-        """draft_states: what keeps per-sequence draft state (an EAGLE-3 draft: keep(seq_ids) drops the
+        """draft_states: what keeps per-sequence draft state (an EAGLE-3 or MTP draft: keep(seq_ids) drops the
         others'); None: the proposer keeps none."""
         self.config, self.max_model_len = config, max_model_len
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -97,5 +98,8 @@ def speculator_for(config: SpeculativeConfig | None, executor, max_model_len: in
     check_speculation(config, executor)
     if config.method == "eagle3":
         draft = executor.attach_eagle3(load_eagle3_head(config.model, executor.config))
+        return Speculator(config, max_model_len, draft, draft_states=draft)
+    if config.method == "mtp":
+        draft = executor.attach_mtp(load_mtp_layer(executor.model_path, executor.model))
         return Speculator(config, max_model_len, draft, draft_states=draft)
     return Speculator(config, max_model_len)

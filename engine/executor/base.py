@@ -47,6 +47,8 @@ class Executor(Protocol):
     step_cost: StepCost | None  # a step's modelled time (None: the token budget alone bounds it)
     supports_draft_verify: bool  # steps with draft tokens (SeqStep.num_drafts) are verified: speculative decoding
     supports_eagle3: bool       # attach_eagle3 works: an EAGLE-3 head drafts from the target's hidden states
+    supports_mtp: bool          # attach_mtp works: the target's MTP layer (engine/mtp.py) drafts
+    model_path: str             # the folder the model was loaded from (its MTP layers are read from there)
     world_size: int             # ranks a step runs on (tensor parallelism; 1: this executor alone)
     gemm: object | None         # the GPU executor's linear-layer library (gpu_gemm.py Gemm; None: numpy matmul)
     threads: object | None      # the numpy executor's BLAS threads (cpu_threads.py CpuThreads; None: not numpy)
@@ -76,6 +78,11 @@ class Executor(Protocol):
         """Keep, on every step from now on, the hidden states the EAGLE-3 head (engine/eagle3.py) reads; returns
         the DraftProposer (engine/ngram.py) running the head over them, with keep(seq_ids) dropping the states
         of the sequences not among seq_ids."""
+        ...
+
+    def attach_mtp(self, mtp) -> object:
+        """Keep, on every step from now on, the last hidden state the MTP layer (engine/mtp.py) reads; returns its
+        DraftProposer, with keep(seq_ids) as attach_eagle3's."""
         ...
 
     supports_async_copies: bool  # copy_blocks returns a ticket for copies that land on their own time
@@ -134,6 +141,7 @@ class ExecutorBase:
     step_cost = None              # a StepCost (engine/step_budget.py): time bounds a step besides its tokens
     supports_draft_verify = False  # a step with draft tokens is refused: no speculative decoding
     supports_eagle3 = False       # no EAGLE-3 head drafts (attach_eagle3)
+    supports_mtp = False          # no MTP layer drafts (attach_mtp)
     world_size = 1
     gemm = None                   # (the GPU executor's Gemm)
     threads = None                # (the numpy executor's CpuThreads)

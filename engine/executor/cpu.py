@@ -10,7 +10,8 @@ import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.eagle3 import Eagle3Head
-from engine.eagle3_draft import Eagle3Draft, HiddenKeeper
+from engine.draft_rows import HiddenKeeper
+from engine.eagle3_draft import Eagle3Draft
 from engine.executor.base import ExecutorBase
 from engine.executor.cpu_cost import cpu_step_cost
 from engine.executor.cpu_lora_ops import NumpyLoRAOps
@@ -20,6 +21,8 @@ from engine.executor.cpu_threads import CpuThreads, default_cpu_threads
 from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
 from engine.loader.kv_scales import kv_format_of
+from engine.mtp import MtpLayer
+from engine.mtp_draft import MtpDraft
 from engine.lora import lora_sites
 from engine.models.quant_experts import Fp8Experts, W4Experts, log_kept
 from engine.models.quant_linear import Fp8Linear, W4Linear
@@ -39,11 +42,13 @@ class CpuExecutor(ExecutorBase):
     supports_block_copies = True
     supports_draft_verify = True    # engine/sampling.py verifies a step's draft rows
     supports_eagle3 = True          # an EAGLE-3 head drafts on the host (engine/eagle3_draft.py)
+    supports_mtp = True             # the model's MTP layer drafts on the host (engine/mtp_draft.py)
 
     def __init__(self, model: LoadedModel, options: ExecutorOptions):
         options.validate()
         cfg = model.config
         self.options, self.model, self.config = options, model.model, cfg
+        self.model_path = model.path
         self.vocab_size, self.max_model_len = cfg.vocab_size, options.max_model_len
         rounding = ROUNDING.get(options.dtype)
         self.weights = {name: self._prepare(a, rounding) for name, a in model.weights.items()}
@@ -69,12 +74,20 @@ class CpuExecutor(ExecutorBase):
         self.num_state_slots = options.max_num_seqs if state is not None else 0
         lora = NumpyLoRAOps(lora_sites(self.model), options.max_loras) if options.max_loras else None
         self.ops = self._ops(state, lora)
-        self.draft: Eagle3Draft | None = None
+        self.draft: Eagle3Draft | MtpDraft | None = None
 
     def attach_eagle3(self, head: Eagle3Head) -> Eagle3Draft:
         """Keep the hidden states `head` reads on every step from now on; the draft proposer over them."""
         self.draft = Eagle3Draft(head, self.weights["embed_tokens"], self.max_model_len)
         self.ops.keeper = HiddenKeeper(head.aux_layers)
+        return self.draft
+
+    def attach_mtp(self, mtp: MtpLayer) -> MtpDraft:
+        """Keep the last hidden state on every step from now on; the MTP layer's draft proposer over it."""
+        rounding = ROUNDING.get(self.options.dtype)
+        weights = {name: self._prepare(a, rounding) for name, a in mtp.weights.items()}
+        self.draft = MtpDraft(self.model, mtp.layer, weights, self.weights["embed_tokens"], self.cos, self.sin)
+        self.ops.keeper = HiddenKeeper({mtp.layer})
         return self.draft
 
     def _ops(self, state, lora: NumpyLoRAOps | None) -> NumpyOps:

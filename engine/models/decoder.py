@@ -130,6 +130,7 @@ def decoder_stack(ops: Ops, w: dict[str, Array], ctx: Any, cfg: ModelConfig,
             ops.keep_hidden(spec.layer, residual)
             residual, normed = attention(ops, w, residual, normed, spec, ctx, opt, eps)
             residual, normed = mlp(ops, w, residual, normed, spec.layer, eps, next_norm)
+    ops.keep_hidden(cfg.num_hidden_layers, residual)        # the last hidden state, before the final norm
     if normed is None:
         normed, _ = ops.rms_norm(residual, w["norm"], eps)
     return normed

@@ -298,8 +298,9 @@ class Ops(Protocol):
         """Brackets one decoder layer's ops (an NVTX range on the GPU)."""
 
     def keep_hidden(self, layer: int, x: Array) -> None:
-        """x [T, H], the residual stream entering decoder layer `layer`: kept for a draft head that reads it
-        (EAGLE-3) where the executor asked for that layer; nothing otherwise."""
+        """x [T, H], the residual stream entering decoder layer `layer` (num_hidden_layers: the last hidden state,
+        before the final norm): kept for a draft that reads it (EAGLE-3, MTP) where the executor asked for that
+        layer; nothing otherwise."""
 
 
 class ComposedOps:
@@ -366,7 +367,7 @@ class ComposedOps:
     def layer_scope(self, layer: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    keeper = None       # a draft head's (EAGLE-3): keeper.keep(layer, x) copies the hidden states it reads
+    keeper = None       # a draft's (EAGLE-3, MTP): keeper.keep(layer, x) copies the hidden states it reads
 
     def keep_hidden(self, layer, x):
         if self.keeper is not None:

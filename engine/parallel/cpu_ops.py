@@ -69,6 +69,7 @@ class CpuRankExecutor(CpuExecutor):
     holds the rank's KV heads. `follow` runs a step rank 0 submitted (the same code: the same
     collectives in the same order)."""
     supports_eagle3 = False        # a rank keeps its shard of the hidden states, not a head's whole rows
+    supports_mtp = False           # nor the whole last hidden state an MTP layer reads
 
     def __init__(self, model, options: ExecutorOptions, comm: Communicator, experts: tuple[int, int] = (0, 0)):
         self.comm, self.experts = comm, experts          # the rank's ops take them (_ops)

@@ -1,0 +1,71 @@
+"""The target's hidden states a draft reads (EAGLE-3 heads, MTP layers), kept by sequence and position.
+
+The executor's forward hands a keeper (Ops.keep_hidden) the residual stream entering the layers a draft asked
+for; after the step, the draft files the step's rows of each sequence by position (`keep_step_rows`) until its
+catch-up reads them (`KeptRows.take_rows`). Rows at positions the target later recomputes (a rejected draft's)
+are overwritten before they are read. A sequence's rows start at the first position the target computed for it
+(a prefix hit's cached positions have none).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from engine.batch import ModelBatch
+
+
+class HiddenKeeper:
+    """Ops.keep_hidden's keeper on the host: a copy of the step's hidden states entering each of `layers`."""
+
+    def __init__(self, layers):
+        self.layers, self.kept = frozenset(layers), {}
+
+    def keep(self, layer: int, x) -> None:
+        if layer in self.layers:
+            self.kept[layer] = np.array(x, np.float32)
+
+
+@dataclass
+class KeptRows:
+    first: int                   # the first position with the target's hidden states
+    end: int                     # the draft has read the rows below `end`
+    aux: np.ndarray              # float32 [n, width]: the target's kept hidden states at end + i (not yet read)
+    last: np.ndarray | None = None   # the draft's pre-norm output at end - 1 (the next draft's hidden input)
+    xp: object = np                  # the arrays' module
+
+    def keep_rows(self, pos: np.ndarray, rows: np.ndarray) -> None:
+        """The target's hidden states `rows` at positions `pos` (those below `end` are read already)."""
+        ok = np.flatnonzero(pos >= self.end)
+        at = pos[ok] - self.end
+        if at.size and at.max() >= len(self.aux):
+            more = self.xp.zeros((int(at.max()) + 1 - len(self.aux), self.aux.shape[1]), np.float32)
+            self.aux = self.xp.concatenate([self.aux, more])
+        if at.size:
+            self.aux[self.xp.asarray(at)] = rows[self.xp.asarray(ok)]
+
+    def take_rows(self, upto: int) -> np.ndarray:
+        """The hidden states at [end, upto), given up (end moves to upto)."""
+        rows, self.aux = self.aux[:upto - self.end], self.aux[upto - self.end:].copy()
+        self.end = upto
+        return rows
+
+
+def keep_step_rows(states: dict, batch: ModelBatch, rows, new_state: Callable[[int], KeptRows]) -> None:
+    """File a step's rows [T, width] by sequence and position into states (seq_id -> KeptRows); new_state(first):
+    the state of a sequence seen for the first time, its rows from position `first`."""
+    for i, s in enumerate(batch.seqs):
+        q0, q1 = int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])
+        pos = batch.positions[q0:q1]
+        if q1 == q0 or s.seq_id < 0 or pos[0] < 0:
+            continue
+        state = states.get(s.seq_id)
+        if state is None:
+            state = states[s.seq_id] = new_state(int(pos[0]))
+        state.keep_rows(pos, rows[q0:q1])
+
+
+def drop_states(states: dict, seq_ids: set[int]) -> list:
+    """Drop the states of sequences not in seq_ids; the dropped states."""
+    return [states.pop(sid) for sid in [s for s in states if s not in seq_ids]]

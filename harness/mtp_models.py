@@ -1,0 +1,51 @@
+"""Tiny random DeepSeek-V3 line folders with a multi-token-prediction module (DeepSeek-V3's layout, README_WEIGHTS.md;
+vLLM's deepseek_mtp.py): transformers builds the model with one layer more, whose decoder block becomes the MTP
+module's at model.layers.{L} (L = num_hidden_layers once the config says one layer fewer and
+num_nextn_predict_layers 1); the module's own tensors (transformers creates none) are added with the shapes the
+layout defines, written here and not from the engine's loader, so the loader is checked against them.
+
+    from harness.mtp_models import write_mtp_model
+    folder = write_mtp_model("deepseek_v3", out_dir)
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+
+from engine.loader.safetensors_io import SafetensorsCheckpoint, save_safetensors
+from harness.models import DSV3_MODELS, build_tiny_model
+
+
+def mtp_shapes(hidden: int, vocab: int) -> dict[str, tuple[int, ...]]:
+    """The module's own tensors (beside its decoder block) under model.layers.{L}."""
+    return {"enorm.weight": (hidden,), "hnorm.weight": (hidden,), "eh_proj.weight": (hidden, 2 * hidden),
+            "shared_head.norm.weight": (hidden,), "shared_head.head.weight": (vocab, hidden),
+            "embed_tokens.weight": (vocab, hidden)}
+
+
+def write_mtp_model(name: str, out_dir: str, seed: int = 0, ship_head: bool = True, **overrides) -> str:
+    """DSV3_MODELS[name] with one MTP module: matrices ~ N(0, 1/fan_in) scaled 1.5, norms ~ 1 + N(0, 0.2), the
+    embedding copy equal to the model's; ship_head False leaves shared_head.head out (lm_head serves)."""
+    layers = {**DSV3_MODELS[name][1], **overrides}["num_hidden_layers"]
+    build_tiny_model(name, out_dir, seed=seed, **{**overrides, "num_hidden_layers": layers + 1})
+    path = os.path.join(out_dir, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+    ckpt = SafetensorsCheckpoint(out_dir)
+    tensors = {k: np.array(ckpt.get(k)) for k in ckpt.keys()}          # copies: the file is rewritten
+    rng = np.random.default_rng(seed + 1)
+    for short, shape in mtp_shapes(config["hidden_size"], config["vocab_size"]).items():
+        if short == "shared_head.head.weight" and not ship_head:
+            continue
+        a = (tensors["model.embed_tokens.weight"] if short == "embed_tokens.weight" else
+             1 + 0.2 * rng.standard_normal(shape) if len(shape) == 1 else
+             rng.standard_normal(shape) * (1.5 / shape[-1] ** 0.5))
+        tensors[f"model.layers.{layers}.{short}"] = np.asarray(a).astype(ml_dtypes.bfloat16)
+    save_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
+    return out_dir
