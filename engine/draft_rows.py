@@ -9,7 +9,7 @@ are overwritten before they are read. A sequence's rows start at the first posit
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -69,3 +69,21 @@ def keep_step_rows(states: dict, batch: ModelBatch, rows, new_state: Callable[[i
 def drop_states(states: dict, seq_ids: set[int]) -> list:
     """Drop the states of sequences not in seq_ids; the dropped states."""
     return [states.pop(sid) for sid in [s for s in states if s not in seq_ids]]
+
+
+def greedy_drafts(hidden: dict, limits: Sequence[int], xp, tokens_of: Callable, step: Callable) -> list[list[int]]:
+    """Up to limits[i] greedy drafts for each sequence i with a hidden input (hidden[i]: [1, H], its draft layer's
+    last pre-norm output). Per step, the drafts of every sequence's row at once (tokens_of: stacked rows -> target
+    ids); then step(more, hidden, drafts, j): the next hidden input of each sequence in `more` (those that draft
+    again: the layer run at num_computed + j on the draft just made, its KV row scratch)."""
+    drafts: list[list[int]] = [[] for _ in limits]
+    for j in range(max(limits, default=0)):
+        rows = [i for i in hidden if j < limits[i]]
+        if not rows:
+            break
+        for i, token in zip(rows, tokens_of(xp.concatenate([hidden[i] for i in rows]))):
+            drafts[i].append(int(token))
+        more = [i for i in rows if j + 1 < limits[i]]
+        if more:
+            hidden.update(step(more, hidden, drafts, j))
+    return drafts

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.batch import ModelBatch
-from engine.draft_rows import KeptRows, drop_states, keep_step_rows
+from engine.draft_rows import KeptRows, drop_states, greedy_drafts, keep_step_rows
 from engine.eagle3 import Eagle3Head
 from engine.executor.cpu_ops import rms, rope
 from engine.executor.gpu_bf16 import bf16_to_f32
@@ -86,19 +86,11 @@ class Eagle3Draft:
     def _propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         """Each sequence's head caught up, then k head steps, the lm_head of every sequence's step in one GEMM."""
         states = [self._caught_up(s, k) for s, k in zip(seqs, limits)]
-        drafts: list[list[int]] = [[] for _ in seqs]
-        hidden = {i: st.last[None] for i, st in enumerate(states) if st is not None}
-        for j in range(max(limits, default=0)):
-            rows = [i for i in hidden if j < limits[i]]
-            if not rows:
-                break
-            tokens = self._tokens(self.xp.concatenate([hidden[i] for i in rows]))
-            for i, token in zip(rows, tokens):
-                drafts[i].append(int(self.to_target[token]))
-                if j + 1 < limits[i]:                   # the next step: scratch KV at position num_computed + j
-                    hidden[i] = self._layer(states[i], hidden[i], np.array(drafts[i][-1:]),
-                                            np.array([seqs[i].num_computed + j]))
-        return drafts
+        return greedy_drafts({i: st.last[None] for i, st in enumerate(states) if st is not None}, limits, self.xp,
+                             lambda rows: [self.to_target[t] for t in self._tokens(rows)],
+                             lambda more, hidden, drafts, j: {
+                                 i: self._layer(states[i], hidden[i], np.array(drafts[i][-1:]),
+                                                np.array([seqs[i].num_computed + j])) for i in more})
 
     def _caught_up(self, seq: Sequence, k: int) -> DraftState | None:
         """seq's state with the head's KV over every position the target computed (None: no hidden states)."""

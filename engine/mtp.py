@@ -71,7 +71,7 @@ def load_mtp_layer(folder: str, model: DecoderLM) -> MtpLayer:
     specs = mtp_weight_specs(model, L, has(f"model.layers.{L}.shared_head.head.weight"))
     try:
         weights = pack_weights(specs, has, get, where=folder)
-    except KeyError as e:
+    except (KeyError, ValueError) as e:        # a tensor missing, or not of its layout shape
         raise ModelLoadError(f"--speculative-config: method 'mtp': {e.args[0]}") from None
     if count > 1:
         log.info("mtp: %d MTP layers in the checkpoint; the first (model.layers.%d) drafts every token, applied "

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.batch import ModelBatch
-from engine.draft_rows import KeptRows, drop_states, keep_step_rows
+from engine.draft_rows import KeptRows, drop_states, greedy_drafts, keep_step_rows
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
 from engine.models.deepseek_v2 import mla_block
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -90,21 +90,12 @@ class MtpDraft:
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
         """Each sequence's layer caught up (one batched pass), then k greedy drafts, each step batched."""
         states = self._caught_up(seqs, limits)
-        drafts: list[list[int]] = [[] for _ in seqs]
-        hidden = {i: st.last[None] for i, st in enumerate(states) if st is not None}
-        for j in range(max(limits, default=0)):
-            rows = [i for i in hidden if j < limits[i]]
-            if not rows:
-                break
-            tokens = self._tokens(np.concatenate([hidden[i] for i in rows]))
-            for i, token in zip(rows, tokens):
-                drafts[i].append(token)
-            more = [i for i in rows if j + 1 < limits[i]]      # the next step: scratch KV at num_computed + j
-            if more:
-                out = self._layer([(states[i], hidden[i], [drafts[i][-1]], [seqs[i].num_computed + j])
-                                   for i in more])
-                hidden.update({i: out[n:n + 1] for n, i in enumerate(more)})
-        return drafts
+
+        def step(more, hidden, drafts, j):
+            out = self._layer([(states[i], hidden[i], drafts[i][-1:], [seqs[i].num_computed + j]) for i in more])
+            return {i: out[n:n + 1] for n, i in enumerate(more)}
+        return greedy_drafts({i: st.last[None] for i, st in enumerate(states) if st is not None}, limits, np,
+                             self._tokens, step)
 
     def _caught_up(self, seqs: list[Sequence], limits: list[int]) -> list[MtpState | None]:
         """Each sequence's state with the layer's KV over every position the target computed (None: no hidden

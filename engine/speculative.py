@@ -128,9 +128,14 @@ class SpeculativeConfig:
 
 
 def check_device(config: SpeculativeConfig | None, device: str, tensor_parallel_size: int = 1) -> None:
-    """Refuse (ValueError) before the model is loaded what no executor of this device serves: on the GPU,
-    speculation across tensor-parallel ranks (the ranks replay rank 0's decode steps; a verify step's rows are
-    sampled and accepted on rank 0 alone, which the ranks' lock-step does not carry yet)."""
+    """Refuse (ValueError) before the model is loaded what no executor of this device serves: on the GPU, MTP
+    layers (method 'mtp' drafts on the numpy executor only), and speculation across tensor-parallel ranks (the
+    ranks replay rank 0's decode steps; a verify step's rows are sampled and accepted on rank 0 alone, which the
+    ranks' lock-step does not carry yet)."""
+    if config is not None and device != "cpu" and config.method == "mtp":
+        raise ValueError("--speculative-config: method 'mtp' (the model's multi-token-prediction layers) drafts on "
+                         "the numpy executor only for now (--device cpu); on the GPU use 'ngram', or 'eagle3' with "
+                         "a draft head")
     if config is not None and device != "cpu" and tensor_parallel_size > 1:
         raise ValueError(f"--speculative-config: the GPU executor verifies draft tokens on one GPU; with "
                          f"--tensor-parallel-size {tensor_parallel_size} speculative decoding is not served yet "

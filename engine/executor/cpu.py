@@ -9,8 +9,8 @@ import ml_dtypes
 import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
-from engine.eagle3 import Eagle3Head
 from engine.draft_rows import HiddenKeeper
+from engine.eagle3 import Eagle3Head
 from engine.eagle3_draft import Eagle3Draft
 from engine.executor.base import ExecutorBase
 from engine.executor.cpu_cost import cpu_step_cost
@@ -21,14 +21,21 @@ from engine.executor.cpu_threads import CpuThreads, default_cpu_threads
 from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
 from engine.loader.kv_scales import kv_format_of
-from engine.mtp import MtpLayer
-from engine.mtp_draft import MtpDraft
 from engine.lora import lora_sites
 from engine.models.quant_experts import Fp8Experts, W4Experts, log_kept
 from engine.models.quant_linear import Fp8Linear, W4Linear
 from engine.models.rope import rope_cos_sin
+from engine.mtp import MtpLayer
+from engine.mtp_draft import MtpDraft
 from engine.sampling import prompt_logprobs, sample_step
-from memory.kv_pool import BLOCK_SIZE, blocks_for, check_block_copies, copy_pool_blocks, host_pool, pool_blocks
+from memory.kv_pool import (
+    BLOCK_SIZE,
+    blocks_for,
+    check_block_copies,
+    copy_pool_blocks,
+    host_pool,
+    pool_blocks,
+)
 from memory.state_slots import check_slots, host_state
 
 log = logging.getLogger(__name__)

@@ -82,10 +82,14 @@ class Recording:
 
 
 def run_eagle3(name, reqs, speculation: bool = True, waves: int = 1, steer_from=None, **config):
+    """run_drafting on an engine with the head `name` drafting."""
+    return run_drafting(eagle3_engine(name, **config), reqs, speculation, waves, steer_from)
+
+
+def run_drafting(engine, reqs, speculation: bool = True, waves: int = 1, steer_from=None):
     """Per request [(token id, logprob)] and finish reasons; the engine. waves: the prompts sent again after the
     first wave (prefix hits); steer_from: a spec-off run's outputs, drafted from (30% of the tokens wrong) while
-    the head runs alongside (Recording)."""
-    engine = eagle3_engine(name, **config)
+    the draft runs alongside (Recording)."""
     if not speculation:
         engine.speculator = None
     elif steer_from is not None:
@@ -118,8 +122,12 @@ def test_drafts_equal_the_torch_reference(name):
     assert c.num_accepted_tokens >= 5
     assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
             stats.spec_decode_num_accepted_tokens) == (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
-    reference = Eagle3Reference(head_path(name), target_path(HEADS[name][0]))
-    calls = engine.speculator.proposer.calls
+    assert_drafts_match(engine.speculator.proposer.calls, Eagle3Reference(head_path(name), target_path(HEADS[name][0])))
+
+
+def assert_drafts_match(calls, reference) -> None:
+    """Every other recorded proposal equals the reference's drafts after the same tokens, up to the first that
+    differs where that one is a near tie (margin < 1e-3)."""
     assert len(calls) >= 10
     for tokens, computed, drafts in calls[::2]:
         want, margins = reference.drafts(tokens, computed, len(drafts))
@@ -146,16 +154,21 @@ def test_eagle3_generates_what_plain_decoding_generates(name):
 
 @pytest.mark.slow
 def test_preemption_prefix_hits_and_aborts():
-    name = "qwen3"
     reqs = repetitive_requests("qwen3_tied", 5, seed=5, max_tokens=32)
-    config = dict(waves=2, num_kv_blocks=14, max_num_seqs=6, max_num_batched_tokens=24)
-    off, _ = run_eagle3(name, reqs, speculation=False, **config)
-    on, engine = run_eagle3(name, reqs, steer_from=off[:len(reqs)], **config)
+    check_preemption_prefix_hits_and_aborts(lambda **config: eagle3_engine("qwen3", **config), reqs, num_kv_blocks=14)
+
+
+def check_preemption_prefix_hits_and_aborts(make, reqs, num_kv_blocks: int):
+    """Two waves in a small KV pool (preemption, then prefix hits), steered drafts: outputs as with speculation
+    off; an abort mid-decode leaves the other requests unchanged and drops the aborted one's draft state.
+    make(**config): an engine with the draft attached."""
+    config = dict(num_kv_blocks=num_kv_blocks, max_num_seqs=6, max_num_batched_tokens=24)
+    off, _ = run_drafting(make(**config), reqs, speculation=False, waves=2)
+    on, engine = run_drafting(make(**config), reqs, waves=2, steer_from=off[:len(reqs)])
     assert engine.scheduler.num_preemptions > 0 and engine.stats().prefix_cache_hits > 0
     assert engine.speculator.counters.num_accepted_tokens > 20
     assert_same(off, on)
-    # an abort mid-decode: the other requests unchanged, the aborted one's draft state dropped
-    engine = eagle3_engine(name)
+    engine = make()
     streams = [submit(engine, GenerateRequest(f"a{r.request_id}", r.prompt_token_ids, r.params)) for r in reqs[:3]]
     for _ in range(4):
         engine.step()
@@ -165,6 +178,7 @@ def test_preemption_prefix_hits_and_aborts():
     for i in (0, 2):
         assert [e.token_id for e in streams[i] if isinstance(e, Token)] == [t for t, _ in off[i][0]]
     assert not engine.speculator.draft_states.states
+    return engine
 
 
 def _refusal(target: str, **options) -> str:

@@ -12,13 +12,11 @@ import os
 
 import numpy as np
 import pytest
-from fake_executor import make_engine, run_until_idle, submit
+from fake_executor import make_engine
 from mtp_reference import MtpReference
-from test_spec_eagle3 import Recording
+from test_spec_eagle3 import Recording, assert_drafts_match, check_preemption_prefix_hits_and_aborts, run_drafting
 from test_spec_engine import assert_same
-from test_spec_scheduler import ScriptedProposer
 
-from engine.events import Finished, Token
 from engine.loader import load_model
 from engine.model_files import ModelLoadError
 from engine.mtp import load_mtp_layer
@@ -55,26 +53,12 @@ def requests(n: int, seed: int, max_tokens: int = 16, sampled: bool = True) -> l
 
 
 def run_mtp(folder, reqs, speculation: bool = True, waves: int = 1, steer_from=None, k: int = 3, **config):
-    """Per request [(token id, logprob)] and finish reasons; the engine. waves: the prompts sent again (prefix
-    hits); steer_from: a spec-off run's outputs, drafted from (30% of the tokens wrong) while the module runs
-    alongside (Recording), so that drafts are accepted (a random module's rarely are)."""
+    """test_spec_eagle3's run_drafting with the MTP layer drafting (steer_from: so that drafts are accepted, a random
+    layer's rarely are; without it the layer's own drafts are verified, and recorded too)."""
     engine = mtp_engine(folder, k, **config)
-    if not speculation:
-        engine.speculator = None
-    else:
-        reference = {(f"{r.request_id}-{w}", 0): list(r.prompt_token_ids) + [t for t, _ in toks]
-                     for w in range(waves) for r, (toks, _) in zip(reqs, steer_from or [])}
-        steer = ScriptedProposer(reference, 0.3, engine.executor.vocab_size) if steer_from else None
-        engine.speculator.proposer = Recording(engine.speculator.proposer, steer)
-    streams = []
-    for wave in range(waves):
-        streams += [submit(engine, GenerateRequest(f"{r.request_id}-{wave}", r.prompt_token_ids, r.params))
-                    for r in reqs]
-        run_until_idle(engine)
-    engine.block_manager.check_invariants(idle=True)
-    got = [([(e.token_id, e.logprob) for e in ev if isinstance(e, Token)],
-            [e.reason for e in ev if isinstance(e, Finished)]) for ev in streams]
-    return got, engine
+    if speculation and steer_from is None:
+        engine.speculator.proposer = Recording(engine.speculator.proposer)
+    return run_drafting(engine, reqs, speculation, waves, steer_from)
 
 
 def test_mtp_layer_loads_with_the_reference_shapes():
@@ -95,8 +79,9 @@ def test_mtp_layer_loads_with_the_reference_shapes():
     # its block loads as the target's MoE layers do (routed experts, router bias, shared experts), from layer L
     moe = {k.split(".", 2)[2] for k in model.weights if k.startswith("layers.1.")}
     assert {k.split(".", 2)[2] for k in layer.weights if k.startswith(f"layers.{L}.")} == moe
+    bias = ckpt.get(f"model.layers.{L}.mlp.gate.e_score_correction_bias")
     np.testing.assert_array_equal(np.asarray(layer.weights[f"layers.{L}.router_bias"], np.float32),
-                                  np.asarray(ckpt.get(f"model.layers.{L}.mlp.gate.e_score_correction_bias"), np.float32))
+                                  np.asarray(bias, np.float32))
     # no shared_head.head: the target's lm_head drafts
     plain = mtp_path(ship_head=False)
     np.testing.assert_array_equal(np.asarray(load_mtp_layer(plain, load_model(plain).model).weights["mtp.head"]),
@@ -129,17 +114,10 @@ def test_drafts_equal_the_torch_reference(name, k):
     on, engine = run_mtp(folder, reqs, steer_from=off, k=k, max_num_batched_tokens=16)
     assert_same(off, on)
     assert engine.speculator.counters.num_accepted_tokens >= 5
-    reference, calls = MtpReference(folder), engine.speculator.proposer.calls
-    assert len(calls) >= 10
-    for tokens, computed, drafts in calls[::2]:
-        want, margins = reference.drafts(tokens, computed, len(drafts))
-        for j, (got, ref) in enumerate(zip(drafts, want)):
-            assert got == ref or margins[j] < 1e-3, (tokens, computed, drafts, want)
-            if got != ref:
-                break
+    assert_drafts_match(engine.speculator.proposer.calls, MtpReference(folder))
 
 
-@pytest.mark.parametrize("batch,chunk", [(1, 512), (5, 24)])
+@pytest.mark.parametrize("batch,chunk", [(1, 512), pytest.param(5, 24, marks=pytest.mark.slow)])
 def test_mtp_generates_what_plain_decoding_generates(batch, chunk):
     """One request, and several together in chunks (greedy and seeded sampling): the module's own drafts, and
     steered ones."""
@@ -154,26 +132,13 @@ def test_mtp_generates_what_plain_decoding_generates(batch, chunk):
     assert c.num_draft_tokens > c.num_accepted_tokens > 5 * batch
 
 
+@pytest.mark.slow
 def test_preemption_prefix_hits_and_aborts():
-    folder, reqs = mtp_path(), requests(5, seed=5, max_tokens=24)
-    config = dict(waves=2, num_kv_blocks=14, max_num_seqs=6, max_num_batched_tokens=24)
-    off, _ = run_mtp(folder, reqs, speculation=False, **config)
-    on, engine = run_mtp(folder, reqs, steer_from=off[:len(reqs)], **config)
-    assert engine.scheduler.num_preemptions > 0 and engine.stats().prefix_cache_hits > 0
-    assert engine.speculator.counters.num_accepted_tokens > 20
-    assert_same(off, on)
-    # an abort mid-decode: the other requests unchanged, the aborted one's draft state and KV blocks dropped
-    engine = mtp_engine(folder)
-    streams = [submit(engine, GenerateRequest(f"a{r.request_id}", r.prompt_token_ids, r.params)) for r in reqs[:3]]
-    for _ in range(4):
-        engine.step()
-    engine.abort("ar1")
-    run_until_idle(engine)
-    assert [e.reason for e in streams[1] if isinstance(e, Finished)] == ["abort"]
-    for i in (0, 2):
-        assert [e.token_id for e in streams[i] if isinstance(e, Token)] == [t for t, _ in off[i][0]]
-    draft = engine.speculator.draft_states
-    assert not draft.states and len(draft.pool.free) == draft.pool.kv.shape[2] // 16
+    """As test_spec_eagle3's; the aborted request's KV blocks back in the layer's pool."""
+    engine = check_preemption_prefix_hits_and_aborts(lambda **config: mtp_engine(mtp_path(), **config),
+                                                     requests(5, seed=5, max_tokens=32), num_kv_blocks=10)
+    pool = engine.speculator.draft_states.pool
+    assert len(pool.free) == pool.kv.shape[2] // 16
 
 
 def test_folders_and_lines_without_mtp_layers_are_refused():
@@ -200,3 +165,18 @@ def test_folders_and_lines_without_mtp_layers_are_refused():
         supports_draft_verify = True
     with pytest.raises(ValueError, match="VerifiesOnly does not run multi-token-prediction layers"):
         check_speculation(SpeculativeConfig("mtp", 2), VerifiesOnly())
+
+
+def test_the_gpu_is_refused_before_the_model_loads(monkeypatch):
+    """The GPU executors run no MTP layer yet: refused at start, before the model is read."""
+    from engine import loader
+    from engine.config import EngineConfig
+    from engine.executor import factory
+    from engine.executor.gpu import GpuExecutor
+    from engine.handle import EngineHandle
+    monkeypatch.setattr(factory, "gpu_available", lambda: True)
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    config = EngineConfig(model="/nonexistent", device="auto", speculative_config=SpeculativeConfig("mtp", 2))
+    with pytest.raises(ValueError, match="method 'mtp' .* drafts on the numpy executor only"):
+        EngineHandle(config)
+    assert not GpuExecutor.supports_mtp
