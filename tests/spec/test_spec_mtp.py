@@ -88,8 +88,11 @@ def test_mtp_layer_loads_with_the_reference_shapes():
                                   np.asarray(SafetensorsCheckpoint(plain).get("lm_head.weight")))
 
 
-def test_fp8_checkpoint_mtp_layer_loads_dequantized():
-    from harness.quantized import fp8_folder
+def test_quantized_checkpoints_mtp_layer_loads_dequantized():
+    """FP8 block scales (DeepSeek-V3's: eh_proj, the block's projections and experts) within e4m3's rounding, and
+    the generation with it as without speculation; compressed-tensors int4 experts (Kimi-K2-Thinking's, on the
+    Kimi-K2 shape) exactly as their dequantized reference."""
+    from harness.quantized import fp8_folder, int4_experts_folder
     folder = mtp_path()
     fp8 = fp8_folder(folder, os.path.join(_tmp_root(), "mtp_fp8"), block=(16, 16))
     model = load_model(fp8)
@@ -98,9 +101,16 @@ def test_fp8_checkpoint_mtp_layer_loads_dequantized():
     for name in ("mtp.eh_proj", f"layers.{L}.q_b_proj", f"layers.{L}.experts_down_proj"):
         a, b = np.asarray(want.weights[name], np.float32), np.asarray(got.weights[name], np.float32)
         assert a.shape == b.shape and np.abs(a - b).max() <= 0.07 * np.abs(a).max()     # e4m3: 3 mantissa bits
+        assert not np.array_equal(a, b)
     off, _ = run_mtp(fp8, requests(2, seed=9, max_tokens=8), speculation=False)
     on, _ = run_mtp(fp8, requests(2, seed=9, max_tokens=8))
     assert_same(off, on)
+    int4, plain = int4_experts_folder(mtp_path("kimi_k2"), os.path.join(_tmp_root(), "mtp_int4"),
+                                      os.path.join(_tmp_root(), "mtp_int4_ref"), group=32)
+    got, want = (load_mtp_layer(f, load_model(f).model) for f in (int4, plain))
+    for name in (f"layers.{L}.experts_gate_up_proj", f"layers.{L}.experts_down_proj"):
+        np.testing.assert_array_equal(np.asarray(got.weights[name], np.float32),
+                                      np.asarray(want.weights[name], np.float32))
 
 
 @pytest.mark.parametrize("name,k", [("deepseek_v3", 3), ("kimi_k2", 2)])
