@@ -17,7 +17,7 @@ the private pool, whose one layer every layer index reads (the pool's layer stri
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -70,9 +70,8 @@ class MtpDraft:
         target's embedding; cos / sin: the target's rotary tables."""
         self.model, self.layer, self.w, self.embed = model, layer, weights, embed
         self.cos, self.sin, self.eps = cos, sin, model.config.rms_norm_eps
-        spec = model.attention_specs[0]
-        self.spec = type(spec)(**{**spec.__dict__, "layer": layer})
-        self.pool = MtpPool(layer, spec.cache_dim)
+        self.spec = replace(model.attention_specs[0], layer=layer)
+        self.pool = MtpPool(layer, self.spec.cache_dim)
         self.ops = NumpyOps(self.pool.view(), model.op_families)
         self.states: dict[int, MtpState] = {}
 
