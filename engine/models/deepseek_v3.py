@@ -9,7 +9,8 @@ routed_scaling_factor. The bias is `layers.{i}.router_bias` (moe.routed_experts 
 
 Every layer from first_k_dense_replace on is MoE (transformers ignores moe_layer_freq: refused unless 1).
 Multi-token-prediction layers (num_nextn_predict_layers of them, stored as model.layers.{L}.* with L >=
-num_hidden_layers) are not run: they are left unread at load, with a log line. Kimi-K2's checkpoints
+num_hidden_layers) are not part of the target: left unread at load, with a log line, they draft tokens under
+--speculative-config method "mtp" (engine/mtp.py reads the first). Kimi-K2's checkpoints
 (model_type kimi_k2 in their config.json) load with this line. Quantized checkpoints (FP8 block scales,
 compressed-tensors int4) are dequantized by the loader (engine/loader/quantized.py).
 """
@@ -79,11 +80,11 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         return specs
 
     def checkpoint(self, has: Callable[[str], bool], get: Callable[[str], Any]):
-        """The checkpoint as it is; its multi-token-prediction layers are never read (said once)."""
+        """The checkpoint as it is; its multi-token-prediction layers are not the target's (said once)."""
         first = self.config.num_hidden_layers
         mtp = [L for L in range(first, first + max(self.mla.mtp_layers, 1))
                if has(f"model.layers.{L}.eh_proj.weight") or has(f"model.layers.{L}.input_layernorm.weight")]
         if self.mla.mtp_layers or mtp:
             log.info("%s: %d multi-token-prediction layer(s) (num_nextn_predict_layers=%d, model.layers.%d+) "
-                     "are not run and are left unread", self.model_type, len(mtp), self.mla.mtp_layers, first)
+                     "are not part of the target (--speculative-config method 'mtp' drafts with them)", self.model_type, len(mtp), self.mla.mtp_layers, first)
         return has, get
