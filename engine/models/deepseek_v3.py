@@ -85,6 +85,7 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
         mtp = [L for L in range(first, first + max(self.mla.mtp_layers, 1))
                if has(f"model.layers.{L}.eh_proj.weight") or has(f"model.layers.{L}.input_layernorm.weight")]
         if self.mla.mtp_layers or mtp:
-            log.info("%s: %d multi-token-prediction layer(s) (num_nextn_predict_layers=%d, model.layers.%d+) "
-                     "are not part of the target (--speculative-config method 'mtp' drafts with them)", self.model_type, len(mtp), self.mla.mtp_layers, first)
+            log.info("%s: %d multi-token-prediction layer(s) (num_nextn_predict_layers=%d, model.layers.%d+) are not "
+                     "part of the target (--speculative-config method 'mtp' drafts with them)", self.model_type,
+                     len(mtp), self.mla.mtp_layers, first)
         return has, get
