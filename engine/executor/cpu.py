@@ -28,14 +28,7 @@ from engine.models.rope import rope_cos_sin
 from engine.mtp import MtpLayer
 from engine.mtp_draft import MtpDraft
 from engine.sampling import prompt_logprobs, sample_step
-from memory.kv_pool import (
-    BLOCK_SIZE,
-    blocks_for,
-    check_block_copies,
-    copy_pool_blocks,
-    host_pool,
-    pool_blocks,
-)
+from memory.kv_pool import BLOCK_SIZE, blocks_for, check_block_copies, copy_pool_blocks, host_pool, pool_blocks
 from memory.state_slots import check_slots, host_state
 
 log = logging.getLogger(__name__)
