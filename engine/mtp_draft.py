@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from engine.batch import ModelBatch
+from engine.batch import ModelBatch, SeqStep
 from engine.draft_rows import KeptRows, drop_states, greedy_drafts, keep_step_rows
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
 from engine.models.deepseek_v2 import mla_block
@@ -138,20 +138,6 @@ class MtpDraft:
     def _context(self, rows: list[tuple[MtpState, np.ndarray]]) -> CpuStepContext:
         """A step over the private pool: positions relative to each state's first (its block table's), the
         rotary at the absolute ones."""
-        width = max(len(state.blocks) for state, _ in rows)
-        tables = np.zeros((len(rows), width), np.int32)
-        rel, slots = [], []
-        for i, (state, pos) in enumerate(rows):
-            tables[i, :len(state.blocks)] = state.blocks
-            r = pos - state.first
-            rel.append(r)
-            slots.append(tables[i, r // BLOCK_SIZE] * BLOCK_SIZE + r % BLOCK_SIZE)
-        lens = [len(r) for r in rel]
+        steps = [SeqStep(-1, [0] * len(pos), int(pos[0]) - state.first, state.blocks, False) for state, pos in rows]
         absolute = np.concatenate([pos for _, pos in rows])
-        batch = ModelBatch(seqs=[None] * len(rows), input_ids=np.zeros(sum(lens), np.int32),
-                           positions=np.concatenate(rel).astype(np.int32),
-                           slot_mapping=np.concatenate(slots).astype(np.int32),
-                           cu_seqlens=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
-                           context_lens=np.array([int(r[-1]) + 1 for r in rel], np.int32), block_tables=tables,
-                           sample_rows=np.zeros(0, np.int32))
-        return CpuStepContext(batch, self.cos[absolute], self.sin[absolute])
+        return CpuStepContext(ModelBatch.build(steps), self.cos[absolute], self.sin[absolute])
