@@ -16,7 +16,7 @@ from engine.models.quant_experts import W4Experts
 from engine.models.quant_linear import W4Linear
 from memory.device_arena import Buffer, buffers_nbytes
 from openinfer_kernels.quant.ops import QuantOps, W4Weight
-from openinfer_kernels.quant.w4_formats import W4Codes
+from openinfer_kernels.quant.w4_formats import W4Codes, expert_codes
 from openinfer_kernels.quant.w4_layout import pack_w4
 
 
@@ -24,11 +24,6 @@ def interleaved_codes(w: W4Codes) -> W4Codes:
     """A gate_up weight's rows (codes, scales, zeros) in blocks of 8 gate / 8 up rows."""
     zeros = None if w.zeros is None else interleave_gate_up(w.zeros)
     return W4Codes(interleave_gate_up(w.codes), interleave_gate_up(w.scales), w.scale_dtype, zeros, w.group, w.fp4)
-
-
-def expert_codes(w: W4Codes, e: int) -> W4Codes:
-    """Expert e of stacked codes [E, N, K]."""
-    return W4Codes(w.codes[e], w.scales[e], w.scale_dtype, None if w.zeros is None else w.zeros[e], w.group, w.fp4)
 
 
 def upload_w4(arena, weights: dict, stream, interleave) -> dict[str, W4Weight]:

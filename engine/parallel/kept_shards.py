@@ -19,7 +19,7 @@ import numpy as np
 from engine.models.quant_experts import Fp8Experts, W4Experts
 from engine.models.quant_linear import Fp8Linear, W4Linear, fp8_concat, w4_concat
 from openinfer_kernels.quant.fp8_ref import GROUP
-from openinfer_kernels.quant.w4_formats import W4Codes
+from openinfer_kernels.quant.w4_formats import W4Codes, expert_codes
 
 Span = tuple[int, int]               # [first, end) rows or columns
 
@@ -46,9 +46,7 @@ def check_cuts(name: str, w: Fp8Linear | W4Linear, axis: int, spans: list[Span],
 def rows_of(w: Fp8Linear | W4Linear, first: int, end: int) -> Fp8Linear | W4Linear:
     """Rows first..end of a kept weight (views), with their scales (and zeros)."""
     if isinstance(w, W4Linear):
-        c = w.w4
-        zeros = None if c.zeros is None else c.zeros[first:end]
-        return W4Linear(W4Codes(c.codes[first:end], c.scales[first:end], c.scale_dtype, zeros, c.group, c.fp4))
+        return W4Linear(expert_codes(w.w4, slice(first, end)))
     scale = w.scale[first:end] if w.channel else w.scale[first // GROUP:-(-end // GROUP)]
     return Fp8Linear(w.codes[first:end], scale)
 
@@ -82,6 +80,4 @@ def experts_of(w: Fp8Experts | W4Experts, first: int, count: int) -> Fp8Experts 
     e = slice(first, first + count)
     if isinstance(w, Fp8Experts):
         return Fp8Experts(w.codes[e], w.scale[e])
-    c = w.w4
-    return W4Experts(W4Codes(c.codes[e], c.scales[e], c.scale_dtype, None if c.zeros is None else c.zeros[e],
-                             c.group, c.fp4))
+    return W4Experts(expert_codes(w.w4, e))

@@ -59,6 +59,12 @@ class W4Codes:
             raise ValueError("e2m1 codes take no zero points")
 
 
+def expert_codes(w: W4Codes, e: int | slice) -> W4Codes:
+    """Expert e of stacked codes [E, N, K] (a slice: those experts; or rows of codes [N, K]), with their
+    scales (and zeros)."""
+    return W4Codes(w.codes[e], w.scales[e], w.scale_dtype, None if w.zeros is None else w.zeros[e], w.group, w.fp4)
+
+
 def scale_values(scale_bits: np.ndarray, scale_dtype: str) -> np.ndarray:
     """float32 values of 16-bit scale bits (exact)."""
     import ml_dtypes
