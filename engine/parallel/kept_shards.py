@@ -61,10 +61,9 @@ def cols_of(w: Fp8Linear | W4Linear, first: int, end: int) -> Fp8Linear | W4Line
     return Fp8Linear(cut(np.asarray(w.codes), 1), w.scale if w.channel else cut(w.scale, GROUP))
 
 
-def kept_shard(name: str, w: Fp8Linear | W4Linear, axis: int, spans: list[Span], rank: int, world_size: int):
+def kept_shard(name: str, w: Fp8Linear | W4Linear, axis: int, spans: list[Span]):
     """The rank's shard of a kept linear weight: its `spans` along `axis` (rows: one per packed part, joined
-    along N again), checked first (check_cuts)."""
-    check_cuts(name, w, axis, spans, rank, world_size)
+    along N again), its cuts checked at start (check_cuts, through sharding.check_kept_cuts)."""
     if axis == 1:
         (first, end), = spans
         return cols_of(w, first, end)

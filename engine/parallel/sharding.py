@@ -165,7 +165,7 @@ def _shard_kept(w, spec: WeightSpec, split: Split, shard: Shard):
     if split.kind not in (ROWS, COLS):
         raise ValueError(f"tensor parallelism: {spec.name} is kept quantized, its rule {split.kind!r} takes "
                          f"dense weights")
-    return kept_shard(spec.name, w, *_kept_cuts(w, spec, split, shard), shard.rank, shard.world_size)
+    return kept_shard(spec.name, w, *_kept_cuts(w, spec, split, shard))
 
 
 def shard_weight(w, spec: WeightSpec, split: Split, shard: Shard):
