@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.loader.quantized import dequantizing
+from engine.loader.hf import read_weights
 from engine.loader.safetensors_io import SafetensorsCheckpoint
 from engine.model_files import ModelLoadError
 from engine.models.decoder import DecoderLM
 from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
-from engine.models.weights import pack_weights, packed
+from engine.models.weights import packed
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,10 @@ def load_mtp_layer(folder: str, model: DecoderLM) -> MtpLayer:
         raise ModelLoadError(f"--speculative-config: method 'mtp': {folder} has no multi-token-prediction layer "
                              f"(num_nextn_predict_layers = {count}; model.layers.{L}.eh_proj.weight "
                              f"{'present' if f'model.layers.{L}.eh_proj.weight' in ckpt else 'absent'})")
-    has, get = model.checkpoint(*dequantizing(model.config.raw, ckpt.__contains__, ckpt.get, np.float32))
-    specs = mtp_weight_specs(model, L, has(f"model.layers.{L}.shared_head.head.weight"))
     try:
-        weights = pack_weights(specs, has, get, where=folder)
-    except (KeyError, ValueError) as e:        # a tensor missing, or not of its layout shape
+        weights = read_weights(ckpt, model, lambda has: mtp_weight_specs(
+            model, L, has(f"model.layers.{L}.shared_head.head.weight")), np.float32, folder)
+    except ValueError as e:        # a tensor missing (ModelLoadError), or not of its layout shape
         raise ModelLoadError(f"--speculative-config: method 'mtp': {e.args[0]}") from None
     if count > 1:
         log.info("mtp: %d MTP layers in the checkpoint; the first (model.layers.%d) drafts every token, applied "

@@ -3,6 +3,7 @@ generation config."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,19 @@ def read_generation_config(folder: str, config: ModelConfig) -> dict[str, Any]:
     return gen
 
 
+def read_weights(ckpt: SafetensorsCheckpoint, model: DecoderLM, specs_of: Callable[[Callable], list], dtype,
+                 where: str, keep=None) -> dict:
+    """The packed weights specs_of(has) from the checkpoint as the model names it (has: its names), quantized
+    ones dequantized to dtype (keep: those kept quantized, loader/kept_linear.py); ModelLoadError for a tensor
+    the model needs that is not in the checkpoint."""
+    has, get = model.checkpoint(*dequantizing(model.config.raw, ckpt.__contains__, ckpt.get, dtype))
+    specs = specs_of(has)
+    try:
+        return pack_weights(specs, has, get, where=where, keep=keep)
+    except KeyError as e:
+        raise ModelLoadError(e.args[0]) from None
+
+
 def load_hf_folder(folder: str, dequant_dtype=np.float32, quantization: str | None = None,
                    keep_quantized: bool = True) -> LoadedModel:
     """dequant_dtype: what quantized weights (FP8, packed int) are dequantized to (loader/quantized.py);
@@ -50,11 +64,8 @@ def load_hf_folder(folder: str, dequant_dtype=np.float32, quantization: str | No
     ckpt = SafetensorsCheckpoint(folder)
     keeper = linear_keeper(quant_format(config.raw), quantization, model,
                            *model.checkpoint(ckpt.__contains__, ckpt.get)) if keep_quantized else None
-    has, get = model.checkpoint(*dequantizing(config.raw, ckpt.__contains__, ckpt.get, dequant_dtype))
-    try:
-        weights = pack_weights(model.weight_specs(), has, get, where=folder, keep=keeper and keeper.keep)
-    except KeyError as e:                   # a tensor the model needs is not in the checkpoint
-        raise ModelLoadError(e.args[0]) from None
+    weights = read_weights(ckpt, model, lambda has: model.weight_specs(), dequant_dtype, folder,
+                           keeper and keeper.keep)
     if quantization is not None and not any(isinstance(w, Fp8Linear) for w in weights.values()):
         raise ValueError(f"--quantization {quantization}: no linear layer of {folder} can be quantized (W8A8 needs "
                          f"input widths that are multiples of 128)")
