@@ -15,8 +15,9 @@ import os
 import ml_dtypes
 import numpy as np
 
-from engine.loader.safetensors_io import SafetensorsCheckpoint, save_safetensors
+from engine.loader.safetensors_io import save_safetensors
 from harness.models import DSV3_MODELS, build_tiny_model
+from harness.quantized import read_tensors
 
 
 def mtp_shapes(hidden: int, vocab: int) -> dict[str, tuple[int, ...]]:
@@ -37,8 +38,7 @@ def write_mtp_model(name: str, out_dir: str, seed: int = 0, ship_head: bool = Tr
     config.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
     with open(path, "w") as f:
         json.dump(config, f, indent=2)
-    ckpt = SafetensorsCheckpoint(out_dir)
-    tensors = {k: np.array(ckpt.get(k)) for k in ckpt.keys()}          # copies: the file is rewritten
+    tensors = read_tensors(out_dir)
     rng = np.random.default_rng(seed + 1)
     for short, shape in mtp_shapes(config["hidden_size"], config["vocab_size"]).items():
         if short == "shared_head.head.weight" and not ship_head:

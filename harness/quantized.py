@@ -89,7 +89,8 @@ def _rewrite(src: str, dst: str, tensors: dict[str, np.ndarray], quantization_co
     return dst
 
 
-def _tensors(src: str) -> dict[str, np.ndarray]:
+def read_tensors(src: str) -> dict[str, np.ndarray]:
+    """Every tensor of HF folder src, as copies (the folder may be rewritten from them)."""
     ckpt = SafetensorsCheckpoint(src)
     return {k: np.array(ckpt.get(k)) for k in ckpt.keys()}
 
@@ -98,7 +99,7 @@ def fp8_folder(src: str, dst: str, block: tuple[int, int] = (128, 128), quantize
     """A copy of HF folder src with its layers' projections in FP8 with block scales (quantize(w, block): the
     block quantizer, e.g. a vectorized one for real shapes)."""
     out = {}
-    for name, a in _tensors(src).items():
+    for name, a in read_tensors(src).items():
         if LAYER_LINEAR.match(name) and a.ndim == 2:
             out[name], out[name[:-len("weight")] + "weight_scale_inv"] = quantize(a, block)
         else:
@@ -123,7 +124,7 @@ def fp8_channel_folder(src: str, dst: str) -> str:
     """A copy of HF folder src with its layers' projections in compressed-tensors float-quantized fp8
     (channel weight scales, dynamic per-token activations)."""
     out = {}
-    for name, a in _tensors(src).items():
+    for name, a in read_tensors(src).items():
         if LAYER_LINEAR.match(name) and a.ndim == 2:
             out[name], out[name[:-len("weight")] + "weight_scale"] = quantize_fp8_channel(a)
         else:
@@ -170,7 +171,7 @@ def int4_folder(src: str, dst: str, reference: str | None, method: str, group: i
     """(dst: src with its layers' projections in AWQ ("awq") or GPTQ v1 ("gptq") int4, reference: the same
     weights dequantized in float32; None: not written)."""
     packed, plain = {}, {}
-    for name, a in _tensors(src).items():
+    for name, a in read_tensors(src).items():
         if not (LAYER_LINEAR.match(name) and a.ndim == 2):
             packed[name] = plain[name] = a
             continue
@@ -203,7 +204,7 @@ def packed_int4_folder(src: str, dst: str, reference: str, pattern: re.Pattern, 
     the others (`ignore`: their config entry) left unquantized; reference: the same weights dequantized, in their
     own dtype)."""
     packed, plain = {}, {}
-    for name, a in _tensors(src).items():
+    for name, a in read_tensors(src).items():
         if not pattern.match(name):
             packed[name] = plain[name] = a
             continue
