@@ -51,7 +51,7 @@ from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE
 from engine.executor.verify_rows import verify_rows
 from engine.loader import LoadedModel
 from engine.executor.gpu_quant_moe import has_fp8_experts
-from engine.executor.gpu_quant_ops import (GpuQuantOps, block_scaled_gate_up, device_nbytes, quant_ops_class,
+from engine.executor.gpu_quant_ops import (block_scaled_gate_up, device_nbytes, quant_ops_class,
                                            upload_quantized)
 from engine.models.quant_experts import KEPT
 from engine.models.rope import rope_inv_freq
@@ -96,7 +96,6 @@ class GpuExecutor(ExecutorBase):
     supports_block_copies = False
     supports_draft_verify = True    # verify steps: gpu_verify.py (sized by options.num_speculative_tokens)
     ops_class = GpuOps              # a tensor-parallel rank's executor runs its own (engine/parallel)
-    kept_ops_class = GpuQuantOps    # ... and its own for kept quantized weights
     supports_eagle3 = True          # an EAGLE-3 head drafts on the device (gpu_eagle3.py; the steps then eager)
     draft = None                    # the attached head's Eagle3Draft
     graphs_class = DecodeGraphs
@@ -109,7 +108,7 @@ class GpuExecutor(ExecutorBase):
         self.vocab_size, self.max_model_len = model.config.vocab_size, options.max_model_len
         self.device = DeviceInfo.query()
         self.plan = replace(gpu_plan(options, model.model, self.device), fp8_experts=has_fp8_experts(model.weights))
-        self.ops_class = quant_ops_class(model.weights, self.ops_class, self.kept_ops_class)
+        self.ops_class = quant_ops_class(model.weights, self.ops_class)
         self.kv_format = gpu_kv_format(options.kv_cache_dtype, model, self.plan)
         self.kv_itemsize = self.kv_format.itemsize(KV_ITEMSIZE)
         self.streams = DeviceStreams()

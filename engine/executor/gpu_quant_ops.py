@@ -52,9 +52,9 @@ def upload_quantized(arena, weights: dict, stream, interleave) -> dict:
             **upload_experts(arena, of(Fp8Experts), stream, interleave)}
 
 
-def quant_ops_class(weights: dict, default: type[GpuOps], kept: type[GpuOps]) -> type[GpuOps]:
-    """`kept` (GpuQuantOps, or a tensor-parallel rank's) for a model that keeps quantized weights, else `default`."""
-    return kept if any(isinstance(w, KEPT) for w in weights.values()) else default
+def quant_ops_class(weights: dict, default: type[GpuOps]) -> type[GpuOps]:
+    """GpuQuantOps for a model that keeps quantized linear layers, else `default`."""
+    return GpuQuantOps if any(isinstance(w, KEPT) for w in weights.values()) else default
 
 
 class GpuQuantOps(GpuOps):

@@ -14,8 +14,9 @@ the same sums in numpy):
   * routed experts (expert parallelism): expert_shard.cu maps the router's ids to the rank's experts
     (others -1, dropped by moe_align.cu); rank 0's combine adds the residual, the others' a zeroed
     buffer; the same all-reduce sums them.
-  * weights kept quantized (a rank's FP8 / int4 shard, its kept experts): RankGpuQuantOps, the same collectives
-    around the one-GPU quantized kernels (GpuQuantOps), which serve a rank's codes and scales unchanged;
+  * weights kept quantized: the shard keeps them quantized (kept_shards.py), and the rank dequantizes its shard
+    at start (dequantized_model): the rank ops run bf16 products (serving a shard on the quantized kernels
+    needs the rank collectives around GpuQuantOps' linears, not built yet);
   * logits: the rank's vocabulary rows into its slot of a [N, R, V/N] float32 buffer, an all-gather in
     place, then one 2D copy per rank into the sampler's [R, V] logits: every rank holds the whole rows
     and rank 0 samples them with the unchanged sampler (top-k / top-p, logprobs, grammar masks,
@@ -28,11 +29,9 @@ import numpy as np
 
 from engine.executor.gpu import GpuExecutor
 from engine.executor.gpu_moe_ops import GpuMoEOps
-from engine.executor.gpu_fp8_ops import Fp8Device
 from engine.executor.gpu_ops import GpuOps
-from engine.executor.gpu_quant_moe import GpuQuantMoEOps
-from engine.executor.gpu_quant_ops import GpuQuantOps
 from engine.executor.options import ExecutorOptions
+from engine.parallel.kept_shards import dequantized_model
 from openinfer_kernels.raw_cuda import kernel
 from memory.device_arena import Buffer, buffers_nbytes
 from memory.state_slots import check_slots
@@ -73,7 +72,6 @@ class RankGpuMoEOps(GpuMoEOps):
 class RankGpuOps(GpuOps):
     """GpuOps of a rank: the row-parallel sums, the gathered logits and the rank's MoE part. comm: the rank's
     NcclCommunicator; experts: (first, number) of its routed experts."""
-    moe_class = RankGpuMoEOps
 
     def __init__(self, plan, shared, arena, lm_head_ptr: int, comm, experts: tuple[int, int] = (0, 0), **parts):
         self.comm, self.rank_experts = comm, experts
@@ -81,7 +79,7 @@ class RankGpuOps(GpuOps):
         self.gathered = arena.take_all("tp", self.rank_buffers(plan))["tp_logits"]
 
     def _moe_part(self, plan, arena) -> RankGpuMoEOps:
-        return self.moe_class(plan, self.shared, arena, self.comm, self.rank_experts)
+        return RankGpuMoEOps(plan, self.shared, arena, self.comm, self.rank_experts)
 
     @staticmethod
     def rank_buffers(plan) -> list[Buffer]:
@@ -125,39 +123,17 @@ class RankGpuOps(GpuOps):
         return out
 
 
-class RankGpuQuantMoEOps(RankGpuMoEOps, GpuQuantMoEOps):
-    """The MoE part of a rank whose experts are kept quantized: RankGpuMoEOps' expert shard and combine around
-    GpuQuantMoEOps' grouped kernels (a rank's experts are whole experts, each with its own scales)."""
-
-
-class RankGpuQuantOps(RankGpuOps, GpuQuantOps):
-    """The ops of a rank whose shard keeps quantized weights (engine/parallel/kept_shards.py): RankGpuOps' collectives
-    around GpuQuantOps' one-GPU kernels, which take a rank's codes and scales as they take a whole weight's."""
-    moe_class = RankGpuQuantMoEOps
-
-    def partial_product(self, x, weight):
-        """A kept weight's bare product on its own kernel (FP8 W8A8; int4 gemv_w4 at decode rows, its bf16
-        dequantization through the GEMM otherwise)."""
-        fp8, w4 = isinstance(weight, Fp8Device), self._decode_w4(weight, x.shape[0])
-        if not (fp8 or w4):
-            return super().partial_product(x, self._bf16(weight))
-        out = self.shared.residual_out(x.shape[0], weight.shape[0] if fp8 else weight.n)
-        self.fp8.run(x, weight, out) if fp8 else self.w4.gemv(x, weight, out)
-        return out
-
-
 class GpuRankExecutor(GpuExecutor):
     """The GPU executor of one rank's shard (sharding.shard_model) on the current device. Rank 0 checks a
     step before any rank sees it (`check`) and names its decode graph (`graph_key`); the others run it
     with `follow`, replaying the graph captured together with rank 0's."""
     ops_class = RankGpuOps
-    kept_ops_class = RankGpuQuantOps
     supports_draft_verify = False   # a verify step's rows sample on rank 0 only (engine/speculative.py check_device)
     supports_eagle3 = False         # a rank keeps its shard of the hidden states, not a head's whole rows
 
     def __init__(self, model, options: ExecutorOptions, comm, experts: tuple[int, int] = (0, 0)):
         self.comm, self.experts = comm, experts             # the rank's ops take them (_ops)
-        super().__init__(model, options)
+        super().__init__(dequantized_model(model), options)
         comm.bind(self.stream)
 
     def _ops(self, shared, lm_head_ptr: int, lora_weights: dict) -> RankGpuOps:

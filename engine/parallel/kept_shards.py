@@ -1,6 +1,7 @@
 """A tensor-parallel rank's shard of a weight kept quantized (engine/models/quant_linear.py, quant_experts.py):
 its codes and their scales (and zeros) cut together, never dequantized, so every rank keeps 1 / N of the bytes
-and runs the one-device kernels on its shard.
+and runs the one-device kernels on its shard (the numpy ranks; a GPU rank dequantizes its shard at start,
+dequantized_model, until its rank ops serve kept weights).
 
 * column-parallel (ROWS, a cut along N): FP8 block scales [ceil(N/128), K/128] follow their 128-row blocks,
   so every cut must fall on a 128-row boundary (or the weight's end); FP8 channel scales [N] and the int4
@@ -14,9 +15,11 @@ A cut that splits a scale block or a group is refused at start (ValueError namin
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from engine.models.quant_experts import Fp8Experts, W4Experts
+from engine.models.quant_experts import KEPT, Fp8Experts, W4Experts
 from engine.models.quant_linear import Fp8Linear, W4Linear, fp8_concat, w4_concat
 from openinfer_kernels.quant.fp8_ref import GROUP
 from openinfer_kernels.quant.w4_formats import W4Codes, expert_codes
@@ -80,3 +83,11 @@ def experts_of(w: Fp8Experts | W4Experts, first: int, count: int) -> Fp8Experts 
     if isinstance(w, Fp8Experts):
         return Fp8Experts(w.codes[e], w.scale[e])
     return W4Experts(expert_codes(w.w4, e))
+
+
+def dequantized_model(model):
+    """The loaded model (a rank's shard) with its kept quantized weights dequantized to float32."""
+    if not any(isinstance(w, KEPT) for w in model.weights.values()):
+        return model
+    return replace(model, weights={name: w.dequantized() if isinstance(w, KEPT) else w
+                                   for name, w in model.weights.items()})

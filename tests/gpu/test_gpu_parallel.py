@@ -159,23 +159,26 @@ KEPT_FOLDERS = ["fp8-block", "fp8-channel", "awq", "gptq", "compressed-tensors",
 
 
 @pytest.mark.parametrize("case", KEPT_FOLDERS)
-def test_two_gpus_keep_quantized_shards_and_score_as_one(case):
+def test_two_gpus_serve_kept_folders_as_their_dequantized_weights(case):
     """A kept FP8 / int4 folder (tests/scale/test_parallel_quant.py's, whose cuts fall on the scale blocks and
-    groups) on 2 GPUs: rank 0 serves its shard on the quantized kernels (RankGpuQuantOps), and against the numpy
-    executor's float32 emulation of the same numerics TP=2 is as close as TP=1 (mean |Δlogprob| at most twice
-    TP=1's plus 1e-3, argmax misses at most TP=1's plus one), through prefill, decode and chunked prefill."""
+    groups) on 2 GPUs: the shards keep their codes, each GPU rank dequantizes its shard at start and runs the
+    bf16 rank ops (engine/parallel/kept_shards.py dequantized_model), so against the numpy executor over the
+    dequantized weights TP=2 is as close as one GPU over those weights (mean |Δlogprob| at most twice its plus
+    1e-3, argmax misses at most its plus one), through prefill, decode and chunked prefill."""
     from engine.executor.cpu import CpuExecutor
     from engine.executor.options import options_of
-    from engine.parallel.gpu_ops import RankGpuQuantOps
+    from engine.parallel.gpu_ops import RankGpuOps
+    from engine.parallel.kept_shards import dequantized_model
     from harness.models import log_softmax
     from test_parallel_quant import FOLDERS
 
     model = load_model(FOLDERS[case][0]())
+    plain = dequantized_model(model)
     seqs = random_sequences(model.config.vocab_size, [96, 61, 80, 33], seed=1)
-    cpu = CpuExecutor(model, options_of(num_kv_blocks=96, max_model_len=512))
-    one, two = new_gpu_executor(model), new_parallel_gpu_executor(model, 2)
+    cpu = CpuExecutor(plain, options_of(num_kv_blocks=96, max_model_len=512))
+    one, two = new_gpu_executor(plain), new_parallel_gpu_executor(model, 2)
     try:
-        assert isinstance(two.rank0().ops, RankGpuQuantOps)
+        assert type(two.rank0().ops) is RankGpuOps
         for path, kw in PATHS.items():
             ref = log_softmax(np.concatenate(engine_logits(cpu, seqs, **kw)))
             rows = []

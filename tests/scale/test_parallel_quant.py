@@ -129,3 +129,18 @@ def test_a_cut_inside_a_scale_block_or_group_is_refused_at_start(folder, words):
     with pytest.raises(ValueError, match="tensor_parallel_size 2") as e:
         create_parallel_executor(model, options(2), "cpu")
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize("name", ["fp8-block", "int4-experts"])
+def test_a_gpu_rank_dequantizes_its_kept_shard(name):
+    """A GPU rank builds its executor over dequantized_model(shard): no kept weight left, each the float32 of its
+    codes and scales; a model without kept weights passes through as it is."""
+    from engine.parallel.kept_shards import dequantized_model
+    model = load_model(FOLDERS[name][0]())
+    shard = shard_model(model, Shard(0, 2))
+    plain = dequantized_model(shard)
+    kept = [n for n, w in shard.weights.items() if isinstance(w, KEPT)]
+    assert kept and not any(isinstance(w, KEPT) for w in plain.weights.values())
+    for n in kept:
+        np.testing.assert_array_equal(plain.weights[n], shard.weights[n].dequantized())
+    assert dequantized_model(plain) is plain
