@@ -72,6 +72,7 @@ class RankGpuMoEOps(GpuMoEOps):
 class RankGpuOps(GpuOps):
     """GpuOps of a rank: the row-parallel sums, the gathered logits and the rank's MoE part. comm: the rank's
     NcclCommunicator; experts: (first, number) of its routed experts."""
+    moe_class = RankGpuMoEOps
 
     def __init__(self, plan, shared, arena, lm_head_ptr: int, comm, experts: tuple[int, int] = (0, 0), **parts):
         self.comm, self.rank_experts = comm, experts
@@ -94,14 +95,9 @@ class RankGpuOps(GpuOps):
         if self.comm.rank == 0:
             out = super().add_linear(x, weight, residual, bias, lora=lora)
         else:                          # the bare partial product (o_proj's bias is zeros here)
-            out = self.partial_product(x, weight)
+            out = self.shared.residual_out(x.shape[0], weight.shape[0])
+            self.shared.gemm(x, weight, out, pdl=self.shared.pdl)
         return self.comm.all_reduce(out)
-
-    def partial_product(self, x, weight):
-        """x · weightᵀ into the residual buffer, no residual added (the ranks other than 0)."""
-        out = self.shared.residual_out(x.shape[0], weight.shape[0])
-        self.shared.gemm(x, weight, out, pdl=self.shared.pdl)
-        return out
 
     def reduce_partials(self, partials) -> None:
         splits, rows, cols = partials.shape
@@ -137,8 +133,8 @@ class GpuRankExecutor(GpuExecutor):
         comm.bind(self.stream)
 
     def _ops(self, shared, lm_head_ptr: int, lora_weights: dict) -> RankGpuOps:
-        return self.ops_class(self.plan, shared, self.arena, lm_head_ptr, self.comm, self.experts,
-                              lora_weights=lora_weights, state=self.state)
+        return RankGpuOps(self.plan, shared, self.arena, lm_head_ptr, self.comm, self.experts,
+                          lora_weights=lora_weights, state=self.state)
 
     def check(self, batch, fed: bool = False) -> None:
         """The step's refusals, here before it goes out: a rank that refused a step the others run would
