@@ -50,8 +50,7 @@ class CpuExecutor(ExecutorBase):
         self.options, self.model, self.config = options, model.model, cfg
         self.model_path = model.path
         self.vocab_size, self.max_model_len = cfg.vocab_size, options.max_model_len
-        rounding = ROUNDING.get(options.dtype)
-        self.weights = {name: self._prepare(a, rounding) for name, a in model.weights.items()}
+        self.weights = self._prepared(model.weights)
         fp8, w4 = "W8A8 in numpy (the GPU kernels' numerics, cpu_quant_ops.py)", "numpy on the dequantized weights (W4A16)"
         log_kept(model.weights, {Fp8Linear: fp8, Fp8Experts: fp8, W4Linear: w4, W4Experts: w4})
         self.layout = self.model.kv_layout()
@@ -84,9 +83,7 @@ class CpuExecutor(ExecutorBase):
 
     def attach_mtp(self, mtp: MtpLayer) -> MtpDraft:
         """Keep the last hidden state on every step from now on; the MTP layer's draft proposer over it."""
-        rounding = ROUNDING.get(self.options.dtype)
-        weights = {name: self._prepare(a, rounding) for name, a in mtp.weights.items()}
-        self.draft = MtpDraft(self.model, mtp.layer, weights, self.weights["embed_tokens"], self.cos, self.sin)
+        self.draft = MtpDraft(self.model, mtp.layer, self._prepared(mtp.weights), self.weights["embed_tokens"], self.cos, self.sin)
         self.ops.keeper = HiddenKeeper({mtp.layer})
         return self.draft
 
@@ -119,6 +116,11 @@ class CpuExecutor(ExecutorBase):
                 host[:, :, dst] = pool[:, :, src]
             else:
                 pool[:, :, dst] = host[:, :, src]
+
+    def _prepared(self, weights: dict) -> dict:
+        """Each weight as the numpy ops read it (_prepare), rounded through the executor's dtype first."""
+        rounding = ROUNDING.get(self.options.dtype)
+        return {name: self._prepare(a, rounding) for name, a in weights.items()}
 
     @staticmethod
     def _prepare(a: np.ndarray, rounding) -> np.ndarray:
