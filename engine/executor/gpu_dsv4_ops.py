@@ -1,35 +1,54 @@
 """DeepSeek-V4's op family on the GPU (ops.dsv4; models/ops.py DSV4Ops), a part GpuOps builds for that line over
-the executor's GpuShared and its MoE part: the hyper-connections, the limited SwiGLU, the hash router and the
-sliding / compressed attention run as CuPy float32 over the bf16 weights, with every projection on the
-executor's bf16 GEMM (float32 out) and the routed experts on the MoE part (gpu_moe_ops.py, which also takes the
-sqrtsoftplus router and the limited SwiGLU of the experts). The algorithms are cpu_dsv4_ops /
-cpu_dsv4_attention's own functions, which take CuPy arrays: the CPU gate checks the code the GPU runs; this file
-supplies the device primitives (dtype conversion, the KV rows).
+the executor's GpuShared and its MoE part. The hyper-connections are raw CUDA kernels (dsv4_hc.cu, one launch
+each, nothing read back on the host):
+  hyper_connection   hc_pre         the mixes of the RMS-normed streams, pre / post / comb with the Sinkhorn
+                                    iterations, the streams collapsed by pre into the block's bf16 input
+  hc_merge           hc_post_*      post · block output + the comb-mixed streams
+  hyper_head         hc_head        the final collapse
+The limited SwiGLU, the hash router and the sliding / compressed attention run as CuPy float32 over the bf16
+weights, with every projection on the executor's bf16 GEMM (float32 out) and the routed experts on the MoE
+part (gpu_moe_ops.py, which also takes the sqrtsoftplus router and the limited SwiGLU of the experts). Their
+algorithms are cpu_dsv4_ops / cpu_dsv4_attention's own functions, which take CuPy arrays: the CPU gate checks
+the code the GPU runs; this file supplies the device primitives (dtype conversion, the KV rows).
 
-Eager steps only: the ops allocate from CuPy's pool, group the step's sequences on the host and copy the
-hyper-connection mixes there, so the executor captures no CUDA graphs for this line
-(DeepseekV4ForCausalLM.cuda_graphs). A correctness path: its speed is CuPy's element-wise kernels and float32
-einsums, host-bound (bench/results/deepseek.md), no roofline claimed.
+Eager steps only: the ops allocate from CuPy's pool and group the step's sequences on the host, so the
+executor captures no CUDA graphs for this line (DeepseekV4ForCausalLM.cuda_graphs). Host-bound
+(bench/results/deepseek.md), no roofline claimed for the step.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from engine.executor.cpu_dsv4_attention import dsv4_attention, slots_at
-from engine.executor.cpu_dsv4_ops import hash_route, hc_collapse, hc_merge, hc_mix, hc_weights, hyper_head, swiglu_limited
+from engine.executor.cpu_dsv4_ops import hash_route, swiglu_limited
 from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16, split_gate_up
+from openinfer_kernels.raw_cuda import kernel
 
 WEIGHT_F32_CACHE = 1 << 22      # weights of at most this many elements keep a float32 copy on the device
+HC_THREADS = 128                # dsv4_hc.cu HC_THREADS
+HC_CHUNK = 1024                 # dsv4_hc.cu HC_CHUNK: flat-row values per CTA of the mixes
+MAX_HC_MULT = 5                 # dsv4_hc.cu: the comb matrix (hc_mult² values) in one warp's lanes
+
+
+def check_hc_shapes(hc_mult: int, hidden: int) -> None:
+    """dsv4_hc.cu's limits, refused at start."""
+    if not 1 <= hc_mult <= MAX_HC_MULT or hidden % 4:
+        raise ValueError(f"deepseek_v4 on the GPU: the hyper-connection kernels take hc_mult 1..{MAX_HC_MULT} "
+                         f"(got {hc_mult}) and a hidden size that is a multiple of 4 (got {hidden})")
 
 
 class GpuDSV4Ops:
-    """ops.dsv4 on CuPy arrays, on the executor's stream; moe: the executor's MoE part (its router logits)."""
+    """ops.dsv4 on CuPy arrays, on the executor's stream; moe: the executor's MoE part (its router logits);
+    array_module: CuPy, unless given (the tests' host emulation passes numpy's stand-in)."""
 
-    def __init__(self, shared, moe):
-        import cupy
+    def __init__(self, shared, moe, array_module=None):
+        if array_module is None:
+            import cupy as array_module
 
-        self.shared, self.moe, self.cp = shared, moe, cupy
+        self.shared, self.moe, self.cp = shared, moe, array_module
         self._kept_weights: dict = {}       # (id(weight), form) -> (weight, converted)
+        self._kernels: dict = {}
+        self._hc_counter = None             # dsv4_hc.cu's per-row counters (zero between launches)
 
     def _f(self, a):
         return bf16_to_f32(self.cp, a)
@@ -51,32 +70,69 @@ class GpuDSV4Ops:
             hit = self._kept_weights[(id(w), form)] = (w, convert(w))
         return hit[1]
 
-    def _host(self, a):
-        """A device array's values on the host (numpy), after the stream's work so far."""
-        return a if isinstance(a, np.ndarray) else a.get()
+    def _kernel(self, entry: str, hc_mult: int):
+        """dsv4_hc.cu's entry compiled for hc_mult streams."""
+        key = (entry, hc_mult)
+        if key not in self._kernels:
+            self._kernels[key] = kernel("dsv4_hc", entry, HC_N=hc_mult)
+        return self._kernels[key]
 
-    # ---- residual streams ------------------------------------------------------------------------------
+    def _bf16_weight(self, w):
+        """A weight as bf16 bits (the device holds them so; a float32 one is converted once and kept)."""
+        return w if w.dtype == np.uint16 else self._kept(w, "bf16", self._b)
+
+    # ---- residual streams: dsv4_hc.cu ------------------------------------------------------------------
     def hc_streams(self, x, n: int):
         with self.shared.stream:
             return self.cp.repeat(self._f(x)[:, None, :], n, axis=1)
 
+    def _mix_launch(self, entry: str, streams, mixes: int, args: tuple) -> None:
+        """hc_pre / hc_head over streams [T, N, D]: S CTAs a row of at most HC_THREADS threads (a warp per 128
+        values of a CTA's slice, more than `mixes`), their (partial, counter) workspace after the weights."""
+        T, N, D = streams.shape
+        check_hc_shapes(N, D)
+        splits, width = -(-N * D // HC_CHUNK), min(N * D, HC_CHUNK)
+        threads = min(HC_THREADS, 32 * max(-(-width // 128), -(-(mixes + 1) // 32)))
+        if self._hc_counter is None or self._hc_counter.shape[0] < T:
+            self._hc_counter = self.cp.zeros(max(T, 64), np.int32)
+        work = (self.cp.empty(T * splits * (mixes + 1), np.float32), self._hc_counter)
+        self.shared.launch(self._kernel(entry, N), (splits, T), (threads,),
+                           (self.cp.ascontiguousarray(streams), *args[:3], *work, *args[3:]))
+
     def hyper_connection(self, streams, fn, base, scale, iters, hc_eps, norm_eps):
-        """The mixes on the device; pre / post / comb (Sinkhorn: ~6 array ops an iteration on [T, N, N]) in
-        numpy after one small copy of the mixes, the host's ops being ~10x cheaper than eager launches."""
+        """hc_pre: (post [T, N] float32, comb [T, N, N] float32, the block's input bf16 [T, D]) in one launch."""
+        T, N, D = streams.shape
         with self.shared.stream:
-            mix = self._host(hc_mix(streams, self._weight_f32(fn), norm_eps))
-            base, scale = (self._kept(a, "host", lambda v: self._host(self._f(v))) for a in (base, scale))
-            pre, post, comb = (self.cp.asarray(a) for a in hc_weights(mix, base, scale, iters, hc_eps))
-            return post, comb, self._b(hc_collapse(pre, streams))
+            post, comb = self.cp.empty((T, N), np.float32), self.cp.empty((T, N, N), np.float32)
+            x = self.cp.empty((T, D), np.uint16)
+            if T:
+                self._mix_launch("hc_pre", streams, (2 + N) * N,
+                                 (self._bf16_weight(fn), self._weight_f32(base), self._weight_f32(scale), post, comb,
+                                  x, np.int32(D), np.int32(iters), np.float32(hc_eps), np.float32(norm_eps)))
+            return post, comb, x
 
     def hc_merge(self, block_out, streams, post, comb):
+        """hc_post_f32 / hc_post_bf16 (the block's output as it comes): the new streams [T, N, D] float32."""
+        T, N, D = streams.shape
         with self.shared.stream:
-            return hc_merge(self._f(block_out), streams, post, comb)
+            out = self.cp.empty((T, N, D), np.float32)
+            if T:
+                entry = "hc_post_bf16" if block_out.dtype == np.uint16 else "hc_post_f32"
+                self.shared.launch(self._kernel(entry, N), (-(-T * D // (4 * HC_THREADS)),), (HC_THREADS,),
+                                   (self.cp.ascontiguousarray(block_out), self.cp.ascontiguousarray(streams),
+                                    post, comb, out, np.int32(T), np.int32(D)))
+            return out
 
     def hyper_head(self, streams, fn, base, scale, hc_eps, norm_eps):
+        """hc_head: the streams [T, N, D] collapsed to bf16 [T, D] by the head's pre weights."""
+        T, N, D = streams.shape
         with self.shared.stream:
-            s = self._weight_f32(scale).reshape(-1)[:1]          # on the device: no host round trip
-            return self._b(hyper_head(streams, self._weight_f32(fn), self._weight_f32(base), s, hc_eps, norm_eps))
+            x = self.cp.empty((T, D), np.uint16)
+            if T:
+                self._mix_launch("hc_head", streams, N,
+                                 (self._bf16_weight(fn), self._weight_f32(base), self._weight_f32(scale), x,
+                                  np.int32(D), np.float32(hc_eps), np.float32(norm_eps)))
+            return x
 
     # ---- MLP -------------------------------------------------------------------------------------------
     def swiglu_limited(self, gate_up, limit):

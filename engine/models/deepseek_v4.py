@@ -245,6 +245,9 @@ class DeepseekV4ForCausalLM(DecoderLM):
         if c.hidden_size % 8 or m.moe_inter % 8:
             raise ValueError(f"deepseek_v4 on the GPU: hidden ({c.hidden_size}) and moe_intermediate_size "
                              f"({m.moe_inter}) must be multiples of 8")
+        if not 1 <= m.hc_mult <= 5:
+            raise ValueError(f"deepseek_v4 on the GPU: the hyper-connection kernels (dsv4_hc.cu) hold the comb matrix "
+                             f"in one warp, hc_mult 1..5; this model has {m.hc_mult}")
         if "hash_moe" in m.mlp_layer_types and m.experts > 256:
             raise ValueError(f"deepseek_v4 on the GPU: hash-routed layers hold tid2eid as bf16, exact for expert "
                              f"ids below 256; this model has {m.experts} experts")

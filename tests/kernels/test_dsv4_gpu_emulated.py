@@ -16,13 +16,15 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from test_deltanet_kernels_emulated import EmulatedShared, host
+from test_dsv4_hc_emulated import EmulatedDSV4
 
 from engine.executor.cpu import CpuExecutor
-from engine.executor.gpu_dsv4_ops import GpuDSV4Ops, bf16_to_f32, f32_to_bf16
+from engine.executor.gpu_dsv4_ops import bf16_to_f32, f32_to_bf16
 from engine.executor.gpu_moe_ops import GpuMoEOps
 from engine.executor.options import options_of
-from engine.models.ops import ComposedOps
 from engine.loader import load_model
+from engine.models.ops import ComposedOps
 from harness.models import engine_logits, log_softmax, random_sequences, tiny_model_path
 
 
@@ -46,11 +48,6 @@ def gemm(x, w, out) -> None:
     out[...] = y if out.dtype == np.float32 else bits(y)
 
 
-class EmulatedDSV4(GpuDSV4Ops):
-    def __init__(self, shared, moe):
-        self.shared, self.moe, self.cp, self._kept_weights = shared, moe, np, {}
-
-
 class EmulatedMoE(GpuMoEOps):
     """GpuMoEOps' router and expert activation on numpy; the experts' products a loop over the assignments."""
 
@@ -72,7 +69,7 @@ class EmulatedGpuOps(ComposedOps):
 
     def __init__(self, kv_cache, max_rows: int, experts: int, interleave: bool):
         self.shared = SimpleNamespace(stream=contextlib.nullcontext(), kv_cache=kv_cache, gemm=gemm,
-                                      gate_up_interleaved=interleave)
+                                      gate_up_interleaved=interleave, launch=EmulatedShared().launch)
         self.moe = EmulatedMoE(self.shared, max_rows, experts, self.linear)
         self.dsv4 = EmulatedDSV4(self.shared, self.moe)
 
@@ -95,8 +92,9 @@ class EmulatedGpuExecutor(CpuExecutor):
 
     def __init__(self, model, options, interleave: bool = True):
         super().__init__(model, options)
-        self.weights = {n: interleaved(bits(np.asarray(a, np.float32))) if interleave and n.endswith("gate_up_proj")
-                        else bits(np.asarray(a, np.float32)) for n, a in model.weights.items()}
+        as_bits = {n: bits(np.asarray(a, np.float32)) for n, a in model.weights.items()}
+        self.weights = {n: host(interleaved(a) if interleave and n.endswith("gate_up_proj") else a)
+                        for n, a in as_bits.items()}
         self.ops = EmulatedGpuOps(np.zeros(self.kv.shape, np.uint16), options.max_num_batched_tokens,
                                   model.model.v4.experts, interleave)
 

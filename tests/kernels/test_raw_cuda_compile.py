@@ -112,3 +112,9 @@ def test_quantized_gemvs_compile_for_each_shape(name, prefix, tiles, batch):
 
 def test_gemv_fp8_compiles_with_channel_scales():
     _compile(os.path.join(KERNEL_DIR, "gemv_fp8.cu"), "FP8_CHANNEL=1")
+
+
+@pytest.mark.parametrize("hc_mult", [1, 2, 3, 4, 5])
+def test_hyper_connection_kernels_compile_for_each_hc_mult(hc_mult):
+    """dsv4_hc.cu is compiled per stream count (HC_N, GpuDSV4Ops._kernel)."""
+    _compile(os.path.join(KERNEL_DIR, "dsv4_hc.cu"), f"HC_N={hc_mult}")
