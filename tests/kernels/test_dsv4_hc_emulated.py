@@ -67,3 +67,16 @@ def test_the_check_fails_with_the_sinkhorn_cut_short():
     inp = random_inputs(3, 4, 256, seed=3)
     with pytest.raises(AssertionError):
         check(run_kernels(EmulatedDSV4(), inp, host, np.asarray, iters=5), reference(inp))
+
+
+def test_more_streams_than_the_kernels_take_are_refused_at_start():
+    import dataclasses
+
+    from engine.loader import load_model
+    from harness.models import tiny_model_path
+
+    model = load_model(tiny_model_path("deepseek_v4")).model
+    model.check_gpu_shapes()
+    model.v4 = dataclasses.replace(model.v4, hc_mult=6)
+    with pytest.raises(ValueError, match="hc_mult 1..5"):
+        model.check_gpu_shapes()
