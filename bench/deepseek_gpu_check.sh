@@ -7,8 +7,8 @@
 #   bash bench/deepseek_gpu_check.sh write     Kimi-K2 real width, $DSV3_LAYERS layers (default 4), random
 #                                              $DSV3_FORMAT (default int4) checkpoint
 #   bash bench/deepseek_gpu_check.sh bench     bench/deepseek.py on it: decode batch 1 / 32 -> $OUT/deepseek.md/.json
-#   bash bench/deepseek_gpu_check.sh v4tests   tests/gpu/test_gpu_dsv4.py: the tiny DeepSeek-V4 in eager steps, an
-#                                              FP8 / FP4 folder
+#   bash bench/deepseek_gpu_check.sh v4tests   tests/gpu/test_gpu_dsv4_hc.py (the hyper-connection kernels) and
+#                                              test_gpu_dsv4.py: the tiny DeepSeek-V4 in eager steps, an FP8 / FP4 folder
 #   bash bench/deepseek_gpu_check.sh v4write   DeepSeek-V4-Flash real width, $DSV4_LAYERS layers (default 4: sliding,
 #                                              sliding, compressed-sparse, heavily-compressed), random checkpoint in
 #                                              its format (FP8 projections, FP4 experts; 16.4 GB at 4 layers)
@@ -23,7 +23,7 @@ case "${1:-tests}" in
   tests) step dsv3_gpu_tests 560 "${PYTEST[@]}" tests/gpu/test_gpu_dsv3.py tests/kernels/test_gpu_moe_mla_kernels.py ;;
   write) step dsv3_write 560 python3 bench/deepseek.py "${ARGS[@]}" --write-only ;;
   bench) step dsv3_bench 560 python3 bench/deepseek.py "${ARGS[@]}"; cat "$OUT/deepseek.md" 2>/dev/null ;;
-  v4tests) step dsv4_gpu_tests 560 "${PYTEST[@]}" tests/gpu/test_gpu_dsv4.py ;;
+  v4tests) step dsv4_gpu_tests 560 "${PYTEST[@]}" tests/gpu/test_gpu_dsv4_hc.py tests/gpu/test_gpu_dsv4.py ;;
   v4write) step dsv4_write 560 python3 bench/deepseek.py "${V4ARGS[@]}" --write-only ;;
   v4bench) step dsv4_bench 560 python3 bench/deepseek.py "${V4ARGS[@]}"; cat "$OUT/deepseek-v4.md" 2>/dev/null ;;
 esac
