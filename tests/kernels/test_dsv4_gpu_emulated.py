@@ -5,7 +5,8 @@ executor's other ops emulated in numpy on those bits (embedding, RMSNorm, bf16 G
 the ops' own expert_activation). The line's forward through them, teacher-forced with prefill, decode and
 chunks, against the numpy executor on the same bf16 weights: the bf16 roundings between ops are the only
 difference, so the dtype conversions, the interleave, the KV rows and the routers are what this checks.
-Bound: argmax agreement >= 0.9 and max |Δlogprob| of the reference's top token <= 0.35. Measured: 0.946 / 0.224;
+Bound: argmax agreement >= 0.9 and max |Δlogprob| of the reference's top token <= 0.35. Measured: 0.932 / 0.261
+(0.946 / 0.224 with the hyper-connections in CuPy array ops: float32 sums in another order, one token of 74);
 transformers bf16 against its float32 on the same sequences (the bf16 floor): 0.932 / 0.50; with the interleave
 misread: 0.0 / 7.9.
 """
