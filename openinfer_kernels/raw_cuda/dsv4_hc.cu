@@ -143,9 +143,8 @@ __device__ __forceinline__ void hc_weights(const float* sums, float rstd, const 
 }
 
 // hyper_connection: grid (S = ceil(N·D / HC_CHUNK), T), at most HC_THREADS threads (whole warps, > M).
-// streams float32 [T, N, D] (D % 4 == 0);
-// fn bf16 [M, N·D]; base float32 [M]; scale float32 [3]; out: post [T, N], comb [T, N, N] float32, collapsed
-// bf16 [T, D] (the block's input). Roofline per token: reads the streams 4·N·D bytes (twice: the collapse's
+// streams float32 [T, N, D] (D % 4 == 0); fn bf16 [M, N·D]; base float32 [M]; scale float32 [3]; out: post
+// [T, N], comb [T, N, N] float32, collapsed bf16 [T, D] (the block's input). Roofline per token: reads the streams 4·N·D bytes (twice: the collapse's
 // second read hits L2), writes 2·D + 4·(N + N²); fn (2·M·N·D bytes, V4-Flash 0.79 MB) once per launch from
 // DRAM, from L2 for the other rows. V4-Flash (N 4, D 4096): 64 KB in, 8 KB out per token.
 extern "C" __global__ void __launch_bounds__(HC_THREADS)
