@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.batch import SampledToken, SeqStep
 from engine.eagle3 import load_eagle3_head
+from engine.executor.gpu_ngram import attach_gpu_ngram
 from engine.mtp import load_mtp_layer
 from engine.ngram import DraftProposer, NgramProposer
 from engine.sequence import SeqStatus, Sequence
@@ -101,5 +102,8 @@ def speculator_for(config: SpeculativeConfig | None, executor, max_model_len: in
         return Speculator(config, max_model_len, draft, draft_states=draft)
     if config.method == "mtp":
         draft = executor.attach_mtp(load_mtp_layer(executor.model_path, executor.model))
+        return Speculator(config, max_model_len, draft, draft_states=draft)
+    if executor.supports_device_ngram:
+        draft = attach_gpu_ngram(executor, config)
         return Speculator(config, max_model_len, draft, draft_states=draft)
     return Speculator(config, max_model_len)

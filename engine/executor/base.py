@@ -48,6 +48,7 @@ class Executor(Protocol):
     supports_draft_verify: bool  # steps with draft tokens (SeqStep.num_drafts) are verified: speculative decoding
     supports_eagle3: bool       # attach_eagle3 works: an EAGLE-3 head drafts from the target's hidden states
     supports_mtp: bool          # attach_mtp works: the target's MTP layer (engine/mtp.py) drafts
+    supports_device_ngram: bool  # method 'ngram' drafts on the device (gpu_ngram.py), not engine/ngram.py's host lookup
     model_path: str             # the folder the model was loaded from (its MTP layers are read from there)
     world_size: int             # ranks a step runs on (tensor parallelism; 1: this executor alone)
     gemm: object | None         # the GPU executor's linear-layer library (gpu_gemm.py Gemm; None: numpy matmul)
@@ -142,6 +143,7 @@ class ExecutorBase:
     supports_draft_verify = False  # a step with draft tokens is refused: no speculative decoding
     supports_eagle3 = False       # no EAGLE-3 head drafts (attach_eagle3)
     supports_mtp = False          # no MTP layer drafts (attach_mtp)
+    supports_device_ngram = False  # 'ngram' drafts on the host (engine/ngram.py NgramProposer)
     world_size = 1
     gemm = None                   # (the GPU executor's Gemm)
     threads = None                # (the numpy executor's CpuThreads)

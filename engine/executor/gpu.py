@@ -97,6 +97,7 @@ class GpuExecutor(ExecutorBase):
     supports_draft_verify = True    # verify steps: gpu_verify.py (sized by options.num_speculative_tokens)
     ops_class = GpuOps              # a tensor-parallel rank's executor runs its own (engine/parallel)
     supports_eagle3 = True          # an EAGLE-3 head drafts on the device (gpu_eagle3.py; the steps then eager)
+    supports_device_ngram = True    # prompt lookup on the device, its drafts in each step's read-back (gpu_ngram.py)
     draft = None                    # the attached head's Eagle3Draft
     graphs_class = DecodeGraphs
 
@@ -428,6 +429,8 @@ class GpuExecutor(ExecutorBase):
             with nvtx_range(f"step T={batch.num_tokens}"):
                 pending = self.launch_eager(batch)
             self.last_host_s = time.perf_counter() - t0
+        if isinstance(pending, DoneStep) and self.readback.tap is not None:
+            self.readback.tap([], None)     # sampled on the host side: the drafts the last tap queued are stale
         if self.timer is not None:
             self.timer.stop()
         return pending

@@ -56,7 +56,10 @@ class Readback:
     been read, so each step's results land in buffers the other's copies do not touch."""
 
     def __init__(self, rows: int, stream, copy):
-        """copy: the executor's MappedCopy on `stream`."""
+        """copy: the executor's MappedCopy on `stream`. tap(seqs, ids, row_start, accepted), when set, is queued
+        before each step's copies, which its own then precede (gpu_ngram.py: the drafts of the next step); a verify
+        step's comes from GpuVerify.queue (its rows' starts and accepted counts), a plain one's from here (None)."""
+        self.tap = None
         self.stream = stream
         self.slots = [ReadbackSlot(rows), ReadbackSlot(rows)]
         self.turn = 0
@@ -67,6 +70,8 @@ class Readback:
         lead): read the rows' ids from that array after its first `lead` words, which come back too (a verify
         step's accepted counts, gpu_verify.py)."""
         n = len(seqs)
+        if ids is None and self.tap is not None:
+            self.tap(seqs, sampler.ids)
         self.turn ^= 1
         slot = self.slots[self.turn]
         source, lead = ids if ids is not None else (sampler.ids, 0)

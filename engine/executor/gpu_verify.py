@@ -77,9 +77,12 @@ class GpuVerify:
                                                 self.out), stream=self.stream)
 
     def queue(self, rows: VerifyRows, greedy: bool, readback: Readback) -> VerifiedStep:
-        """After the sampler's kernels over the rows: acceptance, then the read-back of the accepted counts and
-        ids (and logprobs unless greedy) in one copy."""
+        """After the sampler's kernels over the rows: acceptance, the read-back's tap, then the read-back of the
+        accepted counts and ids (and logprobs unless greedy) in one copy."""
         self.accept(rows)
+        if readback.tap is not None:        # the accepted ids as spec_accept.cu laid them out
+            B = len(rows.seqs)
+            readback.tap(rows.seqs, self.out[B:], self.inputs[self.max_rows:], self.out)
         pending = readback.queue(self.sampler, rows.steps, greedy, ids=(self.out, len(rows.seqs)))
         return VerifiedStep(pending, rows)
 

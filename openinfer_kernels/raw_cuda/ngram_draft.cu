@@ -12,12 +12,15 @@
 // coalesced read of its row (the compare with the last id), a walk back of at most max_n - 1 reads from each
 // position that matched it, a block reduction, then k reads; O(length) work over the CTA's threads.
 //
-// ngram_append: one thread per sequence b of a finished step, writing its emitted ids to its row from position
-// at[b]: ids[row_start[b] .. row_start[b] + accepted[b]] (the accepted drafts and the token after them, as
-// spec_accept.cu lays them out; a plain decode: row_start = b, accepted 0), clipped to the row.
+// ngram_append: one thread per sequence b of a step, writing its emitted ids to its row from position at[b]:
+// ids[row_start[b] .. row_start[b] + accepted[b]] (the accepted drafts and the token after them, as
+// spec_accept.cu lays them out; a plain decode: row_start = b, accepted 0), clipped to the row, and its new
+// length to lengths[b] (what ngram_draft then reads); rows[b] < 0: a sequence without a row, skipped.
 #include "common.cuh"
 
-#define NGRAM_THREADS 256
+#ifndef NGRAM_THREADS
+#define NGRAM_THREADS 256         // the launch's block (gpu_ngram.py DRAFT_THREADS), a multiple of 32
+#endif
 #define NGRAM_WARPS (NGRAM_THREADS / 32)
 
 // a beats b: a longer match, or as long and earlier
@@ -33,12 +36,12 @@ ngram_draft(const int* __restrict__ tokens, long long row_stride, const int* __r
     __shared__ int warp_m[NGRAM_WARPS], warp_p[NGRAM_WARPS];
     __shared__ int found_m, found_p;
     const int b = blockIdx.x, tid = threadIdx.x;
-    const int* t = tokens + rows[b] * row_stride;
     const int length = lengths[b], last = length - 1, limit = min(limits[b], k);
     if (limit <= 0 || last < min_n) {             // an n-gram and an earlier occurrence need n + 1 ids
         if (tid == 0) counts[b] = 0;
         return;
     }
+    const int* t = tokens + rows[b] * row_stride;
     const int tail = t[last];
     int best_m = 0, best_p = last;                // p ascends per thread: the first of equal matches stays
     for (int p = tid; p < last; p += NGRAM_THREADS) {
@@ -67,11 +70,12 @@ ngram_draft(const int* __restrict__ tokens, long long row_stride, const int* __r
 extern "C" __global__ void ngram_append(int* __restrict__ tokens, long long row_stride, const int* __restrict__ rows,
                                         const int* __restrict__ at, const int* __restrict__ ids,
                                         const int* __restrict__ row_start, const int* __restrict__ accepted,
-                                        int seqs) {
+                                        int seqs, int* __restrict__ lengths) {
     pdl_begin();
     const int b = blockIdx.x * blockDim.x + threadIdx.x;
-    if (b >= seqs) return;
+    if (b >= seqs || rows[b] < 0) return;
     int* row = tokens + rows[b] * row_stride;
     const int first = row_start[b], n = min(accepted[b] + 1, (int)(row_stride - at[b]));
     for (int j = 0; j < n; ++j) row[at[b] + j] = ids[first + j];
+    lengths[b] = at[b] + n;
 }

@@ -93,22 +93,26 @@ def test_the_earliest_of_equal_matches_across_threads():
 
 def test_append_writes_each_sequences_emitted_ids():
     """ngram_append over spec_accept.cu's layout: sequence b's rows from row_start[b], its accepted count; the
-    accepted ids and the one after them land at its row's position at[b], the rows' other ids untouched; a
-    row's end clips them."""
+    accepted ids and the one after them land at its row's position at[b], the rows' other ids untouched, its
+    new length in lengths[b]; a row's end clips them; a sequence without a row (-1) is skipped."""
     rng = np.random.default_rng(3)
     stride, B = 40, 5
     tokens = rng.integers(0, 100, (B + 1, stride)).astype(np.int32)
     want = tokens.copy()
-    rows = np.array([4, 0, 2, 5, 1], np.int32)
+    rows = np.array([4, 0, -1, 5, 1], np.int32)
     at = np.array([3, 10, 0, 38, 20], np.int32)
     per_seq = np.array([5, 1, 3, 4, 2])
     row_start = np.concatenate([[0], np.cumsum(per_seq)]).astype(np.int32)
     accepted = np.array([2, 0, 2, 3, 1], np.int32)
     ids = rng.integers(100, 200, int(row_start[-1])).astype(np.int32)
+    lengths = host(np.full(B, -9, np.int32))
     run("ngram_draft", "ngram_append", (1,), 128,
         (host(tokens), np.int64(stride), host(rows), host(at), host(ids), host(row_start), host(accepted),
-         np.int32(B)))
-    for b in range(B):
+         np.int32(B), lengths))
+    want_lengths = np.full(B, -9, np.int32)
+    for b in np.flatnonzero(rows >= 0):
         n = min(accepted[b] + 1, stride - at[b])
         want[rows[b], at[b]:at[b] + n] = ids[row_start[b]:row_start[b] + n]
+        want_lengths[b] = at[b] + n
     np.testing.assert_array_equal(tokens, want)
+    np.testing.assert_array_equal(lengths, want_lengths)
