@@ -88,24 +88,26 @@ def verify_step(seqs: list[Sequence], drafts: list[list[int]], rng: random.Rando
     return steps, np.array(ids, np.int32), np.array(starts, np.int32), np.array(accepted, np.int32), emitted
 
 
-def prefill_step(seq: Sequence, token: int) -> SeqStep:
+def prefill_step(seq: Sequence) -> SeqStep:
     return SeqStep(seq_id=seq.seq_id, token_ids=list(seq.token_ids), start_pos=0, block_table=[], sample=True)
 
 
-def simulate(seed: int, rows: int, steps: int) -> None:
+def simulate(seed: int, rows: int, steps: int, device=None, to_device=host, landed=lambda: None) -> None:
+    """Random engine steps over a proposer on `device` (EmulatedDevice by default; tests/gpu/test_gpu_ngram.py
+    runs it on the GPU: `to_device` puts a step's ids there, `landed` waits for the step's read-back)."""
     rng = random.Random(seed)
     alphabet, k = rng.choice([3, 5, 8]), rng.randrange(1, 6)
     min_n = rng.randrange(1, 4)
     config = SpeculativeConfig("ngram", k, min_n, rng.randrange(min_n, 5))
-    device = EmulatedDevice()
-    proposer = GpuNgramProposer(device, config, rows, 200)
+    proposer = GpuNgramProposer(device or EmulatedDevice(), config, rows, 200)
     oracle = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     running, next_id = [], 0
     for step in range(steps):
         if len(running) < 6 and rng.random() < 0.3:           # a prefill step admits one
             seq, next_id = new_seq(next_id, rng, alphabet), next_id + 1
             token = rng.randrange(alphabet)
-            proposer.tap([prefill_step(seq, token)], host(np.array([token], np.int32)))
+            proposer.tap([prefill_step(seq)], to_device(np.array([token], np.int32)))
+            landed()
             seq.token_ids.append(token)
             running.append(seq)
             continue
@@ -124,13 +126,14 @@ def simulate(seed: int, rows: int, steps: int) -> None:
         on_host = rng.random() < 0.15                         # sampled on the host side: GpuExecutor.submit's tap
         if any(drafts):
             steps_, ids, starts, accepted, emitted = verify_step(stepped, drafts, rng, alphabet)
-            tap = (steps_, host(ids), host(starts), host(accepted))
+            tap = (steps_, to_device(ids), to_device(starts), to_device(accepted))
         else:
             steps_ = [SeqStep(seq_id=s.seq_id, token_ids=[s.token_ids[-1]], start_pos=len(s.token_ids) - 1,
                               block_table=[], sample=True) for s in stepped]
             emitted = [[rng.randrange(alphabet)] for _ in stepped]
-            tap = (steps_, host(np.array([e[0] for e in emitted], np.int32)))
+            tap = (steps_, to_device(np.array([e[0] for e in emitted], np.int32)))
         proposer.tap(*(([], None) if on_host else tap))
+        landed()
         for seq, ids_ in zip(stepped, emitted):
             cut = rng.random() < 0.05 and len(ids_) > 1          # the host keeps fewer ids than the device wrote
             seq.token_ids.extend(ids_[:-1] if cut else ids_)
