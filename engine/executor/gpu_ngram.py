@@ -80,8 +80,8 @@ class GpuNgramProposer:
         self.rows: dict[int, int] = {}        # seq_id -> its row
         self.synced: dict[int, int] = {}      # seq_id -> leading ids of its row equal to the sequence's
         self.stepped: dict[int, tuple[int, int]] = {}    # the last step's: seq_id -> (its index, append position)
+        self.turn, self.stepped_count = 0, 0
         self.stepped_host = self.step_hosts[0]
-        self.stepped_count = 0
 
     def keep(self, seq_ids: set[int]) -> None:
         """Free the rows of sequences not in seq_ids (finished, aborted, preempted)."""
@@ -108,7 +108,8 @@ class GpuNgramProposer:
                             self.row_start if row_start is None else row_start,
                             self.none_accepted if accepted is None else accepted, np.int32(B), lengths))
         self._draft(B, lengths, counts, drafts)
-        self.stepped_host = self.step_hosts[0] if self.stepped_host is self.step_hosts[1] else self.step_hosts[1]
+        self.turn ^= 1                  # the host may still read the last step's drafts while this one's copy runs
+        self.stepped_host = self.step_hosts[self.turn]
         self.copy([(self.stepped_host, self.result, B * (k + 2))], to_host=True)
         self.stepped = {s.seq_id: (b, at[b]) for b, (s, r) in enumerate(zip(seqs, rows)) if r >= 0}
 
