@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_free_running import PATHS
 from test_gpu_free_running import assert_floor_gate, gate_line
-from test_gpu_spec import K, NGRAM, assert_divergences_are_ties
+from test_gpu_spec import NGRAM, K, assert_divergences_are_ties
 from test_ngram_draft_emulated import adversarial
 from test_spec_ngram_device import simulate
 

@@ -7,10 +7,10 @@ after its ids. What the emulation cannot see (speed, occupancy) is for tests/gpu
 from __future__ import annotations
 
 import numpy as np
-
-from engine.ngram import ngram_draft
 from test_decode_kernels_emulated import run
 from test_deltanet_kernels_emulated import host
+
+from engine.ngram import ngram_draft
 
 THREADS = 256          # ngram_draft.cu NGRAM_THREADS
 

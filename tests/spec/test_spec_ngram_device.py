@@ -9,6 +9,8 @@ from __future__ import annotations
 import random
 
 import numpy as np
+from test_decode_kernels_emulated import run
+from test_deltanet_kernels_emulated import host
 
 from engine.batch import SeqStep
 from engine.executor.gpu_ngram import GpuNgramProposer
@@ -16,8 +18,6 @@ from engine.ngram import NgramProposer
 from engine.request import SamplingParams
 from engine.sequence import Sequence
 from engine.speculative import SpeculativeConfig
-from test_decode_kernels_emulated import run
-from test_deltanet_kernels_emulated import host
 
 
 class Staging:
