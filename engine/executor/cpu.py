@@ -17,7 +17,8 @@ from engine.executor.cpu_cost import cpu_step_cost
 from engine.executor.cpu_lora_ops import NumpyLoRAOps
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
 from engine.executor.cpu_quant_ops import host_fp8
-from engine.executor.cpu_threads import CpuThreads, default_cpu_threads
+from engine.executor.cpu_threads import CpuThreads, default_cpu_threads, usable_cores
+from engine.executor.cpu_workers import MAX_WORKERS, Workers
 from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
 from engine.loader.kv_scales import kv_format_of
@@ -69,6 +70,7 @@ class CpuExecutor(ExecutorBase):
         log.info("%s; %d KV blocks", self.kv_format.describe("float32"), self.num_kv_blocks)
         self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len, self.model.rope_dim)
         self.threads = CpuThreads(options.cpu_threads or default_cpu_threads())
+        self.workers = Workers(min(usable_cores(), MAX_WORKERS))   # a long context's attention, over the cores
         state = self.model.state_layout()          # linear-attention lines: one state slot per sequence
         self.num_state_slots = options.max_num_seqs if state is not None else 0
         lora = NumpyLoRAOps(lora_sites(self.model), options.max_loras) if options.max_loras else None
@@ -90,7 +92,7 @@ class CpuExecutor(ExecutorBase):
     def _ops(self, state, lora: NumpyLoRAOps | None) -> NumpyOps:
         """The model's ops over the KV pool: its op families, its state slots, the LoRA slots (a
         tensor-parallel rank's executor builds its own, engine/parallel)."""
-        return NumpyOps(self.kv, self.model.op_families, self._state_arrays(state), lora, self.kv_format)
+        return NumpyOps(self.kv, self.model.op_families, self._state_arrays(state), lora, self.kv_format, self.workers)
 
     def _state_arrays(self, state) -> dict | None:
         """The per-sequence state slots of a line that declares state (memory/state_slots.py)."""

@@ -1,11 +1,14 @@
 """NumpyOps' paged attention (engine/executor/cpu_attention.py) against the definition, written plainly in
 float64: per query head, softmax(q·k^T·scale) over the keys up to the query's position, times V, with
 query head h reading kv head h // G (GQA), the context gathered from scattered pool blocks."""
+import time
+
 import numpy as np
 import pytest
 
 from engine.executor import cpu_attention
 from engine.executor.cpu_attention import PagedAttention
+from engine.executor.cpu_workers import Workers
 from memory.kv_pool import BLOCK_SIZE
 
 
@@ -36,3 +39,41 @@ def test_attention_matches_definition(Hq, Hkv, D, L, n, monkeypatch):
     got = PagedAttention().attend(q, k_plane, v_plane, blocks, L, positions, D ** -0.5)
     assert got.dtype == np.float32 and got.shape == (n, Hq, D)
     np.testing.assert_allclose(got, oracle(q, k_plane, v_plane, blocks, L, positions, D ** -0.5), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+@pytest.mark.parametrize("Hq,Hkv,D,L,n", [(9, 3, 64, 1500, 4), (6, 1, 128, 700, 20), (4, 2, 16, 17, 1),
+                                          (8, 2, 32, 200, 200)])
+def test_workers_give_one_workers_numbers(Hq, Hkv, D, L, n, workers, monkeypatch):
+    """A long context split over threads (key groups, softmax rows, value groups) computes every number as one
+    thread does: equal bit for bit, and the definition's."""
+    monkeypatch.setattr(cpu_attention, "STAGE_BYTES", 3 * BLOCK_SIZE * Hkv * D * 4)
+    monkeypatch.setattr(cpu_attention, "PARALLEL_KEYS", 16)
+    rng = np.random.default_rng(L * n)
+    nb = -(-L // BLOCK_SIZE)
+    k_plane, v_plane = (rng.standard_normal((nb + 5, BLOCK_SIZE, Hkv, D), dtype=np.float32) for _ in range(2))
+    blocks = rng.permutation(nb + 5)[:nb]
+    q = rng.standard_normal((n, Hq, D), dtype=np.float32) * 2
+    positions = np.arange(L - n, L)
+    one = PagedAttention().attend(q, k_plane, v_plane, blocks, L, positions, D ** -0.5)
+    split = PagedAttention(Workers(workers))
+    for _ in range(2):      # the staging buffers reused
+        got = split.attend(q, k_plane, v_plane, blocks, L, positions, D ** -0.5)
+        np.testing.assert_array_equal(got, one)
+    np.testing.assert_allclose(got, oracle(q, k_plane, v_plane, blocks, L, positions, D ** -0.5), atol=5e-6, rtol=1e-5)
+
+
+def test_workers_wait_for_every_part_and_raise_the_first_error():
+    ended = []
+
+    def part(w):
+        if w == 0:
+            raise ValueError("part 0")
+        time.sleep(0.05)
+        ended.append(w)
+
+    with pytest.raises(ValueError, match="part 0"):
+        Workers(3).run(part, 3)
+    assert sorted(ended) == [1, 2]          # no part left running after run returns
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        Workers(0)
