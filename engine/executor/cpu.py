@@ -58,7 +58,8 @@ class CpuExecutor(ExecutorBase):
         self.kv_format = kv_format_of(options.kv_cache_dtype, model)
         itemsize = self.kv_format.itemsize(4)                      # the numpy pool is float32, or e4m3 bytes
         self.kv_block_bytes = self.layout.block_bytes(itemsize)
-        self.step_cost = cpu_step_cost(cfg, self.weights, self.kv_block_bytes // BLOCK_SIZE)
+        self.workers = self._workers()
+        self.step_cost = cpu_step_cost(cfg, self.weights, self.kv_block_bytes // BLOCK_SIZE, self.workers.count)
         num_kv_blocks = options.num_kv_blocks
         if num_kv_blocks is None:
             need = blocks_for(self.max_model_len)
@@ -70,7 +71,6 @@ class CpuExecutor(ExecutorBase):
         log.info("%s; %d KV blocks", self.kv_format.describe("float32"), self.num_kv_blocks)
         self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len, self.model.rope_dim)
         self.threads = CpuThreads(options.cpu_threads or default_cpu_threads())
-        self.workers = Workers(min(usable_cores(), MAX_WORKERS))   # a long context's attention, over the cores
         state = self.model.state_layout()          # linear-attention lines: one state slot per sequence
         self.num_state_slots = options.max_num_seqs if state is not None else 0
         lora = NumpyLoRAOps(lora_sites(self.model), options.max_loras) if options.max_loras else None
@@ -88,6 +88,11 @@ class CpuExecutor(ExecutorBase):
         self.draft = MtpDraft(self.model, mtp.layer, self._prepared(mtp.weights), self.weights["embed_tokens"], self.cos, self.sin)
         self.ops.keeper = HiddenKeeper({mtp.layer})
         return self.draft
+
+    def _workers(self) -> Workers:
+        """The threads a long context's attention splits over: the cores (a rank of a tensor-parallel group
+        keeps one, engine/parallel)."""
+        return Workers(min(usable_cores(), MAX_WORKERS))
 
     def _ops(self, state, lora: NumpyLoRAOps | None) -> NumpyOps:
         """The model's ops over the KV pool: its op families, its state slots, the LoRA slots (a
