@@ -4,9 +4,10 @@ The context's K and V sit in the pool's blocks ([blocks, BLOCK_SIZE, Hkv, D], sc
 gathered; a whole-context gather writes the context out once more before the products read it back (at 8k
 tokens of SmolLM2, 6 MB a plane and layer: memory-bound on a core). Instead the blocks are staged a group
 at a time (STAGE_BYTES: a core's L2) into a buffer reused by every call, and the group's products read it
-there, each kv head's keys a [tokens, D] operand of row stride Hkv·D that BLAS takes in place:
+there, each kv head's keys a [tokens, D] operand of row stride Hkv·D that BLAS takes in place: a group's
 scores[h] = Q[h] @ K[h]^T for the kv head's G query heads at once (GQA: query head h·G + g reads kv head
-h), and out[h] = Σ P[h] @ V[h] over the groups, each group's product kept and the sum taken in the groups'
+h), masked, and their row maxima; then, a group at a time again, its scores less the row's maximum
+exponentiated in place, their sums and P[h] @ V[h], the groups' sums and products added in the groups'
 order. So a step costs about one read of its context, plus the products.
 
 A context of PARALLEL_KEYS keys or more splits over the workers (engine/executor/cpu_workers.py): the
