@@ -25,11 +25,11 @@ chunk tokens after 8,000 less a row: 40 G multiply-adds/s); a key 10 us and a se
 pass 0.5 s, 0.35 none.
 
 A context of PARALLEL_KEYS keys or more splits its attention over the executor's workers (the cores): its
-keys past that many cost `split` of one worker's, a second worker adding SPLIT_GAIN of one. Measured
-2026-12-06 ~23:20 UTC on the same machine under load 6-12 (the critical path: per phase the slowest part's
-thread CPU time, medians of 40): a 4-token chunk's attention after 8,000 keys 5.8 -> 3.4 ms a layer (1.7x),
-after 2,000 2.05 -> 1.27 (1.6x); the floor step (8 decodes at 300 + 4 tokens after 8,000) 493 -> 397 ms of
-the engine thread's CPU (medians of 8).
+keys past that many cost `split` of one worker's, a second worker adding SPLIT_GAIN of one. The attention
+over a long context is memory-bound and two cores share the machine's memory bandwidth: measured
+2026-12-06 23:29-23:31 UTC on the same machine (load 0.3-0.9), the chunk's attention in the floor step (8
+decodes at 300 + a 4-token chunk after 8,000; 30 layers, medians of 10) 200.7 -> 157.6 ms (1.27x; best of
+10: 149.0 against 149.2), one layer alone 6.4 -> 4.5 ms (1.4x, medians of 40).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ SEQ_LAYER_S = 60e-6          # a sequence's attention calls, a layer
 KV_BYTES_S = 46_080 / 10e-6  # a key's K and V read out of the pool
 SOFTMAX_MACS = 118.0         # per (head, pair), beyond 2 x head_dim
 ATTENTION_MACS_S = 40e9      # a pair's products and softmax
-SPLIT_GAIN = 0.6             # a second worker's gain on a long context's attention (executor/cpu_attention.py)
+SPLIT_GAIN = 0.25            # a second worker's gain on a long context's attention (executor/cpu_attention.py)
 TARGET_S = 0.35              # a step's aim: under 0.5 s though the shared machine runs steps up to ~1.4x slower
 
 
