@@ -9,7 +9,7 @@ thread computes it: the results do not depend on how many workers ran them."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Callable
+from collections.abc import Callable
 
 MAX_WORKERS = 4
 

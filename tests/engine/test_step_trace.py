@@ -35,7 +35,8 @@ def test_trace_counts_worker_threads_and_full_collections(tmp_path):
     trace.end(OUT, False, EXECUTOR)
     trace.close()
     assert trace._collected not in gc.callbacks
-    first, collected, idle = (json.loads(line) for line in open(tmp_path / "steps.jsonl"))
+    with open(tmp_path / "steps.jsonl", encoding="utf-8") as f:
+        first, collected, idle = (json.loads(line) for line in f)
     assert first["cpu_ms"] >= 150
     assert collected["gc_gen"] == 2 and collected["gc_ms"] > 0
     assert idle["gc_gen"] == -1 and idle["gc_ms"] == 0
