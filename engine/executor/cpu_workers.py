@@ -8,8 +8,8 @@ large (a long context's attention, engine/executor/cpu_attention.py), each part 
 thread computes it: the results do not depend on how many workers ran them."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
 
 MAX_WORKERS = 4
 
