@@ -2,7 +2,9 @@
 one host — follow-up turns' TTFT p50 / p90 and their cache-hit rate against the ideal — routed three ways:
 
 - router-kv_aware: two `openinfer serve` replicas publishing KV events (--kv-events-config) behind vllm-router's
-  kv_aware policy, which sends a request to the replica whose cache holds the longest prefix of it;
+  kv_aware policy, which sends a request to the replica of the lowest cost (the prompt tokens its cache does not
+  hold, and its load); with its session affinity on (--kv-aware-session-affinity-ttl-secs, by default here), a
+  conversation's turns (one `x-session-id` each) stay on the replica its first turn went to;
 - router-round_robin: the same replicas behind vllm-router's round_robin;
 - dp: one `openinfer serve --data-parallel-size 2`, no router (its own dispatch: the least loaded engine, or a
   nearly as idle one holding a longer prefix; engine/process_dispatch.py).
@@ -51,6 +53,7 @@ from bench.serve_gpu import free_port, wait_warm  # noqa: E402
 from memory.kv_pool import BLOCK_SIZE  # noqa: E402
 
 MODES = ("router-kv_aware", "router-round_robin", "dp")
+AFFINITY_TTL_S = 600                              # kv_aware's session affinity: a conversation idle this long is let go
 GPU_SERVER_ARGS = ["--num-kv-blocks", "8000"]     # per engine: 128k tokens of Qwen3-4B KV (18.9 GB)
 GPU_COMMAND = ("CUDA_VISIBLE_DEVICES=0 python bench/scale_out.py --random qwen3-4b --label scale-out-gpu "
                "--out-dir bench/results")
@@ -168,6 +171,13 @@ def replicas(args, folder: str, logs: Path, env: dict):
             stop(proc)
 
 
+def affinity_args(args, policy: str) -> list[str]:
+    """kv_aware's session affinity (the conversations' x-session-id keeps a conversation on one replica)."""
+    if policy != "kv_aware" or not args.session_affinity_ttl:
+        return []
+    return ["--kv-aware-session-affinity-ttl-secs", str(args.session_affinity_ttl)]
+
+
 def router_modes(args, folder: str, logs: Path, tokenizer, env: dict) -> list[dict]:
     results = []
     policies = [m.split("-", 1)[1] for m in args.modes if m.startswith("router-")]
@@ -176,7 +186,7 @@ def router_modes(args, folder: str, logs: Path, tokenizer, env: dict) -> list[di
             for url, _ in served:
                 urllib.request.urlopen(urllib.request.Request(url + "/reset_prefix_cache", method="POST"), timeout=600)
             router, router_url = start_router(policy, served, folder, logs / f"router-{policy}.log",
-                                              args.router_arg)
+                                              affinity_args(args, policy) + args.router_arg)
             try:
                 before = [counters(url, "openinfer_request_success_total") for url, _ in served]
                 result = run_mode(f"router-{policy}", router_url, served[0][0], tokenizer,
@@ -234,7 +244,8 @@ def markdown(report: dict) -> str:
              f"- date: {report['date']}", f"- machine: {report['machine']}", f"- model: {report['model']}",
              f"- command: `{report['command']}`",
              f"- server arguments (each engine): `{' '.join(report['server_args']) or '(defaults)'}`; "
-             f"vllm-router's: `{' '.join(report.get('router_args', [])) or '(defaults)'}`",
+             f"vllm-router's: `{' '.join(report.get('router_args', [])) or '(defaults)'}`; kv_aware's: "
+             f"`{' '.join(report.get('kv_aware_args', [])) or '(defaults)'}`",
              f"- workload: {w['system_prompts']} shared system prompts of {w['system_tokens']} tokens; per turn a "
              f"{w['user_tokens']}-token message and a {w['output_tokens']}-token reply; closed loop, a user thinking "
              f"{w['think_ms']} ms on average (exponential) before each turn", "",
@@ -276,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-arg", action="append", default=[], help="a vllm-router argument for both router "
                                                                      "modes (repeat; e.g. --router-arg=--router-"
                                                                      "temperature --router-arg=0.5)")
+    p.add_argument("--session-affinity-ttl", type=int, default=AFFINITY_TTL_S, metavar="S",
+                   help="kv_aware's --kv-aware-session-affinity-ttl-secs (0: affinity off, the cost alone places "
+                        "each turn)")
     p.add_argument("--blas-threads", type=int, default=1, help="OPENBLAS_NUM_THREADS of each server on the CPU")
     p.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
     p.add_argument("--label", default="scale-out")
@@ -305,6 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.modes = [m for m in args.modes.split(",") if m]
     if unknown := set(args.modes) - set(MODES):
         raise SystemExit(f"unknown mode(s) {', '.join(sorted(unknown))}")
+    if not 0 <= args.session_affinity_ttl <= 31_536_000:
+        raise SystemExit("--session-affinity-ttl: 0 (off) or 1 to 31536000 seconds, as vllm-router takes it")
     args.workload = Workload(args.users, args.turns, args.system_prompts, args.system_tokens, args.user_tokens,
                              args.output_tokens, args.seed, args.think_ms)
     args.server_args = (GPU_SERVER_ARGS if args.device == "cuda" else []) + args.server_arg
@@ -321,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
               "machine": args.machine or machine(), "model": args.random or folder,
               "command": "python bench/scale_out.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
               "workload": asdict(args.workload), "server_args": args.server_args,
-              "router_args": args.router_arg, "modes": []}
+              "router_args": args.router_arg, "kv_aware_args": affinity_args(args, "kv_aware"), "modes": []}
     if any(m.startswith("router-") for m in args.modes):
         report["modes"] += router_modes(args, folder, logs, tokenizer, env)
     if "dp" in args.modes:

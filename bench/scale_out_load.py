@@ -6,7 +6,8 @@ exactly --user-tokens tokens of random text) to the conversation so far, streams
 --output-tokens tokens (ignore_eos; logprobs naming the token ids), and appends the reply's text: the history
 grows by every turn's message and reply. A user thinks before each turn (its first too, so the users start
 spread out): a random time, exponential with a mean of --think-ms (seeded per user), after its previous reply
-ended — a closed loop. Without think time the users move in lockstep, and a round-robin router over R replicas
+ended — a closed loop. Every turn of a conversation carries its session id in the `x-session-id` header (the
+header vllm-router's kv_aware session affinity keys on; a server or router without affinity ignores it). Without think time the users move in lockstep, and a round-robin router over R replicas
 then sends every turn of a user to one replica whenever R divides the number of users.
 
 Per turn: TTFT (request sent -> first token), prompt tokens and cached tokens (usage.prompt_tokens_details),
@@ -27,6 +28,8 @@ import numpy as np
 from bench.common import auth_headers, make_client, send_request
 from bench.common_data import allowed_token_ids, exact_length_prompt
 from memory.kv_pool import BLOCK_SIZE
+
+SESSION_HEADER = "x-session-id"
 
 
 @dataclass
@@ -76,6 +79,7 @@ async def run_conversations(url: str, model: str, systems: list[str], messages: 
 
     async def user(u: int) -> list[Turn]:
         history, done = systems[u % len(systems)], []
+        session = {**headers, SESSION_HEADER: f"conversation-{w.seed}-{u}"}
         pauses = np.random.default_rng((w.seed, u)).exponential(w.think_ms / 1000, len(messages[u]))
         for k, message in enumerate(messages[u]):
             await asyncio.sleep(pauses[k])
@@ -83,7 +87,7 @@ async def run_conversations(url: str, model: str, systems: list[str], messages: 
             payload = {"model": model, "prompt": turn.prompt, "max_tokens": output_tokens, "min_tokens": output_tokens,
                        "ignore_eos": True, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
                        "logprobs": 0, "return_tokens_as_token_ids": True}
-            r = await send_request(client, "/v1/completions", payload, 0, headers)
+            r = await send_request(client, "/v1/completions", payload, 0, session)
             turn.sent, turn.ttft, turn.latency, turn.prompt_tokens = r.start_time, r.ttft, r.latency, r.prompt_len
             turn.cached, turn.output_ids, turn.error = r.cached_tokens or 0, r.token_ids, r.error
             done.append(turn)

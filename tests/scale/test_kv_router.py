@@ -7,6 +7,7 @@ first turn's prompt rounded down to whole blocks. Behind the same router with ro
 alternate between the replicas and only those that happen to land on the right one hit."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -21,6 +22,9 @@ import pytest
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
+from bench.common_data import load_tokenizer
+from bench.scale_out import affinity_args, build_parser
+from bench.scale_out_load import Workload, fill_ideal, run_conversations, texts
 from engine.loader.demo import demo_model_path
 from kv_event_subscriber import events_config
 from memory.kv_pool import BLOCK_SIZE
@@ -136,3 +140,26 @@ def kv_aware_against_round_robin(workers, first_turn, extra: tuple[str, ...] = (
 
 def test_second_turns_land_on_the_replica_holding_their_prefix(replicas):
     kv_aware_against_round_robin(replicas, lambda i, messages: chat(replicas[(i // 2) % 2][0], messages))
+
+
+def test_overlapping_conversations_stay_where_their_history_is(replicas):
+    """The scale-out bench's load (conversations whose turns overlap, one x-session-id each) through kv_aware as
+    bench/scale_out.py runs it (its session affinity on): every follow-up turn lands where its previous turn's
+    KV is, so it hits its ideal (the previous prompt and reply in whole blocks, from the replica's /tokenize).
+    By its cost alone (prefix credit against load) kv_aware sends a turn whose replica is busy to the other one."""
+    w = Workload(users=6, turns=3, system_prompts=2, system_tokens=64, user_tokens=32, output_tokens=8, seed=57,
+                 think_ms=300)
+    systems, messages = texts(load_tokenizer(demo_model_path()), w)
+    with tempfile.NamedTemporaryFile("w+", suffix=".log", prefix="vllm-router-") as log:
+        router, url = start_router(replicas, "kv_aware", log,
+                                   tuple(affinity_args(build_parser().parse_args([]), "kv_aware")))
+        try:
+            time.sleep(1.0)                                     # the router's subscriptions reach the publishers
+            turns = asyncio.run(run_conversations(url, MODEL, systems, messages, w))
+        finally:
+            interrupt(router)
+    asyncio.run(fill_ideal(replicas[0][0], MODEL, turns))
+    assert [t.error for t in turns] == [""] * w.users * w.turns
+    follow = [(t.user, t.turn, t.cached, t.ideal) for t in turns if t.turn > 0]
+    assert all(ideal > 0 for *_, ideal in follow), follow
+    assert [f for f in follow if f[2] < f[3]] == [], f"(user, turn, cached, ideal) below the ideal: {follow}"
