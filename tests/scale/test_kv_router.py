@@ -22,13 +22,14 @@ import pytest
 pytest.importorskip("zmq")
 pytest.importorskip("msgspec")
 
+from kv_event_subscriber import events_config
+from test_server_cli import OPENINFER, ROOT, free_port, interrupt, wait_healthy
+
 from bench.common_data import load_tokenizer
 from bench.scale_out import affinity_args, build_parser
 from bench.scale_out_load import Workload, fill_ideal, run_conversations, texts
 from engine.loader.demo import demo_model_path
-from kv_event_subscriber import events_config
 from memory.kv_pool import BLOCK_SIZE
-from test_server_cli import OPENINFER, ROOT, free_port, interrupt, wait_healthy
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
