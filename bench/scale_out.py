@@ -59,8 +59,8 @@ GPU_COMMAND = ("CUDA_VISIBLE_DEVICES=0 python bench/scale_out.py --random qwen3-
                "--out-dir bench/results")
 CPU_NOTE = (f"These are CPU figures (the numpy engine, the demo model, a small scale): they show the modes work "
             f"and how the routing places turns, not the issue's GPU targets. The GPU figures (Qwen3-4B random "
-            f"weights, 64 users x 6 turns, 2k-token system prompts, two engines sharing one H100 / H200) are not "
-            f"measured yet: `{GPU_COMMAND}`.")
+            f"weights, 64 users x 6 turns, 2k-token system prompts, two engines sharing one H100 / H200) are "
+            f"bench/results/scale-out-gpu.md's: `{GPU_COMMAND}`.")
 
 
 def serve(folder: str, device: str, extra: list[str], log: Path,
