@@ -11,8 +11,8 @@ sent --warm tokens, a prompt of --long-tokens random token ids (n = --n, --long-
 sent; once it is answered the streams are closed and the server stopped. Reported: the long request's
 time to its first token; per stream the longest gap between its chunks while the long prompt prefilled;
 the steps of that time from the trace: how many, the longest by wall time and by CPU time (the engine
-process's: with one BLAS thread, the step's core time, however loaded the machine) and what each held; how
-many took over 0.5 s (wall); the garbage collector's passes inside steps.
+thread's: with one BLAS thread, what the step takes on a core of its own, however loaded the machine) and
+what each held.
 """
 from __future__ import annotations
 
@@ -82,14 +82,7 @@ def trace_summary(path: str, start: float, end: float) -> dict:
     held = ("wall_ms", "cpu_ms", "seqs", "prefill", "decode")
     worst_wall = max(rows, key=lambda r: r["wall_ms"], default=None)
     worst_cpu = max(rows, key=lambda r: r.get("cpu_ms") or 0.0, default=None)
-    walls = sorted(r["wall_ms"] for r in rows)
-    full = [r.get("gc_ms") or 0.0 for r in rows if r.get("gc_gen") == 2]
     return {"steps": len(rows), "prefill_tokens": sum(r["prefill"] for r in rows),
-            "wall_ms_median": walls[len(walls) // 2] if walls else None,
-            "steps_over_500ms_wall": sum(w > 500 for w in walls),
-            "gc": {"steps": sum(r.get("gc_gen", -1) >= 0 for r in rows), "steps_with_a_full_collection": len(full),
-                   "longest_full_ms": max(full, default=0.0),
-                   "longest_ms": max((r.get("gc_ms") or 0.0 for r in rows), default=0.0)},
             "worst_wall": {k: worst_wall.get(k) for k in held} if worst_wall else None,
             "worst_cpu": {k: worst_cpu.get(k) for k in held} if worst_cpu else None}
 

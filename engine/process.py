@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import gc
 import logging
 import multiprocessing
 import pickle
@@ -321,9 +320,6 @@ def _child_main(config: EngineConfig, inbox, outbox, notes=None, link: ParentLin
         outbox.send(("error", type(e).__name__, str(e)))
         return
     engine = handle.engine
-    # what loading made lives as long as the process: out of the collector's sight, a full collection no longer
-    # walks it (on the CPU demo model ~15 ms, inside whichever step it lands in)
-    gc.freeze()
     outbox.send(("ready", dict(model_name=handle.model_name, max_model_len=handle.max_model_len, max_n=handle.max_n,
                                vocab_size=handle.executor.vocab_size, model_path=handle.model_path,
                                num_kv_blocks=handle.executor.num_kv_blocks,

@@ -51,15 +51,11 @@ class StepCost:
     key: float                  # one key of its context read (its K and V, every layer)
     pair: float                 # one (new token, key) pair scored (every head, every layer)
     target: float
-    split_keys: int = 0         # a context's keys past this many run split over workers (0: none)
-    split: float = 1.0          # ... at this share of a key's and a pair's time
 
     def own(self, start: int, n: int) -> float:
         """A sequence's own part of a step feeding n tokens after `start` computed ones (its context is
-        start + n keys, those past split_keys at `split` of the time)."""
+        start + n keys)."""
         context = start + n
-        if self.split_keys and context > self.split_keys:
-            context = self.split_keys + self.split * (context - self.split_keys)
         return self.seq + context * self.key + n * context * self.pair
 
     def time(self, rows: int, sampled: int, own: float) -> float:

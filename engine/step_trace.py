@@ -13,15 +13,12 @@ ran, and its host phases in milliseconds:
   plan      the next decode step planned (overlaps the device)
   wait      blocked on the step's result
   process   the step's results accounted, its tokens turned into events
-and gpu_ms, the device time between the step's first and last queued work (CUDA events); cpu_ms, the
-CPU time of the engine process over the step (the CPU executor computes on the engine thread and its
-workers: with one BLAS thread, what the step takes on one core, however loaded the machine); gc_ms and
-gc_gen, the time Python's cyclic garbage collector ran during the step and the oldest generation it
-collected (-1: none).
+and gpu_ms, the device time between the step's first and last queued work (CUDA events), and cpu_ms, the
+CPU time of the engine thread over the step (the CPU executor computes on it: with one BLAS thread, what
+the step takes on a core of its own, however loaded the machine).
 """
 from __future__ import annotations
 
-import gc
 import json
 import time
 
@@ -33,21 +30,11 @@ class StepTrace:
         self.file = open(path, "w", encoding="utf-8", buffering=1 << 16)
         self.t0 = time.perf_counter()
         self.row: dict = {}
-        self.mark_at = self.cpu_at = self.gc_at = 0.0
-        self.gc_s, self.gc_gen = 0.0, -1
-        gc.callbacks.append(self._collected)
-
-    def _collected(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self.gc_at = time.perf_counter()
-        else:
-            self.gc_s += time.perf_counter() - self.gc_at
-            self.gc_gen = max(self.gc_gen, info["generation"])
+        self.mark_at = self.cpu_at = 0.0
 
     def begin(self) -> None:
         self.row = {p: 0.0 for p in PHASES}
-        self.cpu_at = time.process_time()
-        self.gc_s, self.gc_gen = 0.0, -1
+        self.cpu_at = time.thread_time()
         self.mark_at = time.perf_counter()
         self.row["t"] = round(self.mark_at - self.t0, 6)
         self.row["tm"] = round(time.monotonic(), 6)         # the request trace's clock (server/request_trace.py)
@@ -68,12 +55,10 @@ class StepTrace:
             row[p] = round(row[p], 4)
         row.update(seqs=len(out.steps), prefill=prefill, decode=out.num_tokens - prefill, planned=planned,
                    graphed=executor.last_step_graphed, gpu_ms=None if gpu_ms is None else round(gpu_ms, 4),
-                   cpu_ms=round((time.process_time() - self.cpu_at) * 1e3, 4), gc_ms=round(self.gc_s * 1e3, 4),
-                   gc_gen=self.gc_gen)
+                   cpu_ms=round((time.thread_time() - self.cpu_at) * 1e3, 4))
         self.file.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
-        gc.callbacks.remove(self._collected)
         self.file.close()
 
 

@@ -17,8 +17,7 @@ from engine.executor.cpu_cost import cpu_step_cost
 from engine.executor.cpu_lora_ops import NumpyLoRAOps
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
 from engine.executor.cpu_quant_ops import host_fp8
-from engine.executor.cpu_threads import CpuThreads, default_cpu_threads, usable_cores
-from engine.executor.cpu_workers import MAX_WORKERS, Workers
+from engine.executor.cpu_threads import CpuThreads, default_cpu_threads
 from engine.executor.options import ExecutorOptions
 from engine.loader import LoadedModel
 from engine.loader.kv_scales import kv_format_of
@@ -58,8 +57,7 @@ class CpuExecutor(ExecutorBase):
         self.kv_format = kv_format_of(options.kv_cache_dtype, model)
         itemsize = self.kv_format.itemsize(4)                      # the numpy pool is float32, or e4m3 bytes
         self.kv_block_bytes = self.layout.block_bytes(itemsize)
-        self.workers = self._workers()
-        self.step_cost = cpu_step_cost(cfg, self.weights, self.kv_block_bytes // BLOCK_SIZE, self.workers.count)
+        self.step_cost = cpu_step_cost(cfg, self.weights, self.kv_block_bytes // BLOCK_SIZE)
         num_kv_blocks = options.num_kv_blocks
         if num_kv_blocks is None:
             need = blocks_for(self.max_model_len)
@@ -89,15 +87,10 @@ class CpuExecutor(ExecutorBase):
         self.ops.keeper = HiddenKeeper({mtp.layer})
         return self.draft
 
-    def _workers(self) -> Workers:
-        """The threads a long context's attention splits over: the cores (a rank of a tensor-parallel group
-        keeps one, engine/parallel)."""
-        return Workers(min(usable_cores(), MAX_WORKERS))
-
     def _ops(self, state, lora: NumpyLoRAOps | None) -> NumpyOps:
         """The model's ops over the KV pool: its op families, its state slots, the LoRA slots (a
         tensor-parallel rank's executor builds its own, engine/parallel)."""
-        return NumpyOps(self.kv, self.model.op_families, self._state_arrays(state), lora, self.kv_format, self.workers)
+        return NumpyOps(self.kv, self.model.op_families, self._state_arrays(state), lora, self.kv_format)
 
     def _state_arrays(self, state) -> dict | None:
         """The per-sequence state slots of a line that declares state (memory/state_slots.py)."""

@@ -23,19 +23,11 @@ chunk tokens after 8,000 less a row: 40 G multiply-adds/s); a key 10 us and a se
 (30 layers) fit as measured earlier that day. In the server (`python -m bench.long_prompt_gaps`) steps ran at
 0.95-1.00x their modelled time (medians), up to 1.4-1.55x under other load: 0.40 s let 1.4-2% of the steps
 pass 0.5 s, 0.35 none.
-
-A context of PARALLEL_KEYS keys or more splits its attention over the executor's workers (the cores): its
-keys past that many cost `split` of one worker's, a second worker adding SPLIT_GAIN of one. The attention
-over a long context is memory-bound and two cores share the machine's memory bandwidth: measured
-2026-12-06 23:29-23:31 UTC on the same machine (load 0.3-0.9), the chunk's attention in the floor step (8
-decodes at 300 + a 4-token chunk after 8,000; 30 layers, medians of 10) 200.7 -> 157.6 ms (1.27x; best of
-10: 149.0 against 149.2), one layer alone 6.4 -> 4.5 ms (1.4x, medians of 40).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from engine.executor.cpu_attention import PARALLEL_KEYS
 from engine.step_budget import Products, StepCost
 
 GEMV_BYTES_S = 12.5e9        # weights read by matrix-vector products (one row)
@@ -46,7 +38,6 @@ SEQ_LAYER_S = 60e-6          # a sequence's attention calls, a layer
 KV_BYTES_S = 46_080 / 10e-6  # a key's K and V read out of the pool
 SOFTMAX_MACS = 118.0         # per (head, pair), beyond 2 x head_dim
 ATTENTION_MACS_S = 40e9      # a pair's products and softmax
-SPLIT_GAIN = 0.25            # a second worker's gain on a long context's attention (executor/cpu_attention.py)
 TARGET_S = 0.35              # a step's aim: under 0.5 s though the shared machine runs steps up to ~1.4x slower
 
 
@@ -71,14 +62,12 @@ def products(macs: float) -> Products:
     return Products(one=4 * macs / GEMV_BYTES_S, many=4 * macs / GEMM_BYTES_S, row=macs / GEMM_MACS_S)
 
 
-def cpu_step_cost(config, weights: dict[str, np.ndarray], kv_bytes_per_token: int, workers: int = 1) -> StepCost:
+def cpu_step_cost(config, weights: dict[str, np.ndarray], kv_bytes_per_token: int) -> StepCost:
     """StepCost of the numpy executor for a model (config: its ModelConfig; kv_bytes_per_token: what one
-    token keeps in the float32 KV pool, every layer; workers: the threads a long context's attention splits
-    over, each past the first worth SPLIT_GAIN of one)."""
+    token keeps in the float32 KV pool, every layer)."""
     layers = config.num_hidden_layers
     pair = layers * config.num_attention_heads * (2 * config.head_dim + SOFTMAX_MACS)
     head = weights.get("lm_head", weights.get("embed_tokens"))
     return StepCost(base=layers * STEP_LAYER_S, layers=products(layer_macs(config, weights)),
                     head=products(head.size if head is not None else 0), seq=layers * SEQ_LAYER_S,
-                    key=kv_bytes_per_token / KV_BYTES_S, pair=pair / ATTENTION_MACS_S, target=TARGET_S,
-                    split_keys=PARALLEL_KEYS if workers > 1 else 0, split=1 / (1 + (workers - 1) * SPLIT_GAIN))
+                    key=kv_bytes_per_token / KV_BYTES_S, pair=pair / ATTENTION_MACS_S, target=TARGET_S)

@@ -16,7 +16,6 @@ from engine.executor.cpu_lora_ops import NumpyLoRAOps
 from engine.executor.cpu_mla_ops import NumpyMLAOps
 from engine.executor.cpu_moe_ops import NumpyMoEOps
 from engine.executor.cpu_quant_ops import w8a8_linear
-from engine.executor.cpu_workers import Workers
 from engine.models.ops import AttentionSpec, ComposedOps
 from engine.models.quant_linear import Fp8Linear
 from memory.kv_format import KVFormat
@@ -49,17 +48,17 @@ class NumpyOps(ComposedOps):
     """The dense Ops in numpy and the served line's op families as parts (None where it uses none)."""
 
     def __init__(self, kv: np.ndarray, families: frozenset[str] = frozenset(), state: dict | None = None,
-                 lora: NumpyLoRAOps | None = None, kv_format: KVFormat = KVFormat(), workers: Workers | None = None):
+                 lora: NumpyLoRAOps | None = None, kv_format: KVFormat = KVFormat()):
         """kv: [layers, planes, slots, heads, dim], float32 or e4m3 as kv_format stores it (memory/kv_format.py);
         families: the line's op_families; state: its state slots (memory/state_slots.py host_state); lora: the
-        executor's adapter slots; workers: the threads a long context's attention splits over (None: one)."""
+        executor's adapter slots."""
         self.kv, self.kv_format = kv, kv_format
         self.moe = self._moe_part() if "moe" in families else None
         self.mla = NumpyMLAOps(kv, self.rms_norm, kv_format) if "mla" in families else None
         self.deltanet = NumpyDeltaNetOps(state) if "deltanet" in families else None
         self.dsv4 = NumpyDSV4Ops(kv) if "dsv4" in families else None
         self.lora = lora
-        self.paged = PagedAttention(workers)
+        self.paged = PagedAttention()
 
     def _moe_part(self) -> NumpyMoEOps:
         """The MoE part (a tensor-parallel rank's ops build their own, engine/parallel)."""

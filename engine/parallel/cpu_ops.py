@@ -20,7 +20,6 @@ import numpy as np
 from engine.executor.cpu import CpuExecutor
 from engine.executor.cpu_moe_ops import NumpyMoEOps
 from engine.executor.cpu_ops import NumpyOps
-from engine.executor.cpu_workers import Workers
 from engine.executor.options import ExecutorOptions
 from engine.parallel.comm import Communicator
 from memory.kv_format import KVFormat
@@ -75,9 +74,6 @@ class CpuRankExecutor(CpuExecutor):
     def __init__(self, model, options: ExecutorOptions, comm: Communicator, experts: tuple[int, int] = (0, 0)):
         self.comm, self.experts = comm, experts          # the rank's ops take them (_ops)
         super().__init__(model, options)
-
-    def _workers(self) -> Workers:
-        return Workers(1)               # the ranks already share the cores
 
     def _ops(self, state, lora) -> RankNumpyOps:
         return RankNumpyOps(self.kv, self.model.op_families, self._state_arrays(state), lora, self.comm, self.experts,

@@ -4,7 +4,6 @@ each sequence's context, under the demo model's cost model) stays within the ste
 keeps its token every step, and the GPU's budget (no cost model) stays vLLM's token count."""
 from __future__ import annotations
 
-import dataclasses
 import random
 from itertools import pairwise
 
@@ -42,8 +41,7 @@ def random_cost(rng: random.Random) -> StepCost:
     layers = Products(one, many=one * rng.choice([1.0, 2.5]), row=rng.choice([0.0, 0.003]))
     head = Products(head_one, many=head_one * rng.choice([1.0, 2.5]), row=rng.choice([0.0, 6e-4]))
     return StepCost(rng.choice([0.0, 0.01]), layers, head, seq=rng.choice([0.0, 2e-3]), key=rng.choice([0.0, 1e-5, 1e-3]),
-                    pair=rng.choice([0.0, 2e-6, 1e-4]), target=rng.uniform(0.05, 1.0),
-                    split_keys=rng.choice([0, 1024]), split=rng.choice([1.0, 0.6]))
+                    pair=rng.choice([0.0, 2e-6, 1e-4]), target=rng.uniform(0.05, 1.0))
 
 
 def test_most_within_is_the_largest_chunk_that_fits():
@@ -191,8 +189,7 @@ def test_the_cpu_executor_brings_its_cost_model_and_the_gpu_none():
 
     model = load_model(tiny_model_path("qwen3_tied"))
     ex = CpuExecutor(model, options_of(num_kv_blocks=8, max_model_len=64))
-    assert ex.step_cost == cpu_step_cost(model.config, ex.weights, ex.kv_block_bytes // BLOCK_SIZE, ex.workers.count)
-    assert ex.workers is ex.ops.paged.workers           # priced as it runs: a long context over these workers
+    assert ex.step_cost == cpu_step_cost(model.config, ex.weights, ex.kv_block_bytes // BLOCK_SIZE)
     assert 0 < ex.step_cost.pair < ex.step_cost.key < 1
     assert ExecutorBase.step_cost is None and make_engine().scheduler.step_cost is None
     limits = resolve_limits(EngineConfig(), "cpu", MAX_MODEL_LEN)
@@ -248,14 +245,3 @@ def test_a_small_model_is_bound_by_its_tokens_and_a_larger_budget_is_kept(demo_c
     assert budget.limit == pytest.approx(demo_cost.base + demo_cost.layers.of(512) + demo_cost.head.of(1))
     assert budget.limit > TARGET_S
     assert budget.fit(0, 600) > 4 * tokens
-
-
-def test_a_split_context_costs_its_keys_past_the_split_at_the_split_share(demo_cost):
-    """Keys past split_keys (a long context's attention over the workers) cost `split` of one worker's; the
-    cost still grows with the context (the bisection's premise) and is unchanged below the split."""
-    split = dataclasses.replace(demo_cost, split_keys=1024, split=0.6)
-    assert split.own(0, 1024) == demo_cost.own(0, 1024)
-    assert all(split.own(s, n) < split.own(s, n + 1) for s in range(990, 1040) for n in (1, 4, 30))
-    keys = 1024 + 0.6 * (8004 - 1024)
-    assert split.own(8000, 4) == pytest.approx(demo_cost.seq + keys * demo_cost.key + 4 * keys * demo_cost.pair)
-    assert split.own(8000, 4) < 0.7 * demo_cost.own(8000, 4)
