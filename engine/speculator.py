@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 from engine.batch import SampledToken, SeqStep
 from engine.eagle3 import load_eagle3_head
-from engine.executor.gpu_ngram import attach_gpu_ngram
 from engine.mtp import load_mtp_layer
 from engine.ngram import DraftProposer, NgramProposer
 from engine.sequence import SeqStatus, Sequence
@@ -104,6 +103,6 @@ def speculator_for(config: SpeculativeConfig | None, executor, max_model_len: in
         draft = executor.attach_mtp(load_mtp_layer(executor.model_path, executor.model))
         return Speculator(config, max_model_len, draft, draft_states=draft)
     if executor.supports_device_ngram:
-        draft = attach_gpu_ngram(executor, config)
+        draft = executor.attach_ngram(config)
         return Speculator(config, max_model_len, draft, draft_states=draft)
     return Speculator(config, max_model_len)

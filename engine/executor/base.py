@@ -81,6 +81,11 @@ class Executor(Protocol):
         of the sequences not among seq_ids."""
         ...
 
+    def attach_ngram(self, config) -> object:
+        """Where supports_device_ngram: prompt lookup on the device from every step on; its DraftProposer, with
+        keep(seq_ids) as attach_eagle3's."""
+        ...
+
     def attach_mtp(self, mtp) -> object:
         """Keep, on every step from now on, the last hidden state the MTP layer (engine/mtp.py) reads; returns its
         DraftProposer, with keep(seq_ids) as attach_eagle3's."""

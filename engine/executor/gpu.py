@@ -36,6 +36,7 @@ from engine.executor.gpu_inputs import GpuStepContext, StepInputs
 from engine.executor.gpu_kv_format import gpu_kv_format
 from engine.executor.gpu_lora_layout import extra_rows
 from engine.executor.gpu_mapped_copy import MappedCopy
+from engine.executor.gpu_ngram import attach_gpu_ngram
 from engine.executor.gpu_ops import GpuOps
 from engine.executor.gpu_piecewise import PiecewiseGraphs, eager_buckets
 from engine.executor.gpu_plan import DeviceInfo, GpuPlan, gpu_plan
@@ -51,8 +52,7 @@ from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE
 from engine.executor.verify_rows import verify_rows
 from engine.loader import LoadedModel
 from engine.executor.gpu_quant_moe import has_fp8_experts
-from engine.executor.gpu_quant_ops import (block_scaled_gate_up, device_nbytes, quant_ops_class,
-                                           upload_quantized)
+from engine.executor.gpu_quant_ops import block_scaled_gate_up, device_nbytes, quant_ops_class, upload_quantized
 from engine.models.quant_experts import KEPT
 from engine.models.rope import rope_inv_freq
 from engine.sampling import prompt_logprobs
@@ -98,6 +98,7 @@ class GpuExecutor(ExecutorBase):
     ops_class = GpuOps              # a tensor-parallel rank's executor runs its own (engine/parallel)
     supports_eagle3 = True          # an EAGLE-3 head drafts on the device (gpu_eagle3.py; the steps then eager)
     supports_device_ngram = True    # prompt lookup on the device, its drafts in each step's read-back (gpu_ngram.py)
+    attach_ngram = attach_gpu_ngram
     draft = None                    # the attached head's Eagle3Draft
     graphs_class = DecodeGraphs
 
