@@ -86,8 +86,8 @@ class EngineLoop:
                                    eos_token_ids, options.seed,
                                    GrammarCache(tokenizer, int(executor.vocab_size), eos_token_ids), self.loras)
         self.outputs = OutputProcessor(tokenizer, self.scheduler, max_model_len, self.abort)
-        # speculative decoding: drafts before each step (a step's drafts depend on the last one's acceptance,
-        # so no step is planned or launched ahead while it is on)
+        # speculative decoding: drafts before each step; a step with drafts needs the last one's tokens, so only
+        # steps the speculator predicts draft-free are planned or launched ahead (_ahead_ok)
         self.speculator = speculator_for(options.speculative_config, executor, max_model_len)
         self._inbox: queue.Queue = queue.Queue()
         self._stats = EngineStats(kv_blocks_total=executor.num_kv_blocks)
@@ -100,7 +100,8 @@ class EngineLoop:
         self._after_step: list[Callable[[], None]] = []
         self._plan: tuple[SchedulerOutput, ModelBatch] | None = None  # the next decode step, planned ahead
         self._inflight: tuple | None = None    # async scheduling: (plan, batch, pending) already queued
-        self._async = options.async_scheduling and executor.supports_fed_steps and self.speculator is None
+        self._async = options.async_scheduling and executor.supports_fed_steps and (
+            self.speculator is None or self.speculator.feeds_ok)
         self._planned_steps = 0
         self._admitted_ahead = 0                # prompts admitted into steps launched ahead
         self.trace = StepTrace(options.step_trace) if options.step_trace else NoTrace()
@@ -311,7 +312,7 @@ class EngineLoop:
                     outputs.emit_deferred()
                     self._run_after_step()  # and hand them to their consumers now, not after this step
                 trace.mark("emit")
-                if self.options.schedule_ahead and self.speculator is None and not isinstance(pending, DoneStep):
+                if self.options.schedule_ahead and not isinstance(pending, DoneStep) and self._ahead_ok(out):
                     if not (self._async and self._launch_ahead(out)):
                         self._plan_ahead(out)
                 trace.mark("plan")
@@ -344,6 +345,13 @@ class EngineLoop:
         if self.kv_events is not None:      # the step's prefix-cache changes, one batch for the publisher
             self.kv_events.flush(time.time())
         self._publish_stats()
+
+    def _ahead_ok(self, out: SchedulerOutput) -> bool:
+        """Whether the step after `out` may be planned or launched ahead: always without speculation; with it,
+        where `out` verifies no drafts and the speculator predicts none for the next step either."""
+        sp = self.speculator
+        return sp is None or (not any(step.num_drafts for step in out.steps)
+                              and sp.draft_free_next(self.scheduler.running))
 
     def _launch_ahead(self, out: SchedulerOutput) -> bool:
         """Async scheduling: plan the next step and queue it now, its decode rows' input ids taken on

@@ -8,12 +8,13 @@ when neither is given, one given sets the other), `model` (eagle3: the head's fo
 (vLLM's per-batch-size schedule: [[lo, hi, k], ...], inclusive ranges from 1 up, a gap taking the entry
 before it and sizes past the last its k, each k at most num_speculative_tokens; k = 0 turns drafting off at
 those sizes, where verification costs more throughput than it gains), and `disable_by_batch_size` (vLLM's
-older switch: no drafts while that many sequences or more run; at least 2).
+older switch: no drafts while that many sequences or more run; at least 2). A config with neither takes its
+executor's default limit (with_batch_default: on the GPU, no drafts from 32 running sequences on).
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.json_flag import json_object
 
@@ -125,6 +126,14 @@ class SpeculativeConfig:
                 break
             k = min(entry_k, self.num_speculative_tokens)
         return k
+
+
+def with_batch_default(config: SpeculativeConfig, off_batch_size: int | None) -> SpeculativeConfig:
+    """config, or where it sets no batch-size schedule (neither num_speculative_tokens_per_batch_size nor
+    disable_by_batch_size), the executor's default: disable_by_batch_size = off_batch_size (None: none)."""
+    if off_batch_size is None or config.num_speculative_tokens_per_batch_size or config.disable_by_batch_size:
+        return config
+    return replace(config, disable_by_batch_size=off_batch_size)
 
 
 def check_device(config: SpeculativeConfig | None, device: str, tensor_parallel_size: int = 1) -> None:

@@ -17,7 +17,7 @@ from engine.eagle3 import load_eagle3_head
 from engine.mtp import load_mtp_layer
 from engine.ngram import DraftProposer, NgramProposer
 from engine.sequence import SeqStatus, Sequence
-from engine.speculative import SpeculativeConfig, check_speculation
+from engine.speculative import SpeculativeConfig, check_speculation, with_batch_default
 
 
 @dataclass
@@ -39,6 +39,9 @@ class Speculator:
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.draft_states = draft_states
         self.counters = SpecDecodeCounters(accepted_per_pos=[0] * config.num_speculative_tokens)
+        # prompt lookup drafts from the ids alone: a step may go without them, planned or launched (fed) ahead
+        self.feeds_ok = config.method == "ngram"
+        self.found: tuple[dict[int, int], bool] = ({}, True)   # the last look: ids' lengths, whether any drafted
 
     def propose(self, running: list[Sequence]) -> None:
         """Set each running sequence's draft_ids for the next step ([] where it gets none)."""
@@ -52,13 +55,33 @@ class Speculator:
             if limit > 0:
                 seqs.append(seq)
                 limits.append(limit)
-        if not seqs:
-            return
-        for seq, limit, drafts in zip(seqs, limits, self.proposer.propose(seqs, limits)):
-            drafts = [int(t) for t in drafts[:limit]]
-            if seq.grammar is not None and drafts:
-                drafts = drafts[:seq.grammar.valid_prefix(drafts)]
-            seq.draft_ids = drafts
+        if seqs:
+            for seq, limit, drafts in zip(seqs, limits, self.proposer.propose(seqs, limits)):
+                drafts = [int(t) for t in drafts[:limit]]
+                if seq.grammar is not None and drafts:
+                    drafts = drafts[:seq.grammar.valid_prefix(drafts)]
+                seq.draft_ids = drafts
+        self.found = (lengths(running), any(seq.draft_ids for seq in seqs))
+
+    def draft_free_next(self, running: list[Sequence]) -> bool:
+        """Whether the next step goes without drafts, so the engine loop may plan or launch it ahead while this one
+        runs (the overlap): drafting is off at this batch size, or (prompt lookup only) no running sequence has a
+        draft at the ids known now, the last look's where they have not changed since. A draft that turns up at the
+        next step's ids is then proposed a step later, from the ids of that step."""
+        if not self.config.tokens_for_batch(len(running)):
+            return True
+        if not self.feeds_ok:
+            return False
+        known, drafted = self.found
+        if known == lengths(running):
+            return not drafted
+        seqs = [s for s in running if s.status is SeqStatus.RUNNING and self.room(s) > 0]
+        probe = getattr(self.proposer, "none_drafted", None)    # a device proposer's look without a wait
+        drafted = (not probe(seqs) if probe is not None else
+                   any(self.proposer.propose(seqs, [min(self.config.num_speculative_tokens, self.room(s))
+                                                    for s in seqs])) if seqs else False)
+        self.found = (lengths(running), drafted)
+        return not drafted
 
     def room(self, seq: Sequence) -> int:
         """Drafts that fit: the accepted ones and the token after them within max_tokens, the last draft's
@@ -84,6 +107,10 @@ class Speculator:
                 c.accepted_per_pos[pos] += 1
 
 
+def lengths(running: list[Sequence]) -> dict[int, int]:
+    return {seq.seq_id: len(seq.token_ids) for seq in running}
+
+
 def decoding(seq: Sequence) -> bool:
     """seq runs its next step as a decode: prefill done, its last token not yet computed, no fork or prompt
     logprobs pending."""
@@ -96,6 +123,7 @@ def speculator_for(config: SpeculativeConfig | None, executor, max_model_len: in
     if config is None:
         return None
     check_speculation(config, executor)
+    config = with_batch_default(config, executor.spec_off_batch_size)
     if config.method == "eagle3":
         draft = executor.attach_eagle3(load_eagle3_head(config.model, executor.config))
         return Speculator(config, max_model_len, draft, draft_states=draft)

@@ -149,6 +149,7 @@ class ExecutorBase:
     supports_eagle3 = False       # no EAGLE-3 head drafts (attach_eagle3)
     supports_mtp = False          # no MTP layer drafts (attach_mtp)
     supports_device_ngram = False  # 'ngram' drafts on the host (engine/ngram.py NgramProposer)
+    spec_off_batch_size = None    # drafting's default batch-size limit (speculative.py with_batch_default): none
     world_size = 1
     gemm = None                   # (the GPU executor's Gemm)
     threads = None                # (the numpy executor's CpuThreads)
