@@ -4,7 +4,8 @@ Other threads talk to it only through `add_request` / `abort` (a queue) and the 
 (called on the engine thread with each TokenEvent, then None when the request is done). Admission
 (engine/admission.py) decides whether a request can run; output handling (engine/outputs.py) turns
 sampled tokens into events. Here: the step driver. While the device runs step N it sends step N-1's
-tokens and plans decode step N+1 (the scheduler's plan-ahead). A failing request gets an Error and is
+tokens and plans decode step N+1 (the scheduler's plan-ahead; with speculative decoding, only where the
+speculator predicts N+1 draft-free). A failing request gets an Error and is
 dropped; a failing step fails its requests; the loop keeps serving the rest.
 """
 from __future__ import annotations

@@ -130,7 +130,11 @@ class SpeculativeConfig:
 
 def with_batch_default(config: SpeculativeConfig, off_batch_size: int | None) -> SpeculativeConfig:
     """config, or where it sets no batch-size schedule (neither num_speculative_tokens_per_batch_size nor
-    disable_by_batch_size), the executor's default: disable_by_batch_size = off_batch_size (None: none)."""
+    disable_by_batch_size), the executor's default: disable_by_batch_size = off_batch_size (None: none).
+    The GPU's is 32: a verify step's batch x (k + 1) rows (160 at k = 4) reach the GEMMs' compute-bound side
+    there, so its cost grows with them (Qwen3-8B, k = 4: 1.05x a decode step at batch 1, 1.25x at 32) while a
+    plain step already fills the GPU; at the demo model's batch 80, k = 4 gave 0.49-0.56x the tokens/s
+    (bench/results/speculative.md). The numpy executor's is none (its tests draft at every batch size)."""
     if off_batch_size is None or config.num_speculative_tokens_per_batch_size or config.disable_by_batch_size:
         return config
     return replace(config, disable_by_batch_size=off_batch_size)

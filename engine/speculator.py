@@ -2,11 +2,14 @@
 decode (Sequence.draft_ids, which the scheduler feeds after the sequence's last token: k + 1 query tokens,
 their KV slots); after it, the acceptance counters (vLLM's spec_decode_* metrics).
 
-How many drafts a sequence gets: the config's k for the step's batch size (tokens_for_batch), and never so
+How many drafts a sequence gets: the config's k for the step's batch size (tokens_for_batch; a config without a
+schedule takes the executor's default limit, speculative.py with_batch_default), and never so
 many that the accepted drafts and the token after them could run past max_tokens or max_model_len; a
 sequence under a grammar keeps only the drafts its grammar accepts (a refused token would be rejected by the
 masked verification anyway). The executor verifies (engine/sampling.py verify_seq); the scheduler keeps the
 accepted tokens' KV, frees what only rejected ones used and hashes only accepted tokens' blocks.
+Between steps, draft_free_next predicts whether the next step goes without drafts, so the engine loop keeps its
+overlap (planning or launching that step ahead) where it does.
 """
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ state, its state slots (memory/state_slots.py, one per max_num_seqs) before the 
 tier's copies (pinned slots, streams, layer-by-layer restores) are a part too, GpuHostCopies (gpu_host_copies.py);
 what to copy when is the scheduler's (engine/host_tier.py). With speculative decoding
 (options.num_speculative_tokens), GpuVerify accepts a verify step's drafts on the device (gpu_verify.py) and
-VerifyGraphs replay verify steps (gpu_verify_graphs.py).
-`last_host_s` is the host time of the last step up to its launch.
+VerifyGraphs replay verify steps (gpu_verify_graphs.py). `last_host_s`: the host time of the last step to its launch.
 """
 from __future__ import annotations
 
@@ -99,11 +98,7 @@ class GpuExecutor(ExecutorBase):
     supports_eagle3 = True          # an EAGLE-3 head drafts on the device (gpu_eagle3.py; the steps then eager)
     supports_device_ngram = True    # prompt lookup on the device, its drafts in each step's read-back (gpu_ngram.py)
     attach_ngram = attach_gpu_ngram
-    # no drafts from 32 running sequences on unless the config sets a schedule: a verify step's batch x (k + 1) rows
-    # (160 at k = 4) reach the GEMMs' compute-bound side there, its cost grows with them (Qwen3-8B, k = 4: 1.05x a
-    # decode step at batch 1, 1.25x at 32) while the step already fills the GPU; at the demo's batch 80, k = 4 cost
-    # 0.49-0.56x the tokens/s (bench/results/speculative.md)
-    spec_off_batch_size = 32
+    spec_off_batch_size = 32        # no drafts from 32 running sequences on by default (speculative.py: why)
     draft = None                    # the attached head's Eagle3Draft
     graphs_class = DecodeGraphs
 

@@ -13,6 +13,10 @@ config's most). The step's read-back event covers their copy to the host. What c
   (its drafts cut to its limit). Any other (its first proposal, a step sampled on the host side, ids the host
   cut) has its missing ids uploaded, and one launch and one read-back serve them together: the one round trip,
   in the steps that admit or resume sequences, not in a steady decode.
+* steps launched ahead without a proposal (the engine loop's overlap while no sequence has a draft): each one's
+  tap appends right after the step before's one id, so the row stays the sequence's ids (synced follows it);
+  none_drafted reads the last landed read-back's draft counts, no wait, to say whether the next step may go
+  without drafts.
 
 The engine's drafts stay host lists (the scheduler lays them out as query tokens, a grammar keeps its valid
 prefix, the counters count them); a sequence with no free row is drafted on the host (ngram_draft).
@@ -79,9 +83,11 @@ class GpuNgramProposer:
         self.free = list(range(seqs - 1, -1, -1))
         self.rows: dict[int, int] = {}        # seq_id -> its row
         self.synced: dict[int, int] = {}      # seq_id -> leading ids of its row equal to the sequence's
-        self.stepped: dict[int, tuple[int, int]] = {}    # the last step's: seq_id -> (its index, append position)
+        # the last step's: seq_id -> (its index, append position, drafts it verified)
+        self.stepped: dict[int, tuple[int, int, int]] = {}
         self.turn, self.stepped_count = 0, 0
         self.stepped_host = self.step_hosts[0]
+        self.landed: tuple[np.ndarray, int, dict] = (self.step_hosts[1], 0, {})    # the step before's, read back
 
     def keep(self, seq_ids: set[int]) -> None:
         """Free the rows of sequences not in seq_ids (finished, aborted, preempted)."""
@@ -97,10 +103,16 @@ class GpuNgramProposer:
         sampled on the host side (GpuExecutor.submit), after which no earlier tap's drafts hold."""
         B, k = len(seqs), self.k
         rows = [self.rows.get(s.seq_id, -1) for s in seqs]
+        last = self.stepped
+        self.landed = (self.stepped_host, self.stepped_count, last)
         self.stepped, self.stepped_count = {}, B
         if max(rows, default=-1) < 0:
             return
         at = [s.start_pos + len(s.token_ids) - s.num_drafts for s in seqs]
+        for s, r, a in zip(seqs, rows, at):
+            before = last.get(s.seq_id)     # a step launched ahead, right after one id appended at the synced end
+            if r >= 0 and before is not None and not before[2] and a == before[1] + 1 == self.synced[s.seq_id] + 1:
+                self.synced[s.seq_id] = a
         self._upload(rows, at, [k if r >= 0 else 0 for r in rows])
         lengths, counts, drafts = self.result[:B], self.result[B:2 * B], self.result[2 * B:]
         self.device.launch("ngram_append", -(-B // APPEND_THREADS), APPEND_THREADS,
@@ -111,7 +123,8 @@ class GpuNgramProposer:
         self.turn ^= 1                  # the host may still read the last step's drafts while this one's copy runs
         self.stepped_host = self.step_hosts[self.turn]
         self.copy([(self.stepped_host, self.result, B * (k + 2))], to_host=True)
-        self.stepped = {s.seq_id: (b, at[b]) for b, (s, r) in enumerate(zip(seqs, rows)) if r >= 0}
+        self.stepped = {s.seq_id: (b, at[b], s.num_drafts) for b, (s, r) in enumerate(zip(seqs, rows))
+                        if r >= 0 and self.synced[s.seq_id] == at[b]}
 
     def propose(self, seqs: list, limits: list[int]) -> list[list[int]]:
         out: list[list[int] | None] = [self._from_step(s, limit) for s, limit in zip(seqs, limits)]
@@ -128,13 +141,23 @@ class GpuNgramProposer:
                 out[i] = drafts
         return out
 
+    def none_drafted(self, seqs: list) -> bool:
+        """Whether no sequence of seqs had a draft at its ids known now, by the last landed read-back (no wait);
+        False where it does not say (a sequence not in that step, its row not the host's ids)."""
+        h, B, entries = self.landed
+        for seq in seqs:
+            entry = entries.get(seq.seq_id)
+            if entry is None or int(h[entry[0]]) != len(seq.token_ids) or int(h[B + entry[0]]):
+                return False
+        return True
+
     def _from_step(self, seq, limit: int) -> list[int] | None:
         """seq's drafts from the last step's read-back, where its row there holds exactly its ids (the step
         appended right after its synced ids, up to the host's length); else None, its row to resync."""
         entry = self.stepped.get(seq.seq_id)
         if entry is None:
             return None
-        b, at = entry
+        b, at, _ = entry
         B, length, h, synced = self.stepped_count, len(seq.token_ids), self.stepped_host, self.synced[seq.seq_id]
         if synced != at or int(h[b]) != length:
             self.synced[seq.seq_id] = min(synced, length)

@@ -184,3 +184,48 @@ def test_a_steady_decode_waits_on_nothing_to_propose():
                          host(np.array([e[0] for e in emitted], np.int32)))
         for seq, e in zip(seqs, emitted):
             seq.token_ids.extend(e)
+
+
+
+def plain_step(seq: Sequence, fed: bool) -> SeqStep:
+    """A decode step's SeqStep (fed: launched before its input id, the step before's, reached the host)."""
+    return SeqStep(seq_id=seq.seq_id, token_ids=[-1 if fed else seq.token_ids[-1]],
+                   start_pos=len(seq.token_ids) - (0 if fed else 1), block_table=[], sample=True)
+
+
+def test_steps_launched_ahead_keep_the_rows_and_say_where_none_drafted():
+    """The engine loop's overlap: while no sequence has a draft, steps go out ahead without a proposal (the step
+    before's ids not yet on the host). none_drafted answers, from the last landed read-back and without a wait,
+    what the host's lookup gives at the ids known then; the proposal after such a stretch needs no wait either."""
+    rng = random.Random(11)
+    device = EmulatedDevice()
+    proposer = GpuNgramProposer(device, SpeculativeConfig("ngram", 3, 2, 3), 4, 400)
+    oracle = NgramProposer(2, 3)
+    seqs = [Sequence(i, f"r{i}", [rng.randrange(24) for _ in range(30)], 30, SamplingParams()) for i in range(3)]
+    inflight, launched_ahead, verified, waits = None, 0, 0, None
+    for step in range(90):
+        if inflight is None:                         # a step scheduled after the last one's ids: proposed
+            drafts = proposer.propose(seqs, [3, 3, 3])
+            waits = device.waits if waits is None else waits          # (the first proposal uploads the rows)
+            assert drafts == oracle.propose(seqs, [3, 3, 3]) and device.waits == waits, step
+            if any(drafts):
+                steps_, ids, starts, accepted, emitted = verify_step(seqs, drafts, rng, 24)
+                proposer.tap(steps_, host(ids), host(starts), host(accepted))
+                for seq, e in zip(seqs, emitted):
+                    seq.token_ids.extend(e)
+                verified += 1
+                continue
+            inflight = [rng.randrange(24) for _ in seqs]
+            proposer.tap([plain_step(s, False) for s in seqs], host(np.array(inflight, np.int32)))
+        none = proposer.none_drafted(seqs)            # while `inflight` runs: may the next step go ahead?
+        drafted = any(oracle.propose(seqs, [3, 3, 3]))
+        assert not (none and drafted) and (none or drafted or step == 0), step   # (step 0: proposed on demand)
+        ahead = None
+        if none and rng.random() < 0.9:
+            ahead = [rng.randrange(24) for _ in seqs]
+            proposer.tap([plain_step(s, True) for s in seqs], host(np.array(ahead, np.int32)))
+            launched_ahead += 1
+        for seq, t in zip(seqs, inflight):            # the step's ids reach the host
+            seq.token_ids.append(t)
+        inflight = ahead
+    assert launched_ahead > 20 and verified > 5 and device.waits == waits

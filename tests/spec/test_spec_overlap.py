@@ -13,7 +13,9 @@ from test_spec_scheduler import run as spec_run
 from engine.events import Finished, Token
 from engine.ngram import NgramProposer
 from engine.request import GenerateRequest, SamplingParams
+from engine.sequence import SeqStatus, Sequence
 from engine.speculative import SpeculativeConfig
+from engine.speculator import Speculator
 
 
 class Sparse(ScriptedProposer):
@@ -95,7 +97,7 @@ def test_preemption_and_aborts_with_async_speculation():
     reqs = [GenerateRequest(f"r{i}", [10 + i] * 20, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True,
                                                                    stop=["\x7f"]))
             for i in range(6)]
-    off = spec_off(reqs, executor=dict(num_kv_blocks=14), max_num_seqs=6)
+    off = spec_off(reqs, executor={"num_kv_blocks": 14}, max_num_seqs=6)
     spec = SpeculativeConfig("ngram", 4, 1, 3)
     on, engine = run_async(reqs, Sparse(reference(off, reqs), 0.3, 262), spec, Recording(num_kv_blocks=14),
                            max_num_seqs=6)
@@ -131,3 +133,33 @@ def test_the_executors_default_batch_limit():
     own = SpeculativeConfig("ngram", 2, 1, 3, num_speculative_tokens_per_batch_size=((1, 100, 2),))
     on, engine = run_async(reqs, proposer, own, GpuLike())
     assert on == off and engine.speculator.counters.num_drafts > 10
+
+
+class Looked:
+    """A proposer with a look of its own (the GPU's none_drafted: the last landed read-back, no wait)."""
+
+    def __init__(self, none: bool):
+        self.none, self.calls = none, []
+
+    def propose(self, seqs, limits):
+        self.calls.append("propose")
+        return [[1] for _ in seqs]
+
+    def none_drafted(self, seqs):
+        self.calls.append("look")
+        return self.none
+
+
+def test_the_prediction_asks_the_proposers_look_once_the_ids_change():
+    """Right after a proposal (the same ids) its answer stands; at new ids a proposer's own look answers (no
+    drafting); drafting off at the batch size answers without either."""
+    seqs = [Sequence(i, f"r{i}", [3, 4, 5], 3, SamplingParams(max_tokens=20)) for i in range(3)]
+    for seq in seqs:
+        seq.status, seq.num_computed = SeqStatus.RUNNING, 2
+    proposer = Looked(none=True)
+    sp = Speculator(SpeculativeConfig("ngram", 2, 1, 2, disable_by_batch_size=3), 512, proposer)
+    sp.propose(seqs[:2])
+    assert not sp.draft_free_next(seqs[:2]) and proposer.calls == ["propose"]
+    seqs[0].token_ids.append(7)
+    assert sp.draft_free_next(seqs[:2]) and proposer.calls == ["propose", "look"]
+    assert sp.draft_free_next(seqs) and proposer.calls == ["propose", "look"]      # 3 running: drafting off
