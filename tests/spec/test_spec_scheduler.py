@@ -17,7 +17,7 @@ from engine.events import Finished, Token
 from engine.request import GenerateRequest, SamplingParams
 from engine.speculative import SpeculativeConfig
 from engine.speculator import Speculator
-from engine.step_budget import MIN_PREFILL, Products, StepBudget, StepCost
+from engine.step_budget import MIN_PREFILL, Products, StepCost
 from memory.kv_pool import BLOCK_SIZE, blocks_for
 from memory.prefix_hash import hash_chain
 
