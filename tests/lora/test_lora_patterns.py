@@ -124,5 +124,7 @@ def test_the_engine_keeps_generating_while_a_backtracking_key_is_matched(tmp_pat
     gaps = [b - a for a, b in zip(times, times[1:])]
     during = sum(start <= t <= end for t in times)
     print(f"{during} tokens during the {end - start:.2f} s load, largest gap {max(gaps) * 1000:.0f} ms")
-    assert max(gaps) < 1.0 and during >= 20, (during, max(gaps))
+    # in process, the match would hold the interpreter for all of it (seconds to forever): a gap under most of the
+    # budget means generation went on beside it (the slack is for a loaded 2-core machine's scheduling)
+    assert max(gaps) < 0.75 * PATTERN_BUDGET_S and during >= 20, (during, max(gaps))
     assert f"rank_pattern key {SLOW!r} is refused" in str(err) and end - start < PATTERN_BUDGET_S + 3
