@@ -46,7 +46,7 @@ def compress_windows(rows, prev, have_prev, first, ape, norm, rate: int, overlap
     (s = 2 with overlap: the first series feeds the next window's entry, the second its own) and, with overlap,
     the previous window's prev [N, rate, 2·s·d] (have_prev [N]: False for window 0, which has none); first [N]:
     each window's first position (its entry's rope)."""
-    xp, N = xp_of(rows), rows.shape[0]
+    xp = xp_of(rows)
     sd = rows.shape[-1] // 2
     d = sd // (2 if overlap else 1)
     kv, gate = rows[..., :sd], rows[..., sd:] + ape
