@@ -64,7 +64,8 @@ class Speculator:
                 if seq.grammar is not None and drafts:
                     drafts = drafts[:seq.grammar.valid_prefix(drafts)]
                 seq.draft_ids = drafts
-        self.found = (lengths(running), any(seq.draft_ids for seq in seqs))
+        if self.feeds_ok:                   # draft_free_next's answer while the ids stay as they are
+            self.found = (lengths(running), any(seq.draft_ids for seq in seqs))
 
     def draft_free_next(self, running: list[Sequence]) -> bool:
         """Whether the next step goes without drafts, so the engine loop may plan or launch it ahead while this one
