@@ -1,17 +1,19 @@
-"""The scale-out benchmark (issue 57): multi-turn conversations (bench/scale_out_load.py) over two engines on
-one host — follow-up turns' TTFT p50 / p90 and their cache-hit rate against the ideal — routed three ways:
+"""The scale-out benchmark (issue 57): multi-turn conversations (bench/scale_out_load.py) over N engines on
+one host (--replicas, 2 by default) — follow-up turns' TTFT p50 / p90 and their cache-hit rate against the ideal — routed three ways:
 
-- router-kv_aware: two `openinfer serve` replicas publishing KV events (--kv-events-config) behind vllm-router's
+- router-kv_aware: N `openinfer serve` replicas publishing KV events (--kv-events-config) behind vllm-router's
   kv_aware policy, which sends a request to the replica of the lowest cost (the prompt tokens its cache does not
   hold, and its load); with its session affinity on (--kv-aware-session-affinity-ttl-secs, by default here), a
   conversation's turns (one `x-session-id` each) stay on the replica its first turn went to;
 - router-round_robin: the same replicas behind vllm-router's round_robin;
-- dp: one `openinfer serve --data-parallel-size 2`, no router (its own dispatch: the least loaded engine, or a
+- dp: one `openinfer serve --data-parallel-size N`, no router (its own dispatch: the least loaded engine, or a
   nearly as idle one holding a longer prefix; engine/process_dispatch.py).
 
 The replicas start one after another and serve both router modes, their prefix caches reset in between; on
-the GPU both share the one visible GPU (CUDA_VISIBLE_DEVICES=0), each with --num-kv-blocks 8000, so the three
-modes get the same KV pools (`-dp 2` places its engines there too). Every mode's conversations are its own
+the GPU all share the one visible GPU (CUDA_VISIBLE_DEVICES=0), each with --num-kv-blocks (8000 by default:
+128k tokens of Qwen3-4B KV; four replicas fit an 80 GB H100 at 2000), so the three modes get the same KV pools
+(`-dp N` places its engines there too). A pool smaller than the conversations' histories is the cache-pressured
+case: round robin then spreads every conversation over all replicas' caches and evicts. Every mode's conversations are its own
 (other system prompts and messages: nothing one mode cached helps the next). Each server waits out its
 engines' graph captures before its mode runs. Writes <label>.json and <label>.md into --out-dir: the date, the
 machine, the command and each mode's figures, with the replicas' share of the requests (the servers' and
@@ -20,6 +22,9 @@ routers' logs go to a temporary folder, named at start).
     # the GPU (H100 / H200), Qwen3-4B random weights (written first, as bench/serve_gpu.py does):
     CUDA_VISIBLE_DEVICES=0 python bench/scale_out.py --random qwen3-4b --label scale-out-gpu \\
         --out-dir bench/results
+    # four replicas, the cache pressured (each pool 32k tokens for 64 users' ~130k of history):
+    CUDA_VISIBLE_DEVICES=0 python bench/scale_out.py --random qwen3-4b --replicas 4 --num-kv-blocks 2000 \\
+        --label scale-out-gpu-4 --out-dir bench/results
     # the CPU, the demo model, a small scale:
     python bench/scale_out.py --device cpu --users 8 --turns 4 --system-prompts 2 --system-tokens 128 \\
         --user-tokens 64 --output-tokens 16 --think-ms 2000 --out-dir bench/results
@@ -54,12 +59,12 @@ from memory.kv_pool import BLOCK_SIZE  # noqa: E402
 
 MODES = ("router-kv_aware", "router-round_robin", "dp")
 AFFINITY_TTL_S = 600                              # kv_aware's session affinity: a conversation idle this long is let go
-GPU_SERVER_ARGS = ["--num-kv-blocks", "8000"]     # per engine: 128k tokens of Qwen3-4B KV (18.9 GB)
+GPU_KV_BLOCKS = 8000                              # per engine: 128k tokens of Qwen3-4B KV (18.9 GB)
 GPU_COMMAND = ("CUDA_VISIBLE_DEVICES=0 python bench/scale_out.py --random qwen3-4b --label scale-out-gpu "
                "--out-dir bench/results")
 CPU_NOTE = (f"These are CPU figures (the numpy engine, the demo model, a small scale): they show the modes work "
             f"and how the routing places turns, not the issue's GPU targets. The GPU figures (Qwen3-4B random "
-            f"weights, 64 users x 6 turns, 2k-token system prompts, two engines sharing one H100 / H200) are "
+            f"weights, 64 users x 6 turns, 2k-token system prompts, engines sharing one H100 / H200) are "
             f"bench/results/scale-out-gpu.md's: `{GPU_COMMAND}`.")
 
 
@@ -153,10 +158,10 @@ def spread(before: list[dict], after: list[dict]) -> list[int]:
 
 @contextmanager
 def replicas(args, folder: str, logs: Path, env: dict):
-    """Two `openinfer serve` publishing KV events: [(url, events port)], started one after another."""
+    """args.replicas `openinfer serve` publishing KV events: [(url, events port)], started one after another."""
     procs, served = [], []
     try:
-        for r in range(2):
+        for r in range(args.replicas):
             events = free_port()
             config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}"}
             proc, url = serve(folder, args.device, args.server_args + ["--kv-events-config", json.dumps(config)],
@@ -200,7 +205,7 @@ def router_modes(args, folder: str, logs: Path, tokenizer, env: dict) -> list[di
 
 
 def dp_mode(args, folder: str, logs: Path, tokenizer, env: dict) -> dict:
-    proc, url = serve(folder, args.device, args.server_args + ["--data-parallel-size", "2"], logs / "dp.log", env)
+    proc, url = serve(folder, args.device, args.server_args + ["--data-parallel-size", str(args.replicas)], logs / "dp.log", env)
     try:
         wait_warm(int(url.rsplit(":", 1)[1]))
         before = counters(url, "openinfer_data_parallel_requests_total{")
@@ -240,7 +245,8 @@ def ratios(modes: list[dict]) -> dict:
 
 def markdown(report: dict) -> str:
     w = report["workload"]
-    lines = [f"# Scale-out: {w['users']} users × {w['turns']} turns over two engines, routed three ways", "",
+    lines = [f"# Scale-out: {w['users']} users × {w['turns']} turns over {report.get('replicas', 2)} engines, routed "
+             f"{len(report['modes'])} ways", "",
              f"- date: {report['date']}", f"- machine: {report['machine']}", f"- model: {report['model']}",
              f"- command: `{report['command']}`",
              f"- server arguments (each engine): `{' '.join(report['server_args']) or '(defaults)'}`; "
@@ -280,10 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("users", "turns", "system_prompts", "system_tokens", "user_tokens", "output_tokens", "seed",
                  "think_ms"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
+    p.add_argument("--replicas", type=int, default=2, help="engines: the router modes' replicas, dp's -dp")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help=f"each engine's KV blocks (on the GPU "
+                                                                   f"{GPU_KV_BLOCKS} unless given; the CPU: the "
+                                                                   f"server's default unless given)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--server-arg", action="append", default=[], help="an `openinfer serve` argument for every "
-                                                                     "server (repeat); on the GPU after "
-                                                                     + " ".join(GPU_SERVER_ARGS))
+                                                                     "server (repeat)")
     p.add_argument("--router-arg", action="append", default=[], help="a vllm-router argument for both router "
                                                                      "modes (repeat; e.g. --router-arg=--router-"
                                                                      "temperature --router-arg=0.5)")
@@ -323,7 +332,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--session-affinity-ttl: 0 (off) or 1 to 31536000 seconds, as vllm-router takes it")
     args.workload = Workload(args.users, args.turns, args.system_prompts, args.system_tokens, args.user_tokens,
                              args.output_tokens, args.seed, args.think_ms)
-    args.server_args = (GPU_SERVER_ARGS if args.device == "cuda" else []) + args.server_arg
+    if not 1 <= args.replicas <= 16:
+        raise SystemExit("--replicas: 1 to 16")
+    blocks = args.num_kv_blocks or (GPU_KV_BLOCKS if args.device == "cuda" else None)
+    args.server_args = (["--num-kv-blocks", str(blocks)] if blocks else []) + args.server_arg
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="scale-out-logs-"))        # the servers' and routers' logs
@@ -336,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "machine": args.machine or machine(), "model": args.random or folder,
               "command": "python bench/scale_out.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
-              "workload": asdict(args.workload), "server_args": args.server_args,
+              "workload": asdict(args.workload), "replicas": args.replicas, "server_args": args.server_args,
               "router_args": args.router_arg, "kv_aware_args": affinity_args(args, "kv_aware"), "modes": []}
     if any(m.startswith("router-") for m in args.modes):
         report["modes"] += router_modes(args, folder, logs, tokenizer, env)
