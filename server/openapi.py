@@ -71,7 +71,8 @@ def _bodies(model: ModelInfo) -> dict[str, dict]:
         "ignore_eos": _BOOL,
         "skip_special_tokens": _BOOL,
         "stream": _BOOL,
-        "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}}),
+        "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL,
+                                                                        "continuous_usage_stats": _BOOL}}),
         "user": _STR,
         "return_tokens_as_token_ids": _BOOL,
         # structured output (server/structured.py): one constraint per request

@@ -74,6 +74,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False              # vLLM's continuous_usage_stats: each chunk its choice's usage
     echo: bool = False
     echo_texts: list[str] = field(default_factory=list)   # per prompt, when echo
     logprobs: int | None = None                 # top-k alternatives to report; None: no logprobs
@@ -104,8 +105,7 @@ def parse_completion(body: dict, model: ModelInfo) -> ParsedRequest:
             raise invalid(f"'{key}' is only supported on /v1/chat/completions", key)
     constraint = parse_constraint(body)
     params.grammar = constraint.grammar if constraint else None
-    return ParsedRequest("completion", prompts, params, stream=f.boolean("stream", False),
-                         include_usage=_include_usage(f), echo=echo,
+    return ParsedRequest("completion", prompts, params, **_stream_fields(f), echo=echo,
                          echo_texts=texts if echo else [], logprobs=logprobs, user=f.string("user"),
                          tokens_as_ids=f.boolean("return_tokens_as_token_ids", False),
                          prompt_only=max_tokens == 0, constraint=constraint, lora_name=lora_name,
@@ -134,8 +134,7 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     params.grammar = constraint.grammar if constraint else None
     reasoning = request_reasoning(model.reasoning_parser, model.tokenizer, prompt, constraint is not None,
                                   f.boolean("include_reasoning", True))
-    return ParsedRequest("chat", [prompt], params, stream=f.boolean("stream", False),
-                         include_usage=_include_usage(f), logprobs=logprobs, user=f.string("user"),
+    return ParsedRequest("chat", [prompt], params, **_stream_fields(f), logprobs=logprobs, user=f.string("user"),
                          tokens_as_ids=f.boolean("return_tokens_as_token_ids", False), constraint=constraint,
                          tools=tools if tools and tools.parse else None, lora_name=lora_name,
                          prompt_logprobs=prompt_logprobs, reasoning=reasoning)
@@ -388,11 +387,19 @@ def _check_common(f: Fields, model: ModelInfo, chat: bool) -> str | None:
     return lora_name
 
 
-def _include_usage(f: Fields) -> bool:
-    opts = f.raw("stream_options", {})
+def _stream_fields(f: Fields) -> dict:
+    """stream, and stream_options' usage: include_usage (OpenAI's; vLLM's continuous_usage_stats, which
+    without include_usage implies it) -- options refused without stream, as OpenAI and vLLM do."""
+    stream = f.boolean("stream", False)
+    opts = f.raw("stream_options", None) or {}
     if not isinstance(opts, dict):
         raise wrong_type("'stream_options' must be an object", "stream_options")
-    return Fields(opts).boolean("include_usage", False)
+    if opts and not stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    options = Fields(opts)
+    continuous = options.boolean("continuous_usage_stats", False)
+    include = options.boolean("include_usage", continuous)
+    return {"stream": stream, "include_usage": include, "continuous_usage": include and continuous}
 
 
 def _is_harmless(value, harmless: tuple) -> bool:

@@ -133,6 +133,15 @@ class ResponseBuilder:
     # -- stream chunks -------------------------------------------------------------------------------
     def _chunks(self, choice: ChoiceState, prompt_idx: int, text: str, entries: list[LogprobEntry],
                 finish: bool = False) -> list[dict]:
+        chunks = self._choice_chunks(choice, prompt_idx, text, entries, finish)
+        if self.parsed.continuous_usage:            # vLLM's: the choice's usage so far (the role chunk's: none)
+            for chunk in chunks:
+                role_only = "role" in chunk["choices"][0].get("delta", {})
+                chunk["usage"] = _usage(len(self.parsed.prompts[prompt_idx]), 0 if role_only else choice.num_tokens)
+        return chunks
+
+    def _choice_chunks(self, choice: ChoiceState, prompt_idx: int, text: str, entries: list[LogprobEntry],
+                       finish: bool) -> list[dict]:
         chunks = []
         if not choice.started:
             choice.started = True
@@ -207,11 +216,8 @@ class ResponseBuilder:
 
     # -- final body ----------------------------------------------------------------------------------
     def usage(self) -> dict:
-        prompt = sum(len(p) for p in self.parsed.prompts)
-        completion = sum(c.num_tokens for c in self.choices.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+        usage = _usage(sum(len(p) for p in self.parsed.prompts), sum(c.num_tokens for c in self.choices.values()))
+        return {**usage, "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
 
     def response(self) -> dict:
         choices = []
@@ -299,6 +305,10 @@ class ResponseBuilder:
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _clamp(logprob: float | None) -> float | None:

@@ -86,6 +86,44 @@ def test_chat_stream_and_non_stream_agree(client, handle):
     assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage.prompt_tokens == len(template)
 
 
+def stream_chunks(url: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        events = [e for e in r.read().decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+def test_continuous_usage_stats_put_each_choices_running_usage_on_its_chunks(server):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far (its
+    prompt's tokens, the tokens that choice streamed up to then); the last chunk is the whole usage."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    prompts = ["abc", "wxyz"]
+    chunks = stream_chunks(server.url, "/v1/completions",
+                           {"prompt": prompts, "max_tokens": 4, "n": 2, "stream_options": opts})
+    streamed = dict.fromkeys(range(4), 0)
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        streamed[choice["index"]] += len(ByteTokenizer().encode(choice["text"]))
+        prompt = len(prompts[choice["index"] // 2])
+        assert chunk["usage"] == {"prompt_tokens": prompt, "completion_tokens": streamed[choice["index"]],
+                                  "total_tokens": prompt + streamed[choice["index"]]}
+    assert streamed == dict.fromkeys(range(4), 4)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
+    template = ByteTokenizer().apply_chat_template([{"role": "user", "content": "hi"}])
+    chat = stream_chunks(server.url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream_options": opts})
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chat[0]["usage"]["completion_tokens"] == 0 and chat[0]["usage"]["prompt_tokens"] == len(template)
+    assert [c["usage"]["completion_tokens"] for c in chat[1:-1]] == [1, 2, 3, 3]   # the last: finish_reason
+    plain = stream_chunks(server.url, "/v1/completions", {"prompt": "abc", "max_tokens": 2,
+                                                          "stream_options": {"continuous_usage_stats": True}})
+    assert all(c["usage"] is not None for c in plain)          # as vLLM: include_usage defaults to true here
+    off = stream_chunks(server.url, "/v1/completions", {"prompt": "abc", "max_tokens": 2, "stream_options": {
+        "include_usage": False, "continuous_usage_stats": True}})
+    assert all("usage" not in c for c in off)
+
+
 def test_chat_default_max_tokens_fills_the_context(client, handle):
     client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}], stream=False)
     req = handle.submitted[-1]
@@ -150,6 +188,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 422, "temperature"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 422, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 422, "stream"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": {"text": "x"}}, 422, "prompt"),
     ("/v1/completions", {"max_tokens": 3}, 422, "prompt"),
     ("/v1/completions", [1, 2], 422, None),
@@ -166,6 +205,8 @@ BAD_REQUESTS = [
                               "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
      400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": False,
+                              "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/detokenize", {"tokens": [1, "a"]}, 422, "tokens"),
     ("/tokenize", {}, 422, "prompt"),
 ]
