@@ -105,6 +105,10 @@ class TokenizerBase:
         """The bytes one token stands for (None: not known; its decoded text is all there is)."""
         return None
 
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        """Each id's vocabulary string (HF's convert_ids_to_tokens); here, where there is no vocabulary, its text."""
+        return [self.decode([i]) for i in ids]
+
     def has_marker_tokens(self, *markers: str) -> bool:
         """Whether each marker (reasoning's `<think>`) is one token of the vocabulary, as in a model trained
         to write it; True where the tokenizer names no tokens (a byte tokenizer writes any text)."""

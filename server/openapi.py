@@ -128,10 +128,11 @@ def _bodies(model: ModelInfo) -> dict[str, dict]:
         "tokenize": {"anyOf": [
             {"type": "object", "required": ["prompt"],
              "properties": {"model": sampling["model"], "prompt": {"type": "string"},
-                            "add_special_tokens": _BOOL}},
+                            "add_special_tokens": _BOOL, "return_token_strs": _BOOL}},
             {"type": "object", "required": ["messages"],
              "properties": {"model": sampling["model"], "messages": messages, "add_generation_prompt": _BOOL,
-                            "add_special_tokens": _BOOL}}]},
+                            "add_special_tokens": _BOOL, "return_token_strs": _BOOL,
+                            "tools": _nullable({"type": "array", "items": tool})}}]},
         "detokenize": {"type": "object", "required": ["tokens"],
                        "properties": {"model": sampling["model"], "tokens": token_ids}},
         "token_ids": token_ids,
@@ -253,7 +254,8 @@ def openapi_document(version: str, model: ModelInfo, *, api_key: bool = False, l
         "/tokenize": _post("Token ids of a prompt or a conversation", bodies["tokenize"], {
             "type": "object", "required": ["tokens", "count", "max_model_len"],
             "properties": {"tokens": bodies["token_ids"], "count": {"type": "integer"},
-                           "max_model_len": {"type": "integer"}}}),
+                           "max_model_len": {"type": "integer"},
+                           "token_strs": {"type": "array", "items": {"type": ["string", "null"]}}}}),
         "/detokenize": _post("Text of token ids", bodies["detokenize"], {
             "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}),
         "/tokenizer_info": _get("The tokenizer's configuration (vLLM's fields)", {

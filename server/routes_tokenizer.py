@@ -10,14 +10,16 @@ from server.fields import Fields, token_id_list
 from server.offload import in_thread
 from server.protocol import (ModelInfo, check_model_name, check_text_fits, encode_text, parse_messages,
                              render_chat, template_kwargs)
+from server.tools import parse_tools
 
 
 def add_tokenizer_routes(app: Sanic) -> None:
     @app.post("/tokenize")
     async def tokenize(request):
         model = request.app.ctx.model
-        ids = await in_thread(_tokenize, request.body, model)
-        return response.json({"tokens": ids, "count": len(ids), "max_model_len": model.max_model_len})
+        ids, token_strs = await in_thread(_tokenize, request.body, model)
+        out = {"tokens": ids, "count": len(ids), "max_model_len": model.max_model_len}
+        return response.json(out if token_strs is None else {**out, "token_strs": token_strs})
 
     @app.post("/detokenize")
     async def detokenize(request):
@@ -31,19 +33,25 @@ def add_tokenizer_routes(app: Sanic) -> None:
         return response.json(info)
 
 
-def _tokenize(raw: bytes, model: ModelInfo) -> list[int]:
+def _tokenize(raw: bytes, model: ModelInfo) -> tuple[list[int], list[str | None] | None]:
+    """vLLM's /tokenize: a prompt's ids, or a conversation's as its chat request renders them (its tools
+    too); with return_token_strs, each id's vocabulary string."""
     body = parse_json(raw, model.limits.max_json_depth)
     f = Fields(body)
     check_model_name(f, model)
     add_special = f.boolean("add_special_tokens", True)
+    want_strs = f.boolean("return_token_strs", False)
     if "messages" in body:
         add_generation_prompt = f.boolean("add_generation_prompt", True)
-        return render_chat(model.tokenizer, parse_messages(body["messages"]), add_generation_prompt,
-                           max_chars=model.max_text_chars, template_kwargs=template_kwargs(f))
-    if isinstance(body.get("prompt"), str):
+        tools = parse_tools(body, model.tokenizer)
+        ids = render_chat(model.tokenizer, parse_messages(body["messages"]), add_generation_prompt,
+                          tools.template_tools if tools else None, model.max_text_chars, template_kwargs(f))
+    elif isinstance(body.get("prompt"), str):
         check_text_fits(body["prompt"], model.max_text_chars, "prompt")
-        return encode_text(model.tokenizer, body["prompt"], add_special)
-    raise wrong_type("'prompt' (a string) or 'messages' is required", "prompt")
+        ids = encode_text(model.tokenizer, body["prompt"], add_special)
+    else:
+        raise wrong_type("'prompt' (a string) or 'messages' is required", "prompt")
+    return ids, model.tokenizer.convert_ids_to_tokens(ids) if want_strs else None
 
 
 def _detokenize(raw: bytes, model: ModelInfo) -> str:

@@ -134,6 +134,29 @@ def test_tokenizer_info_has_vllms_fields(url, handle):
     assert ids == [tok.token_to_id("<|im_end|>")]
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tokenize_renders_the_tools_and_names_the_tokens_as_vllm_does(url, handle, path):
+    """vLLM's /tokenize: a conversation's `tools` rendered by the chat template (so its count is the chat
+    request's prompt_tokens) and, with return_token_strs, each token's vocabulary string."""
+    from transformers import AutoTokenizer
+    hf_tok = AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": "The weather in Paris?"}]
+    want = list(hf_tok.apply_chat_template(messages, tools=[WEATHER_TOOL], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False))
+    out = post(url, "/tokenize", messages=messages, tools=[WEATHER_TOOL], return_token_strs=True)
+    assert out["tokens"] == want and out["count"] == len(want)
+    assert out["token_strs"] == hf_tok.convert_ids_to_tokens(want)
+    chat = post(url, "/v1/chat/completions", messages=messages, tools=[WEATHER_TOOL], max_tokens=1)
+    assert chat["usage"]["prompt_tokens"] == len(want)
+    text = post(url, "/tokenize", prompt="Hello world", return_token_strs=True)
+    assert text["token_strs"] == hf_tok.convert_ids_to_tokens(hf_tok.encode("Hello world"))
+    assert "token_strs" not in post(url, "/tokenize", prompt="Hello world")
+
+
 def check_prompt_logprobs(plp: list, ids: list[int], k: int, path: str) -> None:
     from transformers import AutoTokenizer
     hf_tok = AutoTokenizer.from_pretrained(path)
