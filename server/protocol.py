@@ -141,7 +141,7 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
 
 
 def parse_messages(messages) -> list[dict]:
-    """Validate chat messages; content may be a string or a list of text parts."""
+    """Validate chat messages; content may be a string or a list of text parts (joined by newlines)."""
     if messages is None:
         raise wrong_type("'messages' is required", "messages")
     if not isinstance(messages, list) or not messages:
@@ -218,7 +218,7 @@ def _message_text(content, role: str, where: str) -> str:
                               "{\"type\": \"text\", \"text\": ...}; only text content is supported",
                               f"{where}.content")
             parts.append(part["text"])
-        return "".join(parts)
+        return "\n".join(parts)            # as vLLM renders a message of text parts for the template
     raise wrong_type(f"'{where}.content' must be a string or a list of text parts", f"{where}.content")
 
 

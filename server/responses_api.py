@@ -142,7 +142,7 @@ def _string(item: dict, key: str, where: str) -> str:
 
 
 def _text(content, where: str) -> str:
-    """A message's (or a function output's) text: a string or a list of text parts."""
+    """A message's (or a function output's) text: a string or a list of text parts, joined by newlines."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -155,7 +155,7 @@ def _text(content, where: str) -> str:
             raise invalid(f"'{where}[{j}]' must be a text part ({', '.join(TEXT_PARTS)}); only text input is "
                           "supported", f"{where}[{j}]")
         texts.append(text)
-    return "".join(texts)
+    return "\n".join(texts)                 # as the chat route joins a message's text parts
 
 
 def _tools(tools) -> list:

@@ -124,6 +124,14 @@ def test_continuous_usage_stats_put_each_choices_running_usage_on_its_chunks(ser
     assert all("usage" not in c for c in off)
 
 
+def test_chat_text_parts_join_with_newlines_as_vllm_renders_them(client, handle):
+    """vLLM hands a chat template a message of text parts as one string, the parts joined by newlines."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "World"}]
+    client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": parts}], max_tokens=1)
+    template = ByteTokenizer().apply_chat_template([{"role": "user", "content": "Hello\nWorld"}])
+    assert handle.submitted[-1].prompt_token_ids.tolist() == ByteTokenizer().encode(template)
+
+
 def test_chat_default_max_tokens_fills_the_context(client, handle):
     client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}], stream=False)
     req = handle.submitted[-1]

@@ -118,6 +118,15 @@ def test_input_items_are_the_chat_conversation(server, handle):
     assert via_responses == handle.submitted[-1].prompt_token_ids.tolist()
 
 
+def test_a_messages_text_parts_join_as_the_chat_routes_do(server, handle):
+    """Several text parts: one text, joined by newlines (vLLM's rendering of a chat message's parts)."""
+    handle.script = "ok"
+    parts = [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "World"}]
+    assert httpx.post(server.url + "/v1/responses", json={"input": [{"role": "user", "content": parts}]}).status_code == 200
+    template = ByteTokenizer().apply_chat_template([{"role": "user", "content": "Hello\nWorld"}])
+    assert handle.submitted[-1].prompt_token_ids.tolist() == ByteTokenizer().encode(template)
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"input": "hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
     ({"input": "hi", "conversation": "conv_1"}, 400, "conversation"),
