@@ -61,7 +61,7 @@ def error_response(exc: Exception):
     if isinstance(exc, SanicException):
         status = int(exc.status_code or 500)
         message = str(exc) or type(exc).__name__
-        if status == 413:
+        if status == 413 and "header" not in message.lower():      # Sanic's 413 for headers past its limit too
             message = f"request body too large: {message}"
         return response.json(error_body(status, message), status=status, headers=exc.headers)
     logging.getLogger("openinfer.server").error("request failed", exc_info=exc)
