@@ -91,8 +91,8 @@ def _bodies(model: ModelInfo) -> dict[str, dict]:
     tool = {"type": "object", "required": ["function"], "properties": {
         "type": {"const": "function"},
         "function": {"type": "object", "required": ["name"], "properties": {
-            "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}, "description": {"type": "string"},
-            "parameters": _ANY_OBJECT}}}}
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}, "description": _STR,
+            "parameters": _nullable(_ANY_OBJECT)}}}}
     named_tool = {"type": "object", "required": ["function"], "properties": {
         "type": {"const": "function"},
         "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}

@@ -391,7 +391,8 @@ def _stream_fields(f: Fields) -> dict:
     """stream, and stream_options' usage: include_usage (OpenAI's; vLLM's continuous_usage_stats, which
     without include_usage implies it) -- options refused without stream, as OpenAI and vLLM do."""
     stream = f.boolean("stream", False)
-    opts = f.raw("stream_options", None) or {}
+    opts = f.raw("stream_options", None)
+    opts = {} if opts is None else opts
     if not isinstance(opts, dict):
         raise wrong_type("'stream_options' must be an object", "stream_options")
     if opts and not stream:

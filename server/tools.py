@@ -160,6 +160,8 @@ def _tool(tool, i: int) -> dict:
     if params is not None and not isinstance(params, dict):
         raise wrong_type(f"'{where}.function.parameters' must be a JSON schema (an object)",
                          f"{where}.function.parameters")
+    if not isinstance(fn.get("description", ""), (str, type(None))):
+        raise wrong_type(f"'{where}.function.description' must be a string", f"{where}.function.description")
     return {"type": "function", "function": fn}
 
 

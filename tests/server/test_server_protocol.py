@@ -197,6 +197,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 422, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 422, "stream"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": False}, 422, "stream_options"),
     ("/v1/completions", {"prompt": {"text": "x"}}, 422, "prompt"),
     ("/v1/completions", {"max_tokens": 3}, 422, "prompt"),
     ("/v1/completions", [1, 2], 422, None),
@@ -209,6 +210,8 @@ BAD_REQUESTS = [
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      400, "tools[0].function.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "description": {"a": 1}}}]}, 422, "tools[0].function.description"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
@@ -239,6 +242,14 @@ def test_malformed_and_oversized_bodies(server, raw, status):
                    timeout=10)
     assert r.status_code == status
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_oversized_headers_are_not_called_a_large_body(server):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=10,
+                   headers={"x-padding": "a" * 20_000})
+    assert r.status_code == 413
+    message = r.json()["error"]["message"]
+    assert "header" in message and "body" not in message
 
 
 def test_unknown_route_and_method_are_openai_errors(server):
