@@ -211,7 +211,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      400, "tools[0].function.name"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
-        {"type": "function", "function": {"name": "f", "description": {"a": 1}}}]}, 422, "tools[0].function.description"),
+        {"type": "function", "function": {"name": "f", "description": {"a": 1}}}]}, 422,
+     "tools[0].function.description"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},

@@ -122,7 +122,8 @@ def test_a_messages_text_parts_join_as_the_chat_routes_do(server, handle):
     """Several text parts: one text, joined by newlines (vLLM's rendering of a chat message's parts)."""
     handle.script = "ok"
     parts = [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "World"}]
-    assert httpx.post(server.url + "/v1/responses", json={"input": [{"role": "user", "content": parts}]}).status_code == 200
+    body = {"input": [{"role": "user", "content": parts}]}
+    assert httpx.post(server.url + "/v1/responses", json=body).status_code == 200
     template = ByteTokenizer().apply_chat_template([{"role": "user", "content": "Hello\nWorld"}])
     assert handle.submitted[-1].prompt_token_ids.tolist() == ByteTokenizer().encode(template)
 
