@@ -116,12 +116,8 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
     """POST /v1/chat/completions: the messages rendered through the model's chat template."""
     f = Fields(body)
     lora_name = _check_common(f, model, chat=True)
-    messages = parse_messages(body.get("messages"))
-    add_generation_prompt = f.boolean("add_generation_prompt", True)
-    tools = parse_tools(body, model.tokenizer)
-    prompt = np.array(render_chat(model.tokenizer, messages, add_generation_prompt,
-                                  tools.template_tools if tools else None, model.max_text_chars,
-                                  template_kwargs(f)), np.int32)
+    ids, tools = conversation_ids(body, f, model)
+    prompt = np.array(ids, np.int32)
     want_logprobs = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not want_logprobs:
@@ -138,6 +134,17 @@ def parse_chat(body: dict, model: ModelInfo) -> ParsedRequest:
                          tokens_as_ids=f.boolean("return_tokens_as_token_ids", False), constraint=constraint,
                          tools=tools if tools and tools.parse else None, lora_name=lora_name,
                          prompt_logprobs=prompt_logprobs, reasoning=reasoning)
+
+
+def conversation_ids(body: dict, f: Fields, model: ModelInfo) -> tuple[list[int], ToolConfig | None]:
+    """A chat body's prompt ids (its messages, tools and template variables through the chat template) and its
+    tools: what /v1/chat/completions runs and /tokenize counts."""
+    messages = parse_messages(body.get("messages"))
+    add_generation_prompt = f.boolean("add_generation_prompt", True)
+    tools = parse_tools(body, model.tokenizer)
+    ids = render_chat(model.tokenizer, messages, add_generation_prompt, tools.template_tools if tools else None,
+                      model.max_text_chars, template_kwargs(f))
+    return ids, tools
 
 
 def parse_messages(messages) -> list[dict]:

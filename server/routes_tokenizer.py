@@ -8,9 +8,7 @@ from server.body import parse_json
 from server.errors import APIError, wrong_type
 from server.fields import Fields, token_id_list
 from server.offload import in_thread
-from server.protocol import (ModelInfo, check_model_name, check_text_fits, encode_text, parse_messages,
-                             render_chat, template_kwargs)
-from server.tools import parse_tools
+from server.protocol import ModelInfo, check_model_name, check_text_fits, conversation_ids, encode_text
 
 
 def add_tokenizer_routes(app: Sanic) -> None:
@@ -42,10 +40,7 @@ def _tokenize(raw: bytes, model: ModelInfo) -> tuple[list[int], list[str | None]
     add_special = f.boolean("add_special_tokens", True)
     want_strs = f.boolean("return_token_strs", False)
     if "messages" in body:
-        add_generation_prompt = f.boolean("add_generation_prompt", True)
-        tools = parse_tools(body, model.tokenizer)
-        ids = render_chat(model.tokenizer, parse_messages(body["messages"]), add_generation_prompt,
-                          tools.template_tools if tools else None, model.max_text_chars, template_kwargs(f))
+        ids, _ = conversation_ids(body, f, model)
     elif isinstance(body.get("prompt"), str):
         check_text_fits(body["prompt"], model.max_text_chars, "prompt")
         ids = encode_text(model.tokenizer, body["prompt"], add_special)
