@@ -120,14 +120,23 @@ def group_keys(tables, pos: np.ndarray, ctx_lens: np.ndarray, spec, p: "DSV4Prim
     return p.rows_at(spec.layer, tables, span, 0, spec.head_dim), span
 
 
+def entry_rows(ctx_lens: np.ndarray, rate: int) -> np.ndarray:
+    """The positions [G, n] of the rows holding the closed windows' entries of G contexts (n: the longest's
+    count; -1 past a sequence's own)."""
+    at = (np.arange(int(ctx_lens.max()) // rate)[None, :] + 1) * rate - 1
+    return np.where(at < ctx_lens[:, None], at, -1)
+
+
 def group_entries(tables, ctx_lens: np.ndarray, spec, p: "DSV4Primitives"):
-    """(entries [G, n, D], indexer keys [G, n, index_dim] or None): the stored entries of the closed windows of
-    the group's contexts (n: the longest's count; zeros past a sequence's own)."""
-    n, cols = int(ctx_lens.max()) // spec.rate, entry_columns(spec)
-    at = (np.arange(n)[None, :] + 1) * spec.rate - 1
-    at = np.where(at < ctx_lens[:, None], at, -1)
-    entries = p.rows_at(spec.layer, tables, at, cols[0], spec.head_dim)
-    return entries, p.rows_at(spec.layer, tables, at, cols[1], spec.index_dim) if spec.index_heads else None
+    """The stored entries [G, n, D] of the closed windows of the group's contexts (zeros past a sequence's own)."""
+    return p.rows_at(spec.layer, tables, entry_rows(ctx_lens, spec.rate), entry_columns(spec)[0], spec.head_dim)
+
+
+def indexer_visible(tables, ctx_lens: np.ndarray, pos: np.ndarray, q, weights, spec, p: "DSV4Primitives"):
+    """visible [G, Q, n] (indexer_pick) of the group's queries (q [G, Q, heads, d], weights [G, Q, heads], host
+    positions pos [G, Q], -1 padding) over their stored indexer keys, read from the pool."""
+    keys = p.rows_at(spec.layer, tables, entry_rows(ctx_lens, spec.rate), entry_columns(spec)[1], spec.index_dim)
+    return indexer_pick(q, weights, keys, p.dev(pos), spec.rate, spec.index_topk)
 
 
 def slots_at(tables: np.ndarray, at: np.ndarray) -> np.ndarray:
@@ -188,9 +197,9 @@ def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
         d = pos[:, :, None] - p.dev(key_pos)[:, None, :]
         visible = (d >= 0) & (d < spec.window) & p.dev(key_pos >= 0)[:, None, :]
         if spec.rate:
-            entries, ikeys = group_entries(tables, lens, spec, p)
+            entries = group_entries(tables, lens, spec, p)
             if spec.index_heads:
-                seen = indexer_pick(iq[tok], iw[tok], ikeys, pos, spec.rate, spec.index_topk)
+                seen = p.indexer_visible(tables, lens, host_pos, iq[tok], iw[tok], spec)
             else:
                 seen = xp.arange(entries.shape[1])[None, None, :] < ((pos + 1) // spec.rate)[:, :, None]
             keys, visible = xp.concatenate([keys, entries], axis=1), xp.concatenate([visible, seen], axis=2)
@@ -218,6 +227,9 @@ class DSV4Primitives(Protocol):
     def rows_at(self, layer: int, tables, at, col: int, width: int):
         """Values [G, R, width] float32 from column col of the rows at positions at (host ints [G, R], -1: zeros)
         of G sequences whose blocks are tables (host ints [G, blocks])."""
+
+    def indexer_visible(self, tables, ctx_lens, pos, q, weights, spec):
+        """indexer_visible(.., self): the entries [G, Q, n] each query's indexer picks."""
 
     def block_out(self, y):
         """The block's output in the executor's activation form."""
@@ -270,6 +282,9 @@ class NumpyDSV4Ops:
     def rows_at(self, layer: int, tables, at, col: int, width: int):
         rows = self.kv[layer, 0, slots_at(tables, at), 0, col:col + width]
         return np.where((at >= 0)[..., None], rows, np.float32(0))
+
+    def indexer_visible(self, tables, ctx_lens, pos, q, weights, spec):
+        return indexer_visible(tables, ctx_lens, pos, q, weights, spec, self)
 
     def block_out(self, y):
         return y

@@ -5,8 +5,9 @@ each, nothing read back on the host):
                                     iterations, the streams collapsed by pre into the block's bf16 input
   hc_merge           hc_post_*      post · block output + the comb-mixed streams
   hyper_head         hc_head        the final collapse
-The limited SwiGLU, the hash router and the sliding / compressed attention run as CuPy float32 over the bf16
-weights, with every projection on the executor's bf16 GEMM (float32 out) and the routed experts on the MoE
+and so is the lightning indexer (dsv4_indexer.cu: indexer_scores, then indexer_topk, each query's top index_topk
+entries on the device; indexer_visible turns its ids into dsv4_attention's mask). The limited SwiGLU, the hash
+router, the compressor and the sliding / compressed attention run as CuPy float32 over the bf16 weights, with every projection on the executor's bf16 GEMM (float32 out) and the routed experts on the MoE
 part (gpu_moe_ops.py, which also takes the sqrtsoftplus router and the limited SwiGLU of the experts). Their
 algorithms are cpu_dsv4_ops / cpu_dsv4_attention's own functions, which take CuPy arrays: the CPU gate checks
 the code the GPU runs; this file supplies the device primitives (dtype conversion, the KV rows).
@@ -19,15 +20,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.executor.cpu_dsv4_attention import dsv4_attention, slots_at
+from engine.executor.cpu_dsv4_attention import dsv4_attention, entry_columns, slots_at
 from engine.executor.cpu_dsv4_ops import hash_route, swiglu_limited
 from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16, split_gate_up
+from memory.kv_pool import BLOCK_SIZE
 from openinfer_kernels.raw_cuda import kernel
 
 WEIGHT_F32_CACHE = 1 << 22      # weights of at most this many elements keep a float32 copy on the device
 HC_THREADS = 128                # dsv4_hc.cu HC_THREADS
 HC_CHUNK = 1024                 # dsv4_hc.cu HC_CHUNK: flat-row values per CTA of the mixes
 MAX_HC_MULT = 5                 # dsv4_hc.cu: the comb matrix (hc_mult² values) in one warp's lanes
+IDX_THREADS = 128               # dsv4_indexer.cu: entries per CTA of indexer_scores
+TOPK_THREADS = 256              # dsv4_indexer.cu: threads of indexer_topk's CTA (one a query row)
 
 
 def check_hc_shapes(hc_mult: int, hidden: int) -> None:
@@ -70,11 +74,11 @@ class GpuDSV4Ops:
             hit = self._kept_weights[(id(w), form)] = (w, convert(w))
         return hit[1]
 
-    def _kernel(self, entry: str, hc_mult: int):
-        """dsv4_hc.cu's entry compiled for hc_mult streams."""
-        key = (entry, hc_mult)
+    def _kernel(self, name: str, entry: str, **defines: int):
+        """<name>.cu's entry compiled with the given constants (dsv4_hc: HC_N; dsv4_indexer: IDX_H, IDX_D)."""
+        key = (name, entry, tuple(sorted(defines.items())))
         if key not in self._kernels:
-            self._kernels[key] = kernel("dsv4_hc", entry, HC_N=hc_mult)
+            self._kernels[key] = kernel(name, entry, **defines)
         return self._kernels[key]
 
     def _bf16_weight(self, w):
@@ -96,7 +100,7 @@ class GpuDSV4Ops:
         if self._hc_counter is None or self._hc_counter.shape[0] < T:
             self._hc_counter = self.cp.zeros(max(T, 64), np.int32)
         work = (self.cp.empty(T * splits * (mixes + 1), np.float32), self._hc_counter)
-        self.shared.launch(self._kernel(entry, N), (splits, T), (threads,),
+        self.shared.launch(self._kernel("dsv4_hc", entry, HC_N=N), (splits, T), (threads,),
                            (self.cp.ascontiguousarray(streams), *args[:3], *work, *args[3:]))
 
     def hyper_connection(self, streams, fn, base, scale, iters, hc_eps, norm_eps):
@@ -118,7 +122,7 @@ class GpuDSV4Ops:
             out = self.cp.empty((T, N, D), np.float32)
             if T:
                 entry = "hc_post_bf16" if block_out.dtype == np.uint16 else "hc_post_f32"
-                self.shared.launch(self._kernel(entry, N), (-(-T * D // (4 * HC_THREADS)),), (HC_THREADS,),
+                self.shared.launch(self._kernel("dsv4_hc", entry, HC_N=N), (-(-T * D // (4 * HC_THREADS)),), (HC_THREADS,),
                                    (self.cp.ascontiguousarray(block_out), self.cp.ascontiguousarray(streams),
                                     post, comb, out, np.int32(T), np.int32(D)))
             return out
@@ -171,6 +175,40 @@ class GpuDSV4Ops:
     def rows_at(self, layer: int, tables, at, col: int, width: int):
         rows = self.shared.kv_cache[layer, 0][self.cp.asarray(slots_at(tables, at)), 0, col:col + width]
         return self.cp.where(self.cp.asarray(at >= 0)[..., None], self._f(rows), np.float32(0))
+
+    def indexer_topk(self, layer: int, tables, q, weights, positions, spec, stride: int):
+        """dsv4_indexer.cu over R query rows: each row's top entries among the (position + 1) // rate closed ones
+        of its sequence (blocks tables [R, blocks] device int32; q [R, heads, d] and weights [R, heads] float32,
+        the latter times heads^-0.5; positions [R] int32, -1: none; stride: the most entries a row may have).
+        Returns ids [R, index_topk] int32 (ascending, -1 padded), counts [R] and the scores [R, stride] they
+        were taken by (valid below each row's closed entries)."""
+        cp, R, H, D = self.cp, *q.shape
+        kv = self.shared.kv_cache[layer, 0]
+        scores = cp.empty((R, stride), np.float32)
+        ids, counts = cp.empty((R, spec.index_topk), np.int32), cp.empty(R, np.int32)
+        if R and stride:
+            self.shared.launch(self._kernel("dsv4_indexer", "indexer_scores", IDX_H=H, IDX_D=D),
+                               (-(-stride // IDX_THREADS), R), (IDX_THREADS,),
+                               (cp.ascontiguousarray(q, np.float32), cp.ascontiguousarray(weights, np.float32), kv,
+                                tables, positions, scores, np.int32(stride), np.int32(tables.shape[1]),
+                                np.int32(BLOCK_SIZE), np.int32(kv.shape[-1]), np.int32(entry_columns(spec)[1]),
+                                np.int32(spec.rate), np.float32(D ** -0.5)))
+        if R:
+            self.shared.launch(self._kernel("dsv4_indexer", "indexer_topk"), (R,), (TOPK_THREADS,),
+                               (scores, positions, ids, counts, np.int32(stride), np.int32(spec.rate),
+                                np.int32(spec.index_topk)))
+        return ids, counts, scores
+
+    def indexer_visible(self, tables, ctx_lens, pos, q, weights, spec):
+        """The entries [G, Q, n] the indexer picks for each query (cpu_dsv4_attention.indexer_visible's), from
+        indexer_topk's ids over the G·Q rows (host tables [G, blocks], positions pos [G, Q])."""
+        cp, (G, Q), n = self.cp, pos.shape, int(ctx_lens.max()) // spec.rate
+        rows = cp.asarray(np.repeat(np.asarray(tables), Q, axis=0), np.int32)
+        ids = self.indexer_topk(spec.layer, rows, q.reshape(G * Q, *q.shape[2:]), weights.reshape(G * Q, -1),
+                                cp.asarray(pos.reshape(-1), np.int32), spec, n)[0]
+        picked = cp.zeros((G * Q, n + 1), bool)              # column n: where the -1 padding lands
+        picked[cp.arange(G * Q)[:, None], cp.where(ids >= 0, ids, n)] = True
+        return picked[:, :n].reshape(G, Q, n)
 
     def block_out(self, y):
         return y                            # float32: hc_merge reads it as it is

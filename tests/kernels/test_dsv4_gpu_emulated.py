@@ -96,7 +96,7 @@ class EmulatedGpuExecutor(CpuExecutor):
         as_bits = {n: bits(np.asarray(a, np.float32)) for n, a in model.weights.items()}
         self.weights = {n: host(interleaved(a) if interleave and n.endswith("gate_up_proj") else a)
                         for n, a in as_bits.items()}
-        self.ops = EmulatedGpuOps(np.zeros(self.kv.shape, np.uint16), options.max_num_batched_tokens,
+        self.ops = EmulatedGpuOps(host(np.zeros(self.kv.shape, np.uint16)), options.max_num_batched_tokens,
                                   model.model.v4.experts, interleave)
 
     def forward_logits(self, batch):

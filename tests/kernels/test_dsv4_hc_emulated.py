@@ -31,6 +31,9 @@ class HostNumpy:
     def ascontiguousarray(self, a, dtype=None):
         return host(np.asarray(a, dtype))
 
+    def asarray(self, a, dtype=None):
+        return host(np.asarray(a, dtype))
+
 
 class EmulatedHCShared(EmulatedShared):
     stream = contextlib.nullcontext()
@@ -42,8 +45,8 @@ class EmulatedDSV4(GpuDSV4Ops):
     def __init__(self, shared=None, moe=None):
         super().__init__(shared or EmulatedHCShared(), moe, array_module=HostNumpy())
 
-    def _kernel(self, entry: str, hc_mult: int):
-        return "dsv4_hc", entry, (("HC_N", hc_mult),)
+    def _kernel(self, name: str, entry: str, **defines: int):
+        return name, entry, tuple(sorted(defines.items()))
 
 
 @pytest.mark.parametrize("T,N,D", SHAPES, ids=str)

@@ -118,3 +118,9 @@ def test_gemv_fp8_compiles_with_channel_scales():
 def test_hyper_connection_kernels_compile_for_each_hc_mult(hc_mult):
     """dsv4_hc.cu is compiled per stream count (HC_N, GpuDSV4Ops._kernel)."""
     _compile(os.path.join(KERNEL_DIR, "dsv4_hc.cu"), f"HC_N={hc_mult}")
+
+
+@pytest.mark.parametrize("heads,dim", [(4, 16), (2, 32), (64, 128)])
+def test_indexer_kernels_compile_for_each_width(heads, dim):
+    """dsv4_indexer.cu is compiled per indexer heads and width (IDX_H, IDX_D: the tiny models', V4-Flash's)."""
+    _compile(os.path.join(KERNEL_DIR, "dsv4_indexer.cu"), f"IDX_H={heads}", f"IDX_D={dim}")

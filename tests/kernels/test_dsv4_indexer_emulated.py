@@ -1,0 +1,43 @@
+"""dsv4_indexer.cu (DeepSeek-V4's lightning indexer) run through GpuDSV4Ops on the host, without a GPU
+(tests/cuda_emulation.h), against the numpy indexer at the tiny models' widths and DeepSeek-V4-Flash's
+(tests/dsv4_indexer_cases.py states the checks). Skipped without g++ or the CUDA headers;
+test_gpu_dsv4_indexer.py runs the same cases on the device."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from dsv4_indexer_cases import CASES, check, edge_in_a_tie, random_inputs, reference, run_indexer
+from test_deltanet_kernels_emulated import host
+from test_dsv4_hc_emulated import EmulatedDSV4
+
+
+def emulated_ops(inp) -> EmulatedDSV4:
+    ops = EmulatedDSV4()
+    ops.shared.kv_cache = host(inp.pool)
+    return ops
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_indexer_matches_numpy(case):
+    inp = random_inputs(*case[1:], seed=len(case[0]))
+    want = reference(inp)
+    check(run_indexer(emulated_ops(inp), inp, host, np.asarray), want, inp)
+
+
+def test_the_real_width_case_puts_the_top_k_edge_in_a_tie():
+    """The tie rule decides picks there: the case tests it, not only distinct scores."""
+    inp = random_inputs(*CASES[-1][1:], seed=len(CASES[-1][0]))
+    assert edge_in_a_tie(inp, reference(inp))
+
+
+def test_the_check_fails_on_the_other_tie_rule():
+    """Equal scores taken the higher entry first (the ids of reversed entries mapped back) fail the check."""
+    inp = random_inputs(*CASES[-1][1:], seed=len(CASES[-1][0]))
+    want = reference(inp)
+    got = run_indexer(emulated_ops(inp), inp, host, np.asarray)
+    n = got["scores"].shape[1]
+    for r, s in enumerate(got["scores"]):
+        flipped = np.sort(n - 1 - np.argsort(-s[::-1], kind="stable")[:inp.spec.index_topk])
+        got["ids"][r, :len(flipped)] = flipped
+    with pytest.raises(AssertionError):
+        check(got, want, inp)
