@@ -192,7 +192,7 @@ def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
         tok, pos = p.dev(rows_of), p.dev(host_pos)
         tables, lens = np.asarray(b.block_tables)[group], ctx_lens[group]
         if spec.rate:
-            close_entries(tables, np.where(real, np.asarray(b.slot_mapping)[rows_of], -1), host_pos, w, spec, p)
+            p.close_entries(tables, np.where(real, np.asarray(b.slot_mapping)[rows_of], -1), host_pos, w, spec)
         keys, key_pos = group_keys(tables, host_pos, lens, spec, p)
         d = pos[:, :, None] - p.dev(key_pos)[:, None, :]
         visible = (d >= 0) & (d < spec.window) & p.dev(key_pos >= 0)[:, None, :]
@@ -227,6 +227,9 @@ class DSV4Primitives(Protocol):
     def rows_at(self, layer: int, tables, at, col: int, width: int):
         """Values [G, R, width] float32 from column col of the rows at positions at (host ints [G, R], -1: zeros)
         of G sequences whose blocks are tables (host ints [G, blocks])."""
+
+    def close_entries(self, tables, slots, pos, w, spec) -> None:
+        """close_entries(.., self): the entries (and indexer keys) of the windows the step's tokens close."""
 
     def indexer_visible(self, tables, ctx_lens, pos, q, weights, spec):
         """indexer_visible(.., self): the entries [G, Q, n] each query's indexer picks."""
@@ -282,6 +285,9 @@ class NumpyDSV4Ops:
     def rows_at(self, layer: int, tables, at, col: int, width: int):
         rows = self.kv[layer, 0, slots_at(tables, at), 0, col:col + width]
         return np.where((at >= 0)[..., None], rows, np.float32(0))
+
+    def close_entries(self, tables, slots, pos, w, spec) -> None:
+        close_entries(tables, slots, pos, w, spec, self)
 
     def indexer_visible(self, tables, ctx_lens, pos, q, weights, spec):
         return indexer_visible(tables, ctx_lens, pos, q, weights, spec, self)

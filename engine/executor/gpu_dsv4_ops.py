@@ -5,9 +5,11 @@ each, nothing read back on the host):
                                     iterations, the streams collapsed by pre into the block's bf16 input
   hc_merge           hc_post_*      post · block output + the comb-mixed streams
   hyper_head         hc_head        the final collapse
-and so is the lightning indexer (dsv4_indexer.cu: indexer_scores, then indexer_topk, each query's top index_topk
-entries on the device; indexer_visible turns its ids into dsv4_attention's mask). The limited SwiGLU, the hash
-router, the compressor and the sliding / compressed attention run as CuPy float32 over the bf16 weights, with every projection on the executor's bf16 GEMM (float32 out) and the routed experts on the MoE
+and so are the compressor closing its windows (dsv4_compress.cu, close_entries: the entry and the indexer key of
+each window a step token closes, written into its row) and the lightning indexer (dsv4_indexer.cu: indexer_scores,
+then indexer_topk, each query's top index_topk entries on the device; indexer_visible turns its ids into
+dsv4_attention's mask). The limited SwiGLU, the hash router and the sliding / compressed attention run as CuPy
+float32 over the bf16 weights, with every projection on the executor's bf16 GEMM (float32 out) and the routed experts on the MoE
 part (gpu_moe_ops.py, which also takes the sqrtsoftplus router and the limited SwiGLU of the experts). Their
 algorithms are cpu_dsv4_ops / cpu_dsv4_attention's own functions, which take CuPy arrays: the CPU gate checks
 the code the GPU runs; this file supplies the device primitives (dtype conversion, the KV rows).
@@ -32,6 +34,7 @@ HC_CHUNK = 1024                 # dsv4_hc.cu HC_CHUNK: flat-row values per CTA o
 MAX_HC_MULT = 5                 # dsv4_hc.cu: the comb matrix (hc_mult² values) in one warp's lanes
 IDX_THREADS = 128               # dsv4_indexer.cu: entries per CTA of indexer_scores
 TOPK_THREADS = 256              # dsv4_indexer.cu: threads of indexer_topk's CTA (one a query row)
+COMP_THREADS = 128              # dsv4_compress.cu: threads of compress_close's CTA (one a step token)
 
 
 def check_hc_shapes(hc_mult: int, hidden: int) -> None:
@@ -175,6 +178,27 @@ class GpuDSV4Ops:
     def rows_at(self, layer: int, tables, at, col: int, width: int):
         rows = self.shared.kv_cache[layer, 0][self.cp.asarray(slots_at(tables, at)), 0, col:col + width]
         return self.cp.where(self.cp.asarray(at >= 0)[..., None], self._f(rows), np.float32(0))
+
+    def close_entries(self, tables, slots, pos, w, spec) -> None:
+        """compress_close over the group's G·Q tokens (host tables [G, blocks], positions pos [G, Q], -1 padding;
+        the closing rows are the tokens' own slots, found from the tables): the entries, then the indexer keys."""
+        if not ((pos >= 0) & ((pos + 1) % spec.rate == 0)).any():
+            return
+        cp, L, D, (G, Q) = self.cp, f"layers.{spec.layer}.", spec.head_dim, pos.shape
+        kv, cols = self.shared.kv_cache[spec.layer, 0], entry_columns(spec)
+        rows = cp.asarray(np.repeat(np.asarray(tables), Q, axis=0), np.int32)
+        positions = cp.asarray(pos.reshape(-1), np.int32)
+        inv_freq = self._kept(spec.compress_inv_freq, "f32", lambda a: cp.asarray(a, np.float32))
+        series = [("comp_", D, D, spec.overlap, cols[0])]
+        if spec.index_heads:
+            series.append(("idx_comp_", D + 2 * spec.series * D, spec.index_dim, True, cols[1]))
+        for name, src, d, overlap, out in series:
+            self.shared.launch(self._kernel("dsv4_compress", "compress_close"), (G * Q,), (COMP_THREADS,),
+                               (kv, rows, positions, self._weight_f32(w[L + name + "ape"]),
+                                self._weight_f32(w[L + name + "norm"]), inv_freq, np.int32(rows.shape[1]),
+                                np.int32(BLOCK_SIZE), np.int32(kv.shape[-1]), np.int32(src), np.int32(d),
+                                np.int32(overlap), np.int32(spec.rate), np.int32(2 * inv_freq.shape[0]),
+                                np.int32(out), np.float32(spec.rms_eps)))
 
     def indexer_topk(self, layer: int, tables, q, weights, positions, spec, stride: int):
         """dsv4_indexer.cu over R query rows: each row's top entries among the (position + 1) // rate closed ones

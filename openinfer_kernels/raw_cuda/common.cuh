@@ -105,6 +105,34 @@ __device__ __forceinline__ void split_weights(const float* part_max, const float
     for (int sp = lane; sp < S; sp += 32) w[sp] = den > 0.f ? w[sp] / den : 0.f;
 }
 
+// Exclusive prefix sum of v over the block (whole warps, at most 1024 threads, in thread order); total gets the
+// block's sum. warp_sums: shared [32]; the closing barrier lets the next call reuse it.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int& total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int x = v;
+    #pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < warps ? warp_sums[lane] : 0;
+        #pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        warp_sums[lane] = w;                 // inclusive over warps
+    }
+    __syncthreads();
+    total = warp_sums[warps - 1];
+    const int before = x - v + (warp > 0 ? warp_sums[warp - 1] : 0);
+    __syncthreads();
+    return before;
+}
+
 // Sum over a whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* scratch /* [33] */) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;

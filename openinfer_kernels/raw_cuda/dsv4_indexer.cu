@@ -71,29 +71,6 @@ __device__ __forceinline__ unsigned order_key(float s) {
     return b & 0x80000000u ? ~b : b | 0x80000000u;
 }
 
-// Exclusive prefix sum of v over the block's TOPK_THREADS threads; *total: the block's sum (every thread).
-__device__ __forceinline__ int block_scan(int v, int* total) {
-    __shared__ int warp_sums[TOPK_THREADS / 32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int x = v;
-    #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
-    if (lane == 31) warp_sums[warp] = x;
-    __syncthreads();
-    int before = 0, sum = 0;
-    #pragma unroll
-    for (int i = 0; i < TOPK_THREADS / 32; ++i) {
-        before += i < warp ? warp_sums[i] : 0;
-        sum += warp_sums[i];
-    }
-    __syncthreads();                                    // warp_sums is the next call's
-    *total = sum;
-    return before + x - v;
-}
-
 // The key of the topk-th largest of the row's n scores (n > topk), by four 8-bit radix passes over them, and
 // *need: how many of the entries with exactly that key the top-k takes (the others' keys are larger).
 __device__ unsigned threshold_key(const float* __restrict__ s, int n, int topk, int* need) {
@@ -132,6 +109,7 @@ indexer_topk(const float* __restrict__ scores, const int* __restrict__ positions
     const int r = blockIdx.x, n = min(closed_entries(positions[r], rate), stride);
     const float* s = scores + (size_t)r * stride;
     int* out = ids + (size_t)r * topk;
+    __shared__ int warp_sums[32];
     int need = n, written = 0, ties = 0;                // n <= topk: every entry, threshold key 0
     const unsigned threshold = n > topk ? threshold_key(s, n, topk, &need) : 0u;
     for (int base = 0; base < n && written < topk; base += TOPK_THREADS) {
@@ -139,10 +117,10 @@ indexer_topk(const float* __restrict__ scores, const int* __restrict__ positions
         const unsigned key = e < n ? order_key(s[e]) : 0u;
         const bool eq = e < n && key == threshold, gt = e < n && key > threshold;
         int total;
-        const int tie_rank = ties + block_scan(eq, &total);
+        const int tie_rank = ties + block_exclusive_scan(eq, warp_sums, total);
         ties += total;
         const bool take = gt || (eq && tie_rank < need);
-        const int at = written + block_scan(take, &total);
+        const int at = written + block_exclusive_scan(take, warp_sums, total);
         if (take) out[at] = e;
         written += total;
     }

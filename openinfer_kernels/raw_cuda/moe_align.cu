@@ -20,31 +20,6 @@
 #define THREADS 1024
 #define MAX_EXPERTS 1024
 
-// Exclusive prefix sum over the block (THREADS values, one per thread); total gets the sum.
-__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums /* [32] */, int& total) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int x = v;
-    #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
-    if (lane == 31) warp_sums[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-        int w = warp_sums[lane];
-        #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += y;
-        }
-        warp_sums[lane] = w;                 // inclusive over warps
-    }
-    __syncthreads();
-    total = warp_sums[31];
-    return x - v + (warp > 0 ? warp_sums[warp - 1] : 0);
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS)
 moe_align(const int* __restrict__ ids, int T, int top_k, int E, int tile_m,
           int max_tiles, int* __restrict__ row_of, int* __restrict__ row_token, int* __restrict__ tile_expert) {
