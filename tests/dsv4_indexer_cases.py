@@ -66,6 +66,7 @@ def random_inputs(heads: int, dim: int, topk: int, head_dim: int, Q: int, lens, 
     pool = rng.standard_normal((1, 1, len(blocks) * BLOCK_SIZE, 1, width)).astype(np.float32)
     col = entry_columns(spec)[1]
     for g, n in enumerate(lens):
+        last = 0
         for e in range(int(n) // RATE):
             slot = tables[g, ((e + 1) * RATE - 1) // BLOCK_SIZE] * BLOCK_SIZE + ((e + 1) * RATE - 1) % BLOCK_SIZE
             kind = rng.uniform()
@@ -82,8 +83,7 @@ def random_inputs(heads: int, dim: int, topk: int, head_dim: int, Q: int, lens, 
 
 def run_indexer(ops, inp: IndexerInputs, dev, back) -> dict:
     """The kernels' ids, counts and scores over the G·Q query rows, and indexer_visible's mask [G, Q, n]."""
-    G, Q = inp.pos.shape
-    rows = inp.pos.size
+    Q, rows = inp.pos.shape[1], inp.pos.size
     n = int(inp.ctx_lens.max()) // RATE
     ids, counts, scores = ops.indexer_topk(
         0, dev(np.repeat(inp.tables, Q, axis=0).astype(np.int32)), dev(inp.q.reshape(rows, *inp.q.shape[2:])),

@@ -3,18 +3,12 @@ numpy close_entries: the cases and checks of the host emulation (tests/dsv4_comp
 models' widths and DeepSeek-V4-Flash's."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from dsv4_compress_cases import CASES, check, random_inputs, reference, run_compress
-from test_gpu_dsv4_hc import DeviceShared
+from test_gpu_dsv4_hc import DeviceShared, back
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
-
-
-def back(a) -> np.ndarray:
-    cp.cuda.get_current_stream().synchronize()
-    return cp.asnumpy(a)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from dsv4_indexer_cases import CASES, check, random_inputs, reference, run_indexer
-from test_gpu_dsv4_hc import DeviceShared
+from test_gpu_dsv4_hc import DeviceShared, back
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
@@ -18,11 +18,6 @@ def ops(inp):
     o = GpuDSV4Ops(DeviceShared(), None)
     o.shared.kv_cache = cp.asarray(inp.pool)
     return o
-
-
-def back(a) -> np.ndarray:
-    cp.cuda.get_current_stream().synchronize()
-    return cp.asnumpy(a)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
