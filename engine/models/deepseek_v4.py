@@ -248,11 +248,12 @@ class DeepseekV4ForCausalLM(DecoderLM):
         if not 1 <= m.hc_mult <= 5:
             raise ValueError(f"deepseek_v4 on the GPU: the hyper-connection kernels (dsv4_hc.cu) hold the comb matrix "
                              f"in one warp, hc_mult 1..5; this model has {m.hc_mult}")
-        if m.head_dim > 1024 or m.head_dim % 4 or m.index_dim % 4:
+        if m.head_dim > 1024 or m.head_dim % 4 or m.index_dim % 4 or m.index_heads * m.index_dim > 8192:
             raise ValueError(f"deepseek_v4 on the GPU: the compressor (dsv4_compress.cu) holds an entry of at most "
-                             f"1024 values and the indexer (dsv4_indexer.cu) reads its keys 4 values at a time: "
-                             f"head_dim {m.head_dim} and index_head_dim {m.index_dim} must be multiples of 4, "
-                             f"head_dim at most 1024")
+                             f"1024 values, the indexer (dsv4_indexer.cu) a query of at most 8192 and reads its keys "
+                             f"4 values at a time: head_dim {m.head_dim} (at most 1024) and index_head_dim "
+                             f"{m.index_dim} must be multiples of 4, index_n_heads · index_head_dim "
+                             f"{m.index_heads * m.index_dim} at most 8192")
         if "hash_moe" in m.mlp_layer_types and m.experts > 256:
             raise ValueError(f"deepseek_v4 on the GPU: hash-routed layers hold tid2eid as bf16, exact for expert "
                              f"ids below 256; this model has {m.experts} experts")

@@ -41,3 +41,19 @@ def test_the_check_fails_on_the_other_tie_rule():
         got["ids"][r, :len(flipped)] = flipped
     with pytest.raises(AssertionError):
         check(got, want, inp)
+
+
+def test_widths_the_kernels_cannot_take_are_refused_at_start():
+    """dsv4_indexer.cu's query in shared memory, its 4-value key loads, dsv4_compress.cu's entry in shared memory."""
+    import dataclasses
+
+    from engine.loader import load_model
+    from harness.models import tiny_model_path
+
+    model = load_model(tiny_model_path("deepseek_v4")).model
+    model.check_gpu_shapes()
+    good = model.v4
+    for bad in ({"index_dim": 18}, {"index_heads": 65, "index_dim": 128}, {"head_dim": 1028}):
+        model.v4 = dataclasses.replace(good, **bad)
+        with pytest.raises(ValueError, match="multiples of 4"):
+            model.check_gpu_shapes()
