@@ -376,35 +376,33 @@ class GemmSm90(EpilogueSm90, BlockScaledMainloopSm90):
         if self.tile.tile_n < 256 or gx * gy * gz * 10 >= 9 * H200_SMS:
             cute.arch.griddepcontrol_launch_dependents()
         stage_args = (k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b)
-        if cutlass.const_expr(self.tile.ws):
-            if warp == 0:  # the producer streams the rest of the k-tiles as stages free up
-                for _ in cutlass.range(fill, k_tiles, unroll=1):
-                    self._load_stage(ring, produce, *stage_args)
-                    produce.advance()
-            if is_mma:
-                if cutlass.const_expr(self.tile.fp8):
-                    self._scaled_mainloop(ring, read, k_tiles, k_first, tiled_mma, acc, frag_a, frag_b, mSFA, mSFB,
-                                          pid_m, pid_n, mma_tidx)
-                else:
+        if cutlass.const_expr(self.tile.fp8):  # the consumers end their tiles in their own branch
+            self._scaled_roles(warp, ring, read, produce, fill, k_tiles, stage_args, tiled_mma, acc, frag_a, frag_b,
+                               mSFA, mSFB, pid_m, pid_n, mma_tidx, (sC, gC, tma_c, sR, r_bar))
+        else:
+            if cutlass.const_expr(self.tile.ws):
+                if warp == 0:
+                    self._stream_rest(ring, produce, fill, k_tiles, stage_args)
+                if is_mma:
                     self._mma_mainloop(ring, read, release, produce, k_tiles, warp, tiled_mma, acc, frag_a, frag_b,
                                        stage_args)
-        else:
-            self._mma_mainloop(ring, read, release, produce, k_tiles, warp, tiled_mma, acc, frag_a, frag_b, stage_args)
-
-        if cute.size(self.cluster_mn) > 1:  # peers may still multicast into our smem
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-        else:
-            cute.arch.sync_threads()
-        if cutlass.const_expr(self.tile.k_split == 2):
-            self._add_peer_partial(acc, storage.sb.data_ptr(), batch, mma_tidx, is_mma)
-        if is_mma:
-            if cutlass.const_expr(self.tile.silu):
-                act = cute.make_rmem_tensor(epi_mma.partition_shape_C(self.out_mnk[:2]), self.acc_dtype)
-                self._silu_up(acc, act)
-                self._epilogue(mma_tidx, warp, epi_mma, act, sC, gC, tma_c, sR, r_bar)
-            elif batch == 0 or self.tile.k_split == 1:
-                self._epilogue(mma_tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar)
+            else:
+                self._mma_mainloop(ring, read, release, produce, k_tiles, warp, tiled_mma, acc, frag_a, frag_b,
+                                   stage_args)
+            if cute.size(self.cluster_mn) > 1:  # peers may still multicast into our smem
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
+            else:
+                cute.arch.sync_threads()
+            if cutlass.const_expr(self.tile.k_split == 2):
+                self._add_peer_partial(acc, storage.sb.data_ptr(), batch, mma_tidx, is_mma)
+            if is_mma:
+                if cutlass.const_expr(self.tile.silu):
+                    act = cute.make_rmem_tensor(epi_mma.partition_shape_C(self.out_mnk[:2]), self.acc_dtype)
+                    self._silu_up(acc, act)
+                    self._epilogue(mma_tidx, warp, epi_mma, act, sC, gC, tma_c, sR, r_bar)
+                elif batch == 0 or self.tile.k_split == 1:
+                    self._epilogue(mma_tidx, warp, tiled_mma, acc, sC, gC, tma_c, sR, r_bar)
 
     @cute.jit
     def _mma_mainloop(self, ring, read, release, produce, k_tiles, warp, tiled_mma, acc, frag_a, frag_b, stage_args):
@@ -433,6 +431,13 @@ class GemmSm90(EpilogueSm90, BlockScaledMainloopSm90):
                         self._load_stage(ring, produce, *stage_args)
                         produce.advance()
         cute.nvgpu.warpgroup.wait_group(0)  # the last stage needs no release: nothing refills it
+
+    @cute.jit
+    def _stream_rest(self, ring, produce, fill, k_tiles, stage_args):
+        """The producer warp of a warp-specialised variant: the k-tiles after the ring fill, as stages free up."""
+        for _ in cutlass.range(fill, k_tiles, unroll=1):
+            self._load_stage(ring, produce, *stage_args)
+            produce.advance()
 
     @cute.jit
     def _load_stage(self, ring, state, k_first, tma_a, tAgA, tAsA, mask_a, tma_b, tBgB, tBsB, mask_b):
