@@ -3,8 +3,8 @@
 Decode (M = 1, 8, 16): per projection, µs per call of gemv.cu (bf16 weights), cuBLAS (bf16), gemv_w4.cu in
 each 4-bit format (AWQ-like fp16 scales + zeros, compressed-tensors bf16 scales, FP4) and its prefill
 dequantization to bf16 (w4_dequant.cu), gemv_fp8.cu (block scales; its fp8_quant.cu of the activations
-timed apart). Prefill (M = 512, 2048, 8192): the CuTe FP8 GEMM
-against cuBLAS bf16 and the CuTe bf16 GEMM (where built). Every kernel runs over a ring of distinct weight
+timed apart). Prefill (M = 512, 2048, 8192): the CuTe FP8 GEMM (the planned variant, then each 128-row
+one by name) against cuBLAS bf16 and the CuTe bf16 GEMM (where built). Every kernel runs over a ring of distinct weight
 copies (>= RING_BYTES, far beyond L2) captured in a CUDA graph, as a decode step streams its layers'
 weights; the time is per call. Roofline: the bytes a call must move (weights + scales + x + y) over the
 device-copy bandwidth measured in the same run (read + write); prefill also reports TFLOP/s.
@@ -139,6 +139,7 @@ def prefill_rows(stream, bw: float, rows_m, reps: int) -> list[dict]:
     if not cute.available():
         print(f"[quant] prefill skipped: {cute.available().reason}", flush=True)
         return []
+    from openinfer_kernels.cute.configs import FP8_GEMM_VARIANTS
     from openinfer_kernels.cute.gemm import GemmRunner, fp8_gemm
 
     runner, blas, out, rng = GemmRunner(), Gemm(stream), [], np.random.default_rng(1)
@@ -155,6 +156,10 @@ def prefill_rows(stream, bw: float, rows_m, reps: int) -> list[dict]:
                      "CuTe bf16": per_call_us(stream, [lambda: runner(x, w_bf16, y, stream=stream)] * 8, reps),
                      "CuTe fp8 (block-scaled)": per_call_us(
                          stream, [lambda: fp8_gemm(runner, xq, xs, w8, s8, y, stream=stream)] * 8, reps)}
+            for v in FP8_GEMM_VARIANTS:  # every 128-row tile beside the planned one: the data plan_fp8_gemm needs
+                if v.tile_m == 128:
+                    times[f"CuTe fp8 {v.name}"] = per_call_us(
+                        stream, [lambda v=v: fp8_gemm(runner, xq, xs, w8, s8, y, stream=stream, variant=v)] * 8, reps)
             for kernel, us in times.items():
                 nbytes = (M * K + N * K) * (1 if "fp8" in kernel else 2) + M * N * 2
                 out.append(dict(proj=label, shape=f"{N}x{K}", M=M, kernel=kernel, us=us, roofline_us=nbytes / bw * 1e6,

@@ -149,10 +149,13 @@ REDUCE_NAME = "splitk_reduce"
 REDUCE_RESIDUAL_NAME = "splitk_reduce_res"
 VARIANTS_BY_NAME = {v.name: v for v in GEMM_VARIANTS}
 # FP8 block-scaled twins (gemm_sm90_fp8): warp-specialised, a consumer warpgroup per 64 rows, a tile's columns
-# in one 128-wide B scale block. Not tuned on a GPU yet: plan_fp8_gemm is a wave-fill rule to be replaced by
-# the sweep of bench/quant_kernels.py.
+# in one 128-wide B scale block (wider tiles do not fit the promotion's registers: gemm_sm90_fp8). Not tuned on a
+# GPU yet: plan_fp8_gemm is a wave-fill rule to be replaced by the sweep of bench/quant_kernels.py. The 2x1
+# cluster multicasts the weight tile to an M-pair: 24 KB of L2 reads a CTA and 128-wide k-tile instead of 32, as
+# at twice the bf16 MMA rate a 128x128 tile's operands (128 flop a byte) would ask ~15 TB/s of L2 at peak.
 FP8_GEMM_VARIANTS: tuple[GemmVariant, ...] = (
     GemmVariant(128, 128, ws=True, fp8=True),
+    GemmVariant(128, 128, 2, 1, ws=True, fp8=True),
     GemmVariant(128, 64, ws=True, fp8=True),
     GemmVariant(64, 128, ws=True, fp8=True),
 )
@@ -437,10 +440,15 @@ def plan_gemm(m: int, n: int, k: int, sms: int = H200_SMS, residual: bool = Fals
 
 def plan_fp8_gemm(m: int, n: int, k: int, sms: int = H200_SMS) -> GemmVariant:
     """The FP8 variant for ``D[m, n] = A[m, k]·B[n, k]ᵀ``: 64x128 tiles up to M = 64 (a weight stream), else
-    128x128, or 128x64 where that fills a wave better (narrow N, few row tiles)."""
+    128x128, or 128x64 where that fills a wave better (narrow N, few row tiles); 128x128 tiles pair along M in
+    2x1 clusters (the weight tile multicast) unless that pads a row of empty tiles onto an odd count below 8
+    (the bf16 plan's rule)."""
     if m <= 64:
         return FP8_VARIANTS_BY_NAME["gemm_fp8_64x128_c1x1_ws"]
-    wide, narrow = _ceil(m, 128) * _ceil(n, 128), _ceil(m, 128) * _ceil(n, 64)
+    m_tiles = _ceil(m, 128)
+    wide, narrow = m_tiles * _ceil(n, 128), m_tiles * _ceil(n, 64)
     if wave_fill(narrow, sms) > wave_fill(wide, sms) * 1.25 and narrow <= sms:
         return FP8_VARIANTS_BY_NAME["gemm_fp8_128x64_c1x1_ws"]
+    if m_tiles % 2 == 0 or m_tiles >= 8:
+        return FP8_VARIANTS_BY_NAME["gemm_fp8_128x128_c2x1_ws"]
     return FP8_VARIANTS_BY_NAME["gemm_fp8_128x128_c1x1_ws"]

@@ -50,19 +50,29 @@ class BlockScaledMainloopSm90:
         consumers' ``inc`` waits for the producer's ``dec``. The consumers' whole path sits in the branch of the
         ``inc``, which is what ptxas allocates it (after the branches join it would have 168 a thread and spill
         the total), so they sync on a named barrier (every consumer done reading the A ring, which the
-        epilogue's staging buffer reuses) instead of the CTA-wide one."""
+        epilogue's staging buffer reuses) instead of the CTA-wide one. In a cluster (the weight tile multicast to
+        an M-pair) every thread arrives on the cluster barrier once done with its peers' barriers and waits on it
+        before leaving; the consumers' epilogue runs in between (their own smem: every load into it has landed)."""
+        clustered = cute.size(self.cluster_mn) > 1
         if warp < 4:
             if cutlass.const_expr(self.num_mma_wg == 2):
                 cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
                 self._stream_rest(ring, produce, fill, k_tiles, stage_args)
+            if cutlass.const_expr(clustered):
+                cute.arch.cluster_arrive()
+                cute.arch.cluster_wait()
         else:
             if cutlass.const_expr(self.num_mma_wg == 2):
                 cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self._scaled_mainloop(ring, read, k_tiles, stage_args[0], tiled_mma, acc, frag_a, frag_b, mSFA, mSFB,
                                   pid_m, pid_n, mma_tidx)
+            if cutlass.const_expr(clustered):  # our stage releases (arrivals on the peers' barriers) are done
+                cute.arch.cluster_arrive()
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.mma_threads)
             self._epilogue(mma_tidx, warp, tiled_mma, acc, *epilogue_args)
+            if cutlass.const_expr(clustered):  # no CTA leaves while a peer may still arrive on its barriers
+                cute.arch.cluster_wait()
 
     @cute.jit
     def _scaled_mainloop(self, ring, read, k_tiles, k_first, tiled_mma, acc, frag_a, frag_b, mSFA: cute.Tensor,

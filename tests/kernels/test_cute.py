@@ -218,7 +218,9 @@ def test_fp8_launcher_checks():
 
 def test_fp8_plan_streams_small_m_and_fills_waves():
     assert plan_fp8_gemm(1, 6144, 4096).name == "gemm_fp8_64x128_c1x1_ws"
-    assert plan_fp8_gemm(4096, 4096, 4096).name == "gemm_fp8_128x128_c1x1_ws"
+    assert plan_fp8_gemm(4096, 4096, 4096).name == "gemm_fp8_128x128_c2x1_ws"   # 32 M-tiles in pairs
+    assert plan_fp8_gemm(1100, 12288, 4096).name == "gemm_fp8_128x128_c2x1_ws"   # 9: one padded row of 10
+    assert plan_fp8_gemm(300, 24576, 4096).name == "gemm_fp8_128x128_c1x1_ws"    # 3: a pair would pad a row
     assert plan_fp8_gemm(256, 2048, 4096).name == "gemm_fp8_128x64_c1x1_ws"   # 32 wide tiles, 64 narrow
 
 
