@@ -161,27 +161,44 @@ def attention_groups(q_lens: np.ndarray, ctx_lens: np.ndarray, max_rows: int) ->
     return groups + [[int(i)] for i in np.flatnonzero(q_lens != 1)]
 
 
-def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
-    """The attention block of DeepSeek-V4 layer spec.layer on x [T, H] (its input norm applied), over an executor's
-    primitives p; writes the step's rows. Returns the output projection's [T, H]."""
-    b, L, mm, f32 = ctx.batch, f"layers.{spec.layer}.", p.mm, p.fp32
+def project(x, w, spec, positions, p: "DSV4Primitives"):
+    """The step's projections of x [T, H] at positions [T] (where p computes): (q [T, heads, D] roped, its KV rows
+    [T, row_width] (K = V roped, then the compressor's and the indexer's inputs), the indexer's queries [T, index
+    heads, d] and weights [T, index heads] (CSA; None elsewhere), the rope's (cos, sin))."""
+    L, mm, f32 = f"layers.{spec.layer}.", p.mm, p.fp32
     T, H, D, eps = x.shape[0], spec.num_heads, spec.head_dim, spec.rms_eps
-    positions = p.dev(b.positions)
-    cos, sin = cos_sin(positions, spec.inv_freq)
+    cos, sin = cos_sin(positions, p.const(spec.inv_freq))
     q_res = rms(mm(x, w[L + "wq_a"]), eps, f32(w[L + "q_norm"]))
     q = rope_trailing(rms(mm(q_res, w[L + "wq_b"]).reshape(T, H, D), eps), cos, sin)
     kv = rope_trailing(rms(mm(x, w[L + "wkv"]), eps, f32(w[L + "kv_norm"]))[:, None], cos, sin)[:, 0]
-    row = [kv]
+    row, iq, iw = [kv], None, None
     if spec.rate:
         row += [mm(x, w[L + "comp_wkv"]), mm(x, w[L + "comp_wgate"])]
     if spec.index_heads:
         row += [mm(x, w[L + "idx_comp_wkv"]), mm(x, w[L + "idx_comp_wgate"])]
         iq = rope_trailing(mm(q_res, w[L + "idx_wq_b"]).reshape(T, spec.index_heads, spec.index_dim),
-                           *cos_sin(positions, spec.compress_inv_freq))
+                           *cos_sin(positions, p.const(spec.compress_inv_freq)))
         iw = mm(x, w[L + "idx_weights"]) * np.float32(spec.index_heads ** -0.5)
-    xp = xp_of(kv)
-    p.write_rows(spec.layer, b.slot_mapping, xp.concatenate(row, axis=-1))
-    sinks, out = f32(w[L + "sinks"]), xp.empty((T, H, D), np.float32)
+    return q, xp_of(kv).concatenate(row, axis=-1), iq, iw, (cos, sin)
+
+
+def out_projection(out, rope, w, spec, p: "DSV4Primitives"):
+    """The block's output [T, H] of the attention's out [T, heads, D]: the rope undone, the grouped output
+    projection (wo_a per group, wo_b)."""
+    L, (cos, sin) = f"layers.{spec.layer}.", rope
+    o = rope_trailing(out, cos, -sin).reshape(out.shape[0], -1)
+    return p.block_out(p.mm(grouped_linear(o, p.fp32(w[L + "wo_a"]), spec.o_groups), w[L + "wo_b"]))
+
+
+def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
+    """The attention block of DeepSeek-V4 layer spec.layer on x [T, H] (its input norm applied), over an executor's
+    primitives p; writes the step's rows. Returns the output projection's [T, H]."""
+    b, L = ctx.batch, f"layers.{spec.layer}."
+    T, H, D = x.shape[0], spec.num_heads, spec.head_dim
+    q, row, iq, iw, rope = project(x, w, spec, p.dev(b.positions), p)
+    xp = xp_of(row)
+    p.write_rows(spec.layer, b.slot_mapping, row)
+    sinks, out = p.fp32(w[L + "sinks"]), xp.empty((T, H, D), np.float32)
     cu, ctx_lens = np.asarray(b.cu_seqlens), np.asarray(b.context_lens)
     q_lens = np.diff(cu)
     for group in attention_groups(q_lens, ctx_lens, CONTEXT_ROWS_PER_GROUP):
@@ -205,8 +222,7 @@ def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
             keys, visible = xp.concatenate([keys, entries], axis=1), xp.concatenate([visible, seen], axis=2)
         res = sink_attention(q[tok], keys, visible, sinks, D ** -0.5)           # [G, Q, H, D]
         out[p.dev(rows_of[real])] = res.reshape(G * Q, H, D)[p.dev(np.flatnonzero(real))]
-    o = rope_trailing(out, cos, -sin).reshape(T, H * D)
-    return p.block_out(mm(grouped_linear(o, f32(w[L + "wo_a"]), spec.o_groups), w[L + "wo_b"]))
+    return out_projection(out, rope, w, spec, p)
 
 
 class DSV4Primitives(Protocol):
@@ -220,6 +236,9 @@ class DSV4Primitives(Protocol):
 
     def dev(self, host):
         """A host array of the step (positions) where the algorithm computes."""
+
+    def const(self, table):
+        """A constant host table (the rope's inverse frequencies) where the algorithm computes, kept there."""
 
     def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
         """Store rows [T, w] at the step's KV slots (host ints) of layer, from column col."""
@@ -278,6 +297,8 @@ class NumpyDSV4Ops:
 
     def dev(self, host):
         return np.asarray(host)
+
+    const = dev
 
     def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
         self.kv[layer, 0, slots, 0, col:col + rows.shape[1]] = rows

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.executor.cpu_dsv4_attention import dsv4_attention, entry_columns, slots_at
+from engine.executor.cpu_dsv4_attention import dsv4_attention, entry_columns, out_projection, project, slots_at
 from engine.executor.cpu_dsv4_ops import hash_route, swiglu_limited
 from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16, split_gate_up
 from memory.kv_pool import BLOCK_SIZE
@@ -35,6 +35,7 @@ MAX_HC_MULT = 5                 # dsv4_hc.cu: the comb matrix (hc_mult² values)
 IDX_THREADS = 128               # dsv4_indexer.cu: entries per CTA of indexer_scores
 TOPK_THREADS = 256              # dsv4_indexer.cu: threads of indexer_topk's CTA (one a query row)
 COMP_THREADS = 128              # dsv4_compress.cu: threads of compress_close's CTA (one a step token)
+ATT_THREADS = 128               # dsv4_attention.cu: threads of sparse_decode's CTA (a row and head) and write_rows'
 
 
 def check_hc_shapes(hc_mult: int, hidden: int) -> None:
@@ -157,7 +158,11 @@ class GpuDSV4Ops:
 
     # ---- attention: cpu_dsv4_attention.dsv4_attention over the device primitives --------------------------
     def attention(self, x, w, spec, ctx):
+        """decode_attention where every sequence of the step has one query (a decode graph's steps, whose context
+        has no host batch, and eager decode steps), else dsv4_attention."""
         with self.shared.stream:
+            if ctx.batch is None or getattr(ctx, "decode_only", False):
+                return decode_attention(x, w, spec, ctx, self)
             return dsv4_attention(x, w, spec, ctx, self)
 
     def mm(self, x, weight):
@@ -172,6 +177,9 @@ class GpuDSV4Ops:
     def dev(self, host):
         return self.cp.asarray(host)
 
+    def const(self, table):
+        return self._kept(table, "dev", lambda a: self.cp.asarray(a, np.float32))
+
     def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
         self.shared.kv_cache[layer, 0][self.cp.asarray(slots), 0, col:col + rows.shape[1]] = self._b(rows)
 
@@ -180,22 +188,24 @@ class GpuDSV4Ops:
         return self.cp.where(self.cp.asarray(at >= 0)[..., None], self._f(rows), np.float32(0))
 
     def close_entries(self, tables, slots, pos, w, spec) -> None:
-        """compress_close over the group's G·Q tokens (host tables [G, blocks], positions pos [G, Q], -1 padding;
-        the closing rows are the tokens' own slots, found from the tables): the entries, then the indexer keys."""
-        if not ((pos >= 0) & ((pos + 1) % spec.rate == 0)).any():
-            return
-        cp, L, D, (G, Q) = self.cp, f"layers.{spec.layer}.", spec.head_dim, pos.shape
-        kv, cols = self.shared.kv_cache[spec.layer, 0], entry_columns(spec)
-        rows = cp.asarray(np.repeat(np.asarray(tables), Q, axis=0), np.int32)
-        positions = cp.asarray(pos.reshape(-1), np.int32)
-        inv_freq = self._kept(spec.compress_inv_freq, "f32", lambda a: cp.asarray(a, np.float32))
+        """compress_windows over the group's G·Q tokens (host tables [G, blocks], positions pos [G, Q], -1
+        padding; the closing rows are the tokens' own slots, found from the tables)."""
+        if ((pos >= 0) & ((pos + 1) % spec.rate == 0)).any():
+            rows = self.cp.asarray(np.repeat(np.asarray(tables), pos.shape[1], axis=0), np.int32)
+            self.compress_windows(rows, self.cp.asarray(pos.reshape(-1), np.int32), w, spec)
+
+    def compress_windows(self, tables, positions, w, spec) -> None:
+        """compress_close over T tokens (device tables [T, blocks] int32, positions [T] int32, -1: padding; a
+        token that closes no window returns at once): the entries, then the indexer keys."""
+        L, D, kv, cols = f"layers.{spec.layer}.", spec.head_dim, self.shared.kv_cache[spec.layer, 0], entry_columns(spec)
+        inv_freq = self.const(spec.compress_inv_freq)
         series = [("comp_", D, D, spec.overlap, cols[0])]
         if spec.index_heads:
             series.append(("idx_comp_", D + 2 * spec.series * D, spec.index_dim, True, cols[1]))
         for name, src, d, overlap, out in series:
-            self.shared.launch(self._kernel("dsv4_compress", "compress_close"), (G * Q,), (COMP_THREADS,),
-                               (kv, rows, positions, self._weight_f32(w[L + name + "ape"]),
-                                self._weight_f32(w[L + name + "norm"]), inv_freq, np.int32(rows.shape[1]),
+            self.shared.launch(self._kernel("dsv4_compress", "compress_close"), (positions.shape[0],), (COMP_THREADS,),
+                               (kv, tables, positions, self._weight_f32(w[L + name + "ape"]),
+                                self._weight_f32(w[L + name + "norm"]), inv_freq, np.int32(tables.shape[1]),
                                 np.int32(BLOCK_SIZE), np.int32(kv.shape[-1]), np.int32(src), np.int32(d),
                                 np.int32(overlap), np.int32(spec.rate), np.int32(2 * inv_freq.shape[0]),
                                 np.int32(out), np.float32(spec.rms_eps)))
@@ -236,3 +246,45 @@ class GpuDSV4Ops:
 
     def block_out(self, y):
         return y                            # float32: hc_merge reads it as it is
+
+    # ---- decode on the device alone: dsv4_attention.cu ------------------------------------------------------
+    def store_rows(self, layer: int, slots, rows) -> None:
+        """write_rows: rows [T, w] float32 as bf16 at the device slots [T] (-1: padding, not written)."""
+        kv = self.shared.kv_cache[layer, 0]
+        if rows.shape[0]:
+            self.shared.launch(self._kernel("dsv4_attention", "write_rows"), (rows.shape[0],), (ATT_THREADS,),
+                               (kv, slots, self.cp.ascontiguousarray(rows, np.float32), np.int32(rows.shape[1]),
+                                np.int32(kv.shape[-1]), np.int32(0)))
+
+    def sparse_decode(self, q, tables, positions, ids, sinks, spec):
+        """sparse_decode: each row's one query over its window and its entries (ids [T, topk] on CSA layers,
+        every closed one on HCA layers, None on sliding ones). Returns out [T, heads, D] float32."""
+        cp, (T, H, D) = self.cp, q.shape
+        kv, out = self.shared.kv_cache[spec.layer, 0], cp.empty((T, H, D), np.float32)
+        if T:
+            self.shared.launch(self._kernel("dsv4_attention", "sparse_decode"), (T, H), (ATT_THREADS,),
+                               (cp.ascontiguousarray(q, np.float32), kv, tables, positions,
+                                np.uint64(0) if ids is None else ids, sinks, out, np.int32(tables.shape[1]),
+                                np.int32(BLOCK_SIZE), np.int32(kv.shape[-1]), np.int32(D), np.int32(spec.window),
+                                np.int32(spec.rate), np.int32(0 if ids is None else ids.shape[1]),
+                                np.int32(entry_columns(spec)[0]), np.float32(D ** -0.5)))
+        return out
+
+
+def decode_attention(x, w, spec, ctx, p: GpuDSV4Ops):
+    """dsv4_attention of a step whose every sequence has one query, from the step's device arrays alone
+    (ctx.positions, slot_mapping, block_tables: row t is token t's sequence; positions -1 are padding rows):
+    fixed shapes for a given number of rows and no host reads, so a decode graph can hold it. The rows are
+    written, the windows closed (compress_close), the indexer's top-k taken over every entry the block tables
+    can hold (CSA), then sparse_decode."""
+    positions, tables = ctx.positions, ctx.block_tables
+    q, row, iq, iw, rope = project(x, w, spec, positions, p)
+    p.store_rows(spec.layer, ctx.slot_mapping, row)
+    ids = None
+    if spec.rate:
+        p.compress_windows(tables, positions, w, spec)
+        if spec.index_heads:
+            stride = tables.shape[1] * BLOCK_SIZE // spec.rate
+            ids = p.indexer_topk(spec.layer, tables, iq, iw, positions, spec, stride)[0]
+    out = p.sparse_decode(q, tables, positions, ids, p.fp32(w[f"layers.{spec.layer}.sinks"]), spec)
+    return out_projection(out, rope, w, spec, p)
