@@ -2,8 +2,8 @@
 H200: random weights in a real quantized checkpoint format (bench/deepseek_weights.py: Kimi-K2-Thinking's int4
 experts or DeepSeek-V3's FP8 blocks; DeepSeek-V4's FP8 projections with FP4 experts), read by the engine's loader
 (the routed experts kept as shipped, engine/models/quant_experts.py, on the quantized grouped GEMVs; the rest
-dequantized to bf16), decode at batch 1 / 32 (bench/decode.py's run_batch: CUDA-graph decode on Kimi-K2; eager steps
-on DeepSeek-V4, which captures no graphs), prompt 128, 256 steps.
+dequantized to bf16), decode at batch 1 / 32 (bench/decode.py's run_batch: CUDA-graph decode, the host's share of a
+step in the JSON's host_ms / host_fraction), prompt 128, 256 steps (--steps).
 
 Rooflines (bytes read per step / the device-copy bandwidth measured in the same run): "bf16" counts what the
 engine reads as it holds the weights (every dense weight, the experts the batch's tokens route to in

@@ -5,18 +5,19 @@ each, nothing read back on the host):
                                     iterations, the streams collapsed by pre into the block's bf16 input
   hc_merge           hc_post_*      post · block output + the comb-mixed streams
   hyper_head         hc_head        the final collapse
-and so are the compressor closing its windows (dsv4_compress.cu, close_entries: the entry and the indexer key of
-each window a step token closes, written into its row) and the lightning indexer (dsv4_indexer.cu: indexer_scores,
-then indexer_topk, each query's top index_topk entries on the device; indexer_visible turns its ids into
-dsv4_attention's mask). The limited SwiGLU, the hash router and the sliding / compressed attention run as CuPy
-float32 over the bf16 weights, with every projection on the executor's bf16 GEMM (float32 out) and the routed experts on the MoE
-part (gpu_moe_ops.py, which also takes the sqrtsoftplus router and the limited SwiGLU of the experts). Their
-algorithms are cpu_dsv4_ops / cpu_dsv4_attention's own functions, which take CuPy arrays: the CPU gate checks
-the code the GPU runs; this file supplies the device primitives (dtype conversion, the KV rows).
+and so are the compressor closing its windows (dsv4_compress.cu, compress_windows: the entry and the indexer key
+of each window a step token closes, written into its row), the lightning indexer (dsv4_indexer.cu:
+indexer_scores, then indexer_topk, each query's top index_topk entries on the device) and, for steps whose every
+sequence has one query (decode), the attention itself (dsv4_attention.cu: write_rows stores the step's KV rows,
+sparse_decode attends over the window and the entries with the sinks; decode_attention below). The limited
+SwiGLU, the hash router and the projections around the attention run as CuPy float32 over the bf16 weights, every
+projection on the executor's bf16 GEMM (float32 out), the routed experts on the MoE part (gpu_moe_ops.py, whose
+moe_route.cu also takes the sqrtsoftplus router).
 
-Eager steps only: the ops allocate from CuPy's pool and group the step's sequences on the host, so the
-executor captures no CUDA graphs for this line (DeepseekV4ForCausalLM.cuda_graphs). Host-bound
-(bench/results/deepseek.md), no roofline claimed for the step.
+Decode steps read only the step's device arrays (positions, slots, block tables) with shapes fixed by the row
+count, so the executor captures them in CUDA graphs (DeepseekV4ForCausalLM.cuda_graphs); their CuPy temporaries
+come from the graphs' own memory pool (gpu_graphs.capture_memory). Prefill and mixed steps run eager through
+cpu_dsv4_attention.dsv4_attention's grouping over the same primitives (the CPU gate checks that code).
 """
 from __future__ import annotations
 
@@ -126,7 +127,8 @@ class GpuDSV4Ops:
             out = self.cp.empty((T, N, D), np.float32)
             if T:
                 entry = "hc_post_bf16" if block_out.dtype == np.uint16 else "hc_post_f32"
-                self.shared.launch(self._kernel("dsv4_hc", entry, HC_N=N), (-(-T * D // (4 * HC_THREADS)),), (HC_THREADS,),
+                self.shared.launch(self._kernel("dsv4_hc", entry, HC_N=N), (-(-T * D // (4 * HC_THREADS)),),
+                                   (HC_THREADS,),
                                    (self.cp.ascontiguousarray(block_out), self.cp.ascontiguousarray(streams),
                                     post, comb, out, np.int32(T), np.int32(D)))
             return out
@@ -197,7 +199,8 @@ class GpuDSV4Ops:
     def compress_windows(self, tables, positions, w, spec) -> None:
         """compress_close over T tokens (device tables [T, blocks] int32, positions [T] int32, -1: padding; a
         token that closes no window returns at once): the entries, then the indexer keys."""
-        L, D, kv, cols = f"layers.{spec.layer}.", spec.head_dim, self.shared.kv_cache[spec.layer, 0], entry_columns(spec)
+        L, D, cols = f"layers.{spec.layer}.", spec.head_dim, entry_columns(spec)
+        kv = self.shared.kv_cache[spec.layer, 0]
         inv_freq = self.const(spec.compress_inv_freq)
         series = [("comp_", D, D, spec.overlap, cols[0])]
         if spec.index_heads:

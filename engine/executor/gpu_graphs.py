@@ -62,6 +62,24 @@ def capture_mode() -> tuple:
     return () if mode is None else (mode,)
 
 
+@contextlib.contextmanager
+def capture_memory(shared):
+    """CuPy allocations inside come from shared.capture_pool, a memory pool only captures use (made on first use):
+    a line whose ops allocate temporaries (DeepSeek-V4's float32 arrays) gets addresses that no eager step
+    or later allocation is handed while a graph holds them. The captures share it (their graphs replay one at
+    a time on one stream, and nothing they allocate outlives a replay: their warm-up steps, run eagerly first,
+    made every kept array); lines whose ops allocate nothing leave it empty."""
+    try:
+        import cupy
+    except ImportError:
+        yield
+        return
+    if shared.capture_pool is None:
+        shared.capture_pool = cupy.cuda.MemoryPool()
+    with cupy.cuda.using_allocator(shared.capture_pool.malloc):
+        yield
+
+
 class DecodeGraphs:
     """The executor's parts a decode graph drives: the model line's forward over `ops` and `weights`,
     the `sampler`'s argmax / sampling tail, `upload(batch, pad_to)`, which checks a step and puts
@@ -100,11 +118,12 @@ class DecodeGraphs:
     def _capture(self, ctx, sampling: bool) -> tuple:
         logits = self._body(ctx, sampling)    # eager warm-up: kernels loaded, cuBLAS heuristics run; also this step
         self.stream.synchronize()
-        self.stream.begin_capture(*capture_mode())
-        try:
-            self._body(ctx, sampling)
-        finally:
-            graph = self.stream.end_capture()
+        with capture_memory(self.ops.shared):
+            self.stream.begin_capture(*capture_mode())
+            try:
+                self._body(ctx, sampling)
+            finally:
+                graph = self.stream.end_capture()
         return graph, logits
 
     def missing(self) -> list[tuple[int, bool]]:

@@ -12,8 +12,8 @@ of at most 4 tokens takes three launches instead: moe_route_gemv (the router pro
 one), moe_gemv_silu and moe_gemv_combine (each assignment reads its expert straight from the ids, the same
 bits as the grouped path). Every launch has a grid fixed by the step's token count (the rows bound below),
 nothing waits on the host: a decode step with experts is captured in its CUDA graph like a dense one.
-DeepSeek-V4's sqrtsoftplus scores (route_topk on the device) and its limited SwiGLU (swiglu_limit) run as CuPy
-float32 array ops (eager steps only: that line captures no graphs).
+DeepSeek-V4's sqrtsoftplus scores are moe_route.cu's third scoring; its limited SwiGLU (swiglu_limit) runs as
+CuPy float32 array ops (no host reads: captured in that line's decode graphs too).
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import math
 import numpy as np
 
 from engine.executor.cpu_dsv4_ops import swiglu_limited
-from engine.executor.cpu_moe_ops import route_topk
 from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16, split_gate_up
 from engine.models.ops import RouteSpec
 from openinfer_kernels.raw_cuda import kernel
@@ -40,7 +39,7 @@ FUSED_MAX_TOKENS = 4         # steps of at most this many tokens skip the groupi
 # 49.0 -> 41.5, Qwen3-30B-A3B 9.2 -> 8.7 / 30.3 -> 28.1; MOE_UNROLL 4 slowed moe_gemv_silu (16.5 -> 18.2).
 MOE_UNROLL = 2               # moe_gemv.cu: 256-wide k steps whose weight loads a lane issues together
 COMBINE_COLS = 4             # moe_gemv_combine's output columns per CTA
-KERNEL_SCORINGS = ("softmax", "sigmoid")     # RouteSpec.scoring moe_route.cu computes
+KERNEL_SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")    # RouteSpec.scoring moe_route.cu computes, its `scoring`
 
 
 def expert_tile_m(tokens: int, top_k: int, experts: int) -> int:
@@ -112,10 +111,10 @@ class GpuMoEOps:
 
     # ---- the router ------------------------------------------------------------------------------------
     def route(self, x, gate_weight, spec: RouteSpec, bias=None):
-        """(weights, ids) views: moe_route.cu for softmax / sigmoid scores (a decode step's product and top-k in
-        one launch); sqrtsoftplus (DeepSeek-V4) by route_topk on the device over the float32 logits."""
+        """(weights, ids) views: moe_route.cu for softmax / sigmoid / sqrtsoftplus (DeepSeek-V4) scores (a decode
+        step's product and top-k in one launch)."""
         if spec.scoring not in KERNEL_SCORINGS:
-            return self._route_on_device(x, gate_weight, spec, bias)
+            raise ValueError(f"moe_route.cu has no {spec.scoring!r} scores")
         T, E = x.shape[0], spec.num_experts
         logits = self.buf["moe_logits"][:T * E].reshape(T, E)
         if T <= min(self.route_gemv_tokens, 8) and x.shape[1] % 8 == 0:     # 8: the kernel's ROUTE_TOKENS
@@ -130,12 +129,6 @@ class GpuMoEOps:
         self.shared.gemm(x, gate_weight, logits)
         return logits
 
-    def _route_on_device(self, x, gate_weight, spec: RouteSpec, bias):
-        logits = self.router_logits(x, gate_weight)
-        with self.shared.stream:
-            weights, ids = route_topk(logits, spec, None if bias is None else bf16_to_f32(self.cp, bias))
-            return self.cp.ascontiguousarray(weights), self.cp.ascontiguousarray(ids)
-
     def _check_experts(self, E: int) -> None:
         if E > self.route_max_e:
             raise ValueError(f"moe_route.cu was built for at most {self.route_max_e} experts, got {E}")
@@ -148,7 +141,7 @@ class GpuMoEOps:
     def _route_args(spec: RouteSpec) -> tuple:
         """moe_route.cu's routing arguments after E: top_k .. sigmoid."""
         return (np.int32(spec.top_k), np.int32(spec.renormalize), np.float32(spec.scale), np.int32(spec.num_groups),
-                np.int32(spec.topk_groups), np.int32(spec.scoring == "sigmoid"))
+                np.int32(spec.topk_groups), np.int32(KERNEL_SCORINGS.index(spec.scoring)))
 
     def _route_gemv(self, x, gate_weight, logits, spec: RouteSpec, bias):
         """moe_route.cu moe_route_gemv: the router product and the top-k of a decode step in one launch."""

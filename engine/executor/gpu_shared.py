@@ -46,6 +46,7 @@ class GpuShared:
     gate_up_interleaved: bool = False   # gate_up weights in blocks of 8 gate / 8 up rows (gemv.cu's SiLU·up)
     kv_format: KVFormat = KVFormat()    # kv_cache's: bf16, or e4m3 (uint8) with per-layer scales (gpu_kv_format.py)
     pdl: bool = False               # programmatic dependent launches (set while capturing decode)
+    capture_pool: object = None     # the CuPy memory pool graph captures allocate from (gpu_graphs.capture_memory)
     ring_next: int = 0
 
     @classmethod

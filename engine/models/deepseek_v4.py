@@ -1,5 +1,6 @@
-"""DeepSeek-V4 (deepseek_v4, transformers' DeepseekV4ForCausalLM), on the numpy executor and, in eager steps, on the
-GPU (engine/executor/gpu_dsv4_ops.py runs the same functions on CuPy arrays; no CUDA graphs for this line).
+"""DeepSeek-V4 (deepseek_v4, transformers' DeepseekV4ForCausalLM), on the numpy executor and on the GPU
+(engine/executor/gpu_dsv4_ops.py: the same functions on CuPy arrays and the line's raw CUDA kernels; decode steps
+from the step's device arrays alone, captured in CUDA graphs as the other lines' are).
 
 Residual: hc_mult streams per token (manifold-constrained hyper-connections): each block's input is the
 streams collapsed by the `pre` weights of a hyper-connection, its output is spread back by `post` and the streams
@@ -143,7 +144,7 @@ class DeepseekV4Config:
 
 class DeepseekV4ForCausalLM(DecoderLM):
     model_type = "deepseek_v4"
-    cuda_graphs = False         # the GPU ops allocate and walk the step's sequences on the host: eager steps
+    cuda_graphs = True          # decode: gpu_dsv4_ops.decode_attention, no host reads (temporaries: the graphs' pool)
     op_families = frozenset({"moe", "dsv4"})
     fp8_kv_cache = False        # its KV rows also hold the compressors' kv and gates, read as they are
     kept_experts = EXPERT_WEIGHTS

@@ -29,12 +29,6 @@
 #define ATT_MAX_D 1024
 #define ATT_PER_LANE (ATT_MAX_D / 32)
 
-__device__ __forceinline__ float lane_sum(float v) {
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // The position of key j of row t (-1: none): the window's first, then the entries' rows.
 __device__ __forceinline__ int key_position(int j, int p, const int* __restrict__ ids, int window, int rate,
                                             int topk) {
@@ -73,7 +67,8 @@ sparse_decode(const float* __restrict__ q, const bf16_t* __restrict__ kv, const 
     for (int j = warp; j < window + entries; j += ATT_WARPS) {
         const int at = key_position(j, p, ids + (size_t)t * topk, window, rate, topk);
         if (at < 0) continue;                                             // the whole warp
-        const bf16_t* k = kv + ((size_t)table[at / block] * block + at % block) * row_width + (j < window ? 0 : entry_col);
+        const bf16_t* k = kv + ((size_t)table[at / block] * block + at % block) * row_width
+                          + (j < window ? 0 : entry_col);
         float v[ATT_PER_LANE], dot = 0.f;
         #pragma unroll
         for (int i = 0; i < ATT_PER_LANE; ++i) {
@@ -81,7 +76,7 @@ sparse_decode(const float* __restrict__ q, const bf16_t* __restrict__ kv, const 
             v[i] = c < d ? bf16_to_f(k[c]) : 0.f;
             dot += c < d ? qs[c] * v[i] : 0.f;
         }
-        const float s = lane_sum(dot) * scale, mn = fmaxf(m, s), corr = expf(m - mn), e = expf(s - mn);
+        const float s = warp_sum(dot) * scale, mn = fmaxf(m, s), corr = expf(m - mn), e = expf(s - mn);
         l = l * corr + e;
         #pragma unroll
         for (int i = 0; i < ATT_PER_LANE; ++i) acc[i] = acc[i] * corr + e * v[i];

@@ -1,5 +1,6 @@
 // Mixture-of-experts router, one warp per token, on the float32 router logits [T, E]:
-//   p = softmax(logits[t]), or sigmoid(logits[t]) when sigmoid (DeepSeek-V3);
+//   p = softmax(logits[t]) (scoring 0), sigmoid(logits[t]) (1: DeepSeek-V3) or sqrt(softplus(logits[t]))
+//   (2: DeepSeek-V4; softplus as torch's, x itself above 20);
 //   choice = p, or p + bias when a score correction bias is given (bf16 [E]; noaux_tc);
 //   group-limited (groups > 1): the topk_groups groups of highest group score are kept (the group's best
 //   choice without a bias, transformers' DeepseekV2TopkRouter; the sum of its two best choices with one,
@@ -48,14 +49,15 @@ __device__ __forceinline__ float warp_top2_sum(float v, float w) {
 __device__ __forceinline__ void route_token(const float* row, const bf16_t* __restrict__ bias,
                                             float* __restrict__ weights, int* __restrict__ ids, int t, int E,
                                             int top_k, int renorm, float scale, int groups, int topk_groups,
-                                            int sigmoid) {
+                                            int scoring) {
     const int lane = threadIdx.x & 31;
     float p[PER_LANE];                       // expert lane + 32·e
-    if (sigmoid) {
+    if (scoring) {
         #pragma unroll
         for (int e = 0; e < PER_LANE; ++e) {
             const int x = lane + 32 * e;
-            p[e] = x < E ? 1.f / (1.f + expf(-__ldcg(row + x))) : 0.f;
+            const float l = x < E ? __ldcg(row + x) : 0.f;
+            p[e] = x >= E ? 0.f : scoring == 1 ? 1.f / (1.f + expf(-l)) : sqrtf(l > 20.f ? l : log1pf(expf(l)));
         }
     } else {
         float m = -INFINITY;
@@ -143,11 +145,11 @@ __device__ __forceinline__ void route_token(const float* row, const bf16_t* __re
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 moe_topk(const float* __restrict__ logits, const bf16_t* __restrict__ bias, float* __restrict__ weights,
          int* __restrict__ ids, int T, int E, int top_k, int renorm, float scale, int groups, int topk_groups,
-         int sigmoid) {
+         int scoring) {
     pdl_begin();
     const int t = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (t >= T) return;
-    route_token(logits + (size_t)t * E, bias, weights, ids, t, E, top_k, renorm, scale, groups, topk_groups, sigmoid);
+    route_token(logits + (size_t)t * E, bias, weights, ids, t, E, top_k, renorm, scale, groups, topk_groups, scoring);
 }
 
 // The router of a decode step in one launch: logits[t, e] = x[t] · router[e] (bf16 in, fp32 sums; one warp
@@ -172,7 +174,7 @@ __device__ __forceinline__ void load_router_piece(uint4 (&wv)[ROUTE_U], const bf
 extern "C" __global__ void __launch_bounds__(32 * WARPS)
 moe_route_gemv(const bf16_t* __restrict__ x, const bf16_t* __restrict__ router, float* logits, int* counter,
                const bf16_t* __restrict__ bias, float* __restrict__ weights, int* __restrict__ ids, int T, int E,
-               int H, int top_k, int renorm, float scale, int groups, int topk_groups, int sigmoid) {
+               int H, int top_k, int renorm, float scale, int groups, int topk_groups, int scoring) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = blockIdx.x * WARPS + warp;
     const bf16_t* wrow = router + (size_t)min(e, E - 1) * H;
@@ -221,6 +223,6 @@ moe_route_gemv(const bf16_t* __restrict__ x, const bf16_t* __restrict__ router, 
     __threadfence();
     for (int t = warp; t < T; t += WARPS)
         route_token(logits + (size_t)t * E, bias, weights, ids, t, E, top_k, renorm, scale, groups, topk_groups,
-                    sigmoid);
+                    scoring);
     if (threadIdx.x == 0) *counter = 0;
 }

@@ -6,9 +6,10 @@ steps, a prefix-cache hit equal to a full prefill. Plus the line's real checkpoi
 load, uploaded as bf16): FP8 projections and FP4 experts (bench/deepseek_weights.py's writer, at a small width)
 against transformers on the dequantized weights.
 
-The line runs eager steps only (DeepseekV4ForCausalLM.cuda_graphs is False): an executor built with CUDA graphs on
-holds no decode graphs (no LoRA or piecewise ones either), captures nothing at warm-up, and decodes as one built
-with them off; so there are no bucket tests here.
+Decode steps replay CUDA graphs (DeepseekV4ForCausalLM.cuda_graphs; gpu_dsv4_ops.decode_attention): every bucket
+warmed up, then free-running greedy batches that straddle the buckets against an executor built with graphs off
+(the same device path launched op by op), eager prefills between the replays (the graphs' temporaries in their own
+memory pool); the gate tests above run with graphs on, so their decode is the graphed one.
 """
 from __future__ import annotations
 
@@ -38,33 +39,33 @@ def test_prefix_hit_equals_full_prefill(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_eager_steps_only_with_cuda_graphs_on(name):
-    """cuda_graphs on (the default) builds no graphs for this line; its decode steps are eager and give the
-    greedy tokens of an executor built with graphs off, in batches that straddled the other lines' buckets."""
+def test_graph_decode_matches_eager_in_every_bucket(name):
+    """Every bucket captured at warm-up (on padded rows: no KV written), then decode steps replayed in batches of
+    1..9 sequences give the greedy tokens of an executor built with graphs off; a step is graphed."""
     from engine.batch import ModelBatch, SeqStep
     from engine.request import SamplingParams
 
     model = load_model(tiny_model_path(name))
-    assert model.model.cuda_graphs is False
-    ex, eager = new_gpu_executor(model), new_gpu_executor(model, cuda_graphs=False)
+    assert model.model.cuda_graphs
+    graphed, eager = new_gpu_executor(model), new_gpu_executor(model, cuda_graphs=False)
     try:
-        assert ex.options.cuda_graphs
-        assert ex.graphs is None and ex.lora_graphs is None and ex.piecewise is None
-        assert ex.warm_up() is False                     # nothing to capture
+        while graphed.warm_up():
+            pass
+        assert sorted(graphed.graphs.graphs) == sorted(graphed.graphs.sampling_graphs) == [1, 4, 8, 16]
         identical = total = 0
         for n in (1, 3, 5, 9):
             prompts = random_sequences(model.config.vocab_size, [3 + 7 * i % 29 for i in range(n)], seed=n)
-            g, e = greedy(ex, prompts, 10), greedy(eager, prompts, 10)
+            g, e = greedy(graphed, prompts, 10), greedy(eager, prompts, 10)
             for p, a, b in zip(prompts, g, e):
-                identical += assert_same_or_tie(eager, p, a, b, MIN_TIE_TOL, f"{name} graphs on vs off, batch {n}")
+                identical += assert_same_or_tie(eager, p, a, b, MIN_TIE_TOL, f"{name} graph vs eager, batch {n}")
                 total += 1
-        print(f"{name}: cuda_graphs on == off greedy {identical}/{total} sequences over 10 steps")
+        print(f"{name}: graph == eager greedy {identical}/{total} sequences over 10 steps")
         step = SeqStep(seq_id=0, token_ids=[5], start_pos=0, block_table=[0], sample=True,
                        params=SamplingParams(temperature=0.0))
-        ex.execute(ModelBatch.build([step]))
-        assert ex.last_step_graphed is False
+        graphed.execute(ModelBatch.build([step]))
+        assert graphed.last_step_graphed is True
     finally:
-        ex.close()
+        graphed.close()
         eager.close()
 
 

@@ -55,7 +55,10 @@ def reference(inp) -> np.ndarray:
     for t, p in enumerate(inp.pos):
         if p < 0:
             continue
-        at = lambda a: inp.tables[t, a // BLOCK_SIZE] * BLOCK_SIZE + a % BLOCK_SIZE
+        table = inp.tables[t]
+
+        def at(a, table=table):
+            return table[a // BLOCK_SIZE] * BLOCK_SIZE + a % BLOCK_SIZE
         keys = [rows[at(a), :s.head_dim] for a in range(max(0, p - s.window + 1), p + 1)]
         entries = [] if not s.rate else (inp.ids[t][inp.ids[t] >= 0] if inp.ids is not None
                                          else range((p + 1) // s.rate))

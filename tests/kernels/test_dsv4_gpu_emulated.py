@@ -50,11 +50,17 @@ def gemm(x, w, out) -> None:
 
 
 class EmulatedMoE(GpuMoEOps):
-    """GpuMoEOps' router and expert activation on numpy; the experts' products a loop over the assignments."""
+    """GpuMoEOps' router (moe_route.cu in the host emulation) and expert activation on numpy; the experts'
+    products a loop over the assignments."""
 
-    def __init__(self, shared, max_rows: int, experts: int, linear):
+    def __init__(self, shared, max_rows: int, experts: int, top_k: int, linear):
         self.shared, self.cp, self.linear = shared, np, linear
-        self.buf = {"moe_logits": np.zeros(max_rows * experts, np.float32)}
+        self.route_max_e = max_e = 32 * -(-experts // 32)
+        self.k_topk = ("moe_route", "moe_topk", (("MAX_E", max_e),))
+        self.k_route_gemv = ("moe_route", "moe_route_gemv", (("MAX_E", max_e),))
+        self.buf = {"moe_logits": host(np.zeros(max_rows * experts, np.float32)),
+                    "moe_weights": host(np.zeros(max_rows * top_k, np.float32)),
+                    "moe_ids": host(np.zeros(max_rows * top_k, np.int32)), "moe_counter": host(np.zeros(1, np.int32))}
 
     def experts(self, x, gate_up, down, weights, ids, residual, limit=None):
         out = f32(residual).copy()
@@ -68,10 +74,10 @@ class EmulatedMoE(GpuMoEOps):
 class EmulatedGpuOps(ComposedOps):
     """The GPU's DeepSeek-V4 and MoE parts on numpy, plus numpy stand-ins of the dense ops the line also calls."""
 
-    def __init__(self, kv_cache, max_rows: int, experts: int, interleave: bool):
+    def __init__(self, kv_cache, max_rows: int, experts: int, top_k: int, interleave: bool):
         self.shared = SimpleNamespace(stream=contextlib.nullcontext(), kv_cache=kv_cache, gemm=gemm,
                                       gate_up_interleaved=interleave, launch=EmulatedShared().launch)
-        self.moe = EmulatedMoE(self.shared, max_rows, experts, self.linear)
+        self.moe = EmulatedMoE(self.shared, max_rows, experts, top_k, self.linear)
         self.dsv4 = EmulatedDSV4(self.shared, self.moe)
 
     def embed(self, table, ctx):
@@ -80,7 +86,7 @@ class EmulatedGpuOps(ComposedOps):
     def rms_norm(self, x, weight, eps, residual=None):
         v = f32(x)
         y = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + np.float32(eps)) * f32(weight)
-        return bits(y), x
+        return host(bits(y)), x           # where a kernel (the router) may read it
 
     def linear(self, x, weight, bias=None):
         out = np.empty((x.shape[0], weight.shape[0]), np.uint16)
@@ -97,7 +103,7 @@ class EmulatedGpuExecutor(CpuExecutor):
         self.weights = {n: host(interleaved(a) if interleave and n.endswith("gate_up_proj") else a)
                         for n, a in as_bits.items()}
         self.ops = EmulatedGpuOps(host(np.zeros(self.kv.shape, np.uint16)), options.max_num_batched_tokens,
-                                  model.model.v4.experts, interleave)
+                                  model.model.v4.experts, model.model.v4.top_k, interleave)
 
     def forward_logits(self, batch):
         ctx = SimpleNamespace(batch=batch, input_ids=batch.input_ids, num_tokens=batch.num_tokens)

@@ -1,6 +1,6 @@
-"""moe_route.cu (the router's top-k: softmax or sigmoid scores, DeepSeek-V3's score correction bias,
-group-limited by the best score or the top-2 sum) run through GpuMoEOps.route_logits on the host, without a
-GPU (tests/cuda_emulation.h, as test_deltanet_kernels_emulated), against the numpy router
+"""moe_route.cu (the router's top-k: softmax, sigmoid or sqrtsoftplus scores, DeepSeek-V3's / V4's score
+correction bias, group-limited by the best score or the top-2 sum) run through GpuMoEOps.route_logits on the
+host, without a GPU (tests/cuda_emulation.h, as test_deltanet_kernels_emulated), against the numpy router
 (cpu_moe_ops.route_topk): the same ids, weights to float32 rounding. Skipped without g++ or the CUDA headers."""
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ SPECS = [RouteSpec(6, 3, renormalize=True), RouteSpec(6, 2, scale=1.5),         
          RouteSpec(6, 3, num_groups=3, topk_groups=2),                                      # V2 group-limited
          RouteSpec(8, 3, renormalize=True, scale=2.5, num_groups=4, topk_groups=2, scoring="sigmoid"),   # V3
          RouteSpec(384, 8, renormalize=True, scale=2.827, scoring="sigmoid"),               # Kimi-K2
-         RouteSpec(256, 8, renormalize=True, scale=2.5, num_groups=8, topk_groups=4, scoring="sigmoid")]  # V3
+         RouteSpec(256, 8, renormalize=True, scale=2.5, num_groups=8, topk_groups=4, scoring="sigmoid"),  # V3
+         RouteSpec(256, 6, renormalize=True, scale=1.5, scoring="sqrtsoftplus")]                   # V4-Flash
 
 
 class EmulatedMoE(GpuMoEOps):
@@ -35,8 +36,8 @@ class EmulatedMoE(GpuMoEOps):
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"E{s.num_experts}k{s.top_k}g{s.num_groups}{s.scoring}")
 @pytest.mark.parametrize("biased", [False, True])
 def test_router_kernel_matches_numpy(spec, biased):
-    if biased and spec.scoring != "sigmoid":
-        pytest.skip("the correction bias is DeepSeek-V3's (sigmoid scores)")
+    if biased and spec.scoring == "softmax":
+        pytest.skip("the correction bias is DeepSeek-V3's and V4's (sigmoid, sqrtsoftplus scores)")
     T, E = 9, spec.num_experts
     rng = np.random.default_rng(E + biased)
     logits = rng.standard_normal((T, E)).astype(np.float32) * 2
@@ -50,7 +51,7 @@ def test_router_kernel_matches_numpy(spec, biased):
         assert not np.array_equal(route_topk(logits, spec)[1], want_ids)
 
 
-@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[4], SPECS[5]],
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2], SPECS[4], SPECS[5], SPECS[6]],
                          ids=lambda s: f"E{s.num_experts}k{s.top_k}g{s.num_groups}{s.scoring}")
 @pytest.mark.parametrize("tokens", [1, 4, 8])
 def test_one_launch_router_matches_numpy(spec, tokens):
