@@ -102,8 +102,8 @@ class GpuDSV4Ops:
         check_hc_shapes(N, D)
         splits, width = -(-N * D // HC_CHUNK), min(N * D, HC_CHUNK)
         threads = min(HC_THREADS, 32 * max(-(-width // 128), -(-(mixes + 1) // 32)))
-        if self._hc_counter is None or self._hc_counter.shape[0] < T:
-            self._hc_counter = self.cp.zeros(max(T, 64), np.int32)
+        if self._hc_counter is None or self._hc_counter.shape[0] < T:      # once: a graph holds its address
+            self._hc_counter = self.cp.zeros(max(T, 64, getattr(self.shared, "max_tokens", 0)), np.int32)
         work = (self.cp.empty(T * splits * (mixes + 1), np.float32), self._hc_counter)
         self.shared.launch(self._kernel("dsv4_hc", entry, HC_N=N), (splits, T), (threads,),
                            (self.cp.ascontiguousarray(streams), *args[:3], *work, *args[3:]))

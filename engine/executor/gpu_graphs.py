@@ -64,11 +64,13 @@ def capture_mode() -> tuple:
 
 @contextlib.contextmanager
 def capture_memory(shared):
-    """CuPy allocations inside come from shared.capture_pool, a memory pool only captures use (made on first use):
-    a line whose ops allocate temporaries (DeepSeek-V4's float32 arrays) gets addresses that no eager step
-    or later allocation is handed while a graph holds them. The captures share it (their graphs replay one at
-    a time on one stream, and nothing they allocate outlives a replay: their warm-up steps, run eagerly first,
-    made every kept array); lines whose ops allocate nothing leave it empty."""
+    """CuPy allocations inside come from shared.capture_pool, a memory pool only captures and their eager warm-up
+    steps use (made on first use): a line whose ops allocate temporaries (DeepSeek-V4's float32 arrays) gets
+    addresses that no eager step or later allocation is handed while a graph holds them, and the warm-up leaves
+    the blocks the capture takes in the pool (no cudaMalloc while capturing). The graphs share it: they replay one
+    at a time on one stream and their temporaries die within a replay; what the ops keep (converted weights, the
+    hyper-connections' counters, allocated once at their largest) stays allocated, never handed out again. Lines
+    whose ops allocate nothing leave it empty."""
     try:
         import cupy
     except ImportError:
@@ -116,9 +118,9 @@ class DecodeGraphs:
         return logits
 
     def _capture(self, ctx, sampling: bool) -> tuple:
-        logits = self._body(ctx, sampling)    # eager warm-up: kernels loaded, cuBLAS heuristics run; also this step
-        self.stream.synchronize()
         with capture_memory(self.ops.shared):
+            logits = self._body(ctx, sampling)    # eager warm-up: kernels loaded, cuBLAS heuristics run, the pool
+            self.stream.synchronize()             # primed (the capture then allocates nothing new); also this step
             self.stream.begin_capture(*capture_mode())
             try:
                 self._body(ctx, sampling)

@@ -1,95 +1,33 @@
 """dsv4_attention.cu (DeepSeek-V4's decode attention: the sliding window and the compressed entries with the per-head
 sinks, over the paged rows; and write_rows) run through GpuDSV4Ops on the host, without a GPU
-(tests/cuda_emulation.h), against the numpy definition (cpu_dsv4_ops.sink_attention over the keys rows_at reads,
-as cpu_dsv4_attention.dsv4_attention gathers them) on random paged pools: sliding, CSA (the indexer's ids, -1
-padded) and HCA (every closed entry) layers, padding rows (position -1), contexts shorter than the window, at the
-tiny models' width and V4-Flash's. Bound: 2e-6 of the output's scale (float32 sums in another order; measured
-within 3.3e-7); the check fails with the sinks left out."""
+(tests/cuda_emulation.h), against the numpy definition: the cases and bound of tests/dsv4_attention_cases.py; the
+check fails with the sinks left out. Skipped without g++ or the CUDA headers; test_gpu_dsv4_attention.py runs the
+same cases on the device."""
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from dsv4_indexer_cases import bf16, f32
+from dsv4_attention_cases import CASES, check, random_inputs, reference, run_kernel
+from dsv4_indexer_cases import bf16
 from test_deltanet_kernels_emulated import host
 from test_dsv4_hc_emulated import EmulatedDSV4
 
-from engine.executor.cpu_dsv4_attention import entry_columns
-from engine.executor.cpu_dsv4_ops import sink_attention
-from memory.kv_pool import BLOCK_SIZE
 
-# (name, heads, head_dim, window, rate, topk (0: every closed entry), positions (-1: a padding row))
-CASES = [("tiny_sliding", 4, 32, 6, 0, 0, (0, 3, 40, -1)),
-         ("tiny_csa", 4, 32, 6, 4, 3, (2, 9, 57, -1)),
-         ("tiny_hca", 4, 32, 6, 8, 0, (6, 7, 63, -1)),
-         ("v4_flash_csa", 2, 512, 128, 4, 512, (300, 2050)),
-         ("v4_flash_hca", 2, 512, 128, 128, 0, (127, 2050))]
-
-
-def random_inputs(heads, head_dim, window, rate, topk, positions, seed):
-    rng = np.random.default_rng(seed)
-    overlap = topk > 0
-    spec = SimpleNamespace(layer=0, num_heads=heads, head_dim=head_dim, window=window, rate=rate, overlap=overlap,
-                           series=2 if overlap else 1, index_heads=4 if overlap else 0, index_dim=16)
-    pos = np.asarray(positions)
-    per_seq = -(-(int(pos.max()) + 1) // BLOCK_SIZE) + 1
-    blocks = rng.permutation(len(pos) * per_seq + 2)
-    tables = blocks[:len(pos) * per_seq].reshape(len(pos), per_seq).astype(np.int32)
-    width = head_dim * (1 + 2 * spec.series * (rate > 0)) + 4 * spec.index_dim * overlap
-    pool = bf16(rng.standard_normal((1, 1, len(blocks) * BLOCK_SIZE, 1, width)))
-    q = rng.standard_normal((len(pos), heads, head_dim)).astype(np.float32)
-    ids = np.full((len(pos), max(topk, 1)), -1, np.int32)
-    for t, p in enumerate(pos):
-        closed = (p + 1) // rate if rate and p >= 0 else 0
-        pick = np.sort(rng.permutation(closed)[:topk])
-        ids[t, :len(pick)] = pick
-    sinks = rng.standard_normal(heads).astype(np.float32) * 2
-    return SimpleNamespace(spec=spec, pool=pool, tables=tables, pos=pos.astype(np.int32), q=q,
-                           ids=ids if topk else None, sinks=sinks)
-
-
-def reference(inp) -> np.ndarray:
-    s, rows = inp.spec, f32(inp.pool)[0, 0, :, 0]
-    out = np.zeros_like(inp.q)
-    for t, p in enumerate(inp.pos):
-        if p < 0:
-            continue
-        table = inp.tables[t]
-
-        def at(a, table=table):
-            return table[a // BLOCK_SIZE] * BLOCK_SIZE + a % BLOCK_SIZE
-        keys = [rows[at(a), :s.head_dim] for a in range(max(0, p - s.window + 1), p + 1)]
-        entries = [] if not s.rate else (inp.ids[t][inp.ids[t] >= 0] if inp.ids is not None
-                                         else range((p + 1) // s.rate))
-        col = entry_columns(s)[0]
-        keys += [rows[at((e + 1) * s.rate - 1), col:col + s.head_dim] for e in entries]
-        k = np.stack(keys)
-        out[t] = sink_attention(inp.q[t][None], k, np.ones((1, len(k)), bool), inp.sinks, s.head_dim ** -0.5)[0]
-    return out
-
-
-def run_kernel(inp) -> np.ndarray:
+def emulated(inp) -> EmulatedDSV4:
     ops = EmulatedDSV4()
     ops.shared.kv_cache = host(inp.pool)
-    ids = None if inp.ids is None else host(inp.ids)
-    return np.asarray(ops.sparse_decode(host(inp.q), host(inp.tables), host(inp.pos), ids, host(inp.sinks),
-                                        inp.spec))
-
-
-def check(got, want) -> None:
-    assert np.abs(got - want).max() <= 2e-6 * max(1.0, float(np.abs(want).max())), np.abs(got - want).max()
+    return ops
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
 def test_sparse_decode_matches_numpy(case):
     inp = random_inputs(*case[1:], seed=len(case[0]))
-    check(run_kernel(inp), reference(inp))
+    check(run_kernel(emulated(inp), inp, host, np.asarray), reference(inp))
 
 
 def test_the_check_fails_without_the_sinks():
     inp = random_inputs(*CASES[1][1:], seed=3)
-    got = run_kernel(inp)
+    got = run_kernel(emulated(inp), inp, host, np.asarray)
     inp.sinks = np.full_like(inp.sinks, -np.inf)
     with pytest.raises(AssertionError):
         check(got, reference(inp))

@@ -1,0 +1,53 @@
+"""dsv4_attention.cu (DeepSeek-V4's decode attention) on the device through GpuDSV4Ops, against the numpy
+definition: the cases and bound of the host emulation (tests/dsv4_attention_cases.py), with and without PDL, plus
+a replay of the launch captured in a CUDA graph on new queries and ids written into the captured buffers."""
+from __future__ import annotations
+
+import pytest
+from dsv4_attention_cases import CASES, check, random_inputs, reference, run_kernel
+from test_gpu_dsv4_hc import DeviceShared, back
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+
+def ops(inp):
+    from engine.executor.gpu_dsv4_ops import GpuDSV4Ops
+
+    o = GpuDSV4Ops(DeviceShared(), None)
+    o.shared.kv_cache = cp.asarray(inp.pool)
+    return o
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_sparse_decode_matches_numpy_on_the_device(case, pdl):
+    inp = random_inputs(*case[1:], seed=len(case[0]))
+    o = ops(inp)
+    o.shared.pdl = pdl
+    with o.shared.stream:
+        got = run_kernel(o, inp, cp.asarray, back)
+    check(got, reference(inp))
+
+
+def test_a_captured_graph_replays_sparse_decode():
+    """sparse_decode captured once at V4-Flash's width (CSA), replayed on new queries and indexer ids: each
+    replay matches the numpy attention of its inputs."""
+    from engine.executor.gpu_graphs import capture_mode
+
+    inp = random_inputs(*CASES[3][1:], seed=1)
+    o = ops(inp)
+    with o.shared.stream:
+        q, tables, pos, ids, sinks = (cp.asarray(a) for a in (inp.q, inp.tables, inp.pos, inp.ids, inp.sinks))
+        o.sparse_decode(q, tables, pos, ids, sinks, inp.spec)
+        o.shared.stream.synchronize()
+        o.shared.stream.begin_capture(*capture_mode())
+        out = o.sparse_decode(q, tables, pos, ids, sinks, inp.spec)
+        graph = o.shared.stream.end_capture()
+        for seed in (2, 3):
+            new = random_inputs(*CASES[3][1:], seed=seed)
+            new.pool, new.tables, new.sinks = inp.pool, inp.tables, inp.sinks
+            for dst, src in ((q, new.q), (pos, new.pos), (ids, new.ids)):
+                dst.set(src, o.shared.stream)
+            graph.launch(o.shared.stream)
+            check(back(out), reference(new))
