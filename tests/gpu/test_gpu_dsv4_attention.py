@@ -5,29 +5,21 @@ from __future__ import annotations
 
 import pytest
 from dsv4_attention_cases import CASES, check, random_inputs, reference, run_kernel
-from test_gpu_dsv4_hc import DeviceShared, back
+from test_gpu_dsv4_hc import back
+from test_gpu_dsv4_indexer import ops
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 
-def ops(inp):
-    from engine.executor.gpu_dsv4_ops import GpuDSV4Ops
-
-    o = GpuDSV4Ops(DeviceShared(), None)
-    o.shared.kv_cache = cp.asarray(inp.pool)
-    return o
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_sparse_decode_matches_numpy_on_the_device(case, pdl):
-    inp = random_inputs(*case[1:], seed=len(case[0]))
-    o = ops(inp)
-    o.shared.pdl = pdl
-    with o.shared.stream:
-        got = run_kernel(o, inp, cp.asarray, back)
-    check(got, reference(inp))
+def test_sparse_decode_matches_numpy_on_the_device(pdl):
+    for name, *shape in CASES:
+        inp = random_inputs(*shape, seed=len(name))
+        o = ops(inp)
+        o.shared.pdl = pdl
+        with o.shared.stream:
+            check(run_kernel(o, inp, cp.asarray, back), reference(inp))
 
 
 def test_a_captured_graph_replays_sparse_decode():

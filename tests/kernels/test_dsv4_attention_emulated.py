@@ -11,12 +11,7 @@ from dsv4_attention_cases import CASES, check, random_inputs, reference, run_ker
 from dsv4_indexer_cases import bf16
 from test_deltanet_kernels_emulated import host
 from test_dsv4_hc_emulated import EmulatedDSV4
-
-
-def emulated(inp) -> EmulatedDSV4:
-    ops = EmulatedDSV4()
-    ops.shared.kv_cache = host(inp.pool)
-    return ops
+from test_dsv4_indexer_emulated import emulated_ops as emulated
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
