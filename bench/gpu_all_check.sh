@@ -4,7 +4,7 @@
 #   bash bench/gpu_all_check.sh [group ...]     (default: every group)
 # Groups: core (raw kernels, executor gate, graphs, async eager steps, long steps, prefill), serving
 # (server, host tier, 64 requests under load, piecewise graphs, a lagging device, partial prefix hits), moe_mla, dsv3 (DeepSeek-V3 / Kimi-K2,
-# FP8 / int4 folders), dsv4 (DeepSeek-V4 in eager steps, an FP8 / FP4 folder), qwen35, lora, structured,
+# FP8 / int4 folders), dsv4 (DeepSeek-V4: its kernels, graph decode, an FP8 / FP4 folder), qwen35, lora, structured,
 # free_running (greedy decode vs transformers' full recompute, every line), spec (speculative decoding: the
 # free-running gate with verify steps, the verify sampling against the CPU's), quant (kept-quantized weights,
 # the FP8 KV cache, the quantized kernels). The gate table of every group lands in
@@ -21,7 +21,7 @@ declare -A GROUPS_TESTS=(
   [serving]="tests/gpu/test_gpu_server.py tests/gpu/test_gpu_host_tier.py tests/gpu/test_gpu_under_load.py tests/gpu/test_gpu_piecewise.py tests/gpu/test_gpu_lagging_device.py tests/gpu/test_gpu_partial_hit.py"
   [moe_mla]="tests/kernels/test_gpu_moe_mla_kernels.py tests/gpu/test_gpu_moe_mla.py tests/kernels/test_raw_cuda_sparse_compile.py"
   [dsv3]="tests/gpu/test_gpu_dsv3.py"
-  [dsv4]="tests/gpu/test_gpu_dsv4_hc.py tests/gpu/test_gpu_dsv4.py"
+  [dsv4]="tests/gpu/test_gpu_dsv4_hc.py tests/gpu/test_gpu_dsv4_indexer.py tests/gpu/test_gpu_dsv4_compress.py tests/gpu/test_gpu_dsv4_attention.py tests/gpu/test_gpu_dsv4.py"
   [qwen35]="tests/gpu/test_gpu_qwen35.py"
   [lora]="tests/gpu/test_gpu_lora.py tests/kernels/test_gpu_lora_plan.py tests/kernels/test_raw_cuda_compile.py"
   [structured]="tests/structured/test_structured_gpu.py tests/gpu/test_gpu_sampler.py"
