@@ -16,7 +16,8 @@ from .w4_layout import W4Packed
 
 GEMV_MAX_M = 16                     # two n8 tiles
 GEMV_THREADS = 256
-TILES_PER_CTA = 2                   # gemv_w4.cu W4_RT, gemv_fp8.cu FP8_RT
+W4_TILES_PER_CTA = 1                # gemv_w4.cu W4_RT
+FP8_TILES_PER_CTA = 2               # gemv_fp8.cu FP8_RT
 EPILOGUES = {"bf16": 0, "f32": 1, "residual": 2, "silu": 3}   # gemv_cta.cuh GEMV_EPI_*
 
 
@@ -98,7 +99,7 @@ class QuantOps:
         code = _epilogue(epi, y, m, w.n, res)
         k = self._kernel("gemv_w4", f"gemv_w4_n{_ceil(m, 8)}", **dict(w.defines))
         null = np.uint64(0)
-        self._launch(k, (_ceil(_ceil(w.n, 16), TILES_PER_CTA),), (GEMV_THREADS,),
+        self._launch(k, (_ceil(_ceil(w.n, 16), W4_TILES_PER_CTA),), (GEMV_THREADS,),
                      (x, w.codes, w.scales, null if w.zeros is None else w.zeros, y, np.int32(m), np.int32(w.n),
                       np.int32(w.k), np.int32(w.group), null if res is None else res, np.int32(code)))
 
@@ -110,7 +111,7 @@ class QuantOps:
                f"{rows} rows in tiles of {tile_m}: tile_expert [{rows // tile_m}] and row_token [{rows}] expected")
         _rows(out, w.n, "out")
         k = self._kernel("gemv_w4", "gemv_w4_grouped", **dict(w.defines))
-        self._launch(k, (_ceil(_ceil(w.n, 16), TILES_PER_CTA), rows // tile_m), (GEMV_THREADS,),
+        self._launch(k, (_ceil(_ceil(w.n, 16), W4_TILES_PER_CTA), rows // tile_m), (GEMV_THREADS,),
                      (a, w.codes, w.scales, np.uint64(0) if w.zeros is None else w.zeros, tile_expert, row_token, out,
                       np.int32(w.n), np.int32(w.k), np.int32(w.group), np.int32(tile_m)))
 
@@ -159,7 +160,7 @@ class QuantOps:
         code = _epilogue(epi, y, m, n, res)
         _check(x_scales.shape[0] == K // GROUP and x_scales.shape[1] >= m, f"x_scales must be [{K // GROUP}, >= {m}]")
         k = self._kernel("gemv_fp8", f"gemv_fp8_n{_ceil(m, 8)}", FP8_CHANNEL=int(channel))
-        self._launch(k, (_ceil(_ceil(n, 16), TILES_PER_CTA),), (GEMV_THREADS,),
+        self._launch(k, (_ceil(_ceil(n, 16), FP8_TILES_PER_CTA),), (GEMV_THREADS,),
                      (xq, x_scales, np.int32(x_scales.shape[1]), w, w_scales, y, np.int32(m), np.int32(n), np.int32(K),
                       np.uint64(0) if res is None else res, np.int32(code)))
 
@@ -173,7 +174,7 @@ class QuantOps:
                "w_scales per expert and tile_expert per tile of tile_m rows expected")
         _rows(out, n, "out")
         k = self._kernel("gemv_fp8", "gemv_fp8_grouped", FP8_CHANNEL=int(channel))
-        self._launch(k, (_ceil(_ceil(n, 16), TILES_PER_CTA), rows // tile_m), (GEMV_THREADS,),
+        self._launch(k, (_ceil(_ceil(n, 16), FP8_TILES_PER_CTA), rows // tile_m), (GEMV_THREADS,),
                      (aq, a_scales, np.int32(a_scales.shape[1]), w, w_scales, tile_expert, row_token, out,
                       np.int32(n), np.int32(K), np.int32(tile_m)))
 

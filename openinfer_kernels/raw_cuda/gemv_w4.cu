@@ -29,7 +29,7 @@
 #include "gemv_cta.cuh"
 
 #ifndef W4_RT
-#define W4_RT 2                           // 16-row tiles per CTA
+#define W4_RT 1                           // 16-row tiles per CTA
 #endif
 #ifndef W4_U
 #define W4_U 2                            // 128-wide k steps per code batch (x2 in flight)
@@ -37,7 +37,17 @@
 #define W4_WARPS 8
 #define W4_KW (W4_WARPS / W4_RT)          // warps per tile, splitting K
 
-__device__ __forceinline__ const bf16_t* w4_zero_x() { return reinterpret_cast<const bf16_t*>(&kZero16); }
+__device__ const uint4 kW4ZeroX[4] = {};          // a lane's 32 k of x past K (or of a row past M)
+
+// A lane's group of step `step`: (4·step + tq) / (group / 32) by one multiply-high (w4_group_magic; exact
+// while the chunk index stays below 2^32 / (group / 32): any K < 2^21).
+__device__ __forceinline__ unsigned w4_group_magic(int group) {
+    const unsigned chunks = group / 32;
+    return chunks == 1 ? 0u : (unsigned)((0x100000000ull + chunks - 1) / chunks);
+}
+__device__ __forceinline__ int w4_group_of(int chunk, unsigned magic) {
+    return magic == 0u ? chunk : (int)(((unsigned long long)(unsigned)chunk * magic) >> 32);
+}
 
 // One warp's share of one tile: c += x · W_tileᵀ over k steps [s_begin, s_end) (mma slot layout as
 // gemv.cu: a lane's 4 consecutive k per mma on its own fragment slots, in A and B alike).
@@ -52,49 +62,41 @@ __device__ __forceinline__ void w4_tile_dots(const bf16_t* __restrict__ x, const
     const int S = (K + 127) / 128, G = (S * 128 + group - 1) / group;
     const int per_warp = (S + W4_KW - 1) / W4_KW;
     const int s_begin = kw * per_warp, s_end = min(S, s_begin + per_warp);
+    const unsigned magic = w4_group_magic(group);
     const uint4* wt = wq + (size_t)tile * S * 64 + lane;
     const unsigned* st = scales + (size_t)tile * G * 8 + g;
     const unsigned short* zt = zeros + (size_t)tile * G * 8 + g;
     const bf16_t* x_row[NT];
     bool x_ok[NT];
-    gemv_x_rows(x, M, K, g, x_row, x_ok);
+    gemv_x_rows(x + tq * 32, M, K, g, x_row, x_ok);
 
-    uint4 lo[U], hi[U];
+    uint4 lo[U], hi[U];              // a ring of the next U steps' codes and group scales (zeros)
     unsigned sc[U], zr[U];
-    auto load_codes = [&](uint4 (&l)[U], uint4 (&h)[U], unsigned (&s)[U], unsigned (&z)[U], int s0) {
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int step = min(s0 + u, s_end - 1);       // past the end: a repeat, never used
-            l[u] = __ldcs(wt + (size_t)step * 64);
-            h[u] = __ldcs(wt + (size_t)step * 64 + 32);
-            const int grp = (step * 128 + tq * 32) / group;
-            s[u] = __ldg(st + grp * 8);
-            z[u] = W4_ZERO ? (unsigned)__ldg(zt + grp * 8) : 0u;
-        }
+    auto load_step = [&](int u, int step) {
+        lo[u] = __ldcs(wt + (size_t)step * 64);
+        hi[u] = __ldcs(wt + (size_t)step * 64 + 32);
+        const int grp = w4_group_of(step * 4 + tq, magic);
+        sc[u] = __ldg(st + grp * 8);
+        zr[u] = W4_ZERO ? (unsigned)__ldg(zt + grp * 8) : 0u;
     };
-    if (s_begin < s_end) load_codes(lo, hi, sc, zr, s_begin);
+    #pragma unroll
+    for (int u = 0; u < U; ++u)
+        if (s_begin + u < s_end) load_step(u, s_begin + u);
     if (wait_first) {
         pdl_wait();                  // from here on: x, res_in and y are the previous kernels'
         pdl_launch_dependents();
     }
+    float c2[NT][4] = {};            // the second mma of each word: two independent accumulation chains
     for (int s0 = s_begin; s0 < s_end; s0 += U) {
-        uint4 xb[U][NT][4];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int k0 = (s0 + u) * 128 + tq * 32;
+            const int step = s0 + u;
+            if (step >= s_end) break;
+            const bool k_ok = step * 128 + tq * 32 < K;       // K % 32 == 0: a lane's 32 k are all in or all out
+            const uint4* xs[NT];
             #pragma unroll
             for (int n = 0; n < NT; ++n)
-                #pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    xb[u][n][i] = __ldg(reinterpret_cast<const uint4*>(
-                        x_ok[n] && s0 + u < s_end && k0 + 8 * i < K ? x_row[n] + k0 + 8 * i : w4_zero_x()));
-        }
-        uint4 nlo[U], nhi[U];
-        unsigned nsc[U], nzr[U];
-        if (s0 + U < s_end) load_codes(nlo, nhi, nsc, nzr, s0 + U);   // next batch in flight
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (s0 + u >= s_end) break;
+                xs[n] = x_ok[n] && k_ok ? reinterpret_cast<const uint4*>(x_row[n] + step * 128) : kW4ZeroX;
             const W4Group q_lo = w4_group(sc[u] & 0xFFFFu, zr[u] & 0xFFu), q_hi = w4_group(sc[u] >> 16, zr[u] >> 8);
             const unsigned wl[4] = {lo[u].x, lo[u].y, lo[u].z, lo[u].w}, wh[4] = {hi[u].x, hi[u].y, hi[u].z, hi[u].w};
             #pragma unroll
@@ -104,14 +106,18 @@ __device__ __forceinline__ void w4_tile_dots(const bf16_t* __restrict__ x, const
                 w4_dequant(wh[w], q_hi, ph);
                 #pragma unroll
                 for (int n = 0; n < NT; ++n) {
-                    mma_16816(c[n], pl[0], ph[0], pl[1], ph[1], xb[u][n][w].x, xb[u][n][w].y);
-                    mma_16816(c[n], pl[2], ph[2], pl[3], ph[3], xb[u][n][w].z, xb[u][n][w].w);
+                    const uint4 xb = __ldg(xs[n] + w);
+                    mma_16816(c[n], pl[0], ph[0], pl[1], ph[1], xb.x, xb.y);
+                    mma_16816(c2[n], pl[2], ph[2], pl[3], ph[3], xb.z, xb.w);
                 }
             }
+            if (step + U < s_end) load_step(u, step + U);   // the slot refills U steps ahead, once read
         }
-        #pragma unroll
-        for (int u = 0; u < U; ++u) { lo[u] = nlo[u]; hi[u] = nhi[u]; sc[u] = nsc[u]; zr[u] = nzr[u]; }
     }
+    #pragma unroll
+    for (int n = 0; n < NT; ++n)
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) c[n][j] += c2[n][j];
 }
 
 // Dense entries: (x [M, K], codes, scales, zeros (0 unless W4_ZERO), y, M, N, K, group, res_in, epi);

@@ -26,10 +26,16 @@
 struct W4Group { unsigned zero, hi, lo; };
 
 __device__ __forceinline__ float fp16_bits_to_f(unsigned h) {      // exact (no <cuda_fp16.h> under NVRTC)
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    float f;                                                        // one hardware convert, subnormals kept
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
+    return f;
+#else
     const unsigned e = (h >> 10) & 31, m = h & 1023;
     const float f = e == 0 ? (float)m * 5.9604644775390625e-8f        // subnormal: m · 2^-24
                   : e == 31 ? (m ? __uint_as_float(0x7fc00000u) : INFINITY) : __uint_as_float(((e + 112) << 23) | (m << 13));
     return (h & 0x8000) ? -f : f;
+#endif
 }
 
 __device__ __forceinline__ W4Group w4_group(unsigned scale_bits, unsigned zero) {
@@ -47,6 +53,17 @@ __device__ __forceinline__ W4Group w4_group(unsigned scale_bits, unsigned zero) 
     return q;
 }
 
+// (a & mask) | bits in one LOP3 (written as C, the compiler splits it in two: LOP3 takes one immediate).
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned bits) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    unsigned d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+    return d;
+#else
+    return (a & mask) | bits;
+#endif
+}
+
 // The 8 codes of one word to 4 bf16 pairs of weights: pair j = k (2j, 2j + 1) of the word's 8.
 __device__ __forceinline__ void w4_dequant(unsigned w, const W4Group& q, unsigned (&p)[4]) {
     #pragma unroll
@@ -56,7 +73,7 @@ __device__ __forceinline__ void w4_dequant(unsigned w, const W4Group& q, unsigne
         const unsigned v = (t & 0x80008000u) | ((t >> 6) & 0x01C001C0u);      // sign; e1 e0 m to 8-6: e2m1 · 2^-126
         p[j] = bf16x2_mul(bf16x2_mul(v, 0x7E807E80u), q.hi);                  // · 2^126 (exact), · scale
 #else
-        const unsigned d = bf16x2_sub(((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u, q.zero);   // q - zero, exact
+        const unsigned d = bf16x2_sub(and_or(w >> (4 * j), 0x000F000Fu, 0x43004300u), q.zero);   // q - zero, exact
 #if W4_SCALE_FP16
         p[j] = bf16x2_fma(d, q.hi, bf16x2_mul(d, q.lo));
 #else
