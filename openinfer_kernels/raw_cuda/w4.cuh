@@ -22,8 +22,9 @@
 #endif
 
 // The bf16 pairs of one (row, group): 128 + zero (the int codes' offset), the scale (hi) and, for fp16
-// scales, the rest of it (lo = scale - hi, exact in bf16: an fp16 significand has 3 bits past bf16's).
-struct W4Group { unsigned zero, hi, lo; };
+// scales, the rest of it (lo = scale - hi, exact in bf16: an fp16 significand has 3 bits past bf16's); for
+// e2m1 codes lo = scale · 2^126 when that is a bf16 (scale <= 2, `one`): one multiply then makes the weight.
+struct W4Group { unsigned zero, hi, lo; bool one; };
 
 __device__ __forceinline__ float fp16_bits_to_f(unsigned h) {      // exact (no <cuda_fp16.h> under NVRTC)
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
@@ -46,11 +47,23 @@ __device__ __forceinline__ W4Group w4_group(unsigned scale_bits, unsigned zero) 
     const bf16_t hi = f_to_bf16(s);
     q.hi = bf16x2_splat(hi);
     q.lo = bf16x2_splat(f_to_bf16(s - bf16_to_f(hi)));
+    q.one = false;
 #else
     q.hi = bf16x2_splat((bf16_t)scale_bits);
-    q.lo = 0u;
+    const unsigned e = (scale_bits >> 7) & 0xFFu;                      // a ue8m0 scale 2^(e - 127) (e = 0: 2^-127)
+    q.one = W4_FP4 && e <= 128u;
+    q.lo = q.one ? bf16x2_splat((bf16_t)((e + 126u) << 7)) : 0u;       // 2^(e - 1) = scale · 2^126
 #endif
     return q;
+}
+
+// Whether `pred` holds in every lane of the warp (the host emulation runs each lane alone: its own).
+__device__ __forceinline__ bool w4_warp_all(bool pred) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+    return __all_sync(0xFFFFFFFFu, pred);
+#else
+    return pred;
+#endif
 }
 
 // (a & mask) | bits in one LOP3 (written as C, the compiler splits it in two: LOP3 takes one immediate).
@@ -64,14 +77,16 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned mask, unsigned b
 #endif
 }
 
-// The 8 codes of one word to 4 bf16 pairs of weights: pair j = k (2j, 2j + 1) of the word's 8.
+// The 8 codes of one word to 4 bf16 pairs of weights: pair j = k (2j, 2j + 1) of the word's 8. ONE (e2m1
+// codes, every group's `one`): e2m1 · 2^-126 times scale · 2^126 in one rounding-free multiply, else two.
+template <bool ONE = false>
 __device__ __forceinline__ void w4_dequant(unsigned w, const W4Group& q, unsigned (&p)[4]) {
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #if W4_FP4
         const unsigned t = w << (12 - 4 * j);                                  // codes of pair j to bits 12-15, 28-31
         const unsigned v = (t & 0x80008000u) | ((t >> 6) & 0x01C001C0u);      // sign; e1 e0 m to 8-6: e2m1 · 2^-126
-        p[j] = bf16x2_mul(bf16x2_mul(v, 0x7E807E80u), q.hi);                  // · 2^126 (exact), · scale
+        p[j] = ONE ? bf16x2_mul(v, q.lo) : bf16x2_mul(bf16x2_mul(v, 0x7E807E80u), q.hi);   // · 2^126 (exact), · scale
 #else
         const unsigned d = bf16x2_sub(and_or(w >> (4 * j), 0x000F000Fu, 0x43004300u), q.zero);   // q - zero, exact
 #if W4_SCALE_FP16

@@ -195,6 +195,40 @@ def test_gemv_w4_matches_the_dequantized_product(kind, M):
     assert_bf16_close(y, rb(kernel_reference(x, w)), kind)
 
 
+@pytest.mark.parametrize("kind", W4_KINDS)
+@pytest.mark.parametrize("N,K,group,M", [(24, 2560, 128, 8), (40, 2304, 32, 3), (17, 160, 32, 1), (33, 384, 96, 16),
+                                         (16, 384, 384, 9)])
+def test_gemv_w4_shapes(kind, N, K, group, M):
+    """Every shape the layout takes: K past 8 warps' first two steps (the code ring refills), K short of a
+    whole step (lanes past K), N short of a tile, groups of 32, 96 (not a power of two), 128 and K, M 1..16."""
+    rng = np.random.default_rng(N * K + M + len(kind))
+    if kind == "fp4" and group != 32:
+        group = 32                                              # e2m1 checkpoints come in groups of 32
+    w = random_w4(rng, kind, N, K, group)
+    x = bf16(rng.standard_normal((M, K)))
+    y = host(np.zeros((M, N), np.uint16))
+    EmulatedQuantOps().gemv_w4(host(x), W4Weight.upload(pack_w4(w), host), y)
+    assert_bf16_close(y, rb(kernel_reference(x, w)), f"{kind} {N}x{K} g{group} M={M}")
+
+
+@pytest.mark.parametrize("kind", W4_KINDS)
+def test_gemv_w4_reads_each_weight_exactly(kind):
+    """One-hot rows of x pick single weights: the float32 product is each bf16 weight bit for bit. FP4 scales
+    span the one-multiply bound (scale · 2^126 a bf16 up to 2^(128 - 127)) and bf16's subnormal 2^-127."""
+    rng = np.random.default_rng(len(kind))
+    N, K, group, M = 24, 512, 32, 16
+    w = random_w4(rng, kind, N, K, group)
+    if kind == "fp4":
+        e = rng.choice(np.array([0, 1, 2, 100, 126, 127, 128, 129, 130], np.uint8), (N, K // group))
+        w = fmt.W4Codes(w.codes, fmt.ue8m0_to_bf16_bits(e), fmt.BF16, None, group, fp4=True)
+    cols = rng.choice(K, M, replace=False)
+    x = np.zeros((M, K), np.uint16)
+    x[np.arange(M), cols] = 0x3F80                              # bf16 1.0
+    y = host(np.zeros((M, N), np.float32))
+    EmulatedQuantOps().gemv_w4(host(x), W4Weight.upload(pack_w4(w), host), y, "f32")
+    np.testing.assert_array_equal(np.asarray(y), rb(fmt.dequant(w))[:, cols].T)
+
+
 @pytest.mark.parametrize("epi", ["f32", "residual", "silu"])
 def test_gemv_w4_epilogues(epi):
     """float32 out; bf16(bf16(x · Wᵀ) + res) in place; SiLU(bf16 gate) · bf16 up of interleaved gate / up rows."""
