@@ -154,7 +154,13 @@ gemv_w4_grouped(const bf16_t* a, const uint4* wq, const unsigned* scales, const 
     const int T = (N + 15) / 16, S = (K + 127) / 128, G = (S * 128 + group - 1) / group;
     gemv_grouped<W4_RT, W4_KW>([&](int r0, int rows, int tile, int kw, float (&c)[2][4]) {
         const size_t e = (size_t)tile_expert[blockIdx.y];
-        w4_tile_dots<2>(a + (size_t)r0 * K, wq + e * T * S * 64, scales + e * T * G * 8,
-                        zeros + (W4_ZERO ? e * T * G * 8 : 0), rows, K, group, tile, kw, false, c);
+        const bf16_t* x = a + (size_t)r0 * K;
+        const uint4* wq_e = wq + e * T * S * 64;
+        const unsigned* sc_e = scales + e * T * G * 8;
+        const unsigned short* zr_e = zeros + (W4_ZERO ? e * T * G * 8 : 0);
+        if (rows <= 8)               // the CTA's rows fill one n8 tile (decode: 1 row an expert a token)
+            w4_tile_dots<1>(x, wq_e, sc_e, zr_e, rows, K, group, tile, kw, false, reinterpret_cast<float (&)[1][4]>(c));
+        else
+            w4_tile_dots<2>(x, wq_e, sc_e, zr_e, rows, K, group, tile, kw, false, c);
     }, row_token, tile_m, out, N);
 }
