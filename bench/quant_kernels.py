@@ -10,6 +10,7 @@ weights; the time is per call. Roofline: the bytes a call must move (weights + s
 device-copy bandwidth measured in the same run (read + write); prefill also reports TFLOP/s.
 
     python3 bench/quant_kernels.py --out DIR [--rows 1,8,16] [--prefill 512,2048,8192] [--reps 10]
+                                   [--w4-configs 1x2,1x3,2x2]   (gemv_w4.cu CTA shapes side by side)
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness.quant_cases import QWEN3_8B_SHAPES, random_fp8_weight, random_w4  # noqa: E402
-from openinfer_kernels.quant.ops import QuantOps, W4Weight  # noqa: E402
+from openinfer_kernels.quant.ops import QuantOps, W4Config, W4Weight  # noqa: E402
 from openinfer_kernels.quant.w4_layout import pack_w4  # noqa: E402
 
 RING_BYTES = 512 << 20
@@ -89,16 +90,23 @@ def w4_copies(w: W4Weight) -> list[W4Weight]:
                   for _ in range(ring(nbytes) - 1)]
 
 
-def decode_rows(stream, bw: float, rows_m, reps: int) -> list[dict]:
+def w4_configs(spec: str) -> dict[str, W4Config]:
+    """"RTxU,..." (16-row tiles a CTA x k steps in flight) -> a label suffix each ("" for a single one)."""
+    configs = [W4Config(*map(int, c.split("x"))) for c in spec.split(",") if c]
+    return {"" if len(configs) == 1 else f" [{c.tiles_per_cta}x{c.steps_in_flight}]": c for c in configs}
+
+
+def decode_rows(stream, bw: float, rows_m, reps: int, w4: dict[str, W4Config]) -> list[dict]:
     import cupy
 
     from engine.executor.gpu_gemm import Gemm
 
     ops, blas, gemv = QuantOps(stream), Gemm(stream), Gemm(stream, gemv_max_m=32)
+    w4_ops_by = {suffix: QuantOps(stream, config) for suffix, config in w4.items()}
     rng, out = np.random.default_rng(0), []
     for label, (N, K) in QWEN3_8B_SHAPES.items():
         bf16_w = [rand_bf16((N, K)) for _ in range(ring(N * K * 2))]
-        w4 = {name: w4_copies(W4Weight.upload(pack_w4(random_w4(rng, kind, N, K, group))))
+        w4_ws = {name: w4_copies(W4Weight.upload(pack_w4(random_w4(rng, kind, N, K, group))))
               for name, (kind, group) in W4_FORMATS.items()}
         w8, s8 = random_fp8_weight(rng, N, K, False)
         fp8_s = cupy.asarray(s8)
@@ -113,9 +121,11 @@ def decode_rows(stream, bw: float, rows_m, reps: int) -> list[dict]:
             add("cuBLAS bf16", per_call_us(stream, [lambda w=w: blas(x, w, y) for w in bf16_w], reps), N * K * 2 + io)
             add("gemv.cu bf16", per_call_us(stream, [lambda w=w: gemv.gemv(x, w, y, pdl=True) for w in bf16_w], reps),
                 N * K * 2 + io)
-            for name, ws in w4.items():
+            for name, ws in w4_ws.items():
                 nbytes = ws[0].codes.nbytes + ws[0].scales.nbytes + (0 if ws[0].zeros is None else ws[0].zeros.nbytes)
-                add(name, per_call_us(stream, [lambda w=w: ops.gemv_w4(x, w, y) for w in ws], reps), nbytes + io)
+                for suffix, w4_ops in w4_ops_by.items():
+                    add(name + suffix, per_call_us(stream, [lambda w=w, o=w4_ops: o.gemv_w4(x, w, y) for w in ws], reps),
+                        nbytes + io)
                 if M == rows_m[0]:          # prefill's bf16 weights (w4_dequant.cu), once per projection
                     scratch = cupy.empty((N, K), np.uint16)
                     add(name.replace("w4", "w4_dequant.cu to bf16", 1),
@@ -126,7 +136,7 @@ def decode_rows(stream, bw: float, rows_m, reps: int) -> list[dict]:
             add("gemv_fp8.cu (block scales)", per_call_us(stream, [lambda w=w: ops.gemv_fp8(xq, xs, w, fp8_s, y)
                                                                    for w in fp8_w], reps),
                 N * K + fp8_s.nbytes + M * K + M * N * 2)
-        del bf16_w, w4, fp8_w
+        del bf16_w, w4_ws, fp8_w
     return out
 
 
@@ -182,6 +192,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="1,8,16")
     parser.add_argument("--prefill", default="512,2048,8192")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--w4-configs", default="1x2", help="gemv_w4.cu CTA shapes to time, RTxU,...: 16-row "
+                        "tiles a CTA x k steps in flight (ops.W4Config; the first is the default)")
     args = parser.parse_args(argv)
     import cupy
 
@@ -189,7 +201,8 @@ def main(argv=None) -> int:
     stream = cupy.cuda.Stream(non_blocking=True)
     bw = copy_bandwidth()
     with stream:
-        rows = decode_rows(stream, bw, [int(m) for m in args.rows.split(",") if m], args.reps)
+        rows = decode_rows(stream, bw, [int(m) for m in args.rows.split(",") if m], args.reps,
+                           w4_configs(args.w4_configs))
         rows += prefill_rows(stream, bw, [int(m) for m in args.prefill.split(",") if m], args.reps)
     lines = table(rows, bw)
     (args.out / "quant_kernels.md").write_text("\n".join(lines) + "\n")

@@ -16,7 +16,6 @@ from .w4_layout import W4Packed
 
 GEMV_MAX_M = 16                     # two n8 tiles
 GEMV_THREADS = 256
-W4_TILES_PER_CTA = 1                # gemv_w4.cu W4_RT
 FP8_TILES_PER_CTA = 2               # gemv_fp8.cu FP8_RT
 EPILOGUES = {"bf16": 0, "f32": 1, "residual": 2, "silu": 3}   # gemv_cta.cuh GEMV_EPI_*
 
@@ -55,6 +54,23 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
+@dataclass(frozen=True)
+class W4Config:
+    """gemv_w4.cu's compile-time CTA shape: 16-row tiles a CTA (W4_RT, dividing its 8 warps) and k steps in
+    each warp's ring of code loads (W4_U)."""
+
+    tiles_per_cta: int = 1
+    steps_in_flight: int = 2
+
+    def __post_init__(self):
+        _check(self.tiles_per_cta in (1, 2, 4, 8), f"gemv_w4 tiles a CTA: 1, 2, 4 or 8, got {self.tiles_per_cta}")
+        _check(1 <= self.steps_in_flight <= 8, f"gemv_w4 steps in flight: 1..8, got {self.steps_in_flight}")
+
+    @property
+    def defines(self) -> dict[str, int]:
+        return {"W4_RT": self.tiles_per_cta, "W4_U": self.steps_in_flight}
+
+
 def _rows(a, cols: int | None, what: str, dtype=np.uint16) -> int:
     """a's row count, after checking that it is a C-contiguous dtype [rows, cols] (cols None: any)."""
     _check(a.ndim == 2 and (cols is None or a.shape[1] == cols) and a.dtype == dtype and a.flags.c_contiguous,
@@ -79,8 +95,9 @@ class QuantOps:
 
     pdl = True
 
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, w4: W4Config = W4Config()):
         self.stream = stream
+        self.w4 = w4
 
     def _kernel(self, name: str, entry: str, **defines: int):
         from openinfer_kernels.raw_cuda import kernel
@@ -96,10 +113,11 @@ class QuantOps:
         m = _rows(x, w.k, "x")
         _check(1 <= m <= GEMV_MAX_M, f"gemv_w4 serves 1..{GEMV_MAX_M} rows, got {m}")
         _check(w.experts == 1, "gemv_w4 takes one weight; experts go through gemv_w4_grouped")
+        _check(w.k < 1 << 21, f"gemv_w4 takes K < 2^21, got {w.k}")         # its group index's multiply-high
         code = _epilogue(epi, y, m, w.n, res)
-        k = self._kernel("gemv_w4", f"gemv_w4_n{_ceil(m, 8)}", **dict(w.defines))
+        k = self._kernel("gemv_w4", f"gemv_w4_n{_ceil(m, 8)}", **dict(w.defines), **self.w4.defines)
         null = np.uint64(0)
-        self._launch(k, (_ceil(_ceil(w.n, 16), W4_TILES_PER_CTA),), (GEMV_THREADS,),
+        self._launch(k, (_ceil(_ceil(w.n, 16), self.w4.tiles_per_cta),), (GEMV_THREADS,),
                      (x, w.codes, w.scales, null if w.zeros is None else w.zeros, y, np.int32(m), np.int32(w.n),
                       np.int32(w.k), np.int32(w.group), null if res is None else res, np.int32(code)))
 
@@ -110,8 +128,9 @@ class QuantOps:
         _check(rows % tile_m == 0 and tile_expert.shape == (rows // tile_m,) and row_token.shape == (rows,),
                f"{rows} rows in tiles of {tile_m}: tile_expert [{rows // tile_m}] and row_token [{rows}] expected")
         _rows(out, w.n, "out")
-        k = self._kernel("gemv_w4", "gemv_w4_grouped", **dict(w.defines))
-        self._launch(k, (_ceil(_ceil(w.n, 16), W4_TILES_PER_CTA), rows // tile_m), (GEMV_THREADS,),
+        _check(w.k < 1 << 21, f"gemv_w4_grouped takes K < 2^21, got {w.k}")
+        k = self._kernel("gemv_w4", "gemv_w4_grouped", **dict(w.defines), **self.w4.defines)
+        self._launch(k, (_ceil(_ceil(w.n, 16), self.w4.tiles_per_cta), rows // tile_m), (GEMV_THREADS,),
                      (a, w.codes, w.scales, np.uint64(0) if w.zeros is None else w.zeros, tile_expert, row_token, out,
                       np.int32(w.n), np.int32(w.k), np.int32(w.group), np.int32(tile_m)))
 

@@ -13,16 +13,28 @@
 //          order within a word).
 //   scales uint16 [N/16][G][8 g][2 h] (G = K/128·128 / group), zeros uint8 likewise: a lane's two rows of a
 //          group in one 4-byte (2-byte) load.
-// A lane's 32 k of a row lie in one group (group % 32 == 0). Each warp step reads 1 KB of codes: every
-// load instruction of a warp is 512 contiguous bytes.
-// CTA: W4_RT tiles of 16 rows, the 8 warps split K W4_KW ways per tile (gemv_cta.cuh sums them); the
-// x pieces of a k step are read by W4_RT warps (L1), so at W4_RT = 2 a CTA streams 32 rows of codes per
-// read of x. The codes of the next W4_U k steps are in flight while the current ones are used, and the
-// first ones are issued before pdl_wait (launch.py): the stream starts under the previous kernel's tail.
-// Dequantization per code: a shift and a LOP3 (int) or three (e2m1), then one to three packed bf16 ops.
+// A lane's 32 k of a row lie in one group (group % 32 == 0, so K % 32 == 0). Each warp step reads 1 KB of
+// codes: every load instruction of a warp is 512 contiguous bytes.
+// CTA: W4_RT tiles of 16 rows (1: Qwen3-8B's N = 4096 launches 256 CTAs, not 128 on 132 SMs), the 8 warps
+// split K W4_KW ways per tile (gemv_cta.cuh sums them). A warp keeps a ring of its next W4_U steps' codes
+// and scales, each slot refilled once read, the first ones issued before pdl_wait (launch.py): the stream
+// starts under the previous kernel's tail. x is read at its use from L1 (no batch of it in registers), and
+// the two mmas of a word accumulate into two chains (half the dependent-mma latency).
 // Roofline: N·K/2 code bytes + N·K/group·2 scale bytes (+ N·K/group zeros) + M·K·2 (x) + M·N·2 (y):
-// Qwen3-8B qkv (6144 x 4096, group 128) 12.6 + 0.4 (+0.2) MB, 2.8 µs at 4.8 TB/s, 3.8x fewer bytes than
-// gemv.cu's bf16 weights; gate_up 24576 x 4096: 52.4 MB, 10.9 µs; down 4096 x 12288: 26.2 MB, 5.5 µs.
+// Qwen3-8B qkv (6144 x 4096, group 128) 12.6 + 0.4 (+0.2) MB, 4.4 µs at the H100's 3.0 TB/s copy rate,
+// 3.8x fewer bytes than gemv.cu's bf16 weights; gate_up 24576 x 4096: 52.4 MB, 17.4 µs.
+// Why it ran at 0.37-0.68 of that (bench/results/quant-kernels.md) while gemv.cu's bf16 reaches 0.79-0.91:
+// at 3.0 TB/s an SM takes 1 KB of codes every ~79 cycles, ~310 issue slots of its 4 schedulers, and the
+// 4-bit GEMV issued 268 (compressed-tensors), 300 (FP4) and 358 (AWQ) SASS instructions a KB (sm_90a, M <= 8):
+// instruction-bound, AWQ the slowest. The dequantization itself is ~4 a bf16 pair (32 pairs a lane a KB);
+// the rest was overhead: a runtime integer division for each step's group (~25), x loads with 64-bit
+// selects per 16 bytes (~32), `(c & mask) | magic` compiled as two LOP3s (one immediate each: +32), fp16
+// scales converted by branchy C (AWQ, ~70), and the e2m1 codes' second multiply (FP4, +32). The x batch in
+// registers held it at 94-102 registers (2 CTAs an SM; 128-137 at M > 8: 1), its one dependent chain
+// of 16 mmas a KB left a warp latency-bound, and 128 CTAs of 2 tiles left SMs idle at N = 4096.
+// Now 189 (compressed-tensors), 227 (FP4, scales <= 2) and 241 (AWQ) a KB at 64-71 registers (3-4 CTAs an
+// SM; M > 8 and the grouped entry 75-96): the group index by a multiply-high, a lane's x pointer chosen
+// once a step, one LOP3 a pair (and_or), fp16 by cvt.f32.f16, e2m1 · scale in one multiply (w4.cuh).
 #include "common.cuh"
 #include "mma.cuh"
 #include "w4.cuh"
@@ -32,7 +44,7 @@
 #define W4_RT 1                           // 16-row tiles per CTA
 #endif
 #ifndef W4_U
-#define W4_U 2                            // 128-wide k steps per code batch (x2 in flight)
+#define W4_U 2                            // 128-wide k steps in a warp's ring of code loads
 #endif
 #define W4_WARPS 8
 #define W4_KW (W4_WARPS / W4_RT)          // warps per tile, splitting K

@@ -19,7 +19,7 @@ from engine.loader.quantized import dequant_fp4_block, dequant_packed_group
 from harness.quant_cases import W4_KINDS, random_w4
 from harness.quantized import AWQ_PACK_ORDER, pack_int32_bitwise, pack_words, quantize_int_group
 from openinfer_kernels.quant import w4_formats as fmt
-from openinfer_kernels.quant.ops import QuantOps, W4Weight
+from openinfer_kernels.quant.ops import QuantOps, W4Config, W4Weight
 from openinfer_kernels.quant.w4_layout import pack_w4, unpack_w4
 from test_decode_kernels_emulated import assert_bf16_close, run
 from test_deltanet_kernels_emulated import host
@@ -209,6 +209,30 @@ def test_gemv_w4_shapes(kind, N, K, group, M):
     y = host(np.zeros((M, N), np.uint16))
     EmulatedQuantOps().gemv_w4(host(x), W4Weight.upload(pack_w4(w), host), y)
     assert_bf16_close(y, rb(kernel_reference(x, w)), f"{kind} {N}x{K} g{group} M={M}")
+
+
+@pytest.mark.parametrize("tiles,steps", [(2, 3), (4, 1), (8, 4)])
+def test_gemv_w4_cta_shapes(tiles, steps):
+    """The CTA shapes bench/quant_kernels.py --w4-configs times (tiles a CTA x steps in flight), dense and
+    grouped, give the same product; a shape the kernel cannot take is refused."""
+    rng = np.random.default_rng(tiles * 8 + steps)
+    N, K, M = 72, 1536, 5
+    w = random_w4(rng, "bf16", N, K, 32, (2,))
+    x = bf16(rng.standard_normal((M, K)))
+    ops = EmulatedQuantOps(w4=W4Config(tiles, steps))
+    y = host(np.zeros((M, N), np.uint16))
+    ops.gemv_w4(host(x), W4Weight.upload(pack_w4(fmt.expert_codes(w, 0)), host), y)
+    assert_bf16_close(y, rb(kernel_reference(x, fmt.expert_codes(w, 0))), "dense")
+    out = host(np.zeros((2 * 8, N), np.uint16))
+    row_token = np.where(np.arange(16) % 8 < M, 0, -1).astype(np.int32)
+    a = np.zeros((16, K), np.uint16)
+    a[:M], a[8:8 + M] = x, x
+    ops.gemv_w4_grouped(host(a), W4Weight.upload(pack_w4(w), host), host(np.array([1, 0], np.int32)), host(row_token),
+                        out, 8)
+    for t, e in enumerate((1, 0)):
+        assert_bf16_close(np.asarray(out)[8 * t:8 * t + M], rb(kernel_reference(x, fmt.expert_codes(w, e))), f"expert {e}")
+    with pytest.raises(ValueError, match="tiles a CTA"):
+        W4Config(3, 2)
 
 
 @pytest.mark.parametrize("kind", W4_KINDS)
