@@ -85,6 +85,26 @@ def test_gemv_w4(name, kind, M):
 
 
 @pytest.mark.parametrize("kind", W4_KINDS)
+def test_gemv_w4_reads_each_weight_exactly(kind):
+    """One-hot rows of x pick single weights: the float32 product is each bf16 weight bit for bit; FP4 scales
+    on both sides of gemv_w4.cu's one-multiply bound (2^(128 - 127)), e2m1's 0.5 a bf16 subnormal before it."""
+    import cupy
+
+    rng = np.random.default_rng(len(kind))
+    N, K, group, M = 4096, 4096, 32, 16
+    w = random_w4(rng, kind, N, K, group)
+    if kind == "fp4":
+        e = rng.choice(np.array([2, 3, 100, 126, 127, 128, 129, 130], np.uint8), (N, K // group))
+        w = fmt.W4Codes(w.codes, fmt.ue8m0_to_bf16_bits(e), fmt.BF16, None, group, fp4=True)
+    cols = rng.choice(K, M, replace=False)
+    x = np.zeros((M, K), np.uint16)
+    x[np.arange(M), cols] = 0x3F80                              # bf16 1.0
+    y = cupy.zeros((M, N), np.float32)
+    ops().gemv_w4(cupy.asarray(x), W4Weight.upload(pack_w4(w)), y, "f32")
+    np.testing.assert_array_equal(cupy.asnumpy(y), values(bf16_bits(fmt.dequant(w)))[:, cols].T)
+
+
+@pytest.mark.parametrize("kind", W4_KINDS)
 def test_dequant_w4_for_prefill(kind):
     """w4_dequant.cu: bit for bit the bf16 of the exact dequantization (gate_up's 24576 x 4096)."""
     import cupy
