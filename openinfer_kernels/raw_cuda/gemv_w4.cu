@@ -49,7 +49,6 @@
 #define W4_WARPS 8
 #define W4_KW (W4_WARPS / W4_RT)          // warps per tile, splitting K
 
-template <bool B> struct W4Flag { static constexpr bool value = B; };
 __device__ const uint4 kW4ZeroX[4] = {};          // a lane's 32 k of x past K (or of a row past M)
 
 // A lane's group of step `step`: (4·step + tq) / (group / 32) by one multiply-high (w4_group_magic; exact
@@ -60,6 +59,26 @@ __device__ __forceinline__ unsigned w4_group_magic(int group) {
 }
 __device__ __forceinline__ int w4_group_of(int chunk, unsigned magic) {
     return magic == 0u ? chunk : (int)(((unsigned long long)(unsigned)chunk * magic) >> 32);
+}
+
+// One k step of a lane: the 32 codes of its two rows (lo: g, hi: g + 8) dequantized with their groups, times
+// its 32 k of each x row (xs), the two mmas of a word into the two accumulation chains c and c2.
+template <int NT, bool ONE>
+__device__ __forceinline__ void w4_step(uint4 lo, uint4 hi, const W4Group& q_lo, const W4Group& q_hi,
+                                        const uint4* const (&xs)[NT], float (&c)[NT][4], float (&c2)[NT][4]) {
+    const unsigned wl[4] = {lo.x, lo.y, lo.z, lo.w}, wh[4] = {hi.x, hi.y, hi.z, hi.w};
+    #pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        unsigned pl[4], ph[4];
+        w4_dequant<ONE>(wl[w], q_lo, pl);
+        w4_dequant<ONE>(wh[w], q_hi, ph);
+        #pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const uint4 xb = __ldg(xs[n] + w);
+            mma_16816(c[n], pl[0], ph[0], pl[1], ph[1], xb.x, xb.y);
+            mma_16816(c2[n], pl[2], ph[2], pl[3], ph[3], xb.z, xb.w);
+        }
+    }
 }
 
 // One warp's share of one tile: c += x · W_tileᵀ over k steps [s_begin, s_end) (mma slot layout as
@@ -111,23 +130,8 @@ __device__ __forceinline__ void w4_tile_dots(const bf16_t* __restrict__ x, const
             for (int n = 0; n < NT; ++n)
                 xs[n] = x_ok[n] && k_ok ? reinterpret_cast<const uint4*>(x_row[n] + step * 128) : kW4ZeroX;
             const W4Group q_lo = w4_group(sc[u] & 0xFFFFu, zr[u] & 0xFFu), q_hi = w4_group(sc[u] >> 16, zr[u] >> 8);
-            const unsigned wl[4] = {lo[u].x, lo[u].y, lo[u].z, lo[u].w}, wh[4] = {hi[u].x, hi[u].y, hi[u].z, hi[u].w};
-            auto words = [&](auto one) {
-                #pragma unroll
-                for (int w = 0; w < 4; ++w) {
-                    unsigned pl[4], ph[4];
-                    w4_dequant<decltype(one)::value>(wl[w], q_lo, pl);
-                    w4_dequant<decltype(one)::value>(wh[w], q_hi, ph);
-                    #pragma unroll
-                    for (int n = 0; n < NT; ++n) {
-                        const uint4 xb = __ldg(xs[n] + w);
-                        mma_16816(c[n], pl[0], ph[0], pl[1], ph[1], xb.x, xb.y);
-                        mma_16816(c2[n], pl[2], ph[2], pl[3], ph[3], xb.z, xb.w);
-                    }
-                }
-            };
-            if (W4_FP4 && w4_warp_all(q_lo.one && q_hi.one)) words(W4Flag<true>());   // warp-uniform
-            else words(W4Flag<false>());
+            if (W4_FP4 && w4_warp_all(q_lo.one && q_hi.one)) w4_step<NT, true>(lo[u], hi[u], q_lo, q_hi, xs, c, c2);
+            else w4_step<NT, false>(lo[u], hi[u], q_lo, q_hi, xs, c, c2);                 // (warp-uniform)
             if (step + U < s_end) load_step(u, step + U);   // the slot refills U steps ahead, once read
         }
     }
