@@ -55,7 +55,7 @@ __device__ const uint4 kW4ZeroX[4] = {};          // a lane's 32 k of x past K (
 // while the chunk index stays below 2^32 / (group / 32): any K < 2^21).
 __device__ __forceinline__ unsigned w4_group_magic(int group) {
     const unsigned chunks = group / 32;
-    return chunks == 1 ? 0u : (unsigned)((0x100000000ull + chunks - 1) / chunks);
+    return chunks == 1 ? 0u : 0xFFFFFFFFu / chunks + 1u;             // ceil(2^32 / chunks), chunks >= 2
 }
 __device__ __forceinline__ int w4_group_of(int chunk, unsigned magic) {
     return magic == 0u ? chunk : (int)(((unsigned long long)(unsigned)chunk * magic) >> 32);
