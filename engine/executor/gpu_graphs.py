@@ -70,7 +70,7 @@ def capture_memory(shared):
     the blocks the capture takes in the pool (no cudaMalloc while capturing). The graphs share it: they replay one
     at a time on one stream and their temporaries die within a replay; what the ops keep (converted weights, the
     hyper-connections' counters, allocated once at their largest) stays allocated, never handed out again. Lines
-    whose ops allocate nothing leave it empty."""
+    whose ops allocate nothing (graph_temporaries False) capture without it."""
     try:
         import cupy
     except ImportError:
@@ -118,7 +118,8 @@ class DecodeGraphs:
         return logits
 
     def _capture(self, ctx, sampling: bool) -> tuple:
-        with capture_memory(self.ops.shared):
+        pool = capture_memory(self.ops.shared) if self.model.graph_temporaries else contextlib.nullcontext()
+        with pool:
             logits = self._body(ctx, sampling)    # eager warm-up: kernels loaded, cuBLAS heuristics run, the pool
             self.stream.synchronize()             # primed (the capture then allocates nothing new); also this step
             self.stream.begin_capture(*capture_mode())

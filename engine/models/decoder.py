@@ -161,6 +161,9 @@ class DecoderLM:
     # the GPU may capture the line's steps as CUDA graphs (its ops allocate nothing and wait on nothing from
     # the host)
     cuda_graphs = True
+    # True: the line's ops allocate CuPy temporaries inside a step: its decode graphs are captured with them drawn
+    # from a pool of their own (gpu_graphs.capture_memory); False: captured as they are
+    graph_temporaries = False
     # True: the forward between two attention calls depends on the step's token count only (no host
     # decision from the data), so the GPU may replay it as piecewise CUDA graphs (gpu_piecewise.py)
     piecewise_graphs = False

@@ -144,7 +144,8 @@ class DeepseekV4Config:
 
 class DeepseekV4ForCausalLM(DecoderLM):
     model_type = "deepseek_v4"
-    cuda_graphs = True          # decode: gpu_dsv4_ops.decode_attention, no host reads (temporaries: the graphs' pool)
+    cuda_graphs = True          # decode: gpu_dsv4_ops.decode_attention, no host reads
+    graph_temporaries = True    # its ops' float32 temporaries: drawn from the graphs' own pool
     op_families = frozenset({"moe", "dsv4"})
     fp8_kv_cache = False        # its KV rows also hold the compressors' kv and gates, read as they are
     kept_experts = EXPERT_WEIGHTS
