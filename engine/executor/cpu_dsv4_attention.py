@@ -187,7 +187,7 @@ def out_projection(out, rope, w, spec, p: "DSV4Primitives"):
     projection (wo_a per group, wo_b)."""
     L, (cos, sin) = f"layers.{spec.layer}.", rope
     o = rope_trailing(out, cos, -sin).reshape(out.shape[0], -1)
-    return p.block_out(p.mm(grouped_linear(o, p.fp32(w[L + "wo_a"]), spec.o_groups), w[L + "wo_b"]))
+    return p.block_out(p.mm(p.grouped_linear(o, w[L + "wo_a"], spec.o_groups), w[L + "wo_b"]))
 
 
 def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
@@ -233,6 +233,10 @@ class DSV4Primitives(Protocol):
 
     def fp32(self, weight):
         """A weight as float32 values."""
+
+    def grouped_linear(self, x, weight, groups: int):
+        """cpu_dsv4_ops.grouped_linear: x [T, groups·K], group g times its N rows of weight [groups·N, K]; float32
+        [T, groups·N]."""
 
     def dev(self, host):
         """A host array of the step (positions) where the algorithm computes."""
@@ -294,6 +298,9 @@ class NumpyDSV4Ops:
 
     def fp32(self, weight):
         return weight
+
+    def grouped_linear(self, x, weight, groups: int):
+        return grouped_linear(x, weight, groups)
 
     def dev(self, host):
         return np.asarray(host)

@@ -11,7 +11,9 @@ indexer_scores, then indexer_topk, each query's top index_topk entries on the de
 sequence has one query (decode), the attention itself (dsv4_attention.cu: write_rows stores the step's KV rows,
 sparse_decode attends over the window and the entries with the sinks; decode_attention below). The limited
 SwiGLU, the hash router and the projections around the attention run as CuPy float32 over the bf16 weights, every
-projection on the executor's bf16 GEMM (float32 out), the routed experts on the MoE part (gpu_moe_ops.py, whose
+projection on the executor's bf16 GEMM (float32 out) but the grouped output projection's wo_a, which runs on the
+MoE part's grouped products over its bf16 weight, group g as expert g (grouped_linear: moe_gemv.cu for a few
+tokens, the grouped GEMM otherwise; no float32 copy), the routed experts on the MoE part (gpu_moe_ops.py, whose
 moe_route.cu also takes the sqrtsoftplus router).
 
 Decode steps read only the step's device arrays (positions, slots, block tables) with shapes fixed by the row
@@ -26,6 +28,7 @@ import numpy as np
 from engine.executor.cpu_dsv4_attention import dsv4_attention, entry_columns, out_projection, project, slots_at
 from engine.executor.cpu_dsv4_ops import hash_route, swiglu_limited
 from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16, split_gate_up
+from engine.executor.gpu_moe_ops import expert_tile_m
 from memory.kv_pool import BLOCK_SIZE
 from openinfer_kernels.raw_cuda import kernel
 
@@ -44,6 +47,19 @@ def check_hc_shapes(hc_mult: int, hidden: int) -> None:
     if not 1 <= hc_mult <= MAX_HC_MULT or hidden % 4:
         raise ValueError(f"deepseek_v4 on the GPU: the hyper-connection kernels take hc_mult 1..{MAX_HC_MULT} "
                          f"(got {hc_mult}) and a hidden size that is a multiple of 4 (got {hidden})")
+
+
+def group_layout(cp, tokens: int, groups: int):
+    """The rows of `groups` groups of the same `tokens` tokens as the MoE part's grouped products take them, group g
+    as expert g (moe_align.cu's layout): each group's rows padded to whole M-tiles (expert_tile_m), its tokens at
+    the top. Returns (tile_m, rows per group, tile_expert [tiles], row_token [groups · rows per group], -1 on
+    padding rows), made on the device alone: fixed by tokens and groups, a CUDA graph holds them."""
+    tile_m = expert_tile_m(tokens, groups, groups)
+    tiles = -(-tokens // tile_m)
+    rows = tiles * tile_m
+    tile_expert = cp.arange(groups * tiles, dtype=np.int32) // np.int32(tiles)
+    row = cp.arange(groups * rows, dtype=np.int32) % np.int32(rows)
+    return tile_m, rows, tile_expert, cp.where(row < tokens, row, np.int32(-1))
 
 
 class GpuDSV4Ops:
@@ -67,7 +83,8 @@ class GpuDSV4Ops:
 
     def _weight_f32(self, w):
         """A weight's float32 values, converted once and kept for weights up to WEIGHT_F32_CACHE elements (the
-        norms, sinks, hyper-connection and router tables); the large projections go through the bf16 GEMM."""
+        norms, sinks, hyper-connection and router tables); the large projections go through the bf16 GEMM and the
+        grouped products (grouped_linear), none converted."""
         if w.dtype == np.float32 or w.size > WEIGHT_F32_CACHE:
             return self._f(w)
         return self._kept(w, "f32", self._f)
@@ -175,6 +192,24 @@ class GpuDSV4Ops:
 
     def fp32(self, weight):
         return self._weight_f32(weight)
+
+    def grouped_linear(self, x, weight, groups: int):
+        """The grouped output projection on the MoE part's grouped products over the bf16 weight (no float32 copy):
+        x [T, groups·K] (float32, rounded to bf16, or bf16) laid out as group_layout's rows, moe_gemv.cu for a few
+        tokens, the grouped GEMM otherwise (GpuMoEOps.grouped_linear), the bf16 outputs back as float32
+        [T, groups·N]."""
+        cp, T = self.cp, x.shape[0]
+        w = self._bf16_weight(weight)
+        N, K = w.shape[0] // groups, w.shape[1]
+        if not T:
+            return cp.zeros((0, groups * N), np.float32)
+        tile_m, rows, tile_expert, row_token = group_layout(cp, T, groups)
+        a, by_group = cp.empty((groups, rows, K), np.uint16), x.reshape(T, groups, K).transpose(1, 0, 2)
+        a[:, :T] = by_group if x.dtype == np.uint16 else self._b(by_group)
+        out = cp.empty((groups * rows, N), np.uint16)
+        self.moe.grouped_linear(a.reshape(groups * rows, K), w.reshape(groups, N, K), tile_expert, row_token, out,
+                                tile_m, T)
+        return self._f(out.reshape(groups, rows, N)[:, :T].transpose(1, 0, 2).reshape(T, groups * N))
 
     def dev(self, host):
         return self.cp.asarray(host)

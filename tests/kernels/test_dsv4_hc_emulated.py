@@ -34,6 +34,12 @@ class HostNumpy:
     def asarray(self, a, dtype=None):
         return host(np.asarray(a, dtype))
 
+    def arange(self, *args, dtype=None):
+        return host(np.arange(*args, dtype=dtype))
+
+    def where(self, condition, a, b):
+        return host(np.where(condition, a, b))
+
 
 class EmulatedHCShared(EmulatedShared):
     stream = contextlib.nullcontext()
