@@ -1,8 +1,9 @@
 """DeepSeek-V4's grouped output projection on the GPU ops (GpuDSV4Ops.grouped_linear over the MoE part's
 moe_gemv.cu and moe_grouped_gemm.cu, no CuTe library) run on the host, without a GPU (tests/cuda_emulation.h),
 against the numpy definition: the cases and bound of tests/dsv4_out_cases.py (V4-Flash's cut: emulated_shape);
-the check fails with the groups' weights swapped; out_projection makes no float32 copy of wo_a. Skipped without
-g++ or the CUDA headers; test_gpu_dsv4_out.py runs the same cases on the device (the CuTe grouped GEMM too)."""
+the check fails with the groups' weights swapped; the quantized MoE part takes the bf16 path; out_projection
+makes no float32 copy of wo_a. Skipped without g++ or the CUDA headers; test_gpu_dsv4_out.py runs the same cases
+on the device (the CuTe grouped GEMM too)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from test_dsv4_hc_emulated import EmulatedDSV4, EmulatedHCShared
 from engine.executor.cpu_dsv4_attention import out_projection
 from engine.executor.gpu_dsv4_ops import WEIGHT_F32_CACHE, GpuDSV4Ops
 from engine.executor.gpu_moe_ops import COMBINE_COLS, GEMV_MAX_TOKENS, MOE_UNROLL, GpuMoEOps
+from engine.executor.gpu_quant_moe import GpuQuantMoEOps
 
 
 def product_kernels() -> dict:
@@ -42,10 +44,18 @@ class EmulatedGroupedMoE(GpuMoEOps):
         self.__dict__.update(product_kernels())
 
 
-def emulated_ops() -> EmulatedDSV4:
+class EmulatedQuantMoE(GpuQuantMoEOps):
+    """The MoE part of a model keeping quantized experts (its quantized kernels never reached here)."""
+
+    def __init__(self, shared):
+        self.shared, self.cp, self.quant = shared, np, SimpleNamespace(pdl=False)
+        self.__dict__.update(product_kernels())
+
+
+def emulated_ops(moe_class=EmulatedGroupedMoE) -> EmulatedDSV4:
     shared = EmulatedHCShared()
     shared.gemm = EmulatedGemm()
-    return EmulatedDSV4(shared, EmulatedGroupedMoE(shared))
+    return EmulatedDSV4(shared, moe_class(shared))
 
 
 def emulated_shape(case, tokens: int) -> tuple[int, int, int]:
@@ -62,6 +72,15 @@ def emulated_shape(case, tokens: int) -> tuple[int, int, int]:
 def test_grouped_projection_matches_numpy(case, tokens):
     inp = random_inputs(*emulated_shape(case, tokens), tokens, seed=tokens)
     check(run(emulated_ops(), inp, host, np.asarray), reference(inp))
+
+
+@pytest.mark.parametrize("tokens", [3, 32])
+def test_the_quantized_moe_part_takes_the_bf16_path(tokens):
+    """With quantized experts kept (GpuQuantMoEOps), wo_a's bf16 weight falls through to the bf16 grouped
+    products: the same bits."""
+    inp = random_inputs(*CASES[0][1:], tokens, seed=5)
+    np.testing.assert_array_equal(run(emulated_ops(EmulatedQuantMoE), inp, host, np.asarray),
+                                  run(emulated_ops(), inp, host, np.asarray))
 
 
 def test_bf16_activations_give_the_float32_ones_bits():
