@@ -19,12 +19,14 @@ MLP: every layer routed: the first ones by hash (experts from a frozen token-id 
 others by sqrtsoftplus scores + the correction bias; weights renormalized, times routed_scaling_factor;
 SwiGLU with gate <= swiglu_limit and |up| <= swiglu_limit in the experts and the one shared expert.
 
-KV (kv_layout): one plane of one head per token and layer, `dsv4_row_width` values: the roped K = V, then the
-layer's compressor inputs (its kv and gate projections, and the indexer's); the token closing a window of m
-stores the window's entry and indexer key in its row, over inputs no later entry reads
-(cpu_dsv4_attention.entry_columns), computed once and never rebuilt. Exact and simple, not compact: every
-token keeps its compressor inputs (the compact layout, a window ring per sequence and one entry per m tokens,
-is not built yet).
+KV (kv_layout, state_layout): a compact cache. The paged row of a token and layer (`row_width` values) holds
+its roped K = V and, on a compressed layer, the entry of the window the token closes (and, CSA, that window's
+indexer key), read only at closing tokens' rows (cpu_dsv4_attention.entry_columns): computed once, never rebuilt.
+The compressor's and the indexer's raw inputs (kv and gate projections) are needed only until the windows that read
+them close: they live in a per-sequence ring (a state slot: "csa_ring" and "hca_ring", the last rate · series
+tokens of each compressed layer). A prefix hit restores the K rows and the entries of the windows closed before it,
+not the ring: the sequence replays its last `replay_tokens(hit)` cached tokens (the open window and, CSA, the one
+before it), which rebuild the ring but write no row and close no window already stored.
 """
 from __future__ import annotations
 
@@ -39,14 +41,17 @@ from engine.models.ops import Array, RouteSpec
 from engine.models.rope import rope_inv_freq
 from engine.models.weights import WeightSpec, packed, stacked
 from memory.kv_pool import KVLayout
+from memory.state_slots import ACTIVATION, StateArray, StateLayout
 
 RATES = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+RINGS = ("csa_ring", "hca_ring")        # the state arrays of the CSA and the HCA layers' compressor rings
 
 
 @dataclass(frozen=True)
 class DSV4AttentionSpec:
     """One DeepSeek-V4 attention layer. rate: tokens per compressed entry (0: sliding only); overlap: CSA's
-    windows (entry w also reads window w - 1); index_*: the lightning indexer (CSA)."""
+    windows (entry w also reads window w - 1); index_*: the lightning indexer (CSA); ring: the state array of its
+    compressor ring ("" on sliding layers), ring_index: the layer's index in it."""
     layer: int
     num_heads: int
     head_dim: int
@@ -61,6 +66,8 @@ class DSV4AttentionSpec:
     rms_eps: float
     inv_freq: Any                      # float32 [rope_dim / 2] of this layer's rope ("main" or "compress")
     compress_inv_freq: Any             # the compressed entries' and the indexer's
+    ring: str = ""
+    ring_index: int = 0
 
     @property
     def series(self) -> int:
@@ -69,13 +76,21 @@ class DSV4AttentionSpec:
 
     @property
     def row_width(self) -> int:
-        """Values per token in the cache: K = V, then the compressor's kv and gate, then the indexer's."""
-        w = self.head_dim
-        if self.rate:
-            w += 2 * self.series * self.head_dim
-        if self.index_heads:
-            w += 2 * 2 * self.index_dim
-        return w
+        """Values per token in the paged cache: K = V, then (compressed layers) the entry of the window the token
+        closes, then (CSA) that window's indexer key."""
+        return self.head_dim + (self.head_dim if self.rate else 0) + (self.index_dim if self.index_heads else 0)
+
+    @property
+    def ring_len(self) -> int:
+        """Tokens the compressor ring keeps: the windows still open at a step's end read at most these."""
+        return self.rate * self.series
+
+    @property
+    def ring_width(self) -> int:
+        """Values per token in the ring: the compressor's kv | gate (series · head_dim each), then (CSA) the
+        indexer's kv | gate (2 · index_dim each)."""
+        return ((2 * self.series * self.head_dim if self.rate else 0)
+                + (2 * 2 * self.index_dim if self.index_heads else 0))
 
 
 @dataclass(frozen=True)
@@ -147,7 +162,7 @@ class DeepseekV4ForCausalLM(DecoderLM):
     cuda_graphs = True          # decode: gpu_dsv4_ops.decode_attention, no host reads
     graph_temporaries = True    # its ops' float32 temporaries: drawn from the graphs' own pool
     op_families = frozenset({"moe", "dsv4"})
-    fp8_kv_cache = False        # its KV rows also hold the compressors' kv and gates, read as they are
+    fp8_kv_cache = False        # its rows (K, entries, indexer keys) are read and written as float32 / bf16
     kept_experts = EXPERT_WEIGHTS
 
     @staticmethod
@@ -163,13 +178,14 @@ class DeepseekV4ForCausalLM(DecoderLM):
         compress = rope_inv_freq(dataclasses.replace(config, rope_theta=m.compress_rope_theta,
                                                      rope_scaling=m.compress_scaling), m.rope_dim)[0]
         csa = [t == "compressed_sparse_attention" for t in m.layer_types]
+        rings = [RINGS[not csa[i]] if m.rates[i] else "" for i in range(config.num_hidden_layers)]
         self.attention_specs = [
             DSV4AttentionSpec(layer=i, num_heads=config.num_attention_heads, head_dim=m.head_dim, rope_dim=m.rope_dim,
                               window=m.window, rate=m.rates[i], overlap=csa[i],
                               index_heads=m.index_heads if csa[i] else 0,
                               index_dim=m.index_dim, index_topk=m.index_topk, o_groups=m.o_groups,
                               rms_eps=config.rms_norm_eps, inv_freq=compress if m.rates[i] else main,
-                              compress_inv_freq=compress)
+                              compress_inv_freq=compress, ring=rings[i], ring_index=rings[:i].count(rings[i]))
             for i in range(config.num_hidden_layers)]
 
     def layer_weight_specs(self, i: int) -> list[WeightSpec]:
@@ -263,6 +279,25 @@ class DeepseekV4ForCausalLM(DecoderLM):
     def kv_layout(self) -> KVLayout:
         return KVLayout(layers=self.config.num_hidden_layers, planes=1, heads=1,
                         dim=max(s.row_width for s in self.attention_specs))
+
+    def state_layout(self) -> StateLayout | None:
+        """The compressor rings: per compressed layer type ("csa_ring", "hca_ring"), each of its layers' last
+        ring_len tokens' compressor inputs [ring_len, ring_width] (activation dtype); None without a compressed
+        layer. The input of position p of the sequence in slot s: state[ring][ring_index, s, p % ring_len]."""
+        arrays = []
+        for name in RINGS:
+            specs = [s for s in self.attention_specs if s.ring == name and s.rate]
+            if specs:
+                layers = 1 + max(s.ring_index for s in specs)
+                arrays.append(StateArray(name, layers, (specs[0].ring_len, specs[0].ring_width), ACTIVATION))
+        return StateLayout(tuple(arrays)) if arrays else None
+
+    def replay_tokens(self, hit: int) -> int | None:
+        """The cached tokens a prefix hit of `hit` tokens recomputes to rebuild the rings: on each compressed
+        layer the window still open at the hit and, with overlap, the one before it (whose first series the next
+        entry reads); their K rows and the closed windows' entries stay the restored blocks'."""
+        return min(hit, max((hit % s.rate + (s.rate if s.overlap else 0) for s in self.attention_specs if s.rate),
+                            default=0))
 
     @property
     def rope_dim(self) -> int:
