@@ -1,21 +1,25 @@
-"""DeepSeek-V4 attention in numpy (float32) over the paged pool, one row per token and layer (DSV4AttentionSpec
-.row_width values: [K = V (roped) | compressor kv | compressor gate | indexer kv | indexer gate]).
+"""DeepSeek-V4 attention in numpy (float32) over the compact cache: a paged row per token and layer
+(DSV4AttentionSpec.row_width values: [K = V (roped) | the entry of the window it closes | that window's indexer
+key]) and a compressor ring per sequence (a state slot: each compressed layer's last ring_len tokens' compressor
+inputs, ring_width values each: [compressor kv | gate | indexer kv | gate]).
 
-A step writes its tokens' rows; a token that closes a window of m tokens (position + 1 a multiple of m) then
-computes that window's entry once from the stored compressor inputs (close_entries: softmax over the window's slots
-of gate + the learned position bias, the weighted sum of the kv, RMSNorm, rope at the window's first position;
-CSA's entry w also takes window w - 1's first series) and the indexer's key the same way, and stores both in its
-own row over inputs no later entry reads (entry_columns). Per sequence (its one-query sequences together, padded to
-the group's longest with zero rows no query sees) each query attends to its sliding window of K = V rows
-(group_keys) and to the stored entries it may see (group_entries), both read from the pool by position (rows_at:
-window + queries - 1 rows and one per closed window, not the whole context): a closed window (w < (position + 1) //
-m) and, on CSA layers, one the lightning indexer ranks in its top index_topk (sum over indexer heads of weight ·
-relu(q · k); among equal scores, as the entries whose every head's q · k is negative all score 0, the lower entry
-first). No entry is rebuilt: a prefix-cache hit restores the blocks of its whole-block prefix, the entries closed
-in it with them; a window still open at the prefix's end keeps its first tokens' compressor inputs in the restored
-rows and closes in the step that writes its last token, as after preemption's recompute. Transformers' no-cache
-forward is this computation over the whole sequence, which is what the gate checks on every path (its torch.topk
-leaves the order of equal scores unspecified: the oracles hold it to this rule, harness/dsv4_oracle.py).
+A step writes its tokens' K rows (write_rows; a slot -1, a replayed position, is not written); a token that closes
+a window of m tokens (position + 1 a multiple of m) then computes that window's entry once from its compressor
+inputs, the step's own rows for positions in the step and the ring for earlier ones (close_entries: softmax over
+the window's slots of gate + the learned position bias, the weighted sum of the kv, RMSNorm, rope at the window's
+first position; CSA's entry w also takes window w - 1's first series), and the indexer's key the same way, and
+stores both in its own row (entry_columns); after the step the ring keeps each sequence's last ring_len tokens
+(ring_store). Per sequence (its one-query sequences together, padded to the group's longest with zero rows no
+query sees) each query attends to its sliding window of K = V rows (group_keys) and to the stored entries it may
+see (group_entries), both read from the pool by position (rows_at: window + queries - 1 rows and one per closed
+window, not the whole context): a closed window (w < (position + 1) // m) and, on CSA layers, one the lightning
+indexer ranks in its top index_topk (sum over indexer heads of weight · relu(q · k); among equal scores, as the
+entries whose every head's q · k is negative all score 0, the lower entry first). No entry is rebuilt: a prefix
+hit restores the K rows and the entries closed in its blocks, and the sequence replays the tokens of the windows
+still open there (DeepseekV4ForCausalLM.replay_tokens): their slots are -1, so they write no row and close no
+window, but their compressor inputs reach the windows they open and the ring. Transformers' no-cache forward is
+this computation over the whole sequence, which is what the gate checks on every path (its torch.topk leaves the
+order of equal scores unspecified: the oracles hold it to this rule, harness/dsv4_oracle.py).
 
 The algorithm (dsv4_attention) is written once over an executor's primitives (DSV4Primitives): numpy here
 (NumpyDSV4Ops, the numpy executor's DeepSeek-V4 part, ops.dsv4), CuPy and the bf16 GEMM on the GPU
@@ -79,29 +83,42 @@ def indexer_pick(q: np.ndarray, weights: np.ndarray, keys: np.ndarray, positions
 
 
 def entry_columns(spec) -> tuple[int, int]:
-    """Where a closed window's entry and its indexer key sit in the row of the window's last token: over the
-    compressor inputs only that row's own entry needed (the kv of its entry series, HCA's only one, and the
-    indexer kv's second series; CSA's next entry reads the first series, which stays)."""
-    D, s = spec.head_dim, spec.series
-    return s * D, D + 2 * s * D + spec.index_dim
+    """Where a closed window's entry and its indexer key sit in the row of the window's last token."""
+    return spec.head_dim, 2 * spec.head_dim
 
 
-def close_entries(tables, slots, pos: np.ndarray, w, spec, p: "DSV4Primitives") -> None:
+def window_inputs(inputs, at: np.ndarray, seq: np.ndarray, first_row: np.ndarray, start: np.ndarray,
+                  ring_slots: np.ndarray, spec, p: "DSV4Primitives"):
+    """The compressor inputs [N, R, ring_width] at positions at [N, R] (host; -1: zeros) of the group's sequences
+    seq [N]: the step's own rows inputs [T, ring_width] for a position at or after its sequence's start in the step
+    (from its first row there, first_row), the ring of its state slot (ring_slots) before it."""
+    begin = start[seq][:, None]
+    in_step = at >= begin
+    rows = p.dev(np.where(in_step, first_row[seq][:, None] + at - begin, 0))
+    if in_step.all():
+        return inputs[rows]
+    ring = p.ring_rows(spec, ring_slots[seq], np.where(in_step, -1, at))
+    return xp_of(inputs).where(p.dev(in_step)[..., None], inputs[rows], ring)
+
+
+def close_entries(tables, slots, pos: np.ndarray, w, spec, inputs, first_row: np.ndarray, start: np.ndarray,
+                  ring_slots: np.ndarray, p: "DSV4Primitives") -> None:
     """The entries (and indexer keys) of the windows this step's tokens close (position + 1 a multiple of the
-    rate), computed once from the window's compressor inputs in the pool (and, CSA, the previous window's) and
+    rate), computed once from the window's compressor inputs (and, CSA, the previous window's: window_inputs) and
     stored in the closing token's row (entry_columns). tables: the group's block tables [G, blocks]; slots, pos:
-    the step's KV slots and positions [G, Q] on the host, -1 for padding."""
-    g, q = np.nonzero((pos >= 0) & ((pos + 1) % spec.rate == 0))
+    the step's KV slots and positions [G, Q] on the host, -1 for padding (a slot -1, a replayed position, closes
+    no window: its entry is stored); inputs [T, ring_width]: the step's compressor inputs; first_row, start,
+    ring_slots [G]: each sequence's first row and position in the step and its state slot."""
+    g, q = np.nonzero((slots >= 0) & (pos >= 0) & ((pos + 1) % spec.rate == 0))
     if not len(g):
         return
     L, D, m, f32 = f"layers.{spec.layer}.", spec.head_dim, spec.rate, p.fp32
     first = pos[g, q] + 1 - m
     at = first[:, None] + np.arange(m)[None, :]                                      # [N, m]
-    o = D + 2 * spec.series * D                         # compressor kv | gate, then the indexer's from o
-    width = o - D + (4 * spec.index_dim if spec.index_heads else 0)
-    window = p.rows_at(spec.layer, tables[g], at, D, width)
-    prev = p.rows_at(spec.layer, tables[g], np.where(at >= m, at - m, -1), D, width)
-    have_prev, first_d, cols, o = p.dev(first > 0), p.dev(first), entry_columns(spec), o - D
+    seqs = (g, np.asarray(first_row), np.asarray(start), np.asarray(ring_slots), spec, p)
+    window = window_inputs(inputs, at, *seqs)
+    prev = window_inputs(inputs, np.where(at >= m, at - m, -1), *seqs) if spec.overlap else window
+    have_prev, first_d, cols, o = p.dev(first > 0), p.dev(first), entry_columns(spec), 2 * spec.series * D
     p.write_rows(spec.layer, slots[g, q], compress_windows(
         window[..., :o], prev[..., :o], have_prev, first_d, f32(w[L + "comp_ape"]), f32(w[L + "comp_norm"]), m,
         spec.overlap, spec.compress_inv_freq, spec.rms_eps), cols[0])
@@ -109,6 +126,13 @@ def close_entries(tables, slots, pos: np.ndarray, w, spec, p: "DSV4Primitives") 
         p.write_rows(spec.layer, slots[g, q], compress_windows(
             window[..., o:], prev[..., o:], have_prev, first_d, f32(w[L + "idx_comp_ape"]),
             f32(w[L + "idx_comp_norm"]), m, True, spec.compress_inv_freq, spec.rms_eps), cols[1])
+
+
+def ring_positions(positions: np.ndarray, cu: np.ndarray, ring_len: int) -> np.ndarray:
+    """The step's positions [T] (host) the ring keeps, each sequence's last min(n, ring_len); -1 elsewhere."""
+    q_lens = np.diff(cu)
+    ends = np.repeat(positions[cu[:-1]] + q_lens, q_lens)
+    return np.where(positions >= ends - ring_len, positions, -1)
 
 
 def group_keys(tables, pos: np.ndarray, ctx_lens: np.ndarray, spec, p: "DSV4Primitives"):
@@ -162,24 +186,26 @@ def attention_groups(q_lens: np.ndarray, ctx_lens: np.ndarray, max_rows: int) ->
 
 
 def project(x, w, spec, positions, p: "DSV4Primitives"):
-    """The step's projections of x [T, H] at positions [T] (where p computes): (q [T, heads, D] roped, its KV rows
-    [T, row_width] (K = V roped, then the compressor's and the indexer's inputs), the indexer's queries [T, index
-    heads, d] and weights [T, index heads] (CSA; None elsewhere), the rope's (cos, sin))."""
+    """The step's projections of x [T, H] at positions [T] (where p computes): (q [T, heads, D] roped, its K = V
+    rows [T, D] (roped), its compressor inputs [T, ring_width] (the compressor's kv | gate, then the indexer's;
+    None on sliding layers), the indexer's queries [T, index heads, d] and weights [T, index heads] (CSA; None
+    elsewhere), the rope's (cos, sin))."""
     L, mm, f32 = f"layers.{spec.layer}.", p.mm, p.fp32
     T, H, D, eps = x.shape[0], spec.num_heads, spec.head_dim, spec.rms_eps
     cos, sin = cos_sin(positions, p.const(spec.inv_freq))
     q_res = rms(mm(x, w[L + "wq_a"]), eps, f32(w[L + "q_norm"]))
     q = rope_trailing(rms(mm(q_res, w[L + "wq_b"]).reshape(T, H, D), eps), cos, sin)
     kv = rope_trailing(rms(mm(x, w[L + "wkv"]), eps, f32(w[L + "kv_norm"]))[:, None], cos, sin)[:, 0]
-    row, iq, iw = [kv], None, None
+    inputs, iq, iw = [], None, None
     if spec.rate:
-        row += [mm(x, w[L + "comp_wkv"]), mm(x, w[L + "comp_wgate"])]
+        inputs += [mm(x, w[L + "comp_wkv"]), mm(x, w[L + "comp_wgate"])]
     if spec.index_heads:
-        row += [mm(x, w[L + "idx_comp_wkv"]), mm(x, w[L + "idx_comp_wgate"])]
+        inputs += [mm(x, w[L + "idx_comp_wkv"]), mm(x, w[L + "idx_comp_wgate"])]
         iq = rope_trailing(mm(q_res, w[L + "idx_wq_b"]).reshape(T, spec.index_heads, spec.index_dim),
                            *cos_sin(positions, p.const(spec.compress_inv_freq)))
         iw = mm(x, w[L + "idx_weights"]) * np.float32(spec.index_heads ** -0.5)
-    return q, xp_of(kv).concatenate(row, axis=-1), iq, iw, (cos, sin)
+    inputs = xp_of(kv).concatenate(inputs, axis=-1) if inputs else None
+    return q, kv, inputs, iq, iw, (cos, sin)
 
 
 def out_projection(out, rope, w, spec, p: "DSV4Primitives"):
@@ -192,24 +218,26 @@ def out_projection(out, rope, w, spec, p: "DSV4Primitives"):
 
 def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
     """The attention block of DeepSeek-V4 layer spec.layer on x [T, H] (its input norm applied), over an executor's
-    primitives p; writes the step's rows. Returns the output projection's [T, H]."""
+    primitives p; writes the step's K rows and closed entries and its sequences' compressor rings. Returns the
+    output projection's [T, H]."""
     b, L = ctx.batch, f"layers.{spec.layer}."
     T, H, D = x.shape[0], spec.num_heads, spec.head_dim
-    q, row, iq, iw, rope = project(x, w, spec, p.dev(b.positions), p)
-    xp = xp_of(row)
-    p.write_rows(spec.layer, b.slot_mapping, row)
+    q, kv, inputs, iq, iw, rope = project(x, w, spec, p.dev(b.positions), p)
+    xp = xp_of(kv)
+    p.write_rows(spec.layer, b.slot_mapping, kv)
     sinks, out = p.fp32(w[L + "sinks"]), xp.empty((T, H, D), np.float32)
-    cu, ctx_lens = np.asarray(b.cu_seqlens), np.asarray(b.context_lens)
-    q_lens = np.diff(cu)
+    cu, ctx_lens, positions = np.asarray(b.cu_seqlens), np.asarray(b.context_lens), np.asarray(b.positions)
+    q_lens, ring_slots = np.diff(cu), np.asarray(b.state_slots)
     for group in attention_groups(q_lens, ctx_lens, CONTEXT_ROWS_PER_GROUP):
         G, Q = len(group), int(q_lens[group].max())
         real = np.arange(Q)[None, :] < q_lens[group][:, None]               # [G, Q]: padded queries False
         rows_of = np.where(real, cu[group][:, None] + np.arange(Q)[None, :], 0)   # the step's token rows
-        host_pos = np.where(real, np.asarray(b.positions)[rows_of], -1)                # [G, Q]
+        host_pos = np.where(real, positions[rows_of], -1)                          # [G, Q]
         tok, pos = p.dev(rows_of), p.dev(host_pos)
         tables, lens = np.asarray(b.block_tables)[group], ctx_lens[group]
         if spec.rate:
-            p.close_entries(tables, np.where(real, np.asarray(b.slot_mapping)[rows_of], -1), host_pos, w, spec)
+            p.close_entries(tables, np.where(real, np.asarray(b.slot_mapping)[rows_of], -1), host_pos, w, spec,
+                            inputs, cu[group], positions[cu[group]], ring_slots[group])
         keys, key_pos = group_keys(tables, host_pos, lens, spec, p)
         d = pos[:, :, None] - p.dev(key_pos)[:, None, :]
         visible = (d >= 0) & (d < spec.window) & p.dev(key_pos >= 0)[:, None, :]
@@ -222,6 +250,8 @@ def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
             keys, visible = xp.concatenate([keys, entries], axis=1), xp.concatenate([visible, seen], axis=2)
         res = sink_attention(q[tok], keys, visible, sinks, D ** -0.5)           # [G, Q, H, D]
         out[p.dev(rows_of[real])] = res.reshape(G * Q, H, D)[p.dev(np.flatnonzero(real))]
+    if spec.rate:
+        p.ring_store(spec, np.repeat(ring_slots, q_lens), ring_positions(positions, cu, spec.ring_len), inputs)
     return out_projection(out, rope, w, spec, p)
 
 
@@ -245,13 +275,22 @@ class DSV4Primitives(Protocol):
         """A constant host table (the rope's inverse frequencies) where the algorithm computes, kept there."""
 
     def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
-        """Store rows [T, w] at the step's KV slots (host ints) of layer, from column col."""
+        """Store rows [T, w] at the step's KV slots (host ints [T]) of layer, from column col; a slot -1 (padding,
+        a replayed position) is not written."""
 
     def rows_at(self, layer: int, tables, at, col: int, width: int):
         """Values [G, R, width] float32 from column col of the rows at positions at (host ints [G, R], -1: zeros)
         of G sequences whose blocks are tables (host ints [G, blocks])."""
 
-    def close_entries(self, tables, slots, pos, w, spec) -> None:
+    def ring_rows(self, spec, ring_slots, at):
+        """float32 [G, R, ring_width]: the ring's compressor inputs at positions at (host ints [G, R], -1: zeros)
+        of G sequences in state slots ring_slots (host ints [G])."""
+
+    def ring_store(self, spec, ring_slots, positions, rows) -> None:
+        """Keep rows [T, ring_width] of T tokens at positions (host ints [T], -1: not kept) in the rings of
+        their sequences' state slots ring_slots (host ints [T]), at position % ring_len."""
+
+    def close_entries(self, tables, slots, pos, w, spec, inputs, first_row, start, ring_slots) -> None:
         """close_entries(.., self): the entries (and indexer keys) of the windows the step's tokens close."""
 
     def indexer_visible(self, tables, ctx_lens, pos, q, weights, spec):
@@ -263,10 +302,12 @@ class DSV4Primitives(Protocol):
 
 class NumpyDSV4Ops:
     """ops.dsv4 of the numpy executor (models/ops.py DSV4Ops): DeepSeek-V4's mechanisms (cpu_dsv4_ops.py) and its
-    attention over the paged pool kv (the numpy primitives of dsv4_attention)."""
+    attention over the paged pool kv and the compressor rings of the state slots (state: name -> float32
+    [layers, slots, ring_len, ring_width], memory/state_slots.py host_state; the numpy primitives of
+    dsv4_attention)."""
 
-    def __init__(self, kv: np.ndarray):
-        self.kv = kv
+    def __init__(self, kv: np.ndarray, state: dict | None = None):
+        self.kv, self.state = kv, state or {}
 
     def hc_streams(self, x, n: int):
         """The residual streams [T, n, H] of the embedded tokens x [T, H] (n copies)."""
@@ -308,14 +349,28 @@ class NumpyDSV4Ops:
     const = dev
 
     def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
+        slots = np.asarray(slots)
+        kept = slots >= 0                               # -1 would index the pool's last slot
+        if not kept.all():
+            slots, rows = slots[kept], rows[kept]
         self.kv[layer, 0, slots, 0, col:col + rows.shape[1]] = rows
 
     def rows_at(self, layer: int, tables, at, col: int, width: int):
         rows = self.kv[layer, 0, slots_at(tables, at), 0, col:col + width]
         return np.where((at >= 0)[..., None], rows, np.float32(0))
 
-    def close_entries(self, tables, slots, pos, w, spec) -> None:
-        close_entries(tables, slots, pos, w, spec, self)
+    def ring_rows(self, spec, ring_slots, at):
+        at, ring = np.asarray(at), self.state[spec.ring][spec.ring_index]
+        rows = ring[np.asarray(ring_slots)[:, None], np.maximum(at, 0) % spec.ring_len]
+        return np.where((at >= 0)[..., None], rows, np.float32(0))
+
+    def ring_store(self, spec, ring_slots, positions, rows) -> None:
+        kept = np.asarray(positions) >= 0
+        ring = self.state[spec.ring][spec.ring_index]
+        ring[np.asarray(ring_slots)[kept], np.asarray(positions)[kept] % spec.ring_len] = rows[kept]
+
+    def close_entries(self, tables, slots, pos, w, spec, inputs, first_row, start, ring_slots) -> None:
+        close_entries(tables, slots, pos, w, spec, inputs, first_row, start, ring_slots, self)
 
     def indexer_visible(self, tables, ctx_lens, pos, q, weights, spec):
         return indexer_visible(tables, ctx_lens, pos, q, weights, spec, self)

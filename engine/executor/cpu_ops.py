@@ -56,7 +56,7 @@ class NumpyOps(ComposedOps):
         self.moe = self._moe_part() if "moe" in families else None
         self.mla = NumpyMLAOps(kv, self.rms_norm, kv_format) if "mla" in families else None
         self.deltanet = NumpyDeltaNetOps(state) if "deltanet" in families else None
-        self.dsv4 = NumpyDSV4Ops(kv) if "dsv4" in families else None
+        self.dsv4 = NumpyDSV4Ops(kv, state) if "dsv4" in families else None
         self.lora = lora
         self.paged = PagedAttention()
 

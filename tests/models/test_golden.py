@@ -110,7 +110,7 @@ def test_prompt_logprobs_and_sampling_match_oracle(case):
         n = -(-len(p) // 16)
         steps.append(SeqStep(seq_id=i, token_ids=p, start_pos=0, block_table=list(range(start, start + n)),
                              sample=True, params=SamplingParams(temperature=0.0, prompt_logprobs=2),
-                             want_prompt_logprobs=True))
+                             want_prompt_logprobs=True, state_slot=i))
         start += n
     out = ex.execute(ModelBatch.build(steps))
     for i, (p, o) in enumerate(zip(prompts, oracle)):
