@@ -7,7 +7,9 @@ Attention for those tokens covers positions [0, start_pos + len(token_ids)).
 `block_copies` are done first: a sequence that starts from part of a cached block (a partial prefix
 hit) gets that block's KV copied into its own (every layer and plane) before the step writes there.
 A line with per-sequence state (linear attention) reads and updates the sequence's `state_slot`
-(memory/state_slots.py); a step that starts at position 0 starts from zero state.
+(memory/state_slots.py); a step that starts at position 0 starts from zero state. After a prefix hit such a
+line may replay the hit's last tokens to rebuild that state (engine/scheduler.py _replay): positions below a
+step's `kv_from` have KV restored from the cache, so their `slot_mapping` is -1 (nothing written there).
 
 Speculative decoding: a step may end in `num_drafts` draft tokens (a verify step: the sequence's last token,
 then k drafts). Its last k + 1 rows are all sampled (sample_rows lists them, grouped by sequence) and
@@ -47,6 +49,7 @@ class SeqStep:
     grammar: Any = None                     # structured output: the sequence's GrammarMatcher (engine/grammar.py)
     block_copy: tuple[int, int] | None = None   # (cached block, own block): copy its KV before this step writes
     num_drafts: int = 0                 # the last num_drafts of token_ids are draft tokens to verify (sample set)
+    kv_from: int = 0                    # positions below it are replayed: their KV is restored, not written
 
     @property
     def context_len(self) -> int:
@@ -140,7 +143,8 @@ class ModelBatch:
             seqs=seqs,
             input_ids=input_ids,
             positions=positions,
-            slot_mapping=tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
+            slot_mapping=_unless_replayed(tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE,
+                                          positions, seqs, lens, T),
             cu_seqlens=cu,
             context_lens=cu[1:] - cu[:-1] + np.array(starts, np.int32),
             block_tables=tables,
@@ -150,6 +154,15 @@ class ModelBatch:
                 np.array([lora_slots.get(s.lora_id, -1) for s in seqs], np.int32), lens),
             block_copies=np.array(copies, np.int32) if copies else np.zeros((0, 2), np.int32),
         )
+
+
+def _unless_replayed(slots: np.ndarray, positions: np.ndarray, seqs: list[SeqStep], lens: list[int],
+                     T: int) -> np.ndarray:
+    """The KV slots of a step, -1 at the replayed positions (below a step's kv_from: restored by a prefix hit
+    and recomputed only for the sequence's state, its KV not written again)."""
+    if T != len(seqs) and any(s.kv_from > s.start_pos for s in seqs):
+        slots[positions < np.repeat(np.array([s.kv_from for s in seqs], np.int32), lens)] = -1
+    return slots
 
 
 def _sample_rows(ends: np.ndarray, drafts: list[int]) -> np.ndarray:

@@ -52,11 +52,11 @@ def spec_decode_stats(speculator) -> dict:
             "spec_decode_accepted_per_pos": tuple(c.accepted_per_pos)}
 
 
-def prefix_caching(options: LoopOptions, state_slots: StateSlots | None) -> bool:
-    """Whether the block manager caches prefixes: as configured, except for a line with per-sequence
-    (linear-attention) state, whose state at a cached block is not kept: a hit would skip the tokens
-    that state needs, so it is off there (logged)."""
-    if options.enable_prefix_caching and state_slots is not None:
+def prefix_caching(options: LoopOptions, state_slots: StateSlots | None, replay: Callable | None) -> bool:
+    """Whether the block manager caches prefixes: as configured, except for a line with per-sequence state
+    that a cached KV prefix does not restore and replaying a few tokens cannot rebuild (replay None: Qwen3.5's
+    linear-attention state, which a hit would skip the tokens of), where it is off (logged)."""
+    if options.enable_prefix_caching and state_slots is not None and replay is None:
         log.info("prefix caching off: the model keeps per-sequence linear-attention state, which a cached "
                  "KV prefix does not restore")
         return False
@@ -71,14 +71,16 @@ class EngineLoop:
         self.limits = limits = options.limits
         self.max_model_len = max_model_len = limits.max_model_len
         slots = StateSlots(executor.num_state_slots) if executor.num_state_slots else None
-        self.block_manager = BlockManager(executor.num_kv_blocks, prefix_caching(options, slots))
+        # a line whose state a prefix hit rebuilds by recomputing its last tokens (DeepSeek-V4's compressor rings)
+        replay = executor.replay_tokens if slots is not None and executor.replay_tokens(0) is not None else None
+        self.block_manager = BlockManager(executor.num_kv_blocks, prefix_caching(options, slots, replay))
         host = host_slots(executor, options.host_kv_blocks)
         # subscribed before the host tier: an eviction is recorded before the host-tier store it causes
         self.kv_events = kv_event_log(options.kv_events_config, self.block_manager, host, self._lora_name,
                                       options.data_parallel_rank)
         tier = HostTier(host, self.block_manager, executor) if host is not None else None
         self.scheduler = Scheduler(self.block_manager, limits, tier, state_slots=slots, max_loras=options.max_loras,
-                                   step_cost=executor.step_cost)
+                                   step_cost=executor.step_cost, replay=replay)
         self.scheduler.copy_on_write = executor.supports_block_copies
         self.loras = lora_registry(executor, options, self.scheduler)
         self.admission = Admission(AdmissionLimits(vocab_size=int(executor.vocab_size), max_model_len=max_model_len,

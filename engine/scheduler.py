@@ -12,7 +12,10 @@ executor supports_block_copies: a prompt sent again computes one token, not 16.
 A line with per-sequence state (linear attention, memory/state_slots.py) gives the scheduler its StateSlots: a
 sequence takes a slot when admitted and gives it back when it finishes, is aborted or is preempted (it recomputes
 from zero state); such lines fork n > 1 samples before any prefill and never re-feed a prompt-logprobs chunk's
-last token (the executor scores the next prompt token instead).
+last token (the executor scores the next prompt token instead). Such a line caches prefixes only where it rebuilds
+its state from a few recomputed tokens (`replay`: DeepSeek-V4's compressor rings): a hit restores the blocks' KV,
+the sequence computes again from replay(hit) tokens before the hit, and those replayed positions write no KV
+(SeqStep.kv_from); partial-block hits are off for it.
 
 While a decode step runs, the next one can be planned ahead (plan_decode_ahead: the same sequences, one token
 further, blocks reserved) and confirmed once the step's tokens are in (confirm_decode_ahead), so the host's
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.batch import SeqStep
 from engine.host_tier import HostTier
@@ -63,8 +67,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, limits: StepLimits, host_tier: HostTier | None = None,
-                 state_slots: StateSlots | None = None, max_loras: int = 0, step_cost: StepCost | None = None):
+                 state_slots: StateSlots | None = None, max_loras: int = 0, step_cost: StepCost | None = None,
+                 replay: Callable[[int], int] | None = None):
         self.bm = block_manager
+        self.replay = replay                     # a state line's tokens to recompute before a prefix hit (None: none)
         self.step_cost = step_cost               # the executor's cost model: time bounds chunks too (step_budget.py)
         self.state_slots = state_slots           # per-sequence state slots (None: the line keeps none)
         self.max_loras = max_loras               # > 0: at most this many LoRA adapters among the running
@@ -212,14 +218,16 @@ class Scheduler:
             if tier is not None:
                 host = tier.lookup(hashes[len(hit):])
         seq.num_computed = (len(hit) + len(host)) * BLOCK_SIZE
-        cow = -1 if seq.want_prompt_logprobs or host else self._partial_hit(seq, hashes, len(hit))
+        no_cow = seq.want_prompt_logprobs or host or self.state_slots is not None
+        cow = -1 if no_cow else self._partial_hit(seq, hashes, len(hit))
+        self._replay(seq)
         n = self._chunk(seq, budget)
-        need = blocks_for(seq.num_computed + n) - len(hit)
+        need = max(blocks_for(seq.num_computed + n), len(hit) + len(host)) - len(hit)   # a replay reads the hit
         # blocks taken from the LRU by the hit itself no longer count as free
         lru_hits = sum(self.bm.ref_counts[b] == 0 for b in hit + [cow] if b >= 0)
         slots_short = self.state_slots is not None and self.state_slots.num_free < seq.fork_count
         if need + lru_hits > self.bm.num_free_blocks or (n == 0 and not self._fork_ready(seq)) or slots_short:
-            seq.num_computed = 0
+            seq.num_computed = seq.kv_from = 0
             return False
         self.bm.acquire(hit + [cow] if cow >= 0 else hit)
         seq.block_table, seq.cow_source = list(hit), cow
@@ -236,6 +244,13 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return True
+
+    def _replay(self, seq: Sequence) -> None:
+        """A prefix hit of a line with state (replay): the hit's KV stays as restored (seq.kv_from: no step writes
+        below it) and the sequence computes again from replay tokens before it, rebuilding its state slot."""
+        if self.replay is not None and seq.num_computed:
+            seq.kv_from = seq.num_computed
+            seq.num_computed -= self.replay(seq.num_computed)
 
     def _partial_hit(self, seq: Sequence, hashes: list[int], full: int) -> int:
         """Past `full` cached blocks, a cached block sharing the first k (< what is left) tokens of seq's next
@@ -292,7 +307,8 @@ class Scheduler:
             params=seq.params, prompt_len=seq.prompt_len, history=seq.token_ids,
             num_generated=num_tokens - seq.prompt_len,
             want_prompt_logprobs=seq.want_prompt_logprobs and start < seq.prompt_len,
-            lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar, block_copy=block_copy)
+            lora_id=seq.lora_id, state_slot=seq.state_slot, grammar=seq.grammar, block_copy=block_copy,
+            kv_from=seq.kv_from)
 
     # -- the next decode step, planned while this one runs ----------------------------------
     def plan_decode_ahead(self, out: SchedulerOutput, fed: bool = False) -> SchedulerOutput | None:
@@ -448,7 +464,7 @@ class Scheduler:
             self.host_tier.offload_on_free(seq)
         self.bm.free(seq.block_table)
         seq.block_table, seq.draft_ids = [], []
-        seq.num_computed = 0
+        seq.num_computed = seq.kv_from = 0
         self._release_state_slot(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

@@ -48,6 +48,8 @@ class Sequence:
     fork_count: int = 1
     want_prompt_logprobs: bool = False
     num_cached_tokens: int = 0
+    kv_from: int = 0                     # positions below it hold KV restored by a prefix hit: never written again
+                                         # (a line with state recomputes the last ones: engine/scheduler.py _replay)
     state_slot: int = -1                 # its state slot (lines with per-sequence state; -1: none)
     fork_early: bool = False             # n > 1 forks before any prefill (per-sequence state: no sharing)
     grammar: Any = None             # structured output: a GrammarMatcher, advanced with each token

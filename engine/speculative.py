@@ -167,6 +167,7 @@ def check_speculation(config: SpeculativeConfig, executor) -> None:
         raise ValueError(f"--speculative-config: {type(executor).__name__} does not run multi-token-prediction "
                          f"layers yet (method 'mtp' is served by the numpy executor, --device cpu)")
     if executor.num_state_slots:
-        raise ValueError("--speculative-config: this model keeps per-sequence linear-attention state (Qwen3.5's "
-                         "Gated DeltaNet layers), which the rejected draft tokens of a verify step would advance; it "
-                         "cannot be rolled back yet, so speculative decoding is refused for this model")
+        raise ValueError("--speculative-config: this model keeps per-sequence state (Qwen3.5's Gated DeltaNet "
+                         "layers, DeepSeek-V4's compressor rings), which the rejected draft tokens of a verify step "
+                         "would advance; it cannot be rolled back yet, so speculative decoding is refused for this "
+                         "model")

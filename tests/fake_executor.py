@@ -60,6 +60,9 @@ class FakeExecutor(ExecutorBase):
         self.kv = np.full(num_kv_blocks * BLOCK_SIZE, -1, dtype=np.int64)
         self.steps: list[ModelBatch] = []
 
+    def replay_tokens(self, hit: int) -> int | None:
+        return None                             # its model keeps no state a replay rebuilds
+
     def _row_logits(self, context: np.ndarray) -> np.ndarray:
         h = 1469598103934665603
         for t in context.tolist():
@@ -74,7 +77,8 @@ class FakeExecutor(ExecutorBase):
         for src, dst in batch.block_copies.tolist():         # partial prefix hits, before the step writes
             assert src != dst and (blocks[src] >= 0).any(), f"block copy {src} -> {dst} of a block never written"
             blocks[dst] = blocks[src]
-        self.kv[batch.slot_mapping] = batch.input_ids
+        written = batch.slot_mapping >= 0                   # -1: a replayed position, its KV restored
+        self.kv[batch.slot_mapping[written]] = batch.input_ids[written]
         rows = []
         for i, s in enumerate(batch.seqs):
             table = batch.block_tables[i]

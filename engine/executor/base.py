@@ -58,6 +58,11 @@ class Executor(Protocol):
         """The executor of rank 0's shard: itself (tensor parallelism: the one beside the other ranks)."""
         ...
 
+    def replay_tokens(self, hit: int) -> int | None:
+        """The model line's replay_tokens (engine/models/decoder.py): the tokens before a prefix hit of `hit`
+        tokens recomputed to rebuild a sequence's state slot; None: a hit cannot rebuild it."""
+        ...
+
     def execute(self, batch: ModelBatch) -> StepOutput:
         """Run one step: write the new tokens' KV, sample where asked. A step with draft tokens samples its
         1 + num_drafts rows (batch.sample_rows) and verifies them as engine/sampling.py verify_seq defines:
@@ -157,6 +162,9 @@ class ExecutorBase:
 
     def rank0(self) -> ExecutorBase:
         return self
+
+    def replay_tokens(self, hit: int) -> int | None:
+        return self.rank0().model.replay_tokens(hit)
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         raise NotImplementedError

@@ -89,7 +89,7 @@ def test_an_executor_or_line_that_cannot_verify_is_refused():
     with pytest.raises(ValueError, match="GpuLike does not verify draft tokens yet"):
         check_speculation(config, no_verify)
     stateful = type("Hybrid", (_Executor,), {"num_state_slots": 8})()
-    with pytest.raises(ValueError, match="linear-attention state"):
+    with pytest.raises(ValueError, match="keeps per-sequence state"):
         check_speculation(config, stateful)
 
 
