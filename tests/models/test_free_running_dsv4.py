@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import pytest
 
 from engine.batch import BLOCK_SIZE
@@ -57,6 +58,39 @@ def follow_up(run, shared: int) -> list[int]:
     """A prompt sharing run's prompt and first `shared` generated tokens, then one fresh token: a prefix-cache
     hit on blocks filled in prefill and in decode."""
     return run.prompt + run.tokens[:shared] + [(run.tokens[shared] + 1) % 5000 + 10]
+
+
+def replayed(config: dict, hit: int) -> int:
+    """The tokens a prefix hit of `hit` recomputes to rebuild the compressor rings: on each compressed layer the
+    window still open at the hit and, CSA (overlapping windows), the one before it, whose first series the next
+    entry reads."""
+    rates = config["compress_rates"]
+    return min(hit, max(hit % rates[CSA] + rates[CSA], hit % rates[HCA]))
+
+
+def assert_replayed(config: dict, run, shared: int, hit) -> None:
+    """hit (follow_up(run, shared)'s run) restored the whole blocks of what it shares with run and computed again
+    from the tokens the rings need before them (its cached tokens: what it did not compute)."""
+    restored = (len(run.prompt) + shared) // BLOCK_SIZE * BLOCK_SIZE
+    assert restored >= BLOCK_SIZE and hit.cached_tokens == restored - replayed(config, restored) < restored
+
+
+class StepSpy:
+    """Watches executor's steps from now on: the replayed positions (KV slot -1: restored by a prefix hit and
+    recomputed for the rings) of each step; before each, NaN in the rings of every state slot that no running
+    sequence of `scheduler` holds, so what a slot keeps of its last sequence is never read as a new one's."""
+
+    def __init__(self, executor, scheduler):
+        self.scheduler, self.replayed, execute = scheduler, [], executor.execute
+        rings = executor.ops.dsv4.state
+
+        def spied(batch):
+            held = [seq.state_slot for seq in self.scheduler.running]
+            for ring in rings.values():
+                ring[:, np.setdiff1d(np.arange(ring.shape[1]), held)] = np.nan
+            self.replayed.append(int((batch.slot_mapping < 0).sum()))
+            return execute(batch)
+        executor.execute = spied
 
 
 def assert_gate(oracle, executor, runs, min_compared: float = 0.9, one_forward: bool = False) -> None:
@@ -102,7 +136,8 @@ def test_issue_model_free_running(issue):
     engine = new_engine(executor, model.tokenizer, budget=16)
     runs = run_greedy(engine, prompts, NEW_TOKENS)
     hits = run_greedy(engine, [follow_up(runs[0], 20), follow_up(runs[2], 30)], NEW_TOKENS)
-    assert all(BLOCK_SIZE <= h.cached_tokens < len(h.prompt) for h in hits)
+    assert_replayed(ISSUE, runs[0], 20, hits[0])
+    assert_replayed(ISSUE, runs[2], 30, hits[1])
     assert_gate(oracle, executor, runs + hits, one_forward=True)
 
 
@@ -171,30 +206,35 @@ def test_sweep_free_running(seed):
     engine = new_engine(executor, model.tokenizer, budget=budget)
     runs = run_greedy(engine, prompts_of(random.Random(seed), lengths), NEW_TOKENS)
     hit, = run_greedy(engine, [follow_up(runs[1], 17)], NEW_TOKENS)
-    assert BLOCK_SIZE <= hit.cached_tokens < len(hit.prompt)
+    assert_replayed(config, runs[1], 17, hit)
     assert_gate(oracle, executor, runs + [hit], one_forward=True)
 
 
 # ---- entries closing across block, chunk and prefix-hit edges; preemption ---------------------------------------
-# Entries of 3 and 24 tokens: windows straddle KV blocks (16) and prefill chunks (16), so a prefix hit restores a
-# window's first compressor inputs and the step that closes it recomputes the rest (an entry is stored once, in
-# the row of its window's last token, when that token is written).
+# Entries of 3 and 24 tokens: windows straddle KV blocks (16) and prefill chunks (16), so a prefix hit lands inside
+# windows and a window's inputs come from several steps (the ring, then the step's own rows).
 STRADDLE = dict(num_hidden_layers=4, layer_types=[CSA, HCA, S, CSA], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
                 sliding_window=5, compress_rates={CSA: 3, HCA: 24}, index_topk=4, hc_mult=2, index_n_heads=2,
                 o_groups=2)
 
 
 def test_entries_straddling_blocks_chunks_prefix_hits_and_preemption():
-    """Prompts of 40 and 7 in 16-token chunks; a follow-up hitting the prefix cache inside an HCA window and a CSA
-    window; then the same prompts in a pool small enough to preempt (sequences resume by recompute)."""
+    """Prompts of 40 and 7 in 16-token chunks; follow-ups hitting the prefix cache at 32 tokens (both rates'
+    windows open: the sequence replays from the HCA window's first token, 24) and at 48 (both closed: CSA's
+    previous window replayed, from 45); then the same prompts in a pool small enough to preempt (sequences resume
+    by recompute, from a prefix hit and its replay where their blocks are still cached)."""
     path, model, executor = dsv4_model("straddle", 5, **STRADDLE)
     oracle = FullRecompute(hf_model(path), index_tie_rule)
     prompts = prompts_of(random.Random(5), [40, 7])
     engine = new_engine(executor, model.tokenizer, budget=16)
     runs = run_greedy(engine, prompts, NEW_TOKENS)
-    hit, = run_greedy(engine, [follow_up(runs[0], 9)], NEW_TOKENS)
-    assert hit.cached_tokens % 24 and hit.cached_tokens % 3 and hit.cached_tokens >= 2 * BLOCK_SIZE
+    spy = StepSpy(executor, engine.scheduler)
+    hits = run_greedy(engine, [follow_up(runs[0], 0), follow_up(runs[0], 9)], NEW_TOKENS)
+    assert [h.cached_tokens for h in hits] == [24, 45] and sum(spy.replayed) == 8 + 3
+    assert_replayed(STRADDLE, runs[0], 0, hits[0])
+    assert_replayed(STRADDLE, runs[0], 9, hits[1])
     small = new_engine(executor, model.tokenizer, budget=16, kv_blocks=7)
+    spy.scheduler, spy.replayed = small.scheduler, []
     preempted = run_greedy(small, prompts, NEW_TOKENS)
-    assert small.scheduler.num_preemptions > 0
-    assert_gate(oracle, executor, runs + [hit] + preempted, one_forward=True)
+    assert small.scheduler.num_preemptions > 0 and sum(spy.replayed) > 0
+    assert_gate(oracle, executor, runs + hits + preempted, one_forward=True)

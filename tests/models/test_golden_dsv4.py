@@ -96,3 +96,19 @@ def test_decode_rows_attended_together_equal_each_alone(case, monkeypatch):
     for g, a in zip(grouped, alone):
         np.testing.assert_allclose(g, a, atol=1e-4)
     assert not gate_failures(grouped, oracle)
+
+
+def test_chunks_longer_than_the_rings(case):
+    """Prefill chunks of twice the longest compressor ring (ring_len tokens) after a first step of ring_len - 1
+    tokens (on the tiny model both rates' windows end one token short there: the most a ring must carry into the
+    next step): a window closing in a chunk reads its earlier inputs from the step's own rows, not the ring (which
+    keeps only the step's last ring_len), and the open windows' first inputs from the ring."""
+    from test_golden import gate_failures, new_executor
+    from harness.models import engine_logits
+
+    model, prompts, oracle = case
+    ring = max(s.ring_len for s in model.model.attention_specs)
+    assert all(ring % s.rate == 0 for s in model.model.attention_specs if s.rate)
+    assert max(len(p) for p in prompts) >= ring - 1 + 2 * ring                       # a whole long chunk
+    engine = engine_logits(new_executor(model), prompts, prefill=ring - 1, chunks=2 * ring, seed=1)
+    assert not gate_failures(engine, oracle)
