@@ -1,5 +1,6 @@
-"""Per-sequence state slots: the fixed-size state a linear-attention layer keeps per sequence (a hybrid
-line's conv window and recurrent state), beside the paged KV that only its full-attention layers use.
+"""Per-sequence state slots: the fixed-size state a line keeps per sequence beside the paged KV (a hybrid
+line's conv window and recurrent state, whose full-attention layers alone use the paged KV; DeepSeek-V4's
+compressor rings, the compressor inputs of each compressed layer's last tokens).
 
 A model line declares what one slot holds (`state_layout()`: a StateLayout of named arrays, each with
 a leading layer axis); the executors allocate `num_slots` of them from the declaration, one array per
@@ -9,7 +10,8 @@ finishes, is aborted or is preempted. A slot's content is never reset by the all
 step of a sequence (start_pos 0) starts from zeros, so a preempted sequence recomputes from scratch.
 
 Memory: Qwen3.5-4B (24 linear layers, conv 8192 x 3 in bf16, recurrent 32 x 128 x 128 in float32)
-holds 24 x (48 KiB + 2 MiB) = 49.1 MiB per slot on the GPU.
+holds 24 x (48 KiB + 2 MiB) = 49.1 MiB per slot on the GPU; DeepSeek-V4-Flash's rings (21 CSA layers x 8 tokens
+x 2,560 values, 20 HCA layers x 128 x 1,024, bf16) 5.8 MiB.
 """
 from __future__ import annotations
 

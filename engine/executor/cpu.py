@@ -69,7 +69,7 @@ class CpuExecutor(ExecutorBase):
         log.info("%s; %d KV blocks", self.kv_format.describe("float32"), self.num_kv_blocks)
         self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len, self.model.rope_dim)
         self.threads = CpuThreads(options.cpu_threads or default_cpu_threads())
-        state = self.model.state_layout()          # linear-attention lines: one state slot per sequence
+        state = self.model.state_layout()          # lines with per-sequence state: one slot per sequence
         self.num_state_slots = options.max_num_seqs if state is not None else 0
         lora = NumpyLoRAOps(lora_sites(self.model), options.max_loras) if options.max_loras else None
         self.ops = self._ops(state, lora)
