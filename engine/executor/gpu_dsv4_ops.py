@@ -6,7 +6,8 @@ each, nothing read back on the host):
   hc_merge           hc_post_*      post · block output + the comb-mixed streams
   hyper_head         hc_head        the final collapse
 and so are the compressor closing its windows (dsv4_compress.cu, compress_windows: the entry and the indexer key
-of each window a step token closes, written into its row), the lightning indexer (dsv4_indexer.cu:
+of each window a step token closes, from the step's float32 inputs and the sequence's ring, written into its KV
+row; ring_store: the step's last inputs into the ring), the lightning indexer (dsv4_indexer.cu:
 indexer_scores, then indexer_topk, each query's top index_topk entries on the device) and, for steps whose every
 sequence has one query (decode), the attention itself (dsv4_attention.cu: write_rows stores the step's KV rows,
 sparse_decode attends over the window and the entries with the sinks; decode_attention below). The limited
@@ -16,8 +17,13 @@ MoE part's grouped products over its bf16 weight, group g as expert g (grouped_l
 tokens, the grouped GEMM otherwise; no float32 copy), the routed experts on the MoE part (gpu_moe_ops.py, whose
 moe_route.cu also takes the sqrtsoftplus router).
 
-Decode steps read only the step's device arrays (positions, slots, block tables) with shapes fixed by the row
-count, so the executor captures them in CUDA graphs (DeepseekV4ForCausalLM.cuda_graphs); their CuPy temporaries
+The compact cache (issue 58): a KV row per token and layer holds K = V and, at a window's closing token, the
+entry and the indexer key (entry_columns); the compressor's inputs live in the per-sequence ring, the line's
+state arrays ("csa_ring", "hca_ring": bf16 [layers, state slots, ring_len, ring_width], the executor's, handed
+over at construction) at row p % ring_len of the sequence's state slot.
+
+Decode steps read only the step's device arrays (positions, slots, state slots, block tables) with shapes fixed by
+the row count, so the executor captures them in CUDA graphs (DeepseekV4ForCausalLM.cuda_graphs); their CuPy temporaries
 come from the graphs' own memory pool (gpu_graphs.capture_memory). Prefill and mixed steps run eager through
 cpu_dsv4_attention.dsv4_attention's grouping over the same primitives (the CPU gate checks that code).
 """
@@ -38,7 +44,7 @@ HC_CHUNK = 1024                 # dsv4_hc.cu HC_CHUNK: flat-row values per CTA o
 MAX_HC_MULT = 5                 # dsv4_hc.cu: the comb matrix (hc_mult² values) in one warp's lanes
 IDX_THREADS = 128               # dsv4_indexer.cu: entries per CTA of indexer_scores
 TOPK_THREADS = 256              # dsv4_indexer.cu: threads of indexer_topk's CTA (one a query row)
-COMP_THREADS = 128              # dsv4_compress.cu: threads of compress_close's CTA (one a step token)
+COMP_THREADS = 128              # dsv4_compress.cu: threads of compress_close's and ring_store's CTA (a token)
 ATT_THREADS = 128               # dsv4_attention.cu: threads of sparse_decode's CTA (a row and head) and write_rows'
 
 
@@ -63,14 +69,15 @@ def group_layout(cp, tokens: int, groups: int):
 
 
 class GpuDSV4Ops:
-    """ops.dsv4 on CuPy arrays, on the executor's stream; moe: the executor's MoE part (its router logits);
+    """ops.dsv4 on CuPy arrays, on the executor's stream; moe: the executor's MoE part (its router logits); state:
+    the line's state arrays (name -> bf16 [layers, slots, ring_len, ring_width]; None: no compressed layer);
     array_module: CuPy, unless given (the tests' host emulation passes numpy's stand-in)."""
 
-    def __init__(self, shared, moe, array_module=None):
+    def __init__(self, shared, moe, state: dict | None = None, array_module=None):
         if array_module is None:
             import cupy as array_module
 
-        self.shared, self.moe, self.cp = shared, moe, array_module
+        self.shared, self.moe, self.state, self.cp = shared, moe, state, array_module
         self._kept_weights: dict = {}       # (id(weight), form) -> (weight, converted)
         self._kernels: dict = {}
         self._hc_counter = None             # dsv4_hc.cu's per-row counters (zero between launches)
@@ -218,35 +225,74 @@ class GpuDSV4Ops:
         return self._kept(table, "dev", lambda a: self.cp.asarray(a, np.float32))
 
     def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
-        self.shared.kv_cache[layer, 0][self.cp.asarray(slots), 0, col:col + rows.shape[1]] = self._b(rows)
+        """rows [T, w] at the KV slots (host ints [T]) from column col; a slot -1 (padding, a replayed position) is
+        not written."""
+        self.store_rows(layer, self.cp.asarray(np.asarray(slots), np.int32), rows, col)
 
     def rows_at(self, layer: int, tables, at, col: int, width: int):
         rows = self.shared.kv_cache[layer, 0][self.cp.asarray(slots_at(tables, at)), 0, col:col + width]
         return self.cp.where(self.cp.asarray(at >= 0)[..., None], self._f(rows), np.float32(0))
 
-    def close_entries(self, tables, slots, pos, w, spec) -> None:
-        """compress_windows over the group's G·Q tokens (host tables [G, blocks], positions pos [G, Q], -1
-        padding; the closing rows are the tokens' own slots, found from the tables)."""
-        if ((pos >= 0) & ((pos + 1) % spec.rate == 0)).any():
-            rows = self.cp.asarray(np.repeat(np.asarray(tables), pos.shape[1], axis=0), np.int32)
-            self.compress_windows(rows, self.cp.asarray(pos.reshape(-1), np.int32), w, spec)
+    def ring(self, spec):
+        """The layer's ring, bf16 [state slots, ring_len, ring_width]."""
+        return self.state[spec.ring][spec.ring_index]
 
-    def compress_windows(self, tables, positions, w, spec) -> None:
-        """compress_close over T tokens (device tables [T, blocks] int32, positions [T] int32, -1: padding; a
-        token that closes no window returns at once): the entries, then the indexer keys."""
+    def ring_rows(self, spec, ring_slots, at):
+        """float32 [G, R, ring_width]: the ring's inputs at positions at (host ints [G, R], -1: zeros) of the G
+        sequences in state slots ring_slots (host ints [G])."""
+        at, slots = np.asarray(at), np.maximum(np.asarray(ring_slots), 0)
+        rows = self.ring(spec)[self.cp.asarray(np.broadcast_to(slots[:, None], at.shape)),
+                               self.cp.asarray(np.maximum(at, 0) % spec.ring_len)]
+        return self.cp.where(self.cp.asarray(at >= 0)[..., None], self._f(rows), np.float32(0))
+
+    def ring_store(self, spec, ring_slots, positions, rows) -> None:
+        """rows [T, ring_width] of T tokens at positions (host ints [T], -1: not stored) into the rings of their
+        sequences' state slots (host ints [T]), at p % ring_len."""
+        self.store_ring(spec, self.cp.asarray(np.asarray(ring_slots), np.int32),
+                        self.cp.asarray(np.asarray(positions), np.int32), rows)
+
+    def close_entries(self, tables, slots, pos, w, spec, inputs, first_row, start, ring_slots) -> None:
+        """compress_windows over the group's closing tokens (host slots / positions pos [G, Q], -1 padding, slot
+        -1 also where the entry is already stored: a replayed position; per sequence its first row in the step
+        first_row, its first position start, its state slot ring_slots, host ints [G]): the windows' inputs from
+        the step's inputs [T, ring_width] and the rings. The block tables are not needed."""
+        slots, pos = np.asarray(slots), np.asarray(pos)
+        g, q = np.nonzero((pos >= 0) & ((pos + 1) % spec.rate == 0) & (slots >= 0))
+        if not len(g):
+            return
+        start = np.asarray(start)[g]
+        per_token = np.stack([pos[g, q], slots[g, q], start, np.asarray(ring_slots)[g],
+                              np.asarray(first_row)[g] + pos[g, q] - start])
+        self.compress_windows(*self.cp.asarray(per_token.astype(np.int32)), inputs, w, spec)
+
+    def compress_windows(self, positions, slots, starts, ring_slots, rows, inputs, w, spec) -> None:
+        """compress_close over T tokens (device int32 [T] each: positions, -1 padding; KV slots, -1 none written;
+        their sequences' first positions in the step and state slots; their rows of the step's inputs
+        [*, ring_width] float32, None: row t; a token that closes no window returns at once): the entries, then
+        the indexer keys, each into the closing token's KV row."""
         L, D, cols = f"layers.{spec.layer}.", spec.head_dim, entry_columns(spec)
-        kv = self.shared.kv_cache[spec.layer, 0]
+        kv, ring = self.shared.kv_cache[spec.layer, 0], self.ring(spec)
         inv_freq = self.const(spec.compress_inv_freq)
-        series = [("comp_", D, D, spec.overlap, cols[0])]
+        inputs = self.cp.ascontiguousarray(inputs, np.float32)
+        series = [("comp_", 0, D, spec.overlap, cols[0])]
         if spec.index_heads:
-            series.append(("idx_comp_", D + 2 * spec.series * D, spec.index_dim, True, cols[1]))
+            series.append(("idx_comp_", 2 * spec.series * D, spec.index_dim, True, cols[1]))
         for name, src, d, overlap, out in series:
             self.shared.launch(self._kernel("dsv4_compress", "compress_close"), (positions.shape[0],), (COMP_THREADS,),
-                               (kv, tables, positions, self._weight_f32(w[L + name + "ape"]),
-                                self._weight_f32(w[L + name + "norm"]), inv_freq, np.int32(tables.shape[1]),
-                                np.int32(BLOCK_SIZE), np.int32(kv.shape[-1]), np.int32(src), np.int32(d),
+                               (kv, ring, inputs, positions, slots, starts, ring_slots,
+                                np.uint64(0) if rows is None else rows, self._weight_f32(w[L + name + "ape"]),
+                                self._weight_f32(w[L + name + "norm"]), inv_freq, np.int32(kv.shape[-1]),
+                                np.int32(spec.ring_len), np.int32(spec.ring_width), np.int32(src), np.int32(d),
                                 np.int32(overlap), np.int32(spec.rate), np.int32(2 * inv_freq.shape[0]),
                                 np.int32(out), np.float32(spec.rms_eps)))
+
+    def store_ring(self, spec, ring_slots, positions, rows) -> None:
+        """ring_store: rows [T, ring_width] float32 as bf16 into the rings of state slots ring_slots at positions
+        (device int32 [T] each; position -1: not stored)."""
+        if rows.shape[0]:
+            self.shared.launch(self._kernel("dsv4_compress", "ring_store"), (rows.shape[0],), (COMP_THREADS,),
+                               (self.ring(spec), positions, ring_slots, self.cp.ascontiguousarray(rows, np.float32),
+                                np.int32(spec.ring_len), np.int32(spec.ring_width)))
 
     def indexer_topk(self, layer: int, tables, q, weights, positions, spec, stride: int):
         """dsv4_indexer.cu over R query rows: each row's top entries among the (position + 1) // rate closed ones
@@ -286,13 +332,14 @@ class GpuDSV4Ops:
         return y                            # float32: hc_merge reads it as it is
 
     # ---- decode on the device alone: dsv4_attention.cu ------------------------------------------------------
-    def store_rows(self, layer: int, slots, rows) -> None:
-        """write_rows: rows [T, w] float32 as bf16 at the device slots [T] (-1: padding, not written)."""
+    def store_rows(self, layer: int, slots, rows, col: int = 0) -> None:
+        """write_rows: rows [T, w] float32 as bf16 at the device slots [T] (-1: padding or a replayed position, not
+        written) from column col."""
         kv = self.shared.kv_cache[layer, 0]
         if rows.shape[0]:
             self.shared.launch(self._kernel("dsv4_attention", "write_rows"), (rows.shape[0],), (ATT_THREADS,),
                                (kv, slots, self.cp.ascontiguousarray(rows, np.float32), np.int32(rows.shape[1]),
-                                np.int32(kv.shape[-1]), np.int32(0)))
+                                np.int32(kv.shape[-1]), np.int32(col)))
 
     def sparse_decode(self, q, tables, positions, ids, sinks, spec):
         """sparse_decode: each row's one query over its window and its entries (ids [T, topk] on CSA layers,
@@ -311,16 +358,19 @@ class GpuDSV4Ops:
 
 def decode_attention(x, w, spec, ctx, p: GpuDSV4Ops):
     """dsv4_attention of a step whose every sequence has one query, from the step's device arrays alone
-    (ctx.positions, slot_mapping, block_tables: row t is token t's sequence; positions -1 are padding rows):
-    fixed shapes for a given number of rows and no host reads, so a decode graph can hold it. The rows are
-    written, the windows closed (compress_close), the indexer's top-k taken over every entry the block tables
-    can hold (CSA), then sparse_decode."""
+    (ctx.positions, slot_mapping, token_seq, state_slots, block_tables: row t is token t's sequence; positions -1
+    are padding rows): fixed shapes for a given number of rows and no host reads, so a decode graph can hold it.
+    The K rows are written, the windows closed (compress_close: a token's own inputs from the step's rows, its
+    window's earlier ones from its ring), its inputs stored in the ring, the indexer's top-k taken over every
+    entry the block tables can hold (CSA), then sparse_decode."""
     positions, tables = ctx.positions, ctx.block_tables
-    q, row, iq, iw, rope = project(x, w, spec, positions, p)
-    p.store_rows(spec.layer, ctx.slot_mapping, row)
+    q, kv, inputs, iq, iw, rope = project(x, w, spec, positions, p)
+    p.store_rows(spec.layer, ctx.slot_mapping, kv)
     ids = None
     if spec.rate:
-        p.compress_windows(tables, positions, w, spec)
+        ring_slots = ctx.state_slots[ctx.token_seq]
+        p.compress_windows(positions, ctx.slot_mapping, positions, ring_slots, None, inputs, w, spec)
+        p.store_ring(spec, ring_slots, positions, inputs)
         if spec.index_heads:
             stride = tables.shape[1] * BLOCK_SIZE // spec.rate
             ids = p.indexer_topk(spec.layer, tables, iq, iw, positions, spec, stride)[0]

@@ -69,7 +69,8 @@ class GpuOps(ComposedOps):
                  state: dict | None = None):
         """plan: gpu_plan.GpuPlan; shared: the executor's GpuShared; arena: what the ops' buffers are carved
         from; lm_head_ptr: the lm_head weight's address (its product is float32 logits); lora_weights: site
-        -> its weight extended with every slot's A rows (the upload); state: the linear-attention state slots."""
+        -> its weight extended with every slot's A rows (the upload); state: the line's state slots (linear
+        attention's states, DeepSeek-V4's compressor rings)."""
         self.shared = shared
         self.lm_head_ptr = lm_head_ptr
         self.num_heads, self.head_dim = plan.num_heads, plan.head_dim
@@ -100,7 +101,7 @@ class GpuOps(ComposedOps):
         self.mla = self.mla_class(plan, shared, arena, self) if "mla" in families else None
         self.lora = self.lora_class(plan, shared, arena, lora_weights, self.rms_norm) if "lora" in families else None
         self.deltanet = GpuDeltaNetOps(shared, state) if "deltanet" in families else None
-        self.dsv4 = GpuDSV4Ops(shared, self.moe) if "dsv4" in families else None
+        self.dsv4 = GpuDSV4Ops(shared, self.moe, state) if "dsv4" in families else None
 
     def _moe_part(self, plan, arena) -> GpuMoEOps:
         return self.moe_class(plan, self.shared, arena)
