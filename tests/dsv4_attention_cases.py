@@ -33,7 +33,7 @@ def random_inputs(heads, head_dim, window, rate, topk, positions, seed):
     per_seq = -(-(int(pos.max()) + 1) // BLOCK_SIZE) + 1
     blocks = rng.permutation(len(pos) * per_seq + 2)
     tables = blocks[:len(pos) * per_seq].reshape(len(pos), per_seq).astype(np.int32)
-    width = head_dim * (1 + 2 * spec.series * (rate > 0)) + 4 * spec.index_dim * overlap
+    width = head_dim * (1 + (rate > 0)) + spec.index_dim * overlap      # K = V | entry | indexer key
     pool = bf16(rng.standard_normal((1, 1, len(blocks) * BLOCK_SIZE, 1, width)))
     q = rng.standard_normal((len(pos), heads, head_dim)).astype(np.float32)
     ids = np.full((len(pos), max(topk, 1)), -1, np.int32)

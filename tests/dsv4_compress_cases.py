@@ -108,7 +108,7 @@ def random_inputs(head_dim: int, rope_dim: int, rate: int, overlap: bool, index_
                           slots)
 
 
-def _device_state(ops, inp: CompressInputs, dev):
+def device_state(ops, inp: CompressInputs, dev):
     """The pool (its guard slot included) and the ring on the device, the ops over the pool past the guard."""
     pool = dev(inp.pool.copy())
     ops.shared.kv_cache, ops.state = pool[:, :, 1:], {inp.spec.ring: dev(inp.ring.copy())}
@@ -118,28 +118,39 @@ def _device_state(ops, inp: CompressInputs, dev):
 def run_compress(ops, inp: CompressInputs, dev, back, **override) -> tuple[np.ndarray, np.ndarray]:
     """The pool and the ring after close_entries on the device (override: close_entries' per-sequence arguments
     replaced, the tests' wrong readings)."""
-    pool = _device_state(ops, inp, dev)
+    pool = device_state(ops, inp, dev)
     args = {"first_row": inp.first_row, "start": inp.start, "ring_slots": inp.ring_slots, **override}
     ops.close_entries(None, inp.kv_slots, inp.pos, {n: dev(a) for n, a in inp.weights.items()}, inp.spec,
                       dev(inp.inputs), **args)
     return back(pool), back(ops.state[inp.spec.ring])
 
 
-def run_decode(ops, inp: CompressInputs, dev, back) -> tuple[np.ndarray, np.ndarray]:
-    """The pool and the ring after compress_windows as a decode step launches it (device arrays, each token's
-    first position its own, its row its own) then store_ring: the one-token sequences, and the replayed closing
-    token as a row with slot -1 whose ring does not hold its window (nothing may be written)."""
+def decode_step(inp: CompressInputs, dev) -> dict:
+    """A decode step's device arrays: the one-token sequences, then the replayed closing token as a row with slot
+    -1 whose ring does not hold its window (nothing may be written); stored: the one-token sequences' inputs."""
     one = np.flatnonzero((inp.pos >= 0).sum(1) == 1)
     g, q = np.nonzero((inp.pos >= 0) & ((inp.pos + 1) % inp.spec.rate == 0) & (inp.slots < 0))
     rows = np.concatenate([inp.first_row[one], inp.first_row[g] + q])
-    positions = dev(np.concatenate([inp.pos[one, 0], inp.pos[g, q]]).astype(np.int32))
-    slots = dev(np.concatenate([inp.kv_slots[one, 0], inp.kv_slots[g, q]]).astype(np.int32))
-    ring_slots = dev(np.concatenate([inp.ring_slots[one], inp.ring_slots[g]]).astype(np.int32))
-    inputs = dev(inp.inputs[rows])
-    pool = _device_state(ops, inp, dev)
-    ops.compress_windows(positions, slots, positions, ring_slots, None, inputs,
-                         {n: dev(a) for n, a in inp.weights.items()}, inp.spec)
-    ops.store_ring(inp.spec, ring_slots[:len(one)], positions[:len(one)], inputs[:len(one)])
+    return {"positions": dev(np.concatenate([inp.pos[one, 0], inp.pos[g, q]]).astype(np.int32)),
+            "slots": dev(np.concatenate([inp.kv_slots[one, 0], inp.kv_slots[g, q]]).astype(np.int32)),
+            "ring_slots": dev(np.concatenate([inp.ring_slots[one], inp.ring_slots[g]]).astype(np.int32)),
+            "inputs": dev(inp.inputs[rows]), "weights": {n: dev(a) for n, a in inp.weights.items()},
+            "stored": len(one)}
+
+
+def launch_decode(ops, inp: CompressInputs, step: dict) -> None:
+    """compress_windows as decode_attention launches it (each token's first position its own, its row its own),
+    then store_ring."""
+    positions, ring_slots, inputs, n = step["positions"], step["ring_slots"], step["inputs"], step["stored"]
+    ops.compress_windows(positions, step["slots"], positions, ring_slots, None, inputs, step["weights"], inp.spec)
+    ops.store_ring(inp.spec, ring_slots[:n], positions[:n], inputs[:n])
+
+
+def run_decode(ops, inp: CompressInputs, dev, back) -> tuple[np.ndarray, np.ndarray]:
+    """The pool and the ring after launch_decode over decode_step's arrays."""
+    step = decode_step(inp, dev)
+    pool = device_state(ops, inp, dev)
+    launch_decode(ops, inp, step)
     return back(pool), back(ops.state[inp.spec.ring])
 
 

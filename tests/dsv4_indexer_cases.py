@@ -62,7 +62,7 @@ def random_inputs(heads: int, dim: int, topk: int, head_dim: int, Q: int, lens, 
     per_seq = -(-int(lens.max()) // BLOCK_SIZE)
     blocks = rng.permutation(len(lens) * per_seq + 3)
     tables = blocks[:len(lens) * per_seq].reshape(len(lens), per_seq)
-    width = head_dim + 4 * head_dim + 4 * dim
+    width = 2 * head_dim + dim                       # K = V | entry | indexer key
     pool = rng.standard_normal((1, 1, len(blocks) * BLOCK_SIZE, 1, width)).astype(np.float32)
     col = entry_columns(spec)[1]
     for g, n in enumerate(lens):
