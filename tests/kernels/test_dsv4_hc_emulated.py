@@ -48,8 +48,8 @@ class EmulatedHCShared(EmulatedShared):
 class EmulatedDSV4(GpuDSV4Ops):
     """GpuDSV4Ops with numpy arrays and its launches run by the host emulation."""
 
-    def __init__(self, shared=None, moe=None):
-        super().__init__(shared or EmulatedHCShared(), moe, array_module=HostNumpy())
+    def __init__(self, shared=None, moe=None, state=None):
+        super().__init__(shared or EmulatedHCShared(), moe, state, array_module=HostNumpy())
 
     def _kernel(self, name: str, entry: str, **defines: int):
         return name, entry, tuple(sorted(defines.items()))
