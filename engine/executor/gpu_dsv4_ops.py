@@ -358,8 +358,8 @@ class GpuDSV4Ops:
 
 def decode_attention(x, w, spec, ctx, p: GpuDSV4Ops):
     """dsv4_attention of a step whose every sequence has one query, from the step's device arrays alone
-    (ctx.positions, slot_mapping, token_seq, state_slots, block_tables: row t is token t's sequence; positions -1
-    are padding rows): fixed shapes for a given number of rows and no host reads, so a decode graph can hold it.
+    (ctx.positions, slot_mapping, state_slots, block_tables: row t is token t's sequence; positions -1 are padding
+    rows): fixed shapes for a given number of rows and no host reads, so a decode graph can hold it.
     The K rows are written, the windows closed (compress_close: a token's own inputs from the step's rows, its
     window's earlier ones from its ring), its inputs stored in the ring, the indexer's top-k taken over every
     entry the block tables can hold (CSA), then sparse_decode."""
@@ -368,7 +368,7 @@ def decode_attention(x, w, spec, ctx, p: GpuDSV4Ops):
     p.store_rows(spec.layer, ctx.slot_mapping, kv)
     ids = None
     if spec.rate:
-        ring_slots = ctx.state_slots[ctx.token_seq]
+        ring_slots = ctx.state_slots                    # one query a sequence: token t's sequence is row t
         p.compress_windows(positions, ctx.slot_mapping, positions, ring_slots, None, inputs, w, spec)
         p.store_ring(spec, ring_slots, positions, inputs)
         if spec.index_heads:

@@ -178,8 +178,7 @@ class EmulatedDecodeGraph(EmulatedGpuExecutor):
 
         ctx = SimpleNamespace(batch=None, num_tokens=B, input_ids=padded(batch.input_ids, 0),
                               positions=padded(batch.positions, -1), slot_mapping=padded(batch.slot_mapping, -1),
-                              block_tables=host(tables), state_slots=padded(batch.state_slots, -1),
-                              token_seq=host(np.arange(B, dtype=np.int32)))
+                              block_tables=host(tables), state_slots=padded(batch.state_slots, -1))
         hidden = self.model.forward(self.ops, self.weights, ctx)
         return f32(self.ops.linear(hidden, self.weights["lm_head"]))[:T]
 
