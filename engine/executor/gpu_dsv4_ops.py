@@ -9,7 +9,7 @@ and so are the compressor closing its windows (dsv4_compress.cu, compress_window
 of each window a step token closes, from the step's float32 inputs and the sequence's ring, written into its KV
 row; ring_store: the step's last inputs into the ring), the lightning indexer (dsv4_indexer.cu:
 indexer_scores, then indexer_topk, each query's top index_topk entries on the device) and, for steps whose every
-sequence has one query (decode), the attention itself (dsv4_attention.cu: write_rows stores the step's KV rows,
+sequence has one query (decode), the attention itself (dsv4_attention.cu: write_rows stores the step's K rows,
 sparse_decode attends over the window and the entries with the sinks; decode_attention below). The limited
 SwiGLU, the hash router and the projections around the attention run as CuPy float32 over the bf16 weights, every
 projection on the executor's bf16 GEMM (float32 out) but the grouped output projection's wo_a, which runs on the
@@ -22,9 +22,9 @@ entry and the indexer key (entry_columns); the compressor's inputs live in the p
 state arrays ("csa_ring", "hca_ring": bf16 [layers, state slots, ring_len, ring_width], the executor's, handed
 over at construction) at row p % ring_len of the sequence's state slot.
 
-Decode steps read only the step's device arrays (positions, slots, state slots, block tables) with shapes fixed by
-the row count, so the executor captures them in CUDA graphs (DeepseekV4ForCausalLM.cuda_graphs); their CuPy temporaries
-come from the graphs' own memory pool (gpu_graphs.capture_memory). Prefill and mixed steps run eager through
+Decode steps read only the step's device arrays (positions, slots, state slots, block tables) with shapes fixed
+by the row count, so the executor captures them in CUDA graphs (DeepseekV4ForCausalLM.cuda_graphs); their CuPy
+temporaries come from the graphs' own memory pool (gpu_graphs.capture_memory). Prefill and mixed steps run eager through
 cpu_dsv4_attention.dsv4_attention's grouping over the same primitives (the CPU gate checks that code).
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The DeepSeek-V4 GPU ops (engine/executor/gpu_dsv4_ops.py, and the MoE part's sqrtsoftplus router and limited
-SwiGLU, gpu_moe_ops.py) on this machine: GpuDSV4Ops and GpuMoEOps with numpy standing in for CuPy, over what the GPU holds — bf16 bits (uint16) weights with gate_up rows interleaved in blocks of 8 as
-the upload lays them out, a uint16 KV pool, bf16 activations between ops, float32 router logits — and the GPU
+SwiGLU, gpu_moe_ops.py) on this machine: GpuDSV4Ops and GpuMoEOps with numpy standing in for CuPy, over what
+the GPU holds — bf16 bits (uint16) weights with gate_up rows interleaved in blocks of 8 as the upload lays them
+out, a uint16 KV pool and compressor rings, bf16 activations between ops, float32 router logits — and the GPU
 executor's other ops emulated in numpy on those bits (embedding, RMSNorm, bf16 GEMMs, the routed experts with
 the ops' own expert_activation; the grouped output projection's products are moe_gemv.cu and moe_grouped_gemm.cu
 in the host emulation). The line's forward through them, teacher-forced with prefill, decode and chunks, against
