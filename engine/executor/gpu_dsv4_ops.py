@@ -241,7 +241,7 @@ class GpuDSV4Ops:
         """float32 [G, R, ring_width]: the ring's inputs at positions at (host ints [G, R], -1: zeros) of the G
         sequences in state slots ring_slots (host ints [G])."""
         at, slots = np.asarray(at), np.maximum(np.asarray(ring_slots), 0)
-        rows = self.ring(spec)[self.cp.asarray(np.broadcast_to(slots[:, None], at.shape)),
+        rows = self.ring(spec)[self.cp.asarray(np.repeat(slots[:, None], at.shape[1], axis=1)),
                                self.cp.asarray(np.maximum(at, 0) % spec.ring_len)]
         return self.cp.where(self.cp.asarray(at >= 0)[..., None], self._f(rows), np.float32(0))
 

@@ -2,9 +2,9 @@
 compressed-sparse and one heavily-compressed layer, a hash-routed MLP first, 3 hyper-connection streams) by the
 DESIGN.md floor method, as test_gpu_moe_mla / test_gpu_dsv3 run it (HF float32 the oracle, HF bf16 vs float32 the
 floor): prefill, decode, chunked prefill, each GEMM library, batch 1 twice bit-identical, batched == batch 1, mixed
-steps, a prefix-cache hit equal to a full prefill. Plus the line's real checkpoint format on the GPU (dequantized at
-load, uploaded as bf16): FP8 projections and FP4 experts (bench/deepseek_weights.py's writer, at a small width)
-against transformers on the dequantized weights.
+steps, a prefix-cache hit's replay into fresh compressor rings equal to the recompute. Plus the line's real
+checkpoint format on the GPU (dequantized at load, uploaded as bf16): FP8 projections and FP4 experts
+(bench/deepseek_weights.py's writer, at a small width) against transformers on the dequantized weights.
 
 Decode steps replay CUDA graphs (DeepseekV4ForCausalLM.cuda_graphs; gpu_dsv4_ops.decode_attention): every bucket
 warmed up, then free-running greedy batches that straddle the buckets against an executor built with graphs off
@@ -13,6 +13,7 @@ memory pool); the gate tests above run with graphs on, so their decode is the gr
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import test_gpu_moe_mla as moe_mla
@@ -34,8 +35,33 @@ def tiny(request):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_prefix_hit_equals_full_prefill(name):
-    moe_mla.test_prefix_hit_equals_full_prefill(name)
+def test_prefix_hit_replay_equals_recompute(name):
+    """A prefix hit of 48 tokens (3 blocks) as the scheduler runs it: the hit's sequence in a state slot of its
+    own whose rings hold NaN (bf16 0x7FC0: a read of a row the replay did not write shows), replaying the
+    replay_tokens(48) tokens before the hit (KV slots -1: the restored K rows and entries kept) and the rest in
+    chunks that read the rings (CSA's window closing at 55 reads 48..52 there, HCA's at 63 56..60) scores as
+    the sequence computed from 0 in the same chunks."""
+    from engine.batch import ModelBatch, SeqStep
+
+    model = load_model(tiny_model_path(name))
+    ex = new_gpu_executor(model, cuda_graphs=False)
+    try:
+        seq = random_sequences(model.config.vocab_size, [70], seed=5)[0]
+        start = 48 - model.model.replay_tokens(48)
+        cuts = [(0, start), (start, 53), (53, 61), (61, 70)]
+
+        def run(seq_id, slot, table, steps, kv_from=0):
+            return np.concatenate([ex.forward_logits(ModelBatch.build([SeqStep(
+                seq_id, seq[a:b], a, table, False, state_slot=slot, kv_from=kv_from)])) for a, b in steps])
+
+        want = run(0, 0, [0, 1, 2, 3, 4], cuts)[48:]
+        run(1, 1, [5, 6, 7], [(0, 48)])                                     # the cached prefix
+        for ring in ex.state.values():
+            ring[:, 2] = 0x7FC0
+        got = run(2, 2, [5, 6, 7, 8, 9], cuts[1:], kv_from=48)[48 - start:]
+        moe_mla.assert_same_scores(got, want)
+    finally:
+        ex.close()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -61,7 +87,7 @@ def test_graph_decode_matches_eager_in_every_bucket(name):
                 total += 1
         print(f"{name}: graph == eager greedy {identical}/{total} sequences over 10 steps")
         step = SeqStep(seq_id=0, token_ids=[5], start_pos=0, block_table=[0], sample=True,
-                       params=SamplingParams(temperature=0.0))
+                       params=SamplingParams(temperature=0.0), state_slot=0)
         graphed.execute(ModelBatch.build([step]))
         assert graphed.last_step_graphed is True
     finally:

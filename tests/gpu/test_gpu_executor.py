@@ -170,7 +170,8 @@ def test_tiny_batch1_deterministic(tiny):
 def greedy(executor, prompts: list[list[int]], steps: int, seed: int = 0,
            lora_slots: list[int | None] | None = None) -> list[list[int]]:
     """Free-running greedy decode of every prompt together (prefill, then one token a step); lora_slots:
-    per prompt, the executor's LoRA slot it runs with (None: the base model)."""
+    per prompt, the executor's LoRA slot it runs with (None: the base model); prompt i keeps its state (a line
+    with state slots) in slot i."""
     rng = random.Random(seed)
     free = list(range(executor.num_kv_blocks))
     rng.shuffle(free)
@@ -180,7 +181,8 @@ def greedy(executor, prompts: list[list[int]], steps: int, seed: int = 0,
         batch = [SeqStep(seq_id=i, token_ids=toks[i][start[i]:], start_pos=start[i], block_table=tables[i],
                          sample=True, params=SamplingParams(temperature=0.0), prompt_len=len(p),
                          history=list(toks[i]), num_generated=len(toks[i]) - len(p),
-                         lora_id=0 if not lora_slots or lora_slots[i] is None else lora_slots[i] + 1)
+                         lora_id=0 if not lora_slots or lora_slots[i] is None else lora_slots[i] + 1,
+                         state_slot=i if executor.num_state_slots else -1)
                  for i, p in enumerate(prompts)]
         slots = {s + 1: s for s in lora_slots or [] if s is not None}
         out = executor.execute(ModelBatch.build(batch, slots or None))

@@ -1,6 +1,7 @@
 """The DeepSeek-V4 free-running gate on the GPU executor (eager steps: the line captures no CUDA graphs): the
 issue's model of tests/models/test_free_running_dsv4.py, 48 greedy tokens a prompt alone, batched with chunked prefill
-(steps of 16 tokens next to decodes) and as follow-ups hitting the prefix cache, against transformers float32 by
+(steps of 16 tokens next to decodes) and as follow-ups hitting the prefix cache (restoring whole blocks, replaying the
+tokens the compressor rings need before them), against transformers float32 by
 full recompute on the same GPU with the indexer's tie rule (harness/dsv4_oracle.py), judged by the floor method of
 tests/gpu/test_gpu_free_running.py (HF bf16 vs float32 measured on the same runs). The engine takes the indexer's q from a
 bf16 GEMM and its keys from bf16 KV rows, so an index choice is fragile (a flip there a fork, not a fault) when a bf16 ulp of each factor
@@ -13,7 +14,6 @@ import random
 
 import pytest
 
-from engine.batch import BLOCK_SIZE
 from engine.loader import load_model
 from harness.dsv4_oracle import index_tie_rule
 from harness.executors import new_gpu_executor
@@ -21,7 +21,7 @@ from harness.free_running_models import load_oracle
 from harness.free_running_oracle import FullRecompute
 from harness.free_running_paths import RunPath, engine_greedy
 from harness.models import _tmp_root, build_tiny_model
-from test_free_running_dsv4 import ISSUE, prompts_of
+from test_free_running_dsv4 import ISSUE, assert_replayed, prompts_of
 from test_gpu_free_running import assert_floor_gate
 
 pytestmark = pytest.mark.gpu
@@ -48,5 +48,5 @@ def test_gpu_dsv4_free_running(issue_gpu, run):
     prompts = prompts_of(random.Random(0), [32, 24, 5])
     out = engine_greedy(ex, model.tokenizer, prompts, run)
     assert_floor_gate(f"deepseek_v4/{run.name}/eager", exact, bf16, out)
-    if run.follow_up:
-        assert all(r.cached_tokens >= BLOCK_SIZE for r in out.runs[len(prompts):]), [r.cached_tokens for r in out.runs]
+    for first, hit in zip(out.runs, out.runs[len(prompts):] if run.follow_up else []):
+        assert_replayed(ISSUE, first, run.follow_up, hit)
