@@ -20,8 +20,9 @@
 // same keys again from L2 (one KV head): L2-bandwidth-bound at heads × those bytes. A CTA over a group of heads
 // sharing each key load is the step beyond.
 //
-// write_rows (below): the step's float32 rows [T, width] stored as bf16 at their KV slots from column col,
-// skipping slot -1 (padding): a fixed-shape write a graph can hold.
+// write_rows (below): the step's float32 K rows [T, width] stored as bf16 at their KV slots from column col,
+// skipping slot -1 (padding, or a position a prefix hit restored and the step replays): a fixed-shape write a
+// graph can hold.
 #include "common.cuh"
 
 #define ATT_WARPS 4
