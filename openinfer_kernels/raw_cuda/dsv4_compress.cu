@@ -11,15 +11,16 @@
 //
 // A token's compressor inputs (kv | gate from column src, s · d each, s = 2 with overlap; width values a token)
 // are where the compact cache keeps them: positions at or past the sequence's first position in the step
-// (start) in the step's own float32 rows `inputs` (position p of the token in row r at p: row r - (pos - p)),
+// (start) in the step's own float32 rows `inputs` (for the token at pos in row r: position p in row r - (pos - p)),
 // earlier ones in the sequence's ring, the bf16 [slots · ring_len, width] inputs of each state slot's last
 // ring_len positions (position p at row slot · ring_len + p % ring_len; ring_len >= the window's reach: 2 · rate
 // with overlap, rate without). Nothing a CTA reads is written by the launch.
 //
-// Roofline per closing token: reads (1 + overlap) · rate slots · 2 · d values, bf16 from the ring (a decode
-// step's all but its own, float32) (CSA's entry of 512: 16 KB; HCA's, 128 slots: 256 KB; the indexer's key of
-// 128: 4 KB) and writes 2 · d bytes, once per rate tokens: a few µs of one SM per launch at decode,
-// latency-bound like the other per-layer small kernels.
+// Roofline per closing token: reads (1 + overlap) · rate slots · 2 · d values, bf16 from the ring and float32
+// from the step's rows (at decode all but the token's own from the ring: CSA's entry of 512, 16 KB; HCA's, 128
+// slots, 256 KB; the indexer's key of 128, 4 KB) and writes 2 · d bytes, once per rate tokens: a few µs of one SM
+// per launch at decode, latency-bound like the other per-layer small kernels. ring_store writes 2 · width bytes a
+// token (V4-Flash: 5 KB a CSA layer, 2 KB an HCA one).
 //
 // ring_store (below): after the step's windows are closed, each token's inputs [width] stored as bf16 in its
 // sequence's ring at row slot · ring_len + p % ring_len (position -1: not stored).
