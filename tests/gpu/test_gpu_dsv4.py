@@ -77,7 +77,8 @@ def test_graph_decode_matches_eager_in_every_bucket(name):
     try:
         while graphed.warm_up():
             pass
-        assert sorted(graphed.graphs.graphs) == sorted(graphed.graphs.sampling_graphs) == [1, 4, 8, 16]
+        assert sorted(graphed.graphs.graphs) == sorted(graphed.graphs.sampling_graphs) == graphed.graphs.buckets
+        assert graphed.graphs.buckets[0] == 1 and graphed.graphs.buckets[-1] >= 9
         identical = total = 0
         for n in (1, 3, 5, 9):
             prompts = random_sequences(model.config.vocab_size, [3 + 7 * i % 29 for i in range(n)], seed=n)
