@@ -11,11 +11,12 @@ executor supports_block_copies: a prompt sent again computes one token, not 16.
 
 A line with per-sequence state (linear attention, memory/state_slots.py) gives the scheduler its StateSlots: a
 sequence takes a slot when admitted and gives it back when it finishes, is aborted or is preempted (it recomputes
-from zero state); such lines fork n > 1 samples before any prefill and never re-feed a prompt-logprobs chunk's
+from zero state); such lines (unless they replay, below) fork n > 1 samples before any prefill and never re-feed a prompt-logprobs chunk's
 last token (the executor scores the next prompt token instead). Such a line caches prefixes only where it rebuilds
 its state from a few recomputed tokens (`replay`: DeepSeek-V4's compressor rings): a hit restores the blocks' KV,
 the sequence computes again from replay(hit) tokens before the hit, and those replayed positions write no KV
-(SeqStep.kv_from); partial-block hits are off for it.
+(SeqStep.kv_from); partial-block hits are off for it. Its n > 1 samples fork after the prompt's prefill as
+a stateless line's do (their slots held from admission), each child replaying into its own slot as after a hit.
 
 While a decode step runs, the next one can be planned ahead (plan_decode_ahead: the same sequences, one token
 further, blocks reserved) and confirmed once the step's tokens are in (confirm_decode_ahead), so the host's
@@ -93,7 +94,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        seq.fork_early = self.state_slots is not None
+        seq.fork_early = self.state_slots is not None and self.replay is None   # its samples cannot share a prefill
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -272,7 +273,11 @@ class Scheduler:
         for index in range(1, parent.fork_count):
             child = parent.fork(self.new_seq_id(), index)
             self.bm.fork(child.block_table)
-            self._take_state_slot(child)
+            if parent.spare_slots:               # a line that replays: the slot held for it since admission,
+                child.state_slot = parent.spare_slots.pop()   # its state rebuilt from the shared blocks
+                self._replay(child)
+            else:
+                self._take_state_slot(child)
             child.status = SeqStatus.RUNNING
             group.append(child)
         parent.fork_count = 1
@@ -507,10 +512,15 @@ class Scheduler:
 
     # -- per-sequence state slots ----------------------------------------------------------
     def _take_state_slot(self, seq: Sequence) -> None:
+        """Its state slot, and for the samples of an n > 1 sequence that forks after its prefill (a line that
+        replays) theirs, held until the fork: admission checked that fork_count are free."""
         if self.state_slots is not None:
             seq.state_slot = self.state_slots.allocate()
+            if seq.fork_count > 1 and not seq.fork_early:
+                seq.spare_slots = [self.state_slots.allocate() for _ in range(seq.fork_count - 1)]
 
     def _release_state_slot(self, seq: Sequence) -> None:
-        if seq.state_slot >= 0:
-            self.state_slots.free(seq.state_slot)
-            seq.state_slot = -1
+        for slot in [seq.state_slot] + seq.spare_slots:
+            if slot >= 0:
+                self.state_slots.free(slot)
+        seq.state_slot, seq.spare_slots = -1, []

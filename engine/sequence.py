@@ -51,7 +51,8 @@ class Sequence:
     kv_from: int = 0                     # positions below it hold KV restored by a prefix hit: never written again
                                          # (a line with state recomputes the last ones: engine/scheduler.py _replay)
     state_slot: int = -1                 # its state slot (lines with per-sequence state; -1: none)
-    fork_early: bool = False             # n > 1 forks before any prefill (per-sequence state: no sharing)
+    fork_early: bool = False             # n > 1 forks before any prefill (per-sequence state no replay rebuilds)
+    spare_slots: list[int] = field(default_factory=list)   # n > 1 of a line that replays: its samples' state slots
     grammar: Any = None             # structured output: a GrammarMatcher, advanced with each token
     load: Any = None                # LOADING: its restore's Copies (engine/scheduler.py) until they land
     cow_source: int = -1            # a partial prefix hit's cached block (memory/block_manager.py partial_hit),
@@ -75,8 +76,9 @@ class Sequence:
     def fork_at(self) -> int:
         """Tokens to prefill before forking: the prompt's full blocks, leaving >= 1 token.
         Only sample 0 computes prompt logprobs (the others skip them), so such requests fork
-        right away, and so do samples that keep per-sequence state (fork_early: a state slot cannot
-        be shared)."""
+        right away, and so do samples that keep per-sequence state a replay cannot rebuild (fork_early: a
+        state slot cannot be shared; a line that replays forks after the prefill, each sample replaying the
+        last tokens into its own slot)."""
         if self.want_prompt_logprobs or self.fork_early:
             return 0
         return (self.prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
@@ -125,5 +127,5 @@ class Sequence:
         return dataclasses.replace(
             self, seq_id=seq_id, index=index, params=params, token_ids=list(self.token_ids),
             block_table=list(self.block_table), fork_count=1, want_prompt_logprobs=False,
-            state_slot=-1, _hashes=list(self._hashes), draft_ids=[],
+            state_slot=-1, spare_slots=[], _hashes=list(self._hashes), draft_ids=[],
             grammar=self.grammar.fork() if self.grammar is not None else None)
