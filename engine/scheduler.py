@@ -9,14 +9,9 @@ from its longest prefix-cache hit: device blocks first, then blocks evicted to t
 copied back before the step (or while it waits LOADING); then a partial hit (memory/block_manager.py), where the
 executor supports_block_copies: a prompt sent again computes one token, not 16.
 
-A line with per-sequence state (linear attention, memory/state_slots.py) gives the scheduler its StateSlots: a
-sequence takes a slot when admitted and gives it back when it finishes, is aborted or is preempted (it recomputes
-from zero state); such lines (unless they replay, below) fork n > 1 samples before any prefill and never re-feed a prompt-logprobs chunk's
-last token (the executor scores the next prompt token instead). Such a line caches prefixes only where it rebuilds
-its state from a few recomputed tokens (`replay`: DeepSeek-V4's compressor rings): a hit restores the blocks' KV,
-the sequence computes again from replay(hit) tokens before the hit, and those replayed positions write no KV
-(SeqStep.kv_from); partial-block hits are off for it. Its n > 1 samples fork after the prompt's prefill as
-a stateless line's do (their slots held from admission), each child replaying into its own slot as after a hit.
+A line with per-sequence state gives the scheduler its StateSlots, held by its part engine/seq_state.py (slots
+taken and given back, a replay after a prefix hit, n > 1 samples); such a line never re-feeds a prompt-logprobs
+chunk's last token (the executor scores the next prompt token instead) and takes no partial-block hits.
 
 While a decode step runs, the next one can be planned ahead (plan_decode_ahead: the same sequences, one token
 further, blocks reserved) and confirmed once the step's tokens are in (confirm_decode_ahead), so the host's
@@ -44,6 +39,7 @@ from engine.step_budget import MIN_PREFILL, StepBudget, StepCost
 from memory.block_manager import BlockManager
 from memory.kv_pool import BLOCK_SIZE, blocks_for
 from memory.prefix_hash import NO_PARENT, RecentChains
+from engine.seq_state import SequenceState
 from memory.state_slots import StateSlots
 
 
@@ -71,9 +67,8 @@ class Scheduler:
                  state_slots: StateSlots | None = None, max_loras: int = 0, step_cost: StepCost | None = None,
                  replay: Callable[[int], int] | None = None):
         self.bm = block_manager
-        self.replay = replay                     # a state line's tokens to recompute before a prefix hit (None: none)
+        self.state = SequenceState(state_slots, replay)   # per-sequence state slots (engine/seq_state.py)
         self.step_cost = step_cost               # the executor's cost model: time bounds chunks too (step_budget.py)
-        self.state_slots = state_slots           # per-sequence state slots (None: the line keeps none)
         self.max_loras = max_loras               # > 0: at most this many LoRA adapters among the running
         self.chunked_prefill = limits.chunked_prefill   # off: a prompt's prefill runs in one step or waits
         self.host_tier = host_tier               # its host KV tier part (engine/host_tier.py; None: off)
@@ -88,13 +83,18 @@ class Scheduler:
         self._next_seq_id = 0
         self.recent_chains = RecentChains(BLOCK_SIZE)    # prompts sharing a prefix hash only their new blocks
 
+    @property
+    def state_slots(self) -> StateSlots | None:
+        """The line's per-sequence state slots (None: it keeps none)."""
+        return self.state.slots
+
     def new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        seq.fork_early = self.state_slots is not None and self.replay is None   # its samples cannot share a prefill
+        seq.fork_early = self.state.forks_early
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -221,13 +221,13 @@ class Scheduler:
         seq.num_computed = (len(hit) + len(host)) * BLOCK_SIZE
         no_cow = seq.want_prompt_logprobs or host or self.state_slots is not None
         cow = -1 if no_cow else self._partial_hit(seq, hashes, len(hit))
-        self._replay(seq)
+        self.state.rebuild(seq)
         n = self._chunk(seq, budget)
         need = max(blocks_for(seq.num_computed + n), len(hit) + len(host)) - len(hit)   # a replay reads the hit
         # blocks taken from the LRU by the hit itself no longer count as free
         lru_hits = sum(self.bm.ref_counts[b] == 0 for b in hit + [cow] if b >= 0)
-        slots_short = self.state_slots is not None and self.state_slots.num_free < seq.fork_count
-        if need + lru_hits > self.bm.num_free_blocks or (n == 0 and not self._fork_ready(seq)) or slots_short:
+        if need + lru_hits > self.bm.num_free_blocks or (n == 0 and not self._fork_ready(seq)) or \
+                not self.state.has_room(seq):
             seq.num_computed = seq.kv_from = 0
             return False
         self.bm.acquire(hit + [cow] if cow >= 0 else hit)
@@ -236,7 +236,7 @@ class Scheduler:
             tier.restore(seq, hashes, len(hit), host, may_load=seq.fork_count == 1 and self.state_slots is None)
         self.bm.record_query(len(seq.token_ids), seq.num_computed)
         seq.num_cached_tokens = seq.num_computed
-        self._take_state_slot(seq)
+        self.state.take(seq)
         out.admitted.append(seq)
         if seq.load is not None:
             seq.status = SeqStatus.LOADING
@@ -245,13 +245,6 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
         return True
-
-    def _replay(self, seq: Sequence) -> None:
-        """A prefix hit of a line with state (replay): the hit's KV stays as restored (seq.kv_from: no step writes
-        below it) and the sequence computes again from replay tokens before it, rebuilding its state slot."""
-        if self.replay is not None and seq.num_computed:
-            seq.kv_from = seq.num_computed
-            seq.num_computed -= self.replay(seq.num_computed)
 
     def _partial_hit(self, seq: Sequence, hashes: list[int], full: int) -> int:
         """Past `full` cached blocks, a cached block sharing the first k (< what is left) tokens of seq's next
@@ -273,11 +266,7 @@ class Scheduler:
         for index in range(1, parent.fork_count):
             child = parent.fork(self.new_seq_id(), index)
             self.bm.fork(child.block_table)
-            if parent.spare_slots:               # a line that replays: the slot held for it since admission,
-                child.state_slot = parent.spare_slots.pop()   # its state rebuilt from the shared blocks
-                self._replay(child)
-            else:
-                self._take_state_slot(child)
+            self.state.fork(parent, child)
             child.status = SeqStatus.RUNNING
             group.append(child)
         parent.fork_count = 1
@@ -470,7 +459,7 @@ class Scheduler:
         self.bm.free(seq.block_table)
         seq.block_table, seq.draft_ids = [], []
         seq.num_computed = seq.kv_from = 0
-        self._release_state_slot(seq)
+        self.state.release(seq)
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -491,7 +480,7 @@ class Scheduler:
             self.bm.free(seq.block_table)
         seq.block_table, seq.draft_ids = [], []
         self._release_cow_source(seq)
-        self._release_state_slot(seq)
+        self.state.release(seq)
         seq.status = SeqStatus.FINISHED
 
     # -- the host tier's copies (engine/host_tier.py) ---------------------------------------
@@ -509,18 +498,3 @@ class Scheduler:
         if self.host_tier is not None and self.host_tier.on:
             self.land_copies()          # write-through copies that landed give their blocks back
             self.host_tier.issue()
-
-    # -- per-sequence state slots ----------------------------------------------------------
-    def _take_state_slot(self, seq: Sequence) -> None:
-        """Its state slot, and for the samples of an n > 1 sequence that forks after its prefill (a line that
-        replays) theirs, held until the fork: admission checked that fork_count are free."""
-        if self.state_slots is not None:
-            seq.state_slot = self.state_slots.allocate()
-            if seq.fork_count > 1 and not seq.fork_early:
-                seq.spare_slots = [self.state_slots.allocate() for _ in range(seq.fork_count - 1)]
-
-    def _release_state_slot(self, seq: Sequence) -> None:
-        for slot in [seq.state_slot] + seq.spare_slots:
-            if slot >= 0:
-                self.state_slots.free(slot)
-        seq.state_slot, seq.spare_slots = -1, []

@@ -69,8 +69,7 @@ class GpuOps(ComposedOps):
                  state: dict | None = None):
         """plan: gpu_plan.GpuPlan; shared: the executor's GpuShared; arena: what the ops' buffers are carved
         from; lm_head_ptr: the lm_head weight's address (its product is float32 logits); lora_weights: site
-        -> its weight extended with every slot's A rows (the upload); state: the line's state slots (linear
-        attention's states, DeepSeek-V4's compressor rings)."""
+        -> its weight extended with every slot's A rows (the upload); state: the line's state slot arrays."""
         self.shared = shared
         self.lm_head_ptr = lm_head_ptr
         self.num_heads, self.head_dim = plan.num_heads, plan.head_dim
