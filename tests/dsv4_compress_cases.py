@@ -120,7 +120,7 @@ def run_compress(ops, inp: CompressInputs, dev, back, **override) -> tuple[np.nd
     replaced, the tests' wrong readings)."""
     pool = device_state(ops, inp, dev)
     args = {"first_row": inp.first_row, "start": inp.start, "ring_slots": inp.ring_slots, **override}
-    ops.close_entries(None, inp.kv_slots, inp.pos, {n: dev(a) for n, a in inp.weights.items()}, inp.spec,
+    ops.close_entries(inp.kv_slots, inp.pos, {n: dev(a) for n, a in inp.weights.items()}, inp.spec,
                       dev(inp.inputs), **args)
     return back(pool), back(ops.state[inp.spec.ring])
 

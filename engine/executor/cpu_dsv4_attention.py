@@ -101,12 +101,11 @@ def window_inputs(inputs, at: np.ndarray, seq: np.ndarray, first_row: np.ndarray
     return xp_of(inputs).where(p.dev(in_step)[..., None], inputs[rows], ring)
 
 
-def close_entries(tables, slots, pos: np.ndarray, w, spec, inputs, first_row: np.ndarray, start: np.ndarray,
+def close_entries(slots, pos: np.ndarray, w, spec, inputs, first_row: np.ndarray, start: np.ndarray,
                   ring_slots: np.ndarray, p: "DSV4Primitives") -> None:
     """The entries (and indexer keys) of the windows this step's tokens close (position + 1 a multiple of the
     rate), computed once from the window's compressor inputs (and, CSA, the previous window's: window_inputs) and
-    stored in the closing token's row (entry_columns). tables: the group's block tables [G, blocks]; slots, pos:
-    the step's KV slots and positions [G, Q] on the host, -1 for padding (a slot -1, a replayed position, closes
+    stored in the closing token's row (entry_columns). slots, pos: the group's KV slots and positions [G, Q] on the host, -1 for padding (a slot -1, a replayed position, closes
     no window: its entry is stored); inputs [T, ring_width]: the step's compressor inputs; first_row, start,
     ring_slots [G]: each sequence's first row and position in the step and its state slot."""
     g, q = np.nonzero((slots >= 0) & (pos >= 0) & ((pos + 1) % spec.rate == 0))
@@ -236,7 +235,7 @@ def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
         tok, pos = p.dev(rows_of), p.dev(host_pos)
         tables, lens = np.asarray(b.block_tables)[group], ctx_lens[group]
         if spec.rate:
-            p.close_entries(tables, np.where(real, np.asarray(b.slot_mapping)[rows_of], -1), host_pos, w, spec,
+            p.close_entries(np.where(real, np.asarray(b.slot_mapping)[rows_of], -1), host_pos, w, spec,
                             inputs, cu[group], positions[cu[group]], ring_slots[group])
         keys, key_pos = group_keys(tables, host_pos, lens, spec, p)
         d = pos[:, :, None] - p.dev(key_pos)[:, None, :]
@@ -290,7 +289,7 @@ class DSV4Primitives(Protocol):
         """Keep rows [T, ring_width] of T tokens at positions (host ints [T], -1: not kept) in the rings of
         their sequences' state slots ring_slots (host ints [T]), at position % ring_len."""
 
-    def close_entries(self, tables, slots, pos, w, spec, inputs, first_row, start, ring_slots) -> None:
+    def close_entries(self, slots, pos, w, spec, inputs, first_row, start, ring_slots) -> None:
         """close_entries(.., self): the entries (and indexer keys) of the windows the step's tokens close."""
 
     def indexer_visible(self, tables, ctx_lens, pos, q, weights, spec):
@@ -369,8 +368,8 @@ class NumpyDSV4Ops:
         ring = self.state[spec.ring][spec.ring_index]
         ring[np.asarray(ring_slots)[kept], np.asarray(positions)[kept] % spec.ring_len] = rows[kept]
 
-    def close_entries(self, tables, slots, pos, w, spec, inputs, first_row, start, ring_slots) -> None:
-        close_entries(tables, slots, pos, w, spec, inputs, first_row, start, ring_slots, self)
+    def close_entries(self, slots, pos, w, spec, inputs, first_row, start, ring_slots) -> None:
+        close_entries(slots, pos, w, spec, inputs, first_row, start, ring_slots, self)
 
     def indexer_visible(self, tables, ctx_lens, pos, q, weights, spec):
         return indexer_visible(tables, ctx_lens, pos, q, weights, spec, self)

@@ -251,11 +251,11 @@ class GpuDSV4Ops:
         self.store_ring(spec, self.cp.asarray(np.asarray(ring_slots), np.int32),
                         self.cp.asarray(np.asarray(positions), np.int32), rows)
 
-    def close_entries(self, tables, slots, pos, w, spec, inputs, first_row, start, ring_slots) -> None:
+    def close_entries(self, slots, pos, w, spec, inputs, first_row, start, ring_slots) -> None:
         """compress_windows over the group's closing tokens (host slots / positions pos [G, Q], -1 padding, slot
         -1 also where the entry is already stored: a replayed position; per sequence its first row in the step
         first_row, its first position start, its state slot ring_slots, host ints [G]): the windows' inputs from
-        the step's inputs [T, ring_width] and the rings. The block tables are not needed."""
+        the step's inputs [T, ring_width] and the rings."""
         slots, pos = np.asarray(slots), np.asarray(pos)
         g, q = np.nonzero((pos >= 0) & ((pos + 1) % spec.rate == 0) & (slots >= 0))
         if not len(g):
