@@ -8,7 +8,7 @@ Attention for those tokens covers positions [0, start_pos + len(token_ids)).
 hit) gets that block's KV copied into its own (every layer and plane) before the step writes there.
 A line with per-sequence state (linear attention) reads and updates the sequence's `state_slot`
 (memory/state_slots.py); a step that starts at position 0 starts from zero state. After a prefix hit such a
-line may replay the hit's last tokens to rebuild that state (engine/scheduler.py _replay): positions below a
+line may replay the hit's last tokens to rebuild that state (engine/seq_state.py): positions below a
 step's `kv_from` have KV restored from the cache, so their `slot_mapping` is -1 (nothing written there).
 
 Speculative decoding: a step may end in `num_drafts` draft tokens (a verify step: the sequence's last token,

@@ -45,7 +45,7 @@ def host_slots(executor, host_kv_blocks: int) -> HostKVTier | None:
     the executor cannot hold them."""
     if not host_kv_blocks:
         return None
-    if executor.num_state_slots and executor.replay_tokens(0) is None:
+    if executor.num_state_slots and executor.replay_tokens is None:
         raise ValueError(f"host_kv_blocks={host_kv_blocks}: the host KV tier keeps prefix-cache blocks, and "
                          f"prefix caching is off for a model with per-sequence (linear-attention) state")
     if not executor.supports_host_tier:

@@ -49,7 +49,7 @@ class Sequence:
     want_prompt_logprobs: bool = False
     num_cached_tokens: int = 0
     kv_from: int = 0                     # positions below it hold KV restored by a prefix hit: never written again
-                                         # (a line with state recomputes the last ones: engine/scheduler.py _replay)
+                                         # (a line with state recomputes the last ones: engine/seq_state.py)
     state_slot: int = -1                 # its state slot (lines with per-sequence state; -1: none)
     fork_early: bool = False             # n > 1 forks before any prefill (per-sequence state no replay rebuilds)
     spare_slots: list[int] = field(default_factory=list)   # n > 1 of a line that replays: its samples' state slots

@@ -60,8 +60,7 @@ class FakeExecutor(ExecutorBase):
         self.kv = np.full(num_kv_blocks * BLOCK_SIZE, -1, dtype=np.int64)
         self.steps: list[ModelBatch] = []
 
-    def replay_tokens(self, hit: int) -> int | None:
-        return None                             # its model keeps no state a replay rebuilds
+    replay_tokens = None                        # its model keeps no state a replay rebuilds
 
     def _row_logits(self, context: np.ndarray) -> np.ndarray:
         h = 1469598103934665603

@@ -58,9 +58,10 @@ class Executor(Protocol):
         """The executor of rank 0's shard: itself (tensor parallelism: the one beside the other ranks)."""
         ...
 
-    def replay_tokens(self, hit: int) -> int | None:
-        """The model line's replay_tokens (engine/models/decoder.py): the tokens before a prefix hit of `hit`
-        tokens recomputed to rebuild a sequence's state slot; None: a hit cannot rebuild it."""
+    @property
+    def replay_tokens(self) -> Callable[[int], int] | None:
+        """The model line's replay_tokens (engine/models/decoder.py): hit -> the tokens before a prefix hit
+        recomputed to rebuild a sequence's state slot; None: a hit cannot rebuild it."""
         ...
 
     def execute(self, batch: ModelBatch) -> StepOutput:
@@ -163,8 +164,9 @@ class ExecutorBase:
     def rank0(self) -> ExecutorBase:
         return self
 
-    def replay_tokens(self, hit: int) -> int | None:
-        return self.rank0().model.replay_tokens(hit)
+    @property
+    def replay_tokens(self) -> Callable[[int], int] | None:
+        return self.rank0().model.replay_tokens
 
     def execute(self, batch: ModelBatch) -> StepOutput:
         raise NotImplementedError

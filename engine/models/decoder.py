@@ -216,11 +216,10 @@ class DecoderLM:
         """What one sequence's state slot holds (linear-attention lines); None: no per-sequence state."""
         return None
 
-    def replay_tokens(self, hit: int) -> int | None:
-        """Tokens before a prefix-cache hit of `hit` tokens that a sequence recomputes to rebuild its state slot
-        (their KV stays as restored); None: a hit cannot rebuild this line's state (a line that keeps state then
-        caches no prefixes)."""
-        return None
+    # replay_tokens(hit): the tokens before a prefix-cache hit of `hit` tokens that a sequence recomputes to
+    # rebuild its state slot (their KV stays as restored); None: a hit cannot rebuild this line's state (a line
+    # that keeps state then caches no prefixes)
+    replay_tokens: Callable[[int], int] | None = None
 
     def kv_layout(self) -> KVLayout:
         """What one token stores in the paged KV pool: K and V of every layer's KV heads."""

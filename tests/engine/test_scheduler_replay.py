@@ -89,7 +89,6 @@ def test_replay_through_preemption():
 def test_a_line_that_cannot_replay_caches_no_prefixes():
     """Qwen3.5's kind of state (replay_tokens None): prefix caching stays off."""
     class NoReplay(ReplayFake):
-        def replay_tokens(self, hit: int) -> int | None:
-            return None
+        replay_tokens = None
     engine = make_engine(NoReplay(num_state_slots=2), max_num_seqs=2)
     assert not engine.block_manager.enable_prefix_caching
