@@ -187,7 +187,7 @@ class GpuDSV4Ops:
         """decode_attention where every sequence of the step has one query (a decode graph's steps, whose context
         has no host batch, and eager decode steps), else dsv4_attention."""
         with self.shared.stream:
-            if ctx.batch is None or getattr(ctx, "decode_only", False):
+            if ctx.batch is None or ctx.decode_only:
                 return decode_attention(x, w, spec, ctx, self)
             return dsv4_attention(x, w, spec, ctx, self)
 

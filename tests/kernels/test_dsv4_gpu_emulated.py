@@ -114,7 +114,8 @@ class EmulatedGpuExecutor(CpuExecutor):
                                   model.model.v4.experts, model.model.v4.top_k, interleave)
 
     def forward_logits(self, batch):
-        ctx = SimpleNamespace(batch=batch, input_ids=batch.input_ids, num_tokens=batch.num_tokens)
+        ctx = SimpleNamespace(batch=batch, input_ids=batch.input_ids, num_tokens=batch.num_tokens,
+                              decode_only=False)      # the host-grouped path (the device-array decode: below)
         hidden = self.model.forward(self.ops, self.weights, ctx)
         return f32(self.ops.linear(hidden, self.weights["lm_head"]))
 
