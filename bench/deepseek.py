@@ -5,12 +5,15 @@ experts or DeepSeek-V3's FP8 blocks; DeepSeek-V4's FP8 projections with FP4 expe
 dequantized to bf16), decode at batch 1 / 32 (bench/decode.py's run_batch: CUDA-graph decode, the host's share of a
 step in the JSON's host_ms / host_fraction), prompt 128, 256 steps (--steps).
 
-Rooflines (bytes read per step / the device-copy bandwidth measured in the same run): "bf16" counts what the
-engine reads as it holds the weights (every dense weight, the experts the batch's tokens route to in
-expectation under uniform routing, E·(1 - (1 - k/E)^B) per layer, and the KV rows); "stored" counts the
-same weights at their checkpoint bytes (int4 + scales, or fp8 / fp4 + scales): the bytes actually read where the
-experts are kept and the rest is stored bf16 (Kimi-K2 int4; issue 55's goal: batch 1 at >= 0.70 of it, the
-experts' memory <= 0.30 x bf16: `stored_fraction` and `experts_memory_ratio`). Writes OUT/STEM.json and
+Rooflines (bytes read per step / the device-copy bandwidth measured in the same run): "bf16" counts every weight
+at bf16 (every dense weight, the whole embedding table included, the experts the batch's tokens route to in
+expectation under uniform routing, E·(1 - (1 - k/E)^B) per layer, and the KV rows): what an engine holding
+everything in bf16 would read, the scale of the earlier figures; "stored" counts the same weights at their
+checkpoint bytes (int4 + scales, or fp8 / fp4 + scales): the bytes actually read where the experts are kept and
+the rest is stored bf16 (Kimi-K2 int4; issue 55's goal: batch 1 at >= 0.70 of it, the experts' memory <= 0.30 x
+bf16: `stored_fraction` and `experts_memory_ratio`); "held" counts what this engine reads as it holds the weights
+(held_step_bytes: kept experts packed, the rest bf16 -- V4's FP8 projections are dequantized at load -- and of
+the embedding only the batch's rows): the bytes a step of this engine must read. Writes OUT/STEM.json and
 OUT/STEM.md after each batch (STEM: deepseek, deepseek-v4 for V4).
 
     python3 bench/deepseek.py --out bench/results [--model kimi-k2|deepseek-v4-flash] [--layers 4]
@@ -48,6 +51,20 @@ def stored_step_bytes(model, stored: dict[str, int], batch: int) -> int:
     return int(sum(b * (frac if EXPERT in n else 1.0) for n, b in stored.items()))
 
 
+def held_step_bytes(model, batch: int) -> int:
+    """Weight bytes one decode step reads as the engine holds them (device_nbytes: kept experts at their packed
+    codes and scales, the rest bf16): the routed experts at the expected fraction the batch touches, of the
+    embedding only the batch's rows."""
+    from engine.executor.gpu_quant_ops import device_nbytes
+    s = model.model.expert_shape
+    frac = 1 - (1 - s.top_k / s.num_experts) ** batch
+    total = 0.0
+    for name, w in model.weights.items():
+        n = device_nbytes(w)
+        total += n * frac if ".experts_" in name else n * batch / w.shape[0] if name == "embed_tokens" else n
+    return int(total)
+
+
 FORMATS = {"kimi-k2": "int4", "deepseek-v4-flash": "fp8"}     # each model's default checkpoint format
 
 
@@ -79,11 +96,14 @@ def write_report(out: str, stem: str, meta: dict, rows: list[dict]) -> str:
              f"{meta['held_gb']:.1f} GB (bf16 {meta['bf16_gb']:.1f} GB); routed experts held "
              f"{meta['experts_memory_ratio']:.3f} x bf16; load {meta['load_s']:.0f} s, executor up "
              f"{meta['executor_s']:.0f} s", "",
-             "| batch | ms/step | tok/s | bf16 roofline ms | fraction | stored-format roofline ms | fraction | graph ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| batch | ms/step | tok/s | bf16 roofline ms | fraction | stored-format roofline ms | fraction | "
+             "held roofline ms | fraction | graph ms | host share |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['batch']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:.0f} | {r['roofline_ms']:.2f} | "
               f"{r['roofline_fraction']:.2f} | {r['stored_roofline_ms']:.2f} | {r['stored_fraction']:.2f} | "
-              f"{'-' if math.isnan(r['graph_ms']) else format(r['graph_ms'], '.2f')} |" for r in rows]
+              f"{r['held_roofline_ms']:.2f} | {r['held_fraction']:.2f} | "
+              f"{'-' if math.isnan(r['graph_ms']) else format(r['graph_ms'], '.2f')} | {r['host_fraction']:.2f} |"
+              for r in rows]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write(text)
@@ -156,6 +176,8 @@ def main() -> None:
         kv = b * (a.prompt + a.steps / 2) * model.model.kv_layout().token_values * 2
         r["stored_roofline_ms"] = (stored_step_bytes(model, stored, b) + kv) / bw * 1e3
         r["stored_fraction"] = r["stored_roofline_ms"] / r["ms_per_step"]
+        r["held_roofline_ms"] = (held_step_bytes(model, b) + kv) / bw * 1e3
+        r["held_fraction"] = r["held_roofline_ms"] / r["ms_per_step"]
         r["bf16_weight_gb_per_step"] = step_weight_bytes(model, b) / 1e9
         rows.append(r)
         print(f"[{a.model}] {json.dumps(r)}", flush=True)
