@@ -181,18 +181,18 @@ def graph_replay_ms(ex, batch: int, replays: int = 20, graphs=None) -> float:
     return float(np.median(times))
 
 
-def op_breakdown(ex, cfg, bw: float) -> list[dict]:
+def op_breakdown(ex, cfg, bw: float, depths: int = 1) -> list[dict]:
     """Time each op of one eager batch-1 decode step with CUDA events (bench/op_timer.py: the ops the
-    model code calls, the ones they compose left out)."""
+    model code calls; with depths > 1 also the ones they compose, nested one level per depth)."""
     from bench.op_timer import time_ops
 
     pos = min(128, ex.max_model_len - 1)
     seq = SeqStep(seq_id=0, token_ids=[5], start_pos=pos, block_table=list(range(pos // BLOCK_SIZE + 1)),
                   sample=True, params=GREEDY, state_slot=0)
-    rows = [r for r in time_ops(ex, lambda: ex.execute_eager(ModelBatch.build([seq]))) if r.depth == 0]
-    return [dict(op=r.op, calls=r.calls, ms=r.ms, weight_bytes=r.weight_bytes,
+    rows = [r for r in time_ops(ex, lambda: ex.execute_eager(ModelBatch.build([seq]))) if r.depth < depths]
+    return [dict(op=r.op, depth=r.depth, calls=r.calls, ms=r.ms, weight_bytes=r.weight_bytes,
                  roofline_fraction=(r.weight_bytes / bw * 1e3 / r.ms) if r.weight_bytes and r.ms else None)
-            for r in sorted(rows, key=lambda r: -r.ms)]
+            for r in sorted(rows, key=lambda r: (r.depth, -r.ms))]
 
 
 def random_weights_folder(name: str, layers: int | None = None, root: str = "/tmp") -> str:

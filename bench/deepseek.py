@@ -17,7 +17,7 @@ the embedding only the batch's rows): the bytes a step of this engine must read.
 OUT/STEM.md after each batch (STEM: deepseek, deepseek-v4 for V4).
 
     python3 bench/deepseek.py --out bench/results [--model kimi-k2|deepseek-v4-flash] [--layers 4]
-        [--format int4|fp8] [--batches 1,32] [--write-only] [--sizes]
+        [--format int4|fp8] [--batches 1,32] [--op-times] [--write-only] [--sizes]
 
 Sizes (kimi-k2, 4 layers = 1 dense + 3 MoE): 54.0 G parameters (each MoE layer 16.9 G, embedding and
 lm_head 1.17 G each); stored ~35 GB int4 / ~57 GB fp8 (use --layers 3 for fp8 on a 64 GB disk); dequantized
@@ -39,7 +39,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.decode import BLOCK_SIZE, config_path, copy_bandwidth, run_batch, step_weight_bytes  # noqa: E402
+from bench.decode import (BLOCK_SIZE, config_path, copy_bandwidth, op_breakdown, run_batch,  # noqa: E402
+                          step_weight_bytes)
 from bench.deepseek_weights import EXPERT, planned_bytes, write_random_quantized  # noqa: E402
 
 
@@ -84,6 +85,17 @@ def sizes_line(model_name: str, config: str, fmt: str) -> str:
             f"{experts / 1e9:.2f} G); stored {stored / 1e9:.2f} GB {fmt}; bf16 {2 * params / 1e9:.2f} GB")
 
 
+def op_table(ops: list[dict]) -> list[str]:
+    """The op times of one eager batch-1 step (bench/decode.py's op_breakdown) as markdown lines: the ops the
+    model code calls, then (depth 1) the ones they compose."""
+    if not ops:
+        return []
+    lines = ["", "One eager batch-1 decode step by op (CUDA events; depth 1: inside a depth-0 op):", "",
+             "| op | depth | calls | ms | weight roofline fraction |", "| --- | --- | --- | --- | --- |"]
+    return lines + [f"| {o['op']} | {o['depth']} | {o['calls']} | {o['ms']:.3f} | "
+                    f"{'-' if o['roofline_fraction'] is None else format(o['roofline_fraction'], '.2f')} |" for o in ops]
+
+
 def write_report(out: str, stem: str, meta: dict, rows: list[dict]) -> str:
     """OUT/STEM.json and OUT/STEM.md of the rows so far; returns the markdown."""
     os.makedirs(out, exist_ok=True)
@@ -104,6 +116,7 @@ def write_report(out: str, stem: str, meta: dict, rows: list[dict]) -> str:
               f"{r['held_roofline_ms']:.2f} | {r['held_fraction']:.2f} | "
               f"{'-' if math.isnan(r['graph_ms']) else format(r['graph_ms'], '.2f')} | {r['host_fraction']:.2f} |"
               for r in rows]
+    lines += op_table(meta.get("op_times") or [])
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write(text)
@@ -122,6 +135,7 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     p.add_argument("--stem", default=None, help="output names STEM.json / STEM.md (default deepseek, deepseek-v4)")
     p.add_argument("--write-only", action="store_true", help="only write the checkpoint (reused by a later run)")
+    p.add_argument("--op-times", action="store_true", help="also time one eager batch-1 step op by op")
     p.add_argument("--sizes", action="store_true", help="only print the checkpoint's sizes (no GPU, nothing written)")
     a = p.parse_args()
     fmt = a.format or FORMATS[a.model]
@@ -181,6 +195,9 @@ def main() -> None:
         r["bf16_weight_gb_per_step"] = step_weight_bytes(model, b) / 1e9
         rows.append(r)
         print(f"[{a.model}] {json.dumps(r)}", flush=True)
+        text = write_report(a.out, stem, meta, rows)
+    if a.op_times:
+        meta["op_times"] = op_breakdown(ex, None, bw, depths=2)
         text = write_report(a.out, stem, meta, rows)
     ex.close()
     print(text)

@@ -12,8 +12,12 @@
 #   bash bench/deepseek_gpu_check.sh v4write   DeepSeek-V4-Flash real width, $DSV4_LAYERS layers (default 4: sliding,
 #                                              sliding, compressed-sparse, heavily-compressed), random checkpoint in
 #                                              its format (FP8 projections, FP4 experts; 16.4 GB at 4 layers)
-#   bash bench/deepseek_gpu_check.sh v4bench   bench/deepseek.py on it: eager decode batch 1 / 32 (prompt 128,
-#                                              $DSV4_STEPS steps, default 256) -> $OUT/deepseek-v4.md/.json
+#   bash bench/deepseek_gpu_check.sh v4bench   bench/deepseek.py on it: CUDA-graph decode batch 1 / 32 (prompt 128,
+#                                              $DSV4_STEPS steps, default 256) and one eager step op by op
+#                                              -> $OUT/deepseek-v4.md/.json
+#   bash bench/deepseek_gpu_check.sh v4serve   `openinfer serve` of that checkpoint under bench/serve.py (random
+#                                              1024/128, c1 and rate inf, $DSV4_SCALE of the prompts, default 0.25;
+#                                              the folder's word-level tokenizer of the model's 129,280 ids)
 set -uo pipefail
 source bench/gpu_env.sh
 PYTEST=(python3 -m pytest -q -s -rfE -p no:cacheprovider)
@@ -25,6 +29,9 @@ case "${1:-tests}" in
   bench) step dsv3_bench 560 python3 bench/deepseek.py "${ARGS[@]}"; cat "$OUT/deepseek.md" 2>/dev/null ;;
   v4tests) step dsv4_gpu_tests 560 "${PYTEST[@]}" tests/gpu/test_gpu_dsv4_hc.py tests/gpu/test_gpu_dsv4.py ;;
   v4write) step dsv4_write 560 python3 bench/deepseek.py "${V4ARGS[@]}" --write-only ;;
-  v4bench) step dsv4_bench 560 python3 bench/deepseek.py "${V4ARGS[@]}"; cat "$OUT/deepseek-v4.md" 2>/dev/null ;;
+  v4bench) step dsv4_bench 560 python3 bench/deepseek.py "${V4ARGS[@]}" --op-times; cat "$OUT/deepseek-v4.md" 2>/dev/null ;;
+  v4serve) V4=/tmp/deepseek-v4-flash-L${DSV4_LAYERS:-4}-fp8
+           step dsv4_serve 560 python3 bench/serve_gpu.py --models deepseek-v4-flash --folder "$V4" --tokenizer "$V4" \
+             --scenarios c1,inf --scale "${DSV4_SCALE:-0.25}" --out-dir "$OUT/deepseek-v4-serve" ;;
 esac
 exit $status

@@ -201,6 +201,23 @@ def quantization_config(model_type: str, fmt: str) -> dict:
     raise ValueError(f"unknown checkpoint format {fmt!r} (int4, fp8)")
 
 
+def write_word_tokenizer(out_dir: str, vocab: int) -> None:
+    """A word-level tokenizer of exactly `vocab` ids ("<unk>", "<eos>", then "w2".."w{vocab-1}", split on
+    whitespace) into out_dir: text a serving benchmark sends to a random checkpoint whose real tokenizer is not
+    at hand encodes only to ids the embedding holds."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    words = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab)}}
+    tok = Tokenizer(WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.add_special_tokens(["<unk>", "<eos>"])
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<eos>", "unk_token": "<unk>", "model_max_length": 1 << 20}, f)
+
+
 def write_random_quantized(config_path: str, out_dir: str, fmt: str, seed: int = 0,
                            device: str = "cuda") -> dict[str, int]:
     """Write (once: reused when out_dir is complete) a random checkpoint of the config in `fmt`."""
@@ -243,8 +260,10 @@ def write_random_quantized(config_path: str, out_dir: str, fmt: str, seed: int =
         del tensors
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    folder = tokenizer_source()[0]
-    for f in ("tokenizer.json", "tokenizer_config.json"):
+    folder, rows = tokenizer_source()[:2]
+    if rows > model.config.vocab_size:       # its ids would pass the embedding's rows (V4: 129,280 < Qwen's)
+        write_word_tokenizer(out_dir, model.config.vocab_size)
+    for f in ("tokenizer.json", "tokenizer_config.json") if rows <= model.config.vocab_size else ():
         if os.path.isfile(os.path.join(folder, f)):
             shutil.copy(os.path.join(folder, f), out_dir)
     with open(sizes_path, "w") as f:

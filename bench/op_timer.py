@@ -9,7 +9,10 @@ from dataclasses import dataclass, field
 OPS = ("embed", "rms_norm", "linear", "qkv_rope_cache", "attention", "silu_mul", "gather_rows", "add",
        "norm_linear", "add_linear", "add_linear_norm", "norm_swiglu", "rope_attention", "moe.route", "moe.experts",
        "mla.latent_cache", "mla.attention", "mla.latent_attention", "deltanet.causal_conv1d",
-       "deltanet.gated_delta_rule", "deltanet.gated_rms_norm", "deltanet.sigmoid_gate")
+       "deltanet.gated_delta_rule", "deltanet.gated_rms_norm", "deltanet.sigmoid_gate",
+       "dsv4.hyper_connection", "dsv4.hc_merge", "dsv4.hyper_head", "dsv4.attention", "dsv4.hash_route",
+       "dsv4.swiglu_limited", "dsv4.grouped_linear", "dsv4.compress_windows", "dsv4.store_ring",
+       "dsv4.indexer_topk", "dsv4.sparse_decode", "dsv4.store_rows")
 # the weight argument of the ops that multiply by one (its bytes: the op's read roofline and its FLOPs)
 WEIGHT_ARG = {"linear": 1, "add_linear": 1, "add_linear_norm": 1, "norm_linear": 3, "norm_swiglu": 3}
 
