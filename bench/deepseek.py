@@ -17,7 +17,7 @@ the embedding only the batch's rows): the bytes a step of this engine must read.
 OUT/STEM.md after each batch (STEM: deepseek, deepseek-v4 for V4).
 
     python3 bench/deepseek.py --out bench/results [--model kimi-k2|deepseek-v4-flash] [--layers 4]
-        [--format int4|fp8] [--batches 1,32] [--op-times] [--write-only] [--sizes]
+        [--format int4|fp8] [--batches 1,32] [--op-times] [--eager] [--write-only] [--sizes]
 
 Sizes (kimi-k2, 4 layers = 1 dense + 3 MoE): 54.0 G parameters (each MoE layer 16.9 G, embedding and
 lm_head 1.17 G each); stored ~35 GB int4 / ~57 GB fp8 (use --layers 3 for fp8 on a 64 GB disk); dequantized
@@ -136,6 +136,7 @@ def main() -> None:
     p.add_argument("--stem", default=None, help="output names STEM.json / STEM.md (default deepseek, deepseek-v4)")
     p.add_argument("--write-only", action="store_true", help="only write the checkpoint (reused by a later run)")
     p.add_argument("--op-times", action="store_true", help="also time one eager batch-1 step op by op")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (a quick --op-times run: no capture)")
     p.add_argument("--sizes", action="store_true", help="only print the checkpoint's sizes (no GPU, nothing written)")
     a = p.parse_args()
     fmt = a.format or FORMATS[a.model]
@@ -174,7 +175,8 @@ def main() -> None:
     per_seq = -(-(a.prompt + a.steps + 1) // BLOCK_SIZE)
     t = time.perf_counter()
     ex = GpuExecutor(model, options_of(num_kv_blocks=max(batches) * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
-                                       max_num_batched_tokens=2048, max_num_seqs=max(batches), progress=False))
+                                       max_num_batched_tokens=2048, max_num_seqs=max(batches), progress=False,
+                                       cuda_graphs=not a.eager))
     executor_s = time.perf_counter() - t
     graphs = getattr(ex, "graphs", None) is not None
     print(f"[{a.model}] executor up in {executor_s:.1f}s; {ex.gemm.describe()}; "
