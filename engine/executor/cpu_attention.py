@@ -7,7 +7,11 @@ at a time (STAGE_BYTES: a core's L2) into a buffer reused by every call, and the
 there, each kv head's keys a [tokens, D] operand of row stride Hkv·D that BLAS takes in place:
 scores[h] = K[h] @ Q[h]^T for the kv head's G query heads at once (GQA: query head h·G + g reads kv head
 h), and out[h] += P[h] @ V[h] over the groups. So a step costs about one read of its context, plus the
-products.
+products. The scores (context-sized: [Hkv, L, G·n] as the products write them, then transposed for the
+softmax's reductions along the keys) live in one buffer reused by every call too: fresh arrays of that size
+are mapped and page-faulted anew each call wherever malloc serves them by mmap (glibc does until a freed one
+raises its threshold: it depends on the process's history), at 8k tokens a 4-token chunk's two 1.15 MB
+arrays, ~560 faults a layer, a third of its attention's CPU time.
 """
 from __future__ import annotations
 
@@ -16,13 +20,27 @@ import numpy as np
 from memory.kv_pool import BLOCK_SIZE
 
 STAGE_BYTES = 512 * 1024      # one staged group of blocks (K or V, every kv head)
+SCORES_KEEP_BYTES = 64 << 20  # a call's scores up to this size come from the kept buffer (larger: a new array)
 
 
 class PagedAttention:
-    """The staging buffer (one per (Hkv, D) shape) and the attention over it."""
+    """The staging buffer (one per (Hkv, D) shape), the scores' buffer and the attention over them."""
 
     def __init__(self) -> None:
         self._stages: dict[tuple[int, int], np.ndarray] = {}
+        self._scores = np.empty(0, np.float32)
+
+    def _scores_pair(self, heads: int, keys: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Two float32 arrays, [heads, keys, rows] and [heads, rows, keys], views of the kept buffer (grown
+        as needed) unless they pass SCORES_KEEP_BYTES together."""
+        size = heads * keys * rows
+        if 2 * size * 4 > SCORES_KEEP_BYTES:
+            flat = np.empty(2 * size, np.float32)
+        else:
+            if self._scores.size < 2 * size:
+                self._scores = np.empty(2 * size, np.float32)
+            flat = self._scores
+        return flat[:size].reshape(heads, keys, rows), flat[size:2 * size].reshape(heads, rows, keys)
 
     def _stage(self, heads: int, dim: int) -> np.ndarray:
         key = (heads, dim)
@@ -57,10 +75,10 @@ class PagedAttention:
         G = Hq // Hkv
         # rows g·n + t of kv head h: query head h·G + g at token t; the scale on q (n·D products, not n·L)
         qs = (q * np.float32(scale)).reshape(n, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * n, D)
-        scores_t = np.empty((Hkv, L, G * n), np.float32)
+        scores_t, scores = self._scores_pair(Hkv, L, G * n)
         for t0, k in self._groups(k_plane, blocks, L, kv_scales[0]):
             np.matmul(k.transpose(1, 0, 2), qs.transpose(0, 2, 1), out=scores_t[:, t0:t0 + len(k)])
-        scores = np.ascontiguousarray(scores_t.transpose(0, 2, 1))           # [Hkv, G·n, L]
+        np.copyto(scores, scores_t.transpose(0, 2, 1))                     # [Hkv, G·n, L]
         qpos = np.tile(positions, G)
         first = int(qpos.min())
         if first + 1 < L:       # the causal mask, on the keys from the chunk's first position on

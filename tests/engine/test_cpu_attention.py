@@ -36,3 +36,21 @@ def test_attention_matches_definition(Hq, Hkv, D, L, n, monkeypatch):
     got = PagedAttention().attend(q, k_plane, v_plane, blocks, L, positions, D ** -0.5)
     assert got.dtype == np.float32 and got.shape == (n, Hq, D)
     np.testing.assert_allclose(got, oracle(q, k_plane, v_plane, blocks, L, positions, D ** -0.5), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("keep_bytes", [0, 64 << 20])
+def test_scores_buffer_reused_across_shapes(keep_bytes, monkeypatch):
+    """One PagedAttention over calls of growing and shrinking shapes (the kept scores buffer grows, then serves
+    smaller calls from its start), or with nothing kept (a new array a call): each call as the definition."""
+    monkeypatch.setattr(cpu_attention, "SCORES_KEEP_BYTES", keep_bytes)
+    rng = np.random.default_rng(7)
+    Hq, Hkv, D = 6, 2, 16
+    k_plane, v_plane = (rng.standard_normal((40, BLOCK_SIZE, Hkv, D), dtype=np.float32) for _ in range(2))
+    paged = PagedAttention()
+    for L, n in [(40, 3), (500, 8), (17, 1), (300, 30)]:
+        blocks = rng.permutation(40)[:-(-L // BLOCK_SIZE)]
+        q = rng.standard_normal((n, Hq, D), dtype=np.float32)
+        positions = np.arange(L - n, L)
+        got = paged.attend(q, k_plane, v_plane, blocks, L, positions, D ** -0.5)
+        np.testing.assert_allclose(got, oracle(q, k_plane, v_plane, blocks, L, positions, D ** -0.5), atol=2e-6,
+                                   rtol=1e-5)
