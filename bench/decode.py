@@ -77,16 +77,21 @@ def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 10) -> float:
     return 2 * nbytes / t
 
 
+def routed_fraction(model, batch: int) -> float:
+    """The expected fraction of a layer's routed experts a decode step of `batch` tokens touches under uniform
+    routing: 1 - (1 - k/E)^B."""
+    shape = model.model.expert_shape
+    return 1 - (1 - shape.top_k / shape.num_experts) ** batch
+
+
 def step_weight_bytes(model, batch: int) -> int:
     """bf16 weight bytes one decode step of `batch` sequences reads: every weight of a dense line; on an MoE
     line the experts' only for the expected distinct experts the batch routes to (uniform routing)."""
     total = sum(int(a.size) * 2 for a in model.weights.values())
-    shape = model.model.expert_shape
-    if shape is None:
+    if model.model.expert_shape is None:
         return total
     experts = sum(int(a.size) * 2 for n, a in model.weights.items() if ".experts_" in n)
-    E, k = shape.num_experts, shape.top_k
-    return int(total - experts + experts * (1 - (1 - k / E) ** batch))
+    return int(total - experts + experts * routed_fraction(model, batch))
 
 
 def hf_decode_ms(hf, batch: int, prompt: int, steps: int, vocab: int = 150000) -> float:

@@ -39,16 +39,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.decode import (BLOCK_SIZE, config_path, copy_bandwidth, op_breakdown, run_batch,  # noqa: E402
-                          step_weight_bytes)
+from bench.decode import (BLOCK_SIZE, config_path, copy_bandwidth, op_breakdown, routed_fraction,  # noqa: E402
+                          run_batch, step_weight_bytes)
 from bench.deepseek_weights import EXPERT, planned_bytes, write_random_quantized  # noqa: E402
 
 
 def stored_step_bytes(model, stored: dict[str, int], batch: int) -> int:
     """Checkpoint bytes one decode step reads if kept as stored: dense tensors whole, the experts' at the
     expected fraction the batch routes to."""
-    s = model.model.expert_shape
-    frac = 1 - (1 - s.top_k / s.num_experts) ** batch
+    frac = routed_fraction(model, batch)
     return int(sum(b * (frac if EXPERT in n else 1.0) for n, b in stored.items()))
 
 
@@ -57,8 +56,7 @@ def held_step_bytes(model, batch: int) -> int:
     codes and scales, the rest bf16): the routed experts at the expected fraction the batch touches, of the
     embedding only the batch's rows."""
     from engine.executor.gpu_quant_ops import device_nbytes
-    s = model.model.expert_shape
-    frac = 1 - (1 - s.top_k / s.num_experts) ** batch
+    frac = routed_fraction(model, batch)
     total = 0.0
     for name, w in model.weights.items():
         n = device_nbytes(w)
