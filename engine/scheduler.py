@@ -34,12 +34,12 @@ from typing import Callable
 from engine.batch import SeqStep
 from engine.host_tier import HostTier
 from engine.limits import StepLimits
+from engine.seq_state import SequenceState
 from engine.sequence import Sequence, SeqStatus
 from engine.step_budget import MIN_PREFILL, StepBudget, StepCost
 from memory.block_manager import BlockManager
 from memory.kv_pool import BLOCK_SIZE, blocks_for
 from memory.prefix_hash import NO_PARENT, RecentChains
-from engine.seq_state import SequenceState
 from memory.state_slots import StateSlots
 
 

@@ -105,9 +105,10 @@ def close_entries(slots, pos: np.ndarray, w, spec, inputs, first_row: np.ndarray
                   ring_slots: np.ndarray, p: "DSV4Primitives") -> None:
     """The entries (and indexer keys) of the windows this step's tokens close (position + 1 a multiple of the
     rate), computed once from the window's compressor inputs (and, CSA, the previous window's: window_inputs) and
-    stored in the closing token's row (entry_columns). slots, pos: the group's KV slots and positions [G, Q] on the host, -1 for padding (a slot -1, a replayed position, closes
-    no window: its entry is stored); inputs [T, ring_width]: the step's compressor inputs; first_row, start,
-    ring_slots [G]: each sequence's first row and position in the step and its state slot."""
+    stored in the closing token's row (entry_columns). slots, pos: the group's KV slots and positions [G, Q] on
+    the host, -1 for padding (a slot -1, a replayed position, closes no window: its entry is stored); inputs
+    [T, ring_width]: the step's compressor inputs; first_row, start, ring_slots [G]: each sequence's first row and
+    position in the step and its state slot."""
     g, q = np.nonzero((slots >= 0) & (pos >= 0) & ((pos + 1) % spec.rate == 0))
     if not len(g):
         return

@@ -286,13 +286,13 @@ class DeepseekV4ForCausalLM(DecoderLM):
         layer. The input of position p of the sequence in slot s: state[ring][ring_index, s, p % ring_len]."""
         arrays = []
         for name in RINGS:
-            specs = [s for s in self.attention_specs if s.ring == name and s.rate]
+            specs = [s for s in self.attention_specs if s.ring == name]
             if specs:
                 layers = 1 + max(s.ring_index for s in specs)
                 arrays.append(StateArray(name, layers, (specs[0].ring_len, specs[0].ring_width), ACTIVATION))
         return StateLayout(tuple(arrays)) if arrays else None
 
-    def replay_tokens(self, hit: int) -> int | None:
+    def replay_tokens(self, hit: int) -> int:
         """The cached tokens a prefix hit of `hit` tokens recomputes to rebuild the rings: on each compressed
         layer the window still open at the hit and, with overlap, the one before it (whose first series the next
         entry reads); their K rows and the closed windows' entries stay the restored blocks'."""
