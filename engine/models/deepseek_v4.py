@@ -286,7 +286,7 @@ class DeepseekV4ForCausalLM(DecoderLM):
         layer. The input of position p of the sequence in slot s: state[ring][ring_index, s, p % ring_len]."""
         arrays = []
         for name in RINGS:
-            specs = [s for s in self.attention_specs if s.ring == name]
+            specs = [s for s in self.attention_specs if s.ring == name and s.rate]
             if specs:
                 layers = 1 + max(s.ring_index for s in specs)
                 arrays.append(StateArray(name, layers, (specs[0].ring_len, specs[0].ring_width), ACTIVATION))
