@@ -72,7 +72,7 @@ class EngineLoop:
         self.max_model_len = max_model_len = limits.max_model_len
         slots = StateSlots(executor.num_state_slots) if executor.num_state_slots else None
         # a line whose state a prefix hit rebuilds by recomputing its last tokens (DeepSeek-V4's compressor rings)
-        replay = executor.replay_tokens
+        replay = executor.replay_tokens if slots is not None else None     # asked only of a line with state
         self.block_manager = BlockManager(executor.num_kv_blocks, prefix_caching(options, slots, replay))
         host = host_slots(executor, options.host_kv_blocks)
         # subscribed before the host tier: an eviction is recorded before the host-tier store it causes
