@@ -326,6 +326,7 @@ class EngineLoop:
                                        f"expected {sum(s.sample for s in out.steps)}")
             except Exception as e:  # a broken step fails its requests, not the engine
                 log.exception("engine step failed")
+                self.executor.discard_step_times()
                 outputs.emit_deferred()
                 failed = {seq.request_id for seq in out.seqs}
                 if self._inflight is not None:      # the step queued behind it ran on the same inputs

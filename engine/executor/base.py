@@ -126,6 +126,11 @@ class Executor(Protocol):
         """Device time of the last step (after its result()), or None where steps are not timed."""
         ...
 
+    def discard_step_times(self) -> None:
+        """The steps launched and not yet read failed: their timings are never asked for (last_gpu_ms then
+        answers for the next step launched)."""
+        ...
+
     def set_lora(self, slot: int, adapter) -> None:
         """Load a LoRA adapter (engine/lora.py LoRAAdapter) into slot < options.max_loras (None: empty
         it), ordered after the steps already launched and before the next."""
@@ -195,6 +200,9 @@ class ExecutorBase:
     def last_gpu_ms(self) -> float | None:
         """Device time of the last step, where the executor times steps (options.time_steps)."""
         return None
+
+    def discard_step_times(self) -> None:
+        pass
 
     def warm_up(self) -> bool:
         """One piece of warm-up work (a CUDA graph capture); False when nothing is left."""

@@ -440,6 +440,10 @@ class GpuExecutor(ExecutorBase):
         """GPU time of the last step (options.time_steps; read after its result())."""
         return None if self.timer is None else self.timer.elapsed_ms()
 
+    def discard_step_times(self) -> None:
+        if self.timer is not None:
+            self.timer.pairs.clear()
+
     def launch_eager(self, batch: ModelBatch) -> PendingStep:
         """One step with per-kernel launches (prefill, mixed and verify steps; decode where graphs are off).
         Sampled rows with no logit processing run the decode graphs' sampling kernels (grammar rows: the

@@ -100,6 +100,9 @@ class TensorParallelExecutor(ExecutorBase):
     def last_gpu_ms(self) -> float | None:
         return self.local.last_gpu_ms()
 
+    def discard_step_times(self) -> None:
+        self.local.discard_step_times()
+
     def set_lora(self, slot: int, adapter) -> None:
         raise RuntimeError("LoRA adapters are not sharded across tensor-parallel ranks")
 

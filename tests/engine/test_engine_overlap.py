@@ -484,3 +484,55 @@ def test_a_prompt_chunked_over_several_steps_is_queued_ahead_chunk_by_chunk():
     assert len(chunked) >= 3
     sync = run(FakeExecutor(), reqs, max_num_batched_tokens=16)
     assert client_view(x) == sync["x"] and client_view(long) == sync["long"]
+
+
+def test_a_failed_step_leaves_no_stale_timing_for_the_steps_after_it(tmp_path):
+    """Steps timed in launch order (the GPU executor's CUDA-event pairs): a step whose result raises is never read,
+    so the engine discards the timings in flight; each later trace row reads its own step's, and every request
+    after the failure completes."""
+    import collections
+    import json
+
+    class TimedFailOnce(AsyncFakeExecutor):
+        failed = False
+
+        def __init__(self):
+            super().__init__()
+            self.timings, self.launched, self.last_read = collections.deque(), 0, None
+
+        def submit(self, batch, fed: bool = False):
+            self.launched += 1
+            self.timings.append(float(self.launched))
+            step, label = super().submit(batch, fed), float(self.launched)
+            result = step.result
+
+            def read():
+                if not self.failed and self.launched >= 4:
+                    self.failed = True
+                    raise RuntimeError("injected step failure")
+                self.last_read = label
+                return result()
+            step.result = read
+            return step
+
+        def last_gpu_ms(self):
+            got = self.timings.popleft()
+            assert got == self.last_read, f"read step {got}'s timing for step {self.last_read}"
+            return got
+
+        def discard_step_times(self):
+            self.timings.clear()
+
+    ex = TimedFailOnce()
+    engine = make_engine(ex, step_trace=str(tmp_path / "steps.jsonl"))
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    first = submit(engine, GenerateRequest("first", [5, 6, 7], SamplingParams(max_tokens=30, **greedy)))
+    for _ in range(6):
+        engine.step()
+    later = submit(engine, GenerateRequest("later", [8, 9], SamplingParams(max_tokens=12, **greedy)))
+    run_until_idle(engine)
+    engine.trace.close()
+    assert ex.failed and isinstance(first[-2], Error)
+    assert isinstance(later[-2], Finished) and sum(isinstance(e, Token) for e in later) == 12
+    rows = [json.loads(line) for line in open(tmp_path / "steps.jsonl")]
+    assert len(rows) >= 12 and all(r["gpu_ms"] is not None for r in rows)
