@@ -39,8 +39,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.decode import (BLOCK_SIZE, config_path, copy_bandwidth, op_breakdown, routed_fraction,  # noqa: E402
-                          run_batch, step_weight_bytes)
+from bench.decode import (BLOCK_SIZE, GREEDY, config_path, copy_bandwidth, op_breakdown,  # noqa: E402
+                          routed_fraction, run_batch, step_weight_bytes)
 from bench.deepseek_weights import EXPERT, planned_bytes, write_random_quantized  # noqa: E402
 
 
@@ -83,6 +83,31 @@ def sizes_line(model_name: str, config: str, fmt: str) -> str:
             f"{experts / 1e9:.2f} G); stored {stored / 1e9:.2f} GB {fmt}; bf16 {2 * params / 1e9:.2f} GB")
 
 
+def prefill_memory(ex, vocab: int, shapes: list[tuple[int, int]]) -> list[dict]:
+    """Each prefill shape (sequences, tokens each) as one eager step from an emptied CuPy pool: its wall time and
+    the pool's bytes after it (freed blocks stay cached there: the step's peak, fragmentation included) against
+    what the ops declare and the executor leaves free for them (ops_class.pool_nbytes of the plan)."""
+    import cupy
+    import numpy as np
+
+    from engine.batch import ModelBatch, SeqStep
+
+    pool, rng, rows = cupy.get_default_memory_pool(), np.random.default_rng(0), []
+    for seqs, tokens in shapes:
+        per_seq = -(-(tokens + 1) // BLOCK_SIZE)
+        steps = [SeqStep(seq_id=j, token_ids=rng.integers(0, vocab - 1000, tokens).tolist(), start_pos=0,
+                         block_table=list(range(j * per_seq, (j + 1) * per_seq)), sample=True, params=GREEDY,
+                         prompt_len=tokens, state_slot=j) for j in range(seqs)]
+        ex.stream.synchronize()
+        pool.free_all_blocks()
+        held, t = pool.used_bytes(), time.perf_counter()
+        ex.execute(ModelBatch.build(steps))
+        rows.append(dict(seqs=seqs, tokens=tokens, ms=(time.perf_counter() - t) * 1e3, held_before_gib=held / 2**30,
+                         pool_gib=pool.total_bytes() / 2**30, declared_gib=ex.ops_class.pool_nbytes(ex.plan) / 2**30))
+        print(f"[prefill memory] {json.dumps(rows[-1])}", flush=True)
+    return rows
+
+
 def op_table(ops: list[dict]) -> list[str]:
     """The op times of one eager batch-1 step (bench/decode.py's op_breakdown) as markdown lines: the ops the
     model code calls, then (depth 1) the ones they compose."""
@@ -115,6 +140,12 @@ def write_report(out: str, stem: str, meta: dict, rows: list[dict]) -> str:
               f"{'-' if math.isnan(r['graph_ms']) else format(r['graph_ms'], '.2f')} | {r['host_fraction']:.2f} |"
               for r in rows]
     lines += op_table(meta.get("op_times") or [])
+    if meta.get("prefill_memory"):
+        lines += ["", "Eager prefill steps from an emptied CuPy pool (its bytes after the step: the peak) against what "
+                  "the executor leaves outside its arena for them (GpuOps.pool_nbytes):", "",
+                  "| sequences x tokens | step ms | pool GiB | declared GiB |", "| --- | --- | --- | --- |"]
+        lines += [f"| {r['seqs']} x {r['tokens']} | {r['ms']:.0f} | {r['pool_gib']:.2f} | {r['declared_gib']:.2f} |"
+                  for r in meta["prefill_memory"]]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write(text)
@@ -135,6 +166,9 @@ def main() -> None:
     p.add_argument("--write-only", action="store_true", help="only write the checkpoint (reused by a later run)")
     p.add_argument("--op-times", action="store_true", help="also time one eager batch-1 step op by op")
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (a quick --op-times run: no capture)")
+    p.add_argument("--max-tokens", type=int, default=2048, help="the executor's max_num_batched_tokens")
+    p.add_argument("--prefill-memory", default="", help="prefill shapes SEQSxTOKENS,.. (e.g. 8x1024,1x8192): each "
+                   "one eager step, its CuPy pool peak against GpuOps.pool_nbytes (within --max-tokens)")
     p.add_argument("--sizes", action="store_true", help="only print the checkpoint's sizes (no GPU, nothing written)")
     a = p.parse_args()
     fmt = a.format or FORMATS[a.model]
@@ -152,7 +186,8 @@ def main() -> None:
     from engine.models.quant_experts import Fp8Experts, W4Experts
     KEPT_EXPERTS = (Fp8Experts, W4Experts)
 
-    batches = [int(b) for b in a.batches.split(",")]
+    batches = [int(b) for b in a.batches.split(",") if b]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.prefill_memory.split(",") if s]
     folder = f"/tmp/{a.model}-L{a.layers}-{fmt}"
     t = time.perf_counter()
     stored = write_random_quantized(config, folder, fmt)
@@ -171,9 +206,12 @@ def main() -> None:
           f"{len(kept)} expert weights kept, {experts_ratio:.3f} x bf16", flush=True)
     bw = copy_bandwidth()
     per_seq = -(-(a.prompt + a.steps + 1) // BLOCK_SIZE)
+    blocks = max([b * per_seq for b in batches] + [s * -(-(n + 1) // BLOCK_SIZE) for s, n in shapes])
+    longest = max([per_seq * BLOCK_SIZE] + [n + BLOCK_SIZE for _, n in shapes])
     t = time.perf_counter()
-    ex = GpuExecutor(model, options_of(num_kv_blocks=max(batches) * per_seq + 16, max_model_len=per_seq * BLOCK_SIZE,
-                                       max_num_batched_tokens=2048, max_num_seqs=max(batches), progress=False,
+    ex = GpuExecutor(model, options_of(num_kv_blocks=blocks + 16, max_model_len=longest,
+                                       max_num_batched_tokens=a.max_tokens,
+                                       max_num_seqs=max(batches + [s for s, _ in shapes]), progress=False,
                                        cuda_graphs=not a.eager))
     executor_s = time.perf_counter() - t
     graphs = getattr(ex, "graphs", None) is not None
@@ -183,7 +221,10 @@ def main() -> None:
                 executor_s=executor_s, stored_gb=sum(stored.values()) / 1e9, bf16_gb=weight_bytes / 1e9,
                 held_gb=held / 1e9, experts_memory_ratio=experts_ratio,
                 prompt=a.prompt, steps=a.steps, graphs=graphs)
-    rows = []
+    rows, text = [], ""
+    if shapes:
+        meta["prefill_memory"] = prefill_memory(ex, model.config.vocab_size, shapes)
+        text = write_report(a.out, stem, meta, rows)
     for b in batches:        # the report is rewritten after each batch: a cut-off run keeps what it measured
         r = run_batch(ex, model, b, a.prompt, a.steps, bw)
         r.pop("first_tokens")

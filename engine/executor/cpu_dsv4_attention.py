@@ -36,6 +36,9 @@ from engine.executor.cpu_dsv4_ops import (argsort_stable, grouped_linear, hash_r
 from memory.kv_pool import BLOCK_SIZE
 
 CONTEXT_ROWS_PER_GROUP = 1 << 15     # padded context rows attended together (~0.4 GB float32 at V4-Flash's width)
+# query-key pairs a prompt's query chunk attends at once: its scores [Q, heads, keys] float32 are pairs · heads · 4
+# bytes (V4-Flash's 64 heads: 256 MiB; sink_attention holds ~4 such), whatever the step's prompt length
+QUERY_KEY_PAIRS = 1 << 20
 
 
 def cos_sin(positions, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -185,6 +188,24 @@ def attention_groups(q_lens: np.ndarray, ctx_lens: np.ndarray, max_rows: int) ->
     return groups + [[int(i)] for i in np.flatnonzero(q_lens != 1)]
 
 
+def chunk_queries(ctx_len: int, spec, pairs: int) -> int:
+    """The most queries of one sequence attended at once within `pairs` query-key pairs: Q queries see Q + window - 1
+    window rows and the context's entries (ctx_len // rate), Q · (Q + window - 1 + entries) <= pairs (at least 1)."""
+    keys = spec.window - 1 + (ctx_len // spec.rate if spec.rate else 0)
+    return max(1, int((np.sqrt(keys * keys + 4.0 * pairs) - keys) // 2))
+
+
+def attention_chunks(q_lens: np.ndarray, ctx_lens: np.ndarray, spec) -> list[tuple[list[int], int, int]]:
+    """(sequences, first query, queries) attended together: attention_groups' decode groups whole, a longer
+    sequence's queries in chunks of chunk_queries (its scores bounded by QUERY_KEY_PAIRS, not by the prompt)."""
+    chunks = []
+    for group in attention_groups(q_lens, ctx_lens, CONTEXT_ROWS_PER_GROUP):
+        n = int(q_lens[group].max())
+        step = n if n == 1 else chunk_queries(int(ctx_lens[group[0]]), spec, QUERY_KEY_PAIRS)
+        chunks += [(group, q0, min(step, n - q0)) for q0 in range(0, n, step)]
+    return chunks
+
+
 def project(x, w, spec, positions, p: "DSV4Primitives"):
     """The step's projections of x [T, H] at positions [T] (where p computes): (q [T, heads, D] roped, its K = V
     rows [T, D] (roped), its compressor inputs [T, ring_width] (the compressor's kv | gate, then the indexer's;
@@ -228,13 +249,14 @@ def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
     sinks, out = p.fp32(w[L + "sinks"]), xp.empty((T, H, D), np.float32)
     cu, ctx_lens, positions = np.asarray(b.cu_seqlens), np.asarray(b.context_lens), np.asarray(b.positions)
     q_lens, ring_slots = np.diff(cu), np.asarray(b.state_slots)
-    for group in attention_groups(q_lens, ctx_lens, CONTEXT_ROWS_PER_GROUP):
-        G, Q = len(group), int(q_lens[group].max())
-        real = np.arange(Q)[None, :] < q_lens[group][:, None]               # [G, Q]: padded queries False
-        rows_of = np.where(real, cu[group][:, None] + np.arange(Q)[None, :], 0)   # the step's token rows
+    for group, q0, Q in attention_chunks(q_lens, ctx_lens, spec):
+        G, at = len(group), q0 + np.arange(Q)[None, :]
+        real = at < q_lens[group][:, None]                                  # [G, Q]: padded queries False
+        rows_of = np.where(real, cu[group][:, None] + at, 0)               # the step's token rows
         host_pos = np.where(real, positions[rows_of], -1)                          # [G, Q]
         tok, pos = p.dev(rows_of), p.dev(host_pos)
-        tables, lens = np.asarray(b.block_tables)[group], ctx_lens[group]
+        # the context up to the chunk's last query: the entries later chunks close are not stored yet
+        tables, lens = np.asarray(b.block_tables)[group], np.minimum(ctx_lens[group], host_pos.max(axis=1) + 1)
         if spec.rate:
             p.close_entries(np.where(real, np.asarray(b.slot_mapping)[rows_of], -1), host_pos, w, spec,
                             inputs, cu[group], positions[cu[group]], ring_slots[group])

@@ -147,8 +147,17 @@ class GpuExecutor(ExecutorBase):
 
     def _arena_bytes(self, sizes: ArenaSizes) -> int:
         """The arena: options.gpu_memory_utilization of the device, or exactly the parts and num_kv_blocks."""
-        if self.options.num_kv_blocks is None:
-            return arena_budget(self.options.gpu_memory_utilization)
+        if self.options.num_kv_blocks is None:      # what the eager steps take from CuPy's pool stays free
+            pool = self.ops_class.pool_nbytes(self.plan)
+            budget = arena_budget(self.options.gpu_memory_utilization) - pool
+            if pool:
+                log.info("%.1f GiB left outside the arena for the eager steps' temporaries (%d tokens a step)",
+                         pool / 2**30, self.plan.max_tokens)
+            if budget <= sizes.weights:
+                raise MemoryError(f"the weights ({sizes.weights / 2**30:.1f} GiB) and the eager steps' temporaries "
+                                  f"({pool / 2**30:.1f} GiB) leave no room: raise gpu_memory_utilization or lower "
+                                  "max_num_batched_tokens")
+            return budget
         return (sizes.weights + sizes.lora_bytes + sum(sizes.parts.values())
                 + self.options.num_kv_blocks * self.plan.kv.block_bytes(self.kv_itemsize) + SLACK_BYTES)
 

@@ -29,9 +29,12 @@ cpu_dsv4_attention.dsv4_attention's grouping over the same primitives (the CPU g
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from engine.executor.cpu_dsv4_attention import dsv4_attention, entry_columns, out_projection, project, slots_at
+from engine.executor.cpu_dsv4_attention import (QUERY_KEY_PAIRS, dsv4_attention, entry_columns, out_projection,
+                                                 project, slots_at)
 from engine.executor.cpu_dsv4_ops import hash_route, swiglu_limited
 from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16, split_gate_up
 from engine.executor.gpu_moe_ops import expert_tile_m
@@ -72,6 +75,17 @@ class GpuDSV4Ops:
     """ops.dsv4 on CuPy arrays, on the executor's stream; moe: the executor's MoE part (its router logits); state:
     the line's state arrays (name -> bf16 [layers, slots, ring_len, ring_width]; None: no compressed layer);
     array_module: CuPy, unless given (the tests' host emulation passes numpy's stand-in)."""
+
+    @staticmethod
+    def pool_nbytes(plan) -> int:
+        """The CuPy pool's bytes an eager step of plan.max_tokens tokens takes at its peak, outside the arena (the
+        executor leaves them free): a token's ~6 float32 rows of the heads (q with its rms and rope temporaries, the
+        attention's out and its rope undone, the grouped projection's bf16 rows) and ~4 of the hyper-connection
+        streams (at most MAX_HC_MULT of the hidden size), and a query chunk's scores (QUERY_KEY_PAIRS per head,
+        ~4 such alive in sink_attention) with its queries. V4-Flash at 8,192 tokens: 9.6 GiB."""
+        heads = plan.num_heads * plan.head_dim * 4
+        per_token = 6 * heads + 4 * MAX_HC_MULT * plan.hidden * 4
+        return plan.max_tokens * per_token + 4 * QUERY_KEY_PAIRS * plan.num_heads * 4 + math.isqrt(QUERY_KEY_PAIRS) * heads
 
     def __init__(self, shared, moe, state: dict | None = None, array_module=None):
         if array_module is None:

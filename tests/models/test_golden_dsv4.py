@@ -98,6 +98,38 @@ def test_decode_rows_attended_together_equal_each_alone(case, monkeypatch):
     assert not gate_failures(grouped, oracle)
 
 
+def test_a_prompts_queries_attended_in_chunks_equal_them_at_once(case, monkeypatch):
+    """A prompt's queries attend in chunks of chunk_queries (QUERY_KEY_PAIRS bounds a chunk's scores, whatever the
+    prompt's length): with a budget of a few pairs every chunk is a handful of queries, each reading only the
+    entries closed up to its last query (later chunks' are not stored yet), and the logits are those of one chunk
+    a prompt; both pass the gate."""
+    import numpy as np
+
+    import engine.executor.cpu_dsv4_attention as attention
+    from test_golden import gate_failures, new_executor
+    from harness.models import engine_logits
+
+    model, prompts, oracle = case
+    spec = next(s for s in model.model.attention_specs if s.index_heads)
+    assert attention.chunk_queries(4096, spec, 1 << 40) > 4096 and attention.chunk_queries(4096, spec, 1) == 1
+    q = attention.chunk_queries(100, spec, 5000)
+    assert q * (q + spec.window - 1 + 100 // spec.rate) <= 5000 < (q + 1) * (q + spec.window + 100 // spec.rate)
+    whole = engine_logits(new_executor(model), prompts, prefill=[40, 33, 52, 45], chunks=1)
+    monkeypatch.setattr(attention, "QUERY_KEY_PAIRS", 7 * (7 + spec.window))
+    chunked = attention.attention_chunks(np.array([40, 1]), np.array([40, 9]), spec)
+    step = attention.chunk_queries(40, spec, attention.QUERY_KEY_PAIRS)
+    assert 1 < step < 8 and chunked[0] == ([1], 0, 1)
+    assert [c[1:] for c in chunked[1:]] == [(q0, min(step, 40 - q0)) for q0 in range(0, 40, step)]
+    starts = []
+    split = attention.attention_chunks
+    monkeypatch.setattr(attention, "attention_chunks", lambda *a: [starts.append(c[1]) or c for c in split(*a)])
+    pieces = engine_logits(new_executor(model), prompts, prefill=[40, 33, 52, 45], chunks=1)
+    assert max(starts) >= 24                    # a chunk past several closed windows of its prompt
+    for w, c in zip(whole, pieces):
+        np.testing.assert_allclose(w, c, atol=1e-4)
+    assert not gate_failures(pieces, oracle)
+
+
 def test_chunks_longer_than_the_rings(case):
     """Prefill chunks of twice the longest compressor ring (ring_len tokens) after a first step of ring_len - 1
     tokens (on the tiny model both rates' windows end one token short there: the most a ring must carry into the
