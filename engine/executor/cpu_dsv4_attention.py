@@ -206,34 +206,40 @@ def attention_chunks(q_lens: np.ndarray, ctx_lens: np.ndarray, spec) -> list[tup
     return chunks
 
 
+def norm_rope(x, positions, inv_freq, eps: float | None = None, weight=None, inverse: bool = False):
+    """x [T, heads, d] float32 RMS-normed per head (eps None: not; weight [d] or None) then roped on its trailing
+    2·len(inv_freq) dims at positions [T] (inverse: the rope undone); a new array (DSV4Primitives.norm_rope)."""
+    cos, sin = cos_sin(positions, inv_freq)
+    return rope_trailing(x if eps is None else rms(x, eps, weight), cos, -sin if inverse else sin)
+
+
 def project(x, w, spec, positions, p: "DSV4Primitives"):
     """The step's projections of x [T, H] at positions [T] (where p computes): (q [T, heads, D] roped, its K = V
     rows [T, D] (roped), its compressor inputs [T, ring_width] (the compressor's kv | gate, then the indexer's;
     None on sliding layers), the indexer's queries [T, index heads, d] and weights [T, index heads] (CSA; None
-    elsewhere), the rope's (cos, sin))."""
+    elsewhere), the positions (the output's rope is undone at them))."""
     L, mm, f32 = f"layers.{spec.layer}.", p.mm, p.fp32
     T, H, D, eps = x.shape[0], spec.num_heads, spec.head_dim, spec.rms_eps
-    cos, sin = cos_sin(positions, p.const(spec.inv_freq))
     q_res = rms(mm(x, w[L + "wq_a"]), eps, f32(w[L + "q_norm"]))
-    q = rope_trailing(rms(mm(q_res, w[L + "wq_b"]).reshape(T, H, D), eps), cos, sin)
-    kv = rope_trailing(rms(mm(x, w[L + "wkv"]), eps, f32(w[L + "kv_norm"]))[:, None], cos, sin)[:, 0]
+    q = p.norm_rope(mm(q_res, w[L + "wq_b"]).reshape(T, H, D), positions, spec.inv_freq, eps)
+    kv = p.norm_rope(mm(x, w[L + "wkv"])[:, None], positions, spec.inv_freq, eps, f32(w[L + "kv_norm"]))[:, 0]
     inputs, iq, iw = [], None, None
     if spec.rate:
         inputs += [mm(x, w[L + "comp_wkv"]), mm(x, w[L + "comp_wgate"])]
     if spec.index_heads:
         inputs += [mm(x, w[L + "idx_comp_wkv"]), mm(x, w[L + "idx_comp_wgate"])]
-        iq = rope_trailing(mm(q_res, w[L + "idx_wq_b"]).reshape(T, spec.index_heads, spec.index_dim),
-                           *cos_sin(positions, p.const(spec.compress_inv_freq)))
+        iq = p.norm_rope(mm(q_res, w[L + "idx_wq_b"]).reshape(T, spec.index_heads, spec.index_dim), positions,
+                         spec.compress_inv_freq)
         iw = mm(x, w[L + "idx_weights"]) * np.float32(spec.index_heads ** -0.5)
     inputs = xp_of(kv).concatenate(inputs, axis=-1) if inputs else None
-    return q, kv, inputs, iq, iw, (cos, sin)
+    return q, kv, inputs, iq, iw, positions
 
 
-def out_projection(out, rope, w, spec, p: "DSV4Primitives"):
-    """The block's output [T, H] of the attention's out [T, heads, D]: the rope undone, the grouped output
-    projection (wo_a per group, wo_b)."""
-    L, (cos, sin) = f"layers.{spec.layer}.", rope
-    o = rope_trailing(out, cos, -sin).reshape(out.shape[0], -1)
+def out_projection(out, positions, w, spec, p: "DSV4Primitives"):
+    """The block's output [T, H] of the attention's out [T, heads, D] at positions [T]: the rope undone, the grouped
+    output projection (wo_a per group, wo_b)."""
+    L = f"layers.{spec.layer}."
+    o = p.norm_rope(out, positions, spec.inv_freq, inverse=True).reshape(out.shape[0], -1)
     return p.block_out(p.mm(p.grouped_linear(o, w[L + "wo_a"], spec.o_groups), w[L + "wo_b"]))
 
 
@@ -243,7 +249,7 @@ def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
     output projection's [T, H]."""
     b, L = ctx.batch, f"layers.{spec.layer}."
     T, H, D = x.shape[0], spec.num_heads, spec.head_dim
-    q, kv, inputs, iq, iw, rope = project(x, w, spec, p.dev(b.positions), p)
+    q, kv, inputs, iq, iw, rope_at = project(x, w, spec, p.dev(b.positions), p)
     xp = xp_of(kv)
     p.write_rows(spec.layer, b.slot_mapping, kv)
     sinks, out = p.fp32(w[L + "sinks"]), xp.empty((T, H, D), np.float32)
@@ -274,7 +280,7 @@ def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
         out[p.dev(rows_of[real])] = res.reshape(G * Q, H, D)[p.dev(np.flatnonzero(real))]
     if spec.rate:
         p.ring_store(spec, np.repeat(ring_slots, q_lens), ring_positions(positions, cu, spec.ring_len), inputs)
-    return out_projection(out, rope, w, spec, p)
+    return out_projection(out, rope_at, w, spec, p)
 
 
 class DSV4Primitives(Protocol):
@@ -282,6 +288,11 @@ class DSV4Primitives(Protocol):
 
     def mm(self, x, weight):
         """x [T, K] · weightᵀ, float32."""
+
+    def norm_rope(self, x, positions, inv_freq: np.ndarray, eps: float | None = None, weight=None,
+                  inverse: bool = False):
+        """norm_rope (this module's) of x [T, heads, d] float32 at positions [T] (where p computes; the host table
+        inv_freq): x's values may be overwritten (each caller's x is its own fresh array)."""
 
     def fp32(self, weight):
         """A weight as float32 values."""
@@ -358,6 +369,9 @@ class NumpyDSV4Ops:
     # ---- dsv4_attention's primitives (numpy, float32) ------------------------------------------------------
     def mm(self, x, weight):
         return x @ weight.T
+
+    def norm_rope(self, x, positions, inv_freq, eps=None, weight=None, inverse=False):
+        return norm_rope(x, positions, inv_freq, eps, weight, inverse)
 
     def fp32(self, weight):
         return weight

@@ -10,8 +10,9 @@ of each window a step token closes, from the step's float32 inputs and the seque
 row; ring_store: the step's last inputs into the ring), the lightning indexer (dsv4_indexer.cu:
 indexer_scores, then indexer_topk, each query's top index_topk entries on the device) and, for steps whose every
 sequence has one query (decode), the attention itself (dsv4_attention.cu: write_rows stores the step's K rows,
-sparse_decode attends over the window and the entries with the sinks; decode_attention below). The limited
-SwiGLU, the hash router and the projections around the attention run as CuPy float32 over the bf16 weights, every
+sparse_decode attends over the window and the entries with the sinks; decode_attention below), and the per-head
+RMSNorm and rope of q, of the K = V row, of the indexer's queries and the rope undone on the output (dsv4_norm_rope.cu:
+norm_rope, one launch each, in place). The limited SwiGLU, the hash router and the projections around the attention run as CuPy float32 over the bf16 weights, every
 projection on the executor's bf16 GEMM (float32 out) but the grouped output projection's wo_a, which runs on the
 MoE part's grouped products over its bf16 weight, group g as expert g (grouped_linear: moe_gemv.cu for a few
 tokens, the grouped GEMM otherwise; no float32 copy), the routed experts on the MoE part (gpu_moe_ops.py, whose
@@ -33,8 +34,8 @@ import math
 
 import numpy as np
 
-from engine.executor.cpu_dsv4_attention import (QUERY_KEY_PAIRS, dsv4_attention, entry_columns, out_projection,
-                                                 project, slots_at)
+from engine.executor.cpu_dsv4_attention import (QUERY_KEY_PAIRS, dsv4_attention, entry_columns, norm_rope,
+                                                 out_projection, project, slots_at)
 from engine.executor.cpu_dsv4_ops import hash_route, swiglu_limited
 from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16, split_gate_up
 from engine.executor.gpu_moe_ops import expert_tile_m
@@ -49,6 +50,7 @@ IDX_THREADS = 128               # dsv4_indexer.cu: entries per CTA of indexer_sc
 TOPK_THREADS = 256              # dsv4_indexer.cu: threads of indexer_topk's CTA (one a query row)
 COMP_THREADS = 128              # dsv4_compress.cu: threads of compress_close's and ring_store's CTA (a token)
 ATT_THREADS = 128               # dsv4_attention.cu: threads of sparse_decode's CTA (a row and head) and write_rows'
+NR_THREADS, NR_PER = 128, 8     # dsv4_norm_rope.cu: threads of norm_rope's CTA (a row), values a thread holds
 
 
 def check_hc_shapes(hc_mult: int, hidden: int) -> None:
@@ -214,6 +216,21 @@ class GpuDSV4Ops:
     def fp32(self, weight):
         return self._weight_f32(weight)
 
+    def norm_rope(self, x, positions, inv_freq, eps=None, weight=None, inverse=False):
+        """dsv4_norm_rope.cu's norm_rope over x [T, heads, d] float32 in place (one launch; rows of more than
+        NR_THREADS · NR_PER values: the composed CuPy ops)."""
+        T, H, d = x.shape
+        if d > NR_THREADS * NR_PER:
+            return norm_rope(x, positions, inv_freq, eps, weight, inverse)
+        x = self.cp.ascontiguousarray(x, np.float32)
+        if T * H:
+            self.shared.launch(self._kernel("dsv4_norm_rope", "norm_rope"), (T * H,), (NR_THREADS,),
+                               (x, np.uint64(0) if weight is None else self.cp.ascontiguousarray(weight, np.float32),
+                                self.cp.asarray(positions, np.int32), self.const(inv_freq), np.int32(H), np.int32(d),
+                                np.int32(len(inv_freq)), np.float32(-1 if eps is None else eps),
+                                np.float32(-1 if inverse else 1)))
+        return x
+
     def grouped_linear(self, x, weight, groups: int):
         """The grouped output projection on the MoE part's grouped products over the bf16 weight (no float32 copy):
         x [T, groups·K] (float32, rounded to bf16, or bf16) laid out as group_layout's rows, moe_gemv.cu for a few
@@ -378,7 +395,7 @@ def decode_attention(x, w, spec, ctx, p: GpuDSV4Ops):
     window's earlier ones from its ring), its inputs stored in the ring, the indexer's top-k taken over every
     entry the block tables can hold (CSA), then sparse_decode."""
     positions, tables = ctx.positions, ctx.block_tables
-    q, kv, inputs, iq, iw, rope = project(x, w, spec, positions, p)
+    q, kv, inputs, iq, iw, rope_at = project(x, w, spec, positions, p)
     p.store_rows(spec.layer, ctx.slot_mapping, kv)
     ids = None
     if spec.rate:
@@ -389,4 +406,4 @@ def decode_attention(x, w, spec, ctx, p: GpuDSV4Ops):
             stride = tables.shape[1] * BLOCK_SIZE // spec.rate
             ids = p.indexer_topk(spec.layer, tables, iq, iw, positions, spec, stride)[0]
     out = p.sparse_decode(q, tables, positions, ids, p.fp32(w[f"layers.{spec.layer}.sinks"]), spec)
-    return out_projection(out, rope, w, spec, p)
+    return out_projection(out, rope_at, w, spec, p)

@@ -117,9 +117,9 @@ def test_out_projection_makes_no_float32_copy_of_wo_a(shape):
         return GpuDSV4Ops._f(ops, a)
 
     ops._f = counted
-    rope = (host(np.ones((1, 4), np.float32)), host(np.zeros((1, 4), np.float32)))
-    for _ in range(2):
-        y = out_projection(host(inp.x.reshape(1, heads, -1)), rope, w, SimpleNamespace(layer=0, o_groups=groups), ops)
+    at, spec = host(np.zeros(1, np.int32)), SimpleNamespace(layer=0, o_groups=groups, inv_freq=np.ones(4, np.float32))
+    for _ in range(2):      # position 0: the rope undone is the identity
+        y = out_projection(host(inp.x.reshape(1, heads, -1)), at, w, spec, ops)
     want = f32(bf16(reference(inp)[0])) @ f32(w["layers.0.wo_b"]).T
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-2, atol=1e-4)
     assert max(converted) < inp.w.size, converted
