@@ -36,8 +36,7 @@ import numpy as np
 
 from engine.executor.cpu_dsv4_attention import (QUERY_KEY_PAIRS, dsv4_attention, entry_columns, norm_rope,
                                                  out_projection, project, slots_at)
-from engine.executor.cpu_dsv4_ops import hash_route, swiglu_limited
-from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16, split_gate_up
+from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16
 from engine.executor.gpu_moe_ops import expert_tile_m
 from memory.kv_pool import BLOCK_SIZE
 from openinfer_kernels.raw_cuda import kernel
@@ -186,17 +185,26 @@ class GpuDSV4Ops:
 
     # ---- MLP -------------------------------------------------------------------------------------------
     def swiglu_limited(self, gate_up, limit):
+        """The shared expert's limited SwiGLU on the MoE part's activation (silu_mul.cu's silu_mul_limited)."""
         with self.shared.stream:
-            g = split_gate_up(self.cp, self._f(gate_up), self.shared.gate_up_interleaved)
-            return self._b(swiglu_limited(g, limit))
+            out = self.cp.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.uint16)
+            self.moe.expert_activation(self.cp.ascontiguousarray(gate_up), out, limit)
+            return out
 
     def hash_route(self, x, gate_weight, tid2eid, spec, ctx):
-        """The experts tid2eid[token] (held as bf16: exact for ids below 256, checked at start by the line)."""
+        """The experts tid2eid[token] (held as bf16: exact for ids below 256, checked at start by the line) and
+        their weights: moe_route.cu's moe_hash_route over the router's logits, one launch."""
         logits = self.moe.router_logits(x, gate_weight)
         with self.shared.stream:
             table = self._kept(tid2eid, "int32", lambda t: self._f(t).astype(np.int32))
-            weights, ids = hash_route(logits, table, ctx.input_ids[:x.shape[0]], spec.scale)
-            return self.cp.ascontiguousarray(weights), self.cp.ascontiguousarray(ids)
+            (T, E), k = logits.shape, table.shape[1]
+            weights, ids = self.cp.empty((T, k), np.float32), self.cp.empty((T, k), np.int32)
+            if T:
+                self.shared.launch(self._kernel("moe_route", "moe_hash_route", MAX_E=self.moe.route_max_e),
+                                   (-(-T // 128),), (128,),
+                                   (logits, table, self.cp.asarray(ctx.input_ids[:T], np.int32), weights, ids,
+                                    np.int32(T), np.int32(E), np.int32(k), np.float32(spec.scale)))
+            return weights, ids
 
     # ---- attention: cpu_dsv4_attention.dsv4_attention over the device primitives --------------------------
     def attention(self, x, w, spec, ctx):

@@ -84,6 +84,7 @@ class GpuMoEOps:
         self.k_combine = kernel("moe_permute", "moe_combine")
         self.k_grouped = kernel("moe_grouped_gemm", "moe_grouped_gemm")
         self.k_silu = kernel("silu_mul", "silu_mul")
+        self.k_silu_limited = kernel("silu_mul", "silu_mul_limited")
         gemv = dict(MOE_UNROLL=MOE_UNROLL, COMBINE_COLS=COMBINE_COLS)     # bench/moe_micro.py's choice
         self.k_gemv = kernel("moe_gemv", "moe_gemv", **gemv)
         self.k_route_gemv = kernel("moe_route", "moe_route_gemv", MAX_E=max_e)
@@ -198,18 +199,23 @@ class GpuMoEOps:
                   (a, w, tile_expert, row_token, out, np.int32(M), np.int32(N), np.int32(K), np.int32(tile_m)))
 
     def expert_activation(self, gate_up, out, limit) -> None:
-        """silu_mul.cu over the grouped gate_up rows into out; with a finite limit (DeepSeek-V4's swiglu_limit)
-        the limited form, as CuPy float32 array ops."""
+        """silu_mul.cu over the gate_up rows into out (bf16 [rows, inter]); with a finite limit (DeepSeek-V4's
+        swiglu_limit) its limited form, silu_mul_limited (an intermediate size not a multiple of 8: CuPy float32
+        array ops)."""
         sh = self.shared
-        if limit is not None and not math.isinf(limit):
+        rows, inter = out.shape
+        limited = limit is not None and not math.isinf(limit)
+        if limited and inter % 8:
             with sh.stream:
                 g = split_gate_up(self.cp, bf16_to_f32(self.cp, gate_up), sh.gate_up_interleaved)
                 out[...] = f32_to_bf16(self.cp, swiglu_limited(g, limit))
             return
-        rows, inter = out.shape
         total = rows * inter // 8
-        sh.launch(self.k_silu, (max(1, min(4096, -(-total // 256))),), (256,),
-                  (gate_up, out, np.int32(inter), np.int64(total), np.int32(sh.gate_up_interleaved)))
+        if not total:
+            return
+        args = (gate_up, out, np.int32(inter), np.int64(total), np.int32(sh.gate_up_interleaved))
+        sh.launch(self.k_silu_limited if limited else self.k_silu, (max(1, min(4096, -(-total // 256))),), (256,),
+                  args + ((np.float32(limit),) if limited else ()))
 
     @staticmethod
     def expert_dims(w) -> tuple[int, int, int]:

@@ -226,3 +226,26 @@ moe_route_gemv(const bf16_t* __restrict__ x, const bf16_t* __restrict__ router, 
                     scoring);
     if (threadIdx.x == 0) *counter = 0;
 }
+
+// moe_hash_route: DeepSeek-V4's hash router (cpu_dsv4_ops.hash_route): token t's experts are its row of the frozen
+// table tid2eid (int32 [vocab, top_k]) at input_ids[t]; their weights the sqrtsoftplus of their logits (float32
+// [T, E]), renormalized to sum 1 (summed in slot order), times scale. One thread a token; fixed grid, graph-capturable.
+// Roofline: T · top_k · 12 bytes: launch-bound.
+extern "C" __global__ void moe_hash_route(const float* __restrict__ logits, const int* __restrict__ tid2eid,
+                                          const int* __restrict__ input_ids, float* __restrict__ weights,
+                                          int* __restrict__ ids, int T, int E, int top_k, float scale) {
+    pdl_begin();
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    const int* row = tid2eid + (size_t)input_ids[t] * top_k;
+    float* w = weights + (size_t)t * top_k;
+    float sum = 0.f;
+    for (int j = 0; j < top_k; ++j) {
+        const int e = row[j];
+        const float l = logits[(size_t)t * E + e];
+        w[j] = sqrtf(l > 20.f ? l : log1pf(expf(l)));
+        ids[(size_t)t * top_k + j] = e;
+        sum += w[j];
+    }
+    for (int j = 0; j < top_k; ++j) w[j] = w[j] / sum * scale;
+}

@@ -54,7 +54,7 @@ gemm = EmulatedGemm()       # float32 products of bf16 values; grouped products 
 
 
 class EmulatedMoE(GpuMoEOps):
-    """GpuMoEOps' router (moe_route.cu in the host emulation), expert activation on numpy and grouped products
+    """GpuMoEOps' router (moe_route.cu in the host emulation), expert activation (silu_mul.cu) and grouped products
     (moe_gemv.cu, moe_grouped_gemm.cu: the attention's grouped output projection); the experts' products a loop
     over the assignments."""
 
@@ -71,8 +71,8 @@ class EmulatedMoE(GpuMoEOps):
     def experts(self, x, gate_up, down, weights, ids, residual, limit=None):
         out = f32(residual).copy()
         for t, e in np.ndindex(*ids.shape):
-            act = np.empty((1, gate_up.shape[1] // 2), np.uint16)
-            self.expert_activation(self.linear(x[t:t + 1], gate_up[ids[t, e]]), act, limit)
+            act = host(np.empty((1, gate_up.shape[1] // 2), np.uint16))
+            self.expert_activation(host(self.linear(x[t:t + 1], gate_up[ids[t, e]])), act, limit)
             out[t] += weights[t, e] * f32(self.linear(act, down[ids[t, e]]))[0]
         return bits(out)
 

@@ -22,9 +22,11 @@ from engine.executor.gpu_quant_moe import GpuQuantMoEOps
 
 
 def product_kernels() -> dict:
-    """GpuMoEOps' grouped products as the host emulation launches them (k_gemv, k_grouped)."""
+    """GpuMoEOps' grouped products and activations as the host emulation launches them (k_gemv, k_grouped,
+    k_silu, k_silu_limited)."""
     gemv = (("COMBINE_COLS", COMBINE_COLS), ("MOE_UNROLL", MOE_UNROLL))
-    return {"k_gemv": ("moe_gemv", "moe_gemv", gemv), "k_grouped": ("moe_grouped_gemm", "moe_grouped_gemm", ())}
+    return {"k_gemv": ("moe_gemv", "moe_gemv", gemv), "k_grouped": ("moe_grouped_gemm", "moe_grouped_gemm", ()),
+            "k_silu": ("silu_mul", "silu_mul", ()), "k_silu_limited": ("silu_mul", "silu_mul_limited", ())}
 
 
 class EmulatedGemm:
