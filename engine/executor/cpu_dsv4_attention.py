@@ -39,6 +39,7 @@ CONTEXT_ROWS_PER_GROUP = 1 << 15     # padded context rows attended together (~0
 # query-key pairs a prompt's query chunk attends at once: its scores [Q, heads, keys] float32 are pairs · heads · 4
 # bytes (V4-Flash's 64 heads: 256 MiB; sink_attention holds ~4 such), whatever the step's prompt length
 QUERY_KEY_PAIRS = 1 << 20
+NO_ROPE = np.zeros(0, np.float32)   # norm_rope's inverse frequencies where a row is normed only (the q LoRA's)
 
 
 def cos_sin(positions, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -208,9 +209,13 @@ def attention_chunks(q_lens: np.ndarray, ctx_lens: np.ndarray, spec) -> list[tup
 
 def norm_rope(x, positions, inv_freq, eps: float | None = None, weight=None, inverse: bool = False):
     """x [T, heads, d] float32 RMS-normed per head (eps None: not; weight [d] or None) then roped on its trailing
-    2·len(inv_freq) dims at positions [T] (inverse: the rope undone); a new array (DSV4Primitives.norm_rope)."""
+    2·len(inv_freq) dims at positions [T] (inverse: the rope undone; NO_ROPE: none); a new array
+    (DSV4Primitives.norm_rope)."""
+    y = x if eps is None else rms(x, eps, weight)
+    if not len(inv_freq):
+        return y
     cos, sin = cos_sin(positions, inv_freq)
-    return rope_trailing(x if eps is None else rms(x, eps, weight), cos, -sin if inverse else sin)
+    return rope_trailing(y, cos, -sin if inverse else sin)
 
 
 def project(x, w, spec, positions, p: "DSV4Primitives"):
@@ -220,7 +225,7 @@ def project(x, w, spec, positions, p: "DSV4Primitives"):
     elsewhere), the positions (the output's rope is undone at them))."""
     L, mm, f32 = f"layers.{spec.layer}.", p.mm, p.fp32
     T, H, D, eps = x.shape[0], spec.num_heads, spec.head_dim, spec.rms_eps
-    q_res = rms(mm(x, w[L + "wq_a"]), eps, f32(w[L + "q_norm"]))
+    q_res = p.norm_rope(mm(x, w[L + "wq_a"])[:, None], positions, NO_ROPE, eps, f32(w[L + "q_norm"]))[:, 0]
     q = p.norm_rope(mm(q_res, w[L + "wq_b"]).reshape(T, H, D), positions, spec.inv_freq, eps)
     kv = p.norm_rope(mm(x, w[L + "wkv"])[:, None], positions, spec.inv_freq, eps, f32(w[L + "kv_norm"]))[:, 0]
     inputs, iq, iw = [], None, None

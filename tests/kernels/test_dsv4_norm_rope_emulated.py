@@ -1,8 +1,8 @@
 """dsv4_norm_rope.cu (DeepSeek-V4's per-head RMSNorm and partial rope in one launch) through GpuDSV4Ops.norm_rope on
 the host, without a GPU (tests/cuda_emulation.h), against the numpy definition (cpu_dsv4_attention.norm_rope: rms
 then rope_trailing at cos_sin's angles): V4-Flash's q (64 heads of 512, 64 rope dims), its K = V row (one head, the
-norm's weight), its indexer queries (64 of 128, rope only) and the inverse rope on the output, at positions up to a
-million; float32 rounding apart (the sum of squares in another order, sincosf): max |Δ| <= 2e-5 of values ~1. The
+norm's weight), its indexer queries (64 of 128, rope only), the inverse rope on the output and the q LoRA's norm
+(1024 values, no rope), at positions up to a million; float32 rounding apart (the sum of squares in another order, sincosf): max |Δ| <= 2e-5 of values ~1. The
 check fails with the rope's direction or the norm's weight left out. Skipped without g++ or the CUDA headers; the
 GPU gate runs the kernel inside the line (tests/gpu/test_gpu_dsv4.py)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from engine.executor.cpu_dsv4_attention import norm_rope
 # (tokens, heads, d, rope pairs, norm, weight, inverse): q, K = V, the indexer's queries, the output
 CASES = [(3, 64, 512, 32, True, False, False), (5, 1, 512, 32, True, True, False),
          (2, 64, 128, 32, False, False, False), (3, 64, 512, 32, False, False, True),
-         (4, 2, 40, 4, True, True, False)]
+         (4, 2, 40, 4, True, True, False), (3, 1, 1024, 0, True, True, False)]      # ..., the q LoRA (no rope)
 TOL = 2e-5
 
 
