@@ -15,6 +15,8 @@
 #   bash bench/deepseek_gpu_check.sh v4bench   bench/deepseek.py on it: CUDA-graph decode batch 1 / 32 (prompt 128,
 #                                              $DSV4_STEPS steps, default 256) and one eager step op by op
 #                                              -> $OUT/deepseek-v4.md/.json
+#   bash bench/deepseek_gpu_check.sh v4prefill eager prefill steps of 8 x 1024 and 1 x 8192 tokens on it: the CuPy
+#                                              pool's peak against GpuOps.pool_nbytes -> $OUT/deepseek-v4-prefill.md
 #   bash bench/deepseek_gpu_check.sh v4serve   `openinfer serve` of that checkpoint under bench/serve.py (random
 #                                              1024/128, c1 and rate inf, $DSV4_SCALE of the prompts, default 0.25;
 #                                              the folder's word-level tokenizer of the model's 129,280 ids)
@@ -30,6 +32,8 @@ case "${1:-tests}" in
   v4tests) step dsv4_gpu_tests 560 "${PYTEST[@]}" tests/gpu/test_gpu_dsv4_hc.py tests/gpu/test_gpu_dsv4.py ;;
   v4write) step dsv4_write 560 python3 bench/deepseek.py "${V4ARGS[@]}" --write-only ;;
   v4bench) step dsv4_bench 560 python3 bench/deepseek.py "${V4ARGS[@]}" --op-times; cat "$OUT/deepseek-v4.md" 2>/dev/null ;;
+  v4prefill) step dsv4_prefill 560 python3 bench/deepseek.py "${V4ARGS[@]}" --batches "" --eager --max-tokens 8192 \
+               --prefill-memory 8x1024,1x8192 --stem deepseek-v4-prefill; cat "$OUT/deepseek-v4-prefill.md" 2>/dev/null ;;
   v4serve) V4=/tmp/deepseek-v4-flash-L${DSV4_LAYERS:-4}-fp8
            step dsv4_serve 560 python3 bench/serve_gpu.py --models deepseek-v4-flash --folder "$V4" --tokenizer "$V4" \
              --scenarios c1,inf --scale "${DSV4_SCALE:-0.25}" --out-dir "$OUT/deepseek-v4-serve" ;;

@@ -96,6 +96,36 @@ def test_graph_decode_matches_eager_in_every_bucket(name):
         eager.close()
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_an_eager_step_stays_within_the_memory_left_outside_the_arena(name):
+    """The eager steps' float32 temporaries come from CuPy's pool, outside the arena: a prefill step of the plan's
+    max_num_batched_tokens (four prompts, and one prompt of them all: its attention chunked) takes at most what the
+    executor leaves free for it (GpuOps.pool_nbytes), fragmentation included."""
+    import cupy
+
+    from engine.batch import ModelBatch, SeqStep
+
+    model = load_model(tiny_model_path(name))
+    ex = new_gpu_executor(model, cuda_graphs=False, num_kv_blocks=160, max_model_len=1024,
+                          max_num_batched_tokens=1024)
+    pool = cupy.get_default_memory_pool()
+    try:
+        declared = ex.ops_class.pool_nbytes(ex.plan)
+        for lens in ([256] * 4, [1024]):
+            seqs = random_sequences(model.config.vocab_size, lens, seed=len(lens))
+            per_seq = lens[0] // 16 + 1
+            steps = [SeqStep(i, s, 0, list(range(i * per_seq, (i + 1) * per_seq)), False, state_slot=i)
+                     for i, s in enumerate(seqs)]
+            ex.stream.synchronize()
+            pool.free_all_blocks()
+            held = pool.used_bytes()
+            ex.forward_logits(ModelBatch.build(steps))
+            ex.stream.synchronize()
+            assert pool.total_bytes() - held <= declared, (lens, pool.total_bytes() - held, declared)
+    finally:
+        ex.close()
+
+
 def test_fp8_checkpoint_with_fp4_experts_gate(tmp_path):
     """A DeepSeek-V4 folder in the line's real format (FP8 projections with ue8m0 block scales, FP4 experts; the
     benchmark config's 4-layer cut at a small width, tests/models/test_quantized_weights.py) on the GPU against HF float32 /
