@@ -1,5 +1,5 @@
 """GpuExecutor: wires a model line's forward to the GPU parts and runs steps. It sizes nothing itself:
-each part states its bytes from the plan (gpu_plan.py), the executor adds them up, carves one arena
+each part states its bytes from the plan (gpu_plan.py), gpu_arena_sizes.py adds them up, the executor carves one arena
 (weights, then the parts, then the KV pool from what is left, memory/kv_pool.py) and hands each part
 its region. Every setting comes in ExecutorOptions (options.py; the kernel choices in its GpuTuning).
 
@@ -21,25 +21,25 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
 from engine.executor.base import DoneStep, ExecutorBase, PendingStep
+from engine.executor.gpu_arena_sizes import SLACK_BYTES, ArenaSizes, arena_bytes, arena_sizes
 from engine.executor.gpu_eagle3 import attach_gpu_eagle3, take_step_rows
-from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm, cute_rows, cute_workspace_bytes
+from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
 from engine.executor.gpu_host_copies import GpuHostCopies, compute_event, events_done, layers_landed, wait_events
 from engine.executor.gpu_inputs import GpuStepContext, StepInputs
 from engine.executor.gpu_kv_format import gpu_kv_format
-from engine.executor.gpu_lora_layout import extra_rows
 from engine.executor.gpu_mapped_copy import MappedCopy
 from engine.executor.gpu_ngram import attach_gpu_ngram
 from engine.executor.gpu_ops import GpuOps
 from engine.executor.gpu_piecewise import PiecewiseGraphs, eager_buckets
 from engine.executor.gpu_plan import DeviceInfo, GpuPlan, gpu_plan
-from engine.executor.gpu_prefill import PrefillAttention, prefill_min_query
+from engine.executor.gpu_prefill import PrefillAttention
 from engine.executor.gpu_readback import Readback
 from engine.executor.gpu_sampler import GpuSampler, needs_processing
 from engine.executor.gpu_shared import GpuShared
@@ -51,40 +51,18 @@ from engine.executor.options import (DEFAULT_GEMV_MAX_M, DEFAULT_GEMV_MAX_M_CUTE
 from engine.executor.verify_rows import verify_rows
 from engine.loader import LoadedModel
 from engine.executor.gpu_quant_moe import has_fp8_experts
-from engine.executor.gpu_quant_ops import block_scaled_gate_up, device_nbytes, quant_ops_class, upload_quantized
+from engine.executor.gpu_quant_ops import block_scaled_gate_up, quant_ops_class, upload_quantized
 from engine.models.quant_experts import KEPT
 from engine.models.rope import rope_inv_freq
 from engine.sampling import prompt_logprobs
-from memory.device_arena import DeviceArena, arena_budget, buffers_nbytes
+from memory.device_arena import DeviceArena
 from memory.kv_pool import copy_pool_blocks, pool_blocks
 from memory.state_slots import check_slots, state_buffers
 from memory.streams import DeviceStreams
 from memory.weight_upload import upload_weights
 
 log = logging.getLogger(__name__)
-SLACK_BYTES = 64 << 20
 KV_ITEMSIZE = 2                 # bf16 KV (FP8: 1, memory/kv_format.py)
-
-
-def parts_nbytes(plan: GpuPlan, cute_max_m: int, prefill_on: bool, ops=GpuOps) -> dict[str, int]:
-    """Every part's arena bytes (the KV pool and the weights aside); ops: the executor's ops class."""
-    return {"ops": ops.nbytes(plan), "sampler": GpuSampler.nbytes(plan), "inputs": StepInputs.nbytes(plan),
-            "gemm": WORKSPACE_BYTES + cute_workspace_bytes(plan, cute_max_m),
-            "prefill": PrefillAttention.nbytes(plan) if prefill_on else 0,
-            "verify": GpuVerify.nbytes(plan) if plan.options.num_speculative_tokens else 0}
-
-
-@dataclass
-class ArenaSizes:
-    """What the executor carves: every part's bytes (parts_nbytes, the rope table, the state slots), the weights'
-    and the LoRA slots' A rows after each site's weight (gpu_lora_layout.py)."""
-    parts: dict[str, int]
-    weights: int
-    lora_rows: dict[str, int]           # site -> rows after its weight
-    lora_bytes: int
-    cute_max_m: int                     # the CuTe GEMM's row limit (gpu_gemm.cute_rows)
-    prefill_min: int | None             # the CuTe prefill attention's min query (None: paged kernel only)
-    state: object                       # the line's StateLayout (None: no per-sequence state)
 
 
 class GpuExecutor(ExecutorBase):
@@ -115,8 +93,9 @@ class GpuExecutor(ExecutorBase):
         self.kv_itemsize = self.kv_format.itemsize(KV_ITEMSIZE)
         self.streams = DeviceStreams()
         self.stream = self.streams.compute
-        sizes = self._sizes(model)
-        self.arena = DeviceArena(self._arena_bytes(sizes))
+        sizes = arena_sizes(self.plan, model, self.ops_class)
+        self.num_state_slots = sizes.num_state_slots
+        self.arena = DeviceArena(arena_bytes(sizes, self.plan, self.kv_itemsize, self.ops_class))
         lora_weights = self._upload_weights(model, sizes)
         self._take_parts(sizes)
         self._take_kv_pool(sizes)
@@ -126,40 +105,6 @@ class GpuExecutor(ExecutorBase):
         self.stream.synchronize()
         log.info("GPU executor on %s (%d SMs): %s", self.device.name, self.device.num_sms, self.gemm.describe())
         log.info("%s; %d KV blocks, %s", self.arena.summary(), self.num_kv_blocks, self.kv_format.describe("bf16"))
-
-    def _sizes(self, model: LoadedModel) -> ArenaSizes:
-        """Every part's bytes from the plan (before anything is carved); the rope table is computed here."""
-        plan, tuning = self.plan, self.options.gpu
-        # the CuTe prefill attention reads K and V planes: none for a latent (one-plane) KV layout
-        prefill_min = prefill_min_query(tuning.prefill_attention, self.config.head_dim) if plan.kv.planes == 2 else None
-        cute_max_m = cute_rows(tuning.gemm)
-        parts = parts_nbytes(plan, cute_max_m, prefill_min is not None, self.ops_class)
-        parts["rope"] = rope_inv_freq(self.config, self.model.rope_dim)[0].nbytes
-        state = self.model.state_layout()          # linear-attention lines: one state slot per sequence
-        self.num_state_slots = self.options.max_num_seqs if state is not None else 0
-        if state is not None:
-            parts["state"] = buffers_nbytes(state_buffers(state, self.num_state_slots))
-        sites = dict(plan.lora_sites)           # every slot's A rows (gpu_lora_layout.py)
-        lora_rows = {name: extra_rows(name, sites, self.options) for name in sites}
-        return ArenaSizes(parts=parts, weights=sum(device_nbytes(a) for a in model.weights.values()),
-                          lora_rows=lora_rows, lora_bytes=sum(lora_rows[name] * site.k * 2 for name, site in sites.items()),
-                          cute_max_m=cute_max_m, prefill_min=prefill_min, state=state)
-
-    def _arena_bytes(self, sizes: ArenaSizes) -> int:
-        """The arena: options.gpu_memory_utilization of the device, or exactly the parts and num_kv_blocks."""
-        if self.options.num_kv_blocks is None:      # what the eager steps take from CuPy's pool stays free
-            pool = self.ops_class.pool_nbytes(self.plan)
-            budget = arena_budget(self.options.gpu_memory_utilization) - pool
-            if pool:
-                log.info("%.1f GiB left outside the arena for the eager steps' temporaries (%d tokens a step)",
-                         pool / 2**30, self.plan.max_tokens)
-            if budget <= sizes.weights:
-                raise MemoryError(f"the weights ({sizes.weights / 2**30:.1f} GiB) and the eager steps' temporaries "
-                                  f"({pool / 2**30:.1f} GiB) leave no room: raise gpu_memory_utilization or lower "
-                                  "max_num_batched_tokens")
-            return budget
-        return (sizes.weights + sizes.lora_bytes + sum(sizes.parts.values())
-                + self.options.num_kv_blocks * self.plan.kv.block_bytes(self.kv_itemsize) + SLACK_BYTES)
 
     def _upload_weights(self, model: LoadedModel, sizes: ArenaSizes) -> dict:
         """The weights into the arena (gate_up rows interleaved in blocks of 8 for gemv.cu's fused SiLU·up unless
@@ -191,7 +136,7 @@ class GpuExecutor(ExecutorBase):
             plan.kv.heads, plan.kv.dim, sizes.prefill_min,
             group=plan.num_heads // plan.kv.heads if self.options.gpu.chunk_attention and not self.kv_format.fp8 else 0,
             kv_format=self.kv_format)
-        self.state = (self.arena.take_all("state", state_buffers(sizes.state, self.num_state_slots))
+        self.state = (self.arena.take_all("state", state_buffers(sizes.state, sizes.num_state_slots))
                       if sizes.state is not None else None)
 
     def _take_kv_pool(self, sizes: ArenaSizes) -> None:

@@ -305,7 +305,7 @@ def test_graph_sizes_stop_at_max_num_seqs():
 def test_gpu_parts_size_themselves_from_the_plan():
     """Qwen3-4B at vLLM's defaults (8192 tokens, 256 sequences): each part's bytes from its own
     declaration; the logits stay a bounded buffer (chunked eager logits), not tokens x vocabulary."""
-    from engine.executor.gpu import parts_nbytes
+    from engine.executor.gpu_arena_sizes import parts_nbytes
     from engine.executor.gpu_ops import GpuOps
     from engine.executor.gpu_plan import DeviceInfo, gpu_plan
     from engine.models.registry import build_model

@@ -133,7 +133,7 @@ def test_a_gpu_rank_takes_the_gathered_logits_and_expert_ids(model, extra):
     """Qwen3-8B / Qwen3-30B-A3B at TP=2 with vLLM's defaults: a rank's ops take the [1024, V] float32
     gather buffer (and the rank's view of 8192 x top-8 router ids) beyond one GPU's."""
     from engine.config import EngineConfig
-    from engine.executor.gpu import parts_nbytes
+    from engine.executor.gpu_arena_sizes import parts_nbytes
     from engine.executor.gpu_plan import DeviceInfo, gpu_plan
     from engine.executor.options import GpuTuning, resolved_options
     from engine.model_config import ModelConfig
