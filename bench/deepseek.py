@@ -86,11 +86,12 @@ def sizes_line(model_name: str, config: str, fmt: str) -> str:
 def prefill_memory(ex, vocab: int, shapes: list[tuple[int, int]]) -> list[dict]:
     """Each prefill shape (sequences, tokens each) as one eager step from an emptied CuPy pool: its wall time and
     the pool's bytes after it (freed blocks stay cached there: the step's peak, fragmentation included) against
-    what the ops declare and the executor leaves free for them (ops_class.pool_nbytes of the plan)."""
+    what the ops declare and the executor leaves free for them (gpu_arena_sizes.eager_pool_nbytes of the plan)."""
     import cupy
     import numpy as np
 
     from engine.batch import ModelBatch, SeqStep
+    from engine.executor.gpu_arena_sizes import eager_pool_nbytes
 
     pool, rng, rows = cupy.get_default_memory_pool(), np.random.default_rng(0), []
     for seqs, tokens in shapes:
@@ -103,7 +104,7 @@ def prefill_memory(ex, vocab: int, shapes: list[tuple[int, int]]) -> list[dict]:
         held, t = pool.used_bytes(), time.perf_counter()
         ex.execute(ModelBatch.build(steps))
         rows.append(dict(seqs=seqs, tokens=tokens, ms=(time.perf_counter() - t) * 1e3, held_before_gib=held / 2**30,
-                         pool_gib=pool.total_bytes() / 2**30, declared_gib=ex.ops_class.pool_nbytes(ex.plan) / 2**30))
+                         pool_gib=pool.total_bytes() / 2**30, declared_gib=eager_pool_nbytes(ex.plan) / 2**30))
         print(f"[prefill memory] {json.dumps(rows[-1])}", flush=True)
     return rows
 
@@ -142,7 +143,7 @@ def write_report(out: str, stem: str, meta: dict, rows: list[dict]) -> str:
     lines += op_table(meta.get("op_times") or [])
     if meta.get("prefill_memory"):
         lines += ["", "Eager prefill steps from an emptied CuPy pool (its bytes after the step: the peak) against what "
-                  "the executor leaves outside its arena for them (GpuOps.pool_nbytes):", "",
+                  "the executor leaves outside its arena for them (eager_pool_nbytes):", "",
                   "| sequences x tokens | step ms | pool GiB | declared GiB |", "| --- | --- | --- | --- |"]
         lines += [f"| {r['seqs']} x {r['tokens']} | {r['ms']:.0f} | {r['pool_gib']:.2f} | {r['declared_gib']:.2f} |"
                   for r in meta["prefill_memory"]]
@@ -168,7 +169,7 @@ def main() -> None:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (a quick --op-times run: no capture)")
     p.add_argument("--max-tokens", type=int, default=2048, help="the executor's max_num_batched_tokens")
     p.add_argument("--prefill-memory", default="", help="prefill shapes SEQSxTOKENS,.. (e.g. 8x1024,1x8192): each "
-                   "one eager step, its CuPy pool peak against GpuOps.pool_nbytes (within --max-tokens)")
+                   "one eager step, its CuPy pool peak against eager_pool_nbytes (within --max-tokens)")
     p.add_argument("--sizes", action="store_true", help="only print the checkpoint's sizes (no GPU, nothing written)")
     a = p.parse_args()
     fmt = a.format or FORMATS[a.model]

@@ -16,7 +16,7 @@
 #                                              $DSV4_STEPS steps, default 256) and one eager step op by op
 #                                              -> $OUT/deepseek-v4.md/.json
 #   bash bench/deepseek_gpu_check.sh v4prefill eager prefill steps of 8 x 1024 and 1 x 8192 tokens on it: the CuPy
-#                                              pool's peak against GpuOps.pool_nbytes -> $OUT/deepseek-v4-prefill.md
+#                                              pool's peak against eager_pool_nbytes -> $OUT/deepseek-v4-prefill.md
 #   bash bench/deepseek_gpu_check.sh v4serve   `openinfer serve` of that checkpoint under bench/serve.py (random
 #                                              1024/128, c1 and rate inf, $DSV4_SCALE of the prompts, default 0.25;
 #                                              the folder's word-level tokenizer of the model's 129,280 ids)

@@ -95,7 +95,7 @@ class GpuExecutor(ExecutorBase):
         self.stream = self.streams.compute
         sizes = arena_sizes(self.plan, model, self.ops_class)
         self.num_state_slots = sizes.num_state_slots
-        self.arena = DeviceArena(arena_bytes(sizes, self.plan, self.kv_itemsize, self.ops_class))
+        self.arena = DeviceArena(arena_bytes(sizes, self.plan, self.kv_itemsize))
         lora_weights = self._upload_weights(model, sizes)
         self._take_parts(sizes)
         self._take_kv_pool(sizes)

@@ -1,12 +1,13 @@
 """The GPU executor's memory plan, made before anything is carved: every part's arena bytes from the plan (each part
 states its own: parts_nbytes), the weights', the LoRA slots' A rows, the state slots' (ArenaSizes), and the arena's
 size (arena_bytes): options.gpu_memory_utilization of the device less what the line's eager steps take from CuPy's
-pool outside the arena (GpuOps.pool_nbytes), or exactly the parts and num_kv_blocks."""
+pool outside the arena (eager_pool_nbytes), or exactly the parts and num_kv_blocks."""
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
+from engine.executor.gpu_dsv4_ops import GpuDSV4Ops
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, cute_rows, cute_workspace_bytes
 from engine.executor.gpu_inputs import StepInputs
 from engine.executor.gpu_lora_layout import extra_rows
@@ -66,14 +67,20 @@ def arena_sizes(plan: GpuPlan, model: LoadedModel, ops_class=GpuOps) -> ArenaSiz
                       cute_max_m=cute_max_m, prefill_min=prefill_min, state=state, num_state_slots=slots)
 
 
-def arena_bytes(sizes: ArenaSizes, plan: GpuPlan, kv_itemsize: int, ops_class=GpuOps) -> int:
-    """The arena: options.gpu_memory_utilization of the device less the eager steps' pool (ops_class.pool_nbytes),
-    or exactly the parts and num_kv_blocks."""
+def eager_pool_nbytes(plan: GpuPlan) -> int:
+    """Bytes the line's eager steps take from CuPy's pool (outside the arena) at their largest: DeepSeek-V4's
+    float32 attention and hyper-connections (GpuDSV4Ops.pool_nbytes); every other family works in the arena."""
+    return GpuDSV4Ops.pool_nbytes(plan) if "dsv4" in plan.families else 0
+
+
+def arena_bytes(sizes: ArenaSizes, plan: GpuPlan, kv_itemsize: int) -> int:
+    """The arena: options.gpu_memory_utilization of the device less the eager steps' pool (eager_pool_nbytes), or
+    exactly the parts and num_kv_blocks."""
     options = plan.options
     if options.num_kv_blocks is not None:
         return (sizes.weights + sizes.lora_bytes + sum(sizes.parts.values())
                 + options.num_kv_blocks * plan.kv.block_bytes(kv_itemsize) + SLACK_BYTES)
-    pool = ops_class.pool_nbytes(plan)
+    pool = eager_pool_nbytes(plan)
     budget = arena_budget(options.gpu_memory_utilization) - pool
     if pool:
         log.info("%.1f GiB left outside the arena for the eager steps' temporaries (%d tokens a step)",

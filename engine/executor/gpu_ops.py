@@ -122,12 +122,6 @@ class GpuOps(ComposedOps):
         return buffers_nbytes(activation_buffers(plan) + cls.buffers(plan)) + cls.families_nbytes(plan)
 
     @classmethod
-    def pool_nbytes(cls, plan) -> int:
-        """Bytes the line's eager steps take from CuPy's pool (outside the arena) at their largest: DeepSeek-V4's
-        float32 attention and hyper-connections (GpuDSV4Ops.pool_nbytes); every other family works in the arena."""
-        return GpuDSV4Ops.pool_nbytes(plan) if "dsv4" in plan.families else 0
-
-    @classmethod
     def families_nbytes(cls, plan) -> int:
         return cls.moe_class.nbytes(plan) + cls.mla_class.nbytes(plan) + cls.lora_class.nbytes(plan)
 

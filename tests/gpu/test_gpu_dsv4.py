@@ -100,17 +100,18 @@ def test_graph_decode_matches_eager_in_every_bucket(name):
 def test_an_eager_step_stays_within_the_memory_left_outside_the_arena(name):
     """The eager steps' float32 temporaries come from CuPy's pool, outside the arena: a prefill step of the plan's
     max_num_batched_tokens (four prompts, and one prompt of them all: its attention chunked) takes at most what the
-    executor leaves free for it (GpuOps.pool_nbytes), fragmentation included."""
+    executor leaves free for it (gpu_arena_sizes.eager_pool_nbytes), fragmentation included."""
     import cupy
 
     from engine.batch import ModelBatch, SeqStep
+    from engine.executor.gpu_arena_sizes import eager_pool_nbytes
 
     model = load_model(tiny_model_path(name))
     ex = new_gpu_executor(model, cuda_graphs=False, num_kv_blocks=160, max_model_len=1024,
                           max_num_batched_tokens=1024)
     pool = cupy.get_default_memory_pool()
     try:
-        declared = ex.ops_class.pool_nbytes(ex.plan)
+        declared = eager_pool_nbytes(ex.plan)
         for lens in ([256] * 4, [1024]):
             seqs = random_sequences(model.config.vocab_size, lens, seed=len(lens))
             per_seq = lens[0] // 16 + 1
