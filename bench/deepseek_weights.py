@@ -263,9 +263,10 @@ def write_random_quantized(config_path: str, out_dir: str, fmt: str, seed: int =
     folder, rows = tokenizer_source()[:2]
     if rows > model.config.vocab_size:       # its ids would pass the embedding's rows (V4: 129,280 < Qwen's)
         write_word_tokenizer(out_dir, model.config.vocab_size)
-    for f in ("tokenizer.json", "tokenizer_config.json") if rows <= model.config.vocab_size else ():
-        if os.path.isfile(os.path.join(folder, f)):
-            shutil.copy(os.path.join(folder, f), out_dir)
+    else:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            if os.path.isfile(os.path.join(folder, f)):
+                shutil.copy(os.path.join(folder, f), out_dir)
     with open(sizes_path, "w") as f:
         json.dump(sizes, f)
     open(done, "w").close()

@@ -396,7 +396,7 @@ class GpuExecutor(ExecutorBase):
 
     def discard_step_times(self) -> None:
         if self.timer is not None:
-            self.timer.pairs.clear()
+            self.timer.clear()
 
     def launch_eager(self, batch: ModelBatch) -> PendingStep:
         """One step with per-kernel launches (prefill, mixed and verify steps; decode where graphs are off).

@@ -25,6 +25,10 @@ class StepTimer:
         self.pairs[-1][1] = end = cupy.cuda.Event()
         end.record(self.stream)
 
+    def clear(self) -> None:
+        """Forget the steps queued: they failed, and none will be read."""
+        self.pairs.clear()
+
     def elapsed_ms(self) -> float | None:
         import cupy
 
