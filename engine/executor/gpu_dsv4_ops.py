@@ -10,13 +10,14 @@ of each window a step token closes, from the step's float32 inputs and the seque
 row; ring_store: the step's last inputs into the ring), the lightning indexer (dsv4_indexer.cu:
 indexer_scores, then indexer_topk, each query's top index_topk entries on the device) and, for steps whose every
 sequence has one query (decode), the attention itself (dsv4_attention.cu: write_rows stores the step's K rows,
-sparse_decode attends over the window and the entries with the sinks; decode_attention below), and the per-head
-RMSNorm and rope of q, of the K = V row, of the indexer's queries and the rope undone on the output (dsv4_norm_rope.cu:
-norm_rope, one launch each, in place). The limited SwiGLU, the hash router and the projections around the attention run as CuPy float32 over the bf16 weights, every
-projection on the executor's bf16 GEMM (float32 out) but the grouped output projection's wo_a, which runs on the
-MoE part's grouped products over its bf16 weight, group g as expert g (grouped_linear: moe_gemv.cu for a few
-tokens, the grouped GEMM otherwise; no float32 copy), the routed experts on the MoE part (gpu_moe_ops.py, whose
-moe_route.cu also takes the sqrtsoftplus router).
+sparse_decode attends over the window and the entries with the sinks; decode_attention below), the per-head RMSNorm
+and rope of q, of the K = V row and of the indexer's queries, the q LoRA's norm and the rope undone on the output
+(dsv4_norm_rope.cu: norm_rope, one launch each, in place), the limited SwiGLU (the MoE part's silu_mul.cu
+silu_mul_limited, the shared expert's too) and the hash router (moe_route.cu moe_hash_route). The rest around the
+attention runs as CuPy float32 over the bf16 weights, every projection on the executor's bf16 GEMM (float32 out) but
+the grouped output projection's wo_a, which runs on the MoE part's grouped products over its bf16 weight, group g as
+expert g (grouped_linear: moe_gemv.cu for a few tokens, the grouped GEMM otherwise; no float32 copy), the routed
+experts on the MoE part (gpu_moe_ops.py, whose moe_route.cu also takes the sqrtsoftplus router).
 
 The compact cache (issue 58): a KV row per token and layer holds K = V and, at a window's closing token, the
 entry and the indexer key (entry_columns); the compressor's inputs live in the per-sequence ring, the line's
@@ -86,7 +87,8 @@ class GpuDSV4Ops:
         ~4 such alive in sink_attention) with its queries. V4-Flash at 8,192 tokens: 9.6 GiB."""
         heads = plan.num_heads * plan.head_dim * 4
         per_token = 6 * heads + 4 * MAX_HC_MULT * plan.hidden * 4
-        return plan.max_tokens * per_token + 4 * QUERY_KEY_PAIRS * plan.num_heads * 4 + math.isqrt(QUERY_KEY_PAIRS) * heads
+        chunk = 4 * QUERY_KEY_PAIRS * plan.num_heads * 4 + math.isqrt(QUERY_KEY_PAIRS) * heads
+        return plan.max_tokens * per_token + chunk
 
     def __init__(self, shared, moe, state: dict | None = None, array_module=None):
         if array_module is None:

@@ -12,8 +12,8 @@ of at most 4 tokens takes three launches instead: moe_route_gemv (the router pro
 one), moe_gemv_silu and moe_gemv_combine (each assignment reads its expert straight from the ids, the same
 bits as the grouped path). Every launch has a grid fixed by the step's token count (the rows bound below),
 nothing waits on the host: a decode step with experts is captured in its CUDA graph like a dense one.
-DeepSeek-V4's sqrtsoftplus scores are moe_route.cu's third scoring; its limited SwiGLU (swiglu_limit) runs as
-CuPy float32 array ops (no host reads: captured in that line's decode graphs too).
+DeepSeek-V4's sqrtsoftplus scores are moe_route.cu's third scoring; its limited SwiGLU (swiglu_limit) is
+silu_mul.cu's silu_mul_limited (captured in that line's decode graphs too).
 """
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ import math
 
 import numpy as np
 
-from engine.executor.cpu_dsv4_ops import swiglu_limited
-from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16, split_gate_up
 from engine.models.ops import RouteSpec
 from openinfer_kernels.raw_cuda import kernel
 from memory.device_arena import Buffer, buffers_nbytes
@@ -199,17 +197,11 @@ class GpuMoEOps:
                   (a, w, tile_expert, row_token, out, np.int32(M), np.int32(N), np.int32(K), np.int32(tile_m)))
 
     def expert_activation(self, gate_up, out, limit) -> None:
-        """silu_mul.cu over the gate_up rows into out (bf16 [rows, inter]); with a finite limit (DeepSeek-V4's
-        swiglu_limit) its limited form, silu_mul_limited (an intermediate size not a multiple of 8: CuPy float32
-        array ops)."""
+        """silu_mul.cu over the gate_up rows into out (bf16 [rows, inter], inter % 8 == 0: checked at start); with a
+        finite limit (DeepSeek-V4's swiglu_limit) its limited form, silu_mul_limited."""
         sh = self.shared
         rows, inter = out.shape
         limited = limit is not None and not math.isinf(limit)
-        if limited and inter % 8:
-            with sh.stream:
-                g = split_gate_up(self.cp, bf16_to_f32(self.cp, gate_up), sh.gate_up_interleaved)
-                out[...] = f32_to_bf16(self.cp, swiglu_limited(g, limit))
-            return
         total = rows * inter // 8
         if not total:
             return
