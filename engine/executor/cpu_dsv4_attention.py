@@ -222,7 +222,7 @@ def project(x, w, spec, positions, p: "DSV4Primitives"):
     """The step's projections of x [T, H] at positions [T] (where p computes): (q [T, heads, D] roped, its K = V
     rows [T, D] (roped), its compressor inputs [T, ring_width] (the compressor's kv | gate, then the indexer's;
     None on sliding layers), the indexer's queries [T, index heads, d] and weights [T, index heads] (CSA; None
-    elsewhere), the positions (the output's rope is undone at them))."""
+    elsewhere))."""
     L, mm, f32 = f"layers.{spec.layer}.", p.mm, p.fp32
     T, H, D, eps = x.shape[0], spec.num_heads, spec.head_dim, spec.rms_eps
     q_res = p.norm_rope(mm(x, w[L + "wq_a"])[:, None], positions, NO_ROPE, eps, f32(w[L + "q_norm"]))[:, 0]
@@ -237,7 +237,7 @@ def project(x, w, spec, positions, p: "DSV4Primitives"):
                          spec.compress_inv_freq)
         iw = mm(x, w[L + "idx_weights"]) * np.float32(spec.index_heads ** -0.5)
     inputs = xp_of(kv).concatenate(inputs, axis=-1) if inputs else None
-    return q, kv, inputs, iq, iw, positions
+    return q, kv, inputs, iq, iw
 
 
 def out_projection(out, positions, w, spec, p: "DSV4Primitives"):
@@ -254,7 +254,8 @@ def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
     output projection's [T, H]."""
     b, L = ctx.batch, f"layers.{spec.layer}."
     T, H, D = x.shape[0], spec.num_heads, spec.head_dim
-    q, kv, inputs, iq, iw, rope_at = project(x, w, spec, p.dev(b.positions), p)
+    step_positions = p.dev(b.positions)
+    q, kv, inputs, iq, iw = project(x, w, spec, step_positions, p)
     xp = xp_of(kv)
     p.write_rows(spec.layer, b.slot_mapping, kv)
     sinks, out = p.fp32(w[L + "sinks"]), xp.empty((T, H, D), np.float32)
@@ -285,7 +286,7 @@ def dsv4_attention(x, w, spec, ctx, p: "DSV4Primitives"):
         out[p.dev(rows_of[real])] = res.reshape(G * Q, H, D)[p.dev(np.flatnonzero(real))]
     if spec.rate:
         p.ring_store(spec, np.repeat(ring_slots, q_lens), ring_positions(positions, cu, spec.ring_len), inputs)
-    return out_projection(out, rope_at, w, spec, p)
+    return out_projection(out, step_positions, w, spec, p)
 
 
 class DSV4Primitives(Protocol):

@@ -405,7 +405,7 @@ def decode_attention(x, w, spec, ctx, p: GpuDSV4Ops):
     window's earlier ones from its ring), its inputs stored in the ring, the indexer's top-k taken over every
     entry the block tables can hold (CSA), then sparse_decode."""
     positions, tables = ctx.positions, ctx.block_tables
-    q, kv, inputs, iq, iw, rope_at = project(x, w, spec, positions, p)
+    q, kv, inputs, iq, iw = project(x, w, spec, positions, p)
     p.store_rows(spec.layer, ctx.slot_mapping, kv)
     ids = None
     if spec.rate:
@@ -416,4 +416,4 @@ def decode_attention(x, w, spec, ctx, p: GpuDSV4Ops):
             stride = tables.shape[1] * BLOCK_SIZE // spec.rate
             ids = p.indexer_topk(spec.layer, tables, iq, iw, positions, spec, stride)[0]
     out = p.sparse_decode(q, tables, positions, ids, p.fp32(w[f"layers.{spec.layer}.sinks"]), spec)
-    return out_projection(out, rope_at, w, spec, p)
+    return out_projection(out, positions, w, spec, p)
