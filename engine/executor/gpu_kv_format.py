@@ -4,6 +4,7 @@ chunks and the rows the CuTe prefill does not take) and kv_gather.cu's kv_gather
 staging: the gathered context widened once per step and layer, ~2 bytes read and 4 written per cached value).
 The fused rope + decode entries and paged_chunk.cu keep the bf16 cache only: with FP8 a decode step runs
 qk_norm_rope_cache_fp8 then the attention (one launch more a layer), and short runs take paged_decode.cu.
+MLA lines keep their one latent plane as e4m3 (k_scale): gpu_mla_ops.py's kernels each have an FP8 form.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from memory.kv_format import KVFormat
 def fp8_kv_problem(families, group: int, head_dim: int, fast_attention: bool) -> str | None:
     """Why the GPU kernels cannot keep this line's KV as FP8 (--kv-cache-dtype fp8), None where they can: the
     e4m3 cache is written by qk_norm_rope_cache.cu's 16-byte-piece path and read by paged_decode.cu
-    (paged_decode_attention_fp8) and kv_gather.cu (kv_gather_fp8, the CuTe prefill's staging)."""
+    (paged_decode_attention_fp8) and kv_gather.cu (kv_gather_fp8, the CuTe prefill's staging); an MLA line's
+    latent rows by the FP8 forms of gpu_mla_ops.py's kernels (whatever rows GpuMLAOps takes)."""
     if "mla" in families:
-        return "the GPU's MLA latent kernels (mla_latent_cache.cu, mla_decode.cu) read a bf16 cache"
+        return None
     if not fast_attention:
         return "the FP8 cache is read by paged_decode.cu: OPENINFER_DECODE_KERNELS must include attention"
     pieces = head_dim // 8

@@ -2,7 +2,10 @@
 an MLA line over the executor's GpuShared and the dense ops' split attention kernels (GpuOps.split_attention).
 
 latent_cache: mla_latent_cache.cu (latent RMSNorm + interleaved rope + the one-plane cache write,
-and the query columns, RMSNorm'd when q_lora_rank is set). attention picks the form per step:
+and the query columns, RMSNorm'd when q_lora_rank is set). With --kv-cache-dtype fp8 the cache rows are e4m3
+(the layer's k_scale; gpu_kv_format.py) and every kernel that touches them takes its FP8 form: the _fp8 entries
+of mla_latent_cache.cu, mla_absorb.cu and mla_prefill.cu, mla_decode.cu built with KV_FP8=1. attention picks
+the form per step:
   * absorbed (decode, and any step whose contexts do not fit the expansion rows): q_lat = W_UKᵀ·q_nope
     per head (one cuBLAS strided-batched GEMM reading kv_b_proj in place, float32 out: Gemm.strided_batched), mla_decode.cu
     over the latent cache (one launch: its last split per head group merges the splits), o = W_UV·o_lat
@@ -41,10 +44,11 @@ def mla_decode_shape(num_tokens: int, num_splits: int, num_heads: int, num_sms: 
     return S, G
 
 
-def mla_decode_smem(rope_dim: int, kv_rank: int, group: int) -> int:
-    """mla_decode.cu's dynamic shared memory: CHUNK bf16 latent rows and `group` float32 query rows."""
+def mla_decode_smem(rope_dim: int, kv_rank: int, group: int, kv_itemsize: int = 2) -> int:
+    """mla_decode.cu's dynamic shared memory: CHUNK latent rows (bf16, or e4m3: kv_itemsize 1) and `group`
+    float32 query rows."""
     row = kv_rank + rope_dim
-    return MLA_CHUNK * row * 2 + group * row * 4
+    return MLA_CHUNK * row * kv_itemsize + group * row * 4
 
 
 def expand_rows(plan) -> int:
@@ -86,16 +90,21 @@ class GpuMLAOps:
         if s.kv_lora_rank % 8 or s.rope_dim % 8 or s.qk_dim > 256 or s.qk_dim % 2:
             raise ValueError(f"GPU MLA kernels need kv_lora_rank and qk_rope_head_dim % 8 == 0 and an even "
                              f"nope + rope <= 256; got {s}")
+        self.fp8 = shared.kv_format.fp8
         self.shared, self.dense = shared, attention
+        self.kv_itemsize = 1 if self.fp8 else 2
         self.buf = arena.take_all("mla", self.buffers(plan))
         shared.zero(self.buf["mla_counters"])       # zero between launches (the last split resets its own)
         self.expand_cap = expand_rows(plan)
         self.max_blocks = plan.max_blocks
-        self.k_cache = kernel("mla_latent_cache", "mla_latent_cache")
+        entry = shared.kv_entry                     # "_fp8" for the e4m3 cache
+        self.k_cache = kernel("mla_latent_cache", "mla_latent_cache" + entry)
 
         def decode_kernel(early: int):
-            k = kernel("mla_decode", "mla_decode_split", KV_RANK=s.kv_lora_rank, ROPE_DIM=s.rope_dim, EARLY_CHUNK=early)
-            k.max_dynamic_shared_size_bytes = mla_decode_smem(s.rope_dim, s.kv_lora_rank, MLA_MAX_GROUP)
+            k = kernel("mla_decode", "mla_decode_split", KV_RANK=s.kv_lora_rank, ROPE_DIM=s.rope_dim, EARLY_CHUNK=early,
+                       KV_FP8=int(self.fp8))
+            k.max_dynamic_shared_size_bytes = mla_decode_smem(s.rope_dim, s.kv_lora_rank, MLA_MAX_GROUP,
+                                                              self.kv_itemsize)
             return k
         self.k_decode = decode_kernel(1)
         # Where q_lora_rank is unset, mla_absorb_q_cache writes the step's latent rows in the launch right
@@ -104,9 +113,9 @@ class GpuMLAOps:
         self.absorb_fits = s.nope_dim <= 256 and s.kv_lora_rank <= 1024      # mla_absorb.cu MAX_ROWS, MAX_PIECES
         self.k_absorb_q = kernel("mla_absorb", "mla_absorb_q")
         self.k_absorb_o = kernel("mla_absorb", "mla_absorb_o")
-        self.k_absorb_q_cache = kernel("mla_absorb", "mla_absorb_q_cache")
-        self.k_gather = kernel("mla_prefill", "mla_gather_latent")
-        self.k_expand = kernel("mla_prefill", "mla_expand_kv")
+        self.k_absorb_q_cache = kernel("mla_absorb", "mla_absorb_q_cache" + entry)
+        self.k_gather = kernel("mla_prefill", "mla_gather_latent" + entry)
+        self.k_expand = kernel("mla_prefill", "mla_expand_kv" + entry)
         self.k_q_rope = kernel("mla_prefill", "mla_q_rope")
         self.k_compact = kernel("mla_prefill", "mla_compact_o")
 
@@ -140,8 +149,12 @@ class GpuMLAOps:
                   (y, np.int32(spec.q_cols), np.int32(spec.kv_lora_rank), np.int32(spec.rope_dim), kv_norm,
                    np.uint64(0) if q_norm is None else q_norm, np.float32(spec.rms_eps), sh.inv_freq,
                    np.float32(sh.attention_factor), ctx.positions, ctx.slot_mapping,
-                   sh.kv_cache[spec.layer, 0], q))
+                   sh.kv_cache[spec.layer, 0], q) + self._scale(spec.layer))
         return q
+
+    def _scale(self, layer: int) -> tuple:
+        """The FP8 entries' trailing k_scale argument of a layer (the latent plane's); () for bf16."""
+        return self.shared.kv_scales(layer)[:1]
 
     def attention(self, q, kv_b, spec: MLASpec, ctx):
         plan = self._expansion(spec, ctx)
@@ -160,7 +173,8 @@ class GpuMLAOps:
         sh.launch(self.k_absorb_q_cache, (-(-R // 64) + 1, H), (256,),
                   (y, kv_b, q_lat, np.int32(T), np.int32(H), np.int32(spec.nope_dim), np.int32(spec.v_dim), np.int32(R),
                    np.int32(spec.qk_dim), np.int32(spec.rope_dim), kv_norm, np.float32(spec.rms_eps), sh.inv_freq,
-                   np.float32(sh.attention_factor), ctx.positions, ctx.slot_mapping, sh.kv_cache[spec.layer, 0], q))
+                   np.float32(sh.attention_factor), ctx.positions, ctx.slot_mapping, sh.kv_cache[spec.layer, 0], q)
+                  + self._scale(spec.layer))
         return self._absorbed(q, kv_b, spec, ctx, q_absorbed=True)
 
     def _raw(self, tokens: int) -> bool:
@@ -196,8 +210,8 @@ class GpuMLAOps:
                   (q_lat, q, np.int32(spec.qk_dim), np.int32(N), sh.inv_freq, np.float32(sh.attention_factor),
                    sh.kv_cache[spec.layer, 0], bt, np.int32(bt.shape[1]), ctx.token_seq, ctx.positions,
                    b["mla_part_out"], b["mla_part_max"], b["mla_part_sum"], o_lat, b["mla_counters"], np.int32(H),
-                   np.int32(G), np.float32(spec.scale)),
-                  shared_mem=mla_decode_smem(spec.rope_dim, R, G))
+                   np.int32(G), np.float32(spec.scale), (self._scale(spec.layer) or (np.float32(1),))[0]),
+                  shared_mem=mla_decode_smem(spec.rope_dim, R, G, self.kv_itemsize))
         # o[t, h] = W_UV_h o_lat[t, h]: column-major oᵀ [V, T] = (W_UV_h as [R, V])ᵀ · o_latᵀ [R, T]
         o = sh.out(T, H * V)
         if raw:
@@ -233,12 +247,14 @@ class GpuMLAOps:
         b, sh = self.buf, self.shared
         cache = sh.kv_cache[spec.layer, 0]
         latent = b["mla_x_latent"][:rows * R].reshape(rows, R)
-        sh.launch(self.k_gather, (rows,), (64,), (cache, slots, latent, np.int32(R), np.int32(R + Dr)))
+        sh.launch(self.k_gather, (rows,), (64,), (cache, slots, latent, np.int32(R), np.int32(R + Dr))
+                  + self._scale(spec.layer))
         kv = b["mla_x_kv"][:rows * H * (N + V)].reshape(rows, H * (N + V))
         sh.gemm(latent, kv_b, kv)
         k, v = b["mla_x_k"][:rows * H * Dk], b["mla_x_v"][:rows * H * Dk]
         sh.launch(self.k_expand, (rows,), (128,),
-                  (kv, cache, slots, k, v, np.int32(H), np.int32(N), np.int32(V), np.int32(Dr), np.int32(R)))
+                  (kv, cache, slots, k, v, np.int32(H), np.int32(N), np.int32(V), np.int32(Dr), np.int32(R))
+                  + self._scale(spec.layer))
         q_rot = sh.out(T, H * Dk)
         sh.launch(self.k_q_rope, (T,), (128,),
                   (q, sh.inv_freq, np.float32(sh.attention_factor), ctx.positions, q_rot, np.int32(H),

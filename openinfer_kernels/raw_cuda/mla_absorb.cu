@@ -90,12 +90,15 @@ mla_absorb_q(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kv_b, floa
 // mla_absorb_q reading q_nope straight from the fused down-projection rows y [T, q_cols + R + Dr]
 // (q_lora_rank unset: q_cols = H·qk), and mla_latent_cache.cu's work done by one more column of CTAs
 // (blockIdx.x = ceil(R / 64): tokens blockIdx.y, blockIdx.y + H, ...): the latent and rope key to the
-// paged cache, the query columns to q_out (mla_decode.cu's rope part). One launch for the two.
-extern "C" __global__ void __launch_bounds__(256)
-mla_absorb_q_cache(const bf16_t* __restrict__ y, const bf16_t* __restrict__ kv_b, float* __restrict__ q_lat,
-                   int T, int H, int N, int V, int R, int qk, int Dr, const bf16_t* __restrict__ kv_norm, float eps,
-                   const float* __restrict__ inv_freq, float attn_factor, const int* __restrict__ positions,
-                   const int* __restrict__ slot_mapping, bf16_t* __restrict__ cache, bf16_t* __restrict__ q_out) {
+// paged cache (bf16, or e4m3 of value / scale: mla_absorb_q_cache_fp8), the query columns to q_out
+// (mla_decode.cu's rope part). One launch for the two.
+template <bool FP8>
+__device__ __forceinline__ void absorb_q_cache(const bf16_t* __restrict__ y, const bf16_t* __restrict__ kv_b,
+                                               float* __restrict__ q_lat, int T, int H, int N, int V, int R, int qk,
+                                               int Dr, const bf16_t* __restrict__ kv_norm, float eps,
+                                               const float* __restrict__ inv_freq, float attn_factor,
+                                               const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                                               void* __restrict__ cache, bf16_t* __restrict__ q_out, float scale) {
     const int q_cols = H * qk, width = q_cols + R + Dr;
     if (blockIdx.x < gridDim.x - 1) {
         absorb_q(y, width, kv_b, q_lat, T, H, N, V, R, qk);
@@ -105,8 +108,27 @@ mla_absorb_q_cache(const bf16_t* __restrict__ y, const bf16_t* __restrict__ kv_b
     pdl_launch_dependents();
     __shared__ float scratch[33];
     for (int t = blockIdx.y; t < T; t += gridDim.y)
-        mla_latent_row(y + (size_t)t * width, q_cols, R, Dr, kv_norm, nullptr, eps, inv_freq, attn_factor,
-                       (float)positions[t], slot_mapping[t], cache, q_out + (size_t)t * q_cols, scratch);
+        mla_latent_row<FP8>(y + (size_t)t * width, q_cols, R, Dr, kv_norm, nullptr, eps, inv_freq, attn_factor,
+                            (float)positions[t], slot_mapping[t], cache, scale, q_out + (size_t)t * q_cols, scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+mla_absorb_q_cache(const bf16_t* __restrict__ y, const bf16_t* __restrict__ kv_b, float* __restrict__ q_lat,
+                   int T, int H, int N, int V, int R, int qk, int Dr, const bf16_t* __restrict__ kv_norm, float eps,
+                   const float* __restrict__ inv_freq, float attn_factor, const int* __restrict__ positions,
+                   const int* __restrict__ slot_mapping, bf16_t* __restrict__ cache, bf16_t* __restrict__ q_out) {
+    absorb_q_cache<false>(y, kv_b, q_lat, T, H, N, V, R, qk, Dr, kv_norm, eps, inv_freq, attn_factor, positions,
+                          slot_mapping, cache, q_out, 1.f);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+mla_absorb_q_cache_fp8(const bf16_t* __restrict__ y, const bf16_t* __restrict__ kv_b, float* __restrict__ q_lat,
+                       int T, int H, int N, int V, int R, int qk, int Dr, const bf16_t* __restrict__ kv_norm,
+                       float eps, const float* __restrict__ inv_freq, float attn_factor,
+                       const int* __restrict__ positions, const int* __restrict__ slot_mapping,
+                       unsigned char* __restrict__ cache, bf16_t* __restrict__ q_out, float scale) {
+    absorb_q_cache<true>(y, kv_b, q_lat, T, H, N, V, R, qk, Dr, kv_norm, eps, inv_freq, attn_factor, positions,
+                         slot_mapping, cache, q_out, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(256)

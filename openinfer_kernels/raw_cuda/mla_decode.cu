@@ -6,7 +6,9 @@
 // where q_lat = W_UK_hᵀ · q_nope (the caller's batched GEMM, float32) and q_rope is read from
 // q[t, h, nope:] and rotated here (interleaved pairs, cos / sin · attn_factor, rounded to bf16 as the
 // cache's key). W_UV is applied to o_lat afterwards (a batched GEMM). Padded tokens (position < 0) give
-// zeros. KV_RANK and ROPE_DIM are compile-time (-D; V2 / V2-Lite: 512 and 64).
+// zeros. KV_RANK and ROPE_DIM are compile-time (-D; V2 / V2-Lite: 512 and 64). KV_FP8=1 (--kv-cache-dtype
+// fp8): the cache rows are e4m3 bytes (mla_latent_cache_fp8), staged as bytes and widened in registers, the
+// layer's kv_scale folded into the query (scores) and the output (P·C): half the bytes of a bf16 row.
 // Flash-decoding, one launch: grid (head groups, S splits, T); a CTA serves `group` (<= MAX_G, chosen
 // by the launcher so small batches still fill the SMs) heads of one token over one split of its context,
 // in CHUNK-key steps with an online softmax (online_softmax.cuh: natural-log maxima):
@@ -21,12 +23,13 @@
 // layout) and a ticket from counters[t·groups + group]: the last split's CTA merges them in split order
 // (deterministic) and resets the counter to 0 (zero after every launch: graphs replay as is).
 // Dynamic shared memory: CHUNK·ROW bf16 rows + group·ROW float32 queries (mla_decode_smem in gpu_mla_ops).
-// Roofline per token and layer: bytes = context · (KV_RANK + ROPE_DIM) · 2 (the latent is read once per
+// Roofline per token and layer: bytes = context · (KV_RANK + ROPE_DIM) · 2 (FP8: · 1) (the latent is read once per
 // head group: 157 KB at 136 tokens, 4.7 MB at 4K context on V2-Lite, ~1.1 µs at 4.3 TB/s) against
 // 2 · context · H · (2 · KV_RANK + ROPE_DIM) fp32 flops (150 MFLOP for 16 heads at 4K, ~2.5 µs over 132
 // SMs at ~60 TFLOP/s): compute-bound on CUDA cores at long context and large batch; at batch 1 and short
 // context latency-bound (q load, row load, ticket, merge: a few dependent round trips, one launch).
 #include "online_softmax.cuh"
+#include "kv_fp8.cuh"          // e4m3x2_to_floats
 
 #ifndef KV_RANK
 #define KV_RANK 512
@@ -34,11 +37,22 @@
 #ifndef ROPE_DIM
 #define ROPE_DIM 64
 #endif
+#ifndef KV_FP8
+#define KV_FP8 0                                         // 1: e4m3 cache rows (mla_latent_cache_fp8)
+#endif
+#if KV_FP8
+typedef unsigned char kv_t;
+#else
+typedef bf16_t kv_t;
+#endif
 #define ROW (KV_RANK + ROPE_DIM)
-#define PAIRS (ROW / 2)                                  // bf16 pairs of a latent row
+#define ROW_BYTES (ROW * (int)sizeof(kv_t))
+#define PAIRS (ROW / 2)                                  // value pairs of a latent row
 #define PPL ((PAIRS + 31) / 32)                          // pairs per lane (scores)
-#define VECS (ROW * 2 / 16)                              // 16-byte pieces of a row
-#define LINES ((ROW * 2 + 127) / 128)                    // 128-byte lines of a row (L2 prefetch)
+#define PIECE_BYTES (ROW_BYTES % 16 ? 8 : 16)            // cp.async pieces: 8 bytes where e4m3 rows need them
+#define VECS (ROW_BYTES / PIECE_BYTES)                   // pieces of a row
+#define PIECE (PIECE_BYTES / (int)sizeof(kv_t))          // values of a piece
+#define LINES ((ROW_BYTES + 127) / 128)                  // 128-byte lines of a row (L2 prefetch)
 #ifndef MAX_G
 #define MAX_G 16                                         // gpu_mla_ops.MLA_MAX_GROUP
 #endif
@@ -54,12 +68,21 @@
 #define KPW 4                                            // keys per warp per chunk (sum4_scatter)
 #define CHUNK (NWARPS * KPW)                             // gpu_mla_ops.MLA_CHUNK
 #define DP ((KV_RANK / 2 + NTHREADS - 1) / NTHREADS)     // latent pairs per thread (P·C)
-static_assert(ROW % 8 == 0 && KV_RANK % 8 == 0, "rows of whole 16-byte pieces");
+static_assert(ROW % 8 == 0 && KV_RANK % 8 == 0, "rows of whole 8-value pieces");
 #define FULL 0xffffffffu
 
 __device__ __forceinline__ void unpack2(unsigned w, float& lo, float& hi) {
     lo = __uint_as_float(w << 16);
     hi = __uint_as_float(w & 0xffff0000u);
+}
+
+// Values i and i + 1 (i even) of a staged row as floats (e4m3 ones unscaled: kv_scale is applied outside).
+__device__ __forceinline__ void load_pair(const kv_t* row, int i, float& lo, float& hi) {
+#if KV_FP8
+    e4m3x2_to_floats(*reinterpret_cast<const unsigned short*>(row + i), lo, hi);
+#else
+    unpack2(*reinterpret_cast<const unsigned*>(row + i), lo, hi);
+#endif
 }
 
 // The sum over the warp of v[lane >> 3] (lanes 8u..8u+7 get key u's dot): a reduce-scatter of the 4 dots.
@@ -78,17 +101,18 @@ __device__ __forceinline__ float sum4_scatter(const float v[KPW], int lane) {
 }
 
 // Positions [c0, c0 + n) of the sequence's latent rows into kv_s by cp.async (rows n..CHUNK-1 zeroed).
-__device__ __forceinline__ void load_chunk(bf16_t* kv_s, const bf16_t* cache, const int* table, int c0, int n) {
+__device__ __forceinline__ void load_chunk(kv_t* kv_s, const kv_t* cache, const int* table, int c0, int n) {
     for (int i = threadIdx.x; i < CHUNK * VECS; i += NTHREADS) {
         const int j = i / VECS, v = i % VECS, p = c0 + j;
         const bool ok = j < n;
         const size_t slot = ok ? (size_t)table[p >> 4] * 16 + (p & 15) : 0;
-        cp_async16(kv_s + j * ROW + v * 8, cache + slot * ROW + v * 8, ok);
+        if constexpr (PIECE_BYTES == 16) cp_async16(kv_s + j * ROW + v * PIECE, cache + slot * ROW + v * PIECE, ok);
+        else cp_async8(kv_s + j * ROW + v * PIECE, cache + slot * ROW + v * PIECE, ok);
     }
     cp_async_commit();
 }
 
-__device__ __forceinline__ void prefetch_chunk(const bf16_t* cache, const int* table, int c0, int n) {
+__device__ __forceinline__ void prefetch_chunk(const kv_t* cache, const int* table, int c0, int n) {
     for (int i = threadIdx.x; i < n * LINES; i += NTHREADS) {
         const int j = i / LINES, p = c0 + j;
         const char* row = reinterpret_cast<const char*>(cache + ((size_t)table[p >> 4] * 16 + (p & 15)) * ROW);
@@ -98,14 +122,14 @@ __device__ __forceinline__ void prefetch_chunk(const bf16_t* cache, const int* t
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 mla_decode_split(const float* __restrict__ q_lat, const bf16_t* __restrict__ q, int qk_dim, int nope,
-                 const float* __restrict__ inv_freq, float attn_factor, const bf16_t* __restrict__ cache,
+                 const float* __restrict__ inv_freq, float attn_factor, const kv_t* __restrict__ cache,
                  const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ token_seq,
                  const int* __restrict__ positions, float* __restrict__ part_out, float* __restrict__ part_max,
                  float* __restrict__ part_sum, bf16_t* __restrict__ out, int* __restrict__ counters,
-                 int num_heads, int group, float scale) {
+                 int num_heads, int group, float scale, float kv_scale) {
     extern __shared__ __align__(16) unsigned char smem[];
-    bf16_t* kv_s = reinterpret_cast<bf16_t*>(smem);                       // [CHUNK][ROW]
-    float* q_s = reinterpret_cast<float*>(smem + CHUNK * ROW * 2);        // [group][ROW], pre-scaled
+    kv_t* kv_s = reinterpret_cast<kv_t*>(smem);                           // [CHUNK][ROW]
+    float* q_s = reinterpret_cast<float*>(smem + CHUNK * ROW_BYTES);      // [group][ROW], pre-scaled
     __shared__ __align__(16) float p_s[MAX_G * CHUNK];
     __shared__ float m_s[MAX_G], l_s[MAX_G], alpha_s[MAX_G];
     __shared__ float weight_s[MAX_G][MAX_SPLITS];
@@ -119,6 +143,7 @@ mla_decode_split(const float* __restrict__ q_lat, const bf16_t* __restrict__ q, 
     const int per_split = ((ctx + S - 1) / S + 15) / 16 * 16;
     const int start = split * per_split, end = min(ctx, start + per_split);
     const int* table = block_tables + (size_t)token_seq[t] * max_blocks;
+    const float q_scale = scale * kv_scale;                  // FP8: the cache's scale folded into the scores
     if (EARLY_CHUNK && start < end) load_chunk(kv_s, cache, table, start, min(CHUNK, end - start));
     pdl_begin();
     if (!EARLY_CHUNK && start < end) load_chunk(kv_s, cache, table, start, min(CHUNK, end - start));
@@ -126,7 +151,7 @@ mla_decode_split(const float* __restrict__ q_lat, const bf16_t* __restrict__ q, 
     for (int i = tid; i < G * (KV_RANK / 4); i += NTHREADS) {
         const int g = i / (KV_RANK / 4), d = 4 * (i % (KV_RANK / 4));
         float4 v = *reinterpret_cast<const float4*>(q_lat + ((size_t)t * num_heads + h0 + g) * KV_RANK + d);
-        v.x *= scale; v.y *= scale; v.z *= scale; v.w *= scale;
+        v.x *= q_scale; v.y *= q_scale; v.z *= q_scale; v.w *= q_scale;
         *reinterpret_cast<float4*>(q_s + g * ROW + d) = v;
     }
     for (int i = tid; i < G * (ROPE_DIM / 2); i += NTHREADS) {
@@ -136,8 +161,8 @@ mla_decode_split(const float* __restrict__ q_lat, const bf16_t* __restrict__ q, 
         float s, c;
         sincosf((float)pos * inv_freq[j], &s, &c);
         s *= attn_factor; c *= attn_factor;
-        q_s[g * ROW + KV_RANK + 2 * j] = round_bf16(a * c - b * s) * scale;
-        q_s[g * ROW + KV_RANK + 2 * j + 1] = round_bf16(a * s + b * c) * scale;
+        q_s[g * ROW + KV_RANK + 2 * j] = round_bf16(a * c - b * s) * q_scale;
+        q_s[g * ROW + KV_RANK + 2 * j + 1] = round_bf16(a * s + b * c) * q_scale;
     }
     if (tid < MAX_G) { m_s[tid] = -INFINITY; l_s[tid] = 0.f; }
     float acc[DP][2][MAX_G];
@@ -162,8 +187,8 @@ mla_decode_split(const float* __restrict__ q_lat, const bf16_t* __restrict__ q, 
                 #pragma unroll
                 for (int e = 0; e < PPL; ++e) {
                     const int pi = lane + 32 * e;
-                    const unsigned w = pi < PAIRS ? *reinterpret_cast<const unsigned*>(kv_s + (j0 + u) * ROW + 2 * pi) : 0u;
-                    unpack2(w, kr[u][2 * e], kr[u][2 * e + 1]);
+                    kr[u][2 * e] = kr[u][2 * e + 1] = 0.f;
+                    if (pi < PAIRS) load_pair(kv_s + (j0 + u) * ROW, 2 * pi, kr[u][2 * e], kr[u][2 * e + 1]);
                 }
             #pragma unroll 1
             for (int g = 0; g < G; ++g) {
@@ -204,7 +229,7 @@ mla_decode_split(const float* __restrict__ q_lat, const bf16_t* __restrict__ q, 
                 float v[4][2];
                 #pragma unroll
                 for (int u = 0; u < 4; ++u)
-                    unpack2(*reinterpret_cast<const unsigned*>(kv_s + (j + u) * ROW + 2 * pr), v[u][0], v[u][1]);
+                    load_pair(kv_s + (j + u) * ROW, 2 * pr, v[u][0], v[u][1]);
                 #pragma unroll
                 for (int g = 0; g < MAX_G; ++g) {
                     if (g < G) {
@@ -231,11 +256,11 @@ mla_decode_split(const float* __restrict__ q_lat, const bf16_t* __restrict__ q, 
             if (pr >= KV_RANK / 2) continue;
             if (S == 1) {
                 const float l = l_s[g];
-                const float lo = l > 0.f ? acc[a][0][g] / l : 0.f, hi = l > 0.f ? acc[a][1][g] / l : 0.f;
+                const float lo = l > 0.f ? acc[a][0][g] / l * kv_scale : 0.f, hi = l > 0.f ? acc[a][1][g] / l * kv_scale : 0.f;
                 *reinterpret_cast<unsigned*>(out + th * KV_RANK + 2 * pr) = f_to_bf16(lo) | ((unsigned)f_to_bf16(hi) << 16);
             } else {
                 *reinterpret_cast<float2*>(part_out + (th * S + split) * KV_RANK + 2 * pr) =
-                    make_float2(acc[a][0][g], acc[a][1][g]);
+                    make_float2(acc[a][0][g] * kv_scale, acc[a][1][g] * kv_scale);
             }
         }
         if (S > 1 && tid == 0) { part_max[th * S + split] = m_s[g]; part_sum[th * S + split] = l_s[g]; }

@@ -12,34 +12,76 @@
 // Roofline: the expansion writes 2·rows·H·Dk·2 bytes and reads rows·H·(nope + v)·2 (V2-Lite, 4K rows:
 // 100 MB written, 64 MB read, ~40 µs per layer at 4.3 TB/s): a cost the tensor-core GEMM before it and
 // the attention after it (O(n²)) dominate for long prompts.
-#include "common.cuh"
+// With --kv-cache-dtype fp8 the _fp8 entries read the e4m3 cache (mla_latent_cache_fp8) as bf16(e4m3 · scale).
+#include "kv_fp8.cuh"      // KVElem, e4m3x2_to_floats
 
-extern "C" __global__ void mla_gather_latent(const bf16_t* __restrict__ cache, const int* __restrict__ src_slots,
-                                             bf16_t* __restrict__ latent, int R, int row) {
+// Value i of a cache of format FP8 as bf16 (e4m3 · scale, rounded once).
+template <bool FP8>
+__device__ __forceinline__ bf16_t latent_value(const typename KVElem<FP8>::type* cache, size_t i, float scale) {
+    if constexpr (FP8) {
+        float v, unused;
+        e4m3x2_to_floats((unsigned short)cache[i], v, unused);
+        return f_to_bf16(v * scale);
+    } else {
+        return cache[i];
+    }
+}
+
+template <bool FP8>
+__device__ __forceinline__ void gather_latent(const typename KVElem<FP8>::type* __restrict__ cache,
+                                              const int* __restrict__ src_slots, bf16_t* __restrict__ latent, int R,
+                                              int row, float scale) {
     pdl_begin();
     const int slot = src_slots[blockIdx.x];
     bf16_t* dst = latent + (size_t)blockIdx.x * R;
-    for (int i = threadIdx.x; i < R; i += blockDim.x) dst[i] = slot >= 0 ? cache[(size_t)slot * row + i] : (bf16_t)0;
+    for (int i = threadIdx.x; i < R; i += blockDim.x)
+        dst[i] = slot >= 0 ? latent_value<FP8>(cache, (size_t)slot * row + i, scale) : (bf16_t)0;
 }
 
-extern "C" __global__ void mla_expand_kv(const bf16_t* __restrict__ kv, const bf16_t* __restrict__ cache,
-                                         const int* __restrict__ src_slots, bf16_t* __restrict__ k_out,
-                                         bf16_t* __restrict__ v_out, int H, int nope, int vd, int Dr, int R) {
+extern "C" __global__ void mla_gather_latent(const bf16_t* __restrict__ cache, const int* __restrict__ src_slots,
+                                             bf16_t* __restrict__ latent, int R, int row) {
+    gather_latent<false>(cache, src_slots, latent, R, row, 1.f);
+}
+
+extern "C" __global__ void mla_gather_latent_fp8(const unsigned char* __restrict__ cache,
+                                                 const int* __restrict__ src_slots, bf16_t* __restrict__ latent,
+                                                 int R, int row, float scale) {
+    gather_latent<true>(cache, src_slots, latent, R, row, scale);
+}
+
+template <bool FP8>
+__device__ __forceinline__ void expand_kv(const bf16_t* __restrict__ kv, const typename KVElem<FP8>::type* __restrict__ cache,
+                                          const int* __restrict__ src_slots, bf16_t* __restrict__ k_out,
+                                          bf16_t* __restrict__ v_out, int H, int nope, int vd, int Dr, int R,
+                                          float scale) {
     pdl_begin();
     const size_t r = blockIdx.x;
     const int slot = src_slots[r], Dk = nope + Dr;
     const bf16_t* kvr = kv + r * H * (nope + vd);
-    const bf16_t* rope = cache + (size_t)max(slot, 0) * (R + Dr) + R;
+    const size_t rope = (size_t)max(slot, 0) * (R + Dr) + R;
     for (int i = threadIdx.x; i < H * Dk; i += blockDim.x) {
         const int h = i / Dk, d = i % Dk;
         bf16_t k = 0, v = 0;
         if (slot >= 0) {
-            k = d < nope ? kvr[h * (nope + vd) + d] : rope[d - nope];
+            k = d < nope ? kvr[h * (nope + vd) + d] : latent_value<FP8>(cache, rope + d - nope, scale);
             v = d < vd ? kvr[h * (nope + vd) + nope + d] : (bf16_t)0;
         }
         k_out[r * H * Dk + i] = k;
         v_out[r * H * Dk + i] = v;
     }
+}
+
+extern "C" __global__ void mla_expand_kv(const bf16_t* __restrict__ kv, const bf16_t* __restrict__ cache,
+                                         const int* __restrict__ src_slots, bf16_t* __restrict__ k_out,
+                                         bf16_t* __restrict__ v_out, int H, int nope, int vd, int Dr, int R) {
+    expand_kv<false>(kv, cache, src_slots, k_out, v_out, H, nope, vd, Dr, R, 1.f);
+}
+
+extern "C" __global__ void mla_expand_kv_fp8(const bf16_t* __restrict__ kv, const unsigned char* __restrict__ cache,
+                                             const int* __restrict__ src_slots, bf16_t* __restrict__ k_out,
+                                             bf16_t* __restrict__ v_out, int H, int nope, int vd, int Dr, int R,
+                                             float scale) {
+    expand_kv<true>(kv, cache, src_slots, k_out, v_out, H, nope, vd, Dr, R, scale);
 }
 
 extern "C" __global__ void mla_q_rope(const bf16_t* __restrict__ q, const float* __restrict__ inv_freq,

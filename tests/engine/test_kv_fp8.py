@@ -213,6 +213,7 @@ def test_gpu_refuses_what_its_fp8_kernels_do_not_serve():
     from engine.executor.gpu_kv_format import fp8_kv_problem
     assert fp8_kv_problem(frozenset(), 4, 128, True) is None
     assert fp8_kv_problem(frozenset({"moe"}), 8, 64, True) is None
-    assert "MLA" in fp8_kv_problem(frozenset({"mla"}), 16, 576, True)
+    assert fp8_kv_problem(frozenset({"mla"}), 16, 576, True) is None          # V2 / V3's 512 + 64 latent row
+    assert fp8_kv_problem(frozenset({"mla"}), 4, 40, True) is None            # the tiny lines' 32 + 8
     assert "OPENINFER_DECODE_KERNELS" in fp8_kv_problem(frozenset(), 4, 128, False)
     assert "head_dim 96" in fp8_kv_problem(frozenset(), 4, 96, True)

@@ -5,8 +5,9 @@ model in bf16 (K and V rounded the same way) against it. The floor is wider than
 rounding of K moves some values across an e4m3 boundary: measured on CPU (transformers 5.25, 2026-12-06), mean
 |Δlogprob| 0.194 / 0.066 / 0.040 (qwen3_tied / llama / qwen3_gqa4) against the bf16 floor's 0.090 / 0.021 / 0.015.
 The gate is test_gpu_executor's (argmax by regret within the floor's p99, mean <= max(0.02, 2 x the floor's mean))
-over prefill (CuTe through kv_gather_fp8's staging, and paged_decode_attention_fp8), decode and chunked prefill;
-then CUDA graphs against eager, a prefix hit and a host-tier restore against the cold run, the pool's blocks, and
+over prefill (CuTe through kv_gather_fp8's staging, and paged_decode_attention_fp8), decode and chunked prefill,
+and the MLA lines (deepseek_v3, deepseek_v2_lite) through the latent cache's FP8 kernels; then CUDA graphs against
+eager, a prefix hit and a host-tier restore against the cold run, the pool's blocks, and
 each FP8 kernel entry against numpy (tests/kernels/test_kv_fp8_kernels_emulated.py runs the same on the host).
 """
 from __future__ import annotations
@@ -31,10 +32,13 @@ def fp8_executor(model, **settings):
     return new_gpu_executor(model, kv_cache_dtype="fp8", **settings)
 
 
-@pytest.fixture(scope="module", params=["qwen3_tied", "llama", "qwen3_gqa4"])
+# the MLA lines keep their latent rows as e4m3 (gpu_mla_ops.py's FP8 kernel forms): deepseek_v3 with the q LoRA,
+# deepseek_v2_lite without it (mla_absorb_q_cache_fp8 at decode)
+@pytest.fixture(scope="module", params=["qwen3_tied", "llama", "qwen3_gqa4", "deepseek_v3", "deepseek_v2_lite"])
 def tiny(request):
     path, model, seqs, ones = fp8_case(request.param)
-    o32, o16 = (hf_fp8_kv_logits(path, seqs, ones, dtype=d) for d in ("float32", "bfloat16"))
+    mla = ones.shape[1] == 1
+    o32, o16 = (hf_fp8_kv_logits(path, seqs, ones, mla=mla, dtype=d) for d in ("float32", "bfloat16"))
     ex = fp8_executor(model)
     yield request.param, model, ex, seqs, o32, o16
     ex.close()
@@ -46,12 +50,13 @@ def test_fp8_kv_gate(tiny, path_name):
     assert ex.kv_cache.dtype == np.uint8
     before = ex.prefill.launches if ex.prefill is not None else 0
     assert_gate(gate_row(f"fp8-kv/{name}/{path_name}", engine_logits(ex, seqs, **PATHS[path_name]), o32, o16))
-    if path_name == "prefill" and ex.prefill is not None:
+    if path_name == "prefill" and ex.prefill is not None and "mla" not in ex.plan.families:
         assert ex.prefill.launches > before             # the CuTe path ran over the staged (widened) KV
 
 
-def test_fp8_graphs_decode_as_eager():
-    model = load_model(tiny_model_path("qwen3_gqa4"))
+@pytest.mark.parametrize("name", ["qwen3_gqa4", "deepseek_v3"])
+def test_fp8_graphs_decode_as_eager(name):
+    model = load_model(tiny_model_path(name))
     eager, graphed = fp8_executor(model, cuda_graphs=False), fp8_executor(model)
     for n in (1, 3, 9):
         prompts = random_sequences(model.config.vocab_size, [3 + 7 * i % 29 for i in range(n)], seed=n)

@@ -25,7 +25,7 @@ from openinfer_kernels.raw_cuda import KERNEL_DIR
 from openinfer_kernels.raw_cuda.launch import pack_argument
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DYNAMIC_SMEM = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?(\w+) (\w+)\[\];")   # -> the block's buffer
+DYNAMIC_SMEM = re.compile(r"extern __shared__ (?:__align__\(\d+\) )?(\w+(?: \w+)?) (\w+)\[\];")   # -> the block's buffer
 ENTRY = re.compile(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)')
 
 
