@@ -114,7 +114,7 @@ def test_an_eager_step_stays_within_the_memory_left_outside_the_arena(name):
         declared = eager_pool_nbytes(ex.plan)
         for lens in ([256] * 4, [1024]):
             seqs = random_sequences(model.config.vocab_size, lens, seed=len(lens))
-            per_seq = lens[0] // 16 + 1
+            per_seq = -(-lens[0] // 16)                      # whole blocks: 1024 tokens fill max_model_len
             steps = [SeqStep(i, s, 0, list(range(i * per_seq, (i + 1) * per_seq)), False, state_slot=i)
                      for i, s in enumerate(seqs)]
             ex.stream.synchronize()
