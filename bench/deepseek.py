@@ -18,6 +18,7 @@ OUT/STEM.md after each batch (STEM: deepseek, deepseek-v4 for V4).
 
     python3 bench/deepseek.py --out bench/results [--model kimi-k2|deepseek-v4-flash] [--layers 4]
         [--format int4|fp8] [--batches 1,32] [--op-times] [--eager] [--write-only] [--sizes]
+        [--prefill-memory 8x1024,1x8192] [--prefill-op-times 1x8192]
 
 Sizes (kimi-k2, 4 layers = 1 dense + 3 MoE): 54.0 G parameters (each MoE layer 16.9 G, embedding and
 lm_head 1.17 G each); stored ~35 GB int4 / ~57 GB fp8 (use --layers 3 for fp8 on a 64 GB disk); dequantized
@@ -89,17 +90,13 @@ def prefill_memory(ex, vocab: int, shapes: list[tuple[int, int]]) -> list[dict]:
     fragmentation included; as tests/gpu/test_gpu_dsv4.py counts it) against
     what the ops declare and the executor leaves free for them (gpu_arena_sizes.eager_pool_nbytes of the plan)."""
     import cupy
-    import numpy as np
 
-    from engine.batch import ModelBatch, SeqStep
+    from engine.batch import ModelBatch
     from engine.executor.gpu_arena_sizes import eager_pool_nbytes
 
-    pool, rng, rows = cupy.get_default_memory_pool(), np.random.default_rng(0), []
+    pool, rows = cupy.get_default_memory_pool(), []
     for seqs, tokens in shapes:
-        per_seq = -(-(tokens + 1) // BLOCK_SIZE)
-        steps = [SeqStep(seq_id=j, token_ids=rng.integers(0, vocab - 1000, tokens).tolist(), start_pos=0,
-                         block_table=list(range(j * per_seq, (j + 1) * per_seq)), sample=True, params=GREEDY,
-                         prompt_len=tokens, state_slot=j) for j in range(seqs)]
+        steps = prefill_steps(vocab, seqs, tokens)
         ex.stream.synchronize()
         pool.free_all_blocks()
         held, t = pool.used_bytes(), time.perf_counter()
@@ -110,12 +107,41 @@ def prefill_memory(ex, vocab: int, shapes: list[tuple[int, int]]) -> list[dict]:
     return rows
 
 
-def op_table(ops: list[dict]) -> list[str]:
-    """The op times of one eager batch-1 step (bench/decode.py's op_breakdown) as markdown lines: the ops the
-    model code calls, then (depth 1) the ones they compose."""
+def prefill_steps(vocab: int, seqs: int, tokens: int, seed: int = 0) -> list:
+    """`seqs` fresh prompts of `tokens` random ids each, in disjoint KV blocks from block 0."""
+    import numpy as np
+
+    from engine.batch import SeqStep
+    rng, per_seq = np.random.default_rng(seed), -(-(tokens + 1) // BLOCK_SIZE)
+    return [SeqStep(seq_id=j, token_ids=rng.integers(0, vocab - 1000, tokens).tolist(), start_pos=0,
+                    block_table=list(range(j * per_seq, (j + 1) * per_seq)), sample=True, params=GREEDY,
+                    prompt_len=tokens, state_slot=j) for j in range(seqs)]
+
+
+def prefill_op_times(ex, vocab: int, seqs: int, tokens: int, depths: int = 2) -> dict:
+    """One eager prefill step of `seqs` x `tokens` timed op by op (CUDA events, bench/op_timer.py), after one
+    untimed step of the same shape (kernels compiled, the CuPy pool warm). Prefill ops are long enough that the
+    events measure the device, not the host's launch gaps as in a decode step."""
+    from bench.op_timer import time_ops
+    from engine.batch import ModelBatch
+
+    batch = ModelBatch.build(prefill_steps(vocab, seqs, tokens))
+    ex.execute_eager(batch)
+    ex.stream.synchronize()
+    t = time.perf_counter()
+    rows = [r for r in time_ops(ex, lambda: ex.execute_eager(batch)) if r.depth < depths]
+    ms = (time.perf_counter() - t) * 1e3
+    return dict(seqs=seqs, tokens=tokens, step_ms=ms, ops=[dict(op=r.op, depth=r.depth, calls=r.calls, ms=r.ms,
+                                                                roofline_fraction=None)
+                                                           for r in sorted(rows, key=lambda r: (r.depth, -r.ms))])
+
+
+def op_table(ops: list[dict], title: str = "One eager batch-1 decode step by op") -> list[str]:
+    """Op times (bench/decode.py's op_breakdown, prefill_op_times) as markdown lines: the ops the model code
+    calls, then (depth 1) the ones they compose."""
     if not ops:
         return []
-    lines = ["", "One eager batch-1 decode step by op (CUDA events; depth 1: inside a depth-0 op):", "",
+    lines = ["", f"{title} (CUDA events; depth 1: inside a depth-0 op):", "",
              "| op | depth | calls | ms | weight roofline fraction |", "| --- | --- | --- | --- | --- |"]
     return lines + [f"| {o['op']} | {o['depth']} | {o['calls']} | {o['ms']:.3f} | "
                     f"{'-' if o['roofline_fraction'] is None else format(o['roofline_fraction'], '.2f')} |" for o in ops]
@@ -142,6 +168,10 @@ def write_report(out: str, stem: str, meta: dict, rows: list[dict]) -> str:
               f"{'-' if math.isnan(r['graph_ms']) else format(r['graph_ms'], '.2f')} | {r['host_fraction']:.2f} |"
               for r in rows]
     lines += op_table(meta.get("op_times") or [])
+    if meta.get("prefill_op_times"):
+        pre = meta["prefill_op_times"]
+        lines += op_table(pre["ops"], f"One eager prefill step of {pre['seqs']} x {pre['tokens']} tokens by op, "
+                                      f"{pre['step_ms']:.0f} ms timed")
     if meta.get("prefill_memory"):
         lines += ["", "Eager prefill steps from an emptied CuPy pool (its bytes after the step: the peak) against what "
                   "the executor leaves outside its arena for them (eager_pool_nbytes):", "",
@@ -171,6 +201,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=2048, help="the executor's max_num_batched_tokens")
     p.add_argument("--prefill-memory", default="", help="prefill shapes SEQSxTOKENS,.. (e.g. 8x1024,1x8192): each "
                    "one eager step, its CuPy pool peak against eager_pool_nbytes (within --max-tokens)")
+    p.add_argument("--prefill-op-times", default="", help="SEQSxTOKENS: one eager prefill step of that shape timed "
+                   "op by op (within --max-tokens)")
     p.add_argument("--sizes", action="store_true", help="only print the checkpoint's sizes (no GPU, nothing written)")
     a = p.parse_args()
     fmt = a.format or FORMATS[a.model]
@@ -241,6 +273,10 @@ def main() -> None:
         text = write_report(a.out, stem, meta, rows)
     if a.op_times:
         meta["op_times"] = op_breakdown(ex, None, bw, depths=2)
+        text = write_report(a.out, stem, meta, rows)
+    if a.prefill_op_times:
+        seqs, tokens = (int(v) for v in a.prefill_op_times.split("x"))
+        meta["prefill_op_times"] = prefill_op_times(ex, model.config.vocab_size, seqs, tokens)
         text = write_report(a.out, stem, meta, rows)
     ex.close()
     print(text)

@@ -17,6 +17,8 @@
 #                                              -> $OUT/deepseek-v4.md/.json
 #   bash bench/deepseek_gpu_check.sh v4prefill eager prefill steps of 8 x 1024 and 1 x 8192 tokens on it: the CuPy
 #                                              pool's peak against eager_pool_nbytes -> $OUT/deepseek-v4-prefill.md
+#   bash bench/deepseek_gpu_check.sh v4prefillops one eager prefill step of 1 x 8192 tokens on it, op by op (the
+#                                              serving bottleneck at rate inf) -> $OUT/deepseek-v4-prefill-ops.md
 #   bash bench/deepseek_gpu_check.sh v4serve   `openinfer serve` of that checkpoint under bench/serve.py (random
 #                                              1024/128, c1 and rate inf, $DSV4_SCALE of the prompts, default 0.25;
 #                                              the folder's word-level tokenizer of the model's 129,280 ids)
@@ -34,6 +36,8 @@ case "${1:-tests}" in
   v4bench) step dsv4_bench 560 python3 bench/deepseek.py "${V4ARGS[@]}" --op-times; cat "$OUT/deepseek-v4.md" 2>/dev/null ;;
   v4prefill) step dsv4_prefill 560 python3 bench/deepseek.py "${V4ARGS[@]}" --batches "" --eager --max-tokens 8192 \
                --prefill-memory 8x1024,1x8192 --stem deepseek-v4-prefill; cat "$OUT/deepseek-v4-prefill.md" 2>/dev/null ;;
+  v4prefillops) step dsv4_prefill_ops 560 python3 bench/deepseek.py "${V4ARGS[@]}" --batches "" --eager --max-tokens 8192 \
+               --prefill-op-times 1x8192 --stem deepseek-v4-prefill-ops; cat "$OUT/deepseek-v4-prefill-ops.md" 2>/dev/null ;;
   v4serve) V4=/tmp/deepseek-v4-flash-L${DSV4_LAYERS:-4}-fp8
            step dsv4_serve 560 python3 bench/serve_gpu.py --models deepseek-v4-flash --folder "$V4" --tokenizer "$V4" \
              --scenarios c1,inf --scale "${DSV4_SCALE:-0.25}" --out-dir "$OUT/deepseek-v4-serve" ;;
