@@ -7,9 +7,11 @@ OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+# .whl-router: vllm-router and what it imports (fastapi, uvicorn, aiohttp, ...) plus pyzmq / msgspec, for
+# bench/scale_out.py (its console script lands in /tmp/site/bin)
+if compgen -G ".whl/*.whl" > /dev/null || compgen -G ".whl-router/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    $(ls .whl/*.whl .whl-router/*.whl 2>/dev/null) && export PYTHONPATH=/tmp/site:$PYTHONPATH PATH=/tmp/site/bin:$PATH
 fi
 [ -f .gpu_assets/qwen-tokenizer/tokenizer.json ] && export OPENINFER_TEST_TOKENIZER=$PWD/.gpu_assets/qwen-tokenizer
 date -u +"date: %Y-%m-%dT%H:%M:%SZ"
