@@ -5,7 +5,8 @@
     python3 bench/decode_profile.py --parse DIR/ncu.csv --model qwen3-4b > DIR/profile.md
 
 Any line of bench/configs (Qwen3-30B-A3B, DeepSeek-V2-Lite: its MoE and MLA kernels by name); --layers N
-writes and runs only the first N layers (bench/decode.py's config_path).
+writes and runs only the first N layers (bench/decode.py's config_path); --folder loads a written checkpoint
+instead (DeepSeek-V4-Flash: bench/deepseek.py's FP8 / FP4 folder).
 
 The first form builds the executor on random Qwen3 weights (as bench/decode.py), prefills a prompt of
 128 tokens, runs a few graphed decode steps, and brackets one more with cudaProfilerStart/Stop, so
@@ -42,8 +43,10 @@ def projection_names(cfg) -> dict[int, list[tuple[str, int]]]:
 
 
 def run_step(model_name: str, batch: int, prompt: int = 128, layers: int | None = None, adapters: int = 0,
-             rank: int = 16) -> None:
-    """adapters: sequence j runs with random rank-`rank` LoRA adapter j % adapters (bench/lora.py's)."""
+             rank: int = 16, folder: str | None = None) -> None:
+    """adapters: sequence j runs with random rank-`rank` LoRA adapter j % adapters (bench/lora.py's); folder: a
+    model folder to load instead of writing random bf16 weights (a quantized checkpoint of bench/deepseek.py's,
+    e.g. /tmp/deepseek-v4-flash-L4-fp8: DeepSeek-V4-Flash in bf16 does not fit beside its HF writer)."""
     import cupy
 
     from bench.decode import GREEDY, config_path, random_weights_folder, run_batch
@@ -53,8 +56,9 @@ def run_step(model_name: str, batch: int, prompt: int = 128, layers: int | None 
     from engine.loader import load_model
     from harness.models import write_random_qwen3
 
-    folder = random_weights_folder(model_name, layers)
-    write_random_qwen3(config_path(model_name, layers), folder)
+    if folder is None:
+        folder = random_weights_folder(model_name, layers)
+        write_random_qwen3(config_path(model_name, layers), folder)
     model = load_model(folder)
     per_seq = -(-(prompt + 32) // BLOCK_SIZE)
     lora = dict(max_loras=adapters, max_lora_rank=rank) if adapters else {}
@@ -128,12 +132,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="only the first N layers")
     p.add_argument("--adapters", type=int, default=0, help="LoRA: sequence j runs with random adapter j %% N")
     p.add_argument("--rank", type=int, default=16, help="the adapters' rank")
+    p.add_argument("--folder", default=None, help="load this model folder instead of writing random weights")
     p.add_argument("--parse", metavar="NCU_CSV", help="summarize an ncu --csv log instead of running")
     a = p.parse_args()
     if a.parse:
         print(summarize(a.parse, a.model))
     else:
-        run_step(a.model, a.batch, layers=a.layers, adapters=a.adapters, rank=a.rank)
+        run_step(a.model, a.batch, layers=a.layers, adapters=a.adapters, rank=a.rank, folder=a.folder)
 
 
 if __name__ == "__main__":
