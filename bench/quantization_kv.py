@@ -13,7 +13,8 @@ the same run beside it.
    (the ratio is per layer; the report says which ran).
 
     python3 bench/quantization_kv.py --out bench/results [--layers N] [--batch 128] [--context 4096] [--steps 64]
-Writes OUT/quantization-kv.json and OUT/quantization-kv.md (date, GPU, command, both figures).
+Writes OUT/STEM.json and OUT/STEM.md (date, GPU, command, both figures); STEM quantization-kv for Qwen3-8B,
+quantization-kv-MODEL for another model (--stem to choose).
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def decode_at(model, kv_cache_dtype: str, batch: int, prompt: int, steps: int, b
     return row
 
 
-def report(res: dict, out: str) -> str:
+def report(res: dict, out: str, stem: str) -> str:
     blocks, rows = {r["kv_cache_dtype"]: r for r in res["blocks"]}, {r["kv_cache_dtype"]: r for r in res["decode"]}
     lines = [f"# --kv-cache-dtype fp8 vs bf16 KV, {res['model']}", "",
              f"{res['date']}, {res['gpu']}, `{res['command']}`; device-copy bandwidth {res['bandwidth'] / 1e12:.2f} TB/s",
@@ -90,7 +91,7 @@ def report(res: dict, out: str) -> str:
               f"(wall) {rows['bfloat16']['ms_per_step'] / rows['fp8']['ms_per_step']:.3f}x; sequences whose first 4 "
               f"greedy tokens agree between the two: {same:.2f} (random weights: FP8 rounding flips near-ties)"]
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(out, "quantization-kv.md"), "w") as f:
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write(text)
     return text
 
@@ -104,7 +105,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--utilization", type=float, default=0.9)
     p.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    p.add_argument("--stem", default=None, help="output names (default quantization-kv, -MODEL beside qwen3-8b)")
     a = p.parse_args()
+    stem = a.stem or ("quantization-kv" if a.model == "qwen3-8b" else f"quantization-kv-{a.model}")
     os.makedirs(a.out, exist_ok=True)
     import cupy
     import torch
@@ -131,9 +134,9 @@ def main() -> None:
         row = decode_at(model, d, a.batch, a.context - a.steps, a.steps, bw)
         res["decode"].append(row)
         print(f"[{d}] {row['ms_per_step']:.3f} ms/step, graph {row['graph_ms']:.3f} ms", flush=True)
-        with open(os.path.join(a.out, "quantization-kv.json"), "w") as f:
+        with open(os.path.join(a.out, f"{stem}.json"), "w") as f:
             json.dump(res, f, indent=1, default=str)
-    print(report(res, a.out))
+    print(report(res, a.out, stem))
 
 
 if __name__ == "__main__":
