@@ -90,9 +90,8 @@ class GpuMLAOps:
         if s.kv_lora_rank % 8 or s.rope_dim % 8 or s.qk_dim > 256 or s.qk_dim % 2:
             raise ValueError(f"GPU MLA kernels need kv_lora_rank and qk_rope_head_dim % 8 == 0 and an even "
                              f"nope + rope <= 256; got {s}")
-        self.fp8 = shared.kv_format.fp8
         self.shared, self.dense = shared, attention
-        self.kv_itemsize = 1 if self.fp8 else 2
+        self.fp8, self.kv_itemsize = shared.kv_format.fp8, shared.kv_format.itemsize(2)
         self.buf = arena.take_all("mla", self.buffers(plan))
         shared.zero(self.buf["mla_counters"])       # zero between launches (the last split resets its own)
         self.expand_cap = expand_rows(plan)
@@ -152,9 +151,13 @@ class GpuMLAOps:
                    sh.kv_cache[spec.layer, 0], q) + self._scale(spec.layer))
         return q
 
+    def _kv_scale(self, layer: int) -> np.float32:
+        """The latent plane's k_scale of a layer (1 for the bf16 cache)."""
+        return np.float32(self.shared.kv_format.scales[layer, 0] if self.fp8 else 1)
+
     def _scale(self, layer: int) -> tuple:
-        """The FP8 entries' trailing k_scale argument of a layer (the latent plane's); () for bf16."""
-        return self.shared.kv_scales(layer)[:1]
+        """The FP8 entries' trailing k_scale argument of a layer; () for bf16."""
+        return (self._kv_scale(layer),) if self.fp8 else ()
 
     def attention(self, q, kv_b, spec: MLASpec, ctx):
         plan = self._expansion(spec, ctx)
@@ -210,7 +213,7 @@ class GpuMLAOps:
                   (q_lat, q, np.int32(spec.qk_dim), np.int32(N), sh.inv_freq, np.float32(sh.attention_factor),
                    sh.kv_cache[spec.layer, 0], bt, np.int32(bt.shape[1]), ctx.token_seq, ctx.positions,
                    b["mla_part_out"], b["mla_part_max"], b["mla_part_sum"], o_lat, b["mla_counters"], np.int32(H),
-                   np.int32(G), np.float32(spec.scale), (self._scale(spec.layer) or (np.float32(1),))[0]),
+                   np.int32(G), np.float32(spec.scale), self._kv_scale(spec.layer)),
                   shared_mem=mla_decode_smem(spec.rope_dim, R, G, self.kv_itemsize))
         # o[t, h] = W_UV_h o_lat[t, h]: column-major oᵀ [V, T] = (W_UV_h as [R, V])ᵀ · o_latᵀ [R, T]
         o = sh.out(T, H * V)

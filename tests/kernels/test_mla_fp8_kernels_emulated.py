@@ -90,17 +90,18 @@ def test_expanded_prefill_reads_the_e4m3_cache_as_bf16():
     cache8 = e4m3_bytes(rng, (12, R + Dr), 40)
     as_bf16 = bf16(dequantize_e4m3(cache8.view(E4M3), k_scale))          # bf16(e4m3 · k_scale)
     src = np.array([3, -1, 0, 11, 7], np.int32)
+    kv = bf16(rng.standard_normal((rows, H * (N + V))))
     latent = {}
     for fp8, cache in ((True, cache8), (False, as_bf16)):
+        entry, scale = ("_fp8", (np.float32(k_scale),)) if fp8 else ("", ())
         lat = host(np.zeros((rows, R), np.uint16))
-        run("mla_prefill", "mla_gather_latent" + ("_fp8" if fp8 else ""), (rows,), 64,
-            (host(cache), host(src), lat, np.int32(R), np.int32(R + Dr)) + ((np.float32(k_scale),) if fp8 else ()))
-        kv = bf16(rng.standard_normal((rows, H * (N + V)))) if not latent else latent["kv"]
+        run("mla_prefill", "mla_gather_latent" + entry, (rows,), 64,
+            (host(cache), host(src), lat, np.int32(R), np.int32(R + Dr)) + scale)
         k, v = host(np.zeros((rows, H * Dk), np.uint16)), host(np.zeros((rows, H * Dk), np.uint16))
-        run("mla_prefill", "mla_expand_kv" + ("_fp8" if fp8 else ""), (rows,), 128,
+        run("mla_prefill", "mla_expand_kv" + entry, (rows,), 128,
             (host(kv), host(cache), host(src), k, v, np.int32(H), np.int32(N), np.int32(V), np.int32(Dr),
-             np.int32(R)) + ((np.float32(k_scale),) if fp8 else ()))
-        latent.update({fp8: (np.array(lat), np.array(k), np.array(v)), "kv": kv})
+             np.int32(R)) + scale)
+        latent[fp8] = (np.array(lat), np.array(k), np.array(v))
     for name, a, b in zip(("latent", "k", "v"), latent[True], latent[False]):
         np.testing.assert_array_equal(a, b, err_msg=name)
     np.testing.assert_array_equal(latent[True][0][0], as_bf16[3, :R])
