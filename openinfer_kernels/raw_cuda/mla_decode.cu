@@ -22,7 +22,7 @@
 // With S == 1 the CTA writes bf16 o_lat; otherwise float32 partials (acc, max, sum: attention_merge's
 // layout) and a ticket from counters[t·groups + group]: the last split's CTA merges them in split order
 // (deterministic) and resets the counter to 0 (zero after every launch: graphs replay as is).
-// Dynamic shared memory: CHUNK·ROW bf16 rows + group·ROW float32 queries (mla_decode_smem in gpu_mla_ops).
+// Dynamic shared memory: CHUNK rows of ROW_BYTES + group·ROW float32 queries (mla_decode_smem in gpu_mla_ops).
 // Roofline per token and layer: bytes = context · (KV_RANK + ROPE_DIM) · 2 (FP8: · 1) (the latent is read once per
 // head group: 157 KB at 136 tokens, 4.7 MB at 4K context on V2-Lite, ~1.1 µs at 4.3 TB/s) against
 // 2 · context · H · (2 · KV_RANK + ROPE_DIM) fp32 flops (150 MFLOP for 16 heads at 4K, ~2.5 µs over 132
