@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import os
 import sys
 from collections import defaultdict
@@ -30,12 +31,16 @@ sys.path.insert(0, ROOT)
 COPY_TB_S = 4.25      # device-copy bandwidth of the H200 (bench/results/decode.md measures it per run)
 
 
-def projection_names(cfg) -> dict[int, list[tuple[str, int]]]:
+def projection_names(cfg: dict) -> dict[int, list[tuple[str, int]]]:
     """GEMV grid size (N / 16 CTAs) -> [(projection, weight bytes)] in layer order (o_proj and down_proj
-    share a grid: their calls alternate)."""
-    H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    shapes = {"qkv_proj": ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D, H),
-              "o_proj": (H, cfg.num_attention_heads * D), "gate_up_proj": (2 * I, H), "down_proj": (H, I)}
+    share a grid: their calls alternate). cfg: config.json's dict; a line without a dense MLP (DeepSeek-V4) has
+    its kernels named only."""
+    H, heads, I = cfg["hidden_size"], cfg["num_attention_heads"], cfg.get("intermediate_size")
+    if not I:
+        return {}
+    D, kv = cfg.get("head_dim") or H // heads, cfg.get("num_key_value_heads") or heads
+    shapes = {"qkv_proj": ((heads + 2 * kv) * D, H),
+              "o_proj": (H, heads * D), "gate_up_proj": (2 * I, H), "down_proj": (H, I)}
     grids: dict[int, list[tuple[str, int]]] = defaultdict(list)
     for name, (n, k) in shapes.items():
         grids[-(-n // 16)].append((name, n * k * 2))
@@ -75,7 +80,7 @@ def run_step(model_name: str, batch: int, prompt: int = 128, layers: int | None 
     run_batch(ex, model, batch, prompt, 8, COPY_TB_S * 1e12, adapters=adapters)     # prefill + graph capture
     seqs = [SeqStep(seq_id=j, token_ids=[7], start_pos=prompt + 8, sample=True, params=GREEDY,
                     block_table=list(range(j * per_seq, (j + 1) * per_seq)), prompt_len=prompt,
-                    lora_id=j % adapters + 1 if adapters else 0)
+                    num_generated=8, state_slot=j, lora_id=j % adapters + 1 if adapters else 0)
             for j in range(batch)]
     mb = ModelBatch.build(seqs, {i + 1: i for i in range(adapters)} or None)
     ex.execute(mb)
@@ -88,10 +93,8 @@ def run_step(model_name: str, batch: int, prompt: int = 128, layers: int | None 
 
 
 def summarize(csv_path: str, model_name: str) -> str:
-    from engine.model_config import ModelConfig
-
-    cfg = ModelConfig.from_file(os.path.join(ROOT, "bench", "configs", model_name, "config.json"))
-    names = projection_names(cfg)
+    with open(os.path.join(ROOT, "bench", "configs", model_name, "config.json")) as f:
+        names = projection_names(json.load(f))
     text = open(csv_path, encoding="utf-8", errors="replace").read()
     text = text[text.index('"ID"'):] if '"ID"' in text else text
     per: dict[str, list[float]] = defaultdict(list)

@@ -222,6 +222,7 @@ def main() -> None:
 
     batches = [int(b) for b in a.batches.split(",") if b]
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.prefill_memory.split(",") if s]
+    op_shape = [tuple(int(v) for v in a.prefill_op_times.split("x"))] if a.prefill_op_times else []
     folder = f"/tmp/{a.model}-L{a.layers}-{fmt}"
     t = time.perf_counter()
     stored = write_random_quantized(config, folder, fmt)
@@ -240,12 +241,13 @@ def main() -> None:
           f"{len(kept)} expert weights kept, {experts_ratio:.3f} x bf16", flush=True)
     bw = copy_bandwidth()
     per_seq = -(-(a.prompt + a.steps + 1) // BLOCK_SIZE)
-    blocks = max([b * per_seq for b in batches] + [s * -(-(n + 1) // BLOCK_SIZE) for s, n in shapes])
-    longest = max([per_seq * BLOCK_SIZE] + [n + BLOCK_SIZE for _, n in shapes])
+    sized = shapes + op_shape           # the executor's pool and limits fit every prefill shape asked for
+    blocks = max([b * per_seq for b in batches] + [s * -(-(n + 1) // BLOCK_SIZE) for s, n in sized])
+    longest = max([per_seq * BLOCK_SIZE] + [n + BLOCK_SIZE for _, n in sized])
     t = time.perf_counter()
     ex = GpuExecutor(model, options_of(num_kv_blocks=blocks + 16, max_model_len=longest,
                                        max_num_batched_tokens=a.max_tokens,
-                                       max_num_seqs=max(batches + [s for s, _ in shapes]), progress=False,
+                                       max_num_seqs=max(batches + [s for s, _ in sized]), progress=False,
                                        cuda_graphs=not a.eager))
     executor_s = time.perf_counter() - t
     graphs = getattr(ex, "graphs", None) is not None
@@ -274,8 +276,8 @@ def main() -> None:
     if a.op_times:
         meta["op_times"] = op_breakdown(ex, None, bw, depths=2)
         text = write_report(a.out, stem, meta, rows)
-    if a.prefill_op_times:
-        seqs, tokens = (int(v) for v in a.prefill_op_times.split("x"))
+    if op_shape:
+        seqs, tokens = op_shape[0]
         meta["prefill_op_times"] = prefill_op_times(ex, model.config.vocab_size, seqs, tokens)
         text = write_report(a.out, stem, meta, rows)
     ex.close()
