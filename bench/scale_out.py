@@ -25,6 +25,8 @@ routers' logs go to a temporary folder, named at start).
     # four replicas, the cache pressured (each pool 32k tokens for 64 users' ~130k of history):
     CUDA_VISIBLE_DEVICES=0 python bench/scale_out.py --random qwen3-4b --replicas 4 --num-kv-blocks 2000 \\
         --label scale-out-gpu-4 --out-dir bench/results
+    # eight replicas on eight GPUs, one each (the router's reference setting; -dp 8 gives its engines a GPU each):
+    python bench/scale_out.py --random qwen3-4b --replicas 8 --gpus 8 --label scale-out-gpu-8 --out-dir bench/results
     # the CPU, the demo model, a small scale:
     python bench/scale_out.py --device cpu --users 8 --turns 4 --system-prompts 2 --system-tokens 128 \\
         --user-tokens 64 --output-tokens 16 --think-ms 2000 --out-dir bench/results
@@ -164,8 +166,9 @@ def replicas(args, folder: str, logs: Path, env: dict):
         for r in range(args.replicas):
             events = free_port()
             config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}"}
+            own = dict(env, CUDA_VISIBLE_DEVICES=str(r % args.gpus)) if args.gpus > 1 else env
             proc, url = serve(folder, args.device, args.server_args + ["--kv-events-config", json.dumps(config)],
-                              logs / f"replica{r}.log", env)
+                              logs / f"replica{r}.log", own)
             procs.append(proc)
             served.append((url, events))
         for url, _ in served:
@@ -287,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "think_ms"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     p.add_argument("--replicas", type=int, default=2, help="engines: the router modes' replicas, dp's -dp")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs to spread the router modes' replicas over (replica r "
+                   "on GPU r %% N: one each at N = --replicas, the issue's 8-replica form); 1: every replica on "
+                   "the one visible GPU")
     p.add_argument("--num-kv-blocks", type=int, default=None, help=f"each engine's KV blocks (on the GPU "
                                                                    f"{GPU_KV_BLOCKS} unless given; the CPU: the "
                                                                    f"server's default unless given)")

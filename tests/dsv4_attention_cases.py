@@ -1,12 +1,14 @@
 """DeepSeek-V4's decode attention on the device (dsv4_attention.cu's sparse_decode through GpuDSV4Ops) against the
 numpy definition (cpu_dsv4_ops.sink_attention over the keys rows_at reads, as cpu_dsv4_attention.dsv4_attention
 gathers them) on random paged pools: sliding, CSA (the indexer's ids, -1 padded) and HCA (every closed entry)
-layers, padding rows (position -1), contexts shorter than the window, at the tiny models' width and V4-Flash's.
+layers, padding rows (position -1), contexts shorter than the window, a row of more keys than sparse_decode's
+chunk, at the tiny models' width and V4-Flash's; `groups` runs them with the heads a CTA forced (every ATT_G).
 Shared by the host emulation (tests/kernels/test_dsv4_attention_emulated.py) and the device test
 (tests/gpu/test_gpu_dsv4_attention.py). Bound: 2e-6 of the output's scale (float32 sums in another order; measured
 in the emulation within 3.3e-7)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,7 +23,8 @@ CASES = [("tiny_sliding", 4, 32, 6, 0, 0, (0, 3, 40, -1)),
          ("tiny_csa", 4, 32, 6, 4, 3, (2, 9, 57, -1)),
          ("tiny_hca", 4, 32, 6, 8, 0, (6, 7, 63, -1)),
          ("v4_flash_csa", 2, 512, 128, 4, 512, (300, 2050)),
-         ("v4_flash_hca", 2, 512, 128, 128, 0, (127, 2050))]
+         ("v4_flash_hca", 2, 512, 128, 128, 0, (127, 2050)),
+         ("tiny_hca_long", 4, 32, 6, 4, 0, (4400, 1000))]      # 1,106 keys: more than a CTA resolves at once
 
 
 def random_inputs(heads, head_dim, window, rate, topk, positions, seed):
@@ -70,6 +73,19 @@ def run_kernel(ops, inp, dev, back) -> np.ndarray:
     """sparse_decode through ops (its kv_cache: the case's pool) on the case's arrays put there by dev."""
     ids = None if inp.ids is None else dev(inp.ids)
     return back(ops.sparse_decode(dev(inp.q), dev(inp.tables), dev(inp.pos), ids, dev(inp.sinks), inp.spec))
+
+
+@contextmanager
+def heads_per_cta(group: int):
+    """sparse_decode launched with ATT_G = group (where the case's heads allow it) instead of its own choice."""
+    from engine.executor import gpu_dsv4_ops
+
+    chosen = gpu_dsv4_ops.attention_heads_per_cta
+    gpu_dsv4_ops.attention_heads_per_cta = lambda rows, heads, pieces: group if heads % group == 0 else 1
+    try:
+        yield
+    finally:
+        gpu_dsv4_ops.attention_heads_per_cta = chosen
 
 
 def check(got, want) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 
 from engine.executor.cpu_dsv4_attention import (QUERY_KEY_PAIRS, dsv4_attention, entry_columns, norm_rope,
                                                  out_projection, project, slots_at)
-from engine.executor.gpu_bf16 import bf16_to_f32, f32_to_bf16
+from engine.executor.gpu_bf16 import bf16_to_f32, elementwise, f32_to_bf16
 from engine.executor.gpu_moe_ops import expert_tile_m
 from memory.kv_pool import BLOCK_SIZE
 from openinfer_kernels.raw_cuda import kernel
@@ -49,7 +49,8 @@ MAX_HC_MULT = 5                 # dsv4_hc.cu: the comb matrix (hc_mult² values)
 IDX_THREADS = 128               # dsv4_indexer.cu: entries per CTA of indexer_scores
 TOPK_THREADS = 256              # dsv4_indexer.cu: threads of indexer_topk's CTA (one a query row)
 COMP_THREADS = 128              # dsv4_compress.cu: threads of compress_close's and ring_store's CTA (a token)
-ATT_THREADS = 128               # dsv4_attention.cu: threads of sparse_decode's CTA (a row and head) and write_rows'
+ATT_THREADS = 256               # dsv4_attention.cu: threads of sparse_decode's CTA (a row, a group of heads), write_rows'
+ATT_CTA_SLOTS = 2 * 132         # sparse_decode's CTAs a wave holds (2 an SM of an H100 / H200)
 NR_THREADS, NR_PER = 128, 8     # dsv4_norm_rope.cu: threads of norm_rope's CTA (a row), values a thread holds
 
 
@@ -60,6 +61,16 @@ def check_hc_shapes(hc_mult: int, hidden: int) -> None:
                          f"(got {hc_mult}) and a hidden size that is a multiple of 4 (got {hidden})")
 
 
+def attention_heads_per_cta(rows: int, heads: int, pieces: int) -> int:
+    """sparse_decode's ATT_G: one head a CTA while rows · heads CTAs fit a wave (batch 1: the keys' loads spread
+    over the most warps), else the largest group (4, 2) that still fills one, so that fewer CTAs read each key
+    from L2; at most 16 accumulator pieces a lane (ATT_G · ceil(d / 128))."""
+    for group in (4, 2):
+        if heads % group == 0 and group * pieces <= 16 and rows * heads // group >= ATT_CTA_SLOTS:
+            return group
+    return 1
+
+
 def group_layout(cp, tokens: int, groups: int):
     """The rows of `groups` groups of the same `tokens` tokens as the MoE part's grouped products take them, group g
     as expert g (moe_align.cu's layout): each group's rows padded to whole M-tiles (expert_tile_m), its tokens at
@@ -68,6 +79,14 @@ def group_layout(cp, tokens: int, groups: int):
     tile_m = expert_tile_m(tokens, groups, groups)
     tiles = -(-tokens // tile_m)
     rows = tiles * tile_m
+    k = elementwise(cp, "dsv4_group_layout", "int32 tokens, int32 rows, int32 tiles, int32 n_tiles",
+                    "raw int32 tile_expert, raw int32 row_token",
+                    "const int r = i % rows; row_token[i] = r < tokens ? r : -1; if (i < n_tiles) tile_expert[i] = i / tiles")
+    if k is not None:                # one launch (a graph node) for both
+        tile_expert, row_token = cp.empty(groups * tiles, np.int32), cp.empty(groups * rows, np.int32)
+        k(np.int32(tokens), np.int32(rows), np.int32(tiles), np.int32(groups * tiles), tile_expert, row_token,
+          size=groups * rows)
+        return tile_m, rows, tile_expert, row_token
     tile_expert = cp.arange(groups * tiles, dtype=np.int32) // np.int32(tiles)
     row = cp.arange(groups * rows, dtype=np.int32) % np.int32(rows)
     return tile_m, rows, tile_expert, cp.where(row < tokens, row, np.int32(-1))
@@ -387,8 +406,11 @@ class GpuDSV4Ops:
         every closed one on HCA layers, None on sliding ones). Returns out [T, heads, D] float32."""
         cp, (T, H, D) = self.cp, q.shape
         kv, out = self.shared.kv_cache[spec.layer, 0], cp.empty((T, H, D), np.float32)
+        pieces = -(-D // 128)
+        group = attention_heads_per_cta(T, H, pieces)
         if T:
-            self.shared.launch(self._kernel("dsv4_attention", "sparse_decode"), (T, H), (ATT_THREADS,),
+            self.shared.launch(self._kernel("dsv4_attention", "sparse_decode", ATT_G=group, ATT_PIECES=pieces),
+                               (T, H // group), (ATT_THREADS,),
                                (cp.ascontiguousarray(q, np.float32), kv, tables, positions,
                                 np.uint64(0) if ids is None else ids, sinks, out, np.int32(tables.shape[1]),
                                 np.int32(BLOCK_SIZE), np.int32(kv.shape[-1]), np.int32(D), np.int32(spec.window),

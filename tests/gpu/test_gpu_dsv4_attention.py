@@ -3,8 +3,10 @@ definition: the cases and bound of the host emulation (tests/dsv4_attention_case
 a replay of the launch captured in a CUDA graph on new queries and ids written into the captured buffers."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
-from dsv4_attention_cases import CASES, check, random_inputs, reference, run_kernel
+from dsv4_attention_cases import CASES, check, heads_per_cta, random_inputs, reference, run_kernel
 from test_gpu_dsv4_hc import back
 from test_gpu_dsv4_indexer import ops
 
@@ -12,13 +14,15 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 
+@pytest.mark.parametrize("group", [0, 2, 4])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_sparse_decode_matches_numpy_on_the_device(pdl):
+def test_sparse_decode_matches_numpy_on_the_device(pdl, group):
+    """group 0: the heads a CTA sparse_decode chooses; 2 / 4: forced."""
     for name, *shape in CASES:
         inp = random_inputs(*shape, seed=len(name))
         o = ops(inp)
         o.shared.pdl = pdl
-        with o.shared.stream:
+        with o.shared.stream, heads_per_cta(group) if group else nullcontext():
             check(run_kernel(o, inp, cp.asarray, back), reference(inp))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from dsv4_attention_cases import CASES, check, random_inputs, reference, run_kernel
+from dsv4_attention_cases import CASES, check, heads_per_cta, random_inputs, reference, run_kernel
 from dsv4_indexer_cases import bf16
 from test_deltanet_kernels_emulated import host
 from test_dsv4_hc_emulated import EmulatedDSV4
@@ -18,6 +18,15 @@ from test_dsv4_indexer_emulated import emulated_ops as emulated
 def test_sparse_decode_matches_numpy(case):
     inp = random_inputs(*case[1:], seed=len(case[0]))
     check(run_kernel(emulated(inp), inp, host, np.asarray), reference(inp))
+
+
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4]], ids=lambda c: c[0])
+def test_sparse_decode_with_heads_grouped_matches_numpy(case, group):
+    """A CTA over 2 or 4 heads (batch 32 and up at V4-Flash's 64 heads) sharing each key's load."""
+    inp = random_inputs(*case[1:], seed=len(case[0]))
+    with heads_per_cta(group):
+        check(run_kernel(emulated(inp), inp, host, np.asarray), reference(inp))
 
 
 def test_the_check_fails_without_the_sinks():
