@@ -80,12 +80,12 @@ def heads_per_cta(group: int):
     """sparse_decode launched with ATT_G = group (where the case's heads allow it) instead of its own choice."""
     from engine.executor import gpu_dsv4_ops
 
-    chosen = gpu_dsv4_ops.attention_heads_per_cta
-    gpu_dsv4_ops.attention_heads_per_cta = lambda rows, heads, pieces: group if heads % group == 0 else 1
+    chosen = gpu_dsv4_ops.sparse_heads_per_cta
+    gpu_dsv4_ops.sparse_heads_per_cta = lambda rows, heads, pieces, num_sms: group if heads % group == 0 else 1
     try:
         yield
     finally:
-        gpu_dsv4_ops.attention_heads_per_cta = chosen
+        gpu_dsv4_ops.sparse_heads_per_cta = chosen
 
 
 def check(got, want) -> None:

@@ -1,6 +1,7 @@
 """How the paged attention kernels' grids are sized: the KV split count of a step (attention_splits), the
 query heads per CTA of paged_decode.cu (decode_heads_per_cta), whether a model's group fits that kernel
-(decode_attention_fits), qk_norm_rope_cache.cu's heads per warp (rope_heads_per_warp), and the limits they share. Pure functions of the step's shape, so the CPU tests
+(decode_attention_fits), qk_norm_rope_cache.cu's heads per warp (rope_heads_per_warp), DeepSeek-V4's
+sparse_decode heads per CTA (sparse_heads_per_cta), and the limits they share. Pure functions of the step's shape, so the CPU tests
 check them without a GPU; GpuOps (gpu_ops.py) applies them."""
 from __future__ import annotations
 
@@ -42,6 +43,18 @@ def decode_heads_per_cta(num_tokens: int, num_kv_heads: int, group: int, num_sms
     if group > 2 and group % 2 == 0 and 4 * num_tokens * num_kv_heads < num_sms:
         return 2
     return group
+
+
+def sparse_heads_per_cta(rows: int, heads: int, pieces: int, num_sms: int) -> int:
+    """Query heads per CTA of dsv4_attention.cu's sparse_decode (its ATT_G; DeepSeek-V4's one K = V head): one
+    while rows · heads CTAs fit two an SM (batch 1: the keys' loads spread over the most warps), else the largest
+    group (4, 2) that still fills them, so that fewer CTAs read each key from L2; at most 16 accumulator pieces a
+    lane (ATT_G · ceil(d / 128)). H100, batch 1 before the grouping (ncu, 2026-12-07): 66 µs a CSA layer with a
+    CTA a head walking its keys one after another."""
+    for group in (4, 2):
+        if heads % group == 0 and group * pieces <= 16 and rows * heads // group >= 2 * num_sms:
+            return group
+    return 1
 
 
 def decode_attention_fits(group: int, head_dim: int) -> bool:

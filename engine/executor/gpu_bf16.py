@@ -9,7 +9,7 @@ INTERLEAVE_ROWS = 8     # gate_up rows interleaved in blocks of 8 (memory/weight
 
 
 # On CuPy each conversion is one elementwise kernel (as array ops it was 2 and 6 launches: in a DeepSeek-V4 decode
-# graph ~80 nodes of ~3 µs, 2026-12-07 ncu profile); on numpy (the host emulation) the same arithmetic as array ops.
+# graph ~90 nodes of ~3 µs, 2026-12-07 ncu profile); on numpy (the host emulation) the same arithmetic as array ops.
 _kernels: dict = {}
 
 

@@ -35,6 +35,7 @@ import math
 
 import numpy as np
 
+from engine.executor.attention_grid import sparse_heads_per_cta
 from engine.executor.cpu_dsv4_attention import (QUERY_KEY_PAIRS, dsv4_attention, entry_columns, norm_rope,
                                                  out_projection, project, slots_at)
 from engine.executor.gpu_bf16 import bf16_to_f32, elementwise, f32_to_bf16
@@ -50,7 +51,6 @@ IDX_THREADS = 128               # dsv4_indexer.cu: entries per CTA of indexer_sc
 TOPK_THREADS = 256              # dsv4_indexer.cu: threads of indexer_topk's CTA (one a query row)
 COMP_THREADS = 128              # dsv4_compress.cu: threads of compress_close's and ring_store's CTA (a token)
 ATT_THREADS = 256               # dsv4_attention.cu: threads of sparse_decode's CTA (a row, a group of heads), write_rows'
-ATT_CTA_SLOTS = 2 * 132         # sparse_decode's CTAs a wave holds (2 an SM of an H100 / H200)
 NR_THREADS, NR_PER = 128, 8     # dsv4_norm_rope.cu: threads of norm_rope's CTA (a row), values a thread holds
 
 
@@ -59,16 +59,6 @@ def check_hc_shapes(hc_mult: int, hidden: int) -> None:
     if not 1 <= hc_mult <= MAX_HC_MULT or hidden % 4:
         raise ValueError(f"deepseek_v4 on the GPU: the hyper-connection kernels take hc_mult 1..{MAX_HC_MULT} "
                          f"(got {hc_mult}) and a hidden size that is a multiple of 4 (got {hidden})")
-
-
-def attention_heads_per_cta(rows: int, heads: int, pieces: int) -> int:
-    """sparse_decode's ATT_G: one head a CTA while rows · heads CTAs fit a wave (batch 1: the keys' loads spread
-    over the most warps), else the largest group (4, 2) that still fills one, so that fewer CTAs read each key
-    from L2; at most 16 accumulator pieces a lane (ATT_G · ceil(d / 128))."""
-    for group in (4, 2):
-        if heads % group == 0 and group * pieces <= 16 and rows * heads // group >= ATT_CTA_SLOTS:
-            return group
-    return 1
 
 
 def group_layout(cp, tokens: int, groups: int):
@@ -407,7 +397,7 @@ class GpuDSV4Ops:
         cp, (T, H, D) = self.cp, q.shape
         kv, out = self.shared.kv_cache[spec.layer, 0], cp.empty((T, H, D), np.float32)
         pieces = -(-D // 128)
-        group = attention_heads_per_cta(T, H, pieces)
+        group = sparse_heads_per_cta(T, H, pieces, self.shared.num_sms)
         if T:
             self.shared.launch(self._kernel("dsv4_attention", "sparse_decode", ATT_G=group, ATT_PIECES=pieces),
                                (T, H // group), (ATT_THREADS,),

@@ -22,8 +22,9 @@
 // values: 655 KB a CSA layer, 128 + context/128 entries an HCA one), ~0.2 µs at 3 TB/s; the head groups' CTAs read
 // the same keys again from L2 (one KV head): heads / ATT_G times those bytes. The first form (a CTA per head, its
 // warps' key loads one after another, each behind its ids and block-table reads) took 66 µs a CSA layer at batch 1
-// on an H100 (ncu, 2026-12-07): latency-bound. ATT_G trades CTAs for L2 reads: GpuDSV4Ops.sparse_decode takes 1
-// head a CTA while rows · heads fill the GPU with a few CTAs an SM, larger groups past that (batch 32 and up).
+// on an H100 (ncu, 2026-12-07): latency-bound. ATT_G trades CTAs for L2 reads: attention_grid.sparse_heads_per_cta
+// takes 1 head a CTA until rows · heads CTAs fill the SMs twice, larger groups past that (64 heads: 2 from batch 9,
+// 4 from batch 17).
 #include "common.cuh"
 
 #ifndef ATT_G

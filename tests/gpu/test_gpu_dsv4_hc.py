@@ -13,11 +13,12 @@ cp = pytest.importorskip("cupy")
 
 
 class DeviceShared:
-    """What GpuDSV4Ops' hyper-connections use of GpuShared: the stream and the launch."""
+    """What GpuDSV4Ops uses of GpuShared: the stream, the launch and the SM count."""
     pdl = False
 
     def __init__(self):
         self.stream = cp.cuda.Stream(non_blocking=True)
+        self.num_sms = cp.cuda.Device().attributes["MultiProcessorCount"]
 
     def launch(self, k, grid, block, args, shared_mem: int = 0) -> None:
         from openinfer_kernels.raw_cuda.launch import launch

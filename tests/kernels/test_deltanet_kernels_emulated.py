@@ -88,6 +88,7 @@ class EmulatedShared:
     """What the GPU op families share (gpu_shared.GpuShared), with launches run by the host emulation (kernels
     as (file, entry, defines)) and outputs in host memory."""
     pdl, gate_up_interleaved = False, False
+    num_sms = 132                   # an H100's / H200's (grid choices)
 
     def launch(self, k, grid, block, args, shared_mem=0):
         name, entry, defines = k

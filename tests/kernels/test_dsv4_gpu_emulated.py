@@ -82,7 +82,8 @@ class EmulatedGpuOps(ComposedOps):
 
     def __init__(self, kv_cache, state: dict, max_rows: int, experts: int, top_k: int, interleave: bool):
         self.shared = SimpleNamespace(stream=contextlib.nullcontext(), kv_cache=kv_cache, gemm=gemm,
-                                      gate_up_interleaved=interleave, launch=EmulatedShared().launch)
+                                      gate_up_interleaved=interleave, launch=EmulatedShared().launch,
+                                      num_sms=EmulatedShared.num_sms)
         self.moe = EmulatedMoE(self.shared, max_rows, experts, top_k, self.linear)
         self.dsv4 = EmulatedDSV4(self.shared, self.moe, state)
 
