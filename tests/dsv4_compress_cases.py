@@ -1,5 +1,5 @@
-"""DeepSeek-V4's compressor on the device (dsv4_compress.cu through GpuDSV4Ops: close_entries / compress_windows,
-ring_store, ring_rows) against the definition (cpu_dsv4_attention.compress_windows over each closing window's
+"""DeepSeek-V4's compressor on the device (dsv4_compress.cu through GpuDSV4Ops: compress_windows and store_ring over a
+step's token rows as gpu_dsv4_ops.device_attention hands them over, step_rows' per-token arguments) against the definition (cpu_dsv4_attention.compress_windows over each closing window's
 inputs, taken by position from the sequence's own inputs), in the compact cache's layout: the inputs of positions
 at or past a sequence's first position in the step are the step's float32 rows, earlier ones the bf16 values its
 ring holds. Shared by the host emulation (tests/kernels/test_dsv4_compress_emulated.py) and the device test
@@ -116,12 +116,15 @@ def device_state(ops, inp: CompressInputs, dev):
 
 
 def run_compress(ops, inp: CompressInputs, dev, back, **override) -> tuple[np.ndarray, np.ndarray]:
-    """The pool and the ring after close_entries on the device (override: close_entries' per-sequence arguments
-    replaced, the tests' wrong readings)."""
+    """The pool and the ring after compress_windows over every token row of the step (each with its sequence's
+    first position in the step and state slot; its inputs its own row) on the device (override: the per-sequence
+    start or ring_slots replaced, the tests' wrong readings)."""
     pool = device_state(ops, inp, dev)
-    args = {"first_row": inp.first_row, "start": inp.start, "ring_slots": inp.ring_slots, **override}
-    ops.close_entries(inp.kv_slots, inp.pos, {n: dev(a) for n, a in inp.weights.items()}, inp.spec,
-                      dev(inp.inputs), **args)
+    args = {"start": inp.start, "ring_slots": inp.ring_slots, **override}
+    g, q = np.nonzero(inp.pos >= 0)                                 # sequence after sequence: the inputs' rows
+    per_token = (inp.pos[g, q], inp.kv_slots[g, q], args["start"][g], args["ring_slots"][g])
+    ops.compress_windows(*(dev(a.astype(np.int32)) for a in per_token), None, dev(inp.inputs),
+                         {n: dev(a) for n, a in inp.weights.items()}, inp.spec)
     return back(pool), back(ops.state[inp.spec.ring])
 
 
@@ -139,7 +142,7 @@ def decode_step(inp: CompressInputs, dev) -> dict:
 
 
 def launch_decode(ops, inp: CompressInputs, step: dict) -> None:
-    """compress_windows as decode_attention launches it (each token's first position its own, its row its own),
+    """compress_windows as device_attention launches it (each token's first position its own, its row its own),
     then store_ring."""
     positions, ring_slots, inputs, n = step["positions"], step["ring_slots"], step["inputs"], step["stored"]
     ops.compress_windows(positions, step["slots"], positions, ring_slots, None, inputs, step["weights"], inp.spec)
@@ -219,29 +222,29 @@ def check_decode_ring(ring: np.ndarray, inp: CompressInputs) -> None:
     np.testing.assert_array_equal(ring, want)
 
 
-def run_ring_rows(ops, inp: CompressInputs, dev, back) -> tuple[np.ndarray, np.ndarray]:
-    """ring_store of each sequence's last min(n, ring_len) step tokens (the others passed as -1), then ring_rows
-    of every sequence's last ring_len positions and a -1: (the ring, the rows read [G, ring_len + 1, width])."""
+def run_ring_store(ops, inp: CompressInputs, dev, back) -> tuple[np.ndarray, np.ndarray]:
+    """step_rows over the step as a mixed step's device arrays (its token rows sequence after sequence), then
+    store_ring of the rows it keeps: (the ring, each row's first position in the step by step_rows)."""
+    from engine.executor.gpu_dsv4_ops import step_rows
+
     ops.state = {inp.spec.ring: dev(inp.ring.copy())}
-    n, pos = (inp.pos >= 0).sum(1), inp.pos
-    last = (pos >= 0) & (np.arange(pos.shape[1])[None, :] >= n[:, None] - inp.spec.ring_len)
-    positions = np.where(last, pos, -1)[pos >= 0]
-    ops.ring_store(inp.spec, np.repeat(inp.ring_slots, n), positions, dev(inp.inputs))
-    ends = inp.start + n
-    at = ends[:, None] - inp.spec.ring_len + np.arange(inp.spec.ring_len + 1)[None, :]
-    at = np.where((at >= 0) & (at < ends[:, None]), at, -1)
-    return back(ops.state[inp.spec.ring]), back(ops.ring_rows(inp.spec, inp.ring_slots, at)), at
+    n, (g, q) = (inp.pos >= 0).sum(1), np.nonzero(inp.pos >= 0)
+    ctx = SimpleNamespace(batch=object(), decode_only=False, positions=dev(inp.pos[g, q].astype(np.int32)),
+                          token_seq=dev(g.astype(np.int32)), state_slots=dev(inp.ring_slots.astype(np.int32)),
+                          cu_seqlens=dev(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)),
+                          block_tables=dev(np.zeros((len(n), 1), np.int32)))
+    _, ring_slots, starts, kept = step_rows(ctx, inp.spec, ops.cp)
+    ops.store_ring(inp.spec, ring_slots, kept, dev(inp.inputs))
+    return back(ops.state[inp.spec.ring]), back(starts)
 
 
-def check_ring_rows(got, inp: CompressInputs) -> None:
-    """The ring holds each sequence's last ring_len positions (bf16), the other slots' rows as they were; ring_rows
-    reads them back as float32, zeros at -1."""
-    ring, rows, at = got
+def check_ring_store(got, inp: CompressInputs) -> None:
+    """The ring holds each sequence's last ring_len positions (bf16), the other slots' rows as they were; every
+    row's first position is its sequence's start."""
+    ring, starts = got
     want = inp.ring.copy()
     for g, (t, s) in enumerate(zip(inp.truth, inp.start)):
         for p in range(max(s, len(t) - inp.spec.ring_len), len(t)):
             want[0, inp.ring_slots[g], p % inp.spec.ring_len] = bf16(t[p])
     np.testing.assert_array_equal(ring, want, err_msg="the ring")
-    for g, i in np.ndindex(*at.shape):
-        expect = f32(bf16(inp.truth[g][at[g, i]])) if at[g, i] >= 0 else np.zeros(inp.spec.ring_width, np.float32)
-        np.testing.assert_array_equal(rows[g, i], expect, err_msg=f"ring_rows {g}, {i}")
+    np.testing.assert_array_equal(starts, np.repeat(inp.start, (inp.pos >= 0).sum(1)))

@@ -1,5 +1,4 @@
-"""DeepSeek-V4's lightning indexer on the device (dsv4_indexer.cu through GpuDSV4Ops.indexer_topk /
-indexer_visible) against the numpy definition (cpu_dsv4_attention.indexer_visible, itself held to transformers'
+"""DeepSeek-V4's lightning indexer on the device (dsv4_indexer.cu through GpuDSV4Ops.indexer_topk) against the numpy definition (cpu_dsv4_attention.indexer_visible, itself held to transformers'
 by the gate), on random paged pools: shared by the host emulation (tests/kernels/test_dsv4_indexer_emulated.py)
 and the device test (tests/gpu/test_gpu_dsv4_indexer.py). `dev` puts a host array where the ops read it, `back`
 brings one back.
@@ -82,14 +81,22 @@ def random_inputs(heads: int, dim: int, topk: int, head_dim: int, Q: int, lens, 
 
 
 def run_indexer(ops, inp: IndexerInputs, dev, back) -> dict:
-    """The kernels' ids, counts and scores over the G·Q query rows, and indexer_visible's mask [G, Q, n]."""
+    """The kernels' ids, counts and scores over the G·Q query rows (each with its sequence's block table, as
+    device_attention hands a prompt's rows over), and the mask [G·Q, n] of the entries the ids pick."""
+    ids, counts, scores = ops.indexer_topk(0, *device_rows(inp, dev), inp.spec, int(inp.ctx_lens.max()) // RATE)
+    got = {"ids": back(ids), "counts": back(counts), "scores": back(scores)}
+    n = got["scores"].shape[1]
+    got["visible"] = np.zeros((len(got["ids"]), n + 1), bool)         # column n: where the -1 padding lands
+    got["visible"][np.arange(len(got["ids"]))[:, None], np.where(got["ids"] >= 0, got["ids"], n)] = True
+    got["visible"] = got["visible"][:, :n]
+    return got
+
+
+def device_rows(inp: IndexerInputs, dev) -> tuple:
+    """indexer_topk's per-row arguments of the G·Q query rows: tables [G·Q, blocks], q, weights, positions."""
     Q, rows = inp.pos.shape[1], inp.pos.size
-    n = int(inp.ctx_lens.max()) // RATE
-    ids, counts, scores = ops.indexer_topk(
-        0, dev(np.repeat(inp.tables, Q, axis=0).astype(np.int32)), dev(inp.q.reshape(rows, *inp.q.shape[2:])),
-        dev(inp.weights.reshape(rows, -1)), dev(inp.pos.reshape(-1).astype(np.int32)), inp.spec, n)
-    visible = ops.indexer_visible(inp.tables, inp.ctx_lens, inp.pos, dev(inp.q), dev(inp.weights), inp.spec)
-    return {"ids": back(ids), "counts": back(counts), "scores": back(scores), "visible": back(visible)}
+    return (dev(np.repeat(inp.tables, Q, axis=0).astype(np.int32)), dev(inp.q.reshape(rows, *inp.q.shape[2:])),
+            dev(inp.weights.reshape(rows, -1)), dev(inp.pos.reshape(-1).astype(np.int32)))
 
 
 def reference(inp: IndexerInputs) -> dict:

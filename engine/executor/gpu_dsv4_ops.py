@@ -8,10 +8,10 @@ each, nothing read back on the host):
 and so are the compressor closing its windows (dsv4_compress.cu, compress_windows: the entry and the indexer key
 of each window a step token closes, from the step's float32 inputs and the sequence's ring, written into its KV
 row; ring_store: the step's last inputs into the ring), the lightning indexer (dsv4_indexer.cu:
-indexer_scores, then indexer_topk, each query's top index_topk entries on the device) and, for steps whose every
-sequence has one query (decode), the attention itself (dsv4_attention.cu: write_rows stores the step's K rows,
-sparse_decode attends over the window and the entries with the sinks; decode_attention below), the per-head RMSNorm
-and rope of q, of the K = V row and of the indexer's queries, the q LoRA's norm and the rope undone on the output
+indexer_scores, then indexer_topk, each query's top index_topk entries on the device) and the attention itself, for every step
+(dsv4_attention.cu: write_rows stores the step's K rows, sparse_decode attends each row over its window and entries
+with the sinks; device_attention below), the per-head RMSNorm and rope of q, of the K = V row and of the indexer's
+queries, the q LoRA's norm and the rope undone on the output
 (dsv4_norm_rope.cu: norm_rope, one launch each, in place), the limited SwiGLU (the MoE part's silu_mul.cu
 silu_mul_limited, the shared expert's too) and the hash router (moe_route.cu moe_hash_route). The rest around the
 attention runs as CuPy float32 over the bf16 weights, every projection on the executor's bf16 GEMM (float32 out) but
@@ -24,20 +24,19 @@ entry and the indexer key (entry_columns); the compressor's inputs live in the p
 state arrays ("csa_ring", "hca_ring": bf16 [layers, state slots, ring_len, ring_width], the executor's, handed
 over at construction) at row p % ring_len of the sequence's state slot.
 
-Decode steps read only the step's device arrays (positions, slots, state slots, block tables) with shapes fixed
-by the row count, so the executor captures them in CUDA graphs (DeepseekV4ForCausalLM.cuda_graphs); their CuPy
-temporaries come from the graphs' own memory pool (gpu_graphs.capture_memory). Prefill and mixed steps run eager through
-cpu_dsv4_attention.dsv4_attention's grouping over the same primitives (the CPU gate checks that code).
+Every step reads only its device arrays (positions, slots, state slots, block tables, token rows). Decode steps
+have shapes fixed by the row count, so the executor captures them in CUDA graphs (DeepseekV4ForCausalLM.cuda_graphs);
+their CuPy temporaries come from the graphs' own memory pool (gpu_graphs.capture_memory). Prefill and mixed steps run
+eager through the same kernels, a prompt's rows each as a query at its own position (the numpy executor's
+cpu_dsv4_attention.dsv4_attention is the definition they are gated against).
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
 from engine.executor.attention_grid import sparse_heads_per_cta
-from engine.executor.cpu_dsv4_attention import (QUERY_KEY_PAIRS, dsv4_attention, entry_columns, norm_rope,
-                                                 out_projection, project, slots_at)
+from engine.executor.cpu_dsv4_attention import entry_columns, norm_rope, out_projection, project
 from engine.executor.gpu_bf16 import bf16_to_f32, elementwise, f32_to_bf16
 from engine.executor.gpu_moe_ops import expert_tile_m
 from memory.kv_pool import BLOCK_SIZE
@@ -51,6 +50,7 @@ IDX_THREADS = 128               # dsv4_indexer.cu: entries per CTA of indexer_sc
 TOPK_THREADS = 256              # dsv4_indexer.cu: threads of indexer_topk's CTA (one a query row)
 COMP_THREADS = 128              # dsv4_compress.cu: threads of compress_close's and ring_store's CTA (a token)
 ATT_THREADS = 256               # dsv4_attention.cu: threads of sparse_decode's CTA (a row, a group of heads), write_rows'
+INDEXER_SCORES_BYTES = 1 << 28  # the indexer's float32 scores of a step's rows held at once (rows · stride · 4)
 NR_THREADS, NR_PER = 128, 8     # dsv4_norm_rope.cu: threads of norm_rope's CTA (a row), values a thread holds
 
 
@@ -92,12 +92,10 @@ class GpuDSV4Ops:
         """The CuPy pool's bytes an eager step of plan.max_tokens tokens takes at its peak, outside the arena (the
         executor leaves them free): a token's ~6 float32 rows of the heads (q with its rms and rope temporaries, the
         attention's out and its rope undone, the grouped projection's bf16 rows) and ~4 of the hyper-connection
-        streams (at most MAX_HC_MULT of the hidden size), and a query chunk's scores (QUERY_KEY_PAIRS per head,
-        ~4 such alive in sink_attention) with its queries. V4-Flash at 8,192 tokens: 9.6 GiB."""
+        streams (at most MAX_HC_MULT of the hidden size), and the indexer's scores (INDEXER_SCORES_BYTES).
+        V4-Flash at 8,192 tokens: 8.8 GiB."""
         heads = plan.num_heads * plan.head_dim * 4
-        per_token = 6 * heads + 4 * MAX_HC_MULT * plan.hidden * 4
-        chunk = 4 * QUERY_KEY_PAIRS * plan.num_heads * 4 + math.isqrt(QUERY_KEY_PAIRS) * heads
-        return plan.max_tokens * per_token + chunk
+        return plan.max_tokens * (6 * heads + 4 * MAX_HC_MULT * plan.hidden * 4) + INDEXER_SCORES_BYTES
 
     def __init__(self, shared, moe, state: dict | None = None, array_module=None):
         if array_module is None:
@@ -219,12 +217,9 @@ class GpuDSV4Ops:
 
     # ---- attention: cpu_dsv4_attention.dsv4_attention over the device primitives --------------------------
     def attention(self, x, w, spec, ctx):
-        """decode_attention where every sequence of the step has one query (a decode graph's steps, whose context
-        has no host batch, and eager decode steps), else dsv4_attention."""
+        """device_attention: every step, decode graphs' and eager ones, on the device kernels."""
         with self.shared.stream:
-            if ctx.batch is None or ctx.decode_only:
-                return decode_attention(x, w, spec, ctx, self)
-            return dsv4_attention(x, w, spec, ctx, self)
+            return device_attention(x, w, spec, ctx, self)
 
     def mm(self, x, weight):
         xb = x if x.dtype == np.uint16 else self._b(x)
@@ -268,52 +263,13 @@ class GpuDSV4Ops:
                                 tile_m, T)
         return self._f(out.reshape(groups, rows, N)[:, :T].transpose(1, 0, 2).reshape(T, groups * N))
 
-    def dev(self, host):
-        return self.cp.asarray(host)
-
     def const(self, table):
+        """A constant host table (the rope's inverse frequencies) on the device, kept there."""
         return self._kept(table, "dev", lambda a: self.cp.asarray(a, np.float32))
-
-    def write_rows(self, layer: int, slots, rows, col: int = 0) -> None:
-        """rows [T, w] at the KV slots (host ints [T]) from column col; a slot -1 (padding, a replayed position) is
-        not written."""
-        self.store_rows(layer, self.cp.asarray(np.asarray(slots), np.int32), rows, col)
-
-    def rows_at(self, layer: int, tables, at, col: int, width: int):
-        rows = self.shared.kv_cache[layer, 0][self.cp.asarray(slots_at(tables, at)), 0, col:col + width]
-        return self.cp.where(self.cp.asarray(at >= 0)[..., None], self._f(rows), np.float32(0))
 
     def ring(self, spec):
         """The layer's ring, bf16 [state slots, ring_len, ring_width]."""
         return self.state[spec.ring][spec.ring_index]
-
-    def ring_rows(self, spec, ring_slots, at):
-        """float32 [G, R, ring_width]: the ring's inputs at positions at (host ints [G, R], -1: zeros) of the G
-        sequences in state slots ring_slots (host ints [G])."""
-        at, slots = np.asarray(at), np.maximum(np.asarray(ring_slots), 0)
-        rows = self.ring(spec)[self.cp.asarray(np.repeat(slots[:, None], at.shape[1], axis=1)),
-                               self.cp.asarray(np.maximum(at, 0) % spec.ring_len)]
-        return self.cp.where(self.cp.asarray(at >= 0)[..., None], self._f(rows), np.float32(0))
-
-    def ring_store(self, spec, ring_slots, positions, rows) -> None:
-        """rows [T, ring_width] of T tokens at positions (host ints [T], -1: not stored) into the rings of their
-        sequences' state slots (host ints [T]), at p % ring_len."""
-        self.store_ring(spec, self.cp.asarray(np.asarray(ring_slots), np.int32),
-                        self.cp.asarray(np.asarray(positions), np.int32), rows)
-
-    def close_entries(self, slots, pos, w, spec, inputs, first_row, start, ring_slots) -> None:
-        """compress_windows over the group's closing tokens (host slots / positions pos [G, Q], -1 padding, slot
-        -1 also where the entry is already stored: a replayed position; per sequence its first row in the step
-        first_row, its first position start, its state slot ring_slots, host ints [G]): the windows' inputs from
-        the step's inputs [T, ring_width] and the rings."""
-        slots, pos = np.asarray(slots), np.asarray(pos)
-        g, q = np.nonzero((pos >= 0) & ((pos + 1) % spec.rate == 0) & (slots >= 0))
-        if not len(g):
-            return
-        start = np.asarray(start)[g]
-        per_token = np.stack([pos[g, q], slots[g, q], start, np.asarray(ring_slots)[g],
-                              np.asarray(first_row)[g] + pos[g, q] - start])
-        self.compress_windows(*self.cp.asarray(per_token.astype(np.int32)), inputs, w, spec)
 
     def compress_windows(self, positions, slots, starts, ring_slots, rows, inputs, w, spec) -> None:
         """compress_close over T tokens (device int32 [T] each: positions, -1 padding; KV slots, -1 none written;
@@ -367,16 +323,18 @@ class GpuDSV4Ops:
                                 np.int32(spec.index_topk)))
         return ids, counts, scores
 
-    def indexer_visible(self, tables, ctx_lens, pos, q, weights, spec):
-        """The entries [G, Q, n] the indexer picks for each query (cpu_dsv4_attention.indexer_visible's), from
-        indexer_topk's ids over the G·Q rows (host tables [G, blocks], positions pos [G, Q])."""
-        cp, (G, Q), n = self.cp, pos.shape, int(ctx_lens.max()) // spec.rate
-        rows = cp.asarray(np.repeat(np.asarray(tables), Q, axis=0), np.int32)
-        ids = self.indexer_topk(spec.layer, rows, q.reshape(G * Q, *q.shape[2:]), weights.reshape(G * Q, -1),
-                                cp.asarray(pos.reshape(-1), np.int32), spec, n)[0]
-        picked = cp.zeros((G * Q, n + 1), bool)              # column n: where the -1 padding lands
-        picked[cp.arange(G * Q)[:, None], cp.where(ids >= 0, ids, n)] = True
-        return picked[:, :n].reshape(G, Q, n)
+    def indexer_ids(self, tables, q, weights, positions, spec, stride: int):
+        """indexer_topk's ids [R, index_topk] of R rows, taken INDEXER_SCORES_BYTES of scores at a time (a prompt's
+        rows over a long context would hold rows · stride float32 scores at once)."""
+        R, rows = q.shape[0], max(1, INDEXER_SCORES_BYTES // (4 * max(stride, 1)))
+        if R <= rows:
+            return self.indexer_topk(spec.layer, tables, q, weights, positions, spec, stride)[0]
+        ids = self.cp.empty((R, spec.index_topk), np.int32)
+        for r in range(0, R, rows):
+            part = slice(r, min(R, r + rows))
+            ids[part] = self.indexer_topk(spec.layer, tables[part], q[part], weights[part], positions[part], spec,
+                                          stride)[0]
+        return ids
 
     def block_out(self, y):
         return y                            # float32: hc_merge reads it as it is
@@ -409,23 +367,39 @@ class GpuDSV4Ops:
         return out
 
 
-def decode_attention(x, w, spec, ctx, p: GpuDSV4Ops):
-    """dsv4_attention of a step whose every sequence has one query, from the step's device arrays alone
-    (ctx.positions, slot_mapping, state_slots, block_tables: row t is token t's sequence; positions -1 are padding
-    rows): fixed shapes for a given number of rows and no host reads, so a decode graph can hold it.
-    The K rows are written, the windows closed (compress_close: a token's own inputs from the step's rows, its
-    window's earlier ones from its ring), its inputs stored in the ring, the indexer's top-k taken over every
-    entry the block tables can hold (CSA), then sparse_decode."""
-    positions, tables = ctx.positions, ctx.block_tables
+def step_rows(ctx, spec, cp):
+    """Per token row of the step (ctx's device arrays; row t of a one-query step is sequence t): its sequence's block
+    table [T, blocks], state slot, first position in the step, and its position where the ring keeps its inputs
+    (each sequence's last ring_len positions of the step), -1 elsewhere. Gathers on the device: no host reads."""
+    positions = ctx.positions
+    if ctx.batch is None or ctx.decode_only:
+        return ctx.block_tables, ctx.state_slots, positions, positions
+    seq, cu = ctx.token_seq, ctx.cu_seqlens
+    last = positions[cu[1:] - 1][seq]
+    kept = cp.where(positions > last - np.int32(spec.ring_len), positions, np.int32(-1)) if spec.rate else None
+    return ctx.block_tables[seq], ctx.state_slots[seq], positions[cu[:-1]][seq], kept
+
+
+def device_attention(x, w, spec, ctx, p: GpuDSV4Ops):
+    """dsv4_attention of a step from its device arrays alone (ctx.positions, slot_mapping, token_seq, state_slots,
+    cu_seqlens, block_tables; positions -1 are padding rows): every token's K row written, the windows its tokens
+    close compressed (compress_close: a window's inputs from the step's rows at or after its sequence's first
+    position in the step, from its ring before), each sequence's last ring_len inputs kept in its ring, the
+    indexer's top-k per token (CSA), then one sparse_decode over every row at its own position: a query sees its
+    window and the entries closed at or before it, so the step's later rows and entries, already written, stay
+    unseen (causal by position). Decode steps (one query a sequence) have fixed shapes for a given number of rows
+    and no host reads, so a decode graph holds them; a longer step's only host read is its longest context (the
+    indexer's stride)."""
+    positions = ctx.positions
     q, kv, inputs, iq, iw = project(x, w, spec, positions, p)
     p.store_rows(spec.layer, ctx.slot_mapping, kv)
+    tables, ring_slots, starts, kept = step_rows(ctx, spec, p.cp)
     ids = None
     if spec.rate:
-        ring_slots = ctx.state_slots                    # one query a sequence: token t's sequence is row t
-        p.compress_windows(positions, ctx.slot_mapping, positions, ring_slots, None, inputs, w, spec)
-        p.store_ring(spec, ring_slots, positions, inputs)
+        p.compress_windows(positions, ctx.slot_mapping, starts, ring_slots, None, inputs, w, spec)
+        p.store_ring(spec, ring_slots, kept, inputs)
         if spec.index_heads:
-            stride = tables.shape[1] * BLOCK_SIZE // spec.rate
-            ids = p.indexer_topk(spec.layer, tables, iq, iw, positions, spec, stride)[0]
+            longest = tables.shape[1] * BLOCK_SIZE if ctx.batch is None else int(ctx.batch.context_lens.max())
+            ids = p.indexer_ids(tables, iq, iw, positions, spec, -(-longest // spec.rate))
     out = p.sparse_decode(q, tables, positions, ids, p.fp32(w[f"layers.{spec.layer}.sinks"]), spec)
     return out_projection(out, positions, w, spec, p)

@@ -159,7 +159,7 @@ class DeepseekV4Config:
 
 class DeepseekV4ForCausalLM(DecoderLM):
     model_type = "deepseek_v4"
-    cuda_graphs = True          # decode: gpu_dsv4_ops.decode_attention, no host reads
+    cuda_graphs = True          # decode: gpu_dsv4_ops.device_attention, no host reads
     graph_temporaries = True    # its ops' float32 temporaries: drawn from the graphs' own pool
     op_families = frozenset({"moe", "dsv4"})
     fp8_kv_cache = False        # its rows (K, entries, indexer keys) are read and written as float32 / bf16

@@ -6,7 +6,7 @@ steps, a prefix-cache hit's replay into fresh compressor rings equal to the reco
 checkpoint format on the GPU (dequantized at load, uploaded as bf16): FP8 projections and FP4 experts
 (bench/deepseek_weights.py's writer, at a small width) against transformers on the dequantized weights.
 
-Decode steps replay CUDA graphs (DeepseekV4ForCausalLM.cuda_graphs; gpu_dsv4_ops.decode_attention): every bucket
+Decode steps replay CUDA graphs (DeepseekV4ForCausalLM.cuda_graphs; gpu_dsv4_ops.device_attention): every bucket
 warmed up, then free-running greedy batches that straddle the buckets against an executor built with graphs off
 (the same device path launched op by op), eager prefills between the replays (the graphs' temporaries in their own
 memory pool); the gate tests above run with graphs on, so their decode is the graphed one.

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from dsv4_compress_cases import (CASES, check, check_a_replayed_close_writes_nothing, check_decode_ring,
-                                 check_ring_rows, decode_step, device_state, launch_decode, random_inputs, reference,
-                                 run_compress, run_decode, run_ring_rows)
+                                 check_ring_store, decode_step, device_state, launch_decode, random_inputs, reference,
+                                 run_compress, run_decode, run_ring_store)
 from test_gpu_dsv4_hc import DeviceShared, back
 
 pytestmark = pytest.mark.gpu
@@ -41,11 +41,11 @@ def test_decode_form_and_the_ring_on_the_device(case):
         pool, ring = run_decode(o, inp, cp.asarray, back)
         check((pool, ring), reference(inp, one), inp, one)
         check_decode_ring(ring, inp)
-        check_ring_rows(run_ring_rows(o, inp, cp.asarray, back), inp)
+        check_ring_store(run_ring_store(o, inp, cp.asarray, back), inp)
 
 
 def test_a_captured_graph_replays_the_decode_form():
-    """compress_windows and store_ring as decode_attention launches them, captured once (V4-Flash's CSA) and
+    """compress_windows and store_ring as device_attention launches them, captured once (V4-Flash's CSA) and
     replayed on the pool and ring put back in the captured buffers: each replay gives the definition's entries
     and ring."""
     from engine.executor.gpu_graphs import capture_mode

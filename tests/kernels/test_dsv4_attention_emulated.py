@@ -1,5 +1,5 @@
 """dsv4_attention.cu (DeepSeek-V4's decode attention: the sliding window and the compressed entries with the per-head
-sinks, over the paged rows; and write_rows) run through GpuDSV4Ops on the host, without a GPU
+sinks, over the paged rows; and write_rows, store_rows' kernel) run through GpuDSV4Ops on the host, without a GPU
 (tests/cuda_emulation.h), against the numpy definition: the cases and bound of tests/dsv4_attention_cases.py; the
 check fails with the sinks left out. Skipped without g++ or the CUDA headers; test_gpu_dsv4_attention.py runs the
 same cases on the device."""
@@ -37,20 +37,15 @@ def test_the_check_fails_without_the_sinks():
         check(got, reference(inp))
 
 
-@pytest.mark.parametrize("host_slots", [False, True], ids=["store_rows", "write_rows"])
-def test_write_rows_skips_padding_slots(host_slots):
-    """Rows land as bf16 at their slots from their column; a padding or replayed row's slot -1 writes nothing (a
-    fancy-indexed store would write the pool's last slot): store_rows over device slots (decode) and write_rows
-    over the step's host slots (prefill, where a prefix hit's replayed positions have slot -1)."""
+def test_store_rows_skips_padding_slots():
+    """Rows land as bf16 at their slots from their column; a padding or replayed row's slot -1 (a prefix hit's
+    replayed positions) writes nothing (a fancy-indexed store would write the pool's last slot)."""
     rng = np.random.default_rng(0)
     pool = bf16(rng.standard_normal((1, 1, 48, 1, 40)))
     rows = rng.standard_normal((3, 24)).astype(np.float32)
     ops, slots = EmulatedDSV4(), np.array([5, -1, 30], np.int32)
     ops.shared.kv_cache = host(pool.copy())
-    if host_slots:
-        ops.write_rows(0, slots, host(rows), col=8)
-    else:
-        ops.store_rows(0, host(slots), host(rows), col=8)
+    ops.store_rows(0, host(slots), host(rows), col=8)
     want = pool.copy()
     want[0, 0, [5, 30], 0, 8:32] = bf16(rows[[0, 2]])
     np.testing.assert_array_equal(np.asarray(ops.shared.kv_cache), want)

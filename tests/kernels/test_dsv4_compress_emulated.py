@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from dsv4_compress_cases import (CASES, check, check_a_replayed_close_writes_nothing, check_decode_ring,
-                                 check_ring_rows, random_inputs, reference, run_compress, run_decode, run_ring_rows)
+                                 check_ring_store, random_inputs, reference, run_compress, run_decode, run_ring_store)
 from test_deltanet_kernels_emulated import host
 from test_dsv4_hc_emulated import EmulatedDSV4
 
@@ -21,7 +21,7 @@ def test_compressor_matches_numpy(case):
 
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c[0])
 def test_decode_closes_from_the_ring_and_stores_its_inputs(case):
-    """compress_windows as decode_attention launches it (device arrays, a token's first position its own) and
+    """compress_windows as device_attention launches it (device arrays, a token's first position its own) and
     store_ring."""
     inp = random_inputs(*case[1:], seed=len(case[0]))
     one = np.flatnonzero((inp.pos >= 0).sum(1) == 1)
@@ -31,9 +31,9 @@ def test_decode_closes_from_the_ring_and_stores_its_inputs(case):
 
 
 @pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c[0])
-def test_ring_store_and_ring_rows(case):
+def test_a_mixed_steps_ring_keeps_each_sequences_last_inputs(case):
     inp = random_inputs(*case[1:], seed=len(case[0]))
-    check_ring_rows(run_ring_rows(EmulatedDSV4(), inp, host, np.asarray), inp)
+    check_ring_store(run_ring_store(EmulatedDSV4(), inp, host, np.asarray), inp)
 
 
 def test_the_check_fails_without_the_previous_window():

@@ -115,10 +115,23 @@ class EmulatedGpuExecutor(CpuExecutor):
                                   model.model.v4.experts, model.model.v4.top_k, interleave)
 
     def forward_logits(self, batch):
-        ctx = SimpleNamespace(batch=batch, input_ids=batch.input_ids, num_tokens=batch.num_tokens,
-                              decode_only=False)      # the host-grouped path (the device-array decode: below)
+        ctx = step_context(batch)
         hidden = self.model.forward(self.ops, self.weights, ctx)
         return f32(self.ops.linear(hidden, self.weights["lm_head"]))
+
+
+def step_context(batch) -> SimpleNamespace:
+    """An eager step's context as the GPU executor's StepInputs gives it: the host batch and its arrays where the
+    ops read them (int32: positions, KV slots, each token's sequence row, state slots, token offsets, block
+    tables)."""
+    def dev(a):
+        return host(np.asarray(a, np.int32))
+
+    seq = np.repeat(np.arange(len(batch.seqs)), np.diff(batch.cu_seqlens))
+    return SimpleNamespace(batch=batch, input_ids=batch.input_ids, num_tokens=batch.num_tokens,
+                           decode_only=batch.is_decode_only, positions=dev(batch.positions),
+                           slot_mapping=dev(batch.slot_mapping), token_seq=dev(seq), state_slots=dev(batch.state_slots),
+                           cu_seqlens=dev(batch.cu_seqlens), block_tables=dev(batch.block_tables))
 
 
 def run(executor_cls, seqs, **kw):
@@ -188,7 +201,7 @@ class EmulatedDecodeGraph(EmulatedGpuExecutor):
 
 @pytest.mark.slow
 def test_decode_from_device_arrays_matches_the_numpy_executor():
-    """decode_attention (GpuDSV4Ops.attention of a context with no host batch: dsv4_attention.cu, the compressor
+    """device_attention (GpuDSV4Ops.attention of a context with no host batch: dsv4_attention.cu, the compressor
     over the step's rows and the rings, ring_store and the indexer's top-k from the step's device arrays, fixed
     shapes, a padding row) agrees with the numpy executor within the eager ops' bound (measured 0.885 / 0.208,
     46 of 52 argmaxes, 0.904 with the compressor's inputs in the KV rows; with the indexer's picks dropped, every

@@ -57,3 +57,18 @@ def test_widths_the_kernels_cannot_take_are_refused_at_start():
         model.v4 = dataclasses.replace(good, **bad)
         with pytest.raises(ValueError, match="multiples of 4"):
             model.check_gpu_shapes()
+
+
+def test_indexer_ids_in_row_chunks_match_one_launch(monkeypatch):
+    """indexer_ids over a prompt's rows whose scores would pass INDEXER_SCORES_BYTES takes them a few rows at a
+    time (here 5 of 18, the last chunk short): the ids of one launch over every row."""
+    from dsv4_indexer_cases import device_rows
+
+    from engine.executor import gpu_dsv4_ops
+
+    inp = random_inputs(*CASES[1][1:], seed=4)
+    ops, rows, stride = emulated_ops(inp), device_rows(inp, host), int(inp.ctx_lens.max()) // 4
+    whole = np.asarray(ops.indexer_topk(0, *rows, inp.spec, stride)[0])
+    monkeypatch.setattr(gpu_dsv4_ops, "INDEXER_SCORES_BYTES", 4 * stride * 5)
+    assert len(whole) == 18 and (whole >= 0).any()
+    np.testing.assert_array_equal(np.asarray(ops.indexer_ids(*rows, inp.spec, stride)), whole)
