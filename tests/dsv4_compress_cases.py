@@ -123,7 +123,7 @@ def run_compress(ops, inp: CompressInputs, dev, back, **override) -> tuple[np.nd
     args = {"start": inp.start, "ring_slots": inp.ring_slots, **override}
     g, q = np.nonzero(inp.pos >= 0)                                 # sequence after sequence: the inputs' rows
     per_token = (inp.pos[g, q], inp.kv_slots[g, q], args["start"][g], args["ring_slots"][g])
-    ops.compress_windows(*(dev(a.astype(np.int32)) for a in per_token), None, dev(inp.inputs),
+    ops.compress_windows(*(dev(a.astype(np.int32)) for a in per_token), dev(inp.inputs),
                          {n: dev(a) for n, a in inp.weights.items()}, inp.spec)
     return back(pool), back(ops.state[inp.spec.ring])
 
@@ -145,7 +145,7 @@ def launch_decode(ops, inp: CompressInputs, step: dict) -> None:
     """compress_windows as device_attention launches it (each token's first position its own, its row its own),
     then store_ring."""
     positions, ring_slots, inputs, n = step["positions"], step["ring_slots"], step["inputs"], step["stored"]
-    ops.compress_windows(positions, step["slots"], positions, ring_slots, None, inputs, step["weights"], inp.spec)
+    ops.compress_windows(positions, step["slots"], positions, ring_slots, inputs, step["weights"], inp.spec)
     ops.store_ring(inp.spec, ring_slots[:n], positions[:n], inputs[:n])
 
 

@@ -271,11 +271,11 @@ class GpuDSV4Ops:
         """The layer's ring, bf16 [state slots, ring_len, ring_width]."""
         return self.state[spec.ring][spec.ring_index]
 
-    def compress_windows(self, positions, slots, starts, ring_slots, rows, inputs, w, spec) -> None:
+    def compress_windows(self, positions, slots, starts, ring_slots, inputs, w, spec) -> None:
         """compress_close over T tokens (device int32 [T] each: positions, -1 padding; KV slots, -1 none written;
-        their sequences' first positions in the step and state slots; their rows of the step's inputs
-        [*, ring_width] float32, None: row t; a token that closes no window returns at once): the entries, then
-        the indexer keys, each into the closing token's KV row."""
+        their sequences' first positions in the step and state slots; token t's inputs are row t of the step's
+        inputs [T, ring_width] float32; a token that closes no window returns at once): the entries, then the
+        indexer keys, each into the closing token's KV row."""
         L, D, cols = f"layers.{spec.layer}.", spec.head_dim, entry_columns(spec)
         kv, ring = self.shared.kv_cache[spec.layer, 0], self.ring(spec)
         inv_freq = self.const(spec.compress_inv_freq)
@@ -285,8 +285,7 @@ class GpuDSV4Ops:
             series.append(("idx_comp_", 2 * spec.series * D, spec.index_dim, True, cols[1]))
         for name, src, d, overlap, out in series:
             self.shared.launch(self._kernel("dsv4_compress", "compress_close"), (positions.shape[0],), (COMP_THREADS,),
-                               (kv, ring, inputs, positions, slots, starts, ring_slots,
-                                np.uint64(0) if rows is None else rows, self._weight_f32(w[L + name + "ape"]),
+                               (kv, ring, inputs, positions, slots, starts, ring_slots, self._weight_f32(w[L + name + "ape"]),
                                 self._weight_f32(w[L + name + "norm"]), inv_freq, np.int32(kv.shape[-1]),
                                 np.int32(spec.ring_len), np.int32(spec.ring_width), np.int32(src), np.int32(d),
                                 np.int32(overlap), np.int32(spec.rate), np.int32(2 * inv_freq.shape[0]),
@@ -396,7 +395,7 @@ def device_attention(x, w, spec, ctx, p: GpuDSV4Ops):
     tables, ring_slots, starts, kept = step_rows(ctx, spec, p.cp)
     ids = None
     if spec.rate:
-        p.compress_windows(positions, ctx.slot_mapping, starts, ring_slots, None, inputs, w, spec)
+        p.compress_windows(positions, ctx.slot_mapping, starts, ring_slots, inputs, w, spec)
         p.store_ring(spec, ring_slots, kept, inputs)
         if spec.index_heads:
             longest = tables.shape[1] * BLOCK_SIZE if ctx.batch is None else int(ctx.batch.context_lens.max())

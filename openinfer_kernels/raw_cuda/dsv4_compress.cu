@@ -67,12 +67,12 @@ __device__ float window_sum(const WindowInputs& in, const float* ape, int first,
 // compress_close: grid (T), COMP_THREADS threads. kv: the layer's bf16 KV rows [slots, kv_width]; ring: the
 // layer's bf16 ring [state slots · ring_len, width]; inputs float32 [rows, width]: the step's; per token t:
 // positions (-1: padding), slots (its KV slot, -1: none written), starts (its sequence's first position in the
-// step), ring_slots (its sequence's state slot) and rows (its row of inputs; null: row t), int32 [T];
+// step) and ring_slots (its sequence's state slot), int32 [T]; its inputs are row t;
 // ape float32 [rate, s · d]; norm float32 [d]; inv_freq float32 [rope_dim / 2]; d <= COMP_MAX_D.
 extern "C" __global__ void __launch_bounds__(COMP_THREADS)
 compress_close(bf16_t* kv, const bf16_t* __restrict__ ring, const float* __restrict__ inputs,
                const int* __restrict__ positions, const int* __restrict__ slots, const int* __restrict__ starts,
-               const int* __restrict__ ring_slots, const int* __restrict__ rows, const float* __restrict__ ape,
+               const int* __restrict__ ring_slots, const float* __restrict__ ape,
                const float* __restrict__ norm, const float* __restrict__ inv_freq, int kv_width, int ring_len,
                int width, int src, int d, int overlap, int rate, int rope_dim, int out_col, float eps) {
     pdl_begin();
@@ -80,8 +80,7 @@ compress_close(bf16_t* kv, const bf16_t* __restrict__ ring, const float* __restr
     const int t = blockIdx.x, pos = positions[t], slot = slots[t];
     if (pos < 0 || (pos + 1) % rate || slot < 0) return;                // the whole CTA
     const int first = pos + 1 - rate;
-    const WindowInputs in{inputs, ring, rows ? rows[t] : t, pos, starts[t], ring_slots[t] * ring_len, ring_len,
-                          width};
+    const WindowInputs in{inputs, ring, t, pos, starts[t], ring_slots[t] * ring_len, ring_len, width};
     float sq = 0.f;
     for (int c = threadIdx.x; c < d; c += COMP_THREADS) {
         const float v = window_sum(in, ape, first, c, d, overlap, rate, src);

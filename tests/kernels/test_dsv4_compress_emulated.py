@@ -47,7 +47,7 @@ def test_the_check_fails_without_the_previous_window():
     def no_overlap(k, grid, block, args, shared_mem=0):
         args = list(args)
         if k[1] == "compress_close":
-            args[16] = np.int32(0)
+            args[15] = np.int32(0)
         launch(k, grid, block, args, shared_mem)
 
     ops.shared.launch = no_overlap
