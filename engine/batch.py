@@ -15,7 +15,9 @@ Speculative decoding: a step may end in `num_drafts` draft tokens (a verify step
 then k drafts). Its last k + 1 rows are all sampled (sample_rows lists them, grouped by sequence) and
 verified (engine/sampling.py verify_seq): the SampledToken is the token after the accepted drafts, its
 `accepted` the accepted drafts, each with its own logprobs. The KV slots of rejected drafts are written
-but never read: the scheduler counts only accepted positions as computed, and later steps overwrite them.
+but never read: the scheduler counts only accepted positions as computed, and later steps overwrite them. A line
+with per-sequence state is verified only by an executor that rolls it back (`rolls_back_state`): the sequence's
+next step starts right after its accepted tokens, which tells the executor what to keep of the drafts.
 """
 from __future__ import annotations
 

@@ -166,8 +166,16 @@ def check_speculation(config: SpeculativeConfig, executor) -> None:
     if config.method == "mtp" and not executor.supports_mtp:
         raise ValueError(f"--speculative-config: {type(executor).__name__} does not run multi-token-prediction "
                          f"layers yet (method 'mtp' is served by the numpy executor, --device cpu)")
-    if executor.num_state_slots:
-        raise ValueError("--speculative-config: this model keeps per-sequence state (Qwen3.5's Gated DeltaNet "
-                         "layers, DeepSeek-V4's compressor rings), which the rejected draft tokens of a verify step "
-                         "would advance; it cannot be rolled back yet, so speculative decoding is refused for this "
-                         "model")
+    if executor.num_state_slots and not executor.rolls_back_state:
+        raise ValueError(_state_refusal(executor))
+
+
+def _state_refusal(executor) -> str:
+    """Why the model's per-sequence state cannot take a verify step's rejected drafts on this executor."""
+    if "dsv4" in executor.rank0().model.op_families:
+        return ("--speculative-config: DeepSeek-V4 keeps compressor rings per sequence (each compressed layer's "
+                "last tokens' compressor inputs), which the rejected draft tokens of a verify step would advance; "
+                "no executor rolls them back yet, so speculative decoding is refused for this model")
+    return (f"--speculative-config: this model keeps per-sequence state (Qwen3.5's Gated DeltaNet conv windows and "
+            f"recurrent states), which {type(executor).__name__} does not roll back past a verify step's rejected "
+            f"draft tokens yet; the numpy executor does: serve it with --device cpu, or without --speculative-config")

@@ -46,6 +46,7 @@ class Executor(Protocol):
     num_state_slots: int        # per-sequence state slots (linear-attention lines; 0: none)
     step_cost: StepCost | None  # a step's modelled time (None: the token budget alone bounds it)
     supports_draft_verify: bool  # steps with draft tokens (SeqStep.num_drafts) are verified: speculative decoding
+    rolls_back_state: bool      # a verify step's rejected drafts leave the state slots as if never fed
     supports_eagle3: bool       # attach_eagle3 works: an EAGLE-3 head drafts from the target's hidden states
     supports_mtp: bool          # attach_mtp works: the target's MTP layer (engine/mtp.py) drafts
     supports_device_ngram: bool  # method 'ngram' drafts on the device (gpu_ngram.py), not engine/ngram.py's host lookup
@@ -157,6 +158,7 @@ class ExecutorBase:
     num_state_slots = 0
     step_cost = None              # a StepCost (engine/step_budget.py): time bounds a step besides its tokens
     supports_draft_verify = False  # a step with draft tokens is refused: no speculative decoding
+    rolls_back_state = False      # rejected drafts would advance the state slots: no speculation with state
     supports_eagle3 = False       # no EAGLE-3 head drafts (attach_eagle3)
     supports_mtp = False          # no MTP layer drafts (attach_mtp)
     supports_device_ngram = False  # 'ngram' drafts on the host (engine/ngram.py NgramProposer)

@@ -73,6 +73,7 @@ class CpuExecutor(ExecutorBase):
         self.num_state_slots = options.max_num_seqs if state is not None else 0
         lora = NumpyLoRAOps(lora_sites(self.model), options.max_loras) if options.max_loras else None
         self.ops = self._ops(state, lora)
+        self.rolls_back_state = self.ops.rolls_back_state   # Gated DeltaNet state: yes; DeepSeek-V4's rings: no
         self.draft: Eagle3Draft | MtpDraft | None = None
 
     def attach_eagle3(self, head: Eagle3Head) -> Eagle3Draft:

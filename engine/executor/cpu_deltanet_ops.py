@@ -11,8 +11,17 @@ CHUNK tokens at once (prefill): within a chunk, with gamma the cumulative log de
 the UT transform (I + L)^-1 (L = strictly lower (beta_i k_i·k_j e^{gamma_i - gamma_j})) turns the chunk's
 updates into matrix products, and one state read / write per chunk carries the recurrence (as HF's
 torch_chunk_gated_delta_rule and flash-linear-attention's chunk kernels do).
+
+Speculative decoding (engine/batch.py SeqStep.num_drafts): a verify step's draft tokens run after the sequence's
+own tokens one by one (the decode recurrence, as plain decoding runs them), from the state those left, and are
+held out of the slot (HeldDrafts, per state array, layer and slot). The sequence's next step starts right after
+its accepted tokens: the held drafts before that position are applied to the slot first (the same one-token
+recurrence; the conv window shifted over their inputs), the rejected ones dropped; a step from position 0 drops
+them all (a new sequence in the slot, or a preempted one recomputing).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -100,20 +109,81 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return np.moveaxis(o, 0, 2).reshape(N * chunk, H, Dv)[:n], S
 
 
+@dataclass
+class HeldDrafts:
+    """A verify step's draft tokens held out of one layer's state array of a slot: their rows of the inputs
+    that advance it (the conv's inputs; the delta rule's q, k, v, g, beta), the first at position start_pos."""
+    seq_id: int
+    start_pos: int
+    inputs: tuple[np.ndarray, ...]
+
+    def accepted(self, seq_id: int, start_pos: int) -> tuple[np.ndarray, ...]:
+        """The rows of the drafts before start_pos, where the sequence's next step starts (its accepted ones)."""
+        n = start_pos - self.start_pos
+        if seq_id != self.seq_id or not 0 <= n <= len(self.inputs[0]):
+            raise RuntimeError(f"seq {seq_id} steps from position {start_pos}, outside the drafts its state slot "
+                               f"holds (seq {self.seq_id}, {len(self.inputs[0])} from position {self.start_pos})")
+        return tuple(a[:n] for a in self.inputs)
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence's rows [q0, q1) of a step: its own tokens, then its last `drafts` rows, draft tokens."""
+    seq_id: int
+    q0: int
+    q1: int
+    slot: int
+    start_pos: int
+    drafts: int
+
+    @property
+    def own_end(self) -> int:
+        return self.q1 - self.drafts
+
+
+def _shift_window(window: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The conv window [K - 1, C] after the inputs rows."""
+    return np.concatenate([window, rows])[len(rows):]
+
+
+def _advance_state(S: np.ndarray, q, k, v, g, beta) -> np.ndarray:
+    """The recurrent state after the rows, one token at a time (the decode recurrence)."""
+    return recurrent_gated_delta_rule(q, k, v, g, beta, S)[1]
+
+
 class NumpyDeltaNetOps:
     """ops.deltanet of the numpy executor over its state slots (memory/state_slots.py host_state)."""
     chunk = CHUNK
 
     def __init__(self, state: dict[str, np.ndarray]):
         self.state = state
+        self.held: dict[tuple[str, int, int], HeldDrafts] = {}     # (state array, layer, slot) -> its drafts
 
     @staticmethod
-    def _seq_spans(ctx):
-        """(row, first token, end token, state slot, starts fresh) per sequence of the step."""
+    def _spans(ctx) -> list[SeqSpan]:
         b = ctx.batch
         cu = b.cu_seqlens
-        for i, s in enumerate(b.seqs):
-            yield i, int(cu[i]), int(cu[i + 1]), int(b.state_slots[i]), s.start_pos == 0
+        return [SeqSpan(s.seq_id, int(cu[i]), int(cu[i + 1]), int(b.state_slots[i]), s.start_pos, s.num_drafts)
+                for i, s in enumerate(b.seqs)]
+
+    def _settle(self, name: str, layer: int, span: SeqSpan, advance) -> None:
+        """The slot's state array at the span's start: zeros where the sequence starts (position 0), else
+        advanced (advance(state, *rows)) over the held drafts it accepted; the other held drafts dropped."""
+        state = self.state[name][layer]
+        held = self.held.pop((name, layer, span.slot), None)
+        if span.start_pos == 0:
+            state[span.slot] = 0
+        elif held is not None:
+            accepted = held.accepted(span.seq_id, span.start_pos)
+            if len(accepted[0]):
+                state[span.slot] = advance(state[span.slot], *accepted)
+
+    def _hold(self, name: str, layer: int, span: SeqSpan, inputs: tuple[np.ndarray, ...]) -> None:
+        """Hold the span's draft rows of inputs until its next step (nothing without drafts)."""
+        if span.drafts:
+            rows = slice(span.own_end, span.q1)
+            self.held[(name, layer, span.slot)] = HeldDrafts(
+                span.seq_id, span.start_pos + span.own_end - span.q0, tuple(a[rows].copy() for a in inputs))
 
     def causal_conv1d(self, proj, weight, spec, ctx):
         C, K = spec.conv_dim, spec.conv_kernel
@@ -121,16 +191,19 @@ class NumpyDeltaNetOps:
         w = weight.reshape(C, K)
         conv = self.state["conv"][spec.layer]                       # [slots, K - 1, C]
         out = np.empty((x.shape[0], C), np.float32)
-        for _, q0, q1, slot, fresh in self._seq_spans(ctx):
-            prev = np.zeros((K - 1, C), np.float32) if fresh else conv[slot]
-            window = np.concatenate([prev, x[q0:q1]])              # inputs t - K + 1 ... t, oldest first
-            n = q1 - q0
+        for span in self._spans(ctx):
+            self._settle("conv", spec.layer, span, _shift_window)
+            window = np.concatenate([conv[span.slot], x[span.q0:span.q1]])   # inputs t - K + 1 ... t, oldest first
+            n, own = span.q1 - span.q0, span.own_end - span.q0
             y = sum(window[j:j + n] * w[:, j] for j in range(K))
-            conv[slot] = window[n:]
-            out[q0:q1] = _silu(y)
+            conv[span.slot] = window[own:own + K - 1]
+            self._hold("conv", spec.layer, span, (x,))
+            out[span.q0:span.q1] = _silu(y)
         return out
 
-    def gated_delta_rule(self, x, proj, a_log, dt_bias, spec, ctx):
+    @staticmethod
+    def _delta_inputs(x, proj, a_log, dt_bias, spec) -> tuple[np.ndarray, ...]:
+        """q, k [T, Hv, Dk] (normalized, q scaled), v [T, Hv, Dv], g, beta [T, Hv] of the step's rows."""
         T = x.shape[0]
         Hk, Hv, Dk, Dv = spec.num_k_heads, spec.num_v_heads, spec.k_dim, spec.v_dim
         ks = spec.key_size
@@ -138,22 +211,30 @@ class NumpyDeltaNetOps:
         q = np.repeat(_l2norm(x[:, :ks].reshape(T, Hk, Dk)), rep, axis=1) * np.float32(Dk ** -0.5)
         k = np.repeat(_l2norm(x[:, ks:2 * ks].reshape(T, Hk, Dk)), rep, axis=1)
         v = x[:, 2 * ks:].reshape(T, Hv, Dv)
-        beta = _sigmoid(proj[:, spec.b_offset:spec.b_offset + Hv])
         g = -np.exp(a_log.astype(np.float32)) * _softplus(proj[:, spec.a_offset:spec.a_offset + Hv] + dt_bias)
+        return q, k, v, g, _sigmoid(proj[:, spec.b_offset:spec.b_offset + Hv])
+
+    def gated_delta_rule(self, x, proj, a_log, dt_bias, spec, ctx):
+        """A sequence's own rows: one token batched with the step's others in one recurrence step, more in the
+        chunked form; its draft rows after them one by one, held (HeldDrafts)."""
+        inputs = self._delta_inputs(x, proj, a_log, dt_bias, spec)
         rec = self.state["recurrent"][spec.layer]                   # [slots, Hv, Dk, Dv]
-        out = np.empty((T, Hv, Dv), np.float32)
-        decode = [(q0, slot, fresh) for _, q0, q1, slot, fresh in self._seq_spans(ctx) if q1 - q0 == 1]
-        if decode:                                                   # one-token sequences: one batched step
-            rows = np.array([r for r, _, _ in decode])
-            slots = np.array([s for _, s, _ in decode])
-            S = rec[slots] * np.array([not f for _, _, f in decode], np.float32)[:, None, None, None]
-            out[rows], rec[slots] = delta_rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], S)
-        for _, q0, q1, slot, fresh in self._seq_spans(ctx):
-            if q1 - q0 > 1:
-                S0 = np.zeros_like(rec[slot]) if fresh else rec[slot]
-                out[q0:q1], rec[slot] = chunked_gated_delta_rule(q[q0:q1], k[q0:q1], v[q0:q1], g[q0:q1],
-                                                                 beta[q0:q1], S0, self.chunk)
-        return out.reshape(T, Hv * Dv)
+        spans = self._spans(ctx)
+        for span in spans:
+            self._settle("recurrent", spec.layer, span, _advance_state)
+        out = np.empty(inputs[2].shape, np.float32)
+        single = [s for s in spans if s.own_end - s.q0 == 1]
+        if single:                                                   # one own token: one batched step
+            rows, slots = np.array([s.q0 for s in single]), np.array([s.slot for s in single])
+            out[rows], rec[slots] = delta_rule_step(*(a[rows] for a in inputs), rec[slots])
+        for s in spans:
+            own, drafts = slice(s.q0, s.own_end), slice(s.own_end, s.q1)
+            if s.own_end - s.q0 > 1:
+                out[own], rec[s.slot] = chunked_gated_delta_rule(*(a[own] for a in inputs), rec[s.slot], self.chunk)
+            if s.drafts:
+                out[drafts] = recurrent_gated_delta_rule(*(a[drafts] for a in inputs), rec[s.slot])[0]
+                self._hold("recurrent", spec.layer, s, inputs)
+        return out.reshape(x.shape[0], -1)
 
     def gated_rms_norm(self, x, proj, weight, spec):
         T, Hv, Dv = x.shape[0], spec.num_v_heads, spec.v_dim

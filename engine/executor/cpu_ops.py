@@ -60,6 +60,12 @@ class NumpyOps(ComposedOps):
         self.lora = lora
         self.paged = PagedAttention()
 
+    @property
+    def rolls_back_state(self) -> bool:
+        """A verify step's rejected drafts leave the state slots as before: the DeltaNet part holds drafts
+        out of its state (cpu_deltanet_ops.py); DeepSeek-V4's compressor rings take them."""
+        return self.dsv4 is None
+
     def _moe_part(self) -> NumpyMoEOps:
         """The MoE part (a tensor-parallel rank's ops build their own, engine/parallel)."""
         return NumpyMoEOps(self.silu_mul)

@@ -51,6 +51,7 @@ class TensorParallelExecutor(ExecutorBase):
         self.num_state_slots = local.num_state_slots
         self.step_cost = local.step_cost                        # rank 0's (every rank holds a like share)
         self.supports_draft_verify = local.supports_draft_verify
+        self.rolls_back_state = local.rolls_back_state
 
     @property
     def last_step_graphed(self) -> bool:

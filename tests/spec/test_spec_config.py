@@ -80,6 +80,15 @@ def test_the_batch_size_schedule_follows_vllms_lookup():
 class _Executor:
     supports_draft_verify = True
     num_state_slots = 0
+    rolls_back_state = False
+    families = frozenset()
+
+    def rank0(self):
+        return self
+
+    @property
+    def model(self):
+        return type("Line", (), {"op_families": self.families})()
 
 
 def test_an_executor_or_line_that_cannot_verify_is_refused():
@@ -88,9 +97,13 @@ def test_an_executor_or_line_that_cannot_verify_is_refused():
     no_verify = type("GpuLike", (_Executor,), {"supports_draft_verify": False})()
     with pytest.raises(ValueError, match="GpuLike does not verify draft tokens yet"):
         check_speculation(config, no_verify)
-    stateful = type("Hybrid", (_Executor,), {"num_state_slots": 8})()
-    with pytest.raises(ValueError, match="keeps per-sequence state"):
-        check_speculation(config, stateful)
+    deltanet = {"num_state_slots": 8, "families": frozenset({"deltanet"})}
+    with pytest.raises(ValueError, match="Gated DeltaNet .* which GpuLike does not roll back .* --device cpu"):
+        check_speculation(config, type("GpuLike", (_Executor,), deltanet)())
+    check_speculation(config, type("NumpyLike", (_Executor,), {**deltanet, "rolls_back_state": True})())
+    rings = type("Dsv4", (_Executor,), {"num_state_slots": 8, "families": frozenset({"moe", "dsv4"})})()
+    with pytest.raises(ValueError, match="DeepSeek-V4 keeps compressor rings .* no executor rolls them back"):
+        check_speculation(config, rings)
 
 
 @pytest.mark.parametrize("device", ["cuda", "auto"])
@@ -124,14 +137,23 @@ def test_engine_config_validates_it():
         EngineConfig(speculative_config=SpeculativeConfig("ngram", 0)).validate()
 
 
-def test_qwen35_is_refused_at_start():
-    from engine.config import EngineConfig
-    from engine.handle import EngineHandle
+def test_which_executors_roll_back_state():
+    """The numpy executor rolls Qwen3.5's DeltaNet state back (tests/spec/test_spec_qwen35.py), not DeepSeek-V4's
+    compressor rings; the GPU executor rolls back none."""
+    from engine.executor.cpu import CpuExecutor
+    from engine.executor.gpu import GpuExecutor
+    from engine.executor.options import options_of
+    from engine.loader import load_model
     from harness.hybrid_models import hybrid_model_path
-    config = EngineConfig(model=hybrid_model_path("qwen3_5_text"), device="cpu", max_model_len=128, num_kv_blocks=16,
-                          speculative_config=parse(method="ngram", num_speculative_tokens=2))
-    with pytest.raises(ValueError, match="Gated DeltaNet"):
-        EngineHandle(config)
+    from harness.models import tiny_model_path
+    assert not GpuExecutor.rolls_back_state
+    options = options_of(num_kv_blocks=16, max_model_len=128)
+    qwen35 = CpuExecutor(load_model(hybrid_model_path("qwen3_5_text")), options)
+    assert qwen35.num_state_slots and qwen35.rolls_back_state
+    dsv4 = CpuExecutor(load_model(tiny_model_path("deepseek_v4")), options)
+    assert dsv4.num_state_slots and not dsv4.rolls_back_state
+    with pytest.raises(ValueError, match="DeepSeek-V4 keeps compressor rings"):
+        check_speculation(parse(method="ngram", num_speculative_tokens=2), dsv4)
 
 
 def test_cli_flag_parses_and_refuses_with_a_clear_message(capsys):
