@@ -69,11 +69,13 @@ class CpuExecutor(ExecutorBase):
         log.info("%s; %d KV blocks", self.kv_format.describe("float32"), self.num_kv_blocks)
         self.cos, self.sin = rope_cos_sin(cfg, self.max_model_len, self.model.rope_dim)
         self.threads = CpuThreads(options.cpu_threads or default_cpu_threads())
+        k = options.num_speculative_tokens
+        room = k > 0 and self.model.make_room_for_drafts(k)      # DeepSeek-V4's rings: room for rejected drafts
         state = self.model.state_layout()          # lines with per-sequence state: one slot per sequence
         self.num_state_slots = options.max_num_seqs if state is not None else 0
         lora = NumpyLoRAOps(lora_sites(self.model), options.max_loras) if options.max_loras else None
         self.ops = self._ops(state, lora)
-        self.rolls_back_state = self.ops.rolls_back_state   # Gated DeltaNet state: yes; DeepSeek-V4's rings: no
+        self.rolls_back_state = room or self.ops.rolls_back_state     # Gated DeltaNet state: held drafts
         self.draft: Eagle3Draft | MtpDraft | None = None
 
     def attach_eagle3(self, head: Eagle3Head) -> Eagle3Draft:

@@ -63,7 +63,8 @@ class NumpyOps(ComposedOps):
     @property
     def rolls_back_state(self) -> bool:
         """A verify step's rejected drafts leave the state slots as before: the DeltaNet part holds drafts
-        out of its state (cpu_deltanet_ops.py); DeepSeek-V4's compressor rings take them."""
+        out of its state (cpu_deltanet_ops.py); DeepSeek-V4's compressor rings take them (unless the model made
+        room for them: DeepseekV4ForCausalLM.make_room_for_drafts)."""
         return self.dsv4 is None
 
     def _moe_part(self) -> NumpyMoEOps:

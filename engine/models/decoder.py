@@ -216,6 +216,11 @@ class DecoderLM:
         """What one sequence's state slot holds (linear-attention lines); None: no per-sequence state."""
         return None
 
+    def make_room_for_drafts(self, k: int) -> bool:
+        """Lay the state out for verify steps of up to k draft tokens; True where the state then needs no
+        rollback of rejected drafts (DeepSeek-V4's rings), False where the executor must roll it back."""
+        return False
+
     # replay_tokens(hit): the tokens before a prefix-cache hit of `hit` tokens that a sequence recomputes to
     # rebuild its state slot (their KV stays as restored); None: a hit cannot rebuild this line's state (a line
     # that keeps state then caches no prefixes)

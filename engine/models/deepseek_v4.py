@@ -51,7 +51,8 @@ RINGS = ("csa_ring", "hca_ring")        # the state arrays of the CSA and the HC
 class DSV4AttentionSpec:
     """One DeepSeek-V4 attention layer. rate: tokens per compressed entry (0: sliding only); overlap: CSA's
     windows (entry w also reads window w - 1); index_*: the lightning indexer (CSA); ring: the state array of its
-    compressor ring ("" on sliding layers), ring_index: the layer's index in it."""
+    compressor ring ("" on sliding layers), ring_index: the layer's index in it; draft_rows: the ring's rows
+    beyond the windows' reach, for the draft tokens a verify step may store past the accepted ones."""
     layer: int
     num_heads: int
     head_dim: int
@@ -68,6 +69,7 @@ class DSV4AttentionSpec:
     compress_inv_freq: Any             # the compressed entries' and the indexer's
     ring: str = ""
     ring_index: int = 0
+    draft_rows: int = 0
 
     @property
     def series(self) -> int:
@@ -82,8 +84,10 @@ class DSV4AttentionSpec:
 
     @property
     def ring_len(self) -> int:
-        """Tokens the compressor ring keeps: the windows still open at a step's end read at most these."""
-        return self.rate * self.series
+        """Tokens the compressor ring keeps: the windows still open at a step's end read at most rate · series;
+        with draft_rows more, a verify step's rejected drafts (stored at their positions modulo ring_len)
+        overwrite only rows older than any window of the accepted tokens reads."""
+        return self.rate * self.series + self.draft_rows
 
     @property
     def ring_width(self) -> int:
@@ -291,6 +295,14 @@ class DeepseekV4ForCausalLM(DecoderLM):
                 layers = 1 + max(s.ring_index for s in specs)
                 arrays.append(StateArray(name, layers, (specs[0].ring_len, specs[0].ring_width), ACTIVATION))
         return StateLayout(tuple(arrays)) if arrays else None
+
+    def make_room_for_drafts(self, k: int) -> bool:
+        """Rings sized for verify steps of up to k draft tokens (DSV4AttentionSpec.draft_rows): what a rejected
+        draft stores there (its inputs, at a row no accepted window reads) and in the KV rows of its position (its
+        K and any entry it closes, written again when the sequence reaches that position) is never read, so no
+        rollback is needed. Call before the state is laid out."""
+        self.attention_specs = [dataclasses.replace(s, draft_rows=k if s.rate else 0) for s in self.attention_specs]
+        return True
 
     def replay_tokens(self, hit: int) -> int:
         """The cached tokens a prefix hit of `hit` tokens recomputes to rebuild the rings: on each compressed

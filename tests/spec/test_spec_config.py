@@ -102,7 +102,8 @@ def test_an_executor_or_line_that_cannot_verify_is_refused():
         check_speculation(config, type("GpuLike", (_Executor,), deltanet)())
     check_speculation(config, type("NumpyLike", (_Executor,), {**deltanet, "rolls_back_state": True})())
     rings = type("Dsv4", (_Executor,), {"num_state_slots": 8, "families": frozenset({"moe", "dsv4"})})()
-    with pytest.raises(ValueError, match="DeepSeek-V4 keeps compressor rings .* no executor rolls them back"):
+    with pytest.raises(ValueError, match="DeepSeek-V4 keeps compressor rings .* Dsv4 does not size them for "
+                                         "drafts yet; the numpy executor does: serve it with --device cpu"):
         check_speculation(config, rings)
 
 
@@ -138,8 +139,9 @@ def test_engine_config_validates_it():
 
 
 def test_which_executors_roll_back_state():
-    """The numpy executor rolls Qwen3.5's DeltaNet state back (tests/spec/test_spec_qwen35.py), not DeepSeek-V4's
-    compressor rings; the GPU executor rolls back none."""
+    """The numpy executor rolls Qwen3.5's DeltaNet state back (tests/spec/test_spec_state.py) and, built for
+    drafts, sizes DeepSeek-V4's compressor rings so that rejected drafts overwrite nothing read; built without
+    drafts (no verify steps) it does neither for the rings; the GPU executor does neither."""
     from engine.executor.cpu import CpuExecutor
     from engine.executor.gpu import GpuExecutor
     from engine.executor.options import options_of
@@ -154,6 +156,12 @@ def test_which_executors_roll_back_state():
     assert dsv4.num_state_slots and not dsv4.rolls_back_state
     with pytest.raises(ValueError, match="DeepSeek-V4 keeps compressor rings"):
         check_speculation(parse(method="ngram", num_speculative_tokens=2), dsv4)
+    model = load_model(tiny_model_path("deepseek_v4"))
+    rings = {s.ring: s.ring_len for s in model.model.attention_specs if s.rate}
+    dsv4 = CpuExecutor(model, options_of(num_kv_blocks=16, max_model_len=128, num_speculative_tokens=3))
+    assert dsv4.rolls_back_state
+    assert {s.ring: s.ring_len for s in model.model.attention_specs if s.rate} == {r: n + 3 for r, n in rings.items()}
+    assert {n: a.shape[2] for n, a in dsv4.ops.dsv4.state.items()} == {r: n + 3 for r, n in rings.items()}
 
 
 def test_cli_flag_parses_and_refuses_with_a_clear_message(capsys):

@@ -1,10 +1,12 @@
-"""Speculative decoding on Qwen3.5 (Gated DeltaNet state slots) through the numpy executor: a verify step's draft
-tokens are held out of the conv windows and recurrent states, and the accepted ones applied at the sequence's next
-step (engine/executor/cpu_deltanet_ops.py HeldDrafts), so every request generates exactly what it generates with
-speculation off — concurrent requests of different lengths, chunked prefill, greedy and seeded sampling,
-preemption, an abort mid-speculation — through verify steps that accept every draft, some, and none. With the
-rollback disabled the outputs differ: the comparison can fail. (Prefix caching is off for the line: no hits.)
-Methods 'mtp' and 'eagle3' are refused for the line, with their reason."""
+"""Speculative decoding on the lines with per-sequence state, through the numpy executor. Qwen3.5 (Gated DeltaNet
+state slots): a verify step's draft tokens are held out of the conv windows and recurrent states, and the accepted
+ones applied at the sequence's next step (engine/executor/cpu_deltanet_ops.py HeldDrafts). DeepSeek-V4 (compressor
+rings): the rings are sized for the drafts (DeepseekV4ForCausalLM.make_room_for_drafts), so what a rejected draft
+stores is never read. Either way every request generates exactly what it generates with speculation off —
+concurrent requests of different lengths, chunked prefill, greedy and seeded sampling, preemption, an abort
+mid-speculation — through verify steps that accept every draft, some, and none. With the rollback disabled (or the
+rings left at the windows' reach) the outputs differ: the comparison can fail. (Prefix caching is off for Qwen3.5:
+no hits.) Methods 'mtp' and 'eagle3' are refused for Qwen3.5, with their reason."""
 from __future__ import annotations
 
 import functools
@@ -17,23 +19,33 @@ from test_spec_scheduler import ScriptedProposer
 
 from engine.events import Finished, Token
 from engine.executor import cpu_deltanet_ops
+from engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from engine.request import GenerateRequest, SamplingParams
 from harness.hybrid_models import hybrid_model_path
+from harness.models import tiny_model_path
 
-MODELS = ("qwen3_5_text", "qwen3_5")
+MODELS = ("qwen3_5_text", "qwen3_5", "deepseek_v4")
+
+
+def loaded(name: str):
+    """A fresh load (make_room_for_drafts resizes DeepSeek-V4's rings on the model it is given), its weights read
+    once."""
+    from engine.loader import load_model
+    return load_model(_path(name))
 
 
 @functools.lru_cache(maxsize=None)
-def loaded(name: str):
-    from engine.loader import load_model
-    return load_model(hybrid_model_path(name))
+def _path(name: str) -> str:
+    return hybrid_model_path(name) if name.startswith("qwen3_5") else tiny_model_path(name)
 
 
 def engine_for(name: str, num_kv_blocks: int = 64, **config):
     from engine.executor.cpu import CpuExecutor
     from engine.executor.options import options_of
     model = loaded(name)
-    executor = CpuExecutor(model, options_of(num_kv_blocks=num_kv_blocks, max_model_len=512))
+    spec = config.get("speculative_config")
+    executor = CpuExecutor(model, options_of(num_kv_blocks=num_kv_blocks, max_model_len=512,
+                                             num_speculative_tokens=spec.num_speculative_tokens if spec else 0))
     return make_engine(executor, model.tokenizer, max_model_len=512, **config)
 
 
@@ -119,6 +131,19 @@ def test_without_the_rollback_the_outputs_differ(monkeypatch):
     assert any(a < d for d, a in verified)
     differ = [[t for t, _ in a] != [t for t, _ in b] for (a, _), (b, _) in zip(on, off)]
     assert sum(differ) >= len(reqs) // 2
+
+
+def test_without_room_in_the_rings_the_outputs_differ(monkeypatch):
+    """DeepSeek-V4's rings left at the windows' reach under speculation: a rejected draft's inputs overwrite
+    rows the next windows read, and requests generate other tokens."""
+    name = "deepseek_v4"
+    reqs = requests(name, 6, seed=3)
+    off, _, _ = outputs(name, reqs, max_num_batched_tokens=24)
+    monkeypatch.setattr(DeepseekV4ForCausalLM, "make_room_for_drafts", lambda model, k: True)
+    on, _, verified = outputs(name, reqs, drafts_from=off, max_num_batched_tokens=24, speculative_config=NGRAM)
+    assert any(a < d for d, a in verified)
+    differ = [[t for t, _ in a] != [t for t, _ in b] for (a, _), (b, _) in zip(on, off)]
+    assert sum(differ) >= 1
 
 
 def test_preemption_and_an_abort_mid_speculation():
