@@ -327,10 +327,20 @@ class DeepseekV4ForCausalLM(DecoderLM):
         return ops.moe.experts(x, w[L + "experts_gate_up_proj"], w[L + "experts_down_proj"], weights, ids, shared,
                                limit=limit)
 
+    def check_drafts(self, batch) -> None:
+        """A verify step's drafts must fit the rings' draft rows (make_room_for_drafts): more would overwrite ring
+        rows the accepted windows read (ValueError, not a wrong answer)."""
+        room = min((s.draft_rows for s in self.attention_specs if s.rate), default=0)
+        drafts = max((s.num_drafts for s in batch.seqs), default=0) if batch is not None else 0
+        if drafts > room and any(s.rate for s in self.attention_specs):
+            raise ValueError(f"deepseek_v4: a verify step with {drafts} draft tokens a sequence, but the compressor "
+                             f"rings hold room for {room} (the executor's num_speculative_tokens)")
+
     def forward(self, ops, w: dict[str, Array], ctx: Any) -> Array:
         c, m = self.config, self.v4
         eps, hc = c.rms_norm_eps, (m.hc_iters, m.hc_eps, c.rms_norm_eps)
         v4 = ops.dsv4
+        self.check_drafts(getattr(ctx, "batch", None))
         streams = v4.hc_streams(ops.embed(w["embed_tokens"], ctx), m.hc_mult)
         for spec in self.attention_specs:
             L = f"layers.{spec.layer}."

@@ -134,12 +134,14 @@ def test_without_the_rollback_the_outputs_differ(monkeypatch):
 
 
 def test_without_room_in_the_rings_the_outputs_differ(monkeypatch):
-    """DeepSeek-V4's rings left at the windows' reach under speculation: a rejected draft's inputs overwrite
-    rows the next windows read, and requests generate other tokens."""
+    """DeepSeek-V4's rings left at the windows' reach under speculation (and the guard that refuses such steps,
+    check_drafts, off): a rejected draft's inputs overwrite rows the next windows read, and requests generate
+    other tokens."""
     name = "deepseek_v4"
     reqs = requests(name, 6, seed=3)
     off, _, _ = outputs(name, reqs, max_num_batched_tokens=24)
     monkeypatch.setattr(DeepseekV4ForCausalLM, "make_room_for_drafts", lambda model, k: True)
+    monkeypatch.setattr(DeepseekV4ForCausalLM, "check_drafts", lambda model, batch: None)
     on, _, verified = outputs(name, reqs, drafts_from=off, max_num_batched_tokens=24, speculative_config=NGRAM)
     assert any(a < d for d, a in verified)
     differ = [[t for t, _ in a] != [t for t, _ in b] for (a, _), (b, _) in zip(on, off)]
@@ -182,3 +184,18 @@ def test_mtp_and_eagle3_are_refused_with_their_reason():
     from test_spec_eagle3 import head_path
     with pytest.raises(ValueError, match="serves qwen3 and llama targets; this model is 'qwen3_5_text'"):
         load_eagle3_head(head_path("qwen3"), loaded("qwen3_5_text").config)
+
+
+def test_more_drafts_than_the_rings_hold_are_refused():
+    """A DeepSeek-V4 executor built for 2 draft tokens given a verify step of 3: refused (ValueError), not run
+    over ring rows the accepted windows still read."""
+    from engine.batch import ModelBatch, SeqStep
+    from engine.executor.cpu import CpuExecutor
+    from engine.executor.options import options_of
+    ex = CpuExecutor(loaded("deepseek_v4"), options_of(num_kv_blocks=16, max_model_len=128, num_speculative_tokens=2))
+    step = SeqStep(seq_id=0, token_ids=list(range(5, 15)), start_pos=0, block_table=[0], sample=True, state_slot=0,
+                   num_drafts=3)
+    with pytest.raises(ValueError, match="3 draft tokens a sequence, but the compressor rings hold room for 2"):
+        ex.execute(ModelBatch.build([step]))
+    ex.execute(ModelBatch.build([SeqStep(seq_id=0, token_ids=list(range(5, 15)), start_pos=0, block_table=[0],
+                                         sample=True, state_slot=0, num_drafts=2)]))
