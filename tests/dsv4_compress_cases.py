@@ -1,6 +1,7 @@
 """DeepSeek-V4's compressor on the device (dsv4_compress.cu through GpuDSV4Ops: compress_windows and store_ring over a
-step's token rows as gpu_dsv4_ops.device_attention hands them over, step_rows' per-token arguments) against the definition (cpu_dsv4_attention.compress_windows over each closing window's
-inputs, taken by position from the sequence's own inputs), in the compact cache's layout: the inputs of positions
+step's token rows as gpu_dsv4_ops.device_attention hands them over, step_rows' per-token arguments) against the
+definition (cpu_dsv4_attention.compress_windows over each closing window's inputs, taken by position from the
+sequence's own inputs), in the compact cache's layout: the inputs of positions
 at or past a sequence's first position in the step are the step's float32 rows, earlier ones the bf16 values its
 ring holds. Shared by the host emulation (tests/kernels/test_dsv4_compress_emulated.py) and the device test
 (tests/gpu/test_gpu_dsv4_compress.py). `dev` puts a host array where the ops read it, `back` brings one back.
@@ -229,7 +230,8 @@ def run_ring_store(ops, inp: CompressInputs, dev, back) -> tuple[np.ndarray, np.
 
     ops.state = {inp.spec.ring: dev(inp.ring.copy())}
     n, (g, q) = (inp.pos >= 0).sum(1), np.nonzero(inp.pos >= 0)
-    ctx = SimpleNamespace(batch=object(), decode_only=False, positions=dev(inp.pos[g, q].astype(np.int32)),
+    ctx = SimpleNamespace(batch=object(), decode_only=False, dsv4=None,
+                          positions=dev(inp.pos[g, q].astype(np.int32)),
                           token_seq=dev(g.astype(np.int32)), state_slots=dev(inp.ring_slots.astype(np.int32)),
                           cu_seqlens=dev(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)),
                           block_tables=dev(np.zeros((len(n), 1), np.int32)))

@@ -8,8 +8,8 @@ each, nothing read back on the host):
 and so are the compressor closing its windows (dsv4_compress.cu, compress_windows: the entry and the indexer key
 of each window a step token closes, from the step's float32 inputs and the sequence's ring, written into its KV
 row; ring_store: the step's last inputs into the ring), the lightning indexer (dsv4_indexer.cu:
-indexer_scores, then indexer_topk, each query's top index_topk entries on the device) and the attention itself, for every step
-(dsv4_attention.cu: write_rows stores the step's K rows, sparse_decode attends each row over its window and entries
+indexer_scores, then indexer_topk, each query's top index_topk entries on the device) and the attention itself,
+for every step (dsv4_attention.cu: write_rows stores the step's K rows, sparse_decode attends each row over its window and entries
 with the sinks; device_attention below), the per-head RMSNorm and rope of q, of the K = V row and of the indexer's
 queries, the q LoRA's norm and the rope undone on the output
 (dsv4_norm_rope.cu: norm_rope, one launch each, in place), the limited SwiGLU (the MoE part's silu_mul.cu
@@ -31,7 +31,6 @@ eager through the same kernels, a prompt's rows each as a query at its own posit
 cpu_dsv4_attention.dsv4_attention is the definition they are gated against).
 """
 from __future__ import annotations
-
 
 import numpy as np
 
@@ -285,7 +284,8 @@ class GpuDSV4Ops:
             series.append(("idx_comp_", 2 * spec.series * D, spec.index_dim, True, cols[1]))
         for name, src, d, overlap, out in series:
             self.shared.launch(self._kernel("dsv4_compress", "compress_close"), (positions.shape[0],), (COMP_THREADS,),
-                               (kv, ring, inputs, positions, slots, starts, ring_slots, self._weight_f32(w[L + name + "ape"]),
+                               (kv, ring, inputs, positions, slots, starts, ring_slots,
+                                self._weight_f32(w[L + name + "ape"]),
                                 self._weight_f32(w[L + name + "norm"]), inv_freq, np.int32(kv.shape[-1]),
                                 np.int32(spec.ring_len), np.int32(spec.ring_width), np.int32(src), np.int32(d),
                                 np.int32(overlap), np.int32(spec.rate), np.int32(2 * inv_freq.shape[0]),
@@ -369,14 +369,17 @@ class GpuDSV4Ops:
 def step_rows(ctx, spec, cp):
     """Per token row of the step (ctx's device arrays; row t of a one-query step is sequence t): its sequence's block
     table [T, blocks], state slot, first position in the step, and its position where the ring keeps its inputs
-    (each sequence's last ring_len positions of the step), -1 elsewhere. Gathers on the device: no host reads."""
+    (each sequence's last ring_len positions of the step), -1 elsewhere. Gathers on the device: no host reads; the
+    layer-independent ones once a step (ctx.dsv4)."""
     positions = ctx.positions
     if ctx.batch is None or ctx.decode_only:
         return ctx.block_tables, ctx.state_slots, positions, positions
-    seq, cu = ctx.token_seq, ctx.cu_seqlens
-    last = positions[cu[1:] - 1][seq]
+    if ctx.dsv4 is None:
+        seq, cu = ctx.token_seq, ctx.cu_seqlens
+        ctx.dsv4 = (ctx.block_tables[seq], ctx.state_slots[seq], positions[cu[:-1]][seq], positions[cu[1:] - 1][seq])
+    tables, ring_slots, starts, last = ctx.dsv4
     kept = cp.where(positions > last - np.int32(spec.ring_len), positions, np.int32(-1)) if spec.rate else None
-    return ctx.block_tables[seq], ctx.state_slots[seq], positions[cu[:-1]][seq], kept
+    return tables, ring_slots, starts, kept
 
 
 def device_attention(x, w, spec, ctx, p: GpuDSV4Ops):

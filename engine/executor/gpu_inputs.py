@@ -32,6 +32,7 @@ class GpuStepContext:
     prefill: object = None  # gpu_prefill.PrefillStep: the CuTe kernel's sequences (eager steps only)
     batch: object = None    # the host ModelBatch (eager steps only; None in decode graphs)
     mla: object = None      # gpu_mla_ops: the step's expansion plan, built at its first MLA layer
+    dsv4: object = None     # gpu_dsv4_ops.step_rows: the step's per-token rows, gathered at its first layer
     state_slots: object = None  # int32 [B]  state slot of each row (-1: padding; lines with state)
     cu_seqlens: object = None   # int32 [B+1] token offsets of the rows
 

@@ -330,9 +330,9 @@ class DeepseekV4ForCausalLM(DecoderLM):
     def check_drafts(self, batch) -> None:
         """A verify step's drafts must fit the rings' draft rows (make_room_for_drafts): more would overwrite ring
         rows the accepted windows read (ValueError, not a wrong answer)."""
-        room = min((s.draft_rows for s in self.attention_specs if s.rate), default=0)
+        rooms = [s.draft_rows for s in self.attention_specs if s.rate]
         drafts = max((s.num_drafts for s in batch.seqs), default=0) if batch is not None else 0
-        if drafts > room and any(s.rate for s in self.attention_specs):
+        if rooms and drafts > (room := min(rooms)):
             raise ValueError(f"deepseek_v4: a verify step with {drafts} draft tokens a sequence, but the compressor "
                              f"rings hold room for {room} (the executor's num_speculative_tokens)")
 

@@ -129,7 +129,7 @@ def step_context(batch) -> SimpleNamespace:
 
     seq = np.repeat(np.arange(len(batch.seqs)), np.diff(batch.cu_seqlens))
     return SimpleNamespace(batch=batch, input_ids=batch.input_ids, num_tokens=batch.num_tokens,
-                           decode_only=batch.is_decode_only, positions=dev(batch.positions),
+                           decode_only=batch.is_decode_only, dsv4=None, positions=dev(batch.positions),
                            slot_mapping=dev(batch.slot_mapping), token_seq=dev(seq), state_slots=dev(batch.state_slots),
                            cu_seqlens=dev(batch.cu_seqlens), block_tables=dev(batch.block_tables))
 
