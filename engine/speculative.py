@@ -175,8 +175,8 @@ def _state_refusal(executor) -> str:
     if "dsv4" in executor.rank0().model.op_families:
         return (f"--speculative-config: DeepSeek-V4 keeps compressor rings per sequence (each compressed layer's "
                 f"last tokens' compressor inputs), which the rejected draft tokens of a verify step would overwrite; "
-                f"{type(executor).__name__} does not size them for drafts yet; the numpy executor does: serve it "
-                f"with --device cpu, or without --speculative-config")
+                f"{type(executor).__name__} does not size them for drafts yet; the numpy executor and the one-GPU "
+                f"executor do: serve it on one of them, or without --speculative-config")
     return (f"--speculative-config: this model keeps per-sequence state (Qwen3.5's Gated DeltaNet conv windows and "
             f"recurrent states), which {type(executor).__name__} does not roll back past a verify step's rejected "
             f"draft tokens yet; the numpy executor does: serve it with --device cpu, or without --speculative-config")

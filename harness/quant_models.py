@@ -25,6 +25,8 @@ from harness.quantized import (LAYER_LINEAR, dequantized_copy, fp8_channel_folde
 
 W8A8_WIDTHS = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=32)
 FP8_LINES = {"qwen3": "qwen3_untied", "llama": "llama", "qwen2": "qwen2"}     # line -> its TINY_MODELS base
+FLOAT32_JITTER = 2.0 ** -20      # relative: 8 float32 ulps, the spread another summation order gives a product
+FLOOR_JITTERS = 4
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -96,18 +98,28 @@ def fake_quant_e4m3(x):
     return (q * s).reshape(x.shape).to(x.dtype)
 
 
-def with_w8a8_hooks(model, projections: tuple[str, ...] = PROJECTIONS):
-    """model (transformers) with each decoder projection's input fake-quantized first (fake_quant_e4m3)."""
+def with_w8a8_hooks(model, projections: tuple[str, ...] = PROJECTIONS, jitter_seed: int | None = None):
+    """model (transformers) with each decoder projection's input fake-quantized first (fake_quant_e4m3);
+    jitter_seed: each input first scaled by 1 + u · FLOAT32_JITTER, u uniform in [-1, 1) drawn from a generator of
+    that seed (float32 noise before the e4m3 cast, as another summation order gives it)."""
+    import torch
+    gen = None if jitter_seed is None else torch.Generator().manual_seed(jitter_seed)
+
+    def quantize(_m, args):
+        x = args[0]
+        if gen is not None:
+            x = x * (1 + (2 * torch.rand(x.shape, generator=gen, dtype=x.dtype) - 1) * FLOAT32_JITTER)
+        return (fake_quant_e4m3(x),)
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in projections:
-            module.register_forward_pre_hook(lambda _m, args: (fake_quant_e4m3(args[0]),))
+            module.register_forward_pre_hook(quantize)
     return model
 
 
-@functools.lru_cache(maxsize=4)
-def _w8a8_model(path: str, double: bool):
+@functools.lru_cache(maxsize=16)
+def _w8a8_model(path: str, double: bool, jitter_seed: int | None = None):
     model = copy.deepcopy(hf_model(path))
-    return with_w8a8_hooks(model.double() if double else model)
+    return with_w8a8_hooks(model.double() if double else model, jitter_seed=jitter_seed)
 
 
 @functools.lru_cache(maxsize=4)
@@ -162,9 +174,18 @@ def _logits(model, ids: list[int]) -> np.ndarray:
         return model(torch.tensor([ids])).logits[0].float().numpy()
 
 
-def hf_w8a8_logits(path: str, ids: list[int], double: bool = False) -> np.ndarray:
-    """double: the model in float64 (the activations quantized from float32 copies): W8A8's float32 floor."""
-    return _logits(_w8a8_model(path, double), ids)
+def hf_w8a8_logits(path: str, ids: list[int], double: bool = False, jitter_seed: int | None = None) -> np.ndarray:
+    """double: the model in float64 (the activations quantized from float32 copies): W8A8's float32 floor;
+    jitter_seed: float32 with its projections' inputs jittered (with_w8a8_hooks), another float32 realization."""
+    return _logits(_w8a8_model(path, double, jitter_seed), ids)
+
+
+def hf_w8a8_floors(path: str, prompts: list[list[int]], jitters: int = FLOOR_JITTERS) -> list[list[np.ndarray]]:
+    """The W8A8 oracle's float32 floor realizations, each a run of `prompts`: in float64, and in float32 with its
+    inputs jittered (seeds 1..jitters). An e4m3 cast turns float32 noise into whole e4m3 steps now and then, which
+    a tiny random model can carry into other argmaxes: one realization alone underrates what float32 can do."""
+    return [[hf_w8a8_logits(path, p, double=True) for p in prompts]] + [
+        [hf_w8a8_logits(path, p, jitter_seed=seed) for p in prompts] for seed in range(1, jitters + 1)]
 
 
 def hf_bf16_logits(path: str, ids: list[int]) -> np.ndarray:

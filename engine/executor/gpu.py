@@ -87,6 +87,8 @@ class GpuExecutor(ExecutorBase):
         self.options, self.config, self.model = options, model.config, model.model
         self.vocab_size, self.max_model_len = model.config.vocab_size, options.max_model_len
         self.device = DeviceInfo.query()
+        k = options.num_speculative_tokens            # DeepSeek-V4's rings: room for a verify step's rejected drafts
+        self.rolls_back_state = k > 0 and self.model.make_room_for_drafts(k)
         self.plan = replace(gpu_plan(options, model.model, self.device), fp8_experts=has_fp8_experts(model.weights))
         self.ops_class = quant_ops_class(model.weights, self.ops_class)
         self.kv_format = gpu_kv_format(options.kv_cache_dtype, model, self.plan)

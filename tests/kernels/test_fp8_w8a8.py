@@ -8,10 +8,14 @@ executor (engine/executor/cpu_quant_ops.py: the GPU kernels' numerics).
   their dequantization is transformers' parameters bit for bit, embeddings / norms / lm_head stay as they were.
 * The gate, by the floor method (DESIGN.md), against transformers float32 on the dequantized weights:
   - with the activations quantized as the kernels do (torch's own e4m3 cast per token and 128-group, a
-    forward pre-hook on each projection): mean |Δlogprob| <= max(1e-4, 2 x the floor), the floor being that
-    oracle in float64 against itself in float32 (e4m3 re-quantization turns float32 noise into whole e4m3
-    steps: on the chaotic tiny Llama / Qwen2 the floor is 1e-2 - 6e-2 nats, on Qwen3 5e-7 - 2e-4); argmax by
-    regret (a flip within the floor's p99 is a tie) missing no more positions than the float64 oracle + 1;
+    forward pre-hook on each projection): mean |Δlogprob| <= max(1e-4, 2 x the floor), the floor being the
+    largest of that oracle's other float32 realizations against it: in float64, and in float32 with each
+    projection's input jittered by 8 ulps (4 seeds; harness.quant_models.hf_w8a8_floors). e4m3 re-quantization
+    turns float32 noise into whole e4m3 steps now and then, which these tiny models carry on: the float64
+    realization alone was 2.6e-4 on the Qwen3 channel folder when the engine, summing in another order on
+    another machine, came out at 1.2e-2 (a CI run); the jittered ones reach 1.8e-2 - 2.1e-2 on Qwen3, 3.6e-2 on
+    Llama, 0.14 on Qwen2 (no activation quantization: 9e-2 on Qwen3). Argmax by regret (a flip within the
+    floor's p99 is a tie) missing no more positions than the worst realization + 1;
   - without (plain float32): the activation quantization's own error, measured on HF (the hooked model against
     the plain one), is the bound's base: mean <= 2 x it. Measured (4 prompts, transformers 5.x, CPU):
     qwen3 block: HF bf16 floor mean 1.4e-2 / p99 5.6e-2; W8A8 activation error mean 9.0e-2 / p99 3.2e-1 (6x
@@ -31,7 +35,7 @@ from engine.executor.cpu_quant_ops import host_fp8, w8a8_linear
 from engine.loader import load_model
 from engine.loader.quantized import quant_format
 from engine.models.quant_linear import Fp8Linear, fp8_concat, fp8_per_channel
-from harness.quant_models import fp8_tiny, hf_w8a8_logits
+from harness.quant_models import fp8_tiny, hf_w8a8_floors, hf_w8a8_logits
 from harness.models import engine_logits, hf_logits, log_softmax, test_prompts, tiny_model_path
 from harness.quantized import quantize_fp8_block
 from openinfer_kernels.quant import fp8_ref
@@ -88,7 +92,7 @@ def test_fp8_folder_loads_kept_and_passes_the_floor_gate(line, fmt):
     assert not isinstance(model.weights["embed_tokens"], Fp8Linear)
     prompts = test_prompts(model.tokenizer)
     got = engine_logits(new_executor(model), prompts, prefill=4, chunks=3)
-    row = floor_gate(got, [hf_w8a8_logits(ref, p) for p in prompts], [hf_w8a8_logits(ref, p, True) for p in prompts])
+    row = floor_gate(got, [hf_w8a8_logits(ref, p) for p in prompts], hf_w8a8_floors(ref, prompts))
     assert row["mean"] <= row["bound"] and row["misses"] <= row["floor_misses"] + 1, row
     f32 = np.concatenate([hf_logits(ref, p) for p in prompts])
     act_error = np.abs(log_softmax(np.concatenate([hf_w8a8_logits(ref, p) for p in prompts])) - log_softmax(f32))
@@ -101,18 +105,20 @@ def hf_model_params(path: str) -> dict:
     return dict(hf_model(path).named_parameters())
 
 
-def floor_gate(engine: list[np.ndarray], oracle: list[np.ndarray], floor_oracle: list[np.ndarray]) -> dict:
-    """The engine against the W8A8 oracle (float32), the oracle in float64 against it as the floor."""
-    le, lo, lf = (log_softmax(np.concatenate(x)) for x in (engine, oracle, floor_oracle))
-    floor = np.abs(lf - lo)
-    tie = max(MIN_TIE, float(np.percentile(floor, 99)))
+def floor_gate(engine: list[np.ndarray], oracle: list[np.ndarray], floors: list[list[np.ndarray]]) -> dict:
+    """The engine against the W8A8 oracle (float32); the floor: the largest of the oracle's other float32
+    realizations (hf_w8a8_floors: float64, jittered float32) against it."""
+    le, lo = (log_softmax(np.concatenate(x)) for x in (engine, oracle))
+    lfs = [log_softmax(np.concatenate(f)) for f in floors]
+    floor = [np.abs(lf - lo) for lf in lfs]
+    tie = max(MIN_TIE, max(float(np.percentile(f, 99)) for f in floor))
     rows, best = np.arange(len(lo)), lo.argmax(-1)
 
     def misses(lp):
         return int(np.sum(lo[rows, best] - lo[rows, lp.argmax(-1)] > tie))
 
-    row = dict(mean=float(np.abs(le - lo).mean()), floor=float(floor.mean()), misses=misses(le),
-               floor_misses=misses(lf))
+    row = dict(mean=float(np.abs(le - lo).mean()), floor=max(float(f.mean()) for f in floor), misses=misses(le),
+               floor_misses=max(misses(lf) for lf in lfs))
     row["bound"] = max(MIN_MEAN, 2 * row["floor"])
     print("FP8 GATE", row)
     return row

@@ -68,7 +68,7 @@ def test_fp8_experts_load_kept_and_pass_the_floor_gate(line):
     floor = [hf_w8a8_moe_logits(ref, p, line, double=True) for p in prompts]
     f32 = log_softmax(np.concatenate([hf_logits(ref, p) for p in prompts]))
     bf16 = np.abs(log_softmax(np.concatenate([hf_bf16_logits(ref, p) for p in prompts])) - f32)
-    rows = [floor_gate([g], [o], [f]) for g, o, f in zip(got, oracle, floor)]
+    rows = [floor_gate([g], [o], [[f]]) for g, o, f in zip(got, oracle, floor)]
     assert sum(r["mean"] > r["bound"] for r in rows) <= 1, rows          # at most one prompt past a tie flip ...
     assert all(r["mean"] <= bf16.mean() and r["misses"] <= r["floor_misses"] + 1 for r in rows), rows  # ... in bf16 noise
     act_error = np.abs(log_softmax(np.concatenate(oracle)) - f32)

@@ -30,7 +30,8 @@ from engine.models.quant_linear import Fp8Linear, W4Linear
 from engine.parallel.launch import create_parallel_executor, start_cpu_ranks
 from engine.parallel.sharding import COLS, EXPERTS, ROWS, Shard, shard_model, split_of
 from harness.models import engine_logits, log_softmax, test_prompts
-from harness.quant_models import fp8_moe_tiny, fp8_tiny, hf_w8a8_logits, hf_w8a8_moe_logits, int4_tiny, moe_source
+from harness.quant_models import (fp8_moe_tiny, fp8_tiny, hf_w8a8_floors, hf_w8a8_logits, hf_w8a8_moe_logits,
+                                  int4_tiny, moe_source)
 from harness.quantized import int4_experts_folder
 from test_fp8_w8a8 import floor_gate
 
@@ -82,9 +83,12 @@ def test_kept_ranks_score_as_one_executor(case, path):
         return
     assert np.median(rows) <= MAX_DLOGPROB
     ref = FOLDERS[name][0]() + "-ref"
-    oracle = [hf_w8a8_moe_logits(ref, p, "qwen3_moe", d) if name == "fp8-experts" else hf_w8a8_logits(ref, p, d)
-              for d in (False, True) for p in prompts]
-    row = floor_gate(got, oracle[:len(prompts)], oracle[len(prompts):])
+    if name == "fp8-experts":
+        oracle, floors = ([hf_w8a8_moe_logits(ref, p, "qwen3_moe", d) for p in prompts] for d in (False, True))
+        floors = [floors]
+    else:
+        oracle, floors = [hf_w8a8_logits(ref, p) for p in prompts], hf_w8a8_floors(ref, prompts)
+    row = floor_gate(got, oracle, floors)
     assert row["mean"] <= row["bound"] and row["misses"] <= row["floor_misses"] + 1, row
 
 

@@ -103,7 +103,7 @@ def test_an_executor_or_line_that_cannot_verify_is_refused():
     check_speculation(config, type("NumpyLike", (_Executor,), {**deltanet, "rolls_back_state": True})())
     rings = type("Dsv4", (_Executor,), {"num_state_slots": 8, "families": frozenset({"moe", "dsv4"})})()
     with pytest.raises(ValueError, match="DeepSeek-V4 keeps compressor rings .* Dsv4 does not size them for "
-                                         "drafts yet; the numpy executor does: serve it with --device cpu"):
+                                         "drafts yet; the numpy executor and the one-GPU executor do"):
         check_speculation(config, rings)
 
 
