@@ -45,14 +45,19 @@ def decode_heads_per_cta(num_tokens: int, num_kv_heads: int, group: int, num_sms
     return group
 
 
+SPARSE_CTAS_PER_SM = 1.5
+
+
 def sparse_heads_per_cta(rows: int, heads: int, pieces: int, num_sms: int) -> int:
-    """Query heads per CTA of dsv4_attention.cu's sparse_decode (its ATT_G; DeepSeek-V4's one K = V head): one
-    while rows · heads CTAs fit two an SM (batch 1: the keys' loads spread over the most warps), else the largest
-    group (4, 2) that still fills them, so that fewer CTAs read each key from L2; at most 16 accumulator pieces a
-    lane (ATT_G · ceil(d / 128)). H100, batch 1 before the grouping (ncu, 2026-12-07): 66 µs a CSA layer with a
-    CTA a head walking its keys one after another."""
+    """Query heads per CTA of dsv4_attention.cu's sparse_decode (its ATT_G; DeepSeek-V4's one K = V head): the
+    largest group (4, 2) that still gives SPARSE_CTAS_PER_SM CTAs an SM, so that fewer CTAs read each key from L2,
+    else one (batch 1: the keys' loads spread over the most warps); at most 16 accumulator pieces a lane
+    (ATT_G · ceil(d / 128)). H100, V4-Flash's 64 heads (bench/dsv4_sparse_decode.py, 2026-12-07), CSA µs for
+    G1 / G2 / G4: 1 row 28 / 43 / 86; 8 rows 74 / 59 / 87 (G2 at 1.9 CTAs an SM beats G1 at 3.9, G4 at 0.97
+    loses); 32 rows 290 / 230 / 221; 64 rows 621 / 466 / 446. Between 1 and 8 rows and from 9 to 31 the
+    threshold is not yet measured."""
     for group in (4, 2):
-        if heads % group == 0 and group * pieces <= 16 and rows * heads // group >= 2 * num_sms:
+        if heads % group == 0 and group * pieces <= 16 and rows * heads / group >= SPARSE_CTAS_PER_SM * num_sms:
             return group
     return 1
 
