@@ -221,9 +221,12 @@ class GpuDSV4Ops:
             return device_attention(x, w, spec, ctx, self)
 
     def mm(self, x, weight):
+        """x · weightᵀ float32 (the attention's projections): decode rows on gemv.cu's f32 entries, larger steps on
+        cuBLAS / the CuTe GEMM. On cuBLAS the batch-1 graph's products and their split-K reductions took ~415 µs
+        (ncu, H100, 2026-12-07) for ~0.65 GB of weights: about half the copy bandwidth."""
         xb = x if x.dtype == np.uint16 else self._b(x)
         out = self.cp.empty((x.shape[0], weight.shape[0]), np.float32)
-        self.shared.gemm(self.cp.ascontiguousarray(xb), weight, out)
+        self.shared.gemm(self.cp.ascontiguousarray(xb), weight, out, gemv_f32=True)
         return out
 
     def fp32(self, weight):

@@ -186,17 +186,19 @@ class Gemm:
         if status != 0:
             raise RuntimeError(f"{what} failed with cuBLAS status {status}")
 
-    def __call__(self, x, w, out, pdl: bool = False, accumulate: bool = False) -> None:
+    def __call__(self, x, w, out, pdl: bool = False, accumulate: bool = False, gemv_f32: bool = False) -> None:
         """x [T, K] bf16 (uint16 bits), w [N, K] bf16, out [T, N] bf16 (uint16) or float32; x and w may be
         views of wider rows (their row strides are read), out is contiguous.
         pdl: launch a gemv.cu kernel as a programmatic dependent launch (openinfer_kernels/raw_cuda/launch.py).
         accumulate: out += x · wᵀ, added in fp32 before the one rounding (cuBLAS beta = 1, or the CuTe
-        GEMM's residual epilogue): the residual add of o_proj / down_proj with no kernel of its own."""
+        GEMM's residual epilogue): the residual add of o_proj / down_proj with no kernel of its own.
+        gemv_f32: a float32 out of decode rows on gemv.cu too (its f32 entries: DeepSeek-V4's projections);
+        off, the logits' one wide product stays on cuBLAS (measured at the copy roofline)."""
         T, K = x.shape
         N = w.shape[0]
         if w.shape[1] != K or out.shape != (T, N):
             raise ValueError(f"linear shapes: x {x.shape}, w {w.shape}, out {out.shape}")
-        if not accumulate and self.gemv_serves(x, w, out):
+        if not accumulate and self.gemv_serves(x, w, out, gemv_f32):
             self.gemv(x, w, out, pdl=pdl)
             return
         if self.cute_serves(T, out):
@@ -247,14 +249,15 @@ class Gemm:
         cute_max_m rows."""
         return self.cute is not None and out.dtype == np.uint16 and rows <= self.cute_max_m
 
-    def gemv_serves(self, x, w, out=None) -> bool:
+    def gemv_serves(self, x, w, out=None, f32: bool = False) -> bool:
         """Whether gemv.cu takes this product: at most gemv_max_m rows, 16-byte pieces of contiguous
         rows (K % 8 == 0, aligned; x C-contiguous, w's rows contiguous 16-byte-aligned rows of a row
-        stride of its own), a bf16 output (out None: a fresh bf16 buffer)."""
+        stride of its own), a bf16 output (out None: a fresh bf16 buffer), or with f32 a float32 one."""
         K = w.shape[1]
+        dtypes = (np.uint16, np.float32) if f32 else (np.uint16,)
         return (x.shape[0] <= self.gemv_max_m and K % 8 == 0 and row_stride(w) % 8 == 0
                 and (x.data.ptr | w.data.ptr) % 16 == 0 and x.flags.c_contiguous and w.strides[1] == w.itemsize
-                and (out is None or (out.dtype == np.uint16 and out.flags.c_contiguous)))
+                and (out is None or (out.dtype in dtypes and out.flags.c_contiguous)))
 
     def gemv(self, x, w, out, variant: str = "", norm_w=None, res_in=None, eps: float = 0.0,
              pdl: bool = False) -> None:

@@ -86,7 +86,7 @@ def test_gemv(cp, M, N, K, fp32_out, unroll, pad):
 @pytest.mark.parametrize("M", [1, 5, 16, 17, 40])
 def test_gemm_routes_small_m_to_gemv(cp, M):
     """Gemm(gemv_max_m=16) matches cuBLAS (Gemm()) on both sides of the threshold, bf16 and fp32 out
-    (fp32 out, the logits, always runs on cuBLAS)."""
+    (fp32 out, the logits, runs on cuBLAS unless the caller asks gemv_f32)."""
     from engine.executor.gpu_gemm import Gemm
 
     rng = np.random.default_rng(M)
@@ -104,6 +104,11 @@ def test_gemm_routes_small_m_to_gemv(cp, M):
         np.testing.assert_allclose(fa, gemv_ref(x.get(), w.get()), atol=2e-2, rtol=1e-2)
     assert small._gemv if M <= 16 else not small._gemv      # the kernels it compiled say which path ran
     assert all(variant == "bf16" for _, variant, _ in small._gemv)
+    a = poison(cp, (M, N), np.float32)                      # gemv_f32 (DeepSeek-V4's projections): gemv.cu's f32
+    small(x, w, a, gemv_f32=True)
+    stream.synchronize()
+    np.testing.assert_allclose(a.get(), gemv_ref(x.get(), w.get()), atol=1e-3, rtol=1e-3)
+    assert any(variant == "f32" for _, variant, _ in small._gemv) == (M <= 16)
     small.close()
     blas.close()
 
