@@ -9,7 +9,7 @@ shard of the codes with their scales (and zeros), never a dequantized copy, and 
   whole e4m3 step now and then (measured: 2 of 81 positions at 0.22 nats on the block folder, the rest <= 4e-6):
   the median position within 1e-4 of one executor, and TP=2 passes the gate one executor passes
   (tests/kernels/test_fp8_w8a8.py floor_gate: against transformers with its activations quantized, the floor
-  that oracle in float64; TP=2 mean 1.4e-4 against a bound of 1.8e-3). Folders: FP8 block-scaled (quant_method
+  the worst of that oracle's float64 and jittered float32 realizations; the MoE folder's, float64 alone). Folders: FP8 block-scaled (quant_method
   fp8, [128, 128]), FP8 channel-scaled (compressed-tensors float-quantized), AWQ, GPTQ and compressed-tensors
   pack-quantized int4 (group 128), and Qwen3-MoE with FP8 block-scaled experts (and attention) or compressed-tensors int4 experts (group 32).
 * Bytes: every split kept weight's rank shards are the whole weight's codes (and scales) cut, each rank holding
