@@ -214,7 +214,7 @@ class GpuDSV4Ops:
                                     np.int32(T), np.int32(E), np.int32(k), np.float32(spec.scale)))
             return weights, ids
 
-    # ---- attention: cpu_dsv4_attention.dsv4_attention over the device primitives --------------------------
+    # ---- attention: device_attention over the device kernels ----------------------------------------------
     def attention(self, x, w, spec, ctx):
         """device_attention: every step, decode graphs' and eager ones, on the device kernels."""
         with self.shared.stream:

@@ -262,8 +262,7 @@ def verified_logits(executor, seq: list[int], prompt: int, accepted: list[int], 
     done, out = prompt, []
     for a in itertools.cycle(accepted):
         a = min(a, len(seq) - done)
-        drafts = [(t + 7) % 151936 for t in seq[done + a:done + k + 1]][:k + 1 - a]
-        drafts += [3] * (k + 1 - a - len(drafts))
+        drafts = [(seq[min(j, len(seq) - 1)] + 7) % 151936 for j in range(done + a, done + k + 1)]
         step = SeqStep(seq_id=0, token_ids=seq[done:done + a] + drafts, start_pos=done, block_table=table,
                        sample=True, state_slot=0, num_drafts=k + 1 - a)
         out.append(executor.forward_logits(ModelBatch.build([step]))[:a])

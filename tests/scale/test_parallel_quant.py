@@ -84,8 +84,8 @@ def test_kept_ranks_score_as_one_executor(case, path):
     assert np.median(rows) <= MAX_DLOGPROB
     ref = FOLDERS[name][0]() + "-ref"
     if name == "fp8-experts":
-        oracle, floors = ([hf_w8a8_moe_logits(ref, p, "qwen3_moe", d) for p in prompts] for d in (False, True))
-        floors = [floors]
+        oracle, floor = ([hf_w8a8_moe_logits(ref, p, "qwen3_moe", d) for p in prompts] for d in (False, True))
+        floors = [floor]
     else:
         oracle, floors = [hf_w8a8_logits(ref, p) for p in prompts], hf_w8a8_floors(ref, prompts)
     row = floor_gate(got, oracle, floors)
