@@ -11,8 +11,9 @@ experts do (gpu_moe_ops.py); each grouped product is one launch over the expert-
 (W4A16, the weights dequantized in registers to bf16) or fp8_quant + gemv_fp8_grouped (W8A8: the rows quantized per
 128-wide group, float32 accumulation, the block scales per K block). Grids depend on the step's token count only,
 nothing waits on the host: decode steps capture in CUDA graphs as the bf16 ones do. The grouped GEMVs take any
-rows per tile (16 at a time), so prefill runs them too, reading each routed expert's weights once per 16 of its
-rows (not a tensor-core GEMM: correct, slower than bf16 for long prefills).
+rows per tile (16 at a time), so prefill can run them too, reading each routed expert's weights once per 16 of its
+rows; a step whose experts average W4_GEMM_ROWS rows or more takes the 4-bit experts to w4_grouped_gemm.cu instead
+(64 rows a CTA sharing each dequantized weight and one staged activation tile). FP8 experts stay on the GEMV.
 """
 from __future__ import annotations
 
@@ -25,7 +26,12 @@ from engine.executor.gpu_moe_ops import GpuMoEOps, expert_rows
 from engine.models.quant_experts import Fp8Experts, W4Experts
 from memory.device_arena import Buffer
 from openinfer_kernels.quant.fp8_ref import GROUP
-from openinfer_kernels.quant.ops import QuantOps, W4Weight
+from openinfer_kernels.quant.ops import WG_ROWS, QuantOps, W4Weight
+
+# Steps whose experts average at least this many rows (tokens · top_k / experts) run 4-bit experts on
+# w4_grouped_gemm.cu, fewer on the GEMV (bench/w4_experts_prefill.py, H100 2026-12-07, V4-Flash / Kimi-K2 shapes:
+# at 11-12 rows the GEMV 1.0-1.4x faster, at 43-48 the GEMM 1.6-2.4x, at 170-190 2.5-3.5x).
+W4_GEMM_ROWS = 24
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,7 +70,12 @@ def has_fp8_experts(weights: dict) -> bool:
 def kept_experts_kernels() -> dict[type, str]:
     """The startup log's kernels of the kept experts (engine/models/quant_experts.py log_kept)."""
     return {Fp8Experts: "fp8_quant.cu + gemv_fp8_grouped (gemv_fp8.cu), decode and prefill",
-            W4Experts: "gemv_w4_grouped (gemv_w4.cu), decode and prefill"}
+            W4Experts: f"gemv_w4_grouped (gemv_w4.cu); w4_grouped_gemm.cu at {W4_GEMM_ROWS}+ rows an expert (prefill)"}
+
+
+def w4_gemm_tokens(experts: int, top_k: int) -> int:
+    """The fewest tokens a step takes to its 4-bit experts' GEMM: its experts then average W4_GEMM_ROWS rows."""
+    return -(-W4_GEMM_ROWS * experts // top_k)
 
 
 class GpuQuantMoEOps(GpuMoEOps):
@@ -75,6 +86,8 @@ class GpuQuantMoEOps(GpuMoEOps):
     def __init__(self, plan, shared, arena):
         super().__init__(plan, shared, arena)
         self.quant = self.quant_ops_class(shared.stream)
+        s = plan.experts
+        self.w4_gemm_tokens = w4_gemm_tokens(s.num_experts, s.top_k)
 
     @staticmethod
     def buffers(plan) -> list[Buffer]:
@@ -97,7 +110,9 @@ class GpuQuantMoEOps(GpuMoEOps):
     def grouped_linear(self, a, w, tile_expert, row_token, out, tile_m: int, tokens: int) -> None:
         """out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ: the quantized grouped GEMVs for kept experts."""
         self.quant.pdl = self.shared.pdl
-        if isinstance(w, W4Weight):
+        if isinstance(w, W4Weight) and tokens >= self.w4_gemm_tokens and tile_m % WG_ROWS == 0:
+            self.quant.w4_grouped_gemm(a, w, tile_expert, row_token, out, tile_m)
+        elif isinstance(w, W4Weight):
             self.quant.gemv_w4_grouped(a, w, tile_expert, row_token, out, tile_m)
         elif isinstance(w, Fp8ExpertsDevice):
             rows, K = a.shape

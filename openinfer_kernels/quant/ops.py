@@ -1,6 +1,6 @@
 """Host launches of the quantized-weight raw CUDA kernels on one stream (CuPy arrays; bf16 as uint16, e4m3 as
 uint8): the W4A16 GEMV (gemv_w4.cu, dense and grouped) and the 4-bit weights' bf16 for prefill (w4_dequant.cu),
-the FP8 activation quantization (fp8_quant.cu, alone
+the 4-bit experts' prefill GEMM (w4_grouped_gemm.cu), the FP8 activation quantization (fp8_quant.cu, alone
 and after the RMSNorm) and the W8A8 GEMV (gemv_fp8.cu, dense and grouped). Each call checks its shapes and
 raises ValueError before launching; ``_kernel`` / ``_launch`` are the two places that touch CUDA (the tests
 run these same launches through a host emulation of the kernels). The prefill FP8 GEMM is the CuTe one
@@ -17,6 +17,7 @@ from .w4_layout import W4Packed
 GEMV_MAX_M = 16                     # two n8 tiles
 GEMV_THREADS = 256
 FP8_TILES_PER_CTA = 2               # gemv_fp8.cu FP8_RT
+WG_ROWS, WG_COLS, WG_THREADS = 64, 128, 128   # w4_grouped_gemm.cu's CTA: rows x weight rows, threads
 EPILOGUES = {"bf16": 0, "f32": 1, "residual": 2, "silu": 3}   # gemv_cta.cuh GEMV_EPI_*
 
 
@@ -131,6 +132,20 @@ class QuantOps:
         _check(w.k < 1 << 21, f"gemv_w4_grouped takes K < 2^21, got {w.k}")
         k = self._kernel("gemv_w4", "gemv_w4_grouped", **dict(w.defines), **self.w4.defines)
         self._launch(k, (_ceil(_ceil(w.n, 16), self.w4.tiles_per_cta), rows // tile_m), (GEMV_THREADS,),
+                     (a, w.codes, w.scales, np.uint64(0) if w.zeros is None else w.zeros, tile_expert, row_token, out,
+                      np.int32(w.n), np.int32(w.k), np.int32(w.group), np.int32(tile_m)))
+
+    def w4_grouped_gemm(self, a, w: W4Weight, tile_expert, row_token, out, tile_m: int) -> None:
+        """gemv_w4_grouped's product for prefill (w4_grouped_gemm.cu): CTAs of 64 rows x 128 weight rows, each
+        weight dequantized once for 64 rows; tile_m a multiple of 64."""
+        rows = _rows(a, w.k, "a")
+        _check(tile_m % WG_ROWS == 0 and rows % tile_m == 0 and tile_expert.shape == (rows // tile_m,)
+               and row_token.shape == (rows,), f"{rows} rows in tiles of {tile_m} (a multiple of {WG_ROWS}): "
+               f"tile_expert [{rows // tile_m}] and row_token [{rows}] expected")
+        _rows(out, w.n, "out")
+        _check(w.k < 1 << 21, f"w4_grouped_gemm takes K < 2^21, got {w.k}")
+        k = self._kernel("w4_grouped_gemm", "w4_grouped_gemm", **dict(w.defines))
+        self._launch(k, (_ceil(w.n, WG_COLS), rows // WG_ROWS), (WG_THREADS,),
                      (a, w.codes, w.scales, np.uint64(0) if w.zeros is None else w.zeros, tile_expert, row_token, out,
                       np.int32(w.n), np.int32(w.k), np.int32(w.group), np.int32(tile_m)))
 

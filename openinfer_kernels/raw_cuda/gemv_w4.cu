@@ -51,16 +51,6 @@
 
 __device__ const uint4 kW4ZeroX[4] = {};          // a lane's 32 k of x past K (or of a row past M)
 
-// A lane's group of step `step`: (4·step + tq) / (group / 32) by one multiply-high (w4_group_magic; exact
-// while the chunk index stays below 2^32 / (group / 32): any K < 2^21).
-__device__ __forceinline__ unsigned w4_group_magic(int group) {
-    const unsigned chunks = group / 32;
-    return chunks == 1 ? 0u : 0xFFFFFFFFu / chunks + 1u;             // ceil(2^32 / chunks), chunks >= 2
-}
-__device__ __forceinline__ int w4_group_of(int chunk, unsigned magic) {
-    return magic == 0u ? chunk : (int)(((unsigned long long)(unsigned)chunk * magic) >> 32);
-}
-
 // One k step of a lane: the 32 codes of its two rows (lo: g, hi: g + 8) dequantized with their groups, times
 // its 32 k of each x row (xs), the two mmas of a word into the two accumulation chains c and c2.
 template <int NT, bool ONE>

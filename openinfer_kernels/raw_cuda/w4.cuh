@@ -57,6 +57,16 @@ __device__ __forceinline__ W4Group w4_group(unsigned scale_bits, unsigned zero) 
     return q;
 }
 
+// A lane's group of step `step`: (4·step + tq) / (group / 32) by one multiply-high (w4_group_magic; exact
+// while the chunk index stays below 2^32 / (group / 32): any K < 2^21).
+__device__ __forceinline__ unsigned w4_group_magic(int group) {
+    const unsigned chunks = group / 32;
+    return chunks == 1 ? 0u : 0xFFFFFFFFu / chunks + 1u;             // ceil(2^32 / chunks), chunks >= 2
+}
+__device__ __forceinline__ int w4_group_of(int chunk, unsigned magic) {
+    return magic == 0u ? chunk : (int)(((unsigned long long)(unsigned)chunk * magic) >> 32);
+}
+
 // Whether `pred` holds in every lane of the warp (the host emulation runs each lane alone: its own).
 __device__ __forceinline__ bool w4_warp_all(bool pred) {
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)

@@ -70,9 +70,13 @@ def test_gpu_dsv4_free_running(issue_gpu, run):
 @pytest.mark.parametrize("run", PATHS, ids=[p.name for p in PATHS])
 def test_gpu_dsv4_speculative(issue_gpu, spec_executor, run):
     """Verify steps on the device attention (a step's k + 1 rows a sequence stored, compressed and attended like
-    a prefill's, rejected drafts' ring rows never read): the floor gate with drafts from the spec-off run (30%
-    wrong), its partings from that run near ties only; every draft wrong (next to nothing accepted) gives the
-    same tokens exactly."""
+    a prefill's, rejected drafts' ring rows never read): the floor gate with drafts from the spec-off run 30% wrong
+    and every one wrong (next to nothing accepted: every step rolls its rings back), each run's partings from the
+    spec-off run near ties only. Not exact between the two, as the dense lines are (test_gpu_spec.py): a token's
+    row rounds otherwise in a verify step than in a one-row decode graph (the MoE grouping, the prefill-style
+    attention; 0.056 nats at most on the emulation, tests/kernels/test_dsv4_gpu_emulated.py), and which step
+    holds which row depends on what was accepted (H100, 2026-12-07: the two runs parted on every path, the
+    30%-wrong one within the floor gate with no flips)."""
     model, _, exact, bf16 = issue_gpu
     prompts = prompts_of(random.Random(0), [32, 24, 5])
     off = engine_greedy(spec_executor, model.tokenizer, prompts, run)
@@ -80,6 +84,6 @@ def test_gpu_dsv4_speculative(issue_gpu, spec_executor, run):
                                speculation=(NGRAM, ReferenceProposer(off.runs, wrong, spec_executor.vocab_size)))
           for wrong in (0.3, 1.0)}
     assert on[0.3].accepted_drafts > 10 and on[1.0].accepted_drafts < on[0.3].accepted_drafts
-    row = assert_floor_gate(f"deepseek_v4/spec/{run.name}", exact, bf16, on[0.3])
-    assert_divergences_are_ties(exact, off, on[0.3], row["tie_tol"], row["hf_bf16_misses"] + 1)
-    assert [r.tokens for r in on[1.0].runs] == [r.tokens for r in on[0.3].runs]
+    for wrong, spec in on.items():
+        row = assert_floor_gate(f"deepseek_v4/spec{wrong}/{run.name}", exact, bf16, spec)
+        assert_divergences_are_ties(exact, off, spec, row["tie_tol"], row["hf_bf16_misses"] + 1)

@@ -25,6 +25,7 @@ from openinfer_kernels.quant import fp8_ref
 from openinfer_kernels.quant import w4_formats as fmt
 from openinfer_kernels.quant.ops import QuantOps, W4Weight
 from openinfer_kernels.quant.w4_layout import pack_w4
+from test_w4_grouped_gemm import grouped_layout
 
 pytestmark = pytest.mark.gpu
 FLOOR_FACTOR = 1.1
@@ -167,6 +168,29 @@ def test_gemv_w4_grouped_experts(kind):
         if c:
             assert_bf16_equal_but_ties(got[rows], values(a[rows]) @ weights[e].T, f"tile {t}")
         assert np.all(np.isnan(got[t * tile_m + c:(t + 1) * tile_m]))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp4"])
+def test_w4_grouped_gemm_at_prefill_sizes(kind):
+    """w4_grouped_gemm.cu (the 4-bit experts' prefill product) at DeepSeek-V4-Flash's gate_up (4096 x 4096, group
+    32): experts of 300, 0, 64 and 1 rows in tiles of 128 (a partial 64-row block, an all-padding one), the padding
+    rows unwritten."""
+    import cupy
+
+    E, N, K, tile_m = 4, 4096, 4096, 128
+    rng = np.random.default_rng(11)
+    w = random_w4(rng, kind, N, K, 32, (E,))
+    tile_expert, row_token = grouped_layout([300, 0, 64, 1], tile_m, spare_tiles=0)
+    a = bf16_bits(rng.standard_normal((row_token.size, K)))
+    out = cupy.full((row_token.size, N), 0x7FC0, np.uint16)
+    ops().w4_grouped_gemm(cupy.asarray(a), W4Weight.upload(pack_w4(w)), cupy.asarray(tile_expert),
+                          cupy.asarray(row_token), out, tile_m)
+    got, weights = values(out), values(bf16_bits(fmt.dequant(w)))
+    for t, e in enumerate(tile_expert):
+        rows = np.arange(t * tile_m, (t + 1) * tile_m)
+        rows = rows[row_token[rows] >= 0]
+        assert_bf16_equal_but_ties(got[rows], values(a[rows]) @ weights[e].T, f"tile {t}")
+    assert np.all(np.isnan(got[row_token < 0]))
 
 
 @pytest.mark.parametrize("K", [4096, 12288])

@@ -18,7 +18,7 @@ from test_quant_w4 import EmulatedQuantOps
 from engine.executor.cpu_moe_ops import NumpyMoEOps, route_topk
 from engine.executor.cpu_quant_ops import host_fp8
 from engine.executor.gpu_gemm import interleave_gate_up
-from engine.executor.gpu_quant_moe import Fp8ExpertsDevice, GpuQuantMoEOps
+from engine.executor.gpu_quant_moe import Fp8ExpertsDevice, GpuQuantMoEOps, w4_gemm_tokens
 from engine.executor.gpu_w4_linear import interleaved_codes
 from engine.models.ops import RouteSpec
 from engine.models.quant_experts import Fp8Experts, W4Experts
@@ -45,7 +45,20 @@ class EmulatedQuantMoE(GpuQuantMoEOps):
         for name, file in (("align", "moe_align"), ("gather", "moe_permute"), ("combine", "moe_permute")):
             setattr(self, f"k_{name}", (file, "moe_" + name, ()))
         self.k_silu = ("silu_mul", "silu_mul", ())
-        self.quant = EmulatedQuantOps()
+        self.quant = RecordingQuantOps()
+        self.w4_gemm_tokens = w4_gemm_tokens(E, SPEC.top_k)
+
+
+class RecordingQuantOps(EmulatedQuantOps):
+    """EmulatedQuantOps that keeps the entries it launched (which path a step took)."""
+
+    def __init__(self):
+        super().__init__()
+        self.entries: list[str] = []
+
+    def _launch(self, k, grid, block, args):
+        self.entries.append(k[1])
+        super()._launch(k, grid, block, args)
 
 
 def fp8_experts(rng, N: int, K: int, channel: bool) -> Fp8Experts:
@@ -77,12 +90,17 @@ def numpy_weight(w):
     return host_fp8(w) if isinstance(w, Fp8Experts) else w.dequantized()
 
 
-def run_both(tokens: int, gate_up, down, interleaved: bool, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def run_both(tokens: int, gate_up, down, interleaved: bool, seed: int,
+             entries: list | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the GPU ops' output, the numpy executor's expert delta, the residual); `entries` gets the quantized
+    kernels' entries launched."""
     rng = np.random.default_rng(seed)
     bf = lambda a: np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)  # noqa: E731
     x, residual = bf(rng.standard_normal((tokens, H))), bf(rng.standard_normal((tokens, H)))
     weights, ids = route_topk(rng.standard_normal((tokens, E)).astype(np.float32), SPEC)
     ops = EmulatedQuantMoE(tokens, interleaved)
+    if entries is not None:
+        ops.quant.entries = entries
     got = ops.experts(host(x.view(np.uint16)), device_weight(gate_up, interleaved), device_weight(down, False),
                       host(weights), host(ids.astype(np.int32)), host(residual.view(np.uint16)))
     got = np.asarray(got).view(ml_dtypes.bfloat16).astype(np.float32)
@@ -108,13 +126,18 @@ def test_fp8_experts_match_numpy_w8a8(tokens, channel):
     assert_experts_close(*run_both(tokens, gate_up, down, interleaved=channel, seed=tokens))
 
 
-@pytest.mark.parametrize("tokens", [1, 40])
+@pytest.mark.parametrize("tokens", [1, 40, 130])
 @pytest.mark.parametrize("kind", ["bf16", "fp4"])
 def test_w4_experts_match_numpy(tokens, kind):
+    """Decode and short prefills on gemv_w4_grouped, a prefill whose experts average W4_GEMM_ROWS rows or more on
+    w4_grouped_gemm."""
     rng = np.random.default_rng(tokens + 7 * len(kind))
     gate_up, down = (W4Experts(small(random_w4(rng, kind, n, k, 32, (E,)))) for n, k in ((2 * INTER, H), (H, INTER)))
-    got, delta, residual = run_both(tokens, gate_up, down, interleaved=tokens > 1, seed=tokens)
+    entries = []
+    got, delta, residual = run_both(tokens, gate_up, down, interleaved=tokens > 1, seed=tokens, entries=entries)
     assert_experts_close(got, delta, residual)
+    gemm = tokens >= w4_gemm_tokens(E, SPEC.top_k)         # 48 tokens: 24 rows an expert
+    assert entries == ["w4_grouped_gemm" if gemm else "gemv_w4_grouped"] * 2
 
 
 def test_a_wrong_expert_scale_is_caught():

@@ -1,0 +1,121 @@
+"""The 4-bit routed experts' grouped product at prefill sizes, kernel by kernel: gemv_w4_grouped (the decode GEMV,
+16 rows at a time), w4_grouped_gemm.cu (64-row blocks), and the bf16 path it replaces where the CuTe library is
+built (w4_dequant.cu of the experts, then the CuTe grouped GEMM on the bf16 weights).
+
+Shapes: DeepSeek-V4-Flash's experts (top-6 of 256, FP4 e2m1 + ue8m0 scales per 32; gate_up 4096 x 4096, down
+4096 x 2048) and Kimi-K2-Thinking's (top-8 of 384, int4 + bf16 scales per 32; gate_up 4096 x 7168, down 7168 x 2048).
+Each step of T tokens routes uniformly at random; EXPERTS of the layer's experts are simulated with the rows an
+expert gets at that T (T · top_k / experts each, moe_align's layout in tiles of 64 or 128), random codes made on
+the device. Reported: µs of the EXPERTS' product and TFLOP/s (2 · rows · N · K over real rows). One CUDA event pair
+around REPS calls after a warm-up; the first call compiles.
+
+    python3 bench/w4_experts_prefill.py [--tokens 128,512,2048,8192] [--reps 5] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.executor.gpu_moe_ops import expert_tile_m  # noqa: E402
+from openinfer_kernels.quant.ops import QuantOps, W4Weight  # noqa: E402
+
+EXPERTS = 16
+MODELS = {  # name: (experts, top_k, fp4, [(product, N, K)])
+    "deepseek-v4-flash": (256, 6, True, [("gate_up", 4096, 4096), ("down", 4096, 2048)]),
+    "kimi-k2": (384, 8, False, [("gate_up", 4096, 7168), ("down", 7168, 2048)]),
+}
+
+
+def random_experts(n: int, k: int, fp4: bool) -> W4Weight:
+    """EXPERTS random 4-bit experts in gemv_w4.cu's layout on the device (scales 2^-6..2^-4: finite products)."""
+    import cupy
+
+    T, S, G = -(-n // 16), -(-k // 128), -(-k // 128) * 128 // 32
+    codes = cupy.random.randint(0, 2 ** 31, (EXPERTS, T, S, 2, 32, 4), dtype=np.int64).astype(np.uint32)
+    scales = cupy.random.randint(0x3C80, 0x3D80, (EXPERTS, T, G, 8, 2), dtype=np.int32).astype(np.uint16)
+    defines = (("W4_FP4", int(fp4)), ("W4_SCALE_FP16", 0), ("W4_ZERO", 0))
+    return W4Weight(codes, scales, None, n, k, 32, defines, EXPERTS)
+
+
+def layout(tokens: int, top_k: int, experts: int, rng):
+    """moe_align's layout of the EXPERTS' share of a step: (tile_m, tile_expert, row_token, real rows)."""
+    tile_m = expert_tile_m(tokens, top_k, experts)
+    counts = rng.multinomial(tokens * top_k, np.full(experts, 1 / experts))[:EXPERTS]
+    tile_expert, row_token = [], []
+    for e, c in enumerate(counts):
+        tiles = -(-int(c) // tile_m)
+        tile_expert += [e] * tiles
+        row_token += list(range(c)) + [-1] * (tiles * tile_m - c)
+    return tile_m, np.array(tile_expert, np.int32), np.array(row_token, np.int32), int(counts.sum())
+
+
+def timed_us(call, reps: int) -> float:
+    import cupy
+
+    call()
+    cupy.cuda.Stream.null.synchronize()
+    e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+    e0.record()
+    for _ in range(reps):
+        call()
+    e1.record()
+    e1.synchronize()
+    return cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / reps
+
+
+def product_rows(model: str, tokens: int, reps: int, rng) -> list[dict]:
+    import cupy
+    from openinfer_kernels import cute
+
+    experts, top_k, fp4, products = MODELS[model]
+    tile_m, tile_expert, row_token, real = layout(tokens, top_k, experts, rng)
+    te, rt = cupy.asarray(tile_expert), cupy.asarray(row_token)
+    ops, out = QuantOps(None), []
+    ops.pdl = False
+    for name, n, k in products:
+        w = random_experts(n, k, fp4)
+        a = cupy.random.randint(0x3C00, 0x3F80, (row_token.size, k), dtype=np.int32).astype(np.uint16)
+        y = cupy.empty((row_token.size, n), np.uint16)
+        calls = {"gemv_w4_grouped": lambda: ops.gemv_w4_grouped(a, w, te, rt, y, tile_m),
+                 "w4_grouped_gemm": lambda: ops.w4_grouped_gemm(a, w, te, rt, y, tile_m)}
+        if cute.available():
+            bf = cupy.empty((EXPERTS, n, k), np.uint16)
+            calls["w4_dequant + cute grouped_gemm"] = lambda: (ops.dequant_w4(w, bf), cute.grouped_gemm(a, bf, te, y))
+        for kernel, call in calls.items():
+            us = timed_us(call, reps)
+            out.append(dict(model=model, tokens=tokens, product=name, kernel=kernel, rows=real, us=round(us, 1),
+                            tflops=round(2 * real * n * k / us / 1e6, 1)))
+            print(out[-1], flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="128,512,2048,8192")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    rng = np.random.default_rng(0)
+    rows = [r for m in args.models.split(",") for t in map(int, args.tokens.split(","))
+            for r in product_rows(m, t, args.reps, rng)]
+    lines = ["| model | tokens | product | kernel | rows | µs | TFLOP/s |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['model']} | {r['tokens']} | {r['product']} | {r['kernel']} | {r['rows']} | {r['us']} | {r['tflops']} |"
+              for r in rows]
+    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "w4-experts-prefill.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "w4-experts-prefill.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
