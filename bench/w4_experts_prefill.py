@@ -106,9 +106,9 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     rows = [r for m in args.models.split(",") for t in map(int, args.tokens.split(","))
             for r in product_rows(m, t, args.reps, rng)]
-    lines = ["| model | tokens | product | kernel | rows | µs | TFLOP/s |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['model']} | {r['tokens']} | {r['product']} | {r['kernel']} | {r['rows']} | {r['us']} | {r['tflops']} |"
-              for r in rows]
+    keys = ("model", "tokens", "product", "kernel", "rows", "us", "tflops")
+    lines = ["| model | tokens | product | kernel | rows | µs | TFLOP/s |", "|" + " --- |" * len(keys)]
+    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,8 @@ from memory.kv_pool import BLOCK_SIZE
 from openinfer_kernels.raw_cuda import kernel
 
 WEIGHT_F32_CACHE = 1 << 22      # weights of at most this many elements keep a float32 copy on the device
-HC_THREADS = 128                # dsv4_hc.cu HC_THREADS
+HC_THREADS = 256                # dsv4_hc.cu HC_THREADS (hc_pre, hc_head)
+HC_POST_THREADS = 128           # dsv4_hc.cu HC_POST_THREADS (hc_merge)
 HC_CHUNK = 1024                 # dsv4_hc.cu HC_CHUNK: flat-row values per CTA of the mixes
 MAX_HC_MULT = 5                 # dsv4_hc.cu: the comb matrix (hc_mult² values) in one warp's lanes
 IDX_THREADS = 128               # dsv4_indexer.cu: entries per CTA of indexer_scores
@@ -148,7 +149,7 @@ class GpuDSV4Ops:
         T, N, D = streams.shape
         check_hc_shapes(N, D)
         splits, width = -(-N * D // HC_CHUNK), min(N * D, HC_CHUNK)
-        threads = min(HC_THREADS, 32 * max(-(-width // 128), -(-(mixes + 1) // 32)))
+        threads = min(HC_THREADS, 32 * max(-(-width // 128), -(-(mixes + 1) // 32)))    # whole warps, > mixes
         if self._hc_counter is None or self._hc_counter.shape[0] < T:      # once: a graph holds its address
             self._hc_counter = self.cp.zeros(max(T, 64, getattr(self.shared, "max_tokens", 0)), np.int32)
         work = (self.cp.empty(T * splits * (mixes + 1), np.float32), self._hc_counter)
@@ -174,8 +175,8 @@ class GpuDSV4Ops:
             out = self.cp.empty((T, N, D), np.float32)
             if T:
                 entry = "hc_post_bf16" if block_out.dtype == np.uint16 else "hc_post_f32"
-                self.shared.launch(self._kernel("dsv4_hc", entry, HC_N=N), (-(-T * D // (4 * HC_THREADS)),),
-                                   (HC_THREADS,),
+                self.shared.launch(self._kernel("dsv4_hc", entry, HC_N=N), (-(-T * D // (4 * HC_POST_THREADS)),),
+                                   (HC_POST_THREADS,),
                                    (self.cp.ascontiguousarray(block_out), self.cp.ascontiguousarray(streams),
                                     post, comb, out, np.int32(T), np.int32(D)))
             return out

@@ -14,9 +14,12 @@
 #ifndef HC_N
 #define HC_N 4
 #endif
-#define HC_THREADS 128
+#define HC_THREADS 256                      // hc_pre / hc_head: a float4 of the slice a thread, the collapse's loads
+                                            // of the one finishing CTA over 8 warps (4 at 128: 18 µs a batch-1 call)
+#define HC_POST_THREADS 128                 // hc_merge
 #define HC_CHUNK 1024                       // flat-row values per CTA of the mixes
 #define HC_MIX ((2 + HC_N) * HC_N)
+#define HC_STAGED_SLICES 64                 // the finishing CTA stages this many slices' partials in shared memory
 
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 load4(const bf16_t* p) {
@@ -74,9 +77,17 @@ __device__ bool row_sums(const float* __restrict__ x, const bf16_t* __restrict__
     __syncthreads();
     if (!last) return false;
     __threadfence();
+    // the slices' partials loaded by every thread at once, then summed in slice order (beyond HC_STAGED_SLICES
+    // slices, straight from L2)
+    __shared__ float staged[HC_STAGED_SLICES * (M + 1)];
+    const bool stage = S <= HC_STAGED_SLICES;
+    if (stage)
+        for (int i = threadIdx.x; i < S * (M + 1); i += blockDim.x) staged[i] = __ldcg(row + i);
+    __syncthreads();
     if (threadIdx.x <= M) {
         float v = 0.f;
-        for (int j = 0; j < S; ++j) v += __ldcg(row + j * (M + 1) + threadIdx.x);
+        for (int j = 0; j < S; ++j)
+            v += stage ? staged[j * (M + 1) + threadIdx.x] : __ldcg(row + j * (M + 1) + threadIdx.x);
         sums[threadIdx.x] = v;
     }
     if (threadIdx.x == 0) counter[t] = 0;
@@ -182,14 +193,14 @@ hc_head(const float* __restrict__ streams, const bf16_t* __restrict__ fn, const 
 }
 
 // hc_merge: out[t, n, d] = post[t, n] · block_out[t, d] + sum_j comb[t, j, n] · streams[t, j, d] (comb applied
-// transposed), float32. Grid ceil(T·D / (4·HC_THREADS)), four values of every stream of a token a thread.
+// transposed), float32. Grid ceil(T·D / (4·HC_POST_THREADS)), four values of every stream of a token a thread.
 // Roofline per token: reads 4·N·D + (2 or 4)·D bytes, writes 4·N·D (V4-Flash, bf16 block output: 136 KB).
 template <typename B>
 __device__ __forceinline__ void hc_post(const B* __restrict__ block_out, const float* __restrict__ streams,
                                         const float* __restrict__ post, const float* __restrict__ comb,
                                         float* __restrict__ out, int T, int D) {
     pdl_begin();
-    const int q = blockIdx.x * HC_THREADS + threadIdx.x, t = q / (D / 4), d = 4 * (q % (D / 4));
+    const int q = blockIdx.x * HC_POST_THREADS + threadIdx.x, t = q / (D / 4), d = 4 * (q % (D / 4));
     if (t >= T) return;
     const float* x = streams + (size_t)t * HC_N * D + d;
     const float* c = comb + (size_t)t * HC_N * HC_N;
@@ -211,13 +222,13 @@ __device__ __forceinline__ void hc_post(const B* __restrict__ block_out, const f
     }
 }
 
-extern "C" __global__ void __launch_bounds__(HC_THREADS)
+extern "C" __global__ void __launch_bounds__(HC_POST_THREADS)
 hc_post_f32(const float* __restrict__ block_out, const float* __restrict__ streams, const float* __restrict__ post,
             const float* __restrict__ comb, float* __restrict__ out, int T, int D) {
     hc_post(block_out, streams, post, comb, out, T, D);
 }
 
-extern "C" __global__ void __launch_bounds__(HC_THREADS)
+extern "C" __global__ void __launch_bounds__(HC_POST_THREADS)
 hc_post_bf16(const bf16_t* __restrict__ block_out, const float* __restrict__ streams, const float* __restrict__ post,
              const float* __restrict__ comb, float* __restrict__ out, int T, int D) {
     hc_post(block_out, streams, post, comb, out, T, D);

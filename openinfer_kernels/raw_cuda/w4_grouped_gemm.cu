@@ -45,8 +45,13 @@ __device__ __forceinline__ void wg_step(const uint4 (&lo)[2], const uint4 (&hi)[
         unsigned pl[2][4], ph[2][4];
         #pragma unroll
         for (int t = 0; t < 2; ++t) {               // one[t] is warp-uniform (w4_warp_all)
-            if (one[t]) { w4_dequant<true>(wg_word(lo[t], w), ql[t], pl[t]); w4_dequant<true>(wg_word(hi[t], w), qh[t], ph[t]); }
-            else { w4_dequant<false>(wg_word(lo[t], w), ql[t], pl[t]); w4_dequant<false>(wg_word(hi[t], w), qh[t], ph[t]); }
+            if (one[t]) {
+                w4_dequant<true>(wg_word(lo[t], w), ql[t], pl[t]);
+                w4_dequant<true>(wg_word(hi[t], w), qh[t], ph[t]);
+            } else {
+                w4_dequant<false>(wg_word(lo[t], w), ql[t], pl[t]);
+                w4_dequant<false>(wg_word(hi[t], w), qh[t], ph[t]);
+            }
         }
         #pragma unroll
         for (int n = 0; n < WG_NT; ++n) {
@@ -141,7 +146,8 @@ w4_grouped_gemm(const bf16_t* __restrict__ a, const uint4* __restrict__ wq, cons
         for (int n = 0; n < WG_NT; ++n)
             #pragma unroll
             for (int j = 0; j < 4; ++j)
-                o[(8 * n + 2 * tq + (j & 1)) * WG_PITCH + 32 * warp + 16 * t + g + 8 * (j >> 1)] = f_to_bf16(c[t][n][j]);
+                o[(8 * n + 2 * tq + (j & 1)) * WG_PITCH + 32 * warp + 16 * t + g + 8 * (j >> 1)] =
+                    f_to_bf16(c[t][n][j]);
     __syncthreads();
     const int n0 = blockIdx.x * WG_BN;
     for (int i = threadIdx.x; i < WG_BM * WG_BN / 8; i += WG_WARPS * 32) {
