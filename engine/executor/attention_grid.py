@@ -54,9 +54,9 @@ def sparse_heads_per_cta(rows: int, heads: int, pieces: int, num_sms: int) -> in
     else one (batch 1: the keys' loads spread over the most warps); at most 16 accumulator pieces a lane
     (ATT_G · ceil(d / 128)). H100, V4-Flash's 64 heads (bench/dsv4_sparse_decode.py, 2026-12-07), CSA µs for
     G1 / G2 / G4: 1 row 28 / 43 / 86; 8 rows 74 / 59 / 87 (G2 at 1.9 CTAs an SM beats G1 at 3.9, G4 at 0.97
-    loses); 32 rows 290 / 230 / 221; 64 rows 621 / 466 / 446. The full sweep of 1-64 rows (21:10 UTC): the
-    fastest or within 1% at 1, 2, 4, 8, 16, 32, 64 rows; 5-14% off at 6 rows (G2 wins) and 24 (G2 over G4, a
-    wave-quantization effect no threshold captures) (bench/results/deepseek.md)."""
+    loses); 32 rows 290 / 230 / 221; 64 rows 621 / 466 / 446. The full sweep of 1-64 rows (2026-12-07 21:10
+    UTC): the fastest or within 1% at 1, 2, 4, 8, 16, 32, 64 rows; 5-14% off at 6 rows (G2 wins) and 24 (G2 over
+    G4, likely the waves' quantization, which no threshold captures) (bench/results/deepseek.md)."""
     for group in (4, 2):
         if heads % group == 0 and group * pieces <= 16 and rows * heads / group >= SPARSE_CTAS_PER_SM * num_sms:
             return group
