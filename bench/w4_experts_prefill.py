@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.executor.gpu_moe_ops import expert_tile_m  # noqa: E402
+from harness.quant_cases import grouped_layout  # noqa: E402
 from openinfer_kernels.quant.ops import QuantOps, W4Weight  # noqa: E402
 
 EXPERTS = 16
@@ -48,12 +49,7 @@ def layout(tokens: int, top_k: int, experts: int, rng):
     """moe_align's layout of the EXPERTS' share of a step: (tile_m, tile_expert, row_token, real rows)."""
     tile_m = expert_tile_m(tokens, top_k, experts)
     counts = rng.multinomial(tokens * top_k, np.full(experts, 1 / experts))[:EXPERTS]
-    tile_expert, row_token = [], []
-    for e, c in enumerate(counts):
-        tiles = -(-int(c) // tile_m)
-        tile_expert += [e] * tiles
-        row_token += list(range(c)) + [-1] * (tiles * tile_m - c)
-    return tile_m, np.array(tile_expert, np.int32), np.array(row_token, np.int32), int(counts.sum())
+    return (tile_m, *grouped_layout(counts, tile_m), int(counts.sum()))
 
 
 def timed_us(call, reps: int) -> float:

@@ -3,6 +3,8 @@
 * ``random_w4(rng, kind, N, K, group)``: W4Codes of one format: "fp4" (e2m1, ue8m0 scales per 32, every code),
   "bf16" (compressed-tensors int4: symmetric, bf16 scales), "fp16" (GPTQ symmetric: fp16 scales),
   "fp16_zero" (AWQ / asymmetric GPTQ: fp16 scales and a zero per group, 16 included: GPTQ v1's +1 of 15).
+* ``grouped_layout(counts, tile_m)``: moe_align's expert-grouped layout of that many rows an expert (tile_expert,
+  row_token), for the grouped kernels.
 * ``random_fp8_weight(rng, N, K, channel)``: e4m3 [N, K] with float32 scales per [128, 128] block (amax / 448
   per block, as DeepSeek-V3's checkpoints; harness.quantized) or one per row.
 """
@@ -41,3 +43,16 @@ def random_fp8_weight(rng, N: int, K: int, channel: bool) -> tuple[np.ndarray, n
         ws = (np.abs(w).max(1) / 448).astype(np.float32)
         return (w / ws[:, None]).astype(ml_dtypes.float8_e4m3fn), ws
     return quantize_fp8_block(w, (128, 128))
+
+
+def grouped_layout(counts, tile_m: int, spare_tiles: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """moe_align's layout of `counts` rows an expert: each expert's rows at the top of its whole tiles, empty
+    experts no tile, `spare_tiles` padding tiles at the end repeating the last expert (the fixed grid's)."""
+    tile_expert, row_token = [], []
+    for e, c in enumerate(counts):
+        tiles = -(-int(c) // tile_m)
+        tile_expert += [e] * tiles
+        row_token += list(range(c)) + [-1] * (tiles * tile_m - c)
+    tile_expert += [tile_expert[-1]] * spare_tiles
+    row_token += [-1] * (spare_tiles * tile_m)
+    return np.array(tile_expert, np.int32), np.array(row_token, np.int32)

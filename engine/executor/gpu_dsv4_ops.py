@@ -45,6 +45,7 @@ WEIGHT_F32_CACHE = 1 << 22      # weights of at most this many elements keep a f
 HC_THREADS = 256                # dsv4_hc.cu HC_THREADS (hc_pre, hc_head)
 HC_POST_THREADS = 128           # dsv4_hc.cu HC_POST_THREADS (hc_merge)
 HC_CHUNK = 1024                 # dsv4_hc.cu HC_CHUNK: flat-row values per CTA of the mixes
+HC_MAX_SLICES = 64              # dsv4_hc.cu HC_MAX_SLICES: CTAs a row at most
 MAX_HC_MULT = 5                 # dsv4_hc.cu: the comb matrix (hc_mult² values) in one warp's lanes
 IDX_THREADS = 128               # dsv4_indexer.cu: entries per CTA of indexer_scores
 TOPK_THREADS = 256              # dsv4_indexer.cu: threads of indexer_topk's CTA (one a query row)
@@ -56,9 +57,10 @@ NR_THREADS, NR_PER = 128, 8     # dsv4_norm_rope.cu: threads of norm_rope's CTA 
 
 def check_hc_shapes(hc_mult: int, hidden: int) -> None:
     """dsv4_hc.cu's limits, refused at start."""
-    if not 1 <= hc_mult <= MAX_HC_MULT or hidden % 4:
+    if not 1 <= hc_mult <= MAX_HC_MULT or hidden % 4 or hc_mult * hidden > HC_CHUNK * HC_MAX_SLICES:
         raise ValueError(f"deepseek_v4 on the GPU: the hyper-connection kernels take hc_mult 1..{MAX_HC_MULT} "
-                         f"(got {hc_mult}) and a hidden size that is a multiple of 4 (got {hidden})")
+                         f"(got {hc_mult}), a hidden size that is a multiple of 4 (got {hidden}) and hc_mult · hidden "
+                         f"<= {HC_CHUNK * HC_MAX_SLICES}")
 
 
 def group_layout(cp, tokens: int, groups: int):

@@ -19,7 +19,8 @@
 #define HC_POST_THREADS 128                 // hc_merge
 #define HC_CHUNK 1024                       // flat-row values per CTA of the mixes
 #define HC_MIX ((2 + HC_N) * HC_N)
-#define HC_STAGED_SLICES 64                 // the finishing CTA stages this many slices' partials in shared memory
+#define HC_MAX_SLICES 64                    // slices a row at most (N·D <= 65,536: checked at start), their
+                                            // partials staged in the finishing CTA's shared memory
 
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
 __device__ __forceinline__ float4 load4(const bf16_t* p) {
@@ -77,17 +78,13 @@ __device__ bool row_sums(const float* __restrict__ x, const bf16_t* __restrict__
     __syncthreads();
     if (!last) return false;
     __threadfence();
-    // the slices' partials loaded by every thread at once, then summed in slice order (beyond HC_STAGED_SLICES
-    // slices, straight from L2)
-    __shared__ float staged[HC_STAGED_SLICES * (M + 1)];
-    const bool stage = S <= HC_STAGED_SLICES;
-    if (stage)
-        for (int i = threadIdx.x; i < S * (M + 1); i += blockDim.x) staged[i] = __ldcg(row + i);
+    // the slices' partials loaded by every thread at once, then summed in slice order
+    __shared__ float staged[HC_MAX_SLICES * (M + 1)];
+    for (int i = threadIdx.x; i < S * (M + 1); i += blockDim.x) staged[i] = __ldcg(row + i);
     __syncthreads();
     if (threadIdx.x <= M) {
         float v = 0.f;
-        for (int j = 0; j < S; ++j)
-            v += stage ? staged[j * (M + 1) + threadIdx.x] : __ldcg(row + j * (M + 1) + threadIdx.x);
+        for (int j = 0; j < S; ++j) v += staged[j * (M + 1) + threadIdx.x];
         sums[threadIdx.x] = v;
     }
     if (threadIdx.x == 0) counter[t] = 0;

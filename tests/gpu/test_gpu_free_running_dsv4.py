@@ -71,9 +71,10 @@ def test_gpu_dsv4_free_running(issue_gpu, run):
 def test_gpu_dsv4_speculative(issue_gpu, spec_executor, run):
     """Verify steps on the device attention (a step's k + 1 rows a sequence stored, compressed and attended like
     a prefill's, rejected drafts' ring rows never read): the floor gate with drafts from the spec-off run 30% wrong
-    and every one wrong (next to nothing accepted: every step rolls its rings back), each run's partings from the
-    spec-off run near ties only. Not exact between the two, as the dense lines are (test_gpu_spec.py): a token's
-    row rounds otherwise in a verify step than in a one-row decode graph (the MoE grouping, the prefill-style
+    and every one wrong (next to nothing accepted: every step's drafts land in the rings' draft rows, unread), each
+    run's partings from the spec-off run near ties only. Not exact between the two, as the dense lines are
+    (test_gpu_spec.py): a token's row rounds otherwise in a verify step than in a one-row decode graph (the MoE
+    grouping, the prefill-style
     attention; 0.056 nats at most on the emulation, tests/kernels/test_dsv4_gpu_emulated.py), and which step
     holds which row depends on what was accepted (H100, 2026-12-07: the two runs parted on every path, the
     30%-wrong one within the floor gate with no flips)."""

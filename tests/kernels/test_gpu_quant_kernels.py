@@ -20,12 +20,11 @@ import functools
 import numpy as np
 import pytest
 
-from harness.quant_cases import QWEN3_8B_SHAPES, W4_KINDS, random_fp8_weight, random_w4
+from harness.quant_cases import QWEN3_8B_SHAPES, W4_KINDS, grouped_layout, random_fp8_weight, random_w4
 from openinfer_kernels.quant import fp8_ref
 from openinfer_kernels.quant import w4_formats as fmt
 from openinfer_kernels.quant.ops import QuantOps, W4Weight
 from openinfer_kernels.quant.w4_layout import pack_w4
-from test_w4_grouped_gemm import grouped_layout
 
 pytestmark = pytest.mark.gpu
 FLOOR_FACTOR = 1.1
@@ -180,7 +179,7 @@ def test_w4_grouped_gemm_at_prefill_sizes(kind):
     E, N, K, tile_m = 4, 4096, 4096, 128
     rng = np.random.default_rng(11)
     w = random_w4(rng, kind, N, K, 32, (E,))
-    tile_expert, row_token = grouped_layout([300, 0, 64, 1], tile_m, spare_tiles=0)
+    tile_expert, row_token = grouped_layout([300, 0, 64, 1], tile_m)
     a = bf16_bits(rng.standard_normal((row_token.size, K)))
     out = cupy.full((row_token.size, N), 0x7FC0, np.uint16)
     ops().w4_grouped_gemm(cupy.asarray(a), W4Weight.upload(pack_w4(w)), cupy.asarray(tile_expert),

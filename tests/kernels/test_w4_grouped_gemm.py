@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.quant_cases import W4_KINDS, random_w4
+from harness.quant_cases import W4_KINDS, grouped_layout, random_w4
 from openinfer_kernels.quant import w4_formats as fmt
 from openinfer_kernels.quant.w4_layout import pack_w4
 from openinfer_kernels.quant.ops import W4Weight
@@ -19,19 +19,6 @@ from test_rope_cache_emulated import bf16, f32, rb
 NAN_BF16 = 0x7FC0
 
 
-def grouped_layout(counts: list[int], tile_m: int, spare_tiles: int = 1):
-    """moe_align's layout of `counts` rows an expert: each expert's rows at the top of its whole tiles, empty
-    experts no tile, `spare_tiles` padding tiles at the end repeating the last expert (the fixed grid's)."""
-    tile_expert, row_token = [], []
-    for e, c in enumerate(counts):
-        tiles = -(-c // tile_m)
-        tile_expert += [e] * tiles
-        row_token += list(range(c)) + [-1] * (tiles * tile_m - c)
-    tile_expert += [tile_expert[-1]] * spare_tiles
-    row_token += [-1] * (spare_tiles * tile_m)
-    return np.array(tile_expert, np.int32), np.array(row_token, np.int32)
-
-
 @pytest.mark.parametrize("kind", W4_KINDS)
 @pytest.mark.parametrize("N,K,tile_m,counts", [(136, 384, 64, [70, 0, 5, 64]),      # a tile past N, S odd
                                                (40, 160, 128, [3, 130, 0, 17])])     # K past whole steps
@@ -39,7 +26,7 @@ def test_w4_grouped_gemm_matches_the_dequantized_product(kind, N, K, tile_m, cou
     rng = np.random.default_rng(N + K + len(kind))
     group = 32
     w = random_w4(rng, kind, N, K, group, (len(counts),))
-    tile_expert, row_token = grouped_layout(counts, tile_m)
+    tile_expert, row_token = grouped_layout(counts, tile_m, spare_tiles=1)
     rows = row_token.size
     a = bf16(rng.standard_normal((rows, K)))
     out = host(np.full((rows, N), NAN_BF16, np.uint16))
