@@ -10,7 +10,8 @@ weights; the time is per call. Roofline: the bytes a call must move (weights + s
 device-copy bandwidth measured in the same run (read + write); prefill also reports TFLOP/s.
 
     python3 bench/quant_kernels.py --out DIR [--rows 1,8,16] [--prefill 512,2048,8192] [--reps 10]
-                                   [--w4-configs 1x2,1x3,2x2]   (gemv_w4.cu CTA shapes side by side)
+                                   [--w4-configs 1x2,1x3,2x2] [--fp8-configs 2x2,1x2]
+                                   (gemv_w4.cu / gemv_fp8.cu CTA shapes side by side, the first the default)
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from harness.quant_cases import QWEN3_8B_SHAPES, random_fp8_weight, random_w4  # noqa: E402
-from openinfer_kernels.quant.ops import QuantOps, W4Config, W4Weight  # noqa: E402
+from openinfer_kernels.quant.ops import QuantOps, GemvConfig, W4Weight  # noqa: E402
 from openinfer_kernels.quant.w4_layout import pack_w4  # noqa: E402
 
 RING_BYTES = 512 << 20
@@ -90,19 +91,21 @@ def w4_copies(w: W4Weight) -> list[W4Weight]:
                   for _ in range(ring(nbytes) - 1)]
 
 
-def w4_configs(spec: str) -> dict[str, W4Config]:
+def gemv_configs(spec: str) -> dict[str, GemvConfig]:
     """"RTxU,..." (16-row tiles a CTA x k steps in flight) -> a label suffix each ("" for a single one)."""
-    configs = [W4Config(*map(int, c.split("x"))) for c in spec.split(",") if c]
+    configs = [GemvConfig(*map(int, c.split("x"))) for c in spec.split(",") if c]
     return {"" if len(configs) == 1 else f" [{c.tiles_per_cta}x{c.steps_in_flight}]": c for c in configs}
 
 
-def decode_rows(stream, bw: float, rows_m, reps: int, w4: dict[str, W4Config]) -> list[dict]:
+def decode_rows(stream, bw: float, rows_m, reps: int, w4: dict[str, GemvConfig],
+                fp8: dict[str, GemvConfig]) -> list[dict]:
     import cupy
 
     from engine.executor.gpu_gemm import Gemm
 
     ops, blas, gemv = QuantOps(stream), Gemm(stream), Gemm(stream, gemv_max_m=32)
-    w4_ops_by = {suffix: QuantOps(stream, config) for suffix, config in w4.items()}
+    w4_ops_by = {suffix: QuantOps(stream, w4=config) for suffix, config in w4.items()}
+    fp8_ops_by = {suffix: QuantOps(stream, fp8=config) for suffix, config in fp8.items()}
     rng, out = np.random.default_rng(0), []
     for label, (N, K) in QWEN3_8B_SHAPES.items():
         bf16_w = [rand_bf16((N, K)) for _ in range(ring(N * K * 2))]
@@ -133,9 +136,10 @@ def decode_rows(stream, bw: float, rows_m, reps: int, w4: dict[str, W4Config]) -
                         nbytes + N * K * 2)
             add("fp8_quant.cu", per_call_us(stream, [lambda: ops.fp8_quant(x, xq, xs)] * 64, reps),
                 M * K * 3 + M * K // 32)
-            add("gemv_fp8.cu (block scales)", per_call_us(stream, [lambda w=w: ops.gemv_fp8(xq, xs, w, fp8_s, y)
-                                                                   for w in fp8_w], reps),
-                N * K + fp8_s.nbytes + M * K + M * N * 2)
+            for suffix, fp8_ops in fp8_ops_by.items():
+                add("gemv_fp8.cu (block scales)" + suffix,
+                    per_call_us(stream, [lambda w=w, o=fp8_ops: o.gemv_fp8(xq, xs, w, fp8_s, y) for w in fp8_w], reps),
+                    N * K + fp8_s.nbytes + M * K + M * N * 2)
         del bf16_w, w4_ws, fp8_w
     return out
 
@@ -193,7 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill", default="512,2048,8192")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--w4-configs", default="1x2", help="gemv_w4.cu CTA shapes to time, RTxU,...: 16-row "
-                        "tiles a CTA x k steps in flight (ops.W4Config; the first is the default)")
+                        "tiles a CTA x k steps in flight (ops.GemvConfig; the first is the default)")
+    parser.add_argument("--fp8-configs", default="2x2", help="gemv_fp8.cu CTA shapes to time, as --w4-configs")
     args = parser.parse_args(argv)
     import cupy
 
@@ -202,7 +207,7 @@ def main(argv=None) -> int:
     bw = copy_bandwidth()
     with stream:
         rows = decode_rows(stream, bw, [int(m) for m in args.rows.split(",") if m], args.reps,
-                           w4_configs(args.w4_configs))
+                           gemv_configs(args.w4_configs), gemv_configs(args.fp8_configs))
         rows += prefill_rows(stream, bw, [int(m) for m in args.prefill.split(",") if m], args.reps)
     lines = table(rows, bw)
     (args.out / "quant_kernels.md").write_text("\n".join(lines) + "\n")

@@ -16,7 +16,6 @@ from .w4_layout import W4Packed
 
 GEMV_MAX_M = 16                     # two n8 tiles
 GEMV_THREADS = 256
-FP8_TILES_PER_CTA = 2               # gemv_fp8.cu FP8_RT
 WG_ROWS, WG_COLS, WG_THREADS = 64, 128, 128   # w4_grouped_gemm.cu's CTA: rows x weight rows, threads
 EPILOGUES = {"bf16": 0, "f32": 1, "residual": 2, "silu": 3}   # gemv_cta.cuh GEMV_EPI_*
 
@@ -56,20 +55,24 @@ def _check(cond: bool, message: str) -> None:
 
 
 @dataclass(frozen=True)
-class W4Config:
-    """gemv_w4.cu's compile-time CTA shape: 16-row tiles a CTA (W4_RT, dividing its 8 warps) and k steps in
-    each warp's ring of code loads (W4_U)."""
+class GemvConfig:
+    """A decode GEMV's compile-time CTA shape (gemv_w4.cu W4_RT / W4_U, gemv_fp8.cu FP8_RT / FP8_U): 16-row
+    tiles a CTA (dividing its 8 warps) and k steps (gemv_w4: 128-wide, gemv_fp8: 128-blocks) in each warp's
+    batch of weight loads."""
 
     tiles_per_cta: int = 1
     steps_in_flight: int = 2
 
     def __post_init__(self):
-        _check(self.tiles_per_cta in (1, 2, 4, 8), f"gemv_w4 tiles a CTA: 1, 2, 4 or 8, got {self.tiles_per_cta}")
-        _check(1 <= self.steps_in_flight <= 8, f"gemv_w4 steps in flight: 1..8, got {self.steps_in_flight}")
+        _check(self.tiles_per_cta in (1, 2, 4, 8), f"GEMV tiles a CTA: 1, 2, 4 or 8, got {self.tiles_per_cta}")
+        _check(1 <= self.steps_in_flight <= 8, f"GEMV steps in flight: 1..8, got {self.steps_in_flight}")
 
-    @property
-    def defines(self) -> dict[str, int]:
-        return {"W4_RT": self.tiles_per_cta, "W4_U": self.steps_in_flight}
+    def defines(self, prefix: str) -> dict[str, int]:
+        return {f"{prefix}_RT": self.tiles_per_cta, f"{prefix}_U": self.steps_in_flight}
+
+
+W4_GEMV = GemvConfig(1, 2)          # measured best on Qwen3-8B's shapes (bench/results/quant-kernels.md)
+FP8_GEMV = GemvConfig(2, 2)
 
 
 def _rows(a, cols: int | None, what: str, dtype=np.uint16) -> int:
@@ -96,9 +99,9 @@ class QuantOps:
 
     pdl = True
 
-    def __init__(self, stream=None, w4: W4Config = W4Config()):
+    def __init__(self, stream=None, w4: GemvConfig = W4_GEMV, fp8: GemvConfig = FP8_GEMV):
         self.stream = stream
-        self.w4 = w4
+        self.w4, self.fp8 = w4, fp8
 
     def _kernel(self, name: str, entry: str, **defines: int):
         from openinfer_kernels.raw_cuda import kernel
@@ -116,7 +119,7 @@ class QuantOps:
         _check(w.experts == 1, "gemv_w4 takes one weight; experts go through gemv_w4_grouped")
         _check(w.k < 1 << 21, f"gemv_w4 takes K < 2^21, got {w.k}")         # its group index's multiply-high
         code = _epilogue(epi, y, m, w.n, res)
-        k = self._kernel("gemv_w4", f"gemv_w4_n{_ceil(m, 8)}", **dict(w.defines), **self.w4.defines)
+        k = self._kernel("gemv_w4", f"gemv_w4_n{_ceil(m, 8)}", **dict(w.defines), **self.w4.defines("W4"))
         null = np.uint64(0)
         self._launch(k, (_ceil(_ceil(w.n, 16), self.w4.tiles_per_cta),), (GEMV_THREADS,),
                      (x, w.codes, w.scales, null if w.zeros is None else w.zeros, y, np.int32(m), np.int32(w.n),
@@ -130,7 +133,7 @@ class QuantOps:
                f"{rows} rows in tiles of {tile_m}: tile_expert [{rows // tile_m}] and row_token [{rows}] expected")
         _rows(out, w.n, "out")
         _check(w.k < 1 << 21, f"gemv_w4_grouped takes K < 2^21, got {w.k}")
-        k = self._kernel("gemv_w4", "gemv_w4_grouped", **dict(w.defines), **self.w4.defines)
+        k = self._kernel("gemv_w4", "gemv_w4_grouped", **dict(w.defines), **self.w4.defines("W4"))
         self._launch(k, (_ceil(_ceil(w.n, 16), self.w4.tiles_per_cta), rows // tile_m), (GEMV_THREADS,),
                      (a, w.codes, w.scales, np.uint64(0) if w.zeros is None else w.zeros, tile_expert, row_token, out,
                       np.int32(w.n), np.int32(w.k), np.int32(w.group), np.int32(tile_m)))
@@ -193,8 +196,8 @@ class QuantOps:
         channel = self._check_fp8_scales(w_scales, n, K)
         code = _epilogue(epi, y, m, n, res)
         _check(x_scales.shape[0] == K // GROUP and x_scales.shape[1] >= m, f"x_scales must be [{K // GROUP}, >= {m}]")
-        k = self._kernel("gemv_fp8", f"gemv_fp8_n{_ceil(m, 8)}", FP8_CHANNEL=int(channel))
-        self._launch(k, (_ceil(_ceil(n, 16), FP8_TILES_PER_CTA),), (GEMV_THREADS,),
+        k = self._kernel("gemv_fp8", f"gemv_fp8_n{_ceil(m, 8)}", FP8_CHANNEL=int(channel), **self.fp8.defines("FP8"))
+        self._launch(k, (_ceil(_ceil(n, 16), self.fp8.tiles_per_cta),), (GEMV_THREADS,),
                      (xq, x_scales, np.int32(x_scales.shape[1]), w, w_scales, y, np.int32(m), np.int32(n), np.int32(K),
                       np.uint64(0) if res is None else res, np.int32(code)))
 
@@ -207,8 +210,8 @@ class QuantOps:
         _check(w_scales.shape[0] == E and rows % tile_m == 0 and tile_expert.shape == (rows // tile_m,),
                "w_scales per expert and tile_expert per tile of tile_m rows expected")
         _rows(out, n, "out")
-        k = self._kernel("gemv_fp8", "gemv_fp8_grouped", FP8_CHANNEL=int(channel))
-        self._launch(k, (_ceil(_ceil(n, 16), FP8_TILES_PER_CTA), rows // tile_m), (GEMV_THREADS,),
+        k = self._kernel("gemv_fp8", "gemv_fp8_grouped", FP8_CHANNEL=int(channel), **self.fp8.defines("FP8"))
+        self._launch(k, (_ceil(_ceil(n, 16), self.fp8.tiles_per_cta), rows // tile_m), (GEMV_THREADS,),
                      (aq, a_scales, np.int32(a_scales.shape[1]), w, w_scales, tile_expert, row_token, out,
                       np.int32(n), np.int32(K), np.int32(tile_m)))
 

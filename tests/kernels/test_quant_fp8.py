@@ -11,6 +11,7 @@ import pytest
 
 from harness.quant_cases import random_fp8_weight
 from openinfer_kernels.quant import fp8_ref
+from openinfer_kernels.quant.ops import GemvConfig
 from test_decode_kernels_emulated import assert_bf16_close, run
 from test_deltanet_kernels_emulated import host
 from test_quant_w4 import EmulatedQuantOps
@@ -100,6 +101,20 @@ def test_gemv_fp8_is_the_w8a8_product(channel, M):
     floor = fp8_ref.error_floor(f32(x), w, ws, channel)
     reference = f32(x).astype(np.float64) @ fp8_ref.dequant_weight(w, ws, channel).T
     assert fp8_ref.relative_error(f32(np.asarray(y)), reference) <= floor + 2.0 ** -8
+
+
+@pytest.mark.parametrize("tiles,steps", [(1, 1), (1, 3), (4, 2), (8, 1)])
+def test_gemv_fp8_cta_shapes(tiles, steps):
+    """The CTA shapes bench/quant_kernels.py --fp8-configs times (tiles a CTA x 128-blocks in flight): the same
+    products for 9 rows, N past whole CTAs, K's 7 blocks split unevenly over the tile's warps."""
+    rng = np.random.default_rng(tiles * 8 + steps)
+    M, N, K = 9, 176, 896
+    w, ws = random_fp8_weight(rng, N, K, False)
+    q, s = fp8_ref.quantize_activations(f32(activations(rng, M, K)))
+    y = host(np.zeros((M, N), np.uint16))
+    EmulatedQuantOps(fp8=GemvConfig(tiles, steps)).gemv_fp8(host(q.view(np.uint8)), host(s), host(w.view(np.uint8)),
+                                                            host(ws), y)
+    assert_bf16_close(y, rb(fp8_ref.w8a8_exact(q, s, w, ws)), f"{tiles}x{steps}")
 
 
 @pytest.mark.parametrize("epi", ["f32", "residual", "silu"])

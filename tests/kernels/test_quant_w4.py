@@ -19,7 +19,7 @@ from engine.loader.quantized import dequant_fp4_block, dequant_packed_group
 from harness.quant_cases import W4_KINDS, random_w4
 from harness.quantized import AWQ_PACK_ORDER, pack_int32_bitwise, pack_words, quantize_int_group
 from openinfer_kernels.quant import w4_formats as fmt
-from openinfer_kernels.quant.ops import QuantOps, W4Config, W4Weight
+from openinfer_kernels.quant.ops import QuantOps, GemvConfig, W4Weight
 from openinfer_kernels.quant.w4_layout import pack_w4, unpack_w4
 from test_decode_kernels_emulated import assert_bf16_close, run
 from test_deltanet_kernels_emulated import host
@@ -219,7 +219,7 @@ def test_gemv_w4_cta_shapes(tiles, steps):
     N, K, M = 72, 1536, 5
     w = random_w4(rng, "bf16", N, K, 32, (2,))
     x = bf16(rng.standard_normal((M, K)))
-    ops = EmulatedQuantOps(w4=W4Config(tiles, steps))
+    ops = EmulatedQuantOps(w4=GemvConfig(tiles, steps))
     y = host(np.zeros((M, N), np.uint16))
     ops.gemv_w4(host(x), W4Weight.upload(pack_w4(fmt.expert_codes(w, 0)), host), y)
     assert_bf16_close(y, rb(kernel_reference(x, fmt.expert_codes(w, 0))), "dense")
@@ -232,7 +232,7 @@ def test_gemv_w4_cta_shapes(tiles, steps):
     for t, e in enumerate((1, 0)):
         assert_bf16_close(np.asarray(out)[8 * t:8 * t + M], rb(kernel_reference(x, fmt.expert_codes(w, e))), f"expert {e}")
     with pytest.raises(ValueError, match="tiles a CTA"):
-        W4Config(3, 2)
+        GemvConfig(3, 2)
 
 
 @pytest.mark.parametrize("kind", W4_KINDS)
