@@ -12,8 +12,8 @@ experts do (gpu_moe_ops.py); each grouped product is one launch over the expert-
 128-wide group, float32 accumulation, the block scales per K block). Grids depend on the step's token count only,
 nothing waits on the host: decode steps capture in CUDA graphs as the bf16 ones do. The grouped GEMVs take any
 rows per tile (16 at a time), so prefill can run them too, reading each routed expert's weights once per 16 of its
-rows; a step whose experts average W4_GEMM_ROWS rows or more takes the 4-bit experts to w4_grouped_gemm.cu instead
-(64 rows a CTA sharing each dequantized weight and one staged activation tile). FP8 experts stay on the GEMV.
+rows; a step whose experts average GEMM_ROWS rows or more takes them to the grouped GEMMs instead
+(w4_grouped_gemm.cu / fp8_grouped_gemm.cu: 64 rows a CTA sharing each weight block and one staged activation tile).
 """
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ from memory.device_arena import Buffer
 from openinfer_kernels.quant.fp8_ref import GROUP
 from openinfer_kernels.quant.ops import WG_ROWS, QuantOps, W4Weight
 
-# Steps whose experts average at least this many rows (tokens · top_k / experts) run 4-bit experts on
-# w4_grouped_gemm.cu, fewer on the GEMV (bench/w4_experts_prefill.py, H100 2026-12-07, V4-Flash / Kimi-K2 shapes:
-# at 11-12 rows the GEMV 1.0-1.4x faster, at 43-48 the GEMM 1.6-2.4x, at 170-190 2.5-3.5x).
-W4_GEMM_ROWS = 24
+# Steps whose experts average at least this many rows (tokens · top_k / experts) run kept experts on the grouped
+# GEMMs, fewer on the GEMVs (bench/experts_prefill.py, H100 2026-12-07, V4-Flash / Kimi-K2 4-bit shapes: at
+# 11-12 rows the GEMV 1.0-1.4x faster, at 43-48 the GEMM 1.6-2.4x, at 170-190 2.5-3.5x; FP8 takes the same
+# threshold, not yet measured apart).
+GEMM_ROWS = 24
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,13 +70,14 @@ def has_fp8_experts(weights: dict) -> bool:
 
 def kept_experts_kernels() -> dict[type, str]:
     """The startup log's kernels of the kept experts (engine/models/quant_experts.py log_kept)."""
-    return {Fp8Experts: "fp8_quant.cu + gemv_fp8_grouped (gemv_fp8.cu), decode and prefill",
-            W4Experts: f"gemv_w4_grouped (gemv_w4.cu); w4_grouped_gemm.cu at {W4_GEMM_ROWS}+ rows an expert (prefill)"}
+    gemm = f"at {GEMM_ROWS}+ rows an expert (prefill)"
+    return {Fp8Experts: f"fp8_quant.cu + gemv_fp8_grouped (gemv_fp8.cu); fp8_grouped_gemm.cu {gemm}",
+            W4Experts: f"gemv_w4_grouped (gemv_w4.cu); w4_grouped_gemm.cu {gemm}"}
 
 
-def w4_gemm_tokens(experts: int, top_k: int) -> int:
-    """The fewest tokens a step takes to its 4-bit experts' GEMM: its experts then average W4_GEMM_ROWS rows."""
-    return -(-W4_GEMM_ROWS * experts // top_k)
+def grouped_gemm_tokens(experts: int, top_k: int) -> int:
+    """The fewest tokens a step takes to its kept experts' GEMMs: its experts then average GEMM_ROWS rows."""
+    return -(-GEMM_ROWS * experts // top_k)
 
 
 class GpuQuantMoEOps(GpuMoEOps):
@@ -87,7 +89,7 @@ class GpuQuantMoEOps(GpuMoEOps):
         super().__init__(plan, shared, arena)
         self.quant = self.quant_ops_class(shared.stream)
         s = plan.experts
-        self.w4_gemm_tokens = w4_gemm_tokens(s.num_experts, s.top_k)
+        self.gemm_tokens = grouped_gemm_tokens(s.num_experts, s.top_k)
 
     @staticmethod
     def buffers(plan) -> list[Buffer]:
@@ -110,7 +112,8 @@ class GpuQuantMoEOps(GpuMoEOps):
     def grouped_linear(self, a, w, tile_expert, row_token, out, tile_m: int, tokens: int) -> None:
         """out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ: the quantized grouped GEMVs for kept experts."""
         self.quant.pdl = self.shared.pdl
-        if isinstance(w, W4Weight) and tokens >= self.w4_gemm_tokens and tile_m % WG_ROWS == 0:
+        gemm = tokens >= self.gemm_tokens and tile_m % WG_ROWS == 0
+        if isinstance(w, W4Weight) and gemm:
             self.quant.w4_grouped_gemm(a, w, tile_expert, row_token, out, tile_m)
         elif isinstance(w, W4Weight):
             self.quant.gemv_w4_grouped(a, w, tile_expert, row_token, out, tile_m)
@@ -119,6 +122,7 @@ class GpuQuantMoEOps(GpuMoEOps):
             aq = self.buf["moe_aq"][:rows * K].reshape(rows, K)
             scales = self.buf["moe_aq_scales"][:K // GROUP * rows].reshape(K // GROUP, rows)
             self.quant.fp8_quant(a, aq, scales)
-            self.quant.gemv_fp8_grouped(aq, scales, w.codes, w.scale, tile_expert, row_token, out, tile_m)
+            product = self.quant.fp8_grouped_gemm if gemm else self.quant.gemv_fp8_grouped
+            product(aq, scales, w.codes, w.scale, tile_expert, row_token, out, tile_m)
         else:
             super().grouped_linear(a, w, tile_expert, row_token, out, tile_m, tokens)

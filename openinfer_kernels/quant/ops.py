@@ -1,7 +1,8 @@
 """Host launches of the quantized-weight raw CUDA kernels on one stream (CuPy arrays; bf16 as uint16, e4m3 as
 uint8): the W4A16 GEMV (gemv_w4.cu, dense and grouped) and the 4-bit weights' bf16 for prefill (w4_dequant.cu),
 the 4-bit experts' prefill GEMM (w4_grouped_gemm.cu), the FP8 activation quantization (fp8_quant.cu, alone
-and after the RMSNorm) and the W8A8 GEMV (gemv_fp8.cu, dense and grouped). Each call checks its shapes and
+and after the RMSNorm), the W8A8 GEMV (gemv_fp8.cu, dense and grouped) and the FP8 experts' prefill GEMM
+(fp8_grouped_gemm.cu). Each call checks its shapes and
 raises ValueError before launching; ``_kernel`` / ``_launch`` are the two places that touch CUDA (the tests
 run these same launches through a host emulation of the kernels). The prefill FP8 GEMM is the CuTe one
 (openinfer_kernels/cute/gemm.py ``fp8_gemm``)."""
@@ -16,7 +17,7 @@ from .w4_layout import W4Packed
 
 GEMV_MAX_M = 16                     # two n8 tiles
 GEMV_THREADS = 256
-WG_ROWS, WG_COLS, WG_THREADS = 64, 128, 128   # w4_grouped_gemm.cu's CTA: rows x weight rows, threads
+WG_ROWS, WG_COLS, WG_THREADS = 64, 128, 128   # the grouped GEMMs' CTA (w4_ / fp8_grouped_gemm.cu): rows x weight rows
 EPILOGUES = {"bf16": 0, "f32": 1, "residual": 2, "silu": 3}   # gemv_cta.cuh GEMV_EPI_*
 
 
@@ -214,6 +215,27 @@ class QuantOps:
         self._launch(k, (_ceil(_ceil(n, 16), self.fp8.tiles_per_cta), rows // tile_m), (GEMV_THREADS,),
                      (aq, a_scales, np.int32(a_scales.shape[1]), w, w_scales, tile_expert, row_token, out,
                       np.int32(n), np.int32(K), np.int32(tile_m)))
+
+    def fp8_grouped_gemm(self, aq, a_scales, w, w_scales, tile_expert, row_token, out, tile_m: int) -> None:
+        """gemv_fp8_grouped's product for prefill (fp8_grouped_gemm.cu): CTAs of 64 rows x 128 weight rows, each
+        weight block read once for 64 rows; tile_m a multiple of 64, a_scales' rows a multiple of 4."""
+        rows, K = aq.shape
+        _check(w.ndim == 3 and w.shape[2] == K and w.dtype == np.uint8 and K % GROUP == 0,
+               f"w must be e4m3 [E, N, {K}], K a multiple of {GROUP}")
+        E, n = w.shape[:2]
+        channel = self._check_fp8_scales(w_scales[0], n, K)
+        ldx = a_scales.shape[1]
+        _check(w_scales.shape[0] == E and tile_m % WG_ROWS == 0 and rows % tile_m == 0
+               and tile_expert.shape == (rows // tile_m,) and row_token.shape == (rows,),
+               f"{rows} rows in tiles of {tile_m} (a multiple of {WG_ROWS}): w_scales per expert, tile_expert "
+               f"[{rows // tile_m}] and row_token [{rows}] expected")
+        _check(a_scales.shape[0] == K // GROUP and ldx >= rows and ldx % 4 == 0,
+               f"a_scales must be [{K // GROUP}, >= {rows}] with a multiple of 4 columns, got {a_scales.shape}")
+        _rows(out, n, "out")
+        k = self._kernel("fp8_grouped_gemm", "fp8_grouped_gemm", FP8_CHANNEL=int(channel))
+        self._launch(k, (_ceil(n, WG_COLS), rows // WG_ROWS), (WG_THREADS,),
+                     (aq, a_scales, np.int32(ldx), w, w_scales, tile_expert, row_token, out, np.int32(n), np.int32(K),
+                      np.int32(tile_m)))
 
     @staticmethod
     def _check_fp8_scales(ws, n: int, k: int) -> bool:

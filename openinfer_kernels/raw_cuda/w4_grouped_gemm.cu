@@ -22,12 +22,13 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "w4.cuh"
+#include "grouped_gemm_store.cuh"
 
 #define WG_BM 64                          // token rows a CTA (8 n8 tiles of the mma's B operand)
 #define WG_WARPS 4                        // each takes 32 weight rows: two 16-row tiles of the layout
 #define WG_BN (WG_WARPS * 32)             // weight rows a CTA
 #define WG_NT (WG_BM / 8)
-#define WG_PITCH 136                      // bf16 a staged row: 128 k + 8
+#define WG_PITCH GS_PITCH                 // bf16 a staged row: 128 k + 8
 
 __device__ __forceinline__ int wg_chunk(int q) { return q ^ ((q >> 2) & 2); }    // q ^ 2·(q >> 3 & 1)
 
@@ -139,23 +140,5 @@ w4_grouped_gemm(const bf16_t* __restrict__ a, const uint4* __restrict__ wq, cons
             __syncthreads();                         // xs[u] is restaged by the next step
         }
     }
-    bf16_t* o = xs[0];                               // the CTA's [64 rows][128 columns] of out, then 16-byte stores
-    #pragma unroll
-    for (int t = 0; t < 2; ++t)
-        #pragma unroll
-        for (int n = 0; n < WG_NT; ++n)
-            #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                o[(8 * n + 2 * tq + (j & 1)) * WG_PITCH + 32 * warp + 16 * t + g + 8 * (j >> 1)] =
-                    f_to_bf16(c[t][n][j]);
-    __syncthreads();
-    const int n0 = blockIdx.x * WG_BN;
-    for (int i = threadIdx.x; i < WG_BM * WG_BN / 8; i += WG_WARPS * 32) {
-        const int r = i / (WG_BN / 8), col = n0 + i % (WG_BN / 8) * 8;
-        if (r >= rows || col >= N) continue;
-        bf16_t* dst = out + (size_t)(m0 + r) * N + col;
-        const bf16_t* src = o + r * WG_PITCH + (col - n0);
-        if (N % 8 == 0) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-        else for (int j = 0; j < 8 && col + j < N; ++j) dst[j] = src[j];
-    }
+    grouped_gemm_store(c, xs[0], out, m0, rows, blockIdx.x * WG_BN, N);
 }

@@ -295,3 +295,28 @@ def test_gemv_fp8_grouped_experts():
     for t, (c, e) in enumerate(zip(counts, experts)):
         rows = slice(t * tile_m, t * tile_m + c)
         check_w8a8(got[rows], x[rows], q[rows], s[:, rows], weights[e][0], weights[e][1], False, f"tile {t}")
+
+
+@pytest.mark.parametrize("channel", [False, True])
+def test_fp8_grouped_gemm_at_prefill_sizes(channel):
+    """fp8_grouped_gemm.cu (the FP8 experts' prefill product) at DeepSeek-V3's gate_up (4096 x 7168): experts of
+    300, 0, 64 and 1 rows in tiles of 128, the padding rows unwritten."""
+    import cupy
+
+    E, N, K, tile_m = 4, 4096, 7168, 128
+    rng = np.random.default_rng(12 + channel)
+    weights = [random_fp8_weight(rng, N, K, channel) for _ in range(E)]
+    tile_expert, row_token = grouped_layout([300, 0, 64, 1], tile_m)
+    x = bf16_bits(rng.standard_normal((row_token.size, K)))
+    q, s = fp8_ref.quantize_activations(values(x))
+    out = cupy.full((row_token.size, N), 0x7FC0, np.uint16)
+    ops().fp8_grouped_gemm(cupy.asarray(q.view(np.uint8)), cupy.asarray(s),
+                           cupy.asarray(np.stack([a.view(np.uint8) for a, _ in weights])),
+                           cupy.asarray(np.stack([b for _, b in weights])), cupy.asarray(tile_expert),
+                           cupy.asarray(row_token), out, tile_m)
+    got = cupy.asnumpy(out)
+    for t, e in enumerate(tile_expert):
+        rows = np.arange(t * tile_m, (t + 1) * tile_m)
+        rows = rows[row_token[rows] >= 0]
+        check_w8a8(got[rows], x[rows], q[rows], s[:, rows], weights[e][0], weights[e][1], channel, f"tile {t}")
+    assert np.all(got[row_token < 0] == 0x7FC0)

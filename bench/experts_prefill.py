@@ -1,15 +1,19 @@
-"""The 4-bit routed experts' grouped product at prefill sizes, kernel by kernel: gemv_w4_grouped (the decode GEMV,
-16 rows at a time), w4_grouped_gemm.cu (64-row blocks), and the bf16 path it replaces where the CuTe library is
-built (w4_dequant.cu of the experts, then the CuTe grouped GEMM on the bf16 weights).
+"""Kept (quantized) routed experts' grouped product at prefill sizes, kernel by kernel. 4-bit: gemv_w4_grouped (the
+decode GEMV, 16 rows at a time), w4_grouped_gemm.cu (64-row blocks), and the bf16 path it replaced where the CuTe
+library is built (w4_dequant.cu of the experts, then the CuTe grouped GEMM on the bf16 weights). FP8 (block
+scales): gemv_fp8_grouped, fp8_grouped_gemm.cu, and the CuTe bf16 grouped GEMM on bf16 weights of the same shape
+(what the bf16 checkpoint would run); fp8_quant.cu of the rows, which both FP8 kernels need, timed apart.
 
 Shapes: DeepSeek-V4-Flash's experts (top-6 of 256, FP4 e2m1 + ue8m0 scales per 32; gate_up 4096 x 4096, down
-4096 x 2048) and Kimi-K2-Thinking's (top-8 of 384, int4 + bf16 scales per 32; gate_up 4096 x 7168, down 7168 x 2048).
-Each step of T tokens routes uniformly at random; EXPERTS of the layer's experts are simulated with the rows an
+4096 x 2048), Kimi-K2-Thinking's (top-8 of 384, int4 + bf16 scales per 32; gate_up 4096 x 7168, down 7168 x 2048),
+DeepSeek-V3's / Kimi-K2-Instruct's FP8 ones (top-8 of 256, gate_up 4096 x 7168, down 7168 x 2048) and
+Qwen3-30B-A3B-FP8's (top-8 of 128, gate_up 1536 x 2048, down 2048 x 768). Each step of T tokens routes uniformly at random; EXPERTS of the layer's experts are simulated with the rows an
 expert gets at that T (T · top_k / experts each, moe_align's layout in tiles of 64 or 128), random codes made on
 the device. Reported: µs of the EXPERTS' product and TFLOP/s (2 · rows · N · K over real rows). One CUDA event pair
 around REPS calls after a warm-up; the first call compiles.
 
-    python3 bench/w4_experts_prefill.py [--tokens 128,512,2048,8192] [--reps 5] [--out DIR]
+    python3 bench/experts_prefill.py [--tokens 128,512,2048,8192] [--models deepseek-v3-fp8,...] [--reps 5]
+                                     [--out DIR]
 """
 from __future__ import annotations
 
@@ -28,9 +32,11 @@ from harness.quant_cases import grouped_layout  # noqa: E402
 from openinfer_kernels.quant.ops import QuantOps, W4Weight  # noqa: E402
 
 EXPERTS = 16
-MODELS = {  # name: (experts, top_k, fp4, [(product, N, K)])
-    "deepseek-v4-flash": (256, 6, True, [("gate_up", 4096, 4096), ("down", 4096, 2048)]),
-    "kimi-k2": (384, 8, False, [("gate_up", 4096, 7168), ("down", 7168, 2048)]),
+MODELS = {  # name: (experts, top_k, format, [(product, N, K)])
+    "deepseek-v4-flash": (256, 6, "fp4", [("gate_up", 4096, 4096), ("down", 4096, 2048)]),
+    "kimi-k2": (384, 8, "int4", [("gate_up", 4096, 7168), ("down", 7168, 2048)]),
+    "deepseek-v3-fp8": (256, 8, "fp8", [("gate_up", 4096, 7168), ("down", 7168, 2048)]),
+    "qwen3-30b-a3b-fp8": (128, 8, "fp8", [("gate_up", 1536, 2048), ("down", 2048, 768)]),
 }
 
 
@@ -66,24 +72,50 @@ def timed_us(call, reps: int) -> float:
     return cupy.cuda.get_elapsed_time(e0, e1) * 1e3 / reps
 
 
-def product_rows(model: str, tokens: int, reps: int, rng) -> list[dict]:
+def w4_calls(ops, a, te, rt, y, tile_m: int, n: int, k: int, fp4: bool) -> dict:
     import cupy
     from openinfer_kernels import cute
 
-    experts, top_k, fp4, products = MODELS[model]
+    w = random_experts(n, k, fp4)
+    calls = {"gemv_w4_grouped": lambda: ops.gemv_w4_grouped(a, w, te, rt, y, tile_m),
+             "w4_grouped_gemm": lambda: ops.w4_grouped_gemm(a, w, te, rt, y, tile_m)}
+    if cute.available():
+        bf = cupy.empty((EXPERTS, n, k), np.uint16)
+        calls["w4_dequant + cute grouped_gemm"] = lambda: (ops.dequant_w4(w, bf), cute.grouped_gemm(a, bf, te, y))
+    return calls
+
+
+def fp8_calls(ops, a, te, rt, y, tile_m: int, n: int, k: int) -> dict:
+    """Block-scaled e4m3 experts (codes in [-2, 2): finite products); the rows quantized once beforehand."""
+    import cupy
+    from openinfer_kernels import cute
+
+    codes = cupy.random.randint(0, 256, (EXPERTS, n, k), dtype=np.int32).astype(np.uint8) & 0xBF
+    scales = cupy.full((EXPERTS, -(-n // 128), k // 128), 2.0 ** -4, np.float32)
+    aq, sa = cupy.empty(a.shape, np.uint8), cupy.empty((k // 128, a.shape[0]), np.float32)
+    ops.fp8_quant(a, aq, sa)
+    calls = {"fp8_quant (the rows, both FP8 kernels)": lambda: ops.fp8_quant(a, aq, sa),
+             "gemv_fp8_grouped": lambda: ops.gemv_fp8_grouped(aq, sa, codes, scales, te, rt, y, tile_m),
+             "fp8_grouped_gemm": lambda: ops.fp8_grouped_gemm(aq, sa, codes, scales, te, rt, y, tile_m)}
+    if cute.available():
+        bf = cupy.random.randint(0x3C00, 0x3F80, (EXPERTS, n, k), dtype=np.int32).astype(np.uint16)
+        calls["cute grouped_gemm on bf16 weights"] = lambda: cute.grouped_gemm(a, bf, te, y)
+    return calls
+
+
+def product_rows(model: str, tokens: int, reps: int, rng) -> list[dict]:
+    import cupy
+
+    experts, top_k, fmt, products = MODELS[model]
     tile_m, tile_expert, row_token, real = layout(tokens, top_k, experts, rng)
     te, rt = cupy.asarray(tile_expert), cupy.asarray(row_token)
     ops, out = QuantOps(None), []
     ops.pdl = False
     for name, n, k in products:
-        w = random_experts(n, k, fp4)
         a = cupy.random.randint(0x3C00, 0x3F80, (row_token.size, k), dtype=np.int32).astype(np.uint16)
         y = cupy.empty((row_token.size, n), np.uint16)
-        calls = {"gemv_w4_grouped": lambda: ops.gemv_w4_grouped(a, w, te, rt, y, tile_m),
-                 "w4_grouped_gemm": lambda: ops.w4_grouped_gemm(a, w, te, rt, y, tile_m)}
-        if cute.available():
-            bf = cupy.empty((EXPERTS, n, k), np.uint16)
-            calls["w4_dequant + cute grouped_gemm"] = lambda: (ops.dequant_w4(w, bf), cute.grouped_gemm(a, bf, te, y))
+        calls = (fp8_calls(ops, a, te, rt, y, tile_m, n, k) if fmt == "fp8"
+                 else w4_calls(ops, a, te, rt, y, tile_m, n, k, fmt == "fp4"))
         for kernel, call in calls.items():
             us = timed_us(call, reps)
             out.append(dict(model=model, tokens=tokens, product=name, kernel=kernel, rows=real, us=round(us, 1),
@@ -108,8 +140,8 @@ def main(argv=None) -> int:
     print("\n".join(lines))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "w4-experts-prefill.json").write_text(json.dumps(rows, indent=1))
-        (args.out / "w4-experts-prefill.md").write_text("\n".join(lines) + "\n")
+        (args.out / "experts-prefill.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "experts-prefill.md").write_text("\n".join(lines) + "\n")
     return 0
 
 
