@@ -31,6 +31,7 @@ from engine.executor.gpu_arena_sizes import SLACK_BYTES, ArenaSizes, arena_bytes
 from engine.executor.gpu_eagle3 import attach_gpu_eagle3, take_step_rows
 from engine.executor.gpu_gemm import WORKSPACE_BYTES, Gemm
 from engine.executor.gpu_graphs import DecodeGraphs, nvtx_range
+from engine.executor.gpu_held_drafts import HeldDraftSlots
 from engine.executor.gpu_host_copies import GpuHostCopies, compute_event, events_done, layers_landed, wait_events
 from engine.executor.gpu_inputs import GpuStepContext, StepInputs
 from engine.executor.gpu_kv_format import gpu_kv_format
@@ -88,7 +89,7 @@ class GpuExecutor(ExecutorBase):
         self.vocab_size, self.max_model_len = model.config.vocab_size, options.max_model_len
         self.device = DeviceInfo.query()
         k = options.num_speculative_tokens            # DeepSeek-V4's rings: room for a verify step's rejected drafts
-        self.rolls_back_state = k > 0 and self.model.make_room_for_drafts(k)
+        room = k > 0 and self.model.make_room_for_drafts(k)     # Qwen3.5: arrays for its held drafts
         self.plan = replace(gpu_plan(options, model.model, self.device), fp8_experts=has_fp8_experts(model.weights))
         self.ops_class = quant_ops_class(model.weights, self.ops_class)
         self.kv_format = gpu_kv_format(options.kv_cache_dtype, model, self.plan)
@@ -102,6 +103,7 @@ class GpuExecutor(ExecutorBase):
         self._take_parts(sizes)
         self._take_kv_pool(sizes)
         self._build_ops(lora_weights)
+        self.rolls_back_state = room or self._hold_drafts(k)
         self._host_side()
         self._build_graphs()
         self.stream.synchronize()
@@ -167,6 +169,13 @@ class GpuExecutor(ExecutorBase):
                                 gate_up_interleaved=self.gate_up_interleaved)
         lm_head = self.weights["embed_tokens" if self.config.tie_word_embeddings else "lm_head"]
         self.ops = self._ops(shared, lm_head.data.ptr, lora_weights)
+
+    def _hold_drafts(self, k: int) -> bool:
+        """Verify steps over Gated DeltaNet state: each step's held-draft codes go up with its inputs."""
+        if not (k and self.ops.deltanet is not None and self.ops.deltanet.holds_drafts):
+            return False
+        self.inputs.held_codes = HeldDraftSlots().codes
+        return True
 
     def _ops(self, shared: GpuShared, lm_head_ptr: int, lora_weights: dict) -> GpuOps:
         return self.ops_class(self.plan, shared, self.arena, lm_head_ptr, lora_weights=lora_weights, state=self.state)

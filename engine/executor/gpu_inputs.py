@@ -2,7 +2,8 @@
 
 Layout (int32, Tm = max tokens per step, Bm = max sequences, W = block-table width): input ids,
 positions, KV slots, token -> sequence row, sampled rows (Tm each), the rows' state slots (Bm; -1
-where a line keeps no state, and for padding) and token offsets (Bm + 1), then the block tables [Bm, W].
+where a line keeps no state, and for padding), token offsets (Bm + 1) and held-draft codes (Bm: zero unless
+`held_codes` is set, gpu_held_drafts.py), then the block tables [Bm, W].
 Decode graphs read the same addresses at every replay; eager steps read prefixes of each region.
 `extra_rows` holds row lists of the eager paths (prompt-logprob rows).
 """
@@ -35,6 +36,7 @@ class GpuStepContext:
     dsv4: object = None     # gpu_dsv4_ops.step_rows: the step's per-token rows, gathered at its first layer
     state_slots: object = None  # int32 [B]  state slot of each row (-1: padding; lines with state)
     cu_seqlens: object = None   # int32 [B+1] token offsets of the rows
+    held: object = None         # int32 [B]  held-draft codes of the rows (gpu_held_drafts.py; zero without)
 
     @property
     def decode_only(self) -> bool:
@@ -53,10 +55,11 @@ class StepInputs:
         # pinned staging used in turn: a step may be packed while the ones before wait for their uploads
         self.hosts = PinnedTwins(self.device.shape, np.int32)
         self.mapped = None      # a MappedCopy: uploads by a kernel while set (a restore holds the copy engine)
+        self.held_codes = None  # batch -> int32 [B] held-draft codes (HeldDraftSlots.codes), where a line holds drafts
 
     @staticmethod
     def buffers(max_tokens: int, max_seqs: int, max_blocks: int) -> list[Buffer]:
-        return [Buffer("step", (5 * max_tokens + 2 * max_seqs + 1 + max_seqs * max_blocks,), np.int32),
+        return [Buffer("step", (5 * max_tokens + 3 * max_seqs + 1 + max_seqs * max_blocks,), np.int32),
                 Buffer("extra_rows", (max_tokens,), np.int32)]
 
     @classmethod
@@ -82,10 +85,10 @@ class StepInputs:
             raise ValueError(f"token id out of range [0, {self.vocab_size})")
         check_block_copies(batch.block_copies, num_kv_blocks)
 
-    def _regions(self) -> tuple[int, int, int]:
-        """Offsets of the state slots, the token offsets and the block tables."""
-        Tm = self.max_tokens
-        return 5 * Tm, 5 * Tm + self.max_seqs, 5 * Tm + 2 * self.max_seqs + 1
+    def _regions(self) -> tuple[int, int, int, int]:
+        """Offsets of the state slots, the token offsets, the held-draft codes and the block tables."""
+        Tm, Bm = self.max_tokens, self.max_seqs
+        return 5 * Tm, 5 * Tm + Bm, 5 * Tm + 2 * Bm + 1, 5 * Tm + 3 * Bm + 1
 
     @property
     def host(self) -> np.ndarray:
@@ -115,9 +118,10 @@ class StepInputs:
         h[3 * Tm:3 * Tm + T] = np.repeat(np.arange(B, dtype=np.int32), lens)
         S = batch.sample_rows.shape[0]
         h[4 * Tm:4 * Tm + S] = batch.sample_rows
-        slots, cu, first_table = self._regions()
+        slots, cu, held, first_table = self._regions()
         h[slots:slots + B] = batch.state_slots if batch.state_slots.shape[0] == B else -1
         h[cu:cu + B + 1] = batch.cu_seqlens
+        h[held:held + B] = self.held_codes(batch) if self.held_codes is not None else 0
         rows = B
         pad = pad_to if pad_to is not None else pad_tokens
         if pad is not None:                       # padded token rows: id 0, position and slot -1, sequence 0
@@ -125,6 +129,7 @@ class StepInputs:
         if pad_to is not None:                    # and as many padded sequences (decode graphs)
             h[4 * Tm:4 * Tm + pad_to] = np.arange(pad_to, dtype=np.int32)
             h[slots + B:slots + pad_to] = -1
+            h[held + B:held + pad_to] = 0
             h[cu + B + 1:cu + pad_to + 1] = np.arange(T + 1, T + pad_to - B + 1, dtype=np.int32)
             T = S = rows = pad_to
         tables = h[first_table:first_table + rows * mb].reshape(rows, mb)
@@ -157,8 +162,9 @@ class StepInputs:
         seqs = rows if seqs is None else seqs
         sampled = seqs if sampled is None else sampled
         Tm, h = self.max_tokens, self._next_host()
-        slots, cu, first_table = self._regions()
+        slots, cu, held, first_table = self._regions()
         h[0:rows], h[Tm:Tm + rows], h[2 * Tm:2 * Tm + rows], h[3 * Tm:3 * Tm + rows] = 0, -1, -1, 0
+        h[held:held + seqs] = 0
         h[4 * Tm:4 * Tm + sampled] = np.arange(sampled, dtype=np.int32)
         h[slots:slots + seqs] = -1
         h[cu:cu + seqs] = np.arange(seqs, dtype=np.int32)
@@ -172,12 +178,12 @@ class StepInputs:
 
     def views(self, T: int, B: int, S: int, splits: int) -> GpuStepContext:
         Tm, mb, d = self.max_tokens, self.max_blocks, self.device
-        slots, cu, first_table = self._regions()
+        slots, cu, held, first_table = self._regions()
         return GpuStepContext(num_tokens=T, input_ids=d[0:T], positions=d[Tm:Tm + T],
                               slot_mapping=d[2 * Tm:2 * Tm + T], token_seq=d[3 * Tm:3 * Tm + T],
                               block_tables=d[first_table:first_table + B * mb].reshape(B, mb),
                               sample_rows=d[4 * Tm:4 * Tm + S], num_splits=splits,
-                              state_slots=d[slots:slots + B], cu_seqlens=d[cu:cu + B + 1])
+                              state_slots=d[slots:slots + B], cu_seqlens=d[cu:cu + B + 1], held=d[held:held + B])
 
     def upload_rows(self, rows: np.ndarray):
         """A row list for an eager gather (prompt-logprob rows): its device view."""

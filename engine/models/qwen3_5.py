@@ -176,14 +176,27 @@ class Qwen3_5ForCausalLM(DecoderLM):
     def kv_layers(self) -> dict[int, int]:
         return {i: spec.layer for i, spec in self.attention_layers.items()}
 
+    held_drafts = 0                 # draft rows a verify step holds out of the state (make_room_for_drafts)
+
+    def make_room_for_drafts(self, k: int) -> bool:
+        """Held-draft arrays in the state for verify steps of up to k drafts (the GPU kernels hold a verify step's
+        draft rows there until the sequence's next step applies the accepted ones: gpu_held_drafts.py). False:
+        the executor rolls the state back (the numpy one keeps its held drafts apart). Call before the state is
+        laid out."""
+        self.held_drafts = k
+        return False
+
     def state_layout(self) -> StateLayout | None:
         """Per linear layer: the conv window [conv_kernel - 1, conv_dim] (activation dtype) and the
-        recurrent state [Hv, Dk, Dv] (float32)."""
+        recurrent state [Hv, Dk, Dv] (float32); with held drafts (k) their rows too: the conv's inputs
+        [k, conv_dim] and the delta rule's [q k v | a | b] rows in two buffers [2, k, conv_dim + 2 Hv]."""
         if not self.linear_specs:
             return None
-        s, n = next(iter(self.linear_specs.values())), len(self.linear_specs)
+        s, n, k = next(iter(self.linear_specs.values())), len(self.linear_specs), self.held_drafts
+        held = (StateArray("held_conv", n, (k, s.conv_dim), ACTIVATION),
+                StateArray("held_delta", n, (2, k, s.conv_dim + 2 * s.num_v_heads), ACTIVATION)) if k else ()
         return StateLayout((StateArray("conv", n, (s.conv_kernel - 1, s.conv_dim), ACTIVATION),
-                            StateArray("recurrent", n, (s.num_v_heads, s.k_dim, s.v_dim), "float32")))
+                            StateArray("recurrent", n, (s.num_v_heads, s.k_dim, s.v_dim), "float32")) + held)
 
     @property
     def activation_width(self) -> int:

@@ -7,6 +7,10 @@
 // first; zeros when the step starts at position 0). Then state[slot] = the last K - 1 inputs. Rounds
 // like the bf16 reference (F.conv1d accumulates in float32 and rounds once, SiLU rounds once).
 // state: bf16 [slots, K - 1, C] (this layer's); w: bf16 [C, K]; slots[s] < 0: padding, skipped.
+// Speculative decoding (held[s], gated_delta_rule.cu's code: draft rows, accepted held drafts): the window first
+// takes the previous step's accepted drafts from held_x ([slots][held_k][C], this layer's), the state is the
+// window after the own rows, and the draft rows' inputs go to held_x (a thread owns its channel: read before
+// written). Rows past the sequence's last of position >= 0 (a padded step's) are skipped.
 // Grid (ceil(C / 256), B), 256 threads: one thread per (channel, sequence) walks the sequence's tokens
 // in order with the window in registers (K is the compile-time CONV_K), so the state update needs no
 // second pass. Roofline: reads T·C·2 + writes T·C·2 bytes, plus 2·(K-1)·C·2 of state per sequence:
@@ -21,24 +25,41 @@
 extern "C" __global__ void causal_conv1d(const bf16_t* __restrict__ proj, int proj_stride,
                                          const bf16_t* __restrict__ w, bf16_t* __restrict__ state,
                                          bf16_t* __restrict__ out, const int* __restrict__ cu_seqlens,
-                                         const int* __restrict__ positions, const int* __restrict__ slots, int C) {
+                                         const int* __restrict__ positions, const int* __restrict__ slots, int C,
+                                         const int* __restrict__ held, bf16_t* __restrict__ held_x, int held_k) {
     pdl_begin();
     const int s = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int slot = slots[s];
     if (c >= C || slot < 0) return;
-    const int t0 = cu_seqlens[s], t1 = cu_seqlens[s + 1];
-    if (t1 <= t0) return;
+    const int t0 = cu_seqlens[s];
+    int end = cu_seqlens[s + 1];
+    while (end > t0 && positions[end - 1] < 0) --end;
+    if (end <= t0) return;
+    const int code = held ? held[s] : 0, drafts = code & 0xFF, settle = (code >> 8) & 0xFF;
+    const int own_end = end - drafts;
     const bool fresh = positions[t0] == 0;
     bf16_t* st = state + (size_t)slot * (CONV_K - 1) * C + c;
+    bf16_t* hx = held_x + (size_t)slot * held_k * C + c;   // only touched with drafts or settle > 0
     float wk[CONV_K], win[CONV_K];                       // win[0 .. K-2]: the previous inputs, oldest first
     #pragma unroll
     for (int j = 0; j < CONV_K; ++j) wk[j] = bf16_to_f(w[(size_t)c * CONV_K + j]);
     #pragma unroll
     for (int j = 0; j < CONV_K - 1; ++j) win[j] = fresh ? 0.f : bf16_to_f(st[(size_t)j * C]);
+    for (int j = 0; j < (fresh ? 0 : settle); ++j) {     // the previous step's accepted drafts
+        #pragma unroll
+        for (int i = 0; i < CONV_K - 2; ++i) win[i] = win[i + 1];
+        win[CONV_K - 2] = bf16_to_f(hx[(size_t)j * C]);
+    }
     #pragma unroll 4
-    for (int t = t0; t < t1; ++t) {
-        win[CONV_K - 1] = bf16_to_f(proj[(size_t)t * proj_stride + c]);
+    for (int t = t0; t < end; ++t) {
+        if (t == own_end) {                               // the window after the own rows is the state
+            #pragma unroll
+            for (int j = 0; j < CONV_K - 1; ++j) st[(size_t)j * C] = f_to_bf16(win[j]);
+        }
+        const bf16_t in = proj[(size_t)t * proj_stride + c];
+        if (t >= own_end) hx[(size_t)(t - own_end) * C] = in;
+        win[CONV_K - 1] = bf16_to_f(in);
         float acc = 0.f;
         #pragma unroll
         for (int j = 0; j < CONV_K; ++j) acc += wk[j] * win[j];
@@ -47,6 +68,8 @@ extern "C" __global__ void causal_conv1d(const bf16_t* __restrict__ proj, int pr
         #pragma unroll
         for (int j = 0; j < CONV_K - 1; ++j) win[j] = win[j + 1];
     }
-    #pragma unroll
-    for (int j = 0; j < CONV_K - 1; ++j) st[(size_t)j * C] = f_to_bf16(win[j]);
+    if (own_end == end) {
+        #pragma unroll
+        for (int j = 0; j < CONV_K - 1; ++j) st[(size_t)j * C] = f_to_bf16(win[j]);
+    }
 }

@@ -1,7 +1,11 @@
 // The gated delta rule of a Gated DeltaNet layer over each sequence's float32 recurrent state
 // S [Hv, DK, Dv] (state slot `slots[s]`; zeros when the step starts at position 0), in two entries:
-//   gated_delta_rule_decode   one token per sequence: the one-step recurrence;
-//   gated_delta_rule_chunked  any step: each sequence's tokens in chunks of CHUNK, chunk-parallel.
+//   gated_delta_rule_recurrent  a sequence of one own row (decode), or with draft rows (a verify step) or held
+//                               drafts to apply: the one-step recurrence token by token;
+//   gated_delta_rule_chunked    the other sequences (prefill): their tokens in chunks of CHUNK, chunk-parallel.
+// Speculative decoding: a sequence's draft rows run after its own rows from the state those leave, their outputs
+// written, and are held out of the state: their rows (q, k, v and the gate inputs) kept in the layer's held
+// buffers; the sequence's next step first applies the ones it accepted (cpu_deltanet_ops.py HeldDrafts).
 // Per token t and value head h (key head h / (Hv / Hk)), with x = the conv output [q | k | v]:
 //   q = l2norm(q) · DK^-1/2,  k = l2norm(k)             (float32, eps 1e-6 inside the sqrt)
 //   beta = bf16(sigmoid(b)),  g = -exp(a_log) · softplus(a + dt_bias)     (b, a: the input projection)
@@ -36,79 +40,169 @@
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(__expf(x)); }
 
+// g and beta of value head h from its raw gate inputs a and b (the input projection's columns).
+__device__ __forceinline__ void gate_from(bf16_t a_raw, bf16_t b_raw, const bf16_t* __restrict__ a_log,
+                                          const bf16_t* __restrict__ dt_bias, int h, float& g, float& beta) {
+    g = -__expf(bf16_to_f(a_log[h])) * softplus(bf16_to_f(a_raw) + bf16_to_f(dt_bias[h]));
+    beta = round_bf16(1.f / (1.f + __expf(-bf16_to_f(b_raw))));
+}
+
 // g and beta of token row t, value head h (every thread that asks computes them).
 __device__ __forceinline__ void gate_of(const bf16_t* __restrict__ proj, int proj_stride, int b_off, int a_off,
                                         const bf16_t* __restrict__ a_log, const bf16_t* __restrict__ dt_bias,
                                         int t, int h, float& g, float& beta) {
     const bf16_t* row = proj + (size_t)t * proj_stride;
-    const float a = bf16_to_f(row[a_off + h]) + bf16_to_f(dt_bias[h]);
-    g = -__expf(bf16_to_f(a_log[h])) * softplus(a);
-    beta = round_bf16(1.f / (1.f + __expf(-bf16_to_f(row[b_off + h]))));
+    gate_from(row[a_off + h], row[b_off + h], a_log, dt_bias, h, g, beta);
 }
 
-// ---- decode: one token per sequence (token t is sequence t), grid (ceil(Dv / VB), Hv, T), 128 threads.
-// Thread (warp w, lane l) holds S[k][v] for k = w, w + 4, ... and v = blockIdx.x · VB + l in registers.
-extern "C" __global__ void gated_delta_rule_decode(
-        const bf16_t* __restrict__ x, const bf16_t* __restrict__ proj, int proj_stride, int b_off, int a_off,
-        const bf16_t* __restrict__ a_log, const bf16_t* __restrict__ dt_bias, float* __restrict__ state,
-        bf16_t* __restrict__ out, const int* __restrict__ positions, const int* __restrict__ slots,
-        int Hk, int Hv, int Dv, float scale) {
-    pdl_begin();
-    const int h = blockIdx.y, t = blockIdx.z;
-    const int slot = slots[t];
-    if (slot < 0) return;                                   // padding row: the whole CTA leaves
-    __shared__ float qs[DK], ks[DK], red[DEC_WARPS][VB], scratch[33];
+// ---- speculative decoding's held drafts (gpu_held_drafts.py). held[s] of sequence s (null: all zero):
+// bits 0-7 its draft rows (the last of its rows), 8-15 the held drafts of its previous step it accepted (applied to
+// the state first, before its own rows), bit 16 which of the two held buffers those are in (its drafts go to the
+// other). A sequence's rows end at its last row of position >= 0 (a padded step's rows after it are skipped).
+struct SeqSpan {
+    int t0, end, own_end, drafts, settle, sel;
+};
+
+__device__ __forceinline__ SeqSpan seq_span(const int* __restrict__ cu_seqlens, const int* __restrict__ positions,
+                                            const int* __restrict__ held, int s) {
+    SeqSpan q;
+    q.t0 = cu_seqlens[s];
+    q.end = cu_seqlens[s + 1];
+    while (q.end > q.t0 && positions[q.end - 1] < 0) --q.end;
+    const int code = held ? held[s] : 0;
+    q.drafts = code & 0xFF, q.settle = (code >> 8) & 0xFF, q.sel = (code >> 16) & 1;
+    q.own_end = q.end - q.drafts;
+    return q;
+}
+
+// The recurrent entry takes a sequence of at most one own row, or with drafts to run or held ones to apply; the
+// chunked entry the others.
+__device__ __forceinline__ bool takes_recurrent(const SeqSpan& q) {
+    return q.own_end - q.t0 <= 1 || q.drafts > 0 || q.settle > 0;
+}
+
+// ---- recurrent: token by token, grid (ceil(Dv / VB), Hv, B), 128 threads. Thread (warp w, lane l) holds
+// S[k][v] for k = w, w + 4, ... and v = blockIdx.x · VB + l in registers for the sequence's whole span.
+struct RecurrentSmem {
+    float qs[DK], ks[DK], red[DEC_WARPS][VB], scratch[33];
+};
+
+// One token of the recurrence on the registers' column s: q, k of key head hk and v from the row xr (the
+// conv output [q | k | v]), gate inputs a_raw, b_raw; returns o (in warp 0, for lanes with v < Dv).
+__device__ __forceinline__ float delta_token(float (&s)[ROWS], RecurrentSmem& m, const bf16_t* __restrict__ xr,
+                                             bf16_t a_raw, bf16_t b_raw, const bf16_t* __restrict__ a_log,
+                                             const bf16_t* __restrict__ dt_bias, int key_size, int hk, int h, int Dv,
+                                             int v, float scale) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int key_size = Hk * DK, x_stride = 2 * key_size + Hv * Dv;
-    const int hk = h / (Hv / Hk);
-    const bf16_t* xr = x + (size_t)t * x_stride;
+    const bool vok = v < Dv;
+    __syncthreads();                                        // the previous token's readers of qs, ks and red are done
     float sq = 0.f, sk = 0.f;
     for (int i = threadIdx.x; i < DK; i += blockDim.x) {
         const float q = bf16_to_f(xr[hk * DK + i]), k = bf16_to_f(xr[key_size + hk * DK + i]);
-        qs[i] = q; ks[i] = k; sq += q * q; sk += k * k;
+        m.qs[i] = q; m.ks[i] = k; sq += q * q; sk += k * k;
     }
-    const float qinv = rsqrtf(block_sum(sq, scratch) + 1e-6f) * scale;
-    const float kinv = rsqrtf(block_sum(sk, scratch) + 1e-6f);
+    const float qinv = rsqrtf(block_sum(sq, m.scratch) + 1e-6f) * scale;
+    const float kinv = rsqrtf(block_sum(sk, m.scratch) + 1e-6f);
     float g, beta;
-    gate_of(proj, proj_stride, b_off, a_off, a_log, dt_bias, t, h, g, beta);
-    const int v = blockIdx.x * VB + lane;
-    const bool vok = v < Dv;
-    const bool fresh = positions[t] == 0;
-    float* S = state + ((size_t)slot * Hv + h) * DK * Dv;
+    gate_from(a_raw, b_raw, a_log, dt_bias, h, g, beta);
     const float decay = __expf(g);
-    float s[ROWS];
     float kv = 0.f;
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int k = warp + r * DEC_WARPS;
-        s[r] = (k < DK && vok && !fresh) ? S[(size_t)k * Dv + v] * decay : 0.f;
-        if (k < DK) kv += s[r] * ks[k] * kinv;
+        s[r] *= decay;
+        if (k < DK) kv += s[r] * m.ks[k] * kinv;
     }
-    red[warp][lane] = kv;
+    m.red[warp][lane] = kv;
     __syncthreads();
     float kvt = 0.f;
     #pragma unroll
-    for (int w = 0; w < DEC_WARPS; ++w) kvt += red[w][lane];
+    for (int w = 0; w < DEC_WARPS; ++w) kvt += m.red[w][lane];
     const float vin = vok ? bf16_to_f(xr[2 * key_size + h * Dv + v]) : 0.f;
     const float delta = (vin - kvt) * beta;
     float o = 0.f;
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int k = warp + r * DEC_WARPS;
-        if (k < DK) {
-            s[r] += ks[k] * kinv * delta;
-            o += s[r] * qs[k] * qinv;
-            if (vok) S[(size_t)k * Dv + v] = s[r];
+        if (k < DK && vok) {
+            s[r] += m.ks[k] * kinv * delta;
+            o += s[r] * m.qs[k] * qinv;
         }
     }
     __syncthreads();                                        // every warp has read red
-    red[warp][lane] = o;
+    m.red[warp][lane] = o;
     __syncthreads();
-    if (warp == 0 && vok) {
-        float ot = 0.f;
-        #pragma unroll
-        for (int w = 0; w < DEC_WARPS; ++w) ot += red[w][lane];
-        out[(size_t)t * Hv * Dv + h * Dv + v] = f_to_bf16(ot);
+    float ot = 0.f;
+    #pragma unroll
+    for (int w = 0; w < DEC_WARPS; ++w) ot += m.red[w][lane];
+    return ot;
+}
+
+__device__ __forceinline__ void store_state(const float (&s)[ROWS], float* __restrict__ S, int Dv, int v) {
+    const int warp = threadIdx.x >> 5;
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const int k = warp + r * DEC_WARPS;
+        if (k < DK && v < Dv) S[(size_t)k * Dv + v] = s[r];
+    }
+}
+
+// Draft row xr / its gate inputs into held row dst ([x | a (Hv) | b (Hv)]): this CTA's value columns, and the
+// key head's q and k from the first column CTA of the key head's first value head, a and b from each head's.
+__device__ __forceinline__ void hold_row(bf16_t* __restrict__ dst, const bf16_t* __restrict__ xr, bf16_t a_raw,
+                                         bf16_t b_raw, int key_size, int hk, int h, int Hv, int Dv, int v, int rep) {
+    const int x_stride = 2 * key_size + Hv * Dv;
+    if (threadIdx.x < 32 && v < Dv) dst[2 * key_size + h * Dv + v] = xr[2 * key_size + h * Dv + v];
+    if (blockIdx.x != 0) return;
+    if (h % rep == 0)
+        for (int i = threadIdx.x; i < 2 * DK; i += blockDim.x) {
+            const int at = (i < DK ? 0 : key_size) + hk * DK + i % DK;
+            dst[at] = xr[at];
+        }
+    if (threadIdx.x == 0) { dst[x_stride + h] = a_raw; dst[x_stride + Hv + h] = b_raw; }
+}
+
+// held_rows: this layer's held drafts, bf16 [slots][2][held_k][x_stride + 2 Hv] (null without speculation).
+extern "C" __global__ void gated_delta_rule_recurrent(
+        const bf16_t* __restrict__ x, const bf16_t* __restrict__ proj, int proj_stride, int b_off, int a_off,
+        const bf16_t* __restrict__ a_log, const bf16_t* __restrict__ dt_bias, float* __restrict__ state,
+        bf16_t* __restrict__ out, const int* __restrict__ cu_seqlens, const int* __restrict__ positions,
+        const int* __restrict__ slots, int Hk, int Hv, int Dv, float scale, const int* __restrict__ held,
+        bf16_t* __restrict__ held_rows, int held_k) {
+    pdl_begin();
+    const int h = blockIdx.y, seq = blockIdx.z;
+    const int slot = slots[seq];
+    if (slot < 0) return;                                   // padding sequence: the whole CTA leaves
+    const SeqSpan q = seq_span(cu_seqlens, positions, held, seq);
+    if (q.end <= q.t0 || !takes_recurrent(q)) return;
+    __shared__ RecurrentSmem m;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int key_size = Hk * DK, x_stride = 2 * key_size + Hv * Dv, hw = x_stride + 2 * Hv;
+    const int rep = Hv / Hk, hk = h / rep, v = blockIdx.x * VB + lane;
+    const bool fresh = positions[q.t0] == 0;
+    float* S = state + ((size_t)slot * Hv + h) * DK * Dv;
+    float s[ROWS];
+    #pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const int k = warp + r * DEC_WARPS;
+        s[r] = (k < DK && v < Dv && !fresh) ? S[(size_t)k * Dv + v] : 0.f;
+    }
+    bf16_t* mine = held_rows + (size_t)slot * 2 * held_k * hw;  // only touched with held (drafts or settle > 0)
+    for (int j = 0; j < (fresh ? 0 : q.settle); ++j) {     // the previous step's accepted drafts
+        const bf16_t* row = mine + ((size_t)q.sel * held_k + j) * hw;
+        delta_token(s, m, row, row[x_stride + h], row[x_stride + Hv + h], a_log, dt_bias, key_size, hk, h, Dv, v,
+                    scale);
+    }
+    if (q.own_end <= q.t0) store_state(s, S, Dv, v);
+    for (int t = q.t0; t < q.end; ++t) {
+        const bf16_t* xr = x + (size_t)t * x_stride;
+        const bf16_t a_raw = proj[(size_t)t * proj_stride + a_off + h], b_raw = proj[(size_t)t * proj_stride + b_off + h];
+        const float o = delta_token(s, m, xr, a_raw, b_raw, a_log, dt_bias, key_size, hk, h, Dv, v, scale);
+        if (warp == 0 && v < Dv) out[(size_t)t * Hv * Dv + h * Dv + v] = f_to_bf16(o);
+        if (t == q.own_end - 1) store_state(s, S, Dv, v);  // the state after the own rows; drafts are held
+        if (t >= q.own_end)
+            hold_row(mine + ((size_t)(1 - q.sel) * held_k + (t - q.own_end)) * hw, xr, a_raw, b_raw, key_size, hk,
+                     h, Hv, Dv, v, rep);
     }
 }
 
@@ -292,13 +386,15 @@ extern "C" __global__ void __launch_bounds__(CH_THREADS) gated_delta_rule_chunke
         const bf16_t* __restrict__ x, const bf16_t* __restrict__ proj, int proj_stride, int b_off, int a_off,
         const bf16_t* __restrict__ a_log, const bf16_t* __restrict__ dt_bias, float* __restrict__ state,
         bf16_t* __restrict__ out, const int* __restrict__ cu_seqlens, const int* __restrict__ positions,
-        const int* __restrict__ slots, int Hk, int Hv, int Dv, float scale) {
+        const int* __restrict__ slots, int Hk, int Hv, int Dv, float scale, const int* __restrict__ held) {
     pdl_begin();
     extern __shared__ __align__(16) char smem[];
     const int h = blockIdx.y, s = blockIdx.z, v0 = blockIdx.x * VB;
     const int slot = slots[s];
-    const int t0 = cu_seqlens[s], t1 = cu_seqlens[s + 1];
-    if (slot < 0 || t1 <= t0) return;
+    if (slot < 0) return;
+    const SeqSpan q = seq_span(cu_seqlens, positions, held, s);
+    const int t0 = q.t0, t1 = q.end;
+    if (t1 <= t0 || takes_recurrent(q)) return;            // the recurrent entry's sequence
     const ChunkSmem m = carve(smem);
     const int key_size = Hk * DK, x_stride = 2 * key_size + Hv * Dv;
     const bool fresh = positions[t0] == 0;
