@@ -179,4 +179,5 @@ def _state_refusal(executor) -> str:
                 f"executor do: serve it on one of them, or without --speculative-config")
     return (f"--speculative-config: this model keeps per-sequence state (Qwen3.5's Gated DeltaNet conv windows and "
             f"recurrent states), which {type(executor).__name__} does not roll back past a verify step's rejected "
-            f"draft tokens yet; the numpy executor does: serve it with --device cpu, or without --speculative-config")
+            f"draft tokens yet; the numpy executor and the one-GPU executor do: serve it on one of them, or without "
+            f"--speculative-config")

@@ -98,7 +98,7 @@ def test_an_executor_or_line_that_cannot_verify_is_refused():
     with pytest.raises(ValueError, match="GpuLike does not verify draft tokens yet"):
         check_speculation(config, no_verify)
     deltanet = {"num_state_slots": 8, "families": frozenset({"deltanet"})}
-    with pytest.raises(ValueError, match="Gated DeltaNet .* which GpuLike does not roll back .* --device cpu"):
+    with pytest.raises(ValueError, match="Gated DeltaNet .* which GpuLike does not roll back .* one-GPU executor do"):
         check_speculation(config, type("GpuLike", (_Executor,), deltanet)())
     check_speculation(config, type("NumpyLike", (_Executor,), {**deltanet, "rolls_back_state": True})())
     rings = type("Dsv4", (_Executor,), {"num_state_slots": 8, "families": frozenset({"moe", "dsv4"})})()
