@@ -7,7 +7,8 @@ scales): gemv_fp8_grouped, fp8_grouped_gemm.cu, and the CuTe bf16 grouped GEMM o
 Shapes: DeepSeek-V4-Flash's experts (top-6 of 256, FP4 e2m1 + ue8m0 scales per 32; gate_up 4096 x 4096, down
 4096 x 2048), Kimi-K2-Thinking's (top-8 of 384, int4 + bf16 scales per 32; gate_up 4096 x 7168, down 7168 x 2048),
 DeepSeek-V3's / Kimi-K2-Instruct's FP8 ones (top-8 of 256, gate_up 4096 x 7168, down 7168 x 2048) and
-Qwen3-30B-A3B-FP8's (top-8 of 128, gate_up 1536 x 2048, down 2048 x 768). Each step of T tokens routes uniformly at random; EXPERTS of the layer's experts are simulated with the rows an
+Qwen3-30B-A3B-FP8's (top-8 of 128, gate_up 1536 x 2048, down 2048 x 768). Each step of T tokens routes uniformly
+at random; EXPERTS of the layer's experts are simulated with the rows an
 expert gets at that T (T · top_k / experts each, moe_align's layout in tiles of 64 or 128), random codes made on
 the device. Reported: µs of the EXPERTS' product and TFLOP/s (2 · rows · N · K over real rows). One CUDA event pair
 around REPS calls after a warm-up; the first call compiles.

@@ -138,9 +138,12 @@ fp8_grouped_gemm(const unsigned char* __restrict__ aq, const float* __restrict__
     if (FP8_CHANNEL && live) {
         #pragma unroll
         for (int t = 0; t < 2; ++t) {
-            const float s_lo = __ldg(sw + min(row0 + 16 * t + g, N - 1)), s_hi = __ldg(sw + min(row0 + 16 * t + g + 8, N - 1));
+            const float s_lo = __ldg(sw + min(row0 + 16 * t + g, N - 1));
+            const float s_hi = __ldg(sw + min(row0 + 16 * t + g + 8, N - 1));
             #pragma unroll
-            for (int n = 0; n < FG_NT; ++n) { c[t][n][0] *= s_lo; c[t][n][1] *= s_lo; c[t][n][2] *= s_hi; c[t][n][3] *= s_hi; }
+            for (int n = 0; n < FG_NT; ++n)
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) c[t][n][j] *= j < 2 ? s_lo : s_hi;
         }
     }
     grouped_gemm_store(c, reinterpret_cast<bf16_t*>(smem), out, m0, rows, n0, N);

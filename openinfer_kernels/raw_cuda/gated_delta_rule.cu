@@ -196,7 +196,8 @@ extern "C" __global__ void gated_delta_rule_recurrent(
     if (q.own_end <= q.t0) store_state(s, S, Dv, v);
     for (int t = q.t0; t < q.end; ++t) {
         const bf16_t* xr = x + (size_t)t * x_stride;
-        const bf16_t a_raw = proj[(size_t)t * proj_stride + a_off + h], b_raw = proj[(size_t)t * proj_stride + b_off + h];
+        const bf16_t* pr = proj + (size_t)t * proj_stride;
+        const bf16_t a_raw = pr[a_off + h], b_raw = pr[b_off + h];
         const float o = delta_token(s, m, xr, a_raw, b_raw, a_log, dt_bias, key_size, hk, h, Dv, v, scale);
         if (warp == 0 && v < Dv) out[(size_t)t * Hv * Dv + h * Dv + v] = f_to_bf16(o);
         if (t == q.own_end - 1) store_state(s, S, Dv, v);  // the state after the own rows; drafts are held

@@ -21,7 +21,8 @@ __device__ __forceinline__ void grouped_gemm_store(const float (&c)[2][NT][4], b
         for (int n = 0; n < NT; ++n)
             #pragma unroll
             for (int j = 0; j < 4; ++j)
-                o[(8 * n + 2 * tq + (j & 1)) * GS_PITCH + 32 * warp + 16 * t + g + 8 * (j >> 1)] = f_to_bf16(c[t][n][j]);
+                o[(8 * n + 2 * tq + (j & 1)) * GS_PITCH + 32 * warp + 16 * t + g + 8 * (j >> 1)] =
+                    f_to_bf16(c[t][n][j]);
     __syncthreads();
     for (int i = threadIdx.x; i < GS_ROWS * GS_COLS / 8; i += blockDim.x) {
         const int r = i / (GS_COLS / 8), col = n0 + i % (GS_COLS / 8) * 8;

@@ -4,8 +4,8 @@
   speculation on: every path of test_free_running (batch 1, batched, chunked prefill, prefix hits from the device
   and the host tier, preemption), CUDA graphs on and off, on a dense line (piecewise graphs serve its verify
   steps), a MoE line, an MLA line and the Qwen3.5 hybrid (its Gated DeltaNet state holds a verify step's drafts
-  out and applies the accepted ones at the next step: gpu_held_drafts.py); a run speculation changes may differ from the spec-off run only from a
-  near tie of transformers' float32 on. Drafts come from the spec-off run's own tokens with 30% of them wrong (a
+  out and applies the accepted ones at the next step: gpu_held_drafts.py); a run speculation changes may differ
+  from the spec-off run only from a near tie of transformers' float32 on. Drafts come from the spec-off run's own tokens with 30% of them wrong (a
   random model repeats too little for prompt lookup): long acceptances and rejections both run.
 * The verify sampling on device logits against engine/sampling.py verify_seq on the same logits: ids exactly,
   logprobs to float32 rounding, for greedy, seeded sampling (the graph tail's kernels), logprobs and penalties
