@@ -24,6 +24,7 @@ inline std::vector<std::unique_ptr<std::barrier<>>> emu_warp_barriers;
 inline std::vector<float> emu_xchg;                       // [warps][32]
 inline std::vector<char> emu_dynamic_smem;
 inline std::vector<unsigned> emu_frags;                   // [warps][32][6]: a lane's mma fragments
+inline std::vector<const unsigned short*> emu_rows;       // [warps][32]: a lane's ldmatrix row address
 
 #define __global__
 #define __device__
@@ -119,6 +120,17 @@ inline void mma_16816(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigne
 inline void mma_16832_e4m3(float c[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
     emu_mma<32, 4>(c, {a0, a1, a2, a3, b0, b1}, emu_e4m3_bits);
 }
+// ldmatrix.x4.trans (mma.cuh): every lane posts its row address; lane l then takes, of tile i (rows posted by
+// lanes 8i .. 8i + 7), elements (2·(l % 4), l / 4) and (2·(l % 4) + 1, l / 4), the first in the low half.
+inline void ldmatrix_x4_trans(unsigned r[4], const unsigned short* p) {
+    const unsigned short** rows = emu_rows.data() + emu_warp() * 32;
+    rows[emu_lane()] = p;
+    __syncwarp();
+    const int l = emu_lane();
+    for (int i = 0; i < 4; ++i)
+        r[i] = (unsigned)rows[8 * i + 2 * (l % 4)][l / 4] | (unsigned)rows[8 * i + 2 * (l % 4) + 1][l / 4] << 16;
+    __syncwarp();
+}
 
 // fp8.cuh: float -> e4m3 rounded to nearest even (ties to the even code), finite values saturated to ±448.
 inline unsigned emu_e4m3(float f) {
@@ -170,6 +182,7 @@ inline void emu_launch(EmuDim grid, unsigned threads, size_t smem, const std::fu
                     emu_warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w)));
                 emu_xchg.assign(warps * 32, 0.f);
                 emu_frags.assign(warps * 32 * 6, 0u);
+                emu_rows.assign(warps * 32, nullptr);
                 emu_dynamic_smem.assign(smem, 0);
                 std::vector<std::thread> pool;
                 for (unsigned t = 0; t < threads; ++t)

@@ -31,19 +31,6 @@
 #define CTAS_PER_SM 3                            // gpu_chunk.CTAS_PER_SM: the splits fill one wave of these
 static_assert(ROWS % GQA == 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128, "GQA divides 64, HEAD_DIM % 16 == 0");
 
-// Four 8x8 bf16 tiles of shared memory, transposed: lane l gives the address of row l % 8 of tile l / 8 and
-// receives, of tile i, elements (2·(l % 4), l / 4) and (2·(l % 4) + 1, l / 4) in r[i] (low half first): the
-// B fragment of mma.m16n8k16 when the tile's rows are k (keys) and its columns n (V's columns).
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const bf16_t* p) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    return (unsigned)f_to_bf16(lo) | ((unsigned)f_to_bf16(hi) << 16);
-}
-
 extern "C" __global__ void __launch_bounds__(NTHREADS, CTAS_PER_SM)
 paged_chunk_attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
                       const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables, int max_blocks,
