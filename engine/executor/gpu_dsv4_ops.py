@@ -53,6 +53,22 @@ COMP_THREADS = 128              # dsv4_compress.cu: threads of compress_close's 
 ATT_THREADS = 256               # dsv4_attention.cu: threads of sparse_decode's CTA (a row, a group of heads), write_rows'
 INDEXER_SCORES_BYTES = 1 << 28  # the indexer's float32 scores of a step's rows held at once (rows · stride · 4)
 NR_THREADS, NR_PER = 128, 8     # dsv4_norm_rope.cu: threads of norm_rope's CTA (a row), values a thread holds
+# Steps of at least this many rows attend on dsv4_sparse_mma.cu's sparse_prefill (tensor cores), fewer on
+# sparse_decode. None: sparse_decode always, until the kernel has run on a GPU (GpuDSV4Ops.sparse_mma_rows).
+SPARSE_MMA_ROWS = None
+SPARSE_MMA_BN, SPARSE_MMA_STAGES, SPARSE_MMA_CHUNK = 16, 3, 1024   # dsv4_sparse_mma.cu SM_BN, SM_STAGES, SM_CHUNK
+
+
+def sparse_mma_heads(heads: int) -> int:
+    """16-head tiles a CTA of sparse_prefill takes (SM_MW): all of a row's heads up to 64."""
+    return min(4, -(-heads // 16))
+
+
+def sparse_smem_bytes(d: int, tiles: int) -> int:
+    """sparse_prefill's dynamic shared memory (its SparseSmem): Q and the key stages as bf16 rows of d + 8, the
+    warps' partial S fragments, the chunk's slots."""
+    pitch = 2 * (d + 8)
+    return 16 * tiles * pitch + SPARSE_MMA_STAGES * SPARSE_MMA_BN * pitch + 2 * tiles * 256 * 4 + 4 * SPARSE_MMA_CHUNK
 
 
 def check_hc_shapes(hc_mult: int, hidden: int) -> None:
@@ -107,6 +123,7 @@ class GpuDSV4Ops:
         self._kept_weights: dict = {}       # (id(weight), form) -> (weight, converted)
         self._kernels: dict = {}
         self._hc_counter = None             # dsv4_hc.cu's per-row counters (zero between launches)
+        self.sparse_mma_rows = SPARSE_MMA_ROWS
 
     def _f(self, a):
         return bf16_to_f32(self.cp, a)
@@ -356,8 +373,11 @@ class GpuDSV4Ops:
 
     def sparse_decode(self, q, tables, positions, ids, sinks, spec):
         """sparse_decode: each row's one query over its window and its entries (ids [T, topk] on CSA layers,
-        every closed one on HCA layers, None on sliding ones). Returns out [T, heads, D] float32."""
+        every closed one on HCA layers, None on sliding ones). Returns out [T, heads, D] float32. Steps of
+        sparse_mma_rows rows or more go to sparse_prefill (the same, on tensor cores)."""
         cp, (T, H, D) = self.cp, q.shape
+        if self.sparse_mma_rows is not None and T >= self.sparse_mma_rows and D % 32 == 0:
+            return self.sparse_prefill(q, tables, positions, ids, sinks, spec)
         kv, out = self.shared.kv_cache[spec.layer, 0], cp.empty((T, H, D), np.float32)
         pieces = -(-D // 128)
         group = sparse_heads_per_cta(T, H, pieces, self.shared.num_sms)
@@ -369,6 +389,25 @@ class GpuDSV4Ops:
                                 np.int32(BLOCK_SIZE), np.int32(kv.shape[-1]), np.int32(D), np.int32(spec.window),
                                 np.int32(spec.rate), np.int32(0 if ids is None else ids.shape[1]),
                                 np.int32(entry_columns(spec)[0]), np.float32(D ** -0.5)))
+        return out
+
+    def sparse_prefill(self, q, tables, positions, ids, sinks, spec):
+        """sparse_decode's result from dsv4_sparse_mma.cu: a CTA a row and up to 64 heads, on tensor cores (q and
+        the probabilities rounded to bf16 for their products). D % 32 == 0."""
+        cp, (T, H, D) = self.cp, q.shape
+        kv, out = self.shared.kv_cache[spec.layer, 0], cp.empty((T, H, D), np.float32)
+        tiles = sparse_mma_heads(H)
+        smem = sparse_smem_bytes(D, tiles)
+        k = self._kernel("dsv4_sparse_mma", "sparse_prefill", SM_D=D, SM_MW=tiles)
+        if hasattr(k, "max_dynamic_shared_size_bytes"):
+            k.max_dynamic_shared_size_bytes = smem
+        if T:
+            self.shared.launch(k, (T, -(-H // (16 * tiles))), (64 * tiles,),
+                               (cp.ascontiguousarray(q, np.float32), kv, tables, positions,
+                                np.uint64(0) if ids is None else ids, sinks, out, np.int32(tables.shape[1]),
+                                np.int32(BLOCK_SIZE), np.int32(kv.shape[-1]), np.int32(H), np.int32(spec.window),
+                                np.int32(spec.rate), np.int32(0 if ids is None else ids.shape[1]),
+                                np.int32(entry_columns(spec)[0]), np.float32(D ** -0.5)), shared_mem=smem)
         return out
 
 

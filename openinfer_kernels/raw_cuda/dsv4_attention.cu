@@ -26,6 +26,7 @@
 // takes 1 head a CTA until rows · heads CTAs fill the SMs twice, larger groups past that (64 heads: 2 from batch 9,
 // 4 from batch 17).
 #include "common.cuh"
+#include "dsv4_keys.cuh"
 
 #ifndef ATT_G
 #define ATT_G 1                           // heads a CTA (their queries share each key's load)
@@ -41,16 +42,6 @@
 #define ATT_CHUNK 1024                    // keys whose slots a CTA resolves at a time
 #define ATT_D (128 * ATT_PIECES)
 
-// The position of key j of row t (-1: none): the window's first, then the entries' rows.
-__device__ __forceinline__ int key_position(int j, int p, const int* __restrict__ ids, int window, int rate,
-                                            int topk) {
-    if (j < window) {
-        const int at = p - window + 1 + j;
-        return at >= 0 ? at : -1;
-    }
-    const int e = topk ? ids[j - window] : j - window;
-    return e >= 0 ? (e + 1) * rate - 1 : -1;
-}
 
 // 4 bf16 (8 bytes, the lower half first) as float32.
 __device__ __forceinline__ void bf16x4_to_f(uint2 w, float (&f)[4]) {
@@ -161,7 +152,7 @@ sparse_decode(const float* __restrict__ q, const bf16_t* __restrict__ kv, const 
         __syncthreads();                                                  // the last chunk's slots are read
         for (int j = threadIdx.x; j < count; j += ATT_THREADS) {
             const int at = key_position(base + j, p, row_ids, window, rate, topk);
-            slots[j] = at < 0 ? -1 : table[at / block] * block + at % block;
+            slots[j] = key_slot(at, table, block);
         }
         __syncthreads();
         for (int j0 = warp * ATT_U; j0 < count; j0 += ATT_WARPS * ATT_U)
