@@ -209,6 +209,8 @@ def main() -> None:
     p.add_argument("--prefill-op-times", default="", help="SEQSxTOKENS: one eager prefill step of that shape timed "
                    "op by op (within --max-tokens)")
     p.add_argument("--sizes", action="store_true", help="only print the checkpoint's sizes (no GPU, nothing written)")
+    p.add_argument("--sparse-mma-rows", type=int, default=None, help="DeepSeek-V4: steps of at least this many rows "
+                   "attend on dsv4_sparse_mma.cu (GpuDSV4Ops.sparse_mma_rows; default: the executor's own)")
     a = p.parse_args()
     fmt = a.format or FORMATS[a.model]
     stem = a.stem or ("deepseek-v4" if a.model.startswith("deepseek-v4") else "deepseek")
@@ -255,13 +257,16 @@ def main() -> None:
                                        max_num_seqs=max(batches + [s for s, _ in sized]), progress=False,
                                        cuda_graphs=not a.eager))
     executor_s = time.perf_counter() - t
+    if a.sparse_mma_rows is not None and ex.ops.dsv4 is not None:
+        ex.ops.dsv4.sparse_mma_rows = a.sparse_mma_rows
     graphs = getattr(ex, "graphs", None) is not None
     print(f"[{a.model}] executor up in {executor_s:.1f}s; {ex.gemm.describe()}; "
           f"{'CUDA-graph decode' if graphs else 'eager steps only (no CUDA graphs)'}", flush=True)
     meta = dict(model=a.model, layers=a.layers, format=fmt, copy_bandwidth_gbs=bw / 1e9, load_s=load_s,
                 executor_s=executor_s, stored_gb=sum(stored.values()) / 1e9, bf16_gb=weight_bytes / 1e9,
                 held_gb=held / 1e9, experts_memory_ratio=experts_ratio,
-                prompt=a.prompt, steps=a.steps, graphs=graphs)
+                prompt=a.prompt, steps=a.steps, graphs=graphs,
+                sparse_mma_rows=getattr(ex.ops.dsv4, "sparse_mma_rows", None))
     rows, text = [], ""
     if shapes:
         meta["prefill_memory"] = prefill_memory(ex, model.config.vocab_size, shapes)

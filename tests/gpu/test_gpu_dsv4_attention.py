@@ -47,3 +47,24 @@ def test_a_captured_graph_replays_sparse_decode():
                 dst.set(src, o.shared.stream)
             graph.launch(o.shared.stream)
             check(back(out), reference(new))
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_sparse_prefill_matches_numpy_on_the_device(pdl):
+    """dsv4_sparse_mma.cu's tensor-core form (GpuDSV4Ops.sparse_prefill) on the emulation's cases, logits peaked
+    and spread, against the numpy definition with q rounded to bf16: the emulation's bound; and a step of many rows
+    at V4-Flash's width (64 heads: every 16-head tile of the CTA) against the same."""
+    from test_dsv4_sparse_mma_emulated import SPARSE_MMA_BOUND, bf16_q
+
+    cases = [(name, shape, scale) for name, *shape in CASES for scale in (1, 1 / 16)]
+    cases.append(("v4_flash_64_heads", (64, 512, 128, 4, 512, tuple(range(200, 3000, 45))), 1 / 16))
+    for name, shape, scale in cases:
+        inp = random_inputs(*shape, seed=len(name))
+        inp.q = inp.q * scale
+        inp = bf16_q(inp)
+        o = ops(inp)
+        o.shared.pdl, o.sparse_mma_rows = pdl, 1
+        with o.shared.stream:
+            got, want = run_kernel(o, inp, cp.asarray, back), reference(inp)
+        err = float(abs(got - want).max() / max(1e-6, float(abs(want).max())))
+        assert err <= SPARSE_MMA_BOUND, (name, scale, err)
