@@ -54,8 +54,10 @@ ATT_THREADS = 256               # dsv4_attention.cu: threads of sparse_decode's 
 INDEXER_SCORES_BYTES = 1 << 28  # the indexer's float32 scores of a step's rows held at once (rows · stride · 4)
 NR_THREADS, NR_PER = 128, 8     # dsv4_norm_rope.cu: threads of norm_rope's CTA (a row), values a thread holds
 # Steps of at least this many rows attend on dsv4_sparse_mma.cu's sparse_prefill (tensor cores), fewer on
-# sparse_decode. None: sparse_decode always, until the kernel has run on a GPU (GpuDSV4Ops.sparse_mma_rows).
-SPARSE_MMA_ROWS = None
+# sparse_decode (GpuDSV4Ops.sparse_mma_rows; None: sparse_decode always). H200, 2026-12-07, V4-Flash 1 x 8,192
+# prefill: 112.5 -> 10.5 ms for 4 layers; a CTA a row takes ~40 µs, so below about a wave of rows the head-grouped
+# sparse_decode is the faster (the crossover itself not yet measured).
+SPARSE_MMA_ROWS = 64
 SPARSE_MMA_BN, SPARSE_MMA_STAGES, SPARSE_MMA_CHUNK = 16, 3, 1024   # dsv4_sparse_mma.cu SM_BN, SM_STAGES, SM_CHUNK
 
 
@@ -398,8 +400,9 @@ class GpuDSV4Ops:
         kv, out = self.shared.kv_cache[spec.layer, 0], cp.empty((T, H, D), np.float32)
         tiles = sparse_mma_heads(H)
         smem = sparse_smem_bytes(D, tiles)
+        fresh = ("dsv4_sparse_mma", "sparse_prefill", (("SM_D", D), ("SM_MW", tiles))) not in self._kernels
         k = self._kernel("dsv4_sparse_mma", "sparse_prefill", SM_D=D, SM_MW=tiles)
-        if hasattr(k, "max_dynamic_shared_size_bytes"):
+        if fresh and hasattr(k, "max_dynamic_shared_size_bytes"):     # once, before any capture replays it
             k.max_dynamic_shared_size_bytes = smem
         if T:
             self.shared.launch(k, (T, -(-H // (16 * tiles))), (64 * tiles,),

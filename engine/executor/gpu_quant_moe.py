@@ -12,8 +12,9 @@ experts do (gpu_moe_ops.py); each grouped product is one launch over the expert-
 128-wide group, float32 accumulation, the block scales per K block). Grids depend on the step's token count only,
 nothing waits on the host: decode steps capture in CUDA graphs as the bf16 ones do. The grouped GEMVs take any
 rows per tile (16 at a time), so prefill can run them too, reading each routed expert's weights once per 16 of its
-rows; a step whose experts average GEMM_ROWS rows or more takes them to the grouped GEMMs instead
-(w4_grouped_gemm.cu / fp8_grouped_gemm.cu: 64 rows a CTA sharing each weight block and one staged activation tile).
+rows; a step whose experts average W4_GEMM_ROWS / FP8_GEMM_ROWS rows or more takes them to the grouped GEMMs
+instead (w4_grouped_gemm.cu / fp8_grouped_gemm.cu: 64 rows a CTA sharing each weight block and one staged
+activation tile).
 """
 from __future__ import annotations
 
@@ -29,10 +30,12 @@ from openinfer_kernels.quant.fp8_ref import GROUP
 from openinfer_kernels.quant.ops import WG_ROWS, QuantOps, W4Weight
 
 # Steps whose experts average at least this many rows (tokens · top_k / experts) run kept experts on the grouped
-# GEMMs, fewer on the GEMVs (bench/experts_prefill.py, H100 2026-12-07, V4-Flash / Kimi-K2 4-bit shapes: at
-# 11-12 rows the GEMV 1.0-1.4x faster, at 43-48 the GEMM 1.6-2.4x, at 170-190 2.5-3.5x; FP8 takes the same
-# threshold, not yet measured apart).
-GEMM_ROWS = 24
+# GEMMs, fewer on the GEMVs (bench/experts_prefill.py). 4-bit (H100 2026-12-07, V4-Flash / Kimi-K2 shapes): at
+# 11-12 rows the GEMV 1.0-1.4x faster, at 43-48 the GEMM 1.6-2.4x, at 170-190 2.5-3.5x. FP8 (H200 2026-12-07,
+# DeepSeek-V3 / Qwen3-30B-A3B shapes): at 16 rows the GEMM 1.9x faster, at 32 1.7-1.9x, at 64-130 2.4-4.0x
+# (fewer rows not measured).
+W4_GEMM_ROWS = 24
+FP8_GEMM_ROWS = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,14 +73,14 @@ def has_fp8_experts(weights: dict) -> bool:
 
 def kept_experts_kernels() -> dict[type, str]:
     """The startup log's kernels of the kept experts (engine/models/quant_experts.py log_kept)."""
-    gemm = f"at {GEMM_ROWS}+ rows an expert (prefill)"
-    return {Fp8Experts: f"fp8_quant.cu + gemv_fp8_grouped (gemv_fp8.cu); fp8_grouped_gemm.cu {gemm}",
-            W4Experts: f"gemv_w4_grouped (gemv_w4.cu); w4_grouped_gemm.cu {gemm}"}
+    return {Fp8Experts: f"fp8_quant.cu + gemv_fp8_grouped (gemv_fp8.cu); fp8_grouped_gemm.cu at {FP8_GEMM_ROWS}+ "
+                        f"rows an expert (prefill)",
+            W4Experts: f"gemv_w4_grouped (gemv_w4.cu); w4_grouped_gemm.cu at {W4_GEMM_ROWS}+ rows an expert (prefill)"}
 
 
-def grouped_gemm_tokens(experts: int, top_k: int) -> int:
-    """The fewest tokens a step takes to its kept experts' GEMMs: its experts then average GEMM_ROWS rows."""
-    return -(-GEMM_ROWS * experts // top_k)
+def grouped_gemm_tokens(experts: int, top_k: int, rows: int) -> int:
+    """The fewest tokens a step takes to its kept experts' GEMMs: its experts then average `rows` rows."""
+    return -(-rows * experts // top_k)
 
 
 class GpuQuantMoEOps(GpuMoEOps):
@@ -89,7 +92,8 @@ class GpuQuantMoEOps(GpuMoEOps):
         super().__init__(plan, shared, arena)
         self.quant = self.quant_ops_class(shared.stream)
         s = plan.experts
-        self.gemm_tokens = grouped_gemm_tokens(s.num_experts, s.top_k)
+        self.gemm_tokens = {W4Weight: grouped_gemm_tokens(s.num_experts, s.top_k, W4_GEMM_ROWS),
+                            Fp8ExpertsDevice: grouped_gemm_tokens(s.num_experts, s.top_k, FP8_GEMM_ROWS)}
 
     @staticmethod
     def buffers(plan) -> list[Buffer]:
@@ -112,7 +116,7 @@ class GpuQuantMoEOps(GpuMoEOps):
     def grouped_linear(self, a, w, tile_expert, row_token, out, tile_m: int, tokens: int) -> None:
         """out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ: the quantized grouped GEMVs for kept experts."""
         self.quant.pdl = self.shared.pdl
-        gemm = tokens >= self.gemm_tokens and tile_m % WG_ROWS == 0
+        gemm = tokens >= self.gemm_tokens.get(type(w), tokens + 1) and tile_m % WG_ROWS == 0
         if isinstance(w, W4Weight) and gemm:
             self.quant.w4_grouped_gemm(a, w, tile_expert, row_token, out, tile_m)
         elif isinstance(w, W4Weight):

@@ -182,6 +182,9 @@ def test_gpu_verify_sampling_matches_the_reference(params):
 
 
 def test_engine_handle_serves_ngram_on_one_gpu():
+    """Through EngineHandle: a dense line's prompt lookup drafts (its random model repeats the prompt's tokens);
+    the Qwen3.5 hybrid starts and serves (its 151k-token random model repeats nothing: no drafts to count; the
+    greedy gate above verifies its drafts)."""
     from engine.config import EngineConfig
     from engine.handle import EngineHandle
     from harness.hybrid_models import hybrid_model_path
@@ -194,5 +197,5 @@ def test_engine_handle_serves_ngram_on_one_gpu():
         with EngineHandle(config) as h:
             got = h.generate([prompt], params)[0].outputs[0].token_ids
             stats = h.stats()
-        assert stats.spec_decode_num_draft_tokens > 0, model
+        assert stats.spec_decode_num_draft_tokens > 0 or "qwen3_5" in model, model
         assert len(got) == 24, model

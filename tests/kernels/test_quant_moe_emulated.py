@@ -18,7 +18,8 @@ from test_quant_w4 import EmulatedQuantOps
 from engine.executor.cpu_moe_ops import NumpyMoEOps, route_topk
 from engine.executor.cpu_quant_ops import host_fp8
 from engine.executor.gpu_gemm import interleave_gate_up
-from engine.executor.gpu_quant_moe import Fp8ExpertsDevice, GpuQuantMoEOps, grouped_gemm_tokens
+from engine.executor.gpu_quant_moe import (FP8_GEMM_ROWS, W4_GEMM_ROWS, Fp8ExpertsDevice, GpuQuantMoEOps,
+                                           grouped_gemm_tokens)
 from engine.executor.gpu_w4_linear import interleaved_codes
 from engine.models.ops import RouteSpec
 from engine.models.quant_experts import Fp8Experts, W4Experts
@@ -46,7 +47,8 @@ class EmulatedQuantMoE(GpuQuantMoEOps):
             setattr(self, f"k_{name}", (file, "moe_" + name, ()))
         self.k_silu = ("silu_mul", "silu_mul", ())
         self.quant = RecordingQuantOps()
-        self.gemm_tokens = grouped_gemm_tokens(E, SPEC.top_k)
+        self.gemm_tokens = {W4Weight: grouped_gemm_tokens(E, SPEC.top_k, W4_GEMM_ROWS),
+                            Fp8ExpertsDevice: grouped_gemm_tokens(E, SPEC.top_k, FP8_GEMM_ROWS)}
 
 
 class RecordingQuantOps(EmulatedQuantOps):
@@ -121,27 +123,28 @@ def assert_experts_close(got, delta, residual) -> None:
 @pytest.mark.parametrize("tokens", [1, 40, 130])
 @pytest.mark.parametrize("channel", [False, True])
 def test_fp8_experts_match_numpy_w8a8(tokens, channel):
-    """Decode and short prefills on gemv_fp8_grouped, a prefill whose experts average GEMM_ROWS rows or more on
-    fp8_grouped_gemm."""
+    """Decode and short prefills on gemv_fp8_grouped, a prefill whose experts average FP8_GEMM_ROWS rows or more
+    on fp8_grouped_gemm."""
     rng = np.random.default_rng(tokens + 100 * channel)
     gate_up, down = fp8_experts(rng, 2 * INTER, H, channel), fp8_experts(rng, H, INTER, channel)
     entries = []
     assert_experts_close(*run_both(tokens, gate_up, down, interleaved=channel, seed=tokens, entries=entries))
-    product = "fp8_grouped_gemm" if tokens >= grouped_gemm_tokens(E, SPEC.top_k) else "gemv_fp8_grouped"
+    gemm = tokens >= grouped_gemm_tokens(E, SPEC.top_k, FP8_GEMM_ROWS)
+    product = "fp8_grouped_gemm" if gemm else "gemv_fp8_grouped"
     assert entries == ["fp8_quant", product] * 2
 
 
 @pytest.mark.parametrize("tokens", [1, 40, 130])
 @pytest.mark.parametrize("kind", ["bf16", "fp4"])
 def test_w4_experts_match_numpy(tokens, kind):
-    """Decode and short prefills on gemv_w4_grouped, a prefill whose experts average GEMM_ROWS rows or more on
+    """Decode and short prefills on gemv_w4_grouped, a prefill whose experts average W4_GEMM_ROWS rows or more on
     w4_grouped_gemm."""
     rng = np.random.default_rng(tokens + 7 * len(kind))
     gate_up, down = (W4Experts(small(random_w4(rng, kind, n, k, 32, (E,)))) for n, k in ((2 * INTER, H), (H, INTER)))
     entries = []
     got, delta, residual = run_both(tokens, gate_up, down, interleaved=tokens > 1, seed=tokens, entries=entries)
     assert_experts_close(got, delta, residual)
-    gemm = tokens >= grouped_gemm_tokens(E, SPEC.top_k)         # 48 tokens: 24 rows an expert
+    gemm = tokens >= grouped_gemm_tokens(E, SPEC.top_k, W4_GEMM_ROWS)         # 48 tokens: 24 rows an expert
     assert entries == ["w4_grouped_gemm" if gemm else "gemv_w4_grouped"] * 2
 
 
