@@ -174,7 +174,7 @@ class GpuExecutor(ExecutorBase):
         """Verify steps over Gated DeltaNet state: each step's held-draft codes go up with its inputs."""
         if not (k and self.ops.deltanet is not None and self.ops.deltanet.holds_drafts):
             return False
-        self.inputs.held_codes = HeldDraftSlots().codes
+        self.inputs.held_codes = HeldDraftSlots(k).codes
         return True
 
     def _ops(self, shared: GpuShared, lm_head_ptr: int, lora_weights: dict) -> GpuOps:

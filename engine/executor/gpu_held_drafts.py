@@ -38,7 +38,12 @@ def held_code(drafts: int, accepted: int, buffer: int) -> int:
 
 
 class HeldDraftSlots:
-    def __init__(self):
+    """max_drafts: the held buffers' rows (the executor's num_speculative_tokens); a step of more is refused."""
+
+    def __init__(self, max_drafts: int):
+        if not 0 < max_drafts <= MAX_DRAFTS:
+            raise ValueError(f"held drafts: 1..{MAX_DRAFTS} a sequence, got {max_drafts}")
+        self.max_drafts = max_drafts
         self._slots: dict[int, _Held] = {}
 
     def codes(self, batch) -> np.ndarray:
@@ -52,8 +57,9 @@ class HeldDraftSlots:
         return out
 
     def _code(self, slot: int, seq, rows: int) -> int:
-        if not 0 <= seq.num_drafts <= MAX_DRAFTS:
-            raise ValueError(f"a verify step holds at most {MAX_DRAFTS} drafts a sequence, got {seq.num_drafts}")
+        if not 0 <= seq.num_drafts <= self.max_drafts:
+            raise ValueError(f"this executor holds at most {self.max_drafts} drafts a sequence (its "
+                             f"num_speculative_tokens), got {seq.num_drafts}")
         last = self._slots.get(slot)
         if last is not None and last.seq_id == seq.seq_id and last.start_pos == seq.start_pos:
             return last.code

@@ -61,7 +61,7 @@ def run(spec, flip_buffer: bool = False):
                  "held_conv": host(np.zeros((1, SLOTS, K_DRAFTS, C), np.uint16)),
                  "held_delta": host(np.zeros((1, SLOTS, 2, K_DRAFTS, C + 2 * Hv), np.uint16))}
     gpu.holds_drafts = True
-    slots, outputs = HeldDraftSlots(), []
+    slots, outputs = HeldDraftSlots(K_DRAFTS), []
     for step in STEPS:
         batch = batch_of(step)
         T = int(batch.cu_seqlens[-1])
@@ -103,7 +103,9 @@ def test_the_wrong_buffer_is_caught():
 
 
 def test_a_step_outside_the_held_drafts_is_refused():
-    slots = HeldDraftSlots()
+    slots = HeldDraftSlots(K_DRAFTS)
     slots.codes(batch_of([(7, 6, 1, 3, 1)]))
     with pytest.raises(RuntimeError, match="outside the drafts"):
         slots.codes(batch_of([(7, 11, 1, 0, 1)]))
+    with pytest.raises(ValueError, match="at most 3 drafts"):       # past the held buffers' rows
+        slots.codes(batch_of([(8, 4, 1, 4, 2)]))
