@@ -59,6 +59,7 @@ NR_THREADS, NR_PER = 128, 8     # dsv4_norm_rope.cu: threads of norm_rope's CTA 
 # sparse_decode is the faster (the crossover itself not yet measured).
 SPARSE_MMA_ROWS = 64
 SPARSE_MMA_BN, SPARSE_MMA_STAGES, SPARSE_MMA_CHUNK = 16, 3, 1024   # dsv4_sparse_mma.cu SM_BN, SM_STAGES, SM_CHUNK
+SMEM_PER_BLOCK = 227 * 1024     # Hopper's opt-in shared memory a CTA (a head dim past ~900 stays on sparse_decode)
 
 
 def sparse_mma_heads(heads: int) -> int:
@@ -378,7 +379,8 @@ class GpuDSV4Ops:
         every closed one on HCA layers, None on sliding ones). Returns out [T, heads, D] float32. Steps of
         sparse_mma_rows rows or more go to sparse_prefill (the same, on tensor cores)."""
         cp, (T, H, D) = self.cp, q.shape
-        if self.sparse_mma_rows is not None and T >= self.sparse_mma_rows and D % 32 == 0:
+        if (self.sparse_mma_rows is not None and T >= self.sparse_mma_rows and D % 32 == 0
+                and sparse_smem_bytes(D, sparse_mma_heads(H)) <= SMEM_PER_BLOCK):
             return self.sparse_prefill(q, tables, positions, ids, sinks, spec)
         kv, out = self.shared.kv_cache[spec.layer, 0], cp.empty((T, H, D), np.float32)
         pieces = -(-D // 128)

@@ -55,3 +55,19 @@ def test_the_check_fails_without_the_sinks():
     inp.sinks = np.full_like(inp.sinks, -np.inf)
     with pytest.raises(AssertionError):
         check_close(got, reference(inp))
+
+
+def test_steps_route_by_rows_and_shared_memory():
+    """sparse_decode hands a step of sparse_mma_rows rows or more to sparse_prefill (None: never); a head dim whose
+    stages would pass a CTA's shared memory stays on sparse_decode (V4's 512 fits, 1024 would not)."""
+    from engine.executor.gpu_dsv4_ops import SMEM_PER_BLOCK, sparse_smem_bytes
+
+    inp = random_inputs(*CASES[1][1:], seed=1)              # 4 rows
+    ops, taken = emulated(inp), []
+    ops.sparse_prefill = lambda *args: taken.append(len(args[0])) or np.zeros_like(args[0])
+    for rows, want in ((4, [4]), (5, []), (None, [])):
+        taken.clear()
+        ops.sparse_mma_rows = rows
+        ops.sparse_decode(host(inp.q), host(inp.tables), host(inp.pos), host(inp.ids), host(inp.sinks), inp.spec)
+        assert taken == want, rows
+    assert sparse_smem_bytes(512, 4) <= SMEM_PER_BLOCK < sparse_smem_bytes(1024, 4)
