@@ -63,6 +63,20 @@ __device__ __forceinline__ void fg_block(const Fp8Block& w, const unsigned char*
     }
 }
 
+// Channel scales (one a weight row, after the sum): rows row0 + 16t + g and + 8 of the warp's two tiles.
+__device__ __forceinline__ void fg_channel_scales(float (&c)[2][FG_NT][4], const float* __restrict__ sw, int row0,
+                                                  int g, int N) {
+    #pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const float s_lo = __ldg(sw + min(row0 + 16 * t + g, N - 1));
+        const float s_hi = __ldg(sw + min(row0 + 16 * t + g + 8, N - 1));
+        #pragma unroll
+        for (int n = 0; n < FG_NT; ++n)
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) c[t][n][j] *= j < 2 ? s_lo : s_hi;
+    }
+}
+
 // aq [rows, K] e4m3, sa [K / 128, ldx] (ldx >= rows, a multiple of 4), wq [E, N, K], ws every expert's scales,
 // tile_expert per tile_m rows (tile_m a multiple of 64), out [rows, N] bf16.
 extern "C" __global__ void __launch_bounds__(FG_WARPS * 32)
@@ -135,16 +149,6 @@ fp8_grouped_gemm(const unsigned char* __restrict__ aq, const float* __restrict__
             __syncthreads();                         // xs[u] is restaged by the next block
         }
     }
-    if (FP8_CHANNEL && live) {
-        #pragma unroll
-        for (int t = 0; t < 2; ++t) {
-            const float s_lo = __ldg(sw + min(row0 + 16 * t + g, N - 1));
-            const float s_hi = __ldg(sw + min(row0 + 16 * t + g + 8, N - 1));
-            #pragma unroll
-            for (int n = 0; n < FG_NT; ++n)
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) c[t][n][j] *= j < 2 ? s_lo : s_hi;
-        }
-    }
+    if (FP8_CHANNEL && live) fg_channel_scales(c, sw, row0, g, N);
     grouped_gemm_store(c, reinterpret_cast<bf16_t*>(smem), out, m0, rows, n0, N);
 }
