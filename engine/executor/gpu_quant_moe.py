@@ -116,17 +116,17 @@ class GpuQuantMoEOps(GpuMoEOps):
     def grouped_linear(self, a, w, tile_expert, row_token, out, tile_m: int, tokens: int) -> None:
         """out[r] = a[r] · w[tile_expert[r // tile_m]]ᵀ: the quantized grouped GEMVs for kept experts."""
         self.quant.pdl = self.shared.pdl
-        gemm = tokens >= self.gemm_tokens.get(type(w), tokens + 1) and tile_m % WG_ROWS == 0
-        if isinstance(w, W4Weight) and gemm:
-            self.quant.w4_grouped_gemm(a, w, tile_expert, row_token, out, tile_m)
-        elif isinstance(w, W4Weight):
-            self.quant.gemv_w4_grouped(a, w, tile_expert, row_token, out, tile_m)
-        elif isinstance(w, Fp8ExpertsDevice):
+        if not isinstance(w, (W4Weight, Fp8ExpertsDevice)):
+            super().grouped_linear(a, w, tile_expert, row_token, out, tile_m, tokens)
+            return
+        gemm = tokens >= self.gemm_tokens[type(w)] and tile_m % WG_ROWS == 0
+        if isinstance(w, W4Weight):
+            product = self.quant.w4_grouped_gemm if gemm else self.quant.gemv_w4_grouped
+            product(a, w, tile_expert, row_token, out, tile_m)
+        else:
             rows, K = a.shape
             aq = self.buf["moe_aq"][:rows * K].reshape(rows, K)
             scales = self.buf["moe_aq_scales"][:K // GROUP * rows].reshape(K // GROUP, rows)
             self.quant.fp8_quant(a, aq, scales)
             product = self.quant.fp8_grouped_gemm if gemm else self.quant.gemv_fp8_grouped
             product(aq, scales, w.codes, w.scale, tile_expert, row_token, out, tile_m)
-        else:
-            super().grouped_linear(a, w, tile_expert, row_token, out, tile_m, tokens)
