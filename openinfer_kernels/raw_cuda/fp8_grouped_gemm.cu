@@ -18,7 +18,7 @@
 // 256 experts, gate_up 4096 x 7168) ~3.9 TFLOP a layer's experts.
 #include "common.cuh"
 #include "mma.cuh"
-#include "grouped_gemm_store.cuh"
+#include "grouped_gemm.cuh"
 
 #ifndef FP8_CHANNEL
 #define FP8_CHANNEL 0
@@ -89,9 +89,8 @@ fp8_grouped_gemm(const unsigned char* __restrict__ aq, const float* __restrict__
     __shared__ __align__(16) float ss[2][FG_BM];
     pdl_begin();
     const int m0 = blockIdx.y * FG_BM;
-    if (row_token[m0] < 0) return;
-    int rows = 1;
-    while (rows < FG_BM && row_token[m0 + rows] >= 0) ++rows;
+    const int rows = grouped_block_rows(row_token, m0);
+    if (rows == 0) return;
     const int nt = (rows + 7) / 8;
     const size_t e = (size_t)tile_expert[m0 / tile_m];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
@@ -134,21 +133,12 @@ fp8_grouped_gemm(const unsigned char* __restrict__ aq, const float* __restrict__
     }
     stage(0, 0);
     float c[2][FG_NT][4] = {};
-    for (int b0 = 0; b0 < KB; b0 += 2) {
-        #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int b = b0 + u;
-            if (b >= KB) break;
-            if (b + 1 < KB) { stage(u ^ 1, b + 1); cp_async_wait<1>(); }
-            else cp_async_wait<0>();
-            __syncthreads();                         // block b is in xs[u] / ss[u] for every thread
-            if (live) {
-                fg_block(wb[u], xs[u], ss[u], FP8_CHANNEL ? 1.f : __ldg(sw + b), g, tq, nt, c);
-                if (b + 2 < KB) load_weights(wb[u], b + 2);
-            }
-            __syncthreads();                         // xs[u] is restaged by the next block
+    staged_steps(KB, stage, [&](int u, int b) {
+        if (live) {
+            fg_block(wb[u], xs[u], ss[u], FP8_CHANNEL ? 1.f : __ldg(sw + b), g, tq, nt, c);
+            if (b + 2 < KB) load_weights(wb[u], b + 2);
         }
-    }
+    });
     if (FP8_CHANNEL && live) fg_channel_scales(c, sw, row0, g, N);
     grouped_gemm_store(c, reinterpret_cast<bf16_t*>(smem), out, m0, rows, n0, N);
 }

@@ -22,7 +22,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "w4.cuh"
-#include "grouped_gemm_store.cuh"
+#include "grouped_gemm.cuh"
 
 #define WG_BM 64                          // token rows a CTA (8 n8 tiles of the mma's B operand)
 #define WG_WARPS 4                        // each takes 32 weight rows: two 16-row tiles of the layout
@@ -76,9 +76,8 @@ w4_grouped_gemm(const bf16_t* __restrict__ a, const uint4* __restrict__ wq, cons
     __shared__ __align__(16) bf16_t xs[2][WG_BM * WG_PITCH];
     pdl_begin();
     const int m0 = blockIdx.y * WG_BM;
-    if (row_token[m0] < 0) return;
-    int rows = 1;
-    while (rows < WG_BM && row_token[m0 + rows] >= 0) ++rows;
+    const int rows = grouped_block_rows(row_token, m0);
+    if (rows == 0) return;
     const int nt = (rows + 7) / 8;
     const size_t e = (size_t)tile_expert[m0 / tile_m];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
@@ -117,28 +116,19 @@ w4_grouped_gemm(const bf16_t* __restrict__ a, const uint4* __restrict__ wq, cons
     if (S > 1) load_codes(1, 1);
     stage(0, 0);
     float c[2][WG_NT][4] = {};
-    for (int s0 = 0; s0 < S; s0 += 2) {
-        #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-            const int s = s0 + u;
-            if (s >= S) break;
-            if (s + 1 < S) { stage(u ^ 1, s + 1); cp_async_wait<1>(); }
-            else cp_async_wait<0>();
-            __syncthreads();                         // step s's tile is in xs[u] for every thread
-            if (has[0]) {
-                W4Group ql[2], qh[2];
-                bool one[2];
-                #pragma unroll
-                for (int t = 0; t < 2; ++t) {
-                    ql[t] = w4_group(sc[u][t] & 0xFFFFu, zr[u][t] & 0xFFu);
-                    qh[t] = w4_group(sc[u][t] >> 16, zr[u][t] >> 8);
-                    one[t] = W4_FP4 && w4_warp_all(ql[t].one && qh[t].one);
-                }
-                wg_step(lo[u], hi[u], ql, qh, one, xs[u] + g * WG_PITCH, tq, nt, c);
+    staged_steps(S, stage, [&](int u, int s) {
+        if (has[0]) {
+            W4Group ql[2], qh[2];
+            bool one[2];
+            #pragma unroll
+            for (int t = 0; t < 2; ++t) {
+                ql[t] = w4_group(sc[u][t] & 0xFFFFu, zr[u][t] & 0xFFu);
+                qh[t] = w4_group(sc[u][t] >> 16, zr[u][t] >> 8);
+                one[t] = W4_FP4 && w4_warp_all(ql[t].one && qh[t].one);
             }
-            if (s + 2 < S) load_codes(u, s + 2);
-            __syncthreads();                         // xs[u] is restaged by the next step
+            wg_step(lo[u], hi[u], ql, qh, one, xs[u] + g * WG_PITCH, tq, nt, c);
         }
-    }
+        if (s + 2 < S) load_codes(u, s + 2);
+    });
     grouped_gemm_store(c, xs[0], out, m0, rows, blockIdx.x * WG_BN, N);
 }
