@@ -149,11 +149,14 @@ class GpuDSV4Ops:
             hit = self._kept_weights[(id(w), form)] = (w, convert(w))
         return hit[1]
 
-    def _kernel(self, name: str, entry: str, **defines: int):
-        """<name>.cu's entry compiled with the given constants (dsv4_hc: HC_N; dsv4_indexer: IDX_H, IDX_D)."""
+    def _kernel(self, name: str, entry: str, dynamic_smem: int = 0, **defines: int):
+        """<name>.cu's entry compiled with the given constants (dsv4_hc: HC_N; dsv4_indexer: IDX_H, IDX_D), allowed
+        `dynamic_smem` bytes of dynamic shared memory (set once, when compiled: before any capture replays it)."""
         key = (name, entry, tuple(sorted(defines.items())))
         if key not in self._kernels:
             self._kernels[key] = kernel(name, entry, **defines)
+            if dynamic_smem:
+                self._kernels[key].max_dynamic_shared_size_bytes = dynamic_smem
         return self._kernels[key]
 
     def _bf16_weight(self, w):
@@ -382,38 +385,36 @@ class GpuDSV4Ops:
         if (self.sparse_mma_rows is not None and T >= self.sparse_mma_rows and D % 32 == 0
                 and sparse_smem_bytes(D, sparse_mma_heads(H)) <= SMEM_PER_BLOCK):
             return self.sparse_prefill(q, tables, positions, ids, sinks, spec)
-        kv, out = self.shared.kv_cache[spec.layer, 0], cp.empty((T, H, D), np.float32)
+        out = cp.empty((T, H, D), np.float32)
         pieces = -(-D // 128)
         group = sparse_heads_per_cta(T, H, pieces, self.shared.num_sms)
         if T:
             self.shared.launch(self._kernel("dsv4_attention", "sparse_decode", ATT_G=group, ATT_PIECES=pieces),
-                               (T, H // group), (ATT_THREADS,),
-                               (cp.ascontiguousarray(q, np.float32), kv, tables, positions,
-                                np.uint64(0) if ids is None else ids, sinks, out, np.int32(tables.shape[1]),
-                                np.int32(BLOCK_SIZE), np.int32(kv.shape[-1]), np.int32(D), np.int32(spec.window),
-                                np.int32(spec.rate), np.int32(0 if ids is None else ids.shape[1]),
-                                np.int32(entry_columns(spec)[0]), np.float32(D ** -0.5)))
+                               (T, H // group), (ATT_THREADS,), self._sparse_args(q, tables, positions, ids, sinks,
+                                                                                 out, spec, D))
         return out
 
     def sparse_prefill(self, q, tables, positions, ids, sinks, spec):
         """sparse_decode's result from dsv4_sparse_mma.cu: a CTA a row and up to 64 heads, on tensor cores (q and
         the probabilities rounded to bf16 for their products). D % 32 == 0."""
-        cp, (T, H, D) = self.cp, q.shape
-        kv, out = self.shared.kv_cache[spec.layer, 0], cp.empty((T, H, D), np.float32)
+        T, H, D = q.shape
+        out = self.cp.empty((T, H, D), np.float32)
         tiles = sparse_mma_heads(H)
         smem = sparse_smem_bytes(D, tiles)
-        fresh = ("dsv4_sparse_mma", "sparse_prefill", (("SM_D", D), ("SM_MW", tiles))) not in self._kernels
-        k = self._kernel("dsv4_sparse_mma", "sparse_prefill", SM_D=D, SM_MW=tiles)
-        if fresh and hasattr(k, "max_dynamic_shared_size_bytes"):     # once, before any capture replays it
-            k.max_dynamic_shared_size_bytes = smem
         if T:
+            k = self._kernel("dsv4_sparse_mma", "sparse_prefill", dynamic_smem=smem, SM_D=D, SM_MW=tiles)
             self.shared.launch(k, (T, -(-H // (16 * tiles))), (64 * tiles,),
-                               (cp.ascontiguousarray(q, np.float32), kv, tables, positions,
-                                np.uint64(0) if ids is None else ids, sinks, out, np.int32(tables.shape[1]),
-                                np.int32(BLOCK_SIZE), np.int32(kv.shape[-1]), np.int32(H), np.int32(spec.window),
-                                np.int32(spec.rate), np.int32(0 if ids is None else ids.shape[1]),
-                                np.int32(entry_columns(spec)[0]), np.float32(D ** -0.5)), shared_mem=smem)
+                               self._sparse_args(q, tables, positions, ids, sinks, out, spec, H), shared_mem=smem)
         return out
+
+    def _sparse_args(self, q, tables, positions, ids, sinks, out, spec, n: int) -> tuple:
+        """sparse_decode's and sparse_prefill's arguments; `n` the one they differ in (sparse_decode's d,
+        sparse_prefill's head count: its d is compiled in)."""
+        kv, D = self.shared.kv_cache[spec.layer, 0], q.shape[2]
+        return (self.cp.ascontiguousarray(q, np.float32), kv, tables, positions, np.uint64(0) if ids is None else ids,
+                sinks, out, np.int32(tables.shape[1]), np.int32(BLOCK_SIZE), np.int32(kv.shape[-1]), np.int32(n),
+                np.int32(spec.window), np.int32(spec.rate), np.int32(0 if ids is None else ids.shape[1]),
+                np.int32(entry_columns(spec)[0]), np.float32(D ** -0.5))
 
 
 def step_rows(ctx, spec, cp):

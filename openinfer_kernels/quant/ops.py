@@ -83,6 +83,14 @@ def _rows(a, cols: int | None, what: str, dtype=np.uint16) -> int:
     return a.shape[0]
 
 
+def _check_gemm_tiles(rows: int, tile_m: int, tile_expert, row_token) -> None:
+    """The grouped GEMMs' layout: tiles of tile_m rows (a multiple of their WG_ROWS-row blocks), a tile's expert and
+    each row's token."""
+    _check(tile_m % WG_ROWS == 0 and rows % tile_m == 0 and tile_expert.shape == (rows // tile_m,)
+           and row_token.shape == (rows,), f"{rows} rows in tiles of {tile_m} (a multiple of {WG_ROWS}): "
+           f"tile_expert [{rows // tile_m}] and row_token [{rows}] expected")
+
+
 def _epilogue(epi: str, y, m: int, n: int, res) -> int:
     _check(epi in EPILOGUES, f"epilogue {epi!r}: one of {sorted(EPILOGUES)}")
     cols = n // 2 if epi == "silu" else n
@@ -143,9 +151,7 @@ class QuantOps:
         """gemv_w4_grouped's product for prefill (w4_grouped_gemm.cu): CTAs of 64 rows x 128 weight rows, each
         weight dequantized once for 64 rows; tile_m a multiple of 64."""
         rows = _rows(a, w.k, "a")
-        _check(tile_m % WG_ROWS == 0 and rows % tile_m == 0 and tile_expert.shape == (rows // tile_m,)
-               and row_token.shape == (rows,), f"{rows} rows in tiles of {tile_m} (a multiple of {WG_ROWS}): "
-               f"tile_expert [{rows // tile_m}] and row_token [{rows}] expected")
+        _check_gemm_tiles(rows, tile_m, tile_expert, row_token)
         _rows(out, w.n, "out")
         _check(w.k < 1 << 21, f"w4_grouped_gemm takes K < 2^21, got {w.k}")
         k = self._kernel("w4_grouped_gemm", "w4_grouped_gemm", **dict(w.defines))
@@ -205,11 +211,9 @@ class QuantOps:
     def gemv_fp8_grouped(self, aq, a_scales, w, w_scales, tile_expert, row_token, out, tile_m: int) -> None:
         """Grouped W8A8 decode experts (as gemv_w4_grouped): w e4m3 [E, N, K], w_scales [E, ...] per expert."""
         rows, K = aq.shape
-        _check(w.ndim == 3 and w.shape[2] == K and w.dtype == np.uint8, f"w must be e4m3 [E, N, {K}]")
-        E, n = w.shape[:2]
-        channel = self._check_fp8_scales(w_scales[0], n, K)
-        _check(w_scales.shape[0] == E and rows % tile_m == 0 and tile_expert.shape == (rows // tile_m,),
-               "w_scales per expert and tile_expert per tile of tile_m rows expected")
+        n, channel = self._check_fp8_experts(w, w_scales, K)
+        _check(rows % tile_m == 0 and tile_expert.shape == (rows // tile_m,),
+               "tile_expert per tile of tile_m rows expected")
         _rows(out, n, "out")
         k = self._kernel("gemv_fp8", "gemv_fp8_grouped", FP8_CHANNEL=int(channel), **self.fp8.defines("FP8"))
         self._launch(k, (_ceil(_ceil(n, 16), self.fp8.tiles_per_cta), rows // tile_m), (GEMV_THREADS,),
@@ -220,15 +224,10 @@ class QuantOps:
         """gemv_fp8_grouped's product for prefill (fp8_grouped_gemm.cu): CTAs of 64 rows x 128 weight rows, each
         weight block read once for 64 rows; tile_m a multiple of 64, a_scales' rows a multiple of 4."""
         rows, K = aq.shape
-        _check(w.ndim == 3 and w.shape[2] == K and w.dtype == np.uint8 and K % GROUP == 0,
-               f"w must be e4m3 [E, N, {K}], K a multiple of {GROUP}")
-        E, n = w.shape[:2]
-        channel = self._check_fp8_scales(w_scales[0], n, K)
+        _check(K % GROUP == 0, f"K = {K} must be a multiple of {GROUP}")
+        n, channel = self._check_fp8_experts(w, w_scales, K)
+        _check_gemm_tiles(rows, tile_m, tile_expert, row_token)
         ldx = a_scales.shape[1]
-        _check(w_scales.shape[0] == E and tile_m % WG_ROWS == 0 and rows % tile_m == 0
-               and tile_expert.shape == (rows // tile_m,) and row_token.shape == (rows,),
-               f"{rows} rows in tiles of {tile_m} (a multiple of {WG_ROWS}): w_scales per expert, tile_expert "
-               f"[{rows // tile_m}] and row_token [{rows}] expected")
         _check(a_scales.shape[0] == K // GROUP and ldx >= rows and ldx % 4 == 0,
                f"a_scales must be [{K // GROUP}, >= {rows}] with a multiple of 4 columns, got {a_scales.shape}")
         _rows(out, n, "out")
@@ -236,6 +235,15 @@ class QuantOps:
         self._launch(k, (_ceil(n, WG_COLS), rows // WG_ROWS), (WG_THREADS,),
                      (aq, a_scales, np.int32(ldx), w, w_scales, tile_expert, row_token, out, np.int32(n), np.int32(K),
                       np.int32(tile_m)))
+
+    @classmethod
+    def _check_fp8_experts(cls, w, w_scales, k: int) -> tuple[int, bool]:
+        """(N, channel scales) of FP8 experts w e4m3 [E, N, k] with w_scales per expert; ValueError otherwise."""
+        _check(w.ndim == 3 and w.shape[2] == k and w.dtype == np.uint8, f"w must be e4m3 [E, N, {k}]")
+        E, n = w.shape[:2]
+        channel = cls._check_fp8_scales(w_scales[0], n, k)
+        _check(w_scales.shape[0] == E, f"w_scales per expert expected: {E}, got {w_scales.shape[0]}")
+        return n, channel
 
     @staticmethod
     def _check_fp8_scales(ws, n: int, k: int) -> bool:

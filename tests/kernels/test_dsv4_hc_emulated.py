@@ -51,7 +51,7 @@ class EmulatedDSV4(GpuDSV4Ops):
     def __init__(self, shared=None, moe=None, state=None):
         super().__init__(shared or EmulatedHCShared(), moe, state, array_module=HostNumpy())
 
-    def _kernel(self, name: str, entry: str, **defines: int):
+    def _kernel(self, name: str, entry: str, dynamic_smem: int = 0, **defines: int):
         return name, entry, tuple(sorted(defines.items()))
 
 
