@@ -7,7 +7,7 @@
 // first; zeros when the step starts at position 0). Then state[slot] = the last K - 1 inputs. Rounds
 // like the bf16 reference (F.conv1d accumulates in float32 and rounds once, SiLU rounds once).
 // state: bf16 [slots, K - 1, C] (this layer's); w: bf16 [C, K]; slots[s] < 0: padding, skipped.
-// Speculative decoding (held[s], gated_delta_rule.cu's code: draft rows, accepted held drafts): the window first
+// Speculative decoding (held[s], held_drafts.cuh's code: draft rows, accepted held drafts): the window first
 // takes the previous step's accepted drafts from held_x ([slots][held_k][C], this layer's), the state is the
 // window after the own rows, and the draft rows' inputs go to held_x (a thread owns its channel: read before
 // written). Rows past the sequence's last of position >= 0 (a padded step's) are skipped.
@@ -17,6 +17,7 @@
 // Qwen3.5-4B (C 8192) decode is 65 KB per sequence per layer (~15 ns at 4.3 TB/s: launch-bound);
 // prefill is bandwidth-bound across channels, each thread's loads independent of its FMAs.
 #include "common.cuh"
+#include "held_drafts.cuh"
 
 #ifndef CONV_K
 #define CONV_K 4
@@ -32,12 +33,9 @@ extern "C" __global__ void causal_conv1d(const bf16_t* __restrict__ proj, int pr
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int slot = slots[s];
     if (c >= C || slot < 0) return;
-    const int t0 = cu_seqlens[s];
-    int end = cu_seqlens[s + 1];
-    while (end > t0 && positions[end - 1] < 0) --end;
+    const SeqSpan q = seq_span(cu_seqlens, positions, held, s);
+    const int t0 = q.t0, end = q.end, own_end = q.own_end, settle = q.settle;
     if (end <= t0) return;
-    const int code = held ? held[s] : 0, drafts = code & 0xFF, settle = (code >> 8) & 0xFF;
-    const int own_end = end - drafts;
     const bool fresh = positions[t0] == 0;
     bf16_t* st = state + (size_t)slot * (CONV_K - 1) * C + c;
     bf16_t* hx = held_x + (size_t)slot * held_k * C + c;   // only touched with drafts or settle > 0
