@@ -1,8 +1,9 @@
 """The target's hidden states a draft reads (EAGLE-3 heads, MTP layers), kept by sequence and position.
 
 The executor's forward hands a keeper (Ops.keep_hidden) the residual stream entering the layers a draft asked
-for; after the step, the draft files the step's rows of each sequence by position (`keep_step_rows`) until its
-catch-up reads them (`KeptRows.take_rows`). Rows at positions the target later recomputes (a rejected draft's)
+for (EAGLE-3), and the executor hands it the forward's output as layer FINAL (MTP); after the step, the draft
+files the step's rows of each sequence by position (`keep_step_rows`) until its catch-up reads them
+(`KeptRows.take_rows`). Rows at positions the target later recomputes (a rejected draft's)
 are overwritten before they are read. A sequence's rows start at the first position the target computed for it
 (a prefix hit's cached positions have none).
 """
@@ -14,6 +15,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from engine.batch import ModelBatch
+
+
+FINAL = -1      # the keeper's key of the forward's output, the final-normed hidden states (what an MTP layer reads)
 
 
 class HiddenKeeper:
@@ -32,7 +36,7 @@ class KeptRows:
     first: int                   # the first position with the target's hidden states
     end: int                     # the draft has read the rows below `end`
     aux: np.ndarray              # float32 [n, width]: the target's kept hidden states at end + i (not yet read)
-    last: np.ndarray | None = None   # the draft's pre-norm output at end - 1 (the next draft's hidden input)
+    last: np.ndarray | None = None   # the draft's output at end - 1 (the next draft's hidden input)
     xp: object = np                  # the arrays' module
 
     def keep_rows(self, pos: np.ndarray, rows: np.ndarray) -> None:
@@ -73,7 +77,7 @@ def drop_states(states: dict, seq_ids: set[int]) -> list:
 
 def greedy_drafts(hidden: dict, limits: Sequence[int], xp, tokens_of: Callable, step: Callable) -> list[list[int]]:
     """Up to limits[i] greedy drafts for each sequence i with a hidden input (hidden[i]: [1, H], its draft layer's
-    last pre-norm output). Per step, the drafts of every sequence's row at once (tokens_of: stacked rows -> target
+    last output). Per step, the drafts of every sequence's row at once (tokens_of: stacked rows -> target
     ids); then step(more, hidden, drafts, j): the next hidden input of each sequence in `more` (those that draft
     again: the layer run at num_computed + j on the draft just made, its KV row scratch)."""
     drafts: list[list[int]] = [[] for _ in limits]

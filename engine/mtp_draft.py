@@ -1,19 +1,21 @@
 """An MTP layer drafting on the numpy executor (engine/mtp.py's module, float32): the `mtp` proposer.
 
-Per sequence (MtpState) the draft keeps the target's last hidden states by position until the layer has read
-them (engine/draft_rows.py) and the layer's own KV in a small paged pool of its own (MtpPool: one layer, its
-blocks handed to sequences as they grow). Before a decode step, `propose` catches the layer up over the
-positions the target computed since (`end` to num_computed: the target's hidden state at i and the token at
-i + 1, both final, so those KV rows are committed), then drafts k tokens greedily: the first from the catch-up's
-last output, each next by the same layer applied again at the next position on its own pre-norm output and the
-token it just drafted — vLLM's recursion when num_speculative_tokens exceeds num_nextn_predict_layers. Those
-steps' KV rows lie at positions from num_computed on, past `end`: scratch, overwritten by the next catch-up
-whatever the verification accepts (rollback as the EAGLE-3 draft's). A sequence's state starts at the first
-position the target computed for it (a prefix hit's cached positions have no hidden states: the layer attends
-from there) and is dropped when the sequence leaves the running set.
+Per sequence (MtpState) the draft keeps the target's final-normed hidden states by position until the layer has
+read them (engine/draft_rows.py; the executor hands them over as keeper layer FINAL) and the layer's own KV in a
+small paged pool of its own (MtpPool: one layer of the target's KV layout, its blocks handed to sequences as they
+grow). Before a decode step, `propose` catches the layer up over the positions the target computed since (`end` to
+num_computed: the target's hidden state at i and the token at i + 1, both final, so those KV rows are committed),
+then drafts k tokens greedily: the first from the catch-up's last output, each next by the same layer applied again
+at the next position on its own output h' and the token it just drafted — vLLM's recursion when
+num_speculative_tokens exceeds the modules. Those steps' KV rows lie at positions from num_computed on, past
+`end`: scratch, overwritten by the next catch-up whatever the verification accepts (rollback as the EAGLE-3
+draft's). A sequence's state starts at the first position the target computed for it (a prefix hit's cached
+positions have no hidden states: the layer attends from there) and is dropped when the sequence leaves the running
+set.
 
-The block runs through the target line's own forward pieces (mla_block, the line's MLP / MoE) over NumpyOps on
-the private pool, whose one layer every layer index reads (the pool's layer stride is 0).
+The block runs through the target line's own forward pieces (its `mtp_block`: DeepSeek's MLA block and MLP /
+MoE, Qwen3.5's gated attention and MLP) over NumpyOps on the private pool, whose one layer every layer index reads
+(the pool's layer stride is 0).
 """
 from __future__ import annotations
 
@@ -22,12 +24,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from engine.batch import ModelBatch, SeqStep
-from engine.draft_rows import KeptRows, drop_states, greedy_drafts, keep_step_rows
+from engine.draft_rows import FINAL, KeptRows, drop_states, greedy_drafts, keep_step_rows
 from engine.executor.cpu_ops import CpuStepContext, NumpyOps
-from engine.models.deepseek_v2 import mla_block
-from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+from engine.models.decoder import DecoderLM
+from engine.mtp import MtpLayer
 from engine.sequence import Sequence
-from memory.kv_pool import BLOCK_SIZE, blocks_for
+from memory.kv_pool import BLOCK_SIZE, KVLayout, blocks_for
 
 
 @dataclass
@@ -36,11 +38,11 @@ class MtpState(KeptRows):
 
 
 class MtpPool:
-    """The MTP layer's own paged KV (one latent row per token), grown by doubling."""
+    """The MTP layer's own paged KV (one layer of the target's KV layout), grown by doubling."""
 
-    def __init__(self, layer: int, dim: int, blocks: int = 16):
-        self.layer, self.dim = layer, dim
-        self.kv = np.zeros((1, 1, blocks * BLOCK_SIZE, 1, dim), np.float32)
+    def __init__(self, layer: int, layout: KVLayout, blocks: int = 16):
+        self.layer = layer
+        self.kv = np.zeros(replace(layout, layers=1).pool_shape(blocks), np.float32)
         self.free = list(range(blocks))
 
     def view(self) -> np.ndarray:
@@ -64,20 +66,19 @@ class MtpPool:
 class MtpDraft:
     """The DraftProposer (engine/ngram.py's protocol) of an MTP layer over the target's kept hidden states."""
 
-    def __init__(self, model: DeepseekV3ForCausalLM, layer: int, weights: dict, embed: np.ndarray,
-                 cos: np.ndarray, sin: np.ndarray):
-        """weights: the module's (engine/mtp.py MtpLayer.weights, as the executor prepared them); embed: the
-        target's embedding; cos / sin: the target's rotary tables."""
-        self.model, self.layer, self.w, self.embed = model, layer, weights, embed
+    def __init__(self, model: DecoderLM, mtp: MtpLayer, weights: dict, embed: np.ndarray, cos: np.ndarray,
+                 sin: np.ndarray):
+        """weights: the module's (mtp.weights, as the executor prepared them); embed: the target's embedding;
+        cos / sin: the target's rotary tables."""
+        self.model, self.layer, self.module, self.w, self.embed = model, mtp.layer, mtp.module, weights, embed
         self.cos, self.sin, self.eps = cos, sin, model.config.rms_norm_eps
-        self.spec = replace(model.attention_specs[0], layer=layer)
-        self.pool = MtpPool(layer, self.spec.cache_dim)
+        self.pool = MtpPool(mtp.layer, model.kv_layout())
         self.ops = NumpyOps(self.pool.view(), model.op_families)
         self.states: dict[int, MtpState] = {}
 
     def take(self, batch: ModelBatch, kept: dict) -> None:
-        """Keep a step's last hidden states (kept[layer]: [T, H]) by sequence and position."""
-        rows = kept[self.layer]
+        """Keep a step's final-normed hidden states (kept[FINAL]: [T, H]) by sequence and position."""
+        rows = kept[FINAL]
         keep_step_rows(self.states, batch, rows, lambda first: MtpState(
             first=first, end=first, aux=np.zeros((0, rows.shape[1]), np.float32)))
 
@@ -117,23 +118,27 @@ class MtpDraft:
                 state.last = out[e - 1]
         return states
 
-    def _tokens(self, prenorm: np.ndarray) -> list[int]:
-        """The greedy draft of each pre-norm output row: argmax of shared_head.head(shared_head.norm(row))."""
-        normed, _ = self.ops.rms_norm(prenorm, self.w["mtp.norm"], self.eps)
-        return [int(t) for t in np.argmax(self.ops.logits(normed, self.w["mtp.head"]), axis=-1)]
+    def _tokens(self, out: np.ndarray) -> list[int]:
+        """The greedy draft of each output row h': argmax of head(norm(h')) (DeepSeek's shared_head), or of
+        head(h') where the block's output is normed already (Qwen3.5)."""
+        if self.module.head_norm:
+            out, _ = self.ops.rms_norm(out, self.w["mtp.norm"], self.eps)
+        return [int(t) for t in np.argmax(self.ops.logits(out, self.w["mtp.head"]), axis=-1)]
 
     def _layer(self, items: list[tuple]) -> np.ndarray:
         """The module at each item's positions (state, hidden [n, H], the n tokens after them, n positions):
-        writes its KV there, attends causally from the state's first position; the pre-norm outputs [sum n, H]."""
+        writes its KV there, attends causally from the state's first position; the outputs h' [sum n, H]."""
         ops, w, eps = self.ops, self.w, self.eps
         tokens = np.concatenate([np.asarray(t, np.int64) for _, _, t, _ in items])
-        embedded, _ = ops.rms_norm(self.embed[tokens], w["mtp.enorm"], eps)
+        positions = np.concatenate([np.asarray(pos, np.int64) for *_, pos in items])
+        embedding = self.embed[tokens]
+        if self.module.masks_first:
+            embedding = np.where((positions == 0)[:, None], np.float32(0), embedding)
+        embedded, _ = ops.rms_norm(embedding, w["mtp.enorm"], eps)
         hidden, _ = ops.rms_norm(np.concatenate([h for _, h, _, _ in items]), w["mtp.hnorm"], eps)
         x = ops.linear(np.concatenate([embedded, hidden], axis=-1), w["mtp.eh_proj"])
         ctx = self._context([(state, np.asarray(pos, np.int64)) for state, _, _, pos in items])
-        residual, normed = mla_block(ops, w, x, None, self.spec, ctx, self.model.opt, eps)
-        residual, _ = self.model.mlp(ops, w, residual, normed, self.layer, eps, w["mtp.norm"])
-        return np.asarray(residual, np.float32)
+        return np.asarray(self.model.mtp_block(ops, w, x, self.layer, ctx), np.float32)
 
     def _context(self, rows: list[tuple[MtpState, np.ndarray]]) -> CpuStepContext:
         """A step over the private pool: positions relative to each state's first (its block table's), the

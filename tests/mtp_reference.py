@@ -1,13 +1,17 @@
-"""A torch reference of an MTP module's drafting, written from the definition (DeepSeek-V3's MTP; vLLM's
-deepseek_mtp.py), the oracle of the engine's numpy draft. The target's last hidden state h_i (before its final
-norm) comes from transformers (a hook on its last decoder layer); the module's decoder block is transformers' own
-DeepseekV3 decoder layer, run as a one-layer transformers model whose input embeddings are the module's
-eh_proj(concat(enorm(embed(t_{i+1})), hnorm(h_i))) and whose final norm and lm_head are shared_head.norm and
-shared_head.head.
+"""Torch references of an MTP module's drafting, written from the definition (vLLM's deepseek_mtp.py and
+qwen3_5_mtp.py), the oracles of the engine's numpy draft. The target's hidden state h_i is transformers' own,
+after its final norm (the base model's last_hidden_state: what vLLM hands its drafts); the module's decoder block
+is transformers' own decoder layer of the line, run as a one-layer transformers model whose input embeddings are
+fc(concat(norm_e(embed(t_{i+1})), norm_h(h_i))) and whose final norm and lm_head are the module's.
+
+  DeepSeek-V3 / Kimi-K2: enorm / hnorm / eh_proj; the embedding zero at position 0; logits
+    shared_head.head(shared_head.norm(h')); the next draft's hidden h' before that norm.
+  Qwen3.5: (1 + w) norms pre_fc_norm_embedding / pre_fc_norm_hidden, fc; logits lm_head(mtp.norm(h'')); the next
+    draft's hidden mtp.norm(h'') (the block model's last_hidden_state).
 
 Drafting after tokens t_0..t_n whose first n the target has computed: the module runs over positions 0..n-1; the
 first draft is the argmax of its logits at n - 1; each next draft runs the module at the next position on its
-last pre-norm output and the draft just made, attending to every earlier position (the drafts' too).
+last output and the draft just made, attending to every earlier position (the drafts' too).
 """
 from __future__ import annotations
 
@@ -27,47 +31,63 @@ def _output(module, store):
     return module.register_forward_hook(hook)
 
 
-class MtpReference:
-    def __init__(self, folder: str):
-        from safetensors.torch import load_file
+def _raw(folder: str) -> dict:
+    from safetensors.torch import load_file
+    raw = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            raw.update({k: v.float() for k, v in load_file(os.path.join(folder, f)).items()})
+    return raw
 
+
+def _one_layer_model(folder: str, config: dict, state: dict):
+    """A transformers model of `config` from `state`, written to `folder` (every tensor loads, none missing)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    os.makedirs(folder, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
+                                                       output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+class MtpReference:
+    """DeepSeek-V3 / Kimi-K2's module at model.layers.{L}."""
+    masks_first = True
+
+    def __init__(self, folder: str):
         from harness.models import hf_model
         with open(os.path.join(folder, "config.json")) as f:
             cfg = json.load(f)
-        self.target, self.eps, L = hf_model(folder), cfg["rms_norm_eps"], cfg["num_hidden_layers"]
-        raw = {k: v.float() for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
+        raw, L = _raw(folder), cfg["num_hidden_layers"]
+        self.target, self.eps, self.embed = hf_model(folder), cfg["rms_norm_eps"], raw["model.embed_tokens.weight"]
         m = f"model.layers.{L}."
-        self.w = {k[len(m):]: v for k, v in raw.items() if k.startswith(m)}
-        self.block = self._block_model(folder, cfg, raw, L)
-        self.embed = raw["model.embed_tokens.weight"]
-
-    def _block_model(self, folder: str, cfg: dict, raw: dict, L: int):
-        """The module's block as a one-layer transformers DeepseekV3 (MoE where layer L is), its final norm and
-        lm_head the module's shared_head, loaded by transformers from a folder written beside `folder`."""
-        from safetensors.torch import save_file
-        from transformers import AutoModelForCausalLM
+        w = {k[len(m):]: v for k, v in raw.items() if k.startswith(m)}
+        self.norm_e, self.norm_h, self.fc = w["enorm.weight"], w["hnorm.weight"], w["eh_proj.weight"]
         own = ("enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")
-        state = {f"model.layers.0.{k}": v for k, v in self.w.items() if not k.startswith(own)}
-        state.update({"model.norm.weight": self.w["shared_head.norm.weight"],
-                      "lm_head.weight": self.w.get("shared_head.head.weight", raw["lm_head.weight"]),
+        state = {f"model.layers.0.{k}": v for k, v in w.items() if not k.startswith(own)}
+        state.update({"model.norm.weight": w["shared_head.norm.weight"],
+                      "lm_head.weight": w.get("shared_head.head.weight", raw["lm_head.weight"]),
                       "model.embed_tokens.weight": raw["model.embed_tokens.weight"]})
-        out = folder.rstrip("/") + "_mtp_block"
-        os.makedirs(out, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"))
         dense = 0 if L >= cfg["first_k_dense_replace"] else 1
-        with open(os.path.join(out, "config.json"), "w") as f:
-            json.dump({**cfg, "num_hidden_layers": 1, "num_nextn_predict_layers": 0, "first_k_dense_replace": dense}, f)
-        model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
-                                                           output_loading_info=True)
-        assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-        return model.eval()
+        self.block = _one_layer_model(folder.rstrip("/") + "_mtp_block", {
+            **cfg, "num_hidden_layers": 1, "num_nextn_predict_layers": 0, "first_k_dense_replace": dense}, state)
 
-    def _input(self, hidden, tokens):
-        e = _rms(self.embed[torch.tensor(tokens)], self.w["enorm.weight"], self.eps)
-        h = _rms(hidden, self.w["hnorm.weight"], self.eps)
-        return torch.cat([e, h], -1) @ self.w["eh_proj.weight"].T
+    def _norm(self, x, w):
+        return _rms(x, w, self.eps)
+
+    def _input(self, hidden, tokens, first: int):
+        """fc(concat(norm_e(e), norm_h(h))) of the rows at positions first, first + 1, ..."""
+        e = self.embed[torch.tensor(tokens)]
+        if self.masks_first and first == 0:
+            e = torch.cat([torch.zeros_like(e[:1]), e[1:]])
+        return torch.cat([self._norm(e, self.norm_e), self._norm(hidden, self.norm_h)], -1) @ self.fc.T
 
     def _run(self, x):
+        """The block over x: (logits of the last row, the last row's next hidden input)."""
         prenorm = []
         handle = _output(self.block.model.layers[0], prenorm)
         try:
@@ -80,18 +100,44 @@ class MtpReference:
     def drafts(self, tokens: list[int], computed: int, k: int) -> tuple[list[int], list[float]]:
         """k drafts after `tokens` (the target computed the first `computed`), and each draft's margin (its
         logit over the runner-up's)."""
-        last = []
-        handle = _output(self.target.model.layers[-1], last)
-        try:
-            self.target(torch.tensor([tokens[:computed]]))
-        finally:
-            handle.remove()
-        x = self._input(last[0][0], tokens[1:computed + 1])
+        hidden = self.target.model(torch.tensor([tokens[:computed]])).last_hidden_state[0]
+        x = self._input(hidden, tokens[1:computed + 1], 0)
         drafts, margins = [], []
         for _ in range(k):
-            logits, prenorm = self._run(x)
+            logits, nxt = self._run(x)
             top = torch.topk(logits, 2).values
             drafts.append(int(logits.argmax()))
             margins.append(float(top[0] - top[1]))
-            x = torch.cat([x, self._input(prenorm[None], drafts[-1:])])
+            x = torch.cat([x, self._input(nxt[None], drafts[-1:], len(x))])
         return drafts, margins
+
+
+class Qwen35MtpReference(MtpReference):
+    """Qwen3.5's module at mtp.* (either checkpoint form)."""
+    masks_first = False
+
+    def __init__(self, folder: str):
+        from harness.hybrid_models import hybrid_hf_model
+        with open(os.path.join(folder, "config.json")) as f:
+            cfg = json.load(f)
+        text = cfg.get("text_config", cfg)
+        raw = _raw(folder)
+        embed = raw.get("model.embed_tokens.weight", raw.get("model.language_model.embed_tokens.weight"))
+        self.target, self.eps, self.embed = hybrid_hf_model(folder), text["rms_norm_eps"], embed
+        self.norm_e, self.norm_h = raw["mtp.pre_fc_norm_embedding.weight"], raw["mtp.pre_fc_norm_hidden.weight"]
+        self.fc = raw["mtp.fc.weight"]
+        tied = bool(cfg.get("tie_word_embeddings", False))
+        state = {f"model.layers.0.{k[len('mtp.layers.0.'):]}": v for k, v in raw.items() if k.startswith("mtp.layers.0.")}
+        state.update({"model.norm.weight": raw["mtp.norm.weight"], "model.embed_tokens.weight": embed})
+        if not tied:
+            state["lm_head.weight"] = raw["lm_head.weight"]
+        self.block = _one_layer_model(folder.rstrip("/") + "_mtp_block", {
+            **text, "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "num_hidden_layers": 1,
+            "layer_types": ["full_attention"], "tie_word_embeddings": tied}, state)
+
+    def _norm(self, x, w):
+        return _rms(x, 1 + w, self.eps)
+
+    def _run(self, x):
+        out = self.block.model(inputs_embeds=x[None], position_ids=torch.arange(len(x))[None]).last_hidden_state[0]
+        return self.block.lm_head(out[-1]), out[-1]

@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 
 from engine.batch import ModelBatch, PromptLogprobResult, StepOutput
-from engine.draft_rows import HiddenKeeper
+from engine.draft_rows import FINAL, HiddenKeeper
 from engine.eagle3 import Eagle3Head
 from engine.eagle3_draft import Eagle3Draft
 from engine.executor.base import ExecutorBase
@@ -85,9 +85,10 @@ class CpuExecutor(ExecutorBase):
         return self.draft
 
     def attach_mtp(self, mtp: MtpLayer) -> MtpDraft:
-        """Keep the last hidden state on every step from now on; the MTP layer's draft proposer over it."""
-        self.draft = MtpDraft(self.model, mtp.layer, self._prepared(mtp.weights), self.weights["embed_tokens"], self.cos, self.sin)
-        self.ops.keeper = HiddenKeeper({mtp.layer})
+        """Keep the final-normed hidden states on every step from now on; the MTP layer's draft proposer over them."""
+        self.draft = MtpDraft(self.model, mtp, self._prepared(mtp.weights), self.weights["embed_tokens"], self.cos,
+                              self.sin)
+        self.ops.keeper = HiddenKeeper({FINAL})
         return self.draft
 
     def _ops(self, state, lora: NumpyLoRAOps | None) -> NumpyOps:
@@ -158,6 +159,7 @@ class CpuExecutor(ExecutorBase):
     def _hidden(self, batch: ModelBatch) -> np.ndarray:
         hidden = self.model.forward(self.ops, self.weights, self._context(batch))
         if self.draft is not None:
+            self.ops.keeper.keep(FINAL, hidden)
             self.draft.take(batch, self.ops.keeper.kept)
         return hidden
 

@@ -130,7 +130,6 @@ def decoder_stack(ops: Ops, w: dict[str, Array], ctx: Any, cfg: ModelConfig,
             ops.keep_hidden(spec.layer, residual)
             residual, normed = attention(ops, w, residual, normed, spec, ctx, opt, eps)
             residual, normed = mlp(ops, w, residual, normed, spec.layer, eps, next_norm)
-    ops.keep_hidden(cfg.num_hidden_layers, residual)        # the last hidden state, before the final norm
     if normed is None:
         normed, _ = ops.rms_norm(residual, w["norm"], eps)
     return normed
@@ -193,6 +192,11 @@ class DecoderLM:
         """The op families (engine/models/ops.py) the forward calls beyond the dense Ops: "moe" with routed
         experts; a line with others adds its own. The executors build those parts only."""
         return frozenset({"moe"}) if self.expert_shape is not None else frozenset()
+
+    def mtp_module(self):
+        """The line's multi-token-prediction module as its checkpoints store it (engine/models/mtp_module.py);
+        None: the line has none the engine runs."""
+        return None
 
     def check_gpu_shapes(self) -> None:
         """The GPU kernels' shape limits for this line, refused at start (the GPU executor calls it)."""

@@ -10,18 +10,19 @@ routed_scaling_factor. The bias is `layers.{i}.router_bias` (moe.routed_experts 
 Every layer from first_k_dense_replace on is MoE (transformers ignores moe_layer_freq: refused unless 1).
 Multi-token-prediction layers (num_nextn_predict_layers of them, stored as model.layers.{L}.* with L >=
 num_hidden_layers) are not part of the target: left unread at load, with a log line, they draft tokens under
---speculative-config method "mtp" (engine/mtp.py reads the first). Kimi-K2's checkpoints
+--speculative-config method "mtp" (engine/mtp.py reads the first; `mtp_module` below declares it). Kimi-K2's checkpoints
 (model_type kimi_k2 in their config.json) load with this line. Quantized checkpoints (FP8 block scales,
 compressed-tensors int4) are dequantized by the loader (engine/loader/quantized.py).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from engine.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
-from engine.models.ops import RouteSpec
+from engine.models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM, mla_block
+from engine.models.mtp_module import MtpModule
+from engine.models.ops import Array, Ops, RouteSpec
 from engine.models.weights import WeightSpec, packed
 
 log = logging.getLogger(__name__)
@@ -89,3 +90,28 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
                      "part of the target (--speculative-config method 'mtp' drafts with them)", self.model_type,
                      len(mtp), self.mla.mtp_layers, first)
         return has, get
+
+    # ---- the multi-token-prediction module (engine/mtp.py) ----------------------------------------------------
+    def mtp_module(self) -> MtpModule:
+        L = self.config.num_hidden_layers
+        return MtpModule(count=self.mla.mtp_layers, count_key="num_nextn_predict_layers",
+                         marker=f"model.layers.{L}.eh_proj.weight", head_norm=True, masks_first=True)
+
+    def mtp_weight_specs(self, layer: int, has: Callable[[str], bool]) -> list[WeightSpec]:
+        """The module at model.layers.{layer}: its block's weights as the target's layer `layer` would be, its
+        norms, projection and head (mtp.head from lm_head where the module ships none)."""
+        H, V = self.config.hidden_size, self.config.vocab_size
+        hf = f"model.layers.{layer}"
+        head = f"{hf}.shared_head.head.weight" if has(f"{hf}.shared_head.head.weight") else "lm_head.weight"
+        return self.layer_weight_specs(layer) + [
+            packed("mtp.enorm", (f"{hf}.enorm.weight", (H,))), packed("mtp.hnorm", (f"{hf}.hnorm.weight", (H,))),
+            packed("mtp.eh_proj", (f"{hf}.eh_proj.weight", (H, 2 * H))),
+            packed("mtp.norm", (f"{hf}.shared_head.norm.weight", (H,))), packed("mtp.head", (head, (V, H)))]
+
+    def mtp_block(self, ops: Ops, w: dict[str, Array], x: Array, layer: int, ctx: Any) -> Array:
+        """The module's decoder block (MLA, then the MLP or experts of layer `layer`): h' before shared_head.norm."""
+        eps = self.config.rms_norm_eps
+        residual, normed = mla_block(ops, w, x, None, replace(self.attention_specs[0], layer=layer), ctx, self.opt,
+                                     eps)
+        residual, _ = self.mlp(ops, w, residual, normed, layer, eps, w["mtp.norm"])
+        return residual

@@ -298,9 +298,9 @@ class Ops(Protocol):
         """Brackets one decoder layer's ops (an NVTX range on the GPU)."""
 
     def keep_hidden(self, layer: int, x: Array) -> None:
-        """x [T, H], the residual stream entering decoder layer `layer` (num_hidden_layers: the last hidden state,
-        before the final norm): kept for a draft that reads it (EAGLE-3, MTP) where the executor asked for that
-        layer; nothing otherwise."""
+        """x [T, H], the residual stream entering decoder layer `layer`: kept for a draft that reads it (EAGLE-3)
+        where the executor asked for that layer; nothing otherwise. (An MTP layer reads the forward's output,
+        which the executor hands the keeper as layer draft_rows.FINAL.)"""
 
 
 class ComposedOps:

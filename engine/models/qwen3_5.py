@@ -25,12 +25,14 @@ checkpoint's in three ways, all applied at load (`checkpoint`):
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
 
 from engine.model_config import ModelConfig
-from engine.models.decoder import DecoderLM, LayerOptions, mlp_block
+from engine.models.decoder import DecoderLM, LayerOptions, mlp_block, mlp_weight_specs
+from engine.models.mtp_module import MtpModule
 from engine.models.ops import Array, AttentionSpec, LinearAttentionSpec, Ops
 from engine.models.rope import partial_rotary_factor, rotary_dim
 from engine.models.weights import WeightSpec, packed
@@ -39,6 +41,8 @@ from memory.state_slots import ACTIVATION, StateArray, StateLayout
 
 LINEAR, FULL = "linear_attention", "full_attention"
 PLUS_ONE_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight")
+PLUS_ONE_TOP = ("model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight",
+                "mtp.pre_fc_norm_embedding.weight")
 QUERY, GATE = "#query", "#gate"             # q_proj split into its query and gate rows (engine-side names)
 PAD = "#zeros"                              # zero rows padding the DeltaNet input projection to a multiple of 8
 PROJ_ALIGN = 8
@@ -125,7 +129,7 @@ class Qwen3_5ForCausalLM(DecoderLM):
     # ---- declarations -------------------------------------------------------------------------
     def weight_specs(self) -> list[WeightSpec]:
         c = self.config
-        V, H, I = c.vocab_size, c.hidden_size, c.intermediate_size
+        V, H = c.vocab_size, c.hidden_size
         specs = [packed("embed_tokens", ("model.embed_tokens.weight", (V, H)))]
         for i in range(c.num_hidden_layers):
             hf = f"model.layers.{i}"
@@ -133,21 +137,24 @@ class Qwen3_5ForCausalLM(DecoderLM):
             if i in self.linear_specs:
                 specs += self._linear_weights(i, self.linear_specs[i])
             else:
-                specs += self._attention_weights(i)
-            specs += [
-                packed(f"layers.{i}.post_attention_layernorm", (f"{hf}.post_attention_layernorm.weight", (H,))),
-                packed(f"layers.{i}.gate_up_proj", (f"{hf}.mlp.gate_proj.weight", (I, H)),
-                       (f"{hf}.mlp.up_proj.weight", (I, H))),
-                packed(f"layers.{i}.down_proj", (f"{hf}.mlp.down_proj.weight", (H, I)))]
+                specs += self._attention_weights(i, hf)
+            specs += self._mlp_weights(i, hf)
         specs.append(packed("norm", ("model.norm.weight", (H,))))
         if not c.tie_word_embeddings:
             specs.append(packed("lm_head", ("lm_head.weight", (V, H))))
         return specs
 
-    def _attention_weights(self, i: int) -> list[WeightSpec]:
+    def _mlp_weights(self, i: int, hf: str) -> list[WeightSpec]:
+        """Layer i's post-attention norm and SwiGLU MLP at checkpoint prefix hf."""
+        H = self.config.hidden_size
+        return [packed(f"layers.{i}.post_attention_layernorm", (f"{hf}.post_attention_layernorm.weight", (H,))),
+                *mlp_weight_specs(f"layers.{i}.", f"{hf}.mlp", H, self.config.intermediate_size)]
+
+    def _attention_weights(self, i: int, hf: str) -> list[WeightSpec]:
+        """Gated full attention of engine layer i at checkpoint prefix hf."""
         c = self.config
         H, D, q, kv = c.hidden_size, c.head_dim, c.q_size, c.kv_size
-        at = f"model.layers.{i}.self_attn"
+        at = f"{hf}.self_attn"
         return [packed(f"layers.{i}.qkv_proj", (f"{at}.q_proj.weight{QUERY}", (q, H)),
                        (f"{at}.k_proj.weight", (kv, H)), (f"{at}.v_proj.weight", (kv, H))),
                 packed(f"layers.{i}.attn_gate_proj", (f"{at}.q_proj.weight{GATE}", (q, H))),
@@ -239,7 +246,7 @@ class Qwen3_5ForCausalLM(DecoderLM):
                 a = head_rows(a)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 a = head_rows(a)
-            if name.endswith(PLUS_ONE_NORMS) or name == "model.norm.weight":
+            if name.endswith(PLUS_ONE_NORMS) or name in PLUS_ONE_TOP:
                 a = np.float32(1.0) + a.astype(np.float32)
             return a
 
@@ -264,13 +271,13 @@ class Qwen3_5ForCausalLM(DecoderLM):
             normed, _ = ops.rms_norm(residual, w["norm"], eps)
         return normed
 
-    def _attention_block(self, ops: Ops, w, residual, normed, i: int, ctx, eps: float):
-        """residual + o_proj(attention(rope(q, k), v) · sigmoid(gate))."""
+    def _attention_block(self, ops: Ops, w, residual, normed, i: int, ctx, eps: float, spec: AttentionSpec = None):
+        """residual + o_proj(attention(rope(q, k), v) · sigmoid(gate)); spec: the KV's (default layer i's)."""
         if normed is None:
             normed, _ = ops.rms_norm(residual, w[f"layers.{i}.input_layernorm"], eps)
         qkv = ops.linear(normed, w[f"layers.{i}.qkv_proj"])
         gate = ops.linear(normed, w[f"layers.{i}.attn_gate_proj"])
-        o = ops.rope_attention(qkv, self.attention_layers[i], ctx, q_norm=w[f"layers.{i}.q_norm"],
+        o = ops.rope_attention(qkv, spec or self.attention_layers[i], ctx, q_norm=w[f"layers.{i}.q_norm"],
                                k_norm=w[f"layers.{i}.k_norm"])
         o = ops.deltanet.sigmoid_gate(o, gate)
         return ops.add_linear_norm(o, w[f"layers.{i}.o_proj"], residual, w[f"layers.{i}.post_attention_layernorm"], eps)
@@ -285,6 +292,33 @@ class Qwen3_5ForCausalLM(DecoderLM):
         o = ops.deltanet.gated_rms_norm(o, proj, w[f"layers.{i}.linear_norm"], spec)
         post_norm = w[f"layers.{i}.post_attention_layernorm"]
         return ops.add_linear_norm(o, w[f"layers.{i}.out_proj"], residual, post_norm, eps)
+
+    # ---- the multi-token-prediction module (engine/mtp.py) ----------------------------------------------------
+    def mtp_module(self) -> MtpModule:
+        count = int(self.config.raw.get("mtp_num_hidden_layers") or 0)
+        return MtpModule(count=count, count_key="mtp_num_hidden_layers", marker="mtp.fc.weight", head_norm=False,
+                         masks_first=False)
+
+    def mtp_weight_specs(self, layer: int, has: Callable[[str], bool]) -> list[WeightSpec]:
+        """mtp.layers.0 as engine layer `layer` (gated full attention, dense MLP), the module's norms and fc, and
+        the target's lm_head as mtp.head."""
+        c = self.config
+        H, V, hf = c.hidden_size, c.vocab_size, "mtp.layers.0"
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        return [packed(f"layers.{layer}.input_layernorm", (f"{hf}.input_layernorm.weight", (H,))),
+                *self._attention_weights(layer, hf), *self._mlp_weights(layer, hf),
+                packed("mtp.enorm", ("mtp.pre_fc_norm_embedding.weight", (H,))),
+                packed("mtp.hnorm", ("mtp.pre_fc_norm_hidden.weight", (H,))),
+                packed("mtp.eh_proj", ("mtp.fc.weight", (H, 2 * H))),
+                packed("mtp.norm", ("mtp.norm.weight", (H,))), packed("mtp.head", (head, (V, H)))]
+
+    def mtp_block(self, ops: Ops, w: dict[str, Array], x: Array, layer: int, ctx: Any) -> Array:
+        """The module's layer (gated attention over its own KV, the MLP), then mtp.norm: h', normed."""
+        eps = self.config.rms_norm_eps
+        spec = replace(next(iter(self.attention_layers.values())), layer=layer)
+        residual, normed = self._attention_block(ops, w, x, None, layer, ctx, eps, spec)
+        residual, normed = mlp_block(ops, w, residual, normed, layer, eps, w["mtp.norm"])
+        return normed if normed is not None else ops.rms_norm(residual, w["mtp.norm"], eps)[0]
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):

@@ -36,9 +36,11 @@ def mtp_engine(folder: str, k: int = 3, **config):
     from engine.executor.cpu import CpuExecutor
     from engine.executor.options import options_of
     model = load_model(folder)
-    ex = CpuExecutor(model, options_of(num_kv_blocks=config.pop("num_kv_blocks", 64), max_model_len=512))
+    ex = CpuExecutor(model, options_of(num_kv_blocks=config.pop("num_kv_blocks", 64), max_model_len=512,
+                                       num_speculative_tokens=k))
+    method = config.pop("method", "deepseek_mtp")
     return make_engine(ex, model.tokenizer, max_model_len=512,
-                       speculative_config=SpeculativeConfig.from_dict({"method": "deepseek_mtp",
+                       speculative_config=SpeculativeConfig.from_dict({"method": method,
                                                                         "num_speculative_tokens": k}), **config)
 
 
@@ -113,33 +115,40 @@ def test_quantized_checkpoints_mtp_layer_loads_dequantized():
                                       np.asarray(want.weights[name], np.float32))
 
 
-@pytest.mark.parametrize("name,k", [("deepseek_v3", 3), ("kimi_k2", 2)])
-def test_drafts_equal_the_torch_reference(name, k):
+def check_drafts_equal_the_reference(folder: str, k: int, reference, **config) -> None:
     """Greedy requests run together in chunks, the verified drafts steered so some are accepted; each proposal the
     module made equals the reference's drafts after the same tokens (a near tie, margin < 1e-3, may go either
     way)."""
-    folder = mtp_path(name)
     reqs = requests(3, seed=1, max_tokens=12, sampled=False)
-    off, _ = run_mtp(folder, reqs, speculation=False, max_num_batched_tokens=16)
-    on, engine = run_mtp(folder, reqs, steer_from=off, k=k, max_num_batched_tokens=16)
+    off, _ = run_mtp(folder, reqs, speculation=False, max_num_batched_tokens=16, **config)
+    on, engine = run_mtp(folder, reqs, steer_from=off, k=k, max_num_batched_tokens=16, **config)
     assert_same(off, on)
     assert engine.speculator.counters.num_accepted_tokens >= 5
-    assert_drafts_match(engine.speculator.proposer.calls, MtpReference(folder))
+    assert_drafts_match(engine.speculator.proposer.calls, reference(folder))
+
+
+def check_generates_what_plain_decoding_generates(folder: str, batch: int, chunk: int, **config) -> None:
+    """One request, or several together in chunks (greedy and seeded sampling): the module's own drafts, and
+    steered ones."""
+    reqs = requests(batch, seed=4, max_tokens=20)
+    off, _ = run_mtp(folder, reqs, speculation=False, max_num_batched_tokens=chunk, **config)
+    on, engine = run_mtp(folder, reqs, max_num_batched_tokens=chunk, **config)
+    assert_same(off, on)
+    assert engine.speculator.counters.num_draft_tokens > 20 * batch
+    steered, engine = run_mtp(folder, reqs, steer_from=off, max_num_batched_tokens=chunk, **config)
+    assert_same(off, steered)
+    c = engine.speculator.counters
+    assert c.num_draft_tokens > c.num_accepted_tokens > 5 * batch
+
+
+@pytest.mark.parametrize("name,k", [("deepseek_v3", 3), ("kimi_k2", 2)])
+def test_drafts_equal_the_torch_reference(name, k):
+    check_drafts_equal_the_reference(mtp_path(name), k, MtpReference)
 
 
 @pytest.mark.parametrize("batch,chunk", [(1, 512), pytest.param(5, 24, marks=pytest.mark.slow)])
 def test_mtp_generates_what_plain_decoding_generates(batch, chunk):
-    """One request, and several together in chunks (greedy and seeded sampling): the module's own drafts, and
-    steered ones."""
-    folder, reqs = mtp_path(), requests(batch, seed=4, max_tokens=20)
-    off, _ = run_mtp(folder, reqs, speculation=False, max_num_batched_tokens=chunk)
-    on, engine = run_mtp(folder, reqs, max_num_batched_tokens=chunk)
-    assert_same(off, on)
-    assert engine.speculator.counters.num_draft_tokens > 20 * batch
-    steered, engine = run_mtp(folder, reqs, steer_from=off, max_num_batched_tokens=chunk)
-    assert_same(off, steered)
-    c = engine.speculator.counters
-    assert c.num_draft_tokens > c.num_accepted_tokens > 5 * batch
+    check_generates_what_plain_decoding_generates(mtp_path(), batch, chunk)
 
 
 @pytest.mark.slow

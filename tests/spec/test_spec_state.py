@@ -6,7 +6,7 @@ stores is never read. Either way every request generates exactly what it generat
 concurrent requests of different lengths, chunked prefill, greedy and seeded sampling, preemption, an abort
 mid-speculation — through verify steps that accept every draft, some, and none. With the rollback disabled (or the
 rings left at the windows' reach) the outputs differ: the comparison can fail. (Prefix caching is off for Qwen3.5:
-no hits.) Methods 'mtp' and 'eagle3' are refused for Qwen3.5, with their reason."""
+no hits.) Method 'eagle3' is refused for Qwen3.5, and 'mtp' for a folder without its MTP module, with their reason."""
 from __future__ import annotations
 
 import functools
@@ -175,11 +175,12 @@ def test_preemption_and_an_abort_mid_speculation():
 
 
 def test_mtp_and_eagle3_are_refused_with_their_reason():
-    """The line's own MTP layers are not run, and EAGLE-3 heads serve Qwen3 and Llama targets only."""
+    """A folder without the line's MTP module (test_spec_mtp_qwen35.py runs one that has it), and EAGLE-3 heads
+    serve Qwen3 and Llama targets only."""
     from engine.eagle3 import load_eagle3_head
+    from engine.model_files import ModelLoadError
     from engine.speculative import SpeculativeConfig
-    with pytest.raises(ValueError, match="runs DeepSeek-V3 / Kimi-K2's multi-token-prediction layers; this model is "
-                                         "'qwen3_5_text'"):
+    with pytest.raises(ModelLoadError, match="has no multi-token-prediction layer"):
         engine_for("qwen3_5_text", speculative_config=SpeculativeConfig("mtp", 2))
     from test_spec_eagle3 import head_path
     with pytest.raises(ValueError, match="serves qwen3 and llama targets; this model is 'qwen3_5_text'"):
