@@ -64,6 +64,7 @@ def load_mtp_layer(folder: str, model: DecoderLM) -> MtpLayer:
     except ValueError as e:        # a tensor missing (ModelLoadError), or not of its layout shape
         raise ModelLoadError(f"--speculative-config: method 'mtp': {e.args[0]}") from None
     if module.count > 1:
-        log.info("mtp: %d MTP layers in the checkpoint; the first drafts every token, applied recursively as vLLM "
-                 "does", module.count)
+        log.warning("mtp: %d MTP modules in the checkpoint; the first drafts every token, applied recursively (vLLM "
+                    "runs module j at draft step j: the others are not run here, so acceptance past the first draft "
+                    "may be lower than vLLM's)", module.count)
     return MtpLayer(layer=L, module=module, weights=weights)
