@@ -137,12 +137,11 @@ class MtpDraft:
         embedded, _ = ops.rms_norm(embedding, w["mtp.enorm"], eps)
         hidden, _ = ops.rms_norm(np.concatenate([h for _, h, _, _ in items]), w["mtp.hnorm"], eps)
         x = ops.linear(np.concatenate([embedded, hidden], axis=-1), w["mtp.eh_proj"])
-        ctx = self._context([(state, np.asarray(pos, np.int64)) for state, _, _, pos in items])
+        ctx = self._context(items, positions)
         return np.asarray(self.model.mtp_block(ops, w, x, self.layer, ctx), np.float32)
 
-    def _context(self, rows: list[tuple[MtpState, np.ndarray]]) -> CpuStepContext:
-        """A step over the private pool: positions relative to each state's first (its block table's), the
-        rotary at the absolute ones."""
-        steps = [SeqStep(-1, [0] * len(pos), int(pos[0]) - state.first, state.blocks, False) for state, pos in rows]
-        absolute = np.concatenate([pos for _, pos in rows])
-        return CpuStepContext(ModelBatch.build(steps), self.cos[absolute], self.sin[absolute])
+    def _context(self, items: list[tuple], positions: np.ndarray) -> CpuStepContext:
+        """A step over the private pool: each item's positions relative to its state's first (its block table's),
+        the rotary at the absolute ones (`positions`, every item's in turn)."""
+        steps = [SeqStep(-1, [0] * len(pos), pos[0] - state.first, state.blocks, False) for state, _, _, pos in items]
+        return CpuStepContext(ModelBatch.build(steps), self.cos[positions], self.sin[positions])
